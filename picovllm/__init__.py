@@ -1,0 +1,18 @@
+"""picovllm: a compact, readable LLM inference engine with prefill/decode disaggregation."""
+from picovllm.config import EngineConfig
+from picovllm.outputs import CompletionOutput, Logprob, RequestOutput
+from picovllm.sampling_params import SamplingParams
+
+
+def __getattr__(name):
+    # LLM and Engine pull in the model code; import them lazily so `import picovllm` stays light.
+    if name == "LLM":
+        from picovllm.entrypoints.llm import LLM
+        return LLM
+    if name == "Engine":
+        from picovllm.engine.llm_engine import Engine
+        return Engine
+    raise AttributeError(name)
+
+
+__all__ = ["LLM", "Engine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]

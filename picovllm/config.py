@@ -1,0 +1,137 @@
+"""Engine and model configuration: built once, validated in one place, passed down."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+
+@dataclass
+class ModelConfig:
+    """The shape of a decoder-only transformer, independent of where its weights came from."""
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    rope_scaling: dict | None = None
+    attention_bias: bool = False   # Qwen2: bias on q/k/v
+    qk_norm: bool = False          # Qwen3: RMSNorm on q and k per head
+    eos_token_ids: list[int] = field(default_factory=list)
+    bos_token_id: int | None = None
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
+        archs = cfg.get("architectures") or []
+        arch = archs[0] if archs else None
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"config.json architectures={archs!r}: unsupported architecture; "
+                             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        heads = cfg["num_attention_heads"]
+        eos = cfg.get("eos_token_id")
+        eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        return cls(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            rope_scaling=_rope_scaling(cfg),
+            attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            eos_token_ids=eos,
+            bos_token_id=cfg.get("bos_token_id"),
+        )
+
+
+def _rope_scaling(cfg: dict[str, Any]) -> dict | None:
+    rs = cfg.get("rope_scaling") or cfg.get("rope_parameters")
+    if not rs:
+        return None
+    kind = rs.get("rope_type", rs.get("type"))
+    if kind in (None, "default"):
+        return None
+    if kind != "llama3":
+        raise ValueError(f"config.json rope_scaling.rope_type={kind!r}: only 'llama3' is supported")
+    return dict(rs)
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None              # HF folder, .gguf file, or None for the default model
+    dtype: str | torch.dtype = "auto"
+    device: str = "auto"
+    max_model_len: int | None = None
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_gib: float = 1.0
+    num_kv_blocks: int | None = None      # override the memory-budget computation (tests, PD)
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = False
+    attention_backend: str = "auto"       # "torch" | "triton" | "auto"
+    skip_tokenizer_init: bool = False
+    tensor_parallel_size: int = 1
+    seed: int = 0
+    role: str = "pd"                      # "pd" (colocated), "p" (prefill only), "d" (decode only)
+
+    def __post_init__(self) -> None:
+        def bad(name: str, why: str) -> ValueError:
+            return ValueError(f"EngineConfig.{name} {why}, got {getattr(self, name)!r}")
+
+        if self.device == "auto":
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.dtype == "auto":
+            self.dtype = torch.bfloat16 if str(self.device).startswith("cuda") else torch.float32
+        elif isinstance(self.dtype, str):
+            if self.dtype not in _DTYPES:
+                raise bad("dtype", f"must be one of {sorted(set(_DTYPES))}")
+            self.dtype = _DTYPES[self.dtype]
+        elif self.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise bad("dtype", "must be float32, bfloat16 or float16")
+        if not isinstance(self.block_size, int) or self.block_size < 1:
+            raise bad("block_size", "must be an int >= 1")
+        if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
+            raise bad("max_num_seqs", "must be an int >= 1")
+        if not isinstance(self.max_num_batched_tokens, int) or self.max_num_batched_tokens < 1:
+            raise bad("max_num_batched_tokens", "must be an int >= 1")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):
+            raise bad("max_model_len", "must be an int >= 1")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise bad("gpu_memory_utilization", "must be in (0, 1]")
+        if self.cpu_kv_cache_gib <= 0:
+            raise bad("cpu_kv_cache_gib", "must be > 0")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise bad("num_kv_blocks", "must be >= 1")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise bad("attention_backend", "must be 'auto', 'torch' or 'triton'")
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise bad("tensor_parallel_size", "must be an int >= 1")
+        if self.role not in ("pd", "p", "d"):
+            raise bad("role", "must be 'pd', 'p' or 'd'")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return self.dtype  # normalised in __post_init__

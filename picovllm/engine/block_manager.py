@@ -1,0 +1,129 @@
+"""Paged KV-cache bookkeeping: a free list, one block table per request, and prefix caching.
+
+A block is either referenced (ref_count > 0, in some request's block table) or free. Free blocks
+sit in an LRU queue; a free block that still holds a full, hashed block of tokens is a cached
+block: a later request whose prompt starts with the same tokens takes it back instead of
+recomputing it. Only when the free queue is drained is a cached block's content overwritten.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from picovllm.engine.request import Request
+
+
+def hash_block(prev_hash: int, token_ids: tuple[int, ...]) -> int:
+    # Python's hash of int tuples is deterministic across processes (no string hashing involved).
+    return hash((prev_hash, token_ids))
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 salt: int = 0) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.salt = salt                      # folds model identity and dtype into every chain
+        self.ref_counts = [0] * num_blocks
+        self.block_hash: list[int | None] = [None] * num_blocks
+        self.hash_to_block: dict[int, int] = {}
+        self.free_queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self.queried_tokens = 0
+        self.hit_tokens = 0
+
+    # -- queries -------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def blocks_needed(self, req: Request, num_tokens: int) -> int:
+        return max(0, -(-num_tokens // self.block_size) - len(req.block_table))
+
+    # -- allocation ----------------------------------------------------------------------------
+    def _pop_free(self) -> int:
+        block, _ = self.free_queue.popitem(last=False)
+        h = self.block_hash[block]
+        if h is not None:  # evict: its content is about to be overwritten
+            if self.hash_to_block.get(h) == block:
+                del self.hash_to_block[h]
+            self.block_hash[block] = None
+        self.ref_counts[block] = 1
+        return block
+
+    def _take(self, block: int) -> None:
+        if self.ref_counts[block] == 0:
+            del self.free_queue[block]
+        self.ref_counts[block] += 1
+
+    def allocate_prefix(self, req: Request) -> int:
+        """Give a request with no blocks the longest run of cached blocks matching its tokens.
+
+        Called by the scheduler when a request is first admitted (or re-admitted after
+        preemption). At least one token is always left to compute, so the step that finishes
+        the prompt has logits to sample from. Returns the number of tokens taken from cache.
+        """
+        assert not req.block_table and req.num_computed_tokens == 0
+        if not self.enable_prefix_caching:
+            return 0
+        tokens = req.all_token_ids
+        max_blocks = (len(tokens) - 1) // self.block_size
+        self.queried_tokens += len(tokens)
+        h = self.salt
+        hashes, blocks = [], []
+        for i in range(max_blocks):
+            h = hash_block(h, tuple(tokens[i * self.block_size:(i + 1) * self.block_size]))
+            block = self.hash_to_block.get(h)
+            if block is None:
+                break
+            hashes.append(h)
+            blocks.append(block)
+        for block in blocks:
+            self._take(block)
+        req.block_table = blocks
+        req.block_hashes = hashes
+        req.num_computed_tokens = req.num_cached_tokens = len(blocks) * self.block_size
+        self.hit_tokens += req.num_cached_tokens
+        return req.num_cached_tokens
+
+    def allocate(self, req: Request, num_tokens: int) -> bool:
+        """Make req's block table cover num_tokens slots. False (and no change) if out of blocks."""
+        need = self.blocks_needed(req, num_tokens)
+        if need > len(self.free_queue):
+            return False
+        req.block_table.extend(self._pop_free() for _ in range(need))
+        return True
+
+    def cache_full_blocks(self, req: Request) -> None:
+        """Register the hashes of req's blocks that are now full of computed tokens."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = min(req.num_computed_tokens, req.num_tokens) // self.block_size
+        h = req.block_hashes[-1] if req.block_hashes else self.salt
+        for i in range(len(req.block_hashes), num_full):
+            h = hash_block(h, tuple(req.token_id(j) for j in range(i * self.block_size, (i + 1) * self.block_size)))
+            req.block_hashes.append(h)
+            block = req.block_table[i]
+            if self.block_hash[block] is None and h not in self.hash_to_block:
+                self.block_hash[block] = h
+                self.hash_to_block[h] = block
+
+    def free(self, req: Request) -> None:
+        """Drop req's references. Tail blocks go first in line for eviction, hashed ones last."""
+        for block in reversed(req.block_table):
+            self.ref_counts[block] -= 1
+            assert self.ref_counts[block] >= 0, f"block {block} freed twice"
+            if self.ref_counts[block] == 0:
+                self.free_queue[block] = None
+                if self.block_hash[block] is None:
+                    self.free_queue.move_to_end(block, last=False)
+        req.block_table = []
+        req.block_hashes = []
+        req.num_computed_tokens = 0
+
+    def reset_prefix_cache(self) -> None:
+        for block in self.free_queue:
+            self.block_hash[block] = None
+        self.hash_to_block = {h: b for h, b in self.hash_to_block.items() if self.ref_counts[b] > 0}

@@ -1,0 +1,59 @@
+"""Incremental detokenization and stop-condition checks for one request at a time."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from picovllm.engine.request import FinishReason, Request
+
+CONTEXT_TOKENS = 4   # prompt tokens decoded alongside the output so leading spaces come out right
+
+
+@dataclass
+class DetokState:
+    tokens: list[int]      # context tokens + output tokens
+    prefix_offset: int     # tokens[prefix_offset:read_offset] decode to text already emitted
+    read_offset: int
+
+
+class Detokenizer:
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def _decode(self, ids: list[int], skip_special: bool) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special)
+
+    def append(self, req: Request, token_id: int) -> str:
+        """Add one output token; return the text it adds (empty while a character is incomplete)."""
+        if self.tokenizer is None:
+            return ""
+        st = req.detok_state
+        if st is None:
+            ctx = req.prompt_token_ids[-CONTEXT_TOKENS:]
+            st = req.detok_state = DetokState(list(ctx), len(ctx), len(ctx))
+        st.tokens.append(token_id)
+        skip = req.params.skip_special_tokens
+        prefix = self._decode(st.tokens[st.prefix_offset:st.read_offset], skip)
+        full = self._decode(st.tokens[st.prefix_offset:], skip)
+        if full.endswith("\ufffd") or len(full) <= len(prefix):
+            return ""   # wait for the rest of a multi-byte character (or a token that adds nothing)
+        st.prefix_offset, st.read_offset = st.read_offset, len(st.tokens)
+        return full[len(prefix):]
+
+
+def check_stop(req: Request, token_id: int, new_text: str, eos_token_ids: list[int], max_model_len: int) -> None:
+    """Finish req if token_id or its text meets a stop condition; trims a matched stop string."""
+    p = req.params
+    n_out = len(req.output_token_ids)
+    if n_out >= p.min_tokens:
+        if token_id in p.stop_token_ids:
+            return req.finish(FinishReason.STOP, stop_reason=token_id)
+        if not p.ignore_eos and token_id in eos_token_ids:
+            return req.finish(FinishReason.STOP)
+        if p.stop and new_text:
+            for s in p.stop:
+                idx = req.text.find(s, max(0, len(req.text) - len(new_text) - len(s) + 1))
+                if idx >= 0:
+                    req.text = req.text[:idx]
+                    return req.finish(FinishReason.STOP, stop_reason=s)
+    if n_out >= req.max_tokens or req.num_tokens >= max_model_len:
+        req.finish(FinishReason.LENGTH)

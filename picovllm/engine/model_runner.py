@@ -1,0 +1,252 @@
+"""Runs the model for one scheduled step: builds the flat batch, runs the forward, samples.
+
+prepare() turns a SchedulerOutput into a StepInput of plain lists (the message a tensor-parallel
+worker receives); execute() turns a StepInput into device tensors, runs the model and samples.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from picovllm.config import EngineConfig, ModelConfig
+from picovllm.distributed import SINGLE, TPGroup
+from picovllm.engine.scheduler import SchedulerOutput
+from picovllm.layers.attention import AttentionMetadata
+from picovllm.layers.sampler import SamplingTensors, sample, seeded_stream
+from picovllm.loader.source import ModelSource
+from picovllm.loader.weights import load_weights
+from picovllm.models import MODEL_REGISTRY
+from picovllm.outputs import Logprob
+
+
+@dataclass
+class SamplingRow:
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    seed: int | None          # stream seed for this very token (seed, output index), or None
+    banned: list[int]         # token ids masked out (EOS and stop ids before min_tokens)
+    logprobs: int | None
+
+
+@dataclass
+class StepInput:
+    """Everything a step needs, as plain data: what rank 0 sends to tensor-parallel workers."""
+    input_ids: list[int]
+    positions: list[int]
+    slot_mapping: list[int]
+    query_start_loc: list[int]
+    seq_lens: list[int]
+    block_tables: list[list[int]]
+    num_decodes: int
+    sample_indices: list[int]     # rows of the flat batch whose logits are sampled
+    sampling: list[SamplingRow]
+
+
+@dataclass
+class StepResult:
+    token_ids: list[int]
+    logprobs: list[dict[int, Logprob] | None]
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, source: ModelSource, tp: TPGroup = SINGLE,
+                 device: torch.device | str | None = None) -> None:
+        self.config = config
+        self.model_config: ModelConfig = source.config
+        self.tp = tp
+        self.device = torch.device(device or config.device)
+        self.dtype = config.torch_dtype
+        cls = MODEL_REGISTRY[source.config.architecture]
+        with _default_dtype(self.dtype), torch.device(self.device):
+            self.model = cls(source.config, tp)
+        load_weights(self.model, source.weights())
+        self.model.eval()
+        self.block_size = config.block_size
+        self.kv_cache: torch.Tensor | None = None
+        self.attn_backend = self._make_backend()
+        for attn in self.model.attention_layers():
+            attn.backend = self.attn_backend
+
+    def _make_backend(self):
+        from picovllm.layers.attention import TorchAttentionBackend
+        name = self.config.attention_backend
+        if name == "auto":
+            name = "triton" if self.device.type == "cuda" else "torch"
+        if name == "triton":
+            from picovllm.kernels.backend import TritonAttentionBackend
+            return TritonAttentionBackend()
+        return TorchAttentionBackend()
+
+    # -- KV cache ------------------------------------------------------------------------------
+    def kv_bytes_per_block(self) -> int:
+        attn = self.model.attention_layers()[0]
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * len(self.model.attention_layers()) * self.block_size * attn.num_kv_heads * attn.head_dim * elem
+
+    def profile_num_blocks(self) -> int:
+        """How many KV blocks fit the memory budget."""
+        cfg = self.config
+        if cfg.num_kv_blocks is not None:
+            return cfg.num_kv_blocks
+        per_block = self.kv_bytes_per_block()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            self._profile_forward()
+            free, total = torch.cuda.mem_get_info()
+            peak_extra = torch.cuda.max_memory_allocated() - torch.cuda.memory_allocated()
+            budget = total * cfg.gpu_memory_utilization - (total - free) - peak_extra
+            return max(1, int(budget // per_block))
+        return max(1, int(cfg.cpu_kv_cache_gib * 2**30 // per_block))
+
+    def _profile_forward(self) -> None:
+        n = self.config.max_num_batched_tokens
+        ids = torch.zeros(n, dtype=torch.long, device=self.device)
+        saved = [(a.k_cache, a.v_cache) for a in self.model.attention_layers()]
+        attn = self.model.attention_layers()[0]
+        scratch = torch.zeros(-(-n // self.block_size), self.block_size, attn.num_kv_heads, attn.head_dim,
+                              dtype=self.dtype, device=self.device)
+        for a in self.model.attention_layers():
+            a.k_cache = a.v_cache = scratch
+        meta = AttentionMetadata(
+            slot_mapping=torch.arange(n, device=self.device),
+            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor([n], dtype=torch.int32, device=self.device),
+            block_tables=torch.arange(scratch.shape[0], dtype=torch.int32, device=self.device)[None],
+            num_decodes=0, max_query_len=n, max_seq_len=n, query_lens_cpu=[n], seq_lens_cpu=[n])
+        with torch.inference_mode():
+            h = self.model(ids, torch.arange(n, device=self.device), meta)
+            self.model.compute_logits(h[-min(n, self.config.max_num_seqs):])
+        for a, (k, v) in zip(self.model.attention_layers(), saved):
+            a.k_cache, a.v_cache = k, v
+        del scratch, h
+        torch.cuda.synchronize()
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        attn = self.model.attention_layers()[0]
+        self.kv_cache = torch.zeros(len(self.model.attention_layers()), 2, num_blocks, self.block_size,
+                                    attn.num_kv_heads, attn.head_dim, dtype=self.dtype, device=self.device)
+        for i, a in enumerate(self.model.attention_layers()):
+            a.k_cache, a.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
+
+    # -- one step ------------------------------------------------------------------------------
+    def prepare(self, sched: SchedulerOutput, eos_token_ids: list[int]) -> StepInput:
+        bs = self.block_size
+        ids, pos, slots, qsl, lens, tables, samp_idx, rows = [], [], [], [0], [], [], [], []
+        for chunk in sched.chunks:
+            req, start, n = chunk.request, chunk.start, chunk.num_new_tokens
+            toks = req.all_token_ids
+            ids.extend(toks[start:start + n])
+            pos.extend(range(start, start + n))
+            table = req.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            qsl.append(qsl[-1] + n)
+            lens.append(start + n)
+            tables.append(table)
+            if chunk.samples:
+                samp_idx.append(qsl[-1] - 1)
+                rows.append(self._sampling_row(req, eos_token_ids))
+        num_decodes = sched.num_decodes
+        return StepInput(ids, pos, slots, qsl, lens, tables, num_decodes, samp_idx, rows)
+
+    @staticmethod
+    def _sampling_row(req, eos_token_ids: list[int]) -> SamplingRow:
+        p = req.params
+        n_out = len(req.output_token_ids)
+        banned = []
+        if n_out < p.min_tokens:
+            banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids))
+        seed = None if p.seed is None else seeded_stream(p.seed, n_out)
+        return SamplingRow(p.temperature, p.top_k, p.top_p, p.min_p, seed, banned, p.logprobs)
+
+    @torch.inference_mode()
+    def execute(self, step: StepInput) -> StepResult:
+        dev = self.device
+        meta = self._metadata(step)
+        ids = _to(step.input_ids, torch.long, dev)
+        positions = _to(step.positions, torch.long, dev)
+        hidden = self.model(ids, positions, meta)
+        if not step.sample_indices:
+            return StepResult([], [])
+        logits = self.model.compute_logits(hidden[_to(step.sample_indices, torch.long, dev)]).float()
+        return self._sample(logits, step.sampling)
+
+    def _metadata(self, step: StepInput) -> AttentionMetadata:
+        dev = self.device
+        width = max(len(t) for t in step.block_tables)
+        tables = [t + [0] * (width - len(t)) for t in step.block_tables]
+        qlens = [b - a for a, b in zip(step.query_start_loc, step.query_start_loc[1:])]
+        return AttentionMetadata(
+            slot_mapping=_to(step.slot_mapping, torch.long, dev),
+            query_start_loc=_to(step.query_start_loc, torch.int32, dev),
+            seq_lens=_to(step.seq_lens, torch.int32, dev),
+            block_tables=_to(tables, torch.int32, dev),
+            num_decodes=step.num_decodes,
+            max_query_len=max(qlens), max_seq_len=max(step.seq_lens),
+            query_lens_cpu=qlens, seq_lens_cpu=step.seq_lens)
+
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> StepResult:
+        dev = logits.device
+        raw = logits
+        banned = [(i, r.banned) for i, r in enumerate(rows) if r.banned]
+        if banned:
+            logits = logits.clone()
+            for i, toks in banned:
+                logits[i, toks] = float("-inf")
+        temps = [r.temperature for r in rows]
+        t = SamplingTensors(
+            temperature=_to(temps, torch.float32, dev),
+            top_k=_to([r.top_k for r in rows], torch.long, dev),
+            top_p=_to([r.top_p for r in rows], torch.float32, dev),
+            min_p=_to([r.min_p for r in rows], torch.float32, dev),
+            seeds=[r.seed if r.temperature > 0 else None for r in rows],
+            all_greedy=all(x == 0 for x in temps),
+            any_top_k=any(r.top_k > 0 for r in rows),
+            any_top_p=any(r.top_p < 1 for r in rows),
+            any_min_p=any(r.min_p > 0 for r in rows))
+        tokens = sample(logits, t)
+        token_list = tokens.tolist()
+        return StepResult(token_list, self._logprobs(raw, tokens, rows))
+
+    @staticmethod
+    def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, rows: list[SamplingRow]) -> list:
+        want = [r.logprobs for r in rows]
+        if all(w is None for w in want):
+            return [None] * len(rows)
+        logp = raw.log_softmax(-1)
+        k = max(w or 0 for w in want)
+        top_v, top_i = logp.topk(k, dim=-1) if k else (None, None)
+        chosen = logp.gather(-1, tokens[:, None])[:, 0]
+        ranks = (logp > chosen[:, None]).sum(-1) + 1
+        out = []
+        for i, w in enumerate(want):
+            if w is None:
+                out.append(None)
+                continue
+            d = {int(tokens[i]): Logprob(float(chosen[i]), int(ranks[i]))}
+            for r in range(w):
+                tok = int(top_i[i, r])
+                d.setdefault(tok, Logprob(float(top_v[i, r]), r + 1))
+            out.append(d)
+        return out
+
+
+def _to(data, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    if device.type == "cuda":
+        return torch.tensor(data, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+    return torch.tensor(data, dtype=dtype)

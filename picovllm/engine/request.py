@@ -1,0 +1,78 @@
+"""A request's state as it moves WAITING -> PREFILL (one or more chunks) -> DECODING -> FINISHED."""
+from __future__ import annotations
+
+import enum
+import time
+
+from picovllm.outputs import Logprob, RequestMetrics
+from picovllm.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"      # queued, no KV computed (or preempted: KV dropped)
+    PREFILL = "prefill"      # some prompt tokens computed, more chunks to go
+    DECODING = "decoding"    # prompt done, one token per step
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+class Request:
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 prompt: str | None = None, arrival_time: float | None = None) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        # A fresh list per request: a shared default list once merged every request's outputs.
+        self.output_token_ids: list[int] = []
+        self.params = params
+        self.status = RequestStatus.WAITING
+        self.finish_reason: FinishReason | None = None
+        self.stop_reason: int | str | None = None
+        self.error: str | None = None
+        self.num_computed_tokens = 0     # tokens whose K/V is in the cache
+        self.num_cached_tokens = 0       # of those, how many came from the prefix cache
+        self.block_table: list[int] = []
+        self.block_hashes: list[int] = []  # chained hashes of this request's full blocks, in order
+        self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
+        self.cumulative_logprob = 0.0
+        self.metrics = RequestMetrics(arrival_time=arrival_time or time.time())
+        self.text = ""                   # detokenized output (stop string trimmed)
+        self.detok_state: object | None = None
+        self.max_tokens = params.max_tokens  # resolved against max_model_len by the engine
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_id(self, i: int) -> int:
+        p = len(self.prompt_token_ids)
+        return self.prompt_token_ids[i] if i < p else self.output_token_ids[i - p]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    def finish(self, reason: FinishReason, stop_reason: int | str | None = None, error: str | None = None) -> None:
+        self.status = RequestStatus.FINISHED
+        self.finish_reason = reason
+        self.stop_reason = stop_reason
+        self.error = error
+        self.metrics.finished_time = time.time()
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, {self.status.value}, prompt={self.num_prompt_tokens}, "
+                f"out={len(self.output_token_ids)}, computed={self.num_computed_tokens})")

@@ -1,0 +1,85 @@
+"""The offline API, named as in vLLM: LLM(...).generate(prompts, sampling_params) and .chat(...)."""
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+from tqdm import tqdm
+
+from picovllm.config import EngineConfig
+from picovllm.engine.llm_engine import Engine
+from picovllm.outputs import RequestOutput
+from picovllm.sampling_params import SamplingParams
+
+Prompt = str | list[int] | dict
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **kwargs) -> None:
+        self.config = EngineConfig(model=model, **kwargs)
+        self.engine = Engine(self.config)
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = [p["prompt_token_ids"] if isinstance(p, dict) and "prompt_token_ids" in p
+                   else p["prompt"] if isinstance(p, dict) else p for p in prompts]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts")
+        ids = []
+        try:
+            for p, sp in zip(prompts, params):
+                ids.append(self.engine.add_request(p, sp))
+        except Exception:
+            for rid in ids:        # leave the engine as we found it
+                self.engine.abort(rid)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        final: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        t0, last = time.time(), dict(self.engine.stats)
+        try:
+            while len(final) < len(ids) and self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        final[out.request_id] = out
+                        bar.update(1)
+                if use_tqdm:
+                    dt = max(time.time() - t0, 1e-9)
+                    s = self.engine.stats
+                    bar.set_postfix_str(f"prefill {(s['prefill_tokens'] - last['prefill_tokens']) / dt:.0f} tok/s, "
+                                        f"decode {(s['decode_tokens'] - last['decode_tokens']) / dt:.0f} tok/s",
+                                        refresh=False)
+        except BaseException:
+            for rid in ids:
+                if rid not in final:
+                    self.engine.abort(rid)
+            raise
+        finally:
+            bar.close()
+        return [final[i] for i in ids]
+
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True, chat_template: str | None = None) -> list[RequestOutput]:
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.apply_chat_template(c, add_generation_prompt, chat_template) for c in convs]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True,
+                            chat_template: str | None = None) -> list[int]:
+        tok = self.engine.tokenizer
+        if tok is None:
+            raise ValueError("chat needs a tokenizer, and this model has none")
+        text = tok.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                       chat_template=chat_template)
+        # The template already holds any BOS it wants; don't let the tokenizer add a second.
+        return tok.encode(text, add_special_tokens=False)

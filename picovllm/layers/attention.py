@@ -1,0 +1,118 @@
+"""Attention over a flat varlen batch whose earlier context lives in the paged KV cache.
+
+The model runner builds one AttentionMetadata per step and passes it down explicitly. A batch
+is ordered decodes first (query length 1), then prefill chunks. An AttentionBackend writes the
+step's new K/V into the cache by slot and computes attention; the torch backend here is the
+reference (and the CPU path); kernels in picovllm.kernels implement the same contract.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor      # [T] int64: cache slot (block * block_size + offset) of each new token
+    query_start_loc: torch.Tensor   # [B + 1] int32: where each sequence's new tokens start in the batch
+    seq_lens: torch.Tensor          # [B] int32: context length of each sequence after this step
+    block_tables: torch.Tensor      # [B, max_blocks] int32, padded with 0
+    num_decodes: int                # the first num_decodes sequences have exactly one new token
+    max_query_len: int
+    max_seq_len: int
+    query_lens_cpu: list[int]       # host copies, so the reference backend never syncs
+    seq_lens_cpu: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+
+class AttentionBackend(ABC):
+    """Computes attention for one layer. Called once per layer per step by Attention.forward."""
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """q: [T, Hq, D]; k, v: [T, Hkv, D]; caches: [num_blocks, block_size, Hkv, D].
+
+        Must first store k, v at meta.slot_mapping, then return [T, Hq, D] where token t of
+        sequence s attends causally to positions 0 .. seq_lens[s] - query_len[s] + t.
+        """
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    h, d = k_cache.shape[-2:]
+    k_cache.view(-1, h, d).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, h, d).index_copy_(0, slot_mapping, v)
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """[num_blocks, bs, H, D] cache, one sequence's block table -> its first `length` tokens [length, H, D]."""
+    bs = cache.shape[1]
+    n = -(-length // bs)
+    return cache[block_table[:n].long()].flatten(0, 1)[:length]
+
+
+class TorchAttentionBackend(AttentionBackend):
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale):
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        nd = meta.num_decodes
+        if nd:
+            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale)
+        starts = meta.query_start_loc.tolist() if meta.num_seqs > nd else []
+        for s in range(nd, meta.num_seqs):
+            a, b = starts[s], starts[s + 1]
+            out[a:b] = self._prefill(q[a:b], k_cache, v_cache, meta.block_tables[s], meta.seq_lens_cpu[s], scale)
+        return out
+
+    @staticmethod
+    def _decode(q, k_cache, v_cache, meta, scale):
+        nd = meta.num_decodes
+        lens = meta.seq_lens_cpu[:nd]
+        bs = k_cache.shape[1]
+        nblk = -(-max(lens) // bs)
+        tables = meta.block_tables[:nd, :nblk].long()
+        keys = k_cache[tables].flatten(1, 2)        # [nd, L, Hkv, D]
+        vals = v_cache[tables].flatten(1, 2)
+        valid = torch.arange(keys.shape[1], device=q.device)[None, :] < meta.seq_lens[:nd, None]
+        o = F.scaled_dot_product_attention(q[:, :, None, :],
+                                           keys.transpose(1, 2), vals.transpose(1, 2),
+                                           attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True)
+        return o[:, :, 0, :]
+
+    @staticmethod
+    def _prefill(q, k_cache, v_cache, block_table, seq_len, scale):
+        ql = q.shape[0]
+        keys = gather_kv(k_cache, block_table, seq_len).transpose(0, 1)   # [Hkv, L, D]
+        vals = gather_kv(v_cache, block_table, seq_len).transpose(0, 1)
+        if ql == seq_len:
+            o = F.scaled_dot_product_attention(q.transpose(0, 1), keys, vals, is_causal=True, scale=scale,
+                                               enable_gqa=True)
+        else:
+            pos_q = torch.arange(seq_len - ql, seq_len, device=q.device)[:, None]
+            mask = torch.arange(seq_len, device=q.device)[None, :] <= pos_q
+            o = F.scaled_dot_product_attention(q.transpose(0, 1), keys, vals, attn_mask=mask, scale=scale,
+                                               enable_gqa=True)
+        return o.transpose(0, 1)
+
+
+class Attention(nn.Module):
+    """Holds this layer's view of the KV cache (bound by the model runner) and its backend."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = head_dim ** -0.5
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+        self.backend: AttentionBackend = TorchAttentionBackend()
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale)

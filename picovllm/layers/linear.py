@@ -1,0 +1,114 @@
+"""Linear layers that know their tensor-parallel shard and how to load it from a full checkpoint.
+
+Column-parallel layers split the output dimension (each rank computes a slice of the features);
+row-parallel layers split the input dimension and all-reduce the partial sums.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from picovllm.distributed import SINGLE, TPGroup
+
+
+def _check(param_name: str, want: torch.Size, got: torch.Size) -> None:
+    if tuple(want) != tuple(got):
+        raise ValueError(f"weight {param_name}: shape mismatch, model expects {tuple(want)}, checkpoint has {tuple(got)}")
+
+
+def _param(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+class ColumnParallelLinear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, tp: TPGroup = SINGLE) -> None:
+        super().__init__()
+        assert out_features % tp.size == 0, f"out_features {out_features} not divisible by tp size {tp.size}"
+        self.tp = tp
+        self.weight = _param(out_features // tp.size, in_features)
+        self.weight.weight_loader = self.load
+        self.bias = _param(out_features // tp.size) if bias else None
+        if bias:
+            self.bias.weight_loader = self.load
+
+    def load(self, param: nn.Parameter, w: torch.Tensor, shard: object = None, name: str = "") -> None:
+        n = param.shape[0]
+        w = w.narrow(0, self.tp.rank * n, n) if w.shape[0] == n * self.tp.size else w
+        _check(name, param.shape, w.shape)
+        param.data.copy_(w)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel matrices side by side (gate and up projections)."""
+
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool = False, tp: TPGroup = SINGLE) -> None:
+        super().__init__(in_features, sum(out_sizes), bias, tp)
+        self.out_sizes = [s // tp.size for s in out_sizes]
+
+    def load(self, param: nn.Parameter, w: torch.Tensor, shard: object = None, name: str = "") -> None:
+        i = int(shard)
+        n, off = self.out_sizes[i], sum(self.out_sizes[:i])
+        part = w.narrow(0, self.tp.rank * n, n) if w.shape[0] == n * self.tp.size else w
+        dst = param.data.narrow(0, off, n)
+        _check(name, dst.shape, part.shape)
+        dst.copy_(part)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Fused q, k, v projections. With fewer KV heads than ranks, KV heads are replicated."""
+
+    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False,
+                 tp: TPGroup = SINGLE) -> None:
+        if num_heads % tp.size:
+            raise ValueError(f"num_attention_heads {num_heads} is not divisible by tensor_parallel_size {tp.size}")
+        if num_kv_heads % tp.size and tp.size % num_kv_heads:
+            raise ValueError(f"num_key_value_heads {num_kv_heads} and tensor_parallel_size {tp.size} "
+                             "do not divide one another")
+        self.head_dim = head_dim
+        self.total_heads, self.total_kv_heads = num_heads, num_kv_heads
+        self.num_heads = num_heads // tp.size
+        self.num_kv_heads = max(1, num_kv_heads // tp.size)
+        if num_kv_heads >= tp.size:
+            self.kv_head_start = tp.rank * self.num_kv_heads
+        else:  # replicate: ranks r*k .. r*k+k-1 share KV head r, with k = tp / num_kv_heads
+            self.kv_head_start = tp.rank // (tp.size // num_kv_heads)
+        local_out = (self.num_heads + 2 * self.num_kv_heads) * head_dim
+        super().__init__(hidden, local_out * tp.size, bias, tp)
+
+    def load(self, param: nn.Parameter, w: torch.Tensor, shard: object = None, name: str = "") -> None:
+        d = self.head_dim
+        q, kv = self.num_heads * d, self.num_kv_heads * d
+        if shard == "q":
+            off, n, start, total = 0, q, self.tp.rank * q, self.total_heads * d
+        else:
+            off, n, start, total = (q if shard == "k" else q + kv), kv, self.kv_head_start * d, self.total_kv_heads * d
+        dst = param.data.narrow(0, off, n)
+        _check(name, (total,) + tuple(dst.shape[1:]), w.shape)
+        dst.copy_(w.narrow(0, start, n))
+
+
+class RowParallelLinear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, tp: TPGroup = SINGLE) -> None:
+        super().__init__()
+        assert in_features % tp.size == 0, f"in_features {in_features} not divisible by tp size {tp.size}"
+        self.tp = tp
+        self.weight = _param(out_features, in_features // tp.size)
+        self.weight.weight_loader = self.load
+        self.bias = _param(out_features) if bias else None
+        if bias:
+            self.bias.weight_loader = self.load
+
+    def load(self, param: nn.Parameter, w: torch.Tensor, shard: object = None, name: str = "") -> None:
+        if param.dim() == 2:
+            n = param.shape[1]
+            w = w.narrow(1, self.tp.rank * n, n) if w.shape[1] == n * self.tp.size else w
+        _check(name, param.shape, w.shape)
+        param.data.copy_(w)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias

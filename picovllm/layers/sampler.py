@@ -1,0 +1,65 @@
+"""Batched sampling: per-request temperature, top-k, top-p, min-p and seeds as tensor ops.
+
+Sampling uses the exponential race: argmax(p / E) with E ~ Exp(1) draws from p. Seeded requests
+draw E from a generator seeded by (seed, output index), so a seeded request's tokens depend on
+nothing else in the batch, nor on preemption, nor on which engine (P or D) samples them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SamplingTensors:
+    temperature: torch.Tensor   # [B] float; 0 -> greedy
+    top_k: torch.Tensor         # [B] long; 0 -> off
+    top_p: torch.Tensor         # [B] float; 1 -> off
+    min_p: torch.Tensor         # [B] float; 0 -> off
+    seeds: list[int | None]     # per row: stream seed for this token, or None
+    all_greedy: bool
+    any_top_k: bool
+    any_top_p: bool
+    any_min_p: bool
+
+
+def seeded_stream(seed: int, index: int) -> int:
+    return (seed * 1_000_003 + index * 7_919 + 1) % (2 ** 63)
+
+
+def apply_top_k_top_p_min_p(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """Mask filtered-out tokens of temperature-scaled logits with -inf."""
+    if t.any_min_p:
+        probs = logits.softmax(-1)
+        thresh = probs.max(-1, keepdim=True).values * t.min_p[:, None]
+        logits = logits.masked_fill(probs < thresh, float("-inf"))
+    if not (t.any_top_k or t.any_top_p):
+        return logits
+    sorted_logits, idx = logits.sort(dim=-1, descending=True)
+    if t.any_top_k:
+        k = torch.where(t.top_k > 0, t.top_k, logits.shape[-1]).clamp(max=logits.shape[-1])
+        kth = sorted_logits.gather(-1, (k - 1)[:, None])
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    if t.any_top_p:
+        probs = sorted_logits.softmax(-1)
+        before = probs.cumsum(-1) - probs        # mass strictly ahead of each token
+        sorted_logits = sorted_logits.masked_fill(before >= t.top_p[:, None], float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(-1, idx, sorted_logits)
+
+
+def sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """logits [B, V] float32 -> token ids [B]."""
+    greedy = logits.argmax(-1)
+    if t.all_greedy:
+        return greedy
+    temp = torch.where(t.temperature > 0, t.temperature, 1.0)
+    scaled = apply_top_k_top_p_min_p(logits / temp[:, None], t)
+    probs = scaled.softmax(-1)
+    noise = torch.empty_like(probs).exponential_()
+    for row, seed in enumerate(t.seeds):
+        if seed is not None:
+            g = torch.Generator(device=probs.device).manual_seed(seed)
+            noise[row] = torch.empty(probs.shape[-1], device=probs.device).exponential_(generator=g)
+    sampled = (probs / noise).argmax(-1)
+    return torch.where(t.temperature > 0, sampled, greedy)

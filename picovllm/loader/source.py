@@ -1,0 +1,33 @@
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+
+from picovllm.config import ModelConfig
+
+WeightIterator = Iterator[tuple[str, torch.Tensor]]
+
+
+@dataclass
+class ModelSource:
+    path: str
+    config: ModelConfig
+    weights: Callable[[], WeightIterator]                # HF-named tensors, full (unsharded)
+    load_tokenizer: Callable[[], object] | None          # None: no tokenizer files (token-id prompts only)
+
+
+def open_model_source(model: str | None) -> ModelSource:
+    from picovllm.loader import gguf_file, hf_folder
+    from picovllm.loader.default_model import default_model_path
+
+    path = model if model is not None else default_model_path()
+    if not os.path.exists(path):
+        raise ValueError(f"model path {path!r} does not exist (give an HF model folder or a .gguf file)")
+    if os.path.isdir(path):
+        return hf_folder.open_folder(path)
+    if path.endswith(".gguf"):
+        return gguf_file.open_gguf(path)
+    raise ValueError(f"model path {path!r} is neither a folder nor a .gguf file")

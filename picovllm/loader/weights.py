@@ -1,0 +1,47 @@
+"""Put a checkpoint's tensors into a model: each parameter's own weight_loader takes its shard."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from picovllm.loader.source import WeightIterator
+
+
+def load_weights(model: nn.Module, weights: WeightIterator) -> None:
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded: set[str] = set()
+    tied = getattr(model.cfg, "tie_word_embeddings", False)
+    for ckpt_name, tensor in weights:
+        if "rotary_emb.inv_freq" in ckpt_name:
+            continue
+        if tied and ckpt_name == "lm_head.weight":
+            continue  # tied to the embedding, loaded from there
+        name, shard = model.checkpoint_name(ckpt_name), None
+        for frag, (fused, shard_id) in model.packed_modules.items():
+            if f".{frag}." in name:
+                name, shard = name.replace(f".{frag}.", f".{fused}."), shard_id
+                break
+        param = params.get(name)
+        if param is None:
+            raise ValueError(f"checkpoint tensor {ckpt_name!r} matches no parameter of {type(model).__name__}")
+        loader = getattr(param, "weight_loader", None)
+        with torch.no_grad():
+            if loader is not None:
+                loader(param, tensor.to(param.dtype), shard, name=ckpt_name)
+            else:
+                if tuple(param.shape) != tuple(tensor.shape):
+                    raise ValueError(f"weight {ckpt_name}: shape mismatch, model expects {tuple(param.shape)}, "
+                                     f"checkpoint has {tuple(tensor.shape)}")
+                param.data.copy_(tensor)
+        loaded.add(name if shard is None else f"{name}#{shard}")
+    expected = set()
+    for name, _ in model.named_parameters():
+        if name.endswith("qkv_proj.weight") or name.endswith("qkv_proj.bias"):
+            expected |= {f"{name}#q", f"{name}#k", f"{name}#v"}
+        elif name.endswith("gate_up_proj.weight"):
+            expected |= {f"{name}#0", f"{name}#1"}
+        else:
+            expected.add(name)
+    missing = sorted(expected - loaded)
+    if missing:
+        raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:8])}" + (" ..." if len(missing) > 8 else ""))

@@ -1,0 +1,9 @@
+"""Model registry: HF architecture name -> model class."""
+from picovllm.models.llama import LlamaForCausalLM
+
+# Qwen2 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm) are Llama with a flag each, see ModelConfig.
+MODEL_REGISTRY = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
+}
