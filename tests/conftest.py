@@ -1,0 +1,82 @@
+"""Shared fixtures: tiny random-weight HF checkpoints built on the spot, and the KV-leak check."""
+from __future__ import annotations
+
+import gc
+import os
+import weakref
+
+import pytest
+import torch
+
+TINY = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+            initializer_range=0.2, rms_norm_eps=1e-5)
+
+
+def build_tiny_checkpoint(path: str, arch: str = "llama", **overrides) -> str:
+    """Save a tiny random-weight HF model (fp32 safetensors, no tokenizer) and return its folder."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+
+    kw = dict(TINY, **overrides)
+    if arch == "llama":
+        cfg = LlamaConfig(**kw)
+    elif arch == "llama3":  # Llama 3 rope scaling
+        kw.setdefault("rope_scaling", {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+        kw.setdefault("rope_theta", 500000.0)
+        cfg = LlamaConfig(**kw)
+    elif arch == "qwen2":
+        cfg = Qwen2Config(**kw)
+    elif arch == "qwen3":
+        cfg = Qwen3Config(head_dim=kw.pop("head_dim", 32), **kw)
+    else:
+        raise ValueError(arch)
+    torch.manual_seed(hash(arch) % 1000)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("tiny")
+    out = {}
+    for arch, extra in [("llama", {}), ("qwen2", {}), ("qwen3", {}), ("llama3", {}),
+                        ("llama_untied", {"tie_word_embeddings": False}), ("qwen3_tied", {"tie_word_embeddings": True})]:
+        base = arch.split("_")[0]
+        out[arch] = build_tiny_checkpoint(str(root / arch), base, **extra)
+    return out
+
+
+@pytest.fixture(scope="session")
+def default_model_path() -> str:
+    from picovllm.loader.default_model import default_model_path
+    return default_model_path()
+
+
+# -- every engine built during a test must end it with all KV blocks free ------------------------
+_engines: list = []
+
+
+@pytest.fixture(autouse=True)
+def no_kv_leaks(monkeypatch):
+    from picovllm.engine import llm_engine
+
+    created = []
+    real_init = llm_engine.Engine.__init__
+
+    def tracking_init(self, *a, **kw):
+        real_init(self, *a, **kw)
+        created.append(weakref.ref(self))
+
+    monkeypatch.setattr(llm_engine.Engine, "__init__", tracking_init)
+    yield
+    for ref in created:
+        eng = ref()
+        if eng is None:
+            continue
+        bm = eng.block_manager
+        assert not eng.has_unfinished_requests(), f"engine left unfinished requests: {eng.scheduler.running}"
+        assert bm.num_free_blocks == bm.num_blocks, f"KV leak: {bm.num_blocks - bm.num_free_blocks} blocks held"
+        assert all(r == 0 for r in bm.ref_counts)
+    gc.collect()
