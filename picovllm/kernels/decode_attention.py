@@ -1,0 +1,143 @@
+"""Paged decode attention: one query token per sequence, GQA, split-K over long contexts.
+
+Pass 1 (_decode_partial_kernel): program (seq, kv_head, split) attends the GROUP query heads that
+share kv_head to one of num_splits equal slices of the context (a multiple of BLOCK_N tokens each),
+reading K/V token by token through the block table, so any block size works. It writes the
+slice's normalized output and its log-sum-exp (base 2). Pass 2 (_decode_reduce_kernel) merges
+the slices of each head. The grid depends only on the batch size and head count, never on the
+context lengths: no host-device sync, and one CUDA graph per batch size serves every context.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _slice_len(seq_len, num_splits, BLOCK_N: tl.constexpr):
+    """Tokens per split: the context cut in num_splits, rounded up to whole BLOCK_N tiles."""
+    return tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N), 1) * BLOCK_N
+
+
+@triton.jit
+def _decode_partial_kernel(
+        q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, part_o_ptr, part_lse_ptr,
+        qk_scale, num_splits,
+        stride_qb, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt,
+        stride_pb, stride_ph, stride_ps,
+        BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+    seq = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    part = _slice_len(seq_len, num_splits, BLOCK_N)
+    start = split * part
+    if start >= seq_len:      # this split is past the end of the context: the reduce skips it
+        return
+    end = tl.minimum(start + part, seq_len)
+
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    mask_g = offs_g < GROUP
+    mask_d = offs_d < HEAD_DIM
+    heads = kvh * GROUP + offs_g
+    q = tl.load(q_ptr + seq.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=mask_g[:, None] & mask_d[None, :], other=0.0)
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    for t0 in range(start, end, BLOCK_N):
+        t = t0 + offs_n
+        mask_n = t < end
+        blk = tl.load(table + t // BLOCK_SIZE, mask=mask_n, other=0).to(tl.int64)
+        row = blk * stride_cb + (t % BLOCK_SIZE) * stride_cs + kvh * stride_ch
+        kv_mask = mask_n[:, None] & mask_d[None, :]
+        k = tl.load(k_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k)) * qk_scale                       # [GROUP_PAD, BLOCK_N], base-2 logits
+        s = tl.where(mask_n[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    out = acc / l_i[:, None]
+    lse = m_i + tl.log2(l_i)
+    base = seq.to(tl.int64) * stride_pb + heads * stride_ph + split * stride_ps
+    tl.store(part_o_ptr + base[:, None] + offs_d[None, :], out, mask=mask_g[:, None] & mask_d[None, :])
+    tl.store(part_lse_ptr + base // BLOCK_D, lse, mask=mask_g)
+
+
+@triton.jit
+def _decode_reduce_kernel(part_o_ptr, part_lse_ptr, seq_lens_ptr, o_ptr, num_splits,
+                          stride_pb, stride_ph, stride_ps, stride_ob, stride_oh,
+                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+    seq = tl.program_id(0)
+    h = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    used = tl.cdiv(seq_len, _slice_len(seq_len, num_splits, BLOCK_N))
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    base = seq.to(tl.int64) * stride_pb + h * stride_ph
+    m = float("-inf")
+    den = 0.0
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for s in range(0, used):
+        lse = tl.load(part_lse_ptr + (base + s * stride_ps) // BLOCK_D)
+        o = tl.load(part_o_ptr + base + s * stride_ps + offs_d, mask=mask_d, other=0.0)
+        m_new = tl.maximum(m, lse)
+        a = tl.exp2(m - m_new)
+        w = tl.exp2(lse - m_new)
+        acc = acc * a + o * w
+        den = den * a + w
+        m = m_new
+    out = tl.where(den > 0, acc / tl.maximum(den, 1e-30), 0.0)   # an empty (padding) row gives zeros
+    tl.store(o_ptr + seq.to(tl.int64) * stride_ob + h * stride_oh + offs_d, out.to(o_ptr.dtype.element_ty),
+             mask=mask_d)
+
+
+def num_splits_for(num_seqs: int, num_kv_heads: int) -> int:
+    """Enough splits that the grid has about four programs per SM of an H100/H200, at most 32."""
+    return max(1, min(32, -(-528 // max(1, num_seqs * num_kv_heads))))
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                     seq_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None,
+                     block_n: int = 64, num_warps: int = 4, num_stages: int = 2,
+                     num_splits: int | None = None) -> torch.Tensor:
+    """q [B, Hq, D]; caches [num_blocks, block_size, Hkv, D]; block_tables [B, W] int32; seq_lens [B] int32
+    (0 for a padding row, which gets zeros). Returns [B, Hq, D]."""
+    b, hq, d = q.shape
+    hkv = k_cache.shape[2]
+    if hq % hkv:
+        raise ValueError(f"decode_attention: {hq} query heads is not a multiple of {hkv} kv heads")
+    out = torch.empty_like(q) if out is None else out
+    if b == 0:
+        return out
+    group = hq // hkv
+    block_d = triton.next_power_of_2(d)
+    splits = num_splits or num_splits_for(b, hkv)
+    part_o = torch.empty(b, hq, splits, block_d, dtype=torch.float32, device=q.device)
+    # part_lse is laid out as part_o without its last dim, so its offsets are part_o's // block_d
+    part_lse = torch.empty(b, hq, splits, dtype=torch.float32, device=q.device)
+    _decode_partial_kernel[(b, hkv, splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, part_o, part_lse,
+        scale * LOG2E, splits,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        part_o.stride(0), part_o.stride(1), part_o.stride(2),
+        BLOCK_SIZE=k_cache.shape[1], GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=d, BLOCK_D=block_d, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages)
+    _decode_reduce_kernel[(b, hq)](
+        part_o, part_lse, seq_lens, out, splits,
+        part_o.stride(0), part_o.stride(1), part_o.stride(2), out.stride(0), out.stride(1),
+        HEAD_DIM=d, BLOCK_D=block_d, BLOCK_N=block_n, num_warps=1)
+    return out

@@ -1,0 +1,80 @@
+"""Rotary embedding ('rotate half' layout), optionally after a per-head RMSNorm (Qwen3's q/k norm).
+
+One program per token handles all its q and k heads and writes contiguous outputs, so the
+strided q/k views of the fused QKV projection need no copy first. Reference: layers.rotary
+(and layers.layernorm for the norm).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rope_heads(x_ptr, out_ptr, w_ptr, t, cos, sin, eps, stride_xt, stride_xh, stride_ot, stride_oh,
+                NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                HAS_NORM: tl.constexpr):
+    h = tl.arange(0, BLOCK_H)[:, None]
+    j = tl.arange(0, BLOCK_HALF)[None, :]
+    mask = (h < NUM_HEADS) & (j < HALF)
+    src = x_ptr + t * stride_xt + h * stride_xh + j
+    x1 = tl.load(src, mask=mask, other=0.0)
+    x2 = tl.load(src + HALF, mask=mask, other=0.0)
+    dt = out_ptr.dtype.element_ty
+    if HAS_NORM:
+        a = x1.to(tl.float32)
+        b = x2.to(tl.float32)
+        rstd = tl.rsqrt((tl.sum(a * a, 1) + tl.sum(b * b, 1)) / (2 * HALF) + eps)[:, None]
+        w1 = tl.load(w_ptr + j, mask=j < HALF, other=0.0).to(tl.float32)
+        w2 = tl.load(w_ptr + HALF + j, mask=j < HALF, other=0.0).to(tl.float32)
+        x1 = ((a * rstd).to(dt).to(tl.float32) * w1).to(dt)
+        x2 = ((b * rstd).to(dt).to(tl.float32) * w2).to(dt)
+    a = x1.to(tl.float32)
+    b = x2.to(tl.float32)
+    dst = out_ptr + t * stride_ot + h * stride_oh + j
+    tl.store(dst, (a * cos - b * sin).to(dt), mask=mask)
+    tl.store(dst + HALF, (b * cos + a * sin).to(dt), mask=mask)
+
+
+@triton.jit
+def _rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, cos_sin_ptr, qw_ptr, kw_ptr, eps,
+                 stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh, stride_kot, stride_koh,
+                 stride_cs,
+                 NUM_Q: tl.constexpr, NUM_K: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
+                 HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, HAS_NORM: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t)
+    j = tl.arange(0, BLOCK_HALF)[None, :]
+    cos = tl.load(cos_sin_ptr + pos * stride_cs + j, mask=j < HALF, other=0.0)
+    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + j, mask=j < HALF, other=0.0)
+    _rope_heads(q_ptr, q_out_ptr, qw_ptr, t, cos, sin, eps, stride_qt, stride_qh, stride_qot, stride_qoh,
+                NUM_Q, BLOCK_Q, HALF, BLOCK_HALF, HAS_NORM)
+    _rope_heads(k_ptr, k_out_ptr, kw_ptr, t, cos, sin, eps, stride_kt, stride_kh, stride_kot, stride_koh,
+                NUM_K, BLOCK_K, HALF, BLOCK_HALF, HAS_NORM)
+
+
+def rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor,
+         q_norm_weight: torch.Tensor | None = None, k_norm_weight: torch.Tensor | None = None,
+         eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, Hq, D], k [T, Hk, D] (any strides, last dim contiguous); cos_sin [max_pos, D] float32
+    (cos | sin). With norm weights, each head is RMS-normalized first. Returns new contiguous q, k."""
+    t, hq, d = q.shape
+    hk = k.shape[1]
+    has_norm = q_norm_weight is not None
+    if has_norm != (k_norm_weight is not None):
+        raise ValueError("rope: give both q_norm_weight and k_norm_weight, or neither")
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or cos_sin.stride(-1) != 1:
+        raise ValueError("rope: q, k and cos_sin need a contiguous last dimension")
+    q_out = torch.empty(t, hq, d, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(t, hk, d, dtype=k.dtype, device=k.device)
+    if t:
+        half = d // 2
+        _rope_kernel[(t,)](
+            q, k, q_out, k_out, positions, cos_sin,
+            q_norm_weight if has_norm else cos_sin, k_norm_weight if has_norm else cos_sin, eps,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), q_out.stride(0), q_out.stride(1),
+            k_out.stride(0), k_out.stride(1), cos_sin.stride(0),
+            NUM_Q=hq, NUM_K=hk, BLOCK_Q=triton.next_power_of_2(hq), BLOCK_K=triton.next_power_of_2(hk),
+            HALF=half, BLOCK_HALF=triton.next_power_of_2(half), HAS_NORM=has_norm, num_warps=4)
+    return q_out, k_out
