@@ -7,5 +7,8 @@ class SiluAndMul(nn.Module):
     """x = [gate | up] -> silu(gate) * up."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:   # one fused Triton pass; this torch code is its reference
+            from picovllm.kernels.activation import silu_and_mul
+            return silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up

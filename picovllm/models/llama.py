@@ -33,9 +33,15 @@ class LlamaAttention(nn.Module):
         d = self.head_dim
         q, k, v = qkv.split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
         q, k, v = q.view(-1, self.num_heads, d), k.view(-1, self.num_kv_heads, d), v.view(-1, self.num_kv_heads, d)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        if q.is_cuda:   # q/k norm and rotary in one Triton pass (same math as the branch below)
+            from picovllm.kernels.rotary import rope
+            norm = self.q_norm is not None
+            q, k = rope(positions, q, k, self.rotary.cos_sin, self.q_norm.weight if norm else None,
+                        self.k_norm.weight if norm else None, self.q_norm.eps if norm else 0.0)
+        else:
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.rotary(positions, q, k)
         o = self.attn(q, k, v.contiguous(), meta)
         return self.o_proj(o.flatten(1))
 
