@@ -101,6 +101,8 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         num_full = min(req.num_computed_tokens, req.num_tokens) // self.block_size
+        if num_full <= len(req.block_hashes):
+            return
         h = req.block_hashes[-1] if req.block_hashes else self.salt
         for i in range(len(req.block_hashes), num_full):
             h = hash_block(h, tuple(req.token_id(j) for j in range(i * self.block_size, (i + 1) * self.block_size)))

@@ -153,5 +153,6 @@ class Engine:
                                 req.cumulative_logprob if req.logprobs is not None else None,
                                 list(req.logprobs) if req.logprobs is not None else None,
                                 req.finish_reason.value if req.finish_reason else None, req.stop_reason)
-        return RequestOutput(req.request_id, req.prompt, list(req.prompt_token_ids), [comp], req.is_finished,
+        # the prompt ids never change after add_request, so they are shared rather than copied per step
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [comp], req.is_finished,
                              req.metrics, req.error, req.num_cached_tokens)

@@ -150,11 +150,15 @@ class ModelRunner:
         ids, pos, slots, qsl, lens, tables, samp_idx, rows = [], [], [], [0], [], [], [], []
         for chunk in sched.chunks:
             req, start, n = chunk.request, chunk.start, chunk.num_new_tokens
-            toks = req.all_token_ids
-            ids.extend(toks[start:start + n])
-            pos.extend(range(start, start + n))
             table = req.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            if n == 1:   # decodes: the common case at large batch, kept cheap
+                ids.append(req.token_id(start))
+                pos.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                ids.extend(req.all_token_ids[start:start + n])
+                pos.extend(range(start, start + n))
+                slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
             qsl.append(qsl[-1] + n)
             lens.append(start + n)
             tables.append(table)
