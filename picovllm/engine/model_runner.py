@@ -8,10 +8,12 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from picovllm.config import EngineConfig, ModelConfig
 from picovllm.distributed import SINGLE, TPGroup
+from picovllm.engine.cuda_graph import fill_block_tables
 from picovllm.engine.scheduler import SchedulerOutput
 from picovllm.layers.attention import AttentionMetadata
 from picovllm.layers.sampler import SamplingTensors, sample, seeded_stream
@@ -80,6 +82,7 @@ class ModelRunner:
         self.attn_backend = self._make_backend()
         for attn in self.model.attention_layers():
             attn.backend = self.attn_backend
+        self.cuda_graphs = None   # a CUDAGraphRunner once the KV cache exists (CUDA, not enforce_eager)
 
     def _make_backend(self):
         from picovllm.layers.attention import TorchAttentionBackend
@@ -143,6 +146,13 @@ class ModelRunner:
                                     attn.num_kv_heads, attn.head_dim, dtype=self.dtype, device=self.device)
         for i, a in enumerate(self.model.attention_layers()):
             a.k_cache, a.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
+        if self.device.type == "cuda" and not self.config.enforce_eager \
+                and getattr(self.attn_backend, "supports_cuda_graphs", False):
+            from picovllm.engine.cuda_graph import CUDAGraphRunner
+            mc = self.model_config
+            max_len = min(self.config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+            self.cuda_graphs = CUDAGraphRunner(self.model, self.config.max_num_seqs, -(-max_len // self.block_size),
+                                               self.block_size, self.device).capture()
 
     # -- one step ------------------------------------------------------------------------------
     def prepare(self, sched: SchedulerOutput, eos_token_ids: list[int]) -> StepInput:
@@ -180,6 +190,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepResult:
+        if self.cuda_graphs is not None and self.cuda_graphs.fits(step):   # decode-only step
+            return self._sample(self.cuda_graphs.run(step).float(), step.sampling)
         dev = self.device
         meta = self._metadata(step)
         ids = _to(step.input_ids, torch.long, dev)
@@ -193,7 +205,8 @@ class ModelRunner:
     def _metadata(self, step: StepInput) -> AttentionMetadata:
         dev = self.device
         width = max(len(t) for t in step.block_tables)
-        tables = [t + [0] * (width - len(t)) for t in step.block_tables]
+        tables = np.zeros((len(step.block_tables), width), dtype=np.int32)
+        fill_block_tables(tables, step.block_tables)
         qlens = [b - a for a, b in zip(step.query_start_loc, step.query_start_loc[1:])]
         return AttentionMetadata(
             slot_mapping=_to(step.slot_mapping, torch.long, dev),
@@ -213,6 +226,9 @@ class ModelRunner:
             for i, toks in banned:
                 logits[i, toks] = float("-inf")
         temps = [r.temperature for r in rows]
+        if all(x == 0 for x in temps):   # greedy batch: no sampling tensors to upload
+            tokens = logits.argmax(-1)
+            return StepResult(tokens.tolist(), self._logprobs(raw, tokens, rows))
         t = SamplingTensors(
             temperature=_to(temps, torch.float32, dev),
             top_k=_to([r.top_k for r in rows], torch.long, dev),
@@ -237,15 +253,17 @@ class ModelRunner:
         top_v, top_i = logp.topk(k, dim=-1) if k else (None, None)
         chosen = logp.gather(-1, tokens[:, None])[:, 0]
         ranks = (logp > chosen[:, None]).sum(-1) + 1
+        # one device-to-host copy per tensor, not one sync per request
+        tokens_l, chosen_l, ranks_l = tokens.tolist(), chosen.tolist(), ranks.tolist()
+        top_v_l, top_i_l = (top_v.tolist(), top_i.tolist()) if k else ([], [])
         out = []
         for i, w in enumerate(want):
             if w is None:
                 out.append(None)
                 continue
-            d = {int(tokens[i]): Logprob(float(chosen[i]), int(ranks[i]))}
+            d = {tokens_l[i]: Logprob(chosen_l[i], ranks_l[i])}
             for r in range(w):
-                tok = int(top_i[i, r])
-                d.setdefault(tok, Logprob(float(top_v[i, r]), r + 1))
+                d.setdefault(top_i_l[i][r], Logprob(top_v_l[i][r], r + 1))
             out.append(d)
         return out
 

@@ -11,7 +11,10 @@ from picovllm.layers.attention import AttentionBackend, AttentionMetadata
 
 class TritonAttentionBackend(AttentionBackend):
     """Decodes (the first num_decodes sequences) go to the split-K decode kernel, prefill chunks to
-    the varlen prefill kernel. Grid sizes come from the metadata's host-side lists: no syncs."""
+    the varlen prefill kernel. Grid sizes come from the metadata's host-side lists: no syncs.
+    Decode launches depend on the batch size alone, so decode steps can be CUDA-graph captured."""
+
+    supports_cuda_graphs = True
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:

@@ -16,6 +16,11 @@ import triton.language as tl
 LOG2E = 1.4426950408889634
 
 
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 models get exact fp32 dot products (not tf32), so they match the torch reference closely."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
 @triton.jit
 def _slice_len(seq_len, num_splits, BLOCK_N: tl.constexpr):
     """Tokens per split: the context cut in num_splits, rounded up to whole BLOCK_N tiles."""
@@ -29,7 +34,7 @@ def _decode_partial_kernel(
         stride_qb, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt,
         stride_pb, stride_ph, stride_ps,
         BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -60,14 +65,14 @@ def _decode_partial_kernel(
         row = blk * stride_cb + (t % BLOCK_SIZE) * stride_cs + kvh * stride_ch
         kv_mask = mask_n[:, None] & mask_d[None, :]
         k = tl.load(k_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k)) * qk_scale                       # [GROUP_PAD, BLOCK_N], base-2 logits
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale   # [GROUP_PAD, BLOCK_N], base 2
         s = tl.where(mask_n[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     out = acc / l_i[:, None]
@@ -135,7 +140,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         part_o.stride(0), part_o.stride(1), part_o.stride(2),
         BLOCK_SIZE=k_cache.shape[1], GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=d, BLOCK_D=block_d, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages)
+        HEAD_DIM=d, BLOCK_D=block_d, BLOCK_N=block_n, DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=num_warps, num_stages=num_stages)
     _decode_reduce_kernel[(b, hq)](
         part_o, part_lse, seq_lens, out, splits,
         part_o.stride(0), part_o.stride(1), part_o.stride(2), out.stride(0), out.stride(1),

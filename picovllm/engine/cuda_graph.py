@@ -1,0 +1,99 @@
+"""CUDA graphs for decode steps: the model forward and LM head, captured once per batch size.
+
+A decode-only step is padded up to the next captured batch size and replayed. Every tensor the
+graph reads lives in a static buffer here (token ids, positions, slots, context lengths, block
+tables); a step copies its inputs into them from pinned host memory without blocking. Padding
+rows get slot -1 (the KV store skips them) and context length 0 (attention reads nothing for
+them), so they touch no real request's cache. Only the Triton attention backend is captured: its
+launch grids depend on the batch size alone, never on the context lengths.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from picovllm.layers.attention import AttentionMetadata
+
+
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    sizes = [s for s in (1, 2, 4, 8) if s < max_num_seqs] + list(range(16, max_num_seqs, 16))
+    return sizes + [max_num_seqs]
+
+
+def pinned(array: np.ndarray) -> torch.Tensor:
+    """A pinned host tensor holding a copy of array (so a non-blocking upload can read it later)."""
+    t = torch.empty(array.shape, dtype=torch.from_numpy(array[:0]).dtype, pin_memory=True)
+    t.numpy()[...] = array
+    return t
+
+
+def fill_block_tables(out: np.ndarray, tables: list[list[int]]) -> None:
+    """Write ragged block tables into the rows of a 2-D int32 array (entries past a row's end are stale)."""
+    for row, table in zip(out, tables):
+        row[:len(table)] = table
+
+
+class CUDAGraphRunner:
+    def __init__(self, model: nn.Module, max_num_seqs: int, max_blocks_per_seq: int, block_size: int,
+                 device: torch.device) -> None:
+        self.model = model
+        self.sizes = capture_sizes(max_num_seqs)
+        self.max_bs = self.sizes[-1]
+        self.max_blocks = max_blocks_per_seq
+        self.block_size = block_size
+        m, dev = self.max_bs, device
+        self.tokens = torch.zeros(3, m, dtype=torch.long, device=dev)     # input ids, positions, slots
+        self.tokens[2].fill_(-1)
+        self.seq_lens = torch.zeros(m, dtype=torch.int32, device=dev)
+        self.query_start_loc = torch.arange(m + 1, dtype=torch.int32, device=dev)
+        self.block_tables = torch.zeros(m, max_blocks_per_seq, dtype=torch.int32, device=dev)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+
+    def _meta(self, bs: int) -> AttentionMetadata:
+        longest = self.max_blocks * self.block_size
+        return AttentionMetadata(
+            slot_mapping=self.tokens[2, :bs], query_start_loc=self.query_start_loc[:bs + 1],
+            seq_lens=self.seq_lens[:bs], block_tables=self.block_tables[:bs], num_decodes=bs,
+            max_query_len=1, max_seq_len=longest, query_lens_cpu=[1] * bs, seq_lens_cpu=[longest] * bs)
+
+    def _forward(self, bs: int) -> torch.Tensor:
+        hidden = self.model(self.tokens[0, :bs], self.tokens[1, :bs], self._meta(bs))
+        return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def capture(self) -> "CUDAGraphRunner":
+        pool = torch.cuda.graph_pool_handle()
+        for bs in reversed(self.sizes):           # largest first: the smaller graphs reuse its memory
+            self._forward(bs)                     # warm-up: compiles the Triton kernels outside capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.logits[bs] = self._forward(bs)
+            self.graphs[bs] = graph
+        torch.cuda.synchronize()
+        return self
+
+    def fits(self, step) -> bool:
+        n = len(step.seq_lens)
+        return (step.num_decodes == n and 0 < n <= self.max_bs and len(step.input_ids) == n
+                and max(len(t) for t in step.block_tables) <= self.max_blocks)
+
+    def run(self, step) -> torch.Tensor:
+        """Replay the graph for a decode-only step; returns the logits of its n rows ([n, vocab])."""
+        n = len(step.seq_lens)
+        bs = next(s for s in self.sizes if s >= n)
+        width = max(len(t) for t in step.block_tables)
+        tokens = pinned(np.array([step.input_ids, step.positions, step.slot_mapping], dtype=np.int64))
+        lens = pinned(np.array(step.seq_lens, dtype=np.int32))
+        tables = np.empty((n, width), dtype=np.int32)
+        fill_block_tables(tables, step.block_tables)
+        self.tokens[:, :n].copy_(tokens, non_blocking=True)
+        self.seq_lens[:n].copy_(lens, non_blocking=True)
+        self.block_tables[:n, :width].copy_(pinned(tables), non_blocking=True)
+        if bs > n:
+            self.tokens[2, n:bs].fill_(-1)
+            self.seq_lens[n:bs].fill_(0)
+        self.graphs[bs].replay()
+        return self.logits[bs][:n]
