@@ -300,3 +300,46 @@ def test_cuda_graph_matches_eager_sampled(tiny_models):
     for (toks_e, lp_e), (toks_g, lp_g) in zip(res[True], res[False]):
         assert toks_e == toks_g
         assert lp_g == pytest.approx(lp_e, abs=1e-4)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1")
+def test_cuda_graph_static_inputs_interpreted(tiny_models):
+    """The CUDA-graph runner's static buffers and padding, checked on CPU: a replay stand-in that
+    runs the captured forward on the static buffers gives the eager step's logits for real rows."""
+    from picovllm import LLM, SamplingParams
+    from picovllm.engine.cuda_graph import CUDAGraphRunner
+    llm = LLM(tiny_models["qwen3"], device="cpu", attention_backend="triton", block_size=8, num_kv_blocks=40)
+    eng, runner = llm.engine, llm.engine.runner
+    for p in _prompts([5, 20, 11], seed=2):
+        eng.add_request(p, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    while not all(r.output_token_ids for r in eng.requests.values()):   # prefill everything
+        eng.step()
+    step = runner.prepare(eng.scheduler.schedule(), eng.eos_token_ids)
+    assert step.num_decodes == 3
+    graphs = CUDAGraphRunner(runner.model, max_num_seqs=8, max_blocks_per_seq=8, block_size=8, device="cpu")
+    graphs.tokens[0].fill_(7)     # stale rows from an earlier, larger batch
+    graphs.seq_lens.fill_(5)
+    graphs.tokens[2].fill_(3)
+
+    class Replay:
+        def __init__(self, bs):
+            self.bs = bs
+
+        def replay(self):
+            graphs.logits[self.bs] = graphs._forward(self.bs)
+
+    graphs.graphs = {bs: Replay(bs) for bs in graphs.sizes}
+    cache_before = runner.kv_cache.clone()
+    assert graphs.fits(step)
+    with torch.inference_mode():
+        got = graphs.run(step).clone()
+        cache_graph = runner.kv_cache.clone()
+        runner.kv_cache.copy_(cache_before)      # the eager step writes the same slots again
+        hidden = runner.model(torch.tensor(step.input_ids), torch.tensor(step.positions), runner._metadata(step))
+        want = runner.model.compute_logits(hidden)
+    assert torch.equal(runner.kv_cache, cache_graph), "the padding row must not write into the cache"
+    assert got.shape == want.shape == (3, 384)
+    assert rel_err(got, want) < 1e-5
+    assert list(graphs.tokens[2, :4]) == step.slot_mapping + [-1]   # the padding row writes nowhere
+    for rid in list(eng.requests):
+        eng.abort(rid)

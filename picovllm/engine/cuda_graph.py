@@ -23,7 +23,7 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 
 def pinned(array: np.ndarray) -> torch.Tensor:
     """A pinned host tensor holding a copy of array (so a non-blocking upload can read it later)."""
-    t = torch.empty(array.shape, dtype=torch.from_numpy(array[:0]).dtype, pin_memory=True)
+    t = torch.empty(array.shape, dtype=torch.from_numpy(array[:0]).dtype, pin_memory=torch.cuda.is_available())
     t.numpy()[...] = array
     return t
 
