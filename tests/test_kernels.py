@@ -316,6 +316,14 @@ def test_cuda_graph_static_inputs_interpreted(tiny_models):
         eng.step()
     step = runner.prepare(eng.scheduler.schedule(), eng.eos_token_ids)
     assert step.num_decodes == 3
+    try:
+        _check_static_inputs(runner, step, CUDAGraphRunner)
+    finally:
+        for rid in list(eng.requests):
+            eng.abort(rid)
+
+
+def _check_static_inputs(runner, step, CUDAGraphRunner):
     graphs = CUDAGraphRunner(runner.model, max_num_seqs=8, max_blocks_per_seq=8, block_size=8, device="cpu")
     graphs.tokens[0].fill_(7)     # stale rows from an earlier, larger batch
     graphs.seq_lens.fill_(5)
@@ -337,9 +345,9 @@ def test_cuda_graph_static_inputs_interpreted(tiny_models):
         runner.kv_cache.copy_(cache_before)      # the eager step writes the same slots again
         hidden = runner.model(torch.tensor(step.input_ids), torch.tensor(step.positions), runner._metadata(step))
         want = runner.model.compute_logits(hidden)
-    assert torch.equal(runner.kv_cache, cache_graph), "the padding row must not write into the cache"
+    changed = (cache_graph != cache_before).flatten(4).any(-1).any(0).any(0).flatten().nonzero()[:, 0]
+    assert sorted(changed.tolist()) == sorted(step.slot_mapping), "only the real rows' slots may be written"
+    assert rel_err(cache_graph, runner.kv_cache) < 1e-6
     assert got.shape == want.shape == (3, 384)
     assert rel_err(got, want) < 1e-5
-    assert list(graphs.tokens[2, :4]) == step.slot_mapping + [-1]   # the padding row writes nowhere
-    for rid in list(eng.requests):
-        eng.abort(rid)
+    assert graphs.tokens[2, :4].tolist() == step.slot_mapping + [-1]   # the padding row writes nowhere
