@@ -1,0 +1,100 @@
+"""Decode and prefill attention kernels on Qwen3-0.6B shapes: achieved bandwidth / FLOP rate per config.
+
+    python benchmarks/attention_kernels.py
+
+Decode reads K and V once: bytes = sum(ctx) * Hkv * D * 2 (K, V) * 2 bytes. Each config is first
+checked against the torch reference (relative error), then timed with triton.testing.do_bench (median).
+"""
+from __future__ import annotations
+
+import random
+
+import torch
+import triton
+
+from picovllm.kernels.decode_attention import decode_attention
+from picovllm.kernels.prefill_attention import prefill_attention
+from picovllm.layers.attention import AttentionMetadata, TorchAttentionBackend
+
+HQ, HKV, D, BS = 16, 8, 128, 16
+
+
+def paged(ctx_lens, dev="cuda"):
+    blocks = sum(-(-c // BS) for c in ctx_lens) + 1
+    perm = torch.randperm(blocks).tolist()
+    tables, width = [], max(-(-c // BS) for c in ctx_lens)
+    for c in ctx_lens:
+        n = -(-c // BS)
+        t, perm = perm[:n], perm[n:]
+        tables.append(t + [0] * (width - n))
+    k = torch.randn(blocks, BS, HKV, D, device=dev, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    return k, v, torch.tensor(tables, dtype=torch.int32, device=dev), torch.tensor(ctx_lens, dtype=torch.int32, device=dev)
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def bench_decode():
+    print("decode: batch, ctx, block_n, warps, stages, splits -> us, TB/s, rel_err")
+    random.seed(0)
+    cases = [(256, None), (64, None), (1, 512), (1, 4096), (32, 2048)]
+    configs = [(64, 4, 2), (64, 4, 3), (32, 4, 3), (128, 4, 2), (64, 8, 3), (128, 8, 3)]
+    best = {}
+    for b, ctx in cases:
+        lens = [ctx or random.randint(200, 2048) for _ in range(b)]
+        k, v, tables, seq_lens = paged(lens)
+        q = torch.randn(b, HQ, D, device="cuda", dtype=torch.bfloat16)
+        meta = AttentionMetadata(seq_lens=seq_lens, block_tables=tables, num_decodes=b, seq_lens_cpu=lens,
+                                 slot_mapping=None, query_start_loc=None, max_query_len=1, max_seq_len=max(lens),
+                                 query_lens_cpu=[1] * b)
+        ref = TorchAttentionBackend._decode(q.float(), k.float(), v.float(), meta, D ** -0.5)
+        nbytes = sum(lens) * HKV * D * 2 * 2
+        for bn, w, s in configs:
+            f = lambda: decode_attention(q, k, v, tables, seq_lens, D ** -0.5, block_n=bn, num_warps=w,  # noqa
+                                         num_stages=s)
+            err = rel(f(), ref)
+            us = triton.testing.do_bench(f, warmup=20, rep=100, return_mode="median") * 1e3
+            tbps = nbytes / us / 1e6
+            print(f"  {b:4d} {max(lens):5d} {bn:4d} {w} {s} -> {us:8.1f} us {tbps:5.2f} TB/s err {err:.1e}")
+            if err < 2e-2 and tbps > best.get((b, ctx), (0, None))[0]:
+                best[(b, ctx)] = (tbps, (bn, w, s))
+    print("decode best:", {f"{b}x{c}": v for (b, c), v in best.items()})
+
+
+def bench_prefill():
+    print("prefill 8k: block_m, block_n, warps, stages -> ms, TFLOP/s, rel_err")
+    n = 8192
+    k, v, tables, seq_lens = paged([n])
+    q = torch.randn(n, HQ, D, device="cuda", dtype=torch.bfloat16)
+    qsl = torch.tensor([0, n], dtype=torch.int32, device="cuda")
+    flops = 4 * n * n / 2 * D * HQ
+    sub = slice(n - 256, n)        # reference on the last 256 queries (the full one needs too much memory)
+    keys = k[tables[0].long()].flatten(0, 1)[:n].transpose(0, 1).float()
+    vals = v[tables[0].long()].flatten(0, 1)[:n].transpose(0, 1).float()
+    mask = torch.arange(n, device="cuda")[None, :] <= torch.arange(n - 256, n, device="cuda")[:, None]
+    ref = torch.nn.functional.scaled_dot_product_attention(q[sub].transpose(0, 1).float(), keys, vals, attn_mask=mask,
+                                                           scale=D ** -0.5, enable_gqa=True).transpose(0, 1)
+    for bm, bn, w, s in [(64, 64, 4, 2), (128, 64, 8, 2), (128, 64, 4, 2), (64, 64, 4, 3), (128, 128, 8, 2)]:
+        out = torch.empty_like(q)
+        f = lambda: prefill_attention(q, k, v, tables, seq_lens, qsl, 0, 1, n, D ** -0.5, out,  # noqa
+                                      block_m=bm, block_n=bn, num_warps=w, num_stages=s)
+        try:
+            f()
+        except Exception as e:   # e.g. out of shared memory
+            print(f"  {bm} {bn} {w} {s} -> failed: {str(e)[:100]}")
+            continue
+        err = rel(out[sub], ref)
+        ms = triton.testing.do_bench(f, warmup=20, rep=100, return_mode="median")
+        print(f"  {bm:4d} {bn:4d} {w} {s} -> {ms:7.3f} ms {flops / ms / 1e9:6.1f} TFLOP/s err {err:.1e}")
+    sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(  # noqa
+        q.transpose(0, 1)[None], k[tables[0].long()].flatten(0, 1)[:n].transpose(0, 1)[None],
+        v[tables[0].long()].flatten(0, 1)[:n].transpose(0, 1)[None], is_causal=True, enable_gqa=True)
+    ms = triton.testing.do_bench(sdpa, warmup=20, rep=100, return_mode="median")
+    print(f"  torch SDPA (contiguous K/V incl. gather) -> {ms:7.3f} ms {flops / ms / 1e9:6.1f} TFLOP/s")
+
+
+if __name__ == "__main__":
+    bench_decode()
+    bench_prefill()

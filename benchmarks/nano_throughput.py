@@ -1,0 +1,136 @@
+"""The nano-vllm benchmark workload through LLM.generate, plus latency, prefill and a step profile.
+
+    python benchmarks/nano_throughput.py throughput [--model PATH] [--enforce-eager]
+    python benchmarks/nano_throughput.py latency     # batch 1, 512-token prompt, 256 outputs: ms/token
+    python benchmarks/nano_throughput.py prefill     # one 8k-token prompt: prefill tokens/s
+    python benchmarks/nano_throughput.py profile     # where a batch-256 decode step's time goes
+
+Workload (nano-vllm's bench.py): 256 requests, random.seed(0), prompts of randint(100, 1024)
+random token ids in [0, 10000], then max_tokens randint(100, 1024) each, ignore_eos, temperature 0.6.
+Without --model it builds a Qwen3-0.6B-shaped checkpoint of random bf16 weights.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from picovllm import LLM, SamplingParams  # noqa: E402
+from random_qwen3 import build  # noqa: E402
+
+
+def workload(n: int = 256, max_in: int = 1024, max_out: int = 1024, temperature: float = 0.6):
+    random.seed(0)
+    prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, max_in))] for _ in range(n)]
+    params = [SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=random.randint(100, max_out))
+              for _ in range(n)]
+    return prompts, params
+
+
+def make_llm(args, **over) -> LLM:
+    kw = dict(max_model_len=4096, max_num_seqs=256, max_num_batched_tokens=16384, enforce_eager=args.enforce_eager,
+              gpu_memory_utilization=0.9)
+    kw.update(over)
+    return LLM(args.model, **kw)
+
+
+def throughput(args) -> dict:
+    llm = make_llm(args)
+    llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=16), use_tqdm=False)   # warm-up
+    prompts, params = workload(args.num_seqs, temperature=args.temperature)
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    dt = time.perf_counter() - t
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    assert n_out == sum(p.max_tokens for p in params)
+    return {"output_tokens": n_out, "input_tokens": sum(map(len, prompts)), "seconds": round(dt, 3),
+            "output_tok_per_s": round(n_out / dt, 1), "enforce_eager": args.enforce_eager,
+            "temperature": args.temperature}
+
+
+def latency(args) -> dict:
+    llm = make_llm(args, max_num_seqs=8)
+    prompt = [random.Random(1).randint(0, 10000) for _ in range(512)]
+    per_tok = []
+    for _ in range(3):
+        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=256, ignore_eos=True), use_tqdm=False)[0]
+        t = out.metrics.token_times
+        per_tok.append((t[-1] - t[0]) / (len(t) - 1) * 1e3)
+    return {"decode_ms_per_token": [round(x, 3) for x in per_tok], "best": round(min(per_tok), 3)}
+
+
+def prefill(args) -> dict:
+    llm = make_llm(args, max_model_len=8192 + 16, max_num_seqs=8)
+    prompt = [random.Random(2).randint(0, 10000) for _ in range(8192)]
+    times = []
+    for i in range(4):
+        p = [i] + prompt[1:]                    # a different first token: no prefix-cache hits
+        t = time.perf_counter()
+        llm.generate([p], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+        times.append(time.perf_counter() - t)
+    best = min(times[1:])
+    return {"seconds": [round(x, 4) for x in times], "prefill_tok_per_s": round(8192 / best, 0)}
+
+
+def profile(args) -> dict:
+    import torch
+    llm = make_llm(args)
+    eng = llm.engine
+    prompts, params = workload(args.num_seqs, temperature=args.temperature)
+    for p, sp in zip(prompts, params):
+        eng.add_request(p, sp)
+    while any(not r.output_token_ids for r in eng.requests.values()):
+        eng.step()                              # until every request decodes
+    rows = []
+    ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(30):
+        t0 = time.perf_counter()
+        sched = eng.scheduler.schedule()
+        step = eng.runner.prepare(sched, eng.eos_token_ids)
+        t1 = time.perf_counter()
+        ev0.record()
+        result = eng.runner.execute(step)
+        ev1.record()
+        t2 = time.perf_counter()
+        eng.postprocess(sched, result)
+        t3 = time.perf_counter()
+        torch.cuda.synchronize()
+        rows.append(dict(batch=len(step.seq_lens), ctx=sum(step.seq_lens) / len(step.seq_lens),
+                         schedule_prepare_ms=(t1 - t0) * 1e3, execute_ms=(t2 - t1) * 1e3,
+                         gpu_ms=ev0.elapsed_time(ev1), postprocess_ms=(t3 - t2) * 1e3))
+    from torch.profiler import ProfilerActivity, profile as tprofile
+    with tprofile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            eng.step()
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+    for rid in list(eng.requests):
+        eng.abort(rid)
+    med = {k: round(statistics.median(r[k] for r in rows), 3) for k in rows[0]}
+    return {"median_step": med, "kernel_table": table}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("mode", choices=["throughput", "latency", "prefill", "profile"])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--temperature", type=float, default=0.6)
+    ap.add_argument("--num-seqs", type=int, default=256)
+    args = ap.parse_args()
+    args.model = args.model or build("/tmp/qwen3-0.6b-random")
+    res = globals()[args.mode](args)
+    table = res.pop("kernel_table", None)
+    if table:
+        print(table)
+    print(json.dumps({args.mode: res}))
+
+
+if __name__ == "__main__":
+    main()
