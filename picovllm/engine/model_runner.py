@@ -212,7 +212,7 @@ class ModelRunner:
             slot_mapping=_to(step.slot_mapping, torch.long, dev),
             query_start_loc=_to(step.query_start_loc, torch.int32, dev),
             seq_lens=_to(step.seq_lens, torch.int32, dev),
-            block_tables=_to(tables, torch.int32, dev),
+            block_tables=_upload(tables, dev),
             num_decodes=step.num_decodes,
             max_query_len=max(qlens), max_seq_len=max(step.seq_lens),
             query_lens_cpu=qlens, seq_lens_cpu=step.seq_lens)
@@ -266,6 +266,11 @@ class ModelRunner:
                 d.setdefault(top_i_l[i][r], Logprob(top_v_l[i][r], r + 1))
             out.append(d)
         return out
+
+
+def _upload(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    t = torch.from_numpy(array)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
 def _to(data, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
