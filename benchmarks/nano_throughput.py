@@ -40,29 +40,91 @@ def make_llm(args, **over) -> LLM:
     return LLM(args.model, **kw)
 
 
+class StepTimeline:
+    """Wraps the engine's step and the runner's execute: wall and GPU time of every step."""
+
+    def __init__(self, eng) -> None:
+        import torch
+        self.rows: list[dict] = []
+        real_step, real_execute = eng.step, eng.runner.execute
+
+        def execute(step):
+            ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            ev0.record()
+            t = time.perf_counter()
+            res = real_execute(step)
+            self.cur.update(execute_ms=(time.perf_counter() - t) * 1e3, batch=len(step.seq_lens),
+                            tokens=len(step.input_ids), decode_only=step.num_decodes == len(step.seq_lens),
+                            ctx=sum(step.seq_lens), events=(ev0, ev1))
+            ev1.record()
+            return res
+
+        def step():
+            self.cur = {}
+            t = time.perf_counter()
+            out = real_step()
+            if self.cur:
+                self.cur["step_ms"] = (time.perf_counter() - t) * 1e3
+                self.rows.append(self.cur)
+            return out
+
+        eng.step, eng.runner.execute = step, execute
+
+    def summary(self) -> dict:
+        for r in self.rows:
+            ev0, ev1 = r.pop("events")
+            ev1.synchronize()
+            r["gpu_ms"] = ev0.elapsed_time(ev1)
+        out = {}
+        groups = {"prefill": [r for r in self.rows if not r["decode_only"]]}
+        for lo, hi in [(1, 32), (33, 96), (97, 192), (193, 256)]:
+            groups[f"decode b{lo}-{hi}"] = [r for r in self.rows if r["decode_only"] and lo <= r["batch"] <= hi]
+        for name, rows in groups.items():
+            if not rows:
+                continue
+            tot = lambda k: sum(r[k] for r in rows)  # noqa: E731
+            out[name] = {"steps": len(rows), "step_s": round(tot("step_ms") / 1e3, 3),
+                         "gpu_s": round(tot("gpu_ms") / 1e3, 3), "execute_s": round(tot("execute_ms") / 1e3, 3),
+                         "kv_TBps": round(tot("ctx") * KV_BYTES_PER_TOKEN / (tot("gpu_ms") / 1e3) / 1e12, 2)}
+        slow = sorted(self.rows, key=lambda r: -r["step_ms"])[:5]
+        out["slowest"] = [{k: (round(v, 2) if isinstance(v, float) else v) for k, v in r.items()} for r in slow]
+        return out
+
+
+KV_BYTES_PER_TOKEN = 28 * 2 * 8 * 128 * 2     # Qwen3-0.6B, bf16
+
+
 def throughput(args) -> dict:
     llm = make_llm(args)
     llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=16), use_tqdm=False)   # warm-up
     prompts, params = workload(args.num_seqs, temperature=args.temperature)
+    timeline = StepTimeline(llm.engine) if args.timeline else None
     t = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     dt = time.perf_counter() - t
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     assert n_out == sum(p.max_tokens for p in params)
-    return {"output_tokens": n_out, "input_tokens": sum(map(len, prompts)), "seconds": round(dt, 3),
-            "output_tok_per_s": round(n_out / dt, 1), "enforce_eager": args.enforce_eager,
-            "temperature": args.temperature}
+    res = {"output_tokens": n_out, "input_tokens": sum(map(len, prompts)), "seconds": round(dt, 3),
+           "output_tok_per_s": round(n_out / dt, 1), "enforce_eager": args.enforce_eager,
+           "temperature": args.temperature}
+    if timeline:
+        res["timeline"] = timeline.summary()
+    return res
 
 
 def latency(args) -> dict:
     llm = make_llm(args, max_num_seqs=8)
     prompt = [random.Random(1).randint(0, 10000) for _ in range(512)]
     per_tok = []
-    for _ in range(3):
+    for i in range(3):
+        timeline = StepTimeline(llm.engine) if args.timeline and i == 2 else None
         out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=256, ignore_eos=True), use_tqdm=False)[0]
         t = out.metrics.token_times
         per_tok.append((t[-1] - t[0]) / (len(t) - 1) * 1e3)
-    return {"decode_ms_per_token": [round(x, 3) for x in per_tok], "best": round(min(per_tok), 3)}
+    res = {"decode_ms_per_token": [round(x, 3) for x in per_tok], "best": round(min(per_tok), 3)}
+    if timeline:
+        res["timeline"] = timeline.summary()
+    return res
 
 
 def prefill(args) -> dict:
@@ -123,13 +185,14 @@ def main() -> None:
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--temperature", type=float, default=0.6)
     ap.add_argument("--num-seqs", type=int, default=256)
+    ap.add_argument("--timeline", action="store_true", help="time every step (wall and GPU)")
     args = ap.parse_args()
     args.model = args.model or build("/tmp/qwen3-0.6b-random")
     res = globals()[args.mode](args)
     table = res.pop("kernel_table", None)
     if table:
         print(table)
-    print(json.dumps({args.mode: res}))
+    print(json.dumps({args.mode: res}, indent=1))
 
 
 if __name__ == "__main__":

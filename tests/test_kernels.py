@@ -356,3 +356,41 @@ def _check_static_inputs(runner, step, CUDAGraphRunner):
     assert got.shape == want.shape == (3, 384)
     assert rel_err(got, want) < 1e-5
     assert graphs.tokens[2, :4].tolist() == step.slot_mapping + [-1]   # the padding row writes nowhere
+
+
+@pytest.mark.parametrize("device,dtype,tol", CASES)
+def test_gumbel_sample_greedy_rows_and_seeds(device, dtype, tol):
+    """Greedy rows give torch's argmax (first index on ties); a seeded row's token depends only on
+    its seed and logits, not on its place in the batch."""
+    from picovllm.kernels.sampling import gumbel_sample
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(6, 3000, generator=g)
+    logits[2, 7] = logits[2, 2900] = logits[2].max() + 1          # a tie: the first index wins
+    temps = torch.tensor([0.0, 0.7, 0.0, 1.0, 0.5, 0.0])
+    seeds = torch.tensor([1, 2, 3, 4, 5, 6])
+    dev = lambda x: x.to(device)   # noqa: E731
+    out = gumbel_sample(dev(logits.to(dtype)), dev(temps), dev(seeds)).cpu()
+    greedy = [0, 2, 5]
+    assert out[greedy].tolist() == logits.to(dtype).float()[greedy].argmax(-1).tolist()
+    assert out[2] == 7
+    perm = torch.tensor([3, 1, 4, 0, 5, 2])
+    out_perm = gumbel_sample(dev(logits[perm].to(dtype)), dev(temps[perm]), dev(seeds[perm])).cpu()
+    assert out_perm.tolist() == out[perm].tolist()
+    other = gumbel_sample(dev(logits.to(dtype)), dev(temps), dev(seeds + 100)).cpu()
+    assert other[greedy].tolist() == out[greedy].tolist()
+
+
+@pytest.mark.parametrize("device,dtype,tol", CASES[:1] + CASES[2:])
+def test_gumbel_sample_distribution(device, dtype, tol):
+    """Over many seeds, sampled frequencies match softmax(logits / T) (the torch sampler's law).
+    The interpreter runs few rows (about 25 ms each), so its bound is loose but still separates
+    T = 0.5 from T = 1 or 0.25; the GPU runs 20,000 rows."""
+    from picovllm.kernels.sampling import gumbel_sample
+    n, bound = (300, 0.1) if device == "cpu" else (20000, 0.012)
+    temp = 0.5
+    row = torch.tensor([1.0, 2.0, 0.5, 0.0, -1.0])
+    out = gumbel_sample(row.expand(n, 5).contiguous().to(device), torch.full((n,), temp, device=device),
+                        torch.arange(n, device=device) * 7919 + 11, block=16).cpu()
+    freq = torch.bincount(out, minlength=5).float() / n
+    want = (row / temp).softmax(-1)
+    assert (freq - want).abs().max() < bound   # about 4 standard deviations

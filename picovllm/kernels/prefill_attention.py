@@ -14,7 +14,7 @@ import triton.language as tl
 from picovllm.kernels.decode_attention import LOG2E, dot_precision
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["first_seq", "stride_bt"])   # vary per step: no recompiles
 def _prefill_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr,
         first_seq, qk_scale,

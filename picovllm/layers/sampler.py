@@ -50,9 +50,11 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, t: SamplingTensors) -> torch.T
 
 def sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     """logits [B, V] float32 -> token ids [B]."""
-    greedy = logits.argmax(-1)
     if t.all_greedy:
-        return greedy
+        return logits.argmax(-1)
+    if logits.is_cuda and not (t.any_top_k or t.any_top_p or t.any_min_p):
+        return _sample_on_gpu(logits, t)
+    greedy = logits.argmax(-1)
     temp = torch.where(t.temperature > 0, t.temperature, 1.0)
     scaled = apply_top_k_top_p_min_p(logits / temp[:, None], t)
     probs = scaled.softmax(-1)
@@ -63,3 +65,13 @@ def sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
             noise[row] = torch.empty(probs.shape[-1], device=probs.device).exponential_(generator=g)
     sampled = (probs / noise).argmax(-1)
     return torch.where(t.temperature > 0, sampled, greedy)
+
+
+def _sample_on_gpu(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """Temperature-only batches on CUDA: one fused Gumbel-max kernel. Unseeded rows get fresh seeds
+    from torch's default CPU generator (no device sync); seeded rows their own stream seed."""
+    from picovllm.kernels.sampling import gumbel_sample
+    fresh = torch.randint(0, 2 ** 62, (len(t.seeds),)).tolist()
+    seeds = [f if s is None else s for s, f in zip(t.seeds, fresh)]
+    seeds_t = torch.tensor(seeds, dtype=torch.long, pin_memory=True).to(logits.device, non_blocking=True)
+    return gumbel_sample(logits, t.temperature, seeds_t)

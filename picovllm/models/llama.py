@@ -42,7 +42,7 @@ class LlamaAttention(nn.Module):
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = self.rotary(positions, q, k)
-        o = self.attn(q, k, v.contiguous(), meta)
+        o = self.attn(q, k, v, meta)   # v is a strided view of qkv; the KV store takes it as is
         return self.o_proj(o.flatten(1))
 
 
