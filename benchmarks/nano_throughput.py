@@ -59,10 +59,10 @@ class StepTimeline:
             ev1.record()
             return res
 
-        def step():
+        def step(*a, **kw):
             self.cur = {}
             t = time.perf_counter()
-            out = real_step()
+            out = real_step(*a, **kw)
             if self.cur:
                 self.cur["step_ms"] = (time.perf_counter() - t) * 1e3
                 self.rows.append(self.cur)

@@ -107,6 +107,7 @@ def test_store_kv(device, dtype, tol, block_size):
     (8, 8, 1, 16, [9, 24, 65], 3),                 # MQA, block size 8, slices over several blocks
     (32, 6, 2, 24, [5, 95], 2),                    # GQA 3 (padded group), head_dim not a power of 2
     (5, 4, 2, 16, [4, 5, 6, 23], 7),               # a block size that is not a power of two
+    (16, 4, 2, 32, [3, 16, 50], 1),                # one split: the partial kernel writes the output itself
 ])
 def test_decode_attention(device, dtype, tol, block_size, hq, hkv, d, ctx, splits):
     b = PagedBatch([n - 1 for n in ctx], [1] * len(ctx), block_size, hq, hkv, d, dtype, device, seed=len(ctx))
@@ -122,12 +123,15 @@ def test_decode_attention(device, dtype, tol, block_size, hq, hkv, d, ctx, split
 
 
 @pytest.mark.parametrize("device,dtype,tol", CASES)
-def test_decode_padding_rows_give_zeros(device, dtype, tol):
+@pytest.mark.parametrize("splits", [1, 3])
+def test_decode_padding_rows_give_zeros(device, dtype, tol, splits):
     """CUDA-graph padding: a row with seq_len 0 reads nothing and yields zeros, not NaN."""
     b = PagedBatch([4, 0], [1, 1], 16, 4, 2, 16, dtype, device)
     b.meta.seq_lens[1] = 0
-    out = decode_attention(b.q, b.k_cache, b.v_cache, b.meta.block_tables, b.meta.seq_lens, 0.25, num_splits=3)
-    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    out = torch.full_like(b.q, float("nan"))
+    decode_attention(b.q, b.k_cache, b.v_cache, b.meta.block_tables, b.meta.seq_lens, 0.25, out=out,
+                     num_splits=splits)
+    assert torch.equal(out[1], torch.zeros_like(out[1])) and not out[0].isnan().any()
 
 
 @pytest.mark.parametrize("device,dtype,tol", CASES)
@@ -369,15 +373,18 @@ def test_gumbel_sample_greedy_rows_and_seeds(device, dtype, tol):
     temps = torch.tensor([0.0, 0.7, 0.0, 1.0, 0.5, 0.0])
     seeds = torch.tensor([1, 2, 3, 4, 5, 6])
     dev = lambda x: x.to(device)   # noqa: E731
-    out = gumbel_sample(dev(logits.to(dtype)), dev(temps), dev(seeds)).cpu()
+    out = gumbel_sample(dev(logits.to(dtype)), dev(temps), dev(seeds), block=256).cpu()
     greedy = [0, 2, 5]
     assert out[greedy].tolist() == logits.to(dtype).float()[greedy].argmax(-1).tolist()
     assert out[2] == 7
     perm = torch.tensor([3, 1, 4, 0, 5, 2])
-    out_perm = gumbel_sample(dev(logits[perm].to(dtype)), dev(temps[perm]), dev(seeds[perm])).cpu()
-    assert out_perm.tolist() == out[perm].tolist()
-    other = gumbel_sample(dev(logits.to(dtype)), dev(temps), dev(seeds + 100)).cpu()
+    for chunks in (1, 4):      # the same tokens however the vocabulary is split across programs
+        out_perm = gumbel_sample(dev(logits[perm].to(dtype)), dev(temps[perm]), dev(seeds[perm]), block=256,
+                                 num_chunks=chunks).cpu()
+        assert out_perm.tolist() == out[perm].tolist()
+    other = gumbel_sample(dev(logits.to(dtype)), dev(temps), dev(seeds + 100), block=256).cpu()
     assert other[greedy].tolist() == out[greedy].tolist()
+    assert other.tolist() != out.tolist()
 
 
 @pytest.mark.parametrize("device,dtype,tol", CASES[:1] + CASES[2:])

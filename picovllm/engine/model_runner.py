@@ -191,7 +191,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepResult:
         if self.cuda_graphs is not None and self.cuda_graphs.fits(step):   # decode-only step
-            return self._sample(self.cuda_graphs.run(step).float(), step.sampling)
+            return self._sample(self.cuda_graphs.run(step), step.sampling)
         dev = self.device
         meta = self._metadata(step)
         ids = _to(step.input_ids, torch.long, dev)
@@ -199,7 +199,7 @@ class ModelRunner:
         hidden = self.model(ids, positions, meta)
         if not step.sample_indices:
             return StepResult([], [])
-        logits = self.model.compute_logits(hidden[_to(step.sample_indices, torch.long, dev)]).float()
+        logits = self.model.compute_logits(hidden[_to(step.sample_indices, torch.long, dev)])
         return self._sample(logits, step.sampling)
 
     def _metadata(self, step: StepInput) -> AttentionMetadata:
@@ -218,6 +218,8 @@ class ModelRunner:
             query_lens_cpu=qlens, seq_lens_cpu=step.seq_lens)
 
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> StepResult:
+        """logits in the model's dtype: the fused GPU sampler reads them as they are, the torch
+        sampler and logprobs upcast to float32 themselves."""
         dev = logits.device
         raw = logits
         banned = [(i, r.banned) for i, r in enumerate(rows) if r.banned]
@@ -248,7 +250,7 @@ class ModelRunner:
         want = [r.logprobs for r in rows]
         if all(w is None for w in want):
             return [None] * len(rows)
-        logp = raw.log_softmax(-1)
+        logp = raw.float().log_softmax(-1)
         k = max(w or 0 for w in want)
         top_v, top_i = logp.topk(k, dim=-1) if k else (None, None)
         chosen = logp.gather(-1, tokens[:, None])[:, 0]

@@ -68,7 +68,7 @@ class Scheduler:
         for req in decodes + prefills:
             if budget == 0:
                 break
-            if req not in self.running:          # preempted earlier in this loop
+            if req.status == RequestStatus.WAITING:   # preempted earlier in this loop (O(1), not a list scan)
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if not self._reserve(req, n, out):

@@ -49,7 +49,7 @@ class LLM:
         t0, last = time.time(), dict(self.engine.stats)
         try:
             while len(final) < len(ids) and self.engine.has_unfinished_requests():
-                for out in self.engine.step():
+                for out in self.engine.step(unfinished_outputs=False):
                     if out.finished:
                         final[out.request_id] = out
                         bar.update(1)

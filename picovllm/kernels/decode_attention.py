@@ -29,28 +29,33 @@ def _slice_len(seq_len, num_splits, BLOCK_N: tl.constexpr):
 
 @triton.jit(do_not_specialize=["num_splits", "stride_bt"])   # vary per step: no recompiles
 def _decode_partial_kernel(
-        q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, part_o_ptr, part_lse_ptr,
+        q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, part_o_ptr, part_lse_ptr, o_ptr,
         qk_scale, num_splits,
         stride_qb, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt,
-        stride_pb, stride_ph, stride_ps,
+        stride_pb, stride_ph, stride_ps, stride_ob, stride_oh,
         BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        DIRECT: tl.constexpr):
+    """DIRECT (one split): write the final output, no partials and no reduce pass."""
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     part = _slice_len(seq_len, num_splits, BLOCK_N)
     start = split * part
-    if start >= seq_len:      # this split is past the end of the context: the reduce skips it
-        return
-    end = tl.minimum(start + part, seq_len)
-
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
     mask_g = offs_g < GROUP
     mask_d = offs_d < HEAD_DIM
     heads = kvh * GROUP + offs_g
+    o_rows = o_ptr + seq.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+    if start >= seq_len:      # past the end of the context: the reduce skips this split
+        if DIRECT:            # an empty (padding) row: zeros
+            tl.store(o_rows, tl.zeros([GROUP_PAD, BLOCK_D], tl.float32).to(o_ptr.dtype.element_ty),
+                     mask=mask_g[:, None] & mask_d[None, :])
+        return
+    end = tl.minimum(start + part, seq_len)
     q = tl.load(q_ptr + seq.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=mask_g[:, None] & mask_d[None, :], other=0.0)
 
@@ -76,10 +81,13 @@ def _decode_partial_kernel(
         m_i = m_new
 
     out = acc / l_i[:, None]
-    lse = m_i + tl.log2(l_i)
-    base = seq.to(tl.int64) * stride_pb + heads * stride_ph + split * stride_ps
-    tl.store(part_o_ptr + base[:, None] + offs_d[None, :], out, mask=mask_g[:, None] & mask_d[None, :])
-    tl.store(part_lse_ptr + base // BLOCK_D, lse, mask=mask_g)
+    if DIRECT:
+        tl.store(o_rows, out.to(o_ptr.dtype.element_ty), mask=mask_g[:, None] & mask_d[None, :])
+    else:
+        lse = m_i + tl.log2(l_i)
+        base = seq.to(tl.int64) * stride_pb + heads * stride_ph + split * stride_ps
+        tl.store(part_o_ptr + base[:, None] + offs_d[None, :], out, mask=mask_g[:, None] & mask_d[None, :])
+        tl.store(part_lse_ptr + base // BLOCK_D, lse, mask=mask_g)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -117,7 +125,7 @@ def num_splits_for(num_seqs: int, num_kv_heads: int) -> int:
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      seq_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None,
-                     block_n: int = 64, num_warps: int = 4, num_stages: int = 2,
+                     block_n: int | None = None, num_warps: int = 4, num_stages: int = 2,
                      num_splits: int | None = None) -> torch.Tensor:
     """q [B, Hq, D]; caches [num_blocks, block_size, Hkv, D]; block_tables [B, W] int32; seq_lens [B] int32
     (0 for a padding row, which gets zeros). Returns [B, Hq, D]."""
@@ -131,17 +139,22 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     group = hq // hkv
     block_d = triton.next_power_of_2(d)
     splits = num_splits or num_splits_for(b, hkv)
-    part_o = torch.empty(b, hq, splits, block_d, dtype=torch.float32, device=q.device)
+    # long slices (large batches) stream in 128-token tiles; measured 3-4% faster on an H200
+    block_n = block_n or (128 if b >= 64 else 64)
+    direct = splits == 1
+    part_o = torch.empty(0 if direct else b, hq, splits, block_d, dtype=torch.float32, device=q.device)
     # part_lse is laid out as part_o without its last dim, so its offsets are part_o's // block_d
-    part_lse = torch.empty(b, hq, splits, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(0 if direct else b, hq, splits, dtype=torch.float32, device=q.device)
     _decode_partial_kernel[(b, hkv, splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, part_o, part_lse,
+        q, k_cache, v_cache, block_tables, seq_lens, part_o, part_lse, out,
         scale * LOG2E, splits,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        part_o.stride(0), part_o.stride(1), part_o.stride(2),
+        part_o.stride(0), part_o.stride(1), part_o.stride(2), out.stride(0), out.stride(1),
         BLOCK_SIZE=k_cache.shape[1], GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=d, BLOCK_D=block_d, BLOCK_N=block_n, DOT_PRECISION=dot_precision(q.dtype),
+        HEAD_DIM=d, BLOCK_D=block_d, BLOCK_N=block_n, DOT_PRECISION=dot_precision(q.dtype), DIRECT=direct,
         num_warps=num_warps, num_stages=num_stages)
+    if direct:
+        return out
     _decode_reduce_kernel[(b, hq)](
         part_o, part_lse, seq_lens, out, splits,
         part_o.stride(0), part_o.stride(1), part_o.stride(2), out.stride(0), out.stride(1),

@@ -49,11 +49,12 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, t: SamplingTensors) -> torch.T
 
 
 def sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
-    """logits [B, V] float32 -> token ids [B]."""
+    """logits [B, V] (float32, or the model's dtype on CUDA) -> token ids [B]."""
     if t.all_greedy:
         return logits.argmax(-1)
     if logits.is_cuda and not (t.any_top_k or t.any_top_p or t.any_min_p):
         return _sample_on_gpu(logits, t)
+    logits = logits.float()
     greedy = logits.argmax(-1)
     temp = torch.where(t.temperature > 0, t.temperature, 1.0)
     scaled = apply_top_k_top_p_min_p(logits / temp[:, None], t)
