@@ -10,7 +10,7 @@ bench() { python3 benchmarks/nano_throughput.py "$@" > "$OUT/$log.log" 2>&1; tai
 for what in "$@"; do
   t0=$(date +%s)
   case $what in
-    tests) python3 -m pytest -q -m gpu -p no:cacheprovider -n 4 tests/test_kernels.py > "$OUT/tests.log" 2>&1
+    tests) python3 -m pytest -q -m gpu -p no:cacheprovider -n 4 -k "${TESTS_K:-}" tests/test_kernels.py > "$OUT/tests.log" 2>&1
            grep -E "passed|failed|FAILED|Error" "$OUT/tests.log" | tail -15 ;;
     kernels) python3 benchmarks/attention_kernels.py 2>&1 | tee "$OUT/kernels.log" ;;
     throughput) log=throughput lines=60 bench throughput --timeline ;;

@@ -6,7 +6,7 @@ about eight passes (scale, softmax, noise, divide, two argmaxes, select). The no
 Philox keyed by the row's seed and the token id, so a seeded request's token depends only on
 (seed, output index) and its logits, never on the rest of the batch. Each row's vocabulary is cut
 into chunks handled by separate programs (enough of them to fill the GPU); a second small kernel
-picks each row's winner. Rows that need top-k / top-p / min-p keep the torch sampler
+picks each row's winner. Philox makes 4 numbers per call, so each call serves 4 adjacent entries. Rows that need top-k / top-p / min-p keep the torch sampler
 (picovllm.layers.sampler), which is also the reference for greedy rows.
 """
 from __future__ import annotations
@@ -16,42 +16,55 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
-def _gumbel_chunk_kernel(logits_ptr, temp_ptr, seed_ptr, best_ptr, best_idx_ptr, vocab, chunk, stride_l,
-                         NUM_CHUNKS: tl.constexpr, BLOCK: tl.constexpr):
+@triton.jit(do_not_specialize=["chunk", "num_chunks"])   # one compiled variant for every batch size
+def _gumbel_chunk_kernel(logits_ptr, temp_ptr, seed_ptr, best_ptr, best_idx_ptr, vocab, chunk, num_chunks, stride_l,
+                         BLOCK: tl.constexpr):
+    """Program (row, c) scans vocabulary entries [c * chunk, (c + 1) * chunk), BLOCK at a time, as
+    BLOCK // 4 quads: one Philox call gives the noise for the 4 entries of a quad."""
     row = tl.program_id(0)
     c = tl.program_id(1)
     temp = tl.load(temp_ptr + row)
     seed = tl.load(seed_ptr + row)
     inv_t = 1.0 / tl.where(temp > 0, temp, 1.0)
     base = logits_ptr + row.to(tl.int64) * stride_l
-    best = tl.full([BLOCK], float("-inf"), tl.float32)
-    best_idx = tl.full([BLOCK], 2147483647, tl.int32)
+    QUADS: tl.constexpr = BLOCK // 4
+    best = tl.full([QUADS], float("-inf"), tl.float32)
+    best_idx = tl.full([QUADS], 2147483647, tl.int32)
     lo = c * chunk
     hi = tl.minimum(lo + chunk, vocab)
     for start in range(lo, hi, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        x = tl.load(base + offs, mask=offs < hi, other=float("-inf")).to(tl.float32)
-        e = -tl.log(tl.rand(seed, offs))                  # Exp(1) noise, one draw per vocabulary entry
-        score = tl.where(temp > 0, x * inv_t - tl.log(e), x)
-        take = score > best                               # strict: each lane keeps its first maximum
-        best = tl.where(take, score, best)
-        best_idx = tl.where(take, offs, best_idx)
+        quad = start // 4 + tl.arange(0, QUADS)
+        u0, u1, u2, u3 = tl.rand4x(seed, quad)
+        best, best_idx = _gumbel_step(base, quad * 4, hi, u0, temp, inv_t, best, best_idx)
+        best, best_idx = _gumbel_step(base, quad * 4 + 1, hi, u1, temp, inv_t, best, best_idx)
+        best, best_idx = _gumbel_step(base, quad * 4 + 2, hi, u2, temp, inv_t, best, best_idx)
+        best, best_idx = _gumbel_step(base, quad * 4 + 3, hi, u3, temp, inv_t, best, best_idx)
     top = tl.max(best, 0)
-    out = row * NUM_CHUNKS + c
+    out = row * num_chunks + c
     tl.store(best_ptr + out, top)
     tl.store(best_idx_ptr + out, tl.min(tl.where(best == top, best_idx, 2147483647), 0))
 
 
 @triton.jit
-def _gumbel_pick_kernel(best_ptr, best_idx_ptr, out_ptr, NUM_CHUNKS: tl.constexpr):
+def _gumbel_step(base, offs, hi, u, temp, inv_t, best, best_idx):
+    x = tl.load(base + offs, mask=offs < hi, other=float("-inf")).to(tl.float32)
+    score = tl.where(temp > 0, x * inv_t - tl.log(-tl.log(u)), x)   # -log(u) ~ Exp(1); minus its log is Gumbel
+    take = score > best                     # strict, and quads go in index order: a lane keeps its first maximum
+    return tl.where(take, score, best), tl.where(take, offs, best_idx)
+
+
+@triton.jit(do_not_specialize=["num_chunks"])
+def _gumbel_pick_kernel(best_ptr, best_idx_ptr, out_ptr, num_chunks, BLOCK_C: tl.constexpr):
     row = tl.program_id(0)
-    offs = row * NUM_CHUNKS + tl.arange(0, NUM_CHUNKS)
-    best = tl.load(best_ptr + offs)
-    idx = tl.load(best_idx_ptr + offs)
+    c = tl.arange(0, BLOCK_C)
+    best = tl.load(best_ptr + row * num_chunks + c, mask=c < num_chunks, other=float("-inf"))
+    idx = tl.load(best_idx_ptr + row * num_chunks + c, mask=c < num_chunks, other=2147483647)
     top = tl.max(best, 0)
     # chunks are in vocabulary order, so the smallest index among the maxima is the first maximum
     tl.store(out_ptr + row, tl.min(tl.where(best == top, idx, 2147483647), 0).to(tl.int64))
+
+
+MAX_CHUNKS = 64
 
 
 def gumbel_sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
@@ -63,12 +76,14 @@ def gumbel_sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.
     out = torch.empty(b, dtype=torch.long, device=logits.device)
     if b == 0:
         return out
-    if num_chunks is None:   # about 1024 programs in all, each a whole number of blocks
-        num_chunks = min(64, triton.next_power_of_2(-(-1024 // b)), triton.next_power_of_2(-(-v // block)))
-    chunk = -(-v // num_chunks)
+    if num_chunks is None:   # about 1024 programs in all
+        num_chunks = min(MAX_CHUNKS, -(-1024 // b), -(-v // block))
+    if not 1 <= num_chunks <= MAX_CHUNKS or block % 4:
+        raise ValueError(f"gumbel_sample: num_chunks must be in [1, {MAX_CHUNKS}] and block a multiple of 4")
+    chunk = -(-(-(-v // num_chunks)) // block) * block      # whole blocks, so quads never straddle chunks
     best = torch.empty(b, num_chunks, dtype=torch.float32, device=logits.device)
     best_idx = torch.empty(b, num_chunks, dtype=torch.int32, device=logits.device)
-    _gumbel_chunk_kernel[(b, num_chunks)](logits, temperature, seeds, best, best_idx, v, chunk, logits.stride(0),
-                                          NUM_CHUNKS=num_chunks, BLOCK=block, num_warps=8)
-    _gumbel_pick_kernel[(b,)](best, best_idx, out, NUM_CHUNKS=num_chunks, num_warps=1)
+    _gumbel_chunk_kernel[(b, num_chunks)](logits, temperature, seeds, best, best_idx, v, chunk, num_chunks,
+                                          logits.stride(0), BLOCK=block, num_warps=8)
+    _gumbel_pick_kernel[(b,)](best, best_idx, out, num_chunks, BLOCK_C=MAX_CHUNKS, num_warps=1)
     return out
