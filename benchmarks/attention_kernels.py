@@ -29,7 +29,8 @@ def paged(ctx_lens, dev="cuda"):
         tables.append(t + [0] * (width - n))
     k = torch.randn(blocks, BS, HKV, D, device=dev, dtype=torch.bfloat16)
     v = torch.randn_like(k)
-    return k, v, torch.tensor(tables, dtype=torch.int32, device=dev), torch.tensor(ctx_lens, dtype=torch.int32, device=dev)
+    i32 = dict(dtype=torch.int32, device=dev)
+    return k, v, torch.tensor(tables, **i32), torch.tensor(ctx_lens, **i32)
 
 
 def rel(a, b):

@@ -6,8 +6,10 @@ about eight passes (scale, softmax, noise, divide, two argmaxes, select). The no
 Philox keyed by the row's seed and the token id, so a seeded request's token depends only on
 (seed, output index) and its logits, never on the rest of the batch. Each row's vocabulary is cut
 into chunks handled by separate programs (enough of them to fill the GPU); a second small kernel
-picks each row's winner. Philox makes 4 numbers per call, so each call serves 4 adjacent entries. Rows that need top-k / top-p / min-p keep the torch sampler
-(picovllm.layers.sampler), which is also the reference for greedy rows.
+picks each row's winner. Philox makes 4 numbers per call, so each call serves 4 adjacent entries.
+Rows that need top-k / top-p / min-p keep the torch sampler (picovllm.layers.sampler), which is
+also the reference for greedy rows. Seeded GPU samples differ from seeded CPU samples (another
+noise source), but each is reproducible.
 """
 from __future__ import annotations
 
