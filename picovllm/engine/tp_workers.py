@@ -37,6 +37,7 @@ class WorkerProcesses:
         self.death: str | None = None                      # set by the watchdog: who died, how
         self.on_death: Callable[[], None] | None = None    # also run by the watchdog (e.g. abort NCCL)
         self._quiet_r, self._quiet_w = ctx.Pipe(duplex=False)
+        self._reap_lock = threading.Lock()
         for p in self.procs:
             p.start()
         self._watchdog = threading.Thread(target=self._watch, name="picovllm-tp-watchdog", daemon=True)
@@ -57,10 +58,11 @@ class WorkerProcesses:
     def dead_worker(self, wait: float = 0.0) -> str | None:
         """Describe the first worker that has exited (waiting up to `wait` s for one), or None."""
         ready = connection.wait([p.sentinel for p in self.procs], timeout=wait)
-        for rank, p in enumerate(self.procs, start=1):
-            if p.sentinel in ready:
-                p.join(0)
-                return f"tensor-parallel worker rank {rank} (pid {p.pid}) {describe_exit(p.exitcode)}"
+        with self._reap_lock:   # two threads reaping one child race: the loser reads no exit code
+            for rank, p in enumerate(self.procs, start=1):
+                if p.sentinel in ready:
+                    p.join(1.0)   # its pipe closes a moment before it can be reaped
+                    return f"tensor-parallel worker rank {rank} (pid {p.pid}) {describe_exit(p.exitcode)}"
         return None
 
     def wait_started(self) -> None:
