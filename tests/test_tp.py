@@ -21,9 +21,10 @@ from picovllm import LLM, SamplingParams
 from picovllm.engine.model_runner import SamplingRow, StepInput
 from test_parity_hf import hf_greedy, make_prompts
 
-# arch -> checkpoint overrides: one has fewer KV heads than ranks, one a vocabulary that 2 does not divide
+# arch -> checkpoint overrides: KV heads that 2 ranks split unevenly (like SmolLM2's 9 heads, 3 KV heads),
+# fewer KV heads than ranks, and a vocabulary that 2 does not divide
 CHECKPOINTS = {
-    "llama": dict(),
+    "llama": dict(hidden_size=72, num_attention_heads=9, num_key_value_heads=3),
     "qwen2": dict(num_key_value_heads=1),
     "qwen3": dict(vocab_size=383, tie_word_embeddings=True),
 }
@@ -70,6 +71,8 @@ def test_plain_batch_matches_tp1_and_hf_then_shuts_down(tp_models):
     ref, _ = hf_greedy(path, prompts, 12)
     tp1 = LLM(path, num_kv_blocks=64).generate(prompts, sp, use_tqdm=False)
     with LLM(path, tensor_parallel_size=2, num_kv_blocks=64) as llm:
+        attn = llm.engine.runner.model.attention_layers()[0]
+        assert (attn.num_heads, attn.num_kv_heads) == (6, 2)   # rank 0's uneven share of 9 heads, 3 KV heads
         pids = llm.engine.runner.worker_pids
         assert len(pids) == 1 and pids[0] in spawned_children()
         tp2 = llm.generate(prompts, sp, use_tqdm=False)
@@ -157,6 +160,48 @@ def test_torchrun_launch_matches_tp1(tp_models):
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert [d["token_ids"] for d in sorted(lines, key=lambda d: d["index"])] == ref
+
+
+@pytest.mark.parametrize("heads,kv_heads,ranks", [(4, 2, 2), (9, 3, 2), (12, 6, 4), (8, 2, 4), (4, 1, 2)])
+def test_head_shards_reassemble_the_full_attention_projections(heads, kv_heads, ranks):
+    """Per rank: its q/k/v outputs are the full projection's heads it owns; o_proj partial sums add up."""
+    from picovllm.distributed import TPGroup
+    from picovllm.layers.linear import QKVParallelLinear, RowParallelLinear
+
+    d, hidden = 4, 16
+    torch.manual_seed(0)
+    wq, wk, wv = (torch.randn(n * d, hidden) for n in (heads, kv_heads, kv_heads))
+    wo, x = torch.randn(hidden, heads * d), torch.randn(3, hidden)
+    q_full, k_full, v_full = (x @ w.T for w in (wq, wk, wv))
+    o_in = torch.randn(3, heads * d)
+    o_sum, q_heads_seen = torch.zeros(3, hidden), []
+    for r in range(ranks):
+        tp = TPGroup(rank=r, size=ranks)
+        qkv = QKVParallelLinear(hidden, d, heads, kv_heads, tp=tp)
+        for shard, w in zip("qkv", (wq, wk, wv)):
+            qkv.load(qkv.weight, w, shard)
+        q, k, v = (qkv(x)).split([qkv.num_heads * d, qkv.num_kv_heads * d, qkv.num_kv_heads * d], dim=-1)
+        qs, ks = qkv.q_head_start, qkv.kv_head_start
+        torch.testing.assert_close(q, q_full[:, qs * d:(qs + qkv.num_heads) * d])
+        torch.testing.assert_close(k, k_full[:, ks * d:(ks + qkv.num_kv_heads) * d])
+        torch.testing.assert_close(v, v_full[:, ks * d:(ks + qkv.num_kv_heads) * d])
+        group = heads // kv_heads   # each local query head must see the KV head HF pairs it with
+        assert all((qs + i) // group == ks + i * qkv.num_kv_heads // qkv.num_heads for i in range(qkv.num_heads))
+        q_heads_seen += range(qs, qs + qkv.num_heads)
+        o = RowParallelLinear(heads * d, hidden, tp=tp, in_shard=qkv.q_shard)
+        o.load(o.weight, wo)
+        start, n = qkv.q_shard
+        o_sum += o_in[:, start:start + n] @ o.weight.T
+    assert sorted(q_heads_seen) == list(range(heads))
+    torch.testing.assert_close(o_sum, o_in @ wo.T)
+
+
+def test_kv_heads_that_cannot_be_shared_out_name_the_fields():
+    from picovllm.distributed import TPGroup
+    from picovllm.layers.linear import QKVParallelLinear
+
+    with pytest.raises(ValueError, match="tensor_parallel_size 4 .* num_key_value_heads 3"):
+        QKVParallelLinear(16, 4, 6, 3, tp=TPGroup(rank=0, size=4))
 
 
 def test_step_message_round_trips_without_pickle():
