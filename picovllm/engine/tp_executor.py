@@ -43,6 +43,7 @@ class TPSession:
         self.channel: ControlChannel | None = None
         self.tp: TPGroup | None = None
         self.local_rank = 0
+        self.ranks: list[int] = []
         self.failure: str | None = None
         self.closed = False
         self._threads: int | None = None              # rank 0's torch thread count before we changed it
@@ -61,10 +62,11 @@ class TPSession:
             self.workers.wait_started()
             dist.init_process_group("gloo", store=self.workers.store, rank=0, world_size=size, timeout=WORLD_TIMEOUT)
             self.owns_world = True
-        self.channel = ControlChannel(new_control_group(list(range(size))), src=0)
+        self.ranks = list(range(size))
+        self.channel = ControlChannel(new_control_group(self.ranks), src=self.ranks[0])
 
     def make_tp_group(self, device: torch.device) -> TPGroup:
-        self.tp = new_tp_group(list(range(dist.get_world_size())), device)
+        self.tp = new_tp_group(self.ranks, device)
         if device.type == "cuda" and self.workers is not None:
             # A dead peer leaves NCCL kernels spinning, which no exception reaches: abort them.
             self.workers.on_death = lambda: _abort_group(self.tp.group)
@@ -79,11 +81,16 @@ class TPSession:
         return self.workers.death or self.workers.dead_worker(wait)
 
     def fail(self, what: str, exc: BaseException) -> str | None:
-        """Record that a remote section failed, stop everything; return why if a worker is to blame."""
+        """Record that a remote section failed and stop everything (the ranks may be out of step).
+
+        Returns the reason when another rank is to blame (it died, or a collective failed)."""
         dead = self.dead_worker(DEATH_WAIT_S) if isinstance(exc, RuntimeError) else None
-        if dead is None and self.workers is None and isinstance(exc, RuntimeError):
-            dead = f"a tensor-parallel collective failed ({exc}); another rank may have died"
-        self.failure = f"{dead} during {what}" if dead else f"{type(exc).__name__} on rank 0 during {what}: {exc}"
+        if dead is None and _is_collective_error(exc):
+            dead = f"a tensor-parallel collective failed, a rank may have died or hung ({exc})"
+        if dead:
+            self.failure = f"{dead} during {what}"
+        else:
+            self.failure = f"{type(exc).__name__} on rank 0 during {what}" + (f": {exc}" if str(exc) else "")
         self.close(graceful=False)
         return self.failure if dead else None
 
@@ -103,6 +110,11 @@ class TPSession:
             _abort_group(self.tp.group)
         if self.owns_world and dist.is_initialized():
             dist.destroy_process_group()
+        elif dist.is_initialized():   # the world is the caller's: only our groups go
+            for group in (self.tp.group if self.tp else None, self.channel.group if self.channel else None):
+                if group is not None:
+                    with contextlib.suppress(Exception):
+                        dist.destroy_process_group(group)
         if self._threads is not None:
             torch.set_num_threads(self._threads)
 
@@ -239,6 +251,11 @@ def share_cpu_threads(num_ranks: int) -> None:
     """CPU ranks split the cores between them unless the user chose a thread count."""
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // num_ranks))
+
+
+def _is_collective_error(exc: BaseException) -> bool:
+    # NCCL raises DistBackendError; gloo a plain RuntimeError whose text names its source file.
+    return isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and "gloo" in str(exc))
 
 
 def _abort_group(group) -> None:
