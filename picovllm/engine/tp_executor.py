@@ -48,7 +48,7 @@ class TPSession:
         self.closed = False
         self._threads: int | None = None              # rank 0's torch thread count before we changed it
 
-    def start(self, size: int) -> None:
+    def start(self, size: int, device: str) -> None:
         if launched_externally():
             self.local_rank, self.owns_world = join_external_world()
             if dist.get_rank() != 0:
@@ -58,6 +58,9 @@ class TPSession:
                 raise ValueError(f"EngineConfig.tensor_parallel_size is {size} but the torch.distributed world has "
                                  f"{dist.get_world_size()} ranks")
         else:
+            if str(device).startswith("cuda") and torch.cuda.device_count() < size:
+                raise ValueError(f"EngineConfig.tensor_parallel_size {size} needs {size} GPUs, "
+                                 f"found {torch.cuda.device_count()}")
             self.workers = WorkerProcesses(size, spawned_worker_main)
             self.workers.wait_started()
             dist.init_process_group("gloo", store=self.workers.store, rank=0, world_size=size, timeout=WORLD_TIMEOUT)
@@ -125,7 +128,7 @@ class TPModelRunner(ModelRunner):
     def __init__(self, config: EngineConfig, source: ModelSource) -> None:
         self.session = TPSession()
         try:
-            self.session.start(config.tensor_parallel_size)
+            self.session.start(config.tensor_parallel_size, config.device)
             device = rank_device(config.device, self.session.local_rank)
             with self._remote("start-up"):
                 self.session.channel.send(Setup(replace(config, model=source.path)))
