@@ -95,6 +95,10 @@ class Engine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def shutdown(self) -> None:
+        """Stop the runner's helper processes (tensor-parallel workers), if any; idempotent."""
+        self.runner.shutdown()
+
     # -- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()

@@ -176,15 +176,27 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepResult:
+        logits = self.compute_logits(step)
+        if logits is None:
+            return StepResult([], [])
+        return self._sample(logits, step.sampling)
+
+    @torch.inference_mode()
+    def compute_logits(self, step: StepInput) -> torch.Tensor | None:
+        """The forward, then the logits of the rows that sample (None if none does).
+
+        Tensor-parallel workers stop here: they take part in the collectives; rank 0 samples."""
         dev = self.device
         meta = self._metadata(step)
         ids = _to(step.input_ids, torch.long, dev)
         positions = _to(step.positions, torch.long, dev)
         hidden = self.model(ids, positions, meta)
         if not step.sample_indices:
-            return StepResult([], [])
-        logits = self.model.compute_logits(hidden[_to(step.sample_indices, torch.long, dev)]).float()
-        return self._sample(logits, step.sampling)
+            return None
+        return self.model.compute_logits(hidden[_to(step.sample_indices, torch.long, dev)]).float()
+
+    def shutdown(self) -> None:
+        """Release what lives outside this process (tensor-parallel workers); idempotent."""
 
     def _metadata(self, step: StepInput) -> AttentionMetadata:
         dev = self.device
