@@ -10,6 +10,7 @@ import sys
 import time
 
 import httpx
+import pytest
 
 from conftest import build_tiny_checkpoint
 
@@ -21,12 +22,12 @@ CORPUS = ("The capital of France is Paris. Tell me a story about a cat who lives
           "The quick brown fox jumps over the lazy dog. A server streams tokens to its clients. ") * 20
 
 
-def build_tiny_chat_model(path: str) -> str:
+def build_tiny_chat_model(path: str, **overrides) -> str:
     """Tiny llama (vocab 384) plus a byte-level BPE tokenizer trained on the spot, with a ChatML template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    build_tiny_checkpoint(path, "llama")
+    build_tiny_checkpoint(path, "llama", **overrides)
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -39,6 +40,11 @@ def build_tiny_chat_model(path: str) -> str:
     fast.chat_template = CHATML
     fast.save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def chat_model(tmp_path_factory) -> str:
+    return build_tiny_chat_model(str(tmp_path_factory.mktemp("tinychat") / "model"))
 
 
 def free_port() -> int:

@@ -5,6 +5,7 @@ Everything the client does wrong comes back as OpenAI's error object with a 4xx 
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import signal
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from picovllm.config import EngineConfig
@@ -24,13 +25,14 @@ from picovllm.entrypoints.openai.async_engine import AsyncEngine
 from picovllm.entrypoints.openai.metrics import ServerMetrics
 from picovllm.entrypoints.openai.middleware import APIKeyAuth, BodySizeLimit
 from picovllm.entrypoints.openai.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
-from picovllm.entrypoints.openai.serving import ServingContext
+from picovllm.entrypoints.openai.serving import JSONBody, ServingContext
 from picovllm.entrypoints.openai.serving_chat import ChatHandler
 from picovllm.entrypoints.openai.serving_completion import CompletionHandler
 from picovllm.entrypoints.openai.tokenizer_worker import TokenizerWorker
 from picovllm.loader.default_model import DEFAULT_FILE
 
 logger = logging.getLogger("picovllm.server")
+BACKSTOP_SECONDS = 5.0    # after the grace period and our abort, uvicorn cancels whatever still hangs
 
 
 @dataclass
@@ -75,8 +77,8 @@ def build_app(ctx: ServingContext, settings: ServerSettings) -> FastAPI:
     @app.get("/health")
     async def health() -> Response:
         if not ctx.engine.is_running:
-            return JSONResponse(error_body("the engine loop is not running", "service_unavailable"), 503)
-        return JSONResponse({"status": "ok"})
+            return JSONBody(error_body("the engine loop is not running", "service_unavailable"), 503)
+        return JSONBody({"status": "ok"})
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -91,17 +93,17 @@ def build_app(ctx: ServingContext, settings: ServerSettings) -> FastAPI:
 
 
 def _add_error_handlers(app: FastAPI, ctx: ServingContext) -> None:
-    def reject(status: int, body: dict) -> JSONResponse:
+    def reject(status: int, body: dict) -> JSONBody:
         if 400 <= status < 500:
             ctx.metrics.count_outcome("rejected")
-        return JSONResponse(body, status)
+        return JSONBody(body, status)
 
     @app.exception_handler(APIError)
-    async def api_error(_: Request, e: APIError) -> JSONResponse:
+    async def api_error(_: Request, e: APIError) -> JSONBody:
         return reject(e.status, e.body())
 
     @app.exception_handler(RequestValidationError)
-    async def invalid(_: Request, e: RequestValidationError) -> JSONResponse:
+    async def invalid(_: Request, e: RequestValidationError) -> JSONBody:
         errors = e.errors()
         if errors and errors[0].get("type") == "json_invalid":
             why = (errors[0].get("ctx") or {}).get("error", "")
@@ -115,19 +117,37 @@ def _add_error_handlers(app: FastAPI, ctx: ServingContext) -> None:
         return reject(400, error_body("; ".join(parts) or "invalid request body", param=param))
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+    async def http_error(_: Request, e: StarletteHTTPException) -> JSONBody:
         return reject(e.status_code, error_body(str(e.detail), "invalid_request_error" if e.status_code < 500
                                                 else "internal_error"))
 
     @app.exception_handler(Exception)
-    async def internal(_: Request, e: Exception) -> JSONResponse:
+    async def internal(_: Request, e: Exception) -> JSONBody:
         logger.exception("unhandled error")
-        return JSONResponse(error_body(f"internal error: {type(e).__name__}", "internal_error"), 500)
+        return JSONBody(error_body(f"internal error: {type(e).__name__}", "internal_error"), 500)
 
 
 class _Server(uvicorn.Server):
-    """uvicorn re-raises a caught SIGTERM/SIGINT after its graceful shutdown, killing the process with
-    that signal; a server that shut down as asked should exit 0 instead."""
+    """uvicorn with our shutdown: on SIGTERM/SIGINT it stops accepting and waits for open requests; after
+    grace seconds we abort what is left in the engine, so those streams still end cleanly (finish_reason
+    "abort", then [DONE]). uvicorn's own timeout stays as a backstop. And exit 0: uvicorn would re-raise
+    the caught signal after shutting down, killing the process with it."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, grace: float) -> None:
+        super().__init__(config)
+        self.engine, self.grace = engine, grace
+
+    async def shutdown(self, sockets=None) -> None:
+        async def abort_when_grace_ends() -> None:
+            await asyncio.sleep(self.grace)
+            logger.warning("shutdown: aborting the requests still running after %.1f s", self.grace)
+            self.engine.abort_all()
+
+        aborter = asyncio.create_task(abort_when_grace_ends())
+        try:
+            await super().shutdown(sockets)
+        finally:
+            aborter.cancel()
 
     @contextlib.contextmanager
     def capture_signals(self):
@@ -155,6 +175,7 @@ def serve(engine_config: EngineConfig, settings: ServerSettings) -> None:
     ctx = ServingContext(AsyncEngine(engine, metrics), TokenizerWorker(engine.tokenizer), metrics, name)
     app = build_app(ctx, settings)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                            access_log=settings.access_log, timeout_graceful_shutdown=settings.shutdown_timeout)
+                            access_log=settings.access_log,
+                            timeout_graceful_shutdown=settings.shutdown_timeout + BACKSTOP_SECONDS)
     logger.info("serving %s on http://%s:%d", name, settings.host, settings.port)
-    _Server(config).run()
+    _Server(config, ctx.engine, settings.shutdown_timeout).run()

@@ -60,11 +60,16 @@ class AbortRequest:
 
 
 @dataclass
+class AbortAll:
+    pass
+
+
+@dataclass
 class Shutdown:
     pass
 
 
-Command = AddRequest | AbortRequest | Shutdown
+Command = AddRequest | AbortRequest | AbortAll | Shutdown
 
 
 class RequestStream:
@@ -157,6 +162,10 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._commands.put(AbortRequest(request_id))
 
+    def abort_all(self) -> None:
+        """Abort every request in flight: their streams end with finish_reason "abort"."""
+        self._commands.put(AbortAll())
+
     # -- the loop thread -------------------------------------------------------------------------
     def _run(self) -> None:
         try:
@@ -204,6 +213,10 @@ class AsyncEngine:
             return True
         if isinstance(cmd, AbortRequest):
             self._abort_into(cmd.request_id, outputs)
+            return False
+        if isinstance(cmd, AbortAll):
+            for rid in list(self.engine.requests):
+                self._abort_into(rid, outputs)
             return False
         error = None
         try:

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from picovllm.entrypoints.openai.async_engine import AsyncEngine, EngineDeadError, EngineStepError, RequestStream
 from picovllm.entrypoints.openai.metrics import ServerMetrics
@@ -18,6 +18,13 @@ from picovllm.outputs import CompletionOutput, Logprob, RequestOutput
 from picovllm.sampling_params import SamplingParams
 
 ENGINE_ERRORS = (EngineStepError, EngineDeadError)
+
+
+class JSONBody(JSONResponse):
+    """ASCII-escaped JSON, as the SSE events: a lone surrogate a client sent can never make encoding fail."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, separators=(",", ":")).encode()
 
 
 @dataclass

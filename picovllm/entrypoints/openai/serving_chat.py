@@ -6,11 +6,10 @@ import uuid
 from collections.abc import AsyncIterator
 
 from fastapi import Request, Response
-from fastapi.responses import JSONResponse
 
 from picovllm.entrypoints.openai.async_engine import RequestStream
 from picovllm.entrypoints.openai.protocol import ChatCompletionRequest
-from picovllm.entrypoints.openai.serving import (ENGINE_ERRORS, SSE_DONE, ServingContext, TextDeltas, final_output,
+from picovllm.entrypoints.openai.serving import (ENGINE_ERRORS, SSE_DONE, JSONBody, ServingContext, TextDeltas, final_output,
                                                  now, sse, sse_error, sse_response, top_logprobs, usage)
 from picovllm.outputs import CompletionOutput
 
@@ -37,7 +36,7 @@ class ChatHandler:
         choice = {"index": 0, "message": {"role": "assistant", "content": c.text},
                   "logprobs": _logprobs(c, range(len(c.token_ids)), k) if k is not None else None,
                   "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-        return JSONResponse(self._body(rid, "chat.completion", [choice], usage=usage(out)))
+        return JSONBody(self._body(rid, "chat.completion", [choice], usage=usage(out)))
 
     def _body(self, rid: str, obj: str, choices: list, **extra) -> dict:
         return {"id": rid, "object": obj, "created": now(), "model": self.ctx.model_name, "choices": choices, **extra}

@@ -6,11 +6,10 @@ import uuid
 from collections.abc import AsyncIterator
 
 from fastapi import Request, Response
-from fastapi.responses import JSONResponse
 
 from picovllm.entrypoints.openai.async_engine import RequestStream
 from picovllm.entrypoints.openai.protocol import CompletionRequest
-from picovllm.entrypoints.openai.serving import (ENGINE_ERRORS, SSE_DONE, ServingContext, TextDeltas, final_output,
+from picovllm.entrypoints.openai.serving import (ENGINE_ERRORS, SSE_DONE, JSONBody, ServingContext, TextDeltas, final_output,
                                                  now, sse, sse_error, sse_response, usage)
 from picovllm.outputs import CompletionOutput
 
@@ -36,7 +35,7 @@ class CompletionHandler:
         c = out.outputs[0]
         choice = {"index": 0, "text": c.text, "logprobs": _logprobs(c, range(len(c.token_ids)), 0)[0]
                   if req.logprobs is not None else None, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-        return JSONResponse(self._body(rid, [choice], usage=usage(out)))
+        return JSONBody(self._body(rid, [choice], usage=usage(out)))
 
     def _body(self, rid: str, choices: list, **extra) -> dict:
         return {"id": rid, "object": "text_completion", "created": now(), "model": self.ctx.model_name,

@@ -28,7 +28,7 @@ class TokenizerWorker:
     async def encode(self, text: str) -> list[int]:
         """As Engine.tokenize (and so LLM.generate) encodes a text prompt."""
         tok = self._need("a text prompt")
-        return await self._run(tok.encode, text)
+        return await self._run(_encode, tok, text, True)
 
     async def encode_chat(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
         """As LLM.chat: render the chat template, then encode without adding special tokens again."""
@@ -42,12 +42,16 @@ class TokenizerWorker:
                                                add_generation_prompt=add_generation_prompt)
             except Exception as e:  # jinja raises TemplateError (and others) on conversations it refuses
                 raise APIError(400, f"messages: the chat template rejected them: {e}", param="messages") from None
-            return tok.encode(text, add_special_tokens=False)
+            return _encode(tok, text, False)
 
         return await self._run(render)
 
-    def decode_token(self, token_id: int) -> str:
-        return "" if self.tokenizer is None else self.tokenizer.decode([token_id])
-
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _encode(tok, text: str, add_special_tokens: bool) -> list[int]:
+    try:
+        return tok.encode(text, add_special_tokens=add_special_tokens)
+    except Exception as e:  # e.g. a lone surrogate (valid JSON, not encodable text)
+        raise APIError(400, f"prompt: cannot be tokenized ({type(e).__name__})", param="prompt") from None
