@@ -318,6 +318,7 @@ def test_fuzz_hostile_bodies(server):
     model = httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
     cases = fuzz_cases(schema, model, 520)
     statuses: dict[int, int] = {}
+    before = server.metrics()
 
     async def send(client, sem, path, body, ctype):
         async with sem:
@@ -341,8 +342,13 @@ def test_fuzz_hostile_bodies(server):
 
     asyncio.run(main())
     assert statuses.get(400, 0) > 250 and statuses.get(200, 0) > 30, statuses
+    assert set(statuses) <= {200, 400}, statuses
     assert httpx.get(server.url + "/health").status_code == 200
-    assert_idle(server)
+    after = assert_idle(server)
+    assert after["picovllm:requests_total.rejected"] - before["picovllm:requests_total.rejected"] == statuses[400]
+    finished = sum(after[f"picovllm:requests_total.{o}"] - before[f"picovllm:requests_total.{o}"]
+                   for o in ("stop", "length", "abort", "error"))
+    assert finished == statuses[200]
 
 
 # -- the online benchmark against this server ---------------------------------------------------------

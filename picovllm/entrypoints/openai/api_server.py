@@ -32,6 +32,7 @@ from picovllm.entrypoints.openai.tokenizer_worker import TokenizerWorker
 from picovllm.loader.default_model import DEFAULT_FILE
 
 logger = logging.getLogger("picovllm.server")
+GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions")
 BACKSTOP_SECONDS = 5.0    # after the grace period and our abort, uvicorn cancels whatever still hangs
 
 
@@ -93,32 +94,32 @@ def build_app(ctx: ServingContext, settings: ServerSettings) -> FastAPI:
 
 
 def _add_error_handlers(app: FastAPI, ctx: ServingContext) -> None:
-    def reject(status: int, body: dict) -> JSONBody:
-        if 400 <= status < 500:
+    def reject(request: Request, status: int, body: dict) -> JSONBody:
+        if 400 <= status < 500 and request.url.path in GENERATION_ROUTES:
             ctx.metrics.count_outcome("rejected")
         return JSONBody(body, status)
 
     @app.exception_handler(APIError)
-    async def api_error(_: Request, e: APIError) -> JSONBody:
-        return reject(e.status, e.body())
+    async def api_error(request: Request, e: APIError) -> JSONBody:
+        return reject(request, e.status, e.body())
 
     @app.exception_handler(RequestValidationError)
-    async def invalid(_: Request, e: RequestValidationError) -> JSONBody:
+    async def invalid(request: Request, e: RequestValidationError) -> JSONBody:
         errors = e.errors()
         if errors and errors[0].get("type") == "json_invalid":
-            why = (errors[0].get("ctx") or {}).get("error", "")
-            return reject(400, error_body(f"the body is not valid JSON: {why} at character {errors[0]['loc'][-1]}"))
+            why, at = (errors[0].get("ctx") or {}).get("error", ""), errors[0]["loc"][-1]
+            return reject(request, 400, error_body(f"the body is not valid JSON: {why} at character {at}"))
         parts = []
         for err in errors[:3]:
             loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
             parts.append(f"{loc}: {err.get('msg', 'invalid')}" if loc else str(err.get("msg", "invalid")))
         first = errors[0].get("loc", ()) if errors else ()
         param = next((str(x) for x in first if x != "body"), None)
-        return reject(400, error_body("; ".join(parts) or "invalid request body", param=param))
+        return reject(request, 400, error_body("; ".join(parts) or "invalid request body", param=param))
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, e: StarletteHTTPException) -> JSONBody:
-        return reject(e.status_code, error_body(str(e.detail), "invalid_request_error" if e.status_code < 500
+    async def http_error(request: Request, e: StarletteHTTPException) -> JSONBody:
+        return reject(request, e.status_code, error_body(str(e.detail), "invalid_request_error" if e.status_code < 500
                                                 else "internal_error"))
 
     @app.exception_handler(Exception)

@@ -168,13 +168,16 @@ class AsyncEngine:
 
     # -- the loop thread -------------------------------------------------------------------------
     def _run(self) -> None:
+        why = "the engine loop has shut down"
         try:
             while self._iteration():
                 pass
         except BaseException:
             logger.exception("engine loop crashed")
-            self._loop.call_soon_threadsafe(self._fail_all_streams)
+            why = "the engine loop crashed"
             raise
+        finally:   # nobody will answer requests still waiting (an add that raced the shutdown)
+            self._loop.call_soon_threadsafe(self._fail_all_streams, why)
 
     def _iteration(self) -> bool:
         engine = self.engine
@@ -271,8 +274,8 @@ class AsyncEngine:
             elif item is not None:
                 stream.put(item)
 
-    def _fail_all_streams(self) -> None:
-        err = EngineDeadError("the engine loop crashed")
+    def _fail_all_streams(self, why: str) -> None:
+        err = EngineDeadError(why)
         for stream in list(self._streams.values()):
             if not stream.accepted.done():
                 stream.accepted.set_exception(err)
