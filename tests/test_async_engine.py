@@ -57,6 +57,8 @@ def test_reject_and_abort_leave_engine_clean(llm):
                 await ae.add_request([5] * 600, GREEDY, "too-long")
             with pytest.raises(ValueError, match=r"token ids must be in \[0, 384\)"):
                 await ae.add_request([1, 2, 999], GREEDY, "bad-id")
+            with pytest.raises(ValueError, match="stop_token_ids"):   # would index past the logits
+                await ae.add_request([1, 2], SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=[999]), "bad-stop")
             # a long request, left after its first output: leaving the iteration aborts it
             long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
             stream = await ae.add_request(prompts(1)[0], long, "leaver")

@@ -153,6 +153,8 @@ def test_models_health_and_named_errors(server, client, chat_model):
         (dict(model=model, prompt=""), "empty"),
         (dict(model=model, prompt="hi", max_tokens=4, extra_body={"min_tokens": 9}), "min_tokens"),
         (dict(model=model, prompt=["a", "b"]), "one prompt"),
+        (dict(model=model, prompt="hi", max_tokens=4, extra_body={"min_tokens": 2, "stop_token_ids": [5000]}),
+         "stop_token_ids"),
     ]
     for kw, needle in cases:
         with pytest.raises(openai.BadRequestError) as e:
