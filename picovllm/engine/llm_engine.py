@@ -68,6 +68,10 @@ class Engine:
         vocab = self.model_config.vocab_size
         if any(t < 0 or t >= vocab for t in ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if any(t >= vocab for t in params.stop_token_ids):   # banned from the logits before min_tokens
+            raise ValueError(f"SamplingParams.stop_token_ids must be in [0, {vocab}), got {params.stop_token_ids!r}")
+        if params.logprobs is not None and params.logprobs > vocab:
+            raise ValueError(f"SamplingParams.logprobs must be <= the vocabulary size {vocab}, got {params.logprobs}")
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt is {len(ids)} tokens, longer than max_model_len - 1 = {self.max_model_len - 1}")
         request_id = str(next(self._ids)) if request_id is None else request_id
