@@ -54,8 +54,32 @@ def default_model_path() -> str:
     return default_model_path()
 
 
-# -- every engine built during a test must end it with all KV blocks free ------------------------
+# Engines that outlive one test (session fixtures); no_kv_leaks checks them after every test too.
 _engines: list = []
+
+
+@pytest.fixture(scope="session")
+def default_llm():
+    """LLM() on the default model (SmolLM2-135M-Instruct GGUF), loaded once: it takes ~10-20 s."""
+    from picovllm import LLM
+    llm = LLM()
+    _engines.append(llm.engine)
+    yield llm
+    _engines.remove(llm.engine)
+
+
+def assert_engine_clean(eng) -> None:
+    """No unfinished request; every block free (unreferenced), cached or not; the cache index consistent."""
+    bm = eng.block_manager
+    assert not eng.has_unfinished_requests(), f"engine left unfinished requests: {eng.scheduler.running}"
+    assert not eng.requests, f"engine still tracks requests: {list(eng.requests)}"
+    assert bm.num_free_blocks == bm.num_blocks, f"KV leak: {bm.num_blocks - bm.num_free_blocks} blocks held"
+    assert all(r == 0 for r in bm.ref_counts)
+    for h, b in bm.hash_to_block.items():
+        assert bm.block_hash[b] == h, f"cache index maps hash to block {b}, which holds another hash"
+
+
+# -- every engine built during a test must end it with all KV blocks free ------------------------
 
 
 @pytest.fixture(autouse=True)
@@ -71,12 +95,7 @@ def no_kv_leaks(monkeypatch):
 
     monkeypatch.setattr(llm_engine.Engine, "__init__", tracking_init)
     yield
-    for ref in created:
-        eng = ref()
-        if eng is None:
-            continue
-        bm = eng.block_manager
-        assert not eng.has_unfinished_requests(), f"engine left unfinished requests: {eng.scheduler.running}"
-        assert bm.num_free_blocks == bm.num_blocks, f"KV leak: {bm.num_blocks - bm.num_free_blocks} blocks held"
-        assert all(r == 0 for r in bm.ref_counts)
+    engines = [e for e in (ref() for ref in created) if e is not None] + list(_engines)
+    for eng in engines:
+        assert_engine_clean(eng)
     gc.collect()
