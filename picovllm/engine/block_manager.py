@@ -88,6 +88,18 @@ class BlockManager:
         self.hit_tokens += req.num_cached_tokens
         return req.num_cached_tokens
 
+    def cancel_prefix(self, req: Request) -> None:
+        """Give back what allocate_prefix took for a request that could not be admitted after all.
+
+        Its lookup is not counted in the hit rate: a request that waits for blocks over many
+        steps is looked up again, and counted once, when it is admitted.
+        """
+        if self.enable_prefix_caching:
+            self.queried_tokens -= req.num_tokens
+            self.hit_tokens -= req.num_cached_tokens
+        req.num_cached_tokens = 0
+        self.free(req)
+
     def allocate(self, req: Request, num_tokens: int) -> bool:
         """Make req's block table cover num_tokens slots. False (and no change) if out of blocks."""
         need = self.blocks_needed(req, num_tokens)
