@@ -16,6 +16,8 @@ from picovllm import LLM, SamplingParams
 from picovllm.layers.sampler import SamplingTensors, sample, seeded_stream
 from test_parity_hf import hf_greedy, make_prompts
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 SIGMAS = 5.0   # empirical frequency within 5 binomial standard deviations of the analytic probability
 
 
