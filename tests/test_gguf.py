@@ -305,3 +305,15 @@ def test_missing_tensor_is_named(tmp_path, missing, named):
     write_tiny_gguf(path, "F32", skip=(missing,))
     with pytest.raises(ValueError, match=named):
         LLM(path)
+
+
+def test_missing_metadata_key_is_named(tmp_path):
+    path = str(tmp_path / "bare.gguf")
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_tensor("token_embd.weight", np.zeros((VOCAB, HIDDEN), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match="llama.attention.head_count"):
+        LLM(path)
