@@ -62,6 +62,7 @@ class Engine:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError("sampling_params must be a SamplingParams")
+        params.validate()   # again: fields may have been set after construction
         ids = self.tokenize(prompt)
         if not ids:
             raise ValueError("prompt is empty")
