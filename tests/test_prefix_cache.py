@@ -68,16 +68,20 @@ def test_cache_on_equals_cache_off(tiny_models, seeded):
 
 
 @pytest.mark.parametrize("seeded", [False, True])
-def test_cache_on_equals_cache_off_under_eviction_and_chunking(tiny_models, seeded):
+def test_cache_on_equals_cache_off_under_eviction_chunking_and_preemption(tiny_models, seeded):
     path = tiny_models["llama"]
     rounds = [shared_prefix_prompts(s, [0, 8, 13, 24, 31, 40]) for s in (1, 2, 1, 3, 2, 1)]
-    cfg = dict(block_size=4, num_kv_blocks=48, max_num_batched_tokens=20)
+    cfg = dict(block_size=4, num_kv_blocks=24, max_num_batched_tokens=20)
     off = run_rounds(LLM(path, enable_prefix_caching=False, **cfg), rounds, seeded)
     llm = LLM(path, **cfg)
     watch = EvictionWatch(llm.engine)
+    preempted = []
+    real = llm.engine.scheduler.preempt
+    llm.engine.scheduler.preempt = lambda r: (preempted.append(r.request_id), real(r))
     on = run_rounds(llm, rounds, seeded)
     assert on == off
     assert watch.evictions > 0, "the cache was meant to be too small to keep every prefix"
+    assert preempted, "... and to force preemption"
     assert llm.engine.block_manager.hit_tokens > 0
 
 
