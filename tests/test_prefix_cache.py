@@ -143,3 +143,22 @@ def test_preempted_request_resumes_from_cache(tiny_models):
     assert prefill_on < results[False][0], "resumed requests should recompute less with the cache on"
     resumed = [r.num_cached_tokens for r, computed in preempted if computed > 4]
     assert any(n > 0 for n in resumed), f"no preempted request resumed from its cached blocks: {resumed}"
+
+
+def test_block_hashes_are_the_same_in_every_process():
+    """Prefill and decode engines run in different processes: a block's hash must not depend on
+    the process's string-hash seed."""
+    import subprocess
+    import sys
+
+    code = ("from picovllm.engine.block_manager import BlockManager, hash_block, prefix_salt\n"
+            "s = prefix_salt('/models/m.gguf', 'torch.float32')\n"
+            "print(s, hash_block(s, (1, 2, 3)), prefix_salt('/models/m.gguf', 'torch.bfloat16'))")
+    outs = set()
+    for seed in ("1", "2", "3"):
+        env = dict(__import__("os").environ, PYTHONHASHSEED=seed, OMP_NUM_THREADS="1")
+        outs.add(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                                check=True).stdout)
+    assert len(outs) == 1, outs
+    salt, _, other = outs.pop().split()
+    assert salt != other                          # the dtype is part of the identity
