@@ -7,6 +7,7 @@ recomputing it. Only when the free queue is drained is a cached block's content 
 """
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 
 from picovllm.engine.request import Request
@@ -15,6 +16,13 @@ from picovllm.engine.request import Request
 def hash_block(prev_hash: int, token_ids: tuple[int, ...]) -> int:
     # Python's hash of int tuples is deterministic across processes (no string hashing involved).
     return hash((prev_hash, token_ids))
+
+
+def prefix_salt(*identity: object) -> int:
+    """The seed of every block-hash chain, from what changes KV (model, dtype). Not hash() of a str:
+    that differs per process (PYTHONHASHSEED), and PD engines in two processes must agree."""
+    digest = hashlib.sha256("\0".join(map(str, identity)).encode()).digest()
+    return int.from_bytes(digest[:8], "little")
 
 
 class BlockManager:

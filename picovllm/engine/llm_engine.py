@@ -5,7 +5,7 @@ import itertools
 import time
 
 from picovllm.config import EngineConfig
-from picovllm.engine.block_manager import BlockManager
+from picovllm.engine.block_manager import BlockManager, prefix_salt
 from picovllm.engine.detokenizer import Detokenizer, check_stop
 from picovllm.engine.model_runner import ModelRunner, StepResult
 from picovllm.engine.request import FinishReason, Request, RequestStatus
@@ -32,7 +32,7 @@ class Engine:
         self.runner = runner or self._make_runner(source)
         num_blocks = self.runner.profile_num_blocks()
         self.runner.allocate_kv_cache(num_blocks)
-        salt = hash((source.path, str(config.torch_dtype)))
+        salt = prefix_salt(source.path, config.torch_dtype)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, salt)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.detokenizer = Detokenizer(self.tokenizer)
