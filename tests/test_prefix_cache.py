@@ -155,7 +155,7 @@ def test_block_hashes_are_the_same_in_every_process():
             "s = prefix_salt('/models/m.gguf', 'torch.float32')\n"
             "print(s, hash_block(s, (1, 2, 3)), prefix_salt('/models/m.gguf', 'torch.bfloat16'))")
     outs = set()
-    for seed in ("1", "2", "3"):
+    for seed in ("1", "2"):
         env = dict(__import__("os").environ, PYTHONHASHSEED=seed, OMP_NUM_THREADS="1")
         outs.add(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                                 check=True).stdout)
