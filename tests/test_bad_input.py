@@ -157,6 +157,8 @@ def test_bad_requests_leave_in_flight_requests_untouched(tiny_models):
         ([3.5, 2], SamplingParams(), r"prompt must be a string or a list of int token ids"),
         ([1, 2, 3], {"temperature": 0}, r"sampling_params must be a SamplingParams"),
         ([1, 2, 3], mutated, r"SamplingParams\.temperature"),
+        ([1, 2, 3], SamplingParams(logprobs=385), r"SamplingParams\.logprobs .*384"),       # more than the vocab
+        ([1, 2, 3], SamplingParams(stop_token_ids=[5, 384], min_tokens=2), r"SamplingParams\.stop_token_ids .*384"),
         (list(range(100)), SamplingParams(max_tokens=300), None),   # fine: max_tokens is capped by max_model_len
     ]
     running, waiting = list(eng.scheduler.running), list(eng.scheduler.waiting)
