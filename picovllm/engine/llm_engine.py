@@ -63,10 +63,15 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise ValueError("sampling_params must be a SamplingParams")
         params.validate()   # again: fields may have been set after construction
+        vocab = self.model_config.vocab_size
+        # These would otherwise fail inside a step, taking the whole batch down with them.
+        if params.logprobs is not None and params.logprobs > vocab:
+            raise ValueError(f"SamplingParams.logprobs must be <= the vocabulary size {vocab}, got {params.logprobs}")
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise ValueError(f"SamplingParams.stop_token_ids must be in [0, {vocab}), got {params.stop_token_ids}")
         ids = self.tokenize(prompt)
         if not ids:
             raise ValueError("prompt is empty")
-        vocab = self.model_config.vocab_size
         if any(t < 0 or t >= vocab for t in ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         if len(ids) >= self.max_model_len:
