@@ -162,3 +162,37 @@ def test_block_hashes_are_the_same_in_every_process():
     assert len(outs) == 1, outs
     salt, _, other = outs.pop().split()
     assert salt != other                          # the dtype is part of the identity
+
+
+def test_abort_of_requests_sharing_blocks(tiny_models):
+    """Aborting requests that share cached blocks (mid-prefill, decoding, waiting) frees only their own
+    references: the others finish exactly as in a clean run."""
+    path = tiny_models["llama"]
+    warm, *prompts = shared_prefix_prompts(9, [40, 40, 36, 33, 40, 25, 40])
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    cfg = dict(block_size=4, num_kv_blocks=64, max_num_batched_tokens=10, max_num_seqs=4)
+    llm = LLM(path, **cfg)
+    llm.generate([warm], sp, use_tqdm=False)            # its blocks are now cached
+    eng = llm.engine
+    watch = EvictionWatch(eng)
+    ids = [eng.add_request(p, sp) for p in prompts]
+    by_state = {}
+    for _ in range(6):
+        eng.step()
+        by_state = {}
+        for i in ids:
+            by_state.setdefault(eng.requests[i].status.value, i)
+        if len(by_state) == 3:
+            break
+    assert set(by_state) == {"decoding", "prefill", "waiting"}, by_state
+    victims = list(by_state.values())
+    for v in victims:
+        assert eng.abort(v).outputs[0].finish_reason == "abort"
+    final = {}
+    while eng.has_unfinished_requests():
+        final.update({o.request_id: o.outputs[0].token_ids for o in eng.step() if o.finished})
+    survivors = [i for i in ids if i not in victims]
+    clean = LLM(path, enable_prefix_caching=False, **cfg).generate(
+        [prompts[ids.index(i)] for i in survivors], sp, use_tqdm=False)
+    assert [final[i] for i in survivors] == [o.outputs[0].token_ids for o in clean]
+    assert watch.evictions == 0
