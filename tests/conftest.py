@@ -73,7 +73,8 @@ _engines: list = []
 def default_llm():
     """LLM() on the default model (SmolLM2-135M-Instruct GGUF), loaded once: it takes ~10-20 s."""
     from picovllm import LLM
-    llm = LLM()
+    # exactly LLM() on CPU (fp32); a GPU would default to bf16, too coarse for greedy parity with HF's fp32
+    llm = LLM(dtype="float32") if torch.cuda.is_available() else LLM()
     _engines.append(llm.engine)
     yield llm
     _engines.remove(llm.engine)
