@@ -24,6 +24,9 @@ class SamplingTensors:
     any_min_p: bool
 
 
+GREEDY_BELOW = 1e-5   # as vLLM: a smaller temperature is greedy (1 / T would overflow to inf and NaN)
+
+
 def seeded_stream(seed: int, index: int) -> int:
     return (seed * 1_000_003 + index * 7_919 + 1) % (2 ** 63)
 
@@ -53,7 +56,8 @@ def sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     greedy = logits.argmax(-1)
     if t.all_greedy:
         return greedy
-    temp = torch.where(t.temperature > 0, t.temperature, 1.0)
+    sampled_rows = t.temperature >= GREEDY_BELOW
+    temp = torch.where(sampled_rows, t.temperature, 1.0)
     scaled = apply_top_k_top_p_min_p(logits / temp[:, None], t)
     probs = scaled.softmax(-1)
     noise = torch.empty_like(probs).exponential_()
@@ -62,4 +66,4 @@ def sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
             g = torch.Generator(device=probs.device).manual_seed(seed)
             noise[row] = torch.empty(probs.shape[-1], device=probs.device).exponential_(generator=g)
     sampled = (probs / noise).argmax(-1)
-    return torch.where(t.temperature > 0, sampled, greedy)
+    return torch.where(sampled_rows, sampled, greedy)
