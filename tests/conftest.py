@@ -4,6 +4,7 @@ from __future__ import annotations
 import gc
 import os
 import weakref
+import zlib
 
 import pytest
 import torch
@@ -31,7 +32,7 @@ def build_tiny_checkpoint(path: str, arch: str = "llama", **overrides) -> str:
         cfg = Qwen3Config(head_dim=kw.pop("head_dim", 32), **kw)
     else:
         raise ValueError(arch)
-    torch.manual_seed(hash(arch) % 1000)
+    torch.manual_seed(zlib.crc32(arch.encode()) % 1000)   # str hash() changes per process
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     model.save_pretrained(path)
     return path
@@ -54,8 +55,43 @@ def default_model_path() -> str:
     return default_model_path()
 
 
-# -- every engine built during a test must end it with all KV blocks free ------------------------
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Run a module's tests on one intra-op thread. On a shared 2-core machine, OpenMP's two threads
+    wait on each other for every small op (one tiny attention call: 0.2 ms alone, 13 ms contended)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+# Engines that outlive one test (session fixtures); no_kv_leaks checks them after every test too.
 _engines: list = []
+
+
+@pytest.fixture(scope="session")
+def default_llm():
+    """LLM() on the default model (SmolLM2-135M-Instruct GGUF), loaded once: it takes ~10-20 s."""
+    from picovllm import LLM
+    # exactly LLM() on CPU (fp32); a GPU would default to bf16, too coarse for greedy parity with HF's fp32
+    llm = LLM(dtype="float32") if torch.cuda.is_available() else LLM()
+    _engines.append(llm.engine)
+    yield llm
+    _engines.remove(llm.engine)
+
+
+def assert_engine_clean(eng) -> None:
+    """No unfinished request; every block free (unreferenced), cached or not; the cache index consistent."""
+    bm = eng.block_manager
+    assert not eng.has_unfinished_requests(), f"engine left unfinished requests: {eng.scheduler.running}"
+    assert not eng.requests, f"engine still tracks requests: {list(eng.requests)}"
+    assert bm.num_free_blocks == bm.num_blocks, f"KV leak: {bm.num_blocks - bm.num_free_blocks} blocks held"
+    assert all(r == 0 for r in bm.ref_counts)
+    for h, b in bm.hash_to_block.items():
+        assert bm.block_hash[b] == h, f"cache index maps hash to block {b}, which holds another hash"
+
+
+# -- every engine built during a test must end it with all KV blocks free ------------------------
 
 
 @pytest.fixture(autouse=True)
@@ -71,12 +107,7 @@ def no_kv_leaks(monkeypatch):
 
     monkeypatch.setattr(llm_engine.Engine, "__init__", tracking_init)
     yield
-    for ref in created:
-        eng = ref()
-        if eng is None:
-            continue
-        bm = eng.block_manager
-        assert not eng.has_unfinished_requests(), f"engine left unfinished requests: {eng.scheduler.running}"
-        assert bm.num_free_blocks == bm.num_blocks, f"KV leak: {bm.num_blocks - bm.num_free_blocks} blocks held"
-        assert all(r == 0 for r in bm.ref_counts)
+    engines = [e for e in (ref() for ref in created) if e is not None] + list(_engines)
+    for eng in engines:
+        assert_engine_clean(eng)
     gc.collect()

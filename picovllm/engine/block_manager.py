@@ -7,6 +7,7 @@ recomputing it. Only when the free queue is drained is a cached block's content 
 """
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 
 from picovllm.engine.request import Request
@@ -15,6 +16,13 @@ from picovllm.engine.request import Request
 def hash_block(prev_hash: int, token_ids: tuple[int, ...]) -> int:
     # Python's hash of int tuples is deterministic across processes (no string hashing involved).
     return hash((prev_hash, token_ids))
+
+
+def prefix_salt(*identity: object) -> int:
+    """The seed of every block-hash chain, from what changes KV (model, dtype). Not hash() of a str:
+    that differs per process (PYTHONHASHSEED), and PD engines in two processes must agree."""
+    digest = hashlib.sha256("\0".join(map(str, identity)).encode()).digest()
+    return int.from_bytes(digest[:8], "little")
 
 
 class BlockManager:
@@ -87,6 +95,18 @@ class BlockManager:
         req.num_computed_tokens = req.num_cached_tokens = len(blocks) * self.block_size
         self.hit_tokens += req.num_cached_tokens
         return req.num_cached_tokens
+
+    def cancel_prefix(self, req: Request) -> None:
+        """Give back what allocate_prefix took for a request that could not be admitted after all.
+
+        Its lookup is not counted in the hit rate: a request that waits for blocks over many
+        steps is looked up again, and counted once, when it is admitted.
+        """
+        if self.enable_prefix_caching:
+            self.queried_tokens -= req.num_tokens
+            self.hit_tokens -= req.num_cached_tokens
+        req.num_cached_tokens = 0
+        self.free(req)
 
     def allocate(self, req: Request, num_tokens: int) -> bool:
         """Make req's block table cover num_tokens slots. False (and no change) if out of blocks."""

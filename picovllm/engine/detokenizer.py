@@ -29,7 +29,9 @@ class Detokenizer:
         st = req.detok_state
         if st is None:
             ctx = req.prompt_token_ids[-CONTEXT_TOKENS:]
-            st = req.detok_state = DetokState(list(ctx), len(ctx), len(ctx))
+            # The first delta is decode(ctx + token) minus decode(ctx): a token decoded alone can
+            # lose its leading space (SentencePiece's '▁').
+            st = req.detok_state = DetokState(list(ctx), 0, len(ctx))
         st.tokens.append(token_id)
         skip = req.params.skip_special_tokens
         prefix = self._decode(st.tokens[st.prefix_offset:st.read_offset], skip)

@@ -5,7 +5,7 @@ import itertools
 import time
 
 from picovllm.config import EngineConfig
-from picovllm.engine.block_manager import BlockManager
+from picovllm.engine.block_manager import BlockManager, prefix_salt
 from picovllm.engine.detokenizer import Detokenizer, check_stop
 from picovllm.engine.model_runner import ModelRunner, StepResult
 from picovllm.engine.request import FinishReason, Request, RequestStatus
@@ -32,7 +32,7 @@ class Engine:
         self.runner = runner or self._make_runner(source)
         num_blocks = self.runner.profile_num_blocks()
         self.runner.allocate_kv_cache(num_blocks)
-        salt = hash((source.path, str(config.torch_dtype)))
+        salt = prefix_salt(source.path, config.torch_dtype)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, salt)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.detokenizer = Detokenizer(self.tokenizer)
@@ -62,12 +62,22 @@ class Engine:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError("sampling_params must be a SamplingParams")
+        params.validate()   # again: fields may have been set after construction
+        vocab = self.model_config.vocab_size
+        # These would otherwise fail inside a step, taking the whole batch down with them.
+        if params.logprobs is not None and params.logprobs > vocab:
+            raise ValueError(f"SamplingParams.logprobs must be <= the vocabulary size {vocab}, got {params.logprobs}")
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise ValueError(f"SamplingParams.stop_token_ids must be in [0, {vocab}), got {params.stop_token_ids}")
         ids = self.tokenize(prompt)
         if not ids:
             raise ValueError("prompt is empty")
-        vocab = self.model_config.vocab_size
         if any(t < 0 or t >= vocab for t in ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if any(t >= vocab for t in params.stop_token_ids):   # banned from the logits before min_tokens
+            raise ValueError(f"SamplingParams.stop_token_ids must be in [0, {vocab}), got {params.stop_token_ids!r}")
+        if params.logprobs is not None and params.logprobs > vocab:
+            raise ValueError(f"SamplingParams.logprobs must be <= the vocabulary size {vocab}, got {params.logprobs}")
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt is {len(ids)} tokens, longer than max_model_len - 1 = {self.max_model_len - 1}")
         request_id = str(next(self._ids)) if request_id is None else request_id
@@ -94,6 +104,10 @@ class Engine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def shutdown(self) -> None:
+        """Stop the runner's helper processes (tensor-parallel workers), if any; idempotent."""
+        self.runner.shutdown()
 
     # -- the step ------------------------------------------------------------------------------
     def step(self, unfinished_outputs: bool = True) -> list[RequestOutput]:

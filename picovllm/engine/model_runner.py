@@ -146,8 +146,8 @@ class ModelRunner:
                                     attn.num_kv_heads, attn.head_dim, dtype=self.dtype, device=self.device)
         for i, a in enumerate(self.model.attention_layers()):
             a.k_cache, a.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
-        if self.device.type == "cuda" and not self.config.enforce_eager \
-                and getattr(self.attn_backend, "supports_cuda_graphs", False):
+        if self.device.type == "cuda" and not self.config.enforce_eager and self.tp.size == 1 \
+                and getattr(self.attn_backend, "supports_cuda_graphs", False):   # TP steps run eager
             from picovllm.engine.cuda_graph import CUDAGraphRunner
             mc = self.model_config
             max_len = min(self.config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
@@ -190,17 +190,30 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepResult:
-        if self.cuda_graphs is not None and self.cuda_graphs.fits(step):   # decode-only step
-            return self._sample(self.cuda_graphs.run(step), step.sampling)
+        logits = self.compute_logits(step)
+        if logits is None:
+            return StepResult([], [])
+        return self._sample(logits, step.sampling)
+
+    @torch.inference_mode()
+    def compute_logits(self, step: StepInput) -> torch.Tensor | None:
+        """The forward, then the logits of the rows that sample (None if none does), in the model's
+        dtype (_sample upcasts where it needs to). A decode-only step replays a CUDA graph.
+
+        Tensor-parallel workers stop here: they take part in the collectives; rank 0 samples."""
+        if self.cuda_graphs is not None and self.cuda_graphs.fits(step):
+            return self.cuda_graphs.run(step)
         dev = self.device
         meta = self._metadata(step)
         ids = _to(step.input_ids, torch.long, dev)
         positions = _to(step.positions, torch.long, dev)
         hidden = self.model(ids, positions, meta)
         if not step.sample_indices:
-            return StepResult([], [])
-        logits = self.model.compute_logits(hidden[_to(step.sample_indices, torch.long, dev)])
-        return self._sample(logits, step.sampling)
+            return None
+        return self.model.compute_logits(hidden[_to(step.sample_indices, torch.long, dev)])
+
+    def shutdown(self) -> None:
+        """Release what lives outside this process (tensor-parallel workers); idempotent."""
 
     def _metadata(self, step: StepInput) -> AttentionMetadata:
         dev = self.device

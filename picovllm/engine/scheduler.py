@@ -95,11 +95,15 @@ class Scheduler:
         bm = self.block_manager
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            if not req.block_table:
+            looked_up = not req.block_table
+            if looked_up:
                 bm.allocate_prefix(req)
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if not bm.allocate(req, req.num_computed_tokens + n):
-                bm.free(req)           # waiting requests hold no blocks; the cached ones stay cached
+                if looked_up:          # waiting requests hold no blocks; the cached ones stay cached
+                    bm.cancel_prefix(req)
+                else:
+                    bm.free(req)
                 if not self.running:   # nothing will ever free a block: fail rather than spin
                     raise RuntimeError(f"request {req.request_id}: the KV cache ({bm.num_blocks} blocks of "
                                        f"{bm.block_size}) cannot hold even its first chunk")

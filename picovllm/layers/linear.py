@@ -22,13 +22,17 @@ def _param(*shape: int) -> nn.Parameter:
 
 
 class ColumnParallelLinear(nn.Module):
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, tp: TPGroup = SINGLE) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, tp: TPGroup = SINGLE,
+                 local_out: int | None = None) -> None:
+        """local_out: this rank's output features, when the split is not out_features / tp.size."""
         super().__init__()
-        assert out_features % tp.size == 0, f"out_features {out_features} not divisible by tp size {tp.size}"
+        if local_out is None:
+            assert out_features % tp.size == 0, f"out_features {out_features} not divisible by tp size {tp.size}"
+            local_out = out_features // tp.size
         self.tp = tp
-        self.weight = _param(out_features // tp.size, in_features)
+        self.weight = _param(local_out, in_features)
         self.weight.weight_loader = self.load
-        self.bias = _param(out_features // tp.size) if bias else None
+        self.bias = _param(local_out) if bias else None
         if bias:
             self.bias.weight_loader = self.load
 
@@ -59,31 +63,46 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
 
 class QKVParallelLinear(ColumnParallelLinear):
-    """Fused q, k, v projections. With fewer KV heads than ranks, KV heads are replicated."""
+    """Fused q, k, v projections, split by KV head: each rank takes whole KV heads with their query heads.
+
+    KV heads that tp size does not divide are split unevenly (9 heads, 3 KV heads on 2 ranks: 6 + 3
+    query heads); with fewer KV heads than ranks, each KV head is replicated on tp / num_kv_heads ranks.
+    """
 
     def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False,
                  tp: TPGroup = SINGLE) -> None:
-        if num_heads % tp.size:
-            raise ValueError(f"num_attention_heads {num_heads} is not divisible by tensor_parallel_size {tp.size}")
-        if num_kv_heads % tp.size and tp.size % num_kv_heads:
-            raise ValueError(f"num_key_value_heads {num_kv_heads} and tensor_parallel_size {tp.size} "
-                             "do not divide one another")
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}")
         self.head_dim = head_dim
         self.total_heads, self.total_kv_heads = num_heads, num_kv_heads
-        self.num_heads = num_heads // tp.size
-        self.num_kv_heads = max(1, num_kv_heads // tp.size)
         if num_kv_heads >= tp.size:
-            self.kv_head_start = tp.rank * self.num_kv_heads
+            base, extra = divmod(num_kv_heads, tp.size)   # the first `extra` ranks take one more KV head
+            self.num_kv_heads = base + (tp.rank < extra)
+            self.kv_head_start = tp.rank * base + min(tp.rank, extra)
+            group = num_heads // num_kv_heads
+            self.num_heads, self.q_head_start = self.num_kv_heads * group, self.kv_head_start * group
         else:  # replicate: ranks r*k .. r*k+k-1 share KV head r, with k = tp / num_kv_heads
+            if tp.size % num_kv_heads or num_heads % tp.size:
+                raise ValueError(f"tensor_parallel_size {tp.size} cannot share out num_key_value_heads {num_kv_heads}: "
+                                 "with fewer KV heads than ranks it must be a multiple of num_key_value_heads "
+                                 f"and divide num_attention_heads ({num_heads})")
+            self.num_kv_heads = 1
             self.kv_head_start = tp.rank // (tp.size // num_kv_heads)
+            self.num_heads = num_heads // tp.size
+            self.q_head_start = tp.rank * self.num_heads
         local_out = (self.num_heads + 2 * self.num_kv_heads) * head_dim
-        super().__init__(hidden, local_out * tp.size, bias, tp)
+        super().__init__(hidden, (num_heads + 2 * num_kv_heads) * head_dim, bias, tp, local_out=local_out)
+
+    @property
+    def q_shard(self) -> tuple[int, int]:
+        """(first feature, number of features) of this rank's attention output: the o_proj input shard."""
+        return self.q_head_start * self.head_dim, self.num_heads * self.head_dim
 
     def load(self, param: nn.Parameter, w: torch.Tensor, shard: object = None, name: str = "") -> None:
         d = self.head_dim
         q, kv = self.num_heads * d, self.num_kv_heads * d
         if shard == "q":
-            off, n, start, total = 0, q, self.tp.rank * q, self.total_heads * d
+            off, n, start, total = 0, q, self.q_head_start * d, self.total_heads * d
         else:
             off, n, start, total = (q if shard == "k" else q + kv), kv, self.kv_head_start * d, self.total_kv_heads * d
         dst = param.data.narrow(0, off, n)
@@ -92,11 +111,16 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(nn.Module):
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, tp: TPGroup = SINGLE) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, tp: TPGroup = SINGLE,
+                 in_shard: tuple[int, int] | None = None) -> None:
+        """in_shard: (first, count) of the input features this rank holds, when not an even split."""
         super().__init__()
-        assert in_features % tp.size == 0, f"in_features {in_features} not divisible by tp size {tp.size}"
+        if in_shard is None:
+            assert in_features % tp.size == 0, f"in_features {in_features} not divisible by tp size {tp.size}"
+            in_shard = (tp.rank * (in_features // tp.size), in_features // tp.size)
         self.tp = tp
-        self.weight = _param(out_features, in_features // tp.size)
+        self.in_features, self.in_start = in_features, in_shard[0]
+        self.weight = _param(out_features, in_shard[1])
         self.weight.weight_loader = self.load
         self.bias = _param(out_features) if bias else None
         if bias:
@@ -104,8 +128,8 @@ class RowParallelLinear(nn.Module):
 
     def load(self, param: nn.Parameter, w: torch.Tensor, shard: object = None, name: str = "") -> None:
         if param.dim() == 2:
-            n = param.shape[1]
-            w = w.narrow(1, self.tp.rank * n, n) if w.shape[1] == n * self.tp.size else w
+            _check(name, (param.shape[0], self.in_features), w.shape)
+            w = w.narrow(1, self.in_start, param.shape[1])
         _check(name, param.shape, w.shape)
         param.data.copy_(w)
 

@@ -24,6 +24,9 @@ class SamplingTensors:
     any_min_p: bool
 
 
+GREEDY_BELOW = 1e-5   # as vLLM: a smaller temperature is greedy (1 / T would overflow to inf and NaN)
+
+
 def seeded_stream(seed: int, index: int) -> int:
     return (seed * 1_000_003 + index * 7_919 + 1) % (2 ** 63)
 
@@ -56,7 +59,8 @@ def sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
         return _sample_on_gpu(logits, t)
     logits = logits.float()
     greedy = logits.argmax(-1)
-    temp = torch.where(t.temperature > 0, t.temperature, 1.0)
+    sampled_rows = t.temperature >= GREEDY_BELOW
+    temp = torch.where(sampled_rows, t.temperature, 1.0)
     scaled = apply_top_k_top_p_min_p(logits / temp[:, None], t)
     probs = scaled.softmax(-1)
     noise = torch.empty_like(probs).exponential_()
@@ -65,14 +69,16 @@ def sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
             g = torch.Generator(device=probs.device).manual_seed(seed)
             noise[row] = torch.empty(probs.shape[-1], device=probs.device).exponential_(generator=g)
     sampled = (probs / noise).argmax(-1)
-    return torch.where(t.temperature > 0, sampled, greedy)
+    return torch.where(sampled_rows, sampled, greedy)
 
 
 def _sample_on_gpu(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
-    """Temperature-only batches on CUDA: one fused Gumbel-max kernel. Unseeded rows get fresh seeds
-    from torch's default CPU generator (no device sync); seeded rows their own stream seed."""
+    """Temperature-only batches on CUDA: one fused Gumbel-max kernel (temperature 0 = greedy there, so
+    rows below GREEDY_BELOW are passed as 0). Unseeded rows get fresh seeds from torch's default CPU
+    generator (no device sync); seeded rows their own stream seed."""
     from picovllm.kernels.sampling import gumbel_sample
     fresh = torch.randint(0, 2 ** 62, (len(t.seeds),)).tolist()
     seeds = [f if s is None else s for s, f in zip(t.seeds, fresh)]
     seeds_t = torch.tensor(seeds, dtype=torch.long, pin_memory=True).to(logits.device, non_blocking=True)
-    return gumbel_sample(logits, t.temperature, seeds_t)
+    temps = torch.where(t.temperature >= GREEDY_BELOW, t.temperature, 0.0)
+    return gumbel_sample(logits, temps, seeds_t)

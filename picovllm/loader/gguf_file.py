@@ -53,6 +53,13 @@ def _field(reader, key: str, default=None):
     return v
 
 
+def _required(reader, key: str, path: str):
+    v = _field(reader, key)
+    if v is None:
+        raise ValueError(f"GGUF {path!r}: metadata key {key!r} is missing")
+    return v
+
+
 def open_gguf(path: str) -> ModelSource:
     import gguf
 
@@ -62,17 +69,19 @@ def open_gguf(path: str) -> ModelSource:
         raise ValueError(f"GGUF {path!r}: general.architecture={arch!r} is unsupported (only 'llama')")
     p = "llama."
     tensors = {t.name: t for t in reader.tensors}
+    if "token_embd.weight" not in tensors:
+        raise ValueError(f"GGUF {path!r}: tensor 'token_embd.weight' is missing")
     emb = tensors["token_embd.weight"]
-    heads = int(_field(reader, p + "attention.head_count"))
+    heads = int(_required(reader, p + "attention.head_count", path))
     kv_heads = int(_field(reader, p + "attention.head_count_kv", heads))
-    hidden = int(_field(reader, p + "embedding_length"))
+    hidden = int(_required(reader, p + "embedding_length", path))
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
     config = ModelConfig(
         architecture="LlamaForCausalLM",
         vocab_size=int(emb.shape[1]),
         hidden_size=hidden,
-        intermediate_size=int(_field(reader, p + "feed_forward_length")),
-        num_hidden_layers=int(_field(reader, p + "block_count")),
+        intermediate_size=int(_required(reader, p + "feed_forward_length", path)),
+        num_hidden_layers=int(_required(reader, p + "block_count", path)),
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         head_dim=int(_field(reader, p + "rope.dimension_count", hidden // heads)),

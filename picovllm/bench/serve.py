@@ -1,0 +1,289 @@
+"""`picovllm bench serve`: an online benchmark against any OpenAI-compatible /v1/completions server.
+
+Requests arrive as a Poisson process (gamma intervals when --burstiness != 1), each streamed over SSE.
+Per request: TTFT (send to first text), ITL (gaps between text chunks), TPOT ((latency - TTFT) / (tokens - 1)),
+end-to-end latency. Reported as vLLM's `bench serve` does: throughput, mean/median/p90/p99 of each,
+and goodput (requests per second meeting every --goodput SLO). The plot shows each ITL at the time it
+happened, so prefill interference (spikes when new requests join the batch) is visible at a glance.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+SLO_KEYS = ("ttft", "tpot", "itl", "e2el")
+
+
+@dataclass
+class BenchRequest:
+    prompt: list[int]
+    output_len: int
+
+
+@dataclass
+class RequestResult:
+    success: bool = False
+    error: str = ""
+    start: float = 0.0             # seconds since the benchmark began
+    ttft: float = 0.0
+    latency: float = 0.0
+    itls: list[float] = field(default_factory=list)
+    chunk_times: list[float] = field(default_factory=list)   # seconds since the benchmark began
+    prompt_len: int = 0
+    output_tokens: int = 0
+
+
+# -- workload ----------------------------------------------------------------------------------------
+def random_dataset(n: int, input_len: int, output_len: int, range_ratio: float, vocab: int,
+                   rng: random.Random) -> list[BenchRequest]:
+    """Random token-id prompts: exact input lengths, whatever the tokenizer."""
+    def length(mean: int) -> int:
+        lo, hi = max(1, int(mean * (1 - range_ratio))), max(1, int(mean * (1 + range_ratio)))
+        return rng.randint(lo, hi)
+
+    return [BenchRequest([rng.randrange(vocab) for _ in range(length(input_len))], length(output_len))
+            for _ in range(n)]
+
+
+def arrival_gaps(n: int, rate: float, burstiness: float, rng: random.Random) -> list[float]:
+    """Seconds to wait before each request: gamma(shape=burstiness, mean=1/rate); burstiness 1 is Poisson."""
+    if rate == float("inf"):
+        return [0.0] * n
+    return [rng.gammavariate(burstiness, 1.0 / (rate * burstiness)) for _ in range(n)]
+
+
+# -- one streamed request ----------------------------------------------------------------------------
+async def run_request(client, url: str, body: dict, t0: float, headers: dict) -> RequestResult:
+    res = RequestResult(prompt_len=len(body["prompt"]))
+    start = time.perf_counter()
+    res.start = start - t0
+    last = start
+    try:
+        async with client.stream("POST", url, json=body, headers=headers) as resp:
+            if resp.status_code != 200:
+                res.error = f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}"
+                return res
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    res.error = str(chunk["error"])
+                    return res
+                if chunk.get("usage"):
+                    res.output_tokens = chunk["usage"]["completion_tokens"]
+                if chunk.get("choices") and chunk["choices"][0].get("text"):
+                    now = time.perf_counter()
+                    if not res.chunk_times:
+                        res.ttft = now - start
+                    else:
+                        res.itls.append(now - last)
+                    res.chunk_times.append(now - t0)
+                    last = now
+        res.latency = time.perf_counter() - start
+        res.success = bool(res.chunk_times)
+        if not res.success:
+            res.error = "no text came back"
+    except Exception as e:  # noqa: BLE001 - a failed request is a data point, not a crash
+        res.error = f"{type(e).__name__}: {e}"
+    return res
+
+
+async def run_benchmark(args: argparse.Namespace) -> dict:
+    import httpx
+
+    base = args.base_url.rstrip("/")
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    rng = random.Random(args.seed)
+    limits = httpx.Limits(max_connections=args.max_concurrency or args.num_prompts, max_keepalive_connections=100)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout), limits=limits) as client:
+        models = (await client.get(f"{base}/v1/models", headers=headers)).json()["data"]
+        model = args.model or models[0]["id"]
+        vocab = min(models[0].get("vocab_size") or 1000, args.max_token_id or 10**9)
+        reqs = random_dataset(args.num_prompts, args.input_len, args.output_len, args.random_range_ratio, vocab, rng)
+        gaps = arrival_gaps(len(reqs), args.request_rate, args.burstiness, rng)
+        gate = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
+
+        async def one(r: BenchRequest, t0: float) -> RequestResult:
+            body = {"model": model, "prompt": r.prompt, "max_tokens": r.output_len, "temperature": 0.0,
+                    "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": args.ignore_eos}
+            if gate is None:
+                return await run_request(client, f"{base}/v1/completions", body, t0, headers)
+            async with gate:
+                return await run_request(client, f"{base}/v1/completions", body, t0, headers)
+
+        t0 = time.perf_counter()
+        tasks = []
+        for r, gap in zip(reqs, gaps):
+            await asyncio.sleep(gap)
+            tasks.append(asyncio.create_task(one(r, t0)))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - t0
+    return summarize(results, duration, parse_goodput(args.goodput), vars(args) | {"model": model})
+
+
+# -- statistics --------------------------------------------------------------------------------------
+def parse_goodput(items: list[str] | None) -> dict[str, float]:
+    """['ttft:500', 'tpot:50'] -> {'ttft': 0.5, 'tpot': 0.05} (seconds). Raises ValueError naming the item."""
+    slos = {}
+    for item in items or []:
+        key, _, ms = item.partition(":")
+        if key not in SLO_KEYS:
+            raise ValueError(f"--goodput {item!r}: the metric must be one of {', '.join(SLO_KEYS)}")
+        try:
+            slos[key] = float(ms) / 1000.0
+        except ValueError:
+            raise ValueError(f"--goodput {item!r}: the SLO must be a number of milliseconds") from None
+        if slos[key] <= 0:
+            raise ValueError(f"--goodput {item!r}: the SLO must be > 0 ms")
+    return slos
+
+
+def tpot(r: RequestResult) -> float | None:
+    n = r.output_tokens or len(r.chunk_times)
+    return (r.latency - r.ttft) / (n - 1) if n > 1 else None
+
+
+def meets(r: RequestResult, slos: dict[str, float]) -> bool:
+    """A request is good if it meets every SLO; the itl SLO applies to every gap of the request."""
+    got = {"ttft": r.ttft, "tpot": tpot(r) or 0.0, "itl": max(r.itls, default=0.0), "e2el": r.latency}
+    return all(got[k] <= v for k, v in slos.items())
+
+
+def _stats(name: str, values: list[float]) -> dict:
+    import numpy as np
+
+    ms = np.asarray(values, dtype=float) * 1000 if values else np.zeros(1)
+    return {f"mean_{name}_ms": float(ms.mean()), f"median_{name}_ms": float(np.median(ms)),
+            f"std_{name}_ms": float(ms.std()), f"p90_{name}_ms": float(np.percentile(ms, 90)),
+            f"p99_{name}_ms": float(np.percentile(ms, 99))}
+
+
+def summarize(results: list[RequestResult], duration: float, slos: dict[str, float], config: dict) -> dict:
+    ok = [r for r in results if r.success]
+    out_tokens = sum(r.output_tokens or len(r.chunk_times) for r in ok)
+    in_tokens = sum(r.prompt_len for r in ok)
+    good = [r for r in ok if meets(r, slos)] if slos else []
+    summary = {
+        "duration": duration, "completed": len(ok), "failed": len(results) - len(ok),
+        "total_input_tokens": in_tokens, "total_output_tokens": out_tokens,
+        "request_throughput": len(ok) / duration, "output_throughput": out_tokens / duration,
+        "total_token_throughput": (in_tokens + out_tokens) / duration,
+        "request_goodput": len(good) / duration if slos else None,
+        "goodput_slos_ms": {k: v * 1000 for k, v in slos.items()},
+        **_stats("ttft", [r.ttft for r in ok]),
+        **_stats("tpot", [t for r in ok if (t := tpot(r)) is not None]),
+        **_stats("itl", [x for r in ok for x in r.itls]),
+        **_stats("e2el", [r.latency for r in ok]),
+        "config": {k: (str(v) if isinstance(v, float) and v == float("inf") else v)
+                   for k, v in config.items() if k not in ("func", "api_key")},
+        "errors": [r.error for r in results if not r.success],
+        "requests": [asdict(r) for r in results],
+    }
+    return summary
+
+
+def print_summary(s: dict) -> None:
+    rows = [("Successful requests", s["completed"]), ("Failed requests", s["failed"]),
+            ("Benchmark duration (s)", s["duration"]), ("Total input tokens", s["total_input_tokens"]),
+            ("Total generated tokens", s["total_output_tokens"]),
+            ("Request throughput (req/s)", s["request_throughput"]),
+            ("Output token throughput (tok/s)", s["output_throughput"]),
+            ("Total token throughput (tok/s)", s["total_token_throughput"])]
+    if s["request_goodput"] is not None:
+        rows.append(("Request goodput (req/s)", s["request_goodput"]))
+    for name, label in [("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st)"),
+                        ("itl", "Inter-token Latency"), ("e2el", "End-to-end Latency")]:
+        rows.append((f"-- {label} --", ""))
+        for stat in ("mean", "median", "p90", "p99"):
+            rows.append((f"{stat.capitalize()} {name.upper()} (ms)", s[f"{stat}_{name}_ms"]))
+    print("=" * 20 + " Serving Benchmark Result " + "=" * 20)
+    for k, v in rows:
+        print(f"{k:<42}{v:>12.2f}" if isinstance(v, float) else f"{k:<42}{v!s:>12}")
+    print("=" * 66)
+
+
+def plot_itl(s: dict, path: str) -> None:
+    """ITL of every chunk against when it arrived; TTFT of each request against when it was sent."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in s["requests"] if r["success"]]
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(10, 7), sharex=True)
+    xs = [t for r in ok for t in r["chunk_times"][1:]]
+    ys = [x * 1000 for r in ok for x in r["itls"]]
+    ax1.scatter(xs, ys, s=4, alpha=0.5)
+    ax1.set_ylabel("inter-token latency (ms)")
+    ax1.set_title(f"ITL over time: {s['completed']} requests, rate {s['config'].get('request_rate')} req/s")
+    ax2.scatter([r["start"] for r in ok], [r["ttft"] * 1000 for r in ok], s=8, color="tab:orange")
+    ax2.set_ylabel("TTFT (ms)")
+    ax2.set_xlabel("time since benchmark start (s)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+# -- command line ------------------------------------------------------------------------------------
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("serve", help="online benchmark against a running server",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--model", default=None, help="model id (default: the server's first)")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--dataset", default="random", choices=["random"])
+    p.add_argument("--num-prompts", type=int, default=100)
+    p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (inf: all at once)")
+    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape: 1 = Poisson, <1 burstier")
+    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--random-range-ratio", type=float, default=0.0, help="lengths uniform in len*(1 +- ratio)")
+    p.add_argument("--max-token-id", type=int, default=None, help="cap on random prompt token ids")
+    p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                   help="generate exactly the output length (default on)")
+    p.add_argument("--goodput", nargs="+", default=None, metavar="METRIC:MS",
+                   help=f"SLOs for goodput, METRIC in {', '.join(SLO_KEYS)}, e.g. ttft:500 tpot:50")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
+    p.add_argument("--result-json", default=None)
+    p.add_argument("--plot", default=None, help="PNG of ITL (and TTFT) over time")
+    p.set_defaults(func=main)
+    return p
+
+
+def validate(args: argparse.Namespace) -> None:
+    for name in ("num_prompts", "input_len", "output_len"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not args.request_rate > 0:
+        raise ValueError(f"--request-rate must be > 0, got {args.request_rate}")
+    if not args.burstiness > 0:
+        raise ValueError(f"--burstiness must be > 0, got {args.burstiness}")
+    if not 0 <= args.random_range_ratio < 1:
+        raise ValueError(f"--random-range-ratio must be in [0, 1), got {args.random_range_ratio}")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
+    parse_goodput(args.goodput)
+
+
+def main(args: argparse.Namespace) -> int:
+    validate(args)
+    summary = asyncio.run(run_benchmark(args))
+    print_summary(summary)
+    if args.result_json:
+        with open(args.result_json, "w") as f:
+            json.dump(summary, f, indent=1)
+    if args.plot:
+        plot_itl(summary, args.plot)
+    if summary["failed"]:
+        print(f"{summary['failed']} requests failed, e.g.: {summary['errors'][0]}", file=sys.stderr)
+    return 0 if summary["completed"] else 1

@@ -1,0 +1,104 @@
+"""Typed messages that rank 0 of a tensor-parallel engine sends to its workers, and their wire form.
+
+The wire form is versioned JSON, never pickle: a worker only ever builds the dataclasses below from
+plain numbers, strings and lists, and a message from another protocol version fails loudly rather
+than letting the ranks run different things.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Union
+
+import torch
+
+from picovllm.config import EngineConfig
+from picovllm.engine.model_runner import SamplingRow, StepInput
+
+PROTOCOL_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Setup:
+    """First message: the engine config every rank builds its shard of the model from."""
+    config: EngineConfig
+
+
+@dataclass(frozen=True)
+class ProfileKVCache:
+    """Every rank measures how many KV blocks fit; the minimum is then all-reduced on the control group."""
+
+
+@dataclass(frozen=True)
+class AllocateKVCache:
+    num_blocks: int
+
+
+@dataclass(frozen=True)
+class RunStep:
+    """Run the forward (and the LM head's all-gather) for one scheduled step."""
+    step: StepInput
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    """Leave the worker loop and tear down the process groups."""
+
+
+Message = Union[Setup, ProfileKVCache, AllocateKVCache, RunStep, Shutdown]
+_TYPES: dict[str, type] = {"setup": Setup, "profile_kv_cache": ProfileKVCache, "allocate_kv_cache": AllocateKVCache,
+                           "run_step": RunStep, "shutdown": Shutdown}
+_NAMES = {cls: name for name, cls in _TYPES.items()}
+
+
+def encode(msg: Message) -> bytes:
+    name = _NAMES.get(type(msg))
+    if name is None:
+        raise TypeError(f"{type(msg).__name__} is not a tensor-parallel message")
+    if isinstance(msg, Setup):
+        body = {"config": _config_to_dict(msg.config)}
+    else:
+        body = asdict(msg)
+    return json.dumps({"version": PROTOCOL_VERSION, "type": name, "body": body}, separators=(",", ":")).encode()
+
+
+def decode(data: bytes) -> Message:
+    frame = json.loads(data)
+    if frame.get("version") != PROTOCOL_VERSION:
+        raise ValueError(f"message version {frame.get('version')!r}: this worker speaks version {PROTOCOL_VERSION}")
+    cls = _TYPES.get(frame.get("type"))
+    if cls is None:
+        raise ValueError(f"message type {frame.get('type')!r} is unknown")
+    body = frame.get("body")
+    if cls is Setup:
+        return Setup(EngineConfig(**_fields(EngineConfig, body.get("config"), "Setup.config")))
+    if cls is RunStep:
+        step = _fields(StepInput, body.get("step"), "RunStep.step")
+        step["sampling"] = [SamplingRow(**_fields(SamplingRow, r, "RunStep.step.sampling[]")) for r in step["sampling"]]
+        return RunStep(StepInput(**step))
+    return cls(**_fields(cls, body, cls.__name__))
+
+
+def _fields(cls: type, data: Any, where: str) -> dict[str, Any]:
+    """Check that data has exactly cls's fields, naming the first that is missing or unknown."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{where}: expected an object, got {type(data).__name__}")
+    names = {f.name for f in fields(cls)}
+    missing, unknown = sorted(names - data.keys()), sorted(data.keys() - names)
+    if missing:
+        raise ValueError(f"{where}.{missing[0]}: missing")
+    if unknown:
+        raise ValueError(f"{where}.{unknown[0]}: unknown field")
+    return dict(data)
+
+
+def _config_to_dict(config: EngineConfig) -> dict[str, Any]:
+    out = {}
+    for f in fields(config):
+        value = getattr(config, f.name)
+        if isinstance(value, torch.dtype):
+            value = str(value).removeprefix("torch.")
+        elif not isinstance(value, (str, int, float, bool, type(None))):
+            raise TypeError(f"EngineConfig.{f.name} ({type(value).__name__}) cannot be sent to tensor-parallel workers")
+        out[f.name] = value
+    return out

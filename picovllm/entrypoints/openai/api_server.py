@@ -1,0 +1,182 @@
+"""The HTTP layer: a FastAPI app over an AsyncEngine, and running it under uvicorn with a graceful exit.
+
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics.
+Everything the client does wrong comes back as OpenAI's error object with a 4xx status.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import threading
+import time
+from dataclasses import dataclass
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from picovllm.config import EngineConfig
+from picovllm.engine.llm_engine import Engine
+from picovllm.entrypoints.openai.async_engine import AsyncEngine
+from picovllm.entrypoints.openai.metrics import ServerMetrics
+from picovllm.entrypoints.openai.middleware import APIKeyAuth, BodySizeLimit
+from picovllm.entrypoints.openai.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
+from picovllm.entrypoints.openai.serving import JSONBody, ServingContext
+from picovllm.entrypoints.openai.serving_chat import ChatHandler
+from picovllm.entrypoints.openai.serving_completion import CompletionHandler
+from picovllm.entrypoints.openai.tokenizer_worker import TokenizerWorker
+from picovllm.loader.default_model import DEFAULT_FILE
+
+logger = logging.getLogger("picovllm.server")
+GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions")
+BACKSTOP_SECONDS = 5.0    # after the grace period and our abort, uvicorn cancels whatever still hangs
+
+
+@dataclass
+class ServerSettings:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    served_model_name: str | None = None
+    max_request_bytes: int = 4 * 2**20
+    shutdown_timeout: float = 10.0      # seconds in-flight requests get to finish after SIGTERM/SIGINT
+    log_level: str = "info"
+    access_log: bool = False
+
+
+def build_app(ctx: ServingContext, settings: ServerSettings) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        ctx.engine.start()
+        yield
+        await ctx.engine.shutdown()        # aborts whatever uvicorn's graceful period left running
+        ctx.tokenizer.shutdown()
+
+    app = FastAPI(title="picovllm", version="0.1.0", lifespan=lifespan)
+    completions, chat = CompletionHandler(ctx), ChatHandler(ctx)
+    started = int(time.time())
+
+    @app.post("/v1/completions")
+    async def create_completion(body: CompletionRequest, raw: Request) -> Response:
+        return await completions(body, raw)
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Response:
+        return await chat(body, raw)
+
+    @app.get("/v1/models")
+    async def list_models() -> dict:
+        return {"object": "list", "data": [{
+            "id": ctx.model_name, "object": "model", "created": started, "owned_by": "picovllm",
+            "root": ctx.engine.engine.config.model, "max_model_len": ctx.engine.engine.max_model_len,
+            "vocab_size": ctx.engine.engine.model_config.vocab_size}]}
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not ctx.engine.is_running:
+            return JSONBody(error_body("the engine loop is not running", "service_unavailable"), 503)
+        return JSONBody({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        data, content_type = ctx.metrics.render()
+        return Response(data, media_type=content_type)
+
+    _add_error_handlers(app, ctx)
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes)
+    if settings.api_key:
+        app.add_middleware(APIKeyAuth, api_key=settings.api_key)   # outermost: checked before the body is read
+    return app
+
+
+def _add_error_handlers(app: FastAPI, ctx: ServingContext) -> None:
+    def reject(request: Request, status: int, body: dict) -> JSONBody:
+        if 400 <= status < 500 and request.url.path in GENERATION_ROUTES:
+            ctx.metrics.count_outcome("rejected")
+        return JSONBody(body, status)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, e: APIError) -> JSONBody:
+        return reject(request, e.status, e.body())
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, e: RequestValidationError) -> JSONBody:
+        errors = e.errors()
+        if errors and errors[0].get("type") == "json_invalid":
+            why, at = (errors[0].get("ctx") or {}).get("error", ""), errors[0]["loc"][-1]
+            return reject(request, 400, error_body(f"the body is not valid JSON: {why} at character {at}"))
+        parts = []
+        for err in errors[:3]:
+            loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
+            parts.append(f"{loc}: {err.get('msg', 'invalid')}" if loc else str(err.get("msg", "invalid")))
+        first = errors[0].get("loc", ()) if errors else ()
+        param = next((str(x) for x in first if x != "body"), None)
+        return reject(request, 400, error_body("; ".join(parts) or "invalid request body", param=param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException) -> JSONBody:
+        return reject(request, e.status_code, error_body(str(e.detail), "invalid_request_error" if e.status_code < 500
+                                                else "internal_error"))
+
+    @app.exception_handler(Exception)
+    async def internal(_: Request, e: Exception) -> JSONBody:
+        logger.exception("unhandled error")
+        return JSONBody(error_body(f"internal error: {type(e).__name__}", "internal_error"), 500)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn with our shutdown: on SIGTERM/SIGINT it stops accepting and waits for open requests; after
+    grace seconds we abort what is left in the engine, so those streams still end cleanly (finish_reason
+    "abort", then [DONE]). uvicorn's own timeout stays as a backstop. And exit 0: uvicorn would re-raise
+    the caught signal after shutting down, killing the process with it."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, grace: float) -> None:
+        super().__init__(config)
+        self.engine, self.grace = engine, grace
+
+    async def shutdown(self, sockets=None) -> None:
+        async def abort_when_grace_ends() -> None:
+            await asyncio.sleep(self.grace)
+            logger.warning("shutdown: aborting the requests still running after %.1f s", self.grace)
+            self.engine.abort_all()
+
+        aborter = asyncio.create_task(abort_when_grace_ends())
+        try:
+            await super().shutdown(sockets)
+        finally:
+            aborter.cancel()
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        old = {s: signal.signal(s, self.handle_exit) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for s, handler in old.items():
+                signal.signal(s, handler)
+
+
+def default_model_name(model: str | None) -> str:
+    return model if model is not None else DEFAULT_FILE.split(".")[0]
+
+
+def serve(engine_config: EngineConfig, settings: ServerSettings) -> None:
+    """Load the model, then serve until SIGTERM/SIGINT; returns after a graceful shutdown."""
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine = Engine(engine_config)
+    name = settings.served_model_name or default_model_name(engine_config.model)
+    metrics = ServerMetrics(name)
+    ctx = ServingContext(AsyncEngine(engine, metrics), TokenizerWorker(engine.tokenizer), metrics, name)
+    app = build_app(ctx, settings)
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                            access_log=settings.access_log,
+                            timeout_graceful_shutdown=settings.shutdown_timeout + BACKSTOP_SECONDS)
+    logger.info("serving %s on http://%s:%d", name, settings.host, settings.port)
+    _Server(config, ctx.engine, settings.shutdown_timeout).run()

@@ -1,0 +1,285 @@
+"""AsyncEngine: drives a (not thread-safe) Engine from one background thread for an asyncio server.
+
+Every engine call happens on the loop thread. The event loop talks to it through typed commands on a
+thread-safe queue (add, abort, shutdown); the loop thread hands each step's RequestOutputs back with
+one call_soon_threadsafe per step, into one asyncio queue per request. RequestOutputs are cumulative
+(full text and token ids so far), so a slow reader may skip to the latest one without losing anything.
+
+This layer knows nothing about HTTP: the OpenAI server (and later a PD role or proxy) sit on top of it.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from picovllm.engine.llm_engine import Engine
+from picovllm.outputs import RequestOutput
+from picovllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineStepError(RuntimeError):
+    """The engine failed while running a step this request was part of; the request was aborted."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop is not running (never started, shut down, or crashed)."""
+
+
+@dataclass
+class EngineStats:
+    """A snapshot the loop thread publishes after each iteration (read by /metrics and tests)."""
+    num_running: int = 0
+    num_waiting: int = 0
+    num_free_blocks: int = 0
+    num_blocks: int = 0
+    prefill_tokens: int = 0          # cumulative
+    decode_tokens: int = 0           # cumulative
+    prefix_queried_tokens: int = 0   # cumulative
+    prefix_hit_tokens: int = 0       # cumulative
+
+
+# -- commands: event loop -> engine thread -----------------------------------------------------
+@dataclass
+class AddRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+
+
+@dataclass
+class AbortRequest:
+    request_id: str
+
+
+@dataclass
+class AbortAll:
+    pass
+
+
+@dataclass
+class Shutdown:
+    pass
+
+
+Command = AddRequest | AbortRequest | AbortAll | Shutdown
+
+
+class RequestStream:
+    """One request's outputs on the event loop side. Iterate outputs(); leaving early aborts it."""
+
+    def __init__(self, request_id: str, engine: "AsyncEngine") -> None:
+        self.request_id = request_id
+        self._engine = engine
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self.accepted: asyncio.Future = asyncio.get_running_loop().create_future()
+        self.finished = False
+
+    def put(self, item: RequestOutput | Exception) -> None:
+        self._queue.put_nowait(item)
+
+    async def outputs(self) -> AsyncIterator[RequestOutput]:
+        try:
+            while not self.finished:
+                out = await self._queue.get()
+                while not isinstance(out, Exception) and not self._queue.empty():
+                    out = self._queue.get_nowait()      # cumulative outputs: skip to the newest
+                if isinstance(out, Exception):
+                    self.finished = True
+                    raise out
+                self.finished = out.finished
+                yield out
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Stop listening; abort the request if it has not finished (frees its KV blocks)."""
+        if not self.finished:
+            self.finished = True
+            self._engine.abort(self.request_id)
+        self._engine._streams.pop(self.request_id, None)
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine, metrics=None) -> None:
+        self.engine = engine
+        self.metrics = metrics          # ServerMetrics or None; called from the loop thread
+        self.stats = EngineStats()
+        self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
+        self._streams: dict[str, RequestStream] = {}   # touched only on the event loop
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._publish_stats()
+
+    # -- lifecycle (event loop side) -------------------------------------------------------------
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="picovllm-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    async def shutdown(self) -> None:
+        """Abort whatever is still in flight and stop the loop thread."""
+        if self._thread is None:
+            return
+        self._commands.put(Shutdown())
+        await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+        self._thread = None
+
+    # -- requests (event loop side) --------------------------------------------------------------
+    async def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
+                          arrival_time: float | None = None) -> RequestStream:
+        """Queue a request; return once the engine accepted it. Raises ValueError naming the bad field."""
+        if not self.is_running:
+            raise EngineDeadError("the engine loop is not running")
+        if request_id in self._streams:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        stream = self._streams[request_id] = RequestStream(request_id, self)
+        self._commands.put(AddRequest(request_id, list(prompt_token_ids), params, arrival_time or time.time()))
+        try:
+            await stream.accepted
+        except BaseException:   # rejected, or the caller went away: aborting an unknown id is a no-op
+            stream.close()
+            raise
+        return stream
+
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
+                       arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
+        stream = await self.add_request(prompt_token_ids, params, request_id, arrival_time)
+        async for out in stream.outputs():
+            yield out
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(AbortRequest(request_id))
+
+    def abort_all(self) -> None:
+        """Abort every request in flight: their streams end with finish_reason "abort"."""
+        self._commands.put(AbortAll())
+
+    # -- the loop thread -------------------------------------------------------------------------
+    def _run(self) -> None:
+        why = "the engine loop has shut down"
+        try:
+            while self._iteration():
+                pass
+        except BaseException:
+            logger.exception("engine loop crashed")
+            why = "the engine loop crashed"
+            raise
+        finally:   # nobody will answer requests still waiting (an add that raced the shutdown)
+            self._loop.call_soon_threadsafe(self._fail_all_streams, why)
+
+    def _iteration(self) -> bool:
+        engine = self.engine
+        cmds = [] if engine.has_unfinished_requests() else [self._commands.get()]
+        while True:
+            try:
+                cmds.append(self._commands.get_nowait())
+            except queue.Empty:
+                break
+        outputs: list[RequestOutput | tuple[str, BaseException | None]] = []
+        stop = False
+        for cmd in cmds:
+            stop = self._handle(cmd, outputs) or stop
+        if stop:
+            for rid in list(engine.requests):
+                self._abort_into(rid, outputs)
+        elif engine.has_unfinished_requests():
+            try:
+                outputs.extend(engine.step())
+            except Exception as e:   # one bad step must not take the server down: fail its requests
+                logger.exception("engine step failed; aborting %d requests", len(engine.requests))
+                err = EngineStepError(f"engine step failed: {type(e).__name__}: {e}")
+                for rid in list(engine.requests):
+                    engine.abort(rid)
+                    outputs.append((rid, err))
+                    if self.metrics:
+                        self.metrics.count_outcome("error")
+        self._finish_outputs(outputs)
+        self._publish_stats()
+        if outputs:
+            self._loop.call_soon_threadsafe(self._dispatch, outputs)
+        return not stop
+
+    def _handle(self, cmd: Command, outputs: list) -> bool:
+        if isinstance(cmd, Shutdown):
+            return True
+        if isinstance(cmd, AbortRequest):
+            self._abort_into(cmd.request_id, outputs)
+            return False
+        if isinstance(cmd, AbortAll):
+            for rid in list(self.engine.requests):
+                self._abort_into(rid, outputs)
+            return False
+        error = None
+        try:
+            self.engine.add_request(cmd.prompt_token_ids, cmd.params, cmd.request_id, cmd.arrival_time)
+        except ValueError as e:
+            error = e
+        except Exception as e:  # noqa: BLE001 - reported to the caller, never kills the loop
+            logger.exception("add_request failed")
+            error = EngineStepError(f"add_request failed: {type(e).__name__}: {e}")
+        outputs.append((cmd.request_id, error))
+        return False
+
+    def _abort_into(self, request_id: str, outputs: list) -> None:
+        out = self.engine.abort(request_id)
+        if out is not None:
+            outputs.append(out)
+
+    def _finish_outputs(self, outputs: list) -> None:
+        if self.metrics is None:
+            return
+        for out in outputs:
+            if isinstance(out, RequestOutput) and out.finished:
+                self.metrics.observe_finished(out)
+
+    def _publish_stats(self) -> None:
+        e, bm = self.engine, self.engine.block_manager
+        self.stats = EngineStats(len(e.scheduler.running), len(e.scheduler.waiting), bm.num_free_blocks,
+                                 bm.num_blocks, e.stats["prefill_tokens"], e.stats["decode_tokens"],
+                                 bm.queried_tokens, bm.hit_tokens)
+        if self.metrics:
+            self.metrics.observe_engine(self.stats)
+
+    # -- back on the event loop ------------------------------------------------------------------
+    def _dispatch(self, outputs: list) -> None:
+        for out in outputs:
+            if isinstance(out, RequestOutput):
+                stream = self._streams.get(out.request_id)
+                if stream is not None:
+                    stream.put(out)
+                    if out.finished:      # its reader may never come (response never started)
+                        del self._streams[out.request_id]
+                continue
+            rid, item = out
+            stream = self._streams.get(rid)
+            if stream is None:
+                continue
+            if not stream.accepted.done():          # the answer to an AddRequest
+                if item is None:
+                    stream.accepted.set_result(None)
+                else:
+                    stream.accepted.set_exception(item)
+            elif item is not None:
+                stream.put(item)
+
+    def _fail_all_streams(self, why: str) -> None:
+        err = EngineDeadError(why)
+        for stream in list(self._streams.values()):
+            if not stream.accepted.done():
+                stream.accepted.set_exception(err)
+            else:
+                stream.put(err)
+
+

@@ -1,0 +1,38 @@
+"""`picovllm serve`: the OpenAI-compatible server on one engine."""
+from __future__ import annotations
+
+import argparse
+
+from picovllm.entrypoints.engine_args import add_engine_args, engine_config_from_args
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("serve", help="serve the OpenAI-compatible HTTP API",
+                              description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.")
+    p.add_argument("model_tag", nargs="?", default=None, help="model (same as --model)")
+    p.add_argument("--model", default=None, help="HF folder or .gguf file (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: localhost only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 routes")
+    p.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model)")
+    p.add_argument("--max-request-bytes", type=int, default=4 * 2**20, help="larger bodies get HTTP 413")
+    p.add_argument("--shutdown-timeout", type=float, default=10.0,
+                   help="seconds in-flight requests get to finish after SIGTERM/SIGINT before they are aborted")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=False)
+    add_engine_args(p)
+    p.set_defaults(func=main)
+    return p
+
+
+def main(args: argparse.Namespace) -> int:
+    from picovllm.entrypoints.openai.api_server import ServerSettings, serve
+
+    if args.model_tag and args.model and args.model_tag != args.model:
+        raise SystemExit("error: give the model once (positional or --model)")
+    config = engine_config_from_args(args, model=args.model or args.model_tag)
+    serve(config, ServerSettings(host=args.host, port=args.port, api_key=args.api_key,
+                                 served_model_name=args.served_model_name, max_request_bytes=args.max_request_bytes,
+                                 shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
+                                 access_log=args.access_log))
+    return 0

@@ -1,0 +1,65 @@
+"""Two plain ASGI middlewares: a bearer-token check on /v1 and a request-body size limit."""
+from __future__ import annotations
+
+import hmac
+import json
+
+from fastapi import HTTPException
+
+from picovllm.entrypoints.openai.protocol import error_body
+
+
+async def send_error(send, status: int, message: str, type: str = "invalid_request_error") -> None:
+    body = json.dumps(error_body(message, type)).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+class APIKeyAuth:
+    """Every /v1 route needs `Authorization: Bearer <key>`; /health and /metrics stay open."""
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            got = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(got, self.expected):
+                return await send_error(send, 401, "invalid or missing API key (Authorization: Bearer ...)",
+                                        "authentication_error")
+        await self.app(scope, receive, send)
+
+
+class BodySizeLimit:
+    """Refuse bodies over max_bytes with 413: by Content-Length up front, or while a chunked body streams in."""
+
+    def __init__(self, app, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None:
+            if not length.isdigit():
+                return await send_error(send, 400, "Content-Length header is not a number")
+            if int(length) > self.max_bytes:
+                return await send_error(send, 413, self._message())
+        seen = 0
+
+        async def limited_receive():
+            nonlocal seen
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > self.max_bytes:
+                    raise HTTPException(413, self._message())   # FastAPI's body reader re-raises these
+            return msg
+
+        await self.app(scope, limited_receive, send)
+
+    def _message(self) -> str:
+        return f"request body is larger than the server's limit of {self.max_bytes} bytes"

@@ -1,0 +1,81 @@
+"""POST /v1/chat/completions: messages through the model's chat template, a reply out, streamed or not."""
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import Request, Response
+
+from picovllm.entrypoints.openai.async_engine import RequestStream
+from picovllm.entrypoints.openai.protocol import ChatCompletionRequest
+from picovllm.entrypoints.openai.serving import (ENGINE_ERRORS, SSE_DONE, JSONBody, ServingContext, TextDeltas, final_output,
+                                                 now, sse, sse_error, sse_response, top_logprobs, usage)
+from picovllm.outputs import CompletionOutput
+
+
+class ChatHandler:
+    def __init__(self, ctx: ServingContext) -> None:
+        self.ctx = ctx
+
+    async def __call__(self, req: ChatCompletionRequest, raw: Request) -> Response:
+        arrival = time.time()
+        ctx = self.ctx
+        ctx.check_model(req.model)
+        k = req.num_logprobs
+        params = req.sampling_params(req.max_new_tokens, k)
+        ids = await ctx.tokenizer.encode_chat([m.as_template_dict() for m in req.messages], req.add_generation_prompt)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        stream = await ctx.add(ids, params, rid, arrival)
+        if req.stream:
+            return sse_response(self._events(req, stream, params.stop, k))
+        out = await final_output(raw, stream)
+        if out is None:
+            return Response(status_code=499)     # the client is gone; nobody reads this
+        c = out.outputs[0]
+        choice = {"index": 0, "message": {"role": "assistant", "content": c.text},
+                  "logprobs": _logprobs(c, range(len(c.token_ids)), k) if k is not None else None,
+                  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        return JSONBody(self._body(rid, "chat.completion", [choice], usage=usage(out)))
+
+    def _body(self, rid: str, obj: str, choices: list, **extra) -> dict:
+        return {"id": rid, "object": obj, "created": now(), "model": self.ctx.model_name, "choices": choices, **extra}
+
+    def _chunk(self, rid: str, delta: dict, logprobs=None, finish_reason=None, stop_reason=None) -> str:
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        if finish_reason is not None:
+            choice["stop_reason"] = stop_reason
+        return sse(self._body(rid, "chat.completion.chunk", [choice]))
+
+    async def _events(self, req: ChatCompletionRequest, stream: RequestStream, stop: list[str],
+                      k: int | None) -> AsyncIterator[str]:
+        rid, deltas, last = stream.request_id, TextDeltas(stop), None
+        try:
+            yield self._chunk(rid, {"role": "assistant", "content": ""})
+            async for out in stream.outputs():
+                last, c = out, out.outputs[0]
+                text, toks = deltas.text(c, out.finished), deltas.tokens(c)
+                if not (text or out.finished or (k is not None and toks)):
+                    continue
+                yield self._chunk(rid, {"content": text} if text else {},
+                                  _logprobs(c, toks, k) if k is not None else None, c.finish_reason, c.stop_reason)
+            if req.include_usage and last is not None:
+                yield sse(self._body(rid, "chat.completion.chunk", [], usage=usage(last)))
+        except ENGINE_ERRORS as e:
+            yield sse_error(e)
+        finally:
+            stream.close()
+        yield SSE_DONE
+
+
+def _logprobs(c: CompletionOutput, idx: range, k: int) -> dict:
+    """OpenAI's chat logprobs for output tokens idx: each chosen token and the k most likely ones."""
+    def entry(lp) -> dict:
+        s = lp.decoded_token or ""
+        return {"token": s, "logprob": lp.logprob, "bytes": list(s.encode("utf-8"))}
+
+    content = []
+    for i in idx:
+        d = c.logprobs[i]
+        content.append({**entry(d[c.token_ids[i]]), "top_logprobs": [entry(lp) for lp in top_logprobs(d, k)]})
+    return {"content": content}

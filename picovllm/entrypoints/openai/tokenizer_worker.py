@@ -1,0 +1,57 @@
+"""Prompt preparation (chat template, tokenization) off both the event loop and the engine thread.
+
+A single worker thread owns a private copy of the tokenizer, so it never shares a tokenizer with the
+engine thread's detokenizer, and a big prompt being tokenized never stalls running streams.
+"""
+from __future__ import annotations
+
+import asyncio
+import copy
+from concurrent.futures import ThreadPoolExecutor
+
+from picovllm.entrypoints.openai.protocol import APIError
+
+
+class TokenizerWorker:
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = copy.deepcopy(tokenizer) if tokenizer is not None else None
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="picovllm-tokenizer")
+
+    def _need(self, what: str):
+        if self.tokenizer is None:
+            raise APIError(400, f"{what} needs a tokenizer, and this model has none: send token ids")
+        return self.tokenizer
+
+    async def _run(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    async def encode(self, text: str) -> list[int]:
+        """As Engine.tokenize (and so LLM.generate) encodes a text prompt."""
+        tok = self._need("a text prompt")
+        return await self._run(_encode, tok, text, True)
+
+    async def encode_chat(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+        """As LLM.chat: render the chat template, then encode without adding special tokens again."""
+        tok = self._need("chat")
+        if not getattr(tok, "chat_template", None):
+            raise APIError(400, "this model's tokenizer has no chat template: use /v1/completions")
+
+        def render() -> list[int]:
+            try:
+                text = tok.apply_chat_template(messages, tokenize=False,
+                                               add_generation_prompt=add_generation_prompt)
+            except Exception as e:  # jinja raises TemplateError (and others) on conversations it refuses
+                raise APIError(400, f"messages: the chat template rejected them: {e}", param="messages") from None
+            return _encode(tok, text, False)
+
+        return await self._run(render)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _encode(tok, text: str, add_special_tokens: bool) -> list[int]:
+    try:
+        return tok.encode(text, add_special_tokens=add_special_tokens)
+    except Exception as e:  # e.g. a lone surrogate (valid JSON, not encodable text)
+        raise APIError(400, f"prompt: cannot be tokenized ({type(e).__name__})", param="prompt") from None

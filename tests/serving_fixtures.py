@@ -1,0 +1,110 @@
+"""For the server tests: a tiny random-weight model that has a real (small, trained) tokenizer and chat
+template, and a server subprocess on a free port."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from conftest import build_tiny_checkpoint
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]    # ids 0, 1, 2: LlamaConfig's bos=1, eos=2
+CORPUS = ("The capital of France is Paris. Tell me a story about a cat who lives on the moon. "
+          "Hello, how are you today? I am fine, thank you. Numbers: 0 1 2 3 4 5 6 7 8 9. "
+          "The quick brown fox jumps over the lazy dog. A server streams tokens to its clients. ") * 20
+
+
+def build_tiny_chat_model(path: str, **overrides) -> str:
+    """Tiny llama (vocab 384) plus a byte-level BPE tokenizer trained on the spot, with a ChatML template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    build_tiny_checkpoint(path, "llama", **overrides)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=384, special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([CORPUS], trainer)
+    assert tok.get_vocab_size() <= 384
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                                   unk_token=None, pad_token="<|endoftext|>")
+    fast.chat_template = CHATML
+    fast.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def chat_model(tmp_path_factory) -> str:
+    return build_tiny_chat_model(str(tmp_path_factory.mktemp("tinychat") / "model"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`python -m picovllm.entrypoints.cli serve ...` in a subprocess, with its log in a file."""
+
+    def __init__(self, model: str, log_path: str, *extra: str, startup_timeout: float = 120.0) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+                   PYTHONPATH=os.pathsep.join([os.getcwd()] + sys.path))
+        self.log_path = log_path
+        self._log = open(log_path, "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "picovllm.entrypoints.cli", "serve", "--model", model, "--port", str(self.port),
+             *extra], stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        self._wait_ready(startup_timeout)
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"server did not come up in {timeout}s:\n{self.log()}")
+
+    def log(self) -> str:
+        with open(self.log_path) as f:
+            return f.read()
+
+    def metrics(self) -> dict[str, float]:
+        """Sample values of /metrics, by name (labels dropped; one series per name is enough here)."""
+        out = {}
+        for line in httpx.get(self.url + "/metrics", timeout=10).text.splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                key = name.split("{")[0]
+                if "outcome=" in name:
+                    key += "." + name.split('outcome="')[1].split('"')[0]
+                out[key] = float(value)
+        return out
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode

@@ -1,0 +1,132 @@
+"""AsyncEngine in-process: outputs equal LLM.generate's, rejects and aborts leave the engine clean, and a
+failing step fails only the requests in flight while the loop keeps serving."""
+import asyncio
+import random
+
+import pytest
+
+from picovllm import LLM, SamplingParams
+from picovllm.entrypoints.openai.async_engine import AsyncEngine, EngineStepError
+
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+
+def prompts(n, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(384) for _ in range(rng.randint(3, 40))] for _ in range(n)]
+
+
+@pytest.fixture
+def llm(tiny_models):
+    return LLM(tiny_models["llama"], block_size=8, num_kv_blocks=64)
+
+
+async def collect(ae, ids, params, rid):
+    last = None
+    async for out in ae.generate(ids, params, rid):
+        last = out
+    return last
+
+
+def test_concurrent_outputs_match_llm_generate(llm):
+    ps = prompts(6)
+    ref = [o.outputs[0].token_ids for o in llm.generate(ps, GREEDY, use_tqdm=False)]
+
+    async def main():
+        ae = AsyncEngine(llm.engine)
+        ae.start()
+        try:
+            outs = await asyncio.gather(*(collect(ae, p, GREEDY, f"r{i}") for i, p in enumerate(ps)))
+        finally:
+            await ae.shutdown()
+        return outs
+
+    outs = asyncio.run(main())
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    assert all(o.finished and o.outputs[0].finish_reason == "length" for o in outs)
+
+
+def test_reject_and_abort_leave_engine_clean(llm):
+    bm = llm.engine.block_manager
+
+    async def main():
+        ae = AsyncEngine(llm.engine)
+        ae.start()
+        try:
+            with pytest.raises(ValueError, match="max_model_len"):
+                await ae.add_request([5] * 600, GREEDY, "too-long")
+            with pytest.raises(ValueError, match=r"token ids must be in \[0, 384\)"):
+                await ae.add_request([1, 2, 999], GREEDY, "bad-id")
+            with pytest.raises(ValueError, match="stop_token_ids"):   # would index past the logits
+                await ae.add_request([1, 2], SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=[999]), "bad-stop")
+            # a long request, left after its first output: leaving the iteration aborts it
+            long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+            stream = await ae.add_request(prompts(1)[0], long, "leaver")
+            async for out in stream.outputs():
+                assert not out.finished
+                break
+            await stream_closed_and_idle(ae)
+            assert ae.stats.num_free_blocks == bm.num_blocks
+            # the engine still serves
+            out = await collect(ae, prompts(1, seed=3)[0], GREEDY, "after")
+            assert len(out.outputs[0].token_ids) == 10
+        finally:
+            await ae.shutdown()
+
+    asyncio.run(main())
+    assert bm.num_free_blocks == bm.num_blocks and not llm.engine.requests
+
+
+async def stream_closed_and_idle(ae, timeout=10.0):
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while ae.engine.requests or ae.stats.num_running or ae.stats.num_waiting:
+        assert loop.time() < end, "the aborted request was never freed"
+        await asyncio.sleep(0.01)
+
+
+def test_failing_step_fails_inflight_requests_only(llm, monkeypatch):
+    runner = llm.engine.runner
+    real = runner.execute
+    calls = {"n": 0}
+
+    def flaky(step):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected failure")
+        return real(step)
+
+    monkeypatch.setattr(runner, "execute", flaky)
+    ps = prompts(3, seed=5)
+
+    async def main():
+        ae = AsyncEngine(llm.engine)
+        ae.start()
+        try:
+            results = await asyncio.gather(*(collect(ae, p, GREEDY, f"f{i}") for i, p in enumerate(ps)),
+                                           return_exceptions=True)
+            assert all(isinstance(r, EngineStepError) for r in results), results
+            assert ae.is_running
+            return await collect(ae, ps[0], GREEDY, "after-failure")
+        finally:
+            await ae.shutdown()
+
+    out = asyncio.run(main())
+    monkeypatch.setattr(runner, "execute", real)
+    ref = llm.generate([ps[0]], GREEDY, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+
+
+def test_shutdown_aborts_inflight(llm):
+    async def main():
+        ae = AsyncEngine(llm.engine)
+        ae.start()
+        stream = await ae.add_request(prompts(1)[0], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True),
+                                      "inflight")
+        await ae.shutdown()
+        outs = [o async for o in stream.outputs()]
+        return outs[-1]
+
+    last = asyncio.run(main())
+    assert last.finished and last.outputs[0].finish_reason == "abort"
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks

@@ -1,0 +1,205 @@
+"""Bad input: a ValueError whose message names the field or file, and nothing else changes: requests
+already in flight in the same engine finish exactly as they would have without it."""
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from picovllm import LLM, EngineConfig, SamplingParams
+from test_parity_hf import make_prompts
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    (dict(temperature=-0.1), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.01), "top_p"),
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(max_tokens=-5), "max_tokens"),
+    (dict(top_k=-2), "top_k"),
+    (dict(min_p=1.5), "min_p"),
+    (dict(min_tokens=4, max_tokens=2), "min_tokens"),
+    (dict(stop=["ok", ""]), "stop"),
+    (dict(stop_token_ids=[-1]), "stop_token_ids"),
+    (dict(logprobs=-1), "logprobs"),
+    (dict(n=2), "n"),
+    (dict(seed=1.5), "seed"),
+])
+def test_bad_sampling_params_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=rf"SamplingParams\.{field} "):
+        SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    (dict(block_size=0), "block_size"), (dict(dtype="int8"), "dtype"), (dict(max_num_seqs=0), "max_num_seqs"),
+    (dict(max_num_batched_tokens=0), "max_num_batched_tokens"), (dict(max_model_len=0), "max_model_len"),
+    (dict(num_kv_blocks=0), "num_kv_blocks"), (dict(attention_backend="cuda"), "attention_backend"),
+])
+def test_bad_engine_config_names_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=rf"EngineConfig\.{field} "):
+        EngineConfig(**kwargs)
+
+
+# -- models that cannot load ---------------------------------------------------------------------
+def broken_copy(src: str, dst: str, edit_config=None, edit_weights=None) -> str:
+    shutil.copytree(src, dst)
+    if edit_config is not None:
+        with open(os.path.join(dst, "config.json")) as f:
+            cfg = json.load(f)
+        edit_config(cfg)
+        with open(os.path.join(dst, "config.json"), "w") as f:
+            json.dump(cfg, f)
+    if edit_weights is not None:
+        file = os.path.join(dst, "model.safetensors")
+        weights = load_file(file)
+        edit_weights(weights)
+        save_file(weights, file)
+    return dst
+
+
+def _set(d, k, v):
+    d[k] = v
+
+
+BROKEN = {  # name -> (edit_config, edit_weights, message pattern)
+    "unknown_arch": (lambda c: _set(c, "architectures", ["GPT2LMHeadModel"]), None,
+                     r"architectures=\['GPT2LMHeadModel'\]: unsupported architecture"),
+    "wrong_shape_q": (None, lambda w: _set(w, "model.layers.0.self_attn.q_proj.weight", torch.zeros(64, 32)),
+                      r"model\.layers\.0\.self_attn\.q_proj\.weight: shape mismatch"),
+    "wrong_shape_norm": (None, lambda w: _set(w, "model.layers.1.input_layernorm.weight", torch.ones(65)),
+                         r"model\.layers\.1\.input_layernorm\.weight: shape mismatch"),
+    "wrong_shape_embed": (None, lambda w: _set(w, "model.embed_tokens.weight", torch.zeros(384, 63)),
+                          r"model\.embed_tokens\.weight: shape mismatch"),
+    "wrong_shape_down": (None, lambda w: _set(w, "model.layers.1.mlp.down_proj.weight", torch.zeros(64, 127)),
+                         r"model\.layers\.1\.mlp\.down_proj\.weight: shape mismatch"),
+    "missing_weight": (None, lambda w: w.pop("model.layers.1.mlp.down_proj.weight"),
+                       r"missing weights: layers\.1\.mlp\.down_proj\.weight"),
+    "missing_k": (None, lambda w: w.pop("model.layers.0.self_attn.k_proj.weight"),
+                  r"missing weights: layers\.0\.self_attn\.qkv_proj\.weight#k"),
+    "unknown_tensor": (None, lambda w: _set(w, "model.layers.0.mystery.weight", torch.zeros(3)),
+                       r"'model\.layers\.0\.mystery\.weight' matches no parameter"),
+}
+
+
+@pytest.mark.parametrize("case", list(BROKEN))
+def test_broken_checkpoint_is_named(tiny_models, tmp_path, case):
+    edit_config, edit_weights, pattern = BROKEN[case]
+    path = broken_copy(tiny_models["llama"], str(tmp_path / case), edit_config, edit_weights)
+    with pytest.raises(ValueError, match=pattern):
+        LLM(path, num_kv_blocks=8)
+
+
+def test_missing_files_are_named(tmp_path):
+    with pytest.raises(ValueError, match=r"model path '/no/such/model' does not exist"):
+        LLM("/no/such/model")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ValueError, match=r"has no config\.json"):
+        LLM(str(empty))
+    not_model = tmp_path / "notes.txt"
+    not_model.write_text("hi")
+    with pytest.raises(ValueError, match=r"neither a folder nor a \.gguf file"):
+        LLM(str(not_model))
+
+
+def test_folder_without_weights_is_named(tiny_models, tmp_path):
+    path = broken_copy(tiny_models["llama"], str(tmp_path / "noweights"))
+    os.remove(os.path.join(path, "model.safetensors"))
+    with pytest.raises(ValueError, match=r"no \*\.safetensors"):
+        LLM(path)
+
+
+# -- bad requests next to good ones --------------------------------------------------------------
+def good_requests():
+    prompts = make_prompts()[:6]
+    params = [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=11, max_tokens=9, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2),
+              SamplingParams(temperature=1.2, top_k=20, seed=12, max_tokens=10, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+              SamplingParams(temperature=0.7, top_p=0.9, seed=13, max_tokens=8, ignore_eos=True)]
+    return prompts, params
+
+
+def summary(outs):
+    return [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs]
+
+
+ENGINE = dict(max_model_len=128, block_size=8, max_num_batched_tokens=24, num_kv_blocks=40, max_num_seqs=4)
+
+
+def test_bad_requests_leave_in_flight_requests_untouched(tiny_models):
+    path = tiny_models["llama"]
+    prompts, params = good_requests()
+    clean = summary(LLM(path, **ENGINE).generate(prompts, params, use_tqdm=False))
+
+    llm = LLM(path, **ENGINE)
+    eng = llm.engine
+    ids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
+    final = {}
+    for _ in range(4):                           # some prefilling, some decoding
+        final.update({o.request_id: o for o in eng.step() if o.finished})
+    assert eng.scheduler.running and eng.scheduler.waiting
+
+    mutated = SamplingParams(temperature=0.5)
+    mutated.temperature = -1.0                   # validated again when the request is added
+    bad = [
+        (list(range(128)), SamplingParams(), r"128 tokens, longer than max_model_len"),
+        (list(range(200)), SamplingParams(), r"max_model_len"),
+        ([], SamplingParams(), r"prompt is empty"),
+        ([3, 384], SamplingParams(), r"prompt token ids must be in \[0, 384\)"),
+        ([3, -1], SamplingParams(), r"prompt token ids"),
+        ("some text", SamplingParams(), r"prompt is text but the model has no tokenizer"),
+        ([3.5, 2], SamplingParams(), r"prompt must be a string or a list of int token ids"),
+        ([1, 2, 3], {"temperature": 0}, r"sampling_params must be a SamplingParams"),
+        ([1, 2, 3], mutated, r"SamplingParams\.temperature"),
+        ([1, 2, 3], SamplingParams(logprobs=385), r"SamplingParams\.logprobs .*384"),       # more than the vocab
+        ([1, 2, 3], SamplingParams(stop_token_ids=[5, 384], min_tokens=2), r"SamplingParams\.stop_token_ids .*384"),
+        (list(range(100)), SamplingParams(max_tokens=300), None),   # fine: max_tokens is capped by max_model_len
+    ]
+    running, waiting = list(eng.scheduler.running), list(eng.scheduler.waiting)
+    free, tracked = eng.block_manager.num_free_blocks, set(eng.requests)
+    for prompt, sp, pattern in bad:
+        if pattern is None:
+            rid = eng.add_request(prompt, sp)
+            assert eng.abort(rid).outputs[0].finish_reason == "abort"
+            continue
+        with pytest.raises(ValueError, match=pattern):
+            eng.add_request(prompt, sp)
+            pytest.fail(f"accepted: {str(prompt)[:40]} {sp}")
+    with pytest.raises(ValueError, match=r"request_id '0' is already in use"):
+        eng.add_request([1, 2], SamplingParams(), request_id=ids[0])
+    assert eng.scheduler.running == running and list(eng.scheduler.waiting) == waiting
+    assert eng.block_manager.num_free_blocks == free and set(eng.requests) == tracked
+
+    while eng.has_unfinished_requests():
+        final.update({o.request_id: o for o in eng.step() if o.finished})
+    assert summary([final[i] for i in ids]) == clean
+
+
+def test_kv_cache_too_small_for_one_request_is_named(tiny_models):
+    llm = LLM(tiny_models["llama"], block_size=8, num_kv_blocks=4)      # 32 tokens
+    with pytest.raises(ValueError, match=r"exceed the KV cache \(32 tokens\)"):
+        llm.generate([list(range(30))], SamplingParams(max_tokens=5), use_tqdm=False)
+
+
+def test_bad_prompt_in_a_batch_rejects_the_batch_cleanly(tiny_models):
+    path = tiny_models["llama"]
+    prompts, params = good_requests()
+    llm = LLM(path, **ENGINE)
+    with pytest.raises(ValueError, match="prompt is empty"):
+        llm.generate(prompts[:3] + [[]] + prompts[3:], params[:3] + [SamplingParams()] + params[3:], use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests() and not llm.engine.requests
+    with pytest.raises(ValueError, match=r"sampling_params has 2 entries for 6 prompts"):
+        llm.generate(prompts, params[:2], use_tqdm=False)
+    assert summary(llm.generate(prompts, params, use_tqdm=False)) == \
+        summary(LLM(path, **ENGINE).generate(prompts, params, use_tqdm=False))
+
+
+def test_empty_text_prompt_on_the_default_model(default_llm):
+    with pytest.raises(ValueError, match="prompt is empty"):
+        default_llm.generate([""], SamplingParams(max_tokens=2), use_tqdm=False)

@@ -1,0 +1,234 @@
+"""BlockManager and Scheduler on hand-computed cases, without a model.
+
+A step is simulated as the engine does it: every scheduled chunk's tokens become computed, full
+blocks are registered in the prefix cache, and a chunk that reaches the end of a request's
+tokens yields one new token.
+"""
+from picovllm.engine.block_manager import BlockManager
+from picovllm.engine.request import Request, RequestStatus
+from picovllm.engine.scheduler import Scheduler
+from picovllm.sampling_params import SamplingParams
+
+
+def req(rid: str, tokens: list[int]) -> Request:
+    return Request(rid, tokens, SamplingParams(temperature=0, max_tokens=100))
+
+
+def run_step(sched: Scheduler, out, new_token: int = 7) -> None:
+    for c in out.chunks:
+        samples = c.samples
+        c.request.num_computed_tokens += c.num_new_tokens
+        sched.block_manager.cache_full_blocks(c.request)
+        if samples:
+            c.request.output_token_ids.append(new_token)
+            c.request.status = RequestStatus.DECODING
+
+
+def plan(out) -> list[tuple[str, int]]:
+    return [(c.request.request_id, c.num_new_tokens) for c in out.chunks]
+
+
+def compute(bm: BlockManager, r: Request, n: int) -> None:
+    """Pretend r's first n tokens were computed into its blocks."""
+    assert bm.allocate(r, n)
+    r.num_computed_tokens = n
+    bm.cache_full_blocks(r)
+
+
+# -- BlockManager --------------------------------------------------------------------------------
+def test_allocate_and_free_without_caching():
+    bm = BlockManager(6, 4, enable_prefix_caching=False)
+    a, b = req("a", list(range(10))), req("b", list(range(9)))
+    assert bm.allocate_prefix(a) == 0
+    assert bm.blocks_needed(a, 10) == 3
+    assert bm.allocate(a, 10) and a.block_table == [0, 1, 2]
+    assert bm.allocate(a, 12) and a.block_table == [0, 1, 2]          # 12 slots fit in 3 blocks
+    assert bm.allocate(a, 13) and a.block_table == [0, 1, 2, 3]
+    assert not bm.allocate(b, 9) and b.block_table == [] and bm.num_free_blocks == 2  # needs 3, 2 free
+    a.num_computed_tokens = 13
+    bm.cache_full_blocks(a)
+    assert bm.hash_to_block == {} and bm.block_hash == [None] * 6     # caching off: nothing registered
+    bm.free(a)
+    assert bm.num_free_blocks == 6 and bm.ref_counts == [0] * 6 and a.num_computed_tokens == 0
+    assert bm.queried_tokens == bm.hit_tokens == 0
+
+
+def test_prefix_hits_hand_computed():
+    bm = BlockManager(8, 4)
+    a = req("a", list(range(10)))                 # blocks [0 1 2 3] [4 5 6 7] [8 9 . .]
+    assert bm.allocate_prefix(a) == 0
+    compute(bm, a, 10)
+    assert a.block_table == [0, 1, 2]
+    assert bm.block_hash[0] is not None and bm.block_hash[1] is not None and bm.block_hash[2] is None
+    bm.free(a)
+    # unhashed tail block first in line for eviction, then untouched blocks, then the chain tail-first
+    assert list(bm.free_queue) == [2, 3, 4, 5, 6, 7, 1, 0]
+
+    cases = [  # prompt -> tokens served from cache
+        (list(range(8)) + [100, 101], 8),          # both full blocks shared
+        (list(range(8)), 4),                       # exactly two blocks: the last token must be computed
+        (list(range(4)) + [5, 5, 5, 5, 1], 4),     # second block differs
+        ([99] + list(range(1, 10)), 0),            # first block differs, nothing after it counts
+        ([50, 51, 52, 53, 4, 5, 6, 7, 1], 0),      # same second block after another first: chained hash
+        (list(range(3)), 0),                       # shorter than a block
+    ]
+    held = []
+    for i, (tokens, hit) in enumerate(cases):
+        r = req(f"r{i}", tokens)
+        assert bm.allocate_prefix(r) == hit, tokens
+        assert r.num_computed_tokens == r.num_cached_tokens == hit
+        assert r.block_table == [0, 1][:hit // 4]
+        held.append(r)
+    assert bm.ref_counts[0] == 3 and bm.ref_counts[1] == 1          # shared, not copied
+    assert 0 not in bm.free_queue and 1 not in bm.free_queue
+    assert bm.queried_tokens == 10 + sum(len(t) for t, _ in cases)
+    assert bm.hit_tokens == sum(h for _, h in cases)
+    for r in held:
+        bm.free(r)
+    assert bm.ref_counts == [0] * 8 and bm.num_free_blocks == 8
+
+
+def test_block_in_use_is_never_evicted():
+    bm = BlockManager(4, 2)
+    a = req("a", [1, 2, 3, 4, 5])
+    bm.allocate_prefix(a)
+    compute(bm, a, 5)                             # a keeps running: blocks 0, 1 hashed, 2 partial
+    assert a.block_table == [0, 1, 2] and list(bm.free_queue) == [3]
+    b = req("b", [1, 2, 3, 4, 9])
+    assert bm.allocate_prefix(b) == 4 and b.block_table == [0, 1]
+    assert bm.allocate(b, 5) and b.block_table == [0, 1, 3] and bm.num_free_blocks == 0
+    c = req("c", [7, 7, 7, 7, 7])
+    assert bm.allocate_prefix(c) == 0
+    assert not bm.allocate(c, 5)                  # no free block: fails, steals nothing
+    hashes = {h: blk for h, blk in bm.hash_to_block.items()}
+    assert sorted(hashes.values()) == [0, 1]
+    bm.free(b)
+    assert bm.ref_counts[:2] == [1, 1] and list(bm.free_queue) == [3]   # a still holds 0 and 1
+    assert not bm.allocate(c, 5)
+    assert bm.hash_to_block == hashes
+    bm.free(a)
+    assert list(bm.free_queue) == [2, 3, 1, 0]
+    assert bm.allocate(c, 5) and c.block_table == [2, 3, 1]     # evicts the chain's tail (block 1) only
+    assert list(bm.hash_to_block.values()) == [0] and bm.block_hash[1] is None
+    d = req("d", [1, 2, 3, 4, 5])
+    assert bm.allocate_prefix(d) == 2 and d.block_table == [0]
+    bm.free(c)
+    bm.free(d)
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_eviction_is_least_recently_used():
+    bm = BlockManager(4, 2)
+    a, b = req("a", [1, 1, 9]), req("b", [2, 2, 9])
+    for r in (a, b):
+        bm.allocate_prefix(r)
+        compute(bm, r, 2)                        # one full hashed block each: a -> 0, b -> 1
+    bm.free(a)
+    bm.free(b)                                   # a's block is now older than b's
+    a2 = req("a2", [1, 1, 5])
+    assert bm.allocate_prefix(a2) == 2           # a hit touches block 0 ...
+    bm.free(a2)                                  # ... so b's block 1 is now the least recent
+    assert list(bm.free_queue) == [2, 3, 1, 0]
+    filler = req("f", [3] * 6)
+    assert bm.allocate(filler, 6) and filler.block_table == [2, 3, 1]
+    assert bm.allocate_prefix(req("b2", [2, 2, 5])) == 0   # b's block was evicted
+    a3 = req("a3", [1, 1, 5])
+    assert bm.allocate_prefix(a3) == 2           # a's survived
+    bm.free(a3)
+    bm.free(filler)
+
+
+# -- Scheduler -----------------------------------------------------------------------------------
+def test_chunked_prefill_budget_and_max_num_seqs():
+    bm = BlockManager(100, 4, enable_prefix_caching=False)
+    s = Scheduler(bm, max_num_seqs=2, max_num_batched_tokens=10)
+    r1, r2, r3 = req("r1", [1] * 7), req("r2", [2] * 6), req("r3", [3] * 3)
+    for r in (r1, r2, r3):
+        s.add(r)
+    expected = [
+        [("r1", 7), ("r2", 3)],      # r2's prompt is chunked to fit the budget; r3 waits (max_num_seqs)
+        [("r1", 1), ("r2", 3)],      # decodes first, then the rest of r2's prompt
+        [("r1", 1), ("r2", 1)],
+    ]
+    for want in expected:
+        out = s.schedule()
+        assert plan(out) == want
+        run_step(s, out)
+    s.remove(r1)
+    out = s.schedule()
+    assert plan(out) == [("r2", 1), ("r3", 3)]
+    run_step(s, out)
+    s.remove(r2)
+    s.remove(r3)
+    assert not s.has_unfinished() and bm.num_free_blocks == 100
+
+
+def test_decodes_are_never_starved_by_prefills():
+    bm = BlockManager(100, 4, enable_prefix_caching=False)
+    s = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=4)
+    short, long_ = req("s", [1, 2]), req("l", [5] * 30)
+    s.add(short)
+    out = s.schedule()
+    assert plan(out) == [("s", 2)]
+    run_step(s, out)
+    s.add(long_)
+    for _ in range(5):                        # the long prompt gets only what the decode leaves
+        out = s.schedule()
+        assert plan(out) == [("s", 1), ("l", 3)]
+        run_step(s, out)
+    s.remove(short)
+    s.remove(long_)
+
+
+def test_preempted_request_resumes_from_its_cached_blocks():
+    bm = BlockManager(4, 4)
+    s = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64)
+    r1 = req("r1", list(range(8)))             # 2 blocks
+    r2 = req("r2", list(range(20, 27)))        # 7 tokens, 2 blocks
+    s.add(r1)
+    s.add(r2)
+    out = s.schedule()
+    assert plan(out) == [("r1", 8), ("r2", 7)] and r1.block_table == [0, 1] and r2.block_table == [2, 3]
+    run_step(s, out)                           # r2's first block (tokens 20..23) is now cached
+    out = s.schedule()                         # r1 needs a third block: r2, admitted last, is preempted
+    assert out.preempted == [r2] and plan(out) == [("r1", 1)]
+    assert r2.status == RequestStatus.WAITING and r2.block_table == [] and list(s.waiting) == [r2]
+    assert r1.block_table == [0, 1, 3]         # r2's unhashed tail block went first
+    run_step(s, out)
+    s.remove(r1)                               # r1 finishes
+    queried, hit = bm.queried_tokens, bm.hit_tokens
+    out = s.schedule()
+    # r2 = 7 prompt + 1 output token; its first block comes back from the cache, 4 tokens remain
+    assert plan(out) == [("r2", 4)] and r2.num_cached_tokens == 4 and r2.block_table[0] == 2
+    assert (bm.queried_tokens - queried, bm.hit_tokens - hit) == (8, 4)
+    run_step(s, out)
+    s.remove(r2)
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_hit_rate_counts_each_admission_once():
+    """A request that waits for blocks across several steps is one prefix-cache query, not one per step."""
+    bm = BlockManager(5, 4)
+    s = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64)
+    warm = req("warm", list(range(9)))
+    s.add(warm)
+    run_step(s, s.schedule())
+    s.remove(warm)                             # blocks 0, 1 cached
+    big = req("big", [50] * 9)                 # holds the 3 other blocks, room for 3 decode steps
+    s.add(big)
+    run_step(s, s.schedule())
+    late = req("late", list(range(8)) + [60] * 3)   # 8 cached tokens, needs 1 more block: none free
+    s.add(late)
+    before = (bm.queried_tokens, bm.hit_tokens)
+    for _ in range(3):
+        out = s.schedule()
+        assert plan(out) == [("big", 1)]
+        run_step(s, out)
+    assert (bm.queried_tokens, bm.hit_tokens) == before     # not admitted: nothing counted yet
+    s.remove(big)
+    out = s.schedule()
+    assert plan(out) == [("late", 3)] and late.num_cached_tokens == 8
+    assert (bm.queried_tokens - before[0], bm.hit_tokens - before[1]) == (11, 8)
+    run_step(s, out)
+    s.remove(late)
+    assert bm.num_free_blocks == bm.num_blocks

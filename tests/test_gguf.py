@@ -1,0 +1,319 @@
+"""GGUF loading: every supported tensor type against a float64 reimplementation of its block format,
+greedy parity with HF transformers on the same weights, and errors that name the problem.
+
+The tiny GGUF files are written here with gguf.GGUFWriter, q/k rows permuted as llama.cpp's converter
+does. Types the gguf package can quantize are quantized with it; Q4_K and Q6_K blocks are built
+byte by byte. The reference weights HF gets are this file's float64 decode of those bytes, un-permuted
+by this file's own inverse of the permutation.
+"""
+import os
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from picovllm import LLM, SamplingParams
+from picovllm.loader.gguf_file import open_gguf
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+VOCAB, HIDDEN, INTER, LAYERS, HEADS, KV_HEADS, HEAD_DIM = 384, 256, 512, 2, 4, 2, 64
+TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"]
+PROMPTS = [[1, 17, 250, 3, 99], [5], list(range(40, 73))]
+
+
+# -- a float64 decoder for each block format (ggml's block layouts) -------------------------------
+def _f16(b: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(b).view("<f2").astype(np.float64)[:, 0]
+
+
+def decode_q8_0(b):   # 34 bytes: f16 d, 32 x int8
+    return _f16(b[:, :2])[:, None] * b[:, 2:].view(np.int8)
+
+
+def _nibbles(qs):     # byte j holds element j (low nibble) and element j + 16 (high nibble)
+    return np.concatenate([qs & 0xF, qs >> 4], axis=1).astype(np.float64)
+
+
+def decode_q4_0(b):   # 18 bytes: f16 d, 16 bytes of nibbles; x = d * (q - 8)
+    return _f16(b[:, :2])[:, None] * (_nibbles(b[:, 2:]) - 8)
+
+
+def decode_q4_1(b):   # 20 bytes: f16 d, f16 m, 16 bytes of nibbles; x = d * q + m
+    return _f16(b[:, :2])[:, None] * _nibbles(b[:, 4:]) + _f16(b[:, 2:4])[:, None]
+
+
+def decode_q4_k(b):   # 144 bytes: f16 d, f16 dmin, 12 bytes of 6-bit scales/mins, 128 bytes of nibbles
+    d, dmin, s, qs = _f16(b[:, :2]), _f16(b[:, 2:4]), b[:, 4:16].astype(np.int64), b[:, 16:]
+    sc, mn = np.empty((len(b), 8)), np.empty((len(b), 8))
+    for j in range(8):
+        if j < 4:
+            sc[:, j], mn[:, j] = s[:, j] & 63, s[:, j + 4] & 63
+        else:
+            sc[:, j] = (s[:, j + 4] & 0xF) | ((s[:, j - 4] >> 6) << 4)
+            mn[:, j] = (s[:, j + 4] >> 4) | ((s[:, j] >> 6) << 4)
+    out = np.empty((len(b), 256))
+    for i in range(4):            # 64 values per chunk: 32 low nibbles, then 32 high nibbles
+        q = qs[:, 32 * i:32 * i + 32]
+        for half, vals in enumerate([q & 0xF, q >> 4]):
+            j = 2 * i + half
+            out[:, 64 * i + 32 * half:64 * i + 32 * half + 32] = \
+                (d * sc[:, j])[:, None] * vals - (dmin * mn[:, j])[:, None]
+    return out
+
+
+def decode_q6_k(b):   # 210 bytes: 128 low-nibble bytes, 64 bytes of 2-bit highs, 16 int8 scales, f16 d
+    ql, qh, sc, d = b[:, :128].astype(np.int64), b[:, 128:192].astype(np.int64), b[:, 192:208].view(np.int8), _f16(b[:, 208:])
+    out = np.empty((len(b), 256))
+    l = np.arange(32)
+    for h in range(2):            # two halves of 128 values
+        lo, hi, s = ql[:, 64 * h:64 * h + 64], qh[:, 32 * h:32 * h + 32], sc[:, 8 * h:8 * h + 8].astype(np.float64)
+        quads = [(lo[:, l] & 0xF) | ((hi & 3) << 4), (lo[:, l + 32] & 0xF) | (((hi >> 2) & 3) << 4),
+                 (lo[:, l] >> 4) | (((hi >> 4) & 3) << 4), (lo[:, l + 32] >> 4) | (((hi >> 6) & 3) << 4)]
+        for k, q in enumerate(quads):
+            out[:, 128 * h + 32 * k + l] = d[:, None] * s[:, l // 16 + 2 * k] * (q - 32)
+    return out
+
+
+BLOCK = {"Q8_0": (32, 34, decode_q8_0), "Q4_0": (32, 18, decode_q4_0), "Q4_1": (32, 20, decode_q4_1),
+         "Q4_K": (256, 144, decode_q4_k), "Q6_K": (256, 210, decode_q6_k)}
+
+
+def decode(raw: np.ndarray, kind: str, shape: tuple[int, int]) -> np.ndarray:
+    """Bytes (or floats) as written to the file -> float64 matrix."""
+    if kind == "F32":
+        return raw.astype(np.float64)
+    if kind == "F16":
+        return raw.astype(np.float64)
+    if kind == "BF16":
+        bits = np.ascontiguousarray(raw).view("<u2").astype(np.uint32) << 16
+        return bits.view(np.float32).astype(np.float64).reshape(shape)
+    n, size, fn = BLOCK[kind]
+    return fn(np.ascontiguousarray(raw).reshape(-1, size)).reshape(shape)
+
+
+# -- building the blocks ------------------------------------------------------------------------
+def _f16_bytes(x: np.ndarray) -> np.ndarray:
+    return x.astype("<f2").view(np.uint8).reshape(-1, 2)
+
+
+def raw_q4_k(rng, rows, cols):
+    n = rows * cols // 256
+    d = rng.uniform(0.5, 1.5, n) * 2e-4
+    blocks = np.concatenate([_f16_bytes(d), _f16_bytes(d * 7.5),        # dmin ~ 7.5 d keeps the mean near 0
+                             rng.integers(0, 256, (n, 140), dtype=np.uint8)], axis=1)
+    return blocks.reshape(rows, -1)
+
+
+def raw_q6_k(rng, rows, cols):
+    n = rows * cols // 256
+    scales = (rng.integers(1, 17, (n, 16)) * rng.choice([-1, 1], (n, 16))).astype(np.int8).view(np.uint8)
+    blocks = np.concatenate([rng.integers(0, 256, (n, 192), dtype=np.uint8), scales,
+                             _f16_bytes(rng.uniform(0.5, 1.5, n) * 1e-3)], axis=1)
+    return blocks.reshape(rows, -1)
+
+
+def encode(rng, kind: str, rows: int, cols: int) -> np.ndarray:
+    """Random data for one tensor, as the array add_tensor() writes."""
+    if kind == "Q4_K":
+        return raw_q4_k(rng, rows, cols)
+    if kind == "Q6_K":
+        return raw_q6_k(rng, rows, cols)
+    x = (rng.standard_normal((rows, cols)) * 0.08).astype(np.float32)
+    if kind == "F32":
+        return x
+    if kind == "F16":
+        return x.astype(np.float16)
+    return gguf.quants.quantize(x, Q[kind])
+
+
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's reordering of q/k rows."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    src = llama_cpp_permute(np.arange(w.shape[0]), n_head)   # stored row i is HF row src[i]
+    out = np.empty_like(w)
+    out[src] = w
+    return out
+
+
+def tensor_plan():
+    """(gguf name, HF name, shape, heads to un-permute or None)."""
+    plan = [("token_embd.weight", "model.embed_tokens.weight", (VOCAB, HIDDEN), None),
+            ("output.weight", "lm_head.weight", (VOCAB, HIDDEN), None),
+            ("output_norm.weight", "model.norm.weight", (HIDDEN,), None)]
+    for i in range(LAYERS):
+        b, h = f"blk.{i}.", f"model.layers.{i}."
+        plan += [(b + "attn_q.weight", h + "self_attn.q_proj.weight", (HEADS * HEAD_DIM, HIDDEN), HEADS),
+                 (b + "attn_k.weight", h + "self_attn.k_proj.weight", (KV_HEADS * HEAD_DIM, HIDDEN), KV_HEADS),
+                 (b + "attn_v.weight", h + "self_attn.v_proj.weight", (KV_HEADS * HEAD_DIM, HIDDEN), None),
+                 (b + "attn_output.weight", h + "self_attn.o_proj.weight", (HIDDEN, HEADS * HEAD_DIM), None),
+                 (b + "ffn_gate.weight", h + "mlp.gate_proj.weight", (INTER, HIDDEN), None),
+                 (b + "ffn_up.weight", h + "mlp.up_proj.weight", (INTER, HIDDEN), None),
+                 (b + "ffn_down.weight", h + "mlp.down_proj.weight", (HIDDEN, INTER), None),
+                 (b + "attn_norm.weight", h + "input_layernorm.weight", (HIDDEN,), None),
+                 (b + "ffn_norm.weight", h + "post_attention_layernorm.weight", (HIDDEN,), None)]
+    return plan
+
+
+def write_tiny_gguf(path: str, kind: str, arch: str = "llama", skip: tuple[str, ...] = (),
+                    override: dict | None = None) -> dict[str, np.ndarray]:
+    """Write a tiny llama GGUF with every matrix of type `kind` (norms F32); return the float64
+    weights HF should see, by HF name. `override` maps a GGUF name to a type for that tensor."""
+    rng = np.random.default_rng(TYPES.index(kind) if kind in TYPES else 0)
+    w = gguf.GGUFWriter(path, arch)
+    w.add_context_length(512)
+    w.add_embedding_length(HIDDEN)
+    w.add_block_count(LAYERS)
+    w.add_feed_forward_length(INTER)
+    w.add_head_count(HEADS)
+    w.add_head_count_kv(KV_HEADS)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(10000.0)
+    w.add_rope_dimension_count(HEAD_DIM)
+    ref = {}
+    for gname, hname, shape, heads in tensor_plan():
+        if gname in skip:
+            continue
+        if len(shape) == 1:
+            data = rng.uniform(0.5, 1.5, shape).astype(np.float32)
+            w.add_tensor(gname, data)
+            ref[hname] = data.astype(np.float64)
+            continue
+        t = (override or {}).get(gname, kind)
+        data = encode(rng, t, *shape)
+        if t in ("F32", "F16"):
+            w.add_tensor(gname, data)
+        else:
+            w.add_tensor(gname, data, raw_shape=data.shape, raw_dtype=Q[t])
+        if t in TYPES:
+            full = decode(data, t, shape)
+            ref[hname] = unpermute(full, heads) if heads else full
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return ref
+
+
+@pytest.fixture(scope="module")
+def gguf_files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gguf")
+    return {k: (str(root / f"tiny-{k}.gguf"), write_tiny_gguf(str(root / f"tiny-{k}.gguf"), k)) for k in TYPES}
+
+
+def hf_llama(ref: dict[str, np.ndarray]):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=LAYERS,
+                      num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=512,
+                      rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg).eval()
+    model.load_state_dict({k: torch.tensor(v, dtype=torch.float32) for k, v in ref.items()}, strict=True)
+    return model
+
+
+# -- tests ---------------------------------------------------------------------------------------
+def test_reference_decoders_round_trip():
+    """The float64 decoders above invert the gguf package's quantizers within each format's step size."""
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((8, 256)) * 0.1).astype(np.float32)
+    blocks = x.reshape(-1, 32).astype(np.float64)
+    amax = np.abs(blocks).max(1, keepdims=True)
+    span = blocks.max(1, keepdims=True) - blocks.min(1, keepdims=True)
+    bounds = {"Q8_0": amax / 127, "Q4_0": amax / 8, "Q4_1": span / 15}    # one quantization step per block
+    for kind, bound in bounds.items():
+        got = decode(gguf.quants.quantize(x, Q[kind]), kind, x.shape).reshape(-1, 32)
+        assert (np.abs(got - blocks) <= bound * 1.01).all(), kind
+    got = decode(gguf.quants.quantize(x, Q.BF16), "BF16", x.shape)
+    assert np.abs(got - x).max() <= np.abs(x).max() * 2 ** -8
+
+
+@pytest.mark.parametrize("kind", TYPES)
+def test_loaded_weights_match_reference_decode(gguf_files, kind):
+    path, ref = gguf_files[kind]
+    src = open_gguf(path)
+    cfg = src.config
+    assert (cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers) == (VOCAB, HIDDEN, INTER, LAYERS)
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (HEADS, KV_HEADS, HEAD_DIM)
+    assert not cfg.tie_word_embeddings and src.load_tokenizer is None
+    got = dict(src.weights())
+    assert set(got) == set(ref)
+    for name, want in ref.items():
+        w = got[name].double().numpy()
+        assert w.shape == want.shape, name
+        err = np.abs(w - want).max()
+        assert err <= 1e-6 * np.abs(want).max() + 1e-9, f"{name}: max error {err}"
+
+
+@pytest.mark.parametrize("kind", TYPES)
+def test_tiny_gguf_greedy_matches_hf(gguf_files, kind):
+    path, ref = gguf_files[kind]
+    hf = hf_llama(ref)
+    want = []
+    for p in PROMPTS:
+        ids = torch.tensor([p])
+        with torch.no_grad():
+            g = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, min_new_tokens=8,
+                            do_sample=False, pad_token_id=0, eos_token_id=None)
+        want.append(g[0, len(p):].tolist())
+    outs = LLM(path, num_kv_blocks=32).generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                                                use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
+
+
+def test_default_model_greedy_matches_hf_on_the_same_gguf(default_llm, default_model_path):
+    """HF transformers dequantizes the same Q4_1/Q8_0 file with its own GGUF loader."""
+    from transformers import AutoModelForCausalLM
+    folder, name = os.path.split(default_model_path)
+    hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    tok = default_llm.get_tokenizer()
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, a small robot"]
+    outs = default_llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    for p, o in zip(prompts, outs):
+        ids = tok(p).input_ids
+        assert o.prompt_token_ids == ids
+        t = torch.tensor([ids])
+        with torch.no_grad():
+            g = hf.generate(t, attention_mask=torch.ones_like(t), max_new_tokens=8, min_new_tokens=8, do_sample=False,
+                            pad_token_id=0, eos_token_id=None)
+        assert o.outputs[0].token_ids == g[0, len(ids):].tolist(), p
+
+
+# -- errors --------------------------------------------------------------------------------------
+def test_unknown_architecture_is_named(tmp_path):
+    path = str(tmp_path / "gpt2.gguf")
+    write_tiny_gguf(path, "F32", arch="gpt2")
+    with pytest.raises(ValueError, match="general.architecture='gpt2'"):
+        LLM(path)
+
+
+def test_unsupported_quant_type_is_named(tmp_path):
+    path = str(tmp_path / "q5.gguf")
+    write_tiny_gguf(path, "F32", override={"blk.1.ffn_up.weight": "Q5_0"})
+    with pytest.raises(ValueError, match=r"blk\.1\.ffn_up\.weight.*Q5_0"):
+        LLM(path)
+
+
+@pytest.mark.parametrize("missing,named", [("blk.1.ffn_down.weight", "layers.1.mlp.down_proj.weight"),
+                                           ("token_embd.weight", "token_embd.weight")])
+def test_missing_tensor_is_named(tmp_path, missing, named):
+    path = str(tmp_path / "missing.gguf")
+    write_tiny_gguf(path, "F32", skip=(missing,))
+    with pytest.raises(ValueError, match=named):
+        LLM(path)
+
+
+def test_missing_metadata_key_is_named(tmp_path):
+    path = str(tmp_path / "bare.gguf")
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_tensor("token_embd.weight", np.zeros((VOCAB, HIDDEN), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match="llama.attention.head_count"):
+        LLM(path)

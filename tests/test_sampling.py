@@ -1,0 +1,325 @@
+"""Sampling: seeds, greedy equivalents, stop conditions, logprobs, and the sampled distribution.
+
+Oracles: HF transformers on the same weights (greedy, EOS/min_new_tokens, full logits), the
+tokenizer's own decode, and a float64 numpy reimplementation of temperature/min-p/top-k/top-p.
+"""
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import build_tiny_checkpoint
+from picovllm import LLM, SamplingParams
+from picovllm.layers.sampler import SamplingTensors, sample, seeded_stream
+from test_parity_hf import hf_greedy, make_prompts
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+SIGMAS = 5.0   # empirical frequency within 5 binomial standard deviations of the analytic probability
+
+
+# -- fixtures and oracles ------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def word_model(tmp_path_factory) -> str:
+    """A tiny llama with a 32-token vocabulary and a word-level tokenizer whose tokens carry a leading
+    '▁' as SentencePiece's do: decoding such a token alone drops its leading space."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    path = build_tiny_checkpoint(str(tmp_path_factory.mktemp("words")), "llama", vocab_size=32,
+                                 bos_token_id=1, eos_token_id=2)
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"\u2581w{i}": i for i in range(3, 32)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                            eos_token="</s>").save_pretrained(path)
+    return path
+
+
+def hf_model(path):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def hf_generate(model, prompt: list[int], max_new: int, eos: int, min_new: int = 0) -> list[int]:
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        g = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, min_new_tokens=min_new,
+                           do_sample=False, pad_token_id=eos, eos_token_id=eos)
+    return g[0, len(prompt):].tolist()
+
+
+def hf_logprobs(model, prompt: list[int], output: list[int]) -> torch.Tensor:
+    """float64 log-softmax of the next-token logits at each output position (teacher forced)."""
+    ids = torch.tensor([prompt + output])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1:-1]
+    return logits.double().log_softmax(-1)
+
+
+def filtered_probs(logits: np.ndarray, temperature: float, top_k: int = 0, top_p: float = 1.0,
+                   min_p: float = 0.0) -> np.ndarray:
+    """The distribution sampling must follow, in float64: temperature, then min-p, top-k, top-p."""
+    z = np.asarray(logits, dtype=np.float64) / temperature
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    keep = np.ones(len(z), bool)
+    if min_p > 0:
+        keep &= p >= min_p * p.max()
+    order = np.argsort(-z, kind="stable")
+    if top_k > 0:
+        keep[order[top_k:]] = False
+    if top_p < 1:
+        q = np.where(keep, p, 0.0)
+        q /= q.sum()
+        ahead = np.cumsum(q[order]) - q[order]        # mass of the more likely tokens
+        keep[order[ahead >= top_p]] = False
+    p = np.where(keep, p, 0.0)
+    return p / p.sum()
+
+
+def assert_follows(counts: np.ndarray, probs: np.ndarray) -> None:
+    n = counts.sum()
+    freq = counts / n
+    assert (counts[probs == 0] == 0).all(), f"filtered-out tokens were sampled: {counts}, p={probs}"
+    tol = SIGMAS * np.sqrt(probs * (1 - probs) / n) + 1e-12
+    assert (np.abs(freq - probs) <= tol).all(), f"freq {freq.round(4)} vs p {probs.round(4)} (tol {tol.round(4)})"
+
+
+# -- seeds ---------------------------------------------------------------------------------------
+def test_seeded_request_reproduces_alone_and_in_any_batch(tiny_models):
+    path = tiny_models["llama"]
+    prompts = make_prompts()
+    target = prompts[3]
+    sp = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1234, max_tokens=12, ignore_eos=True)
+    alone = LLM(path, num_kv_blocks=64).generate([target], sp, use_tqdm=False)[0].outputs[0].token_ids
+
+    # a batch of seeded and unseeded requests, under chunked prefill and preemption
+    llm = LLM(path, block_size=4, max_num_batched_tokens=7, num_kv_blocks=40)
+    preempted = []
+    real = llm.engine.scheduler.preempt
+    llm.engine.scheduler.preempt = lambda r: (preempted.append(r.request_id), real(r))
+    other = [SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True),
+             SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=99, max_tokens=12, ignore_eos=True),
+             SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+             SamplingParams(temperature=1.3, min_p=0.05, max_tokens=12, ignore_eos=True)]
+    batch = [prompts[0], prompts[7], target, prompts[1], target, prompts[5]]
+    params = [other[0], other[1], sp, other[2], sp, other[3]]
+    outs = llm.generate(batch, params, use_tqdm=False)
+    assert preempted, "the cache was meant to force preemption"
+    assert outs[2].outputs[0].token_ids == alone
+    assert outs[4].outputs[0].token_ids == alone
+    # the other seed gives other tokens: the check above could fail
+    assert outs[1].outputs[0].token_ids != LLM(path, num_kv_blocks=64).generate(
+        [prompts[7]], SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1234, max_tokens=12,
+                                     ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_degenerate_filters_equal_greedy(tiny_models):
+    """top_k=1, min_p=1 and a tiny top_p leave one token: sampling must pick the greedy one."""
+    path = tiny_models["llama"]
+    prompts = make_prompts()[:6]
+    ref, _ = hf_greedy(path, prompts, 10)
+    common = dict(max_tokens=10, ignore_eos=True)
+    params = [SamplingParams(temperature=1.0, top_k=1, **common),
+              SamplingParams(temperature=2.5, top_k=1, seed=3, **common),
+              SamplingParams(temperature=1.0, min_p=1.0, **common),
+              SamplingParams(temperature=1.0, top_p=1e-6, seed=5, **common),
+              SamplingParams(temperature=0, **common),
+              SamplingParams(temperature=3.0, top_k=1, top_p=0.5, **common),
+              SamplingParams(temperature=1e-45, seed=9, **common)]    # 1 / T overflows: must act greedy
+    prompts = prompts + prompts[:1]
+    ref = ref + ref[:1]
+    outs = LLM(path, num_kv_blocks=64).generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+
+
+# -- stop conditions -----------------------------------------------------------------------------
+def first_new_token_at(tokens: list[int], lo: int, hi: int) -> int | None:
+    for k in range(lo, hi):
+        if tokens[k] not in tokens[:k]:
+            return k
+    return None
+
+
+@pytest.fixture(scope="module")
+def stop_case(tiny_models):
+    """A prompt whose greedy output (HF, 16 tokens) has a token first appearing at position k >= 3."""
+    path = tiny_models["llama"]
+    for prompt in make_prompts(seed=1):
+        ref, _ = hf_greedy(path, [prompt], 16)
+        k = first_new_token_at(ref[0], 3, 10)
+        if k is not None:
+            return path, prompt, ref[0], k
+    pytest.fail("no prompt with a usable stop token")
+
+
+def test_stop_token_ids_max_tokens_and_min_tokens(stop_case):
+    path, prompt, ref, k = stop_case
+    t = ref[k]
+    llm = LLM(path, num_kv_blocks=64)
+    hf = hf_model(path)
+    with_min = hf_generate(hf, prompt, 16, eos=t, min_new=k + 2)
+    assert with_min[:k] == ref[:k] and with_min[k] != t       # HF's own check that min_new_tokens banned t
+    params = [SamplingParams(temperature=0, max_tokens=16, stop_token_ids=[t], ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=16, stop_token_ids=[t], min_tokens=k + 2, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)]
+    stop, min_tok, short = (o.outputs[0] for o in llm.generate([prompt] * 3, params, use_tqdm=False))
+    assert stop.token_ids == ref[:k + 1]                       # the stop token is included
+    assert (stop.finish_reason, stop.stop_reason) == ("stop", t)
+    assert min_tok.token_ids == with_min
+    assert min_tok.finish_reason == ("stop" if with_min[-1] == t else "length")
+    assert short.token_ids == ref[:5] and short.finish_reason == "length" and short.stop_reason is None
+
+
+def test_eos_ignore_eos_and_min_tokens(stop_case, tmp_path):
+    path, prompt, ref, k = stop_case
+    eos = ref[k]
+    model_dir = str(tmp_path / "eos_model")
+    shutil.copytree(path, model_dir)
+    for name in ("config.json", "generation_config.json"):
+        file = os.path.join(model_dir, name)
+        if os.path.exists(file):
+            with open(file) as f:
+                cfg = json.load(f)
+            cfg["eos_token_id"] = eos
+            with open(file, "w") as f:
+                json.dump(cfg, f)
+    llm = LLM(model_dir, num_kv_blocks=64)
+    assert llm.engine.eos_token_ids == [eos]
+    with_min = hf_generate(hf_model(path), prompt, 16, eos=eos, min_new=k + 3)
+    params = [SamplingParams(temperature=0, max_tokens=16),
+              SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=16, min_tokens=k + 3)]
+    plain, ignored, min_tok = (o.outputs[0] for o in llm.generate([prompt] * 3, params, use_tqdm=False))
+    assert plain.token_ids == ref[:k + 1] and plain.finish_reason == "stop" and plain.stop_reason is None
+    assert ignored.token_ids == ref and ignored.finish_reason == "length"
+    assert min_tok.token_ids == with_min and eos not in with_min[:k + 3]
+
+
+def test_stop_strings_across_token_boundaries(default_llm):
+    """Stop strings on the default model's known greedy answer ' Paris.\\n\\nThe ...': a string spanning
+    two tokens, one spanning three, one inside a single token; matched and trimmed from the text."""
+    tok = default_llm.get_tokenizer()
+    prompt = "The capital of France is"
+    stops = [None, "ris.", ["zzz", "\n\nThe"], "ari"]
+    params = [SamplingParams(temperature=0, max_tokens=8, stop=s) for s in stops]
+    base, *stopped = (o.outputs[0] for o in default_llm.generate([prompt] * len(stops), params, use_tqdm=False))
+    assert base.text.startswith(" Paris.\n\n"), base.text
+    ids = tok(prompt).input_ids
+    assert base.text == tok.decode(ids + base.token_ids)[len(tok.decode(ids)):]
+    pieces = [tok.decode([t]) for t in base.token_ids[:3]]
+    assert pieces[0].endswith("ris") and pieces[1] == "."        # "ris." does span two tokens
+    for s, out in zip(stops[1:], stopped):
+        for n in range(1, len(base.token_ids) + 1):             # the first token whose text completes a stop string
+            text = tok.decode(base.token_ids[:n])
+            hits = [text.find(x) for x in ([s] if isinstance(s, str) else s) if x in text]
+            if hits:
+                break
+        assert out.token_ids == base.token_ids[:n], s
+        assert out.text == text[:min(hits)], s
+        assert out.finish_reason == "stop" and out.stop_reason in ([s] if isinstance(s, str) else s)
+    assert [o.text for o in stopped] == [" Pa", " Paris.", " P"]
+
+
+def test_detokenized_text_keeps_leading_spaces(word_model):
+    """Output text must equal decode(prompt + output) minus decode(prompt), also for tokenizers whose
+    tokens decode alone without their leading space (SentencePiece style)."""
+    llm = LLM(word_model, num_kv_blocks=16)
+    tok = llm.get_tokenizer()
+    outs = llm.generate(["w5 w9 w11", "w30"], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                        use_tqdm=False)
+    for o in outs:
+        ids, out = o.prompt_token_ids, o.outputs[0].token_ids
+        full, head = tok.decode(ids + out, skip_special_tokens=True), tok.decode(ids, skip_special_tokens=True)
+        assert full.startswith(head)
+        assert o.outputs[0].text == full[len(head):]
+
+
+# -- logprobs ------------------------------------------------------------------------------------
+def test_logprobs_and_ranks_match_hf(tiny_models):
+    path = tiny_models["llama"]
+    prompts = make_prompts()[2:5]
+    params = [SamplingParams(temperature=1.5, seed=7, max_tokens=8, ignore_eos=True, logprobs=3),
+              SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0),
+              SamplingParams(temperature=2.0, seed=8, max_tokens=8, ignore_eos=True, logprobs=5)]
+    outs = LLM(path, num_kv_blocks=64).generate(prompts, params, use_tqdm=False)
+    hf = hf_model(path)
+    ranks_seen = set()
+    for prompt, sp, o in zip(prompts, params, outs):
+        c = o.outputs[0]
+        ref = hf_logprobs(hf, prompt, c.token_ids)
+        assert len(c.logprobs) == len(c.token_ids)
+        for step, (tok, d) in enumerate(zip(c.token_ids, c.logprobs)):
+            lp = ref[step]
+            want_rank = int((lp > lp[tok] + 1e-9).sum()) + 1
+            assert d[tok].logprob == pytest.approx(float(lp[tok]), abs=1e-3)
+            assert d[tok].rank == want_rank
+            ranks_seen.add(want_rank)
+            top = lp.topk(sp.logprobs).indices.tolist()
+            assert set(d) == set(top) | {tok}
+            for r, t in enumerate(top):
+                assert d[t].rank == r + 1 and d[t].logprob == pytest.approx(float(lp[t]), abs=1e-3)
+        assert c.cumulative_logprob == pytest.approx(sum(d[t].logprob for d, t in zip(c.logprobs, c.token_ids)))
+    assert ranks_seen - {1}, "sampling at high temperature should pick some non-top tokens"
+
+
+# -- the sampled distribution --------------------------------------------------------------------
+LOGITS = np.array([1.0, -0.5, 2.0, 0.3, -3.0, 1.6, 0.0, -1.2])   # no ties, not sorted
+CONFIGS = [  # temperature, top_k, top_p, min_p
+    (1.0, 0, 1.0, 0.0),
+    (0.6, 0, 1.0, 0.0),
+    (1.0, 3, 1.0, 0.0),
+    (1.4, 0, 0.8, 0.0),
+    (1.0, 0, 1.0, 0.25),
+    (0.8, 5, 0.9, 0.05),
+]
+
+
+def tensors(rows: int, temperature: float, top_k: int, top_p: float, min_p: float, seeds) -> SamplingTensors:
+    full = lambda v, dt: torch.full((rows,), v, dtype=dt)
+    return SamplingTensors(full(temperature, torch.float32), full(top_k, torch.long), full(top_p, torch.float32),
+                           full(min_p, torch.float32), seeds, all_greedy=False, any_top_k=top_k > 0,
+                           any_top_p=top_p < 1, any_min_p=min_p > 0)
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p,min_p", CONFIGS)
+def test_sample_follows_filtered_softmax(temperature, top_k, top_p, min_p):
+    n = 40_000
+    torch.manual_seed(0)
+    logits = torch.tensor(LOGITS, dtype=torch.float32).expand(n, -1).contiguous()
+    toks = sample(logits, tensors(n, temperature, top_k, top_p, min_p, [None] * n))
+    assert_follows(np.bincount(toks.numpy(), minlength=len(LOGITS)), filtered_probs(LOGITS, temperature, top_k, top_p, min_p))
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p,min_p", [CONFIGS[0], CONFIGS[-1]])
+def test_seeded_sample_follows_filtered_softmax(temperature, top_k, top_p, min_p):
+    """Per-request seeds (one stream per (seed, token index)) must not bias the draw."""
+    n = 10_000
+    logits = torch.tensor(LOGITS, dtype=torch.float32).expand(n, -1).contiguous()
+    seeds = [seeded_stream(s, s % 7) for s in range(n)]
+    toks = sample(logits, tensors(n, temperature, top_k, top_p, min_p, seeds))
+    assert_follows(np.bincount(toks.numpy(), minlength=len(LOGITS)), filtered_probs(LOGITS, temperature, top_k, top_p, min_p))
+    again = sample(logits[:50], tensors(50, temperature, top_k, top_p, min_p, seeds[:50]))
+    assert again.tolist() == toks[:50].tolist()
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p,min_p,seeded", [(1.3, 0, 0.9, 0.0, True), (0.9, 8, 1.0, 0.02, False)])
+def test_engine_samples_the_models_distribution(word_model, temperature, top_k, top_p, min_p, seeded):
+    """Many one-token requests on a 32-token model: their tokens follow HF's next-token softmax,
+    filtered and renormalised in float64."""
+    n, prompt = 3000, [5, 9, 11, 4]
+    with torch.no_grad():
+        logits = hf_model(word_model)(torch.tensor([prompt])).logits[0, -1].double().numpy()
+    want = filtered_probs(logits, temperature, top_k, top_p, min_p)
+    torch.manual_seed(0)
+    llm = LLM(word_model, num_kv_blocks=300, max_num_seqs=256, max_num_batched_tokens=1024)
+    params = [SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, max_tokens=1,
+                             ignore_eos=True, seed=i if seeded else None) for i in range(n)]
+    outs = llm.generate([prompt] * n, params, use_tqdm=False)
+    toks = [o.outputs[0].token_ids[0] for o in outs]
+    assert_follows(np.bincount(toks, minlength=len(logits)), want)

@@ -1,0 +1,392 @@
+"""The OpenAI-compatible server in a subprocess, queried with the official openai client and raw HTTP.
+
+Oracle: LLM.generate / LLM.chat in this process on the same weights and engine settings."""
+import asyncio
+import json
+import random
+import signal
+
+import httpx
+import openai
+import pytest
+
+from picovllm import LLM, SamplingParams
+from serving_fixtures import ServerProcess, chat_model  # noqa: F401 - a fixture
+
+ENGINE_ARGS = ["--block-size", "16", "--num-kv-blocks", "512", "--max-model-len", "256"]
+PROMPTS = ["Hello, how are you", "The capital of France is", "Tell me a story about a cat",
+           "Numbers: 0 1 2", "A server streams tokens"]
+
+
+@pytest.fixture(scope="module")
+def server(chat_model, tmp_path_factory):
+    srv = ServerProcess(chat_model, str(tmp_path_factory.mktemp("log") / "server.log"), *ENGINE_ARGS,
+                        "--max-request-bytes", str(2**20))
+    yield srv
+    assert srv.stop(signal.SIGINT) == 0, srv.log()   # SIGINT here; the lifecycle tests send SIGTERM
+
+
+@pytest.fixture(scope="module")
+def llm(chat_model):
+    return LLM(chat_model, block_size=16, num_kv_blocks=512, max_model_len=256)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def assert_idle(server, timeout=20.0):
+    """No request left in the engine and every KV block free."""
+    import time
+    deadline = time.time() + timeout
+    while True:
+        m = server.metrics()
+        free, total = m["picovllm:kv_cache_free_blocks"], m["picovllm:kv_cache_num_blocks"]
+        if m["picovllm:num_requests_running"] == 0 and m["picovllm:num_requests_waiting"] == 0 and free == total:
+            return m
+        assert time.time() < deadline, f"server not idle: {m}"
+        time.sleep(0.1)
+
+
+# -- parity with the offline API ---------------------------------------------------------------------
+def test_completions_match_llm_generate(client, llm):
+    sp = SamplingParams(temperature=0, max_tokens=12, logprobs=2)
+    ref = llm.generate(PROMPTS, sp, use_tqdm=False)
+    model = client.models.list().data[0].id
+    for prompt, r in zip(PROMPTS, ref):
+        rc = r.outputs[0]
+        got = client.completions.create(model=model, prompt=prompt, max_tokens=12,
+                                        temperature=0, logprobs=2)
+        c = got.choices[0]
+        assert c.text == rc.text and c.finish_reason == rc.finish_reason
+        assert got.usage.prompt_tokens == len(r.prompt_token_ids)
+        assert got.usage.completion_tokens == len(rc.token_ids)
+        assert got.usage.total_tokens == got.usage.prompt_tokens + got.usage.completion_tokens
+        want_lp = [d[t].logprob for d, t in zip(rc.logprobs, rc.token_ids)]
+        assert c.logprobs.token_logprobs == pytest.approx(want_lp, abs=1e-4)
+        streamed, finish, usage = "", None, None
+        for chunk in client.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0, stream=True,
+                                               stream_options={"include_usage": True}):
+            if chunk.choices:
+                streamed += chunk.choices[0].text
+                finish = chunk.choices[0].finish_reason or finish
+            if chunk.usage:
+                usage = chunk.usage
+        assert streamed == rc.text and finish == rc.finish_reason
+        assert usage.completion_tokens == len(rc.token_ids) and usage.prompt_tokens == len(r.prompt_token_ids)
+
+
+def test_token_id_prompt_matches(client, llm, chat_model):
+    ids = [5, 17, 200, 33, 9, 101]
+    ref = llm.generate([ids], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)[0]
+    got = client.completions.create(model=chat_model, prompt=ids, max_tokens=10, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert got.choices[0].text == ref.outputs[0].text
+    assert got.usage.completion_tokens == 10 and got.choices[0].finish_reason == "length"
+
+
+def test_chat_matches_llm_chat(client, llm):
+    model = client.models.list().data[0].id
+    for conv in ([{"role": "user", "content": "Hello, how are you"}],
+                 [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me a story"}]):
+        r = llm.chat(conv, SamplingParams(temperature=0, max_tokens=12, logprobs=2), use_tqdm=False)[0]
+        rc = r.outputs[0]
+        got = client.chat.completions.create(model=model, messages=conv, max_tokens=12, temperature=0,
+                                             logprobs=True, top_logprobs=2)
+        c = got.choices[0]
+        assert c.message.role == "assistant" and c.message.content == rc.text
+        assert c.finish_reason == rc.finish_reason
+        assert got.usage.prompt_tokens == len(r.prompt_token_ids)
+        assert [e.logprob for e in c.logprobs.content] == pytest.approx(
+            [d[t].logprob for d, t in zip(rc.logprobs, rc.token_ids)], abs=1e-4)
+        assert all(len(e.top_logprobs) == 2 for e in c.logprobs.content)
+        parts, roles, usage = [], [], None
+        for chunk in client.chat.completions.create(model=model, messages=conv, max_tokens=12, temperature=0,
+                                                    stream=True, stream_options={"include_usage": True}):
+            if chunk.choices:
+                parts.append(chunk.choices[0].delta.content or "")
+                roles.append(chunk.choices[0].delta.role)
+            if chunk.usage:
+                usage = chunk.usage
+        assert "".join(parts) == rc.text and roles[0] == "assistant"
+        assert usage.completion_tokens == len(rc.token_ids)
+
+
+def test_stop_strings_and_seeded_sampling(client, llm):
+    model = client.models.list().data[0].id
+    base = llm.generate(["Tell me a story about a cat"], SamplingParams(temperature=0, max_tokens=20,
+                                                                         ignore_eos=True), use_tqdm=False)[0]
+    text = base.outputs[0].text
+    stop = next(text[i:i + 3] for i in range(4, len(text) - 3) if text[i:i + 3].strip() and "\ufffd" not in text[i:i + 3])
+    sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[stop])
+    ref = llm.generate(["Tell me a story about a cat"], sp, use_tqdm=False)[0].outputs[0]
+    assert ref.finish_reason == "stop" and len(ref.text) < len(text)
+    kw = dict(model=model, prompt="Tell me a story about a cat", max_tokens=20, temperature=0, stop=[stop],
+              extra_body={"ignore_eos": True})
+    got = client.completions.create(**kw).choices[0]
+    assert got.text == ref.text and got.finish_reason == "stop"
+    streamed = "".join(ch.choices[0].text for ch in client.completions.create(stream=True, **kw))
+    assert streamed == ref.text   # held back text never leaks past a stop string that spans chunks
+    # seeded sampling is batch-independent, so the server reproduces the offline result
+    sp = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1234, max_tokens=16, ignore_eos=True)
+    ref = llm.generate(["Hello, how are you"], sp, use_tqdm=False)[0].outputs[0]
+    got = client.completions.create(model=model, prompt="Hello, how are you", temperature=0.9, top_p=0.95,
+                                    seed=1234, max_tokens=16, extra_body={"top_k": 50, "ignore_eos": True})
+    assert got.choices[0].text == ref.text
+
+
+def test_models_health_and_named_errors(server, client, chat_model):
+    models = client.models.list().data
+    assert [m.id for m in models] == [chat_model]   # served under the --model it was given
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    model = models[0].id
+    cases = [
+        (dict(model="nope", prompt="hi"), "model"),
+        (dict(model=model, prompt="hi", temperature=-1), "temperature"),
+        (dict(model=model, prompt="hi", top_p=0), "top_p"),
+        (dict(model=model, prompt="hi", n=2), "n"),
+        (dict(model=model, prompt="hi", max_tokens=0), "max_tokens"),
+        (dict(model=model, prompt="hi", logprobs=21), "logprobs"),
+        (dict(model=model, prompt="hi " * 400), "max_model_len"),
+        (dict(model=model, prompt=[1, 2, 384]), "token ids"),
+        (dict(model=model, prompt=""), "empty"),
+        (dict(model=model, prompt="hi", max_tokens=4, extra_body={"min_tokens": 9}), "min_tokens"),
+        (dict(model=model, prompt=["a", "b"]), "one prompt"),
+        (dict(model=model, prompt="hi", max_tokens=4, extra_body={"min_tokens": 2, "stop_token_ids": [5000]}),
+         "stop_token_ids"),
+    ]
+    for kw, needle in cases:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(**kw)
+        assert e.value.status_code == 400 and needle in str(e.value), (kw, str(e.value))
+    with pytest.raises(openai.BadRequestError, match="messages"):
+        client.chat.completions.create(model=model, messages=[])
+    r = httpx.post(server.url + "/v1/completions", json={"model": model, "prompt": "hi", "max_tokens": "5"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+
+
+def test_oversize_bodies_rejected(server):
+    big = json.dumps({"prompt": "x" * (2**20 + 10)}).encode()
+    r = httpx.post(server.url + "/v1/completions", content=big, headers={"content-type": "application/json"})
+    assert r.status_code == 413 and "limit" in r.json()["error"]["message"]
+
+    def chunks():   # no Content-Length: the limit applies as the body streams in
+        for i in range(0, len(big), 65536):
+            yield big[i:i + 65536]
+    r = httpx.post(server.url + "/v1/completions", content=chunks(), headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_nonstreaming_client_that_hangs_up_aborts_its_request(server, chat_model):
+    before = server.metrics()
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", timeout=httpx.Timeout(10, read=0.3),
+                   json={"model": chat_model, "prompt": "hi", "max_tokens": 250, "ignore_eos": True})
+    after = assert_idle(server)
+    assert after["picovllm:requests_total.abort"] - before["picovllm:requests_total.abort"] == 1
+    assert after["picovllm:requests_total.length"] == before["picovllm:requests_total.length"]
+
+
+# -- load: 200 concurrent streams, a third of them hanging up early -----------------------------------
+def test_200_concurrent_streams_with_disconnects(server, llm):
+    ids = [[(7 * i + j) % 380 + 3 for j in range(5 + i % 7)] for i in range(10)]
+    ref = [o.outputs[0].text for o in llm.generate(ids, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                                                    use_tqdm=False)]
+    before = server.metrics()
+    url = server.url + "/v1/completions"
+
+    async def one(client, i):
+        leaver = i % 3 == 0
+        body = {"prompt": ids[i % 10], "max_tokens": 200 if leaver else 8, "temperature": 0, "stream": True,
+                "ignore_eos": True}
+        text, finish = "", None
+        async with client.stream("POST", url, json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    break
+                ch = json.loads(line[6:])
+                text += ch["choices"][0]["text"]
+                finish = ch["choices"][0]["finish_reason"] or finish
+                if leaver and ch["choices"][0]["text"]:
+                    return None        # hang up mid-stream: closes the connection
+        return i, text, finish
+
+    async def health_during(client, stop):
+        worst = 0.0
+        while not stop.is_set():
+            t = asyncio.get_running_loop().time()
+            r = await client.get(server.url + "/health")
+            assert r.status_code == 200
+            worst = max(worst, asyncio.get_running_loop().time() - t)
+            await asyncio.sleep(0.2)
+        return worst
+
+    async def main():
+        limits = httpx.Limits(max_connections=300, max_keepalive_connections=300)
+        async with httpx.AsyncClient(timeout=120, limits=limits) as client, \
+                httpx.AsyncClient(timeout=30) as probe:
+            stop = asyncio.Event()
+            watcher = asyncio.create_task(health_during(probe, stop))
+            results = await asyncio.gather(*(one(client, i) for i in range(200)))
+            stop.set()
+            return results, await watcher
+
+    results, worst_health = asyncio.run(main())
+    done = [r for r in results if r is not None]
+    assert len(done) == 200 - len(range(0, 200, 3))
+    for i, text, finish in done:
+        assert finish == "length" and text == ref[i % 10]
+    assert worst_health < 10.0
+    after = assert_idle(server)
+    aborted = after["picovllm:requests_total.abort"] - before["picovllm:requests_total.abort"]
+    assert aborted == len(range(0, 200, 3)), aborted   # every leaver aborted, nothing else
+    assert after["picovllm:requests_total.length"] - before["picovllm:requests_total.length"] >= len(done)
+
+
+# -- fuzz: hostile bodies never get a 5xx and never hurt the server -----------------------------------
+def hostile(rng: random.Random, depth: int = 0):
+    kinds = ["bigint", "negint", "float", "inf", "str", "hugestr", "bool", "null", "list", "dict", "unicode", "zero"]
+    k = rng.choice(kinds if depth < 3 else kinds[:8])
+    return {"bigint": lambda: rng.choice([2**63, 2**64 + 1, 10**30, 10**300]),
+            "negint": lambda: -rng.choice([1, 2, 2**31, 10**40]),
+            "float": lambda: rng.choice([0.5, -0.0, 1e-300, 3.7, -2.5, 1e308]),
+            "inf": lambda: rng.choice([1e309, -1e309]),          # json.dumps writes Infinity
+            "str": lambda: rng.choice(["", "1", "true", "null", "gpt-4", "\x00", "-1"]),
+            "hugestr": lambda: "A" * rng.choice([10**4, 10**5]),
+            "bool": lambda: rng.choice([True, False]),
+            "null": lambda: None,
+            "list": lambda: [hostile(rng, depth + 1) for _ in range(rng.randint(0, 4))],
+            "dict": lambda: {rng.choice(["a", "role", "content", "text", "type"]): hostile(rng, depth + 1)
+                             for _ in range(rng.randint(0, 3))},
+            "unicode": lambda: "".join(chr(rng.choice([0xD800, 0xDFFF, 0x1F600, 0x202E, 0xFFFD, 0x10FFFF]))
+                                       for _ in range(rng.randint(1, 50))),
+            "zero": lambda: 0}[k]()
+
+
+def valid_body(rng: random.Random, chat: bool, model: str) -> dict:
+    body = {"model": model, "max_tokens": rng.randint(1, 6), "temperature": rng.choice([0, 0.7, 1.0]),
+            "stream": rng.random() < 0.5}
+    if chat:
+        body["messages"] = [{"role": "user", "content": rng.choice(PROMPTS)}]
+    else:
+        body["prompt"] = rng.choice(PROMPTS + [[1, 2, 3, 4]])
+    for k, v in [("top_p", 0.9), ("top_k", 5), ("seed", 3), ("stop", ["a"]), ("logprobs", 2 if not chat else True),
+                 ("stream_options", {"include_usage": True})]:
+        if rng.random() < 0.3:
+            body[k] = v
+    return body
+
+
+def fuzz_cases(schema: dict, model: str, n: int, seed: int = 0) -> list[tuple[str, bytes, str]]:
+    """(path, body bytes, content-type): schema-guided field mutations plus raw junk."""
+    rng = random.Random(seed)
+    comps = schema["components"]["schemas"]
+    fields = {"/v1/completions": list(comps["CompletionRequest"]["properties"]),
+              "/v1/chat/completions": list(comps["ChatCompletionRequest"]["properties"])}
+    assert {"prompt", "max_tokens", "temperature", "logprobs"} <= set(fields["/v1/completions"])
+    raw = [b"", b"{", b"nonsense", b"[]", b"123", b'"str"', b"null", b'{"prompt": NaN}', b'{"prompt": "a",}',
+           b"\xff\xfe\xfa", b"[" * 50000 + b"]" * 50000, b'{"prompt": ' + b"9" * 5000 + b"}",
+           b'{"prompt": "hi", "max_tokens": 1e999}', b'{"messages": {"role": "user"}}', b"\x00" * 100,
+           b'{"prompt": "a\\ud800b"}', b'{"messages": [{"role": "user", "content": "\\udfff"}]}',
+           b'{"prompt": "hi", "model": "\\ud800"}']
+    cases = []
+    for i in range(n):
+        path = rng.choice(list(fields))
+        chat = path.endswith("chat/completions")
+        if i < len(raw) * 2:
+            cases.append((path, raw[i % len(raw)], "application/json" if i < len(raw) else "text/plain"))
+            continue
+        body = valid_body(rng, chat, model)
+        for _ in range(rng.choice([0, 1, 1, 2, 3])):
+            r = rng.random()
+            if r < 0.7:
+                body[rng.choice(fields[path])] = hostile(rng)
+            elif r < 0.85 and body:
+                body.pop(rng.choice(list(body)))
+            elif chat:
+                body["messages"] = [{"role": hostile(rng), "content": hostile(rng)}]
+            else:
+                body["prompt"] = [hostile(rng) for _ in range(rng.randint(0, 3))]
+        cases.append((path, json.dumps(body).encode(), "application/json"))
+    return cases
+
+
+def test_fuzz_hostile_bodies(server):
+    schema = httpx.get(server.url + "/openapi.json").json()
+    model = httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
+    cases = fuzz_cases(schema, model, 520)
+    statuses: dict[int, int] = {}
+    before = server.metrics()
+
+    async def send(client, sem, path, body, ctype):
+        async with sem:
+            async with client.stream("POST", server.url + path, content=body,
+                                     headers={"content-type": ctype}) as r:
+                data = await r.aread()
+        statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
+        assert r.status_code < 500, (path, body[:300], data[:300])
+        if r.status_code != 200:
+            err = json.loads(data)["error"]
+            assert err["message"] and err["type"], data[:300]
+        elif b"data:" in data[:10]:
+            assert b'"error"' not in data and data.rstrip().endswith(b"data: [DONE]"), data[-300:]
+        else:
+            assert json.loads(data)["choices"][0]["finish_reason"] in ("stop", "length")
+
+    async def main():
+        sem = asyncio.Semaphore(8)
+        async with httpx.AsyncClient(timeout=120) as client:
+            await asyncio.gather(*(send(client, sem, *c) for c in cases))
+
+    asyncio.run(main())
+    assert statuses.get(400, 0) > 250 and statuses.get(200, 0) > 30, statuses
+    assert set(statuses) <= {200, 400}, statuses
+    assert httpx.get(server.url + "/health").status_code == 200
+    after = assert_idle(server)
+    assert after["picovllm:requests_total.rejected"] - before["picovllm:requests_total.rejected"] == statuses[400]
+    finished = sum(after[f"picovllm:requests_total.{o}"] - before[f"picovllm:requests_total.{o}"]
+                   for o in ("stop", "length", "abort", "error"))
+    assert finished == statuses[200]
+
+
+# -- the online benchmark against this server ---------------------------------------------------------
+def test_bench_serve_writes_report_and_plot(server, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    out_json, out_png = tmp_path / "bench.json", tmp_path / "itl.png"
+    before = server.metrics()
+    cmd = [sys.executable, "-m", "picovllm.entrypoints.cli", "bench", "serve", "--base-url", server.url,
+           "--dataset", "random", "--num-prompts", "12", "--request-rate", "30", "--burstiness", "0.5",
+           "--input-len", "16", "--output-len", "6", "--goodput", "ttft:60000", "tpot:60000",
+           "--result-json", str(out_json), "--plot", str(out_png)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([os.getcwd()] + sys.path))
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "Serving Benchmark Result" in proc.stdout
+    s = json.loads(out_json.read_text())
+    assert s["completed"] == 12 and s["failed"] == 0
+    assert s["total_input_tokens"] == 12 * 16 and s["total_output_tokens"] == 12 * 6   # ignore_eos: exact
+    after = server.metrics()   # the server saw exactly that work
+
+    def delta(name):
+        return after[name] - before[name]
+
+    assert delta("picovllm:requests_total.length") == 12
+    assert delta("picovllm:time_to_first_token_seconds_count") == 12
+    assert delta("picovllm:e2e_request_latency_seconds_count") == 12
+    assert delta("picovllm:inter_token_latency_seconds_count") == 12 * 5       # 6 tokens: 5 gaps each
+    assert delta("picovllm:decode_tokens_total") == 12 * 5                      # token 1 comes from prefill
+    assert delta("picovllm:prefill_tokens_total") + delta("picovllm:prefix_cache_hits_total") == 12 * 16
+    assert delta("picovllm:prefix_cache_queries_total") == 12 * 16
+    for m in ("ttft", "tpot", "itl", "e2el"):
+        assert 0 < s[f"median_{m}_ms"] <= s[f"p90_{m}_ms"] <= s[f"p99_{m}_ms"]
+    assert s["mean_e2el_ms"] >= s["mean_ttft_ms"]
+    assert s["request_goodput"] == pytest.approx(s["request_throughput"])   # SLOs generous enough for all
+    assert s["request_throughput"] == pytest.approx(12 / s["duration"])
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out_png.stat().st_size > 5000

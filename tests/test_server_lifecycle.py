@@ -1,0 +1,107 @@
+"""Server lifecycle: the API key is enforced; SIGTERM lets short requests finish, aborts long ones after the
+grace period (their streams still end cleanly), refuses new connections, and exits 0 with nothing left."""
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from serving_fixtures import ServerProcess, build_tiny_chat_model
+
+KEY = "sk-test-123"
+GRACE = 2.5   # --shutdown-timeout
+
+
+@pytest.fixture(scope="module")
+def long_context_model(tmp_path_factory):
+    # 8192 positions so one request can run far longer than the shutdown grace period, even on a fast CPU
+    return build_tiny_chat_model(str(tmp_path_factory.mktemp("tinylong") / "model"), max_position_embeddings=8192)
+
+
+def children_of(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.append(int(entry))
+            except (OSError, IndexError, ValueError):
+                pass
+    return out
+
+
+def stream_tokens(url: str, body: dict, result: dict, first: threading.Event) -> None:
+    """Read an SSE completion stream to its end, recording text, finish_reason and whether [DONE] came."""
+    text, finish, done = "", None, False
+    try:
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60,
+                          headers={"Authorization": f"Bearer {KEY}"}) as r:
+            for line in r.iter_lines():
+                if line == "data: [DONE]":
+                    done = True
+                elif line.startswith("data: "):
+                    ch = json.loads(line[6:])
+                    text += ch["choices"][0]["text"]
+                    finish = ch["choices"][0]["finish_reason"] or finish
+                    first.set()
+    except Exception as e:  # noqa: BLE001 - recorded for the assertion
+        result["error"] = repr(e)
+    result.update(text=text, finish=finish, done=done)
+    first.set()
+
+
+def test_api_key_and_graceful_sigterm(long_context_model, tmp_path):
+    srv = ServerProcess(long_context_model, str(tmp_path / "server.log"), "--api-key", KEY, "--shutdown-timeout",
+                        str(GRACE), "--num-kv-blocks", "1024", "--max-model-len", "8192")
+    try:
+        model = long_context_model
+        wrong = openai.OpenAI(base_url=srv.url + "/v1", api_key="sk-wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            wrong.completions.create(model=model, prompt="hi", max_tokens=2)
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "hi"})       # no key at all
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        assert httpx.get(srv.url + "/v1/models").status_code == 401
+        assert httpx.get(srv.url + "/health").status_code == 200      # open to probes
+        assert httpx.get(srv.url + "/metrics").status_code == 200     # and to scrapers
+        ok = openai.OpenAI(base_url=srv.url + "/v1", api_key=KEY, max_retries=0)
+        assert ok.completions.create(model=model, prompt="hi", max_tokens=3,
+                                     extra_body={"ignore_eos": True}).usage.completion_tokens == 3
+
+        kids = children_of(srv.proc.pid)
+        runs = {"short": {"max_tokens": 20}, "long": {"max_tokens": 8000}}
+        results, threads = {}, []
+        for name, extra in runs.items():
+            results[name], first = {}, threading.Event()
+            body = {"model": model, "prompt": "Tell me a story", "temperature": 0, "stream": True,
+                    "ignore_eos": True, **extra}
+            t = threading.Thread(target=stream_tokens, args=(srv.url, body, results[name], first))
+            t.start()
+            assert first.wait(30)
+            threads.append(t)
+        t0 = time.time()
+        srv.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        with pytest.raises(httpx.ConnectError):          # no longer accepting
+            httpx.get(srv.url + "/health", timeout=5)
+        for t in threads:
+            t.join(30)
+        assert srv.proc.wait(30) == 0, srv.log()
+        elapsed = time.time() - t0
+    finally:
+        code = srv.stop()
+    assert code == 0
+    short, long = results["short"], results["long"]
+    assert "error" not in short and short["finish"] == "length" and short["done"], short
+    assert "error" not in long and long["finish"] == "abort" and long["done"], long   # cut off, but cleanly
+    assert GRACE <= elapsed < GRACE + 5, elapsed
+    assert "aborting the requests still running" in srv.log()
+    for pid in kids:
+        assert not os.path.exists(f"/proc/{pid}"), f"child {pid} outlived the server"
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(srv.url + "/health", timeout=5)
+

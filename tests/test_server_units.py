@@ -1,0 +1,89 @@
+"""Server pieces that need no server: streamed deltas under stop strings, request validation, bench statistics."""
+import random
+import statistics
+
+import pytest
+
+from picovllm.bench.serve import RequestResult, arrival_gaps, meets, parse_goodput, summarize
+from picovllm.engine.detokenizer import check_stop
+from picovllm.engine.request import Request
+from picovllm.entrypoints.openai.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from picovllm.entrypoints.openai.serving import TextDeltas
+from picovllm.outputs import CompletionOutput
+from picovllm.sampling_params import SamplingParams
+
+
+def test_streamed_deltas_add_up_to_final_text_under_stop_strings():
+    """Drive the engine's own check_stop with random text pieces: whatever it trims at the end, the
+    deltas streamed along the way must concatenate to exactly the final text."""
+    for seed in range(300):
+        one_stream(random.Random(seed))
+
+
+def one_stream(rng: random.Random) -> None:
+    alphabet = "abc "
+    stops = ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 4))) for _ in range(rng.randint(1, 3))]
+    req = Request("r", [1], SamplingParams(max_tokens=40, stop=stops, ignore_eos=True))
+    req.max_tokens = 40
+    deltas, streamed = TextDeltas(req.params.stop), ""
+    while not req.is_finished:
+        piece = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 3)))
+        req.output_token_ids.append(7)
+        req.text += piece
+        check_stop(req, 7, piece, [], 10**6)
+        if rng.random() < 0.7 or req.is_finished:     # the reader sometimes skips outputs (coalescing)
+            streamed += deltas.text(CompletionOutput(0, req.text, [], None, None), req.is_finished)
+    assert streamed == req.text
+
+
+def test_request_models_are_strict_and_name_fields():
+    with pytest.raises(Exception, match="max_tokens"):
+        CompletionRequest.model_validate_json('{"prompt": "a", "max_tokens": "5"}')
+    with pytest.raises(Exception, match="temperature"):
+        CompletionRequest.model_validate_json('{"prompt": "a", "temperature": Infinity}')
+    with pytest.raises(Exception, match="n must be 1"):
+        CompletionRequest.model_validate_json('{"prompt": "a", "n": 3}')
+    r = CompletionRequest.model_validate_json('{"prompt": [[1, 2]], "temperature": 0, "stop": "x"}')
+    assert r.single_prompt() == [1, 2] and r.max_tokens == 16
+    sp = r.sampling_params(r.max_tokens, None)
+    assert sp.temperature == 0 and sp.stop == ["x"] and sp.max_tokens == 16
+    with pytest.raises(APIError, match="min_tokens"):
+        CompletionRequest.model_validate_json('{"prompt": "a", "max_tokens": 2, "min_tokens": 5}').sampling_params(2, None)
+    c = ChatCompletionRequest.model_validate_json(
+        '{"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],'
+        ' "max_completion_tokens": 7, "logprobs": true, "top_logprobs": 3}')
+    assert c.messages[0].as_template_dict() == {"role": "user", "content": "a\nb"}
+    assert c.max_new_tokens == 7 and c.num_logprobs == 3
+    with pytest.raises(Exception, match="messages"):
+        ChatCompletionRequest.model_validate_json('{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}')
+
+
+def test_arrival_gaps_are_gamma_with_the_asked_rate():
+    rng = random.Random(0)
+    for rate, burst in [(4.0, 1.0), (10.0, 0.25), (2.0, 4.0)]:
+        gaps = arrival_gaps(40000, rate, burst, rng)
+        # gamma(k, theta): mean k*theta = 1/rate, variance k*theta^2 = 1/(rate^2 * k)
+        assert statistics.fmean(gaps) == pytest.approx(1 / rate, rel=0.03)
+        assert statistics.pvariance(gaps) == pytest.approx(1 / (rate**2 * burst), rel=0.08)
+    assert arrival_gaps(3, float("inf"), 1.0, rng) == [0.0, 0.0, 0.0]
+
+
+def test_summary_statistics_by_hand():
+    a = RequestResult(True, "", 0.0, ttft=0.1, latency=0.5, itls=[0.1, 0.2, 0.1], chunk_times=[.1, .2, .4, .5],
+                      prompt_len=10, output_tokens=5)
+    b = RequestResult(True, "", 0.2, ttft=0.3, latency=0.4, itls=[0.1], chunk_times=[.5, .6],
+                      prompt_len=6, output_tokens=2)
+    bad = RequestResult(False, "HTTP 400", 0.3)
+    s = summarize([a, b, bad], duration=2.0, slos=parse_goodput(["ttft:200", "tpot:150"]), config={})
+    assert s["completed"] == 2 and s["failed"] == 1 and s["errors"] == ["HTTP 400"]
+    assert s["total_output_tokens"] == 7 and s["total_input_tokens"] == 16
+    assert s["request_throughput"] == pytest.approx(1.0) and s["output_throughput"] == pytest.approx(3.5)
+    # TPOT: a = (0.5 - 0.1) / 4 = 0.1, b = (0.4 - 0.3) / 1 = 0.1
+    assert s["mean_tpot_ms"] == pytest.approx(100.0)
+    assert s["mean_ttft_ms"] == pytest.approx(200.0) and s["median_ttft_ms"] == pytest.approx(200.0)
+    assert s["mean_itl_ms"] == pytest.approx(125.0) and s["p99_itl_ms"] == pytest.approx(197.0)  # numpy's linear interpolation: 100 + 0.97 * 100
+    # goodput: a meets ttft 200 ms and tpot 150 ms, b misses ttft (300 ms): 1 request / 2 s
+    assert s["request_goodput"] == pytest.approx(0.5)
+    assert meets(b, {"itl": 0.1}) and not meets(a, {"itl": 0.15})
+    with pytest.raises(ValueError, match="--goodput 'foo:1'"):
+        parse_goodput(["foo:1"])
