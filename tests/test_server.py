@@ -181,7 +181,7 @@ def test_oversize_bodies_rejected(server):
 def test_nonstreaming_client_that_hangs_up_aborts_its_request(server, chat_model):
     before = server.metrics()
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.url + "/v1/completions", timeout=httpx.Timeout(10, read=0.3),
+        httpx.post(server.url + "/v1/completions", timeout=httpx.Timeout(10, read=0.05),
                    json={"model": chat_model, "prompt": "hi", "max_tokens": 250, "ignore_eos": True})
     after = assert_idle(server)
     assert after["picovllm:requests_total.abort"] - before["picovllm:requests_total.abort"] == 1
