@@ -45,8 +45,15 @@ class DecodeEngine(Engine):
         self._tags = itertools.count(1)
 
     def connect(self, channel: Channel, transfer: TransferConfig, session: int = 0) -> None:
-        """Handshake with the P engine on `channel` (blocks up to transfer.connect_timeout_s)."""
-        self.link = PeerLink.open("d", channel, self.runner.kv_cache, cache_layout(self.runner), transfer, session)
+        """Handshake with the P engine on `channel` (blocks up to transfer.connect_timeout_s).
+
+        Starts a session; an engine whose last session is done may connect again.
+        """
+        if self.link is not None and not self.is_done():
+            raise RuntimeError("the decode engine's session is still running")
+        link = PeerLink.open("d", channel, self.runner.kv_cache, cache_layout(self.runner), transfer, session)
+        self.stream_ended = False
+        self.link = link
 
     # -- the design's surface ------------------------------------------------------------------
     def submit(self, *args, **kwargs) -> str:

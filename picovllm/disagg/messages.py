@@ -130,6 +130,17 @@ class Heartbeat:        # either way, every lease / 4 seconds, from a background
 
 # -- driver <-> engine worker ----------------------------------------------------------------------
 @dataclass
+class WorkerHello:      # worker -> driver, first thing after connecting
+    role: str
+    pid: int
+
+
+@dataclass
+class BuildEngine:      # driver -> worker: load the model and allocate the cache
+    config: dict                      # EngineConfig fields (dtype as a string)
+
+
+@dataclass
 class WorkerReady:
     role: str
     pid: int
@@ -145,8 +156,10 @@ class StartSession:
     async_transfer: bool
     transfer_timeout_s: float
     lease_s: float
+    connect_timeout_s: float = 60.0
     peer_address: list | None = None  # D: the P engine's [host, port]
-    stream: bool = False              # send every output, not only first tokens and finals
+    stream: bool = False              # send every output, not only finals
+    fault: str | None = None          # tests only: a fault to inject, see picovllm.disagg.worker
 
 
 @dataclass
@@ -195,7 +208,7 @@ class Shutdown:
 
 MESSAGES: typing.Mapping[str, type] = types.MappingProxyType({c.__name__: c for c in (
     Hello, Offer, Accept, Ack, Release, Cancel, EndOfStream, Bye, Heartbeat,
-    WorkerReady, StartSession, Submit, SubmitResult, Abort, CloseSession, Output, SessionEnded, Shutdown)})
+    WorkerHello, BuildEngine, WorkerReady, StartSession, Submit, SubmitResult, Abort, CloseSession, Output, SessionEnded, Shutdown)})
 
 
 def encode(msg: Any) -> bytes:

@@ -60,8 +60,17 @@ class PrefillEngine(Engine):
         self.peer_said_bye = False
 
     def connect(self, channel: Channel, transfer: TransferConfig, session: int = 0) -> None:
-        """Handshake with the D engine on `channel` (blocks up to transfer.connect_timeout_s)."""
-        self.link = PeerLink.open("p", channel, self.runner.kv_cache, cache_layout(self.runner), transfer, session)
+        """Handshake with the D engine on `channel` (blocks up to transfer.connect_timeout_s).
+
+        Starts a session: an engine whose last session is done may connect again (same weights
+        and cache, a new link), which is how a worker process serves many sessions.
+        """
+        if self.link is not None and not self.is_done():
+            raise RuntimeError("the prefill engine's session is still running")
+        link = PeerLink.open("p", channel, self.runner.kv_cache, cache_layout(self.runner), transfer, session)
+        self.closed = self.eos_sent = self.peer_said_bye = False
+        self.handed_off.clear()
+        self.link = link
 
     # -- the design's surface: submit, step, close, is_done -----------------------------------
     def submit(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None,

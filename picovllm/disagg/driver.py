@@ -1,0 +1,348 @@
+"""The user's side of a disaggregated run on one host: P and D engines in their own processes.
+
+    outs = generate_disaggregated(model, prompts, SamplingParams(temperature=0), backend="torch_dist")
+
+or, keeping the engines up between calls (and for streaming submissions):
+
+    with DisaggLLM(model, backend="cuda_ipc", prefill_device="cuda:0", decode_device="cuda:0") as llm:
+        outs = llm.generate(prompts, params)            # one session: submit all, close, drain
+        s = llm.session(async_transfer=False)           # the lower-level shape: submit, poll, close, is_done
+        rid = s.submit("Hello", params); s.close(); s.wait()
+
+Each session is a full lifecycle: link handshake, requests, the close call ("no more requests"),
+drain, Bye. Worker processes are spawned (so a script using this needs an
+`if __name__ == "__main__":` guard) and daemonic: they never outlive the driver.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import multiprocessing as mp
+import select
+import time
+from typing import Sequence
+
+from picovllm.config import EngineConfig
+from picovllm.disagg.channel import Channel, Listener, PeerGone
+from picovllm.disagg.messages import (Abort, BuildEngine, CloseSession, Output, SessionEnded, Shutdown, StartSession,
+                                      Submit, SubmitResult, WorkerHello, WorkerReady, output_from_wire)
+from picovllm.disagg.transfer import BACKENDS
+from picovllm.disagg.worker import worker_main
+from picovllm.outputs import CompletionOutput, RequestOutput
+from picovllm.sampling_params import SamplingParams
+
+ROLES = ("p", "d")
+NAMES = {"p": "prefill", "d": "decode"}
+
+
+class DisaggLLM:
+    """A P engine process and a D engine process on this host, linked by a KV-transfer backend.
+
+    Engine options (EngineConfig fields) in **engine_kwargs apply to both sides; `prefill` and
+    `decode` hold per-side overrides (e.g. decode={"num_kv_blocks": 64}). The transfer options
+    are defaults for every session; session() and generate() can override them per call.
+    """
+
+    def __init__(self, model: str | None = None, *, backend: str = "torch_dist", async_transfer: bool = True,
+                 prefill_device: str = "auto", decode_device: str = "auto", prefill: dict | None = None,
+                 decode: dict | None = None, transfer_timeout_s: float = 30.0, lease_s: float = 10.0,
+                 connect_timeout_s: float = 60.0, startup_timeout_s: float = 900.0, **engine_kwargs) -> None:
+        self.defaults = dict(backend=backend, async_transfer=async_transfer, transfer_timeout_s=transfer_timeout_s,
+                             lease_s=lease_s, connect_timeout_s=connect_timeout_s)
+        _check_session_options(self.defaults)
+        configs = _side_configs(model, engine_kwargs, prefill_device, decode_device, prefill or {}, decode or {})
+        self.procs: dict[str, mp.Process] = {}
+        self.channels: dict[str, Channel] = {}
+        self.gone: dict[str, str] = {}          # role -> why its process is gone
+        self.ready: dict[str, WorkerReady] = {}
+        self._sessions = itertools.count()
+        self._ids = itertools.count()
+        self._active: DisaggSession | None = None
+        self._listener = Listener()
+        try:
+            self._start(configs, startup_timeout_s)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _start(self, configs: dict[str, dict], timeout_s: float) -> None:
+        ctx = mp.get_context("spawn")
+        for role in ROLES:
+            self.procs[role] = ctx.Process(target=worker_main, args=(role, self._listener.address), daemon=True,
+                                           name=f"picovllm-{NAMES[role]}")
+            self.procs[role].start()
+        deadline = time.monotonic() + timeout_s
+        while len(self.channels) < 2:
+            ch = self._listener.accept(max(1.0, deadline - time.monotonic()))
+            hello = ch.recv(timeout_s=max(1.0, deadline - time.monotonic()))
+            if not isinstance(hello, WorkerHello) or hello.role not in ROLES:
+                raise RuntimeError(f"unexpected first message from an engine worker: {hello!r}")
+            self.channels[hello.role] = ch
+        # Two engines on one GPU size their caches one after the other: each sees the other's memory.
+        one_gpu = configs["p"]["device"] == configs["d"]["device"] and configs["p"]["device"].startswith("cuda")
+        for group in (["p"], ["d"]) if one_gpu else [["p", "d"]]:
+            for role in group:
+                self.channels[role].send(BuildEngine(configs[role]))
+            for role in group:
+                msg = self.channels[role].recv(timeout_s=max(1.0, deadline - time.monotonic()))
+                if not isinstance(msg, WorkerReady):
+                    raise RuntimeError(f"the {NAMES[role]} engine did not start within {timeout_s:g} s")
+                if msg.error:
+                    raise RuntimeError(f"the {NAMES[role]} engine failed to start: {msg.error}")
+                self.ready[role] = msg
+
+    @property
+    def pids(self) -> dict[str, int]:
+        return {role: p.pid for role, p in self.procs.items()}
+
+    # -- sessions ------------------------------------------------------------------------------
+    def session(self, *, stream: bool = False, fault: dict | None = None, **options) -> "DisaggSession":
+        """Start one lifecycle of the two engines. options override the transfer defaults."""
+        if self._active is not None and not self._active.is_done():
+            raise RuntimeError("a session is still running: close() it and wait() for it first")
+        if self.gone:
+            raise RuntimeError(f"an engine process is gone ({'; '.join(self.gone.values())}): "
+                               f"start a new DisaggLLM")
+        opts = {**self.defaults, **options}
+        _check_session_options(opts)
+        self._active = DisaggSession(self, next(self._sessions), opts, stream, fault or {})
+        return self._active
+
+    def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = False, timeout_s: float | None = None, **options) -> list[RequestOutput]:
+        """As LLM.generate: one session with every prompt submitted at once, then closed and drained."""
+        prompts, params = _normalize(prompts, sampling_params)
+        s = self.session(**options)
+        ids = [s.submit(p, sp) for p, sp in zip(prompts, params)]
+        s.close()
+        s.wait_submitted(timeout_s)
+        if s.rejected:
+            for rid in ids:
+                s.abort(rid)
+        s.wait(timeout_s, use_tqdm=use_tqdm)
+        if s.rejected:
+            raise ValueError(next(iter(s.rejected.values())))
+        return [s.results[i] for i in ids]
+
+    def next_request_id(self) -> str:
+        return f"pd-{next(self._ids)}"
+
+    # -- the end -------------------------------------------------------------------------------
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Stop both processes (Shutdown, then a kill for any that is still up after timeout_s)."""
+        for ch in self.channels.values():
+            try:
+                ch.send(Shutdown())
+            except PeerGone:
+                pass
+        deadline = time.monotonic() + timeout_s
+        for p in self.procs.values():
+            p.join(max(0.0, deadline - time.monotonic()))
+            if p.is_alive():
+                p.kill()
+                p.join(2.0)
+        for ch in self.channels.values():
+            ch.close()
+        self.channels = {}
+        self._listener.close()
+
+    def __enter__(self) -> "DisaggLLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+
+class DisaggSession:
+    """One lifecycle of the two engines, seen from the driver: submit, abort, close, poll, is_done, wait."""
+
+    def __init__(self, llm: DisaggLLM, session: int, opts: dict, stream: bool, fault: dict) -> None:
+        self.llm, self.session, self.stream = llm, session, stream
+        self.results: dict[str, RequestOutput] = {}      # final outputs
+        self.rejected: dict[str, str] = {}               # submit refused: request_id -> why
+        self.ended: dict[str, SessionEnded] = {}
+        self.submitted: list[str] = []
+        self._prompts: dict[str, str | list[int]] = {}
+        self._unanswered: set[str] = set()               # submits without a SubmitResult yet
+        self._closed = False
+        for role in ROLES:
+            start = StartSession(session, opts["backend"], opts["async_transfer"], opts["transfer_timeout_s"],
+                                 opts["lease_s"], opts["connect_timeout_s"],
+                                 llm.ready["p"].address if role == "d" else None, stream, fault.get(role))
+            self._send(role, start)
+
+    def _send(self, role: str, msg) -> bool:
+        if role in self.llm.gone:
+            return False
+        try:
+            self.llm.channels[role].send(msg)
+            return True
+        except PeerGone as e:
+            self._lost(role, str(e))
+            return False
+
+    def _lost(self, role: str, why: str) -> None:
+        proc = self.llm.procs[role]
+        proc.join(1.0)
+        code = proc.exitcode
+        self.llm.gone.setdefault(role, f"the {NAMES[role]} engine process died "
+                                       f"({'exit code ' + str(code) if code is not None else why})")
+
+    # -- the surface ---------------------------------------------------------------------------
+    def submit(self, prompt: str | list[int], params: SamplingParams | None = None,
+               request_id: str | None = None) -> str:
+        if self._closed:
+            raise RuntimeError("the session is closed (no more requests): submit refused")
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError("sampling_params must be a SamplingParams")
+        rid = request_id or self.llm.next_request_id()
+        if rid in self._prompts:
+            raise ValueError(f"request_id {rid!r} is already in use")
+        self._prompts[rid] = prompt
+        self.submitted.append(rid)
+        self._unanswered.add(rid)
+        self._send("p", Submit(rid, prompt, dataclasses.asdict(params), time.time()))
+        return rid
+
+    def abort(self, request_id: str) -> None:
+        """Abort wherever the request is: P forwards to D what it has handed over."""
+        if not self._send("p", Abort(request_id)):
+            self._send("d", Abort(request_id))
+
+    def close(self) -> None:
+        """No more requests: P refuses further submits, drains, hands over, ends the stream to D."""
+        self._closed = True
+        self._send("p", CloseSession())
+
+    def is_done(self) -> bool:
+        return all(role in self.ended or role in self.llm.gone for role in ROLES)
+
+    def poll(self, timeout_s: float = 0.0) -> list[RequestOutput]:
+        """Outputs that arrived (finals; every output with stream=True), waiting up to timeout_s for one."""
+        chans = {role: ch for role, ch in self.llm.channels.items() if role not in self.llm.gone}
+        if chans and timeout_s > 0:
+            select.select([c.sock for c in chans.values()], [], [], timeout_s)
+        outs = []
+        for role, ch in chans.items():
+            try:
+                msgs = ch.recv_all()
+            except PeerGone as e:
+                msgs = []
+                self._lost(role, str(e))
+            for msg in msgs:
+                outs += self._on_message(role, msg)
+        if self.is_done():
+            outs += self._fail_unfinished()
+        return outs
+
+    def _on_message(self, role: str, msg) -> list[RequestOutput]:
+        if isinstance(msg, SubmitResult):
+            self._unanswered.discard(msg.request_id)
+            if msg.error is not None:
+                self.rejected[msg.request_id] = msg.error
+            return []
+        if isinstance(msg, Output):
+            out = output_from_wire(msg.output)
+            if out.request_id in self.results:
+                return []                          # a second final (abort raced a finish): the first stands
+            if out.finished:
+                self.results[out.request_id] = out
+            return [out]
+        if isinstance(msg, SessionEnded) and msg.session == self.session:
+            self.ended[role] = msg
+        return []
+
+    def _fail_unfinished(self) -> list[RequestOutput]:
+        """Once both sides are done or dead: every request without a final gets an error output."""
+        why = "; ".join(self.llm.gone.values()) or "; ".join(e.error for e in self.ended.values() if e.error) \
+            or "the engines ended the session without finishing it"
+        outs = []
+        for rid in self.submitted:
+            if rid not in self.results and rid not in self.rejected:
+                prompt = self._prompts[rid]
+                out = RequestOutput(rid, prompt if isinstance(prompt, str) else None,
+                                    prompt if isinstance(prompt, list) else [],
+                                    [CompletionOutput(0, "", [], None, None, "error")], True, None, why)
+                self.results[rid] = out
+                outs.append(out)
+        return outs
+
+    def wait_submitted(self, timeout_s: float | None = None) -> None:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while self._unanswered and not self.is_done() and "p" not in self.llm.gone:
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"the prefill engine did not answer {len(self._unanswered)} submits")
+            self.poll(0.05)
+
+    def wait(self, timeout_s: float | None = None, use_tqdm: bool = False) -> dict[str, RequestOutput]:
+        """Until both engines have ended the session (call close() first). Returns the final outputs."""
+        from tqdm import tqdm
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with tqdm(total=len(self.submitted), desc="Processed prompts", disable=not use_tqdm) as bar:
+            while not self.is_done():
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError(f"session {self.session} not done after {timeout_s:g} s")
+                bar.update(sum(o.finished for o in self.poll(0.05)))
+            self.poll()
+        return self.results
+
+
+# -- helpers --------------------------------------------------------------------------------------
+def generate_disaggregated(model: str | None, prompts, sampling_params=None, *, backend: str = "torch_dist",
+                           async_transfer: bool = True, prefill_device: str = "auto", decode_device: str = "auto",
+                           use_tqdm: bool = False, **kwargs) -> list[RequestOutput]:
+    """One offline disaggregated generation: spawn P and D, generate, shut both down.
+
+    Returns what LLM.generate returns, in prompt order, each with metrics (TTFT, ITLs).
+    kwargs: EngineConfig fields for both sides, `prefill`/`decode` per-side overrides, and the
+    transfer options of DisaggLLM (transfer_timeout_s, lease_s, connect_timeout_s).
+    """
+    with DisaggLLM(model, backend=backend, async_transfer=async_transfer, prefill_device=prefill_device,
+                   decode_device=decode_device, **kwargs) as llm:
+        return llm.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+
+def _check_session_options(opts: dict) -> None:
+    if opts["backend"] not in BACKENDS:
+        raise ValueError(f"backend must be one of {sorted(BACKENDS)}, got {opts['backend']!r}")
+    for name in ("transfer_timeout_s", "lease_s", "connect_timeout_s"):
+        if not isinstance(opts[name], (int, float)) or opts[name] <= 0:
+            raise ValueError(f"{name} must be a number > 0, got {opts[name]!r}")
+    unknown = set(opts) - {"backend", "async_transfer", "transfer_timeout_s", "lease_s", "connect_timeout_s"}
+    if unknown:
+        raise ValueError(f"unknown session options: {sorted(unknown)}")
+
+
+def _side_configs(model, common: dict, p_device: str, d_device: str, p_over: dict, d_over: dict) -> dict[str, dict]:
+    """Validated EngineConfig fields per side, as JSON-safe dicts."""
+    for name, over in (("prefill", p_over), ("decode", d_over)):
+        if "role" in over:
+            raise ValueError(f"{name}['role'] is set by the side it configures")
+    out = {}
+    for role, device, over in (("p", p_device, p_over), ("d", d_device, d_over)):
+        cfg = EngineConfig(model=model, **{**common, "device": device, **over, "role": role})
+        fields = dataclasses.asdict(cfg)
+        fields["dtype"] = str(cfg.torch_dtype).removeprefix("torch.")
+        out[role] = fields
+    if out["p"]["device"] == out["d"]["device"] and out["p"]["device"].startswith("cuda") \
+            and "gpu_memory_utilization" not in {**common, **p_over}:
+        # One GPU: P takes half the budget; D, sized after P, sees P's memory as used and takes the rest.
+        out["p"]["gpu_memory_utilization"] = out["p"]["gpu_memory_utilization"] / 2
+    return out
+
+
+def _normalize(prompts, sampling_params) -> tuple[list, list[SamplingParams]]:
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        prompts = [prompts]
+    prompts = [p["prompt_token_ids"] if isinstance(p, dict) and "prompt_token_ids" in p
+               else p["prompt"] if isinstance(p, dict) else p for p in prompts]
+    if sampling_params is None:
+        sampling_params = SamplingParams()
+    params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
+    if len(params) != len(prompts):
+        raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts")
+    return prompts, params
+
+
+__all__ = ["DisaggLLM", "DisaggSession", "generate_disaggregated"]
