@@ -87,10 +87,18 @@ class Channel:
             self.last_heard = time.monotonic()
 
     def recv_all(self) -> list[Any]:
-        """Every message that has already arrived, without waiting."""
+        """Every message that has already arrived, without waiting.
+
+        Raises PeerGone only when there is nothing left to return: the messages a peer sent
+        right before closing are delivered first, and the next call raises.
+        """
         out = []
-        while (msg := self.recv(0.0)) is not None:
-            out.append(msg)
+        try:
+            while (msg := self.recv(0.0)) is not None:
+                out.append(msg)
+        except PeerGone:
+            if not out:
+                raise
         return out
 
     def _pop(self) -> Any | None:
@@ -117,18 +125,29 @@ class Channel:
     def silent_for(self) -> float:
         return time.monotonic() - self.last_heard
 
-    def close(self) -> None:
-        """Idempotent. Shuts the socket first, so a send blocked on a silent peer fails at once."""
+    def close(self, linger_s: float = 2.0) -> None:
+        """Idempotent. Half-closes, then reads until the peer closes too (at most linger_s).
+
+        A plain close() with unread bytes in our buffer, or bytes arriving after it, makes the
+        kernel answer with RST, and an RST makes the peer's kernel drop what it has not read yet:
+        our last messages (an Ack, a Bye) would be lost. Waiting for the peer's end-of-file
+        instead lets it read everything first.
+        """
         if self.closed:
             return
-        self.closed = True
         self._stop.set()
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
         with self._send_lock:
-            self.sock.close()
+            self.closed = True
+        try:
+            self.sock.shutdown(socket.SHUT_WR)
+            deadline = time.monotonic() + linger_s
+            while (left := deadline - time.monotonic()) > 0:
+                ready, _, _ = select.select([self.sock], [], [], left)
+                if ready and not self.sock.recv(1 << 16):
+                    break
+        except (OSError, ValueError):
+            pass
+        self.sock.close()
         if self._heartbeat is not None and self._heartbeat is not threading.current_thread():
             self._heartbeat.join(timeout=1.0)
 

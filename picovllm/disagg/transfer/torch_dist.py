@@ -102,7 +102,9 @@ class TorchDistTransfer(KVTransfer):
                 self.store = dist.TCPStore(host, int(port), 2, False, timeout=timeout)
             store = dist.PrefixStore(f"picovllm-pd/{peer.session}", self.store)
             rank = P_RANK if self.role == "p" else D_RANK
-            op_timeout = datetime.timedelta(seconds=self.config.timeout_s)
+            # Our own deadline (poll) times transfers out. Gloo's must never fire: on a timeout it
+            # closes the connection, and the link with it, for every later transfer too.
+            op_timeout = datetime.timedelta(days=1)
             if self.use_nccl:
                 torch.cuda.set_device(self.cache.device)
                 opts = dist.ProcessGroupNCCL.Options()
