@@ -126,12 +126,12 @@ class Channel:
         return time.monotonic() - self.last_heard
 
     def close(self, linger_s: float = 2.0) -> None:
-        """Idempotent. Half-closes, then reads until the peer closes too (at most linger_s).
+        """Idempotent and non-blocking. Half-closes now; a daemon thread finishes the close.
 
         A plain close() with unread bytes in our buffer, or bytes arriving after it, makes the
         kernel answer with RST, and an RST makes the peer's kernel drop what it has not read yet:
-        our last messages (an Ack, a Bye) would be lost. Waiting for the peer's end-of-file
-        instead lets it read everything first.
+        our last messages (an Ack, a Bye) would be lost. So the socket is only half-closed, and
+        read (and discarded) until the peer closes its end too, or for at most linger_s.
         """
         if self.closed:
             return
@@ -140,16 +140,23 @@ class Channel:
             self.closed = True
         try:
             self.sock.shutdown(socket.SHUT_WR)
-            deadline = time.monotonic() + linger_s
-            while (left := deadline - time.monotonic()) > 0:
-                ready, _, _ = select.select([self.sock], [], [], left)
-                if ready and not self.sock.recv(1 << 16):
-                    break
-        except (OSError, ValueError):
-            pass
-        self.sock.close()
-        if self._heartbeat is not None and self._heartbeat is not threading.current_thread():
-            self._heartbeat.join(timeout=1.0)
+        except OSError:
+            self.sock.close()
+            return
+        threading.Thread(target=_linger_then_close, args=(self.sock, linger_s), name="picovllm-close",
+                         daemon=True).start()
+
+
+def _linger_then_close(sock: socket.socket, linger_s: float) -> None:
+    deadline = time.monotonic() + linger_s
+    try:
+        while (left := deadline - time.monotonic()) > 0:
+            ready, _, _ = select.select([sock], [], [], left)
+            if ready and not sock.recv(1 << 16):
+                break
+    except (OSError, ValueError):
+        pass
+    sock.close()
 
 
 class Listener:
