@@ -26,6 +26,7 @@ from picovllm.config import EngineConfig
 from picovllm.disagg.channel import Channel, Listener, PeerGone
 from picovllm.disagg.messages import (Abort, BuildEngine, CloseSession, Output, SessionEnded, Shutdown, StartSession,
                                       Submit, SubmitResult, WorkerHello, WorkerReady, output_from_wire)
+from picovllm.disagg.prefill import EngineClosedError
 from picovllm.disagg.transfer import BACKENDS
 from picovllm.disagg.worker import worker_main
 from picovllm.outputs import CompletionOutput, RequestOutput
@@ -192,7 +193,7 @@ class DisaggSession:
     def submit(self, prompt: str | list[int], params: SamplingParams | None = None,
                request_id: str | None = None) -> str:
         if self._closed:
-            raise RuntimeError("the session is closed (no more requests): submit refused")
+            raise EngineClosedError("the session is closed (no more requests): submit refused")
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError("sampling_params must be a SamplingParams")

@@ -73,6 +73,8 @@ class Worker:
                 break
             if isinstance(msg, StartSession):
                 self._session(engine, msg)     # one engine serves every session: same weights, same cache
+            elif isinstance(msg, Submit):      # arrived after its session ended: never drop one silently
+                self.driver.send(SubmitResult(msg.request_id, "the prefill engine is closed (no session running)"))
         if self.listener:
             self.listener.close()
 
