@@ -74,8 +74,12 @@ class DisaggLLM:
             self.procs[role].start()
         deadline = time.monotonic() + timeout_s
         while len(self.channels) < 2:
-            ch = self._listener.accept(max(1.0, deadline - time.monotonic()))
-            hello = ch.recv(timeout_s=max(1.0, deadline - time.monotonic()))
+            self._check_alive(deadline, timeout_s)
+            try:
+                ch = self._listener.accept(0.5)
+            except TimeoutError:
+                continue
+            hello = ch.recv(timeout_s=30.0)
             if not isinstance(hello, WorkerHello) or hello.role not in ROLES:
                 raise RuntimeError(f"unexpected first message from an engine worker: {hello!r}")
             self.channels[hello.role] = ch
@@ -85,12 +89,27 @@ class DisaggLLM:
             for role in group:
                 self.channels[role].send(BuildEngine(configs[role]))
             for role in group:
-                msg = self.channels[role].recv(timeout_s=max(1.0, deadline - time.monotonic()))
+                msg = None
+                while msg is None:
+                    self._check_alive(deadline, timeout_s)
+                    try:
+                        msg = self.channels[role].recv(timeout_s=0.5)
+                    except PeerGone:
+                        msg = None
                 if not isinstance(msg, WorkerReady):
-                    raise RuntimeError(f"the {NAMES[role]} engine did not start within {timeout_s:g} s")
+                    raise RuntimeError(f"the {NAMES[role]} engine sent {msg!r} instead of WorkerReady")
                 if msg.error:
-                    raise RuntimeError(f"the {NAMES[role]} engine failed to start: {msg.error}")
+                    kind = ValueError if msg.error.startswith("ValueError") else RuntimeError
+                    raise kind(f"the {NAMES[role]} engine failed to start: {msg.error}")
                 self.ready[role] = msg
+
+    def _check_alive(self, deadline: float, timeout_s: float) -> None:
+        for role, proc in self.procs.items():
+            if proc.exitcode is not None:
+                raise RuntimeError(f"the {NAMES[role]} engine process exited during start-up "
+                                   f"(exit code {proc.exitcode}; see its traceback above)")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the engines did not start within {timeout_s:g} s")
 
     @property
     def pids(self) -> dict[str, int]:
