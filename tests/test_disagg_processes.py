@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from picovllm import LLM, SamplingParams
-from picovllm.disagg import DisaggLLM, EngineClosedError
+from picovllm.disagg import DisaggLLM, EngineClosedError, generate_disaggregated
 from picovllm.disagg.messages import Submit
 
 CLOSE_RUNS = int(os.environ.get("PICOVLLM_PD_CLOSE_RUNS", "20"))
@@ -119,22 +119,34 @@ def qwen3_pd(tiny_models):
     shut_down_quickly(llm)
 
 
-def test_parity_default_model(default_model_path):
-    # Token-id prompts (no tokenizer: loading the GGUF's takes seconds per process); text is covered
-    # in test_disagg_engines with a tokenizer stand-in.
+def test_parity_default_model_in_one_call(default_model_path):
+    # Token-id prompts (no tokenizer: parsing the GGUF's vocabulary takes seconds per process); text
+    # is covered in test_disagg_engines with a tokenizer stand-in.
     ps = [[1, 504, 3575, 282, 4649, 314], [1, 33, 1232, 33, 1232], [1, 9707, 28, 957, 1463, 314, 253]]
     params = [SamplingParams(temperature=0, max_tokens=6), SamplingParams(temperature=0.7, seed=3, max_tokens=6),
               SamplingParams(temperature=0, max_tokens=6)]
     kw = dict(skip_tokenizer_init=True, num_kv_blocks=48)
     ref = LLM(None, **kw).generate(ps, params, use_tqdm=False)
-    llm = DisaggLLM(None, backend="torch_dist", **kw)
-    try:
-        for backend, async_transfer in (("torch_dist", True), ("cuda_ipc", False)):
-            outs = llm.generate(ps, params, backend=backend, async_transfer=async_transfer, timeout_s=120)
-            assert same_tokens(outs, ref), backend
-            assert_clean(llm._active)
-    finally:
-        shut_down_quickly(llm)
+    outs = generate_disaggregated(None, ps, params, backend="torch_dist", async_transfer=False, **kw)
+    assert same_tokens(outs, ref)
+    assert all(o.metrics.ttft > 0 and len(o.metrics.itls) == 5 for o in outs)
+
+
+def test_cli_maps_its_flags(monkeypatch, capsys):
+    from picovllm.disagg import cli, driver
+    seen = {}
+
+    def fake(model, prompts, params, **kw):
+        seen.update(model=model, prompts=prompts, params=params, **kw)
+        return []
+    monkeypatch.setattr(driver, "generate_disaggregated", fake)
+    assert cli.main(["hi", "there", "--max-tokens", "3", "--kv-transfer", "cuda_ipc", "--sync-transfer",
+                     "--prefill-device", "cuda:0", "--decode-device", "cuda:1", "--decode-num-kv-blocks", "64",
+                     "--lease", "2"]) == 0
+    assert seen["prompts"] == ["hi", "there"] and seen["params"].max_tokens == 3
+    assert (seen["backend"], seen["async_transfer"], seen["prefill_device"], seen["decode_device"]) == \
+        ("cuda_ipc", False, "cuda:0", "cuda:1")
+    assert seen["decode"] == {"num_kv_blocks": 64} and seen["lease_s"] == 2.0
 
 
 # -- close at random moments ---------------------------------------------------------------------------
