@@ -282,3 +282,34 @@ def test_frozen_decode_engine_loses_its_lease(tiny_models):
         assert all(s.results[r].finished for r in ids)
     finally:
         shut_down_quickly(llm)
+
+
+# -- on GPUs (the integrator's H200 runs) ---------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("backend", ["cuda_ipc", "torch_dist"])
+def test_gpu_parity_two_processes_one_gpu(tiny_models, backend):
+    ps, params = parity_batch(seed=9)
+    kw = dict(block_size=16, num_kv_blocks=64, dtype="float32", attention_backend="torch", device="cuda:0")
+    ref = LLM(tiny_models["qwen3"], **kw).generate(ps, params, use_tqdm=False)
+    kw.pop("device")
+    with DisaggLLM(tiny_models["qwen3"], backend=backend, prefill_device="cuda:0", decode_device="cuda:0",
+                   decode={"num_kv_blocks": 20}, **kw) as llm:      # torch_dist: gloo (NCCL refuses one GPU)
+        for async_transfer in (True, False):
+            outs = llm.generate(ps, params, async_transfer=async_transfer, timeout_s=120)
+            assert same_tokens(outs, ref), (backend, async_transfer)
+            assert_clean(llm._active)
+
+
+@pytest.mark.gpu2
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("backend", ["torch_dist", "cuda_ipc"])
+def test_gpu_parity_two_gpus(tiny_models, backend):
+    ps, params = parity_batch(seed=10)
+    kw = dict(block_size=16, num_kv_blocks=64, dtype="float32", attention_backend="torch")
+    ref = LLM(tiny_models["qwen3"], device="cuda:0", **kw).generate(ps, params, use_tqdm=False)
+    with DisaggLLM(tiny_models["qwen3"], backend=backend, prefill_device="cuda:0", decode_device="cuda:1",
+                   **kw) as llm:                                     # torch_dist: NCCL between the GPUs
+        outs = llm.generate(ps, params, timeout_s=120)
+        assert same_tokens(outs, ref)
+        assert_clean(llm._active)
