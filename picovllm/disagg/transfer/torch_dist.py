@@ -30,15 +30,20 @@ P_RANK, D_RANK = 0, 1
 
 @dataclass
 class _Op:
+    """One transfer on this side: stage "copy" (P: device-to-host staging copy in flight), "wire"
+    (the send/recv), "scatter" (D: host-to-device copy and scatter into the cache in flight)."""
     spec: TransferSpec
-    work: Any
-    buffer: torch.Tensor                  # must outlive the operation
     started: float
-    threaded: bool                        # gloo: a waiter thread reports completion
+    stage: str
+    buffer: torch.Tensor                  # the message; outlives every operation on it
+    keep: tuple = ()                      # device tensors a queued copy still reads or writes
+    event: Any = None                     # CUDA event closing the "copy" / "scatter" stage
+    work: Any = None
+    threaded: bool = False                # gloo: a waiter thread learns when the wire stage ends
     finished: threading.Event = field(default_factory=threading.Event)
     error: str | None = None
 
-    def is_done(self) -> bool:
+    def wire_done(self) -> bool:
         if self.threaded:
             return self.finished.is_set()
         if not self.work.is_completed():
@@ -70,6 +75,7 @@ class TorchDistTransfer(KVTransfer):
         self._ops: dict[str, _Op] = {}
         self._abandoned: list[_Op] = []       # timed out: the operation may still write its buffer
         self._info: dict = {}
+        self._stream = None                   # D on a GPU: where received blocks are scattered
 
     def _device_info(self) -> dict:
         return {"host": socket.gethostname(), "device": str(self.cache.device), "dist_backend": self.dist_backend}
@@ -125,51 +131,96 @@ class TorchDistTransfer(KVTransfer):
         return dist.ProcessGroupGloo(store, rank, 2, timeout)
 
     # -- transfers -----------------------------------------------------------------------------
-    def _start(self, spec: TransferSpec, work, buffer: torch.Tensor) -> None:
-        op = _Op(spec, work, buffer, time.monotonic(), threaded=not self.use_nccl)
-        self._ops[spec.request_id] = op
+    # Gloo moves host memory: a GPU cache is staged through pinned buffers, with the copies queued
+    # on the GPU and their end seen by polling an event, so no step waits for them either.
+    def _staged(self) -> bool:
+        return self.cache.is_cuda and not self.use_nccl
+
+    def _post(self, op: _Op) -> None:
+        op.stage = "wire"
+        if self.role == "p":
+            op.work = self.pg.send([op.buffer], D_RANK, op.spec.tag)
+        else:
+            op.work = self.pg.recv([op.buffer], P_RANK, op.spec.tag)
+        op.threaded = not self.use_nccl
         if op.threaded:
             threading.Thread(target=_wait, args=(op,), name="picovllm-kv-wait", daemon=True).start()
-
-    def _staging_device(self) -> torch.device:
-        return self.cache.device if self.use_nccl else torch.device("cpu")
 
     def start_send(self, spec: TransferSpec) -> None:
         assert self.role == "p" and self.pg is not None
         check_block_ids("src_block_ids", spec.src_block_ids, self.cache.shape[2])
         idx = torch.tensor(spec.src_block_ids, dtype=torch.long, device=self.cache.device)
-        buf = self.cache.index_select(2, idx).to(self._staging_device())
-        self._start(spec, self.pg.send([buf], D_RANK, spec.tag), buf)
+        gathered = self.cache.index_select(2, idx)
+        if self._staged():
+            host = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=True)
+            host.copy_(gathered, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self._ops[spec.request_id] = _Op(spec, time.monotonic(), "copy", host, (gathered,), event)
+        else:
+            self._ops[spec.request_id] = op = _Op(spec, time.monotonic(), "wire", gathered)
+            self._post(op)
 
     def start_recv(self, spec: TransferSpec) -> None:
         assert self.role == "d" and self.pg is not None
         check_block_ids("dst_block_ids", spec.dst_block_ids, self.cache.shape[2])
         if len(spec.src_block_ids) != len(spec.dst_block_ids):
             raise ValueError("TransferSpec.src_block_ids and dst_block_ids differ in length")
-        buf = torch.empty(self.layout.block_shape(len(spec.dst_block_ids)), dtype=self.cache.dtype,
-                          device=self._staging_device())
-        self._start(spec, self.pg.recv([buf], P_RANK, spec.tag), buf)
+        shape = self.layout.block_shape(len(spec.dst_block_ids))
+        if self._staged():
+            buf = torch.empty(shape, dtype=self.cache.dtype, pin_memory=True)
+        else:
+            buf = torch.empty(shape, dtype=self.cache.dtype, device=self.cache.device)
+        self._ops[spec.request_id] = op = _Op(spec, time.monotonic(), "wire", buf)
+        self._post(op)
+
+    def _scatter(self, op: _Op) -> None:
+        """D: write a received message into the cache's dst blocks."""
+        idx = torch.tensor(op.spec.dst_block_ids, dtype=torch.long, device=self.cache.device)
+        if not self.cache.is_cuda:
+            self.cache.index_copy_(2, idx, op.buffer)
+            op.stage = "done"
+            return
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.cache.device)
+        # The blocks were just allocated: kernels queued on the main stream may still read them.
+        self._stream.wait_stream(torch.cuda.current_stream(self.cache.device))
+        with torch.cuda.stream(self._stream):
+            data = op.buffer.to(self.cache.device, non_blocking=True)
+            self.cache.index_copy_(2, idx, data)
+            op.event = torch.cuda.Event()
+            op.event.record(self._stream)
+        op.keep, op.stage = (data, idx), "scatter"
 
     def poll(self, wait_for: str | None = None) -> list[TransferDone]:
         done = []
         while True:
-            done += self._reap()
+            done += self._advance()
             if wait_for is None or wait_for not in self._ops:
                 return done
             time.sleep(0.0002)
 
-    def _reap(self) -> list[TransferDone]:
+    def _advance(self) -> list[TransferDone]:
         out, now = [], time.monotonic()
         for rid, op in list(self._ops.items()):
-            if op.is_done():
+            if op.stage == "copy" and op.event.query():
+                op.keep = ()
+                self._post(op)
+            if op.stage == "wire" and op.wire_done():
+                if op.error is not None or self.role == "p":
+                    op.stage = "done"
+                else:
+                    self._scatter(op)
+            if op.stage == "scatter" and op.event.query():
+                op.stage = "done"
+            if op.stage == "done":
                 del self._ops[rid]
-                if op.error is None and self.role == "d":
-                    idx = torch.tensor(op.spec.dst_block_ids, dtype=torch.long, device=self.cache.device)
-                    self.cache.index_copy_(2, idx, op.buffer.to(self.cache.device))
                 out.append(TransferDone(rid, op.error))
             elif now - op.started > self.config.timeout_s:
                 del self._ops[rid]
                 self._abandoned.append(op)
+                if op.stage == "scatter":     # whatever the main stream does with the blocks next waits
+                    torch.cuda.current_stream(self.cache.device).wait_event(op.event)
                 out.append(TransferDone(rid, f"KV transfer of {len(op.spec.dst_block_ids)} blocks timed out "
                                              f"after {self.config.timeout_s:g} s"))
         return out
