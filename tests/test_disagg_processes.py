@@ -101,6 +101,19 @@ def test_parity_llama(llama_pd, llama_ref, backend, async_transfer):
     assert os.getpid() not in llama_pd.pids.values() and len(set(llama_pd.pids.values())) == 2
 
 
+def test_bad_input_is_a_value_error_and_leaves_the_engines_usable(llama_pd, llama_ref):
+    sp = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    with pytest.raises(ValueError, match="prompt token ids must be in"):
+        llama_pd.generate([[5, 6, 7], [1, 99999]], sp)          # the second is refused by P: none run
+    assert_clean(llama_pd._active)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        llama_pd.generate([[5, 6, 7]], sp, backend="carrier_pigeon")
+    with pytest.raises(ValueError, match="EngineConfig.block_size"):
+        DisaggLLM(None, block_size=0)                           # refused before any process starts
+    outs = llama_pd.generate([[5, 6, 7]], sp)
+    assert same_tokens(outs, llama_ref.generate([[5, 6, 7]], sp, use_tqdm=False))
+
+
 @pytest.mark.parametrize("async_transfer", [True, False], ids=["async", "sync"])
 def test_parity_qwen3(tiny_models, async_transfer, request):
     llm = request.getfixturevalue("qwen3_pd")
