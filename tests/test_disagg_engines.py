@@ -131,12 +131,12 @@ def test_text_and_stop_strings_match_colocated(tiny_models, backend):
     ps = prompts(8, seed=3)
     llm = LLM(tiny_models["llama"], block_size=4, num_kv_blocks=128)
     llm.engine.tokenizer, llm.engine.detokenizer = tok, Detokenizer(tok)
-    free = llm.generate(ps, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
+    free = llm.generate(ps, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
     # Stop strings the colocated text does contain: at the first token (so P finishes the request),
     # later (D does), spanning two tokens, and one that never occurs.
     cuts = [(0, 1), (4, 5), (6, 8), None]
     stops = [[t[c[0]:c[1]]] if c else ["#"] for t, c in zip((o.outputs[0].text for o in free), cuts * 2)]
-    params = [SamplingParams(temperature=0, max_tokens=12, stop=st) for st in stops]
+    params = [SamplingParams(temperature=0, max_tokens=12, stop=st, ignore_eos=True) for st in stops]
     ref = llm.generate(ps, params, use_tqdm=False)
     assert sum(r.outputs[0].finish_reason == "stop" for r in ref) >= 6
     pair = LocalPair(tiny_models["llama"], backend, p_kw=dict(block_size=4, num_kv_blocks=128),
