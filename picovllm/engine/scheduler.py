@@ -53,6 +53,9 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []   # admission order; the last is preempted first
+        # Requests outside these queues that still hold blocks (a PD engine's handovers). While any
+        # exist, a waiting request that does not fit waits for their blocks instead of failing.
+        self.num_held_outside = 0
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -104,7 +107,7 @@ class Scheduler:
                     bm.cancel_prefix(req)
                 else:
                     bm.free(req)
-                if not self.running:   # nothing will ever free a block: fail rather than spin
+                if not self.running and not self.num_held_outside:   # nothing will free a block: fail
                     raise RuntimeError(f"request {req.request_id}: the KV cache ({bm.num_blocks} blocks of "
                                        f"{bm.block_size}) cannot hold even its first chunk")
                 break

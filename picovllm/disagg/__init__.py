@@ -1,0 +1,42 @@
+"""Prefill/decode disaggregation: a P engine computes prompts, a D engine decodes, KV moves between.
+
+Roles (EngineConfig.role): "pd" is the colocated Engine; "p" is PrefillEngine (prefill.py); "d" is
+DecodeEngine (decode.py). Both keep the Engine's shape: submit, step, close, is_done, abort.
+The KV transfer is its own layer (transfer/base.py holds the contract; one module per backend),
+under a handover protocol both engines speak over a control channel (messages.py, channel.py).
+
+    driver process (DisaggLLM / generate_disaggregated)
+       | Submit, Abort, CloseSession            ^ Output (finals), SessionEnded
+       v                                        |
+    +--------------------------+  Offer ------------------->  +--------------------------+
+    | P engine (role "p")      |  <------ Accept(dst blocks)  | D engine (role "d")      |
+    |  prefill + first token   |  ==== KV blocks ==========>  |  allocate when room      |
+    |  request parked, blocks  |      torch_dist: P sends     |  (flow control), write   |
+    |  held until Ack/Release  |      cuda_ipc:   D pulls     |  KV, decode to the end   |
+    |  frees blocks on Ack     |  <------ Ack / Release       |                          |
+    +--------------------------+  Cancel (aborts) -------->   +--------------------------+
+               heartbeats both ways; a peer silent for lease_s, or whose socket closes, is dead
+
+Lifecycle of a session and the close call ("no more requests"):
+    1. link:   P sends Hello(layout, backend info); D checks the layout and answers; the backend
+               connects (process group / mapping P's cache). Heartbeats start.
+    2. serve:  requests flow as above; P's cache is the buffer while D is full.
+    3. close:  P.close(): submit() now raises EngineClosedError; P finishes every prefill and
+               hands everything over; when nothing is left it sends EndOfStream.
+    4. drain:  D, on EndOfStream (nothing of P's is in flight by then), unmaps/releases the link,
+               sends Bye and decodes what it has to the end; P, on Bye, closes its end.
+    5. done:   both is_done(); in a worker process the session ends and the process can exit.
+
+Faults: an abort anywhere frees KV on both sides (P holds a handed-over request's blocks until D
+answers Ack or Release; a Cancel after the Ack aborts it on D). D dead or silent for lease_s:
+P fails what it was handing over and frees it, and keeps serving (later handovers fail at
+once). P dead: D fails the offers and transfers it was waiting for, frees them, decodes the
+rest, and ends. A transfer not done within timeout_s fails on both sides.
+"""
+from picovllm.disagg.driver import DisaggLLM, DisaggSession, generate_disaggregated
+from picovllm.disagg.decode import DecodeEngine
+from picovllm.disagg.prefill import EngineClosedError, PrefillEngine
+from picovllm.disagg.transfer import BACKENDS, TransferConfig
+
+__all__ = ["BACKENDS", "DecodeEngine", "DisaggLLM", "DisaggSession", "EngineClosedError", "PrefillEngine",
+           "TransferConfig", "generate_disaggregated"]

@@ -1,0 +1,177 @@
+"""A control channel: typed messages (picovllm.disagg.messages) framed over a TCP socket.
+
+Every link in a disaggregated run is one of these: driver <-> engine worker and prefill engine <->
+decode engine. TCP works on one host and across hosts, and a dead peer shows up at once as
+end-of-file; a hung one shows up as silence, which a lease on `last_heard` catches (the heartbeat
+thread keeps a live but busy peer audible).
+"""
+from __future__ import annotations
+
+import select
+import socket
+import struct
+import threading
+import time
+from typing import Any
+
+from picovllm.disagg.messages import Heartbeat, decode, encode
+
+_HEADER = struct.Struct("!I")
+
+
+class PeerGone(ConnectionError):
+    """The other end of a channel closed it, died, or stopped reading."""
+
+
+class Channel:
+    """Length-prefixed JSON messages over a connected socket.
+
+    send() may be called from any thread (the heartbeat thread does); recv() from one thread only.
+    """
+
+    def __init__(self, sock: socket.socket, send_timeout_s: float = 30.0) -> None:
+        sock.settimeout(send_timeout_s)      # a peer that stops reading cannot block us for longer
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)   # small messages go out at once
+        self.sock = sock
+        self._buf = bytearray()
+        self._send_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._heartbeat: threading.Thread | None = None
+        self.last_heard = time.monotonic()
+        self.closed = False
+
+    @classmethod
+    def connect(cls, address: tuple[str, int] | list, timeout_s: float = 30.0) -> "Channel":
+        try:
+            sock = socket.create_connection((address[0], int(address[1])), timeout=timeout_s)
+        except OSError as e:
+            raise PeerGone(f"cannot connect to {address[0]}:{address[1]}: {e}") from e
+        return cls(sock)
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def send(self, msg: Any) -> None:
+        payload = encode(msg)
+        with self._send_lock:
+            if self.closed:
+                raise PeerGone("channel is closed")
+            try:
+                self.sock.sendall(_HEADER.pack(len(payload)) + payload)
+            except (OSError, socket.timeout) as e:
+                raise PeerGone(f"send failed: {e}") from e
+
+    def recv(self, timeout_s: float = 0.0) -> Any | None:
+        """The next message, waiting up to timeout_s; None if none came. Raises PeerGone at end-of-file."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            msg = self._pop()
+            if msg is not None:
+                if isinstance(msg, Heartbeat):
+                    continue
+                return msg
+            if self.closed:
+                raise PeerGone("channel is closed")
+            left = deadline - time.monotonic()
+            try:
+                ready, _, _ = select.select([self.sock], [], [], max(0.0, left))
+                if not ready:
+                    return None
+                chunk = self.sock.recv(1 << 20)
+            except (OSError, ValueError) as e:
+                raise PeerGone(f"receive failed: {e}") from e
+            if not chunk:
+                raise PeerGone("peer closed the connection")
+            self._buf += chunk
+            self.last_heard = time.monotonic()
+
+    def recv_all(self) -> list[Any]:
+        """Every message that has already arrived, without waiting.
+
+        Raises PeerGone only when there is nothing left to return: the messages a peer sent
+        right before closing are delivered first, and the next call raises.
+        """
+        out = []
+        try:
+            while (msg := self.recv(0.0)) is not None:
+                out.append(msg)
+        except PeerGone:
+            if not out:
+                raise
+        return out
+
+    def _pop(self) -> Any | None:
+        if len(self._buf) < _HEADER.size:
+            return None
+        (n,) = _HEADER.unpack_from(self._buf)
+        if len(self._buf) < _HEADER.size + n:
+            return None
+        payload = bytes(self._buf[_HEADER.size:_HEADER.size + n])
+        del self._buf[:_HEADER.size + n]
+        return decode(payload)
+
+    def start_heartbeat(self, interval_s: float) -> None:
+        """Send a Heartbeat every interval_s from a daemon thread, so a busy peer still looks alive."""
+        def beat() -> None:
+            while not self._stop.wait(interval_s):
+                try:
+                    self.send(Heartbeat())
+                except PeerGone:
+                    return
+        self._heartbeat = threading.Thread(target=beat, name="picovllm-heartbeat", daemon=True)
+        self._heartbeat.start()
+
+    def silent_for(self) -> float:
+        return time.monotonic() - self.last_heard
+
+    def close(self, linger_s: float = 2.0) -> None:
+        """Idempotent and non-blocking. Half-closes now; a daemon thread finishes the close.
+
+        A plain close() with unread bytes in our buffer, or bytes arriving after it, makes the
+        kernel answer with RST, and an RST makes the peer's kernel drop what it has not read yet:
+        our last messages (an Ack, a Bye) would be lost. So the socket is only half-closed, and
+        read (and discarded) until the peer closes its end too, or for at most linger_s.
+        """
+        if self.closed:
+            return
+        self._stop.set()
+        with self._send_lock:
+            self.closed = True
+        try:
+            self.sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            self.sock.close()
+            return
+        threading.Thread(target=_linger_then_close, args=(self.sock, linger_s), name="picovllm-close",
+                         daemon=True).start()
+
+
+def _linger_then_close(sock: socket.socket, linger_s: float) -> None:
+    deadline = time.monotonic() + linger_s
+    try:
+        while (left := deadline - time.monotonic()) > 0:
+            ready, _, _ = select.select([sock], [], [], left)
+            if ready and not sock.recv(1 << 16):
+                break
+    except (OSError, ValueError):
+        pass
+    sock.close()
+
+
+class Listener:
+    """Accepts channels on a TCP port (port 0: any free one; see `address`)."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.sock = socket.create_server((host, port))
+        self.address = [host, self.sock.getsockname()[1]]
+
+    def accept(self, timeout_s: float) -> Channel:
+        ready, _, _ = select.select([self.sock], [], [], timeout_s)
+        if not ready:
+            raise TimeoutError(f"no peer connected to {self.address[0]}:{self.address[1]} within {timeout_s:.0f} s")
+        sock, _ = self.sock.accept()
+        return Channel(sock)
+
+    def close(self) -> None:
+        self.sock.close()

@@ -1,0 +1,72 @@
+"""`picovllm generate --disagg ...`: an offline disaggregated generation from the command line.
+
+The main CLI wires it as: add_disagg_arguments(generate_parser), and when args.disagg is set,
+return run_disagg_generate(args). Standalone: python -m picovllm.disagg.cli "prompt" ...
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+
+from picovllm.disagg.transfer import BACKENDS
+
+
+def add_disagg_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("prefill/decode disaggregation")
+    g.add_argument("--disagg", action="store_true", help="run prefill and decode in two processes")
+    g.add_argument("--kv-transfer", choices=sorted(BACKENDS), default="torch_dist", help="KV transfer backend")
+    g.add_argument("--sync-transfer", action="store_true", help="engines wait on each transfer (default: async)")
+    g.add_argument("--prefill-device", default="auto")
+    g.add_argument("--decode-device", default="auto")
+    g.add_argument("--decode-num-kv-blocks", type=int, default=None, help="size the decode cache by hand")
+    g.add_argument("--transfer-timeout", type=float, default=30.0, help="seconds before a transfer fails")
+    g.add_argument("--lease", type=float, default=10.0, help="seconds of silence before a peer counts as dead")
+
+
+def run_disagg_generate(args: argparse.Namespace) -> int:
+    """Generate for args.prompts with P and D in their own processes; print text, TTFT and ITL."""
+    from picovllm.disagg.driver import generate_disaggregated
+    from picovllm.sampling_params import SamplingParams
+
+    engine = {k: getattr(args, k) for k in ("dtype", "max_model_len", "block_size", "num_kv_blocks")
+              if getattr(args, k, None) is not None}
+    decode = {"num_kv_blocks": args.decode_num_kv_blocks} if args.decode_num_kv_blocks else {}
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
+    outs = generate_disaggregated(getattr(args, "model", None), list(args.prompts), params,
+                                  backend=args.kv_transfer, async_transfer=not args.sync_transfer,
+                                  prefill_device=args.prefill_device, decode_device=args.decode_device,
+                                  decode=decode, transfer_timeout_s=args.transfer_timeout, lease_s=args.lease,
+                                  **engine)
+    failed = 0
+    for out in outs:
+        comp = out.outputs[0]
+        print(f"[{out.request_id}] {out.prompt or out.prompt_token_ids!r} -> {comp.text or comp.token_ids!r}")
+        m = out.metrics
+        if out.error:
+            failed += 1
+            print(f"    error: {out.error}")
+        elif m is not None and m.ttft is not None:
+            itl = m.itls
+            print(f"    TTFT {m.ttft * 1e3:.1f} ms, ITL mean {statistics.mean(itl) * 1e3 if itl else 0:.1f} ms, "
+                  f"max {max(itl) * 1e3 if itl else 0:.1f} ms, finish {comp.finish_reason}")
+    return 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="picovllm-disagg", description=__doc__.splitlines()[0])
+    parser.add_argument("prompts", nargs="+")
+    parser.add_argument("--model", default=None, help="HF folder or .gguf (default: the default model)")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--dtype", default=None)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--block-size", type=int, default=None)
+    parser.add_argument("--num-kv-blocks", type=int, default=None)
+    add_disagg_arguments(parser)
+    return run_disagg_generate(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,25 @@
+"""KV-transfer backends, by name. The contract is picovllm.disagg.transfer.base.KVTransfer."""
+from __future__ import annotations
+
+import importlib
+import types
+
+import torch
+
+from picovllm.disagg.messages import KVLayout
+from picovllm.disagg.transfer.base import KVTransfer, TransferConfig, TransferDone, TransferSpec
+
+BACKENDS = types.MappingProxyType({
+    "torch_dist": "picovllm.disagg.transfer.torch_dist:TorchDistTransfer",
+    "cuda_ipc": "picovllm.disagg.transfer.cuda_ipc:CudaIpcTransfer",
+})
+
+
+def make_transfer(role: str, cache: torch.Tensor, layout: KVLayout, config: TransferConfig) -> KVTransfer:
+    if config.backend not in BACKENDS:
+        raise ValueError(f"TransferConfig.backend must be one of {sorted(BACKENDS)}, got {config.backend!r}")
+    module, cls = BACKENDS[config.backend].split(":")
+    return getattr(importlib.import_module(module), cls)(role, cache, layout, config)
+
+
+__all__ = ["BACKENDS", "KVTransfer", "TransferConfig", "TransferDone", "TransferSpec", "make_transfer"]

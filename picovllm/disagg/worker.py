@@ -1,0 +1,179 @@
+"""An engine process of a disaggregated run: one P or D engine, driven by the driver over a channel.
+
+The process loads the model once (BuildEngine), then serves sessions: each StartSession builds a
+fresh engine on the same weights, links it to its peer, and runs the engine's loop, forwarding
+Submit/Abort/CloseSession from the driver and sending outputs back, until the engine is done.
+A session is one whole lifecycle of the design: handshake, requests, close, drain, Bye.
+
+Faults for tests (StartSession.fault, "<action>:<what>:<n>"):
+    exit:<Message>:<n>   the process exits right after sending its n-th <Message> to the peer
+    stop:<Message>:<n>   the process freezes itself (SIGSTOP) right after it
+    drop:start_send:<n>  the n-th transfer is never started on P (so it never completes)
+"""
+from __future__ import annotations
+
+import os
+import select
+import signal
+import sys
+import traceback
+
+from picovllm.config import EngineConfig
+from picovllm.disagg.channel import Channel, Listener, PeerGone
+from picovllm.disagg.decode import DecodeEngine
+from picovllm.disagg.messages import (Abort, BuildEngine, CloseSession, Output, SessionEnded, Shutdown,
+                                      StartSession, Submit, SubmitResult, WorkerHello, WorkerReady, output_to_wire)
+from picovllm.disagg.prefill import PrefillEngine
+from picovllm.disagg.transfer import TransferConfig
+from picovllm.sampling_params import SamplingParams
+
+
+def worker_main(role: str, driver_address: list) -> None:
+    """Process entry point. Exits with os._exit so no library teardown can keep the process alive."""
+    code = 0
+    try:
+        driver = Channel.connect(driver_address)
+        driver.send(WorkerHello(role, os.getpid()))
+        Worker(role, driver).serve()
+    except PeerGone:
+        code = 2              # the driver went away: nothing left to serve
+    except BaseException:     # noqa: BLE001
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+class Worker:
+    def __init__(self, role: str, driver: Channel) -> None:
+        self.role, self.driver = role, driver
+        self.listener = Listener() if role == "p" else None
+        self.shutting_down = False
+
+    def serve(self) -> None:
+        msg = self.driver.recv(timeout_s=3600)
+        if not isinstance(msg, BuildEngine):
+            raise RuntimeError(f"expected BuildEngine, got {msg!r}")
+        try:
+            config = EngineConfig(**msg.config)
+            if str(config.device).startswith("cuda"):
+                import torch
+                torch.cuda.set_device(config.device)
+            engine = (PrefillEngine if self.role == "p" else DecodeEngine)(config)
+        except Exception as e:  # noqa: BLE001 - reported to the driver, which raises it
+            traceback.print_exc()
+            self.driver.send(WorkerReady(self.role, os.getpid(), 0, error=f"{type(e).__name__}: {e}"))
+            return
+        address = self.listener.address if self.listener else None
+        self.driver.send(WorkerReady(self.role, os.getpid(), engine.block_manager.num_blocks, address))
+        while not self.shutting_down:
+            msg = self.driver.recv(timeout_s=1.0)
+            if isinstance(msg, Shutdown):
+                break
+            if isinstance(msg, StartSession):
+                self._session(engine, msg)     # one engine serves every session: same weights, same cache
+            elif isinstance(msg, Submit):      # arrived after its session ended: never drop one silently
+                self.driver.send(SubmitResult(msg.request_id, "the prefill engine is closed (no session running)"))
+        if self.listener:
+            self.listener.close()
+
+    # -- one session ---------------------------------------------------------------------------
+    def _session(self, engine, start: StartSession) -> None:
+        tc = TransferConfig(backend=start.backend, async_transfer=start.async_transfer,
+                            timeout_s=start.transfer_timeout_s, lease_s=start.lease_s,
+                            connect_timeout_s=start.connect_timeout_s)
+        try:
+            if self.role == "p":
+                channel = self.listener.accept(tc.connect_timeout_s)
+            else:
+                channel = Channel.connect(start.peer_address, tc.connect_timeout_s)
+            engine.connect(channel, tc, start.session)
+        except (ConnectionError, TimeoutError, OSError) as e:
+            self._end(engine, start, error=f"{self.role} engine could not link to its peer: {e}")
+            return
+        if start.fault:
+            _inject(engine, start.fault)
+        try:
+            self._loop(engine, start)
+        except PeerGone:                 # the driver is gone: drop everything, the peer sees us leave
+            engine.link.close()
+            raise
+        self._end(engine, start)
+
+    def _loop(self, engine, start: StartSession) -> None:
+        while True:
+            for cmd in self.driver.recv_all():
+                self._command(engine, cmd)
+            for out in engine.step():
+                if out.finished or start.stream:
+                    self.driver.send(Output(output_to_wire(out)))
+            if engine.is_done():
+                return
+            if not engine.scheduler.has_unfinished():
+                self._wait_for_input(engine)
+
+    def _command(self, engine, cmd) -> None:
+        if isinstance(cmd, Submit):
+            try:
+                params = SamplingParams(**cmd.params)
+                engine.submit(cmd.prompt, params, cmd.request_id, cmd.arrival_time)
+                self.driver.send(SubmitResult(cmd.request_id))
+            except (ValueError, RuntimeError, TypeError) as e:
+                self.driver.send(SubmitResult(cmd.request_id, error=str(e)))
+        elif isinstance(cmd, Abort):
+            out = engine.abort(cmd.request_id)
+            if out is not None:
+                self.driver.send(Output(output_to_wire(out)))
+        elif isinstance(cmd, CloseSession):
+            engine.close()
+        elif isinstance(cmd, Shutdown):
+            self.shutting_down = True
+            engine.close()
+
+    def _wait_for_input(self, engine) -> None:
+        """Nothing to compute: sleep until the driver or the peer says something (or a transfer may end)."""
+        busy = bool(getattr(engine, "receiving", None)) or any(
+            h.state.value == "sending" for h in getattr(engine, "handovers", {}).values())
+        fds = [self.driver.sock]
+        if engine.link is not None and not engine.link.closed:
+            fds.append(engine.link.channel.sock)
+        try:
+            select.select(fds, [], [], 0.0005 if busy else 0.02)
+        except (OSError, ValueError):
+            pass
+
+    def _end(self, engine, start: StartSession, error: str | None = None) -> None:
+        for rid in list(engine.requests):      # only after an error: a finished session holds none
+            engine.abort(rid)
+        if engine.link is not None:
+            engine.link.close()
+        bm = engine.block_manager
+        held = getattr(engine, "handovers", None) or getattr(engine, "receiving", None) or {}
+        self.driver.send(SessionEnded(start.session, bm.num_blocks, bm.num_free_blocks,
+                                      len(engine.requests) + len(held), dict(engine.stats), error))
+
+
+def _inject(engine, fault: str) -> None:
+    action, what, n = fault.split(":")
+    count = {"n": 0}
+    if action == "drop":
+        real = engine.link.transfer.start_send
+
+        def start_send(spec):
+            count["n"] += 1
+            if count["n"] != int(n):
+                real(spec)
+        engine.link.transfer.start_send = start_send
+        return
+    real_send = engine.link.send
+
+    def send(msg):
+        real_send(msg)
+        if type(msg).__name__ == what:
+            count["n"] += 1
+            if count["n"] == int(n):
+                if action == "exit":
+                    os._exit(3)
+                os.kill(os.getpid(), signal.SIGSTOP)
+    engine.link.send = send

@@ -1,0 +1,293 @@
+"""P and D engines in this process, linked by a socketpair and a real backend, stepped in turn.
+
+Deterministic stepping reaches every phase of a handover on purpose (aborts, cut links, silent
+peers, lost transfers). The oracle for outputs is the colocated engine (LLM) on the same weights,
+itself checked against HF transformers in test_parity_hf.py. conftest checks both engines end
+every test with every block free.
+"""
+from __future__ import annotations
+
+import random
+import socket
+import threading
+import time
+
+import pytest
+import torch
+
+from picovllm import LLM, EngineConfig, SamplingParams
+from picovllm.disagg import DecodeEngine, EngineClosedError, PrefillEngine, TransferConfig
+from picovllm.disagg.channel import Channel
+from picovllm.disagg.prefill import HandoverState
+from picovllm.engine.detokenizer import Detokenizer
+
+BACKENDS = ["torch_dist", "cuda_ipc"]     # cuda_ipc on CPU: the same pull path over shared memory
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models on a shared 2-core machine: one intra-op thread is ~50x faster than OMP spinning."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+class LocalPair:
+    def __init__(self, path, backend="torch_dist", p_kw=None, d_kw=None, timeout_s=30.0, lease_s=30.0,
+                 p_async=True, tokenizer=None):
+        self.p = PrefillEngine(EngineConfig(path, role="p", **(p_kw or {})))
+        self.d = DecodeEngine(EngineConfig(path, role="d", **(d_kw or {})))
+        for eng in (self.p, self.d):
+            if tokenizer is not None:
+                eng.tokenizer, eng.detokenizer = tokenizer, Detokenizer(tokenizer)
+        a, b = socket.socketpair()
+        self.p_sock, self.d_sock = a, b
+        tc = dict(backend=backend, timeout_s=timeout_s, lease_s=lease_s)
+        # D never waits in poll here: in one thread, P could not send while D waited.
+        t = threading.Thread(target=self.d.connect, args=(Channel(b), TransferConfig(async_transfer=True, **tc)))
+        t.start()
+        self.p.connect(Channel(a), TransferConfig(async_transfer=p_async, **tc))
+        t.join()
+        self.final: dict[str, object] = {}
+        self.all_finals: list = []
+
+    def step(self, which="pd"):
+        outs = (self.p.step() if "p" in which else []) + (self.d.step() if "d" in which else [])
+        for o in outs:
+            if o.finished:
+                self.all_finals.append(o)
+                self.final.setdefault(o.request_id, o)
+        return outs
+
+    def run(self, timeout_s=60.0):
+        t0 = time.monotonic()
+        while not (self.p.is_done() and self.d.is_done()):
+            self.step()
+            assert time.monotonic() - t0 < timeout_s, "the pair did not finish"
+
+
+class CharTokenizer:
+    """A tokenizer stand-in: token i decodes to one letter, so text and stop strings are easy to follow."""
+    eos_token_id = None
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(97 + i % 26) for i in ids)
+
+
+def prompts(n=8, seed=0, vocab=384, lens=(1, 5, 16, 17, 31, 32, 47, 90)):
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(L)] for L in lens[:n]]
+
+
+def mixed_params():
+    return [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2),
+            SamplingParams(temperature=0.9, top_p=0.9, seed=11, max_tokens=9, ignore_eos=True),
+            SamplingParams(temperature=1.2, top_k=20, seed=5, max_tokens=12, ignore_eos=True, logprobs=1),
+            SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)]          # done at P
+
+
+def assert_same(outs, ref):
+    for o, r in zip(outs, ref):
+        a, b = o.outputs[0], r.outputs[0]
+        assert a.token_ids == b.token_ids, (o.request_id, a.token_ids, b.token_ids)
+        assert (a.finish_reason, a.stop_reason, a.text) == (b.finish_reason, b.stop_reason, b.text)
+        if b.logprobs is not None:
+            assert [sorted(d) for d in a.logprobs] == [sorted(d) for d in b.logprobs]
+            for da, db in zip(a.logprobs, b.logprobs):
+                for t in db:
+                    assert da[t].logprob == pytest.approx(db[t].logprob, abs=1e-4)
+                    assert da[t].rank == db[t].rank
+            assert a.cumulative_logprob == pytest.approx(b.cumulative_logprob, abs=1e-3)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_parity_with_colocated_under_chunking_and_flow_control(tiny_models, arch, backend):
+    ps = prompts() * 2
+    params = [mixed_params()[i % 4] for i in range(len(ps))]
+    ref = LLM(tiny_models[arch], block_size=4, num_kv_blocks=256).generate(ps, params, use_tqdm=False)
+    # P: chunks of 8 tokens; D: 30 blocks of 4 (120 tokens) for 16 requests of up to 102 tokens.
+    pair = LocalPair(tiny_models[arch], backend, p_kw=dict(block_size=4, num_kv_blocks=256, max_num_batched_tokens=8),
+                     d_kw=dict(block_size=4, num_kv_blocks=30))
+    ids = [pair.p.submit(p, sp) for p, sp in zip(ps, params)]
+    pair.p.close()
+    waited = held = 0
+    t0 = time.monotonic()
+    while not (pair.p.is_done() and pair.d.is_done()):
+        pair.step()
+        waited += bool(pair.d.offers)                     # offers D had no room for yet...
+        held = max(held, sum(h.state == HandoverState.OFFERED for h in pair.p.handovers.values()))
+        assert time.monotonic() - t0 < 60
+    assert waited and held >= 2, "the decode cache was meant to be too small to take every request at once"
+    assert_same([pair.final[i] for i in ids], ref)
+    assert all(pair.final[i].metrics.ttft is not None for i in ids)
+    assert pair.d.stats["decode_tokens"] > 0 and pair.p.stats["decode_tokens"] == 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_text_and_stop_strings_match_colocated(tiny_models, backend):
+    tok = CharTokenizer()
+    ps = prompts(8, seed=3)
+    llm = LLM(tiny_models["llama"], block_size=4, num_kv_blocks=128)
+    llm.engine.tokenizer, llm.engine.detokenizer = tok, Detokenizer(tok)
+    free = llm.generate(ps, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    # Stop strings the colocated text does contain: at the first token (so P finishes the request),
+    # later (D does), spanning two tokens, and one that never occurs.
+    cuts = [(0, 1), (4, 5), (6, 8), None]
+    stops = [[t[c[0]:c[1]]] if c else ["#"] for t, c in zip((o.outputs[0].text for o in free), cuts * 2)]
+    params = [SamplingParams(temperature=0, max_tokens=12, stop=st, ignore_eos=True) for st in stops]
+    ref = llm.generate(ps, params, use_tqdm=False)
+    assert sum(r.outputs[0].finish_reason == "stop" for r in ref) >= 6
+    pair = LocalPair(tiny_models["llama"], backend, p_kw=dict(block_size=4, num_kv_blocks=128),
+                     d_kw=dict(block_size=4, num_kv_blocks=128), tokenizer=tok)
+    ids = [pair.p.submit(p, sp) for p, sp in zip(ps, params)]
+    pair.p.close()
+    pair.run()
+    assert_same([pair.final[i] for i in ids], ref)
+
+
+def test_sync_prefill_side_matches(tiny_models):
+    ps = prompts()
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    ref = LLM(tiny_models["llama"], block_size=8, num_kv_blocks=64).generate(ps, sp, use_tqdm=False)
+    pair = LocalPair(tiny_models["llama"], "torch_dist", p_kw=dict(block_size=8, num_kv_blocks=64),
+                     d_kw=dict(block_size=8, num_kv_blocks=64), p_async=False)
+    ids = [pair.p.submit(p, sp) for p in ps]
+    pair.p.close()
+    pair.run()
+    assert_same([pair.final[i] for i in ids], ref)
+
+
+# -- close ------------------------------------------------------------------------------------------
+def test_close_refuses_submit_drains_then_ends_the_stream(tiny_models):
+    pair = LocalPair(tiny_models["llama"], p_kw=dict(block_size=4, num_kv_blocks=64),
+                     d_kw=dict(block_size=4, num_kv_blocks=64))
+    rid = pair.p.submit(prompts(1, lens=(9,))[0], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    pair.p.close()
+    with pytest.raises(EngineClosedError, match="closed"):
+        pair.p.submit([1, 2, 3])
+    assert not pair.p.is_done() and not pair.d.is_done()     # closed is not done: it still has work
+    pair.run()
+    assert pair.final[rid].outputs[0].finish_reason == "length" and len(pair.final[rid].outputs[0].token_ids) == 5
+    assert pair.p.link.closed and pair.d.link.closed
+
+
+def test_close_with_nothing_submitted_finishes_at_once(tiny_models):
+    pair = LocalPair(tiny_models["llama"], p_kw=dict(num_kv_blocks=16), d_kw=dict(num_kv_blocks=16))
+    pair.p.close()
+    for _ in range(5):
+        pair.step()
+    assert pair.p.is_done() and pair.d.is_done()
+
+
+# -- aborts in every phase -----------------------------------------------------------------------------
+def step_until(pair, cond, which="pd", limit_s=30.0):
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < limit_s:
+        if cond():
+            return
+        pair.step(which)
+    raise AssertionError("condition never reached")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_abort_in_every_phase_frees_both_sides(tiny_models, backend):
+    sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    pair = LocalPair(tiny_models["llama"], backend, p_kw=dict(block_size=4, num_kv_blocks=64,
+                                                             max_num_batched_tokens=8),
+                     d_kw=dict(block_size=4, num_kv_blocks=64))
+    p, d = pair.p, pair.d
+    aborted = []
+
+    def abort(rid):
+        out = p.abort(rid)
+        aborted.append(rid)
+        if out is not None:
+            assert out.finished and out.outputs[0].finish_reason == "abort"
+            pair.final.setdefault(rid, out)
+
+    waiting = p.submit(prompts(1, lens=(20,))[0], sp)                  # 1. waiting at P
+    abort(waiting)
+    prefilling = p.submit(prompts(1, lens=(20,))[0], sp)               # 2. mid-prefill (chunks of 8)
+    pair.step("p")
+    assert p.requests[prefilling].num_computed_tokens == 8
+    abort(prefilling)
+    offered = p.submit(prompts(1, lens=(6,))[0], sp)                   # 3. offered, D has not looked yet
+    step_until(pair, lambda: offered in p.handovers, "p")
+    abort(offered)
+    receiving = p.submit(prompts(1, lens=(6,), seed=1)[0], sp)          # 4. D accepted, KV on its way
+    step_until(pair, lambda: receiving in p.handovers, "p")
+    pair.step("d")                                                      # D: Offer in, blocks allocated, Accept out
+    assert receiving in d.receiving or receiving in d.requests
+    abort(receiving)
+    decoding = p.submit(prompts(1, lens=(6,), seed=2)[0], sp)           # 5. acked: decoding on D
+    step_until(pair, lambda: decoding in d.requests and decoding not in p.handovers)
+    abort(decoding)
+    keep = p.submit(prompts(1, lens=(7,), seed=3)[0], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    p.close()
+    pair.run()
+    for rid in aborted:
+        assert pair.final[rid].outputs[0].finish_reason == "abort", rid
+    assert pair.final[keep].outputs[0].finish_reason == "length"
+    # conftest: every block free on both engines now
+
+
+# -- faults ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cut_link_fails_in_flight_requests_and_both_sides_carry_on(tiny_models, backend):
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    pair = LocalPair(tiny_models["llama"], backend, p_kw=dict(block_size=4, num_kv_blocks=128),
+                     d_kw=dict(block_size=4, num_kv_blocks=28))
+    p, d = pair.p, pair.d
+    ids = [p.submit(x, sp) for x in prompts()]
+    step_until(pair, lambda: d.requests and (d.offers or d.receiving) and p.handovers)
+    running_on_d = set(d.requests)
+    pair.p_sock.shutdown(socket.SHUT_RDWR)              # the link dies under both engines
+    late = p.submit(prompts(1, lens=(5,), seed=9)[0], sp)
+    p.close()
+    pair.run()
+    for rid in ids + [late]:
+        out = pair.final[rid]
+        if rid in running_on_d:
+            assert out.outputs[0].finish_reason == "length"       # D needs nothing from P to finish these
+        else:
+            assert out.outputs[0].finish_reason in ("length", "error")
+    errors = [pair.final[r] for r in ids + [late] if pair.final[r].outputs[0].finish_reason == "error"]
+    assert errors and all("engine lost" in e.error for e in errors), [e.error for e in errors]
+    assert pair.final[late].outputs[0].finish_reason == "error"    # handed over after the cut: fails at once
+
+
+def test_silent_decode_engine_loses_its_lease(tiny_models):
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    pair = LocalPair(tiny_models["llama"], p_kw=dict(block_size=4, num_kv_blocks=64),
+                     d_kw=dict(block_size=4, num_kv_blocks=64), lease_s=0.4)
+    p, d = pair.p, pair.d
+    pair.d.link.channel._stop.set()                   # D's heartbeats stop, and D is not stepped: it hangs
+    ids = [p.submit(x, sp) for x in prompts(3)]
+    t0 = time.monotonic()
+    step_until(pair, lambda: not p.link.alive, "p")
+    assert 0.35 < time.monotonic() - t0 < 5
+    assert all(pair.final[r].outputs[0].finish_reason == "error" and "silent" in pair.final[r].error for r in ids)
+    assert p.block_manager.num_free_blocks == p.block_manager.num_blocks     # freed at once, P stays up
+    p.close()
+    pair.run()
+
+
+def test_transfer_that_never_completes_times_out_and_frees(tiny_models):
+    sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    ps = prompts(3)
+    ref = LLM(tiny_models["llama"], block_size=4, num_kv_blocks=64).generate(ps, sp, use_tqdm=False)
+    pair = LocalPair(tiny_models["llama"], "torch_dist", p_kw=dict(block_size=4, num_kv_blocks=64),
+                     d_kw=dict(block_size=4, num_kv_blocks=64), timeout_s=0.5)
+    real, calls = pair.p.link.transfer.start_send, []
+    pair.p.link.transfer.start_send = lambda spec: calls.append(spec) if not calls else real(spec)  # lose the first
+    ids = [pair.p.submit(x, sp) for x in ps]
+    pair.p.close()
+    pair.run()
+    lost = calls[0].request_id
+    assert pair.final[lost].outputs[0].finish_reason == "error"
+    assert "timed out" in pair.final[lost].error or "within 0.5 s" in pair.final[lost].error
+    for rid, r in zip(ids, ref):
+        if rid != lost:
+            assert pair.final[rid].outputs[0].token_ids == r.outputs[0].token_ids

@@ -1,0 +1,75 @@
+"""The wire: typed messages as JSON (no pickle), and the framed control channel."""
+import json
+import socket
+import time
+
+import pytest
+
+from picovllm.disagg.channel import Channel, PeerGone
+from picovllm.disagg.messages import (Accept, Hello, HandoverRequest, KVLayout, Offer, Output, decode, encode,
+                                      output_from_wire, output_to_wire)
+from picovllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, num_blocks=10, dtype="float32",
+                  total_kv_heads=2)
+
+
+def offer():
+    return Offer(HandoverRequest("r1", "hi", [1, 2, 3], [7], {"temperature": 0.0, "stop": ["x"]}, 5, 3, [4],
+                                 [[[7, -0.5, 1], [8, -1.5, 2]]], -0.5, 0, 10.0, 10.5, 11.0, [11.0]))
+
+
+def test_messages_round_trip_as_json():
+    for msg in (Hello("p", 3, "torch_dist", LAYOUT, {"store": ["127.0.0.1", 5]}), offer(), Accept("r1", 9, [2, 0])):
+        data = encode(msg)
+        obj = json.loads(data)                        # plain JSON on the wire
+        assert obj["type"] == type(msg).__name__
+        assert decode(data) == msg                    # nested dataclasses (KVLayout, HandoverRequest) rebuilt
+
+
+def test_decode_refuses_what_is_not_a_message():
+    with pytest.raises(ValueError, match="unknown wire message type"):
+        decode(json.dumps({"type": "os.system", "body": {}}).encode())
+    with pytest.raises(TypeError, match="not a wire message"):
+        encode(LAYOUT)
+
+
+def test_layout_mismatch_names_the_field():
+    other = KVLayout(2, 2, 16, 4, 10, "float32", 2)
+    assert "head_dim" in LAYOUT.mismatch(other)
+    assert LAYOUT.mismatch(KVLayout(2, 2, 8, 4, 99, "float32", 2)) is None    # cache sizes may differ
+
+
+def test_request_output_round_trip():
+    out = RequestOutput("r", None, [1, 2], [CompletionOutput(0, "ab", [5, 6], -1.25,
+                                                            [{5: Logprob(-0.5, 1, "a")}, {6: Logprob(-0.75, 2, "b")}],
+                                                            "length")],
+                        True, RequestMetrics(1.0, 1.5, 2.0, 3.0, [2.0, 2.5]), None, 0)
+    back = output_from_wire(json.loads(encode(Output(output_to_wire(out))))["body"]["output"])
+    assert back == out and back.metrics.ttft == 1.0 and back.metrics.itls == [0.5]
+
+
+def test_channel_frames_partial_writes_and_reports_eof():
+    a, b = socket.socketpair()
+    ca, cb = Channel(a), Channel(b)
+    data = encode(offer())
+    frame = len(data).to_bytes(4, "big") + data
+    a.sendall(frame[:7])                              # a frame split across writes
+    assert cb.recv(0.05) is None
+    a.sendall(frame[7:] + frame)
+    assert cb.recv_all() == [offer(), offer()]
+    ca.close()
+    with pytest.raises(PeerGone):
+        cb.recv(1.0)
+    cb.close()
+
+
+def test_heartbeat_keeps_a_quiet_peer_audible():
+    a, b = socket.socketpair()
+    ca, cb = Channel(a), Channel(b)
+    ca.start_heartbeat(0.02)
+    time.sleep(0.15)
+    assert cb.recv_all() == []                        # heartbeats are swallowed...
+    assert cb.silent_for() < 0.1                      # ...but count as hearing from the peer
+    ca.close()
+    cb.close()
