@@ -74,12 +74,12 @@ class DecodeEngine(Engine):
     def has_unfinished_requests(self) -> bool:
         return super().has_unfinished_requests() or bool(self.offers or self.receiving)
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, unfinished_outputs: bool = True) -> list[RequestOutput]:
         assert self.link is not None, "connect() the decode engine to a prefill engine first"
         outputs = self._handle_peer()
         outputs += self._poll_transfers()
         outputs += self._admit()
-        outputs += super().step()
+        outputs += super().step(unfinished_outputs)
         self._leave_when_stream_ended()
         self.scheduler.num_held_outside = len(self.receiving)
         return outputs

@@ -86,11 +86,11 @@ class PrefillEngine(Engine):
     def is_done(self) -> bool:
         return self.eos_sent and (self.link is None or self.link.closed)
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, unfinished_outputs: bool = True) -> list[RequestOutput]:
         assert self.link is not None, "connect() the prefill engine to a decode engine first"
         outputs = self._handle_peer()
         outputs += self._poll_transfers()
-        outputs += super().step()
+        outputs += super().step(unfinished_outputs)
         outputs += self._check_timeouts()
         self._end_stream_when_drained()
         self.scheduler.num_held_outside = len(self.handovers)
@@ -114,8 +114,8 @@ class PrefillEngine(Engine):
         return super().has_unfinished_requests() or bool(self.handovers)
 
     # -- handing over --------------------------------------------------------------------------
-    def postprocess(self, sched: SchedulerOutput, result) -> list[RequestOutput]:
-        outputs = super().postprocess(sched, result)
+    def postprocess(self, sched: SchedulerOutput, result, unfinished_outputs: bool = True) -> list[RequestOutput]:
+        outputs = super().postprocess(sched, result, unfinished_outputs)
         for req in [r for r in self.scheduler.running if r.status == RequestStatus.DECODING]:
             self._hand_over(req)
         return outputs
