@@ -253,7 +253,8 @@ class ModelRunner:
             all_greedy=all(x == 0 for x in temps),
             any_top_k=any(r.top_k > 0 for r in rows),
             any_top_p=any(r.top_p < 1 for r in rows),
-            any_min_p=any(r.min_p > 0 for r in rows))
+            any_min_p=any(r.min_p > 0 for r in rows),
+            filtered=[r.top_k > 0 or r.top_p < 1 or r.min_p > 0 for r in rows])
         tokens = sample(logits, t)
         token_list = tokens.tolist()
         return StepResult(token_list, self._logprobs(raw, tokens, rows))
