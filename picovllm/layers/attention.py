@@ -52,11 +52,21 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     v_cache.view(-1, h, d).index_copy_(0, slot_mapping, v)
 
 
+def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """[num_blocks, bs, H, D] cache, block ids [*shape] -> those blocks [*shape, bs, H, D].
+
+    index_select on the cache viewed as one row per block copies whole blocks; on the CPU it is
+    several times faster than advanced indexing (cache[block_ids]), which copies element-wise.
+    """
+    rows = cache.view(cache.shape[0], -1).index_select(0, block_ids.reshape(-1))
+    return rows.view(*block_ids.shape, *cache.shape[1:])
+
+
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
     """[num_blocks, bs, H, D] cache, one sequence's block table -> its first `length` tokens [length, H, D]."""
     bs = cache.shape[1]
     n = -(-length // bs)
-    return cache[block_table[:n].long()].flatten(0, 1)[:length]
+    return gather_blocks(cache, block_table[:n]).flatten(0, 1)[:length]
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -78,9 +88,9 @@ class TorchAttentionBackend(AttentionBackend):
         lens = meta.seq_lens_cpu[:nd]
         bs = k_cache.shape[1]
         nblk = -(-max(lens) // bs)
-        tables = meta.block_tables[:nd, :nblk].long()
-        keys = k_cache[tables].flatten(1, 2)        # [nd, L, Hkv, D]
-        vals = v_cache[tables].flatten(1, 2)
+        tables = meta.block_tables[:nd, :nblk]
+        keys = gather_blocks(k_cache, tables).flatten(1, 2)        # [nd, L, Hkv, D]
+        vals = gather_blocks(v_cache, tables).flatten(1, 2)
         valid = torch.arange(keys.shape[1], device=q.device)[None, :] < meta.seq_lens[:nd, None]
         o = F.scaled_dot_product_attention(q[:, :, None, :],
                                            keys.transpose(1, 2), vals.transpose(1, 2),
