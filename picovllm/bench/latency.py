@@ -15,7 +15,7 @@ import statistics
 import sys
 import time
 
-from picovllm.bench.throughput import _sync, model_path
+from picovllm.bench.throughput import _sync, model_label, model_path
 from picovllm.entrypoints.commands.args import add_model_and_engine_args, engine_kwargs
 
 
@@ -81,7 +81,7 @@ def run_latency(args: argparse.Namespace) -> dict:
             prefill.append(prefill_len / (t1 - t0))
     cfg = llm.config
     return {
-        "model": path if args.random_model is None else f"random:{args.random_model}",
+        "model": model_label(args, path),
         "dtype": str(cfg.torch_dtype).removeprefix("torch."), "device": str(cfg.device),
         "input_len": args.input_len, "output_len": args.output_len, "prefill_len": prefill_len,
         "num_iters": args.num_iters,

@@ -17,8 +17,8 @@ PRESETS: dict[str, dict] = {
                        num_key_value_heads=8, head_dim=128, tie_word_embeddings=True, rope_theta=1_000_000.0,
                        rms_norm_eps=1e-6, max_position_embeddings=40960, hidden_act="silu",
                        bos_token_id=151643, eos_token_id=151645),
-    # The same family at toy size, for tests.
-    "tiny-qwen3": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=512, hidden_size=64,
+    # The same family at toy size, for tests (its vocabulary holds the workloads' token ids, < 10001).
+    "tiny-qwen3": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=10240, hidden_size=64,
                        intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                        head_dim=32, tie_word_embeddings=True, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
                        max_position_embeddings=2048, hidden_act="silu", bos_token_id=0, eos_token_id=1),

@@ -44,6 +44,12 @@ def model_path(args: argparse.Namespace):
         yield make_random_checkpoint(d, args.random_model, args.random_model_dtype)
 
 
+def model_label(args: argparse.Namespace, path: str | None) -> str:
+    if args.random_model is not None:
+        return f"random:{args.random_model}"
+    return path or "default (SmolLM2-135M-Instruct)"
+
+
 def _sync() -> None:
     import torch
     if torch.cuda.is_available():
@@ -76,7 +82,7 @@ def run_throughput(args: argparse.Namespace) -> dict:
         raise AssertionError(f"generated {n_out} output tokens, the workload asks for {w.num_output_tokens}")
     cfg = llm.config
     return {
-        "workload": w.spec.name, "model": path if args.random_model is None else f"random:{args.random_model}",
+        "workload": w.spec.name, "model": model_label(args, path),
         "dtype": str(cfg.torch_dtype).removeprefix("torch."), "device": str(cfg.device),
         "torch_threads": torch.get_num_threads(),
         "num_requests": len(w.prompts), "prompt_tokens": w.num_prompt_tokens, "output_tokens": n_out,

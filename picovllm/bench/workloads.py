@@ -48,17 +48,18 @@ WORKLOADS: dict[str, WorkloadSpec] = {
 
 
 def make_workload(name: str, num_requests: int | None = None, seed: int = 0) -> Workload:
-    """Draw workload `name`; num_requests below the spec's keeps the first requests of the same draw order."""
+    """Draw workload `name`; with num_requests, its first num_requests requests (more than the spec's: drawn on)."""
     if name not in WORKLOADS:
         raise ValueError(f"workload {name!r} is unknown; choose from {', '.join(WORKLOADS)}")
     spec = WORKLOADS[name]
     n = spec.num_requests if num_requests is None else num_requests
     if n < 1:
         raise ValueError(f"num_prompts must be >= 1, got {n}")
+    total = max(n, spec.num_requests)      # draw the whole workload, so a prefix of it is its first n requests
     rng = random.Random(seed)
-    prompts = [[rng.randint(0, spec.max_token_id) for _ in range(rng.randint(*spec.prompt_len))] for _ in range(n)]
-    max_tokens = [rng.randint(*spec.output_len) for _ in range(n)]
-    return Workload(spec, prompts, max_tokens)
+    prompts = [[rng.randint(0, spec.max_token_id) for _ in range(rng.randint(*spec.prompt_len))] for _ in range(total)]
+    max_tokens = [rng.randint(*spec.output_len) for _ in range(total)]
+    return Workload(spec, prompts[:n], max_tokens[:n])
 
 
 def check_totals(w: Workload) -> None:
