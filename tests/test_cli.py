@@ -22,13 +22,13 @@ def run_cli(args, stdin=None, timeout=240):
 
 
 def test_generate_streams_paris_on_the_default_model():
-    r = run_cli(["generate", "What is the capital of France?", "--max-tokens", "20"])
+    r = run_cli(["generate", "What is the capital of France?", "--max-tokens", "20", "--dtype", "float32"])
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout
 
 
 def test_chat_two_turns_then_eof():
-    r = run_cli(["chat", "--max-tokens", "30"], stdin="What is the capital of France?\nAnd of Germany?\n")
+    r = run_cli(["chat", "--max-tokens", "30", "--dtype", "float32"], stdin="What is the capital of France?\nAnd of Germany?\n")
     assert r.returncode == 0, r.stderr
     replies = [line for line in r.stdout.splitlines() if line.strip()]
     assert len(replies) == 2, r.stdout
