@@ -16,6 +16,7 @@ import torch
 from conftest import build_tiny_checkpoint
 from picovllm import LLM, SamplingParams
 from picovllm.disagg import DisaggLLM
+from picovllm.engine.tp_kv import FullHeadKV, local_kv_heads
 
 GREEDY = dict(temperature=0, ignore_eos=True)
 ENGINE = dict(block_size=4, num_kv_blocks=128, prefill={"max_num_batched_tokens": 16})
@@ -65,12 +66,18 @@ def children_of(pids) -> list[int]:
     return out
 
 
-def run_pd(path: str, p_tp: int, d_tp: int, ps, sp, async_transfer: bool = True):
+def run_pd(path: str, p_tp: int, d_tp: int, ps, sp, async_transfer: bool = True, refused=()):
     llm = DisaggLLM(path, prefill={**ENGINE["prefill"], "tensor_parallel_size": p_tp},
                     decode={"tensor_parallel_size": d_tp}, block_size=4, num_kv_blocks=128)
     try:
         ranks = children_of(set(llm.pids.values()))
         assert len(ranks) == (p_tp - 1) + (d_tp - 1), ranks
+        for backend in refused:     # the handshake fails with a reason; the engines stay up for the next
+            s = llm.session(backend=backend)
+            s.close()
+            s.wait(timeout_s=30)
+            errors = [end.error or "" for end in s.ended.values()]
+            assert any("KVLayout.tp_size" in e and backend in e for e in errors), errors
         outs = llm.generate(ps, sp, async_transfer=async_transfer, timeout_s=60)
         for role, end in llm._active.ended.items():   # rank 0 owns the block table every rank shares
             assert end.free_blocks == end.num_blocks, f"{role}: {end.num_blocks - end.free_blocks} blocks leaked"
@@ -99,9 +106,40 @@ def tokens(outs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
-@pytest.mark.parametrize("p_tp,d_tp", [(2, 1), (1, 2)], ids=["P2-D1", "P1-D2"])
-def test_uneven_heads_match_colocated(models, p_tp, d_tp):
+@pytest.mark.parametrize("model,p_tp,d_tp", [("uneven", 2, 1), ("uneven", 1, 2), ("replicated", 1, 2),
+                                             ("replicated", 2, 2)],
+                         ids=["uneven-P2-D1", "uneven-P1-D2", "replicated-P1-D2", "replicated-P2-D2"])
+def test_hetero_tp_matches_colocated(models, model, p_tp, d_tp):
     ps, sp = prompts(), SamplingParams(max_tokens=8, **GREEDY)
-    ref = LLM(models["uneven"], block_size=4, num_kv_blocks=128).generate(ps, sp, use_tqdm=False)
-    outs = run_pd(models["uneven"], p_tp, d_tp, ps, sp, async_transfer=p_tp == 2)
+    ref = LLM(models[model], block_size=4, num_kv_blocks=128).generate(ps, sp, use_tqdm=False)
+    refused = [] if p_tp == d_tp == 1 else ["cuda_ipc"]   # it maps one peer cache: TP engines are refused
+    outs = run_pd(models[model], p_tp, d_tp, ps, sp, async_transfer=p_tp == 2, refused=refused)
     assert tokens(outs) == tokens(ref)
+
+
+@pytest.mark.parametrize("model", ["uneven", "replicated"])
+def test_full_head_gather_and_scatter_against_tp1_cache(models, model):
+    """FullHeadKV.read of a TP=2 engine's blocks equals the TP=1 engine's cache; write then read round-trips."""
+    path, ps = models[model], prompts(3)
+    sp = SamplingParams(max_tokens=4, **GREEDY)
+    tp1 = LLM(path, block_size=4, num_kv_blocks=64, enable_prefix_caching=False)
+    tp1.generate(ps, sp, use_tqdm=False)        # both engines allocate the same blocks in the same order
+    used = sorted({i for i in range(64) if tp1.engine.runner.kv_cache[:, :, i].abs().sum() > 0})
+    assert len(used) >= 6
+    with LLM(path, tensor_parallel_size=2, block_size=4, num_kv_blocks=64, enable_prefix_caching=False) as llm:
+        llm.generate(ps, sp, use_tqdm=False)
+        runner = llm.engine.runner
+        io = FullHeadKV(runner)
+        full = io.read(used[::-1])
+        want = tp1.engine.runner.kv_cache[:, :, used[::-1]]
+        assert full.shape == want.shape
+        torch.testing.assert_close(full, want, atol=1e-4, rtol=1e-4)    # TP=2's all-reduce order: fp32 noise
+
+        noise = torch.randn(full.shape, generator=torch.Generator().manual_seed(3))
+        dst = [60, 2, 41]
+        io.write(dst, noise[:, :, :3])
+        torch.testing.assert_close(io.read(dst), noise[:, :, :3], atol=0, rtol=0)   # the worker's heads too
+        start, count = local_kv_heads(runner)
+        assert count < full.shape[4] or model == "replicated"
+        torch.testing.assert_close(runner.kv_cache[:, :, dst], noise[:, :, :3, :, start:start + count],
+                                   atol=0, rtol=0)
