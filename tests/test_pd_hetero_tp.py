@@ -143,3 +143,11 @@ def test_full_head_gather_and_scatter_against_tp1_cache(models, model):
         assert count < full.shape[4] or model == "replicated"
         torch.testing.assert_close(runner.kv_cache[:, :, dst], noise[:, :, :3, :, start:start + count],
                                    atol=0, rtol=0)
+
+
+def test_gather_and_scatter_messages_round_trip():
+    from picovllm.engine.messages import GatherKV, ScatterKV, decode, encode
+    for msg in (GatherKV([3, 0, 7]), ScatterKV([1])):
+        assert decode(encode(msg)) == msg
+    with pytest.raises(ValueError, match="GatherKV.block_ids: missing"):
+        decode(b'{"version":1,"type":"gather_kv","body":{}}')
