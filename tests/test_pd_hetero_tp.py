@@ -151,3 +151,13 @@ def test_gather_and_scatter_messages_round_trip():
         assert decode(encode(msg)) == msg
     with pytest.raises(ValueError, match="GatherKV.block_ids: missing"):
         decode(b'{"version":1,"type":"gather_kv","body":{}}')
+
+
+def test_cli_passes_each_side_its_tp_size(monkeypatch):
+    import picovllm.disagg.driver as driver
+    from picovllm.disagg.cli import main
+    seen = {}
+    monkeypatch.setattr(driver, "generate_disaggregated", lambda *a, **kw: seen.update(kw) or [])
+    assert main(["hi", "--prefill-tp", "2", "--decode-tp", "1", "--decode-num-kv-blocks", "9"]) == 0
+    assert seen["prefill"] == {"tensor_parallel_size": 2}
+    assert seen["decode"] == {"num_kv_blocks": 9, "tensor_parallel_size": 1}
