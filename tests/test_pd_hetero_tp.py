@@ -161,3 +161,5 @@ def test_cli_passes_each_side_its_tp_size(monkeypatch):
     assert main(["hi", "--prefill-tp", "2", "--decode-tp", "1", "--decode-num-kv-blocks", "9"]) == 0
     assert seen["prefill"] == {"tensor_parallel_size": 2}
     assert seen["decode"] == {"num_kv_blocks": 9, "tensor_parallel_size": 1}
+    assert main(["hi", "--decode-tp", "2"]) == 0
+    assert seen["prefill"] == {} and seen["decode"] == {"tensor_parallel_size": 2}
