@@ -32,6 +32,10 @@ answers Ack or Release; a Cancel after the Ack aborts it on D). D dead or silent
 P fails what it was handing over and frees it, and keeps serving (later handovers fail at
 once). P dead: D fails the offers and transfers it was waiting for, frees them, decodes the
 rest, and ends. A transfer not done within timeout_s fails on both sides.
+
+Different TP sizes (P TP=2 -> D TP=1, 1 -> 2, ...): each engine's rank 0 gathers its ranks' KV
+heads into full heads before sending, or scatters each rank its heads after receiving
+(picovllm.engine.tp_kv; docs/tensor_parallel.md). torch_dist only; cuda_ipc needs TP=1 on both.
 """
 from picovllm.disagg.driver import DisaggLLM, DisaggSession, generate_disaggregated
 from picovllm.disagg.decode import DecodeEngine

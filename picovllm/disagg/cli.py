@@ -20,6 +20,9 @@ def add_disagg_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--prefill-device", default="auto")
     g.add_argument("--decode-device", default="auto")
     g.add_argument("--decode-num-kv-blocks", type=int, default=None, help="size the decode cache by hand")
+    g.add_argument("--prefill-tp", type=int, default=None, help="tensor-parallel size of the prefill engine")
+    g.add_argument("--decode-tp", type=int, default=None, help="tensor-parallel size of the decode engine "
+                   "(may differ from --prefill-tp: KV heads are re-split; torch_dist only)")
     g.add_argument("--transfer-timeout", type=float, default=30.0, help="seconds before a transfer fails")
     g.add_argument("--lease", type=float, default=10.0, help="seconds of silence before a peer counts as dead")
 
@@ -32,11 +35,15 @@ def run_disagg_generate(args: argparse.Namespace) -> int:
     engine = {k: getattr(args, k) for k in ("dtype", "max_model_len", "block_size", "num_kv_blocks")
               if getattr(args, k, None) is not None}
     decode = {"num_kv_blocks": args.decode_num_kv_blocks} if args.decode_num_kv_blocks else {}
+    prefill = {}
+    for side, tp in ((prefill, args.prefill_tp), (decode, args.decode_tp)):
+        if tp is not None:
+            side["tensor_parallel_size"] = tp
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
     outs = generate_disaggregated(getattr(args, "model", None), list(args.prompts), params,
                                   backend=args.kv_transfer, async_transfer=not args.sync_transfer,
                                   prefill_device=args.prefill_device, decode_device=args.decode_device,
-                                  decode=decode, transfer_timeout_s=args.transfer_timeout, lease_s=args.lease,
+                                  prefill=prefill, decode=decode, transfer_timeout_s=args.transfer_timeout, lease_s=args.lease,
                                   **engine)
     failed = 0
     for out in outs:

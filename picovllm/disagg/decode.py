@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from picovllm.config import EngineConfig
 from picovllm.disagg.channel import Channel
-from picovllm.disagg.link import PeerLink, cache_layout
+from picovllm.disagg.link import PeerLink, cache_layout, full_head_io
 from picovllm.disagg.messages import (Accept, Ack, Bye, Cancel, EndOfStream, HandoverRequest, Offer, Release,
                                       logprobs_from_wire)
 from picovllm.disagg.transfer import TransferConfig, TransferSpec
@@ -35,8 +35,6 @@ class DecodeEngine(Engine):
     def __init__(self, config: EngineConfig, runner: ModelRunner | None = None) -> None:
         if config.role != "d":
             raise ValueError(f"EngineConfig.role must be 'd' for a DecodeEngine, got {config.role!r}")
-        if config.tensor_parallel_size != 1:
-            raise ValueError("EngineConfig.tensor_parallel_size: disaggregated engines run TP=1 for now")
         super().__init__(config, runner)
         self.offers: OrderedDict[str, HandoverRequest] = OrderedDict()   # FCFS
         self.receiving: dict[str, Receiving] = {}
@@ -51,7 +49,8 @@ class DecodeEngine(Engine):
         """
         if self.link is not None and not self.is_done():
             raise RuntimeError("the decode engine's session is still running")
-        link = PeerLink.open("d", channel, self.runner.kv_cache, cache_layout(self.runner), transfer, session)
+        link = PeerLink.open("d", channel, self.runner.kv_cache, cache_layout(self.runner), transfer, session,
+                             full_head_io(self.runner))
         self.stream_ended = False
         self.link = link
 

@@ -11,7 +11,10 @@ or, keeping the engines up between calls (and for streaming submissions):
 
 Each session is a full lifecycle: link handshake, requests, the close call ("no more requests"),
 drain, Bye. Worker processes are spawned (so a script using this needs an
-`if __name__ == "__main__":` guard) and daemonic: they never outlive the driver.
+`if __name__ == "__main__":` guard) and never outlive the driver (daemonic, or, when they run
+tensor-parallel ranks of their own, watching their parent). P and D TP sizes may differ
+(prefill={"tensor_parallel_size": 2}, decode={...}): KV heads are re-split on the way
+(picovllm.engine.tp_kv; torch_dist backend only).
 """
 from __future__ import annotations
 
@@ -64,7 +67,10 @@ class DisaggLLM:
     def _start(self, configs: dict[str, dict], timeout_s: float) -> None:
         ctx = mp.get_context("spawn")
         for role in ROLES:
-            self.procs[role] = ctx.Process(target=worker_main, args=(role, self._listener.address), daemon=True,
+            # A daemonic process may not have children, and a TP engine spawns its worker ranks; the
+            # engine process exits with the driver either way (worker_main watches its parent).
+            daemon = configs[role]["tensor_parallel_size"] == 1
+            self.procs[role] = ctx.Process(target=worker_main, args=(role, self._listener.address), daemon=daemon,
                                            name=f"picovllm-{NAMES[role]}")
             self.procs[role].start()
         deadline = time.monotonic() + timeout_s

@@ -8,19 +8,29 @@ import torch
 from picovllm.disagg.channel import Channel, PeerGone
 from picovllm.disagg.messages import Hello, KVLayout
 from picovllm.disagg.transfer import KVTransfer, TransferConfig, make_transfer
+from picovllm.engine.tp_kv import FullHeadKV
 
 
 def cache_layout(runner) -> KVLayout:
-    """The KVLayout of a ModelRunner's cache (one TP rank's heads under tensor parallelism)."""
+    """The KVLayout an engine's rank 0 speaks on the link.
+
+    TP=1: its own cache. Under tensor parallelism: full heads, whatever each rank holds, since the
+    link moves blocks gathered from (or scattered to) every rank by picovllm.engine.tp_kv.
+    """
     cache = runner.kv_cache
     tp = getattr(runner, "tp", None)
-    rank = tp.rank if tp is not None else 0
     size = tp.size if tp is not None else 1
-    return KVLayout(num_layers=cache.shape[0], num_kv_heads=cache.shape[4], head_dim=cache.shape[5],
-                    block_size=cache.shape[3], num_blocks=cache.shape[2],
-                    dtype=str(cache.dtype).removeprefix("torch."),
-                    total_kv_heads=runner.model_config.num_key_value_heads,
-                    kv_head_start=rank * cache.shape[4], tp_rank=rank, tp_size=size)
+    total = runner.model_config.num_key_value_heads
+    return KVLayout(num_layers=cache.shape[0], num_kv_heads=total if size > 1 else cache.shape[4],
+                    head_dim=cache.shape[5], block_size=cache.shape[3], num_blocks=cache.shape[2],
+                    dtype=str(cache.dtype).removeprefix("torch."), total_kv_heads=total,
+                    kv_head_start=0, tp_rank=tp.rank if tp is not None else 0, tp_size=size)
+
+
+def full_head_io(runner) -> FullHeadKV | None:
+    """How a TP engine's transfer reads and writes full-head blocks (None at TP=1: the cache itself)."""
+    tp = getattr(runner, "tp", None)
+    return FullHeadKV(runner) if tp is not None and tp.size > 1 else None
 
 
 class PeerLink:
@@ -32,12 +42,13 @@ class PeerLink:
 
     @classmethod
     def open(cls, role: str, channel: Channel, cache: torch.Tensor, layout: KVLayout, config: TransferConfig,
-             session: int) -> "PeerLink":
+             session: int, kv_io: FullHeadKV | None = None) -> "PeerLink":
         """Handshake on a connected channel; blocks up to config.connect_timeout_s. Raises ConnectionError.
 
         P speaks first; D checks the layouts match and answers, with an error if they do not.
+        kv_io: a TP engine's full-head access to its ranks' blocks (full_head_io).
         """
-        transfer = make_transfer(role, cache, layout, config)
+        transfer = make_transfer(role, cache, layout, config, kv_io)
         try:
             mine = Hello(role, session, config.backend, layout, transfer.local_info())
             if role == "p":
@@ -109,6 +120,7 @@ def _mismatch(p: Hello, d: Hello) -> str | None:
         return f"Hello.role: expected a prefill engine ('p'), got {p.role!r}"
     if p.backend != d.backend:
         return f"Hello.backend differs: decode side uses {d.backend!r}, prefill side {p.backend!r}"
-    if p.layout.tp_size != 1 or d.layout.tp_size != 1:
-        return "KVLayout.tp_size: tensor-parallel engines cannot be linked yet (heads would need re-splitting)"
+    if (p.layout.tp_size != 1 or d.layout.tp_size != 1) and d.backend == "cuda_ipc":
+        return (f"KVLayout.tp_size: backend 'cuda_ipc' maps the peer's one cache, so both engines must run TP=1 "
+                f"(prefill TP={p.layout.tp_size}, decode TP={d.layout.tp_size}); use 'torch_dist'")
     return d.layout.mismatch(p.layout)

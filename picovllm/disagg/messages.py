@@ -24,8 +24,9 @@ class KVLayout:
     """How one engine's KV cache is laid out. Exchanged in the handshake: D checks it matches its own.
 
     The cache is one tensor [num_layers, 2 (k, v), num_blocks, block_size, num_kv_heads, head_dim].
-    Under tensor parallelism an engine rank holds heads [kv_head_start, kv_head_start + num_kv_heads)
-    of total_kv_heads; carrying that lets a later version re-split heads between different TP sizes.
+    Under tensor parallelism an engine's rank 0 speaks full heads on the link (num_kv_heads ==
+    total_kv_heads, kv_head_start 0; tp_size says how many ranks it gathers from or scatters to),
+    so engines of different TP sizes match; picovllm.engine.tp_kv re-splits the heads.
     """
     num_layers: int
     num_kv_heads: int

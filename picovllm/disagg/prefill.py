@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from picovllm.config import EngineConfig
 from picovllm.disagg.channel import Channel
-from picovllm.disagg.link import PeerLink, cache_layout
+from picovllm.disagg.link import PeerLink, cache_layout, full_head_io
 from picovllm.disagg.messages import (Accept, Ack, Bye, Cancel, EndOfStream, HandoverRequest, Offer, Release,
                                       logprobs_to_wire)
 from picovllm.disagg.transfer import TransferConfig, TransferSpec
@@ -48,8 +48,6 @@ class PrefillEngine(Engine):
     def __init__(self, config: EngineConfig, runner: ModelRunner | None = None) -> None:
         if config.role != "p":
             raise ValueError(f"EngineConfig.role must be 'p' for a PrefillEngine, got {config.role!r}")
-        if config.tensor_parallel_size != 1:
-            raise ValueError("EngineConfig.tensor_parallel_size: disaggregated engines run TP=1 for now")
         super().__init__(config, runner)
         self.handovers: dict[str, Handover] = {}
         self.handed_off: set[str] = set()     # acked by D: aborts for these are forwarded to it
@@ -67,7 +65,8 @@ class PrefillEngine(Engine):
         """
         if self.link is not None and not self.is_done():
             raise RuntimeError("the prefill engine's session is still running")
-        link = PeerLink.open("p", channel, self.runner.kv_cache, cache_layout(self.runner), transfer, session)
+        link = PeerLink.open("p", channel, self.runner.kv_cache, cache_layout(self.runner), transfer, session,
+                             full_head_io(self.runner))
         self.closed = self.eos_sent = self.peer_said_bye = False
         self.handed_off.clear()
         self.link = link

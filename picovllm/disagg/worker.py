@@ -25,12 +25,14 @@ from picovllm.disagg.messages import (Abort, BuildEngine, CloseSession, Output, 
                                       StartSession, Submit, SubmitResult, WorkerHello, WorkerReady, output_to_wire)
 from picovllm.disagg.prefill import PrefillEngine
 from picovllm.disagg.transfer import TransferConfig
+from picovllm.engine.tp_workers import exit_with_parent
 from picovllm.sampling_params import SamplingParams
 
 
 def worker_main(role: str, driver_address: list) -> None:
     """Process entry point. Exits with os._exit so no library teardown can keep the process alive."""
     code = 0
+    exit_with_parent(os.getppid())   # not daemonic when it runs TP workers: never outlive the driver
     try:
         driver = Channel.connect(driver_address)
         driver.send(WorkerHello(role, os.getpid()))
@@ -77,6 +79,7 @@ class Worker:
                 self.driver.send(SubmitResult(msg.request_id, "the prefill engine is closed (no session running)"))
         if self.listener:
             self.listener.close()
+        engine.shutdown()              # a tensor-parallel engine stops its worker ranks here
 
     # -- one session ---------------------------------------------------------------------------
     def _session(self, engine, start: StartSession) -> None:

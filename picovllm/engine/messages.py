@@ -41,13 +41,25 @@ class RunStep:
 
 
 @dataclass(frozen=True)
+class GatherKV:
+    """Send this rank's KV heads of these blocks to rank 0 (picovllm.engine.tp_kv: P<->D head re-split)."""
+    block_ids: list[int]
+
+
+@dataclass(frozen=True)
+class ScatterKV:
+    """Receive full-head KV blocks broadcast by rank 0 and keep this rank's heads (picovllm.engine.tp_kv)."""
+    block_ids: list[int]
+
+
+@dataclass(frozen=True)
 class Shutdown:
     """Leave the worker loop and tear down the process groups."""
 
 
-Message = Union[Setup, ProfileKVCache, AllocateKVCache, RunStep, Shutdown]
+Message = Union[Setup, ProfileKVCache, AllocateKVCache, RunStep, GatherKV, ScatterKV, Shutdown]
 _TYPES: dict[str, type] = {"setup": Setup, "profile_kv_cache": ProfileKVCache, "allocate_kv_cache": AllocateKVCache,
-                           "run_step": RunStep, "shutdown": Shutdown}
+                           "run_step": RunStep, "gather_kv": GatherKV, "scatter_kv": ScatterKV, "shutdown": Shutdown}
 _NAMES = {cls: name for name, cls in _TYPES.items()}
 
 

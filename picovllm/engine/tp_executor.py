@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from picovllm.config import EngineConfig
 from picovllm.distributed import TPGroup
+from picovllm.engine import tp_kv
 from picovllm.engine.messages import AllocateKVCache, ProfileKVCache, RunStep, Setup, Shutdown
 from picovllm.engine.model_runner import ModelRunner, StepInput, StepResult
 from picovllm.engine.tp_workers import STARTED_KEY, TPWorkerError, WorkerProcesses, exit_with_parent
@@ -219,7 +220,7 @@ def run_worker(ranks: list[int], local_rank: int) -> None:
             channel.min(1)
         elif isinstance(msg, Shutdown):
             return
-        else:
+        elif not tp_kv.serve(runner, channel, msg):
             raise ValueError(f"unexpected message {type(msg).__name__} after start-up")
 
 

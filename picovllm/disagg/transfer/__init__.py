@@ -15,11 +15,12 @@ BACKENDS = types.MappingProxyType({
 })
 
 
-def make_transfer(role: str, cache: torch.Tensor, layout: KVLayout, config: TransferConfig) -> KVTransfer:
+def make_transfer(role: str, cache: torch.Tensor, layout: KVLayout, config: TransferConfig,
+                  kv_io=None) -> KVTransfer:
     if config.backend not in BACKENDS:
         raise ValueError(f"TransferConfig.backend must be one of {sorted(BACKENDS)}, got {config.backend!r}")
     module, cls = BACKENDS[config.backend].split(":")
-    return getattr(importlib.import_module(module), cls)(role, cache, layout, config)
+    return getattr(importlib.import_module(module), cls)(role, cache, layout, config, kv_io)
 
 
 __all__ = ["BACKENDS", "KVTransfer", "TransferConfig", "TransferDone", "TransferSpec", "make_transfer"]

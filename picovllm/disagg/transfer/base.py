@@ -65,15 +65,19 @@ class KVTransfer(ABC):
     """Moves blocks of one engine's KV cache into another's. One object per engine per link.
 
     `cache` is the engine's whole KV cache ([num_layers, 2, num_blocks, block_size, kv_heads,
-    head_dim], ModelRunner.kv_cache); `role` is "p" or "d".
+    head_dim], ModelRunner.kv_cache); `role` is "p" or "d". Under tensor parallelism `cache` is
+    rank 0's shard, `layout` is full-head and `kv_io` (picovllm.engine.tp_kv.FullHeadKV) reads and
+    writes full-head blocks across the ranks: a backend that supports it (torch_dist) moves those;
+    one that maps the peer's cache (cuda_ipc) is refused at the handshake.
     """
 
     name: ClassVar[str]
 
-    def __init__(self, role: str, cache: torch.Tensor, layout: KVLayout, config: TransferConfig) -> None:
+    def __init__(self, role: str, cache: torch.Tensor, layout: KVLayout, config: TransferConfig,
+                 kv_io=None) -> None:
         if role not in ("p", "d"):
             raise ValueError(f"role must be 'p' or 'd', got {role!r}")
-        self.role, self.cache, self.layout, self.config = role, cache, layout, config
+        self.role, self.cache, self.layout, self.config, self.kv_io = role, cache, layout, config, kv_io
 
     def local_info(self) -> dict:
         """Backend fields for this side's Hello (JSON-safe). Called once, before the Hello is sent.

@@ -136,6 +136,9 @@ class TorchDistTransfer(KVTransfer):
     def _staged(self) -> bool:
         return self.cache.is_cuda and not self.use_nccl
 
+    def _wire_device(self) -> torch.device:
+        return self.cache.device if self.use_nccl else torch.device("cpu")
+
     def _post(self, op: _Op) -> None:
         op.stage = "wire"
         if self.role == "p":
@@ -149,6 +152,11 @@ class TorchDistTransfer(KVTransfer):
     def start_send(self, spec: TransferSpec) -> None:
         assert self.role == "p" and self.pg is not None
         check_block_ids("src_block_ids", spec.src_block_ids, self.cache.shape[2])
+        if self.kv_io is not None:    # tensor parallel: gathered from every rank into full heads, on the CPU
+            full = self.kv_io.read(spec.src_block_ids)
+            self._ops[spec.request_id] = op = _Op(spec, time.monotonic(), "wire", full.to(self._wire_device()))
+            self._post(op)
+            return
         idx = torch.tensor(spec.src_block_ids, dtype=torch.long, device=self.cache.device)
         gathered = self.cache.index_select(2, idx)
         if self._staged():
@@ -167,7 +175,9 @@ class TorchDistTransfer(KVTransfer):
         if len(spec.src_block_ids) != len(spec.dst_block_ids):
             raise ValueError("TransferSpec.src_block_ids and dst_block_ids differ in length")
         shape = self.layout.block_shape(len(spec.dst_block_ids))
-        if self._staged():
+        if self.kv_io is not None:
+            buf = torch.empty(shape, dtype=self.cache.dtype, device=self._wire_device())
+        elif self._staged():
             buf = torch.empty(shape, dtype=self.cache.dtype, pin_memory=True)
         else:
             buf = torch.empty(shape, dtype=self.cache.dtype, device=self.cache.device)
@@ -176,6 +186,10 @@ class TorchDistTransfer(KVTransfer):
 
     def _scatter(self, op: _Op) -> None:
         """D: write a received message into the cache's dst blocks."""
+        if self.kv_io is not None:     # tensor parallel: every rank keeps its heads (synchronous)
+            self.kv_io.write(op.spec.dst_block_ids, op.buffer)
+            op.stage = "done"
+            return
         idx = torch.tensor(op.spec.dst_block_ids, dtype=torch.long, device=self.cache.device)
         if not self.cache.is_cuda:
             self.cache.index_copy_(2, idx, op.buffer)
