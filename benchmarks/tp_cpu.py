@@ -12,19 +12,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import time
 
 import torch
 
 
 def cpu_small_workload(num_requests: int = 32) -> list[tuple[list[int], int]]:
-    random.seed(0)
-    work = []
-    for _ in range(num_requests):
-        prompt = [random.randint(0, 10000) for _ in range(random.randint(32, 256))]
-        work.append((prompt, random.randint(32, 128)))
-    return work
+    """Issue 2's cpu-small draw (all prompts first, then all max_tokens), shared with `picovllm bench`."""
+    from picovllm.bench.workloads import make_workload
+    w = make_workload("cpu-small", num_requests)
+    return list(zip(w.prompts, w.max_tokens))
 
 
 def run(model: str | None, tp: int, work: list[tuple[list[int], int]]) -> dict:
