@@ -11,6 +11,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="picovllm")
     sub = parser.add_subparsers(dest="command", required=True)
     cli_serve.add_parser(sub)
+    from picovllm.disagg import proxy
+    proxy.add_parser(sub)
     from picovllm.bench import serve as bench_serve
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)

@@ -1,0 +1,157 @@
+"""Disaggregated serving: P and D as separate server processes (`serve --role p|d`) behind `picovllm proxy`.
+
+Oracle: LLM.generate / LLM.chat in this process on the same weights (greedy). Also: a D killed mid-stream
+gives the client an error within a bounded time while P stays up with every KV block free; SIGTERM
+stops all three processes cleanly (exit 0, no process left)."""
+import json
+import os
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+
+from picovllm import LLM, SamplingParams
+from serving_fixtures import ServerProcess, build_tiny_chat_model, free_port
+from test_server_lifecycle import children_of
+
+ENGINE_ARGS = ["--block-size", "16", "--num-kv-blocks", "256", "--max-model-len", "1024"]
+PROMPTS = ["Hello, how are you", "The capital of France is", "Tell me a story about a cat"]
+
+
+def start_proxy(log_path: str, prefill: list[str], decode: list[str]) -> ServerProcess:
+    return ServerProcess(None, log_path, "--prefill", *prefill, "--decode", *decode, "--startup-timeout", "120",
+                         command=("proxy",))
+
+
+def start_pair(model: str, logdir) -> dict[str, ServerProcess]:
+    """A P server and a D server linked on a fresh port, started in parallel (P is up once D linked)."""
+    kv = free_port()
+    procs = {role: ServerProcess(model, str(logdir / f"{role}.log"), "--role", role, *extra, *ENGINE_ARGS,
+                                 startup_timeout=None)
+             for role, extra in (("p", ["--kv-port", str(kv)]), ("d", ["--kv-peer", f"127.0.0.1:{kv}"]))}
+    return {role: srv.wait_ready(180.0) for role, srv in procs.items()}
+
+
+def wait_idle(srv, timeout=20.0) -> dict:
+    deadline = time.time() + timeout
+    while True:
+        m = srv.metrics()
+        if m["picovllm:num_requests_running"] == 0 and \
+                m["picovllm:kv_cache_free_blocks"] == m["picovllm:kv_cache_num_blocks"]:
+            return m
+        assert time.time() < deadline, f"not idle: {m}"
+        time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return build_tiny_chat_model(str(tmp_path_factory.mktemp("tinypd") / "model"), max_position_embeddings=2048)
+
+
+@pytest.fixture(scope="module")
+def llm(model):
+    return LLM(model, block_size=16, num_kv_blocks=256, max_model_len=1024)
+
+
+@pytest.fixture(scope="module")
+def cluster(model, tmp_path_factory):
+    logdir = tmp_path_factory.mktemp("pdlog")
+    procs = start_pair(model, logdir)
+    procs["proxy"] = start_proxy(str(logdir / "proxy.log"), [procs["p"].url], [procs["d"].url])
+    yield procs
+    for srv in procs.values():
+        srv.stop(signal.SIGKILL, timeout=10)
+
+
+def test_outputs_equal_colocated(cluster, llm):
+    client = openai.OpenAI(base_url=cluster["proxy"].url + "/v1", api_key="unused", max_retries=0)
+    name = client.models.list().data[0].id
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
+    for prompt, r in zip(PROMPTS, llm.generate(PROMPTS, sp, use_tqdm=False)):
+        rc = r.outputs[0]
+        got = client.completions.create(model=name, prompt=prompt, max_tokens=12, temperature=0, logprobs=1,
+                                        extra_body={"ignore_eos": True})
+        c = got.choices[0]
+        assert c.text == rc.text and c.finish_reason == "length"
+        assert got.usage.completion_tokens == 12 and got.usage.prompt_tokens == len(r.prompt_token_ids)
+        assert c.logprobs.token_logprobs == pytest.approx([d[t].logprob for d, t in zip(rc.logprobs, rc.token_ids)],
+                                                          abs=1e-4)
+        parts = [ch.choices[0].text for ch in client.completions.create(
+            model=name, prompt=prompt, max_tokens=12, temperature=0, stream=True, extra_body={"ignore_eos": True})
+            if ch.choices]
+        assert "".join(parts) == rc.text and parts[0] != ""          # the first chunk (P's token) is not empty
+    conv = [{"role": "user", "content": "Tell me a story"}]
+    rc = llm.chat(conv, SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)[0].outputs[0]
+    got = client.chat.completions.create(model=name, messages=conv, max_tokens=10, temperature=0)
+    assert got.choices[0].message.content == rc.text and got.choices[0].finish_reason == rc.finish_reason
+    parts = [ch.choices[0].delta.content or "" for ch in client.chat.completions.create(
+        model=name, messages=conv, max_tokens=10, temperature=0, stream=True)]
+    assert "".join(parts) == rc.text
+    # a request that ends at its first token never reaches D
+    one = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)[0].outputs[0]
+    assert client.completions.create(model=name, prompt="Hello", max_tokens=1, temperature=0).choices[0].text == one.text
+    # bad input: a 400 from P, named field, nothing left behind
+    with pytest.raises(openai.BadRequestError, match="max_model_len|longer"):
+        client.completions.create(model=name, prompt=list(range(5, 300)) * 4, max_tokens=4)
+    for role in ("p", "d"):
+        wait_idle(cluster[role])
+
+
+def test_round_robin_over_two_pairs_and_sigterm(model, tmp_path):
+    """Two P-D pairs behind one proxy, URLs given in crossed order: each pair serves half, outputs stay
+    right. Then SIGTERM to all five processes: each exits 0 and leaves no process behind."""
+    pairs = [start_pair(model, tmp_path / f"pair{i}") for i in range(2)]
+    procs = [s for pair in pairs for s in pair.values()]
+    try:
+        procs.append(start_proxy(str(tmp_path / "proxy.log"), [pair["p"].url for pair in pairs],
+                                 [pair["d"].url for pair in reversed(pairs)]))
+        texts = []
+        for _ in range(4):
+            r = httpx.post(procs[-1].url + "/v1/completions", json={
+                "prompt": "Numbers: 0 1 2", "max_tokens": 8, "temperature": 0, "ignore_eos": True}, timeout=60)
+            assert r.status_code == 200, r.text
+            texts.append(r.json()["choices"][0]["text"])
+        assert len(set(texts)) == 1 and texts[0]
+        for pair in pairs:
+            assert wait_idle(pair["d"])["picovllm:requests_total.length"] == 2     # each D decoded half
+        for srv in [procs[-1]] + procs[:-1]:          # the proxy first, then P and D of each pair
+            kids = children_of(srv.proc.pid)
+            assert srv.stop(signal.SIGTERM, timeout=30) == 0, srv.log()[-3000:]
+            assert not [k for k in kids if os.path.exists(f"/proc/{k}")]
+    finally:
+        for srv in procs:
+            srv.stop(signal.SIGKILL, timeout=10)
+
+
+def test_decode_killed_mid_stream(cluster):
+    """Runs last on the module's cluster: D dies mid-stream; then P and the proxy still exit cleanly."""
+    p, d, proxy = cluster["p"], cluster["d"], cluster["proxy"]
+    body = {"prompt": "Tell me a story", "max_tokens": 900, "temperature": 0, "ignore_eos": True, "stream": True}
+    events, t0 = [], None
+    with httpx.stream("POST", proxy.url + "/v1/completions", json=body, timeout=30) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            events.append(line[6:])
+            if len(events) == 3:          # P's token and two of D's
+                d.proc.send_signal(signal.SIGKILL)
+                t0 = time.monotonic()
+    assert time.monotonic() - t0 < 10
+    assert events[-1] == "[DONE]"
+    last = json.loads(events[-2])
+    assert "error" in last and "decode server" in last["error"]["message"], events[-3:]
+    texts = [json.loads(e)["choices"][0]["text"] for e in events[:-2]]
+    assert len(texts) < 900
+    # P stays up, every block free; a new request fails fast (no decode server) with an error object
+    assert httpx.get(p.url + "/health", timeout=5).status_code == 200
+    wait_idle(p)
+    r = httpx.post(proxy.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 4}, timeout=30)
+    assert r.status_code >= 500 and "error" in r.json()
+    wait_idle(p)
+    # clean shutdown: SIGTERM, exit 0, nothing left running
+    for srv in (proxy, p):
+        kids = children_of(srv.proc.pid)
+        assert srv.stop(signal.SIGTERM, timeout=30) == 0, srv.log()[-3000:]
+        assert not [k for k in kids if os.path.exists(f"/proc/{k}")]
