@@ -27,6 +27,7 @@ def start_proxy(log_path: str, prefill: list[str], decode: list[str]) -> ServerP
 
 def start_pair(model: str, logdir) -> dict[str, ServerProcess]:
     """A P server and a D server linked on a fresh port, started in parallel (P is up once D linked)."""
+    logdir.mkdir(parents=True, exist_ok=True)
     kv = free_port()
     procs = {role: ServerProcess(model, str(logdir / f"{role}.log"), "--role", role, *extra, *ENGINE_ARGS,
                                  startup_timeout=None)
