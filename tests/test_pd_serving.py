@@ -25,14 +25,18 @@ def start_proxy(log_path: str, prefill: list[str], decode: list[str]) -> ServerP
                          command=("proxy",))
 
 
-def start_pair(model: str, logdir) -> dict[str, ServerProcess]:
-    """A P server and a D server linked on a fresh port, started in parallel (P is up once D linked)."""
-    logdir.mkdir(parents=True, exist_ok=True)
-    kv = free_port()
-    procs = {role: ServerProcess(model, str(logdir / f"{role}.log"), "--role", role, *extra, *ENGINE_ARGS,
-                                 startup_timeout=None)
-             for role, extra in (("p", ["--kv-port", str(kv)]), ("d", ["--kv-peer", f"127.0.0.1:{kv}"]))}
-    return {role: srv.wait_ready(180.0) for role, srv in procs.items()}
+def start_pairs(model: str, logdir, n: int) -> list[dict[str, ServerProcess]]:
+    """n P-D server pairs, each linked on a fresh port, all started at once (a P is up once its D linked)."""
+    pairs = []
+    for i in range(n):
+        kv = free_port()
+        pairs.append({role: ServerProcess(model, str(logdir / f"{role}{i}.log"), "--role", role, *extra,
+                                          *ENGINE_ARGS, startup_timeout=None)
+                      for role, extra in (("p", ["--kv-port", str(kv)]), ("d", ["--kv-peer", f"127.0.0.1:{kv}"]))})
+    for pair in pairs:
+        for srv in pair.values():
+            srv.wait_ready(180.0)
+    return pairs
 
 
 def wait_idle(srv, timeout=20.0) -> dict:
@@ -58,12 +62,21 @@ def llm(model):
 
 @pytest.fixture(scope="module")
 def cluster(model, tmp_path_factory):
+    """Two P-D pairs behind one proxy, the --decode URLs in the other order than their --prefill URLs."""
     logdir = tmp_path_factory.mktemp("pdlog")
-    procs = start_pair(model, logdir)
-    procs["proxy"] = start_proxy(str(logdir / "proxy.log"), [procs["p"].url], [procs["d"].url])
-    yield procs
-    for srv in procs.values():
-        srv.stop(signal.SIGKILL, timeout=10)
+    pairs = []
+    try:
+        pairs = start_pairs(model, logdir, 2)
+        proxy = start_proxy(str(logdir / "proxy.log"), [pair["p"].url for pair in pairs],
+                            [pair["d"].url for pair in reversed(pairs)])
+        yield {"pairs": pairs, "proxy": proxy}
+    finally:
+        for srv in [s for pair in pairs for s in pair.values()] + ([proxy] if "proxy" in locals() else []):
+            srv.stop(signal.SIGKILL, timeout=10)
+
+
+def all_servers(cluster) -> list[ServerProcess]:
+    return [s for pair in cluster["pairs"] for s in pair.values()]
 
 
 def test_outputs_equal_colocated(cluster, llm):
@@ -93,66 +106,75 @@ def test_outputs_equal_colocated(cluster, llm):
     # a request that ends at its first token never reaches D
     one = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)[0].outputs[0]
     assert client.completions.create(model=name, prompt="Hello", max_tokens=1, temperature=0).choices[0].text == one.text
-    # bad input: a 400 from P, named field, nothing left behind
+    # bad input: a 400 from P, naming the problem, nothing left behind
     with pytest.raises(openai.BadRequestError, match="max_model_len|longer"):
         client.completions.create(model=name, prompt=list(range(5, 300)) * 4, max_tokens=4)
-    for role in ("p", "d"):
-        wait_idle(cluster[role])
+    for srv in all_servers(cluster):
+        wait_idle(srv)
 
 
-def test_round_robin_over_two_pairs_and_sigterm(model, tmp_path):
-    """Two P-D pairs behind one proxy, URLs given in crossed order: each pair serves half, outputs stay
-    right. Then SIGTERM to all five processes: each exits 0 and leaves no process behind."""
-    pairs = [start_pair(model, tmp_path / f"pair{i}") for i in range(2)]
-    procs = [s for pair in pairs for s in pair.values()]
-    try:
-        procs.append(start_proxy(str(tmp_path / "proxy.log"), [pair["p"].url for pair in pairs],
-                                 [pair["d"].url for pair in reversed(pairs)]))
-        texts = []
-        for _ in range(4):
-            r = httpx.post(procs[-1].url + "/v1/completions", json={
-                "prompt": "Numbers: 0 1 2", "max_tokens": 8, "temperature": 0, "ignore_eos": True}, timeout=60)
-            assert r.status_code == 200, r.text
-            texts.append(r.json()["choices"][0]["text"])
-        assert len(set(texts)) == 1 and texts[0]
-        for pair in pairs:
-            assert wait_idle(pair["d"])["picovllm:requests_total.length"] == 2     # each D decoded half
-        for srv in [procs[-1]] + procs[:-1]:          # the proxy first, then P and D of each pair
-            kids = children_of(srv.proc.pid)
-            assert srv.stop(signal.SIGTERM, timeout=30) == 0, srv.log()[-3000:]
-            assert not [k for k in kids if os.path.exists(f"/proc/{k}")]
-    finally:
-        for srv in procs:
-            srv.stop(signal.SIGKILL, timeout=10)
+def test_round_robin_and_client_disconnect(cluster):
+    """Each pair serves every other request; a client that leaves mid-stream frees the KV on both sides."""
+    proxy, ds = cluster["proxy"], [pair["d"] for pair in cluster["pairs"]]
+    before = [wait_idle(d)["picovllm:requests_total.length"] for d in ds]
+    texts = []
+    for _ in range(4):
+        r = httpx.post(proxy.url + "/v1/completions", json={
+            "prompt": "Numbers: 0 1 2", "max_tokens": 8, "temperature": 0, "ignore_eos": True}, timeout=60)
+        assert r.status_code == 200, r.text
+        texts.append(r.json()["choices"][0]["text"])
+    assert len(set(texts)) == 1 and texts[0]
+    assert [wait_idle(d)["picovllm:requests_total.length"] - b for d, b in zip(ds, before)] == [2, 2]
+    body = {"prompt": "Tell me a story", "max_tokens": 900, "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", proxy.url + "/v1/completions", json=body, timeout=30) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i == 6:
+                break
+    for srv in all_servers(cluster):
+        wait_idle(srv)
+    assert sum(wait_idle(d)["picovllm:requests_total.abort"] for d in ds) == 1
 
 
 def test_decode_killed_mid_stream(cluster):
-    """Runs last on the module's cluster: D dies mid-stream; then P and the proxy still exit cleanly."""
-    p, d, proxy = cluster["p"], cluster["d"], cluster["proxy"]
+    """D dies mid-stream: the client gets a final SSE error event, not a hang; its P stays up with every
+    block free; the proxy routes new requests to the pair still whole."""
+    proxy = cluster["proxy"]
     body = {"prompt": "Tell me a story", "max_tokens": 900, "temperature": 0, "ignore_eos": True, "stream": True}
-    events, t0 = [], None
+    events, t0, victim = [], None, None
     with httpx.stream("POST", proxy.url + "/v1/completions", json=body, timeout=30) as r:
         for line in r.iter_lines():
             if not line.startswith("data: "):
                 continue
             events.append(line[6:])
-            if len(events) == 3:          # P's token and two of D's
-                d.proc.send_signal(signal.SIGKILL)
+            if len(events) == 3:          # P's token and two of D's: kill the D that is decoding it
+                victim = next(pair for pair in cluster["pairs"]
+                              if pair["d"].metrics()["picovllm:num_requests_running"] == 1)
+                victim["d"].proc.send_signal(signal.SIGKILL)
                 t0 = time.monotonic()
     assert time.monotonic() - t0 < 10
     assert events[-1] == "[DONE]"
     last = json.loads(events[-2])
     assert "error" in last and "decode server" in last["error"]["message"], events[-3:]
-    texts = [json.loads(e)["choices"][0]["text"] for e in events[:-2]]
-    assert len(texts) < 900
-    # P stays up, every block free; a new request fails fast (no decode server) with an error object
-    assert httpx.get(p.url + "/health", timeout=5).status_code == 200
-    wait_idle(p)
-    r = httpx.post(proxy.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 4}, timeout=30)
-    assert r.status_code >= 500 and "error" in r.json()
-    wait_idle(p)
-    # clean shutdown: SIGTERM, exit 0, nothing left running
-    for srv in (proxy, p):
+    assert len(events) < 900
+    assert httpx.get(victim["p"].url + "/health", timeout=5).status_code == 200
+    wait_idle(victim["p"])
+    for _ in range(2):            # round-robin skips the pair whose D is gone
+        r = httpx.post(proxy.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 4}, timeout=30)
+        assert r.status_code == 200, r.text
+    # P itself, asked directly, fails the handover at once and frees the blocks
+    r = httpx.post(victim["p"].url + "/pd/prefill", json={"request_id": "x", "prompt_token_ids": [5, 6, 7],
+                                                            "params": {"max_tokens": 4}, "arrival_time": time.time()})
+    last = json.loads(r.text.strip().splitlines()[-1])["output"]
+    assert last["finished"] and last["outputs"][0]["finish_reason"] == "error" and "decode engine" in last["error"]
+    wait_idle(victim["p"])
+    m = proxy.metrics()
+    assert m["picovllm:requests_total.error"] == 1 and m["picovllm:requests_total.length"] >= 10
+    cluster["dead"] = victim["d"]
+
+
+def test_sigterm_stops_every_process_cleanly(cluster):
+    """The proxy, both P servers and the surviving D: SIGTERM, exit 0, no process left behind."""
+    for srv in [cluster["proxy"]] + [s for s in all_servers(cluster) if s is not cluster.get("dead")]:
         kids = children_of(srv.proc.pid)
         assert srv.stop(signal.SIGTERM, timeout=30) == 0, srv.log()[-3000:]
         assert not [k for k in kids if os.path.exists(f"/proc/{k}")]

@@ -56,6 +56,8 @@ class PDStream:
                     yield out                     # the first token, from P; D has the request now
                     break
                 self.finished = out.finished
+                if out.finished and self._owner is not None and self._owner.metrics is not None:
+                    self._owner.metrics.observe_finished(out)
                 yield out
                 if out.finished:
                     return
@@ -64,15 +66,20 @@ class PDStream:
             async for line in self._lines(self._decode, "decode", self.pair.decode):
                 out = self._check(output_from_wire(line["output"]))
                 self.finished = out.finished
+                if out.finished and self._owner is not None and self._owner.metrics is not None:
+                    self._owner.metrics.observe_finished(out)
                 yield out
                 if out.finished:
                     return
             raise EngineStepError(f"the decode server {self.pair.decode} ended the request's stream early")
+        except EngineStepError:
+            if self._owner is not None and self._owner.metrics is not None:
+                self._owner.metrics.count_outcome("error")
+            raise
         finally:
             self.close()
 
-    @staticmethod
-    def _check(out: RequestOutput) -> RequestOutput:
+    def _check(self, out: RequestOutput) -> RequestOutput:
         if out.outputs[0].finish_reason == "error":
             raise EngineStepError(out.error or "the request failed on a prefill or decode server")
         return out
@@ -105,10 +112,10 @@ class ProxyEngine:
     """What the OpenAI handlers need of an AsyncEngine (add_request, start, shutdown, abort_all, ...),
     over P-D server pairs."""
 
-    def __init__(self, pairs: list[PDPair], model_info: dict, connect_timeout_s: float = 10.0) -> None:
+    def __init__(self, pairs: list[PDPair], model_info: dict, metrics=None, connect_timeout_s: float = 10.0) -> None:
         if not pairs:
             raise ValueError("pairs: at least one prefill/decode pair is needed")
-        self.pairs, self._model_info = pairs, model_info
+        self.pairs, self._model_info, self.metrics = pairs, model_info, metrics
         self._next = itertools.count()
         self._timeout = httpx.Timeout(connect=connect_timeout_s, read=None, write=connect_timeout_s, pool=None)
         self._client: httpx.AsyncClient | None = None
@@ -141,18 +148,29 @@ class ProxyEngine:
         """Open the request on D (listen), then on P. Raises ValueError (a 400 from P), EngineDeadError."""
         if self._client is None:
             raise EngineDeadError("the proxy is not running")
-        pair = self.pairs[next(self._next) % len(self.pairs)]
-        decode = await self._open(pair.decode, "/pd/decode", {"request_id": request_id}, "decode")
-        try:
-            prefill = await self._open(pair.prefill, "/pd/prefill", {
-                "request_id": request_id, "prompt_token_ids": list(prompt_token_ids),
-                "params": dataclasses.asdict(params), "arrival_time": arrival_time or time.time()}, "prefill")
-        except BaseException:
-            await decode.aclose()
-            raise
-        stream = PDStream(request_id, pair, prefill, decode, self)
-        self._streams.add(stream)
-        return stream
+        body = {"request_id": request_id, "prompt_token_ids": list(prompt_token_ids),
+                "params": dataclasses.asdict(params), "arrival_time": arrival_time or time.time()}
+        errors = []
+        for _ in range(len(self.pairs)):     # round-robin; a pair that cannot be reached is skipped
+            pair = self.pairs[next(self._next) % len(self.pairs)]
+            try:
+                decode = await self._open(pair.decode, "/pd/decode", {"request_id": request_id}, "decode")
+            except EngineDeadError as e:
+                errors.append(str(e))
+                continue
+            try:
+                prefill = await self._open(pair.prefill, "/pd/prefill", body, "prefill")
+            except EngineDeadError as e:
+                await decode.aclose()
+                errors.append(str(e))
+                continue
+            except BaseException:
+                await decode.aclose()
+                raise
+            stream = PDStream(request_id, pair, prefill, decode, self)
+            self._streams.add(stream)
+            return stream
+        raise EngineDeadError("no prefill/decode pair could take the request: " + "; ".join(errors))
 
     async def _open(self, base: str, path: str, body: dict, what: str) -> httpx.Response:
         request = self._client.build_request("POST", base + path, json=body)
@@ -182,6 +200,8 @@ def _get(url: str, deadline: float) -> dict:
             r = httpx.get(url, timeout=5.0)
             if r.status_code == 200:
                 return r.json()
+            if r.status_code != 503:
+                raise ValueError(f"{url} answered HTTP {r.status_code}: is it a `picovllm serve --role p|d` server?")
             why = f"HTTP {r.status_code}"
         except httpx.HTTPError as e:
             why = f"{type(e).__name__}: {e}"
@@ -253,7 +273,7 @@ def main(args: argparse.Namespace) -> int:
     source = open_model_source(args.model or card["root"])
     tokenizer = source.load_tokenizer() if source.load_tokenizer is not None else None
     metrics = ServerMetrics(name)
-    engine = ProxyEngine(pairs, info)
+    engine = ProxyEngine(pairs, info, metrics)
     ctx = ServingContext(engine, TokenizerWorker(tokenizer), metrics, name)
     settings = ServerSettings(host=args.host, port=args.port, api_key=args.api_key, served_model_name=name,
                               max_request_bytes=args.max_request_bytes, shutdown_timeout=args.shutdown_timeout,
