@@ -169,12 +169,22 @@ def test_decode_killed_mid_stream(cluster):
     wait_idle(victim["p"])
     m = proxy.metrics()
     assert m["picovllm:requests_total.error"] == 1 and m["picovllm:requests_total.length"] >= 10
-    cluster["dead"] = victim["d"]
+    cluster["dead"] = [victim["d"]]
+    # now the other pair's P dies too: no pair can take a request, and the client gets a clean 503 at once
+    survivor = next(pair for pair in cluster["pairs"] if pair is not victim)
+    survivor["p"].proc.send_signal(signal.SIGKILL)
+    survivor["p"].proc.wait(10)
+    cluster["dead"].append(survivor["p"])
+    t0 = time.monotonic()
+    r = httpx.post(proxy.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 4}, timeout=30)
+    assert r.status_code == 503 and "prefill server" in r.json()["error"]["message"], r.text
+    assert time.monotonic() - t0 < 10
+    wait_idle(survivor["d"])        # the listener the proxy opened there was dropped
 
 
 def test_sigterm_stops_every_process_cleanly(cluster):
-    """The proxy, both P servers and the surviving D: SIGTERM, exit 0, no process left behind."""
-    for srv in [cluster["proxy"]] + [s for s in all_servers(cluster) if s is not cluster.get("dead")]:
+    """The proxy and the P and D servers still up: SIGTERM, exit 0, no process left behind."""
+    for srv in [cluster["proxy"]] + [s for s in all_servers(cluster) if s not in cluster.get("dead", [])]:
         kids = children_of(srv.proc.pid)
         assert srv.stop(signal.SIGTERM, timeout=30) == 0, srv.log()[-3000:]
         assert not [k for k in kids if os.path.exists(f"/proc/{k}")]
