@@ -103,6 +103,11 @@ def test_outputs_equal_colocated(cluster, llm):
     parts = [ch.choices[0].delta.content or "" for ch in client.chat.completions.create(
         model=name, messages=conv, max_tokens=10, temperature=0, stream=True)]
     assert "".join(parts) == rc.text
+    # seeded sampling: the stream seed is per (seed, output index), so D continues P's stream exactly
+    seeded = llm.generate(["Once upon"], SamplingParams(temperature=1.0, seed=7, max_tokens=10, ignore_eos=True),
+                          use_tqdm=False)[0].outputs[0]
+    assert client.completions.create(model=name, prompt="Once upon", max_tokens=10, temperature=1.0, seed=7,
+                                     extra_body={"ignore_eos": True}).choices[0].text == seeded.text
     # a request that ends at its first token never reaches D
     one = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)[0].outputs[0]
     assert client.completions.create(model=name, prompt="Hello", max_tokens=1, temperature=0).choices[0].text == one.text
