@@ -1,11 +1,14 @@
 """picovllm: a compact, readable LLM inference engine with prefill/decode disaggregation."""
-from picovllm.config import EngineConfig
 from picovllm.outputs import CompletionOutput, Logprob, RequestOutput
 from picovllm.sampling_params import SamplingParams
 
 
 def __getattr__(name):
-    # LLM and Engine pull in the model code; import them lazily so `import picovllm` stays light.
+    # LLM, Engine and EngineConfig pull in torch; import them lazily so `import picovllm` stays light
+    # (and the CLI can set OpenMP's environment before torch loads it).
+    if name == "EngineConfig":
+        from picovllm.config import EngineConfig
+        return EngineConfig
     if name == "LLM":
         from picovllm.entrypoints.llm import LLM
         return LLM

@@ -323,3 +323,25 @@ def test_engine_samples_the_models_distribution(word_model, temperature, top_k, 
     outs = llm.generate([prompt] * n, params, use_tqdm=False)
     toks = [o.outputs[0].token_ids[0] for o in outs]
     assert_follows(np.bincount(toks, minlength=len(logits)), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_seeded_row_ignores_batch_mates():
+    """On CUDA, temperature-only rows use a fused kernel and filtered rows the torch path; a seeded
+    row must draw the same token whichever kind of rows share its batch."""
+    from picovllm.layers.sampler import SamplingTensors, sample, seeded_stream
+
+    def tensors(temps, top_ps, seeds):
+        dev = "cuda"
+        return SamplingTensors(torch.tensor(temps, device=dev), torch.zeros(len(temps), dtype=torch.long, device=dev),
+                               torch.tensor(top_ps, device=dev), torch.zeros(len(temps), device=dev), seeds,
+                               False, False, any(p < 1 for p in top_ps), False, [p < 1 for p in top_ps])
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 1000, generator=g).cuda()
+    for i in range(20):
+        s = seeded_stream(7, i)
+        alone = sample(logits[:1], tensors([0.9], [1.0], [s]))
+        mixed = sample(logits, tensors([0.9, 1.0, 0.7], [1.0, 0.8, 1.0], [s, None, None]))
+        assert alone.item() == mixed[0].item()

@@ -1,0 +1,1 @@
+"""Benchmarks: fixed workloads (workloads.py) and their runners (throughput.py, latency.py, serve.py)."""

@@ -16,6 +16,7 @@ from picovllm.distributed import SINGLE, TPGroup
 from picovllm.engine.cuda_graph import fill_block_tables
 from picovllm.engine.scheduler import SchedulerOutput
 from picovllm.layers.attention import AttentionMetadata
+from picovllm.layers.packed_linear import pack_linear_weights
 from picovllm.layers.sampler import SamplingTensors, sample, seeded_stream
 from picovllm.loader.source import ModelSource
 from picovllm.loader.weights import load_weights
@@ -77,6 +78,8 @@ class ModelRunner:
             self.model = cls(source.config, tp)
         load_weights(self.model, source.weights())
         self.model.eval()
+        if self.device.type == "cpu":
+            pack_linear_weights(self.model)     # float32 only; a no-op without oneDNN
         self.block_size = config.block_size
         self.kv_cache: torch.Tensor | None = None
         self.attn_backend = self._make_backend()
@@ -253,7 +256,8 @@ class ModelRunner:
             all_greedy=all(x == 0 for x in temps),
             any_top_k=any(r.top_k > 0 for r in rows),
             any_top_p=any(r.top_p < 1 for r in rows),
-            any_min_p=any(r.min_p > 0 for r in rows))
+            any_min_p=any(r.min_p > 0 for r in rows),
+            filtered=[r.top_k > 0 or r.top_p < 1 or r.min_p > 0 for r in rows])
         tokens = sample(logits, t)
         token_list = tokens.tolist()
         return StepResult(token_list, self._logprobs(raw, tokens, rows))

@@ -1,22 +1,35 @@
-"""The `picovllm` command. (Minimal: serve and bench serve; other subcommands live on other branches.)"""
+"""The `picovllm` command: one argparse subcommand per job, each group of commands in its own module.
+
+A command module has `add_parser(subparsers)`, which adds its subcommand(s) and sets
+`func=handler(args) -> int | None` on each. To add a command, write such a module and list it in
+COMMAND_MODULES (a `bench` benchmark goes in commands/bench.py's BENCH_COMMANDS instead). Handlers
+import the engine themselves, so building the parser stays light.
+"""
 from __future__ import annotations
 
 import argparse
+import importlib
+import os
 import sys
 
-from picovllm.entrypoints.openai import cli_serve
+# OpenMP threads that spin at barriers stall whenever another process holds a core: on 2 busy cores
+# the cpu-small benchmark ran 4.5x slower with torch's 2 threads than with sleeping waits, which
+# cost a few percent on an idle machine. Set before torch loads OpenMP; the user's setting wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+COMMAND_MODULES: tuple[str, ...] = (
+    "picovllm.entrypoints.commands.generate",   # generate, chat, batch
+    "picovllm.entrypoints.openai.cli_serve",    # serve (also --role p|d)
+    "picovllm.disagg.proxy",                    # proxy (in front of prefill/decode servers)
+    "picovllm.entrypoints.commands.bench",      # bench throughput | latency | serve
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="picovllm")
-    sub = parser.add_subparsers(dest="command", required=True)
-    cli_serve.add_parser(sub)
-    from picovllm.disagg import proxy
-    proxy.add_parser(sub)
-    from picovllm.bench import serve as bench_serve
-    bench = sub.add_parser("bench", help="benchmarks")
-    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    bench_serve.add_parser(bench_sub)
+    parser = argparse.ArgumentParser(prog="picovllm", description="picovllm: a compact LLM inference engine")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).add_parser(subparsers)
     return parser
 
 
@@ -24,9 +37,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args) or 0
-    except ValueError as e:     # bad flag values: EngineConfig and friends name the field
-        print(f"picovllm: error: {e}", file=sys.stderr)
+    except ValueError as e:     # bad input or flag values: EngineConfig and friends name the field
+        print(f"picovllm {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":

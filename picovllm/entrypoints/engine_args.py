@@ -22,10 +22,11 @@ def _flag_type(annotation: str, default):
     return str
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
+def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    """skip: fields the command declares itself (e.g. `seed`, which generate uses for sampling)."""
     group = parser.add_argument_group("engine")
     for f in dataclasses.fields(EngineConfig):
-        if f.name in SKIP:
+        if f.name in SKIP or f.name in skip:
             continue
         flag = "--" + f.name.replace("_", "-")
         kind = _flag_type(str(f.type), f.default)

@@ -35,6 +35,11 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
+    def __init__(self, vocab_size: int, hidden: int, tp: TPGroup = SINGLE) -> None:
+        super().__init__(vocab_size, hidden, tp)
+        self.packed = None   # a PackedWeight on the CPU (see packed_linear.py), set after loading
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.tp.all_gather_last_dim(F.linear(hidden, self.weight))
+        local = self.packed(hidden) if self.packed is not None else F.linear(hidden, self.weight)
+        logits = self.tp.all_gather_last_dim(local)
         return logits[..., :self.vocab_size]

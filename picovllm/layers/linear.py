@@ -35,6 +35,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = _param(local_out) if bias else None
         if bias:
             self.bias.weight_loader = self.load
+        self.packed = None   # a PackedWeight on the CPU (see packed_linear.py), set after loading
 
     def load(self, param: nn.Parameter, w: torch.Tensor, shard: object = None, name: str = "") -> None:
         n = param.shape[0]
@@ -43,6 +44,8 @@ class ColumnParallelLinear(nn.Module):
         param.data.copy_(w)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return self.packed(x, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -125,6 +128,7 @@ class RowParallelLinear(nn.Module):
         self.bias = _param(out_features) if bias else None
         if bias:
             self.bias.weight_loader = self.load
+        self.packed = None   # a PackedWeight on the CPU (see packed_linear.py), set after loading
 
     def load(self, param: nn.Parameter, w: torch.Tensor, shard: object = None, name: str = "") -> None:
         if param.dim() == 2:
@@ -134,5 +138,5 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(w)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+        y = self.tp.all_reduce(self.packed(x) if self.packed is not None else F.linear(x, self.weight))
         return y if self.bias is None else y + self.bias

@@ -22,6 +22,14 @@ class SamplingTensors:
     any_top_k: bool
     any_top_p: bool
     any_min_p: bool
+    filtered: list[bool] | None = None   # per row: uses top-k, top-p or min-p (host copy)
+
+    def subset(self, rows: list[int]) -> "SamplingTensors":
+        idx = torch.tensor(rows, device=self.temperature.device)
+        f = [self.filtered[i] for i in rows]
+        return SamplingTensors(self.temperature[idx], self.top_k[idx], self.top_p[idx], self.min_p[idx],
+                               [self.seeds[i] for i in rows], self.all_greedy, any(f) and self.any_top_k,
+                               any(f) and self.any_top_p, any(f) and self.any_min_p, f)
 
 
 GREEDY_BELOW = 1e-5   # as vLLM: a smaller temperature is greedy (1 / T would overflow to inf and NaN)
@@ -55,8 +63,22 @@ def sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     """logits [B, V] (float32, or the model's dtype on CUDA) -> token ids [B]."""
     if t.all_greedy:
         return logits.argmax(-1)
-    if logits.is_cuda and not (t.any_top_k or t.any_top_p or t.any_min_p):
-        return _sample_on_gpu(logits, t)
+    if logits.is_cuda and t.filtered is not None:
+        # Which sampler a row gets depends on its own parameters only, never on its batch-mates:
+        # otherwise a seeded request would draw different tokens in different batches.
+        plain = [i for i, f in enumerate(t.filtered) if not f]
+        if len(plain) == len(t.filtered):
+            return _sample_on_gpu(logits, t)
+        if plain:
+            rest = [i for i, f in enumerate(t.filtered) if f]
+            out = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
+            out[plain] = _sample_on_gpu(logits[plain], t.subset(plain))
+            out[rest] = _sample_torch(logits[rest], t.subset(rest))
+            return out
+    return _sample_torch(logits, t)
+
+
+def _sample_torch(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     logits = logits.float()
     greedy = logits.argmax(-1)
     sampled_rows = t.temperature >= GREEDY_BELOW

@@ -1,0 +1,104 @@
+"""`picovllm bench latency`: batch-1 decode latency and single-prompt prefill throughput.
+
+decode:  one request, an --input-len token prompt, --output-len output tokens (EOS ignored); reports
+         ms per output token after the first (the inter-token latency) and the time to first token.
+prefill: one --prefill-len token prompt, one output token; reports prompt tokens per second.
+Prompts are random token ids, fresh for every iteration (so the prefix cache never helps); the
+median over --num-iters is reported, after one warm-up of each.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+
+from picovllm.bench.throughput import _sync, model_label, model_path
+from picovllm.entrypoints.commands.args import add_model_and_engine_args, engine_kwargs
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("latency", help="batch-1 decode ms/token and long-prompt prefill tok/s",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--input-len", type=int, default=512)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--prefill-len", type=int, default=8192, help="clamped to max_model_len - 1")
+    p.add_argument("--num-iters", type=int, default=3)
+    p.add_argument("--random-model", metavar="CONFIG", default=None,
+                   help="random weights of this shape (a preset such as qwen3-0.6b, or a config.json)")
+    p.add_argument("--random-model-dtype", default="bfloat16")
+    p.add_argument("--output-json", default=None)
+    add_model_and_engine_args(p)
+    p.set_defaults(func=run, max_num_batched_tokens=None)   # None: the whole prefill prompt in one step
+
+
+def _run_one(engine, prompt: list[int], max_tokens: int):
+    from picovllm.sampling_params import SamplingParams
+    _sync()
+    t0 = time.time()
+    rid = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    final = None
+    while final is None:
+        for out in engine.step():
+            if out.request_id == rid and out.finished:
+                final = out
+    _sync()
+    return final, t0, time.time()
+
+
+def run_latency(args: argparse.Namespace) -> dict:
+    from picovllm.entrypoints.llm import LLM
+
+    for name in ("input_len", "output_len", "prefill_len", "num_iters"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    budget = args.max_num_batched_tokens or max(2048, args.prefill_len)
+    with model_path(args) as path:
+        llm = LLM(**engine_kwargs(args, model=path, max_num_batched_tokens=budget))
+    eng = llm.engine
+    limit = eng.max_model_len - 1
+    if args.input_len + args.output_len > eng.max_model_len:
+        raise ValueError(f"--input-len + --output-len = {args.input_len + args.output_len} exceeds max_model_len "
+                         f"{eng.max_model_len}")
+    prefill_len = min(args.prefill_len, limit)
+    rng = random.Random(0)
+    vocab = min(eng.model_config.vocab_size, 10001)
+
+    def prompt(n: int) -> list[int]:
+        return [rng.randrange(vocab) for _ in range(n)]
+
+    itl, ttft, prefill = [], [], []
+    for it in range(args.num_iters + 1):                     # iteration 0 warms up
+        out, t0, t1 = _run_one(eng, prompt(args.input_len), args.output_len)
+        times = out.metrics.token_times
+        if it:
+            itl.append((times[-1] - times[0]) / max(len(times) - 1, 1) * 1e3)
+            ttft.append((times[0] - t0) * 1e3)
+        out, t0, t1 = _run_one(eng, prompt(prefill_len), 1)
+        if it:
+            prefill.append(prefill_len / (t1 - t0))
+    cfg = llm.config
+    return {
+        "model": model_label(args, path),
+        "dtype": str(cfg.torch_dtype).removeprefix("torch."), "device": str(cfg.device),
+        "input_len": args.input_len, "output_len": args.output_len, "prefill_len": prefill_len,
+        "num_iters": args.num_iters,
+        "decode_ms_per_token": round(statistics.median(itl), 3), "ttft_ms": round(statistics.median(ttft), 2),
+        "prefill_tok_s": round(statistics.median(prefill), 1),
+        "decode_ms_per_token_all": [round(x, 3) for x in itl], "prefill_tok_s_all": [round(x, 1) for x in prefill],
+        "max_num_batched_tokens": cfg.max_num_batched_tokens,
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    res = run_latency(args)
+    print(f"decode (batch 1, {res['input_len']}-token prompt, {res['output_len']} tokens): "
+          f"{res['decode_ms_per_token']:.2f} ms/token, TTFT {res['ttft_ms']:.1f} ms | "
+          f"prefill of {res['prefill_len']} tokens: {res['prefill_tok_s']:.0f} tok/s")
+    print(json.dumps(res))
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(res, f, indent=2)
+    return 0

@@ -1,0 +1,81 @@
+"""The JSONL format of `picovllm batch`: one request per input line, one result per output line.
+
+Input line: exactly one of "prompt" (text), "prompt_token_ids" (list of ints) or "messages" (a chat
+conversation, run through the model's chat template); optional "id" (echoed back) and any
+SamplingParams field (temperature, max_tokens, stop, seed, ...) overriding the command's flags.
+A bad line becomes an output line with an "error" naming the field; the other lines still run.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from dataclasses import dataclass
+
+from picovllm.outputs import RequestOutput
+from picovllm.sampling_params import SamplingParams
+
+PROMPT_KEYS = ("prompt", "prompt_token_ids", "messages")
+SAMPLING_KEYS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+
+
+@dataclass
+class BatchItem:
+    index: int                               # 0-based line number among non-empty lines
+    id: object | None = None
+    prompt: str | list[int] | None = None    # what goes to Engine.add_request
+    params: SamplingParams | None = None
+    error: str | None = None
+
+
+def parse_line(index: int, line: str, defaults: dict, llm) -> BatchItem:
+    item = BatchItem(index)
+    try:
+        rec = json.loads(line)
+        if not isinstance(rec, dict):
+            raise ValueError("each line must be a JSON object")
+        item.id = rec.get("id")
+        unknown = sorted(set(rec) - set(PROMPT_KEYS) - SAMPLING_KEYS - {"id"})
+        if unknown:
+            raise ValueError(f"unknown field {unknown[0]!r}")
+        given = [k for k in PROMPT_KEYS if k in rec]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of {', '.join(PROMPT_KEYS)}")
+        key = given[0]
+        if key == "messages":
+            if not isinstance(rec[key], list) or not all(isinstance(m, dict) for m in rec[key]):
+                raise ValueError("field 'messages' must be a list of {role, content} objects")
+            item.prompt = llm.apply_chat_template(rec[key])
+        elif key == "prompt" and not isinstance(rec[key], str):
+            raise ValueError("field 'prompt' must be a string (token ids go in 'prompt_token_ids')")
+        else:
+            item.prompt = rec[key]
+        item.params = SamplingParams(**{**defaults, **{k: v for k, v in rec.items() if k in SAMPLING_KEYS}})
+    except (ValueError, TypeError) as e:       # json.JSONDecodeError is a ValueError
+        item.error = f"line {index + 1}: {e}"
+    return item
+
+
+def read_batch(path: str, defaults: dict, llm) -> list[BatchItem]:
+    f = sys.stdin if path == "-" else open(path)
+    try:
+        lines = [line for line in f if line.strip()]
+    finally:
+        if f is not sys.stdin:
+            f.close()
+    return [parse_line(i, line, defaults, llm) for i, line in enumerate(lines)]
+
+
+def result_record(item: BatchItem, out: RequestOutput | None) -> dict:
+    rec: dict = {"index": item.index}
+    if item.id is not None:
+        rec["id"] = item.id
+    if out is None:
+        rec["error"] = item.error
+        return rec
+    comp = out.outputs[0]
+    rec.update(text=comp.text, token_ids=comp.token_ids, finish_reason=comp.finish_reason,
+               stop_reason=comp.stop_reason, num_prompt_tokens=len(out.prompt_token_ids))
+    if comp.logprobs is not None:
+        rec["logprobs"] = [{str(t): lp.logprob for t, lp in d.items()} for d in comp.logprobs]
+    return rec

