@@ -56,7 +56,9 @@ def free_port() -> int:
 class ServerProcess:
     """`python -m picovllm.entrypoints.cli serve ...` in a subprocess, with its log in a file."""
 
-    def __init__(self, model: str, log_path: str, *extra: str, startup_timeout: float = 120.0) -> None:
+    def __init__(self, model: str | None, log_path: str, *extra: str, startup_timeout: float | None = 120.0,
+                 command: tuple[str, ...] = ("serve",)) -> None:
+        """command: the CLI subcommand; model None: no --model; startup_timeout None: do not wait (wait_ready)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
@@ -64,9 +66,14 @@ class ServerProcess:
         self.log_path = log_path
         self._log = open(log_path, "w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "picovllm.entrypoints.cli", "serve", "--model", model, "--port", str(self.port),
-             *extra], stdout=self._log, stderr=subprocess.STDOUT, env=env)
-        self._wait_ready(startup_timeout)
+            [sys.executable, "-m", "picovllm.entrypoints.cli", *command, *(["--model", model] if model else []),
+             "--port", str(self.port), *extra], stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        if startup_timeout is not None:
+            self._wait_ready(startup_timeout)
+
+    def wait_ready(self, timeout: float = 120.0) -> "ServerProcess":
+        self._wait_ready(timeout)
+        return self
 
     def _wait_ready(self, timeout: float) -> None:
         deadline = time.time() + timeout

@@ -48,7 +48,8 @@ class ServerSettings:
     access_log: bool = False
 
 
-def build_app(ctx: ServingContext, settings: ServerSettings) -> FastAPI:
+def build_app(ctx: ServingContext, settings: ServerSettings, openai_routes: bool = True) -> FastAPI:
+    """openai_routes=False: no generation routes (a prefill or decode server, reached through the proxy)."""
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         ctx.engine.start()
@@ -60,20 +61,20 @@ def build_app(ctx: ServingContext, settings: ServerSettings) -> FastAPI:
     completions, chat = CompletionHandler(ctx), ChatHandler(ctx)
     started = int(time.time())
 
-    @app.post("/v1/completions")
-    async def create_completion(body: CompletionRequest, raw: Request) -> Response:
-        return await completions(body, raw)
+    if openai_routes:
+        @app.post("/v1/completions")
+        async def create_completion(body: CompletionRequest, raw: Request) -> Response:
+            return await completions(body, raw)
 
-    @app.post("/v1/chat/completions")
-    async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Response:
-        return await chat(body, raw)
+        @app.post("/v1/chat/completions")
+        async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Response:
+            return await chat(body, raw)
 
     @app.get("/v1/models")
     async def list_models() -> dict:
         return {"object": "list", "data": [{
             "id": ctx.model_name, "object": "model", "created": started, "owned_by": "picovllm",
-            "root": ctx.engine.engine.config.model, "max_model_len": ctx.engine.engine.max_model_len,
-            "vocab_size": ctx.engine.engine.model_config.vocab_size}]}
+            **ctx.engine.model_info()}]}
 
     @app.get("/health")
     async def health() -> Response:

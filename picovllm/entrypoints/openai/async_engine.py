@@ -108,6 +108,10 @@ class RequestStream:
 
 
 class AsyncEngine:
+    # None: the loop sleeps until a command comes whenever the engine is idle. A number: it never waits
+    # longer than that and steps every iteration (the disaggregated engines must keep reading their peer link).
+    poll_s: float | None = None
+
     def __init__(self, engine: Engine, metrics=None) -> None:
         self.engine = engine
         self.metrics = metrics          # ServerMetrics or None; called from the loop thread
@@ -181,7 +185,7 @@ class AsyncEngine:
 
     def _iteration(self) -> bool:
         engine = self.engine
-        cmds = [] if engine.has_unfinished_requests() else [self._commands.get()]
+        cmds = [] if engine.has_unfinished_requests() else self._wait_for_command()
         while True:
             try:
                 cmds.append(self._commands.get_nowait())
@@ -194,9 +198,9 @@ class AsyncEngine:
         if stop:
             for rid in list(engine.requests):
                 self._abort_into(rid, outputs)
-        elif engine.has_unfinished_requests():
+        elif engine.has_unfinished_requests() or self.poll_s is not None:
             try:
-                outputs.extend(engine.step())
+                outputs.extend(self._step())
             except Exception as e:   # one bad step must not take the server down: fail its requests
                 logger.exception("engine step failed; aborting %d requests", len(engine.requests))
                 err = EngineStepError(f"engine step failed: {type(e).__name__}: {e}")
@@ -210,6 +214,23 @@ class AsyncEngine:
         if outputs:
             self._loop.call_soon_threadsafe(self._dispatch, outputs)
         return not stop
+
+    def _wait_for_command(self) -> list[Command]:
+        if self.poll_s is None:
+            return [self._commands.get()]
+        try:
+            return [self._commands.get(timeout=self.poll_s)]
+        except queue.Empty:
+            return []
+
+    def _step(self) -> list:
+        """One engine step's outputs (a subclass may add its own items for _dispatch)."""
+        return self.engine.step()
+
+    def model_info(self) -> dict:
+        """What GET /v1/models shows besides the name."""
+        e = self.engine
+        return {"root": e.config.model, "max_model_len": e.max_model_len, "vocab_size": e.model_config.vocab_size}
 
     def _handle(self, cmd: Command, outputs: list) -> bool:
         if isinstance(cmd, Shutdown):

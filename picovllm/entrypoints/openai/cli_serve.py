@@ -20,6 +20,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="seconds in-flight requests get to finish after SIGTERM/SIGINT before they are aborted")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=False)
+    pd = p.add_argument_group("disaggregated serving (--role p|d, behind `picovllm proxy`)")
+    pd.add_argument("--kv-host", default="127.0.0.1", help="--role p: where to listen for the decode server")
+    pd.add_argument("--kv-port", type=int, default=0, help="--role p: the port the decode server connects to")
+    pd.add_argument("--kv-peer", default=None, help="--role d: the prefill server's HOST:PORT (its --kv-port)")
+    pd.add_argument("--kv-transfer", default="torch_dist", help="KV transfer backend (torch_dist or cuda_ipc)")
+    pd.add_argument("--kv-lease", type=float, default=10.0, help="seconds of silence before the peer counts as dead")
     add_engine_args(p)
     p.set_defaults(func=main)
     return p
@@ -31,8 +37,14 @@ def main(args: argparse.Namespace) -> int:
     if args.model_tag and args.model and args.model_tag != args.model:
         raise SystemExit("error: give the model once (positional or --model)")
     config = engine_config_from_args(args, model=args.model or args.model_tag)
-    serve(config, ServerSettings(host=args.host, port=args.port, api_key=args.api_key,
-                                 served_model_name=args.served_model_name, max_request_bytes=args.max_request_bytes,
-                                 shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
-                                 access_log=args.access_log))
+    settings = ServerSettings(host=args.host, port=args.port, api_key=args.api_key,
+                              served_model_name=args.served_model_name, max_request_bytes=args.max_request_bytes,
+                              shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
+                              access_log=args.access_log)
+    if config.role != "pd":
+        from picovllm.disagg.server import LinkSettings, serve_pd
+        serve_pd(config, settings, LinkSettings(args.kv_host, args.kv_port, args.kv_peer, args.kv_transfer,
+                                                args.kv_lease))
+        return 0
+    serve(config, settings)
     return 0

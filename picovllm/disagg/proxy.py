@@ -1,0 +1,271 @@
+"""`picovllm proxy --prefill URL... --decode URL...`: the OpenAI API in front of P-D server pairs.
+
+(Its flags: picovllm/entrypoints/openai/cli_proxy.py.)
+
+The proxy runs the same completion and chat handlers as `picovllm serve` (picovllm/entrypoints/openai),
+with its own tokenizer; only the engine under them differs: ProxyEngine sends each request to one
+P-D pair (round-robin over pairs; P and D servers are linked pairwise, see picovllm/disagg/server.py
+for the two calls and their order) and PDStream yields P's first-token output, then D's outputs.
+Pairs are found at start-up from each server's /pd/info (the two ends of one link), so the URLs
+may be given in any order. A failure on either side (an error output, a dropped connection, a
+server that cannot be reached) ends the client's request with an OpenAI error object (HTTP 5xx
+before the response starts, a final SSE error event after); the request's other connection is
+closed, which aborts it on that server.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import itertools
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import httpx
+
+from picovllm.disagg.messages import output_from_wire
+from picovllm.entrypoints.openai.async_engine import EngineDeadError, EngineStepError
+from picovllm.outputs import RequestOutput
+from picovllm.sampling_params import SamplingParams
+
+logger = logging.getLogger("picovllm.proxy")
+
+
+@dataclass(frozen=True)
+class PDPair:
+    prefill: str       # base URLs
+    decode: str
+
+
+class PDStream:
+    """One request's outputs through a pair, as AsyncEngine's RequestStream: outputs(), close()."""
+
+    def __init__(self, request_id: str, pair: PDPair, prefill: httpx.Response, decode: httpx.Response,
+                 owner: "ProxyEngine") -> None:
+        self.request_id, self.pair = request_id, pair
+        self._prefill, self._decode, self._owner = prefill, decode, owner
+        self.finished = False
+
+    async def outputs(self) -> AsyncIterator[RequestOutput]:
+        try:
+            async for line in self._lines(self._prefill, "prefill", self.pair.prefill):
+                out = self._check(output_from_wire(line["output"]))
+                if line.get("handed_off"):
+                    out.finished = False
+                    yield out                     # the first token, from P; D has the request now
+                    break
+                self.finished = out.finished
+                if out.finished and self._owner is not None and self._owner.metrics is not None:
+                    self._owner.metrics.observe_finished(out)
+                yield out
+                if out.finished:
+                    return
+            else:
+                raise EngineStepError(f"the prefill server {self.pair.prefill} ended the request's stream early")
+            async for line in self._lines(self._decode, "decode", self.pair.decode):
+                out = self._check(output_from_wire(line["output"]))
+                self.finished = out.finished
+                if out.finished and self._owner is not None and self._owner.metrics is not None:
+                    self._owner.metrics.observe_finished(out)
+                yield out
+                if out.finished:
+                    return
+            raise EngineStepError(f"the decode server {self.pair.decode} ended the request's stream early")
+        except EngineStepError:
+            if self._owner is not None and self._owner.metrics is not None:
+                self._owner.metrics.count_outcome("error")
+            raise
+        finally:
+            self.close()
+
+    def _check(self, out: RequestOutput) -> RequestOutput:
+        if out.outputs[0].finish_reason == "error":
+            raise EngineStepError(out.error or "the request failed on a prefill or decode server")
+        return out
+
+    @staticmethod
+    async def _lines(resp: httpx.Response, what: str, url: str) -> AsyncIterator[dict]:
+        try:
+            async for line in resp.aiter_lines():
+                if not line:
+                    continue
+                obj = json.loads(line)
+                if "error" in obj:
+                    raise EngineStepError(f"the {what} server {url} failed: {obj['error']}")
+                yield obj
+        except (httpx.HTTPError, json.JSONDecodeError) as e:
+            raise EngineStepError(f"the {what} server {url} failed mid-request: {type(e).__name__}: {e}") from None
+
+    def close(self) -> None:
+        """Drop both connections: a server whose client went away aborts the request (frees its KV)."""
+        if self._owner is None:
+            return
+        self.finished = True
+        self._owner._streams.discard(self)
+        self._owner = None
+        for resp in (self._prefill, self._decode):
+            asyncio.ensure_future(resp.aclose())
+
+
+class ProxyEngine:
+    """What the OpenAI handlers need of an AsyncEngine (add_request, start, shutdown, abort_all, ...),
+    over P-D server pairs."""
+
+    def __init__(self, pairs: list[PDPair], model_info: dict, metrics=None, connect_timeout_s: float = 10.0) -> None:
+        if not pairs:
+            raise ValueError("pairs: at least one prefill/decode pair is needed")
+        self.pairs, self._model_info, self.metrics = pairs, model_info, metrics
+        self._next = itertools.count()
+        self._timeout = httpx.Timeout(connect=connect_timeout_s, read=None, write=connect_timeout_s, pool=None)
+        self._client: httpx.AsyncClient | None = None
+        self._streams: set[PDStream] = set()
+
+    def start(self) -> None:
+        self._client = httpx.AsyncClient(timeout=self._timeout, limits=httpx.Limits(max_connections=None,
+                                                                                     max_keepalive_connections=64))
+
+    @property
+    def is_running(self) -> bool:
+        return self._client is not None
+
+    def model_info(self) -> dict:
+        return dict(self._model_info)
+
+    async def shutdown(self) -> None:
+        self.abort_all()
+        if self._client is not None:
+            await asyncio.sleep(0)            # let the closes scheduled by abort_all run
+            await self._client.aclose()
+            self._client = None
+
+    def abort_all(self) -> None:
+        for stream in list(self._streams):
+            stream.close()
+
+    async def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
+                          arrival_time: float | None = None) -> PDStream:
+        """Open the request on D (listen), then on P. Raises ValueError (a 400 from P), EngineDeadError."""
+        if self._client is None:
+            raise EngineDeadError("the proxy is not running")
+        body = {"request_id": request_id, "prompt_token_ids": list(prompt_token_ids),
+                "params": dataclasses.asdict(params), "arrival_time": arrival_time or time.time()}
+        errors = []
+        for _ in range(len(self.pairs)):     # round-robin; a pair that cannot be reached is skipped
+            pair = self.pairs[next(self._next) % len(self.pairs)]
+            try:
+                decode = await self._open(pair.decode, "/pd/decode", {"request_id": request_id}, "decode")
+            except EngineDeadError as e:
+                errors.append(str(e))
+                continue
+            try:
+                prefill = await self._open(pair.prefill, "/pd/prefill", body, "prefill")
+            except EngineDeadError as e:
+                await decode.aclose()
+                errors.append(str(e))
+                continue
+            except BaseException:
+                await decode.aclose()
+                raise
+            stream = PDStream(request_id, pair, prefill, decode, self)
+            self._streams.add(stream)
+            return stream
+        raise EngineDeadError("no prefill/decode pair could take the request: " + "; ".join(errors))
+
+    async def _open(self, base: str, path: str, body: dict, what: str) -> httpx.Response:
+        request = self._client.build_request("POST", base + path, json=body)
+        try:
+            resp = await self._client.send(request, stream=True)
+        except httpx.HTTPError as e:
+            raise EngineDeadError(f"the {what} server {base} is unreachable: {type(e).__name__}: {e}") from None
+        if resp.status_code == 200:
+            return resp
+        try:
+            data = await resp.aread()
+            message = json.loads(data)["error"]["message"]
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            message = f"HTTP {resp.status_code}"
+        finally:
+            await resp.aclose()
+        if 400 <= resp.status_code < 500 and resp.status_code not in (404, 405):
+            raise ValueError(message)
+        raise EngineDeadError(f"the {what} server {base} answered {resp.status_code}: {message}")
+
+
+# -- start-up -------------------------------------------------------------------------------------
+def _get(url: str, deadline: float) -> dict:
+    """GET a JSON document, retrying while the server is still starting."""
+    while True:
+        try:
+            r = httpx.get(url, timeout=5.0)
+            if r.status_code == 200:
+                return r.json()
+            if r.status_code != 503:
+                raise ValueError(f"{url} answered HTTP {r.status_code}: is it a `picovllm serve --role p|d` server?")
+            why = f"HTTP {r.status_code}"
+        except httpx.HTTPError as e:
+            why = f"{type(e).__name__}: {e}"
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{url} did not answer in time ({why})")
+        time.sleep(0.25)
+
+
+def discover_pairs(prefill: list[str], decode: list[str], timeout_s: float) -> list[PDPair]:
+    """Match each P server to the D server on the other end of its link (from /pd/info)."""
+    deadline = time.monotonic() + timeout_s
+    links = {}
+    for what, urls, role in (("--prefill", prefill, "p"), ("--decode", decode, "d")):
+        for url in urls:
+            info = _get(url + "/pd/info", deadline)
+            if info.get("role") != role:
+                raise ValueError(f"{what}: {url} is a {info.get('role')!r} server, not {role!r}")
+            if not info.get("link_alive") or not info.get("link"):
+                raise ValueError(f"{what}: {url} has no live link to its peer server")
+            local, remote = (tuple(x) for x in info["link"])
+            links[(role, local, remote)] = url
+    pairs = []
+    for (role, local, remote), url in links.items():
+        if role == "p":
+            d = links.get(("d", remote, local))
+            if d is None:
+                raise ValueError(f"--decode: the decode server linked to {url} is not among {decode}")
+            pairs.append(PDPair(url, d))
+    if len(pairs) != len(decode):
+        raise ValueError(f"--prefill: the prefill server of some decode server in {decode} is not among {prefill}")
+    return pairs
+
+
+def main(args: argparse.Namespace) -> int:
+    """`picovllm proxy`: find the pairs, load the tokenizer, serve until SIGTERM/SIGINT."""
+    import uvicorn
+
+    from picovllm.entrypoints.openai.api_server import BACKSTOP_SECONDS, ServerSettings, _Server, build_app
+    from picovllm.entrypoints.openai.metrics import ServerMetrics
+    from picovllm.entrypoints.openai.serving import ServingContext
+    from picovllm.entrypoints.openai.tokenizer_worker import TokenizerWorker
+    from picovllm.loader.source import open_model_source
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    prefill = [u.rstrip("/") for u in args.prefill]
+    decode = [u.rstrip("/") for u in args.decode]
+    pairs = discover_pairs(prefill, decode, args.startup_timeout)
+    card = _get(pairs[0].prefill + "/v1/models", time.monotonic() + args.startup_timeout)["data"][0]
+    name = args.served_model_name or card["id"]
+    info = {k: card.get(k) for k in ("root", "max_model_len", "vocab_size")}
+    source = open_model_source(args.model or card["root"])
+    tokenizer = source.load_tokenizer() if source.load_tokenizer is not None else None
+    metrics = ServerMetrics(name)
+    engine = ProxyEngine(pairs, info, metrics)
+    ctx = ServingContext(engine, TokenizerWorker(tokenizer), metrics, name)
+    settings = ServerSettings(host=args.host, port=args.port, api_key=args.api_key, served_model_name=name,
+                              max_request_bytes=args.max_request_bytes, shutdown_timeout=args.shutdown_timeout,
+                              log_level=args.log_level)
+    app = build_app(ctx, settings)
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                            access_log=False, timeout_graceful_shutdown=settings.shutdown_timeout + BACKSTOP_SECONDS)
+    logger.info("proxy for %d prefill/decode pairs on http://%s:%d: %s", len(pairs), args.host, args.port,
+                ", ".join(f"{p.prefill} -> {p.decode}" for p in pairs))
+    _Server(config, engine, settings.shutdown_timeout).run()
+    return 0

@@ -1,0 +1,28 @@
+"""`picovllm proxy`: the OpenAI API in front of prefill/decode server pairs (picovllm/disagg/proxy.py)."""
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("proxy", help="the OpenAI API in front of prefill/decode server pairs",
+                              description="Route each request through a prefill server, then its decode server.")
+    p.add_argument("--prefill", nargs="+", required=True, help="prefill servers' base URLs (serve --role p)")
+    p.add_argument("--decode", nargs="+", required=True, help="decode servers' base URLs (serve --role d)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--model", default=None, help="where to load the tokenizer from (default: the prefill "
+                                                 "servers' model path)")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--max-request-bytes", type=int, default=4 * 2**20)
+    p.add_argument("--shutdown-timeout", type=float, default=10.0)
+    p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for the servers")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(func=main)
+    return p
+
+
+def main(args: argparse.Namespace) -> int:
+    from picovllm.disagg.proxy import main as run_proxy
+    return run_proxy(args)

@@ -1,0 +1,195 @@
+"""Disaggregated serving: P and D as separate server processes (`serve --role p|d`) behind `picovllm proxy`.
+
+Oracle: LLM.generate / LLM.chat in this process on the same weights (greedy). Also: a D killed mid-stream
+gives the client an error within a bounded time while P stays up with every KV block free; SIGTERM
+stops all three processes cleanly (exit 0, no process left)."""
+import json
+import os
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+
+from picovllm import LLM, SamplingParams
+from serving_fixtures import ServerProcess, build_tiny_chat_model, free_port
+from test_server_lifecycle import children_of
+
+ENGINE_ARGS = ["--block-size", "16", "--num-kv-blocks", "256", "--max-model-len", "1024"]
+PROMPTS = ["Hello, how are you", "The capital of France is", "Tell me a story about a cat"]
+
+
+def start_proxy(log_path: str, prefill: list[str], decode: list[str]) -> ServerProcess:
+    return ServerProcess(None, log_path, "--prefill", *prefill, "--decode", *decode, "--startup-timeout", "120",
+                         command=("proxy",))
+
+
+def start_pairs(model: str, logdir, n: int) -> list[dict[str, ServerProcess]]:
+    """n P-D server pairs, each linked on a fresh port, all started at once (a P is up once its D linked)."""
+    pairs = []
+    for i in range(n):
+        kv = free_port()
+        pairs.append({role: ServerProcess(model, str(logdir / f"{role}{i}.log"), "--role", role, *extra,
+                                          *ENGINE_ARGS, startup_timeout=None)
+                      for role, extra in (("p", ["--kv-port", str(kv)]), ("d", ["--kv-peer", f"127.0.0.1:{kv}"]))})
+    for pair in pairs:
+        for srv in pair.values():
+            srv.wait_ready(180.0)
+    return pairs
+
+
+def wait_idle(srv, timeout=20.0) -> dict:
+    deadline = time.time() + timeout
+    while True:
+        m = srv.metrics()
+        if m["picovllm:num_requests_running"] == 0 and \
+                m["picovllm:kv_cache_free_blocks"] == m["picovllm:kv_cache_num_blocks"]:
+            return m
+        assert time.time() < deadline, f"not idle: {m}"
+        time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return build_tiny_chat_model(str(tmp_path_factory.mktemp("tinypd") / "model"), max_position_embeddings=2048)
+
+
+@pytest.fixture(scope="module")
+def llm(model):
+    return LLM(model, block_size=16, num_kv_blocks=256, max_model_len=1024)
+
+
+@pytest.fixture(scope="module")
+def cluster(model, tmp_path_factory):
+    """Two P-D pairs behind one proxy, the --decode URLs in the other order than their --prefill URLs."""
+    logdir = tmp_path_factory.mktemp("pdlog")
+    pairs = []
+    try:
+        pairs = start_pairs(model, logdir, 2)
+        proxy = start_proxy(str(logdir / "proxy.log"), [pair["p"].url for pair in pairs],
+                            [pair["d"].url for pair in reversed(pairs)])
+        yield {"pairs": pairs, "proxy": proxy}
+    finally:
+        for srv in [s for pair in pairs for s in pair.values()] + ([proxy] if "proxy" in locals() else []):
+            srv.stop(signal.SIGKILL, timeout=10)
+
+
+def all_servers(cluster) -> list[ServerProcess]:
+    return [s for pair in cluster["pairs"] for s in pair.values()]
+
+
+def test_outputs_equal_colocated(cluster, llm):
+    client = openai.OpenAI(base_url=cluster["proxy"].url + "/v1", api_key="unused", max_retries=0)
+    name = client.models.list().data[0].id
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
+    for prompt, r in zip(PROMPTS, llm.generate(PROMPTS, sp, use_tqdm=False)):
+        rc = r.outputs[0]
+        got = client.completions.create(model=name, prompt=prompt, max_tokens=12, temperature=0, logprobs=1,
+                                        extra_body={"ignore_eos": True})
+        c = got.choices[0]
+        assert c.text == rc.text and c.finish_reason == "length"
+        assert got.usage.completion_tokens == 12 and got.usage.prompt_tokens == len(r.prompt_token_ids)
+        assert c.logprobs.token_logprobs == pytest.approx([d[t].logprob for d, t in zip(rc.logprobs, rc.token_ids)],
+                                                          abs=1e-4)
+        parts = [ch.choices[0].text for ch in client.completions.create(
+            model=name, prompt=prompt, max_tokens=12, temperature=0, stream=True, extra_body={"ignore_eos": True})
+            if ch.choices]
+        assert "".join(parts) == rc.text and parts[0] != ""          # the first chunk (P's token) is not empty
+    conv = [{"role": "user", "content": "Tell me a story"}]
+    rc = llm.chat(conv, SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)[0].outputs[0]
+    got = client.chat.completions.create(model=name, messages=conv, max_tokens=10, temperature=0)
+    assert got.choices[0].message.content == rc.text and got.choices[0].finish_reason == rc.finish_reason
+    parts = [ch.choices[0].delta.content or "" for ch in client.chat.completions.create(
+        model=name, messages=conv, max_tokens=10, temperature=0, stream=True)]
+    assert "".join(parts) == rc.text
+    # seeded sampling: the stream seed is per (seed, output index), so D continues P's stream exactly
+    seeded = llm.generate(["Once upon"], SamplingParams(temperature=1.0, seed=7, max_tokens=10, ignore_eos=True),
+                          use_tqdm=False)[0].outputs[0]
+    assert client.completions.create(model=name, prompt="Once upon", max_tokens=10, temperature=1.0, seed=7,
+                                     extra_body={"ignore_eos": True}).choices[0].text == seeded.text
+    # a request that ends at its first token never reaches D
+    one = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)[0].outputs[0]
+    assert client.completions.create(model=name, prompt="Hello", max_tokens=1, temperature=0).choices[0].text == one.text
+    # bad input: a 400 from P, naming the problem, nothing left behind
+    with pytest.raises(openai.BadRequestError, match="max_model_len|longer"):
+        client.completions.create(model=name, prompt=list(range(5, 300)) * 4, max_tokens=4)
+    for srv in all_servers(cluster):
+        wait_idle(srv)
+
+
+def test_round_robin_and_client_disconnect(cluster):
+    """Each pair serves every other request; a client that leaves mid-stream frees the KV on both sides."""
+    proxy, ds = cluster["proxy"], [pair["d"] for pair in cluster["pairs"]]
+    before = [wait_idle(d)["picovllm:requests_total.length"] for d in ds]
+    texts = []
+    for _ in range(4):
+        r = httpx.post(proxy.url + "/v1/completions", json={
+            "prompt": "Numbers: 0 1 2", "max_tokens": 8, "temperature": 0, "ignore_eos": True}, timeout=60)
+        assert r.status_code == 200, r.text
+        texts.append(r.json()["choices"][0]["text"])
+    assert len(set(texts)) == 1 and texts[0]
+    assert [wait_idle(d)["picovllm:requests_total.length"] - b for d, b in zip(ds, before)] == [2, 2]
+    body = {"prompt": "Tell me a story", "max_tokens": 900, "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", proxy.url + "/v1/completions", json=body, timeout=30) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i == 6:
+                break
+    for srv in all_servers(cluster):
+        wait_idle(srv)
+    assert sum(wait_idle(d)["picovllm:requests_total.abort"] for d in ds) == 1
+
+
+def test_decode_killed_mid_stream(cluster):
+    """D dies mid-stream: the client gets a final SSE error event, not a hang; its P stays up with every
+    block free; the proxy routes new requests to the pair still whole."""
+    proxy = cluster["proxy"]
+    body = {"prompt": "Tell me a story", "max_tokens": 900, "temperature": 0, "ignore_eos": True, "stream": True}
+    events, t0, victim = [], None, None
+    with httpx.stream("POST", proxy.url + "/v1/completions", json=body, timeout=30) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            events.append(line[6:])
+            if len(events) == 3:          # P's token and two of D's: kill the D that is decoding it
+                victim = next(pair for pair in cluster["pairs"]
+                              if pair["d"].metrics()["picovllm:num_requests_running"] == 1)
+                victim["d"].proc.send_signal(signal.SIGKILL)
+                t0 = time.monotonic()
+    assert time.monotonic() - t0 < 10
+    assert events[-1] == "[DONE]"
+    last = json.loads(events[-2])
+    assert "error" in last and "decode server" in last["error"]["message"], events[-3:]
+    assert len(events) < 900
+    assert httpx.get(victim["p"].url + "/health", timeout=5).status_code == 200
+    wait_idle(victim["p"])
+    for _ in range(2):            # round-robin skips the pair whose D is gone
+        r = httpx.post(proxy.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 4}, timeout=30)
+        assert r.status_code == 200, r.text
+    # P itself, asked directly, fails the handover at once and frees the blocks
+    r = httpx.post(victim["p"].url + "/pd/prefill", json={"request_id": "x", "prompt_token_ids": [5, 6, 7],
+                                                            "params": {"max_tokens": 4}, "arrival_time": time.time()})
+    last = json.loads(r.text.strip().splitlines()[-1])["output"]
+    assert last["finished"] and last["outputs"][0]["finish_reason"] == "error" and "decode engine" in last["error"]
+    wait_idle(victim["p"])
+    m = proxy.metrics()
+    assert m["picovllm:requests_total.error"] == 1 and m["picovllm:requests_total.length"] >= 10
+    cluster["dead"] = [victim["d"]]
+    # now the other pair's P dies too: no pair can take a request, and the client gets a clean 503 at once
+    survivor = next(pair for pair in cluster["pairs"] if pair is not victim)
+    survivor["p"].proc.send_signal(signal.SIGKILL)
+    survivor["p"].proc.wait(10)
+    cluster["dead"].append(survivor["p"])
+    t0 = time.monotonic()
+    r = httpx.post(proxy.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 4}, timeout=30)
+    assert r.status_code == 503 and "prefill server" in r.json()["error"]["message"], r.text
+    assert time.monotonic() - t0 < 10
+    wait_idle(survivor["d"])        # the listener the proxy opened there was dropped
+
+
+def test_sigterm_stops_every_process_cleanly(cluster):
+    """The proxy and the P and D servers still up: SIGTERM, exit 0, no process left behind."""
+    for srv in [cluster["proxy"]] + [s for s in all_servers(cluster) if s not in cluster.get("dead", [])]:
+        kids = children_of(srv.proc.pid)
+        assert srv.stop(signal.SIGTERM, timeout=30) == 0, srv.log()[-3000:]
+        assert not [k for k in kids if os.path.exists(f"/proc/{k}")]
