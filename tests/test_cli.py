@@ -138,3 +138,14 @@ def test_text_streamer_never_shows_a_stop_string():
     assert not any("S" in piece for piece in shown)
     plain = TextStreamer([])
     assert [plain.delta(t, False) for t in ["a", "ab", "abc"]] == ["a", "b", "c"]
+
+
+def test_generate_disagg_equals_colocated(default_llm):
+    """`picovllm generate --disagg` runs P and D in two processes; greedy text equals the colocated engine's."""
+    prompt = "The capital of France is"
+    ref = default_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)[0]
+    r = run_cli(["generate", prompt, "--no-chat", "--max-tokens", "6", "--disagg"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    line = next(l for l in r.stdout.splitlines() if l.startswith("[pd-0]"))
+    assert line.endswith("-> " + repr(ref.outputs[0].text)), (line, ref.outputs[0].text)
+    assert "TTFT" in r.stdout

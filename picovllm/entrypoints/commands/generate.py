@@ -8,6 +8,7 @@ import time
 
 from picovllm.entrypoints.commands.args import (add_model_and_engine_args, add_sampling_args, engine_kwargs,
                                                  sampling_kwargs, sampling_params)
+from picovllm.disagg.cli import add_disagg_arguments, run_disagg_generate
 
 
 def add_parser(subparsers) -> None:
@@ -18,6 +19,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--stats", action="store_true", help="print token count, time and finish reason to stderr")
     add_sampling_args(p)
     add_model_and_engine_args(p)
+    add_disagg_arguments(p)
     p.set_defaults(func=run_generate)
 
     p = subparsers.add_parser("chat", help="interactive multi-turn chat on stdin/stdout",
@@ -63,6 +65,9 @@ def _messages(system: str | None, history: list[dict]) -> list[dict]:
 
 # -- generate ------------------------------------------------------------------------------------
 def run_generate(args: argparse.Namespace) -> int:
+    if args.disagg:   # P and D engines in their own processes; the raw prompt, no chat template
+        args.prompts = [sys.stdin.read() if args.prompt == "-" else args.prompt]
+        return run_disagg_generate(args)
     from picovllm.entrypoints.streaming import StreamedRequest
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
