@@ -65,6 +65,18 @@ def one_torch_thread():
     torch.set_num_threads(n)
 
 
+@pytest.fixture(scope="module")
+def one_thread_in_children(one_torch_thread):
+    """One intra-op thread in this process and in the processes it spawns (they inherit OMP_NUM_THREADS)."""
+    old = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    yield
+    if old is None:
+        del os.environ["OMP_NUM_THREADS"]
+    else:
+        os.environ["OMP_NUM_THREADS"] = old
+
+
 # Engines that outlive one test (session fixtures); no_kv_leaks checks them after every test too.
 _engines: list = []
 

@@ -23,17 +23,8 @@ CLOSE_RUNS = int(os.environ.get("PICOVLLM_PD_CLOSE_RUNS", "20"))
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread here and in the spawned engines (they inherit the environment)."""
-    old_env, old_threads = os.environ.get("OMP_NUM_THREADS"), torch.get_num_threads()
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old_threads)
-    if old_env is None:
-        del os.environ["OMP_NUM_THREADS"]
-    else:
-        os.environ["OMP_NUM_THREADS"] = old_env
+def one_thread(one_thread_in_children):
+    """One intra-op thread here and in the spawned engines and ranks."""
 
 
 def shut_down_quickly(llm: DisaggLLM) -> None:

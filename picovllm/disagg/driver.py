@@ -30,6 +30,7 @@ from picovllm.disagg.messages import BuildEngine, Shutdown, WorkerHello, WorkerR
 from picovllm.disagg.session import NAMES, ROLES, DisaggSession
 from picovllm.disagg.transfer import BACKENDS
 from picovllm.disagg.worker import worker_main
+from picovllm.entrypoints.llm import normalize_prompts
 from picovllm.outputs import RequestOutput
 from picovllm.sampling_params import SamplingParams
 
@@ -132,7 +133,7 @@ class DisaggLLM:
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = False, timeout_s: float | None = None, **options) -> list[RequestOutput]:
         """As LLM.generate: one session with every prompt submitted at once, then closed and drained."""
-        prompts, params = _normalize(prompts, sampling_params)
+        prompts, params = normalize_prompts(prompts, sampling_params)
         s = self.session(**options)
         ids = [s.submit(p, sp) for p, sp in zip(prompts, params)]
         s.close()
@@ -216,19 +217,6 @@ def _side_configs(model, common: dict, p_device: str, d_device: str, p_over: dic
         # One GPU: P takes half the budget; D, sized after P, sees P's memory as used and takes the rest.
         out["p"]["gpu_memory_utilization"] = out["p"]["gpu_memory_utilization"] / 2
     return out
-
-
-def _normalize(prompts, sampling_params) -> tuple[list, list[SamplingParams]]:
-    if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-        prompts = [prompts]
-    prompts = [p["prompt_token_ids"] if isinstance(p, dict) and "prompt_token_ids" in p
-               else p["prompt"] if isinstance(p, dict) else p for p in prompts]
-    if sampling_params is None:
-        sampling_params = SamplingParams()
-    params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
-    if len(params) != len(prompts):
-        raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts")
-    return prompts, params
 
 
 __all__ = ["DisaggLLM", "DisaggSession", "generate_disaggregated"]

@@ -14,6 +14,21 @@ from picovllm.sampling_params import SamplingParams
 Prompt = str | list[int] | dict
 
 
+def normalize_prompts(prompts, sampling_params) -> tuple[list, list[SamplingParams]]:
+    """generate()'s inputs as vLLM takes them -> a list of prompts (text or token ids) and one
+    SamplingParams per prompt."""
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        prompts = [prompts]
+    prompts = [p["prompt_token_ids"] if isinstance(p, dict) and "prompt_token_ids" in p
+               else p["prompt"] if isinstance(p, dict) else p for p in prompts]
+    if sampling_params is None:
+        sampling_params = SamplingParams()
+    params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
+    if len(params) != len(prompts):
+        raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts")
+    return prompts, params
+
+
 class LLM:
     def __init__(self, model: str | None = None, **kwargs) -> None:
         self.config = EngineConfig(model=model, **kwargs)
@@ -36,15 +51,7 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = [p["prompt_token_ids"] if isinstance(p, dict) and "prompt_token_ids" in p
-                   else p["prompt"] if isinstance(p, dict) else p for p in prompts]
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts")
+        prompts, params = normalize_prompts(prompts, sampling_params)
         ids = []
         try:
             for p, sp in zip(prompts, params):
