@@ -9,13 +9,11 @@ median over --num-iters is reported, after one warm-up of each.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
-import sys
 import time
 
-from picovllm.bench.throughput import _sync, model_label, model_path
+from picovllm.bench.throughput import _sync, emit_json, model_label, model_path
 from picovllm.entrypoints.commands.args import add_model_and_engine_args, engine_kwargs
 
 
@@ -97,8 +95,5 @@ def run(args: argparse.Namespace) -> int:
     print(f"decode (batch 1, {res['input_len']}-token prompt, {res['output_len']} tokens): "
           f"{res['decode_ms_per_token']:.2f} ms/token, TTFT {res['ttft_ms']:.1f} ms | "
           f"prefill of {res['prefill_len']} tokens: {res['prefill_tok_s']:.0f} tok/s")
-    print(json.dumps(res))
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(res, f, indent=2)
+    emit_json(res, args.output_json)
     return 0

@@ -50,6 +50,14 @@ def model_label(args: argparse.Namespace, path: str | None) -> str:
     return path or "default (SmolLM2-135M-Instruct)"
 
 
+def emit_json(res: dict, path: str | None) -> None:
+    """Print a benchmark's result as one JSON line, and write it to `path` when given."""
+    print(json.dumps(res))
+    if path:
+        with open(path, "w") as f:
+            json.dump(res, f, indent=2)
+
+
 def _sync() -> None:
     import torch
     if torch.cuda.is_available():
@@ -99,8 +107,5 @@ def run(args: argparse.Namespace) -> int:
           f"{res['output_tokens']} output tokens on {res['model']} ({res['dtype']}, {res['device']})", file=sys.stderr)
     print(f"Total time: {res['elapsed_s']:.2f} s | output: {res['output_tok_s']:.1f} tok/s | "
           f"total: {res['total_tok_s']:.1f} tok/s")
-    print(json.dumps(res))
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(res, f, indent=2)
+    emit_json(res, args.output_json)
     return 0

@@ -57,9 +57,7 @@ class PDStream:
                     out.finished = False
                     yield out                     # the first token, from P; D has the request now
                     break
-                self.finished = out.finished
-                if out.finished and self._owner is not None and self._owner.metrics is not None:
-                    self._owner.metrics.observe_finished(out)
+                self._record(out)
                 yield out
                 if out.finished:
                     return
@@ -67,9 +65,7 @@ class PDStream:
                 raise EngineStepError(f"the prefill server {self.pair.prefill} ended the request's stream early")
             async for line in self._lines(self._decode, "decode", self.pair.decode):
                 out = self._check(output_from_wire(line["output"]))
-                self.finished = out.finished
-                if out.finished and self._owner is not None and self._owner.metrics is not None:
-                    self._owner.metrics.observe_finished(out)
+                self._record(out)
                 yield out
                 if out.finished:
                     return
@@ -80,6 +76,11 @@ class PDStream:
             raise
         finally:
             self.close()
+
+    def _record(self, out: RequestOutput) -> None:
+        self.finished = out.finished
+        if out.finished and self._owner is not None and self._owner.metrics is not None:
+            self._owner.metrics.observe_finished(out)
 
     def _check(self, out: RequestOutput) -> RequestOutput:
         if out.outputs[0].finish_reason == "error":
