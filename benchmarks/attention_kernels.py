@@ -64,6 +64,24 @@ def bench_decode():
     print("decode best:", {f"{b}x{c}": v for (b, c), v in best.items()})
 
 
+def bench_decode_splits():
+    """The engine's decode batches: contexts spread 100-2048 tokens. Does splitting long contexts
+    (more, shorter programs) beat the default grid of one program per (sequence, kv head)?"""
+    print("decode splits: batch, block_n, warps, stages, splits -> us, TB/s")
+    random.seed(1)
+    for b in (256, 128, 64, 32, 16):
+        lens = [random.randint(100, 2048) for _ in range(b)]
+        k, v, tables, seq_lens = paged(lens)
+        q = torch.randn(b, HQ, D, device="cuda", dtype=torch.bfloat16)
+        nbytes = sum(lens) * HKV * D * 2 * 2
+        for bn, w, s in [(None, 4, 2), (128, 4, 2), (64, 4, 2), (64, 4, 3)]:
+            for splits in (None, 1, 2, 3, 4, 6, 8, 12, 16):
+                f = lambda: decode_attention(q, k, v, tables, seq_lens, D ** -0.5, block_n=bn, num_warps=w,  # noqa
+                                             num_stages=s, num_splits=splits)
+                us = triton.testing.do_bench(f, warmup=20, rep=100, return_mode="median") * 1e3
+                print(f"  {b:4d} {str(bn):>4} {w} {s} {str(splits):>4} -> {us:8.1f} us {nbytes / us / 1e6:5.2f} TB/s")
+
+
 def bench_prefill():
     print("prefill 8k: block_m, block_n, warps, stages -> ms, TFLOP/s, rel_err")
     n = 8192
@@ -97,5 +115,9 @@ def bench_prefill():
 
 
 if __name__ == "__main__":
-    bench_decode()
-    bench_prefill()
+    import sys
+    if sys.argv[1:] == ["splits"]:
+        bench_decode_splits()
+    else:
+        bench_decode()
+        bench_prefill()

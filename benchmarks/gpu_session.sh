@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything the GPU fast path needs measured, in one device call. Full logs go to $OUT (or /tmp/out).
-# Usage: bash benchmarks/gpu_session.sh [tests] [kernels] [throughput] [greedy] [eager] [latency] [prefill] [profile]
+# Usage: bash benchmarks/gpu_session.sh [tests] [kernels] [splits] [sync] [throughput] [greedy] [eager] [latency] [prefill] [profile]
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1
@@ -10,9 +10,11 @@ bench() { python3 benchmarks/nano_throughput.py "$@" > "$OUT/$log.log" 2>&1; tai
 for what in "$@"; do
   t0=$(date +%s)
   case $what in
-    tests) python3 -m pytest -q -m gpu -p no:cacheprovider -n 4 -k "${TESTS_K:-}" tests/test_kernels.py > "$OUT/tests.log" 2>&1
+    tests) python3 -m pytest -q -m gpu -p no:cacheprovider -n 4 -k "${TESTS_K:-}" ${TESTS:-tests/test_kernels.py} > "$OUT/tests.log" 2>&1
            grep -E "passed|failed|FAILED|Error" "$OUT/tests.log" | tail -15 ;;
     kernels) python3 benchmarks/attention_kernels.py 2>&1 | tee "$OUT/kernels.log" ;;
+    splits) python3 benchmarks/attention_kernels.py splits 2>&1 | tee "$OUT/splits.log" ;;
+    sync) log=sync lines=60 bench throughput --timeline --no-overlap ;;
     throughput) log=throughput lines=60 bench throughput --timeline ;;
     greedy) log=greedy lines=12 bench throughput --temperature 0 ;;
     eager) log=eager lines=12 bench throughput --enforce-eager ;;

@@ -1,6 +1,6 @@
 """The nano-vllm benchmark workload through LLM.generate, plus latency, prefill and a step profile.
 
-    python benchmarks/nano_throughput.py throughput [--model PATH] [--enforce-eager]
+    python benchmarks/nano_throughput.py throughput [--model PATH] [--enforce-eager] [--no-overlap] [--timeline]
     python benchmarks/nano_throughput.py latency     # batch 1, 512-token prompt, 256 outputs: ms/token
     python benchmarks/nano_throughput.py prefill     # one 8k-token prompt: prefill tokens/s
     python benchmarks/nano_throughput.py profile     # where a batch-256 decode step's time goes
@@ -35,24 +35,29 @@ def workload(n: int = 256, max_in: int = 1024, max_out: int = 1024, temperature:
 
 def make_llm(args, **over) -> LLM:
     kw = dict(max_model_len=4096, max_num_seqs=256, max_num_batched_tokens=16384, enforce_eager=args.enforce_eager,
-              gpu_memory_utilization=0.9)
+              gpu_memory_utilization=0.9, async_scheduling=not args.no_overlap)
     kw.update(over)
     return LLM(args.model, **kw)
 
 
 class StepTimeline:
-    """Wraps the engine's step and the runner's execute: wall and GPU time of every step."""
+    """Wraps the engine's step and the runner's execute (launch, when overlapped): wall and GPU time
+    of every step. Overlapped, a step's start event is reached on the GPU when the previous step's
+    work ends, so the GPU time summed over steps is the time the GPU was busy; the rest of the wall
+    time is host work the GPU waited for."""
 
     def __init__(self, eng) -> None:
         import torch
         self.rows: list[dict] = []
-        real_step, real_execute = eng.step, eng.runner.execute
+        self.t0 = time.perf_counter()
+        name = "launch" if eng.overlap else "execute"
+        real_step, real_execute = eng.step, getattr(eng.runner, name)
 
-        def execute(step):
+        def execute(step, *a):
             ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             ev0.record()
             t = time.perf_counter()
-            res = real_execute(step)
+            res = real_execute(step, *a)
             self.cur.update(execute_ms=(time.perf_counter() - t) * 1e3, batch=len(step.seq_lens),
                             tokens=len(step.input_ids), decode_only=step.num_decodes == len(step.seq_lens),
                             ctx=sum(step.seq_lens), events=(ev0, ev1))
@@ -68,9 +73,11 @@ class StepTimeline:
                 self.rows.append(self.cur)
             return out
 
-        eng.step, eng.runner.execute = step, execute
+        eng.step = step
+        setattr(eng.runner, name, execute)
 
     def summary(self) -> dict:
+        wall = time.perf_counter() - self.t0
         for r in self.rows:
             ev0, ev1 = r.pop("events")
             ev1.synchronize()
@@ -86,6 +93,8 @@ class StepTimeline:
             out[name] = {"steps": len(rows), "step_s": round(tot("step_ms") / 1e3, 3),
                          "gpu_s": round(tot("gpu_ms") / 1e3, 3), "execute_s": round(tot("execute_ms") / 1e3, 3),
                          "kv_TBps": round(tot("ctx") * KV_BYTES_PER_TOKEN / (tot("gpu_ms") / 1e3) / 1e12, 2)}
+        gpu = sum(r["gpu_ms"] for r in self.rows) / 1e3
+        out["total"] = {"wall_s": round(wall, 3), "gpu_busy_s": round(gpu, 3), "gpu_idle_s": round(wall - gpu, 3)}
         slow = sorted(self.rows, key=lambda r: -r["step_ms"])[:5]
         out["slowest"] = [{k: (round(v, 2) if isinstance(v, float) else v) for k, v in r.items()} for r in slow]
         return out
@@ -142,7 +151,7 @@ def prefill(args) -> dict:
 
 def profile(args) -> dict:
     import torch
-    llm = make_llm(args)
+    llm = make_llm(args, async_scheduling=False)     # the step taken apart: schedule, execute, postprocess
     eng = llm.engine
     prompts, params = workload(args.num_seqs, temperature=args.temperature)
     for p, sp in zip(prompts, params):
@@ -186,7 +195,12 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.6)
     ap.add_argument("--num-seqs", type=int, default=256)
     ap.add_argument("--timeline", action="store_true", help="time every step (wall and GPU)")
+    ap.add_argument("--no-overlap", action="store_true", help="async_scheduling=False: host work between steps")
+    ap.add_argument("--split-target", type=int, help="decode attention's SPLIT_TARGET_PROGRAMS (A/B runs)")
     args = ap.parse_args()
+    if args.split_target:
+        import picovllm.kernels.decode_attention as da
+        da.SPLIT_TARGET_PROGRAMS = args.split_target
     args.model = args.model or build("/tmp/qwen3-0.6b-random")
     res = globals()[args.mode](args)
     table = res.pop("kernel_table", None)

@@ -91,6 +91,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None      # override the memory-budget computation (tests, PD)
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
+    async_scheduling: bool | None = None  # overlap host work with the device (None: on for one GPU)
     attention_backend: str = "auto"       # "torch" | "triton" | "auto"
     skip_tokenizer_init: bool = False
     tensor_parallel_size: int = 1
@@ -129,6 +130,13 @@ class EngineConfig:
             raise bad("attention_backend", "must be 'auto', 'torch' or 'triton'")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise bad("tensor_parallel_size", "must be an int >= 1")
+        if self.async_scheduling is None:
+            self.async_scheduling = str(self.device).startswith("cuda") and self.tensor_parallel_size == 1 \
+                and self.role == "pd"
+        if not isinstance(self.async_scheduling, bool):
+            raise bad("async_scheduling", "must be a bool or None")
+        if self.async_scheduling and (self.tensor_parallel_size > 1 or self.role != "pd"):
+            raise bad("async_scheduling", "needs tensor_parallel_size 1 and role 'pd' (the others step in lockstep)")
         if self.role not in ("pd", "p", "d"):
             raise bad("role", "must be 'pd', 'p' or 'd'")
 

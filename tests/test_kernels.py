@@ -275,7 +275,7 @@ def test_engine_gpu_matches_hf(tiny_models, arch):
     assert runner.cuda_graphs is not None
     replays = []
     real_run = runner.cuda_graphs.run
-    runner.cuda_graphs.run = lambda step: (replays.append(len(step.seq_lens)), real_run(step))[1]
+    runner.cuda_graphs.run = lambda step, *a: (replays.append(len(step.seq_lens)), real_run(step, *a))[1]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == ref
     assert replays, "decode steps were meant to replay CUDA graphs"
@@ -295,7 +295,7 @@ def test_cuda_graph_matches_eager_sampled(tiny_models):
         assert (graphs is None) == eager
         if graphs is not None:   # 3 decodes replay the 4-row graph, one row padded
             replays, real_run = [], graphs.run
-            graphs.run = lambda step: (replays.append(len(step.seq_lens)), real_run(step))[1]
+            graphs.run = lambda step, *a: (replays.append(len(step.seq_lens)), real_run(step, *a))[1]
         outs = llm.generate(prompts, params, use_tqdm=False)
         if graphs is not None:
             assert 3 in replays and 3 not in graphs.sizes

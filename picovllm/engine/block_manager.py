@@ -120,7 +120,7 @@ class BlockManager:
         """Register the hashes of req's blocks that are now full of computed tokens."""
         if not self.enable_prefix_caching:
             return
-        num_full = min(req.num_computed_tokens, req.num_tokens) // self.block_size
+        num_full = min(req.num_computed_tokens, req.num_known_tokens) // self.block_size   # ids of pending tokens unknown
         if num_full <= len(req.block_hashes):
             return
         h = req.block_hashes[-1] if req.block_hashes else self.salt

@@ -80,8 +80,9 @@ class CUDAGraphRunner:
         return (step.num_decodes == n and 0 < n <= self.max_bs and len(step.input_ids) == n
                 and max(len(t) for t in step.block_tables) <= self.max_blocks)
 
-    def run(self, step) -> torch.Tensor:
-        """Replay the graph for a decode-only step; returns the logits of its n rows ([n, vocab])."""
+    def run(self, step, prev_tokens: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Replay the graph for a decode-only step; returns the logits of its n rows ([n, vocab]).
+        prev_tokens: (rows, token ids) of input ids still on the device (overlapped scheduling)."""
         n = len(step.seq_lens)
         bs = next(s for s in self.sizes if s >= n)
         width = max(len(t) for t in step.block_tables)
@@ -90,6 +91,8 @@ class CUDAGraphRunner:
         tables = np.empty((n, width), dtype=np.int32)
         fill_block_tables(tables, step.block_tables)
         self.tokens[:, :n].copy_(tokens, non_blocking=True)
+        if prev_tokens is not None:
+            self.tokens[0].index_copy_(0, *prev_tokens)
         self.seq_lens[:n].copy_(lens, non_blocking=True)
         self.block_tables[:n, :width].copy_(pinned(tables), non_blocking=True)
         if bs > n:

@@ -1,4 +1,17 @@
-"""The engine: add_request, step, abort. One step = schedule, run, postprocess, collect outputs."""
+"""The engine: add_request, step, abort. One step = schedule, run, postprocess, collect outputs.
+
+With overlapped scheduling (EngineConfig.async_scheduling; on by default on one GPU) a step
+schedules and launches step N+1 before it reads step N's sampled tokens, so the host's work
+(scheduling, input preparation, detokenizing, stop checks) runs while the device computes:
+
+    step():  schedule N+1 -> launch N+1 (its decodes read N's tokens on the device) -> advance
+             -> wait for N's tokens -> append them, check stops, emit outputs of N
+
+Requests are advanced (computed tokens, one pending token) when a step is launched and get
+their token when it is resolved. A request that finishes at step N has already been given a
+slot in step N+1; that token is computed and dropped (its KV write lands in its own blocks,
+ordered on the device before any later step that reuses them).
+"""
 from __future__ import annotations
 
 import itertools
@@ -7,7 +20,7 @@ import time
 from picovllm.config import EngineConfig
 from picovllm.engine.block_manager import BlockManager, prefix_salt
 from picovllm.engine.detokenizer import Detokenizer, check_stop
-from picovllm.engine.model_runner import ModelRunner, StepResult
+from picovllm.engine.model_runner import LaunchedStep, ModelRunner, StepResult
 from picovllm.engine.request import FinishReason, Request, RequestStatus
 from picovllm.engine.scheduler import Scheduler, SchedulerOutput
 from picovllm.loader import open_model_source
@@ -37,6 +50,8 @@ class Engine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.detokenizer = Detokenizer(self.tokenizer)
         self.requests: dict[str, Request] = {}
+        self.overlap = config.async_scheduling
+        self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None   # overlap: launched, not read
         self._ids = itertools.count()
         self.stats = {"prefill_tokens": 0, "decode_tokens": 0}
 
@@ -103,7 +118,8 @@ class Engine:
         return self.make_output(req)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None and \
+            not all(c.request.is_finished for c in self._in_flight[0].chunks)
 
     def shutdown(self) -> None:
         """Stop the runner's helper processes (tensor-parallel workers), if any; idempotent."""
@@ -112,35 +128,75 @@ class Engine:
     # -- the step ------------------------------------------------------------------------------
     def step(self, unfinished_outputs: bool = True) -> list[RequestOutput]:
         """One engine step. With unfinished_outputs=False only finished requests get a RequestOutput
-        (LLM.generate's case: building one per request per step costs ~1 ms at batch 256)."""
-        sched = self.scheduler.schedule()
+        (LLM.generate's case: building one per request per step costs ~1 ms at batch 256).
+        Overlapped, the outputs returned are those of the step launched by the previous call."""
+        if self.overlap:
+            return self._overlapped_step(unfinished_outputs)
+        sched = self._schedule()
         if sched.is_empty():
             return []
+        result = self.runner.execute(self.runner.prepare(sched, self.eos_token_ids))
+        return self.postprocess(sched, result, unfinished_outputs)
+
+    def _overlapped_step(self, unfinished_outputs: bool) -> list[RequestOutput]:
+        sched = self._schedule()
+        launched = None
+        if not sched.is_empty():
+            prev = self._in_flight[1] if self._in_flight else None
+            launched = self.runner.launch(self.runner.prepare(sched, self.eos_token_ids), prev)
+            self.advance(sched)
+        outputs = []
+        if self._in_flight is not None:
+            done_sched, done = self._in_flight
+            outputs = self.apply_results(done_sched, self.runner.resolve(done), unfinished_outputs)
+        self._in_flight = (sched, launched) if launched is not None else None
+        if launched is not None and all(c.request.is_finished for c in sched.chunks):
+            self._in_flight = None     # every request in it has finished meanwhile: nothing to read
+        return outputs
+
+    def _schedule(self) -> SchedulerOutput:
+        sched = self.scheduler.schedule()
         now = time.time()
         for c in sched.chunks:
             if c.request.metrics.first_scheduled_time is None:
                 c.request.metrics.first_scheduled_time = now
-        step = self.runner.prepare(sched, self.eos_token_ids)
-        result = self.runner.execute(step)
-        return self.postprocess(sched, result, unfinished_outputs)
+        return sched
 
     def postprocess(self, sched: SchedulerOutput, result: StepResult,
                     unfinished_outputs: bool = True) -> list[RequestOutput]:
+        self.advance(sched)
+        return self.apply_results(sched, result, unfinished_outputs)
+
+    def advance(self, sched: SchedulerOutput) -> None:
+        """Account a launched step: its chunks' tokens are computed, and each sampling chunk's
+        request is decoding and has one token pending (its row among the sampled rows)."""
+        row = 0
+        for chunk in sched.chunks:
+            req = chunk.request
+            self.stats["decode_tokens" if chunk.is_decode else "prefill_tokens"] += chunk.num_new_tokens
+            req.num_computed_tokens += chunk.num_new_tokens
+            self.block_manager.cache_full_blocks(req)
+            if chunk.samples:
+                req.status = RequestStatus.DECODING
+                req.num_pending_tokens += 1
+                req.pending_row = row
+                row += 1
+
+    def apply_results(self, sched: SchedulerOutput, result: StepResult,
+                      unfinished_outputs: bool = True) -> list[RequestOutput]:
+        """Give each sampling chunk's request its token; finish, free and report as needed."""
         now = time.time()
         outputs, sampled = [], iter(zip(result.token_ids, result.logprobs))
         for chunk in sched.chunks:
-            req = chunk.request
-            samples = chunk.samples
-            if req.status == RequestStatus.DECODING:
-                self.stats["decode_tokens"] += chunk.num_new_tokens
-            else:
-                self.stats["prefill_tokens"] += chunk.num_new_tokens
-            req.num_computed_tokens += chunk.num_new_tokens
-            self.block_manager.cache_full_blocks(req)
-            if not samples:
+            if not chunk.samples:
                 continue
             token, logprobs = next(sampled)
+            req = chunk.request
+            if req.is_finished:      # finished or aborted while this step ran: its token is dropped
+                continue
+            req.num_pending_tokens -= 1
             self.append_token(req, token, logprobs, now)
+            self.block_manager.cache_full_blocks(req)   # a block ending in this token may be full now
             if unfinished_outputs or req.is_finished:
                 outputs.append(self.make_output(req))
             if req.is_finished:
@@ -149,7 +205,6 @@ class Engine:
         return outputs
 
     def append_token(self, req: Request, token: int, logprobs, now: float) -> None:
-        req.status = RequestStatus.DECODING
         req.output_token_ids.append(token)
         if req.metrics.first_token_time is None:
             req.metrics.first_token_time = now

@@ -6,7 +6,7 @@ worker receives); execute() turns a StepInput into device tensors, runs the mode
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -47,12 +47,26 @@ class StepInput:
     num_decodes: int
     sample_indices: list[int]     # rows of the flat batch whose logits are sampled
     sampling: list[SamplingRow]
+    # Overlapped scheduling: input_ids[prev_dst[i]] is the token the previous step sampled in its
+    # row prev_src[i], still on the device when this step was prepared (the id here is a placeholder).
+    prev_dst: list[int] = field(default_factory=list)
+    prev_src: list[int] = field(default_factory=list)
 
 
 @dataclass
 class StepResult:
     token_ids: list[int]
     logprobs: list[dict[int, Logprob] | None]
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose device work is queued: the sampled tokens stay on the device (the next step's
+    inputs read them there) and are copied to host memory that resolve() reads once `done` is reached."""
+    tokens: torch.Tensor | None            # [num sampled rows] on the device; None if nothing samples
+    host: list[torch.Tensor]               # tokens, then the logprob tensors, as host copies
+    rows: list[SamplingRow]
+    done: torch.cuda.Event | None          # recorded after the copies (CUDA); None on CPU
 
 
 @contextlib.contextmanager
@@ -161,14 +175,21 @@ class ModelRunner:
     def prepare(self, sched: SchedulerOutput, eos_token_ids: list[int]) -> StepInput:
         bs = self.block_size
         ids, pos, slots, qsl, lens, tables, samp_idx, rows = [], [], [], [0], [], [], [], []
+        prev_dst, prev_src = [], []
         for chunk in sched.chunks:
             req, start, n = chunk.request, chunk.start, chunk.num_new_tokens
             table = req.block_table
             if n == 1:   # decodes: the common case at large batch, kept cheap
-                ids.append(req.token_id(start))
+                if start < req.num_known_tokens:
+                    ids.append(req.token_id(start))
+                else:    # sampled by the step in flight: read on the device
+                    prev_dst.append(len(ids))
+                    prev_src.append(req.pending_row)
+                    ids.append(0)
                 pos.append(start)
                 slots.append(table[start // bs] * bs + start % bs)
-            else:
+            else:        # a pending token is only ever a decode's input
+                assert start + n <= req.num_known_tokens, req
                 ids.extend(req.all_token_ids[start:start + n])
                 pos.extend(range(start, start + n))
                 slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
@@ -178,37 +199,67 @@ class ModelRunner:
             if chunk.samples:
                 samp_idx.append(qsl[-1] - 1)
                 rows.append(self._sampling_row(req, eos_token_ids))
-        num_decodes = sched.num_decodes
-        return StepInput(ids, pos, slots, qsl, lens, tables, num_decodes, samp_idx, rows)
+        return StepInput(ids, pos, slots, qsl, lens, tables, sched.num_decodes, samp_idx, rows, prev_dst, prev_src)
 
     @staticmethod
     def _sampling_row(req, eos_token_ids: list[int]) -> SamplingRow:
         p = req.params
-        n_out = len(req.output_token_ids)
+        n_out = req.num_output_tokens
         banned = []
         if n_out < p.min_tokens:
             banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids))
         seed = None if p.seed is None else seeded_stream(p.seed, n_out)
         return SamplingRow(p.temperature, p.top_k, p.top_p, p.min_p, seed, banned, p.logprobs)
 
-    @torch.inference_mode()
     def execute(self, step: StepInput) -> StepResult:
-        logits = self.compute_logits(step)
-        if logits is None:
-            return StepResult([], [])
-        return self._sample(logits, step.sampling)
+        return self.resolve(self.launch(step))
 
     @torch.inference_mode()
-    def compute_logits(self, step: StepInput) -> torch.Tensor | None:
+    def launch(self, step: StepInput, prev: LaunchedStep | None = None) -> LaunchedStep:
+        """Queue the step's forward and sampling on the device without waiting for them.
+        prev: the step still in flight whose sampled tokens feed this one (step.prev_dst)."""
+        prev_tokens = None
+        if step.prev_dst:
+            prev_tokens = (_to(step.prev_dst, torch.long, self.device),
+                           prev.tokens[_to(step.prev_src, torch.long, self.device)])
+        return self.launch_sampling(self.compute_logits(step, prev_tokens), step.sampling)
+
+    def launch_sampling(self, logits: torch.Tensor | None, rows: list[SamplingRow]) -> LaunchedStep:
+        if logits is None:
+            return LaunchedStep(None, [], [], None)
+        tokens, logprob_tensors = self._sample(logits, rows)
+        host = [_to_host(t) for t in (tokens, *logprob_tensors)]
+        done = None
+        if tokens.is_cuda:
+            done = torch.cuda.Event()
+            done.record()
+        return LaunchedStep(tokens, host, rows, done)
+
+    @staticmethod
+    def resolve(launched: LaunchedStep) -> StepResult:
+        """Wait for a launched step and read its sampled tokens (the step loop's one host sync)."""
+        if launched.tokens is None:
+            return StepResult([], [])
+        if launched.done is not None:
+            launched.done.synchronize()
+        tokens = launched.host[0].tolist()
+        return StepResult(tokens, _logprob_dicts(tokens, launched.host[1:], launched.rows))
+
+    @torch.inference_mode()
+    def compute_logits(self, step: StepInput, prev_tokens: tuple[torch.Tensor, torch.Tensor] | None = None
+                       ) -> torch.Tensor | None:
         """The forward, then the logits of the rows that sample (None if none does), in the model's
         dtype (_sample upcasts where it needs to). A decode-only step replays a CUDA graph.
+        prev_tokens: (flat indices, token ids) to write into the input ids on the device.
 
         Tensor-parallel workers stop here: they take part in the collectives; rank 0 samples."""
         if self.cuda_graphs is not None and self.cuda_graphs.fits(step):
-            return self.cuda_graphs.run(step)
+            return self.cuda_graphs.run(step, prev_tokens)
         dev = self.device
         meta = self._metadata(step)
         ids = _to(step.input_ids, torch.long, dev)
+        if prev_tokens is not None:
+            ids.index_copy_(0, *prev_tokens)
         positions = _to(step.positions, torch.long, dev)
         hidden = self.model(ids, positions, meta)
         if not step.sample_indices:
@@ -233,8 +284,9 @@ class ModelRunner:
             max_query_len=max(qlens), max_seq_len=max(step.seq_lens),
             query_lens_cpu=qlens, seq_lens_cpu=step.seq_lens)
 
-    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> StepResult:
-        """logits in the model's dtype: the fused GPU sampler reads them as they are, the torch
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.Tensor, tuple]:
+        """Sampled token ids [B] on the device, and the logprob tensors the rows ask for (or ()).
+        logits in the model's dtype: the fused GPU sampler reads them as they are, the torch
         sampler and logprobs upcast to float32 themselves."""
         dev = logits.device
         raw = logits
@@ -246,7 +298,7 @@ class ModelRunner:
         temps = [r.temperature for r in rows]
         if all(x == 0 for x in temps):   # greedy batch: no sampling tensors to upload
             tokens = logits.argmax(-1)
-            return StepResult(tokens.tolist(), self._logprobs(raw, tokens, rows))
+            return tokens, _logprob_tensors(raw, tokens, rows)
         t = SamplingTensors(
             temperature=_to(temps, torch.float32, dev),
             top_k=_to([r.top_k for r in rows], torch.long, dev),
@@ -259,32 +311,45 @@ class ModelRunner:
             any_min_p=any(r.min_p > 0 for r in rows),
             filtered=[r.top_k > 0 or r.top_p < 1 or r.min_p > 0 for r in rows])
         tokens = sample(logits, t)
-        token_list = tokens.tolist()
-        return StepResult(token_list, self._logprobs(raw, tokens, rows))
+        return tokens, _logprob_tensors(raw, tokens, rows)
 
-    @staticmethod
-    def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, rows: list[SamplingRow]) -> list:
-        want = [r.logprobs for r in rows]
-        if all(w is None for w in want):
-            return [None] * len(rows)
-        logp = raw.float().log_softmax(-1)
-        k = max(w or 0 for w in want)
-        top_v, top_i = logp.topk(k, dim=-1) if k else (None, None)
-        chosen = logp.gather(-1, tokens[:, None])[:, 0]
-        ranks = (logp > chosen[:, None]).sum(-1) + 1
-        # one device-to-host copy per tensor, not one sync per request
-        tokens_l, chosen_l, ranks_l = tokens.tolist(), chosen.tolist(), ranks.tolist()
-        top_v_l, top_i_l = (top_v.tolist(), top_i.tolist()) if k else ([], [])
-        out = []
-        for i, w in enumerate(want):
-            if w is None:
-                out.append(None)
-                continue
-            d = {tokens_l[i]: Logprob(chosen_l[i], ranks_l[i])}
-            for r in range(w):
-                d.setdefault(top_i_l[i][r], Logprob(top_v_l[i][r], r + 1))
-            out.append(d)
-        return out
+
+def _logprob_tensors(raw: torch.Tensor, tokens: torch.Tensor, rows: list[SamplingRow]) -> tuple:
+    """(chosen token's logprob, its rank, top-k values, top-k ids) on the device, or () if no row asks."""
+    want = [r.logprobs for r in rows]
+    if all(w is None for w in want):
+        return ()
+    logp = raw.float().log_softmax(-1)
+    k = max(w or 0 for w in want)
+    chosen = logp.gather(-1, tokens[:, None])[:, 0]
+    ranks = (logp > chosen[:, None]).sum(-1) + 1
+    top_v, top_i = logp.topk(k, dim=-1) if k else (logp[:, :0], ranks[:, None][:, :0])
+    return chosen, ranks, top_v, top_i
+
+
+def _logprob_dicts(tokens: list[int], host: list[torch.Tensor], rows: list[SamplingRow]) -> list:
+    if not host:
+        return [None] * len(rows)
+    chosen_l, ranks_l, top_v_l, top_i_l = (t.tolist() for t in host)
+    out = []
+    for i, r in enumerate(rows):
+        if r.logprobs is None:
+            out.append(None)
+            continue
+        d = {tokens[i]: Logprob(chosen_l[i], ranks_l[i])}
+        for j in range(r.logprobs):
+            d.setdefault(top_i_l[i][j], Logprob(top_v_l[i][j], j + 1))
+        out.append(d)
+    return out
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """A host copy of a device tensor, made without blocking (the caller waits on an event)."""
+    if not t.is_cuda:
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
 
 
 def _upload(array: np.ndarray, device: torch.device) -> torch.Tensor:

@@ -35,7 +35,11 @@ class Request:
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | str | None = None
         self.error: str | None = None
-        self.num_computed_tokens = 0     # tokens whose K/V is in the cache
+        self.num_computed_tokens = 0     # tokens whose K/V is in the cache (or is being computed)
+        # Overlapped scheduling: a token sampled on the device by a step still in flight, not yet
+        # appended here (0 or 1), and that token's row among the step's sampled rows.
+        self.num_pending_tokens = 0
+        self.pending_row = -1
         self.num_cached_tokens = 0       # of those, how many came from the prefix cache
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # chained hashes of this request's full blocks, in order
@@ -52,7 +56,22 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
+        """Every token of the sequence, including one still being sampled by a step in flight."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending_tokens
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose ids are on the host (num_tokens less the pending one)."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids) + self.num_pending_tokens
+
+    @property
+    def awaiting_last_token(self) -> bool:
+        """Its last allowed token is being sampled: another decode step for it would be wasted."""
+        return self.num_pending_tokens > 0 and self.num_output_tokens >= self.max_tokens
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -19,14 +19,16 @@ from picovllm.engine.request import Request, RequestStatus
 class ScheduledChunk:
     request: Request
     num_new_tokens: int            # tokens computed for it this step (1 for a decode)
+    # Taken when the chunk is made: the engine advances the request before the step's results are in.
+    start: int = field(init=False)          # position of the first new token
+    samples: bool = field(init=False)       # does this step produce a token for it?
+    is_decode: bool = field(init=False)
 
-    @property
-    def start(self) -> int:        # position of the first new token
-        return self.request.num_computed_tokens
-
-    @property
-    def samples(self) -> bool:     # does this step produce a token for it?
-        return self.start + self.num_new_tokens == self.request.num_tokens
+    def __post_init__(self) -> None:
+        req = self.request
+        self.start = req.num_computed_tokens
+        self.samples = self.start + self.num_new_tokens == req.num_tokens
+        self.is_decode = req.status == RequestStatus.DECODING
 
 
 @dataclass
@@ -40,7 +42,7 @@ class SchedulerOutput:
 
     @property
     def num_decodes(self) -> int:
-        return sum(1 for c in self.chunks if c.request.status == RequestStatus.DECODING)
+        return sum(1 for c in self.chunks if c.is_decode)
 
     def is_empty(self) -> bool:
         return not self.chunks
@@ -73,6 +75,8 @@ class Scheduler:
                 break
             if req.status == RequestStatus.WAITING:   # preempted earlier in this loop (O(1), not a list scan)
                 continue
+            if req.awaiting_last_token:               # overlapped scheduling: it finishes when that token lands
+                continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if not self._reserve(req, n, out):
                 continue
@@ -80,7 +84,7 @@ class Scheduler:
             budget -= n
         if not out.preempted:
             self._admit_waiting(out, budget)
-        out.chunks.sort(key=lambda c: c.request.status != RequestStatus.DECODING)
+        out.chunks.sort(key=lambda c: not c.is_decode)
         return out
 
     def _reserve(self, req: Request, n: int, out: SchedulerOutput) -> bool:

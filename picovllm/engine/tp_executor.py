@@ -183,9 +183,7 @@ class TPModelRunner(ModelRunner):
             logits = self.compute_logits(step)
             if logits is not None and self.device.type == "cuda":
                 self._wait_for_device()
-        if logits is None:
-            return StepResult([], [])
-        return self._sample(logits, step.sampling)
+        return self.resolve(self.launch_sampling(logits, step.sampling))
 
     def _wait_for_device(self) -> None:
         """Wait for the step's kernels while watching the workers: a dead NCCL peer would block a sync forever."""
