@@ -16,9 +16,9 @@ def prompts(n, seed=0):
     return [[rng.randrange(384) for _ in range(rng.randint(3, 40))] for _ in range(n)]
 
 
-@pytest.fixture
-def llm(tiny_models):
-    return LLM(tiny_models["llama"], block_size=8, num_kv_blocks=64)
+@pytest.fixture(params=[False, True], ids=["sync", "overlapped"])
+def llm(tiny_models, request):
+    return LLM(tiny_models["llama"], block_size=8, num_kv_blocks=64, async_scheduling=request.param)
 
 
 async def collect(ae, ids, params, rid):
@@ -87,16 +87,16 @@ async def stream_closed_and_idle(ae, timeout=10.0):
 
 def test_failing_step_fails_inflight_requests_only(llm, monkeypatch):
     runner = llm.engine.runner
-    real = runner.execute
+    real = runner.launch         # execute() = resolve(launch()); overlapped steps call launch() alone
     calls = {"n": 0}
 
-    def flaky(step):
+    def flaky(step, *a):
         calls["n"] += 1
         if calls["n"] == 3:
             raise RuntimeError("injected failure")
-        return real(step)
+        return real(step, *a)
 
-    monkeypatch.setattr(runner, "execute", flaky)
+    monkeypatch.setattr(runner, "launch", flaky)
     ps = prompts(3, seed=5)
 
     async def main():
@@ -112,7 +112,7 @@ def test_failing_step_fails_inflight_requests_only(llm, monkeypatch):
             await ae.shutdown()
 
     out = asyncio.run(main())
-    monkeypatch.setattr(runner, "execute", real)
+    monkeypatch.setattr(runner, "launch", real)
     ref = llm.generate([ps[0]], GREEDY, use_tqdm=False)[0]
     assert out.outputs[0].token_ids == ref.outputs[0].token_ids
 

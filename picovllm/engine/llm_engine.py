@@ -139,6 +139,13 @@ class Engine:
         return self.postprocess(sched, result, unfinished_outputs)
 
     def _overlapped_step(self, unfinished_outputs: bool) -> list[RequestOutput]:
+        try:
+            return self._overlapped_step_inner(unfinished_outputs)
+        except BaseException:
+            self._in_flight = None     # a failed step is not read again (the caller aborts its requests)
+            raise
+
+    def _overlapped_step_inner(self, unfinished_outputs: bool) -> list[RequestOutput]:
         sched = self._schedule()
         launched = None
         if not sched.is_empty():
