@@ -72,16 +72,18 @@ def parity_lines(n: int = 6) -> tuple[list[dict], list[list[int]], list[Sampling
     return lines, prompts, [SamplingParams(**kinds[i % 3]) for i in range(n)]
 
 
-@pytest.mark.parametrize("host", ["127.0.0.1", "other"])
-def test_torchrun_launch_equals_colocated(tmp_path, model, host):
-    """Rank 0 (driver + P) and rank 1 (D) bound to one given interface; a D cache of 12 blocks forces flow control."""
+@pytest.mark.parametrize("host,extra", [("127.0.0.1", []), ("other", []), ("127.0.0.1", ["--decode-tp", "2"])],
+                         ids=["loopback", "other-address", "decode-tp2"])
+def test_torchrun_launch_equals_colocated(tmp_path, model, host, extra):
+    """Rank 0 (driver + P) and rank 1 (D) bound to one given interface; a D cache of 12 blocks forces flow control.
+    decode-tp2: rank 1's engine spawns its own TP rank rather than joining torchrun's world."""
     if host == "other":
         host = other_address()
         if host is None:
             pytest.skip("this machine has no address besides loopback")
     lines, prompts, params = parity_lines()
     ref = LLM(model, block_size=4, num_kv_blocks=256).generate(prompts, params, use_tqdm=False)
-    proc, recs, exit_after = launch(tmp_path, model, lines, "--host", host)
+    proc, recs, exit_after = launch(tmp_path, model, lines, "--host", host, *extra)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert [r["id"] for r in recs] == [line["id"] for line in lines]
     assert [r["token_ids"] for r in recs] == [r.outputs[0].token_ids for r in ref]
@@ -107,6 +109,8 @@ def test_bad_host_options_are_value_errors_naming_the_field(model):
         DisaggLLM(model, host="0.0.0.0")
     with pytest.raises(ValueError, match="^remote_roles must be"):
         DisaggLLM(model, remote_roles=("x",))
+    with pytest.raises(ValueError, match="^listener: with remote_roles"):
+        DisaggLLM(model, remote_roles=("d",))
     with pytest.raises(ValueError, match="^TransferConfig.host must be"):
         TransferConfig(host="999.1.1.1")
     with pytest.raises(ValueError, match="^TransferConfig.advertise_host must be"):

@@ -47,6 +47,8 @@ class DisaggLLM:
     Engine options (EngineConfig fields) in **engine_kwargs apply to both sides; `prefill` and
     `decode` hold per-side overrides (e.g. decode={"num_kv_blocks": 64}). The transfer options
     are defaults for every session; session() and generate() can override them per call.
+    host / advertise_host: where this driver and the workers it spawns bind and are reached;
+    remote_roles: roles whose workers connect to `listener` from elsewhere (see the module doc).
     """
 
     def __init__(self, model: str | None = None, *, backend: str = "torch_dist", async_transfer: bool = True,
@@ -62,6 +64,8 @@ class DisaggLLM:
         if isinstance(remote_roles, str) or not set(remote_roles) <= set(ROLES):
             raise ValueError(f"remote_roles must be a list of roles out of {list(ROLES)}, got {remote_roles!r}")
         self.remote_roles = tuple(remote_roles)
+        if self.remote_roles and listener is None:
+            raise ValueError("listener: with remote_roles, pass the Listener whose address the remote workers got")
         configs = _side_configs(model, engine_kwargs, prefill_device, decode_device, prefill or {}, decode or {})
         self.procs: dict[str, mp.Process] = {}
         self.channels: dict[str, Channel] = {}
@@ -86,8 +90,7 @@ class DisaggLLM:
             # engine process exits with the driver either way (worker_main watches its parent).
             daemon = configs[role]["tensor_parallel_size"] == 1
             self.procs[role] = ctx.Process(target=worker_main, args=(role, self._listener.address, self.hosts),
-                                           daemon=daemon,
-                                           name=f"picovllm-{NAMES[role]}")
+                                           daemon=daemon, name=f"picovllm-{NAMES[role]}")
             self.procs[role].start()
         deadline = time.monotonic() + timeout_s
         while len(self.channels) < 2:

@@ -12,6 +12,7 @@ waiter thread (wait() releases the GIL); poll() looks at what the waiters found.
 from __future__ import annotations
 
 import datetime
+import os
 import socket
 import threading
 import time
@@ -87,9 +88,13 @@ class TorchDistTransfer(KVTransfer):
             timeout = datetime.timedelta(seconds=self.config.connect_timeout_s)
             host = self.config.host
             sock = socket.create_server((host, 0), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
-            port = sock.getsockname()[1]
-            self.store = dist.TCPStore(local_host(host), port, 2, True, timeout=timeout, wait_for_workers=False,
-                                       master_listen_fd=sock.detach())
+            port, fd = sock.getsockname()[1], sock.detach()
+            try:
+                self.store = dist.TCPStore(local_host(host), port, 2, True, timeout=timeout, wait_for_workers=False,
+                                           master_listen_fd=fd)
+            except BaseException:
+                os.close(fd)
+                raise
             info["store"] = [self.config.reach, port]
         self._info = info
         return info
