@@ -160,11 +160,12 @@ def _linger_then_close(sock: socket.socket, linger_s: float) -> None:
 
 
 class Listener:
-    """Accepts channels on a TCP port (port 0: any free one; see `address`)."""
+    """Accepts channels on a TCP port (port 0: any free one). `address` is what peers connect to:
+    [advertise_host or host, port] (see picovllm.disagg.hosts)."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
-        self.sock = socket.create_server((host, port))
-        self.address = [host, self.sock.getsockname()[1]]
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None) -> None:
+        self.sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+        self.address = [advertise_host or host, self.sock.getsockname()[1]]
 
     def accept(self, timeout_s: float) -> Channel:
         ready, _, _ = select.select([self.sock], [], [], timeout_s)

@@ -12,9 +12,11 @@ import sys
 from picovllm.disagg.transfer import BACKENDS
 
 
-def add_disagg_arguments(parser: argparse.ArgumentParser) -> None:
+def add_disagg_arguments(parser: argparse.ArgumentParser, switch: bool = True) -> None:
+    """switch: add --disagg too (a command that is always disaggregated leaves it out)."""
     g = parser.add_argument_group("prefill/decode disaggregation")
-    g.add_argument("--disagg", action="store_true", help="run prefill and decode in two processes")
+    if switch:
+        g.add_argument("--disagg", action="store_true", help="run prefill and decode in two processes")
     g.add_argument("--kv-transfer", choices=sorted(BACKENDS), default="torch_dist", help="KV transfer backend")
     g.add_argument("--sync-transfer", action="store_true", help="engines wait on each transfer (default: async)")
     g.add_argument("--prefill-device", default="auto")
@@ -25,6 +27,10 @@ def add_disagg_arguments(parser: argparse.ArgumentParser) -> None:
                    "(may differ from --prefill-tp: KV heads are re-split; torch_dist only)")
     g.add_argument("--transfer-timeout", type=float, default=30.0, help="seconds before a transfer fails")
     g.add_argument("--lease", type=float, default=10.0, help="seconds of silence before a peer counts as dead")
+    g.add_argument("--host", default="127.0.0.1", help="the interface this process's PD sockets bind "
+                   "(0.0.0.0: every one; default: this host only)")
+    g.add_argument("--advertise-host", default=None, help="this host's address as its peers reach it "
+                   "(default: --host; required with 0.0.0.0)")
 
 
 def run_disagg_generate(args: argparse.Namespace) -> int:
@@ -32,19 +38,8 @@ def run_disagg_generate(args: argparse.Namespace) -> int:
     from picovllm.disagg.driver import generate_disaggregated
     from picovllm.sampling_params import SamplingParams
 
-    engine = {k: getattr(args, k) for k in ("dtype", "max_model_len", "block_size", "num_kv_blocks")
-              if getattr(args, k, None) is not None}
-    decode = {"num_kv_blocks": args.decode_num_kv_blocks} if args.decode_num_kv_blocks else {}
-    prefill = {}
-    for side, tp in ((prefill, args.prefill_tp), (decode, args.decode_tp)):
-        if tp is not None:
-            side["tensor_parallel_size"] = tp
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
-    outs = generate_disaggregated(getattr(args, "model", None), list(args.prompts), params,
-                                  backend=args.kv_transfer, async_transfer=not args.sync_transfer,
-                                  prefill_device=args.prefill_device, decode_device=args.decode_device,
-                                  prefill=prefill, decode=decode, transfer_timeout_s=args.transfer_timeout, lease_s=args.lease,
-                                  **engine)
+    outs = generate_disaggregated(getattr(args, "model", None), list(args.prompts), params, **disagg_options(args))
     failed = 0
     for out in outs:
         comp = out.outputs[0]
@@ -58,6 +53,21 @@ def run_disagg_generate(args: argparse.Namespace) -> int:
             print(f"    TTFT {m.ttft * 1e3:.1f} ms, ITL mean {statistics.mean(itl) * 1e3 if itl else 0:.1f} ms, "
                   f"max {max(itl) * 1e3 if itl else 0:.1f} ms, finish {comp.finish_reason}")
     return 1 if failed else 0
+
+
+def disagg_options(args: argparse.Namespace) -> dict:
+    """The DisaggLLM / generate_disaggregated keyword arguments the flags give (the model aside)."""
+    engine = {k: getattr(args, k) for k in ("dtype", "max_model_len", "block_size", "num_kv_blocks")
+              if getattr(args, k, None) is not None}
+    decode = {"num_kv_blocks": args.decode_num_kv_blocks} if args.decode_num_kv_blocks else {}
+    prefill = {}
+    for side, tp in ((prefill, args.prefill_tp), (decode, args.decode_tp)):
+        if tp is not None:
+            side["tensor_parallel_size"] = tp
+    return dict(backend=args.kv_transfer, async_transfer=not args.sync_transfer, prefill_device=args.prefill_device,
+                decode_device=args.decode_device, prefill=prefill, decode=decode,
+                transfer_timeout_s=args.transfer_timeout, lease_s=args.lease, host=args.host,
+                advertise_host=args.advertise_host, **engine)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,6 +15,11 @@ drain, Bye. Worker processes are spawned (so a script using this needs an
 tensor-parallel ranks of their own, watching their parent). P and D TP sizes may differ
 (prefill={"tensor_parallel_size": 2}, decode={...}): KV heads are re-split on the way
 (picovllm.engine.tp_kv; torch_dist backend only).
+
+Across hosts: every socket of the run binds `host` (default 127.0.0.1) and is announced as
+`advertise_host` (picovllm.disagg.hosts). A role in `remote_roles` is not spawned: its worker runs
+worker_main on another host and connects to the driver's `listener` (picovllm.disagg.launch starts
+it under torchrun and passes the listener, whose address it has told that host).
 """
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ from typing import Sequence
 
 from picovllm.config import EngineConfig
 from picovllm.disagg.channel import Channel, Listener, PeerGone
+from picovllm.disagg.hosts import HostOptions
 from picovllm.disagg.messages import BuildEngine, Shutdown, WorkerHello, WorkerReady
 from picovllm.disagg.session import NAMES, ROLES, DisaggSession
 from picovllm.disagg.transfer import BACKENDS
@@ -41,15 +47,25 @@ class DisaggLLM:
     Engine options (EngineConfig fields) in **engine_kwargs apply to both sides; `prefill` and
     `decode` hold per-side overrides (e.g. decode={"num_kv_blocks": 64}). The transfer options
     are defaults for every session; session() and generate() can override them per call.
+    host / advertise_host: where this driver and the workers it spawns bind and are reached;
+    remote_roles: roles whose workers connect to `listener` from elsewhere (see the module doc).
     """
 
     def __init__(self, model: str | None = None, *, backend: str = "torch_dist", async_transfer: bool = True,
                  prefill_device: str = "auto", decode_device: str = "auto", prefill: dict | None = None,
                  decode: dict | None = None, transfer_timeout_s: float = 30.0, lease_s: float = 10.0,
-                 connect_timeout_s: float = 60.0, startup_timeout_s: float = 900.0, **engine_kwargs) -> None:
+                 connect_timeout_s: float = 60.0, startup_timeout_s: float = 900.0, host: str = "127.0.0.1",
+                 advertise_host: str | None = None, remote_roles: Sequence[str] = (),
+                 listener: Listener | None = None, **engine_kwargs) -> None:
         self.defaults = dict(backend=backend, async_transfer=async_transfer, transfer_timeout_s=transfer_timeout_s,
                              lease_s=lease_s, connect_timeout_s=connect_timeout_s)
         _check_session_options(self.defaults)
+        self.hosts = HostOptions(host, advertise_host)
+        if isinstance(remote_roles, str) or not set(remote_roles) <= set(ROLES):
+            raise ValueError(f"remote_roles must be a list of roles out of {list(ROLES)}, got {remote_roles!r}")
+        self.remote_roles = tuple(remote_roles)
+        if self.remote_roles and listener is None:
+            raise ValueError("listener: with remote_roles, pass the Listener whose address the remote workers got")
         configs = _side_configs(model, engine_kwargs, prefill_device, decode_device, prefill or {}, decode or {})
         self.procs: dict[str, mp.Process] = {}
         self.channels: dict[str, Channel] = {}
@@ -58,7 +74,7 @@ class DisaggLLM:
         self._sessions = itertools.count()
         self._ids = itertools.count()
         self._active: DisaggSession | None = None
-        self._listener = Listener()
+        self._listener = listener or Listener(self.hosts.host, advertise_host=self.hosts.advertise_host)
         try:
             self._start(configs, startup_timeout_s)
         except BaseException:
@@ -68,11 +84,13 @@ class DisaggLLM:
     def _start(self, configs: dict[str, dict], timeout_s: float) -> None:
         ctx = mp.get_context("spawn")
         for role in ROLES:
+            if role in self.remote_roles:
+                continue              # its worker connects from another host
             # A daemonic process may not have children, and a TP engine spawns its worker ranks; the
             # engine process exits with the driver either way (worker_main watches its parent).
             daemon = configs[role]["tensor_parallel_size"] == 1
-            self.procs[role] = ctx.Process(target=worker_main, args=(role, self._listener.address), daemon=daemon,
-                                           name=f"picovllm-{NAMES[role]}")
+            self.procs[role] = ctx.Process(target=worker_main, args=(role, self._listener.address, self.hosts),
+                                           daemon=daemon, name=f"picovllm-{NAMES[role]}")
             self.procs[role].start()
         deadline = time.monotonic() + timeout_s
         while len(self.channels) < 2:
@@ -82,7 +100,7 @@ class DisaggLLM:
             except TimeoutError:
                 continue
             hello = ch.recv(timeout_s=30.0)
-            if not isinstance(hello, WorkerHello) or hello.role not in ROLES:
+            if not isinstance(hello, WorkerHello) or hello.role not in ROLES or hello.role in self.channels:
                 raise RuntimeError(f"unexpected first message from an engine worker: {hello!r}")
             self.channels[hello.role] = ch
         # Two engines on one GPU size their caches one after the other: each sees the other's memory.

@@ -54,7 +54,10 @@ class DisaggSession:
             return False
 
     def _lost(self, role: str, why: str) -> None:
-        proc = self.llm.procs[role]
+        proc = self.llm.procs.get(role)
+        if proc is None:          # a worker on another host: its channel is all we see of it
+            self.llm.gone.setdefault(role, f"the {NAMES[role]} engine (remote) is gone ({why})")
+            return
         proc.join(1.0)
         code = proc.exitcode
         self.llm.gone.setdefault(role, f"the {NAMES[role]} engine process died "

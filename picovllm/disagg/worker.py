@@ -21,6 +21,7 @@ import traceback
 from picovllm.config import EngineConfig
 from picovllm.disagg.channel import Channel, Listener, PeerGone
 from picovllm.disagg.decode import DecodeEngine
+from picovllm.disagg.hosts import HostOptions
 from picovllm.disagg.messages import (Abort, BuildEngine, CloseSession, Output, SessionEnded, Shutdown,
                                       StartSession, Submit, SubmitResult, WorkerHello, WorkerReady, output_to_wire)
 from picovllm.disagg.prefill import PrefillEngine
@@ -29,14 +30,17 @@ from picovllm.engine.tp_workers import exit_with_parent
 from picovllm.sampling_params import SamplingParams
 
 
-def worker_main(role: str, driver_address: list) -> None:
-    """Process entry point. Exits with os._exit so no library teardown can keep the process alive."""
+def worker_main(role: str, driver_address: list, hosts: HostOptions | None = None) -> None:
+    """Process entry point. Exits with os._exit so no library teardown can keep the process alive.
+
+    hosts: where this worker binds (P: its link listener; both: the transfer) and is reached.
+    The driver spawns it, or, for a role on another host, picovllm.disagg.launch calls it."""
     code = 0
     exit_with_parent(os.getppid())   # not daemonic when it runs TP workers: never outlive the driver
     try:
         driver = Channel.connect(driver_address)
         driver.send(WorkerHello(role, os.getpid()))
-        Worker(role, driver).serve()
+        Worker(role, driver, hosts or HostOptions()).serve()
     except PeerGone:
         code = 2              # the driver went away: nothing left to serve
     except BaseException:     # noqa: BLE001
@@ -48,9 +52,9 @@ def worker_main(role: str, driver_address: list) -> None:
 
 
 class Worker:
-    def __init__(self, role: str, driver: Channel) -> None:
-        self.role, self.driver = role, driver
-        self.listener = Listener() if role == "p" else None
+    def __init__(self, role: str, driver: Channel, hosts: HostOptions) -> None:
+        self.role, self.driver, self.hosts = role, driver, hosts
+        self.listener = Listener(hosts.host, advertise_host=hosts.advertise_host) if role == "p" else None
         self.shutting_down = False
 
     def serve(self) -> None:
@@ -85,7 +89,8 @@ class Worker:
     def _session(self, engine, start: StartSession) -> None:
         tc = TransferConfig(backend=start.backend, async_transfer=start.async_transfer,
                             timeout_s=start.transfer_timeout_s, lease_s=start.lease_s,
-                            connect_timeout_s=start.connect_timeout_s)
+                            connect_timeout_s=start.connect_timeout_s, host=self.hosts.host,
+                            advertise_host=self.hosts.advertise_host)
         try:
             if self.role == "p":
                 channel = self.listener.accept(tc.connect_timeout_s)

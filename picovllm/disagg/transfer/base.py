@@ -22,6 +22,7 @@ from typing import ClassVar
 
 import torch
 
+from picovllm.disagg.hosts import check_host
 from picovllm.disagg.messages import Hello, KVLayout
 
 
@@ -46,7 +47,8 @@ class TransferConfig:
     timeout_s: float = 30.0        # a transfer not done this long after its start fails
     connect_timeout_s: float = 60.0
     lease_s: float = 10.0          # a peer silent this long (heartbeats included) counts as dead
-    host: str = "127.0.0.1"        # where P's rendezvous listens (torch_dist)
+    host: str = "127.0.0.1"        # the interface this side binds (torch_dist: P's rendezvous, gloo)
+    advertise_host: str | None = None   # where the peer reaches this side (default host); see disagg/hosts.py
     dist_backend: str = "auto"     # torch_dist: "gloo" | "nccl" | "auto" (NCCL between distinct GPUs)
 
     def __post_init__(self) -> None:
@@ -59,6 +61,13 @@ class TransferConfig:
             raise ValueError(f"TransferConfig.lease_s must be > 0, got {self.lease_s!r}")
         if self.connect_timeout_s <= 0:
             raise ValueError(f"TransferConfig.connect_timeout_s must be > 0, got {self.connect_timeout_s!r}")
+        check_host("TransferConfig.host", self.host)
+        if self.advertise_host is not None:
+            check_host("TransferConfig.advertise_host", self.advertise_host)
+
+    @property
+    def reach(self) -> str:
+        return self.advertise_host or self.host
 
 
 class KVTransfer(ABC):

@@ -12,6 +12,7 @@ waiter thread (wait() releases the GIL); poll() looks at what the waiters found.
 from __future__ import annotations
 
 import datetime
+import os
 import socket
 import threading
 import time
@@ -21,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from picovllm.disagg.hosts import is_loopback, is_wildcard, local_host
 from picovllm.disagg.messages import Hello
 from picovllm.disagg.transfer.base import KVTransfer, TransferDone, TransferSpec
 from picovllm.disagg.transfer.block_copy import check_block_ids
@@ -82,10 +84,18 @@ class TorchDistTransfer(KVTransfer):
 
     def local_info(self) -> dict:
         info = self._device_info()
-        if self.role == "p":
+        if self.role == "p":    # the store takes over a socket we bind, so it listens on config.host only
             timeout = datetime.timedelta(seconds=self.config.connect_timeout_s)
-            self.store = dist.TCPStore(self.config.host, 0, 2, True, timeout=timeout, wait_for_workers=False)
-            info["store"] = [self.config.host, self.store.port]
+            host = self.config.host
+            sock = socket.create_server((host, 0), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+            port, fd = sock.getsockname()[1], sock.detach()
+            try:
+                self.store = dist.TCPStore(local_host(host), port, 2, True, timeout=timeout, wait_for_workers=False,
+                                           master_listen_fd=fd)
+            except BaseException:
+                os.close(fd)
+                raise
+            info["store"] = [self.config.reach, port]
         self._info = info
         return info
 
@@ -117,18 +127,25 @@ class TorchDistTransfer(KVTransfer):
                 opts._timeout = op_timeout
                 self.pg = dist.ProcessGroupNCCL(store, rank, 2, opts)
             else:
-                self.pg = self._gloo_group(store, rank, op_timeout, p_info["store"][0])
+                self.pg = self._gloo_group(store, rank, op_timeout, self.config.reach, p_info["store"][0])
         except (RuntimeError, OSError, KeyError, TypeError, ValueError) as e:
             raise ConnectionError(f"torch_dist: cannot build the P-D process group: {e}") from e
 
     @staticmethod
-    def _gloo_group(store, rank: int, timeout: datetime.timedelta, host: str):
-        if host in ("127.0.0.1", "localhost"):   # one host: loopback, whatever the hostname resolves to
-            opts = dist.ProcessGroupGloo._Options()
-            opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-            opts._timeout = timeout
-            return dist.ProcessGroupGloo(store, rank, 2, opts)
-        return dist.ProcessGroupGloo(store, rank, 2, timeout)
+    def _gloo_group(store, rank: int, timeout: datetime.timedelta, own_host: str, store_host: str):
+        """Gloo binds one address per side: loopback when P's rendezvous is on loopback (one host, whatever
+        the hostname resolves to); else this side's own address, unless it is a wildcard or loopback: then
+        the address gloo finds from the hostname (or GLOO_SOCKET_IFNAME)."""
+        if is_loopback(store_host):
+            device_host = "127.0.0.1"
+        elif is_wildcard(own_host) or is_loopback(own_host):
+            return dist.ProcessGroupGloo(store, rank, 2, timeout)
+        else:
+            device_host = own_host
+        opts = dist.ProcessGroupGloo._Options()
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=device_host)]
+        opts._timeout = timeout
+        return dist.ProcessGroupGloo(store, rank, 2, opts)
 
     # -- transfers -----------------------------------------------------------------------------
     # Gloo moves host memory: a GPU cache is staged through pinned buffers, with the copies queued
