@@ -92,7 +92,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
     async_scheduling: bool | None = None  # overlap host work with the device (None: on for one GPU)
-    attention_backend: str = "auto"       # "torch" | "triton" | "auto"
+    attention_backend: str = "auto"       # "torch" | "triton" | "cpu" (C decode kernel) | "auto"
     skip_tokenizer_init: bool = False
     tensor_parallel_size: int = 1
     seed: int = 0
@@ -126,8 +126,8 @@ class EngineConfig:
             raise bad("cpu_kv_cache_gib", "must be > 0")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise bad("num_kv_blocks", "must be >= 1")
-        if self.attention_backend not in ("auto", "torch", "triton"):
-            raise bad("attention_backend", "must be 'auto', 'torch' or 'triton'")
+        if self.attention_backend not in ("auto", "torch", "triton", "cpu"):
+            raise bad("attention_backend", "must be 'auto', 'torch', 'triton' or 'cpu'")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise bad("tensor_parallel_size", "must be an int >= 1")
         if self.async_scheduling is None:

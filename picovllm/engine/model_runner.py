@@ -105,11 +105,23 @@ class ModelRunner:
         from picovllm.layers.attention import TorchAttentionBackend
         name = self.config.attention_backend
         if name == "auto":
-            name = "triton" if self.device.type == "cuda" else "torch"
+            name = "triton" if self.device.type == "cuda" else "cpu" if self._cpu_kernel_fits() else "torch"
         if name == "triton":
             from picovllm.kernels.backend import TritonAttentionBackend
             return TritonAttentionBackend()
+        if name == "cpu":
+            if not self._cpu_kernel_fits():
+                raise ValueError("EngineConfig.attention_backend 'cpu' needs float32 on the CPU and a C compiler")
+            from picovllm.kernels.cpu.decode_attention import CpuAttentionBackend
+            return CpuAttentionBackend()
         return TorchAttentionBackend()
+
+    def _cpu_kernel_fits(self) -> bool:
+        if self.device.type != "cpu" or self.dtype != torch.float32:
+            return False
+        from picovllm.kernels.cpu import decode_attention as cpu_kernel
+        attn = self.model.attention_layers()[0]
+        return cpu_kernel.available(attn.num_heads, attn.num_kv_heads, attn.head_dim, self.block_size)
 
     # -- KV cache ------------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:

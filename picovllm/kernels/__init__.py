@@ -1,6 +1,7 @@
-"""Triton kernels for the GPU fast path.
+"""Triton kernels for the GPU fast path, and (kernels/cpu) a C decode-attention kernel for the CPU.
 
 One module per kernel kind; each launcher has a torch reference (in picovllm.layers, or beside
-the launcher) that is its test oracle and the CPU path. Importing this package needs triton.
-Under TRITON_INTERPRET=1 the kernels also run on CPU tensors (slowly), which is how CI tests them.
+the launcher) that is its test oracle. The Triton modules need triton; under TRITON_INTERPRET=1
+they also run on CPU tensors (slowly), which is how CI tests them. kernels/cpu needs a C compiler
+at run time and nothing else.
 """

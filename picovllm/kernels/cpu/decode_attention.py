@@ -1,0 +1,108 @@
+"""Paged decode attention on the CPU (float32) through a small C kernel, and the attention backend using it.
+
+The torch reference (TorchAttentionBackend._decode) gathers every decode's K/V blocks into a dense
+copy and runs SDPA on it: on the cpu-small workload that gather is two thirds of decode attention.
+paged_decode.c reads each K/V row once, straight from the paged cache. It is compiled with the
+machine's C compiler when first needed (well under a second; no torch headers) and called through
+ctypes, which releases the GIL, so the sequences are split between threads here.
+It is built once per model shape (heads, head dim and block size are compile-time constants). Without a
+compiler, or if the build fails, CpuAttentionBackend is not used (see available()).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import shutil
+import subprocess
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from picovllm.layers.attention import TorchAttentionBackend
+
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "paged_decode.c")
+# -ffast-math vectorizes expf (glibc's libmvec) and the dot products. It is given when compiling only:
+# linking with it would add crtfastmath.o, which sets flush-to-zero for the whole process.
+COMPILE = ["-O3", "-march=native", "-ffast-math", "-fPIC", "-c"]
+LINK = ["-shared", "-lm"]
+
+
+@functools.lru_cache(maxsize=8)
+def _library(shape: tuple[int, int, int, int]) -> ctypes.CDLL | None:
+    """Build and load the kernel for (query heads, kv heads, head dim, block size), once per process;
+    None if there is no working C compiler."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        return None
+    defines = [f"-D{name}={value}" for name, value in zip(("HQ", "HKV", "DIM", "BLOCK"), shape)]
+    out_dir = tempfile.mkdtemp(prefix="picovllm-cpu-")
+    obj, lib_path = os.path.join(out_dir, "paged_decode.o"), os.path.join(out_dir, "paged_decode.so")
+    try:
+        subprocess.run([cc, *COMPILE, *defines, SOURCE, "-o", obj], check=True, capture_output=True, timeout=60)
+        subprocess.run([cc, obj, "-o", lib_path, *LINK], check=True, capture_output=True, timeout=60)
+        lib = ctypes.CDLL(lib_path)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    finally:
+        shutil.rmtree(out_dir, ignore_errors=True)   # the loaded library stays mapped
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.paged_decode_attention.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr, ctypes.c_float, i64, i64]
+    lib.paged_decode_attention.restype = None
+    built = (ctypes.c_int64 * 4)()
+    lib.paged_decode_shape(built)
+    assert tuple(built) == shape, (tuple(built), shape)
+    return lib
+
+
+def available(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> bool:
+    """Can this process build the kernel for this shape (a C compiler that works)?"""
+    if num_heads % num_kv_heads or num_heads * (head_dim + block_size) > 65536:   # keep its arrays on the stack small
+        return False
+    return _library((num_heads, num_kv_heads, head_dim, block_size)) is not None
+
+
+@functools.lru_cache(maxsize=4)
+def _pool(threads: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(threads, thread_name_prefix="picovllm-attn")
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: list[int], scale: float,
+                           threads: int | None = None) -> torch.Tensor:
+    """q [B, Hq, D]; caches [num_blocks, block_size, Hkv, D]; block_tables [B, W] int32; seq_lens: B ints
+    (0 gives zeros). float32, CPU. Returns [B, Hq, D]."""
+    b, hq, d = q.shape
+    hkv, bs = k_cache.shape[2], k_cache.shape[1]
+    lib = _library((hq, hkv, d, bs))
+    q = q.contiguous()
+    tables = block_tables.to(torch.int32).contiguous()
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    out = torch.empty_like(q)
+    args = (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.stride(0),
+            lens.data_ptr(), out.data_ptr(), scale)
+    tasks = b
+    threads = min(threads or torch.get_num_threads(), tasks)
+    if threads <= 1:
+        lib.paged_decode_attention(*args, 0, tasks)
+        return out
+    # cut the sequences into `threads` runs of about equal context (a sequence's cost is its length)
+    cost = torch.tensor(seq_lens, dtype=torch.float64).cumsum(0)
+    cuts = torch.searchsorted(cost, cost[-1] * torch.arange(1, threads, dtype=torch.float64) / threads).tolist()
+    bounds = [0, *cuts, tasks]
+    futures = [_pool(threads - 1).submit(lib.paged_decode_attention, *args, lo, hi)
+               for lo, hi in zip(bounds[1:], bounds[2:]) if hi > lo]
+    lib.paged_decode_attention(*args, 0, bounds[1])   # the first run on this thread
+    for f in futures:
+        f.result()
+    return out
+
+
+class CpuAttentionBackend(TorchAttentionBackend):
+    """The torch backend with decodes through the C kernel (float32 caches on the CPU)."""
+
+    @staticmethod
+    def _decode(q, k_cache, v_cache, meta, scale):
+        nd = meta.num_decodes
+        return paged_decode_attention(q, k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens_cpu[:nd], scale)
