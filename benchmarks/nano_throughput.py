@@ -35,7 +35,8 @@ def workload(n: int = 256, max_in: int = 1024, max_out: int = 1024, temperature:
 
 def make_llm(args, **over) -> LLM:
     kw = dict(max_model_len=4096, max_num_seqs=256, max_num_batched_tokens=16384, enforce_eager=args.enforce_eager,
-              gpu_memory_utilization=0.9, async_scheduling=not args.no_overlap)
+              gpu_memory_utilization=0.9, async_scheduling=not args.no_overlap and args.tp == 1,
+              tensor_parallel_size=args.tp)
     kw.update(over)
     return LLM(args.model, **kw)
 
@@ -196,6 +197,7 @@ def main() -> None:
     ap.add_argument("--num-seqs", type=int, default=256)
     ap.add_argument("--timeline", action="store_true", help="time every step (wall and GPU)")
     ap.add_argument("--no-overlap", action="store_true", help="async_scheduling=False: host work between steps")
+    ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (GPUs)")
     ap.add_argument("--split-target", type=int, help="decode attention's SPLIT_TARGET_PROGRAMS (A/B runs)")
     args = ap.parse_args()
     if args.split_target:

@@ -53,10 +53,10 @@ def model_shape(path: str) -> dict:
 
 # -- part 1: the transfer layer ----------------------------------------------------------------------
 def _transfer_side(role, device, shape, dtype_name, num_blocks, block_size, backend, lengths, repeats, rendezvous,
-                   results):
+                   results, async_transfer=True):
     try:
         results.put((role, _transfer_bench(role, device, shape, dtype_name, num_blocks, block_size, backend,
-                                           lengths, repeats, rendezvous)))
+                                           async_transfer, lengths, repeats, rendezvous)))
     except BaseException as e:  # noqa: BLE001
         import traceback
         traceback.print_exc()
@@ -67,7 +67,8 @@ def _src_ids(tag: int, n: int, num_blocks: int) -> list[int]:
     return random.Random(tag).sample(range(num_blocks), n)
 
 
-def _transfer_bench(role, device, shape, dtype_name, num_blocks, block_size, backend, lengths, repeats, rendezvous):
+def _transfer_bench(role, device, shape, dtype_name, num_blocks, block_size, backend, async_transfer, lengths, repeats,
+                    rendezvous):
     from picovllm.disagg.channel import Channel, Listener
     from picovllm.disagg.link import PeerLink
     from picovllm.disagg.messages import Accept, Bye, KVLayout
@@ -81,7 +82,7 @@ def _transfer_bench(role, device, shape, dtype_name, num_blocks, block_size, bac
                         device=device).to(dtype)
     layout = KVLayout(cache.shape[0], cache.shape[4], cache.shape[5], block_size, num_blocks, dtype_name,
                       cache.shape[4])
-    cfg = TransferConfig(backend=backend, async_transfer=True, timeout_s=120, lease_s=120, connect_timeout_s=120)
+    cfg = TransferConfig(backend=backend, async_transfer=async_transfer, timeout_s=120, lease_s=120, connect_timeout_s=120)
     if role == "p":
         listener = Listener()
         rendezvous.put(listener.address)
@@ -163,7 +164,8 @@ def transfer_part(args, shape) -> list[dict]:
             num_blocks = max_blocks + 64 if role == "d" else max_blocks + 128
             procs.append(ctx.Process(target=_transfer_side, args=(role, device, shape, args.dtype, num_blocks,
                                                                   args.block_size, backend, args.lengths,
-                                                                  args.repeats, rendezvous, results), daemon=True))
+                                                                  args.repeats, rendezvous, results,
+                                                                  not args.sync_transfer), daemon=True))
             procs[-1].start()
         got = dict(results.get(timeout=1800) for _ in procs)
         for p in procs:
@@ -202,7 +204,7 @@ def engine_part(args, model: str) -> list[dict]:
     with DisaggLLM(model, prefill_device=args.prefill_device, decode_device=args.decode_device,
                    lease_s=120, transfer_timeout_s=120, **kw) as pd:
         for backend in args.backends:
-            s = pd.session(backend=backend)      # one session per backend: the link is up before timing
+            s = pd.session(backend=backend, async_transfer=not args.sync_transfer)   # one session per backend: the link is up before timing
 
             def one(prompt):
                 rid = s.submit(prompt, sp)
@@ -243,6 +245,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--colocated-memory", type=float, default=0.4, help="gpu_memory_utilization of the colocated run")
     ap.add_argument("--skip-engines", action="store_true", help="part 1 only")
+    ap.add_argument("--sync-transfer", action="store_true", help="torch_dist's synchronous mode (default: async)")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args(argv)
     device = args.device or ("cuda:0" if torch.cuda.is_available() else "cpu")
