@@ -126,6 +126,17 @@ class TorchDistTransfer(KVTransfer):
                 opts = dist.ProcessGroupNCCL.Options()
                 opts._timeout = op_timeout
                 self.pg = dist.ProcessGroupNCCL(store, rank, 2, opts)
+                # NCCL builds a communicator at a pair's first send/recv, with both ranks taking part:
+                # D's first receive (posted before it sends Accept) would wait for P, while P waits for
+                # that Accept. Build it now, while both sides are here.
+                probe = torch.zeros(1, device=self.cache.device)
+                work = self.pg.send([probe], D_RANK, 0) if self.role == "p" else self.pg.recv([probe], P_RANK, 0)
+                deadline = time.monotonic() + self.config.connect_timeout_s
+                while not work.is_completed():         # never an unbounded wait on a peer that may be gone
+                    if time.monotonic() > deadline:
+                        raise ConnectionError("torch_dist: the NCCL communicator with the peer was not built in "
+                                              f"{self.config.connect_timeout_s:g} s")
+                    time.sleep(0.001)
             else:
                 self.pg = self._gloo_group(store, rank, op_timeout, self.config.reach, p_info["store"][0])
         except (RuntimeError, OSError, KeyError, TypeError, ValueError) as e:
