@@ -390,3 +390,26 @@ def test_bench_serve_writes_report_and_plot(server, tmp_path):
     assert s["request_goodput"] == pytest.approx(s["request_throughput"])   # SLOs generous enough for all
     assert s["request_throughput"] == pytest.approx(12 / s["duration"])
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out_png.stat().st_size > 5000
+
+
+def test_bench_serve_round_robins_over_servers(server, chat_model, tmp_path):
+    """Several --base-url: requests alternate between the servers (one colocated server per GPU)."""
+    import os
+    import subprocess
+    import sys
+
+    second = ServerProcess(chat_model, str(tmp_path / "second.log"), *ENGINE_ARGS)
+    try:
+        before = [s.metrics()["picovllm:requests_total.length"] for s in (server, second)]
+        out_json = tmp_path / "bench.json"
+        cmd = [sys.executable, "-m", "picovllm.entrypoints.cli", "bench", "serve", "--base-url", server.url,
+               second.url, "--num-prompts", "9", "--input-len", "8", "--output-len", "3", "--result-json",
+               str(out_json)]
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([os.getcwd()] + sys.path))
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert json.loads(out_json.read_text())["completed"] == 9
+        after = [s.metrics()["picovllm:requests_total.length"] for s in (server, second)]
+        assert [a - b for a, b in zip(after, before)] == [5, 4]
+    finally:
+        assert second.stop(signal.SIGINT) == 0, second.log()

@@ -85,3 +85,15 @@ def make_random_checkpoint(path: str, preset_or_file: str = "qwen3-0.6b", dtype:
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2)
     return path
+
+
+def write_word_tokenizer(path: str, vocab_size: int) -> str:
+    """Add a tokenizer to a random checkpoint: token i is the word `t<i>`, words are space-separated. Every
+    token then decodes to text, which an online benchmark needs to time each one (servers stream text)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0").save_pretrained(path)
+    return path

@@ -100,7 +100,8 @@ async def run_request(client, url: str, body: dict, t0: float, headers: dict) ->
 async def run_benchmark(args: argparse.Namespace) -> dict:
     import httpx
 
-    base = args.base_url.rstrip("/")
+    bases = [u.rstrip("/") for u in args.base_url]
+    base = bases[0]
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     rng = random.Random(args.seed)
     limits = httpx.Limits(max_connections=args.max_concurrency or args.num_prompts, max_keepalive_connections=100)
@@ -112,19 +113,19 @@ async def run_benchmark(args: argparse.Namespace) -> dict:
         gaps = arrival_gaps(len(reqs), args.request_rate, args.burstiness, rng)
         gate = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
 
-        async def one(r: BenchRequest, t0: float) -> RequestResult:
+        async def one(r: BenchRequest, t0: float, url: str) -> RequestResult:
             body = {"model": model, "prompt": r.prompt, "max_tokens": r.output_len, "temperature": 0.0,
                     "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": args.ignore_eos}
             if gate is None:
-                return await run_request(client, f"{base}/v1/completions", body, t0, headers)
+                return await run_request(client, f"{url}/v1/completions", body, t0, headers)
             async with gate:
-                return await run_request(client, f"{base}/v1/completions", body, t0, headers)
+                return await run_request(client, f"{url}/v1/completions", body, t0, headers)
 
         t0 = time.perf_counter()
         tasks = []
-        for r, gap in zip(reqs, gaps):
+        for i, (r, gap) in enumerate(zip(reqs, gaps)):
             await asyncio.sleep(gap)
-            tasks.append(asyncio.create_task(one(r, t0)))
+            tasks.append(asyncio.create_task(one(r, t0, bases[i % len(bases)])))   # round-robin over servers
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - t0
     return summarize(results, duration, parse_goodput(args.goodput), vars(args) | {"model": model})
@@ -236,7 +237,8 @@ def plot_itl(s: dict, path: str) -> None:
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("serve", help="online benchmark against a running server",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--base-url", nargs="+", default=["http://127.0.0.1:8000"],
+                   help="server(s); with several, requests go round-robin (e.g. one colocated server per GPU)")
     p.add_argument("--model", default=None, help="model id (default: the server's first)")
     p.add_argument("--api-key", default=None)
     p.add_argument("--dataset", default="random", choices=["random"])
