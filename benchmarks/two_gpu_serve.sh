@@ -12,9 +12,9 @@
 #     --implementation cp --platform manylinux_2_17_x86_64 -d .whl fastapi==0.165.0 starlette==1.10.0 \
 #     pydantic==2.13.4 pydantic_core==2.46.4 annotated-types==0.7.0 typing-inspection==0.4.2 uvicorn==0.54.0
 # and on the device (carry [".whl"]): python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
-#   && PYTHONPATH=/tmp/site OUT=$OUT bash benchmarks/two_gpu_serve.sh Defaults: a random Qwen3-0.6B-shaped checkpoint with a word tokenizer (servers stream
-# text, so every token must decode to some), prompts of 2k-8k tokens
-# (INPUT_LEN 5000 +- 60%), outputs of 128-512 (OUTPUT_LEN 320 +- 60%), rates 0.5, 1, 2 req/s, SLO TTFT <= 1 s and
+#   && PYTHONPATH=/tmp/site OUT=$OUT bash benchmarks/two_gpu_serve.sh
+# Defaults: a random Qwen3-0.6B-shaped checkpoint with a word tokenizer (servers stream text, so every token must
+# decode to some), prompts of 2k-8k tokens (INPUT_LEN 5000 +- 60%), outputs of 128-512 (OUTPUT_LEN 320 +- 60%), rates 0.5, 1, 2 req/s, SLO TTFT <= 1 s and
 # TPOT <= 50 ms for goodput.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
