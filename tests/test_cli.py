@@ -127,6 +127,16 @@ def test_random_checkpoint_matches_hf(tmp_path):
     assert out[0].outputs[0].token_ids == ref
 
 
+def test_word_tokenizer_gives_every_token_text(tmp_path):
+    """The word tokenizer of benchmark checkpoints: token i is "t<i>", so a streamed output has text per token."""
+    from picovllm.bench.random_checkpoint import make_random_checkpoint, write_word_tokenizer
+
+    path = write_word_tokenizer(make_random_checkpoint(str(tmp_path / "rand"), "tiny-qwen3", "float32"), 384)
+    out = LLM(path, num_kv_blocks=16).generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                                               use_tqdm=False)[0].outputs[0]
+    assert out.text.split() == [f"t{i}" for i in out.token_ids]
+
+
 def test_text_streamer_never_shows_a_stop_string():
     from picovllm.entrypoints.streaming import TextStreamer
 
