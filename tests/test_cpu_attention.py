@@ -48,8 +48,8 @@ def test_matches_float64_reference(hq, hkv, dim, bs, threads):
     v_cache = torch.randn(num_blocks, bs, hkv, dim, generator=g)
     q = torch.randn(len(lens), hq, dim, generator=g) * 2     # sharper softmax than unit scale
     scale = dim ** -0.5
-    out = cpu_kernel.paged_decode_attention(q, k_cache, v_cache, torch.tensor(tables, dtype=torch.int32), lens,
-                                            scale, threads=threads)
+    batch = cpu_kernel.decode_batch(torch.tensor(tables, dtype=torch.int32), lens, threads=threads)
+    out = cpu_kernel.paged_decode_attention(q, k_cache, v_cache, batch, scale)
     ref = reference(q, k_cache, v_cache, tables, lens, scale)
     assert out.dtype == torch.float32
     assert torch.allclose(out.double(), ref, atol=2e-6, rtol=1e-5), (out.double() - ref).abs().max()

@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 
@@ -68,32 +69,41 @@ def _pool(threads: int) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(threads, thread_name_prefix="picovllm-attn")
 
 
-def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, seq_lens: list[int], scale: float,
-                           threads: int | None = None) -> torch.Tensor:
-    """q [B, Hq, D]; caches [num_blocks, block_size, Hkv, D]; block_tables [B, W] int32; seq_lens: B ints
-    (0 gives zeros). float32, CPU. Returns [B, Hq, D]."""
-    b, hq, d = q.shape
-    hkv, bs = k_cache.shape[2], k_cache.shape[1]
-    lib = _library((hq, hkv, d, bs))
+@dataclass(frozen=True)
+class DecodeBatch:
+    """What every layer's call shares in one step: the decodes' block tables and lengths as the
+    kernel reads them, and the sequences cut into one run per thread (about equal context each)."""
+    tables: torch.Tensor        # [B, W] int32, contiguous
+    lens: torch.Tensor          # [B] int32
+    bounds: list[int]           # runs [bounds[i], bounds[i + 1]) of sequences, one per thread
+
+
+def decode_batch(block_tables: torch.Tensor, seq_lens: list[int], threads: int | None = None) -> DecodeBatch:
+    """block_tables [B, W]; seq_lens: B ints; threads: default torch's intra-op thread count."""
+    b = len(seq_lens)
+    threads = max(1, min(threads or torch.get_num_threads(), b))
+    bounds = [0, b]
+    if threads > 1:   # a sequence's cost is its length
+        cost = torch.tensor(seq_lens, dtype=torch.float64).cumsum(0)
+        cuts = torch.searchsorted(cost, cost[-1] * torch.arange(1, threads, dtype=torch.float64) / threads).tolist()
+        bounds = [0, *cuts, b]
+    return DecodeBatch(block_tables.to(torch.int32).contiguous(), torch.tensor(seq_lens, dtype=torch.int32), bounds)
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: DecodeBatch,
+                           scale: float) -> torch.Tensor:
+    """q [B, Hq, D]; caches [num_blocks, block_size, Hkv, D]; batch: decode_batch(block tables, lengths) of the
+    B sequences (a length 0 gives zeros). float32, CPU. Returns [B, Hq, D]."""
+    _, hq, d = q.shape
+    lib = _library((hq, k_cache.shape[2], d, k_cache.shape[1]))
     q = q.contiguous()
-    tables = block_tables.to(torch.int32).contiguous()
-    lens = torch.tensor(seq_lens, dtype=torch.int32)
     out = torch.empty_like(q)
-    args = (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.stride(0),
-            lens.data_ptr(), out.data_ptr(), scale)
-    tasks = b
-    threads = min(threads or torch.get_num_threads(), tasks)
-    if threads <= 1:
-        lib.paged_decode_attention(*args, 0, tasks)
-        return out
-    # cut the sequences into `threads` runs of about equal context (a sequence's cost is its length)
-    cost = torch.tensor(seq_lens, dtype=torch.float64).cumsum(0)
-    cuts = torch.searchsorted(cost, cost[-1] * torch.arange(1, threads, dtype=torch.float64) / threads).tolist()
-    bounds = [0, *cuts, tasks]
-    futures = [_pool(threads - 1).submit(lib.paged_decode_attention, *args, lo, hi)
-               for lo, hi in zip(bounds[1:], bounds[2:]) if hi > lo]
-    lib.paged_decode_attention(*args, 0, bounds[1])   # the first run on this thread
+    args = (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), batch.tables.data_ptr(), batch.tables.stride(0),
+            batch.lens.data_ptr(), out.data_ptr(), scale)
+    runs = [(lo, hi) for lo, hi in zip(batch.bounds, batch.bounds[1:]) if hi > lo]
+    futures = [_pool(len(runs) - 1).submit(lib.paged_decode_attention, *args, lo, hi) for lo, hi in runs[1:]]
+    if runs:
+        lib.paged_decode_attention(*args, *runs[0])   # the first run on this thread
     for f in futures:
         f.result()
     return out
@@ -105,4 +115,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
     @staticmethod
     def _decode(q, k_cache, v_cache, meta, scale):
         nd = meta.num_decodes
-        return paged_decode_attention(q, k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens_cpu[:nd], scale)
+        batch = meta.scratch.get("cpu_decode")
+        if batch is None:
+            batch = meta.scratch["cpu_decode"] = decode_batch(meta.block_tables[:nd], meta.seq_lens_cpu[:nd])
+        return paged_decode_attention(q, k_cache, v_cache, batch, scale)
