@@ -2,7 +2,7 @@
 # Issue 8's headline run: online serving on two GPUs, (a) one colocated server per GPU (requests round-robin,
 # chunked prefill on) against (b) 1P1D (P server on GPU 0, D server on GPU 1, behind `picovllm proxy`), same
 # prefill-heavy Poisson workload at each rate. Writes $OUT/serve_summary.json (every run's metrics) and the
-# ITL-over-time plots of the highest rate for both setups.
+# ITL-over-time plots of every rate for both setups.
 #
 #   bash benchmarks/two_gpu_serve.sh                     # on nvidia-h200-x2 (needs fastapi + uvicorn: see below)
 #   DEV0=cpu DEV1=cpu MODEL=/tmp/tiny RATES="4" INPUT_LEN=64 OUTPUT_LEN=8 NUM_PROMPTS=8 bash benchmarks/two_gpu_serve.sh
@@ -14,12 +14,14 @@
 # and on the device (carry [".whl"]): python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
 #   && PYTHONPATH=/tmp/site OUT=$OUT bash benchmarks/two_gpu_serve.sh
 # Defaults: a random Qwen3-0.6B-shaped checkpoint with a word tokenizer (servers stream text, so every token must
-# decode to some), prompts of 2k-8k tokens (INPUT_LEN 5000 +- 60%), outputs of 128-512 (OUTPUT_LEN 320 +- 60%), rates 0.5, 1, 2 req/s, SLO TTFT <= 1 s and
-# TPOT <= 50 ms for goodput.
+# decode to some), prompts of 2k-8k tokens (INPUT_LEN 5000 +- 60%), outputs of 128-512 (OUTPUT_LEN 320 +- 60%), rates
+# 2, 8, 24 req/s with rate x DURATION (30 s) prompts each (at least 40; NUM_PROMPTS fixes it). Goodput under two SLOs:
+# TTFT <= 1 s and TPOT <= 50 ms (bench serve's), and TTFT <= 1 s with every gap of the request <= 50 ms (max ITL).
+# The summary is rewritten after each setup, so a cut-short run still returns what it measured.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 WORK=$(mktemp -d); export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
-DEV0=${DEV0:-cuda:0}; DEV1=${DEV1:-cuda:1}; RATES=${RATES:-"0.5 1 2"}; NUM_PROMPTS=${NUM_PROMPTS:-60}
+DEV0=${DEV0:-cuda:0}; DEV1=${DEV1:-cuda:1}; RATES=${RATES:-"2 8 24"}; DURATION=${DURATION:-30}
 INPUT_LEN=${INPUT_LEN:-5000}; OUTPUT_LEN=${OUTPUT_LEN:-320}; RATIO=${RATIO:-0.6}; KV=${KV:-torch_dist}
 MODEL=${MODEL:-$(python3 benchmarks/make_random_checkpoint.py /tmp/qwen3-0.6b-words --word-tokenizer | tail -1)}
 ENGINE=(--model "$MODEL" --max-model-len $((INPUT_LEN * 2 + OUTPUT_LEN * 2)) ${ENGINE_ARGS:-})
@@ -39,34 +41,20 @@ stop_all() { kill -INT "${PIDS[@]}" 2> /dev/null; wait "${PIDS[@]}" 2> /dev/null
 trap stop_all EXIT
 bench() {   # setup-name rate url...
   local name=$1 rate=$2; shift 2
-  "${CLI[@]}" bench serve --base-url "$@" --num-prompts "$NUM_PROMPTS" --request-rate "$rate" \
+  local n=${NUM_PROMPTS:-$(python3 -c "print(max(40, round($rate * $DURATION)))")}
+  "${CLI[@]}" bench serve --base-url "$@" --num-prompts "$n" --request-rate "$rate" \
       --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" --random-range-ratio "$RATIO" --goodput ttft:1000 tpot:50 \
       --result-json "$WORK/$name-$rate.json" --plot "$WORK/$name-$rate.png" > "$WORK/bench-$name-$rate.log" 2>&1
   grep -E "Request throughput|Median TTFT|P99 TTFT|Median ITL|P99 ITL|goodput" "$WORK/bench-$name-$rate.log" \
       | sed "s/^/  [$name @ $rate req\/s] /"
 }
 
-echo "== (a) colocated: one server per GPU, round-robin"
-serve a0 serve --device "$DEV0" --port 8001 "${ENGINE[@]}"
-serve a1 serve --device "$DEV1" --port 8002 "${ENGINE[@]}"
-ready http://127.0.0.1:8001 && ready http://127.0.0.1:8002 || { tail -20 "$WORK"/*.log; exit 1; }
-for r in $RATES; do bench colocated "$r" http://127.0.0.1:8001 http://127.0.0.1:8002; done
-stop_all
-
-echo "== (b) 1P1D: P on $DEV0, D on $DEV1 ($KV), behind the proxy"
-serve p serve --role p --device "$DEV0" --port 8101 --kv-port 9101 --kv-transfer "$KV" "${ENGINE[@]}"
-serve d serve --role d --device "$DEV1" --port 8201 --kv-peer 127.0.0.1:9101 --kv-transfer "$KV" "${ENGINE[@]}"
-ready http://127.0.0.1:8101 && ready http://127.0.0.1:8201 || { tail -20 "$WORK"/*.log; exit 1; }
-serve proxy proxy --prefill http://127.0.0.1:8101 --decode http://127.0.0.1:8201 --port 8000 --model "$MODEL"
-ready http://127.0.0.1:8000 || { tail -20 "$WORK"/*.log; exit 1; }
-for r in $RATES; do bench pd "$r" http://127.0.0.1:8000; done
-stop_all
-
+summarize() {
 python3 - "$WORK" "$OUT" $RATES <<'EOF'
 import json, shutil, sys
 work, out, rates = sys.argv[1], sys.argv[2], sys.argv[3:]
 keys = ["request_throughput", "request_goodput", "output_throughput", "median_ttft_ms", "p99_ttft_ms",
-        "median_itl_ms", "p99_itl_ms", "median_tpot_ms", "p99_tpot_ms", "completed", "failed"]
+        "median_itl_ms", "p99_itl_ms", "median_tpot_ms", "p99_tpot_ms", "completed", "failed", "duration"]
 summary = {}
 for name in ("colocated", "pd"):
     for r in rates:
@@ -75,13 +63,34 @@ for name in ("colocated", "pd"):
         except OSError:
             continue
         summary[f"{name}@{r}"] = {k: s.get(k) for k in keys}
+        good = [q for q in s["requests"] if q["success"] and q["ttft"] <= 1.0 and max(q["itls"], default=0) <= 0.05]
+        summary[f"{name}@{r}"]["request_goodput_max_itl"] = len(good) / s["duration"]
 json.dump(summary, open(f"{out}/serve_summary.json", "w"), indent=1)
 for k, v in summary.items():
     print(f"{k:>16}: " + ", ".join(f"{key}={v[key]:.4g}" if isinstance(v[key], float) else f"{key}={v[key]}"
-                                   for key in keys))
+                                   for key in v))
 for name in ("colocated", "pd"):
-    try:
-        shutil.copy(f"{work}/{name}-{rates[-1]}.png", f"{out}/itl_{name}_{rates[-1]}.png")
-    except OSError:
-        pass
+    for r in rates:
+        try:
+            shutil.copy(f"{work}/{name}-{r}.png", f"{out}/itl_{name}_{r}.png")
+        except OSError:
+            pass
 EOF
+}
+
+echo "== (a) colocated: one server per GPU, round-robin"
+serve a0 serve --device "$DEV0" --port 8001 "${ENGINE[@]}"
+serve a1 serve --device "$DEV1" --port 8002 "${ENGINE[@]}"
+ready http://127.0.0.1:8001 && ready http://127.0.0.1:8002 || { tail -20 "$WORK"/*.log; exit 1; }
+for r in $RATES; do bench colocated "$r" http://127.0.0.1:8001 http://127.0.0.1:8002; done
+stop_all; summarize
+
+echo "== (b) 1P1D: P on $DEV0, D on $DEV1 ($KV), behind the proxy"
+serve p serve --role p --device "$DEV0" --port 8101 --kv-port 9101 --kv-transfer "$KV" "${ENGINE[@]}"
+serve d serve --role d --device "$DEV1" --port 8201 --kv-peer 127.0.0.1:9101 --kv-transfer "$KV" "${ENGINE[@]}"
+ready http://127.0.0.1:8101 && ready http://127.0.0.1:8201 || { tail -20 "$WORK"/*.log; exit 1; }
+serve proxy proxy --prefill http://127.0.0.1:8101 --decode http://127.0.0.1:8201 --port 8000 --model "$MODEL"
+ready http://127.0.0.1:8000 || { tail -20 "$WORK"/*.log; exit 1; }
+for r in $RATES; do bench pd "$r" http://127.0.0.1:8000; done
+stop_all; summarize
+
