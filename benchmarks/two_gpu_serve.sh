@@ -10,7 +10,9 @@
 # The device image lacks fastapi and uvicorn: carry their wheels (device README, "carry missing wheels"). Here:
 #   echo /.whl/ >> .git/info/exclude; python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #     --implementation cp --platform manylinux_2_17_x86_64 -d .whl fastapi==0.165.0 starlette==1.10.0 \
-#     pydantic==2.13.4 pydantic_core==2.46.4 annotated-types==0.7.0 typing-inspection==0.4.2 uvicorn==0.54.0
+#     pydantic==2.13.4 pydantic_core==2.46.4 annotated-types==0.7.0 typing-inspection==0.4.2 uvicorn==0.54.0 \
+#     opentelemetry-api==1.45.2 annotated-doc anyio==4.16.0 h11==0.16.0 click==8.5.1 idna==3.20 \
+#     typing_extensions==4.16.0 importlib-metadata zipp
 # and on the device (carry [".whl"]): python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
 #   && PYTHONPATH=/tmp/site OUT=$OUT bash benchmarks/two_gpu_serve.sh
 # Defaults: a random Qwen3-0.6B-shaped checkpoint with a word tokenizer (servers stream text, so every token must
@@ -81,16 +83,16 @@ EOF
 echo "== (a) colocated: one server per GPU, round-robin"
 serve a0 serve --device "$DEV0" --port 8001 "${ENGINE[@]}"
 serve a1 serve --device "$DEV1" --port 8002 "${ENGINE[@]}"
-ready http://127.0.0.1:8001 && ready http://127.0.0.1:8002 || { tail -20 "$WORK"/*.log; exit 1; }
+ready http://127.0.0.1:8001 && ready http://127.0.0.1:8002 || { tail -n 20 "$WORK"/*.log; exit 1; }
 for r in $RATES; do bench colocated "$r" http://127.0.0.1:8001 http://127.0.0.1:8002; done
 stop_all; summarize
 
 echo "== (b) 1P1D: P on $DEV0, D on $DEV1 ($KV), behind the proxy"
 serve p serve --role p --device "$DEV0" --port 8101 --kv-port 9101 --kv-transfer "$KV" "${ENGINE[@]}"
 serve d serve --role d --device "$DEV1" --port 8201 --kv-peer 127.0.0.1:9101 --kv-transfer "$KV" "${ENGINE[@]}"
-ready http://127.0.0.1:8101 && ready http://127.0.0.1:8201 || { tail -20 "$WORK"/*.log; exit 1; }
+ready http://127.0.0.1:8101 && ready http://127.0.0.1:8201 || { tail -n 20 "$WORK"/*.log; exit 1; }
 serve proxy proxy --prefill http://127.0.0.1:8101 --decode http://127.0.0.1:8201 --port 8000 --model "$MODEL"
-ready http://127.0.0.1:8000 || { tail -20 "$WORK"/*.log; exit 1; }
+ready http://127.0.0.1:8000 || { tail -n 20 "$WORK"/*.log; exit 1; }
 for r in $RATES; do bench pd "$r" http://127.0.0.1:8000; done
 stop_all; summarize
 
