@@ -39,7 +39,12 @@ ready() {   # url: wait until it answers /health; give up if a server died
   done
   echo "not ready: $1"; return 1
 }
-stop_all() { kill -INT "${PIDS[@]}" 2> /dev/null; wait "${PIDS[@]}" 2> /dev/null; PIDS=(); }
+alive() { for pid in "${PIDS[@]}"; do kill -0 "$pid" 2> /dev/null && return 0; done; return 1; }
+stop_all() {   # SIGINT, then SIGKILL whatever has not exited after 30 s
+  kill -INT "${PIDS[@]}" 2> /dev/null
+  for _ in $(seq 30); do alive || break; sleep 1; done
+  kill -KILL "${PIDS[@]}" 2> /dev/null; wait "${PIDS[@]}" 2> /dev/null; PIDS=()
+}
 trap stop_all EXIT
 bench() {   # setup-name rate url...
   local name=$1 rate=$2; shift 2

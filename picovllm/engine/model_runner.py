@@ -79,6 +79,14 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(old)
 
 
+def bind_device(device: torch.device | str) -> None:
+    """Make a CUDA device the calling thread's current one. Triton launches on the current device and
+    rejects pointers of another, so a thread that runs the model on cuda:1 must call this first."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, source: ModelSource, tp: TPGroup = SINGLE,
                  device: torch.device | str | None = None) -> None:
@@ -86,6 +94,7 @@ class ModelRunner:
         self.model_config: ModelConfig = source.config
         self.tp = tp
         self.device = torch.device(device or config.device)
+        bind_device(self.device)
         self.dtype = config.torch_dtype
         cls = MODEL_REGISTRY[source.config.architecture]
         with _default_dtype(self.dtype), torch.device(self.device):

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from picovllm.engine.llm_engine import Engine
+from picovllm.engine.model_runner import bind_device
 from picovllm.outputs import RequestOutput
 from picovllm.sampling_params import SamplingParams
 
@@ -174,6 +175,9 @@ class AsyncEngine:
     def _run(self) -> None:
         why = "the engine loop has shut down"
         try:
+            config = getattr(self.engine, "config", None)
+            if config is not None:
+                bind_device(config.device)      # this thread runs the model
             while self._iteration():
                 pass
         except BaseException:
