@@ -19,7 +19,7 @@
 # decode to some), prompts of 2k-8k tokens (INPUT_LEN 5000 +- 60%), outputs of 128-512 (OUTPUT_LEN 320 +- 60%), rates
 # 2, 8, 24 req/s with rate x DURATION (30 s) prompts each (at least 40; NUM_PROMPTS fixes it). Goodput under two SLOs:
 # TTFT <= 1 s and TPOT <= 50 ms (bench serve's), and TTFT <= 1 s with every gap of the request <= 50 ms (max ITL).
-# The summary is rewritten after each setup, so a cut-short run still returns what it measured.
+# SETUPS="b" runs only (b). The summary is rewritten after each setup, so a cut-short run still returns what it measured.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 WORK=$(mktemp -d); export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
@@ -85,13 +85,16 @@ for name in ("colocated", "pd"):
 EOF
 }
 
+if [[ " ${SETUPS:-a b} " == *" a "* ]]; then
 echo "== (a) colocated: one server per GPU, round-robin"
 serve a0 serve --device "$DEV0" --port 8001 "${ENGINE[@]}"
 serve a1 serve --device "$DEV1" --port 8002 "${ENGINE[@]}"
 ready http://127.0.0.1:8001 && ready http://127.0.0.1:8002 || { tail -n 20 "$WORK"/*.log; exit 1; }
 for r in $RATES; do bench colocated "$r" http://127.0.0.1:8001 http://127.0.0.1:8002; done
 stop_all; summarize
+fi
 
+[[ " ${SETUPS:-a b} " == *" b "* ]] || exit 0
 echo "== (b) 1P1D: P on $DEV0, D on $DEV1 ($KV), behind the proxy"
 serve p serve --role p --device "$DEV0" --port 8101 --kv-port 9101 --kv-transfer "$KV" "${ENGINE[@]}"
 serve d serve --role d --device "$DEV1" --port 8201 --kv-peer 127.0.0.1:9101 --kv-transfer "$KV" "${ENGINE[@]}"

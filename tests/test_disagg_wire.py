@@ -1,4 +1,5 @@
 """The wire: typed messages as JSON (no pickle), and the framed control channel."""
+import dataclasses
 import json
 import socket
 import time
@@ -6,8 +7,8 @@ import time
 import pytest
 
 from picovllm.disagg.channel import Channel, PeerGone
-from picovllm.disagg.messages import (Accept, Hello, HandoverRequest, KVLayout, Offer, Output, decode, encode,
-                                      output_from_wire, output_to_wire)
+from picovllm.disagg.messages import (Accept, Hello, HandoverRequest, KVLayout, Offer, Output, OutputDecoder,
+                                      OutputEncoder, decode, encode, output_from_wire, output_to_wire)
 from picovllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, num_blocks=10, dtype="float32",
@@ -73,3 +74,36 @@ def test_heartbeat_keeps_a_quiet_peer_audible():
     assert cb.silent_for() < 0.1                      # ...but count as hearing from the peer
     ca.close()
     cb.close()
+
+
+def test_output_stream_deltas_rebuild_every_output():
+    """OutputEncoder/OutputDecoder: each decoded output equals the engine's whole output, through token
+    growth, logprobs, a text that shrinks (a stop string trimmed at the end) and the final with metrics;
+    after the first line, a line's size does not grow with the prompt."""
+    prompt = list(range(5000))
+    outs, toks, text, lps = [], [], "", []
+    for i in range(6):
+        toks = toks + [100 + i]
+        text = text + f" w{i}"
+        lps = lps + [{100 + i: Logprob(-0.1 * i, 1, f" w{i}"), 7: Logprob(-3.0, 2, "x")}]
+        outs.append(RequestOutput("r", "p", prompt, [CompletionOutput(0, text, list(toks), -0.5 * i, list(lps))],
+                                  False, RequestMetrics(1.0, 1.5, 2.0, None, [2.0 + j for j in range(i + 1)]), None, 3))
+    final = RequestOutput("r", "p", prompt, [CompletionOutput(0, text[:-4], list(toks), -2.5, list(lps), "stop", "w5")],
+                          True, RequestMetrics(1.0, 1.5, 2.0, 9.0, [2.0 + j for j in range(6)]), None, 3)
+    outs.append(final)
+    enc, dec = OutputEncoder(), OutputDecoder()
+    sizes = []
+    for out in outs:
+        line = json.loads(json.dumps(enc.encode(out)))
+        sizes.append(len(json.dumps(line)))
+        back = dec.decode(line)
+        assert back.outputs == out.outputs and back.finished == out.finished
+        assert back.prompt_token_ids == prompt and back.num_cached_tokens == 3
+    assert back == final and back.metrics.itls == [1.0] * 5
+    assert sizes[0] > 5000 * 4 and max(sizes[1:]) < 500
+    with pytest.raises(ValueError, match="before the stream's first whole output"):
+        OutputDecoder().decode(line)
+    with pytest.raises(ValueError, match="in the stream of"):
+        other = OutputDecoder()
+        other.decode(json.loads(json.dumps(OutputEncoder().encode(dataclasses.replace(outs[0], request_id="q")))))
+        other.decode(line)

@@ -189,7 +189,7 @@ class CloseSession:     # the "no more requests" call, forwarded to the P engine
 
 @dataclass
 class Output:
-    output: dict                      # a RequestOutput, see output_to_wire
+    output: dict                      # a RequestOutput, whole or as a delta: see OutputEncoder
 
 
 @dataclass
@@ -267,11 +267,19 @@ def logprobs_from_wire(data: list[list] | None) -> list[dict[int, Logprob]] | No
     return [{int(tok): Logprob(lp, rank) for tok, lp, rank in d} for d in data]
 
 
+def _steps_to_wire(steps: list[dict[int, Logprob]] | None) -> list | None:
+    return None if steps is None else [[[tok, lp.logprob, lp.rank, lp.decoded_token] for tok, lp in s.items()]
+                                       for s in steps]
+
+
+def _steps_from_wire(data: list | None) -> list[dict[int, Logprob]] | None:
+    return None if data is None else [{int(tok): Logprob(lp, rank, text) for tok, lp, rank, text in s} for s in data]
+
+
 def output_to_wire(out: RequestOutput) -> dict:
     d = dataclasses.asdict(out)
     for comp, c in zip(d["outputs"], out.outputs):
-        comp["logprobs"] = None if c.logprobs is None else [
-            [[tok, lp.logprob, lp.rank, lp.decoded_token] for tok, lp in step.items()] for step in c.logprobs]
+        comp["logprobs"] = _steps_to_wire(c.logprobs)
     return d
 
 
@@ -279,10 +287,83 @@ def output_from_wire(d: dict) -> RequestOutput:
     comps = []
     for c in d["outputs"]:
         c = dict(c)
-        if c["logprobs"] is not None:
-            c["logprobs"] = [{int(tok): Logprob(lp, rank, text) for tok, lp, rank, text in step}
-                             for step in c["logprobs"]]
+        c["logprobs"] = _steps_from_wire(c["logprobs"])
         comps.append(CompletionOutput(**c))
     metrics = RequestMetrics(**d["metrics"]) if d.get("metrics") else None
     return RequestOutput(d["request_id"], d["prompt"], d["prompt_token_ids"], comps, d["finished"], metrics,
                          d.get("error"), d.get("num_cached_tokens", 0))
+
+
+def _common_prefix(a, b) -> int:
+    """Length of the common prefix of two sequences (strings or lists); a is usually a prefix of b."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    i = 0
+    while a[i] == b[i]:
+        i += 1
+    return i
+
+
+class OutputEncoder:
+    """One stream of a request's outputs on the wire. Outputs are cumulative (every token so far, the
+    prompt's ids, the per-token times), so sending each whole costs O(prompt + tokens) per token: at
+    a 5k-token prompt that is what bounds a decode server. The first output goes whole
+    ({"output": ...}); each later one as {"delta": ...}: where its token ids, text and logprobs part
+    from the last one sent and what follows, the scalars, and the metrics only once finished."""
+
+    def __init__(self) -> None:
+        self._sent: list[CompletionOutput] | None = None
+
+    def encode(self, out: RequestOutput) -> dict:
+        last = self._sent     # copies: the engine may extend its lists in place
+        self._sent = [dataclasses.replace(c, token_ids=list(c.token_ids),
+                                          logprobs=None if c.logprobs is None else list(c.logprobs))
+                      for c in out.outputs]
+        if last is None or len(last) != len(out.outputs):
+            return {"output": output_to_wire(out)}
+        comps = []
+        for prev, c in zip(last, out.outputs):
+            t = _common_prefix(prev.token_ids, c.token_ids)
+            s = _common_prefix(prev.text, c.text)
+            comp = {"index": c.index, "token_start": t, "token_ids": c.token_ids[t:], "text_start": s,
+                    "text": c.text[s:], "cumulative_logprob": c.cumulative_logprob,
+                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+            if c.logprobs is not None:
+                k = _common_prefix(prev.logprobs or [], c.logprobs)
+                comp["logprobs_start"], comp["logprobs"] = k, _steps_to_wire(c.logprobs[k:])
+            comps.append(comp)
+        delta = {"request_id": out.request_id, "finished": out.finished, "error": out.error, "num_cached_tokens": out.num_cached_tokens,
+                 "outputs": comps}
+        if out.finished and out.metrics is not None:
+            delta["metrics"] = dataclasses.asdict(out.metrics)
+        return {"delta": delta}
+
+
+class OutputDecoder:
+    """The receiving end of an OutputEncoder: each line back into a whole, cumulative RequestOutput."""
+
+    def __init__(self) -> None:
+        self._last: RequestOutput | None = None
+
+    def decode(self, line: dict) -> RequestOutput:
+        if "output" in line:
+            self._last = output_from_wire(line["output"])
+            return self._last
+        if self._last is None:
+            raise ValueError("an output delta came before the stream's first whole output")
+        d, last = line["delta"], self._last
+        if d["request_id"] != last.request_id:
+            raise ValueError(f"a delta for request {d['request_id']!r} in the stream of {last.request_id!r}")
+        comps = []
+        for prev, c in zip(last.outputs, d["outputs"]):
+            logprobs = prev.logprobs
+            if "logprobs" in c:
+                logprobs = (prev.logprobs or [])[:c["logprobs_start"]] + _steps_from_wire(c["logprobs"])
+            comps.append(CompletionOutput(c["index"], prev.text[:c["text_start"]] + c["text"],
+                                          prev.token_ids[:c["token_start"]] + c["token_ids"],
+                                          c["cumulative_logprob"], logprobs, c["finish_reason"], c["stop_reason"]))
+        metrics = RequestMetrics(**d["metrics"]) if d.get("metrics") else last.metrics
+        self._last = RequestOutput(last.request_id, last.prompt, last.prompt_token_ids, comps, d["finished"],
+                                   metrics, d["error"], d["num_cached_tokens"])
+        return self._last

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from picovllm.disagg.messages import output_from_wire
+from picovllm.disagg.messages import OutputDecoder
 from picovllm.entrypoints.openai.async_engine import EngineDeadError, EngineStepError
 from picovllm.outputs import RequestOutput
 from picovllm.sampling_params import SamplingParams
@@ -51,9 +51,9 @@ class PDStream:
 
     async def outputs(self) -> AsyncIterator[RequestOutput]:
         try:
-            async for line in self._lines(self._prefill, "prefill", self.pair.prefill):
-                out = self._check(output_from_wire(line["output"]))
-                if line.get("handed_off"):
+            async for out, handed_off in self._outputs(self._prefill, "prefill", self.pair.prefill):
+                out = self._check(out)
+                if handed_off:
                     out.finished = False
                     yield out                     # the first token, from P; D has the request now
                     break
@@ -63,8 +63,8 @@ class PDStream:
                     return
             else:
                 raise EngineStepError(f"the prefill server {self.pair.prefill} ended the request's stream early")
-            async for line in self._lines(self._decode, "decode", self.pair.decode):
-                out = self._check(output_from_wire(line["output"]))
+            async for out, _ in self._outputs(self._decode, "decode", self.pair.decode):
+                out = self._check(out)
                 self._record(out)
                 yield out
                 if out.finished:
@@ -88,7 +88,9 @@ class PDStream:
         return out
 
     @staticmethod
-    async def _lines(resp: httpx.Response, what: str, url: str) -> AsyncIterator[dict]:
+    async def _outputs(resp: httpx.Response, what: str, url: str) -> AsyncIterator[tuple[RequestOutput, bool]]:
+        """A server's NDJSON stream as (output, handed_off) pairs."""
+        wire = OutputDecoder()
         try:
             async for line in resp.aiter_lines():
                 if not line:
@@ -96,8 +98,8 @@ class PDStream:
                 obj = json.loads(line)
                 if "error" in obj:
                     raise EngineStepError(f"the {what} server {url} failed: {obj['error']}")
-                yield obj
-        except (httpx.HTTPError, json.JSONDecodeError) as e:
+                yield wire.decode(obj), bool(obj.get("handed_off"))
+        except (httpx.HTTPError, json.JSONDecodeError, KeyError, ValueError) as e:
             raise EngineStepError(f"the {what} server {url} failed mid-request: {type(e).__name__}: {e}") from None
 
     def close(self) -> None:

@@ -15,8 +15,9 @@ drives it, both calls on the same P-D pair and under the same request id:
     3. D decodes the request to its end and streams the outputs to the listener: cumulative, so
        the first token (P's) is in them too.
 
-Both /pd routes answer NDJSON: one {"output": <picovllm.disagg.messages.output_to_wire>} per line,
-{"error": "..."} if the engine loop failed. A client that goes away aborts the request there (on P,
+Both /pd routes answer NDJSON, one output per line: the first whole ({"output": ...}), the later ones
+as what changed ({"delta": ...}, picovllm.disagg.messages.OutputEncoder: a whole output holds the
+prompt's ids and every token so far), {"error": "..."} if the engine loop failed. A client that goes away aborts the request there (on P,
 an abort during the handover is forwarded to D). If D dies, P fails what it was handing over and
 frees the blocks; it stays up, but later requests fail at once (no re-linking yet). If P dies, D
 fails what it was receiving and decodes the rest to the end.
@@ -38,7 +39,7 @@ from pydantic import BaseModel, ConfigDict
 from picovllm.config import EngineConfig
 from picovllm.disagg.channel import Channel, Listener, PeerGone
 from picovllm.disagg.decode import DecodeEngine
-from picovllm.disagg.messages import output_to_wire
+from picovllm.disagg.messages import OutputEncoder
 from picovllm.disagg.prefill import PrefillEngine
 from picovllm.disagg.transfer import TransferConfig
 from picovllm.entrypoints.openai.api_server import BACKSTOP_SECONDS, ServerSettings, _Server, build_app, \
@@ -148,9 +149,10 @@ class DecodeBody(BaseModel):
 
 
 async def _ndjson(stream: RequestStream) -> AsyncIterator[str]:
+    wire = OutputEncoder()
     try:
         async for out in stream.outputs():
-            line = {"output": output_to_wire(out)}
+            line = wire.encode(out)
             if is_handed_off(out):
                 line["handed_off"] = True
             yield json.dumps(line) + "\n"

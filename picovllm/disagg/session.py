@@ -12,8 +12,8 @@ import time
 from typing import TYPE_CHECKING
 
 from picovllm.disagg.channel import PeerGone
-from picovllm.disagg.messages import (Abort, CloseSession, Output, SessionEnded, StartSession, Submit, SubmitResult,
-                                      output_from_wire)
+from picovllm.disagg.messages import (Abort, CloseSession, Output, OutputDecoder, SessionEnded, StartSession, Submit,
+                                      SubmitResult)
 from picovllm.disagg.prefill import EngineClosedError
 from picovllm.outputs import CompletionOutput, RequestOutput
 from picovllm.sampling_params import SamplingParams
@@ -37,6 +37,7 @@ class DisaggSession:
         self._prompts: dict[str, str | list[int]] = {}
         self._unanswered: set[str] = set()               # submits without a SubmitResult yet
         self._closed = False
+        self._wire: dict[tuple[str, str], OutputDecoder] = {}   # (role, request_id): streamed outputs
         for role in ROLES:
             start = StartSession(session, opts["backend"], opts["async_transfer"], opts["transfer_timeout_s"],
                                  opts["lease_s"], opts["connect_timeout_s"],
@@ -118,7 +119,11 @@ class DisaggSession:
                 self.rejected[msg.request_id] = msg.error
             return []
         if isinstance(msg, Output):
-            out = output_from_wire(msg.output)
+            key = (role, (msg.output.get("output") or msg.output["delta"])["request_id"])
+            wire = self._wire.pop(key, None) or OutputDecoder()
+            out = wire.decode(msg.output)
+            if not out.finished:
+                self._wire[(role, out.request_id)] = wire
             if out.request_id in self.results:
                 return []                          # a second final (abort raced a finish): the first stands
             if out.finished:

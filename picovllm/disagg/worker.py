@@ -22,8 +22,8 @@ from picovllm.config import EngineConfig
 from picovllm.disagg.channel import Channel, Listener, PeerGone
 from picovllm.disagg.decode import DecodeEngine
 from picovllm.disagg.hosts import HostOptions
-from picovllm.disagg.messages import (Abort, BuildEngine, CloseSession, Output, SessionEnded, Shutdown,
-                                      StartSession, Submit, SubmitResult, WorkerHello, WorkerReady, output_to_wire)
+from picovllm.disagg.messages import (Abort, BuildEngine, CloseSession, Output, OutputEncoder, SessionEnded,
+                                      Shutdown, StartSession, Submit, SubmitResult, WorkerHello, WorkerReady)
 from picovllm.disagg.prefill import PrefillEngine
 from picovllm.disagg.transfer import TransferConfig
 from picovllm.engine.tp_workers import exit_with_parent
@@ -56,6 +56,7 @@ class Worker:
         self.role, self.driver, self.hosts = role, driver, hosts
         self.listener = Listener(hosts.host, advertise_host=hosts.advertise_host) if role == "p" else None
         self.shutting_down = False
+        self._wire: dict[str, OutputEncoder] = {}     # streamed requests' output encoders
 
     def serve(self) -> None:
         msg = self.driver.recv(timeout_s=3600)
@@ -115,11 +116,18 @@ class Worker:
                 self._command(engine, cmd)
             for out in engine.step():
                 if out.finished or start.stream:
-                    self.driver.send(Output(output_to_wire(out)))
+                    self._send_output(out)
             if engine.is_done():
                 return
             if not engine.scheduler.has_unfinished():
                 self._wait_for_input(engine)
+
+    def _send_output(self, out) -> None:
+        """Each request's outputs go as one OutputEncoder stream, closed by its final output."""
+        wire = self._wire.pop(out.request_id, None) or OutputEncoder()
+        self.driver.send(Output(wire.encode(out)))
+        if not out.finished:
+            self._wire[out.request_id] = wire
 
     def _command(self, engine, cmd) -> None:
         if isinstance(cmd, Submit):
@@ -132,7 +140,7 @@ class Worker:
         elif isinstance(cmd, Abort):
             out = engine.abort(cmd.request_id)
             if out is not None:
-                self.driver.send(Output(output_to_wire(out)))
+                self._send_output(out)
         elif isinstance(cmd, CloseSession):
             engine.close()
         elif isinstance(cmd, Shutdown):
@@ -152,6 +160,7 @@ class Worker:
             pass
 
     def _end(self, engine, start: StartSession, error: str | None = None) -> None:
+        self._wire.clear()
         for rid in list(engine.requests):      # only after an error: a finished session holds none
             engine.abort(rid)
         if engine.link is not None:

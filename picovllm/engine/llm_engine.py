@@ -17,6 +17,8 @@ from __future__ import annotations
 import itertools
 import time
 
+import torch
+
 from picovllm.config import EngineConfig
 from picovllm.engine.block_manager import BlockManager, prefix_salt
 from picovllm.engine.detokenizer import Detokenizer, check_stop
@@ -130,6 +132,13 @@ class Engine:
         """One engine step. With unfinished_outputs=False only finished requests get a RequestOutput
         (LLM.generate's case: building one per request per step costs ~1 ms at batch 256).
         Overlapped, the outputs returned are those of the step launched by the previous call."""
+        device = self.runner.device
+        if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
+            with torch.cuda.device(device):     # Triton launches on the caller's current device
+                return self._step(unfinished_outputs)
+        return self._step(unfinished_outputs)
+
+    def _step(self, unfinished_outputs: bool) -> list[RequestOutput]:
         if self.overlap:
             return self._overlapped_step(unfinished_outputs)
         sched = self._schedule()
