@@ -131,31 +131,3 @@ def test_shutdown_aborts_inflight(llm):
     assert last.finished and last.outputs[0].finish_reason == "abort"
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
 
-
-@pytest.mark.gpu2
-@pytest.mark.skipif(not __import__("torch").cuda.is_available() or __import__("torch").cuda.device_count() < 2,
-                    reason="needs two GPUs")
-def test_engine_on_second_gpu(tiny_models):
-    """An engine on cuda:1 (as `picovllm serve --device cuda:1`): Triton launches on the calling thread's
-    current device, so both the builder and the server's loop thread must bind cuda:1. Same tokens as on
-    cuda:0 (fp32), through LLM.generate and through the AsyncEngine's own thread."""
-    import torch
-
-    ps = prompts(6)
-    kw = dict(dtype="float32", block_size=8, num_kv_blocks=64)
-    ref = [o.outputs[0].token_ids for o in LLM(tiny_models["qwen3"], device="cuda:0", **kw)
-           .generate(ps, GREEDY, use_tqdm=False)]
-    torch.cuda.set_device(0)
-    llm = LLM(tiny_models["qwen3"], device="cuda:1", **kw)
-    torch.cuda.set_device(0)      # as the server's event-loop thread finds it
-    assert [o.outputs[0].token_ids for o in llm.generate(ps, GREEDY, use_tqdm=False)] == ref
-
-    async def main():
-        ae = AsyncEngine(llm.engine)
-        ae.start()
-        try:
-            return await asyncio.gather(*(collect(ae, p, GREEDY, f"r{i}") for i, p in enumerate(ps)))
-        finally:
-            await ae.shutdown()
-
-    assert [o.outputs[0].token_ids for o in asyncio.run(main())] == ref
