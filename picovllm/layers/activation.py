@@ -2,6 +2,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from picovllm.kernels.cpu import elementwise as cpu
+
 
 class SiluAndMul(nn.Module):
     """x = [gate | up] -> silu(gate) * up."""
@@ -10,5 +12,7 @@ class SiluAndMul(nn.Module):
         if x.is_cuda:   # one fused Triton pass; this torch code is its reference
             from picovllm.kernels.activation import silu_and_mul
             return silu_and_mul(x)
+        if cpu.usable(x):   # one C pass (float32 on the CPU)
+            return cpu.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up

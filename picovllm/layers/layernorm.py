@@ -3,6 +3,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from picovllm.kernels.cpu import elementwise as cpu
+
 
 class RMSNorm(nn.Module):
     """RMSNorm computed in float32; with a residual it first adds it (returning the new residual)."""
@@ -16,6 +18,8 @@ class RMSNorm(nn.Module):
         if x.is_cuda:   # one fused Triton pass; this torch code is its reference
             from picovllm.kernels.rmsnorm import rms_norm
             return rms_norm(x, self.weight, self.eps, residual)
+        if cpu.usable(x, self.weight, *(() if residual is None else (residual,))):   # one C pass
+            return cpu.rms_norm(x, self.weight, self.eps, residual)
         if residual is not None:
             x = x + residual
             residual = x

@@ -12,42 +12,21 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
-import shutil
-import subprocess
-import tempfile
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
+from picovllm.kernels.cpu.build import compile_library, run_split
 from picovllm.layers.attention import TorchAttentionBackend
-
-SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "paged_decode.c")
-# -ffast-math vectorizes expf (glibc's libmvec) and the dot products. It is given when compiling only:
-# linking with it would add crtfastmath.o, which sets flush-to-zero for the whole process.
-COMPILE = ["-O3", "-march=native", "-ffast-math", "-fPIC", "-c"]
-LINK = ["-shared", "-lm"]
 
 
 @functools.lru_cache(maxsize=8)
 def _library(shape: tuple[int, int, int, int]) -> ctypes.CDLL | None:
     """Build and load the kernel for (query heads, kv heads, head dim, block size), once per process;
     None if there is no working C compiler."""
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
+    lib = compile_library("paged_decode.c", dict(zip(("HQ", "HKV", "DIM", "BLOCK"), shape)))
+    if lib is None:
         return None
-    defines = [f"-D{name}={value}" for name, value in zip(("HQ", "HKV", "DIM", "BLOCK"), shape)]
-    out_dir = tempfile.mkdtemp(prefix="picovllm-cpu-")
-    obj, lib_path = os.path.join(out_dir, "paged_decode.o"), os.path.join(out_dir, "paged_decode.so")
-    try:
-        subprocess.run([cc, *COMPILE, *defines, SOURCE, "-o", obj], check=True, capture_output=True, timeout=60)
-        subprocess.run([cc, obj, "-o", lib_path, *LINK], check=True, capture_output=True, timeout=60)
-        lib = ctypes.CDLL(lib_path)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    finally:
-        shutil.rmtree(out_dir, ignore_errors=True)   # the loaded library stays mapped
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.paged_decode_attention.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr, ctypes.c_float, i64, i64]
     lib.paged_decode_attention.restype = None
@@ -62,11 +41,6 @@ def available(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int)
     if num_heads % num_kv_heads or num_heads * (head_dim + block_size) > 65536:   # keep its arrays on the stack small
         return False
     return _library((num_heads, num_kv_heads, head_dim, block_size)) is not None
-
-
-@functools.lru_cache(maxsize=4)
-def _pool(threads: int) -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(threads, thread_name_prefix="picovllm-attn")
 
 
 @dataclass(frozen=True)
@@ -100,12 +74,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     out = torch.empty_like(q)
     args = (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), batch.tables.data_ptr(), batch.tables.stride(0),
             batch.lens.data_ptr(), out.data_ptr(), scale)
-    runs = [(lo, hi) for lo, hi in zip(batch.bounds, batch.bounds[1:]) if hi > lo]
-    futures = [_pool(len(runs) - 1).submit(lib.paged_decode_attention, *args, lo, hi) for lo, hi in runs[1:]]
-    if runs:
-        lib.paged_decode_attention(*args, *runs[0])   # the first run on this thread
-    for f in futures:
-        f.result()
+    run_split(lib.paged_decode_attention, args, batch.bounds)
     return out
 
 

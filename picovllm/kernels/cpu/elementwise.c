@@ -1,0 +1,37 @@
+/* Row-wise float32 ops of a decoder layer, each one pass over memory instead of torch's several
+ * (each with its own temporary): RMSNorm with the residual add folded in, and SiLU(gate) * up.
+ * Rows [begin, end) of a row-major matrix, so the caller can split rows between threads.
+ * Built by picovllm/kernels/cpu/build.py (-O3 -march=native -ffast-math: the loops vectorize). */
+#include <math.h>
+#include <stdint.h>
+
+/* out = w * h / sqrt(mean(h^2) + eps), h = x (+ residual, then written to residual_out when given). */
+void rms_norm(const float *x, const float *residual, float *residual_out, const float *w, float *out,
+              int64_t n, float eps, int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; r++) {
+        const float *xr = x + r * n;
+        float *o = out + r * n;
+        if (residual) {
+            const float *rr = residual + r * n;
+            float *ro = residual_out + r * n;
+            for (int64_t i = 0; i < n; i++) ro[i] = xr[i] + rr[i];
+            xr = ro;
+        }
+        float ss = 0.0f;
+        for (int64_t i = 0; i < n; i++) ss += xr[i] * xr[i];
+        const float inv = 1.0f / sqrtf(ss / (float)n + eps);
+        for (int64_t i = 0; i < n; i++) o[i] = w[i] * (xr[i] * inv);
+    }
+}
+
+/* x rows are [gate (n) | up (n)]; out rows are silu(gate) * up (n). */
+void silu_mul(const float *x, float *out, int64_t n, int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; r++) {
+        const float *g = x + r * 2 * n, *u = g + n;
+        float *o = out + r * n;
+        for (int64_t i = 0; i < n; i++) {
+            const float e = expf(fminf(-g[i], 80.0f));     /* finite math: keep expf's argument in range */
+            o[i] = g[i] / (1.0f + e) * u[i];
+        }
+    }
+}

@@ -1,0 +1,61 @@
+"""The CPU elementwise kernels (picovllm/kernels/cpu/elementwise.c) against float64 references computed
+here: RMSNorm with and without the residual add, and SiLU(gate) * up; split between threads or not."""
+import pytest
+import torch
+
+from picovllm.kernels.cpu import elementwise as cpu
+from picovllm.layers.activation import SiluAndMul
+from picovllm.layers.layernorm import RMSNorm
+
+pytestmark = pytest.mark.skipif(not cpu.available(), reason="no working C compiler")
+
+
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def threads(request, monkeypatch):
+    old = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    monkeypatch.setattr(cpu, "MIN_ELEMENTS_PER_THREAD", 64)     # split even small inputs
+    yield request.param
+    torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("rows,n", [(1, 7), (5, 576), (33, 64), (300, 100)])
+def test_rms_norm_matches_float64(rows, n, threads):
+    g = torch.Generator().manual_seed(rows * 1000 + n)
+    x = torch.randn(rows, n, generator=g) * 3
+    res = torch.randn(rows, n, generator=g)
+    w = torch.randn(n, generator=g)
+    eps = 1e-5
+
+    def ref(h):
+        h = h.double()
+        return w.double() * h / torch.sqrt((h * h).mean(-1, keepdim=True) + eps)
+
+    norm = RMSNorm(n, eps)
+    norm.weight.data.copy_(w)
+    out = norm(x)
+    assert torch.allclose(out.double(), ref(x), rtol=1e-5, atol=1e-5)
+    out2, new_res = norm(x, res)
+    assert torch.equal(new_res, x + res)                       # one fp32 add each, as torch does
+    assert torch.allclose(out2.double(), ref(x.double() + res.double()), rtol=1e-5, atol=1e-5)
+    assert not x.isnan().any() and out.shape == x.shape
+
+
+@pytest.mark.parametrize("rows,n", [(1, 3), (4, 1536), (70, 96)])
+def test_silu_and_mul_matches_float64(rows, n, threads):
+    g = torch.Generator().manual_seed(rows + n)
+    x = torch.randn(rows, 2 * n, generator=g) * 6
+    x[0, 0], x[-1, 1] = -200.0, 200.0                          # exp's range: silu -> 0 and -> x
+    gate, up = x.double().chunk(2, -1)
+    ref = gate * torch.sigmoid(gate) * up
+    out = SiluAndMul()(x)
+    assert out.shape == (rows, n)
+    assert torch.allclose(out.double(), ref, rtol=1e-5, atol=1e-6)
+
+
+def test_non_contiguous_and_other_dtypes_take_the_torch_path():
+    x = torch.randn(4, 16)[:, ::2]
+    assert not cpu.usable(x) and not cpu.usable(torch.randn(4, 8, dtype=torch.float64))
+    norm = RMSNorm(8, 1e-6)
+    ref = x.double() / torch.sqrt((x.double() ** 2).mean(-1, keepdim=True) + 1e-6)
+    assert torch.allclose(norm(x).double(), ref, rtol=1e-5, atol=1e-6)
