@@ -1,11 +1,12 @@
 """The CPU elementwise kernels (picovllm/kernels/cpu/elementwise.c) against float64 references computed
-here: RMSNorm with and without the residual add, and SiLU(gate) * up; split between threads or not."""
+here: RMSNorm with and without the residual add, SiLU(gate) * up, rotary; split between threads or not."""
 import pytest
 import torch
 
 from picovllm.kernels.cpu import elementwise as cpu
 from picovllm.layers.activation import SiluAndMul
 from picovllm.layers.layernorm import RMSNorm
+from picovllm.layers.rotary import RotaryEmbedding
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="no working C compiler")
 
@@ -59,3 +60,27 @@ def test_non_contiguous_and_other_dtypes_take_the_torch_path():
     norm = RMSNorm(8, 1e-6)
     ref = x.double() / torch.sqrt((x.double() ** 2).mean(-1, keepdim=True) + 1e-6)
     assert torch.allclose(norm(x).double(), ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("tokens", [1, 37])
+def test_rope_matches_float64(tokens, threads):
+    """Strided q/k views of one qkv row, as the attention layer passes them; positions out of order."""
+    hq, hk, d, max_pos = 6, 2, 16, 100
+    g = torch.Generator().manual_seed(tokens)
+    qkv = torch.randn(tokens, (hq + 2 * hk) * d, generator=g)
+    q = qkv[:, :hq * d].view(tokens, hq, d)
+    k = qkv[:, hq * d:(hq + hk) * d].view(tokens, hk, d)
+    pos = torch.randperm(max_pos, generator=g)[:tokens]
+    rot = RotaryEmbedding(d, max_pos, 10000.0)
+    inv = 1.0 / (10000.0 ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    ang = pos.double()[:, None] * inv[None]                                   # [T, d/2]
+    cos, sin = ang.cos()[:, None], ang.sin()[:, None]
+
+    def ref(x):
+        x1, x2 = x.double().chunk(2, -1)
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
+
+    assert tokens == 1 or not q.is_contiguous()
+    rq, rk = rot(pos, q, k)
+    assert rq.is_contiguous() and rq.shape == q.shape and rk.shape == k.shape
+    assert torch.allclose(rq.double(), ref(q), atol=1e-5) and torch.allclose(rk.double(), ref(k), atol=1e-5)

@@ -6,6 +6,8 @@ import math
 import torch
 from torch import nn
 
+from picovllm.kernels.cpu import elementwise as cpu
+
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
@@ -30,8 +32,16 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [T, Hq, D], k: [T, Hk, D]."""
+        if _c_path(q, k, positions, self.cos_sin):    # one C pass each (float32 on the CPU)
+            return cpu.rope(q, positions, self.cos_sin), cpu.rope(k, positions, self.cos_sin)
         cos, sin = self.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _c_path(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> bool:
+    heads_contiguous = all(x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2] for x in (q, k))
+    return heads_contiguous and positions.dtype == torch.int64 and positions.device.type == "cpu" \
+        and cos_sin.is_contiguous() and cpu.usable(q, k, cos_sin, contiguous=False)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -35,3 +35,22 @@ void silu_mul(const float *x, float *out, int64_t n, int64_t begin, int64_t end)
         }
     }
 }
+
+/* Rotary embedding, "rotate half" layout: token t's heads x[t] (row stride x_stride, heads of d
+ * contiguous floats) at position pos[t] -> out[t] (contiguous [heads, d]); cos_sin rows are
+ * [cos (d/2) | sin (d/2)] per position. */
+void rope(const float *x, int64_t x_stride, int64_t heads, int64_t d, const int64_t *pos,
+          const float *cos_sin, float *out, int64_t begin, int64_t end) {
+    const int64_t half = d / 2;
+    for (int64_t t = begin; t < end; t++) {
+        const float *c = cos_sin + pos[t] * d, *s = c + half;
+        for (int64_t h = 0; h < heads; h++) {
+            const float *x1 = x + t * x_stride + h * d, *x2 = x1 + half;
+            float *o1 = out + (t * heads + h) * d, *o2 = o1 + half;
+            for (int64_t i = 0; i < half; i++) {
+                o1[i] = x1[i] * c[i] - x2[i] * s[i];
+                o2[i] = x2[i] * c[i] + x1[i] * s[i];
+            }
+        }
+    }
+}

@@ -1,6 +1,6 @@
-"""RMSNorm (+ residual add) and SiLU-and-mul on the CPU in float32, through elementwise.c.
+"""RMSNorm (+ residual add), SiLU-and-mul and rotary embedding on the CPU in float32, through elementwise.c.
 
-Used by picovllm/layers (RMSNorm, SiluAndMul) for contiguous float32 CPU tensors when the library
+Used by picovllm/layers (RMSNorm, SiluAndMul, RotaryEmbedding) for contiguous float32 CPU tensors when the library
 builds; their torch code stays the reference (tests/test_cpu_elementwise.py). Rows are split between
 torch's threads once a call has enough of them to pay for the hand-off.
 """
@@ -24,7 +24,8 @@ def _library() -> ctypes.CDLL | None:
     i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
     lib.rms_norm.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, f32, i64, i64]
     lib.silu_mul.argtypes = [ptr, ptr, i64, i64, i64]
-    lib.rms_norm.restype = lib.silu_mul.restype = None
+    lib.rope.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, i64, i64]
+    lib.rms_norm.restype = lib.silu_mul.restype = lib.rope.restype = None
     return lib
 
 
@@ -32,10 +33,10 @@ def available() -> bool:
     return _library() is not None
 
 
-def usable(*tensors: torch.Tensor) -> bool:
+def usable(*tensors: torch.Tensor, contiguous: bool = True) -> bool:
     """May these tensors go through the C path (CPU, float32, contiguous, library built)?"""
-    return all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in tensors) \
-        and available()
+    return all(t.device.type == "cpu" and t.dtype == torch.float32 and (t.is_contiguous() or not contiguous)
+               for t in tensors) and available()
 
 
 def _bounds(rows: int, n: int) -> list[int]:
@@ -61,4 +62,16 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     rows = x.numel() // (2 * n)
     out = torch.empty(*x.shape[:-1], n, dtype=x.dtype)
     run_split(_library().silu_mul, (x.data_ptr(), out.data_ptr(), n), _bounds(rows, n))
+    return out
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] whose heads are contiguous (a row stride of its own is fine); positions [T] int64;
+    cos_sin [max_position, D] contiguous -> rotated x, contiguous [T, H, D]."""
+    t, h, d = x.shape
+    assert x.stride(2) == 1 and x.stride(1) == d and positions.dtype == torch.int64
+    positions = positions.contiguous()
+    out = torch.empty(t, h, d, dtype=x.dtype)
+    run_split(_library().rope, (x.data_ptr(), x.stride(0), h, d, positions.data_ptr(), cos_sin.data_ptr(),
+                                out.data_ptr()), _bounds(t, h * d))
     return out
