@@ -1,0 +1,91 @@
+/* Small-M float32 GEMM for the CPU (AVX2 + FMA): y[M, N] = x[M, K] @ W[N, K]^T (+ bias[N]).
+ *
+ * At decode, M (the running sequences) is small and the time goes into streaming the weights from
+ * memory once per step, so the weights are read exactly once, front to back: the caller packs W once
+ * into panels of NR = 16 output columns, packed[N_pad / 16][K][16] (zeros past N). For one panel,
+ * each block of MR = 6 rows of x keeps its 6 x 16 results in 12 ymm registers while k runs over
+ * K (a broadcast of x[r][k] and two FMAs per row and k); the panel (K * 64 bytes) stays in L1/L2
+ * for the row blocks after the first, and the first row block prefetches the next panel, one cache
+ * line per k. Threads (OpenMP) split the panels; built with -fopenmp and loaded into a process whose
+ * torch already runs libgomp, this shares torch's OpenMP threads rather than adding a second pool.
+ * Compiled at run time by picovllm/kernels/cpu/small_gemm.py.
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <omp.h>
+
+#if !defined(__AVX2__) || !defined(__FMA__)
+#error "small_gemm.c needs AVX2 and FMA"
+#endif
+
+#define NR 16
+#define MR 6
+
+/* rows (1..MR) rows of x against one panel; cols (1..NR) of the panel are real columns of y. */
+static inline __attribute__((always_inline)) void tile(const int rows, const float *x, int64_t k,
+                                                       const float *panel, const float *next_panel,
+                                                       const float *bias, float *y, int64_t n, int64_t cols) {
+    __m256 acc[MR][2];
+#pragma GCC unroll 6
+    for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < k; i++) {
+        if (next_panel) __builtin_prefetch(next_panel + i * NR, 0, 3);   /* 16 floats = one cache line */
+        const __m256 w0 = _mm256_loadu_ps(panel + i * NR), w1 = _mm256_loadu_ps(panel + i * NR + 8);
+#pragma GCC unroll 6
+        for (int r = 0; r < rows; r++) {
+            const __m256 xr = _mm256_broadcast_ss(x + r * k + i);
+            acc[r][0] = _mm256_fmadd_ps(xr, w0, acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(xr, w1, acc[r][1]);
+        }
+    }
+    if (cols == NR) {
+        const __m256 b0 = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
+        const __m256 b1 = bias ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps();
+#pragma GCC unroll 6
+        for (int r = 0; r < rows; r++) {
+            _mm256_storeu_ps(y + r * n, _mm256_add_ps(acc[r][0], b0));
+            _mm256_storeu_ps(y + r * n + 8, _mm256_add_ps(acc[r][1], b1));
+        }
+        return;
+    }
+    float out[NR];   /* the last panel of an N that is not a multiple of 16 */
+#pragma GCC unroll 6
+    for (int r = 0; r < rows; r++) {
+        _mm256_storeu_ps(out, acc[r][0]);
+        _mm256_storeu_ps(out + 8, acc[r][1]);
+        for (int64_t j = 0; j < cols; j++) y[r * n + j] = out[j] + (bias ? bias[j] : 0.0f);
+    }
+}
+
+/* Panels [panel_begin, panel_end). x [m, k] and y [m, n] contiguous; packed [ceil(n / 16), k, 16]; bias [n] or NULL. */
+static void panels(const float *x, int64_t m, int64_t k, const float *packed, const float *bias, float *y,
+                   int64_t n, int64_t panel_begin, int64_t panel_end) {
+    for (int64_t p = panel_begin; p < panel_end; p++) {
+        const float *panel = packed + p * k * NR;
+        const float *b = bias ? bias + p * NR : 0;
+        const int64_t cols = n - p * NR < NR ? n - p * NR : NR;
+        for (int64_t r0 = 0; r0 < m; r0 += MR) {
+            const float *xr = x + r0 * k, *next = r0 == 0 ? panel + k * NR : 0;
+            float *yr = y + r0 * n + p * NR;
+            switch (m - r0 < MR ? m - r0 : MR) {   /* a constant row count per case: the loops unroll */
+                case 1: tile(1, xr, k, panel, next, b, yr, n, cols); break;
+                case 2: tile(2, xr, k, panel, next, b, yr, n, cols); break;
+                case 3: tile(3, xr, k, panel, next, b, yr, n, cols); break;
+                case 4: tile(4, xr, k, panel, next, b, yr, n, cols); break;
+                case 5: tile(5, xr, k, panel, next, b, yr, n, cols); break;
+                default: tile(6, xr, k, panel, next, b, yr, n, cols); break;
+            }
+        }
+    }
+}
+
+/* y = x @ W^T (+ bias), each of `threads` threads a contiguous run of panels. */
+void small_gemm(const float *x, int64_t m, int64_t k, const float *packed, const float *bias, float *y,
+                int64_t n, int64_t threads) {
+    const int64_t count = (n + NR - 1) / NR;
+#pragma omp parallel num_threads(threads)
+    {
+        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+        panels(x, m, k, packed, bias, y, n, count * t / nt, count * (t + 1) / nt);
+    }
+}

@@ -1,0 +1,89 @@
+"""Small-M float32 GEMM on the CPU through a C kernel (small_gemm.c): y = x @ W.T (+ b) for decode steps.
+
+At decode the linear layers see a few rows (one per running sequence) and their time is the weights
+streaming from memory; oneDNN reaches only about half the memory bandwidth there. small_gemm.c reads
+a weight packed once into 16-column panels front to back, with the next panel prefetched. It is
+compiled with the machine's C compiler when first needed and called through ctypes.
+Its threads are OpenMP's, the same runtime and threads as torch's (the library is linked against
+libgomp.so.1, which the dynamic linker resolves to the copy torch already loaded): a Python thread
+pool cost 25-150 us per call on a 2-core machine, more than a 576x576 layer takes. available() is
+False (use oneDNN) without a compiler, on a CPU without AVX2 and FMA (the build fails), or if loading
+it brought a second OpenMP runtime into the process, whose threads would fight torch's.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import shutil
+import subprocess
+import tempfile
+
+import torch
+import torch.nn.functional as F
+
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "small_gemm.c")
+# -ffast-math only when compiling: linking with it would add crtfastmath.o (flush-to-zero for the whole process).
+COMPILE = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-c"]
+OPENMP_RUNTIMES = ("libgomp", "libiomp", "libomp")
+NR = 16   # output columns per panel, as in small_gemm.c
+
+
+@functools.lru_cache(maxsize=1)
+def _library() -> ctypes.CDLL | None:
+    """Build and load the kernel once per process; None without a C compiler, AVX2/FMA or one OpenMP runtime."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        return None
+    out_dir = tempfile.mkdtemp(prefix="picovllm-cpu-")
+    obj, lib_path = os.path.join(out_dir, "small_gemm.o"), os.path.join(out_dir, "small_gemm.so")
+    try:
+        subprocess.run([cc, *COMPILE, SOURCE, "-o", obj], check=True, capture_output=True, timeout=60)
+        subprocess.run([cc, obj, "-o", lib_path, "-shared", "-fopenmp"], check=True, capture_output=True, timeout=60)
+        lib = ctypes.CDLL(lib_path)
+        if len(_openmp_runtimes()) != 1:
+            return None
+    except (OSError, subprocess.SubprocessError):
+        return None
+    finally:
+        shutil.rmtree(out_dir, ignore_errors=True)   # the loaded library stays mapped
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.small_gemm.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, i64]
+    lib.small_gemm.restype = None
+    return lib
+
+
+def _openmp_runtimes() -> set[str]:
+    """The OpenMP runtime files mapped into this process (Linux); empty where that cannot be read."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "/" in line}
+    except OSError:
+        return set()
+    return {p for p in paths if os.path.basename(p).startswith(OPENMP_RUNTIMES)}
+
+
+def available() -> bool:
+    return _library() is not None
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] -> [ceil(N / 16), K, 16] float32, zero columns past N: the layout small_gemm reads."""
+    n, k = weight.shape
+    w = F.pad(weight.detach().float(), (0, 0, 0, -n % NR))
+    return w.view(-1, NR, k).transpose(1, 2).contiguous()
+
+
+def small_gemm(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None,
+               threads: int | None = None) -> torch.Tensor:
+    """x [M, K] float32; packed = pack_panels(W) of W [n, K]; bias [n] or None. Returns x @ W.T + bias, [M, n].
+    threads: default torch's intra-op thread count."""
+    m, k = x.shape
+    if packed.shape[1] != k:
+        raise ValueError(f"x has {k} columns, the packed weight {packed.shape[1]}")
+    x = x.contiguous()
+    bias = bias.detach().contiguous() if bias is not None else None
+    y = torch.empty(m, n, dtype=torch.float32)
+    args = (x.data_ptr(), m, k, packed.data_ptr(), bias.data_ptr() if bias is not None else None, y.data_ptr(), n)
+    _library().small_gemm(*args, threads or torch.get_num_threads())
+    return y
