@@ -64,10 +64,13 @@ static void panels(const float *x, int64_t m, int64_t k, const float *packed, co
         const float *panel = packed + p * k * NR;
         const float *b = bias ? bias + p * NR : 0;
         const int64_t cols = n - p * NR < NR ? n - p * NR : NR;
-        for (int64_t r0 = 0; r0 < m; r0 += MR) {
+        /* Row blocks of about equal size (8 rows: 4 + 4, not 6 + 2, whose 2-row tile is load-bound). */
+        const int64_t blocks = (m + MR - 1) / MR;
+        for (int64_t i = 0, r0 = 0; i < blocks; i++) {
+            const int64_t r1 = m * (i + 1) / blocks;
             const float *xr = x + r0 * k, *next = r0 == 0 ? panel + k * NR : 0;
             float *yr = y + r0 * n + p * NR;
-            switch (m - r0 < MR ? m - r0 : MR) {   /* a constant row count per case: the loops unroll */
+            switch (r1 - r0) {   /* a constant row count per case: the loops unroll */
                 case 1: tile(1, xr, k, panel, next, b, yr, n, cols); break;
                 case 2: tile(2, xr, k, panel, next, b, yr, n, cols); break;
                 case 3: tile(3, xr, k, panel, next, b, yr, n, cols); break;
@@ -75,6 +78,7 @@ static void panels(const float *x, int64_t m, int64_t k, const float *packed, co
                 case 5: tile(5, xr, k, panel, next, b, yr, n, cols); break;
                 default: tile(6, xr, k, panel, next, b, yr, n, cols); break;
             }
+            r0 = r1;
         }
     }
 }
