@@ -1,5 +1,10 @@
 """The small-M CPU GEMM (picovllm/kernels/cpu/small_gemm.c) against a float64 torch reference, and
 PackedWeight's dispatch between it and oneDNN."""
+import os
+import shutil
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -7,11 +12,24 @@ import torch.nn.functional as F
 from picovllm.kernels.cpu import small_gemm
 from picovllm.layers.packed_linear import PackedWeight, onednn_packing_available
 
-pytestmark = pytest.mark.skipif(not small_gemm.available(),
-                                reason="small_gemm needs a C compiler, AVX2/FMA and one OpenMP runtime")
+needs_kernel = pytest.mark.skipif(not small_gemm.available(),
+                                  reason="small_gemm needs a C compiler, AVX2/FMA and torch's OpenMP runtime")
 # fp32 sums over K, relative to the output's scale (the largest |y| of the reference): about
 # sqrt(K) * 2^-24 per element for random data; 2e-6 leaves room at K = 576.
 RTOL = 2e-6
+
+
+def test_available_where_it_can_build():
+    """Guards against falling back to oneDNN unnoticed (the other tests skip when it is unavailable)."""
+    try:
+        flags = set(open("/proc/cpuinfo").read().split())
+    except OSError:
+        pytest.skip("no /proc/cpuinfo")
+    if shutil.which("cc") is None or not {"avx2", "fma"} <= flags:
+        pytest.skip("no C compiler or no AVX2/FMA")
+    # A fresh process that, like the engine, first loads sentencepiece, which bundles its own libgomp.
+    code = "import sentencepiece, torch; from picovllm.kernels.cpu import small_gemm; assert small_gemm.available()"
+    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=120)
 
 
 def reference(x, w, b):
@@ -38,6 +56,7 @@ def test_matches_float64_reference(n, k, with_bias):
         check(small_gemm.small_gemm(x, panels, n, b), reference(x, w, b))
 
 
+@needs_kernel
 def test_threads_give_the_same_result():
     g = torch.Generator().manual_seed(0)
     w, b, x = torch.randn(200, 576, generator=g), torch.randn(200, generator=g), torch.randn(13, 576, generator=g)
@@ -48,6 +67,7 @@ def test_threads_give_the_same_result():
         assert torch.equal(small_gemm.small_gemm(x, panels, 200, b, threads=threads), one)
 
 
+@needs_kernel
 def test_non_contiguous_input_and_bad_width():
     w = torch.randn(40, 33)
     x = torch.randn(33, 5).T   # [5, 33], not contiguous
@@ -56,6 +76,7 @@ def test_non_contiguous_input_and_bad_width():
         small_gemm.small_gemm(torch.randn(5, 32), small_gemm.pack_panels(w), 40)
 
 
+@needs_kernel
 @pytest.mark.skipif(not onednn_packing_available(), reason="PackedWeight needs oneDNN")
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_packed_weight_dispatch_equals_linear(with_bias):

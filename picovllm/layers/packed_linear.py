@@ -17,7 +17,7 @@ from torch import nn
 
 from picovllm.kernels.cpu import small_gemm
 
-SMALL_M = 64   # rows up to which small_gemm beats oneDNN (2-core EPYC, SmolLM2-135M's shapes)
+SMALL_M = 256   # rows up to which small_gemm beat oneDNN (2-core EPYC, SmolLM2-135M shapes, M = 1..512)
 
 
 def onednn_packing_available() -> bool:

@@ -8,7 +8,8 @@ Its threads are OpenMP's, the same runtime and threads as torch's (the library i
 libgomp.so.1, which the dynamic linker resolves to the copy torch already loaded): a Python thread
 pool cost 25-150 us per call on a 2-core machine, more than a 576x576 layer takes. available() is
 False (use oneDNN) without a compiler, on a CPU without AVX2 and FMA (the build fails), or if loading
-it brought a second OpenMP runtime into the process, whose threads would fight torch's.
+it brought a new OpenMP runtime into the process (torch uses another one), whose threads would fight
+torch's. Other runtimes already loaded (sentencepiece bundles its own libgomp) do not matter.
 """
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ NR = 16   # output columns per panel, as in small_gemm.c
 
 @functools.lru_cache(maxsize=1)
 def _library() -> ctypes.CDLL | None:
-    """Build and load the kernel once per process; None without a C compiler, AVX2/FMA or one OpenMP runtime."""
+    """Build and load the kernel once per process; None without a C compiler or AVX2/FMA, or if it does not
+    share torch's OpenMP runtime."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         return None
@@ -40,8 +42,9 @@ def _library() -> ctypes.CDLL | None:
     try:
         subprocess.run([cc, *COMPILE, SOURCE, "-o", obj], check=True, capture_output=True, timeout=60)
         subprocess.run([cc, obj, "-o", lib_path, "-shared", "-fopenmp"], check=True, capture_output=True, timeout=60)
+        before = _openmp_runtimes()
         lib = ctypes.CDLL(lib_path)
-        if len(_openmp_runtimes()) != 1:
+        if before is None or _openmp_runtimes() != before:   # it brought its own OpenMP runtime
             return None
     except (OSError, subprocess.SubprocessError):
         return None
@@ -53,13 +56,13 @@ def _library() -> ctypes.CDLL | None:
     return lib
 
 
-def _openmp_runtimes() -> set[str]:
-    """The OpenMP runtime files mapped into this process (Linux); empty where that cannot be read."""
+def _openmp_runtimes() -> set[str] | None:
+    """The OpenMP runtime files mapped into this process (Linux); None where that cannot be read."""
     try:
         with open("/proc/self/maps") as maps:
             paths = {line.split()[-1] for line in maps if "/" in line}
     except OSError:
-        return set()
+        return None
     return {p for p in paths if os.path.basename(p).startswith(OPENMP_RUNTIMES)}
 
 
