@@ -5,8 +5,9 @@
  * into panels of NR = 16 output columns, packed[N_pad / 16][K][16] (zeros past N). For one panel,
  * each block of MR = 6 rows of x keeps its 6 x 16 results in 12 ymm registers while k runs over
  * K (a broadcast of x[r][k] and two FMAs per row and k); the panel (K * 64 bytes) stays in L1/L2
- * for the row blocks after the first, and the first row block prefetches the next panel, one cache
- * line per k. Threads (OpenMP) split the panels; built with -fopenmp and loaded into a process whose
+ * for the row blocks after the first. Meanwhile the next panel is prefetched, its cache lines
+ * spread over all row blocks (one line every `blocks` k): prefetching it all in the first block was
+ * 10% slower at M = 8..32, the memory requests bunching up. Threads (OpenMP) split the panels; built with -fopenmp and loaded into a process whose
  * torch already runs libgomp, this shares torch's OpenMP threads rather than adding a second pool.
  * Compiled at run time by picovllm/kernels/cpu/small_gemm.py.
  */
@@ -23,13 +24,18 @@
 
 /* rows (1..MR) rows of x against one panel; cols (1..NR) of the panel are real columns of y. */
 static inline __attribute__((always_inline)) void tile(const int rows, const float *x, int64_t k,
-                                                       const float *panel, const float *next_panel,
+                                                       const float *panel, const float *prefetch, int64_t stride,
                                                        const float *bias, float *y, int64_t n, int64_t cols) {
     __m256 acc[MR][2];
+    int64_t countdown = 1;
 #pragma GCC unroll 6
     for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (int64_t i = 0; i < k; i++) {
-        if (next_panel) __builtin_prefetch(next_panel + i * NR, 0, 3);   /* 16 floats = one cache line */
+        if (--countdown == 0) {   /* one cache line (16 floats) every `stride` k */
+            __builtin_prefetch(prefetch, 0, 3);
+            prefetch += stride * NR;
+            countdown = stride;
+        }
         const __m256 w0 = _mm256_loadu_ps(panel + i * NR), w1 = _mm256_loadu_ps(panel + i * NR + 8);
 #pragma GCC unroll 6
         for (int r = 0; r < rows; r++) {
@@ -68,15 +74,16 @@ static void panels(const float *x, int64_t m, int64_t k, const float *packed, co
         const int64_t blocks = (m + MR - 1) / MR;
         for (int64_t i = 0, r0 = 0; i < blocks; i++) {
             const int64_t r1 = m * (i + 1) / blocks;
-            const float *xr = x + r0 * k, *next = r0 == 0 ? panel + k * NR : 0;
+            /* Row block i prefetches lines i, i + blocks, ... of the next panel: spread over all blocks. */
+            const float *xr = x + r0 * k, *next = panel + (k + i) * NR;
             float *yr = y + r0 * n + p * NR;
             switch (r1 - r0) {   /* a constant row count per case: the loops unroll */
-                case 1: tile(1, xr, k, panel, next, b, yr, n, cols); break;
-                case 2: tile(2, xr, k, panel, next, b, yr, n, cols); break;
-                case 3: tile(3, xr, k, panel, next, b, yr, n, cols); break;
-                case 4: tile(4, xr, k, panel, next, b, yr, n, cols); break;
-                case 5: tile(5, xr, k, panel, next, b, yr, n, cols); break;
-                default: tile(6, xr, k, panel, next, b, yr, n, cols); break;
+                case 1: tile(1, xr, k, panel, next, blocks, b, yr, n, cols); break;
+                case 2: tile(2, xr, k, panel, next, blocks, b, yr, n, cols); break;
+                case 3: tile(3, xr, k, panel, next, blocks, b, yr, n, cols); break;
+                case 4: tile(4, xr, k, panel, next, blocks, b, yr, n, cols); break;
+                case 5: tile(5, xr, k, panel, next, blocks, b, yr, n, cols); break;
+                default: tile(6, xr, k, panel, next, blocks, b, yr, n, cols); break;
             }
             r0 = r1;
         }
