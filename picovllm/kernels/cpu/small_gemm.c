@@ -7,8 +7,9 @@
  * K (a broadcast of x[r][k] and two FMAs per row and k); the panel (K * 64 bytes) stays in L1/L2
  * for the row blocks after the first. Meanwhile the next panel is prefetched, its cache lines
  * spread over all row blocks (one line every `blocks` k): prefetching it all in the first block was
- * 10% slower at M = 8..32, the memory requests bunching up. Threads (OpenMP) split the panels; built with -fopenmp and loaded into a process whose
- * torch already runs libgomp, this shares torch's OpenMP threads rather than adding a second pool.
+ * 10% slower at M = 8..32, the memory requests bunching up.
+ * Threads (OpenMP) split the panels; built with -fopenmp and loaded into a process whose torch
+ * already runs libgomp, this shares torch's OpenMP threads rather than adding a second pool.
  * Compiled at run time by picovllm/kernels/cpu/small_gemm.py.
  */
 #include <immintrin.h>
