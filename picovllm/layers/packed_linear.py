@@ -5,8 +5,8 @@ with a pre-packed weight is 10-40% faster at the shapes a decoder runs (measured
 EPYC, fp32). At decode (a few rows, one per running sequence) the time is the weights streaming
 from memory, where oneDNN reaches about half the bandwidth: there the small-M kernel of
 picovllm/kernels/cpu/small_gemm.py, with its own panel-packed copy of the weight, is 1.3-1.7x faster
-(same machine, M <= 64). Keeping both copies doubles the packed weights' memory (about 540 MB more
-for SmolLM2-135M). The packed copies sit next to the plain weight, which stays the source of truth
+at M <= 32 and still ahead up to a few hundred rows (same machine; benchmarks/cpu_small_gemm.py).
+Keeping both copies doubles the packed weights' memory (about 540 MB more for SmolLM2-135M). The packed copies sit next to the plain weight, which stays the source of truth
 (the loader fills it, tied embeddings share it); pack after loading. Results equal F.linear up to
 fp32 summation order.
 """
@@ -17,7 +17,7 @@ from torch import nn
 
 from picovllm.kernels.cpu import small_gemm
 
-SMALL_M = 256   # rows up to which small_gemm beat oneDNN (2-core EPYC, SmolLM2-135M shapes, M = 1..512)
+SMALL_M = 256   # rows up to which small_gemm is used: 1.07x oneDNN at 256, even at 512, 0.98x at 1024 (2-core EPYC)
 
 
 def onednn_packing_available() -> bool:
