@@ -19,19 +19,21 @@ COMPILE = ["-O3", "-march=native", "-ffast-math", "-fPIC", "-c"]
 LINK = ["-shared", "-lm"]
 
 
-def compile_library(source: str, defines: dict[str, int] | None = None) -> ctypes.CDLL | None:
-    """picovllm/kernels/cpu/<source> built with -D<name>=<value> each; None without a working compiler."""
+def compile_library(source: str, defines: dict[str, int] | None = None,
+                    flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """picovllm/kernels/cpu/<source> built with -D<name>=<value> each and `flags` (compile and link, e.g.
+    -fopenmp); None without a working compiler."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         return None
-    flags = [f"-D{name}={value}" for name, value in (defines or {}).items()]
+    macros = [f"-D{name}={value}" for name, value in (defines or {}).items()]
     out_dir = tempfile.mkdtemp(prefix="picovllm-cpu-")
     stem = os.path.splitext(source)[0]
     obj, lib_path = os.path.join(out_dir, stem + ".o"), os.path.join(out_dir, stem + ".so")
     try:
-        subprocess.run([cc, *COMPILE, *flags, os.path.join(HERE, source), "-o", obj], check=True,
+        subprocess.run([cc, *COMPILE, *macros, *flags, os.path.join(HERE, source), "-o", obj], check=True,
                        capture_output=True, timeout=60)
-        subprocess.run([cc, obj, "-o", lib_path, *LINK], check=True, capture_output=True, timeout=60)
+        subprocess.run([cc, obj, "-o", lib_path, *LINK, *flags], check=True, capture_output=True, timeout=60)
         return ctypes.CDLL(lib_path)
     except (OSError, subprocess.SubprocessError):
         return None

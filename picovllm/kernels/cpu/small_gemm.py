@@ -16,16 +16,12 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
-import shutil
-import subprocess
-import tempfile
 
 import torch
 import torch.nn.functional as F
 
-SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "small_gemm.c")
-# -ffast-math only when compiling: linking with it would add crtfastmath.o (flush-to-zero for the whole process).
-COMPILE = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-c"]
+from picovllm.kernels.cpu.build import compile_library
+
 OPENMP_RUNTIMES = ("libgomp", "libiomp", "libomp")
 NR = 16   # output columns per panel, as in small_gemm.c
 
@@ -34,22 +30,10 @@ NR = 16   # output columns per panel, as in small_gemm.c
 def _library() -> ctypes.CDLL | None:
     """Build and load the kernel once per process; None without a C compiler or AVX2/FMA, or if it does not
     share torch's OpenMP runtime."""
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
+    before = _openmp_runtimes()
+    lib = compile_library("small_gemm.c", flags=("-fopenmp",))
+    if lib is None or before is None or _openmp_runtimes() != before:   # it brought its own OpenMP runtime
         return None
-    out_dir = tempfile.mkdtemp(prefix="picovllm-cpu-")
-    obj, lib_path = os.path.join(out_dir, "small_gemm.o"), os.path.join(out_dir, "small_gemm.so")
-    try:
-        subprocess.run([cc, *COMPILE, SOURCE, "-o", obj], check=True, capture_output=True, timeout=60)
-        subprocess.run([cc, obj, "-o", lib_path, "-shared", "-fopenmp"], check=True, capture_output=True, timeout=60)
-        before = _openmp_runtimes()
-        lib = ctypes.CDLL(lib_path)
-        if before is None or _openmp_runtimes() != before:   # it brought its own OpenMP runtime
-            return None
-    except (OSError, subprocess.SubprocessError):
-        return None
-    finally:
-        shutil.rmtree(out_dir, ignore_errors=True)   # the loaded library stays mapped
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.small_gemm.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, i64]
     lib.small_gemm.restype = None
