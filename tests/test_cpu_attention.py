@@ -30,8 +30,12 @@ def reference(q, k_cache, v_cache, tables, lens, scale):
 
 @pytest.mark.parametrize("hq,hkv,dim,bs", [(4, 4, 16, 4), (9, 3, 64, 16), (8, 2, 80, 5), (6, 1, 32, 1),
                                            (16, 8, 128, 16)])
-@pytest.mark.parametrize("threads", [1, 2])
-def test_matches_float64_reference(hq, hkv, dim, bs, threads):
+@pytest.mark.parametrize("threads,entry", [(1, "openmp"), (2, "openmp"), (2, "thread-pool")])
+def test_matches_float64_reference(hq, hkv, dim, bs, threads, entry, monkeypatch):
+    lib = cpu_kernel._library((hq, hkv, dim, bs))
+    if entry == "openmp" and not lib.openmp:
+        pytest.skip("built without OpenMP")
+    monkeypatch.setattr(lib, "openmp", entry == "openmp")
     rng = random.Random(hq * 100 + bs)
     lens = [0, 1, bs, bs + 1, 2 * bs - 1] + [rng.randint(1, 90) for _ in range(6)]
     width = max(-(-n // bs) for n in lens)

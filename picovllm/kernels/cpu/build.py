@@ -41,6 +41,31 @@ def compile_library(source: str, defines: dict[str, int] | None = None,
         shutil.rmtree(out_dir, ignore_errors=True)   # the loaded library stays mapped
 
 
+OPENMP_RUNTIMES = ("libgomp", "libiomp", "libomp")
+
+
+def compile_openmp_library(source: str, defines: dict[str, int] | None = None) -> ctypes.CDLL | None:
+    """compile_library with -fopenmp, for kernels that run on torch's own OpenMP threads (the library links
+    libgomp.so.1, which resolves to the copy torch loaded; a Python thread pool costs 25-150 us a call on a
+    2-core machine). None if that fails or if loading it brought in an OpenMP runtime torch does not use,
+    whose threads would fight torch's."""
+    before = _openmp_runtimes()
+    lib = compile_library(source, defines, flags=("-fopenmp",))
+    if lib is None or before is None or _openmp_runtimes() != before:
+        return None
+    return lib
+
+
+def _openmp_runtimes() -> set[str] | None:
+    """The OpenMP runtime files mapped into this process (Linux); None where that cannot be read."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "/" in line}
+    except OSError:
+        return None
+    return {p for p in paths if os.path.basename(p).startswith(OPENMP_RUNTIMES)}
+
+
 @functools.lru_cache(maxsize=4)
 def pool(threads: int) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(threads, thread_name_prefix="picovllm-cpu")

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from picovllm.kernels.cpu.build import compile_library, run_split
+from picovllm.kernels.cpu.build import compile_library, compile_openmp_library, run_split
 from picovllm.layers.attention import TorchAttentionBackend
 
 
@@ -24,12 +24,17 @@ from picovllm.layers.attention import TorchAttentionBackend
 def _library(shape: tuple[int, int, int, int]) -> ctypes.CDLL | None:
     """Build and load the kernel for (query heads, kv heads, head dim, block size), once per process;
     None if there is no working C compiler."""
-    lib = compile_library("paged_decode.c", dict(zip(("HQ", "HKV", "DIM", "BLOCK"), shape)))
+    defines = dict(zip(("HQ", "HKV", "DIM", "BLOCK"), shape))
+    lib = compile_openmp_library("paged_decode.c", defines) or compile_library("paged_decode.c", defines)
     if lib is None:
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.paged_decode_attention.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr, ctypes.c_float, i64, i64]
     lib.paged_decode_attention.restype = None
+    lib.openmp = hasattr(lib, "paged_decode_attention_runs")   # else the runs go to a Python thread pool
+    if lib.openmp:
+        lib.paged_decode_attention_runs.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr, ctypes.c_float, ptr, i64]
+        lib.paged_decode_attention_runs.restype = None
     built = (ctypes.c_int64 * 4)()
     lib.paged_decode_shape(built)
     assert tuple(built) == shape, (tuple(built), shape)
@@ -50,6 +55,7 @@ class DecodeBatch:
     tables: torch.Tensor        # [B, W] int32, contiguous
     lens: torch.Tensor          # [B] int32
     bounds: list[int]           # runs [bounds[i], bounds[i + 1]) of sequences, one per thread
+    bounds_array: torch.Tensor  # the same, int64, for the OpenMP entry
 
 
 def decode_batch(block_tables: torch.Tensor, seq_lens: list[int], threads: int | None = None) -> DecodeBatch:
@@ -61,7 +67,8 @@ def decode_batch(block_tables: torch.Tensor, seq_lens: list[int], threads: int |
         cost = torch.tensor(seq_lens, dtype=torch.float64).cumsum(0)
         cuts = torch.searchsorted(cost, cost[-1] * torch.arange(1, threads, dtype=torch.float64) / threads).tolist()
         bounds = [0, *cuts, b]
-    return DecodeBatch(block_tables.to(torch.int32).contiguous(), torch.tensor(seq_lens, dtype=torch.int32), bounds)
+    return DecodeBatch(block_tables.to(torch.int32).contiguous(), torch.tensor(seq_lens, dtype=torch.int32), bounds,
+                       torch.tensor(bounds, dtype=torch.int64))
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: DecodeBatch,
@@ -74,7 +81,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     out = torch.empty_like(q)
     args = (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), batch.tables.data_ptr(), batch.tables.stride(0),
             batch.lens.data_ptr(), out.data_ptr(), scale)
-    run_split(lib.paged_decode_attention, args, batch.bounds)
+    if lib.openmp:
+        lib.paged_decode_attention_runs(*args, batch.bounds_array.data_ptr(), len(batch.bounds) - 1)
+    else:
+        run_split(lib.paged_decode_attention, args, batch.bounds)
     return out
 
 

@@ -212,3 +212,15 @@ void paged_decode_attention(const float *q, const float *k_cache, const float *v
     }
 }
 #endif
+
+#ifdef _OPENMP
+/* The runs [bounds[r], bounds[r + 1]) of sequences, one per thread of torch's OpenMP pool. */
+void paged_decode_attention_runs(const float *q, const float *k_cache, const float *v_cache,
+                                 const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
+                                 float *out, float scale, const int64_t *bounds, int64_t runs) {
+#pragma omp parallel for num_threads(runs) schedule(static, 1)
+    for (int64_t r = 0; r < runs; r++)
+        paged_decode_attention(q, k_cache, v_cache, block_tables, bt_stride, seq_lens, out, scale, bounds[r],
+                               bounds[r + 1]);
+}
+#endif

@@ -15,14 +15,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 
 import torch
 import torch.nn.functional as F
 
-from picovllm.kernels.cpu.build import compile_library
+from picovllm.kernels.cpu.build import compile_openmp_library
 
-OPENMP_RUNTIMES = ("libgomp", "libiomp", "libomp")
 NR = 16   # output columns per panel, as in small_gemm.c
 
 
@@ -30,24 +28,13 @@ NR = 16   # output columns per panel, as in small_gemm.c
 def _library() -> ctypes.CDLL | None:
     """Build and load the kernel once per process; None without a C compiler or AVX2/FMA, or if it does not
     share torch's OpenMP runtime."""
-    before = _openmp_runtimes()
-    lib = compile_library("small_gemm.c", flags=("-fopenmp",))
-    if lib is None or before is None or _openmp_runtimes() != before:   # it brought its own OpenMP runtime
+    lib = compile_openmp_library("small_gemm.c")
+    if lib is None:
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.small_gemm.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, i64]
     lib.small_gemm.restype = None
     return lib
-
-
-def _openmp_runtimes() -> set[str] | None:
-    """The OpenMP runtime files mapped into this process (Linux); None where that cannot be read."""
-    try:
-        with open("/proc/self/maps") as maps:
-            paths = {line.split()[-1] for line in maps if "/" in line}
-    except OSError:
-        return None
-    return {p for p in paths if os.path.basename(p).startswith(OPENMP_RUNTIMES)}
 
 
 def available() -> bool:
