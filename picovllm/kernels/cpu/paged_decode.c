@@ -24,11 +24,27 @@ void paged_decode_shape(int64_t *shape) {
     shape[3] = BLOCK;
 }
 
+/* A sequence's online-softmax state per query head: running max m, running sum l, weighted values acc. */
+static void start_sequence(float acc[HQ][DIM], float *m, float *l, float m0) {
+    for (int64_t i = 0; i < HQ; i++) {
+        m[i] = m0;
+        l[i] = 0.0f;
+        for (int64_t d = 0; d < DIM; d++) acc[i][d] = 0.0f;
+    }
+}
+
+static void write_out(float acc[HQ][DIM], const float *l, float *ob) {
+    for (int64_t i = 0; i < HQ; i++) {
+        const float inv = l[i] > 0.0f ? 1.0f / l[i] : 0.0f;   /* empty context: zeros */
+        for (int64_t d = 0; d < DIM; d++) ob[i * DIM + d] = acc[i][d] * inv;
+    }
+}
+
+#ifndef VECTOR_PATH
 static void prefetch(const float *p, int64_t n) {
     for (int64_t i = 0; i < n; i += 16) __builtin_prefetch(p + i, 0, 1);   /* 16 floats = one cache line */
 }
 
-#ifndef VECTOR_PATH
 void paged_decode_attention(const float *q, const float *k_cache, const float *v_cache,
                             const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
                             float *out, float scale, int64_t task_begin, int64_t task_end) {
@@ -40,11 +56,7 @@ void paged_decode_attention(const float *q, const float *k_cache, const float *v
         const int64_t len = seq_lens[b];
         const int32_t *table = block_tables + b * bt_stride;
         const float *qb = q + b * hq * dim;
-        for (int64_t i = 0; i < hq; i++) {
-            m[i] = -FLT_MAX;     /* built with -ffast-math (finite math only): no infinities */
-            l[i] = 0.0f;
-            for (int64_t d = 0; d < dim; d++) acc[i][d] = 0.0f;
-        }
+        start_sequence(acc, m, l, -FLT_MAX);     /* built with -ffast-math (finite math only): no infinities */
         for (int64_t start = 0; start < len; start += block_size) {
             const int64_t n = len - start < block_size ? len - start : block_size;
             const int64_t base = (int64_t)table[start / block_size] * block_floats;
@@ -81,11 +93,7 @@ void paged_decode_attention(const float *q, const float *k_cache, const float *v
                     for (int64_t d = 0; d < dim; d++) acc[i][d] += p * vr[d];
                 }
         }
-        float *ob = out + b * hq * dim;
-        for (int64_t i = 0; i < hq; i++) {
-            const float inv = l[i] > 0.0f ? 1.0f / l[i] : 0.0f;   /* empty context: zeros */
-            for (int64_t d = 0; d < dim; d++) ob[i * dim + d] = acc[i][d] * inv;
-        }
+        write_out(acc, l, out + b * hq * dim);
     }
 }
 #endif
@@ -138,11 +146,7 @@ void paged_decode_attention(const float *q, const float *k_cache, const float *v
         const int64_t len = seq_lens[b];
         const int32_t *table = block_tables + b * bt_stride;
         const float *qb = q + b * HQ * DIM;
-        for (int64_t i = 0; i < HQ; i++) {
-            m[i] = NEG_BIG;
-            l[i] = 0.0f;
-            for (int64_t d = 0; d < DIM; d++) acc[i][d] = 0.0f;
-        }
+        start_sequence(acc, m, l, NEG_BIG);
         for (int64_t start = 0; start < len; start += BLOCK) {
             const int64_t n = len - start < BLOCK ? len - start : BLOCK;
             const int64_t base = (int64_t)table[start / BLOCK] * block_floats;
@@ -204,11 +208,7 @@ void paged_decode_attention(const float *q, const float *k_cache, const float *v
                 for (int64_t c = 0; c < DV; c++) _mm256_store_ps(&acc[i][8 * c], a[c]);
             }
         }
-        float *ob = out + b * HQ * DIM;
-        for (int64_t i = 0; i < HQ; i++) {
-            const float inv = l[i] > 0.0f ? 1.0f / l[i] : 0.0f;   /* empty context: zeros */
-            for (int64_t d = 0; d < DIM; d++) ob[i * DIM + d] = acc[i][d] * inv;
-        }
+        write_out(acc, l, out + b * HQ * DIM);
     }
 }
 #endif
