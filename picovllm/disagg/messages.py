@@ -333,8 +333,8 @@ class OutputEncoder:
                 k = _common_prefix(prev.logprobs or [], c.logprobs)
                 comp["logprobs_start"], comp["logprobs"] = k, _steps_to_wire(c.logprobs[k:])
             comps.append(comp)
-        delta = {"request_id": out.request_id, "finished": out.finished, "error": out.error, "num_cached_tokens": out.num_cached_tokens,
-                 "outputs": comps}
+        delta = {"request_id": out.request_id, "finished": out.finished, "error": out.error,
+                 "num_cached_tokens": out.num_cached_tokens, "outputs": comps}
         if out.finished and out.metrics is not None:
             delta["metrics"] = dataclasses.asdict(out.metrics)
         return {"delta": delta}

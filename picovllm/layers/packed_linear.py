@@ -6,8 +6,9 @@ EPYC, fp32). At decode (a few rows, one per running sequence) the time is the we
 from memory, where oneDNN reaches about half the bandwidth: there the small-M kernel of
 picovllm/kernels/cpu/small_gemm.py, with its own panel-packed copy of the weight, is 1.3-1.7x faster
 at M <= 32 and still ahead up to a few hundred rows (same machine; benchmarks/cpu_small_gemm.py).
-Keeping both copies doubles the packed weights' memory (about 540 MB more for SmolLM2-135M). The packed copies sit next to the plain weight, which stays the source of truth
-(the loader fills it, tied embeddings share it); pack after loading. Results equal F.linear up to
+Keeping both copies doubles the packed weights' memory (about 540 MB more for SmolLM2-135M). The
+packed copies sit next to the plain weight, which stays the source of truth (the loader fills it,
+tied embeddings share it); pack after loading. Results equal F.linear up to
 fp32 summation order.
 """
 from __future__ import annotations
@@ -33,7 +34,7 @@ class PackedWeight:
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
         self.out_features = weight.shape[0]
         self.small_m = small_m
-        self.panels = small_gemm.pack_panels(weight) if small_gemm.available() else None
+        self.panels = small_gemm.pack_panels(weight) if small_m > 0 and small_gemm.available() else None
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]

@@ -203,7 +203,8 @@ void paged_decode_attention(const float *q, const float *k_cache, const float *v
                 for (int64_t c = 0; c < DV; c++) a[c] = _mm256_mul_ps(_mm256_load_ps(&acc[i][8 * c]), av);
                 for (int64_t j = 0; j < n; j++) {
                     const __m256 p = _mm256_set1_ps(s[i][j]);
-                    for (int64_t c = 0; c < DV; c++) a[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vh + j * row + 8 * c), a[c]);
+                    for (int64_t c = 0; c < DV; c++)
+                        a[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vh + j * row + 8 * c), a[c]);
                 }
                 for (int64_t c = 0; c < DV; c++) _mm256_store_ps(&acc[i][8 * c], a[c]);
             }
