@@ -34,6 +34,12 @@ def build_tiny_checkpoint(path: str, arch: str = "llama", **overrides) -> str:
         raise ValueError(arch)
     torch.manual_seed(zlib.crc32(arch.encode()) % 1000)   # str hash() changes per process
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():   # HF starts norm weights at 1 and biases at 0: make each one matter
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.2 * torch.randn_like(p))
     model.save_pretrained(path)
     return path
 

@@ -109,6 +109,7 @@ class ModelRunner:
         for attn in self.model.attention_layers():
             attn.backend = self.attn_backend
         self.cuda_graphs = None   # a CUDAGraphRunner once the KV cache exists (CUDA, not enforce_eager)
+        self.cpu_decode = None    # its CPU counterpart: a DecodeStack (float32, C compiler, not enforce_eager)
 
     def _make_backend(self):
         from picovllm.layers.attention import TorchAttentionBackend
@@ -191,6 +192,9 @@ class ModelRunner:
             max_len = min(self.config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
             self.cuda_graphs = CUDAGraphRunner(self.model, self.config.max_num_seqs, -(-max_len // self.block_size),
                                                self.block_size, self.device).capture()
+        if self.device.type == "cpu" and not self.config.enforce_eager and self.tp.size == 1:
+            from picovllm.kernels.cpu.decode_stack import DecodeStack
+            self.cpu_decode = DecodeStack.build(self.model, self.attn_backend)
 
     # -- one step ------------------------------------------------------------------------------
     def prepare(self, sched: SchedulerOutput, eos_token_ids: list[int]) -> StepInput:
@@ -282,6 +286,8 @@ class ModelRunner:
         if prev_tokens is not None:
             ids.index_copy_(0, *prev_tokens)
         positions = _to(step.positions, torch.long, dev)
+        if self.cpu_decode is not None and self.cpu_decode.fits(step):
+            return self.cpu_decode.run(ids, positions, meta)
         hidden = self.model(ids, positions, meta)
         if not step.sample_indices:
             return None

@@ -1,0 +1,120 @@
+"""A decode-only step of a Llama-family model on the CPU (float32) in one C call: decode_stack.c.
+
+The CPU's counterpart of the CUDA graph runner: the model runner asks fits(step), and run() then returns the
+step's logits without going through the torch modules, which stay the reference (and run every other step:
+prefills, mixed batches, more than SMALL_M rows). One call per step instead of ~400 torch operators, and one
+OpenMP region whose threads meet at barriers of their own (see decode_stack.c for why that matters).
+Built once per shape; without a C compiler, AVX2 and FMA, or with a second OpenMP runtime, build() gives None.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from picovllm.kernels.cpu.build import compile_openmp_library
+from picovllm.kernels.cpu.decode_attention import CpuAttentionBackend, decode_batch
+from picovllm.layers.attention import AttentionMetadata
+from picovllm.layers.packed_linear import SMALL_M
+
+_ptr, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+
+
+class Layer(ctypes.Structure):   # as in decode_stack.c
+    _fields_ = [(name, _ptr) for name in ("input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "post_norm",
+                                          "gate_up", "down", "k_cache", "v_cache")]
+
+
+@functools.lru_cache(maxsize=8)
+def _library(shape: tuple[int, int, int, int]) -> ctypes.CDLL | None:
+    lib = compile_openmp_library("decode_stack.c", dict(zip(("HQ", "HKV", "DIM", "BLOCK"), shape)))
+    if lib is None:
+        return None
+    lib.decode_stack.argtypes = [_ptr, _i64, _i64, _i64, _f32, _f32, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr,
+                                 _ptr, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _i64]
+    lib.decode_stack.restype = None
+    return lib
+
+
+def _panels(linear) -> torch.Tensor | None:
+    packed = getattr(linear, "packed", None)
+    return getattr(packed, "panels", None)
+
+
+class DecodeStack:
+    """Runs decode-only steps of `model` (a LlamaForCausalLM whose linear layers carry small_gemm panels and whose
+    attention layers have their KV cache bound) through decode_stack.c."""
+
+    def __init__(self, model, lib: ctypes.CDLL) -> None:
+        cfg = model.cfg
+        self.model, self.lib = model, lib
+        self.hidden, self.inter, self.eps = cfg.hidden_size, cfg.intermediate_size, cfg.rms_norm_eps
+        attn = model.layers[0].self_attn
+        self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        self.scale = attn.attn.scale
+        self.vocab = cfg.vocab_size
+        self.cos_sin = attn.rotary.cos_sin.contiguous()
+        self.layers = (Layer * len(model.layers))()
+        for entry, layer in zip(self.layers, model.layers):
+            a, mlp = layer.self_attn, layer.mlp
+            tensors = {"input_norm": layer.input_layernorm.weight,
+                       "qkv": _panels(a.qkv_proj), "qkv_bias": a.qkv_proj.bias,
+                       "q_norm": a.q_norm.weight if a.q_norm is not None else None,
+                       "k_norm": a.k_norm.weight if a.k_norm is not None else None,
+                       "o": _panels(a.o_proj), "post_norm": layer.post_attention_layernorm.weight,
+                       "gate_up": _panels(mlp.gate_up_proj), "down": _panels(mlp.down_proj),
+                       "k_cache": a.attn.k_cache, "v_cache": a.attn.v_cache}
+            for name, t in tensors.items():
+                setattr(entry, name, None if t is None else t.data_ptr())
+
+    @classmethod
+    def build(cls, model, backend, threads: int | None = None) -> DecodeStack | None:
+        """A DecodeStack for this model, or None where it does not apply (another architecture, tensor
+        parallel, not float32 on the CPU, another attention backend, weights not packed, no compiler)."""
+        layers = getattr(model, "layers", None)
+        if not isinstance(backend, CpuAttentionBackend) or not layers:
+            return None
+        a = layers[0].self_attn
+        if a.qkv_proj.tp.size != 1 or a.attn.k_cache is None or a.attn.k_cache.dtype != torch.float32 \
+                or a.rotary.cos_sin.dtype != torch.float32:
+            return None
+        needed = [_panels(model.lm_head)]
+        for layer in layers:
+            m = layer.mlp
+            needed += [_panels(layer.self_attn.qkv_proj), _panels(layer.self_attn.o_proj), _panels(m.gate_up_proj),
+                       _panels(m.down_proj)]
+            if layer.self_attn.o_proj.bias is not None or m.down_proj.bias is not None or m.gate_up_proj.bias is not None:
+                return None
+        if any(p is None for p in needed):
+            return None
+        cache = a.attn.k_cache
+        lib = _library((a.num_heads, a.num_kv_heads, a.head_dim, cache.shape[1]))
+        return None if lib is None else cls(model, lib)
+
+    @staticmethod
+    def fits(step) -> bool:
+        """Is this step decode-only (one new token per sequence, every one sampled) and small enough?"""
+        n = len(step.input_ids)
+        return n == step.num_decodes == len(step.seq_lens) == len(step.sample_indices) and n <= SMALL_M
+
+    @torch.inference_mode()
+    def run(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """ids, positions [m] int64 of a decode-only step; meta its attention metadata -> logits [m, vocab]."""
+        m = ids.shape[0]
+        x = self.model.embed_tokens(ids).contiguous()
+        batch = decode_batch(meta.block_tables, meta.seq_lens_cpu)
+        h, i, d = self.hidden, self.inter, self.head_dim
+        nq, nkv = self.num_heads * d, self.num_kv_heads * d
+        scratch = torch.empty(m * (2 * h + 3 * nq + 3 * nkv + 3 * i), dtype=torch.float32)   # as decode_stack.c splits it
+        logits = torch.empty(m, self.vocab, dtype=torch.float32)
+        slots = meta.slot_mapping.contiguous()
+        positions = positions.contiguous()
+        model = self.model
+        self.lib.decode_stack(
+            self.layers, len(self.layers), h, i, self.eps, self.scale, model.norm.weight.data_ptr(),
+            _panels(model.lm_head).data_ptr(), self.vocab, x.data_ptr(), m, positions.data_ptr(), slots.data_ptr(),
+            self.cos_sin.data_ptr(), batch.tables.data_ptr(), batch.tables.stride(0), batch.lens.data_ptr(),
+            batch.bounds_array.data_ptr(), len(batch.bounds) - 1, scratch.data_ptr(), logits.data_ptr(),
+            torch.get_num_threads())
+        return logits

@@ -1,0 +1,76 @@
+"""The CPU decode stack (picovllm/kernels/cpu/decode_stack.c: a decode-only step's layers, final norm and LM
+head in one C call) against HF transformers on the same weights, greedy tokens identical and logprobs within
+LOGPROB_ATOL, with every decode step counted as run by the stack; and each step's logits against the torch
+modules' on the same inputs. Llama, Qwen2 (qkv bias), Qwen3 (q/k norm), Llama 3 rope; one and two threads."""
+import functools
+
+import pytest
+import torch
+
+from picovllm import LLM, SamplingParams
+from picovllm.kernels.cpu import decode_stack
+from test_parity_hf import LOGPROB_ATOL, hf_greedy, make_prompts
+
+MAX_TOKENS = 12
+
+
+@functools.lru_cache(maxsize=None)
+def hf_reference(path: str):
+    return hf_greedy(path, make_prompts(), MAX_TOKENS)
+
+
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def threads(request):
+    old = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "llama3"])
+def test_decode_steps_match_hf_and_the_modules(tiny_models, arch, threads):
+    llm = LLM(tiny_models[arch], block_size=8, num_kv_blocks=96, enable_prefix_caching=False)
+    runner = llm.engine.runner
+    stack = runner.cpu_decode
+    if stack is None:
+        pytest.skip("the decode stack does not build here (no C compiler, AVX2/FMA or a second OpenMP runtime)")
+    gaps, run = [], stack.run
+
+    def checked_run(ids, positions, meta):
+        logits = run(ids, positions, meta)
+        hidden = runner.model(ids, positions, meta)    # stores the same K/V again, then the torch modules
+        gaps.append((logits - runner.model.compute_logits(hidden)).abs().max().item())
+        return logits
+
+    stack.run = checked_run
+    prompts = make_prompts()
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0),
+                        use_tqdm=False)
+    ref_tokens, ref_logprobs = hf_reference(tiny_models[arch])
+    assert len(gaps) == MAX_TOKENS - 1     # one prefill step samples the first tokens; every decode step ran here
+    assert max(gaps) < 1e-4, gaps
+    for o, toks, lps in zip(outs, ref_tokens, ref_logprobs):
+        assert o.outputs[0].token_ids == toks
+        ours = [d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
+        assert ours == pytest.approx(lps, abs=LOGPROB_ATOL)
+
+
+def test_steps_past_small_m_and_mixed_steps_take_the_modules(tiny_models, monkeypatch):
+    """More rows than SMALL_M, or a prefill in the step: the torch modules run it; the tokens stay HF's."""
+    monkeypatch.setattr(decode_stack, "SMALL_M", 3)
+    llm = LLM(tiny_models["qwen3"], block_size=8, num_kv_blocks=96, max_num_batched_tokens=64,
+              enable_prefix_caching=False)
+    stack = llm.engine.runner.cpu_decode
+    if stack is None:
+        pytest.skip("the decode stack does not build here")
+    sizes, run = [], stack.run
+    stack.run = lambda ids, positions, meta: sizes.append(len(ids)) or run(ids, positions, meta)
+    outs = llm.generate(make_prompts(), SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
+                        use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == hf_reference(tiny_models["qwen3"])[0]
+    assert sizes and max(sizes) <= 3
+
+
+def test_enforce_eager_and_other_dtypes_do_not_build_it(tiny_models):
+    assert LLM(tiny_models["llama"], num_kv_blocks=16, enforce_eager=True).engine.runner.cpu_decode is None
+    assert LLM(tiny_models["llama"], num_kv_blocks=16, dtype="bfloat16").engine.runner.cpu_decode is None
