@@ -1,4 +1,5 @@
-"""Paged decode attention on the CPU (float32) through a small C kernel, and the attention backend using it.
+"""Paged decode attention on the CPU (float32) through a small C kernel, and the attention backend using it
+for every new token (a prefill token is a decode of its own prefix, see CpuAttentionBackend).
 
 The torch reference (TorchAttentionBackend._decode) gathers every decode's K/V blocks into a dense
 copy and runs SDPA on it: on the cpu-small workload that gather is two thirds of decode attention.
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from picovllm.kernels.cpu.build import compile_library, compile_openmp_library, run_split
-from picovllm.layers.attention import TorchAttentionBackend
+from picovllm.layers.attention import TorchAttentionBackend, store_kv
 
 
 @functools.lru_cache(maxsize=8)
@@ -89,12 +90,28 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
-    """The torch backend with decodes through the C kernel (float32 caches on the CPU)."""
+    """Attention on the CPU through the C kernel (float32 caches): after the step's K/V are stored, each new
+    token, a prefill chunk's as well as a decode's, is one query attending to its own prefix in the paged
+    cache (position p of a sequence: its first p + 1 cached tokens). Prefill this way is causal by
+    construction, needs no gathered copy of a chunk's earlier context, and runs 1.5-2.5x faster than
+    SDPA per sequence at the cpu-small workload's prompt lengths (SDPA's per-call overhead dominates there)."""
 
-    @staticmethod
-    def _decode(q, k_cache, v_cache, meta, scale):
-        nd = meta.num_decodes
-        batch = meta.scratch.get("cpu_decode")
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale):
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        batch = meta.scratch.get("cpu_tokens")
         if batch is None:
-            batch = meta.scratch["cpu_decode"] = decode_batch(meta.block_tables[:nd], meta.seq_lens_cpu[:nd])
+            batch = meta.scratch["cpu_tokens"] = token_batch(meta)
         return paged_decode_attention(q, k_cache, v_cache, batch, scale)
+
+
+def token_batch(meta) -> DecodeBatch:
+    """One kernel task per new token of the step: its sequence's block table and its position + 1."""
+    nd = meta.num_decodes
+    if nd == meta.num_seqs:
+        return decode_batch(meta.block_tables, meta.seq_lens_cpu)
+    rows, lens = [], []
+    for s, (ql, sl) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
+        rows += [s] * ql
+        lens += range(sl - ql + 1, sl + 1)
+    tables = meta.block_tables.index_select(0, torch.tensor(rows, dtype=torch.long))
+    return decode_batch(tables, lens)
