@@ -90,9 +90,9 @@ class EngineConfig:
     cpu_kv_cache_gib: float = 1.0
     num_kv_blocks: int | None = None      # override the memory-budget computation (tests, PD)
     enable_prefix_caching: bool = True
-    enforce_eager: bool = False
+    enforce_eager: bool = False           # no CUDA graphs (GPU), no one-call decode stack (CPU)
     async_scheduling: bool | None = None  # overlap host work with the device (None: on for one GPU)
-    attention_backend: str = "auto"       # "torch" | "triton" | "cpu" (C decode kernel) | "auto"
+    attention_backend: str = "auto"       # "torch" | "triton" | "cpu" (C paged kernel) | "auto"
     skip_tokenizer_init: bool = False
     tensor_parallel_size: int = 1
     seed: int = 0

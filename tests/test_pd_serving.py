@@ -13,6 +13,7 @@ import openai
 import pytest
 
 from picovllm import LLM, SamplingParams
+from picovllm.disagg.messages import OutputDecoder
 from serving_fixtures import ServerProcess, build_tiny_chat_model, free_port
 from test_server_lifecycle import children_of
 
@@ -169,8 +170,11 @@ def test_decode_killed_mid_stream(cluster):
     # P itself, asked directly, fails the handover at once and frees the blocks
     r = httpx.post(victim["p"].url + "/pd/prefill", json={"request_id": "x", "prompt_token_ids": [5, 6, 7],
                                                             "params": {"max_tokens": 4}, "arrival_time": time.time()})
-    last = json.loads(r.text.strip().splitlines()[-1])["output"]
-    assert last["finished"] and last["outputs"][0]["finish_reason"] == "error" and "decode engine" in last["error"]
+    decoder = OutputDecoder()     # the stream is one whole output, then deltas (a first token may come before the error)
+    outs = [decoder.decode(json.loads(line)) for line in r.text.strip().splitlines()
+            if "output" in json.loads(line) or "delta" in json.loads(line)]
+    last = outs[-1]
+    assert last.finished and last.outputs[0].finish_reason == "error" and "decode engine" in last.error
     wait_idle(victim["p"])
     m = proxy.metrics()
     assert m["picovllm:requests_total.error"] == 1 and m["picovllm:requests_total.length"] >= 10
