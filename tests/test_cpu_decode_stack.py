@@ -29,7 +29,7 @@ def threads(request):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "llama3"])
 def test_decode_steps_match_hf_and_the_modules(tiny_models, arch, threads):
-    llm = LLM(tiny_models[arch], block_size=8, num_kv_blocks=96, enable_prefix_caching=False)
+    llm = LLM(tiny_models[arch], block_size=8, num_kv_blocks=96, enable_prefix_caching=False, device="cpu")
     runner = llm.engine.runner
     stack = runner.cpu_decode
     if stack is None:
@@ -59,7 +59,7 @@ def test_steps_past_small_m_and_mixed_steps_take_the_modules(tiny_models, monkey
     """More rows than SMALL_M, or a prefill in the step: the torch modules run it; the tokens stay HF's."""
     monkeypatch.setattr(decode_stack, "SMALL_M", 3)
     llm = LLM(tiny_models["qwen3"], block_size=8, num_kv_blocks=96, max_num_batched_tokens=64,
-              enable_prefix_caching=False)
+              enable_prefix_caching=False, device="cpu")
     stack = llm.engine.runner.cpu_decode
     if stack is None:
         pytest.skip("the decode stack does not build here")
@@ -72,5 +72,5 @@ def test_steps_past_small_m_and_mixed_steps_take_the_modules(tiny_models, monkey
 
 
 def test_enforce_eager_and_other_dtypes_do_not_build_it(tiny_models):
-    assert LLM(tiny_models["llama"], num_kv_blocks=16, enforce_eager=True).engine.runner.cpu_decode is None
-    assert LLM(tiny_models["llama"], num_kv_blocks=16, dtype="bfloat16").engine.runner.cpu_decode is None
+    assert LLM(tiny_models["llama"], num_kv_blocks=16, enforce_eager=True, device="cpu").engine.runner.cpu_decode is None
+    assert LLM(tiny_models["llama"], num_kv_blocks=16, dtype="bfloat16", device="cpu").engine.runner.cpu_decode is None

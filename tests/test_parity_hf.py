@@ -1,4 +1,4 @@
-"""Greedy outputs and logprobs against HF transformers on the same weights (fp32, CPU)."""
+"""Greedy outputs and logprobs against HF transformers on the same weights (fp32, on the CPU even where a GPU is)."""
 import random
 
 import pytest
@@ -35,7 +35,7 @@ def make_prompts(n=8, seed=0, vocab=384):
 def test_greedy_matches_hf(tiny_models, arch):
     prompts = make_prompts()
     ref, ref_lp = hf_greedy(tiny_models[arch], prompts, 12)
-    llm = LLM(tiny_models[arch], block_size=16, num_kv_blocks=64)
+    llm = LLM(tiny_models[arch], block_size=16, num_kv_blocks=64, device="cpu")
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0),
                         use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == ref
@@ -54,13 +54,13 @@ def test_chunking_and_preemption_match_hf(tiny_models, block_size, budget, block
     prompts = make_prompts()
     ref, _ = hf_greedy(tiny_models["qwen3"], prompts, 10)
     llm = LLM(tiny_models["qwen3"], block_size=block_size, max_num_batched_tokens=budget, num_kv_blocks=blocks,
-              enable_prefix_caching=False)
+              enable_prefix_caching=False, device="cpu")
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == ref
 
 
 def test_preemption_actually_happens(tiny_models):
-    llm = LLM(tiny_models["llama"], block_size=4, num_kv_blocks=30, enable_prefix_caching=False)
+    llm = LLM(tiny_models["llama"], block_size=4, num_kv_blocks=30, enable_prefix_caching=False, device="cpu")
     eng = llm.engine
     preempted = []
     real = eng.scheduler.preempt
