@@ -72,5 +72,6 @@ def test_steps_past_small_m_and_mixed_steps_take_the_modules(tiny_models, monkey
 
 
 def test_enforce_eager_and_other_dtypes_do_not_build_it(tiny_models):
-    assert LLM(tiny_models["llama"], num_kv_blocks=16, enforce_eager=True, device="cpu").engine.runner.cpu_decode is None
+    eager = LLM(tiny_models["llama"], num_kv_blocks=16, enforce_eager=True, device="cpu")
+    assert eager.engine.runner.cpu_decode is None
     assert LLM(tiny_models["llama"], num_kv_blocks=16, dtype="bfloat16", device="cpu").engine.runner.cpu_decode is None

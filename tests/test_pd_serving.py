@@ -170,7 +170,7 @@ def test_decode_killed_mid_stream(cluster):
     # P itself, asked directly, fails the handover at once and frees the blocks
     r = httpx.post(victim["p"].url + "/pd/prefill", json={"request_id": "x", "prompt_token_ids": [5, 6, 7],
                                                             "params": {"max_tokens": 4}, "arrival_time": time.time()})
-    decoder = OutputDecoder()     # the stream is one whole output, then deltas (a first token may come before the error)
+    decoder = OutputDecoder()     # one whole output, then deltas (a first token may come before the error)
     outs = [decoder.decode(json.loads(line)) for line in r.text.strip().splitlines()
             if "output" in json.loads(line) or "delta" in json.loads(line)]
     last = outs[-1]

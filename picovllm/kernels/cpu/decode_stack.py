@@ -69,7 +69,7 @@ class DecodeStack:
                 setattr(entry, name, None if t is None else t.data_ptr())
 
     @classmethod
-    def build(cls, model, backend, threads: int | None = None) -> DecodeStack | None:
+    def build(cls, model, backend) -> DecodeStack | None:
         """A DecodeStack for this model, or None where it does not apply (another architecture, tensor
         parallel, not float32 on the CPU, another attention backend, weights not packed, no compiler)."""
         layers = getattr(model, "layers", None)
@@ -81,15 +81,14 @@ class DecodeStack:
             return None
         needed = [_panels(model.lm_head)]
         for layer in layers:
-            m = layer.mlp
-            needed += [_panels(layer.self_attn.qkv_proj), _panels(layer.self_attn.o_proj), _panels(m.gate_up_proj),
-                       _panels(m.down_proj)]
-            if layer.self_attn.o_proj.bias is not None or m.down_proj.bias is not None or m.gate_up_proj.bias is not None:
+            a, m = layer.self_attn, layer.mlp
+            needed += [_panels(a.qkv_proj), _panels(a.o_proj), _panels(m.gate_up_proj), _panels(m.down_proj)]
+            if any(lin.bias is not None for lin in (a.o_proj, m.gate_up_proj, m.down_proj)):
                 return None
         if any(p is None for p in needed):
             return None
-        cache = a.attn.k_cache
-        lib = _library((a.num_heads, a.num_kv_heads, a.head_dim, cache.shape[1]))
+        a = layers[0].self_attn
+        lib = _library((a.num_heads, a.num_kv_heads, a.head_dim, a.attn.k_cache.shape[1]))
         return None if lib is None else cls(model, lib)
 
     @staticmethod
@@ -106,7 +105,7 @@ class DecodeStack:
         batch = decode_batch(meta.block_tables, meta.seq_lens_cpu)
         h, i, d = self.hidden, self.inter, self.head_dim
         nq, nkv = self.num_heads * d, self.num_kv_heads * d
-        scratch = torch.empty(m * (2 * h + 3 * nq + 3 * nkv + 3 * i), dtype=torch.float32)   # as decode_stack.c splits it
+        scratch = torch.empty(m * (2 * h + 3 * nq + 3 * nkv + 3 * i), dtype=torch.float32)   # decode_stack.c's split
         logits = torch.empty(m, self.vocab, dtype=torch.float32)
         slots = meta.slot_mapping.contiguous()
         positions = positions.contiguous()
