@@ -171,9 +171,8 @@ def test_decode_killed_mid_stream(cluster):
     r = httpx.post(victim["p"].url + "/pd/prefill", json={"request_id": "x", "prompt_token_ids": [5, 6, 7],
                                                             "params": {"max_tokens": 4}, "arrival_time": time.time()})
     decoder = OutputDecoder()     # one whole output, then deltas (a first token may come before the error)
-    outs = [decoder.decode(json.loads(line)) for line in r.text.strip().splitlines()
-            if "output" in json.loads(line) or "delta" in json.loads(line)]
-    last = outs[-1]
+    lines = [json.loads(line) for line in r.text.strip().splitlines()]
+    last = [decoder.decode(line) for line in lines if "output" in line or "delta" in line][-1]
     assert last.finished and last.outputs[0].finish_reason == "error" and "decode engine" in last.error
     wait_idle(victim["p"])
     m = proxy.metrics()

@@ -18,9 +18,9 @@ drives it, both calls on the same P-D pair and under the same request id:
 Both /pd routes answer NDJSON, one output per line: the first whole ({"output": ...}), the later ones
 as what changed ({"delta": ...}, picovllm.disagg.messages.OutputEncoder: a whole output holds the
 prompt's ids and every token so far), {"error": "..."} if the engine loop failed. A client that goes
-away aborts the request there (on P, an abort during the handover is forwarded to D). If D dies, P fails what it was handing over and
-frees the blocks; it stays up, but later requests fail at once (no re-linking yet). If P dies, D
-fails what it was receiving and decodes the rest to the end.
+away aborts the request there (on P, an abort during the handover is forwarded to D). If D dies, P
+fails what it was handing over and frees the blocks; it stays up, but later requests fail at once (no
+re-linking yet). If P dies, D fails what it was receiving and decodes the rest to the end.
 """
 from __future__ import annotations
 

@@ -8,8 +8,7 @@ picovllm/kernels/cpu/small_gemm.py, with its own panel-packed copy of the weight
 at M <= 32 and still ahead up to a few hundred rows (same machine; benchmarks/cpu_small_gemm.py).
 Keeping both copies doubles the packed weights' memory (about 540 MB more for SmolLM2-135M). The
 packed copies sit next to the plain weight, which stays the source of truth (the loader fills it,
-tied embeddings share it); pack after loading. Results equal F.linear up to
-fp32 summation order.
+tied embeddings share it); pack after loading. Results equal F.linear up to fp32 summation order.
 """
 from __future__ import annotations
 

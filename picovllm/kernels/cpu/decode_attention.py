@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from picovllm.kernels.cpu.build import compile_library, compile_openmp_library, run_split
-from picovllm.layers.attention import TorchAttentionBackend, store_kv
+from picovllm.layers.attention import AttentionBackend, store_kv
 
 
 @functools.lru_cache(maxsize=8)
@@ -89,7 +89,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return out
 
 
-class CpuAttentionBackend(TorchAttentionBackend):
+class CpuAttentionBackend(AttentionBackend):
     """Attention on the CPU through the C kernel (float32 caches): after the step's K/V are stored, each new
     token, a prefill chunk's as well as a decode's, is one query attending to its own prefix in the paged
     cache (position p of a sequence: its first p + 1 cached tokens). Prefill this way is causal by

@@ -14,7 +14,7 @@ import functools
 import torch
 
 from picovllm.kernels.cpu.build import compile_openmp_library
-from picovllm.kernels.cpu.decode_attention import CpuAttentionBackend, decode_batch
+from picovllm.kernels.cpu.decode_attention import CpuAttentionBackend, token_batch
 from picovllm.layers.attention import AttentionMetadata
 from picovllm.layers.packed_linear import SMALL_M
 
@@ -102,7 +102,7 @@ class DecodeStack:
         """ids, positions [m] int64 of a decode-only step; meta its attention metadata -> logits [m, vocab]."""
         m = ids.shape[0]
         x = self.model.embed_tokens(ids).contiguous()
-        batch = decode_batch(meta.block_tables, meta.seq_lens_cpu)
+        batch = token_batch(meta)     # the tasks attention splits between threads, as CpuAttentionBackend's
         h, i, d = self.hidden, self.inter, self.head_dim
         nq, nkv = self.num_heads * d, self.num_kv_heads * d
         scratch = torch.empty(m * (2 * h + 3 * nq + 3 * nkv + 3 * i), dtype=torch.float32)   # decode_stack.c's split
