@@ -17,9 +17,13 @@ class ModelSource:
     config: ModelConfig
     weights: Callable[[], WeightIterator]                # HF-named tensors, full (unsharded)
     load_tokenizer: Callable[[], object] | None          # None: no tokenizer files (token-id prompts only)
+    identity: tuple | None = None                        # what the weights' content rests on (cache keys)
 
 
-def open_model_source(model: str | None) -> ModelSource:
+def open_model_source(model: str | None, disk_cache: bool = True) -> ModelSource:
+    """model: an HF folder, a .gguf file, or None for the default model. disk_cache: keep what is derived
+    from a GGUF (tokenizer, dequantized weights) in the artifact cache (picovllm/artifact_cache.py)."""
+    from picovllm.artifact_cache import ArtifactCache
     from picovllm.loader import gguf_file, hf_folder
     from picovllm.loader.default_model import default_model_path
 
@@ -29,5 +33,5 @@ def open_model_source(model: str | None) -> ModelSource:
     if os.path.isdir(path):
         return hf_folder.open_folder(path)
     if path.endswith(".gguf"):
-        return gguf_file.open_gguf(path)
+        return gguf_file.open_gguf(path, ArtifactCache.from_env() if disk_cache else None)
     raise ValueError(f"model path {path!r} is neither a folder nor a .gguf file")
