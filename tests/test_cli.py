@@ -166,3 +166,20 @@ def test_generate_disagg_prints_what_generate_prints(default_llm):
         assert colocated.returncode == 0 and disagg.returncode == 0, disagg.stderr[-2000:]
         assert colocated.stdout == disagg.stdout == ref.outputs[0].text + "\n", (flag, disagg.stdout, colocated.stdout)
         assert "TTFT" in disagg.stderr and "tokens in" in disagg.stderr
+
+
+def test_import_and_help_do_not_load_torch():
+    """`import picovllm` and building the CLI's parser (`picovllm --help`) stay light: no torch, no numpy."""
+    code = ("import sys, picovllm; from picovllm.entrypoints.cli import build_parser; build_parser(); "
+            "heavy = [m for m in ('torch', 'numpy', 'transformers', 'fastapi') if m in sys.modules]; "
+            "assert not heavy, heavy")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    r = run_cli(["--help"])
+    assert r.returncode == 0 and "generate" in r.stdout
+
+
+def test_cli_backend_names_are_the_transfer_backends():
+    from picovllm.disagg.cli import BACKEND_NAMES
+    from picovllm.disagg.transfer import BACKENDS
+    assert tuple(sorted(BACKENDS)) == BACKEND_NAMES
