@@ -1,6 +1,7 @@
 """The nano-vllm benchmark workload through LLM.generate, plus latency, prefill and a step profile.
 
     python benchmarks/nano_throughput.py throughput [--model PATH] [--enforce-eager] [--no-overlap] [--timeline]
+    python benchmarks/nano_throughput.py disagg      # the same workload through 1P1D on one GPU (cuda_ipc)
     python benchmarks/nano_throughput.py latency     # batch 1, 512-token prompt, 256 outputs: ms/token
     python benchmarks/nano_throughput.py prefill     # one 8k-token prompt: prefill tokens/s
     python benchmarks/nano_throughput.py profile     # where a batch-256 decode step's time goes
@@ -122,6 +123,28 @@ def throughput(args) -> dict:
     return res
 
 
+def disagg(args) -> dict:
+    """The throughput workload through 1P1D on this one GPU: a P and a D engine in processes of their own,
+    KV handed over through CUDA IPC (D reads P's blocks); the clock covers DisaggLLM.generate only."""
+    from picovllm.disagg.driver import DisaggLLM
+
+    common = dict(max_model_len=4096, max_num_seqs=256, max_num_batched_tokens=16384,
+                  enforce_eager=args.enforce_eager, async_scheduling=not args.no_overlap)
+    # the two engines size their KV caches one after the other on the one GPU: P a third of it, D the rest
+    with DisaggLLM(args.model, backend="cuda_ipc", prefill_device="cuda:0", decode_device="cuda:0",
+                   prefill={"gpu_memory_utilization": 0.3}, decode={"gpu_memory_utilization": 0.9}, **common) as llm:
+        llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=16))      # warm-up
+        prompts, params = workload(args.num_seqs, temperature=args.temperature)
+        t = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        dt = time.perf_counter() - t
+    failed = [o.error for o in outs if o.error]
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    assert not failed and n_out == sum(p.max_tokens for p in params), failed[:3]
+    return {"output_tokens": n_out, "seconds": round(dt, 3), "output_tok_per_s": round(n_out / dt, 1),
+            "overlap": not args.no_overlap, "backend": "cuda_ipc"}
+
+
 def latency(args) -> dict:
     llm = make_llm(args, max_num_seqs=8)
     prompt = [random.Random(1).randint(0, 10000) for _ in range(512)]
@@ -190,7 +213,7 @@ def profile(args) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["throughput", "latency", "prefill", "profile"])
+    ap.add_argument("mode", choices=["throughput", "disagg", "latency", "prefill", "profile"])
     ap.add_argument("--model", default=None)
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--temperature", type=float, default=0.6)
