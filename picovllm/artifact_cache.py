@@ -72,8 +72,9 @@ class ArtifactCache:
         root = default_root()
         return cls(root) if root else None
 
-    def get_or_build(self, kind: str, key: str, build: Callable[[str], None]) -> str | None:
+    def get_or_build(self, kind: str, key: str, build: Callable[[str], None], source: str = "") -> str | None:
         """The folder of a verified entry; on a miss build(folder) fills a new one, which is then stored.
+        `source` says what the entry was made from (a model path, a C file), for `picovllm cache`.
 
         None when the entry could not be stored (an unwritable folder, a full disk: one warning); the caller
         then does the work without the cache. Errors of build() other than OSError propagate.
@@ -89,7 +90,7 @@ class ArtifactCache:
             return None
         try:
             build(tmp)
-            _write_manifest(tmp)
+            _write_manifest(tmp, source)
             self._install(tmp, final)
         except OSError as e:
             _warn_unwritable(self.root, e)
@@ -104,13 +105,35 @@ class ArtifactCache:
             return False
         if _check_manifest(folder):
             return True
-        trash = f"{folder}.bad-{uuid.uuid4().hex[:8]}"
         try:
-            os.rename(folder, trash)          # atomic: no reader sees it half-deleted
-            shutil.rmtree(trash, ignore_errors=True)
+            self.remove(os.path.basename(os.path.dirname(folder)), os.path.basename(folder))
         except OSError:
             pass                              # another process removed it first, or a read-only cache
         return False
+
+    def entries(self) -> list[dict]:
+        """Every entry: kind, key, source, bytes, and when it was made (for `picovllm cache`)."""
+        found = []
+        for kind in sorted(os.listdir(self.root)) if os.path.isdir(self.root) else []:
+            for key in sorted(k for k in os.listdir(os.path.join(self.root, kind)) if not k.startswith(".")):
+                folder = os.path.join(self.root, kind, key)
+                try:
+                    with open(os.path.join(folder, MANIFEST)) as f:
+                        manifest = json.load(f)
+                    size = sum(entry[0] for entry in manifest["files"].values())
+                    found.append({"kind": kind, "key": key, "source": manifest.get("source", ""), "bytes": size,
+                                  "made": os.path.getmtime(os.path.join(folder, MANIFEST))})
+                except (OSError, ValueError, KeyError, TypeError):
+                    found.append({"kind": kind, "key": key, "source": "(incomplete or damaged)", "bytes": 0,
+                                  "made": 0.0})
+        return found
+
+    def remove(self, kind: str, key: str) -> None:
+        """Remove one entry (moved aside first, so a reader never sees it half-deleted)."""
+        folder = os.path.join(self.root, kind, key)
+        trash = os.path.join(self.root, kind, f".removed-{key}-{uuid.uuid4().hex[:8]}")
+        os.rename(folder, trash)
+        shutil.rmtree(trash, ignore_errors=True)
 
     @staticmethod
     def _install(tmp: str, final: str) -> None:
@@ -141,14 +164,14 @@ def _crc32_file(path: str) -> int:
     return crc
 
 
-def _write_manifest(folder: str) -> None:
+def _write_manifest(folder: str, source: str) -> None:
     files = {}
     for dirpath, _, names in os.walk(folder):
         for name in names:
             path = os.path.join(dirpath, name)
             files[os.path.relpath(path, folder)] = [os.path.getsize(path), _crc32_file(path)]
     with open(os.path.join(folder, MANIFEST), "w") as f:
-        json.dump({"format": FORMAT, "files": files}, f)
+        json.dump({"format": FORMAT, "source": source, "files": files}, f)
 
 
 def _check_manifest(folder: str) -> bool:

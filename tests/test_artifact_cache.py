@@ -258,3 +258,20 @@ def test_unusable_cache_folder_and_switches(tmp_path):
     r = cli(["generate", PROMPT, "--max-tokens", "8"], blocker / "cache")
     assert r.returncode == 0 and r.stdout == want.stdout
     assert r.stderr.count(WARNING) == 1, r.stderr
+
+
+def test_cache_command_lists_and_clears(tmp_path, monkeypatch, capsys):
+    from picovllm.entrypoints.cli import main as cli_main
+
+    monkeypatch.setenv("PICOVLLM_CACHE_DIR", str(tmp_path / "cache"))
+    path = str(tmp_path / "m.gguf")
+    write_tiny_gguf(path, "Q8_0")
+    open_gguf(path, ArtifactCache.from_env())
+    assert cli_main(["cache"]) == 0
+    listing = capsys.readouterr().out
+    assert "1 entries" in listing and "gguf" in listing and os.path.abspath(path) in listing
+    assert cli_main(["cache", "--clear", "--kind", "kernels"]) == 0
+    assert len(entries(tmp_path / "cache", "gguf")) == 1                # another kind: kept
+    assert cli_main(["cache", "--clear"]) == 0
+    assert "removed 1 entries" in capsys.readouterr().out
+    assert entries(tmp_path / "cache", "gguf") == []

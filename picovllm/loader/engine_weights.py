@@ -41,7 +41,8 @@ def load_model_weights(model: nn.Module, source: ModelSource, disk_cache: bool, 
     if cache is not None:
         key = make_key("engine-weights", source.identity, str(param.dtype), shard, small_gemm.NR,
                        small_gemm.available())
-        folder = cache.get_or_build("engine", key, build)
+        folder = cache.get_or_build("engine", key, build,
+                                    f"{source.path} ({param.dtype}, rank {shard[0]} of {shard[1]})")
         if built:
             return
         if folder is not None:

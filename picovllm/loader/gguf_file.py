@@ -118,7 +118,8 @@ def open_gguf(path: str, cache: ArtifactCache | None = None) -> ModelSource:
     identity = ("gguf", file_identity(path))
     if cache is not None:
         key = make_key(identity, _transformers_version())
-        folder = cache.get_or_build("gguf", key, lambda entry: _write_entry(GGUFFile(path), entry))
+        folder = cache.get_or_build("gguf", key, lambda entry: _write_entry(GGUFFile(path), entry),
+                                    os.path.abspath(path))
         if folder is not None:
             return _source_from_entry(path, folder, identity)
     return _source_from_file(GGUFFile(path), identity)

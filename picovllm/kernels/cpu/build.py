@@ -46,7 +46,8 @@ def compile_library(source: str, defines: dict[str, int] | None = None,
         cache = ArtifactCache.from_env()
         key = make_key(source, _sources_digest(), _compiler_identity(cc), COMPILE, LINK, macros, flags,
                        _cpu_identity())
-        folder = cache.get_or_build("kernels", key, build) if cache is not None else None
+        folder = cache.get_or_build("kernels", key, build, f"{source} {' '.join(macros)}".strip()) \
+            if cache is not None else None
         if folder is not None:
             return ctypes.CDLL(os.path.join(folder, stem + ".so"))
         with tempfile.TemporaryDirectory(prefix="picovllm-cpu-") as tmp:
