@@ -166,6 +166,37 @@ def test_models_health_and_named_errors(server, client, chat_model):
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
 
 
+def test_unhonoured_requests_are_refused_never_ignored(server, client):
+    """Structured outputs and tools are not implemented: a request for them is a 400 naming the field
+    (streaming or not, either endpoint), never a prose answer as if it had been honoured."""
+    model = client.models.list().data[0].id
+    before = server.metrics()
+    msgs = [{"role": "user", "content": "Answer in JSON"}]
+    schema = {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object"}}}
+    cases = [(dict(response_format={"type": "json_object"}), "response_format"),
+             (dict(response_format=schema), "response_format"),
+             (dict(extra_body={"guided_json": {"type": "object"}}), "guided_json"),
+             (dict(extra_body={"guided_regex": "[0-9]+"}), "guided_regex"),
+             (dict(extra_body={"guided_choice": ["yes", "no"]}), "guided_choice"),
+             (dict(extra_body={"guided_grammar": 'root ::= "a"'}), "guided_grammar"),
+             (dict(tool_choice="required"), "tool_choice")]
+    for kw, field in cases:
+        for stream in (False, True):
+            with pytest.raises(openai.BadRequestError) as e:
+                client.chat.completions.create(model=model, messages=msgs, max_tokens=4, stream=stream, **kw)
+            assert e.value.status_code == 400 and e.value.body["param"] == field, (kw, e.value.body)
+            assert "not supported" in e.value.body["message"]
+    for extra in ({"guided_choice": ["yes", "no"]}, {"response_format": {"type": "json_object"}}):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=model, prompt="hi", max_tokens=4, extra_body=extra)
+        assert e.value.body["param"] == next(iter(extra))
+    # asking for plain text is what the server does
+    ok = client.chat.completions.create(model=model, messages=msgs, max_tokens=4, response_format={"type": "text"})
+    assert ok.choices[0].finish_reason in ("stop", "length")
+    after = assert_idle(server)
+    assert after["picovllm:requests_total.rejected"] - before["picovllm:requests_total.rejected"] == 2 * len(cases) + 2
+
+
 def test_oversize_bodies_rejected(server):
     big = json.dumps({"prompt": "x" * (2**20 + 10)}).encode()
     r = httpx.post(server.url + "/v1/completions", content=big, headers={"content-type": "application/json"})

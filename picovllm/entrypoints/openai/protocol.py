@@ -2,13 +2,16 @@
 
 Strict: a JSON string where a number belongs is a 400, not a silent coercion. Floats must be finite.
 Fields vLLM adds to OpenAI's (top_k, min_p, min_tokens, ignore_eos, stop_token_ids, ...) are accepted
-too; unknown fields are ignored, as OpenAI and vLLM do.
+too. A field OpenAI or vLLM defines that this server does not honour (structured outputs, tools, beam
+search, ...) is declared below only to be refused: a 400 naming it, unless it asks for nothing (its
+no-op value). Never answer a request as if it had been honoured. Fields neither defines are ignored,
+as OpenAI and vLLM do.
 """
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, create_model, field_validator
 
 from picovllm.sampling_params import SamplingParams
 
@@ -42,9 +45,72 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: Any = None    # vLLM's; refused (see _Refusing)
+
+    @field_validator("continuous_usage_stats")
+    @classmethod
+    def _refuse(cls, v: Any) -> Any:
+        if v not in (None, False):
+            raise ValueError("is not supported (usage comes in the last chunk with include_usage)")
+        return v
 
 
-class _SamplingRequest(_Strict):
+# Refused fields and the values that ask for nothing (None always does): any other value is a 400.
+# Structured outputs (response_format other than text, vLLM's guided_* and structured_outputs) are the
+# important ones: a client that asks for JSON must not get prose as if it were JSON.
+REFUSED_COMMON: dict[str, tuple] = {
+    "response_format": ({"type": "text"},), "guided_json": (), "guided_regex": (), "guided_choice": (),
+    "guided_grammar": (), "guided_decoding_backend": (), "guided_whitespace_pattern": (), "structured_outputs": (),
+    "functions": (), "function_call": ("none",), "tool_choice": ("none",), "prompt_logprobs": (),
+    "use_beam_search": (False,), "length_penalty": (1,), "include_stop_str_in_output": (False,),
+    "allowed_token_ids": (), "bad_words": ([],), "truncate_prompt_tokens": (), "spaces_between_special_tokens": (True,),
+    "return_tokens_as_token_ids": (False,), "priority": (0,), "logits_processors": (), "vllm_xargs": (),
+    "store": (False,), "prediction": (), "audio": (), "modalities": (["text"],), "reasoning_effort": (),
+    "web_search_options": (),
+}
+REFUSED_CHAT: dict[str, tuple] = {
+    "echo": (False,), "continue_final_message": (False,), "chat_template": (), "chat_template_kwargs": ({},),
+    "documents": (), "mm_processor_kwargs": (), "add_special_tokens": (False,),  # as LLM.chat encodes
+}
+REFUSED_COMPLETION: dict[str, tuple] = {
+    "add_special_tokens": (True,), "prompt_embeds": (),   # add_special_tokens: as LLM.generate encodes
+}
+
+
+def _same(value: Any, ok: Any) -> bool:
+    if isinstance(value, bool) or isinstance(ok, bool):   # True == 1 in Python, not in JSON
+        return type(value) is type(ok) and value == ok
+    return value == ok
+
+
+def refuse_unless_noop(name: str, value: Any, noop: dict[str, tuple]) -> Any:
+    if value is None or any(_same(value, ok) for ok in noop[name]):
+        return value
+    if name in ("response_format",) or name.startswith("guided_") or name == "structured_outputs":
+        raise ValueError("is not supported: this server has no structured output (constrained decoding) yet")
+    if name in ("functions", "function_call", "tool_choice", "tool_calls"):
+        raise ValueError("is not supported: this server has no tool calling yet")
+    allowed = " or ".join(repr(v) for v in noop[name])
+    raise ValueError("is not supported" + (f" (only {allowed} or null)" if allowed else " (send null or omit it)"))
+
+
+def refusing_model(name: str, refused: dict[str, tuple]) -> type[BaseModel]:
+    """A base model that declares each refused field (so the OpenAPI schema lists it and the 400 names it)
+    as Any, and refuses every value but the no-op ones."""
+    def check(cls, v: Any, info: ValidationInfo) -> Any:
+        return refuse_unless_noop(info.field_name, v, refused)
+
+    validator = field_validator(*refused)(classmethod(check))
+    return create_model(name, __base__=_Strict, __validators__={f"_refuse{name}": validator},
+                        **{f: (Any, None) for f in refused})
+
+
+_RefusedCommon = refusing_model("_RefusedCommon", REFUSED_COMMON)
+_RefusedChat = refusing_model("_RefusedChat", REFUSED_CHAT)
+_RefusedCompletion = refusing_model("_RefusedCompletion", REFUSED_COMPLETION)
+
+
+class _SamplingRequest(_RefusedCommon):
     """Fields shared by completions and chat completions."""
     model: str | None = None
     temperature: FiniteFloat | None = Field(None, ge=0, le=2)
@@ -104,7 +170,7 @@ class _SamplingRequest(_Strict):
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
 
-class CompletionRequest(_SamplingRequest):
+class CompletionRequest(_SamplingRequest, _RefusedCompletion):
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
     max_tokens: int | None = Field(16, ge=1, le=MAX_INT)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -147,7 +213,7 @@ class TextPart(_Strict):
     text: str
 
 
-class ChatMessage(_Strict):
+class ChatMessage(refusing_model("_RefusedInMessage", {"tool_calls": ([],), "function_call": ()})):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -162,7 +228,7 @@ class ChatMessage(_Strict):
         return d
 
 
-class ChatCompletionRequest(_SamplingRequest):
+class ChatCompletionRequest(_SamplingRequest, _RefusedChat):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: int | None = Field(None, ge=1, le=MAX_INT)
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT)
