@@ -86,6 +86,9 @@ class Engine:
             raise ValueError(f"SamplingParams.logprobs must be <= the vocabulary size {vocab}, got {params.logprobs}")
         if any(t >= vocab for t in params.stop_token_ids):
             raise ValueError(f"SamplingParams.stop_token_ids must be in [0, {vocab}), got {params.stop_token_ids}")
+        if any(t >= vocab for t in params.logit_bias):
+            raise ValueError(f"SamplingParams.logit_bias keys must be token ids in [0, {vocab}), got "
+                             f"{max(params.logit_bias)}")
         ids = self.tokenize(prompt)
         if not ids:
             raise ValueError("prompt is empty")
