@@ -136,6 +136,33 @@ def test_stop_strings_and_seeded_sampling(client, llm):
     assert got.choices[0].text == ref.text
 
 
+def test_penalties_and_logit_bias_match_llm(client, llm):
+    """Both endpoints, streaming or not, give what LLM.generate/LLM.chat give with the same fields
+    (the offline API is checked against HF's logits processors in test_penalties.py)."""
+    model = client.models.list().data[0].id
+    fields = dict(presence_penalty=0.5, frequency_penalty=1.2, logit_bias={"17": 3.0, "40": -100})
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, repetition_penalty=1.4,
+                        **{**fields, "logit_bias": {17: 3.0, 40: -100}})
+    prompt = "Tell me a story about a cat"
+    ref = llm.generate([prompt], sp, use_tqdm=False)[0].outputs[0]
+    plain = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+                         use_tqdm=False)[0].outputs[0]
+    assert ref.token_ids != plain.token_ids
+    kw = dict(model=model, max_tokens=16, temperature=0, **fields,
+              extra_body={"repetition_penalty": 1.4, "ignore_eos": True})
+    assert client.completions.create(prompt=prompt, **kw).choices[0].text == ref.text
+    assert "".join(c.choices[0].text for c in client.completions.create(prompt=prompt, stream=True, **kw)) == ref.text
+    conv = [{"role": "user", "content": "Hello, how are you"}]
+    rc = llm.chat(conv, sp, use_tqdm=False)[0].outputs[0]
+    assert client.chat.completions.create(messages=conv, **kw).choices[0].message.content == rc.text
+    for bad, field in [({"logit_bias": {"384": 1}}, "logit_bias"), ({"logit_bias": {"a": 1}}, "logit_bias"),
+                       ({"logit_bias": {"3": 101}}, "logit_bias"), ({"presence_penalty": 2.5}, "presence_penalty"),
+                       ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty")]:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=model, prompt=prompt, max_tokens=4, **bad)
+        assert field in str(e.value), (bad, str(e.value))
+
+
 def test_models_health_and_named_errors(server, client, chat_model):
     models = client.models.list().data
     assert [m.id for m in models] == [chat_model]   # served under the --model it was given

@@ -18,6 +18,7 @@ from picovllm.sampling_params import SamplingParams
 MAX_INT = 2**31 - 1
 MAX_LOGPROBS = 20
 MAX_STOP = 16
+MAX_LOGIT_BIAS = 1024    # entries; OpenAI allows 300
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 TokenId = Annotated[int, Field(ge=0, le=MAX_INT)]
 
@@ -120,11 +121,13 @@ class _SamplingRequest(_RefusedCommon):
     stream_options: StreamOptions | None = None
     stop: str | Annotated[list[str], Field(max_length=MAX_STOP)] | None = None
     seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
-    frequency_penalty: FiniteFloat | None = None
-    presence_penalty: FiniteFloat | None = None
-    logit_bias: dict[str, FiniteFloat] | None = None
+    frequency_penalty: FiniteFloat | None = Field(None, ge=-2, le=2)
+    presence_penalty: FiniteFloat | None = Field(None, ge=-2, le=2)
+    logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False)]],
+                          Field(max_length=MAX_LOGIT_BIAS)] | None = None
     user: str | None = None
     # vLLM's additions
+    repetition_penalty: FiniteFloat | None = Field(None, gt=0)
     top_k: int | None = Field(None, ge=-1, le=MAX_INT)
     min_p: FiniteFloat | None = Field(None, ge=0, le=1)
     min_tokens: int = Field(0, ge=0, le=MAX_INT)
@@ -139,18 +142,12 @@ class _SamplingRequest(_RefusedCommon):
             raise ValueError("n must be 1 (parallel sampling is not supported)")
         return v
 
-    @field_validator("frequency_penalty", "presence_penalty")
-    @classmethod
-    def _no_penalty(cls, v: float | None) -> float | None:
-        if v not in (None, 0):
-            raise ValueError("penalties are not supported (must be 0)")
-        return v
-
     @field_validator("logit_bias")
     @classmethod
-    def _no_bias(cls, v: dict | None) -> dict | None:
-        if v:
-            raise ValueError("logit_bias is not supported")
+    def _token_id_keys(cls, v: dict | None) -> dict | None:
+        bad = next((k for k in (v or {}) if not (k.isascii() and k.isdigit() and int(k) <= MAX_INT)), None)
+        if bad is not None:
+            raise ValueError(f"keys must be token ids (decimal strings), got {bad[:20]!r}")
         return v
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
@@ -161,7 +158,10 @@ class _SamplingRequest(_RefusedCommon):
                 top_p=1.0 if self.top_p is None else self.top_p,
                 top_k=self.top_k or 0, min_p=self.min_p or 0.0, seed=self.seed, max_tokens=max_tokens,
                 min_tokens=self.min_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids,
-                ignore_eos=self.ignore_eos, logprobs=logprobs, skip_special_tokens=self.skip_special_tokens)
+                ignore_eos=self.ignore_eos, logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
+                presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+                logit_bias=self.logit_bias)
         except ValueError as e:
             raise APIError(400, str(e)) from None
 
