@@ -224,6 +224,37 @@ def test_unhonoured_requests_are_refused_never_ignored(server, client):
     assert after["picovllm:requests_total.rejected"] - before["picovllm:requests_total.rejected"] == 2 * len(cases) + 2
 
 
+def test_tokenize_and_detokenize(server, client, llm):
+    """The ids /tokenize gives are the ids the generation endpoints run (their usage counts them), and
+    the tokenizer's own encode/decode (what LLM.generate/LLM.chat use) is the oracle."""
+    tok = llm.get_tokenizer()
+    model = client.models.list().data[0].id
+    text = "Tell me a story about a cat"
+    r = httpx.post(server.url + "/tokenize", json={"model": model, "prompt": text}).json()
+    assert r == {"count": len(tok.encode(text)), "max_model_len": 256, "tokens": tok.encode(text)}
+    assert client.completions.create(model=model, prompt=text, max_tokens=1).usage.prompt_tokens == r["count"]
+    r = httpx.post(server.url + "/tokenize", json={"prompt": text, "add_special_tokens": False,
+                                                   "return_token_strs": True}).json()
+    assert r["tokens"] == tok.encode(text, add_special_tokens=False)
+    assert r["token_strs"] == tok.convert_ids_to_tokens(r["tokens"])
+    conv = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
+    r = httpx.post(server.url + "/tokenize", json={"messages": conv}).json()
+    assert r["tokens"] == llm.apply_chat_template(conv) and r["count"] == len(r["tokens"])
+    assert client.chat.completions.create(model=model, messages=conv, max_tokens=1).usage.prompt_tokens == r["count"]
+    r2 = httpx.post(server.url + "/tokenize", json={"messages": conv, "add_generation_prompt": False}).json()
+    assert r2["tokens"] == llm.apply_chat_template(conv, add_generation_prompt=False) != r["tokens"]
+    d = httpx.post(server.url + "/detokenize", json={"model": model, "tokens": r["tokens"]}).json()
+    assert d == {"prompt": tok.decode(r["tokens"], skip_special_tokens=False)} and "<|im_start|>" in d["prompt"]
+    ids = tok.encode(text)
+    assert httpx.post(server.url + "/detokenize", json={"tokens": ids}).json()["prompt"] == text
+    for path, body, param in [("/tokenize", {"prompt": "a", "messages": conv}, "prompt"), ("/tokenize", {}, "prompt"),
+                              ("/tokenize", {"prompt": "a", "model": "nope"}, "model"),
+                              ("/tokenize", {"messages": conv, "chat_template": "x"}, "chat_template"),
+                              ("/detokenize", {"tokens": [1, 384]}, "tokens"), ("/detokenize", {"tokens": [-1]}, "tokens")]:
+        e = httpx.post(server.url + path, json=body)
+        assert e.status_code == 400 and e.json()["error"]["param"] == param, (path, body, e.text)
+
+
 def test_oversize_bodies_rejected(server):
     big = json.dumps({"prompt": "x" * (2**20 + 10)}).encode()
     r = httpx.post(server.url + "/v1/completions", content=big, headers={"content-type": "application/json"})

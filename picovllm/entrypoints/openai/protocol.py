@@ -253,3 +253,35 @@ class ChatCompletionRequest(_SamplingRequest, _RefusedChat):
         if self.top_logprobs and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+# -- /tokenize and /detokenize (vLLM's) -----------------------------------------------------------------------
+_RefusedTokenize = refusing_model("_RefusedTokenize", {
+    "continue_final_message": (False,), "chat_template": (), "chat_template_kwargs": ({},), "tools": ([],),
+    "documents": (), "mm_processor_kwargs": ()})
+
+
+class TokenizeRequest(_RefusedTokenize):
+    """Exactly one of prompt (as /v1/completions encodes it) or messages (as /v1/chat/completions)."""
+    model: str | None = None
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    add_special_tokens: bool | None = None    # None: True for a prompt, False for messages (the endpoints' way)
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    def checked(self) -> "TokenizeRequest":
+        if (self.prompt is None) == (self.messages is None):
+            raise APIError(400, "give exactly one of prompt or messages", param="prompt")
+        if self.prompt is not None and "add_generation_prompt" in self.model_fields_set:
+            raise APIError(400, "add_generation_prompt applies to messages only", param="add_generation_prompt")
+        return self
+
+    @property
+    def special_tokens(self) -> bool:
+        return self.messages is None if self.add_special_tokens is None else self.add_special_tokens
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: Annotated[list[TokenId], Field(max_length=1_000_000)]
