@@ -45,8 +45,8 @@ class SamplingParams:
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"SamplingParams.{name} {why}, got {getattr(self, name)!r}")
 
-        if not isinstance(self.n, int) or self.n != 1:
-            raise bad("n", "must be 1 (parallel sampling is not supported)")
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
+            raise bad("n", "must be an int >= 1")
         if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
             raise bad("temperature", "must be a number >= 0")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:

@@ -80,6 +80,9 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise ValueError("sampling_params must be a SamplingParams")
         params.validate()   # again: fields may have been set after construction
+        if params.n != 1:
+            raise ValueError(f"SamplingParams.n must be 1 for Engine.add_request (one request per sample: "
+                             f"LLM.generate and the server fan n out), got {params.n}")
         vocab = self.model_config.vocab_size
         # These would otherwise fail inside a step, taking the whole batch down with them.
         if params.logprobs is not None and params.logprobs > vocab:

@@ -9,15 +9,18 @@ as OpenAI and vLLM do.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, create_model, field_validator
 
+from picovllm.entrypoints.parallel_sampling import sample_params
 from picovllm.sampling_params import SamplingParams
 
 MAX_INT = 2**31 - 1
 MAX_LOGPROBS = 20
 MAX_STOP = 16
+MAX_N = 64               # samples per request (n, best_of)
 MAX_LOGIT_BIAS = 1024    # entries; OpenAI allows 300
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 TokenId = Annotated[int, Field(ge=0, le=MAX_INT)]
@@ -116,7 +119,7 @@ class _SamplingRequest(_RefusedCommon):
     model: str | None = None
     temperature: FiniteFloat | None = Field(None, ge=0, le=2)
     top_p: FiniteFloat | None = Field(None, gt=0, le=1)
-    n: int = 1
+    n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | Annotated[list[str], Field(max_length=MAX_STOP)] | None = None
@@ -135,13 +138,6 @@ class _SamplingRequest(_RefusedCommon):
     stop_token_ids: Annotated[list[TokenId], Field(max_length=256)] | None = None
     skip_special_tokens: bool = True
 
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError("n must be 1 (parallel sampling is not supported)")
-        return v
-
     @field_validator("logit_bias")
     @classmethod
     def _token_id_keys(cls, v: dict | None) -> dict | None:
@@ -156,7 +152,7 @@ class _SamplingRequest(_RefusedCommon):
             return SamplingParams(
                 temperature=1.0 if self.temperature is None else self.temperature,
                 top_p=1.0 if self.top_p is None else self.top_p,
-                top_k=self.top_k or 0, min_p=self.min_p or 0.0, seed=self.seed, max_tokens=max_tokens,
+                n=self.n, top_k=self.top_k or 0, min_p=self.min_p or 0.0, seed=self.seed, max_tokens=max_tokens,
                 min_tokens=self.min_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids,
                 ignore_eos=self.ignore_eos, logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
                 presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
@@ -175,7 +171,7 @@ class CompletionRequest(_SamplingRequest, _RefusedCompletion):
     max_tokens: int | None = Field(16, ge=1, le=MAX_INT)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
-    best_of: int | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
     suffix: str | None = None
 
     @field_validator("echo")
@@ -185,12 +181,17 @@ class CompletionRequest(_SamplingRequest, _RefusedCompletion):
             raise ValueError("echo is not supported")
         return v
 
-    @field_validator("best_of")
-    @classmethod
-    def _no_best_of(cls, v: int | None) -> int | None:
-        if v not in (None, 1):
-            raise ValueError("best_of must be 1")
-        return v
+    def samples(self, params: SamplingParams) -> list[SamplingParams]:
+        """One SamplingParams per sample to run: best_of of them (ranked by cumulative logprob, which
+        needs the chosen tokens' logprobs), else n. Raises APIError naming best_of when it cannot be."""
+        k = self.best_of or params.n
+        if k < params.n:
+            raise APIError(400, f"best_of ({k}) must be >= n ({params.n})", param="best_of")
+        if k > params.n and self.stream:
+            raise APIError(400, "best_of > n cannot be streamed (the best are known at the end)", param="best_of")
+        if k > params.n and params.logprobs is None:
+            params = dataclasses.replace(params, logprobs=0)
+        return sample_params(params, k)
 
     @field_validator("suffix")
     @classmethod
