@@ -71,11 +71,11 @@ def test_batch_lines_take_penalties_and_logit_bias(tiny_models, tmp_path, capsys
     lines[1].update(logit_bias={"7": 5.0, "11": -100}, repetition_penalty=1.0)
     bad = {"prompt_token_ids": [1, 2], "logit_bias": {"7": 500}}
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-    inp.write_text("\n".join(json.dumps(x) for x in lines + [bad]) + "\n")
+    inp.write_text("\n".join(json.dumps(x) for x in lines + [bad, {"prompt_token_ids": [1, 2], "n": 2}]) + "\n")
     rc = cli_main(["batch", "-i", str(inp), "-o", str(out), "--model", tiny_models["llama"], "--num-kv-blocks", "64",
                    "--ignore-eos", "--no-progress", "--repetition-penalty", "1.7"])
     recs = [json.loads(x) for x in out.read_text().splitlines()]
-    assert rc == 1 and "logit_bias" in recs[3]["error"]
+    assert rc == 1 and "logit_bias" in recs[3]["error"] and "SamplingParams.n must be 1" in recs[4]["error"]
     llm = LLM(tiny_models["llama"], num_kv_blocks=64)
     params = [SamplingParams(**{"temperature": 0.0, "ignore_eos": True, "repetition_penalty": 1.7,
                                 **{k: v for k, v in x.items() if k != "prompt_token_ids"}}) for x in lines]

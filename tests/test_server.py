@@ -227,6 +227,45 @@ def test_unhonoured_requests_are_refused_never_ignored(server, client):
     assert after["picovllm:requests_total.rejected"] - before["picovllm:requests_total.rejected"] == 2 * len(cases) + 2
 
 
+def test_n_samples_and_best_of(server, client, llm):
+    """n seeded samples equal LLM.generate's (sample i: seed + i), streamed or not, on both endpoints;
+    best_of returns the samples with the highest cumulative logprob."""
+    model = client.models.list().data[0].id
+    prompt = "Tell me a story about a cat"
+    sp = SamplingParams(n=3, temperature=1.0, seed=21, max_tokens=10, ignore_eos=True, logprobs=0)
+    ref = llm.generate([prompt], sp, use_tqdm=False)[0].outputs
+    assert len({r.text for r in ref}) == 3
+    kw = dict(model=model, prompt=prompt, n=3, temperature=1.0, seed=21, max_tokens=10, extra_body={"ignore_eos": True})
+    got = client.completions.create(**kw)
+    assert [(c.index, c.text) for c in got.choices] == [(i, r.text) for i, r in enumerate(ref)]
+    assert got.usage.completion_tokens == 30 and got.usage.prompt_tokens == len(llm.get_tokenizer().encode(prompt))
+    texts, finishes, usage = [""] * 3, [None] * 3, None
+    for chunk in client.completions.create(stream=True, stream_options={"include_usage": True}, **kw):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+            finishes[c.index] = c.finish_reason or finishes[c.index]
+        usage = chunk.usage or usage
+    assert texts == [r.text for r in ref] and finishes == ["length"] * 3 and usage.completion_tokens == 30
+    best = sorted(ref, key=lambda r: -r.cumulative_logprob)[:2]
+    got = client.completions.create(best_of=3, **dict(kw, n=2))
+    assert [c.text for c in got.choices] == [r.text for r in best] and got.usage.completion_tokens == 30
+    assert [c.index for c in got.choices] == [0, 1] and got.choices[0].logprobs is None
+    conv = [{"role": "user", "content": "Hello, how are you"}]
+    ref = llm.chat(conv, SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=8), use_tqdm=False)[0].outputs
+    ckw = dict(model=model, messages=conv, n=2, temperature=1.0, seed=5, max_tokens=8)
+    got = client.chat.completions.create(**ckw)
+    assert [c.message.content for c in got.choices] == [r.text for r in ref]
+    parts, roles = ["", ""], [None, None]
+    for chunk in client.chat.completions.create(stream=True, **ckw):
+        for c in chunk.choices:
+            parts[c.index] += c.delta.content or ""
+            roles[c.index] = roles[c.index] or c.delta.role
+    assert parts == [r.text for r in ref] and roles == ["assistant"] * 2
+    with client.completions.create(stream=True, **dict(kw, max_tokens=200)) as stream:   # hang up early
+        next(iter(stream))
+    assert_idle(server)                       # every sample aborted, every block free
+
+
 def test_tokenize_and_detokenize(server, client, llm):
     """The ids /tokenize gives are the ids the generation endpoints run (their usage counts them), and
     the tokenizer's own encode/decode (what LLM.generate/LLM.chat use) is the oracle."""

@@ -66,7 +66,7 @@ class LLM:
         except Exception:
             self._abort(groups)      # leave the engine as we found it
             raise
-        final = self._run(groups, siblings, sum(sp.n for sp in params), use_tqdm)
+        final = self._run_groups(groups, siblings, sum(sp.n for sp in params), use_tqdm)
         return [final[g[0]] if len(g) == 1 else merge_samples(g[0], [final[i] for i in g]) for g in groups]
 
     def _abort(self, groups: list[list[str]], final: dict | None = None) -> None:
@@ -82,8 +82,13 @@ class LLM:
                 group.extend(self.engine.add_request(prompt, sp) for sp in params)
                 del siblings[first]
 
-    def _run(self, groups: list[list[str]], siblings: dict[str, tuple], total: int,
-             use_tqdm: bool) -> dict[str, RequestOutput]:
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        """Step until the requests already added finish; their outputs in the order of ids."""
+        final = self._run_groups([[i] for i in ids], {}, len(ids), use_tqdm)
+        return [final[i] for i in ids]
+
+    def _run_groups(self, groups: list[list[str]], siblings: dict[str, tuple], total: int,
+                    use_tqdm: bool) -> dict[str, RequestOutput]:
         final: dict[str, RequestOutput] = {}
         bar = tqdm(total=total, desc="Processed prompts" if total == len(groups) else "Processed samples",
                    disable=not use_tqdm, dynamic_ncols=True)
