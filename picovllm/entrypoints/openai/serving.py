@@ -76,33 +76,31 @@ class SampleGroup:
                 raise EngineStepError(f"sample {i}: {e}") from None
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """(sample index, its latest output) as any sample advances, until every one has finished."""
+        """(sample index, its latest output) as any sample advances, until every one has finished. As a
+        RequestStream, a slow reader skips to each sample's newest (cumulative) output."""
+        if len(self.samples) == 1:
+            async for out in self.streams[0].outputs():
+                yield 0, out
+            return
         queue: asyncio.Queue = asyncio.Queue()
-
-        async def pump(i: int, stream: RequestStream) -> None:
-            try:
-                async for out in stream.outputs():
-                    queue.put_nowait((i, out))
-            except Exception as e:           # handed to the reader, which raises it
-                queue.put_nowait((i, e))
-                return
-            queue.put_nowait((i, None))
-
-        tasks = [asyncio.ensure_future(pump(0, self.streams[0]))]
+        tasks = [asyncio.ensure_future(_pump(0, self.streams[0], queue))]
         running = 1
         try:
             while running:
-                i, item = await queue.get()
-                if isinstance(item, Exception):
-                    raise item
-                if item is None:
-                    running -= 1
-                    continue
-                if len(tasks) == 1 and len(self.samples) > 1:     # the first sample's first output
+                latest: dict[int, RequestOutput] = {}
+                for i, item in await _drain(queue):
+                    if isinstance(item, Exception):
+                        raise item
+                    if item is None:
+                        running -= 1
+                    else:
+                        latest[i] = item
+                if latest and len(tasks) == 1:      # the first sample's first output: the prompt is computed
                     await self._add_siblings()
-                    tasks += [asyncio.ensure_future(pump(j, s)) for j, s in enumerate(self.streams[1:], 1)]
+                    tasks += [asyncio.ensure_future(_pump(j, s, queue)) for j, s in enumerate(self.streams[1:], 1)]
                     running += len(self.samples) - 1
-                yield i, item
+                for i, out in latest.items():
+                    yield i, out
         finally:
             for t in tasks:
                 t.cancel()
@@ -117,6 +115,24 @@ class SampleGroup:
     def close(self) -> None:
         for stream in self.streams:
             stream.close()
+
+
+async def _pump(i: int, stream: RequestStream, queue: asyncio.Queue) -> None:
+    """Sample i's outputs into the group's queue, then None (or the exception, which the reader raises)."""
+    try:
+        async for out in stream.outputs():
+            queue.put_nowait((i, out))
+    except Exception as e:
+        queue.put_nowait((i, e))
+        return
+    queue.put_nowait((i, None))
+
+
+async def _drain(queue: asyncio.Queue) -> list:
+    items = [await queue.get()]
+    while not queue.empty():
+        items.append(queue.get_nowait())
+    return items
 
 
 class TextDeltas:
