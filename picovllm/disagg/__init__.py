@@ -37,10 +37,22 @@ Different TP sizes (P TP=2 -> D TP=1, 1 -> 2, ...): each engine's rank 0 gathers
 heads into full heads before sending, or scatters each rank its heads after receiving
 (picovllm.engine.tp_kv; docs/tensor_parallel.md). torch_dist only; cuda_ipc needs TP=1 on both.
 """
-from picovllm.disagg.driver import DisaggLLM, DisaggSession, generate_disaggregated
-from picovllm.disagg.decode import DecodeEngine
-from picovllm.disagg.prefill import EngineClosedError, PrefillEngine
-from picovllm.disagg.transfer import BACKENDS, TransferConfig
+import importlib
 
-__all__ = ["BACKENDS", "DecodeEngine", "DisaggLLM", "DisaggSession", "EngineClosedError", "PrefillEngine",
-           "TransferConfig", "generate_disaggregated"]
+# What each public name is imported from: the package imports them when first used, so that
+# `picovllm --help` (whose parser takes the PD flags from disagg/cli.py) does not load torch.
+_EXPORTS = {
+    "DisaggLLM": "picovllm.disagg.driver", "DisaggSession": "picovllm.disagg.driver",
+    "generate_disaggregated": "picovllm.disagg.driver", "DecodeEngine": "picovllm.disagg.decode",
+    "EngineClosedError": "picovllm.disagg.prefill", "PrefillEngine": "picovllm.disagg.prefill",
+    "BACKENDS": "picovllm.disagg.transfer", "TransferConfig": "picovllm.disagg.transfer",
+}
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(name)
+    return getattr(importlib.import_module(_EXPORTS[name]), name)
+
+
+__all__ = sorted(_EXPORTS)

@@ -9,7 +9,9 @@ import argparse
 import statistics
 import sys
 
-from picovllm.disagg.transfer import BACKENDS
+# The names of picovllm.disagg.transfer.BACKENDS, written out so that building the CLI's parser does not import
+# the backends (and torch); tests/test_cli.py checks the two agree.
+BACKEND_NAMES = ("cuda_ipc", "torch_dist")
 
 
 def add_disagg_arguments(parser: argparse.ArgumentParser, switch: bool = True) -> None:
@@ -17,7 +19,7 @@ def add_disagg_arguments(parser: argparse.ArgumentParser, switch: bool = True) -
     g = parser.add_argument_group("prefill/decode disaggregation")
     if switch:
         g.add_argument("--disagg", action="store_true", help="run prefill and decode in two processes")
-    g.add_argument("--kv-transfer", choices=sorted(BACKENDS), default="torch_dist", help="KV transfer backend")
+    g.add_argument("--kv-transfer", choices=BACKEND_NAMES, default="torch_dist", help="KV transfer backend")
     g.add_argument("--sync-transfer", action="store_true", help="engines wait on each transfer (default: async)")
     g.add_argument("--prefill-device", default="auto")
     g.add_argument("--decode-device", default="auto")
@@ -57,7 +59,7 @@ def run_disagg_generate(args: argparse.Namespace) -> int:
 
 def disagg_options(args: argparse.Namespace) -> dict:
     """The DisaggLLM / generate_disaggregated keyword arguments the flags give (the model aside)."""
-    engine = {k: getattr(args, k) for k in ("dtype", "max_model_len", "block_size", "num_kv_blocks")
+    engine = {k: getattr(args, k) for k in ("dtype", "max_model_len", "block_size", "num_kv_blocks", "disk_cache")
               if getattr(args, k, None) is not None}
     decode = {"num_kv_blocks": args.decode_num_kv_blocks} if args.decode_num_kv_blocks else {}
     prefill = {}

@@ -33,7 +33,7 @@ from picovllm.sampling_params import SamplingParams
 class Engine:
     def __init__(self, config: EngineConfig, runner: ModelRunner | None = None) -> None:
         self.config = config
-        source = open_model_source(config.model)
+        source = open_model_source(config.model, config.disk_cache)
         self.model_config = source.config
         self.tokenizer = None
         if not config.skip_tokenizer_init and source.load_tokenizer is not None:

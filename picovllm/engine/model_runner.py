@@ -6,6 +6,7 @@ worker receives); execute() turns a StepInput into device tensors, runs the mode
 from __future__ import annotations
 
 import contextlib
+import mmap
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -17,10 +18,9 @@ from picovllm.engine.cuda_graph import fill_block_tables
 from picovllm.engine.scheduler import SchedulerOutput
 from picovllm.layers.attention import AttentionMetadata
 from picovllm.layers.logits_processors import adjust_logits
-from picovllm.layers.packed_linear import pack_linear_weights
 from picovllm.layers.sampler import SamplingTensors, sample, seeded_stream
 from picovllm.loader.source import ModelSource
-from picovllm.loader.weights import load_weights
+from picovllm.loader.engine_weights import load_model_weights
 from picovllm.models import MODEL_REGISTRY
 from picovllm.outputs import Logprob
 
@@ -94,6 +94,15 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(old)
 
 
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """torch.zeros, but on the CPU in an anonymous memory map, whose pages the OS zero-fills on first touch: a
+    1 GiB KV cache then costs nothing at start-up (torch.zeros writes every page, ~1 s on 2 cores)."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
+    return torch.frombuffer(mmap.mmap(-1, max(nbytes, 1)), dtype=torch.uint8)[:nbytes].view(dtype).view(shape)
+
+
 def bind_device(device: torch.device | str) -> None:
     """Make a CUDA device the calling thread's current one. Triton launches on the current device and
     rejects pointers of another, so a thread that runs the model on cuda:1 must call this first."""
@@ -114,10 +123,8 @@ class ModelRunner:
         cls = MODEL_REGISTRY[source.config.architecture]
         with _default_dtype(self.dtype), torch.device(self.device):
             self.model = cls(source.config, tp)
-        load_weights(self.model, source.weights())
+        load_model_weights(self.model, source, config.disk_cache, (tp.rank, tp.size))   # packs on the CPU
         self.model.eval()
-        if self.device.type == "cpu":
-            pack_linear_weights(self.model)     # float32 only; a no-op without oneDNN
         self.block_size = config.block_size
         self.kv_cache: torch.Tensor | None = None
         self.attn_backend = self._make_backend()
@@ -196,8 +203,8 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         attn = self.model.attention_layers()[0]
-        self.kv_cache = torch.zeros(len(self.model.attention_layers()), 2, num_blocks, self.block_size,
-                                    attn.num_kv_heads, attn.head_dim, dtype=self.dtype, device=self.device)
+        self.kv_cache = lazy_zeros((len(self.model.attention_layers()), 2, num_blocks, self.block_size,
+                                    attn.num_kv_heads, attn.head_dim), self.dtype, self.device)
         for i, a in enumerate(self.model.attention_layers()):
             a.k_cache, a.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
         if self.device.type == "cuda" and not self.config.enforce_eager and self.tp.size == 1 \

@@ -207,7 +207,7 @@ def run_worker(ranks: list[int], local_rank: int) -> None:
     tp = new_tp_group(ranks, device)
     if device.type == "cpu":
         share_cpu_threads(tp.size)
-    runner = ModelRunner(setup.config, open_model_source(setup.config.model), tp, device)
+    runner = ModelRunner(setup.config, open_model_source(setup.config.model, setup.config.disk_cache), tp, device)
     while True:
         msg = channel.recv()
         if isinstance(msg, RunStep):

@@ -35,6 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if getattr(args, "disk_cache", True) is False:    # --no-disk-cache: the kernels' cache too, in every process
+        os.environ["PICOVLLM_NO_CACHE"] = "1"
     try:
         return args.func(args) or 0
     except ValueError as e:     # bad input or flag values: EngineConfig and friends name the field

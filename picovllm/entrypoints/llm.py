@@ -121,10 +121,15 @@ class LLM:
 
     def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True,
                             chat_template: str | None = None) -> list[int]:
-        tok = self.engine.tokenizer
-        if tok is None:
-            raise ValueError("chat needs a tokenizer, and this model has none")
-        text = tok.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                       chat_template=chat_template)
-        # The template already holds any BOS it wants; don't let the tokenizer add a second.
-        return tok.encode(text, add_special_tokens=False)
+        return chat_prompt_ids(self.engine.tokenizer, conversation, add_generation_prompt, chat_template)
+
+
+def chat_prompt_ids(tokenizer, conversation: list[dict], add_generation_prompt: bool = True,
+                    chat_template: str | None = None) -> list[int]:
+    """The conversation through the tokenizer's chat template, as token ids."""
+    if tokenizer is None:
+        raise ValueError("chat needs a tokenizer, and this model has none")
+    text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                         chat_template=chat_template)
+    # The template already holds any BOS it wants; don't let the tokenizer add a second.
+    return tokenizer.encode(text, add_special_tokens=False)

@@ -6,11 +6,13 @@ EPYC, fp32). At decode (a few rows, one per running sequence) the time is the we
 from memory, where oneDNN reaches about half the bandwidth: there the small-M kernel of
 picovllm/kernels/cpu/small_gemm.py, with its own panel-packed copy of the weight, is 1.3-1.7x faster
 at M <= 32 and still ahead up to a few hundred rows (same machine; benchmarks/cpu_small_gemm.py).
-Keeping both copies doubles the packed weights' memory (about 540 MB more for SmolLM2-135M). The
-packed copies sit next to the plain weight, which stays the source of truth (the loader fills it,
-tied embeddings share it); pack after loading. Results equal F.linear up to fp32 summation order.
+The panels are packed at load time; the oneDNN copy when a step first has more than small_m rows
+(both copies cost about 540 MB each for SmolLM2-135M). The packed copies sit next to the plain weight,
+which stays the source of truth (the loader fills it, tied embeddings share it); pack after loading. Results equal F.linear up to fp32 summation order.
 """
 from __future__ import annotations
+
+from typing import Iterator
 
 import torch
 from torch import nn
@@ -29,11 +31,23 @@ class PackedWeight:
     """y = x @ weight.T (+ bias) with `weight` packed once: through small_gemm for up to `small_m` rows
     (where its C kernel builds), else through oneDNN."""
 
-    def __init__(self, weight: torch.Tensor, small_m: int = SMALL_M) -> None:
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+    def __init__(self, weight: torch.Tensor, small_m: int = SMALL_M, panels: torch.Tensor | None = None) -> None:
+        """panels: pack_panels(weight) made earlier (the engine-weights cache), else packed here."""
+        self.source = weight
         self.out_features = weight.shape[0]
         self.small_m = small_m
-        self.panels = small_gemm.pack_panels(weight) if small_m > 0 and small_gemm.available() else None
+        if panels is None and small_m > 0 and small_gemm.available():
+            panels = small_gemm.pack_panels(weight)
+        self.panels = panels if small_m > 0 else None
+        self._onednn: torch.Tensor | None = None   # packed on the first call with more than small_m rows
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The oneDNN-packed copy, made when first needed: a server that never sees a long prompt, or a
+        short `generate`, does not pay for it (about 0.5 s and 540 MB for SmolLM2-135M)."""
+        if self._onednn is None:
+            self._onednn = torch.ops.mkldnn._reorder_linear_weight(self.source.detach(), None)
+        return self._onednn
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
@@ -43,17 +57,21 @@ class PackedWeight:
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, bias, "none", [], "")
 
 
-def pack_linear_weights(model: nn.Module) -> int:
-    """Give every module with a `packed` slot (linear layers, LM head) a packed copy of its weight.
+def packed_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """(name, module) of every module with a `packed` slot (linear layers, LM head) and a float32 CPU weight."""
+    for name, m in model.named_modules():
+        w = getattr(m, "weight", None)
+        if hasattr(m, "packed") and w is not None and w.device.type == "cpu" and w.dtype == torch.float32:
+            yield name, m
 
-    Only for float32 weights on the CPU; returns how many modules were packed.
-    """
+
+def pack_linear_weights(model: nn.Module, panels: dict[str, torch.Tensor] | None = None) -> int:
+    """Give every packed_modules() module a packed copy of its weight, taking its panels from `panels`
+    (module name -> pack_panels result) where given. A no-op without oneDNN; returns how many were packed."""
     if not onednn_packing_available():
         return 0
     n = 0
-    for m in model.modules():
-        w = getattr(m, "weight", None)
-        if hasattr(m, "packed") and w is not None and w.device.type == "cpu" and w.dtype == torch.float32:
-            m.packed = PackedWeight(w)
-            n += 1
+    for name, m in packed_modules(model):
+        m.packed = PackedWeight(m.weight, panels=(panels or {}).get(name))
+        n += 1
     return n

@@ -1,12 +1,20 @@
-"""GGUF files of the llama architecture, dequantized to float at load time."""
+"""GGUF files of the llama architecture, dequantized to float at load time (or mapped from the artifact cache)."""
 from __future__ import annotations
 
+import dataclasses
+import importlib.metadata
+import json
 import os
 
+import gguf
 import numpy as np
 import torch
+from gguf import GGMLQuantizationType
 
+from picovllm.artifact_cache import ArtifactCache, file_identity, make_key
 from picovllm.config import ModelConfig
+from picovllm.loader import gguf_tokenizer, tensor_file
+from picovllm.loader.gguf_format import GGUFFile
 from picovllm.loader.source import ModelSource, WeightIterator
 
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
@@ -45,75 +53,109 @@ def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def _field(reader, key: str, default=None):
-    f = reader.fields.get(key)
-    if f is None:
-        return default
-    v = f.contents()
-    return v
-
-
-def _required(reader, key: str, path: str):
-    v = _field(reader, key)
-    if v is None:
+def _required(meta: dict, key: str, path: str):
+    if key not in meta:
         raise ValueError(f"GGUF {path!r}: metadata key {key!r} is missing")
-    return v
+    return meta[key]
 
 
-def open_gguf(path: str) -> ModelSource:
-    import gguf
-
-    reader = gguf.GGUFReader(path)
-    arch = _field(reader, "general.architecture")
+def _model_config(gf: GGUFFile) -> ModelConfig:
+    meta, path, p = gf.metadata, gf.path, "llama."
+    arch = meta.get("general.architecture")
     if arch != "llama":
         raise ValueError(f"GGUF {path!r}: general.architecture={arch!r} is unsupported (only 'llama')")
-    p = "llama."
-    tensors = {t.name: t for t in reader.tensors}
-    if "token_embd.weight" not in tensors:
+    if "token_embd.weight" not in gf.tensors:
         raise ValueError(f"GGUF {path!r}: tensor 'token_embd.weight' is missing")
-    emb = tensors["token_embd.weight"]
-    heads = int(_required(reader, p + "attention.head_count", path))
-    kv_heads = int(_field(reader, p + "attention.head_count_kv", heads))
-    hidden = int(_required(reader, p + "embedding_length", path))
-    eos = _field(reader, "tokenizer.ggml.eos_token_id")
-    config = ModelConfig(
+    heads = int(_required(meta, p + "attention.head_count", path))
+    hidden = int(_required(meta, p + "embedding_length", path))
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    return ModelConfig(
         architecture="LlamaForCausalLM",
-        vocab_size=int(emb.shape[1]),
+        vocab_size=int(gf.tensors["token_embd.weight"].shape[1]),
         hidden_size=hidden,
-        intermediate_size=int(_required(reader, p + "feed_forward_length", path)),
-        num_hidden_layers=int(_required(reader, p + "block_count", path)),
+        intermediate_size=int(_required(meta, p + "feed_forward_length", path)),
+        num_hidden_layers=int(_required(meta, p + "block_count", path)),
         num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        head_dim=int(_field(reader, p + "rope.dimension_count", hidden // heads)),
-        rms_norm_eps=float(_field(reader, p + "attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=float(_field(reader, p + "rope.freq_base", 10000.0)),
-        max_position_embeddings=int(_field(reader, p + "context_length", 4096)),
-        tie_word_embeddings="output.weight" not in tensors,
+        num_key_value_heads=int(meta.get(p + "attention.head_count_kv", heads)),
+        head_dim=int(meta.get(p + "rope.dimension_count", hidden // heads)),
+        rms_norm_eps=float(meta.get(p + "attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(meta.get(p + "rope.freq_base", 10000.0)),
+        max_position_embeddings=int(meta.get(p + "context_length", 4096)),
+        tie_word_embeddings="output.weight" not in gf.tensors,
         eos_token_ids=[int(eos)] if eos is not None else [],
-        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
     )
 
-    def weights() -> WeightIterator:
-        for t in reader.tensors:
-            kind = t.tensor_type.name
-            if kind not in SUPPORTED_TYPES:
-                raise ValueError(f"GGUF tensor {t.name!r}: quantization {kind} is unsupported "
-                                 f"(supported: {', '.join(SUPPORTED_TYPES)})")
-            arr = gguf.quants.dequantize(t.data, t.tensor_type)
-            w = torch.from_numpy(np.array(arr, dtype=np.float32, copy=True)).reshape(
-                tuple(int(s) for s in reversed(t.shape)))
-            name = _hf_name(t.name)
-            if name.endswith("q_proj.weight"):
-                w = _unpermute(w, heads)
-            elif name.endswith("k_proj.weight"):
-                w = _unpermute(w, kv_heads)
-            yield name, w
 
-    folder, file = os.path.split(os.path.abspath(path))
+def _weight_specs(gf: GGUFFile) -> list[tuple[str, str, tuple[int, ...]]]:
+    """(GGUF name, HF name, torch shape) of every tensor, in file order; unsupported types refused."""
+    specs = []
+    for t in gf.tensors.values():
+        kind = GGMLQuantizationType(t.ggml_type).name
+        if kind not in SUPPORTED_TYPES:
+            raise ValueError(f"GGUF tensor {t.name!r}: quantization {kind} is unsupported "
+                             f"(supported: {', '.join(SUPPORTED_TYPES)})")
+        specs.append((t.name, _hf_name(t.name), tuple(reversed(t.shape))))
+    return specs
 
-    def load_tokenizer():
-        from transformers import AutoTokenizer
-        return AutoTokenizer.from_pretrained(folder, gguf_file=file)
 
-    has_tok = "tokenizer.ggml.tokens" in reader.fields
-    return ModelSource(path, config, weights, load_tokenizer if has_tok else None)
+def _dequantized(gf: GGUFFile, config: ModelConfig) -> WeightIterator:
+    for gguf_name, name, shape in _weight_specs(gf):
+        t = gf.tensors[gguf_name]
+        kind = GGMLQuantizationType(t.ggml_type)
+        rows = t.data.reshape(-1, t.data.size // max(1, int(np.prod(shape[:-1], dtype=np.int64))))
+        w = torch.from_numpy(np.array(gguf.quants.dequantize(rows, kind), dtype=np.float32)).reshape(shape)
+        if name.endswith("q_proj.weight"):
+            w = _unpermute(w, config.num_attention_heads)
+        elif name.endswith("k_proj.weight"):
+            w = _unpermute(w, config.num_key_value_heads)
+        yield name, w
+
+
+def open_gguf(path: str, cache: ArtifactCache | None = None) -> ModelSource:
+    """A GGUF file as a ModelSource. With a cache, the first start stores the config, the converted
+    tokenizer and the dequantized weights, and later starts map those instead of reading the file again."""
+    identity = ("gguf", file_identity(path))
+    if cache is not None:
+        key = make_key(identity, _transformers_version())
+        folder = cache.get_or_build("gguf", key, lambda entry: _write_entry(GGUFFile(path), entry))
+        if folder is not None:
+            return _source_from_entry(path, folder, identity)
+    return _source_from_file(GGUFFile(path), identity)
+
+
+def _source_from_file(gf: GGUFFile, identity: tuple) -> ModelSource:
+    config = _model_config(gf)
+    _weight_specs(gf)                    # refuse unsupported tensors now, not halfway through loading
+    has_tok = "tokenizer.ggml.tokens" in gf.metadata
+    return ModelSource(gf.path, config, lambda: _dequantized(gf, config),
+                       (lambda: gguf_tokenizer.from_metadata(gf.metadata, gf.path)) if has_tok else None, identity)
+
+
+# -- the cache entry: config.json, tokenizer/ (save_pretrained), weights.safetensors ---------------
+def _write_entry(gf: GGUFFile, folder: str) -> None:
+    src = _source_from_file(gf, ())
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump({"model": dataclasses.asdict(src.config), "has_tokenizer": src.load_tokenizer is not None}, f)
+    if src.load_tokenizer is not None:
+        src.load_tokenizer().save_pretrained(os.path.join(folder, "tokenizer"))
+    specs = [(name, shape) for _, name, shape in _weight_specs(gf)]
+    tensor_file.write(os.path.join(folder, "weights.safetensors"), specs, src.weights())
+
+
+def _source_from_entry(path: str, folder: str, identity: tuple) -> ModelSource:
+    with open(os.path.join(folder, "config.json")) as f:
+        entry = json.load(f)
+    config = ModelConfig(**entry["model"])
+    tok_dir = os.path.join(folder, "tokenizer")
+    weights = os.path.join(folder, "weights.safetensors")
+    return ModelSource(path, config, lambda: tensor_file.read(weights),
+                       (lambda: gguf_tokenizer.load_saved(tok_dir)) if entry["has_tokenizer"] else None, identity)
+
+
+def _transformers_version() -> str:
+    """The tokenizer conversion is transformers': a new version may convert differently."""
+    try:
+        return importlib.metadata.version("transformers")
+    except importlib.metadata.PackageNotFoundError:
+        return "none"

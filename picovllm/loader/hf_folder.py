@@ -7,6 +7,7 @@ import os
 
 from safetensors import safe_open
 
+from picovllm.artifact_cache import file_identity
 from picovllm.config import ModelConfig
 from picovllm.loader.source import ModelSource, WeightIterator
 
@@ -42,4 +43,5 @@ def open_folder(path: str) -> ModelSource:
         from transformers import AutoTokenizer
         return AutoTokenizer.from_pretrained(path)
 
-    return ModelSource(path, config, weights, load_tokenizer if has_tok else None)
+    identity = ("hf", raw, [(os.path.basename(f), file_identity(f, head_bytes=1 << 20)) for f in files])
+    return ModelSource(path, config, weights, load_tokenizer if has_tok else None, identity)

@@ -17,17 +17,22 @@ class ModelSource:
     config: ModelConfig
     weights: Callable[[], WeightIterator]                # HF-named tensors, full (unsharded)
     load_tokenizer: Callable[[], object] | None          # None: no tokenizer files (token-id prompts only)
+    identity: tuple | None = None                        # what the weights' content rests on (cache keys)
 
 
-def open_model_source(model: str | None) -> ModelSource:
-    from picovllm.loader import gguf_file, hf_folder
+def open_model_source(model: str | None, disk_cache: bool = True) -> ModelSource:
+    """model: an HF folder, a .gguf file, or None for the default model. disk_cache: keep what is derived
+    from a GGUF (tokenizer, dequantized weights) in the artifact cache (picovllm/artifact_cache.py)."""
+    from picovllm.artifact_cache import ArtifactCache
     from picovllm.loader.default_model import default_model_path
 
     path = model if model is not None else default_model_path()
     if not os.path.exists(path):
         raise ValueError(f"model path {path!r} does not exist (give an HF model folder or a .gguf file)")
     if os.path.isdir(path):
+        from picovllm.loader import hf_folder
         return hf_folder.open_folder(path)
     if path.endswith(".gguf"):
-        return gguf_file.open_gguf(path)
+        from picovllm.loader import gguf_file   # needs the gguf package, which an HF-only setup may lack
+        return gguf_file.open_gguf(path, ArtifactCache.from_env() if disk_cache else None)
     raise ValueError(f"model path {path!r} is neither a folder nor a .gguf file")

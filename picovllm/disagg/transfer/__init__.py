@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import importlib
 import types
-
-import torch
+from typing import TYPE_CHECKING
 
 from picovllm.disagg.messages import KVLayout
 from picovllm.disagg.transfer.base import KVTransfer, TransferConfig, TransferDone, TransferSpec
+
+if TYPE_CHECKING:
+    import torch
 
 BACKENDS = types.MappingProxyType({
     "torch_dist": "picovllm.disagg.transfer.torch_dist:TorchDistTransfer",

@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 
 from picovllm.entrypoints.commands.args import (add_model_and_engine_args, add_sampling_args, engine_kwargs,
                                                  sampling_kwargs, sampling_params)
-from picovllm.disagg.cli import add_disagg_arguments, run_disagg_generate
+from picovllm.disagg.cli import add_disagg_arguments
 
 
 def add_parser(subparsers) -> None:
@@ -54,9 +55,8 @@ def _make_llm(args: argparse.Namespace):
     return LLM(**engine_kwargs(args))
 
 
-def _has_chat_template(llm) -> bool:
-    tok = llm.get_tokenizer()
-    return tok is not None and bool(getattr(tok, "chat_template", None))
+def _has_chat_template(tokenizer) -> bool:
+    return tokenizer is not None and bool(getattr(tokenizer, "chat_template", None))
 
 
 def _messages(system: str | None, history: list[dict]) -> list[dict]:
@@ -65,17 +65,16 @@ def _messages(system: str | None, history: list[dict]) -> list[dict]:
 
 # -- generate ------------------------------------------------------------------------------------
 def run_generate(args: argparse.Namespace) -> int:
-    if args.disagg:   # P and D engines in their own processes; the raw prompt, no chat template
-        args.prompts = [sys.stdin.read() if args.prompt == "-" else args.prompt]
-        return run_disagg_generate(args)
+    """One prompt, colocated or (--disagg) with P and D in processes of their own: the same prompt handling
+    (chat template by default, --no-chat, --system), the same text on stdout, timings on stderr with --stats."""
+    text = sys.stdin.read() if args.prompt == "-" else args.prompt
+    params = sampling_params(args)
+    if args.disagg:
+        return _generate_disaggregated(args, text, params)
     from picovllm.entrypoints.streaming import StreamedRequest
 
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    params = sampling_params(args)
     llm = _make_llm(args)
-    use_chat = _has_chat_template(llm) if args.chat is None else args.chat
-    if use_chat:
-        prompt = llm.apply_chat_template(_messages(args.system, [{"role": "user", "content": prompt}]))
+    prompt = _prompt(llm.get_tokenizer(), text, args)
     t0 = time.time()
     stream = StreamedRequest(llm.engine, prompt, params)
     for piece in stream:
@@ -83,11 +82,49 @@ def run_generate(args: argparse.Namespace) -> int:
         sys.stdout.flush()
     sys.stdout.write("\n")
     if args.stats:
-        out = stream.output
-        n, dt = len(out.outputs[0].token_ids), time.time() - t0
-        print(f"[{n} tokens in {dt:.2f} s, {n / max(dt, 1e-9):.1f} tok/s, finish_reason={out.outputs[0].finish_reason}]",
-              file=sys.stderr)
+        _print_stats(stream.output, time.time() - t0)
     return 0
+
+
+def _prompt(tokenizer, text: str, args: argparse.Namespace) -> str | list[int]:
+    """The text as the model gets it: through the chat template when --chat (default: the model has one)."""
+    from picovllm.entrypoints.llm import chat_prompt_ids
+
+    use_chat = _has_chat_template(tokenizer) if args.chat is None else args.chat
+    if not use_chat:
+        return text
+    return chat_prompt_ids(tokenizer, _messages(args.system, [{"role": "user", "content": text}]))
+
+
+def _generate_disaggregated(args: argparse.Namespace, text: str, params) -> int:
+    from picovllm.disagg.cli import disagg_options
+    from picovllm.disagg.driver import DisaggLLM
+    from picovllm.loader import open_model_source
+
+    source = open_model_source(args.model, args.disk_cache)      # the tokenizer, for the chat template
+    tokenizer = source.load_tokenizer() if source.load_tokenizer is not None else None
+    prompt = _prompt(tokenizer, text, args)
+    with DisaggLLM(args.model, **disagg_options(args)) as llm:
+        t0 = time.time()
+        out = llm.generate([prompt], params, use_tqdm=False)[0]
+    if out.error:
+        print(f"picovllm generate: error: {out.error}", file=sys.stderr)
+        return 1
+    sys.stdout.write(out.outputs[0].text + "\n")
+    if args.stats:
+        _print_stats(out, time.time() - t0)
+    return 0
+
+
+def _print_stats(out, seconds: float) -> None:
+    comp, m = out.outputs[0], out.metrics
+    n = len(comp.token_ids)
+    line = f"[{n} tokens in {seconds:.2f} s, {n / max(seconds, 1e-9):.1f} tok/s, finish_reason={comp.finish_reason}"
+    if m is not None and m.ttft is not None:
+        itl = m.itls
+        line += (f", TTFT {m.ttft * 1e3:.1f} ms, ITL mean {statistics.mean(itl) * 1e3 if itl else 0:.1f} ms, "
+                 f"max {max(itl) * 1e3 if itl else 0:.1f} ms")
+    print(line + "]", file=sys.stderr)
 
 
 # -- chat ----------------------------------------------------------------------------------------
@@ -95,7 +132,7 @@ def run_chat(args: argparse.Namespace) -> int:
     from picovllm.entrypoints.streaming import StreamedRequest
 
     llm = _make_llm(args)
-    if not _has_chat_template(llm):
+    if not _has_chat_template(llm.get_tokenizer()):
         raise ValueError("--model has no chat template: use `picovllm generate --no-chat` instead")
     params = sampling_params(args)
     interactive = sys.stdin.isatty()

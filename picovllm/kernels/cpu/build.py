@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
+
+from picovllm.artifact_cache import ArtifactCache, make_key
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 COMPILE = ["-O3", "-march=native", "-ffast-math", "-fPIC", "-c"]
@@ -22,23 +26,63 @@ LINK = ["-shared", "-lm"]
 def compile_library(source: str, defines: dict[str, int] | None = None,
                     flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     """picovllm/kernels/cpu/<source> built with -D<name>=<value> each and `flags` (compile and link, e.g.
-    -fopenmp); None without a working compiler."""
+    -fopenmp); None without a working compiler. A build is kept in the artifact cache, keyed by every C source
+    of this folder (sources include each other), the compiler, the flags and this CPU (-march=native)."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         return None
-    macros = [f"-D{name}={value}" for name, value in (defines or {}).items()]
-    out_dir = tempfile.mkdtemp(prefix="picovllm-cpu-")
+    macros = tuple(f"-D{name}={value}" for name, value in (defines or {}).items())
     stem = os.path.splitext(source)[0]
-    obj, lib_path = os.path.join(out_dir, stem + ".o"), os.path.join(out_dir, stem + ".so")
-    try:
+
+    def build(folder: str) -> None:
+        obj = os.path.join(folder, stem + ".o")
         subprocess.run([cc, *COMPILE, *macros, *flags, os.path.join(HERE, source), "-o", obj], check=True,
                        capture_output=True, timeout=60)
-        subprocess.run([cc, obj, "-o", lib_path, *LINK, *flags], check=True, capture_output=True, timeout=60)
-        return ctypes.CDLL(lib_path)
+        subprocess.run([cc, obj, "-o", os.path.join(folder, stem + ".so"), *LINK, *flags], check=True,
+                       capture_output=True, timeout=60)
+        os.remove(obj)
+
+    try:
+        cache = ArtifactCache.from_env()
+        key = make_key(source, _sources_digest(), _compiler_identity(cc), COMPILE, LINK, macros, flags,
+                       _cpu_identity())
+        folder = cache.get_or_build("kernels", key, build) if cache is not None else None
+        if folder is not None:
+            return ctypes.CDLL(os.path.join(folder, stem + ".so"))
+        with tempfile.TemporaryDirectory(prefix="picovllm-cpu-") as tmp:
+            build(tmp)
+            return ctypes.CDLL(os.path.join(tmp, stem + ".so"))   # stays mapped after the folder goes
     except (OSError, subprocess.SubprocessError):
         return None
-    finally:
-        shutil.rmtree(out_dir, ignore_errors=True)   # the loaded library stays mapped
+
+
+@functools.lru_cache(maxsize=1)
+def _sources_digest() -> str:
+    h = hashlib.sha256()
+    for name in sorted(os.listdir(HERE)):
+        if name.endswith((".c", ".h")):
+            with open(os.path.join(HERE, name), "rb") as f:
+                h.update(name.encode() + b"\0" + f.read())
+    return h.hexdigest()
+
+
+@functools.lru_cache(maxsize=4)
+def _compiler_identity(cc: str) -> tuple:
+    path = shutil.which(cc) or cc
+    real = os.path.realpath(path)
+    st = os.stat(real)
+    return real, st.st_size, st.st_mtime_ns
+
+
+@functools.lru_cache(maxsize=1)
+def _cpu_identity() -> str:
+    """The CPU's model and feature flags (what -march=native compiles for); the machine name elsewhere."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [line for line in f if line.startswith(("model name", "flags"))]
+        return "".join(sorted(set(lines)))
+    except OSError:
+        return platform.processor() + platform.machine()
 
 
 OPENMP_RUNTIMES = ("libgomp", "libiomp", "libomp")

@@ -44,7 +44,9 @@ def available() -> bool:
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     """weight [N, K] -> [ceil(N / 16), K, 16] float32, zero columns past N: the layout small_gemm reads."""
     n, k = weight.shape
-    w = F.pad(weight.detach().float(), (0, 0, 0, -n % NR))
+    w = weight.detach().float()
+    if n % NR:
+        w = F.pad(w, (0, 0, 0, -n % NR))
     return w.view(-1, NR, k).transpose(1, 2).contiguous()
 
 

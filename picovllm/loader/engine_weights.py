@@ -1,0 +1,73 @@
+"""Filling a built model with its weights, and on the CPU keeping them in the engine's own layout in the cache.
+
+On the CPU in float32 the linear layers get packed copies of their weights (layers/packed_linear.py). Loading a
+checkpoint, fusing q/k/v and gate/up, and packing write about twice the model's size into fresh memory, which
+costs seconds on a small VM (each new page is a fault). So the first start stores the result, the parameters
+and the packed panels as the model holds them, in the artifact cache, and later starts map that file: the
+parameters become copy-on-write views of the page cache and nothing is copied. The key is the checkpoint's
+identity (ModelSource.identity), the dtype, this rank's shard and the packing layout.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+from picovllm.artifact_cache import ArtifactCache, make_key
+from picovllm.kernels.cpu import small_gemm
+from picovllm.layers.packed_linear import onednn_packing_available, pack_linear_weights, packed_modules
+from picovllm.loader import tensor_file
+from picovllm.loader.source import ModelSource
+from picovllm.loader.weights import load_weights
+
+FILE = "engine_weights.safetensors"
+PANELS = "panels:"          # prefix of a packed module's panels in that file
+
+
+def load_model_weights(model: nn.Module, source: ModelSource, disk_cache: bool, shard: tuple[int, int]) -> None:
+    """Load `source` into `model` (built on its device, in its dtype) and pack it where it runs on the CPU
+    in float32. shard: (tensor-parallel rank, size). disk_cache: use the artifact cache (if it is on)."""
+    param = next(model.parameters())
+    packs = param.device.type == "cpu" and param.dtype == torch.float32 and onednn_packing_available()
+    cache = ArtifactCache.from_env() if packs and disk_cache and source.identity is not None else None
+    built = []
+
+    def build(folder: str) -> None:
+        _load_and_pack(model, source)
+        built.append(True)
+        _store(model, os.path.join(folder, FILE))
+
+    if cache is not None:
+        key = make_key("engine-weights", source.identity, str(param.dtype), shard, small_gemm.NR,
+                       small_gemm.available())
+        folder = cache.get_or_build("engine", key, build)
+        if built:
+            return
+        if folder is not None:
+            _map(model, os.path.join(folder, FILE))
+            return
+    _load_and_pack(model, source) if packs else load_weights(model, source.weights())
+
+
+def _load_and_pack(model: nn.Module, source: ModelSource) -> None:
+    load_weights(model, source.weights())
+    pack_linear_weights(model)
+
+
+def _store(model: nn.Module, path: str) -> None:
+    tensors = dict(model.named_parameters())
+    for name, module in packed_modules(model):
+        if module.packed is not None and module.packed.panels is not None:
+            tensors[PANELS + name] = module.packed.panels
+    tensor_file.write(path, [(n, tuple(t.shape)) for n, t in tensors.items()], iter(tensors.items()))
+
+
+def _map(model: nn.Module, path: str) -> None:
+    stored = dict(tensor_file.read(path))
+    for name, p in model.named_parameters():
+        t = stored.get(name)
+        if t is None or t.shape != p.shape:
+            raise ValueError(f"{path}: parameter {name!r} is missing or has another shape")
+        p.data = t
+    pack_linear_weights(model, {name[len(PANELS):]: t for name, t in stored.items() if name.startswith(PANELS)})

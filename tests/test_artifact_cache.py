@@ -1,0 +1,260 @@
+"""The artifact cache (picovllm/artifact_cache.py) and what is kept in it.
+
+Oracles: the GGUF read and dequantized without any cache, transformers' own GGUF tokenizer, the greedy tokens of
+an engine that never saw the cache. Damaged entries (truncated, overwritten with random bytes) are rebuilt; two
+processes that start at once both succeed; a read-only or unusable cache folder means no cache and one warning.
+"""
+import os
+import shutil
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+from picovllm import LLM, SamplingParams
+from picovllm.artifact_cache import ArtifactCache
+from picovllm.loader.default_model import default_model_path
+from picovllm.loader.gguf_file import open_gguf
+from test_gguf import TYPES, write_tiny_gguf
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROMPT = "What is the capital of France?"
+WARNING = "RuntimeWarning: picovllm: cache folder"
+
+
+def cli(args, cache_dir, timeout=300, prefix=(), **env):
+    """`picovllm ARGS` in a process of its own with PICOVLLM_CACHE_DIR=cache_dir."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PICOVLLM_CACHE_DIR=str(cache_dir),
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), **env)
+    return subprocess.run([*prefix, sys.executable, "-m", "picovllm.entrypoints.cli", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(autouse=True)
+def _remove_caches(tmp_path):
+    """A start of the default model stores ~1.6 GB: remove it when the test ends (pytest keeps tmp_path)."""
+    yield
+    shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def entries(root, kind):
+    folder = os.path.join(root, kind)
+    return sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+
+
+# -- the cache itself ---------------------------------------------------------------------------------
+def _builder(counter, files):
+    def build(folder):
+        counter.append(folder)
+        for name, data in files.items():
+            with open(os.path.join(folder, name), "wb") as f:
+                f.write(data)
+    return build
+
+
+@pytest.mark.parametrize("damage", ["truncate", "random_bytes", "missing_manifest"])
+def test_damaged_entry_is_rebuilt(tmp_path, damage):
+    big = os.urandom(80 << 20)            # past FULL_CHECK_BYTES: checked by samples
+    files = {"small.bin": b"abc" * 1000, "big.bin": big}
+    cache, builds = ArtifactCache(str(tmp_path)), []
+    folder = cache.get_or_build("k", "key1", _builder(builds, files))
+    assert len(builds) == 1 and cache.get_or_build("k", "key1", _builder(builds, files)) == folder
+    assert len(builds) == 1                                   # a hit builds nothing
+    for name in files:
+        victim = os.path.join(folder, name)
+        if damage == "truncate":
+            os.truncate(victim, os.path.getsize(victim) // 2)
+        elif damage == "random_bytes":
+            with open(victim, "r+b") as f:
+                f.write(os.urandom(os.path.getsize(victim)))
+        else:
+            os.remove(os.path.join(folder, "MANIFEST"))
+        again = cache.get_or_build("k", "key1", _builder(builds, files))
+        assert again == folder and len(builds) >= 2
+        for n, data in files.items():
+            with open(os.path.join(again, n), "rb") as f:
+                assert f.read() == data, (damage, name, n)
+        if damage == "missing_manifest":
+            break
+    assert not [p for p in os.listdir(tmp_path / "k") if p.startswith(".")]   # no temporary folder left
+
+
+def test_concurrent_builders_both_get_the_whole_entry(tmp_path):
+    cache, barrier, results, builds = ArtifactCache(str(tmp_path)), threading.Barrier(2), [], []
+
+    def build(folder):
+        builds.append(folder)
+        barrier.wait(timeout=10)           # both are inside build() before either installs its entry
+        with open(os.path.join(folder, "data"), "wb") as f:
+            f.write(os.urandom(1 << 20) if len(builds) == 1 else b"x" * 1000)
+
+    threads = [threading.Thread(target=lambda: results.append(cache.get_or_build("k", "key", build)))
+               for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(builds) == 2 and results[0] == results[1] is not None
+    assert entries(tmp_path, "k") == ["key"]
+
+
+def test_unusable_root_means_no_cache_and_a_warning(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    cache, builds = ArtifactCache(str(blocker / "cache")), []
+    with pytest.warns(RuntimeWarning, match="not usable"):
+        assert cache.get_or_build("k", "key", _builder(builds, {"f": b"1"})) is None
+
+
+# -- GGUF entries: config, tokenizer, weights --------------------------------------------------------
+@pytest.mark.parametrize("kind", ["Q4_K", "Q8_0", "F16"])
+def test_tiny_gguf_hit_equals_miss_equals_no_cache(tmp_path, kind):
+    path = str(tmp_path / f"tiny-{kind}.gguf")
+    write_tiny_gguf(path, kind)
+    direct = open_gguf(path)
+    want = dict(direct.weights())
+    cache = ArtifactCache(str(tmp_path / "cache"))
+    for attempt in ("miss", "hit"):
+        src = open_gguf(path, cache)
+        assert src.config == direct.config and src.load_tokenizer is None, attempt
+        got = dict(src.weights())
+        assert list(got) == list(want)
+        for name, w in want.items():
+            assert torch.equal(got[name], w), (attempt, name)
+    assert len(entries(tmp_path / "cache", "gguf")) == 1
+
+
+def test_changed_model_file_is_never_served_stale(tmp_path):
+    path, cache = str(tmp_path / "m.gguf"), ArtifactCache(str(tmp_path / "cache"))
+    write_tiny_gguf(path, "Q8_0")
+    first = dict(open_gguf(path, cache).weights())
+    write_tiny_gguf(path, "Q4_0")          # the same name, other weights
+    second = dict(open_gguf(path, cache).weights())
+    want = dict(open_gguf(path).weights())
+    assert all(torch.equal(second[n], w) for n, w in want.items())
+    assert not torch.equal(first["model.layers.0.mlp.up_proj.weight"], second["model.layers.0.mlp.up_proj.weight"])
+    assert len(entries(tmp_path / "cache", "gguf")) == 2
+
+
+def test_default_model_tokenizer_from_cache_matches_transformers(tmp_path):
+    """The tokenizer we convert (from our own read of the file) and save, loaded back, against transformers'
+    AutoTokenizer reading the GGUF itself."""
+    from transformers import AutoTokenizer
+
+    path = default_model_path()
+    ref = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    cache = ArtifactCache(str(tmp_path))
+    for attempt in ("miss", "hit"):
+        tok = open_gguf(path, cache).load_tokenizer()
+        for text in ["Hello world", "  leading spaces\tand tabs\n", "naïve café 東京 🙂", "<|im_start|>user\nhi<|im_end|>",
+                     "1234567 + 89 = ?", ""]:
+            assert tok.encode(text) == ref.encode(text), (attempt, text)
+            ids = ref.encode(text)
+            assert tok.decode(ids, skip_special_tokens=True) == ref.decode(ids, skip_special_tokens=True)
+        conv = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": PROMPT}]
+        assert tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=True) == \
+            ref.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+        assert (tok.eos_token_id, tok.bos_token_id) == (ref.eos_token_id, ref.bos_token_id)
+
+
+def test_llm_greedy_tokens_same_on_miss_hit_and_no_cache(tmp_path, monkeypatch):
+    """The default model: an engine that builds the cache, one that maps it (its weights are never loaded or
+    packed again), and one with disk_cache=False give the same greedy tokens."""
+    from picovllm.loader import engine_weights
+
+    monkeypatch.setenv("PICOVLLM_CACHE_DIR", str(tmp_path))
+    loads = []
+    real = engine_weights._load_and_pack
+    monkeypatch.setattr(engine_weights, "_load_and_pack", lambda *a: loads.append(1) or real(*a))
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outs = {}
+    for attempt, kw in [("miss", {}), ("hit", {}), ("off", {"disk_cache": False})]:
+        before = len(loads)
+        with LLM(**kw) as llm:
+            ids = llm.apply_chat_template([{"role": "user", "content": PROMPT}])
+            outs[attempt] = llm.generate([ids], params, use_tqdm=False)[0].outputs[0].token_ids
+            if attempt == "hit":       # its parameters are views of the cached file, mapped into this process
+                with open("/proc/self/maps") as maps:
+                    assert "engine_weights.safetensors" in maps.read()
+        outs[attempt + " loads"] = len(loads) - before
+    assert outs["miss"] == outs["hit"] == outs["off"]
+    assert (outs["miss loads"], outs["hit loads"], outs["off loads"]) == (1, 0, 1)
+    assert len(entries(tmp_path, "engine")) == 1 and len(entries(tmp_path, "gguf")) == 1
+
+
+# -- whole starts, as a user runs them ----------------------------------------------------------------
+def test_two_concurrent_first_starts_both_succeed(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PICOVLLM_CACHE_DIR=str(tmp_path),
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [sys.executable, "-m", "picovllm.entrypoints.cli", "generate", PROMPT, "--max-tokens", "8"]
+    procs = [subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    results = [p.communicate(timeout=400) + (p.returncode,) for p in procs]
+    assert all(rc == 0 for _, _, rc in results), [err[-1500:] for _, err, _ in results]
+    assert results[0][0] == results[1][0] and "Paris" in results[0][0]
+    for kind in ("gguf", "engine"):
+        assert len(entries(tmp_path, kind)) == 1, kind
+    leftovers = [n for kind in ("gguf", "engine", "kernels") for n in os.listdir(tmp_path / kind) if n.startswith(".")]
+    assert leftovers == []
+    again = cli(["generate", PROMPT, "--max-tokens", "8"], tmp_path)
+    assert again.returncode == 0 and again.stdout == results[0][0]
+
+
+def _read_only_prefix(src, dst):
+    """A command prefix that runs the rest with `dst` a read-only view of `src`: a read-only bind mount in a
+    mount namespace of its own (root ignores file modes); None where that cannot be made here."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        return None
+    probe = subprocess.run(["unshare", "-m", "sh", "-c", f"mount --bind -o ro {src} {dst} && ! touch {dst}/x"],
+                           capture_output=True)
+    if probe.returncode != 0:
+        return None
+    return ["unshare", "-m", "sh", "-c", f'mount --bind -o ro {src} {dst} && exec "$@"', "sh"]
+
+
+def test_read_only_cache_folder(tmp_path):
+    """A filled read-only cache serves its entries; an empty one means no cache and one warning."""
+    filled, empty, view = tmp_path / "filled", tmp_path / "empty", tmp_path / "view"
+    for d in (filled, empty, view):
+        d.mkdir()
+    want = cli(["generate", PROMPT, "--max-tokens", "8"], filled)
+    assert want.returncode == 0, want.stderr[-2000:]
+    for src, expect_warning in ((filled, False), (empty, True)):
+        if os.geteuid() == 0:
+            prefix = _read_only_prefix(src, view)
+            if prefix is None:
+                pytest.skip("no read-only bind mount here, and root ignores file modes")
+        else:
+            prefix = ()
+            for dirpath, _, _ in os.walk(src):
+                os.chmod(dirpath, 0o555)
+            shutil.copytree(src, view, dirs_exist_ok=True)
+        r = cli(["generate", PROMPT, "--max-tokens", "8"], view, prefix=prefix)
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert r.stdout == want.stdout
+        assert r.stderr.count(WARNING) == (1 if expect_warning else 0), r.stderr
+
+
+def test_environment_switches(monkeypatch, tmp_path):
+    monkeypatch.setenv("PICOVLLM_CACHE_DIR", str(tmp_path / "here"))
+    assert ArtifactCache.from_env().root == str(tmp_path / "here")
+    monkeypatch.delenv("PICOVLLM_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert ArtifactCache.from_env().root == str(tmp_path / "xdg" / "picovllm")
+    for off in ("1", "yes", "true"):
+        monkeypatch.setenv("PICOVLLM_NO_CACHE", off)
+        assert ArtifactCache.from_env() is None
+    monkeypatch.setenv("PICOVLLM_NO_CACHE", "0")
+    assert ArtifactCache.from_env() is not None
+
+
+def test_unusable_cache_folder_and_switches(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    want = cli(["generate", PROMPT, "--max-tokens", "8", "--no-disk-cache"], tmp_path / "off")
+    assert want.returncode == 0 and not (tmp_path / "off").exists()       # --no-disk-cache writes nothing
+    r = cli(["generate", PROMPT, "--max-tokens", "8"], blocker / "cache")
+    assert r.returncode == 0 and r.stdout == want.stdout
+    assert r.stderr.count(WARNING) == 1, r.stderr
