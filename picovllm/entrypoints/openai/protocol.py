@@ -49,7 +49,7 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
-    continuous_usage_stats: Any = None    # vLLM's; refused (see _Refusing)
+    continuous_usage_stats: Any = None    # vLLM's; refused unless false (as the fields in REFUSED_COMMON)
 
     @field_validator("continuous_usage_stats")
     @classmethod
@@ -90,7 +90,7 @@ def _same(value: Any, ok: Any) -> bool:
 def refuse_unless_noop(name: str, value: Any, noop: dict[str, tuple]) -> Any:
     if value is None or any(_same(value, ok) for ok in noop[name]):
         return value
-    if name in ("response_format",) or name.startswith("guided_") or name == "structured_outputs":
+    if name in ("response_format", "structured_outputs") or name.startswith("guided_"):
         raise ValueError("is not supported: this server has no structured output (constrained decoding) yet")
     if name in ("functions", "function_call", "tool_choice", "tool_calls"):
         raise ValueError("is not supported: this server has no tool calling yet")
