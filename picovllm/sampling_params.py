@@ -1,7 +1,8 @@
 """Per-request sampling parameters, named and validated as in vLLM."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass
 
 
 @dataclass
@@ -19,6 +20,12 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    # As vLLM/OpenAI: presence and frequency penalties count the generated tokens; the repetition
+    # penalty (HF/CTRL: positive logits divided by it, negative ones multiplied) the prompt's too.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None   # token id -> added to its logit; str keys ("42") are read as ids
 
     def __post_init__(self) -> None:
         # Normalise containers so no two requests ever share a list object.
@@ -31,14 +38,15 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        self.logit_bias = _token_id_keys(self.logit_bias)
         self.validate()
 
     def validate(self) -> None:
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"SamplingParams.{name} {why}, got {getattr(self, name)!r}")
 
-        if not isinstance(self.n, int) or self.n != 1:
-            raise bad("n", "must be 1 (parallel sampling is not supported)")
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
+            raise bad("n", "must be an int >= 1")
         if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
             raise bad("temperature", "must be a number >= 0")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
@@ -61,7 +69,40 @@ class SamplingParams:
             raise bad("stop_token_ids", "must be non-negative ints")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
             raise bad("logprobs", "must be an int >= 0 or None")
+        self._validate_penalties(bad)
+
+    def _validate_penalties(self, bad) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not _number(getattr(self, name)) or not -2 <= getattr(self, name) <= 2:
+                raise bad(name, "must be a number in [-2, 2]")
+        if not _number(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise bad("repetition_penalty", "must be a number > 0 (1 is off)")
+        if not isinstance(self.logit_bias, dict):
+            raise bad("logit_bias", "must be a dict of token id -> bias")
+        for tok, b in self.logit_bias.items():
+            if not isinstance(tok, int) or isinstance(tok, bool) or tok < 0:
+                raise bad("logit_bias", f"keys must be token ids (ints >= 0), not {tok!r}")
+            if not _number(b) or not -100 <= b <= 100:
+                raise bad("logit_bias", f"values must be numbers in [-100, 100], not {b!r} (token {tok})")
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _token_id_keys(bias):
+    """A fresh dict (never the caller's), with decimal-string keys read as ids: JSON (OpenAI's
+    logit_bias, batch files, the P/D wire) only has string keys. Anything else is left for validate()."""
+    if bias is None:
+        return {}
+    if not isinstance(bias, dict):
+        return bias
+    return {int(k) if isinstance(k, str) and k.isascii() and k.isdigit() else k: v for k, v in bias.items()}

@@ -26,8 +26,18 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
     (dict(stop=["ok", ""]), "stop"),
     (dict(stop_token_ids=[-1]), "stop_token_ids"),
     (dict(logprobs=-1), "logprobs"),
-    (dict(n=2), "n"),
+    (dict(n=0), "n"),
+    (dict(n=True), "n"),
     (dict(seed=1.5), "seed"),
+    (dict(presence_penalty=2.5), "presence_penalty"),
+    (dict(frequency_penalty=-2.01), "frequency_penalty"),
+    (dict(frequency_penalty=float("inf")), "frequency_penalty"),
+    (dict(repetition_penalty=0.0), "repetition_penalty"),
+    (dict(repetition_penalty=True), "repetition_penalty"),
+    (dict(logit_bias={5: 101}), "logit_bias"),
+    (dict(logit_bias={-1: 1.0}), "logit_bias"),
+    (dict(logit_bias={"x": 1.0}), "logit_bias"),
+    (dict(logit_bias=[(5, 1.0)]), "logit_bias"),
 ])
 def test_bad_sampling_params_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=rf"SamplingParams\.{field} "):
@@ -159,6 +169,7 @@ def test_bad_requests_leave_in_flight_requests_untouched(tiny_models):
         ([1, 2, 3], mutated, r"SamplingParams\.temperature"),
         ([1, 2, 3], SamplingParams(logprobs=385), r"SamplingParams\.logprobs .*384"),       # more than the vocab
         ([1, 2, 3], SamplingParams(stop_token_ids=[5, 384], min_tokens=2), r"SamplingParams\.stop_token_ids .*384"),
+        ([1, 2, 3], SamplingParams(logit_bias={5: 1.0, 384: 2.0}), r"SamplingParams\.logit_bias .*384"),
         (list(range(100)), SamplingParams(max_tokens=300), None),   # fine: max_tokens is capped by max_model_len
     ]
     running, waiting = list(eng.scheduler.running), list(eng.scheduler.waiting)

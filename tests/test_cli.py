@@ -62,6 +62,31 @@ def test_batch_jsonl_round_trip_equals_llm_generate(tiny_models, tmp_path, capsy
     assert all(r["finish_reason"] == "length" for r in good)
 
 
+def test_batch_lines_take_penalties_and_logit_bias(tiny_models, tmp_path, capsys):
+    """A line's penalties and logit_bias (JSON: string keys) override the command's --repetition-penalty."""
+    rng = random.Random(2)
+    lines = [{"prompt_token_ids": [rng.randrange(384) for _ in range(n)], "max_tokens": 8} for n in (5, 16, 9)]
+    lines[0]["prompt_token_ids"] = [5, 6, 7, 8, 9, 10]        # its greedy output repeats: the penalties bite
+    lines[0].update(frequency_penalty=1.5, presence_penalty=0.5)
+    lines[1].update(logit_bias={"7": 5.0, "11": -100}, repetition_penalty=1.0)
+    bad = {"prompt_token_ids": [1, 2], "logit_bias": {"7": 500}}
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("\n".join(json.dumps(x) for x in lines + [bad, {"prompt_token_ids": [1, 2], "n": 2}]) + "\n")
+    rc = cli_main(["batch", "-i", str(inp), "-o", str(out), "--model", tiny_models["llama"], "--num-kv-blocks", "64",
+                   "--ignore-eos", "--no-progress", "--repetition-penalty", "1.7"])
+    recs = [json.loads(x) for x in out.read_text().splitlines()]
+    assert rc == 1 and "logit_bias" in recs[3]["error"] and "SamplingParams.n must be 1" in recs[4]["error"]
+    llm = LLM(tiny_models["llama"], num_kv_blocks=64)
+    params = [SamplingParams(**{"temperature": 0.0, "ignore_eos": True, "repetition_penalty": 1.7,
+                                **{k: v for k, v in x.items() if k != "prompt_token_ids"}}) for x in lines]
+    assert params[1].logit_bias == {7: 5.0, 11: -100} and params[2].repetition_penalty == 1.7
+    ref = llm.generate([x["prompt_token_ids"] for x in lines], params, use_tqdm=False)
+    plain = llm.generate([x["prompt_token_ids"] for x in lines], SamplingParams(temperature=0, max_tokens=8,
+                                                                                ignore_eos=True), use_tqdm=False)
+    assert [r["token_ids"] for r in recs[:3]] == [o.outputs[0].token_ids for o in ref]
+    assert [r.outputs[0].token_ids != q.outputs[0].token_ids for r, q in zip(ref, plain)] == [True] * 3
+
+
 def test_bench_throughput_json(tmp_path, capsys):
     out = tmp_path / "res.json"
     rc = cli_main(["bench", "throughput", "--workload", "cpu-small", "--num-prompts", "4", "--random-model", "tiny-qwen3",

@@ -159,6 +159,30 @@ def test_sync_prefill_side_matches(tiny_models):
     assert_same([pair.final[i] for i in ids], ref)
 
 
+def test_penalties_and_logit_bias_travel_to_d(tiny_models):
+    """D gets the sampling params over the JSON wire (logit_bias keys become strings there) and the
+    prompt's ids with the request, so its repetition penalty counts the prompt as the colocated one does."""
+    ps = prompts(4, seed=5)
+    params = [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, repetition_penalty=1.6),
+              SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, frequency_penalty=1.5,
+                             presence_penalty=0.5),
+              SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logit_bias={7: 4.0, 9: -100}),
+              SamplingParams(temperature=0.9, seed=3, max_tokens=10, ignore_eos=True, repetition_penalty=2.0,
+                             frequency_penalty=2.0, logit_bias={11: 3.0})]
+    llm = LLM(tiny_models["llama"], block_size=4, num_kv_blocks=128)
+    ref = llm.generate(ps, params, use_tqdm=False)
+    plain = llm.generate(ps, [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)] * 3 +
+                         [SamplingParams(temperature=0.9, seed=3, max_tokens=10, ignore_eos=True)], use_tqdm=False)
+    assert [r.outputs[0].token_ids != q.outputs[0].token_ids for r, q in zip(ref, plain)] == [True] * 4
+    pair = LocalPair(tiny_models["llama"], "torch_dist", p_kw=dict(block_size=4, num_kv_blocks=128),
+                     d_kw=dict(block_size=4, num_kv_blocks=128))
+    ids = [pair.p.submit(p, sp) for p, sp in zip(ps, params)]
+    pair.p.close()
+    pair.run()
+    assert_same([pair.final[i] for i in ids], ref)
+    assert pair.d.stats["decode_tokens"] > 0
+
+
 # -- close ------------------------------------------------------------------------------------------
 def test_close_refuses_submit_drains_then_ends_the_stream(tiny_models):
     pair = LocalPair(tiny_models["llama"], p_kw=dict(block_size=4, num_kv_blocks=64),

@@ -109,6 +109,19 @@ def test_outputs_equal_colocated(cluster, llm):
                           use_tqdm=False)[0].outputs[0]
     assert client.completions.create(model=name, prompt="Once upon", max_tokens=10, temperature=1.0, seed=7,
                                      extra_body={"ignore_eos": True}).choices[0].text == seeded.text
+    # penalties and logit bias travel through the proxy to P and on to D (prompt ids included)
+    pen = dict(frequency_penalty=1.5, presence_penalty=0.5, logit_bias={"17": 4.0})
+    want = llm.generate(["Once upon"], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                                      repetition_penalty=1.5, **pen), use_tqdm=False)[0].outputs[0]
+    got = client.completions.create(model=name, prompt="Once upon", max_tokens=12, temperature=0, **pen,
+                                    extra_body={"ignore_eos": True, "repetition_penalty": 1.5})
+    assert got.choices[0].text == want.text
+    # n samples through the proxy: each its own P-D request, seeded with seed + i
+    want = llm.generate(["Once upon"], SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=8, ignore_eos=True),
+                        use_tqdm=False)[0].outputs
+    got = client.completions.create(model=name, prompt="Once upon", n=2, max_tokens=8, temperature=1.0, seed=3,
+                                    extra_body={"ignore_eos": True})
+    assert [c.text for c in got.choices] == [w.text for w in want] and want[0].text != want[1].text
     # a request that ends at its first token never reaches D
     one = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)[0].outputs[0]
     assert client.completions.create(model=name, prompt="Hello", max_tokens=1, temperature=0).choices[0].text == one.text

@@ -136,6 +136,33 @@ def test_stop_strings_and_seeded_sampling(client, llm):
     assert got.choices[0].text == ref.text
 
 
+def test_penalties_and_logit_bias_match_llm(client, llm):
+    """Both endpoints, streaming or not, give what LLM.generate/LLM.chat give with the same fields
+    (the offline API is checked against HF's logits processors in test_penalties.py)."""
+    model = client.models.list().data[0].id
+    fields = dict(presence_penalty=0.5, frequency_penalty=1.2, logit_bias={"17": 3.0, "40": -100})
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, repetition_penalty=1.4,
+                        **{**fields, "logit_bias": {17: 3.0, 40: -100}})
+    prompt = "Tell me a story about a cat"
+    ref = llm.generate([prompt], sp, use_tqdm=False)[0].outputs[0]
+    plain = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+                         use_tqdm=False)[0].outputs[0]
+    assert ref.token_ids != plain.token_ids
+    kw = dict(model=model, max_tokens=16, temperature=0, **fields,
+              extra_body={"repetition_penalty": 1.4, "ignore_eos": True})
+    assert client.completions.create(prompt=prompt, **kw).choices[0].text == ref.text
+    assert "".join(c.choices[0].text for c in client.completions.create(prompt=prompt, stream=True, **kw)) == ref.text
+    conv = [{"role": "user", "content": "Hello, how are you"}]
+    rc = llm.chat(conv, sp, use_tqdm=False)[0].outputs[0]
+    assert client.chat.completions.create(messages=conv, **kw).choices[0].message.content == rc.text
+    for bad, field in [({"logit_bias": {"384": 1}}, "logit_bias"), ({"logit_bias": {"a": 1}}, "logit_bias"),
+                       ({"logit_bias": {"3": 101}}, "logit_bias"), ({"presence_penalty": 2.5}, "presence_penalty"),
+                       ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty")]:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=model, prompt=prompt, max_tokens=4, **bad)
+        assert field in str(e.value), (bad, str(e.value))
+
+
 def test_models_health_and_named_errors(server, client, chat_model):
     models = client.models.list().data
     assert [m.id for m in models] == [chat_model]   # served under the --model it was given
@@ -145,7 +172,10 @@ def test_models_health_and_named_errors(server, client, chat_model):
         (dict(model="nope", prompt="hi"), "model"),
         (dict(model=model, prompt="hi", temperature=-1), "temperature"),
         (dict(model=model, prompt="hi", top_p=0), "top_p"),
-        (dict(model=model, prompt="hi", n=2), "n"),
+        (dict(model=model, prompt="hi", n=0), "n"),
+        (dict(model=model, prompt="hi", n=65), "n"),
+        (dict(model=model, prompt="hi", n=3, best_of=2), "best_of"),
+        (dict(model=model, prompt="hi", n=1, best_of=2, stream=True), "best_of"),
         (dict(model=model, prompt="hi", max_tokens=0), "max_tokens"),
         (dict(model=model, prompt="hi", logprobs=21), "logprobs"),
         (dict(model=model, prompt="hi " * 400), "max_model_len"),
@@ -164,6 +194,107 @@ def test_models_health_and_named_errors(server, client, chat_model):
         client.chat.completions.create(model=model, messages=[])
     r = httpx.post(server.url + "/v1/completions", json={"model": model, "prompt": "hi", "max_tokens": "5"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+
+
+def test_unhonoured_requests_are_refused_never_ignored(server, client):
+    """Structured outputs and tools are not implemented: a request for them is a 400 naming the field
+    (streaming or not, either endpoint), never a prose answer as if it had been honoured."""
+    model = client.models.list().data[0].id
+    before = server.metrics()
+    msgs = [{"role": "user", "content": "Answer in JSON"}]
+    schema = {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object"}}}
+    cases = [(dict(response_format={"type": "json_object"}), "response_format"),
+             (dict(response_format=schema), "response_format"),
+             (dict(extra_body={"guided_json": {"type": "object"}}), "guided_json"),
+             (dict(extra_body={"guided_regex": "[0-9]+"}), "guided_regex"),
+             (dict(extra_body={"guided_choice": ["yes", "no"]}), "guided_choice"),
+             (dict(extra_body={"guided_grammar": 'root ::= "a"'}), "guided_grammar"),
+             (dict(tool_choice="required"), "tool_choice")]
+    for kw, field in cases:
+        for stream in (False, True):
+            with pytest.raises(openai.BadRequestError) as e:
+                client.chat.completions.create(model=model, messages=msgs, max_tokens=4, stream=stream, **kw)
+            assert e.value.status_code == 400 and e.value.body["param"] == field, (kw, e.value.body)
+            assert "not supported" in e.value.body["message"]
+    for extra in ({"guided_choice": ["yes", "no"]}, {"response_format": {"type": "json_object"}}):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=model, prompt="hi", max_tokens=4, extra_body=extra)
+        assert e.value.body["param"] == next(iter(extra))
+    # asking for plain text is what the server does
+    ok = client.chat.completions.create(model=model, messages=msgs, max_tokens=4, response_format={"type": "text"})
+    assert ok.choices[0].finish_reason in ("stop", "length")
+    after = assert_idle(server)
+    assert after["picovllm:requests_total.rejected"] - before["picovllm:requests_total.rejected"] == 2 * len(cases) + 2
+
+
+def test_n_samples_and_best_of(server, client, llm):
+    """n seeded samples equal LLM.generate's (sample i: seed + i), streamed or not, on both endpoints;
+    best_of returns the samples with the highest cumulative logprob."""
+    model = client.models.list().data[0].id
+    prompt = "Tell me a story about a cat"
+    sp = SamplingParams(n=3, temperature=1.0, seed=21, max_tokens=10, ignore_eos=True, logprobs=0)
+    ref = llm.generate([prompt], sp, use_tqdm=False)[0].outputs
+    assert len({r.text for r in ref}) == 3
+    kw = dict(model=model, prompt=prompt, n=3, temperature=1.0, seed=21, max_tokens=10, extra_body={"ignore_eos": True})
+    got = client.completions.create(**kw)
+    assert [(c.index, c.text) for c in got.choices] == [(i, r.text) for i, r in enumerate(ref)]
+    assert got.usage.completion_tokens == 30 and got.usage.prompt_tokens == len(llm.get_tokenizer().encode(prompt))
+    texts, finishes, usage = [""] * 3, [None] * 3, None
+    for chunk in client.completions.create(stream=True, stream_options={"include_usage": True}, **kw):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+            finishes[c.index] = c.finish_reason or finishes[c.index]
+        usage = chunk.usage or usage
+    assert texts == [r.text for r in ref] and finishes == ["length"] * 3 and usage.completion_tokens == 30
+    best = sorted(ref, key=lambda r: -r.cumulative_logprob)[:2]
+    got = client.completions.create(best_of=3, **dict(kw, n=2))
+    assert [c.text for c in got.choices] == [r.text for r in best] and got.usage.completion_tokens == 30
+    assert [c.index for c in got.choices] == [0, 1] and got.choices[0].logprobs is None
+    conv = [{"role": "user", "content": "Hello, how are you"}]
+    ref = llm.chat(conv, SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=8), use_tqdm=False)[0].outputs
+    ckw = dict(model=model, messages=conv, n=2, temperature=1.0, seed=5, max_tokens=8)
+    got = client.chat.completions.create(**ckw)
+    assert [c.message.content for c in got.choices] == [r.text for r in ref]
+    parts, roles = ["", ""], [None, None]
+    for chunk in client.chat.completions.create(stream=True, **ckw):
+        for c in chunk.choices:
+            parts[c.index] += c.delta.content or ""
+            roles[c.index] = roles[c.index] or c.delta.role
+    assert parts == [r.text for r in ref] and roles == ["assistant"] * 2
+    with client.completions.create(stream=True, **dict(kw, max_tokens=200)) as stream:   # hang up early
+        next(iter(stream))
+    assert_idle(server)                       # every sample aborted, every block free
+
+
+def test_tokenize_and_detokenize(server, client, llm):
+    """The ids /tokenize gives are the ids the generation endpoints run (their usage counts them), and
+    the tokenizer's own encode/decode (what LLM.generate/LLM.chat use) is the oracle."""
+    tok = llm.get_tokenizer()
+    model = client.models.list().data[0].id
+    text = "Tell me a story about a cat"
+    r = httpx.post(server.url + "/tokenize", json={"model": model, "prompt": text}).json()
+    assert r == {"count": len(tok.encode(text)), "max_model_len": 256, "tokens": tok.encode(text)}
+    assert client.completions.create(model=model, prompt=text, max_tokens=1).usage.prompt_tokens == r["count"]
+    r = httpx.post(server.url + "/tokenize", json={"prompt": text, "add_special_tokens": False,
+                                                   "return_token_strs": True}).json()
+    assert r["tokens"] == tok.encode(text, add_special_tokens=False)
+    assert r["token_strs"] == tok.convert_ids_to_tokens(r["tokens"])
+    conv = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
+    r = httpx.post(server.url + "/tokenize", json={"messages": conv}).json()
+    assert r["tokens"] == llm.apply_chat_template(conv) and r["count"] == len(r["tokens"])
+    assert client.chat.completions.create(model=model, messages=conv, max_tokens=1).usage.prompt_tokens == r["count"]
+    r2 = httpx.post(server.url + "/tokenize", json={"messages": conv, "add_generation_prompt": False}).json()
+    assert r2["tokens"] == llm.apply_chat_template(conv, add_generation_prompt=False) != r["tokens"]
+    d = httpx.post(server.url + "/detokenize", json={"model": model, "tokens": r["tokens"]}).json()
+    assert d == {"prompt": tok.decode(r["tokens"], skip_special_tokens=False)} and "<|im_start|>" in d["prompt"]
+    ids = tok.encode(text)
+    assert httpx.post(server.url + "/detokenize", json={"tokens": ids}).json()["prompt"] == text
+    for path, body, param in [("/tokenize", {"prompt": "a", "messages": conv}, "prompt"), ("/tokenize", {}, "prompt"),
+                              ("/tokenize", {"prompt": "a", "model": "nope"}, "model"),
+                              ("/tokenize", {"messages": conv, "chat_template": "x"}, "chat_template"),
+                              ("/detokenize", {"tokens": [1, 384]}, "tokens"), ("/detokenize", {"tokens": [-1]}, "tokens")]:
+        e = httpx.post(server.url + path, json=body)
+        assert e.status_code == 400 and e.json()["error"]["param"] == param, (path, body, e.text)
 
 
 def test_oversize_bodies_rejected(server):

@@ -126,6 +126,18 @@ def test_odd_vocab_tied_head_with_preemption(tp_models):
     assert tp2 == tp1 == ref
 
 
+def test_penalties_and_logit_bias_match_tp1(tp_models):
+    """Only rank 0 samples: the workers get steps without sampling rows, rank 0 applies the penalties."""
+    path, prompts = tp_models["qwen2"], make_prompts()[:4]
+    sps = [SamplingParams(max_tokens=10, repetition_penalty=1.5, **GREEDY),
+           SamplingParams(max_tokens=10, frequency_penalty=1.0, presence_penalty=0.5, **GREEDY),
+           SamplingParams(max_tokens=10, logit_bias={7: 5.0}, **GREEDY), SamplingParams(max_tokens=10, **GREEDY)]
+    tp1 = tokens(LLM(path, num_kv_blocks=64).generate(prompts, sps, use_tqdm=False))
+    with LLM(path, tensor_parallel_size=2, num_kv_blocks=64) as llm:
+        tp2 = tokens(llm.generate(prompts, sps, use_tqdm=False))
+    assert tp2 == tp1 and len(set(map(tuple, tp1))) == 4
+
+
 def test_killed_worker_raises_within_seconds_and_leaves_no_process(tp_models):
     llm = LLM(tp_models["llama"], tensor_parallel_size=2, num_kv_blocks=256)
     pid = llm.engine.runner.worker_pids[0]
@@ -210,7 +222,8 @@ def test_step_message_round_trips_without_pickle():
     from picovllm.engine.messages import RunStep, Setup, decode, encode
 
     step = StepInput([5, 6], [0, 7], [16, 23], [0, 1, 2], [1, 8], [[1], [1, 3]], 1, [0, 1],
-                     [SamplingRow(0.7, 5, 0.9, 0.0, 2**62 + 1, [2, 3], 4), SamplingRow(0.0, 0, 1.0, 0.1, None, [], None)])
+                     [SamplingRow(0.7, 5, 0.9, 0.0, 2**62 + 1, [2, 3], 4),
+                      SamplingRow(0.0, 0, 1.0, 0.1, None, [], None, 0.5, -1.0, 1.2, [3], [-2.5], [4, 4], [5], 1)])
     assert decode(encode(RunStep(step))) == RunStep(step)
     cfg = EngineConfig(model="/m", dtype="bf16", device="cpu", tensor_parallel_size=2, num_kv_blocks=9)
     assert decode(encode(Setup(cfg))).config == cfg

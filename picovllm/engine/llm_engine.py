@@ -80,12 +80,18 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise ValueError("sampling_params must be a SamplingParams")
         params.validate()   # again: fields may have been set after construction
+        if params.n != 1:
+            raise ValueError(f"SamplingParams.n must be 1 for Engine.add_request (one request per sample: "
+                             f"LLM.generate and the server fan n out), got {params.n}")
         vocab = self.model_config.vocab_size
         # These would otherwise fail inside a step, taking the whole batch down with them.
         if params.logprobs is not None and params.logprobs > vocab:
             raise ValueError(f"SamplingParams.logprobs must be <= the vocabulary size {vocab}, got {params.logprobs}")
         if any(t >= vocab for t in params.stop_token_ids):
             raise ValueError(f"SamplingParams.stop_token_ids must be in [0, {vocab}), got {params.stop_token_ids}")
+        if any(t >= vocab for t in params.logit_bias):
+            raise ValueError(f"SamplingParams.logit_bias keys must be token ids in [0, {vocab}), got "
+                             f"{max(params.logit_bias)}")
         ids = self.tokenize(prompt)
         if not ids:
             raise ValueError("prompt is empty")

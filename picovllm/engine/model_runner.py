@@ -17,6 +17,7 @@ from picovllm.distributed import SINGLE, TPGroup
 from picovllm.engine.cuda_graph import fill_block_tables
 from picovllm.engine.scheduler import SchedulerOutput
 from picovllm.layers.attention import AttentionMetadata
+from picovllm.layers.logits_processors import adjust_logits
 from picovllm.layers.sampler import SamplingTensors, sample, seeded_stream
 from picovllm.loader.source import ModelSource
 from picovllm.loader.engine_weights import load_model_weights
@@ -33,6 +34,20 @@ class SamplingRow:
     seed: int | None          # stream seed for this very token (seed, output index), or None
     banned: list[int]         # token ids masked out (EOS and stop ids before min_tokens)
     logprobs: int | None
+    # Logit bias and penalties (picovllm.layers.logits_processors). The token ids only travel when a
+    # penalty needs them: the outputs known on the host, the prompt only for the repetition penalty.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    bias_token_ids: list[int] = field(default_factory=list)
+    bias_values: list[float] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)
+    prompt_token_ids: list[int] = field(default_factory=list)
+    pending_src: int = -1     # overlapped: the in-flight step's row sampling this request's last output, or -1
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
 
 @dataclass
@@ -241,7 +256,16 @@ class ModelRunner:
         if n_out < p.min_tokens:
             banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids))
         seed = None if p.seed is None else seeded_stream(p.seed, n_out)
-        return SamplingRow(p.temperature, p.top_k, p.top_p, p.min_p, seed, banned, p.logprobs)
+        row = SamplingRow(p.temperature, p.top_k, p.top_p, p.min_p, seed, banned, p.logprobs)
+        if p.logit_bias:
+            row.bias_token_ids, row.bias_values = list(p.logit_bias), [float(v) for v in p.logit_bias.values()]
+        if p.has_penalties:
+            row.presence_penalty, row.frequency_penalty = p.presence_penalty, p.frequency_penalty
+            row.repetition_penalty = p.repetition_penalty
+            row.output_token_ids = list(req.output_token_ids)
+            row.prompt_token_ids = req.prompt_token_ids if p.repetition_penalty != 1 else []  # never mutated
+            row.pending_src = req.pending_row if req.num_pending_tokens else -1
+        return row
 
     def execute(self, step: StepInput) -> StepResult:
         return self.resolve(self.launch(step))
@@ -254,12 +278,15 @@ class ModelRunner:
         if step.prev_dst:
             prev_tokens = (_to(step.prev_dst, torch.long, self.device),
                            prev.tokens[_to(step.prev_src, torch.long, self.device)])
-        return self.launch_sampling(self.compute_logits(step, prev_tokens), step.sampling)
+        return self.launch_sampling(self.compute_logits(step, prev_tokens), step.sampling,
+                                    prev.tokens if prev is not None else None)
 
-    def launch_sampling(self, logits: torch.Tensor | None, rows: list[SamplingRow]) -> LaunchedStep:
+    def launch_sampling(self, logits: torch.Tensor | None, rows: list[SamplingRow],
+                        prev_tokens: torch.Tensor | None = None) -> LaunchedStep:
+        """prev_tokens: the in-flight step's sampled tokens (penalties count a pending output from there)."""
         if logits is None:
             return LaunchedStep(None, [], [], None)
-        tokens, logprob_tensors = self._sample(logits, rows)
+        tokens, logprob_tensors = self._sample(logits, rows, prev_tokens)
         host = [_to_host(t) for t in (tokens, *logprob_tensors)]
         done = None
         if tokens.is_cuda:
@@ -318,17 +345,14 @@ class ModelRunner:
             max_query_len=max(qlens), max_seq_len=max(step.seq_lens),
             query_lens_cpu=qlens, seq_lens_cpu=step.seq_lens)
 
-    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.Tensor, tuple]:
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow], prev_tokens: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, tuple]:
         """Sampled token ids [B] on the device, and the logprob tensors the rows ask for (or ()).
         logits in the model's dtype: the fused GPU sampler reads them as they are, the torch
         sampler and logprobs upcast to float32 themselves."""
         dev = logits.device
         raw = logits
-        banned = [(i, r.banned) for i, r in enumerate(rows) if r.banned]
-        if banned:
-            logits = logits.clone()
-            for i, toks in banned:
-                logits[i, toks] = float("-inf")
+        logits = adjust_logits(logits, rows, prev_tokens)   # bias, banned tokens, penalties
         temps = [r.temperature for r in rows]
         if all(x == 0 for x in temps):   # greedy batch: no sampling tensors to upload
             tokens = logits.argmax(-1)

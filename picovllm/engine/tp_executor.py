@@ -179,7 +179,8 @@ class TPModelRunner(ModelRunner):
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepResult:
         with self._remote("a step"):
-            self.session.channel.send(RunStep(step))
+            # workers only run the forward: the sampling rows (token lists under penalties) stay here
+            self.session.channel.send(RunStep(replace(step, sampling=[])))
             logits = self.compute_logits(step)
             if logits is not None and self.device.type == "cuda":
                 self._wait_for_device()

@@ -2,7 +2,8 @@
 
 Input line: exactly one of "prompt" (text), "prompt_token_ids" (list of ints) or "messages" (a chat
 conversation, run through the model's chat template); optional "id" (echoed back) and any
-SamplingParams field (temperature, max_tokens, stop, seed, ...) overriding the command's flags.
+SamplingParams field (temperature, max_tokens, stop, seed, penalties, logit_bias with string keys, ...)
+overriding the command's flags (n must be 1 here).
 A bad line becomes an output line with an "error" naming the field; the other lines still run.
 """
 from __future__ import annotations

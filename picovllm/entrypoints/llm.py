@@ -8,6 +8,8 @@ from tqdm import tqdm
 
 from picovllm.config import EngineConfig
 from picovllm.engine.llm_engine import Engine
+from picovllm.engine.request import RequestStatus
+from picovllm.entrypoints.parallel_sampling import merge_samples, sample_params
 from picovllm.outputs import RequestOutput
 from picovllm.sampling_params import SamplingParams
 
@@ -51,23 +53,49 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in order, with params.n CompletionOutputs (parallel_sampling.py)."""
         prompts, params = normalize_prompts(prompts, sampling_params)
-        ids = []
+        groups: list[list[str]] = []          # per prompt: its samples' request ids
+        siblings: dict[str, tuple] = {}      # first sample's id -> (prompt, the other samples' params, group)
         try:
             for p, sp in zip(prompts, params):
-                ids.append(self.engine.add_request(p, sp))
+                samples = sample_params(sp)
+                groups.append([self.engine.add_request(p, samples[0])])
+                if len(samples) > 1:
+                    siblings[groups[-1][0]] = (p, samples[1:], groups[-1])
         except Exception:
-            for rid in ids:        # leave the engine as we found it
-                self.engine.abort(rid)
+            self._abort(groups)      # leave the engine as we found it
             raise
-        return self._run(ids, use_tqdm)
+        final = self._run_groups(groups, siblings, sum(sp.n for sp in params), use_tqdm)
+        return [final[g[0]] if len(g) == 1 else merge_samples(g[0], [final[i] for i in g]) for g in groups]
+
+    def _abort(self, groups: list[list[str]], final: dict | None = None) -> None:
+        for rid in (i for g in groups for i in g):
+            if final is None or rid not in final:
+                self.engine.abort(rid)
+
+    def _add_siblings(self, siblings: dict[str, tuple]) -> None:
+        """Add the other samples of each prompt whose first sample has computed the prompt (or ended)."""
+        for first, (prompt, params, group) in list(siblings.items()):
+            req = self.engine.requests.get(first)
+            if req is None or req.status == RequestStatus.DECODING:   # its full blocks are cached now
+                group.extend(self.engine.add_request(prompt, sp) for sp in params)
+                del siblings[first]
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        """Step until the requests already added finish; their outputs in the order of ids."""
+        final = self._run_groups([[i] for i in ids], {}, len(ids), use_tqdm)
+        return [final[i] for i in ids]
+
+    def _run_groups(self, groups: list[list[str]], siblings: dict[str, tuple], total: int,
+                    use_tqdm: bool) -> dict[str, RequestOutput]:
         final: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        bar = tqdm(total=total, desc="Processed prompts" if total == len(groups) else "Processed samples",
+                   disable=not use_tqdm, dynamic_ncols=True)
         t0, last = time.time(), dict(self.engine.stats)
         try:
-            while len(final) < len(ids) and self.engine.has_unfinished_requests():
+            while len(final) < total and (self.engine.has_unfinished_requests() or siblings):
+                self._add_siblings(siblings)
                 for out in self.engine.step(unfinished_outputs=False):
                     if out.finished:
                         final[out.request_id] = out
@@ -79,13 +107,11 @@ class LLM:
                                         f"decode {(s['decode_tokens'] - last['decode_tokens']) / dt:.0f} tok/s",
                                         refresh=False)
         except BaseException:
-            for rid in ids:
-                if rid not in final:
-                    self.engine.abort(rid)
+            self._abort(groups, final)
             raise
         finally:
             bar.close()
-        return [final[i] for i in ids]
+        return final
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True, chat_template: str | None = None) -> list[RequestOutput]:

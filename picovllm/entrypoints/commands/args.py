@@ -38,12 +38,18 @@ def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 256) -> None
     g.add_argument("--stop", nargs="+", default=None, metavar="STR", help="stop strings")
     g.add_argument("--stop-token-ids", nargs="+", type=int, default=None, metavar="ID")
     g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--presence-penalty", type=float, default=0.0, help="[-2, 2], over generated tokens")
+    g.add_argument("--frequency-penalty", type=float, default=0.0, help="[-2, 2], over generated tokens")
+    g.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="> 0, 1 is off; over prompt and generated tokens (HF/CTRL style)")
 
 
 def sampling_kwargs(args: argparse.Namespace) -> dict:
     return dict(max_tokens=args.max_tokens, min_tokens=args.min_tokens, temperature=args.temperature,
                 top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop=args.stop,
-                stop_token_ids=args.stop_token_ids, ignore_eos=args.ignore_eos)
+                stop_token_ids=args.stop_token_ids, ignore_eos=args.ignore_eos,
+                presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                repetition_penalty=args.repetition_penalty)
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:

@@ -1,6 +1,7 @@
 """The HTTP layer: a FastAPI app over an AsyncEngine, and running it under uvicorn with a graceful exit.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics.
+Routes: POST /v1/completions, POST /v1/chat/completions, POST /tokenize, POST /detokenize, GET /v1/models,
+GET /health, GET /metrics.
 Everything the client does wrong comes back as OpenAI's error object with a 4xx status.
 """
 from __future__ import annotations
@@ -24,10 +25,12 @@ from picovllm.engine.llm_engine import Engine
 from picovllm.entrypoints.openai.async_engine import AsyncEngine
 from picovllm.entrypoints.openai.metrics import ServerMetrics
 from picovllm.entrypoints.openai.middleware import APIKeyAuth, BodySizeLimit
-from picovllm.entrypoints.openai.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
+from picovllm.entrypoints.openai.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                                  TokenizeRequest, error_body)
 from picovllm.entrypoints.openai.serving import JSONBody, ServingContext
 from picovllm.entrypoints.openai.serving_chat import ChatHandler
 from picovllm.entrypoints.openai.serving_completion import CompletionHandler
+from picovllm.entrypoints.openai.serving_tokenize import detokenize, tokenize
 from picovllm.entrypoints.openai.tokenizer_worker import TokenizerWorker
 from picovllm.loader.default_model import DEFAULT_FILE
 
@@ -69,6 +72,14 @@ def build_app(ctx: ServingContext, settings: ServerSettings, openai_routes: bool
         @app.post("/v1/chat/completions")
         async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Response:
             return await chat(body, raw)
+
+        @app.post("/tokenize")
+        async def tokenize_route(body: TokenizeRequest) -> Response:
+            return JSONBody(await tokenize(ctx, body))
+
+        @app.post("/detokenize")
+        async def detokenize_route(body: DetokenizeRequest) -> Response:
+            return JSONBody(await detokenize(ctx, body))
 
     @app.get("/v1/models")
     async def list_models() -> dict:

@@ -2,19 +2,26 @@
 
 Strict: a JSON string where a number belongs is a 400, not a silent coercion. Floats must be finite.
 Fields vLLM adds to OpenAI's (top_k, min_p, min_tokens, ignore_eos, stop_token_ids, ...) are accepted
-too; unknown fields are ignored, as OpenAI and vLLM do.
+too. A field OpenAI or vLLM defines that this server does not honour (structured outputs, tools, beam
+search, ...) is declared below only to be refused: a 400 naming it, unless it asks for nothing (its
+no-op value). Never answer a request as if it had been honoured. Fields neither defines are ignored,
+as OpenAI and vLLM do.
 """
 from __future__ import annotations
 
-from typing import Annotated, Literal
+import dataclasses
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, create_model, field_validator
 
+from picovllm.entrypoints.parallel_sampling import sample_params
 from picovllm.sampling_params import SamplingParams
 
 MAX_INT = 2**31 - 1
 MAX_LOGPROBS = 20
 MAX_STOP = 16
+MAX_N = 64               # samples per request (n, best_of)
+MAX_LOGIT_BIAS = 1024    # entries; OpenAI allows 300
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 TokenId = Annotated[int, Field(ge=0, le=MAX_INT)]
 
@@ -42,23 +49,88 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: Any = None    # vLLM's; refused unless false (as the fields in REFUSED_COMMON)
+
+    @field_validator("continuous_usage_stats")
+    @classmethod
+    def _refuse(cls, v: Any) -> Any:
+        if v not in (None, False):
+            raise ValueError("is not supported (usage comes in the last chunk with include_usage)")
+        return v
 
 
-class _SamplingRequest(_Strict):
+# Refused fields and the values that ask for nothing (None always does): any other value is a 400.
+# Structured outputs (response_format other than text, vLLM's guided_* and structured_outputs) are the
+# important ones: a client that asks for JSON must not get prose as if it were JSON.
+REFUSED_COMMON: dict[str, tuple] = {
+    "response_format": ({"type": "text"},), "guided_json": (), "guided_regex": (), "guided_choice": (),
+    "guided_grammar": (), "guided_decoding_backend": (), "guided_whitespace_pattern": (), "structured_outputs": (),
+    "functions": (), "function_call": ("none",), "tool_choice": ("none",), "prompt_logprobs": (),
+    "use_beam_search": (False,), "length_penalty": (1,), "include_stop_str_in_output": (False,),
+    "allowed_token_ids": (), "bad_words": ([],), "truncate_prompt_tokens": (), "spaces_between_special_tokens": (True,),
+    "return_tokens_as_token_ids": (False,), "priority": (0,), "logits_processors": (), "vllm_xargs": (),
+    "store": (False,), "prediction": (), "audio": (), "modalities": (["text"],), "reasoning_effort": (),
+    "web_search_options": (),
+}
+REFUSED_CHAT: dict[str, tuple] = {
+    "echo": (False,), "continue_final_message": (False,), "chat_template": (), "chat_template_kwargs": ({},),
+    "documents": (), "mm_processor_kwargs": (), "add_special_tokens": (False,),  # as LLM.chat encodes
+}
+REFUSED_COMPLETION: dict[str, tuple] = {
+    "add_special_tokens": (True,), "prompt_embeds": (),   # add_special_tokens: as LLM.generate encodes
+}
+
+
+def _same(value: Any, ok: Any) -> bool:
+    if isinstance(value, bool) or isinstance(ok, bool):   # True == 1 in Python, not in JSON
+        return type(value) is type(ok) and value == ok
+    return value == ok
+
+
+def refuse_unless_noop(name: str, value: Any, noop: dict[str, tuple]) -> Any:
+    if value is None or any(_same(value, ok) for ok in noop[name]):
+        return value
+    if name in ("response_format", "structured_outputs") or name.startswith("guided_"):
+        raise ValueError("is not supported: this server has no structured output (constrained decoding) yet")
+    if name in ("functions", "function_call", "tool_choice", "tool_calls"):
+        raise ValueError("is not supported: this server has no tool calling yet")
+    allowed = " or ".join(repr(v) for v in noop[name])
+    raise ValueError("is not supported" + (f" (only {allowed} or null)" if allowed else " (send null or omit it)"))
+
+
+def refusing_model(name: str, refused: dict[str, tuple]) -> type[BaseModel]:
+    """A base model that declares each refused field (so the OpenAPI schema lists it and the 400 names it)
+    as Any, and refuses every value but the no-op ones."""
+    def check(cls, v: Any, info: ValidationInfo) -> Any:
+        return refuse_unless_noop(info.field_name, v, refused)
+
+    validator = field_validator(*refused)(classmethod(check))
+    return create_model(name, __base__=_Strict, __validators__={f"_refuse{name}": validator},
+                        **{f: (Any, None) for f in refused})
+
+
+_RefusedCommon = refusing_model("_RefusedCommon", REFUSED_COMMON)
+_RefusedChat = refusing_model("_RefusedChat", REFUSED_CHAT)
+_RefusedCompletion = refusing_model("_RefusedCompletion", REFUSED_COMPLETION)
+
+
+class _SamplingRequest(_RefusedCommon):
     """Fields shared by completions and chat completions."""
     model: str | None = None
     temperature: FiniteFloat | None = Field(None, ge=0, le=2)
     top_p: FiniteFloat | None = Field(None, gt=0, le=1)
-    n: int = 1
+    n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | Annotated[list[str], Field(max_length=MAX_STOP)] | None = None
     seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
-    frequency_penalty: FiniteFloat | None = None
-    presence_penalty: FiniteFloat | None = None
-    logit_bias: dict[str, FiniteFloat] | None = None
+    frequency_penalty: FiniteFloat | None = Field(None, ge=-2, le=2)
+    presence_penalty: FiniteFloat | None = Field(None, ge=-2, le=2)
+    logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False)]],
+                          Field(max_length=MAX_LOGIT_BIAS)] | None = None
     user: str | None = None
     # vLLM's additions
+    repetition_penalty: FiniteFloat | None = Field(None, gt=0)
     top_k: int | None = Field(None, ge=-1, le=MAX_INT)
     min_p: FiniteFloat | None = Field(None, ge=0, le=1)
     min_tokens: int = Field(0, ge=0, le=MAX_INT)
@@ -66,25 +138,12 @@ class _SamplingRequest(_Strict):
     stop_token_ids: Annotated[list[TokenId], Field(max_length=256)] | None = None
     skip_special_tokens: bool = True
 
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError("n must be 1 (parallel sampling is not supported)")
-        return v
-
-    @field_validator("frequency_penalty", "presence_penalty")
-    @classmethod
-    def _no_penalty(cls, v: float | None) -> float | None:
-        if v not in (None, 0):
-            raise ValueError("penalties are not supported (must be 0)")
-        return v
-
     @field_validator("logit_bias")
     @classmethod
-    def _no_bias(cls, v: dict | None) -> dict | None:
-        if v:
-            raise ValueError("logit_bias is not supported")
+    def _token_id_keys(cls, v: dict | None) -> dict | None:
+        bad = next((k for k in (v or {}) if not (k.isascii() and k.isdigit() and int(k) <= MAX_INT)), None)
+        if bad is not None:
+            raise ValueError(f"keys must be token ids (decimal strings), got {bad[:20]!r}")
         return v
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
@@ -93,9 +152,12 @@ class _SamplingRequest(_Strict):
             return SamplingParams(
                 temperature=1.0 if self.temperature is None else self.temperature,
                 top_p=1.0 if self.top_p is None else self.top_p,
-                top_k=self.top_k or 0, min_p=self.min_p or 0.0, seed=self.seed, max_tokens=max_tokens,
+                n=self.n, top_k=self.top_k or 0, min_p=self.min_p or 0.0, seed=self.seed, max_tokens=max_tokens,
                 min_tokens=self.min_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids,
-                ignore_eos=self.ignore_eos, logprobs=logprobs, skip_special_tokens=self.skip_special_tokens)
+                ignore_eos=self.ignore_eos, logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
+                presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+                logit_bias=self.logit_bias)
         except ValueError as e:
             raise APIError(400, str(e)) from None
 
@@ -104,12 +166,12 @@ class _SamplingRequest(_Strict):
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
 
-class CompletionRequest(_SamplingRequest):
+class CompletionRequest(_SamplingRequest, _RefusedCompletion):
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
     max_tokens: int | None = Field(16, ge=1, le=MAX_INT)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
-    best_of: int | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
     suffix: str | None = None
 
     @field_validator("echo")
@@ -119,12 +181,17 @@ class CompletionRequest(_SamplingRequest):
             raise ValueError("echo is not supported")
         return v
 
-    @field_validator("best_of")
-    @classmethod
-    def _no_best_of(cls, v: int | None) -> int | None:
-        if v not in (None, 1):
-            raise ValueError("best_of must be 1")
-        return v
+    def samples(self, params: SamplingParams) -> list[SamplingParams]:
+        """One SamplingParams per sample to run: best_of of them (ranked by cumulative logprob, which
+        needs the chosen tokens' logprobs), else n. Raises APIError naming best_of when it cannot be."""
+        k = self.best_of or params.n
+        if k < params.n:
+            raise APIError(400, f"best_of ({k}) must be >= n ({params.n})", param="best_of")
+        if k > params.n and self.stream:
+            raise APIError(400, "best_of > n cannot be streamed (the best are known at the end)", param="best_of")
+        if k > params.n and params.logprobs is None:
+            params = dataclasses.replace(params, logprobs=0)
+        return sample_params(params, k)
 
     @field_validator("suffix")
     @classmethod
@@ -147,7 +214,7 @@ class TextPart(_Strict):
     text: str
 
 
-class ChatMessage(_Strict):
+class ChatMessage(refusing_model("_RefusedInMessage", {"tool_calls": ([],), "function_call": ()})):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -162,7 +229,7 @@ class ChatMessage(_Strict):
         return d
 
 
-class ChatCompletionRequest(_SamplingRequest):
+class ChatCompletionRequest(_SamplingRequest, _RefusedChat):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: int | None = Field(None, ge=1, le=MAX_INT)
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT)
@@ -187,3 +254,35 @@ class ChatCompletionRequest(_SamplingRequest):
         if self.top_logprobs and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+# -- /tokenize and /detokenize (vLLM's) -----------------------------------------------------------------------
+_RefusedTokenize = refusing_model("_RefusedTokenize", {
+    "continue_final_message": (False,), "chat_template": (), "chat_template_kwargs": ({},), "tools": ([],),
+    "documents": (), "mm_processor_kwargs": ()})
+
+
+class TokenizeRequest(_RefusedTokenize):
+    """Exactly one of prompt (as /v1/completions encodes it) or messages (as /v1/chat/completions)."""
+    model: str | None = None
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    add_special_tokens: bool | None = None    # None: True for a prompt, False for messages (the endpoints' way)
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    def checked(self) -> "TokenizeRequest":
+        if (self.prompt is None) == (self.messages is None):
+            raise APIError(400, "give exactly one of prompt or messages", param="prompt")
+        if self.prompt is not None and "add_generation_prompt" in self.model_fields_set:
+            raise APIError(400, "add_generation_prompt applies to messages only", param="add_generation_prompt")
+        return self
+
+    @property
+    def special_tokens(self) -> bool:
+        return self.messages is None if self.add_special_tokens is None else self.add_special_tokens
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: Annotated[list[TokenId], Field(max_length=1_000_000)]

@@ -14,6 +14,7 @@ from picovllm.entrypoints.openai.async_engine import AsyncEngine, EngineDeadErro
 from picovllm.entrypoints.openai.metrics import ServerMetrics
 from picovllm.entrypoints.openai.protocol import APIError, error_body
 from picovllm.entrypoints.openai.tokenizer_worker import TokenizerWorker
+from picovllm.entrypoints.parallel_sampling import merge_samples
 from picovllm.outputs import CompletionOutput, Logprob, RequestOutput
 from picovllm.sampling_params import SamplingParams
 
@@ -49,6 +50,91 @@ class ServingContext:
             raise APIError(503, str(e), type="service_unavailable") from None
 
 
+class SampleGroup:
+    """The samples of one prompt (n, best_of) as one request: the first is added at once, its siblings when
+    its first output shows the prompt computed (they take its KV blocks from the prefix cache)."""
+
+    def __init__(self, ctx: ServingContext, ids: list[int], samples: list[SamplingParams], request_id: str,
+                 arrival_time: float) -> None:
+        self.ctx, self.ids, self.samples, self.request_id, self.arrival = ctx, ids, samples, request_id, arrival_time
+        self.streams: list[RequestStream] = []
+
+    def _id(self, i: int) -> str:
+        return self.request_id if len(self.samples) == 1 else f"{self.request_id}-{i}"
+
+    async def start(self) -> "SampleGroup":
+        """Add the first sample (raises APIError: 400 naming the field, 503 if the engine is gone)."""
+        self.streams.append(await self.ctx.add(self.ids, self.samples[0], self._id(0), self.arrival))
+        return self
+
+    async def _add_siblings(self) -> None:
+        for i in range(1, len(self.samples)):
+            try:
+                self.streams.append(await self.ctx.engine.add_request(self.ids, self.samples[i], self._id(i),
+                                                                      self.arrival))
+            except ValueError as e:   # the first sample passed the same checks: only a race gets here
+                raise EngineStepError(f"sample {i}: {e}") from None
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(sample index, its latest output) as any sample advances, until every one has finished. As a
+        RequestStream, a slow reader skips to each sample's newest (cumulative) output."""
+        if len(self.samples) == 1:
+            async for out in self.streams[0].outputs():
+                yield 0, out
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+        tasks = [asyncio.ensure_future(_pump(0, self.streams[0], queue))]
+        running = 1
+        try:
+            while running:
+                latest: dict[int, RequestOutput] = {}
+                for i, item in await _drain(queue):
+                    if isinstance(item, Exception):
+                        raise item
+                    if item is None:
+                        running -= 1
+                    else:
+                        latest[i] = item
+                if latest and len(tasks) == 1:      # the first sample's first output: the prompt is computed
+                    await self._add_siblings()
+                    tasks += [asyncio.ensure_future(_pump(j, s, queue)) for j, s in enumerate(self.streams[1:], 1)]
+                    running += len(self.samples) - 1
+                for i, out in latest.items():
+                    yield i, out
+        finally:
+            for t in tasks:
+                t.cancel()
+            self.close()
+
+    async def finals(self) -> list[RequestOutput]:
+        last: dict[int, RequestOutput] = {}
+        async for i, out in self.outputs():
+            last[i] = out
+        return [last[i] for i in range(len(self.samples))]
+
+    def close(self) -> None:
+        for stream in self.streams:
+            stream.close()
+
+
+async def _pump(i: int, stream: RequestStream, queue: asyncio.Queue) -> None:
+    """Sample i's outputs into the group's queue, then None (or the exception, which the reader raises)."""
+    try:
+        async for out in stream.outputs():
+            queue.put_nowait((i, out))
+    except Exception as e:
+        queue.put_nowait((i, e))
+        return
+    queue.put_nowait((i, None))
+
+
+async def _drain(queue: asyncio.Queue) -> list:
+    items = [await queue.get()]
+    while not queue.empty():
+        items.append(queue.get_nowait())
+    return items
+
+
 class TextDeltas:
     """Turns cumulative outputs into deltas. While a stop string could still trim the text, the last
     len(longest stop) - 1 characters are held back, so the streamed pieces always add up to the final text."""
@@ -69,7 +155,8 @@ class TextDeltas:
 
 
 def usage(out: RequestOutput) -> dict:
-    p, c = len(out.prompt_token_ids), len(out.outputs[0].token_ids)
+    """The prompt counts once, every sample's tokens count (OpenAI's way for n > 1)."""
+    p, c = len(out.prompt_token_ids), sum(len(o.token_ids) for o in out.outputs)
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
             "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
 
@@ -94,15 +181,10 @@ def sse_error(e: Exception) -> str:
     return sse(error_body(str(e), "internal_error"))
 
 
-async def final_output(raw: Request, stream: RequestStream) -> RequestOutput | None:
-    """Wait for the request's last output; None if the client disconnected first (the request is aborted)."""
-    async def last() -> RequestOutput | None:
-        out = None
-        async for out in stream.outputs():
-            pass
-        return out
-
-    task = asyncio.ensure_future(last())
+async def final_output(raw: Request, group: SampleGroup) -> RequestOutput | None:
+    """Wait for the samples' last outputs, merged into one (outputs[i] is sample i); None if the client
+    disconnected first (the samples are aborted)."""
+    task = asyncio.ensure_future(group.finals())
     watcher = asyncio.ensure_future(_disconnected(raw))
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
@@ -110,11 +192,11 @@ async def final_output(raw: Request, stream: RequestStream) -> RequestOutput | N
         watcher.cancel()
         if not task.done():
             task.cancel()
-        stream.close()
+        group.close()
     if not task.done() or task.cancelled():
         return None
     try:
-        return task.result()
+        return merge_samples(group.request_id, task.result())
     except ENGINE_ERRORS as e:
         raise APIError(500, str(e), type="internal_error") from None
 

@@ -7,10 +7,11 @@ from collections.abc import AsyncIterator
 
 from fastapi import Request, Response
 
-from picovllm.entrypoints.openai.async_engine import RequestStream
 from picovllm.entrypoints.openai.protocol import ChatCompletionRequest
-from picovllm.entrypoints.openai.serving import (ENGINE_ERRORS, SSE_DONE, JSONBody, ServingContext, TextDeltas, final_output,
-                                                 now, sse, sse_error, sse_response, top_logprobs, usage)
+from picovllm.entrypoints.openai.serving import (ENGINE_ERRORS, SSE_DONE, JSONBody, SampleGroup, ServingContext,
+                                                 TextDeltas, final_output, now, sse, sse_error, sse_response, top_logprobs,
+                                                 usage)
+from picovllm.entrypoints.parallel_sampling import merge_samples, sample_params
 from picovllm.outputs import CompletionOutput
 
 
@@ -25,46 +26,47 @@ class ChatHandler:
         k = req.num_logprobs
         params = req.sampling_params(req.max_new_tokens, k)
         ids = await ctx.tokenizer.encode_chat([m.as_template_dict() for m in req.messages], req.add_generation_prompt)
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
-        stream = await ctx.add(ids, params, rid, arrival)
+        group = await SampleGroup(ctx, ids, sample_params(params), f"chatcmpl-{uuid.uuid4().hex}", arrival).start()
         if req.stream:
-            return sse_response(self._events(req, stream, params.stop, k))
-        out = await final_output(raw, stream)
+            return sse_response(self._events(req, group, params.stop, k))
+        out = await final_output(raw, group)
         if out is None:
             return Response(status_code=499)     # the client is gone; nobody reads this
-        c = out.outputs[0]
-        choice = {"index": 0, "message": {"role": "assistant", "content": c.text},
-                  "logprobs": _logprobs(c, range(len(c.token_ids)), k) if k is not None else None,
-                  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-        return JSONBody(self._body(rid, "chat.completion", [choice], usage=usage(out)))
+        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                    "logprobs": _logprobs(c, range(len(c.token_ids)), k) if k is not None else None,
+                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in out.outputs]
+        return JSONBody(self._body(group.request_id, "chat.completion", choices, usage=usage(out)))
 
     def _body(self, rid: str, obj: str, choices: list, **extra) -> dict:
         return {"id": rid, "object": obj, "created": now(), "model": self.ctx.model_name, "choices": choices, **extra}
 
-    def _chunk(self, rid: str, delta: dict, logprobs=None, finish_reason=None, stop_reason=None) -> str:
-        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+    def _chunk(self, rid: str, index: int, delta: dict, logprobs=None, finish_reason=None, stop_reason=None) -> str:
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         if finish_reason is not None:
             choice["stop_reason"] = stop_reason
         return sse(self._body(rid, "chat.completion.chunk", [choice]))
 
-    async def _events(self, req: ChatCompletionRequest, stream: RequestStream, stop: list[str],
+    async def _events(self, req: ChatCompletionRequest, group: SampleGroup, stop: list[str],
                       k: int | None) -> AsyncIterator[str]:
-        rid, deltas, last = stream.request_id, TextDeltas(stop), None
+        rid, n = group.request_id, len(group.samples)
+        deltas, last = [TextDeltas(stop) for _ in range(n)], {}
         try:
-            yield self._chunk(rid, {"role": "assistant", "content": ""})
-            async for out in stream.outputs():
-                last, c = out, out.outputs[0]
-                text, toks = deltas.text(c, out.finished), deltas.tokens(c)
+            for i in range(n):
+                yield self._chunk(rid, i, {"role": "assistant", "content": ""})
+            async for i, out in group.outputs():
+                last[i], c = out, out.outputs[0]
+                text, toks = deltas[i].text(c, out.finished), deltas[i].tokens(c)
                 if not (text or out.finished or (k is not None and toks)):
                     continue
-                yield self._chunk(rid, {"content": text} if text else {},
+                yield self._chunk(rid, i, {"content": text} if text else {},
                                   _logprobs(c, toks, k) if k is not None else None, c.finish_reason, c.stop_reason)
-            if req.include_usage and last is not None:
-                yield sse(self._body(rid, "chat.completion.chunk", [], usage=usage(last)))
+            if req.include_usage and len(last) == n:
+                yield sse(self._body(rid, "chat.completion.chunk", [],
+                                     usage=usage(merge_samples(rid, [last[i] for i in range(n)]))))
         except ENGINE_ERRORS as e:
             yield sse_error(e)
         finally:
-            stream.close()
+            group.close()
         yield SSE_DONE
 
 

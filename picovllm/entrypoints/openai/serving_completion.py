@@ -1,4 +1,5 @@
-"""POST /v1/completions: one prompt (text or token ids) in, text out, streamed over SSE or not."""
+"""POST /v1/completions: one prompt (text or token ids) in, n (or the best n of best_of) texts out, streamed
+over SSE or not."""
 from __future__ import annotations
 
 import time
@@ -7,10 +8,10 @@ from collections.abc import AsyncIterator
 
 from fastapi import Request, Response
 
-from picovllm.entrypoints.openai.async_engine import RequestStream
 from picovllm.entrypoints.openai.protocol import CompletionRequest
-from picovllm.entrypoints.openai.serving import (ENGINE_ERRORS, SSE_DONE, JSONBody, ServingContext, TextDeltas, final_output,
-                                                 now, sse, sse_error, sse_response, usage)
+from picovllm.entrypoints.openai.serving import (ENGINE_ERRORS, SSE_DONE, JSONBody, SampleGroup, ServingContext,
+                                                 TextDeltas, final_output, now, sse, sse_error, sse_response, usage)
+from picovllm.entrypoints.parallel_sampling import best_of, merge_samples
 from picovllm.outputs import CompletionOutput
 
 
@@ -24,43 +25,46 @@ class CompletionHandler:
         ctx.check_model(req.model)
         prompt = req.single_prompt()
         params = req.sampling_params(req.max_tokens, req.logprobs)
+        samples = req.samples(params)
         ids = await ctx.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
-        rid = f"cmpl-{uuid.uuid4().hex}"
-        stream = await ctx.add(ids, params, rid, arrival)
+        group = await SampleGroup(ctx, ids, samples, f"cmpl-{uuid.uuid4().hex}", arrival).start()
         if req.stream:
-            return sse_response(self._events(req, stream, params.stop))
-        out = await final_output(raw, stream)
+            return sse_response(self._events(req, group, params.stop))
+        out = await final_output(raw, group)
         if out is None:
             return Response(status_code=499)     # the client is gone; nobody reads this
-        c = out.outputs[0]
-        choice = {"index": 0, "text": c.text, "logprobs": _logprobs(c, range(len(c.token_ids)), 0)[0]
-                  if req.logprobs is not None else None, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-        return JSONBody(self._body(rid, [choice], usage=usage(out)))
+        chosen = best_of(out, params.n) if len(samples) > params.n else out.outputs
+        choices = [{"index": c.index, "text": c.text,
+                    "logprobs": _logprobs(c, range(len(c.token_ids)), 0)[0] if req.logprobs is not None else None,
+                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in chosen]
+        return JSONBody(self._body(group.request_id, choices, usage=usage(out)))   # usage: every sample run
 
     def _body(self, rid: str, choices: list, **extra) -> dict:
         return {"id": rid, "object": "text_completion", "created": now(), "model": self.ctx.model_name,
                 "choices": choices, **extra}
 
-    async def _events(self, req: CompletionRequest, stream: RequestStream, stop: list[str]) -> AsyncIterator[str]:
-        deltas, offset, last = TextDeltas(stop), 0, None
+    async def _events(self, req: CompletionRequest, group: SampleGroup, stop: list[str]) -> AsyncIterator[str]:
+        k = len(group.samples)
+        deltas, offsets, last = [TextDeltas(stop) for _ in range(k)], [0] * k, {}
         try:
-            async for out in stream.outputs():
-                last, c = out, out.outputs[0]
-                text, toks = deltas.text(c, out.finished), deltas.tokens(c)
+            async for i, out in group.outputs():
+                last[i], c = out, out.outputs[0]
+                text, toks = deltas[i].text(c, out.finished), deltas[i].tokens(c)
                 if not (text or out.finished or (req.logprobs is not None and toks)):
                     continue
                 lp = None
                 if req.logprobs is not None:
-                    lp, offset = _logprobs(c, toks, offset)
-                choice = {"index": 0, "text": text, "logprobs": lp,
+                    lp, offsets[i] = _logprobs(c, toks, offsets[i])
+                choice = {"index": i, "text": text, "logprobs": lp,
                           "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-                yield sse(self._body(stream.request_id, [choice]))
-            if req.include_usage and last is not None:
-                yield sse(self._body(stream.request_id, [], usage=usage(last)))
+                yield sse(self._body(group.request_id, [choice]))
+            if req.include_usage and len(last) == k:
+                yield sse(self._body(group.request_id, [], usage=usage(merge_samples(group.request_id,
+                                                                                     [last[i] for i in range(k)]))))
         except ENGINE_ERRORS as e:
             yield sse_error(e)
         finally:
-            stream.close()
+            group.close()
         yield SSE_DONE
 
 

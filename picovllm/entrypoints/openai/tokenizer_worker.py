@@ -25,13 +25,15 @@ class TokenizerWorker:
     async def _run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
-    async def encode(self, text: str) -> list[int]:
-        """As Engine.tokenize (and so LLM.generate) encodes a text prompt."""
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """As Engine.tokenize (and so LLM.generate) encodes a text prompt (add_special_tokens: /tokenize's)."""
         tok = self._need("a text prompt")
-        return await self._run(_encode, tok, text, True)
+        return await self._run(_encode, tok, text, add_special_tokens)
 
-    async def encode_chat(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
-        """As LLM.chat: render the chat template, then encode without adding special tokens again."""
+    async def encode_chat(self, messages: list[dict], add_generation_prompt: bool,
+                          add_special_tokens: bool = False) -> list[int]:
+        """As LLM.chat: render the chat template, then encode without adding special tokens again
+        (the template holds them; add_special_tokens: /tokenize's)."""
         tok = self._need("chat")
         if not getattr(tok, "chat_template", None):
             raise APIError(400, "this model's tokenizer has no chat template: use /v1/completions")
@@ -42,9 +44,18 @@ class TokenizerWorker:
                                                add_generation_prompt=add_generation_prompt)
             except Exception as e:  # jinja raises TemplateError (and others) on conversations it refuses
                 raise APIError(400, f"messages: the chat template rejected them: {e}", param="messages") from None
-            return _encode(tok, text, False)
+            return _encode(tok, text, add_special_tokens)
 
         return await self._run(render)
+
+    async def decode(self, ids: list[int]) -> str:
+        """As the engine's detokenizer with skip_special_tokens=False: every id shows."""
+        tok = self._need("detokenize")
+        return await self._run(lambda: tok.decode(ids, skip_special_tokens=False))
+
+    async def token_strs(self, ids: list[int]) -> list[str]:
+        tok = self._need("return_token_strs")
+        return await self._run(tok.convert_ids_to_tokens, ids)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,171 @@
+"""Logit bias and the presence, frequency and repetition penalties.
+
+Oracles: HF transformers' logits processors (SequenceBiasLogitsProcessor, RepetitionPenaltyLogitsProcessor)
+on the same logits, and a float64 hand-written presence/frequency penalty (HF has none) as OpenAI
+documents it: logit - frequency * count - presence * (count > 0), counting generated tokens only.
+End to end: greedy decoding with those processors on HF's model, token for token.
+"""
+import functools
+import random
+
+import pytest
+import torch
+from transformers import LogitsProcessor, LogitsProcessorList, RepetitionPenaltyLogitsProcessor, \
+    SequenceBiasLogitsProcessor
+
+from picovllm import LLM, SamplingParams
+from picovllm.engine.model_runner import SamplingRow
+from picovllm.layers.logits_processors import adjust_logits
+from test_parity_hf import make_prompts
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+class PresenceFrequencyFloat64(LogitsProcessor):
+    """OpenAI's penalties over the tokens generated after the first prompt_len, in float64."""
+
+    def __init__(self, prompt_len: int, presence: float, frequency: float) -> None:
+        self.prompt_len, self.presence, self.frequency = prompt_len, presence, frequency
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
+        out = scores.double().clone()
+        for b in range(out.shape[0]):
+            counts = torch.bincount(input_ids[b, self.prompt_len:], minlength=out.shape[-1]).double()
+            out[b] -= self.frequency * counts + self.presence * (counts > 0).double()
+        return out.to(scores.dtype)
+
+
+def reference_processors(prompt_len: int, sp: SamplingParams) -> LogitsProcessorList:
+    """In the engine's (vLLM's) order: bias, then repetition, then frequency and presence."""
+    procs = []
+    if sp.logit_bias:
+        procs.append(SequenceBiasLogitsProcessor([[[t], float(b)] for t, b in sp.logit_bias.items()]))
+    if sp.repetition_penalty != 1:
+        procs.append(RepetitionPenaltyLogitsProcessor(sp.repetition_penalty))
+    if sp.presence_penalty or sp.frequency_penalty:
+        procs.append(PresenceFrequencyFloat64(prompt_len, sp.presence_penalty, sp.frequency_penalty))
+    return LogitsProcessorList(procs)
+
+
+def row_for(sp: SamplingParams, prompt: list[int], output: list[int]) -> SamplingRow:
+    row = SamplingRow(0.0, 0, 1.0, 0.0, None, [], None, sp.presence_penalty, sp.frequency_penalty,
+                      sp.repetition_penalty, list(sp.logit_bias), list(sp.logit_bias.values()))
+    if sp.has_penalties:
+        row.output_token_ids, row.prompt_token_ids = list(output), list(prompt)
+    return row
+
+
+CASES = [
+    SamplingParams(),                                                          # untouched row in the batch
+    SamplingParams(repetition_penalty=1.3),
+    SamplingParams(repetition_penalty=0.7),                                    # < 1 rewards repeats
+    SamplingParams(frequency_penalty=0.8),
+    SamplingParams(presence_penalty=-1.5),
+    SamplingParams(presence_penalty=0.5, frequency_penalty=-0.3, repetition_penalty=1.2),
+    SamplingParams(logit_bias={3: 5.0, 7: -100, 40: 0.25}),
+    SamplingParams(logit_bias={"11": -2.0}, frequency_penalty=2.0, repetition_penalty=1.9),
+]
+
+
+def test_adjusted_logits_match_hf_processors_and_float64():
+    rng = random.Random(0)
+    vocab = 50
+    torch.manual_seed(0)
+    logits = torch.randn(len(CASES), vocab) * 3            # both signs: the repetition penalty treats them apart
+    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(1, 12))] for _ in CASES]
+    outputs = [[rng.randrange(vocab) for _ in range(rng.randint(0, 30))] for _ in CASES]   # repeats: counts > 1
+    rows = [row_for(sp, p, o) for sp, p, o in zip(CASES, prompts, outputs)]
+    got = adjust_logits(logits, rows)
+    assert got.dtype == torch.float32 and not torch.equal(logits, got)
+    for i, (sp, p, o) in enumerate(zip(CASES, prompts, outputs)):
+        ids = torch.tensor([p + o]) if p + o else torch.zeros(1, 0, dtype=torch.long)
+        want = reference_processors(len(p), sp)(ids, logits[i:i + 1].double())[0]
+        torch.testing.assert_close(got[i].double(), want, rtol=1e-6, atol=1e-5, msg=f"row {i}: {sp}")
+    assert torch.equal(got[0], logits[0])
+
+
+def test_no_adjustment_is_the_same_tensor_and_banned_tokens_stay_banned():
+    logits = torch.randn(2, 20)
+    plain = [SamplingRow(0.0, 0, 1.0, 0.0, None, [], None) for _ in range(2)]
+    assert adjust_logits(logits, plain) is logits
+    rows = [row_for(SamplingParams(repetition_penalty=1.5, logit_bias={4: 100}), [4], [4]), plain[1]]
+    rows[0].banned = [4, 5]                                  # min_tokens: EOS beats any bias or penalty
+    got = adjust_logits(logits, rows)
+    assert got[0, 4] == got[0, 5] == float("-inf") and torch.equal(got[1], logits[1])
+
+
+def test_pending_output_token_counts_from_the_step_in_flight():
+    """Overlapped scheduling: the last output token is only on the device (the previous step's tokens)."""
+    torch.manual_seed(1)
+    logits = torch.randn(2, 30)
+    sp = SamplingParams(frequency_penalty=1.0, presence_penalty=0.5, repetition_penalty=1.4)
+    known = [row_for(sp, [1, 2], [9, 9, 3, 17]), row_for(sp, [4], [5])]
+    pending = [row_for(sp, [1, 2], [9, 9, 3]), row_for(sp, [4], [5])]
+    pending[0].pending_src = 2                               # the in-flight step sampled 17 in its row 2
+    prev = torch.tensor([0, 0, 17, 0])
+    torch.testing.assert_close(adjust_logits(logits, pending, prev), adjust_logits(logits, known))
+    with pytest.raises(ValueError, match="pending"):
+        adjust_logits(logits, pending)
+
+
+# -- end to end: greedy decoding against HF's model with the reference processors ----------------------------------
+@functools.lru_cache(maxsize=2)
+def hf_model(path: str):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def hf_greedy_with(path: str, prompt: list[int], sp: SamplingParams, max_new: int) -> list[int]:
+    model = hf_model(path)
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        g = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
+                           logits_processor=reference_processors(len(prompt), sp), pad_token_id=0, eos_token_id=None)
+    return g[0, len(prompt):].tolist()
+
+
+E2E = [SamplingParams(repetition_penalty=1.5), SamplingParams(frequency_penalty=1.5),
+       SamplingParams(presence_penalty=2.0), SamplingParams(repetition_penalty=1.3, frequency_penalty=0.5,
+                                                            presence_penalty=0.5, logit_bias={33: 3.0}),
+       SamplingParams(logit_bias={200: 8.0, 301: -100})]
+
+
+@pytest.mark.parametrize("engine", [
+    dict(),                                                                 # CPU decode stack (graph-like path)
+    dict(async_scheduling=True, block_size=4, max_num_batched_tokens=7, num_kv_blocks=256),   # pending tokens
+    dict(enforce_eager=True, block_size=16, max_num_batched_tokens=64, num_kv_blocks=9),     # preemption
+])
+def test_greedy_with_penalties_matches_hf(tiny_models, engine):
+    path = tiny_models["llama"]
+    prompts = [make_prompts()[i] for i in (0, 1, 2, 4, 6)]   # prompts on which each penalty has an effect
+    max_new = 16
+    params = [SamplingParams(temperature=0, max_tokens=max_new, ignore_eos=True, **_penalty_kwargs(sp))
+              for sp in E2E]
+    want = [hf_greedy_with(path, p, sp, max_new) for p, sp in zip(prompts, params)]
+    plain = [hf_greedy_with(path, p, SamplingParams(), max_new) for p in prompts]
+    assert all(w != q for w, q in zip(want, plain)), "each penalty must change the greedy tokens"
+    llm = LLM(path, **{"num_kv_blocks": 64, **engine})
+    # each request in a batch with the others, unpenalized ones too: penalties are per row
+    outs = llm.generate(prompts + prompts, params + [SamplingParams(temperature=0, max_tokens=max_new,
+                                                                    ignore_eos=True)] * len(prompts), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want + plain
+
+
+def _penalty_kwargs(sp: SamplingParams) -> dict:
+    return dict(presence_penalty=sp.presence_penalty, frequency_penalty=sp.frequency_penalty,
+                repetition_penalty=sp.repetition_penalty, logit_bias=sp.logit_bias)
+
+
+def test_seeded_penalized_sampling_reproduces_in_any_batch(tiny_models):
+    """Sampling (not greedy) from penalized logits: a seeded request gets the same tokens alone and batched."""
+    path = tiny_models["llama"]
+    llm = LLM(path, num_kv_blocks=64)
+    sp = SamplingParams(temperature=0.8, top_k=20, seed=7, max_tokens=12, ignore_eos=True,
+                        frequency_penalty=2.0, repetition_penalty=1.5, logit_bias={5: 6.0})
+    prompts = make_prompts()
+    alone = llm.generate([prompts[2]], sp, use_tqdm=False)[0].outputs[0].token_ids
+    batched = llm.generate(prompts, sp, use_tqdm=False)[2].outputs[0].token_ids
+    unpenalized = llm.generate([prompts[2]], SamplingParams(temperature=0.8, top_k=20, seed=7, max_tokens=12,
+                                                            ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids
+    assert alone == batched, (alone, batched)
+    assert alone != unpenalized
