@@ -1,9 +1,11 @@
 """Prefill/decode disaggregation: a P engine computes prompts, a D engine decodes, KV moves between.
 
-Roles (EngineConfig.role): "pd" is the colocated Engine; "p" is PrefillEngine (prefill.py); "d" is
-DecodeEngine (decode.py). Both keep the Engine's shape: submit, step, close, is_done, abort.
-The KV transfer is its own layer (transfer/base.py holds the contract; one module per backend),
-under a handover protocol both engines speak over a control channel (messages.py, channel.py).
+Roles (EngineConfig.role): "pd" is the colocated Engine; "p" and "d" are the same Engine with a KV
+connector (the seam: picovllm/engine/kv_connector.py): PrefillConnector (prefill.py) and
+DecodeConnector (decode.py) speak the handover protocol over a control channel (messages.py,
+channel.py, link.py). The engine's surface for a session: connect, submit, step, close, is_done, abort.
+The KV transfer is its own layer under the connectors (transfer/base.py holds the contract; one
+module per backend).
 
     driver process (DisaggLLM / generate_disaggregated)
        | Submit, Abort, CloseSession            ^ Output (finals), SessionEnded
@@ -37,10 +39,11 @@ Different TP sizes (P TP=2 -> D TP=1, 1 -> 2, ...): each engine's rank 0 gathers
 heads into full heads before sending, or scatters each rank its heads after receiving
 (picovllm.engine.tp_kv; docs/tensor_parallel.md). torch_dist only; cuda_ipc needs TP=1 on both.
 """
+from picovllm.disagg.decode import DecodeConnector
 from picovllm.disagg.driver import DisaggLLM, DisaggSession, generate_disaggregated
-from picovllm.disagg.decode import DecodeEngine
-from picovllm.disagg.prefill import EngineClosedError, PrefillEngine
+from picovllm.disagg.prefill import PrefillConnector
 from picovllm.disagg.transfer import BACKENDS, TransferConfig
+from picovllm.engine.llm_engine import EngineClosedError
 
-__all__ = ["BACKENDS", "DecodeEngine", "DisaggLLM", "DisaggSession", "EngineClosedError", "PrefillEngine",
+__all__ = ["BACKENDS", "DecodeConnector", "DisaggLLM", "DisaggSession", "EngineClosedError", "PrefillConnector",
            "TransferConfig", "generate_disaggregated"]
