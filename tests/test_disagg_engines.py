@@ -36,9 +36,11 @@ def one_thread():
 
 class LocalPair:
     def __init__(self, path, backend="torch_dist", p_kw=None, d_kw=None, timeout_s=30.0, lease_s=30.0,
-                 p_async=True, tokenizer=None):
-        self.p = Engine(EngineConfig(path, role="p", **(p_kw or {})))
-        self.d = Engine(EngineConfig(path, role="d", **(d_kw or {})))
+                 p_async=True, tokenizer=None, overlap=False):
+        # overlap: both engines schedule step N+1 before they read step N's tokens (async_scheduling)
+        self.p = Engine(EngineConfig(path, role="p", async_scheduling=overlap, **(p_kw or {})))
+        self.d = Engine(EngineConfig(path, role="d", async_scheduling=overlap, **(d_kw or {})))
+        assert self.p.overlap == self.d.overlap == overlap
         for eng in (self.p, self.d):
             if tokenizer is not None:
                 eng.tokenizer, eng.detokenizer = tokenizer, Detokenizer(tokenizer)
@@ -102,15 +104,16 @@ def assert_same(outs, ref):
             assert a.cumulative_logprob == pytest.approx(b.cumulative_logprob, abs=1e-3)
 
 
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_parity_with_colocated_under_chunking_and_flow_control(tiny_models, arch, backend):
+def test_parity_with_colocated_under_chunking_and_flow_control(tiny_models, arch, backend, overlap):
     ps = prompts() * 2
     params = [mixed_params()[i % 4] for i in range(len(ps))]
     ref = LLM(tiny_models[arch], block_size=4, num_kv_blocks=256).generate(ps, params, use_tqdm=False)
     # P: chunks of 8 tokens; D: 30 blocks of 4 (120 tokens) for 16 requests of up to 102 tokens.
     pair = LocalPair(tiny_models[arch], backend, p_kw=dict(block_size=4, num_kv_blocks=256, max_num_batched_tokens=8),
-                     d_kw=dict(block_size=4, num_kv_blocks=30))
+                     d_kw=dict(block_size=4, num_kv_blocks=30), overlap=overlap)
     ids = [pair.p.submit(p, sp) for p, sp in zip(ps, params)]
     pair.p.close()
     waited = held = 0
@@ -126,8 +129,9 @@ def test_parity_with_colocated_under_chunking_and_flow_control(tiny_models, arch
     assert pair.d.stats["decode_tokens"] > 0 and pair.p.stats["decode_tokens"] == 0
 
 
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_text_and_stop_strings_match_colocated(tiny_models, backend):
+def test_text_and_stop_strings_match_colocated(tiny_models, backend, overlap):
     tok = CharTokenizer()
     ps = prompts(8, seed=3)
     llm = LLM(tiny_models["llama"], block_size=4, num_kv_blocks=128)
@@ -141,7 +145,7 @@ def test_text_and_stop_strings_match_colocated(tiny_models, backend):
     ref = llm.generate(ps, params, use_tqdm=False)
     assert sum(r.outputs[0].finish_reason == "stop" for r in ref) >= 6
     pair = LocalPair(tiny_models["llama"], backend, p_kw=dict(block_size=4, num_kv_blocks=128),
-                     d_kw=dict(block_size=4, num_kv_blocks=128), tokenizer=tok)
+                     d_kw=dict(block_size=4, num_kv_blocks=128), tokenizer=tok, overlap=overlap)
     ids = [pair.p.submit(p, sp) for p, sp in zip(ps, params)]
     pair.p.close()
     pair.run()
@@ -192,12 +196,13 @@ def step_until(pair, cond, which="pd", limit_s=30.0):
     raise AssertionError("condition never reached")
 
 
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_abort_in_every_phase_frees_both_sides(tiny_models, backend):
+def test_abort_in_every_phase_frees_both_sides(tiny_models, backend, overlap):
     sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     pair = LocalPair(tiny_models["llama"], backend, p_kw=dict(block_size=4, num_kv_blocks=64,
                                                              max_num_batched_tokens=8),
-                     d_kw=dict(block_size=4, num_kv_blocks=64))
+                     d_kw=dict(block_size=4, num_kv_blocks=64), overlap=overlap)
     p, d = pair.p, pair.d
     handovers = p.connector.handovers
     aborted = []
