@@ -86,15 +86,22 @@ def is_handed_off(out: RequestOutput) -> bool:
 class PDAsyncEngine(AsyncEngine):
     """AsyncEngine over a P or D engine: it keeps stepping to watch the peer link; on P it turns D's Ack
     into a last output for the request (is_handed_off); on D requests are listened to, not added."""
+    # The peer's messages cannot wake the loop thread (it waits on a command queue): it polls for them,
+    # often while a request waits on the peer (an Accept, an Ack, a transfer), now and then otherwise.
     poll_s = 0.005
+    busy_poll_s = 0.0005
 
     def __init__(self, engine: Engine, metrics=None) -> None:
         super().__init__(engine, metrics)
         self._last: dict[str, RequestOutput] = {}    # P: each request's latest output (loop thread only)
 
-    def _step(self) -> list:
+    def _poll_timeout(self, wait_s: float | None) -> float | None:
+        if wait_s == 0:
+            return 0
+        return self.busy_poll_s if self.engine.has_unfinished_requests() else self.poll_s
+
+    def _after_step(self, outputs: list) -> list:
         engine = self.engine
-        outputs = engine.step()
         if engine.config.role == "p":
             for out in outputs:
                 if out.finished:
@@ -107,8 +114,6 @@ class PDAsyncEngine(AsyncEngine):
                 last = self._last.pop(rid, None)
                 if last is not None:
                     outputs.append(dataclasses.replace(last, finished=True))
-        if engine.has_unfinished_requests() and not engine.scheduler.has_work():
-            time.sleep(0.0005)      # only waiting on the peer (an Accept, an Ack, a transfer): do not spin
         return outputs
 
     def _abort_into(self, request_id: str, outputs: list) -> None:

@@ -25,6 +25,7 @@ from picovllm.disagg.messages import (Abort, BuildEngine, CloseSession, Output, 
                                       Shutdown, StartSession, Submit, SubmitResult, WorkerHello, WorkerReady)
 from picovllm.disagg.transfer import TransferConfig
 from picovllm.engine.llm_engine import Engine
+from picovllm.engine.step_loop import StepLoop
 from picovllm.engine.tp_workers import exit_with_parent
 from picovllm.sampling_params import SamplingParams
 
@@ -111,17 +112,13 @@ class Worker:
             raise
         self._end(engine, start)
 
-    def _loop(self, engine, start: StartSession) -> None:
-        while True:
-            for cmd in self.driver.recv_all():
-                self._command(engine, cmd)
-            for out in engine.step():
+    def _loop(self, engine: Engine, start: StartSession) -> None:
+        def send(outputs: list) -> None:
+            for out in outputs:
                 if out.finished or start.stream:
                     self._send_output(out)
-            if engine.is_done():
-                return
-            if not engine.scheduler.has_work():
-                self._wait_for_input(engine)
+
+        StepLoop(engine, lambda wait_s: self._take_input(engine, wait_s)).run_until(engine.is_done, send)
 
     def _send_output(self, out) -> None:
         """Each request's outputs go as one OutputEncoder stream, closed by its final output."""
@@ -148,17 +145,21 @@ class Worker:
             self.shutting_down = True
             engine.close()
 
-    def _wait_for_input(self, engine) -> None:
-        """Nothing to compute: sleep until the driver or the peer says something (or a transfer may end)."""
-        busy = engine.connector.transfers_in_flight
-        link = engine.connector.link
-        fds = [self.driver.sock]
-        if link is not None and not link.closed:
-            fds.append(link.channel.sock)
-        try:
-            select.select(fds, [], [], 0.0005 if busy else 0.02)
-        except (OSError, ValueError):
-            pass
+    def _take_input(self, engine: Engine, wait_s: float | None) -> bool:
+        """The driver's commands; with nothing to compute, first sleep up to wait_s until the driver
+        or the peer says something."""
+        if wait_s != 0:
+            link = engine.connector.link
+            fds = [self.driver.sock]
+            if link is not None and not link.closed:
+                fds.append(link.channel.sock)
+            try:
+                select.select(fds, [], [], wait_s)
+            except (OSError, ValueError):
+                pass
+        for cmd in self.driver.recv_all():
+            self._command(engine, cmd)
+        return True
 
     def _end(self, engine, start: StartSession, error: str | None = None) -> None:
         self._wire.clear()

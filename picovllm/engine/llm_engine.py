@@ -173,6 +173,11 @@ class Engine:
         return self.scheduler.has_unfinished() or self._in_flight is not None and \
             not all(c.request.is_finished for c in self._in_flight[0].chunks)
 
+    def has_work(self) -> bool:
+        """Anything to compute or a step's tokens to read, as opposed to requests only held for the
+        connector (waiting on the peer): a loop may wait for input only when there is none."""
+        return self.scheduler.has_work() or self._in_flight is not None
+
     def shutdown(self) -> None:
         """Stop the runner's helper processes (tensor-parallel workers), if any; idempotent."""
         self.runner.shutdown()

@@ -8,6 +8,7 @@ from tqdm import tqdm
 
 from picovllm.config import EngineConfig
 from picovllm.engine.llm_engine import Engine
+from picovllm.engine.step_loop import StepLoop
 from picovllm.outputs import RequestOutput
 from picovllm.sampling_params import SamplingParams
 
@@ -66,18 +67,22 @@ class LLM:
         final: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
         t0, last = time.time(), dict(self.engine.stats)
-        try:
-            while len(final) < len(ids) and self.engine.has_unfinished_requests():
-                for out in self.engine.step(unfinished_outputs=False):
-                    if out.finished:
-                        final[out.request_id] = out
-                        bar.update(1)
-                if use_tqdm:
-                    dt = max(time.time() - t0, 1e-9)
-                    s = self.engine.stats
-                    bar.set_postfix_str(f"prefill {(s['prefill_tokens'] - last['prefill_tokens']) / dt:.0f} tok/s, "
-                                        f"decode {(s['decode_tokens'] - last['decode_tokens']) / dt:.0f} tok/s",
-                                        refresh=False)
+
+        def collect(outputs: list[RequestOutput]) -> None:
+            for out in outputs:
+                if out.finished:
+                    final[out.request_id] = out
+                    bar.update(1)
+            if use_tqdm:
+                dt = max(time.time() - t0, 1e-9)
+                s = self.engine.stats
+                bar.set_postfix_str(f"prefill {(s['prefill_tokens'] - last['prefill_tokens']) / dt:.0f} tok/s, "
+                                    f"decode {(s['decode_tokens'] - last['decode_tokens']) / dt:.0f} tok/s",
+                                    refresh=False)
+
+        try:        # no input comes while it runs: the loop never waits
+            StepLoop(self.engine, unfinished_outputs=False).run_until(
+                lambda: len(final) == len(ids) or not self.engine.has_unfinished_requests(), collect)
         except BaseException:
             for rid in ids:
                 if rid not in final:
