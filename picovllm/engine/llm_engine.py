@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -33,6 +34,10 @@ from picovllm.engine.scheduler import Scheduler, SchedulerOutput
 from picovllm.loader import open_model_source
 from picovllm.outputs import CompletionOutput, RequestOutput
 from picovllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from picovllm.disagg.channel import Channel
+    from picovllm.disagg.transfer import TransferConfig
 
 
 class EngineClosedError(RuntimeError):
@@ -183,12 +188,13 @@ class Engine:
         self.runner.shutdown()
 
     # -- a session (roles p and d): connect, close, is_done ------------------------------------
-    def connect(self, channel, transfer, session: int = 0) -> None:
-        """Link a P or D engine to its peer on `channel` (a picovllm.disagg Channel, with a
-        TransferConfig); blocks up to transfer.connect_timeout_s. Starts a session: an engine whose
-        last session is done may connect again (same weights and cache, a new link)."""
-        if self.connector is None:
-            raise RuntimeError("a colocated engine (role 'pd') has no peer to connect to")
+    def connect(self, channel: Channel, transfer: TransferConfig, session: int = 0) -> None:
+        """Link a P or D engine to its peer on `channel`; blocks up to transfer.connect_timeout_s.
+        Starts a session: an engine whose last session is done may connect again (same weights and
+        cache, a new link)."""
+        from picovllm.disagg.peer_connector import PeerConnector   # roles p and d only
+        if not isinstance(self.connector, PeerConnector):
+            raise RuntimeError(f"a {self.config.role!r} engine without a peer connector has no peer to connect to")
         if self.connector.link is not None and not self.is_done():
             raise RuntimeError(f"the {self.config.role} engine's session is still running")
         self.connector.connect(channel, transfer, session, self.runner)
