@@ -38,13 +38,15 @@ class ConnectorReport:
 
 
 class KVConnector(ABC):
-    """One engine's end of a KV hand-over. Every method is called on the engine's step thread.
+    """One engine's end of a KV hand-over. Every method is called on the thread that steps the engine.
 
-    Scheduler half (num_external_tokens, hold_after_prefill, request_finished, answers_for): asked
-    by the Scheduler (answers_for and request_finished also by the Engine) while it decides; they
-    keep the connector's own books and may send a control message to the peer, but never wait on
-    the peer and never touch the KV cache. Worker half (start_send, start_recv, poll): called by
-    the engine's step; they move blocks, asynchronously, and report what completed.
+    Scheduler half (num_external_tokens, hold_after_prefill, request_finished): asked by the
+    Scheduler while it decides (answers_for by Engine.abort; request_finished by the Engine too,
+    for an offer it refuses); they keep the connector's own books and may send a control message
+    to the peer, but never wait on the peer and never touch the KV cache. Worker half (start_send,
+    start_recv, poll): called by the engine's step; they move blocks, asynchronously, and report
+    what completed. A connector that only sends (P) or only receives (D) leaves the other's
+    hooks at their defaults.
     """
 
     # -- scheduler half --------------------------------------------------------------------------
@@ -60,10 +62,11 @@ class KVConnector(ABC):
         return 0
 
     def hold_after_prefill(self, req: Request) -> bool:
-        """Asked when req's last prompt chunk has been launched (its first token is being sampled).
+        """Asked when req's last prompt chunk (or, after a preemption, its recomputation) has been
+        launched: its first token is being sampled, still on the device under overlapped scheduling.
 
-        True: req is not decoded here; the scheduler moves it out of the batch, blocks kept, to
-        its held requests, and the engine calls start_send(req) once that token is known.
+        True: req is not decoded here; the scheduler moves it out of the batch at once, blocks kept,
+        to its held requests, and the engine calls start_send(req) once that token is appended.
         """
         return False
 
@@ -99,7 +102,11 @@ class KVConnector(ABC):
     def poll(self, idle: bool) -> ConnectorReport:
         """Once at the start of every engine step: the peer's messages, finished transfers and
         timeouts since the last poll. Returns at once. idle: the engine holds no request (none
-        waiting, running, held or in flight), which is when a closing engine ends its stream."""
+        waiting, running, held or in flight), which is when a closing engine ends its stream.
+
+        A request is reported released or failed at most once, after which the connector forgets
+        it; the engine applies `aborted` last, so it may name a request another list just settled.
+        """
 
     def forward_abort(self, request_id: str) -> None:
         """Engine.abort of an id this engine does not hold: the peer may hold it (P: handed off)."""
