@@ -145,12 +145,11 @@ class EngineConfig:
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise bad("tensor_parallel_size", "must be an int >= 1")
         if self.async_scheduling is None:
-            self.async_scheduling = str(self.device).startswith("cuda") and self.tensor_parallel_size == 1 \
-                and self.role == "pd"
+            self.async_scheduling = str(self.device).startswith("cuda") and self.tensor_parallel_size == 1
         if not isinstance(self.async_scheduling, bool):
             raise bad("async_scheduling", "must be a bool or None")
-        if self.async_scheduling and (self.tensor_parallel_size > 1 or self.role != "pd"):
-            raise bad("async_scheduling", "needs tensor_parallel_size 1 and role 'pd' (the others step in lockstep)")
+        if self.async_scheduling and self.tensor_parallel_size > 1:
+            raise bad("async_scheduling", "needs tensor_parallel_size 1 (TP ranks step in lockstep)")
         if self.role not in ("pd", "p", "d"):
             raise bad("role", "must be 'pd', 'p' or 'd'")
 

@@ -16,10 +16,11 @@ import pytest
 import torch
 
 from picovllm import LLM, EngineConfig, SamplingParams
-from picovllm.disagg import DecodeEngine, EngineClosedError, PrefillEngine, TransferConfig
+from picovllm.disagg import EngineClosedError, TransferConfig
 from picovllm.disagg.channel import Channel
 from picovllm.disagg.prefill import HandoverState
 from picovllm.engine.detokenizer import Detokenizer
+from picovllm.engine.llm_engine import Engine
 
 BACKENDS = ["torch_dist", "cuda_ipc"]     # cuda_ipc on CPU: the same pull path over shared memory
 
@@ -35,9 +36,11 @@ def one_thread():
 
 class LocalPair:
     def __init__(self, path, backend="torch_dist", p_kw=None, d_kw=None, timeout_s=30.0, lease_s=30.0,
-                 p_async=True, tokenizer=None):
-        self.p = PrefillEngine(EngineConfig(path, role="p", **(p_kw or {})))
-        self.d = DecodeEngine(EngineConfig(path, role="d", **(d_kw or {})))
+                 p_async=True, tokenizer=None, overlap=False):
+        # overlap: both engines schedule step N+1 before they read step N's tokens (async_scheduling)
+        self.p = Engine(EngineConfig(path, role="p", async_scheduling=overlap, **(p_kw or {})))
+        self.d = Engine(EngineConfig(path, role="d", async_scheduling=overlap, **(d_kw or {})))
+        assert self.p.overlap == self.d.overlap == overlap
         for eng in (self.p, self.d):
             if tokenizer is not None:
                 eng.tokenizer, eng.detokenizer = tokenizer, Detokenizer(tokenizer)
@@ -101,23 +104,24 @@ def assert_same(outs, ref):
             assert a.cumulative_logprob == pytest.approx(b.cumulative_logprob, abs=1e-3)
 
 
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_parity_with_colocated_under_chunking_and_flow_control(tiny_models, arch, backend):
+def test_parity_with_colocated_under_chunking_and_flow_control(tiny_models, arch, backend, overlap):
     ps = prompts() * 2
     params = [mixed_params()[i % 4] for i in range(len(ps))]
     ref = LLM(tiny_models[arch], block_size=4, num_kv_blocks=256).generate(ps, params, use_tqdm=False)
     # P: chunks of 8 tokens; D: 30 blocks of 4 (120 tokens) for 16 requests of up to 102 tokens.
     pair = LocalPair(tiny_models[arch], backend, p_kw=dict(block_size=4, num_kv_blocks=256, max_num_batched_tokens=8),
-                     d_kw=dict(block_size=4, num_kv_blocks=30))
+                     d_kw=dict(block_size=4, num_kv_blocks=30), overlap=overlap)
     ids = [pair.p.submit(p, sp) for p, sp in zip(ps, params)]
     pair.p.close()
     waited = held = 0
     t0 = time.monotonic()
     while not (pair.p.is_done() and pair.d.is_done()):
         pair.step()
-        waited += bool(pair.d.offers)                     # offers D had no room for yet...
-        held = max(held, sum(h.state == HandoverState.OFFERED for h in pair.p.handovers.values()))
+        waited += bool(pair.d.connector.offers)           # offers D had no room for yet...
+        held = max(held, sum(h.state == HandoverState.OFFERED for h in pair.p.connector.handovers.values()))
         assert time.monotonic() - t0 < 60
     assert waited and held >= 2, "the decode cache was meant to be too small to take every request at once"
     assert_same([pair.final[i] for i in ids], ref)
@@ -125,8 +129,9 @@ def test_parity_with_colocated_under_chunking_and_flow_control(tiny_models, arch
     assert pair.d.stats["decode_tokens"] > 0 and pair.p.stats["decode_tokens"] == 0
 
 
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_text_and_stop_strings_match_colocated(tiny_models, backend):
+def test_text_and_stop_strings_match_colocated(tiny_models, backend, overlap):
     tok = CharTokenizer()
     ps = prompts(8, seed=3)
     llm = LLM(tiny_models["llama"], block_size=4, num_kv_blocks=128)
@@ -140,7 +145,7 @@ def test_text_and_stop_strings_match_colocated(tiny_models, backend):
     ref = llm.generate(ps, params, use_tqdm=False)
     assert sum(r.outputs[0].finish_reason == "stop" for r in ref) >= 6
     pair = LocalPair(tiny_models["llama"], backend, p_kw=dict(block_size=4, num_kv_blocks=128),
-                     d_kw=dict(block_size=4, num_kv_blocks=128), tokenizer=tok)
+                     d_kw=dict(block_size=4, num_kv_blocks=128), tokenizer=tok, overlap=overlap)
     ids = [pair.p.submit(p, sp) for p, sp in zip(ps, params)]
     pair.p.close()
     pair.run()
@@ -194,7 +199,7 @@ def test_close_refuses_submit_drains_then_ends_the_stream(tiny_models):
     assert not pair.p.is_done() and not pair.d.is_done()     # closed is not done: it still has work
     pair.run()
     assert pair.final[rid].outputs[0].finish_reason == "length" and len(pair.final[rid].outputs[0].token_ids) == 5
-    assert pair.p.link.closed and pair.d.link.closed
+    assert pair.p.connector.link.closed and pair.d.connector.link.closed
 
 
 def test_close_with_nothing_submitted_finishes_at_once(tiny_models):
@@ -215,13 +220,15 @@ def step_until(pair, cond, which="pd", limit_s=30.0):
     raise AssertionError("condition never reached")
 
 
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_abort_in_every_phase_frees_both_sides(tiny_models, backend):
+def test_abort_in_every_phase_frees_both_sides(tiny_models, backend, overlap):
     sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     pair = LocalPair(tiny_models["llama"], backend, p_kw=dict(block_size=4, num_kv_blocks=64,
                                                              max_num_batched_tokens=8),
-                     d_kw=dict(block_size=4, num_kv_blocks=64))
+                     d_kw=dict(block_size=4, num_kv_blocks=64), overlap=overlap)
     p, d = pair.p, pair.d
+    handovers = p.connector.handovers
     aborted = []
 
     def abort(rid):
@@ -238,15 +245,15 @@ def test_abort_in_every_phase_frees_both_sides(tiny_models, backend):
     assert p.requests[prefilling].num_computed_tokens == 8
     abort(prefilling)
     offered = p.submit(prompts(1, lens=(6,))[0], sp)                   # 3. offered, D has not looked yet
-    step_until(pair, lambda: offered in p.handovers, "p")
+    step_until(pair, lambda: offered in handovers, "p")
     abort(offered)
     receiving = p.submit(prompts(1, lens=(6,), seed=1)[0], sp)          # 4. D accepted, KV on its way
-    step_until(pair, lambda: receiving in p.handovers, "p")
+    step_until(pair, lambda: receiving in handovers, "p")
     pair.step("d")                                                      # D: Offer in, blocks allocated, Accept out
-    assert receiving in d.receiving or receiving in d.requests
+    assert receiving in d.connector.receiving or receiving in {r.request_id for r in d.scheduler.running}
     abort(receiving)
     decoding = p.submit(prompts(1, lens=(6,), seed=2)[0], sp)           # 5. acked: decoding on D
-    step_until(pair, lambda: decoding in d.requests and decoding not in p.handovers)
+    step_until(pair, lambda: decoding in d.requests and decoding not in handovers)
     abort(decoding)
     keep = p.submit(prompts(1, lens=(7,), seed=3)[0], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     p.close()
@@ -265,8 +272,9 @@ def test_cut_link_fails_in_flight_requests_and_both_sides_carry_on(tiny_models, 
                      d_kw=dict(block_size=4, num_kv_blocks=28))
     p, d = pair.p, pair.d
     ids = [p.submit(x, sp) for x in prompts()]
-    step_until(pair, lambda: d.requests and (d.offers or d.receiving) and p.handovers)
-    running_on_d = set(d.requests)
+    step_until(pair, lambda: d.scheduler.running and (d.connector.offers or d.connector.receiving)
+               and p.connector.handovers)
+    running_on_d = {r.request_id for r in d.scheduler.running}
     pair.p_sock.shutdown(socket.SHUT_RDWR)              # the link dies under both engines
     late = p.submit(prompts(1, lens=(5,), seed=9)[0], sp)
     p.close()
@@ -287,10 +295,10 @@ def test_silent_decode_engine_loses_its_lease(tiny_models):
     pair = LocalPair(tiny_models["llama"], p_kw=dict(block_size=4, num_kv_blocks=64),
                      d_kw=dict(block_size=4, num_kv_blocks=64), lease_s=0.4)
     p, d = pair.p, pair.d
-    pair.d.link.channel._stop.set()                   # D's heartbeats stop, and D is not stepped: it hangs
+    pair.d.connector.link.channel._stop.set()                   # D's heartbeats stop, and D is not stepped: it hangs
     ids = [p.submit(x, sp) for x in prompts(3)]
     t0 = time.monotonic()
-    step_until(pair, lambda: not p.link.alive, "p")
+    step_until(pair, lambda: not p.connector.link.alive, "p")
     assert 0.35 < time.monotonic() - t0 < 5
     assert all(pair.final[r].outputs[0].finish_reason == "error" and "silent" in pair.final[r].error for r in ids)
     assert p.block_manager.num_free_blocks == p.block_manager.num_blocks     # freed at once, P stays up
@@ -304,8 +312,9 @@ def test_transfer_that_never_completes_times_out_and_frees(tiny_models):
     ref = LLM(tiny_models["llama"], block_size=4, num_kv_blocks=64).generate(ps, sp, use_tqdm=False)
     pair = LocalPair(tiny_models["llama"], "torch_dist", p_kw=dict(block_size=4, num_kv_blocks=64),
                      d_kw=dict(block_size=4, num_kv_blocks=64), timeout_s=0.5)
-    real, calls = pair.p.link.transfer.start_send, []
-    pair.p.link.transfer.start_send = lambda spec: calls.append(spec) if not calls else real(spec)  # lose the first
+    transfer = pair.p.connector.link.transfer
+    real, calls = transfer.start_send, []
+    transfer.start_send = lambda spec: calls.append(spec) if not calls else real(spec)  # lose the first
     ids = [pair.p.submit(x, sp) for x in ps]
     pair.p.close()
     pair.run()

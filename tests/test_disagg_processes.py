@@ -117,8 +117,9 @@ def test_parity_qwen3(tiny_models, async_transfer, request):
 
 @pytest.fixture(scope="module")
 def qwen3_pd(tiny_models):
-    llm = DisaggLLM(tiny_models["qwen3"], block_size=8, num_kv_blocks=256, prefill={"max_num_batched_tokens": 16},
-                    decode={"num_kv_blocks": 16})
+    # Overlapped scheduling in both engine processes (llama_pd steps without it)
+    llm = DisaggLLM(tiny_models["qwen3"], block_size=8, num_kv_blocks=256, async_scheduling=True,
+                    prefill={"max_num_batched_tokens": 16}, decode={"num_kv_blocks": 16})
     yield llm
     shut_down_quickly(llm)
 

@@ -22,8 +22,8 @@ def test_config_validation():
     assert EngineConfig(device="cpu").async_scheduling is False          # auto: on for one GPU only
     with pytest.raises(ValueError, match="async_scheduling"):
         EngineConfig(device="cpu", async_scheduling=True, tensor_parallel_size=2)
-    with pytest.raises(ValueError, match="async_scheduling"):
-        EngineConfig(device="cpu", async_scheduling=True, role="p")
+    assert EngineConfig(device="cpu", async_scheduling=True, role="p").async_scheduling    # P and D overlap too
+    assert EngineConfig(device="cpu", async_scheduling=True, role="d").async_scheduling
     with pytest.raises(ValueError, match="async_scheduling"):
         EngineConfig(device="cpu", async_scheduling="yes")
 

@@ -1,9 +1,11 @@
 """Prefill/decode disaggregation: a P engine computes prompts, a D engine decodes, KV moves between.
 
-Roles (EngineConfig.role): "pd" is the colocated Engine; "p" is PrefillEngine (prefill.py); "d" is
-DecodeEngine (decode.py). Both keep the Engine's shape: submit, step, close, is_done, abort.
-The KV transfer is its own layer (transfer/base.py holds the contract; one module per backend),
-under a handover protocol both engines speak over a control channel (messages.py, channel.py).
+Roles (EngineConfig.role): "pd" is the colocated Engine; "p" and "d" are the same Engine with a KV
+connector (the seam: picovllm/engine/kv_connector.py): PrefillConnector (prefill.py) and
+DecodeConnector (decode.py) speak the handover protocol over a control channel (messages.py,
+channel.py, link.py). The engine's surface for a session: connect, submit, step, close, is_done, abort.
+The KV transfer is its own layer under the connectors (transfer/base.py holds the contract; one
+module per backend).
 
     driver process (DisaggLLM / generate_disaggregated)
        | Submit, Abort, CloseSession            ^ Output (finals), SessionEnded
@@ -43,8 +45,8 @@ import importlib
 # `picovllm --help` (whose parser takes the PD flags from disagg/cli.py) does not load torch.
 _EXPORTS = {
     "DisaggLLM": "picovllm.disagg.driver", "DisaggSession": "picovllm.disagg.driver",
-    "generate_disaggregated": "picovllm.disagg.driver", "DecodeEngine": "picovllm.disagg.decode",
-    "EngineClosedError": "picovllm.disagg.prefill", "PrefillEngine": "picovllm.disagg.prefill",
+    "generate_disaggregated": "picovllm.disagg.driver", "DecodeConnector": "picovllm.disagg.decode",
+    "PrefillConnector": "picovllm.disagg.prefill", "EngineClosedError": "picovllm.engine.llm_engine",
     "BACKENDS": "picovllm.disagg.transfer", "TransferConfig": "picovllm.disagg.transfer",
 }
 

@@ -1,10 +1,12 @@
-"""Role "p": an Engine that computes prompts and first tokens, then hands each request to a D engine.
+"""Role "p": the Engine with a PrefillConnector computes prompts and first tokens, then hands each
+request to a D engine.
 
 A request here goes WAITING -> PREFILL -> (first token sampled) -> handing over -> gone to D.
-Handing over: it leaves the running batch (no decode here) but keeps its blocks; P offers it to
-D; D accepts when it has room and the KV moves; D's Ack frees P's blocks. Until then P's cache is
-the buffer, and P keeps prefilling while blocks remain. Whoever holds a request emits its final
-output: P until D's Ack (finished at the first token, aborted, refused by D, failed), D after.
+Handing over: the scheduler holds it out of the batch (no decode here), blocks kept
+(hold_after_prefill); once its first token is known, start_send offers it to D; D accepts when it
+has room and the KV moves; D's Ack releases P's blocks. Until then P's cache is the buffer, and P
+keeps prefilling while blocks remain. Whoever holds a request emits its final output: P until D's
+Ack (finished at the first token, aborted, refused by D, failed), D after.
 """
 from __future__ import annotations
 
@@ -13,22 +15,15 @@ import enum
 import time
 from dataclasses import dataclass
 
-from picovllm.config import EngineConfig
-from picovllm.disagg.channel import Channel
-from picovllm.disagg.link import PeerLink, cache_layout, full_head_io
-from picovllm.disagg.messages import (Accept, Ack, Bye, Cancel, EndOfStream, HandoverRequest, Offer, Release,
-                                      logprobs_to_wire)
-from picovllm.disagg.transfer import TransferConfig, TransferSpec
-from picovllm.engine.llm_engine import Engine
-from picovllm.engine.model_runner import ModelRunner
-from picovllm.engine.request import FinishReason, Request, RequestStatus
-from picovllm.engine.scheduler import SchedulerOutput
-from picovllm.outputs import RequestOutput
-from picovllm.sampling_params import SamplingParams
+from picovllm.disagg.messages import Accept, Ack, Bye, Cancel, EndOfStream, HandoverRequest, Offer, Release, \
+    logprobs_to_wire
+from picovllm.disagg.peer_connector import PeerConnector
+from picovllm.disagg.transfer import TransferSpec
+from picovllm.engine.kv_connector import ConnectorReport
+from picovllm.engine.llm_engine import EngineClosedError
+from picovllm.engine.request import Request
 
-
-class EngineClosedError(RuntimeError):
-    """submit() after close(): the engine takes no more requests."""
+__all__ = ["EngineClosedError", "Handover", "HandoverState", "PrefillConnector"]
 
 
 class HandoverState(enum.Enum):
@@ -44,86 +39,41 @@ class Handover:
     cancelled: bool = False      # aborted here: the final output went out; waiting for D to let go
 
 
-class PrefillEngine(Engine):
-    def __init__(self, config: EngineConfig, runner: ModelRunner | None = None) -> None:
-        if config.role != "p":
-            raise ValueError(f"EngineConfig.role must be 'p' for a PrefillEngine, got {config.role!r}")
-        super().__init__(config, runner)
+class PrefillConnector(PeerConnector):
+    role = "p"
+
+    def __init__(self) -> None:
+        super().__init__()
         self.handovers: dict[str, Handover] = {}
         self.handed_off: set[str] = set()     # acked by D: aborts for these are forwarded to it
-        self.link: PeerLink | None = None
         self.closed = False
         self.eos_sent = False
         self.eos_time = 0.0
         self.peer_said_bye = False
 
-    def connect(self, channel: Channel, transfer: TransferConfig, session: int = 0) -> None:
-        """Handshake with the D engine on `channel` (blocks up to transfer.connect_timeout_s).
-
-        Starts a session: an engine whose last session is done may connect again (same weights
-        and cache, a new link), which is how a worker process serves many sessions.
-        """
-        if self.link is not None and not self.is_done():
-            raise RuntimeError("the prefill engine's session is still running")
-        link = PeerLink.open("p", channel, self.runner.kv_cache, cache_layout(self.runner), transfer, session,
-                             full_head_io(self.runner))
+    def new_session(self) -> None:
         self.closed = self.eos_sent = self.peer_said_bye = False
         self.handed_off.clear()
-        self.link = link
 
-    # -- the design's surface: submit, step, close, is_done -----------------------------------
-    def submit(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None,
-               arrival_time: float | None = None) -> str:
-        if self.closed:
-            raise EngineClosedError("the prefill engine is closed (no more requests): submit refused")
-        return self.add_request(prompt, params, request_id, arrival_time)
+    # -- scheduler half --------------------------------------------------------------------------
+    def hold_after_prefill(self, req: Request) -> bool:
+        return True          # P never decodes: every request goes to D after its first token
 
-    def close(self) -> None:
-        """No more requests: refuse submit(), finish and hand over what is here, then tell D (EndOfStream)."""
-        self.closed = True
-
-    def is_done(self) -> bool:
-        return self.eos_sent and (self.link is None or self.link.closed)
-
-    def step(self, unfinished_outputs: bool = True) -> list[RequestOutput]:
-        assert self.link is not None, "connect() the prefill engine to a decode engine first"
-        outputs = self._handle_peer()
-        outputs += self._poll_transfers()
-        outputs += super().step(unfinished_outputs)
-        outputs += self._check_timeouts()
-        self._end_stream_when_drained()
-        self.scheduler.num_held_outside = len(self.handovers)
-        return outputs
-
-    def abort(self, request_id: str) -> RequestOutput | None:
-        h = self.handovers.get(request_id)
-        if h is not None:
-            if h.cancelled:
-                return None
+    def request_finished(self, req: Request) -> bool:
+        """Aborted while handing over: tell D to drop it; our blocks wait for D's Ack or Release."""
+        h = self.handovers.get(req.request_id)
+        if h is None:
+            return False
+        if not h.cancelled:
             h.cancelled = True
-            self.link.send(Cancel(request_id, "aborted"))
-            h.req.finish(FinishReason.ABORT)
-            return self.make_output(h.req)
-        if request_id in self.handed_off:
-            self.link.send(Cancel(request_id, "aborted"))   # D holds it now and answers with the output
-            return None
-        return super().abort(request_id)
+            self.link.send(Cancel(req.request_id, "aborted"))
+        return True
 
-    def has_unfinished_requests(self) -> bool:
-        return super().has_unfinished_requests() or bool(self.handovers)
-
-    # -- handing over --------------------------------------------------------------------------
-    def postprocess(self, sched: SchedulerOutput, result, unfinished_outputs: bool = True) -> list[RequestOutput]:
-        outputs = super().postprocess(sched, result, unfinished_outputs)
-        for req in [r for r in self.scheduler.running if r.status == RequestStatus.DECODING]:
-            self._hand_over(req)
-        return outputs
-
-    def _hand_over(self, req: Request) -> None:
-        self.scheduler.running.remove(req)          # out of the batch, blocks kept
+    # -- worker half -----------------------------------------------------------------------------
+    def start_send(self, req: Request) -> None:
+        """Offer the request to D; the KV moves once D accepts (flow control: D may be full)."""
         self.handovers[req.request_id] = Handover(req, since=time.monotonic())
-        self.scheduler.num_held_outside = len(self.handovers)
-        n_blocks = -(-req.num_computed_tokens // self.block_manager.block_size)
+        n_blocks = -(-req.num_computed_tokens // self.block_size)
         m = req.metrics
         self.link.send(Offer(HandoverRequest(
             request_id=req.request_id, prompt=req.prompt, prompt_token_ids=list(req.prompt_token_ids),
@@ -134,89 +84,104 @@ class PrefillEngine(Engine):
             arrival_time=m.arrival_time, first_scheduled_time=m.first_scheduled_time,
             first_token_time=m.first_token_time, token_times=list(m.token_times))))
 
-    def _handle_peer(self) -> list[RequestOutput]:
-        outputs = []
+    def poll(self, idle: bool) -> ConnectorReport:
+        rep = self.take_report()
+        self._handle_peer(rep)
+        self._poll_transfers(rep)
+        self._check_timeouts(rep)
+        self._end_stream_when_drained(idle)
+        return rep
+
+    def forward_abort(self, request_id: str) -> None:
+        if request_id in self.handed_off:
+            self.link.send(Cancel(request_id, "aborted"))   # D holds it now and answers with the output
+
+    @property
+    def transfers_in_flight(self) -> bool:
+        return any(h.state == HandoverState.SENDING for h in self.handovers.values())
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def close(self) -> None:
+        """No more requests: hand over what is here, then tell D (EndOfStream)."""
+        self.closed = True
+
+    def is_done(self, idle: bool) -> bool:
+        return self.eos_sent and (self.link is None or self.link.closed)
+
+    # -- the protocol ----------------------------------------------------------------------------
+    def _handle_peer(self, rep: ConnectorReport) -> None:
         for msg in self.link.receive():
             if isinstance(msg, Accept):
-                outputs += self._on_accept(msg)
+                self._on_accept(msg, rep)
             elif isinstance(msg, Ack):
-                h = self._release(msg.request_id)
-                if h is not None and not h.cancelled:
-                    self.handed_off.add(msg.request_id)
+                h = self.handovers.pop(msg.request_id, None)
+                if h is not None:
+                    if not h.cancelled:
+                        self.handed_off.add(msg.request_id)
+                    rep.released.append(msg.request_id)
             elif isinstance(msg, Release):
-                h = self._release(msg.request_id)
-                if h is not None and not h.cancelled:
-                    outputs.append(self._fail(h.req, f"the decode engine gave it back: {msg.reason}"))
+                h = self.handovers.pop(msg.request_id, None)
+                if h is not None:
+                    self._drop(h, rep, f"the decode engine gave it back: {msg.reason}")
             elif isinstance(msg, Bye):
                 self.peer_said_bye = True
                 if not self.eos_sent and self.link.gone is None:
                     self.link.gone = "the decode engine closed the link"
         if self.link.gone is not None:
-            outputs += self._lose_peer(f"decode engine lost: {self.link.gone}")
-        return outputs
+            self._lose_peer(f"decode engine lost: {self.link.gone}", rep)
 
-    def _on_accept(self, msg: Accept) -> list[RequestOutput]:
+    def _on_accept(self, msg: Accept, rep: ConnectorReport) -> None:
         h = self.handovers.get(msg.request_id)
         if h is None or h.state != HandoverState.OFFERED:
-            return []        # cannot happen: an entry lives until D's Ack or Release
+            return           # cannot happen: an entry lives until D's Ack or Release
         n = len(msg.dst_block_ids)
         spec = TransferSpec(msg.request_id, msg.tag, list(h.req.block_table[:n]), list(msg.dst_block_ids))
         h.state, h.since = HandoverState.SENDING, time.monotonic()
         try:
             self.link.transfer.start_send(spec)
         except (RuntimeError, ValueError) as e:
-            return self._give_up(h, f"could not start the KV transfer: {e}")
+            self._give_up(h, f"could not start the KV transfer: {e}", rep)
+            return
         if not self.link.config.async_transfer:
-            return self._poll_transfers(wait_for=msg.request_id)
-        return []
+            self._poll_transfers(rep, wait_for=msg.request_id)
 
-    def _poll_transfers(self, wait_for: str | None = None) -> list[RequestOutput]:
+    def _poll_transfers(self, rep: ConnectorReport, wait_for: str | None = None) -> None:
         if not self.link.alive:
-            return []
-        outputs = []
+            return
         for done in self.link.transfer.poll(wait_for):
             h = self.handovers.get(done.request_id)
             if done.error is not None and h is not None:
-                outputs += self._give_up(h, done.error)
-        return outputs
+                self._give_up(h, done.error, rep)
 
-    def _check_timeouts(self) -> list[RequestOutput]:
-        limit, now, outputs = self.link.config.timeout_s, time.monotonic(), []
+    def _check_timeouts(self, rep: ConnectorReport) -> None:
+        limit, now = self.link.config.timeout_s, time.monotonic()
         for h in list(self.handovers.values()):
             if h.state == HandoverState.SENDING and now - h.since > limit:
-                outputs += self._give_up(h, f"KV transfer not acknowledged by the decode engine within {limit:g} s")
-        return outputs
+                self._give_up(h, f"KV transfer not acknowledged by the decode engine within {limit:g} s", rep)
 
-    def _give_up(self, h: Handover, error: str) -> list[RequestOutput]:
-        """A transfer failed or timed out: fail the request, free its blocks, tell D to drop it."""
-        self._release(h.req.request_id)
+    def _give_up(self, h: Handover, error: str, rep: ConnectorReport) -> None:
+        """A transfer failed or timed out: the request fails, its blocks are freed, D drops it."""
+        del self.handovers[h.req.request_id]
         self.link.send(Cancel(h.req.request_id, error))
-        return [] if h.cancelled else [self._fail(h.req, error)]
+        self._drop(h, rep, error)
 
-    def _lose_peer(self, why: str) -> list[RequestOutput]:
+    def _lose_peer(self, why: str, rep: ConnectorReport) -> None:
         """D died or went silent: fail what it was to take, free the blocks; later handovers fail at once."""
-        outputs = []
-        for h in list(self.handovers.values()):
-            self._release(h.req.request_id)
-            if not h.cancelled:
-                outputs.append(self._fail(h.req, why))
+        for h in self.handovers.values():
+            self._drop(h, rep, why)
+        self.handovers.clear()
         self.link.close()
-        return outputs
 
-    def _release(self, request_id: str) -> Handover | None:
-        h = self.handovers.pop(request_id, None)
-        if h is not None:
-            self.block_manager.free(h.req)
-            self.requests.pop(request_id, None)
-            self.scheduler.num_held_outside = len(self.handovers)
-        return h
+    @staticmethod
+    def _drop(h: Handover, rep: ConnectorReport, error: str) -> None:
+        """A handover ended without D taking it: fail it, or, aborted here already, just free it."""
+        if h.cancelled:
+            rep.released.append(h.req.request_id)
+        else:
+            rep.failed[h.req.request_id] = error
 
-    def _fail(self, req: Request, error: str) -> RequestOutput:
-        req.finish(FinishReason.ERROR, error=error)
-        return self.make_output(req)
-
-    def _end_stream_when_drained(self) -> None:
-        if not self.closed or super().has_unfinished_requests() or self.handovers:
+    def _end_stream_when_drained(self, idle: bool) -> None:
+        if not self.closed or not idle or self.handovers:
             return
         if not self.eos_sent:
             self.link.send(EndOfStream())

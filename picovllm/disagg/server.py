@@ -38,10 +38,9 @@ from pydantic import BaseModel, ConfigDict
 
 from picovllm.config import EngineConfig
 from picovllm.disagg.channel import Channel, Listener, PeerGone
-from picovllm.disagg.decode import DecodeEngine
 from picovllm.disagg.messages import OutputEncoder
-from picovllm.disagg.prefill import PrefillEngine
 from picovllm.disagg.transfer import TransferConfig
+from picovllm.engine.llm_engine import Engine
 from picovllm.entrypoints.openai.api_server import BACKSTOP_SECONDS, ServerSettings, _Server, build_app, \
     default_model_name
 from picovllm.entrypoints.openai.async_engine import AsyncEngine, EngineDeadError, RequestStream
@@ -85,30 +84,36 @@ def is_handed_off(out: RequestOutput) -> bool:
 
 
 class PDAsyncEngine(AsyncEngine):
-    """AsyncEngine over a PrefillEngine or DecodeEngine: it keeps stepping to watch the peer link; on P it
-    turns D's Ack into a last output for the request (is_handed_off); on D requests are listened to, not added."""
+    """AsyncEngine over a P or D engine: it keeps stepping to watch the peer link; on P it turns D's Ack
+    into a last output for the request (is_handed_off); on D requests are listened to, not added."""
+    # The peer's messages cannot wake the loop thread (it waits on a command queue): it polls for them,
+    # often while a request waits on the peer (an Accept, an Ack, a transfer), now and then otherwise.
     poll_s = 0.005
+    busy_poll_s = 0.0005
 
-    def __init__(self, engine: PrefillEngine | DecodeEngine, metrics=None) -> None:
+    def __init__(self, engine: Engine, metrics=None) -> None:
         super().__init__(engine, metrics)
         self._last: dict[str, RequestOutput] = {}    # P: each request's latest output (loop thread only)
 
-    def _step(self) -> list:
+    def _poll_timeout(self, wait_s: float | None) -> float | None:
+        if wait_s == 0:
+            return 0
+        return self.busy_poll_s if self.engine.has_unfinished_requests() else self.poll_s
+
+    def _after_step(self, outputs: list) -> list:
         engine = self.engine
-        outputs = engine.step()
-        if isinstance(engine, PrefillEngine):
+        if engine.config.role == "p":
             for out in outputs:
                 if out.finished:
                     self._last.pop(out.request_id, None)
                 else:
                     self._last[out.request_id] = out
-            for rid in list(engine.handed_off):        # acked by D since the last step: D owns it now
-                engine.handed_off.discard(rid)
+            handed_off = engine.connector.handed_off
+            for rid in list(handed_off):        # acked by D since the last step: D owns it now
+                handed_off.discard(rid)
                 last = self._last.pop(rid, None)
                 if last is not None:
                     outputs.append(dataclasses.replace(last, finished=True))
-        if engine.has_unfinished_requests() and not engine.scheduler.has_unfinished():
-            time.sleep(0.0005)      # only waiting on the peer (an Accept, an Ack, a transfer): do not spin
         return outputs
 
     def _abort_into(self, request_id: str, outputs: list) -> None:
@@ -130,8 +135,8 @@ class PDAsyncEngine(AsyncEngine):
 
     async def shutdown(self) -> None:
         await super().shutdown()
-        if self.engine.link is not None:
-            self.engine.link.close()      # the peer sees us leave
+        if self.engine.connector.link is not None:
+            self.engine.connector.link.close()      # the peer sees us leave
 
 
 # -- the /pd routes ---------------------------------------------------------------------------------
@@ -171,7 +176,7 @@ def add_pd_routes(app: FastAPI, ctx: ServingContext, role: str) -> None:
 
     @app.get("/pd/info")
     async def info() -> dict:
-        link = engine.engine.link
+        link = engine.engine.connector.link
         sock = link.channel.sock if link is not None and not link.closed else None
         pair = None
         if sock is not None:
@@ -203,11 +208,11 @@ def add_pd_routes(app: FastAPI, ctx: ServingContext, role: str) -> None:
 
 
 # -- start-up -------------------------------------------------------------------------------------
-def link_engine(engine: PrefillEngine | DecodeEngine, link: LinkSettings) -> None:
+def link_engine(engine: Engine, link: LinkSettings) -> None:
     """P: wait for the D server on kv_host:kv_port; D: connect to kv_peer (retrying while P starts)."""
     tc = TransferConfig(backend=link.backend, timeout_s=link.transfer_timeout_s, lease_s=link.lease_s,
                         connect_timeout_s=link.connect_timeout_s, host=link.kv_host)
-    if isinstance(engine, PrefillEngine):
+    if engine.config.role == "p":
         listener = Listener(link.kv_host, link.kv_port)
         logger.info("prefill server: waiting for its decode server on %s:%d", link.kv_host, link.kv_port)
         try:
@@ -226,7 +231,7 @@ def link_engine(engine: PrefillEngine | DecodeEngine, link: LinkSettings) -> Non
                     raise
                 time.sleep(0.2)
     engine.connect(channel, tc)
-    logger.info("%s server: linked to its peer", "prefill" if isinstance(engine, PrefillEngine) else "decode")
+    logger.info("%s server: linked to its peer", "prefill" if engine.config.role == "p" else "decode")
 
 
 def serve_pd(engine_config: EngineConfig, settings: ServerSettings, link: LinkSettings) -> None:
@@ -234,7 +239,7 @@ def serve_pd(engine_config: EngineConfig, settings: ServerSettings, link: LinkSe
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     role = engine_config.role
     link.check(role)
-    engine = (PrefillEngine if role == "p" else DecodeEngine)(engine_config)
+    engine = Engine(engine_config)     # the role's connector comes with the config
     link_engine(engine, link)
     name = settings.served_model_name or default_model_name(engine_config.model)
     metrics = ServerMetrics(name)

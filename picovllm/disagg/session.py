@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from picovllm.disagg.channel import PeerGone
 from picovllm.disagg.messages import (Abort, CloseSession, Output, OutputDecoder, SessionEnded, StartSession, Submit,
                                       SubmitResult)
-from picovllm.disagg.prefill import EngineClosedError
+from picovllm.engine.llm_engine import EngineClosedError
 from picovllm.outputs import CompletionOutput, RequestOutput
 from picovllm.sampling_params import SamplingParams
 

@@ -20,12 +20,12 @@ import traceback
 
 from picovllm.config import EngineConfig
 from picovllm.disagg.channel import Channel, Listener, PeerGone
-from picovllm.disagg.decode import DecodeEngine
 from picovllm.disagg.hosts import HostOptions
 from picovllm.disagg.messages import (Abort, BuildEngine, CloseSession, Output, OutputEncoder, SessionEnded,
                                       Shutdown, StartSession, Submit, SubmitResult, WorkerHello, WorkerReady)
-from picovllm.disagg.prefill import PrefillEngine
 from picovllm.disagg.transfer import TransferConfig
+from picovllm.engine.llm_engine import Engine
+from picovllm.engine.step_loop import StepLoop
 from picovllm.engine.tp_workers import exit_with_parent
 from picovllm.sampling_params import SamplingParams
 
@@ -64,10 +64,12 @@ class Worker:
             raise RuntimeError(f"expected BuildEngine, got {msg!r}")
         try:
             config = EngineConfig(**msg.config)
+            if config.role != self.role:
+                raise ValueError(f"EngineConfig.role must be {self.role!r} for this worker, got {config.role!r}")
             if str(config.device).startswith("cuda"):
                 import torch
                 torch.cuda.set_device(config.device)
-            engine = (PrefillEngine if self.role == "p" else DecodeEngine)(config)
+            engine = Engine(config)     # the role's connector comes with the config
         except Exception as e:  # noqa: BLE001 - reported to the driver, which raises it
             traceback.print_exc()
             self.driver.send(WorkerReady(self.role, os.getpid(), 0, error=f"{type(e).__name__}: {e}"))
@@ -106,21 +108,17 @@ class Worker:
         try:
             self._loop(engine, start)
         except PeerGone:                 # the driver is gone: drop everything, the peer sees us leave
-            engine.link.close()
+            engine.connector.link.close()
             raise
         self._end(engine, start)
 
-    def _loop(self, engine, start: StartSession) -> None:
-        while True:
-            for cmd in self.driver.recv_all():
-                self._command(engine, cmd)
-            for out in engine.step():
+    def _loop(self, engine: Engine, start: StartSession) -> None:
+        def send(outputs: list) -> None:
+            for out in outputs:
                 if out.finished or start.stream:
                     self._send_output(out)
-            if engine.is_done():
-                return
-            if not engine.scheduler.has_unfinished():
-                self._wait_for_input(engine)
+
+        StepLoop(engine, lambda wait_s: self._take_input(engine, wait_s)).run_until(engine.is_done, send)
 
     def _send_output(self, out) -> None:
         """Each request's outputs go as one OutputEncoder stream, closed by its final output."""
@@ -147,43 +145,47 @@ class Worker:
             self.shutting_down = True
             engine.close()
 
-    def _wait_for_input(self, engine) -> None:
-        """Nothing to compute: sleep until the driver or the peer says something (or a transfer may end)."""
-        busy = bool(getattr(engine, "receiving", None)) or any(
-            h.state.value == "sending" for h in getattr(engine, "handovers", {}).values())
-        fds = [self.driver.sock]
-        if engine.link is not None and not engine.link.closed:
-            fds.append(engine.link.channel.sock)
-        try:
-            select.select(fds, [], [], 0.0005 if busy else 0.02)
-        except (OSError, ValueError):
-            pass
+    def _take_input(self, engine: Engine, wait_s: float | None) -> bool:
+        """The driver's commands; with nothing to compute, first sleep up to wait_s until the driver
+        or the peer says something."""
+        if wait_s != 0:
+            link = engine.connector.link
+            fds = [self.driver.sock]
+            if link is not None and not link.closed:
+                fds.append(link.channel.sock)
+            try:
+                select.select(fds, [], [], wait_s)
+            except (OSError, ValueError):
+                pass
+        for cmd in self.driver.recv_all():
+            self._command(engine, cmd)
+        return True
 
     def _end(self, engine, start: StartSession, error: str | None = None) -> None:
         self._wire.clear()
         for rid in list(engine.requests):      # only after an error: a finished session holds none
             engine.abort(rid)
-        if engine.link is not None:
-            engine.link.close()
+        if engine.connector.link is not None:
+            engine.connector.link.close()
         bm = engine.block_manager
-        held = getattr(engine, "handovers", None) or getattr(engine, "receiving", None) or {}
         self.driver.send(SessionEnded(start.session, bm.num_blocks, bm.num_free_blocks,
-                                      len(engine.requests) + len(held), dict(engine.stats), error))
+                                      len(engine.requests), dict(engine.stats), error))
 
 
 def _inject(engine, fault: str) -> None:
     action, what, n = fault.split(":")
     count = {"n": 0}
+    link = engine.connector.link
     if action == "drop":
-        real = engine.link.transfer.start_send
+        real = link.transfer.start_send
 
         def start_send(spec):
             count["n"] += 1
             if count["n"] != int(n):
                 real(spec)
-        engine.link.transfer.start_send = start_send
+        link.transfer.start_send = start_send
         return
-    real_send = engine.link.send
+    real_send = link.send
 
     def send(msg):
         real_send(msg)
@@ -193,4 +195,4 @@ def _inject(engine, fault: str) -> None:
                 if action == "exit":
                     os._exit(3)
                 os.kill(os.getpid(), signal.SIGSTOP)
-    engine.link.send = send
+    link.send = send

@@ -11,17 +11,23 @@ Requests are advanced (computed tokens, one pending token) when a step is launch
 their token when it is resolved. A request that finishes at step N has already been given a
 slot in step N+1; that token is computed and dropped (its KV write lands in its own blocks,
 ordered on the device before any later step that reuses them).
+
+Roles "p" and "d" (prefill/decode disaggregation) are this same engine with a KV connector
+(picovllm/engine/kv_connector.py): each step starts by polling it, and the scheduler asks it which
+requests to hold for a handover and which arrive with their KV; see ARCHITECTURE.md.
 """
 from __future__ import annotations
 
 import itertools
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
 from picovllm.config import EngineConfig
 from picovllm.engine.block_manager import BlockManager, prefix_salt
 from picovllm.engine.detokenizer import Detokenizer, check_stop
+from picovllm.engine.kv_connector import ConnectorReport, KVConnector
 from picovllm.engine.model_runner import LaunchedStep, ModelRunner, StepResult
 from picovllm.engine.request import FinishReason, Request, RequestStatus
 from picovllm.engine.scheduler import Scheduler, SchedulerOutput
@@ -29,9 +35,28 @@ from picovllm.loader import open_model_source
 from picovllm.outputs import CompletionOutput, RequestOutput
 from picovllm.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from picovllm.disagg.channel import Channel
+    from picovllm.disagg.transfer import TransferConfig
+
+
+class EngineClosedError(RuntimeError):
+    """submit() after close(): the engine takes no more requests."""
+
+
+def role_connector(role: str) -> KVConnector | None:
+    """The connector a role runs with: none for "pd", the handover protocol's two ends for "p" and "d"."""
+    if role == "pd":
+        return None
+    # Imported here: the colocated engine does not need the disaggregation package.
+    from picovllm.disagg.decode import DecodeConnector
+    from picovllm.disagg.prefill import PrefillConnector
+    return PrefillConnector() if role == "p" else DecodeConnector()
+
 
 class Engine:
-    def __init__(self, config: EngineConfig, runner: ModelRunner | None = None) -> None:
+    def __init__(self, config: EngineConfig, runner: ModelRunner | None = None,
+                 connector: KVConnector | None = None) -> None:
         self.config = config
         source = open_model_source(config.model, config.disk_cache)
         self.model_config = source.config
@@ -49,7 +74,10 @@ class Engine:
         self.runner.allocate_kv_cache(num_blocks)
         salt = prefix_salt(source.path, config.torch_dtype)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, salt)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.connector = connector if connector is not None else role_connector(config.role)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   self.connector)
+        self.closed = False            # close() was called: submit() refuses
         self.detokenizer = Detokenizer(self.tokenizer)
         self.requests: dict[str, Request] = {}
         self.overlap = config.async_scheduling
@@ -101,37 +129,93 @@ class Engine:
             raise ValueError(f"SamplingParams.stop_token_ids must be in [0, {vocab}), got {params.stop_token_ids!r}")
         if params.logprobs is not None and params.logprobs > vocab:
             raise ValueError(f"SamplingParams.logprobs must be <= the vocabulary size {vocab}, got {params.logprobs}")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt is {len(ids)} tokens, longer than max_model_len - 1 = {self.max_model_len - 1}")
+        self._check_length(len(ids))
         request_id = str(next(self._ids)) if request_id is None else request_id
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         req = Request(request_id, ids, params, prompt if isinstance(prompt, str) else None, arrival_time)
         room = self.max_model_len - len(ids)
         req.max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        capacity = self.block_manager.num_blocks * self.block_manager.block_size
-        if len(ids) + req.max_tokens > capacity:
-            raise ValueError(f"prompt ({len(ids)}) + max_tokens ({req.max_tokens}) tokens exceed the KV cache "
-                             f"({capacity} tokens)")
+        self._check_capacity(len(ids), req.max_tokens)
         self.requests[request_id] = req
         self.scheduler.add(req)
         return request_id
 
+    def _check_length(self, num_prompt_tokens: int) -> None:
+        if num_prompt_tokens >= self.max_model_len:
+            raise ValueError(f"prompt is {num_prompt_tokens} tokens, longer than max_model_len - 1 = "
+                             f"{self.max_model_len - 1}")
+
+    def _check_capacity(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        capacity = self.block_manager.num_blocks * self.block_manager.block_size
+        if num_prompt_tokens + max_tokens > capacity:
+            raise ValueError(f"prompt ({num_prompt_tokens}) + max_tokens ({max_tokens}) tokens exceed the KV cache "
+                             f"({capacity} tokens)")
+
+    def submit(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None,
+               arrival_time: float | None = None) -> str:
+        """add_request for a session's driver: refused after close(), and on a decode engine."""
+        if self.config.role == "d":
+            raise RuntimeError("a decode engine takes requests from its prefill engine, not submit()")
+        if self.closed:
+            raise EngineClosedError("the engine is closed (no more requests): submit refused")
+        return self.add_request(prompt, params, request_id, arrival_time)
+
     def abort(self, request_id: str) -> RequestOutput | None:
-        req = self.requests.pop(request_id, None)
-        if req is None or req.is_finished:
+        """Abort a request; its final output, or None if it is gone, or its output is the peer's to send."""
+        req = self.requests.get(request_id)
+        if req is None:
+            if self.connector is not None:
+                self.connector.forward_abort(request_id)
             return None
-        self.scheduler.remove(req)
+        if req.is_finished:        # aborted already; its blocks wait for the connector
+            return None
+        answers = self.connector is None or self.connector.answers_for(req)
         req.finish(FinishReason.ABORT)
-        return self.make_output(req)
+        self._drop(req)
+        return self.make_output(req) if answers else None
+
+    def _drop(self, req: Request) -> None:
+        """A finished request leaves the scheduler; it stays listed while the connector holds its blocks."""
+        if not self.scheduler.remove(req):
+            del self.requests[req.request_id]
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None and \
             not all(c.request.is_finished for c in self._in_flight[0].chunks)
 
+    def has_work(self) -> bool:
+        """Anything to compute or a step's tokens to read, as opposed to requests only held for the
+        connector (waiting on the peer): a loop may wait for input only when there is none."""
+        return self.scheduler.has_work() or self._in_flight is not None
+
     def shutdown(self) -> None:
         """Stop the runner's helper processes (tensor-parallel workers), if any; idempotent."""
         self.runner.shutdown()
+
+    # -- a session (roles p and d): connect, close, is_done ------------------------------------
+    def connect(self, channel: Channel, transfer: TransferConfig, session: int = 0) -> None:
+        """Link a P or D engine to its peer on `channel`; blocks up to transfer.connect_timeout_s.
+        Starts a session: an engine whose last session is done may connect again (same weights and
+        cache, a new link)."""
+        from picovllm.disagg.peer_connector import PeerConnector   # roles p and d only
+        if not isinstance(self.connector, PeerConnector):
+            raise RuntimeError(f"a {self.config.role!r} engine without a peer connector has no peer to connect to")
+        if self.connector.link is not None and not self.is_done():
+            raise RuntimeError(f"the {self.config.role} engine's session is still running")
+        self.connector.connect(channel, transfer, session, self.runner)
+        self.closed = False
+
+    def close(self) -> None:
+        """No more requests: submit() refuses; P hands over what it has, then ends the stream to D;
+        D gives back offers it has not taken and decodes what it holds."""
+        self.closed = True
+        if self.connector is not None:
+            self.connector.close()
+
+    def is_done(self) -> bool:
+        idle = not self.has_unfinished_requests()
+        return self.connector.is_done(idle) if self.connector is not None else self.closed and idle
 
     # -- the step ------------------------------------------------------------------------------
     def step(self, unfinished_outputs: bool = True) -> list[RequestOutput]:
@@ -145,13 +229,14 @@ class Engine:
         return self._step(unfinished_outputs)
 
     def _step(self, unfinished_outputs: bool) -> list[RequestOutput]:
+        outputs = self._poll_connector() if self.connector is not None else []
         if self.overlap:
-            return self._overlapped_step(unfinished_outputs)
+            return outputs + self._overlapped_step(unfinished_outputs)
         sched = self._schedule()
         if sched.is_empty():
-            return []
+            return outputs
         result = self.runner.execute(self.runner.prepare(sched, self.eos_token_ids))
-        return self.postprocess(sched, result, unfinished_outputs)
+        return outputs + self.postprocess(sched, result, unfinished_outputs)
 
     def _overlapped_step(self, unfinished_outputs: bool) -> list[RequestOutput]:
         try:
@@ -182,7 +267,53 @@ class Engine:
         for c in sched.chunks:
             if c.request.metrics.first_scheduled_time is None:
                 c.request.metrics.first_scheduled_time = now
+        for req in sched.kv_to_receive:      # their blocks are allocated: the KV may come in
+            self.connector.start_recv(req)
         return sched
+
+    # -- the connector's report ----------------------------------------------------------------
+    def _poll_connector(self) -> list[RequestOutput]:
+        """Apply what the connector saw since the last step: requests offered, arrived, released,
+        failed, aborted by the peer. Queue changes go through the scheduler."""
+        rep: ConnectorReport = self.connector.poll(idle=not self.has_unfinished_requests())
+        outputs = []
+        for req in rep.offered:
+            self._take_offer(req)
+        for rid in rep.arrived:
+            req = self.requests[rid]
+            for token in req.output_token_ids:     # the text state, as if this engine had sampled them
+                req.text += self.detokenizer.append(req, token)
+            self.scheduler.kv_arrived(req)
+        for rid in rep.released:
+            req = self.requests.pop(rid, None)
+            if req is not None:
+                self.scheduler.release(req)
+        for rid, error in rep.failed.items():
+            req = self.requests.pop(rid, None)
+            if req is None:
+                continue
+            self.scheduler.release(req)
+            if not req.is_finished:          # an aborted one had its final output already
+                req.finish(FinishReason.ERROR, error=error)
+                outputs.append(self.make_output(req))
+        for rid in rep.aborted:                   # last: whatever the lists above did to it stands
+            out = self.abort(rid)
+            outputs += [out] if out is not None else []
+        return outputs
+
+    def _take_offer(self, req: Request) -> None:
+        """Queue a request the peer offers (its KV is there), or refuse it: the connector tells the peer why."""
+        try:
+            if req.request_id in self.requests:
+                raise ValueError(f"request_id {req.request_id!r} is already in use on the {self.config.role} engine")
+            self._check_length(req.num_prompt_tokens)
+            self._check_capacity(req.num_prompt_tokens, req.max_tokens)
+        except ValueError as e:
+            req.finish(FinishReason.ERROR, error=str(e))
+            self.connector.request_finished(req)
+            return
+        self.requests[req.request_id] = req
+        self.scheduler.add(req)
 
     def postprocess(self, sched: SchedulerOutput, result: StepResult,
                     unfinished_outputs: bool = True) -> list[RequestOutput]:
@@ -203,6 +334,8 @@ class Engine:
                 req.num_pending_tokens += 1
                 req.pending_row = row
                 row += 1
+                if not chunk.is_decode:
+                    self.scheduler.prompt_computed(req)
 
     def apply_results(self, sched: SchedulerOutput, result: StepResult,
                       unfinished_outputs: bool = True) -> list[RequestOutput]:
@@ -222,8 +355,9 @@ class Engine:
             if unfinished_outputs or req.is_finished:
                 outputs.append(self.make_output(req))
             if req.is_finished:
-                self.scheduler.remove(req)
-                del self.requests[req.request_id]
+                self._drop(req)
+            elif not chunk.is_decode and req.request_id in self.scheduler.held:
+                self.connector.start_send(req)          # held after its prompt: its first token is known
         return outputs
 
     def append_token(self, req: Request, token: int, logprobs, now: float) -> None:

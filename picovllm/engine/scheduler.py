@@ -5,6 +5,11 @@ Each step: running decodes first (one token each, never starved), then running p
 max_num_seqs allow. When a running request needs a block and none is free, the most
 recently admitted running request is preempted: its blocks are freed (kept as cached
 prefix blocks) and it goes back to the front of the queue, to be recomputed later.
+
+With a KV connector (roles p and d, picovllm/engine/kv_connector.py) a third queue holds requests
+out of the batch whose blocks the connector uses: P's requests being handed over, D's requests
+whose KV is arriving. Only this class moves requests between its queues; the connector answers
+its questions, the engine applies what the connector reports through release() and kv_arrived().
 """
 from __future__ import annotations
 
@@ -12,6 +17,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from picovllm.engine.block_manager import BlockManager
+from picovllm.engine.kv_connector import KVConnector
 from picovllm.engine.request import Request, RequestStatus
 
 
@@ -35,6 +41,7 @@ class ScheduledChunk:
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)   # decodes first, then prefills
     preempted: list[Request] = field(default_factory=list)
+    kv_to_receive: list[Request] = field(default_factory=list)    # admitted with external KV: start_recv
 
     @property
     def num_tokens(self) -> int:
@@ -49,20 +56,26 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 connector: KVConnector | None = None) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.connector = connector
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []   # admission order; the last is preempted first
-        # Requests outside these queues that still hold blocks (a PD engine's handovers). While any
-        # exist, a waiting request that does not fit waits for their blocks instead of failing.
-        self.num_held_outside = 0
+        # Out of the batch, blocks kept for the connector (P: handing over; D: KV arriving). While
+        # any exist, a waiting request that does not fit waits for their blocks instead of failing.
+        self.held: dict[str, Request] = {}
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
 
     def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.held)
+
+    def has_work(self) -> bool:
+        """Is there anything to compute (as opposed to requests held for the connector)?"""
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
@@ -100,8 +113,15 @@ class Scheduler:
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         bm = self.block_manager
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
+            external = self.connector.num_external_tokens(req) if self.connector is not None else 0
+            if external:
+                if not self._admit_external(req, external, out):
+                    break
+                continue
+            if budget == 0:
+                break
             looked_up = not req.block_table
             if looked_up:
                 bm.allocate_prefix(req)
@@ -111,7 +131,7 @@ class Scheduler:
                     bm.cancel_prefix(req)
                 else:
                     bm.free(req)
-                if not self.running and not self.num_held_outside:   # nothing will free a block: fail
+                if not self.running and not self.held:   # nothing will free a block: fail
                     raise RuntimeError(f"request {req.request_id}: the KV cache ({bm.num_blocks} blocks of "
                                        f"{bm.block_size}) cannot hold even its first chunk")
                 break
@@ -121,16 +141,60 @@ class Scheduler:
             out.chunks.append(ScheduledChunk(req, n))
             budget -= n
 
+    def _admit_external(self, req: Request, external: int, out: SchedulerOutput) -> bool:
+        """Admit a request whose first `external` tokens' KV the connector brings: blocks for them
+        and the next token, then held until it arrives. False (FCFS: the queue waits) if no room."""
+        bm = self.block_manager
+        if len(self.running) + len(self.held) >= self.max_num_seqs:
+            return False
+        # A block of headroom per running request, so admitting does not force a preemption: until
+        # we admit it, the peer's cache holds the KV (flow control).
+        if bm.num_free_blocks - bm.blocks_needed(req, external + 1) < len(self.running) \
+                or not bm.allocate(req, external + 1):
+            return False
+        self.waiting.popleft()
+        req.num_computed_tokens = external     # being written by the connector; read once arrived
+        self.held[req.request_id] = req
+        out.kv_to_receive.append(req)
+        return True
+
+    def prompt_computed(self, req: Request) -> None:
+        """req's last prompt chunk was launched: a role that hands requests over holds it now."""
+        if self.connector is not None and self.connector.hold_after_prefill(req):
+            self.running.remove(req)
+            self.held[req.request_id] = req
+
+    def kv_arrived(self, req: Request) -> None:
+        """The connector wrote a held request's external KV: it decodes from here on."""
+        del self.held[req.request_id]
+        req.status = RequestStatus.DECODING
+        self.block_manager.cache_full_blocks(req)
+        self.running.append(req)
+
     def preempt(self, req: Request) -> None:
         self.running.remove(req)
         self.block_manager.free(req)
         req.status = RequestStatus.WAITING
         self.waiting.appendleft(req)
 
-    def remove(self, req: Request) -> None:
-        """Take a request out of the queues and free its blocks (finished, aborted or failed)."""
+    def remove(self, req: Request) -> bool:
+        """Take a request out of the queues (finished, aborted or failed) and free its blocks, unless
+        the connector still uses them: then it stays held until release(). Returns whether it does."""
+        if self.connector is not None and self.connector.request_finished(req):
+            self._unqueue(req)
+            self.held[req.request_id] = req
+            return True
+        self.release(req)
+        return False
+
+    def release(self, req: Request) -> None:
+        """Drop a request from whichever queue holds it and free its blocks."""
+        self._unqueue(req)
+        self.held.pop(req.request_id, None)
+        self.block_manager.free(req)
+
+    def _unqueue(self, req: Request) -> None:
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self.block_manager.free(req)

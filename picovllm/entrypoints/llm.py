@@ -9,6 +9,7 @@ from tqdm import tqdm
 from picovllm.config import EngineConfig
 from picovllm.engine.llm_engine import Engine
 from picovllm.engine.request import RequestStatus
+from picovllm.engine.step_loop import StepLoop
 from picovllm.entrypoints.parallel_sampling import merge_samples, sample_params
 from picovllm.outputs import RequestOutput
 from picovllm.sampling_params import SamplingParams
@@ -93,19 +94,24 @@ class LLM:
         bar = tqdm(total=total, desc="Processed prompts" if total == len(groups) else "Processed samples",
                    disable=not use_tqdm, dynamic_ncols=True)
         t0, last = time.time(), dict(self.engine.stats)
-        try:
-            while len(final) < total and (self.engine.has_unfinished_requests() or siblings):
-                self._add_siblings(siblings)
-                for out in self.engine.step(unfinished_outputs=False):
-                    if out.finished:
-                        final[out.request_id] = out
-                        bar.update(1)
-                if use_tqdm:
-                    dt = max(time.time() - t0, 1e-9)
-                    s = self.engine.stats
-                    bar.set_postfix_str(f"prefill {(s['prefill_tokens'] - last['prefill_tokens']) / dt:.0f} tok/s, "
-                                        f"decode {(s['decode_tokens'] - last['decode_tokens']) / dt:.0f} tok/s",
-                                        refresh=False)
+
+        def collect(outputs: list[RequestOutput]) -> None:
+            for out in outputs:
+                if out.finished:
+                    final[out.request_id] = out
+                    bar.update(1)
+            self._add_siblings(siblings)
+            if use_tqdm:
+                dt = max(time.time() - t0, 1e-9)
+                s = self.engine.stats
+                bar.set_postfix_str(f"prefill {(s['prefill_tokens'] - last['prefill_tokens']) / dt:.0f} tok/s, "
+                                    f"decode {(s['decode_tokens'] - last['decode_tokens']) / dt:.0f} tok/s",
+                                    refresh=False)
+
+        try:        # no input comes while it runs: the loop never waits
+            self._add_siblings(siblings)
+            StepLoop(self.engine, unfinished_outputs=False).run_until(
+                lambda: len(final) == total or not (self.engine.has_unfinished_requests() or siblings), collect)
         except BaseException:
             self._abort(groups, final)
             raise

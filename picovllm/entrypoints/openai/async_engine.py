@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from picovllm.engine.llm_engine import Engine
 from picovllm.engine.model_runner import bind_device
+from picovllm.engine.step_loop import StepLoop
 from picovllm.outputs import RequestOutput
 from picovllm.sampling_params import SamplingParams
 
@@ -109,15 +110,13 @@ class RequestStream:
 
 
 class AsyncEngine:
-    # None: the loop sleeps until a command comes whenever the engine is idle. A number: it never waits
-    # longer than that and steps every iteration (the disaggregated engines must keep reading their peer link).
-    poll_s: float | None = None
-
     def __init__(self, engine: Engine, metrics=None) -> None:
         self.engine = engine
         self.metrics = metrics          # ServerMetrics or None; called from the loop thread
         self.stats = EngineStats()
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
+        self._steps = StepLoop(engine, self._take_commands)     # the engine's one loop, run by the thread
+        self._pending: list = []        # this iteration's answers to commands (loop thread only)
         self._streams: dict[str, RequestStream] = {}   # touched only on the event loop
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -189,47 +188,57 @@ class AsyncEngine:
 
     def _iteration(self) -> bool:
         engine = self.engine
-        cmds = [] if engine.has_unfinished_requests() else self._wait_for_command()
+        self._pending = outputs = []    # _take_commands answers into it
+        try:
+            stepped = self._steps.run_once()
+            if stepped is not None:
+                outputs.extend(self._after_step(stepped))
+        except Exception as e:   # one bad step must not take the server down: fail its requests
+            logger.exception("engine step failed; aborting %d requests", len(engine.requests))
+            err = EngineStepError(f"engine step failed: {type(e).__name__}: {e}")
+            for rid in list(engine.requests):
+                engine.abort(rid)
+                outputs.append((rid, err))
+                if self.metrics:
+                    self.metrics.count_outcome("error")
+            stepped = []
+        if stepped is None:             # shut down: nobody will read what is left
+            for rid in list(engine.requests):
+                self._abort_into(rid, outputs)
+        self._finish_outputs(outputs)
+        self._publish_stats()
+        if outputs:
+            self._loop.call_soon_threadsafe(self._dispatch, outputs)
+        return stepped is not None
+
+    def _take_commands(self, wait_s: float | None) -> bool:
+        """StepLoop's input: the commands queued, waiting up to wait_s for the first. False: shut down."""
+        cmds = self._wait_for_command(self._poll_timeout(wait_s))
         while True:
             try:
                 cmds.append(self._commands.get_nowait())
             except queue.Empty:
                 break
-        outputs: list[RequestOutput | tuple[str, BaseException | None]] = []
         stop = False
         for cmd in cmds:
-            stop = self._handle(cmd, outputs) or stop
-        if stop:
-            for rid in list(engine.requests):
-                self._abort_into(rid, outputs)
-        elif engine.has_unfinished_requests() or self.poll_s is not None:
-            try:
-                outputs.extend(self._step())
-            except Exception as e:   # one bad step must not take the server down: fail its requests
-                logger.exception("engine step failed; aborting %d requests", len(engine.requests))
-                err = EngineStepError(f"engine step failed: {type(e).__name__}: {e}")
-                for rid in list(engine.requests):
-                    engine.abort(rid)
-                    outputs.append((rid, err))
-                    if self.metrics:
-                        self.metrics.count_outcome("error")
-        self._finish_outputs(outputs)
-        self._publish_stats()
-        if outputs:
-            self._loop.call_soon_threadsafe(self._dispatch, outputs)
+            stop = self._handle(cmd, self._pending) or stop
         return not stop
 
-    def _wait_for_command(self) -> list[Command]:
-        if self.poll_s is None:
-            return [self._commands.get()]
+    def _poll_timeout(self, wait_s: float | None) -> float | None:
+        """How long to wait on the command queue (a subclass whose engine has a peer polls it)."""
+        return wait_s
+
+    def _wait_for_command(self, timeout_s: float | None) -> list[Command]:
+        if timeout_s == 0:
+            return []
         try:
-            return [self._commands.get(timeout=self.poll_s)]
+            return [self._commands.get(timeout=timeout_s)]
         except queue.Empty:
             return []
 
-    def _step(self) -> list:
+    def _after_step(self, outputs: list) -> list:
         """One engine step's outputs (a subclass may add its own items for _dispatch)."""
-        return self.engine.step()
+        return outputs
 
     def model_info(self) -> dict:
         """What GET /v1/models shows besides the name."""

@@ -1,0 +1,47 @@
+"""StepLoop: the one loop every caller drives an Engine with, and its one wait policy."""
+from __future__ import annotations
+
+from picovllm import LLM, SamplingParams
+from picovllm.engine.step_loop import IN_FLIGHT_POLL_S, POLL_S, StepLoop
+from test_kv_connector import linked_pair, one_thread  # noqa: F401 - the fixture, for this module too
+
+
+def test_colocated_waits_only_when_idle_and_never_while_a_step_is_in_flight(tiny_models):
+    llm = LLM(tiny_models["llama"], block_size=4, num_kv_blocks=32, async_scheduling=True)
+    eng = llm.engine
+    taken = []
+
+    def take_input(wait_s):
+        taken.append(wait_s)
+        return True
+
+    loop = StepLoop(eng, take_input)
+    assert loop.wait_s() is None                       # nothing at all: until input comes
+    assert loop.run_once() == [] and taken == [None]   # and no step
+    eng.add_request([1, 2, 3], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), request_id="a")
+    finals = []
+    while eng.has_unfinished_requests():
+        assert loop.wait_s() == 0.0                    # work, or a step in flight whose tokens to read
+        finals += [o for o in loop.run_once() if o.finished]
+    assert [o.request_id for o in finals] == ["a"] and len(finals[0].outputs[0].token_ids) == 2
+    assert StepLoop(eng, lambda wait_s: False).run_once() is None    # the input ends the loop: no step
+
+
+def test_a_connector_engine_polls_its_peer(tiny_models, monkeypatch):
+    p, d, _ = linked_pair(tiny_models["llama"], False, dict(block_size=4, num_kv_blocks=32),
+                          dict(block_size=4, num_kv_blocks=32))
+    loop = StepLoop(p)
+    assert loop.wait_s() == POLL_S                     # idle, but the peer may speak
+    rid = p.add_request([4, 5, 6, 7, 8], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    while rid not in p.connector.sending:
+        assert loop.wait_s() == 0.0
+        loop.run_once()
+    assert not p.has_work() and p.has_unfinished_requests()    # held for the peer only
+    assert loop.wait_s() == POLL_S
+    monkeypatch.setattr(type(p.connector), "transfers_in_flight", property(lambda self: bool(self.sending)))
+    assert loop.wait_s() == IN_FLIGHT_POLL_S
+    finals = {}
+    while p.has_unfinished_requests() or d.has_unfinished_requests():
+        for out in p.step() + d.step():
+            finals[out.request_id] = out
+    assert finals[rid].finished and len(finals[rid].outputs[0].token_ids) == 3
