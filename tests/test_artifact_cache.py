@@ -167,8 +167,8 @@ def test_default_model_tokenizer_from_cache_matches_transformers(tmp_path):
     cache = ArtifactCache(str(tmp_path))
     for attempt in ("miss", "hit"):
         tok = open_gguf(path, cache).load_tokenizer()
-        for text in ["Hello world", "  leading spaces\tand tabs\n", "naïve café 東京 🙂", "<|im_start|>user\nhi<|im_end|>",
-                     "1234567 + 89 = ?", ""]:
+        for text in ["Hello world", "  leading spaces\tand tabs\n", "naïve café 東京 🙂",
+                     "<|im_start|>user\nhi<|im_end|>", "1234567 + 89 = ?", ""]:
             assert tok.encode(text) == ref.encode(text), (attempt, text)
             ids = ref.encode(text)
             assert tok.decode(ids, skip_special_tokens=True) == ref.decode(ids, skip_special_tokens=True)

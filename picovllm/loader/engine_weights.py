@@ -48,7 +48,10 @@ def load_model_weights(model: nn.Module, source: ModelSource, disk_cache: bool, 
         if folder is not None:
             _map(model, os.path.join(folder, FILE))
             return
-    _load_and_pack(model, source) if packs else load_weights(model, source.weights())
+    if packs:
+        _load_and_pack(model, source)
+    else:
+        load_weights(model, source.weights())
 
 
 def _load_and_pack(model: nn.Module, source: ModelSource) -> None:
