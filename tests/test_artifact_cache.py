@@ -314,3 +314,27 @@ def test_kernel_build_is_cached_by_source_compiler_and_flags(tmp_path):
         calls.append(len(log.read_text().splitlines()) if log.exists() else 0)
     assert calls[0] == 2 and calls[1] == 2 and calls[2] == 4      # compile + link; a hit; new defines
     assert len(entries(tmp_path / "cache", "kernels")) == 2
+
+
+def test_prebuild_compiles_every_kernel_the_engine_loads(tmp_path, tiny_models):
+    """A first start compiles the CPU kernels at once (prebuild_cpu_kernels); the kernels the engine then loads are
+    all cache hits: the compiler runs in the prebuild's threads only."""
+    log, cc = tmp_path / "cc.log", tmp_path / "cc"
+    real_cc = shutil.which("cc") or shutil.which("gcc")
+    cc.write_text(f'#!/bin/sh\necho "$PICOVLLM_PHASE $@" >> {log}\nexec {real_cc} "$@"\n')
+    cc.chmod(0o755)
+    code = ("import os, picovllm.kernels.cpu as k; from picovllm import LLM, SamplingParams; "
+            "real = k.prebuild_cpu_kernels\n"
+            "def spy(*a, **kw):\n"
+            "    os.environ['PICOVLLM_PHASE'] = 'prebuild'; real(*a, **kw); os.environ['PICOVLLM_PHASE'] = 'later'\n"
+            "import picovllm.engine.model_runner as mr; mr.prebuild_cpu_kernels = spy\n"
+            f"llm = LLM({tiny_models['llama']!r}, num_kv_blocks=32)\n"
+            "llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)\n"
+            "assert llm.engine.runner.cpu_decode is not None\n")
+    env = dict(os.environ, CC=str(cc), PICOVLLM_CACHE_DIR=str(tmp_path / "cache"), PICOVLLM_PHASE="before",
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    phases = [line.split()[0] for line in log.read_text().splitlines()]
+    assert phases.count("prebuild") == 8 and set(phases) == {"prebuild"}, phases    # 4 kernels: compile + link
+    assert len(entries(tmp_path / "cache", "kernels")) == 4

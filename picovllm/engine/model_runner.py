@@ -16,6 +16,7 @@ from picovllm.config import EngineConfig, ModelConfig
 from picovllm.distributed import SINGLE, TPGroup
 from picovllm.engine.cuda_graph import fill_block_tables
 from picovllm.engine.scheduler import SchedulerOutput
+from picovllm.kernels.cpu import prebuild_cpu_kernels
 from picovllm.layers.attention import AttentionMetadata
 from picovllm.layers.logits_processors import adjust_logits
 from picovllm.layers.sampler import SamplingTensors, sample, seeded_stream
@@ -123,6 +124,11 @@ class ModelRunner:
         cls = MODEL_REGISTRY[source.config.architecture]
         with _default_dtype(self.dtype), torch.device(self.device):
             self.model = cls(source.config, tp)
+        if self.device.type == "cpu" and self.dtype == torch.float32:   # a first start compiles them all at once
+            attn = self.model.attention_layers()[0]
+            prebuild_cpu_kernels((attn.num_heads, attn.num_kv_heads, attn.head_dim, config.block_size),
+                                 attention=config.attention_backend in ("auto", "cpu"),
+                                 stack=not config.enforce_eager and tp.size == 1)
         load_model_weights(self.model, source, config.disk_cache, (tp.rank, tp.size))   # packs on the CPU
         self.model.eval()
         self.block_size = config.block_size
