@@ -147,8 +147,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"decode (batch 1, {res['input_len']}-token prompt, {res['output_len']} tokens): "
           f"{res['decode_ms_per_token']:.2f} ms/token, TTFT {res['ttft_ms']:.1f} ms | "
           f"prefill of {res['prefill_len']} tokens: {res['prefill_tok_s']:.0f} tok/s")
-    print(f"TTFT: cached {res['prefix_len']}-token prefix + {res['suffix_len']} tokens {res['ttft_cached_prefix_ms']:.1f} ms "
-          f"({res['cached_prefix_tokens_computed']} computed) | {res['input_len']}-token prompt beside "
+    print(f"TTFT: cached {res['prefix_len']}-token prefix + {res['suffix_len']} tokens "
+          f"{res['ttft_cached_prefix_ms']:.1f} ms ({res['cached_prefix_tokens_computed']} computed) | "
+          f"{res['input_len']}-token prompt beside "
           f"{res['load_seqs']} decoding requests {res['ttft_under_load_ms']:.1f} ms")
     emit_json(res, args.output_json)
     return 0
