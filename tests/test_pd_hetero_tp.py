@@ -120,7 +120,7 @@ def test_full_head_gather_and_scatter_against_tp1_cache(models, model):
     with LLM(path, tensor_parallel_size=2, block_size=4, num_kv_blocks=64, enable_prefix_caching=False) as llm:
         llm.generate(ps, sp, use_tqdm=False)
         runner = llm.engine.runner
-        io = FullHeadKV(runner)
+        io = FullHeadKV(llm.engine.executor)
         full = io.read(used[::-1])
         want = tp1.engine.runner.kv_cache[:, :, used[::-1]]
         assert full.shape == want.shape

@@ -74,7 +74,7 @@ def test_plain_batch_matches_tp1_and_hf_then_shuts_down(tp_models):
     with LLM(path, tensor_parallel_size=2, num_kv_blocks=64) as llm:
         attn = llm.engine.runner.model.attention_layers()[0]
         assert (attn.num_heads, attn.num_kv_heads) == (6, 2)   # rank 0's uneven share of 9 heads, 3 KV heads
-        pids = llm.engine.runner.worker_pids
+        pids = llm.engine.executor.worker_pids
         assert len(pids) == 1 and pids[0] in spawned_children()
         tp2 = llm.generate(prompts, sp, use_tqdm=False)
         assert tokens(tp2) == tokens(tp1) == ref
@@ -140,7 +140,7 @@ def test_penalties_and_logit_bias_match_tp1(tp_models):
 
 def test_killed_worker_raises_within_seconds_and_leaves_no_process(tp_models):
     llm = LLM(tp_models["llama"], tensor_parallel_size=2, num_kv_blocks=256)
-    pid = llm.engine.runner.worker_pids[0]
+    pid = llm.engine.executor.worker_pids[0]
     killed_at = []
 
     def kill_once_decoding():
