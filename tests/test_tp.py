@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -227,12 +228,15 @@ def test_step_message_round_trips_without_pickle():
     assert decode(encode(RunStep(step))) == RunStep(step)
     cfg = EngineConfig(model="/m", dtype="bf16", device="cpu", tensor_parallel_size=2, num_kv_blocks=9)
     assert decode(encode(Setup(cfg))).config == cfg
-    frame = json.loads(encode(RunStep(step)))
+    frame = json.loads(encode(Setup(cfg)))
     with pytest.raises(ValueError, match="version"):
         decode(json.dumps(dict(frame, version=99)).encode())
-    del frame["body"]["step"]["seq_lens"]
-    with pytest.raises(ValueError, match=r"RunStep\.step\.seq_lens"):
+    del frame["body"]["config"]["block_size"]
+    with pytest.raises(ValueError, match=r"Setup\.config\.block_size"):
         decode(json.dumps(frame).encode())
+    cut = encode(RunStep(replace(step, sampling=[], prev_dst=[1], prev_src=[0])))[:-1]   # binary: no rows,
+    with pytest.raises(ValueError, match=r"RunStep\.step\.prev_src"):              # prev_src comes last
+        decode(cut)
 
 
 @pytest.mark.gpu2
