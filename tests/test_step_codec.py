@@ -37,7 +37,7 @@ def test_tp_step_has_no_rows_and_is_compact():
 
 
 def _header(data: bytes, **change) -> bytes:
-    names = ["magic", "version", "n", "s", "num_decodes", "k", "p", "t", "j", "r0", "r1"]
+    names = ["magic", "version", "n", "s", "num_decodes", "k", "p", "t", "j"]
     values = dict(zip(names, _HEADER.unpack_from(data)))
     values.update(change)
     return _HEADER.pack(*values.values()) + data[_HEADER.size:]
@@ -78,4 +78,4 @@ def test_json_frames_still_decode():
     for msg in (AllocateKVCache(3), Shutdown()):
         assert decode(encode(msg)) == msg
     assert not encode(Shutdown()).startswith(MAGIC)
-    assert struct.calcsize("<4sH9I") == _HEADER.size
+    assert struct.calcsize("<4sH7I") == _HEADER.size

@@ -3,9 +3,8 @@
 JSON cost ~19 ms a step at batch 256 (benchmarks/tp_step_codec.py); this layout is a fixed header and
 one numpy array per field, so encoding and decoding are a few array copies:
 
-    header  "<4sH9I": magic b"PVSI", the protocol version (engine/messages.py), then the counts
-            num_tokens N, num_seqs S, num_decodes, num_samples K, num_prev P,
-            table_entries T, sampling_bytes J, reserved (0), reserved (0)
+    header  "<4sH7I": magic b"PVSI", the protocol version (engine/messages.py), then the counts
+            num_tokens N, num_seqs S, num_decodes, num_samples K, num_prev P, table_entries T, sampling_bytes J
     int32   input_ids[N], positions[N]
     int64   slot_mapping[N]              (slots may pass 2**31 in a large cache)
     int32   query_start_loc[S + 1], seq_lens[S], block_table_offsets[S + 1], block_table_entries[T],
@@ -26,7 +25,7 @@ import numpy as np
 from picovllm.engine.step_input import SamplingRow, StepInput
 
 MAGIC = b"PVSI"
-_HEADER = struct.Struct("<4sH9I")
+_HEADER = struct.Struct("<4sH7I")
 _I32, _I64 = np.dtype("<i4"), np.dtype("<i8")
 _ROW_FIELDS = tuple(f.name for f in fields(SamplingRow))
 
@@ -38,7 +37,7 @@ def encode_step(step: StepInput, version: int) -> bytes:
     table_entries = np.fromiter(chain.from_iterable(step.block_tables), dtype=_I32, count=int(offsets[-1]))
     rows = _encode_rows(step.sampling)
     header = _HEADER.pack(MAGIC, version, n, s, step.num_decodes, len(step.sample_indices),
-                          len(step.prev_dst), len(table_entries), len(rows), 0, 0)
+                          len(step.prev_dst), len(table_entries), len(rows))
     arrays = (np.asarray(step.input_ids, dtype=_I32), np.asarray(step.positions, dtype=_I32),
               np.asarray(step.slot_mapping, dtype=_I64), np.asarray(step.query_start_loc, dtype=_I32),
               np.asarray(step.seq_lens, dtype=_I32), offsets, table_entries,
@@ -57,7 +56,7 @@ def decode_step(data: bytes, version: int, where: str = "StepInput") -> StepInpu
         raise ValueError(f"{where}: {len(data)} bytes, shorter than the {_HEADER.size}-byte header")
     if data[:len(MAGIC)] != MAGIC:
         raise ValueError(f"{where}: not a step frame (magic {bytes(data[:len(MAGIC)])!r})")
-    _, sent, n, s, num_decodes, k, p, t, j, _, _ = _HEADER.unpack_from(data)
+    _, sent, n, s, num_decodes, k, p, t, j = _HEADER.unpack_from(data)
     if sent != version:
         raise ValueError(f"{where}: message version {sent}: this worker speaks version {version}")
     reader = _Reader(data, _HEADER.size, where)
