@@ -36,6 +36,7 @@ def workload(n: int = 256, max_in: int = 1024, max_out: int = 1024, temperature:
 
 def make_llm(args, **over) -> LLM:
     kw = dict(max_model_len=4096, max_num_seqs=256, max_num_batched_tokens=16384, enforce_eager=args.enforce_eager,
+              enable_prefix_caching=not args.no_prefix_caching,
               gpu_memory_utilization=0.9, async_scheduling=not args.no_overlap and args.tp == 1,
               tensor_parallel_size=args.tp)
     kw.update(over)
@@ -132,7 +133,8 @@ def disagg(args) -> dict:
     from picovllm.disagg.driver import DisaggLLM
 
     common = dict(max_model_len=4096, max_num_seqs=256, max_num_batched_tokens=16384,
-                  enforce_eager=args.enforce_eager, async_scheduling=not args.no_overlap)
+                  enforce_eager=args.enforce_eager, async_scheduling=not args.no_overlap,
+                  enable_prefix_caching=not args.no_prefix_caching)
     # the two engines size their KV caches one after the other on the one GPU: P a third of it, D the rest
     with DisaggLLM(args.model, backend="cuda_ipc", prefill_device="cuda:0", decode_device="cuda:0",
                    prefill={"gpu_memory_utilization": 0.3}, decode={"gpu_memory_utilization": 0.9}, **common) as llm:
@@ -225,6 +227,8 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.6)
     ap.add_argument("--num-seqs", type=int, default=256)
     ap.add_argument("--repeat", type=int, default=1, help="throughput/disagg: runs of the workload in one process")
+    ap.add_argument("--no-prefix-caching", action="store_true",
+                    help="a repeated run of the same prompts otherwise hits the prefix cache")
     ap.add_argument("--timeline", action="store_true", help="time every step (wall and GPU)")
     ap.add_argument("--no-overlap", action="store_true", help="async_scheduling=False: host work between steps")
     ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (GPUs)")
