@@ -44,7 +44,7 @@ def make_llm(args, **over) -> LLM:
 
 
 class StepTimeline:
-    """Wraps the engine's step and the runner's execute (launch, when overlapped): wall and GPU time
+    """Wraps the engine's step and the executor's execute (launch, when overlapped): wall and GPU time
     of every step. Overlapped, a step's start event is reached on the GPU when the previous step's
     work ends, so the GPU time summed over steps is the time the GPU was busy; the rest of the wall
     time is host work the GPU waited for."""
@@ -54,7 +54,7 @@ class StepTimeline:
         self.rows: list[dict] = []
         self.t0 = time.perf_counter()
         name = "launch" if eng.overlap else "execute"
-        real_step, real_execute = eng.step, getattr(eng.runner, name)
+        real_step, real_execute = eng.step, getattr(eng.executor, name)
 
         def execute(step, *a):
             ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -77,7 +77,7 @@ class StepTimeline:
             return out
 
         eng.step = step
-        setattr(eng.runner, name, execute)
+        setattr(eng.executor, name, execute)
 
     def summary(self) -> dict:
         wall = time.perf_counter() - self.t0
@@ -195,10 +195,10 @@ def profile(args) -> dict:
     for _ in range(30):
         t0 = time.perf_counter()
         sched = eng.scheduler.schedule()
-        step = eng.runner.prepare(sched, eng.eos_token_ids)
+        step = eng.executor.prepare(sched, eng.eos_token_ids)
         t1 = time.perf_counter()
         ev0.record()
-        result = eng.runner.execute(step)
+        result = eng.executor.execute(step)
         ev1.record()
         t2 = time.perf_counter()
         eng.postprocess(sched, result)
