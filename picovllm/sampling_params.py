@@ -4,6 +4,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from picovllm.layers.structured_output import StructuredOutputsParams
+
 
 @dataclass
 class SamplingParams:
@@ -26,6 +28,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None   # token id -> added to its logit; str keys ("42") are read as ids
+    # A JSON schema, regex, choice list or grammar the output must match (a dict is read as its fields).
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         # Normalise containers so no two requests ever share a list object.
@@ -39,6 +43,8 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         self.logit_bias = _token_id_keys(self.logit_bias)
+        if isinstance(self.structured_outputs, dict):   # from JSON: batch lines, the P/D wire
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         self.validate()
 
     def validate(self) -> None:
@@ -70,6 +76,9 @@ class SamplingParams:
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
             raise bad("logprobs", "must be an int >= 0 or None")
         self._validate_penalties(bad)
+        so = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            raise bad("structured_outputs", "must be a StructuredOutputsParams (or a dict of its fields)")
 
     def _validate_penalties(self, bad) -> None:
         for name in ("presence_penalty", "frequency_penalty"):

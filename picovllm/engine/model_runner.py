@@ -19,6 +19,7 @@ from picovllm.engine.scheduler import SchedulerOutput
 from picovllm.layers.attention import AttentionMetadata
 from picovllm.layers.logits_processors import adjust_logits
 from picovllm.layers.sampler import SamplingTensors, sample, seeded_stream
+from picovllm.layers.structured_output import apply_token_bitmasks
 from picovllm.loader.source import ModelSource
 from picovllm.loader.engine_weights import load_model_weights
 from picovllm.models import MODEL_REGISTRY
@@ -44,6 +45,7 @@ class SamplingRow:
     output_token_ids: list[int] = field(default_factory=list)
     prompt_token_ids: list[int] = field(default_factory=list)
     pending_src: int = -1     # overlapped: the in-flight step's row sampling this request's last output, or -1
+    token_bitmask: torch.Tensor | None = None   # structured outputs: allowed tokens, packed (host, int32)
 
     @property
     def has_penalties(self) -> bool:
@@ -265,6 +267,8 @@ class ModelRunner:
             row.output_token_ids = list(req.output_token_ids)
             row.prompt_token_ids = req.prompt_token_ids if p.repetition_penalty != 1 else []  # never mutated
             row.pending_src = req.pending_row if req.num_pending_tokens else -1
+        if req.grammar is not None:
+            row.token_bitmask = req.grammar.next_bitmask()
         return row
 
     def execute(self, step: StepInput) -> StepResult:
@@ -353,6 +357,7 @@ class ModelRunner:
         dev = logits.device
         raw = logits
         logits = adjust_logits(logits, rows, prev_tokens)   # bias, banned tokens, penalties
+        logits = apply_token_bitmasks(logits, rows)         # structured outputs
         temps = [r.temperature for r in rows]
         if all(x == 0 for x in temps):   # greedy batch: no sampling tensors to upload
             tokens = logits.argmax(-1)
