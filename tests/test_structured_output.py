@@ -146,3 +146,30 @@ def test_refused_on_disaggregated_roles(default_model_path):
                                          "disaggregated"):
         eng.add_request(PROMPT, so_params(0.0, 0, choice=["a"]))
     eng.shutdown()
+
+
+def test_bounded_strings_admit_no_raw_control_characters(default_llm: LLM):
+    """JSON strings hold no raw control characters and UTF-8 text no surrogates (json.loads and bytes.decode
+    are the oracles); xgrammar 0.2.8 admits both unless picovllm's grammar fixes it."""
+    from picovllm.layers.structured_output import StructuredOutputCompiler
+    eng = default_llm.engine
+    compiler = StructuredOutputCompiler(eng.tokenizer, eng.model_config.vocab_size, eng.eos_token_ids)
+    schema = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 5}}, "required": ["s"]}
+    for tail, ok in [("ab\"}", True), ("a\x08\"}", False), ("a\\n\"}", False), ("\"}", True)]:
+        state = compiler.new_state(StructuredOutputsParams(json=schema))
+        accepted = state._matcher.accept_string('{"s": "' + tail)
+        valid = True
+        try:
+            json.loads('{"s": "' + tail)
+        except json.JSONDecodeError:
+            valid = False
+        assert accepted == ok, tail
+        assert valid or not accepted, tail   # never accepts what json.loads rejects
+    tokens = {b: i for i, b in enumerate(compiler._info.decoded_vocab) if b in (b"\xed", b"\xa0", b"\x9f")}
+    for string in ({"type": "string", "maxLength": 5}, {"type": "string"}):   # bounded and unbounded
+        schema = {"type": "object", "properties": {"s": string}, "required": ["s"]}
+        for second, ok in [(b"\xa0", False), (b"\x9f", True)]:   # ED A0: a surrogate; ED 9F: U+D7C0-U+D7FF
+            state = compiler.new_state(StructuredOutputsParams(json=schema, source="s"))
+            assert state._matcher.accept_string('{"s": "')
+            got = state.accept(tokens[b"\xed"]) and state.accept(tokens[second])
+            assert got == ok, (string, second)

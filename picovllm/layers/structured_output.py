@@ -76,6 +76,25 @@ class StructuredOutputsParams:
             raise bad
 
 
+# Two fixes to xgrammar 0.2.8's JSON grammar, so that every accepted string is JSON (json.loads is the test's
+# oracle): a string with minLength/maxLength gets characters [^"\\\r\n], which admits raw control characters;
+# and no string character class excludes UTF-16 surrogates (bytes ED A0..BF xx), which are not UTF-8 text.
+_BOUNDED_STRING_CHAR = '[^\\"\\\\\\r\\n]'
+_CONTROL_CHARS = ("[^\\0-\\x1f", "[^\\x00-\\x1f")    # how negated string classes start
+_NOT_SURROGATES = "\\uD800-\\uDFFF"
+
+
+def json_schema_grammar(schema_text: str) -> str:
+    """The EBNF grammar of a JSON schema's instances: compact (no free whitespace between tokens, which a
+    small model would otherwise spend its tokens on), strings of JSON characters only."""
+    import xgrammar as xgr
+    ebnf = str(xgr.Grammar.from_json_schema(schema_text, any_whitespace=False))
+    ebnf = ebnf.replace(_BOUNDED_STRING_CHAR, _CONTROL_CHARS[1] + '\\"\\\\]')
+    for start in _CONTROL_CHARS:
+        ebnf = ebnf.replace(start, start + _NOT_SURROGATES)
+    return ebnf
+
+
 def choice_grammar(choices: list[str]) -> str:
     """An EBNF grammar matching exactly one of the strings (JSON string escapes are EBNF's too)."""
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
@@ -117,6 +136,7 @@ class StructuredOutputCompiler:
             raise ValueError("structured outputs need the xgrammar package: pip install 'picovllm[serve]'") from None
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                   stop_token_ids=list(stop_token_ids))
+        self._info = info
         self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=True, cache_limit_bytes=CACHE_BYTES)
         self.vocab_size = vocab_size
 
@@ -132,10 +152,9 @@ class StructuredOutputCompiler:
         if p.kind == "json":
             text = p.json if isinstance(p.json, str) else json.dumps(p.json)
             json.loads(text)   # xgrammar's own message for bad JSON text is less clear
-            # No free whitespace between tokens: a small model would otherwise spend its tokens on it.
-            return c.compile_json_schema(text, any_whitespace=False)
+            return c.compile_grammar(json_schema_grammar(text))
         if p.kind == "json_object":
-            return c.compile_json_schema('{"type": "object"}', any_whitespace=False)
+            return c.compile_grammar(json_schema_grammar('{"type": "object"}'))
         if p.kind == "regex":
             return c.compile_regex(p.regex)
         if p.kind == "choice":

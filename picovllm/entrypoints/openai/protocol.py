@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, create_model, field_validator
 
 from picovllm.entrypoints.parallel_sampling import sample_params
+from picovllm.layers.structured_output import StructuredOutputsParams
 from picovllm.sampling_params import SamplingParams
 
 MAX_INT = 2**31 - 1
@@ -60,11 +61,8 @@ class StreamOptions(_Strict):
 
 
 # Refused fields and the values that ask for nothing (None always does): any other value is a 400.
-# Structured outputs (response_format other than text, vLLM's guided_* and structured_outputs) are the
-# important ones: a client that asks for JSON must not get prose as if it were JSON.
 REFUSED_COMMON: dict[str, tuple] = {
-    "response_format": ({"type": "text"},), "guided_json": (), "guided_regex": (), "guided_choice": (),
-    "guided_grammar": (), "guided_decoding_backend": (), "guided_whitespace_pattern": (), "structured_outputs": (),
+    "guided_decoding_backend": (), "guided_whitespace_pattern": (),
     "functions": (), "function_call": ("none",), "tool_choice": ("none",), "prompt_logprobs": (),
     "use_beam_search": (False,), "length_penalty": (1,), "include_stop_str_in_output": (False,),
     "allowed_token_ids": (), "bad_words": ([],), "truncate_prompt_tokens": (), "spaces_between_special_tokens": (True,),
@@ -90,8 +88,8 @@ def _same(value: Any, ok: Any) -> bool:
 def refuse_unless_noop(name: str, value: Any, noop: dict[str, tuple]) -> Any:
     if value is None or any(_same(value, ok) for ok in noop[name]):
         return value
-    if name in ("response_format", "structured_outputs") or name.startswith("guided_"):
-        raise ValueError("is not supported: this server has no structured output (constrained decoding) yet")
+    if name.startswith("guided_"):   # guided_decoding_backend, guided_whitespace_pattern
+        raise ValueError("is not supported: the backend is xgrammar, JSON is compact (send null or omit it)")
     if name in ("functions", "function_call", "tool_choice", "tool_calls"):
         raise ValueError("is not supported: this server has no tool calling yet")
     allowed = " or ".join(repr(v) for v in noop[name])
@@ -114,7 +112,63 @@ _RefusedChat = refusing_model("_RefusedChat", REFUSED_CHAT)
 _RefusedCompletion = refusing_model("_RefusedCompletion", REFUSED_COMPLETION)
 
 
-class _SamplingRequest(_RefusedCommon):
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None    # {"name", "description", "schema", "strict"}: schema is used
+
+
+# The ways a request may constrain its output, in the order they are named in errors; at most one per request.
+STRUCTURED_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                     "structured_outputs")
+
+
+class _StructuredRequest(_Strict):
+    """response_format and vLLM's guided_* / structured_outputs, read into one StructuredOutputsParams."""
+    response_format: ResponseFormat | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[str], Field(min_length=1)] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None    # vLLM's: {"json" | "regex" | "choice" | "grammar" | ...}
+
+    def structured_output_params(self) -> StructuredOutputsParams | None:
+        given = [f for f in STRUCTURED_FIELDS if getattr(self, f) is not None
+                 and not (f == "response_format" and self.response_format.type == "text")]
+        if len(given) > 1:
+            raise APIError(400, f"give at most one of {', '.join(given)}", param=given[1])
+        if not given:
+            return None
+        f = given[0]
+        try:
+            if f == "response_format":
+                return self._response_format_params()
+            if f == "structured_outputs":
+                return StructuredOutputsParams(**self._known_keys(), source=f)
+            return StructuredOutputsParams(**{f.removeprefix("guided_"): getattr(self, f)}, source=f)
+        except (TypeError, ValueError) as e:
+            raise APIError(400, str(e), param=f) from None
+
+    def _response_format_params(self) -> StructuredOutputsParams:
+        rf = self.response_format
+        if rf.type == "json_object":
+            return StructuredOutputsParams(json_object=True, source="response_format")
+        spec = rf.json_schema
+        if not isinstance(spec, dict):
+            raise ValueError("response_format.json_schema is required with type json_schema")
+        schema = spec.get("schema")
+        if schema is None:   # OpenAI: a schema is optional; without one, any JSON object
+            return StructuredOutputsParams(json_object=True, source="response_format.json_schema")
+        return StructuredOutputsParams(json=schema, source="response_format.json_schema.schema")
+
+    def _known_keys(self) -> dict:
+        so = self.structured_outputs
+        unknown = sorted(set(so) - {"json", "regex", "choice", "grammar", "json_object"})
+        if unknown:
+            raise ValueError(f"structured_outputs.{unknown[0]} is not supported")
+        return so
+
+
+class _SamplingRequest(_StructuredRequest, _RefusedCommon):
     """Fields shared by completions and chat completions."""
     model: str | None = None
     temperature: FiniteFloat | None = Field(None, ge=0, le=2)
@@ -157,7 +211,7 @@ class _SamplingRequest(_RefusedCommon):
                 ignore_eos=self.ignore_eos, logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
                 presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
                 repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
-                logit_bias=self.logit_bias)
+                logit_bias=self.logit_bias, structured_outputs=self.structured_output_params())
         except ValueError as e:
             raise APIError(400, str(e)) from None
 
