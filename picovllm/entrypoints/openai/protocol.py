@@ -10,10 +10,12 @@ as OpenAI and vLLM do.
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, create_model, field_validator
 
+from picovllm.entrypoints.openai.tool_calls import ToolPolicy
 from picovllm.entrypoints.parallel_sampling import sample_params
 from picovllm.layers.structured_output import StructuredOutputsParams
 from picovllm.sampling_params import SamplingParams
@@ -63,7 +65,7 @@ class StreamOptions(_Strict):
 # Refused fields and the values that ask for nothing (None always does): any other value is a 400.
 REFUSED_COMMON: dict[str, tuple] = {
     "guided_decoding_backend": (), "guided_whitespace_pattern": (),
-    "functions": (), "function_call": ("none",), "tool_choice": ("none",), "prompt_logprobs": (),
+    "functions": (), "function_call": ("none",), "prompt_logprobs": (),
     "use_beam_search": (False,), "length_penalty": (1,), "include_stop_str_in_output": (False,),
     "allowed_token_ids": (), "bad_words": ([],), "truncate_prompt_tokens": (), "spaces_between_special_tokens": (True,),
     "return_tokens_as_token_ids": (False,), "priority": (0,), "logits_processors": (), "vllm_xargs": (),
@@ -76,6 +78,7 @@ REFUSED_CHAT: dict[str, tuple] = {
 }
 REFUSED_COMPLETION: dict[str, tuple] = {
     "add_special_tokens": (True,), "prompt_embeds": (),   # add_special_tokens: as LLM.generate encodes
+    "tool_choice": ("none",),                             # tools are chat's
 }
 
 
@@ -90,8 +93,8 @@ def refuse_unless_noop(name: str, value: Any, noop: dict[str, tuple]) -> Any:
         return value
     if name.startswith("guided_"):   # guided_decoding_backend, guided_whitespace_pattern
         raise ValueError("is not supported: the backend is xgrammar, JSON is compact (send null or omit it)")
-    if name in ("functions", "function_call", "tool_choice", "tool_calls"):
-        raise ValueError("is not supported: this server has no tool calling yet")
+    if name in ("functions", "function_call"):
+        raise ValueError("is not supported: use tools and tool_choice")
     allowed = " or ".join(repr(v) for v in noop[name])
     raise ValueError("is not supported" + (f" (only {allowed} or null)" if allowed else " (send null or omit it)"))
 
@@ -268,10 +271,23 @@ class TextPart(_Strict):
     text: str
 
 
-class ChatMessage(refusing_model("_RefusedInMessage", {"tool_calls": ([],), "function_call": ()})):
+class CalledFunction(_Strict):
+    name: str
+    arguments: str
+
+
+class MessageToolCall(_Strict):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
+class ChatMessage(refusing_model("_RefusedInMessage", {"function_call": ()})):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None    # an assistant's earlier calls
+    tool_call_id: str | None = None                    # a tool message: which call it answers
 
     def as_template_dict(self) -> dict:
         content = self.content
@@ -280,7 +296,41 @@ class ChatMessage(refusing_model("_RefusedInMessage", {"tool_calls": ([],), "fun
         d = {"role": self.role, "content": content or ""}
         if self.name is not None:
             d["name"] = self.name
+        if self.tool_call_id is not None:
+            d["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            # chat templates (Qwen's, HF's convention) take the arguments as an object, not as JSON text
+            d["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": _json_or_text(c.function.arguments)}} for c in self.tool_calls]
         return d
+
+
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+class FunctionSpec(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None    # a JSON schema; required and named calls are constrained by it
+    strict: bool | None = None
+
+
+class ToolSpec(_Strict):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
 
 
 class ChatCompletionRequest(_SamplingRequest, _RefusedChat):
@@ -290,14 +340,31 @@ class ChatCompletionRequest(_SamplingRequest, _RefusedChat):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
-    tools: list | None = None
+    tools: Annotated[list[ToolSpec], Field(max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
 
-    @field_validator("tools")
-    @classmethod
-    def _no_tools(cls, v: list | None) -> list | None:
-        if v:
-            raise ValueError("tools are not supported")
-        return v
+    def tool_policy(self) -> ToolPolicy:
+        """Raises APIError naming tools or tool_choice when they do not fit together."""
+        tools = [t.model_dump(exclude_none=True) for t in self.tools or []]
+        names = [t["function"]["name"] for t in tools]
+        if len(set(names)) != len(names):
+            raise APIError(400, "tools: function names must be unique", param="tools")
+        choice = self.tool_choice if self.tool_choice is not None else ("auto" if tools else "none")
+        if isinstance(choice, NamedToolChoice):
+            if choice.function.name not in names:
+                raise APIError(400, f"tool_choice: no tool named {choice.function.name!r} in tools", param="tool_choice")
+            return ToolPolicy(tools, "named", choice.function.name)
+        if choice != "none" and not tools:
+            raise APIError(400, f"tool_choice {choice!r} needs tools", param="tool_choice")
+        return ToolPolicy(tools, choice)
+
+    def structured_output_params(self) -> StructuredOutputsParams | None:
+        own = super().structured_output_params()
+        forced = self.tool_policy().constraint()
+        if forced is not None and own is not None:
+            raise APIError(400, f"{own.source}: cannot be combined with a required or named tool_choice",
+                           param=own.source.split(".")[0])
+        return forced or own
 
     @property
     def max_new_tokens(self) -> int | None:
