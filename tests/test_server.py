@@ -204,7 +204,7 @@ def test_unhonoured_requests_are_refused_never_ignored(server, client):
     msgs = [{"role": "user", "content": "Answer in JSON"}]
     cases = [(dict(extra_body={"guided_decoding_backend": "outlines"}), "guided_decoding_backend"),
              (dict(extra_body={"guided_whitespace_pattern": " "}), "guided_whitespace_pattern"),
-             (dict(tool_choice="required"), "tool_choice")]
+             (dict(extra_body={"functions": [{"name": "f"}]}), "functions")]
     for kw, field in cases:
         for stream in (False, True):
             with pytest.raises(openai.BadRequestError) as e:
@@ -276,6 +276,72 @@ def test_bad_constraints_get_400_naming_the_field(server, client):
             assert e.value.body["param"] == param and param in e.value.body["message"], e.value.body
     ok = client.chat.completions.create(model=model, messages=msgs, max_tokens=4)   # the server is fine
     assert ok.choices[0].finish_reason in ("stop", "length")
+    assert_idle(server)
+
+
+CITY_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                              "parameters": {"type": "object", "required": ["city", "days"],
+                                                             "properties": {"city": {"type": "string", "maxLength": 8},
+                                                                            "days": {"type": "integer", "minimum": 1,
+                                                                                     "maximum": 7}}}}}
+CLOCK_TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}}}
+
+
+def _streamed_tool_calls(chunks) -> tuple[list[dict], str]:
+    """The calls as a client accumulates them from tool_calls deltas (by index), and the finish reason."""
+    calls, finish = {}, None
+    for c in chunks:
+        if not c.choices:
+            continue
+        for d in c.choices[0].delta.tool_calls or []:
+            call = calls.setdefault(d.index, {"name": "", "arguments": "", "id": None})
+            call["id"] = d.id or call["id"]
+            call["name"] += (d.function.name or "") if d.function else ""
+            call["arguments"] += (d.function.arguments or "") if d.function else ""
+        finish = c.choices[0].finish_reason or finish
+    return [calls[i] for i in sorted(calls)], finish
+
+
+@pytest.fixture(scope="module")
+def tool_client(tmp_path_factory):
+    """A server whose tiny model takes long prompts: its ChatML template has no tools, so they come as a
+    system message of some 500 of its tokens."""
+    from serving_fixtures import build_tiny_chat_model
+    path = build_tiny_chat_model(str(tmp_path_factory.mktemp("toolmodel") / "model"), max_position_embeddings=2048)
+    srv = ServerProcess(path, str(tmp_path_factory.mktemp("log") / "tools.log"), "--num-kv-blocks", "512",
+                        "--max-model-len", "2048")
+    yield srv, openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+    assert srv.stop(signal.SIGINT) == 0, srv.log()
+
+
+def test_tool_calls_round_trip(tool_client):
+    """Named and required tool_choice through the openai client, streamed and not: every call names a given
+    tool and its arguments validate against that tool's schema (jsonschema); finish_reason is tool_calls."""
+    import jsonschema
+    server, client = tool_client
+    model = client.models.list().data[0].id
+    msgs = [{"role": "user", "content": "What is the weather in Paris?"}]
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (CITY_TOOL, CLOCK_TOOL)}
+    named = {"type": "function", "function": {"name": "get_time"}}
+    for seed in range(3):
+        for choice in (named, "required"):
+            # one call: a random-weight model would otherwise add calls until max_tokens
+            kw = dict(model=model, messages=msgs, tools=[CITY_TOOL, CLOCK_TOOL], tool_choice=choice,
+                      max_tokens=120, temperature=1.0, seed=seed, parallel_tool_calls=False)
+            r = client.chat.completions.create(**kw)
+            assert r.choices[0].finish_reason == "tool_calls", r
+            got = [{"name": c.function.name, "arguments": c.function.arguments, "id": c.id}
+                   for c in r.choices[0].message.tool_calls]
+            streamed, finish = _streamed_tool_calls(client.chat.completions.create(stream=True, **kw))
+            assert finish == "tool_calls"
+            assert [(c["name"], c["arguments"]) for c in streamed] == [(c["name"], c["arguments"]) for c in got]
+            for call in got + streamed:
+                assert call["id"] and (choice == "required" or call["name"] == "get_time")
+                jsonschema.validate(json.loads(call["arguments"]), schemas[call["name"]])
+    plain = client.chat.completions.create(model=model, messages=msgs, tools=[CITY_TOOL], tool_choice="none",
+                                           max_tokens=8)
+    assert plain.choices[0].message.tool_calls is None and plain.choices[0].finish_reason in ("stop", "length")
     assert_idle(server)
 
 

@@ -48,6 +48,11 @@ def test_required_and_named_constraints_validate_and_parse():
     assert named.sampling_params(8, None).structured_outputs.json == WEATHER["function"]["parameters"]
     assert named.tool_policy().parse('{"city": "Rome"}')[1][0].arguments == '{"city": "Rome"}'
     assert named.tool_policy().parse('{"city": "Ro')[1] == []    # cut by max_tokens: no broken call
+    single = request(tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False)
+    schema = single.sampling_params(8, None).structured_outputs.json
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(json.loads(calls_text), schema)
+    jsonschema.validate(json.loads(calls_text)[:1], schema)
 
 
 @pytest.mark.parametrize("kw,param", [

@@ -342,6 +342,7 @@ class ChatCompletionRequest(_SamplingRequest, _RefusedChat):
     add_generation_prompt: bool = True
     tools: Annotated[list[ToolSpec], Field(max_length=128)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     def tool_policy(self) -> ToolPolicy:
         """Raises APIError naming tools or tool_choice when they do not fit together."""
@@ -353,10 +354,10 @@ class ChatCompletionRequest(_SamplingRequest, _RefusedChat):
         if isinstance(choice, NamedToolChoice):
             if choice.function.name not in names:
                 raise APIError(400, f"tool_choice: no tool named {choice.function.name!r} in tools", param="tool_choice")
-            return ToolPolicy(tools, "named", choice.function.name)
+            return ToolPolicy(tools, "named", choice.function.name, self.parallel_tool_calls)
         if choice != "none" and not tools:
             raise APIError(400, f"tool_choice {choice!r} needs tools", param="tool_choice")
-        return ToolPolicy(tools, choice)
+        return ToolPolicy(tools, choice, parallel=self.parallel_tool_calls)
 
     def structured_output_params(self) -> StructuredOutputsParams | None:
         own = super().structured_output_params()

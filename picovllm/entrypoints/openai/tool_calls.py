@@ -42,6 +42,7 @@ class ToolPolicy:
     tools: list[dict]             # OpenAI tool objects: {"type": "function", "function": {name, parameters, ...}}
     mode: str
     named: str | None = None
+    parallel: bool = True         # parallel_tool_calls: false -> at most one call
 
     @property
     def functions(self) -> dict[str, dict]:
@@ -60,6 +61,8 @@ class ToolPolicy:
         calls = [{"type": "object", "required": ["name", "arguments"],
                   "properties": {"name": {"const": n}, "arguments": self._parameters(n)}} for n in self.functions]
         schema = {"type": "array", "minItems": 1, "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
+        if not self.parallel:
+            schema["maxItems"] = 1
         return StructuredOutputsParams(json=schema, source="tools")
 
     def _parameters(self, name: str) -> dict:
@@ -97,7 +100,7 @@ class ToolPolicy:
         if not calls:
             return text, []
         content = text[:first].strip()
-        return content or None, calls
+        return content or None, calls if self.parallel else calls[:1]
 
 
 def template_renders_tools(chat_template: str | None) -> bool:
