@@ -4,7 +4,54 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from picovllm.layers.structured_output import StructuredOutputsParams
+
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Exactly one of these constrains the output (vLLM's StructuredOutputsParams):
+    json: a JSON schema (dict or its text); regex: the output fullmatches it; choice: the output is one of
+    these strings; grammar: an EBNF (GBNF) grammar whose rule `root` the output matches; json_object: any
+    JSON object. `source`: the name the caller gave the constraint by (e.g. a request field), used in errors."""
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    source: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.choice is not None and isinstance(self.choice, (list, tuple)):
+            self.choice = list(self.choice)   # never the caller's list
+        self.validate()
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def field_name(self) -> str:
+        return self.source or f"SamplingParams.structured_outputs.{self.kind}"
+
+    def validate(self) -> None:
+        given = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"{self.source or 'SamplingParams.structured_outputs'}: give exactly one of "
+                             f"{', '.join(STRUCTURED_KINDS)}, got {given or 'none'}")
+        bad = ValueError(f"{self.field_name} must be " + {
+            "json": "a JSON schema (an object or its JSON text)", "regex": "a string", "grammar": "a string",
+            "choice": "a non-empty list of strings", "json_object": "true"}[self.kind])
+        value = getattr(self, self.kind)
+        if self.kind == "json" and not isinstance(value, (str, dict)):
+            raise bad
+        if self.kind in ("regex", "grammar") and not isinstance(value, str):
+            raise bad
+        if self.kind == "choice" and not (isinstance(value, list) and value
+                                          and all(isinstance(c, str) for c in value)):
+            raise bad
+        if self.kind == "json_object" and value is not True:
+            raise bad
 
 
 @dataclass

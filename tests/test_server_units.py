@@ -11,7 +11,7 @@ from picovllm.engine.request import Request
 from picovllm.entrypoints.openai.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from picovllm.entrypoints.openai.serving import TextDeltas
 from picovllm.outputs import CompletionOutput
-from picovllm.layers.structured_output import StructuredOutputsParams
+from picovllm.sampling_params import StructuredOutputsParams
 from picovllm.sampling_params import SamplingParams
 
 

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from picovllm import LLM, SamplingParams
-from picovllm.layers.structured_output import StructuredOutputsParams, apply_token_bitmasks
+from picovllm.layers.structured_output import apply_token_bitmasks
+from picovllm.sampling_params import StructuredOutputsParams
 from picovllm.engine.model_runner import SamplingRow
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -1,7 +1,8 @@
 """Structured outputs: a grammar (JSON schema, regex, choice list, EBNF) compiled into per-token masks.
 
 Compilation and matching are xgrammar's (chosen over llguidance by measured mask time: see BENCHMARKS.md).
-Each request with `SamplingParams.structured_outputs` holds a `GrammarState` (a matcher over the tokens it has
+The request's side is `picovllm.sampling_params.StructuredOutputsParams` (torch-free). Each request with
+`SamplingParams.structured_outputs` holds a `GrammarState` (a matcher over the tokens it has
 accepted). When a step is prepared, the state fills a packed bitmask on the host (int32 words, bit j of word i
 allows token 32 i + j; a few microseconds for a 49k or 151k vocabulary); the sampler uploads the batch's
 bitmasks as one [rows, words] tensor and masks every constrained row at once on the device
@@ -18,62 +19,16 @@ Compiled grammars are cached by xgrammar's compiler, one per engine (so per toke
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
+from picovllm.sampling_params import StructuredOutputsParams
+
 if TYPE_CHECKING:
     from picovllm.engine.model_runner import SamplingRow
 
-KINDS = ("json", "regex", "choice", "grammar", "json_object")
 CACHE_BYTES = 256 << 20   # compiled grammars kept per engine
-
-
-@dataclass
-class StructuredOutputsParams:
-    """Exactly one of these constrains the output (vLLM's StructuredOutputsParams):
-    json: a JSON schema (dict or its text); regex: the output fullmatches it; choice: the output is one of
-    these strings; grammar: an EBNF (GBNF) grammar whose rule `root` the output matches; json_object: any
-    JSON object. `source`: the name the caller gave the constraint by (e.g. a request field), used in errors."""
-    json: str | dict | None = None
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None
-    json_object: bool = False
-    source: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.choice is not None and isinstance(self.choice, (list, tuple)):
-            self.choice = list(self.choice)   # never the caller's list
-        self.validate()
-
-    @property
-    def kind(self) -> str:
-        return next(k for k in KINDS if getattr(self, k) not in (None, False))
-
-    @property
-    def field_name(self) -> str:
-        return self.source or f"SamplingParams.structured_outputs.{self.kind}"
-
-    def validate(self) -> None:
-        given = [k for k in KINDS if getattr(self, k) not in (None, False)]
-        if len(given) != 1:
-            raise ValueError(f"{self.source or 'SamplingParams.structured_outputs'}: give exactly one of "
-                             f"{', '.join(KINDS)}, got {given or 'none'}")
-        bad = ValueError(f"{self.field_name} must be " + {
-            "json": "a JSON schema (an object or its JSON text)", "regex": "a string", "grammar": "a string",
-            "choice": "a non-empty list of strings", "json_object": "true"}[self.kind])
-        value = getattr(self, self.kind)
-        if self.kind == "json" and not isinstance(value, (str, dict)):
-            raise bad
-        if self.kind in ("regex", "grammar") and not isinstance(value, str):
-            raise bad
-        if self.kind == "choice" and not (isinstance(value, list) and value
-                                          and all(isinstance(c, str) for c in value)):
-            raise bad
-        if self.kind == "json_object" and value is not True:
-            raise bad
 
 
 # Two fixes to xgrammar 0.2.8's JSON grammar, so that every accepted string is JSON (json.loads is the test's

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, create_model,
 
 from picovllm.entrypoints.openai.tool_calls import ToolPolicy
 from picovllm.entrypoints.parallel_sampling import sample_params
-from picovllm.layers.structured_output import StructuredOutputsParams
+from picovllm.sampling_params import StructuredOutputsParams
 from picovllm.sampling_params import SamplingParams
 
 MAX_INT = 2**31 - 1
