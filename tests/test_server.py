@@ -345,6 +345,25 @@ def test_tool_calls_round_trip(tool_client):
     assert_idle(server)
 
 
+def test_completion_echo(server, client):
+    """echo: the choice's text is the prompt (as sent; token ids decoded) followed by the very completion the
+    same request without echo gets (greedy), streamed or not; with logprobs it is a 400 naming echo."""
+    model = client.models.list().data[0].id
+    for prompt, prefix in [("The capital of France is", "The capital of France is"), ([5, 6, 7], None)]:
+        kw = dict(model=model, prompt=prompt, max_tokens=8, temperature=0)
+        plain = client.completions.create(**kw).choices[0].text
+        if prefix is None:
+            prefix = httpx.post(server.url + "/detokenize", json={"tokens": prompt}).json()["prompt"]
+        assert client.completions.create(echo=True, **kw).choices[0].text == prefix + plain
+        streamed = "".join(c.choices[0].text for c in client.completions.create(echo=True, stream=True, **kw)
+                           if c.choices)
+        assert streamed == prefix + plain
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=model, prompt="hi", max_tokens=2, echo=True, logprobs=1)
+    assert e.value.body["param"] == "echo"
+    assert_idle(server)
+
+
 def test_n_samples_and_best_of(server, client, llm):
     """n seeded samples equal LLM.generate's (sample i: seed + i), streamed or not, on both endpoints;
     best_of returns the samples with the highest cumulative logprob."""

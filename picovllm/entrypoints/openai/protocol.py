@@ -231,12 +231,9 @@ class CompletionRequest(_SamplingRequest, _RefusedCompletion):
     best_of: int | None = Field(None, ge=1, le=MAX_N)
     suffix: str | None = None
 
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("echo is not supported")
-        return v
+    def check_echo(self) -> None:
+        if self.echo and self.logprobs is not None:
+            raise APIError(400, "echo with logprobs needs the prompt's logprobs, which are not supported", param="echo")
 
     def samples(self, params: SamplingParams) -> list[SamplingParams]:
         """One SamplingParams per sample to run: best_of of them (ranked by cumulative logprob, which
