@@ -95,3 +95,20 @@ def test_assistant_tool_calls_and_tool_results_go_to_the_template():
     msgs = [m.as_template_dict() for m in req.messages]
     assert msgs[1]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": {"city": "Oslo"}}
     assert msgs[2] == {"role": "tool", "content": "sunny", "tool_call_id": "c1"}
+
+
+def test_offline_chat_renders_tools_as_the_server_does(chat_model):
+    """LLM.apply_chat_template(tools=...) gives the ids the server's chat endpoint runs; LLM.chat(tools=...) with
+    a structured output returns valid arguments (jsonschema)."""
+    from picovllm import LLM, SamplingParams
+    llm = LLM(chat_model, num_kv_blocks=128, max_model_len=512)
+    msgs = [{"role": "user", "content": "weather?"}]
+    worker = TokenizerWorker(llm.engine.tokenizer)
+    try:
+        assert llm.apply_chat_template(msgs, tools=[WEATHER]) == asyncio.run(worker.encode_chat(msgs, True, tools=[WEATHER]))
+    finally:
+        worker.shutdown()
+    schema = {"type": "object", "required": ["city"], "properties": {"city": {"enum": ["Oslo", "Rome"]}}}
+    sp = SamplingParams(temperature=1.0, seed=3, max_tokens=40, structured_outputs={"json": schema})
+    out = llm.chat(msgs, sp, use_tqdm=False, tools=[WEATHER])[0].outputs[0]
+    jsonschema.validate(json.loads(out.text), schema)
