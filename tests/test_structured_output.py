@@ -36,6 +36,8 @@ def test_bitmask_rows_match_xgrammar_application():
     xgr.apply_token_bitmask_inplace(expect, full, indices=[0, 2, 3])
     assert torch.equal(out, expect)
     assert torch.isinf(out).any()
+    every = apply_token_bitmasks(logits[[0, 2, 3]], [row(m) for m in masks])    # all rows constrained
+    assert torch.equal(every, expect[[0, 2, 3]])
     assert apply_token_bitmasks(logits, [row(None)] * 4) is logits      # no constrained row: nothing copied
     assert not torch.isinf(logits).any()                               # raw logits (logprobs) untouched
 

@@ -150,7 +150,10 @@ def apply_token_bitmasks(logits: torch.Tensor, rows: Sequence["SamplingRow"]) ->
     if dev.type == "cuda":
         packed = packed.pin_memory().to(dev, non_blocking=True)
     allowed = unpack_bitmask(packed.to(dev), logits.shape[-1])
+    # Out of place either way: the raw logits stay as they are (logprobs are read from them).
+    if len(constrained) == len(rows):   # one pass over the logits, no copy first
+        return torch.where(allowed, logits, float("-inf"))
     idx = torch.tensor(constrained, device=dev)
-    out = logits.clone()    # the raw logits stay as they are: logprobs are read from them
+    out = logits.clone()
     out[idx] = out[idx].masked_fill(~allowed, float("-inf"))
     return out
