@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request, Response
 
 from picovllm.entrypoints.openai.protocol import ChatCompletionRequest
-from picovllm.entrypoints.openai.tool_calls import ToolPolicy
+from picovllm.entrypoints.openai.tool_calls import ToolCall, ToolPolicy
 from picovllm.entrypoints.openai.serving import (ENGINE_ERRORS, SSE_DONE, JSONBody, SampleGroup, ServingContext,
                                                  TextDeltas, final_output, now, sse, sse_error, sse_response, top_logprobs,
                                                  usage)
@@ -55,6 +55,7 @@ class ChatHandler:
                       k: int | None, policy: ToolPolicy) -> AsyncIterator[str]:
         rid, n = group.request_id, len(group.samples)
         deltas, last = [TextDeltas(stop) for _ in range(n)], {}
+        call_ids: dict[int, str] = {}    # named tool_choice: each choice's call id, once its first delta went out
         try:
             for i in range(n):
                 yield self._chunk(rid, i, {"role": "assistant", "content": ""})
@@ -64,6 +65,10 @@ class ChatHandler:
                 if not (text or out.finished or (k is not None and toks)):
                     continue
                 lps = _logprobs(c, toks, k) if k is not None else None
+                if policy.mode == "named":   # the output is the call's arguments: streamed as they come
+                    for chunk in self._named_call_chunks(rid, i, text, c, lps, policy, call_ids):
+                        yield chunk
+                    continue
                 if policy.active:   # calls are known once the output is: the text waits for the end
                     for chunk in self._tool_chunks(rid, i, c, lps, policy):
                         yield chunk
@@ -78,6 +83,23 @@ class ChatHandler:
             group.close()
         yield SSE_DONE
 
+
+    def _named_call_chunks(self, rid: str, i: int, text: str, c: CompletionOutput, lps: dict | None,
+                           policy: ToolPolicy, call_ids: dict[int, str]) -> list[str]:
+        """A named tool_choice: the first delta opens the call (index, id, type, name), the next ones add to its
+        arguments; the finish reason is tool_calls, or length when max_tokens cut the arguments short."""
+        out = []
+        if i not in call_ids:
+            call_ids[i] = ToolCall(policy.named, "").id
+            opened = {"index": 0, "id": call_ids[i], "type": "function", "function": {"name": policy.named, "arguments": ""}}
+            out.append(self._chunk(rid, i, {"tool_calls": [opened]}))
+        if text or lps is not None:
+            delta = {"tool_calls": [{"index": 0, "function": {"arguments": text}}]} if text else {}
+            out.append(self._chunk(rid, i, delta, lps))
+        if c.finish_reason is not None:
+            finish = "tool_calls" if c.finish_reason == "stop" else c.finish_reason
+            out.append(self._chunk(rid, i, {}, None, finish, c.stop_reason))
+        return out
 
     def _tool_chunks(self, rid: str, i: int, c: CompletionOutput, lps: dict | None, policy: ToolPolicy) -> list[str]:
         """While tools are active: logprobs as they come; at the end the content, then each call whole (as
