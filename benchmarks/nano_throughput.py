@@ -36,6 +36,7 @@ def workload(n: int = 256, max_in: int = 1024, max_out: int = 1024, temperature:
 
 def make_llm(args, **over) -> LLM:
     kw = dict(max_model_len=4096, max_num_seqs=256, max_num_batched_tokens=16384, enforce_eager=args.enforce_eager,
+              enable_prefix_caching=not args.no_prefix_caching,
               gpu_memory_utilization=0.9, async_scheduling=not args.no_overlap and args.tp == 1,
               tensor_parallel_size=args.tp)
     kw.update(over)
@@ -43,7 +44,7 @@ def make_llm(args, **over) -> LLM:
 
 
 class StepTimeline:
-    """Wraps the engine's step and the runner's execute (launch, when overlapped): wall and GPU time
+    """Wraps the engine's step and the executor's execute (launch, when overlapped): wall and GPU time
     of every step. Overlapped, a step's start event is reached on the GPU when the previous step's
     work ends, so the GPU time summed over steps is the time the GPU was busy; the rest of the wall
     time is host work the GPU waited for."""
@@ -53,7 +54,7 @@ class StepTimeline:
         self.rows: list[dict] = []
         self.t0 = time.perf_counter()
         name = "launch" if eng.overlap else "execute"
-        real_step, real_execute = eng.step, getattr(eng.runner, name)
+        real_step, real_execute = eng.step, getattr(eng.executor, name)
 
         def execute(step, *a):
             ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -76,7 +77,7 @@ class StepTimeline:
             return out
 
         eng.step = step
-        setattr(eng.runner, name, execute)
+        setattr(eng.executor, name, execute)
 
     def summary(self) -> dict:
         wall = time.perf_counter() - self.t0
@@ -132,7 +133,8 @@ def disagg(args) -> dict:
     from picovllm.disagg.driver import DisaggLLM
 
     common = dict(max_model_len=4096, max_num_seqs=256, max_num_batched_tokens=16384,
-                  enforce_eager=args.enforce_eager, async_scheduling=not args.no_overlap)
+                  enforce_eager=args.enforce_eager, async_scheduling=not args.no_overlap,
+                  enable_prefix_caching=not args.no_prefix_caching)
     # the two engines size their KV caches one after the other on the one GPU: P a third of it, D the rest
     with DisaggLLM(args.model, backend="cuda_ipc", prefill_device="cuda:0", decode_device="cuda:0",
                    prefill={"gpu_memory_utilization": 0.3}, decode={"gpu_memory_utilization": 0.9}, **common) as llm:
@@ -193,10 +195,10 @@ def profile(args) -> dict:
     for _ in range(30):
         t0 = time.perf_counter()
         sched = eng.scheduler.schedule()
-        step = eng.runner.prepare(sched, eng.eos_token_ids)
+        step = eng.executor.prepare(sched, eng.eos_token_ids)
         t1 = time.perf_counter()
         ev0.record()
-        result = eng.runner.execute(step)
+        result = eng.executor.execute(step)
         ev1.record()
         t2 = time.perf_counter()
         eng.postprocess(sched, result)
@@ -225,6 +227,8 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.6)
     ap.add_argument("--num-seqs", type=int, default=256)
     ap.add_argument("--repeat", type=int, default=1, help="throughput/disagg: runs of the workload in one process")
+    ap.add_argument("--no-prefix-caching", action="store_true",
+                    help="a repeated run of the same prompts otherwise hits the prefix cache")
     ap.add_argument("--timeline", action="store_true", help="time every step (wall and GPU)")
     ap.add_argument("--no-overlap", action="store_true", help="async_scheduling=False: host work between steps")
     ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (GPUs)")

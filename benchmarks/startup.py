@@ -70,7 +70,8 @@ def serve_health(env: dict, port: int) -> float:
 def summary(name: str, times: list[float], note: str = "") -> dict:
     row = {"what": name, "n": len(times), "min_s": round(min(times), 3), "median_s": round(statistics.median(times), 3),
            "max_s": round(max(times), 3)}
-    print(f"{name:16s} min {row['min_s']:6.2f} s   median {row['median_s']:6.2f} s   max {row['max_s']:6.2f} s   {note}")
+    print(f"{name:16s} min {row['min_s']:6.2f} s   median {row['median_s']:6.2f} s   "
+          f"max {row['max_s']:6.2f} s   {note}")
     return row
 
 

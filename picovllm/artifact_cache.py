@@ -13,8 +13,9 @@ off (so does `--no-disk-cache` on the command line and EngineConfig.disk_cache=F
 
 Safety, the whole contract: an entry is built in a temporary folder and renamed into place, so a reader sees a
 whole entry or none; every lookup checks the manifest (sizes and CRC-32s: whole files up to 64 MiB, samples of
-larger ones), so a truncated or overwritten entry is removed and built again; two processes that miss at once both build, the first rename wins
-and the other uses the winner's entry; a folder that cannot be written means no cache and one warning.
+larger ones), so a truncated or overwritten entry is removed and built again; two processes that miss at once
+both build, the first rename wins and the other uses the winner's entry; a folder that cannot be written means
+no cache and one warning.
 """
 from __future__ import annotations
 

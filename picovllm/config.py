@@ -21,7 +21,8 @@ def dtype_from_name(name: str) -> "torch.dtype":
     return getattr(torch, _DTYPES[name])
 
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM",
+                           "Qwen3ForCausalLM")
 
 
 @dataclass
@@ -53,6 +54,9 @@ class ModelConfig:
             raise ValueError(f"config.json architectures={archs!r}: unsupported architecture; "
                              f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
         heads = cfg["num_attention_heads"]
+        if cfg.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ValueError(f"config.json partial_rotary_factor={cfg['partial_rotary_factor']!r}: only full "
+                             "rotary embeddings (1.0) are supported")
         eos = cfg.get("eos_token_id")
         eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         return cls(
@@ -66,7 +70,7 @@ class ModelConfig:
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
-            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            max_position_embeddings=_context_length(cfg),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             rope_scaling=_rope_scaling(cfg),
             attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
@@ -74,6 +78,16 @@ class ModelConfig:
             eos_token_ids=eos,
             bos_token_id=cfg.get("bos_token_id"),
         )
+
+
+def _context_length(cfg: dict[str, Any]) -> int:
+    """max_position_embeddings, capped at a sliding window (Mistral, Phi-3): no attention path here slides
+    its window yet, and up to the window full attention is the same thing; longer requests are refused."""
+    length = cfg.get("max_position_embeddings", 4096)
+    window = cfg.get("sliding_window")
+    if window is not None and cfg.get("use_sliding_window", True) is not False:
+        length = min(length, int(window))
+    return length
 
 
 def _rope_scaling(cfg: dict[str, Any]) -> dict | None:

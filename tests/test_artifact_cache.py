@@ -126,6 +126,25 @@ def test_tiny_gguf_hit_equals_miss_equals_no_cache(tmp_path, kind):
     assert len(entries(tmp_path / "cache", "gguf")) == 1
 
 
+@pytest.mark.parametrize("damage", ["truncate", "random_bytes"])
+def test_damaged_gguf_entry_is_rebuilt(tmp_path, damage):
+    """A real entry: its weights file cut short or overwritten, then the next open serves the file's weights."""
+    path, cache = str(tmp_path / "m.gguf"), ArtifactCache(str(tmp_path / "cache"))
+    write_tiny_gguf(path, "Q4_1")
+    want = dict(open_gguf(path).weights())
+    open_gguf(path, cache)
+    (key,) = entries(tmp_path / "cache", "gguf")
+    victim = tmp_path / "cache" / "gguf" / key / "weights.safetensors"
+    size = victim.stat().st_size
+    if damage == "truncate":
+        os.truncate(victim, size - 4096)
+    else:
+        victim.write_bytes(os.urandom(size))
+    got = dict(open_gguf(path, cache).weights())
+    assert list(got) == list(want) and all(torch.equal(got[n], w) for n, w in want.items())
+    assert victim.stat().st_size == size
+
+
 def test_changed_model_file_is_never_served_stale(tmp_path):
     path, cache = str(tmp_path / "m.gguf"), ArtifactCache(str(tmp_path / "cache"))
     write_tiny_gguf(path, "Q8_0")
@@ -148,8 +167,8 @@ def test_default_model_tokenizer_from_cache_matches_transformers(tmp_path):
     cache = ArtifactCache(str(tmp_path))
     for attempt in ("miss", "hit"):
         tok = open_gguf(path, cache).load_tokenizer()
-        for text in ["Hello world", "  leading spaces\tand tabs\n", "naïve café 東京 🙂", "<|im_start|>user\nhi<|im_end|>",
-                     "1234567 + 89 = ?", ""]:
+        for text in ["Hello world", "  leading spaces\tand tabs\n", "naïve café 東京 🙂",
+                     "<|im_start|>user\nhi<|im_end|>", "1234567 + 89 = ?", ""]:
             assert tok.encode(text) == ref.encode(text), (attempt, text)
             ids = ref.encode(text)
             assert tok.decode(ids, skip_special_tokens=True) == ref.decode(ids, skip_special_tokens=True)
@@ -275,3 +294,47 @@ def test_cache_command_lists_and_clears(tmp_path, monkeypatch, capsys):
     assert cli_main(["cache", "--clear"]) == 0
     assert "removed 1 entries" in capsys.readouterr().out
     assert entries(tmp_path / "cache", "gguf") == []
+
+
+def test_kernel_build_is_cached_by_source_compiler_and_flags(tmp_path):
+    """A second process loads the compiled kernel from the cache without running the compiler; other defines are
+    another entry. The compiler is a wrapper that logs each call."""
+    log, cc = tmp_path / "cc.log", tmp_path / "cc"
+    cc.write_text(f'#!/bin/sh\necho "$@" >> {log}\nexec {shutil.which("cc") or shutil.which("gcc")} "$@"\n')
+    cc.chmod(0o755)
+    code = ("import sys; from picovllm.kernels.cpu.build import compile_library; "
+            "lib = compile_library('paged_decode.c', {'HQ': 4, 'HKV': int(sys.argv[1]), 'DIM': 64, 'BLOCK': 16}); "
+            "assert lib is not None")
+    env = dict(os.environ, CC=str(cc), PICOVLLM_CACHE_DIR=str(tmp_path / "cache"),
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    calls = []
+    for hkv in ("2", "2", "1"):
+        r = subprocess.run([sys.executable, "-c", code, hkv], env=env, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        calls.append(len(log.read_text().splitlines()) if log.exists() else 0)
+    assert calls[0] == 2 and calls[1] == 2 and calls[2] == 4      # compile + link; a hit; new defines
+    assert len(entries(tmp_path / "cache", "kernels")) == 2
+
+
+def test_prebuild_compiles_every_kernel_the_engine_loads(tmp_path, tiny_models):
+    """A first start compiles the CPU kernels at once (prebuild_cpu_kernels); the kernels the engine then loads are
+    all cache hits: the compiler runs in the prebuild's threads only."""
+    log, cc = tmp_path / "cc.log", tmp_path / "cc"
+    real_cc = shutil.which("cc") or shutil.which("gcc")
+    cc.write_text(f'#!/bin/sh\necho "$PICOVLLM_PHASE $@" >> {log}\nexec {real_cc} "$@"\n')
+    cc.chmod(0o755)
+    code = ("import os, picovllm.kernels.cpu as k; from picovllm import LLM, SamplingParams; "
+            "real = k.prebuild_cpu_kernels\n"
+            "def spy(*a, **kw):\n"
+            "    os.environ['PICOVLLM_PHASE'] = 'prebuild'; real(*a, **kw); os.environ['PICOVLLM_PHASE'] = 'later'\n"
+            "import picovllm.engine.model_runner as mr; mr.prebuild_cpu_kernels = spy\n"
+            f"llm = LLM({tiny_models['llama']!r}, num_kv_blocks=32)\n"
+            "llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)\n"
+            "assert llm.engine.runner.cpu_decode is not None\n")
+    env = dict(os.environ, CC=str(cc), PICOVLLM_CACHE_DIR=str(tmp_path / "cache"), PICOVLLM_PHASE="before",
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    phases = [line.split()[0] for line in log.read_text().splitlines()]
+    assert phases.count("prebuild") == 8 and set(phases) == {"prebuild"}, phases    # 4 kernels: compile + link
+    assert len(entries(tmp_path / "cache", "kernels")) == 4

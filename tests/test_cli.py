@@ -130,11 +130,15 @@ def test_workloads_match_the_issue():
 def test_bench_latency_runs_small(capsys):
     rc = cli_main(["bench", "latency", "--random-model", "tiny-qwen3", "--random-model-dtype", "float32",
                    "--input-len", "24", "--output-len", "6", "--prefill-len", "100", "--num-iters", "1",
-                   "--num-kv-blocks", "64"])
+                   "--prefix-len", "150", "--suffix-len", "3", "--load-seqs", "4", "--num-kv-blocks", "128",
+                   "--block-size", "16"])
     assert rc == 0
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert res["prefill_len"] == 100 and res["output_len"] == 6
     assert res["decode_ms_per_token"] > 0 and res["prefill_tok_s"] > 0
+    assert res["ttft_cached_prefix_ms"] > 0 and res["ttft_under_load_ms"] > 0 and res["load_seqs"] == 4
+    # the cached request computed only its suffix and the prefix's last partial block: 150 = 9 * 16 + 6
+    assert res["prefix_len"] == 150 and res["cached_prefix_tokens_computed"] == 6 + 3
 
 
 def test_random_checkpoint_matches_hf(tmp_path):

@@ -21,12 +21,7 @@ from picovllm.engine.llm_engine import Engine
 from picovllm.engine.request import Request, RequestStatus
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")   # tiny models on a shared 2-core machine
 
 
 class Mailbox:

@@ -120,7 +120,7 @@ def test_full_head_gather_and_scatter_against_tp1_cache(models, model):
     with LLM(path, tensor_parallel_size=2, block_size=4, num_kv_blocks=64, enable_prefix_caching=False) as llm:
         llm.generate(ps, sp, use_tqdm=False)
         runner = llm.engine.runner
-        io = FullHeadKV(runner)
+        io = FullHeadKV(llm.engine.executor)
         full = io.read(used[::-1])
         want = tp1.engine.runner.kv_cache[:, :, used[::-1]]
         assert full.shape == want.shape
@@ -137,11 +137,11 @@ def test_full_head_gather_and_scatter_against_tp1_cache(models, model):
 
 
 def test_gather_and_scatter_messages_round_trip():
-    from picovllm.engine.messages import GatherKV, ScatterKV, decode, encode
+    from picovllm.engine.messages import PROTOCOL_VERSION, GatherKV, ScatterKV, decode, encode
     for msg in (GatherKV([3, 0, 7]), ScatterKV([1])):
         assert decode(encode(msg)) == msg
     with pytest.raises(ValueError, match="GatherKV.block_ids: missing"):
-        decode(b'{"version":1,"type":"gather_kv","body":{}}')
+        decode(b'{"version":%d,"type":"gather_kv","body":{}}' % PROTOCOL_VERSION)
 
 
 def test_cli_passes_each_side_its_tp_size(monkeypatch):

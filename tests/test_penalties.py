@@ -134,6 +134,8 @@ E2E = [SamplingParams(repetition_penalty=1.5), SamplingParams(frequency_penalty=
     dict(),                                                                 # CPU decode stack (graph-like path)
     dict(async_scheduling=True, block_size=4, max_num_batched_tokens=7, num_kv_blocks=256),   # pending tokens
     dict(enforce_eager=True, block_size=16, max_num_batched_tokens=64, num_kv_blocks=9),     # preemption
+    pytest.param(dict(device="cuda", dtype="float32"),     # CUDA graphs, overlapped scheduling, Triton kernels
+                 marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]),
 ])
 def test_greedy_with_penalties_matches_hf(tiny_models, engine):
     path = tiny_models["llama"]

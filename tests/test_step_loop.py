@@ -1,9 +1,13 @@
 """StepLoop: the one loop every caller drives an Engine with, and its one wait policy."""
 from __future__ import annotations
 
+import pytest
+
 from picovllm import LLM, SamplingParams
 from picovllm.engine.step_loop import IN_FLIGHT_POLL_S, POLL_S, StepLoop
-from test_kv_connector import linked_pair, one_thread  # noqa: F401 - the fixture, for this module too
+from test_kv_connector import linked_pair
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")   # tiny models on a shared 2-core machine
 
 
 def test_colocated_waits_only_when_idle_and_never_while_a_step_is_in_flight(tiny_models):

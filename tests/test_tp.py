@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -74,7 +75,7 @@ def test_plain_batch_matches_tp1_and_hf_then_shuts_down(tp_models):
     with LLM(path, tensor_parallel_size=2, num_kv_blocks=64) as llm:
         attn = llm.engine.runner.model.attention_layers()[0]
         assert (attn.num_heads, attn.num_kv_heads) == (6, 2)   # rank 0's uneven share of 9 heads, 3 KV heads
-        pids = llm.engine.runner.worker_pids
+        pids = llm.engine.executor.worker_pids
         assert len(pids) == 1 and pids[0] in spawned_children()
         tp2 = llm.generate(prompts, sp, use_tqdm=False)
         assert tokens(tp2) == tokens(tp1) == ref
@@ -140,7 +141,7 @@ def test_penalties_and_logit_bias_match_tp1(tp_models):
 
 def test_killed_worker_raises_within_seconds_and_leaves_no_process(tp_models):
     llm = LLM(tp_models["llama"], tensor_parallel_size=2, num_kv_blocks=256)
-    pid = llm.engine.runner.worker_pids[0]
+    pid = llm.engine.executor.worker_pids[0]
     killed_at = []
 
     def kill_once_decoding():
@@ -227,12 +228,15 @@ def test_step_message_round_trips_without_pickle():
     assert decode(encode(RunStep(step))) == RunStep(step)
     cfg = EngineConfig(model="/m", dtype="bf16", device="cpu", tensor_parallel_size=2, num_kv_blocks=9)
     assert decode(encode(Setup(cfg))).config == cfg
-    frame = json.loads(encode(RunStep(step)))
+    frame = json.loads(encode(Setup(cfg)))
     with pytest.raises(ValueError, match="version"):
         decode(json.dumps(dict(frame, version=99)).encode())
-    del frame["body"]["step"]["seq_lens"]
-    with pytest.raises(ValueError, match=r"RunStep\.step\.seq_lens"):
+    del frame["body"]["config"]["block_size"]
+    with pytest.raises(ValueError, match=r"Setup\.config\.block_size"):
         decode(json.dumps(frame).encode())
+    cut = encode(RunStep(replace(step, sampling=[], prev_dst=[1], prev_src=[0])))[:-1]   # binary: no rows,
+    with pytest.raises(ValueError, match=r"RunStep\.step\.prev_src"):              # prev_src comes last
+        decode(cut)
 
 
 @pytest.mark.gpu2

@@ -28,6 +28,7 @@ from picovllm.config import EngineConfig
 from picovllm.engine.block_manager import BlockManager, prefix_salt
 from picovllm.engine.detokenizer import Detokenizer, check_stop
 from picovllm.engine.kv_connector import ConnectorReport, KVConnector
+from picovllm.engine.executor import Executor, InProcessExecutor, make_executor
 from picovllm.engine.model_runner import LaunchedStep, ModelRunner, StepResult
 from picovllm.engine.request import FinishReason, Request, RequestStatus
 from picovllm.engine.scheduler import Scheduler, SchedulerOutput
@@ -56,8 +57,10 @@ def role_connector(role: str) -> KVConnector | None:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, runner: ModelRunner | None = None,
+    def __init__(self, config: EngineConfig, runner: ModelRunner | Executor | None = None,
                  connector: KVConnector | None = None) -> None:
+        """runner: run the model through this (a ModelRunner runs in this process) instead of the
+        executor the config asks for (tests inject one); connector: instead of the role's."""
         self.config = config
         source = open_model_source(config.model, config.disk_cache)
         self.model_config = source.config
@@ -70,9 +73,11 @@ class Engine:
             self.eos_token_ids.append(self.tokenizer.eos_token_id)
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
-        self.runner = runner or self._make_runner(source)
-        num_blocks = self.runner.profile_num_blocks()
-        self.runner.allocate_kv_cache(num_blocks)
+        if isinstance(runner, ModelRunner):
+            runner = InProcessExecutor(runner)
+        self.executor: Executor = runner or self._make_runner(source)
+        num_blocks = self.executor.profile_num_blocks()
+        self.executor.allocate_kv_cache(num_blocks)
         salt = prefix_salt(source.path, config.torch_dtype)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, salt)
         self.connector = connector if connector is not None else role_connector(config.role)
@@ -87,11 +92,14 @@ class Engine:
         self._structured: StructuredOutputCompiler | None = None   # built at the first structured request
         self.stats = {"prefill_tokens": 0, "decode_tokens": 0}
 
-    def _make_runner(self, source) -> ModelRunner:
-        if self.config.tensor_parallel_size > 1:
-            from picovllm.engine.tp_executor import TPModelRunner
-            return TPModelRunner(self.config, source)
-        return ModelRunner(self.config, source)
+    def _make_runner(self, source) -> Executor:
+        """The executor the config asks for (in-process, or tensor-parallel ranks)."""
+        return make_executor(self.config, source)
+
+    @property
+    def runner(self) -> ModelRunner:
+        """This process's ModelRunner (rank 0's shard under TP): its model and KV cache, for inspection."""
+        return self.executor.runner
 
     # -- requests ------------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -208,8 +216,8 @@ class Engine:
         return self.scheduler.has_work() or self._in_flight is not None
 
     def shutdown(self) -> None:
-        """Stop the runner's helper processes (tensor-parallel workers), if any; idempotent."""
-        self.runner.shutdown()
+        """Stop the executor's helper processes (tensor-parallel workers), if any; idempotent."""
+        self.executor.shutdown()
 
     # -- a session (roles p and d): connect, close, is_done ------------------------------------
     def connect(self, channel: Channel, transfer: TransferConfig, session: int = 0) -> None:
@@ -221,7 +229,7 @@ class Engine:
             raise RuntimeError(f"a {self.config.role!r} engine without a peer connector has no peer to connect to")
         if self.connector.link is not None and not self.is_done():
             raise RuntimeError(f"the {self.config.role} engine's session is still running")
-        self.connector.connect(channel, transfer, session, self.runner)
+        self.connector.connect(channel, transfer, session, self.executor)
         self.closed = False
 
     def close(self) -> None:
@@ -240,7 +248,7 @@ class Engine:
         """One engine step. With unfinished_outputs=False only finished requests get a RequestOutput
         (LLM.generate's case: building one per request per step costs ~1 ms at batch 256).
         Overlapped, the outputs returned are those of the step launched by the previous call."""
-        device = self.runner.device
+        device = self.executor.device
         if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
             with torch.cuda.device(device):     # Triton launches on the caller's current device
                 return self._step(unfinished_outputs)
@@ -253,7 +261,7 @@ class Engine:
         sched = self._schedule()
         if sched.is_empty():
             return outputs
-        result = self.runner.execute(self.runner.prepare(sched, self.eos_token_ids))
+        result = self.executor.execute(self.executor.prepare(sched, self.eos_token_ids))
         return outputs + self.postprocess(sched, result, unfinished_outputs)
 
     def _overlapped_step(self, unfinished_outputs: bool) -> list[RequestOutput]:
@@ -268,12 +276,12 @@ class Engine:
         launched = None
         if not sched.is_empty():
             prev = self._in_flight[1] if self._in_flight else None
-            launched = self.runner.launch(self.runner.prepare(sched, self.eos_token_ids), prev)
+            launched = self.executor.launch(self.executor.prepare(sched, self.eos_token_ids), prev)
             self.advance(sched)
         outputs = []
         if self._in_flight is not None:
             done_sched, done = self._in_flight
-            outputs = self.apply_results(done_sched, self.runner.resolve(done), unfinished_outputs)
+            outputs = self.apply_results(done_sched, self.executor.resolve(done), unfinished_outputs)
         self._in_flight = (sched, launched) if launched is not None else None
         if launched is not None and all(c.request.is_finished for c in sched.chunks):
             self._in_flight = None     # every request in it has finished meanwhile: nothing to read

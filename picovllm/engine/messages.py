@@ -1,8 +1,9 @@
 """Typed messages that rank 0 of a tensor-parallel engine sends to its workers, and their wire form.
 
-The wire form is versioned JSON, never pickle: a worker only ever builds the dataclasses below from
+The wire form is versioned, never pickle: a worker only ever builds the dataclasses below from
 plain numbers, strings and lists, and a message from another protocol version fails loudly rather
-than letting the ranks run different things.
+than letting the ranks run different things. RunStep, sent every step, is a compact binary frame
+(engine/step_codec.py: a header and one array per field); the rare control messages are JSON.
 """
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ from typing import Any, Union
 import torch
 
 from picovllm.config import EngineConfig
-from picovllm.engine.model_runner import SamplingRow, StepInput
+from picovllm.engine.step_codec import decode_step, encode_step, is_step_frame
+from picovllm.engine.step_input import StepInput
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2    # 2: RunStep as a binary frame
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,8 @@ def encode(msg: Message) -> bytes:
     name = _NAMES.get(type(msg))
     if name is None:
         raise TypeError(f"{type(msg).__name__} is not a tensor-parallel message")
+    if isinstance(msg, RunStep):
+        return encode_step(msg.step, PROTOCOL_VERSION)
     if isinstance(msg, Setup):
         body = {"config": _config_to_dict(msg.config)}
     else:
@@ -75,6 +79,9 @@ def encode(msg: Message) -> bytes:
 
 
 def decode(data: bytes) -> Message:
+    """The message in data; ValueError naming the field if it is malformed or of another version."""
+    if is_step_frame(data):
+        return RunStep(decode_step(data, PROTOCOL_VERSION, "RunStep.step"))
     frame = json.loads(data)
     if frame.get("version") != PROTOCOL_VERSION:
         raise ValueError(f"message version {frame.get('version')!r}: this worker speaks version {PROTOCOL_VERSION}")
@@ -85,9 +92,7 @@ def decode(data: bytes) -> Message:
     if cls is Setup:
         return Setup(EngineConfig(**_fields(EngineConfig, body.get("config"), "Setup.config")))
     if cls is RunStep:
-        step = _fields(StepInput, body.get("step"), "RunStep.step")
-        step["sampling"] = [SamplingRow(**_fields(SamplingRow, r, "RunStep.step.sampling[]")) for r in step["sampling"]]
-        return RunStep(StepInput(**step))
+        raise ValueError("RunStep: sent as JSON, but version 2 sends it as a binary step frame")
     return cls(**_fields(cls, body, cls.__name__))
 
 

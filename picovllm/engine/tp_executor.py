@@ -1,9 +1,9 @@
-"""Tensor parallelism: rank 0's TPModelRunner drives N-1 workers, each running its shard of the model.
+"""Tensor parallelism: rank 0's TPExecutor drives N-1 workers, each running its shard of the model.
 
 Rank 0 is the caller's process and the only one with a scheduler. Each step it broadcasts a
 RunStep message on the control group, then runs its own shard; the layers' collectives keep the
 ranks in lock step, and only rank 0 samples. Workers run `run_worker`: receive a message, do what
-it says, repeat until Shutdown. TPModelRunner spawns the workers itself, unless the ranks already
+it says, repeat until Shutdown. TPExecutor spawns the workers itself, unless the ranks already
 exist (torchrun, or a world set up by the caller): then ranks other than 0 call run_worker_from_env().
 """
 from __future__ import annotations
@@ -23,8 +23,9 @@ import torch.distributed as dist
 from picovllm.config import EngineConfig
 from picovllm.distributed import TPGroup
 from picovllm.engine import tp_kv
-from picovllm.engine.messages import AllocateKVCache, ProfileKVCache, RunStep, Setup, Shutdown
-from picovllm.engine.model_runner import ModelRunner, StepInput, StepResult
+from picovllm.engine.executor import Executor
+from picovllm.engine.messages import AllocateKVCache, GatherKV, ProfileKVCache, RunStep, ScatterKV, Setup, Shutdown
+from picovllm.engine.model_runner import LaunchedStep, ModelRunner, StepInput
 from picovllm.engine.tp_workers import STARTED_KEY, TPWorkerError, WorkerProcesses, exit_with_parent
 from picovllm.engine.tp_world import (WORLD_TIMEOUT, ControlChannel, join_external_world, launched_externally,
                                       new_control_group, new_tp_group, rank_device)
@@ -123,8 +124,9 @@ class TPSession:
             torch.set_num_threads(self._threads)
 
 
-class TPModelRunner(ModelRunner):
-    """Rank 0 of a tensor-parallel engine: runs its own shard, and sends every call to the workers first."""
+class TPExecutor(Executor):
+    """Rank 0 of a tensor-parallel engine: a ModelRunner for its own shard, plus the control channel
+    to the workers. Every call that the ranks must run together is sent to the workers first."""
 
     def __init__(self, config: EngineConfig, source: ModelSource) -> None:
         self.session = TPSession()
@@ -134,7 +136,7 @@ class TPModelRunner(ModelRunner):
             with self._remote("start-up"):
                 self.session.channel.send(Setup(replace(config, model=source.path)))
                 tp = self.session.make_tp_group(device)
-                super().__init__(config, source, tp, device)
+                self.runner = ModelRunner(config, source, tp, device)
         except BaseException:
             self.session.close(graceful=False)
             raise
@@ -143,6 +145,10 @@ class TPModelRunner(ModelRunner):
     @property
     def worker_pids(self) -> list[int]:
         return self.session.workers.pids if self.session.workers is not None else []
+
+    @property
+    def supports_overlap(self) -> bool:
+        return False    # workers would need the in-flight step's tokens: the ranks step in lock step
 
     def shutdown(self) -> None:
         self._finalizer()
@@ -168,23 +174,38 @@ class TPModelRunner(ModelRunner):
     def profile_num_blocks(self) -> int:
         with self._remote("KV cache profiling"):
             self.session.channel.send(ProfileKVCache())
-            return self.session.channel.min(super().profile_num_blocks())
+            return self.session.channel.min(self.runner.profile_num_blocks())
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         with self._remote("KV cache allocation"):
             self.session.channel.send(AllocateKVCache(num_blocks))
-            super().allocate_kv_cache(num_blocks)
+            self.runner.allocate_kv_cache(num_blocks)
             self.session.channel.min(1)   # every rank has allocated (an out-of-memory shows up now)
 
     @torch.inference_mode()
-    def execute(self, step: StepInput) -> StepResult:
+    def launch(self, step: StepInput, prev: LaunchedStep | None = None) -> LaunchedStep:
+        if prev is not None or step.prev_dst:   # refused before the workers see anything
+            raise ValueError("a tensor-parallel step cannot read the tokens of a step in flight "
+                             "(EngineConfig.async_scheduling needs tensor_parallel_size 1)")
         with self._remote("a step"):
             # workers only run the forward: the sampling rows (token lists under penalties) stay here
             self.session.channel.send(RunStep(replace(step, sampling=[])))
-            logits = self.compute_logits(step)
+            logits = self.runner.compute_logits(step)
             if logits is not None and self.device.type == "cuda":
                 self._wait_for_device()
-        return self.resolve(self.launch_sampling(logits, step.sampling))
+        return self.runner.launch_sampling(logits, step.sampling)
+
+    def gather_kv(self, block_ids: list[int]) -> torch.Tensor:
+        """These blocks with every rank's KV heads, on the CPU (engine/tp_kv.py)."""
+        with self._remote("a KV gather"):
+            self.session.channel.send(GatherKV(list(block_ids)))
+            return tp_kv.gather_blocks(self.runner, self.session.channel.group, self.session.channel.src, block_ids)
+
+    def scatter_kv(self, block_ids: list[int], full: torch.Tensor) -> None:
+        """Write full-head blocks into every rank's cache, each rank its own heads."""
+        with self._remote("a KV scatter"):
+            self.session.channel.send(ScatterKV(list(block_ids)))
+            tp_kv.scatter_blocks(self.runner, self.session.channel.group, self.session.channel.src, block_ids, full)
 
     def _wait_for_device(self) -> None:
         """Wait for the step's kernels while watching the workers: a dead NCCL peer would block a sync forever."""
@@ -234,7 +255,7 @@ def run_worker_from_env() -> None:
 
 
 def spawned_worker_main(rank: int, world_size: int, store_port: int, parent_pid: int) -> None:
-    """Entry point of a worker process spawned by TPModelRunner."""
+    """Entry point of a worker process spawned by TPExecutor."""
     exit_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is rank 0's to handle; it then stops us
     try:

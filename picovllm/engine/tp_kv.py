@@ -97,21 +97,16 @@ def serve(runner, channel, msg) -> bool:
 
 
 class FullHeadKV:
-    """Rank 0's access to a TP engine's KV blocks as full heads (a transfer backend reads and writes them)."""
+    """Rank 0's access to a TP engine's KV blocks as full heads (a transfer backend reads and writes them).
+    executor: the engine's TPExecutor, which runs the gather or scatter on every rank."""
 
-    def __init__(self, runner) -> None:
-        self.runner = runner
+    def __init__(self, executor) -> None:
+        self.executor = executor
 
     def read(self, block_ids: list[int]) -> torch.Tensor:
         """[layers, 2, n, block_size, total_kv_heads, head_dim] on the CPU, from every rank's shard."""
-        r = self.runner
-        with r._remote("a KV gather"):
-            r.session.channel.send(GatherKV(list(block_ids)))
-            return gather_blocks(r, r.session.channel.group, r.session.channel.src, block_ids)
+        return self.executor.gather_kv(block_ids)
 
     def write(self, block_ids: list[int], full: torch.Tensor) -> None:
         """Write full-head blocks into every rank's cache, each rank its own heads."""
-        r = self.runner
-        with r._remote("a KV scatter"):
-            r.session.channel.send(ScatterKV(list(block_ids)))
-            scatter_blocks(r, r.session.channel.group, r.session.channel.src, block_ids, full)
+        self.executor.scatter_kv(block_ids, full)

@@ -8,7 +8,8 @@ picovllm/kernels/cpu/small_gemm.py, with its own panel-packed copy of the weight
 at M <= 32 and still ahead up to a few hundred rows (same machine; benchmarks/cpu_small_gemm.py).
 The panels are packed at load time; the oneDNN copy when a step first has more than small_m rows
 (both copies cost about 540 MB each for SmolLM2-135M). The packed copies sit next to the plain weight,
-which stays the source of truth (the loader fills it, tied embeddings share it); pack after loading. Results equal F.linear up to fp32 summation order.
+which stays the source of truth (the loader fills it, tied embeddings share it); pack after loading.
+Results equal F.linear up to fp32 summation order.
 """
 from __future__ import annotations
 

@@ -5,7 +5,8 @@ checkpoint, fusing q/k/v and gate/up, and packing write about twice the model's 
 costs seconds on a small VM (each new page is a fault). So the first start stores the result, the parameters
 and the packed panels as the model holds them, in the artifact cache, and later starts map that file: the
 parameters become copy-on-write views of the page cache and nothing is copied. The key is the checkpoint's
-identity (ModelSource.identity), the dtype, this rank's shard and the packing layout.
+identity (ModelSource.identity), the dtype, this rank's shard, the model's parameter names and shapes, and the
+packing layout.
 """
 from __future__ import annotations
 
@@ -39,8 +40,9 @@ def load_model_weights(model: nn.Module, source: ModelSource, disk_cache: bool, 
         _store(model, os.path.join(folder, FILE))
 
     if cache is not None:
+        layout = [(name, tuple(p.shape)) for name, p in model.named_parameters()]   # a model change: a new key
         key = make_key("engine-weights", source.identity, str(param.dtype), shard, small_gemm.NR,
-                       small_gemm.available())
+                       small_gemm.available(), layout)
         folder = cache.get_or_build("engine", key, build,
                                     f"{source.path} ({param.dtype}, rank {shard[0]} of {shard[1]})")
         if built:
@@ -48,7 +50,10 @@ def load_model_weights(model: nn.Module, source: ModelSource, disk_cache: bool, 
         if folder is not None:
             _map(model, os.path.join(folder, FILE))
             return
-    _load_and_pack(model, source) if packs else load_weights(model, source.weights())
+    if packs:
+        _load_and_pack(model, source)
+    else:
+        load_weights(model, source.weights())
 
 
 def _load_and_pack(model: nn.Module, source: ModelSource) -> None:

@@ -117,7 +117,8 @@ def open_gguf(path: str, cache: ArtifactCache | None = None) -> ModelSource:
     tokenizer and the dequantized weights, and later starts map those instead of reading the file again."""
     identity = ("gguf", file_identity(path))
     if cache is not None:
-        key = make_key(identity, _transformers_version())
+        config_fields = [f.name for f in dataclasses.fields(ModelConfig)]     # config.json's schema
+        key = make_key(identity, _transformers_version(), config_fields)
         folder = cache.get_or_build("gguf", key, lambda entry: _write_entry(GGUFFile(path), entry),
                                     os.path.abspath(path))
         if folder is not None:

@@ -30,7 +30,7 @@ def write(path: str, specs: list[tuple[str, tuple[int, ...]]],
         for (name, shape), (got_name, t) in zip(specs, tensors, strict=True):
             if got_name != name or tuple(t.shape) != tuple(shape):
                 raise ValueError(f"tensor_file.write: expected {name} {shape}, got {got_name} {tuple(t.shape)}")
-            f.write(t.detach().to(torch.float32).contiguous().numpy().tobytes())
+            f.write(memoryview(t.detach().to(torch.float32).contiguous().numpy()).cast("B"))   # no copy
 
 
 def read(path: str) -> Iterator[tuple[str, torch.Tensor]]:

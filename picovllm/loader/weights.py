@@ -11,7 +11,7 @@ def load_weights(model: nn.Module, weights: WeightIterator) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
     tied = getattr(model.cfg, "tie_word_embeddings", False)
-    for ckpt_name, tensor in weights:
+    for ckpt_name, tensor in _unfused(weights, model.cfg):
         if "rotary_emb.inv_freq" in ckpt_name:
             continue
         if tied and ckpt_name == "lm_head.weight":
@@ -45,3 +45,18 @@ def load_weights(model: nn.Module, weights: WeightIterator) -> None:
     missing = sorted(expected - loaded)
     if missing:
         raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:8])}" + (" ..." if len(missing) > 8 else ""))
+
+
+def _unfused(weights: WeightIterator, cfg) -> WeightIterator:
+    """Checkpoints that store q/k/v or gate/up as one tensor (Phi-3) as the separate tensors the fused
+    layers' shard loaders take: rows [q; k; v] and [gate; up]."""
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    for name, tensor in weights:
+        if ".qkv_proj." in name:
+            for part, t in zip(("q_proj", "k_proj", "v_proj"), tensor.split([q, kv, kv])):
+                yield name.replace(".qkv_proj.", f".{part}."), t
+        elif ".gate_up_proj." in name:
+            for part, t in zip(("gate_proj", "up_proj"), tensor.chunk(2)):
+                yield name.replace(".gate_up_proj.", f".{part}."), t
+        else:
+            yield name, tensor

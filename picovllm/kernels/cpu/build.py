@@ -23,38 +23,81 @@ COMPILE = ["-O3", "-march=native", "-ffast-math", "-fPIC", "-c"]
 LINK = ["-shared", "-lm"]
 
 
+OPENMP = ("-fopenmp",)      # the flags of compile_openmp_library's builds
+
+
 def compile_library(source: str, defines: dict[str, int] | None = None,
                     flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     """picovllm/kernels/cpu/<source> built with -D<name>=<value> each and `flags` (compile and link, e.g.
     -fopenmp); None without a working compiler. A build is kept in the artifact cache, keyed by every C source
     of this folder (sources include each other), the compiler, the flags and this CPU (-march=native)."""
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    cc = _compiler()
     if cc is None:
         return None
-    macros = tuple(f"-D{name}={value}" for name, value in (defines or {}).items())
-    stem = os.path.splitext(source)[0]
-
-    def build(folder: str) -> None:
-        obj = os.path.join(folder, stem + ".o")
-        subprocess.run([cc, *COMPILE, *macros, *flags, os.path.join(HERE, source), "-o", obj], check=True,
-                       capture_output=True, timeout=60)
-        subprocess.run([cc, obj, "-o", os.path.join(folder, stem + ".so"), *LINK, *flags], check=True,
-                       capture_output=True, timeout=60)
-        os.remove(obj)
-
     try:
         cache = ArtifactCache.from_env()
-        key = make_key(source, _sources_digest(), _compiler_identity(cc), COMPILE, LINK, macros, flags,
-                       _cpu_identity())
-        folder = cache.get_or_build("kernels", key, build, f"{source} {' '.join(macros)}".strip()) \
-            if cache is not None else None
+        folder = _cached_build(cache, cc, source, defines, flags) if cache is not None else None
         if folder is not None:
-            return ctypes.CDLL(os.path.join(folder, stem + ".so"))
+            return ctypes.CDLL(os.path.join(folder, _library_name(source)))
         with tempfile.TemporaryDirectory(prefix="picovllm-cpu-") as tmp:
-            build(tmp)
-            return ctypes.CDLL(os.path.join(tmp, stem + ".so"))   # stays mapped after the folder goes
+            _build(cc, source, _macros(defines), flags, tmp)
+            return ctypes.CDLL(os.path.join(tmp, _library_name(source)))   # stays mapped after the folder goes
     except (OSError, subprocess.SubprocessError):
         return None
+
+
+def prebuild(jobs: list[tuple[str, dict[str, int] | None, tuple[str, ...]]]) -> None:
+    """Compile each (source, defines, flags) into the artifact cache, all at once: on a first start the compiler
+    runs then take as long as the longest, not their sum, and compile_library later finds them built. Loads
+    nothing; does nothing without a cache or a compiler, and a failed build is left for compile_library."""
+    cc, cache = _compiler(), ArtifactCache.from_env()
+    if cc is None or cache is None or not jobs:
+        return
+
+    def one(job) -> None:
+        try:
+            _cached_build(cache, cc, *job)
+        except (OSError, subprocess.SubprocessError):
+            pass
+
+    with ThreadPoolExecutor(len(jobs), thread_name_prefix="picovllm-cc") as compilers:
+        list(compilers.map(one, jobs))
+
+
+def shape_defines(shape: tuple[int, int, int, int]) -> dict[str, int]:
+    """The -D macros of the attention kernels built for (query heads, kv heads, head dim, block size)."""
+    return dict(zip(("HQ", "HKV", "DIM", "BLOCK"), shape))
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def _macros(defines: dict[str, int] | None) -> tuple[str, ...]:
+    return tuple(f"-D{name}={value}" for name, value in (defines or {}).items())
+
+
+def _library_name(source: str) -> str:
+    return os.path.splitext(source)[0] + ".so"
+
+
+def _cached_build(cache: ArtifactCache, cc: str, source: str, defines: dict[str, int] | None,
+                  flags: tuple[str, ...]) -> str | None:
+    """The cache entry holding the build (made now on a miss); None if it could not be stored."""
+    macros = _macros(defines)
+    key = make_key(source, _sources_digest(), _compiler_identity(cc), COMPILE, LINK, macros, flags,
+                   _cpu_identity())
+    return cache.get_or_build("kernels", key, lambda folder: _build(cc, source, macros, flags, folder),
+                              f"{source} {' '.join(macros)}".strip())
+
+
+def _build(cc: str, source: str, macros: tuple[str, ...], flags: tuple[str, ...], folder: str) -> None:
+    obj = os.path.join(folder, os.path.splitext(source)[0] + ".o")
+    subprocess.run([cc, *COMPILE, *macros, *flags, os.path.join(HERE, source), "-o", obj], check=True,
+                   capture_output=True, timeout=60)
+    subprocess.run([cc, obj, "-o", os.path.join(folder, _library_name(source)), *LINK, *flags], check=True,
+                   capture_output=True, timeout=60)
+    os.remove(obj)
 
 
 @functools.lru_cache(maxsize=1)
@@ -95,7 +138,7 @@ def compile_openmp_library(source: str, defines: dict[str, int] | None = None) -
     2-core machine). None if that fails or if loading it brought in an OpenMP runtime torch does not use,
     whose threads would fight torch's."""
     before = _openmp_runtimes()
-    lib = compile_library(source, defines, flags=("-fopenmp",))
+    lib = compile_library(source, defines, flags=OPENMP)
     if lib is None or before is None or _openmp_runtimes() != before:
         return None
     return lib

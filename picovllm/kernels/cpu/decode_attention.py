@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from picovllm.kernels.cpu.build import compile_library, compile_openmp_library, run_split
+from picovllm.kernels.cpu.build import compile_library, compile_openmp_library, run_split, shape_defines
 from picovllm.layers.attention import AttentionBackend, store_kv
 
 
@@ -25,7 +25,7 @@ from picovllm.layers.attention import AttentionBackend, store_kv
 def _library(shape: tuple[int, int, int, int]) -> ctypes.CDLL | None:
     """Build and load the kernel for (query heads, kv heads, head dim, block size), once per process;
     None if there is no working C compiler."""
-    defines = dict(zip(("HQ", "HKV", "DIM", "BLOCK"), shape))
+    defines = shape_defines(shape)
     lib = compile_openmp_library("paged_decode.c", defines) or compile_library("paged_decode.c", defines)
     if lib is None:
         return None

@@ -13,7 +13,7 @@ import functools
 
 import torch
 
-from picovllm.kernels.cpu.build import compile_openmp_library
+from picovllm.kernels.cpu.build import compile_openmp_library, shape_defines
 from picovllm.kernels.cpu.decode_attention import CpuAttentionBackend, token_batch
 from picovllm.layers.attention import AttentionMetadata
 from picovllm.layers.packed_linear import SMALL_M
@@ -28,7 +28,7 @@ class Layer(ctypes.Structure):   # as in decode_stack.c
 
 @functools.lru_cache(maxsize=8)
 def _library(shape: tuple[int, int, int, int]) -> ctypes.CDLL | None:
-    lib = compile_openmp_library("decode_stack.c", dict(zip(("HQ", "HKV", "DIM", "BLOCK"), shape)))
+    lib = compile_openmp_library("decode_stack.c", shape_defines(shape))
     if lib is None:
         return None
     lib.decode_stack.argtypes = [_ptr, _i64, _i64, _i64, _f32, _f32, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr,

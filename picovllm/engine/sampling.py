@@ -1,0 +1,123 @@
+"""Sampling of a step: logits -> LaunchedStep (tokens queued on the device) -> StepResult (read on the host).
+
+The logit adjustments live in layers/logits_processors.py and the samplers in layers/sampler.py; this
+module batches a step's SamplingRows into them, asks for logprobs, and owns the step's one host sync.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from picovllm.engine.step_input import SamplingRow, to_device
+from picovllm.layers.logits_processors import adjust_logits
+from picovllm.layers.sampler import SamplingTensors, sample
+from picovllm.layers.structured_output import apply_token_bitmasks
+from picovllm.outputs import Logprob
+
+
+@dataclass
+class StepResult:
+    token_ids: list[int]
+    logprobs: list[dict[int, Logprob] | None]
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose device work is queued: the sampled tokens stay on the device (the next step's
+    inputs read them there) and are copied to host memory that resolve() reads once `done` is reached."""
+    tokens: torch.Tensor | None            # [num sampled rows] on the device; None if nothing samples
+    host: list[torch.Tensor]               # tokens, then the logprob tensors, as host copies
+    rows: list[SamplingRow]
+    done: torch.cuda.Event | None          # recorded after the copies (CUDA); None on CPU
+
+
+def launch_sampling(logits: torch.Tensor | None, rows: list[SamplingRow],
+                    prev_tokens: torch.Tensor | None = None) -> LaunchedStep:
+    """Queue sampling and the host copies. prev_tokens: the in-flight step's sampled tokens
+    (penalties count a pending output from there)."""
+    if logits is None:
+        return LaunchedStep(None, [], [], None)
+    tokens, logprob_tensors = sample_logits(logits, rows, prev_tokens)
+    host = [_to_host(t) for t in (tokens, *logprob_tensors)]
+    done = None
+    if tokens.is_cuda:
+        done = torch.cuda.Event()
+        done.record()
+    return LaunchedStep(tokens, host, rows, done)
+
+
+def resolve(launched: LaunchedStep) -> StepResult:
+    """Wait for a launched step and read its sampled tokens (the step loop's one host sync)."""
+    if launched.tokens is None:
+        return StepResult([], [])
+    if launched.done is not None:
+        launched.done.synchronize()
+    tokens = launched.host[0].tolist()
+    return StepResult(tokens, _logprob_dicts(tokens, launched.host[1:], launched.rows))
+
+
+def sample_logits(logits: torch.Tensor, rows: list[SamplingRow], prev_tokens: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, tuple]:
+    """Sampled token ids [B] on the device, and the logprob tensors the rows ask for (or ()).
+    logits in the model's dtype: the fused GPU sampler reads them as they are, the torch
+    sampler and logprobs upcast to float32 themselves."""
+    dev = logits.device
+    raw = logits
+    logits = adjust_logits(logits, rows, prev_tokens)   # bias, banned tokens, penalties
+    logits = apply_token_bitmasks(logits, rows)         # structured outputs
+    temps = [r.temperature for r in rows]
+    if all(x == 0 for x in temps):   # greedy batch: no sampling tensors to upload
+        tokens = logits.argmax(-1)
+        return tokens, _logprob_tensors(raw, tokens, rows)
+    t = SamplingTensors(
+        temperature=to_device(temps, torch.float32, dev),
+        top_k=to_device([r.top_k for r in rows], torch.long, dev),
+        top_p=to_device([r.top_p for r in rows], torch.float32, dev),
+        min_p=to_device([r.min_p for r in rows], torch.float32, dev),
+        seeds=[r.seed if r.temperature > 0 else None for r in rows],
+        all_greedy=all(x == 0 for x in temps),
+        any_top_k=any(r.top_k > 0 for r in rows),
+        any_top_p=any(r.top_p < 1 for r in rows),
+        any_min_p=any(r.min_p > 0 for r in rows),
+        filtered=[r.top_k > 0 or r.top_p < 1 or r.min_p > 0 for r in rows])
+    tokens = sample(logits, t)
+    return tokens, _logprob_tensors(raw, tokens, rows)
+
+
+def _logprob_tensors(raw: torch.Tensor, tokens: torch.Tensor, rows: list[SamplingRow]) -> tuple:
+    """(chosen token's logprob, its rank, top-k values, top-k ids) on the device, or () if no row asks."""
+    want = [r.logprobs for r in rows]
+    if all(w is None for w in want):
+        return ()
+    logp = raw.float().log_softmax(-1)
+    k = max(w or 0 for w in want)
+    chosen = logp.gather(-1, tokens[:, None])[:, 0]
+    ranks = (logp > chosen[:, None]).sum(-1) + 1
+    top_v, top_i = logp.topk(k, dim=-1) if k else (logp[:, :0], ranks[:, None][:, :0])
+    return chosen, ranks, top_v, top_i
+
+
+def _logprob_dicts(tokens: list[int], host: list[torch.Tensor], rows: list[SamplingRow]) -> list:
+    if not host:
+        return [None] * len(rows)
+    chosen_l, ranks_l, top_v_l, top_i_l = (t.tolist() for t in host)
+    out = []
+    for i, r in enumerate(rows):
+        if r.logprobs is None:
+            out.append(None)
+            continue
+        d = {tokens[i]: Logprob(chosen_l[i], ranks_l[i])}
+        for j in range(r.logprobs):
+            d.setdefault(top_i_l[i][j], Logprob(top_v_l[i][j], j + 1))
+        out.append(d)
+    return out
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """A host copy of a device tensor, made without blocking (the caller waits on an event)."""
+    if not t.is_cuda:
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host

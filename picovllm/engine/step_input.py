@@ -1,0 +1,152 @@
+"""Input building: a SchedulerOutput becomes a StepInput of plain lists (prepare), and a StepInput
+becomes the device tensors of one forward (token ids, positions, AttentionMetadata).
+
+A StepInput is also what rank 0 of a tensor-parallel engine sends its workers (engine/messages.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from picovllm.engine.cuda_graph import fill_block_tables
+from picovllm.engine.scheduler import SchedulerOutput
+from picovllm.layers.attention import AttentionMetadata
+from picovllm.layers.sampler import seeded_stream
+
+
+@dataclass
+class SamplingRow:
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    seed: int | None          # stream seed for this very token (seed, output index), or None
+    banned: list[int]         # token ids masked out (EOS and stop ids before min_tokens)
+    logprobs: int | None
+    # Logit bias and penalties (picovllm.layers.logits_processors). The token ids only travel when a
+    # penalty needs them: the outputs known on the host, the prompt only for the repetition penalty.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    bias_token_ids: list[int] = field(default_factory=list)
+    bias_values: list[float] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)
+    prompt_token_ids: list[int] = field(default_factory=list)
+    pending_src: int = -1     # overlapped: the in-flight step's row sampling this request's last output, or -1
+    token_bitmask: torch.Tensor | None = None   # structured outputs: allowed tokens, packed (host, int32)
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+
+@dataclass
+class StepInput:
+    """Everything a step needs, as plain data: what rank 0 sends to tensor-parallel workers."""
+    input_ids: list[int]
+    positions: list[int]
+    slot_mapping: list[int]
+    query_start_loc: list[int]
+    seq_lens: list[int]
+    block_tables: list[list[int]]
+    num_decodes: int
+    sample_indices: list[int]     # rows of the flat batch whose logits are sampled
+    sampling: list[SamplingRow]
+    # Overlapped scheduling: input_ids[prev_dst[i]] is the token the previous step sampled in its
+    # row prev_src[i], still on the device when this step was prepared (the id here is a placeholder).
+    prev_dst: list[int] = field(default_factory=list)
+    prev_src: list[int] = field(default_factory=list)
+
+
+# -- SchedulerOutput -> StepInput ------------------------------------------------------------------
+def build_step_input(sched: SchedulerOutput, block_size: int, eos_token_ids: list[int]) -> StepInput:
+    """One flat varlen batch of the scheduled chunks, decodes first (the scheduler's order)."""
+    bs = block_size
+    ids, pos, slots, qsl, lens, tables, samp_idx, rows = [], [], [], [0], [], [], [], []
+    prev_dst, prev_src = [], []
+    for chunk in sched.chunks:
+        req, start, n = chunk.request, chunk.start, chunk.num_new_tokens
+        table = req.block_table
+        if n == 1:   # decodes: the common case at large batch, kept cheap
+            if start < req.num_known_tokens:
+                ids.append(req.token_id(start))
+            else:    # sampled by the step in flight: read on the device
+                prev_dst.append(len(ids))
+                prev_src.append(req.pending_row)
+                ids.append(0)
+            pos.append(start)
+            slots.append(table[start // bs] * bs + start % bs)
+        else:        # a pending token is only ever a decode's input
+            assert start + n <= req.num_known_tokens, req
+            ids.extend(req.all_token_ids[start:start + n])
+            pos.extend(range(start, start + n))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+        qsl.append(qsl[-1] + n)
+        lens.append(start + n)
+        tables.append(table)
+        if chunk.samples:
+            samp_idx.append(qsl[-1] - 1)
+            rows.append(sampling_row(req, eos_token_ids))
+    return StepInput(ids, pos, slots, qsl, lens, tables, sched.num_decodes, samp_idx, rows, prev_dst, prev_src)
+
+
+def sampling_row(req, eos_token_ids: list[int]) -> SamplingRow:
+    """How a request samples its next token: its SamplingParams resolved for this output index."""
+    p = req.params
+    n_out = req.num_output_tokens
+    banned = []
+    if n_out < p.min_tokens:
+        banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids))
+    seed = None if p.seed is None else seeded_stream(p.seed, n_out)
+    row = SamplingRow(p.temperature, p.top_k, p.top_p, p.min_p, seed, banned, p.logprobs)
+    if p.logit_bias:
+        row.bias_token_ids, row.bias_values = list(p.logit_bias), [float(v) for v in p.logit_bias.values()]
+    if p.has_penalties:
+        row.presence_penalty, row.frequency_penalty = p.presence_penalty, p.frequency_penalty
+        row.repetition_penalty = p.repetition_penalty
+        row.output_token_ids = list(req.output_token_ids)
+        row.prompt_token_ids = req.prompt_token_ids if p.repetition_penalty != 1 else []  # never mutated
+        row.pending_src = req.pending_row if req.num_pending_tokens else -1
+    if req.grammar is not None:
+        row.token_bitmask = req.grammar.next_bitmask()
+    return row
+
+
+# -- StepInput -> device tensors -------------------------------------------------------------------
+def token_tensors(step: StepInput, device: torch.device,
+                  prev_tokens: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input ids, positions) on the device; prev_tokens = (flat indices, token ids) overwrite
+    the placeholders of tokens the step in flight sampled."""
+    ids = to_device(step.input_ids, torch.long, device)
+    if prev_tokens is not None:
+        ids.index_copy_(0, *prev_tokens)
+    return ids, to_device(step.positions, torch.long, device)
+
+
+def step_metadata(step: StepInput, device: torch.device) -> AttentionMetadata:
+    width = max(len(t) for t in step.block_tables)
+    tables = np.zeros((len(step.block_tables), width), dtype=np.int32)
+    fill_block_tables(tables, step.block_tables)
+    qlens = [b - a for a, b in zip(step.query_start_loc, step.query_start_loc[1:])]
+    return AttentionMetadata(
+        slot_mapping=to_device(step.slot_mapping, torch.long, device),
+        query_start_loc=to_device(step.query_start_loc, torch.int32, device),
+        seq_lens=to_device(step.seq_lens, torch.int32, device),
+        block_tables=upload(tables, device),
+        num_decodes=step.num_decodes,
+        max_query_len=max(qlens), max_seq_len=max(step.seq_lens),
+        query_lens_cpu=qlens, seq_lens_cpu=step.seq_lens)
+
+
+def upload(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    t = torch.from_numpy(array)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
+def to_device(data, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list as a device tensor; on CUDA through pinned memory, so the copy does not block."""
+    if device.type == "cuda":
+        return torch.tensor(data, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+    return torch.tensor(data, dtype=dtype)

@@ -1,0 +1,95 @@
+"""Mistral and Phi-3 from HF folders: greedy tokens and logprobs against HF transformers on the same tiny random
+weights (fp32, CPU), TP=2 against TP=1, and a sliding window honoured by refusing what would slide.
+
+Phi-3 checkpoints store q/k/v and gate/up fused (loader/weights.py splits them for the shard loaders); both
+families' sliding windows cap the context (config.py): up to the window, full attention is the same thing.
+"""
+import random
+
+import pytest
+import torch
+
+from picovllm import LLM, SamplingParams
+from test_parity_hf import LOGPROB_ATOL, hf_greedy
+
+BASE = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=6,
+            num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
+            pad_token_id=0)
+CASES = {
+    "mistral": ("MistralConfig", {"sliding_window": None}),
+    "mistral_window": ("MistralConfig", {"sliding_window": 48}),
+    "phi3": ("Phi3Config", {"sliding_window": None}),
+    "phi3_window": ("Phi3Config", {"sliding_window": 48, "num_key_value_heads": 6}),
+}
+
+
+def build(path: str, case: str) -> str:
+    import transformers
+
+    cls, extra = CASES[case]
+    cfg = getattr(transformers, cls)(**{**BASE, **extra})
+    torch.manual_seed(len(case))
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():     # HF starts norms at 1: make each one matter
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("families")
+    return {case: build(str(root / case), case) for case in CASES}
+
+
+def prompts(seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(384) for _ in range(n)] for n in (1, 7, 16, 33)]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_greedy_and_logprobs_match_hf(models, case):
+    ps = prompts()
+    ref, ref_lp = hf_greedy(models[case], ps, 12)
+    llm = LLM(models[case], block_size=16, num_kv_blocks=64, device="cpu")
+    outs = llm.generate(ps, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    for o, lp in zip(outs, ref_lp):
+        ours = [d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
+        assert ours == pytest.approx(lp, abs=LOGPROB_ATOL)
+
+
+@pytest.mark.parametrize("case", ["mistral_window", "phi3_window"])
+def test_sliding_window_caps_the_context(models, case):
+    llm = LLM(models[case], num_kv_blocks=64, device="cpu")
+    assert llm.engine.max_model_len == 48
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate([list(range(49))], SamplingParams(max_tokens=1), use_tqdm=False)    # past the window
+    out = llm.generate([list(range(40))], SamplingParams(max_tokens=20, ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) <= 8 and out.outputs[0].finish_reason == "length"   # stops at 48
+
+
+def test_partial_rotary_is_refused(tmp_path):
+    import json
+    import os
+
+    path = build(str(tmp_path / "phi"), "phi3")
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["partial_rotary_factor"] = 0.75
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    with pytest.raises(ValueError, match="partial_rotary_factor"):
+        LLM(path, device="cpu")
+
+
+@pytest.mark.parametrize("case", ["mistral", "phi3"])
+def test_tp2_matches_tp1(models, case, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")     # two ranks on two shared cores
+    ps, sp = prompts(1), SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    tp1 = LLM(models[case], num_kv_blocks=64).generate(ps, sp, use_tqdm=False)
+    with LLM(models[case], tensor_parallel_size=2, num_kv_blocks=64) as llm:
+        tp2 = llm.generate(ps, sp, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in tp2] == [o.outputs[0].token_ids for o in tp1]
