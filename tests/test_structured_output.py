@@ -15,6 +15,7 @@ from picovllm import LLM, SamplingParams
 from picovllm.layers.structured_output import apply_token_bitmasks
 from picovllm.sampling_params import StructuredOutputsParams
 from picovllm.engine.model_runner import SamplingRow
+from serving_fixtures import chat_model  # noqa: F401 - a fixture
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -176,3 +177,17 @@ def test_bounded_strings_admit_no_raw_control_characters(default_llm: LLM):
             assert state._matcher.accept_string('{"s": "')
             got = state.accept(tokens[b"\xed"]) and state.accept(tokens[second])
             assert got == ok, (string, second)
+
+
+def test_tensor_parallel_matches_one_rank(chat_model, one_thread_in_children):
+    """TP=2: the sampling rows (and their bitmasks) stay on rank 0; the constrained outputs equal one rank's and
+    meet their constraints (choice list, regex)."""
+    prompts = ["Pick:", "Choose one of them", "Which?"] * 2
+    params = [so_params(0.0, 0, choice=["alpha", "beta", "gamma"])] * 3 + [so_params(0.0, 0, regex=r"[a-e]{2,4}-\d")] * 3
+    runs = []
+    for tp in (1, 2):   # greedy: TP's all-reduce may move logits by rounding, not their order here
+        with LLM(chat_model, tensor_parallel_size=tp, num_kv_blocks=64) as llm:
+            runs.append([o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)])
+    assert runs[0] == runs[1]
+    assert all(t in ("alpha", "beta", "gamma") for t in runs[1][:3])
+    assert all(re.fullmatch(r"[a-e]{2,4}-\d", t) for t in runs[1][3:]), runs[1]
