@@ -191,3 +191,18 @@ def test_tensor_parallel_matches_one_rank(chat_model, one_thread_in_children):
     assert runs[0] == runs[1]
     assert all(t in ("alpha", "beta", "gamma") for t in runs[1][:3])
     assert all(re.fullmatch(r"[a-e]{2,4}-\d", t) for t in runs[1][3:]), runs[1]
+
+
+def test_compiled_grammars_are_cached_by_text(default_llm: LLM):
+    """A second request with the same schema compiles nothing new (the compiler's cache does not grow); another
+    schema does."""
+    eng = default_llm.engine
+    run = lambda schema: default_llm.generate([PROMPT], so_params(0.0, 0, json=schema), use_tqdm=False)  # noqa: E731
+    a = {"type": "object", "properties": {"x": {"enum": ["p", "q"]}}, "required": ["x"]}
+    run(a)
+    size = eng._structured._compiler.get_cache_size_bytes()
+    assert size > 0
+    run(dict(a))                       # an equal schema, another dict object
+    assert eng._structured._compiler.get_cache_size_bytes() == size
+    run({"type": "object", "properties": {"y": {"enum": ["r"]}}, "required": ["y"]})
+    assert eng._structured._compiler.get_cache_size_bytes() > size
