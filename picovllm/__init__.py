@@ -1,6 +1,6 @@
 """picovllm: a compact, readable LLM inference engine with prefill/decode disaggregation."""
 from picovllm.outputs import CompletionOutput, Logprob, RequestOutput
-from picovllm.sampling_params import SamplingParams
+from picovllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 def __getattr__(name):
@@ -18,4 +18,4 @@ def __getattr__(name):
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "Engine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = ["LLM", "Engine", "EngineConfig", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob"]

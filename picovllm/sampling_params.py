@@ -5,6 +5,55 @@ import math
 from dataclasses import dataclass
 
 
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Exactly one of these constrains the output (vLLM's StructuredOutputsParams):
+    json: a JSON schema (dict or its text); regex: the output fullmatches it; choice: the output is one of
+    these strings; grammar: an EBNF (GBNF) grammar whose rule `root` the output matches; json_object: any
+    JSON object. `source`: the name the caller gave the constraint by (e.g. a request field), used in errors."""
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    source: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.choice is not None and isinstance(self.choice, (list, tuple)):
+            self.choice = list(self.choice)   # never the caller's list
+        self.validate()
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def field_name(self) -> str:
+        return self.source or f"SamplingParams.structured_outputs.{self.kind}"
+
+    def validate(self) -> None:
+        given = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"{self.source or 'SamplingParams.structured_outputs'}: give exactly one of "
+                             f"{', '.join(STRUCTURED_KINDS)}, got {given or 'none'}")
+        bad = ValueError(f"{self.field_name} must be " + {
+            "json": "a JSON schema (an object or its JSON text)", "regex": "a string", "grammar": "a string",
+            "choice": "a non-empty list of strings", "json_object": "true"}[self.kind])
+        value = getattr(self, self.kind)
+        if self.kind == "json" and not isinstance(value, (str, dict)):
+            raise bad
+        if self.kind in ("regex", "grammar") and not isinstance(value, str):
+            raise bad
+        if self.kind == "choice" and not (isinstance(value, list) and value
+                                          and all(isinstance(c, str) for c in value)):
+            raise bad
+        if self.kind == "json_object" and value is not True:
+            raise bad
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -26,6 +75,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None   # token id -> added to its logit; str keys ("42") are read as ids
+    # A JSON schema, regex, choice list or grammar the output must match (a dict is read as its fields).
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         # Normalise containers so no two requests ever share a list object.
@@ -39,6 +90,8 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         self.logit_bias = _token_id_keys(self.logit_bias)
+        if isinstance(self.structured_outputs, dict):   # from JSON: batch lines, the P/D wire
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         self.validate()
 
     def validate(self) -> None:
@@ -70,6 +123,9 @@ class SamplingParams:
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
             raise bad("logprobs", "must be an int >= 0 or None")
         self._validate_penalties(bad)
+        so = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            raise bad("structured_outputs", "must be a StructuredOutputsParams (or a dict of its fields)")
 
     def _validate_penalties(self, bad) -> None:
         for name in ("presence_penalty", "frequency_penalty"):

@@ -128,6 +128,14 @@ def test_outputs_equal_colocated(cluster, llm):
     # bad input: a 400 from P, naming the problem, nothing left behind
     with pytest.raises(openai.BadRequestError, match="max_model_len|longer"):
         client.completions.create(model=name, prompt=list(range(5, 300)) * 4, max_tokens=4)
+    # structured outputs and forced tool calls: refused by P, naming the field, never answered unconstrained
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    for kw, field in [(dict(response_format={"type": "json_object"}), "response_format"),
+                      (dict(extra_body={"guided_choice": ["a", "b"]}), "guided_choice"),
+                      (dict(tools=[tool], tool_choice="required"), "tools")]:
+        with pytest.raises(openai.BadRequestError, match="not supported with disaggregated") as e:
+            client.chat.completions.create(model=name, messages=conv, max_tokens=4, **kw)
+        assert e.value.body["param"] == field, e.value.body
     for srv in all_servers(cluster):
         wait_idle(srv)
 

@@ -197,34 +197,176 @@ def test_models_health_and_named_errors(server, client, chat_model):
 
 
 def test_unhonoured_requests_are_refused_never_ignored(server, client):
-    """Structured outputs and tools are not implemented: a request for them is a 400 naming the field
-    (streaming or not, either endpoint), never a prose answer as if it had been honoured."""
+    """What is not implemented is a 400 naming the field (streaming or not, either endpoint), never an answer
+    as if it had been honoured."""
     model = client.models.list().data[0].id
     before = server.metrics()
     msgs = [{"role": "user", "content": "Answer in JSON"}]
-    schema = {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object"}}}
-    cases = [(dict(response_format={"type": "json_object"}), "response_format"),
-             (dict(response_format=schema), "response_format"),
-             (dict(extra_body={"guided_json": {"type": "object"}}), "guided_json"),
-             (dict(extra_body={"guided_regex": "[0-9]+"}), "guided_regex"),
-             (dict(extra_body={"guided_choice": ["yes", "no"]}), "guided_choice"),
-             (dict(extra_body={"guided_grammar": 'root ::= "a"'}), "guided_grammar"),
-             (dict(tool_choice="required"), "tool_choice")]
+    cases = [(dict(extra_body={"guided_decoding_backend": "outlines"}), "guided_decoding_backend"),
+             (dict(extra_body={"guided_whitespace_pattern": " "}), "guided_whitespace_pattern"),
+             (dict(extra_body={"functions": [{"name": "f"}]}), "functions")]
     for kw, field in cases:
         for stream in (False, True):
             with pytest.raises(openai.BadRequestError) as e:
                 client.chat.completions.create(model=model, messages=msgs, max_tokens=4, stream=stream, **kw)
             assert e.value.status_code == 400 and e.value.body["param"] == field, (kw, e.value.body)
             assert "not supported" in e.value.body["message"]
-    for extra in ({"guided_choice": ["yes", "no"]}, {"response_format": {"type": "json_object"}}):
-        with pytest.raises(openai.BadRequestError) as e:
-            client.completions.create(model=model, prompt="hi", max_tokens=4, extra_body=extra)
-        assert e.value.body["param"] == next(iter(extra))
     # asking for plain text is what the server does
     ok = client.chat.completions.create(model=model, messages=msgs, max_tokens=4, response_format={"type": "text"})
     assert ok.choices[0].finish_reason in ("stop", "length")
     after = assert_idle(server)
-    assert after["picovllm:requests_total.rejected"] - before["picovllm:requests_total.rejected"] == 2 * len(cases) + 2
+    assert after["picovllm:requests_total.rejected"] - before["picovllm:requests_total.rejected"] == 2 * len(cases)
+
+
+# Small enough for a random-weight model to finish: bounded strings, integers in ranges, enums.
+PERSON = {"type": "object", "required": ["name", "age", "pets"],
+          "properties": {"name": {"type": "string", "maxLength": 6}, "age": {"type": "integer", "minimum": 0,
+                                                                               "maximum": 99},
+                         "pets": {"type": "array", "maxItems": 2, "items": {"enum": ["cat", "dog"]}}}}
+
+
+def _streamed(chunks) -> tuple[str, str]:
+    text, finish = "", None
+    for c in chunks:
+        if c.choices:
+            text += c.choices[0].delta.content or "" if hasattr(c.choices[0], "delta") else c.choices[0].text
+            finish = c.choices[0].finish_reason or finish
+    return text, finish
+
+
+def test_structured_outputs_round_trip(server, client):
+    """response_format and guided_* through the openai client, streamed and not: outputs validate against
+    the schema (jsonschema), fullmatch the regex, or are one of the choices."""
+    import re
+    import jsonschema
+    model = client.models.list().data[0].id
+    msgs = [{"role": "user", "content": "Give me a person as JSON"}]
+    rf = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    for seed in range(3):
+        for stream in (False, True):
+            kw = dict(model=model, messages=msgs, max_tokens=80, temperature=1.0, seed=seed, stream=stream)
+            r = client.chat.completions.create(response_format=rf, **kw)
+            text, finish = _streamed(r) if stream else (r.choices[0].message.content, r.choices[0].finish_reason)
+            assert finish == "stop", text
+            jsonschema.validate(json.loads(text), PERSON)
+            r = client.chat.completions.create(response_format={"type": "json_object"}, **kw)
+            text, finish = _streamed(r) if stream else (r.choices[0].message.content, r.choices[0].finish_reason)
+            assert finish == "stop" and isinstance(json.loads(text), dict), text
+            kw = dict(model=model, prompt="Pick:", max_tokens=20, temperature=1.0, seed=seed, stream=stream)
+            r = client.completions.create(extra_body={"guided_choice": ["alpha", "beta", "gamma delta"]}, **kw)
+            text, _ = _streamed(r) if stream else (r.choices[0].text, None)
+            assert text in ("alpha", "beta", "gamma delta")
+            r = client.completions.create(extra_body={"guided_regex": r"[a-c]{2}-\d{1,3}"}, **kw)
+            text, _ = _streamed(r) if stream else (r.choices[0].text, None)
+            assert re.fullmatch(r"[a-c]{2}-\d{1,3}", text), text
+    assert_idle(server)
+
+
+def test_bad_constraints_get_400_naming_the_field(server, client):
+    model = client.models.list().data[0].id
+    msgs = [{"role": "user", "content": "hi"}]
+    bad_schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no-such-type"}}}
+    for kw, param in [(dict(response_format=bad_schema), "response_format.json_schema.schema"),
+                      (dict(extra_body={"guided_json": "{oops"}), "guided_json"),
+                      (dict(extra_body={"guided_regex": "(unclosed"}), "guided_regex"),
+                      (dict(extra_body={"guided_grammar": "root ::= nothing_here"}), "guided_grammar")]:
+        for stream in (False, True):
+            with pytest.raises(openai.BadRequestError) as e:
+                client.chat.completions.create(model=model, messages=msgs, max_tokens=4, stream=stream, **kw)
+            assert e.value.body["param"] == param and param in e.value.body["message"], e.value.body
+    ok = client.chat.completions.create(model=model, messages=msgs, max_tokens=4)   # the server is fine
+    assert ok.choices[0].finish_reason in ("stop", "length")
+    assert_idle(server)
+
+
+CITY_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                              "parameters": {"type": "object", "required": ["city", "days"],
+                                                             "properties": {"city": {"type": "string", "maxLength": 8},
+                                                                            "days": {"type": "integer", "minimum": 1,
+                                                                                     "maximum": 7}}}}}
+CLOCK_TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}}}
+
+
+def _streamed_tool_calls(chunks) -> tuple[list[dict], str, int]:
+    """The calls as a client accumulates them from tool_calls deltas (by index), the finish reason, and how
+    many tool_calls deltas came."""
+    calls, finish, count = {}, None, 0
+    for c in chunks:
+        if not c.choices:
+            continue
+        for d in c.choices[0].delta.tool_calls or []:
+            count += 1
+            call = calls.setdefault(d.index, {"name": "", "arguments": "", "id": None})
+            call["id"] = d.id or call["id"]
+            call["name"] += (d.function.name or "") if d.function else ""
+            call["arguments"] += (d.function.arguments or "") if d.function else ""
+        finish = c.choices[0].finish_reason or finish
+    return [calls[i] for i in sorted(calls)], finish, count
+
+
+@pytest.fixture(scope="module")
+def tool_client(tmp_path_factory):
+    """A server whose tiny model takes long prompts: its ChatML template has no tools, so they come as a
+    system message of some 500 of its tokens."""
+    from serving_fixtures import build_tiny_chat_model
+    path = build_tiny_chat_model(str(tmp_path_factory.mktemp("toolmodel") / "model"), max_position_embeddings=2048)
+    srv = ServerProcess(path, str(tmp_path_factory.mktemp("log") / "tools.log"), "--num-kv-blocks", "512",
+                        "--max-model-len", "2048")
+    yield srv, openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+    assert srv.stop(signal.SIGINT) == 0, srv.log()
+
+
+def test_tool_calls_round_trip(tool_client):
+    """Named and required tool_choice through the openai client, streamed and not: every call names a given
+    tool and its arguments validate against that tool's schema (jsonschema); finish_reason is tool_calls."""
+    import jsonschema
+    server, client = tool_client
+    model = client.models.list().data[0].id
+    msgs = [{"role": "user", "content": "What is the weather in Paris?"}]
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (CITY_TOOL, CLOCK_TOOL)}
+    named = {"type": "function", "function": {"name": "get_time"}}
+    for seed in range(3):
+        for choice in (named, "required"):
+            # one call: a random-weight model would otherwise add calls until max_tokens
+            kw = dict(model=model, messages=msgs, tools=[CITY_TOOL, CLOCK_TOOL], tool_choice=choice,
+                      max_tokens=120, temperature=1.0, seed=seed, parallel_tool_calls=False)
+            r = client.chat.completions.create(**kw)
+            assert r.choices[0].finish_reason == "tool_calls", r
+            got = [{"name": c.function.name, "arguments": c.function.arguments, "id": c.id}
+                   for c in r.choices[0].message.tool_calls]
+            streamed, finish, count = _streamed_tool_calls(client.chat.completions.create(stream=True, **kw))
+            assert finish == "tool_calls"
+            # named: the call opens (id, name), then its arguments come as they are generated (coalesced when
+            # the client reads slower than the engine decodes)
+            assert (count >= 2 if choice is named else count == len(streamed)), (choice, count, streamed)
+            assert [(c["name"], c["arguments"]) for c in streamed] == [(c["name"], c["arguments"]) for c in got]
+            for call in got + streamed:
+                assert call["id"] and (choice == "required" or call["name"] == "get_time")
+                jsonschema.validate(json.loads(call["arguments"]), schemas[call["name"]])
+    plain = client.chat.completions.create(model=model, messages=msgs, tools=[CITY_TOOL], tool_choice="none",
+                                           max_tokens=8)
+    assert plain.choices[0].message.tool_calls is None and plain.choices[0].finish_reason in ("stop", "length")
+    assert_idle(server)
+
+
+def test_completion_echo(server, client):
+    """echo: the choice's text is the prompt (as sent; token ids decoded) followed by the very completion the
+    same request without echo gets (greedy), streamed or not; with logprobs it is a 400 naming echo."""
+    model = client.models.list().data[0].id
+    for prompt, prefix in [("The capital of France is", "The capital of France is"), ([5, 6, 7], None)]:
+        kw = dict(model=model, prompt=prompt, max_tokens=8, temperature=0)
+        plain = client.completions.create(**kw).choices[0].text
+        if prefix is None:
+            prefix = httpx.post(server.url + "/detokenize", json={"tokens": prompt}).json()["prompt"]
+        assert client.completions.create(echo=True, **kw).choices[0].text == prefix + plain
+        streamed = "".join(c.choices[0].text for c in client.completions.create(echo=True, stream=True, **kw)
+                           if c.choices)
+        assert streamed == prefix + plain
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=model, prompt="hi", max_tokens=2, echo=True, logprobs=1)
+    assert e.value.body["param"] == "echo"
+    assert_idle(server)
 
 
 def test_n_samples_and_best_of(server, client, llm):

@@ -1,4 +1,5 @@
 """Server pieces that need no server: streamed deltas under stop strings, request validation, bench statistics."""
+import json
 import random
 import statistics
 
@@ -10,6 +11,7 @@ from picovllm.engine.request import Request
 from picovllm.entrypoints.openai.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from picovllm.entrypoints.openai.serving import TextDeltas
 from picovllm.outputs import CompletionOutput
+from picovllm.sampling_params import StructuredOutputsParams
 from picovllm.sampling_params import SamplingParams
 
 
@@ -112,23 +114,40 @@ def test_every_unhonoured_field_is_refused_by_name(base, model, name, noop):
         assert getattr(model.model_validate_json(json.dumps({**base, name: ok})), name) == ok
 
 
-def test_structured_output_requests_are_refused():
+def test_structured_output_fields_become_one_constraint_named_by_its_field():
     chat = '{"messages": [{"role": "user", "content": "a"}], '
-    for body, field in [
-        (chat + '"response_format": {"type": "json_object"}}', "response_format"),
-        (chat + '"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}',
-         "response_format"),
-        (chat + '"guided_json": {"type": "object"}}', "guided_json"),
-        (chat + '"guided_regex": "[a-z]+"}', "guided_regex"),
-        (chat + '"guided_choice": ["yes", "no"]}', "guided_choice"),
-        (chat + '"guided_grammar": "root ::= \\"a\\""}', "guided_grammar"),
-        (chat + '"tool_choice": "auto"}', "tool_choice"),
-        ('{"messages": [{"role": "assistant", "content": null, "tool_calls": [{"id": "1"}]}]}', "tool_calls"),
-        ('{"prompt": "a", "response_format": {"type": "json_object"}}', "response_format"),
-        ('{"prompt": "a", "guided_choice": ["yes", "no"]}', "guided_choice"),
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    for body, expect in [
+        (chat + '"response_format": {"type": "json_object"}}', dict(json_object=True, source="response_format")),
+        (chat + '"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": %s}}}'
+         % json.dumps(schema), dict(json=schema, source="response_format.json_schema.schema")),
+        (chat + '"guided_json": "{}"}', dict(json="{}", source="guided_json")),
+        (chat + '"guided_regex": "[a-z]+"}', dict(regex="[a-z]+", source="guided_regex")),
+        ('{"prompt": "a", "guided_choice": ["yes", "no"]}', dict(choice=["yes", "no"], source="guided_choice")),
+        ('{"prompt": "a", "guided_grammar": "root ::= \\"a\\""}', dict(grammar='root ::= "a"', source="guided_grammar")),
+        ('{"prompt": "a", "structured_outputs": {"regex": "b+"}}', dict(regex="b+", source="structured_outputs")),
     ]:
         model = ChatCompletionRequest if body.startswith(chat[:12]) else CompletionRequest
-        with pytest.raises(Exception, match=rf"{field}\n.*structured output|{field}\n.*tool calling") as e:
-            model.model_validate_json(body)
-        assert "not supported" in str(e.value)
-    ChatCompletionRequest.model_validate_json(chat + '"response_format": {"type": "text"}, "tool_choice": "none"}')
+        got = model.model_validate_json(body).sampling_params(4, None).structured_outputs
+        assert got == StructuredOutputsParams(**expect), body
+    plain = ChatCompletionRequest.model_validate_json(chat + '"response_format": {"type": "text"}}')
+    assert plain.sampling_params(4, None).structured_outputs is None
+
+
+@pytest.mark.parametrize("body,param", [
+    ('"guided_regex": "a", "guided_choice": ["b"]', "guided_choice"),
+    ('"response_format": {"type": "json_object"}, "guided_json": {}', "guided_json"),
+    ('"guided_choice": []', "guided_choice"),
+    ('"structured_outputs": {"jsn": {}}', "structured_outputs"),
+    ('"structured_outputs": {"json": {}, "regex": "a"}', "structured_outputs"),
+    ('"response_format": {"type": "json_schema"}', "response_format"),
+    ('"response_format": {"type": "xml"}', "response_format"),
+    ('"guided_decoding_backend": "outlines"', "guided_decoding_backend"),
+])
+def test_bad_structured_output_fields_are_named(body, param):
+    with pytest.raises(Exception) as e:
+        CompletionRequest.model_validate_json('{"prompt": "a", ' + body + '}').sampling_params(4, None)
+    if isinstance(e.value, APIError):
+        assert e.value.status == 400 and e.value.param == param
+    else:   # pydantic's error (a 400 naming the field in the server)
+        assert param in str(e.value)

@@ -32,6 +32,7 @@ from picovllm.engine.executor import Executor, InProcessExecutor, make_executor
 from picovllm.engine.model_runner import LaunchedStep, ModelRunner, StepResult
 from picovllm.engine.request import FinishReason, Request, RequestStatus
 from picovllm.engine.scheduler import Scheduler, SchedulerOutput
+from picovllm.layers.structured_output import GrammarState, StructuredOutputCompiler
 from picovllm.loader import open_model_source
 from picovllm.outputs import CompletionOutput, RequestOutput
 from picovllm.sampling_params import SamplingParams
@@ -88,6 +89,7 @@ class Engine:
         self.overlap = config.async_scheduling
         self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None   # overlap: launched, not read
         self._ids = itertools.count()
+        self._structured: StructuredOutputCompiler | None = None   # built at the first structured request
         self.stats = {"prefill_tokens": 0, "decode_tokens": 0}
 
     def _make_runner(self, source) -> Executor:
@@ -141,13 +143,29 @@ class Engine:
         request_id = str(next(self._ids)) if request_id is None else request_id
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        grammar = self._grammar_state(params) if params.structured_outputs is not None else None
         req = Request(request_id, ids, params, prompt if isinstance(prompt, str) else None, arrival_time)
+        req.grammar = grammar
         room = self.max_model_len - len(ids)
         req.max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         self._check_capacity(len(ids), req.max_tokens)
         self.requests[request_id] = req
         self.scheduler.add(req)
         return request_id
+
+    def _grammar_state(self, params: SamplingParams) -> GrammarState:
+        """A matcher for the request's structured output; ValueError naming the field if it cannot be."""
+        so = params.structured_outputs
+        if self.config.role in ("p", "d"):
+            # P samples the first token and D the rest: the matcher's state would have to cross the link.
+            raise ValueError(f"{so.field_name}: structured outputs are not supported with disaggregated "
+                             f"prefill/decode (role {self.config.role})")
+        if self.tokenizer is None:
+            raise ValueError(f"{so.field_name}: structured outputs need the model's tokenizer")
+        if self._structured is None:
+            self._structured = StructuredOutputCompiler(self.tokenizer, self.model_config.vocab_size,
+                                                        self.eos_token_ids)
+        return self._structured.new_state(so)
 
     def _check_length(self, num_prompt_tokens: int) -> None:
         if num_prompt_tokens >= self.max_model_len:
@@ -379,6 +397,15 @@ class Engine:
         delta = self.detokenizer.append(req, token)
         req.text += delta
         check_stop(req, token, delta, self.eos_token_ids, self.max_model_len)
+        if req.grammar is not None and not req.is_finished:
+            self._advance_grammar(req, token)
+
+    @staticmethod
+    def _advance_grammar(req: Request, token: int) -> None:
+        if not req.grammar.accept(token):   # only if the mask was overridden (e.g. a stop id banned by min_tokens)
+            req.finish(FinishReason.ERROR, error=f"token {token} does not match the structured output's grammar")
+        elif req.grammar.is_terminated:     # a stop token the grammar ends with, e.g. under ignore_eos
+            req.finish(FinishReason.STOP, stop_reason=token)
 
     def make_output(self, req: Request) -> RequestOutput:
         if req.logprobs is not None and self.tokenizer is not None:

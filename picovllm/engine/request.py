@@ -49,6 +49,7 @@ class Request:
         self.text = ""                   # detokenized output (stop string trimmed)
         self.detok_state: object | None = None
         self.max_tokens = params.max_tokens  # resolved against max_model_len by the engine
+        self.grammar = None              # structured outputs: a GrammarState, set by the engine
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -72,6 +73,11 @@ class Request:
     def awaiting_last_token(self) -> bool:
         """Its last allowed token is being sampled: another decode step for it would be wasted."""
         return self.num_pending_tokens > 0 and self.num_output_tokens >= self.max_tokens
+
+    @property
+    def awaiting_grammar_token(self) -> bool:
+        """Overlapped scheduling: its next token's mask needs the pending token, still on the device."""
+        return self.num_pending_tokens > 0 and self.grammar is not None
 
     @property
     def all_token_ids(self) -> list[int]:

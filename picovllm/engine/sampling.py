@@ -12,6 +12,7 @@ import torch
 from picovllm.engine.step_input import SamplingRow, to_device
 from picovllm.layers.logits_processors import adjust_logits
 from picovllm.layers.sampler import SamplingTensors, sample
+from picovllm.layers.structured_output import apply_token_bitmasks
 from picovllm.outputs import Logprob
 
 
@@ -64,6 +65,7 @@ def sample_logits(logits: torch.Tensor, rows: list[SamplingRow], prev_tokens: to
     dev = logits.device
     raw = logits
     logits = adjust_logits(logits, rows, prev_tokens)   # bias, banned tokens, penalties
+    logits = apply_token_bitmasks(logits, rows)         # structured outputs
     temps = [r.temperature for r in rows]
     if all(x == 0 for x in temps):   # greedy batch: no sampling tensors to upload
         tokens = logits.argmax(-1)

@@ -35,6 +35,7 @@ class SamplingRow:
     output_token_ids: list[int] = field(default_factory=list)
     prompt_token_ids: list[int] = field(default_factory=list)
     pending_src: int = -1     # overlapped: the in-flight step's row sampling this request's last output, or -1
+    token_bitmask: torch.Tensor | None = None   # structured outputs: allowed tokens, packed (host, int32)
 
     @property
     def has_penalties(self) -> bool:
@@ -108,6 +109,8 @@ def sampling_row(req, eos_token_ids: list[int]) -> SamplingRow:
         row.output_token_ids = list(req.output_token_ids)
         row.prompt_token_ids = req.prompt_token_ids if p.repetition_penalty != 1 else []  # never mutated
         row.pending_src = req.pending_row if req.num_pending_tokens else -1
+    if req.grammar is not None:
+        row.token_bitmask = req.grammar.next_bitmask()
     return row
 
 

@@ -120,22 +120,29 @@ class LLM:
         return final
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True, chat_template: str | None = None) -> list[RequestOutput]:
+             use_tqdm: bool = True, add_generation_prompt: bool = True, chat_template: str | None = None,
+             tools: list[dict] | None = None) -> list[RequestOutput]:
+        """tools: OpenAI tool objects, rendered as the server renders them (entrypoints/openai/tool_calls.py);
+        constrain or parse the calls with its ToolPolicy."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.apply_chat_template(c, add_generation_prompt, chat_template) for c in convs]
+        prompts = [self.apply_chat_template(c, add_generation_prompt, chat_template, tools) for c in convs]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True,
-                            chat_template: str | None = None) -> list[int]:
-        return chat_prompt_ids(self.engine.tokenizer, conversation, add_generation_prompt, chat_template)
+                            chat_template: str | None = None, tools: list[dict] | None = None) -> list[int]:
+        return chat_prompt_ids(self.engine.tokenizer, conversation, add_generation_prompt, chat_template, tools)
 
 
 def chat_prompt_ids(tokenizer, conversation: list[dict], add_generation_prompt: bool = True,
-                    chat_template: str | None = None) -> list[int]:
-    """The conversation through the tokenizer's chat template, as token ids."""
+                    chat_template: str | None = None, tools: list[dict] | None = None) -> list[int]:
+    """The conversation through the tokenizer's chat template, as token ids. tools: through the template if it
+    renders them, else described in a system message."""
+    from picovllm.entrypoints.openai.tool_calls import template_renders_tools, with_tool_prompt
     if tokenizer is None:
         raise ValueError("chat needs a tokenizer, and this model has none")
+    if tools and not template_renders_tools(chat_template or tokenizer.chat_template):
+        conversation, tools = with_tool_prompt(conversation, tools), None
     text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                         chat_template=chat_template)
+                                         chat_template=chat_template, tools=tools or None)
     # The template already holds any BOS it wants; don't let the tokenizer add a second.
     return tokenizer.encode(text, add_special_tokens=False)

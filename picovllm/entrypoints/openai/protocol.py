@@ -10,11 +10,14 @@ as OpenAI and vLLM do.
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, create_model, field_validator
 
+from picovllm.entrypoints.openai.tool_calls import ToolPolicy
 from picovllm.entrypoints.parallel_sampling import sample_params
+from picovllm.sampling_params import StructuredOutputsParams
 from picovllm.sampling_params import SamplingParams
 
 MAX_INT = 2**31 - 1
@@ -60,12 +63,9 @@ class StreamOptions(_Strict):
 
 
 # Refused fields and the values that ask for nothing (None always does): any other value is a 400.
-# Structured outputs (response_format other than text, vLLM's guided_* and structured_outputs) are the
-# important ones: a client that asks for JSON must not get prose as if it were JSON.
 REFUSED_COMMON: dict[str, tuple] = {
-    "response_format": ({"type": "text"},), "guided_json": (), "guided_regex": (), "guided_choice": (),
-    "guided_grammar": (), "guided_decoding_backend": (), "guided_whitespace_pattern": (), "structured_outputs": (),
-    "functions": (), "function_call": ("none",), "tool_choice": ("none",), "prompt_logprobs": (),
+    "guided_decoding_backend": (), "guided_whitespace_pattern": (),
+    "functions": (), "function_call": ("none",), "prompt_logprobs": (),
     "use_beam_search": (False,), "length_penalty": (1,), "include_stop_str_in_output": (False,),
     "allowed_token_ids": (), "bad_words": ([],), "truncate_prompt_tokens": (), "spaces_between_special_tokens": (True,),
     "return_tokens_as_token_ids": (False,), "priority": (0,), "logits_processors": (), "vllm_xargs": (),
@@ -78,6 +78,7 @@ REFUSED_CHAT: dict[str, tuple] = {
 }
 REFUSED_COMPLETION: dict[str, tuple] = {
     "add_special_tokens": (True,), "prompt_embeds": (),   # add_special_tokens: as LLM.generate encodes
+    "tool_choice": ("none",),                             # tools are chat's
 }
 
 
@@ -90,10 +91,10 @@ def _same(value: Any, ok: Any) -> bool:
 def refuse_unless_noop(name: str, value: Any, noop: dict[str, tuple]) -> Any:
     if value is None or any(_same(value, ok) for ok in noop[name]):
         return value
-    if name in ("response_format", "structured_outputs") or name.startswith("guided_"):
-        raise ValueError("is not supported: this server has no structured output (constrained decoding) yet")
-    if name in ("functions", "function_call", "tool_choice", "tool_calls"):
-        raise ValueError("is not supported: this server has no tool calling yet")
+    if name.startswith("guided_"):   # guided_decoding_backend, guided_whitespace_pattern
+        raise ValueError("is not supported: the backend is xgrammar, JSON is compact (send null or omit it)")
+    if name in ("functions", "function_call"):
+        raise ValueError("is not supported: use tools and tool_choice")
     allowed = " or ".join(repr(v) for v in noop[name])
     raise ValueError("is not supported" + (f" (only {allowed} or null)" if allowed else " (send null or omit it)"))
 
@@ -114,7 +115,63 @@ _RefusedChat = refusing_model("_RefusedChat", REFUSED_CHAT)
 _RefusedCompletion = refusing_model("_RefusedCompletion", REFUSED_COMPLETION)
 
 
-class _SamplingRequest(_RefusedCommon):
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None    # {"name", "description", "schema", "strict"}: schema is used
+
+
+# The ways a request may constrain its output, in the order they are named in errors; at most one per request.
+STRUCTURED_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                     "structured_outputs")
+
+
+class _StructuredRequest(_Strict):
+    """response_format and vLLM's guided_* / structured_outputs, read into one StructuredOutputsParams."""
+    response_format: ResponseFormat | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[str], Field(min_length=1)] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None    # vLLM's: {"json" | "regex" | "choice" | "grammar" | ...}
+
+    def structured_output_params(self) -> StructuredOutputsParams | None:
+        given = [f for f in STRUCTURED_FIELDS if getattr(self, f) is not None
+                 and not (f == "response_format" and self.response_format.type == "text")]
+        if len(given) > 1:
+            raise APIError(400, f"give at most one of {', '.join(given)}", param=given[1])
+        if not given:
+            return None
+        f = given[0]
+        try:
+            if f == "response_format":
+                return self._response_format_params()
+            if f == "structured_outputs":
+                return StructuredOutputsParams(**self._known_keys(), source=f)
+            return StructuredOutputsParams(**{f.removeprefix("guided_"): getattr(self, f)}, source=f)
+        except (TypeError, ValueError) as e:
+            raise APIError(400, str(e), param=f) from None
+
+    def _response_format_params(self) -> StructuredOutputsParams:
+        rf = self.response_format
+        if rf.type == "json_object":
+            return StructuredOutputsParams(json_object=True, source="response_format")
+        spec = rf.json_schema
+        if not isinstance(spec, dict):
+            raise ValueError("response_format.json_schema is required with type json_schema")
+        schema = spec.get("schema")
+        if schema is None:   # OpenAI: a schema is optional; without one, any JSON object
+            return StructuredOutputsParams(json_object=True, source="response_format.json_schema")
+        return StructuredOutputsParams(json=schema, source="response_format.json_schema.schema")
+
+    def _known_keys(self) -> dict:
+        so = self.structured_outputs
+        unknown = sorted(set(so) - {"json", "regex", "choice", "grammar", "json_object"})
+        if unknown:
+            raise ValueError(f"structured_outputs.{unknown[0]} is not supported")
+        return so
+
+
+class _SamplingRequest(_StructuredRequest, _RefusedCommon):
     """Fields shared by completions and chat completions."""
     model: str | None = None
     temperature: FiniteFloat | None = Field(None, ge=0, le=2)
@@ -157,7 +214,7 @@ class _SamplingRequest(_RefusedCommon):
                 ignore_eos=self.ignore_eos, logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
                 presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
                 repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
-                logit_bias=self.logit_bias)
+                logit_bias=self.logit_bias, structured_outputs=self.structured_output_params())
         except ValueError as e:
             raise APIError(400, str(e)) from None
 
@@ -174,12 +231,9 @@ class CompletionRequest(_SamplingRequest, _RefusedCompletion):
     best_of: int | None = Field(None, ge=1, le=MAX_N)
     suffix: str | None = None
 
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("echo is not supported")
-        return v
+    def check_echo(self) -> None:
+        if self.echo and self.logprobs is not None:
+            raise APIError(400, "echo with logprobs needs the prompt's logprobs, which are not supported", param="echo")
 
     def samples(self, params: SamplingParams) -> list[SamplingParams]:
         """One SamplingParams per sample to run: best_of of them (ranked by cumulative logprob, which
@@ -214,10 +268,23 @@ class TextPart(_Strict):
     text: str
 
 
-class ChatMessage(refusing_model("_RefusedInMessage", {"tool_calls": ([],), "function_call": ()})):
+class CalledFunction(_Strict):
+    name: str
+    arguments: str
+
+
+class MessageToolCall(_Strict):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
+class ChatMessage(refusing_model("_RefusedInMessage", {"function_call": ()})):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None    # an assistant's earlier calls
+    tool_call_id: str | None = None                    # a tool message: which call it answers
 
     def as_template_dict(self) -> dict:
         content = self.content
@@ -226,7 +293,41 @@ class ChatMessage(refusing_model("_RefusedInMessage", {"tool_calls": ([],), "fun
         d = {"role": self.role, "content": content or ""}
         if self.name is not None:
             d["name"] = self.name
+        if self.tool_call_id is not None:
+            d["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            # chat templates (Qwen's, HF's convention) take the arguments as an object, not as JSON text
+            d["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": _json_or_text(c.function.arguments)}} for c in self.tool_calls]
         return d
+
+
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+class FunctionSpec(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None    # a JSON schema; required and named calls are constrained by it
+    strict: bool | None = None
+
+
+class ToolSpec(_Strict):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
 
 
 class ChatCompletionRequest(_SamplingRequest, _RefusedChat):
@@ -236,14 +337,32 @@ class ChatCompletionRequest(_SamplingRequest, _RefusedChat):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
-    tools: list | None = None
+    tools: Annotated[list[ToolSpec], Field(max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
-    @field_validator("tools")
-    @classmethod
-    def _no_tools(cls, v: list | None) -> list | None:
-        if v:
-            raise ValueError("tools are not supported")
-        return v
+    def tool_policy(self) -> ToolPolicy:
+        """Raises APIError naming tools or tool_choice when they do not fit together."""
+        tools = [t.model_dump(exclude_none=True) for t in self.tools or []]
+        names = [t["function"]["name"] for t in tools]
+        if len(set(names)) != len(names):
+            raise APIError(400, "tools: function names must be unique", param="tools")
+        choice = self.tool_choice if self.tool_choice is not None else ("auto" if tools else "none")
+        if isinstance(choice, NamedToolChoice):
+            if choice.function.name not in names:
+                raise APIError(400, f"tool_choice: no tool named {choice.function.name!r} in tools", param="tool_choice")
+            return ToolPolicy(tools, "named", choice.function.name, self.parallel_tool_calls)
+        if choice != "none" and not tools:
+            raise APIError(400, f"tool_choice {choice!r} needs tools", param="tool_choice")
+        return ToolPolicy(tools, choice, parallel=self.parallel_tool_calls)
+
+    def structured_output_params(self) -> StructuredOutputsParams | None:
+        own = super().structured_output_params()
+        forced = self.tool_policy().constraint()
+        if forced is not None and own is not None:
+            raise APIError(400, f"{own.source}: cannot be combined with a required or named tool_choice",
+                           param=own.source.split(".")[0])
+        return forced or own
 
     @property
     def max_new_tokens(self) -> int | None:

@@ -45,7 +45,9 @@ class ServingContext:
         try:
             return await self.engine.add_request(prompt_token_ids, params, request_id, arrival_time)
         except ValueError as e:
-            raise APIError(400, str(e)) from None
+            so = params.structured_outputs   # a bad schema, regex or grammar: the error names the request's field
+            param = so.source if so is not None and so.source and str(e).startswith(so.source) else None
+            raise APIError(400, str(e), param=param) from None
         except ENGINE_ERRORS as e:
             raise APIError(503, str(e), type="service_unavailable") from None
 

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request, Response
 
 from picovllm.entrypoints.openai.protocol import ChatCompletionRequest
+from picovllm.entrypoints.openai.tool_calls import ToolCall, ToolPolicy
 from picovllm.entrypoints.openai.serving import (ENGINE_ERRORS, SSE_DONE, JSONBody, SampleGroup, ServingContext,
                                                  TextDeltas, final_output, now, sse, sse_error, sse_response, top_logprobs,
                                                  usage)
@@ -25,16 +26,20 @@ class ChatHandler:
         ctx.check_model(req.model)
         k = req.num_logprobs
         params = req.sampling_params(req.max_new_tokens, k)
-        ids = await ctx.tokenizer.encode_chat([m.as_template_dict() for m in req.messages], req.add_generation_prompt)
+        policy = req.tool_policy()
+        ids = await ctx.tokenizer.encode_chat([m.as_template_dict() for m in req.messages], req.add_generation_prompt,
+                                              tools=policy.tools if policy.active else None)
         group = await SampleGroup(ctx, ids, sample_params(params), f"chatcmpl-{uuid.uuid4().hex}", arrival).start()
         if req.stream:
-            return sse_response(self._events(req, group, params.stop, k))
+            return sse_response(self._events(req, group, params.stop, k, policy))
         out = await final_output(raw, group)
         if out is None:
             return Response(status_code=499)     # the client is gone; nobody reads this
-        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": _logprobs(c, range(len(c.token_ids)), k) if k is not None else None,
-                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in out.outputs]
+        choices = []
+        for c in out.outputs:
+            message, finish = _message(c, policy)
+            choices.append({"index": c.index, "message": message, "finish_reason": finish, "stop_reason": c.stop_reason,
+                            "logprobs": _logprobs(c, range(len(c.token_ids)), k) if k is not None else None})
         return JSONBody(self._body(group.request_id, "chat.completion", choices, usage=usage(out)))
 
     def _body(self, rid: str, obj: str, choices: list, **extra) -> dict:
@@ -47,9 +52,10 @@ class ChatHandler:
         return sse(self._body(rid, "chat.completion.chunk", [choice]))
 
     async def _events(self, req: ChatCompletionRequest, group: SampleGroup, stop: list[str],
-                      k: int | None) -> AsyncIterator[str]:
+                      k: int | None, policy: ToolPolicy) -> AsyncIterator[str]:
         rid, n = group.request_id, len(group.samples)
         deltas, last = [TextDeltas(stop) for _ in range(n)], {}
+        call_ids: dict[int, str] = {}    # named tool_choice: each choice's call id, once its first delta went out
         try:
             for i in range(n):
                 yield self._chunk(rid, i, {"role": "assistant", "content": ""})
@@ -58,8 +64,16 @@ class ChatHandler:
                 text, toks = deltas[i].text(c, out.finished), deltas[i].tokens(c)
                 if not (text or out.finished or (k is not None and toks)):
                     continue
-                yield self._chunk(rid, i, {"content": text} if text else {},
-                                  _logprobs(c, toks, k) if k is not None else None, c.finish_reason, c.stop_reason)
+                lps = _logprobs(c, toks, k) if k is not None else None
+                if policy.mode == "named":   # the output is the call's arguments: streamed as they come
+                    for chunk in self._named_call_chunks(rid, i, text, c, lps, policy, call_ids):
+                        yield chunk
+                    continue
+                if policy.active:   # calls are known once the output is: the text waits for the end
+                    for chunk in self._tool_chunks(rid, i, c, lps, policy):
+                        yield chunk
+                    continue
+                yield self._chunk(rid, i, {"content": text} if text else {}, lps, c.finish_reason, c.stop_reason)
             if req.include_usage and len(last) == n:
                 yield sse(self._body(rid, "chat.completion.chunk", [],
                                      usage=usage(merge_samples(rid, [last[i] for i in range(n)]))))
@@ -68,6 +82,44 @@ class ChatHandler:
         finally:
             group.close()
         yield SSE_DONE
+
+
+    def _named_call_chunks(self, rid: str, i: int, text: str, c: CompletionOutput, lps: dict | None,
+                           policy: ToolPolicy, call_ids: dict[int, str]) -> list[str]:
+        """A named tool_choice: the first delta opens the call (index, id, type, name), the next ones add to its
+        arguments; the finish reason is tool_calls, or length when max_tokens cut the arguments short."""
+        out = []
+        if i not in call_ids:
+            call_ids[i] = ToolCall(policy.named, "").id
+            opened = {"index": 0, "id": call_ids[i], "type": "function", "function": {"name": policy.named, "arguments": ""}}
+            out.append(self._chunk(rid, i, {"tool_calls": [opened]}))
+        if text or lps is not None:
+            delta = {"tool_calls": [{"index": 0, "function": {"arguments": text}}]} if text else {}
+            out.append(self._chunk(rid, i, delta, lps))
+        if c.finish_reason is not None:
+            finish = "tool_calls" if c.finish_reason == "stop" else c.finish_reason
+            out.append(self._chunk(rid, i, {}, None, finish, c.stop_reason))
+        return out
+
+    def _tool_chunks(self, rid: str, i: int, c: CompletionOutput, lps: dict | None, policy: ToolPolicy) -> list[str]:
+        """While tools are active: logprobs as they come; at the end the content, then each call whole (as
+        OpenAI's deltas: index, id, type and name, and the arguments), then the finish reason."""
+        if c.finish_reason is None:
+            return [self._chunk(rid, i, {}, lps)] if lps is not None else []
+        message, finish = _message(c, policy)
+        head = {"content": message["content"]} if message["content"] else {}
+        out = [self._chunk(rid, i, head, lps)] if head or lps is not None else []
+        for j, call in enumerate(message.get("tool_calls", [])):
+            out.append(self._chunk(rid, i, {"tool_calls": [{"index": j, **call}]}))
+        return out + [self._chunk(rid, i, {}, None, finish, c.stop_reason)]
+
+
+def _message(c: CompletionOutput, policy: ToolPolicy) -> tuple[dict, str | None]:
+    """The assistant message of a finished output and its finish reason ("tool_calls" when it calls)."""
+    content, calls = policy.parse(c.text) if policy.active else (c.text, [])
+    if not calls:
+        return {"role": "assistant", "content": content}, c.finish_reason
+    return {"role": "assistant", "content": content, "tool_calls": [x.as_dict() for x in calls]}, "tool_calls"
 
 
 def _logprobs(c: CompletionOutput, idx: range, k: int) -> dict:

@@ -24,17 +24,20 @@ class CompletionHandler:
         ctx = self.ctx
         ctx.check_model(req.model)
         prompt = req.single_prompt()
+        req.check_echo()
         params = req.sampling_params(req.max_tokens, req.logprobs)
         samples = req.samples(params)
         ids = await ctx.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        # echo: the prompt as sent (text), or its ids decoded as /detokenize does
+        echo = (prompt if isinstance(prompt, str) else await ctx.tokenizer.decode(ids)) if req.echo else ""
         group = await SampleGroup(ctx, ids, samples, f"cmpl-{uuid.uuid4().hex}", arrival).start()
         if req.stream:
-            return sse_response(self._events(req, group, params.stop))
+            return sse_response(self._events(req, group, params.stop, echo))
         out = await final_output(raw, group)
         if out is None:
             return Response(status_code=499)     # the client is gone; nobody reads this
         chosen = best_of(out, params.n) if len(samples) > params.n else out.outputs
-        choices = [{"index": c.index, "text": c.text,
+        choices = [{"index": c.index, "text": echo + c.text,
                     "logprobs": _logprobs(c, range(len(c.token_ids)), 0)[0] if req.logprobs is not None else None,
                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in chosen]
         return JSONBody(self._body(group.request_id, choices, usage=usage(out)))   # usage: every sample run
@@ -43,9 +46,11 @@ class CompletionHandler:
         return {"id": rid, "object": "text_completion", "created": now(), "model": self.ctx.model_name,
                 "choices": choices, **extra}
 
-    async def _events(self, req: CompletionRequest, group: SampleGroup, stop: list[str]) -> AsyncIterator[str]:
+    async def _events(self, req: CompletionRequest, group: SampleGroup, stop: list[str],
+                      echo: str) -> AsyncIterator[str]:
         k = len(group.samples)
         deltas, offsets, last = [TextDeltas(stop) for _ in range(k)], [0] * k, {}
+        unechoed = set(range(k)) if echo else set()   # choices whose first chunk (it carries the prompt) is to come
         try:
             async for i, out in group.outputs():
                 last[i], c = out, out.outputs[0]
@@ -55,6 +60,9 @@ class CompletionHandler:
                 lp = None
                 if req.logprobs is not None:
                     lp, offsets[i] = _logprobs(c, toks, offsets[i])
+                if i in unechoed:
+                    text = echo + text
+                    unechoed.discard(i)
                 choice = {"index": i, "text": text, "logprobs": lp,
                           "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
                 yield sse(self._body(group.request_id, [choice]))

@@ -10,6 +10,7 @@ import copy
 from concurrent.futures import ThreadPoolExecutor
 
 from picovllm.entrypoints.openai.protocol import APIError
+from picovllm.entrypoints.openai.tool_calls import template_renders_tools, with_tool_prompt
 
 
 class TokenizerWorker:
@@ -31,16 +32,19 @@ class TokenizerWorker:
         return await self._run(_encode, tok, text, add_special_tokens)
 
     async def encode_chat(self, messages: list[dict], add_generation_prompt: bool,
-                          add_special_tokens: bool = False) -> list[int]:
+                          add_special_tokens: bool = False, tools: list[dict] | None = None) -> list[int]:
         """As LLM.chat: render the chat template, then encode without adding special tokens again
-        (the template holds them; add_special_tokens: /tokenize's)."""
+        (the template holds them; add_special_tokens: /tokenize's). tools: through the template if it
+        renders them, else described in a system message (entrypoints/openai/tool_calls.py)."""
         tok = self._need("chat")
         if not getattr(tok, "chat_template", None):
             raise APIError(400, "this model's tokenizer has no chat template: use /v1/completions")
+        if tools and not template_renders_tools(tok.chat_template):
+            messages, tools = with_tool_prompt(messages, tools), None
 
         def render() -> list[int]:
             try:
-                text = tok.apply_chat_template(messages, tokenize=False,
+                text = tok.apply_chat_template(messages, tokenize=False, tools=tools or None,
                                                add_generation_prompt=add_generation_prompt)
             except Exception as e:  # jinja raises TemplateError (and others) on conversations it refuses
                 raise APIError(400, f"messages: the chat template rejected them: {e}", param="messages") from None

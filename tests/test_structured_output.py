@@ -1,0 +1,208 @@
+"""Structured outputs (layers/structured_output.py) on the default model. Oracles: jsonschema validation for
+JSON schemas, re.fullmatch for regexes, the choice list itself, and xgrammar's own bitmask application for
+the device-side unpacking."""
+from __future__ import annotations
+
+import json
+import random
+import re
+
+import jsonschema
+import pytest
+import torch
+
+from picovllm import LLM, SamplingParams
+from picovllm.layers.structured_output import apply_token_bitmasks
+from picovllm.sampling_params import StructuredOutputsParams
+from picovllm.engine.model_runner import SamplingRow
+from serving_fixtures import chat_model  # noqa: F401 - a fixture
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+PROMPT = "Answer with one JSON object only."
+
+
+def row(mask: torch.Tensor | None) -> SamplingRow:
+    return SamplingRow(0.0, 0, 1.0, 0.0, None, [], None, token_bitmask=mask)
+
+
+def test_bitmask_rows_match_xgrammar_application():
+    xgr = pytest.importorskip("xgrammar")
+    vocab, g = 1000, torch.Generator().manual_seed(0)
+    masks = torch.randint(-2**31, 2**31 - 1, (3, (vocab + 31) // 32), dtype=torch.int32, generator=g)
+    logits = torch.randn(4, vocab, generator=g)
+    out = apply_token_bitmasks(logits, [row(masks[0]), row(None), row(masks[1]), row(masks[2])])
+    expect = logits.clone()
+    full = torch.cat([masks[:1], torch.full_like(masks[:1], -1), masks[1:]])   # row 1: not applied anyway
+    xgr.apply_token_bitmask_inplace(expect, full, indices=[0, 2, 3])
+    assert torch.equal(out, expect)
+    assert torch.isinf(out).any()
+    every = apply_token_bitmasks(logits[[0, 2, 3]], [row(m) for m in masks])    # all rows constrained
+    assert torch.equal(every, expect[[0, 2, 3]])
+    assert apply_token_bitmasks(logits, [row(None)] * 4) is logits      # no constrained row: nothing copied
+    assert not torch.isinf(logits).any()                               # raw logits (logprobs) untouched
+
+
+def random_schema(rng: random.Random, depth: int = 0) -> dict:
+    """Nested objects, arrays, enums, bounded numbers and strings, required fields; small enough that a
+    135M model finishes each instance within the test's max_tokens."""
+    kinds = ["integer", "number", "string", "boolean", "enum"] + (["object", "array"] if depth < 2 else [])
+    kind = rng.choice(kinds)
+    if kind == "object" or depth == 0:
+        props = {f"k{i}_{rng.choice('abcxyz')}": random_schema(rng, depth + 1) for i in range(rng.randint(1, 3))}
+        return {"type": "object", "properties": props,
+                "required": rng.sample(list(props), rng.randint(1, len(props)))}
+    if kind == "array":
+        return {"type": "array", "items": random_schema(rng, depth + 1), "minItems": rng.randint(0, 1),
+                "maxItems": rng.randint(1, 3)}
+    if kind == "integer":
+        lo = rng.randint(-50, 50)
+        return {"type": "integer", "minimum": lo, "maximum": lo + rng.randint(0, 100)}
+    if kind == "number":
+        return {"type": "number", "minimum": -10, "maximum": rng.choice([1, 10, 1000])}
+    if kind == "string":
+        return {"type": "string", "minLength": rng.randint(0, 2), "maxLength": rng.randint(3, 12)}
+    if kind == "enum":
+        return {"enum": rng.sample(["red", "green", "blue", "a b", 'q"uote', "ünï"], rng.randint(1, 4))}
+    return {"type": "boolean"}
+
+
+def so_params(temperature: float, seed: int, **kw) -> SamplingParams:
+    return SamplingParams(temperature=temperature, seed=seed, max_tokens=160,
+                          structured_outputs=StructuredOutputsParams(**kw))
+
+
+def test_random_json_schemas_validate(default_llm: LLM):
+    rng = random.Random(17)
+    schemas = [random_schema(rng) for _ in range(100)]
+    params = [so_params(0.0 if i % 2 == 0 else 1.0, i, json=s) for i, s in enumerate(schemas)]
+    outs = default_llm.generate([PROMPT] * len(schemas), params, use_tqdm=False)
+    for s, o in zip(schemas, outs):
+        c = o.outputs[0]
+        assert c.finish_reason == "stop", (s, c.text)
+        jsonschema.validate(json.loads(c.text), s)
+
+
+def test_choice_regex_json_object_and_grammar(default_llm: LLM):
+    choices = ["yes", "no", "it depends", "ünïcode \"quoted\""]
+    regex = r"(\d{3}-[a-z]{2,5})|(id:[A-F0-9]{4})"
+    grammar = 'root ::= "(" num (" + " num)* ")"\nnum ::= [1-9] [0-9]?'
+    params = ([so_params(1.0, s, choice=choices) for s in range(8)] + [so_params(1.0, s, regex=regex) for s in range(8)]
+              + [so_params(1.0, s, grammar=grammar) for s in range(4)])
+    prompts = ["Pick one:"] * len(params) + ["Describe a person as JSON:"] * 2
+    params += [so_params(t, 1, json_object=True) for t in (0.0, 1.0)]
+    outs = [o.outputs[0] for o in default_llm.generate(prompts, params, use_tqdm=False)]
+    assert all(c.finish_reason == "stop" for c in outs), [(c.text, c.finish_reason) for c in outs if c.finish_reason != "stop"]
+    assert all(c.text in choices for c in outs[:8])
+    assert all(re.fullmatch(regex, c.text) for c in outs[8:16]), [c.text for c in outs[8:16]]
+    assert all(re.fullmatch(r"\((\d+)( \+ \d+)*\)", c.text) for c in outs[16:20]), [c.text for c in outs[16:20]]
+    assert all(isinstance(json.loads(c.text), dict) for c in outs[20:])
+
+
+@pytest.mark.parametrize("kw,match", [
+    ({"json": {"type": "nonsense"}}, "structured_outputs.json: invalid JSON schema"),
+    ({"json": "{not json"}, "structured_outputs.json: invalid JSON schema"),
+    ({"regex": "(unclosed"}, "structured_outputs.regex: invalid regular expression"),
+    ({"grammar": "root ::= missing_rule"}, "structured_outputs.grammar: invalid EBNF grammar"),
+])
+def test_bad_constraint_names_the_field_and_others_run(default_llm: LLM, kw, match):
+    with pytest.raises(ValueError, match=match):
+        default_llm.engine.add_request(PROMPT, SamplingParams(structured_outputs=StructuredOutputsParams(**kw)))
+    out = default_llm.generate([PROMPT], so_params(0.0, 0, choice=["ok"]), use_tqdm=False)[0].outputs[0]
+    assert out.text == "ok"
+
+
+@pytest.mark.parametrize("kw", [{}, {"json": {}, "regex": "a"}, {"choice": []}, {"choice": ["a", 1]},
+                                {"regex": 5}, {"json_object": "yes"}])
+def test_params_validation_names_the_field(kw):
+    with pytest.raises(ValueError, match="structured_outputs"):
+        StructuredOutputsParams(**kw)
+
+
+def test_dict_form_and_parallel_samples(default_llm: LLM):
+    sp = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=20, structured_outputs={"choice": ["x1", "y2"]})
+    (out,) = default_llm.generate(["Pick:"], sp, use_tqdm=False)
+    assert len(out.outputs) == 3 and all(c.text in ("x1", "y2") for c in out.outputs)
+
+
+def test_overlapped_scheduling_matches_plain(default_model_path):
+    """Overlap: a constrained request waits for its pending token (its mask needs it); the outputs equal
+    the non-overlapped engine's, greedy and seeded, and the unconstrained batch-mate is unaffected."""
+    rng = random.Random(3)
+    schemas = [random_schema(rng) for _ in range(6)]
+    params = [so_params(float(i % 2), i, json=s) for i, s in enumerate(schemas)]
+    params.append(SamplingParams(temperature=0, max_tokens=12))
+    runs = []
+    for overlap in (False, True):
+        llm = LLM(default_model_path, async_scheduling=overlap, num_kv_blocks=64)
+        runs.append([o.outputs[0].text for o in llm.generate([PROMPT] * len(params), params, use_tqdm=False)])
+        llm.engine.shutdown()
+    assert runs[0] == runs[1]
+    for s, text in zip(schemas, runs[1]):
+        jsonschema.validate(json.loads(text), s)
+
+
+def test_refused_on_disaggregated_roles(default_model_path):
+    from picovllm.config import EngineConfig
+    from picovllm.engine.llm_engine import Engine
+    eng = Engine(EngineConfig(model=default_model_path, role="p", num_kv_blocks=16))
+    with pytest.raises(ValueError, match="structured_outputs.choice: structured outputs are not supported with "
+                                         "disaggregated"):
+        eng.add_request(PROMPT, so_params(0.0, 0, choice=["a"]))
+    eng.shutdown()
+
+
+def test_bounded_strings_admit_no_raw_control_characters(default_llm: LLM):
+    """JSON strings hold no raw control characters and UTF-8 text no surrogates (json.loads and bytes.decode
+    are the oracles); xgrammar 0.2.8 admits both unless picovllm's grammar fixes it."""
+    from picovllm.layers.structured_output import StructuredOutputCompiler
+    eng = default_llm.engine
+    compiler = StructuredOutputCompiler(eng.tokenizer, eng.model_config.vocab_size, eng.eos_token_ids)
+    schema = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 5}}, "required": ["s"]}
+    for tail, ok in [("ab\"}", True), ("a\x08\"}", False), ("a\\n\"}", False), ("\"}", True)]:
+        state = compiler.new_state(StructuredOutputsParams(json=schema))
+        accepted = state._matcher.accept_string('{"s": "' + tail)
+        valid = True
+        try:
+            json.loads('{"s": "' + tail)
+        except json.JSONDecodeError:
+            valid = False
+        assert accepted == ok, tail
+        assert valid or not accepted, tail   # never accepts what json.loads rejects
+    tokens = {b: i for i, b in enumerate(compiler._info.decoded_vocab) if b in (b"\xed", b"\xa0", b"\x9f")}
+    for string in ({"type": "string", "maxLength": 5}, {"type": "string"}):   # bounded and unbounded
+        schema = {"type": "object", "properties": {"s": string}, "required": ["s"]}
+        for second, ok in [(b"\xa0", False), (b"\x9f", True)]:   # ED A0: a surrogate; ED 9F: U+D7C0-U+D7FF
+            state = compiler.new_state(StructuredOutputsParams(json=schema, source="s"))
+            assert state._matcher.accept_string('{"s": "')
+            got = state.accept(tokens[b"\xed"]) and state.accept(tokens[second])
+            assert got == ok, (string, second)
+
+
+def test_tensor_parallel_matches_one_rank(chat_model, one_thread_in_children):
+    """TP=2: the sampling rows (and their bitmasks) stay on rank 0; the constrained outputs equal one rank's and
+    meet their constraints (choice list, regex)."""
+    prompts = ["Pick:", "Choose one of them", "Which?"] * 2
+    params = [so_params(0.0, 0, choice=["alpha", "beta", "gamma"])] * 3 + [so_params(0.0, 0, regex=r"[a-e]{2,4}-\d")] * 3
+    runs = []
+    for tp in (1, 2):   # greedy: TP's all-reduce may move logits by rounding, not their order here
+        with LLM(chat_model, tensor_parallel_size=tp, num_kv_blocks=64) as llm:
+            runs.append([o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)])
+    assert runs[0] == runs[1]
+    assert all(t in ("alpha", "beta", "gamma") for t in runs[1][:3])
+    assert all(re.fullmatch(r"[a-e]{2,4}-\d", t) for t in runs[1][3:]), runs[1]
+
+
+def test_compiled_grammars_are_cached_by_text(default_llm: LLM):
+    """A second request with the same schema compiles nothing new (the compiler's cache does not grow); another
+    schema does."""
+    eng = default_llm.engine
+    run = lambda schema: default_llm.generate([PROMPT], so_params(0.0, 0, json=schema), use_tqdm=False)  # noqa: E731
+    a = {"type": "object", "properties": {"x": {"enum": ["p", "q"]}}, "required": ["x"]}
+    run(a)
+    size = eng._structured._compiler.get_cache_size_bytes()
+    assert size > 0
+    run(dict(a))                       # an equal schema, another dict object
+    assert eng._structured._compiler.get_cache_size_bytes() == size
+    run({"type": "object", "properties": {"y": {"enum": ["r"]}}, "required": ["y"]})
+    assert eng._structured._compiler.get_cache_size_bytes() > size
