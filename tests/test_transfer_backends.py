@@ -242,3 +242,29 @@ def test_transfer_that_never_completes_times_out(backend, where, async_transfer)
     assert 0.9 < d["waited"] < 10
     assert d["second"] == [("r1", None)] and d["second_exact"], "the link still works after a timeout"
     assert d["close_s"] < 2.0
+
+
+@pytest.mark.parametrize("role", ["p", "d"])
+def test_torch_dist_post_that_fails_ends_the_transfer_with_its_error(role):
+    """The peer died before this side posted its send or recv (gloo raises at once): the transfer completes at
+    the next poll with that error, and nothing is left behind to poll again (it once stayed, half made, and the
+    next poll raised AttributeError in the engine's step)."""
+    from picovllm.disagg.transfer.torch_dist import TorchDistTransfer
+
+    class DeadPeer:
+        def send(self, *a):
+            raise RuntimeError("Connection closed by peer [127.0.0.1]:1234")
+
+        recv = send
+
+    cache = make_cache(role, "cpu")
+    cfg = TransferConfig(backend="torch_dist", async_transfer=True, timeout_s=20.0, lease_s=30.0,
+                         connect_timeout_s=30.0)
+    t = TorchDistTransfer(role, cache, layout_of(cache), cfg)
+    t.pg = DeadPeer()
+    spec = make_plan()[0]
+    (t.start_send if role == "p" else t.start_recv)(spec)
+    done = t.poll()
+    assert [d.request_id for d in done] == [spec.request_id]
+    assert "KV transfer failed: Connection closed by peer" in done[0].error
+    assert t.poll() == []

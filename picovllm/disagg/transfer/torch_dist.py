@@ -169,11 +169,17 @@ class TorchDistTransfer(KVTransfer):
 
     def _post(self, op: _Op) -> None:
         op.stage = "wire"
-        if self.role == "p":
-            op.work = self.pg.send([op.buffer], D_RANK, op.spec.tag)
-        else:
-            op.work = self.pg.recv([op.buffer], P_RANK, op.spec.tag)
         op.threaded = not self.use_nccl
+        try:
+            if self.role == "p":
+                op.work = self.pg.send([op.buffer], D_RANK, op.spec.tag)
+            else:
+                op.work = self.pg.recv([op.buffer], P_RANK, op.spec.tag)
+        except Exception as e:  # noqa: BLE001 - the peer is gone: the op ends with this error at the next poll
+            op.error = f"KV transfer failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+            op.threaded = True
+            op.finished.set()
+            return
         if op.threaded:
             threading.Thread(target=_wait, args=(op,), name="picovllm-kv-wait", daemon=True).start()
 
