@@ -81,7 +81,7 @@ class ArtifactCache:
         then does the work without the cache. Errors of build() other than OSError propagate.
         """
         final = os.path.join(self.root, kind, key)
-        if self._verified(final):
+        if self._verified(kind, key):
             return final
         try:
             os.makedirs(os.path.dirname(final), exist_ok=True)
@@ -98,16 +98,17 @@ class ArtifactCache:
             return None
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-        return final if self._verified(final) else None
+        return final if self._verified(kind, key) else None
 
-    def _verified(self, folder: str) -> bool:
+    def _verified(self, kind: str, key: str) -> bool:
         """True for a whole, intact entry; a damaged one is moved aside and removed (False)."""
+        folder = os.path.join(self.root, kind, key)
         if not os.path.isdir(folder):
             return False
         if _check_manifest(folder):
             return True
         try:
-            self.remove(os.path.basename(os.path.dirname(folder)), os.path.basename(folder))
+            self.remove(kind, key)
         except OSError:
             pass                              # another process removed it first, or a read-only cache
         return False

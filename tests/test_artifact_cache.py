@@ -296,12 +296,18 @@ def test_cache_command_lists_and_clears(tmp_path, monkeypatch, capsys):
     assert entries(tmp_path / "cache", "gguf") == []
 
 
+def logging_compiler(tmp_path, line: str):
+    """A C compiler wrapper that appends `line` (shell words) to a log, then runs the machine's cc: (log, path)."""
+    log, cc = tmp_path / "cc.log", tmp_path / "cc"
+    cc.write_text(f'#!/bin/sh\necho {line} >> {log}\nexec {shutil.which("cc") or shutil.which("gcc")} "$@"\n')
+    cc.chmod(0o755)
+    return log, cc
+
+
 def test_kernel_build_is_cached_by_source_compiler_and_flags(tmp_path):
     """A second process loads the compiled kernel from the cache without running the compiler; other defines are
     another entry. The compiler is a wrapper that logs each call."""
-    log, cc = tmp_path / "cc.log", tmp_path / "cc"
-    cc.write_text(f'#!/bin/sh\necho "$@" >> {log}\nexec {shutil.which("cc") or shutil.which("gcc")} "$@"\n')
-    cc.chmod(0o755)
+    log, cc = logging_compiler(tmp_path, '"$@"')
     code = ("import sys; from picovllm.kernels.cpu.build import compile_library; "
             "lib = compile_library('paged_decode.c', {'HQ': 4, 'HKV': int(sys.argv[1]), 'DIM': 64, 'BLOCK': 16}); "
             "assert lib is not None")
@@ -319,10 +325,7 @@ def test_kernel_build_is_cached_by_source_compiler_and_flags(tmp_path):
 def test_prebuild_compiles_every_kernel_the_engine_loads(tmp_path, tiny_models):
     """A first start compiles the CPU kernels at once (prebuild_cpu_kernels); the kernels the engine then loads are
     all cache hits: the compiler runs in the prebuild's threads only."""
-    log, cc = tmp_path / "cc.log", tmp_path / "cc"
-    real_cc = shutil.which("cc") or shutil.which("gcc")
-    cc.write_text(f'#!/bin/sh\necho "$PICOVLLM_PHASE $@" >> {log}\nexec {real_cc} "$@"\n')
-    cc.chmod(0o755)
+    log, cc = logging_compiler(tmp_path, '"$PICOVLLM_PHASE $@"')
     code = ("import os, picovllm.kernels.cpu as k; from picovllm import LLM, SamplingParams; "
             "real = k.prebuild_cpu_kernels\n"
             "def spy(*a, **kw):\n"

@@ -40,7 +40,8 @@ def add_parser(subparsers) -> None:
 
 
 def _first_token_ms(engine, prompt: list[int]) -> tuple[float, int]:
-    """Time to the first token of `prompt` alone (other requests keep stepping); the prompt tokens computed."""
+    """Time to the first (and only) token of `prompt` while other requests keep stepping; the prompt tokens
+    computed for it."""
     from picovllm.sampling_params import SamplingParams
     _sync()
     before = engine.stats["prefill_tokens"]
@@ -48,9 +49,7 @@ def _first_token_ms(engine, prompt: list[int]) -> tuple[float, int]:
     rid = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
     while True:
         for out in engine.step():
-            if out.request_id == rid and out.outputs[0].token_ids:
-                if not out.finished:
-                    engine.abort(rid)
+            if out.request_id == rid and out.finished:
                 return (out.metrics.token_times[0] - t0) * 1e3, engine.stats["prefill_tokens"] - before
 
 

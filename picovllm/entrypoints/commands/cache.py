@@ -16,15 +16,14 @@ def add_parser(subparsers) -> None:
 
 
 def run_cache(args: argparse.Namespace) -> int:
-    from picovllm.artifact_cache import ArtifactCache, default_root
+    from picovllm.artifact_cache import ArtifactCache
 
-    root = default_root()
-    if root is None:
+    cache = ArtifactCache.from_env()
+    if cache is None:
         print("picovllm cache: the cache is off (PICOVLLM_NO_CACHE)")
         return 0
-    cache = ArtifactCache(root)
     found = [e for e in cache.entries() if args.kind in (None, e["kind"])]
-    print(f"{root}: {len(found)} entries, {sum(e['bytes'] for e in found) / 2**20:.1f} MiB")
+    print(f"{cache.root}: {len(found)} entries, {sum(e['bytes'] for e in found) / 2**20:.1f} MiB")
     for e in found:
         made = time.strftime("%Y-%m-%d %H:%M", time.localtime(e["made"])) if e["made"] else "?"
         print(f"  {e['kind']:8s} {e['key']}  {e['bytes'] / 2**20:9.1f} MiB  {made}  {e['source']}")
