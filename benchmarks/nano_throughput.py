@@ -8,7 +8,7 @@
 
 Workload (nano-vllm's bench.py): 256 requests, random.seed(0), prompts of randint(100, 1024)
 random token ids in [0, 10000], then max_tokens randint(100, 1024) each, ignore_eos, temperature 0.6.
-Without --model it builds a Qwen3-0.6B-shaped checkpoint of random bf16 weights.
+Without --model it builds a Qwen3-0.6B-shaped checkpoint of random bf16 weights (--shape 8b: Qwen3-8B's).
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def workload(n: int = 256, max_in: int = 1024, max_out: int = 1024, temperature:
 def make_llm(args, **over) -> LLM:
     kw = dict(max_model_len=4096, max_num_seqs=256, max_num_batched_tokens=16384, enforce_eager=args.enforce_eager,
               enable_prefix_caching=not args.no_prefix_caching,
-              gpu_memory_utilization=0.9, async_scheduling=not args.no_overlap and args.tp == 1,
+              gpu_memory_utilization=0.9, async_scheduling=not args.no_overlap,
               tensor_parallel_size=args.tp)
     kw.update(over)
     return LLM(args.model, **kw)
@@ -103,7 +103,10 @@ class StepTimeline:
         return out
 
 
-KV_BYTES_PER_TOKEN = 28 * 2 * 8 * 128 * 2     # Qwen3-0.6B, bf16
+KV_BYTES_PER_TOKEN = 28 * 2 * 8 * 128 * 2     # Qwen3-0.6B, bf16 (the timeline's kv_TBps)
+SHAPES = {"0.6b": {},   # random_qwen3's default
+          "8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, tie_word_embeddings=False)}
 
 
 def throughput(args) -> dict:
@@ -232,12 +235,13 @@ def main() -> None:
     ap.add_argument("--timeline", action="store_true", help="time every step (wall and GPU)")
     ap.add_argument("--no-overlap", action="store_true", help="async_scheduling=False: host work between steps")
     ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (GPUs)")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="0.6b", help="the random checkpoint's shape")
     ap.add_argument("--split-target", type=int, help="decode attention's SPLIT_TARGET_PROGRAMS (A/B runs)")
     args = ap.parse_args()
     if args.split_target:
         import picovllm.kernels.decode_attention as da
         da.SPLIT_TARGET_PROGRAMS = args.split_target
-    args.model = args.model or build("/tmp/qwen3-0.6b-random")
+    args.model = args.model or build(f"/tmp/qwen3-{args.shape}-random", **SHAPES[args.shape])
     res = globals()[args.mode](args)
     table = res.pop("kernel_table", None)
     if table:

@@ -31,6 +31,8 @@ def build(path: str, seed: int = 0, **overrides) -> str:
 
     w = {"model.embed_tokens.weight": rnd(cfg["vocab_size"], h),
          "model.norm.weight": torch.ones(h, dtype=torch.bfloat16)}
+    if not cfg["tie_word_embeddings"]:
+        w["lm_head.weight"] = rnd(cfg["vocab_size"], h)
     for n in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{n}."
         w.update({p + "self_attn.q_proj.weight": rnd(hq * d, h), p + "self_attn.k_proj.weight": rnd(hkv * d, h),

@@ -116,7 +116,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None      # override the memory-budget computation (tests, PD)
     enable_prefix_caching: bool = True
     enforce_eager: bool = False           # no CUDA graphs (GPU), no one-call decode stack (CPU)
-    async_scheduling: bool | None = None  # overlap host work with the device (None: on for one GPU)
+    async_scheduling: bool | None = None  # overlap host work with the device (None: on for GPUs)
     attention_backend: str = "auto"       # "torch" | "triton" | "cpu" (C paged kernel) | "auto"
     skip_tokenizer_init: bool = False
     tensor_parallel_size: int = 1
@@ -159,11 +159,9 @@ class EngineConfig:
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise bad("tensor_parallel_size", "must be an int >= 1")
         if self.async_scheduling is None:
-            self.async_scheduling = str(self.device).startswith("cuda") and self.tensor_parallel_size == 1
+            self.async_scheduling = str(self.device).startswith("cuda")
         if not isinstance(self.async_scheduling, bool):
             raise bad("async_scheduling", "must be a bool or None")
-        if self.async_scheduling and self.tensor_parallel_size > 1:
-            raise bad("async_scheduling", "needs tensor_parallel_size 1 (TP ranks step in lockstep)")
         if self.role not in ("pd", "p", "d"):
             raise bad("role", "must be 'pd', 'p' or 'd'")
 

@@ -19,12 +19,19 @@ class TPGroup:
             dist.all_reduce(x, group=self.group)
         return x
 
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """x from the group's first rank (rank 0 of this TP group) into x on every rank, in place."""
+        if self.size > 1:
+            dist.broadcast(x, group=self.group, group_src=0)
+        return x
+
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
         if self.size == 1:
             return x
-        parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x.contiguous(), group=self.group)
-        return torch.cat(parts, dim=-1)
+        x = x.contiguous()
+        out = torch.empty((self.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+        dist.all_gather_into_tensor(out, x, group=self.group)   # one collective, CUDA-graph capturable
+        return torch.cat(out.chunk(self.size), dim=-1)
 
 
 SINGLE = TPGroup()

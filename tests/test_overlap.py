@@ -19,9 +19,8 @@ def outputs(llm, prompts, params):
 
 def test_config_validation():
     from picovllm.config import EngineConfig
-    assert EngineConfig(device="cpu").async_scheduling is False          # auto: on for one GPU only
-    with pytest.raises(ValueError, match="async_scheduling"):
-        EngineConfig(device="cpu", async_scheduling=True, tensor_parallel_size=2)
+    assert EngineConfig(device="cpu").async_scheduling is False          # auto: on for GPUs only
+    assert EngineConfig(device="cpu", async_scheduling=True, tensor_parallel_size=2).async_scheduling   # TP too
     assert EngineConfig(device="cpu", async_scheduling=True, role="p").async_scheduling    # P and D overlap too
     assert EngineConfig(device="cpu", async_scheduling=True, role="d").async_scheduling
     with pytest.raises(ValueError, match="async_scheduling"):

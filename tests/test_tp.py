@@ -95,7 +95,8 @@ def test_fewer_kv_heads_than_ranks_with_chunked_prefill(tp_models):
     ref, _ = hf_greedy(path, prompts, 10)
     sp = SamplingParams(max_tokens=10, **GREEDY)
     tp1 = tokens(LLM(path, block_size=4, max_num_batched_tokens=7, num_kv_blocks=256).generate(prompts, sp, use_tqdm=False))
-    with LLM(path, tensor_parallel_size=2, block_size=4, max_num_batched_tokens=7, num_kv_blocks=256) as llm:
+    with LLM(path, tensor_parallel_size=2, block_size=4, max_num_batched_tokens=7, num_kv_blocks=256,
+             async_scheduling=True) as llm:   # overlapped: rank 0 broadcasts each step's tokens
         attn = llm.engine.runner.model.attention_layers()[0]
         assert (attn.num_heads, attn.num_kv_heads) == (2, 1)   # 4 query heads split, the 1 KV head replicated
         steps, real = [], llm.engine.scheduler.schedule
@@ -118,7 +119,7 @@ def test_odd_vocab_tied_head_with_preemption(tp_models):
     sp = SamplingParams(max_tokens=8, **GREEDY)
     kw = dict(block_size=4, num_kv_blocks=30, enable_prefix_caching=False)
     tp1 = tokens(LLM(path, **kw).generate(prompts, sp, use_tqdm=False))
-    with LLM(path, tensor_parallel_size=2, **kw) as llm:
+    with LLM(path, tensor_parallel_size=2, async_scheduling=True, **kw) as llm:
         preempted = []
         real = llm.engine.scheduler.preempt
         llm.engine.scheduler.preempt = lambda r: (preempted.append(r.request_id), real(r))
@@ -134,13 +135,13 @@ def test_penalties_and_logit_bias_match_tp1(tp_models):
            SamplingParams(max_tokens=10, frequency_penalty=1.0, presence_penalty=0.5, **GREEDY),
            SamplingParams(max_tokens=10, logit_bias={7: 5.0}, **GREEDY), SamplingParams(max_tokens=10, **GREEDY)]
     tp1 = tokens(LLM(path, num_kv_blocks=64).generate(prompts, sps, use_tqdm=False))
-    with LLM(path, tensor_parallel_size=2, num_kv_blocks=64) as llm:
+    with LLM(path, tensor_parallel_size=2, num_kv_blocks=64, async_scheduling=True) as llm:   # pending tokens
         tp2 = tokens(llm.generate(prompts, sps, use_tqdm=False))
     assert tp2 == tp1 and len(set(map(tuple, tp1))) == 4
 
 
 def test_killed_worker_raises_within_seconds_and_leaves_no_process(tp_models):
-    llm = LLM(tp_models["llama"], tensor_parallel_size=2, num_kv_blocks=256)
+    llm = LLM(tp_models["llama"], tensor_parallel_size=2, num_kv_blocks=256, async_scheduling=True)
     pid = llm.engine.executor.worker_pids[0]
     killed_at = []
 

@@ -87,8 +87,10 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """Allocate the cache, then what depends on it: the decode step's CUDA graphs or CPU stack."""
         self.kv_cache = kv_cache.allocate_kv_cache(self.model, num_blocks, self.block_size, self.dtype, self.device)
-        if self.device.type == "cuda" and not self.config.enforce_eager and self.tp.size == 1 \
-                and getattr(self.attn_backend, "supports_cuda_graphs", False):   # TP steps run eager
+        if self.device.type == "cuda" and not self.config.enforce_eager \
+                and getattr(self.attn_backend, "supports_cuda_graphs", False):
+            # Under tensor parallelism every rank captures the same sizes in the same order, so the
+            # collectives inside the graphs (NCCL all-reduce, all-gather) pair up at replay.
             from picovllm.engine.cuda_graph import CUDAGraphRunner
             mc = self.model_config
             max_len = min(self.config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
@@ -109,12 +111,20 @@ class ModelRunner:
     def launch(self, step: StepInput, prev: LaunchedStep | None = None) -> LaunchedStep:
         """Queue the step's forward and sampling on the device without waiting for them.
         prev: the step still in flight whose sampled tokens feed this one (step.prev_dst)."""
-        prev_tokens = None
-        if step.prev_dst:
-            prev_tokens = (to_device(step.prev_dst, torch.long, self.device),
-                           prev.tokens[to_device(step.prev_src, torch.long, self.device)])
+        prev_tokens = self.prev_tokens(step, prev.tokens if prev is not None else None)
         return self.launch_sampling(self.compute_logits(step, prev_tokens), step.sampling,
                                     prev.tokens if prev is not None else None)
+
+    def prev_tokens(self, step: StepInput, in_flight: torch.Tensor | None
+                    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(flat indices, token ids) of the input ids this step reads from the step in flight, whose
+        sampled tokens are `in_flight` (on the device); None when it reads none."""
+        if not step.prev_dst:
+            return None
+        if in_flight is None:
+            raise ValueError("the step reads tokens of a step in flight (StepInput.prev_dst), but none was given")
+        return (to_device(step.prev_dst, torch.long, self.device),
+                in_flight[to_device(step.prev_src, torch.long, self.device)])
 
     @staticmethod
     def launch_sampling(logits: torch.Tensor | None, rows: list[SamplingRow],
@@ -147,7 +157,11 @@ class ModelRunner:
         return self.model.compute_logits(hidden[to_device(step.sample_indices, torch.long, self.device)])
 
     def shutdown(self) -> None:
-        """Nothing lives outside this process; kept so that a ModelRunner can stand where an Executor does."""
+        """Drop the CUDA graphs. Under tensor parallelism they hold the TP group's NCCL communicator:
+        destroying the group while they live hangs, so every rank calls this before it does."""
+        if self.cuda_graphs is not None:
+            torch.cuda.synchronize(self.device)
+            self.cuda_graphs = None
 
     def _metadata(self, step: StepInput) -> AttentionMetadata:
         return step_metadata(step, self.device)

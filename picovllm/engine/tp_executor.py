@@ -2,7 +2,10 @@
 
 Rank 0 is the caller's process and the only one with a scheduler. Each step it broadcasts a
 RunStep message on the control group, then runs its own shard; the layers' collectives keep the
-ranks in lock step, and only rank 0 samples. Workers run `run_worker`: receive a message, do what
+ranks in lock step, and only rank 0 samples. Decode steps replay CUDA graphs on every rank (each
+rank captured the same sizes, so the collectives inside pair up). Under overlapped scheduling rank 0
+broadcasts each step's sampled tokens on the TP group, on the device: the next step, prepared before
+they reached the host, reads them there on every rank, exactly as one process does. Workers run `run_worker`: receive a message, do what
 it says, repeat until Shutdown. TPExecutor spawns the workers itself, unless the ranks already
 exist (torchrun, or a world set up by the caller): then ranks other than 0 call run_worker_from_env().
 """
@@ -25,7 +28,7 @@ from picovllm.distributed import TPGroup
 from picovllm.engine import tp_kv
 from picovllm.engine.executor import Executor
 from picovllm.engine.messages import AllocateKVCache, GatherKV, ProfileKVCache, RunStep, ScatterKV, Setup, Shutdown
-from picovllm.engine.model_runner import LaunchedStep, ModelRunner, StepInput
+from picovllm.engine.model_runner import LaunchedStep, ModelRunner, StepInput, StepResult
 from picovllm.engine.tp_workers import STARTED_KEY, TPWorkerError, WorkerProcesses, exit_with_parent
 from picovllm.engine.tp_world import (WORLD_TIMEOUT, ControlChannel, join_external_world, launched_externally,
                                       new_control_group, new_tp_group, rank_device)
@@ -137,10 +140,11 @@ class TPExecutor(Executor):
                 self.session.channel.send(Setup(replace(config, model=source.path)))
                 tp = self.session.make_tp_group(device)
                 self.runner = ModelRunner(config, source, tp, device)
+            self.overlap = config.async_scheduling   # then the workers keep each step's sampled tokens
         except BaseException:
             self.session.close(graceful=False)
             raise
-        self._finalizer = weakref.finalize(self, self.session.close)   # also runs at interpreter exit
+        self._finalizer = weakref.finalize(self, _close, self.session, self.runner)   # also at interpreter exit
 
     @property
     def worker_pids(self) -> list[int]:
@@ -148,7 +152,7 @@ class TPExecutor(Executor):
 
     @property
     def supports_overlap(self) -> bool:
-        return False    # workers would need the in-flight step's tokens: the ranks step in lock step
+        return self.overlap
 
     def shutdown(self) -> None:
         self._finalizer()
@@ -184,16 +188,23 @@ class TPExecutor(Executor):
 
     @torch.inference_mode()
     def launch(self, step: StepInput, prev: LaunchedStep | None = None) -> LaunchedStep:
-        if prev is not None or step.prev_dst:   # refused before the workers see anything
-            raise ValueError("a tensor-parallel step cannot read the tokens of a step in flight "
-                             "(EngineConfig.async_scheduling needs tensor_parallel_size 1)")
+        in_flight = prev.tokens if prev is not None else None
+        if step.prev_dst and not self.overlap:   # refused before the workers see anything
+            raise ValueError("a step reads tokens of a step in flight, but EngineConfig.async_scheduling is off")
         with self._remote("a step"):
             # workers only run the forward: the sampling rows (token lists under penalties) stay here
             self.session.channel.send(RunStep(replace(step, sampling=[])))
-            logits = self.runner.compute_logits(step)
-            if logits is not None and self.device.type == "cuda":
-                self._wait_for_device()
-        return self.runner.launch_sampling(logits, step.sampling)
+            logits = self.runner.compute_logits(step, self.runner.prev_tokens(step, in_flight))
+            launched = self.runner.launch_sampling(logits, step.sampling, in_flight)
+            if self.overlap and launched.tokens is not None:
+                self.runner.tp.broadcast(launched.tokens)   # the workers' copy, for the next step's prev_dst
+        return launched
+
+    def resolve(self, launched: LaunchedStep) -> StepResult:
+        if launched.done is not None:
+            with self._remote("a step"):
+                self._wait_for(launched.done)
+        return self.runner.resolve(launched)
 
     def gather_kv(self, block_ids: list[int]) -> torch.Tensor:
         """These blocks with every rank's KV heads, on the CPU (engine/tp_kv.py)."""
@@ -207,15 +218,20 @@ class TPExecutor(Executor):
             self.session.channel.send(ScatterKV(list(block_ids)))
             tp_kv.scatter_blocks(self.runner, self.session.channel.group, self.session.channel.src, block_ids, full)
 
-    def _wait_for_device(self) -> None:
+    def _wait_for(self, done: torch.cuda.Event) -> None:
         """Wait for the step's kernels while watching the workers: a dead NCCL peer would block a sync forever."""
-        done = torch.cuda.Event()
-        done.record()
         while not done.query():
             dead = self.session.dead_worker()
             if dead:
                 raise RuntimeError(dead)
             time.sleep(20e-6)
+
+
+def _close(session: TPSession, runner: ModelRunner) -> None:
+    if session.failure is None:   # after a failure the device may be stuck: leave the graphs to the exit
+        with contextlib.suppress(Exception):
+            runner.shutdown()
+    session.close()
 
 
 def run_worker(ranks: list[int], local_rank: int) -> None:
@@ -229,16 +245,23 @@ def run_worker(ranks: list[int], local_rank: int) -> None:
     if device.type == "cpu":
         share_cpu_threads(tp.size)
     runner = ModelRunner(setup.config, open_model_source(setup.config.model, setup.config.disk_cache), tp, device)
+    sampled = None    # overlapped scheduling: the last step's sampled tokens, as rank 0 broadcast them
     while True:
         msg = channel.recv()
         if isinstance(msg, RunStep):
-            runner.compute_logits(msg.step)    # only rank 0 samples; this rank's part is the collectives
+            with torch.inference_mode():
+                step = msg.step
+                # only rank 0 samples; this rank's part is the collectives
+                runner.compute_logits(step, runner.prev_tokens(step, sampled))
+                if setup.config.async_scheduling and step.sample_indices:
+                    sampled = tp.broadcast(torch.empty(len(step.sample_indices), dtype=torch.long, device=device))
         elif isinstance(msg, ProfileKVCache):
             channel.min(runner.profile_num_blocks())
         elif isinstance(msg, AllocateKVCache):
             runner.allocate_kv_cache(msg.num_blocks)
             channel.min(1)
         elif isinstance(msg, Shutdown):
+            runner.shutdown()
             return
         elif not tp_kv.serve(runner, channel, msg):
             raise ValueError(f"unexpected message {type(msg).__name__} after start-up")
