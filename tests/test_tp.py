@@ -253,3 +253,38 @@ def test_tp2_on_two_gpus_matches_tp1(tp_models):
         assert str(llm.engine.runner.device) == "cuda:0"
         tp2 = tokens(llm.generate(prompts, sp, use_tqdm=False))
     assert tp2 == tp1
+
+
+def _one_shot_rank(rank: int, port: int, out) -> None:
+    from picovllm.distributed import make_one_shot
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    torch.distributed.init_process_group("nccl", rank=rank, world_size=2, device_id=dev)
+    one_shot = make_one_shot(torch.distributed.group.WORLD, dev, 1 << 20)
+    errors = []
+    for n, dtype in [(8, torch.bfloat16), (1024 * 3, torch.bfloat16), (4096 * 64, torch.float32)]:
+        parts = [torch.randn(n, generator=torch.Generator().manual_seed(r), dtype=torch.float64) for r in range(2)]
+        x = parts[rank].to(dtype).to(dev)
+        want = sum(p.to(dtype).double() for p in parts)        # float64 sum of what each rank holds
+        got = one_shot(x).double().cpu()
+        errors.append(float((got - want).abs().max() / want.abs().max()))
+    out.put((rank, one_shot is not None, errors))
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.gpu2
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_one_shot_all_reduce_sums_like_float64():
+    import torch.multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_one_shot_rank, args=(r, 29517, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = sorted(q.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(30)
+    for rank, made, errors in results:
+        assert made, "the one-shot path should exist between two H200s"
+        assert max(errors) < 1e-2, errors     # bf16 rounding of the sum at most

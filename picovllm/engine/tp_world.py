@@ -13,7 +13,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from picovllm.distributed import TPGroup
+from picovllm.distributed import TPGroup, make_one_shot
 from picovllm.engine.messages import Message, decode, encode
 
 # Workers wait in a control-group recv between requests for as long as the engine is idle, so this
@@ -57,7 +57,8 @@ def new_tp_group(ranks: list[int], device: torch.device) -> TPGroup:
     """Every rank of the world calls this in the same order (torch.distributed.new_group's rule)."""
     backend = "nccl" if device.type == "cuda" else "gloo"
     group = dist.new_group(ranks, backend=backend, timeout=COLLECTIVE_TIMEOUT)
-    return TPGroup(rank=ranks.index(dist.get_rank()), size=len(ranks), group=group)
+    return TPGroup(rank=ranks.index(dist.get_rank()), size=len(ranks), group=group,
+                   one_shot=make_one_shot(group, device))
 
 
 def rank_device(device: str, local_rank: int) -> torch.device:
