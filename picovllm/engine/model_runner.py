@@ -66,7 +66,8 @@ class ModelRunner:
             prebuild_cpu_kernels((attn.num_heads, attn.num_kv_heads, attn.head_dim, config.block_size),
                                  attention=config.attention_backend in ("auto", "cpu"),
                                  stack=not config.enforce_eager and tp.size == 1)
-        load_model_weights(self.model, source, config.disk_cache, (tp.rank, tp.size))   # packs on the CPU
+        load_model_weights(self.model, source, config.disk_cache, (tp.rank, tp.size),   # packs on the CPU
+                           config.quantization)
         self.model.eval()
         self.block_size = config.block_size
         self.kv_cache: torch.Tensor | None = None

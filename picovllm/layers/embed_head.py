@@ -17,6 +17,7 @@ class VocabParallelEmbedding(nn.Module):
         self.start = tp.rank * self.shard
         self.weight = nn.Parameter(torch.zeros(self.shard, hidden), requires_grad=False)
         self.weight.weight_loader = self.load
+        self.quantized = None   # a QuantizedWeight of the table on the CPU (loader/quantized_weights.py)
 
     def load(self, param: nn.Parameter, w: torch.Tensor, shard: object = None, name: str = "") -> None:
         if w.shape[0] != self.vocab_size or w.shape[1] != param.shape[1]:
@@ -26,6 +27,8 @@ class VocabParallelEmbedding(nn.Module):
         param.data[:part.shape[0]].copy_(part)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None:   # tensor parallel size 1
+            return self.quantized.dequantize(ids.reshape(-1)).view(*ids.shape, -1)
         if self.tp.size == 1:
             return F.embedding(ids, self.weight)
         local = ids - self.start

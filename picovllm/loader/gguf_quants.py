@@ -32,6 +32,11 @@ class DecodedBlocks:
     offsets: np.ndarray | None  # [n, k / 32] float32 (q4), None (q8)
     scale_dtype: np.dtype       # float16 where every scale and offset is exactly a float16, else float32
 
+    def take_rows(self, order) -> DecodedBlocks:
+        """These blocks with their rows in `order` (an index array or slice)."""
+        return DecodedBlocks(self.kind, self.codes[order], self.scales[order],
+                             None if self.offsets is None else self.offsets[order], self.scale_dtype)
+
     def dequantize(self) -> np.ndarray:
         """[n, k] float64: the weight the blocks stand for."""
         n, k = self.codes.shape
@@ -40,6 +45,14 @@ class DecodedBlocks:
         if self.offsets is not None:
             w += self.offsets.astype(np.float64)[..., None]
         return w.reshape(n, k)
+
+
+def concatenate(parts: list[DecodedBlocks]) -> DecodedBlocks:
+    """The parts' rows one after another (they share kind, k and scale dtype)."""
+    first = parts[0]
+    return DecodedBlocks(first.kind, np.concatenate([p.codes for p in parts]), np.concatenate([p.scales for p in parts]),
+                         None if first.offsets is None else np.concatenate([p.offsets for p in parts]),
+                         first.scale_dtype)
 
 
 def _f16(raw: np.ndarray, at: int) -> np.ndarray:

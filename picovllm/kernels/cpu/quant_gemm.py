@@ -22,6 +22,7 @@ from picovllm.loader.gguf_quants import DecodedBlocks
 ROWS, BLOCK = 16, 32            # output rows per panel, elements per block (quant_gemm.c's QROWS, QBLOCK)
 KINDS = {"q4": 1, "q8": 2}      # quant_gemm.c's QKIND_*
 CODE_BYTES = {"q4": 256, "q8": 512}   # per panel and block
+LAYOUT = "panels16-blocks32-v1"       # what a stored QuantizedSegment's bytes mean (engine-weights cache key)
 
 
 class QSeg(ctypes.Structure):   # as in quant_gemm.c
