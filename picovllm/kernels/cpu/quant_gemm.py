@@ -30,9 +30,8 @@ class QSeg(ctypes.Structure):   # as in quant_gemm.c
                 ("codes", ctypes.c_void_p), ("scales", ctypes.c_void_p)]
 
 
-def isa() -> str | None:
-    """The instruction set the quantized kernels run with: PICOVLLM_CPU_ISA if set (ValueError if this CPU lacks
-    it), else the best of cpu_isas() whose build works; None where none does."""
+def preferred_isa() -> str | None:
+    """PICOVLLM_CPU_ISA if set (ValueError if this CPU lacks it), else the best this CPU has; builds nothing."""
     forced = os.environ.get("PICOVLLM_CPU_ISA")
     if forced:
         if forced not in ISA_FLAGS:
@@ -40,6 +39,14 @@ def isa() -> str | None:
         if forced not in cpu_isas():
             raise ValueError(f"PICOVLLM_CPU_ISA={forced!r}: this CPU lacks it (it has: {', '.join(cpu_isas())})")
         return forced
+    return next(iter(cpu_isas()), None)
+
+
+def isa() -> str | None:
+    """The instruction set the quantized kernels run with: preferred_isa() if forced, else the best of cpu_isas()
+    whose build works; None where none does."""
+    if os.environ.get("PICOVLLM_CPU_ISA"):
+        return preferred_isa()
     return next((name for name in cpu_isas() if library(name) is not None), None)
 
 
