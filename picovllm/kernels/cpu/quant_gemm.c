@@ -284,3 +284,36 @@ void quant_activations(const float *x, int64_t m, int64_t k, int8_t *xq, float *
 
 /* 1 for the AVX-512 build, 0 for the AVX2 one. */
 int64_t quant_gemm_isa(void) { return QG_AVX512; }
+
+/* Rows rows[0..count) of the weight whose segments are segs (rows numbered across them) into out [count][k],
+ * float32: the embedding's lookup in a quantized table. */
+void quant_rows(const QSeg *segs, int64_t n_segs, int64_t k, const int64_t *rows, int64_t count, float *out) {
+    const int64_t nb = k / QBLOCK;
+    for (int64_t i = 0; i < count; i++) {
+        int64_t r = rows[i], s = 0;
+        while (s < n_segs - 1 && r >= segs[s].n) r -= segs[s++].n;
+        const QSeg *w = segs + s;
+        const int64_t p = r / QROWS, lane = r % QROWS;
+        for (int64_t b = 0; b < nb; b++) {
+            const int64_t at = (p * nb + b) * 32 + lane;
+            float sc[2];
+            for (int h = 0; h < 2; h++)
+                sc[h] = w->scale_f32 ? ((const float *)w->scales)[at + 16 * h]
+                                     : _cvtsh_ss(((const uint16_t *)w->scales)[at + 16 * h]);
+            float *o = out + i * k + b * QBLOCK;
+            if (w->kind == QKIND_Q4) {
+                const uint8_t *c = w->codes + (p * nb + b) * 256 + 4 * lane;
+                for (int ch = 0; ch < 4; ch++)
+                    for (int j = 0; j < 4; j++) {
+                        const uint8_t v = c[64 * ch + j];
+                        o[4 * ch + j] = sc[0] * (float)(v & 0x0F) + sc[1];
+                        o[16 + 4 * ch + j] = sc[0] * (float)(v >> 4) + sc[1];
+                    }
+            } else {
+                const int8_t *c = (const int8_t *)(w->codes + (p * nb + b) * 512 + 4 * lane);
+                for (int g = 0; g < 8; g++)
+                    for (int j = 0; j < 4; j++) o[4 * g + j] = sc[g / 4] * (float)c[64 * g + j];
+            }
+        }
+    }
+}

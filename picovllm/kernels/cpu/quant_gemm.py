@@ -63,6 +63,8 @@ def library(name: str) -> ctypes.CDLL | None:
     lib.quant_gemm.restype = None
     lib.quant_activations.argtypes = [ptr, i64, i64, ptr, ptr, ptr]
     lib.quant_activations.restype = None
+    lib.quant_rows.argtypes = [ptr, i64, i64, ptr, i64, ptr]
+    lib.quant_rows.restype = None
     lib.quant_gemm_isa.restype = i64
     assert lib.quant_gemm_isa() == (name == "avx512"), name
     return lib
@@ -140,15 +142,15 @@ class QuantizedWeight:
         return sum(s.nbytes for s in self.segments)
 
     def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """[out_features, in_features] float32 (or those rows: the embedding's lookup)."""
+        """[out_features, in_features] float32 (or those rows: the embedding's lookup, in C)."""
         if rows is None:
             return torch.cat([unpack(s) for s in self.segments])
-        out, start = torch.empty(len(rows), self.in_features), 0
-        for s in self.segments:
-            inside = (rows >= start) & (rows < start + s.n)
-            if inside.any():
-                out[inside] = unpack(s, rows[inside] - start)
-            start += s.n
+        rows = rows.to(torch.int64).contiguous()
+        if len(rows) and (int(rows.min()) < 0 or int(rows.max()) >= self.out_features):
+            raise IndexError(f"row ids must be in [0, {self.out_features})")
+        out = torch.empty(len(rows), self.in_features)
+        self.lib.quant_rows(self.table, len(self.segments), self.in_features, rows.data_ptr(), len(rows),
+                            out.data_ptr())
         return out
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None, threads: int | None = None) -> torch.Tensor:
