@@ -120,3 +120,21 @@ def test_forced_isa(monkeypatch):
     monkeypatch.setenv("PICOVLLM_CPU_ISA", "sse2")
     with pytest.raises(ValueError, match="PICOVLLM_CPU_ISA"):
         qg.isa()
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_refined_top_logits_are_exact(isa):
+    """After a quantized LM head, each row's top logits are recomputed from the float32 hidden state: they equal
+    float64 W @ x (the rest keep the int8 activations' error)."""
+    rng = np.random.default_rng(3)
+    n, k = 300, 256
+    raw = random_blocks(rng, "Q8_0", n, k)
+    w = gguf.quants.dequantize(raw, Q.Q8_0).astype(np.float64)
+    qw = qg.QuantizedWeight([qg.pack(decode_blocks("Q8_0", raw, n, k))], isa)
+    x = torch.randn(3, k)
+    logits = qg.refine_top_logits(qw(x), x, qw, top=5)
+    exact = x.double().numpy() @ w.T
+    top = logits.topk(5, dim=1).indices.numpy()
+    got, want = np.take_along_axis(logits.double().numpy(), top, 1), np.take_along_axis(exact, top, 1)
+    assert np.allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(exact).max())
+    assert (np.sort(top, 1) == np.sort(np.argsort(-exact, 1)[:, :5], 1)).all()

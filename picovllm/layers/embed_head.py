@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from picovllm.distributed import SINGLE, TPGroup
+from picovllm.kernels.cpu.quant_gemm import QuantizedWeight, refine_top_logits
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -44,5 +45,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         local = self.packed(hidden) if self.packed is not None else F.linear(hidden, self.weight)
+        if isinstance(self.packed, QuantizedWeight) and hidden.dim() == 2:
+            local = refine_top_logits(local, hidden, self.packed)
         logits = self.tp.all_gather_last_dim(local)
         return logits[..., :self.vocab_size]

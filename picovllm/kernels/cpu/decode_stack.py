@@ -15,7 +15,7 @@ import torch
 
 from picovllm.kernels.cpu.build import ISA_FLAGS, compile_openmp_library, shape_defines
 from picovllm.kernels.cpu.decode_attention import CpuAttentionBackend, token_batch
-from picovllm.kernels.cpu.quant_gemm import QSeg, QuantizedWeight, scratch_bytes
+from picovllm.kernels.cpu.quant_gemm import QSeg, QuantizedWeight, refine_top_logits, scratch_bytes
 from picovllm.layers.attention import AttentionMetadata
 from picovllm.layers.packed_linear import SMALL_M
 
@@ -145,4 +145,6 @@ class DecodeStack:
             self.cos_sin.data_ptr(), batch.tables.data_ptr(), batch.tables.stride(0), batch.lens.data_ptr(),
             batch.bounds_array.data_ptr(), len(batch.bounds) - 1, scratch.data_ptr(),
             qscratch.data_ptr() if qscratch is not None else None, logits.data_ptr(), torch.get_num_threads())
+        if isinstance(model.lm_head.packed, QuantizedWeight):   # as ParallelLMHead.compute_logits does
+            refine_top_logits(logits, scratch[m * h:2 * m * h].view(m, h), model.lm_head.packed)   # the final norm's
         return logits
