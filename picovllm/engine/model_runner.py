@@ -22,7 +22,7 @@ from picovllm.engine.sampling import LaunchedStep, StepResult
 from picovllm.engine.scheduler import SchedulerOutput
 from picovllm.engine.step_input import (SamplingRow, StepInput, build_step_input, step_metadata,  # noqa: F401
                                         to_device, token_tensors)
-from picovllm.kernels.cpu import prebuild_cpu_kernels
+from picovllm.kernels.cpu import prebuild_cpu_kernels, quant_gemm
 from picovllm.layers.attention import AttentionMetadata
 from picovllm.loader.engine_weights import load_model_weights
 from picovllm.loader.source import ModelSource
@@ -63,10 +63,13 @@ class ModelRunner:
             self.model = cls(source.config, tp)
         if self.device.type == "cpu" and self.dtype == torch.float32:   # a first start compiles them all at once
             attn = self.model.attention_layers()[0]
+            quantized = config.quantization != "none" and source.stored_weights is not None and tp.size == 1
             prebuild_cpu_kernels((attn.num_heads, attn.num_kv_heads, attn.head_dim, config.block_size),
                                  attention=config.attention_backend in ("auto", "cpu"),
-                                 stack=not config.enforce_eager and tp.size == 1)
-        load_model_weights(self.model, source, config.disk_cache, (tp.rank, tp.size))   # packs on the CPU
+                                 stack=not config.enforce_eager and tp.size == 1,
+                                 quantized_isa=quant_gemm.preferred_isa() if quantized else None)
+        load_model_weights(self.model, source, config.disk_cache, (tp.rank, tp.size),   # packs on the CPU
+                           config.quantization)
         self.model.eval()
         self.block_size = config.block_size
         self.kv_cache: torch.Tensor | None = None
