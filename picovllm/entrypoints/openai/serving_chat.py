@@ -7,11 +7,11 @@ from collections.abc import AsyncIterator
 
 from fastapi import Request, Response
 
-from picovllm.entrypoints.openai.protocol import ChatCompletionRequest
+from picovllm.entrypoints.openai.protocol import APIError, ChatCompletionRequest
 from picovllm.entrypoints.openai.tool_calls import ToolCall, ToolPolicy
 from picovllm.entrypoints.openai.serving import (ENGINE_ERRORS, SSE_DONE, JSONBody, SampleGroup, ServingContext,
-                                                 TextDeltas, final_output, now, sse, sse_error, sse_response, top_logprobs,
-                                                 usage)
+                                                 TextDeltas, final_output, now, prompt_logprobs_json, sse, sse_error,
+                                                 sse_response, top_logprobs, usage)
 from picovllm.entrypoints.parallel_sampling import merge_samples, sample_params
 from picovllm.outputs import CompletionOutput
 
@@ -25,6 +25,9 @@ class ChatHandler:
         ctx = self.ctx
         ctx.check_model(req.model)
         k = req.num_logprobs
+        if req.stream and req.prompt_logprobs is not None:
+            raise APIError(400, "prompt_logprobs is not supported with stream=true in chat completions "
+                                "(it comes in the response body)", param="prompt_logprobs")
         params = req.sampling_params(req.max_new_tokens, k)
         policy = req.tool_policy()
         ids = await ctx.tokenizer.encode_chat([m.as_template_dict() for m in req.messages], req.add_generation_prompt,
@@ -40,7 +43,8 @@ class ChatHandler:
             message, finish = _message(c, policy)
             choices.append({"index": c.index, "message": message, "finish_reason": finish, "stop_reason": c.stop_reason,
                             "logprobs": _logprobs(c, range(len(c.token_ids)), k) if k is not None else None})
-        return JSONBody(self._body(group.request_id, "chat.completion", choices, usage=usage(out)))
+        extra = {"prompt_logprobs": prompt_logprobs_json(out.prompt_logprobs)} if req.prompt_logprobs is not None else {}
+        return JSONBody(self._body(group.request_id, "chat.completion", choices, usage=usage(out), **extra))
 
     def _body(self, rid: str, obj: str, choices: list, **extra) -> dict:
         return {"id": rid, "object": obj, "created": now(), "model": self.ctx.model_name, "choices": choices, **extra}
