@@ -347,6 +347,13 @@ def test_tool_calls_round_trip(tool_client):
     plain = client.chat.completions.create(model=model, messages=msgs, tools=[CITY_TOOL], tool_choice="none",
                                            max_tokens=8)
     assert plain.choices[0].message.tool_calls is None and plain.choices[0].finish_reason in ("stop", "length")
+    # auto streams its content as it comes (AutoToolStream; its calls are checked in test_tool_calls.py):
+    # the pieces add up to the unstreamed reply
+    kw = dict(model=model, messages=msgs, tools=[CITY_TOOL], max_tokens=24, temperature=0)
+    whole = client.chat.completions.create(**kw).choices[0]
+    chunks = [c.choices[0] for c in client.chat.completions.create(stream=True, **kw) if c.choices]
+    assert "".join(c.delta.content or "" for c in chunks) == (whole.message.content or "")
+    assert sum(bool(c.delta.content) for c in chunks) > 1 and chunks[-1].finish_reason == whole.finish_reason
     assert_idle(server)
 
 

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request, Response
 
 from picovllm.entrypoints.openai.protocol import APIError, ChatCompletionRequest
-from picovllm.entrypoints.openai.tool_calls import ToolCall, ToolPolicy
+from picovllm.entrypoints.openai.tool_calls import AutoToolStream, ToolCall, ToolPolicy
 from picovllm.entrypoints.openai.serving import (ENGINE_ERRORS, SSE_DONE, JSONBody, SampleGroup, ServingContext,
                                                  TextDeltas, final_output, now, prompt_logprobs_json, sse, sse_error,
                                                  sse_response, top_logprobs, usage)
@@ -60,6 +60,7 @@ class ChatHandler:
         rid, n = group.request_id, len(group.samples)
         deltas, last = [TextDeltas(stop) for _ in range(n)], {}
         call_ids: dict[int, str] = {}    # named tool_choice: each choice's call id, once its first delta went out
+        auto = [AutoToolStream(policy, d.hold) for d in deltas] if policy.mode == "auto" else None
         try:
             for i in range(n):
                 yield self._chunk(rid, i, {"role": "assistant", "content": ""})
@@ -73,7 +74,11 @@ class ChatHandler:
                     for chunk in self._named_call_chunks(rid, i, text, c, lps, policy, call_ids):
                         yield chunk
                     continue
-                if policy.active:   # calls are known once the output is: the text waits for the end
+                if auto is not None:   # content as it comes, each call once its block closes
+                    for chunk in self._auto_chunks(rid, i, c, lps, auto[i]):
+                        yield chunk
+                    continue
+                if policy.active:   # required: the calls are known once the output is
                     for chunk in self._tool_chunks(rid, i, c, lps, policy):
                         yield chunk
                     continue
@@ -105,8 +110,22 @@ class ChatHandler:
             out.append(self._chunk(rid, i, {}, None, finish, c.stop_reason))
         return out
 
+    def _auto_chunks(self, rid: str, i: int, c: CompletionOutput, lps: dict | None, stream: AutoToolStream) -> list[str]:
+        """tool_choice auto: the content so far, then each call whose block closed, whole (OpenAI's delta: index,
+        id, type, name and arguments); at the end the finish reason (tool_calls if any call came)."""
+        finished = c.finish_reason is not None
+        text, calls = stream.feed(c.text, finished)
+        out = [self._chunk(rid, i, {"content": text} if text else {}, lps)] if text or lps is not None else []
+        first = stream.num_calls - len(calls)      # the calls' indices run on over the whole choice
+        for j, call in enumerate(calls):
+            out.append(self._chunk(rid, i, {"tool_calls": [{"index": first + j, **call.as_dict()}]}))
+        if finished:
+            out.append(self._chunk(rid, i, {}, None, "tool_calls" if stream.num_calls else c.finish_reason,
+                                   c.stop_reason))
+        return out
+
     def _tool_chunks(self, rid: str, i: int, c: CompletionOutput, lps: dict | None, policy: ToolPolicy) -> list[str]:
-        """While tools are active: logprobs as they come; at the end the content, then each call whole (as
+        """tool_choice required: logprobs as they come; at the end the content, then each call whole (as
         OpenAI's deltas: index, id, type and name, and the arguments), then the finish reason."""
         if c.finish_reason is None:
             return [self._chunk(rid, i, {}, lps)] if lps is not None else []
