@@ -25,6 +25,7 @@ from picovllm.engine.step_input import (SamplingRow, StepInput, build_step_input
 from picovllm.kernels.cpu import prebuild_cpu_kernels, quant_gemm
 from picovllm.layers.attention import AttentionMetadata
 from picovllm.loader.engine_weights import load_model_weights
+from picovllm.loader.quantize_at_load import with_q8_0
 from picovllm.loader.source import ModelSource
 from picovllm.models import MODEL_REGISTRY
 
@@ -58,6 +59,8 @@ class ModelRunner:
         self.device = torch.device(device or config.device)
         bind_device(self.device)
         self.dtype = config.torch_dtype
+        if config.quantization == "q8_0":
+            source = with_q8_0(source, self.device, self.dtype, tp.size)
         cls = MODEL_REGISTRY[source.config.architecture]
         with _default_dtype(self.dtype), torch.device(self.device):
             self.model = cls(source.config, tp)

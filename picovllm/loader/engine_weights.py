@@ -67,12 +67,12 @@ def _quantized_isa(source: ModelSource, quantization: str, cpu32: bool, shard: t
         return None
     if not cpu32 or shard[1] != 1:
         if cpu32:
-            warnings.warn("picovllm: quantization='auto' runs this GGUF dequantized to float32: its quantized "
+            warnings.warn(f"picovllm: quantization={quantization!r} runs these weights in float32: the quantized "
                           "kernels take tensor_parallel_size 1", stacklevel=3)
         return None
     isa = quant_gemm.isa()
     if isa is None:
-        warnings.warn("picovllm: quantization='auto' runs this GGUF dequantized to float32: the quantized CPU "
+        warnings.warn(f"picovllm: quantization={quantization!r} runs these weights in float32: the quantized CPU "
                       "kernels need a C compiler and AVX2 (FMA, F16C)", stacklevel=3)
     return isa
 
