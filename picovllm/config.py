@@ -103,8 +103,9 @@ def _rope_scaling(cfg: dict[str, Any]) -> dict | None:
 
 
 # "auto": a GGUF's own 4/8-bit form on the CPU; "none": float; "q8_0": an HF folder's matrices quantized at
-# load to 8 bits (a scale per 16 weights), run by the same CPU kernels (loader/quantize_at_load.py)
-QUANTIZATIONS = ("auto", "none", "q8_0")
+# load to 8 bits (a scale per 16 weights), run by the same CPU kernels (loader/quantize_at_load.py); "bf16":
+# the CPU's decode GEMMs read bfloat16 copies of the float32 weights (kernels/cpu/small_gemm.c)
+QUANTIZATIONS = ("auto", "none", "q8_0", "bf16")
 
 
 @dataclass
@@ -129,7 +130,7 @@ class EngineConfig:
     role: str = "pd"                      # "pd" (colocated), "p" (prefill only), "d" (decode only)
     disk_cache: bool = True               # keep a GGUF's tokenizer and weights in the artifact cache
     quantization: str = "auto"            # weights on the CPU: "auto" (a GGUF's own 4/8-bit form) | "none" (fp32)
-                                          # | "q8_0" (an HF folder quantized at load)
+                                          # | "q8_0" (an HF folder quantized at load) | "bf16" (CPU decode)
 
     def __post_init__(self) -> None:
         import torch

@@ -57,6 +57,21 @@ def test_matches_float64_reference(n, k, with_bias):
 
 
 @needs_kernel
+@pytest.mark.parametrize("n,k", [(17, 7), (49, 33), (200, 576)])
+def test_bf16_panels_match_float64_on_the_rounded_weights(n, k):
+    """quantization="bf16": the panels hold W rounded to bfloat16 (nearest even), the products and sums stay float32."""
+    g = torch.Generator().manual_seed(n + k)
+    w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    panels = small_gemm.pack_panels(w, torch.bfloat16)
+    assert panels.dtype == torch.bfloat16 and panels.shape == ((n + 15) // 16, k, 16)
+    rounded = w.to(torch.bfloat16).float()
+    assert not torch.equal(rounded, w)
+    for m in (1, 4, 6, 7, 13):
+        x = torch.randn(m, k, generator=g)
+        check(small_gemm.small_gemm(x, panels, n, b), reference(x, rounded, b))
+
+
+@needs_kernel
 def test_threads_give_the_same_result():
     g = torch.Generator().manual_seed(0)
     w, b, x = torch.randn(200, 576, generator=g), torch.randn(200, generator=g), torch.randn(13, 576, generator=g)

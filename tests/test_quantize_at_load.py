@@ -68,3 +68,42 @@ def test_q8_0_refused_where_it_cannot_run(tiny_models, default_model_path):
         LLM(tiny_models["qwen3"], device="cpu", dtype="bfloat16", num_kv_blocks=16, quantization="q8_0")
     with pytest.raises(ValueError, match="EngineConfig.quantization must be one of"):
         LLM(tiny_models["qwen3"], device="cpu", quantization="int4")
+
+
+def rounded_copy(path: str, out: str) -> str:
+    """The checkpoint with the matrices quantization="bf16" rounds (the linear layers' and the LM head's; a
+    tied head is the embedding) rounded to bfloat16 values."""
+    import json
+    import os
+    import shutil
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(path, out)
+    tied = json.load(open(f"{out}/config.json")).get("tie_word_embeddings", False)
+    for f in [x for x in os.listdir(out) if x.endswith(".safetensors")]:
+        sd = load_file(f"{out}/{f}")
+        save_file({n: t.to(torch.bfloat16).float() if t.dim() == 2 and ("embed" not in n or tied) else t
+                   for n, t in sd.items()}, f"{out}/{f}")
+    return out
+
+
+@pytest.mark.skipif(not __import__("picovllm.kernels.cpu.small_gemm", fromlist=["x"]).available(),
+                    reason="needs the small_gemm kernel")
+def test_bf16_weights_score_and_decode_like_hf_on_the_rounded_weights(tiny_models, tmp_path):
+    """quantization="bf16": every matmul reads bfloat16-valued weights, summed in float32, so the model is HF's on
+    the rounded checkpoint: prompt logprobs (prefill) and greedy tokens (the C decode stack's bf16 panels)."""
+    from test_parity_hf import hf_greedy
+    path, prompts = tiny_models["qwen3"], make_prompts()
+    rounded = rounded_copy(path, str(tmp_path / "bf16"))
+    ref = hf_prompt_logprobs(rounded, prompts)
+    llm = LLM(path, device="cpu", num_kv_blocks=128, quantization="bf16")
+    panels = [m.packed.panels for m in llm.engine.runner.model.modules() if getattr(m, "packed", None) is not None]
+    assert panels and all(p.dtype == torch.bfloat16 for p in panels)
+    assert llm.engine.runner.cpu_decode is not None            # decode steps run the one-call C stack
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=0),
+                        use_tqdm=False)
+    errs = [abs(d[tok].logprob - lp) for out, rows in zip(outs, ref) for d, (tok, lp, _, _) in zip(out.prompt_logprobs[1:], rows)]
+    assert max(errs) < 1e-3, max(errs)
+    want, _ = hf_greedy(rounded, prompts, 8)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    with pytest.raises(ValueError, match="quantization 'bf16'"):
+        LLM(path, device="cpu", dtype="bfloat16", num_kv_blocks=16, quantization="bf16")

@@ -22,7 +22,7 @@ from picovllm.engine.sampling import LaunchedStep, StepResult
 from picovllm.engine.scheduler import SchedulerOutput
 from picovllm.engine.step_input import (SamplingRow, StepInput, build_step_input, step_metadata,  # noqa: F401
                                         to_device, token_tensors)
-from picovllm.kernels.cpu import prebuild_cpu_kernels, quant_gemm
+from picovllm.kernels.cpu import prebuild_cpu_kernels, quant_gemm, small_gemm
 from picovllm.layers.attention import AttentionMetadata
 from picovllm.loader.engine_weights import load_model_weights
 from picovllm.loader.quantize_at_load import with_q8_0
@@ -61,6 +61,11 @@ class ModelRunner:
         self.dtype = config.torch_dtype
         if config.quantization == "q8_0":
             source = with_q8_0(source, self.device, self.dtype, tp.size)
+        if config.quantization == "bf16" and (self.device.type != "cpu" or self.dtype != torch.float32
+                                              or not small_gemm.available()):
+            raise ValueError("EngineConfig.quantization 'bf16' gives the CPU's float32 decode kernels bfloat16 weights: "
+                             f"it needs device cpu, dtype float32 and a C compiler with AVX2, got {self.device.type}, "
+                             f"{self.dtype}" + ("" if small_gemm.available() else ", no small_gemm kernel"))
         cls = MODEL_REGISTRY[source.config.architecture]
         with _default_dtype(self.dtype), torch.device(self.device):
             self.model = cls(source.config, tp)

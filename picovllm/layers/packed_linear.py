@@ -32,13 +32,19 @@ class PackedWeight:
     """y = x @ weight.T (+ bias) with `weight` packed once: through small_gemm for up to `small_m` rows
     (where its C kernel builds), else through oneDNN."""
 
-    def __init__(self, weight: torch.Tensor, small_m: int = SMALL_M, panels: torch.Tensor | None = None) -> None:
-        """panels: pack_panels(weight) made earlier (the engine-weights cache), else packed here."""
+    def __init__(self, weight: torch.Tensor, small_m: int = SMALL_M, panels: torch.Tensor | None = None,
+                 panel_dtype: torch.dtype = torch.float32) -> None:
+        """panels: pack_panels(weight) made earlier (the engine-weights cache), else packed here, in panel_dtype.
+        bfloat16 (quantization="bf16"): the weight itself is rounded to bfloat16 values first, in place, so that
+        every path (these panels, oneDNN for long prompts) computes with the same weights; the panels are half
+        the bytes a decode step reads, and the sums stay float32."""
+        if panels is None and panel_dtype == torch.bfloat16:
+            weight.data.copy_(weight.detach().to(torch.bfloat16))
         self.source = weight
         self.out_features = weight.shape[0]
         self.small_m = small_m
         if panels is None and small_m > 0 and small_gemm.available():
-            panels = small_gemm.pack_panels(weight)
+            panels = small_gemm.pack_panels(weight, panel_dtype)
         self.panels = panels if small_m > 0 else None
         self._onednn: torch.Tensor | None = None   # packed on the first call with more than small_m rows
 
@@ -66,13 +72,15 @@ def packed_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
             yield name, m
 
 
-def pack_linear_weights(model: nn.Module, panels: dict[str, torch.Tensor] | None = None) -> int:
+def pack_linear_weights(model: nn.Module, panels: dict[str, torch.Tensor] | None = None,
+                        panel_dtype: torch.dtype = torch.float32) -> int:
     """Give every packed_modules() module a packed copy of its weight, taking its panels from `panels`
-    (module name -> pack_panels result) where given. A no-op without oneDNN; returns how many were packed."""
+    (module name -> pack_panels result) where given, else packing them in panel_dtype. A no-op without
+    oneDNN; returns how many were packed."""
     if not onednn_packing_available():
         return 0
     n = 0
     for name, m in packed_modules(model):
-        m.packed = PackedWeight(m.weight, panels=(panels or {}).get(name))
+        m.packed = PackedWeight(m.weight, panels=(panels or {}).get(name), panel_dtype=panel_dtype)
         n += 1
     return n

@@ -35,19 +35,21 @@ def load_model_weights(model: nn.Module, source: ModelSource, disk_cache: bool, 
     param = next(model.parameters())
     cpu32 = param.device.type == "cpu" and param.dtype == torch.float32
     isa = _quantized_isa(source, quantization, cpu32, shard)
+    panel_dtype = torch.bfloat16 if quantization == "bf16" else torch.float32
     packs = cpu32 and (onednn_packing_available() or isa is not None)
     cache = ArtifactCache.from_env() if packs and disk_cache and source.identity is not None else None
     built = []
 
     def build(folder: str) -> None:
-        _load_and_pack(model, source, isa)
+        _load_and_pack(model, source, isa, panel_dtype)
         built.append(True)
         _store(model, os.path.join(folder, FILE))
 
     if cache is not None:
         layout = [(name, tuple(p.shape)) for name, p in model.named_parameters()]   # a model change: a new key
         key = make_key("engine-weights", source.identity, str(param.dtype), shard, small_gemm.NR,
-                       small_gemm.available(), layout, *(("quantized", quant_gemm.LAYOUT),) if isa else ())
+                       small_gemm.available(), layout, *(("quantized", quant_gemm.LAYOUT),) if isa else (),
+                       *(("panels", str(panel_dtype)),) if panel_dtype != torch.float32 else ())
         folder = cache.get_or_build("engine", key, build,
                                     f"{source.path} ({param.dtype}, rank {shard[0]} of {shard[1]})")
         if built:
@@ -56,14 +58,14 @@ def load_model_weights(model: nn.Module, source: ModelSource, disk_cache: bool, 
             _map(model, os.path.join(folder, FILE), isa)
             return
     if packs:
-        _load_and_pack(model, source, isa)
+        _load_and_pack(model, source, isa, panel_dtype)
     else:
         load_weights(model, source.weights())
 
 
 def _quantized_isa(source: ModelSource, quantization: str, cpu32: bool, shard: tuple[int, int]) -> str | None:
     """The instruction set the quantized kernels run with, or None: the weights run in float."""
-    if quantization == "none" or source.stored_weights is None:
+    if quantization in ("none", "bf16") or source.stored_weights is None:
         return None
     if not cpu32 or shard[1] != 1:
         if cpu32:
@@ -77,12 +79,12 @@ def _quantized_isa(source: ModelSource, quantization: str, cpu32: bool, shard: t
     return isa
 
 
-def _load_and_pack(model: nn.Module, source: ModelSource, isa: str | None) -> None:
+def _load_and_pack(model: nn.Module, source: ModelSource, isa: str | None, panel_dtype: torch.dtype) -> None:
     if isa is None:
         load_weights(model, source.weights())
     else:
         quantized_weights.load_quantized(model, source, isa)
-    pack_linear_weights(model)
+    pack_linear_weights(model, panel_dtype=panel_dtype)
 
 
 def _store(model: nn.Module, path: str) -> None:

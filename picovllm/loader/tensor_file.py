@@ -14,8 +14,8 @@ from typing import Iterable, Iterator
 import numpy as np
 import torch
 
-DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.uint8: "U8", torch.int8: "I8"}
-_NUMPY = {"F32": np.float32, "F16": np.float16, "U8": np.uint8, "I8": np.int8}
+DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.uint8: "U8", torch.int8: "I8"}
+_NUMPY = {"F32": np.float32, "F16": np.float16, "BF16": np.int16, "U8": np.uint8, "I8": np.int8}   # BF16: as int16
 
 
 def write(path: str, specs: list[tuple], tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -35,7 +35,8 @@ def write(path: str, specs: list[tuple], tensors: Iterable[tuple[str, torch.Tens
         for (name, shape, *_), dtype, (got_name, t) in zip(specs, dtypes, tensors, strict=True):
             if got_name != name or tuple(t.shape) != tuple(shape):
                 raise ValueError(f"tensor_file.write: expected {name} {shape}, got {got_name} {tuple(t.shape)}")
-            f.write(memoryview(t.detach().to(dtype).contiguous().numpy()).cast("B"))   # no copy
+            t = t.detach().to(dtype).contiguous()
+            f.write(memoryview((t.view(torch.int16) if dtype == torch.bfloat16 else t).numpy()).cast("B"))   # no copy
 
 
 def read(path: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -51,4 +52,5 @@ def read(path: str) -> Iterator[tuple[str, torch.Tensor]]:
         if info["dtype"] not in _NUMPY:
             raise ValueError(f"{path}: tensor {name!r} is {info['dtype']}, this reader takes {', '.join(_NUMPY)}")
         begin, end = info["data_offsets"]
-        yield name, torch.from_numpy(data[begin:end].view(_NUMPY[info["dtype"]])).view(info["shape"])
+        t = torch.from_numpy(data[begin:end].view(_NUMPY[info["dtype"]]))
+        yield name, (t.view(torch.bfloat16) if info["dtype"] == "BF16" else t).view(info["shape"])

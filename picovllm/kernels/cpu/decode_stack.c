@@ -30,10 +30,11 @@
 #include "quant_gemm.c"
 #include "small_gemm.c"
 
-/* A weight: float32 panels as small_gemm.c reads them (n_segs 0), or n_segs quantized segments. */
+/* A weight: panels as small_gemm.c reads them (n_segs 0; bfloat16 ones where bf16), or n_segs quantized segments. */
 #define MAX_SEGS 3
 typedef struct {
-    const float *panels;
+    const void *panels;
+    int64_t bf16;
     int64_t n_segs;
     QSeg segs[MAX_SEGS];
 } Weight;
@@ -85,7 +86,7 @@ static void gemm_part(const Weight *w, const float *in, QAct qa, int64_t m, int6
         return;
     }
     const int64_t count = (n + NR - 1) / NR;
-    panels(in, m, k, w->panels, bias, out, n, part(count, t, nt), part(count, t + 1, nt));
+    panels(in, m, k, w->panels, (int)w->bf16, bias, out, n, part(count, t, nt), part(count, t + 1, nt));
 }
 
 /* Rows [lo, hi): q/k norm (when the model has it) in place, rotary into q and k, and k, v into the cache. */

@@ -24,7 +24,7 @@ MAX_SEGS = 3   # as in decode_stack.c
 
 
 class Weight(ctypes.Structure):   # as in decode_stack.c
-    _fields_ = [("panels", _ptr), ("n_segs", _i64), ("segs", QSeg * MAX_SEGS)]
+    _fields_ = [("panels", _ptr), ("bf16", _i64), ("n_segs", _i64), ("segs", QSeg * MAX_SEGS)]
 
 
 class Layer(ctypes.Structure):   # as in decode_stack.c
@@ -52,12 +52,12 @@ def _weight(linear) -> Weight | None:
     if isinstance(packed, QuantizedWeight):
         if len(packed.segments) > MAX_SEGS:
             return None
-        w = Weight(None, len(packed.segments))
+        w = Weight(None, 0, len(packed.segments))
         for i, seg in enumerate(packed.table):
             w.segs[i] = seg
         return w
     panels = getattr(packed, "panels", None)
-    return None if panels is None else Weight(panels.data_ptr(), 0)
+    return None if panels is None else Weight(panels.data_ptr(), panels.dtype == torch.bfloat16, 0)
 
 
 def _isa(model) -> str | None:

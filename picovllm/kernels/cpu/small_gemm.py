@@ -32,7 +32,7 @@ def _library() -> ctypes.CDLL | None:
     if lib is None:
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.small_gemm.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, i64]
+    lib.small_gemm.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, i64, i64]
     lib.small_gemm.restype = None
     return lib
 
@@ -41,25 +41,29 @@ def available() -> bool:
     return _library() is not None
 
 
-def pack_panels(weight: torch.Tensor) -> torch.Tensor:
-    """weight [N, K] -> [ceil(N / 16), K, 16] float32, zero columns past N: the layout small_gemm reads."""
+def pack_panels(weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """weight [N, K] -> [ceil(N / 16), K, 16] in dtype (float32, or bfloat16: rounded to nearest even), zero
+    columns past N: the layout small_gemm reads."""
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"small_gemm panels are float32 or bfloat16, not {dtype}")
     n, k = weight.shape
     w = weight.detach().float()
     if n % NR:
         w = F.pad(w, (0, 0, 0, -n % NR))
-    return w.view(-1, NR, k).transpose(1, 2).contiguous()
+    return w.view(-1, NR, k).transpose(1, 2).to(dtype).contiguous()
 
 
 def small_gemm(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None,
                threads: int | None = None) -> torch.Tensor:
-    """x [M, K] float32; packed = pack_panels(W) of W [n, K]; bias [n] or None. Returns x @ W.T + bias, [M, n].
-    threads: default torch's intra-op thread count."""
+    """x [M, K] float32; packed = pack_panels(W) of W [n, K] (float32 or bfloat16 panels); bias [n] or None.
+    Returns x @ W.T + bias, [M, n], summed in float32. threads: default torch's intra-op thread count."""
     m, k = x.shape
     if packed.shape[1] != k:
         raise ValueError(f"x has {k} columns, the packed weight {packed.shape[1]}")
     x = x.contiguous()
     bias = bias.detach().contiguous() if bias is not None else None
     y = torch.empty(m, n, dtype=torch.float32)
-    args = (x.data_ptr(), m, k, packed.data_ptr(), bias.data_ptr() if bias is not None else None, y.data_ptr(), n)
+    args = (x.data_ptr(), m, k, packed.data_ptr(), packed.dtype == torch.bfloat16,
+            bias.data_ptr() if bias is not None else None, y.data_ptr(), n)
     _library().small_gemm(*args, threads or torch.get_num_threads())
     return y
