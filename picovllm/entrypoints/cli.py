@@ -23,7 +23,6 @@ COMMAND_MODULES: tuple[str, ...] = (
     "picovllm.entrypoints.openai.cli_proxy",    # proxy (in front of prefill/decode servers)
     "picovllm.entrypoints.commands.bench",      # bench throughput | latency | serve
     "picovllm.entrypoints.commands.cache",      # cache (list, --clear)
-    "picovllm.entrypoints.commands.plan",       # plan (colocated vs xPyD, by simulation)
 )
 
 
