@@ -53,3 +53,6 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     error: str | None = None
     num_cached_tokens: int = 0
+    # A prefill instance of a fleet: where the request's KV waits for a decode instance (a PublishedKV as
+    # JSON), on its last output (finished, no finish reason: the request goes on elsewhere).
+    kv_handover: dict | None = None

@@ -1,0 +1,388 @@
+"""Many-to-many KV transfer over TCP through host memory: the PullTransfer that runs anywhere (CI's CPU too).
+
+P runs a KV server (a listening socket, one thread per connected D); D opens one connection per P
+instance the first time it claims from it, with a thread that runs its claims, pulls and releases
+in order. Every socket starts with the fleet's mutual HMAC challenge-response (picovllm.disagg.auth):
+nothing is read or written for a peer that fails it. Frames: a length-prefixed JSON message
+(picovllm.disagg.messages) and, after a pull's KVReply, its nbytes of blocks, laid out as the cache
+([num_layers, 2, n, block_size, kv_heads, head_dim]).
+
+Who touches the cache: P's server threads read published blocks under the transfer's lock, and
+unpublish takes the same lock, so once it returns no read is in flight (P's engine never writes a
+published block: it is held). D's threads only fill host buffers; poll(), on the engine's thread,
+copies a finished pull into the cache, so a timed-out or cancelled pull never writes a block.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import socket
+import struct
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from picovllm.disagg.auth import AuthError, client_proof, new_nonce, proofs_match, server_proof
+from picovllm.disagg.messages import ClaimKV, Heartbeat, KVAuthChallenge, KVAuthProof, KVAuthResult, KVHandle, \
+    KVReply, PullKV, ReleaseKV, decode, encode
+from picovllm.disagg.transfer.base import PullTransfer, TransferDone
+
+logger = logging.getLogger("picovllm.kv")
+
+_LEN = struct.Struct("!I")
+_MAX_HEADER = 1 << 20
+
+
+# -- frames --------------------------------------------------------------------------------------
+def _recv_exact(sock: socket.socket, n: int) -> bytearray:
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            raise ConnectionError("the peer closed the connection")
+        got += k
+    return buf
+
+
+def send_frame(sock: socket.socket, msg, payload=None) -> None:
+    data = encode(msg)
+    sock.sendall(_LEN.pack(len(data)) + data)
+    if payload is not None:
+        sock.sendall(payload)
+
+
+def recv_frame(sock: socket.socket):
+    (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size))
+    if n > _MAX_HEADER:
+        raise ConnectionError(f"a {n}-byte message header: not a picovllm KV peer")
+    return decode(bytes(_recv_exact(sock, n)))
+
+
+def _blocks_nbytes(cache: torch.Tensor, n: int) -> int:
+    return cache[:, :, :1].numel() * n * cache.element_size()
+
+
+@dataclass
+class _Published:
+    block_ids: list[int]
+    since: float
+    claimant: int | None = None          # the connection that claimed it
+
+
+@dataclass
+class _Pull:
+    handle: KVHandle
+    dst_block_ids: list[int]
+    started: float
+
+
+class HostTcpTransfer(PullTransfer):
+    name = "tcp"
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._done: list[TransferDone] = []            # P: released or expired, for the next poll
+        self._handles: dict[str, _Published] = {}      # P
+        self._pulls: dict[str, _Pull] = {}             # D: started, not reported
+        self._results: queue.SimpleQueue = queue.SimpleQueue()   # D: (request_id, kind, bytes | None, error)
+        self._peers: dict[tuple[str, int], _PeerConnection] = {}   # D: one per P instance
+        self._server: socket.socket | None = None
+        self.address: list | None = None
+        if self.role == "p":
+            self._listen()
+
+    # -- P: the KV server ------------------------------------------------------------------------
+    def _listen(self) -> None:
+        c = self.config
+        self._server = socket.create_server((c.host, c.port),
+                                            family=socket.AF_INET6 if ":" in c.host else socket.AF_INET)
+        self._server.settimeout(0.2)
+        self.address = [c.advertise_host or c.host, self._server.getsockname()[1]]
+        threading.Thread(target=self._accept_loop, name="picovllm-kv-server", daemon=True).start()
+
+    def _accept_loop(self) -> None:
+        conn_ids = iter(range(1, 1 << 62))
+        while not self._closed.is_set():
+            try:
+                sock, _ = self._server.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(sock, next(conn_ids)), name="picovllm-kv-conn",
+                             daemon=True).start()
+
+    def _serve(self, sock: socket.socket, conn: int) -> None:
+        why = "it closed the connection"
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.settimeout(self.config.connect_timeout_s)
+            self._authenticate_client(sock)
+            sock.settimeout(self.config.lease_s)     # a D sends a heartbeat every lease / 4 when idle
+            while not self._closed.is_set():
+                msg = recv_frame(sock)
+                if isinstance(msg, Heartbeat):
+                    continue
+                if isinstance(msg, (ClaimKV, PullKV, ReleaseKV)):
+                    self._answer(sock, conn, msg)
+                else:
+                    raise ConnectionError(f"unexpected {type(msg).__name__} on a KV socket")
+        except AuthError as e:
+            why = str(e)
+            logger.warning("KV server: refused a peer: %s", e)
+        except (OSError, ConnectionError, ValueError, KeyError, TypeError) as e:
+            why = f"{type(e).__name__}: {e}"
+        finally:
+            sock.close()
+            self._drop_claims(conn, why)
+
+    def _authenticate_client(self, sock: socket.socket) -> None:
+        nonce = new_nonce()
+        send_frame(sock, KVAuthChallenge(nonce, self.config.instance_id))
+        msg = recv_frame(sock)
+        secret = self.config.secret
+        if not isinstance(msg, KVAuthProof) or not isinstance(msg.nonce, str) or \
+                not proofs_match(client_proof(secret, nonce, msg.nonce), msg.proof):
+            send_frame(sock, KVAuthResult(error="authentication failed: not the fleet's shared secret"))
+            raise AuthError("the peer did not prove the fleet's shared secret")
+        send_frame(sock, KVAuthResult(proof=server_proof(secret, nonce, msg.nonce)))
+
+    def _answer(self, sock: socket.socket, conn: int, msg) -> None:
+        rid, payload, error = msg.request_id, None, None
+        with self._lock:
+            h = self._handles.get(rid)
+            if h is None:
+                error = f"request {rid!r} is not published on prefill instance {self.config.instance_id} " \
+                        f"(released, expired or aborted there)"
+            elif h.claimant not in (None, conn):
+                error = f"request {rid!r} was claimed by another decode instance"
+            elif isinstance(msg, ClaimKV):
+                h.claimant = conn
+            elif isinstance(msg, PullKV):
+                payload = self._read_blocks(h.block_ids)     # under the lock: unpublish waits for it
+            else:
+                del self._handles[rid]
+                self._done.append(TransferDone(rid))
+        nbytes = 0 if payload is None else payload.nbytes
+        send_frame(sock, KVReply(rid, nbytes, error), payload)
+
+    def _read_blocks(self, block_ids: list[int]) -> memoryview:
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.cache.device)
+        blocks = self.cache.index_select(2, idx).cpu().contiguous()
+        return memoryview(blocks.reshape(-1).view(torch.uint8).numpy())
+
+    def _drop_claims(self, conn: int, why: str) -> None:
+        with self._lock:
+            for rid, h in list(self._handles.items()):
+                if h.claimant == conn:
+                    del self._handles[rid]
+                    self._done.append(TransferDone(rid, f"the decode instance that claimed it is gone ({why})"))
+
+    def publish(self, request_id: str, block_ids: list[int], num_tokens: int) -> KVHandle:
+        assert self.role == "p"
+        with self._lock:
+            if request_id in self._handles:
+                raise ValueError(f"request {request_id!r} is already published")
+            self._handles[request_id] = _Published(list(block_ids), time.monotonic())
+        c = self.config
+        return KVHandle(c.instance_id, self.name, list(self.address), request_id, list(block_ids), num_tokens,
+                        self.layout, c.lease_s)
+
+    def unpublish(self, request_id: str) -> None:
+        with self._lock:
+            self._handles.pop(request_id, None)
+
+    # -- D: pulling ------------------------------------------------------------------------------
+    def _peer(self, handle: KVHandle) -> "_PeerConnection":
+        key = (str(handle.address[0]), int(handle.address[1]))
+        peer = self._peers.get(key)
+        if peer is None or not peer.alive:
+            peer = self._peers[key] = _PeerConnection(key, self.config, self._results, self._closed)
+        return peer
+
+    def _check_handle(self, handle: KVHandle, dst_block_ids: list[int] | None = None) -> None:
+        if self._closed.is_set():
+            raise RuntimeError("the KV transfer is closed")
+        if handle.backend != self.name:
+            raise ValueError(f"KVHandle.backend: this decode instance pulls with {self.name!r}, "
+                             f"the handle is for {handle.backend!r}")
+        if not (isinstance(handle.address, list) and len(handle.address) == 2):
+            raise ValueError(f"KVHandle.address must be [host, port], got {handle.address!r}")
+        why = self.layout.mismatch(handle.layout)
+        if why is not None:
+            raise ValueError(why)
+        if dst_block_ids is not None and len(dst_block_ids) != len(handle.block_ids):
+            raise ValueError(f"KVHandle.block_ids has {len(handle.block_ids)} blocks, {len(dst_block_ids)} "
+                             f"were allocated here")
+
+    def claim(self, handle: KVHandle) -> None:
+        assert self.role == "d"
+        self._check_handle(handle)
+        self._peer(handle).submit(ClaimKV(handle.request_id), handle)
+
+    def start_pull(self, handle: KVHandle, dst_block_ids: list[int]) -> None:
+        assert self.role == "d"
+        self._check_handle(handle, dst_block_ids)
+        self._pulls[handle.request_id] = _Pull(handle, list(dst_block_ids), time.monotonic())
+        self._peer(handle).submit(PullKV(handle.request_id), handle, _blocks_nbytes(self.cache, len(dst_block_ids)))
+
+    def release(self, handle: KVHandle) -> None:
+        self._pulls.pop(handle.request_id, None)
+        self._peer(handle).submit(ReleaseKV(handle.request_id), handle)
+
+    # -- both ------------------------------------------------------------------------------------
+    def poll(self) -> list[TransferDone]:
+        if self.role == "p":
+            return self._poll_published()
+        out = []
+        while True:
+            try:
+                rid, kind, data, error = self._results.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "claim" and error is not None:
+                self._pulls.pop(rid, None)
+                out.append(TransferDone(rid, error))
+            elif kind == "pull" and rid in self._pulls:
+                pull = self._pulls.pop(rid)
+                if error is None:
+                    error = self._write_blocks(pull, data)
+                out.append(TransferDone(rid, error))
+        now = time.monotonic()
+        for rid, pull in list(self._pulls.items()):
+            if now - pull.started > self.config.timeout_s:
+                del self._pulls[rid]     # a late answer is dropped: only poll() writes blocks
+                out.append(TransferDone(rid, f"pulling {len(pull.dst_block_ids)} KV blocks from prefill instance "
+                                             f"{pull.handle.instance_id} took over {self.config.timeout_s:g} s"))
+        return out
+
+    def _poll_published(self) -> list[TransferDone]:
+        now, lease = time.monotonic(), self.config.lease_s
+        with self._lock:
+            for rid, h in list(self._handles.items()):
+                if h.claimant is None and now - h.since > lease:
+                    del self._handles[rid]
+                    self._done.append(TransferDone(rid, f"no decode instance claimed it within the lease "
+                                                        f"({lease:g} s)"))
+            out, self._done = self._done, []
+        return out
+
+    def _write_blocks(self, pull: _Pull, data: bytearray) -> str | None:
+        shape = (self.cache.shape[0], 2, len(pull.dst_block_ids)) + tuple(self.cache.shape[3:])
+        blocks = torch.frombuffer(data, dtype=self.cache.dtype).view(shape)
+        idx = torch.tensor(pull.dst_block_ids, dtype=torch.long, device=self.cache.device)
+        self.cache.index_copy_(2, idx, blocks.to(self.cache.device))
+        return None
+
+    def close(self) -> None:
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        if self._server is not None:
+            self._server.close()
+        for peer in self._peers.values():
+            peer.close()
+        with self._lock:
+            self._handles.clear()
+        for rid in self._pulls:          # reported failed by the next poll; nothing writes their blocks
+            self._results.put((rid, "pull", None, "the KV transfer was closed"))
+
+
+class _PeerConnection:
+    """D's connection to one P instance: a thread that runs its claims, pulls and releases in order,
+    connecting (and authenticating) when it has one to run, and keeping the link audible when idle."""
+
+    def __init__(self, address: tuple[str, int], config, results: queue.SimpleQueue,
+                 closed: threading.Event) -> None:
+        self.address, self.config, self.results, self._closed = address, config, results, closed
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.sock: socket.socket | None = None
+        self.alive = True
+        self._thread = threading.Thread(target=self._run, name="picovllm-kv-pull", daemon=True)
+        self._thread.start()
+
+    def submit(self, msg, handle: KVHandle, nbytes: int = 0) -> None:
+        self.jobs.put((msg, handle, nbytes))
+
+    def close(self) -> None:
+        self.jobs.put(None)
+
+    def _run(self) -> None:
+        try:
+            while not self._closed.is_set():
+                try:
+                    job = self.jobs.get(timeout=self.config.lease_s / 4)
+                except queue.Empty:
+                    self._heartbeat()
+                    continue
+                if job is None:
+                    return
+                self._do(*job)
+        finally:
+            self.alive = False
+            self._disconnect()
+
+    def _do(self, msg, handle: KVHandle, nbytes: int) -> None:
+        kind = {ClaimKV: "claim", PullKV: "pull", ReleaseKV: "release"}[type(msg)]
+        data = error = None
+        try:
+            if self.sock is None:
+                self._connect(handle.instance_id)
+            send_frame(self.sock, msg)
+            reply = recv_frame(self.sock)
+            if not isinstance(reply, KVReply) or reply.request_id != msg.request_id:
+                raise ConnectionError(f"expected the KVReply for {msg.request_id!r}, got {reply!r}")
+            error = reply.error
+            if reply.nbytes:
+                data = _recv_exact(self.sock, reply.nbytes)
+            if kind == "pull" and error is None and len(data or b"") != nbytes:
+                error = f"prefill instance {handle.instance_id} sent {len(data or b'')} bytes of KV, expected {nbytes}"
+        except (OSError, ConnectionError, ValueError, KeyError, TypeError) as e:
+            self._disconnect()
+            error = (f"prefill instance {handle.instance_id} at {self.address[0]}:{self.address[1]} "
+                     f"failed during {kind}: {type(e).__name__}: {e}")
+        if kind == "release" and error is not None:
+            logger.info("KV release of %s not delivered (its lease frees it): %s", msg.request_id, error)
+        self.results.put((msg.request_id, kind, data, error))
+
+    def _connect(self, instance_id: str) -> None:
+        c = self.config
+        sock = socket.create_connection(self.address, timeout=c.connect_timeout_s)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            challenge = recv_frame(sock)
+            if not isinstance(challenge, KVAuthChallenge):
+                raise AuthError(f"expected a KVAuthChallenge, got {type(challenge).__name__}")
+            if challenge.instance_id != instance_id:
+                raise ConnectionError(f"the KV server is instance {challenge.instance_id!r}, not {instance_id!r} "
+                                      f"(restarted? its handles are gone)")
+            nonce = new_nonce()
+            send_frame(sock, KVAuthProof(client_proof(c.secret, challenge.nonce, nonce), nonce))
+            result = recv_frame(sock)
+            if not isinstance(result, KVAuthResult) or result.error is not None:
+                raise AuthError(f"refused: {getattr(result, 'error', result)}")
+            if not proofs_match(server_proof(c.secret, challenge.nonce, nonce), result.proof):
+                raise AuthError("the KV server did not prove the fleet's shared secret")
+            sock.settimeout(c.timeout_s)
+        except BaseException:
+            sock.close()
+            raise
+        self.sock = sock
+
+    def _heartbeat(self) -> None:
+        if self.sock is None:
+            return
+        try:
+            send_frame(self.sock, Heartbeat())
+        except OSError:
+            self._disconnect()
+
+    def _disconnect(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
