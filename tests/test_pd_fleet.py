@@ -52,7 +52,8 @@ class Fleet:
         self._next_p, self._next_d = itertools.count(), itertools.count()
 
     def submit(self, prompt, params) -> str:
-        return self.ps[next(self._next_p) % len(self.ps)].submit(prompt, params)
+        n = next(self._next_p)          # ids unique across the fleet, as the router makes them
+        return self.ps[n % len(self.ps)].submit(prompt, params, request_id=f"req-{n}")
 
     def step(self) -> None:
         for eng in self.ps + self.ds:
@@ -127,14 +128,15 @@ def test_decode_dies_mid_run_and_one_joins(path, reference):
     ps, params, ref = reference
     lease = 3.0                                   # what d0 had not claimed yet is freed by this
     p = fleet_engine(path, "p", pull_config(lease_s=lease))
-    d0, d1 = fleet_engine(path, "d"), fleet_engine(path, "d")
+    d0, d1 = fleet_engine(path, "d", max_num_seqs=1), fleet_engine(path, "d")   # d0: offers queue up
     fleet = Fleet([p], [d0, d1])
     d2 = None
     try:
         ids = [fleet.submit(x, sp) for x, sp in zip(ps[:8], params[:8])]
-        while not (d0.connector.offers and (d0.connector.pulling or d0.scheduler.running)):
-            fleet.step()
-        claimed = set(d0.connector.offers) | set(d0.connector.pulling)
+        claimed = set()
+        while not (claimed and (d0.connector.pulling or d0.scheduler.running)):
+            fleet.step()       # until P has seen d0 claim a request it has not pulled yet
+            claimed = set(d0.connector.offers) & p.connector.transfer.claimed()
         d0.connector.shutdown()                   # "killed": its KV connections drop
         t0 = time.monotonic()
         while claimed & set(p.connector.published):

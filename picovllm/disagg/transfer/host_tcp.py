@@ -193,6 +193,11 @@ class HostTcpTransfer(PullTransfer):
         return KVHandle(c.instance_id, self.name, list(self.address), request_id, list(block_ids), num_tokens,
                         self.layout, c.lease_s)
 
+    def claimed(self) -> set[str]:
+        """P: the published requests a D has claimed (for metrics and tests)."""
+        with self._lock:
+            return {rid for rid, h in self._handles.items() if h.claimant is not None}
+
     def unpublish(self, request_id: str) -> None:
         with self._lock:
             self._handles.pop(request_id, None)
