@@ -129,3 +129,6 @@ class KVConnector(ABC):
     def is_done(self, idle: bool) -> bool:
         """The session is over (after close()); idle as in poll()."""
         return idle
+
+    def shutdown(self) -> None:
+        """The engine is going away: drop links, stop threads, close ports. Idempotent."""

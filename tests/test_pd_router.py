@@ -1,0 +1,172 @@
+"""A fleet as processes: `serve --role p|d --kv-transfer tcp` instances behind `picovllm router`.
+
+Oracle: LLM.generate in this process on the same weights (greedy). Also: the control routes refuse a
+caller without the fleet's secret; a D killed mid-stream ends its request with an error, leaves the
+rotation, and P ends with every block free; a D started with --router joins and takes work; SIGTERM
+stops every process cleanly. The routing policies are checked on their own first (no processes).
+"""
+import json
+import os
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+
+from picovllm import LLM, SamplingParams
+from picovllm.disagg.auth import FleetSecret, sign_request
+from picovllm.disagg.router_policy import Instance, LeastLoaded, PrefixAware, RoundRobin
+from picovllm.disagg.transfer import PULL_BACKENDS
+from picovllm.entrypoints.openai.cli_serve import PULL_BACKEND_NAMES
+from serving_fixtures import ServerProcess, build_tiny_chat_model
+from test_pd_serving import wait_idle
+from test_server_lifecycle import children_of
+
+ENGINE_ARGS = ["--block-size", "16", "--num-kv-blocks", "256", "--max-model-len", "1024"]
+SECRET = "router-test-secret-0123456789"
+PROMPTS = ["Hello, how are you", "The capital of France is", "Tell me a story about a cat"]
+
+
+def test_policies():
+    ps = [Instance(f"http://p{i}", "p", f"p{i}", block_size=4) for i in range(3)]
+    rr = RoundRobin()
+    assert [rr.choose(ps, [])[0].url for _ in range(4)] == ["http://p0", "http://p1", "http://p2", "http://p0"]
+    ps[0].running, ps[1].in_flight, ps[2].waiting = 3, 1, 2
+    assert LeastLoaded().choose(ps, []) == (ps[1], "least_loaded")
+    prefix = PrefixAware(max_imbalance=2)
+    shared = list(range(100, 116))                    # four full blocks of 4
+    first, why = prefix.choose(ps, shared + [1, 2])
+    assert (first, why) == (ps[1], "prefix_miss")
+    ps[1].in_flight = 3                               # busier now, but within the imbalance
+    assert prefix.choose(ps, shared + [7]) == (ps[1], "prefix_hit")
+    assert prefix.choose(ps, shared[:8] + [9] * 8) == (ps[1], "prefix_hit")   # two shared leading blocks
+    assert prefix.choose(ps, [5] * 16)[1] == "prefix_miss"
+    ps[1].in_flight = 9                               # too busy: the least loaded takes it (and the prefix)
+    assert prefix.choose(ps, shared) == (ps[2], "prefix_overloaded")
+    assert prefix.choose(ps, shared)[0] is ps[2]
+    assert set(PULL_BACKEND_NAMES) == set(PULL_BACKENDS)
+
+
+def signed(method: str, url: str, path: str, body: dict | None = None, secret: str = SECRET) -> httpx.Response:
+    data = json.dumps(body).encode() if body is not None else b""
+    headers = {"content-type": "application/json", **sign_request(FleetSecret(secret.encode()), method, path, data)}
+    return httpx.request(method, url + path, content=data or None, headers=headers, timeout=30)
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    """1 P and 2 D instances behind a router (decode policy round_robin, so both Ds take work)."""
+    root = tmp_path_factory.mktemp("fleet")
+    model = build_tiny_chat_model(str(root / "model"), max_position_embeddings=2048)
+    secret_file = root / "secret"
+    secret_file.write_text(SECRET + "\n")
+    common = ["--kv-transfer", "tcp", "--pd-secret-file", str(secret_file), "--kv-lease", "2", *ENGINE_ARGS]
+    procs = {}
+
+    def instance(name, role, *extra):
+        procs[name] = ServerProcess(model, str(root / f"{name}.log"), "--role", role, *common, *extra,
+                                    startup_timeout=None)
+        return procs[name]
+
+    try:
+        for name, role in (("p", "p"), ("d0", "d"), ("d1", "d")):
+            instance(name, role)
+        for srv in procs.values():
+            srv.wait_ready(180.0)
+        procs["router"] = ServerProcess(None, str(root / "router.log"), "--prefill", procs["p"].url, "--decode",
+                                        procs["d0"].url, procs["d1"].url, "--decode-policy", "round_robin",
+                                        "--pd-secret-file", str(secret_file), "--lease", "2",
+                                        "--startup-timeout", "120", command=("router",))
+        yield {"model": model, "procs": procs, "instance": instance, "dead": []}
+    finally:
+        for srv in procs.values():
+            srv.stop(signal.SIGKILL, timeout=10)
+
+
+def test_outputs_equal_colocated(fleet):
+    procs = fleet["procs"]
+    llm = LLM(fleet["model"], block_size=16, num_kv_blocks=256, max_model_len=1024)
+    client = openai.OpenAI(base_url=procs["router"].url + "/v1", api_key="unused", max_retries=0)
+    name = client.models.list().data[0].id
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    for prompt, r in zip(PROMPTS * 2, llm.generate(PROMPTS * 2, sp, use_tqdm=False)):
+        got = client.completions.create(model=name, prompt=prompt, max_tokens=12, temperature=0,
+                                        extra_body={"ignore_eos": True})
+        assert got.choices[0].text == r.outputs[0].text and got.choices[0].finish_reason == "length"
+    parts = [ch.choices[0].text for ch in client.completions.create(
+        model=name, prompt=PROMPTS[2], max_tokens=12, temperature=0, stream=True, extra_body={"ignore_eos": True})
+        if ch.choices]
+    assert "".join(parts) == llm.generate([PROMPTS[2]], sp, use_tqdm=False)[0].outputs[0].text
+    one = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)[0].outputs[0]
+    assert client.completions.create(model=name, prompt="Hello", max_tokens=1, temperature=0).choices[0].text == one.text
+    with pytest.raises(openai.BadRequestError, match="longer"):
+        client.completions.create(model=name, prompt=list(range(5, 300)) * 4, max_tokens=4)
+    m = procs["router"].metrics()
+    assert m["picovllm:requests_total.length"] >= 7
+    for srv in (procs["p"], procs["d0"], procs["d1"]):
+        wait_idle(srv)
+    served = [wait_idle(procs[d])["picovllm:requests_total.length"] for d in ("d0", "d1")]
+    assert min(served) >= 3, f"round-robin over two decode instances: {served}"
+
+
+def test_control_routes_need_the_secret(fleet):
+    procs = fleet["procs"]
+    body = {"request_id": "x", "prompt_token_ids": [5, 6, 7], "params": {"max_tokens": 2}, "arrival_time": 0.0}
+    for url, path, data in ((procs["p"].url, "/pd/prefill", body), (procs["router"].url, "/admin/instances",
+                                                                     {"url": "http://127.0.0.1:1", "role": "d"})):
+        assert httpx.post(url + path, json=data, timeout=10).status_code == 401
+        r = signed("POST", url, path, data, secret="another-secret-0123456789")
+        assert r.status_code == 401 and "secret" in r.json()["error"]["message"]
+    assert signed("GET", procs["d0"].url, "/pd/load").json()["running"] == 0
+    listed = signed("GET", procs["router"].url, "/admin/instances").json()["instances"]
+    assert sorted(i["role"] for i in listed) == ["d", "d", "p"] and all(i["up"] for i in listed)
+    r = signed("POST", procs["router"].url, "/admin/instances", {"url": procs["p"].url, "role": "d"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "role"
+    wait_idle(procs["p"])
+
+
+def test_decode_killed_then_one_joins(fleet):
+    procs, router = fleet["procs"], fleet["procs"]["router"]
+    body = {"prompt": "Tell me a story", "max_tokens": 900, "temperature": 0, "ignore_eos": True, "stream": True}
+    events, victim, t0 = [], None, None
+    with httpx.stream("POST", router.url + "/v1/completions", json=body, timeout=30) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            events.append(line[6:])
+            if len(events) == 3:      # P's token and two of D's: kill the D decoding it
+                victim = next(d for d in ("d0", "d1") if procs[d].metrics()["picovllm:num_requests_running"] == 1)
+                procs[victim].proc.send_signal(signal.SIGKILL)
+                t0 = time.monotonic()
+    fleet["dead"].append(victim)
+    assert time.monotonic() - t0 < 10 and events[-1] == "[DONE]"
+    assert "decode instance" in json.loads(events[-2])["error"]["message"], events[-3:]
+    wait_idle(procs["p"])
+    for _ in range(3):            # the dead D is out of rotation: every request goes to the other
+        r = httpx.post(router.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 4}, timeout=30)
+        assert r.status_code == 200, r.text
+    m = router.metrics()
+    assert m["picovllm:requests_total.error"] == 1
+    up = {i["url"]: i["up"] for i in signed("GET", router.url, "/admin/instances").json()["instances"]}
+    assert up[procs[victim].url] is False and up[procs["p"].url] is True
+    # a new D registers itself with the router and takes work at once
+    new = fleet["instance"]("d2", "d", "--router", router.url).wait_ready(120.0)
+    deadline = time.time() + 30
+    while new.url not in {i["url"] for i in signed("GET", router.url, "/admin/instances").json()["instances"]}:
+        assert time.time() < deadline, new.log()[-2000:]
+        time.sleep(0.2)
+    for _ in range(4):
+        r = httpx.post(router.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 4}, timeout=30)
+        assert r.status_code == 200, r.text
+    assert wait_idle(new)["picovllm:requests_total.length"] >= 1
+    wait_idle(procs["p"])
+
+
+def test_sigterm_stops_every_process_cleanly(fleet):
+    for name, srv in fleet["procs"].items():
+        if name in fleet["dead"]:
+            continue
+        kids = children_of(srv.proc.pid)
+        assert srv.stop(signal.SIGTERM, timeout=30) == 0, srv.log()[-3000:]
+        assert not [k for k in kids if os.path.exists(f"/proc/{k}")]
