@@ -22,6 +22,7 @@ from picovllm.disagg.fleet_prefill import FleetPrefillConnector
 from picovllm.disagg.messages import KVAuthChallenge, KVAuthResult, PublishedKV, from_wire
 from picovllm.disagg.transfer import PullConfig
 from picovllm.disagg.transfer.host_tcp import HostTcpTransfer, recv_frame, send_frame
+from picovllm.disagg.transfer.nixl import import_nixl
 from picovllm.engine.llm_engine import Engine
 from test_disagg_engines import assert_same, mixed_params, prompts
 
@@ -33,6 +34,13 @@ KW = dict(block_size=4, num_kv_blocks=256)
 
 def pull_config(secret=SECRET, **kw) -> PullConfig:
     return PullConfig(secret, instance_id=uuid.uuid4().hex[:12], **kw)
+
+
+def nixl_or_skip() -> None:
+    try:
+        import_nixl()
+    except ImportError as e:
+        pytest.skip(str(e))
 
 
 def fleet_engine(path: str, role: str, config: PullConfig | None = None, **kw) -> Engine:
@@ -96,12 +104,17 @@ def reference(path):
     return ps, params, LLM(path, **KW).generate(ps, params, use_tqdm=False)
 
 
+@pytest.mark.parametrize("backend", ["tcp", "nixl"])
 @pytest.mark.parametrize("num_p,num_d", [(2, 1), (1, 2)])
-def test_many_to_many_equals_colocated(path, reference, num_p, num_d):
+def test_many_to_many_equals_colocated(path, reference, num_p, num_d, backend):
+    if backend == "nixl":
+        nixl_or_skip()
     ps, params, ref = reference
     # D's cache is small (30 blocks of 4) so offers wait for room: P's cache holds their KV meanwhile.
-    fleet = Fleet([fleet_engine(path, "p", max_num_batched_tokens=8) for _ in range(num_p)],
-                  [fleet_engine(path, "d", num_kv_blocks=30 if num_d == 1 else 256) for _ in range(num_d)])
+    fleet = Fleet([fleet_engine(path, "p", pull_config(backend=backend), max_num_batched_tokens=8)
+                   for _ in range(num_p)],
+                  [fleet_engine(path, "d", pull_config(backend=backend), num_kv_blocks=30 if num_d == 1 else 256)
+                   for _ in range(num_d)])
     try:
         ids = [fleet.submit(p, sp) for p, sp in zip(ps, params)]
         waited = 0

@@ -21,6 +21,7 @@ BACKENDS = types.MappingProxyType({
 # Many to many (PullTransfer): a fleet behind `picovllm router`.
 PULL_BACKENDS = types.MappingProxyType({
     "tcp": "picovllm.disagg.transfer.host_tcp:HostTcpTransfer",
+    "nixl": "picovllm.disagg.transfer.nixl:NixlTransfer",      # needs nixl-cu12 / nixl-cu13 installed
 })
 
 

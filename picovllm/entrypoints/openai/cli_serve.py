@@ -5,7 +5,7 @@ import argparse
 
 from picovllm.entrypoints.engine_args import add_engine_args, engine_config_from_args
 
-PULL_BACKEND_NAMES = ("tcp",)     # picovllm.disagg.transfer.PULL_BACKENDS (not imported here: --help stays light)
+PULL_BACKEND_NAMES = ("tcp", "nixl")     # picovllm.disagg.transfer.PULL_BACKENDS (not imported here: --help stays light)
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -28,7 +28,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     pd.add_argument("--kv-peer", default=None, help="--role d: the prefill server's HOST:PORT (its --kv-port)")
     pd.add_argument("--kv-transfer", default="torch_dist",
                     help="KV transfer backend: torch_dist or cuda_ipc (a linked pair: --kv-port/--kv-peer), "
-                         "or tcp (a fleet instance behind `picovllm router`: any D pulls from any P)")
+                         "or tcp or nixl (a fleet instance behind `picovllm router`: any D pulls from any P)")
     pd.add_argument("--kv-lease", type=float, default=10.0,
                     help="seconds of silence before the peer counts as dead (a fleet: also how long P keeps "
                          "KV nobody claimed)")
