@@ -267,3 +267,29 @@ def test_peer_without_the_secret_is_refused(path):
         good.close()
         bad.close()
         p.connector.shutdown()
+
+
+def test_prefill_gone_before_the_pull(path):
+    """P dies after publishing: the D the request was routed to ends it with an error naming P, frees its
+    blocks, and keeps serving."""
+    p, d = fleet_engine(path, "p"), fleet_engine(path, "d")
+    try:
+        p.submit([5, 6, 7, 8, 9, 10], SamplingParams(max_tokens=6, ignore_eos=True), request_id="r")
+        handover = None
+        while handover is None:
+            handover = next((o.kv_handover for o in p.step() if o.kv_handover is not None), None)
+        p.connector.shutdown()                    # "killed": its KV server is gone
+        p.abort("r")                              # (the dead engine's leftovers, so that it ends clean)
+        offer = from_wire(handover, PublishedKV)
+        d.connector.check(offer)
+        d.connector.offer(offer)
+        final = None
+        t0 = time.monotonic()
+        while final is None or d.has_unfinished_requests():
+            final = next((o for o in d.step() if o.finished), final)
+            assert time.monotonic() - t0 < 10
+        assert final.outputs[0].finish_reason == "error" and "prefill instance" in final.error, final.error
+        assert d.connector.stats["failed"] == 1
+    finally:
+        p.connector.shutdown()
+        d.connector.shutdown()

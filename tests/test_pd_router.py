@@ -25,7 +25,8 @@ from test_server_lifecycle import children_of
 
 ENGINE_ARGS = ["--block-size", "16", "--num-kv-blocks", "256", "--max-model-len", "1024"]
 SECRET = "router-test-secret-0123456789"
-PROMPTS = ["Hello, how are you", "The capital of France is", "Tell me a story about a cat"]
+PROMPTS = ["Hello, how are you", "The capital of France is", "Tell me a story about a cat",
+           "Numbers: 0 1 2 3 4 5 6 7 8 9. The quick brown fox jumps over the lazy dog. A server streams"]  # > 16 tokens
 
 
 def test_policies():
@@ -95,19 +96,19 @@ def test_outputs_equal_colocated(fleet):
                                         extra_body={"ignore_eos": True})
         assert got.choices[0].text == r.outputs[0].text and got.choices[0].finish_reason == "length"
     parts = [ch.choices[0].text for ch in client.completions.create(
-        model=name, prompt=PROMPTS[2], max_tokens=12, temperature=0, stream=True, extra_body={"ignore_eos": True})
+        model=name, prompt=PROMPTS[3], max_tokens=12, temperature=0, stream=True, extra_body={"ignore_eos": True})
         if ch.choices]
-    assert "".join(parts) == llm.generate([PROMPTS[2]], sp, use_tqdm=False)[0].outputs[0].text
+    assert "".join(parts) == llm.generate([PROMPTS[3]], sp, use_tqdm=False)[0].outputs[0].text
     one = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)[0].outputs[0]
     assert client.completions.create(model=name, prompt="Hello", max_tokens=1, temperature=0).choices[0].text == one.text
     with pytest.raises(openai.BadRequestError, match="longer"):
         client.completions.create(model=name, prompt=list(range(5, 300)) * 4, max_tokens=4)
     m = procs["router"].metrics()
-    assert m["picovllm:requests_total.length"] >= 7
+    assert m["picovllm:requests_total.length"] >= 9
     for srv in (procs["p"], procs["d0"], procs["d1"]):
         wait_idle(srv)
     served = [wait_idle(procs[d])["picovllm:requests_total.length"] for d in ("d0", "d1")]
-    assert min(served) >= 3, f"round-robin over two decode instances: {served}"
+    assert min(served) >= 4, f"round-robin over two decode instances: {served}"
 
 
 def test_control_routes_need_the_secret(fleet):
@@ -150,6 +151,11 @@ def test_decode_killed_then_one_joins(fleet):
     assert m["picovllm:requests_total.error"] == 1
     up = {i["url"]: i["up"] for i in signed("GET", router.url, "/admin/instances").json()["instances"]}
     assert up[procs[victim].url] is False and up[procs["p"].url] is True
+    text = httpx.get(router.url + "/metrics", timeout=10).text   # per instance and per routing decision
+    assert f'picovllm:router_instance_up{{instance="{procs[victim].url}",role="d"}} 0.0' in text
+    assert f'picovllm:router_instance_failures_total{{instance="{procs[victim].url}",role="d"}}' in text
+    assert 'picovllm:router_decisions_total{policy="prefix",reason="prefix_hit",role="p"}' in text
+    assert 'picovllm:router_decisions_total{policy="round_robin",reason="round_robin",role="d"}' in text
     # a new D registers itself with the router and takes work at once
     new = fleet["instance"]("d2", "d", "--router", router.url).wait_ready(120.0)
     deadline = time.time() + 30

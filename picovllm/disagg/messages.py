@@ -155,6 +155,7 @@ class PublishedKV:      # P -> (router) -> D: a request P prefilled and sampled 
 class KVAuthChallenge:  # KV server -> client, first thing on a new socket
     nonce: str
     instance_id: str
+    lease_s: float = 10.0             # the server drops a client silent this long (and its claims)
 
 
 @dataclass

@@ -92,6 +92,7 @@ class HostTcpTransfer(PullTransfer):
         self._results: queue.SimpleQueue = queue.SimpleQueue()   # D: (request_id, kind, bytes | None, error)
         self._peers: dict[tuple[str, int], _PeerConnection] = {}   # D: one per P instance
         self._server: socket.socket | None = None
+        self._conns: set[socket.socket] = set()       # P: connected D instances (closed with the transfer)
         self.address: list | None = None
         if self.role == "p":
             self._listen()
@@ -119,6 +120,8 @@ class HostTcpTransfer(PullTransfer):
 
     def _serve(self, sock: socket.socket, conn: int) -> None:
         why = "it closed the connection"
+        with self._lock:
+            self._conns.add(sock)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.settimeout(self.config.connect_timeout_s)
@@ -138,12 +141,14 @@ class HostTcpTransfer(PullTransfer):
         except (OSError, ConnectionError, ValueError, KeyError, TypeError) as e:
             why = f"{type(e).__name__}: {e}"
         finally:
+            with self._lock:
+                self._conns.discard(sock)
             sock.close()
             self._drop_claims(conn, why)
 
     def _authenticate_client(self, sock: socket.socket) -> None:
         nonce = new_nonce()
-        send_frame(sock, KVAuthChallenge(nonce, self.config.instance_id))
+        send_frame(sock, KVAuthChallenge(nonce, self.config.instance_id, self.config.lease_s))
         msg = recv_frame(sock)
         secret = self.config.secret
         if not isinstance(msg, KVAuthProof) or not isinstance(msg.nonce, str) or \
@@ -294,6 +299,11 @@ class HostTcpTransfer(PullTransfer):
             peer.close()
         with self._lock:
             self._handles.clear()
+            for sock in self._conns:     # their threads see the socket fail and end
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
         for rid in self._pulls:          # reported failed by the next poll; nothing writes their blocks
             self._results.put((rid, "pull", None, "the KV transfer was closed"))
 
@@ -307,6 +317,7 @@ class _PeerConnection:
         self.address, self.config, self.results, self._closed = address, config, results, closed
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
         self.sock: socket.socket | None = None
+        self.heartbeat_s = config.lease_s / 4        # and at most a quarter of the server's lease, once known
         self.alive = True
         self._thread = threading.Thread(target=self._run, name="picovllm-kv-pull", daemon=True)
         self._thread.start()
@@ -321,7 +332,7 @@ class _PeerConnection:
         try:
             while not self._closed.is_set():
                 try:
-                    job = self.jobs.get(timeout=self.config.lease_s / 4)
+                    job = self.jobs.get(timeout=self.heartbeat_s)
                 except queue.Empty:
                     self._heartbeat()
                     continue
@@ -363,6 +374,8 @@ class _PeerConnection:
             challenge = recv_frame(sock)
             if not isinstance(challenge, KVAuthChallenge):
                 raise AuthError(f"expected a KVAuthChallenge, got {type(challenge).__name__}")
+            if isinstance(challenge.lease_s, (int, float)) and challenge.lease_s > 0:
+                self.heartbeat_s = min(self.config.lease_s, challenge.lease_s) / 4
             if challenge.instance_id != instance_id:
                 raise ConnectionError(f"the KV server is instance {challenge.instance_id!r}, not {instance_id!r} "
                                       f"(restarted? its handles are gone)")
