@@ -24,6 +24,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "picovllm.entrypoints.openai.cli_router",   # router (in front of a fleet: any prefill to any decode)
     "picovllm.entrypoints.commands.bench",      # bench throughput | latency | serve
     "picovllm.entrypoints.commands.cache",      # cache (list, --clear)
+    "picovllm.entrypoints.commands.plan",       # plan (size a PD fleet from a measured step profile)
 )
 
 
