@@ -74,6 +74,16 @@ class FleetSettings:
                           timeout_s=self.transfer_timeout_s)
 
 
+class FleetAsyncEngine(PDAsyncEngine):
+    """A fleet instance's loop polls fast only while a pull may finish (D) or an offer waits to be taken;
+    a P holding published KV checks for releases every poll_s (they only free blocks)."""
+
+    def _poll_timeout(self, wait_s: float | None) -> float | None:
+        if wait_s == 0:
+            return 0
+        return self.busy_poll_s if self.engine.connector.transfers_in_flight else self.poll_s
+
+
 def add_fleet_routes(app: FastAPI, ctx: ServingContext, role: str) -> None:
     engine: PDAsyncEngine = ctx.engine
     connector = engine.engine.connector
@@ -167,7 +177,7 @@ def serve_fleet(engine_config: EngineConfig, settings: ServerSettings, fleet: Fl
     connector.open(engine.executor)
     name = settings.served_model_name or default_model_name(engine_config.model)
     metrics = ServerMetrics(name)
-    async_engine = PDAsyncEngine(engine, metrics)
+    async_engine = FleetAsyncEngine(engine, metrics)
     ctx = ServingContext(async_engine, TokenizerWorker(engine.tokenizer), metrics, name)
     app = build_app(ctx, settings, openai_routes=False)
     add_fleet_routes(app, ctx, role)
