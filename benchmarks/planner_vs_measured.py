@@ -4,8 +4,9 @@
 
 Builds a random checkpoint with a word tokenizer, measures its step profile (`picovllm plan
 --measure-profile`), serves it colocated (and, with --fleet, as 1P1D behind `picovllm router`, tcp),
-runs `picovllm bench serve` at each rate, then `picovllm plan --measured ... --plot` compares the
-predictions with the measurements. Everything lands in OUT_DIR (profile.json, bench_*.json, plan.json,
+runs `picovllm bench serve` at each rate, then `picovllm plan --calibrate ... --measured ... --plot`
+compares the predictions with the measurements (the lowest rate's runs calibrate the overheads the
+step profile does not hold: HTTP, tokenization, the router's hops). Everything lands in OUT_DIR (profile.json, bench_*.json, plan.json,
 predicted_vs_measured.png, the servers' logs).
 """
 import argparse
@@ -102,8 +103,10 @@ def main() -> None:
             for proc in reversed(procs):
                 proc.send_signal(signal.SIGTERM)
                 proc.wait(60)
+    low = [m for m in measured if f"_{args.rates[0]:g}.json" in m]     # the lowest rate calibrates the overheads
     subprocess.run([*CLI, "plan", "--profile", profile, "--input-len", str(args.input_len), "--output-len",
-                    str(args.output_len), "--num-instances", "2", "--chunks", "512", "--measured", *measured,
+                    str(args.output_len), "--num-instances", "2", "--chunks", "512", "--calibrate", *low,
+                    "--measured", *measured,
                     "--plot", os.path.join(args.out, "predicted_vs_measured.png"),
                     "--result-json", os.path.join(args.out, "plan.json")], check=True)
 

@@ -21,7 +21,8 @@ from picovllm.disagg.fleet_decode import FleetDecodeConnector
 from picovllm.disagg.fleet_prefill import FleetPrefillConnector
 from picovllm.disagg.messages import KVAuthChallenge, KVAuthResult, PublishedKV, from_wire
 from picovllm.disagg.transfer import PullConfig
-from picovllm.disagg.transfer.host_tcp import HostTcpTransfer, recv_frame, send_frame
+from picovllm.disagg.transfer.host_tcp import HostTcpTransfer
+from picovllm.disagg.transfer.kv_socket import recv_frame, send_frame
 from picovllm.disagg.transfer.nixl import import_nixl
 from picovllm.engine.llm_engine import Engine
 from test_disagg_engines import assert_same, mixed_params, prompts

@@ -12,7 +12,7 @@ from picovllm.entrypoints.cli import main
 from picovllm.planner.profile import StepProfile, fit
 from picovllm.planner.simulator import Deployment, Lengths, SimRequest, Traffic, make_requests, simulate
 
-PROFILE = StepProfile([2e-3, 1e-5, 1e-9, 2e-4, 1e-7], kv_bytes_per_token=1000)
+PROFILE = StepProfile([1e-3, 2e-3, 1e-5, 1e-9, 2e-4, 1e-7], kv_bytes_per_token=1000)
 
 
 def test_fit_recovers_nonnegative_coefficients():
@@ -60,7 +60,7 @@ def test_queueing_matches_pollaczek_khinchine():
 
 def test_decode_heavy_traffic_gets_more_decode_instances():
     from picovllm.planner.plan import candidate_deployments, plan
-    heavy = StepProfile([1e-3, 2e-6, 0.0, 3e-3, 1e-7], kv_bytes_per_token=1000)   # decode steps dominate
+    heavy = StepProfile([1e-3, 1e-3, 2e-6, 0.0, 3e-3, 1e-7], kv_bytes_per_token=1000)   # decode steps dominate
     rows = plan(heavy, Traffic(20.0, Lengths(128, 128), Lengths(200, 200), 400), candidate_deployments(4, [512]),
                 ttft_slo=1.0, itl_slo=0.2)
     best = rows[0]
@@ -79,7 +79,7 @@ def test_plan_command_measures_and_ranks(tiny_models, tmp_path, capsys):
     text = capsys.readouterr().out
     assert "recommended:" in text and "2P1D, chunk 64" in text
     saved = StepProfile.load(str(prof))
-    assert saved.kv_bytes_per_token == 2 * 2 * 2 * 16 * 4 and len(saved.samples) > 20
+    assert saved.kv_bytes_per_token == 2 * 2 * 2 * 16 * 4 and len(saved.samples) >= 12
     ranked = json.loads(out.read_text())["ranked"]
     assert len(ranked) == 3 * 2 and ranked[0]["goodput"] == max(r["goodput"] for r in ranked)
     with pytest.raises(SystemExit, match="--input-len"):

@@ -1,6 +1,10 @@
 """Rank deployments by predicted goodput; compare a prediction with a measured run (`picovllm bench serve`)."""
 from __future__ import annotations
 
+import dataclasses
+
+import numpy as np
+
 from picovllm.planner.profile import StepProfile
 from picovllm.planner.simulator import Deployment, Traffic, make_requests, simulate
 
@@ -24,6 +28,26 @@ def plan(profile: StepProfile, traffic: Traffic, deployments: list[Deployment], 
     return sorted(rows, key=lambda r: (-r["goodput"], r["ttft_p99"]))
 
 
+def first_gap_p50(requests) -> float:
+    """Median gap between a request's first and second token (a PD request's handover is in it)."""
+    gaps = [r.token_times[1] - r.token_times[0] for r in requests if len(r.token_times) > 1]
+    return float(np.median(gaps)) if gaps else 0.0
+
+
+def calibrate(profile: StepProfile, traffic: Traffic, deployment: Deployment, measured: dict) -> Deployment:
+    """The deployment with its overheads set so that a measured run's TTFT p50 (and, xPyD, its median first
+    inter-token gap) are predicted exactly: what HTTP, tokenization and the router's hops add to the steps."""
+    bare = dataclasses.replace(deployment, request_overhead=0.0, handover_overhead=0.0)
+    sim = simulate(profile, bare, make_requests(traffic))
+    overhead = max(0.0, measured["median_ttft_ms"] / 1e3 - float(np.median(sim.ttfts())))
+    handover = 0.0
+    if deployment.num_prefill:
+        first = [r["itls"][0] for r in measured.get("requests", []) if r.get("success") and r.get("itls")]
+        if first:
+            handover = max(0.0, float(np.median(first)) - first_gap_p50(sim.requests))
+    return dataclasses.replace(deployment, request_overhead=overhead, handover_overhead=handover)
+
+
 def compare(predicted: dict, measured: dict) -> dict:
     """Predicted against a `bench serve` result (its *_ttft_ms / *_itl_ms fields): seconds and relative error."""
     got = {"ttft_p50": measured["median_ttft_ms"] / 1e3, "ttft_p99": measured["p99_ttft_ms"] / 1e3,
@@ -45,8 +69,6 @@ def plot_comparisons(rows: list[dict], path: str) -> None:
         ys = [r["comparison"][metric]["predicted"] * 1e3 for r in rows]
         values += xs + ys
         ax.scatter(xs, ys, marker=marker, label=metric)
-        for r, x, y in zip(rows, xs, ys):
-            ax.annotate(r.get("label", ""), (x, y), fontsize=6)
     lo, hi = max(min(values) * 0.5, 1e-3), max(values) * 2
     ax.plot([lo, hi], [lo, hi], "k-", lw=0.8)
     ax.fill_between([lo, hi], [lo * 0.8, hi * 0.8], [lo * 1.2, hi * 1.2], color="grey", alpha=0.2, label="±20%")

@@ -72,6 +72,9 @@ class Deployment:
     max_num_seqs: int = 256
     transfer_bw: float = 10e9     # bytes per second of a pull
     transfer_latency: float = 1e-3
+    # Calibrated from a measured run (plan.calibrate), else 0: what the engine steps do not hold
+    request_overhead: float = 0.0   # seconds from the client's send to the engine, and the first token back
+    handover_overhead: float = 0.0  # xPyD: the router's hop from P to D (its calls, D's claim), beyond the pull
 
     def __post_init__(self) -> None:
         if self.num_decode < 1 or self.num_prefill < 0:
@@ -179,8 +182,10 @@ def simulate(profile: StepProfile, deployment: Deployment, requests: list[SimReq
             obj.busy = False
             for r in _finish_step(obj, now):            # requests leaving a P at their first token
                 pull = r.prompt * profile.kv_bytes_per_token / deployment.transfer_bw + deployment.transfer_latency
-                heapq.heappush(events, (now + pull, next(seq), "kv", r))
+                heapq.heappush(events, (now + pull + deployment.handover_overhead, next(seq), "kv", r))
             start(obj, now)
+    for r in reqs:                                      # as the client sees them
+        r.token_times = [t + deployment.request_overhead for t in r.token_times]
     return SimResult(deployment, reqs)
 
 

@@ -1,15 +1,15 @@
 """Many-to-many KV transfer over TCP through host memory: the PullTransfer that runs anywhere (CI's CPU too).
 
 P runs a KV server (a listening socket, one thread per connected D); D opens one connection per P
-instance the first time it claims from it, with a thread that runs its claims, pulls and releases
-in order. Every socket starts with the fleet's mutual HMAC challenge-response (picovllm.disagg.auth):
-nothing is read or written for a peer that fails it. Frames: a length-prefixed JSON message
-(picovllm.disagg.messages) and, after a pull's KVReply, its nbytes of blocks, laid out as the cache
+instance the first time it claims from it (kv_socket.PeerConnection), with a thread that runs its
+claims, pulls and releases in order. Every socket starts with the fleet's mutual HMAC
+challenge-response (kv_socket, picovllm.disagg.auth): nothing is read or written for a peer that
+fails it. A pull's KVReply is followed by its nbytes of blocks, laid out as the cache
 ([num_layers, 2, n, block_size, kv_heads, head_dim]).
 
-Who touches the cache: P's server threads read published blocks under the transfer's lock, and
-unpublish takes the same lock, so once it returns no read is in flight (P's engine never writes a
-published block: it is held). D's threads only fill host buffers; poll(), on the engine's thread,
+Who touches the cache: P's server threads read published blocks (outside the lock, counted as
+readers of their handle), and unpublish waits until a handle has no reader, so once it returns no
+read is in flight (P's engine never writes a published block: it is held). D's threads only fill host buffers; poll(), on the engine's thread,
 copies a finished pull into the cache, so a timed-out or cancelled pull never writes a block.
 """
 from __future__ import annotations
@@ -17,49 +17,18 @@ from __future__ import annotations
 import logging
 import queue
 import socket
-import struct
 import threading
 import time
 from dataclasses import dataclass
 
 import torch
 
-from picovllm.disagg.auth import AuthError, client_proof, new_nonce, proofs_match, server_proof
-from picovllm.disagg.messages import ClaimKV, Heartbeat, KVAuthChallenge, KVAuthProof, KVAuthResult, KVHandle, \
-    KVReply, PullKV, ReleaseKV, decode, encode
+from picovllm.disagg.auth import AuthError
+from picovllm.disagg.messages import ClaimKV, Heartbeat, KVHandle, KVReply, PullKV, ReleaseKV
 from picovllm.disagg.transfer.base import PullTransfer, TransferDone
+from picovllm.disagg.transfer.kv_socket import PeerConnection, authenticate_client, recv_frame, send_frame
 
 logger = logging.getLogger("picovllm.kv")
-
-_LEN = struct.Struct("!I")
-_MAX_HEADER = 1 << 20
-
-
-# -- frames --------------------------------------------------------------------------------------
-def _recv_exact(sock: socket.socket, n: int) -> bytearray:
-    buf = bytearray(n)
-    view, got = memoryview(buf), 0
-    while got < n:
-        k = sock.recv_into(view[got:], n - got)
-        if k == 0:
-            raise ConnectionError("the peer closed the connection")
-        got += k
-    return buf
-
-
-def send_frame(sock: socket.socket, msg, payload=None) -> None:
-    data = encode(msg)
-    sock.sendall(_LEN.pack(len(data)) + data)
-    if payload is not None:
-        sock.sendall(payload)
-
-
-def recv_frame(sock: socket.socket):
-    (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size))
-    if n > _MAX_HEADER:
-        raise ConnectionError(f"a {n}-byte message header: not a picovllm KV peer")
-    return decode(bytes(_recv_exact(sock, n)))
-
 
 def _blocks_nbytes(cache: torch.Tensor, n: int) -> int:
     return cache[:, :, :1].numel() * n * cache.element_size()
@@ -70,6 +39,8 @@ class _Published:
     block_ids: list[int]
     since: float
     claimant: int | None = None          # the connection that claimed it
+    readers: int = 0                     # server threads copying its blocks now
+    retired: TransferDone | None = None  # released or expired while being read: reported when the reads end
 
 
 @dataclass
@@ -85,12 +56,14 @@ class HostTcpTransfer(PullTransfer):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._lock = threading.Lock()
+        self._no_readers = threading.Condition(self._lock)
         self._closed = threading.Event()
         self._done: list[TransferDone] = []            # P: released or expired, for the next poll
         self._handles: dict[str, _Published] = {}      # P
+        self._draining: dict[str, _Published] = {}     # P: retired, still being read
         self._pulls: dict[str, _Pull] = {}             # D: started, not reported
         self._results: queue.SimpleQueue = queue.SimpleQueue()   # D: (request_id, kind, bytes | None, error)
-        self._peers: dict[tuple[str, int], _PeerConnection] = {}   # D: one per P instance
+        self._peers: dict[tuple[str, int], PeerConnection] = {}   # D: one per P instance
         self._server: socket.socket | None = None
         self._conns: set[socket.socket] = set()       # P: connected D instances (closed with the transfer)
         self.address: list | None = None
@@ -125,7 +98,7 @@ class HostTcpTransfer(PullTransfer):
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.settimeout(self.config.connect_timeout_s)
-            self._authenticate_client(sock)
+            authenticate_client(sock, self.config)
             sock.settimeout(self.config.lease_s)     # a D sends a heartbeat every lease / 4 when idle
             while not self._closed.is_set():
                 msg = recv_frame(sock)
@@ -146,19 +119,8 @@ class HostTcpTransfer(PullTransfer):
             sock.close()
             self._drop_claims(conn, why)
 
-    def _authenticate_client(self, sock: socket.socket) -> None:
-        nonce = new_nonce()
-        send_frame(sock, KVAuthChallenge(nonce, self.config.instance_id, self.config.lease_s))
-        msg = recv_frame(sock)
-        secret = self.config.secret
-        if not isinstance(msg, KVAuthProof) or not isinstance(msg.nonce, str) or \
-                not proofs_match(client_proof(secret, nonce, msg.nonce), msg.proof):
-            send_frame(sock, KVAuthResult(error="authentication failed: not the fleet's shared secret"))
-            raise AuthError("the peer did not prove the fleet's shared secret")
-        send_frame(sock, KVAuthResult(proof=server_proof(secret, nonce, msg.nonce)))
-
     def _answer(self, sock: socket.socket, conn: int, msg) -> None:
-        rid, payload, error = msg.request_id, None, None
+        rid, payload, error, reading = msg.request_id, None, None, None
         with self._lock:
             h = self._handles.get(rid)
             if h is None:
@@ -169,10 +131,20 @@ class HostTcpTransfer(PullTransfer):
             elif isinstance(msg, ClaimKV):
                 h.claimant = conn
             elif isinstance(msg, PullKV):
-                payload = self._read_blocks(h.block_ids)     # under the lock: unpublish waits for it
+                reading = h
+                h.readers += 1               # unpublish waits for it
             else:
-                del self._handles[rid]
-                self._done.append(TransferDone(rid))
+                self._retire(rid, TransferDone(rid))
+        if reading is not None:
+            try:
+                payload = self._read_blocks(reading.block_ids)
+            finally:
+                with self._lock:
+                    reading.readers -= 1
+                    if not reading.readers and reading.retired is not None:
+                        self._done.append(reading.retired)
+                        self._draining.pop(rid, None)
+                    self._no_readers.notify_all()
         nbytes = 0 if payload is None else payload.nbytes
         send_frame(sock, KVReply(rid, nbytes, error), payload)
 
@@ -185,8 +157,16 @@ class HostTcpTransfer(PullTransfer):
         with self._lock:
             for rid, h in list(self._handles.items()):
                 if h.claimant == conn:
-                    del self._handles[rid]
-                    self._done.append(TransferDone(rid, f"the decode instance that claimed it is gone ({why})"))
+                    self._retire(rid, TransferDone(rid, f"the decode instance that claimed it is gone ({why})"))
+
+    def _retire(self, rid: str, done: TransferDone) -> None:
+        """Under the lock: the handle goes; P hears of it (and frees the blocks) once nobody reads them."""
+        h = self._handles.pop(rid)
+        if h.readers:
+            h.retired = done
+            self._draining[rid] = h
+        else:
+            self._done.append(done)
 
     def publish(self, request_id: str, block_ids: list[int], num_tokens: int) -> KVHandle:
         assert self.role == "p"
@@ -205,14 +185,19 @@ class HostTcpTransfer(PullTransfer):
 
     def unpublish(self, request_id: str) -> None:
         with self._lock:
-            self._handles.pop(request_id, None)
+            h = self._handles.pop(request_id, None) or self._draining.get(request_id)
+            while h is not None and h.readers:
+                self._no_readers.wait()
+            if h is not None and h.retired is not None:    # the engine frees it now: not reported again
+                self._done = [d for d in self._done if d.request_id != request_id]
+                self._draining.pop(request_id, None)
 
     # -- D: pulling ------------------------------------------------------------------------------
-    def _peer(self, handle: KVHandle) -> "_PeerConnection":
+    def _peer(self, handle: KVHandle) -> "PeerConnection":
         key = (str(handle.address[0]), int(handle.address[1]))
         peer = self._peers.get(key)
         if peer is None or not peer.alive:
-            peer = self._peers[key] = _PeerConnection(key, self.config, self._results, self._closed)
+            peer = self._peers[key] = PeerConnection(key, self.config, self._results, self._closed)
         return peer
 
     def _check_handle(self, handle: KVHandle, dst_block_ids: list[int] | None = None) -> None:
@@ -276,8 +261,7 @@ class HostTcpTransfer(PullTransfer):
         with self._lock:
             for rid, h in list(self._handles.items()):
                 if h.claimant is None and now - h.since > lease:
-                    del self._handles[rid]
-                    self._done.append(TransferDone(rid, f"no decode instance claimed it within the lease "
+                    self._retire(rid, TransferDone(rid, f"no decode instance claimed it within the lease "
                                                         f"({lease:g} s)"))
             out, self._done = self._done, []
         return out
@@ -306,101 +290,3 @@ class HostTcpTransfer(PullTransfer):
                     pass
         for rid in self._pulls:          # reported failed by the next poll; nothing writes their blocks
             self._results.put((rid, "pull", None, "the KV transfer was closed"))
-
-
-class _PeerConnection:
-    """D's connection to one P instance: a thread that runs its claims, pulls and releases in order,
-    connecting (and authenticating) when it has one to run, and keeping the link audible when idle."""
-
-    def __init__(self, address: tuple[str, int], config, results: queue.SimpleQueue,
-                 closed: threading.Event) -> None:
-        self.address, self.config, self.results, self._closed = address, config, results, closed
-        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self.sock: socket.socket | None = None
-        self.heartbeat_s = config.lease_s / 4        # and at most a quarter of the server's lease, once known
-        self.alive = True
-        self._thread = threading.Thread(target=self._run, name="picovllm-kv-pull", daemon=True)
-        self._thread.start()
-
-    def submit(self, msg, handle: KVHandle, nbytes: int = 0) -> None:
-        self.jobs.put((msg, handle, nbytes))
-
-    def close(self) -> None:
-        self.jobs.put(None)
-
-    def _run(self) -> None:
-        try:
-            while not self._closed.is_set():
-                try:
-                    job = self.jobs.get(timeout=self.heartbeat_s)
-                except queue.Empty:
-                    self._heartbeat()
-                    continue
-                if job is None:
-                    return
-                self._do(*job)
-        finally:
-            self.alive = False
-            self._disconnect()
-
-    def _do(self, msg, handle: KVHandle, nbytes: int) -> None:
-        kind = {ClaimKV: "claim", PullKV: "pull", ReleaseKV: "release"}[type(msg)]
-        data = error = None
-        try:
-            if self.sock is None:
-                self._connect(handle.instance_id)
-            send_frame(self.sock, msg)
-            reply = recv_frame(self.sock)
-            if not isinstance(reply, KVReply) or reply.request_id != msg.request_id:
-                raise ConnectionError(f"expected the KVReply for {msg.request_id!r}, got {reply!r}")
-            error = reply.error
-            if reply.nbytes:
-                data = _recv_exact(self.sock, reply.nbytes)
-            if kind == "pull" and error is None and len(data or b"") != nbytes:
-                error = f"prefill instance {handle.instance_id} sent {len(data or b'')} bytes of KV, expected {nbytes}"
-        except (OSError, ConnectionError, ValueError, KeyError, TypeError) as e:
-            self._disconnect()
-            error = (f"prefill instance {handle.instance_id} at {self.address[0]}:{self.address[1]} "
-                     f"failed during {kind}: {type(e).__name__}: {e}")
-        if kind == "release" and error is not None:
-            logger.info("KV release of %s not delivered (its lease frees it): %s", msg.request_id, error)
-        self.results.put((msg.request_id, kind, data, error))
-
-    def _connect(self, instance_id: str) -> None:
-        c = self.config
-        sock = socket.create_connection(self.address, timeout=c.connect_timeout_s)
-        try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            challenge = recv_frame(sock)
-            if not isinstance(challenge, KVAuthChallenge):
-                raise AuthError(f"expected a KVAuthChallenge, got {type(challenge).__name__}")
-            if isinstance(challenge.lease_s, (int, float)) and challenge.lease_s > 0:
-                self.heartbeat_s = min(self.config.lease_s, challenge.lease_s) / 4
-            if challenge.instance_id != instance_id:
-                raise ConnectionError(f"the KV server is instance {challenge.instance_id!r}, not {instance_id!r} "
-                                      f"(restarted? its handles are gone)")
-            nonce = new_nonce()
-            send_frame(sock, KVAuthProof(client_proof(c.secret, challenge.nonce, nonce), nonce))
-            result = recv_frame(sock)
-            if not isinstance(result, KVAuthResult) or result.error is not None:
-                raise AuthError(f"refused: {getattr(result, 'error', result)}")
-            if not proofs_match(server_proof(c.secret, challenge.nonce, nonce), result.proof):
-                raise AuthError("the KV server did not prove the fleet's shared secret")
-            sock.settimeout(c.timeout_s)
-        except BaseException:
-            sock.close()
-            raise
-        self.sock = sock
-
-    def _heartbeat(self) -> None:
-        if self.sock is None:
-            return
-        try:
-            send_frame(self.sock, Heartbeat())
-        except OSError:
-            self._disconnect()
-
-    def _disconnect(self) -> None:
-        if self.sock is not None:
-            self.sock.close()
-            self.sock = None

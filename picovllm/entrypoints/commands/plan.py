@@ -30,6 +30,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--measured", nargs="*", default=[],
                    help="compare with measured runs: DEPLOYMENT:CHUNK:RESULT.json (DEPLOYMENT colocated-N or xPyD; "
                         "rate and lengths from the JSON's config)")
+    p.add_argument("--calibrate", nargs="*", default=[],
+                   help="measured runs (as --measured) that set the overheads the steps do not hold: HTTP and "
+                        "tokenization (a colocated run's TTFT), the router's P-to-D hop (an xPyD run's first gap)")
     p.add_argument("--plot", default=None, help="with --measured: a PNG of predicted against measured")
     p.add_argument("--result-json", default=None)
     p.add_argument("--model", default=None, help="with --measure-profile: the model (default: SmolLM2-135M-Instruct)")
@@ -61,17 +64,22 @@ def run_plan(args: argparse.Namespace) -> int:
         except (OSError, ValueError) as e:
             raise SystemExit(f"error: --profile: {e}") from None
     slo_ttft, slo_itl = args.ttft_slo_ms / 1e3, args.itl_slo_ms / 1e3
+    overheads = _overheads(args, profile)
+    if overheads:
+        print("calibrated overheads: " + "; ".join(f"{kind}: " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in o.items())
+                                                  for kind, o in overheads.items()))
+        deployments = [with_overheads(d, overheads) for d in deployments]
     rows = plan(profile, traffic, deployments, slo_ttft, slo_itl)
     print(f"{'deployment':<28}{'goodput/s':>10}{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>9}{'ITL p99':>9}  (ms)")
     for r in rows:
         print(f"{r['deployment']:<28}{r['goodput']:>10.2f}{r['ttft_p50'] * 1e3:>10.1f}{r['ttft_p99'] * 1e3:>10.1f}"
               f"{r['itl_p50'] * 1e3:>9.1f}{r['itl_p99'] * 1e3:>9.1f}")
     print(f"recommended: {rows[0]['deployment']}")
-    comparisons = [_compare_one(spec, profile, args, slo_ttft, slo_itl, compare) for spec in args.measured]
+    comparisons = [_compare_one(spec, profile, args, slo_ttft, slo_itl, compare, overheads) for spec in args.measured]
     for c in comparisons:
         errs = ", ".join(f"{m} {v['predicted'] * 1e3:.1f}/{v['measured'] * 1e3:.1f} ms ({v['error']:+.0%})"
                          for m, v in c["comparison"].items() if v["error"] is not None)
-        print(f"{c['label']}: predicted/measured {errs}")
+        print(f"{c['label']}{' (calibration run)' if c['calibration'] else ''}: predicted/measured {errs}")
     if args.plot and comparisons:
         plot_comparisons(comparisons, args.plot)
     if args.result_json:
@@ -80,8 +88,8 @@ def run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _compare_one(spec: str, profile, args, slo_ttft: float, slo_itl: float, compare) -> dict:
-    from picovllm.planner.plan import plan
+def _read_measured(spec: str, args) -> tuple:
+    """DEPLOYMENT:CHUNK:RESULT.json -> (Deployment, Traffic, the bench serve result)."""
     from picovllm.planner.simulator import Deployment, Lengths, Traffic
 
     try:
@@ -97,7 +105,40 @@ def _compare_one(spec: str, profile, args, slo_ttft: float, slo_itl: float, comp
                           Lengths.parse("output_len", str(cfg["output_len"])), int(measured["completed"]), args.seed)
         dep = Deployment(x, y, int(chunk), args.plan_max_num_seqs, args.transfer_gbps * 1e9)
     except (ValueError, KeyError, OSError) as e:
-        raise SystemExit(f"error: --measured {spec!r}: {e}") from None
+        raise SystemExit(f"error: {spec!r}: DEPLOYMENT:CHUNK:RESULT.json ({e})") from None
+    return dep, traffic, measured
+
+
+def _overheads(args, profile) -> dict:
+    """--calibrate: per kind ("colocated", "xpyd"), the overheads the steps do not hold: the request's
+    (HTTP, tokenization; behind the router its hop to P too) and, xPyD, the handover's (P to D)."""
+    from picovllm.planner.plan import calibrate
+
+    found: dict[str, dict] = {}
+    for spec in args.calibrate:
+        dep, traffic, measured = _read_measured(spec, args)
+        cal = calibrate(profile, traffic, dep, measured)
+        kind = "xpyd" if dep.num_prefill else "colocated"
+        found[kind] = {"request_overhead": cal.request_overhead}
+        if dep.num_prefill:
+            found[kind]["handover_overhead"] = cal.handover_overhead
+    return found
+
+
+def with_overheads(dep, overheads: dict):
+    import dataclasses
+    kind = "xpyd" if dep.num_prefill else "colocated"
+    other = "colocated" if kind == "xpyd" else "xpyd"
+    mine = {**{k: v for k, v in overheads.get(other, {}).items() if k == "request_overhead"},
+            **overheads.get(kind, {})}
+    return dataclasses.replace(dep, **mine)
+
+
+def _compare_one(spec: str, profile, args, slo_ttft: float, slo_itl: float, compare, overheads: dict) -> dict:
+    from picovllm.planner.plan import plan
+
+    dep, traffic, measured = _read_measured(spec, args)
+    dep = with_overheads(dep, overheads)
     predicted = plan(profile, traffic, [dep], slo_ttft, slo_itl)[0]
     return {"label": f"{dep.name} @ {traffic.rate:g}/s", "predicted": predicted,
-            "comparison": compare(predicted, measured)}
+            "comparison": compare(predicted, measured), "calibration": spec in args.calibrate}
