@@ -179,8 +179,8 @@ def test_decode_dies_mid_run_and_one_joins(path, reference):
 def test_leases(path):
     """An unclaimed handle is freed after the lease; a claimed one lives past it while its claimant is
     alive (heartbeats) and is freed at once when the claimant's connection drops."""
-    p = fleet_engine(path, "p", pull_config(lease_s=0.4))
-    d = HostTcpTransfer("d", p.runner.kv_cache.clone(), p.connector.transfer.layout, pull_config(lease_s=0.4))
+    p = fleet_engine(path, "p", pull_config(lease_s=0.8))
+    d = HostTcpTransfer("d", p.runner.kv_cache.clone(), p.connector.transfer.layout, pull_config(lease_s=0.8))
     try:
         a = p.submit([5, 6, 7, 8, 9], SamplingParams(max_tokens=4, ignore_eos=True))
         b = p.submit([9, 8, 7], SamplingParams(max_tokens=4, ignore_eos=True))
@@ -189,7 +189,7 @@ def test_leases(path):
             handles.update({o.request_id: from_wire(o.kv_handover, PublishedKV).handle for o in p.step()
                             if o.kv_handover})
         d.claim(handles[b])
-        time.sleep(1.0)
+        time.sleep(1.8)
         p.step()
         assert list(p.connector.published) == [b] and p.connector.stats["expired"] == 1, "a expired, b claimed"
         assert d.poll() == []
