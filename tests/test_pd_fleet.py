@@ -105,7 +105,7 @@ def reference(path):
     return ps, params, LLM(path, **KW).generate(ps, params, use_tqdm=False)
 
 
-@pytest.mark.parametrize("backend", ["tcp", "nixl"])
+@pytest.mark.parametrize("backend", ["tcp", "nixl", "cuda_ipc"])   # cuda_ipc on CPU: shared memory
 @pytest.mark.parametrize("num_p,num_d", [(2, 1), (1, 2)])
 def test_many_to_many_equals_colocated(path, reference, num_p, num_d, backend):
     if backend == "nixl":

@@ -18,7 +18,7 @@ from picovllm import LLM, SamplingParams
 from picovllm.disagg.auth import FleetSecret, sign_request
 from picovllm.disagg.router_policy import Instance, LeastLoaded, PrefixAware, RoundRobin
 from picovllm.disagg.transfer import PULL_BACKENDS
-from picovllm.entrypoints.openai.cli_serve import PULL_BACKEND_NAMES
+from picovllm.entrypoints.openai.cli_serve import FLEET_ONLY_BACKENDS
 from serving_fixtures import ServerProcess, build_tiny_chat_model
 from test_pd_serving import wait_idle
 from test_server_lifecycle import children_of
@@ -46,7 +46,7 @@ def test_policies():
     ps[1].in_flight = 9                               # too busy: the least loaded takes it (and the prefix)
     assert prefix.choose(ps, shared) == (ps[2], "prefix_overloaded")
     assert prefix.choose(ps, shared)[0] is ps[2]
-    assert set(PULL_BACKEND_NAMES) == set(PULL_BACKENDS)
+    assert set(FLEET_ONLY_BACKENDS) <= set(PULL_BACKENDS)
 
 
 def signed(method: str, url: str, path: str, body: dict | None = None, secret: str = SECRET) -> httpx.Response:

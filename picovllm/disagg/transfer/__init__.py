@@ -22,6 +22,7 @@ BACKENDS = types.MappingProxyType({
 PULL_BACKENDS = types.MappingProxyType({
     "tcp": "picovllm.disagg.transfer.host_tcp:HostTcpTransfer",
     "nixl": "picovllm.disagg.transfer.nixl:NixlTransfer",      # needs nixl-cu12 / nixl-cu13 installed
+    "cuda_ipc": "picovllm.disagg.transfer.cuda_ipc_pull:CudaIpcPullTransfer",   # one host (CPU: shared memory)
 })
 
 

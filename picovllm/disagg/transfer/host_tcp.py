@@ -62,6 +62,7 @@ class HostTcpTransfer(PullTransfer):
         self._handles: dict[str, _Published] = {}      # P
         self._draining: dict[str, _Published] = {}     # P: retired, still being read
         self._pulls: dict[str, _Pull] = {}             # D: started, not reported
+        self._confirmed: set[str] = set()              # D: claims P granted, not yet released or lost
         self._results: queue.SimpleQueue = queue.SimpleQueue()   # D: (request_id, kind, bytes | None, error)
         self._peers: dict[tuple[str, int], PeerConnection] = {}   # D: one per P instance
         self._server: socket.socket | None = None
@@ -228,7 +229,13 @@ class HostTcpTransfer(PullTransfer):
 
     def release(self, handle: KVHandle) -> None:
         self._pulls.pop(handle.request_id, None)
+        self._confirmed.discard(handle.request_id)
         self._peer(handle).submit(ReleaseKV(handle.request_id), handle)
+
+    def claim_confirmed(self, request_id: str) -> bool:
+        """D: P granted the claim (as of the last poll), so the handle's blocks have held its KV throughout.
+        A backend whose bytes bypass P (nixl, cuda_ipc) reports a pull done only then."""
+        return request_id in self._confirmed
 
     # -- both ------------------------------------------------------------------------------------
     def poll(self) -> list[TransferDone]:
@@ -240,7 +247,10 @@ class HostTcpTransfer(PullTransfer):
                 rid, kind, data, error = self._results.get_nowait()
             except queue.Empty:
                 break
-            if kind == "claim" and error is not None:
+            if kind == "claim" and error is None:
+                self._confirmed.add(rid)
+            elif kind == "claim":
+                self._confirmed.discard(rid)
                 self._pulls.pop(rid, None)
                 out.append(TransferDone(rid, error))
             elif kind == "pull" and rid in self._pulls:

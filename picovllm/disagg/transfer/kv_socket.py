@@ -72,6 +72,7 @@ class PeerConnection:
         self.address, self.config, self.results, self._closed = address, config, results, closed
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
         self.sock: socket.socket | None = None
+        self.claimed: set[str] = set()               # claims P granted on this socket (dropped with it)
         self.heartbeat_s = config.lease_s / 4        # and at most a quarter of the server's lease, once known
         self.alive = True
         self._thread = threading.Thread(target=self._run, name="picovllm-kv-pull", daemon=True)
@@ -117,8 +118,12 @@ class PeerConnection:
             self._disconnect()
             error = (f"prefill instance {handle.instance_id} at {self.address[0]}:{self.address[1]} "
                      f"failed during {kind}: {type(e).__name__}: {e}")
-        if kind == "release" and error is not None:
-            logger.info("KV release of %s not delivered (its lease frees it): %s", msg.request_id, error)
+        if kind == "release":
+            self.claimed.discard(msg.request_id)
+            if error is not None:
+                logger.info("KV release of %s not delivered (its lease frees it): %s", msg.request_id, error)
+        elif kind == "claim" and error is None:
+            self.claimed.add(msg.request_id)
         self.results.put((msg.request_id, kind, data, error))
 
     def _connect(self, instance_id: str) -> None:
@@ -156,6 +161,11 @@ class PeerConnection:
             self._disconnect()
 
     def _disconnect(self) -> None:
+        """Drop the socket. P drops this connection's claims with it: each is reported lost."""
         if self.sock is not None:
             self.sock.close()
             self.sock = None
+        for rid in self.claimed:
+            self.results.put((rid, "claim", None, f"lost the connection to the prefill instance at "
+                                                  f"{self.address[0]}:{self.address[1]}, and its claim with it"))
+        self.claimed.clear()

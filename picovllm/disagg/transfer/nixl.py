@@ -142,12 +142,17 @@ class NixlTransfer(PullTransfer):
         now = time.monotonic()
         for rid, read in list(self._reads.items()):
             state = self.agent.check_xfer_state(read.xfer)
-            if state == "PROC" and now - read.started <= self.config.timeout_s:
-                continue
+            if now - read.started <= self.config.timeout_s and (
+                    state == "PROC" or state == "DONE" and not self.control.claim_confirmed(rid)):
+                continue          # done only once P granted the claim: the blocks held the KV throughout
             del self._reads[rid]
-            error = None if state == "DONE" else (
-                f"NIXL READ from prefill instance {read.handle.instance_id} failed" if state == "ERR" else
-                f"NIXL READ from prefill instance {read.handle.instance_id} took over {self.config.timeout_s:g} s")
+            who = f"prefill instance {read.handle.instance_id}"
+            if state == "DONE":
+                error = None if self.control.claim_confirmed(rid) else \
+                    f"{who} did not grant the claim within {self.config.timeout_s:g} s"
+            else:
+                error = f"NIXL READ from {who} failed" if state == "ERR" else \
+                    f"NIXL READ from {who} took over {self.config.timeout_s:g} s"
             self._finish(read)
             out.append(TransferDone(rid, error))
         return out

@@ -5,7 +5,9 @@ import argparse
 
 from picovllm.entrypoints.engine_args import add_engine_args, engine_config_from_args
 
-PULL_BACKEND_NAMES = ("tcp", "nixl")     # picovllm.disagg.transfer.PULL_BACKENDS (not imported here: --help stays light)
+# Backends only a fleet has (picovllm.disagg.transfer.PULL_BACKENDS; not imported here: --help stays light).
+# cuda_ipc serves both: a fleet instance when the fleet's secret is given, a linked pair otherwise.
+FLEET_ONLY_BACKENDS = ("tcp", "nixl")
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -28,7 +30,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     pd.add_argument("--kv-peer", default=None, help="--role d: the prefill server's HOST:PORT (its --kv-port)")
     pd.add_argument("--kv-transfer", default="torch_dist",
                     help="KV transfer backend: torch_dist or cuda_ipc (a linked pair: --kv-port/--kv-peer), "
-                         "or tcp or nixl (a fleet instance behind `picovllm router`: any D pulls from any P)")
+                         "or tcp or nixl (a fleet instance behind `picovllm router`: any D pulls from any P; "
+                         "cuda_ipc too, with --pd-secret-file)")
     pd.add_argument("--kv-lease", type=float, default=10.0,
                     help="seconds of silence before the peer counts as dead (a fleet: also how long P keeps "
                          "KV nobody claimed)")
@@ -52,7 +55,7 @@ def main(args: argparse.Namespace) -> int:
                               served_model_name=args.served_model_name, max_request_bytes=args.max_request_bytes,
                               shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
                               access_log=args.access_log)
-    if config.role != "pd" and args.kv_transfer in PULL_BACKEND_NAMES:
+    if config.role != "pd" and (args.kv_transfer in FLEET_ONLY_BACKENDS or args.pd_secret_file):
         from picovllm.disagg.auth import FleetSecret
         from picovllm.disagg.fleet_server import FleetSettings, serve_fleet
         try:
