@@ -124,6 +124,18 @@ def test_control_routes_need_the_secret(fleet):
     assert sorted(i["role"] for i in listed) == ["d", "d", "p"] and all(i["up"] for i in listed)
     r = signed("POST", procs["router"].url, "/admin/instances", {"url": procs["p"].url, "role": "d"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "role"
+    # removed at run time: no request goes there; added back: it does again
+    router, d1 = procs["router"].url, procs["d1"]
+    assert signed("POST", router, "/admin/instances/remove", {"url": d1.url}).status_code == 200
+    before = wait_idle(d1)["picovllm:requests_total.length"]
+    for _ in range(2):
+        assert httpx.post(router + "/v1/completions", json={"prompt": "Hi", "max_tokens": 3}, timeout=30).status_code == 200
+    assert wait_idle(d1)["picovllm:requests_total.length"] == before
+    assert signed("POST", router, "/admin/instances/remove", {"url": d1.url}).status_code == 404
+    assert signed("POST", router, "/admin/instances", {"url": d1.url, "role": "d"}).status_code == 200
+    for _ in range(2):
+        assert httpx.post(router + "/v1/completions", json={"prompt": "Hi", "max_tokens": 3}, timeout=30).status_code == 200
+    assert wait_idle(d1)["picovllm:requests_total.length"] == before + 1
     wait_idle(procs["p"])
 
 
