@@ -17,6 +17,7 @@ import pytest
 from picovllm import LLM, SamplingParams
 from picovllm.disagg.auth import FleetSecret, sign_request
 from picovllm.disagg.router_policy import Instance, LeastLoaded, PrefixAware, RoundRobin
+from picovllm.entrypoints.openai.async_engine import EngineStepError
 from picovllm.disagg.transfer import PULL_BACKENDS
 from picovllm.entrypoints.openai.cli_serve import FLEET_ONLY_BACKENDS
 from serving_fixtures import ServerProcess, build_tiny_chat_model
@@ -47,6 +48,76 @@ def test_policies():
     assert prefix.choose(ps, shared) == (ps[2], "prefix_overloaded")
     assert prefix.choose(ps, shared)[0] is ps[2]
     assert set(FLEET_ONLY_BACKENDS) <= set(PULL_BACKENDS)
+
+
+def test_a_prefill_lost_before_it_started_passes_the_request_on():
+    """The router against fake instances (httpx.MockTransport): P1 accepts the request, then its stream breaks
+    before a line: P2 takes it, P1 leaves the rotation, the client sees one clean stream. A D whose stream breaks
+    after its first line ends the request with an error naming it."""
+    import asyncio
+
+    from picovllm.disagg.messages import OutputEncoder
+    from picovllm.disagg.router import InstancePool, RouterEngine
+    from picovllm.outputs import CompletionOutput, RequestOutput
+
+    def out(tokens, finished, reason=None):
+        return RequestOutput("r", None, [1, 2, 3], [CompletionOutput(0, "", tokens, None, None, reason)], finished)
+
+    async def broken(lines=()):
+        for line in lines:
+            yield line
+        raise httpx.ReadError("connection reset")
+
+    async def whole(lines):
+        for line in lines:
+            yield line
+
+    def lines(*outs, handover=None):
+        wire, res = OutputEncoder(), []
+        for o in outs:
+            res.append(wire.encode(o))
+        if handover is not None:
+            res[-1]["kv_handover"] = handover
+        return [json.dumps(x).encode() + b"\n" for x in res]
+
+    d_lines = lines(out([5, 6], False), out([5, 6, 7], True, "length"))
+    seen = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        host = request.url.host
+        seen.append(host)
+        if host == "p1":
+            return httpx.Response(200, content=broken())
+        if host == "p2":
+            return httpx.Response(200, content=whole(lines(out([5], True), handover={"opaque": True})))
+        if host == "d1":
+            return httpx.Response(200, content=whole(d_lines))
+        return httpx.Response(200, content=broken(d_lines[:1]))
+
+    async def run(decode: str):
+        pool = InstancePool(FleetSecret(SECRET.encode()), lease_s=30.0)
+        for url, role in (("http://p1", "p"), ("http://p2", "p"), (decode, "d")):
+            pool.add(url, role, {"role": role, "fleet": True, "instance_id": url[7:], "block_size": 4})
+        engine = RouterEngine(pool, RoundRobin(), RoundRobin(), {}, transport=httpx.MockTransport(handler))
+        engine.start()
+        try:
+            stream = await engine.add_request([1, 2, 3], SamplingParams(max_tokens=3), "r")
+            got = [o async for o in stream.outputs()]
+        except EngineStepError as e:   # the second case checks it
+            got = e
+        finally:
+            await engine.shutdown()
+        return got, pool
+
+    got, pool = asyncio.run(run("http://d1"))
+    assert [o.outputs[0].token_ids for o in got] == [[5], [5, 6], [5, 6, 7]] and got[-1].finished
+    assert seen == ["p1", "p2", "d1"]
+    assert not pool.instances["http://p1"].up and pool.instances["http://p2"].up
+    assert all(i.in_flight == 0 for i in pool.instances.values())
+    seen.clear()
+    got, pool = asyncio.run(run("http://d2"))
+    assert isinstance(got, Exception) and "decode instance http://d2" in str(got), got
+    assert all(i.in_flight == 0 for i in pool.instances.values())
 
 
 def signed(method: str, url: str, path: str, body: dict | None = None, secret: str = SECRET) -> httpx.Response:

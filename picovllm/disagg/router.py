@@ -6,8 +6,9 @@ The router runs the same completion and chat handlers as `picovllm serve`, with 
 RouterEngine sits under them. Per request it picks a P (policy: round_robin, least_loaded or prefix,
 picovllm/disagg/router_policy.py), streams its first token, takes the kv_handover from P's last
 line, then picks a D (round_robin or least_loaded) and streams D's outputs; an instance that cannot
-be reached before the request started there is marked down and the next one is tried (P's KV stays
-published meanwhile); a failure after that ends the request with an OpenAI error.
+be reached, or whose stream breaks before its first line, had not started the request: it is marked down
+and the next one is tried (a D's turn comes after P published the KV, which stays published meanwhile);
+a failure after that ends the request with an OpenAI error.
 
 Instances come from --prefill/--decode at start-up and from the admin API at run time (POST
 /admin/instances {url, role}; POST /admin/instances/remove {url}; GET /admin/instances), which needs
@@ -132,11 +133,16 @@ class InstancePool:
             self.metrics.observe(inst)
 
 
+class InstanceLost(EngineStepError):
+    """An instance's stream broke (it died, or the network did), as opposed to an error it reported."""
+
+
 class RouterStream:
     """One request's outputs through a P and then a D, as AsyncEngine's RequestStream: outputs(), close()."""
 
-    def __init__(self, router: "RouterEngine", request_id: str, prefill: Instance, resp: httpx.Response) -> None:
-        self.router, self.request_id = router, request_id
+    def __init__(self, router: "RouterEngine", request_id: str, prefill: Instance, resp: httpx.Response,
+                 body: dict) -> None:
+        self.router, self.request_id, self.body = router, request_id, body
         self.prefill, self.decode = prefill, None
         self._responses = [resp]
         self._left: set[str] = set()         # instances whose in-flight count this request left
@@ -145,7 +151,7 @@ class RouterStream:
     async def outputs(self) -> AsyncIterator[RequestOutput]:
         try:
             handover = None
-            async for out, line in self._lines(self._responses[0], self.prefill):
+            async for out, line in self._prefill_lines():
                 if "kv_handover" in line:
                     handover = line["kv_handover"]
                     out.finished = False
@@ -173,6 +179,24 @@ class RouterStream:
         finally:
             self.close()
 
+    async def _prefill_lines(self) -> AsyncIterator[tuple[RequestOutput, dict]]:
+        """P's lines. A P lost before its first line had not started the request: it goes to another P."""
+        tried = {self.prefill.url}
+        while True:
+            started = False
+            try:
+                async for item in self._lines(self._responses[-1], self.prefill):
+                    started = True
+                    yield item
+                return
+            except InstanceLost:
+                if started:
+                    raise
+            self._leave(self.prefill)
+            self.prefill, resp = await self.router.reopen_prefill(self, tried)
+            tried.add(self.prefill.url)
+            self._responses.append(resp)
+
     def _record(self, out: RequestOutput) -> None:
         if out.outputs[0].finish_reason == "error":
             raise EngineStepError(out.error or "the request failed on a prefill or decode instance")
@@ -193,7 +217,7 @@ class RouterStream:
                 yield wire.decode(line), line
         except (httpx.HTTPError, json.JSONDecodeError, KeyError, ValueError) as e:
             self.router.pool.mark_down(inst, f"broke mid-request: {type(e).__name__}: {e}")
-            raise EngineStepError(f"the {what} instance {inst.url} failed mid-request: {type(e).__name__}: {e}") \
+            raise InstanceLost(f"the {what} instance {inst.url} failed mid-request: {type(e).__name__}: {e}") \
                 from None
 
     def _leave(self, inst: Instance | None) -> None:
@@ -220,17 +244,20 @@ class RouterEngine:
     over a fleet of instances."""
 
     def __init__(self, pool: InstancePool, prefill_policy, decode_policy, model_info: dict, metrics=None,
-                 router_metrics: RouterMetrics | None = None, connect_timeout_s: float = 10.0) -> None:
+                 router_metrics: RouterMetrics | None = None, connect_timeout_s: float = 10.0,
+                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+        """transport: instead of the network (tests)."""
         self.pool, self.prefill_policy, self.decode_policy = pool, prefill_policy, decode_policy
         self._model_info, self.metrics, self.router_metrics = model_info, metrics, router_metrics
         self._timeout = httpx.Timeout(connect=connect_timeout_s, read=None, write=connect_timeout_s, pool=None)
         self._client: httpx.AsyncClient | None = None
+        self._transport = transport
         self._health: asyncio.Task | None = None
         self._streams: set[RouterStream] = set()
 
     def start(self) -> None:
-        self._client = httpx.AsyncClient(timeout=self._timeout, limits=httpx.Limits(max_connections=None,
-                                                                                     max_keepalive_connections=64))
+        self._client = httpx.AsyncClient(timeout=self._timeout, transport=self._transport,
+                                         limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
         self._health = asyncio.get_running_loop().create_task(self._check_health())
 
     @property
@@ -270,9 +297,18 @@ class RouterEngine:
         body = {"request_id": request_id, "prompt_token_ids": list(prompt_token_ids),
                 "params": dataclasses.asdict(params), "arrival_time": arrival_time or time.time()}
         inst, resp = await self._open_on_one("p", self.prefill_policy, "/pd/prefill", body, prompt_token_ids)
-        stream = RouterStream(self, request_id, inst, resp)
+        stream = RouterStream(self, request_id, inst, resp, body)
         self._streams.add(stream)
         return stream
+
+    async def reopen_prefill(self, stream: RouterStream, tried: set[str]) -> tuple[Instance, httpx.Response]:
+        """The request again on another P (the last one was lost before it started); EngineStepError if none."""
+        try:
+            return await self._open_on_one("p", self.prefill_policy, "/pd/prefill", stream.body,
+                                           stream.body["prompt_token_ids"], exclude=tried)
+        except (EngineDeadError, ValueError) as e:
+            raise EngineStepError(f"the prefill instance {stream.prefill.url} was lost before the request started, "
+                                  f"and no other could take it: {e}") from None
 
     async def open_decode(self, stream: RouterStream, handover: dict) -> httpx.Response:
         """Hand a published request to a D; EngineStepError if none could take it."""
@@ -283,12 +319,12 @@ class RouterEngine:
             raise EngineStepError(str(e)) from None
         return resp
 
-    async def _open_on_one(self, role: str, policy, path: str, body: dict,
-                           prompt_token_ids: list[int]) -> tuple[Instance, httpx.Response]:
+    async def _open_on_one(self, role: str, policy, path: str, body: dict, prompt_token_ids: list[int],
+                           exclude: set[str] = frozenset()) -> tuple[Instance, httpx.Response]:
         """POST to one instance of the role, chosen by the policy; an unreachable one is marked down and
         the next is tried (the request had not started there)."""
         what = "prefill" if role == "p" else "decode"
-        tried, errors = set(), []
+        tried, errors = set(exclude), []
         data = json.dumps(body).encode()
         while True:
             candidates = [i for i in self.pool.candidates(role) if i.url not in tried]
@@ -296,8 +332,8 @@ class RouterEngine:
                 why = "; ".join(errors) or f"no {what} instance is in rotation"
                 raise EngineDeadError(f"no {what} instance could take the request: {why}")
             inst, reason = policy.choose(candidates, prompt_token_ids)
-            if self.router_metrics is not None:
-                self.router_metrics.decisions.labels(role, policy.name, reason if not tried else "retry").inc()
+            if self.router_metrics is not None:     # a second choice for the same request: a retry
+                self.router_metrics.decisions.labels(role, policy.name, "retry" if tried else reason).inc()
             tried.add(inst.url)
             try:
                 resp = await self._post(inst, path, data)
