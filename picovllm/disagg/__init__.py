@@ -35,6 +35,10 @@ P fails what it was handing over and frees it, and keeps serving (later handover
 once). P dead: D fails the offers and transfers it was waiting for, frees them, decodes the
 rest, and ends. A transfer not done within timeout_s fails on both sides.
 
+A fleet (many P and many D behind `picovllm router`, any P to any D) uses the same seam with other
+connectors: fleet_prefill.py publishes a request's KV, fleet_decode.py claims, pulls and releases it,
+through a PullTransfer (transfer/base.py; tcp or nixl); see fleet_server.py and router.py.
+
 Different TP sizes (P TP=2 -> D TP=1, 1 -> 2, ...): each engine's rank 0 gathers its ranks' KV
 heads into full heads before sending, or scatters each rank its heads after receiving
 (picovllm.engine.tp_kv; docs/tensor_parallel.md). torch_dist only; cuda_ipc needs TP=1 on both.

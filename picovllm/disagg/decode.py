@@ -21,6 +21,24 @@ from picovllm.engine.request import Request
 from picovllm.sampling_params import SamplingParams
 
 
+def request_from_handover(offer: HandoverRequest, block_size: int) -> Request:
+    """The Request a decode engine queues for an offer; ValueError or TypeError naming what is wrong."""
+    if len(offer.src_block_ids) != -(-offer.num_kv_tokens // block_size):
+        raise ValueError(f"{len(offer.src_block_ids)} src blocks for {offer.num_kv_tokens} tokens")
+    req = Request(offer.request_id, offer.prompt_token_ids, SamplingParams(**offer.params), offer.prompt,
+                  offer.arrival_time)
+    req.output_token_ids = list(offer.output_token_ids)
+    req.max_tokens = offer.max_tokens
+    if req.logprobs is not None:
+        req.logprobs = logprobs_from_wire(offer.logprobs) or []
+    req.cumulative_logprob = offer.cumulative_logprob
+    req.num_cached_tokens = offer.num_cached_tokens
+    m = req.metrics
+    m.first_scheduled_time, m.first_token_time = offer.first_scheduled_time, offer.first_token_time
+    m.token_times = list(offer.token_times)
+    return req
+
+
 @dataclass
 class Receiving:
     req: Request
@@ -130,7 +148,7 @@ class DecodeConnector(PeerConnector):
             why = f"request_id {rid!r} is already in use on the decode engine"
         else:
             try:
-                req = self._build_request(offer)
+                req = request_from_handover(offer, self.block_size)
             except (ValueError, TypeError) as e:
                 why = f"bad offer: {e}"
         if why is not None:
@@ -138,22 +156,6 @@ class DecodeConnector(PeerConnector):
             return
         self.offers[rid] = offer
         rep.offered.append(req)
-
-    def _build_request(self, offer: HandoverRequest) -> Request:
-        if len(offer.src_block_ids) != -(-offer.num_kv_tokens // self.block_size):
-            raise ValueError(f"{len(offer.src_block_ids)} src blocks for {offer.num_kv_tokens} tokens")
-        req = Request(offer.request_id, offer.prompt_token_ids, SamplingParams(**offer.params), offer.prompt,
-                      offer.arrival_time)
-        req.output_token_ids = list(offer.output_token_ids)
-        req.max_tokens = offer.max_tokens
-        if req.logprobs is not None:
-            req.logprobs = logprobs_from_wire(offer.logprobs) or []
-        req.cumulative_logprob = offer.cumulative_logprob
-        req.num_cached_tokens = offer.num_cached_tokens
-        m = req.metrics
-        m.first_scheduled_time, m.first_token_time = offer.first_scheduled_time, offer.first_token_time
-        m.token_times = list(offer.token_times)
-        return req
 
     def _poll_transfers(self, rep: ConnectorReport, wait_for: str | None = None) -> None:
         if not self.link.alive:

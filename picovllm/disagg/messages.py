@@ -1,7 +1,8 @@
 """Every message that crosses a process boundary in a disaggregated run, as typed dataclasses.
 
-Two conversations use them: prefill engine <-> decode engine (the handover protocol, see
-picovllm/disagg/__init__.py for its sequence) and driver <-> engine worker. On the wire a message
+Three conversations use them: prefill engine <-> decode engine (the handover protocol, see
+picovllm/disagg/__init__.py for its sequence), a fleet's KV sockets (publish, claim, pull, release:
+picovllm/disagg/transfer/host_tcp.py) and driver <-> engine worker. On the wire a message
 is one JSON object {"type": <class name>, "body": <fields>}: no pickle, so a peer can only ever
 make us build one of the classes listed in MESSAGES.
 """
@@ -129,6 +130,68 @@ class Heartbeat:        # either way, every lease / 4 seconds, from a background
     pass
 
 
+# -- many-to-many pull transfers (a fleet: picovllm.disagg.fleet_prefill / fleet_decode) -------------
+@dataclass
+class KVHandle:
+    """Where a request's KV waits on a prefill instance until a decode instance pulls and releases it."""
+    instance_id: str
+    backend: str                      # a key of picovllm.disagg.transfer.PULL_BACKENDS
+    address: list                     # [host, port] of the instance's KV server
+    request_id: str
+    block_ids: list[int]              # in that instance's cache, in order
+    num_tokens: int                   # tokens whose K/V the blocks hold
+    layout: KVLayout
+    lease_s: float                    # unclaimed this long after publishing: freed
+    info: dict = field(default_factory=dict)   # backend-specific, JSON-safe
+
+
+@dataclass
+class PublishedKV:      # P -> (router) -> D: a request P prefilled and sampled once, and where its KV waits
+    request: HandoverRequest
+    handle: KVHandle
+
+
+@dataclass
+class KVAuthChallenge:  # KV server -> client, first thing on a new socket
+    nonce: str
+    instance_id: str
+    lease_s: float = 10.0             # the server drops a client silent this long (and its claims)
+
+
+@dataclass
+class KVAuthProof:      # client -> KV server: HMAC over both nonces (picovllm.disagg.auth), and its own nonce
+    proof: str
+    nonce: str
+
+
+@dataclass
+class KVAuthResult:     # KV server -> client: its own proof, or why the client is refused (then it closes)
+    proof: str | None = None
+    error: str | None = None
+
+
+@dataclass
+class ClaimKV:          # D -> P: I will pull this; keep it while this connection lives (no lease)
+    request_id: str
+
+
+@dataclass
+class PullKV:           # D -> P: send me the blocks
+    request_id: str
+
+
+@dataclass
+class ReleaseKV:        # D -> P: done with it (pulled, or given up): free it
+    request_id: str
+
+
+@dataclass
+class KVReply:          # P -> D: the answer to ClaimKV / PullKV / ReleaseKV; a pull's nbytes of blocks follow
+    request_id: str
+    nbytes: int = 0
+    error: str | None = None
+
+
 # -- driver <-> engine worker ----------------------------------------------------------------------
 @dataclass
 class WorkerHello:      # worker -> driver, first thing after connecting
@@ -209,22 +272,39 @@ class Shutdown:
 
 MESSAGES: typing.Mapping[str, type] = types.MappingProxyType({c.__name__: c for c in (
     Hello, Offer, Accept, Ack, Release, Cancel, EndOfStream, Bye, Heartbeat,
+    KVHandle, PublishedKV, KVAuthChallenge, KVAuthProof, KVAuthResult, ClaimKV, PullKV, ReleaseKV, KVReply,
     WorkerHello, BuildEngine, WorkerReady, StartSession, Submit, SubmitResult, Abort, CloseSession, Output, SessionEnded, Shutdown)})
 
 
-def encode(msg: Any) -> bytes:
+def to_wire(msg: Any) -> dict:
+    """A message as the JSON object that goes on the wire (for a carrier that is itself JSON, e.g. HTTP)."""
     name = type(msg).__name__
     if MESSAGES.get(name) is not type(msg):
         raise TypeError(f"{name} is not a wire message")
-    return json.dumps({"type": name, "body": dataclasses.asdict(msg)}, separators=(",", ":")).encode()
+    return {"type": name, "body": dataclasses.asdict(msg)}
 
 
-def decode(data: bytes) -> Any:
-    obj = json.loads(data)
+def from_wire(obj: Any, expect: type | None = None) -> Any:
+    """The message a wire object holds; ValueError if it is none of MESSAGES (or not an `expect`)."""
     cls = MESSAGES.get(obj.get("type")) if isinstance(obj, dict) else None
     if cls is None:
         raise ValueError(f"unknown wire message type {obj.get('type') if isinstance(obj, dict) else obj!r}")
-    return _build(cls, obj["body"])
+    if expect is not None and cls is not expect:
+        raise ValueError(f"expected a {expect.__name__}, got a {cls.__name__}")
+    if not isinstance(obj.get("body"), dict):
+        raise ValueError(f"{cls.__name__}: body must be an object")
+    try:
+        return _build(cls, obj["body"])
+    except TypeError as e:
+        raise ValueError(f"{cls.__name__}: {e}") from None
+
+
+def encode(msg: Any) -> bytes:
+    return json.dumps(to_wire(msg), separators=(",", ":")).encode()
+
+
+def decode(data: bytes) -> Any:
+    return from_wire(json.loads(data))
 
 
 def _build(cls: type, body: dict) -> Any:
@@ -291,7 +371,7 @@ def output_from_wire(d: dict) -> RequestOutput:
         comps.append(CompletionOutput(**c))
     metrics = RequestMetrics(**d["metrics"]) if d.get("metrics") else None
     return RequestOutput(d["request_id"], d["prompt"], d["prompt_token_ids"], comps, d["finished"], metrics,
-                         d.get("error"), d.get("num_cached_tokens", 0))
+                         d.get("error"), d.get("num_cached_tokens", 0), kv_handover=d.get("kv_handover"))
 
 
 def _common_prefix(a, b) -> int:

@@ -36,6 +36,10 @@ class PeerConnector(KVConnector):
     def new_session(self) -> None:
         """Reset what one session's lifecycle sets (closing, end of stream)."""
 
+    def shutdown(self) -> None:
+        if self.link is not None:
+            self.link.close()      # the peer sees us leave
+
     def take_report(self) -> ConnectorReport:
         assert self.link is not None, f"connect() the {self.role} engine to its peer first"
         report, self._report = self._report, ConnectorReport()

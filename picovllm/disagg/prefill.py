@@ -26,6 +26,20 @@ from picovllm.engine.request import Request
 __all__ = ["EngineClosedError", "Handover", "HandoverState", "PrefillConnector"]
 
 
+def handover_request(req: Request, block_size: int) -> HandoverRequest:
+    """All a decode engine needs of a request P prefilled and sampled once, its KV blocks included."""
+    n_blocks = -(-req.num_computed_tokens // block_size)
+    m = req.metrics
+    return HandoverRequest(
+        request_id=req.request_id, prompt=req.prompt, prompt_token_ids=list(req.prompt_token_ids),
+        output_token_ids=list(req.output_token_ids), params=dataclasses.asdict(req.params),
+        max_tokens=req.max_tokens, num_kv_tokens=req.num_computed_tokens,
+        src_block_ids=list(req.block_table[:n_blocks]), logprobs=logprobs_to_wire(req.logprobs),
+        cumulative_logprob=req.cumulative_logprob, num_cached_tokens=req.num_cached_tokens,
+        arrival_time=m.arrival_time, first_scheduled_time=m.first_scheduled_time,
+        first_token_time=m.first_token_time, token_times=list(m.token_times))
+
+
 class HandoverState(enum.Enum):
     OFFERED = "offered"      # Offer sent; D has not accepted yet (flow control: it may be full)
     SENDING = "sending"      # D accepted; the KV is moving; waiting for D's Ack
@@ -73,16 +87,7 @@ class PrefillConnector(PeerConnector):
     def start_send(self, req: Request) -> None:
         """Offer the request to D; the KV moves once D accepts (flow control: D may be full)."""
         self.handovers[req.request_id] = Handover(req, since=time.monotonic())
-        n_blocks = -(-req.num_computed_tokens // self.block_size)
-        m = req.metrics
-        self.link.send(Offer(HandoverRequest(
-            request_id=req.request_id, prompt=req.prompt, prompt_token_ids=list(req.prompt_token_ids),
-            output_token_ids=list(req.output_token_ids), params=dataclasses.asdict(req.params),
-            max_tokens=req.max_tokens, num_kv_tokens=req.num_computed_tokens,
-            src_block_ids=list(req.block_table[:n_blocks]), logprobs=logprobs_to_wire(req.logprobs),
-            cumulative_logprob=req.cumulative_logprob, num_cached_tokens=req.num_cached_tokens,
-            arrival_time=m.arrival_time, first_scheduled_time=m.first_scheduled_time,
-            first_token_time=m.first_token_time, token_times=list(m.token_times))))
+        self.link.send(Offer(handover_request(req, self.block_size)))
 
     def poll(self, idle: bool) -> ConnectorReport:
         rep = self.take_report()

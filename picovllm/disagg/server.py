@@ -39,6 +39,7 @@ from pydantic import BaseModel, ConfigDict
 from picovllm.config import EngineConfig
 from picovllm.disagg.channel import Channel, Listener, PeerGone
 from picovllm.disagg.messages import OutputEncoder
+from picovllm.disagg.prefill import PrefillConnector
 from picovllm.disagg.transfer import TransferConfig
 from picovllm.engine.llm_engine import Engine
 from picovllm.entrypoints.openai.api_server import BACKSTOP_SECONDS, ServerSettings, _Server, build_app, \
@@ -84,8 +85,10 @@ def is_handed_off(out: RequestOutput) -> bool:
 
 
 class PDAsyncEngine(AsyncEngine):
-    """AsyncEngine over a P or D engine: it keeps stepping to watch the peer link; on P it turns D's Ack
-    into a last output for the request (is_handed_off); on D requests are listened to, not added."""
+    """AsyncEngine over a P or D engine: it keeps stepping to watch the peer link (or a fleet's KV
+    transfers); on the P of a linked pair it turns D's Ack into a last output for the request
+    (is_handed_off: a fleet's P engine emits that output itself, with its kv_handover); on D requests
+    are listened to, not added."""
     # The peer's messages cannot wake the loop thread (it waits on a command queue): it polls for them,
     # often while a request waits on the peer (an Accept, an Ack, a transfer), now and then otherwise.
     poll_s = 0.005
@@ -102,7 +105,7 @@ class PDAsyncEngine(AsyncEngine):
 
     def _after_step(self, outputs: list) -> list:
         engine = self.engine
-        if engine.config.role == "p":
+        if isinstance(engine.connector, PrefillConnector):
             for out in outputs:
                 if out.finished:
                     self._last.pop(out.request_id, None)
@@ -135,8 +138,7 @@ class PDAsyncEngine(AsyncEngine):
 
     async def shutdown(self) -> None:
         await super().shutdown()
-        if self.engine.connector.link is not None:
-            self.engine.connector.link.close()      # the peer sees us leave
+        self.engine.connector.shutdown()            # the peer sees us leave
 
 
 # -- the /pd routes ---------------------------------------------------------------------------------
@@ -160,6 +162,8 @@ async def _ndjson(stream: RequestStream) -> AsyncIterator[str]:
             line = wire.encode(out)
             if is_handed_off(out):
                 line["handed_off"] = True
+            if out.kv_handover is not None:          # a fleet's P: where D pulls the KV from
+                line["kv_handover"] = out.kv_handover
             yield json.dumps(line) + "\n"
     except ENGINE_ERRORS as e:
         yield json.dumps({"error": str(e)}) + "\n"

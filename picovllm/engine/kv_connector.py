@@ -35,6 +35,9 @@ class ConnectorReport:
     released: list[str] = field(default_factory=list)      # done with them: free their blocks, no output here
     failed: dict[str, str] = field(default_factory=dict)   # request id -> error: free, final error output
     aborted: list[str] = field(default_factory=list)       # the peer cancelled them: Engine.abort each, last
+    # request id -> where its KV waits for whoever decodes it (a fleet's P: JSON, picovllm.disagg.messages.
+    # PublishedKV): the engine emits the request's last output here with it; its blocks stay held
+    published: dict[str, dict] = field(default_factory=dict)
 
 
 class KVConnector(ABC):
@@ -81,15 +84,17 @@ class KVConnector(ABC):
         return False
 
     def answers_for(self, req: Request) -> bool:
-        """Does this engine emit req's final output when req is aborted here? False while the
-        peer still owns the request (D: its KV has not arrived, P answers for it)."""
+        """Does this engine emit req's final output when req is aborted or refused here? False while
+        the peer still owns the request (D of a linked pair: its KV has not arrived, P answers for
+        it; P of a fleet: it published the request, whoever decodes it answers)."""
         return True
 
     # -- worker half -----------------------------------------------------------------------------
     def start_send(self, req: Request) -> None:
         """After hold_after_prefill(req): its first token is appended. Start moving its blocks
-        (req.block_table, num_computed_tokens tokens) to the peer; return at once. Completion comes
-        from poll(): released (the peer has them) or failed."""
+        (req.block_table, num_computed_tokens tokens) to the peer, or publish them for whoever
+        pulls them (a fleet: poll() lists it published, with where); return at once. Completion
+        comes from poll(): released (the peer has them, or nobody took them in time) or failed."""
         raise NotImplementedError(f"{type(self).__name__} does not send KV")
 
     def start_recv(self, req: Request) -> None:
@@ -124,3 +129,6 @@ class KVConnector(ABC):
     def is_done(self, idle: bool) -> bool:
         """The session is over (after close()); idle as in poll()."""
         return idle
+
+    def shutdown(self) -> None:
+        """The engine is going away: drop links, stop threads, close ports. Idempotent."""

@@ -308,7 +308,8 @@ class Engine:
         rep: ConnectorReport = self.connector.poll(idle=not self.has_unfinished_requests())
         outputs = []
         for req in rep.offered:
-            self._take_offer(req)
+            refused = self._take_offer(req)
+            outputs += [refused] if refused is not None else []
         for rid in rep.arrived:
             req = self.requests[rid]
             for token in req.output_token_ids:     # the text state, as if this engine had sampled them
@@ -326,13 +327,20 @@ class Engine:
             if not req.is_finished:          # an aborted one had its final output already
                 req.finish(FinishReason.ERROR, error=error)
                 outputs.append(self.make_output(req))
+        for rid, handover in rep.published.items():   # its last output here; the blocks stay held
+            req = self.requests.get(rid)
+            if req is not None and not req.is_finished:
+                out = self.make_output(req)
+                out.finished, out.kv_handover = True, handover
+                outputs.append(out)
         for rid in rep.aborted:                   # last: whatever the lists above did to it stands
             out = self.abort(rid)
             outputs += [out] if out is not None else []
         return outputs
 
-    def _take_offer(self, req: Request) -> None:
-        """Queue a request the peer offers (its KV is there), or refuse it: the connector tells the peer why."""
+    def _take_offer(self, req: Request) -> RequestOutput | None:
+        """Queue a request the peer offers (its KV is there), or refuse it: the connector tells the peer
+        why, and the refusal is this engine's output if it answers for the request."""
         try:
             if req.request_id in self.requests:
                 raise ValueError(f"request_id {req.request_id!r} is already in use on the {self.config.role} engine")
@@ -340,10 +348,12 @@ class Engine:
             self._check_capacity(req.num_prompt_tokens, req.max_tokens)
         except ValueError as e:
             req.finish(FinishReason.ERROR, error=str(e))
+            answers = self.connector.answers_for(req)      # asked first: request_finished forgets it
             self.connector.request_finished(req)
-            return
+            return self.make_output(req) if answers else None
         self.requests[req.request_id] = req
         self.scheduler.add(req)
+        return None
 
     def postprocess(self, sched: SchedulerOutput, result: StepResult,
                     unfinished_outputs: bool = True) -> list[RequestOutput]:

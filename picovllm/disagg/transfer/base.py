@@ -1,4 +1,9 @@
-"""The KV-transfer contract. A backend is one module implementing KVTransfer; read this class first.
+"""The KV-transfer contracts. A backend is one module implementing one of them; read these classes first.
+
+Two shapes of transfer, one contract each:
+- KVTransfer: a fixed P<->D pair, linked at start-up (torch_dist, cuda_ipc). Below.
+- PullTransfer: many to many (a fleet behind `picovllm router`): P publishes a request's blocks,
+  any D that knows the fleet's secret claims, pulls and releases them (tcp). At the end of this file.
 
 Division of labour: the engines (picovllm.disagg.prefill / decode) run the handover protocol over
 their control channel (Offer, Accept, Ack, Release, Cancel, EndOfStream) and own every block; a
@@ -22,8 +27,9 @@ from typing import ClassVar
 
 import torch
 
+from picovllm.disagg.auth import FleetSecret
 from picovllm.disagg.hosts import check_host
-from picovllm.disagg.messages import Hello, KVLayout
+from picovllm.disagg.messages import Hello, KVHandle, KVLayout
 
 
 @dataclass(frozen=True)
@@ -135,3 +141,94 @@ class KVTransfer(ABC):
         Transfers still in flight are abandoned: buffers an unfinished operation may still
         touch are kept alive, never handed back to an allocator.
         """
+
+
+# -- many to many -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PullConfig:
+    secret: FleetSecret              # every KV socket is authenticated with it (picovllm.disagg.auth)
+    instance_id: str                 # unique per process start: a handle names the instance that holds it
+    backend: str = "tcp"             # a key of picovllm.disagg.transfer.PULL_BACKENDS
+    host: str = "127.0.0.1"          # P: where its KV server listens
+    port: int = 0                    # P: 0 takes any free port
+    advertise_host: str | None = None   # where D instances reach it (default host)
+    lease_s: float = 30.0            # an unclaimed handle lives this long; a claimant silent this long is gone
+    timeout_s: float = 30.0          # a pull not done this long after its start fails
+    connect_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.secret, FleetSecret):
+            raise ValueError("PullConfig.secret must be a FleetSecret: a fleet's KV sockets are authenticated")
+        if not self.instance_id:
+            raise ValueError("PullConfig.instance_id must be a non-empty string")
+        for name in ("lease_s", "timeout_s", "connect_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"PullConfig.{name} must be > 0, got {getattr(self, name)!r}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"PullConfig.port must be in [0, 65536), got {self.port!r}")
+        check_host("PullConfig.host", self.host)
+        if self.advertise_host is not None:
+            check_host("PullConfig.advertise_host", self.advertise_host)
+
+
+class PullTransfer(ABC):
+    """Moves blocks between any prefill and any decode instance, pulled by D. One object per engine.
+
+    No set-up between pairs: D reaches a P (and both prove the fleet's secret) the first time it
+    claims from it, so a D that joins a running fleet takes work at once. All methods are called
+    from the engine's step thread and return at once; a backend does its I/O on threads of its own.
+
+        P: publish(request, blocks) -> handle ----(router)----> D: claim(handle)   (request queued)
+                                                                D: start_pull(handle, dst blocks)
+                                                                D: poll() -> done: blocks written
+        P: poll() -> released: free the blocks  <-------------- D: release(handle)
+
+    P frees a request's blocks only after poll() lists it, which happens once: released by a D, or
+    expired (error set): unclaimed for lease_s after publishing, or its claimant's connection died
+    or went silent for lease_s. After it is listed no read of its blocks is in flight.
+    """
+
+    name: ClassVar[str]
+
+    def __init__(self, role: str, cache: torch.Tensor, layout: KVLayout, config: PullConfig) -> None:
+        if role not in ("p", "d"):
+            raise ValueError(f"role must be 'p' or 'd', got {role!r}")
+        self.role, self.cache, self.layout, self.config = role, cache, layout, config
+
+    # -- P ---------------------------------------------------------------------------------------
+    @abstractmethod
+    def publish(self, request_id: str, block_ids: list[int], num_tokens: int) -> KVHandle:
+        """Make a request's blocks readable by the fleet until released or expired; its handle, JSON-safe.
+        The blocks are not written or freed until poll() lists the request."""
+
+    @abstractmethod
+    def unpublish(self, request_id: str) -> None:
+        """Take a handle back (the request was aborted here). When this returns no read of its blocks
+        is in flight and none will start: they may be freed. poll() will not list it."""
+
+    # -- D ---------------------------------------------------------------------------------------
+    @abstractmethod
+    def claim(self, handle: KVHandle) -> None:
+        """This instance will pull it (its request is queued here): P keeps it for as long as this
+        instance lives, lease or not. A failed claim comes back from poll() as an error."""
+
+    @abstractmethod
+    def start_pull(self, handle: KVHandle, dst_block_ids: list[int]) -> None:
+        """Copy the handle's blocks into dst_block_ids (allocated, read by nothing until poll() says
+        done). Raises ValueError at once when the handle cannot be pulled here (layout, backend)."""
+
+    @abstractmethod
+    def release(self, handle: KVHandle) -> None:
+        """Done with it (pulled, or given up): P may free it. Best effort: if P cannot be told, its lease does."""
+
+    # -- both ------------------------------------------------------------------------------------
+    @abstractmethod
+    def poll(self) -> list[TransferDone]:
+        """P: requests released (error None) or expired (error says why) since the last poll.
+        D: pulls finished (the blocks hold P's data), failed or past config.timeout_s, and claims
+        that failed. Each request at most once."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Stop serving and pulling; idempotent, returns within a second. Handles not yet released
+        are dropped (P frees them: the engine is going away); D's next poll() fails the pulls in flight."""

@@ -1,0 +1,115 @@
+"""The planner's predictions against measured runs on this machine (CPU, a tiny random model by default).
+
+    python benchmarks/planner_vs_measured.py OUT_DIR [--rates 2 5 10] [--preset tiny-qwen3] [--fleet]
+
+Builds a random checkpoint with a word tokenizer, measures its step profile (`picovllm plan
+--measure-profile`), serves it colocated (and, with --fleet, as 1P1D behind `picovllm router`, tcp),
+runs `picovllm bench serve` at each rate, then `picovllm plan --calibrate ... --measured ... --plot`
+compares the predictions with the measurements (the lowest rate's runs calibrate the overheads the
+step profile does not hold: HTTP, tokenization, the router's hops). Everything lands in OUT_DIR (profile.json, bench_*.json, plan.json,
+predicted_vs_measured.png, the servers' logs).
+"""
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+from picovllm.bench.random_checkpoint import make_random_checkpoint, resolve_config, write_word_tokenizer
+
+ENGINE = ["--block-size", "16", "--num-kv-blocks", "2048", "--max-num-batched-tokens", "512",
+          "--max-model-len", "1024", "--dtype", "float32"]
+CLI = [sys.executable, "-m", "picovllm.entrypoints.cli"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(out: str, name: str, *args: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    log = open(os.path.join(out, f"{name}.log"), "w")
+    proc = subprocess.Popen([*CLI, *args, "--port", str(port)], stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 300
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.time() > deadline:
+            raise RuntimeError(f"{name} did not start: see {log.name}")
+        time.sleep(0.3)
+
+
+def bench(url: str, rate: float, path: str, args) -> None:
+    subprocess.run([*CLI, "bench", "serve", "--base-url", url, "--dataset", "random", "--num-prompts",
+                    str(args.num_prompts), "--request-rate", str(rate), "--input-len", str(args.input_len),
+                    "--output-len", str(args.output_len), "--result-json", path], check=True,
+                   stdout=subprocess.DEVNULL)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("out")
+    p.add_argument("--rates", type=float, nargs="+", default=[2.0, 5.0, 10.0])
+    p.add_argument("--preset", default="tiny-qwen3")
+    p.add_argument("--num-prompts", type=int, default=100)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--fleet", action="store_true", help="also 1P1D behind the router (tcp)")
+    args = p.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    model = make_random_checkpoint(os.path.join(args.out, "model"), args.preset, "float32", 0)
+    write_word_tokenizer(model, resolve_config(args.preset)["vocab_size"])
+    profile = os.path.join(args.out, "profile.json")
+    subprocess.run([*CLI, "plan", "--measure-profile", "--profile", profile, "--model", model, *ENGINE], check=True)
+    measured = []
+    proc, url = start(args.out, "colocated", "serve", "--model", model, *ENGINE)
+    try:
+        for rate in args.rates:
+            path = os.path.join(args.out, f"bench_colocated_{rate:g}.json")
+            bench(url, rate, path, args)
+            measured.append(f"colocated-1:512:{path}")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+    if args.fleet:
+        secret = os.path.join(args.out, "secret")
+        with open(secret, "w") as f:
+            f.write("planner-benchmark-secret-0123456789\n")
+        fleet = ["--kv-transfer", "tcp", "--pd-secret-file", secret, "--model", model, *ENGINE]
+        procs = []
+        try:
+            pp, purl = start(args.out, "p", "serve", "--role", "p", *fleet)
+            procs.append(pp)
+            dp, durl = start(args.out, "d", "serve", "--role", "d", *fleet)
+            procs.append(dp)
+            rp, rurl = start(args.out, "router", "router", "--prefill", purl, "--decode", durl,
+                             "--pd-secret-file", secret)
+            procs.append(rp)
+            for rate in args.rates:
+                path = os.path.join(args.out, f"bench_1p1d_{rate:g}.json")
+                bench(rurl, rate, path, args)
+                measured.append(f"1P1D:512:{path}")
+        finally:
+            for proc in reversed(procs):
+                proc.send_signal(signal.SIGTERM)
+                proc.wait(60)
+    low = [m for m in measured if f"_{args.rates[0]:g}.json" in m]     # the lowest rate calibrates the overheads
+    subprocess.run([*CLI, "plan", "--profile", profile, "--input-len", str(args.input_len), "--output-len",
+                    str(args.output_len), "--num-instances", "2", "--chunks", "512", "--calibrate", *low,
+                    "--measured", *measured,
+                    "--plot", os.path.join(args.out, "predicted_vs_measured.png"),
+                    "--result-json", os.path.join(args.out, "plan.json")], check=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,196 @@
+"""A prefill or decode instance of a fleet as an HTTP server: `picovllm serve --role p|d --kv-transfer tcp`,
+behind `picovllm router` (picovllm/disagg/router.py). No pairwise link: any D pulls from any P.
+
+One request, as the router drives it (the /pd routes answer NDJSON, as a linked pair's do:
+picovllm/disagg/server.py):
+
+    1. router -> P  POST /pd/prefill {request_id, prompt_token_ids, params, arrival_time}
+                    P prefills and streams the first-token output; its last line carries
+                    "kv_handover": a PublishedKV (the request as D needs it, and a KVHandle: which
+                    instance, KV server address, layout, block ids). P's blocks stay held.
+    2. router -> D  POST /pd/decode {request_id, handover}
+                    D claims the handle on P, queues the request, pulls the KV when it has room,
+                    releases it (P frees its blocks), decodes to the end and streams the outputs.
+
+Every /pd route needs the fleet's signature header (picovllm.disagg.auth), and so does every KV
+socket; /health, /metrics and /v1/models stay open. GET /pd/info says what the instance is, GET
+/pd/load how busy (the router's least-loaded policy reads it; a failing one takes the instance out
+of rotation). With --router URL the instance adds itself to that router once it is up.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+
+import httpx
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
+
+from picovllm.config import EngineConfig
+from picovllm.disagg.auth import FleetSecret, SignedRoutes, sign_request
+from picovllm.disagg.fleet_decode import FleetDecodeConnector
+from picovllm.disagg.fleet_prefill import FleetPrefillConnector
+from picovllm.disagg.messages import PublishedKV, from_wire
+from picovllm.disagg.server import PDAsyncEngine, PrefillBody, _ndjson_response
+from picovllm.disagg.transfer import PULL_BACKENDS, PullConfig
+from picovllm.engine.llm_engine import Engine
+from picovllm.entrypoints.openai.api_server import BACKSTOP_SECONDS, ServerSettings, _Server, build_app, \
+    default_model_name
+from picovllm.entrypoints.openai.async_engine import EngineDeadError
+from picovllm.entrypoints.openai.metrics import ServerMetrics
+from picovllm.entrypoints.openai.protocol import APIError
+from picovllm.entrypoints.openai.serving import ServingContext
+from picovllm.entrypoints.openai.tokenizer_worker import TokenizerWorker
+from picovllm.sampling_params import SamplingParams
+
+logger = logging.getLogger("picovllm.server")
+
+
+@dataclass
+class FleetSettings:
+    """How a fleet instance moves KV and whom it trusts."""
+    secret: FleetSecret
+    backend: str = "tcp"
+    kv_host: str = "127.0.0.1"          # P: where its KV server listens
+    kv_port: int = 0                    # P: 0 takes any free port
+    advertise_host: str | None = None   # where D instances and the router reach this instance
+    lease_s: float = 10.0
+    transfer_timeout_s: float = 30.0
+    router: str | None = None           # a router's base URL to register with once up
+
+    def check(self) -> None:
+        if self.backend not in PULL_BACKENDS:
+            raise ValueError(f"--kv-transfer: a fleet instance moves KV with one of {sorted(PULL_BACKENDS)}, "
+                             f"got {self.backend!r}")
+
+    def pull_config(self) -> PullConfig:
+        return PullConfig(self.secret, instance_id=uuid.uuid4().hex[:12], backend=self.backend, host=self.kv_host,
+                          port=self.kv_port, advertise_host=self.advertise_host, lease_s=self.lease_s,
+                          timeout_s=self.transfer_timeout_s)
+
+
+class FleetAsyncEngine(PDAsyncEngine):
+    """A fleet instance's loop polls fast only while a pull may finish (D) or an offer waits to be taken;
+    a P holding published KV checks for releases every poll_s (they only free blocks)."""
+
+    def _poll_timeout(self, wait_s: float | None) -> float | None:
+        if wait_s == 0:
+            return 0
+        return self.busy_poll_s if self.engine.connector.transfers_in_flight else self.poll_s
+
+
+def add_fleet_routes(app: FastAPI, ctx: ServingContext, role: str) -> None:
+    engine: PDAsyncEngine = ctx.engine
+    connector = engine.engine.connector
+
+    @app.get("/pd/info")
+    async def info() -> dict:
+        t = connector.transfer
+        return {"role": role, "fleet": True, "instance_id": t.config.instance_id, "backend": t.name,
+                "kv_address": t.address if role == "p" else None, "block_size": engine.engine.config.block_size,
+                "layout": t.layout.__dict__}
+
+    @app.get("/pd/load")
+    async def load() -> dict:
+        s = engine.stats
+        return {"running": s.num_running, "waiting": s.num_waiting, "free_blocks": s.num_free_blocks,
+                "num_blocks": s.num_blocks, "kv_usage": 1.0 - s.num_free_blocks / max(s.num_blocks, 1),
+                "alive": engine.is_running, **connector.stats}
+
+    if role == "p":
+        @app.post("/pd/prefill")
+        async def prefill(body: PrefillBody) -> StreamingResponse:
+            try:
+                params = SamplingParams(**body.params)
+            except (TypeError, ValueError) as e:
+                raise APIError(400, f"params: {e}", param="params") from None
+            stream = await ctx.add(body.prompt_token_ids, params, body.request_id, body.arrival_time)
+            return _ndjson_response(stream)
+    else:
+        @app.post("/pd/decode")
+        async def decode(raw: Request) -> StreamingResponse:
+            try:
+                data = await raw.json()
+            except ValueError as e:
+                raise APIError(400, f"the body is not valid JSON: {e}") from None
+            offer = _read_offer(data, connector)
+            try:
+                stream = engine.listen(offer.request.request_id)
+            except ValueError as e:
+                raise APIError(400, str(e), param="request_id") from None
+            except EngineDeadError as e:
+                raise APIError(503, str(e), type="service_unavailable") from None
+            connector.offer(offer)
+            return _ndjson_response(stream)
+
+
+def _read_offer(body, connector: FleetDecodeConnector) -> PublishedKV:
+    """The body of /pd/decode: {request_id, handover}; a 400 naming the field if it is not one."""
+    if not isinstance(body, dict) or not isinstance(body.get("request_id"), str):
+        raise APIError(400, "request_id: a string is required", param="request_id")
+    try:
+        offer = from_wire(body.get("handover"), PublishedKV)
+        connector.check(offer)
+    except (ValueError, TypeError, KeyError) as e:
+        raise APIError(400, f"handover: {e}", param="handover") from None
+    if offer.request.request_id != body["request_id"]:
+        raise APIError(400, f"request_id {body['request_id']!r} is not the handover's "
+                            f"{offer.request.request_id!r}", param="request_id")
+    return offer
+
+
+def register_with_router(router: str, secret: FleetSecret, url: str, role: str, timeout_s: float = 60.0) -> None:
+    """Add this instance to a router (retrying while the router starts); logs, never raises."""
+    path, deadline = "/admin/instances", time.monotonic() + timeout_s
+    body = json.dumps({"url": url, "role": role}).encode()
+    while True:
+        try:
+            r = httpx.post(router.rstrip("/") + path, content=body, timeout=10.0,
+                           headers={"content-type": "application/json", **sign_request(secret, "POST", path, body)})
+            if r.status_code == 200:
+                logger.info("registered with the router %s as %s", router, url)
+                return
+            why = f"HTTP {r.status_code}: {r.text[:200]}"
+            if r.status_code < 500:
+                break
+        except httpx.HTTPError as e:
+            why = f"{type(e).__name__}: {e}"
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    logger.error("could not register with the router %s: %s", router, why)
+
+
+def serve_fleet(engine_config: EngineConfig, settings: ServerSettings, fleet: FleetSettings) -> None:
+    """Load the model, open the KV transfer, serve the /pd routes until SIGTERM/SIGINT."""
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    fleet.check()
+    role = engine_config.role
+    pull = fleet.pull_config()
+    connector = FleetPrefillConnector(pull) if role == "p" else FleetDecodeConnector(pull)
+    engine = Engine(engine_config, connector=connector)
+    connector.open(engine.executor)
+    name = settings.served_model_name or default_model_name(engine_config.model)
+    metrics = ServerMetrics(name)
+    async_engine = FleetAsyncEngine(engine, metrics)
+    ctx = ServingContext(async_engine, TokenizerWorker(engine.tokenizer), metrics, name)
+    app = build_app(ctx, settings, openai_routes=False)
+    add_fleet_routes(app, ctx, role)
+    app.add_middleware(SignedRoutes, secret=fleet.secret, prefixes=("/pd/",))
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                            access_log=settings.access_log,
+                            timeout_graceful_shutdown=settings.shutdown_timeout + BACKSTOP_SECONDS)
+    what = "prefill" if role == "p" else "decode"
+    logger.info("serving %s as a fleet %s instance %s on http://%s:%d%s", name, what, pull.instance_id,
+                settings.host, settings.port, f" (KV on {connector.address[0]}:{connector.address[1]})"
+                if role == "p" else "")
+    if fleet.router:
+        url = f"http://{fleet.advertise_host or settings.host}:{settings.port}"
+        threading.Thread(target=register_with_router, args=(fleet.router, fleet.secret, url, role),
+                         name="picovllm-register", daemon=True).start()
+    _Server(config, async_engine, settings.shutdown_timeout).run()

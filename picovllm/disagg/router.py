@@ -1,0 +1,368 @@
+"""`picovllm router`: the OpenAI API in front of a fleet of prefill and decode instances (any P to any D).
+
+(Its flags: picovllm/entrypoints/openai/cli_router.py; the instances: picovllm/disagg/fleet_server.py.)
+
+The router runs the same completion and chat handlers as `picovllm serve`, with its own tokenizer;
+RouterEngine sits under them. Per request it picks a P (policy: round_robin, least_loaded or prefix,
+picovllm/disagg/router_policy.py), streams its first token, takes the kv_handover from P's last
+line, then picks a D (round_robin or least_loaded) and streams D's outputs; an instance that cannot
+be reached, or whose stream breaks before its first line, had not started the request: it is marked down
+and the next one is tried (a D's turn comes after P published the KV, which stays published meanwhile);
+a failure after that ends the request with an OpenAI error.
+
+Instances come from --prefill/--decode at start-up and from the admin API at run time (POST
+/admin/instances {url, role}; POST /admin/instances/remove {url}; GET /admin/instances), which needs
+the fleet's signature (picovllm.disagg.auth), as every call the router makes to an instance carries it.
+Every lease / 4 the router reads each instance's /pd/load; one that has not answered for a lease is
+out of rotation until it answers again. /metrics adds, per instance, requests routed, failures, up,
+load and in-flight requests, and per routing decision a counter by role, policy and reason.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import httpx
+from prometheus_client import Counter, Gauge
+
+from picovllm.disagg.auth import FleetSecret, sign_request
+from picovllm.disagg.messages import OutputDecoder
+from picovllm.disagg.router_policy import Instance
+from picovllm.entrypoints.openai.async_engine import EngineDeadError, EngineStepError
+from picovllm.outputs import RequestOutput
+from picovllm.sampling_params import SamplingParams
+
+logger = logging.getLogger("picovllm.router")
+
+
+class RouterMetrics:
+    """The router's own series, in the server's registry (one /metrics for both)."""
+
+    def __init__(self, registry) -> None:
+        lbl = ["instance", "role"]
+        self.routed = Counter("picovllm:router_requests", "Requests routed to an instance", lbl, registry=registry)
+        self.failures = Counter("picovllm:router_instance_failures", "Calls to an instance that failed "
+                                "(unreachable, refused, or broken mid-stream)", lbl, registry=registry)
+        self.up = Gauge("picovllm:router_instance_up", "1 if the instance is in rotation", lbl, registry=registry)
+        self.load = Gauge("picovllm:router_instance_load", "The instance's load as the policies see it", lbl,
+                          registry=registry)
+        self.in_flight = Gauge("picovllm:router_instance_in_flight", "The router's requests on the instance now",
+                               lbl, registry=registry)
+        self.decisions = Counter("picovllm:router_decisions", "Routing decisions by role, policy and reason",
+                                 ["role", "policy", "reason"], registry=registry)
+
+    def observe(self, inst: Instance) -> None:
+        self.up.labels(inst.url, inst.role).set(1 if inst.up and not inst.removed else 0)
+        self.load.labels(inst.url, inst.role).set(inst.load)
+        self.in_flight.labels(inst.url, inst.role).set(inst.in_flight)
+
+
+class InstancePool:
+    """The fleet as the router sees it: instances by URL, their health and load."""
+
+    def __init__(self, secret: FleetSecret, lease_s: float, metrics: RouterMetrics | None = None) -> None:
+        self.secret, self.lease_s, self.metrics = secret, lease_s, metrics
+        self.instances: dict[str, Instance] = {}
+
+    def headers(self, method: str, path: str, body: bytes = b"") -> dict[str, str]:
+        return sign_request(self.secret, method, path, body)
+
+    def add(self, url: str, role: str, info: dict) -> Instance:
+        """Add (or bring back) an instance from its /pd/info. ValueError naming the field if it does not fit."""
+        if role not in ("p", "d"):
+            raise ValueError(f"role must be 'p' or 'd', got {role!r}")
+        if info.get("role") != role:
+            raise ValueError(f"role: {url} is a {info.get('role')!r} instance, not {role!r}")
+        if not info.get("fleet"):
+            raise ValueError(f"url: {url} is a linked-pair server (--kv-peer/--kv-port), not a fleet instance")
+        others = [i for i in self.instances.values() if i.role == "p" and i.url != url]
+        if role == "p" and others and others[0].block_size != info.get("block_size"):
+            raise ValueError(f"url: {url} has block size {info.get('block_size')}, the fleet {others[0].block_size}")
+        inst = Instance(url, role, str(info.get("instance_id")), int(info.get("block_size") or 16))
+        self.instances[url] = inst
+        self.observe(inst)
+        return inst
+
+    def remove(self, url: str) -> Instance:
+        inst = self.instances.pop(url, None)
+        if inst is None:
+            raise KeyError(url)
+        inst.removed = True
+        self.observe(inst)
+        return inst
+
+    def candidates(self, role: str) -> list[Instance]:
+        return [i for i in self.instances.values() if i.role == role and i.up and not i.removed]
+
+    def mark_down(self, inst: Instance, why: str) -> None:
+        if inst.up:
+            logger.warning("instance %s (%s) out of rotation: %s", inst.url, inst.role, why)
+        inst.up, inst.down_reason = False, why
+        if self.metrics is not None:
+            self.metrics.failures.labels(inst.url, inst.role).inc()
+        self.observe(inst)
+
+    def saw_load(self, inst: Instance, load: dict) -> None:
+        inst.running, inst.waiting = int(load.get("running", 0)), int(load.get("waiting", 0))
+        inst.kv_usage, inst.last_ok = float(load.get("kv_usage", 0.0)), time.monotonic()
+        if not inst.up:
+            logger.info("instance %s (%s) back in rotation", inst.url, inst.role)
+        inst.up, inst.down_reason = True, None
+        self.observe(inst)
+
+    def saw_failure(self, inst: Instance, why: str) -> None:
+        """A health check failed: out of rotation once it has not answered for a lease."""
+        if time.monotonic() - inst.last_ok > self.lease_s:
+            self.mark_down(inst, f"no answer for {self.lease_s:g} s: {why}")
+
+    async def check(self, client: httpx.AsyncClient, inst: Instance) -> None:
+        try:
+            r = await client.get(inst.url + "/pd/load", headers=self.headers("GET", "/pd/load"), timeout=5.0)
+            if r.status_code != 200:
+                raise ValueError(f"/pd/load answered HTTP {r.status_code}")
+            self.saw_load(inst, r.json())
+        except (httpx.HTTPError, ValueError) as e:
+            self.saw_failure(inst, f"{type(e).__name__}: {e}")
+
+    def observe(self, inst: Instance) -> None:
+        if self.metrics is not None:
+            self.metrics.observe(inst)
+
+
+class InstanceLost(EngineStepError):
+    """An instance's stream broke (it died, or the network did), as opposed to an error it reported."""
+
+
+class RouterStream:
+    """One request's outputs through a P and then a D, as AsyncEngine's RequestStream: outputs(), close()."""
+
+    def __init__(self, router: "RouterEngine", request_id: str, prefill: Instance, resp: httpx.Response,
+                 body: dict) -> None:
+        self.router, self.request_id, self.body = router, request_id, body
+        self.prefill, self.decode = prefill, None
+        self._responses = [resp]
+        self._left: set[str] = set()         # instances whose in-flight count this request left
+        self.finished = False
+
+    async def outputs(self) -> AsyncIterator[RequestOutput]:
+        try:
+            handover = None
+            async for out, line in self._prefill_lines():
+                if "kv_handover" in line:
+                    handover = line["kv_handover"]
+                    out.finished = False
+                    yield out                     # the first token, from P; a D decodes the rest
+                    break
+                self._record(out)
+                yield out
+                if out.finished:
+                    return
+            else:
+                raise EngineStepError(f"the prefill instance {self.prefill.url} ended the request's stream early")
+            self._leave(self.prefill)
+            resp = await self.router.open_decode(self, handover)
+            self._responses.append(resp)
+            async for out, _ in self._lines(resp, self.decode):
+                self._record(out)
+                yield out
+                if out.finished:
+                    return
+            raise EngineStepError(f"the decode instance {self.decode.url} ended the request's stream early")
+        except EngineStepError:
+            if self.router.metrics is not None:
+                self.router.metrics.count_outcome("error")
+            raise
+        finally:
+            self.close()
+
+    async def _prefill_lines(self) -> AsyncIterator[tuple[RequestOutput, dict]]:
+        """P's lines. A P lost before its first line had not started the request: it goes to another P."""
+        tried = {self.prefill.url}
+        while True:
+            started = False
+            try:
+                async for item in self._lines(self._responses[-1], self.prefill):
+                    started = True
+                    yield item
+                return
+            except InstanceLost:
+                if started:
+                    raise
+            self._leave(self.prefill)
+            self.prefill, resp = await self.router.reopen_prefill(self, tried)
+            tried.add(self.prefill.url)
+            self._responses.append(resp)
+
+    def _record(self, out: RequestOutput) -> None:
+        if out.outputs[0].finish_reason == "error":
+            raise EngineStepError(out.error or "the request failed on a prefill or decode instance")
+        self.finished = out.finished
+        if out.finished and self.router.metrics is not None:
+            self.router.metrics.observe_finished(out)
+
+    async def _lines(self, resp: httpx.Response, inst: Instance) -> AsyncIterator[tuple[RequestOutput, dict]]:
+        what = "prefill" if inst.role == "p" else "decode"
+        wire = OutputDecoder()
+        try:
+            async for text in resp.aiter_lines():
+                if not text:
+                    continue
+                line = json.loads(text)
+                if "error" in line:
+                    raise EngineStepError(f"the {what} instance {inst.url} failed: {line['error']}")
+                yield wire.decode(line), line
+        except (httpx.HTTPError, json.JSONDecodeError, KeyError, ValueError) as e:
+            self.router.pool.mark_down(inst, f"broke mid-request: {type(e).__name__}: {e}")
+            raise InstanceLost(f"the {what} instance {inst.url} failed mid-request: {type(e).__name__}: {e}") \
+                from None
+
+    def _leave(self, inst: Instance | None) -> None:
+        if inst is not None and inst.url not in self._left:
+            self._left.add(inst.url)
+            inst.in_flight = max(0, inst.in_flight - 1)
+            self.router.pool.observe(inst)
+
+    def close(self) -> None:
+        """Drop the connections: an instance whose client went away aborts the request (frees its KV)."""
+        if self.router is None:
+            return
+        self.finished = True
+        self._leave(self.prefill)
+        self._leave(self.decode)
+        self.router._streams.discard(self)
+        for resp in self._responses:
+            asyncio.ensure_future(resp.aclose())
+        self.router = None
+
+
+class RouterEngine:
+    """What the OpenAI handlers need of an AsyncEngine (add_request, start, shutdown, abort_all, ...),
+    over a fleet of instances."""
+
+    def __init__(self, pool: InstancePool, prefill_policy, decode_policy, model_info: dict, metrics=None,
+                 router_metrics: RouterMetrics | None = None, connect_timeout_s: float = 10.0,
+                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+        """transport: instead of the network (tests)."""
+        self.pool, self.prefill_policy, self.decode_policy = pool, prefill_policy, decode_policy
+        self._model_info, self.metrics, self.router_metrics = model_info, metrics, router_metrics
+        self._timeout = httpx.Timeout(connect=connect_timeout_s, read=None, write=connect_timeout_s, pool=None)
+        self._client: httpx.AsyncClient | None = None
+        self._transport = transport
+        self._health: asyncio.Task | None = None
+        self._streams: set[RouterStream] = set()
+
+    def start(self) -> None:
+        self._client = httpx.AsyncClient(timeout=self._timeout, transport=self._transport,
+                                         limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+        self._health = asyncio.get_running_loop().create_task(self._check_health())
+
+    @property
+    def is_running(self) -> bool:
+        return self._client is not None
+
+    @property
+    def client(self) -> httpx.AsyncClient:
+        if self._client is None:
+            raise EngineDeadError("the router is not running")
+        return self._client
+
+    def model_info(self) -> dict:
+        return dict(self._model_info)
+
+    async def shutdown(self) -> None:
+        self.abort_all()
+        if self._health is not None:
+            self._health.cancel()
+        if self._client is not None:
+            await asyncio.sleep(0)            # let the closes scheduled by abort_all run
+            await self._client.aclose()
+            self._client = None
+
+    def abort_all(self) -> None:
+        for stream in list(self._streams):
+            stream.close()
+
+    async def _check_health(self) -> None:
+        while True:
+            await asyncio.sleep(self.pool.lease_s / 4)
+            await asyncio.gather(*(self.pool.check(self.client, i) for i in list(self.pool.instances.values())))
+
+    async def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
+                          arrival_time: float | None = None) -> RouterStream:
+        """Open the request on a P. Raises ValueError (a 400 from P), EngineDeadError (no P could take it)."""
+        body = {"request_id": request_id, "prompt_token_ids": list(prompt_token_ids),
+                "params": dataclasses.asdict(params), "arrival_time": arrival_time or time.time()}
+        inst, resp = await self._open_on_one("p", self.prefill_policy, "/pd/prefill", body, prompt_token_ids)
+        stream = RouterStream(self, request_id, inst, resp, body)
+        self._streams.add(stream)
+        return stream
+
+    async def reopen_prefill(self, stream: RouterStream, tried: set[str]) -> tuple[Instance, httpx.Response]:
+        """The request again on another P (the last one was lost before it started); EngineStepError if none."""
+        try:
+            return await self._open_on_one("p", self.prefill_policy, "/pd/prefill", stream.body,
+                                           stream.body["prompt_token_ids"], exclude=tried)
+        except (EngineDeadError, ValueError) as e:
+            raise EngineStepError(f"the prefill instance {stream.prefill.url} was lost before the request started, "
+                                  f"and no other could take it: {e}") from None
+
+    async def open_decode(self, stream: RouterStream, handover: dict) -> httpx.Response:
+        """Hand a published request to a D; EngineStepError if none could take it."""
+        body = {"request_id": stream.request_id, "handover": handover}
+        try:
+            stream.decode, resp = await self._open_on_one("d", self.decode_policy, "/pd/decode", body, [])
+        except (EngineDeadError, ValueError) as e:
+            raise EngineStepError(str(e)) from None
+        return resp
+
+    async def _open_on_one(self, role: str, policy, path: str, body: dict, prompt_token_ids: list[int],
+                           exclude: set[str] = frozenset()) -> tuple[Instance, httpx.Response]:
+        """POST to one instance of the role, chosen by the policy; an unreachable one is marked down and
+        the next is tried (the request had not started there)."""
+        what = "prefill" if role == "p" else "decode"
+        tried, errors = set(exclude), []
+        data = json.dumps(body).encode()
+        while True:
+            candidates = [i for i in self.pool.candidates(role) if i.url not in tried]
+            if not candidates:
+                why = "; ".join(errors) or f"no {what} instance is in rotation"
+                raise EngineDeadError(f"no {what} instance could take the request: {why}")
+            inst, reason = policy.choose(candidates, prompt_token_ids)
+            if self.router_metrics is not None:     # a second choice for the same request: a retry
+                self.router_metrics.decisions.labels(role, policy.name, "retry" if tried else reason).inc()
+            tried.add(inst.url)
+            try:
+                resp = await self._post(inst, path, data)
+            except EngineDeadError as e:
+                self.pool.mark_down(inst, str(e))
+                errors.append(str(e))
+                continue
+            inst.in_flight += 1
+            if self.router_metrics is not None:
+                self.router_metrics.routed.labels(inst.url, role).inc()
+            self.pool.observe(inst)
+            return inst, resp
+
+    async def _post(self, inst: Instance, path: str, data: bytes) -> httpx.Response:
+        what = "prefill" if inst.role == "p" else "decode"
+        headers = {"content-type": "application/json", **self.pool.headers("POST", path, data)}
+        request = self.client.build_request("POST", inst.url + path, content=data, headers=headers)
+        try:
+            resp = await self.client.send(request, stream=True)
+        except httpx.HTTPError as e:
+            raise EngineDeadError(f"the {what} instance {inst.url} is unreachable: {type(e).__name__}: {e}") from None
+        if resp.status_code == 200:
+            return resp
+        try:
+            message = json.loads(await resp.aread())["error"]["message"]
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            message = f"HTTP {resp.status_code}"
+        finally:
+            await resp.aclose()
+        if 400 <= resp.status_code < 500 and resp.status_code not in (401, 404, 405):
+            raise ValueError(message)
+        raise EngineDeadError(f"the {what} instance {inst.url} answered {resp.status_code}: {message}")

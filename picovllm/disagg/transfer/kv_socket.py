@@ -1,0 +1,171 @@
+"""A fleet's KV socket: frames, the fleet's mutual HMAC handshake, and D's connection to one P instance.
+
+Frames: a length-prefixed JSON message (picovllm.disagg.messages), optionally followed by raw bytes
+whose length the message states (a pull's KVReply.nbytes). The handshake: the server sends a
+KVAuthChallenge (its nonce, instance id and lease), the client answers with its proof over both
+nonces and its own nonce, the server answers with its proof or a refusal and closes. Neither side
+reads or writes anything else for a peer that has not proved the secret.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import socket
+import struct
+import threading
+
+from picovllm.disagg.auth import AuthError, client_proof, new_nonce, proofs_match, server_proof
+from picovllm.disagg.messages import ClaimKV, Heartbeat, KVAuthChallenge, KVAuthProof, KVAuthResult, KVHandle, \
+    KVReply, PullKV, ReleaseKV, decode, encode
+
+logger = logging.getLogger("picovllm.kv")
+
+_LEN = struct.Struct("!I")
+_MAX_HEADER = 1 << 20
+
+
+# -- frames --------------------------------------------------------------------------------------
+def recv_exact(sock: socket.socket, n: int) -> bytearray:
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            raise ConnectionError("the peer closed the connection")
+        got += k
+    return buf
+
+
+def send_frame(sock: socket.socket, msg, payload=None) -> None:
+    data = encode(msg)
+    sock.sendall(_LEN.pack(len(data)) + data)
+    if payload is not None:
+        sock.sendall(payload)
+
+
+def recv_frame(sock: socket.socket):
+    (n,) = _LEN.unpack(recv_exact(sock, _LEN.size))
+    if n > _MAX_HEADER:
+        raise ConnectionError(f"a {n}-byte message header: not a picovllm KV peer")
+    return decode(bytes(recv_exact(sock, n)))
+
+
+def authenticate_client(sock: socket.socket, config) -> None:
+    """The KV server's half of the handshake (config: the server's PullConfig); AuthError if the peer fails."""
+    nonce = new_nonce()
+    send_frame(sock, KVAuthChallenge(nonce, config.instance_id, config.lease_s))
+    msg = recv_frame(sock)
+    secret = config.secret
+    if not isinstance(msg, KVAuthProof) or not isinstance(msg.nonce, str) or \
+            not proofs_match(client_proof(secret, nonce, msg.nonce), msg.proof):
+        send_frame(sock, KVAuthResult(error="authentication failed: not the fleet's shared secret"))
+        raise AuthError("the peer did not prove the fleet's shared secret")
+    send_frame(sock, KVAuthResult(proof=server_proof(secret, nonce, msg.nonce)))
+
+
+class PeerConnection:
+    """D's connection to one P instance: a thread that runs its claims, pulls and releases in order,
+    connecting (and authenticating) when it has one to run, and keeping the link audible when idle."""
+
+    def __init__(self, address: tuple[str, int], config, results: queue.SimpleQueue,
+                 closed: threading.Event) -> None:
+        self.address, self.config, self.results, self._closed = address, config, results, closed
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.sock: socket.socket | None = None
+        self.claimed: set[str] = set()               # claims P granted on this socket (dropped with it)
+        self.heartbeat_s = config.lease_s / 4        # and at most a quarter of the server's lease, once known
+        self.alive = True
+        self._thread = threading.Thread(target=self._run, name="picovllm-kv-pull", daemon=True)
+        self._thread.start()
+
+    def submit(self, msg, handle: KVHandle, nbytes: int = 0) -> None:
+        self.jobs.put((msg, handle, nbytes))
+
+    def close(self) -> None:
+        self.jobs.put(None)
+
+    def _run(self) -> None:
+        try:
+            while not self._closed.is_set():
+                try:
+                    job = self.jobs.get(timeout=self.heartbeat_s)
+                except queue.Empty:
+                    self._heartbeat()
+                    continue
+                if job is None:
+                    return
+                self._do(*job)
+        finally:
+            self.alive = False
+            self._disconnect()
+
+    def _do(self, msg, handle: KVHandle, nbytes: int) -> None:
+        kind = {ClaimKV: "claim", PullKV: "pull", ReleaseKV: "release"}[type(msg)]
+        data = error = None
+        try:
+            if self.sock is None:
+                self._connect(handle.instance_id)
+            send_frame(self.sock, msg)
+            reply = recv_frame(self.sock)
+            if not isinstance(reply, KVReply) or reply.request_id != msg.request_id:
+                raise ConnectionError(f"expected the KVReply for {msg.request_id!r}, got {reply!r}")
+            error = reply.error
+            if reply.nbytes:
+                data = recv_exact(self.sock, reply.nbytes)
+            if kind == "pull" and error is None and len(data or b"") != nbytes:
+                error = f"prefill instance {handle.instance_id} sent {len(data or b'')} bytes of KV, expected {nbytes}"
+        except (OSError, ConnectionError, ValueError, KeyError, TypeError) as e:
+            self._disconnect()
+            error = (f"prefill instance {handle.instance_id} at {self.address[0]}:{self.address[1]} "
+                     f"failed during {kind}: {type(e).__name__}: {e}")
+        if kind == "release":
+            self.claimed.discard(msg.request_id)
+            if error is not None:
+                logger.info("KV release of %s not delivered (its lease frees it): %s", msg.request_id, error)
+        elif kind == "claim" and error is None:
+            self.claimed.add(msg.request_id)
+        self.results.put((msg.request_id, kind, data, error))
+
+    def _connect(self, instance_id: str) -> None:
+        c = self.config
+        sock = socket.create_connection(self.address, timeout=c.connect_timeout_s)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            challenge = recv_frame(sock)
+            if not isinstance(challenge, KVAuthChallenge):
+                raise AuthError(f"expected a KVAuthChallenge, got {type(challenge).__name__}")
+            if isinstance(challenge.lease_s, (int, float)) and challenge.lease_s > 0:
+                self.heartbeat_s = min(self.config.lease_s, challenge.lease_s) / 4
+            if challenge.instance_id != instance_id:
+                raise ConnectionError(f"the KV server is instance {challenge.instance_id!r}, not {instance_id!r} "
+                                      f"(restarted? its handles are gone)")
+            nonce = new_nonce()
+            send_frame(sock, KVAuthProof(client_proof(c.secret, challenge.nonce, nonce), nonce))
+            result = recv_frame(sock)
+            if not isinstance(result, KVAuthResult) or result.error is not None:
+                raise AuthError(f"refused: {getattr(result, 'error', result)}")
+            if not proofs_match(server_proof(c.secret, challenge.nonce, nonce), result.proof):
+                raise AuthError("the KV server did not prove the fleet's shared secret")
+            sock.settimeout(c.timeout_s)
+        except BaseException:
+            sock.close()
+            raise
+        self.sock = sock
+
+    def _heartbeat(self) -> None:
+        if self.sock is None:
+            return
+        try:
+            send_frame(self.sock, Heartbeat())
+        except OSError:
+            self._disconnect()
+
+    def _disconnect(self) -> None:
+        """Drop the socket. P drops this connection's claims with it: each is reported lost."""
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+        for rid in self.claimed:
+            self.results.put((rid, "claim", None, f"lost the connection to the prefill instance at "
+                                                  f"{self.address[0]}:{self.address[1]}, and its claim with it"))
+        self.claimed.clear()

@@ -1,0 +1,144 @@
+"""`picovllm plan`: measure an engine's step costs, then predict colocated and xPyD deployments (picovllm/planner)."""
+from __future__ import annotations
+
+import argparse
+import json
+
+from picovllm.entrypoints.engine_args import add_engine_args, engine_config_from_args
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "plan", help="recommend x prefill : y decode instances and the chunk size for a traffic and SLOs",
+        description="Measure what an engine step costs on this machine (--measure-profile, with the engine flags), "
+                    "or load such a profile (--profile), then simulate the traffic through colocated and every "
+                    "xPyD deployment of --num-instances at each --chunks size, and rank them by goodput under "
+                    "the SLOs. --measured compares a prediction with `picovllm bench serve --result-json` runs.")
+    p.add_argument("--profile", required=True, help="the step profile (JSON): written by --measure-profile, else read")
+    p.add_argument("--measure-profile", action="store_true", help="measure it now on --model (engine flags apply)")
+    p.add_argument("--request-rate", type=float, default=4.0, help="requests per second (Poisson)")
+    p.add_argument("--input-len", default="256", help="prompt tokens: N or LO-HI (uniform)")
+    p.add_argument("--output-len", default="64", help="output tokens: N or LO-HI (uniform)")
+    p.add_argument("--num-prompts", type=int, default=1000, help="requests simulated")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ttft-slo-ms", type=float, default=500.0)
+    p.add_argument("--itl-slo-ms", type=float, default=50.0, help="holds for every gap of a request (as bench serve)")
+    p.add_argument("--num-instances", type=int, default=2, help="instances (GPUs) to split into P and D")
+    p.add_argument("--chunks", type=int, nargs="+", default=[512, 2048], help="max_num_batched_tokens to try")
+    p.add_argument("--plan-max-num-seqs", type=int, default=256, help="max_num_seqs of the simulated instances")
+    p.add_argument("--transfer-gbps", type=float, default=10.0, help="a KV pull's bandwidth, GB/s")
+    p.add_argument("--measured", nargs="*", default=[],
+                   help="compare with measured runs: DEPLOYMENT:CHUNK:RESULT.json (DEPLOYMENT colocated-N or xPyD; "
+                        "rate and lengths from the JSON's config)")
+    p.add_argument("--calibrate", nargs="*", default=[],
+                   help="measured runs (as --measured) that set the overheads the steps do not hold: HTTP and "
+                        "tokenization (a colocated run's TTFT), the router's P-to-D hop (an xPyD run's first gap)")
+    p.add_argument("--plot", default=None, help="with --measured: a PNG of predicted against measured")
+    p.add_argument("--result-json", default=None)
+    p.add_argument("--model", default=None, help="with --measure-profile: the model (default: SmolLM2-135M-Instruct)")
+    add_engine_args(p, skip=("seed",))
+    p.set_defaults(func=run_plan)
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    from picovllm.planner.plan import candidate_deployments, compare, plan, plot_comparisons
+    from picovllm.planner.profile import StepProfile, measure_profile
+    from picovllm.planner.simulator import Lengths, Traffic
+
+    try:
+        traffic = Traffic(args.request_rate, Lengths.parse("--input-len", args.input_len),
+                          Lengths.parse("--output-len", args.output_len), args.num_prompts, args.seed)
+        deployments = candidate_deployments(args.num_instances, args.chunks, args.plan_max_num_seqs,
+                                            args.transfer_gbps * 1e9)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    if args.measure_profile:
+        from picovllm.engine.llm_engine import Engine
+        engine = Engine(engine_config_from_args(args, model=args.model, async_scheduling=False))
+        profile = measure_profile(engine)
+        profile.save(args.profile)
+        print(f"step profile of {profile.machine}: coef {[f'{c:.3g}' for c in profile.coef]} -> {args.profile}")
+    else:
+        try:
+            profile = StepProfile.load(args.profile)
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"error: --profile: {e}") from None
+    slo_ttft, slo_itl = args.ttft_slo_ms / 1e3, args.itl_slo_ms / 1e3
+    overheads = _overheads(args, profile)
+    if overheads:
+        print("calibrated overheads: " + "; ".join(f"{kind}: " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in o.items())
+                                                  for kind, o in overheads.items()))
+        deployments = [with_overheads(d, overheads) for d in deployments]
+    rows = plan(profile, traffic, deployments, slo_ttft, slo_itl)
+    print(f"{'deployment':<28}{'goodput/s':>10}{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>9}{'ITL p99':>9}  (ms)")
+    for r in rows:
+        print(f"{r['deployment']:<28}{r['goodput']:>10.2f}{r['ttft_p50'] * 1e3:>10.1f}{r['ttft_p99'] * 1e3:>10.1f}"
+              f"{r['itl_p50'] * 1e3:>9.1f}{r['itl_p99'] * 1e3:>9.1f}")
+    print(f"recommended: {rows[0]['deployment']}")
+    comparisons = [_compare_one(spec, profile, args, slo_ttft, slo_itl, compare, overheads) for spec in args.measured]
+    for c in comparisons:
+        errs = ", ".join(f"{m} {v['predicted'] * 1e3:.1f}/{v['measured'] * 1e3:.1f} ms ({v['error']:+.0%})"
+                         for m, v in c["comparison"].items() if v["error"] is not None)
+        print(f"{c['label']}{' (calibration run)' if c['calibration'] else ''}: predicted/measured {errs}")
+    if args.plot and comparisons:
+        plot_comparisons(comparisons, args.plot)
+    if args.result_json:
+        with open(args.result_json, "w") as f:
+            json.dump({"profile": args.profile, "ranked": rows, "measured": comparisons}, f, indent=1)
+    return 0
+
+
+def _read_measured(spec: str, args) -> tuple:
+    """DEPLOYMENT:CHUNK:RESULT.json -> (Deployment, Traffic, the bench serve result)."""
+    from picovllm.planner.simulator import Deployment, Lengths, Traffic
+
+    try:
+        shape, chunk, path = spec.split(":", 2)
+        if shape.startswith("colocated-"):
+            x, y = 0, int(shape.split("-", 1)[1])
+        else:
+            x, y = (int(v) for v in shape.upper().removesuffix("D").split("P"))
+        with open(path) as f:
+            measured = json.load(f)
+        cfg = measured["config"]
+        traffic = Traffic(float(cfg["request_rate"]), Lengths.parse("input_len", str(cfg["input_len"])),
+                          Lengths.parse("output_len", str(cfg["output_len"])), int(measured["completed"]), args.seed)
+        dep = Deployment(x, y, int(chunk), args.plan_max_num_seqs, args.transfer_gbps * 1e9)
+    except (ValueError, KeyError, OSError) as e:
+        raise SystemExit(f"error: {spec!r}: DEPLOYMENT:CHUNK:RESULT.json ({e})") from None
+    return dep, traffic, measured
+
+
+def _overheads(args, profile) -> dict:
+    """--calibrate: per kind ("colocated", "xpyd"), the overheads the steps do not hold: the request's
+    (HTTP, tokenization; behind the router its hop to P too) and, xPyD, the handover's (P to D)."""
+    from picovllm.planner.plan import calibrate
+
+    found: dict[str, dict] = {}
+    for spec in args.calibrate:
+        dep, traffic, measured = _read_measured(spec, args)
+        cal = calibrate(profile, traffic, dep, measured)
+        kind = "xpyd" if dep.num_prefill else "colocated"
+        found[kind] = {"request_overhead": cal.request_overhead}
+        if dep.num_prefill:
+            found[kind]["handover_overhead"] = cal.handover_overhead
+    return found
+
+
+def with_overheads(dep, overheads: dict):
+    import dataclasses
+    kind = "xpyd" if dep.num_prefill else "colocated"
+    other = "colocated" if kind == "xpyd" else "xpyd"
+    mine = {**{k: v for k, v in overheads.get(other, {}).items() if k == "request_overhead"},
+            **overheads.get(kind, {})}
+    return dataclasses.replace(dep, **mine)
+
+
+def _compare_one(spec: str, profile, args, slo_ttft: float, slo_itl: float, compare, overheads: dict) -> dict:
+    from picovllm.planner.plan import plan
+
+    dep, traffic, measured = _read_measured(spec, args)
+    dep = with_overheads(dep, overheads)
+    predicted = plan(profile, traffic, [dep], slo_ttft, slo_itl)[0]
+    return {"label": f"{dep.name} @ {traffic.rate:g}/s", "predicted": predicted,
+            "comparison": compare(predicted, measured), "calibration": spec in args.calibrate}

@@ -1,0 +1,39 @@
+"""`picovllm router`: the OpenAI API in front of a fleet of prefill and decode instances (picovllm/disagg/router.py)."""
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("router", help="the OpenAI API in front of a fleet of prefill and decode instances",
+                              description="Route each request to a prefill instance, then any decode instance "
+                                          "(`picovllm serve --role p|d --kv-transfer tcp`); instances may be added "
+                                          "and removed at run time (/admin/instances, signed with the fleet's "
+                                          "shared secret).")
+    p.add_argument("--prefill", nargs="*", default=[], help="prefill instances' base URLs at start-up")
+    p.add_argument("--decode", nargs="*", default=[], help="decode instances' base URLs at start-up")
+    p.add_argument("--prefill-policy", default="prefix", choices=["round_robin", "least_loaded", "prefix"],
+                   help="how a prefill instance is picked (prefix: the one likely to hold the prompt's leading "
+                        "blocks, unless it is much busier than the least loaded)")
+    p.add_argument("--decode-policy", default="least_loaded", choices=["round_robin", "least_loaded"])
+    p.add_argument("--pd-secret-file", default=None,
+                   help="the fleet's shared secret (first line of the file; default $PICOVLLM_PD_SECRET)")
+    p.add_argument("--lease", type=float, default=10.0,
+                   help="seconds an instance may fail its health checks before it leaves the rotation")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--model", default=None, help="where to load the tokenizer from (default: the first prefill "
+                                                 "instance's model path)")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--max-request-bytes", type=int, default=4 * 2**20)
+    p.add_argument("--shutdown-timeout", type=float, default=10.0)
+    p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for the instances")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(func=main)
+    return p
+
+
+def main(args: argparse.Namespace) -> int:
+    from picovllm.disagg.router_server import main as run_router
+    return run_router(args)

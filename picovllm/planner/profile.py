@@ -1,0 +1,114 @@
+"""What one engine step costs on this machine: measured, then fitted, for the planner's simulation.
+
+measure_profile() runs an Engine (no overlap, so a step is all its work) on prefill-only steps of
+several token counts and decode-only steps at several batch sizes and contexts, and fits
+
+    step_time(prefill_tokens, decode_batch, decode_context) =
+        (c0 if no prefill else c1) + c2 * prefill_tokens + c3 * prefill_tokens**2 + c4 * decode_batch
+        + c5 * decode_context
+
+(decode_context: the tokens the batch's decodes attend over, summed; a step with a prefill has its
+own fixed cost, as it takes another path through the model) by least squares, with every coefficient
+>= 0. Each sample is the median of several timed steps (a shared machine is noisy); the samples are
+kept with the fit, so a profile can be checked and re-fitted.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class StepProfile:
+    coef: list[float]                              # c0..c5 above, seconds
+    kv_bytes_per_token: int                        # K and V of every layer, for the transfer's time
+    samples: list[dict] = field(default_factory=list)   # {"prefill", "batch", "context", "seconds"}
+    machine: str = ""
+
+    def step_time(self, prefill_tokens: int, decode_batch: int, decode_context: int) -> float:
+        c = self.coef
+        if prefill_tokens == 0 and decode_batch == 0:
+            return 0.0
+        return (c[1] if prefill_tokens else c[0]) + c[2] * prefill_tokens + c[3] * prefill_tokens ** 2 \
+            + c[4] * decode_batch + c[5] * decode_context
+
+    def save(self, path: str) -> None:
+        with open(path, "w") as f:
+            json.dump(asdict(self), f, indent=1)
+
+    @classmethod
+    def load(cls, path: str) -> "StepProfile":
+        with open(path) as f:
+            data = json.load(f)
+        try:
+            prof = cls(**data)
+        except TypeError as e:
+            raise ValueError(f"{path}: not a step profile ({e})") from None
+        if len(prof.coef) != 6 or any(c < 0 for c in prof.coef):
+            raise ValueError(f"{path}: coef must be 6 numbers >= 0, got {prof.coef!r}")
+        return prof
+
+
+def fit(samples: list[dict], kv_bytes_per_token: int, machine: str = "") -> StepProfile:
+    """Least squares with non-negative coefficients (an active-set loop: drop the most negative, refit)."""
+    x = np.array([[float(s["prefill"] == 0), float(s["prefill"] > 0), s["prefill"], s["prefill"] ** 2, s["batch"],
+                   s["context"]] for s in samples])
+    y = np.array([s["seconds"] for s in samples])
+    scale = np.maximum(np.abs(x).max(axis=0), 1e-12)
+    active = list(range(6))
+    while True:
+        sol, *_ = np.linalg.lstsq(x[:, active] / scale[active], y, rcond=None)
+        if (sol >= 0).all() or len(active) == 1:
+            break
+        active.pop(int(np.argmin(sol)))
+    coef = [0.0] * 6
+    for i, v in zip(active, sol):
+        coef[i] = max(0.0, float(v / scale[i]))
+    return StepProfile(coef, kv_bytes_per_token, samples, machine)
+
+
+def measure_profile(engine, prefill_lens=(16, 64, 128, 256, 512), batches=(1, 4, 16, 32),
+                    contexts=(32, 128, 512), repeats: int = 7) -> StepProfile:
+    """Time an Engine's steps (it must run without overlap and hold enough blocks for the largest case)."""
+    from picovllm.sampling_params import SamplingParams
+
+    if engine.overlap:
+        raise ValueError("async_scheduling: profile an engine without overlap (a step must be all its work)")
+    limit = min(engine.max_model_len - 2, engine.config.max_num_batched_tokens)
+    samples = []
+    engine.add_request([7] * 8, SamplingParams(max_tokens=4, ignore_eos=True))   # warm-up: first calls
+    _drain(engine)
+    for n in [n for n in prefill_lens if n <= limit]:
+        times = []
+        for i in range(repeats):
+            engine.add_request([7 + i] * n, SamplingParams(max_tokens=1, ignore_eos=True))
+            t0 = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - t0)
+            _drain(engine)
+        samples.append({"prefill": n, "batch": 0, "context": 0, "seconds": float(np.median(times))})
+    for ctx in [c for c in contexts if c <= limit]:
+        for b in [b for b in batches if b <= engine.config.max_num_seqs]:
+            for i in range(b):
+                engine.add_request([(i % 50) + 5] * ctx, SamplingParams(max_tokens=repeats + 2, ignore_eos=True))
+            while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
+                engine.step()                  # the prompts (and each one's first token)
+            times, total = [], sum(r.num_tokens for r in engine.requests.values())
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                engine.step()
+                times.append(time.perf_counter() - t0)
+            samples.append({"prefill": 0, "batch": b, "context": total + repeats // 2, "seconds": float(np.median(times))})
+            _drain(engine)
+    mc = engine.model_config
+    dtype_bytes = engine.runner.kv_cache.element_size()
+    kv_bytes = 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * dtype_bytes
+    return fit(samples, kv_bytes, machine=f"{engine.config.device} {engine.config.model}")
+
+
+def _drain(engine) -> None:
+    while engine.has_unfinished_requests():
+        engine.step()

@@ -1,0 +1,235 @@
+"""A discrete-event simulation of a colocated or an xPyD deployment, step by step as the engine runs.
+
+Each instance runs engine steps back to back while it has work. A step is planned as the
+Scheduler plans one (decodes first, one token each, then running prefill chunks, then waiting
+requests FCFS, under the chunk budget `chunk` = max_num_batched_tokens and max_num_seqs) and lasts
+StepProfile.step_time(prefill tokens, decode batch, decode context). At its end, a request whose
+prompt completed has its first token; a decode has its next one. Roles:
+
+    colocated ("pd")  arrivals go to the instance with the fewest prompt tokens left to compute
+    P ("p")           the same; a request leaves P at its first token, its KV moves to a D in
+                      kv_bytes / transfer_bw + transfer_latency seconds (the pull)
+    D ("d")           takes it on arrival (the instance with the fewest requests), decodes it to the end
+
+Not modelled: the KV cache's size (no preemption; D admits up to max_num_seqs), host overheads
+between steps, overlap of transfers with a D that is itself busy with that pull (a pull costs D no
+step time).
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+import random
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from picovllm.planner.profile import StepProfile
+
+
+@dataclass(frozen=True)
+class Lengths:
+    """A length distribution: "256" (fixed) or "128-512" (uniform, both ends included)."""
+    lo: int
+    hi: int
+
+    @classmethod
+    def parse(cls, name: str, text: str) -> "Lengths":
+        parts = str(text).split("-")
+        try:
+            lo, hi = (int(parts[0]), int(parts[-1])) if len(parts) in (1, 2) else (0, -1)
+        except ValueError:
+            lo, hi = 0, -1
+        if lo < 1 or hi < lo:
+            raise ValueError(f"{name}: a length N or a range LO-HI of positive integers, got {text!r}")
+        return cls(lo, hi)
+
+    def sample(self, rng: random.Random) -> int:
+        return rng.randint(self.lo, self.hi)
+
+
+@dataclass(frozen=True)
+class Traffic:
+    rate: float                   # requests per second, Poisson arrivals
+    prompt_len: Lengths
+    output_len: Lengths
+    num_requests: int = 1000
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.rate <= 0:
+            raise ValueError(f"rate must be > 0, got {self.rate!r}")
+        if self.num_requests < 1:
+            raise ValueError(f"num_requests must be >= 1, got {self.num_requests!r}")
+
+
+@dataclass(frozen=True)
+class Deployment:
+    num_prefill: int              # 0: colocated, num_decode instances of role "pd"
+    num_decode: int
+    chunk: int                    # max_num_batched_tokens
+    max_num_seqs: int = 256
+    transfer_bw: float = 10e9     # bytes per second of a pull
+    transfer_latency: float = 1e-3
+    # Calibrated from a measured run (plan.calibrate), else 0: what the engine steps do not hold
+    request_overhead: float = 0.0   # seconds from the client's send to the engine, and the first token back
+    handover_overhead: float = 0.0  # xPyD: the router's hop from P to D (its calls, D's claim), beyond the pull
+
+    def __post_init__(self) -> None:
+        if self.num_decode < 1 or self.num_prefill < 0:
+            raise ValueError(f"a deployment needs >= 1 decode (or colocated) instance and >= 0 prefill instances, "
+                             f"got {self.num_prefill}P {self.num_decode}D")
+        if self.chunk < 1 or self.max_num_seqs < 1:
+            raise ValueError("chunk and max_num_seqs must be >= 1")
+
+    @property
+    def name(self) -> str:
+        base = f"{self.num_decode}x colocated" if self.num_prefill == 0 else f"{self.num_prefill}P{self.num_decode}D"
+        return f"{base}, chunk {self.chunk}"
+
+
+@dataclass
+class SimRequest:
+    arrival: float
+    prompt: int
+    output: int
+    computed: int = 0                                   # prompt tokens computed
+    token_times: list[float] = field(default_factory=list)
+
+    @property
+    def decoding(self) -> bool:
+        return self.computed == self.prompt
+
+
+@dataclass
+class _Instance:
+    role: str
+    waiting: deque = field(default_factory=deque)
+    running: list = field(default_factory=list)
+    busy: bool = False
+    plan: tuple = ()                                    # the step in flight: (decodes, [(req, n)])
+
+    def prompt_backlog(self) -> int:
+        return sum(r.prompt - r.computed for r in itertools.chain(self.waiting, self.running))
+
+
+@dataclass
+class SimResult:
+    deployment: Deployment
+    requests: list[SimRequest]
+
+    def ttfts(self) -> np.ndarray:
+        return np.array([r.token_times[0] - r.arrival for r in self.requests])
+
+    def itls(self) -> np.ndarray:
+        gaps = [np.diff(r.token_times) for r in self.requests if len(r.token_times) > 1]
+        return np.concatenate(gaps) if gaps else np.zeros(0)
+
+    def summary(self, ttft_slo: float, itl_slo: float) -> dict:
+        ttft, itl = self.ttfts(), self.itls()
+        # as `picovllm bench serve` counts it: the ITL SLO holds for every gap of the request
+        good = sum(1 for r, t in zip(self.requests, ttft)
+                   if t <= ttft_slo and (len(r.token_times) < 2 or np.diff(r.token_times).max() <= itl_slo))
+        span = max(r.token_times[-1] for r in self.requests) - min(r.arrival for r in self.requests)
+        pct = (lambda a, q: float(np.percentile(a, q)) if len(a) else 0.0)
+        return {"deployment": self.deployment.name, "num_prefill": self.deployment.num_prefill,
+                "num_decode": self.deployment.num_decode, "chunk": self.deployment.chunk,
+                "ttft_p50": pct(ttft, 50), "ttft_p99": pct(ttft, 99), "itl_p50": pct(itl, 50),
+                "itl_p99": pct(itl, 99), "goodput": good / max(span, 1e-9), "good_fraction": good / len(self.requests),
+                "throughput": len(self.requests) / max(span, 1e-9)}
+
+
+def make_requests(traffic: Traffic) -> list[SimRequest]:
+    rng = random.Random(traffic.seed)
+    t, out = 0.0, []
+    for _ in range(traffic.num_requests):
+        t += rng.expovariate(traffic.rate)
+        out.append(SimRequest(t, traffic.prompt_len.sample(rng), traffic.output_len.sample(rng)))
+    return out
+
+
+def simulate(profile: StepProfile, deployment: Deployment, requests: list[SimRequest]) -> SimResult:
+    """Run the requests (fresh copies) through the deployment; every one finishes."""
+    reqs = [SimRequest(r.arrival, r.prompt, r.output) for r in requests]
+    colocated = deployment.num_prefill == 0
+    front = [_Instance("pd" if colocated else "p") for _ in range(deployment.num_prefill or deployment.num_decode)]
+    back = [] if colocated else [_Instance("d") for _ in range(deployment.num_decode)]
+    events: list = []
+    seq = itertools.count()
+    for r in reqs:
+        heapq.heappush(events, (r.arrival, next(seq), "arrive", r))
+
+    def start(inst: _Instance, now: float) -> None:
+        if inst.busy:
+            return
+        dt = _plan_step(inst, profile, deployment)
+        if dt is not None:
+            inst.busy = True
+            heapq.heappush(events, (now + dt, next(seq), "step", inst))
+
+    while events:
+        now, _, kind, obj = heapq.heappop(events)
+        if kind == "arrive":
+            inst = min(front, key=lambda i: i.prompt_backlog())
+            inst.waiting.append(obj)
+            start(inst, now)
+        elif kind == "kv":
+            inst = min(back, key=lambda i: len(i.running) + len(i.waiting))
+            inst.waiting.append(obj)
+            start(inst, now)
+        else:
+            obj.busy = False
+            for r in _finish_step(obj, now):            # requests leaving a P at their first token
+                pull = r.prompt * profile.kv_bytes_per_token / deployment.transfer_bw + deployment.transfer_latency
+                heapq.heappush(events, (now + pull + deployment.handover_overhead, next(seq), "kv", r))
+            start(obj, now)
+    for r in reqs:                                      # as the client sees them
+        r.token_times = [t + deployment.request_overhead for t in r.token_times]
+    return SimResult(deployment, reqs)
+
+
+def _plan_step(inst: _Instance, profile: StepProfile, dep: Deployment) -> float | None:
+    budget = dep.chunk
+    if inst.role == "d":                                # D: admit arrivals, decode everyone
+        while inst.waiting and len(inst.running) < dep.max_num_seqs:
+            inst.running.append(inst.waiting.popleft())
+    decodes = [r for r in inst.running if r.decoding][:budget]
+    budget -= len(decodes)
+    chunks = []
+    for r in inst.running:
+        if not r.decoding and budget > 0:
+            n = min(r.prompt - r.computed, budget)
+            chunks.append((r, n))
+            budget -= n
+    while inst.role != "d" and inst.waiting and budget > 0 and len(inst.running) < dep.max_num_seqs:
+        r = inst.waiting.popleft()
+        inst.running.append(r)
+        n = min(r.prompt, budget)
+        chunks.append((r, n))
+        budget -= n
+    if not decodes and not chunks:
+        return None
+    inst.plan = (decodes, chunks)
+    context = sum(r.prompt + len(r.token_times) for r in decodes)
+    return profile.step_time(sum(n for _, n in chunks), len(decodes), context)
+
+
+def _finish_step(inst: _Instance, now: float) -> list[SimRequest]:
+    decodes, chunks = inst.plan
+    handed, done = [], []
+    for r in decodes:
+        r.token_times.append(now)
+        if len(r.token_times) >= r.output:
+            done.append(r)
+    for r, n in chunks:
+        r.computed += n
+        if r.decoding:                                  # its first token
+            r.token_times.append(now)
+            if len(r.token_times) >= r.output:
+                done.append(r)
+            elif inst.role == "p":
+                handed.append(r)
+    for r in done + handed:
+        inst.running.remove(r)
+    return handed

@@ -1,0 +1,296 @@
+"""A fleet in one process: several P and D engines with the fleet connectors and the tcp PullTransfer over
+real sockets, no pairwise link; this test plays the router (any P's handle goes to any D).
+
+Oracle: the colocated engine (LLM) on the same weights, token for token. Faults: a D that dies (its
+sockets drop) mid-run, a D added while running, leases, a peer without the fleet's secret. conftest
+checks every engine ends every test with every block free.
+"""
+from __future__ import annotations
+
+import itertools
+import socket
+import threading
+import time
+import uuid
+
+import pytest
+
+from picovllm import LLM, EngineConfig, SamplingParams
+from picovllm.disagg.auth import FleetSecret
+from picovllm.disagg.fleet_decode import FleetDecodeConnector
+from picovllm.disagg.fleet_prefill import FleetPrefillConnector
+from picovllm.disagg.messages import KVAuthChallenge, KVAuthResult, PublishedKV, from_wire
+from picovllm.disagg.transfer import PullConfig
+from picovllm.disagg.transfer.host_tcp import HostTcpTransfer
+from picovllm.disagg.transfer.kv_socket import recv_frame, send_frame
+from picovllm.disagg.transfer.nixl import import_nixl
+from picovllm.engine.llm_engine import Engine
+from test_disagg_engines import assert_same, mixed_params, prompts
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+SECRET = FleetSecret(b"fleet-test-secret-0123456789")
+KW = dict(block_size=4, num_kv_blocks=256)
+
+
+def pull_config(secret=SECRET, **kw) -> PullConfig:
+    return PullConfig(secret, instance_id=uuid.uuid4().hex[:12], **kw)
+
+
+def nixl_or_skip() -> None:
+    try:
+        import_nixl()
+    except ImportError as e:
+        pytest.skip(str(e))
+
+
+def fleet_engine(path: str, role: str, config: PullConfig | None = None, **kw) -> Engine:
+    conn = (FleetPrefillConnector if role == "p" else FleetDecodeConnector)(config or pull_config())
+    eng = Engine(EngineConfig(path, role=role, **{**KW, **kw}), connector=conn)
+    conn.open(eng.executor)
+    return eng
+
+
+class Fleet:
+    """P and D engines stepped in turn; each published request goes to the next D (round-robin)."""
+
+    def __init__(self, ps: list[Engine], ds: list[Engine]) -> None:
+        self.ps, self.ds = ps, ds
+        self.finals: dict[str, object] = {}
+        self.routed: dict[str, Engine] = {}
+        self._next_p, self._next_d = itertools.count(), itertools.count()
+
+    def submit(self, prompt, params) -> str:
+        n = next(self._next_p)          # ids unique across the fleet, as the router makes them
+        return self.ps[n % len(self.ps)].submit(prompt, params, request_id=f"req-{n}")
+
+    def step(self) -> None:
+        for eng in self.ps + self.ds:
+            for out in eng.step():
+                if out.kv_handover is not None:
+                    d = self.ds[next(self._next_d) % len(self.ds)]
+                    offer = from_wire(out.kv_handover, PublishedKV)
+                    d.connector.check(offer)
+                    d.connector.offer(offer)
+                    self.routed[out.request_id] = d
+                elif out.finished:
+                    assert out.request_id not in self.finals, "two final outputs for one request"
+                    self.finals[out.request_id] = out
+
+    def run(self, ids, timeout_s: float = 60.0, each_step=None) -> None:
+        t0 = time.monotonic()
+        while not (all(i in self.finals for i in ids) and self.idle()):
+            self.step()
+            if each_step is not None:
+                each_step()
+            assert time.monotonic() - t0 < timeout_s, f"the fleet did not finish: {set(ids) - set(self.finals)}"
+
+    def idle(self) -> bool:
+        return not any(e.has_unfinished_requests() for e in self.ps + self.ds)
+
+    def close(self) -> None:
+        for eng in self.ps + self.ds:
+            eng.connector.shutdown()
+
+
+@pytest.fixture(scope="module")
+def path(tiny_models):
+    return tiny_models["llama"]
+
+
+@pytest.fixture(scope="module")
+def reference(path):
+    ps = prompts() * 2
+    params = [mixed_params()[i % 4] for i in range(len(ps))]
+    return ps, params, LLM(path, **KW).generate(ps, params, use_tqdm=False)
+
+
+@pytest.mark.parametrize("backend", ["tcp", "nixl", "cuda_ipc"])   # cuda_ipc on CPU: shared memory
+@pytest.mark.parametrize("num_p,num_d", [(2, 1), (1, 2)])
+def test_many_to_many_equals_colocated(path, reference, num_p, num_d, backend):
+    if backend == "nixl":
+        nixl_or_skip()
+    ps, params, ref = reference
+    # D's cache is small (30 blocks of 4) so offers wait for room: P's cache holds their KV meanwhile.
+    fleet = Fleet([fleet_engine(path, "p", pull_config(backend=backend), max_num_batched_tokens=8)
+                   for _ in range(num_p)],
+                  [fleet_engine(path, "d", pull_config(backend=backend), num_kv_blocks=30 if num_d == 1 else 256)
+                   for _ in range(num_d)])
+    try:
+        ids = [fleet.submit(p, sp) for p, sp in zip(ps, params)]
+        waited = 0
+
+        def count_waiting():
+            nonlocal waited
+            waited += sum(bool(d.connector.offers) for d in fleet.ds)
+
+        fleet.run(ids, each_step=count_waiting)
+        assert_same([fleet.finals[i] for i in ids], ref)
+        assert all(p.connector.stats["published"] > 0 for p in fleet.ps)
+        assert all(d.connector.stats["pulled"] > 0 for d in fleet.ds)
+        assert sum(p.connector.stats["released"] for p in fleet.ps) == sum(d.connector.stats["pulled"]
+                                                                           for d in fleet.ds)
+        if num_d == 1:
+            assert waited, "the decode cache was meant to be too small to take every request at once"
+    finally:
+        fleet.close()
+
+
+def test_decode_dies_mid_run_and_one_joins(path, reference):
+    """1P2D: D0 dies with requests claimed and decoding (its sockets drop): P frees what D0 held at once,
+    D0's requests end with an error there and nothing else is lost; D2 joins mid-run and takes work."""
+    ps, params, ref = reference
+    lease = 3.0                                   # what d0 had not claimed yet is freed by this
+    p = fleet_engine(path, "p", pull_config(lease_s=lease))
+    d0, d1 = fleet_engine(path, "d", max_num_seqs=1), fleet_engine(path, "d")   # d0: offers queue up
+    fleet = Fleet([p], [d0, d1])
+    d2 = None
+    try:
+        ids = [fleet.submit(x, sp) for x, sp in zip(ps[:8], params[:8])]
+        claimed = set()
+        while not (claimed and (d0.connector.pulling or d0.scheduler.running)):
+            fleet.step()       # until P has seen d0 claim a request it has not pulled yet
+            claimed = set(d0.connector.offers) & p.connector.transfer.claimed()
+        d0.connector.shutdown()                   # "killed": its KV connections drop
+        t0 = time.monotonic()
+        while claimed & set(p.connector.published):
+            p.step()                              # P frees what d0 claimed at once, not after the lease
+            assert time.monotonic() - t0 < lease / 2
+        fleet.ds = [d1]                           # the router drops the dead D; a new one joins
+        for rid in list(d0.requests):
+            d0.abort(rid)                         # the dead engine's leftovers, so that it ends clean
+        while d0.has_unfinished_requests():
+            d0.step()
+        d2 = fleet_engine(path, "d")
+        fleet.ds.append(d2)
+        more = [fleet.submit(x, sp) for x, sp in zip(ps[8:], params[8:])]
+        survivors = [i for i in ids if fleet.routed.get(i) is not d0] + more
+        fleet.run(survivors)
+        want = dict(zip(ids + more, ref))
+        assert_same([fleet.finals[i] for i in survivors], [want[i] for i in survivors])
+        assert d2.connector.stats["pulled"] > 0, "the decode instance that joined took no work"
+        assert not p.connector.published and not p.scheduler.held
+    finally:
+        fleet.close()
+        if d2 is None:
+            d0.connector.shutdown()
+
+
+def test_leases(path):
+    """An unclaimed handle is freed after the lease; a claimed one lives past it while its claimant is
+    alive (heartbeats) and is freed at once when the claimant's connection drops."""
+    p = fleet_engine(path, "p", pull_config(lease_s=0.8))
+    d = HostTcpTransfer("d", p.runner.kv_cache.clone(), p.connector.transfer.layout, pull_config(lease_s=0.8))
+    try:
+        a = p.submit([5, 6, 7, 8, 9], SamplingParams(max_tokens=4, ignore_eos=True))
+        b = p.submit([9, 8, 7], SamplingParams(max_tokens=4, ignore_eos=True))
+        handles = {}
+        while len(handles) < 2:
+            handles.update({o.request_id: from_wire(o.kv_handover, PublishedKV).handle for o in p.step()
+                            if o.kv_handover})
+        d.claim(handles[b])
+        time.sleep(1.8)
+        p.step()
+        assert list(p.connector.published) == [b] and p.connector.stats["expired"] == 1, "a expired, b claimed"
+        assert d.poll() == []
+        d.close()                                 # the claimant's connection drops
+        t0 = time.monotonic()
+        while p.has_unfinished_requests():
+            p.step()
+            assert time.monotonic() - t0 < 2
+        assert p.connector.stats["expired"] == 2 and a != b
+    finally:
+        d.close()
+        p.connector.shutdown()
+
+
+def test_peer_without_the_secret_is_refused(path):
+    p = fleet_engine(path, "p")
+    good = HostTcpTransfer("d", p.runner.kv_cache.clone(), p.connector.transfer.layout, pull_config())
+    bad = HostTcpTransfer("d", p.runner.kv_cache.clone(), p.connector.transfer.layout,
+                          pull_config(FleetSecret(b"not-the-fleet-secret-at-all")))
+    try:
+        p.submit([5, 6, 7, 8, 9], SamplingParams(max_tokens=4, ignore_eos=True))
+        handle = None
+        while handle is None:
+            handle = next((from_wire(o.kv_handover, PublishedKV).handle for o in p.step() if o.kv_handover), None)
+        bad.claim(handle)
+        bad.start_pull(handle, list(range(len(handle.block_ids))))
+        done = []
+        t0 = time.monotonic()
+        while len(done) < 1:
+            done += bad.poll()
+            assert time.monotonic() - t0 < 5
+        assert done[0].error and "shared secret" in done[0].error, done
+        assert bad.cache.abs().sum() == 0, "no KV may reach a peer without the secret"
+        # A raw socket that answers the challenge with garbage gets refused, and nothing else
+        with socket.create_connection(tuple(handle.address), timeout=5) as s:
+            assert isinstance(recv_frame(s), KVAuthChallenge)
+            send_frame(s, KVAuthResult(proof="x"))
+            assert "authentication failed" in recv_frame(s).error
+            assert s.recv(1) == b""
+        # A server that cannot prove the secret is refused by D, which sends it nothing but its proof
+        fake = socket.create_server(("127.0.0.1", 0))
+        seen = []
+
+        def impostor():
+            conn, _ = fake.accept()
+            send_frame(conn, KVAuthChallenge("00" * 32, handle.instance_id))
+            seen.append(recv_frame(conn))
+            send_frame(conn, KVAuthResult(proof="0" * 64))
+            conn.settimeout(2)
+            seen.append(conn.recv(1 << 16))
+            conn.close()
+
+        t = threading.Thread(target=impostor)
+        t.start()
+        forged = from_wire({"type": "KVHandle", "body": {**handle.__dict__, "layout": handle.layout.__dict__,
+                                                         "address": ["127.0.0.1", fake.getsockname()[1]]}})
+        good.claim(forged)
+        done = []
+        while not done:
+            done += good.poll()
+        t.join(5)
+        fake.close()
+        assert "did not prove" in done[0].error and seen[1] == b"", (done, seen)
+        # with the secret, the same handle is claimed, pulled and released: P frees it
+        good.claim(handle)
+        good.start_pull(handle, list(range(len(handle.block_ids))))
+        done = []
+        while not done:
+            done += good.poll()
+        assert done[0].error is None
+        good.release(handle)
+        while p.has_unfinished_requests():
+            p.step()
+        assert p.connector.stats["released"] == 1
+    finally:
+        good.close()
+        bad.close()
+        p.connector.shutdown()
+
+
+def test_prefill_gone_before_the_pull(path):
+    """P dies after publishing: the D the request was routed to ends it with an error naming P, frees its
+    blocks, and keeps serving."""
+    p, d = fleet_engine(path, "p"), fleet_engine(path, "d")
+    try:
+        p.submit([5, 6, 7, 8, 9, 10], SamplingParams(max_tokens=6, ignore_eos=True), request_id="r")
+        handover = None
+        while handover is None:
+            handover = next((o.kv_handover for o in p.step() if o.kv_handover is not None), None)
+        p.connector.shutdown()                    # "killed": its KV server is gone
+        p.abort("r")                              # (the dead engine's leftovers, so that it ends clean)
+        offer = from_wire(handover, PublishedKV)
+        d.connector.check(offer)
+        d.connector.offer(offer)
+        final = None
+        t0 = time.monotonic()
+        while final is None or d.has_unfinished_requests():
+            final = next((o for o in d.step() if o.finished), final)
+            assert time.monotonic() - t0 < 10
+        assert final.outputs[0].finish_reason == "error" and "prefill instance" in final.error, final.error
+        assert d.connector.stats["failed"] == 1
+    finally:
+        p.connector.shutdown()
+        d.connector.shutdown()

@@ -1,0 +1,261 @@
+"""A fleet as processes: `serve --role p|d --kv-transfer tcp` instances behind `picovllm router`.
+
+Oracle: LLM.generate in this process on the same weights (greedy). Also: the control routes refuse a
+caller without the fleet's secret; a D killed mid-stream ends its request with an error, leaves the
+rotation, and P ends with every block free; a D started with --router joins and takes work; SIGTERM
+stops every process cleanly. The routing policies are checked on their own first (no processes).
+"""
+import json
+import os
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+
+from picovllm import LLM, SamplingParams
+from picovllm.disagg.auth import FleetSecret, sign_request
+from picovllm.disagg.router_policy import Instance, LeastLoaded, PrefixAware, RoundRobin
+from picovllm.entrypoints.openai.async_engine import EngineStepError
+from picovllm.disagg.transfer import PULL_BACKENDS
+from picovllm.entrypoints.openai.cli_serve import FLEET_ONLY_BACKENDS
+from serving_fixtures import ServerProcess, build_tiny_chat_model
+from test_pd_serving import wait_idle
+from test_server_lifecycle import children_of
+
+ENGINE_ARGS = ["--block-size", "16", "--num-kv-blocks", "256", "--max-model-len", "1024"]
+SECRET = "router-test-secret-0123456789"
+PROMPTS = ["Hello, how are you", "The capital of France is", "Tell me a story about a cat",
+           "Numbers: 0 1 2 3 4 5 6 7 8 9. The quick brown fox jumps over the lazy dog. A server streams"]  # > 16 tokens
+
+
+def test_policies():
+    ps = [Instance(f"http://p{i}", "p", f"p{i}", block_size=4) for i in range(3)]
+    rr = RoundRobin()
+    assert [rr.choose(ps, [])[0].url for _ in range(4)] == ["http://p0", "http://p1", "http://p2", "http://p0"]
+    ps[0].running, ps[1].in_flight, ps[2].waiting = 3, 1, 2
+    assert LeastLoaded().choose(ps, []) == (ps[1], "least_loaded")
+    prefix = PrefixAware(max_imbalance=2)
+    shared = list(range(100, 116))                    # four full blocks of 4
+    first, why = prefix.choose(ps, shared + [1, 2])
+    assert (first, why) == (ps[1], "prefix_miss")
+    ps[1].in_flight = 3                               # busier now, but within the imbalance
+    assert prefix.choose(ps, shared + [7]) == (ps[1], "prefix_hit")
+    assert prefix.choose(ps, shared[:8] + [9] * 8) == (ps[1], "prefix_hit")   # two shared leading blocks
+    assert prefix.choose(ps, [5] * 16)[1] == "prefix_miss"
+    ps[1].in_flight = 9                               # too busy: the least loaded takes it (and the prefix)
+    assert prefix.choose(ps, shared) == (ps[2], "prefix_overloaded")
+    assert prefix.choose(ps, shared)[0] is ps[2]
+    assert set(FLEET_ONLY_BACKENDS) <= set(PULL_BACKENDS)
+
+
+def test_a_prefill_lost_before_it_started_passes_the_request_on():
+    """The router against fake instances (httpx.MockTransport): P1 accepts the request, then its stream breaks
+    before a line: P2 takes it, P1 leaves the rotation, the client sees one clean stream. A D whose stream breaks
+    after its first line ends the request with an error naming it."""
+    import asyncio
+
+    from picovllm.disagg.messages import OutputEncoder
+    from picovllm.disagg.router import InstancePool, RouterEngine
+    from picovllm.outputs import CompletionOutput, RequestOutput
+
+    def out(tokens, finished, reason=None):
+        return RequestOutput("r", None, [1, 2, 3], [CompletionOutput(0, "", tokens, None, None, reason)], finished)
+
+    async def broken(lines=()):
+        for line in lines:
+            yield line
+        raise httpx.ReadError("connection reset")
+
+    async def whole(lines):
+        for line in lines:
+            yield line
+
+    def lines(*outs, handover=None):
+        wire, res = OutputEncoder(), []
+        for o in outs:
+            res.append(wire.encode(o))
+        if handover is not None:
+            res[-1]["kv_handover"] = handover
+        return [json.dumps(x).encode() + b"\n" for x in res]
+
+    d_lines = lines(out([5, 6], False), out([5, 6, 7], True, "length"))
+    seen = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        host = request.url.host
+        seen.append(host)
+        if host == "p1":
+            return httpx.Response(200, content=broken())
+        if host == "p2":
+            return httpx.Response(200, content=whole(lines(out([5], True), handover={"opaque": True})))
+        if host == "d1":
+            return httpx.Response(200, content=whole(d_lines))
+        return httpx.Response(200, content=broken(d_lines[:1]))
+
+    async def run(decode: str):
+        pool = InstancePool(FleetSecret(SECRET.encode()), lease_s=30.0)
+        for url, role in (("http://p1", "p"), ("http://p2", "p"), (decode, "d")):
+            pool.add(url, role, {"role": role, "fleet": True, "instance_id": url[7:], "block_size": 4})
+        engine = RouterEngine(pool, RoundRobin(), RoundRobin(), {}, transport=httpx.MockTransport(handler))
+        engine.start()
+        try:
+            stream = await engine.add_request([1, 2, 3], SamplingParams(max_tokens=3), "r")
+            got = [o async for o in stream.outputs()]
+        except EngineStepError as e:   # the second case checks it
+            got = e
+        finally:
+            await engine.shutdown()
+        return got, pool
+
+    got, pool = asyncio.run(run("http://d1"))
+    assert [o.outputs[0].token_ids for o in got] == [[5], [5, 6], [5, 6, 7]] and got[-1].finished
+    assert seen == ["p1", "p2", "d1"]
+    assert not pool.instances["http://p1"].up and pool.instances["http://p2"].up
+    assert all(i.in_flight == 0 for i in pool.instances.values())
+    seen.clear()
+    got, pool = asyncio.run(run("http://d2"))
+    assert isinstance(got, Exception) and "decode instance http://d2" in str(got), got
+    assert all(i.in_flight == 0 for i in pool.instances.values())
+
+
+def signed(method: str, url: str, path: str, body: dict | None = None, secret: str = SECRET) -> httpx.Response:
+    data = json.dumps(body).encode() if body is not None else b""
+    headers = {"content-type": "application/json", **sign_request(FleetSecret(secret.encode()), method, path, data)}
+    return httpx.request(method, url + path, content=data or None, headers=headers, timeout=30)
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    """1 P and 2 D instances behind a router (decode policy round_robin, so both Ds take work)."""
+    root = tmp_path_factory.mktemp("fleet")
+    model = build_tiny_chat_model(str(root / "model"), max_position_embeddings=2048)
+    secret_file = root / "secret"
+    secret_file.write_text(SECRET + "\n")
+    common = ["--kv-transfer", "tcp", "--pd-secret-file", str(secret_file), "--kv-lease", "2", *ENGINE_ARGS]
+    procs = {}
+
+    def instance(name, role, *extra):
+        procs[name] = ServerProcess(model, str(root / f"{name}.log"), "--role", role, *common, *extra,
+                                    startup_timeout=None)
+        return procs[name]
+
+    try:
+        for name, role in (("p", "p"), ("d0", "d"), ("d1", "d")):
+            instance(name, role)
+        for srv in procs.values():
+            srv.wait_ready(180.0)
+        procs["router"] = ServerProcess(None, str(root / "router.log"), "--prefill", procs["p"].url, "--decode",
+                                        procs["d0"].url, procs["d1"].url, "--decode-policy", "round_robin",
+                                        "--pd-secret-file", str(secret_file), "--lease", "2",
+                                        "--startup-timeout", "120", command=("router",))
+        yield {"model": model, "procs": procs, "instance": instance, "dead": []}
+    finally:
+        for srv in procs.values():
+            srv.stop(signal.SIGKILL, timeout=10)
+
+
+def test_outputs_equal_colocated(fleet):
+    procs = fleet["procs"]
+    llm = LLM(fleet["model"], block_size=16, num_kv_blocks=256, max_model_len=1024)
+    client = openai.OpenAI(base_url=procs["router"].url + "/v1", api_key="unused", max_retries=0)
+    name = client.models.list().data[0].id
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    for prompt, r in zip(PROMPTS * 2, llm.generate(PROMPTS * 2, sp, use_tqdm=False)):
+        got = client.completions.create(model=name, prompt=prompt, max_tokens=12, temperature=0,
+                                        extra_body={"ignore_eos": True})
+        assert got.choices[0].text == r.outputs[0].text and got.choices[0].finish_reason == "length"
+    parts = [ch.choices[0].text for ch in client.completions.create(
+        model=name, prompt=PROMPTS[3], max_tokens=12, temperature=0, stream=True, extra_body={"ignore_eos": True})
+        if ch.choices]
+    assert "".join(parts) == llm.generate([PROMPTS[3]], sp, use_tqdm=False)[0].outputs[0].text
+    one = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)[0].outputs[0]
+    assert client.completions.create(model=name, prompt="Hello", max_tokens=1, temperature=0).choices[0].text == one.text
+    with pytest.raises(openai.BadRequestError, match="longer"):
+        client.completions.create(model=name, prompt=list(range(5, 300)) * 4, max_tokens=4)
+    m = procs["router"].metrics()
+    assert m["picovllm:requests_total.length"] >= 9
+    for srv in (procs["p"], procs["d0"], procs["d1"]):
+        wait_idle(srv)
+    served = [wait_idle(procs[d])["picovllm:requests_total.length"] for d in ("d0", "d1")]
+    assert min(served) >= 4, f"round-robin over two decode instances: {served}"
+
+
+def test_control_routes_need_the_secret(fleet):
+    procs = fleet["procs"]
+    body = {"request_id": "x", "prompt_token_ids": [5, 6, 7], "params": {"max_tokens": 2}, "arrival_time": 0.0}
+    for url, path, data in ((procs["p"].url, "/pd/prefill", body), (procs["router"].url, "/admin/instances",
+                                                                     {"url": "http://127.0.0.1:1", "role": "d"})):
+        assert httpx.post(url + path, json=data, timeout=10).status_code == 401
+        r = signed("POST", url, path, data, secret="another-secret-0123456789")
+        assert r.status_code == 401 and "secret" in r.json()["error"]["message"]
+    assert signed("GET", procs["d0"].url, "/pd/load").json()["running"] == 0
+    listed = signed("GET", procs["router"].url, "/admin/instances").json()["instances"]
+    assert sorted(i["role"] for i in listed) == ["d", "d", "p"] and all(i["up"] for i in listed)
+    r = signed("POST", procs["router"].url, "/admin/instances", {"url": procs["p"].url, "role": "d"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "role"
+    # removed at run time: no request goes there; added back: it does again
+    router, d1 = procs["router"].url, procs["d1"]
+    assert signed("POST", router, "/admin/instances/remove", {"url": d1.url}).status_code == 200
+    before = wait_idle(d1)["picovllm:requests_total.length"]
+    for _ in range(2):
+        assert httpx.post(router + "/v1/completions", json={"prompt": "Hi", "max_tokens": 3}, timeout=30).status_code == 200
+    assert wait_idle(d1)["picovllm:requests_total.length"] == before
+    assert signed("POST", router, "/admin/instances/remove", {"url": d1.url}).status_code == 404
+    assert signed("POST", router, "/admin/instances", {"url": d1.url, "role": "d"}).status_code == 200
+    for _ in range(2):
+        assert httpx.post(router + "/v1/completions", json={"prompt": "Hi", "max_tokens": 3}, timeout=30).status_code == 200
+    assert wait_idle(d1)["picovllm:requests_total.length"] == before + 1
+    wait_idle(procs["p"])
+
+
+def test_decode_killed_then_one_joins(fleet):
+    procs, router = fleet["procs"], fleet["procs"]["router"]
+    body = {"prompt": "Tell me a story", "max_tokens": 900, "temperature": 0, "ignore_eos": True, "stream": True}
+    events, victim, t0 = [], None, None
+    with httpx.stream("POST", router.url + "/v1/completions", json=body, timeout=30) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            events.append(line[6:])
+            if len(events) == 3:      # P's token and two of D's: kill the D decoding it
+                victim = next(d for d in ("d0", "d1") if procs[d].metrics()["picovllm:num_requests_running"] == 1)
+                procs[victim].proc.send_signal(signal.SIGKILL)
+                t0 = time.monotonic()
+    fleet["dead"].append(victim)
+    assert time.monotonic() - t0 < 10 and events[-1] == "[DONE]"
+    assert "decode instance" in json.loads(events[-2])["error"]["message"], events[-3:]
+    wait_idle(procs["p"])
+    for _ in range(3):            # the dead D is out of rotation: every request goes to the other
+        r = httpx.post(router.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 4}, timeout=30)
+        assert r.status_code == 200, r.text
+    m = router.metrics()
+    assert m["picovllm:requests_total.error"] == 1
+    up = {i["url"]: i["up"] for i in signed("GET", router.url, "/admin/instances").json()["instances"]}
+    assert up[procs[victim].url] is False and up[procs["p"].url] is True
+    text = httpx.get(router.url + "/metrics", timeout=10).text   # per instance and per routing decision
+    assert f'picovllm:router_instance_up{{instance="{procs[victim].url}",role="d"}} 0.0' in text
+    assert f'picovllm:router_instance_failures_total{{instance="{procs[victim].url}",role="d"}}' in text
+    assert 'picovllm:router_decisions_total{policy="prefix",reason="prefix_hit",role="p"}' in text
+    assert 'picovllm:router_decisions_total{policy="round_robin",reason="round_robin",role="d"}' in text
+    # a new D registers itself with the router and takes work at once
+    new = fleet["instance"]("d2", "d", "--router", router.url).wait_ready(120.0)
+    deadline = time.time() + 30
+    while new.url not in {i["url"] for i in signed("GET", router.url, "/admin/instances").json()["instances"]}:
+        assert time.time() < deadline, new.log()[-2000:]
+        time.sleep(0.2)
+    for _ in range(4):
+        r = httpx.post(router.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 4}, timeout=30)
+        assert r.status_code == 200, r.text
+    assert wait_idle(new)["picovllm:requests_total.length"] >= 1
+    wait_idle(procs["p"])
+
+
+def test_sigterm_stops_every_process_cleanly(fleet):
+    for name, srv in fleet["procs"].items():
+        if name in fleet["dead"]:
+            continue
+        kids = children_of(srv.proc.pid)
+        assert srv.stop(signal.SIGTERM, timeout=30) == 0, srv.log()[-3000:]
+        assert not [k for k in kids if os.path.exists(f"/proc/{k}")]
