@@ -154,6 +154,28 @@ def test_backend_matches_torch(device, dtype, tol, block_size, hq, hkv, d, ctx, 
 
 
 @pytest.mark.parametrize("device,dtype,tol", CASES)
+@pytest.mark.parametrize("window,softcap,splits", [(5, None, 3), (16, None, 1), (1, None, 2), (None, 1.0, 2),
+                                                    (9, 1.0, 1)])
+def test_sliding_window_and_softcap_match_torch(device, dtype, tol, window, softcap, splits):
+    """Decodes within and past the window (split-K over the window only), prefill tiles whose first rows see
+    none of a key tile (a window shorter than the tile), a chunk over cached context; head_dim 80, 1 KV head."""
+    from picovllm.kernels.prefill_attention import prefill_attention
+    b = PagedBatch([3, 40, 70, 0, 21], [1, 1, 1, 37, 19], 8, 4, 1, 80, dtype, device, seed=11)
+    b.q *= 3     # scores large enough for the cap to matter
+    k_cache, v_cache = b.caches()
+    store_kv_ref(b.k, b.v, k_cache, v_cache, b.meta.slot_mapping)
+    ref = TorchAttentionBackend().forward(b.q.float(), b.k.float(), b.v.float(), k_cache.float(), v_cache.float(),
+                                          b.meta, 0.1, window, softcap)
+    out = torch.full_like(b.q, float("nan"))
+    decode_attention(b.q[:3], k_cache, v_cache, b.meta.block_tables[:3], b.meta.seq_lens[:3], 0.1, out=out[:3],
+                     block_n=16, num_splits=splits, window=window, softcap=softcap)
+    prefill_attention(b.q, k_cache, v_cache, b.meta.block_tables, b.meta.seq_lens, b.meta.query_start_loc,
+                      3, 2, 37, 0.1, out, block_m=16, block_n=16, window=window, softcap=softcap)
+    assert not out.isnan().any()
+    assert rel_err(out, ref) < tol
+
+
+@pytest.mark.parametrize("device,dtype,tol", CASES)
 def test_prefill_tiles_cross_chunk_boundaries(device, dtype, tol):
     """Small query tiles, so a chunk spans several tiles and each tile's causal limit differs."""
     from picovllm.kernels.prefill_attention import prefill_attention
