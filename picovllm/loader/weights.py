@@ -1,6 +1,8 @@
 """Put a checkpoint's tensors into a model: each parameter's own weight_loader takes its shard."""
 from __future__ import annotations
 
+import re
+
 import torch
 from torch import nn
 
@@ -21,6 +23,7 @@ def load_weights(model: nn.Module, weights: WeightIterator) -> None:
             if f".{frag}." in name:
                 name, shard = name.replace(f".{frag}.", f".{fused}."), shard_id
                 break
+        name, shard = _stacked_expert(name, shard)
         param = params.get(name)
         if param is None:
             raise ValueError(f"checkpoint tensor {ckpt_name!r} matches no parameter of {type(model).__name__}")
@@ -35,8 +38,10 @@ def load_weights(model: nn.Module, weights: WeightIterator) -> None:
                 param.data.copy_(tensor)
         loaded.add(name if shard is None else f"{name}#{shard}")
     expected = set()
-    for name, _ in model.named_parameters():
-        if name.endswith("qkv_proj.weight") or name.endswith("qkv_proj.bias"):
+    for name, p in model.named_parameters():
+        if hasattr(p, "shard_ids"):
+            expected |= {f"{name}#{shard}" for shard in p.shard_ids}
+        elif name.endswith("qkv_proj.weight") or name.endswith("qkv_proj.bias"):
             expected |= {f"{name}#q", f"{name}#k", f"{name}#v"}
         elif name.endswith("gate_up_proj.weight"):
             expected |= {f"{name}#0", f"{name}#1"}
@@ -45,6 +50,13 @@ def load_weights(model: nn.Module, weights: WeightIterator) -> None:
     missing = sorted(expected - loaded)
     if missing:
         raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:8])}" + (" ..." if len(missing) > 8 else ""))
+
+
+def _stacked_expert(name: str, shard: object) -> tuple[str, object]:
+    """MoE checkpoints keep one tensor per expert (...experts.N.gate_up_proj.weight, after the renaming above);
+    the MoE layer stacks them: ...experts.gate_up_proj, shard (N, the part within the expert)."""
+    m = re.fullmatch(r"(.*\.experts)\.(\d+)\.(\w+)\.weight", name)
+    return (name, shard) if m is None else (f"{m[1]}.{m[3]}", (int(m[2]), shard))
 
 
 def _unfused(weights: WeightIterator, cfg) -> WeightIterator:
