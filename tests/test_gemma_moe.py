@@ -1,5 +1,4 @@
-"""Gemma 2, Gemma 3 (text), Qwen3-MoE, Mixtral and Mistral with a sliding window shorter than the prompts, from
-HF folders: greedy tokens and logprobs against HF transformers on the same tiny random weights (fp32, CPU), and
+"""Gemma 2, Gemma 3 (text), Qwen3-MoE and Mixtral from HF folders: greedy tokens and logprobs against HF transformers on the same tiny random weights (fp32, CPU), and
 TP=2 against TP=1.
 
 The shapes are the awkward ones: head_dim 80 and 256, one KV head, windows shorter than the prompt (and than a
@@ -32,7 +31,6 @@ CASES = {
                                             "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
                                             "full_attention": {"rope_type": "linear", "factor": 4.0,
                                                                "rope_theta": 10000.0}})),
-    "mistral_window": ("MistralConfig", dict(head_dim=16, sliding_window=9)),
     # 8 experts, top-2, weights not renormalised; layer 1 dense
     "qwen3_moe": ("Qwen3MoeConfig", dict(head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                                          mlp_only_layers=[1], norm_topk_prob=False)),
@@ -56,6 +54,8 @@ def build(path: str, case: str) -> str:
                 p.copy_(("gemma" not in case) + 0.3 * torch.randn_like(p))
             elif name.endswith("gate.weight"):   # routers: decisive top-k choices, not near-ties
                 p.copy_(0.5 * torch.randn_like(p))
+            elif "q_proj" in name or "k_proj" in name:   # scores of a few units: the soft-cap bites
+                p.mul_(10)
     model.save_pretrained(path)
     return path
 
@@ -76,15 +76,16 @@ def generate(llm: LLM, ps, n: int = 12):
     return llm.generate(ps, sp, use_tqdm=False)
 
 
-# (engine kwargs): the C attention kernel with prefill chunks of 5 over cached context; the torch reference
-ENGINES = {"cpu_chunked": dict(max_num_batched_tokens=5), "torch": dict(attention_backend="torch")}
+# engine kwargs: the C attention kernel with prefill chunks of 5 over cached context; for Gemma's attention, the
+# torch reference too
+ENGINES = [dict(max_num_batched_tokens=5), dict(attention_backend="torch")]
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_greedy_and_logprobs_match_hf(models, case):
     ps = prompts()
     ref, ref_lp = hf_greedy(models[case], ps, 12)
-    for kw in ENGINES.values():
+    for kw in ENGINES if case.startswith("gemma") else ENGINES[:1]:
         llm = LLM(models[case], block_size=4, num_kv_blocks=128, device="cpu", **kw)
         outs = generate(llm, ps)
         assert [o.outputs[0].token_ids for o in outs] == ref, kw
@@ -92,24 +93,6 @@ def test_greedy_and_logprobs_match_hf(models, case):
             ours = [d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
             assert ours == pytest.approx(lp, abs=LOGPROB_ATOL)
         assert llm.engine.scheduler.block_manager.num_free_blocks == 128
-
-
-def test_window_is_not_full_attention(models):
-    """The sliding window changes Mistral's output here (else the parity above would not test it)."""
-    import json
-    import os
-    import shutil
-
-    path = models["mistral_window"] + "_full"
-    shutil.copytree(models["mistral_window"], path)
-    with open(os.path.join(path, "config.json")) as f:
-        cfg = json.load(f)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(dict(cfg, sliding_window=None), f)
-    ps = prompts()
-    windowed = [o.outputs[0].token_ids for o in generate(LLM(models["mistral_window"], num_kv_blocks=64), ps)]
-    full = [o.outputs[0].token_ids for o in generate(LLM(path, num_kv_blocks=64), ps)]
-    assert windowed[:2] == full[:2] and windowed[2:] != full[2:]   # prompts within the window agree
 
 
 @pytest.mark.parametrize("case", ["gemma2", "gemma3", "qwen3_moe", "mixtral"])
