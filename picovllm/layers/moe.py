@@ -5,7 +5,8 @@ Under tensor parallelism every rank holds every expert with its intermediate dim
 (gate/up column-parallel, down row-parallel): each rank computes every routed token's partial output, and one
 all-reduce of the combined sum finishes the layer. The router is replicated, so the ranks route alike.
 
-route() and experts_reference() are the torch reference and the CPU path.
+route() and experts_reference() are the torch reference: the CPU path, and the oracle of the grouped Triton
+kernels (picovllm/kernels/moe.py) that the layer runs on the GPU.
 """
 from __future__ import annotations
 
@@ -79,5 +80,10 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
-        out = experts_reference(x, weights, ids, self.experts.gate_up_proj, self.experts.down_proj, self.act)
+        w13, w2 = self.experts.gate_up_proj, self.experts.down_proj
+        if x.is_cuda:   # tokens grouped by expert, a grouped GEMM per projection; the torch code is its reference
+            from picovllm.kernels.moe import fused_experts
+            out = fused_experts(x, weights, ids, w13, w2, self.act)
+        else:
+            out = experts_reference(x, weights, ids, w13, w2, self.act)
         return self.tp.all_reduce(out)
