@@ -86,9 +86,12 @@ class ModelConfig:
         if local_rope is not None and _rope_scaling(local_rope) is not None:
             raise ValueError("config.json rope_parameters.sliding_attention: only the default rope is supported "
                              "on sliding layers")
-        act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
+        if cfg.get("use_bidirectional_attention"):
+            raise ValueError("config.json use_bidirectional_attention=true: only causal attention is supported")
+        act_field = "hidden_activation" if cfg.get("hidden_activation") else "hidden_act"   # Gemma's name, others'
+        act = cfg.get(act_field) or "silu"
         if act not in ACTIVATIONS:
-            raise ValueError(f"config.json hidden_act={act!r}: supported: {', '.join(ACTIVATIONS)}")
+            raise ValueError(f"config.json {act_field}={act!r}: supported: {', '.join(ACTIVATIONS)}")
         eos = cfg.get("eos_token_id")
         eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         window, sliding = _sliding_window(cfg, arch, layers)

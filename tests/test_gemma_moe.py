@@ -103,3 +103,20 @@ def test_tp2_matches_tp1(models, case, monkeypatch):
     with LLM(models[case], tensor_parallel_size=2, num_kv_blocks=64) as llm:
         tp2 = llm.generate(ps, sp, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in tp2] == [o.outputs[0].token_ids for o in tp1]
+
+
+@pytest.mark.parametrize("field,value", [("use_bidirectional_attention", True), ("hidden_activation", "relu"),
+                                         ("rope_parameters", {"rope_type": "yarn", "factor": 2.0})])
+def test_what_cannot_be_honoured_is_refused(models, tmp_path, field, value):
+    import json
+    import os
+    import shutil
+
+    path = str(tmp_path / "m")
+    shutil.copytree(models["gemma2"], path)
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(dict(cfg, **{field: value}), f)
+    with pytest.raises(ValueError, match=field.split("_")[0] if field == "rope_parameters" else field):
+        LLM(path, device="cpu")
