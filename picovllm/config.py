@@ -181,6 +181,9 @@ def _rope_scaling(rs: dict[str, Any]) -> dict | None:
     return dict(rs, rope_type=kind)
 
 
+QUANTIZATIONS = ("auto", "none")
+
+
 @dataclass
 class EngineConfig:
     model: str | None = None              # HF folder, .gguf file, or None for the default model
@@ -202,6 +205,7 @@ class EngineConfig:
     seed: int = 0
     role: str = "pd"                      # "pd" (colocated), "p" (prefill only), "d" (decode only)
     disk_cache: bool = True               # keep a GGUF's tokenizer and weights in the artifact cache
+    quantization: str = "auto"            # weights on the CPU: "auto" (a GGUF's own 4/8-bit form) | "none" (fp32)
 
     def __post_init__(self) -> None:
         import torch
@@ -241,6 +245,8 @@ class EngineConfig:
             self.async_scheduling = str(self.device).startswith("cuda")
         if not isinstance(self.async_scheduling, bool):
             raise bad("async_scheduling", "must be a bool or None")
+        if self.quantization not in QUANTIZATIONS:
+            raise bad("quantization", f"must be one of {', '.join(map(repr, QUANTIZATIONS))}")
         if self.role not in ("pd", "p", "d"):
             raise bad("role", "must be 'pd', 'p' or 'd'")
 

@@ -53,3 +53,5 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     error: str | None = None
     num_cached_tokens: int = 0
+    # SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (nothing predicts it)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

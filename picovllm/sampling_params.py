@@ -68,6 +68,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None   # per prompt token (the first gets None): its logprob, rank and top-k
     skip_special_tokens: bool = True
     # As vLLM/OpenAI: presence and frequency penalties count the generated tokens; the repetition
     # penalty (HF/CTRL: positive logits divided by it, negative ones multiplied) the prompt's too.
@@ -122,6 +123,9 @@ class SamplingParams:
             raise bad("stop_token_ids", "must be non-negative ints")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
             raise bad("logprobs", "must be an int >= 0 or None")
+        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int)
+                                                 or isinstance(self.prompt_logprobs, bool) or self.prompt_logprobs < 0):
+            raise bad("prompt_logprobs", "must be an int >= 0 or None")
         self._validate_penalties(bad)
         so = self.structured_outputs
         if so is not None and not isinstance(so, StructuredOutputsParams):

@@ -62,6 +62,27 @@ def test_batch_jsonl_round_trip_equals_llm_generate(tiny_models, tmp_path, capsy
     assert all(r["finish_reason"] == "length" for r in good)
 
 
+def test_batch_n_samples_and_prompt_logprobs(tiny_models, tmp_path, capsys):
+    """A line with n > 1 gets an "outputs" list (as LLM.generate's samples), prompt_logprobs a list per prompt token."""
+    lines = [{"prompt_token_ids": [3, 4, 5, 6], "n": 3, "temperature": 1.0, "seed": 7, "max_tokens": 4},
+             {"prompt_token_ids": [9, 8, 7], "max_tokens": 2, "prompt_logprobs": 1}]
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    assert cli_main(["batch", "-i", str(inp), "-o", str(out), "--model", tiny_models["llama"], "--num-kv-blocks", "64",
+                     "--ignore-eos", "--no-progress"]) == 0
+    recs = [json.loads(x) for x in out.read_text().splitlines()]
+    ref = LLM(tiny_models["llama"], num_kv_blocks=64).generate(
+        [x["prompt_token_ids"] for x in lines],
+        [SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=4, ignore_eos=True),
+         SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=1, ignore_eos=True)], use_tqdm=False)
+    assert [s["token_ids"] for s in recs[0]["outputs"]] == [c.token_ids for c in ref[0].outputs]
+    assert len({tuple(s["token_ids"]) for s in recs[0]["outputs"]}) > 1     # three seeded, different samples
+    assert recs[1]["token_ids"] == ref[1].outputs[0].token_ids
+    assert recs[1]["prompt_logprobs"][0] is None
+    assert [{int(t): v for t, v in d.items()} for d in recs[1]["prompt_logprobs"][1:]] == \
+        [{t: lp.logprob for t, lp in d.items()} for d in ref[1].prompt_logprobs[1:]]
+
+
 def test_batch_lines_take_penalties_and_logit_bias(tiny_models, tmp_path, capsys):
     """A line's penalties and logit_bias (JSON: string keys) override the command's --repetition-penalty."""
     rng = random.Random(2)
@@ -71,11 +92,11 @@ def test_batch_lines_take_penalties_and_logit_bias(tiny_models, tmp_path, capsys
     lines[1].update(logit_bias={"7": 5.0, "11": -100}, repetition_penalty=1.0)
     bad = {"prompt_token_ids": [1, 2], "logit_bias": {"7": 500}}
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-    inp.write_text("\n".join(json.dumps(x) for x in lines + [bad, {"prompt_token_ids": [1, 2], "n": 2}]) + "\n")
+    inp.write_text("\n".join(json.dumps(x) for x in lines + [bad, {"prompt_token_ids": [1, 2], "n": 0}]) + "\n")
     rc = cli_main(["batch", "-i", str(inp), "-o", str(out), "--model", tiny_models["llama"], "--num-kv-blocks", "64",
                    "--ignore-eos", "--no-progress", "--repetition-penalty", "1.7"])
     recs = [json.loads(x) for x in out.read_text().splitlines()]
-    assert rc == 1 and "logit_bias" in recs[3]["error"] and "SamplingParams.n must be 1" in recs[4]["error"]
+    assert rc == 1 and "logit_bias" in recs[3]["error"] and "SamplingParams.n must be an int >= 1" in recs[4]["error"]
     llm = LLM(tiny_models["llama"], num_kv_blocks=64)
     params = [SamplingParams(**{"temperature": 0.0, "ignore_eos": True, "repetition_penalty": 1.7,
                                 **{k: v for k, v in x.items() if k != "prompt_token_ids"}}) for x in lines]

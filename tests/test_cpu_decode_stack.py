@@ -75,3 +75,42 @@ def test_enforce_eager_and_other_dtypes_do_not_build_it(tiny_models):
     eager = LLM(tiny_models["llama"], num_kv_blocks=16, enforce_eager=True, device="cpu")
     assert eager.engine.runner.cpu_decode is None
     assert LLM(tiny_models["llama"], num_kv_blocks=16, dtype="bfloat16", device="cpu").engine.runner.cpu_decode is None
+
+
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+@pytest.mark.parametrize("kind", ["Q4_1", "mixed"])
+def test_quantized_decode_steps_match_the_modules(tmp_path, monkeypatch, kind, isa, threads):
+    """A GGUF run quantized (its layers QuantizedWeights, "mixed": a layer of two forms and a float32 one, see
+    test_gguf): each decode step's logits from the stack against the torch modules' (the same quantized GEMMs
+    one by one), on the AVX2 and the AVX-512 build of both. Their float32 norms and attention round differently,
+    which now and then moves one activation across an int8 rounding boundary: one quantization step of one
+    element, ~1e-3 of the logits. So most steps agree to float32 rounding, and none by more than 1%."""
+    from picovllm.kernels.cpu import quant_gemm
+    from picovllm.kernels.cpu.build import cpu_isas
+    from test_gguf import LAYERS, PROMPTS, write_tiny_gguf
+    if isa not in cpu_isas():
+        pytest.skip(f"this CPU has no {isa}")
+    monkeypatch.setenv("PICOVLLM_CPU_ISA", isa)
+    path = str(tmp_path / f"{kind}.gguf")
+    override = {f"blk.{i}.{t}.weight": q for i in range(LAYERS)
+                for t, q in [("attn_v", "Q6_K"), ("ffn_gate", "F16"), ("ffn_down", "Q8_0")]} if kind == "mixed" else {}
+    write_tiny_gguf(path, "Q4_K" if kind == "mixed" else kind, override=override)
+    llm = LLM(path, block_size=8, num_kv_blocks=64, enable_prefix_caching=False, disk_cache=False)
+    runner = llm.engine.runner
+    stack = runner.cpu_decode
+    assert isinstance(runner.model.layers[0].self_attn.qkv_proj.packed, quant_gemm.QuantizedWeight)
+    assert runner.model.layers[0].self_attn.qkv_proj.packed.isa == isa
+    if stack is None:
+        pytest.skip("the decode stack does not build here")
+    gaps, run = [], stack.run
+
+    def checked_run(ids, positions, meta):
+        logits = run(ids, positions, meta)
+        want = runner.model.compute_logits(runner.model(ids, positions, meta))
+        gaps.append(((logits - want).abs().max() / want.abs().max()).item())
+        return logits
+
+    stack.run = checked_run
+    llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False)
+    assert len(gaps) == MAX_TOKENS - 1
+    assert sorted(gaps)[len(gaps) // 2] < 1e-5 and max(gaps) < 1e-2, gaps

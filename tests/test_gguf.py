@@ -1,5 +1,6 @@
 """GGUF loading: every supported tensor type against a float64 reimplementation of its block format,
-greedy parity with HF transformers on the same weights, and errors that name the problem.
+greedy parity with HF transformers on the same weights (the float32 path, quantization="none"), the quantized
+path's weights (quantization="auto") equal to the same reference, and errors that name the problem.
 
 The tiny GGUF files are written here with gguf.GGUFWriter, q/k rows permuted as llama.cpp's converter
 does. Types the gguf package can quantize are quantized with it; Q4_K and Q6_K blocks are built
@@ -260,19 +261,65 @@ def test_tiny_gguf_greedy_matches_hf(gguf_files, kind):
             g = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, min_new_tokens=8,
                             do_sample=False, pad_token_id=0, eos_token_id=None)
         want.append(g[0, len(p):].tolist())
-    outs = LLM(path, num_kv_blocks=32).generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
-                                                use_tqdm=False)
+    llm = LLM(path, num_kv_blocks=32, quantization="none")
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == want
 
 
-def test_default_model_greedy_matches_hf_on_the_same_gguf(default_llm, default_model_path):
-    """HF transformers dequantizes the same Q4_1/Q8_0 file with its own GGUF loader."""
+QUANTIZED = ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"]
+
+
+def _fused_reference(ref: dict, model) -> dict[str, np.ndarray]:
+    """Our module name -> the float64 weight it stands for (q/k/v and gate/up stacked)."""
+    out = {"embed_tokens": ref["model.embed_tokens.weight"], "lm_head": ref["lm_head.weight"]}
+    for i in range(LAYERS):
+        h = f"model.layers.{i}."
+        out[f"layers.{i}.self_attn.qkv_proj"] = np.concatenate([ref[h + f"self_attn.{p}_proj.weight"] for p in "qkv"])
+        out[f"layers.{i}.self_attn.o_proj"] = ref[h + "self_attn.o_proj.weight"]
+        out[f"layers.{i}.mlp.gate_up_proj"] = np.concatenate([ref[h + "mlp.gate_proj.weight"],
+                                                              ref[h + "mlp.up_proj.weight"]])
+        out[f"layers.{i}.mlp.down_proj"] = ref[h + "mlp.down_proj.weight"]
+    return out
+
+
+@pytest.mark.parametrize("kind", QUANTIZED + ["mixed"])
+def test_quantized_layers_hold_the_files_weights(tmp_path, gguf_files, kind):
+    """quantization="auto" (the default): every matrix stored quantized runs quantized, holding exactly the
+    file's weight (float64 reference decode), its float32 parameter on the meta device; "mixed": q/k Q4_K, v Q6_K
+    (two segments of one layer), gate F16 (its layer runs float32), down Q8_0."""
+    from picovllm.kernels.cpu.quant_gemm import QuantizedWeight
+    if kind == "mixed":
+        path = str(tmp_path / "mixed.gguf")
+        override = {f"blk.{i}.{t}.weight": q for i in range(LAYERS)
+                    for t, q in [("attn_v", "Q6_K"), ("ffn_gate", "F16"), ("ffn_down", "Q8_0")]}
+        ref = write_tiny_gguf(path, "Q4_K", override=override)
+    else:
+        path, ref = gguf_files[kind]
+    model = LLM(path, num_kv_blocks=32).engine.runner.model
+    for name, want in _fused_reference(ref, model).items():
+        module = model.get_submodule(name)
+        qw = module.quantized if name == "embed_tokens" else module.packed
+        if kind == "mixed" and "gate_up" in name:
+            assert not isinstance(qw, QuantizedWeight) and module.weight.device.type == "cpu"
+            assert np.abs(module.weight.double().numpy() - want).max() <= 1e-6 * np.abs(want).max()
+            continue
+        assert isinstance(qw, QuantizedWeight), name
+        assert module.weight.device.type == "meta" and tuple(module.weight.shape) == want.shape
+        err = np.abs(qw.dequantize().double().numpy() - want).max()
+        assert err <= 1e-6 * np.abs(want).max(), (name, err)
+    qkv = model.get_submodule("layers.0.self_attn.qkv_proj").packed
+    assert [s.kind for s in qkv.segments] == (["q4", "q8"] if kind == "mixed" else [qkv.segments[0].kind])
+
+
+def test_default_model_greedy_matches_hf_on_the_same_gguf(default_model_path):
+    """HF transformers dequantizes the same Q4_1/Q8_0 file with its own GGUF loader (our float32 path)."""
     from transformers import AutoModelForCausalLM
     folder, name = os.path.split(default_model_path)
     hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
-    tok = default_llm.get_tokenizer()
+    llm = LLM(quantization="none", num_kv_blocks=64)
+    tok = llm.get_tokenizer()
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, a small robot"]
-    outs = default_llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     for p, o in zip(prompts, outs):
         ids = tok(p).input_ids
         assert o.prompt_token_ids == ids

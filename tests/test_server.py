@@ -347,12 +347,19 @@ def test_tool_calls_round_trip(tool_client):
     plain = client.chat.completions.create(model=model, messages=msgs, tools=[CITY_TOOL], tool_choice="none",
                                            max_tokens=8)
     assert plain.choices[0].message.tool_calls is None and plain.choices[0].finish_reason in ("stop", "length")
+    # auto streams its content as it comes (AutoToolStream; its calls are checked in test_tool_calls.py):
+    # the pieces add up to the unstreamed reply
+    kw = dict(model=model, messages=msgs, tools=[CITY_TOOL], max_tokens=24, temperature=0)
+    whole = client.chat.completions.create(**kw).choices[0]
+    chunks = [c.choices[0] for c in client.chat.completions.create(stream=True, **kw) if c.choices]
+    assert "".join(c.delta.content or "" for c in chunks) == (whole.message.content or "")
+    assert sum(bool(c.delta.content) for c in chunks) > 1 and chunks[-1].finish_reason == whole.finish_reason
     assert_idle(server)
 
 
 def test_completion_echo(server, client):
     """echo: the choice's text is the prompt (as sent; token ids decoded) followed by the very completion the
-    same request without echo gets (greedy), streamed or not; with logprobs it is a 400 naming echo."""
+    same request without echo gets (greedy), streamed or not."""
     model = client.models.list().data[0].id
     for prompt, prefix in [("The capital of France is", "The capital of France is"), ([5, 6, 7], None)]:
         kw = dict(model=model, prompt=prompt, max_tokens=8, temperature=0)
@@ -363,9 +370,46 @@ def test_completion_echo(server, client):
         streamed = "".join(c.choices[0].text for c in client.completions.create(echo=True, stream=True, **kw)
                            if c.choices)
         assert streamed == prefix + plain
+    assert_idle(server)
+
+
+def test_prompt_logprobs_and_echo_with_logprobs(server, client, llm):
+    """prompt_logprobs (vLLM's field) and echo + logprobs (OpenAI's legacy completions) return what
+    LLM.generate's RequestOutput.prompt_logprobs holds (itself checked against HF in test_prompt_logprobs.py)."""
+    model = client.models.list().data[0].id
+    prompt = [5, 6, 7, 8, 9, 10]
+    ref = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=3, logprobs=2, prompt_logprobs=2),
+                       use_tqdm=False)[0]
+
+    def same(got):
+        assert got[0] is None and len(got) == len(prompt)
+        for d, want in zip(got[1:], ref.prompt_logprobs[1:]):
+            assert set(d) == {str(t) for t in want}
+            assert [d[str(t)]["logprob"] for t in want] == pytest.approx([lp.logprob for lp in want.values()], abs=1e-4)
+
+    kw = dict(model=model, prompt=prompt, max_tokens=3, temperature=0)
+    same(client.completions.create(extra_body={"prompt_logprobs": 2}, **kw).choices[0].prompt_logprobs)
+    chunks = [c for c in client.completions.create(stream=True, extra_body={"prompt_logprobs": 2}, **kw) if c.choices]
+    same(chunks[0].choices[0].prompt_logprobs)
+    assert all(getattr(c.choices[0], "prompt_logprobs", None) is None for c in chunks[1:])
+    for stream in (False, True):
+        got = client.completions.create(echo=True, logprobs=2, stream=stream, **kw)
+        choices = [c.choices[0] for c in got if c.choices] if stream else [got.choices[0]]
+        tokens = [t for c in choices for t in c.logprobs.tokens]
+        lps = [x for c in choices for x in c.logprobs.token_logprobs]
+        assert len(tokens) == len(prompt) + 3 and lps[0] is None
+        assert lps[1:len(prompt)] == pytest.approx([d[t].logprob for d, t in zip(ref.prompt_logprobs[1:], prompt[1:])],
+                                                   abs=1e-4)
+        assert lps[len(prompt):] == pytest.approx([d[t].logprob for d, t in zip(ref.outputs[0].logprobs,
+                                                                                ref.outputs[0].token_ids)], abs=1e-4)
+        assert "".join(c.text for c in choices).endswith(ref.outputs[0].text)
+    msgs = [{"role": "user", "content": "hi"}]
+    chat = client.chat.completions.create(model=model, messages=msgs, max_tokens=2, extra_body={"prompt_logprobs": 0})
+    assert chat.prompt_logprobs[0] is None and all(len(d) == 1 for d in chat.prompt_logprobs[1:])
     with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model=model, prompt="hi", max_tokens=2, echo=True, logprobs=1)
-    assert e.value.body["param"] == "echo"
+        client.chat.completions.create(model=model, messages=msgs, max_tokens=2, stream=True,
+                                       extra_body={"prompt_logprobs": 0})
+    assert e.value.body["param"] == "prompt_logprobs"
     assert_idle(server)
 
 

@@ -17,7 +17,7 @@ def mixed_step() -> StepInput:
                      sampling=[SamplingRow(0.7, 5, 0.9, 0.0, 2**62 + 1, [2, 3], 4),
                                SamplingRow(0.0, 0, 1.0, 0.1, None, [], None, 0.5, -1.0, 1.2, [3], [-2.5], [4], [5], 1),
                                SamplingRow(1.0, 0, 1.0, 0.0, None, [], 0)],
-                     prev_dst=[1], prev_src=[0])
+                     prev_dst=[1], prev_src=[0], prompt_indices=[2, 3], prompt_targets=[10, 11], prompt_topk=[0, 3])
 
 
 @pytest.mark.parametrize("rows", [True, False])
@@ -32,12 +32,12 @@ def test_tp_step_has_no_rows_and_is_compact():
     """What TP workers get: no sampling rows, 4 bytes per id/position/table entry."""
     step = replace(mixed_step(), sampling=[])
     n, s = len(step.input_ids), len(step.seq_lens)
-    want = _HEADER.size + n * (4 + 4 + 8) + 4 * ((s + 1) + s + (s + 1) + 4 + 3 + 1 + 1)
+    want = _HEADER.size + n * (4 + 4 + 8) + 4 * ((s + 1) + s + (s + 1) + 4 + 3 + 1 + 1 + 3 * 2)
     assert len(encode(RunStep(step))) == want
 
 
 def _header(data: bytes, **change) -> bytes:
-    names = ["magic", "version", "n", "s", "num_decodes", "k", "p", "t", "j"]
+    names = ["magic", "version", "n", "s", "num_decodes", "k", "p", "t", "m", "j"]
     values = dict(zip(names, _HEADER.unpack_from(data)))
     values.update(change)
     return _HEADER.pack(*values.values()) + data[_HEADER.size:]
@@ -78,4 +78,4 @@ def test_json_frames_still_decode():
     for msg in (AllocateKVCache(3), Shutdown()):
         assert decode(encode(msg)) == msg
     assert not encode(Shutdown()).startswith(MAGIC)
-    assert struct.calcsize("<4sH7I") == _HEADER.size
+    assert struct.calcsize("<4sH8I") == _HEADER.size

@@ -8,7 +8,7 @@ import pytest
 
 from picovllm.entrypoints.openai.protocol import APIError, ChatCompletionRequest
 from picovllm.entrypoints.openai.tokenizer_worker import TokenizerWorker
-from picovllm.entrypoints.openai.tool_calls import ToolPolicy, template_renders_tools
+from picovllm.entrypoints.openai.tool_calls import AutoToolStream, ToolPolicy, template_renders_tools
 from serving_fixtures import CHATML, chat_model  # noqa: F401 - a fixture
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
@@ -112,3 +112,44 @@ def test_offline_chat_renders_tools_as_the_server_does(chat_model):
     sp = SamplingParams(temperature=1.0, seed=3, max_tokens=40, structured_outputs={"json": schema})
     out = llm.chat(msgs, sp, use_tqdm=False, tools=[WEATHER])[0].outputs[0]
     jsonschema.validate(json.loads(out.text), schema)
+
+
+@pytest.mark.parametrize("text", [
+    'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+    'between <tool_call>{"name": "get_time", "arguments": {}}</tool_call> after',
+    'plain text, no call < tool_call> <tool',                                       # ends in a partial tag
+    '<tool_call>{"name": "unknown", "arguments": {}}</tool_call> so content <tool_call>{"name": "get_time", '
+    '"arguments": {}}</tool_call>',                                                   # a block that is no call
+    '  <tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>',
+    'cut short <tool_call>{"name": "get_weather", "argum',                            # max_tokens inside a block
+])
+@pytest.mark.parametrize("parallel", [True, False])
+def test_auto_stream_adds_up_to_the_parse_and_sends_each_call_when_its_block_closes(text, parallel):
+    import random
+    policy = request(tools=[WEATHER, TIME], parallel_tool_calls=parallel).tool_policy()
+    want_content, want_calls = policy.parse(text)
+    rng = random.Random(len(text))
+    for hold in (0, 3):
+        stream = AutoToolStream(policy, hold)
+        content, calls, cut = "", [], 0
+        while cut < len(text):
+            cut = min(len(text), cut + rng.randint(1, 6))
+            new, closed = stream.feed(text[:cut], cut == len(text))
+            content += new
+            assert (want_content or "").startswith(content)    # nothing sent is ever taken back
+            for call in closed:      # sent as soon as its block is complete and past the held characters
+                assert text[:cut - (0 if cut == len(text) else hold)].count("</tool_call>") >= len(calls) + 1
+                calls.append(call)
+        assert (content or None) == want_content
+        assert [(c.name, c.arguments) for c in calls] == [(c.name, c.arguments) for c in want_calls]
+
+
+def test_auto_stream_sends_content_before_the_call_is_known():
+    policy = request(tools=[WEATHER]).tool_policy()
+    stream = AutoToolStream(policy)
+    assert stream.feed("Checking the wea", False) == ("Checking the wea", [])
+    assert stream.feed("Checking the weather.\n<tool", False) == ("ther.", [])      # the newline and "<tool" wait
+    block = '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
+    new, calls = stream.feed("Checking the weather.\n" + block, False)
+    assert new == "" and [(c.name, c.arguments) for c in calls] == [("get_weather", '{"city": "Oslo"}')]
+    assert stream.feed("Checking the weather.\n" + block + "\nDone.", True) == ("", [])

@@ -78,6 +78,8 @@ class BlockManager:
             return 0
         tokens = req.all_token_ids
         max_blocks = (len(tokens) - 1) // self.block_size
+        if req.prompt_logprobs is not None:   # cached positions have no logits: only those already taken
+            max_blocks = min(max_blocks, (len(req.prompt_logprobs) - 1) // self.block_size)
         self.queried_tokens += len(tokens)
         h = self.salt
         hashes, blocks = [], []

@@ -34,7 +34,7 @@ from picovllm.engine.request import FinishReason, Request, RequestStatus
 from picovllm.engine.scheduler import Scheduler, SchedulerOutput
 from picovllm.layers.structured_output import GrammarState, StructuredOutputCompiler
 from picovllm.loader import open_model_source
-from picovllm.outputs import CompletionOutput, RequestOutput
+from picovllm.outputs import CompletionOutput, Logprob, RequestOutput
 from picovllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -137,8 +137,12 @@ class Engine:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         if any(t >= vocab for t in params.stop_token_ids):   # banned from the logits before min_tokens
             raise ValueError(f"SamplingParams.stop_token_ids must be in [0, {vocab}), got {params.stop_token_ids!r}")
-        if params.logprobs is not None and params.logprobs > vocab:
-            raise ValueError(f"SamplingParams.logprobs must be <= the vocabulary size {vocab}, got {params.logprobs}")
+        if params.prompt_logprobs is not None and params.prompt_logprobs > vocab:
+            raise ValueError(f"SamplingParams.prompt_logprobs must be <= the vocabulary size {vocab}, "
+                             f"got {params.prompt_logprobs}")
+        if params.prompt_logprobs is not None and self.config.role in ("p", "d"):
+            raise ValueError("SamplingParams.prompt_logprobs is not supported with prefill/decode disaggregation "
+                             "(the prompt's logits stay on the prefill instance)")
         self._check_length(len(ids))
         request_id = str(next(self._ids)) if request_id is None else request_id
         if request_id in self.requests:
@@ -367,6 +371,11 @@ class Engine:
                       unfinished_outputs: bool = True) -> list[RequestOutput]:
         """Give each sampling chunk's request its token; finish, free and report as needed."""
         now = time.time()
+        for seq, pos, logprobs in result.prompt_logprobs:
+            scored = sched.chunks[seq].request.prompt_logprobs
+            if pos + 1 == len(scored):   # else scored before a preemption, or the request is gone
+                self._decode_tokens(logprobs)
+                scored.append(logprobs)
         outputs, sampled = [], iter(zip(result.token_ids, result.logprobs))
         for chunk in sched.chunks:
             if not chunk.samples:
@@ -407,16 +416,21 @@ class Engine:
         elif req.grammar.is_terminated:     # a stop token the grammar ends with, e.g. under ignore_eos
             req.finish(FinishReason.STOP, stop_reason=token)
 
+    def _decode_tokens(self, logprobs: dict[int, Logprob]) -> None:
+        if self.tokenizer is not None:
+            for tok, lp in logprobs.items():
+                if lp.decoded_token is None:
+                    lp.decoded_token = self.tokenizer.decode([tok])
+
     def make_output(self, req: Request) -> RequestOutput:
-        if req.logprobs is not None and self.tokenizer is not None:
+        if req.logprobs is not None:
             for d in req.logprobs:
-                for tok, lp in d.items():
-                    if lp.decoded_token is None:
-                        lp.decoded_token = self.tokenizer.decode([tok])
+                self._decode_tokens(d)
         comp = CompletionOutput(0, req.text, list(req.output_token_ids),
                                 req.cumulative_logprob if req.logprobs is not None else None,
                                 list(req.logprobs) if req.logprobs is not None else None,
                                 req.finish_reason.value if req.finish_reason else None, req.stop_reason)
         # the prompt ids never change after add_request, so they are shared rather than copied per step
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [comp], req.is_finished,
-                             req.metrics, req.error, req.num_cached_tokens)
+                             req.metrics, req.error, req.num_cached_tokens,
+                             list(req.prompt_logprobs) if req.prompt_logprobs is not None else None)

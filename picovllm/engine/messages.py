@@ -17,7 +17,7 @@ from picovllm.config import EngineConfig
 from picovllm.engine.step_codec import decode_step, encode_step, is_step_frame
 from picovllm.engine.step_input import StepInput
 
-PROTOCOL_VERSION = 2    # 2: RunStep as a binary frame
+PROTOCOL_VERSION = 3    # 2: RunStep as a binary frame; 3: with the prompt-logprob rows
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,7 @@ def decode(data: bytes) -> Message:
     if cls is Setup:
         return Setup(EngineConfig(**_fields(EngineConfig, body.get("config"), "Setup.config")))
     if cls is RunStep:
-        raise ValueError("RunStep: sent as JSON, but version 2 sends it as a binary step frame")
+        raise ValueError(f"RunStep: sent as JSON, but version {PROTOCOL_VERSION} sends it as a binary step frame")
     return cls(**_fields(cls, body, cls.__name__))
 
 

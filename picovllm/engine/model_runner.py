@@ -22,7 +22,7 @@ from picovllm.engine.sampling import LaunchedStep, StepResult
 from picovllm.engine.scheduler import SchedulerOutput
 from picovllm.engine.step_input import (SamplingRow, StepInput, build_step_input, step_metadata,  # noqa: F401
                                         to_device, token_tensors)
-from picovllm.kernels.cpu import prebuild_cpu_kernels
+from picovllm.kernels.cpu import prebuild_cpu_kernels, quant_gemm
 from picovllm.layers.attention import AttentionMetadata
 from picovllm.loader.engine_weights import load_model_weights
 from picovllm.loader.source import ModelSource
@@ -63,10 +63,13 @@ class ModelRunner:
             self.model = cls(source.config, tp)
         if self.device.type == "cpu" and self.dtype == torch.float32:   # a first start compiles them all at once
             attn = self.model.attention_layers()[0]
+            quantized = config.quantization != "none" and source.stored_weights is not None and tp.size == 1
             prebuild_cpu_kernels((attn.num_heads, attn.num_kv_heads, attn.head_dim, config.block_size),
                                  attention=config.attention_backend in ("auto", "cpu"),
-                                 stack=not config.enforce_eager and tp.size == 1)
-        load_model_weights(self.model, source, config.disk_cache, (tp.rank, tp.size))   # packs on the CPU
+                                 stack=not config.enforce_eager and tp.size == 1,
+                                 quantized_isa=quant_gemm.preferred_isa() if quantized else None)
+        load_model_weights(self.model, source, config.disk_cache, (tp.rank, tp.size),   # packs on the CPU
+                           config.quantization)
         self.model.eval()
         self.block_size = config.block_size
         self.kv_cache: torch.Tensor | None = None
@@ -112,7 +115,7 @@ class ModelRunner:
         """Queue the step's forward and sampling on the device without waiting for them.
         prev: the step still in flight whose sampled tokens feed this one (step.prev_dst)."""
         prev_tokens = self.prev_tokens(step, prev.tokens if prev is not None else None)
-        return self.launch_sampling(self.compute_logits(step, prev_tokens), step.sampling,
+        return self.launch_sampling(self.compute_logits(step, prev_tokens), step,
                                     prev.tokens if prev is not None else None)
 
     def prev_tokens(self, step: StepInput, in_flight: torch.Tensor | None
@@ -127,10 +130,11 @@ class ModelRunner:
                 in_flight[to_device(step.prev_src, torch.long, self.device)])
 
     @staticmethod
-    def launch_sampling(logits: torch.Tensor | None, rows: list[SamplingRow],
+    def launch_sampling(logits: torch.Tensor | None, step: StepInput,
                         prev_tokens: torch.Tensor | None = None) -> LaunchedStep:
-        """prev_tokens: the in-flight step's sampled tokens (penalties count a pending output from there)."""
-        return sampling.launch_sampling(logits, rows, prev_tokens)
+        """logits: compute_logits' rows, the sampled ones first, then the prompt-logprob ones.
+        prev_tokens: the in-flight step's sampled tokens (penalties count a pending output from there)."""
+        return sampling.launch_sampling(logits, step, prev_tokens)
 
     @staticmethod
     def resolve(launched: LaunchedStep) -> StepResult:
@@ -140,21 +144,24 @@ class ModelRunner:
     @torch.inference_mode()
     def compute_logits(self, step: StepInput, prev_tokens: tuple[torch.Tensor, torch.Tensor] | None = None
                        ) -> torch.Tensor | None:
-        """The forward, then the logits of the rows that sample (None if none does), in the model's
-        dtype (sampling upcasts where it needs to). A decode-only step replays a CUDA graph.
+        """The forward, then the logits of the rows that sample and then of the prompt-logprob rows
+        (None if there are none), in the model's dtype (sampling upcasts where it needs to). A
+        decode-only step replays a CUDA graph.
         prev_tokens: (flat indices, token ids) to write into the input ids on the device.
 
         Tensor-parallel workers stop here: they take part in the collectives; rank 0 samples."""
-        if self.cuda_graphs is not None and self.cuda_graphs.fits(step):
+        plain = not step.prompt_indices     # the captured paths compute the sampled rows' logits only
+        if plain and self.cuda_graphs is not None and self.cuda_graphs.fits(step):
             return self.cuda_graphs.run(step, prev_tokens)
         meta = self._metadata(step)
         ids, positions = token_tensors(step, self.device, prev_tokens)
-        if self.cpu_decode is not None and self.cpu_decode.fits(step):
+        if plain and self.cpu_decode is not None and self.cpu_decode.fits(step):
             return self.cpu_decode.run(ids, positions, meta)
         hidden = self.model(ids, positions, meta)
-        if not step.sample_indices:
+        if not step.num_logit_rows:
             return None
-        return self.model.compute_logits(hidden[to_device(step.sample_indices, torch.long, self.device)])
+        rows = step.sample_indices + step.prompt_indices
+        return self.model.compute_logits(hidden[to_device(rows, torch.long, self.device)])
 
     def shutdown(self) -> None:
         """Drop the CUDA graphs. Under tensor parallelism they hold the TP group's NCCL communicator:

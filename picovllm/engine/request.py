@@ -44,6 +44,9 @@ class Request:
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # chained hashes of this request's full blocks, in order
         self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
+        # Filled in prompt order as the prompt's chunks are computed; entry i is prompt token i's.
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = \
+            [None] if params.prompt_logprobs is not None else None
         self.cumulative_logprob = 0.0
         self.metrics = RequestMetrics(arrival_time=arrival_time or time.time())
         self.text = ""                   # detokenized output (stop string trimmed)

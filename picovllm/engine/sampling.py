@@ -5,11 +5,12 @@ module batches a step's SamplingRows into them, asks for logprobs, and owns the 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from bisect import bisect_right
+from dataclasses import dataclass, field
 
 import torch
 
-from picovllm.engine.step_input import SamplingRow, to_device
+from picovllm.engine.step_input import SamplingRow, StepInput, to_device
 from picovllm.layers.logits_processors import adjust_logits
 from picovllm.layers.sampler import SamplingTensors, sample
 from picovllm.layers.structured_output import apply_token_bitmasks
@@ -20,6 +21,9 @@ from picovllm.outputs import Logprob
 class StepResult:
     token_ids: list[int]
     logprobs: list[dict[int, Logprob] | None]
+    # SamplingParams.prompt_logprobs: (sequence index in the step, position, the logprobs of the
+    # prompt token at position + 1), in the step's order
+    prompt_logprobs: list[tuple[int, int, dict[int, Logprob]]] = field(default_factory=list)
 
 
 @dataclass
@@ -30,31 +34,46 @@ class LaunchedStep:
     host: list[torch.Tensor]               # tokens, then the logprob tensors, as host copies
     rows: list[SamplingRow]
     done: torch.cuda.Event | None          # recorded after the copies (CUDA); None on CPU
+    prompt_host: list[torch.Tensor] = field(default_factory=list)   # prompt-logprob tensors, host copies
+    prompt_rows: list[tuple[int, int, int, int]] = field(default_factory=list)  # (sequence, position, target, k)
 
 
-def launch_sampling(logits: torch.Tensor | None, rows: list[SamplingRow],
+def launch_sampling(logits: torch.Tensor | None, step: StepInput,
                     prev_tokens: torch.Tensor | None = None) -> LaunchedStep:
-    """Queue sampling and the host copies. prev_tokens: the in-flight step's sampled tokens
-    (penalties count a pending output from there)."""
+    """Queue sampling, the prompt logprobs and the host copies. logits: the sampled rows', then the
+    prompt-logprob rows'. prev_tokens: the in-flight step's sampled tokens (penalties count a pending
+    output from there)."""
     if logits is None:
         return LaunchedStep(None, [], [], None)
-    tokens, logprob_tensors = sample_logits(logits, rows, prev_tokens)
-    host = [_to_host(t) for t in (tokens, *logprob_tensors)]
-    done = None
-    if tokens.is_cuda:
-        done = torch.cuda.Event()
-        done.record()
-    return LaunchedStep(tokens, host, rows, done)
+    k = len(step.sample_indices)
+    tokens, host = None, []
+    if k:
+        tokens, logprob_tensors = sample_logits(logits[:k], step.sampling, prev_tokens)
+        host = [_to_host(t) for t in (tokens, *logprob_tensors)]
+    launched = LaunchedStep(tokens, host, step.sampling, None)
+    if step.prompt_indices:
+        launched.prompt_host = [_to_host(t) for t in
+                                prompt_logprob_tensors(logits[k:], step.prompt_targets, max(step.prompt_topk))]
+        qsl = step.query_start_loc
+        launched.prompt_rows = [(bisect_right(qsl, i) - 1, step.positions[i], target, topk)
+                                for i, target, topk in zip(step.prompt_indices, step.prompt_targets, step.prompt_topk)]
+    if logits.is_cuda:
+        launched.done = torch.cuda.Event()
+        launched.done.record()
+    return launched
 
 
 def resolve(launched: LaunchedStep) -> StepResult:
     """Wait for a launched step and read its sampled tokens (the step loop's one host sync)."""
-    if launched.tokens is None:
-        return StepResult([], [])
     if launched.done is not None:
         launched.done.synchronize()
-    tokens = launched.host[0].tolist()
-    return StepResult(tokens, _logprob_dicts(tokens, launched.host[1:], launched.rows))
+    result = StepResult([], [])
+    if launched.tokens is not None:
+        tokens = launched.host[0].tolist()
+        result = StepResult(tokens, _logprob_dicts(tokens, launched.host[1:], launched.rows))
+    if launched.prompt_rows:
+        result.prompt_logprobs = _prompt_logprob_dicts(launched.prompt_host, launched.prompt_rows)
+    return result
 
 
 def sample_logits(logits: torch.Tensor, rows: list[SamplingRow], prev_tokens: torch.Tensor | None = None
@@ -96,6 +115,33 @@ def _logprob_tensors(raw: torch.Tensor, tokens: torch.Tensor, rows: list[Samplin
     ranks = (logp > chosen[:, None]).sum(-1) + 1
     top_v, top_i = logp.topk(k, dim=-1) if k else (logp[:, :0], ranks[:, None][:, :0])
     return chosen, ranks, top_v, top_i
+
+
+PROMPT_ROWS_AT_ONCE = 256    # the float32 log-softmax of this many rows at a time bounds the memory
+
+
+def prompt_logprob_tensors(logits: torch.Tensor, targets: list[int], topk: int) -> tuple:
+    """(each target's logprob, its rank, top-k values, top-k ids) of the prompt-logprob rows, on the device."""
+    targets_t = to_device(targets, torch.long, logits.device)
+    parts = []
+    for a in range(0, logits.shape[0], PROMPT_ROWS_AT_ONCE):
+        logp = logits[a:a + PROMPT_ROWS_AT_ONCE].float().log_softmax(-1)
+        chosen = logp.gather(-1, targets_t[a:a + PROMPT_ROWS_AT_ONCE, None])[:, 0]
+        ranks = (logp > chosen[:, None]).sum(-1) + 1
+        parts.append((chosen, ranks, *logp.topk(topk, dim=-1)))
+    return tuple(torch.cat(p) for p in zip(*parts))
+
+
+def _prompt_logprob_dicts(host: list[torch.Tensor], rows: list[tuple[int, int, int, int]]) -> list:
+    """(sequence, position, {prompt token: its Logprob, then the top-k}) per row, as vLLM's prompt_logprobs."""
+    chosen_l, ranks_l, top_v_l, top_i_l = (t.tolist() for t in host)
+    out = []
+    for i, (seq, pos, target, topk) in enumerate(rows):
+        d = {target: Logprob(chosen_l[i], ranks_l[i])}
+        for j in range(topk):
+            d.setdefault(top_i_l[i][j], Logprob(top_v_l[i][j], j + 1))
+        out.append((seq, pos, d))
+    return out
 
 
 def _logprob_dicts(tokens: list[int], host: list[torch.Tensor], rows: list[SamplingRow]) -> list:

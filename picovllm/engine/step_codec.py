@@ -3,12 +3,13 @@
 JSON cost ~19 ms a step at batch 256 (benchmarks/tp_step_codec.py); this layout is a fixed header and
 one numpy array per field, so encoding and decoding are a few array copies:
 
-    header  "<4sH7I": magic b"PVSI", the protocol version (engine/messages.py), then the counts
-            num_tokens N, num_seqs S, num_decodes, num_samples K, num_prev P, table_entries T, sampling_bytes J
+    header  "<4sH8I": magic b"PVSI", the protocol version (engine/messages.py), then the counts
+            num_tokens N, num_seqs S, num_decodes, num_samples K, num_prev P, table_entries T,
+            num_prompt_rows L, sampling_bytes J
     int32   input_ids[N], positions[N]
     int64   slot_mapping[N]              (slots may pass 2**31 in a large cache)
     int32   query_start_loc[S + 1], seq_lens[S], block_table_offsets[S + 1], block_table_entries[T],
-            sample_indices[K], prev_dst[P], prev_src[P]
+            sample_indices[K], prev_dst[P], prev_src[P], prompt_indices[L], prompt_targets[L], prompt_topk[L]
     bytes   sampling[J]                  JSON list of SamplingRow objects; J = 0 for no rows (the TP case)
 
 Little-endian throughout. decode() checks the layout and raises ValueError naming the field at fault.
@@ -25,7 +26,7 @@ import numpy as np
 from picovllm.engine.step_input import SamplingRow, StepInput
 
 MAGIC = b"PVSI"
-_HEADER = struct.Struct("<4sH7I")
+_HEADER = struct.Struct("<4sH8I")
 _I32, _I64 = np.dtype("<i4"), np.dtype("<i8")
 _ROW_FIELDS = tuple(f.name for f in fields(SamplingRow))
 
@@ -37,12 +38,13 @@ def encode_step(step: StepInput, version: int) -> bytes:
     table_entries = np.fromiter(chain.from_iterable(step.block_tables), dtype=_I32, count=int(offsets[-1]))
     rows = _encode_rows(step.sampling)
     header = _HEADER.pack(MAGIC, version, n, s, step.num_decodes, len(step.sample_indices),
-                          len(step.prev_dst), len(table_entries), len(rows))
+                          len(step.prev_dst), len(table_entries), len(step.prompt_indices), len(rows))
     arrays = (np.asarray(step.input_ids, dtype=_I32), np.asarray(step.positions, dtype=_I32),
               np.asarray(step.slot_mapping, dtype=_I64), np.asarray(step.query_start_loc, dtype=_I32),
               np.asarray(step.seq_lens, dtype=_I32), offsets, table_entries,
               np.asarray(step.sample_indices, dtype=_I32), np.asarray(step.prev_dst, dtype=_I32),
-              np.asarray(step.prev_src, dtype=_I32))
+              np.asarray(step.prev_src, dtype=_I32), np.asarray(step.prompt_indices, dtype=_I32),
+              np.asarray(step.prompt_targets, dtype=_I32), np.asarray(step.prompt_topk, dtype=_I32))
     return b"".join((header, *(a.tobytes() for a in arrays), rows))
 
 
@@ -56,7 +58,7 @@ def decode_step(data: bytes, version: int, where: str = "StepInput") -> StepInpu
         raise ValueError(f"{where}: {len(data)} bytes, shorter than the {_HEADER.size}-byte header")
     if data[:len(MAGIC)] != MAGIC:
         raise ValueError(f"{where}: not a step frame (magic {bytes(data[:len(MAGIC)])!r})")
-    _, sent, n, s, num_decodes, k, p, t, j = _HEADER.unpack_from(data)
+    _, sent, n, s, num_decodes, k, p, t, m, j = _HEADER.unpack_from(data)
     if sent != version:
         raise ValueError(f"{where}: message version {sent}: this worker speaks version {version}")
     reader = _Reader(data, _HEADER.size, where)
@@ -66,13 +68,17 @@ def decode_step(data: bytes, version: int, where: str = "StepInput") -> StepInpu
     entries = reader.array("block_tables", _I32, t)
     samp, dst, src = (reader.array(name, _I32, c) for name, c in
                       (("sample_indices", k), ("prev_dst", p), ("prev_src", p)))
+    p_idx, p_tgt, p_k = (reader.array(name, _I32, m) for name in ("prompt_indices", "prompt_targets", "prompt_topk"))
     rows = _decode_rows(reader.raw("sampling", j), f"{where}.sampling")
     reader.check_end()
     _check_consistent(where, n, s, num_decodes, qsl, offsets, t, len(samp), rows)
+    if m and (p_idx.min() < 0 or p_idx.max() >= n):
+        raise ValueError(f"{where}.prompt_indices: must index the {n} tokens")
     entries_l, offsets_l = entries.tolist(), offsets.tolist()
     tables = [entries_l[a:b] for a, b in zip(offsets_l, offsets_l[1:])]
     return StepInput(ids.tolist(), pos.tolist(), slots.tolist(), qsl.tolist(), lens.tolist(), tables,
-                     num_decodes, samp.tolist(), rows, dst.tolist(), src.tolist())
+                     num_decodes, samp.tolist(), rows, dst.tolist(), src.tolist(), p_idx.tolist(), p_tgt.tolist(),
+                     p_k.tolist())
 
 
 class _Reader:

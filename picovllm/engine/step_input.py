@@ -58,6 +58,15 @@ class StepInput:
     # row prev_src[i], still on the device when this step was prepared (the id here is a placeholder).
     prev_dst: list[int] = field(default_factory=list)
     prev_src: list[int] = field(default_factory=list)
+    # SamplingParams.prompt_logprobs: rows of the flat batch whose logits score the next prompt token
+    # (prompt_targets), and each row's top-k. Their logits come after the sampled rows'.
+    prompt_indices: list[int] = field(default_factory=list)
+    prompt_targets: list[int] = field(default_factory=list)
+    prompt_topk: list[int] = field(default_factory=list)
+
+    @property
+    def num_logit_rows(self) -> int:
+        return len(self.sample_indices) + len(self.prompt_indices)
 
 
 # -- SchedulerOutput -> StepInput ------------------------------------------------------------------
@@ -66,8 +75,17 @@ def build_step_input(sched: SchedulerOutput, block_size: int, eos_token_ids: lis
     bs = block_size
     ids, pos, slots, qsl, lens, tables, samp_idx, rows = [], [], [], [0], [], [], [], []
     prev_dst, prev_src = [], []
+    p_idx, p_tgt, p_k = [], [], []
     for chunk in sched.chunks:
         req, start, n = chunk.request, chunk.start, chunk.num_new_tokens
+        if req.prompt_logprobs is not None:
+            # position p's logits score prompt token p + 1; positions already scored (before a
+            # preemption) are not scored again
+            prompt = req.prompt_token_ids
+            for p in range(max(start, len(req.prompt_logprobs) - 1), min(start + n, len(prompt) - 1)):
+                p_idx.append(len(ids) + p - start)
+                p_tgt.append(prompt[p + 1])
+                p_k.append(req.params.prompt_logprobs)
         table = req.block_table
         if n == 1:   # decodes: the common case at large batch, kept cheap
             if start < req.num_known_tokens:
@@ -89,7 +107,8 @@ def build_step_input(sched: SchedulerOutput, block_size: int, eos_token_ids: lis
         if chunk.samples:
             samp_idx.append(qsl[-1] - 1)
             rows.append(sampling_row(req, eos_token_ids))
-    return StepInput(ids, pos, slots, qsl, lens, tables, sched.num_decodes, samp_idx, rows, prev_dst, prev_src)
+    return StepInput(ids, pos, slots, qsl, lens, tables, sched.num_decodes, samp_idx, rows, prev_dst, prev_src,
+                     p_idx, p_tgt, p_k)
 
 
 def sampling_row(req, eos_token_ids: list[int]) -> SamplingRow:

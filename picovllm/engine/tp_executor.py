@@ -195,7 +195,7 @@ class TPExecutor(Executor):
             # workers only run the forward: the sampling rows (token lists under penalties) stay here
             self.session.channel.send(RunStep(replace(step, sampling=[])))
             logits = self.runner.compute_logits(step, self.runner.prev_tokens(step, in_flight))
-            launched = self.runner.launch_sampling(logits, step.sampling, in_flight)
+            launched = self.runner.launch_sampling(logits, step, in_flight)
             if self.overlap and launched.tokens is not None:
                 self.runner.tp.broadcast(launched.tokens)   # the workers' copy, for the next step's prev_dst
         return launched

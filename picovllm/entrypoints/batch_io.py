@@ -2,8 +2,11 @@
 
 Input line: exactly one of "prompt" (text), "prompt_token_ids" (list of ints) or "messages" (a chat
 conversation, run through the model's chat template); optional "id" (echoed back) and any
-SamplingParams field (temperature, max_tokens, stop, seed, penalties, logit_bias with string keys, ...)
-overriding the command's flags (n must be 1 here).
+SamplingParams field (temperature, max_tokens, stop, seed, penalties, logit_bias with string keys, n,
+prompt_logprobs, ...) overriding the command's flags.
+Output line: "index", "id", "num_prompt_tokens", then the sample's "text", "token_ids", "finish_reason",
+"stop_reason" (and "logprobs") -- or, with n > 1, "outputs": a list of those, one per sample -- and
+"prompt_logprobs" when asked for ({token id: logprob} per prompt token, null for the first).
 A bad line becomes an output line with an "error" naming the field; the other lines still run.
 """
 from __future__ import annotations
@@ -74,9 +77,23 @@ def result_record(item: BatchItem, out: RequestOutput | None) -> dict:
     if out is None:
         rec["error"] = item.error
         return rec
-    comp = out.outputs[0]
-    rec.update(text=comp.text, token_ids=comp.token_ids, finish_reason=comp.finish_reason,
-               stop_reason=comp.stop_reason, num_prompt_tokens=len(out.prompt_token_ids))
-    if comp.logprobs is not None:
-        rec["logprobs"] = [{str(t): lp.logprob for t, lp in d.items()} for d in comp.logprobs]
+    rec["num_prompt_tokens"] = len(out.prompt_token_ids)
+    samples = [_sample_record(c) for c in out.outputs]
+    if len(samples) == 1:
+        rec.update(samples[0])
+    else:
+        rec["outputs"] = samples
+    if out.prompt_logprobs is not None:
+        rec["prompt_logprobs"] = [None if d is None else _logprob_record(d) for d in out.prompt_logprobs]
     return rec
+
+
+def _sample_record(comp) -> dict:
+    rec = dict(text=comp.text, token_ids=comp.token_ids, finish_reason=comp.finish_reason, stop_reason=comp.stop_reason)
+    if comp.logprobs is not None:
+        rec["logprobs"] = [_logprob_record(d) for d in comp.logprobs]
+    return rec
+
+
+def _logprob_record(d: dict) -> dict:
+    return {str(t): lp.logprob for t, lp in d.items()}

@@ -60,14 +60,26 @@ class LLM:
         siblings: dict[str, tuple] = {}      # first sample's id -> (prompt, the other samples' params, group)
         try:
             for p, sp in zip(prompts, params):
-                samples = sample_params(sp)
-                groups.append([self.engine.add_request(p, samples[0])])
-                if len(samples) > 1:
-                    siblings[groups[-1][0]] = (p, samples[1:], groups[-1])
+                groups.append(self._add_samples(p, sp, siblings))
         except Exception:
             self._abort(groups)      # leave the engine as we found it
             raise
-        final = self._run_groups(groups, siblings, sum(sp.n for sp in params), use_tqdm)
+        return self._run_samples(groups, siblings, use_tqdm)
+
+    def _add_samples(self, prompt: Prompt, params: SamplingParams, siblings: dict[str, tuple]) -> list[str]:
+        """Add a prompt's first sample; the others wait in siblings until it has computed the prompt.
+        Returns the group of request ids (it grows as the siblings are added). Raises ValueError as
+        Engine.add_request does, having added nothing."""
+        samples = sample_params(params)
+        group = [self.engine.add_request(prompt, samples[0])]
+        if len(samples) > 1:
+            siblings[group[0]] = (prompt, samples[1:], group)
+        return group
+
+    def _run_samples(self, groups: list[list[str]], siblings: dict[str, tuple], use_tqdm: bool) -> list[RequestOutput]:
+        """Step until every group's samples finish: one RequestOutput per group, its samples merged."""
+        total = sum(len(g) for g in groups) + sum(len(s[1]) for s in siblings.values())
+        final = self._run_groups(groups, siblings, total, use_tqdm)
         return [final[g[0]] if len(g) == 1 else merge_samples(g[0], [final[i] for i in g]) for g in groups]
 
     def _abort(self, groups: list[list[str]], final: dict | None = None) -> None:
@@ -82,11 +94,6 @@ class LLM:
             if req is None or req.status == RequestStatus.DECODING:   # its full blocks are cached now
                 group.extend(self.engine.add_request(prompt, sp) for sp in params)
                 del siblings[first]
-
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        """Step until the requests already added finish; their outputs in the order of ids."""
-        final = self._run_groups([[i] for i in ids], {}, len(ids), use_tqdm)
-        return [final[i] for i in ids]
 
     def _run_groups(self, groups: list[list[str]], siblings: dict[str, tuple], total: int,
                     use_tqdm: bool) -> dict[str, RequestOutput]:

@@ -18,7 +18,9 @@ def sample_params(params: SamplingParams, count: int | None = None) -> list[Samp
     count = params.n if count is None else count
     if count == 1 and params.n == 1:
         return [params]
-    return [dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
+    # the prompt is scored once, by the first sample (its siblings then share its cached blocks)
+    return [dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i,
+                                prompt_logprobs=params.prompt_logprobs if i == 0 else None)
             for i in range(count)]
 
 
@@ -29,7 +31,7 @@ def merge_samples(request_id: str, outs: list[RequestOutput]) -> RequestOutput:
     comps = [dataclasses.replace(o.outputs[0], index=i) for i, o in enumerate(outs)]
     error = next((o.error for o in outs if o.error), None)
     return RequestOutput(request_id, first.prompt, first.prompt_token_ids, comps, all(o.finished for o in outs),
-                         first.metrics, error, first.num_cached_tokens)
+                         first.metrics, error, first.num_cached_tokens, first.prompt_logprobs)
 
 
 def best_of(out: RequestOutput, n: int) -> list[CompletionOutput]:

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from picovllm.distributed import SINGLE, TPGroup
+from picovllm.kernels.cpu.quant_gemm import QuantizedWeight, refine_top_logits
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -17,6 +18,7 @@ class VocabParallelEmbedding(nn.Module):
         self.start = tp.rank * self.shard
         self.weight = nn.Parameter(torch.zeros(self.shard, hidden), requires_grad=False)
         self.weight.weight_loader = self.load
+        self.quantized = None   # a QuantizedWeight of the table on the CPU (loader/quantized_weights.py)
 
     def load(self, param: nn.Parameter, w: torch.Tensor, shard: object = None, name: str = "") -> None:
         if w.shape[0] != self.vocab_size or w.shape[1] != param.shape[1]:
@@ -26,6 +28,8 @@ class VocabParallelEmbedding(nn.Module):
         param.data[:part.shape[0]].copy_(part)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None:   # tensor parallel size 1
+            return self.quantized.dequantize(ids.reshape(-1)).view(*ids.shape, -1)
         if self.tp.size == 1:
             return F.embedding(ids, self.weight)
         local = ids - self.start
@@ -41,5 +45,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         local = self.packed(hidden) if self.packed is not None else F.linear(hidden, self.weight)
+        if isinstance(self.packed, QuantizedWeight) and hidden.dim() == 2:
+            local = refine_top_logits(local, hidden, self.packed)
         logits = self.tp.all_gather_last_dim(local)
         return logits[..., :self.vocab_size]

@@ -5,6 +5,7 @@ import dataclasses
 import importlib.metadata
 import json
 import os
+from typing import Iterator
 
 import gguf
 import numpy as np
@@ -13,7 +14,7 @@ from gguf import GGMLQuantizationType
 
 from picovllm.artifact_cache import ArtifactCache, file_identity, make_key
 from picovllm.config import ModelConfig
-from picovllm.loader import gguf_tokenizer, tensor_file
+from picovllm.loader import gguf_quants, gguf_tokenizer, tensor_file
 from picovllm.loader.gguf_format import GGUFFile
 from picovllm.loader.source import ModelSource, WeightIterator
 
@@ -105,11 +106,32 @@ def _dequantized(gf: GGUFFile, config: ModelConfig) -> WeightIterator:
         kind = GGMLQuantizationType(t.ggml_type)
         rows = t.data.reshape(-1, t.data.size // max(1, int(np.prod(shape[:-1], dtype=np.int64))))
         w = torch.from_numpy(np.array(gguf.quants.dequantize(rows, kind), dtype=np.float32)).reshape(shape)
-        if name.endswith("q_proj.weight"):
-            w = _unpermute(w, config.num_attention_heads)
-        elif name.endswith("k_proj.weight"):
-            w = _unpermute(w, config.num_key_value_heads)
-        yield name, w
+        yield name, w[_row_order(name, shape[0], config)]
+
+
+def _row_order(name: str, rows: int, config: ModelConfig) -> torch.Tensor | slice:
+    """The file's rows in HF order: llama.cpp stores q/k rows with each head's two rotary halves interleaved."""
+    if name.endswith("q_proj.weight"):
+        return _unpermute(torch.arange(rows), config.num_attention_heads)
+    if name.endswith("k_proj.weight"):
+        return _unpermute(torch.arange(rows), config.num_key_value_heads)
+    return slice(None)
+
+
+def _stored(gf: GGUFFile, config: ModelConfig) -> Iterator[tuple[str, object]]:
+    """ModelSource.stored_weights: quantized 2-d tensors as DecodedBlocks (rows in HF order), the rest as float."""
+    for gguf_name, name, shape in _weight_specs(gf):
+        t = gf.tensors[gguf_name]
+        kind = GGMLQuantizationType(t.ggml_type).name
+        if kind not in gguf_quants.QUANTIZED_TYPES or len(shape) != 2:
+            rows = t.data.reshape(-1, t.data.size // max(1, int(np.prod(shape[:-1], dtype=np.int64))))
+            w = torch.from_numpy(np.array(gguf.quants.dequantize(rows, GGMLQuantizationType(t.ggml_type)),
+                                          dtype=np.float32)).reshape(shape)
+            yield name, w[_row_order(name, shape[0], config)]
+            continue
+        blocks = gguf_quants.decode_blocks(kind, t.data, *shape)
+        order = _row_order(name, shape[0], config)
+        yield name, blocks.take_rows(order.numpy() if isinstance(order, torch.Tensor) else order)
 
 
 def open_gguf(path: str, cache: ArtifactCache | None = None) -> ModelSource:
@@ -131,7 +153,8 @@ def _source_from_file(gf: GGUFFile, identity: tuple) -> ModelSource:
     _weight_specs(gf)                    # refuse unsupported tensors now, not halfway through loading
     has_tok = "tokenizer.ggml.tokens" in gf.metadata
     return ModelSource(gf.path, config, lambda: _dequantized(gf, config),
-                       (lambda: gguf_tokenizer.from_metadata(gf.metadata, gf.path)) if has_tok else None, identity)
+                       (lambda: gguf_tokenizer.from_metadata(gf.metadata, gf.path)) if has_tok else None, identity,
+                       lambda: _stored(gf, config))
 
 
 # -- the cache entry: config.json, tokenizer/ (save_pretrained), weights.safetensors ---------------
@@ -152,7 +175,8 @@ def _source_from_entry(path: str, folder: str, identity: tuple) -> ModelSource:
     tok_dir = os.path.join(folder, "tokenizer")
     weights = os.path.join(folder, "weights.safetensors")
     return ModelSource(path, config, lambda: tensor_file.read(weights),
-                       (lambda: gguf_tokenizer.load_saved(tok_dir)) if entry["has_tokenizer"] else None, identity)
+                       (lambda: gguf_tokenizer.load_saved(tok_dir)) if entry["has_tokenizer"] else None, identity,
+                       lambda: _stored(GGUFFile(path), config))
 
 
 def _transformers_version() -> str:

@@ -18,6 +18,9 @@ class ModelSource:
     weights: Callable[[], WeightIterator]                # HF-named tensors, full (unsharded)
     load_tokenizer: Callable[[], object] | None          # None: no tokenizer files (token-id prompts only)
     identity: tuple | None = None                        # what the weights' content rests on (cache keys)
+    # GGUF: its tensors as the file stores them, HF-named: quantized ones as gguf_quants.DecodedBlocks, the
+    # others as float32 tensors (None: no quantized form, e.g. an HF folder)
+    stored_weights: Callable[[], Iterator[tuple[str, object]]] | None = None
 
 
 def open_model_source(model: str | None, disk_cache: bool = True) -> ModelSource:

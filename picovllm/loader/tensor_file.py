@@ -1,4 +1,4 @@
-"""float32 tensors in the safetensors layout, written one tensor at a time and read back by memory-mapping.
+"""Tensors (float32, float16, uint8, int8) in the safetensors layout, written one tensor at a time and read back by memory-mapping.
 
 The layout (safetensors' format): an 8-byte little-endian header length, a JSON header naming each tensor's
 dtype, shape and byte range, then the bytes. Written here as a stream, so storing a model needs one tensor in
@@ -14,23 +14,28 @@ from typing import Iterable, Iterator
 import numpy as np
 import torch
 
+DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.uint8: "U8", torch.int8: "I8"}
+_NUMPY = {"F32": np.float32, "F16": np.float16, "U8": np.uint8, "I8": np.int8}
 
-def write(path: str, specs: list[tuple[str, tuple[int, ...]]],
-          tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """specs: (name, shape) of each tensor, in the order `tensors` yields them (checked)."""
-    header, offset = {}, 0
-    for name, shape in specs:
-        size = 4 * int(np.prod(shape, dtype=np.int64))
-        header[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": [offset, offset + size]}
+
+def write(path: str, specs: list[tuple], tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """specs: (name, shape) of each tensor, or (name, shape, dtype) for another dtype than float32 (one of
+    DTYPES), in the order `tensors` yields them (checked)."""
+    header, offset, dtypes = {}, 0, []
+    for name, shape, *dtype in specs:
+        dtype = dtype[0] if dtype else torch.float32
+        size = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
+        header[name] = {"dtype": DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
         offset += size
+        dtypes.append(dtype)
     raw = json.dumps(header).encode()
     raw += b" " * (-len(raw) % 8)           # the data starts 8-byte aligned
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(raw)) + raw)
-        for (name, shape), (got_name, t) in zip(specs, tensors, strict=True):
+        for (name, shape, *_), dtype, (got_name, t) in zip(specs, dtypes, tensors, strict=True):
             if got_name != name or tuple(t.shape) != tuple(shape):
                 raise ValueError(f"tensor_file.write: expected {name} {shape}, got {got_name} {tuple(t.shape)}")
-            f.write(memoryview(t.detach().to(torch.float32).contiguous().numpy()).cast("B"))   # no copy
+            f.write(memoryview(t.detach().to(dtype).contiguous().numpy()).cast("B"))   # no copy
 
 
 def read(path: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -43,7 +48,7 @@ def read(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        if info["dtype"] != "F32":
-            raise ValueError(f"{path}: tensor {name!r} is {info['dtype']}, this reader takes F32 only")
+        if info["dtype"] not in _NUMPY:
+            raise ValueError(f"{path}: tensor {name!r} is {info['dtype']}, this reader takes {', '.join(_NUMPY)}")
         begin, end = info["data_offsets"]
-        yield name, torch.from_numpy(data[begin:end].view(np.float32)).view(info["shape"])
+        yield name, torch.from_numpy(data[begin:end].view(_NUMPY[info["dtype"]])).view(info["shape"])

@@ -9,7 +9,18 @@ from torch import nn
 from picovllm.loader.source import WeightIterator
 
 
-def load_weights(model: nn.Module, weights: WeightIterator) -> None:
+def parameter_of(model: nn.Module, ckpt_name: str) -> tuple[str, object]:
+    """(the model's parameter name, shard id within a fused parameter or None) for a checkpoint tensor."""
+    name, shard = model.checkpoint_name(ckpt_name), None
+    for frag, (fused, shard_id) in model.packed_modules.items():
+        if f".{frag}." in name:
+            name, shard = name.replace(f".{frag}.", f".{fused}."), shard_id
+            break
+    return _stacked_expert(name, shard)
+
+
+def load_weights(model: nn.Module, weights: WeightIterator, elsewhere: frozenset[str] = frozenset()) -> None:
+    """elsewhere: parameter names the caller fills itself (quantized weights), not expected from `weights`."""
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
     tied = getattr(model.cfg, "tie_word_embeddings", False)
@@ -18,12 +29,7 @@ def load_weights(model: nn.Module, weights: WeightIterator) -> None:
             continue
         if tied and ckpt_name == "lm_head.weight":
             continue  # tied to the embedding, loaded from there
-        name, shard = model.checkpoint_name(ckpt_name), None
-        for frag, (fused, shard_id) in model.packed_modules.items():
-            if f".{frag}." in name:
-                name, shard = name.replace(f".{frag}.", f".{fused}."), shard_id
-                break
-        name, shard = _stacked_expert(name, shard)
+        name, shard = parameter_of(model, ckpt_name)
         param = params.get(name)
         if param is None:
             raise ValueError(f"checkpoint tensor {ckpt_name!r} matches no parameter of {type(model).__name__}")
@@ -39,6 +45,8 @@ def load_weights(model: nn.Module, weights: WeightIterator) -> None:
         loaded.add(name if shard is None else f"{name}#{shard}")
     expected = set()
     for name, p in model.named_parameters():
+        if name in elsewhere:
+            continue
         if hasattr(p, "shard_ids"):
             expected |= {f"{name}#{shard}" for shard in p.shard_ids}
         elif name.endswith("qkv_proj.weight") or name.endswith("qkv_proj.bias"):

@@ -182,14 +182,14 @@ def run_batch(args: argparse.Namespace) -> int:
 
     llm = _make_llm(args)
     items = read_batch(args.input, sampling_kwargs(args), llm)
-    ids: list[str] = []
+    groups, siblings = [], {}
     for item in items:
         if item.error is None:
             try:
-                ids.append(llm.engine.add_request(item.prompt, item.params))
+                groups.append(llm._add_samples(item.prompt, item.params, siblings))
             except ValueError as e:
                 item.error = f"line {item.index + 1}: {e}"
-    outputs = iter(llm._run(ids, use_tqdm=not args.no_progress))
+    outputs = iter(llm._run_samples(groups, siblings, use_tqdm=not args.no_progress))
     out_file = sys.stdout if args.output == "-" else open(args.output, "w")
     try:
         for item in items:

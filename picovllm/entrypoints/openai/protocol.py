@@ -65,7 +65,7 @@ class StreamOptions(_Strict):
 # Refused fields and the values that ask for nothing (None always does): any other value is a 400.
 REFUSED_COMMON: dict[str, tuple] = {
     "guided_decoding_backend": (), "guided_whitespace_pattern": (),
-    "functions": (), "function_call": ("none",), "prompt_logprobs": (),
+    "functions": (), "function_call": ("none",),
     "use_beam_search": (False,), "length_penalty": (1,), "include_stop_str_in_output": (False,),
     "allowed_token_ids": (), "bad_words": ([],), "truncate_prompt_tokens": (), "spaces_between_special_tokens": (True,),
     "return_tokens_as_token_ids": (False,), "priority": (0,), "logits_processors": (), "vllm_xargs": (),
@@ -177,6 +177,7 @@ class _SamplingRequest(_StructuredRequest, _RefusedCommon):
     temperature: FiniteFloat | None = Field(None, ge=0, le=2)
     top_p: FiniteFloat | None = Field(None, gt=0, le=1)
     n: int = Field(1, ge=1, le=MAX_N)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)   # vLLM's: each prompt token's, and the top k
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | Annotated[list[str], Field(max_length=MAX_STOP)] | None = None
@@ -211,12 +212,16 @@ class _SamplingRequest(_StructuredRequest, _RefusedCommon):
                 top_p=1.0 if self.top_p is None else self.top_p,
                 n=self.n, top_k=self.top_k or 0, min_p=self.min_p or 0.0, seed=self.seed, max_tokens=max_tokens,
                 min_tokens=self.min_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids,
-                ignore_eos=self.ignore_eos, logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
+                ignore_eos=self.ignore_eos, logprobs=logprobs, prompt_logprobs=self.prompt_logprob_count(),
+                skip_special_tokens=self.skip_special_tokens,
                 presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
                 repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
                 logit_bias=self.logit_bias, structured_outputs=self.structured_output_params())
         except ValueError as e:
             raise APIError(400, str(e)) from None
+
+    def prompt_logprob_count(self) -> int | None:
+        return self.prompt_logprobs
 
     @property
     def include_usage(self) -> bool:
@@ -231,9 +236,10 @@ class CompletionRequest(_SamplingRequest, _RefusedCompletion):
     best_of: int | None = Field(None, ge=1, le=MAX_N)
     suffix: str | None = None
 
-    def check_echo(self) -> None:
-        if self.echo and self.logprobs is not None:
-            raise APIError(400, "echo with logprobs needs the prompt's logprobs, which are not supported", param="echo")
+    def prompt_logprob_count(self) -> int | None:
+        if self.echo and self.logprobs is not None:   # the echoed prompt's tokens get logprobs like the output's
+            return max(self.logprobs, self.prompt_logprobs or 0)
+        return self.prompt_logprobs
 
     def samples(self, params: SamplingParams) -> list[SamplingParams]:
         """One SamplingParams per sample to run: best_of of them (ranked by cumulative logprob, which

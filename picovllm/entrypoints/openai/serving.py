@@ -163,6 +163,14 @@ def usage(out: RequestOutput) -> dict:
             "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
 
 
+def prompt_logprobs_json(steps: list[dict[int, Logprob] | None] | None) -> list | None:
+    """vLLM's prompt_logprobs: per prompt token, None (the first) or {token id: logprob, rank, decoded_token}."""
+    if steps is None:
+        return None
+    return [None if d is None else {str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+                                    for t, lp in d.items()} for d in steps]
+
+
 def top_logprobs(d: dict[int, Logprob], k: int) -> list[Logprob]:
     return sorted((lp for lp in d.values() if lp.rank is not None and lp.rank <= k), key=lambda lp: lp.rank)[:k]
 

@@ -7,11 +7,11 @@ from collections.abc import AsyncIterator
 
 from fastapi import Request, Response
 
-from picovllm.entrypoints.openai.protocol import ChatCompletionRequest
-from picovllm.entrypoints.openai.tool_calls import ToolCall, ToolPolicy
+from picovllm.entrypoints.openai.protocol import APIError, ChatCompletionRequest
+from picovllm.entrypoints.openai.tool_calls import AutoToolStream, ToolCall, ToolPolicy
 from picovllm.entrypoints.openai.serving import (ENGINE_ERRORS, SSE_DONE, JSONBody, SampleGroup, ServingContext,
-                                                 TextDeltas, final_output, now, sse, sse_error, sse_response, top_logprobs,
-                                                 usage)
+                                                 TextDeltas, final_output, now, prompt_logprobs_json, sse, sse_error,
+                                                 sse_response, top_logprobs, usage)
 from picovllm.entrypoints.parallel_sampling import merge_samples, sample_params
 from picovllm.outputs import CompletionOutput
 
@@ -25,6 +25,9 @@ class ChatHandler:
         ctx = self.ctx
         ctx.check_model(req.model)
         k = req.num_logprobs
+        if req.stream and req.prompt_logprobs is not None:
+            raise APIError(400, "prompt_logprobs is not supported with stream=true in chat completions "
+                                "(it comes in the response body)", param="prompt_logprobs")
         params = req.sampling_params(req.max_new_tokens, k)
         policy = req.tool_policy()
         ids = await ctx.tokenizer.encode_chat([m.as_template_dict() for m in req.messages], req.add_generation_prompt,
@@ -40,7 +43,8 @@ class ChatHandler:
             message, finish = _message(c, policy)
             choices.append({"index": c.index, "message": message, "finish_reason": finish, "stop_reason": c.stop_reason,
                             "logprobs": _logprobs(c, range(len(c.token_ids)), k) if k is not None else None})
-        return JSONBody(self._body(group.request_id, "chat.completion", choices, usage=usage(out)))
+        extra = {"prompt_logprobs": prompt_logprobs_json(out.prompt_logprobs)} if req.prompt_logprobs is not None else {}
+        return JSONBody(self._body(group.request_id, "chat.completion", choices, usage=usage(out), **extra))
 
     def _body(self, rid: str, obj: str, choices: list, **extra) -> dict:
         return {"id": rid, "object": obj, "created": now(), "model": self.ctx.model_name, "choices": choices, **extra}
@@ -56,6 +60,7 @@ class ChatHandler:
         rid, n = group.request_id, len(group.samples)
         deltas, last = [TextDeltas(stop) for _ in range(n)], {}
         call_ids: dict[int, str] = {}    # named tool_choice: each choice's call id, once its first delta went out
+        auto = [AutoToolStream(policy, d.hold) for d in deltas] if policy.mode == "auto" else None
         try:
             for i in range(n):
                 yield self._chunk(rid, i, {"role": "assistant", "content": ""})
@@ -69,7 +74,11 @@ class ChatHandler:
                     for chunk in self._named_call_chunks(rid, i, text, c, lps, policy, call_ids):
                         yield chunk
                     continue
-                if policy.active:   # calls are known once the output is: the text waits for the end
+                if auto is not None:   # content as it comes, each call once its block closes
+                    for chunk in self._auto_chunks(rid, i, c, lps, auto[i]):
+                        yield chunk
+                    continue
+                if policy.active:   # required: the calls are known once the output is
                     for chunk in self._tool_chunks(rid, i, c, lps, policy):
                         yield chunk
                     continue
@@ -101,8 +110,22 @@ class ChatHandler:
             out.append(self._chunk(rid, i, {}, None, finish, c.stop_reason))
         return out
 
+    def _auto_chunks(self, rid: str, i: int, c: CompletionOutput, lps: dict | None, stream: AutoToolStream) -> list[str]:
+        """tool_choice auto: the content so far, then each call whose block closed, whole (OpenAI's delta: index,
+        id, type, name and arguments); at the end the finish reason (tool_calls if any call came)."""
+        finished = c.finish_reason is not None
+        text, calls = stream.feed(c.text, finished)
+        out = [self._chunk(rid, i, {"content": text} if text else {}, lps)] if text or lps is not None else []
+        first = stream.num_calls - len(calls)      # the calls' indices run on over the whole choice
+        for j, call in enumerate(calls):
+            out.append(self._chunk(rid, i, {"tool_calls": [{"index": first + j, **call.as_dict()}]}))
+        if finished:
+            out.append(self._chunk(rid, i, {}, None, "tool_calls" if stream.num_calls else c.finish_reason,
+                                   c.stop_reason))
+        return out
+
     def _tool_chunks(self, rid: str, i: int, c: CompletionOutput, lps: dict | None, policy: ToolPolicy) -> list[str]:
-        """While tools are active: logprobs as they come; at the end the content, then each call whole (as
+        """tool_choice required: logprobs as they come; at the end the content, then each call whole (as
         OpenAI's deltas: index, id, type and name, and the arguments), then the finish reason."""
         if c.finish_reason is None:
             return [self._chunk(rid, i, {}, lps)] if lps is not None else []

@@ -10,9 +10,10 @@ from fastapi import Request, Response
 
 from picovllm.entrypoints.openai.protocol import CompletionRequest
 from picovllm.entrypoints.openai.serving import (ENGINE_ERRORS, SSE_DONE, JSONBody, SampleGroup, ServingContext,
-                                                 TextDeltas, final_output, now, sse, sse_error, sse_response, usage)
+                                                 TextDeltas, final_output, now, prompt_logprobs_json, sse, sse_error,
+                                                 sse_response, usage)
 from picovllm.entrypoints.parallel_sampling import best_of, merge_samples
-from picovllm.outputs import CompletionOutput
+from picovllm.outputs import CompletionOutput, Logprob
 
 
 class CompletionHandler:
@@ -24,22 +25,30 @@ class CompletionHandler:
         ctx = self.ctx
         ctx.check_model(req.model)
         prompt = req.single_prompt()
-        req.check_echo()
         params = req.sampling_params(req.max_tokens, req.logprobs)
         samples = req.samples(params)
         ids = await ctx.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
         # echo: the prompt as sent (text), or its ids decoded as /detokenize does
         echo = (prompt if isinstance(prompt, str) else await ctx.tokenizer.decode(ids)) if req.echo else ""
+        # echo with logprobs: the prompt's tokens come first in logprobs (the first has no logprob)
+        first_token = await ctx.tokenizer.decode(ids[:1]) if req.echo and req.logprobs is not None else None
         group = await SampleGroup(ctx, ids, samples, f"cmpl-{uuid.uuid4().hex}", arrival).start()
         if req.stream:
-            return sse_response(self._events(req, group, params.stop, echo))
+            return sse_response(self._events(req, group, params.stop, echo, first_token))
         out = await final_output(raw, group)
         if out is None:
             return Response(status_code=499)     # the client is gone; nobody reads this
         chosen = best_of(out, params.n) if len(samples) > params.n else out.outputs
-        choices = [{"index": c.index, "text": echo + c.text,
-                    "logprobs": _logprobs(c, range(len(c.token_ids)), 0)[0] if req.logprobs is not None else None,
-                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in chosen]
+        choices = []
+        for c in chosen:
+            choice = {"index": c.index, "text": echo + c.text, "logprobs": None,
+                      "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+            if req.logprobs is not None:
+                head, offset = _echo_logprobs(out.prompt_token_ids, out.prompt_logprobs, first_token, req.logprobs)
+                choice["logprobs"] = _joined(head, _logprobs(c, range(len(c.token_ids)), offset)[0])
+            if req.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs)
+            choices.append(choice)
         return JSONBody(self._body(group.request_id, choices, usage=usage(out)))   # usage: every sample run
 
     def _body(self, rid: str, choices: list, **extra) -> dict:
@@ -47,24 +56,33 @@ class CompletionHandler:
                 "choices": choices, **extra}
 
     async def _events(self, req: CompletionRequest, group: SampleGroup, stop: list[str],
-                      echo: str) -> AsyncIterator[str]:
+                      echo: str, first_token: str | None) -> AsyncIterator[str]:
         k = len(group.samples)
         deltas, offsets, last = [TextDeltas(stop) for _ in range(k)], [0] * k, {}
         unechoed = set(range(k)) if echo else set()   # choices whose first chunk (it carries the prompt) is to come
+        started: set[int] = set()                      # choices whose first chunk went out
+        scored = None                                  # the prompt's logprobs, once sample 0 has them
         try:
             async for i, out in group.outputs():
                 last[i], c = out, out.outputs[0]
                 text, toks = deltas[i].text(c, out.finished), deltas[i].tokens(c)
                 if not (text or out.finished or (req.logprobs is not None and toks)):
                     continue
-                lp = None
+                lp, head, first = None, None, i not in started
+                started.add(i)
+                scored = out.prompt_logprobs or scored     # sample 0's, which comes first
+                if first and req.logprobs is not None:
+                    head, offsets[i] = _echo_logprobs(out.prompt_token_ids, scored, first_token, req.logprobs)
                 if req.logprobs is not None:
                     lp, offsets[i] = _logprobs(c, toks, offsets[i])
+                    lp = _joined(head, lp)
                 if i in unechoed:
                     text = echo + text
                     unechoed.discard(i)
                 choice = {"index": i, "text": text, "logprobs": lp,
                           "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                if first and req.prompt_logprobs is not None:   # with the choice's first chunk
+                    choice["prompt_logprobs"] = prompt_logprobs_json(scored)
                 yield sse(self._body(group.request_id, [choice]))
             if req.include_usage and len(last) == k:
                 yield sse(self._body(group.request_id, [], usage=usage(merge_samples(group.request_id,
@@ -74,6 +92,30 @@ class CompletionHandler:
         finally:
             group.close()
         yield SSE_DONE
+
+
+def _echo_logprobs(prompt_ids: list[int], scored: list | None, first_token: str | None,
+                   k: int) -> tuple[dict | None, int]:
+    """The echoed prompt's part of logprobs (None without echo), and the text offset after it.
+    scored: the prompt's RequestOutput.prompt_logprobs (sample 0 scores it for all samples)."""
+    if first_token is None:
+        return None, 0
+    tokens, token_lps, tops, offsets, offset = [first_token], [None], [None], [0], len(first_token)
+    for tok, d in zip(prompt_ids[1:], (scored or [None] * len(prompt_ids))[1:]):
+        if d is None:     # not scored (a sample that is not the first, before the first's output)
+            d = {tok: Logprob(None, None, "")}
+        s = d[tok].decoded_token or ""
+        tokens.append(s)
+        token_lps.append(d[tok].logprob)
+        tops.append({(lp.decoded_token or ""): lp.logprob for t, lp in d.items()
+                     if t == tok or (lp.rank is not None and lp.rank <= k)})
+        offsets.append(offset)
+        offset += len(s)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}, offset
+
+
+def _joined(head: dict | None, tail: dict) -> dict:
+    return tail if head is None else {key: head[key] + tail[key] for key in tail}
 
 
 def _logprobs(c: CompletionOutput, idx: range, offset: int) -> tuple[dict, int]:

@@ -6,7 +6,9 @@ format to call them in. Either way a call is `<tool_call>{"name": ..., "argument
 
 The output, by tool_choice:
 - "auto": free text; each <tool_call> block whose JSON names a given tool becomes a call, the text before the
-  first block is the content (a block that does not parse stays content: never a call with broken arguments);
+  first such block is the content, trailing whitespace dropped (a block that does not parse stays content: never
+  a call with broken arguments). Streamed (AutoToolStream), the content goes out as it is generated and each
+  call as soon as its block closes;
 - "required": the output is constrained (structured outputs) to a JSON array of one or more
   {"name", "arguments"} objects, each one's arguments by that function's parameter schema;
 - a named function: the output is constrained to that function's arguments (its parameter schema);
@@ -89,18 +91,75 @@ class ToolPolicy:
     def _parse_auto(self, text: str) -> tuple[str | None, list[ToolCall]]:
         calls, first = [], None
         for m in TOOL_CALL_RE.finditer(text):
-            try:
-                obj = json.loads(m.group(1))
-            except json.JSONDecodeError:
-                continue
-            args = obj.get("arguments", obj.get("parameters", {})) if isinstance(obj, dict) else None
-            if isinstance(obj, dict) and obj.get("name") in self.functions and isinstance(args, dict):
-                calls.append(ToolCall(obj["name"], json.dumps(args, ensure_ascii=False)))
+            call = self.valid_call(m.group(1))
+            if call is not None:
+                calls.append(call)
                 first = m.start() if first is None else first
         if not calls:
             return text, []
-        content = text[:first].strip()
+        content = text[:first].rstrip()
         return content or None, calls if self.parallel else calls[:1]
+
+    def valid_call(self, block: str) -> ToolCall | None:
+        """The call a complete <tool_call> block's JSON makes, or None if it makes none."""
+        try:
+            obj = json.loads(block)
+        except json.JSONDecodeError:
+            return None
+        args = obj.get("arguments", obj.get("parameters", {})) if isinstance(obj, dict) else None
+        if isinstance(obj, dict) and obj.get("name") in self.functions and isinstance(args, dict):
+            return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
+        return None
+
+
+class AutoToolStream:
+    """tool_choice "auto", streamed: feed() the whole text so far, get the new content and the calls whose
+    blocks closed since. What it gives adds up to ToolPolicy.parse of the final text: content is held back
+    only where a <tool_call> tag may be starting, where trailing whitespace may end the content, and the
+    `hold` characters a stop string could still trim."""
+
+    def __init__(self, policy: ToolPolicy, hold: int = 0) -> None:
+        self.policy, self.hold = policy, hold
+        self.sent = 0            # characters of content sent
+        self.scanned = 0         # the text up to here has been searched for complete blocks
+        self.content_end: int | None = None   # where the first call's block starts: content ends there
+        self.num_calls = 0
+
+    def feed(self, text: str, finished: bool) -> tuple[str, list[ToolCall]]:
+        if not finished:     # a stop string could still cut the last `hold` characters (and a block there)
+            text = text[:max(0, len(text) - self.hold)]
+        calls = []
+        for m in TOOL_CALL_RE.finditer(text, self.scanned):
+            self.scanned = m.end()
+            call = self.policy.valid_call(m.group(1))
+            if call is None or (self.num_calls and not self.policy.parallel):
+                continue
+            self.content_end = m.start() if self.content_end is None else self.content_end
+            self.num_calls += 1
+            calls.append(call)
+        if self.content_end is not None:          # a call came: the content is what stood before it
+            end = len(text[:self.content_end].rstrip())
+        elif finished:
+            end = len(text)
+        else:
+            end = len(text)
+            tag = text.find("<tool_call>", self.scanned)
+            if tag >= 0:                          # a block still open: it may become a call
+                end = min(end, tag)
+            else:                                 # a tag may be starting at the end
+                end = min(end, len(text) - _partial_tag(text))
+            end = len(text[:end].rstrip())
+        new = text[self.sent:end] if end > self.sent else ""
+        self.sent = max(self.sent, end)
+        return new, calls
+
+
+def _partial_tag(text: str, tag: str = "<tool_call>") -> int:
+    """How many characters at the end of text could be the start of tag."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0
 
 
 def template_renders_tools(chat_template: str | None) -> bool:

@@ -64,6 +64,20 @@ def prebuild(jobs: list[tuple[str, dict[str, int] | None, tuple[str, ...]]]) -> 
         list(compilers.map(one, jobs))
 
 
+# The instruction sets the quantized kernels are built for, best first, each with its flags beside -march=native.
+ISA_FLAGS = {"avx512": (), "avx2": ("-mno-avx512f",)}
+_ISA_CPU_FLAGS = {"avx512": {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}, "avx2": {"avx2", "fma", "f16c"}}
+
+
+def cpu_isas() -> tuple[str, ...]:
+    """The ISA_FLAGS names this CPU runs (its /proc/cpuinfo flags), best first."""
+    flags = set()
+    for line in _cpu_identity().splitlines():
+        if line.startswith("flags"):
+            flags |= set(line.split(":", 1)[1].split())
+    return tuple(isa for isa, need in _ISA_CPU_FLAGS.items() if need <= flags)
+
+
 def shape_defines(shape: tuple[int, int, int, int]) -> dict[str, int]:
     """The -D macros of the attention kernels built for (query heads, kv heads, head dim, block size)."""
     return dict(zip(("HQ", "HKV", "DIM", "BLOCK"), shape))
@@ -132,13 +146,14 @@ def _cpu_identity() -> str:
 OPENMP_RUNTIMES = ("libgomp", "libiomp", "libomp")
 
 
-def compile_openmp_library(source: str, defines: dict[str, int] | None = None) -> ctypes.CDLL | None:
-    """compile_library with -fopenmp, for kernels that run on torch's own OpenMP threads (the library links
+def compile_openmp_library(source: str, defines: dict[str, int] | None = None,
+                           flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """compile_library with -fopenmp (and `flags`, e.g. ISA_FLAGS[isa]), for kernels that run on torch's own OpenMP threads (the library links
     libgomp.so.1, which resolves to the copy torch loaded; a Python thread pool costs 25-150 us a call on a
     2-core machine). None if that fails or if loading it brought in an OpenMP runtime torch does not use,
     whose threads would fight torch's."""
     before = _openmp_runtimes()
-    lib = compile_library(source, defines, flags=OPENMP)
+    lib = compile_library(source, defines, flags=OPENMP + flags)
     if lib is None or before is None or _openmp_runtimes() != before:
         return None
     return lib

@@ -11,9 +11,11 @@
  * step, whatever the wait policy.
  *
  * It composes the kernels of this folder, included whole (one translation unit, nothing written twice):
- * rms_norm / silu_mul / rope (elementwise.c), panels (small_gemm.c) and paged_decode_attention
- * (paged_decode.c, built for HQ, HKV, DIM, BLOCK given with -D). Between barriers the threads split
- * rows (the row-wise ops), 16-column weight panels (the GEMMs) or runs of sequences (attention).
+ * rms_norm / silu_mul / rope (elementwise.c), panels (small_gemm.c), quantize_rows and qgemm_part (quant_gemm.c,
+ * for weights kept in 4 or 8 bits) and paged_decode_attention (paged_decode.c, built for HQ, HKV, DIM, BLOCK
+ * given with -D). Between barriers the threads split rows (the row-wise ops), 16-column weight panels (the
+ * GEMMs) or runs of sequences (attention). With quantized weights, whoever writes a GEMM's input rows also
+ * quantizes them, before the barrier the GEMM waits at anyway.
  * Compiled at run time by picovllm/kernels/cpu/decode_stack.py; the torch modules stay the reference.
  */
 #include <limits.h>
@@ -25,12 +27,22 @@
 
 #include "elementwise.c"
 #include "paged_decode.c"
+#include "quant_gemm.c"
 #include "small_gemm.c"
 
-/* One decoder layer: norm weights, weights packed as small_gemm.c reads them (qkv_bias, q_norm and
- * k_norm may be NULL), and the layer's KV cache [num_blocks, BLOCK, HKV, DIM]. */
+/* A weight: float32 panels as small_gemm.c reads them (n_segs 0), or n_segs quantized segments. */
+#define MAX_SEGS 3
 typedef struct {
-    const float *input_norm, *qkv, *qkv_bias, *q_norm, *k_norm, *o, *post_norm, *gate_up, *down;
+    const float *panels;
+    int64_t n_segs;
+    QSeg segs[MAX_SEGS];
+} Weight;
+
+/* One decoder layer: norm weights, its weights (qkv_bias, q_norm and k_norm may be NULL), and the layer's KV
+ * cache [num_blocks, BLOCK, HKV, DIM]. */
+typedef struct {
+    const float *input_norm, *qkv_bias, *q_norm, *k_norm, *post_norm;
+    Weight qkv, o, gate_up, down;
     float *k_cache, *v_cache;
 } Layer;
 
@@ -65,6 +77,17 @@ static void barrier_wait(Barrier *b, int threads) {
 /* ---- the step ------------------------------------------------------------------------------------ */
 static inline int64_t part(int64_t n, int64_t t, int64_t nt) { return n * t / nt; }
 
+/* Thread t of nt's share of out [m][n] = in [m][k] @ W^T (+ bias); qa: `in` quantized, for quantized weights. */
+static void gemm_part(const Weight *w, const float *in, QAct qa, int64_t m, int64_t k, const float *bias, float *out,
+                      int64_t n, int64_t t, int64_t nt) {
+    if (w->n_segs) {
+        qgemm_part(w->segs, w->n_segs, qa, m, k, bias, out, n, t, nt);
+        return;
+    }
+    const int64_t count = (n + NR - 1) / NR;
+    panels(in, m, k, w->panels, bias, out, n, part(count, t, nt), part(count, t + 1, nt));
+}
+
 /* Rows [lo, hi): q/k norm (when the model has it) in place, rotary into q and k, and k, v into the cache. */
 static void qkv_rows(const Layer *L, float *qkv, int64_t nqkv, float *q, float *k, const int64_t *pos,
                      const int64_t *slots, const float *cos_sin, float eps, int64_t lo, int64_t hi) {
@@ -86,50 +109,64 @@ static void qkv_rows(const Layer *L, float *qkv, int64_t nqkv, float *q, float *
 /* x [m, hidden]: the tokens' embeddings in, overwritten. pos, slots [m]; cos_sin as rope() reads it;
  * tables [m, table_stride] and lens [m] of the sequences (length after this token); runs[0..n_runs]:
  * attention's runs of sequences, about equal work each. scratch: m * (2 * hidden + 3 * HQ * DIM + 3 * HKV * DIM
- * + 3 * inter) floats. logits [m, vocab] out. */
+ * + 3 * inter) floats. qscratch: NULL without quantized weights, else quant_gemm's scratch for m rows of
+ * the widest GEMM input (quant_gemm.py's scratch_bytes). logits [m, vocab] out. */
 void decode_stack(const Layer *layers, int64_t n_layers, int64_t hidden, int64_t inter, float eps, float scale,
-                  const float *final_norm, const float *lm_head, int64_t vocab, float *x, int64_t m,
+                  const float *final_norm, const Weight *lm_head, int64_t vocab, float *x, int64_t m,
                   const int64_t *pos, const int64_t *slots, const float *cos_sin, const int32_t *tables,
                   int64_t table_stride, const int32_t *lens, const int64_t *runs, int64_t n_runs, float *scratch,
-                  float *logits, int64_t threads) {
+                  void *qscratch, float *logits, int64_t threads) {
     const int64_t nqkv = (HQ + 2 * HKV) * DIM, nq = HQ * DIM;
     float *res = scratch, *xn = res + m * hidden, *qkv = xn + m * hidden, *q = qkv + m * nqkv;
     float *k = q + m * nq, *attn = k + m * HKV * DIM, *gu = attn + m * nq, *act = gu + m * 2 * inter;
+    const int64_t kmax = hidden > inter ? (hidden > nq ? hidden : nq) : (inter > nq ? inter : nq);
+    QAct qa = {(int8_t *)qscratch, 0, 0};
+    if (qscratch) {
+        qa.d = (float *)((char *)qscratch + ((m * kmax + 63) & ~(int64_t)63));
+        qa.s = (int32_t *)(qa.d + m * (kmax / QBLOCK));
+    }
     Barrier barrier = {0};
 #pragma omp parallel num_threads(threads)
     {
         const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
         const int64_t lo = part(m, t, nt), hi = part(m, t + 1, nt);
-#define GEMM(in, k_dim, w, bias, out, n) panels(in, m, k_dim, w, bias, out, n, part((n + NR - 1) / NR, t, nt), \
-                                                part((n + NR - 1) / NR, t + 1, nt))
+#define GEMM(in, k_dim, w, bias, out, n) gemm_part(w, in, qa, m, k_dim, bias, out, n, t, nt)
+#define QUANTIZE(in, k_dim, r0, r1) if (qscratch) quantize_rows(in, k_dim, qa, r0, r1)
 #define SYNC() barrier_wait(&barrier, (int)nt)
         memset(res + lo * hidden, 0, (hi - lo) * hidden * sizeof(float));   /* the residual starts at 0 + x */
         for (int64_t l = 0; l < n_layers; l++) {
             const Layer *L = layers + l;
             rms_norm(x, res, res, L->input_norm, xn, hidden, eps, lo, hi);
+            QUANTIZE(xn, hidden, lo, hi);
             SYNC();
-            GEMM(xn, hidden, L->qkv, L->qkv_bias, qkv, nqkv);
+            GEMM(xn, hidden, &L->qkv, L->qkv_bias, qkv, nqkv);
             SYNC();
             qkv_rows(L, qkv, nqkv, q, k, pos, slots, cos_sin, eps, lo, hi);
             SYNC();
-            for (int64_t r = t; r < n_runs; r += nt)
+            for (int64_t r = t; r < n_runs; r += nt) {   /* a decode-only step: sequence i is row i */
                 paged_decode_attention(q, L->k_cache, L->v_cache, tables, table_stride, lens, attn, scale, runs[r],
                                        runs[r + 1]);
+                QUANTIZE(attn, nq, runs[r], runs[r + 1]);
+            }
             SYNC();
-            GEMM(attn, nq, L->o, NULL, x, hidden);
+            GEMM(attn, nq, &L->o, NULL, x, hidden);
             SYNC();
             rms_norm(x, res, res, L->post_norm, xn, hidden, eps, lo, hi);
+            QUANTIZE(xn, hidden, lo, hi);
             SYNC();
-            GEMM(xn, hidden, L->gate_up, NULL, gu, 2 * inter);
+            GEMM(xn, hidden, &L->gate_up, NULL, gu, 2 * inter);
             SYNC();
             silu_mul(gu, act, inter, lo, hi);
+            QUANTIZE(act, inter, lo, hi);
             SYNC();
-            GEMM(act, inter, L->down, NULL, x, hidden);
+            GEMM(act, inter, &L->down, NULL, x, hidden);
             SYNC();
         }
         rms_norm(x, res, res, final_norm, xn, hidden, eps, lo, hi);
+        QUANTIZE(xn, hidden, lo, hi);
         SYNC();
         GEMM(xn, hidden, lm_head, NULL, logits, vocab);
+#undef QUANTIZE
 #undef GEMM
 #undef SYNC
     }

@@ -13,33 +13,57 @@ import functools
 
 import torch
 
-from picovllm.kernels.cpu.build import compile_openmp_library, shape_defines
+from picovllm.kernels.cpu.build import ISA_FLAGS, compile_openmp_library, shape_defines
 from picovllm.kernels.cpu.decode_attention import CpuAttentionBackend, token_batch
+from picovllm.kernels.cpu.quant_gemm import QSeg, QuantizedWeight, refine_top_logits, scratch_bytes
 from picovllm.layers.attention import AttentionMetadata
 from picovllm.layers.packed_linear import SMALL_M
 
 _ptr, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+MAX_SEGS = 3   # as in decode_stack.c
+
+
+class Weight(ctypes.Structure):   # as in decode_stack.c
+    _fields_ = [("panels", _ptr), ("n_segs", _i64), ("segs", QSeg * MAX_SEGS)]
 
 
 class Layer(ctypes.Structure):   # as in decode_stack.c
-    _fields_ = [(name, _ptr) for name in ("input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "post_norm",
-                                          "gate_up", "down", "k_cache", "v_cache")]
+    _fields_ = [*[(name, _ptr) for name in ("input_norm", "qkv_bias", "q_norm", "k_norm", "post_norm")],
+                *[(name, Weight) for name in ("qkv", "o", "gate_up", "down")],
+                ("k_cache", _ptr), ("v_cache", _ptr)]
 
 
 @functools.lru_cache(maxsize=8)
-def _library(shape: tuple[int, int, int, int]) -> ctypes.CDLL | None:
-    lib = compile_openmp_library("decode_stack.c", shape_defines(shape))
+def _library(shape: tuple[int, int, int, int], isa: str | None) -> ctypes.CDLL | None:
+    """isa: the quantized kernels' build (its ISA_FLAGS), None for a float32-only model (-march=native)."""
+    lib = compile_openmp_library("decode_stack.c", shape_defines(shape), ISA_FLAGS[isa] if isa else ())
     if lib is None:
         return None
     lib.decode_stack.argtypes = [_ptr, _i64, _i64, _i64, _f32, _f32, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr,
-                                 _ptr, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _i64]
+                                 _ptr, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64]
     lib.decode_stack.restype = None
     return lib
 
 
-def _panels(linear) -> torch.Tensor | None:
+def _weight(linear) -> Weight | None:
+    """The linear layer's weight as decode_stack.c reads it; None if it has neither panels nor a QuantizedWeight
+    of at most MAX_SEGS segments."""
     packed = getattr(linear, "packed", None)
-    return getattr(packed, "panels", None)
+    if isinstance(packed, QuantizedWeight):
+        if len(packed.segments) > MAX_SEGS:
+            return None
+        w = Weight(None, len(packed.segments))
+        for i, seg in enumerate(packed.table):
+            w.segs[i] = seg
+        return w
+    panels = getattr(packed, "panels", None)
+    return None if panels is None else Weight(panels.data_ptr(), 0)
+
+
+def _isa(model) -> str | None:
+    """The quantized kernels' ISA if any linear layer of `model` is quantized."""
+    return next((m.packed.isa for m in model.modules() if isinstance(getattr(m, "packed", None), QuantizedWeight)),
+                None)
 
 
 class DecodeStack:
@@ -55,18 +79,22 @@ class DecodeStack:
         self.scale = attn.attn.scale
         self.vocab = cfg.vocab_size
         self.cos_sin = attn.rotary.cos_sin.contiguous()
+        self.quantized = _isa(model) is not None
+        self.kmax = max(self.hidden, self.inter, self.num_heads * self.head_dim)   # the widest GEMM input
+        self.lm_head = _weight(model.lm_head)
         self.layers = (Layer * len(model.layers))()
         for entry, layer in zip(self.layers, model.layers):
             a, mlp = layer.self_attn, layer.mlp
-            tensors = {"input_norm": layer.input_layernorm.weight,
-                       "qkv": _panels(a.qkv_proj), "qkv_bias": a.qkv_proj.bias,
+            tensors = {"input_norm": layer.input_layernorm.weight, "qkv_bias": a.qkv_proj.bias,
                        "q_norm": a.q_norm.weight if a.q_norm is not None else None,
                        "k_norm": a.k_norm.weight if a.k_norm is not None else None,
-                       "o": _panels(a.o_proj), "post_norm": layer.post_attention_layernorm.weight,
-                       "gate_up": _panels(mlp.gate_up_proj), "down": _panels(mlp.down_proj),
+                       "post_norm": layer.post_attention_layernorm.weight,
                        "k_cache": a.attn.k_cache, "v_cache": a.attn.v_cache}
             for name, t in tensors.items():
                 setattr(entry, name, None if t is None else t.data_ptr())
+            for name, linear in (("qkv", a.qkv_proj), ("o", a.o_proj), ("gate_up", mlp.gate_up_proj),
+                                 ("down", mlp.down_proj)):
+                setattr(entry, name, _weight(linear))
 
     @classmethod
     def build(cls, model, backend) -> DecodeStack | None:
@@ -79,16 +107,16 @@ class DecodeStack:
         if a.qkv_proj.tp.size != 1 or a.attn.k_cache is None or a.attn.k_cache.dtype != torch.float32 \
                 or a.rotary.cos_sin.dtype != torch.float32:
             return None
-        needed = [_panels(model.lm_head)]
+        needed = [_weight(model.lm_head)]
         for layer in layers:
             a, m = layer.self_attn, layer.mlp
-            needed += [_panels(a.qkv_proj), _panels(a.o_proj), _panels(m.gate_up_proj), _panels(m.down_proj)]
+            needed += [_weight(a.qkv_proj), _weight(a.o_proj), _weight(m.gate_up_proj), _weight(m.down_proj)]
             if any(lin.bias is not None for lin in (a.o_proj, m.gate_up_proj, m.down_proj)):
                 return None
         if any(p is None for p in needed):
             return None
         a = layers[0].self_attn
-        lib = _library((a.num_heads, a.num_kv_heads, a.head_dim, a.attn.k_cache.shape[1]))
+        lib = _library((a.num_heads, a.num_kv_heads, a.head_dim, a.attn.k_cache.shape[1]), _isa(model))
         return None if lib is None else cls(model, lib)
 
     @staticmethod
@@ -106,14 +134,17 @@ class DecodeStack:
         h, i, d = self.hidden, self.inter, self.head_dim
         nq, nkv = self.num_heads * d, self.num_kv_heads * d
         scratch = torch.empty(m * (2 * h + 3 * nq + 3 * nkv + 3 * i), dtype=torch.float32)   # decode_stack.c's split
+        qscratch = torch.empty(scratch_bytes(m, self.kmax), dtype=torch.uint8) if self.quantized else None
         logits = torch.empty(m, self.vocab, dtype=torch.float32)
         slots = meta.slot_mapping.contiguous()
         positions = positions.contiguous()
         model = self.model
         self.lib.decode_stack(
             self.layers, len(self.layers), h, i, self.eps, self.scale, model.norm.weight.data_ptr(),
-            _panels(model.lm_head).data_ptr(), self.vocab, x.data_ptr(), m, positions.data_ptr(), slots.data_ptr(),
+            ctypes.byref(self.lm_head), self.vocab, x.data_ptr(), m, positions.data_ptr(), slots.data_ptr(),
             self.cos_sin.data_ptr(), batch.tables.data_ptr(), batch.tables.stride(0), batch.lens.data_ptr(),
-            batch.bounds_array.data_ptr(), len(batch.bounds) - 1, scratch.data_ptr(), logits.data_ptr(),
-            torch.get_num_threads())
+            batch.bounds_array.data_ptr(), len(batch.bounds) - 1, scratch.data_ptr(),
+            qscratch.data_ptr() if qscratch is not None else None, logits.data_ptr(), torch.get_num_threads())
+        if isinstance(model.lm_head.packed, QuantizedWeight):   # as ParallelLMHead.compute_logits does
+            refine_top_logits(logits, scratch[m * h:2 * m * h].view(m, h), model.lm_head.packed)   # the final norm's
         return logits
