@@ -22,7 +22,10 @@ def dtype_from_name(name: str) -> "torch.dtype":
 
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM",
-                           "Qwen3ForCausalLM")
+                           "Qwen3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM",
+                           "MixtralForCausalLM")
+GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
 @dataclass
@@ -42,9 +45,30 @@ class ModelConfig:
     tie_word_embeddings: bool
     rope_scaling: dict | None = None
     attention_bias: bool = False   # Qwen2: bias on q/k/v
-    qk_norm: bool = False          # Qwen3: RMSNorm on q and k per head
+    qk_norm: bool = False          # Qwen3, Gemma 3: RMSNorm on q and k per head
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
+    hidden_act: str = "silu"                       # of the gated MLP: silu (SwiGLU) or gelu_pytorch_tanh (GeGLU)
+    sliding_window: int | None = None              # attend to the last this many positions, on the sliding layers
+    sliding_layers: list[bool] | None = None       # which layers slide (None: all of them, if sliding_window)
+    rope_local_theta: float | None = None          # Gemma 3: the sliding layers' rope base (no scaling)
+    query_pre_attn_scalar: float | None = None     # Gemma: scores scaled by its -1/2 power, not head_dim's
+    attn_logit_softcapping: float | None = None    # Gemma 2: scores -> cap * tanh(scores / cap)
+    final_logit_softcapping: float | None = None   # Gemma 2: logits -> cap * tanh(logits / cap)
+    num_experts: int = 0                           # MoE (Qwen3-MoE, Mixtral): routed experts per MoE layer
+    num_experts_per_tok: int = 0                   # top-k
+    moe_intermediate_size: int = 0                 # each expert's
+    norm_topk_prob: bool = True                    # renormalise the top-k routing weights to sum to 1
+    moe_layers: list[bool] | None = None           # which layers route to experts (the others: a dense MLP)
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of decoder layer `layer` (None: it attends to the whole context)."""
+        if self.sliding_window is None or (self.sliding_layers is not None and not self.sliding_layers[layer]):
+            return None
+        return self.sliding_window
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.num_experts > 0 and (self.moe_layers is None or self.moe_layers[layer])
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
@@ -53,53 +77,108 @@ class ModelConfig:
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"config.json architectures={archs!r}: unsupported architecture; "
                              f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-        heads = cfg["num_attention_heads"]
-        if cfg.get("partial_rotary_factor", 1.0) != 1.0:
-            raise ValueError(f"config.json partial_rotary_factor={cfg['partial_rotary_factor']!r}: only full "
-                             "rotary embeddings (1.0) are supported")
+        heads, layers = cfg["num_attention_heads"], cfg["num_hidden_layers"]
+        rope, local_rope = _ropes(cfg)
+        partial = cfg.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
+        if partial != 1.0:
+            raise ValueError(f"config.json partial_rotary_factor={partial!r}: only full rotary embeddings (1.0) "
+                             "are supported")
+        if local_rope is not None and _rope_scaling(local_rope) is not None:
+            raise ValueError("config.json rope_parameters.sliding_attention: only the default rope is supported "
+                             "on sliding layers")
+        if cfg.get("use_bidirectional_attention"):
+            raise ValueError("config.json use_bidirectional_attention=true: only causal attention is supported")
+        act_field = "hidden_activation" if cfg.get("hidden_activation") else "hidden_act"   # Gemma's name, others'
+        act = cfg.get(act_field) or "silu"
+        if act not in ACTIVATIONS:
+            raise ValueError(f"config.json {act_field}={act!r}: supported: {', '.join(ACTIVATIONS)}")
         eos = cfg.get("eos_token_id")
         eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        window, sliding = _sliding_window(cfg, arch, layers)
+        gemma = arch in GEMMA
+        experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"],
-            num_hidden_layers=cfg["num_hidden_layers"],
+            num_hidden_layers=layers,
             num_attention_heads=heads,
             num_key_value_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
-            max_position_embeddings=_context_length(cfg),
-            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            rope_scaling=_rope_scaling(cfg),
+            rope_theta=rope.get("rope_theta", 10000.0),
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", gemma),
+            rope_scaling=_rope_scaling(rope),
             attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
             eos_token_ids=eos,
             bos_token_id=cfg.get("bos_token_id"),
+            hidden_act=act,
+            sliding_window=window,
+            sliding_layers=sliding,
+            rope_local_theta=None if local_rope is None else local_rope.get("rope_theta", 10000.0),
+            query_pre_attn_scalar=cfg.get("query_pre_attn_scalar") if gemma else None,
+            attn_logit_softcapping=cfg.get("attn_logit_softcapping") if gemma else None,
+            final_logit_softcapping=cfg.get("final_logit_softcapping") if gemma else None,
+            num_experts=experts,
+            num_experts_per_tok=cfg.get("num_experts_per_tok", 0) if experts else 0,
+            moe_intermediate_size=cfg.get("moe_intermediate_size") or cfg["intermediate_size"] if experts else 0,
+            norm_topk_prob=arch == "MixtralForCausalLM" or bool(cfg.get("norm_topk_prob", False)),
+            moe_layers=_moe_layers(cfg, layers) if experts else None,
         )
 
 
-def _context_length(cfg: dict[str, Any]) -> int:
-    """max_position_embeddings, capped at a sliding window (Mistral, Phi-3): no attention path here slides
-    its window yet, and up to the window full attention is the same thing; longer requests are refused."""
-    length = cfg.get("max_position_embeddings", 4096)
+def _ropes(cfg: dict[str, Any]) -> tuple[dict, dict | None]:
+    """(the global layers' rope parameters, Gemma 3's sliding layers' or None): rope_theta and rope_scaling
+    as HF configs before 5.0 wrote them (Gemma 3: rope_local_base_freq), or rope_parameters (per layer type)."""
+    params = cfg.get("rope_parameters") or {}
+    if "full_attention" in params:     # per layer type (Gemma 3)
+        return dict(params["full_attention"]), dict(params.get("sliding_attention") or {})
+    rope = dict(cfg.get("rope_scaling") or {}, **params)
+    if "rope_theta" in cfg:
+        rope["rope_theta"] = cfg["rope_theta"]
+    local = {"rope_theta": cfg.get("rope_local_base_freq", 10000.0)} \
+        if cfg.get("architectures", [None])[0] == "Gemma3ForCausalLM" else None
+    return rope, local
+
+
+def _sliding_window(cfg: dict[str, Any], arch: str, layers: int) -> tuple[int | None, list[bool] | None]:
+    """(window, which layers slide): HF's rules per family. Mistral, Mixtral, Phi-3: every layer; Qwen: with
+    use_sliding_window, the layers from max_window_layers on; Gemma 2: every other layer, from the first;
+    Gemma 3: all but every sliding_window_pattern-th. A config's layer_types overrides the rule."""
     window = cfg.get("sliding_window")
-    if window is not None and cfg.get("use_sliding_window", True) is not False:
-        length = min(length, int(window))
-    return length
+    if window is None or cfg.get("use_sliding_window", True) is False:
+        return None, None
+    types = cfg.get("layer_types")
+    if types is not None:
+        sliding = [t == "sliding_attention" for t in types]
+    elif arch == "Gemma2ForCausalLM":
+        sliding = [i % 2 == 0 for i in range(layers)]
+    elif arch == "Gemma3ForCausalLM":
+        pattern = cfg.get("sliding_window_pattern", cfg.get("_sliding_window_pattern", 6))
+        sliding = [(i + 1) % pattern != 0 for i in range(layers)]
+    elif arch.startswith("Qwen"):
+        sliding = [i >= cfg.get("max_window_layers", layers) for i in range(layers)]
+    else:
+        sliding = [True] * layers
+    return (int(window), sliding) if any(sliding) else (None, None)
 
 
-def _rope_scaling(cfg: dict[str, Any]) -> dict | None:
-    rs = cfg.get("rope_scaling") or cfg.get("rope_parameters")
-    if not rs:
-        return None
+def _moe_layers(cfg: dict[str, Any], layers: int) -> list[bool]:
+    """Qwen3-MoE: layer i routes unless it is in mlp_only_layers or (i + 1) is off decoder_sparse_step."""
+    dense, step = set(cfg.get("mlp_only_layers") or ()), cfg.get("decoder_sparse_step", 1) or 1
+    return [i not in dense and (i + 1) % step == 0 for i in range(layers)]
+
+
+def _rope_scaling(rs: dict[str, Any]) -> dict | None:
     kind = rs.get("rope_type", rs.get("type"))
     if kind in (None, "default"):
         return None
-    if kind != "llama3":
-        raise ValueError(f"config.json rope_scaling.rope_type={kind!r}: only 'llama3' is supported")
-    return dict(rs)
+    if kind not in ("llama3", "linear"):
+        raise ValueError(f"config.json rope_scaling.rope_type={kind!r}: only 'llama3' and 'linear' are supported")
+    return dict(rs, rope_type=kind)
 
 
 # "auto": a GGUF's own 4/8-bit form on the CPU; "none": float; "q8_0": an HF folder's matrices quantized at

@@ -11,20 +11,23 @@ from picovllm.kernels.cpu import decode_attention as cpu_kernel
 pytestmark = pytest.mark.skipif(not cpu_kernel.available(4, 2, 16, 4), reason="no working C compiler")
 
 
-def reference(q, k_cache, v_cache, tables, lens, scale):
-    """float64, one sequence and one head at a time."""
+def reference(q, k_cache, v_cache, tables, lens, scale, window=None, softcap=None):
+    """float64, one sequence and one head at a time (the last `window` tokens of each, scores soft-capped)."""
     hq, hkv, bs = q.shape[1], k_cache.shape[2], k_cache.shape[1]
     out = torch.zeros(q.shape, dtype=torch.float64)
     for b, n in enumerate(lens):
         if n == 0:
             continue
-        slots = [tables[b][t // bs] * bs + t % bs for t in range(n)]
+        first = 0 if window is None else max(0, n - window)
+        slots = [tables[b][t // bs] * bs + t % bs for t in range(first, n)]
         keys = k_cache.reshape(-1, hkv, q.shape[2])[slots].double()      # [n, Hkv, D]
         vals = v_cache.reshape(-1, hkv, q.shape[2])[slots].double()
         for h in range(hq):
             kv = h // (hq // hkv)
-            p = torch.softmax(keys[:, kv] @ q[b, h].double() * scale, 0)
-            out[b, h] = p @ vals[:, kv]
+            s = keys[:, kv] @ q[b, h].double() * scale
+            if softcap is not None:
+                s = softcap * torch.tanh(s / softcap)
+            out[b, h] = torch.softmax(s, 0) @ vals[:, kv]
     return out
 
 
@@ -58,6 +61,31 @@ def test_matches_float64_reference(hq, hkv, dim, bs, threads, entry, monkeypatch
     assert out.dtype == torch.float32
     assert torch.allclose(out.double(), ref, atol=2e-6, rtol=1e-5), (out.double() - ref).abs().max()
     assert not out[0].any()                                   # an empty context gives zeros
+
+
+@pytest.mark.parametrize("hq,hkv,dim,bs", [(4, 4, 16, 4), (8, 1, 80, 16), (4, 2, 256, 16)])
+@pytest.mark.parametrize("window,softcap", [(7, None), (16, None), (1, None), (None, 1.5), (9, 1.5)])
+def test_sliding_window_and_softcap_match_float64_reference(hq, hkv, dim, bs, window, softcap):
+    """Windows off and on block edges and shorter than most contexts; head dims 80 and 256, one KV head."""
+    rng = random.Random(dim + bs)
+    lens = [0, 1, window or 3, (window or 3) + 1, bs + 3] + [rng.randint(1, 70) for _ in range(4)]
+    width = max(-(-n // bs) for n in lens)
+    num_blocks = sum(-(-n // bs) for n in lens) + 2
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    tables = []
+    for n in lens:
+        need = -(-n // bs)
+        tables.append(free[:need] + [0] * (width - need))
+        free = free[need:]
+    g = torch.Generator().manual_seed(dim)
+    k_cache = torch.randn(num_blocks, bs, hkv, dim, generator=g)
+    v_cache = torch.randn(num_blocks, bs, hkv, dim, generator=g)
+    q = torch.randn(len(lens), hq, dim, generator=g) * 2
+    batch = cpu_kernel.decode_batch(torch.tensor(tables, dtype=torch.int32), lens, threads=2)
+    out = cpu_kernel.paged_decode_attention(q, k_cache, v_cache, batch, dim ** -0.5, window, softcap)
+    ref = reference(q, k_cache, v_cache, tables, lens, dim ** -0.5, window, softcap)
+    assert torch.allclose(out.double(), ref, atol=2e-6, rtol=1e-5), (out.double() - ref).abs().max()
 
 
 def test_loading_keeps_denormals():

@@ -154,6 +154,28 @@ def test_backend_matches_torch(device, dtype, tol, block_size, hq, hkv, d, ctx, 
 
 
 @pytest.mark.parametrize("device,dtype,tol", CASES)
+@pytest.mark.parametrize("window,softcap,splits", [(5, None, 3), (16, None, 1), (1, None, 2), (None, 1.0, 2),
+                                                    (9, 1.0, 1)])
+def test_sliding_window_and_softcap_match_torch(device, dtype, tol, window, softcap, splits):
+    """Decodes within and past the window (split-K over the window only), prefill tiles whose first rows see
+    none of a key tile (a window shorter than the tile), a chunk over cached context; head_dim 80, 1 KV head."""
+    from picovllm.kernels.prefill_attention import prefill_attention
+    b = PagedBatch([3, 40, 70, 0, 21], [1, 1, 1, 37, 19], 8, 4, 1, 80, dtype, device, seed=11)
+    b.q *= 3     # scores large enough for the cap to matter
+    k_cache, v_cache = b.caches()
+    store_kv_ref(b.k, b.v, k_cache, v_cache, b.meta.slot_mapping)
+    ref = TorchAttentionBackend().forward(b.q.float(), b.k.float(), b.v.float(), k_cache.float(), v_cache.float(),
+                                          b.meta, 0.1, window, softcap)
+    out = torch.full_like(b.q, float("nan"))
+    decode_attention(b.q[:3], k_cache, v_cache, b.meta.block_tables[:3], b.meta.seq_lens[:3], 0.1, out=out[:3],
+                     block_n=16, num_splits=splits, window=window, softcap=softcap)
+    prefill_attention(b.q, k_cache, v_cache, b.meta.block_tables, b.meta.seq_lens, b.meta.query_start_loc,
+                      3, 2, 37, 0.1, out, block_m=16, block_n=16, window=window, softcap=softcap)
+    assert not out.isnan().any()
+    assert rel_err(out, ref) < tol
+
+
+@pytest.mark.parametrize("device,dtype,tol", CASES)
 def test_prefill_tiles_cross_chunk_boundaries(device, dtype, tol):
     """Small query tiles, so a chunk spans several tiles and each tile's causal limit differs."""
     from picovllm.kernels.prefill_attention import prefill_attention
@@ -397,3 +419,22 @@ def test_gumbel_sample_distribution(device, dtype, tol):
     freq = torch.bincount(out, minlength=5).float() / n
     want = (row / temp).softmax(-1)
     assert (freq - want).abs().max() < bound   # about 4 standard deviations
+
+
+@pytest.mark.parametrize("device,dtype,tol", CASES)
+@pytest.mark.parametrize("tokens,experts,top_k", [(5, 8, 2), (37, 64, 1), (1, 8, 8)])
+def test_fused_experts_match_torch(device, dtype, tol, tokens, experts, top_k):
+    """Tokens grouped by expert (segments padded to the row tile), grouped GEMMs, top-k combine; experts no
+    token picked, a tile shared by no two experts, every expert picked by one token (top-8 of 8)."""
+    from picovllm.kernels.moe import fused_experts
+    from picovllm.layers.moe import experts_reference, route
+    g = torch.Generator().manual_seed(tokens)
+    h, inter = 32, 24
+    x = torch.randn(tokens, h, generator=g)
+    gate_up = torch.randn(experts, 2 * inter, h, generator=g) * 0.3
+    down = torch.randn(experts, h, inter, generator=g) * 0.3
+    weights, ids = route(torch.randn(tokens, experts, generator=g) * 3, top_k, renormalize=top_k > 1)
+    ref = experts_reference(x, weights, ids, gate_up, down, SiluAndMul())
+    out = fused_experts(*(t.to(device) for t in (x.to(dtype), weights, ids, gate_up.to(dtype), down.to(dtype))),
+                        SiluAndMul())
+    assert rel_err(out.cpu(), ref) < tol

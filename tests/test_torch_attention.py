@@ -10,16 +10,20 @@ from picovllm.layers.decode_plan import group_by_length, plan_decode
 BS, HQ, HKV, D = 4, 4, 2, 8
 
 
-def naive(q, keys, vals, scale):
-    """q [ql, Hq, D] for the last ql positions of keys/vals [L, Hkv, D], causal, float64, head h -> KV head h // G."""
+def naive(q, keys, vals, scale, window=None, softcap=None):
+    """q [ql, Hq, D] for the last ql positions of keys/vals [L, Hkv, D], causal (the last `window` keys of each
+    query's prefix), float64, head h -> KV head h // G."""
     ql, L = q.shape[0], keys.shape[0]
     g = q.shape[1] // keys.shape[1]
     out = torch.empty(q.shape, dtype=torch.float64)
     for t in range(ql):
         visible = L - ql + t + 1
+        lo = 0 if window is None else max(0, visible - window)
         for h in range(q.shape[1]):
-            s = (keys[:visible, h // g].double() @ q[t, h].double()) * scale
-            out[t, h] = torch.softmax(s, 0) @ vals[:visible, h // g].double()
+            s = (keys[lo:visible, h // g].double() @ q[t, h].double()) * scale
+            if softcap is not None:
+                s = softcap * torch.tanh(s / softcap)
+            out[t, h] = torch.softmax(s, 0) @ vals[lo:visible, h // g].double()
     return out
 
 
@@ -111,3 +115,19 @@ def test_plan_masks_only_past_each_length():
     assert g.rows is None and g.block_ids.tolist() == tables.tolist()
     finite = torch.isfinite(g.mask[:, 0, 0, :])
     assert finite.sum(1).tolist() == lens and finite[:, 0].all()
+
+
+@pytest.mark.parametrize("window,softcap", [(5, None), (1, None), (None, 0.8), (6, 0.8)])
+def test_sliding_window_and_softcap_match_float64_loop(window, softcap):
+    # decodes within and past the window, a fresh prefill longer than it, a chunk over cached context
+    query_lens, seq_lens = [1, 1, 1, 9, 6, 3], [4, 7, 33, 9, 17, 40]
+    q, k, v, kc, vc, meta, full_k, full_v = make_batch(query_lens, seq_lens, 3, seed=4)
+    q = q * 3     # scores large enough for the cap to matter
+    out = TorchAttentionBackend().forward(q, k, v, kc, vc, meta, D ** -0.5, window, softcap)
+    starts = meta.query_start_loc.tolist()
+    ref = torch.cat([naive(q[a:b], full_k[i], full_v[i], D ** -0.5, window, softcap)
+                     for i, (a, b) in enumerate(zip(starts, starts[1:]))])
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    if window is not None:   # the window is not a no-op here
+        full = TorchAttentionBackend().forward(q, k, v, kc.clone(), vc.clone(), meta, D ** -0.5, None, softcap)
+        assert not torch.allclose(full, out, atol=1e-3)

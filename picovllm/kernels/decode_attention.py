@@ -1,7 +1,8 @@
 """Paged decode attention: one query token per sequence, GQA, split-K over long contexts.
 
 Pass 1 (_decode_partial_kernel): program (seq, kv_head, split) attends the GROUP query heads that
-share kv_head to one of num_splits equal slices of the context (a multiple of BLOCK_N tokens each),
+share kv_head to one of num_splits equal slices of the context (the last `window` tokens of it under a
+sliding window) (a multiple of BLOCK_N tokens each),
 reading K/V token by token through the block table, so any block size works. It writes the
 slice's normalized output and its log-sum-exp (base 2). Pass 2 (_decode_reduce_kernel) merges
 the slices of each head. The grid depends only on the batch size and head count, never on the
@@ -14,6 +15,18 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
+NO_WINDOW = 1 << 30   # the window of a layer without one: longer than any context
+
+
+def score_scale(scale: float, softcap: float | None) -> float:
+    """What the kernels multiply q.k by: to base-2 logits, unless soft_cap converts after capping."""
+    return scale if softcap else scale * LOG2E
+
+
+@triton.jit
+def soft_cap(s, SOFTCAP: tl.constexpr):
+    """Scores s (q.k * scale) -> SOFTCAP * tanh(s / SOFTCAP), in base-2 units (times log2 e); tanh as a sigmoid."""
+    return SOFTCAP * LOG2E * (2.0 * tl.sigmoid(2.0 * s / SOFTCAP) - 1.0)
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -30,19 +43,20 @@ def _slice_len(seq_len, num_splits, BLOCK_N: tl.constexpr):
 @triton.jit(do_not_specialize=["num_splits", "stride_bt"])   # vary per step: no recompiles
 def _decode_partial_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, part_o_ptr, part_lse_ptr, o_ptr,
-        qk_scale, num_splits,
+        qk_scale, num_splits, window,
         stride_qb, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt,
         stride_pb, stride_ph, stride_ps, stride_ob, stride_oh,
         BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        DIRECT: tl.constexpr):
-    """DIRECT (one split): write the final output, no partials and no reduce pass."""
+        DIRECT: tl.constexpr, SOFTCAP: tl.constexpr):
+    """DIRECT (one split): write the final output, no partials and no reduce pass. SOFTCAP 0: none."""
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    part = _slice_len(seq_len, num_splits, BLOCK_N)
-    start = split * part
+    lo = tl.maximum(seq_len - window, 0)      # the first token in the window
+    part = _slice_len(seq_len - lo, num_splits, BLOCK_N)
+    start = lo + split * part
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
@@ -71,6 +85,8 @@ def _decode_partial_kernel(
         kv_mask = mask_n[:, None] & mask_d[None, :]
         k = tl.load(k_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale   # [GROUP_PAD, BLOCK_N], base 2
+        if SOFTCAP > 0:
+            s = soft_cap(s, SOFTCAP)
         s = tl.where(mask_n[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -91,13 +107,14 @@ def _decode_partial_kernel(
 
 
 @triton.jit(do_not_specialize=["num_splits"])
-def _decode_reduce_kernel(part_o_ptr, part_lse_ptr, seq_lens_ptr, o_ptr, num_splits,
+def _decode_reduce_kernel(part_o_ptr, part_lse_ptr, seq_lens_ptr, o_ptr, num_splits, window,
                           stride_pb, stride_ph, stride_ps, stride_ob, stride_oh,
                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
     seq = tl.program_id(0)
     h = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
-    used = tl.cdiv(seq_len, _slice_len(seq_len, num_splits, BLOCK_N))
+    n = seq_len - tl.maximum(seq_len - window, 0)    # tokens in the window
+    used = tl.cdiv(n, _slice_len(n, num_splits, BLOCK_N))
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
     base = seq.to(tl.int64) * stride_pb + h * stride_ph
@@ -132,9 +149,11 @@ def num_splits_for(num_seqs: int, num_kv_heads: int) -> int:
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      seq_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None,
                      block_n: int | None = None, num_warps: int = 4, num_stages: int = 2,
-                     num_splits: int | None = None) -> torch.Tensor:
+                     num_splits: int | None = None, window: int | None = None,
+                     softcap: float | None = None) -> torch.Tensor:
     """q [B, Hq, D]; caches [num_blocks, block_size, Hkv, D]; block_tables [B, W] int32; seq_lens [B] int32
-    (0 for a padding row, which gets zeros). Returns [B, Hq, D]."""
+    (0 for a padding row, which gets zeros). Returns [B, Hq, D]. window: attend to the last `window` tokens
+    only; softcap: scores soft-capped (see AttentionBackend.forward)."""
     b, hq, d = q.shape
     hkv = k_cache.shape[2]
     if hq % hkv:
@@ -153,16 +172,16 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     part_lse = torch.empty(0 if direct else b, hq, splits, dtype=torch.float32, device=q.device)
     _decode_partial_kernel[(b, hkv, splits)](
         q, k_cache, v_cache, block_tables, seq_lens, part_o, part_lse, out,
-        scale * LOG2E, splits,
+        score_scale(scale, softcap), splits, window or NO_WINDOW,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         part_o.stride(0), part_o.stride(1), part_o.stride(2), out.stride(0), out.stride(1),
         BLOCK_SIZE=k_cache.shape[1], GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=d, BLOCK_D=block_d, BLOCK_N=block_n, DOT_PRECISION=dot_precision(q.dtype), DIRECT=direct,
-        num_warps=num_warps, num_stages=num_stages)
+        SOFTCAP=float(softcap or 0.0), num_warps=num_warps, num_stages=num_stages)
     if direct:
         return out
     _decode_reduce_kernel[(b, hq)](
-        part_o, part_lse, seq_lens, out, splits,
+        part_o, part_lse, seq_lens, out, splits, window or NO_WINDOW,
         part_o.stride(0), part_o.stride(1), part_o.stride(2), out.stride(0), out.stride(1),
         HEAD_DIM=d, BLOCK_D=block_d, BLOCK_N=block_n, num_warps=1)
     return out

@@ -3,7 +3,7 @@
 Sequence s has query_len new tokens at positions seq_len - query_len .. seq_len - 1; its earlier
 context is already in the cache, and the new K/V was stored there before this kernel runs. So
 every key comes from the cache through the block table, and a query at position p attends to
-keys 0..p. Program (q_tile, seq, q_head) runs a flash-attention loop over those keys.
+keys 0..p (p - window + 1 .. p under a sliding window). Program (q_tile, seq, q_head) runs a flash-attention loop over those keys.
 """
 from __future__ import annotations
 
@@ -11,16 +11,16 @@ import torch
 import triton
 import triton.language as tl
 
-from picovllm.kernels.decode_attention import LOG2E, dot_precision
+from picovllm.kernels.decode_attention import NO_WINDOW, dot_precision, score_scale, soft_cap
 
 
 @triton.jit(do_not_specialize=["first_seq", "stride_bt"])   # vary per step: no recompiles
 def _prefill_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr,
-        first_seq, qk_scale,
+        first_seq, qk_scale, window,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
         BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr):
     tile = tl.program_id(0)
     seq = first_seq + tl.program_id(1)
     h = tl.program_id(2)
@@ -42,12 +42,14 @@ def _prefill_kernel(
                 mask=mask_m[:, None] & mask_d[None, :], other=0.0)
     q_pos = ctx + offs_m
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    # Finite: under a window a row can see no key of a whole tile, and -inf - -inf would be NaN.
+    m_i = tl.full([BLOCK_M], -1e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    kv_start = tl.maximum(ctx + tile * BLOCK_M - window + 1, 0)   # the tile's first query sees from here
     kv_end = tl.minimum(seq_len, ctx + (tile + 1) * BLOCK_M)   # the tile's last query sees up to here
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    for t0 in range(0, kv_end, BLOCK_N):
+    for t0 in range(kv_start, kv_end, BLOCK_N):
         t = t0 + offs_n
         mask_n = t < kv_end
         blk = tl.load(table + t // BLOCK_SIZE, mask=mask_n, other=0).to(tl.int64)
@@ -55,7 +57,10 @@ def _prefill_kernel(
         kv_mask = mask_n[:, None] & mask_d[None, :]
         k = tl.load(k_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        s = tl.where((t[None, :] <= q_pos[:, None]) & mask_n[None, :], s, float("-inf"))
+        if SOFTCAP > 0:
+            s = soft_cap(s, SOFTCAP)
+        visible = (t[None, :] <= q_pos[:, None]) & (t[None, :] > q_pos[:, None] - window) & mask_n[None, :]
+        s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
@@ -64,7 +69,7 @@ def _prefill_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
-    out = acc / l_i[:, None]
+    out = acc / tl.maximum(l_i, 1e-30)[:, None]   # rows past the chunk see no key under a window: no 0 / 0
     tl.store(o_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :], out.to(o_ptr.dtype.element_ty),
              mask=mask_m[:, None] & mask_d[None, :])
 
@@ -72,11 +77,13 @@ def _prefill_kernel(
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                       seq_lens: torch.Tensor, query_start_loc: torch.Tensor, first_seq: int, num_seqs: int,
                       max_query_len: int, scale: float, out: torch.Tensor,
-                      block_m: int = 64, block_n: int = 64, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+                      block_m: int = 64, block_n: int = 64, num_warps: int = 4, num_stages: int = 2,
+                      window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """Attention for sequences first_seq .. first_seq + num_seqs - 1 of the batch, written into out.
 
     q, out: [T, Hq, D] for the whole flat batch; query_start_loc [B + 1] int32; max_query_len is a
-    host-side bound on those sequences' query lengths (it sizes the grid).
+    host-side bound on those sequences' query lengths (it sizes the grid). window, softcap: see
+    AttentionBackend.forward.
     """
     t, hq, d = q.shape
     hkv = k_cache.shape[2]
@@ -87,10 +94,10 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     grid = (triton.cdiv(max_query_len, block_m), num_seqs, hq)
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc,
-        first_seq, scale * LOG2E,
+        first_seq, score_scale(scale, softcap), window or NO_WINDOW,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         BLOCK_SIZE=k_cache.shape[1], GROUP=hq // hkv, HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d),
-        BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=dot_precision(q.dtype),
+        BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=dot_precision(q.dtype), SOFTCAP=float(softcap or 0.0),
         num_warps=num_warps, num_stages=num_stages)
     return out

@@ -16,3 +16,16 @@ class SiluAndMul(nn.Module):
             return cpu.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+
+class GeluAndMul(nn.Module):
+    """x = [gate | up] -> gelu(gate, tanh approximation) * up (Gemma's GeGLU)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
+
+def gated_activation(name: str) -> nn.Module:
+    """ModelConfig.hidden_act -> the gated MLP's activation module."""
+    return {"silu": SiluAndMul, "gelu_pytorch_tanh": GeluAndMul}[name]()

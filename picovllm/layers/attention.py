@@ -41,11 +41,14 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int | None = None,
+                softcap: float | None = None) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hkv, D]; caches: [num_blocks, block_size, Hkv, D].
 
         Must first store k, v at meta.slot_mapping, then return [T, Hq, D] where token t of
-        sequence s attends causally to positions 0 .. seq_lens[s] - query_len[s] + t.
+        sequence s, at position p = seq_lens[s] - query_len[s] + t, attends causally to positions
+        0 .. p, or with a sliding window to the last `window` of them (p - window + 1 .. p, as HF's).
+        softcap: scores become softcap * tanh(scores / softcap) before the softmax (Gemma 2).
         """
 
 
@@ -66,41 +69,59 @@ def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     return rows.view(*block_ids.shape, *cache.shape[1:])
 
 
-def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """[num_blocks, bs, H, D] cache, one sequence's block table -> its first `length` tokens [length, H, D]."""
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int, start: int = 0) -> torch.Tensor:
+    """[num_blocks, bs, H, D] cache, one sequence's block table -> its tokens start .. length - 1 [length - start,
+    H, D] (blocks wholly before `start` are not read)."""
     bs = cache.shape[1]
-    n = -(-length // bs)
-    return gather_blocks(cache, block_table[:n]).flatten(0, 1)[:length]
+    first, n = start // bs, -(-length // bs)
+    return gather_blocks(cache, block_table[first:n]).flatten(0, 1)[start - first * bs:length - first * bs]
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, mask: torch.Tensor | None, scale: float,
+           softcap: float | None = None) -> torch.Tensor:
+    """Softmax attention, q [..., Hq, M, D] over keys/values [..., Hkv, L, D] (Hq a multiple of Hkv); mask: bool
+    (True = visible) or additive, broadcast to the scores [..., Hq, M, L]. SDPA, unless the scores are soft-capped
+    (Gemma 2), which SDPA cannot do: then the same math spelled out, in float32."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, scale=scale, enable_gqa=True)
+    g = q.shape[-3] // keys.shape[-3]
+    keys, vals = keys.repeat_interleave(g, -3).float(), vals.repeat_interleave(g, -3).float()
+    s = q.float() @ keys.transpose(-1, -2) * scale
+    s = softcap * torch.tanh(s / softcap)
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask
+    return (s.softmax(-1) @ vals).to(q.dtype)
 
 
 class TorchAttentionBackend(AttentionBackend):
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale):
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale, window=None, softcap=None):
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:
-            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale)
+            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale, window, softcap)
         starts = meta.query_start_loc.tolist() if meta.num_seqs > nd else []
         for s in range(nd, meta.num_seqs):
             a, b = starts[s], starts[s + 1]
-            if b - a == meta.seq_lens_cpu[s]:     # the whole sequence is new: its K/V are k, v themselves
-                out[a:b] = self._attend(q[a:b], k[a:b], v[a:b], scale)
-            else:
-                seq_len = meta.seq_lens_cpu[s]
-                keys = gather_kv(k_cache, meta.block_tables[s], seq_len)
-                vals = gather_kv(v_cache, meta.block_tables[s], seq_len)
-                out[a:b] = self._attend(q[a:b], keys, vals, scale)
+            seq_len = meta.seq_lens_cpu[s]
+            if b - a == seq_len:     # the whole sequence is new: its K/V are k, v themselves
+                out[a:b] = self._attend(q[a:b], k[a:b], v[a:b], scale, window, softcap)
+            else:                    # keys from the first one the chunk's first query sees
+                first = 0 if window is None else max(0, seq_len - (b - a) - window + 1)
+                keys = gather_kv(k_cache, meta.block_tables[s], seq_len, first)
+                vals = gather_kv(v_cache, meta.block_tables[s], seq_len, first)
+                out[a:b] = self._attend(q[a:b], keys, vals, scale, window, softcap)
         return out
 
     @staticmethod
-    def _decode(q, k_cache, v_cache, meta, scale):
+    def _decode(q, k_cache, v_cache, meta, scale, window=None, softcap=None):
         """q: the num_decodes decode rows [nd, Hq, D] (one token each) -> their output, by length groups."""
         nd = meta.num_decodes
-        key = ("torch_decode", k_cache.shape[1], q.dtype)
+        key = ("torch_decode", k_cache.shape[1], q.dtype, window)
         plan = meta.scratch.get(key)
         if plan is None:
             plan = meta.scratch[key] = plan_decode(meta.seq_lens_cpu[:nd], meta.block_tables[:nd],
-                                                   k_cache.shape[1], q.dtype)
+                                                   k_cache.shape[1], q.dtype, window)
         hq, d = q.shape[1:]
         hkv = k_cache.shape[2]
         out = torch.empty_like(q)
@@ -109,38 +130,46 @@ class TorchAttentionBackend(AttentionBackend):
             keys = gather_blocks(k_cache, g.block_ids).flatten(1, 2).transpose(1, 2)   # [n, Hkv, L, D]
             vals = gather_blocks(v_cache, g.block_ids).flatten(1, 2).transpose(1, 2)
             # The query heads of one KV head act as its "query length": no KV head is expanded.
-            o = F.scaled_dot_product_attention(qg.reshape(-1, hkv, hq // hkv, d), keys, vals, attn_mask=g.mask,
-                                               scale=scale).reshape(-1, hq, d)
+            o = attend(qg.reshape(-1, hkv, hq // hkv, d), keys, vals, g.mask, scale, softcap).reshape(-1, hq, d)
             if g.rows is None:
                 return o
             out.index_copy_(0, g.rows, o)
         return out
 
     @staticmethod
-    def _attend(q, keys, vals, scale):
-        """q [ql, Hq, D], the sequence's keys/values [L, Hkv, D]: the last ql positions attend causally."""
+    def _attend(q, keys, vals, scale, window=None, softcap=None):
+        """q [ql, Hq, D], the sequence's last keys/values [L, Hkv, D]: the last ql positions attend causally
+        (within the window)."""
         ql, seq_len = q.shape[0], keys.shape[0]
         # 4-D [1, H, L, D]: on the CPU, 3-D inputs miss SDPA's flash kernel and run 2-3x slower.
         q, keys, vals = (x.transpose(0, 1)[None] for x in (q, keys, vals))
-        if ql == seq_len:
+        if ql == seq_len and window is None and softcap is None:
             o = F.scaled_dot_product_attention(q, keys, vals, is_causal=True, scale=scale, enable_gqa=True)
         else:
             pos_q = torch.arange(seq_len - ql, seq_len, device=q.device)[:, None]
-            mask = torch.arange(seq_len, device=q.device)[None, :] <= pos_q
-            o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, scale=scale, enable_gqa=True)
+            pos_k = torch.arange(seq_len, device=q.device)[None, :]
+            mask = pos_k <= pos_q
+            if window is not None:
+                mask &= pos_k > pos_q - window
+            o = attend(q, keys, vals, mask, scale, softcap)
         return o[0].transpose(0, 1)
 
 
 class Attention(nn.Module):
-    """Holds this layer's view of the KV cache (bound by the model runner) and its backend."""
+    """Holds this layer's view of the KV cache (bound by the model runner) and its backend.
+    scale: of the scores (default head_dim ** -0.5); sliding_window: attend to the last this many positions
+    only (None: all); softcap: soft-cap the scores (see AttentionBackend.forward)."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None,
+                 sliding_window: int | None = None, softcap: float | None = None) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.scale = head_dim ** -0.5
+        self.scale = head_dim ** -0.5 if scale is None else scale
+        self.sliding_window, self.softcap = sliding_window, softcap
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
         self.backend: AttentionBackend = TorchAttentionBackend()
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        return self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
+        return self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.sliding_window,
+                                    self.softcap)

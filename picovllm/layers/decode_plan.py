@@ -20,7 +20,8 @@ GROUP_OVERHEAD_SLOTS = 256
 class DecodeGroup:
     rows: torch.Tensor | None   # [n] which decode rows (None: all of them, in order)
     block_ids: torch.Tensor     # [n, num_blocks] their block tables, cut to the group's longest
-    mask: torch.Tensor | None   # [n, 1, 1, num_blocks * block_size] additive (-inf past each length); None: all valid
+    mask: torch.Tensor | None   # [n, 1, 1, num_blocks * block_size] additive (-inf past each length and before
+                                # its sliding window); None: all valid
 
 
 def group_by_length(lens: list[int], block_size: int, overhead: int = GROUP_OVERHEAD_SLOTS) -> list[list[int]]:
@@ -50,8 +51,9 @@ def group_by_length(lens: list[int], block_size: int, overhead: int = GROUP_OVER
 
 
 def plan_decode(seq_lens: list[int], block_tables: torch.Tensor, block_size: int,
-                dtype: torch.dtype) -> list[DecodeGroup]:
-    """seq_lens, block_tables: the decode rows' (the first rows of the batch)."""
+                dtype: torch.dtype, window: int | None = None) -> list[DecodeGroup]:
+    """seq_lens, block_tables: the decode rows' (the first rows of the batch); window: a row of length n sees
+    positions n - window .. n - 1 only."""
     dev = block_tables.device
     groups = group_by_length(seq_lens, block_size)
     plan = []
@@ -65,8 +67,10 @@ def plan_decode(seq_lens: list[int], block_tables: torch.Tensor, block_size: int
             row_t = torch.tensor(rows, dtype=torch.long, device=dev)
             tables = block_tables.index_select(0, row_t)[:, :nblk]
         mask = None
-        if min(lens) < width:
-            past = torch.arange(width, device=dev)[None, :] >= torch.tensor(lens, device=dev)[:, None]
+        slides = window is not None and max(lens) > window
+        if min(lens) < width or slides:
+            pos, n = torch.arange(width, device=dev)[None, :], torch.tensor(lens, device=dev)[:, None]
+            past = (pos >= n) | (pos < n - window) if slides else pos >= n
             mask = torch.zeros(len(rows), 1, 1, width, dtype=dtype, device=dev)
             mask.masked_fill_(past[:, None, None, :], float("-inf"))
         plan.append(DecodeGroup(row_t, tables.contiguous(), mask))

@@ -7,12 +7,22 @@ from picovllm.kernels.cpu import elementwise as cpu
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in float32; with a residual it first adds it (returning the new residual)."""
+    """RMSNorm computed in float32; with a residual it first adds it (returning the new residual).
+    offset: added to the checkpoint's weight once, at load (Gemma's norms scale by 1 + weight)."""
 
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, offset: float = 0.0) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+        if offset:
+            self.offset = offset
+            self.weight.weight_loader = self.load
+
+    def load(self, param: nn.Parameter, w: torch.Tensor, shard: object = None, name: str = "") -> None:
+        if w.shape != param.shape:
+            raise ValueError(f"weight {name}: shape mismatch, model expects {tuple(param.shape)}, "
+                             f"checkpoint has {tuple(w.shape)}")
+        param.data.copy_(w.float() + self.offset)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if x.is_cuda:   # one fused Triton pass; this torch code is its reference

@@ -1,4 +1,4 @@
-"""Rotary position embedding (the 'rotate half' layout of HF checkpoints), with Llama-3 scaling."""
+"""Rotary position embedding (the 'rotate half' layout of HF checkpoints), with Llama-3 or linear scaling."""
 from __future__ import annotations
 
 import math
@@ -13,6 +13,8 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) -> to
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if not scaling:
         return inv.float()
+    if scaling.get("rope_type") == "linear":   # positions divided by `factor`
+        return (inv / scaling["factor"]).float()
     # Llama 3: long wavelengths are slowed down by `factor`, short ones kept, the band between blended.
     factor = scaling["factor"]
     low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)

@@ -1,6 +1,8 @@
 """Put a checkpoint's tensors into a model: each parameter's own weight_loader takes its shard."""
 from __future__ import annotations
 
+import re
+
 import torch
 from torch import nn
 
@@ -12,8 +14,9 @@ def parameter_of(model: nn.Module, ckpt_name: str) -> tuple[str, object]:
     name, shard = model.checkpoint_name(ckpt_name), None
     for frag, (fused, shard_id) in model.packed_modules.items():
         if f".{frag}." in name:
-            return name.replace(f".{frag}.", f".{fused}."), shard_id
-    return name, shard
+            name, shard = name.replace(f".{frag}.", f".{fused}."), shard_id
+            break
+    return _stacked_expert(name, shard)
 
 
 def load_weights(model: nn.Module, weights: WeightIterator, elsewhere: frozenset[str] = frozenset()) -> None:
@@ -41,10 +44,12 @@ def load_weights(model: nn.Module, weights: WeightIterator, elsewhere: frozenset
                 param.data.copy_(tensor)
         loaded.add(name if shard is None else f"{name}#{shard}")
     expected = set()
-    for name, _ in model.named_parameters():
+    for name, p in model.named_parameters():
         if name in elsewhere:
             continue
-        if name.endswith("qkv_proj.weight") or name.endswith("qkv_proj.bias"):
+        if hasattr(p, "shard_ids"):
+            expected |= {f"{name}#{shard}" for shard in p.shard_ids}
+        elif name.endswith("qkv_proj.weight") or name.endswith("qkv_proj.bias"):
             expected |= {f"{name}#q", f"{name}#k", f"{name}#v"}
         elif name.endswith("gate_up_proj.weight"):
             expected |= {f"{name}#0", f"{name}#1"}
@@ -53,6 +58,13 @@ def load_weights(model: nn.Module, weights: WeightIterator, elsewhere: frozenset
     missing = sorted(expected - loaded)
     if missing:
         raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:8])}" + (" ..." if len(missing) > 8 else ""))
+
+
+def _stacked_expert(name: str, shard: object) -> tuple[str, object]:
+    """MoE checkpoints keep one tensor per expert (...experts.N.gate_up_proj.weight, after the renaming above);
+    the MoE layer stacks them: ...experts.gate_up_proj, shard (N, the part within the expert)."""
+    m = re.fullmatch(r"(.*\.experts)\.(\d+)\.(\w+)\.weight", name)
+    return (name, shard) if m is None else (f"{m[1]}.{m[3]}", (int(m[2]), shard))
 
 
 def _unfused(weights: WeightIterator, cfg) -> WeightIterator:

@@ -1,11 +1,18 @@
 """Model registry: HF architecture name -> model class."""
+from picovllm.models.gemma import GemmaForCausalLM
 from picovllm.models.llama import LlamaForCausalLM
+from picovllm.models.mixtral import MixtralForCausalLM
 
-# Qwen2 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm) are Llama with a flag each, see ModelConfig.
+# Most families are the shared decoder with a flag or two of ModelConfig: Qwen2 (q/k/v bias), Qwen3 (q/k norm),
+# Mistral (sliding window), Phi-3 (q/k/v and gate/up fused in the checkpoint), Qwen3-MoE (q/k norm, experts).
 MODEL_REGISTRY = {
     "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,   # Llama's layers; its sliding window caps the context (config.py)
-    "Phi3ForCausalLM": LlamaForCausalLM,      # Llama's layers, q/k/v and gate/up fused in the checkpoint
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Phi3ForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Qwen3MoeForCausalLM": LlamaForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Gemma2ForCausalLM": GemmaForCausalLM,
+    "Gemma3ForCausalLM": GemmaForCausalLM,
 }

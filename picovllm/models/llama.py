@@ -1,4 +1,6 @@
-"""Llama-family decoder (Llama 2/3, SmolLM, Qwen2, Qwen3) over a flat varlen token batch."""
+"""The shared decoder over a flat varlen token batch: Llama 2/3, SmolLM, Mistral, Phi-3, Qwen2, Qwen3 and, with
+routed experts in place of the MLP, Qwen3-MoE and Mixtral. What differs between families is configuration
+(ModelConfig: q/k/v bias, q/k norm, sliding windows, experts, ...); Gemma's layer shape is in models/gemma.py."""
 from __future__ import annotations
 
 import torch
@@ -6,16 +8,18 @@ from torch import nn
 
 from picovllm.config import ModelConfig
 from picovllm.distributed import SINGLE, TPGroup
-from picovllm.layers.activation import SiluAndMul
+from picovllm.layers.activation import gated_activation
 from picovllm.layers.attention import Attention, AttentionMetadata
 from picovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from picovllm.layers.layernorm import RMSNorm
 from picovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from picovllm.layers.moe import FusedMoE
 from picovllm.layers.rotary import RotaryEmbedding
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TPGroup) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding, tp: TPGroup,
+                 norm_offset: float = 0.0) -> None:
         super().__init__()
         d = cfg.head_dim
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, d, cfg.num_attention_heads, cfg.num_key_value_heads,
@@ -23,10 +27,12 @@ class LlamaAttention(nn.Module):
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, cfg.hidden_size, bias=False, tp=tp,
                                         in_shard=self.qkv_proj.q_shard)
-        self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps, norm_offset) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps, norm_offset) if cfg.qk_norm else None
         self.rotary = rotary
-        self.attn = Attention(self.num_heads, self.num_kv_heads, d)
+        scale = cfg.query_pre_attn_scalar ** -0.5 if cfg.query_pre_attn_scalar else None
+        self.attn = Attention(self.num_heads, self.num_kv_heads, d, scale, cfg.layer_window(layer),
+                              cfg.attn_logit_softcapping)
         self.head_dim = d
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -52,19 +58,24 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, tp=tp)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp=tp)
-        self.act = SiluAndMul()
+        self.act = gated_activation(cfg.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TPGroup) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding, tp: TPGroup,
+                 norm_offset: float = 0.0) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, rotary, tp)
-        self.mlp = LlamaMLP(cfg, tp)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = LlamaAttention(cfg, layer, rotary, tp, norm_offset)
+        if cfg.is_moe_layer(layer):
+            self.mlp = FusedMoE(cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size,
+                                cfg.norm_topk_prob, cfg.hidden_act, tp)
+        else:
+            self.mlp = LlamaMLP(cfg, tp)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, norm_offset)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, norm_offset)
 
     def forward(self, positions, x, residual, meta):
         if residual is None:
@@ -83,19 +94,36 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
 
+    layer_class = LlamaDecoderLayer
+    norm_offset = 0.0     # Gemma: its norms scale by 1 + weight
+
     def __init__(self, cfg: ModelConfig, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         self.cfg = cfg
         rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        local = rotary if cfg.rope_local_theta is None else \
+            RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_local_theta)   # Gemma 3's sliding layers
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rotary, tp) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(
+            self.layer_class(cfg, i, rotary if cfg.layer_window(i) is None else local, tp, self.norm_offset)
+            for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.norm_offset)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
+    @property
+    def plain_llama(self) -> bool:
+        """Llama's layers and nothing more: what the CPU's one-call decode step (kernels/cpu/decode_stack.c) runs."""
+        c = self.cfg
+        return type(self) is LlamaForCausalLM and c.sliding_window is None and c.num_experts == 0 \
+            and c.hidden_act == "silu" and c.query_pre_attn_scalar is None and c.attn_logit_softcapping is None
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x, residual = self.embed_tokens(input_ids), None
+        x, residual = self.embed(input_ids), None
         for layer in self.layers:
             x, residual = layer(positions, x, residual, meta)
         x, _ = self.norm(x, residual)

@@ -101,7 +101,7 @@ class DecodeStack:
         """A DecodeStack for this model, or None where it does not apply (another architecture, tensor
         parallel, not float32 on the CPU, another attention backend, weights not packed, no compiler)."""
         layers = getattr(model, "layers", None)
-        if not isinstance(backend, CpuAttentionBackend) or not layers:
+        if not isinstance(backend, CpuAttentionBackend) or not layers or not getattr(model, "plain_llama", False):
             return None
         a = layers[0].self_attn
         if a.qkv_proj.tp.size != 1 or a.attn.k_cache is None or a.attn.k_cache.dtype != torch.float32 \

@@ -1,10 +1,11 @@
 /* Paged decode attention for the CPU, float32: one query token per sequence, GQA.
  *
- * Task b (one sequence) attends all its query heads to its first seq_lens[b] cached tokens,
- * block by block with an online softmax. Each K and V block ([block_size, Hkv, D], contiguous)
- * is read once, front to back, straight from the paged cache (no gathered copy), while the next
- * block of the sequence is prefetched: blocks sit at random places, which no hardware prefetcher
- * can guess. The caller splits the sequences between threads: [task_begin, task_end).
+ * Task b (one sequence) attends all its query heads to its first seq_lens[b] cached tokens (with a
+ * sliding window > 0, to the last `window` of them; with softcap > 0, scores s become
+ * softcap * tanh(s / softcap), as Gemma 2's), block by block with an online softmax. Each K and V
+ * block ([block_size, Hkv, D], contiguous) is read once, front to back, straight from the paged
+ * cache (no gathered copy), while the next block of the sequence is prefetched: blocks sit at
+ * random places, which no hardware prefetcher can guess. The caller splits the sequences between threads: [task_begin, task_end).
  * Compiled at run time by picovllm/kernels/cpu/decode_attention.py, once per model shape: HQ, HKV,
  * DIM and BLOCK are compile-time constants (-D...), so the inner loops are fully unrolled.
  */
@@ -40,14 +41,23 @@ static void write_out(float acc[HQ][DIM], const float *l, float *ob) {
     }
 }
 
+static float soft_cap(float s, float softcap) {
+    return softcap > 0.0f ? softcap * tanhf(s / softcap) : s;
+}
+
+/* The first position a query at len - 1 sees. */
+static int64_t window_start(int64_t len, int64_t window) {
+    return window > 0 && len > window ? len - window : 0;
+}
+
 #ifndef VECTOR_PATH
 static void prefetch(const float *p, int64_t n) {
     for (int64_t i = 0; i < n; i += 16) __builtin_prefetch(p + i, 0, 1);   /* 16 floats = one cache line */
 }
 
-void paged_decode_attention(const float *q, const float *k_cache, const float *v_cache,
-                            const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
-                            float *out, float scale, int64_t task_begin, int64_t task_end) {
+void paged_attention(const float *q, const float *k_cache, const float *v_cache, const int32_t *block_tables,
+                     int64_t bt_stride, const int32_t *seq_lens, float *out, float scale, int64_t window,
+                     float softcap, int64_t task_begin, int64_t task_end) {
     const int64_t hq = HQ, dim = DIM, block_size = BLOCK, group = HQ / HKV;
     const int64_t row = HKV * DIM;                     /* one token's K (or V) in a block */
     const int64_t block_floats = BLOCK * row;
@@ -57,8 +67,10 @@ void paged_decode_attention(const float *q, const float *k_cache, const float *v
         const int32_t *table = block_tables + b * bt_stride;
         const float *qb = q + b * hq * dim;
         start_sequence(acc, m, l, -FLT_MAX);     /* built with -ffast-math (finite math only): no infinities */
-        for (int64_t start = 0; start < len; start += block_size) {
+        const int64_t first = window_start(len, window);
+        for (int64_t start = first / block_size * block_size; start < len; start += block_size) {
             const int64_t n = len - start < block_size ? len - start : block_size;
+            const int64_t skip = first > start ? first - start : 0;   /* the block's rows before the window */
             const int64_t base = (int64_t)table[start / block_size] * block_floats;
             const float *kb = k_cache + base, *vb = v_cache + base;
             if (start + block_size < len) {
@@ -66,19 +78,19 @@ void paged_decode_attention(const float *q, const float *k_cache, const float *v
                 prefetch(k_cache + next, block_floats);
                 prefetch(v_cache + next, block_floats);
             }
-            for (int64_t j = 0; j < n; j++)                       /* scores: K read front to back */
+            for (int64_t j = skip; j < n; j++)                    /* scores: K read front to back */
                 for (int64_t i = 0; i < hq; i++) {
                     const float *kr = kb + j * row + (i / group) * dim, *qi = qb + i * dim;
                     float dot = 0.0f;
                     for (int64_t d = 0; d < dim; d++) dot += qi[d] * kr[d];
-                    s[i][j] = dot * scale;
+                    s[i][j] = soft_cap(dot * scale, softcap);
                 }
             for (int64_t i = 0; i < hq; i++) {                     /* online softmax over this block */
                 float mx = m[i];
-                for (int64_t j = 0; j < n; j++) mx = s[i][j] > mx ? s[i][j] : mx;
+                for (int64_t j = skip; j < n; j++) mx = s[i][j] > mx ? s[i][j] : mx;
                 const float alpha = expf(m[i] - mx);               /* 0 on the first block */
                 float sum = 0.0f;
-                for (int64_t j = 0; j < n; j++) {
+                for (int64_t j = skip; j < n; j++) {
                     s[i][j] = expf(s[i][j] - mx);
                     sum += s[i][j];
                 }
@@ -86,7 +98,7 @@ void paged_decode_attention(const float *q, const float *k_cache, const float *v
                 m[i] = mx;
                 for (int64_t d = 0; d < dim; d++) acc[i][d] *= alpha;
             }
-            for (int64_t j = 0; j < n; j++)                       /* values: V read front to back */
+            for (int64_t j = skip; j < n; j++)                    /* values: V read front to back */
                 for (int64_t i = 0; i < hq; i++) {
                     const float *vr = vb + j * row + (i / group) * dim;
                     const float p = s[i][j];
@@ -135,9 +147,9 @@ static inline __m256 hsum8x8(__m256 a[8]) {   /* lane t of the result = sum of a
     return _mm256_add_ps(lo, hi);
 }
 
-void paged_decode_attention(const float *q, const float *k_cache, const float *v_cache,
-                            const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
-                            float *out, float scale, int64_t task_begin, int64_t task_end) {
+void paged_attention(const float *q, const float *k_cache, const float *v_cache, const int32_t *block_tables,
+                     int64_t bt_stride, const int32_t *seq_lens, float *out, float scale, int64_t window,
+                     float softcap, int64_t task_begin, int64_t task_end) {
     const int64_t group = HQ / HKV, row = HKV * DIM, block_floats = BLOCK * row;
     float acc[HQ][DIM] __attribute__((aligned(32)));
     float s[HQ][BLOCK] __attribute__((aligned(32)));
@@ -147,8 +159,10 @@ void paged_decode_attention(const float *q, const float *k_cache, const float *v
         const int32_t *table = block_tables + b * bt_stride;
         const float *qb = q + b * HQ * DIM;
         start_sequence(acc, m, l, NEG_BIG);
-        for (int64_t start = 0; start < len; start += BLOCK) {
+        const int64_t first = window_start(len, window);
+        for (int64_t start = first / BLOCK * BLOCK; start < len; start += BLOCK) {
             const int64_t n = len - start < BLOCK ? len - start : BLOCK;
+            const int64_t skip = first > start ? first - start : 0;   /* the block's rows before the window */
             const int64_t base = (int64_t)table[start / BLOCK] * block_floats;
             const float *kb = k_cache + base, *vb = v_cache + base;
             /* The next block (or the next sequence's first): its lines are prefetched a few at a time,
@@ -180,8 +194,12 @@ void paged_decode_attention(const float *q, const float *k_cache, const float *v
                     }
                     _mm256_store_ps(&s[i][j0], _mm256_mul_ps(hsum8x8(dot), _mm256_set1_ps(scale)));
                 }
-            for (int64_t i = 0; i < HQ; i++)
+            for (int64_t i = 0; i < HQ; i++) {
+                if (softcap > 0.0f)
+                    for (int64_t j = skip; j < n; j++) s[i][j] = soft_cap(s[i][j], softcap);
+                for (int64_t j = 0; j < skip; j++) s[i][j] = NEG_BIG;
                 for (int64_t j = n; j < BLOCK; j++) s[i][j] = NEG_BIG;
+            }
             for (int64_t i = 0; i < HQ; i++) {                     /* online softmax over this block */
                 float mx = m[i];
                 for (int64_t j = 0; j < n; j++) mx = s[i][j] > mx ? s[i][j] : mx;
@@ -201,7 +219,7 @@ void paged_decode_attention(const float *q, const float *k_cache, const float *v
                 __m256 a[DV];
                 const __m256 av = _mm256_set1_ps(alpha);
                 for (int64_t c = 0; c < DV; c++) a[c] = _mm256_mul_ps(_mm256_load_ps(&acc[i][8 * c]), av);
-                for (int64_t j = 0; j < n; j++) {
+                for (int64_t j = skip; j < n; j++) {
                     const __m256 p = _mm256_set1_ps(s[i][j]);
                     for (int64_t c = 0; c < DV; c++)
                         a[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vh + j * row + 8 * c), a[c]);
@@ -214,14 +232,22 @@ void paged_decode_attention(const float *q, const float *k_cache, const float *v
 }
 #endif
 
+/* Whole contexts, no soft-cap: the Llama family's attention (decode_stack.c calls it). */
+void paged_decode_attention(const float *q, const float *k_cache, const float *v_cache,
+                            const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
+                            float *out, float scale, int64_t task_begin, int64_t task_end) {
+    paged_attention(q, k_cache, v_cache, block_tables, bt_stride, seq_lens, out, scale, 0, 0.0f, task_begin,
+                    task_end);
+}
+
 #ifdef _OPENMP
 /* The runs [bounds[r], bounds[r + 1]) of sequences, one per thread of torch's OpenMP pool. */
-void paged_decode_attention_runs(const float *q, const float *k_cache, const float *v_cache,
-                                 const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
-                                 float *out, float scale, const int64_t *bounds, int64_t runs) {
+void paged_attention_runs(const float *q, const float *k_cache, const float *v_cache, const int32_t *block_tables,
+                          int64_t bt_stride, const int32_t *seq_lens, float *out, float scale, int64_t window,
+                          float softcap, const int64_t *bounds, int64_t runs) {
 #pragma omp parallel for num_threads(runs) schedule(static, 1)
     for (int64_t r = 0; r < runs; r++)
-        paged_decode_attention(q, k_cache, v_cache, block_tables, bt_stride, seq_lens, out, scale, bounds[r],
-                               bounds[r + 1]);
+        paged_attention(q, k_cache, v_cache, block_tables, bt_stride, seq_lens, out, scale, window, softcap,
+                        bounds[r], bounds[r + 1]);
 }
 #endif

@@ -1,0 +1,95 @@
+"""Routed experts on the GPU: each token's k (token, expert) pairs grouped by expert, then one grouped GEMM per
+projection, each program multiplying a tile of one expert's rows by that expert's weight.
+
+Layout (no host sync, so a decode step stays CUDA-graph capturable): the T*k pairs, sorted by expert, are laid out
+in segments padded to BLOCK_M rows, so every row tile belongs to one expert; `rows` holds each slot's pair index
+(-1 for padding) and `tile_expert` each tile's expert (-1 past the last segment). The sizes are worst-case bounds
+(T*k + E*(BLOCK_M-1) slots), known on the host. gate_up: x's rows gathered by token (pair // k) -> [T*k, 2I];
+the activation; down: rows by pair, scaled by the routing weight -> [T*k, H]; the k rows of a token summed.
+The torch reference is picovllm.layers.moe.experts_reference.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from picovllm.kernels.decode_attention import dot_precision
+
+
+@triton.jit
+def _grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, rows_ptr, tile_expert_ptr, scale_ptr, N, K,
+                         stride_am, stride_we, stride_wn, stride_om,
+                         A_DIV: tl.constexpr, SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """out[pair] = a[pair // A_DIV] @ w[expert].T (* scale[pair]) for the pairs of one row tile."""
+    tile = tl.program_id(0)
+    expert = tl.load(tile_expert_ptr + tile)
+    if expert < 0:
+        return
+    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(rows_ptr + offs_m)
+    valid = pairs >= 0
+    a_rows = tl.where(valid, pairs // A_DIV, 0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    w = w_ptr + expert.to(tl.int64) * stride_we
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + offs_k
+        a = tl.load(a_ptr + a_rows[:, None] * stride_am + k[None, :], mask=valid[:, None] & (k[None, :] < K),
+                    other=0.0)
+        b = tl.load(w + offs_n[None, :] * stride_wn + k[:, None], mask=(offs_n[None, :] < N) & (k[:, None] < K),
+                    other=0.0)   # [BLOCK_K, BLOCK_N]: the expert's weight, transposed
+        acc += tl.dot(a, b, input_precision=DOT_PRECISION)
+    if SCALE:
+        acc *= tl.load(scale_ptr + pairs, mask=valid, other=0.0)[:, None]
+    out = out_ptr + tl.where(valid, pairs, 0).to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & (offs_n[None, :] < N))
+
+
+def group_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids [T, k] -> (rows [slots] int32: pair index per slot, -1 for padding; tile_expert [slots / block_m] int32:
+    each row tile's expert, -1 past the end). Expert segments are padded to block_m rows."""
+    flat = ids.flatten()
+    pairs, e = flat.numel(), num_experts
+    dev = ids.device
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(e, dtype=torch.long, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    seg_end = padded.cumsum(0)
+    rank = torch.arange(pairs, device=dev) - (counts.cumsum(0) - counts)[flat[order]]   # place within its expert
+    slots = pairs + e * (block_m - 1)
+    slots = -(-slots // block_m) * block_m
+    rows = torch.full((slots,), -1, dtype=torch.int32, device=dev)
+    rows[(seg_end - padded)[flat[order]] + rank] = order.to(torch.int32)
+    starts = torch.arange(0, slots, block_m, device=dev)
+    tile_expert = torch.searchsorted(seg_end, starts, right=True)
+    tile_expert = torch.where(tile_expert < e, tile_expert, -1).to(torch.int32)
+    return rows, tile_expert
+
+
+def grouped_gemm(a: torch.Tensor, w: torch.Tensor, rows: torch.Tensor, tile_expert: torch.Tensor, num_pairs: int,
+                 a_div: int, scale: torch.Tensor | None = None, block_m: int = 16, block_n: int = 64,
+                 block_k: int = 32) -> torch.Tensor:
+    """a [*, K]; w [E, N, K] -> out [num_pairs, N] (see _grouped_gemm_kernel)."""
+    n, k = w.shape[1], w.shape[2]
+    out = torch.empty(num_pairs, n, dtype=a.dtype, device=a.device)
+    grid = (tile_expert.numel(), triton.cdiv(n, block_n))
+    _grouped_gemm_kernel[grid](
+        a, w, out, rows, tile_expert, scale if scale is not None else out, n, k,
+        a.stride(0), w.stride(0), w.stride(1), out.stride(0),
+        A_DIV=a_div, SCALE=scale is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        DOT_PRECISION=dot_precision(a.dtype))
+    return out
+
+
+def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
+                  down: torch.Tensor, act, block_m: int = 16) -> torch.Tensor:
+    """As experts_reference: x [T, H]; weights (float32), ids [T, k]; gate_up [E, 2I, H]; down [E, H, I]."""
+    t, top_k = ids.shape
+    rows, tile_expert = group_by_expert(ids, gate_up.shape[0], block_m)
+    x = x.contiguous()
+    h = act(grouped_gemm(x, gate_up, rows, tile_expert, t * top_k, top_k, block_m=block_m))
+    y = grouped_gemm(h, down, rows, tile_expert, t * top_k, 1, weights.flatten().contiguous(), block_m=block_m)
+    return y.view(t, top_k, -1).sum(1, dtype=torch.float32).to(x.dtype)

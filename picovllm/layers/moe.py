@@ -1,0 +1,89 @@
+"""Mixture of experts (Qwen3-MoE, Mixtral): a router picks each token's top-k experts, each a gated MLP, and the
+layer sums their outputs weighted by the router's probabilities.
+
+Under tensor parallelism every rank holds every expert with its intermediate dimension sharded, as a dense MLP's
+(gate/up column-parallel, down row-parallel): each rank computes every routed token's partial output, and one
+all-reduce of the combined sum finishes the layer. The router is replicated, so the ranks route alike.
+
+route() and experts_reference() are the torch reference: the CPU path, and the oracle of the grouped Triton
+kernels (picovllm/kernels/moe.py) that the layer runs on the GPU.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from picovllm.distributed import SINGLE, TPGroup
+from picovllm.layers.activation import gated_activation
+
+
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, E] logits -> (weights [T, k] float32, expert ids [T, k] int64): softmax over all experts in float32,
+    the k largest, renormalised to sum to 1 if asked (Mixtral always, Qwen3-MoE per norm_topk_prob)."""
+    probs = router_logits.float().softmax(-1)
+    weights, ids = probs.topk(top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return weights, ids
+
+
+def experts_reference(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
+                      down: torch.Tensor, act: nn.Module) -> torch.Tensor:
+    """x [T, H]; weights, ids [T, k]; gate_up [E, 2I, H]; down [E, H, I] -> sum over each token's k experts of
+    weight * down(act(gate_up(x))), [T, H] in x's dtype. One expert at a time, over the tokens routed to it."""
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e in ids.unique().tolist():
+        token, slot = (ids == e).nonzero(as_tuple=True)
+        h = act(F.linear(x[token], gate_up[e]))
+        y = F.linear(h, down[e]).float() * weights[token, slot, None]
+        out.index_add_(0, token, y)
+    return out.to(x.dtype)
+
+
+class FusedMoE(nn.Module):
+    """The router (`gate`, [E, H], replicated) and the stacked experts: experts.gate_up_proj [E, 2 I/tp, H] (each
+    expert's gate rows, then its up rows) and experts.down_proj [E, H, I/tp]. Checkpoints keep one tensor per expert;
+    the loader (loader/weights.py) hands each to load() with shard (expert, 0 gate | 1 up | None down)."""
+
+    def __init__(self, num_experts: int, top_k: int, hidden: int, intermediate: int, renormalize: bool,
+                 act: str = "silu", tp: TPGroup = SINGLE) -> None:
+        super().__init__()
+        if intermediate % tp.size:
+            raise ValueError(f"moe_intermediate_size {intermediate} is not divisible by tensor_parallel_size "
+                             f"{tp.size}")
+        self.num_experts, self.top_k, self.renormalize, self.tp = num_experts, top_k, renormalize, tp
+        self.inter = intermediate // tp.size
+        self.gate = nn.Linear(hidden, num_experts, bias=False)
+        self.gate.weight.requires_grad_(False)
+        self.experts = nn.Module()   # a namespace, so the parameters are named as the checkpoint's experts
+        self.experts.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * self.inter, hidden),
+                                                 requires_grad=False)
+        self.experts.down_proj = nn.Parameter(torch.empty(num_experts, hidden, self.inter), requires_grad=False)
+        self.experts.gate_up_proj.shard_ids = [(e, part) for e in range(num_experts) for part in (0, 1)]
+        self.experts.down_proj.shard_ids = [(e, None) for e in range(num_experts)]
+        for p in self.experts.parameters():
+            p.weight_loader = self.load
+        self.act = gated_activation(act)
+
+    def load(self, param: nn.Parameter, w: torch.Tensor, shard: tuple[int, int | None], name: str = "") -> None:
+        expert, part = shard
+        n, r = self.inter, self.tp.rank
+        if part is None:     # down [H, I]: this rank's input columns
+            want, src, dst = (param.shape[1], n * self.tp.size), w.narrow(1, r * n, n), param.data[expert]
+        else:                # gate or up [I, H]: this rank's rows
+            want, src, dst = (n * self.tp.size, param.shape[2]), w.narrow(0, r * n, n), \
+                param.data[expert].narrow(0, part * n, n)
+        if tuple(w.shape) != want:
+            raise ValueError(f"weight {name}: shape mismatch, model expects {want}, checkpoint has {tuple(w.shape)}")
+        dst.copy_(src)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
+        w13, w2 = self.experts.gate_up_proj, self.experts.down_proj
+        if x.is_cuda:   # tokens grouped by expert, a grouped GEMM per projection; the torch code is its reference
+            from picovllm.kernels.moe import fused_experts
+            out = fused_experts(x, weights, ids, w13, w2, self.act)
+        else:
+            out = experts_reference(x, weights, ids, w13, w2, self.act)
+        return self.tp.all_reduce(out)

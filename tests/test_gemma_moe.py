@@ -1,0 +1,122 @@
+"""Gemma 2, Gemma 3 (text), Qwen3-MoE and Mixtral from HF folders: greedy tokens and logprobs against HF transformers on the same tiny random weights (fp32, CPU), and
+TP=2 against TP=1.
+
+The shapes are the awkward ones: head_dim 80 and 256, one KV head, windows shorter than the prompt (and than a
+KV block), alternating sliding and global layers, soft-capped scores and logits, top-1 and top-2 routing over 8
+and 64 experts, a dense layer among MoE layers.
+"""
+import random
+
+import pytest
+import torch
+
+from picovllm import LLM, SamplingParams
+from test_parity_hf import LOGPROB_ATOL, hf_greedy
+
+VOCAB = 384
+BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
+            pad_token_id=0)
+GEMMA2 = dict(head_dim=32, query_pre_attn_scalar=24, attn_logit_softcapping=2.0, final_logit_softcapping=3.0)
+CASES = {
+    # window 6 on layer 0, global layer 1; scores and logits capped hard enough to matter
+    "gemma2": ("Gemma2Config", dict(GEMMA2, sliding_window=6)),
+    # head_dim 256, one KV head, a window of 5 over 4 layers (sliding, global, sliding, global)
+    "gemma2_hd256_mqa": ("Gemma2Config", dict(GEMMA2, head_dim=256, num_key_value_heads=1, num_attention_heads=2,
+                                               sliding_window=5, num_hidden_layers=4)),
+    # q/k norms, local rope base on sliding layers, global base with linear scaling; head_dim 80
+    "gemma3": ("Gemma3TextConfig", dict(head_dim=80, query_pre_attn_scalar=64, sliding_window=7, num_hidden_layers=3,
+                                        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                                        rope_parameters={
+                                            "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                                            "full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                               "rope_theta": 10000.0}})),
+    # 8 experts, top-2, weights not renormalised; layer 1 dense
+    "qwen3_moe": ("Qwen3MoeConfig", dict(head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                         mlp_only_layers=[1], norm_topk_prob=False)),
+    # 64 experts, top-1, renormalised (each token's one weight is 1)
+    "qwen3_moe_64": ("Qwen3MoeConfig", dict(head_dim=16, num_experts=64, num_experts_per_tok=1,
+                                            moe_intermediate_size=16, norm_topk_prob=True)),
+    "mixtral": ("MixtralConfig", dict(head_dim=16, num_local_experts=8, num_experts_per_tok=2, sliding_window=None)),
+}
+
+
+def build(path: str, case: str) -> str:
+    import transformers
+
+    cls, extra = CASES[case]
+    cfg = getattr(transformers, cls)(**{**BASE, **extra})
+    torch.manual_seed(len(case))
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:        # HF starts norms at 1 (Gemma's at 0, as 1 + w): make each one matter
+                p.copy_(("gemma" not in case) + 0.3 * torch.randn_like(p))
+            elif name.endswith("gate.weight"):   # routers: decisive top-k choices, not near-ties
+                p.copy_(0.5 * torch.randn_like(p))
+            elif "q_proj" in name or "k_proj" in name:   # scores of a few units: the soft-cap bites
+                p.mul_(10)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("gemma_moe")
+    return {case: build(str(root / case), case) for case in CASES}
+
+
+def prompts(seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, VOCAB) for _ in range(n)] for n in (1, 7, 19, 36)]
+
+
+def generate(llm: LLM, ps, n: int = 12):
+    sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=0)
+    return llm.generate(ps, sp, use_tqdm=False)
+
+
+# engine kwargs: the C attention kernel with prefill chunks of 5 over cached context; for Gemma's attention, the
+# torch reference too
+ENGINES = [dict(max_num_batched_tokens=5), dict(attention_backend="torch")]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_greedy_and_logprobs_match_hf(models, case):
+    ps = prompts()
+    ref, ref_lp = hf_greedy(models[case], ps, 12)
+    for kw in ENGINES if case.startswith("gemma") else ENGINES[:1]:
+        llm = LLM(models[case], block_size=4, num_kv_blocks=128, device="cpu", **kw)
+        outs = generate(llm, ps)
+        assert [o.outputs[0].token_ids for o in outs] == ref, kw
+        for o, lp in zip(outs, ref_lp):
+            ours = [d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
+            assert ours == pytest.approx(lp, abs=LOGPROB_ATOL)
+        assert llm.engine.scheduler.block_manager.num_free_blocks == 128
+
+
+@pytest.mark.parametrize("case", ["gemma2", "gemma3", "qwen3_moe", "mixtral"])
+def test_tp2_matches_tp1(models, case, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")     # two ranks on two shared cores
+    ps, sp = prompts(1), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    tp1 = LLM(models[case], num_kv_blocks=64).generate(ps, sp, use_tqdm=False)
+    with LLM(models[case], tensor_parallel_size=2, num_kv_blocks=64) as llm:
+        tp2 = llm.generate(ps, sp, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in tp2] == [o.outputs[0].token_ids for o in tp1]
+
+
+@pytest.mark.parametrize("field,value", [("use_bidirectional_attention", True), ("hidden_activation", "relu"),
+                                         ("rope_parameters", {"rope_type": "yarn", "factor": 2.0})])
+def test_what_cannot_be_honoured_is_refused(models, tmp_path, field, value):
+    import json
+    import os
+    import shutil
+
+    path = str(tmp_path / "m")
+    shutil.copytree(models["gemma2"], path)
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(dict(cfg, **{field: value}), f)
+    with pytest.raises(ValueError, match=field.split("_")[0] if field == "rope_parameters" else field):
+        LLM(path, device="cpu")
