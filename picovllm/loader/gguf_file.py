@@ -1,4 +1,5 @@
-"""GGUF files of the llama architecture, dequantized to float at load time (or mapped from the artifact cache)."""
+"""GGUF files of the llama, qwen2 and qwen3 architectures (llama.cpp's names), dequantized to float at load time
+(or mapped from the artifact cache), or kept quantized (stored_weights)."""
 from __future__ import annotations
 
 import dataclasses
@@ -20,6 +21,11 @@ from picovllm.loader.source import ModelSource, WeightIterator
 
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
 
+# general.architecture -> (the HF architecture, whether llama.cpp's converter interleaved the q/k rows' rotary
+# halves: it does for llama, whose llama.cpp rope is the interleaved kind, not for the NeoX-rope qwen2 and qwen3)
+ARCHITECTURES = {"llama": ("LlamaForCausalLM", True), "qwen2": ("Qwen2ForCausalLM", False),
+                 "qwen3": ("Qwen3ForCausalLM", False)}
+
 # GGUF tensor name -> HF tensor name ({} is the layer index)
 _NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -34,6 +40,11 @@ _NAMES = {
     "blk.{}.ffn_gate.weight": "model.layers.{}.mlp.gate_proj.weight",
     "blk.{}.ffn_up.weight": "model.layers.{}.mlp.up_proj.weight",
     "blk.{}.ffn_down.weight": "model.layers.{}.mlp.down_proj.weight",
+    "blk.{}.attn_q.bias": "model.layers.{}.self_attn.q_proj.bias",            # qwen2
+    "blk.{}.attn_k.bias": "model.layers.{}.self_attn.k_proj.bias",
+    "blk.{}.attn_v.bias": "model.layers.{}.self_attn.v_proj.bias",
+    "blk.{}.attn_q_norm.weight": "model.layers.{}.self_attn.q_norm.weight",  # qwen3
+    "blk.{}.attn_k_norm.weight": "model.layers.{}.self_attn.k_norm.weight",
 }
 
 
@@ -45,7 +56,7 @@ def _hf_name(name: str) -> str:
             return _NAMES[key].format(parts[1])
     elif name in _NAMES:
         return _NAMES[name]
-    raise ValueError(f"GGUF tensor {name!r}: unknown tensor name for the llama architecture")
+    raise ValueError(f"GGUF tensor {name!r}: unknown tensor name (llama, qwen2 and qwen3 tensors are read)")
 
 
 def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -61,30 +72,35 @@ def _required(meta: dict, key: str, path: str):
 
 
 def _model_config(gf: GGUFFile) -> ModelConfig:
-    meta, path, p = gf.metadata, gf.path, "llama."
+    meta, path = gf.metadata, gf.path
     arch = meta.get("general.architecture")
-    if arch != "llama":
-        raise ValueError(f"GGUF {path!r}: general.architecture={arch!r} is unsupported (only 'llama')")
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"GGUF {path!r}: general.architecture={arch!r} is unsupported "
+                         f"(supported: {', '.join(map(repr, ARCHITECTURES))})")
+    p = arch + "."
     if "token_embd.weight" not in gf.tensors:
         raise ValueError(f"GGUF {path!r}: tensor 'token_embd.weight' is missing")
     heads = int(_required(meta, p + "attention.head_count", path))
     hidden = int(_required(meta, p + "embedding_length", path))
     eos = meta.get("tokenizer.ggml.eos_token_id")
+    head_dim = meta.get(p + "attention.key_length", meta.get(p + "rope.dimension_count", hidden // heads))
     return ModelConfig(
-        architecture="LlamaForCausalLM",
+        architecture=ARCHITECTURES[arch][0],
         vocab_size=int(gf.tensors["token_embd.weight"].shape[1]),
         hidden_size=hidden,
         intermediate_size=int(_required(meta, p + "feed_forward_length", path)),
         num_hidden_layers=int(_required(meta, p + "block_count", path)),
         num_attention_heads=heads,
         num_key_value_heads=int(meta.get(p + "attention.head_count_kv", heads)),
-        head_dim=int(meta.get(p + "rope.dimension_count", hidden // heads)),
+        head_dim=int(head_dim),
         rms_norm_eps=float(meta.get(p + "attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(meta.get(p + "rope.freq_base", 10000.0)),
         max_position_embeddings=int(meta.get(p + "context_length", 4096)),
         tie_word_embeddings="output.weight" not in gf.tensors,
         eos_token_ids=[int(eos)] if eos is not None else [],
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        attention_bias="blk.0.attn_q.bias" in gf.tensors,
+        qk_norm="blk.0.attn_q_norm.weight" in gf.tensors,
     )
 
 
@@ -110,10 +126,13 @@ def _dequantized(gf: GGUFFile, config: ModelConfig) -> WeightIterator:
 
 
 def _row_order(name: str, rows: int, config: ModelConfig) -> torch.Tensor | slice:
-    """The file's rows in HF order: llama.cpp stores q/k rows with each head's two rotary halves interleaved."""
-    if name.endswith("q_proj.weight"):
+    """The file's rows in HF order: for llama, llama.cpp stores q/k rows (and biases) with each head's two rotary
+    halves interleaved."""
+    if config.architecture != "LlamaForCausalLM":
+        return slice(None)
+    if name.endswith(("q_proj.weight", "q_proj.bias")):
         return _unpermute(torch.arange(rows), config.num_attention_heads)
-    if name.endswith("k_proj.weight"):
+    if name.endswith(("k_proj.weight", "k_proj.bias")):
         return _unpermute(torch.arange(rows), config.num_key_value_heads)
     return slice(None)
 
