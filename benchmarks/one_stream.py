@@ -1,7 +1,8 @@
 """One stream on the CPU, as llama.cpp's peer script measures it (/work/shared/peers/llamacpp_cpu_small.py
 --latency): a 512-token random prompt (ids 0..10000), then 256 greedy tokens, EOS ignored; best of 3 of the
 decode's ms per output token (after the first) and of the prompt's prefill tok/s (its time to first token).
-picovllm with quantization="auto" (the GGUF's Q4_1/Q8_0 kept quantized) and "none" (float32), and the peer.
+picovllm with quantization="auto" (the GGUF's Q4_1/Q8_0 kept quantized), "none" (float32) and, with --only,
+"bf16" (float32 with bfloat16 decode panels), and the peer.
 
     python benchmarks/one_stream.py [--runs 3] [--peer /work/shared/peers/llamacpp_cpu_small.py]
                                     [--peer-python /work/llamacpp-venv/bin/python]
@@ -41,9 +42,9 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--peer", default="/work/shared/peers/llamacpp_cpu_small.py")
     ap.add_argument("--peer-python", default="/work/llamacpp-venv/bin/python")
-    ap.add_argument("--only", choices=["auto", "none", "peer"], nargs="*", default=["auto", "none", "peer"])
+    ap.add_argument("--only", choices=["auto", "none", "bf16", "peer"], nargs="*", default=["auto", "none", "peer"])
     args = ap.parse_args()
-    for q in ("auto", "none"):
+    for q in ("auto", "none", "bf16"):
         if q in args.only:
             print(json.dumps(ours(q, args.runs)), flush=True)
     if "peer" in args.only:
