@@ -110,7 +110,7 @@ class ModelConfig:
             rope_theta=rope.get("rope_theta", 10000.0),
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=cfg.get("tie_word_embeddings", gemma),
-            rope_scaling=_rope_scaling(rope),
+            rope_scaling=_rope_scaling(rope, cfg),
             attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
             eos_token_ids=eos,
@@ -172,13 +172,25 @@ def _moe_layers(cfg: dict[str, Any], layers: int) -> list[bool]:
     return [i not in dense and (i + 1) % step == 0 for i in range(layers)]
 
 
-def _rope_scaling(rs: dict[str, Any]) -> dict | None:
+def _rope_scaling(rs: dict[str, Any], cfg: dict[str, Any] | None = None) -> dict | None:
     kind = rs.get("rope_type", rs.get("type"))
     if kind in (None, "default"):
         return None
-    if kind not in ("llama3", "linear"):
-        raise ValueError(f"config.json rope_scaling.rope_type={kind!r}: only 'llama3' and 'linear' are supported")
-    return dict(rs, rope_type=kind)
+    if kind == "su":                     # Phi-3's first name for LongRoPE
+        kind = "longrope"
+    if kind not in ("llama3", "linear", "longrope"):
+        raise ValueError(f"config.json rope_scaling.rope_type={kind!r}: only 'llama3', 'linear' and 'longrope' "
+                         "are supported")
+    out = dict(rs, rope_type=kind)
+    if kind == "longrope":               # Phi-3: per-frequency factors, short below the original context
+        cfg = cfg or {}
+        orig = rs.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
+        if not orig or "short_factor" not in rs or "long_factor" not in rs:
+            raise ValueError("config.json rope_scaling (longrope) needs short_factor, long_factor and "
+                             "original_max_position_embeddings")
+        out.update(original_max_position_embeddings=int(orig),
+                   factor=rs.get("factor") or cfg.get("max_position_embeddings", orig) / orig)
+    return out
 
 
 # "auto": a GGUF's own 4/8-bit form on the CPU; "none": float; "q8_0": an HF folder's matrices quantized at

@@ -20,12 +20,16 @@ CASES = {
     "phi3": ("Phi3Config", {"sliding_window": None}),
     "phi3_window": ("Phi3Config", {"sliding_window": 20, "num_key_value_heads": 6}),
 }
+# LongRoPE as Phi-3-mini-128k has it, on a 32-token original context (head_dim 64 / 6 heads: 5 frequencies)
+LONGROPE = {"sliding_window": None, "original_max_position_embeddings": 32, "num_attention_heads": 4,
+            "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0 + 0.3 * i for i in range(8)],
+                             "long_factor": [3.0 + 1.1 * i for i in range(8)]}}
 
 
 def build(path: str, case: str) -> str:
     import transformers
 
-    cls, extra = CASES[case]
+    cls, extra = CASES[case] if case in CASES else ("Phi3Config", LONGROPE)
     cfg = getattr(transformers, cls)(**{**BASE, **extra})
     torch.manual_seed(len(cls))    # one family's cases share their weights (mistral and mistral_window)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
@@ -72,6 +76,32 @@ def test_the_window_slides(models):
     assert lp[0] != lp[1]
     out = windowed.generate([list(range(300))], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 4
+
+
+def test_longrope_matches_hf_within_and_past_the_original_context(tmp_path):
+    """Phi-3's LongRoPE on a 32-token original context: a request that stays within it uses the short factors, one
+    whose prompt is longer the long ones at every position (as HF, which rotates a sequence past the original length
+    with the long factors throughout); cos and sin scaled by sqrt(1 + ln(512 / 32) / ln(32))."""
+    path = build(str(tmp_path / "longrope"), "phi3_longrope")
+    rng = random.Random(3)
+    llm = LLM(path, block_size=16, num_kv_blocks=64, device="cpu")
+    assert llm.engine.model_config.rope_scaling["rope_type"] == "longrope"
+    for lens, new in [((1, 9, 20), 12), ((33, 40), 6)]:     # totals 13, 21, 32 (within); prompts past it
+        ps = [[rng.randrange(384) for _ in range(n)] for n in lens]
+        ref, ref_lp = hf_greedy(path, ps, new)
+        outs = llm.generate(ps, SamplingParams(temperature=0, max_tokens=new, ignore_eos=True, logprobs=0),
+                            use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == ref
+        for o, lp in zip(outs, ref_lp):
+            assert [d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] == \
+                pytest.approx(lp, abs=LOGPROB_ATOL)
+    # the same tokens as a long request and as a short one: their keys differ, so the prefix cache keeps them apart
+    p = [rng.randrange(384) for _ in range(20)]
+    short = llm.generate([p], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=0), use_tqdm=False)
+    long = llm.generate([p], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=0), use_tqdm=False)
+    again = llm.generate([p], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert long[0].num_cached_tokens == 0 and again[0].num_cached_tokens == 16      # short hits short's blocks
+    assert short[0].outputs[0].logprobs != long[0].outputs[0].logprobs[:4]
 
 
 def test_partial_rotary_is_refused(tmp_path):

@@ -81,7 +81,7 @@ class BlockManager:
         if req.prompt_logprobs is not None:   # cached positions have no logits: only those already taken
             max_blocks = min(max_blocks, (len(req.prompt_logprobs) - 1) // self.block_size)
         self.queried_tokens += len(tokens)
-        h = self.salt
+        h = self._chain_start(req)
         hashes, blocks = [], []
         for i in range(max_blocks):
             h = hash_block(h, tuple(tokens[i * self.block_size:(i + 1) * self.block_size]))
@@ -125,7 +125,7 @@ class BlockManager:
         num_full = min(req.num_computed_tokens, req.num_known_tokens) // self.block_size   # ids of pending tokens unknown
         if num_full <= len(req.block_hashes):
             return
-        h = req.block_hashes[-1] if req.block_hashes else self.salt
+        h = req.block_hashes[-1] if req.block_hashes else self._chain_start(req)
         for i in range(len(req.block_hashes), num_full):
             h = hash_block(h, tuple(req.token_id(j) for j in range(i * self.block_size, (i + 1) * self.block_size)))
             req.block_hashes.append(h)
@@ -133,6 +133,11 @@ class BlockManager:
             if self.block_hash[block] is None and h not in self.hash_to_block:
                 self.block_hash[block] = h
                 self.hash_to_block[h] = block
+
+    def _chain_start(self, req: Request) -> int:
+        """The hash a request's chain of block hashes starts from: the model's salt, and the rotary offset of a
+        request whose keys are rotated otherwise (LongRoPE's long factors)."""
+        return hash((self.salt, req.position_offset)) if req.position_offset else self.salt
 
     def free(self, req: Request) -> None:
         """Drop req's references. Tail blocks go first in line for eviction, hashed ones last."""

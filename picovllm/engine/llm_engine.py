@@ -32,6 +32,7 @@ from picovllm.engine.executor import Executor, InProcessExecutor, make_executor
 from picovllm.engine.model_runner import LaunchedStep, ModelRunner, StepResult
 from picovllm.engine.request import FinishReason, Request, RequestStatus
 from picovllm.engine.scheduler import Scheduler, SchedulerOutput
+from picovllm.layers.rotary import longrope_position_offset
 from picovllm.layers.structured_output import GrammarState, StructuredOutputCompiler
 from picovllm.loader import open_model_source
 from picovllm.outputs import CompletionOutput, Logprob, RequestOutput
@@ -152,6 +153,9 @@ class Engine:
         req.grammar = grammar
         room = self.max_model_len - len(ids)
         req.max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        req.position_offset = longrope_position_offset(self.model_config.rope_scaling,
+                                                       self.model_config.max_position_embeddings, len(ids),
+                                                       req.max_tokens)
         self._check_capacity(len(ids), req.max_tokens)
         self.requests[request_id] = req
         self.scheduler.add(req)
@@ -351,6 +355,10 @@ class Engine:
             answers = self.connector.answers_for(req)      # asked first: request_finished forgets it
             self.connector.request_finished(req)
             return self.make_output(req) if answers else None
+        # the same rule as add_request's on P: both sides rotate the request's keys alike
+        req.position_offset = longrope_position_offset(self.model_config.rope_scaling,
+                                                       self.model_config.max_position_embeddings,
+                                                       req.num_prompt_tokens, req.max_tokens)
         self.requests[req.request_id] = req
         self.scheduler.add(req)
         return None

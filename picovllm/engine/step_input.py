@@ -94,12 +94,12 @@ def build_step_input(sched: SchedulerOutput, block_size: int, eos_token_ids: lis
                 prev_dst.append(len(ids))
                 prev_src.append(req.pending_row)
                 ids.append(0)
-            pos.append(start)
+            pos.append(start + req.position_offset)
             slots.append(table[start // bs] * bs + start % bs)
         else:        # a pending token is only ever a decode's input
             assert start + n <= req.num_known_tokens, req
             ids.extend(req.all_token_ids[start:start + n])
-            pos.extend(range(start, start + n))
+            pos.extend(range(start + req.position_offset, start + n + req.position_offset))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
         qsl.append(qsl[-1] + n)
         lens.append(start + n)

@@ -1,4 +1,11 @@
-"""Rotary position embedding (the 'rotate half' layout of HF checkpoints), with Llama-3 or linear scaling."""
+"""Rotary position embedding (the 'rotate half' layout of HF checkpoints), with Llama-3, linear or LongRoPE scaling.
+
+LongRoPE (Phi-3): each frequency is divided by its factor, and cos and sin are scaled by the attention factor. A
+sequence uses the short factors while it stays within original_max_position_embeddings and the long ones at every
+position once it is longer: HF recomputes the whole sequence with the long factors when it passes that length. Here
+a request that may pass it (prompt + max_tokens) takes the long factors from its first token (the engine offsets
+its positions by max_position_embeddings into the second half of the table: longrope_position_offset), so its
+tokens are HF's after the switch; one that stays within gets HF's short-factor tokens."""
 from __future__ import annotations
 
 import math
@@ -25,12 +32,37 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) -> to
     return scaled.float()
 
 
+def longrope_position_offset(scaling: dict | None, max_position: int, prompt_len: int, max_tokens: int) -> int:
+    """What to add to a request's positions: max_position (the long factors' half of the table) if it may grow
+    past the original context under LongRoPE, else 0."""
+    if not scaling or scaling.get("rope_type") != "longrope":
+        return 0
+    return max_position if prompt_len + max_tokens > scaling["original_max_position_embeddings"] else 0
+
+
+def longrope_cos_sin(head_dim: int, max_position: int, theta: float, scaling: dict) -> torch.Tensor:
+    """[2 * max_position, head_dim]: cos then sin, as RotaryEmbedding holds them, with the short factors for
+    positions 0..max_position-1, then with the long ones (a long request's positions are offset by max_position)."""
+    base = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).double() / head_dim))
+    pos = torch.arange(max_position, dtype=torch.float64)[:, None]
+    short = pos * (base / torch.tensor(scaling["short_factor"], dtype=torch.float64))
+    long = pos * (base / torch.tensor(scaling["long_factor"], dtype=torch.float64))
+    freqs = torch.cat([short, long])
+    factor, orig = scaling["factor"], scaling["original_max_position_embeddings"]
+    attn = scaling.get("attention_factor") or (1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(orig)))
+    return (torch.cat([freqs.cos(), freqs.sin()], dim=-1) * attn).float()
+
+
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict | None = None) -> None:
         super().__init__()
-        inv = inverse_frequencies(head_dim, theta, scaling)
-        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv)
-        self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
+        if scaling and scaling.get("rope_type") == "longrope":
+            cos_sin = longrope_cos_sin(head_dim, max_position, theta, scaling)
+        else:
+            inv = inverse_frequencies(head_dim, theta, scaling)
+            freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv)
+            cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+        self.register_buffer("cos_sin", cos_sin, persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [T, Hq, D], k: [T, Hk, D]."""
