@@ -104,6 +104,31 @@ def test_longrope_matches_hf_within_and_past_the_original_context(tmp_path):
     assert short[0].outputs[0].logprobs != long[0].outputs[0].logprobs[:4]
 
 
+def test_blocks_behind_the_window_are_given_back(models):
+    """Every layer slides (window 20): blocks wholly behind the window go back to the pool as the request goes, so
+    a 300-token prompt and 40 more tokens run in 16 blocks of 4 (85 without), token for token HF's."""
+    from picovllm.engine.block_manager import SLID_OUT
+    rng = random.Random(5)
+    p = [rng.randrange(384) for _ in range(300)]
+    ref, _ = hf_greedy(models["mistral_window"], [p], 40)
+    llm = LLM(models["mistral_window"], block_size=4, num_kv_blocks=16, max_num_batched_tokens=16, device="cpu")
+    eng, peak = llm.engine, []
+    real = eng.block_manager.free_slid_out
+
+    def watch(req, window):
+        out = real(req, window)
+        peak.append(eng.block_manager.num_blocks - eng.block_manager.num_free_blocks)
+        assert req.block_table[:req.num_slid_out_blocks] == [SLID_OUT] * req.num_slid_out_blocks
+        return out
+    eng.block_manager.free_slid_out = watch
+    out = llm.generate([p], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == ref[0]
+    assert max(peak) <= 16 and len(peak) > 20
+    full = LLM(models["mistral"], block_size=4, num_kv_blocks=16, device="cpu")   # no window: refused, as before
+    with pytest.raises(ValueError, match="exceed the KV cache"):
+        full.generate([p], SamplingParams(max_tokens=40), use_tqdm=False)
+
+
 def test_partial_rotary_is_refused(tmp_path):
     import json
     import os

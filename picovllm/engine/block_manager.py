@@ -12,6 +12,8 @@ from collections import OrderedDict
 
 from picovllm.engine.request import Request
 
+SLID_OUT = -1   # a block-table entry whose block slid out of every layer's window and was given back
+
 
 def hash_block(prev_hash: int, token_ids: tuple[int, ...]) -> int:
     # Python's hash of int tuples is deterministic across processes (no string hashing involved).
@@ -130,7 +132,7 @@ class BlockManager:
             h = hash_block(h, tuple(req.token_id(j) for j in range(i * self.block_size, (i + 1) * self.block_size)))
             req.block_hashes.append(h)
             block = req.block_table[i]
-            if self.block_hash[block] is None and h not in self.hash_to_block:
+            if block != SLID_OUT and self.block_hash[block] is None and h not in self.hash_to_block:
                 self.block_hash[block] = h
                 self.hash_to_block[h] = block
 
@@ -142,15 +144,34 @@ class BlockManager:
     def free(self, req: Request) -> None:
         """Drop req's references. Tail blocks go first in line for eviction, hashed ones last."""
         for block in reversed(req.block_table):
-            self.ref_counts[block] -= 1
-            assert self.ref_counts[block] >= 0, f"block {block} freed twice"
-            if self.ref_counts[block] == 0:
-                self.free_queue[block] = None
-                if self.block_hash[block] is None:
-                    self.free_queue.move_to_end(block, last=False)
+            if block != SLID_OUT:
+                self._release(block)
         req.block_table = []
+        req.num_slid_out_blocks = 0
         req.block_hashes = []
         req.num_computed_tokens = 0
+
+    def _release(self, block: int) -> None:
+        self.ref_counts[block] -= 1
+        assert self.ref_counts[block] >= 0, f"block {block} freed twice"
+        if self.ref_counts[block] == 0:
+            self.free_queue[block] = None
+            if self.block_hash[block] is None:
+                self.free_queue.move_to_end(block, last=False)
+
+    def free_slid_out(self, req: Request, window: int) -> int:
+        """Give back req's blocks that no later token will attend to: with every layer attending to its last
+        `window` positions at most, the next token (position num_computed_tokens) sees keys from
+        num_computed_tokens - window + 1 on, so the blocks wholly before that go. Their table entries become
+        SLID_OUT (the table keeps its length: positions still index it; the attention paths start at the window
+        and never read them); hashed ones stay in the prefix cache until evicted. Returns how many went."""
+        before = min(max(0, req.num_computed_tokens - window + 1) // self.block_size, len(req.block_table))
+        start = req.num_slid_out_blocks         # the table's entries before it are SLID_OUT already
+        for i in range(start, before):
+            self._release(req.block_table[i])
+            req.block_table[i] = SLID_OUT
+        req.num_slid_out_blocks = max(start, before)
+        return max(0, before - start)
 
     def reset_prefix_cache(self) -> None:
         for block in self.free_queue:

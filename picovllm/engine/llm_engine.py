@@ -88,10 +88,20 @@ class Engine:
         self.detokenizer = Detokenizer(self.tokenizer)
         self.requests: dict[str, Request] = {}
         self.overlap = config.async_scheduling
+        self.window = self._kv_window()   # every layer slides: blocks behind it are given back as requests go
         self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None   # overlap: launched, not read
         self._ids = itertools.count()
         self._structured: StructuredOutputCompiler | None = None   # built at the first structured request
         self.stats = {"prefill_tokens": 0, "decode_tokens": 0}
+
+    def _kv_window(self) -> int | None:
+        """The longest sliding window when every layer has one (None if any layer attends to everything). P keeps
+        every block: it hands the whole prompt's KV over."""
+        mc = self.model_config
+        windows = [mc.layer_window(i) for i in range(mc.num_hidden_layers)]
+        if self.config.role == "p" or not windows or None in windows:
+            return None
+        return max(windows)
 
     def _make_runner(self, source) -> Executor:
         """The executor the config asks for (in-process, or tensor-parallel ranks)."""
@@ -181,8 +191,12 @@ class Engine:
                              f"{self.max_model_len - 1}")
 
     def _check_capacity(self, num_prompt_tokens: int, max_tokens: int) -> None:
-        capacity = self.block_manager.num_blocks * self.block_manager.block_size
-        if num_prompt_tokens + max_tokens > capacity:
+        bm = self.block_manager
+        capacity = bm.num_blocks * bm.block_size
+        need = num_prompt_tokens + max_tokens
+        if self.window is not None:   # at most the window, a chunk and a block on either side at once
+            need = min(need, self.window + self.config.max_num_batched_tokens + 2 * bm.block_size)
+        if need > capacity:
             raise ValueError(f"prompt ({num_prompt_tokens}) + max_tokens ({max_tokens}) tokens exceed the KV cache "
                              f"({capacity} tokens)")
 
@@ -377,6 +391,8 @@ class Engine:
             self.stats["decode_tokens" if chunk.is_decode else "prefill_tokens"] += chunk.num_new_tokens
             req.num_computed_tokens += chunk.num_new_tokens
             self.block_manager.cache_full_blocks(req)
+            if self.window is not None:
+                self.block_manager.free_slid_out(req, self.window)
             if chunk.samples:
                 req.status = RequestStatus.DECODING
                 req.num_pending_tokens += 1

@@ -42,6 +42,7 @@ class Request:
         self.pending_row = -1
         self.num_cached_tokens = 0       # of those, how many came from the prefix cache
         self.block_table: list[int] = []
+        self.num_slid_out_blocks = 0     # the table's first entries, given back (block_manager.SLID_OUT)
         self.block_hashes: list[int] = []  # chained hashes of this request's full blocks, in order
         self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
         # Filled in prompt order as the prompt's chunks are computed; entry i is prompt token i's.
