@@ -114,9 +114,10 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def plain_llama(self) -> bool:
-        """Llama's layers and nothing more: what the CPU's one-call decode step (kernels/cpu/decode_stack.c) runs."""
+        """Llama's layers (a sliding window per layer allowed) and nothing more: what the CPU's one-call decode step
+        (kernels/cpu/decode_stack.c) runs."""
         c = self.cfg
-        return type(self) is LlamaForCausalLM and c.sliding_window is None and c.num_experts == 0 \
+        return type(self) is LlamaForCausalLM and c.rope_local_theta is None and c.num_experts == 0 \
             and c.hidden_act == "silu" and c.query_pre_attn_scalar is None and c.attn_logit_softcapping is None
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -39,12 +39,13 @@ typedef struct {
     QSeg segs[MAX_SEGS];
 } Weight;
 
-/* One decoder layer: norm weights, its weights (qkv_bias, q_norm and k_norm may be NULL), and the layer's KV
- * cache [num_blocks, BLOCK, HKV, DIM]. */
+/* One decoder layer: norm weights, its weights (qkv_bias, q_norm and k_norm may be NULL), the layer's KV
+ * cache [num_blocks, BLOCK, HKV, DIM], and its sliding window (0: none). */
 typedef struct {
     const float *input_norm, *qkv_bias, *q_norm, *k_norm, *post_norm;
     Weight qkv, o, gate_up, down;
     float *k_cache, *v_cache;
+    int64_t window;
 } Layer;
 
 /* ---- barrier: spin a little, then sleep on a futex ---------------------------------------------- */
@@ -145,8 +146,8 @@ void decode_stack(const Layer *layers, int64_t n_layers, int64_t hidden, int64_t
             qkv_rows(L, qkv, nqkv, q, k, pos, slots, cos_sin, eps, lo, hi);
             SYNC();
             for (int64_t r = t; r < n_runs; r += nt) {   /* a decode-only step: sequence i is row i */
-                paged_decode_attention(q, L->k_cache, L->v_cache, tables, table_stride, lens, attn, scale, runs[r],
-                                       runs[r + 1]);
+                paged_attention(q, L->k_cache, L->v_cache, tables, table_stride, lens, attn, scale, L->window, 0.0f,
+                                runs[r], runs[r + 1]);
                 QUANTIZE(attn, nq, runs[r], runs[r + 1]);
             }
             SYNC();

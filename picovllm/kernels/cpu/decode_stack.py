@@ -30,7 +30,7 @@ class Weight(ctypes.Structure):   # as in decode_stack.c
 class Layer(ctypes.Structure):   # as in decode_stack.c
     _fields_ = [*[(name, _ptr) for name in ("input_norm", "qkv_bias", "q_norm", "k_norm", "post_norm")],
                 *[(name, Weight) for name in ("qkv", "o", "gate_up", "down")],
-                ("k_cache", _ptr), ("v_cache", _ptr)]
+                ("k_cache", _ptr), ("v_cache", _ptr), ("window", _i64)]
 
 
 @functools.lru_cache(maxsize=8)
@@ -92,6 +92,7 @@ class DecodeStack:
                        "k_cache": a.attn.k_cache, "v_cache": a.attn.v_cache}
             for name, t in tensors.items():
                 setattr(entry, name, None if t is None else t.data_ptr())
+            entry.window = a.attn.sliding_window or 0
             for name, linear in (("qkv", a.qkv_proj), ("o", a.o_proj), ("gate_up", mlp.gate_up_proj),
                                  ("down", mlp.down_proj)):
                 setattr(entry, name, _weight(linear))
