@@ -31,6 +31,21 @@ def reference(q, k_cache, v_cache, tables, lens, scale, window=None, softcap=Non
     return out
 
 
+def scattered_tables(rng: random.Random, lens: list[int], bs: int, spare: int) -> tuple[list[list[int]], int]:
+    """Block tables for sequences of these lengths, their blocks shuffled over a cache with `spare` blocks more
+    than they need (rows padded with block 0); and that cache's block count."""
+    width = max(-(-n // bs) for n in lens)
+    num_blocks = sum(-(-n // bs) for n in lens) + spare
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    tables = []
+    for n in lens:
+        need = -(-n // bs)
+        tables.append(free[:need] + [0] * (width - need))
+        free = free[need:]
+    return tables, num_blocks
+
+
 @pytest.mark.parametrize("hq,hkv,dim,bs", [(4, 4, 16, 4), (9, 3, 64, 16), (8, 2, 80, 5), (6, 1, 32, 1),
                                            (16, 8, 128, 16)])
 @pytest.mark.parametrize("threads,entry", [(1, "openmp"), (2, "openmp"), (2, "thread-pool")])
@@ -41,15 +56,7 @@ def test_matches_float64_reference(hq, hkv, dim, bs, threads, entry, monkeypatch
     monkeypatch.setattr(lib, "openmp", entry == "openmp")
     rng = random.Random(hq * 100 + bs)
     lens = [0, 1, bs, bs + 1, 2 * bs - 1] + [rng.randint(1, 90) for _ in range(6)]
-    width = max(-(-n // bs) for n in lens)
-    num_blocks = sum(-(-n // bs) for n in lens) + 3
-    free = list(range(num_blocks))
-    rng.shuffle(free)
-    tables = []
-    for n in lens:
-        need = -(-n // bs)
-        tables.append(free[:need] + [0] * (width - need))
-        free = free[need:]
+    tables, num_blocks = scattered_tables(rng, lens, bs, spare=3)
     g = torch.Generator().manual_seed(hq + dim)
     k_cache = torch.randn(num_blocks, bs, hkv, dim, generator=g)
     v_cache = torch.randn(num_blocks, bs, hkv, dim, generator=g)
@@ -69,15 +76,7 @@ def test_sliding_window_and_softcap_match_float64_reference(hq, hkv, dim, bs, wi
     """Windows off and on block edges and shorter than most contexts; head dims 80 and 256, one KV head."""
     rng = random.Random(dim + bs)
     lens = [0, 1, window or 3, (window or 3) + 1, bs + 3] + [rng.randint(1, 70) for _ in range(4)]
-    width = max(-(-n // bs) for n in lens)
-    num_blocks = sum(-(-n // bs) for n in lens) + 2
-    free = list(range(num_blocks))
-    rng.shuffle(free)
-    tables = []
-    for n in lens:
-        need = -(-n // bs)
-        tables.append(free[:need] + [0] * (width - need))
-        free = free[need:]
+    tables, num_blocks = scattered_tables(rng, lens, bs, spare=2)
     g = torch.Generator().manual_seed(dim)
     k_cache = torch.randn(num_blocks, bs, hkv, dim, generator=g)
     v_cache = torch.randn(num_blocks, bs, hkv, dim, generator=g)

@@ -1,6 +1,9 @@
 """quantization="q8_0": an HF folder's matrices quantized at load (loader/quantize_at_load.py). The blocks
 against a hand bound (every weight within half a step of its value), and the model's prompt logprobs against
 HF transformers' float logits on the same weights (fp32, CPU)."""
+import json
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -27,18 +30,22 @@ def test_q8_blocks_are_within_half_a_step():
     assert np.allclose(b.scales, amax / 127, rtol=1e-6) and (b.codes[3, :16] == 0).all()
 
 
+def rewritten_copy(path: str, out: str, rewrite) -> str:
+    """A copy of the checkpoint folder at `out` with each tensor t named n replaced by rewrite(n, t)."""
+    import shutil
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(path, out)
+    for f in [x for x in os.listdir(out) if x.endswith(".safetensors")]:
+        save_file({n: rewrite(n, t) for n, t in load_file(f"{out}/{f}").items()}, f"{out}/{f}")
+    return out
+
+
 def dequantized_copy(path: str, out: str) -> str:
     """The checkpoint with every matrix q8_0 quantizes replaced by its dequantized blocks: the weights the
     quantized model runs, in float, for HF to run."""
-    import shutil
-    from safetensors.torch import load_file, save_file
     from picovllm.loader.quantize_at_load import quantizes
-    shutil.copytree(path, out)
-    for f in [x for x in __import__("os").listdir(out) if x.endswith(".safetensors")]:
-        sd = load_file(f"{out}/{f}")
-        save_file({n: torch.from_numpy(quantize_q8(t).dequantize()).float() if quantizes(n, t) else t
-                   for n, t in sd.items()}, f"{out}/{f}")
-    return out
+    return rewritten_copy(path, out, lambda n, t: torch.from_numpy(quantize_q8(t).dequantize()).float()
+                          if quantizes(n, t) else t)
 
 
 @needs_kernels
@@ -73,17 +80,9 @@ def test_q8_0_refused_where_it_cannot_run(tiny_models, default_model_path):
 def rounded_copy(path: str, out: str) -> str:
     """The checkpoint with the matrices quantization="bf16" rounds (the linear layers' and the LM head's; a
     tied head is the embedding) rounded to bfloat16 values."""
-    import json
-    import os
-    import shutil
-    from safetensors.torch import load_file, save_file
-    shutil.copytree(path, out)
-    tied = json.load(open(f"{out}/config.json")).get("tie_word_embeddings", False)
-    for f in [x for x in os.listdir(out) if x.endswith(".safetensors")]:
-        sd = load_file(f"{out}/{f}")
-        save_file({n: t.to(torch.bfloat16).float() if t.dim() == 2 and ("embed" not in n or tied) else t
-                   for n, t in sd.items()}, f"{out}/{f}")
-    return out
+    tied = json.load(open(f"{path}/config.json")).get("tie_word_embeddings", False)
+    return rewritten_copy(path, out, lambda n, t: t.to(torch.bfloat16).float()
+                          if t.dim() == 2 and ("embed" not in n or tied) else t)
 
 
 @pytest.mark.skipif(not __import__("picovllm.kernels.cpu.small_gemm", fromlist=["x"]).available(),

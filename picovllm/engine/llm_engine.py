@@ -136,7 +136,10 @@ class Engine:
         # These would otherwise fail inside a step, taking the whole batch down with them.
         if params.logprobs is not None and params.logprobs > vocab:
             raise ValueError(f"SamplingParams.logprobs must be <= the vocabulary size {vocab}, got {params.logprobs}")
-        if any(t >= vocab for t in params.stop_token_ids):
+        if params.prompt_logprobs is not None and params.prompt_logprobs > vocab:
+            raise ValueError(f"SamplingParams.prompt_logprobs must be <= the vocabulary size {vocab}, "
+                             f"got {params.prompt_logprobs}")
+        if any(t >= vocab for t in params.stop_token_ids):   # banned from the logits before min_tokens
             raise ValueError(f"SamplingParams.stop_token_ids must be in [0, {vocab}), got {params.stop_token_ids}")
         if any(t >= vocab for t in params.logit_bias):
             raise ValueError(f"SamplingParams.logit_bias keys must be token ids in [0, {vocab}), got "
@@ -146,11 +149,6 @@ class Engine:
             raise ValueError("prompt is empty")
         if any(t < 0 or t >= vocab for t in ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        if any(t >= vocab for t in params.stop_token_ids):   # banned from the logits before min_tokens
-            raise ValueError(f"SamplingParams.stop_token_ids must be in [0, {vocab}), got {params.stop_token_ids!r}")
-        if params.prompt_logprobs is not None and params.prompt_logprobs > vocab:
-            raise ValueError(f"SamplingParams.prompt_logprobs must be <= the vocabulary size {vocab}, "
-                             f"got {params.prompt_logprobs}")
         if params.prompt_logprobs is not None and self.config.role in ("p", "d"):
             raise ValueError("SamplingParams.prompt_logprobs is not supported with prefill/decode disaggregation "
                              "(the prompt's logits stay on the prefill instance)")

@@ -100,18 +100,14 @@ def _echo_logprobs(prompt_ids: list[int], scored: list | None, first_token: str 
     scored: the prompt's RequestOutput.prompt_logprobs (sample 0 scores it for all samples)."""
     if first_token is None:
         return None, 0
-    tokens, token_lps, tops, offsets, offset = [first_token], [None], [None], [0], len(first_token)
+    entries = [(first_token, None, None)]          # nothing predicts the first token
     for tok, d in zip(prompt_ids[1:], (scored or [None] * len(prompt_ids))[1:]):
         if d is None:     # not scored (a sample that is not the first, before the first's output)
             d = {tok: Logprob(None, None, "")}
-        s = d[tok].decoded_token or ""
-        tokens.append(s)
-        token_lps.append(d[tok].logprob)
-        tops.append({(lp.decoded_token or ""): lp.logprob for t, lp in d.items()
-                     if t == tok or (lp.rank is not None and lp.rank <= k)})
-        offsets.append(offset)
-        offset += len(s)
-    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}, offset
+        top = {(lp.decoded_token or ""): lp.logprob for t, lp in d.items()
+               if t == tok or (lp.rank is not None and lp.rank <= k)}
+        entries.append((d[tok].decoded_token or "", d[tok].logprob, top))
+    return _completion_logprobs(entries, 0)
 
 
 def _joined(head: dict | None, tail: dict) -> dict:
@@ -120,15 +116,23 @@ def _joined(head: dict | None, tail: dict) -> dict:
 
 def _logprobs(c: CompletionOutput, idx: range, offset: int) -> tuple[dict, int]:
     """OpenAI's completions logprobs for output tokens idx: the chosen token and the top ones."""
-    tokens, token_lps, tops, offsets = [], [], [], []
+    entries = []
     for i in idx:
         d = c.logprobs[i]
         chosen = d[c.token_ids[i]]
-        s = chosen.decoded_token or ""
-        tokens.append(s)
-        token_lps.append(chosen.logprob)
-        tops.append({(lp.decoded_token or ""): lp.logprob for lp in d.values()})
-        offsets.append(offset)
-        offset += len(s)
-    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}, offset
+        entries.append((chosen.decoded_token or "", chosen.logprob,
+                        {(lp.decoded_token or ""): lp.logprob for lp in d.values()}))
+    return _completion_logprobs(entries, offset)
 
+
+def _completion_logprobs(entries: list[tuple[str, float | None, dict | None]], offset: int) -> tuple[dict, int]:
+    """OpenAI's completions logprobs of (token text, its logprob, the top ones) entries, their text offsets
+    counted from `offset`; and the offset after them."""
+    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for text, logprob, top in entries:
+        out["tokens"].append(text)
+        out["token_logprobs"].append(logprob)
+        out["top_logprobs"].append(top)
+        out["text_offset"].append(offset)
+        offset += len(text)
+    return out, offset
