@@ -1,10 +1,11 @@
-"""All-reduce between the GPUs of one host: NCCL against picovllm's one-shot path (picovllm/distributed.py).
+"""All-reduce between the GPUs of one host: NCCL against picovllm's peer-memory paths (picovllm/distributed.py):
+torch's one-shot kernel, and our one-flag kernel (kernels/all_reduce.py) up to its 1 MiB.
 
     python benchmarks/tp_all_reduce.py [--ranks 2]
 
 Each rank sums a bf16 tensor of each size; both paths run inside a CUDA graph of 32 back-to-back
 all-reduces, as a decode step's do, and the time per all-reduce is the graph's time / 32 (median of
-20 replays). The one-shot result is checked against NCCL's first.
+20 replays). Each path's result is checked against NCCL's first.
 """
 from __future__ import annotations
 
@@ -42,13 +43,14 @@ def graph_time_us(fn, x: torch.Tensor) -> float:
 
 
 def worker(rank: int, world: int, port: int, result) -> None:
-    from picovllm.distributed import make_one_shot
+    from picovllm.distributed import make_one_shot, make_small_all_reduce
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.cuda.set_device(rank)
     dev = torch.device("cuda", rank)
     dist.init_process_group("nccl", rank=rank, world_size=world, device_id=dev)
     group = dist.group.WORLD
     one_shot = make_one_shot(group, dev, max(SIZES))
+    small = make_small_all_reduce(group, dev)
     rows = []
 
     def nccl(x):
@@ -64,9 +66,12 @@ def worker(rank: int, world: int, port: int, result) -> None:
             got = one_shot(x.clone())
             row["max_abs_diff"] = float((got.float() - ref.float()).abs().max())
             row["one_shot_us"] = round(graph_time_us(one_shot, x.clone()), 2)
+        if small is not None and small.fits(x):
+            row["small_max_abs_diff"] = float((small(x.clone()).float() - ref.float()).abs().max())
+            row["small_us"] = round(graph_time_us(small, x.clone()), 2)
         rows.append(row)
     if rank == 0:
-        result.put({"one_shot": one_shot is not None, "rows": rows})
+        result.put({"one_shot": one_shot is not None, "small": small is not None, "rows": rows})
     dist.barrier()
     dist.destroy_process_group()
 

@@ -438,3 +438,40 @@ def test_fused_experts_match_torch(device, dtype, tol, tokens, experts, top_k):
     out = fused_experts(*(t.to(device) for t in (x.to(dtype), weights, ids, gate_up.to(dtype), down.to(dtype))),
                         SiluAndMul())
     assert rel_err(out.cpu(), ref) < tol
+
+
+@pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 (two real GPUs: test_tp.py)")
+def test_one_flag_all_reduce_layout_and_epochs():
+    """The small all-reduce kernel of rank 0 and then rank 1, run one after the other on CPU buffers
+    (the interpreter runs one program at a time, so rank 1's pushes for rank 0 are made beforehand by a
+    torch model of them): every call's sum, over messages of 1-3 chunks that reuse the slots in turn,
+    equals the float32 sum of the parts, and the two ranks agree bit for bit."""
+    from picovllm.kernels import all_reduce as k
+    world, max_bytes = 2, 3 * k.CHUNK_BYTES
+    bufs = [torch.zeros(k.FLAG_BYTES + 2 * world * max_bytes, dtype=torch.uint8) for _ in range(world)]
+    ptrs = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64)
+    epochs = [torch.zeros(k.MAX_CHUNKS, dtype=torch.int64) for _ in range(world)]
+    calls_of_chunk = [0] * k.MAX_CHUNKS
+
+    def rank1_pushes(x):
+        raw = x.view(torch.uint8)
+        for p in range(-(-raw.numel() // k.CHUNK_BYTES)):
+            calls_of_chunk[p] += 1
+            epoch = calls_of_chunk[p]
+            lo, hi = p * k.CHUNK_BYTES, min((p + 1) * k.CHUNK_BYTES, raw.numel())
+            at = k.FLAG_BYTES + ((epoch % 2) * world + 1) * max_bytes
+            bufs[0][at + lo:at + hi] = raw[lo:hi]
+            bufs[0][:k.FLAG_BYTES].view(torch.int64)[p * world + 1] = epoch
+
+    g = torch.Generator().manual_seed(0)
+    for n, dtype in [(5000, torch.float32), (300, torch.bfloat16), (6000, torch.bfloat16), (5000, torch.bfloat16)]:
+        xs = [torch.randn(n, generator=g).to(dtype) for _ in range(world)]
+        rank1_pushes(xs[1])
+        outs = [torch.empty_like(x) for x in xs]
+        for rank in range(world):
+            k.one_flag_all_reduce(xs[rank], outs[rank], ptrs, epochs[rank], max_bytes, rank, world)
+        want = xs[0].double() + xs[1].double()
+        ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -22   # the interpreter may truncate bf16
+        assert torch.allclose(outs[0].double(), want, rtol=ulp, atol=1e-6), n
+        assert torch.equal(outs[0], outs[1])
+    assert epochs[0][:3].tolist() == epochs[1][:3].tolist() == [4, 3, 1]

@@ -256,26 +256,50 @@ def test_tp2_on_two_gpus_matches_tp1(tp_models):
 
 
 def _one_shot_rank(rank: int, port: int, out) -> None:
-    from picovllm.distributed import make_one_shot
+    from picovllm.distributed import make_one_shot, make_small_all_reduce
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.cuda.set_device(rank)
     dev = torch.device("cuda", rank)
     torch.distributed.init_process_group("nccl", rank=rank, world_size=2, device_id=dev)
-    one_shot = make_one_shot(torch.distributed.group.WORLD, dev, 1 << 20)
+    group = torch.distributed.group.WORLD
+    paths = {"one_shot": make_one_shot(group, dev, 1 << 20), "small": make_small_all_reduce(group, dev)}
     errors = []
-    for n, dtype in [(8, torch.bfloat16), (1024 * 3, torch.bfloat16), (4096 * 64, torch.float32)]:
-        parts = [torch.randn(n, generator=torch.Generator().manual_seed(r), dtype=torch.float64) for r in range(2)]
-        x = parts[rank].to(dtype).to(dev)
-        want = sum(p.to(dtype).double() for p in parts)        # float64 sum of what each rank holds
-        got = one_shot(x).double().cpu()
-        errors.append(float((got - want).abs().max() / want.abs().max()))
-    out.put((rank, one_shot is not None, errors))
+    cases = [(8, torch.bfloat16), (1024 * 3, torch.bfloat16), (4096 * 64, torch.float32), (5000, torch.float16)]
+    for name, path in paths.items():
+        for n, dtype in cases:
+            parts = [torch.randn(n, generator=torch.Generator().manual_seed(r), dtype=torch.float64)
+                     for r in range(2)]
+            x = parts[rank].to(dtype).to(dev)
+            want = sum(p.to(dtype).double() for p in parts)        # float64 sum of what each rank holds
+            got = path(x).double().cpu()
+            errors.append((name, float((got - want).abs().max() / want.abs().max())))
+    # the small path replayed in a CUDA graph: the epochs on the device count on across replays
+    small = paths["small"]
+    x = torch.empty(4096, dtype=torch.bfloat16, device=dev)
+    y = torch.empty(1000, dtype=torch.float32, device=dev)
+    graph = torch.cuda.CUDAGraph()
+    small(x), small(y)
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        sx, sy = small(x), small(y)
+    for step in range(50):
+        g = torch.Generator().manual_seed(1000 * step)
+        parts = [torch.randn(4096 + 1000, generator=g, dtype=torch.float64) for _ in range(2)]
+        x.copy_(parts[rank][:4096]), y.copy_(parts[rank][4096:])
+        graph.replay()
+        want = sum(p[:4096].to(torch.bfloat16).double() for p in parts)
+        errors.append(("graph", float((sx.double().cpu() - want).abs().max() / want.abs().max())))
+        want = sum(p[4096:].float().double() for p in parts)
+        errors.append(("graph", float((sy.double().cpu() - want).abs().max() / want.abs().max())))
+    out.put((rank, all(p is not None for p in paths.values()), errors))
     torch.distributed.destroy_process_group()
 
 
 @pytest.mark.gpu2
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 def test_one_shot_all_reduce_sums_like_float64():
+    """Both peer-memory paths (torch's one-shot, our one-flag kernel) against a float64 sum, eager and
+    replayed in a CUDA graph."""
     import torch.multiprocessing as mp
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
@@ -286,5 +310,6 @@ def test_one_shot_all_reduce_sums_like_float64():
     for p in procs:
         p.join(30)
     for rank, made, errors in results:
-        assert made, "the one-shot path should exist between two H200s"
+        assert made, "the peer-memory paths should exist between two H200s"
+        errors = [e for _, e in errors]
         assert max(errors) < 1e-2, errors     # bf16 rounding of the sum at most

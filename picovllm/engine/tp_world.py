@@ -13,7 +13,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from picovllm.distributed import TPGroup, make_one_shot
+from picovllm.distributed import TPGroup, make_one_shot, make_small_all_reduce
 from picovllm.engine.messages import Message, decode, encode
 
 # Workers wait in a control-group recv between requests for as long as the engine is idle, so this
@@ -58,7 +58,7 @@ def new_tp_group(ranks: list[int], device: torch.device) -> TPGroup:
     backend = "nccl" if device.type == "cuda" else "gloo"
     group = dist.new_group(ranks, backend=backend, timeout=COLLECTIVE_TIMEOUT)
     return TPGroup(rank=ranks.index(dist.get_rank()), size=len(ranks), group=group,
-                   one_shot=make_one_shot(group, device))
+                   one_shot=make_one_shot(group, device), small=make_small_all_reduce(group, device))
 
 
 def rank_device(device: str, local_rank: int) -> torch.device:
