@@ -117,7 +117,8 @@ class OneShotAllReduce:
 
     def fits(self, x: torch.Tensor) -> bool:
         nbytes = x.numel() * x.element_size()
-        return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16, torch.float32) \
+        # torch's kernel has no float16 (NotImplementedError, seen on torch 2.11): NCCL takes those
+        return x.is_cuda and x.dtype in (torch.bfloat16, torch.float32) \
             and self.min_bytes < nbytes <= self.max_bytes and nbytes % 16 == 0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

@@ -318,3 +318,20 @@ def test_transfer_that_never_completes_times_out_and_frees(tiny_models):
     for rid, r in zip(ids, ref):
         if rid != lost:
             assert pair.final[rid].outputs[0].token_ids == r.outputs[0].token_ids
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("overlap", [False, True])
+def test_cuda_pair_in_one_process_matches_colocated(tiny_models, overlap):
+    """P and D on one GPU in one process over cuda_ipc (CUDA cannot open a process's own IPC handle, so D
+    takes P's cache tensor directly), CUDA graphs on: tokens as the colocated engine's."""
+    ps = prompts()
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    kw = dict(device="cuda", dtype="float32", block_size=16, num_kv_blocks=64)
+    ref = LLM(tiny_models["qwen3"], **kw).generate(ps, params, use_tqdm=False)
+    pair = LocalPair(tiny_models["qwen3"], "cuda_ipc", p_kw=kw, d_kw=kw, overlap=overlap)
+    ids = [pair.p.submit(p, params) for p in ps]
+    pair.p.close()
+    pair.run()
+    assert [pair.final[i].outputs[0].token_ids for i in ids] == [r.outputs[0].token_ids for r in ref]

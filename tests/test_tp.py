@@ -267,6 +267,8 @@ def _one_shot_rank(rank: int, port: int, out) -> None:
     cases = [(8, torch.bfloat16), (1024 * 3, torch.bfloat16), (4096 * 64, torch.float32), (5000, torch.float16)]
     for name, path in paths.items():
         for n, dtype in cases:
+            if name == "one_shot" and dtype == torch.float16:
+                continue       # torch's one-shot has no float16 (its fits() sends those to NCCL)
             parts = [torch.randn(n, generator=torch.Generator().manual_seed(r), dtype=torch.float64)
                      for r in range(2)]
             x = parts[rank].to(dtype).to(dev)

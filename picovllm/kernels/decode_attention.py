@@ -26,7 +26,8 @@ def score_scale(scale: float, softcap: float | None) -> float:
 @triton.jit
 def soft_cap(s, SOFTCAP: tl.constexpr):
     """Scores s (q.k * scale) -> SOFTCAP * tanh(s / SOFTCAP), in base-2 units (times log2 e); tanh as a sigmoid."""
-    return SOFTCAP * LOG2E * (2.0 * tl.sigmoid(2.0 * s / SOFTCAP) - 1.0)
+    # the literal, not LOG2E: compiled Triton reads no module globals but constexprs (the interpreter does)
+    return SOFTCAP * 1.4426950408889634 * (2.0 * tl.sigmoid(2.0 * s / SOFTCAP) - 1.0)
 
 
 def dot_precision(dtype: torch.dtype) -> str:

@@ -62,6 +62,21 @@ def map_cache(h: dict) -> torch.Tensor:
     raise ValueError(f"cache handle kind must be 'cuda' or 'cpu', got {h.get('kind')!r}")
 
 
+def _own_cuda_cache(h: dict) -> torch.Tensor:
+    """The tensor export_cache described, when it lives in this very process (P and D engines in one process,
+    as benchmarks/d_step.py runs them): CUDA refuses to open a process's own IPC handle, so take the storage
+    that torch's reduce_tensor remembered under that handle."""
+    from torch.multiprocessing.reductions import storage_from_cache
+    dtype = _DTYPES.get(h.get("dtype"))
+    if dtype is None:
+        raise ValueError(f"cache handle dtype must be one of {sorted(_DTYPES)}, got {h.get('dtype')!r}")
+    storage = storage_from_cache(None, unb64(h["handle"]))
+    if storage is None:
+        raise RuntimeError("the prefill cache is in this process but its storage is gone")
+    return torch.empty(0, dtype=dtype, device=storage.device).set_(
+        storage, h["offset"], h["size"], h["stride"])
+
+
 @dataclass
 class _Copy:
     spec: TransferSpec
@@ -94,7 +109,8 @@ class CudaIpcTransfer(KVTransfer):
             raise ConnectionError(f"cuda_ipc: the prefill cache is on {h['kind']}, this one on {self.cache.device}: "
                                   f"both must be CUDA (or both CPU)")
         try:
-            mapped = map_cache(h)
+            same = peer.backend_info.get("pid") == os.getpid() and h["kind"] == "cuda"
+            mapped = _own_cuda_cache(h) if same else map_cache(h)
         except (RuntimeError, ValueError, OSError) as e:
             raise ConnectionError(f"cuda_ipc: cannot map the prefill side's KV cache: {e}") from e
         expect = peer.layout.block_shape(peer.layout.num_blocks)
