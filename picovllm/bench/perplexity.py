@@ -30,7 +30,7 @@ def token_logprobs(llm, ids: list[int]) -> torch.Tensor:
     logprobs = torch.cat(chunks)[:len(ids) - 1]
     if logprobs.shape[0] != len(ids) - 1:
         raise RuntimeError(f"perplexity: saw {logprobs.shape[0]} prompt positions, expected {len(ids) - 1}")
-    return logprobs.gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+    return logprobs.gather(1, torch.tensor(ids[1:], device=logprobs.device)[:, None])[:, 0].cpu()
 
 
 def perplexity(logprobs: torch.Tensor) -> float:
