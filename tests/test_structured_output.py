@@ -127,7 +127,7 @@ def test_dict_form_and_parallel_samples(default_llm: LLM):
 
 
 def test_overlapped_scheduling_matches_plain(default_model_path):
-    """Overlap: a constrained request waits for its pending token (its mask needs it); the outputs equal
+    """Overlap: a constrained request's mask waits for its pending token (filled late); the outputs equal
     the non-overlapped engine's, greedy and seeded, and the unconstrained batch-mate is unaffected."""
     rng = random.Random(3)
     schemas = [random_schema(rng) for _ in range(6)]
@@ -141,6 +141,30 @@ def test_overlapped_scheduling_matches_plain(default_model_path):
     assert runs[0] == runs[1]
     for s, text in zip(schemas, runs[1]):
         jsonschema.validate(json.loads(text), s)
+
+
+def test_overlap_decodes_constrained_requests_every_step(default_model_path):
+    """Overlap fills a constrained request's mask late (after the step in flight lands, while the next forward
+    runs), so it takes a token every step: 16 tokens in at most 16 + 2 steps, where skipping every other step
+    would need ~32; the tokens match the regex and the non-overlapped engine's."""
+    sp = SamplingParams(temperature=0.8, seed=5, max_tokens=16, ignore_eos=True,
+                        structured_outputs=StructuredOutputsParams(regex="[a-z]{40}"))
+    texts = []
+    for overlap in (False, True):
+        llm = LLM(default_model_path, async_scheduling=overlap, num_kv_blocks=32)
+        eng = llm.engine
+        rid = eng.add_request(PROMPT, sp)
+        steps, done = 0, None
+        while done is None:
+            steps += 1
+            done = next((o for o in eng.step() if o.request_id == rid and o.finished), None)
+            assert steps < 40
+        texts.append(done.outputs[0].text)
+        assert len(done.outputs[0].token_ids) == 16 and re.fullmatch("[a-z]+", texts[-1])
+        if overlap:
+            assert steps <= 18, steps
+        eng.shutdown()
+    assert texts[0] == texts[1]
 
 
 def test_refused_on_disaggregated_roles(default_model_path):

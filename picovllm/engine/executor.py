@@ -11,6 +11,7 @@ is one class that composes a ModelRunner (this process's model or shard), never 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Callable
 
 import torch
 
@@ -69,10 +70,13 @@ class Executor(ABC):
         return self.runner.prepare(sched, eos_token_ids)
 
     @abstractmethod
-    def launch(self, step: StepInput, prev: LaunchedStep | None = None) -> LaunchedStep:
+    def launch(self, step: StepInput, prev: LaunchedStep | None = None,
+               before_sampling: Callable[[], None] | None = None) -> LaunchedStep:
         """Queue the step's forward and sampling on every rank without waiting for the sampled tokens.
         prev: the step still in flight whose sampled tokens feed step.prev_dst (overlapped scheduling;
-        only where supports_overlap). Raises ValueError for input it refuses before any rank ran."""
+        only where supports_overlap). before_sampling: called on this process once the forward is queued
+        and before the sampling is; it may wait for prev and fill step.sampling rows' token_bitmask
+        (structured outputs). Raises ValueError for input it refuses before any rank ran."""
 
     def resolve(self, launched: LaunchedStep) -> StepResult:
         """Wait for a launched step and read its sampled tokens (the step loop's one host sync)."""
@@ -106,8 +110,9 @@ class InProcessExecutor(Executor):
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.runner.allocate_kv_cache(num_blocks)
 
-    def launch(self, step: StepInput, prev: LaunchedStep | None = None) -> LaunchedStep:
-        return self.runner.launch(step, prev)
+    def launch(self, step: StepInput, prev: LaunchedStep | None = None,
+               before_sampling: Callable[[], None] | None = None) -> LaunchedStep:
+        return self.runner.launch(step, prev, before_sampling)
 
     def execute(self, step: StepInput) -> StepResult:
         return self.runner.execute(step)

@@ -293,19 +293,45 @@ class Engine:
 
     def _overlapped_step_inner(self, unfinished_outputs: bool) -> list[RequestOutput]:
         sched = self._schedule()
-        launched = None
+        launched = early = None
         if not sched.is_empty():
             prev = self._in_flight[1] if self._in_flight else None
-            launched = self.executor.launch(self.executor.prepare(sched, self.eos_token_ids), prev)
+            step = self.executor.prepare(sched, self.eos_token_ids)
+            late = [(row, c.request) for row, c in zip(step.sampling, (c for c in sched.chunks if c.samples))
+                    if c.request.grammar is not None and c.request.num_pending_tokens]
+
+            def fill_late_masks() -> None:     # runs while the device computes this step's forward
+                nonlocal early
+                early = self.executor.resolve(self._in_flight[1])
+                self._fill_late_masks(late, self._in_flight[0], early)
+
+            launched = self.executor.launch(step, prev, fill_late_masks if late else None)
             self.advance(sched)
         outputs = []
         if self._in_flight is not None:
             done_sched, done = self._in_flight
-            outputs = self.apply_results(done_sched, self.executor.resolve(done), unfinished_outputs)
+            result = early if early is not None else self.executor.resolve(done)
+            outputs = self.apply_results(done_sched, result, unfinished_outputs)
         self._in_flight = (sched, launched) if launched is not None else None
         if launched is not None and all(c.request.is_finished for c in sched.chunks):
             self._in_flight = None     # every request in it has finished meanwhile: nothing to read
         return outputs
+
+    @staticmethod
+    def _fill_late_masks(late: list, done_sched: SchedulerOutput, done: StepResult) -> None:
+        """Structured outputs under overlap: rows (SamplingRow, Request) of the step being launched whose
+        grammar waits on the token `done` holds for them; advance the grammar by it and fill the row's mask.
+        apply_results later appends the token without advancing the grammar again (GrammarState.num_accepted).
+        A token the grammar refuses, or one that ends it, leaves the row unmasked: apply_results finishes
+        the request and drops the row's token."""
+        sampled = (c.request.request_id for c in done_sched.chunks if c.samples)
+        token_of = dict(zip(sampled, done.token_ids))
+        for row, req in late:
+            token = token_of.get(req.request_id)
+            if token is None or req.is_finished or req.grammar.num_accepted != len(req.output_token_ids):
+                continue
+            if req.grammar.accept(token) and not req.grammar.is_terminated:
+                row.token_bitmask = req.grammar.next_bitmask()
 
     def _schedule(self) -> SchedulerOutput:
         sched = self.scheduler.schedule()
@@ -438,7 +464,8 @@ class Engine:
         delta = self.detokenizer.append(req, token)
         req.text += delta
         check_stop(req, token, delta, self.eos_token_ids, self.max_model_len)
-        if req.grammar is not None and not req.is_finished:
+        # the grammar may have taken this token already (_fill_late_masks)
+        if req.grammar is not None and not req.is_finished and req.grammar.num_accepted < len(req.output_token_ids):
             self._advance_grammar(req, token)
 
     @staticmethod

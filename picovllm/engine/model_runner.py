@@ -10,6 +10,7 @@ engine/step_input.py, engine/sampling.py, engine/attention_backends.py.
 from __future__ import annotations
 
 import contextlib
+from typing import Callable
 
 import torch
 
@@ -119,12 +120,16 @@ class ModelRunner:
         return self.resolve(self.launch(step))
 
     @torch.inference_mode()
-    def launch(self, step: StepInput, prev: LaunchedStep | None = None) -> LaunchedStep:
+    def launch(self, step: StepInput, prev: LaunchedStep | None = None,
+               before_sampling: Callable[[], None] | None = None) -> LaunchedStep:
         """Queue the step's forward and sampling on the device without waiting for them.
-        prev: the step still in flight whose sampled tokens feed this one (step.prev_dst)."""
+        prev: the step still in flight whose sampled tokens feed this one (step.prev_dst).
+        before_sampling: called between the two (see Executor.launch)."""
         prev_tokens = self.prev_tokens(step, prev.tokens if prev is not None else None)
-        return self.launch_sampling(self.compute_logits(step, prev_tokens), step,
-                                    prev.tokens if prev is not None else None)
+        logits = self.compute_logits(step, prev_tokens)
+        if before_sampling is not None:
+            before_sampling()
+        return self.launch_sampling(logits, step, prev.tokens if prev is not None else None)
 
     def prev_tokens(self, step: StepInput, in_flight: torch.Tensor | None
                     ) -> tuple[torch.Tensor, torch.Tensor] | None:

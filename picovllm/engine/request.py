@@ -82,11 +82,6 @@ class Request:
         return self.num_pending_tokens > 0 and self.num_output_tokens >= self.max_tokens
 
     @property
-    def awaiting_grammar_token(self) -> bool:
-        """Overlapped scheduling: its next token's mask needs the pending token, still on the device."""
-        return self.num_pending_tokens > 0 and self.grammar is not None
-
-    @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 

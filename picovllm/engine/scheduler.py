@@ -90,8 +90,6 @@ class Scheduler:
                 continue
             if req.awaiting_last_token:               # overlapped scheduling: it finishes when that token lands
                 continue
-            if req.awaiting_grammar_token:            # its mask needs that token (layers/structured_output.py)
-                continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if not self._reserve(req, n, out):
                 continue

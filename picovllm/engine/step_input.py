@@ -128,7 +128,7 @@ def sampling_row(req, eos_token_ids: list[int]) -> SamplingRow:
         row.output_token_ids = list(req.output_token_ids)
         row.prompt_token_ids = req.prompt_token_ids if p.repetition_penalty != 1 else []  # never mutated
         row.pending_src = req.pending_row if req.num_pending_tokens else -1
-    if req.grammar is not None:
+    if req.grammar is not None and not req.num_pending_tokens:   # else filled late (Engine._fill_late_masks)
         row.token_bitmask = req.grammar.next_bitmask()
     return row
 

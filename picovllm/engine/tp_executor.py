@@ -19,6 +19,7 @@ import time
 import traceback
 import weakref
 from dataclasses import replace
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -187,7 +188,8 @@ class TPExecutor(Executor):
             self.session.channel.min(1)   # every rank has allocated (an out-of-memory shows up now)
 
     @torch.inference_mode()
-    def launch(self, step: StepInput, prev: LaunchedStep | None = None) -> LaunchedStep:
+    def launch(self, step: StepInput, prev: LaunchedStep | None = None,
+               before_sampling: Callable[[], None] | None = None) -> LaunchedStep:
         in_flight = prev.tokens if prev is not None else None
         if step.prev_dst and not self.overlap:   # refused before the workers see anything
             raise ValueError("a step reads tokens of a step in flight, but EngineConfig.async_scheduling is off")
@@ -195,6 +197,8 @@ class TPExecutor(Executor):
             # workers only run the forward: the sampling rows (token lists under penalties) stay here
             self.session.channel.send(RunStep(replace(step, sampling=[])))
             logits = self.runner.compute_logits(step, self.runner.prev_tokens(step, in_flight))
+            if before_sampling is not None:
+                before_sampling()
             launched = self.runner.launch_sampling(logits, step, in_flight)
             if self.overlap and launched.tokens is not None:
                 self.runner.tp.broadcast(launched.tokens)   # the workers' copy, for the next step's prev_dst

@@ -10,9 +10,10 @@ bitmasks as one [rows, words] tensor and masks every constrained row at once on 
 advances the state with it.
 
 The mask of step N+1 needs the token of step N. Under overlapped scheduling that token is still on the device
-when step N+1 is prepared, so the scheduler leaves a constrained request out of step N+1 and takes it again in
-step N+2: constrained requests decode every other step there (the rest of the batch is not slowed). Without
-overlap (CPU, TP) they decode every step.
+when step N+1 is prepared, so the mask is filled late: the engine launches step N+1's forward, then (while the
+device runs it) waits for step N's tokens, advances those requests' grammars and fills their masks, and only then
+queues step N+1's sampling (Executor.launch's before_sampling). The host's grammar work overlaps the forward, and
+constrained requests decode every step, as without overlap.
 
 Compiled grammars are cached by xgrammar's compiler, one per engine (so per tokenizer), keyed by the grammar text.
 """
@@ -61,6 +62,7 @@ class GrammarState:
     def __init__(self, matcher: Any, vocab_size: int) -> None:
         self._matcher = matcher
         self.vocab_size = vocab_size
+        self.num_accepted = 0     # output tokens accepted so far (the engine may advance it ahead of the output)
 
     def next_bitmask(self) -> torch.Tensor:
         """[ceil(vocab / 32)] int32 on the host: the tokens the grammar allows next. A new tensor each
@@ -72,7 +74,9 @@ class GrammarState:
 
     def accept(self, token: int) -> bool:
         """Advance by a sampled token; False if the grammar does not allow it (the state is unchanged)."""
-        return self._matcher.accept_token(token)
+        ok = self._matcher.accept_token(token)
+        self.num_accepted += ok
+        return ok
 
     @property
     def is_terminated(self) -> bool:
