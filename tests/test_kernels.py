@@ -475,3 +475,31 @@ def test_one_flag_all_reduce_layout_and_epochs():
         assert torch.allclose(outs[0].double(), want, rtol=ulp, atol=1e-6), n
         assert torch.equal(outs[0], outs[1])
     assert epochs[0][:3].tolist() == epochs[1][:3].tolist() == [4, 3, 1]
+
+
+@pytest.mark.parametrize("device,dtype,tol", CASES)
+@pytest.mark.parametrize("ctx,q_len,window,softcap", [(70, 2, None, None), (40, 16, 9, None), (0, 5, None, 1.0),
+                                                      (33, 1, None, None)])
+def test_short_prefill_chunk_through_the_decode_kernel(device, dtype, tol, ctx, q_len, window, softcap):
+    """A short prefill chunk after decodes (a suffix over a cached prefix) attends through the decode kernel, one
+    row per query token; the backend's output equals the torch reference's, and so do padding rows appended past
+    the chunk (as a CUDA graph pads it) leave the real rows unchanged."""
+    from picovllm.kernels import backend as be
+    assert q_len <= be.SHORT_PREFILL
+    b = PagedBatch([3, 20, ctx], [1, 1, q_len], 8, 4, 2, 16, dtype, device, seed=5)
+    b.meta.num_decodes = 2           # the last sequence is a prefill chunk, even of one token
+    b.q *= 2
+    k_cache, v_cache = b.caches()
+    store_kv_ref(b.k, b.v, k_cache, v_cache, b.meta.slot_mapping)
+    ref = TorchAttentionBackend().forward(b.q.float(), b.k.float(), b.v.float(), k_cache.float(), v_cache.float(),
+                                          b.meta, 0.2, window, softcap)
+    k_cache, v_cache = b.caches()
+    out = TritonAttentionBackend().forward(b.q, b.k, b.v, k_cache, v_cache, b.meta, 0.2, window, softcap)
+    assert rel_err(out, ref) < tol
+    # padded: 3 rows more in the flat batch, the chunk's host-side length as a graph bucket's
+    pad = 3
+    q = torch.cat([b.q, torch.randn(pad, *b.q.shape[1:]).to(b.q)])
+    got = torch.empty_like(q)
+    b.meta.query_lens_cpu = [1, 1, q_len + pad]
+    be.TritonAttentionBackend._short_prefill(q, k_cache, v_cache, b.meta, q_len + pad, 0.2, got, window, softcap)
+    assert rel_err(got[2:2 + q_len], ref[2:2 + q_len]) < tol

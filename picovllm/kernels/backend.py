@@ -9,9 +9,12 @@ from picovllm.kernels.store_kv import store_kv
 from picovllm.layers.attention import AttentionBackend, AttentionMetadata
 
 
+SHORT_PREFILL = 16   # a prefill chunk of at most this many tokens attends through the decode kernel
+
+
 class TritonAttentionBackend(AttentionBackend):
     """Decodes (the first num_decodes sequences) go to the split-K decode kernel, prefill chunks to
-    the varlen prefill kernel. Grid sizes come from the metadata's host-side lists: no syncs.
+    the varlen prefill kernel (one short chunk alone to the decode kernel too: _short_prefill). Grid sizes come from the metadata's host-side lists: no syncs.
     Decode launches depend on the batch size alone, so decode steps can be CUDA-graph captured."""
 
     supports_cuda_graphs = True
@@ -28,6 +31,28 @@ class TritonAttentionBackend(AttentionBackend):
         num_prefills = meta.num_seqs - nd
         if num_prefills:
             max_q = max(meta.query_lens_cpu[nd:])
-            prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                              nd, num_prefills, max_q, scale, out, window=window, softcap=softcap)
+            if num_prefills == 1 and max_q <= SHORT_PREFILL:
+                self._short_prefill(q, k_cache, v_cache, meta, max_q, scale, out, window, softcap)
+            else:
+                prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                                  nd, num_prefills, max_q, scale, out, window=window, softcap=softcap)
         return out
+
+    @staticmethod
+    def _short_prefill(q, k_cache, v_cache, meta: AttentionMetadata, max_q: int, scale: float, out,
+                       window: int | None, softcap: float | None) -> None:
+        """One prefill chunk of at most SHORT_PREFILL tokens (a suffix after a cached prefix, say) as that many
+        decode rows: query token i sees the context and the chunk up to itself, seq_len - q_len + 1 + i keys,
+        through the sequence's block table. The prefill kernel would give such a chunk one program per head,
+        each streaming the whole context; the decode kernel splits the context across programs. Rows past
+        the chunk's real length (a CUDA graph's padding) get length 0. The chunk is the batch's last
+        sequence, so its tokens are rows nd .. nd + max_q - 1; device tensors only (no sync; capturable)."""
+        nd = meta.num_decodes
+        rows = slice(nd, nd + max_q)
+        start = meta.query_start_loc[nd:nd + 2]
+        q_len = start[1] - start[0]
+        i = torch.arange(max_q, dtype=torch.int32, device=q.device)
+        lens = torch.where(i < q_len, meta.seq_lens[nd] - q_len + 1 + i, 0).to(torch.int32)
+        tables = meta.block_tables[nd:nd + 1].expand(max_q, -1)
+        decode_attention(q[rows], k_cache, v_cache, tables, lens, scale, out=out[rows], window=window,
+                         softcap=softcap)
