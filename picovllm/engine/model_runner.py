@@ -21,7 +21,7 @@ from picovllm.engine.kv_cache import lazy_zeros  # noqa: F401  (re-exported: ARC
 from picovllm.engine.sampling import LaunchedStep, StepResult
 from picovllm.engine.scheduler import SchedulerOutput
 from picovllm.engine.step_input import (SamplingRow, StepInput, build_step_input, step_metadata,  # noqa: F401
-                                        to_device, token_tensors)
+                                        step_tensors, to_device, token_tensors)
 from picovllm.kernels.cpu import prebuild_cpu_kernels, quant_gemm, small_gemm
 from picovllm.layers.attention import AttentionMetadata
 from picovllm.loader.engine_weights import load_model_weights
@@ -182,15 +182,13 @@ class ModelRunner:
         plain = not step.prompt_indices     # the captured paths compute the sampled rows' logits only
         if plain and self.cuda_graphs is not None and self.cuda_graphs.fits(step):
             return self.cuda_graphs.run(step, prev_tokens)
-        meta = self._metadata(step)
-        ids, positions = token_tensors(step, self.device, prev_tokens)
+        ids, positions, meta, rows = step_tensors(step, self.device, prev_tokens)
         if plain and self.cpu_decode is not None and self.cpu_decode.fits(step):
             return self.cpu_decode.run(ids, positions, meta)
         hidden = self.model(ids, positions, meta)
         if not step.num_logit_rows:
             return None
-        rows = step.sample_indices + step.prompt_indices
-        return self.model.compute_logits(hidden[to_device(rows, torch.long, self.device)])
+        return self.model.compute_logits(hidden[rows])
 
     def shutdown(self) -> None:
         """Drop the CUDA graphs. Under tensor parallelism they hold the TP group's NCCL communicator:
