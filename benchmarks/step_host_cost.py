@@ -112,8 +112,9 @@ def main() -> None:
         rows[name] = statistics.median(fn() for _ in range(args.iters))
         if clock and name == "prefill":
             phases = {k: statistics.median(v) * 1e6 for k, v in clock.t.items()}
-    print(f"tiny Qwen3 hidden {h}, {args.layers} layers, {args.device}, attention {type(eng.runner.attn_backend).__name__},"
-          f" {torch.get_num_threads()} thread(s)")
+    backend = type(eng.runner.attn_backend).__name__
+    print(f"tiny Qwen3 hidden {h}, {args.layers} layers, {args.device}, attention {backend}, "
+          f"{torch.get_num_threads()} thread(s)")
     for name, s in rows.items():
         label = f"{name} ({args.prompt_len} tokens)" if name == "prefill" else name
         print(f"  {label:32s} {s * 1e6:9.0f} us/step")

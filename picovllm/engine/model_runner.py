@@ -85,6 +85,7 @@ class ModelRunner:
         for attn in self.model.attention_layers():
             attn.backend = self.attn_backend
         self.cuda_graphs = None   # a CUDAGraphRunner once the KV cache exists (CUDA, not enforce_eager)
+        self.prefill_graphs = None   # a PrefillGraphRunner beside it (EngineConfig.prefill_cuda_graphs)
         self.cpu_decode = None    # its CPU counterpart: a DecodeStack (float32, C compiler, not enforce_eager)
         self.warmup_seconds: float | None = None   # what the start-up warm-up took (EngineConfig.warmup)
         mc = self.model_config
@@ -110,9 +111,13 @@ class ModelRunner:
             # Under tensor parallelism every rank captures the same sizes in the same order, so the
             # collectives inside the graphs (NCCL all-reduce, all-gather) pair up at replay.
             from picovllm.engine.cuda_graph import CUDAGraphRunner
-            self.cuda_graphs = CUDAGraphRunner(self.model, self.config.max_num_seqs,
-                                               -(-self.max_model_len // self.block_size),
+            max_blocks = -(-self.max_model_len // self.block_size)
+            self.cuda_graphs = CUDAGraphRunner(self.model, self.config.max_num_seqs, max_blocks,
                                                self.block_size, self.device).capture()
+            if self.config.prefill_cuda_graphs:
+                from picovllm.engine.prefill_graph import PrefillGraphRunner
+                self.prefill_graphs = PrefillGraphRunner(self.model, self.config.max_num_batched_tokens, max_blocks,
+                                                         self.block_size, self.device).capture()
         if self.device.type == "cpu" and not self.config.enforce_eager and self.tp.size == 1:
             from picovllm.kernels.cpu.decode_stack import DecodeStack
             self.cpu_decode = DecodeStack.build(self.model, self.attn_backend)
@@ -182,6 +187,8 @@ class ModelRunner:
         plain = not step.prompt_indices     # the captured paths compute the sampled rows' logits only
         if plain and self.cuda_graphs is not None and self.cuda_graphs.fits(step):
             return self.cuda_graphs.run(step, prev_tokens)
+        if plain and self.prefill_graphs is not None and self.prefill_graphs.fits(step):
+            return self.prefill_graphs.run(step)
         ids, positions, meta, rows = step_tensors(step, self.device, prev_tokens)
         if plain and self.cpu_decode is not None and self.cpu_decode.fits(step):
             return self.cpu_decode.run(ids, positions, meta)
@@ -195,7 +202,7 @@ class ModelRunner:
         destroying the group while they live hangs, so every rank calls this before it does."""
         if self.cuda_graphs is not None:
             torch.cuda.synchronize(self.device)
-            self.cuda_graphs = None
+            self.cuda_graphs = self.prefill_graphs = None
 
     def _metadata(self, step: StepInput) -> AttentionMetadata:
         return step_metadata(step, self.device)
