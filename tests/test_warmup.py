@@ -166,3 +166,19 @@ def test_warmup_needs_triton_backend(tiny_models):
     with pytest.raises(ValueError, match="EngineConfig.warmup"):
         EngineConfig(warmup="yes")
     assert EngineConfig(device="cpu").warmup is None
+
+
+def test_packed_step_tensors_are_aligned_and_exact():
+    """A step's inputs travel in one buffer; each tensor starts 16-byte aligned (else Triton would compile
+    another variant mid-run for a misaligned pointer) and holds exactly its list, empty ones included."""
+    import numpy as np
+    from picovllm.engine.step_input import pack_upload
+    parts = [([5, 6, 7], np.int64), ([], np.int64), ([1], np.int32), (np.arange(15, dtype=np.int32).reshape(3, 5),
+                                                                       np.int32), ([2 ** 40, -1], np.int64)]
+    out = pack_upload(parts, torch.device("cpu"))
+    assert [t.dtype for t in out] == [torch.int64, torch.int64, torch.int32, torch.int32, torch.int64]
+    for t, (data, _) in zip(out, parts):
+        assert t.data_ptr() % 16 == 0
+        assert t.tolist() == (data.tolist() if isinstance(data, np.ndarray) else data)
+    assert out[3].shape == (3, 5) and out[3].is_contiguous()
+    assert all(t.untyped_storage().data_ptr() == out[0].untyped_storage().data_ptr() for t in out), "one buffer"
