@@ -182,3 +182,45 @@ def test_packed_step_tensors_are_aligned_and_exact():
         assert t.tolist() == (data.tolist() if isinstance(data, np.ndarray) else data)
     assert out[3].shape == (3, 5) and out[3].is_contiguous()
     assert all(t.untyped_storage().data_ptr() == out[0].untyped_storage().data_ptr() for t in out), "one buffer"
+
+
+def _compiled_variants() -> dict[str, int]:
+    """Compiled variants per Triton kernel of the engine's CUDA path (Triton's in-process kernel caches)."""
+    from picovllm.kernels import activation, rmsnorm, sampling
+    out = {}
+    for module, name in KERNELS + [(rmsnorm, "_rmsnorm_kernel"), (rotary_module(), "_rope_kernel"),
+                                   (activation, "_silu_and_mul_kernel"), (sampling, "_gumbel_chunk_kernel"),
+                                   (sampling, "_gumbel_pick_kernel")]:
+        caches = getattr(getattr(module, name), "device_caches", None)
+        if caches is None:
+            pytest.skip("this Triton keeps no device_caches to count compiled kernels in")
+        out[name] = sum(len(c[0]) for c in caches.values())
+    return out
+
+
+def rotary_module():
+    from picovllm.kernels import rotary
+    return rotary
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET, reason="needs CUDA")
+def test_gpu_run_after_warmup_compiles_nothing(tiny_models):
+    """bf16 on the GPU: after the start-up warm-up, a run of chunked prefills, prefix-cache hits, mixed steps and
+    every sampler (greedy, temperature, top-p, penalties, logprobs, min_tokens) compiles no Triton kernel."""
+    from picovllm import LLM, SamplingParams
+    llm = LLM(tiny_models["qwen3"], block_size=16, num_kv_blocks=128, max_num_seqs=8, max_num_batched_tokens=64)
+    assert llm.engine.runner.warmup_seconds is not None
+    before = _compiled_variants()
+    prompts = _prompts([3, 70, 17, 33, 1, 129, 2], seed=9)
+    params = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=1, max_tokens=30, ignore_eos=True),
+              SamplingParams(temperature=0.7, top_p=0.9, max_tokens=25, ignore_eos=True, logprobs=3),
+              SamplingParams(temperature=0.9, presence_penalty=0.5, repetition_penalty=1.2, max_tokens=12),
+              SamplingParams(temperature=1.0, min_tokens=5, max_tokens=9, logit_bias={3: 2.0}),
+              SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, prompt_logprobs=2),
+              SamplingParams(temperature=0.5, max_tokens=8, ignore_eos=True)]
+    llm.generate(prompts, params, use_tqdm=False)
+    out = llm.generate([prompts[1][:64] + [5, 6]], params[1], use_tqdm=False)[0]   # 64 tokens from the cache
+    assert out.num_cached_tokens == 64
+    assert _compiled_variants() == before
