@@ -38,7 +38,8 @@ def make_llm(args, **over) -> LLM:
     kw = dict(max_model_len=4096, max_num_seqs=256, max_num_batched_tokens=16384, enforce_eager=args.enforce_eager,
               enable_prefix_caching=not args.no_prefix_caching,
               gpu_memory_utilization=0.9, async_scheduling=not args.no_overlap,
-              tensor_parallel_size=args.tp)
+              tensor_parallel_size=args.tp, warmup=False if args.no_warmup else None,
+              prefill_cuda_graphs=args.prefill_cuda_graphs)
     kw.update(over)
     return LLM(args.model, **kw)
 
@@ -124,7 +125,7 @@ def throughput(args) -> dict:
         runs.append(round(n_out / dt, 1))
     res = {"output_tokens": n_out, "input_tokens": sum(map(len, prompts)), "seconds": round(dt, 3),
            "output_tok_per_s": runs[-1], "runs_tok_per_s": runs, "enforce_eager": args.enforce_eager,
-           "temperature": args.temperature}
+           "temperature": args.temperature, "warmup_s": llm.engine.runner.warmup_seconds}
     if timeline:
         res["timeline"] = timeline.summary()
     return res
@@ -235,6 +236,8 @@ def main() -> None:
     ap.add_argument("--timeline", action="store_true", help="time every step (wall and GPU)")
     ap.add_argument("--no-overlap", action="store_true", help="async_scheduling=False: host work between steps")
     ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (GPUs)")
+    ap.add_argument("--no-warmup", action="store_true", help="warmup=False: no start-up compilation steps")
+    ap.add_argument("--prefill-cuda-graphs", action="store_true", help="prefill_cuda_graphs=True (the trial)")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="0.6b", help="the random checkpoint's shape")
     ap.add_argument("--split-target", type=int, help="decode attention's SPLIT_TARGET_PROGRAMS (A/B runs)")
     args = ap.parse_args()

@@ -214,6 +214,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enforce_eager: bool = False           # no CUDA graphs (GPU), no one-call decode stack (CPU)
     async_scheduling: bool | None = None  # overlap host work with the device (None: on for GPUs)
+    prefill_cuda_graphs: bool = False     # CUDA graphs for one-chunk prefill steps of <= 512 tokens (GPU; trial)
+    warmup: bool | None = None            # start-up steps that compile every Triton kernel variant a run can
+                                          # meet (engine/warmup.py); None: on for CUDA with the Triton backend
     attention_backend: str = "auto"       # "torch" | "triton" | "cpu" (C paged kernel) | "auto"
     skip_tokenizer_init: bool = False
     tensor_parallel_size: int = 1
@@ -261,6 +264,10 @@ class EngineConfig:
             self.async_scheduling = str(self.device).startswith("cuda")
         if not isinstance(self.async_scheduling, bool):
             raise bad("async_scheduling", "must be a bool or None")
+        if not isinstance(self.prefill_cuda_graphs, bool):
+            raise bad("prefill_cuda_graphs", "must be a bool")
+        if self.warmup is not None and not isinstance(self.warmup, bool):
+            raise bad("warmup", "must be a bool or None")
         if self.quantization not in QUANTIZATIONS:
             raise bad("quantization", f"must be one of {', '.join(map(repr, QUANTIZATIONS))}")
         if self.role not in ("pd", "p", "d"):

@@ -129,7 +129,7 @@ class BlockManager:
             return
         h = req.block_hashes[-1] if req.block_hashes else self._chain_start(req)
         for i in range(len(req.block_hashes), num_full):
-            h = hash_block(h, tuple(req.token_id(j) for j in range(i * self.block_size, (i + 1) * self.block_size)))
+            h = hash_block(h, tuple(req.token_ids(i * self.block_size, (i + 1) * self.block_size)))
             req.block_hashes.append(h)
             block = req.block_table[i]
             if block != SLID_OUT and self.block_hash[block] is None and h not in self.hash_to_block:

@@ -22,7 +22,7 @@ from picovllm.engine.kv_cache import lazy_zeros  # noqa: F401  (re-exported: ARC
 from picovllm.engine.sampling import LaunchedStep, StepResult
 from picovllm.engine.scheduler import SchedulerOutput
 from picovllm.engine.step_input import (SamplingRow, StepInput, build_step_input, step_metadata,  # noqa: F401
-                                        to_device, token_tensors)
+                                        step_tensors, to_device, token_tensors)
 from picovllm.kernels.cpu import prebuild_cpu_kernels, quant_gemm, small_gemm
 from picovllm.layers.attention import AttentionMetadata
 from picovllm.loader.engine_weights import load_model_weights
@@ -86,7 +86,11 @@ class ModelRunner:
         for attn in self.model.attention_layers():
             attn.backend = self.attn_backend
         self.cuda_graphs = None   # a CUDAGraphRunner once the KV cache exists (CUDA, not enforce_eager)
+        self.prefill_graphs = None   # a PrefillGraphRunner beside it (EngineConfig.prefill_cuda_graphs)
         self.cpu_decode = None    # its CPU counterpart: a DecodeStack (float32, C compiler, not enforce_eager)
+        self.warmup_seconds: float | None = None   # what the start-up warm-up took (EngineConfig.warmup)
+        mc = self.model_config
+        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
 
     # -- KV cache ------------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
@@ -97,20 +101,42 @@ class ModelRunner:
         return kv_cache.profile_num_blocks(self.model, self.config, self.device)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        """Allocate the cache, then what depends on it: the decode step's CUDA graphs or CPU stack."""
+        """Allocate the cache, then what depends on it: the warm-up steps (every kernel compiled), the decode
+        step's CUDA graphs or CPU stack."""
         self.kv_cache = kv_cache.allocate_kv_cache(self.model, num_blocks, self.block_size, self.dtype, self.device)
+        triton = getattr(self.attn_backend, "supports_cuda_graphs", False)
+        if self.config.warmup or (self.config.warmup is None and triton and self.device.type == "cuda"):
+            self.warm_up()
         if self.device.type == "cuda" and not self.config.enforce_eager \
                 and getattr(self.attn_backend, "supports_cuda_graphs", False):
             # Under tensor parallelism every rank captures the same sizes in the same order, so the
             # collectives inside the graphs (NCCL all-reduce, all-gather) pair up at replay.
             from picovllm.engine.cuda_graph import CUDAGraphRunner
-            mc = self.model_config
-            max_len = min(self.config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
-            self.cuda_graphs = CUDAGraphRunner(self.model, self.config.max_num_seqs, -(-max_len // self.block_size),
+            max_blocks = -(-self.max_model_len // self.block_size)
+            self.cuda_graphs = CUDAGraphRunner(self.model, self.config.max_num_seqs, max_blocks,
                                                self.block_size, self.device).capture()
+            if self.config.prefill_cuda_graphs:
+                from picovllm.engine.prefill_graph import PrefillGraphRunner
+                self.prefill_graphs = PrefillGraphRunner(self.model, self.config.max_num_batched_tokens, max_blocks,
+                                                         self.block_size, self.device).capture()
         if self.device.type == "cpu" and not self.config.enforce_eager and self.tp.size == 1:
             from picovllm.kernels.cpu.decode_stack import DecodeStack
             self.cpu_decode = DecodeStack.build(self.model, self.attn_backend)
+
+    def warm_up(self) -> float:
+        """Run the start-up warm-up steps (engine/warmup.py) before any graph is captured; the seconds taken.
+        Under tensor parallelism every rank runs the same steps, so their collectives pair up."""
+        if not getattr(self.attn_backend, "supports_cuda_graphs", False):
+            # its KV store must skip slot -1 (the Triton one does, for CUDA-graph padding)
+            raise ValueError(f"EngineConfig.warmup needs the triton attention backend, got "
+                             f"{type(self.attn_backend).__name__}; set warmup=False")
+        from picovllm.engine.warmup import plan_warmup, warm_up
+        from picovllm.kernels.decode_attention import num_splits_for
+        hkv = self.model.attention_layers()[0].num_kv_heads
+        plan = plan_warmup(self.config.max_num_batched_tokens, self.config.max_num_seqs, self.max_model_len,
+                           lambda b: num_splits_for(b, hkv) == 1)
+        self.warmup_seconds = warm_up(self, plan)
+        return self.warmup_seconds
 
     # -- one step ------------------------------------------------------------------------------
     def prepare(self, sched: SchedulerOutput, eos_token_ids: list[int]) -> StepInput:
@@ -166,22 +192,22 @@ class ModelRunner:
         plain = not step.prompt_indices     # the captured paths compute the sampled rows' logits only
         if plain and self.cuda_graphs is not None and self.cuda_graphs.fits(step):
             return self.cuda_graphs.run(step, prev_tokens)
-        meta = self._metadata(step)
-        ids, positions = token_tensors(step, self.device, prev_tokens)
+        if plain and self.prefill_graphs is not None and self.prefill_graphs.fits(step):
+            return self.prefill_graphs.run(step)
+        ids, positions, meta, rows = step_tensors(step, self.device, prev_tokens)
         if plain and self.cpu_decode is not None and self.cpu_decode.fits(step):
             return self.cpu_decode.run(ids, positions, meta)
         hidden = self.model(ids, positions, meta)
         if not step.num_logit_rows:
             return None
-        rows = step.sample_indices + step.prompt_indices
-        return self.model.compute_logits(hidden[to_device(rows, torch.long, self.device)])
+        return self.model.compute_logits(hidden[rows])
 
     def shutdown(self) -> None:
         """Drop the CUDA graphs. Under tensor parallelism they hold the TP group's NCCL communicator:
         destroying the group while they live hangs, so every rank calls this before it does."""
         if self.cuda_graphs is not None:
             torch.cuda.synchronize(self.device)
-            self.cuda_graphs = None
+            self.cuda_graphs = self.prefill_graphs = None
 
     def _metadata(self, step: StepInput) -> AttentionMetadata:
         return step_metadata(step, self.device)

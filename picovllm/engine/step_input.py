@@ -98,9 +98,11 @@ def build_step_input(sched: SchedulerOutput, block_size: int, eos_token_ids: lis
             slots.append(table[start // bs] * bs + start % bs)
         else:        # a pending token is only ever a decode's input
             assert start + n <= req.num_known_tokens, req
-            ids.extend(req.all_token_ids[start:start + n])
+            ids.extend(req.token_ids(start, start + n))
             pos.extend(range(start + req.position_offset, start + n + req.position_offset))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            for b in range(start // bs, (start + n - 1) // bs + 1):    # a run of slots per block, not per token
+                base = table[b] * bs
+                slots.extend(range(base + max(start - b * bs, 0), base + min(start + n - b * bs, bs)))
         qsl.append(qsl[-1] + n)
         lens.append(start + n)
         tables.append(table)
@@ -134,6 +136,52 @@ def sampling_row(req, eos_token_ids: list[int]) -> SamplingRow:
 
 
 # -- StepInput -> device tensors -------------------------------------------------------------------
+def step_tensors(step: StepInput, device: torch.device,
+                 prev_tokens: tuple[torch.Tensor, torch.Tensor] | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+    """(input ids, positions, AttentionMetadata, logit rows: the sampled then the prompt-logprob rows) on the
+    device, in one host-to-device copy. prev_tokens = (flat indices, token ids) overwrite the placeholders of
+    tokens the step in flight sampled."""
+    width = max(len(t) for t in step.block_tables)
+    tables = np.zeros((len(step.block_tables), width), dtype=np.int32)
+    fill_block_tables(tables, step.block_tables)
+    ids, pos, slots, rows, qsl, lens, tables = pack_upload(
+        [(step.input_ids, np.int64), (step.positions, np.int64), (step.slot_mapping, np.int64),
+         (step.sample_indices + step.prompt_indices, np.int64), (step.query_start_loc, np.int32),
+         (step.seq_lens, np.int32), (tables, np.int32)], device)
+    if prev_tokens is not None:
+        ids.index_copy_(0, *prev_tokens)
+    qsl_cpu = step.query_start_loc
+    qlens = [b - a for a, b in zip(qsl_cpu, qsl_cpu[1:])]
+    meta = AttentionMetadata(slot_mapping=slots, query_start_loc=qsl, seq_lens=lens, block_tables=tables,
+                             num_decodes=step.num_decodes, max_query_len=max(qlens), max_seq_len=max(step.seq_lens),
+                             query_lens_cpu=qlens, seq_lens_cpu=step.seq_lens)
+    return ids, pos, meta, rows
+
+
+ALIGN = 64   # bytes: every packed tensor starts 16-byte aligned, as Triton's specialization expects of a fresh one
+
+
+def pack_upload(parts: list[tuple[object, type]], device: torch.device) -> list[torch.Tensor]:
+    """Each (list or array, numpy dtype) as a tensor on the device. All of them travel in one copy of one host
+    buffer (pinned on CUDA, so the copy does not block), each at an ALIGN-byte offset; on the CPU they are
+    views of that buffer. One copy instead of one per tensor: a step's inputs cost one transfer's overhead."""
+    arrays = [np.asarray(data, dtype=dtype) for data, dtype in parts]
+    offsets, total = [], 0
+    for a in arrays:
+        offsets.append(total)
+        total += -(-a.nbytes // ALIGN) * ALIGN
+    host = torch.empty(max(total, ALIGN), dtype=torch.uint8, pin_memory=device.type == "cuda")
+    flat = host.numpy()
+    for a, off in zip(arrays, offsets):
+        flat[off:off + a.nbytes] = a.reshape(-1).view(np.uint8)
+    buf = host.to(device, non_blocking=True) if device.type == "cuda" else host
+    return [buf[off:off + a.nbytes].view(_TORCH_DTYPES[a.dtype.type]).view(a.shape) for a, off in zip(arrays, offsets)]
+
+
+_TORCH_DTYPES = {np.int64: torch.int64, np.int32: torch.int32}
+
+
 def token_tensors(step: StepInput, device: torch.device,
                   prev_tokens: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(input ids, positions) on the device; prev_tokens = (flat indices, token ids) overwrite
@@ -145,18 +193,8 @@ def token_tensors(step: StepInput, device: torch.device,
 
 
 def step_metadata(step: StepInput, device: torch.device) -> AttentionMetadata:
-    width = max(len(t) for t in step.block_tables)
-    tables = np.zeros((len(step.block_tables), width), dtype=np.int32)
-    fill_block_tables(tables, step.block_tables)
-    qlens = [b - a for a, b in zip(step.query_start_loc, step.query_start_loc[1:])]
-    return AttentionMetadata(
-        slot_mapping=to_device(step.slot_mapping, torch.long, device),
-        query_start_loc=to_device(step.query_start_loc, torch.int32, device),
-        seq_lens=to_device(step.seq_lens, torch.int32, device),
-        block_tables=upload(tables, device),
-        num_decodes=step.num_decodes,
-        max_query_len=max(qlens), max_seq_len=max(step.seq_lens),
-        query_lens_cpu=qlens, seq_lens_cpu=step.seq_lens)
+    """The AttentionMetadata alone (step_tensors builds it with the rest of a step's inputs)."""
+    return step_tensors(step, device)[2]
 
 
 def upload(array: np.ndarray, device: torch.device) -> torch.Tensor:

@@ -5,3 +5,10 @@ the launcher) that is its test oracle. The Triton modules need triton; under TRI
 they also run on CPU tensors (slowly), which is how CI tests them. kernels/cpu needs a C compiler
 at run time and nothing else.
 """
+
+
+def use_triton(x) -> bool:
+    """Whether the layers run their fused Triton kernels on this activation (CUDA) rather than the CPU's C
+    kernels or torch. The one place that decides it, so a CPU test can route a model through the kernels under
+    TRITON_INTERPRET=1 by replacing it."""
+    return x.is_cuda

@@ -1,8 +1,10 @@
 """Rotary embedding ('rotate half' layout), optionally after a per-head RMSNorm (Qwen3's q/k norm).
 
 One program per token handles all its q and k heads and writes contiguous outputs, so the
-strided q/k views of the fused QKV projection need no copy first. Reference: layers.rotary
-(and layers.layernorm for the norm).
+strided q/k views of the fused QKV projection need no copy first. rope_qkv takes the QKV
+projection's output itself (one launch, no split into views on the host) and returns q, k and
+v (a view: the KV store reads it strided). Reference: layers.rotary (and layers.layernorm for
+the norm).
 """
 from __future__ import annotations
 
@@ -38,7 +40,7 @@ def _rope_heads(x_ptr, out_ptr, w_ptr, t, cos, sin, eps, stride_xt, stride_xh, s
 
 
 @triton.jit
-def _rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, cos_sin_ptr, qw_ptr, kw_ptr, eps,
+def _rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, cos_sin_ptr, qw_ptr, kw_ptr, eps, k_first,
                  stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh, stride_kot, stride_koh,
                  stride_cs,
                  NUM_Q: tl.constexpr, NUM_K: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -50,7 +52,8 @@ def _rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, cos_sin_ptr, qw_pt
     sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + j, mask=j < HALF, other=0.0)
     _rope_heads(q_ptr, q_out_ptr, qw_ptr, t, cos, sin, eps, stride_qt, stride_qh, stride_qot, stride_qoh,
                 NUM_Q, BLOCK_Q, HALF, BLOCK_HALF, HAS_NORM)
-    _rope_heads(k_ptr, k_out_ptr, kw_ptr, t, cos, sin, eps, stride_kt, stride_kh, stride_kot, stride_koh,
+    _rope_heads(k_ptr + k_first * stride_kh, k_out_ptr, kw_ptr, t, cos, sin, eps, stride_kt, stride_kh, stride_kot,
+                stride_koh,
                 NUM_K, BLOCK_K, HALF, BLOCK_HALF, HAS_NORM)
 
 
@@ -59,12 +62,30 @@ def rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: tor
          eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
     """q [T, Hq, D], k [T, Hk, D] (any strides, last dim contiguous); cos_sin [max_pos, D] float32
     (cos | sin). With norm weights, each head is RMS-normalized first. Returns new contiguous q, k."""
-    t, hq, d = q.shape
-    hk = k.shape[1]
+    if k.stride(-1) != 1:
+        raise ValueError("rope: q, k and cos_sin need a contiguous last dimension")
+    return _launch(positions, q, k, 0, k.shape[1], cos_sin, q_norm_weight, k_norm_weight, eps)
+
+
+def rope_qkv(positions: torch.Tensor, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos_sin: torch.Tensor,
+             q_norm_weight: torch.Tensor | None = None, k_norm_weight: torch.Tensor | None = None,
+             eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """qkv [T, (Hq + 2 Hk) * D], the QKV projection's output (rows of any stride, each contiguous) -> q [T, Hq, D]
+    and k [T, Hk, D], new and contiguous, each head normed (with weights) and rotated, and v [T, Hk, D], a view."""
+    t = qkv.shape[0]
+    heads = qkv.view(t, num_heads + 2 * num_kv_heads, -1)
+    q, k = _launch(positions, heads, heads, num_heads, num_kv_heads, cos_sin, q_norm_weight, k_norm_weight, eps,
+                   num_q=num_heads)
+    return q, k, heads[:, num_heads + num_kv_heads:]
+
+
+def _launch(positions, q, k, k_first, hk, cos_sin, q_norm_weight, k_norm_weight, eps, num_q=None):
+    """q_out = rope(q's first num_q heads), k_out = rope(k's heads k_first .. k_first + hk - 1)."""
+    t, hq, d = q.shape[0], num_q or q.shape[1], q.shape[2]
     has_norm = q_norm_weight is not None
     if has_norm != (k_norm_weight is not None):
         raise ValueError("rope: give both q_norm_weight and k_norm_weight, or neither")
-    if q.stride(-1) != 1 or k.stride(-1) != 1 or cos_sin.stride(-1) != 1:
+    if q.stride(-1) != 1 or cos_sin.stride(-1) != 1:
         raise ValueError("rope: q, k and cos_sin need a contiguous last dimension")
     q_out = torch.empty(t, hq, d, dtype=q.dtype, device=q.device)
     k_out = torch.empty(t, hk, d, dtype=k.dtype, device=k.device)
@@ -72,7 +93,7 @@ def rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: tor
         half = d // 2
         _rope_kernel[(t,)](
             q, k, q_out, k_out, positions, cos_sin,
-            q_norm_weight if has_norm else cos_sin, k_norm_weight if has_norm else cos_sin, eps,
+            q_norm_weight if has_norm else cos_sin, k_norm_weight if has_norm else cos_sin, eps, k_first,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), q_out.stride(0), q_out.stride(1),
             k_out.stride(0), k_out.stride(1), cos_sin.stride(0),
             NUM_Q=hq, NUM_K=hk, BLOCK_Q=triton.next_power_of_2(hq), BLOCK_K=triton.next_power_of_2(hk),

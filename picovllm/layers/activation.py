@@ -1,17 +1,26 @@
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from picovllm import kernels
 from picovllm.kernels.cpu import elementwise as cpu
+
+
+@functools.cache
+def _triton():
+    """kernels.activation, imported at the first CUDA call (cached: see layers.layernorm)."""
+    from picovllm.kernels import activation
+    return activation
 
 
 class SiluAndMul(nn.Module):
     """x = [gate | up] -> silu(gate) * up."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda:   # one fused Triton pass; this torch code is its reference
-            from picovllm.kernels.activation import silu_and_mul
-            return silu_and_mul(x)
+        if kernels.use_triton(x):   # one fused Triton pass; this torch code is its reference
+            return _triton().silu_and_mul(x)
         if cpu.usable(x):   # one C pass (float32 on the CPU)
             return cpu.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)

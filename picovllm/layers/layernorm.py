@@ -1,9 +1,20 @@
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
+from picovllm import kernels
 from picovllm.kernels.cpu import elementwise as cpu
+
+
+@functools.cache
+def _triton():
+    """kernels.rmsnorm, imported at the first CUDA call (it imports triton). Cached: an import statement in
+    forward costs about a microsecond, at every norm of every layer of every step."""
+    from picovllm.kernels import rmsnorm
+    return rmsnorm
 
 
 class RMSNorm(nn.Module):
@@ -25,9 +36,8 @@ class RMSNorm(nn.Module):
         param.data.copy_(w.float() + self.offset)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if x.is_cuda:   # one fused Triton pass; this torch code is its reference
-            from picovllm.kernels.rmsnorm import rms_norm
-            return rms_norm(x, self.weight, self.eps, residual)
+        if kernels.use_triton(x):   # one fused Triton pass; this torch code is its reference
+            return _triton().rms_norm(x, self.weight, self.eps, residual)
         if cpu.usable(x, self.weight, *(() if residual is None else (residual,))):   # one C pass
             return cpu.rms_norm(x, self.weight, self.eps, residual)
         if residual is not None:

@@ -3,9 +3,12 @@ routed experts in place of the MLP, Qwen3-MoE and Mixtral. What differs between 
 (ModelConfig: q/k/v bias, q/k norm, sliding windows, experts, ...); Gemma's layer shape is in models/gemma.py."""
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
+from picovllm import kernels
 from picovllm.config import ModelConfig
 from picovllm.distributed import SINGLE, TPGroup
 from picovllm.layers.activation import gated_activation
@@ -15,6 +18,13 @@ from picovllm.layers.layernorm import RMSNorm
 from picovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from picovllm.layers.moe import FusedMoE
 from picovllm.layers.rotary import RotaryEmbedding
+
+
+@functools.cache
+def _triton_rotary():
+    """kernels.rotary, imported at the first CUDA call (cached: see layers.layernorm)."""
+    from picovllm.kernels import rotary
+    return rotary
 
 
 class LlamaAttention(nn.Module):
@@ -37,18 +47,19 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(x)
+        if kernels.use_triton(qkv):   # q/k norm and rotary in one Triton pass over qkv (same math as the branch below)
+            norm = self.q_norm is not None
+            q, k, v = _triton_rotary().rope_qkv(positions, qkv, self.num_heads, self.num_kv_heads, self.rotary.cos_sin,
+                                                self.q_norm.weight if norm else None,
+                                                self.k_norm.weight if norm else None,
+                                                self.q_norm.eps if norm else 0.0)
+            return self.o_proj(self.attn(q, k, v, meta).flatten(1))   # v: a strided view; the KV store takes it
         d = self.head_dim
         q, k, v = qkv.split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
         q, k, v = q.view(-1, self.num_heads, d), k.view(-1, self.num_kv_heads, d), v.view(-1, self.num_kv_heads, d)
-        if q.is_cuda:   # q/k norm and rotary in one Triton pass (same math as the branch below)
-            from picovllm.kernels.rotary import rope
-            norm = self.q_norm is not None
-            q, k = rope(positions, q, k, self.rotary.cos_sin, self.q_norm.weight if norm else None,
-                        self.k_norm.weight if norm else None, self.q_norm.eps if norm else 0.0)
-        else:
-            if self.q_norm is not None:
-                q, k = self.q_norm(q), self.k_norm(k)
-            q, k = self.rotary(positions, q, k)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
         o = self.attn(q, k, v, meta)   # v is a strided view of qkv; the KV store takes it as is
         return self.o_proj(o.flatten(1))
 
