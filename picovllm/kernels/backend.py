@@ -49,10 +49,16 @@ class TritonAttentionBackend(AttentionBackend):
         sequence, so its tokens are rows nd .. nd + max_q - 1; device tensors only (no sync; capturable)."""
         nd = meta.num_decodes
         rows = slice(nd, nd + max_q)
-        start = meta.query_start_loc[nd:nd + 2]
-        q_len = start[1] - start[0]
-        i = torch.arange(max_q, dtype=torch.int32, device=q.device)
-        lens = torch.where(i < q_len, meta.seq_lens[nd] - q_len + 1 + i, 0).to(torch.int32)
-        tables = meta.block_tables[nd:nd + 1].expand(max_q, -1)
+        key = ("short_prefill", max_q)
+        if key not in meta.scratch:           # once a step, for every layer
+            start = meta.query_start_loc[nd:nd + 2]
+            q_len = start[1] - start[0]
+            i = torch.arange(max_q, dtype=torch.int32, device=q.device)
+            lens = torch.where(i < q_len, meta.seq_lens[nd] - q_len + 1 + i, 0).to(torch.int32)
+            # a fresh copy of the table row (not a stride-0 view, nor a row offset in the table: the decode kernel
+            # then meets the same pointer alignment and strides as for decodes, the specialization the warm-up
+            # compiled; Triton keys on both)
+            meta.scratch[key] = lens, meta.block_tables[nd:nd + 1].expand(max_q, -1).clone()
+        lens, tables = meta.scratch[key]
         decode_attention(q[rows], k_cache, v_cache, tables, lens, scale, out=out[rows], window=window,
                          softcap=softcap)
