@@ -30,7 +30,7 @@ import httpx
 from prometheus_client import Counter, Gauge
 
 from picovllm.disagg.auth import FleetSecret, sign_request
-from picovllm.disagg.messages import OutputDecoder
+from picovllm.disagg.handover_stream import StreamBroken, ndjson_outputs, open_pd_stream, prefill_then_decode
 from picovllm.disagg.router_policy import Instance
 from picovllm.entrypoints.openai.async_engine import EngineDeadError, EngineStepError
 from picovllm.outputs import RequestOutput
@@ -133,10 +133,6 @@ class InstancePool:
             self.metrics.observe(inst)
 
 
-class InstanceLost(EngineStepError):
-    """An instance's stream broke (it died, or the network did), as opposed to an error it reported."""
-
-
 class RouterStream:
     """One request's outputs through a P and then a D, as AsyncEngine's RequestStream: outputs(), close()."""
 
@@ -150,34 +146,16 @@ class RouterStream:
 
     async def outputs(self) -> AsyncIterator[RequestOutput]:
         try:
-            handover = None
-            async for out, line in self._prefill_lines():
-                if "kv_handover" in line:
-                    handover = line["kv_handover"]
-                    out.finished = False
-                    yield out                     # the first token, from P; a D decodes the rest
-                    break
-                self._record(out)
+            async for out in prefill_then_decode(self._prefill_lines(), lambda line: line.get("kv_handover"),
+                                                 self._open_decode, self._who, self.router.metrics):
+                self.finished = out.finished
                 yield out
-                if out.finished:
-                    return
-            else:
-                raise EngineStepError(f"the prefill instance {self.prefill.url} ended the request's stream early")
-            self._leave(self.prefill)
-            resp = await self.router.open_decode(self, handover)
-            self._responses.append(resp)
-            async for out, _ in self._lines(resp, self.decode):
-                self._record(out)
-                yield out
-                if out.finished:
-                    return
-            raise EngineStepError(f"the decode instance {self.decode.url} ended the request's stream early")
-        except EngineStepError:
-            if self.router.metrics is not None:
-                self.router.metrics.count_outcome("error")
-            raise
         finally:
             self.close()
+
+    def _who(self, role: str) -> str:
+        inst = self.prefill if role == "p" else self.decode
+        return f"the {'prefill' if role == 'p' else 'decode'} instance {inst.url if inst else None}"
 
     async def _prefill_lines(self) -> AsyncIterator[tuple[RequestOutput, dict]]:
         """P's lines. A P lost before its first line had not started the request: it goes to another P."""
@@ -189,7 +167,7 @@ class RouterStream:
                     started = True
                     yield item
                 return
-            except InstanceLost:
+            except StreamBroken:
                 if started:
                     raise
             self._leave(self.prefill)
@@ -197,28 +175,21 @@ class RouterStream:
             tried.add(self.prefill.url)
             self._responses.append(resp)
 
-    def _record(self, out: RequestOutput) -> None:
-        if out.outputs[0].finish_reason == "error":
-            raise EngineStepError(out.error or "the request failed on a prefill or decode instance")
-        self.finished = out.finished
-        if out.finished and self.router.metrics is not None:
-            self.router.metrics.observe_finished(out)
+    async def _open_decode(self, handover: dict) -> AsyncIterator[tuple[RequestOutput, dict]]:
+        """P published the KV: on to a D."""
+        self._leave(self.prefill)
+        resp = await self.router.open_decode(self, handover)
+        self._responses.append(resp)
+        return self._lines(resp, self.decode)
 
     async def _lines(self, resp: httpx.Response, inst: Instance) -> AsyncIterator[tuple[RequestOutput, dict]]:
-        what = "prefill" if inst.role == "p" else "decode"
-        wire = OutputDecoder()
+        """An instance's lines; one whose stream broke is marked down."""
         try:
-            async for text in resp.aiter_lines():
-                if not text:
-                    continue
-                line = json.loads(text)
-                if "error" in line:
-                    raise EngineStepError(f"the {what} instance {inst.url} failed: {line['error']}")
-                yield wire.decode(line), line
-        except (httpx.HTTPError, json.JSONDecodeError, KeyError, ValueError) as e:
-            self.router.pool.mark_down(inst, f"broke mid-request: {type(e).__name__}: {e}")
-            raise InstanceLost(f"the {what} instance {inst.url} failed mid-request: {type(e).__name__}: {e}") \
-                from None
+            async for item in ndjson_outputs(resp, self._who(inst.role)):
+                yield item
+        except StreamBroken as e:
+            self.router.pool.mark_down(inst, str(e))
+            raise
 
     def _leave(self, inst: Instance | None) -> None:
         if inst is not None and inst.url not in self._left:
@@ -349,20 +320,5 @@ class RouterEngine:
 
     async def _post(self, inst: Instance, path: str, data: bytes) -> httpx.Response:
         what = "prefill" if inst.role == "p" else "decode"
-        headers = {"content-type": "application/json", **self.pool.headers("POST", path, data)}
-        request = self.client.build_request("POST", inst.url + path, content=data, headers=headers)
-        try:
-            resp = await self.client.send(request, stream=True)
-        except httpx.HTTPError as e:
-            raise EngineDeadError(f"the {what} instance {inst.url} is unreachable: {type(e).__name__}: {e}") from None
-        if resp.status_code == 200:
-            return resp
-        try:
-            message = json.loads(await resp.aread())["error"]["message"]
-        except (httpx.HTTPError, ValueError, KeyError, TypeError):
-            message = f"HTTP {resp.status_code}"
-        finally:
-            await resp.aclose()
-        if 400 <= resp.status_code < 500 and resp.status_code not in (401, 404, 405):
-            raise ValueError(message)
-        raise EngineDeadError(f"the {what} instance {inst.url} answered {resp.status_code}: {message}")
+        return await open_pd_stream(self.client, inst.url, path, data, self.pool.secret,
+                                    f"the {what} instance {inst.url}")
