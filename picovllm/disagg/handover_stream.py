@@ -9,9 +9,13 @@ carries; the wire and the loop are these:
     ndjson_outputs(resp, who)   a route's NDJSON lines as (RequestOutput, line): the first whole, later
                                 ones as deltas (picovllm.disagg.messages.OutputDecoder)
     prefill_then_decode(...)    P's outputs up to the line that hands the request over, then D's
+    RemoteEngine                what the OpenAI handlers need of an engine (start, add_request, abort_all,
+                                shutdown, ...) when the engine is other servers: the HTTP client, the
+                                streams open through it
 """
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -24,6 +28,58 @@ from picovllm.entrypoints.openai.async_engine import EngineDeadError, EngineStep
 from picovllm.outputs import RequestOutput
 
 Lines = AsyncIterator[tuple[RequestOutput, dict]]
+
+
+class RemoteEngine:
+    """The AsyncEngine surface of an engine made of other servers (the proxy's pairs, the router's fleet):
+    one HTTP client, started with the server's event loop, and the request streams open through it.
+    A stream registers with track() and leaves with forget() (its close()); add_request is the owner's."""
+
+    name = "engine"          # in errors: "the proxy is not running"
+
+    def __init__(self, model_info: dict, metrics=None, connect_timeout_s: float = 10.0,
+                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+        """transport: instead of the network (tests)."""
+        self._model_info, self.metrics = model_info, metrics
+        self._timeout = httpx.Timeout(connect=connect_timeout_s, read=None, write=connect_timeout_s, pool=None)
+        self._transport = transport
+        self._client: httpx.AsyncClient | None = None
+        self._streams: set = set()
+
+    def start(self) -> None:
+        self._client = httpx.AsyncClient(timeout=self._timeout, transport=self._transport,
+                                         limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+
+    @property
+    def is_running(self) -> bool:
+        return self._client is not None
+
+    @property
+    def client(self) -> httpx.AsyncClient:
+        if self._client is None:
+            raise EngineDeadError(f"the {self.name} is not running")
+        return self._client
+
+    def model_info(self) -> dict:
+        return dict(self._model_info)
+
+    def track(self, stream) -> None:
+        self._streams.add(stream)
+
+    def forget(self, stream) -> None:
+        self._streams.discard(stream)
+
+    def abort_all(self) -> None:
+        """Close every open stream: each server whose client went away aborts its request."""
+        for stream in list(self._streams):
+            stream.close()
+
+    async def shutdown(self) -> None:
+        self.abort_all()
+        if self._client is not None:
+            await asyncio.sleep(0)            # let the closes scheduled by abort_all run
+            await self._client.aclose()
+            self._client = None
 
 
 class StreamBroken(EngineStepError):

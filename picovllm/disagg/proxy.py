@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import httpx
 
 from picovllm.disagg.auth import FleetSecret, sign_request
-from picovllm.disagg.handover_stream import ndjson_outputs, open_pd_stream, prefill_then_decode
+from picovllm.disagg.handover_stream import RemoteEngine, ndjson_outputs, open_pd_stream, prefill_then_decode
 from picovllm.entrypoints.openai.async_engine import EngineDeadError
 from picovllm.outputs import RequestOutput
 from picovllm.sampling_params import SamplingParams
@@ -73,52 +73,29 @@ class PDStream:
         if self._owner is None:
             return
         self.finished = True
-        self._owner._streams.discard(self)
+        self._owner.forget(self)
         self._owner = None
         for resp in (self._prefill, self._decode):
             asyncio.ensure_future(resp.aclose())
 
 
-class ProxyEngine:
-    """What the OpenAI handlers need of an AsyncEngine (add_request, start, shutdown, abort_all, ...),
-    over P-D server pairs."""
+class ProxyEngine(RemoteEngine):
+    """The engine under the OpenAI handlers, over P-D server pairs."""
+
+    name = "proxy"
 
     def __init__(self, pairs: list[PDPair], secret: FleetSecret, model_info: dict, metrics=None,
                  connect_timeout_s: float = 10.0) -> None:
         if not pairs:
             raise ValueError("pairs: at least one prefill/decode pair is needed")
-        self.pairs, self.secret, self._model_info, self.metrics = pairs, secret, model_info, metrics
+        super().__init__(model_info, metrics, connect_timeout_s)
+        self.pairs, self.secret = pairs, secret
         self._next = itertools.count()
-        self._timeout = httpx.Timeout(connect=connect_timeout_s, read=None, write=connect_timeout_s, pool=None)
-        self._client: httpx.AsyncClient | None = None
-        self._streams: set[PDStream] = set()
-
-    def start(self) -> None:
-        self._client = httpx.AsyncClient(timeout=self._timeout, limits=httpx.Limits(max_connections=None,
-                                                                                     max_keepalive_connections=64))
-
-    @property
-    def is_running(self) -> bool:
-        return self._client is not None
-
-    def model_info(self) -> dict:
-        return dict(self._model_info)
-
-    async def shutdown(self) -> None:
-        self.abort_all()
-        if self._client is not None:
-            await asyncio.sleep(0)            # let the closes scheduled by abort_all run
-            await self._client.aclose()
-            self._client = None
-
-    def abort_all(self) -> None:
-        for stream in list(self._streams):
-            stream.close()
 
     async def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
                           arrival_time: float | None = None) -> PDStream:
         """Open the request on D (listen), then on P. Raises ValueError (a 400 from P), EngineDeadError."""
-        if self._client is None:
+        if not self.is_running:
             raise EngineDeadError("the proxy is not running")
         body = {"request_id": request_id, "prompt_token_ids": list(prompt_token_ids),
                 "params": dataclasses.asdict(params), "arrival_time": arrival_time or time.time()}
@@ -140,12 +117,12 @@ class ProxyEngine:
                 await decode.aclose()
                 raise
             stream = PDStream(request_id, pair, prefill, decode, self)
-            self._streams.add(stream)
+            self.track(stream)
             return stream
         raise EngineDeadError("no prefill/decode pair could take the request: " + "; ".join(errors))
 
     async def _open(self, base: str, path: str, body: dict, what: str) -> httpx.Response:
-        return await open_pd_stream(self._client, base, path, json.dumps(body).encode(), self.secret,
+        return await open_pd_stream(self.client, base, path, json.dumps(body).encode(), self.secret,
                                     f"the {what} server {base}")
 
 

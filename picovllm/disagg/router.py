@@ -30,7 +30,8 @@ import httpx
 from prometheus_client import Counter, Gauge
 
 from picovllm.disagg.auth import FleetSecret, sign_request
-from picovllm.disagg.handover_stream import StreamBroken, ndjson_outputs, open_pd_stream, prefill_then_decode
+from picovllm.disagg.handover_stream import RemoteEngine, StreamBroken, ndjson_outputs, open_pd_stream, \
+    prefill_then_decode
 from picovllm.disagg.router_policy import Instance
 from picovllm.entrypoints.openai.async_engine import EngineDeadError, EngineStepError
 from picovllm.outputs import RequestOutput
@@ -204,58 +205,34 @@ class RouterStream:
         self.finished = True
         self._leave(self.prefill)
         self._leave(self.decode)
-        self.router._streams.discard(self)
+        self.router.forget(self)
         for resp in self._responses:
             asyncio.ensure_future(resp.aclose())
         self.router = None
 
 
-class RouterEngine:
-    """What the OpenAI handlers need of an AsyncEngine (add_request, start, shutdown, abort_all, ...),
-    over a fleet of instances."""
+class RouterEngine(RemoteEngine):
+    """The engine under the OpenAI handlers, over a fleet of instances; it checks their health every lease / 4."""
+
+    name = "router"
 
     def __init__(self, pool: InstancePool, prefill_policy, decode_policy, model_info: dict, metrics=None,
                  router_metrics: RouterMetrics | None = None, connect_timeout_s: float = 10.0,
                  transport: httpx.AsyncBaseTransport | None = None) -> None:
         """transport: instead of the network (tests)."""
+        super().__init__(model_info, metrics, connect_timeout_s, transport)
         self.pool, self.prefill_policy, self.decode_policy = pool, prefill_policy, decode_policy
-        self._model_info, self.metrics, self.router_metrics = model_info, metrics, router_metrics
-        self._timeout = httpx.Timeout(connect=connect_timeout_s, read=None, write=connect_timeout_s, pool=None)
-        self._client: httpx.AsyncClient | None = None
-        self._transport = transport
+        self.router_metrics = router_metrics
         self._health: asyncio.Task | None = None
-        self._streams: set[RouterStream] = set()
 
     def start(self) -> None:
-        self._client = httpx.AsyncClient(timeout=self._timeout, transport=self._transport,
-                                         limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+        super().start()
         self._health = asyncio.get_running_loop().create_task(self._check_health())
 
-    @property
-    def is_running(self) -> bool:
-        return self._client is not None
-
-    @property
-    def client(self) -> httpx.AsyncClient:
-        if self._client is None:
-            raise EngineDeadError("the router is not running")
-        return self._client
-
-    def model_info(self) -> dict:
-        return dict(self._model_info)
-
     async def shutdown(self) -> None:
-        self.abort_all()
         if self._health is not None:
             self._health.cancel()
-        if self._client is not None:
-            await asyncio.sleep(0)            # let the closes scheduled by abort_all run
-            await self._client.aclose()
-            self._client = None
-
-    def abort_all(self) -> None:
-        for stream in list(self._streams):
-            stream.close()
+        await super().shutdown()
 
     async def _check_health(self) -> None:
         while True:
@@ -269,7 +246,7 @@ class RouterEngine:
                 "params": dataclasses.asdict(params), "arrival_time": arrival_time or time.time()}
         inst, resp = await self._open_on_one("p", self.prefill_policy, "/pd/prefill", body, prompt_token_ids)
         stream = RouterStream(self, request_id, inst, resp, body)
-        self._streams.add(stream)
+        self.track(stream)
         return stream
 
     async def reopen_prefill(self, stream: RouterStream, tried: set[str]) -> tuple[Instance, httpx.Response]:
