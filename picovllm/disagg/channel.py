@@ -9,10 +9,10 @@ refuses (and keeps waiting past) a peer that fails.
 """
 from __future__ import annotations
 
+import logging
 import select
 import socket
 import struct
-import logging
 import threading
 import time
 from typing import Any

@@ -102,7 +102,8 @@ class DisaggLLM:
             # A daemonic process may not have children, and a TP engine spawns its worker ranks; the
             # engine process exits with the driver either way (worker_main watches its parent).
             daemon = configs[role]["tensor_parallel_size"] == 1
-            self.procs[role] = ctx.Process(target=worker_main, args=(role, self._listener.address, self.hosts, self.secret),
+            self.procs[role] = ctx.Process(target=worker_main,
+                                           args=(role, self._listener.address, self.hosts, self.secret),
                                            daemon=daemon, name=f"picovllm-{NAMES[role]}")
             self.procs[role].start()
         deadline = time.monotonic() + timeout_s

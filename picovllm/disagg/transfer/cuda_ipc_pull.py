@@ -2,10 +2,10 @@
 and copies blocks straight out of it. The fleet's form of picovllm.disagg.transfer.cuda_ipc.
 
 As with nixl, the bytes move without P's help and everything else (claims, releases, leases, the fleet's
-HMAC handshake) rides on the tcp backend's control plane (transfer/control_plane.py), composed here. A handle carries P's cache
-handle (export_cache) in its info; D maps it the first time it pulls from that instance, then a pull
-is one copy_blocks on a side stream, done when its event is and P has granted the claim (so the
-blocks held the request's KV throughout the copy).
+HMAC handshake) rides on the tcp backend's control plane (transfer/control_plane.py), composed here. A
+handle carries P's cache handle (export_cache) in its info; D maps it the first time it pulls from that
+instance, then a pull is one copy_blocks on a side stream (cuda_ipc.PeerCopies, as the linked pair's),
+done when its event is and P has granted the claim (so the blocks held the request's KV throughout).
 """
 from __future__ import annotations
 
