@@ -96,6 +96,7 @@ fi
 
 [[ " ${SETUPS:-a b} " == *" b "* ]] || exit 0
 echo "== (b) 1P1D: P on $DEV0, D on $DEV1 ($KV), behind the proxy"
+export PICOVLLM_PD_SECRET="${PICOVLLM_PD_SECRET:-$(head -c 24 /dev/urandom | base64)}"   # P, D and the proxy share it
 serve p serve --role p --device "$DEV0" --port 8101 --kv-port 9101 --kv-transfer "$KV" "${ENGINE[@]}"
 serve d serve --role d --device "$DEV1" --port 8201 --kv-peer 127.0.0.1:9101 --kv-transfer "$KV" "${ENGINE[@]}"
 ready http://127.0.0.1:8101 && ready http://127.0.0.1:8201 || { tail -n 20 "$WORK"/*.log; exit 1; }

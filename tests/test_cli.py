@@ -233,3 +233,22 @@ def test_cli_backend_names_are_the_transfer_backends():
     from picovllm.disagg.cli import BACKEND_NAMES
     from picovllm.disagg.transfer import BACKENDS
     assert tuple(sorted(BACKENDS)) == BACKEND_NAMES
+
+
+def test_pd_servers_and_the_proxy_need_the_secret(monkeypatch, tiny_models):
+    """`serve --role p|d` (pair or fleet) and `proxy` stop before loading or calling anything without the P/D
+    secret, naming the flag and the variable; which server a role becomes: cuda_ipc is a pair given a peer."""
+    import argparse
+
+    from picovllm.entrypoints.openai.cli_serve import is_linked_pair
+    monkeypatch.delenv("PICOVLLM_PD_SECRET", raising=False)
+    for argv in (["serve", "--model", tiny_models["llama"], "--role", "p", "--kv-port", "1"],
+                 ["serve", "--model", tiny_models["llama"], "--role", "d", "--kv-transfer", "tcp"],
+                 ["proxy", "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2"]):
+        with pytest.raises(SystemExit, match=r"--pd-secret-file: .*\$PICOVLLM_PD_SECRET"):
+            cli_main(argv)
+    args = (lambda backend, port=0, peer=None: argparse.Namespace(kv_transfer=backend, kv_port=port, kv_peer=peer))
+    assert is_linked_pair(args("torch_dist"), "p") and is_linked_pair(args("torch_dist"), "d")
+    assert is_linked_pair(args("cuda_ipc", port=9100), "p") and is_linked_pair(args("cuda_ipc", peer="h:1"), "d")
+    assert not is_linked_pair(args("cuda_ipc"), "p") and not is_linked_pair(args("cuda_ipc", port=9100), "d")
+    assert not is_linked_pair(args("tcp", port=9100), "p") and not is_linked_pair(args("nixl", peer="h:1"), "d")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+import threading
 import time
 
 import pytest
@@ -17,7 +18,9 @@ import torch
 
 from picovllm import LLM, SamplingParams
 from picovllm.disagg import DisaggLLM, EngineClosedError, generate_disaggregated
-from picovllm.disagg.messages import Submit
+from picovllm.disagg.auth import AuthError, FleetSecret, answer_challenge
+from picovllm.disagg.channel import Channel
+from picovllm.disagg.messages import Bye, KVAuthChallenge, KVAuthResult, Submit
 
 CLOSE_RUNS = int(os.environ.get("PICOVLLM_PD_CLOSE_RUNS", "20"))
 
@@ -90,6 +93,40 @@ def test_parity_llama(llama_pd, llama_ref, backend, async_transfer):
         assert all(x >= 0 for x in m.itls)
     assert_clean(llama_pd._active)
     assert os.getpid() not in llama_pd.pids.values() and len(set(llama_pd.pids.values())) == 2
+
+
+def test_link_refuses_peers_without_the_secret(llama_pd, llama_ref):
+    """Strangers wait at P's link port before a session starts (one with a wrong secret, one that skips the
+    handshake): P refuses both, then links its own D (the run's secret, made by DisaggLLM), and the session
+    runs token for token as colocated with every block free on both sides."""
+    address = llama_pd.ready["p"].address
+    refused = []
+    wrong = Channel.connect(address, 30.0)        # both connected (queued at P's port) before the session starts
+    bare = Channel.connect(address, 30.0)
+
+    def wrong_secret():
+        try:
+            answer_challenge(wrong.send, lambda: wrong.recv(30.0), FleetSecret(b"not-this-run-s-secret-0123456789"))
+        except AuthError as e:
+            refused.append(str(e))
+
+    bare.send(Bye())                     # would end the link, were it read
+    stranger = threading.Thread(target=wrong_secret)
+    stranger.start()
+    try:
+        ps = random_prompts(4, seed=5)
+        sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        outs = llama_pd.generate(ps, sp, timeout_s=60)
+        assert same_tokens(outs, llama_ref.generate(ps, sp, use_tqdm=False))
+        assert_clean(llama_pd._active)
+        stranger.join(30)
+        assert refused and "not the shared secret" in refused[0], refused
+        assert isinstance(bare.recv(10.0), KVAuthChallenge)
+        answer = bare.recv(10.0)
+        assert isinstance(answer, KVAuthResult) and "authentication failed" in answer.error
+    finally:
+        bare.close()
+        wrong.close()
 
 
 def test_bad_input_is_a_value_error_and_leaves_the_engines_usable(llama_pd, llama_ref):

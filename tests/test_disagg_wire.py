@@ -2,13 +2,16 @@
 import dataclasses
 import json
 import socket
+import threading
 import time
 
 import pytest
 
-from picovllm.disagg.channel import Channel, PeerGone
-from picovllm.disagg.messages import (Accept, Hello, HandoverRequest, KVLayout, Offer, Output, OutputDecoder,
-                                      OutputEncoder, decode, encode, output_from_wire, output_to_wire)
+from picovllm.disagg.auth import AuthError, FleetSecret
+from picovllm.disagg.channel import Channel, Listener, PeerGone
+from picovllm.disagg.messages import (Accept, Bye, Hello, HandoverRequest, KVAuthChallenge, KVAuthResult, KVLayout,
+                                      Offer, Output, OutputDecoder, OutputEncoder, decode, encode, output_from_wire,
+                                      output_to_wire)
 from picovllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, num_blocks=10, dtype="float32",
@@ -107,3 +110,66 @@ def test_output_stream_deltas_rebuild_every_output():
         other = OutputDecoder()
         other.decode(json.loads(json.dumps(OutputEncoder().encode(dataclasses.replace(outs[0], request_id="q")))))
         other.decode(line)
+
+
+def test_listener_refuses_peers_without_the_secret_and_waits_for_one_with_it():
+    """The P/D link's and the driver's listener: a peer with the wrong secret, none, or no picovllm messages at
+    all is refused (and told why) before any message of its is read; accept() goes on to the one that proves
+    the secret; that channel then carries messages both ways. Not a byte of the secret goes on the wire."""
+    secret = FleetSecret(b"pd-secret-for-the-wire-test-0123")
+    listener = Listener("127.0.0.1", secret=secret)
+    accepted = []
+    t = threading.Thread(target=lambda: accepted.append(listener.accept(20.0)))
+    t.start()
+    try:
+        with pytest.raises(AuthError, match="refused: authentication failed: not the shared secret"):
+            Channel.connect(listener.address, 5.0, secret=FleetSecret(b"not-the-pd-secret-0123456789"))
+        bare = Channel.connect(listener.address, 5.0)        # no handshake: says Bye at once
+        bare.send(Bye())
+        assert isinstance(bare.recv(5.0), KVAuthChallenge)
+        refusal = bare.recv(5.0)
+        assert isinstance(refusal, KVAuthResult) and "authentication failed" in refusal.error
+        with pytest.raises(PeerGone):
+            bare.recv(5.0)
+        with socket.create_connection(tuple(listener.address), timeout=5) as raw:     # not our framing at all
+            raw.sendall(b"\x00\x00\x00\x05hello")
+            raw.settimeout(5)
+            got = b""
+            while chunk := raw.recv(1 << 16):
+                got += chunk
+            assert b"authentication failed" in got and secret.key not in got
+        assert not accepted
+        good = Channel.connect(listener.address, 5.0, secret=secret)
+        t.join(10)
+        assert len(accepted) == 1 and listener.refused == 3
+        accepted[0].send(Accept("r1", 9, [2, 0]))
+        assert good.recv(5.0) == Accept("r1", 9, [2, 0])
+        good.send(Bye())
+        assert isinstance(accepted[0].recv(5.0), Bye)
+    finally:
+        t.join(10)
+        listener.close()
+        for ch in accepted:
+            ch.close()
+
+
+def test_a_listener_that_cannot_prove_the_secret_is_refused_by_the_connecting_side():
+    """The other direction: a stranger listening where D expects P gets nothing but D's proof."""
+    secret = FleetSecret(b"pd-secret-for-the-wire-test-0123")
+    stranger = Listener("127.0.0.1", secret=FleetSecret(b"a-stranger-s-own-secret-000000"))
+    seen = []
+
+    def serve():
+        with pytest.raises(TimeoutError):     # it refuses D's proof, and D never comes back
+            stranger.accept(3.0)
+        seen.append(stranger.refused)
+
+    t = threading.Thread(target=serve)
+    t.start()
+    try:
+        with pytest.raises(AuthError, match="refused"):
+            Channel.connect(stranger.address, 5.0, secret=secret)
+    finally:
+        t.join(10)
+        stranger.close()
+    assert seen == [1]

@@ -19,12 +19,14 @@ import pytest
 from conftest import build_tiny_checkpoint
 from picovllm import LLM, SamplingParams
 from picovllm.disagg import DisaggLLM, TransferConfig
+from picovllm.disagg.auth import FleetSecret
 from picovllm.disagg.channel import Listener
 from picovllm.disagg.hosts import HostOptions
 from picovllm.disagg.worker import worker_main
 from test_disagg_processes import assert_clean, random_prompts, same_tokens
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SECRET = "launch-test-secret-0123456789"
 GREEDY = dict(temperature=0, max_tokens=8, ignore_eos=True)
 SEEDED = dict(temperature=0.8, top_p=0.9, seed=7, max_tokens=8, ignore_eos=True)
 
@@ -50,11 +52,15 @@ def other_address() -> str | None:
     return None if addr.startswith("127.") or addr == "0.0.0.0" else addr
 
 
-def launch(tmp_path, model: str, lines: list[dict], *extra: str, timeout: float = 120) -> tuple:
+def launch(tmp_path, model: str, lines: list[dict], *extra: str, timeout: float = 120, secret: str | None = SECRET) \
+        -> tuple:
     """Run the launch under torchrun on 2 local ranks; (process, output records, s from output to exit)."""
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     inp.write_text("".join(json.dumps(line) + "\n" for line in lines))
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    env.pop("PICOVLLM_PD_SECRET", None)
+    if secret is not None:
+        env["PICOVLLM_PD_SECRET"] = secret
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "picovllm.disagg.launch", "--model", model, "-i", str(inp), "-o", str(out),
            "--block-size", "4", "--num-kv-blocks", "64", "--decode-num-kv-blocks", "12", *extra]
@@ -99,6 +105,15 @@ def test_launch_refuses_a_bad_host_at_once(tmp_path, model):
     assert time.monotonic() - t0 < 30
 
 
+def test_launch_without_the_secret_stops_at_once(tmp_path, model):
+    """Neither rank starts (no socket opened, no engine loaded) without the P/D secret, and says which flag."""
+    t0 = time.monotonic()
+    proc, recs, _ = launch(tmp_path, model, parity_lines(1)[0], timeout=60, secret=None)
+    assert proc.returncode != 0 and not recs
+    assert "--pd-secret-file" in proc.stderr and "PICOVLLM_PD_SECRET" in proc.stderr, proc.stderr[-3000:]
+    assert time.monotonic() - t0 < 30
+
+
 def test_bad_host_options_are_value_errors_naming_the_field(model):
     # all refused before any process or socket is made
     with pytest.raises(ValueError, match="^host must be an IP address"):
@@ -111,6 +126,12 @@ def test_bad_host_options_are_value_errors_naming_the_field(model):
         DisaggLLM(model, remote_roles=("x",))
     with pytest.raises(ValueError, match="^listener: with remote_roles"):
         DisaggLLM(model, remote_roles=("d",))
+    lst = Listener("127.0.0.1")
+    try:
+        with pytest.raises(ValueError, match="^secret: with remote_roles"):
+            DisaggLLM(model, remote_roles=("d",), listener=lst)
+    finally:
+        lst.close()
     with pytest.raises(ValueError, match="^TransferConfig.host must be"):
         TransferConfig(host="999.1.1.1")
     with pytest.raises(ValueError, match="^TransferConfig.advertise_host must be"):
@@ -145,10 +166,12 @@ def test_sockets_bind_only_the_given_interface():
 
 def test_remote_decode_worker_dying_fails_its_requests(model):
     """A D worker DisaggLLM did not spawn (as under the launch) dies mid-transfer: P frees what it held, stays up."""
-    listener = Listener("127.0.0.1")
-    remote = mp.get_context("spawn").Process(target=worker_main, args=("d", listener.address, HostOptions()))
+    secret = FleetSecret(SECRET.encode())
+    listener = Listener("127.0.0.1", secret=secret)
+    remote = mp.get_context("spawn").Process(target=worker_main, args=("d", listener.address, HostOptions(), secret))
     remote.start()
-    llm = DisaggLLM(model, block_size=4, num_kv_blocks=64, remote_roles=("d",), listener=listener, lease_s=5.0)
+    llm = DisaggLLM(model, block_size=4, num_kv_blocks=64, remote_roles=("d",), listener=listener, lease_s=5.0,
+                    secret=secret)
     try:
         assert set(llm.procs) == {"p"}
         sp = SamplingParams(**GREEDY)

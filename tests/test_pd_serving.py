@@ -2,7 +2,9 @@
 
 Oracle: LLM.generate / LLM.chat in this process on the same weights (greedy). Also: a D killed mid-stream
 gives the client an error within a bounded time while P stays up with every KV block free; SIGTERM
-stops all three processes cleanly (exit 0, no process left)."""
+stops all three processes cleanly (exit 0, no process left); the P/D secret: a D server or a proxy
+with the wrong one is refused and stops, naming the flag, unsigned /pd calls get 401, and the pairs
+serve on, every block free."""
 import json
 import os
 import signal
@@ -13,31 +15,50 @@ import openai
 import pytest
 
 from picovllm import LLM, SamplingParams
+from picovllm.disagg.auth import FleetSecret, sign_request
 from picovllm.disagg.messages import OutputDecoder
 from serving_fixtures import ServerProcess, build_tiny_chat_model, free_port
 from test_server_lifecycle import children_of
 
 ENGINE_ARGS = ["--block-size", "16", "--num-kv-blocks", "256", "--max-model-len", "1024"]
 PROMPTS = ["Hello, how are you", "The capital of France is", "Tell me a story about a cat"]
+SECRET = "pd-pair-test-secret-0123456789"
 
 
-def start_proxy(log_path: str, prefill: list[str], decode: list[str]) -> ServerProcess:
+def start_proxy(log_path: str, prefill: list[str], decode: list[str], secret_file: str,
+                startup_timeout: float | None = 120.0) -> ServerProcess:
     return ServerProcess(None, log_path, "--prefill", *prefill, "--decode", *decode, "--startup-timeout", "120",
-                         command=("proxy",))
+                         "--pd-secret-file", secret_file, command=("proxy",), startup_timeout=startup_timeout)
 
 
-def start_pairs(model: str, logdir, n: int) -> list[dict[str, ServerProcess]]:
-    """n P-D server pairs, each linked on a fresh port, all started at once (a P is up once its D linked)."""
-    pairs = []
+def start_pairs(model: str, logdir, n: int, secret_file: str) -> tuple[list[dict[str, ServerProcess]], ServerProcess]:
+    """n P-D server pairs, each linked on a fresh port, all started at once (a P is up once its D linked).
+    Before pair 0's own D, a D server with the wrong secret tries P0's port: P0 refuses it and waits on;
+    the impostor stops (returned, exited)."""
+    wrong = logdir / "wrong.secret"
+    wrong.write_text("not-the-pd-secret-0123456789\n")
+    pairs, impostor = [], None
     for i in range(n):
         kv = free_port()
-        pairs.append({role: ServerProcess(model, str(logdir / f"{role}{i}.log"), "--role", role, *extra,
-                                          *ENGINE_ARGS, startup_timeout=None)
-                      for role, extra in (("p", ["--kv-port", str(kv)]), ("d", ["--kv-peer", f"127.0.0.1:{kv}"]))})
+        pair = {}
+        for role, extra in (("p", ["--kv-port", str(kv)]), ("d", ["--kv-peer", f"127.0.0.1:{kv}"])):
+            if i == 0 and role == "d":
+                impostor = ServerProcess(model, str(logdir / "impostor.log"), "--role", "d", *extra, *ENGINE_ARGS,
+                                         "--pd-secret-file", str(wrong), startup_timeout=None)
+                impostor.proc.wait(180)
+            pair[role] = ServerProcess(model, str(logdir / f"{role}{i}.log"), "--role", role, *extra, *ENGINE_ARGS,
+                                       "--pd-secret-file", secret_file, startup_timeout=None)
+        pairs.append(pair)
     for pair in pairs:
         for srv in pair.values():
             srv.wait_ready(180.0)
-    return pairs
+    return pairs, impostor
+
+
+def signed(method: str, url: str, path: str, body: dict | None = None, secret: str = SECRET) -> httpx.Response:
+    data = json.dumps(body).encode() if body is not None else b""
+    headers = {"content-type": "application/json", **sign_request(FleetSecret(secret.encode()), method, path, data)}
+    return httpx.request(method, url + path, content=data, headers=headers, timeout=30)
 
 
 def wait_idle(srv, timeout=20.0) -> dict:
@@ -65,12 +86,14 @@ def llm(model):
 def cluster(model, tmp_path_factory):
     """Two P-D pairs behind one proxy, the --decode URLs in the other order than their --prefill URLs."""
     logdir = tmp_path_factory.mktemp("pdlog")
+    secret_file = logdir / "pd.secret"
+    secret_file.write_text(SECRET + "\n")
     pairs = []
     try:
-        pairs = start_pairs(model, logdir, 2)
+        pairs, impostor = start_pairs(model, logdir, 2, str(secret_file))
         proxy = start_proxy(str(logdir / "proxy.log"), [pair["p"].url for pair in pairs],
-                            [pair["d"].url for pair in reversed(pairs)])
-        yield {"pairs": pairs, "proxy": proxy}
+                            [pair["d"].url for pair in reversed(pairs)], str(secret_file))
+        yield {"pairs": pairs, "proxy": proxy, "impostor": impostor, "logdir": logdir}
     finally:
         for srv in [s for pair in pairs for s in pair.values()] + ([proxy] if "proxy" in locals() else []):
             srv.stop(signal.SIGKILL, timeout=10)
@@ -140,6 +163,37 @@ def test_outputs_equal_colocated(cluster, llm):
         wait_idle(srv)
 
 
+def test_the_pd_secret_is_required(cluster):
+    """A D server with the wrong secret was refused by P (and stopped, naming the flag) while P waited for its
+    own; /pd calls without the secret's signature get 401 and leave nothing behind; a proxy with the wrong
+    secret stops at start-up, naming the flag; the pairs serve on, token for token, every block free."""
+    impostor = cluster["impostor"]
+    assert impostor.proc.returncode not in (0, None)
+    assert "--pd-secret-file" in impostor.log() and "refused" in impostor.log(), impostor.log()[-2000:]
+    p0 = cluster["pairs"][0]["p"]
+    assert "refused a peer" in p0.log()
+    body = {"request_id": "x", "prompt_token_ids": [5, 6, 7], "params": {"max_tokens": 2}, "arrival_time": 0.0}
+    for srv, path, data in ((p0, "/pd/prefill", body), (cluster["pairs"][0]["d"], "/pd/decode", {"request_id": "y"})):
+        r = httpx.post(srv.url + path, json=data, timeout=10)
+        assert r.status_code == 401 and "shared secret" in r.json()["error"]["message"], r.text
+        r = signed("POST", srv.url, path, data, secret="another-secret-0123456789")
+        assert r.status_code == 401 and "wrong signature" in r.json()["error"]["message"], r.text
+    assert httpx.get(p0.url + "/pd/info", timeout=10).status_code == 401
+    assert signed("GET", p0.url, "/pd/info").json()["link_alive"] is True
+    assert httpx.get(p0.url + "/health", timeout=10).status_code == 200
+    wrong = cluster["logdir"] / "wrong.secret"
+    bad_proxy = start_proxy(str(cluster["logdir"] / "bad_proxy.log"), [p0.url], [cluster["pairs"][0]["d"].url],
+                            str(wrong), startup_timeout=None)
+    assert bad_proxy.proc.wait(60) != 0
+    assert "--pd-secret-file" in bad_proxy.log() and "refused the proxy's signature" in bad_proxy.log(), \
+        bad_proxy.log()[-2000:]
+    r = httpx.post(cluster["proxy"].url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 4}, timeout=30)
+    assert r.status_code == 200, r.text
+    for srv in all_servers(cluster):
+        m = wait_idle(srv)
+        assert m["picovllm:num_requests_waiting"] == 0
+
+
 def test_round_robin_and_client_disconnect(cluster):
     """Each pair serves every other request; a client that leaves mid-stream frees the KV on both sides."""
     proxy, ds = cluster["proxy"], [pair["d"] for pair in cluster["pairs"]]
@@ -189,8 +243,8 @@ def test_decode_killed_mid_stream(cluster):
         r = httpx.post(proxy.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 4}, timeout=30)
         assert r.status_code == 200, r.text
     # P itself, asked directly, fails the handover at once and frees the blocks
-    r = httpx.post(victim["p"].url + "/pd/prefill", json={"request_id": "x", "prompt_token_ids": [5, 6, 7],
-                                                            "params": {"max_tokens": 4}, "arrival_time": time.time()})
+    r = signed("POST", victim["p"].url, "/pd/prefill", {"request_id": "x", "prompt_token_ids": [5, 6, 7],
+                                                         "params": {"max_tokens": 4}, "arrival_time": time.time()})
     decoder = OutputDecoder()     # one whole output, then deltas (a first token may come before the error)
     lines = [json.loads(line) for line in r.text.strip().splitlines()]
     last = [decoder.decode(line) for line in lines if "output" in line or "delta" in line][-1]

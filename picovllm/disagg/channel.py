@@ -3,10 +3,13 @@
 Every link in a disaggregated run is one of these: driver <-> engine worker and prefill engine <->
 decode engine. TCP works on one host and across hosts, and a dead peer shows up at once as
 end-of-file; a hung one shows up as silence, which a lease on `last_heard` catches (the heartbeat
-thread keeps a live but busy peer audible).
+thread keeps a live but busy peer audible). Given the P/D secret, a channel starts with the mutual
+HMAC handshake of picovllm.disagg.auth: Channel.connect proves it, Listener.accept demands it and
+refuses (and keeps waiting past) a peer that fails.
 """
 from __future__ import annotations
 
+import logging
 import select
 import socket
 import struct
@@ -14,9 +17,12 @@ import threading
 import time
 from typing import Any
 
+from picovllm.disagg.auth import AuthError, FleetSecret, answer_challenge, challenge_peer
 from picovllm.disagg.messages import Heartbeat, decode, encode
 
 _HEADER = struct.Struct("!I")
+HANDSHAKE_TIMEOUT_S = 10.0      # a connected peer has this long to answer the challenge
+logger = logging.getLogger("picovllm.disagg")
 
 
 class PeerGone(ConnectionError):
@@ -42,12 +48,30 @@ class Channel:
         self.closed = False
 
     @classmethod
-    def connect(cls, address: tuple[str, int] | list, timeout_s: float = 30.0) -> "Channel":
+    def connect(cls, address: tuple[str, int] | list, timeout_s: float = 30.0,
+                secret: FleetSecret | None = None) -> "Channel":
+        """Connect; with a secret, prove it and check the listener's proof (AuthError if either fails)."""
         try:
             sock = socket.create_connection((address[0], int(address[1])), timeout=timeout_s)
         except OSError as e:
             raise PeerGone(f"cannot connect to {address[0]}:{address[1]}: {e}") from e
-        return cls(sock)
+        channel = cls(sock)
+        if secret is not None:
+            try:
+                answer_challenge(channel.send, lambda: channel._expect(HANDSHAKE_TIMEOUT_S), secret)
+            except AuthError as e:
+                channel.close()
+                raise AuthError(f"{address[0]}:{address[1]} {e}") from None
+            except BaseException:
+                channel.close()
+                raise
+        return channel
+
+    def _expect(self, timeout_s: float) -> Any:
+        msg = self.recv(timeout_s)
+        if msg is None:
+            raise AuthError(f"no answer within {timeout_s:g} s during the handshake")
+        return msg
 
     def fileno(self) -> int:
         return self.sock.fileno()
@@ -161,18 +185,34 @@ def _linger_then_close(sock: socket.socket, linger_s: float) -> None:
 
 class Listener:
     """Accepts channels on a TCP port (port 0: any free one). `address` is what peers connect to:
-    [advertise_host or host, port] (see picovllm.disagg.hosts)."""
+    [advertise_host or host, port] (see picovllm.disagg.hosts). With a secret, only peers that prove
+    it are returned; the others are refused (told why, logged, closed) and the wait goes on."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None) -> None:
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None,
+                 secret: FleetSecret | None = None) -> None:
         self.sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
         self.address = [advertise_host or host, self.sock.getsockname()[1]]
+        self.secret = secret
+        self.refused = 0            # peers turned away so far
 
     def accept(self, timeout_s: float) -> Channel:
-        ready, _, _ = select.select([self.sock], [], [], timeout_s)
-        if not ready:
-            raise TimeoutError(f"no peer connected to {self.address[0]}:{self.address[1]} within {timeout_s:.0f} s")
-        sock, _ = self.sock.accept()
-        return Channel(sock)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            ready, _, _ = select.select([self.sock], [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                raise TimeoutError(f"no peer connected to {self.address[0]}:{self.address[1]} "
+                                   f"within {timeout_s:.0f} s")
+            sock, peer = self.sock.accept()
+            channel = Channel(sock)
+            if self.secret is None:
+                return channel
+            try:
+                challenge_peer(channel.send, lambda: channel._expect(HANDSHAKE_TIMEOUT_S), self.secret)
+                return channel
+            except (AuthError, PeerGone, ValueError) as e:    # ValueError: not our messages at all
+                self.refused += 1
+                logger.warning("refused a peer from %s on %s:%d: %s", peer[0], self.address[0], self.address[1], e)
+                channel.close()
 
     def close(self) -> None:
         self.sock.close()

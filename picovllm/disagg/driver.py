@@ -20,6 +20,11 @@ Across hosts: every socket of the run binds `host` (default 127.0.0.1) and is an
 `advertise_host` (picovllm.disagg.hosts). A role in `remote_roles` is not spawned: its worker runs
 worker_main on another host and connects to the driver's `listener` (picovllm.disagg.launch starts
 it under torchrun and passes the listener, whose address it has told that host).
+
+Every socket of the run authenticates its peer with the P/D secret (picovllm.disagg.auth): a
+worker proves it to the driver's listener, D proves it to P's link listener. On one host the
+driver makes a fresh secret per DisaggLLM and hands it to the workers it spawns; with remote roles
+the caller passes the secret both hosts share (launch: --pd-secret-file or $PICOVLLM_PD_SECRET).
 """
 from __future__ import annotations
 
@@ -30,6 +35,7 @@ import time
 from typing import Sequence
 
 from picovllm.config import EngineConfig
+from picovllm.disagg.auth import FleetSecret
 from picovllm.disagg.channel import Channel, Listener, PeerGone
 from picovllm.disagg.hosts import HostOptions
 from picovllm.disagg.messages import BuildEngine, Shutdown, WorkerHello, WorkerReady
@@ -48,7 +54,9 @@ class DisaggLLM:
     `decode` hold per-side overrides (e.g. decode={"num_kv_blocks": 64}). The transfer options
     are defaults for every session; session() and generate() can override them per call.
     host / advertise_host: where this driver and the workers it spawns bind and are reached;
-    remote_roles: roles whose workers connect to `listener` from elsewhere (see the module doc).
+    remote_roles: roles whose workers connect to `listener` from elsewhere (see the module doc);
+    secret: the P/D secret every socket is authenticated with (default: a fresh one; required, and
+    the listener's, with remote_roles).
     """
 
     def __init__(self, model: str | None = None, *, backend: str = "torch_dist", async_transfer: bool = True,
@@ -56,7 +64,7 @@ class DisaggLLM:
                  decode: dict | None = None, transfer_timeout_s: float = 30.0, lease_s: float = 10.0,
                  connect_timeout_s: float = 60.0, startup_timeout_s: float = 900.0, host: str = "127.0.0.1",
                  advertise_host: str | None = None, remote_roles: Sequence[str] = (),
-                 listener: Listener | None = None, **engine_kwargs) -> None:
+                 listener: Listener | None = None, secret: FleetSecret | None = None, **engine_kwargs) -> None:
         self.defaults = dict(backend=backend, async_transfer=async_transfer, transfer_timeout_s=transfer_timeout_s,
                              lease_s=lease_s, connect_timeout_s=connect_timeout_s)
         _check_session_options(self.defaults)
@@ -66,6 +74,10 @@ class DisaggLLM:
         self.remote_roles = tuple(remote_roles)
         if self.remote_roles and listener is None:
             raise ValueError("listener: with remote_roles, pass the Listener whose address the remote workers got")
+        if self.remote_roles and (secret is None or listener.secret != secret):
+            raise ValueError("secret: with remote_roles, pass the P/D secret the remote workers share "
+                             "(and the listener's)")
+        self.secret = secret or FleetSecret.generate()
         configs = _side_configs(model, engine_kwargs, prefill_device, decode_device, prefill or {}, decode or {})
         self.procs: dict[str, mp.Process] = {}
         self.channels: dict[str, Channel] = {}
@@ -74,7 +86,8 @@ class DisaggLLM:
         self._sessions = itertools.count()
         self._ids = itertools.count()
         self._active: DisaggSession | None = None
-        self._listener = listener or Listener(self.hosts.host, advertise_host=self.hosts.advertise_host)
+        self._listener = listener or Listener(self.hosts.host, advertise_host=self.hosts.advertise_host,
+                                              secret=self.secret)
         try:
             self._start(configs, startup_timeout_s)
         except BaseException:
@@ -89,7 +102,8 @@ class DisaggLLM:
             # A daemonic process may not have children, and a TP engine spawns its worker ranks; the
             # engine process exits with the driver either way (worker_main watches its parent).
             daemon = configs[role]["tensor_parallel_size"] == 1
-            self.procs[role] = ctx.Process(target=worker_main, args=(role, self._listener.address, self.hosts),
+            self.procs[role] = ctx.Process(target=worker_main,
+                                           args=(role, self._listener.address, self.hosts, self.secret),
                                            daemon=daemon, name=f"picovllm-{NAMES[role]}")
             self.procs[role].start()
         deadline = time.monotonic() + timeout_s

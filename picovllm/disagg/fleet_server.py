@@ -27,26 +27,20 @@ import uuid
 from dataclasses import dataclass
 
 import httpx
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
 from picovllm.config import EngineConfig
-from picovllm.disagg.auth import FleetSecret, SignedRoutes, sign_request
+from picovllm.disagg.auth import FleetSecret, sign_request
 from picovllm.disagg.fleet_decode import FleetDecodeConnector
 from picovllm.disagg.fleet_prefill import FleetPrefillConnector
 from picovllm.disagg.messages import PublishedKV, from_wire
-from picovllm.disagg.server import PDAsyncEngine, PrefillBody, _ndjson_response
+from picovllm.disagg.pd_http import PDAsyncEngine, add_prefill_route, listen_response, run_pd_server, setup_logging
 from picovllm.disagg.transfer import PULL_BACKENDS, PullConfig
 from picovllm.engine.llm_engine import Engine
-from picovllm.entrypoints.openai.api_server import BACKSTOP_SECONDS, ServerSettings, _Server, build_app, \
-    default_model_name
-from picovllm.entrypoints.openai.async_engine import EngineDeadError
-from picovllm.entrypoints.openai.metrics import ServerMetrics
+from picovllm.entrypoints.openai.api_server import ServerSettings
 from picovllm.entrypoints.openai.protocol import APIError
 from picovllm.entrypoints.openai.serving import ServingContext
-from picovllm.entrypoints.openai.tokenizer_worker import TokenizerWorker
-from picovllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("picovllm.server")
 
@@ -103,14 +97,7 @@ def add_fleet_routes(app: FastAPI, ctx: ServingContext, role: str) -> None:
                 "alive": engine.is_running, **connector.stats}
 
     if role == "p":
-        @app.post("/pd/prefill")
-        async def prefill(body: PrefillBody) -> StreamingResponse:
-            try:
-                params = SamplingParams(**body.params)
-            except (TypeError, ValueError) as e:
-                raise APIError(400, f"params: {e}", param="params") from None
-            stream = await ctx.add(body.prompt_token_ids, params, body.request_id, body.arrival_time)
-            return _ndjson_response(stream)
+        add_prefill_route(app, ctx)
     else:
         @app.post("/pd/decode")
         async def decode(raw: Request) -> StreamingResponse:
@@ -119,14 +106,9 @@ def add_fleet_routes(app: FastAPI, ctx: ServingContext, role: str) -> None:
             except ValueError as e:
                 raise APIError(400, f"the body is not valid JSON: {e}") from None
             offer = _read_offer(data, connector)
-            try:
-                stream = engine.listen(offer.request.request_id)
-            except ValueError as e:
-                raise APIError(400, str(e), param="request_id") from None
-            except EngineDeadError as e:
-                raise APIError(503, str(e), type="service_unavailable") from None
+            response = listen_response(engine, offer.request.request_id)
             connector.offer(offer)
-            return _ndjson_response(stream)
+            return response
 
 
 def _read_offer(body, connector: FleetDecodeConnector) -> PublishedKV:
@@ -168,29 +150,17 @@ def register_with_router(router: str, secret: FleetSecret, url: str, role: str, 
 
 def serve_fleet(engine_config: EngineConfig, settings: ServerSettings, fleet: FleetSettings) -> None:
     """Load the model, open the KV transfer, serve the /pd routes until SIGTERM/SIGINT."""
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(settings)
     fleet.check()
     role = engine_config.role
     pull = fleet.pull_config()
     connector = FleetPrefillConnector(pull) if role == "p" else FleetDecodeConnector(pull)
     engine = Engine(engine_config, connector=connector)
     connector.open(engine.executor)
-    name = settings.served_model_name or default_model_name(engine_config.model)
-    metrics = ServerMetrics(name)
-    async_engine = FleetAsyncEngine(engine, metrics)
-    ctx = ServingContext(async_engine, TokenizerWorker(engine.tokenizer), metrics, name)
-    app = build_app(ctx, settings, openai_routes=False)
-    add_fleet_routes(app, ctx, role)
-    app.add_middleware(SignedRoutes, secret=fleet.secret, prefixes=("/pd/",))
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                            access_log=settings.access_log,
-                            timeout_graceful_shutdown=settings.shutdown_timeout + BACKSTOP_SECONDS)
-    what = "prefill" if role == "p" else "decode"
-    logger.info("serving %s as a fleet %s instance %s on http://%s:%d%s", name, what, pull.instance_id,
-                settings.host, settings.port, f" (KV on {connector.address[0]}:{connector.address[1]})"
-                if role == "p" else "")
     if fleet.router:
         url = f"http://{fleet.advertise_host or settings.host}:{settings.port}"
         threading.Thread(target=register_with_router, args=(fleet.router, fleet.secret, url, role),
                          name="picovllm-register", daemon=True).start()
-    _Server(config, async_engine, settings.shutdown_timeout).run()
+    kv = f", KV on {connector.address[0]}:{connector.address[1]}" if role == "p" else ""
+    run_pd_server(engine, FleetAsyncEngine, settings, fleet.secret, lambda app, ctx: add_fleet_routes(app, ctx, role),
+                  f"a fleet {'prefill' if role == 'p' else 'decode'} instance ({pull.instance_id}{kv})")

@@ -18,7 +18,10 @@ the P worker's link address and the torch_dist rendezvous travel in the usual me
 close call drains both engines; at Shutdown rank 1 exits 0, then rank 0 writes the outputs and exits
 (0, or 1 if a request failed). The store, not a gloo broadcast, carries the address: a gloo group
 would bind the interface the hostname resolves to, which on many machines is loopback.
-The sockets are unauthenticated: keep them on a private network.
+Both ranks need the P/D secret (--pd-secret-file FILE or $PICOVLLM_PD_SECRET, the same on both
+hosts): the driver's listener and P's link listener refuse a peer that cannot prove it
+(picovllm.disagg.auth). torchrun's store and torch_dist's process group are not authenticated:
+keep the network private.
 """
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ import sys
 
 import torch.distributed as dist
 
+from picovllm.disagg.auth import FleetSecret
 from picovllm.disagg.channel import Listener
 from picovllm.disagg.cli import add_disagg_arguments, disagg_options
 from picovllm.disagg.hosts import HostOptions, check_host, is_wildcard, route_address
@@ -54,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(p)
     add_model_and_engine_args(p)
     add_disagg_arguments(p, switch=False)
+    p.add_argument("--pd-secret-file", default=None, help="the P/D shared secret, the same on both ranks (first "
+                   "line of the file; default $PICOVLLM_PD_SECRET)")
     return p
 
 
@@ -73,13 +79,17 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("picovllm.disagg.launch runs under torchrun with 2 processes in all (WORLD_SIZE=2): "
                          f"rank 0 = driver + prefill, rank 1 = decode; got RANK={rank}, WORLD_SIZE={world}")
     hosts = rank_hosts(args, rank, os.environ["MASTER_ADDR"])
+    try:
+        secret = FleetSecret.load(args.pd_secret_file)
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"error: {e}") from None
     store, _, _ = next(dist.rendezvous("env://", timeout=datetime.timedelta(seconds=MEET_TIMEOUT_S)))
     if rank == 1:
         address = _driver_address(store.get(DRIVER_KEY))
         _leave_world()
         from picovllm.disagg.worker import worker_main
-        worker_main("d", address, hosts)           # serves until the driver's Shutdown; never returns
-    listener = Listener(hosts.host, advertise_host=hosts.advertise_host)
+        worker_main("d", address, hosts, secret)   # serves until the driver's Shutdown; never returns
+    listener = Listener(hosts.host, advertise_host=hosts.advertise_host, secret=secret)
     store.set(DRIVER_KEY, json.dumps({"driver": listener.address}))
     _leave_world()
     return run_driver(args, hosts, listener)
@@ -94,7 +104,7 @@ def run_driver(args: argparse.Namespace, hosts: HostOptions, listener: Listener)
     if not items:
         raise SystemExit("give --input FILE or at least one --prompt")
     options = {**disagg_options(args), "host": hosts.host, "advertise_host": hosts.advertise_host}
-    with DisaggLLM(args.model, remote_roles=("d",), listener=listener, **options) as llm:
+    with DisaggLLM(args.model, remote_roles=("d",), listener=listener, secret=listener.secret, **options) as llm:
         session = llm.session()
         ids: dict[int, str] = {}
         for item in items:

@@ -97,6 +97,13 @@ class PrefillConnector(PeerConnector):
         self._end_stream_when_drained(idle)
         return rep
 
+    def take_handed_off(self) -> list[str]:
+        """The requests D acknowledged since the last call (a server ends their streams on P). An abort for
+        one of them is no longer forwarded to D here: whoever took it talks to D directly."""
+        taken = list(self.handed_off)
+        self.handed_off.clear()
+        return taken
+
     def forward_abort(self, request_id: str) -> None:
         if request_id in self.handed_off:
             self.link.send(Cancel(request_id, "aborted"))   # D holds it now and answers with the output

@@ -10,7 +10,9 @@ Pairs are found at start-up from each server's /pd/info (the two ends of one lin
 may be given in any order. A failure on either side (an error output, a dropped connection, a
 server that cannot be reached) ends the client's request with an OpenAI error object (HTTP 5xx
 before the response starts, a final SSE error event after); the request's other connection is
-closed, which aborts it on that server.
+closed, which aborts it on that server. Every call to a /pd route is signed with the P/D secret
+(--pd-secret-file or $PICOVLLM_PD_SECRET, the servers' own; picovllm.disagg.auth): a server that
+refuses the signature (401) stops the proxy at start-up and fails a request later, naming the flag.
 """
 from __future__ import annotations
 
@@ -26,8 +28,9 @@ from dataclasses import dataclass
 
 import httpx
 
-from picovllm.disagg.messages import OutputDecoder
-from picovllm.entrypoints.openai.async_engine import EngineDeadError, EngineStepError
+from picovllm.disagg.auth import FleetSecret, sign_request
+from picovllm.disagg.handover_stream import RemoteEngine, ndjson_outputs, open_pd_stream, prefill_then_decode
+from picovllm.entrypoints.openai.async_engine import EngineDeadError
 from picovllm.outputs import RequestOutput
 from picovllm.sampling_params import SamplingParams
 
@@ -50,108 +53,49 @@ class PDStream:
         self.finished = False
 
     async def outputs(self) -> AsyncIterator[RequestOutput]:
+        async def open_decode(_) -> AsyncIterator:
+            return ndjson_outputs(self._decode, self._who("d"))     # opened with P's: D listened first
+
         try:
-            async for out, handed_off in self._outputs(self._prefill, "prefill", self.pair.prefill):
-                out = self._check(out)
-                if handed_off:
-                    out.finished = False
-                    yield out                     # the first token, from P; D has the request now
-                    break
-                self._record(out)
+            async for out in prefill_then_decode(ndjson_outputs(self._prefill, self._who("p")),
+                                                 lambda line: line.get("handed_off") or None, open_decode,
+                                                 self._who, self._owner.metrics if self._owner else None):
+                self.finished = out.finished
                 yield out
-                if out.finished:
-                    return
-            else:
-                raise EngineStepError(f"the prefill server {self.pair.prefill} ended the request's stream early")
-            async for out, _ in self._outputs(self._decode, "decode", self.pair.decode):
-                out = self._check(out)
-                self._record(out)
-                yield out
-                if out.finished:
-                    return
-            raise EngineStepError(f"the decode server {self.pair.decode} ended the request's stream early")
-        except EngineStepError:
-            if self._owner is not None and self._owner.metrics is not None:
-                self._owner.metrics.count_outcome("error")
-            raise
         finally:
             self.close()
 
-    def _record(self, out: RequestOutput) -> None:
-        self.finished = out.finished
-        if out.finished and self._owner is not None and self._owner.metrics is not None:
-            self._owner.metrics.observe_finished(out)
-
-    def _check(self, out: RequestOutput) -> RequestOutput:
-        if out.outputs[0].finish_reason == "error":
-            raise EngineStepError(out.error or "the request failed on a prefill or decode server")
-        return out
-
-    @staticmethod
-    async def _outputs(resp: httpx.Response, what: str, url: str) -> AsyncIterator[tuple[RequestOutput, bool]]:
-        """A server's NDJSON stream as (output, handed_off) pairs."""
-        wire = OutputDecoder()
-        try:
-            async for line in resp.aiter_lines():
-                if not line:
-                    continue
-                obj = json.loads(line)
-                if "error" in obj:
-                    raise EngineStepError(f"the {what} server {url} failed: {obj['error']}")
-                yield wire.decode(obj), bool(obj.get("handed_off"))
-        except (httpx.HTTPError, json.JSONDecodeError, KeyError, ValueError) as e:
-            raise EngineStepError(f"the {what} server {url} failed mid-request: {type(e).__name__}: {e}") from None
+    def _who(self, role: str) -> str:
+        return f"the prefill server {self.pair.prefill}" if role == "p" else f"the decode server {self.pair.decode}"
 
     def close(self) -> None:
         """Drop both connections: a server whose client went away aborts the request (frees its KV)."""
         if self._owner is None:
             return
         self.finished = True
-        self._owner._streams.discard(self)
+        self._owner.forget(self)
         self._owner = None
         for resp in (self._prefill, self._decode):
             asyncio.ensure_future(resp.aclose())
 
 
-class ProxyEngine:
-    """What the OpenAI handlers need of an AsyncEngine (add_request, start, shutdown, abort_all, ...),
-    over P-D server pairs."""
+class ProxyEngine(RemoteEngine):
+    """The engine under the OpenAI handlers, over P-D server pairs."""
 
-    def __init__(self, pairs: list[PDPair], model_info: dict, metrics=None, connect_timeout_s: float = 10.0) -> None:
+    name = "proxy"
+
+    def __init__(self, pairs: list[PDPair], secret: FleetSecret, model_info: dict, metrics=None,
+                 connect_timeout_s: float = 10.0) -> None:
         if not pairs:
             raise ValueError("pairs: at least one prefill/decode pair is needed")
-        self.pairs, self._model_info, self.metrics = pairs, model_info, metrics
+        super().__init__(model_info, metrics, connect_timeout_s)
+        self.pairs, self.secret = pairs, secret
         self._next = itertools.count()
-        self._timeout = httpx.Timeout(connect=connect_timeout_s, read=None, write=connect_timeout_s, pool=None)
-        self._client: httpx.AsyncClient | None = None
-        self._streams: set[PDStream] = set()
-
-    def start(self) -> None:
-        self._client = httpx.AsyncClient(timeout=self._timeout, limits=httpx.Limits(max_connections=None,
-                                                                                     max_keepalive_connections=64))
-
-    @property
-    def is_running(self) -> bool:
-        return self._client is not None
-
-    def model_info(self) -> dict:
-        return dict(self._model_info)
-
-    async def shutdown(self) -> None:
-        self.abort_all()
-        if self._client is not None:
-            await asyncio.sleep(0)            # let the closes scheduled by abort_all run
-            await self._client.aclose()
-            self._client = None
-
-    def abort_all(self) -> None:
-        for stream in list(self._streams):
-            stream.close()
 
     async def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
                           arrival_time: float | None = None) -> PDStream:
         """Open the request on D (listen), then on P. Raises ValueError (a 400 from P), EngineDeadError."""
-        if self._client is None:
+        if not self.is_running:
             raise EngineDeadError("the proxy is not running")
         body = {"request_id": request_id, "prompt_token_ids": list(prompt_token_ids),
                 "params": dataclasses.asdict(params), "arrival_time": arrival_time or time.time()}
@@ -173,38 +117,27 @@ class ProxyEngine:
                 await decode.aclose()
                 raise
             stream = PDStream(request_id, pair, prefill, decode, self)
-            self._streams.add(stream)
+            self.track(stream)
             return stream
         raise EngineDeadError("no prefill/decode pair could take the request: " + "; ".join(errors))
 
     async def _open(self, base: str, path: str, body: dict, what: str) -> httpx.Response:
-        request = self._client.build_request("POST", base + path, json=body)
-        try:
-            resp = await self._client.send(request, stream=True)
-        except httpx.HTTPError as e:
-            raise EngineDeadError(f"the {what} server {base} is unreachable: {type(e).__name__}: {e}") from None
-        if resp.status_code == 200:
-            return resp
-        try:
-            data = await resp.aread()
-            message = json.loads(data)["error"]["message"]
-        except (httpx.HTTPError, ValueError, KeyError, TypeError):
-            message = f"HTTP {resp.status_code}"
-        finally:
-            await resp.aclose()
-        if 400 <= resp.status_code < 500 and resp.status_code not in (404, 405):
-            raise ValueError(message)
-        raise EngineDeadError(f"the {what} server {base} answered {resp.status_code}: {message}")
+        return await open_pd_stream(self.client, base, path, json.dumps(body).encode(), self.secret,
+                                    f"the {what} server {base}")
 
 
 # -- start-up -------------------------------------------------------------------------------------
-def _get(url: str, deadline: float) -> dict:
-    """GET a JSON document, retrying while the server is still starting."""
+def _get(url: str, deadline: float, secret: FleetSecret | None = None) -> dict:
+    """GET a JSON document (signed, given the secret), retrying while the server is still starting."""
     while True:
         try:
-            r = httpx.get(url, timeout=5.0)
+            headers = sign_request(secret, "GET", httpx.URL(url).path) if secret is not None else {}
+            r = httpx.get(url, timeout=5.0, headers=headers)
             if r.status_code == 200:
                 return r.json()
+            if r.status_code == 401:
+                raise ValueError(f"--pd-secret-file: {url} refused the proxy's signature: not the servers' "
+                                 f"shared secret")
             if r.status_code != 503:
                 raise ValueError(f"{url} answered HTTP {r.status_code}: is it a `picovllm serve --role p|d` server?")
             why = f"HTTP {r.status_code}"
@@ -215,13 +148,13 @@ def _get(url: str, deadline: float) -> dict:
         time.sleep(0.25)
 
 
-def discover_pairs(prefill: list[str], decode: list[str], timeout_s: float) -> list[PDPair]:
+def discover_pairs(prefill: list[str], decode: list[str], secret: FleetSecret, timeout_s: float) -> list[PDPair]:
     """Match each P server to the D server on the other end of its link (from /pd/info)."""
     deadline = time.monotonic() + timeout_s
     links = {}
     for what, urls, role in (("--prefill", prefill, "p"), ("--decode", decode, "d")):
         for url in urls:
-            info = _get(url + "/pd/info", deadline)
+            info = _get(url + "/pd/info", deadline, secret)
             if info.get("role") != role:
                 raise ValueError(f"{what}: {url} is a {info.get('role')!r} server, not {role!r}")
             if not info.get("link_alive") or not info.get("link"):
@@ -253,14 +186,18 @@ def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     prefill = [u.rstrip("/") for u in args.prefill]
     decode = [u.rstrip("/") for u in args.decode]
-    pairs = discover_pairs(prefill, decode, args.startup_timeout)
+    try:
+        secret = FleetSecret.load(args.pd_secret_file)
+        pairs = discover_pairs(prefill, decode, secret, args.startup_timeout)
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"error: {e}") from None
     card = _get(pairs[0].prefill + "/v1/models", time.monotonic() + args.startup_timeout)["data"][0]
     name = args.served_model_name or card["id"]
     info = {k: card.get(k) for k in ("root", "max_model_len", "vocab_size")}
     source = open_model_source(args.model or card["root"])
     tokenizer = source.load_tokenizer() if source.load_tokenizer is not None else None
     metrics = ServerMetrics(name)
-    engine = ProxyEngine(pairs, info, metrics)
+    engine = ProxyEngine(pairs, secret, info, metrics)
     ctx = ServingContext(engine, TokenizerWorker(tokenizer), metrics, name)
     settings = ServerSettings(host=args.host, port=args.port, api_key=args.api_key, served_model_name=name,
                               max_request_bytes=args.max_request_bytes, shutdown_timeout=args.shutdown_timeout,

@@ -30,7 +30,8 @@ import httpx
 from prometheus_client import Counter, Gauge
 
 from picovllm.disagg.auth import FleetSecret, sign_request
-from picovllm.disagg.messages import OutputDecoder
+from picovllm.disagg.handover_stream import RemoteEngine, StreamBroken, ndjson_outputs, open_pd_stream, \
+    prefill_then_decode
 from picovllm.disagg.router_policy import Instance
 from picovllm.entrypoints.openai.async_engine import EngineDeadError, EngineStepError
 from picovllm.outputs import RequestOutput
@@ -133,10 +134,6 @@ class InstancePool:
             self.metrics.observe(inst)
 
 
-class InstanceLost(EngineStepError):
-    """An instance's stream broke (it died, or the network did), as opposed to an error it reported."""
-
-
 class RouterStream:
     """One request's outputs through a P and then a D, as AsyncEngine's RequestStream: outputs(), close()."""
 
@@ -150,34 +147,16 @@ class RouterStream:
 
     async def outputs(self) -> AsyncIterator[RequestOutput]:
         try:
-            handover = None
-            async for out, line in self._prefill_lines():
-                if "kv_handover" in line:
-                    handover = line["kv_handover"]
-                    out.finished = False
-                    yield out                     # the first token, from P; a D decodes the rest
-                    break
-                self._record(out)
+            async for out in prefill_then_decode(self._prefill_lines(), lambda line: line.get("kv_handover"),
+                                                 self._open_decode, self._who, self.router.metrics):
+                self.finished = out.finished
                 yield out
-                if out.finished:
-                    return
-            else:
-                raise EngineStepError(f"the prefill instance {self.prefill.url} ended the request's stream early")
-            self._leave(self.prefill)
-            resp = await self.router.open_decode(self, handover)
-            self._responses.append(resp)
-            async for out, _ in self._lines(resp, self.decode):
-                self._record(out)
-                yield out
-                if out.finished:
-                    return
-            raise EngineStepError(f"the decode instance {self.decode.url} ended the request's stream early")
-        except EngineStepError:
-            if self.router.metrics is not None:
-                self.router.metrics.count_outcome("error")
-            raise
         finally:
             self.close()
+
+    def _who(self, role: str) -> str:
+        inst = self.prefill if role == "p" else self.decode
+        return f"the {'prefill' if role == 'p' else 'decode'} instance {inst.url if inst else None}"
 
     async def _prefill_lines(self) -> AsyncIterator[tuple[RequestOutput, dict]]:
         """P's lines. A P lost before its first line had not started the request: it goes to another P."""
@@ -189,7 +168,7 @@ class RouterStream:
                     started = True
                     yield item
                 return
-            except InstanceLost:
+            except StreamBroken:
                 if started:
                     raise
             self._leave(self.prefill)
@@ -197,28 +176,21 @@ class RouterStream:
             tried.add(self.prefill.url)
             self._responses.append(resp)
 
-    def _record(self, out: RequestOutput) -> None:
-        if out.outputs[0].finish_reason == "error":
-            raise EngineStepError(out.error or "the request failed on a prefill or decode instance")
-        self.finished = out.finished
-        if out.finished and self.router.metrics is not None:
-            self.router.metrics.observe_finished(out)
+    async def _open_decode(self, handover: dict) -> AsyncIterator[tuple[RequestOutput, dict]]:
+        """P published the KV: on to a D."""
+        self._leave(self.prefill)
+        resp = await self.router.open_decode(self, handover)
+        self._responses.append(resp)
+        return self._lines(resp, self.decode)
 
     async def _lines(self, resp: httpx.Response, inst: Instance) -> AsyncIterator[tuple[RequestOutput, dict]]:
-        what = "prefill" if inst.role == "p" else "decode"
-        wire = OutputDecoder()
+        """An instance's lines; one whose stream broke is marked down."""
         try:
-            async for text in resp.aiter_lines():
-                if not text:
-                    continue
-                line = json.loads(text)
-                if "error" in line:
-                    raise EngineStepError(f"the {what} instance {inst.url} failed: {line['error']}")
-                yield wire.decode(line), line
-        except (httpx.HTTPError, json.JSONDecodeError, KeyError, ValueError) as e:
-            self.router.pool.mark_down(inst, f"broke mid-request: {type(e).__name__}: {e}")
-            raise InstanceLost(f"the {what} instance {inst.url} failed mid-request: {type(e).__name__}: {e}") \
-                from None
+            async for item in ndjson_outputs(resp, self._who(inst.role)):
+                yield item
+        except StreamBroken as e:
+            self.router.pool.mark_down(inst, str(e))
+            raise
 
     def _leave(self, inst: Instance | None) -> None:
         if inst is not None and inst.url not in self._left:
@@ -233,58 +205,34 @@ class RouterStream:
         self.finished = True
         self._leave(self.prefill)
         self._leave(self.decode)
-        self.router._streams.discard(self)
+        self.router.forget(self)
         for resp in self._responses:
             asyncio.ensure_future(resp.aclose())
         self.router = None
 
 
-class RouterEngine:
-    """What the OpenAI handlers need of an AsyncEngine (add_request, start, shutdown, abort_all, ...),
-    over a fleet of instances."""
+class RouterEngine(RemoteEngine):
+    """The engine under the OpenAI handlers, over a fleet of instances; it checks their health every lease / 4."""
+
+    name = "router"
 
     def __init__(self, pool: InstancePool, prefill_policy, decode_policy, model_info: dict, metrics=None,
                  router_metrics: RouterMetrics | None = None, connect_timeout_s: float = 10.0,
                  transport: httpx.AsyncBaseTransport | None = None) -> None:
         """transport: instead of the network (tests)."""
+        super().__init__(model_info, metrics, connect_timeout_s, transport)
         self.pool, self.prefill_policy, self.decode_policy = pool, prefill_policy, decode_policy
-        self._model_info, self.metrics, self.router_metrics = model_info, metrics, router_metrics
-        self._timeout = httpx.Timeout(connect=connect_timeout_s, read=None, write=connect_timeout_s, pool=None)
-        self._client: httpx.AsyncClient | None = None
-        self._transport = transport
+        self.router_metrics = router_metrics
         self._health: asyncio.Task | None = None
-        self._streams: set[RouterStream] = set()
 
     def start(self) -> None:
-        self._client = httpx.AsyncClient(timeout=self._timeout, transport=self._transport,
-                                         limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+        super().start()
         self._health = asyncio.get_running_loop().create_task(self._check_health())
 
-    @property
-    def is_running(self) -> bool:
-        return self._client is not None
-
-    @property
-    def client(self) -> httpx.AsyncClient:
-        if self._client is None:
-            raise EngineDeadError("the router is not running")
-        return self._client
-
-    def model_info(self) -> dict:
-        return dict(self._model_info)
-
     async def shutdown(self) -> None:
-        self.abort_all()
         if self._health is not None:
             self._health.cancel()
-        if self._client is not None:
-            await asyncio.sleep(0)            # let the closes scheduled by abort_all run
-            await self._client.aclose()
-            self._client = None
-
-    def abort_all(self) -> None:
-        for stream in list(self._streams):
-            stream.close()
+        await super().shutdown()
 
     async def _check_health(self) -> None:
         while True:
@@ -298,7 +246,7 @@ class RouterEngine:
                 "params": dataclasses.asdict(params), "arrival_time": arrival_time or time.time()}
         inst, resp = await self._open_on_one("p", self.prefill_policy, "/pd/prefill", body, prompt_token_ids)
         stream = RouterStream(self, request_id, inst, resp, body)
-        self._streams.add(stream)
+        self.track(stream)
         return stream
 
     async def reopen_prefill(self, stream: RouterStream, tried: set[str]) -> tuple[Instance, httpx.Response]:
@@ -349,20 +297,5 @@ class RouterEngine:
 
     async def _post(self, inst: Instance, path: str, data: bytes) -> httpx.Response:
         what = "prefill" if inst.role == "p" else "decode"
-        headers = {"content-type": "application/json", **self.pool.headers("POST", path, data)}
-        request = self.client.build_request("POST", inst.url + path, content=data, headers=headers)
-        try:
-            resp = await self.client.send(request, stream=True)
-        except httpx.HTTPError as e:
-            raise EngineDeadError(f"the {what} instance {inst.url} is unreachable: {type(e).__name__}: {e}") from None
-        if resp.status_code == 200:
-            return resp
-        try:
-            message = json.loads(await resp.aread())["error"]["message"]
-        except (httpx.HTTPError, ValueError, KeyError, TypeError):
-            message = f"HTTP {resp.status_code}"
-        finally:
-            await resp.aclose()
-        if 400 <= resp.status_code < 500 and resp.status_code not in (401, 404, 405):
-            raise ValueError(message)
-        raise EngineDeadError(f"the {what} instance {inst.url} answered {resp.status_code}: {message}")
+        return await open_pd_stream(self.client, inst.url, path, data, self.pool.secret,
+                                    f"the {what} instance {inst.url}")

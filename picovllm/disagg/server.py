@@ -15,49 +15,42 @@ drives it, both calls on the same P-D pair and under the same request id:
     3. D decodes the request to its end and streams the outputs to the listener: cumulative, so
        the first token (P's) is in them too.
 
-Both /pd routes answer NDJSON, one output per line: the first whole ({"output": ...}), the later ones
-as what changed ({"delta": ...}, picovllm.disagg.messages.OutputEncoder: a whole output holds the
-prompt's ids and every token so far), {"error": "..."} if the engine loop failed. A client that goes
+Both /pd routes answer NDJSON (picovllm/disagg/pd_http.py, shared with a fleet's servers). A client that goes
 away aborts the request there (on P, an abort during the handover is forwarded to D). If D dies, P
 fails what it was handing over and frees the blocks; it stays up, but later requests fail at once (no
 re-linking yet). If P dies, D fails what it was receiving and decodes the rest to the end.
+
+Both servers and the proxy share the P/D secret (--pd-secret-file, else $PICOVLLM_PD_SECRET;
+picovllm.disagg.auth): the link starts with a mutual HMAC handshake (P refuses a D that fails it and
+keeps waiting for its own; a D that P refuses stops with an error naming the flag), and every /pd
+route needs the proxy's signature header (401 otherwise). /health, /metrics and /v1/models stay open.
 """
 from __future__ import annotations
 
-import dataclasses
-import json
 import logging
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
 from picovllm.config import EngineConfig
+from picovllm.disagg.auth import AuthError, FleetSecret
 from picovllm.disagg.channel import Channel, Listener, PeerGone
-from picovllm.disagg.messages import OutputEncoder
-from picovllm.disagg.prefill import PrefillConnector
+from picovllm.disagg.pd_http import PDAsyncEngine, add_prefill_route, listen_response, run_pd_server, setup_logging
 from picovllm.disagg.transfer import TransferConfig
 from picovllm.engine.llm_engine import Engine
-from picovllm.entrypoints.openai.api_server import BACKSTOP_SECONDS, ServerSettings, _Server, build_app, \
-    default_model_name
-from picovllm.entrypoints.openai.async_engine import AsyncEngine, EngineDeadError, RequestStream
-from picovllm.entrypoints.openai.metrics import ServerMetrics
-from picovllm.entrypoints.openai.protocol import APIError
-from picovllm.entrypoints.openai.serving import ENGINE_ERRORS, ServingContext
-from picovllm.entrypoints.openai.tokenizer_worker import TokenizerWorker
-from picovllm.outputs import RequestOutput
-from picovllm.sampling_params import SamplingParams
+from picovllm.entrypoints.openai.api_server import ServerSettings
+from picovllm.entrypoints.openai.serving import ServingContext
 
 logger = logging.getLogger("picovllm.server")
 
 
 @dataclass
 class LinkSettings:
-    """How a P server and its D server find each other."""
+    """How a P server and its D server find each other, and the secret both prove."""
+    secret: FleetSecret
     kv_host: str = "127.0.0.1"          # P: where it listens for its D
     kv_port: int = 0                    # P: the port (required for role p)
     kv_peer: str | None = None          # D: P's HOST:PORT (required for role d)
@@ -79,100 +72,10 @@ class LinkSettings:
                 raise ValueError(f"--kv-peer: port must be a number, got {port!r}")
 
 
-def is_handed_off(out: RequestOutput) -> bool:
-    """P's last output for a request D took over: finished on P, without a finish reason."""
-    return out.finished and out.outputs[0].finish_reason is None
-
-
-class PDAsyncEngine(AsyncEngine):
-    """AsyncEngine over a P or D engine: it keeps stepping to watch the peer link (or a fleet's KV
-    transfers); on the P of a linked pair it turns D's Ack into a last output for the request
-    (is_handed_off: a fleet's P engine emits that output itself, with its kv_handover); on D requests
-    are listened to, not added."""
-    # The peer's messages cannot wake the loop thread (it waits on a command queue): it polls for them,
-    # often while a request waits on the peer (an Accept, an Ack, a transfer), now and then otherwise.
-    poll_s = 0.005
-    busy_poll_s = 0.0005
-
-    def __init__(self, engine: Engine, metrics=None) -> None:
-        super().__init__(engine, metrics)
-        self._last: dict[str, RequestOutput] = {}    # P: each request's latest output (loop thread only)
-
-    def _poll_timeout(self, wait_s: float | None) -> float | None:
-        if wait_s == 0:
-            return 0
-        return self.busy_poll_s if self.engine.has_unfinished_requests() else self.poll_s
-
-    def _after_step(self, outputs: list) -> list:
-        engine = self.engine
-        if isinstance(engine.connector, PrefillConnector):
-            for out in outputs:
-                if out.finished:
-                    self._last.pop(out.request_id, None)
-                else:
-                    self._last[out.request_id] = out
-            handed_off = engine.connector.handed_off
-            for rid in list(handed_off):        # acked by D since the last step: D owns it now
-                handed_off.discard(rid)
-                last = self._last.pop(rid, None)
-                if last is not None:
-                    outputs.append(dataclasses.replace(last, finished=True))
-        return outputs
-
-    def _abort_into(self, request_id: str, outputs: list) -> None:
-        self._last.pop(request_id, None)
-        super()._abort_into(request_id, outputs)
-
-    def _finish_outputs(self, outputs: list) -> None:
-        super()._finish_outputs([o for o in outputs if not (isinstance(o, RequestOutput) and is_handed_off(o))])
-
-    def listen(self, request_id: str) -> RequestStream:
-        """D: a stream for a request that will arrive from P. Closing it before it finished aborts it."""
-        if not self.is_running:
-            raise EngineDeadError("the engine loop is not running")
-        if request_id in self._streams:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        stream = self._streams[request_id] = RequestStream(request_id, self)
-        stream.accepted.set_result(None)
-        return stream
-
-    async def shutdown(self) -> None:
-        await super().shutdown()
-        self.engine.connector.shutdown()            # the peer sees us leave
-
-
-# -- the /pd routes ---------------------------------------------------------------------------------
-class PrefillBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    request_id: str
-    prompt_token_ids: list[int]
-    params: dict
-    arrival_time: float
-
-
+# -- the /pd routes (the shared ones, and the engine under them: picovllm/disagg/pd_http.py) ----------
 class DecodeBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
     request_id: str
-
-
-async def _ndjson(stream: RequestStream) -> AsyncIterator[str]:
-    wire = OutputEncoder()
-    try:
-        async for out in stream.outputs():
-            line = wire.encode(out)
-            if is_handed_off(out):
-                line["handed_off"] = True
-            if out.kv_handover is not None:          # a fleet's P: where D pulls the KV from
-                line["kv_handover"] = out.kv_handover
-            yield json.dumps(line) + "\n"
-    except ENGINE_ERRORS as e:
-        yield json.dumps({"error": str(e)}) + "\n"
-    finally:
-        stream.close()
-
-
-def _ndjson_response(stream: RequestStream) -> StreamingResponse:
-    return StreamingResponse(_ndjson(stream), media_type="application/x-ndjson")
 
 
 def add_pd_routes(app: FastAPI, ctx: ServingContext, role: str) -> None:
@@ -191,24 +94,11 @@ def add_pd_routes(app: FastAPI, ctx: ServingContext, role: str) -> None:
         return {"role": role, "link": pair, "link_alive": link is not None and link.alive}
 
     if role == "p":
-        @app.post("/pd/prefill")
-        async def prefill(body: PrefillBody) -> StreamingResponse:
-            try:
-                params = SamplingParams(**body.params)
-            except (TypeError, ValueError) as e:
-                raise APIError(400, f"params: {e}", param="params") from None
-            stream = await ctx.add(body.prompt_token_ids, params, body.request_id, body.arrival_time)
-            return _ndjson_response(stream)
+        add_prefill_route(app, ctx)
     else:
         @app.post("/pd/decode")
         async def decode(body: DecodeBody) -> StreamingResponse:
-            try:
-                stream = engine.listen(body.request_id)
-            except ValueError as e:
-                raise APIError(400, str(e), param="request_id") from None
-            except EngineDeadError as e:
-                raise APIError(503, str(e), type="service_unavailable") from None
-            return _ndjson_response(stream)
+            return listen_response(engine, body.request_id)
 
 
 # -- start-up -------------------------------------------------------------------------------------
@@ -217,7 +107,7 @@ def link_engine(engine: Engine, link: LinkSettings) -> None:
     tc = TransferConfig(backend=link.backend, timeout_s=link.transfer_timeout_s, lease_s=link.lease_s,
                         connect_timeout_s=link.connect_timeout_s, host=link.kv_host)
     if engine.config.role == "p":
-        listener = Listener(link.kv_host, link.kv_port)
+        listener = Listener(link.kv_host, link.kv_port, secret=link.secret)
         logger.info("prefill server: waiting for its decode server on %s:%d", link.kv_host, link.kv_port)
         try:
             channel = listener.accept(link.connect_timeout_s)
@@ -228,7 +118,7 @@ def link_engine(engine: Engine, link: LinkSettings) -> None:
         deadline = time.monotonic() + link.connect_timeout_s
         while True:
             try:
-                channel = Channel.connect((host, int(port)), timeout_s=10.0)
+                channel = Channel.connect((host, int(port)), timeout_s=10.0, secret=link.secret)
                 break
             except PeerGone:
                 if time.monotonic() > deadline:
@@ -240,20 +130,15 @@ def link_engine(engine: Engine, link: LinkSettings) -> None:
 
 def serve_pd(engine_config: EngineConfig, settings: ServerSettings, link: LinkSettings) -> None:
     """Load the model, link to the peer server, then serve the /pd routes until SIGTERM/SIGINT."""
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(settings)
     role = engine_config.role
     link.check(role)
     engine = Engine(engine_config)     # the role's connector comes with the config
-    link_engine(engine, link)
-    name = settings.served_model_name or default_model_name(engine_config.model)
-    metrics = ServerMetrics(name)
-    async_engine = PDAsyncEngine(engine, metrics)
-    ctx = ServingContext(async_engine, TokenizerWorker(engine.tokenizer), metrics, name)
-    app = build_app(ctx, settings, openai_routes=False)
-    add_pd_routes(app, ctx, role)
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                            access_log=settings.access_log,
-                            timeout_graceful_shutdown=settings.shutdown_timeout + BACKSTOP_SECONDS)
-    logger.info("serving %s (%s role) on http://%s:%d", name, "prefill" if role == "p" else "decode",
-                settings.host, settings.port)
-    _Server(config, async_engine, settings.shutdown_timeout).run()
+    try:
+        link_engine(engine, link)
+    except AuthError as e:
+        engine.shutdown()
+        raise SystemExit(f"error: --pd-secret-file: the link to the peer server failed authentication: {e}") \
+            from None
+    run_pd_server(engine, PDAsyncEngine, settings, link.secret, lambda app, ctx: add_pd_routes(app, ctx, role),
+                  f"a {'prefill' if role == 'p' else 'decode'} server (linked pair)")

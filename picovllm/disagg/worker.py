@@ -19,6 +19,7 @@ import sys
 import traceback
 
 from picovllm.config import EngineConfig
+from picovllm.disagg.auth import FleetSecret
 from picovllm.disagg.channel import Channel, Listener, PeerGone
 from picovllm.disagg.hosts import HostOptions
 from picovllm.disagg.messages import (Abort, BuildEngine, CloseSession, Output, OutputEncoder, SessionEnded,
@@ -30,17 +31,18 @@ from picovllm.engine.tp_workers import exit_with_parent
 from picovllm.sampling_params import SamplingParams
 
 
-def worker_main(role: str, driver_address: list, hosts: HostOptions | None = None) -> None:
+def worker_main(role: str, driver_address: list, hosts: HostOptions | None, secret: FleetSecret) -> None:
     """Process entry point. Exits with os._exit so no library teardown can keep the process alive.
 
     hosts: where this worker binds (P: its link listener; both: the transfer) and is reached.
+    secret: the run's P/D secret; the driver and the peer must prove it, and so does this worker.
     The driver spawns it, or, for a role on another host, picovllm.disagg.launch calls it."""
     code = 0
     exit_with_parent(os.getppid())   # not daemonic when it runs TP workers: never outlive the driver
     try:
-        driver = Channel.connect(driver_address)
+        driver = Channel.connect(driver_address, secret=secret)
         driver.send(WorkerHello(role, os.getpid()))
-        Worker(role, driver, hosts or HostOptions()).serve()
+        Worker(role, driver, hosts or HostOptions(), secret).serve()
     except PeerGone:
         code = 2              # the driver went away: nothing left to serve
     except BaseException:     # noqa: BLE001
@@ -52,9 +54,10 @@ def worker_main(role: str, driver_address: list, hosts: HostOptions | None = Non
 
 
 class Worker:
-    def __init__(self, role: str, driver: Channel, hosts: HostOptions) -> None:
-        self.role, self.driver, self.hosts = role, driver, hosts
-        self.listener = Listener(hosts.host, advertise_host=hosts.advertise_host) if role == "p" else None
+    def __init__(self, role: str, driver: Channel, hosts: HostOptions, secret: FleetSecret) -> None:
+        self.role, self.driver, self.hosts, self.secret = role, driver, hosts, secret
+        self.listener = Listener(hosts.host, advertise_host=hosts.advertise_host, secret=secret) \
+            if role == "p" else None
         self.shutting_down = False
         self._wire: dict[str, OutputEncoder] = {}     # streamed requests' output encoders
 
@@ -98,7 +101,7 @@ class Worker:
             if self.role == "p":
                 channel = self.listener.accept(tc.connect_timeout_s)
             else:
-                channel = Channel.connect(start.peer_address, tc.connect_timeout_s)
+                channel = Channel.connect(start.peer_address, tc.connect_timeout_s, secret=self.secret)
             engine.connect(channel, tc, start.session)
         except (ConnectionError, TimeoutError, OSError) as e:
             self._end(engine, start, error=f"{self.role} engine could not link to its peer: {e}")

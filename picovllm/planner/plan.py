@@ -6,9 +6,10 @@ import dataclasses
 import numpy as np
 
 from picovllm.planner.profile import StepProfile
-from picovllm.planner.simulator import Deployment, Traffic, make_requests, simulate
+from picovllm.planner.simulator import Deployment, HostNoise, SimRequest, Traffic, make_requests, simulate
 
 METRICS = ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99")
+WARM_UP = 1      # a calibration run's first requests, left out of its noise (they find a cold server)
 
 
 def candidate_deployments(num_instances: int, chunks: list[int], max_num_seqs: int = 256,
@@ -28,24 +29,60 @@ def plan(profile: StepProfile, traffic: Traffic, deployments: list[Deployment], 
     return sorted(rows, key=lambda r: (-r["goodput"], r["ttft_p99"]))
 
 
-def first_gap_p50(requests) -> float:
-    """Median gap between a request's first and second token (a PD request's handover is in it)."""
-    gaps = [r.token_times[1] - r.token_times[0] for r in requests if len(r.token_times) > 1]
-    return float(np.median(gaps)) if gaps else 0.0
+def measured_trace(measured: dict) -> tuple[list[SimRequest], list[dict]]:
+    """A `bench serve` result's successful requests as the simulation's input, in arrival order: the very
+    arrivals (their bursts), prompt and output lengths the run had; and the measured records, aligned."""
+    done = sorted((r for r in measured.get("requests", []) if r.get("success")), key=lambda r: r["start"])
+    if not done:
+        raise ValueError("requests: the run has no successful request with its timings (bench serve --result-json)")
+    try:
+        trace = [SimRequest(float(r["start"]), int(r["prompt_len"]), int(r["output_tokens"])) for r in done]
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"requests: each needs start, prompt_len and output_tokens ({e})") from None
+    return trace, done
 
 
-def calibrate(profile: StepProfile, traffic: Traffic, deployment: Deployment, measured: dict) -> Deployment:
-    """The deployment with its overheads set so that a measured run's TTFT p50 (and, xPyD, its median first
-    inter-token gap) are predicted exactly: what HTTP, tokenization and the router's hops add to the steps."""
-    bare = dataclasses.replace(deployment, request_overhead=0.0, handover_overhead=0.0)
-    sim = simulate(profile, bare, make_requests(traffic))
-    overhead = max(0.0, measured["median_ttft_ms"] / 1e3 - float(np.median(sim.ttfts())))
-    handover = 0.0
-    if deployment.num_prefill:
-        first = [r["itls"][0] for r in measured.get("requests", []) if r.get("success") and r.get("itls")]
-        if first:
-            handover = max(0.0, float(np.median(first)) - first_gap_p50(sim.requests))
-    return dataclasses.replace(deployment, request_overhead=overhead, handover_overhead=handover)
+def _later_gaps(times: list[list[float]], skip_first: bool) -> np.ndarray:
+    """Every request's token gaps; skip_first: without its first (an xPyD request's handover)."""
+    gaps = [np.diff(t[1:] if skip_first else t) for t in times if len(t) > 1]
+    return np.concatenate(gaps) if gaps else np.zeros(0)
+
+
+def calibrate(profile: StepProfile, deployment: Deployment, measured: dict, seed: int = 0) -> Deployment:
+    """The deployment with what the steps do not hold, from a measured run replayed through the simulation
+    (its own arrivals and lengths): per request, measured TTFT minus simulated, whose median is the
+    request overhead (HTTP, tokenization, the router's hop to P) and whose spread is the TTFT noise;
+    xPyD, the same of the first gap (the router's hop from P to D beyond the pull); per later gap, the
+    client's measured chunk gaps minus the simulated step, the delivery noise (a busy host coalesces
+    tokens into one chunk and stalls others: the ITL tails). The run's first request is left out of the
+    noise: it pays what only a fresh server pays (connections, the first KV socket and its handshake)."""
+    trace, done = measured_trace(measured)
+    xpyd = bool(deployment.num_prefill)
+    skip = int(xpyd)                                    # an xPyD request's first gap is its handover
+    bare = dataclasses.replace(deployment, request_overhead=0.0, handover_overhead=0.0, noise=None)
+    sim = simulate(profile, bare, trace)
+    ttft = np.array([m["ttft"] for m in done]) - sim.ttfts()
+    overhead = max(0.0, float(np.median(ttft)))
+    handover_noise, handover = (), 0.0
+    sim_times = [r.token_times for r in sim.requests]
+    if xpyd:
+        pairs = [(m["itls"][0], t[1] - t[0]) for m, t in zip(done, sim_times) if m.get("itls") and len(t) > 1]
+        if pairs:
+            resid = np.array([a - b for a, b in pairs])
+            handover = max(0.0, float(np.median(resid)))
+            handover_noise = tuple(float(x) for x in resid - handover)
+    measured_gaps = np.concatenate([np.asarray(m.get("itls") or [], dtype=float)[skip:] for m in done])
+    sim_gaps = _later_gaps(sim_times, xpyd)
+    step = float(np.median(sim_gaps)) if len(sim_gaps) else 0.0
+    noise = HostNoise(ttft=tuple(float(x) for x in (ttft - overhead)[WARM_UP:]),
+                      gap=tuple(float(x) for x in measured_gaps - step), handover=handover_noise[WARM_UP:], seed=seed)
+    return dataclasses.replace(deployment, request_overhead=overhead, handover_overhead=handover, noise=noise)
+
+
+def predict_measured(profile: StepProfile, deployment: Deployment, measured: dict, ttft_slo: float,
+                     itl_slo: float) -> dict:
+    """The deployment's predicted summary for a measured run's own arrivals and lengths."""
+    return simulate(profile, deployment, measured_trace(measured)[0]).summary(ttft_slo, itl_slo)
 
 
 def compare(predicted: dict, measured: dict) -> dict:

@@ -11,9 +11,19 @@ prompt completed has its first token; a decode has its next one. Roles:
                       kv_bytes / transfer_bw + transfer_latency seconds (the pull)
     D ("d")           takes it on arrival (the instance with the fewest requests), decodes it to the end
 
-Not modelled: the KV cache's size (no preemption; D admits up to max_num_seqs), host overheads
-between steps, overlap of transfers with a D that is itself busy with that pull (a pull costs D no
-step time).
+What the client sees is the steps' times plus what the steps do not hold, taken from a measured run
+(plan.calibrate): constant overheads (request_overhead on the first token, handover_overhead on an
+xPyD request's hop from P to D, inside the simulation since it delays D's admission) and, for the
+tails, HostNoise: the spread a real server adds (HTTP and tokenization per request; per gap, the
+delivery of tokens to the client, which on a busy host coalesces several tokens into one chunk
+and stalls others). Noise is drawn from the calibration run's residuals, independently per request
+and gap (seeded), and touches only the client's view, not the engine's schedule. The gap residuals
+are measured per chunk (as `bench serve` counts ITL: a chunk may carry several tokens) and drawn per
+token gap here: ITL percentiles and the worst gap come out as measured, a request's end-to-end time
+would not (it is not predicted).
+
+Not modelled: the KV cache's size (no preemption; D admits up to max_num_seqs), overlap of transfers
+with a D that is itself busy with that pull (a pull costs D no step time).
 """
 from __future__ import annotations
 
@@ -65,6 +75,49 @@ class Traffic:
 
 
 @dataclass(frozen=True)
+class HostNoise:
+    """Residuals measured against the simulation (seconds), replayed at random on the client's view.
+
+    ttft: added to each request's first token (around zero: the median is request_overhead).
+    gap: added to each later token gap, which stays >= 0 (a measured gap minus the simulated step).
+    handover: added to an xPyD request's first gap (around zero: the median is handover_overhead)."""
+    ttft: tuple[float, ...] = ()
+    gap: tuple[float, ...] = ()
+    handover: tuple[float, ...] = ()
+    seed: int = 0
+
+    def apply(self, requests: list["SimRequest"], xpyd: bool) -> None:
+        rng = random.Random(self.seed)
+        ttft, gap, handover = (_Shuffled(pool, rng) for pool in (self.ttft, self.gap, self.handover))
+        for r in requests:
+            times, out = r.token_times, []
+            for k, t in enumerate(times):
+                if k == 0:
+                    out.append(t + ttft.next())
+                else:
+                    extra = handover.next() if k == 1 and xpyd else gap.next()
+                    out.append(out[-1] + max(0.0, t - times[k - 1] + extra))
+            r.token_times = out
+
+
+class _Shuffled:
+    """Draws from a pool without replacement, a fresh shuffle per pass: each residual is used as often as
+    the others, so a tail of a few measured values is neither lost nor doubled by chance (as a p99 over a
+    hundred requests would be by draws with replacement)."""
+
+    def __init__(self, pool: tuple[float, ...], rng: random.Random) -> None:
+        self.pool, self.rng, self.order = list(pool), rng, []
+
+    def next(self) -> float:
+        if not self.pool:
+            return 0.0
+        if not self.order:
+            self.order = self.pool[:]
+            self.rng.shuffle(self.order)
+        return self.order.pop()
+
+
+@dataclass(frozen=True)
 class Deployment:
     num_prefill: int              # 0: colocated, num_decode instances of role "pd"
     num_decode: int
@@ -75,6 +128,7 @@ class Deployment:
     # Calibrated from a measured run (plan.calibrate), else 0: what the engine steps do not hold
     request_overhead: float = 0.0   # seconds from the client's send to the engine, and the first token back
     handover_overhead: float = 0.0  # xPyD: the router's hop from P to D (its calls, D's claim), beyond the pull
+    noise: HostNoise | None = None  # calibrated too: the spread around those overheads (the tails)
 
     def __post_init__(self) -> None:
         if self.num_decode < 1 or self.num_prefill < 0:
@@ -186,6 +240,8 @@ def simulate(profile: StepProfile, deployment: Deployment, requests: list[SimReq
             start(obj, now)
     for r in reqs:                                      # as the client sees them
         r.token_times = [t + deployment.request_overhead for t in r.token_times]
+    if deployment.noise is not None:
+        deployment.noise.apply(reqs, not colocated)
     return SimResult(deployment, reqs)
 
 

@@ -79,9 +79,69 @@ def _own_cuda_cache(h: dict) -> torch.Tensor:
 
 @dataclass
 class _Copy:
-    spec: TransferSpec
+    what: str                      # for the timeout's error: "KV copy of 3 blocks"
     started: float
     event: Any = None              # CUDA: recorded after the copy on the side stream; None: already done
+
+
+class PeerCopies:
+    """Block copies out of a peer's mapped cache into ours: on a side stream under CUDA (done when its
+    event is), at once on a CPU. Each started copy is reported once by done(): finished, or past the
+    timeout (a kernel cannot be stopped, so our main stream then queues behind it)."""
+
+    def __init__(self, cache: torch.Tensor) -> None:
+        self.cache = cache
+        self.stream = torch.cuda.Stream(cache.device) if cache.is_cuda else None
+        self._copies: dict[str, _Copy] = {}
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._copies
+
+    def __iter__(self):
+        return iter(list(self._copies))
+
+    def start(self, request_id: str, src: torch.Tensor, src_ids: list[int], dst_ids: list[int], what: str) -> None:
+        copy = _Copy(what, time.monotonic())
+        if self.stream is None:
+            copy_blocks(src, self.cache, src_ids, dst_ids)
+        else:
+            # Blocks just allocated may have been read by kernels still queued on the main stream.
+            self.stream.wait_stream(torch.cuda.current_stream(self.cache.device))
+            with torch.cuda.stream(self.stream):
+                copy_blocks(src, self.cache, src_ids, dst_ids)
+                copy.event = torch.cuda.Event()
+                copy.event.record(self.stream)
+        self._copies[request_id] = copy
+
+    def wait(self, request_id: str) -> None:
+        c = self._copies.get(request_id)
+        if c is not None and c.event is not None:
+            c.event.synchronize()
+
+    def done(self, timeout_s: float, ready=lambda request_id: True) -> list[TransferDone]:
+        """Copies finished (and ready(request_id): a fleet's D also waits for P's grant), or failed: not
+        finished and ready within timeout_s of their start."""
+        out, now = [], time.monotonic()
+        for rid, c in list(self._copies.items()):
+            if (c.event is None or c.event.query()) and ready(rid):
+                del self._copies[rid]
+                out.append(TransferDone(rid))
+            elif now - c.started > timeout_s:
+                del self._copies[rid]
+                if c.event is not None:       # whatever our main stream does with these blocks next queues behind it
+                    torch.cuda.current_stream(self.cache.device).wait_event(c.event)
+                out.append(TransferDone(rid, f"{c.what} did not finish within {timeout_s:g} s"))
+        return out
+
+    def drop(self, request_id: str) -> None:
+        self._copies.pop(request_id, None)
+
+    def close(self) -> list[str]:
+        """Wait for every copy (none may read a peer's memory once it is unmapped); the ids left unreported."""
+        if self.stream is not None:
+            self.stream.synchronize()
+        left, self._copies = list(self._copies), {}
+        return left
 
 
 class CudaIpcTransfer(KVTransfer):
@@ -90,8 +150,7 @@ class CudaIpcTransfer(KVTransfer):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.peer_cache: torch.Tensor | None = None
-        self.stream = torch.cuda.Stream(self.cache.device) if self.cache.is_cuda else None
-        self._copies: dict[str, _Copy] = {}
+        self.copies = PeerCopies(self.cache)
         self._sent: list[TransferDone] = []
 
     def local_info(self) -> dict:
@@ -125,38 +184,15 @@ class CudaIpcTransfer(KVTransfer):
 
     def start_recv(self, spec: TransferSpec) -> None:
         assert self.role == "d" and self.peer_cache is not None
-        copy = _Copy(spec, time.monotonic())
-        if self.stream is None:
-            copy_blocks(self.peer_cache, self.cache, spec.src_block_ids, spec.dst_block_ids)
-        else:
-            # Blocks just allocated may have been read by kernels still queued on the main stream.
-            self.stream.wait_stream(torch.cuda.current_stream(self.cache.device))
-            with torch.cuda.stream(self.stream):
-                copy_blocks(self.peer_cache, self.cache, spec.src_block_ids, spec.dst_block_ids)
-                copy.event = torch.cuda.Event()
-                copy.event.record(self.stream)
-        self._copies[spec.request_id] = copy
+        self.copies.start(spec.request_id, self.peer_cache, spec.src_block_ids, spec.dst_block_ids,
+                          f"KV copy of {len(spec.dst_block_ids)} blocks")
 
     def poll(self, wait_for: str | None = None) -> list[TransferDone]:
-        if wait_for is not None and wait_for in self._copies and self._copies[wait_for].event is not None:
-            self._copies[wait_for].event.synchronize()
+        if wait_for is not None:
+            self.copies.wait(wait_for)
         out, self._sent = self._sent, []
-        now = time.monotonic()
-        for rid, c in list(self._copies.items()):
-            if c.event is None or c.event.query():
-                del self._copies[rid]
-                out.append(TransferDone(rid))
-            elif now - c.started > self.config.timeout_s:
-                del self._copies[rid]
-                # A kernel cannot be stopped: whatever D's main stream does with these blocks next
-                # must queue behind it.
-                torch.cuda.current_stream(self.cache.device).wait_event(c.event)
-                out.append(TransferDone(rid, f"KV copy of {len(c.spec.dst_block_ids)} blocks did not finish "
-                                             f"within {self.config.timeout_s:g} s"))
-        return out
+        return out + self.copies.done(self.config.timeout_s)
 
     def close(self) -> None:
-        if self.stream is not None:
-            self.stream.synchronize()    # no copy may still read P's memory once it is unmapped
-        self._copies = {}
+        self.copies.close()          # no copy may still read P's memory once it is unmapped
         self.peer_cache = None

@@ -201,7 +201,8 @@ class HostTcpTransfer(PullTransfer):
             peer = self._peers[key] = PeerConnection(key, self.config, self._results, self._closed)
         return peer
 
-    def _check_handle(self, handle: KVHandle, dst_block_ids: list[int] | None = None) -> None:
+    def check_handle(self, handle: KVHandle, dst_block_ids: list[int] | None = None) -> None:
+        """D: ValueError naming the field if this instance cannot pull the handle (into dst_block_ids)."""
         if self._closed.is_set():
             raise RuntimeError("the KV transfer is closed")
         if handle.backend != self.name:
@@ -218,12 +219,12 @@ class HostTcpTransfer(PullTransfer):
 
     def claim(self, handle: KVHandle) -> None:
         assert self.role == "d"
-        self._check_handle(handle)
+        self.check_handle(handle)
         self._peer(handle).submit(ClaimKV(handle.request_id), handle)
 
     def start_pull(self, handle: KVHandle, dst_block_ids: list[int]) -> None:
         assert self.role == "d"
-        self._check_handle(handle, dst_block_ids)
+        self.check_handle(handle, dst_block_ids)
         self._pulls[handle.request_id] = _Pull(handle, list(dst_block_ids), time.monotonic())
         self._peer(handle).submit(PullKV(handle.request_id), handle, _blocks_nbytes(self.cache, len(dst_block_ids)))
 

@@ -14,9 +14,8 @@ import socket
 import struct
 import threading
 
-from picovllm.disagg.auth import AuthError, client_proof, new_nonce, proofs_match, server_proof
-from picovllm.disagg.messages import ClaimKV, Heartbeat, KVAuthChallenge, KVAuthProof, KVAuthResult, KVHandle, \
-    KVReply, PullKV, ReleaseKV, decode, encode
+from picovllm.disagg.auth import answer_challenge, challenge_peer
+from picovllm.disagg.messages import ClaimKV, Heartbeat, KVHandle, KVReply, PullKV, ReleaseKV, decode, encode
 
 logger = logging.getLogger("picovllm.kv")
 
@@ -52,15 +51,8 @@ def recv_frame(sock: socket.socket):
 
 def authenticate_client(sock: socket.socket, config) -> None:
     """The KV server's half of the handshake (config: the server's PullConfig); AuthError if the peer fails."""
-    nonce = new_nonce()
-    send_frame(sock, KVAuthChallenge(nonce, config.instance_id, config.lease_s))
-    msg = recv_frame(sock)
-    secret = config.secret
-    if not isinstance(msg, KVAuthProof) or not isinstance(msg.nonce, str) or \
-            not proofs_match(client_proof(secret, nonce, msg.nonce), msg.proof):
-        send_frame(sock, KVAuthResult(error="authentication failed: not the fleet's shared secret"))
-        raise AuthError("the peer did not prove the fleet's shared secret")
-    send_frame(sock, KVAuthResult(proof=server_proof(secret, nonce, msg.nonce)))
+    challenge_peer(lambda msg: send_frame(sock, msg), lambda: recv_frame(sock), config.secret,
+                   config.instance_id, config.lease_s)
 
 
 class PeerConnection:
@@ -131,21 +123,12 @@ class PeerConnection:
         sock = socket.create_connection(self.address, timeout=c.connect_timeout_s)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            challenge = recv_frame(sock)
-            if not isinstance(challenge, KVAuthChallenge):
-                raise AuthError(f"expected a KVAuthChallenge, got {type(challenge).__name__}")
+            challenge = answer_challenge(lambda msg: send_frame(sock, msg), lambda: recv_frame(sock), c.secret)
             if isinstance(challenge.lease_s, (int, float)) and challenge.lease_s > 0:
                 self.heartbeat_s = min(self.config.lease_s, challenge.lease_s) / 4
             if challenge.instance_id != instance_id:
                 raise ConnectionError(f"the KV server is instance {challenge.instance_id!r}, not {instance_id!r} "
                                       f"(restarted? its handles are gone)")
-            nonce = new_nonce()
-            send_frame(sock, KVAuthProof(client_proof(c.secret, challenge.nonce, nonce), nonce))
-            result = recv_frame(sock)
-            if not isinstance(result, KVAuthResult) or result.error is not None:
-                raise AuthError(f"refused: {getattr(result, 'error', result)}")
-            if not proofs_match(server_proof(c.secret, challenge.nonce, nonce), result.proof):
-                raise AuthError("the KV server did not prove the fleet's shared secret")
             sock.settimeout(c.timeout_s)
         except BaseException:
             sock.close()

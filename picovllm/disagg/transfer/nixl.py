@@ -2,7 +2,7 @@
 GPU memory (VRAM) or host memory (DRAM) alike. The PullTransfer that production fleets share.
 
 The bytes move by NIXL; everything else rides on the tcp backend's authenticated control plane
-(picovllm.disagg.transfer.host_tcp, composed here, not subclassed): claims, releases, leases, and
+(picovllm.disagg.transfer.control_plane, composed here, not subclassed): claims, releases, leases, and
 the fleet's HMAC handshake on every socket. P registers its whole cache with its NIXL agent once;
 a handle carries the agent's metadata and the cache's base address (handle.info), so a D that sees
 a P for the first time adds it as a remote agent and from then on a pull is one NIXL READ of
@@ -14,7 +14,6 @@ fleet's network private, as for every backend.
 """
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import time
 from dataclasses import dataclass
@@ -25,7 +24,7 @@ import torch
 
 from picovllm.disagg.messages import KVHandle, b64, unb64
 from picovllm.disagg.transfer.base import PullTransfer, TransferDone
-from picovllm.disagg.transfer.host_tcp import HostTcpTransfer
+from picovllm.disagg.transfer.control_plane import TcpControlPlane
 
 NIXL_MODULES = ("nixl_cu12", "nixl_cu13", "nixl")
 
@@ -55,14 +54,14 @@ class NixlTransfer(PullTransfer):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         nixl = import_nixl()
-        self.control = HostTcpTransfer(self.role, self.cache, self.layout, self.config)
         self.agent_name = f"picovllm-{self.role}-{self.config.instance_id}"
         self.agent = nixl.nixl_agent(self.agent_name, nixl.nixl_agent_config(backends=["UCX"]))
         self._registered = self.agent.register_memory(self.cache)
         self.mem = "VRAM" if self.cache.is_cuda else "DRAM"
         self.device_id = (self.cache.device.index or 0) if self.cache.is_cuda else 0
-        self._info = {"agent_metadata": b64(self.agent.get_agent_metadata()), "base": self.cache.data_ptr(),
-                      "mem": self.mem, "device_id": self.device_id}     # what every handle of P's carries
+        info = {"agent_metadata": b64(self.agent.get_agent_metadata()), "base": self.cache.data_ptr(),
+                "mem": self.mem, "device_id": self.device_id}     # what every handle of P's carries
+        self.control = TcpControlPlane(self.name, self.role, self.cache, self.layout, self.config, info)
         self._remote: dict[str, str] = {}          # D: P's instance id -> its NIXL agent name
         self._reads: dict[str, _Read] = {}
         self._failed: list[TransferDone] = []
@@ -70,27 +69,19 @@ class NixlTransfer(PullTransfer):
 
     # -- P ---------------------------------------------------------------------------------------
     def publish(self, request_id: str, block_ids: list[int], num_tokens: int) -> KVHandle:
-        handle = self.control.publish(request_id, block_ids, num_tokens)
-        return dataclasses.replace(handle, backend=self.name, info=dict(self._info))
+        return self.control.publish(request_id, block_ids, num_tokens)
 
     def unpublish(self, request_id: str) -> None:
-        # Stops claims and releases. A READ a D already posted is not stopped by this (UCX reads
-        # without P's help): P's engine unpublishes a request only when it aborts it, which a
-        # fleet's P does only as it shuts down, deregistering its cache (D's READ then fails).
+        # A READ a D already posted is not stopped by this (UCX reads without P's help): a fleet's P
+        # unpublishes only as it shuts down, deregistering its cache (D's READ then fails).
         self.control.unpublish(request_id)
 
     # -- D ---------------------------------------------------------------------------------------
-    def _control_handle(self, handle: KVHandle) -> KVHandle:
-        if handle.backend != self.name:
-            raise ValueError(f"KVHandle.backend: this decode instance pulls with {self.name!r}, "
-                             f"the handle is for {handle.backend!r}")
-        return dataclasses.replace(handle, backend=self.control.name)
-
     def claim(self, handle: KVHandle) -> None:
-        self.control.claim(self._control_handle(handle))
+        self.control.claim(handle)
 
     def start_pull(self, handle: KVHandle, dst_block_ids: list[int]) -> None:
-        self.control._check_handle(self._control_handle(handle), dst_block_ids)
+        self.control.check_pull(handle, dst_block_ids)
         info = handle.info
         if info.get("mem") not in ("DRAM", "VRAM") or not isinstance(info.get("base"), int):
             raise ValueError("KVHandle.info: not a nixl handle (mem, base, agent_metadata)")
@@ -127,7 +118,7 @@ class NixlTransfer(PullTransfer):
         read = self._reads.pop(handle.request_id, None)
         if read is not None:
             self._finish(read)
-        self.control.release(self._control_handle(handle))
+        self.control.release(handle)
 
     # -- both ------------------------------------------------------------------------------------
     def poll(self) -> list[TransferDone]:
@@ -143,12 +134,12 @@ class NixlTransfer(PullTransfer):
         for rid, read in list(self._reads.items()):
             state = self.agent.check_xfer_state(read.xfer)
             if now - read.started <= self.config.timeout_s and (
-                    state == "PROC" or state == "DONE" and not self.control.claim_confirmed(rid)):
+                    state == "PROC" or state == "DONE" and not self.control.granted(rid)):
                 continue          # done only once P granted the claim: the blocks held the KV throughout
             del self._reads[rid]
             who = f"prefill instance {read.handle.instance_id}"
             if state == "DONE":
-                error = None if self.control.claim_confirmed(rid) else \
+                error = None if self.control.granted(rid) else \
                     f"{who} did not grant the claim within {self.config.timeout_s:g} s"
             else:
                 error = f"NIXL READ from {who} failed" if state == "ERR" else \

@@ -31,8 +31,9 @@ def add_parser(subparsers) -> None:
                    help="compare with measured runs: DEPLOYMENT:CHUNK:RESULT.json (DEPLOYMENT colocated-N or xPyD; "
                         "rate and lengths from the JSON's config)")
     p.add_argument("--calibrate", nargs="*", default=[],
-                   help="measured runs (as --measured) that set the overheads the steps do not hold: HTTP and "
-                        "tokenization (a colocated run's TTFT), the router's P-to-D hop (an xPyD run's first gap)")
+                   help="measured runs (as --measured) that set what the steps do not hold: HTTP and tokenization "
+                        "(a colocated run's TTFT), the router's P-to-D hop (an xPyD run's first gap), and the "
+                        "spread of both and of the token gaps as the client sees them (the tails)")
     p.add_argument("--plot", default=None, help="with --measured: a PNG of predicted against measured")
     p.add_argument("--result-json", default=None)
     p.add_argument("--model", default=None, help="with --measure-profile: the model (default: SmolLM2-135M-Instruct)")
@@ -66,7 +67,8 @@ def run_plan(args: argparse.Namespace) -> int:
     slo_ttft, slo_itl = args.ttft_slo_ms / 1e3, args.itl_slo_ms / 1e3
     overheads = _overheads(args, profile)
     if overheads:
-        print("calibrated overheads: " + "; ".join(f"{kind}: " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in o.items())
+        print("calibrated overheads: " + "; ".join(f"{kind}: " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in o.items()
+                                                                           if k != "noise")
                                                   for kind, o in overheads.items()))
         deployments = [with_overheads(d, overheads) for d in deployments]
     rows = plan(profile, traffic, deployments, slo_ttft, slo_itl)
@@ -90,6 +92,7 @@ def run_plan(args: argparse.Namespace) -> int:
 
 def _read_measured(spec: str, args) -> tuple:
     """DEPLOYMENT:CHUNK:RESULT.json -> (Deployment, Traffic, the bench serve result)."""
+    from picovllm.planner.plan import measured_trace
     from picovllm.planner.simulator import Deployment, Lengths, Traffic
 
     try:
@@ -104,22 +107,23 @@ def _read_measured(spec: str, args) -> tuple:
         traffic = Traffic(float(cfg["request_rate"]), Lengths.parse("input_len", str(cfg["input_len"])),
                           Lengths.parse("output_len", str(cfg["output_len"])), int(measured["completed"]), args.seed)
         dep = Deployment(x, y, int(chunk), args.plan_max_num_seqs, args.transfer_gbps * 1e9)
+        measured_trace(measured)
     except (ValueError, KeyError, OSError) as e:
         raise SystemExit(f"error: {spec!r}: DEPLOYMENT:CHUNK:RESULT.json ({e})") from None
     return dep, traffic, measured
 
 
 def _overheads(args, profile) -> dict:
-    """--calibrate: per kind ("colocated", "xpyd"), the overheads the steps do not hold: the request's
-    (HTTP, tokenization; behind the router its hop to P too) and, xPyD, the handover's (P to D)."""
+    """--calibrate: per kind ("colocated", "xpyd"), what the steps do not hold: the request's overhead (HTTP,
+    tokenization; behind the router its hop to P too), xPyD the handover's (P to D), and their noise."""
     from picovllm.planner.plan import calibrate
 
     found: dict[str, dict] = {}
     for spec in args.calibrate:
         dep, traffic, measured = _read_measured(spec, args)
-        cal = calibrate(profile, traffic, dep, measured)
+        cal = calibrate(profile, dep, measured, args.seed)
         kind = "xpyd" if dep.num_prefill else "colocated"
-        found[kind] = {"request_overhead": cal.request_overhead}
+        found[kind] = {"request_overhead": cal.request_overhead, "noise": cal.noise}
         if dep.num_prefill:
             found[kind]["handover_overhead"] = cal.handover_overhead
     return found
@@ -135,10 +139,11 @@ def with_overheads(dep, overheads: dict):
 
 
 def _compare_one(spec: str, profile, args, slo_ttft: float, slo_itl: float, compare, overheads: dict) -> dict:
-    from picovllm.planner.plan import plan
+    """A measured run against the prediction for its own arrivals and lengths (bursts included)."""
+    from picovllm.planner.plan import predict_measured
 
     dep, traffic, measured = _read_measured(spec, args)
     dep = with_overheads(dep, overheads)
-    predicted = plan(profile, traffic, [dep], slo_ttft, slo_itl)[0]
+    predicted = predict_measured(profile, dep, measured, slo_ttft, slo_itl)
     return {"label": f"{dep.name} @ {traffic.rate:g}/s", "predicted": predicted,
             "comparison": compare(predicted, measured), "calibration": spec in args.calibrate}

@@ -9,6 +9,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                               description="Route each request through a prefill server, then its decode server.")
     p.add_argument("--prefill", nargs="+", required=True, help="prefill servers' base URLs (serve --role p)")
     p.add_argument("--decode", nargs="+", required=True, help="decode servers' base URLs (serve --role d)")
+    p.add_argument("--pd-secret-file", default=None,
+                   help="the P/D shared secret the servers were given (first line of the file; default "
+                        "$PICOVLLM_PD_SECRET): every call to a /pd route is signed with it")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--model", default=None, help="where to load the tokenizer from (default: the prefill "

@@ -6,8 +6,15 @@ import argparse
 from picovllm.entrypoints.engine_args import add_engine_args, engine_config_from_args
 
 # Backends only a fleet has (picovllm.disagg.transfer.PULL_BACKENDS; not imported here: --help stays light).
-# cuda_ipc serves both: a fleet instance when the fleet's secret is given, a linked pair otherwise.
+# cuda_ipc serves both: a linked pair given --kv-port (P) or --kv-peer (D), a fleet instance otherwise.
 FLEET_ONLY_BACKENDS = ("tcp", "nixl")
+
+
+def is_linked_pair(args: argparse.Namespace, role: str) -> bool:
+    """A P or D server of a linked pair (serve_pd), rather than a fleet instance (serve_fleet)."""
+    if args.kv_transfer in FLEET_ONLY_BACKENDS:
+        return False
+    return args.kv_transfer != "cuda_ipc" or bool(args.kv_peer if role == "d" else args.kv_port)
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -24,21 +31,22 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="seconds in-flight requests get to finish after SIGTERM/SIGINT before they are aborted")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=False)
-    pd = p.add_argument_group("disaggregated serving (--role p|d, behind `picovllm proxy`)")
+    pd = p.add_argument_group("disaggregated serving (--role p|d, behind `picovllm proxy` or `picovllm router`)")
     pd.add_argument("--kv-host", default="127.0.0.1", help="--role p: where to listen for the decode server")
     pd.add_argument("--kv-port", type=int, default=0, help="--role p: the port the decode server connects to")
     pd.add_argument("--kv-peer", default=None, help="--role d: the prefill server's HOST:PORT (its --kv-port)")
     pd.add_argument("--kv-transfer", default="torch_dist",
                     help="KV transfer backend: torch_dist or cuda_ipc (a linked pair: --kv-port/--kv-peer), "
                          "or tcp or nixl (a fleet instance behind `picovllm router`: any D pulls from any P; "
-                         "cuda_ipc too, with --pd-secret-file)")
+                         "cuda_ipc too, without --kv-port/--kv-peer)")
     pd.add_argument("--kv-lease", type=float, default=10.0,
                     help="seconds of silence before the peer counts as dead (a fleet: also how long P keeps "
                          "KV nobody claimed)")
     pd.add_argument("--kv-advertise-host", default=None, help="a fleet instance: the address others reach it at")
     pd.add_argument("--pd-secret-file", default=None,
-                    help="a fleet instance: the fleet's shared secret (first line of the file; default "
-                         "$PICOVLLM_PD_SECRET); every /pd route and KV socket is authenticated with it")
+                    help="the P/D shared secret, required with --role p|d (first line of the file; default "
+                         "$PICOVLLM_PD_SECRET): every /pd route, the P-D link and every KV socket is "
+                         "authenticated with it; the proxy or router needs the same one")
     pd.add_argument("--router", default=None, help="a fleet instance: register with this router once up")
     add_engine_args(p)
     p.set_defaults(func=main)
@@ -55,20 +63,20 @@ def main(args: argparse.Namespace) -> int:
                               served_model_name=args.served_model_name, max_request_bytes=args.max_request_bytes,
                               shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
                               access_log=args.access_log)
-    if config.role != "pd" and (args.kv_transfer in FLEET_ONLY_BACKENDS or args.pd_secret_file):
-        from picovllm.disagg.auth import FleetSecret
-        from picovllm.disagg.fleet_server import FleetSettings, serve_fleet
-        try:
-            fleet = FleetSettings(FleetSecret.load(args.pd_secret_file), args.kv_transfer, args.kv_host,
-                                  args.kv_port, args.kv_advertise_host, args.kv_lease, router=args.router)
-        except (ValueError, OSError) as e:
-            raise SystemExit(f"error: {e}") from None
-        serve_fleet(config, settings, fleet)
+    if config.role == "pd":
+        serve(config, settings)
         return 0
-    if config.role != "pd":
+    from picovllm.disagg.auth import FleetSecret
+    try:
+        secret = FleetSecret.load(args.pd_secret_file)
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"error: {e}") from None
+    if is_linked_pair(args, config.role):
         from picovllm.disagg.server import LinkSettings, serve_pd
-        serve_pd(config, settings, LinkSettings(args.kv_host, args.kv_port, args.kv_peer, args.kv_transfer,
+        serve_pd(config, settings, LinkSettings(secret, args.kv_host, args.kv_port, args.kv_peer, args.kv_transfer,
                                                 args.kv_lease))
         return 0
-    serve(config, settings)
+    from picovllm.disagg.fleet_server import FleetSettings, serve_fleet
+    serve_fleet(config, settings, FleetSettings(secret, args.kv_transfer, args.kv_host, args.kv_port,
+                                                args.kv_advertise_host, args.kv_lease, router=args.router))
     return 0

@@ -1,0 +1,177 @@
+"""The client side of the /pd routes: one request streamed through a P server and then a D server.
+
+`picovllm proxy` (a linked pair, picovllm/disagg/proxy.py) and `picovllm router` (a fleet,
+picovllm/disagg/router.py) differ in how they pick the servers and in what P's hand-over line
+carries; the wire and the loop are these:
+
+    open_pd_stream(...)         a signed POST to a /pd route, its response streamed; refusals sorted
+                                into the client's fault (ValueError) and the server's (EngineDeadError)
+    ndjson_outputs(resp, who)   a route's NDJSON lines as (RequestOutput, line): the first whole, later
+                                ones as deltas (picovllm.disagg.messages.OutputDecoder)
+    prefill_then_decode(...)    P's outputs up to the line that hands the request over, then D's
+    RemoteEngine                what the OpenAI handlers need of an engine (start, add_request, abort_all,
+                                shutdown, ...) when the engine is other servers: the HTTP client, the
+                                streams open through it
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import httpx
+
+from picovllm.disagg.auth import FleetSecret, sign_request
+from picovllm.disagg.messages import OutputDecoder
+from picovllm.entrypoints.openai.async_engine import EngineDeadError, EngineStepError
+from picovllm.outputs import RequestOutput
+
+Lines = AsyncIterator[tuple[RequestOutput, dict]]
+
+
+class RemoteEngine:
+    """The AsyncEngine surface of an engine made of other servers (the proxy's pairs, the router's fleet):
+    one HTTP client, started with the server's event loop, and the request streams open through it.
+    A stream registers with track() and leaves with forget() (its close()); add_request is the owner's."""
+
+    name = "engine"          # in errors: "the proxy is not running"
+
+    def __init__(self, model_info: dict, metrics=None, connect_timeout_s: float = 10.0,
+                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+        """transport: instead of the network (tests)."""
+        self._model_info, self.metrics = model_info, metrics
+        self._timeout = httpx.Timeout(connect=connect_timeout_s, read=None, write=connect_timeout_s, pool=None)
+        self._transport = transport
+        self._client: httpx.AsyncClient | None = None
+        self._streams: set = set()
+
+    def start(self) -> None:
+        self._client = httpx.AsyncClient(timeout=self._timeout, transport=self._transport,
+                                         limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+
+    @property
+    def is_running(self) -> bool:
+        return self._client is not None
+
+    @property
+    def client(self) -> httpx.AsyncClient:
+        if self._client is None:
+            raise EngineDeadError(f"the {self.name} is not running")
+        return self._client
+
+    def model_info(self) -> dict:
+        return dict(self._model_info)
+
+    def track(self, stream) -> None:
+        self._streams.add(stream)
+
+    def forget(self, stream) -> None:
+        self._streams.discard(stream)
+
+    def abort_all(self) -> None:
+        """Close every open stream: each server whose client went away aborts its request."""
+        for stream in list(self._streams):
+            stream.close()
+
+    async def shutdown(self) -> None:
+        self.abort_all()
+        if self._client is not None:
+            await asyncio.sleep(0)            # let the closes scheduled by abort_all run
+            await self._client.aclose()
+            self._client = None
+
+
+class StreamBroken(EngineStepError):
+    """A server's stream broke (it died, or the network did), as opposed to an error it reported."""
+
+
+async def open_pd_stream(client: httpx.AsyncClient, base: str, path: str, body: bytes, secret: FleetSecret,
+                         who: str) -> httpx.Response:
+    """POST a JSON body to base + path, signed with the P/D secret; the response, streamed (status 200).
+
+    who names the server in errors ("the prefill server URL"). ValueError: it refused the request
+    itself (a 4xx other than 401/404/405, with its message: the client's fault); EngineDeadError: it
+    cannot be reached, refused our signature, or failed."""
+    headers = {"content-type": "application/json", **sign_request(secret, "POST", path, body)}
+    request = client.build_request("POST", base + path, content=body, headers=headers)
+    try:
+        resp = await client.send(request, stream=True)
+    except httpx.HTTPError as e:
+        raise EngineDeadError(f"{who} is unreachable: {type(e).__name__}: {e}") from None
+    if resp.status_code == 200:
+        return resp
+    try:
+        message = json.loads(await resp.aread())["error"]["message"]
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        message = f"HTTP {resp.status_code}"
+    finally:
+        await resp.aclose()
+    if resp.status_code == 401:
+        message += " (--pd-secret-file: not the server's secret?)"
+    elif 400 <= resp.status_code < 500 and resp.status_code not in (404, 405):
+        raise ValueError(message)
+    raise EngineDeadError(f"{who} answered {resp.status_code}: {message}")
+
+
+async def ndjson_outputs(resp: httpx.Response, who: str) -> Lines:
+    """A /pd route's stream as (output, line) pairs. EngineStepError for an error line the server sent,
+    StreamBroken for a stream that broke or does not parse."""
+    wire = OutputDecoder()
+    try:
+        async for text in resp.aiter_lines():
+            if not text:
+                continue
+            line = json.loads(text)
+            if "error" in line:
+                raise EngineStepError(f"{who} failed: {line['error']}")
+            yield wire.decode(line), line
+    except (httpx.HTTPError, json.JSONDecodeError, KeyError, ValueError) as e:
+        raise StreamBroken(f"{who} failed mid-request: {type(e).__name__}: {e}") from None
+
+
+async def prefill_then_decode(prefill: Lines, handover_of: Callable[[dict], Any],
+                              open_decode: Callable[[Any], Awaitable[Lines]], who: Callable[[str], str],
+                              metrics=None) -> AsyncIterator[RequestOutput]:
+    """One request's outputs: P's until the line whose handover_of(line) is not None (its output, the
+    first token, comes unfinished), then those of open_decode(that handover), D's, cumulative.
+
+    who(role) names the server of role "p" or "d" in errors (asked when one happens: a router may
+    have moved the request). An output that failed, or a stream that ends before a finished
+    output, raises EngineStepError; metrics (ServerMetrics) counts it, and observes what finishes."""
+    try:
+        handover = None
+        async for out, line in prefill:
+            _check(out)
+            handover = handover_of(line)
+            if handover is not None:
+                out.finished = False
+                yield out                      # the first token, from P; D has (or takes) the request now
+                break
+            _observe(metrics, out)
+            yield out
+            if out.finished:
+                return
+        if handover is None:
+            raise EngineStepError(f"{who('p')} ended the request's stream early")
+        async for out, _ in await open_decode(handover):
+            _check(out)
+            _observe(metrics, out)
+            yield out
+            if out.finished:
+                return
+        raise EngineStepError(f"{who('d')} ended the request's stream early")
+    except EngineStepError:
+        if metrics is not None:
+            metrics.count_outcome("error")
+        raise
+
+
+def _check(out: RequestOutput) -> None:
+    if out.outputs[0].finish_reason == "error":
+        raise EngineStepError(out.error or "the request failed on a prefill or decode server")
+
+
+def _observe(metrics, out: RequestOutput) -> None:
+    if out.finished and metrics is not None:
+        metrics.observe_finished(out)

@@ -1,0 +1,172 @@
+"""What every P or D HTTP server shares, a linked pair's (picovllm/disagg/server.py) and a fleet instance's
+(picovllm/disagg/fleet_server.py): the async engine over a role's Engine, the /pd routes' NDJSON
+streams, the /pd/prefill route, and start-up (the OpenAI app without generation routes, the P/D
+secret's signature on every /pd route, uvicorn with the graceful shutdown of `picovllm serve`).
+
+The /pd routes answer NDJSON, one output per line: the first whole ({"output": ...}), the later
+ones as what changed ({"delta": ...}, picovllm.disagg.messages.OutputEncoder: a whole output holds
+the prompt's ids and every token so far), {"error": "..."} if the engine loop failed. The client
+side of them: picovllm/disagg/handover_stream.py.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+
+import uvicorn
+from fastapi import FastAPI
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, ConfigDict
+
+from picovllm.disagg.auth import FleetSecret, SignedRoutes
+from picovllm.disagg.messages import OutputEncoder
+from picovllm.disagg.prefill import PrefillConnector
+from picovllm.engine.llm_engine import Engine
+from picovllm.entrypoints.openai.api_server import BACKSTOP_SECONDS, ServerSettings, _Server, build_app, \
+    default_model_name
+from picovllm.entrypoints.openai.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from picovllm.entrypoints.openai.metrics import ServerMetrics
+from picovllm.entrypoints.openai.protocol import APIError
+from picovllm.entrypoints.openai.serving import ENGINE_ERRORS, ServingContext
+from picovllm.entrypoints.openai.tokenizer_worker import TokenizerWorker
+from picovllm.outputs import RequestOutput
+from picovllm.sampling_params import SamplingParams
+
+logger = logging.getLogger("picovllm.server")
+
+
+def is_handed_off(out: RequestOutput) -> bool:
+    """P's last output for a request D took over: finished on P, without a finish reason."""
+    return out.finished and out.outputs[0].finish_reason is None
+
+
+class PDAsyncEngine(AsyncEngine):
+    """AsyncEngine over a P or D engine: it keeps stepping to watch the peer link (or a fleet's KV
+    transfers); on the P of a linked pair it turns D's Ack into a last output for the request
+    (is_handed_off: a fleet's P engine emits that output itself, with its kv_handover); on D requests
+    are listened to, not added."""
+    # The peer's messages cannot wake the loop thread (it waits on a command queue): it polls for them,
+    # often while a request waits on the peer (an Accept, an Ack, a transfer), now and then otherwise.
+    poll_s = 0.005
+    busy_poll_s = 0.0005
+
+    def __init__(self, engine: Engine, metrics=None) -> None:
+        super().__init__(engine, metrics)
+        self._last: dict[str, RequestOutput] = {}    # P: each request's latest output (loop thread only)
+
+    def _poll_timeout(self, wait_s: float | None) -> float | None:
+        if wait_s == 0:
+            return 0
+        return self.busy_poll_s if self.engine.has_unfinished_requests() else self.poll_s
+
+    def _after_step(self, outputs: list) -> list:
+        engine = self.engine
+        if isinstance(engine.connector, PrefillConnector):
+            for out in outputs:
+                if out.finished:
+                    self._last.pop(out.request_id, None)
+                else:
+                    self._last[out.request_id] = out
+            for rid in engine.connector.take_handed_off():     # acked by D since the last step: D owns it now
+                last = self._last.pop(rid, None)
+                if last is not None:
+                    outputs.append(dataclasses.replace(last, finished=True))
+        return outputs
+
+    def _abort_into(self, request_id: str, outputs: list) -> None:
+        self._last.pop(request_id, None)
+        super()._abort_into(request_id, outputs)
+
+    def _finish_outputs(self, outputs: list) -> None:
+        super()._finish_outputs([o for o in outputs if not (isinstance(o, RequestOutput) and is_handed_off(o))])
+
+    def listen(self, request_id: str) -> RequestStream:
+        """D: a stream for a request that will arrive from P. Closing it before it finished aborts it."""
+        if not self.is_running:
+            raise EngineDeadError("the engine loop is not running")
+        if request_id in self._streams:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        stream = self._streams[request_id] = RequestStream(request_id, self)
+        stream.accepted.set_result(None)
+        return stream
+
+    async def shutdown(self) -> None:
+        await super().shutdown()
+        self.engine.connector.shutdown()            # the peer sees us leave
+
+
+# -- the /pd routes ---------------------------------------------------------------------------------
+class PrefillBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    request_id: str
+    prompt_token_ids: list[int]
+    params: dict
+    arrival_time: float
+
+
+async def _ndjson_lines(stream: RequestStream) -> AsyncIterator[str]:
+    wire = OutputEncoder()
+    try:
+        async for out in stream.outputs():
+            line = wire.encode(out)
+            if is_handed_off(out):
+                line["handed_off"] = True
+            if out.kv_handover is not None:          # a fleet's P: where D pulls the KV from
+                line["kv_handover"] = out.kv_handover
+            yield json.dumps(line) + "\n"
+    except ENGINE_ERRORS as e:
+        yield json.dumps({"error": str(e)}) + "\n"
+    finally:
+        stream.close()
+
+
+def ndjson_response(stream: RequestStream) -> StreamingResponse:
+    return StreamingResponse(_ndjson_lines(stream), media_type="application/x-ndjson")
+
+
+def add_prefill_route(app: FastAPI, ctx: ServingContext) -> None:
+    """POST /pd/prefill: the request added to P's engine, its outputs streamed."""
+    @app.post("/pd/prefill")
+    async def prefill(body: PrefillBody) -> StreamingResponse:
+        try:
+            params = SamplingParams(**body.params)
+        except (TypeError, ValueError) as e:
+            raise APIError(400, f"params: {e}", param="params") from None
+        stream = await ctx.add(body.prompt_token_ids, params, body.request_id, body.arrival_time)
+        return ndjson_response(stream)
+
+
+def listen_response(engine: PDAsyncEngine, request_id: str) -> StreamingResponse:
+    """D: the stream of a request that will arrive from P; a 400 naming request_id if it is taken, a 503
+    if the engine loop is down."""
+    try:
+        stream = engine.listen(request_id)
+    except ValueError as e:
+        raise APIError(400, str(e), param="request_id") from None
+    except EngineDeadError as e:
+        raise APIError(503, str(e), type="service_unavailable") from None
+    return ndjson_response(stream)
+
+
+def run_pd_server(engine: Engine, async_engine_cls: type[PDAsyncEngine], settings: ServerSettings,
+                  secret: FleetSecret, add_routes: Callable[[FastAPI, ServingContext], None], what: str) -> None:
+    """Serve an engine's /pd routes (add_routes adds them; every one needs the secret's signature) until
+    SIGTERM/SIGINT; what: the log line's description of the server."""
+    name = settings.served_model_name or default_model_name(engine.config.model)
+    metrics = ServerMetrics(name)
+    async_engine = async_engine_cls(engine, metrics)
+    ctx = ServingContext(async_engine, TokenizerWorker(engine.tokenizer), metrics, name)
+    app = build_app(ctx, settings, openai_routes=False)
+    add_routes(app, ctx)
+    app.add_middleware(SignedRoutes, secret=secret, prefixes=("/pd/",))
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                            access_log=settings.access_log,
+                            timeout_graceful_shutdown=settings.shutdown_timeout + BACKSTOP_SECONDS)
+    logger.info("serving %s as %s on http://%s:%d", name, what, settings.host, settings.port)
+    _Server(config, async_engine, settings.shutdown_timeout).run()
+
+
+def setup_logging(settings: ServerSettings) -> None:
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
