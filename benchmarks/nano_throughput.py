@@ -237,7 +237,8 @@ def main() -> None:
     ap.add_argument("--no-overlap", action="store_true", help="async_scheduling=False: host work between steps")
     ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (GPUs)")
     ap.add_argument("--no-warmup", action="store_true", help="warmup=False: no start-up compilation steps")
-    ap.add_argument("--prefill-cuda-graphs", action="store_true", help="prefill_cuda_graphs=True (the trial)")
+    ap.add_argument("--prefill-cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                    help="prefill_cuda_graphs (default: the engine's, on for one GPU)")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="0.6b", help="the random checkpoint's shape")
     ap.add_argument("--split-target", type=int, help="decode attention's SPLIT_TARGET_PROGRAMS (A/B runs)")
     args = ap.parse_args()

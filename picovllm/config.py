@@ -214,7 +214,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enforce_eager: bool = False           # no CUDA graphs (GPU), no one-call decode stack (CPU)
     async_scheduling: bool | None = None  # overlap host work with the device (None: on for GPUs)
-    prefill_cuda_graphs: bool = False     # CUDA graphs for one-chunk prefill steps of <= 512 tokens (GPU; trial)
+    prefill_cuda_graphs: bool | None = None   # CUDA graphs for one-chunk prefill steps of <= 512 tokens (GPU);
+                                              # None: on where the decode steps have graphs, one rank (no TP)
     warmup: bool | None = None            # start-up steps that compile every Triton kernel variant a run can
                                           # meet (engine/warmup.py); None: on for CUDA with the Triton backend
     attention_backend: str = "auto"       # "torch" | "triton" | "cpu" (C paged kernel) | "auto"
@@ -264,8 +265,8 @@ class EngineConfig:
             self.async_scheduling = str(self.device).startswith("cuda")
         if not isinstance(self.async_scheduling, bool):
             raise bad("async_scheduling", "must be a bool or None")
-        if not isinstance(self.prefill_cuda_graphs, bool):
-            raise bad("prefill_cuda_graphs", "must be a bool")
+        if self.prefill_cuda_graphs is not None and not isinstance(self.prefill_cuda_graphs, bool):
+            raise bad("prefill_cuda_graphs", "must be a bool or None")
         if self.warmup is not None and not isinstance(self.warmup, bool):
             raise bad("warmup", "must be a bool or None")
         if self.quantization not in QUANTIZATIONS:

@@ -115,7 +115,8 @@ class ModelRunner:
             max_blocks = -(-self.max_model_len // self.block_size)
             self.cuda_graphs = CUDAGraphRunner(self.model, self.config.max_num_seqs, max_blocks,
                                                self.block_size, self.device).capture()
-            if self.config.prefill_cuda_graphs:
+            prefill_graphs = self.config.prefill_cuda_graphs
+            if prefill_graphs or (prefill_graphs is None and self.tp.size == 1):   # not yet measured under TP
                 from picovllm.engine.prefill_graph import PrefillGraphRunner
                 self.prefill_graphs = PrefillGraphRunner(self.model, self.config.max_num_batched_tokens, max_blocks,
                                                          self.block_size, self.device).capture()

@@ -1,4 +1,4 @@
-"""CUDA graphs for small prefill steps (EngineConfig.prefill_cuda_graphs; off by default, to be measured).
+"""CUDA graphs for small prefill steps (EngineConfig.prefill_cuda_graphs; on by default for one GPU).
 
 An eager prefill launches ~10 kernels per layer from Python; for a prompt of a few hundred tokens that host
 work, not the GPU, sets the time to first token. A step that is one prefill chunk of at most PREFILL_BUCKETS[-1]
