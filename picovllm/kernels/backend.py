@@ -18,16 +18,17 @@ class TritonAttentionBackend(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int | None = None,
-                softcap: float | None = None) -> torch.Tensor:
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+                softcap: float | None = None, kv_scales=None) -> torch.Tensor:
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping, kv_scales)
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:
             decode_attention(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd],
-                             scale, out=out[:nd], window=window, softcap=softcap)
+                             scale, out=out[:nd], window=window, softcap=softcap, kv_scales=kv_scales)
         num_prefills = meta.num_seqs - nd
         if num_prefills:
             max_q = max(meta.query_lens_cpu[nd:])
             prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                              nd, num_prefills, max_q, scale, out, window=window, softcap=softcap)
+                              nd, num_prefills, max_q, scale, out, window=window, softcap=softcap,
+                              kv_scales=kv_scales)
         return out
