@@ -8,6 +8,20 @@ import triton.language as tl
 
 
 @triton.jit
+def round_to_e4m3(x):
+    """float32 x, |x| <= 448 -> the nearest float8_e4m3fn value (ties to even), still float32, so the cast after it
+    is exact. The cast alone rounds right on a GPU, but TRITON_INTERPRET's emulation rounds half up without a
+    carry (125.9 -> 64); rounding here makes the stored bytes torch's on both. Adding then subtracting
+    c = 1.5 * 2^(e + 20), e = |x|'s binade (at least e4m3's smallest, -6), rounds |x| to a multiple of 2^(e - 3),
+    e4m3's spacing there, in float32's own round-to-nearest-even."""
+    bits = x.to(tl.int32, bitcast=True)
+    binade = tl.maximum((bits & 0x7F800000).to(tl.float32, bitcast=True), 0.015625)
+    c = binade * 1572864.0
+    r = (tl.abs(x) + c) - c
+    return tl.where(bits < 0, -r, r)
+
+
+@triton.jit
 def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr,
                      stride_kt, stride_kh, stride_vt, stride_vh,
                      stride_cb, stride_cs, stride_ch,
@@ -28,8 +42,8 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_p
     if FP8:
         ks = tl.load(k_scale_ptr + h, mask=h < NUM_HEADS, other=1.0)
         vs = tl.load(v_scale_ptr + h, mask=h < NUM_HEADS, other=1.0)
-        k = tl.minimum(tl.maximum(k.to(tl.float32) / ks, -448.0), 448.0)
-        v = tl.minimum(tl.maximum(v.to(tl.float32) / vs, -448.0), 448.0)
+        k = round_to_e4m3(tl.minimum(tl.maximum(k.to(tl.float32) / ks, -448.0), 448.0))
+        v = round_to_e4m3(tl.minimum(tl.maximum(v.to(tl.float32) / vs, -448.0), 448.0))
     tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
