@@ -81,3 +81,9 @@ def allocate_kv_cache(model: torch.nn.Module, num_blocks: int, block_size: int, 
     for i, a in enumerate(layers):
         a.k_cache, a.v_cache = cache[i, 0], cache[i, 1]
     return cache
+
+
+def wire_view(cache: torch.Tensor) -> torch.Tensor:
+    """The cache as KV transfers and TP gathers move it: an fp8 cache as a uint8 view of its bytes (gloo,
+    sockets and the CPU's index_copy_ know no float8), any other as it is."""
+    return cache.view(torch.uint8) if cache.dtype == torch.float8_e4m3fn else cache
