@@ -48,8 +48,14 @@ def test_config_names_and_refusals():
         EngineConfig(device="cpu", kv_cache_dtype="fp8", attention_backend="cpu")
 
 
-def test_cli_flag_reaches_the_engine_config():
+def test_cli_flag_reaches_the_engine_config(monkeypatch):
     import argparse
+
+    import picovllm.disagg.driver as driver
+    from picovllm.disagg.cli import main
+    seen = {}
+    monkeypatch.setattr(driver, "generate_disaggregated", lambda *a, **kw: seen.update(kw) or [])
+    assert main(["hi", "--kv-cache-dtype", "fp8"]) == 0 and seen["kv_cache_dtype"] == "fp8"   # both P and D
 
     from picovllm.entrypoints.engine_args import add_engine_args, engine_config_from_args
     p = argparse.ArgumentParser()
