@@ -74,13 +74,16 @@ def test_scales_are_powers_of_two_with_headroom():
 
 
 def test_engine_allocates_fp8_and_calibrates_per_layer_and_head(tiny_models):
-    """Half the bytes per block of float32... a quarter (fp32 -> 1 byte); the scales bound to each layer
-    are the calibration's, which match each layer's |K|, |V| maxima (recomputed here with a hook)."""
+    """A quarter of float32's bytes per block (1 byte an element), so 4x the blocks in the same budget; the
+    scales bound to each layer are the calibration's, which match each layer's |K|, |V| maxima (recomputed
+    here with a hook on the float engine's model)."""
     path = tiny_models["qwen3"]
-    f32 = LLM(path, num_kv_blocks=16, device="cpu")
-    fp8 = LLM(path, num_kv_blocks=16, device="cpu", kv_cache_dtype="fp8")
+    f32 = LLM(path, cpu_kv_cache_gib=0.001, device="cpu")
+    fp8 = LLM(path, cpu_kv_cache_gib=0.001, device="cpu", kv_cache_dtype="fp8")
     r32, r8 = f32.engine.runner, fp8.engine.runner
     assert r8.kv_cache.dtype == FP8 and r8.kv_bytes_per_block() * 4 == r32.kv_bytes_per_block()
+    n32, n8 = f32.engine.block_manager.num_blocks, fp8.engine.block_manager.num_blocks
+    assert 4 * n32 <= n8 < 4 * (n32 + 1)       # floor(budget / bytes per block) on both
     assert type(r8.attn_backend).__name__ == "TorchAttentionBackend"   # the C kernels read float32 only
     k, v = r8.kv_scales
     layers = r8.model.attention_layers()
@@ -268,3 +271,53 @@ def test_pd_refuses_kv_scale_mismatch(tiny_models, monkeypatch):
     assert "KVLayout.kv_scales differs" in p_err, p_err
     p, d = built
     assert not torch.equal(p.executor.kv_scales[0], d.executor.kv_scales[0])
+
+
+# -- on a GPU (run compiled, marked gpu) -----------------------------------------------------------------------
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
+                               reason="needs CUDA (compiled Triton)")
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_engine_gpu_fp8_with_cuda_graphs_matches_cpu_fp8(tiny_models):
+    """float32 weights on the GPU, fp8 KV: the Triton store/prefill/decode kernels, chunked prefill and
+    CUDA-graph decode steps (the scales are static tensors the graphs read) give the CPU torch reference's fp8
+    tokens; the calibration lands on the same power-of-two scales on both devices. Then graphs == eager."""
+    prompts = _prompts([1, 5, 16, 17, 31, 32, 47, 90])
+    path = tiny_models["qwen3"]
+    kw = dict(dtype="float32", block_size=16, num_kv_blocks=64, max_num_batched_tokens=40, kv_cache_dtype="fp8")
+    cpu = LLM(path, device="cpu", **kw)
+    ref = _greedy(cpu, prompts, 12)
+    res = {}
+    for eager in (False, True):
+        llm = LLM(path, device="cuda", enforce_eager=eager, **kw)
+        runner = llm.engine.runner
+        assert runner.kv_cache.dtype == FP8 and type(runner.attn_backend).__name__ == "TritonAttentionBackend"
+        for a, b in zip(runner.kv_scales, cpu.engine.runner.kv_scales):
+            assert torch.equal(a.cpu(), b)
+        replays = []
+        if not eager:
+            real_run = runner.cuda_graphs.run
+            runner.cuda_graphs.run = lambda step, *a: (replays.append(len(step.seq_lens)), real_run(step, *a))[1]
+        res[eager] = _greedy(llm, prompts, 12)
+        assert bool(replays) != eager
+        llm.shutdown()
+    assert res[False] == res[True] == ref
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_bf16_fp8_kv_halves_the_bytes_and_stays_close(tiny_models):
+    """bf16 weights: fp8 KV halves the bytes per block; its greedy tokens mostly equal bf16 KV's on a tiny
+    random model (near-ties may flip, and then the rest of that answer: >= 6 of 8 equal asserted)."""
+    prompts = _prompts([5, 17, 31, 47, 60, 90, 100, 120], seed=3)
+    out, per_block = {}, {}
+    for kv in ("auto", "fp8"):
+        llm = LLM(tiny_models["llama"], dtype="bfloat16", device="cuda", kv_cache_dtype=kv, num_kv_blocks=256)
+        per_block[kv] = llm.engine.runner.kv_bytes_per_block()
+        out[kv] = _greedy(llm, prompts, 16)
+        llm.shutdown()
+    assert per_block["auto"] == 2 * per_block["fp8"]
+    assert sum(a == b for a, b in zip(out["auto"], out["fp8"])) >= 6
