@@ -321,3 +321,39 @@ def test_bf16_fp8_kv_halves_the_bytes_and_stays_close(tiny_models):
         llm.shutdown()
     assert per_block["auto"] == 2 * per_block["fp8"]
     assert sum(a == b for a, b in zip(out["auto"], out["fp8"])) >= 6
+
+
+@pytest.mark.parametrize("backend", ["tcp", "cuda_ipc"])   # cuda_ipc on CPU: shared memory
+def test_fleet_fp8_equals_colocated_fp8_and_refuses_other_scales(tiny_models, backend):
+    """A fleet's P publishes fp8 blocks, its D pulls them (bytes): colocated fp8's tokens. A D whose scales
+    differ (calibrated with a doubled amax) refuses the handles, each request ending with an error naming them."""
+    from test_disagg_engines import assert_same, mixed_params, prompts
+    from test_pd_fleet import Fleet, fleet_engine, pull_config
+    path = tiny_models["llama"]
+    ps = prompts()[:6]
+    params = [mixed_params()[i % 3] for i in range(len(ps))]
+    ref = LLM(path, block_size=4, num_kv_blocks=256, kv_cache_dtype="fp8").generate(ps, params, use_tqdm=False)
+    fleet = Fleet([fleet_engine(path, "p", pull_config(backend=backend), kv_cache_dtype="fp8")],
+                  [fleet_engine(path, "d", pull_config(backend=backend), kv_cache_dtype="fp8")])
+    try:
+        ids = [fleet.submit(p, sp) for p, sp in zip(ps, params)]
+        fleet.run(ids)
+        assert_same([fleet.finals[i] for i in ids], ref)
+    finally:
+        fleet.close()
+    from picovllm.engine import kv_scales
+    real = kv_scales.scales_from_amax
+    p = fleet_engine(path, "p", pull_config(backend=backend), kv_cache_dtype="fp8")
+    kv_scales.scales_from_amax = lambda amax: real(amax * 2)
+    try:
+        d = fleet_engine(path, "d", pull_config(backend=backend), kv_cache_dtype="fp8")
+    finally:
+        kv_scales.scales_from_amax = real
+    fleet = Fleet([p], [d])
+    try:
+        ids = [fleet.submit(p, sp) for p, sp in zip(ps[:2], params[:2])]
+        fleet.run(ids)
+        errors = [fleet.finals[i].error or "" for i in ids]
+        assert all("KVLayout.kv_scales differs" in e for e in errors), errors
+    finally:
+        fleet.close()
