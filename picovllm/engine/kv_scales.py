@@ -114,7 +114,11 @@ def bind_calibrated(model: torch.nn.Module, source, tp, device: torch.device) ->
     """Calibrate, give each attention layer its (k_scale, v_scale) of this rank's KV heads, and return the
     full-head scales [layers, total KV heads] (under tensor parallelism: every rank's, gathered by a max-reduce,
     so every rank returns the same)."""
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        raise ValueError("EngineConfig.kv_cache_dtype 'fp8' needs a GPU with float8 e4m3 (compute capability 8.9+: "
+                         f"Ada, Hopper), this one is {torch.cuda.get_device_name(device)}")
     ids = calibration_ids(source.load_tokenizer, source.config.vocab_size)
+    ids = ids[:source.config.max_position_embeddings]      # positions within the rotary table
     k, v = calibrate(model, ids, device)
     for i, a in enumerate(model.attention_layers()):
         a.kv_scales = (k[i].contiguous(), v[i].contiguous())
