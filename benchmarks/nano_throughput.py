@@ -1,6 +1,7 @@
 """The nano-vllm benchmark workload through LLM.generate, plus latency, prefill and a step profile.
 
     python benchmarks/nano_throughput.py throughput [--model PATH] [--enforce-eager] [--no-overlap] [--timeline]
+                                                    [--kv-cache-dtype fp8]   # any mode: the KV cache in fp8
     python benchmarks/nano_throughput.py disagg      # the same workload through 1P1D on one GPU (cuda_ipc)
     python benchmarks/nano_throughput.py latency     # batch 1, 512-token prompt, 256 outputs: ms/token
     python benchmarks/nano_throughput.py prefill     # one 8k-token prompt: prefill tokens/s
@@ -39,7 +40,7 @@ def make_llm(args, **over) -> LLM:
               enable_prefix_caching=not args.no_prefix_caching,
               gpu_memory_utilization=0.9, async_scheduling=not args.no_overlap,
               tensor_parallel_size=args.tp, warmup=False if args.no_warmup else None,
-              prefill_cuda_graphs=args.prefill_cuda_graphs)
+              prefill_cuda_graphs=args.prefill_cuda_graphs, kv_cache_dtype=args.kv_cache_dtype)
     kw.update(over)
     return LLM(args.model, **kw)
 
@@ -138,7 +139,7 @@ def disagg(args) -> dict:
 
     common = dict(max_model_len=4096, max_num_seqs=256, max_num_batched_tokens=16384,
                   enforce_eager=args.enforce_eager, async_scheduling=not args.no_overlap,
-                  enable_prefix_caching=not args.no_prefix_caching)
+                  enable_prefix_caching=not args.no_prefix_caching, kv_cache_dtype=args.kv_cache_dtype)
     # the two engines size their KV caches one after the other on the one GPU: P a third of it, D the rest
     with DisaggLLM(args.model, backend="cuda_ipc", prefill_device="cuda:0", decode_device="cuda:0",
                    prefill={"gpu_memory_utilization": 0.3}, decode={"gpu_memory_utilization": 0.9}, **common) as llm:
@@ -239,6 +240,8 @@ def main() -> None:
     ap.add_argument("--no-warmup", action="store_true", help="warmup=False: no start-up compilation steps")
     ap.add_argument("--prefill-cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                     help="prefill_cuda_graphs (default: the engine's, on for one GPU)")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
+                    help="the KV cache's dtype: auto (the model's, bf16) or fp8 (e4m3, calibrated scales)")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="0.6b", help="the random checkpoint's shape")
     ap.add_argument("--split-target", type=int, help="decode attention's SPLIT_TARGET_PROGRAMS (A/B runs)")
     args = ap.parse_args()
@@ -247,6 +250,7 @@ def main() -> None:
         da.SPLIT_TARGET_PROGRAMS = args.split_target
     args.model = args.model or build(f"/tmp/qwen3-{args.shape}-random", **SHAPES[args.shape])
     res = globals()[args.mode](args)
+    res["kv_cache_dtype"] = args.kv_cache_dtype
     table = res.pop("kernel_table", None)
     if table:
         print(table)

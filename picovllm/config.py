@@ -197,6 +197,9 @@ def _rope_scaling(rs: dict[str, Any], cfg: dict[str, Any] | None = None) -> dict
 # load to 8 bits (a scale per 16 weights), run by the same CPU kernels (loader/quantize_at_load.py); "bf16":
 # the CPU's decode GEMMs read bfloat16 copies of the float32 weights (kernels/cpu/small_gemm.c)
 QUANTIZATIONS = ("auto", "none", "q8_0", "bf16")
+# the KV cache's element type: "auto" = the model's dtype; "fp8" (alias "fp8_e4m3") = float8 e4m3fn with a float32
+# scale per layer and KV head for K and for V (engine/kv_scales.py)
+KV_CACHE_DTYPES = {"auto": "auto", "fp8": "fp8", "fp8_e4m3": "fp8"}
 
 
 @dataclass
@@ -226,6 +229,7 @@ class EngineConfig:
     disk_cache: bool = True               # keep a GGUF's tokenizer and weights in the artifact cache
     quantization: str = "auto"            # weights on the CPU: "auto" (a GGUF's own 4/8-bit form) | "none" (fp32)
                                           # | "q8_0" (an HF folder quantized at load) | "bf16" (CPU decode)
+    kv_cache_dtype: str = "auto"          # "auto" (the model's dtype) | "fp8" / "fp8_e4m3" (float8 e4m3fn, scaled)
 
     def __post_init__(self) -> None:
         import torch
@@ -273,7 +277,20 @@ class EngineConfig:
             raise bad("quantization", f"must be one of {', '.join(map(repr, QUANTIZATIONS))}")
         if self.role not in ("pd", "p", "d"):
             raise bad("role", "must be 'pd', 'p' or 'd'")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise bad("kv_cache_dtype", f"must be one of {', '.join(map(repr, KV_CACHE_DTYPES))}")
+        self.kv_cache_dtype = KV_CACHE_DTYPES[self.kv_cache_dtype]
+        if self.kv_cache_dtype == "fp8" and self.attention_backend == "cpu":
+            raise ValueError("EngineConfig.kv_cache_dtype 'fp8': the CPU's C attention kernels read float32 KV "
+                             "only; use attention_backend 'torch' or 'auto' (which takes torch for fp8 KV)")
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return self.dtype  # normalised in __post_init__
+
+    @property
+    def torch_kv_cache_dtype(self) -> torch.dtype:
+        """The KV cache's element type: the model's dtype, or float8_e4m3fn for kv_cache_dtype 'fp8'."""
+        import torch
+
+        return torch.float8_e4m3fn if self.kv_cache_dtype == "fp8" else self.dtype

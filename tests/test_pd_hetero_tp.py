@@ -57,9 +57,9 @@ def children_of(pids) -> list[int]:
     return out
 
 
-def run_pd(path: str, p_tp: int, d_tp: int, ps, sp, async_transfer: bool = True, refused=()):
+def run_pd(path: str, p_tp: int, d_tp: int, ps, sp, async_transfer: bool = True, refused=(), **engine):
     llm = DisaggLLM(path, prefill={**ENGINE["prefill"], "tensor_parallel_size": p_tp},
-                    decode={"tensor_parallel_size": d_tp}, block_size=4, num_kv_blocks=128)
+                    decode={"tensor_parallel_size": d_tp}, block_size=4, num_kv_blocks=128, **engine)
     try:
         ranks = children_of(set(llm.pids.values()))
         assert len(ranks) == (p_tp - 1) + (d_tp - 1), ranks
@@ -105,6 +105,18 @@ def test_hetero_tp_matches_colocated(models, model, p_tp, d_tp):
     ref = LLM(models[model], block_size=4, num_kv_blocks=128).generate(ps, sp, use_tqdm=False)
     refused = [] if p_tp == d_tp == 1 else ["cuda_ipc"]   # it maps one peer cache: TP engines are refused
     outs = run_pd(models[model], p_tp, d_tp, ps, sp, async_transfer=p_tp == 2, refused=refused)
+    assert tokens(outs) == tokens(ref)
+
+
+@pytest.mark.parametrize("p_tp,d_tp", [(2, 1), (1, 2)])
+def test_hetero_tp_fp8_kv_matches_colocated_fp8(models, p_tp, d_tp):
+    """fp8 KV across TP sizes: each rank calibrates its own KV heads; the full-head scales (a max over ranks)
+    must match the other side's at the handshake, and the fp8 blocks re-split on the way give colocated
+    TP=1 fp8's tokens."""
+    ps, sp = prompts(), SamplingParams(max_tokens=8, **GREEDY)
+    ref = LLM(models["uneven"], block_size=4, num_kv_blocks=128, kv_cache_dtype="fp8").generate(ps, sp,
+                                                                                              use_tqdm=False)
+    outs = run_pd(models["uneven"], p_tp, d_tp, ps, sp, kv_cache_dtype="fp8")
     assert tokens(outs) == tokens(ref)
 
 

@@ -113,6 +113,24 @@ def test_fewer_kv_heads_than_ranks_with_chunked_prefill(tp_models):
     assert tp2 == tp1 == ref
 
 
+def test_fp8_kv_each_rank_holds_its_heads_scales(tp_models):
+    """kv_cache_dtype fp8 under TP=2 (3 KV heads split 2 + 1): rank 0's layers hold the scales of its 2 heads,
+    the engine's full-head scales equal TP=1's calibration, and the tokens equal TP=1 fp8's."""
+    path, prompts = tp_models["llama"], make_prompts()
+    sp = SamplingParams(max_tokens=8, **GREEDY)
+    tp1 = LLM(path, num_kv_blocks=64, kv_cache_dtype="fp8")
+    k1, v1 = tp1.engine.executor.kv_scales
+    ref = tokens(tp1.generate(prompts, sp, use_tqdm=False))
+    with LLM(path, tensor_parallel_size=2, num_kv_blocks=64, kv_cache_dtype="fp8") as llm:
+        runner = llm.engine.runner
+        assert runner.kv_cache.dtype == torch.float8_e4m3fn
+        k2, v2 = llm.engine.executor.kv_scales
+        assert torch.equal(k2, k1) and torch.equal(v2, v1)
+        for i, attn in enumerate(runner.model.attention_layers()):
+            assert torch.equal(attn.kv_scales[0], k1[i, :2]) and torch.equal(attn.kv_scales[1], v1[i, :2])
+        assert tokens(llm.generate(prompts, sp, use_tqdm=False)) == ref
+
+
 def test_odd_vocab_tied_head_with_preemption(tp_models):
     path, prompts = tp_models["qwen3"], make_prompts(vocab=383)
     ref, _ = hf_greedy(path, prompts, 8)

@@ -127,7 +127,8 @@ def run_latency(args: argparse.Namespace) -> dict:
     cfg = llm.config
     return {
         "model": model_label(args, path),
-        "dtype": str(cfg.torch_dtype).removeprefix("torch."), "device": str(cfg.device),
+        "dtype": str(cfg.torch_dtype).removeprefix("torch."), "kv_cache_dtype": cfg.kv_cache_dtype,
+        "device": str(cfg.device),
         "input_len": args.input_len, "output_len": args.output_len, "prefill_len": prefill_len,
         "num_iters": args.num_iters,
         "decode_ms_per_token": round(statistics.median(itl), 3), "ttft_ms": round(statistics.median(ttft), 2),

@@ -91,7 +91,8 @@ def run_throughput(args: argparse.Namespace) -> dict:
     cfg = llm.config
     return {
         "workload": w.spec.name, "model": model_label(args, path),
-        "dtype": str(cfg.torch_dtype).removeprefix("torch."), "device": str(cfg.device),
+        "dtype": str(cfg.torch_dtype).removeprefix("torch."), "kv_cache_dtype": cfg.kv_cache_dtype,
+        "device": str(cfg.device),
         "torch_threads": torch.get_num_threads(),
         "num_requests": len(w.prompts), "prompt_tokens": w.num_prompt_tokens, "output_tokens": n_out,
         "load_s": round(load_s, 2), "elapsed_s": round(elapsed, 3),

@@ -59,7 +59,8 @@ def run_disagg_generate(args: argparse.Namespace) -> int:
 
 def disagg_options(args: argparse.Namespace) -> dict:
     """The DisaggLLM / generate_disaggregated keyword arguments the flags give (the model aside)."""
-    engine = {k: getattr(args, k) for k in ("dtype", "max_model_len", "block_size", "num_kv_blocks", "disk_cache")
+    engine = {k: getattr(args, k) for k in ("dtype", "max_model_len", "block_size", "num_kv_blocks", "disk_cache",
+                                            "kv_cache_dtype")
               if getattr(args, k, None) is not None}
     decode = {"num_kv_blocks": args.decode_num_kv_blocks} if args.decode_num_kv_blocks else {}
     prefill = {}
@@ -83,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--block-size", type=int, default=None)
     parser.add_argument("--num-kv-blocks", type=int, default=None)
+    parser.add_argument("--kv-cache-dtype", default=None, help="auto (the model's dtype) or fp8 (e4m3, both sides)")
     add_disagg_arguments(parser)
     return run_disagg_generate(parser.parse_args(argv))
 

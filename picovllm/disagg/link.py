@@ -8,6 +8,7 @@ import torch
 from picovllm.disagg.channel import Channel, PeerGone
 from picovllm.disagg.messages import Hello, KVLayout
 from picovllm.disagg.transfer import KVTransfer, TransferConfig, make_transfer
+from picovllm.engine.kv_scales import scales_digest
 from picovllm.engine.tp_kv import FullHeadKV
 
 
@@ -24,7 +25,13 @@ def cache_layout(runner) -> KVLayout:
     return KVLayout(num_layers=cache.shape[0], num_kv_heads=total if size > 1 else cache.shape[4],
                     head_dim=cache.shape[5], block_size=cache.shape[3], num_blocks=cache.shape[2],
                     dtype=str(cache.dtype).removeprefix("torch."), total_kv_heads=total,
-                    kv_head_start=0, tp_rank=tp.rank if tp is not None else 0, tp_size=size)
+                    kv_head_start=0, tp_rank=tp.rank if tp is not None else 0, tp_size=size,
+                    kv_scales=_scales_digest(runner))
+
+
+def _scales_digest(runner) -> str:
+    scales = getattr(runner, "kv_scales", None)
+    return "" if scales is None else scales_digest(*scales)
 
 
 def full_head_io(runner) -> FullHeadKV | None:

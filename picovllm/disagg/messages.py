@@ -34,12 +34,13 @@ class KVLayout:
     head_dim: int
     block_size: int
     num_blocks: int
-    dtype: str                        # torch dtype name without "torch.", e.g. "bfloat16"
+    dtype: str                        # torch dtype name without "torch.", e.g. "bfloat16" or "float8_e4m3fn"
     total_kv_heads: int
     kv_head_start: int = 0
     tp_rank: int = 0
     tp_size: int = 1
     order: str = "layer,kv,block,slot,head,dim"
+    kv_scales: str = ""               # fp8 caches: a digest of the full-head K/V scales (engine/kv_scales.py)
 
     def block_shape(self, num_blocks: int) -> tuple[int, ...]:
         return (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
@@ -47,10 +48,12 @@ class KVLayout:
     def mismatch(self, other: "KVLayout") -> str | None:
         """Why a block of `other`'s cache cannot be copied as-is into ours (None when it can)."""
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size", "dtype", "total_kv_heads",
-                     "kv_head_start", "order"):
+                     "kv_head_start", "order", "kv_scales"):
             if getattr(self, name) != getattr(other, name):
+                why = (" (the fp8 KV scales, a digest: both sides must calibrate the same model the same way)"
+                       if name == "kv_scales" else "")
                 return (f"KVLayout.{name} differs: decode side has {getattr(self, name)!r}, "
-                        f"prefill side has {getattr(other, name)!r}")
+                        f"prefill side has {getattr(other, name)!r}{why}")
         return None
 
 

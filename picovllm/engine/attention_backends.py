@@ -41,7 +41,9 @@ def _triton_available(config: EngineConfig, model: torch.nn.Module) -> bool:
 
 
 def _cpu_available(config: EngineConfig, model: torch.nn.Module) -> bool:
-    if torch.device(config.device).type != "cpu" or config.torch_dtype != torch.float32:
+    # fp8 KV: the C kernels (and the decode stack built on them) read float32 caches only, so "auto" takes torch
+    if torch.device(config.device).type != "cpu" or config.torch_dtype != torch.float32 \
+            or config.kv_cache_dtype != "auto":
         return False
     from picovllm.kernels.cpu import decode_attention as cpu_kernel
     attn = model.attention_layers()[0]
@@ -51,7 +53,7 @@ def _cpu_available(config: EngineConfig, model: torch.nn.Module) -> bool:
 ATTENTION_BACKENDS = MappingProxyType({
     "torch": BackendEntry(_make_torch, lambda config, model: True, "nothing"),
     "triton": BackendEntry(_make_triton, _triton_available, "triton installed"),
-    "cpu": BackendEntry(_make_cpu, _cpu_available, "float32 on the CPU and a C compiler"),
+    "cpu": BackendEntry(_make_cpu, _cpu_available, "float32 on the CPU, kv_cache_dtype 'auto' and a C compiler"),
 })
 AUTO_ORDER = MappingProxyType({"cuda": ("triton", "torch"), "cpu": ("cpu", "torch")})
 

@@ -51,6 +51,11 @@ class Executor(ABC):
         return self.runner.kv_cache
 
     @property
+    def kv_scales(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """fp8 KV: (k, v) scales [layers, total KV heads], the same on every rank; None for a float cache."""
+        return self.runner.kv_scales
+
+    @property
     def tp(self) -> TPGroup:
         """This process's place among the tensor-parallel ranks (size 1 when there are none)."""
         return self.runner.tp

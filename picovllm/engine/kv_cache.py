@@ -1,5 +1,7 @@
 """The paged KV cache's sizing and allocation: bytes per block, how many blocks fit, one tensor
 [num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim] bound to the attention layers.
+Its dtype is EngineConfig.torch_kv_cache_dtype: the model's, or float8_e4m3fn (half bf16's bytes per block, so
+twice the blocks in the same memory; each layer's scales are bound beside its cache, engine/kv_scales.py).
 """
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ def profile_num_blocks(model: torch.nn.Module, config: EngineConfig, device: tor
     gpu_memory_utilization; on the CPU, cpu_kv_cache_gib."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
-    per_block = kv_bytes_per_block(model, config.block_size, config.torch_dtype)
+    per_block = kv_bytes_per_block(model, config.block_size, config.torch_kv_cache_dtype)
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
@@ -48,7 +50,7 @@ def profile_num_blocks(model: torch.nn.Module, config: EngineConfig, device: tor
 
 def _profile_forward(model: torch.nn.Module, config: EngineConfig, device: torch.device) -> None:
     """One forward of max_num_batched_tokens into a scratch cache: the peak activation memory."""
-    n, bs, dtype = config.max_num_batched_tokens, config.block_size, config.torch_dtype
+    n, bs, dtype = config.max_num_batched_tokens, config.block_size, config.torch_kv_cache_dtype
     ids = torch.zeros(n, dtype=torch.long, device=device)
     saved = [(a.k_cache, a.v_cache) for a in model.attention_layers()]
     attn = model.attention_layers()[0]
@@ -79,3 +81,9 @@ def allocate_kv_cache(model: torch.nn.Module, num_blocks: int, block_size: int, 
     for i, a in enumerate(layers):
         a.k_cache, a.v_cache = cache[i, 0], cache[i, 1]
     return cache
+
+
+def wire_view(cache: torch.Tensor) -> torch.Tensor:
+    """The cache as KV transfers and TP gathers move it: an fp8 cache as a uint8 view of its bytes (gloo,
+    sockets and the CPU's index_copy_ know no float8), any other as it is."""
+    return cache.view(torch.uint8) if cache.dtype == torch.float8_e4m3fn else cache

@@ -16,7 +16,7 @@ import torch
 
 from picovllm.config import EngineConfig, ModelConfig
 from picovllm.distributed import SINGLE, TPGroup
-from picovllm.engine import kv_cache, sampling
+from picovllm.engine import kv_cache, kv_scales, sampling
 from picovllm.engine.attention_backends import make_attention_backend
 from picovllm.engine.kv_cache import lazy_zeros  # noqa: F401  (re-exported: ARCHITECTURE.md names it here)
 from picovllm.engine.sampling import LaunchedStep, StepResult
@@ -81,6 +81,12 @@ class ModelRunner:
                            config.quantization)
         self.model.eval()
         self.block_size = config.block_size
+        self.kv_dtype = config.torch_kv_cache_dtype
+        # fp8 KV: (k, v) scales of every KV head [layers, total KV heads], the same on every rank (what P and D
+        # compare); each layer holds its own heads' slice (engine/kv_scales.py)
+        self.kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None
+        if config.kv_cache_dtype == "fp8":
+            self.kv_scales = kv_scales.bind_calibrated(self.model, source, tp, self.device)
         self.kv_cache: torch.Tensor | None = None
         self.attn_backend = make_attention_backend(config, self.model)
         for attn in self.model.attention_layers():
@@ -94,7 +100,7 @@ class ModelRunner:
 
     # -- KV cache ------------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
-        return kv_cache.kv_bytes_per_block(self.model, self.block_size, self.dtype)
+        return kv_cache.kv_bytes_per_block(self.model, self.block_size, self.kv_dtype)
 
     def profile_num_blocks(self) -> int:
         """How many KV blocks fit the memory budget."""
@@ -103,7 +109,8 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """Allocate the cache, then what depends on it: the warm-up steps (every kernel compiled), the decode
         step's CUDA graphs or CPU stack."""
-        self.kv_cache = kv_cache.allocate_kv_cache(self.model, num_blocks, self.block_size, self.dtype, self.device)
+        self.kv_cache = kv_cache.allocate_kv_cache(self.model, num_blocks, self.block_size, self.kv_dtype,
+                                                   self.device)
         triton = getattr(self.attn_backend, "supports_cuda_graphs", False)
         if self.config.warmup or (self.config.warmup is None and triton and self.device.type == "cuda"):
             self.warm_up()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from picovllm.engine.kv_cache import wire_view
 from picovllm.engine.messages import GatherKV, ScatterKV
 
 
@@ -34,6 +35,11 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu").contiguous().view(-1).view(torch.uint8)
 
 
+def _cache(runner) -> torch.Tensor:
+    """This rank's cache as the link moves it (fp8: its bytes, kv_cache.wire_view)."""
+    return wire_view(runner.kv_cache)
+
+
 def _full_shape(runner, n: int) -> tuple[int, ...]:
     c = runner.kv_cache
     return (c.shape[0], 2, n, c.shape[3], runner.model_config.num_key_value_heads, c.shape[5])
@@ -45,7 +51,7 @@ def gather_blocks(runner, group, dst: int, block_ids: list[int]) -> torch.Tensor
     meta = [torch.zeros(2, dtype=torch.int64) for _ in range(dist.get_world_size(group))]
     dist.all_gather(meta, torch.tensor([start, count], dtype=torch.int64), group=group)
     width = max(int(m[1]) for m in meta)
-    cache = runner.kv_cache
+    cache = _cache(runner)
     idx = torch.tensor(block_ids, dtype=torch.long, device=cache.device)
     shard = cache.index_select(2, idx).to("cpu")
     if count < width:     # shards must be one size for gloo's gather: pad the head dimension
@@ -71,7 +77,7 @@ def gather_blocks(runner, group, dst: int, block_ids: list[int]) -> torch.Tensor
 
 def scatter_blocks(runner, group, src: int, block_ids: list[int], full: torch.Tensor | None) -> None:
     """Every rank calls this; rank `src` passes the full-head blocks, and each rank writes its head slice."""
-    cache = runner.kv_cache
+    cache = _cache(runner)
     shape = _full_shape(runner, len(block_ids))
     if full is None:
         data = torch.empty(shape, dtype=cache.dtype)

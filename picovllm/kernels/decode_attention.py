@@ -7,6 +7,9 @@ reading K/V token by token through the block table, so any block size works. It 
 slice's normalized output and its log-sum-exp (base 2). Pass 2 (_decode_reduce_kernel) merges
 the slices of each head. The grid depends only on the batch size and head count, never on the
 context lengths: no host-device sync, and one CUDA graph per batch size serves every context.
+
+An fp8 cache (FP8, a constexpr: the other path compiles as before) is read as x8 * scale with one scale per
+KV head: a program sees one KV head, so K's scale joins the score scale and V's multiplies the output once.
 """
 from __future__ import annotations
 
@@ -30,6 +33,14 @@ def soft_cap(s, SOFTCAP: tl.constexpr):
     return SOFTCAP * 1.4426950408889634 * (2.0 * tl.sigmoid(2.0 * s / SOFTCAP) - 1.0)
 
 
+def fp8_scales(k_cache: torch.Tensor, kv_scales, who: str) -> bool:
+    """Whether the caches are fp8; raises unless kv_scales are given exactly then."""
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    if fp8 != (kv_scales is not None):
+        raise ValueError(f"{who}: a {k_cache.dtype} cache with kv_scales {'missing' if fp8 else 'given'}")
+    return fp8
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """fp32 models get exact fp32 dot products (not tf32), so they match the torch reference closely."""
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -44,13 +55,14 @@ def _slice_len(seq_len, num_splits, BLOCK_N: tl.constexpr):
 @triton.jit(do_not_specialize=["num_splits", "stride_bt"])   # vary per step: no recompiles
 def _decode_partial_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, part_o_ptr, part_lse_ptr, o_ptr,
-        qk_scale, num_splits, window,
+        k_scale_ptr, v_scale_ptr, qk_scale, num_splits, window,
         stride_qb, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt,
         stride_pb, stride_ph, stride_ps, stride_ob, stride_oh,
         BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        DIRECT: tl.constexpr, SOFTCAP: tl.constexpr):
-    """DIRECT (one split): write the final output, no partials and no reduce pass. SOFTCAP 0: none."""
+        DIRECT: tl.constexpr, SOFTCAP: tl.constexpr, FP8: tl.constexpr):
+    """DIRECT (one split): write the final output, no partials and no reduce pass. SOFTCAP 0: none.
+    FP8: the caches hold float8_e4m3fn, dequantized by k_scale_ptr[kv head], v_scale_ptr[kv head]."""
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -73,6 +85,8 @@ def _decode_partial_kernel(
     end = tl.minimum(start + part, seq_len)
     q = tl.load(q_ptr + seq.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=mask_g[:, None] & mask_d[None, :], other=0.0)
+    if FP8:
+        qk_scale = qk_scale * tl.load(k_scale_ptr + kvh)
 
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
@@ -85,6 +99,8 @@ def _decode_partial_kernel(
         row = blk * stride_cb + (t % BLOCK_SIZE) * stride_cs + kvh * stride_ch
         kv_mask = mask_n[:, None] & mask_d[None, :]
         k = tl.load(k_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if FP8:
+            k = k.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale   # [GROUP_PAD, BLOCK_N], base 2
         if SOFTCAP > 0:
             s = soft_cap(s, SOFTCAP)
@@ -94,10 +110,14 @@ def _decode_partial_kernel(
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if FP8:
+            v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     out = acc / l_i[:, None]
+    if FP8:
+        out = out * tl.load(v_scale_ptr + kvh)
     if DIRECT:
         tl.store(o_rows, out.to(o_ptr.dtype.element_ty), mask=mask_g[:, None] & mask_d[None, :])
     else:
@@ -151,10 +171,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      seq_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None,
                      block_n: int | None = None, num_warps: int = 4, num_stages: int = 2,
                      num_splits: int | None = None, window: int | None = None,
-                     softcap: float | None = None) -> torch.Tensor:
+                     softcap: float | None = None,
+                     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """q [B, Hq, D]; caches [num_blocks, block_size, Hkv, D]; block_tables [B, W] int32; seq_lens [B] int32
     (0 for a padding row, which gets zeros). Returns [B, Hq, D]. window: attend to the last `window` tokens
-    only; softcap: scores soft-capped (see AttentionBackend.forward)."""
+    only; softcap: scores soft-capped; kv_scales: (k_scale, v_scale) [Hkv] float32, given exactly when the
+    caches are fp8 (see AttentionBackend.forward)."""
     b, hq, d = q.shape
     hkv = k_cache.shape[2]
     if hq % hkv:
@@ -162,6 +184,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     out = torch.empty_like(q) if out is None else out
     if b == 0:
         return out
+    fp8 = fp8_scales(k_cache, kv_scales, "decode_attention")
     group = hq // hkv
     block_d = triton.next_power_of_2(d)
     splits = num_splits or num_splits_for(b, hkv)
@@ -173,12 +196,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     part_lse = torch.empty(0 if direct else b, hq, splits, dtype=torch.float32, device=q.device)
     _decode_partial_kernel[(b, hkv, splits)](
         q, k_cache, v_cache, block_tables, seq_lens, part_o, part_lse, out,
-        score_scale(scale, softcap), splits, window or NO_WINDOW,
+        *(kv_scales if fp8 else (seq_lens, seq_lens)), score_scale(scale, softcap), splits, window or NO_WINDOW,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         part_o.stride(0), part_o.stride(1), part_o.stride(2), out.stride(0), out.stride(1),
         BLOCK_SIZE=k_cache.shape[1], GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=d, BLOCK_D=block_d, BLOCK_N=block_n, DOT_PRECISION=dot_precision(q.dtype), DIRECT=direct,
-        SOFTCAP=float(softcap or 0.0), num_warps=num_warps, num_stages=num_stages)
+        SOFTCAP=float(softcap or 0.0), FP8=fp8, num_warps=num_warps, num_stages=num_stages)
     if direct:
         return out
     _decode_reduce_kernel[(b, hq)](

@@ -4,6 +4,8 @@ Sequence s has query_len new tokens at positions seq_len - query_len .. seq_len 
 context is already in the cache, and the new K/V was stored there before this kernel runs. So
 every key comes from the cache through the block table, and a query at position p attends to
 keys 0..p (p - window + 1 .. p under a sliding window). Program (q_tile, seq, q_head) runs a flash-attention loop over those keys.
+An fp8 cache (FP8, a constexpr) is read as x8 * scale: K's scale of the program's KV head joins the score scale,
+V's multiplies the output.
 """
 from __future__ import annotations
 
@@ -11,16 +13,17 @@ import torch
 import triton
 import triton.language as tl
 
-from picovllm.kernels.decode_attention import NO_WINDOW, dot_precision, score_scale, soft_cap
+from picovllm.kernels.decode_attention import NO_WINDOW, dot_precision, fp8_scales, score_scale, soft_cap
 
 
 @triton.jit(do_not_specialize=["first_seq", "stride_bt"])   # vary per step: no recompiles
 def _prefill_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr,
-        first_seq, qk_scale, window,
+        k_scale_ptr, v_scale_ptr, first_seq, qk_scale, window,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
         BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr):
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
+        FP8: tl.constexpr):
     tile = tl.program_id(0)
     seq = first_seq + tl.program_id(1)
     h = tl.program_id(2)
@@ -41,6 +44,8 @@ def _prefill_kernel(
     q = tl.load(q_ptr + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
                 mask=mask_m[:, None] & mask_d[None, :], other=0.0)
     q_pos = ctx + offs_m
+    if FP8:
+        qk_scale = qk_scale * tl.load(k_scale_ptr + kvh)
 
     # Finite: under a window a row can see no key of a whole tile, and -inf - -inf would be NaN.
     m_i = tl.full([BLOCK_M], -1e30, tl.float32)
@@ -56,6 +61,8 @@ def _prefill_kernel(
         row = blk * stride_cb + (t % BLOCK_SIZE) * stride_cs + kvh * stride_ch
         kv_mask = mask_n[:, None] & mask_d[None, :]
         k = tl.load(k_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if FP8:
+            k = k.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         if SOFTCAP > 0:
             s = soft_cap(s, SOFTCAP)
@@ -66,10 +73,14 @@ def _prefill_kernel(
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if FP8:
+            v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     out = acc / tl.maximum(l_i, 1e-30)[:, None]   # rows past the chunk see no key under a window: no 0 / 0
+    if FP8:
+        out = out * tl.load(v_scale_ptr + kvh)
     tl.store(o_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :], out.to(o_ptr.dtype.element_ty),
              mask=mask_m[:, None] & mask_d[None, :])
 
@@ -78,12 +89,13 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       seq_lens: torch.Tensor, query_start_loc: torch.Tensor, first_seq: int, num_seqs: int,
                       max_query_len: int, scale: float, out: torch.Tensor,
                       block_m: int = 64, block_n: int = 64, num_warps: int = 4, num_stages: int = 2,
-                      window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+                      window: int | None = None, softcap: float | None = None,
+                      kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Attention for sequences first_seq .. first_seq + num_seqs - 1 of the batch, written into out.
 
     q, out: [T, Hq, D] for the whole flat batch; query_start_loc [B + 1] int32; max_query_len is a
-    host-side bound on those sequences' query lengths (it sizes the grid). window, softcap: see
-    AttentionBackend.forward.
+    host-side bound on those sequences' query lengths (it sizes the grid). window, softcap, kv_scales (given
+    exactly when the caches are fp8): see AttentionBackend.forward.
     """
     t, hq, d = q.shape
     hkv = k_cache.shape[2]
@@ -91,13 +103,14 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         raise ValueError(f"prefill_attention: {hq} query heads is not a multiple of {hkv} kv heads")
     if num_seqs == 0 or max_query_len == 0:
         return out
+    fp8 = fp8_scales(k_cache, kv_scales, "prefill_attention")
     grid = (triton.cdiv(max_query_len, block_m), num_seqs, hq)
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc,
-        first_seq, score_scale(scale, softcap), window or NO_WINDOW,
+        *(kv_scales if fp8 else (seq_lens, seq_lens)), first_seq, score_scale(scale, softcap), window or NO_WINDOW,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         BLOCK_SIZE=k_cache.shape[1], GROUP=hq // hkv, HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d),
         BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=dot_precision(q.dtype), SOFTCAP=float(softcap or 0.0),
-        num_warps=num_warps, num_stages=num_stages)
+        FP8=fp8, num_warps=num_warps, num_stages=num_stages)
     return out

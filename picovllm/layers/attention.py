@@ -42,21 +42,56 @@ class AttentionBackend(ABC):
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int | None = None,
-                softcap: float | None = None) -> torch.Tensor:
+                softcap: float | None = None, kv_scales: KVScales | None = None) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hkv, D]; caches: [num_blocks, block_size, Hkv, D].
 
         Must first store k, v at meta.slot_mapping, then return [T, Hq, D] where token t of
         sequence s, at position p = seq_lens[s] - query_len[s] + t, attends causally to positions
         0 .. p, or with a sliding window to the last `window` of them (p - window + 1 .. p, as HF's).
         softcap: scores become softcap * tanh(scores / softcap) before the softmax (Gemma 2).
+        kv_scales: (k_scale, v_scale), each [Hkv] float32, when the caches are float8_e4m3fn: store
+        quantize(x, scale), read dequantize(x8, scale) (below; engine/kv_scales.py says where scales come from).
+        Every key and value attended to is then the one read back from the cache, the new tokens' too.
+        A backend that cannot read fp8 must raise, never ignore them.
         """
 
 
+KVScales = tuple[torch.Tensor, torch.Tensor]    # (k_scale, v_scale) of one layer, [Hkv] float32 each
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0                                 # e4m3fn's largest finite value
+
+
+def quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [..., H, D], scale [H] float32 -> fp8 x / scale, clamped to the format's range (computed in float32)."""
+    return (x.float() / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def dequantize(x8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp8 x8 [..., H, D], scale [H] -> x8 * scale (in float32), in dtype."""
+    return (x8.float() * scale[:, None]).to(dtype)
+
+
+def index_copy(dst: torch.Tensor, dim: int, index: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """dst.index_copy_(dim, index, src) for any cache dtype: fp8 goes through byte views (the CPU has no
+    index_copy_ for float8); src is cast to dst's dtype and device."""
+    src = src.to(dst.device, dst.dtype)
+    if dst.dtype == FP8_DTYPE:
+        return dst.view(torch.uint8).index_copy_(dim, index, src.view(torch.uint8))
+    return dst.index_copy_(dim, index, src)
+
+
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+             slot_mapping: torch.Tensor, kv_scales: KVScales | None = None) -> None:
     h, d = k_cache.shape[-2:]
-    k_cache.view(-1, h, d).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, h, d).index_copy_(0, slot_mapping, v)
+    if kv_scales is not None:
+        k, v = quantize(k, kv_scales[0]), quantize(v, kv_scales[1])
+    index_copy(k_cache.view(-1, h, d), 0, slot_mapping, k)
+    index_copy(v_cache.view(-1, h, d), 0, slot_mapping, v)
+
+
+def _read(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """Cache rows [..., Hkv, D] as the model's dtype: dequantized when the cache is fp8."""
+    return x if scale is None else dequantize(x, scale, dtype)
 
 
 def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
@@ -94,27 +129,28 @@ def attend(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, mask: torch.
 
 
 class TorchAttentionBackend(AttentionBackend):
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale, window=None, softcap=None):
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale, window=None, softcap=None, kv_scales=None):
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping, kv_scales)
+        ks, vs = kv_scales if kv_scales is not None else (None, None)
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:
-            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale, window, softcap)
+            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale, window, softcap, kv_scales)
         starts = meta.query_start_loc.tolist() if meta.num_seqs > nd else []
         for s in range(nd, meta.num_seqs):
             a, b = starts[s], starts[s + 1]
             seq_len = meta.seq_lens_cpu[s]
-            if b - a == seq_len:     # the whole sequence is new: its K/V are k, v themselves
+            if b - a == seq_len and kv_scales is None:   # all new: its K/V are k, v themselves
                 out[a:b] = self._attend(q[a:b], k[a:b], v[a:b], scale, window, softcap)
             else:                    # keys from the first one the chunk's first query sees
                 first = 0 if window is None else max(0, seq_len - (b - a) - window + 1)
-                keys = gather_kv(k_cache, meta.block_tables[s], seq_len, first)
-                vals = gather_kv(v_cache, meta.block_tables[s], seq_len, first)
+                keys = _read(gather_kv(k_cache, meta.block_tables[s], seq_len, first), ks, q.dtype)
+                vals = _read(gather_kv(v_cache, meta.block_tables[s], seq_len, first), vs, q.dtype)
                 out[a:b] = self._attend(q[a:b], keys, vals, scale, window, softcap)
         return out
 
     @staticmethod
-    def _decode(q, k_cache, v_cache, meta, scale, window=None, softcap=None):
+    def _decode(q, k_cache, v_cache, meta, scale, window=None, softcap=None, kv_scales=None):
         """q: the num_decodes decode rows [nd, Hq, D] (one token each) -> their output, by length groups."""
         nd = meta.num_decodes
         key = ("torch_decode", k_cache.shape[1], q.dtype, window)
@@ -124,11 +160,12 @@ class TorchAttentionBackend(AttentionBackend):
                                                    k_cache.shape[1], q.dtype, window)
         hq, d = q.shape[1:]
         hkv = k_cache.shape[2]
+        ks, vs = kv_scales if kv_scales is not None else (None, None)
         out = torch.empty_like(q)
         for g in plan:
             qg = q if g.rows is None else q.index_select(0, g.rows)
-            keys = gather_blocks(k_cache, g.block_ids).flatten(1, 2).transpose(1, 2)   # [n, Hkv, L, D]
-            vals = gather_blocks(v_cache, g.block_ids).flatten(1, 2).transpose(1, 2)
+            keys = _read(gather_blocks(k_cache, g.block_ids), ks, q.dtype).flatten(1, 2).transpose(1, 2)  # [n,Hkv,L,D]
+            vals = _read(gather_blocks(v_cache, g.block_ids), vs, q.dtype).flatten(1, 2).transpose(1, 2)
             # The query heads of one KV head act as its "query length": no KV head is expanded.
             o = attend(qg.reshape(-1, hkv, hq // hkv, d), keys, vals, g.mask, scale, softcap).reshape(-1, hq, d)
             if g.rows is None:
@@ -158,7 +195,8 @@ class TorchAttentionBackend(AttentionBackend):
 class Attention(nn.Module):
     """Holds this layer's view of the KV cache (bound by the model runner) and its backend.
     scale: of the scores (default head_dim ** -0.5); sliding_window: attend to the last this many positions
-    only (None: all); softcap: soft-cap the scores (see AttentionBackend.forward)."""
+    only (None: all); softcap: soft-cap the scores (see AttentionBackend.forward); kv_scales: this layer's
+    (k_scale, v_scale) when the cache is fp8 (bound by the model runner with the cache, else None)."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None,
                  sliding_window: int | None = None, softcap: float | None = None) -> None:
@@ -168,8 +206,9 @@ class Attention(nn.Module):
         self.sliding_window, self.softcap = sliding_window, softcap
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+        self.kv_scales: KVScales | None = None
         self.backend: AttentionBackend = TorchAttentionBackend()
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.sliding_window,
-                                    self.softcap)
+                                    self.softcap, self.kv_scales)

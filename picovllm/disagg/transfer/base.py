@@ -27,6 +27,8 @@ from typing import ClassVar
 
 import torch
 
+from picovllm.engine.kv_cache import wire_view
+
 from picovllm.disagg.auth import FleetSecret
 from picovllm.disagg.hosts import check_host
 from picovllm.disagg.messages import Hello, KVHandle, KVLayout
@@ -84,6 +86,8 @@ class KVTransfer(ABC):
     rank 0's shard, `layout` is full-head and `kv_io` (picovllm.engine.tp_kv.FullHeadKV) reads and
     writes full-head blocks across the ranks: a backend that supports it (torch_dist) moves those;
     one that maps the peer's cache (cuda_ipc) is refused at the handshake.
+    An fp8 cache is held as its bytes (`self.cache` is a uint8 view, engine.kv_cache.wire_view): a backend
+    moves bytes, half of bf16's, and needs no float8 support from gloo, sockets or index_copy_.
     """
 
     name: ClassVar[str]
@@ -92,7 +96,8 @@ class KVTransfer(ABC):
                  kv_io=None) -> None:
         if role not in ("p", "d"):
             raise ValueError(f"role must be 'p' or 'd', got {role!r}")
-        self.role, self.cache, self.layout, self.config, self.kv_io = role, cache, layout, config, kv_io
+        self.role, self.layout, self.config, self.kv_io = role, layout, config, kv_io
+        self.cache = wire_view(cache)
 
     def local_info(self) -> dict:
         """Backend fields for this side's Hello (JSON-safe). Called once, before the Hello is sent.
@@ -193,7 +198,8 @@ class PullTransfer(ABC):
     def __init__(self, role: str, cache: torch.Tensor, layout: KVLayout, config: PullConfig) -> None:
         if role not in ("p", "d"):
             raise ValueError(f"role must be 'p' or 'd', got {role!r}")
-        self.role, self.cache, self.layout, self.config = role, cache, layout, config
+        self.role, self.layout, self.config = role, layout, config
+        self.cache = wire_view(cache)     # fp8: its bytes, as KVTransfer
 
     # -- P ---------------------------------------------------------------------------------------
     @abstractmethod

@@ -22,7 +22,7 @@ from picovllm.disagg.messages import Hello, b64, unb64
 from picovllm.disagg.transfer.base import KVTransfer, TransferDone, TransferSpec
 from picovllm.disagg.transfer.block_copy import copy_blocks
 
-_DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.bfloat16, torch.float16)}
+_DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.uint8)}
 
 
 def export_cache(cache: torch.Tensor) -> dict:

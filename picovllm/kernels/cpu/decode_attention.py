@@ -98,7 +98,9 @@ class CpuAttentionBackend(AttentionBackend):
     SDPA per sequence at the cpu-small workload's prompt lengths (SDPA's per-call overhead dominates there).
     A sliding window is the same per token: a query at position p sees its prefix's last `window` tokens."""
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale, window=None, softcap=None):
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale, window=None, softcap=None, kv_scales=None):
+        if kv_scales is not None:   # make_attention_backend never pairs them; a direct caller must not either
+            raise ValueError("EngineConfig.kv_cache_dtype 'fp8': the CPU's C attention kernel reads float32 KV only")
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         batch = meta.scratch.get("cpu_tokens")
         if batch is None:
