@@ -1,5 +1,7 @@
-/* A decode step of a Llama-family model on the CPU, float32, in one call: every decoder layer, the final
- * norm and the LM head, for m sequences of one new token each.
+/* A decode step of a model of the shared decoder (Llama, Mistral, Phi-3, Qwen2/3; Gemma 2/3: post-norms, GeGLU,
+ * soft-capped scores, a rope base per layer) on the CPU, float32, in one call: every decoder layer, the final norm
+ * and the LM head, for m sequences of one new token each. (Experts are not here: MoE models decode through the
+ * torch modules, see decode_stack.py.)
  *
  * Through torch, a decode step is ~400 operators, each a Python call, five of them per layer OpenMP
  * regions (the GEMMs and attention). Between two regions torch's second thread waits, and how it waits
@@ -40,12 +42,16 @@ typedef struct {
 } Weight;
 
 /* One decoder layer: norm weights, its weights (qkv_bias, q_norm and k_norm may be NULL), the layer's KV
- * cache [num_blocks, BLOCK, HKV, DIM], and its sliding window (0: none). */
+ * cache [num_blocks, BLOCK, HKV, DIM], its sliding window (0: none), its rotary table (cos_sin as rope() reads
+ * it), Gemma's norms of the attention and MLP outputs (NULL: none; post_norm is then Gemma's pre-MLP norm) and
+ * its attention scores' soft-cap (0: none). */
 typedef struct {
     const float *input_norm, *qkv_bias, *q_norm, *k_norm, *post_norm;
     Weight qkv, o, gate_up, down;
     float *k_cache, *v_cache;
     int64_t window;
+    const float *cos_sin, *attn_out_norm, *mlp_out_norm;
+    float softcap;
 } Layer;
 
 /* ---- barrier: spin a little, then sleep on a futex ---------------------------------------------- */
@@ -108,14 +114,14 @@ static void qkv_rows(const Layer *L, float *qkv, int64_t nqkv, float *q, float *
     }
 }
 
-/* x [m, hidden]: the tokens' embeddings in, overwritten. pos, slots [m]; cos_sin as rope() reads it;
+/* x [m, hidden]: the tokens' embeddings in, overwritten. pos, slots [m]; gelu: GeGLU, else SwiGLU;
  * tables [m, table_stride] and lens [m] of the sequences (length after this token); runs[0..n_runs]:
  * attention's runs of sequences, about equal work each. scratch: m * (2 * hidden + 3 * HQ * DIM + 3 * HKV * DIM
  * + 3 * inter) floats. qscratch: NULL without quantized weights, else quant_gemm's scratch for m rows of
  * the widest GEMM input (quant_gemm.py's scratch_bytes). logits [m, vocab] out. */
 void decode_stack(const Layer *layers, int64_t n_layers, int64_t hidden, int64_t inter, float eps, float scale,
                   const float *final_norm, const Weight *lm_head, int64_t vocab, float *x, int64_t m,
-                  const int64_t *pos, const int64_t *slots, const float *cos_sin, const int32_t *tables,
+                  const int64_t *pos, const int64_t *slots, int64_t gelu, const int32_t *tables,
                   int64_t table_stride, const int32_t *lens, const int64_t *runs, int64_t n_runs, float *scratch,
                   void *qscratch, float *logits, int64_t threads) {
     const int64_t nqkv = (HQ + 2 * HKV) * DIM, nq = HQ * DIM;
@@ -143,26 +149,29 @@ void decode_stack(const Layer *layers, int64_t n_layers, int64_t hidden, int64_t
             SYNC();
             GEMM(xn, hidden, &L->qkv, L->qkv_bias, qkv, nqkv);
             SYNC();
-            qkv_rows(L, qkv, nqkv, q, k, pos, slots, cos_sin, eps, lo, hi);
+            qkv_rows(L, qkv, nqkv, q, k, pos, slots, L->cos_sin, eps, lo, hi);
             SYNC();
             for (int64_t r = t; r < n_runs; r += nt) {   /* a decode-only step: sequence i is row i */
-                paged_attention(q, L->k_cache, L->v_cache, tables, table_stride, lens, attn, scale, L->window, 0.0f,
+                paged_attention(q, L->k_cache, L->v_cache, tables, table_stride, lens, attn, scale, L->window, L->softcap,
                                 runs[r], runs[r + 1]);
                 QUANTIZE(attn, nq, runs[r], runs[r + 1]);
             }
             SYNC();
             GEMM(attn, nq, &L->o, NULL, x, hidden);
             SYNC();
+            if (L->attn_out_norm) rms_norm(x, NULL, NULL, L->attn_out_norm, x, hidden, eps, lo, hi);
             rms_norm(x, res, res, L->post_norm, xn, hidden, eps, lo, hi);
             QUANTIZE(xn, hidden, lo, hi);
             SYNC();
             GEMM(xn, hidden, &L->gate_up, NULL, gu, 2 * inter);
             SYNC();
-            silu_mul(gu, act, inter, lo, hi);
+            if (gelu) gelu_tanh_mul(gu, act, inter, lo, hi);
+            else silu_mul(gu, act, inter, lo, hi);
             QUANTIZE(act, inter, lo, hi);
             SYNC();
             GEMM(act, inter, &L->down, NULL, x, hidden);
             SYNC();
+            if (L->mlp_out_norm) rms_norm(x, NULL, NULL, L->mlp_out_norm, x, hidden, eps, lo, hi);   /* own rows */
         }
         rms_norm(x, res, res, final_norm, xn, hidden, eps, lo, hi);
         QUANTIZE(xn, hidden, lo, hi);

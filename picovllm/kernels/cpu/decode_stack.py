@@ -1,4 +1,8 @@
-"""A decode-only step of a Llama-family model on the CPU (float32) in one C call: decode_stack.c.
+"""A decode-only step of a model of the shared decoder on the CPU (float32) in one C call: decode_stack.c.
+Llama, Mistral, Phi-3, Qwen2/3 and Gemma 2/3 (post-norms, GeGLU, soft-capped scores and logits, a rope base per
+layer). Mixture-of-experts models (Qwen3-MoE, Mixtral) decode through the torch modules: their experts are stacked
+float tensors, not small_gemm's panels, and a step's rows route to different experts (a gather per expert and
+layer); what one call saves there is not measured yet, so they are left out rather than guessed at.
 
 The CPU's counterpart of the CUDA graph runner: the model runner asks fits(step), and run() then returns the
 step's logits without going through the torch modules, which stay the reference (and run every other step:
@@ -30,7 +34,8 @@ class Weight(ctypes.Structure):   # as in decode_stack.c
 class Layer(ctypes.Structure):   # as in decode_stack.c
     _fields_ = [*[(name, _ptr) for name in ("input_norm", "qkv_bias", "q_norm", "k_norm", "post_norm")],
                 *[(name, Weight) for name in ("qkv", "o", "gate_up", "down")],
-                ("k_cache", _ptr), ("v_cache", _ptr), ("window", _i64)]
+                ("k_cache", _ptr), ("v_cache", _ptr), ("window", _i64),
+                *[(name, _ptr) for name in ("cos_sin", "attn_out_norm", "mlp_out_norm")], ("softcap", _f32)]
 
 
 @functools.lru_cache(maxsize=8)
@@ -39,7 +44,7 @@ def _library(shape: tuple[int, int, int, int], isa: str | None) -> ctypes.CDLL |
     lib = compile_openmp_library("decode_stack.c", shape_defines(shape), ISA_FLAGS[isa] if isa else ())
     if lib is None:
         return None
-    lib.decode_stack.argtypes = [_ptr, _i64, _i64, _i64, _f32, _f32, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr,
+    lib.decode_stack.argtypes = [_ptr, _i64, _i64, _i64, _f32, _f32, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64,
                                  _ptr, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64]
     lib.decode_stack.restype = None
     return lib
@@ -67,8 +72,8 @@ def _isa(model) -> str | None:
 
 
 class DecodeStack:
-    """Runs decode-only steps of `model` (a LlamaForCausalLM whose linear layers carry small_gemm panels and whose
-    attention layers have their KV cache bound) through decode_stack.c."""
+    """Runs decode-only steps of `model` (the shared decoder, no experts, whose linear layers carry small_gemm panels
+    and whose attention layers have their KV cache bound) through decode_stack.c."""
 
     def __init__(self, model, lib: ctypes.CDLL) -> None:
         cfg = model.cfg
@@ -77,22 +82,26 @@ class DecodeStack:
         attn = model.layers[0].self_attn
         self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         self.scale = attn.attn.scale
-        self.vocab = cfg.vocab_size
-        self.cos_sin = attn.rotary.cos_sin.contiguous()
+        self.vocab, self.gelu, self.final_cap = cfg.vocab_size, cfg.hidden_act != "silu", cfg.final_logit_softcapping
+        self.cos_sin = [layer.self_attn.rotary.cos_sin.contiguous() for layer in model.layers]   # kept alive
         self.quantized = _isa(model) is not None
         self.kmax = max(self.hidden, self.inter, self.num_heads * self.head_dim)   # the widest GEMM input
         self.lm_head = _weight(model.lm_head)
         self.layers = (Layer * len(model.layers))()
-        for entry, layer in zip(self.layers, model.layers):
+        for entry, layer, cos_sin in zip(self.layers, model.layers, self.cos_sin):
             a, mlp = layer.self_attn, layer.mlp
+            gemma = getattr(layer, "pre_feedforward_layernorm", None)    # Gemma: norms of the outputs too
             tensors = {"input_norm": layer.input_layernorm.weight, "qkv_bias": a.qkv_proj.bias,
                        "q_norm": a.q_norm.weight if a.q_norm is not None else None,
                        "k_norm": a.k_norm.weight if a.k_norm is not None else None,
-                       "post_norm": layer.post_attention_layernorm.weight,
-                       "k_cache": a.attn.k_cache, "v_cache": a.attn.v_cache}
+                       "post_norm": (gemma or layer.post_attention_layernorm).weight,
+                       "k_cache": a.attn.k_cache, "v_cache": a.attn.v_cache, "cos_sin": cos_sin,
+                       "attn_out_norm": layer.post_attention_layernorm.weight if gemma else None,
+                       "mlp_out_norm": layer.post_feedforward_layernorm.weight if gemma else None}
             for name, t in tensors.items():
                 setattr(entry, name, None if t is None else t.data_ptr())
             entry.window = a.attn.sliding_window or 0
+            entry.softcap = a.attn.softcap or 0.0
             for name, linear in (("qkv", a.qkv_proj), ("o", a.o_proj), ("gate_up", mlp.gate_up_proj),
                                  ("down", mlp.down_proj)):
                 setattr(entry, name, _weight(linear))
@@ -102,7 +111,7 @@ class DecodeStack:
         """A DecodeStack for this model, or None where it does not apply (another architecture, tensor
         parallel, not float32 on the CPU, another attention backend, weights not packed, no compiler)."""
         layers = getattr(model, "layers", None)
-        if not isinstance(backend, CpuAttentionBackend) or not layers or not getattr(model, "plain_llama", False):
+        if not isinstance(backend, CpuAttentionBackend) or not layers or not getattr(model, "in_decode_stack", False):
             return None
         a = layers[0].self_attn
         if a.qkv_proj.tp.size != 1 or a.attn.k_cache is None or a.attn.k_cache.dtype != torch.float32 \
@@ -130,7 +139,7 @@ class DecodeStack:
     def run(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """ids, positions [m] int64 of a decode-only step; meta its attention metadata -> logits [m, vocab]."""
         m = ids.shape[0]
-        x = self.model.embed_tokens(ids).contiguous()
+        x = self.model.embed(ids).contiguous()       # Gemma's scaled
         batch = token_batch(meta)     # the tasks attention splits between threads, as CpuAttentionBackend's
         h, i, d = self.hidden, self.inter, self.head_dim
         nq, nkv = self.num_heads * d, self.num_kv_heads * d
@@ -143,9 +152,11 @@ class DecodeStack:
         self.lib.decode_stack(
             self.layers, len(self.layers), h, i, self.eps, self.scale, model.norm.weight.data_ptr(),
             ctypes.byref(self.lm_head), self.vocab, x.data_ptr(), m, positions.data_ptr(), slots.data_ptr(),
-            self.cos_sin.data_ptr(), batch.tables.data_ptr(), batch.tables.stride(0), batch.lens.data_ptr(),
+            self.gelu, batch.tables.data_ptr(), batch.tables.stride(0), batch.lens.data_ptr(),
             batch.bounds_array.data_ptr(), len(batch.bounds) - 1, scratch.data_ptr(),
             qscratch.data_ptr() if qscratch is not None else None, logits.data_ptr(), torch.get_num_threads())
         if isinstance(model.lm_head.packed, QuantizedWeight):   # as ParallelLMHead.compute_logits does
             refine_top_logits(logits, scratch[m * h:2 * m * h].view(m, h), model.lm_head.packed)   # the final norm's
+        if self.final_cap:                                      # Gemma 2, as GemmaForCausalLM.compute_logits
+            logits.div_(self.final_cap).tanh_().mul_(self.final_cap)
         return logits
