@@ -77,14 +77,18 @@ def run_picovllm(preset: str, args) -> dict:
     finally:
         llm.shutdown()
         del llm
-        free_memory()
+        res["gpu_gb_left_after_shutdown"] = free_memory()
     return res
 
 
-def free_memory() -> None:
+def free_memory() -> float | None:
+    """Collect and give cached blocks back; the GB still allocated (None without a GPU): the next engine needs
+    the previous one's memory gone."""
     gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    if not torch.cuda.is_available():
+        return None
+    torch.cuda.empty_cache()
+    return round(torch.cuda.memory_allocated() / 2**30, 2)
 
 
 # -- the peer: HF transformers' continuous batching on the same weights ---------------------------------------------
@@ -150,7 +154,7 @@ def run_peer(preset: str, args) -> list[dict]:
         report(res, args)
         free_memory()
     del model
-    free_memory()
+    print(json.dumps({"gpu_gb_left_after_peer": free_memory()}), flush=True)
     return results
 
 
@@ -201,6 +205,7 @@ def main() -> None:
                     help="which models also run the HF continuous-batching peer (moe: Qwen3-30B-A3B's shape)")
     ap.add_argument("--peer-attn", nargs="+", default=["paged|sdpa"], help="the peer's attention implementations")
     ap.add_argument("--peer-budget-s", type=float, default=240.0, help="the peer's run is cut after this long")
+    ap.add_argument("--peer-first", action="store_true", help="run the peer before picovllm (each frees its memory)")
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--num-seqs", type=int, default=256)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
@@ -219,8 +224,11 @@ def main() -> None:
     elif args.device == "cpu":
         sys.exit("no GPU: the full shapes need one (--tiny runs toy shapes on the CPU)")
     for model, preset in zip(args.only, presets):
+        peer = args.peer == "all" or (args.peer == "moe" and model in PEER)
+        if peer and args.peer_first:
+            run_peer(preset, args)
         report(run_picovllm(preset, args), args)
-        if args.peer == "all" or (args.peer == "moe" and model in PEER):
+        if peer and not args.peer_first:
             run_peer(preset, args)
     ours = {r["model"]: r["output_tok_per_s"] for r in args.results if r["engine"] == "picovllm"}
     ratios = {f"{r['model']} / {r['engine']}": round(ours[r["model"]] / r["output_tok_per_s"], 2)
