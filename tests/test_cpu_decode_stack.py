@@ -120,14 +120,16 @@ def test_quantized_decode_steps_match_the_modules(tmp_path, monkeypatch, kind, i
 def family_models(tmp_path_factory):
     from test_gemma_moe import build
     root = tmp_path_factory.mktemp("stack_families")
-    return {case: build(str(root / case), case) for case in ("gemma2", "gemma2_hd256_mqa", "gemma3", "qwen3_moe")}
+    cases = ("gemma2", "gemma2_hd256_mqa", "gemma3", "qwen3_moe", "qwen3_moe_64", "mixtral")
+    return {case: build(str(root / case), case) for case in cases}
 
 
-@pytest.mark.parametrize("case", ["gemma2", "gemma2_hd256_mqa", "gemma3"])
-def test_gemma_decode_steps_match_hf_and_the_modules(family_models, case, threads):
+@pytest.mark.parametrize("case", ["gemma2", "gemma2_hd256_mqa", "gemma3", "qwen3_moe", "qwen3_moe_64", "mixtral"])
+def test_family_decode_steps_match_hf_and_the_modules(family_models, case, threads):
     """Gemma 2 and 3 in the stack: post-norms, GeGLU, scaled embeddings, soft-capped scores (hard enough to bite)
     and logits, sliding windows shorter than the prompts on alternate layers, Gemma 3's q/k norms and local rope
-    base; head_dim 256 with one KV head. Every decode step runs in C, its logits checked against the modules'."""
+    base; head_dim 256 with one KV head. MoE: top-2 of 8 not renormalised with a dense layer (Qwen3-MoE), top-1
+    of 64, Mixtral's top-2 renormalised. Every decode step runs in C, its logits checked against the modules'."""
     from test_gemma_moe import prompts
     llm = LLM(family_models[case], block_size=4, num_kv_blocks=128, enable_prefix_caching=False, device="cpu")
     runner = llm.engine.runner
@@ -152,13 +154,3 @@ def test_gemma_decode_steps_match_hf_and_the_modules(family_models, case, thread
         assert o.outputs[0].token_ids == toks
         ours = [d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
         assert ours == pytest.approx(lps, abs=LOGPROB_ATOL)
-
-
-def test_moe_models_decode_through_the_modules(family_models):
-    """The stack has no experts: a MoE model gets none, and its decode steps (the modules') stay HF's
-    (test_gemma_moe checks them in full)."""
-    dense = LLM(family_models["gemma2"], block_size=4, num_kv_blocks=64, device="cpu")
-    if dense.engine.runner.cpu_decode is None:
-        pytest.skip("the decode stack does not build here")
-    llm = LLM(family_models["qwen3_moe"], block_size=4, num_kv_blocks=64, device="cpu")
-    assert llm.engine.runner.cpu_decode is None

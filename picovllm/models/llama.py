@@ -114,10 +114,11 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def in_decode_stack(self) -> bool:
-        """Layers the CPU's one-call decode step (kernels/cpu/decode_stack.c) runs: the shared decoder and Gemma's
-        (sliding windows, soft-caps, GeGLU, a rope base per layer), without experts (MoE decodes by the modules)."""
+        """Layers the CPU's one-call decode step (kernels/cpu/decode_stack.c) runs: the shared decoder (experts
+        included) and Gemma's (sliding windows, soft-caps, GeGLU, a rope base per layer)."""
         from picovllm.models.gemma import GemmaForCausalLM
-        return type(self) in (LlamaForCausalLM, GemmaForCausalLM) and self.cfg.num_experts == 0
+        from picovllm.models.mixtral import MixtralForCausalLM
+        return type(self) in (LlamaForCausalLM, GemmaForCausalLM, MixtralForCausalLM)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
