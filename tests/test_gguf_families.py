@@ -36,11 +36,10 @@ CASES = {
                                                   final_logit_softcapping=3.0, sliding_window=6,
                                                   layer_types=["full_attention", "sliding_attention"])),
     # 7 layers: llama.cpp's default pattern (every 6th global); query scale other than head_dim (attention.scale)
-    "gemma3": ("gemma3", "Gemma3TextConfig", dict(head_dim=80, query_pre_attn_scalar=64, sliding_window=7,
-                                                  num_hidden_layers=7, rope_parameters={
-                                                      "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
-                                                      "full_attention": {"rope_type": "linear", "factor": 4.0,
-                                                                         "rope_theta": 10000.0}})),
+    "gemma3": ("gemma3", "Gemma3TextConfig", dict(
+        head_dim=80, query_pre_attn_scalar=64, sliding_window=7, num_hidden_layers=7, rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}})),
     # top-2 of 8, not renormalised (expert_weights_norm=false in the file), layer 1 dense
     "qwen3_moe": ("qwen3moe", "Qwen3MoeConfig", dict(head_dim=16, num_experts=8, num_experts_per_tok=2,
                                                      moe_intermediate_size=32, mlp_only_layers=[1],

@@ -50,8 +50,8 @@ PRESETS: dict[str, dict] = {
 # The three families above at toy size (benchmarks/families_gpu.py --tiny, its test).
 PRESETS["tiny-qwen3-moe"] = dict(PRESETS["qwen3-30b-a3b"], vocab_size=10240, hidden_size=64, intermediate_size=128,
                                  moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
-                                 bos_token_id=0, eos_token_id=1)
+                                 num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                 max_position_embeddings=2048, bos_token_id=0, eos_token_id=1)
 PRESETS["tiny-mistral"] = dict(PRESETS["mistral-7b"], vocab_size=10240, hidden_size=64, intermediate_size=128,
                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                                max_position_embeddings=2048, bos_token_id=0, eos_token_id=1)

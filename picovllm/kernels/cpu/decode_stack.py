@@ -79,7 +79,7 @@ def _isa(model) -> str | None:
 
 
 class DecodeStack:
-    """Runs decode-only steps of `model` (the shared decoder, no experts, whose linear layers carry small_gemm panels
+    """Runs decode-only steps of `model` (the shared decoder or Gemma's, whose linear layers carry small_gemm panels
     and whose attention layers have their KV cache bound) through decode_stack.c."""
 
     def __init__(self, model, lib: ctypes.CDLL) -> None:
@@ -98,11 +98,12 @@ class DecodeStack:
         self._panels: list[torch.Tensor] = []
         for entry, layer, cos_sin in zip(self.layers, model.layers, self.cos_sin):
             a, mlp = layer.self_attn, layer.mlp
-            gemma = getattr(layer, "pre_feedforward_layernorm", None)    # Gemma: norms of the outputs too
+            gemma = getattr(layer, "pre_feedforward_layernorm", None) is not None   # Gemma: outputs normed too
+            pre_mlp = layer.pre_feedforward_layernorm if gemma else layer.post_attention_layernorm
             tensors = {"input_norm": layer.input_layernorm.weight, "qkv_bias": a.qkv_proj.bias,
                        "q_norm": a.q_norm.weight if a.q_norm is not None else None,
                        "k_norm": a.k_norm.weight if a.k_norm is not None else None,
-                       "post_norm": (gemma or layer.post_attention_layernorm).weight,
+                       "post_norm": pre_mlp.weight,
                        "k_cache": a.attn.k_cache, "v_cache": a.attn.v_cache, "cos_sin": cos_sin,
                        "attn_out_norm": layer.post_attention_layernorm.weight if gemma else None,
                        "mlp_out_norm": layer.post_feedforward_layernorm.weight if gemma else None}
