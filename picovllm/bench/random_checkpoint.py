@@ -1,12 +1,16 @@
 """Random-weight HF checkpoints of a real model's shape, for benchmarks that need no real weights.
 
 The folder holds config.json and model.safetensors (no tokenizer), so prompts are token ids.
-Weights are N(0, 0.02), norms are ones: numerically tame, so the speed is the speed of real weights.
+Weights are N(0, 0.02), norms are ones (Gemma's zeros: its norms scale by 1 + w): numerically tame, so the speed is
+the speed of real weights. A model too large to write (Qwen3-30B-A3B: 61 GB) need not be: the model path
+"random:<preset>" (random_source) generates each tensor as it is loaded, on the GPU if there is one, the same
+tensor for the same name and seed every time (random_tensor), so a peer can be given the same weights.
 """
 from __future__ import annotations
 
 import json
 import os
+import zlib
 
 import torch
 
@@ -17,12 +21,43 @@ PRESETS: dict[str, dict] = {
                        num_key_value_heads=8, head_dim=128, tie_word_embeddings=True, rope_theta=1_000_000.0,
                        rms_norm_eps=1e-6, max_position_embeddings=40960, hidden_act="silu",
                        bos_token_id=151643, eos_token_id=151645),
+    # Qwen3-30B-A3B: 128 experts, top-8 (renormalised), 3.3B of 30.5B parameters active per token.
+    "qwen3-30b-a3b": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=151936,
+                          hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
+                          num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                          num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                          tie_word_embeddings=False, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+                          max_position_embeddings=40960, hidden_act="silu", bos_token_id=151643, eos_token_id=151645),
+    # Mistral-7B-v0.3 (no sliding window).
+    "mistral-7b": dict(architectures=["MistralForCausalLM"], model_type="mistral", vocab_size=32768, hidden_size=4096,
+                       intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                       head_dim=128, tie_word_embeddings=False, rope_theta=1_000_000.0, rms_norm_eps=1e-5,
+                       max_position_embeddings=32768, sliding_window=None, hidden_act="silu", bos_token_id=1,
+                       eos_token_id=2),
+    # Gemma-2-2B: alternating 4096-token windows, soft-caps, GeGLU, head_dim 256, a 256k vocabulary.
+    "gemma2-2b": dict(architectures=["Gemma2ForCausalLM"], model_type="gemma2", vocab_size=256000, hidden_size=2304,
+                      intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4,
+                      head_dim=256, query_pre_attn_scalar=256, sliding_window=4096, attn_logit_softcapping=50.0,
+                      final_logit_softcapping=30.0, hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True,
+                      rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=8192, bos_token_id=2,
+                      eos_token_id=1, pad_token_id=0),
     # The same family at toy size, for tests (its vocabulary holds the workloads' token ids, < 10001).
     "tiny-qwen3": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=10240, hidden_size=64,
                        intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                        head_dim=32, tie_word_embeddings=True, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
                        max_position_embeddings=2048, hidden_act="silu", bos_token_id=0, eos_token_id=1),
 }
+# The three families above at toy size (benchmarks/families_gpu.py --tiny, its test).
+PRESETS["tiny-qwen3-moe"] = dict(PRESETS["qwen3-30b-a3b"], vocab_size=10240, hidden_size=64, intermediate_size=128,
+                                 moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                 max_position_embeddings=2048, bos_token_id=0, eos_token_id=1)
+PRESETS["tiny-mistral"] = dict(PRESETS["mistral-7b"], vocab_size=10240, hidden_size=64, intermediate_size=128,
+                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                               max_position_embeddings=2048, bos_token_id=0, eos_token_id=1)
+PRESETS["tiny-gemma2"] = dict(PRESETS["gemma2-2b"], vocab_size=10240, hidden_size=64, intermediate_size=128,
+                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                              query_pre_attn_scalar=32, sliding_window=64, max_position_embeddings=2048)
 
 
 def resolve_config(preset_or_file: str) -> dict:
@@ -36,6 +71,7 @@ def resolve_config(preset_or_file: str) -> dict:
 
 
 def _tensor_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
+    """HF name -> shape, as the Hub's checkpoints of the family name their tensors (one per expert)."""
     h, d, inter = cfg["hidden_size"], cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"], \
         cfg["intermediate_size"]
     nq, nkv = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
@@ -48,11 +84,21 @@ def _tensor_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
         shapes.update({
             p + "self_attn.q_proj.weight": (nq * d, h), p + "self_attn.k_proj.weight": (nkv * d, h),
             p + "self_attn.v_proj.weight": (nkv * d, h), p + "self_attn.o_proj.weight": (h, nq * d),
-            p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
-            p + "mlp.down_proj.weight": (h, inter),
             p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
         })
-        if arch == "Qwen3ForCausalLM":
+        if cfg.get("num_experts") and i not in (cfg.get("mlp_only_layers") or []):
+            mi = cfg["moe_intermediate_size"]
+            shapes[p + "mlp.gate.weight"] = (cfg["num_experts"], h)
+            for e in range(cfg["num_experts"]):
+                q = f"{p}mlp.experts.{e}."
+                shapes.update({q + "gate_proj.weight": (mi, h), q + "up_proj.weight": (mi, h),
+                               q + "down_proj.weight": (h, mi)})
+        else:
+            shapes.update({p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
+                           p + "mlp.down_proj.weight": (h, inter)})
+        if arch.startswith("Gemma"):
+            shapes[p + "pre_feedforward_layernorm.weight"] = shapes[p + "post_feedforward_layernorm.weight"] = (h,)
+        if arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
             shapes[p + "self_attn.q_norm.weight"] = (d,)
             shapes[p + "self_attn.k_norm.weight"] = (d,)
         if arch == "Qwen2ForCausalLM":
@@ -71,19 +117,41 @@ def make_random_checkpoint(path: str, preset_or_file: str = "qwen3-0.6b", dtype:
     torch_dtype = dtype_from_name(dtype)
     cfg = resolve_config(preset_or_file)
     cfg["torch_dtype"] = str(torch_dtype).removeprefix("torch.")
-    gen = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for name, shape in _tensor_shapes(cfg).items():
-        if len(shape) == 1 and "norm" in name:
-            t = torch.ones(shape)
-        else:
-            t = torch.randn(shape, generator=gen) * 0.02
-        tensors[name] = t.to(torch_dtype)
+    gemma = cfg["architectures"][0].startswith("Gemma")
+    tensors = {name: random_tensor(name, shape, seed, torch_dtype, gemma=gemma)
+               for name, shape in _tensor_shapes(cfg).items()}
     os.makedirs(path, exist_ok=True)
     save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2)
     return path
+
+
+def random_tensor(name: str, shape: tuple[int, ...], seed: int = 0, dtype: torch.dtype = torch.bfloat16,
+                  device: str | torch.device = "cpu", gemma: bool = False) -> torch.Tensor:
+    """The tensor `name` of a random checkpoint: N(0, 0.02) from a generator seeded by the name and `seed` (the
+    same on every call, on a given device), a norm all ones (Gemma's all zeros)."""
+    if len(shape) == 1 and "norm" in name:
+        return torch.full(shape, 0.0 if gemma else 1.0, dtype=dtype, device=device)
+    gen = torch.Generator(device=device).manual_seed(zlib.crc32(name.encode()) ^ seed)
+    return (torch.randn(shape, generator=gen, device=device) * 0.02).to(dtype)
+
+
+def random_source(preset_or_file: str, seed: int = 0):
+    """A ModelSource (loader/source.py) whose weights are generated as they are loaded: the model path
+    "random:<preset>". The tensors are made on the GPU when there is one (a 30B model's in seconds), bf16."""
+    from picovllm.config import ModelConfig
+    from picovllm.loader.source import ModelSource
+
+    cfg = resolve_config(preset_or_file)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gemma = cfg["architectures"][0].startswith("Gemma")
+
+    def weights():
+        for name, shape in _tensor_shapes(cfg).items():
+            yield name, random_tensor(name, shape, seed, torch.bfloat16, device, gemma)
+
+    return ModelSource(f"random:{preset_or_file}", ModelConfig.from_hf_dict(cfg), weights, None)   # nothing cached
 
 
 def write_word_tokenizer(path: str, vocab_size: int) -> str:

@@ -32,11 +32,12 @@ def experts_reference(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                       down: torch.Tensor, act: nn.Module) -> torch.Tensor:
     """x [T, H]; weights, ids [T, k]; gate_up [E, 2I, H]; down [E, H, I] -> sum over each token's k experts of
     weight * down(act(gate_up(x))), [T, H] in x's dtype. One expert at a time, over the tokens routed to it."""
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    acc = torch.promote_types(x.dtype, torch.float32)     # float32 sums; float64 for a float64 oracle
+    out = torch.zeros(x.shape, dtype=acc, device=x.device)
     for e in ids.unique().tolist():
         token, slot = (ids == e).nonzero(as_tuple=True)
         h = act(F.linear(x[token], gate_up[e]))
-        y = F.linear(h, down[e]).float() * weights[token, slot, None]
+        y = F.linear(h, down[e]).to(acc) * weights[token, slot, None]
         out.index_add_(0, token, y)
     return out.to(x.dtype)
 

@@ -24,10 +24,15 @@ class ModelSource:
 
 
 def open_model_source(model: str | None, disk_cache: bool = True) -> ModelSource:
-    """model: an HF folder, a .gguf file, or None for the default model. disk_cache: keep what is derived
-    from a GGUF (tokenizer, dequantized weights) in the artifact cache (picovllm/artifact_cache.py)."""
+    """model: an HF folder, a .gguf file, "random:<preset>" (random weights of a benchmark preset's shape, made as
+    they are loaded: picovllm/bench/random_checkpoint.py), or None for the default model. disk_cache: keep what is
+    derived from a GGUF (tokenizer, dequantized weights) in the artifact cache (picovllm/artifact_cache.py)."""
     from picovllm.artifact_cache import ArtifactCache
     from picovllm.loader.default_model import default_model_path
+
+    if model is not None and model.startswith("random:"):
+        from picovllm.bench.random_checkpoint import random_source
+        return random_source(model[len("random:"):])
 
     path = model if model is not None else default_model_path()
     if not os.path.exists(path):

@@ -124,12 +124,12 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     @property
-    def plain_llama(self) -> bool:
-        """Llama's layers (a sliding window per layer allowed) and nothing more: what the CPU's one-call decode step
-        (kernels/cpu/decode_stack.c) runs."""
-        c = self.cfg
-        return type(self) is LlamaForCausalLM and c.rope_local_theta is None and c.num_experts == 0 \
-            and c.hidden_act == "silu" and c.query_pre_attn_scalar is None and c.attn_logit_softcapping is None
+    def in_decode_stack(self) -> bool:
+        """Layers the CPU's one-call decode step (kernels/cpu/decode_stack.c) runs: the shared decoder (experts
+        included) and Gemma's (sliding windows, soft-caps, GeGLU, a rope base per layer)."""
+        from picovllm.models.gemma import GemmaForCausalLM
+        from picovllm.models.mixtral import MixtralForCausalLM
+        return type(self) in (LlamaForCausalLM, GemmaForCausalLM, MixtralForCausalLM)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)

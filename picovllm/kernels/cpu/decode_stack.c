@@ -1,5 +1,6 @@
-/* A decode step of a Llama-family model on the CPU, float32, in one call: every decoder layer, the final
- * norm and the LM head, for m sequences of one new token each.
+/* A decode step of a model of the shared decoder (Llama, Mistral, Phi-3, Qwen2/3; Gemma 2/3: post-norms, GeGLU,
+ * soft-capped scores, a rope base per layer; Qwen3-MoE and Mixtral: routed experts) on the CPU, float32, in one
+ * call: every decoder layer, the final norm and the LM head, for m sequences of one new token each.
  *
  * Through torch, a decode step is ~400 operators, each a Python call, five of them per layer OpenMP
  * regions (the GEMMs and attention). Between two regions torch's second thread waits, and how it waits
@@ -40,12 +41,20 @@ typedef struct {
 } Weight;
 
 /* One decoder layer: norm weights, its weights (qkv_bias, q_norm and k_norm may be NULL), the layer's KV
- * cache [num_blocks, BLOCK, HKV, DIM], and its sliding window (0: none). */
+ * cache [num_blocks, BLOCK, HKV, DIM], its sliding window (0: none), its rotary table (cos_sin as rope() reads
+ * it), Gemma's norms of the attention and MLP outputs (NULL: none; post_norm is then Gemma's pre-MLP norm) and
+ * its attention scores' soft-cap (0: none). */
 typedef struct {
     const float *input_norm, *qkv_bias, *q_norm, *k_norm, *post_norm;
     Weight qkv, o, gate_up, down;
     float *k_cache, *v_cache;
     int64_t window;
+    const float *cos_sin, *attn_out_norm, *mlp_out_norm;
+    float softcap;
+    /* a MoE layer (n_experts > 0; gate_up and down unused): the router's panels, and each expert's gate_up
+     * [2 * moe_inter, hidden] and down [hidden, moe_inter] panels, one expert after another */
+    int64_t n_experts, top_k, moe_inter, renormalize;
+    const float *router, *expert_gate_up, *expert_down;
 } Layer;
 
 /* ---- barrier: spin a little, then sleep on a futex ---------------------------------------------- */
@@ -108,16 +117,87 @@ static void qkv_rows(const Layer *L, float *qkv, int64_t nqkv, float *q, float *
     }
 }
 
-/* x [m, hidden]: the tokens' embeddings in, overwritten. pos, slots [m]; cos_sin as rope() reads it;
+/* Scratch of the MoE layers: router logits [m, E], each row's top-k experts [m, K] and weights [m, K], and one
+ * expert's input and output rows [m, max(hidden, 2 * moe_inter)] each. */
+typedef struct {
+    float *logits, *weight, *in, *out;
+    int32_t *expert;
+} MoeScratch;
+
+/* Rows [lo, hi): softmax over the experts (float32, as layers/moe.py's route), the top_k largest in order,
+ * renormalised to sum to 1 if asked. */
+static void route_rows(const Layer *L, MoeScratch *ms, int64_t lo, int64_t hi) {
+    const int64_t E = L->n_experts, K = L->top_k;
+    for (int64_t r = lo; r < hi; r++) {
+        float *p = ms->logits + r * E, mx = p[0], sum = 0.0f, kept = 0.0f;
+        for (int64_t e = 1; e < E; e++) mx = fmaxf(mx, p[e]);
+        for (int64_t e = 0; e < E; e++) sum += (p[e] = expf(p[e] - mx));
+        for (int64_t j = 0; j < K; j++) {
+            int64_t best = -1;
+            for (int64_t e = 0; e < E; e++)
+                if (p[e] >= 0.0f && (best < 0 || p[e] > p[best])) best = e;
+            ms->expert[r * K + j] = (int32_t)best;
+            ms->weight[r * K + j] = p[best] / sum;
+            kept += p[best] / sum;
+            p[best] = -1.0f;                       /* taken */
+        }
+        if (L->renormalize)
+            for (int64_t j = 0; j < K; j++) ms->weight[r * K + j] /= kept;
+    }
+}
+
+/* A MoE layer's MLP: xn [m, hidden] in, the weighted sum of each row's experts into x. Experts one after another,
+ * in ascending order (as the torch reference adds them); every thread finds the same rows for an expert, so all
+ * skip an expert no row picked alike and meet at the same barriers. */
+static void moe_part(const Layer *L, MoeScratch *ms, const float *xn, float *x, int64_t m, int64_t hidden,
+                     int gelu, Barrier *barrier, int64_t t, int64_t nt, int64_t lo, int64_t hi) {
+    const int64_t E = L->n_experts, K = L->top_k, mi = L->moe_inter;
+    const int64_t gu_panels = (2 * mi + NR - 1) / NR, down_panels = (hidden + NR - 1) / NR;
+    const QAct none = {0, 0, 0};
+    Weight router = {L->router, 0, 0}, gate_up = {0, 0, 0}, down = {0, 0, 0};
+    gemm_part(&router, xn, none, m, hidden, NULL, ms->logits, E, t, nt);
+    barrier_wait(barrier, (int)nt);
+    route_rows(L, ms, lo, hi);
+    memset(x + lo * hidden, 0, (hi - lo) * hidden * sizeof(float));
+    barrier_wait(barrier, (int)nt);
+    int32_t sel[m * K];        /* the expert's rows and their weights: each thread its own copy (a thread may */
+    float sel_weight[m * K];   /* list the next expert's while another still adds up this one's) */
+    for (int64_t e = 0; e < E; e++) {
+        int64_t n = 0;
+        for (int64_t i = 0; i < m * K; i++)
+            if (ms->expert[i] == e) { sel[n] = (int32_t)(i / K); sel_weight[n++] = ms->weight[i]; }
+        if (!n) continue;
+        const int64_t a = part(n, t, nt), b = part(n, t + 1, nt);
+        for (int64_t i = a; i < b; i++) memcpy(ms->in + i * hidden, xn + sel[i] * hidden, hidden * sizeof(float));
+        gate_up.panels = L->expert_gate_up + e * gu_panels * hidden * NR;
+        down.panels = L->expert_down + e * down_panels * mi * NR;
+        barrier_wait(barrier, (int)nt);
+        gemm_part(&gate_up, ms->in, none, n, hidden, NULL, ms->out, 2 * mi, t, nt);
+        barrier_wait(barrier, (int)nt);
+        if (gelu) gelu_tanh_mul(ms->out, ms->in, mi, a, b);     /* in: the activations now */
+        else silu_mul(ms->out, ms->in, mi, a, b);
+        barrier_wait(barrier, (int)nt);
+        gemm_part(&down, ms->in, none, n, mi, NULL, ms->out, hidden, t, nt);
+        barrier_wait(barrier, (int)nt);
+        for (int64_t i = a; i < b; i++) {          /* an expert holds a row once: no two threads add to one row */
+            float *xr = x + sel[i] * hidden;
+            const float *y = ms->out + i * hidden, w = sel_weight[i];
+            for (int64_t c = 0; c < hidden; c++) xr[c] += w * y[c];
+        }
+    }
+}
+
+/* x [m, hidden]: the tokens' embeddings in, overwritten. pos, slots [m]; gelu: GeGLU, else SwiGLU;
  * tables [m, table_stride] and lens [m] of the sequences (length after this token); runs[0..n_runs]:
  * attention's runs of sequences, about equal work each. scratch: m * (2 * hidden + 3 * HQ * DIM + 3 * HKV * DIM
  * + 3 * inter) floats. qscratch: NULL without quantized weights, else quant_gemm's scratch for m rows of
- * the widest GEMM input (quant_gemm.py's scratch_bytes). logits [m, vocab] out. */
+ * the widest GEMM input (quant_gemm.py's scratch_bytes). moe: NULL without MoE layers, else its scratch.
+ * logits [m, vocab] out. */
 void decode_stack(const Layer *layers, int64_t n_layers, int64_t hidden, int64_t inter, float eps, float scale,
                   const float *final_norm, const Weight *lm_head, int64_t vocab, float *x, int64_t m,
-                  const int64_t *pos, const int64_t *slots, const float *cos_sin, const int32_t *tables,
+                  const int64_t *pos, const int64_t *slots, int64_t gelu, const int32_t *tables,
                   int64_t table_stride, const int32_t *lens, const int64_t *runs, int64_t n_runs, float *scratch,
-                  void *qscratch, float *logits, int64_t threads) {
+                  void *qscratch, MoeScratch *moe, float *logits, int64_t threads) {
     const int64_t nqkv = (HQ + 2 * HKV) * DIM, nq = HQ * DIM;
     float *res = scratch, *xn = res + m * hidden, *qkv = xn + m * hidden, *q = qkv + m * nqkv;
     float *k = q + m * nq, *attn = k + m * HKV * DIM, *gu = attn + m * nq, *act = gu + m * 2 * inter;
@@ -143,26 +223,36 @@ void decode_stack(const Layer *layers, int64_t n_layers, int64_t hidden, int64_t
             SYNC();
             GEMM(xn, hidden, &L->qkv, L->qkv_bias, qkv, nqkv);
             SYNC();
-            qkv_rows(L, qkv, nqkv, q, k, pos, slots, cos_sin, eps, lo, hi);
+            qkv_rows(L, qkv, nqkv, q, k, pos, slots, L->cos_sin, eps, lo, hi);
             SYNC();
             for (int64_t r = t; r < n_runs; r += nt) {   /* a decode-only step: sequence i is row i */
-                paged_attention(q, L->k_cache, L->v_cache, tables, table_stride, lens, attn, scale, L->window, 0.0f,
+                paged_attention(q, L->k_cache, L->v_cache, tables, table_stride, lens, attn, scale, L->window, L->softcap,
                                 runs[r], runs[r + 1]);
                 QUANTIZE(attn, nq, runs[r], runs[r + 1]);
             }
             SYNC();
             GEMM(attn, nq, &L->o, NULL, x, hidden);
             SYNC();
+            if (L->attn_out_norm) rms_norm(x, NULL, NULL, L->attn_out_norm, x, hidden, eps, lo, hi);
             rms_norm(x, res, res, L->post_norm, xn, hidden, eps, lo, hi);
+            if (L->n_experts) {        /* the experts are float32 panels: no quantized input needed */
+                SYNC();
+                moe_part(L, moe, xn, x, m, hidden, (int)gelu, &barrier, t, nt, lo, hi);
+                SYNC();
+                if (L->mlp_out_norm) rms_norm(x, NULL, NULL, L->mlp_out_norm, x, hidden, eps, lo, hi);
+                continue;
+            }
             QUANTIZE(xn, hidden, lo, hi);
             SYNC();
             GEMM(xn, hidden, &L->gate_up, NULL, gu, 2 * inter);
             SYNC();
-            silu_mul(gu, act, inter, lo, hi);
+            if (gelu) gelu_tanh_mul(gu, act, inter, lo, hi);
+            else silu_mul(gu, act, inter, lo, hi);
             QUANTIZE(act, inter, lo, hi);
             SYNC();
             GEMM(act, inter, &L->down, NULL, x, hidden);
             SYNC();
+            if (L->mlp_out_norm) rms_norm(x, NULL, NULL, L->mlp_out_norm, x, hidden, eps, lo, hi);   /* own rows */
         }
         rms_norm(x, res, res, final_norm, xn, hidden, eps, lo, hi);
         QUANTIZE(xn, hidden, lo, hi);

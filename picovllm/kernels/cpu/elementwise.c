@@ -1,5 +1,5 @@
 /* Row-wise float32 ops of a decoder layer, each one pass over memory instead of torch's several
- * (each with its own temporary): RMSNorm with the residual add folded in, and SiLU(gate) * up.
+ * (each with its own temporary): RMSNorm with the residual add folded in, SiLU(gate) * up and GELU(gate) * up.
  * Rows [begin, end) of a row-major matrix, so the caller can split rows between threads.
  * Built by picovllm/kernels/cpu/build.py (-O3 -march=native -ffast-math: the loops vectorize). */
 #include <math.h>
@@ -33,6 +33,17 @@ void silu_mul(const float *x, float *out, int64_t n, int64_t begin, int64_t end)
             const float e = expf(fminf(-g[i], 80.0f));     /* finite math: keep expf's argument in range */
             o[i] = g[i] / (1.0f + e) * u[i];
         }
+    }
+}
+
+/* x rows are [gate (n) | up (n)]; out rows are gelu(gate) * up (n), gelu's tanh approximation (Gemma's GeGLU). */
+void gelu_tanh_mul(const float *x, float *out, int64_t n, int64_t begin, int64_t end) {
+    const float c = 0.7978845608028654f;   /* sqrt(2 / pi) */
+    for (int64_t r = begin; r < end; r++) {
+        const float *g = x + r * 2 * n, *u = g + n;
+        float *o = out + r * n;
+        for (int64_t i = 0; i < n; i++)
+            o[i] = 0.5f * g[i] * (1.0f + tanhf(c * (g[i] + 0.044715f * g[i] * g[i] * g[i]))) * u[i];
     }
 }
 

@@ -1,0 +1,260 @@
+"""llama.cpp's GGUF architectures as picovllm models: a file's metadata -> ModelConfig, and each of its tensors -> the
+HF tensors it holds (names, rows, experts).
+
+What llama.cpp's converter changed, undone here:
+- llama (Llama, Mistral, Mixtral): each q/k head's two rotary halves interleaved (llama.cpp's rope is the
+  interleaved kind); a Mixtral layer's experts stacked into one [E, rows, cols] tensor per projection.
+- gemma2, gemma3: every norm stored as 1 + w (Gemma's norms scale by 1 + w; the model adds the 1 back at load).
+- phi3: q/k/v kept fused (attn_qkv) and gate/up fused in ffn_up, as Phi-3's checkpoints; LongRoPE's factors as
+  tensors (rope_factors_short/long), read into the config, not the weights.
+- qwen3moe: experts stacked as Mixtral's; a layer without a router (ffn_gate_inp) is a dense MLP.
+What the metadata does not say, llama.cpp's own rule decides (Gemma's query scale, Gemma 3's sliding pattern,
+Qwen3-MoE's renormalised top-k); what it cannot say (Llama 3's rope_freqs) is refused.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from picovllm.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class Arch:
+    hf: str                         # the HF architecture (llama: Mistral with a window, Mixtral with experts)
+    interleaved_qk: bool = False    # q/k rows with each head's rotary halves interleaved (llama.cpp's non-NeoX rope)
+    gemma: bool = False             # norms stored as 1 + w, GeGLU, soft-caps, query scale by llama.cpp's rule
+
+
+ARCHITECTURES = {
+    "llama": Arch("LlamaForCausalLM", interleaved_qk=True),
+    "qwen2": Arch("Qwen2ForCausalLM"),
+    "qwen3": Arch("Qwen3ForCausalLM"),
+    "qwen3moe": Arch("Qwen3MoeForCausalLM"),
+    "gemma2": Arch("Gemma2ForCausalLM", gemma=True),
+    "gemma3": Arch("Gemma3ForCausalLM", gemma=True),
+    "phi3": Arch("Phi3ForCausalLM"),
+}
+
+# blk.N.<GGUF name> -> model.layers.N.<HF name>
+_LAYER = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",            # Gemma: pre_feedforward_layernorm
+    "post_attention_norm.weight": "post_attention_layernorm.weight",  # Gemma
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",      # Gemma
+    "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias", "attn_k.bias": "self_attn.k_proj.bias",     # qwen2
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+    "ffn_gate_inp.weight": "mlp.gate.weight",                                           # the router
+    "ffn_gate_exps.weight": "mlp.experts.{}.gate_proj.weight", "ffn_up_exps.weight": "mlp.experts.{}.up_proj.weight",
+    "ffn_down_exps.weight": "mlp.experts.{}.down_proj.weight",
+}
+_GEMMA_LAYER = {"ffn_norm.weight": "pre_feedforward_layernorm.weight"}
+_TOP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+        "output.weight": "lm_head.weight"}
+_IN_CONFIG = ("rope_factors_short.weight", "rope_factors_long.weight")   # Phi-3's LongRoPE factors
+
+
+@dataclass(frozen=True)
+class Part:
+    """One HF tensor of a file tensor (torch dimension order): `take` is rows of a 2-D one (slice or index array,
+    in HF order) or an expert's index in a stacked 3-D one."""
+    name: str
+    shape: tuple[int, ...]
+    take: slice | np.ndarray | int
+    minus_one: bool = False      # Gemma's norms: the file holds 1 + w
+    linear: bool = False         # a dense linear layer, the embedding or the LM head: may stay quantized
+
+    def of(self, w: torch.Tensor) -> torch.Tensor:
+        """This part of the file tensor `w`, dequantized to float."""
+        t = w[self.take] if not isinstance(self.take, np.ndarray) else w[torch.from_numpy(self.take)]
+        return (t - 1 if self.minus_one else t).contiguous()
+
+
+def tensor_parts(name: str, shape: tuple[int, ...], cfg: ModelConfig, arch: Arch) -> list[Part]:
+    """The HF tensors the file tensor `name` (torch shape `shape`) holds; ValueError for a name no model reads."""
+    if name in _IN_CONFIG:
+        return []
+    parts = name.split(".")
+    if parts[0] == "blk" and len(parts) > 2:
+        key = ".".join(parts[2:])
+        hf = (_GEMMA_LAYER if arch.gemma else {}).get(key, _LAYER.get(key))
+        if key == "attn_qkv.weight":
+            return _split(name, shape, f"model.layers.{parts[1]}.self_attn.{{}}_proj.weight", ("q", "k", "v"),
+                          [cfg.num_attention_heads * cfg.head_dim] + [cfg.num_key_value_heads * cfg.head_dim] * 2)
+        if key == "ffn_up.weight" and cfg.architecture == "Phi3ForCausalLM":      # [gate; up]
+            return _split(name, shape, f"model.layers.{parts[1]}.mlp.{{}}_proj.weight", ("gate", "up"),
+                          [cfg.intermediate_size] * 2)
+        if hf is not None:
+            full = f"model.layers.{parts[1]}.{hf}"
+            if "{}" in full:         # experts stacked [E, rows, cols]
+                return [Part(full.format(e), shape[1:], e) for e in range(shape[0])]
+            return [Part(full, shape, _rows(full, shape[0], cfg, arch), arch.gemma and key.endswith("norm.weight"),
+                         full.endswith("_proj.weight"))]
+    elif name in _TOP:
+        return [Part(_TOP[name], shape, slice(None), arch.gemma and name == "output_norm.weight",
+                     name != "output_norm.weight")]
+    if name == "rope_freqs.weight":
+        raise ValueError(f"GGUF tensor {name!r}: Llama 3's rope frequency factors are unsupported (the file does not "
+                         "record the scaling parameters they came from)")
+    raise ValueError(f"GGUF tensor {name!r}: unknown tensor name (supported architectures: "
+                     f"{', '.join(ARCHITECTURES)})")
+
+
+def _split(name: str, shape: tuple[int, ...], pattern: str, labels: tuple[str, ...], sizes: list[int]) -> list[Part]:
+    if sum(sizes) != shape[0]:
+        raise ValueError(f"GGUF tensor {name!r}: {shape[0]} rows, the config's shape needs {sum(sizes)}")
+    bounds = np.cumsum([0] + sizes)
+    return [Part(pattern.format(label), (n,) + shape[1:], slice(int(a), int(a) + n), linear=True)
+            for label, n, a in zip(labels, sizes, bounds)]
+
+
+def _rows(name: str, rows: int, cfg: ModelConfig, arch: Arch) -> np.ndarray | slice:
+    """The file's rows in HF order: undo the interleaving of q/k rows (and biases) where llama.cpp did it."""
+    if not arch.interleaved_qk or not name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")):
+        return slice(None)
+    heads = cfg.num_attention_heads if ".q_proj." in name else cfg.num_key_value_heads
+    return np.arange(rows).reshape(heads, rows // heads // 2, 2).transpose(0, 2, 1).reshape(-1)
+
+
+# -- the metadata -----------------------------------------------------------------------------------
+def _required(meta: dict, key: str, path: str):
+    if key not in meta:
+        raise ValueError(f"GGUF {path!r}: metadata key {key!r} is missing")
+    return meta[key]
+
+
+def model_config(meta: dict, tensors: dict, path: str) -> tuple[ModelConfig, Arch]:
+    """The ModelConfig a GGUF's metadata and tensor names describe, and its architecture's conventions.
+    tensors: {name: object with .shape (GGUF order, fastest dimension first) and .data}."""
+    name = meta.get("general.architecture")
+    if name not in ARCHITECTURES:
+        raise ValueError(f"GGUF {path!r}: general.architecture={name!r} is unsupported "
+                         f"(supported: {', '.join(map(repr, ARCHITECTURES))})")
+    arch, p = ARCHITECTURES[name], name + "."
+    if "token_embd.weight" not in tensors:
+        raise ValueError(f"GGUF {path!r}: tensor 'token_embd.weight' is missing")
+    heads = int(_required(meta, p + "attention.head_count", path))
+    hidden = int(_required(meta, p + "embedding_length", path))
+    layers = int(_required(meta, p + "block_count", path))
+    head_dim = int(meta.get(p + "attention.key_length", hidden // heads))
+    rot = int(meta.get(p + "rope.dimension_count", head_dim))
+    if rot != head_dim:
+        raise ValueError(f"GGUF {path!r}: {p}rope.dimension_count={rot} with head_dim {head_dim}: only full rotary "
+                         "embeddings are supported")
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    experts = _experts(meta, tensors, p, layers, path)
+    window, sliding = _sliding(meta, p, name, layers)
+    hf = arch.hf
+    if name == "llama":
+        hf = "MixtralForCausalLM" if experts["num_experts"] else "MistralForCausalLM" if window else hf
+    inter = meta.get(p + "feed_forward_length") or experts["moe_intermediate_size"]   # MoE: its dense layers'
+    if not inter:
+        _required(meta, p + "feed_forward_length", path)
+    gemma = _gemma(meta, p, name, hidden, heads, head_dim, layers) if arch.gemma else {}
+    config = ModelConfig(
+        architecture=hf,
+        vocab_size=int(tensors["token_embd.weight"].shape[1]),
+        hidden_size=hidden,
+        intermediate_size=int(inter),
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=int(meta.get(p + "attention.head_count_kv", heads)),
+        head_dim=head_dim,
+        rms_norm_eps=float(meta.get(p + "attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(meta.get(p + "rope.freq_base", 1e6 if name == "gemma3" else 10000.0)),
+        max_position_embeddings=int(meta.get(p + "context_length", 4096)),
+        rope_scaling=_rope_scaling(meta, tensors, p, path),
+        tie_word_embeddings="output.weight" not in tensors,
+        eos_token_ids=[int(eos)] if eos is not None else [],
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        attention_bias="blk.0.attn_q.bias" in tensors,
+        qk_norm="blk.0.attn_q_norm.weight" in tensors,
+        sliding_window=window,
+        sliding_layers=sliding,
+        **gemma,
+        **experts,
+    )
+    return config, arch
+
+
+def _experts(meta: dict, tensors: dict, p: str, layers: int, path: str) -> dict:
+    """Mixtral (llama with experts) and Qwen3-MoE: the MoE fields of ModelConfig (zeros for a dense model)."""
+    n = int(meta.get(p + "expert_count", 0))
+    if not n:
+        return dict(num_experts=0, num_experts_per_tok=0, moe_intermediate_size=0)
+    if int(meta.get(p + "expert_shared_count", 0)):
+        raise ValueError(f"GGUF {path!r}: shared experts ({p}expert_shared_count) are unsupported")
+    gating = int(meta.get(p + "expert_gating_func", 1))
+    if gating != 1:
+        raise ValueError(f"GGUF {path!r}: {p}expert_gating_func={gating}: only softmax routing (1) is supported")
+    routed = [f"blk.{i}.ffn_gate_inp.weight" in tensors for i in range(layers)]
+    inter = meta.get(p + "expert_feed_forward_length") or _required(meta, p + "feed_forward_length", path)
+    return dict(num_experts=n, num_experts_per_tok=int(_required(meta, p + "expert_used_count", path)),
+                moe_intermediate_size=int(inter),
+                # llama.cpp renormalises Mixtral's and Qwen3-MoE's top-k weights unless the file says otherwise
+                norm_topk_prob=bool(meta.get(p + "expert_weights_norm", True)),
+                moe_layers=None if all(routed) else routed)
+
+
+def _sliding(meta: dict, p: str, arch: str, layers: int) -> tuple[int | None, list[bool] | None]:
+    """(window, which layers slide). attention.sliding_window_pattern: a bool per layer (True: sliding), or a period
+    n (every n-th layer global); without it, llama.cpp's rules: Gemma 2 every other layer from the first, Gemma 3
+    a period of 6, the others every layer."""
+    window = meta.get(p + "attention.sliding_window")
+    if not window:
+        return None, None
+    pattern = meta.get(p + "attention.sliding_window_pattern", {"gemma2": 2, "gemma3": 6}.get(arch))
+    if pattern is None:
+        return int(window), None
+    if isinstance(pattern, (int, np.integer)):
+        sliding = [int(pattern) <= 1 or (i + 1) % int(pattern) != 0 for i in range(layers)]
+    else:
+        sliding = [bool(s) for s in pattern]
+    return (int(window), sliding) if any(sliding) else (None, None)
+
+
+def _gemma(meta: dict, p: str, arch: str, hidden: int, heads: int, head_dim: int, layers: int) -> dict:
+    """Gemma's ModelConfig fields. The query scale: attention.scale if the file has it, else llama.cpp's rule
+    (the 27B models, 46 or 62 layers, scale by hidden / heads, the others by head_dim)."""
+    scale = meta.get(p + "attention.scale")
+    if scale:
+        scalar = float(scale) ** -2
+    else:
+        scalar = hidden / heads if layers == {"gemma2": 46, "gemma3": 62}[arch] else head_dim
+    caps = {k: float(meta[p + k]) if meta.get(p + k) else None
+            for k in ("attn_logit_softcapping", "final_logit_softcapping")}
+    local = float(meta.get(p + "rope.freq_base_swa", 10000.0)) if arch == "gemma3" else None
+    return dict(hidden_act="gelu_pytorch_tanh", query_pre_attn_scalar=scalar, rope_local_theta=local, **caps)
+
+
+def _rope_scaling(meta: dict, tensors: dict, p: str, path: str) -> dict | None:
+    """Linear scaling (Gemma 3's global layers), or Phi-3's LongRoPE (its factors are tensors of the file)."""
+    if "rope_factors_long.weight" in tensors:
+        factors = {k: _vector(tensors[f"rope_factors_{k}.weight"]) for k in ("short", "long")}
+        orig = int(_required(meta, p + "rope.scaling.original_context_length", path))
+        ctx = int(meta.get(p + "context_length", orig))
+        out = {"rope_type": "longrope", "short_factor": factors["short"], "long_factor": factors["long"],
+               "original_max_position_embeddings": orig, "factor": ctx / orig}
+        if meta.get(p + "rope.scaling.attn_factor"):
+            out["attention_factor"] = float(meta[p + "rope.scaling.attn_factor"])
+        return out
+    kind = meta.get(p + "rope.scaling.type", "none")
+    if kind == "none":
+        return None
+    if kind != "linear":
+        raise ValueError(f"GGUF {path!r}: {p}rope.scaling.type={kind!r}: only 'linear' (and Phi-3's LongRoPE "
+                         "factors) are supported")
+    return {"rope_type": "linear", "factor": float(_required(meta, p + "rope.scaling.factor", path))}
+
+
+def _vector(t) -> list[float]:
+    import gguf
+    return np.asarray(gguf.quants.dequantize(t.data, gguf.GGMLQuantizationType(t.ggml_type)),
+                      dtype=np.float64).reshape(-1).tolist()
