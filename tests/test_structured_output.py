@@ -167,6 +167,22 @@ def test_overlap_decodes_constrained_requests_every_step(default_model_path):
     assert texts[0] == texts[1]
 
 
+def test_overlap_finishes_a_grammar_that_ends(default_model_path):
+    """Under overlap the grammar takes the token in flight early (to fill the next mask); when that token ends the
+    grammar (its stop token, allowed once the regex is complete), the request still finishes there, under
+    ignore_eos too, as without overlap: same text, finish reason stop, no error."""
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                        structured_outputs=StructuredOutputsParams(regex="(yes|no)"))
+    outs = []
+    for overlap in (False, True):
+        llm = LLM(default_model_path, async_scheduling=overlap, num_kv_blocks=32)
+        (out,) = llm.generate([PROMPT] * 1, sp, use_tqdm=False)
+        outs.append(out.outputs[0])
+        llm.engine.shutdown()
+    assert outs[0].text == outs[1].text and outs[1].text in ("yes", "no")
+    assert outs[0].finish_reason == outs[1].finish_reason == "stop"
+
+
 def test_refused_on_disaggregated_roles(default_model_path):
     from picovllm.config import EngineConfig
     from picovllm.engine.llm_engine import Engine

@@ -464,13 +464,14 @@ class Engine:
         delta = self.detokenizer.append(req, token)
         req.text += delta
         check_stop(req, token, delta, self.eos_token_ids, self.max_model_len)
-        # the grammar may have taken this token already (_fill_late_masks)
-        if req.grammar is not None and not req.is_finished and req.grammar.num_accepted < len(req.output_token_ids):
+        if req.grammar is not None and not req.is_finished:
             self._advance_grammar(req, token)
 
     @staticmethod
     def _advance_grammar(req: Request, token: int) -> None:
-        if not req.grammar.accept(token):   # only if the mask was overridden (e.g. a stop id banned by min_tokens)
+        """The request's grammar takes its newest token (unless _fill_late_masks gave it already)."""
+        taken = req.grammar.num_accepted >= len(req.output_token_ids)
+        if not taken and not req.grammar.accept(token):   # only if the mask was overridden (e.g. min_tokens)
             req.finish(FinishReason.ERROR, error=f"token {token} does not match the structured output's grammar")
         elif req.grammar.is_terminated:     # a stop token the grammar ends with, e.g. under ignore_eos
             req.finish(FinishReason.STOP, stop_reason=token)
