@@ -211,11 +211,19 @@ class ModelRunner:
         return self.model.compute_logits(hidden[rows])
 
     def shutdown(self) -> None:
-        """Drop the CUDA graphs. Under tensor parallelism they hold the TP group's NCCL communicator:
-        destroying the group while they live hangs, so every rank calls this before it does."""
+        """Drop the CUDA graphs and, on a GPU, the KV cache: the runner steps no more. Under tensor parallelism
+        the graphs hold the TP group's NCCL communicator: destroying the group while they live hangs, so every
+        rank calls this before it does. The cache goes so that an engine made next in this process (a second
+        LLM, a P beside a D) sizes its own from free memory, not from what this one still held."""
         if self.cuda_graphs is not None:
             torch.cuda.synchronize(self.device)
             self.cuda_graphs = self.prefill_graphs = None
+        if self.device.type == "cuda" and self.kv_cache is not None:
+            torch.cuda.synchronize(self.device)
+            for attn in self.model.attention_layers():
+                attn.k_cache = attn.v_cache = None
+            self.kv_cache = None
+            torch.cuda.empty_cache()
 
     def _metadata(self, step: StepInput) -> AttentionMetadata:
         return step_metadata(step, self.device)
