@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -333,3 +334,19 @@ def test_one_shot_all_reduce_sums_like_float64():
         assert made, "the peer-memory paths should exist between two H200s"
         errors = [e for _, e in errors]
         assert max(errors) < 1e-2, errors     # bf16 rounding of the sum at most
+
+
+def test_structured_outputs_under_tp_overlap_match_tp1():
+    """Overlapped TP=2 fills a constrained request's mask late on rank 0 (between the ranks' forward and its
+    sampling): the regex-constrained text and an unconstrained batch-mate's equal TP=1's, on the default model."""
+    from picovllm.sampling_params import StructuredOutputsParams
+    sp = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                         structured_outputs=StructuredOutputsParams(regex=r"[a-z]{5} (yes|no)")),
+          SamplingParams(temperature=0, max_tokens=12)]
+    prompts = ["Answer:", "Hello"]
+    kw = dict(num_kv_blocks=64, quantization="none")
+    ref = [o.outputs[0].text for o in LLM(**kw).generate(prompts, sp, use_tqdm=False)]
+    with LLM(tensor_parallel_size=2, async_scheduling=True, **kw) as llm:
+        got = [o.outputs[0].text for o in llm.generate(prompts, sp, use_tqdm=False)]
+    assert got == ref
+    assert re.fullmatch(r"[a-z]{5} (yes|no)", got[0])
