@@ -14,7 +14,6 @@ perplexity of each and the gap, then greedy answers to a fixed set of chat promp
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import math
 import os
@@ -70,11 +69,6 @@ def kv_dtype_comparison(args) -> None:
             outs = [llm.chat([{"role": "user", "content": q}], SamplingParams(temperature=0, max_tokens=48),
                              use_tqdm=False)[0].outputs[0] for q in KV_PROMPTS]
             answers[kv] = [(o.text, o.token_ids) for o in outs]
-        # on a GPU the next engine sizes its KV cache from the free memory: let this one's go first
-        del llm
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
     for i, q in enumerate(KV_PROMPTS):
         a, b = answers["auto"][i], answers[args.kv_cache_dtype][i]
         print(json.dumps({"prompt": q, "same_tokens": a[1] == b[1], "auto": a[0], args.kv_cache_dtype: b[0]}))

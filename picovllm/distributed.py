@@ -138,9 +138,7 @@ def make_one_shot(group, device: torch.device, max_bytes: int = ONE_SHOT_MAX_BYT
     one_shot = None
     with contextlib.suppress(Exception):   # no peer access between the GPUs, or an older torch
         one_shot = OneShotAllReduce(group, device, max_bytes, min_bytes)
-    ok = torch.tensor([int(one_shot is not None)], device=device)
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
-    return one_shot if int(ok) else None
+    return _on_every_rank(one_shot, group, device)
 
 
 def make_small_all_reduce(group, device: torch.device,
@@ -153,6 +151,12 @@ def make_small_all_reduce(group, device: torch.device,
         small = OneFlagAllReduce(group, device, max_bytes)
     except Exception as e:   # no peer access between the GPUs, no triton, an older torch
         warnings.warn(f"small all-reduce kernel unavailable, NCCL takes its messages: {e}")
-    ok = torch.tensor([int(small is not None)], device=device)
+    return _on_every_rank(small, group, device)
+
+
+def _on_every_rank(path, group, device: torch.device):
+    """Collective: path where every rank of the group made one, else None on every rank (so the ranks never
+    take different paths for the same message)."""
+    ok = torch.tensor([int(path is not None)], device=device)
     dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
-    return small if int(ok) else None
+    return path if int(ok) else None

@@ -215,11 +215,11 @@ class ModelRunner:
         the graphs hold the TP group's NCCL communicator: destroying the group while they live hangs, so every
         rank calls this before it does. The cache goes so that an engine made next in this process (a second
         LLM, a P beside a D) sizes its own from free memory, not from what this one still held."""
-        if self.cuda_graphs is not None:
-            torch.cuda.synchronize(self.device)
-            self.cuda_graphs = self.prefill_graphs = None
-        if self.device.type == "cuda" and self.kv_cache is not None:
-            torch.cuda.synchronize(self.device)
+        if self.device.type != "cuda" or (self.cuda_graphs is None and self.kv_cache is None):
+            return
+        torch.cuda.synchronize(self.device)
+        self.cuda_graphs = self.prefill_graphs = None
+        if self.kv_cache is not None:
             for attn in self.model.attention_layers():
                 attn.k_cache = attn.v_cache = None
             self.kv_cache = None

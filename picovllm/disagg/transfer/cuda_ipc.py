@@ -44,11 +44,16 @@ def export_cache(cache: torch.Tensor) -> dict:
             "manager": b64(manager), "name": b64(name), "storage_bytes": nbytes}
 
 
-def map_cache(h: dict) -> torch.Tensor:
-    """The tensor export_cache described, mapped into this process (no copy)."""
+def _handle_dtype(h: dict) -> torch.dtype:
     dtype = _DTYPES.get(h.get("dtype"))
     if dtype is None:
         raise ValueError(f"cache handle dtype must be one of {sorted(_DTYPES)}, got {h.get('dtype')!r}")
+    return dtype
+
+
+def map_cache(h: dict) -> torch.Tensor:
+    """The tensor export_cache described, mapped into this process (no copy)."""
+    dtype = _handle_dtype(h)
     if h.get("kind") == "cuda":
         from torch.multiprocessing.reductions import rebuild_cuda_tensor
         return rebuild_cuda_tensor(torch.Tensor, torch.Size(h["size"]), tuple(h["stride"]), h["offset"],
@@ -67,9 +72,7 @@ def _own_cuda_cache(h: dict) -> torch.Tensor:
     as benchmarks/d_step.py runs them): CUDA refuses to open a process's own IPC handle, so take the storage
     that torch's reduce_tensor remembered under that handle."""
     from torch.multiprocessing.reductions import storage_from_cache
-    dtype = _DTYPES.get(h.get("dtype"))
-    if dtype is None:
-        raise ValueError(f"cache handle dtype must be one of {sorted(_DTYPES)}, got {h.get('dtype')!r}")
+    dtype = _handle_dtype(h)
     storage = storage_from_cache(None, unb64(h["handle"]))
     if storage is None:
         raise RuntimeError("the prefill cache is in this process but its storage is gone")
