@@ -17,7 +17,11 @@ from picovllm.kernels.prefill_attention import prefill_attention        # noqa: 
 from picovllm.kernels.store_kv import store_kv                          # noqa: E402
 from picovllm.layers.attention import TorchAttentionBackend             # noqa: E402
 from picovllm.layers.attention import store_kv as store_kv_ref          # noqa: E402
-from test_kernels import CASES, PagedBatch, rel_err                      # noqa: E402
+from test_kernels import CASES, INTERPRET, PagedBatch, rel_err           # noqa: E402
+
+# float16 on the interpreter too: a half-precision q takes the kernels' float16 dot products (fp8_f16_dots)
+CASES = CASES + [pytest.param("cpu", torch.float16, 5e-3, id="interp-fp16",
+                              marks=pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1"))]
 
 FP8 = torch.float8_e4m3fn
 

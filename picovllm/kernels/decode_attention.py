@@ -41,6 +41,13 @@ def fp8_scales(k_cache: torch.Tensor, kv_scales, who: str) -> bool:
     return fp8
 
 
+def fp8_f16_dots(q: torch.Tensor, fp8: bool) -> bool:
+    """Whether the kernels take an fp8 cache's dot products in float16: for a half-precision q. Every e4m3 value is
+    exact in float16 and the conversion is one instruction per two values, where e4m3 -> bfloat16 goes through
+    float32 and left the fp8 decode kernel compute-bound, slower than bf16 at half the bytes (BENCHMARKS.md)."""
+    return fp8 and q.dtype != torch.float32
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """fp32 models get exact fp32 dot products (not tf32), so they match the torch reference closely."""
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -60,9 +67,10 @@ def _decode_partial_kernel(
         stride_pb, stride_ph, stride_ps, stride_ob, stride_oh,
         BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        DIRECT: tl.constexpr, SOFTCAP: tl.constexpr, FP8: tl.constexpr):
+        DIRECT: tl.constexpr, SOFTCAP: tl.constexpr, FP8: tl.constexpr, F16_DOTS: tl.constexpr):
     """DIRECT (one split): write the final output, no partials and no reduce pass. SOFTCAP 0: none.
-    FP8: the caches hold float8_e4m3fn, dequantized by k_scale_ptr[kv head], v_scale_ptr[kv head]."""
+    FP8: the caches hold float8_e4m3fn, dequantized by k_scale_ptr[kv head], v_scale_ptr[kv head];
+    F16_DOTS: their dot products in float16 (fp8_f16_dots)."""
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -87,6 +95,8 @@ def _decode_partial_kernel(
                 mask=mask_g[:, None] & mask_d[None, :], other=0.0)
     if FP8:
         qk_scale = qk_scale * tl.load(k_scale_ptr + kvh)
+    if F16_DOTS:
+        q = q.to(tl.float16)
 
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
@@ -201,7 +211,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         part_o.stride(0), part_o.stride(1), part_o.stride(2), out.stride(0), out.stride(1),
         BLOCK_SIZE=k_cache.shape[1], GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=d, BLOCK_D=block_d, BLOCK_N=block_n, DOT_PRECISION=dot_precision(q.dtype), DIRECT=direct,
-        SOFTCAP=float(softcap or 0.0), FP8=fp8, num_warps=num_warps, num_stages=num_stages)
+        SOFTCAP=float(softcap or 0.0), FP8=fp8, F16_DOTS=fp8_f16_dots(q, fp8), num_warps=num_warps,
+        num_stages=num_stages)
     if direct:
         return out
     _decode_reduce_kernel[(b, hq)](

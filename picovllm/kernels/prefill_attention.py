@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from picovllm.kernels.decode_attention import NO_WINDOW, dot_precision, fp8_scales, score_scale, soft_cap
+from picovllm.kernels.decode_attention import NO_WINDOW, dot_precision, fp8_f16_dots, fp8_scales, score_scale, soft_cap
 
 
 @triton.jit(do_not_specialize=["first_seq", "stride_bt"])   # vary per step: no recompiles
@@ -23,7 +23,7 @@ def _prefill_kernel(
         stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
         BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
-        FP8: tl.constexpr):
+        FP8: tl.constexpr, F16_DOTS: tl.constexpr):
     tile = tl.program_id(0)
     seq = first_seq + tl.program_id(1)
     h = tl.program_id(2)
@@ -46,6 +46,8 @@ def _prefill_kernel(
     q_pos = ctx + offs_m
     if FP8:
         qk_scale = qk_scale * tl.load(k_scale_ptr + kvh)
+    if F16_DOTS:                               # decode_attention.fp8_f16_dots
+        q = q.to(tl.float16)
 
     # Finite: under a window a row can see no key of a whole tile, and -inf - -inf would be NaN.
     m_i = tl.full([BLOCK_M], -1e30, tl.float32)
@@ -112,5 +114,5 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         BLOCK_SIZE=k_cache.shape[1], GROUP=hq // hkv, HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d),
         BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=dot_precision(q.dtype), SOFTCAP=float(softcap or 0.0),
-        FP8=fp8, num_warps=num_warps, num_stages=num_stages)
+        FP8=fp8, F16_DOTS=fp8_f16_dots(q, fp8), num_warps=num_warps, num_stages=num_stages)
     return out
