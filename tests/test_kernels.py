@@ -109,36 +109,28 @@ def test_store_kv(device, dtype, tol, block_size):
     (5, 4, 2, 16, [4, 5, 6, 23], 7),               # a block size that is not a power of two
     (16, 4, 2, 32, [3, 16, 50], 1),                # one split: the partial kernel writes the output itself
 ])
-@pytest.mark.parametrize("merge", ["reduce", "last"])
-def test_decode_attention(device, dtype, tol, block_size, hq, hkv, d, ctx, splits, merge):
-    """merge "last": split-K slices merged by the last to finish (counters given); twice, since the counters
-    must be zero again after a launch for the next one (a CUDA graph replays with the same buffer)."""
+def test_decode_attention(device, dtype, tol, block_size, hq, hkv, d, ctx, splits):
     b = PagedBatch([n - 1 for n in ctx], [1] * len(ctx), block_size, hq, hkv, d, dtype, device, seed=len(ctx))
     k_cache, v_cache = b.caches()
     store_kv_ref(b.k, b.v, k_cache, v_cache, b.meta.slot_mapping)
     scale = d ** -0.5
     ref = TorchAttentionBackend._decode(b.q.float(), k_cache.float(), v_cache.float(), b.meta, scale)
-    counters = torch.zeros(len(ctx) * hkv + 3, dtype=torch.int32, device=device) if merge == "last" else None
-    for _ in range(2 if counters is not None else 1):
-        out = torch.full_like(b.q, float("nan"))
-        decode_attention(b.q, k_cache, v_cache, b.meta.block_tables, b.meta.seq_lens, scale,
-                         out=out, block_n=16, num_splits=splits, counters=counters)
-        assert not out.isnan().any()
-        assert rel_err(out, ref) < tol
-        assert counters is None or not counters.any()
+    out = torch.full_like(b.q, float("nan"))
+    decode_attention(b.q, k_cache, v_cache, b.meta.block_tables, b.meta.seq_lens, scale,
+                     out=out, block_n=16, num_splits=splits)
+    assert not out.isnan().any()
+    assert rel_err(out, ref) < tol
 
 
 @pytest.mark.parametrize("device,dtype,tol", CASES)
-@pytest.mark.parametrize("splits,merge", [(1, "reduce"), (3, "reduce"), (3, "last")])
-def test_decode_padding_rows_give_zeros(device, dtype, tol, splits, merge):
+@pytest.mark.parametrize("splits", [1, 3])
+def test_decode_padding_rows_give_zeros(device, dtype, tol, splits):
     """CUDA-graph padding: a row with seq_len 0 reads nothing and yields zeros, not NaN."""
     b = PagedBatch([4, 0], [1, 1], 16, 4, 2, 16, dtype, device)
     b.meta.seq_lens[1] = 0
     out = torch.full_like(b.q, float("nan"))
-    counters = torch.zeros(4, dtype=torch.int32, device=device) if merge == "last" else None
     decode_attention(b.q, b.k_cache, b.v_cache, b.meta.block_tables, b.meta.seq_lens, 0.25, out=out,
-                     num_splits=splits, counters=counters)
-    assert counters is None or not counters.any()
+                     num_splits=splits)
     assert torch.equal(out[1], torch.zeros_like(out[1])) and not out[0].isnan().any()
 
 

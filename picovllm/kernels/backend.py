@@ -18,16 +18,6 @@ class TritonAttentionBackend(AttentionBackend):
     Decode launches depend on the batch size alone, so decode steps can be CUDA-graph captured."""
 
     supports_cuda_graphs = True
-    COUNTERS = 1 << 16    # split-K merge counters: sequences x kv heads of a decode launch; more take a reduce pass
-
-    def __init__(self) -> None:
-        self._counters: torch.Tensor | None = None   # decode_attention's, zero between launches; made at first use
-
-    def counters(self, device: torch.device) -> torch.Tensor:
-        """The split-K merge counters on this device (the same buffer for every launch, as a CUDA graph needs)."""
-        if self._counters is None or self._counters.device != device:
-            self._counters = torch.zeros(self.COUNTERS, dtype=torch.int32, device=device)
-        return self._counters
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int | None = None,
@@ -37,14 +27,12 @@ class TritonAttentionBackend(AttentionBackend):
         nd = meta.num_decodes
         if nd:
             decode_attention(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd],
-                             scale, out=out[:nd], window=window, softcap=softcap, kv_scales=kv_scales,
-                             counters=self.counters(q.device))
+                             scale, out=out[:nd], window=window, softcap=softcap, kv_scales=kv_scales)
         num_prefills = meta.num_seqs - nd
         if num_prefills:
             max_q = max(meta.query_lens_cpu[nd:])
             if num_prefills == 1 and max_q <= SHORT_PREFILL:
-                self._short_prefill(q, k_cache, v_cache, meta, max_q, scale, out, window, softcap, kv_scales,
-                                    self.counters(q.device))
+                self._short_prefill(q, k_cache, v_cache, meta, max_q, scale, out, window, softcap, kv_scales)
             else:
                 prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
                                   nd, num_prefills, max_q, scale, out, window=window, softcap=softcap,
@@ -53,7 +41,7 @@ class TritonAttentionBackend(AttentionBackend):
 
     @staticmethod
     def _short_prefill(q, k_cache, v_cache, meta: AttentionMetadata, max_q: int, scale: float, out,
-                       window: int | None, softcap: float | None, kv_scales=None, counters=None) -> None:
+                       window: int | None, softcap: float | None, kv_scales=None) -> None:
         """One prefill chunk of at most SHORT_PREFILL tokens (a suffix after a cached prefix, say) as that many
         decode rows: query token i sees the context and the chunk up to itself, seq_len - q_len + 1 + i keys,
         through the sequence's block table. The prefill kernel would give such a chunk one program per head,
@@ -74,4 +62,4 @@ class TritonAttentionBackend(AttentionBackend):
             meta.scratch[key] = lens, meta.block_tables[nd:nd + 1].expand(max_q, -1).clone()
         lens, tables = meta.scratch[key]
         decode_attention(q[rows], k_cache, v_cache, tables, lens, scale, out=out[rows], window=window,
-                         softcap=softcap, kv_scales=kv_scales, counters=counters)
+                         softcap=softcap, kv_scales=kv_scales)

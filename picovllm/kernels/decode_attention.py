@@ -5,8 +5,7 @@ share kv_head to one of num_splits equal slices of the context (the last `window
 sliding window) (a multiple of BLOCK_N tokens each),
 reading K/V token by token through the block table, so any block size works. It writes the
 slice's normalized output and its log-sum-exp (base 2). Pass 2 (_decode_reduce_kernel) merges
-the slices of each head; given a counter buffer, the last slice of each (sequence, kv head) to finish merges
-them instead, in the same launch (_merge_if_last). The grid depends only on the batch size and head count, never on the
+the slices of each head. The grid depends only on the batch size and head count, never on the
 context lengths: no host-device sync, and one CUDA graph per batch size serves every context.
 
 An fp8 cache (FP8, a constexpr: the other path compiles as before) is read as x8 * scale with one scale per
@@ -63,16 +62,13 @@ def _slice_len(seq_len, num_splits, BLOCK_N: tl.constexpr):
 @triton.jit(do_not_specialize=["num_splits", "stride_bt"])   # vary per step: no recompiles
 def _decode_partial_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, part_o_ptr, part_lse_ptr, o_ptr,
-        k_scale_ptr, v_scale_ptr, counter_ptr, qk_scale, num_splits, window,
+        k_scale_ptr, v_scale_ptr, qk_scale, num_splits, window,
         stride_qb, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt,
         stride_pb, stride_ph, stride_ps, stride_ob, stride_oh,
         BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        DIRECT: tl.constexpr, LAST_MERGES: tl.constexpr, SOFTCAP: tl.constexpr, FP8: tl.constexpr,
-        F16_DOTS: tl.constexpr):
-    """DIRECT (one split): write the final output, no partials and no reduce pass. LAST_MERGES: the splits of a
-    (seq, kv head) count themselves in counter_ptr[seq * num kv heads + kv head] (zero before the launch), and the
-    last to finish merges them all and sets it back to zero (no reduce pass either). SOFTCAP 0: none.
+        DIRECT: tl.constexpr, SOFTCAP: tl.constexpr, FP8: tl.constexpr, F16_DOTS: tl.constexpr):
+    """DIRECT (one split): write the final output, no partials and no reduce pass. SOFTCAP 0: none.
     FP8: the caches hold float8_e4m3fn, dequantized by k_scale_ptr[kv head], v_scale_ptr[kv head];
     F16_DOTS: their dot products in float16 (fp8_f16_dots)."""
     seq = tl.program_id(0)
@@ -90,7 +86,7 @@ def _decode_partial_kernel(
     heads = kvh * GROUP + offs_g
     o_rows = o_ptr + seq.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
     if start >= seq_len:      # past the end of the context: the reduce skips this split
-        if DIRECT or (LAST_MERGES and split == 0):    # an empty (padding) row: zeros
+        if DIRECT:            # an empty (padding) row: zeros
             tl.store(o_rows, tl.zeros([GROUP_PAD, BLOCK_D], tl.float32).to(o_ptr.dtype.element_ty),
                      mask=mask_g[:, None] & mask_d[None, :])
         return
@@ -139,37 +135,6 @@ def _decode_partial_kernel(
         base = seq.to(tl.int64) * stride_pb + heads * stride_ph + split * stride_ps
         tl.store(part_o_ptr + base[:, None] + offs_d[None, :], out, mask=mask_g[:, None] & mask_d[None, :])
         tl.store(part_lse_ptr + base // BLOCK_D, lse, mask=mask_g)
-        if LAST_MERGES:
-            _merge_if_last(part_o_ptr, part_lse_ptr, counter_ptr + seq * tl.num_programs(1) + kvh, o_rows,
-                           seq.to(tl.int64) * stride_pb + heads * stride_ph, stride_ps,
-                           tl.cdiv(seq_len - lo, part), mask_g, mask_d, GROUP_PAD, BLOCK_D)
-
-
-@triton.jit
-def _merge_if_last(part_o_ptr, part_lse_ptr, count_ptr, o_rows, base, stride_ps, used, mask_g, mask_d,
-                   GROUP_PAD: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Count this split done; the last of the `used` splits merges every split's (output, lse) into o_rows and
-    zeroes the count for the next launch. The barrier orders the program's partial stores before its release
-    (the atomic); the merging program acquires, and reads the partials from L2 (.cg), past its own L1."""
-    tl.debug_barrier()
-    done = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
-    if done == used - 1:
-        m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-        den = tl.zeros([GROUP_PAD], tl.float32)
-        acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
-        for s in range(0, used):
-            at = base + s * stride_ps
-            lse = tl.load(part_lse_ptr + at // BLOCK_D, mask=mask_g, other=0.0, cache_modifier=".cg")
-            o = tl.load(part_o_ptr + at[:, None] + tl.arange(0, BLOCK_D)[None, :],
-                        mask=mask_g[:, None] & mask_d[None, :], other=0.0, cache_modifier=".cg")
-            m_new = tl.maximum(m, lse)
-            a = tl.exp2(m - m_new)
-            w = tl.exp2(lse - m_new)
-            acc = acc * a[:, None] + o * w[:, None]
-            den = den * a + w
-            m = m_new
-        tl.store(o_rows, (acc / den[:, None]).to(o_rows.dtype.element_ty), mask=mask_g[:, None] & mask_d[None, :])
-        tl.atomic_xchg(count_ptr, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -217,14 +182,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      block_n: int | None = None, num_warps: int = 4, num_stages: int = 2,
                      num_splits: int | None = None, window: int | None = None,
                      softcap: float | None = None,
-                     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
-                     counters: torch.Tensor | None = None) -> torch.Tensor:
+                     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """q [B, Hq, D]; caches [num_blocks, block_size, Hkv, D]; block_tables [B, W] int32; seq_lens [B] int32
     (0 for a padding row, which gets zeros). Returns [B, Hq, D]. window: attend to the last `window` tokens
     only; softcap: scores soft-capped; kv_scales: (k_scale, v_scale) [Hkv] float32, given exactly when the
-    caches are fp8 (see AttentionBackend.forward). counters: int32 zeros, at least B * Hkv of them, that the
-    launch leaves zero again (the caller keeps them across launches): split-K then merges in its last split
-    (one kernel, not two); without them, or when too few, a reduce pass merges."""
+    caches are fp8 (see AttentionBackend.forward)."""
     b, hq, d = q.shape
     hkv = k_cache.shape[2]
     if hq % hkv:
@@ -239,21 +201,19 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     # long unsplit slices stream in 128-token tiles (3-4% faster on an H200), split ones in 64
     block_n = block_n or (128 if splits == 1 else 64)
     direct = splits == 1
-    last_merges = not direct and counters is not None and counters.numel() >= b * hkv
     part_o = torch.empty(0 if direct else b, hq, splits, block_d, dtype=torch.float32, device=q.device)
     # part_lse is laid out as part_o without its last dim, so its offsets are part_o's // block_d
     part_lse = torch.empty(0 if direct else b, hq, splits, dtype=torch.float32, device=q.device)
     _decode_partial_kernel[(b, hkv, splits)](
         q, k_cache, v_cache, block_tables, seq_lens, part_o, part_lse, out,
-        *(kv_scales if fp8 else (seq_lens, seq_lens)), counters if last_merges else seq_lens,
-        score_scale(scale, softcap), splits, window or NO_WINDOW,
+        *(kv_scales if fp8 else (seq_lens, seq_lens)), score_scale(scale, softcap), splits, window or NO_WINDOW,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         part_o.stride(0), part_o.stride(1), part_o.stride(2), out.stride(0), out.stride(1),
         BLOCK_SIZE=k_cache.shape[1], GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=d, BLOCK_D=block_d, BLOCK_N=block_n, DOT_PRECISION=dot_precision(q.dtype), DIRECT=direct,
-        LAST_MERGES=last_merges, SOFTCAP=float(softcap or 0.0), FP8=fp8, F16_DOTS=fp8_f16_dots(q, fp8),
-        num_warps=num_warps, num_stages=num_stages)
-    if direct or last_merges:
+        SOFTCAP=float(softcap or 0.0), FP8=fp8, F16_DOTS=fp8_f16_dots(q, fp8), num_warps=num_warps,
+        num_stages=num_stages)
+    if direct:
         return out
     _decode_reduce_kernel[(b, hq)](
         part_o, part_lse, seq_lens, out, splits, window or NO_WINDOW,
