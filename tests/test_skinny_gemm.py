@@ -15,7 +15,6 @@ triton = pytest.importorskip("triton")
 from picovllm import kernels                                              # noqa: E402
 from picovllm.kernels.skinny_gemm import skinny_fits, skinny_linear       # noqa: E402
 from picovllm.layers.linear import RowParallelLinear                      # noqa: E402
-from picovllm.models.llama import LlamaMLP                                # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 CUDA = torch.cuda.is_available()
@@ -51,20 +50,6 @@ def test_skinny_matches_float64(device, dtype, m, n, k, bias):
     assert rel_err(got.cpu(), want) < tol(dtype)
 
 
-@pytest.mark.parametrize("device,dtype", CASES)
-@pytest.mark.parametrize("m", [1, 5])
-def test_silu_gated_matches_float64(device, dtype, m):
-    """x = [gate | up]: the kernel multiplies w by silu(gate) * up."""
-    g = torch.Generator().manual_seed(m)
-    k, n = 512, 32
-    x = torch.randn(m, 2 * k, generator=g, dtype=torch.float64) * 2
-    w = torch.randn(n, k, generator=g, dtype=torch.float64) * 0.05
-    gate, up = x[:, :k], x[:, k:]
-    want = (gate * torch.sigmoid(gate) * up) @ w.T
-    got = skinny_linear(x.to(device, dtype), w.to(device, dtype), silu_gated=True)
-    assert rel_err(got.cpu(), want) < tol(dtype)
-
-
 def test_fits_only_few_rows_and_aligned_k():
     w = torch.zeros(32, 512, dtype=torch.float16)
     assert skinny_fits(torch.zeros(8, 512, dtype=torch.float16), w)
@@ -72,37 +57,25 @@ def test_fits_only_few_rows_and_aligned_k():
     assert not skinny_fits(torch.zeros(2, 512, dtype=torch.float32), w)          # not half precision
     assert not skinny_fits(torch.zeros(2, 384, dtype=torch.float16), torch.zeros(32, 384, dtype=torch.float16))
     assert not skinny_fits(torch.zeros(2, 512, dtype=torch.float16), w.t().contiguous().t())   # w not contiguous
-    assert skinny_fits(torch.zeros(2, 1024, dtype=torch.float16), w, silu_gated=True)
-    assert not skinny_fits(torch.zeros(2, 512, dtype=torch.float16), w, silu_gated=True)
+    assert not skinny_fits(torch.zeros(2, 1024, dtype=torch.float16), w)          # x's K is not w's
 
 
 @pytest.mark.skipif(not INTERPRET, reason="routes CPU tensors through the kernel under TRITON_INTERPRET=1")
-def test_mlp_folds_its_activation_for_few_rows(monkeypatch):
-    """With the kernels on (as on a GPU), a gated MLP of <= 8 rows runs down_proj with silu inside the skinny kernel,
-    9 rows the plain path; both equal a float64 MLP."""
-    from types import SimpleNamespace
+def test_row_parallel_routes_few_rows_of_o_proj_shapes(monkeypatch):
+    """With the kernels on (as on a GPU), a row-parallel layer with K <= 2 N takes the skinny kernel for <= 8 rows and
+    F.linear for 9; one with K = 3 N (a down_proj's shape) always F.linear. Every result equals float64."""
+    import picovllm.kernels.skinny_gemm as sg
     calls = []
-    real = RowParallelLinear.silu_gated
-
-    def spy(self, h):
-        out = real(self, h)
-        calls.append(out is not None)
-        return out
-
+    real = sg.skinny_linear
     monkeypatch.setattr(kernels, "use_triton", lambda x: True)
-    monkeypatch.setattr(RowParallelLinear, "silu_gated", spy)
-    cfg = SimpleNamespace(hidden_size=256, intermediate_size=512, hidden_act="silu")
-    mlp = LlamaMLP(cfg, __import__("picovllm.distributed", fromlist=["SINGLE"]).SINGLE)
+    monkeypatch.setattr(sg, "skinny_linear", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
     g = torch.Generator().manual_seed(0)
-    gu = torch.randn(1024, 256, generator=g, dtype=torch.float64) * 0.05
-    down = torch.randn(256, 512, generator=g, dtype=torch.float64) * 0.05
-    mlp.gate_up_proj.weight.data = gu.half()
-    mlp.down_proj.weight.data = down.half()
-    for rows, folded in [(3, True), (9, False)]:
-        x = torch.randn(rows, 256, generator=g, dtype=torch.float64)
-        h = x.half().double() @ gu.half().double().T
-        gate, up = h[:, :512], h[:, 512:]
-        want = (gate * torch.sigmoid(gate) * up) @ down.half().double().T
-        got = mlp(x.half())
-        assert calls[-1] is folded
-        assert rel_err(got, want) < 3e-3
+    for n, k, rows, routed in [(32, 512, 3, True), (32, 512, 9, False), (256, 512, 8, True), (256, 768, 2, False)]:
+        layer = RowParallelLinear(k, n)
+        w = torch.randn(n, k, generator=g, dtype=torch.float64) * 0.05
+        layer.weight.data = w.half()
+        x = torch.randn(rows, k, generator=g, dtype=torch.float64)
+        before = len(calls)
+        got = layer(x.half())
+        assert (len(calls) > before) is routed
+        assert rel_err(got, x.half().double() @ w.half().double().T) < 2e-3

@@ -147,13 +147,6 @@ class RowParallelLinear(nn.Module):
             y = F.linear(x, self.weight)
         return self._finish(y)
 
-    def silu_gated(self, gate_up: torch.Tensor) -> torch.Tensor | None:
-        """This layer applied to silu(gate) * up, computed inside its kernel from gate_up = [gate | up], when the
-        skinny kernel takes the call; None otherwise (the caller applies the activation and calls forward)."""
-        if not _skinny(gate_up, self.weight, silu_gated=True):
-            return None
-        return self._finish(_skinny_kernels().skinny_linear(gate_up, self.weight, silu_gated=True))
-
     def _finish(self, y: torch.Tensor) -> torch.Tensor:
         y = self.tp.all_reduce(y)
         return y if self.bias is None else y + self.bias
@@ -164,8 +157,10 @@ def _skinny_kernels():
     return skinny_gemm
 
 
-def _skinny(x: torch.Tensor, w: torch.Tensor, silu_gated: bool = False) -> bool:
-    """Whether a row-parallel layer's call goes to the skinny kernel: a GPU batch of at most 8 rows. Only row-parallel
-    layers (o_proj, down_proj: N <= K): on an H200 it beat cuBLAS there (0.6B's o_proj 5.7 us against cuBLAS's
-    split-K 10.4), not on the column-parallel shapes (qkv, gate_up: 5-10% slower), which keep cuBLAS."""
-    return kernels.use_triton(x) and _skinny_kernels().skinny_fits(x, w, silu_gated)
+def _skinny(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether a row-parallel layer's call goes to the skinny kernel: a GPU batch of at most 8 rows, and K <= 2 N. On
+    an H200 it beat cuBLAS on o_proj (Qwen3-0.6B: 5.7 us against cuBLAS's split-K 12.3 at one row; -8B: 12.0 against
+    12.5), not on 0.6B's down_proj (K = 3 N: 6.8 against 6.6) nor the column-parallel shapes (qkv, gate_up: 5-10%
+    slower), which keep cuBLAS."""
+    return (kernels.use_triton(x) and w.shape[1] <= 2 * w.shape[0]
+            and _skinny_kernels().skinny_fits(x, w))

@@ -11,7 +11,7 @@ from torch import nn
 from picovllm import kernels
 from picovllm.config import ModelConfig
 from picovllm.distributed import SINGLE, TPGroup
-from picovllm.layers.activation import SiluAndMul, gated_activation
+from picovllm.layers.activation import gated_activation
 from picovllm.layers.attention import Attention, AttentionMetadata
 from picovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from picovllm.layers.layernorm import RMSNorm
@@ -72,12 +72,7 @@ class LlamaMLP(nn.Module):
         self.act = gated_activation(cfg.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.gate_up_proj(x)
-        if isinstance(self.act, SiluAndMul):   # a decode batch of a few rows: the activation inside down_proj
-            y = self.down_proj.silu_gated(h)
-            if y is not None:
-                return y
-        return self.down_proj(self.act(h))
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
