@@ -70,7 +70,7 @@ def test_row_parallel_routes_few_rows_of_o_proj_shapes(monkeypatch):
     monkeypatch.setattr(kernels, "use_triton", lambda x: True)
     monkeypatch.setattr(sg, "skinny_linear", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
     g = torch.Generator().manual_seed(0)
-    for n, k, rows, routed in [(32, 512, 3, True), (32, 512, 9, False), (256, 512, 8, True), (256, 768, 2, False)]:
+    for n, k, rows, routed in [(256, 512, 3, True), (256, 512, 9, False), (512, 512, 8, True), (256, 768, 2, False)]:
         layer = RowParallelLinear(k, n)
         w = torch.randn(n, k, generator=g, dtype=torch.float64) * 0.05
         layer.weight.data = w.half()
