@@ -422,10 +422,11 @@ def test_gumbel_sample_distribution(device, dtype, tol):
 
 
 @pytest.mark.parametrize("device,dtype,tol", CASES)
-@pytest.mark.parametrize("tokens,experts,top_k", [(5, 8, 2), (37, 64, 1), (1, 8, 8)])
+@pytest.mark.parametrize("tokens,experts,top_k", [(5, 8, 2), (37, 64, 1), (1, 8, 8), (150, 4, 2)])
 def test_fused_experts_match_torch(device, dtype, tol, tokens, experts, top_k):
     """Tokens grouped by expert (segments padded to the row tile), grouped GEMMs, top-k combine; experts no
-    token picked, a tile shared by no two experts, every expert picked by one token (top-8 of 8)."""
+    token picked, a tile shared by no two experts, every expert picked by one token (top-8 of 8); 75 rows an expert
+    (a prefill's 64x128 tiles, expert_tiles)."""
     from picovllm.kernels.moe import fused_experts
     from picovllm.layers.moe import experts_reference, route
     g = torch.Generator().manual_seed(tokens)

@@ -20,12 +20,12 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
-@pytest.mark.parametrize("tokens", [1, 7, 256, 2048])
+@pytest.mark.parametrize("tokens", [1, 7, 256, 512, 2048])
 @pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
 @pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float32, 1e-4)])
 def test_fused_experts_at_qwen3_30b_a3b_shape(tokens, act, dtype, tol):
     """hidden 2048, 128 experts of 768, top-8 renormalised (Qwen3-30B-A3B's MoE layer): every expert picked at
-    2048 tokens, most unpicked at 1."""
+    2048 tokens, most unpicked at 1; 256, 512 and 2048 tokens take each of expert_tiles' three tiles."""
     from picovllm.kernels.moe import fused_experts
     from picovllm.layers.activation import gated_activation
     from picovllm.layers.moe import experts_reference, route
