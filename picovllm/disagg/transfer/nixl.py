@@ -41,6 +41,17 @@ def import_nixl():
     raise ImportError("the nixl KV transfer needs NIXL: pip install nixl-cu12 (or nixl-cu13), after torch")
 
 
+def block_runs(src_ids: list[int], dst_ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """(first index, length) of each run of positions where both block id lists count up by one: one descriptor a
+    run and plane instead of one a block and plane. UCX posts every descriptor as a copy of its own; a 16k-token
+    prompt of Qwen3-0.6B's layout is 57,344 of 32 KiB one a block, which ran at 3-5 GB/s on two H200s."""
+    src, dst = np.asarray(src_ids, dtype=np.int64), np.asarray(dst_ids, dtype=np.int64)
+    if src.size == 0:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    starts = np.concatenate([[0], np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1])
+    return starts, np.diff(np.concatenate([starts, [src.size]]))
+
+
 @dataclass
 class _Read:
     handle: KVHandle
@@ -88,8 +99,10 @@ class NixlTransfer(PullTransfer):
         remote = self._remote.get(handle.instance_id)
         if remote is None:
             remote = self._remote[handle.instance_id] = self.agent.add_remote_agent(unb64(info["agent_metadata"]))
-        src = self._descs(info["base"], handle.layout.num_blocks, handle.block_ids, info.get("device_id", 0))
-        dst = self._descs(self.cache.data_ptr(), self.cache.shape[2], dst_block_ids, self.device_id)
+        starts, runs = block_runs(handle.block_ids, dst_block_ids)
+        src = self._descs(info["base"], handle.layout.num_blocks, handle.block_ids, starts, runs,
+                          info.get("device_id", 0))
+        dst = self._descs(self.cache.data_ptr(), self.cache.shape[2], dst_block_ids, starts, runs, self.device_id)
         remote_side = self.agent.get_xfer_descs(src, info["mem"])
         local_side = self.agent.get_xfer_descs(dst, self.mem)
         if self.cache.is_cuda:     # blocks just allocated may be read by kernels still queued
@@ -104,14 +117,18 @@ class NixlTransfer(PullTransfer):
             return
         self._reads[handle.request_id] = read
 
-    def _descs(self, base: int, num_blocks: int, block_ids: list[int], device_id: int) -> np.ndarray:
-        """(address, length, device) of each (layer, k/v) plane's slice of each block, plane-major."""
+    def _descs(self, base: int, num_blocks: int, block_ids: list[int], starts: np.ndarray, runs: np.ndarray,
+               device_id: int) -> np.ndarray:
+        """(address, length, device) of each (layer, k/v) plane's slice of each run of blocks (block_runs),
+        plane-major."""
         block_bytes = self.cache[0, 0, 0].numel() * self.cache.element_size()
         planes = np.arange(self.cache.shape[0] * 2, dtype=np.uint64)[:, None]
-        ids = np.asarray(block_ids, dtype=np.uint64)[None, :]
-        addrs = (np.uint64(base) + (planes * np.uint64(num_blocks) + ids) * np.uint64(block_bytes)).reshape(-1)
+        first = np.asarray(block_ids, dtype=np.uint64)[starts][None, :]
+        addrs = (np.uint64(base) + (planes * np.uint64(num_blocks) + first) * np.uint64(block_bytes)).reshape(-1)
         out = np.empty((addrs.size, 3), dtype=np.uint64)
-        out[:, 0], out[:, 1], out[:, 2] = addrs, block_bytes, device_id
+        out[:, 0] = addrs
+        out[:, 1] = np.tile(runs.astype(np.uint64) * np.uint64(block_bytes), planes.shape[0])
+        out[:, 2] = device_id
         return out
 
     def release(self, handle: KVHandle) -> None:
