@@ -63,3 +63,17 @@ def test_copy_blocks_rejects_bad_ids():
         block_copy.copy_blocks(src, dst, [0, 1], [0])
     with pytest.raises(ValueError, match="caches differ"):
         block_copy.copy_blocks(src, torch.zeros(3, 2, 4, 4, 2, 4), [0], [0])
+
+
+@pytest.mark.gpu2
+@pytest.mark.skipif(not CUDA or torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_kernel_reads_a_peer_gpus_cache():
+    """src on cuda:0, dst on cuda:1: the kernel (chosen by default when the GPUs are peers) runs on cuda:1 and reads
+    cuda:0's blocks over the peer link; the result equals the per-block definition."""
+    src, dst = caches(9, 7, torch.bfloat16, "cuda:0", seed=3)
+    dst = dst.to("cuda:1")
+    want = expected(src.to("cuda:1"), dst, [8, 0, 3, 4], [1, 6, 2, 3])
+    assert block_copy._reachable(src.device, dst.device)
+    block_copy.copy_blocks(src, dst, [8, 0, 3, 4], [1, 6, 2, 3])
+    torch.cuda.synchronize("cuda:1")
+    assert torch.equal(dst, want)
