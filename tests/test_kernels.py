@@ -504,20 +504,3 @@ def test_short_prefill_chunk_through_the_decode_kernel(device, dtype, tol, ctx, 
     b.meta.query_lens_cpu = [1, 1, q_len + pad]
     be.TritonAttentionBackend._short_prefill(q, k_cache, v_cache, b.meta, q_len + pad, 0.2, got, window, softcap)
     assert rel_err(got[2:2 + q_len], ref[2:2 + q_len]) < tol
-
-
-@pytest.mark.parametrize("tokens,experts,top_k,block_m", [(3, 8, 2, 16), (40, 16, 4, 4), (1, 8, 8, 16)])
-def test_group_by_expert_one_hot_equals_sort(monkeypatch, tokens, experts, top_k, block_m):
-    """The one-hot count (decode sizes) lays the pairs out exactly as the stable sort (larger batches) does."""
-    import picovllm.kernels.moe as moe
-    g = torch.Generator().manual_seed(tokens)
-    ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
-    counted = moe.group_by_expert(ids, experts, block_m)
-    monkeypatch.setattr(moe, "ONE_HOT_MAX", 0)
-    sorted_ = moe.group_by_expert(ids, experts, block_m)
-    assert all(torch.equal(a, b) for a, b in zip(counted, sorted_))
-    rows, tile_expert = sorted_        # and the layout itself: every pair once, each tile within one expert
-    assert sorted(rows[rows >= 0].tolist()) == list(range(tokens * top_k))
-    for tile, e in enumerate(tile_expert.tolist()):
-        pairs = rows[tile * block_m:(tile + 1) * block_m]
-        assert all(ids.flatten()[p].item() == e for p in pairs[pairs >= 0].tolist())

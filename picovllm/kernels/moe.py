@@ -48,35 +48,21 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, rows_ptr, tile_expert_ptr, scale
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & (offs_n[None, :] < N))
 
 
-ONE_HOT_MAX = 1 << 20    # group_by_expert: pairs x experts up to this count by one-hot cumsum, more by sorting
-
-
 def group_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """ids [T, k] -> (rows [slots] int32: pair index per slot, -1 for padding; tile_expert [slots / block_m] int32:
     each row tile's expert, -1 past the end). Expert segments are padded to block_m rows."""
     flat = ids.flatten()
     pairs, e = flat.numel(), num_experts
     dev = ids.device
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(e, dtype=torch.long, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    seg_end = padded.cumsum(0)
+    rank = torch.arange(pairs, device=dev) - (counts.cumsum(0) - counts)[flat[order]]   # place within its expert
     slots = pairs + e * (block_m - 1)
     slots = -(-slots // block_m) * block_m
     rows = torch.full((slots,), -1, dtype=torch.int32, device=dev)
-    if pairs * e <= ONE_HOT_MAX:
-        # decode sizes: each pair's place within its expert (in pair order, as the stable sort below gives) is a
-        # count of the earlier pairs with its expert, one cumsum over a one-hot; a sort cost ~30 us a layer on an H200
-        # (scatter, not F.one_hot: that checks its input's range on the host, a sync a CUDA graph cannot capture)
-        seen = torch.zeros(pairs, e, dtype=torch.int32, device=dev).scatter_(1, flat[:, None], 1).cumsum(0)
-        counts = seen[-1]
-        padded = (counts + block_m - 1) // block_m * block_m
-        seg_end = padded.cumsum(0)
-        rank = seen.gather(1, flat[:, None]).squeeze(1) - 1
-        rows[(seg_end - padded)[flat] + rank] = torch.arange(pairs, dtype=torch.int32, device=dev)
-    else:
-        order = torch.argsort(flat, stable=True)
-        counts = torch.zeros(e, dtype=torch.long, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
-        padded = (counts + block_m - 1) // block_m * block_m
-        seg_end = padded.cumsum(0)
-        rank = torch.arange(pairs, device=dev) - (counts.cumsum(0) - counts)[flat[order]]   # place within its expert
-        rows[(seg_end - padded)[flat[order]] + rank] = order.to(torch.int32)
+    rows[(seg_end - padded)[flat[order]] + rank] = order.to(torch.int32)
     starts = torch.arange(0, slots, block_m, device=dev)
     tile_expert = torch.searchsorted(seg_end, starts, right=True)
     tile_expert = torch.where(tile_expert < e, tile_expert, -1).to(torch.int32)
