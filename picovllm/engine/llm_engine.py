@@ -65,11 +65,13 @@ class Engine:
         executor the config asks for (tests inject one); connector: instead of the role's."""
         self.config = config
         # Python's full garbage collections scan every tracked object: with torch, triton and transformers
-        # imported that is some 200k, ~100 ms a pass, which stalled steady decoding every few seconds. What
-        # exists now (imports, earlier engines' live objects; garbage is collected first, so none is kept)
-        # is moved out of the collector's reach for the rest of the process.
-        gc.collect()
-        gc.freeze()
+        # imported that is some 200k, ~100 ms a pass, which stalled steady decoding every few seconds. The first
+        # engine of a process moves what exists before it (the imports; garbage is collected first) out of the
+        # collector's reach for good. Only the first: a later engine would freeze earlier engines still alive,
+        # which could then never be collected once dropped.
+        if not gc.get_freeze_count():
+            gc.collect()
+            gc.freeze()
         source = open_model_source(config.model, config.disk_cache)
         self.model_config = source.config
         self.tokenizer = None
