@@ -41,7 +41,7 @@ def test_fp32_matches_hf(models, case):
 def test_bf16_near_hf(models, case):
     from transformers import AutoModelForCausalLM
     ps = [p for p in DENSE[case].prompts(3) if len(p) > 1]
-    hf = AutoModelForCausalLM.from_pretrained(models[case], dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(models[case], dtype=torch.float32, attn_implementation="eager").eval()
     llm = LLM(models[case], dtype="bfloat16", num_kv_blocks=128)
     outs = llm.generate(ps, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0), use_tqdm=False)
     errs = []

@@ -67,7 +67,8 @@ def test_moe_model_bf16_near_hf(moe_models, case):
     every position, routing included)."""
     from transformers import AutoModelForCausalLM
     ps = [p for p in prompts(3) if len(p) > 1]
-    hf = AutoModelForCausalLM.from_pretrained(moe_models[case], dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(moe_models[case], dtype=torch.float32,
+                                              attn_implementation="eager").eval()
     llm = LLM(moe_models[case], dtype="bfloat16", num_kv_blocks=128)
     outs = llm.generate(ps, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0), use_tqdm=False)
     errs = []

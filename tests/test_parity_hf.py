@@ -11,7 +11,9 @@ LOGPROB_ATOL = 1e-3   # fp32 on both sides; differences come from summation orde
 
 def hf_greedy(path, prompts, max_new_tokens):
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    # eager attention: the reference math in every transformers version (an older one's default sdpa path skips
+    # Gemma 2's attention soft-capping)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
     outs, logps = [], []
     for p in prompts:
         ids = torch.tensor([p])
