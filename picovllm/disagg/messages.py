@@ -396,11 +396,26 @@ def _steps_from_wire(data: list | None) -> list[dict[int, Logprob]] | None:
     return None if data is None else [{int(tok): Logprob(lp, rank, text) for tok, lp, rank, text in s} for s in data]
 
 
+def _metrics_to_wire(m: RequestMetrics | None) -> dict | None:
+    if m is None:
+        return None
+    return {"arrival_time": m.arrival_time, "first_scheduled_time": m.first_scheduled_time,
+            "first_token_time": m.first_token_time, "finished_time": m.finished_time,
+            "token_times": list(m.token_times)}     # a copy: the engine appends to its list in place
+
+
 def output_to_wire(out: RequestOutput) -> dict:
-    d = dataclasses.asdict(out)
-    for comp, c in zip(d["outputs"], out.outputs):
-        comp["logprobs"] = _steps_to_wire(c.logprobs)
-    return d
+    """A RequestOutput as JSON-able dicts, field for field (dataclasses.asdict's shape, but its lists copied whole,
+    not element by element: asdict took ms for an output of a thousand tokens, on a decode engine's step loop)."""
+    comps = [{"index": c.index, "text": c.text, "token_ids": list(c.token_ids),
+              "cumulative_logprob": c.cumulative_logprob, "logprobs": _steps_to_wire(c.logprobs),
+              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in out.outputs]
+    prompt_logprobs = None if out.prompt_logprobs is None else \
+        [None if d is None else {t: dataclasses.asdict(lp) for t, lp in d.items()} for d in out.prompt_logprobs]
+    return {"request_id": out.request_id, "prompt": out.prompt, "prompt_token_ids": list(out.prompt_token_ids),
+            "outputs": comps, "finished": out.finished, "metrics": _metrics_to_wire(out.metrics), "error": out.error,
+            "num_cached_tokens": out.num_cached_tokens, "prompt_logprobs": prompt_logprobs,
+            "kv_handover": out.kv_handover}
 
 
 def output_from_wire(d: dict) -> RequestOutput:
@@ -456,7 +471,7 @@ class OutputEncoder:
         delta = {"request_id": out.request_id, "finished": out.finished, "error": out.error,
                  "num_cached_tokens": out.num_cached_tokens, "outputs": comps}
         if out.finished and out.metrics is not None:
-            delta["metrics"] = dataclasses.asdict(out.metrics)
+            delta["metrics"] = _metrics_to_wire(out.metrics)
         return {"delta": delta}
 
 
