@@ -18,6 +18,7 @@ Without --model: the Qwen3-0.6B-shaped random checkpoint of nano_throughput.py; 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
@@ -210,7 +211,11 @@ def main() -> None:
                   async_scheduling={"auto": None, "on": True, "off": False}[args.overlap])
     if args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available()):
         config.update(device="cpu", num_kv_blocks=max(args.batches) * -(-max_len // 16))
-    c, dd = colocated(config, args), disaggregated(config, args)
+    c = colocated(config, args)
+    gc.collect()            # the colocated engine's weights go before P and D size their caches from free memory
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    dd = disaggregated(config, args)
     rows = []
     for batch in args.batches:
         (c_ms, c_us), (d_ms, d_us) = c[batch], dd[batch]
