@@ -5,9 +5,10 @@
 Both kinds of engine run in this process on one device, with the same EngineConfig but the role, one after the
 other: first the colocated engine (built once, every batch size in turn, then shut down, which frees its KV cache
 on a GPU), then a P and a D engine linked over cuda_ipc (D reads P's blocks). For each batch size B, B requests
-of a --prompt-len random prompt each are added (to P for D's row), and once all B decode (on D: handed over,
-P idle), --steps steps are timed. P steps on a thread of its own while it hands over, as it would in its own
-process: a one-thread loop stalls once P's Offers fill the socket between them.
+of a --prompt-len random prompt each are added (to P for D's row), and once all B decode (on D: P prefills and
+offers all B, then D takes them in one step, so none decodes ahead), --steps steps are timed with P idle. P steps
+on a thread of its own while it hands over, as it would in its own process: a one-thread loop stalls once P's
+Offers and D's Accepts fill the socket between them both ways.
 
 ms: wall time over the steps with the device synchronized at both ends, so under overlapped scheduling it is
 the steady-state step. host_us: the part of a step spent outside Executor.resolve (where the host waits for the
@@ -37,7 +38,7 @@ from picovllm.disagg.channel import Channel, Listener  # noqa: E402
 from picovllm.engine.llm_engine import Engine  # noqa: E402
 from picovllm.engine.step_loop import StepLoop  # noqa: E402
 
-READY_S = 120.0      # the most a batch may take to be decoding everywhere: past it the run is stuck
+READY_S = 120.0     # the most a batch may take to be decoding everywhere: past it the run is stuck
 
 
 def sync(eng: Engine) -> None:
@@ -89,11 +90,18 @@ def decoding(eng: Engine, batch: int) -> bool:
         and not eng.scheduler.held
 
 
-def step_until(steppers, ready, what: str) -> None:
+def state(eng: Engine) -> str:
+    s = eng.scheduler
+    return (f"{eng.config.role}: {len(eng.requests)} requests, waiting {len(s.waiting)}, running {len(s.running)}, "
+            f"held {len(s.held)}, decoding {sum(1 for r in eng.requests.values() if r.output_token_ids)}, "
+            f"free blocks {eng.block_manager.num_free_blocks}")
+
+
+def step_until(steppers, ready, what: str, engines=()) -> None:
     deadline = time.monotonic() + READY_S
     while not ready():
         if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} not ready within {READY_S:g} s")
+            raise TimeoutError(f"{what} not ready within {READY_S:g} s; " + "; ".join(map(state, engines)))
         for step in steppers:
             check(step())
 
@@ -115,7 +123,7 @@ def colocated(config: dict, args) -> dict[int, tuple[float, float]]:
         rows = {}
         for batch in args.batches:
             add(eng, batch, args.prompt_len, "c")
-            step_until([eng.step], lambda: decoding(eng, batch), f"colocated batch {batch}")
+            step_until([eng.step], lambda: decoding(eng, batch), f"colocated batch {batch}", (eng,))
             rows[batch] = measure(eng, batch, args)
         return rows
     finally:
@@ -162,12 +170,17 @@ def disaggregated(config: dict, args) -> dict[int, tuple[float, float]]:
         for batch in args.batches:
             add(p, batch, args.prompt_len, "d")
             prefill = PrefillThread(p)
+            idle = [lambda: time.sleep(0.001) or []]
             try:
-                step_until([d.step], lambda: prefill.error is not None or decoding(d, batch), f"D batch {batch}")
-                # D has acked every request: P only has to read the Acks (D steps no more meanwhile, so its
-                # requests' contexts stay the colocated engine's)
-                step_until([lambda: time.sleep(0.001) or []], lambda: prefill.error is not None or not p.requests,
-                           f"P's handovers of batch {batch}")
+                # P prefills the whole batch and offers it before D reads a message, so that D takes it in one go
+                # and decodes none ahead (the contexts stay the colocated engine's)
+                step_until(idle, lambda: prefill.error is not None or len(p.connector.handovers) == batch,
+                           f"P's offers of batch {batch}", (p, d))
+                step_until([d.step], lambda: prefill.error is not None or decoding(d, batch), f"D batch {batch}",
+                           (p, d))
+                # D has acked every request: P only has to read the Acks (D steps no more meanwhile)
+                step_until(idle, lambda: prefill.error is not None or not p.requests,
+                           f"P's handovers of batch {batch}", (p, d))
             finally:
                 prefill.stop()
             rows[batch] = measure(d, batch, args)
@@ -178,7 +191,7 @@ def disaggregated(config: dict, args) -> dict[int, tuple[float, float]]:
                 eng.abort(rid)
             eng.close()
         try:
-            step_until([p.step, d.step], lambda: p.is_done() and d.is_done(), "the P/D session's close")
+            step_until([p.step, d.step], lambda: p.is_done() and d.is_done(), "the P/D session's close", (p, d))
         finally:
             p.shutdown()
             d.shutdown()
