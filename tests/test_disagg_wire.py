@@ -10,8 +10,8 @@ import pytest
 from picovllm.disagg.auth import AuthError, FleetSecret
 from picovllm.disagg.channel import Channel, Listener, PeerGone
 from picovllm.disagg.messages import (Accept, Bye, Hello, HandoverRequest, KVAuthChallenge, KVAuthResult, KVLayout,
-                                      Offer, Output, OutputDecoder, OutputEncoder, decode, encode, output_from_wire,
-                                      output_to_wire)
+                                      Offer, Output, OutputDecoder, OutputEncoder, decode, encode, from_wire,
+                                      output_from_wire, output_to_wire, to_wire)
 from picovllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, num_blocks=10, dtype="float32",
@@ -27,7 +27,8 @@ def test_messages_round_trip_as_json():
     for msg in (Hello("p", 3, "torch_dist", LAYOUT, {"store": ["127.0.0.1", 5]}), offer(), Accept("r1", 9, [2, 0])):
         data = encode(msg)
         obj = json.loads(data)                        # plain JSON on the wire
-        assert obj["type"] == type(msg).__name__
+        assert obj == {"type": type(msg).__name__, "body": dataclasses.asdict(msg)}
+        assert to_wire(msg) == obj and from_wire(to_wire(msg)) == msg
         assert decode(data) == msg                    # nested dataclasses (KVLayout, HandoverRequest) rebuilt
 
 
@@ -36,6 +37,8 @@ def test_decode_refuses_what_is_not_a_message():
         decode(json.dumps({"type": "os.system", "body": {}}).encode())
     with pytest.raises(TypeError, match="not a wire message"):
         encode(LAYOUT)
+    with pytest.raises(TypeError, match="not JSON serializable"):
+        encode(Accept("r1", 9, [object()]))
 
 
 def test_layout_mismatch_names_the_field():
@@ -51,6 +54,11 @@ def test_request_output_round_trip():
                         True, RequestMetrics(1.0, 1.5, 2.0, 3.0, [2.0, 2.5]), None, 0)
     back = output_from_wire(json.loads(encode(Output(output_to_wire(out))))["body"]["output"])
     assert back == out and back.metrics.ttft == 1.0 and back.metrics.itls == [0.5]
+    # the wire's shape is dataclasses.asdict's, each completion's logprobs as lists
+    out.prompt_logprobs, out.kv_handover = [None, {2: Logprob(-0.25, 1, "x")}], {"type": "PublishedKV"}
+    expect = dataclasses.asdict(out)
+    expect["outputs"][0]["logprobs"] = [[[5, -0.5, 1, "a"]], [[6, -0.75, 2, "b"]]]
+    assert output_to_wire(out) == expect
 
 
 def test_channel_frames_partial_writes_and_reports_eof():

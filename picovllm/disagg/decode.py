@@ -100,7 +100,8 @@ class DecodeConnector(PeerConnector):
     def poll(self, idle: bool) -> ConnectorReport:
         rep = self.take_report()
         self._handle_peer(rep)
-        self._poll_transfers(rep)
+        if self.receiving:         # else no transfer of ours can finish: a decode step asks the backend nothing
+            self._poll_transfers(rep)
         self._leave_when_stream_ended(rep)
         return rep
 

@@ -279,12 +279,32 @@ MESSAGES: typing.Mapping[str, type] = types.MappingProxyType({c.__name__: c for 
     WorkerHello, BuildEngine, WorkerReady, StartSession, Submit, SubmitResult, Abort, CloseSession, Output, SessionEnded, Shutdown)})
 
 
-def to_wire(msg: Any) -> dict:
-    """A message as the JSON object that goes on the wire (for a carrier that is itself JSON, e.g. HTTP)."""
+def _wire_name(msg: Any) -> str:
     name = type(msg).__name__
     if MESSAGES.get(name) is not type(msg):
         raise TypeError(f"{name} is not a wire message")
-    return {"type": name, "body": dataclasses.asdict(msg)}
+    return name
+
+
+def _plain(obj: Any) -> Any:
+    """A dataclass as a dict of its fields, its dataclass fields (X or X | None, as in every message) likewise.
+    Not dataclasses.asdict: that copies every list element by element (850 µs for an Offer of a 1024-token
+    prompt); a message's lists and dicts are plain JSON already, so they are shared, not copied."""
+    if not dataclasses.is_dataclass(obj) or isinstance(obj, type):
+        return obj
+    return {f.name: _plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+
+
+def _json_default(obj: Any) -> Any:
+    """json.dumps' hook for what it cannot write itself: a dataclass field's value, written as _plain's dict."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+    raise TypeError(f"Object of type {type(obj).__name__} is not JSON serializable")
+
+
+def to_wire(msg: Any) -> dict:
+    """A message as the JSON object that goes on the wire (for a carrier that is itself JSON, e.g. HTTP)."""
+    return {"type": _wire_name(msg), "body": _plain(msg)}
 
 
 def from_wire(obj: Any, expect: type | None = None) -> Any:
@@ -303,7 +323,8 @@ def from_wire(obj: Any, expect: type | None = None) -> Any:
 
 
 def encode(msg: Any) -> bytes:
-    return json.dumps(to_wire(msg), separators=(",", ":")).encode()
+    # the dataclasses go to dicts inside json's encoder (_json_default), the lists of ints in C
+    return json.dumps({"type": _wire_name(msg), "body": msg}, separators=(",", ":"), default=_json_default).encode()
 
 
 def decode(data: bytes) -> Any:
@@ -311,14 +332,11 @@ def decode(data: bytes) -> Any:
 
 
 def _build(cls: type, body: dict) -> Any:
-    hints = typing.get_type_hints(cls)
-    kwargs = {}
-    for f in dataclasses.fields(cls):
-        if f.name not in body:
-            continue
-        value = body[f.name]
-        nested = _dataclass_in(hints[f.name])
-        kwargs[f.name] = _build(nested, value) if nested is not None and isinstance(value, dict) else value
+    names, nested = _SCHEMAS[cls]
+    kwargs = {k: v for k, v in body.items() if k in names}    # fields only: a newer peer's extras are ignored
+    for name, inner in nested.items():
+        if isinstance(kwargs.get(name), dict):
+            kwargs[name] = _build(inner, kwargs[name])
     return cls(**kwargs)
 
 
@@ -327,6 +345,25 @@ def _dataclass_in(hint: Any) -> type | None:
     if dataclasses.is_dataclass(hint):
         return hint
     return next((a for a in typing.get_args(hint) if dataclasses.is_dataclass(a)), None)
+
+
+def _schemas(roots) -> typing.Mapping[type, tuple[frozenset, dict]]:
+    """Each message class and each dataclass nested in one: (its field names, {field: the dataclass it holds}).
+    Worked out once: typing.get_type_hints costs ~100 µs a call, and every message decoded needed it."""
+    out, todo = {}, list(roots)
+    while todo:
+        cls = todo.pop()
+        if cls in out:
+            continue
+        hints = typing.get_type_hints(cls)
+        fields = dataclasses.fields(cls)
+        nested = {f.name: d for f in fields if (d := _dataclass_in(hints[f.name])) is not None}
+        out[cls] = (frozenset(f.name for f in fields), nested)
+        todo += nested.values()
+    return types.MappingProxyType(out)
+
+
+_SCHEMAS = _schemas(MESSAGES.values())
 
 
 # -- payload helpers -------------------------------------------------------------------------------
@@ -359,11 +396,26 @@ def _steps_from_wire(data: list | None) -> list[dict[int, Logprob]] | None:
     return None if data is None else [{int(tok): Logprob(lp, rank, text) for tok, lp, rank, text in s} for s in data]
 
 
+def _metrics_to_wire(m: RequestMetrics | None) -> dict | None:
+    if m is None:
+        return None
+    return {"arrival_time": m.arrival_time, "first_scheduled_time": m.first_scheduled_time,
+            "first_token_time": m.first_token_time, "finished_time": m.finished_time,
+            "token_times": list(m.token_times)}     # a copy: the engine appends to its list in place
+
+
 def output_to_wire(out: RequestOutput) -> dict:
-    d = dataclasses.asdict(out)
-    for comp, c in zip(d["outputs"], out.outputs):
-        comp["logprobs"] = _steps_to_wire(c.logprobs)
-    return d
+    """A RequestOutput as JSON-able dicts, field for field (dataclasses.asdict's shape, but its lists copied whole,
+    not element by element: asdict took ms for an output of a thousand tokens, on a decode engine's step loop)."""
+    comps = [{"index": c.index, "text": c.text, "token_ids": list(c.token_ids),
+              "cumulative_logprob": c.cumulative_logprob, "logprobs": _steps_to_wire(c.logprobs),
+              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in out.outputs]
+    prompt_logprobs = None if out.prompt_logprobs is None else \
+        [None if d is None else {t: dataclasses.asdict(lp) for t, lp in d.items()} for d in out.prompt_logprobs]
+    return {"request_id": out.request_id, "prompt": out.prompt, "prompt_token_ids": list(out.prompt_token_ids),
+            "outputs": comps, "finished": out.finished, "metrics": _metrics_to_wire(out.metrics), "error": out.error,
+            "num_cached_tokens": out.num_cached_tokens, "prompt_logprobs": prompt_logprobs,
+            "kv_handover": out.kv_handover}
 
 
 def output_from_wire(d: dict) -> RequestOutput:
@@ -419,7 +471,7 @@ class OutputEncoder:
         delta = {"request_id": out.request_id, "finished": out.finished, "error": out.error,
                  "num_cached_tokens": out.num_cached_tokens, "outputs": comps}
         if out.finished and out.metrics is not None:
-            delta["metrics"] = dataclasses.asdict(out.metrics)
+            delta["metrics"] = _metrics_to_wire(out.metrics)
         return {"delta": delta}
 
 

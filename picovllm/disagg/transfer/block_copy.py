@@ -12,6 +12,8 @@ import contextlib
 
 import torch
 
+from picovllm.engine.step_input import to_device
+
 try:
     import triton
     import triton.language as tl
@@ -20,8 +22,8 @@ except ImportError:  # CPU-only installs: the torch path is used
 
 
 def copy_blocks_reference(src: torch.Tensor, dst: torch.Tensor, src_ids: list[int], dst_ids: list[int]) -> None:
-    src_idx = torch.tensor(src_ids, dtype=torch.long, device=src.device)
-    dst_idx = torch.tensor(dst_ids, dtype=torch.long, device=dst.device)
+    src_idx = to_device(src_ids, torch.long, src.device)     # pinned: no wait for the stream (see copy_blocks)
+    dst_idx = to_device(dst_ids, torch.long, dst.device)
     dst.index_copy_(2, dst_idx, src.index_select(2, src_idx).to(dst.device))
 
 
@@ -50,7 +52,9 @@ def copy_blocks(src: torch.Tensor, dst: torch.Tensor, src_ids: list[int], dst_id
         raise RuntimeError("copy_blocks(use_kernel=True) needs triton")
     if not (src.is_contiguous() and dst.is_contiguous()):
         raise ValueError("copy_blocks' kernel needs contiguous caches")
-    ids = torch.tensor([src_ids, dst_ids], dtype=torch.int64).to(dst.device, non_blocking=True)
+    # through pinned memory: from pageable memory the driver may wait for the stream, and D's copy stream
+    # waits for the step in flight (cuda_ipc's PeerCopies.start), so every arrival would stall D's host
+    ids = to_device([src_ids, dst_ids], torch.int64, dst.device)
     block_numel = src[0, 0, 0].numel()
     planes = src.shape[0] * src.shape[1]
     chunk = min(4096, triton.next_power_of_2(block_numel))

@@ -26,6 +26,7 @@ from picovllm.disagg.hosts import is_loopback, is_wildcard, local_host
 from picovllm.disagg.messages import Hello
 from picovllm.disagg.transfer.base import KVTransfer, TransferDone, TransferSpec
 from picovllm.disagg.transfer.block_copy import check_block_ids
+from picovllm.engine.step_input import to_device
 
 P_RANK, D_RANK = 0, 1
 
@@ -191,7 +192,8 @@ class TorchDistTransfer(KVTransfer):
             self._ops[spec.request_id] = op = _Op(spec, time.monotonic(), "wire", full.to(self._wire_device()))
             self._post(op)
             return
-        idx = torch.tensor(spec.src_block_ids, dtype=torch.long, device=self.cache.device)
+        # pinned, not torch.tensor(..., device=): that copy waits for the stream, i.e. for the step in flight
+        idx = to_device(spec.src_block_ids, torch.long, self.cache.device)
         gathered = self.cache.index_select(2, idx)
         if self._staged():
             host = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=True)
@@ -224,7 +226,7 @@ class TorchDistTransfer(KVTransfer):
             self.kv_io.write(op.spec.dst_block_ids, op.buffer)
             op.stage = "done"
             return
-        idx = torch.tensor(op.spec.dst_block_ids, dtype=torch.long, device=self.cache.device)
+        idx = to_device(op.spec.dst_block_ids, torch.long, self.cache.device)   # no wait for the step in flight
         if not self.cache.is_cuda:
             self.cache.index_copy_(2, idx, op.buffer)
             op.stage = "done"
