@@ -227,11 +227,14 @@ def main() -> None:
     elif args.model is None:
         args.model = build("/tmp/qwen3-0.6b-random")
     max_len = args.prompt_len + args.steps + 64
+    # every engine's KV cache exactly what the largest batch needs, on the GPU too: sized from free memory, D found
+    # only one block left on an H200 (what the colocated engine had held was not all back)
     config = dict(model=args.model, device=args.device, max_model_len=max_len, max_num_seqs=max(args.batches),
                   max_num_batched_tokens=16384, enable_prefix_caching=False, skip_tokenizer_init=True,
-                  async_scheduling={"auto": None, "on": True, "off": False}[args.overlap])
+                  async_scheduling={"auto": None, "on": True, "off": False}[args.overlap],
+                  num_kv_blocks=max(args.batches) * -(-max_len // 16))
     if args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available()):
-        config.update(device="cpu", num_kv_blocks=max(args.batches) * -(-max_len // 16))
+        config.update(device="cpu")
     c = colocated(config, args)
     gc.collect()            # the colocated engine's weights go before P and D size their caches from free memory
     if torch.cuda.is_available():
