@@ -162,3 +162,19 @@ def test_measured_trace_names_the_field():
     trace, done = measured_trace({"requests": [{"success": True, "start": 2.0, "prompt_len": 5, "output_tokens": 3},
                                                {"success": True, "start": 1.0, "prompt_len": 7, "output_tokens": 2}]})
     assert [(r.arrival, r.prompt, r.output) for r in trace] == [(1.0, 7, 2), (2.0, 5, 3)]
+
+
+def test_profile_times_the_whole_batch(tiny_models):
+    """A decode sample is timed on the batch it names: with a small chunk, filling 8 prompts of 64 tokens takes
+    several steps, and the first requests must still decode when the last prompt is in (they used to finish
+    first, so a 'batch 32' sample could time a third of that)."""
+    from picovllm.config import EngineConfig
+    from picovllm.engine.llm_engine import Engine
+    from picovllm.planner.profile import measure_profile
+    engine = Engine(EngineConfig(tiny_models["llama"], block_size=16, num_kv_blocks=128, max_model_len=256,
+                                 max_num_batched_tokens=64, async_scheduling=False))
+    prof = measure_profile(engine, prefill_lens=(16,), batches=(8,), contexts=(64,), repeats=3)
+    decode = [s for s in prof.samples if s["prefill"] == 0]
+    assert [s["batch"] for s in decode] == [8]
+    # 8 requests of 64 prompt tokens, each with its first token and at least one more by the timed steps
+    assert decode[0]["context"] >= 8 * 66
