@@ -127,15 +127,15 @@ def _bench_json(res, rate: float) -> dict:
 @pytest.mark.parametrize("num_prefill", [0, 1], ids=["colocated", "1P1D"])
 def test_calibration_recovers_what_the_steps_do_not_hold(num_prefill):
     """A run 'measured' from the simulation with known overheads and noise: calibrating on it recovers the
-    overheads, and the prediction for another run's own arrivals (burstier: twice the rate) is within 20% of
+    overheads (a gap noise with a mean would read as a step overhead: the time per token cannot tell them apart), and the prediction for another run's own arrivals (burstier: twice the rate) is within 20% of
     what that run 'measured', tails included; without the calibration the tails are far off."""
     from picovllm.planner.plan import calibrate, compare, predict_measured
     from picovllm.planner.simulator import HostNoise
     rng = random.Random(7)
-    truth = Deployment(num_prefill, 1, chunk=512, transfer_bw=1e9, request_overhead=3e-3,
+    truth = Deployment(num_prefill, 1, chunk=512, transfer_bw=1e9, step_overhead=1e-3, request_overhead=3e-3,
                        handover_overhead=6e-3 if num_prefill else 0.0,
                        noise=HostNoise(ttft=tuple(rng.expovariate(1 / 2e-3) for _ in range(200)),
-                                       gap=tuple(rng.choice([-3e-4, 0.0, 0.0, 4e-3]) for _ in range(400)),
+                                       gap=tuple(rng.choice([-1e-3] * 4 + [4e-3]) for _ in range(400)),
                                        handover=tuple(rng.uniform(-2e-3, 2e-3) for _ in range(200)) if num_prefill
                                        else (), seed=1))
     runs = {rate: _bench_json(simulate(PROFILE, truth, make_requests(Traffic(rate, Lengths(100, 100), Lengths(8, 8),
@@ -144,6 +144,7 @@ def test_calibration_recovers_what_the_steps_do_not_hold(num_prefill):
     bare = Deployment(num_prefill, 1, chunk=512, transfer_bw=1e9)
     cal = calibrate(PROFILE, bare, runs[20.0])
     noise_median = float(np.median(truth.noise.ttft))
+    assert cal.step_overhead == pytest.approx(1e-3, abs=2e-4)       # the gap noise is zero-mean
     assert cal.request_overhead == pytest.approx(3e-3 + noise_median, rel=0.1)
     if num_prefill:
         assert cal.handover_overhead == pytest.approx(6e-3, abs=3e-4)
@@ -178,3 +179,29 @@ def test_profile_times_the_whole_batch(tiny_models):
     assert [s["batch"] for s in decode] == [8]
     # 8 requests of 64 prompt tokens, each with its first token and at least one more by the timed steps
     assert decode[0]["context"] >= 8 * 66
+
+
+def test_step_overhead_by_hand_and_calibrated():
+    """A served step costs the profile's step plus step_overhead: one request by hand; and a run 'measured'
+    with a known step overhead, its client chunks grouping tokens two by two (so no gap is a step), gives
+    that overhead back from its time per output token."""
+    from picovllm.planner.plan import calibrate
+    step = PROFILE.step_time
+    so = 0.5e-3
+    got = simulate(PROFILE, Deployment(0, 1, chunk=512, step_overhead=so), [SimRequest(1.0, 100, 4)])
+    want = [1.0 + step(100, 0, 0) + so]
+    for i in range(3):
+        want.append(want[-1] + step(0, 1, 101 + i) + so)
+    assert got.requests[0].token_times == pytest.approx(want)
+    # alone, each request's decode steps are batch 1: its time per token is known in closed form
+    reqs = [SimRequest(float(i), 100, 9) for i in range(5)]
+    per_token = np.mean([step(0, 1, 101 + i) for i in range(8)]) + so
+    records = []
+    for r in reqs:
+        first = r.arrival + step(100, 0, 0) + so
+        chunks = [first + per_token * k for k in (0, 2, 4, 6, 8)]      # tokens 1, 3, 5, 7, 9 close a chunk
+        records.append({"success": True, "start": r.arrival, "ttft": first - r.arrival, "prompt_len": 100,
+                        "output_tokens": 9, "itls": list(np.diff(chunks))})
+    cal = calibrate(PROFILE, Deployment(0, 1, chunk=512), {"requests": records})
+    assert cal.step_overhead == pytest.approx(so, rel=1e-3)
+    assert cal.request_overhead == pytest.approx(0.0, abs=1e-9)

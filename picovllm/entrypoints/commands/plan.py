@@ -123,7 +123,7 @@ def _overheads(args, profile) -> dict:
         dep, traffic, measured = _read_measured(spec, args)
         cal = calibrate(profile, dep, measured, args.seed)
         kind = "xpyd" if dep.num_prefill else "colocated"
-        found[kind] = {"request_overhead": cal.request_overhead, "noise": cal.noise}
+        found[kind] = {"step_overhead": cal.step_overhead, "request_overhead": cal.request_overhead, "noise": cal.noise}
         if dep.num_prefill:
             found[kind]["handover_overhead"] = cal.handover_overhead
     return found
