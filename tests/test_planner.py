@@ -205,3 +205,22 @@ def test_step_overhead_by_hand_and_calibrated():
     cal = calibrate(PROFILE, Deployment(0, 1, chunk=512), {"requests": records})
     assert cal.step_overhead == pytest.approx(so, rel=1e-3)
     assert cal.request_overhead == pytest.approx(0.0, abs=1e-9)
+
+
+def test_measured_goodput_and_the_best_by_rate():
+    """Goodput of a measured run by hand: of three requests over 2 s, one misses the TTFT SLO and one has a
+    gap over the ITL SLO; and per rate, the planner's first (predicted goodput) checked against the measured."""
+    from picovllm.planner.plan import best_by_rate, measured_goodput
+    recs = [{"success": True, "start": 0.0, "ttft": 0.01, "latency": 0.5, "itls": [0.01, 0.02]},
+            {"success": True, "start": 1.0, "ttft": 0.30, "latency": 0.6, "itls": [0.01]},
+            {"success": True, "start": 1.5, "ttft": 0.01, "latency": 0.5, "itls": [0.2]},
+            {"success": False}]
+    assert measured_goodput({"requests": recs}, ttft_slo=0.1, itl_slo=0.05) == pytest.approx(1 / 2.0)
+
+    def run(name, rate, pred, meas):
+        return {"deployment": name, "rate": rate, "predicted": {"ttft_p99": 0.0},
+                "goodput": {"predicted": pred, "measured": meas}}
+    got = best_by_rate([run("A", 2.0, 1.9, 2.0), run("B", 2.0, 1.0, 1.5), run("A", 5.0, 4.0, 3.0),
+                        run("B", 5.0, 3.0, 4.0)])
+    assert [(b["rate"], b["recommended"], b["measured_best"], b["agree"]) for b in got] == \
+        [(2.0, "A", "A", True), (5.0, "A", "B", False)]

@@ -112,6 +112,30 @@ def compare(predicted: dict, measured: dict) -> dict:
                 "error": (predicted[m] - got[m]) / got[m] if got[m] else None} for m in METRICS}
 
 
+def measured_goodput(measured: dict, ttft_slo: float, itl_slo: float) -> float:
+    """A `bench serve` run's goodput as SimResult.summary counts it: requests whose TTFT and every gap meet
+    the SLOs, per second from the first arrival to the last token."""
+    done = [r for r in measured.get("requests", []) if r.get("success")]
+    if not done:
+        return 0.0
+    good = sum(1 for r in done if r["ttft"] <= ttft_slo and max(r.get("itls") or [0.0]) <= itl_slo)
+    span = max(r["start"] + r["latency"] for r in done) - min(r["start"] for r in done)
+    return good / max(span, 1e-9)
+
+
+def best_by_rate(comparisons: list[dict]) -> list[dict]:
+    """Per request rate, the measured deployment the planner ranks first (predicted goodput) against the
+    one that measured the best goodput: the planner's recommendation, checked among those measured."""
+    out = []
+    for rate in sorted({c["rate"] for c in comparisons}):
+        runs = [c for c in comparisons if c["rate"] == rate]
+        pred = max(runs, key=lambda c: (c["goodput"]["predicted"], -c["predicted"]["ttft_p99"]))
+        meas = max(runs, key=lambda c: c["goodput"]["measured"])
+        out.append({"rate": rate, "recommended": pred["deployment"], "measured_best": meas["deployment"],
+                    "agree": pred["goodput"]["measured"] >= meas["goodput"]["measured"]})
+    return out
+
+
 def plot_comparisons(rows: list[dict], path: str) -> None:
     """Predicted against measured, one point per run and metric, on log axes with the 20% band."""
     import matplotlib
