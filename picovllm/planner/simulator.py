@@ -25,7 +25,10 @@ token gap here: ITL percentiles and the worst gap come out as measured, a reques
 would not (it is not predicted).
 
 Not modelled: the KV cache's size (no preemption; D admits up to max_num_seqs), overlap of transfers
-with a D that is itself busy with that pull (a pull costs D no step time).
+with a D that is itself busy with that pull (a pull costs D no step time), a step cost that depends on
+how busy the host has been (on a shared CPU a busier server serves faster; the profile times steps back
+to back), and why the client's chunk gaps split as they do (on a 2-core CPU they are bimodal, and their
+median moves between runs of one setting: BENCHMARKS.md, the planner).
 """
 from __future__ import annotations
 
