@@ -127,8 +127,9 @@ def _bench_json(res, rate: float) -> dict:
 @pytest.mark.parametrize("num_prefill", [0, 1], ids=["colocated", "1P1D"])
 def test_calibration_recovers_what_the_steps_do_not_hold(num_prefill):
     """A run 'measured' from the simulation with known overheads and noise: calibrating on it recovers the
-    overheads (a gap noise with a mean would read as a step overhead: the time per token cannot tell them apart), and the prediction for another run's own arrivals (burstier: twice the rate) is within 20% of
-    what that run 'measured', tails included; without the calibration the tails are far off."""
+    overheads (a gap noise with a mean would read as a step overhead: the time per token cannot tell them
+    apart), and the prediction for another run's own arrivals (burstier: twice the rate) is within 20% of what
+    that run 'measured', tails included; without the calibration the tails are far off."""
     from picovllm.planner.plan import calibrate, compare, predict_measured
     from picovllm.planner.simulator import HostNoise
     rng = random.Random(7)
