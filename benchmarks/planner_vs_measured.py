@@ -6,7 +6,9 @@ Builds a random checkpoint with a word tokenizer, measures its step profile (`pi
 --measure-profile`), serves it colocated (and, with --fleet, as 1P1D behind `picovllm router`, tcp),
 runs `picovllm bench serve` at each rate, then `picovllm plan --calibrate ... --measured ... --plot`
 compares the predictions with the measurements (the lowest rate's runs calibrate the overheads the
-step profile does not hold: HTTP, tokenization, the router's hops). Everything lands in OUT_DIR (profile.json, bench_*.json, plan.json,
+step profile does not hold: HTTP, tokenization, the router's hops, the served step's host cost). It also checks,
+per rate, that the deployment the planner ranks first by goodput (TTFT and every gap within the SLOs) is the one
+that measured the best goodput. Everything lands in OUT_DIR (profile.json, bench_*.json, plan.json,
 predicted_vs_measured.png, the servers' logs).
 """
 import argparse
@@ -65,6 +67,8 @@ def main() -> None:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--fleet", action="store_true", help="also 1P1D behind the router (tcp)")
+    p.add_argument("--ttft-slo-ms", default="10", help="the goodput's SLOs (as bench serve's: every gap meets ITL)")
+    p.add_argument("--itl-slo-ms", default="20")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
     model = make_random_checkpoint(os.path.join(args.out, "model"), args.preset, "float32", 0)
@@ -106,7 +110,7 @@ def main() -> None:
     low = [m for m in measured if f"_{args.rates[0]:g}.json" in m]     # the lowest rate calibrates the overheads
     subprocess.run([*CLI, "plan", "--profile", profile, "--input-len", str(args.input_len), "--output-len",
                     str(args.output_len), "--num-instances", "2", "--chunks", "512", "--calibrate", *low,
-                    "--measured", *measured,
+                    "--measured", *measured, "--ttft-slo-ms", args.ttft_slo_ms, "--itl-slo-ms", args.itl_slo_ms,
                     "--plot", os.path.join(args.out, "predicted_vs_measured.png"),
                     "--result-json", os.path.join(args.out, "plan.json")], check=True)
 

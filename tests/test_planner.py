@@ -127,15 +127,16 @@ def _bench_json(res, rate: float) -> dict:
 @pytest.mark.parametrize("num_prefill", [0, 1], ids=["colocated", "1P1D"])
 def test_calibration_recovers_what_the_steps_do_not_hold(num_prefill):
     """A run 'measured' from the simulation with known overheads and noise: calibrating on it recovers the
-    overheads, and the prediction for another run's own arrivals (burstier: twice the rate) is within 20% of
-    what that run 'measured', tails included; without the calibration the tails are far off."""
+    overheads (a gap noise with a mean would read as a step overhead: the time per token cannot tell them
+    apart), and the prediction for another run's own arrivals (burstier: twice the rate) is within 20% of what
+    that run 'measured', tails included; without the calibration the tails are far off."""
     from picovllm.planner.plan import calibrate, compare, predict_measured
     from picovllm.planner.simulator import HostNoise
     rng = random.Random(7)
-    truth = Deployment(num_prefill, 1, chunk=512, transfer_bw=1e9, request_overhead=3e-3,
+    truth = Deployment(num_prefill, 1, chunk=512, transfer_bw=1e9, step_overhead=1e-3, request_overhead=3e-3,
                        handover_overhead=6e-3 if num_prefill else 0.0,
                        noise=HostNoise(ttft=tuple(rng.expovariate(1 / 2e-3) for _ in range(200)),
-                                       gap=tuple(rng.choice([-3e-4, 0.0, 0.0, 4e-3]) for _ in range(400)),
+                                       gap=tuple(rng.choice([-1e-3] * 4 + [4e-3]) for _ in range(400)),
                                        handover=tuple(rng.uniform(-2e-3, 2e-3) for _ in range(200)) if num_prefill
                                        else (), seed=1))
     runs = {rate: _bench_json(simulate(PROFILE, truth, make_requests(Traffic(rate, Lengths(100, 100), Lengths(8, 8),
@@ -144,6 +145,7 @@ def test_calibration_recovers_what_the_steps_do_not_hold(num_prefill):
     bare = Deployment(num_prefill, 1, chunk=512, transfer_bw=1e9)
     cal = calibrate(PROFILE, bare, runs[20.0])
     noise_median = float(np.median(truth.noise.ttft))
+    assert cal.step_overhead == pytest.approx(1e-3, abs=2e-4)       # the gap noise is zero-mean
     assert cal.request_overhead == pytest.approx(3e-3 + noise_median, rel=0.1)
     if num_prefill:
         assert cal.handover_overhead == pytest.approx(6e-3, abs=3e-4)
@@ -162,3 +164,64 @@ def test_measured_trace_names_the_field():
     trace, done = measured_trace({"requests": [{"success": True, "start": 2.0, "prompt_len": 5, "output_tokens": 3},
                                                {"success": True, "start": 1.0, "prompt_len": 7, "output_tokens": 2}]})
     assert [(r.arrival, r.prompt, r.output) for r in trace] == [(1.0, 7, 2), (2.0, 5, 3)]
+
+
+def test_profile_times_the_whole_batch(tiny_models):
+    """A decode sample is timed on the batch it names: with a small chunk, filling 8 prompts of 64 tokens takes
+    several steps, and the first requests must still decode when the last prompt is in (they used to finish
+    first, so a 'batch 32' sample could time a third of that)."""
+    from picovllm.config import EngineConfig
+    from picovllm.engine.llm_engine import Engine
+    from picovllm.planner.profile import measure_profile
+    engine = Engine(EngineConfig(tiny_models["llama"], block_size=16, num_kv_blocks=128, max_model_len=256,
+                                 max_num_batched_tokens=64, async_scheduling=False))
+    prof = measure_profile(engine, prefill_lens=(16,), batches=(8,), contexts=(64,), repeats=3)
+    decode = [s for s in prof.samples if s["prefill"] == 0]
+    assert [s["batch"] for s in decode] == [8]
+    # 8 requests of 64 prompt tokens, each with its first token and at least one more by the timed steps
+    assert decode[0]["context"] >= 8 * 66
+
+
+def test_step_overhead_by_hand_and_calibrated():
+    """A served step costs the profile's step plus step_overhead: one request by hand; and a run 'measured'
+    with a known step overhead, its client chunks grouping tokens two by two (so no gap is a step), gives
+    that overhead back from its time per output token."""
+    from picovllm.planner.plan import calibrate
+    step = PROFILE.step_time
+    so = 0.5e-3
+    got = simulate(PROFILE, Deployment(0, 1, chunk=512, step_overhead=so), [SimRequest(1.0, 100, 4)])
+    want = [1.0 + step(100, 0, 0) + so]
+    for i in range(3):
+        want.append(want[-1] + step(0, 1, 101 + i) + so)
+    assert got.requests[0].token_times == pytest.approx(want)
+    # alone, each request's decode steps are batch 1: its time per token is known in closed form
+    reqs = [SimRequest(float(i), 100, 9) for i in range(5)]
+    per_token = np.mean([step(0, 1, 101 + i) for i in range(8)]) + so
+    records = []
+    for r in reqs:
+        first = r.arrival + step(100, 0, 0) + so
+        chunks = [first + per_token * k for k in (0, 2, 4, 6, 8)]      # tokens 1, 3, 5, 7, 9 close a chunk
+        records.append({"success": True, "start": r.arrival, "ttft": first - r.arrival, "prompt_len": 100,
+                        "output_tokens": 9, "itls": list(np.diff(chunks))})
+    cal = calibrate(PROFILE, Deployment(0, 1, chunk=512), {"requests": records})
+    assert cal.step_overhead == pytest.approx(so, rel=1e-3)
+    assert cal.request_overhead == pytest.approx(0.0, abs=1e-9)
+
+
+def test_measured_goodput_and_the_best_by_rate():
+    """Goodput of a measured run by hand: of three requests over 2 s, one misses the TTFT SLO and one has a
+    gap over the ITL SLO; and per rate, the planner's first (predicted goodput) checked against the measured."""
+    from picovllm.planner.plan import best_by_rate, measured_goodput
+    recs = [{"success": True, "start": 0.0, "ttft": 0.01, "latency": 0.5, "itls": [0.01, 0.02]},
+            {"success": True, "start": 1.0, "ttft": 0.30, "latency": 0.6, "itls": [0.01]},
+            {"success": True, "start": 1.5, "ttft": 0.01, "latency": 0.5, "itls": [0.2]},
+            {"success": False}]
+    assert measured_goodput({"requests": recs}, ttft_slo=0.1, itl_slo=0.05) == pytest.approx(1 / 2.0)
+
+    def run(name, rate, pred, meas):
+        return {"deployment": name, "rate": rate, "predicted": {"ttft_p99": 0.0},
+                "goodput": {"predicted": pred, "measured": meas}}
+    got = best_by_rate([run("A", 2.0, 1.9, 2.0), run("B", 2.0, 1.0, 1.5), run("A", 5.0, 4.0, 3.0),
+                        run("B", 5.0, 3.0, 4.0)])
+    assert [(b["rate"], b["recommended"], b["measured_best"], b["agree"]) for b in got] == \
+        [(2.0, "A", "A", True), (5.0, "A", "B", False)]

@@ -50,7 +50,8 @@ def _later_gaps(times: list[list[float]], skip_first: bool) -> np.ndarray:
 
 def calibrate(profile: StepProfile, deployment: Deployment, measured: dict, seed: int = 0) -> Deployment:
     """The deployment with what the steps do not hold, from a measured run replayed through the simulation
-    (its own arrivals and lengths): per request, measured TTFT minus simulated, whose median is the
+    (its own arrivals and lengths): per decode step, the served step's cost beyond the profile's
+    (_step_overhead); per request, measured TTFT minus simulated, whose median is the
     request overhead (HTTP, tokenization, the router's hop to P) and whose spread is the TTFT noise;
     xPyD, the same of the first gap (the router's hop from P to D beyond the pull); per later gap, the
     client's measured chunk gaps minus the simulated step, the delivery noise (a busy host coalesces
@@ -59,7 +60,10 @@ def calibrate(profile: StepProfile, deployment: Deployment, measured: dict, seed
     trace, done = measured_trace(measured)
     xpyd = bool(deployment.num_prefill)
     skip = int(xpyd)                                    # an xPyD request's first gap is its handover
-    bare = dataclasses.replace(deployment, request_overhead=0.0, handover_overhead=0.0, noise=None)
+    bare = dataclasses.replace(deployment, step_overhead=0.0, request_overhead=0.0, handover_overhead=0.0,
+                               noise=None)
+    step_overhead = _step_overhead(done, simulate(profile, bare, trace), skip)
+    bare = dataclasses.replace(bare, step_overhead=step_overhead)
     sim = simulate(profile, bare, trace)
     ttft = np.array([m["ttft"] for m in done]) - sim.ttfts()
     overhead = max(0.0, float(np.median(ttft)))
@@ -76,7 +80,22 @@ def calibrate(profile: StepProfile, deployment: Deployment, measured: dict, seed
     step = float(np.median(sim_gaps)) if len(sim_gaps) else 0.0
     noise = HostNoise(ttft=tuple(float(x) for x in (ttft - overhead)[WARM_UP:]),
                       gap=tuple(float(x) for x in measured_gaps - step), handover=handover_noise[WARM_UP:], seed=seed)
-    return dataclasses.replace(deployment, request_overhead=overhead, handover_overhead=handover, noise=noise)
+    return dataclasses.replace(deployment, step_overhead=step_overhead, request_overhead=overhead,
+                               handover_overhead=handover, noise=noise)
+
+
+def _step_overhead(done: list[dict], sim, skip: int) -> float:
+    """What a served step costs beyond the profile's: the median over requests of the measured time per
+    output token minus the simulated one, both over the gaps after the first `skip` (a request's decode
+    steps, one token each). A time per token, unlike a gap, is the same however the client's chunks group
+    the tokens; the simulated one holds the batch each request shared its steps with."""
+    diffs = []
+    for m, r in zip(done, sim.requests):
+        itls, gaps = (m.get("itls") or [])[skip:], np.diff(r.token_times)[skip:]
+        n = int(m["output_tokens"]) - 1 - skip
+        if itls and n > 0 and len(gaps) == n:
+            diffs.append(sum(itls) / n - float(gaps.mean()))
+    return max(0.0, float(np.median(diffs))) if diffs else 0.0
 
 
 def predict_measured(profile: StepProfile, deployment: Deployment, measured: dict, ttft_slo: float,
@@ -91,6 +110,30 @@ def compare(predicted: dict, measured: dict) -> dict:
            "itl_p50": measured["median_itl_ms"] / 1e3, "itl_p99": measured["p99_itl_ms"] / 1e3}
     return {m: {"predicted": predicted[m], "measured": got[m],
                 "error": (predicted[m] - got[m]) / got[m] if got[m] else None} for m in METRICS}
+
+
+def measured_goodput(measured: dict, ttft_slo: float, itl_slo: float) -> float:
+    """A `bench serve` run's goodput as SimResult.summary counts it: requests whose TTFT and every gap meet
+    the SLOs, per second from the first arrival to the last token."""
+    done = [r for r in measured.get("requests", []) if r.get("success")]
+    if not done:
+        return 0.0
+    good = sum(1 for r in done if r["ttft"] <= ttft_slo and max(r.get("itls") or [0.0]) <= itl_slo)
+    span = max(r["start"] + r["latency"] for r in done) - min(r["start"] for r in done)
+    return good / max(span, 1e-9)
+
+
+def best_by_rate(comparisons: list[dict]) -> list[dict]:
+    """Per request rate, the measured deployment the planner ranks first (predicted goodput) against the
+    one that measured the best goodput: the planner's recommendation, checked among those measured."""
+    out = []
+    for rate in sorted({c["rate"] for c in comparisons}):
+        runs = [c for c in comparisons if c["rate"] == rate]
+        pred = max(runs, key=lambda c: (c["goodput"]["predicted"], -c["predicted"]["ttft_p99"]))
+        meas = max(runs, key=lambda c: c["goodput"]["measured"])
+        out.append({"rate": rate, "recommended": pred["deployment"], "measured_best": meas["deployment"],
+                    "agree": pred["goodput"]["measured"] >= meas["goodput"]["measured"]})
+    return out
 
 
 def plot_comparisons(rows: list[dict], path: str) -> None:

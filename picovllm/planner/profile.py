@@ -10,7 +10,8 @@ several token counts and decode-only steps at several batch sizes and contexts, 
 (decode_context: the tokens the batch's decodes attend over, summed; a step with a prefill has its
 own fixed cost, as it takes another path through the model) by least squares, with every coefficient
 >= 0. Each sample is the median of several timed steps (a shared machine is noisy); the samples are
-kept with the fit, so a profile can be checked and re-fitted.
+kept with the fit, so a profile can be checked and re-fitted. A decode sample records the batch and context
+it timed (its requests last long enough that the first is still decoding when the last prompt is in).
 """
 from __future__ import annotations
 
@@ -92,16 +93,21 @@ def measure_profile(engine, prefill_lens=(16, 64, 128, 256, 512), batches=(1, 4,
         samples.append({"prefill": n, "batch": 0, "context": 0, "seconds": float(np.median(times))})
     for ctx in [c for c in contexts if c <= limit]:
         for b in [b for b in batches if b <= engine.config.max_num_seqs]:
+            # enough tokens that the first request still decodes when the last prompt is in: filling
+            # b prompts takes about b * ctx / chunk steps (else the timed batch is smaller than b)
+            fill_steps = -(-b * (ctx + 1) // engine.config.max_num_batched_tokens) + b
+            max_tokens = min(fill_steps + repeats + 2, engine.max_model_len - ctx)
             for i in range(b):
-                engine.add_request([(i % 50) + 5] * ctx, SamplingParams(max_tokens=repeats + 2, ignore_eos=True))
+                engine.add_request([(i % 50) + 5] * ctx, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
             while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
                 engine.step()                  # the prompts (and each one's first token)
-            times, total = [], sum(r.num_tokens for r in engine.requests.values())
+            times, batch, total = [], len(engine.requests), sum(r.num_tokens for r in engine.requests.values())
             for _ in range(repeats):
                 t0 = time.perf_counter()
                 engine.step()
                 times.append(time.perf_counter() - t0)
-            samples.append({"prefill": 0, "batch": b, "context": total + repeats // 2, "seconds": float(np.median(times))})
+            samples.append({"prefill": 0, "batch": batch, "context": total + batch * (repeats // 2),
+                            "seconds": float(np.median(times))})
             _drain(engine)
     mc = engine.model_config
     dtype_bytes = engine.runner.kv_cache.element_size()

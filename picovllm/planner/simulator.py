@@ -12,8 +12,10 @@ prompt completed has its first token; a decode has its next one. Roles:
     D ("d")           takes it on arrival (the instance with the fewest requests), decodes it to the end
 
 What the client sees is the steps' times plus what the steps do not hold, taken from a measured run
-(plan.calibrate): constant overheads (request_overhead on the first token, handover_overhead on an
-xPyD request's hop from P to D, inside the simulation since it delays D's admission) and, for the
+(plan.calibrate): constant overheads (step_overhead on every step: a served step is the engine's step
+plus the server's loop and the hand-off of its outputs to the HTTP side, which compete for the same cores;
+request_overhead on the first token; handover_overhead on an xPyD request's hop from P to D, inside the
+simulation since it delays D's admission) and, for the
 tails, HostNoise: the spread a real server adds (HTTP and tokenization per request; per gap, the
 delivery of tokens to the client, which on a busy host coalesces several tokens into one chunk
 and stalls others). Noise is drawn from the calibration run's residuals, independently per request
@@ -23,7 +25,10 @@ token gap here: ITL percentiles and the worst gap come out as measured, a reques
 would not (it is not predicted).
 
 Not modelled: the KV cache's size (no preemption; D admits up to max_num_seqs), overlap of transfers
-with a D that is itself busy with that pull (a pull costs D no step time).
+with a D that is itself busy with that pull (a pull costs D no step time), a step cost that depends on
+how busy the host has been (on a shared CPU a busier server serves faster; the profile times steps back
+to back), and why the client's chunk gaps split as they do (on a 2-core CPU they are bimodal, and their
+median moves between runs of one setting: BENCHMARKS.md, the planner).
 """
 from __future__ import annotations
 
@@ -126,6 +131,7 @@ class Deployment:
     transfer_bw: float = 10e9     # bytes per second of a pull
     transfer_latency: float = 1e-3
     # Calibrated from a measured run (plan.calibrate), else 0: what the engine steps do not hold
+    step_overhead: float = 0.0      # seconds a served step costs beyond the profile's (the server's loop, hand-off)
     request_overhead: float = 0.0   # seconds from the client's send to the engine, and the first token back
     handover_overhead: float = 0.0  # xPyD: the router's hop from P to D (its calls, D's claim), beyond the pull
     noise: HostNoise | None = None  # calibrated too: the spread around those overheads (the tails)
@@ -220,7 +226,7 @@ def simulate(profile: StepProfile, deployment: Deployment, requests: list[SimReq
         dt = _plan_step(inst, profile, deployment)
         if dt is not None:
             inst.busy = True
-            heapq.heappush(events, (now + dt, next(seq), "step", inst))
+            heapq.heappush(events, (now + dt + deployment.step_overhead, next(seq), "step", inst))
 
     while events:
         now, _, kind, obj = heapq.heappop(events)

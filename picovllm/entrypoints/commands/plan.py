@@ -42,7 +42,7 @@ def add_parser(subparsers) -> None:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    from picovllm.planner.plan import candidate_deployments, compare, plan, plot_comparisons
+    from picovllm.planner.plan import best_by_rate, candidate_deployments, compare, plan, plot_comparisons
     from picovllm.planner.profile import StepProfile, measure_profile
     from picovllm.planner.simulator import Lengths, Traffic
 
@@ -81,12 +81,19 @@ def run_plan(args: argparse.Namespace) -> int:
     for c in comparisons:
         errs = ", ".join(f"{m} {v['predicted'] * 1e3:.1f}/{v['measured'] * 1e3:.1f} ms ({v['error']:+.0%})"
                          for m, v in c["comparison"].items() if v["error"] is not None)
-        print(f"{c['label']}{' (calibration run)' if c['calibration'] else ''}: predicted/measured {errs}")
+        g = c["goodput"]
+        print(f"{c['label']}{' (calibration run)' if c['calibration'] else ''}: predicted/measured {errs}, "
+              f"goodput {g['predicted']:.2f}/{g['measured']:.2f} req/s")
+    best = best_by_rate(comparisons)
+    for b in best:
+        print(f"@ {b['rate']:g}/s, among those measured: the planner recommends {b['recommended']}; best measured "
+              f"goodput: {b['measured_best']} ({'agree' if b['agree'] else 'DISAGREE'})")
     if args.plot and comparisons:
         plot_comparisons(comparisons, args.plot)
     if args.result_json:
         with open(args.result_json, "w") as f:
-            json.dump({"profile": args.profile, "ranked": rows, "measured": comparisons}, f, indent=1)
+            json.dump({"profile": args.profile, "ranked": rows, "measured": comparisons, "best_by_rate": best}, f,
+                      indent=1)
     return 0
 
 
@@ -123,7 +130,7 @@ def _overheads(args, profile) -> dict:
         dep, traffic, measured = _read_measured(spec, args)
         cal = calibrate(profile, dep, measured, args.seed)
         kind = "xpyd" if dep.num_prefill else "colocated"
-        found[kind] = {"request_overhead": cal.request_overhead, "noise": cal.noise}
+        found[kind] = {"step_overhead": cal.step_overhead, "request_overhead": cal.request_overhead, "noise": cal.noise}
         if dep.num_prefill:
             found[kind]["handover_overhead"] = cal.handover_overhead
     return found
@@ -140,10 +147,12 @@ def with_overheads(dep, overheads: dict):
 
 def _compare_one(spec: str, profile, args, slo_ttft: float, slo_itl: float, compare, overheads: dict) -> dict:
     """A measured run against the prediction for its own arrivals and lengths (bursts included)."""
-    from picovllm.planner.plan import predict_measured
+    from picovllm.planner.plan import measured_goodput, predict_measured
 
     dep, traffic, measured = _read_measured(spec, args)
     dep = with_overheads(dep, overheads)
     predicted = predict_measured(profile, dep, measured, slo_ttft, slo_itl)
-    return {"label": f"{dep.name} @ {traffic.rate:g}/s", "predicted": predicted,
-            "comparison": compare(predicted, measured), "calibration": spec in args.calibrate}
+    goodput = {"predicted": predicted["goodput"], "measured": measured_goodput(measured, slo_ttft, slo_itl)}
+    return {"label": f"{dep.name} @ {traffic.rate:g}/s", "deployment": dep.name, "rate": traffic.rate,
+            "predicted": predicted, "comparison": compare(predicted, measured), "goodput": goodput,
+            "calibration": spec in args.calibrate}
