@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from picovllm import LLM, SamplingParams
+from picovllm.kernels.cpu import token_mask
 from picovllm.layers.structured_output import BitmaskBuffers, TokenBitmasks, apply_token_bitmasks, mask_logits
 from picovllm.sampling_params import StructuredOutputsParams
 from serving_fixtures import chat_model  # noqa: F401 - a fixture
@@ -44,6 +45,10 @@ def test_mask_logits_matches_a_hand_computed_oracle(vocab, num_words, dtype):
                 expect[r, t] = float("-inf")
     assert out.dtype == dtype
     assert torch.equal(out.double(), expect.to(dtype).double())
+    if dtype == torch.float32 and token_mask.usable(logits.float()):     # the CPU's C path, rows 1 and 3 unmasked
+        c_out = token_mask.mask_logits(logits.float(), words[[4, 0, 2]], [1, -1, 2, -1, 0])
+        masked = torch.stack([expect[0], logits[1], expect[2], logits[3], expect[4]]).float()
+        assert torch.equal(c_out, masked)
 
 
 def filled_masks(words: torch.Tensor, rows: list[int]) -> TokenBitmasks:

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from picovllm.kernels.cpu import token_mask
 from picovllm.sampling_params import StructuredOutputsParams
 
 CACHE_BYTES = 256 << 20   # compiled grammars kept per engine
@@ -230,6 +231,11 @@ def apply_token_bitmasks(logits: torch.Tensor, masks: TokenBitmasks | None) -> t
     Out of place either way: the raw logits stay as they are (logprobs are read from them)."""
     if masks is None or not masks.filled:
         return logits
+    if token_mask.usable(logits):      # CPU, float32: one pass in C
+        word_row = [-1] * logits.shape[0]
+        for i in masks.filled:
+            word_row[i] = i
+        return token_mask.mask_logits(logits, masks.words, word_row)
     words, ceilings = masks.to_device(logits.device), masks.ceilings(logits.dtype)
     if len(masks.filled) == logits.shape[0]:
         return mask_logits(logits, words, ceilings)
