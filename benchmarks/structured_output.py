@@ -4,12 +4,13 @@ then the engine's decode throughput at batch 8, constrained (a regex) vs not.
 
     python benchmarks/structured_output.py [--skip-llguidance] [--throughput-only] [--batch 8] [--tokens 64]
     python benchmarks/structured_output.py --host-profile [--batch 64] [--tokens 128] [--overlap] [--cprofile]
+                                            [--fill-threads N]
 
 --host-profile: the engine's host cost per constrained row and step, without the forward: the runner's
 compute_logits returns fixed random logits, so a step is scheduling, inputs, masks, sampling and outputs only;
 (constrained - plain) / (steps * rows) is what one constrained row adds to a step (on the CPU, the masked apply
 runs on the host too). --overlap runs it under overlapped scheduling (late masks); --cprofile prints the
-constrained run's top functions.
+constrained run's top functions; --fill-threads sets the threads of xgrammar's batched mask fill.
 """
 from __future__ import annotations
 
@@ -98,11 +99,14 @@ def throughput(batch: int, tokens: int) -> None:
         print(f"batch {batch}, {name:7s}: {n} tokens in {dt:.2f} s = {n / dt:.1f} tok/s")
 
 
-def host_profile(batch: int, tokens: int, overlap: bool, cprofile: bool) -> None:
+def host_profile(batch: int, tokens: int, overlap: bool, cprofile: bool, fill_threads: int | None) -> None:
     import cProfile
     import pstats
     import torch
     from picovllm import LLM, SamplingParams, StructuredOutputsParams
+    from picovllm.layers import structured_output
+    if fill_threads is not None and hasattr(structured_output, "FILL_THREADS"):
+        structured_output.FILL_THREADS = fill_threads    # read when the engine builds its mask buffers
     llm = LLM(async_scheduling=overlap)
     runner = llm.engine.runner
     vocab = runner.model_config.vocab_size
@@ -141,9 +145,10 @@ def main() -> None:
     ap.add_argument("--host-profile", action="store_true", help="host cost per constrained row (no forward)")
     ap.add_argument("--overlap", action="store_true", help="--host-profile under overlapped scheduling")
     ap.add_argument("--cprofile", action="store_true", help="--host-profile: the constrained run's top functions")
+    ap.add_argument("--fill-threads", type=int, help="--host-profile: threads of xgrammar's batched mask fill")
     args = ap.parse_args()
     if args.host_profile:
-        return host_profile(args.batch, args.tokens, args.overlap, args.cprofile)
+        return host_profile(args.batch, args.tokens, args.overlap, args.cprofile, args.fill_threads)
     from picovllm.loader.source import open_model_source
     small = open_model_source(None).load_tokenizer()
     for tok in () if args.throughput_only else (small, grown_tokenizer(small, 151_646)):

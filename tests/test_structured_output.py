@@ -85,7 +85,7 @@ def test_buffers_alternate_and_fill_rows_in_place(default_llm: LLM):
     vocab = eng.model_config.vocab_size
     states = [eng._grammar_state(SamplingParams(structured_outputs=StructuredOutputsParams(**kw)))
               for kw in ({"choice": ["yes", "no"]}, {"regex": "[0-9]+"}, {"json_object": True})]
-    buffers = BitmaskBuffers(vocab, torch.device("cpu"), max_threads=2)
+    buffers = BitmaskBuffers(vocab, torch.device("cpu"), fill_threads=2)
     first, second = buffers.for_step(5), buffers.for_step(5)
     assert first.words.data_ptr() != second.words.data_ptr()
     assert buffers.for_step(3).words.data_ptr() == first.words.data_ptr()      # then the first again

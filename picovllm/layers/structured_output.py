@@ -21,7 +21,6 @@ Compiled grammars are cached by xgrammar's compiler, one per engine (so per toke
 from __future__ import annotations
 
 import json
-import os
 import sys
 from typing import Any
 
@@ -31,7 +30,10 @@ from picovllm.kernels.cpu import token_mask
 from picovllm.sampling_params import StructuredOutputsParams
 
 CACHE_BYTES = 256 << 20   # compiled grammars kept per engine
-MAX_FILL_THREADS = 8      # xgrammar's batched mask fill: at most this many threads (and half the host's cores)
+# Threads of xgrammar's batched mask fill. One: on a 2-core host a second thread added ~40 us a call and saved
+# nothing (regex rows fill in ~1 us each); a host with free cores and costlier grammars may gain from more
+# (benchmarks/structured_output.py --host-profile --fill-threads N measures it).
+FILL_THREADS = 1
 
 
 # Two fixes to xgrammar 0.2.8's JSON grammar, so that every accepted string is JSON (json.loads is the test's
@@ -166,10 +168,9 @@ class BitmaskBuffers:
     step N is in flight) never writes into the buffer step N's copy reads; a CUDA event recorded after each
     copy is waited for (it has nearly always passed) before that buffer is filled again. One per engine."""
 
-    def __init__(self, vocab_size: int, device: torch.device, max_threads: int | None = None) -> None:
+    def __init__(self, vocab_size: int, device: torch.device, fill_threads: int | None = None) -> None:
         import xgrammar as xgr
-        threads = max_threads or max(1, min(MAX_FILL_THREADS, (os.cpu_count() or 2) // 2))
-        self._batch = xgr.BatchGrammarMatcher(threads)
+        self._batch = xgr.BatchGrammarMatcher(fill_threads or FILL_THREADS)
         self.words = bitmask_words(vocab_size)
         self.device = device
         self._buffers: list[torch.Tensor | None] = [None, None]
