@@ -215,7 +215,8 @@ def mask_logits(logits: torch.Tensor, words: torch.Tensor, ceilings: torch.Tenso
     """logits [R, V] with every token the packed masks words [R, W] (int32) forbid at -inf, as a new tensor;
     tokens past 32 W are forbidden. The words are read as little-endian bytes (token t is bit t % 8 of byte
     t // 8), each byte looked up in `ceilings` (token_ceilings) and the logits clipped from above: one gather
-    and one minimum, with no [R, W, 32] intermediate. The torch reference and the CPU path."""
+    and one minimum, with no [R, W, 32] intermediate. The reference, and the path on a GPU (float32 logits on
+    the CPU take kernels/cpu/token_mask.c)."""
     assert sys.byteorder == "little"    # the hosts and GPUs we run on; the byte view relies on it
     if ceilings is None or ceilings.dtype != logits.dtype or ceilings.device != logits.device:
         ceilings = token_ceilings(logits.dtype, logits.device)
