@@ -1,8 +1,16 @@
 """Structured outputs: per-token mask time of xgrammar and llguidance on the default model's vocabulary (49k) and on
 a 151k vocabulary (the default one grown with made-up tokens to Qwen's size; no Qwen tokenizer is on this machine),
-then the engine's decode throughput at batch 8, constrained (a JSON schema) vs not.
+then the engine's decode throughput at batch 8, constrained (a regex) vs not.
 
     python benchmarks/structured_output.py [--skip-llguidance] [--throughput-only] [--batch 8] [--tokens 64]
+    python benchmarks/structured_output.py --host-profile [--batch 64] [--tokens 128] [--overlap] [--cprofile]
+                                            [--fill-threads N]
+
+--host-profile: the engine's host cost per constrained row and step, without the forward: the runner's
+compute_logits returns fixed random logits, so a step is scheduling, inputs, masks, sampling and outputs only;
+(constrained - plain) / (steps * rows) is what one constrained row adds to a step (on the CPU, the masked apply
+runs on the host too). --overlap runs it under overlapped scheduling (late masks); --cprofile prints the
+constrained run's top functions; --fill-threads sets the threads of xgrammar's batched mask fill.
 """
 from __future__ import annotations
 
@@ -91,13 +99,56 @@ def throughput(batch: int, tokens: int) -> None:
         print(f"batch {batch}, {name:7s}: {n} tokens in {dt:.2f} s = {n / dt:.1f} tok/s")
 
 
+def host_profile(batch: int, tokens: int, overlap: bool, cprofile: bool, fill_threads: int | None) -> None:
+    import cProfile
+    import pstats
+    import torch
+    from picovllm import LLM, SamplingParams, StructuredOutputsParams
+    from picovllm.layers import structured_output
+    if fill_threads is not None and hasattr(structured_output, "FILL_THREADS"):
+        structured_output.FILL_THREADS = fill_threads    # read when the engine builds its mask buffers
+    llm = LLM(async_scheduling=overlap)
+    runner = llm.engine.runner
+    vocab = runner.model_config.vocab_size
+    logits = torch.randn(batch, vocab, generator=torch.Generator().manual_seed(0))
+    letters = [i for i in (llm.get_tokenizer().convert_tokens_to_ids(c) for c in "abcdefghijklmnopqrstuvwxyz")]
+    logits[:, letters] += 10     # greedy picks one letter a step: 128 tokens stay within the regex's 400
+    logits = logits.to(runner.device)
+    runner.compute_logits = lambda step, prev_tokens=None: logits[:step.num_logit_rows]    # no forward
+    prompts = [f"Write item {i}:" for i in range(batch)]
+    so = StructuredOutputsParams(regex="[a-z ]{400}")
+    runs = [("warm-up", {}), ("warm-up", {"structured_outputs": so})] + [("plain", {}), ("regex", {"structured_outputs": so})] * 3
+    best: dict[str, float] = {}
+    for name, extra in runs:
+        sp = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True, **extra)   # greedy: no seeded rows
+        t = time.perf_counter()
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        dt = time.perf_counter() - t
+        assert all(len(o.outputs[0].token_ids) == tokens for o in outs)
+        print(f"batch {batch}, {name:7s}: {dt / tokens * 1e3:6.2f} ms a step (no forward)")
+        best[name] = min(best.get(name, dt), dt)
+    per_row = (best["regex"] - best["plain"]) / (tokens * batch)
+    print(f"host cost of a constrained row: {per_row * 1e6:.1f} us a step (best of 3 each, overlap={overlap})")
+    if cprofile:
+        sp = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True, structured_outputs=so)
+        prof = cProfile.Profile()
+        prof.runcall(llm.generate, prompts, sp, use_tqdm=False)
+        pstats.Stats(prof).sort_stats("tottime").print_stats(15)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--skip-llguidance", action="store_true")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--throughput-only", action="store_true")
+    ap.add_argument("--host-profile", action="store_true", help="host cost per constrained row (no forward)")
+    ap.add_argument("--overlap", action="store_true", help="--host-profile under overlapped scheduling")
+    ap.add_argument("--cprofile", action="store_true", help="--host-profile: the constrained run's top functions")
+    ap.add_argument("--fill-threads", type=int, help="--host-profile: threads of xgrammar's batched mask fill")
     args = ap.parse_args()
+    if args.host_profile:
+        return host_profile(args.batch, args.tokens, args.overlap, args.cprofile, args.fill_threads)
     from picovllm.loader.source import open_model_source
     small = open_model_source(None).load_tokenizer()
     for tok in () if args.throughput_only else (small, grown_tokenizer(small, 151_646)):

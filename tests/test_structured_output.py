@@ -1,6 +1,6 @@
 """Structured outputs (layers/structured_output.py) on the default model. Oracles: jsonschema validation for
-JSON schemas, re.fullmatch for regexes, the choice list itself, and xgrammar's own bitmask application for
-the device-side unpacking."""
+JSON schemas, re.fullmatch for regexes, the choice list itself; for the masking of the logits, a hand-computed
+float64 oracle and xgrammar's own bitmask application."""
 from __future__ import annotations
 
 import json
@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from picovllm import LLM, SamplingParams
-from picovllm.layers.structured_output import apply_token_bitmasks
+from picovllm.kernels.cpu import token_mask
+from picovllm.layers.structured_output import BitmaskBuffers, TokenBitmasks, apply_token_bitmasks, mask_logits
 from picovllm.sampling_params import StructuredOutputsParams
-from picovllm.engine.model_runner import SamplingRow
 from serving_fixtures import chat_model  # noqa: F401 - a fixture
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -22,25 +22,81 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 PROMPT = "Answer with one JSON object only."
 
 
-def row(mask: torch.Tensor | None) -> SamplingRow:
-    return SamplingRow(0.0, 0, 1.0, 0.0, None, [], None, token_bitmask=mask)
+def allowed_oracle(words: torch.Tensor, vocab: int) -> list[list[bool]]:
+    """Token t of row r is allowed iff bit t % 32 of word t // 32 is set (no word: not allowed), by Python ints."""
+    w = words.tolist()
+    return [[t // 32 < len(row) and (row[t // 32] >> (t % 32)) & 1 == 1 for t in range(vocab)] for row in w]
+
+
+@pytest.mark.parametrize("vocab,num_words", [(1000, 32), (1000, 30), (64, 2)])   # 30 words: tokens past 960
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_mask_logits_matches_a_hand_computed_oracle(vocab, num_words, dtype):
+    g = torch.Generator().manual_seed(vocab + num_words)
+    words = torch.randint(-2**31, 2**31 - 1, (5, num_words), dtype=torch.int32, generator=g)
+    words[1] = 0            # nothing allowed
+    words[2] = -1           # everything (within 32 W)
+    logits = (torch.randn(5, vocab, generator=g, dtype=torch.float64) * 10)
+    logits[3, :7] = float("-inf")           # already banned (e.g. min_tokens) stays banned
+    out = mask_logits(logits.to(dtype), words)
+    expect = logits.clone()
+    for r, row_ok in enumerate(allowed_oracle(words, vocab)):
+        for t, ok in enumerate(row_ok):
+            if not ok:
+                expect[r, t] = float("-inf")
+    assert out.dtype == dtype
+    assert torch.equal(out.double(), expect.to(dtype).double())
+    if dtype == torch.float32 and token_mask.usable(logits.float()):     # the CPU's C path, rows 1 and 3 unmasked
+        c_out = token_mask.mask_logits(logits.float(), words[[4, 0, 2]], [1, -1, 2, -1, 0])
+        masked = torch.stack([expect[0], logits[1], expect[2], logits[3], expect[4]]).float()
+        assert torch.equal(c_out, masked)
+
+
+def filled_masks(words: torch.Tensor, rows: list[int]) -> TokenBitmasks:
+    """TokenBitmasks as the engine would hand the sampler, with `words` already in its buffer."""
+    buffers = BitmaskBuffers(32 * words.shape[1], torch.device("cpu"))
+    masks = buffers.for_step(words.shape[0])
+    masks.words.copy_(words)
+    masks.filled = list(rows)
+    return masks
 
 
 def test_bitmask_rows_match_xgrammar_application():
     xgr = pytest.importorskip("xgrammar")
     vocab, g = 1000, torch.Generator().manual_seed(0)
-    masks = torch.randint(-2**31, 2**31 - 1, (3, (vocab + 31) // 32), dtype=torch.int32, generator=g)
+    words = torch.randint(-2**31, 2**31 - 1, (4, (vocab + 31) // 32), dtype=torch.int32, generator=g)
     logits = torch.randn(4, vocab, generator=g)
-    out = apply_token_bitmasks(logits, [row(masks[0]), row(None), row(masks[1]), row(masks[2])])
+    out = apply_token_bitmasks(logits, filled_masks(words, [0, 2, 3]))      # row 1: no grammar
     expect = logits.clone()
-    full = torch.cat([masks[:1], torch.full_like(masks[:1], -1), masks[1:]])   # row 1: not applied anyway
-    xgr.apply_token_bitmask_inplace(expect, full, indices=[0, 2, 3])
+    xgr.apply_token_bitmask_inplace(expect, words, indices=[0, 2, 3])
     assert torch.equal(out, expect)
     assert torch.isinf(out).any()
-    every = apply_token_bitmasks(logits[[0, 2, 3]], [row(m) for m in masks])    # all rows constrained
+    every = apply_token_bitmasks(logits[[0, 2, 3]], filled_masks(words[[0, 2, 3]], [2, 0, 1]))   # all rows
     assert torch.equal(every, expect[[0, 2, 3]])
-    assert apply_token_bitmasks(logits, [row(None)] * 4) is logits      # no constrained row: nothing copied
+    assert apply_token_bitmasks(logits, filled_masks(words, [])) is logits   # no row filled: nothing copied
+    assert apply_token_bitmasks(logits, None) is logits
     assert not torch.isinf(logits).any()                               # raw logits (logprobs) untouched
+
+
+def test_buffers_alternate_and_fill_rows_in_place(default_llm: LLM):
+    """Two steps in a row get different buffers (a step in flight keeps its own); the batched fill writes
+    exactly the rows it is given, each what the grammar's own single-row fill gives."""
+    xgr = pytest.importorskip("xgrammar")
+    eng = default_llm.engine
+    vocab = eng.model_config.vocab_size
+    states = [eng._grammar_state(SamplingParams(structured_outputs=StructuredOutputsParams(**kw)))
+              for kw in ({"choice": ["yes", "no"]}, {"regex": "[0-9]+"}, {"json_object": True})]
+    buffers = BitmaskBuffers(vocab, torch.device("cpu"), fill_threads=2)
+    first, second = buffers.for_step(5), buffers.for_step(5)
+    assert first.words.data_ptr() != second.words.data_ptr()
+    assert buffers.for_step(3).words.data_ptr() == first.words.data_ptr()      # then the first again
+    first.words.fill_(7)
+    first.fill([4, 0, 2], states)
+    assert first.filled == [4, 0, 2]
+    assert (first.words[[1, 3]] == 7).all()                             # rows not asked for: untouched
+    for row, state in zip([4, 0, 2], states):
+        one = xgr.allocate_token_bitmask(1, vocab)
+        state._matcher.fill_next_token_bitmask(one, 0)
+        assert torch.equal(first.words[row], one[0])
 
 
 def random_schema(rng: random.Random, depth: int = 0) -> dict:

@@ -80,8 +80,8 @@ class Executor(ABC):
         """Queue the step's forward and sampling on every rank without waiting for the sampled tokens.
         prev: the step still in flight whose sampled tokens feed step.prev_dst (overlapped scheduling;
         only where supports_overlap). before_sampling: called on this process once the forward is queued
-        and before the sampling is; it may wait for prev and fill step.sampling rows' token_bitmask
-        (structured outputs). Raises ValueError for input it refuses before any rank ran."""
+        and before the sampling is; it may wait for prev and fill rows of step.token_bitmasks (structured
+        outputs). Raises ValueError for input it refuses before any rank ran."""
 
     def resolve(self, launched: LaunchedStep) -> StepResult:
         """Wait for a launched step and read its sampled tokens (the step loop's one host sync)."""

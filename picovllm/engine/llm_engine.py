@@ -33,8 +33,9 @@ from picovllm.engine.executor import Executor, InProcessExecutor, make_executor
 from picovllm.engine.model_runner import LaunchedStep, ModelRunner, StepResult
 from picovllm.engine.request import FinishReason, Request, RequestStatus
 from picovllm.engine.scheduler import Scheduler, SchedulerOutput
+from picovllm.engine.step_input import StepInput
 from picovllm.layers.rotary import longrope_position_offset
-from picovllm.layers.structured_output import GrammarState, StructuredOutputCompiler
+from picovllm.layers.structured_output import BitmaskBuffers, GrammarState, StructuredOutputCompiler
 from picovllm.loader import open_model_source
 from picovllm.outputs import CompletionOutput, Logprob, RequestOutput
 from picovllm.sampling_params import SamplingParams
@@ -101,6 +102,7 @@ class Engine:
         self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None   # overlap: launched, not read
         self._ids = itertools.count()
         self._structured: StructuredOutputCompiler | None = None   # built at the first structured request
+        self._bitmasks: BitmaskBuffers | None = None       # the grammar masks' buffers, at the first such step
         self.stats = {"prefill_tokens": 0, "decode_tokens": 0}
 
     def _kv_window(self) -> int | None:
@@ -290,7 +292,7 @@ class Engine:
         sched = self._schedule()
         if sched.is_empty():
             return outputs
-        result = self.executor.execute(self.executor.prepare(sched, self.eos_token_ids))
+        result = self.executor.execute(self._prepare(sched))
         return outputs + self.postprocess(sched, result, unfinished_outputs)
 
     def _overlapped_step(self, unfinished_outputs: bool) -> list[RequestOutput]:
@@ -305,14 +307,14 @@ class Engine:
         launched = early = None
         if not sched.is_empty():
             prev = self._in_flight[1] if self._in_flight else None
-            step = self.executor.prepare(sched, self.eos_token_ids)
-            late = [(row, c.request) for row, c in zip(step.sampling, (c for c in sched.chunks if c.samples))
+            step = self._prepare(sched)
+            late = [(i, c.request) for i, c in enumerate(c for c in sched.chunks if c.samples)
                     if c.request.grammar is not None and c.request.num_pending_tokens]
 
             def fill_late_masks() -> None:     # runs while the device computes this step's forward
                 nonlocal early
                 early = self.executor.resolve(self._in_flight[1])
-                self._fill_late_masks(late, self._in_flight[0], early)
+                self._fill_late_masks(step, late, self._in_flight[0], early)
 
             launched = self.executor.launch(step, prev, fill_late_masks if late else None)
             self.advance(sched)
@@ -326,21 +328,40 @@ class Engine:
             self._in_flight = None     # every request in it has finished meanwhile: nothing to read
         return outputs
 
+    def _prepare(self, sched: SchedulerOutput) -> StepInput:
+        """The executor's StepInput, with the masks of constrained rows whose grammar has taken every
+        token so far (the others wait for a token in flight: _fill_late_masks)."""
+        step = self.executor.prepare(sched, self.eos_token_ids)
+        if self._structured is None:
+            return step
+        constrained = [(i, c.request) for i, c in enumerate(c for c in sched.chunks if c.samples)
+                       if c.request.grammar is not None]
+        if constrained:
+            if self._bitmasks is None:
+                self._bitmasks = BitmaskBuffers(self.model_config.vocab_size, self.executor.device)
+            step.token_bitmasks = self._bitmasks.for_step(len(step.sampling))
+            now = [(i, req.grammar) for i, req in constrained if not req.num_pending_tokens]
+            step.token_bitmasks.fill([i for i, _ in now], [g for _, g in now])
+        return step
+
     @staticmethod
-    def _fill_late_masks(late: list, done_sched: SchedulerOutput, done: StepResult) -> None:
-        """Structured outputs under overlap: rows (SamplingRow, Request) of the step being launched whose
-        grammar waits on the token `done` holds for them; advance the grammar by it and fill the row's mask.
+    def _fill_late_masks(step: StepInput, late: list, done_sched: SchedulerOutput, done: StepResult) -> None:
+        """Structured outputs under overlap: rows (index, Request) of the step being launched whose grammar
+        waits on the token `done` holds for them; advance the grammar by it and fill the row's mask.
         apply_results later appends the token without advancing the grammar again (GrammarState.num_accepted).
         A token the grammar refuses, or one that ends it, leaves the row unmasked: apply_results finishes
         the request and drops the row's token."""
         sampled = (c.request.request_id for c in done_sched.chunks if c.samples)
         token_of = dict(zip(sampled, done.token_ids))
-        for row, req in late:
+        rows, states = [], []
+        for i, req in late:
             token = token_of.get(req.request_id)
             if token is None or req.is_finished or req.grammar.num_accepted != len(req.output_token_ids):
                 continue
             if req.grammar.accept(token) and not req.grammar.is_terminated:
-                row.token_bitmask = req.grammar.next_bitmask()
+                rows.append(i)
+                states.append(req.grammar)
+        step.token_bitmasks.fill(rows, states)
 
     def _schedule(self) -> SchedulerOutput:
         sched = self.scheduler.schedule()

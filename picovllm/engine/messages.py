@@ -17,7 +17,8 @@ from picovllm.config import EngineConfig
 from picovllm.engine.step_codec import decode_step, encode_step, is_step_frame
 from picovllm.engine.step_input import StepInput
 
-PROTOCOL_VERSION = 3    # 2: RunStep as a binary frame; 3: with the prompt-logprob rows
+PROTOCOL_VERSION = 4    # 2: RunStep as a binary frame; 3: with the prompt-logprob rows; 4: SamplingRow
+                        # without token_bitmask (a step's masks are StepInput.token_bitmasks, never sent)
 
 
 @dataclass(frozen=True)

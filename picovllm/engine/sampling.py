@@ -13,7 +13,7 @@ import torch
 from picovllm.engine.step_input import SamplingRow, StepInput, to_device
 from picovllm.layers.logits_processors import adjust_logits
 from picovllm.layers.sampler import SamplingTensors, sample
-from picovllm.layers.structured_output import apply_token_bitmasks
+from picovllm.layers.structured_output import TokenBitmasks, apply_token_bitmasks
 from picovllm.outputs import Logprob
 
 
@@ -48,7 +48,7 @@ def launch_sampling(logits: torch.Tensor | None, step: StepInput,
     k = len(step.sample_indices)
     tokens, host = None, []
     if k:
-        tokens, logprob_tensors = sample_logits(logits[:k], step.sampling, prev_tokens)
+        tokens, logprob_tensors = sample_logits(logits[:k], step.sampling, prev_tokens, step.token_bitmasks)
         host = [_to_host(t) for t in (tokens, *logprob_tensors)]
     launched = LaunchedStep(tokens, host, step.sampling, None)
     if step.prompt_indices:
@@ -76,15 +76,16 @@ def resolve(launched: LaunchedStep) -> StepResult:
     return result
 
 
-def sample_logits(logits: torch.Tensor, rows: list[SamplingRow], prev_tokens: torch.Tensor | None = None
-                  ) -> tuple[torch.Tensor, tuple]:
+def sample_logits(logits: torch.Tensor, rows: list[SamplingRow], prev_tokens: torch.Tensor | None = None,
+                  token_bitmasks: TokenBitmasks | None = None) -> tuple[torch.Tensor, tuple]:
     """Sampled token ids [B] on the device, and the logprob tensors the rows ask for (or ()).
+    token_bitmasks: the rows' grammar masks (structured outputs), if any.
     logits in the model's dtype: the fused GPU sampler reads them as they are, the torch
     sampler and logprobs upcast to float32 themselves."""
     dev = logits.device
     raw = logits
     logits = adjust_logits(logits, rows, prev_tokens)   # bias, banned tokens, penalties
-    logits = apply_token_bitmasks(logits, rows)         # structured outputs
+    logits = apply_token_bitmasks(logits, token_bitmasks)   # structured outputs
     temps = [r.temperature for r in rows]
     if all(x == 0 for x in temps):   # greedy batch: no sampling tensors to upload
         tokens = logits.argmax(-1)

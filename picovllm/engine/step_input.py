@@ -14,6 +14,7 @@ from picovllm.engine.cuda_graph import fill_block_tables
 from picovllm.engine.scheduler import SchedulerOutput
 from picovllm.layers.attention import AttentionMetadata
 from picovllm.layers.sampler import seeded_stream
+from picovllm.layers.structured_output import TokenBitmasks
 
 
 @dataclass
@@ -35,7 +36,6 @@ class SamplingRow:
     output_token_ids: list[int] = field(default_factory=list)
     prompt_token_ids: list[int] = field(default_factory=list)
     pending_src: int = -1     # overlapped: the in-flight step's row sampling this request's last output, or -1
-    token_bitmask: torch.Tensor | None = None   # structured outputs: allowed tokens, packed (host, int32)
 
     @property
     def has_penalties(self) -> bool:
@@ -63,6 +63,9 @@ class StepInput:
     prompt_indices: list[int] = field(default_factory=list)
     prompt_targets: list[int] = field(default_factory=list)
     prompt_topk: list[int] = field(default_factory=list)
+    # Structured outputs: the grammar masks of the sampling rows, filled by the engine on the host (rank 0
+    # only: not part of the wire form, workers do not sample)
+    token_bitmasks: TokenBitmasks | None = None
 
     @property
     def num_logit_rows(self) -> int:
@@ -130,8 +133,6 @@ def sampling_row(req, eos_token_ids: list[int]) -> SamplingRow:
         row.output_token_ids = list(req.output_token_ids)
         row.prompt_token_ids = req.prompt_token_ids if p.repetition_penalty != 1 else []  # never mutated
         row.pending_src = req.pending_row if req.num_pending_tokens else -1
-    if req.grammar is not None and not req.num_pending_tokens:   # else filled late (Engine._fill_late_masks)
-        row.token_bitmask = req.grammar.next_bitmask()
     return row
 
 

@@ -2,12 +2,13 @@
 
 Compilation and matching are xgrammar's (chosen over llguidance by measured mask time: see BENCHMARKS.md).
 The request's side is `picovllm.sampling_params.StructuredOutputsParams` (torch-free). Each request with
-`SamplingParams.structured_outputs` holds a `GrammarState` (a matcher over the tokens it has
-accepted). When a step is prepared, the state fills a packed bitmask on the host (int32 words, bit j of word i
-allows token 32 i + j; a few microseconds for a 49k or 151k vocabulary); the sampler uploads the batch's
-bitmasks as one [rows, words] tensor and masks every constrained row at once on the device
-(`apply_token_bitmasks`). The host never loops over the vocabulary. When the step's token is known, the engine
-advances the state with it.
+`SamplingParams.structured_outputs` holds a `GrammarState` (a matcher over the tokens it has accepted). A step's
+masks live in one preallocated host buffer for the whole batch (`BitmaskBuffers`: int32 words, bit j of word i
+allows token 32 i + j; pinned for a CUDA device): xgrammar fills the constrained rows in place, several at once
+(`TokenBitmasks.fill`, a few microseconds a row for a 49k or 151k vocabulary), the buffer goes to the device in
+one copy, and one masked minimum applies every constrained row (`apply_token_bitmasks`, `mask_logits`). The host
+never loops over the vocabulary, and a row costs no tensor of its own. When the step's token is known, the
+engine advances the state with it.
 
 The mask of step N+1 needs the token of step N. Under overlapped scheduling that token is still on the device
 when step N+1 is prepared, so the mask is filled late: the engine launches step N+1's forward, then (while the
@@ -20,16 +21,19 @@ Compiled grammars are cached by xgrammar's compiler, one per engine (so per toke
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any, Sequence
+import sys
+from typing import Any
 
 import torch
 
+from picovllm.kernels.cpu import token_mask
 from picovllm.sampling_params import StructuredOutputsParams
 
-if TYPE_CHECKING:
-    from picovllm.engine.model_runner import SamplingRow
-
 CACHE_BYTES = 256 << 20   # compiled grammars kept per engine
+# Threads of xgrammar's batched mask fill. One: on a 2-core host a second thread added ~40 us a call and saved
+# nothing (regex rows fill in ~1 us each); a host with free cores and costlier grammars may gain from more
+# (benchmarks/structured_output.py --host-profile --fill-threads N measures it).
+FILL_THREADS = 1
 
 
 # Two fixes to xgrammar 0.2.8's JSON grammar, so that every accepted string is JSON (json.loads is the test's
@@ -63,14 +67,6 @@ class GrammarState:
         self._matcher = matcher
         self.vocab_size = vocab_size
         self.num_accepted = 0     # output tokens accepted so far (the engine may advance it ahead of the output)
-
-    def next_bitmask(self) -> torch.Tensor:
-        """[ceil(vocab / 32)] int32 on the host: the tokens the grammar allows next. A new tensor each
-        step: the previous one may still be read by a step in flight."""
-        import xgrammar as xgr
-        mask = xgr.allocate_token_bitmask(1, self.vocab_size)
-        self._matcher.fill_next_token_bitmask(mask, 0)
-        return mask[0]
 
     def accept(self, token: int) -> bool:
         """Advance by a sampled token; False if the grammar does not allow it (the state is unchanged)."""
@@ -134,30 +130,119 @@ def _first_line(e: Exception) -> str:
     return text.splitlines()[0][:300]
 
 
-def unpack_bitmask(packed: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[R, W] int32 packed bitmasks -> [R, vocab] bool (True: allowed); tokens past 32 W are not allowed."""
-    shifts = torch.arange(32, dtype=torch.int32, device=packed.device)
-    bits = ((packed.unsqueeze(-1) >> shifts) & 1).flatten(1).bool()
-    if bits.shape[1] < vocab:
-        bits = torch.nn.functional.pad(bits, (0, vocab - bits.shape[1]))
-    return bits[:, :vocab]
+def bitmask_words(vocab_size: int) -> int:
+    return (vocab_size + 31) // 32
 
 
-def apply_token_bitmasks(logits: torch.Tensor, rows: Sequence["SamplingRow"]) -> torch.Tensor:
+class TokenBitmasks:
+    """One step's grammar masks on the host: row i of `words` ([sampling rows, words] int32, a view of one of
+    BitmaskBuffers' buffers) is sampling row i's. Only the rows in `filled` are applied; the others hold
+    whatever an earlier step left there."""
+
+    def __init__(self, words: torch.Tensor, owner: "BitmaskBuffers", slot: int) -> None:
+        self.words = words
+        self.filled: list[int] = []
+        self._owner, self._slot = owner, slot
+
+    def fill(self, rows: list[int], states: list[GrammarState]) -> None:
+        """Row rows[i] := the tokens states[i] allows next: one call into xgrammar for all of them."""
+        if rows:
+            self._owner.fill_rows([s._matcher for s in states], self.words, rows)
+            self.filled.extend(rows)
+
+    def to_device(self, device: torch.device) -> torch.Tensor:
+        """The words on the device (the buffer itself on the CPU; one non-blocking copy to a GPU, after which
+        the buffer is not refilled until the copy is done)."""
+        if device.type != "cuda":
+            return self.words
+        out = self.words.to(device, non_blocking=True)
+        self._owner.copied(self._slot)
+        return out
+
+    def ceilings(self, dtype: torch.dtype) -> torch.Tensor:
+        return self._owner.ceilings(dtype)
+
+
+class BitmaskBuffers:
+    """The host buffers a step's masks are filled into: two, used in turn, so that step N + 1 (prepared while
+    step N is in flight) never writes into the buffer step N's copy reads; a CUDA event recorded after each
+    copy is waited for (it has nearly always passed) before that buffer is filled again. One per engine."""
+
+    def __init__(self, vocab_size: int, device: torch.device, fill_threads: int | None = None) -> None:
+        import xgrammar as xgr
+        self._batch = xgr.BatchGrammarMatcher(fill_threads or FILL_THREADS)
+        self.words = bitmask_words(vocab_size)
+        self.device = device
+        self._buffers: list[torch.Tensor | None] = [None, None]
+        self._copied: list[torch.cuda.Event | None] = [None, None]
+        self._next = 0
+        self._ceilings: dict[torch.dtype, torch.Tensor] = {}    # the masked apply's table, by logits dtype
+
+    def for_step(self, num_rows: int) -> TokenBitmasks:
+        """The masks of a step with num_rows sampling rows, none filled yet."""
+        slot, self._next = self._next, 1 - self._next
+        if self._copied[slot] is not None:
+            self._copied[slot].synchronize()
+            self._copied[slot] = None
+        buf = self._buffers[slot]
+        if buf is None or buf.shape[0] < num_rows:
+            rows = max(64, 1 << (num_rows - 1).bit_length())
+            buf = torch.empty(rows, self.words, dtype=torch.int32, pin_memory=self.device.type == "cuda")
+            self._buffers[slot] = buf
+        return TokenBitmasks(buf[:num_rows], self, slot)
+
+    def fill_rows(self, matchers: list, words: torch.Tensor, rows: list[int]) -> None:
+        self._batch.batch_fill_next_token_bitmask(matchers, words, rows)
+
+    def ceilings(self, dtype: torch.dtype) -> torch.Tensor:
+        if dtype not in self._ceilings:
+            self._ceilings[dtype] = token_ceilings(dtype, self.device)
+        return self._ceilings[dtype]
+
+    def copied(self, slot: int) -> None:
+        event = torch.cuda.Event()
+        event.record()
+        self._copied[slot] = event
+
+
+def token_ceilings(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """[256, 8]: entry (b, k) is +inf if bit k of byte b is set, else -inf; min(logit, ceiling) masks."""
+    bits = (torch.arange(256, device=device)[:, None] >> torch.arange(8, device=device)) & 1
+    return torch.where(bits.bool(), float("inf"), float("-inf")).to(dtype)
+
+
+def mask_logits(logits: torch.Tensor, words: torch.Tensor, ceilings: torch.Tensor | None = None) -> torch.Tensor:
+    """logits [R, V] with every token the packed masks words [R, W] (int32) forbid at -inf, as a new tensor;
+    tokens past 32 W are forbidden. The words are read as little-endian bytes (token t is bit t % 8 of byte
+    t // 8), each byte looked up in `ceilings` (token_ceilings) and the logits clipped from above: one gather
+    and one minimum, with no [R, W, 32] intermediate. The reference, and the path on a GPU (float32 logits on
+    the CPU take kernels/cpu/token_mask.c)."""
+    assert sys.byteorder == "little"    # the hosts and GPUs we run on; the byte view relies on it
+    if ceilings is None or ceilings.dtype != logits.dtype or ceilings.device != logits.device:
+        ceilings = token_ceilings(logits.dtype, logits.device)
+    r, vocab = logits.shape
+    per_token = torch.nn.functional.embedding(words.contiguous().view(torch.uint8).long(), ceilings).view(r, -1)
+    if per_token.shape[1] < vocab:
+        per_token = torch.nn.functional.pad(per_token, (0, vocab - per_token.shape[1]), value=float("-inf"))
+    return torch.minimum(logits, per_token[:, :vocab])
+
+
+def apply_token_bitmasks(logits: torch.Tensor, masks: TokenBitmasks | None) -> torch.Tensor:
     """logits [B, V] -> `logits` itself if no row is constrained, else a copy with every token a row's
-    grammar forbids at -inf: one upload of the stacked bitmasks, one masked_fill on the device."""
-    constrained = [i for i, r in enumerate(rows) if r.token_bitmask is not None]
-    if not constrained:
+    grammar forbids at -inf: one upload of the step's mask buffer, one masked minimum on the device.
+    Out of place either way: the raw logits stay as they are (logprobs are read from them)."""
+    if masks is None or not masks.filled:
         return logits
-    dev = logits.device
-    packed = torch.stack([rows[i].token_bitmask for i in constrained])
-    if dev.type == "cuda":
-        packed = packed.pin_memory().to(dev, non_blocking=True)
-    allowed = unpack_bitmask(packed.to(dev), logits.shape[-1])
-    # Out of place either way: the raw logits stay as they are (logprobs are read from them).
-    if len(constrained) == len(rows):   # one pass over the logits, no copy first
-        return torch.where(allowed, logits, float("-inf"))
-    idx = torch.tensor(constrained, device=dev)
+    if token_mask.usable(logits):      # CPU, float32: one pass in C
+        word_row = [-1] * logits.shape[0]
+        for i in masks.filled:
+            word_row[i] = i
+        return token_mask.mask_logits(logits, masks.words, word_row)
+    words, ceilings = masks.to_device(logits.device), masks.ceilings(logits.dtype)
+    if len(masks.filled) == logits.shape[0]:
+        return mask_logits(logits, words, ceilings)
+    idx = torch.tensor(masks.filled, device="cpu")
+    idx = idx.pin_memory().to(logits.device, non_blocking=True) if logits.is_cuda else idx
     out = logits.clone()
-    out[idx] = out[idx].masked_fill(~allowed, float("-inf"))
+    out[idx] = mask_logits(logits[idx], words[idx], ceilings)
     return out
