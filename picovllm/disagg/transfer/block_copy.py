@@ -9,6 +9,7 @@ temporary.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 
@@ -70,11 +71,15 @@ def _reachable(src: torch.device, dst: torch.device) -> bool:
     enabled. torch enables it on a first copy between the two devices, so one one-element copy is made here; the
     staged index_select / copy / index_copy it replaces passed over the bytes three times (43% of NCCL's
     bandwidth between two H200s, BENCHMARKS.md)."""
-    if src == dst:
-        return True
+    return src == dst or _peer_access(src.index, dst.index)
+
+
+@functools.cache      # once a pair of devices: access, once enabled, lasts the process
+def _peer_access(src: int, dst: int) -> bool:
     if not torch.cuda.can_device_access_peer(dst, src):
         return False
     torch.empty(1, device=dst).copy_(torch.zeros(1, device=src))
+    torch.cuda.synchronize(dst)
     return True
 
 
