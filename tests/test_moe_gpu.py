@@ -9,9 +9,8 @@ dot products), and the model's prompt logprobs within 0.1 of HF fp32's on averag
 import pytest
 import torch
 
-from picovllm import LLM, SamplingParams
 from test_gemma_moe import build, prompts
-from test_parity_hf import hf_greedy
+from test_parity_hf import assert_gpu_bf16_near_hf, assert_gpu_fp32_matches_hf
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -51,29 +50,11 @@ def moe_models(tmp_path_factory):
 @pytest.mark.parametrize("case", ["qwen3_moe", "qwen3_moe_64", "mixtral"])
 def test_moe_model_fp32_matches_hf(moe_models, case):
     """CUDA graphs for the decode steps, Triton attention and experts, fp32: HF's greedy tokens and logprobs."""
-    ps = prompts()
-    ref, ref_lp = hf_greedy(moe_models[case], ps, 12)
-    llm = LLM(moe_models[case], dtype="float32", num_kv_blocks=128, block_size=16, max_num_batched_tokens=16)
-    outs = llm.generate(ps, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0), use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == ref
-    for o, lp in zip(outs, ref_lp):
-        assert [d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] == \
-            pytest.approx(lp, abs=5e-3)
+    assert_gpu_fp32_matches_hf(moe_models[case], prompts())
 
 
 @pytest.mark.parametrize("case", ["qwen3_moe", "mixtral"])
 def test_moe_model_bf16_near_hf(moe_models, case):
     """bf16 on the GPU against HF fp32 on the same weights: each prompt token's logprob (the model's prediction at
     every position, routing included)."""
-    from transformers import AutoModelForCausalLM
-    ps = [p for p in prompts(3) if len(p) > 1]
-    hf = AutoModelForCausalLM.from_pretrained(moe_models[case], dtype=torch.float32,
-                                              attn_implementation="eager").eval()
-    llm = LLM(moe_models[case], dtype="bfloat16", num_kv_blocks=128)
-    outs = llm.generate(ps, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0), use_tqdm=False)
-    errs = []
-    for p, o in zip(ps, outs):
-        with torch.no_grad():
-            ref = torch.log_softmax(hf(torch.tensor([p])).logits[0].double(), -1)
-        errs += [abs(d[t].logprob - ref[i, t].item()) for i, (d, t) in enumerate(zip(o.prompt_logprobs[1:], p[1:]))]
-    assert sum(errs) / len(errs) < 0.1, sum(errs) / len(errs)
+    assert_gpu_bf16_near_hf(moe_models[case], prompts(3))

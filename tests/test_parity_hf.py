@@ -27,6 +27,35 @@ def hf_greedy(path, prompts, max_new_tokens):
     return outs, logps
 
 
+def assert_gpu_fp32_matches_hf(path, prompts):
+    """On the GPU in fp32 (CUDA graphs for decode, the Triton kernels): HF's greedy tokens, and their logprobs
+    within 5e-3 (CUDA's summation orders)."""
+    ref, ref_lp = hf_greedy(path, prompts, 12)
+    llm = LLM(path, dtype="float32", num_kv_blocks=128, block_size=16, max_num_batched_tokens=16)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0),
+                        use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    for o, lp in zip(outs, ref_lp):
+        assert [d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] == \
+            pytest.approx(lp, abs=5e-3)
+
+
+def assert_gpu_bf16_near_hf(path, prompts):
+    """bf16 on the GPU against HF fp32 on the same weights: each prompt token's logprob (the model's prediction at
+    every position) within 0.1 of HF's on average."""
+    from transformers import AutoModelForCausalLM
+    ps = [p for p in prompts if len(p) > 1]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    llm = LLM(path, dtype="bfloat16", num_kv_blocks=128)
+    outs = llm.generate(ps, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+    errs = []
+    for p, o in zip(ps, outs):
+        with torch.no_grad():
+            ref = torch.log_softmax(hf(torch.tensor([p])).logits[0].double(), -1)
+        errs += [abs(d[t].logprob - ref[i, t].item()) for i, (d, t) in enumerate(zip(o.prompt_logprobs[1:], p[1:]))]
+    assert sum(errs) / len(errs) < 0.1, sum(errs) / len(errs)
+
+
 def make_prompts(n=8, seed=0, vocab=384):
     rng = random.Random(seed)
     lens = [1, 5, 16, 17, 31, 32, 47, 90][:n]

@@ -3,21 +3,15 @@
 Without CUDA the kernel runs under TRITON_INTERPRET=1 in float16 (the interpreter's tl.dot has no bfloat16); on a
 GPU compiled, in bfloat16 and float16.
 """
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-triton = pytest.importorskip("triton")
+from test_kernels import CUDA, INTERPRET       # sets TRITON_INTERPRET=1 without CUDA, before a kernel module loads
 
 from picovllm import kernels                                              # noqa: E402
 from picovllm.kernels.skinny_gemm import skinny_fits, skinny_linear       # noqa: E402
 from picovllm.layers.linear import RowParallelLinear                      # noqa: E402
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-CUDA = torch.cuda.is_available()
 CASES = [
     pytest.param("cpu", torch.float16, id="interp-fp16",
                  marks=pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1")),
