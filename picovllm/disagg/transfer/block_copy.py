@@ -68,7 +68,7 @@ def copy_blocks(src: torch.Tensor, dst: torch.Tensor, src_ids: list[int], dst_id
 
 def _reachable(src: torch.device, dst: torch.device) -> bool:
     """Whether a kernel on dst's GPU can read src's memory: the same GPU, or a peer (NVLink or PCIe P2P) with access
-    enabled. torch enables it on a first copy between the two devices, so one one-element copy is made here; the
+    enabled. torch enables it on a first copy between the two devices, so _peer_access makes one one-element copy; the
     staged index_select / copy / index_copy it replaces passed over the bytes three times (43% of NCCL's
     bandwidth between two H200s, BENCHMARKS.md)."""
     return src == dst or _peer_access(src.index, dst.index)
