@@ -1,5 +1,5 @@
-"""The dense families on the GPU (marked gpu; skipped without CUDA): Mistral and Phi-3 with and without a sliding window,
-Gemma 2 (soft-capping, sliding layers; head_dim 256 with one KV head too) and Gemma 3 (head_dim 80), each against HF
+"""The dense families on the GPU (marked gpu; skipped without CUDA): Mistral and Phi-3 with and without a sliding
+window, Gemma 2 (soft-capping, sliding layers; head_dim 256 with one KV head too) and Gemma 3 (head_dim 80), each against HF
 transformers on the same tiny random weights, as tests/test_moe_gpu.py does for the MoE families.
 
 Tolerances: fp32 (exact fp32 dot products in Triton, CUDA graphs for decode): HF's greedy tokens, logprobs within
