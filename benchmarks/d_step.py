@@ -60,6 +60,32 @@ def check(outputs) -> None:
             raise RuntimeError(f"request {out.request_id} failed: {out.error}")
 
 
+class GCTime:
+    """Time in Python's garbage collector while counting (gc.callbacks), and collections per generation."""
+
+    def __init__(self) -> None:
+        self.counting, self.seconds, self.collections, self._t0 = False, 0.0, [0, 0, 0], 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if not self.counting:
+            return
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._t0
+            self.collections[info["generation"]] += 1
+
+    def start(self) -> None:
+        self.counting, self.seconds, self.collections = True, 0.0, [0, 0, 0]
+
+    def stop(self) -> None:
+        self.counting = False
+
+
+GC_TIME = GCTime()
+
+
 def timed_steps(eng: Engine, steps: int) -> tuple[float, float]:
     """(ms per step, host µs per step outside Executor.resolve) over `steps` steps, every request decoding."""
     waited = [0.0]
@@ -75,13 +101,18 @@ def timed_steps(eng: Engine, steps: int) -> tuple[float, float]:
     eng.executor.resolve = timed_resolve
     try:
         sync(eng)
+        GC_TIME.start()
         t = time.perf_counter()
         for _ in range(steps):
             check(eng.step(unfinished_outputs=False))
         sync(eng)
         total = time.perf_counter() - t
     finally:
+        GC_TIME.stop()
         del eng.executor.resolve
+    print(json.dumps({"role": eng.config.role, "batch": len(eng.requests),
+                      "gc_us_per_step": round(GC_TIME.seconds / steps * 1e6, 1), "gc_collections": GC_TIME.collections,
+                      "gc_tracked": len(gc.get_objects()), "gc_frozen": gc.get_freeze_count()}), flush=True)
     return total / steps * 1e3, (total - waited[0]) / steps * 1e6
 
 
@@ -110,7 +141,14 @@ def step_until(steppers, ready, what: str, engines=()) -> None:
 def measure(eng: Engine, batch: int, args) -> tuple[float, float]:
     for _ in range(5):                    # the first steps at this batch size (graph replays warm up)
         check(eng.step(unfinished_outputs=False))
-    result = timed_steps(eng, args.steps)
+    if args.freeze:      # as the first engine of its own process, which freezes what exists once it has started
+        gc.collect()
+        gc.freeze()
+    try:
+        result = timed_steps(eng, args.steps)
+    finally:
+        if args.freeze:
+            gc.unfreeze()
     if not decoding(eng, batch):
         raise RuntimeError(f"requests finished or left while timed at batch {batch}: raise max_model_len")
     for rid in list(eng.requests):
@@ -216,6 +254,9 @@ def main() -> None:
     ap.add_argument("--overlap", choices=["auto", "on", "off"], default="auto",
                     help="overlapped scheduling (auto: on for GPUs, as the engine's default)")
     ap.add_argument("--threads", type=int, default=0, help="torch's CPU threads (0: torch's default)")
+    ap.add_argument("--freeze", action="store_true",
+                    help="move every object out of the garbage collector's reach before each engine's timed steps "
+                         "(gc.freeze), as the first engine of a process is when it runs alone there")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

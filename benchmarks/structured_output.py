@@ -83,7 +83,7 @@ def report(name: str, vocab: int, result: tuple[float, float, list[float]]) -> N
           f"({len(us)} tokens)")
 
 
-def throughput(batch: int, tokens: int) -> None:
+def throughput(batch: int, tokens: int, cprofile: bool = False) -> None:
     from picovllm import LLM, SamplingParams, StructuredOutputsParams
     llm = LLM()
     prompts = [f"Write item {i}:" for i in range(batch)]
@@ -97,6 +97,15 @@ def throughput(batch: int, tokens: int) -> None:
         dt = time.perf_counter() - t
         n = sum(len(o.outputs[0].token_ids) for o in outs)
         print(f"batch {batch}, {name:7s}: {n} tokens in {dt:.2f} s = {n / dt:.1f} tok/s")
+    if cprofile:        # where the host's time goes in a plain and a constrained run
+        import cProfile
+        import pstats
+        for name, extra in runs[1:3]:
+            sp = SamplingParams(temperature=1.0, seed=0, max_tokens=tokens, ignore_eos=True, **extra)
+            prof = cProfile.Profile()
+            prof.runcall(llm.generate, prompts, sp, use_tqdm=False)
+            print(f"== cProfile, {name}")
+            pstats.Stats(prof).sort_stats("tottime").print_stats(25)
 
 
 def host_profile(batch: int, tokens: int, overlap: bool, cprofile: bool, fill_threads: int | None) -> None:
@@ -144,7 +153,7 @@ def main() -> None:
     ap.add_argument("--throughput-only", action="store_true")
     ap.add_argument("--host-profile", action="store_true", help="host cost per constrained row (no forward)")
     ap.add_argument("--overlap", action="store_true", help="--host-profile under overlapped scheduling")
-    ap.add_argument("--cprofile", action="store_true", help="--host-profile: the constrained run's top functions")
+    ap.add_argument("--cprofile", action="store_true", help="the top functions of a constrained run (and, with --throughput-only, of a plain one)")
     ap.add_argument("--fill-threads", type=int, help="--host-profile: threads of xgrammar's batched mask fill")
     args = ap.parse_args()
     if args.host_profile:
@@ -158,7 +167,7 @@ def main() -> None:
             if not args.skip_llguidance:   # llguidance's compact JSON has no space after ':' and ','
                 compact = json.dumps(VALUE, separators=(",", ":"))
                 report("llguidance", vocab, llguidance_times(tok, vocab, tok.encode(compact, add_special_tokens=False)))
-    throughput(args.batch, args.tokens)
+    throughput(args.batch, args.tokens, args.cprofile)
 
 
 if __name__ == "__main__":
