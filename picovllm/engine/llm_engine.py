@@ -59,6 +59,9 @@ def role_connector(role: str) -> KVConnector | None:
     return PrefillConnector() if role == "p" else DecodeConnector()
 
 
+_gc_frozen = False      # the first Engine of this process has frozen what existed before it (Engine.__init__)
+
+
 class Engine:
     def __init__(self, config: EngineConfig, runner: ModelRunner | Executor | None = None,
                  connector: KVConnector | None = None) -> None:
@@ -69,8 +72,12 @@ class Engine:
         # imported that is some 200k, ~100 ms a pass, which stalled steady decoding every few seconds. The first
         # engine of a process moves what exists before it (the imports; garbage is collected first) out of the
         # collector's reach for good. Only the first: a later engine would freeze earlier engines still alive,
-        # which could then never be collected once dropped.
-        if not gc.get_freeze_count():
+        # which could then never be collected once dropped. A flag of ours, not gc.get_freeze_count(): an
+        # interpreter may freeze its own few hundred start-up objects (the GPU image does), which had made every
+        # engine there skip this, and one full collection over the ~200k cost a D engine 2 ms a step at batch 256.
+        global _gc_frozen
+        if not _gc_frozen:
+            _gc_frozen = True
             gc.collect()
             gc.freeze()
         source = open_model_source(config.model, config.disk_cache)

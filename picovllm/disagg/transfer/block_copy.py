@@ -62,8 +62,16 @@ def copy_blocks(src: torch.Tensor, dst: torch.Tensor, src_ids: list[int], dst_id
     grid = (len(src_ids), planes, triton.cdiv(block_numel, chunk))
     # another GPU's src: read over the peer link by dst's GPU, in one pass (the interpreter: CPU tensors)
     with torch.cuda.device(dst.device) if dst.is_cuda else contextlib.nullcontext():
-        _copy_blocks_kernel[grid](src, dst, ids[0], ids[1], src.shape[2] * block_numel, dst.shape[2] * block_numel,
-                                  block_numel, CHUNK=chunk)
+        try:
+            _copy_blocks_kernel[grid](src, dst, ids[0], ids[1], src.shape[2] * block_numel,
+                                      dst.shape[2] * block_numel, block_numel, CHUNK=chunk)
+        except ValueError:
+            # Triton checks each pointer from dst's GPU before the launch: memory another process mapped on a peer
+            # GPU may still be out of reach there. Such a pair takes the staged copy from now on.
+            if src.device == dst.device or not src.is_cuda:
+                raise
+            _unreachable.add((src.device, dst.device))
+            copy_blocks_reference(src, dst, src_ids, dst_ids)
 
 
 def _reachable(src: torch.device, dst: torch.device) -> bool:
@@ -71,15 +79,21 @@ def _reachable(src: torch.device, dst: torch.device) -> bool:
     enabled. torch enables it on a first copy between the two devices, so _peer_access makes one one-element copy; the
     staged index_select / copy / index_copy it replaces passed over the bytes three times (43% of NCCL's
     bandwidth between two H200s, BENCHMARKS.md)."""
-    return src == dst or _peer_access(src.index, dst.index)
+    return src == dst or ((src, dst) not in _unreachable and _peer_access(src.index, dst.index))
+
+
+_unreachable: set[tuple[torch.device, torch.device]] = set()   # peers whose memory a launch found out of reach
 
 
 @functools.cache      # once a pair of devices: access, once enabled, lasts the process
 def _peer_access(src: int, dst: int) -> bool:
     if not torch.cuda.can_device_access_peer(dst, src):
         return False
+    # a copy each way: which of the two GPUs torch enables for the other depends on the GPU it runs the copy on
     torch.empty(1, device=dst).copy_(torch.zeros(1, device=src))
+    torch.empty(1, device=src).copy_(torch.zeros(1, device=dst))
     torch.cuda.synchronize(dst)
+    torch.cuda.synchronize(src)
     return True
 
 
