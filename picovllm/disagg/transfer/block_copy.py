@@ -53,25 +53,53 @@ def copy_blocks(src: torch.Tensor, dst: torch.Tensor, src_ids: list[int], dst_id
         raise RuntimeError("copy_blocks(use_kernel=True) needs triton")
     if not (src.is_contiguous() and dst.is_contiguous()):
         raise ValueError("copy_blocks' kernel needs contiguous caches")
-    # through pinned memory: from pageable memory the driver may wait for the stream, and D's copy stream
-    # waits for the step in flight (cuda_ipc's PeerCopies.start), so every arrival would stall D's host
-    ids = to_device([src_ids, dst_ids], torch.int64, dst.device)
+    if src.device == dst.device or not dst.is_cuda:
+        return _kernel_copy(src, dst, src_ids, dst_ids, dst.device)
+    # another GPU's src: read over the peer link by dst's GPU in one pass; else written by src's GPU. Triton checks
+    # each pointer from the launching GPU first, and memory that another process mapped on a peer may be out of a
+    # kernel's reach there (cuda_ipc between processes); each pair keeps the first way that launches.
+    pair = (src.device, dst.device)
+    for on in _launch_on.get(pair, (dst.device, src.device)):
+        try:
+            _kernel_copy(src, dst, src_ids, dst_ids, on)
+        except ValueError:
+            continue
+        _launch_on[pair] = (on,)
+        return
+    _unreachable.add(pair)
+    copy_blocks_reference(src, dst, src_ids, dst_ids)
+
+
+def _kernel_copy(src: torch.Tensor, dst: torch.Tensor, src_ids: list[int], dst_ids: list[int],
+                 on: torch.device) -> None:
+    """The copy kernel on `on`'s GPU (dst's, or src's writing to its peer), ordered after dst's current stream's work
+    and before its later work. Raises ValueError (Triton's) if a cache is out of that GPU's reach."""
     block_numel = src[0, 0, 0].numel()
     planes = src.shape[0] * src.shape[1]
     chunk = min(4096, triton.next_power_of_2(block_numel))
     grid = (len(src_ids), planes, triton.cdiv(block_numel, chunk))
-    # another GPU's src: read over the peer link by dst's GPU, in one pass (the interpreter: CPU tensors)
-    with torch.cuda.device(dst.device) if dst.is_cuda else contextlib.nullcontext():
-        try:
-            _copy_blocks_kernel[grid](src, dst, ids[0], ids[1], src.shape[2] * block_numel,
-                                      dst.shape[2] * block_numel, block_numel, CHUNK=chunk)
-        except ValueError:
-            # Triton checks each pointer from dst's GPU before the launch: memory another process mapped on a peer
-            # GPU may still be out of reach there. Such a pair takes the staged copy from now on.
-            if src.device == dst.device or not src.is_cuda:
-                raise
-            _unreachable.add((src.device, dst.device))
-            copy_blocks_reference(src, dst, src_ids, dst_ids)
+    here = on == dst.device
+    stream = None if here else _push_stream(on)
+    if stream is not None:
+        stream.wait_stream(torch.cuda.current_stream(dst.device))
+    with contextlib.ExitStack() as ctx:
+        if on.type == "cuda":
+            ctx.enter_context(torch.cuda.device(on))
+        if stream is not None:
+            ctx.enter_context(torch.cuda.stream(stream))
+        # through pinned memory: from pageable memory the driver may wait for the stream, and D's copy stream
+        # waits for the step in flight (cuda_ipc's PeerCopies.start), so every arrival would stall D's host
+        ids = to_device([src_ids, dst_ids], torch.int64, on)
+        _copy_blocks_kernel[grid](src, dst, ids[0], ids[1], src.shape[2] * block_numel, dst.shape[2] * block_numel,
+                                  block_numel, CHUNK=chunk)
+    if stream is not None:
+        torch.cuda.current_stream(dst.device).wait_stream(stream)
+
+
+@functools.cache
+def _push_stream(device: torch.device) -> torch.cuda.Stream:
+    """A stream on src's GPU for copies it writes into a peer's cache."""
+    return torch.cuda.Stream(device)
 
 
 def _reachable(src: torch.device, dst: torch.device) -> bool:
@@ -82,7 +110,8 @@ def _reachable(src: torch.device, dst: torch.device) -> bool:
     return src == dst or ((src, dst) not in _unreachable and _peer_access(src.index, dst.index))
 
 
-_unreachable: set[tuple[torch.device, torch.device]] = set()   # peers whose memory a launch found out of reach
+_unreachable: set[tuple[torch.device, torch.device]] = set()   # (src, dst) pairs no copy kernel could reach
+_launch_on: dict[tuple[torch.device, torch.device], tuple[torch.device, ...]] = {}   # (src, dst): the GPU that launches
 
 
 @functools.cache      # once a pair of devices: access, once enabled, lasts the process
