@@ -46,15 +46,6 @@ def fill_pattern(cache: torch.Tensor) -> None:
     cache.copy_(values.view(cache.shape[0], 2, n, 1, 1, 1).expand(cache.shape).to(cache.dtype))
 
 
-def backend_name(backend: str) -> str:
-    """`nixl:N` is nixl with its pulls split into N READs (picovllm.disagg.transfer.nixl.READ_PARTS)."""
-    name, _, parts = backend.partition(":")
-    if parts:
-        from picovllm.disagg.transfer import nixl
-        nixl.READ_PARTS = int(parts)
-    return name
-
-
 def config(backend: str):
     from picovllm.disagg.auth import FleetSecret
     from picovllm.disagg.transfer import PullConfig
@@ -67,7 +58,7 @@ def prefill_side(args, backend: str, handles: mp.Queue, done: mp.Queue) -> None:
     num_blocks = -(-max(args.lengths) // args.block_size)
     layout, cache = layout_and_cache(args, args.device, num_blocks)
     fill_pattern(cache)
-    t = make_pull_transfer("p", cache, layout, config(backend_name(backend)))
+    t = make_pull_transfer("p", cache, layout, config(backend))
     for n in args.lengths:
         blocks = list(range(-(-n // args.block_size)))
         for r in range(args.repeats):
@@ -85,7 +76,7 @@ def decode_side(args, backend: str, handles: mp.Queue, done: mp.Queue, results: 
     from picovllm.disagg.transfer import make_pull_transfer
     num_blocks = -(-max(args.lengths) // args.block_size)
     layout, cache = layout_and_cache(args, args.decode_device or args.device, num_blocks)
-    t = make_pull_transfer("d", cache, layout, config(backend_name(backend)))
+    t = make_pull_transfer("d", cache, layout, config(backend))
     times: dict[int, list[float]] = {}
     while (wire := handles.get()) is not None:
         handle = from_wire(wire, KVHandle)
@@ -160,8 +151,7 @@ def run_backend(args, backend: str, per_token: int) -> dict[int, float]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backends", nargs="+", default=["send_recv", "tcp", "nixl"],
-                   help="send_recv (torch.distributed, the reference) and PullTransfer backends (tcp, nixl, cuda_ipc); "
-                        "nixl:N splits each pull into N READs")
+                   help="send_recv (torch.distributed, the reference) and PullTransfer backends (tcp, nixl, cuda_ipc)")
     p.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=None,
                    help="prompt lengths in tokens, comma-separated (default 1024,4096,16384; --tiny 64,256,1024)")
     p.add_argument("--tiny", action="store_true", help="a small layout (2 layers, 2 KV heads of 16) and short prompts: "
@@ -181,8 +171,7 @@ def main() -> None:
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
-    unknown = {b for b in args.backends if b.partition(":")[0] not in {"send_recv", "tcp", "nixl", "cuda_ipc"}
-               or b.partition(":")[2] and not (b.startswith("nixl:") and b[5:].isdigit() and int(b[5:]) > 0)}
+    unknown = set(args.backends) - {"send_recv", "tcp", "nixl", "cuda_ipc"}
     if unknown:
         raise SystemExit(f"error: --backends: unknown {sorted(unknown)} (send_recv, tcp, nixl, cuda_ipc)")
     per_token = 2 * args.layers * args.kv_heads * args.head_dim * torch.empty(0, dtype=getattr(torch, args.dtype)).element_size()

@@ -5,9 +5,8 @@ The bytes move by NIXL; everything else rides on the tcp backend's authenticated
 (picovllm.disagg.transfer.control_plane, composed here, not subclassed): claims, releases, leases, and
 the fleet's HMAC handshake on every socket. P registers its whole cache with its NIXL agent once;
 a handle carries the agent's metadata and the cache's base address (handle.info), so a D that sees
-a P for the first time adds it as a remote agent and from then on a pull is READ_PARTS NIXL READs of
-num_layers * 2 descriptors per run of consecutive blocks between them, posted on the engine thread and polled
-to completion.
+a P for the first time adds it as a remote agent and from then on a pull is one NIXL READ of
+num_layers * 2 descriptors per block, posted on the engine thread and polled to completion.
 
 Security: the control plane and the router's calls are authenticated; UCX's data plane is not (a
 peer that sniffed a handle's metadata off the network could read P's registered cache): keep the
@@ -28,10 +27,6 @@ from picovllm.disagg.transfer.base import PullTransfer, TransferDone
 from picovllm.disagg.transfer.control_plane import TcpControlPlane
 
 NIXL_MODULES = ("nixl_cu12", "nixl_cu13", "nixl")
-# A pull's descriptors split among this many READs, posted together: UCX runs the copies of one READ in turn, so
-# a lone READ between two GPUs moves at one copy engine's rate (45% of NCCL's send/recv between two H200s at 16k
-# tokens, BENCHMARKS.md); benchmarks/fleet_pull.py's `nixl:N` backends sweep it.
-READ_PARTS = 4
 
 
 def import_nixl():
@@ -60,7 +55,7 @@ def block_runs(src_ids: list[int], dst_ids: list[int]) -> tuple[np.ndarray, np.n
 @dataclass
 class _Read:
     handle: KVHandle
-    xfers: list[Any]               # the NIXL transfer handles (READ_PARTS of them)
+    xfer: Any                      # the NIXL transfer handle
     started: float
 
 
@@ -108,20 +103,18 @@ class NixlTransfer(PullTransfer):
         src = self._descs(info["base"], handle.layout.num_blocks, handle.block_ids, starts, runs,
                           info.get("device_id", 0))
         dst = self._descs(self.cache.data_ptr(), self.cache.shape[2], dst_block_ids, starts, runs, self.device_id)
+        remote_side = self.agent.get_xfer_descs(src, info["mem"])
+        local_side = self.agent.get_xfer_descs(dst, self.mem)
         if self.cache.is_cuda:     # blocks just allocated may be read by kernels still queued
             torch.cuda.current_stream(self.cache.device).synchronize()
-        read = _Read(handle, [], time.monotonic())
-        for src_part, dst_part in zip(np.array_split(src, READ_PARTS), np.array_split(dst, READ_PARTS)):
-            if not len(src_part):
-                continue
-            xfer = self.agent.initialize_xfer("READ", self.agent.get_xfer_descs(dst_part, self.mem),
-                                              self.agent.get_xfer_descs(src_part, info["mem"]), remote)
-            read.xfers.append(xfer)
-            if self.agent.transfer(xfer) == "ERR":
-                self._finish(read)
-                self._failed.append(TransferDone(handle.request_id, "NIXL could not post the READ from prefill "
-                                                                    f"instance {handle.instance_id}"))
-                return
+        xfer = self.agent.initialize_xfer("READ", local_side, remote_side, remote)
+        state = self.agent.transfer(xfer)
+        read = _Read(handle, xfer, time.monotonic())
+        if state == "ERR":
+            self._finish(read)
+            self._failed.append(TransferDone(handle.request_id, "NIXL could not post the READ from prefill "
+                                                                f"instance {handle.instance_id}"))
+            return
         self._reads[handle.request_id] = read
 
     def _descs(self, base: int, num_blocks: int, block_ids: list[int], starts: np.ndarray, runs: np.ndarray,
@@ -156,8 +149,7 @@ class NixlTransfer(PullTransfer):
             out.append(done)
         now = time.monotonic()
         for rid, read in list(self._reads.items()):
-            states = [self.agent.check_xfer_state(x) for x in read.xfers]
-            state = "ERR" if "ERR" in states else "PROC" if "PROC" in states else "DONE"
+            state = self.agent.check_xfer_state(read.xfer)
             if now - read.started <= self.config.timeout_s and (
                     state == "PROC" or state == "DONE" and not self.control.granted(rid)):
                 continue          # done only once P granted the claim: the blocks held the KV throughout
@@ -174,11 +166,10 @@ class NixlTransfer(PullTransfer):
         return out
 
     def _finish(self, read: _Read) -> None:
-        for xfer in read.xfers:
-            try:
-                self.agent.release_xfer_handle(xfer)
-            except Exception:   # noqa: BLE001 - a READ that cannot be cancelled keeps its handle (NIXL logs it)
-                pass
+        try:
+            self.agent.release_xfer_handle(read.xfer)
+        except Exception:   # noqa: BLE001 - a READ that cannot be cancelled keeps its handle (NIXL logs it)
+            pass
 
     def close(self) -> None:
         self.control.close()
