@@ -83,8 +83,11 @@ def report(name: str, vocab: int, result: tuple[float, float, list[float]]) -> N
           f"({len(us)} tokens)")
 
 
-def throughput(batch: int, tokens: int, cprofile: bool = False) -> None:
+def throughput(batch: int, tokens: int, cprofile: bool = False, fill_threads: int | None = None) -> None:
     from picovllm import LLM, SamplingParams, StructuredOutputsParams
+    from picovllm.layers import structured_output
+    if fill_threads is not None:
+        structured_output.FILL_THREADS = fill_threads    # read when the engine builds its mask buffers
     llm = LLM()
     prompts = [f"Write item {i}:" for i in range(batch)]
     # regex of `tokens` tokens at least: both runs decode exactly `tokens` tokens per request
@@ -114,7 +117,7 @@ def host_profile(batch: int, tokens: int, overlap: bool, cprofile: bool, fill_th
     import torch
     from picovllm import LLM, SamplingParams, StructuredOutputsParams
     from picovllm.layers import structured_output
-    if fill_threads is not None and hasattr(structured_output, "FILL_THREADS"):
+    if fill_threads is not None:
         structured_output.FILL_THREADS = fill_threads    # read when the engine builds its mask buffers
     llm = LLM(async_scheduling=overlap)
     runner = llm.engine.runner
@@ -154,7 +157,7 @@ def main() -> None:
     ap.add_argument("--host-profile", action="store_true", help="host cost per constrained row (no forward)")
     ap.add_argument("--overlap", action="store_true", help="--host-profile under overlapped scheduling")
     ap.add_argument("--cprofile", action="store_true", help="the top functions of a constrained run (and, with --throughput-only, of a plain one)")
-    ap.add_argument("--fill-threads", type=int, help="--host-profile: threads of xgrammar's batched mask fill")
+    ap.add_argument("--fill-threads", type=int, help="threads of xgrammar's batched mask fill (default: the engine's choice)")
     args = ap.parse_args()
     if args.host_profile:
         return host_profile(args.batch, args.tokens, args.overlap, args.cprofile, args.fill_threads)
@@ -167,7 +170,7 @@ def main() -> None:
             if not args.skip_llguidance:   # llguidance's compact JSON has no space after ':' and ','
                 compact = json.dumps(VALUE, separators=(",", ":"))
                 report("llguidance", vocab, llguidance_times(tok, vocab, tok.encode(compact, add_special_tokens=False)))
-    throughput(args.batch, args.tokens, args.cprofile)
+    throughput(args.batch, args.tokens, args.cprofile, args.fill_threads)
 
 
 if __name__ == "__main__":

@@ -282,8 +282,9 @@ def test_tensor_parallel_matches_one_rank(chat_model, one_thread_in_children):
     prompts = ["Pick:", "Choose one of them", "Which?"] * 2
     params = [so_params(0.0, 0, choice=["alpha", "beta", "gamma"])] * 3 + [so_params(0.0, 0, regex=r"[a-e]{2,4}-\d")] * 3
     runs = []
+    device = "cpu" if torch.cuda.device_count() == 1 else "auto"     # TP=2 on one GPU: both ranks on the CPU
     for tp in (1, 2):   # greedy: TP's all-reduce may move logits by rounding, not their order here
-        with LLM(chat_model, tensor_parallel_size=tp, num_kv_blocks=64) as llm:
+        with LLM(chat_model, tensor_parallel_size=tp, num_kv_blocks=64, device=device) as llm:
             runs.append([o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)])
     assert runs[0] == runs[1]
     assert all(t in ("alpha", "beta", "gamma") for t in runs[1][:3])
