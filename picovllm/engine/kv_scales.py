@@ -6,7 +6,8 @@ layer and KV head, for K and for V apart.
 
 How the scales are obtained: a calibration at load. The model runs one forward in its own dtype over a fixed
 built-in English text (CALIBRATION_TEXT; token ids from a fixed generator when the model has no tokenizer), and
-each layer records the largest |K| and |V| of each KV head (K after its norm and rotary, as the cache holds it).
+each layer records the largest |K| and |V| of each KV head (K after its norm and rotary, both times the layer's
+kv_rotation: as the cache holds them).
 scale = 2 ** ceil(log2(HEADROOM * amax / 448)): the largest representable value is 2-4x the calibrated amax
 (headroom for texts that excite a head more than this one; beyond it values clamp at ±448 * scale), and a power
 of two makes x / scale and x8 * scale exact, so the only error is fp8's own rounding (3 mantissa bits), the
@@ -25,7 +26,7 @@ import math
 import torch
 
 from picovllm.layers.attention import (FP8_DTYPE, FP8_MAX, AttentionBackend, AttentionMetadata,  # noqa: F401
-                                       TorchAttentionBackend, dequantize, quantize)
+                                       TorchAttentionBackend, dequantize, kv_rotation, quantize)
 
 HEADROOM = 2.0
 CALIBRATION_TOKENS = 256
@@ -119,6 +120,9 @@ def bind_calibrated(model: torch.nn.Module, source, tp, device: torch.device) ->
                          f"Ada, Hopper), this one is {torch.cuda.get_device_name(device)}")
     ids = calibration_ids(source.load_tokenizer, source.config.vocab_size)
     ids = ids[:source.config.max_position_embeddings]      # positions within the rotary table
+    dtype = next(model.parameters()).dtype
+    for a in model.attention_layers():      # first: the calibration sees K and V as the cache will hold them
+        a.kv_rotation = kv_rotation(a.head_dim, dtype, device)
     k, v = calibrate(model, ids, device)
     for i, a in enumerate(model.attention_layers()):
         a.kv_scales = (k[i].contiguous(), v[i].contiguous())
