@@ -199,7 +199,7 @@ def kv_rotation(head_dim: int, dtype: torch.dtype, device: torch.device | str) -
     outlier channels spread over all of them, so e4m3's relative rounding no longer falls mostly on the channels
     that carry the scores. (q R)(k R)^T = q k^T and (sum p v R) R = sum p v, so attention is unchanged apart from
     the rounding (Attention.forward). Default model, 6,039 tokens, float32 weights: fp8 KV's perplexity +1.39%
-    over float KV without the rotation, +0.50% with it (BENCHMARKS.md)."""
+    over float KV without the rotation, +0.40% with it (BENCHMARKS.md)."""
     n = head_dim & -head_dim
     h = torch.ones(1, 1, dtype=torch.float64)
     while h.shape[0] < n:
