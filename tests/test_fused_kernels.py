@@ -1,6 +1,7 @@
 """The fused Triton kernels of a decoder layer against float64 references computed here (not the layers' own
 torch code): residual add + RMSNorm in one pass, and q/k RMSNorm + rotary straight from the QKV projection's
-output; then a tiny Qwen3 run through them (interpreted on the CPU) against HF transformers.
+output; the KV store fused into the latter against the two launches it replaces (rope_qkv, then store_kv) and the
+torch references; then a tiny Qwen3 run through them (interpreted on the CPU) against HF transformers.
 
 Without CUDA the kernels run under TRITON_INTERPRET=1 (set before any kernel module is imported)."""
 import os
@@ -16,6 +17,9 @@ triton = pytest.importorskip("triton")
 from picovllm import kernels                             # noqa: E402
 from picovllm.kernels import rotary                       # noqa: E402
 from picovllm.kernels.rmsnorm import rms_norm             # noqa: E402
+from picovllm.kernels.store_kv import store_kv            # noqa: E402
+from picovllm.layers.attention import KVWrite             # noqa: E402
+from picovllm.layers.attention import store_kv as store_kv_ref   # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 CUDA = torch.cuda.is_available()
@@ -88,6 +92,78 @@ def test_rope_qkv_from_the_projection_output(device, dtype, tol, qk_norm, hq, hk
     assert torch.equal(v.cpu(), heads[:, hq + hk:])
 
 
+FUSED_CASES = [   # (device, dtype): bitwise comparisons, so bf16 on the interpreter too
+    pytest.param("cpu", torch.float32, id="interp-fp32",
+                 marks=pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1")),
+    pytest.param("cpu", torch.bfloat16, id="interp-bf16",
+                 marks=pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1")),
+    pytest.param("cuda", torch.bfloat16, id="gpu-bf16",
+                 marks=[pytest.mark.gpu, pytest.mark.skipif(not CUDA or INTERPRET, reason="needs CUDA")]),
+    pytest.param("cuda", torch.float32, id="gpu-fp32",
+                 marks=[pytest.mark.gpu, pytest.mark.skipif(not CUDA or INTERPRET, reason="needs CUDA")]),
+]
+
+
+@pytest.mark.parametrize("device,dtype", FUSED_CASES)
+@pytest.mark.parametrize("fp8", [False, True], ids=["cache-dtype", "cache-fp8"])
+@pytest.mark.parametrize("qk_norm", [False, True])
+@pytest.mark.parametrize("hq,hk,d", [(4, 1, 64), (4, 2, 128), (8, 8, 64), (2, 1, 256)])
+def test_rope_qkv_stores_kv_as_store_kv_would(device, dtype, fp8, qk_norm, hq, hk, d):
+    """rope_qkv given a KVWrite: q and k as without it, and caches byte for byte what store_kv (the Triton kernel
+    and the torch reference) writes from rope_qkv's k and v; padding slots (-1) leave the cache untouched; qkv rows
+    strided; fp8 with a per-head power-of-two scale small enough that some values clamp."""
+    from picovllm.layers.rotary import RotaryEmbedding
+    g = torch.Generator().manual_seed(hq * 1000 + hk * 100 + d + 2 * qk_norm + fp8)
+    t, width, block_size, num_blocks = 6, (hq + 2 * hk) * d, 4, 5
+    wide = (torch.randn(t, width + 16, generator=g) * 4).to(dtype).to(device)
+    qkv = wide[:, 8:8 + width]                       # rows of stride width + 16
+    pos = torch.tensor([0, 1, 5, 17, 40, 63], device=device)
+    slots = torch.tensor([6, -1, 13, 0, -1, 19], device=device)   # shuffled, across blocks, two padding rows
+    qw, kw = ((1 + 0.3 * torch.randn(d, generator=g)).to(dtype).to(device) if qk_norm else None for _ in range(2))
+    cos_sin = RotaryEmbedding(d, 64, 10000.0).cos_sin.to(device)
+    cache_dtype = torch.float8_e4m3fn if fp8 else dtype
+    # a sentinel in every untouched slot: what a padding row must leave as it is
+    blank = torch.full((num_blocks, block_size, hk, d), 3.0).to(cache_dtype).to(device)
+    scales = tuple(torch.pow(2.0, torch.randint(-9, -5, (hk,), generator=g)).float().to(device)
+                   for _ in range(2)) if fp8 else None
+    if fp8:
+        scales[0][0] = 2.0 ** -9                     # small enough that some of head 0's keys clamp
+    caches = [blank.clone() for _ in range(6)]       # fused, two-kernel, torch reference: (k, v) each
+    eps = 1e-6
+    q, k, v = rotary.rope_qkv(pos, qkv, hq, hk, cos_sin, qw, kw, eps, KVWrite(*caches[:2], slots, scales))
+    q2, k2, v2 = rotary.rope_qkv(pos, qkv, hq, hk, cos_sin, qw, kw, eps)
+    store_kv(k2, v2, *caches[2:4], slots, scales)
+    real = [0, 2, 3, 5]                              # the torch reference knows no padding rows
+    store_kv_ref(k2[real], v2[real], *caches[4:6], slots[real], scales)
+    assert torch.equal(q, q2) and torch.equal(k, k2) and torch.equal(v, v2)
+    as_bytes = (lambda c: c.view(torch.uint8)) if fp8 else (lambda c: c)   # noqa: E731
+    fused, two, ref = [tuple(as_bytes(c).cpu() for c in caches[i:i + 2]) for i in (0, 2, 4)]
+    for got, want, oracle in zip(fused, two, ref):
+        assert torch.equal(got, want) and torch.equal(got, oracle)
+    if fp8:
+        assert (k.float().abs() / scales[0][:, None] > 448).any(), "some keys were meant to clamp"
+    else:   # the rows stored are k and v themselves
+        kc = caches[0].view(-1, hk, d)
+        assert torch.equal(kc[slots[real]], k[real])
+    untouched = torch.ones(num_blocks * block_size, dtype=torch.bool)
+    untouched[slots[slots >= 0].cpu()] = False
+    assert torch.equal(as_bytes(caches[1]).cpu().view(-1, hk, d)[untouched],
+                       as_bytes(blank).cpu().view(-1, hk, d)[untouched])
+
+
+def test_rope_qkv_refuses_a_cache_it_cannot_write():
+    cos_sin = torch.zeros(8, 16)
+    qkv, pos, slots = torch.zeros(2, 4 * 16), torch.zeros(2, dtype=torch.long), torch.zeros(2, dtype=torch.long)
+    cache = torch.zeros(3, 4, 1, 16)
+    with pytest.raises(ValueError, match="kv_scales given"):
+        rotary.rope_qkv(pos, qkv, 2, 1, cos_sin, kv_write=KVWrite(cache, cache, slots, (torch.ones(1),) * 2))
+    fp8 = cache.to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="kv_scales missing"):
+        rotary.rope_qkv(pos, qkv, 2, 1, cos_sin, kv_write=KVWrite(fp8, fp8, slots, None))
+    with pytest.raises(ValueError, match="caches"):
+        rotary.rope_qkv(pos, qkv, 2, 1, cos_sin, kv_write=KVWrite(torch.zeros(3, 4, 2, 8), cache, slots, None))
+
+
 def _hf_greedy(path, prompts, n):
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -109,11 +185,59 @@ def test_tiny_qwen3_through_the_fused_kernels_matches_hf(tiny_models, monkeypatc
     calls = []
     real = rotary.rope_qkv
     monkeypatch.setattr(kernels, "use_triton", lambda x: True)
-    monkeypatch.setattr(rotary, "rope_qkv", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    monkeypatch.setattr(rotary, "rope_qkv", lambda *a, **k: (calls.append(a[8] is not None), real(*a, **k))[1])
     rng = random.Random(3)
     prompts = [[rng.randrange(384) for _ in range(n)] for n in (4, 13)]
     llm = LLM(tiny_models["qwen3"], device="cpu", attention_backend="triton", block_size=8, num_kv_blocks=16,
               max_num_batched_tokens=8)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
-    assert calls, "the model was meant to run rope_qkv"
+    assert calls and all(calls), "the model was meant to run rope_qkv, storing K/V in it"
     assert [o.outputs[0].token_ids for o in outs] == _hf_greedy(tiny_models["qwen3"], prompts, 4)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1")
+def test_engine_with_the_store_in_rope_equals_the_separate_store(tiny_models, monkeypatch):
+    """A tiny Qwen3 (q/k norm) on its CUDA path, interpreted: K/V stored by rope_qkv give the tokens and the very
+    cache bytes of the separate store_kv launch (the backend made to refuse pre-stored K/V)."""
+    from picovllm import LLM, SamplingParams
+    from picovllm.kernels.backend import TritonAttentionBackend
+    monkeypatch.setattr(kernels, "use_triton", lambda x: True)
+    real = rotary.rope_qkv
+    rng = random.Random(5)
+    prompts = [[rng.randrange(384) for _ in range(n)] for n in (3, 10)]
+    runs = []
+    for fused in (True, False):
+        monkeypatch.setattr(TritonAttentionBackend, "accepts_stored_kv", fused)
+        llm = LLM(tiny_models["qwen3"], device="cpu", attention_backend="triton", block_size=8, num_kv_blocks=8,
+                  max_num_batched_tokens=8, enable_prefix_caching=False)
+        calls = []
+        monkeypatch.setattr(rotary, "rope_qkv", lambda *a, **k: (calls.append(a[8] is not None), real(*a, **k))[1])
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False)
+        assert calls and all(c == fused for c in calls)
+        cache = llm.engine.runner.kv_cache
+        runs.append(([o.outputs[0].token_ids for o in outs], cache.view(torch.uint8).clone()))
+        assert cache.flatten().ne(0).any(), "the cache was meant to be written"
+        llm.shutdown()
+    assert runs[0][0] == runs[1][0]
+    assert torch.equal(runs[0][1], runs[1][1])
+
+
+def test_kv_write_only_where_the_backend_takes_it_and_the_cache_is_not_rotated():
+    """Attention.kv_write: the Triton backend with a bound cache gets K/V stored by rope_qkv; not the torch
+    reference backend, not before a cache is bound, and not an fp8 cache holding K and V times kv_rotation
+    (applied after rope_qkv, in Attention.forward): those store in the backend."""
+    from types import SimpleNamespace
+    from picovllm.kernels.backend import TritonAttentionBackend
+    from picovllm.layers.attention import Attention, kv_rotation
+    a = Attention(4, 2, 16)
+    meta = SimpleNamespace(slot_mapping=torch.zeros(3, dtype=torch.long))
+    cache = torch.zeros(2, 4, 2, 16)
+    a.k_cache = a.v_cache = cache
+    assert a.kv_write(meta) is None, "the torch reference backend stores K/V itself"
+    a.backend = TritonAttentionBackend()
+    w = a.kv_write(meta)
+    assert w is not None and w.k_cache is cache and w.slot_mapping is meta.slot_mapping and w.kv_scales is None
+    a.kv_rotation = kv_rotation(16, torch.float32, "cpu")
+    assert a.kv_write(meta) is None
+    a.kv_rotation, a.k_cache = None, None
+    assert a.kv_write(meta) is None

@@ -18,11 +18,13 @@ class TritonAttentionBackend(AttentionBackend):
     Decode launches depend on the batch size alone, so decode steps can be CUDA-graph captured."""
 
     supports_cuda_graphs = True
+    accepts_stored_kv = True      # the model's rope_qkv stores K/V in its own launch (kernels/rotary.py)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int | None = None,
-                softcap: float | None = None, kv_scales=None) -> torch.Tensor:
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping, kv_scales)
+                softcap: float | None = None, kv_scales=None, kv_stored: bool = False) -> torch.Tensor:
+        if not kv_stored:
+            store_kv(k, v, k_cache, v_cache, meta.slot_mapping, kv_scales)
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -38,15 +39,21 @@ class AttentionMetadata:
 
 
 class AttentionBackend(ABC):
-    """Computes attention for one layer. Called once per layer per step by Attention.forward."""
+    """Computes attention for one layer. Called once per layer per step by Attention.forward.
+    accepts_stored_kv: forward may be told that the caller has stored k, v in the cache already (kv_stored), in
+    the kernel that computed them (kernels.rotary.rope_qkv); a backend that leaves it False always stores them."""
+
+    accepts_stored_kv: bool = False
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int | None = None,
-                softcap: float | None = None, kv_scales: KVScales | None = None) -> torch.Tensor:
+                softcap: float | None = None, kv_scales: KVScales | None = None,
+                kv_stored: bool = False) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hkv, D]; caches: [num_blocks, block_size, Hkv, D].
 
-        Must first store k, v at meta.slot_mapping, then return [T, Hq, D] where token t of
+        Must first store k, v at meta.slot_mapping (unless kv_stored: the caller has, with store_kv's
+        result; only ever passed where accepts_stored_kv), then return [T, Hq, D] where token t of
         sequence s, at position p = seq_lens[s] - query_len[s] + t, attends causally to positions
         0 .. p, or with a sliding window to the last `window` of them (p - window + 1 .. p, as HF's).
         softcap: scores become softcap * tanh(scores / softcap) before the softmax (Gemma 2).
@@ -58,6 +65,16 @@ class AttentionBackend(ABC):
 
 
 KVScales = tuple[torch.Tensor, torch.Tensor]    # (k_scale, v_scale) of one layer, [Hkv] float32 each
+
+
+class KVWrite(NamedTuple):
+    """Where a kernel that computes a step's K/V may store them itself, as store_kv below would."""
+    k_cache: torch.Tensor               # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor
+    slot_mapping: torch.Tensor          # [T] int64; -1: a padding row, not stored
+    kv_scales: KVScales | None          # given exactly when the caches are fp8
+
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0                                 # e4m3fn's largest finite value
 
@@ -226,11 +243,24 @@ class Attention(nn.Module):
         self.kv_rotation: torch.Tensor | None = None
         self.backend: AttentionBackend = TorchAttentionBackend()
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def kv_write(self, meta: AttentionMetadata) -> KVWrite | None:
+        """Where the kernel that computes this step's K/V may store them (then forward(..., kv_stored=True)), or
+        None: the backend stores them (it cannot skip its store, no cache is bound, or the cache holds K and V
+        times kv_rotation, which forward applies after that kernel)."""
+        if not self.backend.accepts_stored_kv or self.k_cache is None or self.kv_rotation is not None:
+            return None
+        return KVWrite(self.k_cache, self.v_cache, meta.slot_mapping, self.kv_scales)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+                kv_stored: bool = False) -> torch.Tensor:
+        """kv_stored: k, v are in the cache already, written where kv_write(meta) said (never with a rotation)."""
         r = self.kv_rotation
-        if r is None:
+        if r is not None:
+            out = self.backend.forward(q @ r, k @ r, v @ r, self.k_cache, self.v_cache, meta, self.scale,
+                                       self.sliding_window, self.softcap, self.kv_scales)
+            return out @ r
+        if kv_stored:   # only then is the keyword passed: a backend that cannot skip its store need not take it
             return self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.sliding_window,
-                                        self.softcap, self.kv_scales)
-        out = self.backend.forward(q @ r, k @ r, v @ r, self.k_cache, self.v_cache, meta, self.scale,
-                                   self.sliding_window, self.softcap, self.kv_scales)
-        return out @ r
+                                        self.softcap, self.kv_scales, kv_stored=True)
+        return self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.sliding_window,
+                                    self.softcap, self.kv_scales)

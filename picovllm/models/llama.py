@@ -49,11 +49,13 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(x)
         if kernels.use_triton(qkv):   # q/k norm and rotary in one Triton pass over qkv (same math as the branch below)
             norm = self.q_norm is not None
+            kv_write = self.attn.kv_write(meta)   # where the backend allows: the KV store in the same pass
             q, k, v = _triton_rotary().rope_qkv(positions, qkv, self.num_heads, self.num_kv_heads, self.rotary.cos_sin,
                                                 self.q_norm.weight if norm else None,
                                                 self.k_norm.weight if norm else None,
-                                                self.q_norm.eps if norm else 0.0)
-            return self.o_proj(self.attn(q, k, v, meta).flatten(1))   # v: a strided view; the KV store takes it
+                                                self.q_norm.eps if norm else 0.0, kv_write)
+            o = self.attn(q, k, v, meta, kv_stored=kv_write is not None)   # v: a strided view; a KV store takes it
+            return self.o_proj(o.flatten(1))
         d = self.head_dim
         q, k, v = qkv.split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
         q, k, v = q.view(-1, self.num_heads, d), k.view(-1, self.num_kv_heads, d), v.view(-1, self.num_kv_heads, d)
