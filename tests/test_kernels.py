@@ -405,6 +405,65 @@ def test_gumbel_sample_greedy_rows_and_seeds(device, dtype, tol):
     assert other.tolist() != out.tolist()
 
 
+ARGMAX_CASES = [   # exact comparisons: every logits dtype on the interpreter too
+    pytest.param("cpu", dt, id=f"interp-{str(dt)[6:]}",
+                 marks=pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1"))
+    for dt in (torch.float32, torch.bfloat16, torch.float16)] + [
+    pytest.param("cuda", dt, id=f"gpu-{str(dt)[6:]}",
+                 marks=[pytest.mark.gpu, pytest.mark.skipif(not CUDA or INTERPRET, reason="needs CUDA")])
+    for dt in (torch.float32, torch.bfloat16, torch.float16)]
+
+
+@pytest.mark.parametrize("device,dtype", ARGMAX_CASES)
+def test_argmax_is_torch_argmax_ties_and_nans_included(device, dtype):
+    """kernels.argmax == torch.argmax: a row of few distinct values (ties everywhere: the first maximum), ties
+    across chunks and at a chunk's first and last entries, -0.0 against +0.0, -inf rows, +inf, NaNs (the first
+    NaN, even after +inf; NaN of either sign), a row of one entry, rows strided, however the row is split."""
+    from picovllm.kernels.argmax import argmax
+    g = torch.Generator().manual_seed(11)
+    v = 1000 if device == "cpu" else 151_936
+    x = torch.randn(9, v + 24, generator=g).to(dtype)[:, 8:8 + v]     # rows of stride v + 24
+    x[0] = torch.randint(-3, 3, (v,), generator=g).to(dtype)           # many ties
+    x[1, [5, 255, 256, v - 1]] = 100.0                                 # ties at block/chunk edges: index 5
+    x[2] = float("-inf")
+    x[3] = 0.0
+    x[3, :7] = -0.0
+    x[3, 3:5] = -1.0                                                    # -0.0 at 0 ties +0.0: index 0
+    x[4, 17], x[4, 600 % v], x[4, v - 2] = float("inf"), float("nan"), float("-nan")
+    x[5, v - 1] = float("nan")                                          # a NaN last
+    x[6, 300] = float("inf")
+    x[7] = x[7].abs().neg() - 1
+    x[7, v // 2] = -0.5                                                 # all negative
+    want = x.float().argmax(-1)
+    assert want[:7].tolist() == [torch.nonzero(x[0] == x[0].max())[0, 0].item(), 5, 0, 0, 600 % v, v - 1, 300]
+    want = x.argmax(-1)
+    dev = x.to(device)
+    for chunks in (None, 1, 3, 128):
+        got = argmax(dev, block=128 if device == "cpu" else 1024, num_chunks=chunks)
+        assert got.dtype == torch.int64 and got.tolist() == want.tolist(), chunks
+    assert argmax(dev[:, :1]).tolist() == [0] * 9
+    assert argmax(dev[:0]).shape == (0,)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1")
+def test_greedy_tokens_take_the_kernel_for_few_rows(monkeypatch):
+    """layers.sampler.greedy_tokens: the Triton argmax where the layers run Triton and rows are few, else torch;
+    the same ids either way (random logits with forced ties)."""
+    from picovllm import kernels
+    from picovllm.kernels import argmax as argmax_module
+    from picovllm.layers import sampler
+    calls = []
+    real = argmax_module.argmax
+    monkeypatch.setattr(argmax_module, "argmax", lambda x: (calls.append(x.shape[0]), real(x))[1])
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(sampler.ARGMAX_KERNEL_ROWS + 1, 300, generator=g)
+    logits[:, 250] = logits[:, 40] = logits.max() + 1
+    assert sampler.greedy_tokens(logits[:3]).tolist() == [40] * 3 and not calls, "torch off the Triton path"
+    monkeypatch.setattr(kernels, "use_triton", lambda x: True)
+    assert sampler.greedy_tokens(logits[:3]).tolist() == [40] * 3 and calls == [3]
+    assert sampler.greedy_tokens(logits).tolist() == [40] * len(logits) and calls == [3], "many rows: torch"
+
+
 @pytest.mark.parametrize("device,dtype,tol", CASES[:1] + CASES[2:])
 def test_gumbel_sample_distribution(device, dtype, tol):
     """Over many seeds, sampled frequencies match softmax(logits / T) (the torch sampler's law).

@@ -186,11 +186,12 @@ def test_packed_step_tensors_are_aligned_and_exact():
 
 def _compiled_variants() -> dict[str, int]:
     """Compiled variants per Triton kernel of the engine's CUDA path (Triton's in-process kernel caches)."""
-    from picovllm.kernels import activation, rmsnorm, sampling
+    from picovllm.kernels import activation, argmax, rmsnorm, sampling
     out = {}
     for module, name in KERNELS + [(rmsnorm, "_rmsnorm_kernel"), (rotary_module(), "_rope_kernel"),
                                    (activation, "_silu_and_mul_kernel"), (sampling, "_gumbel_chunk_kernel"),
-                                   (sampling, "_gumbel_pick_kernel")]:
+                                   (sampling, "_gumbel_pick_kernel"), (argmax, "_argmax_chunk_kernel"),
+                                   (argmax, "_argmax_pick_kernel")]:
         caches = getattr(getattr(module, name), "device_caches", None)
         if caches is None:
             pytest.skip("this Triton keeps no device_caches to count compiled kernels in")

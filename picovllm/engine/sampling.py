@@ -12,7 +12,7 @@ import torch
 
 from picovllm.engine.step_input import SamplingRow, StepInput, to_device
 from picovllm.layers.logits_processors import adjust_logits
-from picovllm.layers.sampler import SamplingTensors, sample
+from picovllm.layers.sampler import SamplingTensors, greedy_tokens, sample
 from picovllm.layers.structured_output import TokenBitmasks, apply_token_bitmasks
 from picovllm.outputs import Logprob
 
@@ -88,7 +88,7 @@ def sample_logits(logits: torch.Tensor, rows: list[SamplingRow], prev_tokens: to
     logits = apply_token_bitmasks(logits, token_bitmasks)   # structured outputs
     temps = [r.temperature for r in rows]
     if all(x == 0 for x in temps):   # greedy batch: no sampling tensors to upload
-        tokens = logits.argmax(-1)
+        tokens = greedy_tokens(logits)
         return tokens, _logprob_tensors(raw, tokens, rows)
     t = SamplingTensors(
         temperature=to_device(temps, torch.float32, dev),

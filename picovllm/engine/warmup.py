@@ -21,6 +21,8 @@ specialize. So, kernel by kernel (kernels/*.py):
 - sampling (Gumbel-max): chunk and num_chunks are do_not_specialize, vocab is the model's, but the
   logits' dtype is: the model's dtype as computed, float32 once a row has a bias, banned tokens (min
   tokens) or penalties (logits_processors copies to float32). Both are sampled.
+- greedy argmax (kernels/argmax.py, batches of few rows): the same, so greedy batches run on both dtypes
+  (the "greedy_adjusted" step: a greedy row with a bias and penalties).
 - Alignment: every tensor a kernel receives is a fresh allocation or a slice starting at row 0, so
   always 16-byte aligned; nothing to vary.
 
@@ -78,6 +80,7 @@ class WarmupPlan:
         out.append((self.multi, "adjusted"))
         out += [([(c, 1)] * b, "plain") for b in self.decode_batches]
         out += [([(c, 1)] * b + [(c, n)], "adjusted") for b in self.mixed_decodes]
+        out.append(([(c, 1)], "greedy_adjusted"))
         return out
 
 
@@ -134,14 +137,17 @@ def warmup_step(seqs: list[tuple[int, int]], block_size: int, vocab_size: int,
 
 def sampling_rows(n: int, kind: str, vocab_size: int) -> list[SamplingRow]:
     """kind "greedy"; "plain": temperature only (the fused sampler on the model's dtype); "adjusted":
-    banned tokens, a bias and penalties (float32 logits) with a top-p row (the torch sampler) and logprobs."""
+    banned tokens, a bias and penalties (float32 logits) with a top-p row (the torch sampler) and logprobs;
+    "greedy_adjusted": greedy rows with those (the greedy argmax on float32 logits)."""
     if kind == "greedy":
         return [SamplingRow(0.0, 0, 1.0, 0.0, None, [], None) for _ in range(n)]
     if kind == "plain":
         return [SamplingRow(0.0 if i == 0 and n > 1 else 0.7, 0, 1.0, 0.0, 1000 + i, [], None) for i in range(n)]
+    greedy = kind == "greedy_adjusted"
     rows = []
     for i in range(n):
-        row = SamplingRow(0.8, 0, 0.9 if i == 0 else 1.0, 0.0, 2000 + i, [i % vocab_size], 2)
+        row = SamplingRow(0.0 if greedy else 0.8, 0, 0.9 if i == 0 and not greedy else 1.0, 0.0,
+                          None if greedy else 2000 + i, [i % vocab_size], 2)
         row.bias_token_ids, row.bias_values = [1 % vocab_size], [0.5]
         row.presence_penalty, row.repetition_penalty = 0.1, 1.1
         row.output_token_ids, row.prompt_token_ids = [2 % vocab_size], [3 % vocab_size]

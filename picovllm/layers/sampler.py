@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from picovllm import kernels
+
 
 @dataclass
 class SamplingTensors:
@@ -59,10 +61,24 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, t: SamplingTensors) -> torch.T
     return torch.full_like(logits, float("-inf")).scatter(-1, idx, sorted_logits)
 
 
+ARGMAX_KERNEL_ROWS = 64   # up to this many rows, greedy_tokens spreads each row over >= 16 programs (1024 in all)
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """logits [B, V] -> logits.argmax(-1) (int64; ties: the first maximum; NaN: the first NaN). Where the layers run
+    Triton (CUDA), batches of few rows take kernels.argmax, which cuts each row across many programs where torch
+    gives it few; larger batches already fill the GPU row by row and keep torch's one launch."""
+    if kernels.use_triton(logits) and logits.shape[0] <= ARGMAX_KERNEL_ROWS and logits.dim() == 2 \
+            and logits.dtype in (torch.float32, torch.bfloat16, torch.float16):
+        from picovllm.kernels.argmax import argmax
+        return argmax(logits)
+    return logits.argmax(-1)
+
+
 def sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     """logits [B, V] (float32, or the model's dtype on CUDA) -> token ids [B]."""
     if t.all_greedy:
-        return logits.argmax(-1)
+        return greedy_tokens(logits)
     if logits.is_cuda and t.filtered is not None:
         # Which sampler a row gets depends on its own parameters only, never on its batch-mates:
         # otherwise a seeded request would draw different tokens in different batches.
