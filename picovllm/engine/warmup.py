@@ -7,8 +7,8 @@ each int argument not listed in `do_not_specialize` its type (i32 below 2**31, i
 is divisible by 16, and whether it equals 1 (then it becomes a constant). Floats and bools never
 specialize. So, kernel by kernel (kernels/*.py):
 
-- rms_norm, rope (+ q/k norm, + the KV store), silu_and_mul, store_kv, the MoE grouped GEMM: every int argument is a
-  stride or a size fixed by the model's shape (hidden, heads, head_dim, intermediate, the caches);
+- rms_norm, rope (+ q/k norm, + the KV store), silu_and_mul, store_kv, the MoE grouped GEMM: every int argument
+  is a stride or a size fixed by the model's shape (hidden, heads, head_dim, intermediate, the caches);
   the token count is only the grid. Constexprs: HAS_RESIDUAL (both occur in every forward: the first
   layer has no residual), HAS_NORM, the MoE's A_DIV/SCALE (both per forward). One forward covers them.
 - prefill attention: first_seq and the block table's stride vary per step and are do_not_specialize;
@@ -33,10 +33,10 @@ allocator grow by size class. So prefills run at every power of two up to the st
 several prefill chunks with prompt logprobs, decode-only steps and mixed (decodes + chunk) steps, and
 sampling with greedy, temperature-only, filtered (top-p), penalized and logprob rows.
 
-No state is left behind: every warm-up token has slot -1, which the Triton KV stores (store_kv, rope_qkv's) skip (as
-CUDA-graph padding does), so the cache is never written; block tables point at block 0, whose contents are only
-read; the block manager is not involved (it is built after the runner); the random generators are
-forked, so a run draws the same numbers with or without the warm-up.
+No state is left behind: every warm-up token has slot -1, which the Triton KV stores (store_kv and
+rope_qkv's) skip (as CUDA-graph padding does), so the cache is never written; block tables point at block
+0, whose contents are only read; the block manager is not involved (it is built after the runner); the
+random generators are forked, so a run draws the same numbers with or without the warm-up.
 """
 from __future__ import annotations
 
