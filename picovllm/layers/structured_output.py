@@ -21,7 +21,6 @@ Compiled grammars are cached by xgrammar's compiler, one per engine (so per toke
 from __future__ import annotations
 
 import json
-import os
 import sys
 from typing import Any
 
@@ -31,18 +30,12 @@ from picovllm.kernels.cpu import token_mask
 from picovllm.sampling_params import StructuredOutputsParams
 
 CACHE_BYTES = 256 << 20   # compiled grammars kept per engine
-# Threads of xgrammar's batched mask fill; None: by the device. With the model on the CPU, one: its cores run the
-# forward, and on a 2-core host a second thread added ~40 us a call and saved nothing. With the model on a GPU, half
-# the host's cores, at most 8: there the fill is host work between a step's forward and its sampling, and a regex
-# row took 6.6 us of it on one thread (0.42 ms a step at batch 64 on the H200's host, a third of its GPU step).
-# benchmarks/structured_output.py --host-profile --fill-threads N measures it.
-FILL_THREADS: int | None = None
-
-
-def default_fill_threads(device: torch.device) -> int:
-    if FILL_THREADS is not None:
-        return FILL_THREADS
-    return 1 if device.type == "cpu" else max(1, min(8, (os.cpu_count() or 2) // 2))
+# Threads of xgrammar's batched mask fill. One: on a 2-core host a second thread added ~40 us a call and saved
+# nothing, and on the H200's 16-core host eight threads did not raise the constrained rate at batch 64 (20.4k tok/s
+# against 37.7k plain, -46%; one thread, the call before: -41%, BENCHMARKS.md). The fill is host work between a
+# step's forward and its sampling: 6.6 us a regex row on one thread there. --fill-threads N of
+# benchmarks/structured_output.py measures it.
+FILL_THREADS = 1
 
 
 # Two fixes to xgrammar 0.2.8's JSON grammar, so that every accepted string is JSON (json.loads is the test's
@@ -179,7 +172,7 @@ class BitmaskBuffers:
 
     def __init__(self, vocab_size: int, device: torch.device, fill_threads: int | None = None) -> None:
         import xgrammar as xgr
-        self._batch = xgr.BatchGrammarMatcher(fill_threads or default_fill_threads(device))
+        self._batch = xgr.BatchGrammarMatcher(fill_threads or FILL_THREADS)
         self.words = bitmask_words(vocab_size)
         self.device = device
         self._buffers: list[torch.Tensor | None] = [None, None]
