@@ -4,15 +4,13 @@ output; the KV store fused into the latter against the two launches it replaces 
 torch references; then a tiny Qwen3 run through them (interpreted on the CPU) against HF transformers.
 
 Without CUDA the kernels run under TRITON_INTERPRET=1 (set before any kernel module is imported)."""
-import os
 import random
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-triton = pytest.importorskip("triton")
+# sets TRITON_INTERPRET=1 without CUDA (before a kernel module loads), and skips the module without triton
+from test_kernels import INTERPRET, compiled, interpreted
 
 from picovllm import kernels                             # noqa: E402
 from picovllm.kernels import rotary                       # noqa: E402
@@ -21,15 +19,10 @@ from picovllm.kernels.store_kv import store_kv            # noqa: E402
 from picovllm.layers.attention import KVWrite             # noqa: E402
 from picovllm.layers.attention import store_kv as store_kv_ref   # noqa: E402
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-CUDA = torch.cuda.is_available()
 CASES = [   # (device, dtype, tolerance vs float64)
-    pytest.param("cpu", torch.float32, 1e-5, id="interp-fp32",
-                 marks=pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1")),
-    pytest.param("cuda", torch.bfloat16, 1e-2, id="gpu-bf16",
-                 marks=[pytest.mark.gpu, pytest.mark.skipif(not CUDA or INTERPRET, reason="needs CUDA")]),
-    pytest.param("cuda", torch.float32, 1e-5, id="gpu-fp32",
-                 marks=[pytest.mark.gpu, pytest.mark.skipif(not CUDA or INTERPRET, reason="needs CUDA")]),
+    interpreted("cpu", torch.float32, 1e-5, id="interp-fp32"),
+    compiled("cuda", torch.bfloat16, 1e-2, id="gpu-bf16"),
+    compiled("cuda", torch.float32, 1e-5, id="gpu-fp32"),
 ]
 
 
@@ -93,14 +86,10 @@ def test_rope_qkv_from_the_projection_output(device, dtype, tol, qk_norm, hq, hk
 
 
 FUSED_CASES = [   # (device, dtype): bitwise comparisons, so bf16 on the interpreter too
-    pytest.param("cpu", torch.float32, id="interp-fp32",
-                 marks=pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1")),
-    pytest.param("cpu", torch.bfloat16, id="interp-bf16",
-                 marks=pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1")),
-    pytest.param("cuda", torch.bfloat16, id="gpu-bf16",
-                 marks=[pytest.mark.gpu, pytest.mark.skipif(not CUDA or INTERPRET, reason="needs CUDA")]),
-    pytest.param("cuda", torch.float32, id="gpu-fp32",
-                 marks=[pytest.mark.gpu, pytest.mark.skipif(not CUDA or INTERPRET, reason="needs CUDA")]),
+    interpreted("cpu", torch.float32, id="interp-fp32"),
+    interpreted("cpu", torch.bfloat16, id="interp-bf16"),
+    compiled("cuda", torch.bfloat16, id="gpu-bf16"),
+    compiled("cuda", torch.float32, id="gpu-fp32"),
 ]
 
 

@@ -29,14 +29,23 @@ from picovllm.layers.rotary import RotaryEmbedding                      # noqa: 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 CUDA = torch.cuda.is_available()
 
+
+def interpreted(*values, id: str):
+    """A parametrize case for the Triton interpreter on the CPU (skipped unless TRITON_INTERPRET=1)."""
+    return pytest.param(*values, id=id, marks=pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1"))
+
+
+def compiled(*values, id: str):
+    """A parametrize case compiled on a GPU (marked gpu; skipped without CUDA or under the interpreter)."""
+    return pytest.param(*values, id=id,
+                        marks=[pytest.mark.gpu, pytest.mark.skipif(not CUDA or INTERPRET, reason="needs CUDA")])
+
+
 # (device, dtype, tolerance): the interpreter on CPU in fp32; compiled on the GPU in bf16 and fp32
 CASES = [
-    pytest.param("cpu", torch.float32, 1e-4, id="interp-fp32",
-                 marks=pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1")),
-    pytest.param("cuda", torch.bfloat16, 2e-2, id="gpu-bf16",
-                 marks=[pytest.mark.gpu, pytest.mark.skipif(not CUDA or INTERPRET, reason="needs CUDA")]),
-    pytest.param("cuda", torch.float32, 1e-4, id="gpu-fp32",
-                 marks=[pytest.mark.gpu, pytest.mark.skipif(not CUDA or INTERPRET, reason="needs CUDA")]),
+    interpreted("cpu", torch.float32, 1e-4, id="interp-fp32"),
+    compiled("cuda", torch.bfloat16, 2e-2, id="gpu-bf16"),
+    compiled("cuda", torch.float32, 1e-4, id="gpu-fp32"),
 ]
 
 
@@ -406,11 +415,8 @@ def test_gumbel_sample_greedy_rows_and_seeds(device, dtype, tol):
 
 
 ARGMAX_CASES = [   # exact comparisons: every logits dtype on the interpreter too
-    pytest.param("cpu", dt, id=f"interp-{str(dt)[6:]}",
-                 marks=pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1"))
-    for dt in (torch.float32, torch.bfloat16, torch.float16)] + [
-    pytest.param("cuda", dt, id=f"gpu-{str(dt)[6:]}",
-                 marks=[pytest.mark.gpu, pytest.mark.skipif(not CUDA or INTERPRET, reason="needs CUDA")])
+    case(device, dt, id=f"{kind}-{str(dt)[6:]}")
+    for case, device, kind in ((interpreted, "cpu", "interp"), (compiled, "cuda", "gpu"))
     for dt in (torch.float32, torch.bfloat16, torch.float16)]
 
 

@@ -6,19 +6,17 @@ GPU compiled, in bfloat16 and float16.
 import pytest
 import torch
 
-from test_kernels import CUDA, INTERPRET       # sets TRITON_INTERPRET=1 without CUDA, before a kernel module loads
+# sets TRITON_INTERPRET=1 without CUDA, before a kernel module loads
+from test_kernels import INTERPRET, compiled, interpreted
 
 from picovllm import kernels                                              # noqa: E402
 from picovllm.kernels.skinny_gemm import skinny_fits, skinny_linear       # noqa: E402
 from picovllm.layers.linear import RowParallelLinear                      # noqa: E402
 
 CASES = [
-    pytest.param("cpu", torch.float16, id="interp-fp16",
-                 marks=pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1")),
-    pytest.param("cuda", torch.bfloat16, id="gpu-bf16",
-                 marks=[pytest.mark.gpu, pytest.mark.skipif(not CUDA or INTERPRET, reason="needs CUDA")]),
-    pytest.param("cuda", torch.float16, id="gpu-fp16",
-                 marks=[pytest.mark.gpu, pytest.mark.skipif(not CUDA or INTERPRET, reason="needs CUDA")]),
+    interpreted("cpu", torch.float16, id="interp-fp16"),
+    compiled("cuda", torch.bfloat16, id="gpu-bf16"),
+    compiled("cuda", torch.float16, id="gpu-fp16"),
 ]
 
 
