@@ -256,11 +256,9 @@ class Attention(nn.Module):
         """kv_stored: k, v are in the cache already, written where kv_write(meta) said (never with a rotation)."""
         r = self.kv_rotation
         if r is not None:
-            out = self.backend.forward(q @ r, k @ r, v @ r, self.k_cache, self.v_cache, meta, self.scale,
-                                       self.sliding_window, self.softcap, self.kv_scales)
-            return out @ r
-        if kv_stored:   # only then is the keyword passed: a backend that cannot skip its store need not take it
-            return self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.sliding_window,
-                                        self.softcap, self.kv_scales, kv_stored=True)
-        return self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.sliding_window,
-                                    self.softcap, self.kv_scales)
+            q, k, v = q @ r, k @ r, v @ r
+        # the keyword only when set: a backend that cannot skip its store need not take it
+        stored = {"kv_stored": True} if kv_stored else {}
+        out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.sliding_window,
+                                   self.softcap, self.kv_scales, **stored)
+        return out if r is None else out @ r
