@@ -66,7 +66,7 @@ def copy_blocks(src: torch.Tensor, dst: torch.Tensor, src_ids: list[int], dst_id
             continue
         _launch_on[pair] = (on,)
         return
-    _unreachable.add(pair)
+    _launch_on[pair] = ()
     copy_blocks_reference(src, dst, src_ids, dst_ids)
 
 
@@ -107,11 +107,11 @@ def _reachable(src: torch.device, dst: torch.device) -> bool:
     enabled. torch enables it on a first copy between the two devices, so _peer_access makes one one-element copy; the
     staged index_select / copy / index_copy it replaces passed over the bytes three times (43% of NCCL's
     bandwidth between two H200s, BENCHMARKS.md)."""
-    return src == dst or ((src, dst) not in _unreachable and _peer_access(src.index, dst.index))
+    return src == dst or (_launch_on.get((src, dst)) != () and _peer_access(src.index, dst.index))
 
 
-_unreachable: set[tuple[torch.device, torch.device]] = set()   # (src, dst) pairs no copy kernel could reach
-_launch_on: dict[tuple[torch.device, torch.device], tuple[torch.device, ...]] = {}   # (src, dst): the GPU that launches
+# (src, dst) -> the GPU whose copy kernel launched, once one has; () when neither could (the staged copy then)
+_launch_on: dict[tuple[torch.device, torch.device], tuple[torch.device, ...]] = {}
 
 
 @functools.cache      # once a pair of devices: access, once enabled, lasts the process
