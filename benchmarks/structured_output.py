@@ -86,7 +86,48 @@ def report(name: str, vocab: int, result: tuple[float, float, list[float]]) -> N
 REGEX = "[a-z ]{4000}"
 
 
-def throughput(batch: int, tokens: int, cprofile: bool = False, fill_threads: int | None = None) -> None:
+def timed(obj, names: list[str], totals: dict[str, list]) -> None:
+    """Replace obj's methods `names` with wrappers that add their wall time and calls to totals[name] (inclusive)."""
+    for name in names:
+        fn = getattr(obj, name)
+
+        def wrapper(*a, _fn=fn, _name=name, **kw):
+            t = time.perf_counter()
+            try:
+                return _fn(*a, **kw)
+            finally:
+                entry = totals.setdefault(_name, [0.0, 0])
+                entry[0] += time.perf_counter() - t
+                entry[1] += 1
+        setattr(obj, name, wrapper)
+
+
+def breakdown(llm, prompts, runs, tokens: int) -> None:
+    """Host time per step of the engine's parts (inclusive, ms), for a plain and a constrained run: which part of a
+    constrained step is the host's, and whether it waits for the device (resolve) or works."""
+    from picovllm.layers import structured_output
+    eng, totals = llm.engine, {}
+    timed(eng, ["_schedule", "_prepare", "apply_results", "advance", "_fill_late_masks"], totals)
+    timed(eng.executor, ["launch", "resolve"], totals)
+    timed(eng.executor.runner, ["compute_logits", "launch_sampling"], totals)
+    timed(structured_output.TokenBitmasks, ["fill", "to_device"], totals)
+    from picovllm.engine import sampling
+    timed(sampling, ["apply_token_bitmasks", "adjust_logits", "sample", "_logprob_tensors", "_to_host"], totals)
+    timed(structured_output, ["mask_logits"], totals)
+    for name, extra in runs[1:3]:
+        from picovllm import SamplingParams
+        totals.clear()
+        sp = SamplingParams(temperature=1.0, seed=0, max_tokens=tokens, ignore_eos=True, **extra)
+        t = time.perf_counter()
+        llm.generate(prompts, sp, use_tqdm=False)
+        wall = time.perf_counter() - t
+        print(f"== breakdown, {name}: {wall / tokens * 1e3:.3f} ms a step; per step (ms, inclusive):")
+        for k, (sec, calls) in sorted(totals.items(), key=lambda kv: -kv[1][0]):
+            print(f"   {k:18s} {sec / tokens * 1e3:7.3f}  ({calls} calls)")
+
+
+def throughput(batch: int, tokens: int, cprofile: bool = False, fill_threads: int | None = None,
+               show_breakdown: bool = False) -> None:
     from picovllm import LLM, SamplingParams, StructuredOutputsParams
     from picovllm.layers import structured_output
     if fill_threads is not None:
@@ -106,6 +147,8 @@ def throughput(batch: int, tokens: int, cprofile: bool = False, fill_threads: in
         n = sum(len(o.outputs[0].token_ids) for o in outs)
         assert n == batch * tokens, f"{name}: {n} tokens, not {batch} x {tokens}"
         print(f"batch {batch}, {name:7s}: {n} tokens in {dt:.2f} s = {n / dt:.1f} tok/s")
+    if show_breakdown:
+        breakdown(llm, prompts, runs, tokens)
     if cprofile:        # where the host's time goes in a plain and a constrained run
         import cProfile
         import pstats
@@ -163,6 +206,7 @@ def main() -> None:
     ap.add_argument("--host-profile", action="store_true", help="host cost per constrained row (no forward)")
     ap.add_argument("--overlap", action="store_true", help="--host-profile under overlapped scheduling")
     ap.add_argument("--cprofile", action="store_true", help="the top functions of a constrained run (and, with --throughput-only, of a plain one)")
+    ap.add_argument("--breakdown", action="store_true", help="host time per step of the engine's parts, plain and constrained")
     ap.add_argument("--fill-threads", type=int, help="threads of xgrammar's batched mask fill (default: the engine's choice)")
     args = ap.parse_args()
     if args.host_profile:
@@ -176,7 +220,7 @@ def main() -> None:
             if not args.skip_llguidance:   # llguidance's compact JSON has no space after ':' and ','
                 compact = json.dumps(VALUE, separators=(",", ":"))
                 report("llguidance", vocab, llguidance_times(tok, vocab, tok.encode(compact, add_special_tokens=False)))
-    throughput(args.batch, args.tokens, args.cprofile, args.fill_threads)
+    throughput(args.batch, args.tokens, args.cprofile, args.fill_threads, args.breakdown)
 
 
 if __name__ == "__main__":

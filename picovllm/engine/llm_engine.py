@@ -358,16 +358,17 @@ class Engine:
         apply_results later appends the token without advancing the grammar again (GrammarState.num_accepted).
         A token the grammar refuses, or one that ends it, leaves the row unmasked: apply_results finishes
         the request and drops the row's token."""
-        sampled = (c.request.request_id for c in done_sched.chunks if c.samples)
-        token_of = dict(zip(sampled, done.token_ids))
+        sampled = [c.request for c in done_sched.chunks if c.samples]
+        tokens = done.token_ids
         rows, states = [], []
         for i, req in late:
-            token = token_of.get(req.request_id)
-            if token is None or req.is_finished or req.grammar.num_accepted != len(req.output_token_ids):
+            row, grammar = req.pending_row, req.grammar    # its row in `done` (advance() set it)
+            if row >= len(sampled) or sampled[row] is not req or req.is_finished or \
+                    grammar.num_accepted != len(req.output_token_ids):
                 continue
-            if req.grammar.accept(token) and not req.grammar.is_terminated:
+            if grammar.accept(tokens[row]) and not grammar.is_terminated:
                 rows.append(i)
-                states.append(req.grammar)
+                states.append(grammar)
         step.token_bitmasks.fill(rows, states)
 
     def _schedule(self) -> SchedulerOutput:

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from picovllm.kernels import use_triton
 from picovllm.kernels.cpu import token_mask
 from picovllm.sampling_params import StructuredOutputsParams
 
@@ -67,19 +68,21 @@ class GrammarState:
 
     def __init__(self, matcher: Any, vocab_size: int) -> None:
         self._matcher = matcher
+        self._stops = frozenset(matcher.stop_token_ids)
         self.vocab_size = vocab_size
         self.num_accepted = 0     # output tokens accepted so far (the engine may advance it ahead of the output)
+        # the grammar is complete and its end (a stop token) was accepted: kept here, not asked of the matcher
+        # per token, since only a stop token can end it (two calls into xgrammar a row a step fewer)
+        self.is_terminated = False
 
     def accept(self, token: int) -> bool:
         """Advance by a sampled token; False if the grammar does not allow it (the state is unchanged)."""
-        ok = self._matcher.accept_token(token)
-        self.num_accepted += ok
-        return ok
-
-    @property
-    def is_terminated(self) -> bool:
-        """The grammar is complete and its end (a stop token) was accepted."""
-        return self._matcher.is_terminated()
+        if not self._matcher.accept_token(token):
+            return False
+        self.num_accepted += 1
+        if token in self._stops:
+            self.is_terminated = self._matcher.is_terminated()
+        return True
 
 
 class StructuredOutputCompiler:
@@ -231,7 +234,7 @@ def mask_logits(logits: torch.Tensor, words: torch.Tensor, ceilings: torch.Tenso
 
 def apply_token_bitmasks(logits: torch.Tensor, masks: TokenBitmasks | None) -> torch.Tensor:
     """logits [B, V] -> `logits` itself if no row is constrained, else a copy with every token a row's
-    grammar forbids at -inf: one upload of the step's mask buffer, one masked minimum on the device.
+    grammar forbids at -inf: one upload of the step's mask buffer, then one kernel on a GPU (kernels/token_mask.py).
     Out of place either way: the raw logits stay as they are (logprobs are read from them)."""
     if masks is None or not masks.filled:
         return logits
@@ -240,11 +243,20 @@ def apply_token_bitmasks(logits: torch.Tensor, masks: TokenBitmasks | None) -> t
         for i in masks.filled:
             word_row[i] = i
         return token_mask.mask_logits(logits, masks.words, word_row)
-    words, ceilings = masks.to_device(logits.device), masks.ceilings(logits.dtype)
+    words = masks.to_device(logits.device)
+    if use_triton(logits):     # one kernel, whichever rows are constrained
+        from picovllm.kernels import token_mask as triton_mask
+        rows = None
+        if len(masks.filled) < logits.shape[0]:
+            rows = [-1] * logits.shape[0]
+            for i in masks.filled:
+                rows[i] = i
+            rows = torch.tensor(rows, dtype=torch.int32, pin_memory=logits.is_cuda).to(logits.device, non_blocking=True)
+        return triton_mask.mask_logits(logits, words, rows)
+    ceilings = masks.ceilings(logits.dtype)
     if len(masks.filled) == logits.shape[0]:
         return mask_logits(logits, words, ceilings)
-    idx = torch.tensor(masks.filled, device="cpu")
-    idx = idx.pin_memory().to(logits.device, non_blocking=True) if logits.is_cuda else idx
+    idx = torch.tensor(masks.filled, device=logits.device)
     out = logits.clone()
     out[idx] = mask_logits(logits[idx], words[idx], ceilings)
     return out
