@@ -160,9 +160,7 @@ class TokenBitmasks:
         the buffer is not refilled until the copy is done)."""
         if device.type != "cuda":
             return self.words
-        out = self.words.to(device, non_blocking=True)
-        self._owner.copied(self._slot)
-        return out
+        return self._owner.upload(self._slot, self.words, device)
 
     def ceilings(self, dtype: torch.dtype) -> torch.Tensor:
         return self._owner.ceilings(dtype)
@@ -179,7 +177,9 @@ class BitmaskBuffers:
         self.words = bitmask_words(vocab_size)
         self.device = device
         self._buffers: list[torch.Tensor | None] = [None, None]
-        self._copied: list[torch.cuda.Event | None] = [None, None]
+        self._copied: list[torch.cuda.Event | None] = [None, None]   # an upload's event not yet waited for
+        self._events: list[torch.cuda.Event | None] = [None, None]   # each slot's one event, recorded again
+        self._device_buffers: list[torch.Tensor | None] = [None, None]
         self._next = 0
         self._ceilings: dict[torch.dtype, torch.Tensor] = {}    # the masked apply's table, by logits dtype
 
@@ -204,10 +204,18 @@ class BitmaskBuffers:
             self._ceilings[dtype] = token_ceilings(dtype, self.device)
         return self._ceilings[dtype]
 
-    def copied(self, slot: int) -> None:
-        event = torch.cuda.Event()
+    def upload(self, slot: int, words: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """words (a view of slot's host buffer) copied into slot's device buffer, without blocking; an event after
+        the copy guards the host buffer's refill (for_step). The device buffer is reused in stream order."""
+        dev = self._device_buffers[slot]
+        if dev is None or dev.shape[0] < words.shape[0] or dev.device != device:
+            dev = self._device_buffers[slot] = torch.empty(self._buffers[slot].shape, dtype=torch.int32, device=device)
+        out = dev[:words.shape[0]]
+        out.copy_(words, non_blocking=True)
+        event = self._events[slot] = self._events[slot] or torch.cuda.Event()
         event.record()
         self._copied[slot] = event
+        return out
 
 
 def token_ceilings(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
