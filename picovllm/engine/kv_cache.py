@@ -30,9 +30,10 @@ def kv_bytes_per_block(model: torch.nn.Module, block_size: int, dtype: torch.dty
     return 2 * len(layers) * block_size * layers[0].num_kv_heads * layers[0].head_dim * elem
 
 
-def profile_num_blocks(model: torch.nn.Module, config: EngineConfig, device: torch.device) -> int:
+def profile_num_blocks(model: torch.nn.Module, config: EngineConfig, device: torch.device,
+                       max_model_len: int) -> int:
     """How many KV blocks fit the memory budget: on a GPU, what the largest step leaves of
-    gpu_memory_utilization; on the CPU, cpu_kv_cache_gib."""
+    gpu_memory_utilization; on the CPU, cpu_kv_cache_gib. max_model_len: the runner's (the longest sequence)."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
     per_block = kv_bytes_per_block(model, config.block_size, config.torch_kv_cache_dtype)
@@ -40,7 +41,7 @@ def profile_num_blocks(model: torch.nn.Module, config: EngineConfig, device: tor
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-        _profile_forward(model, config, device)
+        _profile_forward(model, config, device, max_model_len)
         free, total = torch.cuda.mem_get_info()
         peak_extra = torch.cuda.max_memory_allocated() - torch.cuda.memory_allocated()
         budget = total * config.gpu_memory_utilization - (total - free) - peak_extra
@@ -48,28 +49,50 @@ def profile_num_blocks(model: torch.nn.Module, config: EngineConfig, device: tor
     return max(1, int(config.cpu_kv_cache_gib * 2**30 // per_block))
 
 
-def _profile_forward(model: torch.nn.Module, config: EngineConfig, device: torch.device) -> None:
-    """One forward of max_num_batched_tokens into a scratch cache: the peak activation memory."""
-    n, bs, dtype = config.max_num_batched_tokens, config.block_size, config.torch_kv_cache_dtype
+def profile_sequences(max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int) -> list[int]:
+    """The lengths of the profile step's sequences: the largest step the scheduler can make, as whole prompts of
+    at most max_model_len tokens (at most max_num_seqs of them). One sequence of max_num_batched_tokens put
+    positions past max_model_len, and past the rotary table where the model's max_position_embeddings is below the
+    step budget (Gemma-2-2B: 8192 rows, benchmarks/families_gpu.py's 16384-token budget): the GPU's rope kernel reads
+    cos/sin at any position unchecked, so it read up to 8 MiB past the table, which faults ("illegal memory access")
+    wherever nothing is mapped behind it (the likely cause of that model's start-up crash after a Mistral-7B engine in
+    the same process, BENCHMARKS.md)."""
+    n = min(max_num_batched_tokens, max_num_seqs * max_model_len)
+    whole, rest = divmod(n, max_model_len)
+    return [max_model_len] * whole + [rest] * (rest > 0)
+
+
+def _profile_forward(model: torch.nn.Module, config: EngineConfig, device: torch.device, max_model_len: int) -> None:
+    """One forward of the largest step (profile_sequences) into a scratch cache: the peak activation memory."""
+    bs, dtype = config.block_size, config.torch_kv_cache_dtype
+    lens = profile_sequences(config.max_num_batched_tokens, config.max_num_seqs, max_model_len)
+    n, blocks = sum(lens), [-(-length // bs) for length in lens]
+    first = np.cumsum([0] + blocks)           # each sequence its own blocks of the scratch cache
+    positions = torch.cat([torch.arange(length) for length in lens]).to(device)
+    slots = torch.cat([torch.arange(length) + int(b) * bs for length, b in zip(lens, first)]).to(device)
+    tables = torch.zeros(len(lens), max(blocks), dtype=torch.int32)
+    for row, (b, k) in enumerate(zip(first, blocks)):
+        tables[row, :k] = torch.arange(int(b), int(b) + k)
     ids = torch.zeros(n, dtype=torch.long, device=device)
     saved = [(a.k_cache, a.v_cache) for a in model.attention_layers()]
     attn = model.attention_layers()[0]
-    scratch = torch.zeros(-(-n // bs), bs, attn.num_kv_heads, attn.head_dim, dtype=dtype, device=device)
+    scratch = torch.zeros(int(first[-1]), bs, attn.num_kv_heads, attn.head_dim, dtype=dtype, device=device)
     for a in model.attention_layers():
         a.k_cache = a.v_cache = scratch
     meta = AttentionMetadata(
-        slot_mapping=torch.arange(n, device=device),
-        query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=device),
-        seq_lens=torch.tensor([n], dtype=torch.int32, device=device),
-        block_tables=torch.arange(scratch.shape[0], dtype=torch.int32, device=device)[None],
-        num_decodes=0, max_query_len=n, max_seq_len=n, query_lens_cpu=[n], seq_lens_cpu=[n])
+        slot_mapping=slots,
+        query_start_loc=torch.tensor(np.cumsum([0] + lens), dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
+        block_tables=tables.to(device), num_decodes=0, max_query_len=max(lens), max_seq_len=max(lens),
+        query_lens_cpu=list(lens), seq_lens_cpu=list(lens))
     with torch.inference_mode():
-        h = model(ids, torch.arange(n, device=device), meta)
+        h = model(ids, positions, meta)
         model.compute_logits(h[-min(n, config.max_num_seqs):])
     for a, (k, v) in zip(model.attention_layers(), saved):
         a.k_cache, a.v_cache = k, v
     del scratch, h
-    torch.cuda.synchronize()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
 
 
 def allocate_kv_cache(model: torch.nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype,

@@ -104,7 +104,7 @@ class ModelRunner:
 
     def profile_num_blocks(self) -> int:
         """How many KV blocks fit the memory budget."""
-        return kv_cache.profile_num_blocks(self.model, self.config, self.device)
+        return kv_cache.profile_num_blocks(self.model, self.config, self.device, self.max_model_len)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """Allocate the cache, then what depends on it: the warm-up steps (every kernel compiled), the decode
