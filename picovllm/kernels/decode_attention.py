@@ -93,8 +93,10 @@ def _decode_partial_kernel(
     end = tl.minimum(start + part, seq_len)
     q = tl.load(q_ptr + seq.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=mask_g[:, None] & mask_d[None, :], other=0.0)
+    v_scale = 1.0
     if FP8:
         qk_scale = qk_scale * tl.load(k_scale_ptr + kvh)
+        v_scale = tl.load(v_scale_ptr + kvh)
     if F16_DOTS:
         q = q.to(tl.float16)
 
@@ -121,13 +123,11 @@ def _decode_partial_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         if FP8:
-            v = v.to(q.dtype)
+            v = (v.to(tl.float32) * v_scale).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     out = acc / l_i[:, None]
-    if FP8:
-        out = out * tl.load(v_scale_ptr + kvh)
     if DIRECT:
         tl.store(o_rows, out.to(o_ptr.dtype.element_ty), mask=mask_g[:, None] & mask_d[None, :])
     else:
