@@ -198,10 +198,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     group = hq // hkv
     block_d = triton.next_power_of_2(d)
     splits = num_splits or num_splits_for(b, hkv)
-    if fp8:   # 64-token tiles, 2 warps, 3 stages: 10-12% faster than bf16's config at batches 64 and 256 of nano-like
-        # contexts on an H200 (benchmarks/attention_kernels.py fp8), though still no faster than bf16 at half the bytes
-        block_n, num_warps, num_stages = block_n or 64, num_warps or 2, num_stages or 3
-    # long unsplit slices stream in 128-token tiles (3-4% faster on an H200), split ones in 64
+    # long unsplit slices stream in 128-token tiles (3-4% faster on an H200), split ones in 64; over an fp8 cache too
+    # (batch 256 of nano-like contexts: 245.9 us, the best of 16 configs, benchmarks/attention_kernels.py fp8)
     block_n = block_n or (128 if splits == 1 else 64)
     num_warps, num_stages = num_warps or 4, num_stages or 2
     direct = splits == 1
