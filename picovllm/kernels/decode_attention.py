@@ -9,7 +9,10 @@ the slices of each head. The grid depends only on the batch size and head count,
 context lengths: no host-device sync, and one CUDA graph per batch size serves every context.
 
 An fp8 cache (FP8, a constexpr: the other path compiles as before) is read as x8 * scale with one scale per
-KV head: a program sees one KV head, so K's scale joins the score scale and V's multiplies the output once.
+KV head: a program sees one KV head, so K's scale joins the score scale. V is dequantized (times its scale) in
+registers before its dot: V is that dot's transposed operand, and 8-bit data has no transposed shared-memory read
+(ldmatrix.trans), so converting it later made the compiler read the fp8 tile from shared memory byte by byte, which
+halved the kernel's bandwidth (BENCHMARKS.md).
 """
 from __future__ import annotations
 
@@ -93,7 +96,7 @@ def _decode_partial_kernel(
     end = tl.minimum(start + part, seq_len)
     q = tl.load(q_ptr + seq.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=mask_g[:, None] & mask_d[None, :], other=0.0)
-    v_scale = 1.0
+    v_scale = 1.0         # fp8: V's scale, applied to V itself (see the module doc)
     if FP8:
         qk_scale = qk_scale * tl.load(k_scale_ptr + kvh)
         v_scale = tl.load(v_scale_ptr + kvh)
