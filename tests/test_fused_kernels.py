@@ -166,6 +166,75 @@ def _hf_greedy(path, prompts, n):
     return outs
 
 
+ROTATION_CASES = [interpreted("cpu", torch.float32, id="interp-fp32"),
+                  compiled("cuda", torch.bfloat16, id="gpu-bf16"), compiled("cuda", torch.float32, id="gpu-fp32")]
+
+
+@pytest.mark.parametrize("device,dtype", ROTATION_CASES)
+@pytest.mark.parametrize("fp8", [False, True], ids=["cache-dtype", "cache-fp8"])
+@pytest.mark.parametrize("hq,hk,d", [(4, 1, 64), (4, 2, 128), (3, 3, 80)])
+def test_rope_qkv_applies_the_cache_rotation(device, dtype, fp8, hq, hk, d):
+    """A KVWrite with the cache's rotation R (kv_rotation; d = 80: five 16-blocks, straddling the halves): q and k
+    come back as rope(q) R and rope(k) R, and the caches hold what store_kv would store from rope(k) R and v R,
+    all against float64 products (for fp8 the same e4m3 bytes but where the two roundings straddle a step)."""
+    from picovllm.layers.attention import dequantize, kv_rotation
+    from picovllm.layers.rotary import RotaryEmbedding
+    g = torch.Generator().manual_seed(hq * 100 + d + fp8)
+    t, width, block_size, num_blocks = 5, (hq + 2 * hk) * d, 4, 4
+    qkv = (torch.randn(t, width, generator=g) * 2).to(dtype).to(device)
+    pos = torch.tensor([0, 3, 9, 17, 30], device=device)
+    slots = torch.tensor([5, -1, 0, 14, 9], device=device)
+    cos_sin = RotaryEmbedding(d, 64, 10000.0).cos_sin.to(device)
+    r = kv_rotation(d, dtype, device)
+    cache_dtype = torch.float8_e4m3fn if fp8 else dtype
+    caches = [torch.zeros(num_blocks, block_size, hk, d).to(cache_dtype).to(device) for _ in range(4)]
+    scales = tuple(torch.full((hk,), 2.0 ** -6, device=device) for _ in range(2)) if fp8 else None
+    q, k, v = rotary.rope_qkv(pos, qkv, hq, hk, cos_sin, kv_write=KVWrite(*caches[:2], slots, scales, r))
+    q0, k0, v0 = rotary.rope_qkv(pos, qkv, hq, hk, cos_sin)        # no write, no rotation
+    r64 = r.double().cpu()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for got, plain in ((q, q0), (k, k0)):
+        want = plain.double().cpu() @ r64
+        assert ((got.double().cpu() - want).norm() / want.norm()).item() < tol
+    real = slots >= 0
+    k_rot, v_rot = (x.double().cpu() @ r64 for x in (k0, v0))
+    store_kv_ref(k_rot[real.cpu()].to(dtype), v_rot[real.cpu()].to(dtype), *caches[2:], slots[real].cpu(),
+                 tuple(x.cpu() for x in scales) if fp8 else None) if device == "cpu" else \
+        store_kv_ref(k_rot[real.cpu()].to(dtype).to(device), v_rot[real.cpu()].to(dtype).to(device), *caches[2:],
+                     slots[real], scales)
+    for got, want, scale in zip(caches[:2], caches[2:], scales or (None, None)):
+        if fp8:
+            same = got.view(torch.uint8) == want.view(torch.uint8)
+            assert same.float().mean().item() > 0.98
+            a, b = (dequantize(c, scale, torch.float64).cpu() for c in (got, want))
+            assert ((a - b).abs() <= b.abs() / 8 + 1e-6).all()    # at most one e4m3 step apart
+        else:
+            assert ((got.double() - want.double()).norm() / want.double().norm()).item() < tol
+    assert caches[0].flatten().ne(0).any() and caches[1].flatten().ne(0).any()
+
+
+@pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1")
+def test_fp8_engine_with_the_rotation_in_rope_matches_the_torch_path(tiny_models, monkeypatch):
+    """A tiny Qwen3 with fp8 KV on its CUDA path, interpreted: rope_qkv rotates q and k and stores K R, V R (no
+    matmuls in Attention.forward, no separate store), and the greedy tokens are the torch reference path's."""
+    from picovllm import LLM, SamplingParams
+    rng = random.Random(7)
+    prompts = [[rng.randrange(384) for _ in range(n)] for n in (5, 12)]
+    kw = dict(device="cpu", block_size=8, num_kv_blocks=16, max_num_batched_tokens=8, kv_cache_dtype="fp8")
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    ref = [o.outputs[0].token_ids for o in LLM(tiny_models["qwen3"], attention_backend="torch", **kw).generate(
+        prompts, sp, use_tqdm=False)]
+    monkeypatch.setattr(kernels, "use_triton", lambda x: True)
+    llm = LLM(tiny_models["qwen3"], attention_backend="triton", **kw)   # its calibration runs before any cache
+    calls = []
+    real = rotary.rope_qkv
+    monkeypatch.setattr(rotary, "rope_qkv", lambda *a, **k: (
+        calls.append(a[8] is not None and a[8].rotation is not None), real(*a, **k))[1])
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    assert calls and all(calls), "rope_qkv was meant to apply the rotation and store K/V"
+    assert [o.outputs[0].token_ids for o in outs] == ref
+
+
 @pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1")
 def test_tiny_qwen3_through_the_fused_kernels_matches_hf(tiny_models, monkeypatch):
     """Every layer on its CUDA path (fused norms, rope_qkv, SiLU-and-mul, Triton attention), interpreted on the
@@ -211,10 +280,11 @@ def test_engine_with_the_store_in_rope_equals_the_separate_store(tiny_models, mo
     assert torch.equal(runs[0][1], runs[1][1])
 
 
-def test_kv_write_only_where_the_backend_takes_it_and_the_cache_is_not_rotated():
+def test_kv_write_only_where_the_backend_takes_it_and_the_kernel_can_rotate():
     """Attention.kv_write: the Triton backend with a bound cache gets K/V stored by rope_qkv; not the torch
-    reference backend, not before a cache is bound, and not an fp8 cache holding K and V times kv_rotation
-    (applied after rope_qkv, in Attention.forward): those store in the backend."""
+    reference backend, not before a cache is bound, and not a rotated cache of heads too narrow for rope_qkv's
+    rotation (head_dim 16: its half-head products would be 8 wide); a rotated cache of head_dim 64 is passed its
+    rotation."""
     from types import SimpleNamespace
     from picovllm.kernels.backend import TritonAttentionBackend
     from picovllm.layers.attention import Attention, kv_rotation
@@ -228,5 +298,10 @@ def test_kv_write_only_where_the_backend_takes_it_and_the_cache_is_not_rotated()
     assert w is not None and w.k_cache is cache and w.slot_mapping is meta.slot_mapping and w.kv_scales is None
     a.kv_rotation = kv_rotation(16, torch.float32, "cpu")
     assert a.kv_write(meta) is None
+    wide = Attention(4, 2, 64)
+    wide.backend, wide.k_cache = TritonAttentionBackend(), torch.zeros(2, 4, 2, 64)
+    wide.v_cache, wide.kv_rotation = wide.k_cache, kv_rotation(64, torch.float32, "cpu")
+    w = wide.kv_write(meta)
+    assert w is not None and w.rotation is wide.kv_rotation
     a.kv_rotation, a.k_cache = None, None
     assert a.kv_write(meta) is None

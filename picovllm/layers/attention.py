@@ -73,6 +73,8 @@ class KVWrite(NamedTuple):
     v_cache: torch.Tensor
     slot_mapping: torch.Tensor          # [T] int64; -1: a padding row, not stored
     kv_scales: KVScales | None          # given exactly when the caches are fp8
+    # the cache's rotation (Attention.kv_rotation), if any: the kernel stores k R and v R, and returns q R and k R
+    rotation: torch.Tensor | None = None
 
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -210,6 +212,11 @@ class TorchAttentionBackend(AttentionBackend):
         return o[0].transpose(0, 1)
 
 
+def _rotary_kernels():
+    from picovllm.kernels import rotary   # triton: imported only where a Triton backend asks (kv_write)
+    return rotary
+
+
 def kv_rotation(head_dim: int, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     """R [D, D], orthonormal and symmetric (R @ R = I): Sylvester's Hadamard matrix of the largest power of two
     dividing D, repeated along the diagonal, divided by its norm. An fp8 cache holds K R and V R: a head's few
@@ -245,17 +252,21 @@ class Attention(nn.Module):
 
     def kv_write(self, meta: AttentionMetadata) -> KVWrite | None:
         """Where the kernel that computes this step's K/V may store them (then forward(..., kv_stored=True)), or
-        None: the backend stores them (it cannot skip its store, no cache is bound, or the cache holds K and V
-        times kv_rotation, which forward applies after that kernel)."""
-        if not self.backend.accepts_stored_kv or self.k_cache is None or self.kv_rotation is not None:
+        None: the backend stores them (it cannot skip its store, no cache is bound, or the cache's rotation is
+        one that kernel cannot apply: kernels.rotary.rotation_fits)."""
+        if not self.backend.accepts_stored_kv or self.k_cache is None:
             return None
-        return KVWrite(self.k_cache, self.v_cache, meta.slot_mapping, self.kv_scales)
+        r = self.kv_rotation
+        if r is not None and not _rotary_kernels().rotation_fits(self.head_dim, r):
+            return None
+        return KVWrite(self.k_cache, self.v_cache, meta.slot_mapping, self.kv_scales, r)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
                 kv_stored: bool = False) -> torch.Tensor:
-        """kv_stored: k, v are in the cache already, written where kv_write(meta) said (never with a rotation)."""
+        """kv_stored: k, v are in the cache already, written where kv_write(meta) said; with a rotation, that
+        kernel also returned q and k rotated (v is not, and the backend reads a stored step's K/V from the cache)."""
         r = self.kv_rotation
-        if r is not None:
+        if r is not None and not kv_stored:
             q, k, v = q @ r, k @ r, v @ r
         # the keyword only when set: a backend that cannot skip its store need not take it
         stored = {"kv_stored": True} if kv_stored else {}
