@@ -16,6 +16,7 @@ import torch
 from picovllm import LLM, SamplingParams
 from picovllm.engine import kv_cache
 from picovllm.layers.rotary import RotaryEmbedding
+from test_gemma_moe import build_checkpoint
 from test_parity_hf import LOGPROB_ATOL, hf_greedy
 
 BASE = dict(num_hidden_layers=2, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=0)
@@ -32,20 +33,8 @@ BUDGET = 96    # max_num_batched_tokens: above Gemma's 64 positions, below Mistr
 
 
 def build(path: str, case: str) -> str:
-    import transformers
-
     cls, extra = CASES[case]
-    cfg = getattr(transformers, cls)(**{**BASE, **extra})
-    torch.manual_seed(len(case))
-    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:        # HF starts norms at 1 (Gemma's at 0, as 1 + w): make each one matter
-                p.copy_(("gemma" not in case) + 0.3 * torch.randn_like(p))
-            elif "q_proj" in name or "k_proj" in name:   # scores of a few units: the soft-cap bites
-                p.mul_(10)
-    model.save_pretrained(path)
-    return path
+    return build_checkpoint(path, case, cls, {**BASE, **extra})
 
 
 def test_two_shapes_in_one_process_match_hf_and_profile_within_the_rope_table(tmp_path, monkeypatch):

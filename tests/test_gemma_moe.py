@@ -42,10 +42,16 @@ CASES = {
 
 
 def build(path: str, case: str) -> str:
+    cls, extra = CASES[case]
+    return build_checkpoint(path, case, cls, {**BASE, **extra})
+
+
+def build_checkpoint(path: str, case: str, cls: str, config: dict) -> str:
+    """A random HF checkpoint of transformers' `cls` (a config class name) at path, its weights seeded by the case's
+    name and scaled so that every norm, router and soft-cap matters."""
     import transformers
 
-    cls, extra = CASES[case]
-    cfg = getattr(transformers, cls)(**{**BASE, **extra})
+    cfg = getattr(transformers, cls)(**config)
     torch.manual_seed(len(case))
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():
