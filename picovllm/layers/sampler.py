@@ -1,6 +1,6 @@
 """Batched sampling: per-request temperature, top-k, top-p, min-p and seeds as tensor ops.
 
-Sampling uses the exponential race: argmax(p / E) with E ~ Exp(1) draws from p. Seeded requests
+Sampling uses the exponential race: argmax(p / E) with E ~ Exp(1) (as -log U) draws from p. Seeded requests
 draw E from a generator seeded by (seed, output index), so a seeded request's tokens depend on
 nothing else in the batch, nor on preemption, nor on which engine (P or D) samples them.
 """
@@ -101,12 +101,14 @@ def _sample_torch(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     temp = torch.where(sampled_rows, t.temperature, 1.0)
     scaled = apply_top_k_top_p_min_p(logits / temp[:, None], t)
     probs = scaled.softmax(-1)
-    noise = torch.empty_like(probs).exponential_()
-    for row, seed in enumerate(t.seeds):
-        if seed is not None:
-            g = torch.Generator(device=probs.device).manual_seed(seed)
-            noise[row] = torch.empty(probs.shape[-1], device=probs.device).exponential_(generator=g)
-    sampled = (probs / noise).argmax(-1)
+    # E ~ Exp(1) drawn as -log(U), U ~ Uniform[0, 1): on the CPU 6x faster than exponential_ (4.4 against 0.74 ms for
+    # 4 rows of a 49k vocabulary), whose cost had nearly halved a small model's sampled decode rate (BENCHMARKS.md)
+    seeded = [(row, seed) for row, seed in enumerate(t.seeds) if seed is not None]
+    uniform = torch.rand_like(probs) if len(seeded) < probs.shape[0] else torch.empty_like(probs)
+    for row, seed in seeded:
+        g = torch.Generator(device=probs.device).manual_seed(seed)
+        uniform[row] = torch.rand(probs.shape[-1], device=probs.device, generator=g)
+    sampled = (probs / uniform.log_().neg_()).argmax(-1)
     return torch.where(sampled_rows, sampled, greedy)
 
 
