@@ -212,7 +212,9 @@ class BitmaskBuffers:
             dev = self._device_buffers[slot] = torch.empty(self._buffers[slot].shape, dtype=torch.int32, device=device)
         out = dev[:words.shape[0]]
         out.copy_(words, non_blocking=True)
-        event = self._events[slot] = self._events[slot] or torch.cuda.Event()
+        if self._events[slot] is None:
+            self._events[slot] = torch.cuda.Event()
+        event = self._events[slot]
         event.record()
         self._copied[slot] = event
         return out
