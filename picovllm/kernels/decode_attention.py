@@ -182,7 +182,7 @@ def num_splits_for(num_seqs: int, num_kv_heads: int) -> int:
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      seq_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None,
-                     block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+                     block_n: int | None = None, num_warps: int = 4, num_stages: int = 2,
                      num_splits: int | None = None, window: int | None = None,
                      softcap: float | None = None,
                      kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -204,7 +204,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     # long unsplit slices stream in 128-token tiles (3-4% faster on an H200), split ones in 64; over an fp8 cache too
     # (batch 256 of nano-like contexts: 245.9 us, the best of 16 configs, benchmarks/attention_kernels.py fp8)
     block_n = block_n or (128 if splits == 1 else 64)
-    num_warps, num_stages = num_warps or 4, num_stages or 2
     direct = splits == 1
     part_o = torch.empty(0 if direct else b, hq, splits, block_d, dtype=torch.float32, device=q.device)
     # part_lse is laid out as part_o without its last dim, so its offsets are part_o's // block_d
