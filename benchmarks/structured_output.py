@@ -105,17 +105,17 @@ def timed(obj, names: list[str], totals: dict[str, list]) -> None:
 def breakdown(llm, prompts, runs, tokens: int) -> None:
     """Host time per step of the engine's parts (inclusive, ms), for a plain and a constrained run: which part of a
     constrained step is the host's, and whether it waits for the device (resolve) or works."""
+    from picovllm import SamplingParams
+    from picovllm.engine import sampling
     from picovllm.layers import structured_output
     eng, totals = llm.engine, {}
     timed(eng, ["_schedule", "_prepare", "apply_results", "advance", "_fill_late_masks"], totals)
     timed(eng.executor, ["launch", "resolve"], totals)
     timed(eng.executor.runner, ["compute_logits", "launch_sampling"], totals)
     timed(structured_output.TokenBitmasks, ["fill", "to_device"], totals)
-    from picovllm.engine import sampling
     timed(sampling, ["apply_token_bitmasks", "adjust_logits", "sample", "_logprob_tensors", "_to_host"], totals)
     timed(structured_output, ["mask_logits"], totals)
     for name, extra in runs[1:3]:
-        from picovllm import SamplingParams
         totals.clear()
         sp = SamplingParams(temperature=1.0, seed=0, max_tokens=tokens, ignore_eos=True, **extra)
         t = time.perf_counter()

@@ -155,6 +155,13 @@ class TokenBitmasks:
             self._owner.fill_rows([s._matcher for s in states], self.words, rows)
             self.filled.extend(rows)
 
+    def word_rows(self) -> list[int]:
+        """For each sampling row, its row of `words` if filled, else -1 (left as it is)."""
+        rows = [-1] * self.words.shape[0]
+        for i in self.filled:
+            rows[i] = i
+        return rows
+
     def to_device(self, device: torch.device) -> torch.Tensor:
         """The words on the device (the buffer itself on the CPU; one non-blocking copy to a GPU, after which
         the buffer is not refilled until the copy is done)."""
@@ -177,8 +184,7 @@ class BitmaskBuffers:
         self.words = bitmask_words(vocab_size)
         self.device = device
         self._buffers: list[torch.Tensor | None] = [None, None]
-        self._copied: list[torch.cuda.Event | None] = [None, None]   # an upload's event not yet waited for
-        self._events: list[torch.cuda.Event | None] = [None, None]   # each slot's one event, recorded again
+        self._events: list[torch.cuda.Event | None] = [None, None]   # each slot's one event, after each upload
         self._device_buffers: list[torch.Tensor | None] = [None, None]
         self._next = 0
         self._ceilings: dict[torch.dtype, torch.Tensor] = {}    # the masked apply's table, by logits dtype
@@ -186,9 +192,8 @@ class BitmaskBuffers:
     def for_step(self, num_rows: int) -> TokenBitmasks:
         """The masks of a step with num_rows sampling rows, none filled yet."""
         slot, self._next = self._next, 1 - self._next
-        if self._copied[slot] is not None:
-            self._copied[slot].synchronize()
-            self._copied[slot] = None
+        if self._events[slot] is not None:      # its last upload (nearly always done): then the buffer is free
+            self._events[slot].synchronize()
         buf = self._buffers[slot]
         if buf is None or buf.shape[0] < num_rows:
             rows = max(64, 1 << (num_rows - 1).bit_length())
@@ -214,9 +219,7 @@ class BitmaskBuffers:
         out.copy_(words, non_blocking=True)
         if self._events[slot] is None:
             self._events[slot] = torch.cuda.Event()
-        event = self._events[slot]
-        event.record()
-        self._copied[slot] = event
+        self._events[slot].record()
         return out
 
 
@@ -249,19 +252,14 @@ def apply_token_bitmasks(logits: torch.Tensor, masks: TokenBitmasks | None) -> t
     if masks is None or not masks.filled:
         return logits
     if token_mask.usable(logits):      # CPU, float32: one pass in C
-        word_row = [-1] * logits.shape[0]
-        for i in masks.filled:
-            word_row[i] = i
-        return token_mask.mask_logits(logits, masks.words, word_row)
+        return token_mask.mask_logits(logits, masks.words, masks.word_rows())
     words = masks.to_device(logits.device)
     if use_triton(logits):     # one kernel, whichever rows are constrained
         from picovllm.kernels import token_mask as triton_mask
         rows = None
         if len(masks.filled) < logits.shape[0]:
-            rows = [-1] * logits.shape[0]
-            for i in masks.filled:
-                rows[i] = i
-            rows = torch.tensor(rows, dtype=torch.int32, pin_memory=logits.is_cuda).to(logits.device, non_blocking=True)
+            rows = torch.tensor(masks.word_rows(), dtype=torch.int32, pin_memory=logits.is_cuda)
+            rows = rows.to(logits.device, non_blocking=True)
         return triton_mask.mask_logits(logits, words, rows)
     ceilings = masks.ceilings(logits.dtype)
     if len(masks.filled) == logits.shape[0]:
