@@ -36,6 +36,13 @@ def paged(ctx_lens, dev="cuda"):
     return k, v, torch.tensor(tables, **i32), torch.tensor(ctx_lens, **i32)
 
 
+def decode_meta(lens, seq_lens, tables) -> AttentionMetadata:
+    """The torch reference's metadata for a decode-only batch of these contexts."""
+    return AttentionMetadata(seq_lens=seq_lens, block_tables=tables, num_decodes=len(lens), seq_lens_cpu=lens,
+                             slot_mapping=None, query_start_loc=None, max_query_len=1, max_seq_len=max(lens),
+                             query_lens_cpu=[1] * len(lens))
+
+
 def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
@@ -50,9 +57,7 @@ def bench_decode():
         lens = [ctx or random.randint(200, 2048) for _ in range(b)]
         k, v, tables, seq_lens = paged(lens)
         q = torch.randn(b, HQ, D, device="cuda", dtype=torch.bfloat16)
-        meta = AttentionMetadata(seq_lens=seq_lens, block_tables=tables, num_decodes=b, seq_lens_cpu=lens,
-                                 slot_mapping=None, query_start_loc=None, max_query_len=1, max_seq_len=max(lens),
-                                 query_lens_cpu=[1] * b)
+        meta = decode_meta(lens, seq_lens, tables)
         ref = TorchAttentionBackend._decode(q.float(), k.float(), v.float(), meta, D ** -0.5)
         nbytes = sum(lens) * HKV * D * 2 * 2
         for bn, w, s in configs:
@@ -94,9 +99,7 @@ def bench_decode_fp8():
         lens = [random.randint(200, 2048) for _ in range(b)]
         k, v, tables, seq_lens = paged(lens)
         q = torch.randn(b, HQ, D, device="cuda", dtype=torch.bfloat16)
-        meta = AttentionMetadata(seq_lens=seq_lens, block_tables=tables, num_decodes=b, seq_lens_cpu=lens,
-                                 slot_mapping=None, query_start_loc=None, max_query_len=1, max_seq_len=max(lens),
-                                 query_lens_cpu=[1] * b)
+        meta = decode_meta(lens, seq_lens, tables)
         ks = torch.full((HKV,), 0.02, device="cuda")     # |randn| < 5 fits e4m3 (max 448) times 0.02
         k8, v8 = (k / 0.02).to(torch.float8_e4m3fn), (v / 0.02).to(torch.float8_e4m3fn)
         for kv, kc, vc, scales, width in (("bf16", k, v, None, 2), ("fp8", k8, v8, (ks, ks), 1)):
