@@ -4,6 +4,7 @@
 
     python benchmarks/attention_kernels.py splits      # split counts at nano-like batches
     python benchmarks/attention_kernels.py fp8         # bf16 against fp8 caches: tiles, warps, stages, splits
+    python benchmarks/attention_kernels.py sweep [B..] # both caches at batches B: the default against tiles x stages x splits
 
 Decode reads K and V once: bytes = sum(ctx) * Hkv * D * 2 (K, V) * 2 bytes (1 byte for fp8). Each config is first
 checked against the torch reference (relative error), then timed with triton.testing.do_bench (median).
@@ -125,6 +126,29 @@ def bench_decode_fp8():
             print(f"best {kv} batch {b}: {best[1]} at {best[0]:.2f} TB/s", flush=True)
 
 
+def bench_decode_sweep(batches):
+    """The default config against 128/64-token tiles x 2/3 stages x 1-12 splits, bf16 and fp8 caches, nano-like
+    contexts (100-2048 tokens); best of two medians each. Prints the default and the five fastest."""
+    from picovllm.kernels.decode_attention import num_splits_for
+    random.seed(3)
+    for b in batches:
+        lens = [random.randint(100, 2048) for _ in range(b)]
+        k, v, tables, seq_lens = paged(lens)
+        q = torch.randn(b, HQ, D, device="cuda", dtype=torch.bfloat16)
+        ks = torch.full((HKV,), 0.02, device="cuda")
+        k8, v8 = (k / 0.02).to(torch.float8_e4m3fn), (v / 0.02).to(torch.float8_e4m3fn)
+        for kv, kc, vc, sc in (("bf16", k, v, None), ("fp8", k8, v8, (ks, ks))):
+            def time(**kw):
+                f = lambda: decode_attention(q, kc, vc, tables, seq_lens, D ** -0.5, kv_scales=sc, **kw)  # noqa
+                return min(triton.testing.do_bench(f, warmup=10, rep=50, return_mode="median") for _ in range(2)) * 1e3
+            dflt = num_splits_for(b, HKV)
+            res = sorted((time(block_n=bn, num_stages=st, num_splits=sp), bn, st, sp)
+                         for bn in (64, 128) for st in (2, 3) for sp in sorted({1, 2, 3, 4, 6, 8, 12, dflt})
+                         if b * HKV * sp <= 12000)
+            print(f"{kv} b{b}: default {time():.1f} us (splits {dflt}); best " +
+                  "; ".join(f"{u:.1f} bn{bn} st{st} sp{sp}" for u, bn, st, sp in res[:5]), flush=True)
+
+
 def bench_prefill():
     print("prefill 8k: block_m, block_n, warps, stages -> ms, TFLOP/s, rel_err")
     n = 8192
@@ -163,6 +187,8 @@ if __name__ == "__main__":
         bench_decode_splits()
     elif sys.argv[1:] == ["fp8"]:
         bench_decode_fp8()
+    elif sys.argv[1:2] == ["sweep"]:
+        bench_decode_sweep([int(b) for b in sys.argv[2:]] or [32, 64, 128, 192, 256])
     else:
         bench_decode()
         bench_prefill()

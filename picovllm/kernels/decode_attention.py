@@ -201,9 +201,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     group = hq // hkv
     block_d = triton.next_power_of_2(d)
     splits = num_splits or num_splits_for(b, hkv)
-    # long unsplit slices stream in 128-token tiles (3-4% faster on an H200), split ones in 64; over an fp8 cache too
-    # (batch 256 of nano-like contexts: 245.9 us, the best of 16 configs, benchmarks/attention_kernels.py fp8)
-    block_n = block_n or (128 if splits == 1 else 64)
+    # 128-token tiles, but for the many short slices of a small batch (more than 12 splits: batches of at most 16
+    # sequences here). On an H200 at batches of 32-256 nano-like contexts, 128 against 64 was 8-10% faster over an
+    # fp8 cache and 1-3% over bf16 (benchmarks/attention_kernels.py sweep; BENCHMARKS.md)
+    block_n = block_n or (64 if splits > 12 else 128)
     direct = splits == 1
     part_o = torch.empty(0 if direct else b, hq, splits, block_d, dtype=torch.float32, device=q.device)
     # part_lse is laid out as part_o without its last dim, so its offsets are part_o's // block_d
