@@ -127,7 +127,7 @@ def breakdown(llm, prompts, runs, tokens: int) -> None:
 
 
 def throughput(batch: int, tokens: int, cprofile: bool = False, fill_threads: int | None = None,
-               show_breakdown: bool = False) -> None:
+               show_breakdown: bool = False, repeats: int = 3) -> None:
     from picovllm import LLM, SamplingParams, StructuredOutputsParams
     from picovllm.layers import structured_output
     if fill_threads is not None:
@@ -138,7 +138,10 @@ def throughput(batch: int, tokens: int, cprofile: bool = False, fill_threads: in
     # exactly `tokens` tokens per request; with {400} some requests ended early (7,138 of 64 x 128 tokens on the
     # H200), and the shrinking batch, not the masks, cost some of the constrained rate
     so = StructuredOutputsParams(regex=REGEX)
-    runs = [("warm-up", {})] + [("plain", {}), ("regex", {"structured_outputs": so})] * 3   # interleaved: noise
+    # both warmed up (the grammar's compile out of the timed runs), then interleaved: the host's load drifts
+    runs = [("warm-up", {}), ("warm-up", {"structured_outputs": so})] + \
+        [("plain", {}), ("regex", {"structured_outputs": so})] * repeats
+    seconds: dict[str, float] = {"plain": 0.0, "regex": 0.0}
     for name, extra in runs:
         sp = SamplingParams(temperature=1.0, seed=0, max_tokens=tokens, ignore_eos=True, **extra)
         t = time.perf_counter()
@@ -147,12 +150,17 @@ def throughput(batch: int, tokens: int, cprofile: bool = False, fill_threads: in
         n = sum(len(o.outputs[0].token_ids) for o in outs)
         assert n == batch * tokens, f"{name}: {n} tokens, not {batch} x {tokens}"
         print(f"batch {batch}, {name:7s}: {n} tokens in {dt:.2f} s = {n / dt:.1f} tok/s")
+        if name in seconds:
+            seconds[name] += dt
+    print(f"batch {batch}, {repeats} runs each: plain {batch * tokens * repeats / seconds['plain']:.1f} tok/s, "
+          f"constrained {batch * tokens * repeats / seconds['regex']:.1f} tok/s: cost "
+          f"{(1 - seconds['plain'] / seconds['regex']) * 100:.1f}% (1 - plain time / constrained time)")
     if show_breakdown:
-        breakdown(llm, prompts, runs, tokens)
+        breakdown(llm, prompts, runs[1:], tokens)
     if cprofile:        # where the host's time goes in a plain and a constrained run
         import cProfile
         import pstats
-        for name, extra in runs[1:3]:
+        for name, extra in runs[2:4]:
             sp = SamplingParams(temperature=1.0, seed=0, max_tokens=tokens, ignore_eos=True, **extra)
             prof = cProfile.Profile()
             prof.runcall(llm.generate, prompts, sp, use_tqdm=False)
@@ -208,6 +216,7 @@ def main() -> None:
     ap.add_argument("--cprofile", action="store_true", help="the top functions of a constrained run (and, with --throughput-only, of a plain one)")
     ap.add_argument("--breakdown", action="store_true", help="host time per step of the engine's parts, plain and constrained")
     ap.add_argument("--fill-threads", type=int, help="threads of xgrammar's batched mask fill (default: the engine's choice)")
+    ap.add_argument("--repeats", type=int, default=3, help="--throughput-only: timed runs of each, interleaved")
     args = ap.parse_args()
     if args.host_profile:
         return host_profile(args.batch, args.tokens, args.overlap, args.cprofile, args.fill_threads)
@@ -220,7 +229,7 @@ def main() -> None:
             if not args.skip_llguidance:   # llguidance's compact JSON has no space after ':' and ','
                 compact = json.dumps(VALUE, separators=(",", ":"))
                 report("llguidance", vocab, llguidance_times(tok, vocab, tok.encode(compact, add_special_tokens=False)))
-    throughput(args.batch, args.tokens, args.cprofile, args.fill_threads, args.breakdown)
+    throughput(args.batch, args.tokens, args.cprofile, args.fill_threads, args.breakdown, args.repeats)
 
 
 if __name__ == "__main__":

@@ -506,6 +506,40 @@ def test_fused_experts_match_torch(device, dtype, tol, tokens, experts, top_k):
     assert rel_err(out.cpu(), ref) < tol
 
 
+@pytest.mark.parametrize("device", [interpreted("cpu", id="interp"), compiled("cuda", id="gpu")])
+@pytest.mark.parametrize("tokens,experts,top_k,renormalize", [(5, 8, 2, True), (33, 128, 8, True), (7, 64, 1, False),
+                                                              (3, 60, 4, False), (1, 8, 8, True)])
+def test_route_topk_matches_torch(device, tokens, experts, top_k, renormalize):
+    """The routing kernel against layers.moe.route: the same experts in the same (descending) order, weights within
+    float32 rounding; 60 experts is not a power of two (the kernel pads to 64), top-8 of 8 takes every expert."""
+    from picovllm.kernels.moe import route_topk
+    from picovllm.layers.moe import route
+    logits = torch.randn(tokens, experts, generator=torch.Generator().manual_seed(experts + top_k)) * 2
+    want_w, want_ids = route(logits.double(), top_k, renormalize)
+    got_w, got_ids = route_topk(logits.to(device), top_k, renormalize)
+    assert got_ids.dtype == torch.int64 and got_w.dtype == torch.float32
+    assert torch.equal(got_ids.cpu(), want_ids)
+    assert (got_w.cpu().double() - want_w).abs().max() < 1e-6
+
+
+@pytest.mark.parametrize("device", [interpreted("cpu", id="interp"), compiled("cuda", id="gpu")])
+@pytest.mark.parametrize("tokens,experts,top_k,block_m", [(5, 8, 2, 16), (256, 128, 8, 16), (40, 64, 1, 64),
+                                                          (3, 4, 4, 16), (70, 8, 2, 128)])
+def test_group_kernel_matches_torch_sort(device, tokens, experts, top_k, block_m):
+    """The one-program counting sort gives group_by_expert_torch's rows and tile experts exactly: experts no token
+    picked (3 tokens of 64 experts at top-1...), segments longer than a tile, a batch's 2048 pairs over 128 experts
+    (Qwen3-30B-A3B's decode step at batch 256), more pairs than one 64-pair chunk."""
+    from picovllm.kernels.moe import group_by_expert, group_by_expert_torch
+    from picovllm.layers.moe import route
+    g = torch.Generator().manual_seed(tokens * experts)
+    _, ids = route(torch.randn(tokens, experts, generator=g), top_k, renormalize=False)
+    if experts == 64:
+        ids = ids % 5          # most experts empty
+    want_rows, want_tiles = group_by_expert_torch(ids, experts, block_m)
+    rows, tiles = group_by_expert(ids.to(device), experts, block_m)
+    assert torch.equal(rows.cpu(), want_rows) and torch.equal(tiles.cpu(), want_tiles)
+
+
 @pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 (two real GPUs: test_tp.py)")
 def test_one_flag_all_reduce_layout_and_epochs():
     """The small all-reduce kernel of rank 0 and then rank 1, run one after the other on CPU buffers

@@ -7,6 +7,10 @@ in segments padded to BLOCK_M rows, so every row tile belongs to one expert; `ro
 (T*k + E*(BLOCK_M-1) slots), known on the host. gate_up: x's rows gathered by token (pair // k) -> [T*k, 2I];
 the activation; down: rows by pair, scaled by the routing weight -> [T*k, H]; the k rows of a token summed.
 The torch reference is picovllm.layers.moe.experts_reference.
+
+A decode step's routing is two launches (route_topk: softmax, top-k and renormalisation per token; one program's
+counting sort for group_by_expert), where torch's ops took about twenty small kernels a layer; larger batches
+(prefill chunks) group with torch (group_by_expert_torch, the sort kernel's reference).
 """
 from __future__ import annotations
 
@@ -48,9 +52,106 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, rows_ptr, tile_expert_ptr, scale
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & (offs_n[None, :] < N))
 
 
+@triton.jit
+def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l,
+                  TOP_K: tl.constexpr, K_PAD: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr):
+    """One token: softmax over its experts' logits in float32, the TOP_K largest in descending order (repeated
+    argmax), renormalised to sum to 1 if asked (layers.moe.route)."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_E)
+    x = tl.load(logits_ptr + t * stride_l + offs, mask=offs < num_experts, other=float("-inf")).to(tl.float32)
+    p = tl.exp(x - tl.max(x, 0))
+    p = p / tl.sum(p, 0)
+    left = tl.where(offs < num_experts, p, -1.0)     # the experts not taken yet (probabilities are >= 0)
+    k = tl.arange(0, K_PAD)
+    weights = tl.zeros([K_PAD], tl.float32)
+    ids = tl.zeros([K_PAD], tl.int32)
+    for j in tl.static_range(TOP_K):
+        best = tl.argmax(left, 0)
+        weights = tl.where(k == j, tl.max(left, 0), weights)
+        ids = tl.where(k == j, best, ids)
+        left = tl.where(offs == best, -1.0, left)
+    if RENORMALIZE:
+        weights = weights / tl.sum(weights, 0)
+    tl.store(weights_ptr + t * TOP_K + k, weights, mask=k < TOP_K)
+    tl.store(ids_ptr + t * TOP_K + k, ids, mask=k < TOP_K)
+
+
+def route_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """layers.moe.route in one launch: [T, E] logits -> (weights [T, k] float32, expert ids [T, k] int64)."""
+    t, e = router_logits.shape
+    weights = torch.empty(t, top_k, dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty(t, top_k, dtype=torch.int64, device=router_logits.device)
+    if t:
+        _route_kernel[(t,)](router_logits, weights, ids, e, router_logits.stride(0), TOP_K=top_k,
+                            K_PAD=triton.next_power_of_2(top_k), RENORMALIZE=renormalize,
+                            BLOCK_E=triton.next_power_of_2(e))
+    return weights, ids
+
+
+@triton.jit
+def _group_kernel(ids_ptr, rows_ptr, tile_expert_ptr, num_pairs, num_slots, num_experts,
+                  BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
+    """One program: group_by_expert_torch's layout by a counting sort, CHUNK pairs at a time as [CHUNK, experts]
+    one-hot tiles. Pass 1 counts each expert's pairs; the segments follow (padded to BLOCK_M); every slot is set
+    to -1 and each tile's expert written; then pass 2 puts each pair in its expert's segment, after the pairs of
+    that expert before it (stable, as the reference's sort)."""
+    e = tl.arange(0, BLOCK_E)
+    c = tl.arange(0, CHUNK)
+    counts = tl.zeros([BLOCK_E], tl.int32)
+    for p0 in range(0, num_pairs, CHUNK):
+        ids = tl.load(ids_ptr + p0 + c, mask=p0 + c < num_pairs, other=-1)
+        counts += tl.sum((ids[:, None] == e[None, :]).to(tl.int32), 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    seg_end = tl.cumsum(padded, 0)
+    seg_start = seg_end - padded
+    for s0 in range(0, num_slots, CHUNK):
+        tl.store(rows_ptr + s0 + c, tl.full([CHUNK], -1, tl.int32), mask=s0 + c < num_slots)
+    num_tiles = num_slots // BLOCK_M
+    for t0 in range(0, num_tiles, CHUNK):
+        first = (t0 + c) * BLOCK_M       # each tile's first slot; its expert: the segments that end at or before it
+        expert = tl.sum((seg_end[None, :] <= first[:, None]).to(tl.int32), 1)
+        tl.store(tile_expert_ptr + t0 + c, tl.where(expert < num_experts, expert, -1), mask=t0 + c < num_tiles)
+    tl.debug_barrier()     # the -1s are written before any thread writes a pair's slot
+    seen = tl.zeros([BLOCK_E], tl.int32)    # pairs of each expert placed so far
+    for p0 in range(0, num_pairs, CHUNK):
+        pair = p0 + c
+        ids = tl.load(ids_ptr + pair, mask=pair < num_pairs, other=-1)
+        onehot = (ids[:, None] == e[None, :]).to(tl.int32)
+        before = tl.cumsum(onehot, 0) - onehot + seen[None, :]     # [CHUNK, E]: earlier pairs of each expert
+        slot = tl.sum(onehot * (seg_start[None, :] + before), 1)
+        tl.store(rows_ptr + slot, pair, mask=pair < num_pairs)
+        seen += tl.sum(onehot, 0)
+
+
+# group_by_expert sorts up to this many pairs in its one program (decode batches); more go to torch's sort
+GROUP_KERNEL_MAX_PAIRS = 8192
+
+
+def _num_slots(pairs: int, num_experts: int, block_m: int) -> int:
+    """Slots for `pairs` pairs in segments padded to block_m, whatever the experts' counts (a whole tile's worth)."""
+    slots = pairs + num_experts * (block_m - 1)
+    return -(-slots // block_m) * block_m
+
+
 def group_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """ids [T, k] -> (rows [slots] int32: pair index per slot, -1 for padding; tile_expert [slots / block_m] int32:
-    each row tile's expert, -1 past the end). Expert segments are padded to block_m rows."""
+    each row tile's expert, -1 past the end). Expert segments are padded to block_m rows. Up to
+    GROUP_KERNEL_MAX_PAIRS pairs: one Triton program (_group_kernel); more: group_by_expert_torch."""
+    pairs = ids.numel()
+    if pairs > GROUP_KERNEL_MAX_PAIRS:
+        return group_by_expert_torch(ids, num_experts, block_m)
+    slots = _num_slots(pairs, num_experts, block_m)
+    rows = torch.empty(slots, dtype=torch.int32, device=ids.device)
+    tile_expert = torch.empty(slots // block_m, dtype=torch.int32, device=ids.device)
+    _group_kernel[(1,)](ids.contiguous(), rows, tile_expert, pairs, slots, num_experts, BLOCK_M=block_m,
+                        BLOCK_E=triton.next_power_of_2(num_experts), CHUNK=64, num_warps=8)
+    return rows, tile_expert
+
+
+def group_by_expert_torch(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """group_by_expert in torch ops (a stable sort of the pairs by expert): larger batches, and the kernel's
+    reference."""
     flat = ids.flatten()
     pairs, e = flat.numel(), num_experts
     dev = ids.device
@@ -59,8 +160,7 @@ def group_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[
     padded = (counts + block_m - 1) // block_m * block_m
     seg_end = padded.cumsum(0)
     rank = torch.arange(pairs, device=dev) - (counts.cumsum(0) - counts)[flat[order]]   # place within its expert
-    slots = pairs + e * (block_m - 1)
-    slots = -(-slots // block_m) * block_m
+    slots = _num_slots(pairs, e, block_m)
     rows = torch.full((slots,), -1, dtype=torch.int32, device=dev)
     rows[(seg_end - padded)[flat[order]] + rank] = order.to(torch.int32)
     starts = torch.arange(0, slots, block_m, device=dev)

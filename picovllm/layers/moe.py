@@ -5,8 +5,8 @@ Under tensor parallelism every rank holds every expert with its intermediate dim
 (gate/up column-parallel, down row-parallel): each rank computes every routed token's partial output, and one
 all-reduce of the combined sum finishes the layer. The router is replicated, so the ranks route alike.
 
-route() and experts_reference() are the torch reference: the CPU path, and the oracle of the grouped Triton
-kernels (picovllm/kernels/moe.py) that the layer runs on the GPU.
+route() and experts_reference() are the torch reference: the CPU path, and the oracle of the routing and grouped
+Triton kernels (picovllm/kernels/moe.py) that the layer runs on the GPU.
 """
 from __future__ import annotations
 
@@ -80,11 +80,13 @@ class FusedMoE(nn.Module):
         dst.copy_(src)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
+        logits = self.gate(x)
         w13, w2 = self.experts.gate_up_proj, self.experts.down_proj
-        if x.is_cuda:   # tokens grouped by expert, a grouped GEMM per projection; the torch code is its reference
-            from picovllm.kernels.moe import fused_experts
+        if x.is_cuda:   # routed in one kernel, tokens grouped by expert, a grouped GEMM per projection; the torch
+            from picovllm.kernels.moe import fused_experts, route_topk    # code is their reference
+            weights, ids = route_topk(logits, self.top_k, self.renormalize)
             out = fused_experts(x, weights, ids, w13, w2, self.act)
         else:
+            weights, ids = route(logits, self.top_k, self.renormalize)
             out = experts_reference(x, weights, ids, w13, w2, self.act)
         return self.tp.all_reduce(out)
