@@ -156,6 +156,33 @@ def test_rotation_keeps_attention_and_shrinks_fp8_error_on_outlier_channels():
     assert rotated < 0.75 * plain, (plain, rotated)
 
 
+def test_output_rotation_folds_into_o_proj():
+    """fold_output_rotations moves each attention's output rotation into its o_proj: o_proj' (out) equals o_proj (out
+    R per head) in float64 (3 heads of 80: R is 5 Hadamard blocks of 16), the attention is marked so its forward
+    skips the matmul, and a second call folds nothing. A layer without a rotation (float KV) is left alone."""
+    from torch import nn
+    from picovllm.engine.kv_scales import fold_output_rotations
+    from picovllm.layers.attention import Attention, kv_rotation
+    from picovllm.layers.linear import RowParallelLinear
+    heads, d, hidden = 3, 80, 32
+    g = torch.Generator().manual_seed(0)
+    layers = nn.ModuleList()
+    for rotate in (True, False):
+        layer = nn.Module()
+        layer.attn, layer.o_proj = Attention(heads, 1, d), RowParallelLinear(heads * d, hidden)
+        layer.o_proj.weight.data = torch.randn(hidden, heads * d, generator=g, dtype=torch.float64)
+        layer.attn.kv_rotation = kv_rotation(d, torch.float64, "cpu") if rotate else None
+        layers.append(layer)
+    before = [layer.o_proj.weight.detach().clone() for layer in layers]
+    out = torch.randn(5, heads, d, generator=g, dtype=torch.float64)
+    want = (out @ layers[0].attn.kv_rotation).flatten(1) @ before[0].T
+    assert fold_output_rotations(layers) == 1
+    assert layers[0].attn.output_rotated and not layers[1].attn.output_rotated
+    assert torch.allclose(layers[0].o_proj(out.flatten(1)), want, atol=1e-12)
+    assert torch.equal(layers[1].o_proj.weight, before[1])
+    assert fold_output_rotations(layers) == 0
+
+
 # -- quality on the default model ----------------------------------------------------------------------------
 
 def test_default_model_perplexity_within_one_percent_of_float_kv():
@@ -351,6 +378,9 @@ def test_engine_gpu_fp8_with_cuda_graphs_matches_cpu_fp8(tiny_models):
         assert runner.kv_cache.dtype == FP8 and type(runner.attn_backend).__name__ == "TritonAttentionBackend"
         for a, b in zip(runner.kv_scales, cpu.engine.runner.kv_scales):
             assert torch.equal(a.cpu(), b)
+        # the GPU folds the output rotation into o_proj; the CPU reference keeps the matmul
+        assert all(a.output_rotated for a in runner.model.attention_layers())
+        assert not any(a.output_rotated for a in cpu.engine.runner.model.attention_layers())
         replays = []
         if not eager:
             real_run = runner.cuda_graphs.run

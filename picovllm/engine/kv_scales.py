@@ -126,6 +126,8 @@ def bind_calibrated(model: torch.nn.Module, source, tp, device: torch.device) ->
     k, v = calibrate(model, ids, device)
     for i, a in enumerate(model.attention_layers()):
         a.kv_scales = (k[i].contiguous(), v[i].contiguous())
+    if device.type == "cuda":   # the CPU's packed, quantized and C-stack weights keep the output's matmul
+        fold_output_rotations(model)
     if tp.size == 1:
         return k, v
     import torch.distributed as dist
@@ -135,6 +137,30 @@ def bind_calibrated(model: torch.nn.Module, source, tp, device: torch.device) ->
     full[0, :, start:start + count], full[1, :, start:start + count] = k, v
     dist.all_reduce(full, op=dist.ReduceOp.MAX, group=tp.group)    # replicated heads: the same on each rank
     return full[0], full[1]
+
+
+def fold_output_rotations(model: torch.nn.Module) -> int:
+    """Where an attention module's output projection is its `o_proj` (the shared decoder's and Gemma's layers), move
+    the cache's rotation R into that projection: o_proj(out R) = x_rot @ (W B)^T with B = diag(R, ..., R) over the
+    heads, so W's columns of head h become W_h R (in float64, rounded once to W's dtype) and the attention output
+    stays rotated (Attention.output_rotated): one [tokens, heads, D] x [D, D] matmul a layer fewer. Under tensor
+    parallelism a rank's o_proj holds its own heads' columns, so the fold is local. Returns the layers folded."""
+    from picovllm.layers.attention import Attention
+    n = 0
+    for m in model.modules():
+        attn, o_proj = getattr(m, "attn", None), getattr(m, "o_proj", None)
+        if not isinstance(attn, Attention) or attn.kv_rotation is None or attn.output_rotated or o_proj is None:
+            continue
+        w = getattr(o_proj, "weight", None)
+        if w is None or w.dim() != 2 or not w.dtype.is_floating_point or getattr(o_proj, "packed", None) is not None \
+                or w.shape[1] % attn.head_dim:
+            continue
+        r = attn.kv_rotation.to(torch.float64)
+        heads = w.shape[1] // attn.head_dim
+        w.data.copy_((w.data.to(torch.float64).view(w.shape[0], heads, attn.head_dim) @ r).view(w.shape))
+        attn.output_rotated = True
+        n += 1
+    return n
 
 
 def _local_kv_heads(model: torch.nn.Module) -> tuple[int, int]:

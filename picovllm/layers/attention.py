@@ -236,7 +236,8 @@ class Attention(nn.Module):
     scale: of the scores (default head_dim ** -0.5); sliding_window: attend to the last this many positions
     only (None: all); softcap: soft-cap the scores (see AttentionBackend.forward); kv_scales: this layer's
     (k_scale, v_scale) when the cache is fp8 (bound by the model runner with the cache, else None), and then
-    kv_rotation too: q, k and v enter the backend times it, and the output leaves times it (kv_rotation())."""
+    kv_rotation too: q, k and v enter the backend times it, and the output leaves times it (kv_rotation()), unless
+    output_rotated: the output projection's weight holds the rotation (engine/kv_scales.py fold_output_rotations)."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None,
                  sliding_window: int | None = None, softcap: float | None = None) -> None:
@@ -248,6 +249,7 @@ class Attention(nn.Module):
         self.v_cache: torch.Tensor | None = None
         self.kv_scales: KVScales | None = None
         self.kv_rotation: torch.Tensor | None = None
+        self.output_rotated = False
         self.backend: AttentionBackend = TorchAttentionBackend()
 
     def kv_write(self, meta: AttentionMetadata) -> KVWrite | None:
@@ -272,4 +274,4 @@ class Attention(nn.Module):
         stored = {"kv_stored": True} if kv_stored else {}
         out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.sliding_window,
                                    self.softcap, self.kv_scales, **stored)
-        return out if r is None else out @ r
+        return out if r is None or self.output_rotated else out @ r
