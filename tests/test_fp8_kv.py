@@ -183,6 +183,31 @@ def test_output_rotation_folds_into_o_proj():
     assert fold_output_rotations(layers) == 0
 
 
+def test_folded_output_rotation_keeps_the_engines_results(tiny_models):
+    """The fold end to end (the GPU does it at start-up; here on the CPU's torch path, its packed copies and C decode
+    step set aside): an fp8 engine with every o_proj folded decodes the unfolded engine's greedy tokens, each
+    token's logprob within float32 rounding."""
+    from picovllm.engine.kv_scales import fold_output_rotations
+    prompts = _prompts([5, 17, 40])
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
+    kw = dict(dtype="float32", block_size=16, num_kv_blocks=64, kv_cache_dtype="fp8", enforce_eager=True)
+    res = []
+    for fold in (False, True):
+        llm = LLM(tiny_models["qwen3"], device="cpu", **kw)
+        runner = llm.engine.runner
+        if fold:
+            for m in runner.model.modules():
+                if hasattr(m, "packed"):
+                    m.packed = None
+            runner.cpu_decode = None
+            assert fold_output_rotations(runner.model) == len(runner.model.attention_layers())
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        res.append([(t, lp[t].logprob) for o in outs for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)])
+        llm.shutdown()
+    assert [t for t, _ in res[0]] == [t for t, _ in res[1]]
+    assert max(abs(a - b) for (_, a), (_, b) in zip(*res)) < 1e-4
+
+
 # -- quality on the default model ----------------------------------------------------------------------------
 
 def test_default_model_perplexity_within_one_percent_of_float_kv():
