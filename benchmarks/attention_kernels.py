@@ -44,6 +44,12 @@ def decode_meta(lens, seq_lens, tables) -> AttentionMetadata:
                              query_lens_cpu=[1] * len(lens))
 
 
+def fp8_caches(k, v, scale=0.02):
+    """k, v / scale in e4m3 and their (k_scale, v_scale) per KV head: |randn| < 5 fits e4m3 (max 448) times 0.02."""
+    ks = torch.full((HKV,), scale, device=k.device)
+    return (k / scale).to(torch.float8_e4m3fn), (v / scale).to(torch.float8_e4m3fn), (ks, ks)
+
+
 def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
@@ -101,9 +107,8 @@ def bench_decode_fp8():
         k, v, tables, seq_lens = paged(lens)
         q = torch.randn(b, HQ, D, device="cuda", dtype=torch.bfloat16)
         meta = decode_meta(lens, seq_lens, tables)
-        ks = torch.full((HKV,), 0.02, device="cuda")     # |randn| < 5 fits e4m3 (max 448) times 0.02
-        k8, v8 = (k / 0.02).to(torch.float8_e4m3fn), (v / 0.02).to(torch.float8_e4m3fn)
-        for kv, kc, vc, scales, width in (("bf16", k, v, None, 2), ("fp8", k8, v8, (ks, ks), 1)):
+        k8, v8, s8 = fp8_caches(k, v)
+        for kv, kc, vc, scales, width in (("bf16", k, v, None, 2), ("fp8", k8, v8, s8, 1)):
             ref = TorchAttentionBackend._decode(q.float(), kc.float() * (0.02 if scales else 1),
                                                 vc.float() * (0.02 if scales else 1), meta, D ** -0.5)
             nbytes = sum(lens) * HKV * D * 2 * width
@@ -135,9 +140,8 @@ def bench_decode_sweep(batches):
         lens = [random.randint(100, 2048) for _ in range(b)]
         k, v, tables, seq_lens = paged(lens)
         q = torch.randn(b, HQ, D, device="cuda", dtype=torch.bfloat16)
-        ks = torch.full((HKV,), 0.02, device="cuda")
-        k8, v8 = (k / 0.02).to(torch.float8_e4m3fn), (v / 0.02).to(torch.float8_e4m3fn)
-        for kv, kc, vc, sc in (("bf16", k, v, None), ("fp8", k8, v8, (ks, ks))):
+        k8, v8, s8 = fp8_caches(k, v)
+        for kv, kc, vc, sc in (("bf16", k, v, None), ("fp8", k8, v8, s8)):
             def time(**kw):
                 f = lambda: decode_attention(q, kc, vc, tables, seq_lens, D ** -0.5, kv_scales=sc, **kw)  # noqa
                 return min(triton.testing.do_bench(f, warmup=10, rep=50, return_mode="median") for _ in range(2)) * 1e3

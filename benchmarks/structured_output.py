@@ -103,8 +103,9 @@ def timed(obj, names: list[str], totals: dict[str, list]) -> None:
 
 
 def breakdown(llm, prompts, runs, tokens: int) -> None:
-    """Host time per step of the engine's parts (inclusive, ms), for a plain and a constrained run: which part of a
-    constrained step is the host's, and whether it waits for the device (resolve) or works."""
+    """Host time per step of the engine's parts (inclusive, ms), for each (name, extra params) of `runs` (a plain
+    and a constrained one): which part of a constrained step is the host's, and whether it waits for the device
+    (resolve) or works."""
     from picovllm import SamplingParams
     from picovllm.engine import sampling
     from picovllm.layers import structured_output
@@ -115,7 +116,7 @@ def breakdown(llm, prompts, runs, tokens: int) -> None:
     timed(structured_output.TokenBitmasks, ["fill", "to_device"], totals)
     timed(sampling, ["apply_token_bitmasks", "adjust_logits", "sample", "_logprob_tensors", "_to_host"], totals)
     timed(structured_output, ["mask_logits"], totals)
-    for name, extra in runs[1:3]:
+    for name, extra in runs:
         totals.clear()
         sp = SamplingParams(temperature=1.0, seed=0, max_tokens=tokens, ignore_eos=True, **extra)
         t = time.perf_counter()
@@ -139,8 +140,8 @@ def throughput(batch: int, tokens: int, cprofile: bool = False, fill_threads: in
     # H200), and the shrinking batch, not the masks, cost some of the constrained rate
     so = StructuredOutputsParams(regex=REGEX)
     # both warmed up (the grammar's compile out of the timed runs), then interleaved: the host's load drifts
-    runs = [("warm-up", {}), ("warm-up", {"structured_outputs": so})] + \
-        [("plain", {}), ("regex", {"structured_outputs": so})] * repeats
+    pair = [("plain", {}), ("regex", {"structured_outputs": so})]
+    runs = [("warm-up", {}), ("warm-up", {"structured_outputs": so})] + pair * repeats
     seconds: dict[str, float] = {"plain": 0.0, "regex": 0.0}
     for name, extra in runs:
         sp = SamplingParams(temperature=1.0, seed=0, max_tokens=tokens, ignore_eos=True, **extra)
@@ -156,11 +157,11 @@ def throughput(batch: int, tokens: int, cprofile: bool = False, fill_threads: in
           f"constrained {batch * tokens * repeats / seconds['regex']:.1f} tok/s: cost "
           f"{(1 - seconds['plain'] / seconds['regex']) * 100:.1f}% (1 - plain time / constrained time)")
     if show_breakdown:
-        breakdown(llm, prompts, runs[1:], tokens)
+        breakdown(llm, prompts, pair, tokens)
     if cprofile:        # where the host's time goes in a plain and a constrained run
         import cProfile
         import pstats
-        for name, extra in runs[2:4]:
+        for name, extra in pair:
             sp = SamplingParams(temperature=1.0, seed=0, max_tokens=tokens, ignore_eos=True, **extra)
             prof = cProfile.Profile()
             prof.runcall(llm.generate, prompts, sp, use_tqdm=False)
