@@ -5,9 +5,12 @@ import torch
 import triton
 import triton.language as tl
 
+from picovllm.kernels.pdl import launch_options, wait_for_previous
+
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, N, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, N, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
@@ -26,5 +29,5 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     block = min(1024, triton.next_power_of_2(n))
     if x2.shape[0]:
         _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(n, block))](x2, out, x2.stride(0), out.stride(0), n,
-                                                                  BLOCK=block, num_warps=4)
+                                                                  BLOCK=block, num_warps=4, **launch_options(x2))
     return out.view(*x.shape[:-1], n)

@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from picovllm.kernels.pdl import launch_options, wait_for_previous
+
 
 @triton.jit
 def _argmax_key(x, offs):
@@ -26,8 +28,10 @@ def _argmax_key(x, offs):
 
 
 @triton.jit(do_not_specialize=["chunk", "num_chunks"])   # one compiled variant for every batch size
-def _argmax_chunk_kernel(logits_ptr, key_ptr, vocab, chunk, num_chunks, stride_l, BLOCK: tl.constexpr):
+def _argmax_chunk_kernel(logits_ptr, key_ptr, vocab, chunk, num_chunks, stride_l, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr):
     """Program (row, c): the best key of vocabulary entries [c * chunk, (c + 1) * chunk)."""
+    wait_for_previous(PDL)
     row = tl.program_id(0)
     c = tl.program_id(1)
     base = logits_ptr + row.to(tl.int64) * stride_l
@@ -43,7 +47,8 @@ def _argmax_chunk_kernel(logits_ptr, key_ptr, vocab, chunk, num_chunks, stride_l
 
 
 @triton.jit(do_not_specialize=["num_chunks"])
-def _argmax_pick_kernel(key_ptr, out_ptr, num_chunks, BLOCK_C: tl.constexpr):
+def _argmax_pick_kernel(key_ptr, out_ptr, num_chunks, BLOCK_C: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
     row = tl.program_id(0)
     c = tl.arange(0, BLOCK_C)
     keys = tl.load(key_ptr + row * num_chunks + c, mask=c < num_chunks, other=-9223372036854775807 - 1)
@@ -73,6 +78,6 @@ def argmax(logits: torch.Tensor, block: int = 1024, num_chunks: int | None = Non
     chunk = -(-(-(-v // num_chunks)) // block) * block      # whole blocks: aligned loads
     keys = torch.empty(b, num_chunks, dtype=torch.int64, device=logits.device)
     _argmax_chunk_kernel[(b, num_chunks)](logits, keys, v, chunk, num_chunks, logits.stride(0), BLOCK=block,
-                                          num_warps=4)
-    _argmax_pick_kernel[(b,)](keys, out, num_chunks, BLOCK_C=MAX_CHUNKS, num_warps=1)
+                                          num_warps=4, **launch_options(logits))
+    _argmax_pick_kernel[(b,)](keys, out, num_chunks, BLOCK_C=MAX_CHUNKS, num_warps=1, **launch_options(logits))
     return out

@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from picovllm.kernels.pdl import launch_options, wait_for_previous
+
 LOG2E = 1.4426950408889634
 NO_WINDOW = 1 << 30   # the window of a layer without one: longer than any context
 
@@ -70,10 +72,12 @@ def _decode_partial_kernel(
         stride_pb, stride_ph, stride_ps, stride_ob, stride_oh,
         BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        DIRECT: tl.constexpr, SOFTCAP: tl.constexpr, FP8: tl.constexpr, F16_DOTS: tl.constexpr):
+        DIRECT: tl.constexpr, SOFTCAP: tl.constexpr, FP8: tl.constexpr, F16_DOTS: tl.constexpr,
+        PDL: tl.constexpr):
     """DIRECT (one split): write the final output, no partials and no reduce pass. SOFTCAP 0: none.
     FP8: the caches hold float8_e4m3fn, dequantized by k_scale_ptr[kv head], v_scale_ptr[kv head];
     F16_DOTS: their dot products in float16 (fp8_f16_dots)."""
+    wait_for_previous(PDL)
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -143,7 +147,8 @@ def _decode_partial_kernel(
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(part_o_ptr, part_lse_ptr, seq_lens_ptr, o_ptr, num_splits, window,
                           stride_pb, stride_ph, stride_ps, stride_ob, stride_oh,
-                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
     seq = tl.program_id(0)
     h = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -203,8 +208,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     splits = num_splits or num_splits_for(b, hkv)
     # 128-token tiles, but for the many short slices of a small batch (more than 12 splits: batches of at most 16
     # sequences here). On an H200 at batches of 32-256 nano-like contexts, 128 against 64 was 8-10% faster over an
-    # fp8 cache and 1-3% over bf16 (benchmarks/attention_kernels.py sweep; BENCHMARKS.md)
-    block_n = block_n or (64 if splits > 12 else 128)
+    # fp8 cache and 1-3% over bf16 (benchmarks/attention_kernels.py sweep; BENCHMARKS.md). Cache rows of more than
+    # 256 bytes (head_dim 256 in half precision, float32 caches) keep 64: their 128-token K and V tiles, double
+    # buffered, are past an H200's 227 KB of shared memory (286 KB for float32 at head_dim 256)
+    if block_n is None:
+        block_n = 64 if splits > 12 or block_d * k_cache.element_size() > 256 else 128
     direct = splits == 1
     part_o = torch.empty(0 if direct else b, hq, splits, block_d, dtype=torch.float32, device=q.device)
     # part_lse is laid out as part_o without its last dim, so its offsets are part_o's // block_d
@@ -217,11 +225,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         BLOCK_SIZE=k_cache.shape[1], GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=d, BLOCK_D=block_d, BLOCK_N=block_n, DOT_PRECISION=dot_precision(q.dtype), DIRECT=direct,
         SOFTCAP=float(softcap or 0.0), FP8=fp8, F16_DOTS=fp8_f16_dots(q, fp8), num_warps=num_warps,
-        num_stages=num_stages)
+        num_stages=num_stages, **launch_options(q))
     if direct:
         return out
     _decode_reduce_kernel[(b, hq)](
         part_o, part_lse, seq_lens, out, splits, window or NO_WINDOW,
         part_o.stride(0), part_o.stride(1), part_o.stride(2), out.stride(0), out.stride(1),
-        HEAD_DIM=d, BLOCK_D=block_d, BLOCK_N=block_n, num_warps=1)
+        HEAD_DIM=d, BLOCK_D=block_d, BLOCK_N=block_n, num_warps=1, **launch_options(q))
     return out

@@ -5,14 +5,18 @@ import torch
 import triton
 import triton.language as tl
 
+from picovllm.kernels.pdl import launch_options, wait_for_previous
+
 
 @triton.jit
 def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, eps,
                     stride_x, stride_r, stride_o, stride_ro,
-                    N: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+                    N: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)   # a weight: before the wait
+    wait_for_previous(PDL)
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         # round the sum to the activation dtype, as the torch reference does
@@ -21,7 +25,6 @@ def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, eps,
         tl.store(res_out_ptr + row * stride_ro + offs, x, mask=mask)
     xf = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(xf * xf, 0) / N + eps)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     y = (xf * rstd).to(out_ptr.dtype.element_ty).to(tl.float32) * w
     tl.store(out_ptr + row * stride_o + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -44,6 +47,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
             x2, res2 if res2 is not None else x2, weight, out, res_out if res_out is not None else out, eps,
             x2.stride(0), res2.stride(0) if res2 is not None else 0, out.stride(0),
             res_out.stride(0) if res_out is not None else 0,
-            N=n, BLOCK=block, HAS_RESIDUAL=residual is not None, num_warps=min(16, max(1, block // 256)))
+            N=n, BLOCK=block, HAS_RESIDUAL=residual is not None, num_warps=min(16, max(1, block // 256)), **launch_options(x2))
     out = out.view(x.shape)
     return out if residual is None else (out, res_out.view(x.shape))

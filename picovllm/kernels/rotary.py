@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from picovllm.kernels.decode_attention import dot_precision
+from picovllm.kernels.pdl import launch_options, wait_for_previous
 from picovllm.kernels.store_kv import round_to_e4m3
 from picovllm.layers.attention import KVWrite
 
@@ -85,9 +86,10 @@ def _rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, cos_sin_ptr, qw_pt
                  NUM_Q: tl.constexpr, NUM_K: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
                  HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, HAS_NORM: tl.constexpr,
                  STORE: tl.constexpr, CACHE_BLOCK: tl.constexpr, FP8: tl.constexpr, ROTATE: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr):
+                 DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
     """ROTATE (with STORE): q and k leave, and k and v enter the cache, times the cache's rotation rot_ptr [D, D]
     (layers.attention.kv_rotation), as Attention.forward would multiply them after this kernel."""
+    wait_for_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t)
     j = tl.arange(0, BLOCK_HALF)[None, :]
@@ -170,7 +172,7 @@ def _launch(positions, q, k, k_first, hk, cos_sin, q_norm_weight, k_norm_weight,
             NUM_Q=hq, NUM_K=hk, BLOCK_Q=max(rows, triton.next_power_of_2(hq)),
             BLOCK_K=max(rows, triton.next_power_of_2(hk)),
             HALF=half, BLOCK_HALF=triton.next_power_of_2(half), HAS_NORM=has_norm, **cache_consts,
-            DOT_PRECISION=dot_precision(q.dtype), num_warps=4)
+            DOT_PRECISION=dot_precision(q.dtype), num_warps=4, **launch_options(q))
     return q_out, k_out
 
 

@@ -13,12 +13,15 @@ import torch
 import triton
 import triton.language as tl
 
+from picovllm.kernels.pdl import launch_options, wait_for_previous
+
 MAX_ROWS = 8            # larger batches go to cuBLAS, whose tiles fit them
 
 
 @triton.jit(do_not_specialize=["M"])        # one compiled kernel serves every batch of 1-8 rows
 def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                   HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                   HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   PDL: tl.constexpr):
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -27,8 +30,13 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, st
     mask_n = offs_n < N
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):         # K is a multiple of BLOCK_K (skinny_fits)
+    w = tl.load(w_ptrs, mask=mask_n[:, None], other=0.0)   # the first chunk of the weight: before the wait
+    wait_for_previous(PDL)
+    x = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0)
+    acc = tl.dot(x, tl.trans(w))
+    x_ptrs += BLOCK_K
+    w_ptrs += BLOCK_K
+    for k0 in range(BLOCK_K, K, BLOCK_K):         # K is a multiple of BLOCK_K (skinny_fits)
         x = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0)
         w = tl.load(w_ptrs, mask=mask_n[:, None], other=0.0)
         acc += tl.dot(x, tl.trans(w))
@@ -65,5 +73,6 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     _skinny_kernel[(triton.cdiv(n, block_n),)](
         x, w, bias if bias is not None else w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages)
+        HAS_BIAS=bias is not None, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
+        **launch_options(x))
     return y
