@@ -13,7 +13,8 @@ import torch
 
 from picovllm import LLM, SamplingParams
 from picovllm.kernels.cpu import token_mask
-from picovllm.layers.structured_output import BitmaskBuffers, TokenBitmasks, apply_token_bitmasks, mask_logits
+from picovllm.layers.structured_output import (BitmaskBuffers, GrammarState, TokenBitmasks, apply_token_bitmasks,
+                                               mask_logits)
 from picovllm.sampling_params import StructuredOutputsParams
 from serving_fixtures import chat_model  # noqa: F401 - a fixture
 
@@ -97,6 +98,39 @@ def test_buffers_alternate_and_fill_rows_in_place(default_llm: LLM):
         one = xgr.allocate_token_bitmask(1, vocab)
         state._matcher.fill_next_token_bitmask(one, 0)
         assert torch.equal(first.words[row], one[0])
+
+
+def test_accept_all_matches_one_accept_a_row(default_llm: LLM):
+    """GrammarState.accept_all (one call into xgrammar for the batch) leaves each state as GrammarState.accept
+    does: the same answer for allowed, refused and stop tokens (and any token after the end), the same count,
+    termination and next mask."""
+    eng = default_llm.engine
+    enc = lambda s: eng.tokenizer.encode(s, add_special_tokens=False)    # noqa: E731
+    eos, refused = eng.eos_token_ids[0], enc("Z")[0]
+    kinds = [{"choice": ["yes", "no"]}, {"regex": "[0-9]+"}, {"regex": "(ab)+"}, {"json_object": True}]
+    scripts = [enc("yes") + [eos, eos], enc("12") + [refused] + enc("3") + [eos],
+               enc("ab") + enc("x") + [eos], enc("{}") + [eos]]
+    steps = max(map(len, scripts))
+    scripts = [s + [refused] * (steps - len(s)) for s in scripts]
+    new = lambda: [eng._grammar_state(SamplingParams(structured_outputs=StructuredOutputsParams(**kw)))  # noqa: E731
+                   for kw in kinds]
+    one, batch = new(), new()
+    buffers = BitmaskBuffers(eng.model_config.vocab_size, torch.device("cpu"))
+    seen = set()
+    for k in range(steps):
+        tokens = [s[k] for s in scripts]
+        expect = [state.accept(t) for state, t in zip(one, tokens)]
+        assert GrammarState.accept_all(batch, tokens) == expect, k
+        seen.update(expect)
+        for x, y in zip(one, batch):
+            assert (x.num_accepted, x.is_terminated) == (y.num_accepted, y.is_terminated), k
+        live = [i for i, x in enumerate(one) if not x.is_terminated]     # a terminated matcher has no mask
+        a, b = buffers.for_step(len(kinds)), buffers.for_step(len(kinds))
+        a.fill(live, [one[i] for i in live])
+        b.fill(live, [batch[i] for i in live])
+        assert torch.equal(a.words[live], b.words[live]), k
+    assert seen == {True, False} and all(s.is_terminated for s in batch)
+    assert GrammarState.accept_all([], []) == []
 
 
 def random_schema(rng: random.Random, depth: int = 0) -> dict:

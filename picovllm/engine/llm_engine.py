@@ -299,7 +299,8 @@ class Engine:
         sched = self._schedule()
         if sched.is_empty():
             return outputs
-        result = self.executor.execute(self._prepare(sched))
+        step, _ = self._prepare(sched)    # nothing is in flight: no mask waits for a token
+        result = self.executor.execute(step)
         return outputs + self.postprocess(sched, result, unfinished_outputs)
 
     def _overlapped_step(self, unfinished_outputs: bool) -> list[RequestOutput]:
@@ -314,9 +315,7 @@ class Engine:
         launched = early = None
         if not sched.is_empty():
             prev = self._in_flight[1] if self._in_flight else None
-            step = self._prepare(sched)
-            late = [(i, c.request) for i, c in enumerate(c for c in sched.chunks if c.samples)
-                    if c.request.grammar is not None and c.request.num_pending_tokens]
+            step, late = self._prepare(sched)
 
             def fill_late_masks() -> None:     # runs while the device computes this step's forward
                 nonlocal early
@@ -335,40 +334,49 @@ class Engine:
             self._in_flight = None     # every request in it has finished meanwhile: nothing to read
         return outputs
 
-    def _prepare(self, sched: SchedulerOutput) -> StepInput:
+    def _prepare(self, sched: SchedulerOutput) -> tuple[StepInput, list[tuple[int, Request]]]:
         """The executor's StepInput, with the masks of constrained rows whose grammar has taken every
-        token so far (the others wait for a token in flight: _fill_late_masks)."""
+        token so far; and the others, (row, Request), which wait for a token in flight (_fill_late_masks)."""
         step = self.executor.prepare(sched, self.eos_token_ids)
+        late: list[tuple[int, Request]] = []
         if self._structured is None:
-            return step
-        constrained = [(i, c.request) for i, c in enumerate(c for c in sched.chunks if c.samples)
-                       if c.request.grammar is not None]
-        if constrained:
+            return step, late
+        rows, states = [], []
+        for i, req in enumerate([c.request for c in sched.chunks if c.samples]):
+            if req.grammar is not None:
+                if req.num_pending_tokens:
+                    late.append((i, req))
+                else:
+                    rows.append(i)
+                    states.append(req.grammar)
+        if rows or late:
             if self._bitmasks is None:
                 self._bitmasks = BitmaskBuffers(self.model_config.vocab_size, self.executor.device)
             step.token_bitmasks = self._bitmasks.for_step(len(step.sampling))
-            now = [(i, req.grammar) for i, req in constrained if not req.num_pending_tokens]
-            step.token_bitmasks.fill([i for i, _ in now], [g for _, g in now])
-        return step
+            step.token_bitmasks.fill(rows, states)
+        return step, late
 
     @staticmethod
     def _fill_late_masks(step: StepInput, late: list, done_sched: SchedulerOutput, done: StepResult) -> None:
         """Structured outputs under overlap: rows (index, Request) of the step being launched whose grammar
-        waits on the token `done` holds for them; advance the grammar by it and fill the row's mask.
-        apply_results later appends the token without advancing the grammar again (GrammarState.num_accepted).
-        A token the grammar refuses, or one that ends it, leaves the row unmasked: apply_results finishes
-        the request and drops the row's token."""
+        waits on the token `done` holds for them; advance the grammars by them (one call into xgrammar) and
+        fill the rows' masks. apply_results later appends the token without advancing the grammar again
+        (GrammarState.num_accepted). A token the grammar refuses, or one that ends it, leaves the row
+        unmasked: apply_results finishes the request and drops the row's token."""
         sampled = [c.request for c in done_sched.chunks if c.samples]
-        tokens = done.token_ids
-        rows, states = [], []
+        n, tokens = len(sampled), done.token_ids
+        rows, states, taken = [], [], []
         for i, req in late:
             row, grammar = req.pending_row, req.grammar    # its row in `done` (advance() set it)
-            if row >= len(sampled) or sampled[row] is not req or req.is_finished or \
-                    grammar.num_accepted != len(req.output_token_ids):
-                continue
-            if grammar.accept(tokens[row]) and not grammar.is_terminated:
+            if row < n and sampled[row] is req and not req.is_finished and \
+                    grammar.num_accepted == len(req.output_token_ids):
                 rows.append(i)
                 states.append(grammar)
+                taken.append(tokens[row])
+        accepted = GrammarState.accept_all(states, taken)
+        if not all(accepted) or any(g.is_terminated for g in states):
+            keep = [k for k, g in enumerate(states) if accepted[k] and not g.is_terminated]
+            rows, states = [rows[k] for k in keep], [states[k] for k in keep]
         step.token_bitmasks.fill(rows, states)
 
     def _schedule(self) -> SchedulerOutput:
@@ -502,17 +510,14 @@ class Engine:
         delta = self.detokenizer.append(req, token)
         req.text += delta
         check_stop(req, token, delta, self.eos_token_ids, self.max_model_len)
-        if req.grammar is not None and not req.is_finished:
-            self._advance_grammar(req, token)
-
-    @staticmethod
-    def _advance_grammar(req: Request, token: int) -> None:
-        """The request's grammar takes its newest token (unless _fill_late_masks gave it already)."""
-        taken = req.grammar.num_accepted >= len(req.output_token_ids)
-        if not taken and not req.grammar.accept(token):   # only if the mask was overridden (e.g. min_tokens)
-            req.finish(FinishReason.ERROR, error=f"token {token} does not match the structured output's grammar")
-        elif req.grammar.is_terminated:     # a stop token the grammar ends with, e.g. under ignore_eos
-            req.finish(FinishReason.STOP, stop_reason=token)
+        grammar = req.grammar
+        if grammar is not None and not req.is_finished:
+            # it takes its newest token, unless _fill_late_masks gave it already; it refuses one only if the mask
+            # was overridden (e.g. min_tokens)
+            if grammar.num_accepted < len(req.output_token_ids) and not grammar.accept(token):
+                req.finish(FinishReason.ERROR, error=f"token {token} does not match the structured output's grammar")
+            elif grammar.is_terminated:     # a stop token the grammar ends with, e.g. under ignore_eos
+                req.finish(FinishReason.STOP, stop_reason=token)
 
     def _decode_tokens(self, logprobs: dict[int, Logprob]) -> None:
         if self.tokenizer is not None:

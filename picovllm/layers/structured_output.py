@@ -20,6 +20,7 @@ Compiled grammars are cached by xgrammar's compiler, one per engine (so per toke
 """
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from typing import Any
@@ -34,8 +35,9 @@ CACHE_BYTES = 256 << 20   # compiled grammars kept per engine
 # Threads of xgrammar's batched mask fill. One: on a 2-core host a second thread added ~40 us a call and saved
 # nothing, and on the H200's 16-core host eight threads did not raise the constrained rate at batch 64 (20.4k tok/s
 # against 37.7k plain, -46%; one thread, the call before: -41%, BENCHMARKS.md). The fill is host work between a
-# step's forward and its sampling: 6.6 us a regex row on one thread there. --fill-threads N of
-# benchmarks/structured_output.py measures it.
+# step's forward and its sampling: 6.6 us a regex row on one thread there. Why more lose: with N > 1, xgrammar 0.2.8
+# starts its N threads on every call (~70-100 us a call on a 2-core host, a 1-row fill included, against ~1 us a row
+# on one). --fill-threads N of benchmarks/structured_output.py measures it.
 FILL_THREADS = 1
 
 
@@ -68,6 +70,8 @@ class GrammarState:
 
     def __init__(self, matcher: Any, vocab_size: int) -> None:
         self._matcher = matcher
+        # xgrammar's native matcher, which its batched calls take (its Python wrappers look it up per call)
+        self.handle = matcher._handle
         self._stops = frozenset(matcher.stop_token_ids)
         self.vocab_size = vocab_size
         self.num_accepted = 0     # output tokens accepted so far (the engine may advance it ahead of the output)
@@ -77,12 +81,35 @@ class GrammarState:
 
     def accept(self, token: int) -> bool:
         """Advance by a sampled token; False if the grammar does not allow it (the state is unchanged)."""
-        if not self._matcher.accept_token(token):
+        if not self.handle.accept_token(token, False):
             return False
         self.num_accepted += 1
         if token in self._stops:
-            self.is_terminated = self._matcher.is_terminated()
+            self.is_terminated = self.handle.is_terminated()
         return True
+
+    @staticmethod
+    def accept_all(states: list[GrammarState], tokens: list[int]) -> list[bool]:
+        """states[i].accept(tokens[i]) for every i, in one call into xgrammar: whether each was accepted."""
+        if not states:
+            return []
+        result = _batch_accept()([s.handle for s in states], tokens, False)
+        # an array of xgrammar's whose elements cost ~0.5 us each to read: one `in` (native) for the usual case
+        accepted = [True] * len(states) if 0 not in result else [bool(a) for a in result]
+        for s, token, ok in zip(states, tokens, accepted):
+            if ok:
+                s.num_accepted += 1
+                if token in s._stops:
+                    s.is_terminated = s.handle.is_terminated()
+        return accepted
+
+
+@functools.lru_cache(maxsize=1)
+def _batch_accept() -> Any:
+    """xgrammar's native batch_accept_token: its Python wrapper (BatchGrammarMatcher.batch_accept_token) turns the
+    result into a list element by element, which costs more than it saves over one accept_token a row."""
+    import xgrammar as xgr
+    return type(xgr.BatchGrammarMatcher(1)._handle).batch_accept_token
 
 
 class StructuredOutputCompiler:
@@ -152,7 +179,7 @@ class TokenBitmasks:
     def fill(self, rows: list[int], states: list[GrammarState]) -> None:
         """Row rows[i] := the tokens states[i] allows next: one call into xgrammar for all of them."""
         if rows:
-            self._owner.fill_rows([s._matcher for s in states], self.words, rows)
+            self._owner.fill_rows([s.handle for s in states], self.words, rows)
             self.filled.extend(rows)
 
     def word_rows(self) -> list[int]:
@@ -180,7 +207,8 @@ class BitmaskBuffers:
 
     def __init__(self, vocab_size: int, device: torch.device, fill_threads: int | None = None) -> None:
         import xgrammar as xgr
-        self._batch = xgr.BatchGrammarMatcher(fill_threads or FILL_THREADS)
+        # the native call, on GrammarState.handle: xgrammar's wrapper rebuilds the list of handles each call
+        self._fill = xgr.BatchGrammarMatcher(fill_threads or FILL_THREADS)._handle.batch_fill_next_token_bitmask
         self.words = bitmask_words(vocab_size)
         self.device = device
         self._buffers: list[torch.Tensor | None] = [None, None]
@@ -201,8 +229,9 @@ class BitmaskBuffers:
             self._buffers[slot] = buf
         return TokenBitmasks(buf[:num_rows], self, slot)
 
-    def fill_rows(self, matchers: list, words: torch.Tensor, rows: list[int]) -> None:
-        self._batch.batch_fill_next_token_bitmask(matchers, words, rows)
+    def fill_rows(self, handles: list, words: torch.Tensor, rows: list[int]) -> None:
+        """Row rows[i] of words := the mask of the matcher handles[i] (GrammarState.handle) allows next."""
+        self._fill(handles, words, rows, False)
 
     def ceilings(self, dtype: torch.dtype) -> torch.Tensor:
         if dtype not in self._ceilings:
