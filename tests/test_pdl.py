@@ -11,15 +11,13 @@ import torch
 
 # sets TRITON_INTERPRET=1 without CUDA, before a kernel module loads
 from test_kernels import CUDA, INTERPRET
+from test_skinny_gemm import rel_err
 
 from picovllm.kernels.pdl import launch_options   # noqa: E402
 
+
 def test_off_for_cpu_tensors():
     assert launch_options(torch.zeros(1)) == {"PDL": False}
-
-
-def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got.double() - want).norm() / want.norm()).item()
 
 
 def rms_norm64(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

@@ -77,7 +77,8 @@ def argmax(logits: torch.Tensor, block: int = 1024, num_chunks: int | None = Non
         raise ValueError(f"argmax: num_chunks must be in [1, {MAX_CHUNKS}]")
     chunk = -(-(-(-v // num_chunks)) // block) * block      # whole blocks: aligned loads
     keys = torch.empty(b, num_chunks, dtype=torch.int64, device=logits.device)
+    pdl = launch_options(logits)
     _argmax_chunk_kernel[(b, num_chunks)](logits, keys, v, chunk, num_chunks, logits.stride(0), BLOCK=block,
-                                          num_warps=4, **launch_options(logits))
-    _argmax_pick_kernel[(b,)](keys, out, num_chunks, BLOCK_C=MAX_CHUNKS, num_warps=1, **launch_options(logits))
+                                          num_warps=4, **pdl)
+    _argmax_pick_kernel[(b,)](keys, out, num_chunks, BLOCK_C=MAX_CHUNKS, num_warps=1, **pdl)
     return out

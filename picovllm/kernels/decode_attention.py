@@ -214,6 +214,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if block_n is None:
         block_n = 64 if splits > 12 or block_d * k_cache.element_size() > 256 else 128
     direct = splits == 1
+    pdl = launch_options(q)
     part_o = torch.empty(0 if direct else b, hq, splits, block_d, dtype=torch.float32, device=q.device)
     # part_lse is laid out as part_o without its last dim, so its offsets are part_o's // block_d
     part_lse = torch.empty(0 if direct else b, hq, splits, dtype=torch.float32, device=q.device)
@@ -225,11 +226,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         BLOCK_SIZE=k_cache.shape[1], GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=d, BLOCK_D=block_d, BLOCK_N=block_n, DOT_PRECISION=dot_precision(q.dtype), DIRECT=direct,
         SOFTCAP=float(softcap or 0.0), FP8=fp8, F16_DOTS=fp8_f16_dots(q, fp8), num_warps=num_warps,
-        num_stages=num_stages, **launch_options(q))
+        num_stages=num_stages, **pdl)
     if direct:
         return out
     _decode_reduce_kernel[(b, hq)](
         part_o, part_lse, seq_lens, out, splits, window or NO_WINDOW,
         part_o.stride(0), part_o.stride(1), part_o.stride(2), out.stride(0), out.stride(1),
-        HEAD_DIM=d, BLOCK_D=block_d, BLOCK_N=block_n, num_warps=1, **launch_options(q))
+        HEAD_DIM=d, BLOCK_D=block_d, BLOCK_N=block_n, num_warps=1, **pdl)
     return out

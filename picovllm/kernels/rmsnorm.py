@@ -47,6 +47,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
             x2, res2 if res2 is not None else x2, weight, out, res_out if res_out is not None else out, eps,
             x2.stride(0), res2.stride(0) if res2 is not None else 0, out.stride(0),
             res_out.stride(0) if res_out is not None else 0,
-            N=n, BLOCK=block, HAS_RESIDUAL=residual is not None, num_warps=min(16, max(1, block // 256)), **launch_options(x2))
+            N=n, BLOCK=block, HAS_RESIDUAL=residual is not None, num_warps=min(16, max(1, block // 256)),
+            **launch_options(x2))
     out = out.view(x.shape)
     return out if residual is None else (out, res_out.view(x.shape))

@@ -69,7 +69,7 @@ class GrammarState:
     """One request's matcher: which tokens may come next, advanced with each accepted token."""
 
     def __init__(self, matcher: Any, vocab_size: int) -> None:
-        self._matcher = matcher
+        self._matcher = matcher   # xgrammar's matcher (the tests' oracle calls: accept_string, one-row fills)
         # xgrammar's native matcher, which its batched calls take (its Python wrappers look it up per call)
         self.handle = matcher._handle
         self._stops = frozenset(matcher.stop_token_ids)
@@ -83,10 +83,14 @@ class GrammarState:
         """Advance by a sampled token; False if the grammar does not allow it (the state is unchanged)."""
         if not self.handle.accept_token(token, False):
             return False
+        self._took(token)
+        return True
+
+    def _took(self, token: int) -> None:
+        """Bookkeeping after the matcher accepted `token`."""
         self.num_accepted += 1
         if token in self._stops:
             self.is_terminated = self.handle.is_terminated()
-        return True
 
     @staticmethod
     def accept_all(states: list[GrammarState], tokens: list[int]) -> list[bool]:
@@ -98,9 +102,7 @@ class GrammarState:
         accepted = [True] * len(states) if 0 not in result else [bool(a) for a in result]
         for s, token, ok in zip(states, tokens, accepted):
             if ok:
-                s.num_accepted += 1
-                if token in s._stops:
-                    s.is_terminated = s.handle.is_terminated()
+                s._took(token)
         return accepted
 
 
