@@ -8,9 +8,10 @@ in segments padded to BLOCK_M rows, so every row tile belongs to one expert; `ro
 the activation; down: rows by pair, scaled by the routing weight -> [T*k, H]; the k rows of a token summed.
 The torch reference is picovllm.layers.moe.experts_reference.
 
-A decode step's routing is two launches (route_topk: softmax, top-k and renormalisation per token; one program's
-counting sort for group_by_expert), where torch's ops took about twenty small kernels a layer; larger batches
-(prefill chunks) group with torch (group_by_expert_torch, the sort kernel's reference).
+A decode step's routing is two launches (route_topk: softmax, top-k and renormalisation per token; a counting sort
+for group_by_expert, a program per expert), where torch's ops took about twenty small kernels a layer; larger
+batches (prefill chunks) group with torch (group_by_expert_torch, the sort kernel's reference). The sort ran in one
+program before: 101.5 us for a batch-256 step's 2048 pairs on an H200, against 5.9 us now (BENCHMARKS.md).
 """
 from __future__ import annotations
 
@@ -92,39 +93,43 @@ def route_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tu
 @triton.jit
 def _group_kernel(ids_ptr, rows_ptr, tile_expert_ptr, num_pairs, num_slots, num_experts,
                   BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
-    """One program: group_by_expert_torch's layout by a counting sort, CHUNK pairs at a time as [CHUNK, experts]
-    one-hot tiles. Pass 1 counts each expert's pairs; the segments follow (padded to BLOCK_M); every slot is set
-    to -1 and each tile's expert written; then pass 2 puts each pair in its expert's segment, after the pairs of
-    that expert before it (stable, as the reference's sort)."""
-    e = tl.arange(0, BLOCK_E)
+    """group_by_expert_torch's layout by a counting sort, one program per expert plus one for the end. Each program
+    counts every expert's pairs (a histogram a CHUNK of pairs; bin num_experts takes the chunk's padding) and from
+    them places the segments (padded to BLOCK_M). Program e < num_experts then writes expert e's pairs into its
+    segment in pair order (stable, as the reference's sort), -1 into the segment's padding, and e as the expert of
+    the segment's tiles; program num_experts writes -1 into every slot and tile after the last segment."""
+    me = tl.program_id(0)
     c = tl.arange(0, CHUNK)
+    e = tl.arange(0, BLOCK_E)
     counts = tl.zeros([BLOCK_E], tl.int32)
     for p0 in range(0, num_pairs, CHUNK):
-        ids = tl.load(ids_ptr + p0 + c, mask=p0 + c < num_pairs, other=-1)
-        counts += tl.sum((ids[:, None] == e[None, :]).to(tl.int32), 0)
+        ids = tl.load(ids_ptr + p0 + c, mask=p0 + c < num_pairs, other=num_experts).to(tl.int32)
+        counts += tl.histogram(ids, BLOCK_E)
+    counts = tl.where(e < num_experts, counts, 0)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     seg_end = tl.cumsum(padded, 0)
-    seg_start = seg_end - padded
-    for s0 in range(0, num_slots, CHUNK):
-        tl.store(rows_ptr + s0 + c, tl.full([CHUNK], -1, tl.int32), mask=s0 + c < num_slots)
-    num_tiles = num_slots // BLOCK_M
-    for t0 in range(0, num_tiles, CHUNK):
-        first = (t0 + c) * BLOCK_M       # each tile's first slot; its expert: the segments that end at or before it
-        expert = tl.sum((seg_end[None, :] <= first[:, None]).to(tl.int32), 1)
-        tl.store(tile_expert_ptr + t0 + c, tl.where(expert < num_experts, expert, -1), mask=t0 + c < num_tiles)
-    tl.debug_barrier()     # the -1s are written before any thread writes a pair's slot
-    seen = tl.zeros([BLOCK_E], tl.int32)    # pairs of each expert placed so far
-    for p0 in range(0, num_pairs, CHUNK):
-        pair = p0 + c
-        ids = tl.load(ids_ptr + pair, mask=pair < num_pairs, other=-1)
-        onehot = (ids[:, None] == e[None, :]).to(tl.int32)
-        before = tl.cumsum(onehot, 0) - onehot + seen[None, :]     # [CHUNK, E]: earlier pairs of each expert
-        slot = tl.sum(onehot * (seg_start[None, :] + before), 1)
-        tl.store(rows_ptr + slot, pair, mask=pair < num_pairs)
-        seen += tl.sum(onehot, 0)
+    seg_start = tl.sum(tl.where(e == me, seg_end - padded, 0), 0)
+    seg_stop = tl.sum(tl.where(e == me, seg_end, 0), 0)
+    if me == num_experts:         # the end program: everything after the last segment
+        seg_start = tl.sum(padded, 0)
+        seg_stop = num_slots
+        pad_from = seg_start
+    else:
+        placed = seg_start * 0    # this expert's pairs written so far
+        for p0 in range(0, num_pairs, CHUNK):
+            pair = p0 + c
+            hit = (tl.load(ids_ptr + pair, mask=pair < num_pairs, other=-1) == me).to(tl.int32)
+            tl.store(rows_ptr + seg_start + placed + tl.cumsum(hit, 0) - hit, pair, mask=hit != 0)
+            placed += tl.sum(hit, 0)
+        pad_from = seg_start + placed
+    for s0 in range(pad_from, seg_stop, CHUNK):
+        tl.store(rows_ptr + s0 + c, tl.full([CHUNK], -1, tl.int32), mask=s0 + c < seg_stop)
+    expert = tl.where(me < num_experts, me, -1)
+    for t0 in range(seg_start // BLOCK_M, seg_stop // BLOCK_M, CHUNK):
+        tl.store(tile_expert_ptr + t0 + c, tl.zeros([CHUNK], tl.int32) + expert, mask=t0 + c < seg_stop // BLOCK_M)
 
 
-# group_by_expert sorts up to this many pairs in its one program (decode batches); more go to torch's sort
+# group_by_expert sorts up to this many pairs in its kernel (decode batches); more go to torch's sort
 GROUP_KERNEL_MAX_PAIRS = 8192
 
 
@@ -137,15 +142,15 @@ def _num_slots(pairs: int, num_experts: int, block_m: int) -> int:
 def group_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """ids [T, k] -> (rows [slots] int32: pair index per slot, -1 for padding; tile_expert [slots / block_m] int32:
     each row tile's expert, -1 past the end). Expert segments are padded to block_m rows. Up to
-    GROUP_KERNEL_MAX_PAIRS pairs: one Triton program (_group_kernel); more: group_by_expert_torch."""
+    GROUP_KERNEL_MAX_PAIRS pairs: _group_kernel; more: group_by_expert_torch."""
     pairs = ids.numel()
     if pairs > GROUP_KERNEL_MAX_PAIRS:
         return group_by_expert_torch(ids, num_experts, block_m)
     slots = _num_slots(pairs, num_experts, block_m)
     rows = torch.empty(slots, dtype=torch.int32, device=ids.device)
     tile_expert = torch.empty(slots // block_m, dtype=torch.int32, device=ids.device)
-    _group_kernel[(1,)](ids.contiguous(), rows, tile_expert, pairs, slots, num_experts, BLOCK_M=block_m,
-                        BLOCK_E=triton.next_power_of_2(num_experts), CHUNK=64, num_warps=8)
+    _group_kernel[(num_experts + 1,)](ids.contiguous(), rows, tile_expert, pairs, slots, num_experts, BLOCK_M=block_m,
+                                      BLOCK_E=triton.next_power_of_2(num_experts + 1), CHUNK=1024, num_warps=4)
     return rows, tile_expert
 
 
