@@ -100,24 +100,29 @@ def test_buffers_alternate_and_fill_rows_in_place(default_llm: LLM):
         assert torch.equal(first.words[row], one[0])
 
 
-def test_accept_all_matches_one_accept_a_row(default_llm: LLM):
-    """GrammarState.accept_all (one call into xgrammar for the batch) leaves each state as GrammarState.accept
-    does: the same answer for allowed, refused and stop tokens (and any token after the end), the same count,
-    termination and next mask."""
-    eng = default_llm.engine
+def accept_scripts(eng) -> tuple[list[dict], list[list[int]]]:
+    """Four constraints and a token script each: allowed tokens, refused ones, stop tokens, tokens after the end."""
     enc = lambda s: eng.tokenizer.encode(s, add_special_tokens=False)    # noqa: E731
     eos, refused = eng.eos_token_ids[0], enc("Z")[0]
     kinds = [{"choice": ["yes", "no"]}, {"regex": "[0-9]+"}, {"regex": "(ab)+"}, {"json_object": True}]
     scripts = [enc("yes") + [eos, eos], enc("12") + [refused] + enc("3") + [eos],
                enc("ab") + enc("x") + [eos], enc("{}") + [eos]]
     steps = max(map(len, scripts))
-    scripts = [s + [refused] * (steps - len(s)) for s in scripts]
+    return kinds, [s + [refused] * (steps - len(s)) for s in scripts]
+
+
+def test_accept_all_matches_one_accept_a_row(default_llm: LLM):
+    """GrammarState.accept_all (one call into xgrammar for the batch) leaves each state as GrammarState.accept
+    does: the same answer for allowed, refused and stop tokens (and any token after the end), the same count,
+    termination and next mask."""
+    eng = default_llm.engine
+    kinds, scripts = accept_scripts(eng)
     new = lambda: [eng._grammar_state(SamplingParams(structured_outputs=StructuredOutputsParams(**kw)))  # noqa: E731
                    for kw in kinds]
     one, batch = new(), new()
     buffers = BitmaskBuffers(eng.model_config.vocab_size, torch.device("cpu"))
     seen = set()
-    for k in range(steps):
+    for k in range(len(scripts[0])):
         tokens = [s[k] for s in scripts]
         expect = [state.accept(t) for state, t in zip(one, tokens)]
         assert GrammarState.accept_all(batch, tokens) == expect, k
@@ -131,6 +136,43 @@ def test_accept_all_matches_one_accept_a_row(default_llm: LLM):
         assert torch.equal(a.words[live], b.words[live]), k
     assert seen == {True, False} and all(s.is_terminated for s in batch)
     assert GrammarState.accept_all([], []) == []
+
+
+def test_public_xgrammar_calls_match_the_native_ones(default_llm: LLM, monkeypatch):
+    """Where xgrammar's private native handles are not there (another version than the pinned one), the states and
+    mask buffers take its public calls, with the native path's verdicts, counts, termination and masks at every
+    step of the scripts."""
+    import xgrammar as xgr
+    from picovllm.layers import structured_output as so
+    eng = default_llm.engine
+    kinds, scripts = accept_scripts(eng)
+
+    def trace() -> tuple[list, list]:
+        """Each step's (verdicts, counts, terminations, masks), and the states' handles."""
+        states = [eng._grammar_state(SamplingParams(structured_outputs=StructuredOutputsParams(**kw)))
+                  for kw in kinds]
+        buffers, steps = BitmaskBuffers(eng.model_config.vocab_size, torch.device("cpu")), []
+        for k in range(len(scripts[0])):
+            verdicts = GrammarState.accept_all(states, [s[k] for s in scripts])
+            live = [i for i, x in enumerate(states) if not x.is_terminated]
+            masks = buffers.for_step(len(kinds))
+            masks.fill(live, [states[i] for i in live])
+            steps.append((verdicts, [(x.num_accepted, x.is_terminated) for x in states], live,
+                          masks.words[live].clone()))
+        return steps, [s.handle for s in states]
+
+    native, native_handles = trace()
+    so._batch_accept.cache_clear()
+    monkeypatch.setattr(so, "_native", lambda: False)
+    try:
+        public, public_handles = trace()
+    finally:
+        so._batch_accept.cache_clear()      # the native call again once the patch is undone
+    assert all(type(h) is xgr.GrammarMatcher for h in public_handles)
+    assert not any(type(h) is xgr.GrammarMatcher for h in native_handles)
+    for k, (a, b) in enumerate(zip(native, public)):
+        assert a[:3] == b[:3] and torch.equal(a[3], b[3]), k
+    assert {v for step in public for v in step[0]} == {True, False} and all(t for _, t in public[-1][1])
 
 
 def random_schema(rng: random.Random, depth: int = 0) -> dict:

@@ -129,8 +129,11 @@ def _group_kernel(ids_ptr, rows_ptr, tile_expert_ptr, num_pairs, num_slots, num_
         tl.store(tile_expert_ptr + t0 + c, tl.zeros([CHUNK], tl.int32) + expert, mask=t0 + c < seg_stop // BLOCK_M)
 
 
-# group_by_expert sorts up to this many pairs in its kernel (decode batches); more go to torch's sort
-GROUP_KERNEL_MAX_PAIRS = 8192
+# group_by_expert sorts up to this many pairs in its kernel (decode batches, prefill chunks of up to 4k tokens at
+# top-8); more go to torch's sort. Each of the kernel's programs reads every pair, so its time grows with the pairs
+# where the sort's stays near its launch cost: on an H200 (8-128 experts) the kernel took 51-73 us at 32,768 pairs
+# against torch's 124-126, and 144 against 138 at 65,536 for 128 experts (BENCHMARKS.md)
+GROUP_KERNEL_MAX_PAIRS = 32768
 
 
 def _num_slots(pairs: int, num_experts: int, block_m: int) -> int:

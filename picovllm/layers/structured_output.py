@@ -70,8 +70,9 @@ class GrammarState:
 
     def __init__(self, matcher: Any, vocab_size: int) -> None:
         self._matcher = matcher   # xgrammar's matcher (the tests' oracle calls: accept_string, one-row fills)
-        # xgrammar's native matcher, which its batched calls take (its Python wrappers look it up per call)
-        self.handle = matcher._handle
+        # what the batched calls take: xgrammar's native matcher (its Python wrappers look it up per call), or the
+        # matcher itself where that private handle is not there (_native)
+        self.handle = native_handle(matcher)
         self._stops = frozenset(matcher.stop_token_ids)
         self.vocab_size = vocab_size
         self.num_accepted = 0     # output tokens accepted so far (the engine may advance it ahead of the output)
@@ -107,11 +108,31 @@ class GrammarState:
 
 
 @functools.lru_cache(maxsize=1)
+def _native() -> bool:
+    """Whether xgrammar's native batched calls are reachable through its private `_handle`s (they are in 0.2.8,
+    which constraints.txt pins). Without them (another version) the public calls serve, a little slower: the
+    masks and verdicts are the same (tests/test_structured_output.py)."""
+    import xgrammar as xgr
+    batch = getattr(xgr.BatchGrammarMatcher(1), "_handle", None)
+    return all(hasattr(batch, m) for m in ("batch_fill_next_token_bitmask", "batch_accept_token"))
+
+
+def native_handle(matcher: Any) -> Any:
+    """What GrammarState.handle holds: the native matcher, with the calls it is used for, or the matcher."""
+    handle = getattr(matcher, "_handle", None)
+    usable = _native() and all(hasattr(handle, m) for m in ("accept_token", "is_terminated"))
+    return handle if usable else matcher
+
+
+@functools.lru_cache(maxsize=1)
 def _batch_accept() -> Any:
     """xgrammar's native batch_accept_token: its Python wrapper (BatchGrammarMatcher.batch_accept_token) turns the
-    result into a list element by element, which costs more than it saves over one accept_token a row."""
+    result into a list element by element, which costs more than it saves over one accept_token a row. The
+    wrapper where the native call is not reachable."""
     import xgrammar as xgr
-    return type(xgr.BatchGrammarMatcher(1)._handle).batch_accept_token
+    if _native():
+        return type(xgr.BatchGrammarMatcher(1)._handle).batch_accept_token
+    return xgr.BatchGrammarMatcher.batch_accept_token
 
 
 class StructuredOutputCompiler:
@@ -210,7 +231,8 @@ class BitmaskBuffers:
     def __init__(self, vocab_size: int, device: torch.device, fill_threads: int | None = None) -> None:
         import xgrammar as xgr
         # the native call, on GrammarState.handle: xgrammar's wrapper rebuilds the list of handles each call
-        self._fill = xgr.BatchGrammarMatcher(fill_threads or FILL_THREADS)._handle.batch_fill_next_token_bitmask
+        batch = xgr.BatchGrammarMatcher(fill_threads or FILL_THREADS)
+        self._fill = (batch._handle if _native() else batch).batch_fill_next_token_bitmask
         self.words = bitmask_words(vocab_size)
         self.device = device
         self._buffers: list[torch.Tensor | None] = [None, None]
