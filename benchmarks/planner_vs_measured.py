@@ -1,6 +1,8 @@
 """The planner's predictions against measured runs on this machine (CPU, a tiny random model by default).
 
     python benchmarks/planner_vs_measured.py OUT_DIR [--rates 2 5 10] [--preset tiny-qwen3] [--fleet]
+    python benchmarks/planner_vs_measured.py OUT_DIR --preset qwen3-0.6b --dtype bfloat16 --num-kv-blocks 16384 \
+        --rates 10 40 80 --input-len 512 --output-len 64 --num-prompts 400        # one GPU, colocated
 
 Builds a random checkpoint with a word tokenizer, measures its step profile (`picovllm plan
 --measure-profile`), serves it colocated (and, with --fleet, as 1P1D behind `picovllm router`, tcp),
@@ -23,8 +25,7 @@ import httpx
 
 from picovllm.bench.random_checkpoint import make_random_checkpoint, resolve_config, write_word_tokenizer
 
-ENGINE = ["--block-size", "16", "--num-kv-blocks", "2048", "--max-num-batched-tokens", "512",
-          "--max-model-len", "1024", "--dtype", "float32"]
+ENGINE = ["--block-size", "16", "--max-num-batched-tokens", "512", "--max-model-len", "1024"]
 CLI = [sys.executable, "-m", "picovllm.entrypoints.cli"]
 
 
@@ -69,14 +70,17 @@ def main() -> None:
     p.add_argument("--fleet", action="store_true", help="also 1P1D behind the router (tcp)")
     p.add_argument("--ttft-slo-ms", default="10", help="the goodput's SLOs (as bench serve's: every gap meets ITL)")
     p.add_argument("--itl-slo-ms", default="20")
+    p.add_argument("--dtype", default="float32", help="the checkpoint's and the engines' dtype")
+    p.add_argument("--num-kv-blocks", default="2048")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    model = make_random_checkpoint(os.path.join(args.out, "model"), args.preset, "float32", 0)
+    engine = [*ENGINE, "--dtype", args.dtype, "--num-kv-blocks", args.num_kv_blocks]
+    model = make_random_checkpoint(os.path.join(args.out, "model"), args.preset, args.dtype, 0)
     write_word_tokenizer(model, resolve_config(args.preset)["vocab_size"])
     profile = os.path.join(args.out, "profile.json")
-    subprocess.run([*CLI, "plan", "--measure-profile", "--profile", profile, "--model", model, *ENGINE], check=True)
+    subprocess.run([*CLI, "plan", "--measure-profile", "--profile", profile, "--model", model, *engine], check=True)
     measured = []
-    proc, url = start(args.out, "colocated", "serve", "--model", model, *ENGINE)
+    proc, url = start(args.out, "colocated", "serve", "--model", model, *engine)
     try:
         for rate in args.rates:
             path = os.path.join(args.out, f"bench_colocated_{rate:g}.json")
@@ -89,7 +93,7 @@ def main() -> None:
         secret = os.path.join(args.out, "secret")
         with open(secret, "w") as f:
             f.write("planner-benchmark-secret-0123456789\n")
-        fleet = ["--kv-transfer", "tcp", "--pd-secret-file", secret, "--model", model, *ENGINE]
+        fleet = ["--kv-transfer", "tcp", "--pd-secret-file", secret, "--model", model, *engine]
         procs = []
         try:
             pp, purl = start(args.out, "p", "serve", "--role", "p", *fleet)
@@ -108,11 +112,15 @@ def main() -> None:
                 proc.send_signal(signal.SIGTERM)
                 proc.wait(60)
     low = [m for m in measured if f"_{args.rates[0]:g}.json" in m]     # the lowest rate calibrates the overheads
+    try:
+        import matplotlib  # noqa: F401 - the plot's; a GPU image may lack it (rerun the plan elsewhere)
+        plot = ["--plot", os.path.join(args.out, "predicted_vs_measured.png")]
+    except ImportError:
+        plot = []
     subprocess.run([*CLI, "plan", "--profile", profile, "--input-len", str(args.input_len), "--output-len",
                     str(args.output_len), "--num-instances", "2", "--chunks", "512", "--calibrate", *low,
                     "--measured", *measured, "--ttft-slo-ms", args.ttft_slo_ms, "--itl-slo-ms", args.itl_slo_ms,
-                    "--plot", os.path.join(args.out, "predicted_vs_measured.png"),
-                    "--result-json", os.path.join(args.out, "plan.json")], check=True)
+                    *plot, "--result-json", os.path.join(args.out, "plan.json")], check=True)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,19 @@ from picovllm.entrypoints.cli import main
 from picovllm.planner.profile import StepProfile, fit
 from picovllm.planner.simulator import Deployment, Lengths, SimRequest, Traffic, make_requests, simulate
 
-PROFILE = StepProfile([1e-3, 2e-3, 1e-5, 1e-9, 2e-4, 1e-7], kv_bytes_per_token=1000)
+PROFILE = StepProfile([1e-3, 2e-3, 1e-5, 1e-9, 2e-4, 1e-7, 9e-3], kv_bytes_per_token=1000)
+SIX = StepProfile(PROFILE.coef[:6], kv_bytes_per_token=1000)    # mixed steps at a lone prefill's fixed cost
+
+
+def test_step_time_by_kind_of_step():
+    """Decode-only, prefill-only and mixed steps each take their own fixed cost (c0, c1, c6), by hand; a profile of
+    six coefficients (measured before mixed steps were) charges a mixed step c1."""
+    c0, c1, c2, c3, c4, c5, c6 = PROFILE.coef
+    assert PROFILE.step_time(0, 3, 300) == pytest.approx(c0 + 3 * c4 + 300 * c5)
+    assert PROFILE.step_time(100, 0, 0) == pytest.approx(c1 + 100 * c2 + 1e4 * c3)
+    assert PROFILE.step_time(100, 3, 300) == pytest.approx(c6 + 100 * c2 + 1e4 * c3 + 3 * c4 + 300 * c5)
+    assert SIX.step_time(100, 3, 300) == pytest.approx(c1 + 100 * c2 + 1e4 * c3 + 3 * c4 + 300 * c5)
+    assert PROFILE.step_time(0, 0, 0) == 0.0
 
 
 def test_fit_recovers_nonnegative_coefficients():
@@ -26,6 +38,8 @@ def test_fit_recovers_nonnegative_coefficients():
         samples.append({"prefill": p, "batch": b, "context": c, "seconds": PROFILE.step_time(p, b, c)})
     got = fit(samples, 1000)
     assert got.coef == pytest.approx(PROFILE.coef, rel=1e-4, abs=1e-12)
+    unmixed = [s for s in samples if not (s["prefill"] and s["batch"])]     # no mixed step: six coefficients
+    assert fit(unmixed, 1000).coef == pytest.approx(PROFILE.coef[:6], rel=1e-4, abs=1e-12)
     noisy = fit([dict(s, seconds=s["seconds"] - 5e-3 * (s["batch"] == 1)) for s in samples], 1000)
     assert all(c >= 0 for c in noisy.coef)
 
@@ -139,19 +153,19 @@ def test_calibration_recovers_what_the_steps_do_not_hold(num_prefill):
                                        gap=tuple(rng.choice([-1e-3] * 4 + [4e-3]) for _ in range(400)),
                                        handover=tuple(rng.uniform(-2e-3, 2e-3) for _ in range(200)) if num_prefill
                                        else (), seed=1))
-    runs = {rate: _bench_json(simulate(PROFILE, truth, make_requests(Traffic(rate, Lengths(100, 100), Lengths(8, 8),
+    runs = {rate: _bench_json(simulate(SIX, truth, make_requests(Traffic(rate, Lengths(100, 100), Lengths(8, 8),
                                                                              300, seed=int(rate)))), rate)
             for rate in (20.0, 40.0)}
     bare = Deployment(num_prefill, 1, chunk=512, transfer_bw=1e9)
-    cal = calibrate(PROFILE, bare, runs[20.0])
+    cal = calibrate(SIX, bare, runs[20.0])
     noise_median = float(np.median(truth.noise.ttft))
     assert cal.step_overhead == pytest.approx(1e-3, abs=2e-4)       # the gap noise is zero-mean
     assert cal.request_overhead == pytest.approx(3e-3 + noise_median, rel=0.1)
     if num_prefill:
         assert cal.handover_overhead == pytest.approx(6e-3, abs=3e-4)
-    got = compare(predict_measured(PROFILE, cal, runs[40.0], 10.0, 10.0), runs[40.0])
+    got = compare(predict_measured(SIX, cal, runs[40.0], 10.0, 10.0), runs[40.0])
     assert all(abs(v["error"]) < 0.2 for v in got.values()), got
-    plain = compare(predict_measured(PROFILE, bare, runs[40.0], 10.0, 10.0), runs[40.0])
+    plain = compare(predict_measured(SIX, bare, runs[40.0], 10.0, 10.0), runs[40.0])
     assert abs(plain["itl_p99"]["error"]) > 0.5 and abs(plain["ttft_p99"]["error"]) > 0.5, plain
 
 
@@ -175,11 +189,26 @@ def test_profile_times_the_whole_batch(tiny_models):
     from picovllm.planner.profile import measure_profile
     engine = Engine(EngineConfig(tiny_models["llama"], block_size=16, num_kv_blocks=128, max_model_len=256,
                                  max_num_batched_tokens=64, async_scheduling=False))
-    prof = measure_profile(engine, prefill_lens=(16,), batches=(8,), contexts=(64,), repeats=3)
+    steps = []
+    step = engine.step
+
+    def recording_step(*a, **kw):    # what each step ran: (prompt tokens computed, requests decoding)
+        before = [(r, r.num_computed_tokens) for r in engine.requests.values()]
+        out = step(*a, **kw)
+        prompt = sum((r.num_prompt_tokens if r.is_finished else min(r.num_computed_tokens, r.num_prompt_tokens)) - n
+                     for r, n in before if n < r.num_prompt_tokens)     # a finished one computed its whole prompt
+        steps.append((prompt, sum(1 for r, n in before if n >= r.num_prompt_tokens)))
+        return out
+    engine.step = recording_step
+    prof = measure_profile(engine, prefill_lens=(16,), batches=(8,), contexts=(64,), repeats=3, mixed=((4, 16),))
     decode = [s for s in prof.samples if s["prefill"] == 0]
     assert [s["batch"] for s in decode] == [8]
     # 8 requests of 64 prompt tokens, each with its first token and at least one more by the timed steps
     assert decode[0]["context"] >= 8 * 66
+    mixed = [s for s in prof.samples if s["prefill"] and s["batch"]]
+    assert [(s["prefill"], s["batch"]) for s in mixed] == [(16, 4)]
+    assert steps.count((16, 4)) >= 3        # the mixed sample's three timed steps: 16 prompt tokens beside 4 decodes
+    assert len(prof.coef) == 7 and not engine.has_unfinished_requests()
 
 
 def test_step_overhead_by_hand_and_calibrated():

@@ -1,15 +1,18 @@
 """What one engine step costs on this machine: measured, then fitted, for the planner's simulation.
 
 measure_profile() runs an Engine (no overlap, so a step is all its work) on prefill-only steps of
-several token counts and decode-only steps at several batch sizes and contexts, and fits
+several token counts, decode-only steps at several batch sizes and contexts, and mixed steps (a prompt's
+chunk beside decodes), and fits
 
     step_time(prefill_tokens, decode_batch, decode_context) =
-        (c0 if no prefill else c1) + c2 * prefill_tokens + c3 * prefill_tokens**2 + c4 * decode_batch
-        + c5 * decode_context
+        (c0 if no prefill, c1 if no decodes, else c6) + c2 * prefill_tokens + c3 * prefill_tokens**2
+        + c4 * decode_batch + c5 * decode_context
 
-(decode_context: the tokens the batch's decodes attend over, summed; a step with a prefill has its
-own fixed cost, as it takes another path through the model) by least squares, with every coefficient
->= 0. Each sample is the median of several timed steps (a shared machine is noisy); the samples are
+(decode_context: the tokens the batch's decodes attend over, summed) by least squares, with every coefficient
+>= 0. The three kinds of step have fixed costs of their own, as they take different paths through the model: on
+a GPU, decode steps and lone prefill chunks replay CUDA graphs, mixed steps run eagerly (a 512-token chunk beside
+decodes cost several times a lone one on an H200; BENCHMARKS.md). A profile of six coefficients (measured before
+the mixed steps were) takes c1 for c6. Each sample is the median of several timed steps (a shared machine is noisy); the samples are
 kept with the fit, so a profile can be checked and re-fitted. A decode sample records the batch and context
 it timed (its requests last long enough that the first is still decoding when the last prompt is in).
 """
@@ -24,7 +27,7 @@ import numpy as np
 
 @dataclass
 class StepProfile:
-    coef: list[float]                              # c0..c5 above, seconds
+    coef: list[float]                              # c0..c6 above, seconds
     kv_bytes_per_token: int                        # K and V of every layer, for the transfer's time
     samples: list[dict] = field(default_factory=list)   # {"prefill", "batch", "context", "seconds"}
     machine: str = ""
@@ -33,8 +36,8 @@ class StepProfile:
         c = self.coef
         if prefill_tokens == 0 and decode_batch == 0:
             return 0.0
-        return (c[1] if prefill_tokens else c[0]) + c[2] * prefill_tokens + c[3] * prefill_tokens ** 2 \
-            + c[4] * decode_batch + c[5] * decode_context
+        fixed = c[0] if not prefill_tokens else c[1] if not decode_batch or len(c) == 6 else c[6]
+        return fixed + c[2] * prefill_tokens + c[3] * prefill_tokens ** 2 + c[4] * decode_batch + c[5] * decode_context
 
     def save(self, path: str) -> None:
         with open(path, "w") as f:
@@ -48,31 +51,35 @@ class StepProfile:
             prof = cls(**data)
         except TypeError as e:
             raise ValueError(f"{path}: not a step profile ({e})") from None
-        if len(prof.coef) != 6 or any(c < 0 for c in prof.coef):
-            raise ValueError(f"{path}: coef must be 6 numbers >= 0, got {prof.coef!r}")
+        if len(prof.coef) not in (6, 7) or any(c < 0 for c in prof.coef):
+            raise ValueError(f"{path}: coef must be 6 or 7 numbers >= 0, got {prof.coef!r}")
         return prof
 
 
 def fit(samples: list[dict], kv_bytes_per_token: int, machine: str = "") -> StepProfile:
     """Least squares with non-negative coefficients (an active-set loop: drop the most negative, refit)."""
-    x = np.array([[float(s["prefill"] == 0), float(s["prefill"] > 0), s["prefill"], s["prefill"] ** 2, s["batch"],
-                   s["context"]] for s in samples])
+    kinds = [(s["prefill"] == 0, s["prefill"] > 0 and s["batch"] == 0, s["prefill"] > 0 and s["batch"] > 0)
+             for s in samples]
+    x = np.array([[float(d), float(p), s["prefill"], s["prefill"] ** 2, s["batch"], s["context"], float(m)]
+                  for s, (d, p, m) in zip(samples, kinds)])
+    if not any(m for _, _, m in kinds):     # no mixed step measured: six coefficients, c1 serving for c6
+        x = x[:, :6]
     y = np.array([s["seconds"] for s in samples])
     scale = np.maximum(np.abs(x).max(axis=0), 1e-12)
-    active = list(range(6))
+    active = list(range(x.shape[1]))
     while True:
         sol, *_ = np.linalg.lstsq(x[:, active] / scale[active], y, rcond=None)
         if (sol >= 0).all() or len(active) == 1:
             break
         active.pop(int(np.argmin(sol)))
-    coef = [0.0] * 6
+    coef = [0.0] * x.shape[1]
     for i, v in zip(active, sol):
         coef[i] = max(0.0, float(v / scale[i]))
     return StepProfile(coef, kv_bytes_per_token, samples, machine)
 
 
 def measure_profile(engine, prefill_lens=(16, 64, 128, 256, 512), batches=(1, 4, 16, 32),
-                    contexts=(32, 128, 512), repeats: int = 7) -> StepProfile:
+                    contexts=(32, 128, 512), repeats: int = 7, mixed=((4, 64), (16, 256), (4, 480))) -> StepProfile:
     """Time an Engine's steps (it must run without overlap and hold enough blocks for the largest case)."""
     from picovllm.sampling_params import SamplingParams
 
@@ -109,10 +116,32 @@ def measure_profile(engine, prefill_lens=(16, 64, 128, 256, 512), batches=(1, 4,
             samples.append({"prefill": 0, "batch": batch, "context": total + batch * (repeats // 2),
                             "seconds": float(np.median(times))})
             _drain(engine)
+    for k, (b, n) in enumerate((b, n) for b, n in mixed if b + n <= limit and b < engine.config.max_num_seqs):
+        samples.append(_mixed_sample(engine, b, n, repeats, first_token=60 + 30 * k))
     mc = engine.model_config
     dtype_bytes = engine.runner.kv_cache.element_size()
     kv_bytes = 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * dtype_bytes
     return fit(samples, kv_bytes, machine=f"{engine.config.device} {engine.config.model}")
+
+
+def _mixed_sample(engine, batch: int, prefill: int, repeats: int, first_token: int) -> dict:
+    """The median step of `batch` requests decoding beside a new prompt of `prefill` tokens, which ends with the
+    token its step samples (so each timed step is one such step). The prompts differ from every other prompt of
+    the profile: no prefix-cache hit shortens them."""
+    from picovllm.sampling_params import SamplingParams
+    for i in range(batch):
+        engine.add_request([first_token + i] * 32, SamplingParams(max_tokens=repeats + 4, ignore_eos=True))
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
+        engine.step()
+    context = sum(r.num_tokens for r in engine.requests.values()) + batch * (repeats // 2)
+    times = []
+    for i in range(repeats):
+        engine.add_request([first_token + batch + i] * prefill, SamplingParams(max_tokens=1, ignore_eos=True))
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t0)
+    _drain(engine)
+    return {"prefill": prefill, "batch": batch, "context": context, "seconds": float(np.median(times))}
 
 
 def _drain(engine) -> None:
