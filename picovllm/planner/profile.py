@@ -10,10 +10,10 @@ chunk beside decodes), and fits
 
 (decode_context: the tokens the batch's decodes attend over, summed) by least squares, with every coefficient
 >= 0. The three kinds of step have fixed costs of their own, as they take different paths through the model: on
-a GPU, decode steps and lone prefill chunks replay CUDA graphs, mixed steps run eagerly (a 512-token chunk beside
-decodes cost several times a lone one on an H200; BENCHMARKS.md). A profile of six coefficients (measured before
-the mixed steps were) takes c1 for c6. Each sample is the median of several timed steps (a shared machine is noisy); the samples are
-kept with the fit, so a profile can be checked and re-fitted. A decode sample records the batch and context
+a GPU, decode steps and lone prefill chunks replay CUDA graphs and mixed steps run eagerly (15.4 ms against 1.5 for
+a lone chunk on an H200; BENCHMARKS.md). A profile of six coefficients (measured before mixed steps were) takes c1
+for c6. Each sample is the median of several timed steps (a shared machine is noisy); the samples are kept with the
+fit, so a profile can be checked and re-fitted. A decode sample records the batch and context
 it timed (its requests last long enough that the first is still decoding when the last prompt is in).
 """
 from __future__ import annotations
@@ -129,8 +129,9 @@ def _mixed_sample(engine, batch: int, prefill: int, repeats: int, first_token: i
     token its step samples (so each timed step is one such step). The prompts differ from every other prompt of
     the profile: no prefix-cache hit shortens them."""
     from picovllm.sampling_params import SamplingParams
+    fill_steps = -(-batch * 33 // engine.config.max_num_batched_tokens) + batch    # as the decode samples'
     for i in range(batch):
-        engine.add_request([first_token + i] * 32, SamplingParams(max_tokens=repeats + 4, ignore_eos=True))
+        engine.add_request([first_token + i] * 32, SamplingParams(max_tokens=fill_steps + repeats + 2, ignore_eos=True))
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
         engine.step()
     context = sum(r.num_tokens for r in engine.requests.values()) + batch * (repeats // 2)
