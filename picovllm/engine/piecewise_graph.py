@@ -2,8 +2,8 @@
 (a mixed step), several chunks, chunks longer than the prefill graphs' buckets (EngineConfig.prefill_cuda_graphs).
 
 Such a step ran the model eagerly: ~25 kernels a layer, each launched from Python. On an H200 a mixed step of the
-Qwen3-0.6B shape took 15-18 ms of host time for 1.7 ms of kernels (684 launches; BENCHMARKS.md), and under online
-traffic most steps are mixed. Everything in the forward but attention depends on the step's token count alone;
+Qwen3-0.6B shape took 15-18 ms of host time for 1.7 ms of kernels (684 launches), and under online traffic most
+steps are mixed; in pieces it takes 8.4-10.6 ms (BENCHMARKS.md), most of it the eager attention's launches. Everything in the forward but attention depends on the step's token count alone;
 attention's launches depend on its layout (how many decodes, which chunks, their contexts). So the forward is
 captured once per token-count bucket as L + 1 graphs cut at each layer's attention call: piece 0 runs from the
 token ids to layer 0's q (the rope kernel inside it stores K/V), piece i from attention i - 1's output to layer
