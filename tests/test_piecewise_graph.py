@@ -1,16 +1,25 @@
 """CUDA graphs in pieces around eager attention, for mixed and multi-chunk steps (engine/piecewise_graph.py).
 
-On the CPU: the buckets and which steps fit. On a GPU: an engine whose steps mix prompt chunks and decodes (a small
+On the CPU the capture cannot run, so a stand-in replays each piece by running the forward again up to its cut
+(interpreted Triton attention), the attentions before it answered from the static buffers the step's eager
+attention filled: a mixed step and a step of several chunks give the eager step's logits and write exactly its
+slots. Also the buckets and which steps fit. On a GPU: an engine whose steps mix prompt chunks and decodes (a small
 step budget, prompts arriving together) decodes HF's greedy tokens, with those steps replaying the pieces."""
+import os
 import random
 
 import pytest
 import torch
 
-from picovllm.engine.piecewise_graph import PiecewiseGraphRunner, piecewise_buckets
-from picovllm.engine.step_input import StepInput
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from picovllm.engine.piecewise_graph import PiecewiseGraphRunner, piecewise_buckets   # noqa: E402
+from picovllm.engine.step_input import StepInput   # noqa: E402
 
 CUDA = torch.cuda.is_available()
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def test_buckets():
@@ -36,6 +45,97 @@ def test_fits_steps_of_at_most_the_budget_without_prompt_logprobs():
 def _prompt(n, seed):
     rng = random.Random(seed)
     return [rng.randrange(384) for _ in range(n)]
+
+
+class _Stop(Exception):
+    pass
+
+
+class _ReplayStandIn:
+    """Piece j of a bucket, replayed by running the forward again: the attentions before cut j answer with what the
+    step's eager attention wrote into the (shared) static output buffer for them, kept as each piece begins; at cut
+    j, q (k, v) go to the static buffers and the forward stops; the last piece runs to the end and leaves the
+    forward's output in place."""
+
+    def __init__(self, graphs, bucket, j, size, outs):
+        self.graphs, self.bucket, self.j, self.size, self.outs = graphs, bucket, j, size, outs
+
+    def replay(self):
+        graphs, calls, j, outs = self.graphs, self.bucket.calls, self.j, self.outs
+        layers = graphs.model.attention_layers()
+        if j:
+            outs[j - 1] = calls[j - 1].out.clone()      # attention j - 1's output, before the next one overwrites it
+
+        class Layer:
+            def __init__(self, i, real):
+                self.i, self.real = i, real
+
+            def __getattr__(self, name):
+                return getattr(self.real, name)
+
+            def forward(self, q, k, v, *args, kv_stored=False, **kwargs):
+                if self.i < j:
+                    return outs[self.i]
+                calls[j].q.copy_(q)
+                if not kv_stored:
+                    calls[j].k.copy_(k)
+                    calls[j].v.copy_(v)
+                raise _Stop
+        try:
+            for i, attn in enumerate(layers):
+                attn.backend = Layer(i, graphs.backends[i])
+            hidden = graphs.model(graphs.tokens[0, :self.size], graphs.tokens[1, :self.size],
+                                  graphs._meta(self.size))
+            self.bucket.hidden.copy_(hidden)
+        except _Stop:
+            pass
+        finally:
+            for attn, backend in zip(layers, graphs.backends):
+                attn.backend = backend
+
+
+@pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1")
+def test_pieces_give_the_eager_logits(tiny_models):
+    from picovllm import LLM, SamplingParams
+    llm = LLM(tiny_models["qwen3"], device="cpu", attention_backend="triton", block_size=8, num_kv_blocks=48,
+              max_num_batched_tokens=64, async_scheduling=False)
+    eng, runner = llm.engine, llm.engine.runner
+    graphs = PiecewiseGraphRunner(runner.model, 64, max_blocks_per_seq=12, block_size=8, device="cpu")
+    graphs._begin_piece = lambda: None
+    outs = {}
+    graphs._end_piece = lambda bucket: bucket.pieces.append(_ReplayStandIn(graphs, bucket, len(bucket.pieces),
+                                                                           graphs.sizes[0], outs))
+    with torch.inference_mode():
+        graphs.buckets[64] = graphs.record(64)
+    assert len(graphs.buckets[64].pieces) == len(runner.model.layers) + 1
+    graphs.tokens[0].fill_(7)           # stale state from an earlier, longer step
+    graphs.tokens[2].fill_(3)
+    decoding = [eng.add_request(_prompt(n, seed=n), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+                for n in (11, 20)]
+    while any(eng.requests[r].num_computed_tokens < eng.requests[r].num_prompt_tokens for r in decoding):
+        eng.step()
+    for new in ([_prompt(30, seed=3)], [_prompt(9, seed=4), _prompt(17, seed=5)]):   # beside the two decodes
+        rids = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)) for p in new]
+        step = runner.prepare(eng.scheduler.schedule(), eng.eos_token_ids)
+        assert step.num_decodes == 2 and len(step.seq_lens) == 2 + len(new) and graphs.fits(step)
+        kv = runner.kv_cache
+        kv.view(*kv.shape[:2], -1, *kv.shape[4:])[:, :, step.slot_mapping] = 123.0   # what the step must overwrite
+        before = kv.clone()
+        with torch.inference_mode():
+            got = graphs.run(step).clone()
+            written = runner.kv_cache.clone()
+            runner.kv_cache.copy_(before)
+            want = runner.compute_logits(step)
+        changed = (written != before).flatten(4).any(-1).any(0).any(0).flatten().nonzero()[:, 0]
+        assert sorted(changed.tolist()) == sorted(step.slot_mapping), "only the step's slots are written"
+        assert torch.allclose(written, runner.kv_cache, atol=1e-6)
+        assert got.shape == want.shape == (2 + len(new), 384)
+        assert torch.allclose(got, want, atol=1e-5, rtol=1e-4)
+        assert graphs.tokens[2, len(step.input_ids):64].eq(-1).all(), "padding tokens write nowhere"
+        for r in rids:
+            eng.abort(r)
+    for r in decoding:
+        eng.abort(r)
 
 
 @pytest.mark.gpu

@@ -98,6 +98,7 @@ class PiecewiseGraphRunner:
         self.tokens = torch.zeros(3, self.sizes[-1], dtype=torch.long, device=device)   # ids, positions, slots
         self.tokens[2].fill_(-1)
         self.buckets: dict[int, _Bucket] = {}
+        self.backends = [attn.backend for attn in model.attention_layers()]   # what runs attention at replay
         self._static: dict[tuple, torch.Tensor] = {}
         self._pool = None
         self._open: torch.cuda.CUDAGraph | None = None
@@ -134,37 +135,40 @@ class PiecewiseGraphRunner:
     def capture(self) -> "PiecewiseGraphRunner":
         """Capture every bucket, largest first (the smaller ones reuse its memory), on a side stream."""
         self._pool = torch.cuda.graph_pool_handle()
-        layers = self.model.attention_layers()
-        backends = [attn.backend for attn in layers]
         stream = torch.cuda.Stream(self.device)
         self.tokens[2].fill_(-1)
         for size in reversed(self.sizes):
-            meta = self._meta(size)
-            self.model(self.tokens[0, :size], self.tokens[1, :size], meta)   # lazy initialisations, compiles
+            self.model(self.tokens[0, :size], self.tokens[1, :size], self._meta(size))   # lazy inits, compiles
             torch.cuda.synchronize(self.device)
-            bucket = _Bucket()
-            try:
-                for attn, backend in zip(layers, backends):
-                    attn.backend = _CutAtAttention(self, backend, bucket)
-                stream.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(stream):
-                    self._begin_piece()
-                    bucket.hidden = self.model(self.tokens[0, :size], self.tokens[1, :size], meta)
-                    self._end_piece(bucket)
-                torch.cuda.current_stream(self.device).wait_stream(stream)
-            finally:
-                if self._open is not None:       # a failed capture: end it, so the stream is usable again
-                    try:
-                        self._open.capture_end()
-                    except RuntimeError:
-                        pass
-                    self._open = None
-                for attn, backend in zip(layers, backends):
-                    attn.backend = backend
-            self.buckets[size] = bucket
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                self.buckets[size] = self.record(size)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
-        self._backends = backends
         return self
+
+    def record(self, size: int) -> _Bucket:
+        """Run the forward of `size` tokens once with every layer's attention cut out (_CutAtAttention); the
+        stretches between the cuts are recorded by _begin_piece and _end_piece (CUDA graph captures)."""
+        bucket = _Bucket()
+        layers = self.model.attention_layers()
+        meta = self._meta(size)       # before the capture: it uploads
+        try:
+            for attn, backend in zip(layers, self.backends):
+                attn.backend = _CutAtAttention(self, backend, bucket)
+            self._begin_piece()
+            bucket.hidden = self.model(self.tokens[0, :size], self.tokens[1, :size], meta)
+            self._end_piece(bucket)
+        finally:
+            if self._open is not None:       # a failed capture: end it, so the stream is usable again
+                try:
+                    self._open.capture_end()
+                except RuntimeError:
+                    pass
+                self._open = None
+            for attn, backend in zip(layers, self.backends):
+                attn.backend = backend
+        return bucket
 
     def fits(self, step: StepInput) -> bool:
         return (not step.prompt_indices and 0 < len(step.input_ids) <= self.max_tokens
@@ -182,7 +186,7 @@ class PiecewiseGraphRunner:
         self.tokens[2, :n].copy_(meta.slot_mapping)
         if size > n:
             self.tokens[2, n:size].fill_(-1)
-        for piece, call, backend in zip(bucket.pieces, bucket.calls, self._backends):
+        for piece, call, backend in zip(bucket.pieces, bucket.calls, self.backends):
             piece.replay()
             stored = {"kv_stored": True} if call.kv_stored else {}
             k, v = (None, None) if call.kv_stored else (call.k[:n], call.v[:n])
