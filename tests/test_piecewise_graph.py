@@ -31,15 +31,16 @@ def test_buckets():
 
 def test_fits_steps_of_at_most_the_budget_without_prompt_logprobs():
     graphs = PiecewiseGraphRunner.__new__(PiecewiseGraphRunner)
-    graphs.max_tokens, graphs.max_blocks = 300, 4
+    graphs.max_tokens = 300
 
     def step(qlens, nd=0, prompt_rows=(), blocks=1):
         ids = [0] * sum(qlens)
         return StepInput(ids, ids, ids, [0], [8] * len(qlens), [[0] * blocks] * len(qlens), nd, [], [],
                          prompt_indices=list(prompt_rows))
     assert graphs.fits(step([1, 1, 1, 40], nd=3)) and graphs.fits(step([100, 200])) and graphs.fits(step([300]))
+    assert graphs.fits(step([5], blocks=500)), "any context: the pieces read no block table"
     assert not graphs.fits(step([301])) and not graphs.fits(step([1, 300], nd=1))
-    assert not graphs.fits(step([1, 5], nd=1, prompt_rows=[1])) and not graphs.fits(step([5], blocks=5))
+    assert not graphs.fits(step([1, 5], nd=1, prompt_rows=[1]))
 
 
 def _prompt(n, seed):
@@ -100,7 +101,7 @@ def test_pieces_give_the_eager_logits(tiny_models):
     llm = LLM(tiny_models["qwen3"], device="cpu", attention_backend="triton", block_size=8, num_kv_blocks=48,
               max_num_batched_tokens=64, async_scheduling=False)
     eng, runner = llm.engine, llm.engine.runner
-    graphs = PiecewiseGraphRunner(runner.model, 64, max_blocks_per_seq=12, block_size=8, device="cpu")
+    graphs = PiecewiseGraphRunner(runner.model, 64, block_size=8, device="cpu")
     graphs._begin_piece = lambda: None
     outs = {}
     graphs._end_piece = lambda bucket: bucket.pieces.append(_ReplayStandIn(graphs, bucket, len(bucket.pieces),

@@ -131,7 +131,7 @@ class ModelRunner:
                 if self.tp.size == 1:      # the other steps with a prefill: pieces around eager attention
                     from picovllm.engine.piecewise_graph import PiecewiseGraphRunner
                     self.piecewise_graphs = PiecewiseGraphRunner(self.model, self.config.max_num_batched_tokens,
-                                                                 max_blocks, self.block_size, self.device).capture()
+                                                                 self.block_size, self.device).capture()
         if self.device.type == "cpu" and not self.config.enforce_eager and self.tp.size == 1:
             from picovllm.kernels.cpu.decode_stack import DecodeStack
             self.cpu_decode = DecodeStack.build(self.model, self.attn_backend)

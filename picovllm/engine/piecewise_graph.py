@@ -87,12 +87,10 @@ class _CutAtAttention:
 
 
 class PiecewiseGraphRunner:
-    def __init__(self, model: nn.Module, max_num_batched_tokens: int, max_blocks_per_seq: int, block_size: int,
-                 device: torch.device) -> None:
+    def __init__(self, model: nn.Module, max_num_batched_tokens: int, block_size: int, device: torch.device) -> None:
         self.model = model
         self.sizes = piecewise_buckets(max_num_batched_tokens)
         self.max_tokens = min(self.sizes[-1], max_num_batched_tokens)
-        self.max_blocks = max_blocks_per_seq
         self.block_size = block_size
         self.device = torch.device(device)
         self.tokens = torch.zeros(3, self.sizes[-1], dtype=torch.long, device=device)   # ids, positions, slots
@@ -171,8 +169,9 @@ class PiecewiseGraphRunner:
         return bucket
 
     def fits(self, step: StepInput) -> bool:
-        return (not step.prompt_indices and 0 < len(step.input_ids) <= self.max_tokens
-                and all(len(t) <= self.max_blocks for t in step.block_tables))
+        """Steps of at most the largest bucket's tokens without prompt logprobs (the LM head's rows are the sampled
+        ones only); any layout of decodes and chunks, any context: the pieces read no block table."""
+        return not step.prompt_indices and 0 < len(step.input_ids) <= self.max_tokens
 
     def run(self, step: StepInput, prev_tokens=None) -> torch.Tensor | None:
         """The step's forward through the bucket's pieces and eager attention; the sampled rows' logits, or None
