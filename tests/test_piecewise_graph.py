@@ -96,9 +96,10 @@ class _ReplayStandIn:
 
 
 @pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1")
-def test_pieces_give_the_eager_logits(tiny_models):
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_pieces_give_the_eager_logits(tiny_models, backend):
     from picovllm import LLM, SamplingParams
-    llm = LLM(tiny_models["qwen3"], device="cpu", attention_backend="triton", block_size=8, num_kv_blocks=48,
+    llm = LLM(tiny_models["qwen3"], device="cpu", attention_backend=backend, block_size=8, num_kv_blocks=48,
               max_num_batched_tokens=64, async_scheduling=False)
     eng, runner = llm.engine, llm.engine.runner
     graphs = PiecewiseGraphRunner(runner.model, 64, block_size=8, device="cpu")
@@ -109,6 +110,9 @@ def test_pieces_give_the_eager_logits(tiny_models):
     with torch.inference_mode():
         graphs.buckets[64] = graphs.record(64)
     assert len(graphs.buckets[64].pieces) == len(runner.model.layers) + 1
+    # on the CPU rope runs in torch, so the backend stores K/V: k and v go to static buffers too (the GPU test below
+    # has the rope kernel store them inside the pieces)
+    assert not any(c.kv_stored for c in graphs.buckets[64].calls)
     graphs.tokens[0].fill_(7)           # stale state from an earlier, longer step
     graphs.tokens[2].fill_(3)
     decoding = [eng.add_request(_prompt(n, seed=n), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
