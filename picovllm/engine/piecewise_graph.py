@@ -3,19 +3,19 @@
 
 Such a step ran the model eagerly: ~25 kernels a layer, each launched from Python. On an H200 a mixed step of the
 Qwen3-0.6B shape took 15-18 ms of host time for 1.7 ms of kernels (684 launches), and under online traffic most
-steps are mixed; in pieces it takes 8.4-10.6 ms (BENCHMARKS.md), most of it the eager attention's launches. Everything in the forward but attention depends on the step's token count alone;
-attention's launches depend on its layout (how many decodes, which chunks, their contexts). So the forward is
-captured once per token-count bucket as L + 1 graphs cut at each layer's attention call: piece 0 runs from the
-token ids to layer 0's q (the rope kernel inside it stores K/V), piece i from attention i - 1's output to layer
-i's q, the last piece to the final norm. Each piece ends by copying q (and k, v where the backend stores them
-itself) into static buffers; a step replays piece 0, runs attention 0 eagerly on those buffers, copies its output
-into the static buffer piece 1 reads, replays piece 1, and so on; the LM head runs eagerly on the sampled rows.
-The buffers serve every layer and bucket (a layer's q is dead once its attention ran), so the pieces hold no
-layer's activations beyond its own.
+steps are mixed; in pieces it takes 8.4-10.6 ms (BENCHMARKS.md), most of it the eager attention's launches.
+Everything in the forward but attention depends on the step's token count alone; attention's launches depend on its
+layout (how many decodes, which chunks, their contexts). So the forward is captured once per token-count bucket as
+L+1 graphs cut at each layer's attention call: piece 0 runs from the token ids to layer 0's q (the rope kernel
+inside it stores K/V), piece i from attention i - 1's output to layer i's q, the last piece to the final norm. Each
+piece ends by copying q (and k, v where the backend stores them itself) into static buffers; a step replays piece 0,
+runs attention 0 eagerly on those buffers, copies its output into the static buffer piece 1 reads, replays piece 1,
+and so on; the LM head runs eagerly on the sampled rows. The buffers serve every layer and bucket (a layer's q is
+dead once its attention ran), so the pieces hold no layer's activations beyond its own.
 
-The graphs read their inputs from static buffers: token ids, positions and slots, padded to the bucket with slot
--1 (the KV store skips those rows; they flow through the row-wise layers and are never read). The pieces share
-one memory pool and replay in the order they were captured.
+The graphs read their inputs from static buffers: token ids, positions and slots, padded to the bucket with slot -1
+(the KV store skips those rows; they flow through the row-wise layers and are never read). The pieces share one
+memory pool and replay in the order they were captured.
 """
 from __future__ import annotations
 

@@ -8,13 +8,14 @@ chunk beside decodes), and fits
         (c0 if no prefill, c1 if no decodes, else c6) + c2 * prefill_tokens + c3 * prefill_tokens**2
         + c4 * decode_batch + c5 * decode_context
 
-(decode_context: the tokens the batch's decodes attend over, summed) by least squares, with every coefficient
->= 0. The three kinds of step have fixed costs of their own, as they take different paths through the model: on
-a GPU, decode steps and lone prefill chunks replay whole-step CUDA graphs and mixed steps pieces around eager
-attention (4.5 ms against 1.5 for a lone chunk on an H200; 15.4 ms when they ran eagerly; BENCHMARKS.md). A profile of six coefficients (measured before mixed steps were) takes c1
-for c6. Each sample is the median of several timed steps (a shared machine is noisy); the samples are kept with the
-fit, so a profile can be checked and re-fitted. A decode sample records the batch and context
-it timed (its requests last long enough that the first is still decoding when the last prompt is in).
+(decode_context: the tokens the batch's decodes attend over, summed) by least squares, with every coefficient >= 0.
+The three kinds of step have fixed costs of their own, as they take different paths through the model: on a GPU,
+decode steps and lone prefill chunks replay whole-step CUDA graphs and mixed steps pieces around eager attention
+(4.5 ms against 1.5 for a lone chunk on an H200; 15.4 ms when they ran eagerly; BENCHMARKS.md). A profile of six
+coefficients (measured before mixed steps were) takes c1 for c6. Each sample is the median of several timed steps (a
+shared machine is noisy); the samples are kept with the fit, so a profile can be checked and re-fitted. A decode
+sample records the batch and context it timed (its requests last long enough that the first is still decoding when
+the last prompt is in).
 """
 from __future__ import annotations
 
