@@ -41,6 +41,22 @@ def _replay_stand_in(graphs):
     graphs.graphs = {s: Replay(s) for s in graphs.sizes}
 
 
+def run_against_eager(runner, graphs, step, rows: int) -> None:
+    """graphs.run(step) against the runner's eager step from the same cache: the same logits ([rows, vocab 384])
+    and the same cache after, with only the step's slots written."""
+    before = runner.kv_cache.clone()
+    with torch.inference_mode():
+        got = graphs.run(step).clone()
+        written = runner.kv_cache.clone()
+        runner.kv_cache.copy_(before)
+        want = runner.compute_logits(step)
+    changed = (written != before).flatten(4).any(-1).any(0).any(0).flatten().nonzero()[:, 0]
+    assert sorted(changed.tolist()) == sorted(step.slot_mapping), "only the step's slots are written"
+    assert torch.allclose(written, runner.kv_cache, atol=1e-6)
+    assert got.shape == want.shape == (rows, 384)
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-4)
+
+
 @pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1")
 def test_static_buffers_give_the_eager_logits(tiny_models):
     from picovllm import LLM, SamplingParams
@@ -59,17 +75,7 @@ def test_static_buffers_give_the_eager_logits(tiny_models):
         step = runner.prepare(eng.scheduler.schedule(), eng.eos_token_ids)
         assert eng.requests[rid].num_cached_tokens == cached and len(step.input_ids) == len(prompt) - cached
         assert graphs.fits(step)
-        before = runner.kv_cache.clone()
-        with torch.inference_mode():
-            got = graphs.run(step).clone()
-            written = runner.kv_cache.clone()
-            runner.kv_cache.copy_(before)
-            want = runner.compute_logits(step)
-        changed = (written != before).flatten(4).any(-1).any(0).any(0).flatten().nonzero()[:, 0]
-        assert sorted(changed.tolist()) == sorted(step.slot_mapping), "only the chunk's slots are written"
-        assert torch.allclose(written, runner.kv_cache, atol=1e-6)
-        assert got.shape == want.shape == (1, 384)
-        assert torch.allclose(got, want, atol=1e-5, rtol=1e-4)
+        run_against_eager(runner, graphs, step, rows=1)
         assert graphs.tokens[2, len(step.input_ids):16].eq(-1).all(), "padding tokens write nowhere"
         eng.abort(rid)
 
