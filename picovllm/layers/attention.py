@@ -53,8 +53,8 @@ class AttentionBackend(ABC):
         """q: [T, Hq, D]; k, v: [T, Hkv, D]; caches: [num_blocks, block_size, Hkv, D].
 
         Must first store k, v at meta.slot_mapping (unless kv_stored: the caller has, with store_kv's
-        result; only ever passed where accepts_stored_kv, and k, v may then be None), then return [T, Hq, D] where token t of
-        sequence s, at position p = seq_lens[s] - query_len[s] + t, attends causally to positions
+        result; only ever passed where accepts_stored_kv, and k, v may then be None), then return [T, Hq, D]
+        where token t of sequence s, at position p = seq_lens[s] - query_len[s] + t, attends causally to positions
         0 .. p, or with a sliding window to the last `window` of them (p - window + 1 .. p, as HF's).
         softcap: scores become softcap * tanh(scores / softcap) before the softmax (Gemma 2).
         kv_scales: (k_scale, v_scale), each [Hkv] float32, when the caches are float8_e4m3fn: store

@@ -59,12 +59,10 @@ class StepProfile:
 
 def fit(samples: list[dict], kv_bytes_per_token: int, machine: str = "") -> StepProfile:
     """Least squares with non-negative coefficients (an active-set loop: drop the most negative, refit)."""
-    kinds = [(s["prefill"] == 0, s["prefill"] > 0 and s["batch"] == 0, s["prefill"] > 0 and s["batch"] > 0)
-             for s in samples]
-    x = np.array([[float(d), float(p), s["prefill"], s["prefill"] ** 2, s["batch"], s["context"], float(m)]
-                  for s, (d, p, m) in zip(samples, kinds)])
-    if not any(m for _, _, m in kinds):     # no mixed step measured: six coefficients, c1 serving for c6
-        x = x[:, :6]
+    mixed = [s["prefill"] > 0 and s["batch"] > 0 for s in samples]
+    extra = any(mixed)          # no mixed step measured: six coefficients, c1 serving for c6
+    x = np.array([[float(s["prefill"] == 0), float(s["prefill"] > 0 and not m), s["prefill"], s["prefill"] ** 2,
+                   s["batch"], s["context"]] + [float(m)] * extra for s, m in zip(samples, mixed)])
     y = np.array([s["seconds"] for s in samples])
     scale = np.maximum(np.abs(x).max(axis=0), 1e-12)
     active = list(range(x.shape[1]))
@@ -94,26 +92,14 @@ def measure_profile(engine, prefill_lens=(16, 64, 128, 256, 512), batches=(1, 4,
         times = []
         for i in range(repeats):
             engine.add_request([7 + i] * n, SamplingParams(max_tokens=1, ignore_eos=True))
-            t0 = time.perf_counter()
-            engine.step()
-            times.append(time.perf_counter() - t0)
+            times.append(_timed_step(engine))
             _drain(engine)
         samples.append({"prefill": n, "batch": 0, "context": 0, "seconds": float(np.median(times))})
     for ctx in [c for c in contexts if c <= limit]:
         for b in [b for b in batches if b <= engine.config.max_num_seqs]:
-            # enough tokens that the first request still decodes when the last prompt is in: filling
-            # b prompts takes about b * ctx / chunk steps (else the timed batch is smaller than b)
-            fill_steps = -(-b * (ctx + 1) // engine.config.max_num_batched_tokens) + b
-            max_tokens = min(fill_steps + repeats + 2, engine.max_model_len - ctx)
-            for i in range(b):
-                engine.add_request([(i % 50) + 5] * ctx, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
-            while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
-                engine.step()                  # the prompts (and each one's first token)
-            times, batch, total = [], len(engine.requests), sum(r.num_tokens for r in engine.requests.values())
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                engine.step()
-                times.append(time.perf_counter() - t0)
+            _start_decoding(engine, [[(i % 50) + 5] * ctx for i in range(b)], repeats)
+            batch, total = len(engine.requests), sum(r.num_tokens for r in engine.requests.values())
+            times = [_timed_step(engine) for _ in range(repeats)]
             samples.append({"prefill": 0, "batch": batch, "context": total + batch * (repeats // 2),
                             "seconds": float(np.median(times))})
             _drain(engine)
@@ -130,20 +116,34 @@ def _mixed_sample(engine, batch: int, prefill: int, repeats: int, first_token: i
     token its step samples (so each timed step is one such step). The prompts differ from every other prompt of
     the profile: no prefix-cache hit shortens them."""
     from picovllm.sampling_params import SamplingParams
-    fill_steps = -(-batch * 33 // engine.config.max_num_batched_tokens) + batch    # as the decode samples'
-    for i in range(batch):
-        engine.add_request([first_token + i] * 32, SamplingParams(max_tokens=fill_steps + repeats + 2, ignore_eos=True))
-    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
-        engine.step()
+    _start_decoding(engine, [[first_token + i] * 32 for i in range(batch)], repeats)
     context = sum(r.num_tokens for r in engine.requests.values()) + batch * (repeats // 2)
     times = []
     for i in range(repeats):
         engine.add_request([first_token + batch + i] * prefill, SamplingParams(max_tokens=1, ignore_eos=True))
-        t0 = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - t0)
+        times.append(_timed_step(engine))
     _drain(engine)
     return {"prefill": prefill, "batch": batch, "context": context, "seconds": float(np.median(times))}
+
+
+def _start_decoding(engine, prompts: list[list[int]], repeats: int) -> None:
+    """Add the prompts as requests and step until every prompt is in (and has its first token). Each request asks
+    for enough tokens that the first still decodes when the last prompt is in, and through `repeats` timed steps
+    after: filling n prompts of L tokens takes about n * L / chunk steps (else a timed batch is smaller than n)."""
+    from picovllm.sampling_params import SamplingParams
+    n, longest = len(prompts), max(map(len, prompts))
+    fill_steps = -(-n * (longest + 1) // engine.config.max_num_batched_tokens) + n
+    max_tokens = min(fill_steps + repeats + 2, engine.max_model_len - longest)
+    for p in prompts:
+        engine.add_request(p, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
+        engine.step()
+
+
+def _timed_step(engine) -> float:
+    t0 = time.perf_counter()
+    engine.step()
+    return time.perf_counter() - t0
 
 
 def _drain(engine) -> None:
