@@ -41,9 +41,10 @@ def _replay_stand_in(graphs):
     graphs.graphs = {s: Replay(s) for s in graphs.sizes}
 
 
-def run_against_eager(runner, graphs, step, rows: int) -> None:
+def run_against_eager(runner, graphs, step, rows: int, cache_atol: float = 1e-6) -> None:
     """graphs.run(step) against the runner's eager step from the same cache: the same logits ([rows, vocab 384])
-    and the same cache after, with only the step's slots written."""
+    and the same cache after, with only the step's slots written (within cache_atol: where the graphs' attention
+    is another kernel than the eager step's, the later layers' K/V differ by its rounding)."""
     before = runner.kv_cache.clone()
     with torch.inference_mode():
         got = graphs.run(step).clone()
@@ -52,7 +53,7 @@ def run_against_eager(runner, graphs, step, rows: int) -> None:
         want = runner.compute_logits(step)
     changed = (written != before).flatten(4).any(-1).any(0).any(0).flatten().nonzero()[:, 0]
     assert sorted(changed.tolist()) == sorted(step.slot_mapping), "only the step's slots are written"
-    assert torch.allclose(written, runner.kv_cache, atol=1e-6)
+    assert torch.allclose(written, runner.kv_cache, atol=cache_atol)
     assert got.shape == want.shape == (rows, 384)
     assert torch.allclose(got, want, atol=1e-5, rtol=1e-4)
 

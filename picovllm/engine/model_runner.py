@@ -93,7 +93,8 @@ class ModelRunner:
             attn.backend = self.attn_backend
         self.cuda_graphs = None   # a CUDAGraphRunner once the KV cache exists (CUDA, not enforce_eager)
         self.prefill_graphs = None   # a PrefillGraphRunner beside it (EngineConfig.prefill_cuda_graphs)
-        self.piecewise_graphs = None   # and a PiecewiseGraphRunner for the other prefill steps (one GPU)
+        self.mixed_graphs = None   # and a MixedGraphRunner for the other prefill steps (one GPU)
+        self.piecewise_graphs = None   # and a PiecewiseGraphRunner for those it does not take
         self.cpu_decode = None    # its CPU counterpart: a DecodeStack (float32, C compiler, not enforce_eager)
         self.warmup_seconds: float | None = None   # what the start-up warm-up took (EngineConfig.warmup)
         mc = self.model_config
@@ -128,7 +129,12 @@ class ModelRunner:
                 from picovllm.engine.prefill_graph import PrefillGraphRunner
                 self.prefill_graphs = PrefillGraphRunner(self.model, self.config.max_num_batched_tokens, max_blocks,
                                                          self.block_size, self.device).capture()
-                if self.tp.size == 1:      # the other steps with a prefill: pieces around eager attention
+                if self.tp.size == 1 and getattr(self.attn_backend, "supports_work_lists", False):
+                    from picovllm.engine.mixed_graph import MixedGraphRunner   # the other steps with a prefill
+                    self.mixed_graphs = MixedGraphRunner(self.model, self.config.max_num_batched_tokens,
+                                                         self.config.max_num_seqs, self.block_size,
+                                                         self.device).capture()
+                if self.tp.size == 1:      # those with a longer context: pieces around eager attention
                     from picovllm.engine.piecewise_graph import PiecewiseGraphRunner
                     self.piecewise_graphs = PiecewiseGraphRunner(self.model, self.config.max_num_batched_tokens,
                                                                  self.block_size, self.device).capture()
@@ -198,8 +204,9 @@ class ModelRunner:
                        ) -> torch.Tensor | None:
         """The forward, then the logits of the rows that sample and then of the prompt-logprob rows
         (None if there are none), in the model's dtype (sampling upcasts where it needs to). A
-        decode-only step replays a CUDA graph, a one-chunk prefill step another, and the other steps of at most
-        a bucket's tokens replay pieces around eager attention (engine/piecewise_graph.py).
+        decode-only step replays a CUDA graph, a one-chunk prefill step another, the other steps of at most a
+        bucket's tokens a whole-step graph (engine/mixed_graph.py), or with longer contexts pieces around eager
+        attention (engine/piecewise_graph.py).
         prev_tokens: (flat indices, token ids) to write into the input ids on the device.
 
         Tensor-parallel workers stop here: they take part in the collectives; rank 0 samples."""
@@ -208,6 +215,8 @@ class ModelRunner:
             return self.cuda_graphs.run(step, prev_tokens)
         if plain and self.prefill_graphs is not None and self.prefill_graphs.fits(step):
             return self.prefill_graphs.run(step)
+        if plain and self.mixed_graphs is not None and self.mixed_graphs.fits(step):
+            return self.mixed_graphs.run(step, prev_tokens)
         if plain and self.piecewise_graphs is not None and self.piecewise_graphs.fits(step):
             return self.piecewise_graphs.run(step, prev_tokens)
         ids, positions, meta, rows = step_tensors(step, self.device, prev_tokens)
@@ -226,7 +235,7 @@ class ModelRunner:
         if self.device.type != "cuda" or (self.cuda_graphs is None and self.kv_cache is None):
             return
         torch.cuda.synchronize(self.device)
-        self.cuda_graphs = self.prefill_graphs = self.piecewise_graphs = None
+        self.cuda_graphs = self.prefill_graphs = self.mixed_graphs = self.piecewise_graphs = None
         if self.kv_cache is not None:
             for attn in self.model.attention_layers():
                 attn.k_cache = attn.v_cache = None

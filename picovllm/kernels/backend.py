@@ -15,9 +15,11 @@ SHORT_PREFILL = 16   # a prefill chunk of at most this many tokens attends throu
 class TritonAttentionBackend(AttentionBackend):
     """Decodes (the first num_decodes sequences) go to the split-K decode kernel, prefill chunks to
     the varlen prefill kernel (one short chunk alone to the decode kernel too: _short_prefill). Grid sizes come from the metadata's host-side lists: no syncs.
-    Decode launches depend on the batch size alone, so decode steps can be CUDA-graph captured."""
+    Decode launches depend on the batch size alone, so decode steps can be CUDA-graph captured; given a work list
+    (AttentionMetadata.work) every sequence goes to the prefill kernel in one launch sized by the list alone."""
 
     supports_cuda_graphs = True
+    supports_work_lists = True
     accepts_stored_kv = True      # the model's rope_qkv stores K/V in its own launch (kernels/rotary.py)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -26,6 +28,10 @@ class TritonAttentionBackend(AttentionBackend):
         if not kv_stored:
             store_kv(k, v, k_cache, v_cache, meta.slot_mapping, kv_scales)
         out = torch.empty_like(q)
+        if meta.work is not None:
+            return prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                                     0, 0, 0, scale, out, window=window, softcap=softcap, kv_scales=kv_scales,
+                                     work=meta.work)
         nd = meta.num_decodes
         if nd:
             decode_attention(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd],

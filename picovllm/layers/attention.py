@@ -30,6 +30,10 @@ class AttentionMetadata:
     max_seq_len: int
     query_lens_cpu: list[int]       # host copies, so the reference backend never syncs
     seq_lens_cpu: list[int]
+    # A work list (kernels/prefill_attention.py work_items): set by the mixed-step CUDA graphs
+    # (engine/mixed_graph.py), whose launches cannot depend on the step's layout; the host lists above
+    # then describe the capture, not the step. Only a backend with supports_work_lists is given one.
+    work: torch.Tensor | None = None
     # What a backend derives from this step's metadata once and reuses in every layer, by its own key.
     scratch: dict = field(default_factory=dict, repr=False)
 
@@ -41,9 +45,12 @@ class AttentionMetadata:
 class AttentionBackend(ABC):
     """Computes attention for one layer. Called once per layer per step by Attention.forward.
     accepts_stored_kv: forward may be told that the caller has stored k, v in the cache already (kv_stored), in
-    the kernel that computed them (kernels.rotary.rope_qkv); a backend that leaves it False always stores them."""
+    the kernel that computed them (kernels.rotary.rope_qkv); a backend that leaves it False always stores them.
+    supports_work_lists: forward honours AttentionMetadata.work (engine/mixed_graph.py captures only such a
+    backend); one that leaves it False is never given a work list."""
 
     accepts_stored_kv: bool = False
+    supports_work_lists: bool = False
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

@@ -1,0 +1,133 @@
+"""Whole-step CUDA graphs for steps of several sequences: a prompt's chunk beside decodes (a mixed step), several
+chunks, a chunk longer than the prefill graphs' buckets (engine/prefill_graph.py).
+
+Under online traffic most steps are mixed. Eager, such a step launched ~25 kernels a layer from Python; in pieces
+around eager attention (engine/piecewise_graph.py) the attention's own launches were still most of its host time.
+Here attention is captured too: one launch a layer of the prefill kernel over a work list (kernels/
+prefill_attention.py work_items), a (sequence, query tile) item per program and KV head, padded with empty items to
+a length that depends on the token bucket alone. A decode is a chunk of one token. So one graph per token bucket serves
+every layout of decodes and chunks.
+
+What that kernel gives up is the decode kernel's split of a long context over several programs: each item streams
+its sequence's whole context. So the graphs take steps whose contexts are all at most max_context tokens; longer
+ones go to the pieces, whose eager attention splits them.
+
+Static buffers: token ids, positions, slots and the sampled rows (int64); query starts, sequence lengths and the
+work list (one int32 buffer, each part at a 64-byte offset); block tables. Padding tokens get slot -1 (the KV store
+skips them) and are in no item. The LM head runs eagerly on the sampled rows.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from picovllm.engine.cuda_graph import pinned
+from picovllm.engine.piecewise_graph import piecewise_buckets
+from picovllm.engine.step_input import StepInput
+from picovllm.kernels.prefill_attention import max_work_items, work_items, work_tile
+from picovllm.layers.attention import AttentionMetadata
+
+# Longest context a step's sequences may have. On an H200 (Qwen3-0.6B shape, 4-64 decodes beside a 256-token chunk;
+# BENCHMARKS.md, eleventh session) the graphs took 3.2-6.1 ms a step against the pieces' 5.4-10.5 up to 2,048-token
+# contexts, and lost by 12-16% at 4,096.
+MAX_CONTEXT = 2048
+
+
+def _aligned(n: int) -> int:
+    return -(-n // 16) * 16      # int32 elements: 64 bytes
+
+
+class MixedGraphRunner:
+    def __init__(self, model: nn.Module, max_num_batched_tokens: int, max_num_seqs: int, block_size: int,
+                 device: torch.device, max_context: int | None = None) -> None:
+        self.model = model
+        max_context = MAX_CONTEXT if max_context is None else max_context
+        self.sizes = piecewise_buckets(max_num_batched_tokens)
+        self.max_tokens = min(self.sizes[-1], max_num_batched_tokens)
+        self.max_seqs = min(max_num_seqs, self.max_tokens)
+        self.max_context = max_context
+        self.max_blocks = -(-max_context // block_size)
+        self.block_size = block_size
+        attn = model.attention_layers()[0]
+        self.tile = work_tile(attn.num_heads // attn.num_kv_heads)     # query tokens a work item
+        t, s = self.sizes[-1], self.max_seqs
+        self.tokens = torch.zeros(4, t, dtype=torch.long, device=device)   # ids, positions, slots, sampled rows
+        self.tokens[2].fill_(-1)
+        self._lens_at = _aligned(s + 1)
+        self._work_at = self._lens_at + _aligned(s)
+        self.meta_i32 = torch.full((self._work_at + 2 * max_work_items(t, s, self.tile),), -1, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(s, self.max_blocks, dtype=torch.int32, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.hidden: dict[int, torch.Tensor] = {}
+
+    def _items(self, size: int) -> int:
+        return max_work_items(size, self.max_seqs, self.tile)
+
+    def _meta(self, size: int) -> AttentionMetadata:
+        m, s = self.meta_i32, self.max_seqs
+        work = m[self._work_at:self._work_at + 2 * self._items(size)].view(-1, 2)
+        return AttentionMetadata(
+            slot_mapping=self.tokens[2, :size], query_start_loc=m[:s + 1], seq_lens=m[self._lens_at:self._lens_at + s],
+            block_tables=self.block_tables, num_decodes=0, max_query_len=size, max_seq_len=self.max_context,
+            query_lens_cpu=[size], seq_lens_cpu=[self.max_context], work=work)
+
+    def _forward(self, size: int) -> torch.Tensor:
+        return self.model(self.tokens[0, :size], self.tokens[1, :size], self._meta(size))
+
+    @torch.inference_mode()
+    def capture(self) -> "MixedGraphRunner":
+        """Capture every bucket, largest first (the smaller ones reuse its memory). The work list is empty while
+        they are: the warm-up forwards and the captures write nothing."""
+        pool = torch.cuda.graph_pool_handle()
+        for size in reversed(self.sizes):
+            self._forward(size)                   # outside capture: compiles, lazy initialisations
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.hidden[size] = self._forward(size)
+            self.graphs[size] = graph
+        torch.cuda.synchronize()
+        return self
+
+    def fits(self, step: StepInput) -> bool:
+        """Steps of at most the largest bucket's tokens and max_num_seqs sequences, every context at most
+        max_context tokens, without prompt logprobs (the LM head's rows are the sampled ones only)."""
+        return (not step.prompt_indices and 0 < len(step.input_ids) <= self.max_tokens
+                and len(step.seq_lens) <= self.max_seqs and max(step.seq_lens) <= self.max_context)
+
+    def load(self, step: StepInput) -> int:
+        """Copy the step into the static buffers (from pinned memory, without blocking); the bucket to replay."""
+        n, ns = len(step.input_ids), len(step.seq_lens)
+        size = next(s for s in self.sizes if s >= n)
+        tokens = np.zeros((4, size), dtype=np.int64)
+        tokens[0, :n], tokens[1, :n], tokens[2, :n] = step.input_ids, step.positions, step.slot_mapping
+        tokens[2, n:] = -1
+        tokens[3, :len(step.sample_indices)] = step.sample_indices
+        qsl = step.query_start_loc
+        meta = np.empty(self._work_at + 2 * self._items(size), dtype=np.int32)
+        meta[:ns + 1] = qsl
+        meta[self._lens_at:self._lens_at + ns] = step.seq_lens
+        meta[self._work_at:] = work_items([b - a for a, b in zip(qsl, qsl[1:])], self._items(size), self.tile).reshape(-1)
+        width = -(-max(step.seq_lens) // self.block_size)     # the blocks the contexts use (tables may hold more)
+        tables = np.empty((ns, width), dtype=np.int32)
+        for row, table in zip(tables, step.block_tables):
+            table = table[:width]
+            row[:len(table)] = table
+        self.tokens[:, :size].copy_(pinned(tokens), non_blocking=True)
+        self.meta_i32[:len(meta)].copy_(pinned(meta), non_blocking=True)
+        self.block_tables[:ns, :width].copy_(pinned(tables), non_blocking=True)
+        return size
+
+    def run(self, step: StepInput, prev_tokens: tuple[torch.Tensor, torch.Tensor] | None = None
+            ) -> torch.Tensor | None:
+        """Replay the step's bucket; the sampled rows' logits, or None when no row samples.
+        prev_tokens: (rows, token ids) of input ids still on the device (overlapped scheduling)."""
+        size = self.load(step)
+        if prev_tokens is not None:
+            self.tokens[0].index_copy_(0, *prev_tokens)
+        self.graphs[size].replay()
+        k = len(step.sample_indices)
+        if not k:
+            return None
+        return self.model.compute_logits(self.hidden[size].index_select(0, self.tokens[3, :k]))
