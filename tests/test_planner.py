@@ -2,6 +2,7 @@
 M/D/1 queue by Pollaczek-Khinchine), and `picovllm plan` on a profile measured from the tiny model."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 
@@ -59,6 +60,25 @@ def test_one_request_by_hand():
     assert pd.token_times == pytest.approx([first, arrive + step(0, 1, 101), arrive + step(0, 1, 101)
                                             + step(0, 1, 102), arrive + step(0, 1, 101) + step(0, 1, 102)
                                             + step(0, 1, 103)])
+
+
+def test_an_overlapped_engine_admits_an_arrival_a_step_later_by_hand():
+    """Under overlap (EngineConfig.async_scheduling: a GPU's default) the step after the running one was planned as
+    the running one began: a request that arrives during step 1 joins step 3, not step 2; an engine with nothing
+    else planned takes it at once."""
+    step = PROFILE.step_time
+    assert not PROFILE.overlapped and StepProfile([], 0, machine="cuda m").overlapped
+    over = dataclasses.replace(PROFILE, overlap=True)
+    reqs = [SimRequest(1.0, 100, 3), SimRequest(1.0005, 50, 1)]
+    t1 = 1.0 + step(100, 0, 0)
+    plain = simulate(PROFILE, Deployment(0, 1, chunk=512), reqs).requests
+    assert plain[1].token_times == pytest.approx([t1 + step(50, 1, 101)])      # step 2: beside A's decode
+    got = simulate(over, Deployment(0, 1, chunk=512), reqs).requests
+    t2 = t1 + step(0, 1, 101)                                                   # step 2: A's decode alone
+    assert got[1].token_times == pytest.approx([t2 + step(50, 1, 102)])
+    assert got[0].token_times == pytest.approx([t1, t2, t2 + step(50, 1, 102)])
+    alone = simulate(over, Deployment(0, 1, chunk=512), [SimRequest(1.0, 100, 1), SimRequest(1.0005, 50, 1)])
+    assert alone.requests[1].token_times == pytest.approx([t1 + step(50, 0, 0)]), "nothing else planned: at once"
 
 
 def test_queueing_matches_pollaczek_khinchine():

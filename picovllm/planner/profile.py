@@ -32,6 +32,13 @@ class StepProfile:
     kv_bytes_per_token: int                        # K and V of every layer, for the transfer's time
     samples: list[dict] = field(default_factory=list)   # {"prefill", "batch", "context", "seconds"}
     machine: str = ""
+    # The engine plans each step while the one before it runs (EngineConfig.async_scheduling), so a request that
+    # arrives during a step joins the step after the next. None (a profile saved before this field): on a GPU.
+    overlap: bool | None = None
+
+    @property
+    def overlapped(self) -> bool:
+        return self.machine.startswith("cuda") if self.overlap is None else self.overlap
 
     def step_time(self, prefill_tokens: int, decode_batch: int, decode_context: int) -> float:
         c = self.coef
@@ -57,7 +64,7 @@ class StepProfile:
         return prof
 
 
-def fit(samples: list[dict], kv_bytes_per_token: int, machine: str = "") -> StepProfile:
+def fit(samples: list[dict], kv_bytes_per_token: int, machine: str = "", overlap: bool | None = None) -> StepProfile:
     """Least squares with non-negative coefficients (an active-set loop: drop the most negative, refit)."""
     mixed = [s["prefill"] > 0 and s["batch"] > 0 for s in samples]
     extra = any(mixed)          # no mixed step measured: six coefficients, c1 serving for c6
@@ -74,7 +81,7 @@ def fit(samples: list[dict], kv_bytes_per_token: int, machine: str = "") -> Step
     coef = [0.0] * x.shape[1]
     for i, v in zip(active, sol):
         coef[i] = max(0.0, float(v / scale[i]))
-    return StepProfile(coef, kv_bytes_per_token, samples, machine)
+    return StepProfile(coef, kv_bytes_per_token, samples, machine, overlap)
 
 
 def measure_profile(engine, prefill_lens=(16, 64, 128, 256, 512), batches=(1, 4, 16, 32),
@@ -108,7 +115,8 @@ def measure_profile(engine, prefill_lens=(16, 64, 128, 256, 512), batches=(1, 4,
     mc = engine.model_config
     dtype_bytes = engine.runner.kv_cache.element_size()
     kv_bytes = 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * dtype_bytes
-    return fit(samples, kv_bytes, machine=f"{engine.config.device} {engine.config.model}")
+    return fit(samples, kv_bytes, machine=f"{engine.config.device} {engine.config.model}",
+               overlap=engine.config.async_scheduling)
 
 
 def _mixed_sample(engine, batch: int, prefill: int, repeats: int, first_token: int) -> dict:

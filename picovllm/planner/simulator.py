@@ -155,6 +155,7 @@ class SimRequest:
     prompt: int
     output: int
     computed: int = 0                                   # prompt tokens computed
+    ready: float = 0.0                                  # when it joined its instance's queue
     token_times: list[float] = field(default_factory=list)
 
     @property
@@ -168,6 +169,7 @@ class _Instance:
     waiting: deque = field(default_factory=deque)
     running: list = field(default_factory=list)
     busy: bool = False
+    started: float = 0.0                                # when the step in flight began
     plan: tuple = ()                                    # the step in flight: (decodes, [(req, n)])
 
     def prompt_backlog(self) -> int:
@@ -220,30 +222,33 @@ def simulate(profile: StepProfile, deployment: Deployment, requests: list[SimReq
     for r in reqs:
         heapq.heappush(events, (r.arrival, next(seq), "arrive", r))
 
-    def start(inst: _Instance, now: float) -> None:
+    def start(inst: _Instance, now: float, cutoff: float) -> None:
+        """Plan the instance's next step, of the requests queued by `cutoff`: when it was planned (under
+        overlap, as the step that just ended began; then, if that gives nothing, as the engine idles, now)."""
         if inst.busy:
             return
-        dt = _plan_step(inst, profile, deployment)
+        dt = _plan_step(inst, profile, deployment, cutoff)
+        if dt is None and cutoff < now:
+            dt = _plan_step(inst, profile, deployment, now)
         if dt is not None:
-            inst.busy = True
+            inst.busy, inst.started = True, now
             heapq.heappush(events, (now + dt + deployment.step_overhead, next(seq), "step", inst))
 
     while events:
         now, _, kind, obj = heapq.heappop(events)
-        if kind == "arrive":
-            inst = min(front, key=lambda i: i.prompt_backlog())
+        if kind in ("arrive", "kv"):
+            pool = front if kind == "arrive" else back
+            inst = min(pool, key=(lambda i: i.prompt_backlog()) if kind == "arrive"
+                       else (lambda i: len(i.running) + len(i.waiting)))
+            obj.ready = now
             inst.waiting.append(obj)
-            start(inst, now)
-        elif kind == "kv":
-            inst = min(back, key=lambda i: len(i.running) + len(i.waiting))
-            inst.waiting.append(obj)
-            start(inst, now)
+            start(inst, now, now)
         else:
             obj.busy = False
             for r in _finish_step(obj, now):            # requests leaving a P at their first token
                 pull = r.prompt * profile.kv_bytes_per_token / deployment.transfer_bw + deployment.transfer_latency
                 heapq.heappush(events, (now + pull + deployment.handover_overhead, next(seq), "kv", r))
-            start(obj, now)
+            start(obj, now, obj.started if profile.overlapped else now)
     for r in reqs:                                      # as the client sees them
         r.token_times = [t + deployment.request_overhead for t in r.token_times]
     if deployment.noise is not None:
@@ -251,10 +256,10 @@ def simulate(profile: StepProfile, deployment: Deployment, requests: list[SimReq
     return SimResult(deployment, reqs)
 
 
-def _plan_step(inst: _Instance, profile: StepProfile, dep: Deployment) -> float | None:
+def _plan_step(inst: _Instance, profile: StepProfile, dep: Deployment, cutoff: float) -> float | None:
     budget = dep.chunk
     if inst.role == "d":                                # D: admit arrivals, decode everyone
-        while inst.waiting and len(inst.running) < dep.max_num_seqs:
+        while inst.waiting and inst.waiting[0].ready <= cutoff and len(inst.running) < dep.max_num_seqs:
             inst.running.append(inst.waiting.popleft())
     decodes = [r for r in inst.running if r.decoding][:budget]
     budget -= len(decodes)
@@ -264,7 +269,8 @@ def _plan_step(inst: _Instance, profile: StepProfile, dep: Deployment) -> float 
             n = min(r.prompt - r.computed, budget)
             chunks.append((r, n))
             budget -= n
-    while inst.role != "d" and inst.waiting and budget > 0 and len(inst.running) < dep.max_num_seqs:
+    while (inst.role != "d" and inst.waiting and inst.waiting[0].ready <= cutoff and budget > 0
+           and len(inst.running) < dep.max_num_seqs):
         r = inst.waiting.popleft()
         inst.running.append(r)
         n = min(r.prompt, budget)
