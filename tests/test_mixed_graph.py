@@ -83,10 +83,11 @@ def test_fits_steps_of_several_sequences_with_short_contexts():
         return StepInput(ids, ids, ids, [0], [q + ctx for q in qlens], [[0]] * len(qlens), nd, [], [],
                          prompt_indices=list(prompt_rows))
     assert graphs.fits(step([1, 1, 1, 40], nd=3)) and graphs.fits(step([100, 20])) and graphs.fits(step([1] * 8))
+    assert graphs.fits(step([1, 5], nd=1, prompt_rows=[1, 2])), "prompt logprobs: the LM head is eager"
     assert graphs.fits(step([1, 5], nd=1, ctx=95))
     assert not graphs.fits(step([1, 5], nd=1, ctx=96)), "a context past max_context"
     assert not graphs.fits(step([1] * 9, nd=9)), "more sequences than max_num_seqs"
-    assert not graphs.fits(step([301])) and not graphs.fits(step([1, 5], nd=1, prompt_rows=[1]))
+    assert not graphs.fits(step([301]))
 
 
 def _prompt(n, seed):
@@ -116,14 +117,18 @@ def test_static_buffers_give_the_eager_logits(tiny_models):
                 for n in (11, 20)]
     while any(eng.requests[r].num_computed_tokens < eng.requests[r].num_prompt_tokens for r in decoding):
         eng.step()
-    for new in ([_prompt(30, seed=3)], [_prompt(9, seed=4), _prompt(17, seed=5)]):   # beside the two decodes
-        rids = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)) for p in new]
+    for new, scored in (([_prompt(30, seed=3)], 0), ([_prompt(9, seed=4), _prompt(17, seed=5)], 16)):
+        # beside the two decodes; the second time the last prompt asks for its prompt logprobs (16 rows scored)
+        rids = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True,
+                                                  prompt_logprobs=1 if scored and p is new[-1] else None))
+                for p in new]
         step = runner.prepare(eng.scheduler.schedule(), eng.eos_token_ids)
         assert step.num_decodes == 2 and len(step.seq_lens) == 2 + len(new) and graphs.fits(step)
+        assert len(step.prompt_indices) == scored
         kv = runner.kv_cache
         kv.view(*kv.shape[:2], -1, *kv.shape[4:])[:, :, step.slot_mapping] = 123.0   # what the step must overwrite
         # decodes go through the prefill kernel here, the decode kernel eagerly: their rounding differs
-        run_against_eager(runner, graphs, step, rows=2 + len(new), cache_atol=1e-5)
+        run_against_eager(runner, graphs, step, rows=2 + len(new) + scored, cache_atol=1e-5)
         assert graphs.tokens[2, len(step.input_ids):64].eq(-1).all(), "padding tokens write nowhere"
         for r in rids:
             eng.abort(r)

@@ -12,9 +12,9 @@ What that kernel gives up is the decode kernel's split of a long context over se
 its sequence's whole context. So the graphs take steps whose contexts are all at most max_context tokens; longer
 ones go to the pieces, whose eager attention splits them.
 
-Static buffers: token ids, positions, slots and the sampled rows (int64); query starts, sequence lengths and the
+Static buffers: token ids, positions, slots and the LM head's rows (int64); query starts, sequence lengths and the
 work list (one int32 buffer, each part at a 64-byte offset); block tables. Padding tokens get slot -1 (the KV store
-skips them) and are in no item. The LM head runs eagerly on the sampled rows.
+skips them) and are in no item. The LM head runs eagerly on the rows that sample or score prompt tokens.
 """
 from __future__ import annotations
 
@@ -92,9 +92,9 @@ class MixedGraphRunner:
 
     def fits(self, step: StepInput) -> bool:
         """Steps of at most the largest bucket's tokens and max_num_seqs sequences, every context at most
-        max_context tokens, without prompt logprobs (the LM head's rows are the sampled ones only)."""
-        return (not step.prompt_indices and 0 < len(step.input_ids) <= self.max_tokens
-                and len(step.seq_lens) <= self.max_seqs and max(step.seq_lens) <= self.max_context)
+        max_context tokens (prompt logprobs included: the LM head runs eagerly on whichever rows ask)."""
+        return (0 < len(step.input_ids) <= self.max_tokens and len(step.seq_lens) <= self.max_seqs
+                and max(step.seq_lens) <= self.max_context)
 
     def load(self, step: StepInput) -> int:
         """Copy the step into the static buffers (from pinned memory, without blocking); the bucket to replay."""
@@ -103,7 +103,8 @@ class MixedGraphRunner:
         tokens = np.zeros((4, size), dtype=np.int64)
         tokens[0, :n], tokens[1, :n], tokens[2, :n] = step.input_ids, step.positions, step.slot_mapping
         tokens[2, n:] = -1
-        tokens[3, :len(step.sample_indices)] = step.sample_indices
+        rows = step.sample_indices + step.prompt_indices      # compute_logits' order: sampled, then prompt rows
+        tokens[3, :len(rows)] = rows
         qsl = step.query_start_loc
         meta = np.empty(self._work_at + 2 * self._items(size), dtype=np.int32)
         meta[:ns + 1] = qsl
@@ -121,13 +122,14 @@ class MixedGraphRunner:
 
     def run(self, step: StepInput, prev_tokens: tuple[torch.Tensor, torch.Tensor] | None = None
             ) -> torch.Tensor | None:
-        """Replay the step's bucket; the sampled rows' logits, or None when no row samples.
-        prev_tokens: (rows, token ids) of input ids still on the device (overlapped scheduling)."""
+        """Replay the step's bucket; the logits of the sampled rows and then of the prompt-logprob rows, or None
+        when there are none. prev_tokens: (rows, token ids) of input ids still on the device (overlapped
+        scheduling)."""
         size = self.load(step)
         if prev_tokens is not None:
             self.tokens[0].index_copy_(0, *prev_tokens)
         self.graphs[size].replay()
-        k = len(step.sample_indices)
+        k = step.num_logit_rows
         if not k:
             return None
         return self.model.compute_logits(self.hidden[size].index_select(0, self.tokens[3, :k]))

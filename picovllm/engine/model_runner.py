@@ -215,7 +215,7 @@ class ModelRunner:
             return self.cuda_graphs.run(step, prev_tokens)
         if plain and self.prefill_graphs is not None and self.prefill_graphs.fits(step):
             return self.prefill_graphs.run(step)
-        if plain and self.mixed_graphs is not None and self.mixed_graphs.fits(step):
+        if self.mixed_graphs is not None and self.mixed_graphs.fits(step):     # prompt logprobs too
             return self.mixed_graphs.run(step, prev_tokens)
         if plain and self.piecewise_graphs is not None and self.piecewise_graphs.fits(step):
             return self.piecewise_graphs.run(step, prev_tokens)
