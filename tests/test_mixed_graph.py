@@ -25,7 +25,7 @@ from picovllm.kernels.prefill_attention import max_work_items, prefill_attention
 from picovllm.layers.attention import TorchAttentionBackend   # noqa: E402
 from picovllm.layers.attention import store_kv as store_kv_ref   # noqa: E402
 from test_kernels import CASES, PagedBatch, rel_err   # noqa: E402
-from test_prefill_graph import run_against_eager   # noqa: E402
+from test_prefill_graph import _prompt, mixed_steps, run_against_eager   # noqa: E402
 
 CUDA = torch.cuda.is_available()
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -90,17 +90,12 @@ def test_fits_steps_of_several_sequences_with_short_contexts():
     assert not graphs.fits(step([301]))
 
 
-def _prompt(n, seed):
-    rng = random.Random(seed)
-    return [rng.randrange(384) for _ in range(n)]
-
-
 @pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1")
 def test_static_buffers_give_the_eager_logits(tiny_models):
-    from picovllm import LLM, SamplingParams
+    from picovllm import LLM
     llm = LLM(tiny_models["qwen3"], device="cpu", attention_backend="triton", block_size=8, num_kv_blocks=48,
               max_num_batched_tokens=64, async_scheduling=False)
-    eng, runner = llm.engine, llm.engine.runner
+    runner = llm.engine.runner
     graphs = MixedGraphRunner(runner.model, 64, max_num_seqs=8, block_size=8, device="cpu", max_context=120)
 
     class Replay:        # what the capture records: the forward on the static buffers
@@ -113,27 +108,11 @@ def test_static_buffers_give_the_eager_logits(tiny_models):
     graphs.tokens.fill_(7)               # stale state from an earlier, longer step
     graphs.meta_i32.fill_(3)
     graphs.block_tables.fill_(5)
-    decoding = [eng.add_request(_prompt(n, seed=n), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-                for n in (11, 20)]
-    while any(eng.requests[r].num_computed_tokens < eng.requests[r].num_prompt_tokens for r in decoding):
-        eng.step()
-    for new, scored in (([_prompt(30, seed=3)], 0), ([_prompt(9, seed=4), _prompt(17, seed=5)], 16)):
-        # beside the two decodes; the second time the last prompt asks for its prompt logprobs (16 rows scored)
-        rids = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True,
-                                                  prompt_logprobs=1 if scored and p is new[-1] else None))
-                for p in new]
-        step = runner.prepare(eng.scheduler.schedule(), eng.eos_token_ids)
-        assert step.num_decodes == 2 and len(step.seq_lens) == 2 + len(new) and graphs.fits(step)
-        assert len(step.prompt_indices) == scored
-        kv = runner.kv_cache
-        kv.view(*kv.shape[:2], -1, *kv.shape[4:])[:, :, step.slot_mapping] = 123.0   # what the step must overwrite
+    for step, rows in mixed_steps(llm, score_last=True):     # the last step scores a prompt's 16 tokens too
+        assert graphs.fits(step)
         # decodes go through the prefill kernel here, the decode kernel eagerly: their rounding differs
-        run_against_eager(runner, graphs, step, rows=2 + len(new) + scored, cache_atol=1e-5)
+        run_against_eager(runner, graphs, step, rows=rows, cache_atol=1e-5)
         assert graphs.tokens[2, len(step.input_ids):64].eq(-1).all(), "padding tokens write nowhere"
-        for r in rids:
-            eng.abort(r)
-    for r in decoding:
-        eng.abort(r)
 
 
 @pytest.mark.gpu

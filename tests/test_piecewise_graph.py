@@ -6,7 +6,6 @@ attention filled: a mixed step and a step of several chunks give the eager step'
 slots. Also the buckets and which steps fit. On a GPU: an engine whose steps mix prompt chunks and decodes (a small
 step budget, prompts arriving together) decodes HF's greedy tokens, with those steps replaying the pieces."""
 import os
-import random
 
 import pytest
 import torch
@@ -17,7 +16,7 @@ pytest.importorskip("triton")
 
 from picovllm.engine.piecewise_graph import PiecewiseGraphRunner, piecewise_buckets   # noqa: E402
 from picovllm.engine.step_input import StepInput   # noqa: E402
-from test_prefill_graph import run_against_eager   # noqa: E402
+from test_prefill_graph import _prompt, mixed_steps, run_against_eager   # noqa: E402
 
 CUDA = torch.cuda.is_available()
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -42,11 +41,6 @@ def test_fits_steps_of_at_most_the_budget_without_prompt_logprobs():
     assert graphs.fits(step([5], blocks=500)), "any context: the pieces read no block table"
     assert not graphs.fits(step([301])) and not graphs.fits(step([1, 300], nd=1))
     assert not graphs.fits(step([1, 5], nd=1, prompt_rows=[1]))
-
-
-def _prompt(n, seed):
-    rng = random.Random(seed)
-    return [rng.randrange(384) for _ in range(n)]
 
 
 class _Stop(Exception):
@@ -99,10 +93,10 @@ class _ReplayStandIn:
 @pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1")
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 def test_pieces_give_the_eager_logits(tiny_models, backend):
-    from picovllm import LLM, SamplingParams
+    from picovllm import LLM
     llm = LLM(tiny_models["qwen3"], device="cpu", attention_backend=backend, block_size=8, num_kv_blocks=48,
               max_num_batched_tokens=64, async_scheduling=False)
-    eng, runner = llm.engine, llm.engine.runner
+    runner = llm.engine.runner
     graphs = PiecewiseGraphRunner(runner.model, 64, block_size=8, device="cpu")
     graphs._begin_piece = lambda: None
     outs = {}
@@ -116,22 +110,10 @@ def test_pieces_give_the_eager_logits(tiny_models, backend):
     assert not any(c.kv_stored for c in graphs.buckets[64].calls)
     graphs.tokens[0].fill_(7)           # stale state from an earlier, longer step
     graphs.tokens[2].fill_(3)
-    decoding = [eng.add_request(_prompt(n, seed=n), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-                for n in (11, 20)]
-    while any(eng.requests[r].num_computed_tokens < eng.requests[r].num_prompt_tokens for r in decoding):
-        eng.step()
-    for new in ([_prompt(30, seed=3)], [_prompt(9, seed=4), _prompt(17, seed=5)]):   # beside the two decodes
-        rids = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)) for p in new]
-        step = runner.prepare(eng.scheduler.schedule(), eng.eos_token_ids)
-        assert step.num_decodes == 2 and len(step.seq_lens) == 2 + len(new) and graphs.fits(step)
-        kv = runner.kv_cache
-        kv.view(*kv.shape[:2], -1, *kv.shape[4:])[:, :, step.slot_mapping] = 123.0   # what the step must overwrite
-        run_against_eager(runner, graphs, step, rows=2 + len(new))
+    for step, rows in mixed_steps(llm):
+        assert graphs.fits(step)
+        run_against_eager(runner, graphs, step, rows=rows)
         assert graphs.tokens[2, len(step.input_ids):64].eq(-1).all(), "padding tokens write nowhere"
-        for r in rids:
-            eng.abort(r)
-    for r in decoding:
-        eng.abort(r)
 
 
 @pytest.mark.gpu

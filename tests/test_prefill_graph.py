@@ -58,6 +58,35 @@ def run_against_eager(runner, graphs, step, rows: int, cache_atol: float = 1e-6)
     assert torch.allclose(got, want, atol=1e-5, rtol=1e-4)
 
 
+def mixed_steps(llm, score_last: bool = False):
+    """Steps of several sequences, prepared for graphs to run against the eager step (engine/mixed_graph.py,
+    engine/piecewise_graph.py): two requests decode (prompts of 11 and 20), then beside them a 30-token prompt's
+    chunk, then chunks of 9 and 17 tokens (the 17 asking for prompt logprobs when score_last). Yields (step, the
+    logit rows it asks for), the cache's slots for the step set to 123 (which it must overwrite); aborts every
+    request."""
+    from picovllm import SamplingParams
+    eng, runner = llm.engine, llm.engine.runner
+    decoding = [eng.add_request(_prompt(n, seed=n), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+                for n in (11, 20)]
+    while any(eng.requests[r].num_computed_tokens < eng.requests[r].num_prompt_tokens for r in decoding):
+        eng.step()
+    for new in ([_prompt(30, seed=3)], [_prompt(9, seed=4), _prompt(17, seed=5)]):
+        scored = score_last and len(new) == 2
+        rids = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True,
+                                                  prompt_logprobs=1 if scored and p is new[-1] else None))
+                for p in new]
+        step = runner.prepare(eng.scheduler.schedule(), eng.eos_token_ids)
+        assert step.num_decodes == 2 and len(step.seq_lens) == 2 + len(new)
+        assert len(step.prompt_indices) == (16 if scored else 0)
+        kv = runner.kv_cache
+        kv.view(*kv.shape[:2], -1, *kv.shape[4:])[:, :, step.slot_mapping] = 123.0
+        yield step, step.num_logit_rows
+        for r in rids:
+            eng.abort(r)
+    for r in decoding:
+        eng.abort(r)
+
+
 @pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1")
 def test_static_buffers_give_the_eager_logits(tiny_models):
     from picovllm import LLM, SamplingParams

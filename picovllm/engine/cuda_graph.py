@@ -28,6 +28,23 @@ def pinned(array: np.ndarray) -> torch.Tensor:
     return t
 
 
+def capture_largest_first(sizes: list[int], forward, pool=None) -> tuple[dict, dict]:
+    """CUDA graphs of forward(size) for every size, largest first (the smaller ones reuse its memory in the pool),
+    each captured after one run outside capture (Triton compiles, lazy initialisations, the allocator's growth).
+    pool: another runner's, to share. Returns (graphs, the captured outputs), keyed by size."""
+    pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+    graphs, outputs = {}, {}
+    for size in sorted(sizes, reverse=True):
+        forward(size)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            outputs[size] = forward(size)
+        graphs[size] = graph
+    torch.cuda.synchronize()
+    return graphs, outputs
+
+
 def fill_block_tables(out: np.ndarray, tables: list[list[int]]) -> None:
     """Write ragged block tables into the rows of a 2-D int32 array (entries past a row's end are stale)."""
     for row, table in zip(out, tables):
@@ -64,15 +81,7 @@ class CUDAGraphRunner:
 
     @torch.inference_mode()
     def capture(self) -> "CUDAGraphRunner":
-        pool = torch.cuda.graph_pool_handle()
-        for bs in reversed(self.sizes):           # largest first: the smaller graphs reuse its memory
-            self._forward(bs)                     # warm-up: compiles the Triton kernels outside capture
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.logits[bs] = self._forward(bs)
-            self.graphs[bs] = graph
-        torch.cuda.synchronize()
+        self.graphs, self.logits = capture_largest_first(self.sizes, self._forward)
         return self
 
     def fits(self, step) -> bool:

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from picovllm.engine.cuda_graph import pinned
+from picovllm.engine.cuda_graph import capture_largest_first, pinned
 from picovllm.engine.piecewise_graph import piecewise_buckets
 from picovllm.engine.step_input import StepInput
 from picovllm.kernels.prefill_attention import max_work_items, work_items, work_tile
@@ -79,15 +79,7 @@ class MixedGraphRunner:
     def capture(self) -> "MixedGraphRunner":
         """Capture every bucket, largest first (the smaller ones reuse its memory). The work list is empty while
         they are: the warm-up forwards and the captures write nothing."""
-        pool = torch.cuda.graph_pool_handle()
-        for size in reversed(self.sizes):
-            self._forward(size)                   # outside capture: compiles, lazy initialisations
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.hidden[size] = self._forward(size)
-            self.graphs[size] = graph
-        torch.cuda.synchronize()
+        self.graphs, self.hidden = capture_largest_first(self.sizes, self._forward)
         return self
 
     def fits(self, step: StepInput) -> bool:

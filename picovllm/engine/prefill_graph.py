@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from picovllm.engine.cuda_graph import pinned
+from picovllm.engine.cuda_graph import capture_largest_first, pinned
 from picovllm.layers.attention import AttentionMetadata
 
 PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)
@@ -60,17 +60,9 @@ class PrefillGraphRunner:
     @torch.inference_mode()
     def capture(self, pool=None) -> "PrefillGraphRunner":
         """Capture every bucket, largest first (the smaller ones reuse its memory); pool: share another runner's."""
-        pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         self.meta_i32[:2] = torch.tensor([0, 1], dtype=torch.int32)   # a 1-token chunk in the warm-up forwards
         self.meta_i32[4] = 1
-        for size in reversed(self.sizes):
-            self._forward(size)                   # outside capture: lazy initialisations, allocator growth
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.logits[size] = self._forward(size)
-            self.graphs[size] = graph
-        torch.cuda.synchronize()
+        self.graphs, self.logits = capture_largest_first(self.sizes, self._forward, pool)
         return self
 
     def fits(self, step) -> bool:
