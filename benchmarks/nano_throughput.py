@@ -36,7 +36,8 @@ def workload(n: int = 256, max_in: int = 1024, max_out: int = 1024, temperature:
 
 
 def make_llm(args, **over) -> LLM:
-    kw = dict(max_model_len=4096, max_num_seqs=256, max_num_batched_tokens=16384, enforce_eager=args.enforce_eager,
+    kw = dict(max_model_len=4096, max_num_seqs=256, max_num_batched_tokens=args.max_num_batched_tokens,
+              enforce_eager=args.enforce_eager,
               enable_prefix_caching=not args.no_prefix_caching,
               gpu_memory_utilization=0.9, async_scheduling=not args.no_overlap,
               tensor_parallel_size=args.tp, warmup=False if args.no_warmup else None,
@@ -237,6 +238,8 @@ def main() -> None:
     ap.add_argument("--timeline", action="store_true", help="time every step (wall and GPU)")
     ap.add_argument("--no-overlap", action="store_true", help="async_scheduling=False: host work between steps")
     ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (GPUs)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=16384,
+                    help="the step budget (16384: nano-vllm's; 2048: the engine's default)")
     ap.add_argument("--no-warmup", action="store_true", help="warmup=False: no start-up compilation steps")
     ap.add_argument("--prefill-cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                     help="prefill_cuda_graphs (default: the engine's, on for one GPU)")
