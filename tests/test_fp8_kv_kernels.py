@@ -177,17 +177,21 @@ def test_prefill_fp8_tiles_cross_chunk_boundaries(device, dtype, tol):
 
 
 @pytest.mark.parametrize("device,dtype,tol", CASES)
-def test_prefill_fp8_over_a_work_list(device, dtype, tol):
-    """The mixed-step graphs' launch (engine/mixed_graph.py): decodes and chunks in one work list, each program
-    taking a KV head's 3 query heads (a masked row of 4), over an fp8 cache against the float64 oracle."""
-    from picovllm.kernels.prefill_attention import max_work_items, work_items, work_tile
-    qlen = [1, 1, 40, 5]
-    b, scales = fp8_batch([9, 30, 0, 17], qlen, 8, 6, 2, 16, dtype, device, seed=4, pow2=False)
+def test_prefill_fp8_over_a_work_list(device, dtype, tol, monkeypatch):
+    """The mixed-step graphs' attention (kernels/work_attention.py): decodes (the first's keys in shares) and chunks
+    in one work list, each program taking a KV head's 3 query heads (a masked row of 4), over an fp8 cache against
+    the float64 oracle."""
+    from picovllm.kernels import work_attention as wa
+    monkeypatch.setattr(wa, "SPLIT_TOKENS", 16)
+    qlen, ctx = [1, 1, 40, 5], [39, 9, 0, 17]
+    b, scales = fp8_batch(ctx, qlen, 8, 6, 2, 16, dtype, device, seed=4, pow2=False)
     k_cache, v_cache = b.caches()
     store_kv(b.k, b.v, k_cache, v_cache, b.meta.slot_mapping, scales)
-    tile = work_tile(3)
-    work = torch.from_numpy(work_items(qlen, max_work_items(sum(qlen), 4, tile), tile)).to(device)
+    tile = wa.work_tile(3)
+    items, splits = wa.work_items(qlen, [c + q for c, q in zip(ctx, qlen)], wa.max_work_items(46, 4, tile), tile)
+    assert splits.tolist() == [3, 1, 1, 1]
+    to = dict(dtype=torch.int32, device=device)
     out = torch.full_like(b.q, float("nan"))
-    prefill_attention(b.q, k_cache, v_cache, b.meta.block_tables, b.meta.seq_lens, b.meta.query_start_loc,
-                      0, 0, 0, 0.25, out, kv_scales=scales, work=work)
+    wa.work_attention(b.q, k_cache, v_cache, b.meta.block_tables, b.meta.seq_lens, b.meta.query_start_loc,
+                      torch.tensor(items, **to), torch.tensor(splits, **to), 0.25, out, block_n=16, kv_scales=scales)
     assert rel_err(out.cpu(), reference64(b, k_cache, v_cache, scales, 0.25)) < tol

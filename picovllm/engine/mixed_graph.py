@@ -3,18 +3,19 @@ chunks, a chunk longer than the prefill graphs' buckets (engine/prefill_graph.py
 
 Under online traffic most steps are mixed. Eager, such a step launched ~25 kernels a layer from Python; in pieces
 around eager attention (engine/piecewise_graph.py) the attention's own launches were still most of its host time.
-Here attention is captured too: one launch a layer of the prefill kernel over a work list (kernels/
-prefill_attention.py work_items), a (sequence, query tile) item per program and KV head, padded with empty items to
-a length that depends on the token bucket alone. A decode is a chunk of one token. So one graph per token bucket serves
-every layout of decodes and chunks.
+Here attention is captured too: it runs over a work list (kernels/work_attention.py), a (sequence, query tile, share
+of a decode's keys) item per program and KV head, padded with empty items to a length that depends on the token
+bucket alone. A decode is a chunk of one token, whose keys may be split over programs as the decode kernel splits
+them. So one graph per token bucket serves every layout of decodes and chunks, at any context.
 
-What that kernel gives up is the decode kernel's split of a long context over several programs: each item streams
-its sequence's whole context. So the graphs take steps whose contexts are all at most max_context tokens; longer
-ones go to the pieces, whose eager attention splits them.
+One kind of step stays with the pieces: a short chunk (at most SHORT_CHUNK tokens) over a context longer than
+MAX_CONTEXT, a new message after a long conversation, say. Its few query tiles each stream the whole context, where
+the eager path sends such a chunk, alone, through the split decode kernel (kernels/backend.py _short_prefill).
 
-Static buffers: token ids, positions, slots and the LM head's rows (int64); query starts, sequence lengths and the
-work list (one int32 buffer, each part at a 64-byte offset); block tables. Padding tokens get slot -1 (the KV store
-skips them) and are in no item. The LM head runs eagerly on the rows that sample or score prompt tokens.
+Static buffers: token ids, positions, slots and the LM head's rows (int64); query starts, sequence lengths, each
+sequence's splits and the work list (one int32 buffer, each part at a 64-byte offset); block tables. Padding tokens
+get slot -1 (the KV store skips them) and are in no item. The LM head runs eagerly on the rows that sample or score
+prompt tokens.
 """
 from __future__ import annotations
 
@@ -25,13 +26,11 @@ from torch import nn
 from picovllm.engine.cuda_graph import capture_largest_first, pinned
 from picovllm.engine.piecewise_graph import piecewise_buckets
 from picovllm.engine.step_input import StepInput
-from picovllm.kernels.prefill_attention import max_work_items, work_items, work_tile
-from picovllm.layers.attention import AttentionMetadata
+from picovllm.kernels.work_attention import max_work_items, work_items, work_tile
+from picovllm.layers.attention import AttentionMetadata, WorkList
 
-# Longest context a step's sequences may have. On an H200 (Qwen3-0.6B shape, 4-64 decodes beside a 256-token chunk;
-# BENCHMARKS.md, eleventh session) the graphs took 3.2-6.1 ms a step against the pieces' 5.4-10.5 up to 2,048-token
-# contexts, and lost by 12-16% at 4,096.
-MAX_CONTEXT = 2048
+SHORT_CHUNK = 16      # as kernels/backend.py's SHORT_PREFILL
+MAX_CONTEXT = 2048    # the context past which such a chunk goes to the pieces
 
 
 def _aligned(n: int) -> int:
@@ -39,15 +38,14 @@ def _aligned(n: int) -> int:
 
 
 class MixedGraphRunner:
-    def __init__(self, model: nn.Module, max_num_batched_tokens: int, max_num_seqs: int, block_size: int,
-                 device: torch.device, max_context: int | None = None) -> None:
+    def __init__(self, model: nn.Module, max_num_batched_tokens: int, max_num_seqs: int, max_blocks_per_seq: int,
+                 block_size: int, device: torch.device) -> None:
         self.model = model
-        max_context = MAX_CONTEXT if max_context is None else max_context
         self.sizes = piecewise_buckets(max_num_batched_tokens)
         self.max_tokens = min(self.sizes[-1], max_num_batched_tokens)
         self.max_seqs = min(max_num_seqs, self.max_tokens)
-        self.max_context = max_context
-        self.max_blocks = -(-max_context // block_size)
+        self.max_context = MAX_CONTEXT
+        self.max_blocks = max_blocks_per_seq
         self.block_size = block_size
         attn = model.attention_layers()[0]
         self.tile = work_tile(attn.num_heads // attn.num_kv_heads)     # query tokens a work item
@@ -55,8 +53,11 @@ class MixedGraphRunner:
         self.tokens = torch.zeros(4, t, dtype=torch.long, device=device)   # ids, positions, slots, sampled rows
         self.tokens[2].fill_(-1)
         self._lens_at = _aligned(s + 1)
-        self._work_at = self._lens_at + _aligned(s)
-        self.meta_i32 = torch.full((self._work_at + 2 * max_work_items(t, s, self.tile),), -1, dtype=torch.int32, device=device)
+        self._splits_at = self._lens_at + _aligned(s)
+        self._work_at = self._splits_at + _aligned(s)
+        self.meta_i32 = torch.full((self._work_at + 4 * max_work_items(t, s, self.tile),), -1, dtype=torch.int32,
+                                   device=device)
+        self.meta_i32[self._splits_at:self._work_at] = 0
         self.block_tables = torch.zeros(s, self.max_blocks, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.hidden: dict[int, torch.Tensor] = {}
@@ -66,11 +67,13 @@ class MixedGraphRunner:
 
     def _meta(self, size: int) -> AttentionMetadata:
         m, s = self.meta_i32, self.max_seqs
-        work = m[self._work_at:self._work_at + 2 * self._items(size)].view(-1, 2)
+        work = WorkList(m[self._work_at:self._work_at + 4 * self._items(size)].view(-1, 4),
+                        m[self._splits_at:self._splits_at + s])
+        longest = self.max_blocks * self.block_size
         return AttentionMetadata(
             slot_mapping=self.tokens[2, :size], query_start_loc=m[:s + 1], seq_lens=m[self._lens_at:self._lens_at + s],
-            block_tables=self.block_tables, num_decodes=0, max_query_len=size, max_seq_len=self.max_context,
-            query_lens_cpu=[size], seq_lens_cpu=[self.max_context], work=work)
+            block_tables=self.block_tables, num_decodes=0, max_query_len=size, max_seq_len=longest,
+            query_lens_cpu=[size], seq_lens_cpu=[longest], work=work)
 
     def _forward(self, size: int) -> torch.Tensor:
         return self.model(self.tokens[0, :size], self.tokens[1, :size], self._meta(size))
@@ -83,10 +86,14 @@ class MixedGraphRunner:
         return self
 
     def fits(self, step: StepInput) -> bool:
-        """Steps of at most the largest bucket's tokens and max_num_seqs sequences, every context at most
-        max_context tokens (prompt logprobs included: the LM head runs eagerly on whichever rows ask)."""
-        return (0 < len(step.input_ids) <= self.max_tokens and len(step.seq_lens) <= self.max_seqs
-                and max(step.seq_lens) <= self.max_context)
+        """Steps of at most the largest bucket's tokens and max_num_seqs sequences, but for a chunk of at most
+        SHORT_CHUNK tokens over a context past max_context (prompt logprobs included: the LM head runs eagerly on
+        whichever rows ask)."""
+        if not 0 < len(step.input_ids) <= self.max_tokens or len(step.seq_lens) > self.max_seqs:
+            return False
+        qsl, nd = step.query_start_loc, step.num_decodes
+        return all(b - a > SHORT_CHUNK or n <= self.max_context
+                   for a, b, n in zip(qsl[nd:], qsl[nd + 1:], step.seq_lens[nd:]))
 
     def load(self, step: StepInput) -> int:
         """Copy the step into the static buffers (from pinned memory, without blocking); the bucket to replay."""
@@ -98,10 +105,12 @@ class MixedGraphRunner:
         rows = step.sample_indices + step.prompt_indices      # compute_logits' order: sampled, then prompt rows
         tokens[3, :len(rows)] = rows
         qsl = step.query_start_loc
-        meta = np.empty(self._work_at + 2 * self._items(size), dtype=np.int32)
+        items, splits = work_items([b - a for a, b in zip(qsl, qsl[1:])], step.seq_lens, self._items(size), self.tile)
+        meta = np.zeros(self._work_at + 4 * self._items(size), dtype=np.int32)
         meta[:ns + 1] = qsl
         meta[self._lens_at:self._lens_at + ns] = step.seq_lens
-        meta[self._work_at:] = work_items([b - a for a, b in zip(qsl, qsl[1:])], self._items(size), self.tile).reshape(-1)
+        meta[self._splits_at:self._splits_at + ns] = splits
+        meta[self._work_at:] = items.reshape(-1)
         width = -(-max(step.seq_lens) // self.block_size)     # the blocks the contexts use (tables may hold more)
         tables = np.empty((ns, width), dtype=np.int32)
         for row, table in zip(tables, step.block_tables):

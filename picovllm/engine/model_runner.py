@@ -132,9 +132,9 @@ class ModelRunner:
                 if self.tp.size == 1 and getattr(self.attn_backend, "supports_work_lists", False):
                     from picovllm.engine.mixed_graph import MixedGraphRunner   # the other steps with a prefill
                     self.mixed_graphs = MixedGraphRunner(self.model, self.config.max_num_batched_tokens,
-                                                         self.config.max_num_seqs, self.block_size,
+                                                         self.config.max_num_seqs, max_blocks, self.block_size,
                                                          self.device).capture()
-                if self.tp.size == 1:      # those with a longer context: pieces around eager attention
+                if self.tp.size == 1:      # the few it does not take: pieces around eager attention
                     from picovllm.engine.piecewise_graph import PiecewiseGraphRunner
                     self.piecewise_graphs = PiecewiseGraphRunner(self.model, self.config.max_num_batched_tokens,
                                                                  self.block_size, self.device).capture()

@@ -6,6 +6,7 @@ import torch
 from picovllm.kernels.decode_attention import decode_attention
 from picovllm.kernels.prefill_attention import prefill_attention
 from picovllm.kernels.store_kv import store_kv
+from picovllm.kernels.work_attention import work_attention
 from picovllm.layers.attention import AttentionBackend, AttentionMetadata
 
 
@@ -16,7 +17,7 @@ class TritonAttentionBackend(AttentionBackend):
     """Decodes (the first num_decodes sequences) go to the split-K decode kernel, prefill chunks to
     the varlen prefill kernel (one short chunk alone to the decode kernel too: _short_prefill). Grid sizes come from the metadata's host-side lists: no syncs.
     Decode launches depend on the batch size alone, so decode steps can be CUDA-graph captured; given a work list
-    (AttentionMetadata.work) every sequence goes to the prefill kernel in one launch sized by the list alone."""
+    (AttentionMetadata.work) every sequence goes to kernels/work_attention.py, whose launches the list sizes alone."""
 
     supports_cuda_graphs = True
     supports_work_lists = True
@@ -29,9 +30,9 @@ class TritonAttentionBackend(AttentionBackend):
             store_kv(k, v, k_cache, v_cache, meta.slot_mapping, kv_scales)
         out = torch.empty_like(q)
         if meta.work is not None:
-            return prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                                     0, 0, 0, scale, out, window=window, softcap=softcap, kv_scales=kv_scales,
-                                     work=meta.work)
+            return work_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                                  meta.work.items, meta.work.splits, scale, out, window=window, softcap=softcap,
+                                  kv_scales=kv_scales)
         nd = meta.num_decodes
         if nd:
             decode_attention(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd],

@@ -4,15 +4,13 @@ Sequence s has query_len new tokens at positions seq_len - query_len .. seq_len 
 context is already in the cache, and the new K/V was stored there before this kernel runs. So
 every key comes from the cache through the block table, and a query at position p attends to
 keys 0..p (p - window + 1 .. p under a sliding window). Program (q_tile, seq, q_head) runs a flash-attention loop over those keys.
-With a work list (WORK, a constexpr) program (i, 0, kv_head) reads its (seq, q_tile) from item i instead and takes
-all of the KV head's query heads (HEADS); an item of seq -1 returns at once: the grid then depends on the list's length alone, not on the step's layout, so one
-CUDA graph serves any mix of decodes (chunks of one token) and chunks (engine/mixed_graph.py).
+With a work list (WORK, a constexpr; kernels/work_attention.py) program (i, 0, kv_head) reads its sequence, query
+tile and share of the keys from item i instead and takes all of the KV head's query heads (HEADS).
 An fp8 cache (FP8, a constexpr) is read as x8 * scale: K's scale of the program's KV head joins the score scale,
 V's multiplies the output.
 """
 from __future__ import annotations
 
-import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -23,17 +21,24 @@ from picovllm.kernels.decode_attention import NO_WINDOW, dot_precision, fp8_f16_
 @triton.jit(do_not_specialize=["first_seq", "stride_bt"])   # vary per step: no recompiles
 def _prefill_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr, work_ptr,
-        k_scale_ptr, v_scale_ptr, first_seq, qk_scale, window,
+        part_o_ptr, part_lse_ptr, k_scale_ptr, v_scale_ptr, first_seq, qk_scale, window,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
+        stride_pseq, stride_psplit,
         BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
         FP8: tl.constexpr, F16_DOTS: tl.constexpr, WORK: tl.constexpr, HEADS: tl.constexpr):
     # HEADS: query heads a program takes. 1: program (., ., h) takes query head h; else the power of two at
     # least GROUP: program (., ., kvh) takes KV head kvh's GROUP query heads, row r of a tile being query token
     # r // HEADS, head r % HEADS (rows of heads past GROUP masked), so the KV is read once for all of them.
+    # WORK: item i = (seq, q_tile, split, splits): the split-th of `splits` equal shares of the tile's keys
+    # (kernels/work_attention.py; splits > 1 only for a decode, whose partial result _merge_kernel combines)
+    split = 0
+    splits = 1
     if WORK:
-        seq = tl.load(work_ptr + 2 * tl.program_id(0))
-        tile = tl.load(work_ptr + 2 * tl.program_id(0) + 1)
+        seq = tl.load(work_ptr + 4 * tl.program_id(0))
+        tile = tl.load(work_ptr + 4 * tl.program_id(0) + 1)
+        split = tl.load(work_ptr + 4 * tl.program_id(0) + 2)
+        splits = tl.load(work_ptr + 4 * tl.program_id(0) + 3)
     else:
         tile = tl.program_id(0)
         seq = first_seq + tl.program_id(1)
@@ -74,6 +79,10 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     kv_start = tl.maximum(ctx + tile * (BLOCK_M // HEADS) - window + 1, 0)   # the tile's first query sees from here
     kv_end = tl.minimum(seq_len, ctx + (tile + 1) * (BLOCK_M // HEADS))   # the tile's last query sees up to here
+    if WORK:                                   # this program's share of them, whole key tiles
+        share = tl.cdiv(tl.cdiv(kv_end - kv_start, splits), BLOCK_N) * BLOCK_N
+        kv_start = kv_start + split * share
+        kv_end = tl.minimum(kv_end, kv_start + share)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     for t0 in range(kv_start, kv_end, BLOCK_N):
         t = t0 + offs_n
@@ -102,39 +111,14 @@ def _prefill_kernel(
     out = acc / tl.maximum(l_i, 1e-30)[:, None]   # rows past the chunk see no key under a window: no 0 / 0
     if FP8:
         out = out * tl.load(v_scale_ptr + kvh)
-    tl.store(o_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
-             out.to(o_ptr.dtype.element_ty),
-             mask=mask_m[:, None] & mask_d[None, :])
-
-
-WORK_ROWS = 64   # rows of a program's tile under a work list: query tokens x the KV head's query heads
-
-
-def work_tile(group: int) -> int:
-    """Query tokens of a work item (work_items) when a KV head serves `group` query heads."""
-    heads = triton.next_power_of_2(group)
-    if heads > WORK_ROWS:
-        raise ValueError(f"prefill_attention: a work list takes at most {WORK_ROWS} query heads a KV head, got {group}")
-    return WORK_ROWS // heads
-
-
-def work_items(query_lens: list[int], length: int, tile: int) -> np.ndarray:
-    """The work list of a step whose sequences have these query lengths: [length, 2] int32 rows (sequence, query
-    tile of `tile` tokens: work_tile), one a tile, then (-1, -1) rows up to `length`."""
-    out = np.full((length, 2), -1, dtype=np.int32)
-    i = 0
-    for seq, n in enumerate(query_lens):
-        tiles = -(-n // tile)
-        out[i:i + tiles, 0] = seq
-        out[i:i + tiles, 1] = np.arange(tiles)
-        i += tiles
-    return out
-
-
-def max_work_items(num_tokens: int, max_seqs: int, tile: int) -> int:
-    """How many work items (of `tile` tokens) a step of at most num_tokens tokens in at most max_seqs sequences
-    can have."""
-    return num_tokens // tile + min(num_tokens, max_seqs)
+    if splits > 1:                             # a share of a decode's keys: its output and log-sum-exp, per head
+        part = seq.to(tl.int64) * stride_pseq + split * stride_psplit + heads * BLOCK_D
+        tl.store(part_o_ptr + part[:, None] + offs_d[None, :], out, mask=mask_m[:, None] & mask_d[None, :])
+        tl.store(part_lse_ptr + part // BLOCK_D, m_i + tl.log2(l_i), mask=mask_m)
+    else:
+        tl.store(o_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+                 out.to(o_ptr.dtype.element_ty),
+                 mask=mask_m[:, None] & mask_d[None, :])
 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -142,38 +126,27 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       max_query_len: int, scale: float, out: torch.Tensor,
                       block_m: int = 64, block_n: int = 64, num_warps: int = 4, num_stages: int = 2,
                       window: int | None = None, softcap: float | None = None,
-                      kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
-                      work: torch.Tensor | None = None) -> torch.Tensor:
+                      kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Attention for sequences first_seq .. first_seq + num_seqs - 1 of the batch, written into out.
 
     q, out: [T, Hq, D] for the whole flat batch; query_start_loc [B + 1] int32; max_query_len is a
     host-side bound on those sequences' query lengths (it sizes the grid). window, softcap, kv_scales (given
     exactly when the caches are fp8): see AttentionBackend.forward.
-    work: a work list instead ([I, 2] int32, work_items' layout, tiles of work_tile(Hq // Hkv) tokens; first_seq,
-    num_seqs and max_query_len unused): the sequences and query tiles its items name, on a grid of I x Hkv
-    programs, each taking all of its KV head's query heads (a decode's KV is read once, not once a query head).
     """
     t, hq, d = q.shape
     hkv = k_cache.shape[2]
     if hq % hkv:
         raise ValueError(f"prefill_attention: {hq} query heads is not a multiple of {hkv} kv heads")
-    group = hq // hkv
-    heads = 1
-    if work is not None:
-        heads = triton.next_power_of_2(group)
-        work_tile(group)                          # raises past WORK_ROWS heads
-        grid, block_m = (work.shape[0], 1, hkv), WORK_ROWS
-    elif num_seqs == 0 or max_query_len == 0:
+    if num_seqs == 0 or max_query_len == 0:
         return out
-    else:
-        grid = (triton.cdiv(max_query_len, block_m), num_seqs, hq)
+    grid = (triton.cdiv(max_query_len, block_m), num_seqs, hq)
     fp8 = fp8_scales(k_cache, kv_scales, "prefill_attention")
     _prefill_kernel[grid](
-        q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, seq_lens if work is None else work,
+        q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, seq_lens, out, out,
         *(kv_scales if fp8 else (seq_lens, seq_lens)), first_seq, score_scale(scale, softcap), window or NO_WINDOW,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), 0, 0,
         BLOCK_SIZE=k_cache.shape[1], GROUP=hq // hkv, HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d),
         BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=dot_precision(q.dtype), SOFTCAP=float(softcap or 0.0),
-        FP8=fp8, F16_DOTS=fp8_f16_dots(q, fp8), WORK=work is not None, HEADS=heads, num_warps=num_warps, num_stages=num_stages)
+        FP8=fp8, F16_DOTS=fp8_f16_dots(q, fp8), WORK=False, HEADS=1, num_warps=num_warps, num_stages=num_stages)
     return out

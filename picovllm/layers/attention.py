@@ -19,6 +19,11 @@ from torch import nn
 from picovllm.layers.decode_plan import plan_decode
 
 
+class WorkList(NamedTuple):
+    items: torch.Tensor     # [I, 4] int32: (sequence, query tile, split, splits), -1 rows past the step's
+    splits: torch.Tensor    # [S] int32: each sequence's splits (0 or 1 past the step's sequences)
+
+
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor      # [T] int64: cache slot (block * block_size + offset) of each new token
@@ -30,10 +35,10 @@ class AttentionMetadata:
     max_seq_len: int
     query_lens_cpu: list[int]       # host copies, so the reference backend never syncs
     seq_lens_cpu: list[int]
-    # A work list (kernels/prefill_attention.py work_items): set by the mixed-step CUDA graphs
-    # (engine/mixed_graph.py), whose launches cannot depend on the step's layout; the host lists above
-    # then describe the capture, not the step. Only a backend with supports_work_lists is given one.
-    work: torch.Tensor | None = None
+    # A work list (kernels/work_attention.py): set by the mixed-step CUDA graphs (engine/mixed_graph.py),
+    # whose launches cannot depend on the step's layout; the host lists above then describe the capture,
+    # not the step. Only a backend with supports_work_lists is given one.
+    work: WorkList | None = None
     # What a backend derives from this step's metadata once and reuses in every layer, by its own key.
     scratch: dict = field(default_factory=dict, repr=False)
 
