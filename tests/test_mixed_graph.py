@@ -94,7 +94,7 @@ def test_work_list_attention_matches_torch(device, dtype, tol, ctx, qlen, hq, hk
 
 def test_fits_steps_of_several_sequences_but_short_chunks_over_long_contexts():
     graphs = MixedGraphRunner.__new__(MixedGraphRunner)
-    graphs.max_tokens, graphs.max_seqs, graphs.max_context = 300, 8, 100
+    graphs.max_tokens, graphs.max_seqs, graphs.max_context, graphs.max_decode_context = 300, 8, 100, 10_000
 
     def step(qlens, nd=0, prompt_rows=(), ctx=0):
         ids = [0] * sum(qlens)
@@ -104,7 +104,8 @@ def test_fits_steps_of_several_sequences_but_short_chunks_over_long_contexts():
     assert graphs.fits(step([1, 1, 1, 40], nd=3)) and graphs.fits(step([100, 20])) and graphs.fits(step([1] * 8))
     assert graphs.fits(step([1, 5], nd=1, prompt_rows=[1, 2])), "prompt logprobs: the LM head is eager"
     assert graphs.fits(step([1, 16], nd=1, ctx=84)) and graphs.fits(step([1, 17], nd=1, ctx=5000))
-    assert graphs.fits(step([1, 1], nd=2, ctx=5000)), "decodes at any context: their keys split"
+    assert graphs.fits(step([1, 1], nd=2, ctx=4999)), "decodes at any context: their keys split"
+    assert not graphs.fits(step([1, 1], nd=2, ctx=5000)), "decodes whose contexts sum past max_decode_context"
     assert not graphs.fits(step([1, 16], nd=1, ctx=85)), "a short chunk over a context past max_context"
     assert not graphs.fits(step([1] * 9, nd=9)), "more sequences than max_num_seqs"
     assert not graphs.fits(step([301]))

@@ -8,9 +8,11 @@ of a decode's keys) item per program and KV head, padded with empty items to a l
 bucket alone. A decode is a chunk of one token, whose keys may be split over programs as the decode kernel splits
 them. So one graph per token bucket serves every layout of decodes and chunks, at any context.
 
-One kind of step stays with the pieces: a short chunk (at most SHORT_CHUNK tokens) over a context longer than
-MAX_CONTEXT, a new message after a long conversation, say. Its few query tiles each stream the whole context, where
-the eager path sends such a chunk, alone, through the split decode kernel (kernels/backend.py _short_prefill).
+Two kinds of step stay with the pieces. A short chunk (at most SHORT_CHUNK tokens) over a context longer than
+MAX_CONTEXT, a new message after a long conversation, say: its few query tiles each stream the whole context, where
+the eager path sends such a chunk, alone, through the split decode kernel (kernels/backend.py _short_prefill). And
+decodes whose contexts sum past MAX_DECODE_CONTEXT tokens: there the step is bound by reading their keys, which the
+decode kernel does 10-20% faster than the work list's tiles (BENCHMARKS.md, eleventh session).
 
 Static buffers: token ids, positions, slots and the LM head's rows (int64); query starts, sequence lengths, each
 sequence's splits and the work list (one int32 buffer, each part at a 64-byte offset); block tables. Padding tokens
@@ -31,6 +33,10 @@ from picovllm.layers.attention import AttentionMetadata, WorkList
 
 SHORT_CHUNK = 16      # as kernels/backend.py's SHORT_PREFILL
 MAX_CONTEXT = 2048    # the context past which such a chunk goes to the pieces
+# The decodes' summed context past which the pieces take the step. On an H200 (Qwen3-0.6B shape, D decodes at C
+# tokens beside a 256-token chunk) the graphs won or tied up to 131,072 tokens (16 x 8,192: 8.6 ms against 9.5; 64 x
+# 2,048: 8.2-8.5 against 8.0-8.4) and lost past it (64 x 4,096: 16.2 against 13.4; 32 x 8,192: 15.0 against 12.7).
+MAX_DECODE_CONTEXT = 131072
 
 
 def _aligned(n: int) -> int:
@@ -44,7 +50,7 @@ class MixedGraphRunner:
         self.sizes = piecewise_buckets(max_num_batched_tokens)
         self.max_tokens = min(self.sizes[-1], max_num_batched_tokens)
         self.max_seqs = min(max_num_seqs, self.max_tokens)
-        self.max_context = MAX_CONTEXT
+        self.max_context, self.max_decode_context = MAX_CONTEXT, MAX_DECODE_CONTEXT
         self.max_blocks = max_blocks_per_seq
         self.block_size = block_size
         attn = model.attention_layers()[0]
@@ -87,11 +93,13 @@ class MixedGraphRunner:
 
     def fits(self, step: StepInput) -> bool:
         """Steps of at most the largest bucket's tokens and max_num_seqs sequences, but for a chunk of at most
-        SHORT_CHUNK tokens over a context past max_context (prompt logprobs included: the LM head runs eagerly on
-        whichever rows ask)."""
+        SHORT_CHUNK tokens over a context past max_context and decodes whose contexts sum past max_decode_context
+        (prompt logprobs included: the LM head runs eagerly on whichever rows ask)."""
         if not 0 < len(step.input_ids) <= self.max_tokens or len(step.seq_lens) > self.max_seqs:
             return False
         qsl, nd = step.query_start_loc, step.num_decodes
+        if sum(step.seq_lens[:nd]) > self.max_decode_context:
+            return False
         return all(b - a > SHORT_CHUNK or n <= self.max_context
                    for a, b, n in zip(qsl[nd:], qsl[nd + 1:], step.seq_lens[nd:]))
 
