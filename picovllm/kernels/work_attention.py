@@ -39,31 +39,33 @@ def max_work_items(num_tokens: int, max_seqs: int, tile: int) -> int:
     return num_tokens // tile + min(num_tokens, max_seqs) + SPLIT_BUDGET
 
 
-def decode_splits(seq_lens: list[int]) -> list[int]:
+def decode_splits(seq_lens: np.ndarray) -> np.ndarray:
     """Shares of each decode's keys: one per SPLIT_TOKENS, at most MAX_SPLITS, all halved until the extra items
     fit SPLIT_BUDGET (many decodes fill the GPU without splitting)."""
-    splits = [min(MAX_SPLITS, max(1, -(-n // SPLIT_TOKENS))) for n in seq_lens]
-    while sum(splits) - len(splits) > SPLIT_BUDGET:
-        splits = [-(-s // 2) for s in splits]
+    splits = np.clip(-(-np.asarray(seq_lens) // SPLIT_TOKENS), 1, MAX_SPLITS)
+    while splits.sum() - len(splits) > SPLIT_BUDGET:
+        splits = -(-splits // 2)
     return splits
 
 
 def work_items(query_lens: list[int], seq_lens: list[int], length: int, tile: int) -> tuple[np.ndarray, np.ndarray]:
     """A step's work list: [length, 4] int32 rows (sequence, query tile of `tile` tokens, split, splits), then
-    (-1, ...) rows; and each sequence's splits ([len(query_lens)] int32: 1 unless a decode's keys are split)."""
-    per_seq = np.ones(len(query_lens), dtype=np.int32)
-    decodes = [i for i, n in enumerate(query_lens) if n == 1]
-    per_seq[decodes] = decode_splits([seq_lens[i] for i in decodes])
+    (-1, ...) rows; and each sequence's splits ([len(query_lens)] int32: 1 unless a decode's keys are split).
+    Vectorized: this is host work on every mixed step."""
+    ql = np.asarray(query_lens)
+    decode = ql == 1
+    per_seq = np.ones(len(ql), dtype=np.int32)
+    per_seq[decode] = decode_splits(np.asarray(seq_lens)[decode])
+    count = np.where(decode, per_seq, -(-ql // tile))           # items a sequence
+    seq = np.repeat(np.arange(len(ql)), count)
+    k = np.arange(len(seq)) - np.repeat(np.cumsum(count) - count, count)   # the item's index in its sequence
+    split = decode[seq]
     out = np.full((length, 4), -1, dtype=np.int32)
-    i = 0
-    for seq, n in enumerate(query_lens):
-        if n == 1:
-            k = per_seq[seq]
-            out[i:i + k] = np.stack([np.full(k, seq), np.zeros(k), np.arange(k), np.full(k, k)], 1)
-        else:
-            k = -(-n // tile)
-            out[i:i + k] = np.stack([np.full(k, seq), np.arange(k), np.zeros(k), np.ones(k)], 1)
-        i += k
+    n = len(seq)
+    out[:n, 0] = seq
+    out[:n, 1] = np.where(split, 0, k)
+    out[:n, 2] = np.where(split, k, 0)
+    out[:n, 3] = per_seq[seq]
     return out, per_seq
 
 
