@@ -56,7 +56,7 @@ class MixedGraphRunner:
         attn = model.attention_layers()[0]
         self.tile = work_tile(attn.num_heads // attn.num_kv_heads)     # query tokens a work item
         t, s = self.sizes[-1], self.max_seqs
-        self.tokens = torch.zeros(4, t, dtype=torch.long, device=device)   # ids, positions, slots, sampled rows
+        self.tokens = torch.zeros(4, t, dtype=torch.long, device=device)   # ids, positions, slots, LM-head rows
         self.tokens[2].fill_(-1)
         self._lens_at = _aligned(s + 1)
         self._splits_at = self._lens_at + _aligned(s)
