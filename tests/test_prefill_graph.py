@@ -88,8 +88,12 @@ def mixed_steps(llm, score_last: bool = False):
 
 
 @pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1")
-def test_static_buffers_give_the_eager_logits(tiny_models):
+def test_static_buffers_give_the_eager_logits(tiny_models, monkeypatch):
     from picovllm import LLM, SamplingParams
+    from picovllm.kernels import decode_attention
+    # the short chunks go through the decode kernel (kernels/backend.py _short_prefill): at its default split target
+    # each row's ~20 keys take 32 splits, ~1,000 mostly empty programs a call, ~15 ms each interpreted; 2 splits here
+    monkeypatch.setattr(decode_attention, "SPLIT_TARGET_PROGRAMS", 64)
     llm = LLM(tiny_models["qwen3"], device="cpu", attention_backend="triton", block_size=8, num_kv_blocks=40,
               max_num_batched_tokens=16)
     eng, runner = llm.engine, llm.engine.runner
