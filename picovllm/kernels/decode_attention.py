@@ -144,6 +144,25 @@ def _decode_partial_kernel(
         tl.store(part_lse_ptr + base // BLOCK_D, lse, mask=mask_g)
 
 
+@triton.jit
+def merge_splits(part_o_ptr, part_lse_ptr, base, stride_split, num, offs_d, mask_d, BLOCK_D: tl.constexpr):
+    """The output of `num` splits of one (sequence, head), each a partial output (at base + s * stride_split) and its
+    base-2 log-sum-exp (at that offset // BLOCK_D), weighted by their sums; zeros where no split saw a key."""
+    m = float("-inf")
+    den = 0.0
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for s in range(0, num):
+        lse = tl.load(part_lse_ptr + (base + s * stride_split) // BLOCK_D)
+        o = tl.load(part_o_ptr + base + s * stride_split + offs_d, mask=mask_d, other=0.0)
+        m_new = tl.maximum(m, lse)
+        a = tl.exp2(m - m_new)
+        w = tl.exp2(lse - m_new)
+        acc = acc * a + o * w
+        den = den * a + w
+        m = m_new
+    return tl.where(den > 0, acc / tl.maximum(den, 1e-30), 0.0)   # an empty (padding) row gives zeros
+
+
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(part_o_ptr, part_lse_ptr, seq_lens_ptr, o_ptr, num_splits, window,
                           stride_pb, stride_ph, stride_ps, stride_ob, stride_oh,
@@ -156,20 +175,8 @@ def _decode_reduce_kernel(part_o_ptr, part_lse_ptr, seq_lens_ptr, o_ptr, num_spl
     used = tl.cdiv(n, _slice_len(n, num_splits, BLOCK_N))
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
-    base = seq.to(tl.int64) * stride_pb + h * stride_ph
-    m = float("-inf")
-    den = 0.0
-    acc = tl.zeros([BLOCK_D], tl.float32)
-    for s in range(0, used):
-        lse = tl.load(part_lse_ptr + (base + s * stride_ps) // BLOCK_D)
-        o = tl.load(part_o_ptr + base + s * stride_ps + offs_d, mask=mask_d, other=0.0)
-        m_new = tl.maximum(m, lse)
-        a = tl.exp2(m - m_new)
-        w = tl.exp2(lse - m_new)
-        acc = acc * a + o * w
-        den = den * a + w
-        m = m_new
-    out = tl.where(den > 0, acc / tl.maximum(den, 1e-30), 0.0)   # an empty (padding) row gives zeros
+    out = merge_splits(part_o_ptr, part_lse_ptr, seq.to(tl.int64) * stride_pb + h * stride_ph, stride_ps, used,
+                       offs_d, mask_d, BLOCK_D)
     tl.store(o_ptr + seq.to(tl.int64) * stride_ob + h * stride_oh + offs_d, out.to(o_ptr.dtype.element_ty),
              mask=mask_d)
 

@@ -16,7 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from picovllm.kernels.decode_attention import NO_WINDOW, dot_precision, fp8_f16_dots, fp8_scales, score_scale
+from picovllm.kernels.decode_attention import (NO_WINDOW, dot_precision, fp8_f16_dots, fp8_scales, merge_splits,
+                                               score_scale)
 from picovllm.kernels.prefill_attention import _prefill_kernel
 
 WORK_ROWS = 64        # rows of a program's tile: query tokens x the KV head's query heads
@@ -80,21 +81,10 @@ def _merge_kernel(part_o_ptr, part_lse_ptr, splits_ptr, query_start_ptr, o_ptr, 
         return
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
-    m = float("-inf")
-    den = 0.0
-    acc = tl.zeros([BLOCK_D], tl.float32)
-    for s in range(0, n):
-        part = seq.to(tl.int64) * stride_pseq + s * stride_psplit + h * BLOCK_D
-        lse = tl.load(part_lse_ptr + part // BLOCK_D)
-        o = tl.load(part_o_ptr + part + offs_d, mask=mask_d, other=0.0)
-        m_new = tl.maximum(m, lse)
-        a = tl.exp2(m - m_new)
-        w = tl.exp2(lse - m_new)
-        acc = acc * a + o * w
-        den = den * a + w
-        m = m_new
+    out = merge_splits(part_o_ptr, part_lse_ptr, seq.to(tl.int64) * stride_pseq + h * BLOCK_D, stride_psplit, n,
+                       offs_d, mask_d, BLOCK_D)
     row = tl.load(query_start_ptr + seq).to(tl.int64)
-    tl.store(o_ptr + row * stride_ot + h * stride_oh + offs_d, (acc / den).to(o_ptr.dtype.element_ty), mask=mask_d)
+    tl.store(o_ptr + row * stride_ot + h * stride_oh + offs_d, out.to(o_ptr.dtype.element_ty), mask=mask_d)
 
 
 def work_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
