@@ -205,7 +205,7 @@ class ModelRunner:
         """The forward, then the logits of the rows that sample and then of the prompt-logprob rows
         (None if there are none), in the model's dtype (sampling upcasts where it needs to). A
         decode-only step replays a CUDA graph, a one-chunk prefill step another, the other steps of at most a
-        bucket's tokens a whole-step graph (engine/mixed_graph.py), or with longer contexts pieces around eager
+        bucket's tokens a whole-step graph (engine/mixed_graph.py), or, for the few it leaves, pieces around eager
         attention (engine/piecewise_graph.py).
         prev_tokens: (flat indices, token ids) to write into the input ids on the device.
 

@@ -10,8 +10,9 @@ chunk beside decodes), and fits
 
 (decode_context: the tokens the batch's decodes attend over, summed) by least squares, with every coefficient >= 0.
 The three kinds of step have fixed costs of their own, as they take different paths through the model: on a GPU,
-decode steps and lone prefill chunks replay whole-step CUDA graphs and mixed steps pieces around eager attention
-(4.5 ms against 1.5 for a lone chunk on an H200; 15.4 ms when they ran eagerly; BENCHMARKS.md). A profile of six
+each replays its own kind of CUDA graph (engine/cuda_graph.py, prefill_graph.py, mixed_graph.py; on an H200 a mixed
+step's is 1.8 ms against 1.4 for a lone chunk, and was 4.5 in pieces around eager attention, 15.4 eager;
+BENCHMARKS.md). A profile of six
 coefficients (measured before mixed steps were) takes c1 for c6. Each sample is the median of several timed steps (a
 shared machine is noisy); the samples are kept with the fit, so a profile can be checked and re-fitted. A decode
 sample records the batch and context it timed (its requests last long enough that the first is still decoding when

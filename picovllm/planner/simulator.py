@@ -237,9 +237,10 @@ def simulate(profile: StepProfile, deployment: Deployment, requests: list[SimReq
     while events:
         now, _, kind, obj = heapq.heappop(events)
         if kind in ("arrive", "kv"):
-            pool = front if kind == "arrive" else back
-            inst = min(pool, key=(lambda i: i.prompt_backlog()) if kind == "arrive"
-                       else (lambda i: len(i.running) + len(i.waiting)))
+            if kind == "arrive":
+                inst = min(front, key=lambda i: i.prompt_backlog())
+            else:
+                inst = min(back, key=lambda i: len(i.running) + len(i.waiting))
             obj.ready = now
             inst.waiting.append(obj)
             start(inst, now, now)
