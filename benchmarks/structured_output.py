@@ -127,13 +127,31 @@ def breakdown(llm, prompts, runs, tokens: int) -> None:
             print(f"   {k:18s} {sec / tokens * 1e3:7.3f}  ({calls} calls)")
 
 
+def random_model_with_tokenizer(preset: str) -> str:
+    """A "random:<config.json>" model path: `preset`'s shape (picovllm/bench/random_checkpoint.py) with the default
+    model's tokenizer and vocabulary, saved beside the config, so grammars can be compiled for it."""
+    import os
+    import tempfile
+    from picovllm.bench.random_checkpoint import resolve_config
+    from picovllm.loader.source import open_model_source
+    tok = open_model_source(None).load_tokenizer()
+    cfg = resolve_config(preset)
+    cfg.update(vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    folder = os.path.join(tempfile.gettempdir(), f"picovllm_so_{preset}")
+    tok.save_pretrained(folder)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return "random:" + os.path.join(folder, "config.json")
+
+
 def throughput(batch: int, tokens: int, cprofile: bool = False, fill_threads: int | None = None,
-               show_breakdown: bool = False, repeats: int = 3) -> None:
+               show_breakdown: bool = False, repeats: int = 3, model: str | None = None) -> None:
     from picovllm import LLM, SamplingParams, StructuredOutputsParams
     from picovllm.layers import structured_output
     if fill_threads is not None:
         structured_output.FILL_THREADS = fill_threads    # read when the engine builds its mask buffers
-    llm = LLM()
+    llm = LLM(model)
+    print(f"model: {model or 'the default'} ({llm.engine.model_config.architecture})")
     prompts = [f"Write item {i}:" for i in range(batch)]
     # a regex no request completes within `tokens` tokens (a token spells 16 letters at most), so that both runs decode
     # exactly `tokens` tokens per request; with {400} some requests ended early (7,138 of 64 x 128 tokens on the
@@ -218,6 +236,9 @@ def main() -> None:
     ap.add_argument("--breakdown", action="store_true", help="host time per step of the engine's parts, plain and constrained")
     ap.add_argument("--fill-threads", type=int, help="threads of xgrammar's batched mask fill (default: the engine's choice)")
     ap.add_argument("--repeats", type=int, default=3, help="--throughput-only: timed runs of each, interleaved")
+    ap.add_argument("--random-model", metavar="PRESET",
+                    help="--throughput-only on random weights of a preset's shape (e.g. qwen3-0.6b, mistral-7b) with the "
+                         "default model's tokenizer, instead of the default model")
     args = ap.parse_args()
     if args.host_profile:
         return host_profile(args.batch, args.tokens, args.overlap, args.cprofile, args.fill_threads)
@@ -230,7 +251,8 @@ def main() -> None:
             if not args.skip_llguidance:   # llguidance's compact JSON has no space after ':' and ','
                 compact = json.dumps(VALUE, separators=(",", ":"))
                 report("llguidance", vocab, llguidance_times(tok, vocab, tok.encode(compact, add_special_tokens=False)))
-    throughput(args.batch, args.tokens, args.cprofile, args.fill_threads, args.breakdown, args.repeats)
+    model = random_model_with_tokenizer(args.random_model) if args.random_model else None
+    throughput(args.batch, args.tokens, args.cprofile, args.fill_threads, args.breakdown, args.repeats, model)
 
 
 if __name__ == "__main__":

@@ -39,3 +39,26 @@ def test_random_source_is_the_written_checkpoint(tmp_path, preset):
     a, b = (LLM(m, device="cpu", num_kv_blocks=32).generate([[3, 1, 4, 1, 5, 9]], sp, use_tqdm=False)[0].outputs[0]
             for m in (folder, f"random:{preset}"))
     assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
+
+
+def test_random_config_takes_the_tokenizer_beside_it(tmp_path):
+    """"random:<config.json>" with a tokenizer saved in the config's folder reads text prompts with that tokenizer
+    (structured_output.py --random-model); the same config alone takes token ids only."""
+    import json as json_
+    from picovllm.bench.random_checkpoint import resolve_config, write_word_tokenizer
+    cfg = resolve_config("tiny-qwen3")
+    for name, with_tokenizer in (("alone", False), ("with", True)):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "config.json").write_text(json_.dumps(cfg))
+        if with_tokenizer:
+            write_word_tokenizer(str(folder), cfg["vocab_size"])
+        llm = LLM(f"random:{folder / 'config.json'}", device="cpu", num_kv_blocks=32)
+        sp = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+        if not with_tokenizer:
+            with pytest.raises(Exception, match="tokenizer"):
+                llm.generate(["t5 t7 t9"], sp, use_tqdm=False)
+            continue
+        out = llm.generate(["t5 t7 t9"], sp, use_tqdm=False)[0]
+        assert out.prompt_token_ids == [5, 7, 9]
+        assert out.outputs[0].text.split() == [f"t{i}" for i in out.outputs[0].token_ids]

@@ -139,7 +139,8 @@ def random_tensor(name: str, shape: tuple[int, ...], seed: int = 0, dtype: torch
 
 def random_source(preset_or_file: str, seed: int = 0):
     """A ModelSource (loader/source.py) whose weights are generated as they are loaded: the model path
-    "random:<preset>". The tensors are made on the GPU when there is one (a 30B model's in seconds), bf16."""
+    "random:<preset>" or "random:<config.json>" (with the tokenizer saved beside that file, if one is). The tensors
+    are made on the GPU when there is one (a 30B model's in seconds), bf16."""
     from picovllm.config import ModelConfig
     from picovllm.loader.source import ModelSource
 
@@ -151,7 +152,14 @@ def random_source(preset_or_file: str, seed: int = 0):
         for name, shape in _tensor_shapes(cfg).items():
             yield name, random_tensor(name, shape, seed, torch.bfloat16, device, gemma)
 
-    return ModelSource(f"random:{preset_or_file}", ModelConfig.from_hf_dict(cfg), weights, None)   # nothing cached
+    tokenizer = None          # a config.json beside a tokenizer's files: that tokenizer (benchmarks that need text)
+    folder = os.path.dirname(os.path.abspath(preset_or_file))
+    if preset_or_file not in PRESETS and os.path.isfile(os.path.join(folder, "tokenizer.json")):
+        def tokenizer():
+            from transformers import AutoTokenizer
+            return AutoTokenizer.from_pretrained(folder)
+
+    return ModelSource(f"random:{preset_or_file}", ModelConfig.from_hf_dict(cfg), weights, tokenizer)   # nothing cached
 
 
 def write_word_tokenizer(path: str, vocab_size: int) -> str:
