@@ -240,6 +240,26 @@ def test_detokenized_text_keeps_leading_spaces(word_model):
         assert o.outputs[0].text == full[len(head):]
 
 
+def test_native_decode_equals_the_tokenizers_decode(default_llm):
+    """The detokenizer's native decode (the `tokenizers` object, transformers' wrapper skipped) gives exactly
+    tokenizer.decode on random id runs of the default vocabulary, special tokens kept and skipped, byte pieces of
+    split characters included; a tokenizer that cleans up spaces keeps transformers' decode."""
+    import copy
+    import random
+    from picovllm.engine.detokenizer import Detokenizer, native_decoder
+    tok = default_llm.get_tokenizer()
+    assert native_decoder(tok) is not None
+    detok, rng = Detokenizer(tok), random.Random(0)
+    specials = list(tok.all_special_ids)
+    for n in range(400):
+        ids = [rng.choice(specials) if rng.random() < 0.1 else rng.randrange(len(tok)) for _ in range(rng.randint(1, 12))]
+        for skip in (False, True):
+            assert detok._decode(ids, skip) == tok.decode(ids, skip_special_tokens=skip), (ids, skip)
+    cleaning = copy.copy(tok)
+    cleaning.clean_up_tokenization_spaces = True
+    assert native_decoder(cleaning) is None and native_decoder(None) is None
+
+
 # -- logprobs ------------------------------------------------------------------------------------
 def test_logprobs_and_ranks_match_hf(tiny_models):
     path = tiny_models["llama"]
