@@ -414,6 +414,30 @@ def test_gumbel_sample_greedy_rows_and_seeds(device, dtype, tol):
     assert other.tolist() != out.tolist()
 
 
+@pytest.mark.gpu
+@needs_gpu
+def test_temperature_only_sampling_equals_the_tensor_path():
+    """sample_temperature_only (temperatures and seeds in one packed upload) draws exactly what sample() draws from
+    SamplingTensors for the same seeded rows, greedy rows and temperatures below GREEDY_BELOW included; its fresh
+    seeds come from torch's CPU generator as sample()'s do."""
+    from picovllm.layers.sampler import GREEDY_BELOW, SamplingTensors, sample, sample_temperature_only
+    g = torch.Generator().manual_seed(5)
+    for b in (1, 7, 64):
+        logits = torch.randn(b, 5000, generator=g).to("cuda", torch.bfloat16)
+        temps = [[0.0, 0.7, 1.0, 1.3, GREEDY_BELOW / 2][i % 5] for i in range(b)]
+        seeds = [None if i % 3 == 2 else 1000 + i for i in range(b)]
+        t = SamplingTensors(torch.tensor(temps, device="cuda"), torch.zeros(b, dtype=torch.long, device="cuda"),
+                            torch.ones(b, device="cuda"), torch.zeros(b, device="cuda"), seeds, False, False, False,
+                            False, [False] * b)
+        torch.manual_seed(9)
+        want = sample(logits, t)
+        torch.manual_seed(9)
+        got = sample_temperature_only(logits, temps, seeds)
+        assert got.tolist() == want.tolist()
+        greedy = [i for i, x in enumerate(temps) if x < GREEDY_BELOW]
+        assert got[greedy].tolist() == logits.float()[greedy].argmax(-1).tolist()
+
+
 ARGMAX_CASES = [   # exact comparisons: every logits dtype on the interpreter too
     case(device, dt, id=f"{kind}-{str(dt)[6:]}")
     for case, device, kind in ((interpreted, "cpu", "interp"), (compiled, "cuda", "gpu"))

@@ -112,6 +112,21 @@ def _sample_torch(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     return torch.where(sampled_rows, sampled, greedy)
 
 
+def sample_temperature_only(logits: torch.Tensor, temperatures: list[float], seeds: list[int | None]) -> torch.Tensor:
+    """What sample() gives a CUDA batch of rows without top-k, top-p or min-p (the fused Gumbel-max kernel), from host
+    lists: the temperatures and seeds go up in one copy (float32 temperatures in the int64 seeds' buffer), where
+    sample() takes four tensors up and a where. Fresh seeds for unseeded rows as _sample_on_gpu."""
+    from picovllm.kernels.sampling import gumbel_sample
+    b = len(temperatures)
+    fresh = torch.randint(0, 2 ** 62, (b,)).tolist()
+    host = torch.empty(b + (b + 1) // 2, dtype=torch.long, pin_memory=True)
+    host[:b] = torch.tensor([f if s is None else s for s, f in zip(seeds, fresh)], dtype=torch.long)
+    host[b:].view(torch.float32)[:b] = torch.tensor([x if x >= GREEDY_BELOW else 0.0 for x in temperatures],
+                                                    dtype=torch.float32)
+    dev = host.to(logits.device, non_blocking=True)
+    return gumbel_sample(logits, dev[b:].view(torch.float32)[:b], dev[:b])
+
+
 def _sample_on_gpu(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     """Temperature-only batches on CUDA: one fused Gumbel-max kernel (temperature 0 = greedy there, so
     rows below GREEDY_BELOW are passed as 0). Unseeded rows get fresh seeds from torch's default CPU
