@@ -414,6 +414,39 @@ def test_gumbel_sample_greedy_rows_and_seeds(device, dtype, tol):
     assert other.tolist() != out.tolist()
 
 
+@pytest.mark.parametrize("device,dtype,tol", CASES)
+def test_gumbel_sample_applies_grammar_masks_in_its_pass(device, dtype, tol):
+    """The fused masks (words, word_rows) draw exactly what the sampler draws from logits the torch reference
+    (layers.structured_output.mask_logits) masked: rows with their own mask, rows left unmasked (-1), greedy
+    rows; a vocabulary past the words' 32 W tokens (those tokens forbidden) and not a multiple of 32."""
+    from picovllm.kernels.sampling import gumbel_sample
+    from picovllm.layers.structured_output import mask_logits
+    g = torch.Generator().manual_seed(7)
+    vocab, num_words = 1000, 30                   # 960 tokens covered: 960..999 are forbidden wherever a mask applies
+    logits = torch.randn(5, vocab, generator=g)
+    logits[:, 970] = 50.0                         # the unmasked rows' winner, forbidden to the masked ones
+    words = torch.randint(-2 ** 31, 2 ** 31 - 1, (4, num_words), generator=g, dtype=torch.int64).to(torch.int32)
+    word_rows = torch.tensor([2, -1, 0, 3, -1], dtype=torch.int32)
+    temps = torch.tensor([0.0, 0.8, 1.0, 0.0, 0.0])
+    seeds = torch.tensor([11, 12, 13, 14, 15])
+    ref = logits.clone()
+    for r, w in enumerate(word_rows.tolist()):
+        if w >= 0:
+            ref[r] = mask_logits(logits[r:r + 1], words[w:w + 1])[0]
+    dev = lambda x: x.to(device)   # noqa: E731
+    for chunks in (1, 3):
+        want = gumbel_sample(dev(ref.to(dtype)), dev(temps), dev(seeds), block=128, num_chunks=chunks).cpu()
+        got = gumbel_sample(dev(logits.to(dtype)), dev(temps), dev(seeds), block=128, num_chunks=chunks,
+                            words=dev(words), word_rows=dev(word_rows)).cpu()
+        assert got.tolist() == want.tolist()
+        assert got[1] == got[4] == 970 and got[0] != 970
+        assert got[0] == ref[0].to(dtype).float().argmax()
+    all_rows = gumbel_sample(dev(logits[:4].to(dtype)), dev(temps[:4]), dev(seeds[:4]), block=128,
+                             words=dev(words)).cpu()          # no word_rows: row r takes words[r]
+    want = gumbel_sample(dev(mask_logits(logits[:4], words).to(dtype)), dev(temps[:4]), dev(seeds[:4]), block=128).cpu()
+    assert all_rows.tolist() == want.tolist()
+
+
 @pytest.mark.gpu
 @needs_gpu
 def test_temperature_only_sampling_equals_the_tensor_path():

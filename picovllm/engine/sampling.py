@@ -13,7 +13,7 @@ import torch
 from picovllm.engine.step_input import SamplingRow, StepInput, to_device
 from picovllm.layers.logits_processors import adjust_logits
 from picovllm.layers.sampler import SamplingTensors, greedy_tokens, sample, sample_temperature_only
-from picovllm.layers.structured_output import TokenBitmasks, apply_token_bitmasks
+from picovllm.layers.structured_output import TokenBitmasks, apply_token_bitmasks, device_masks
 from picovllm.outputs import Logprob
 
 
@@ -85,13 +85,16 @@ def sample_logits(logits: torch.Tensor, rows: list[SamplingRow], prev_tokens: to
     dev = logits.device
     raw = logits
     logits = adjust_logits(logits, rows, prev_tokens)   # bias, banned tokens, penalties
-    logits = apply_token_bitmasks(logits, token_bitmasks)   # structured outputs
     temps = [r.temperature for r in rows]
+    masked = token_bitmasks is not None and bool(token_bitmasks.filled)
+    if logits.is_cuda and (masked or any(temps)) and not any(r.top_k > 0 or r.top_p < 1 or r.min_p > 0 for r in rows):
+        # one upload and one kernel: the fused Gumbel-max sampler, the grammar masks applied in its pass
+        masks = device_masks(token_bitmasks, dev) if masked else (None, None)
+        tokens = sample_temperature_only(logits, temps, [r.seed if r.temperature > 0 else None for r in rows], *masks)
+        return tokens, _logprob_tensors(raw, tokens, rows)
+    logits = apply_token_bitmasks(logits, token_bitmasks)   # structured outputs
     if all(x == 0 for x in temps):   # greedy batch: no sampling tensors to upload
         tokens = greedy_tokens(logits)
-        return tokens, _logprob_tensors(raw, tokens, rows)
-    if logits.is_cuda and not any(r.top_k > 0 or r.top_p < 1 or r.min_p > 0 for r in rows):
-        tokens = sample_temperature_only(logits, temps, [r.seed if r.temperature > 0 else None for r in rows])
         return tokens, _logprob_tensors(raw, tokens, rows)
     t = SamplingTensors(
         temperature=to_device(temps, torch.float32, dev),

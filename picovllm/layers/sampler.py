@@ -112,10 +112,12 @@ def _sample_torch(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     return torch.where(sampled_rows, sampled, greedy)
 
 
-def sample_temperature_only(logits: torch.Tensor, temperatures: list[float], seeds: list[int | None]) -> torch.Tensor:
+def sample_temperature_only(logits: torch.Tensor, temperatures: list[float], seeds: list[int | None],
+                            words: torch.Tensor | None = None, word_rows: torch.Tensor | None = None) -> torch.Tensor:
     """What sample() gives a CUDA batch of rows without top-k, top-p or min-p (the fused Gumbel-max kernel), from host
     lists: the temperatures and seeds go up in one copy (float32 temperatures in the int64 seeds' buffer), where
-    sample() takes four tensors up and a where. Fresh seeds for unseeded rows as _sample_on_gpu."""
+    sample() takes four tensors up and a where. Fresh seeds for unseeded rows as _sample_on_gpu. words, word_rows:
+    grammar masks (layers/structured_output.device_masks), applied in the same kernel."""
     from picovllm.kernels.sampling import gumbel_sample
     b = len(temperatures)
     fresh = torch.randint(0, 2 ** 62, (b,)).tolist()
@@ -124,7 +126,7 @@ def sample_temperature_only(logits: torch.Tensor, temperatures: list[float], see
     host[b:].view(torch.float32)[:b] = torch.tensor([x if x >= GREEDY_BELOW else 0.0 for x in temperatures],
                                                     dtype=torch.float32)
     dev = host.to(logits.device, non_blocking=True)
-    return gumbel_sample(logits, dev[b:].view(torch.float32)[:b], dev[:b])
+    return gumbel_sample(logits, dev[b:].view(torch.float32)[:b], dev[:b], words=words, word_rows=word_rows)
 
 
 def _sample_on_gpu(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:

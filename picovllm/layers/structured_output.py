@@ -298,6 +298,16 @@ def mask_logits(logits: torch.Tensor, words: torch.Tensor, ceilings: torch.Tenso
     return torch.minimum(logits, per_token[:, :vocab])
 
 
+def device_masks(masks: TokenBitmasks, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """What the Triton kernels take (kernels/token_mask.py, the fused sampler): the step's mask words on `device`,
+    and each sampling row's words row (-1: not constrained) unless every row is constrained."""
+    words = masks.to_device(device)
+    if len(masks.filled) == masks.words.shape[0]:
+        return words, None
+    rows = torch.tensor(masks.word_rows(), dtype=torch.int32, pin_memory=device.type == "cuda")
+    return words, rows.to(device, non_blocking=True)
+
+
 def apply_token_bitmasks(logits: torch.Tensor, masks: TokenBitmasks | None) -> torch.Tensor:
     """logits [B, V] -> `logits` itself if no row is constrained, else a copy with every token a row's
     grammar forbids at -inf: one upload of the step's mask buffer, then one kernel on a GPU (kernels/token_mask.py).
@@ -306,14 +316,10 @@ def apply_token_bitmasks(logits: torch.Tensor, masks: TokenBitmasks | None) -> t
         return logits
     if token_mask.usable(logits):      # CPU, float32: one pass in C
         return token_mask.mask_logits(logits, masks.words, masks.word_rows())
-    words = masks.to_device(logits.device)
     if use_triton(logits):     # one kernel, whichever rows are constrained
         from picovllm.kernels import token_mask as triton_mask
-        rows = None
-        if len(masks.filled) < logits.shape[0]:
-            rows = torch.tensor(masks.word_rows(), dtype=torch.int32, pin_memory=logits.is_cuda)
-            rows = rows.to(logits.device, non_blocking=True)
-        return triton_mask.mask_logits(logits, words, rows)
+        return triton_mask.mask_logits(logits, *device_masks(masks, logits.device))
+    words = masks.to_device(logits.device)
     ceilings = masks.ceilings(logits.dtype)
     if len(masks.filled) == logits.shape[0]:
         return mask_logits(logits, words, ceilings)
