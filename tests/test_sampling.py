@@ -243,7 +243,8 @@ def test_detokenized_text_keeps_leading_spaces(word_model):
 def test_native_decode_equals_the_tokenizers_decode(default_llm):
     """The detokenizer's native decode (the `tokenizers` object, transformers' wrapper skipped) gives exactly
     tokenizer.decode on random id runs of the default vocabulary, special tokens kept and skipped, byte pieces of
-    split characters included; a tokenizer that cleans up spaces keeps transformers' decode."""
+    split characters included; a tokenizer that cleans up spaces keeps transformers' decode (one asked to, but on a
+    BPE model, where transformers 5 skips the clean-up, takes the native decode)."""
     import copy
     import random
     from picovllm.engine.detokenizer import Detokenizer, native_decoder
@@ -255,9 +256,16 @@ def test_native_decode_equals_the_tokenizers_decode(default_llm):
         ids = [rng.choice(specials) if rng.random() < 0.1 else rng.randrange(len(tok)) for _ in range(rng.randint(1, 12))]
         for skip in (False, True):
             assert detok._decode(ids, skip) == tok.decode(ids, skip_special_tokens=skip), (ids, skip)
-    cleaning = copy.copy(tok)
-    cleaning.clean_up_tokenization_spaces = True
-    assert native_decoder(cleaning) is None and native_decoder(None) is None
+    asked = copy.copy(tok)          # asked to clean up: transformers 5 still skips it for a BPE model (this one)
+    asked.clean_up_tokenization_spaces = True
+    assert type(tok.backend_tokenizer.model).__name__ == "BPE" and native_decoder(asked) is not None
+    ids = tok.encode("Hello , world ! It 's fine .")
+    assert Detokenizer(asked)._decode(ids, True) == asked.decode(ids, skip_special_tokens=True)
+    forced = copy.copy(asked)       # ... unless forced, and then the clean-up runs: transformers' decode is kept
+    forced.clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output = True
+    assert native_decoder(forced) is None and native_decoder(None) is None
+    assert Detokenizer(forced)._decode(ids, True) == forced.decode(ids, skip_special_tokens=True) != \
+        tok.decode(ids, skip_special_tokens=True)
 
 
 # -- logprobs ------------------------------------------------------------------------------------
