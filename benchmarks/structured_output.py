@@ -237,8 +237,8 @@ def main() -> None:
     ap.add_argument("--fill-threads", type=int, help="threads of xgrammar's batched mask fill (default: the engine's choice)")
     ap.add_argument("--repeats", type=int, default=3, help="--throughput-only: timed runs of each, interleaved")
     ap.add_argument("--random-model", metavar="PRESET",
-                    help="--throughput-only on random weights of a preset's shape (e.g. qwen3-0.6b, mistral-7b) with the "
-                         "default model's tokenizer, instead of the default model")
+                    help="--throughput-only on random weights of a preset's shape (e.g. qwen3-0.6b, mistral-7b) "
+                         "with the default model's tokenizer, instead of the default model")
     args = ap.parse_args()
     if args.host_profile:
         return host_profile(args.batch, args.tokens, args.overlap, args.cprofile, args.fill_threads)

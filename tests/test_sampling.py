@@ -252,8 +252,9 @@ def test_native_decode_equals_the_tokenizers_decode(default_llm):
     assert native_decoder(tok) is not None
     detok, rng = Detokenizer(tok), random.Random(0)
     specials = list(tok.all_special_ids)
-    for n in range(400):
-        ids = [rng.choice(specials) if rng.random() < 0.1 else rng.randrange(len(tok)) for _ in range(rng.randint(1, 12))]
+    for _ in range(400):
+        ids = [rng.choice(specials) if rng.random() < 0.1 else rng.randrange(len(tok))
+               for _ in range(rng.randint(1, 12))]
         for skip in (False, True):
             assert detok._decode(ids, skip) == tok.decode(ids, skip_special_tokens=skip), (ids, skip)
     asked = copy.copy(tok)          # asked to clean up: transformers 5 still skips it for a BPE model (this one)

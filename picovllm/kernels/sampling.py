@@ -9,7 +9,8 @@ into chunks handled by separate programs (enough of them to fill the GPU); a sec
 picks each row's winner. Philox makes 4 numbers per call, so each call serves 4 adjacent entries.
 Rows that need top-k / top-p / min-p keep the torch sampler (picovllm.layers.sampler), which is
 also the reference for greedy rows. Seeded GPU samples differ from seeded CPU samples (another
-noise source), but each is reproducible.
+noise source), but each is reproducible. Structured outputs' grammar masks (packed 32 tokens a word)
+may be read in the same pass: a forbidden token's logit counts as -inf.
 """
 from __future__ import annotations
 
@@ -90,7 +91,8 @@ def gumbel_sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.
                   word_rows: torch.Tensor | None = None) -> torch.Tensor:
     """logits [B, V] (any float dtype); temperature [B] float32 (0 = greedy); seeds [B] int64 -> ids [B] int64.
     words [M, W] int32, word_rows [B] int32 (or None: row r's words are words[r]): grammar masks as
-    kernels.token_mask.mask_logits takes them, applied in the same pass (what sampling mask_logits' output gives)."""
+    kernels.token_mask.mask_logits takes them, read in the same pass: the draw is the one from the logits with the
+    forbidden tokens at -inf."""
     b, v = logits.shape
     if logits.stride(-1) != 1:
         logits = logits.contiguous()

@@ -112,17 +112,23 @@ def _sample_torch(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     return torch.where(sampled_rows, sampled, greedy)
 
 
+def _row_seeds(seeds: list[int | None]) -> list[int]:
+    """The fused sampler's seed per row: a seeded row's stream seed, a fresh one from torch's default CPU generator
+    for the others (drawn for every row, so the generator moves the same way whichever rows are seeded)."""
+    fresh = torch.randint(0, 2 ** 62, (len(seeds),)).tolist()
+    return [f if s is None else s for s, f in zip(seeds, fresh)]
+
+
 def sample_temperature_only(logits: torch.Tensor, temperatures: list[float], seeds: list[int | None],
                             words: torch.Tensor | None = None, word_rows: torch.Tensor | None = None) -> torch.Tensor:
     """What sample() gives a CUDA batch of rows without top-k, top-p or min-p (the fused Gumbel-max kernel), from host
     lists: the temperatures and seeds go up in one copy (float32 temperatures in the int64 seeds' buffer), where
-    sample() takes four tensors up and a where. Fresh seeds for unseeded rows as _sample_on_gpu. words, word_rows:
-    grammar masks (layers/structured_output.device_masks), applied in the same kernel."""
+    sample() takes four tensors up and a where. words, word_rows: grammar masks (layers/structured_output.device_masks),
+    applied in the same kernel."""
     from picovllm.kernels.sampling import gumbel_sample
     b = len(temperatures)
-    fresh = torch.randint(0, 2 ** 62, (b,)).tolist()
     host = torch.empty(b + (b + 1) // 2, dtype=torch.long, pin_memory=True)
-    host[:b] = torch.tensor([f if s is None else s for s, f in zip(seeds, fresh)], dtype=torch.long)
+    host[:b] = torch.tensor(_row_seeds(seeds), dtype=torch.long)
     host[b:].view(torch.float32)[:b] = torch.tensor([x if x >= GREEDY_BELOW else 0.0 for x in temperatures],
                                                     dtype=torch.float32)
     dev = host.to(logits.device, non_blocking=True)
@@ -134,8 +140,6 @@ def _sample_on_gpu(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     rows below GREEDY_BELOW are passed as 0). Unseeded rows get fresh seeds from torch's default CPU
     generator (no device sync); seeded rows their own stream seed."""
     from picovllm.kernels.sampling import gumbel_sample
-    fresh = torch.randint(0, 2 ** 62, (len(t.seeds),)).tolist()
-    seeds = [f if s is None else s for s, f in zip(t.seeds, fresh)]
-    seeds_t = torch.tensor(seeds, dtype=torch.long, pin_memory=True).to(logits.device, non_blocking=True)
+    seeds_t = torch.tensor(_row_seeds(t.seeds), dtype=torch.long, pin_memory=True).to(logits.device, non_blocking=True)
     temps = torch.where(t.temperature >= GREEDY_BELOW, t.temperature, 0.0)
     return gumbel_sample(logits, temps, seeds_t)
