@@ -70,6 +70,8 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None   # per prompt token (the first gets None): its logprob, rank and top-k
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False     # vLLM's: a matched stop string stays at the end of the text
+    allowed_token_ids: list[int] | None = None   # vLLM's: only these tokens may be sampled (None: any)
     # As vLLM/OpenAI: presence and frequency penalties count the generated tokens; the repetition
     # penalty (HF/CTRL: positive logits divided by it, negative ones multiplied) the prompt's too.
     presence_penalty: float = 0.0
@@ -88,6 +90,8 @@ class SamplingParams:
         else:
             self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.allowed_token_ids is not None and not isinstance(self.allowed_token_ids, (str, bytes)):
+            self.allowed_token_ids = list(self.allowed_token_ids)
         if self.top_k == -1:
             self.top_k = 0
         self.logit_bias = _token_id_keys(self.logit_bias)
@@ -121,6 +125,12 @@ class SamplingParams:
             raise bad("stop", "must be non-empty strings")
         if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative ints")
+        if not isinstance(self.include_stop_str_in_output, bool):
+            raise bad("include_stop_str_in_output", "must be a bool")
+        allowed = self.allowed_token_ids
+        if allowed is not None and (not isinstance(allowed, list) or not allowed or not all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in allowed)):
+            raise bad("allowed_token_ids", "must be None or a non-empty list of token ids (ints >= 0)")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
             raise bad("logprobs", "must be an int >= 0 or None")
         if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int)

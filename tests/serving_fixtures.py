@@ -14,8 +14,10 @@ import pytest
 
 from conftest import build_tiny_checkpoint
 
+# ChatML, and Qwen3's way of turning thinking off (a variable that chat_template_kwargs sets)
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+          "{% if add_generation_prompt %}<|im_start|>assistant\n"
+          "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]    # ids 0, 1, 2: LlamaConfig's bos=1, eos=2
 CORPUS = ("The capital of France is Paris. Tell me a story about a cat who lives on the moon. "
           "Hello, how are you today? I am fine, thank you. Numbers: 0 1 2 3 4 5 6 7 8 9. "

@@ -226,6 +226,49 @@ def test_stop_strings_across_token_boundaries(default_llm):
     assert [o.text for o in stopped] == [" Pa", " Paris.", " P"]
 
 
+def test_include_stop_str_in_output_keeps_the_matched_string(default_llm):
+    """include_stop_str_in_output: the text ends with the stop string that matched, cut right after it (the
+    decode of the tokens is the oracle, as in the test above); the tokens and the reason are those without it."""
+    tok = default_llm.get_tokenizer()
+    prompt = "The capital of France is"
+    base = default_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0].outputs[0]
+    for stop in ("ris.", ["zzz", "\n\nThe"]):
+        plain, kept = (default_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, stop=stop,
+                                                                      include_stop_str_in_output=inc),
+                                            use_tqdm=False)[0].outputs[0] for inc in (False, True))
+        assert kept.token_ids == plain.token_ids and kept.stop_reason == plain.stop_reason
+        full = tok.decode(base.token_ids[:len(kept.token_ids)])
+        assert kept.text == full[:full.find(kept.stop_reason) + len(kept.stop_reason)] == plain.text + kept.stop_reason
+
+
+def test_allowed_token_ids_match_hf_restricted_argmax(tiny_models):
+    """allowed_token_ids: greedy picks HF's fp32 argmax over the allowed ids at every step (HF run token by token
+    as the oracle); sampled rows never leave the set, beside an unrestricted row in the same batch; bad sets are
+    refused naming the field."""
+    path = tiny_models["qwen3"]
+    llm = LLM(path, num_kv_blocks=64)
+    allowed, prompt = [5, 17, 42, 99, 300, 301], [3, 1, 4, 1, 5, 9, 2, 6]
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, allowed_token_ids=allowed)
+    got = llm.generate([prompt], sp, use_tqdm=False)[0].outputs[0].token_ids
+    model, ids = hf_model(path), list(prompt)
+    with torch.no_grad():
+        for _ in range(8):
+            logits = model(torch.tensor([ids])).logits[0, -1]
+            ids.append(allowed[int(logits[allowed].argmax())])
+    assert got == ids[len(prompt):]
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=24, ignore_eos=True, allowed_token_ids=allowed)
+              for s in (1, 2)] + [SamplingParams(temperature=1.0, seed=3, max_tokens=24, ignore_eos=True)]
+    outs = [o.outputs[0].token_ids for o in llm.generate([prompt] * 3, params, use_tqdm=False)]
+    assert set(outs[0]) <= set(allowed) and set(outs[1]) <= set(allowed) and not set(outs[2]) <= set(allowed)
+    vocab = llm.engine.model_config.vocab_size
+    for kw in ({"allowed_token_ids": []}, {"allowed_token_ids": [vocab]}, {"allowed_token_ids": [-1]},
+               {"allowed_token_ids": [7], "stop_token_ids": [7], "min_tokens": 2},
+               {"allowed_token_ids": [5], "structured_outputs": {"regex": "a+"}}):
+        with pytest.raises(ValueError, match="allowed_token_ids"):
+            llm.generate([prompt], SamplingParams(max_tokens=4, **kw), use_tqdm=False)
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+
+
 def test_detokenized_text_keeps_leading_spaces(word_model):
     """Output text must equal decode(prompt + output) minus decode(prompt), also for tokenizers whose
     tokens decode alone without their leading space (SentencePiece style)."""

@@ -128,6 +128,10 @@ def test_stop_strings_and_seeded_sampling(client, llm):
     assert got.text == ref.text and got.finish_reason == "stop"
     streamed = "".join(ch.choices[0].text for ch in client.completions.create(stream=True, **kw))
     assert streamed == ref.text   # held back text never leaks past a stop string that spans chunks
+    kw["extra_body"]["include_stop_str_in_output"] = True     # vLLM's: the stop string stays, streamed or not
+    kept = ref.text + ref.stop_reason
+    assert client.completions.create(**kw).choices[0].text == kept
+    assert "".join(ch.choices[0].text for ch in client.completions.create(stream=True, **kw)) == kept
     # seeded sampling is batch-independent, so the server reproduces the offline result
     sp = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1234, max_tokens=16, ignore_eos=True)
     ref = llm.generate(["Hello, how are you"], sp, use_tqdm=False)[0].outputs[0]
@@ -155,7 +159,17 @@ def test_penalties_and_logit_bias_match_llm(client, llm):
     conv = [{"role": "user", "content": "Hello, how are you"}]
     rc = llm.chat(conv, sp, use_tqdm=False)[0].outputs[0]
     assert client.chat.completions.create(messages=conv, **kw).choices[0].message.content == rc.text
-    for bad, field in [({"logit_bias": {"384": 1}}, "logit_bias"), ({"logit_bias": {"a": 1}}, "logit_bias"),
+    allowed = sorted(set(plain.token_ids))[:3] + [17]     # vLLM's allowed_token_ids, both endpoints
+    only = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, allowed_token_ids=allowed)
+    ref = llm.generate([prompt], only, use_tqdm=False)[0].outputs[0]
+    assert set(ref.token_ids) <= set(allowed) and ref.token_ids != plain.token_ids
+    kw = dict(model=model, max_tokens=16, temperature=0, extra_body={"allowed_token_ids": allowed, "ignore_eos": True})
+    assert client.completions.create(prompt=prompt, **kw).choices[0].text == ref.text
+    assert client.chat.completions.create(messages=conv, **kw).choices[0].message.content == \
+        llm.chat(conv, only, use_tqdm=False)[0].outputs[0].text
+    for bad, field in [({"extra_body": {"allowed_token_ids": [384]}}, "allowed_token_ids"),
+                       ({"extra_body": {"allowed_token_ids": []}}, "allowed_token_ids"),
+                       ({"logit_bias": {"384": 1}}, "logit_bias"), ({"logit_bias": {"a": 1}}, "logit_bias"),
                        ({"logit_bias": {"3": 101}}, "logit_bias"), ({"presence_penalty": 2.5}, "presence_penalty"),
                        ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty")]:
         with pytest.raises(openai.BadRequestError) as e:
@@ -481,6 +495,47 @@ def test_tokenize_and_detokenize(server, client, llm):
                               ("/detokenize", {"tokens": [1, 384]}, "tokens"), ("/detokenize", {"tokens": [-1]}, "tokens")]:
         e = httpx.post(server.url + path, json=body)
         assert e.status_code == 400 and e.json()["error"]["param"] == param, (path, body, e.text)
+
+
+def test_chat_template_options(server, client, llm):
+    """chat_template_kwargs reach the template and continue_final_message leaves the last message open, on /tokenize
+    and /v1/chat/completions alike, as HF's apply_chat_template renders them (the oracle) and as LLM.chat runs them;
+    a bad combination is a 400 naming the field."""
+    model = client.models.list().data[0].id
+    tok = llm.get_tokenizer()
+    conv = [{"role": "user", "content": "Tell me a story about a cat"}]
+    cont = conv + [{"role": "assistant", "content": "The cat"}]
+
+    def hf(c, **kw):
+        return tok.encode(tok.apply_chat_template(c, tokenize=False, **kw), add_special_tokens=False)
+
+    def ids(body):
+        return httpx.post(server.url + "/tokenize", json=body).json()["tokens"]
+
+    no_think = ids({"messages": conv, "chat_template_kwargs": {"enable_thinking": False}})
+    assert no_think == hf(conv, add_generation_prompt=True, enable_thinking=False) != ids({"messages": conv})
+    open_end = ids({"messages": cont, "add_generation_prompt": False, "continue_final_message": True})
+    assert open_end == hf(cont, add_generation_prompt=False, continue_final_message=True)
+    assert tok.decode(open_end).endswith("The cat")
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    for kw in ({"chat_template_kwargs": {"enable_thinking": False}},
+               {"add_generation_prompt": False, "continue_final_message": True}):
+        msgs = cont if kw.get("continue_final_message") else conv
+        got = client.chat.completions.create(model=model, messages=msgs, max_tokens=6, temperature=0,
+                                             extra_body=dict(kw, ignore_eos=True))
+        want = llm.chat(msgs, sp, use_tqdm=False, **kw)[0]
+        assert got.choices[0].message.content == want.outputs[0].text
+        assert got.usage.prompt_tokens == len(want.prompt_token_ids)
+    for body, param in [({"messages": cont, "continue_final_message": True}, "continue_final_message"),
+                        ({"messages": conv, "add_generation_prompt": False, "continue_final_message": True},
+                         "continue_final_message"),
+                        ({"messages": conv, "chat_template_kwargs": {"tools": []}}, "chat_template_kwargs.tools"),
+                        ({"messages": conv, "chat_template_kwargs": ["x"]}, "chat_template_kwargs")]:
+        for path in ("/tokenize", "/v1/chat/completions"):
+            e = httpx.post(server.url + path, json=dict(body, max_tokens=2) if "chat" in path else body)
+            assert e.status_code == 400 and e.json()["error"]["param"] == param, (path, body, e.text)
+    e = httpx.post(server.url + "/tokenize", json={"prompt": "a", "continue_final_message": True})
+    assert e.status_code == 400 and e.json()["error"]["param"] == "continue_final_message"
 
 
 def test_oversize_bodies_rejected(server):

@@ -89,7 +89,7 @@ def check_stop(req: Request, token_id: int, new_text: str, eos_token_ids: list[i
             for s in p.stop:
                 idx = req.text.find(s, max(0, len(req.text) - len(new_text) - len(s) + 1))
                 if idx >= 0:
-                    req.text = req.text[:idx]
+                    req.text = req.text[:idx + (len(s) if p.include_stop_str_in_output else 0)]
                     return req.finish(FinishReason.STOP, stop_reason=s)
     if n_out >= req.max_tokens or req.num_tokens >= max_model_len:
         req.finish(FinishReason.LENGTH)

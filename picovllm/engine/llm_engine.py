@@ -159,6 +159,15 @@ class Engine:
                              f"got {params.prompt_logprobs}")
         if any(t >= vocab for t in params.stop_token_ids):   # banned from the logits before min_tokens
             raise ValueError(f"SamplingParams.stop_token_ids must be in [0, {vocab}), got {params.stop_token_ids}")
+        allowed = params.allowed_token_ids
+        if allowed is not None:
+            if max(allowed) >= vocab:
+                raise ValueError(f"SamplingParams.allowed_token_ids must be token ids in [0, {vocab}), got {max(allowed)}")
+            if params.structured_outputs is not None:   # the two masks could leave no token at all
+                raise ValueError("SamplingParams.allowed_token_ids cannot be combined with structured outputs")
+            ends = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+            if params.min_tokens and set(allowed) <= ends:   # banned before min_tokens: nothing left to sample
+                raise ValueError("SamplingParams.allowed_token_ids holds only stop tokens, which min_tokens bans")
         if any(t >= vocab for t in params.logit_bias):
             raise ValueError(f"SamplingParams.logit_bias keys must be token ids in [0, {vocab}), got "
                              f"{max(params.logit_bias)}")

@@ -36,6 +36,7 @@ class SamplingRow:
     output_token_ids: list[int] = field(default_factory=list)
     prompt_token_ids: list[int] = field(default_factory=list)
     pending_src: int = -1     # overlapped: the in-flight step's row sampling this request's last output, or -1
+    allowed: list[int] = field(default_factory=list)   # SamplingParams.allowed_token_ids: the only tokens (or [])
 
     @property
     def has_penalties(self) -> bool:
@@ -125,6 +126,8 @@ def sampling_row(req, eos_token_ids: list[int]) -> SamplingRow:
         banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids))
     seed = None if p.seed is None else seeded_stream(p.seed, n_out)
     row = SamplingRow(p.temperature, p.top_k, p.top_p, p.min_p, seed, banned, p.logprobs)
+    if p.allowed_token_ids:
+        row.allowed = p.allowed_token_ids          # never mutated
     if p.logit_bias:
         row.bias_token_ids, row.bias_values = list(p.logit_bias), [float(v) for v in p.logit_bias.values()]
     if p.has_penalties:

@@ -4,7 +4,8 @@ In vLLM's order: logit bias (added), banned tokens (-inf: EOS and stop ids befor
 the penalties. The repetition penalty (HF/CTRL style) divides the positive logits and multiplies the
 negative ones of every token seen in the prompt or the output; the frequency penalty subtracts
 penalty * count and the presence penalty subtracts the penalty once, for each token the request has
-generated (as OpenAI and vLLM, the prompt does not count for these two).
+generated (as OpenAI and vLLM, the prompt does not count for these two). Last, a row with allowed_token_ids
+keeps those tokens only (the others at -inf).
 
 No state lives between steps: each row carries its token ids (plain lists, see SamplingRow) and one
 upload plus one scatter per step turns them into per-row counts. So preemption, a P/D handover and a
@@ -29,7 +30,8 @@ def adjust_logits(logits: torch.Tensor, rows: Sequence["SamplingRow"],
     biased = [i for i, r in enumerate(rows) if r.bias_token_ids]
     banned = [i for i, r in enumerate(rows) if r.banned]
     penalized = [i for i, r in enumerate(rows) if r.has_penalties]
-    if not (biased or banned or penalized):
+    limited = [i for i, r in enumerate(rows) if r.allowed]
+    if not (biased or banned or penalized or limited):
         return logits
     out = logits.to(torch.float32, copy=True)
     dev = out.device
@@ -42,6 +44,11 @@ def adjust_logits(logits: torch.Tensor, rows: Sequence["SamplingRow"],
         out[_to(which, dev), _to(ids, dev)] = float("-inf")
     if penalized:
         _apply_penalties(out, [rows[i] for i in penalized], _to(penalized, dev), prev_tokens)
+    if limited:       # allowed_token_ids: every other token of the row at -inf
+        which, ids = _flatten([rows[i].allowed for i in limited], range(len(limited)))
+        keep = torch.full((len(limited), out.shape[-1]), float("-inf"), device=dev)
+        keep[_to(which, dev), _to(ids, dev)] = 0.0
+        out[_to(limited, dev)] += keep
     return out
 
 

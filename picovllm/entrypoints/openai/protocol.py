@@ -25,6 +25,7 @@ MAX_LOGPROBS = 20
 MAX_STOP = 16
 MAX_N = 64               # samples per request (n, best_of)
 MAX_LOGIT_BIAS = 1024    # entries; OpenAI allows 300
+MAX_ALLOWED_TOKENS = 1 << 20   # allowed_token_ids entries (a vocabulary's size at most, in practice)
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 TokenId = Annotated[int, Field(ge=0, le=MAX_INT)]
 
@@ -66,15 +67,15 @@ class StreamOptions(_Strict):
 REFUSED_COMMON: dict[str, tuple] = {
     "guided_decoding_backend": (), "guided_whitespace_pattern": (),
     "functions": (), "function_call": ("none",),
-    "use_beam_search": (False,), "length_penalty": (1,), "include_stop_str_in_output": (False,),
-    "allowed_token_ids": (), "bad_words": ([],), "truncate_prompt_tokens": (), "spaces_between_special_tokens": (True,),
+    "use_beam_search": (False,), "length_penalty": (1,),
+    "bad_words": ([],), "truncate_prompt_tokens": (), "spaces_between_special_tokens": (True,),
     "return_tokens_as_token_ids": (False,), "priority": (0,), "logits_processors": (), "vllm_xargs": (),
     "store": (False,), "prediction": (), "audio": (), "modalities": (["text"],), "reasoning_effort": (),
     "web_search_options": (),
 }
 REFUSED_CHAT: dict[str, tuple] = {
-    "echo": (False,), "continue_final_message": (False,), "chat_template": (), "chat_template_kwargs": ({},),
-    "documents": (), "mm_processor_kwargs": (), "add_special_tokens": (False,),  # as LLM.chat encodes
+    "echo": (False,), "chat_template": (), "documents": (), "mm_processor_kwargs": (),
+    "add_special_tokens": (False,),  # as LLM.chat encodes
 }
 REFUSED_COMPLETION: dict[str, tuple] = {
     "add_special_tokens": (True,), "prompt_embeds": (),   # add_special_tokens: as LLM.generate encodes
@@ -195,6 +196,8 @@ class _SamplingRequest(_StructuredRequest, _RefusedCommon):
     ignore_eos: bool = False
     stop_token_ids: Annotated[list[TokenId], Field(max_length=256)] | None = None
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    allowed_token_ids: Annotated[list[TokenId], Field(min_length=1, max_length=MAX_ALLOWED_TOKENS)] | None = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -213,7 +216,8 @@ class _SamplingRequest(_StructuredRequest, _RefusedCommon):
                 n=self.n, top_k=self.top_k or 0, min_p=self.min_p or 0.0, seed=self.seed, max_tokens=max_tokens,
                 min_tokens=self.min_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids,
                 ignore_eos=self.ignore_eos, logprobs=logprobs, prompt_logprobs=self.prompt_logprob_count(),
-                skip_special_tokens=self.skip_special_tokens,
+                skip_special_tokens=self.skip_special_tokens, include_stop_str_in_output=self.include_stop_str_in_output,
+                allowed_token_ids=self.allowed_token_ids,
                 presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
                 repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
                 logit_bias=self.logit_bias, structured_outputs=self.structured_output_params())
@@ -336,7 +340,14 @@ class NamedToolChoice(_Strict):
     function: FunctionName
 
 
-class ChatCompletionRequest(_SamplingRequest, _RefusedChat):
+class _ChatTemplateOptions(_Strict):
+    """vLLM's: the last (assistant) message left open to be continued, and more variables for the chat template
+    (checked by entrypoints/llm.template_kwargs)."""
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class ChatCompletionRequest(_SamplingRequest, _RefusedChat, _ChatTemplateOptions):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: int | None = Field(None, ge=1, le=MAX_INT)
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT)
@@ -383,11 +394,11 @@ class ChatCompletionRequest(_SamplingRequest, _RefusedChat):
 
 # -- /tokenize and /detokenize (vLLM's) -----------------------------------------------------------------------
 _RefusedTokenize = refusing_model("_RefusedTokenize", {
-    "continue_final_message": (False,), "chat_template": (), "chat_template_kwargs": ({},), "tools": ([],),
-    "documents": (), "mm_processor_kwargs": ()})
+    "chat_template": (), "tools": ([],), "documents": (), "mm_processor_kwargs": ()})
 
 
-class TokenizeRequest(_RefusedTokenize):
+
+class TokenizeRequest(_RefusedTokenize, _ChatTemplateOptions):
     """Exactly one of prompt (as /v1/completions encodes it) or messages (as /v1/chat/completions)."""
     model: str | None = None
     prompt: str | None = None
@@ -399,8 +410,9 @@ class TokenizeRequest(_RefusedTokenize):
     def checked(self) -> "TokenizeRequest":
         if (self.prompt is None) == (self.messages is None):
             raise APIError(400, "give exactly one of prompt or messages", param="prompt")
-        if self.prompt is not None and "add_generation_prompt" in self.model_fields_set:
-            raise APIError(400, "add_generation_prompt applies to messages only", param="add_generation_prompt")
+        for name in ("add_generation_prompt", "continue_final_message", "chat_template_kwargs"):
+            if self.prompt is not None and name in self.model_fields_set:
+                raise APIError(400, f"{name} applies to messages only", param=name)
         return self
 
     @property

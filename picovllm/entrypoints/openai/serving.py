@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -47,6 +48,9 @@ class ServingContext:
         except ValueError as e:
             so = params.structured_outputs   # a bad schema, regex or grammar: the error names the request's field
             param = so.source if so is not None and so.source and str(e).startswith(so.source) else None
+            named = re.match(r"SamplingParams\.(\w+)", str(e))    # a field the engine checks against the model
+            if param is None and named and named.group(1) in type(params).__dataclass_fields__:
+                param = named.group(1)
             raise APIError(400, str(e), param=param) from None
         except ENGINE_ERRORS as e:
             raise APIError(503, str(e), type="service_unavailable") from None

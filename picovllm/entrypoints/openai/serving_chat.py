@@ -31,7 +31,9 @@ class ChatHandler:
         params = req.sampling_params(req.max_new_tokens, k)
         policy = req.tool_policy()
         ids = await ctx.tokenizer.encode_chat([m.as_template_dict() for m in req.messages], req.add_generation_prompt,
-                                              tools=policy.tools if policy.active else None)
+                                              tools=policy.tools if policy.active else None,
+                                              continue_final_message=req.continue_final_message,
+                                              chat_template_kwargs=req.chat_template_kwargs)
         group = await SampleGroup(ctx, ids, sample_params(params), f"chatcmpl-{uuid.uuid4().hex}", arrival).start()
         if req.stream:
             return sse_response(self._events(req, group, params.stop, k, policy))

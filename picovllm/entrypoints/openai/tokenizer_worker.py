@@ -9,6 +9,7 @@ import asyncio
 import copy
 from concurrent.futures import ThreadPoolExecutor
 
+from picovllm.entrypoints.llm import template_kwargs
 from picovllm.entrypoints.openai.protocol import APIError
 from picovllm.entrypoints.openai.tool_calls import template_renders_tools, with_tool_prompt
 
@@ -32,20 +33,25 @@ class TokenizerWorker:
         return await self._run(_encode, tok, text, add_special_tokens)
 
     async def encode_chat(self, messages: list[dict], add_generation_prompt: bool,
-                          add_special_tokens: bool = False, tools: list[dict] | None = None) -> list[int]:
+                          add_special_tokens: bool = False, tools: list[dict] | None = None,
+                          continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> list[int]:
         """As LLM.chat: render the chat template, then encode without adding special tokens again
         (the template holds them; add_special_tokens: /tokenize's). tools: through the template if it
-        renders them, else described in a system message (entrypoints/openai/tool_calls.py)."""
+        renders them, else described in a system message (entrypoints/openai/tool_calls.py). The other
+        options: LLM.chat's (a bad one is a 400 naming its field)."""
         tok = self._need("chat")
         if not getattr(tok, "chat_template", None):
             raise APIError(400, "this model's tokenizer has no chat template: use /v1/completions")
+        try:
+            options = template_kwargs(messages, add_generation_prompt, continue_final_message, chat_template_kwargs)
+        except ValueError as e:
+            raise APIError(400, str(e), param=str(e).split(":")[0]) from None
         if tools and not template_renders_tools(tok.chat_template):
             messages, tools = with_tool_prompt(messages, tools), None
 
         def render() -> list[int]:
             try:
-                text = tok.apply_chat_template(messages, tokenize=False, tools=tools or None,
-                                               add_generation_prompt=add_generation_prompt)
+                text = tok.apply_chat_template(messages, tokenize=False, tools=tools or None, **options)
             except Exception as e:  # jinja raises TemplateError (and others) on conversations it refuses
                 raise APIError(400, f"messages: the chat template rejected them: {e}", param="messages") from None
             return _encode(tok, text, add_special_tokens)
