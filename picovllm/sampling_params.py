@@ -72,6 +72,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False     # vLLM's: a matched stop string stays at the end of the text
     allowed_token_ids: list[int] | None = None   # vLLM's: only these tokens may be sampled (None: any)
+    truncate_prompt_tokens: int | None = None    # vLLM's: keep only the prompt's last k tokens (None: all of it)
     # As vLLM/OpenAI: presence and frequency penalties count the generated tokens; the repetition
     # penalty (HF/CTRL: positive logits divided by it, negative ones multiplied) the prompt's too.
     presence_penalty: float = 0.0
@@ -125,6 +126,9 @@ class SamplingParams:
             raise bad("stop", "must be non-empty strings")
         if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative ints")
+        k = self.truncate_prompt_tokens
+        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
+            raise bad("truncate_prompt_tokens", "must be None or an int >= 1")
         if not isinstance(self.include_stop_str_in_output, bool):
             raise bad("include_stop_str_in_output", "must be a bool")
         allowed = self.allowed_token_ids

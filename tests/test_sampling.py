@@ -269,6 +269,22 @@ def test_allowed_token_ids_match_hf_restricted_argmax(tiny_models):
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
 
 
+def test_truncate_prompt_tokens_keeps_the_last_k(tiny_models):
+    """truncate_prompt_tokens=k runs the prompt's last k tokens: greedy output as HF's on those k (the oracle), the
+    output's prompt ids are them; a prompt shorter than k runs whole; k < 1 is refused naming the field."""
+    path = tiny_models["llama"]
+    llm, model = LLM(path, num_kv_blocks=64), hf_model(path)
+    prompt = [7, 3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]
+    for k in (5, 12, 40):
+        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
+                                                    truncate_prompt_tokens=k), use_tqdm=False)[0]
+        assert out.prompt_token_ids == prompt[-k:]
+        assert out.outputs[0].token_ids == hf_generate(model, prompt[-k:], 6, eos=-1)
+    for k in (0, -1, 2.5):
+        with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+            SamplingParams(truncate_prompt_tokens=k)
+
+
 def test_detokenized_text_keeps_leading_spaces(word_model):
     """Output text must equal decode(prompt + output) minus decode(prompt), also for tokenizers whose
     tokens decode alone without their leading space (SentencePiece style)."""

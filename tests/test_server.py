@@ -387,6 +387,27 @@ def test_completion_echo(server, client):
     assert_idle(server)
 
 
+def test_truncate_prompt_tokens(server, client, llm):
+    """vLLM's truncate_prompt_tokens: both endpoints run the prompt's last k tokens (usage counts k), as
+    LLM.generate does on those ids; echo returns what is left of the prompt; k < 1 is a 400 naming the field."""
+    model, tok = client.models.list().data[0].id, llm.get_tokenizer()
+    prompt = "Tell me a story about a cat who lives on the moon"
+    ids = tok.encode(prompt)
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    ref = llm.generate([{"prompt_token_ids": ids[-4:]}], sp, use_tqdm=False)[0].outputs[0]
+    kw = dict(model=model, max_tokens=8, temperature=0, extra_body={"truncate_prompt_tokens": 4, "ignore_eos": True})
+    got = client.completions.create(prompt=prompt, echo=True, **kw)
+    assert got.usage.prompt_tokens == 4 and got.choices[0].text == tok.decode(ids[-4:]) + ref.text
+    conv = [{"role": "user", "content": prompt}]
+    chat_ids = llm.apply_chat_template(conv)
+    ref = llm.generate([{"prompt_token_ids": chat_ids[-6:]}], sp, use_tqdm=False)[0].outputs[0]
+    kw["extra_body"]["truncate_prompt_tokens"] = 6
+    got = client.chat.completions.create(messages=conv, **kw)
+    assert got.usage.prompt_tokens == 6 and got.choices[0].message.content == ref.text
+    e = httpx.post(server.url + "/v1/completions", json={"prompt": prompt, "truncate_prompt_tokens": 0})
+    assert e.status_code == 400 and e.json()["error"]["param"] == "truncate_prompt_tokens"
+
+
 def test_prompt_logprobs_and_echo_with_logprobs(server, client, llm):
     """prompt_logprobs (vLLM's field) and echo + logprobs (OpenAI's legacy completions) return what
     LLM.generate's RequestOutput.prompt_logprobs holds (itself checked against HF in test_prompt_logprobs.py)."""

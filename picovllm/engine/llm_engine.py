@@ -172,6 +172,8 @@ class Engine:
             raise ValueError(f"SamplingParams.logit_bias keys must be token ids in [0, {vocab}), got "
                              f"{max(params.logit_bias)}")
         ids = self.tokenize(prompt)
+        if params.truncate_prompt_tokens is not None:     # the last k tokens (the server truncates as it encodes)
+            ids = ids[-params.truncate_prompt_tokens:]
         if not ids:
             raise ValueError("prompt is empty")
         if min(ids) < 0 or max(ids) >= vocab:     # C-level scans: a long prompt's check costs microseconds

@@ -68,7 +68,7 @@ REFUSED_COMMON: dict[str, tuple] = {
     "guided_decoding_backend": (), "guided_whitespace_pattern": (),
     "functions": (), "function_call": ("none",),
     "use_beam_search": (False,), "length_penalty": (1,),
-    "bad_words": ([],), "truncate_prompt_tokens": (), "spaces_between_special_tokens": (True,),
+    "bad_words": ([],), "spaces_between_special_tokens": (True,),
     "return_tokens_as_token_ids": (False,), "priority": (0,), "logits_processors": (), "vllm_xargs": (),
     "store": (False,), "prediction": (), "audio": (), "modalities": (["text"],), "reasoning_effort": (),
     "web_search_options": (),
@@ -197,6 +197,7 @@ class _SamplingRequest(_StructuredRequest, _RefusedCommon):
     stop_token_ids: Annotated[list[TokenId], Field(max_length=256)] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    truncate_prompt_tokens: int | None = Field(None, ge=1, le=MAX_INT)
     allowed_token_ids: Annotated[list[TokenId], Field(min_length=1, max_length=MAX_ALLOWED_TOKENS)] | None = None
 
     @field_validator("logit_bias")
@@ -217,7 +218,7 @@ class _SamplingRequest(_StructuredRequest, _RefusedCommon):
                 min_tokens=self.min_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids,
                 ignore_eos=self.ignore_eos, logprobs=logprobs, prompt_logprobs=self.prompt_logprob_count(),
                 skip_special_tokens=self.skip_special_tokens, include_stop_str_in_output=self.include_stop_str_in_output,
-                allowed_token_ids=self.allowed_token_ids,
+                allowed_token_ids=self.allowed_token_ids, truncate_prompt_tokens=self.truncate_prompt_tokens,
                 presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
                 repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
                 logit_bias=self.logit_bias, structured_outputs=self.structured_output_params())

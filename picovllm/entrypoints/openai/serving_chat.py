@@ -34,6 +34,8 @@ class ChatHandler:
                                               tools=policy.tools if policy.active else None,
                                               continue_final_message=req.continue_final_message,
                                               chat_template_kwargs=req.chat_template_kwargs)
+        if req.truncate_prompt_tokens is not None:
+            ids = ids[-req.truncate_prompt_tokens:]
         group = await SampleGroup(ctx, ids, sample_params(params), f"chatcmpl-{uuid.uuid4().hex}", arrival).start()
         if req.stream:
             return sse_response(self._events(req, group, params.stop, k, policy))

@@ -28,8 +28,10 @@ class CompletionHandler:
         params = req.sampling_params(req.max_tokens, req.logprobs)
         samples = req.samples(params)
         ids = await ctx.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
-        # echo: the prompt as sent (text), or its ids decoded as /detokenize does
-        echo = (prompt if isinstance(prompt, str) else await ctx.tokenizer.decode(ids)) if req.echo else ""
+        cut = req.truncate_prompt_tokens is not None and len(ids) > req.truncate_prompt_tokens
+        ids = ids[-req.truncate_prompt_tokens:] if cut else ids
+        # echo: the prompt as sent (text), or its ids (what is left of them) decoded as /detokenize does
+        echo = (prompt if isinstance(prompt, str) and not cut else await ctx.tokenizer.decode(ids)) if req.echo else ""
         # echo with logprobs: the prompt's tokens come first in logprobs (the first has no logprob)
         first_token = await ctx.tokenizer.decode(ids[:1]) if req.echo and req.logprobs is not None else None
         group = await SampleGroup(ctx, ids, samples, f"cmpl-{uuid.uuid4().hex}", arrival).start()
