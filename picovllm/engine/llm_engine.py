@@ -162,7 +162,8 @@ class Engine:
         allowed = params.allowed_token_ids
         if allowed is not None:
             if max(allowed) >= vocab:
-                raise ValueError(f"SamplingParams.allowed_token_ids must be token ids in [0, {vocab}), got {max(allowed)}")
+                raise ValueError(f"SamplingParams.allowed_token_ids must be token ids in [0, {vocab}), "
+                                 f"got {max(allowed)}")
             if params.structured_outputs is not None:   # the two masks could leave no token at all
                 raise ValueError("SamplingParams.allowed_token_ids cannot be combined with structured outputs")
             ends = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
