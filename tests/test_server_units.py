@@ -151,3 +151,50 @@ def test_bad_structured_output_fields_are_named(body, param):
         assert e.value.status == 400 and e.value.param == param
     else:   # pydantic's error (a 400 naming the field in the server)
         assert param in str(e.value)
+
+
+CUSTOM = ("{% for m in messages %}[{{ m['role'] | upper }}] {{ m['content'] }}\n{% endfor %}"
+          "{% if add_generation_prompt %}[ASSISTANT]{% endif %}")
+
+
+def test_chat_template_flag_replaces_the_models_template(tmp_path):
+    """--chat-template (a file, or the text itself): the server renders chat with it, as HF's apply_chat_template
+    renders the same template (the oracle); neither a file nor Jinja, or Jinja that does not compile, stops the
+    command before it loads a model; a P or D server, which renders no chat, refuses it."""
+    import asyncio
+    import os
+    import subprocess
+    import sys
+
+    from serving_fixtures import build_tiny_chat_model
+
+    from picovllm.entrypoints.openai.tokenizer_worker import TokenizerWorker, load_chat_template
+    from transformers import AutoTokenizer
+    path = build_tiny_chat_model(str(tmp_path / "model"))
+    tok = AutoTokenizer.from_pretrained(path)
+    (tmp_path / "t.jinja").write_text(CUSTOM)
+    conv = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello, how are you?"}]
+    want = tok.encode(tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=True, chat_template=CUSTOM),
+                      add_special_tokens=False)
+    for value in (str(tmp_path / "t.jinja"), CUSTOM):
+        worker = TokenizerWorker(tok, load_chat_template(value))
+        try:
+            assert asyncio.run(worker.encode_chat(conv, True)) == want
+        finally:
+            worker.shutdown()
+    assert want != tok.encode(tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=True),
+                              add_special_tokens=False)
+    assert tok.chat_template != CUSTOM           # the worker's copy changed, not the tokenizer it was given
+    for bad in ("no-such-file.jinja", "{% for m in messages %}"):
+        with pytest.raises(ValueError, match="--chat-template"):
+            load_chat_template(bad)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd()] + sys.path))
+    for extra, why in ((["--chat-template", "{% if %}"]), "not a valid Jinja template"), \
+            ((["--chat-template", CUSTOM, "--role", "p"]), "renders no chat"):
+        r = subprocess.run([sys.executable, "-m", "picovllm.entrypoints.cli", "serve", "--model", path, *extra],
+                           capture_output=True, text=True, timeout=120, env=env)
+        assert r.returncode != 0 and why in r.stderr, r.stderr[-2000:]
+    for command in (["proxy", "--prefill", "http://127.0.0.1:9", "--decode", "http://127.0.0.1:9"], ["router"]):
+        r = subprocess.run([sys.executable, "-m", "picovllm.entrypoints.cli", *command, "--chat-template", "{% if %}"],
+                           capture_output=True, text=True, timeout=120, env=env)   # the front ends take it too
+        assert r.returncode != 0 and "not a valid Jinja template" in r.stderr, r.stderr[-2000:]

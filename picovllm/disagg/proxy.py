@@ -180,13 +180,14 @@ def main(args: argparse.Namespace) -> int:
     from picovllm.entrypoints.openai.api_server import BACKSTOP_SECONDS, ServerSettings, _Server, build_app
     from picovllm.entrypoints.openai.metrics import ServerMetrics
     from picovllm.entrypoints.openai.serving import ServingContext
-    from picovllm.entrypoints.openai.tokenizer_worker import TokenizerWorker
+    from picovllm.entrypoints.openai.tokenizer_worker import TokenizerWorker, load_chat_template
     from picovllm.loader.source import open_model_source
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     prefill = [u.rstrip("/") for u in args.prefill]
     decode = [u.rstrip("/") for u in args.decode]
     try:
+        template = load_chat_template(args.chat_template) if args.chat_template is not None else None
         secret = FleetSecret.load(args.pd_secret_file)
         pairs = discover_pairs(prefill, decode, secret, args.startup_timeout)
     except (ValueError, OSError) as e:
@@ -198,7 +199,11 @@ def main(args: argparse.Namespace) -> int:
     tokenizer = source.load_tokenizer() if source.load_tokenizer is not None else None
     metrics = ServerMetrics(name)
     engine = ProxyEngine(pairs, secret, info, metrics)
-    ctx = ServingContext(engine, TokenizerWorker(tokenizer), metrics, name)
+    try:
+        worker = TokenizerWorker(tokenizer, template)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    ctx = ServingContext(engine, worker, metrics, name)
     settings = ServerSettings(host=args.host, port=args.port, api_key=args.api_key, served_model_name=name,
                               max_request_bytes=args.max_request_bytes, shutdown_timeout=args.shutdown_timeout,
                               log_level=args.log_level)

@@ -49,6 +49,7 @@ class ServerSettings:
     shutdown_timeout: float = 10.0      # seconds in-flight requests get to finish after SIGTERM/SIGINT
     log_level: str = "info"
     access_log: bool = False
+    chat_template: str | None = None    # the template's text (tokenizer_worker.load_chat_template), or the model's
 
 
 def build_app(ctx: ServingContext, settings: ServerSettings, openai_routes: bool = True) -> FastAPI:
@@ -185,7 +186,12 @@ def serve(engine_config: EngineConfig, settings: ServerSettings) -> None:
     engine = Engine(engine_config)
     name = settings.served_model_name or default_model_name(engine_config.model)
     metrics = ServerMetrics(name)
-    ctx = ServingContext(AsyncEngine(engine, metrics), TokenizerWorker(engine.tokenizer), metrics, name)
+    try:
+        worker = TokenizerWorker(engine.tokenizer, settings.chat_template)
+    except ValueError as e:
+        engine.shutdown()
+        raise SystemExit(f"error: {e}") from None
+    ctx = ServingContext(AsyncEngine(engine, metrics), worker, metrics, name)
     app = build_app(ctx, settings)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                             access_log=settings.access_log,

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 
 from picovllm.entrypoints.engine_args import add_engine_args, engine_config_from_args
+from picovllm.entrypoints.openai.tokenizer_worker import CHAT_TEMPLATE_HELP, load_chat_template
 
 # Backends only a fleet has (picovllm.disagg.transfer.PULL_BACKENDS; not imported here: --help stays light).
 # cuda_ipc serves both: a linked pair given --kv-port (P) or --kv-peer (D), a fleet instance otherwise.
@@ -31,6 +32,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="seconds in-flight requests get to finish after SIGTERM/SIGINT before they are aborted")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=False)
+    p.add_argument("--chat-template", default=None, help=CHAT_TEMPLATE_HELP)
     pd = p.add_argument_group("disaggregated serving (--role p|d, behind `picovllm proxy` or `picovllm router`)")
     pd.add_argument("--kv-host", default="127.0.0.1", help="--role p: where to listen for the decode server")
     pd.add_argument("--kv-port", type=int, default=0, help="--role p: the port the decode server connects to")
@@ -59,10 +61,17 @@ def main(args: argparse.Namespace) -> int:
     if args.model_tag and args.model and args.model_tag != args.model:
         raise SystemExit("error: give the model once (positional or --model)")
     config = engine_config_from_args(args, model=args.model or args.model_tag)
+    try:
+        template = load_chat_template(args.chat_template) if args.chat_template is not None else None
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    if template is not None and config.role != "pd":
+        raise SystemExit("error: --chat-template: a prefill or decode server renders no chat (the proxy or the "
+                         "router does): give it to them")
     settings = ServerSettings(host=args.host, port=args.port, api_key=args.api_key,
                               served_model_name=args.served_model_name, max_request_bytes=args.max_request_bytes,
                               shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
-                              access_log=args.access_log)
+                              access_log=args.access_log, chat_template=template)
     if config.role == "pd":
         serve(config, settings)
         return 0

@@ -14,9 +14,35 @@ from picovllm.entrypoints.openai.protocol import APIError
 from picovllm.entrypoints.openai.tool_calls import template_renders_tools, with_tool_prompt
 
 
+CHAT_TEMPLATE_HELP = ("a chat template (a file, or the Jinja text itself) used instead of the model's, as vLLM's "
+                      "--chat-template")
+
+
+def load_chat_template(value: str) -> str:
+    """--chat-template's value: a file's text, or the template itself; ValueError unless it compiles as Jinja."""
+    import os
+
+    from jinja2 import Environment, TemplateSyntaxError
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            value = f.read()
+    elif "{{" not in value and "{%" not in value:
+        raise ValueError(f"--chat-template: {value!r} is neither a file nor a Jinja template")
+    try:
+        Environment().parse(value)
+    except TemplateSyntaxError as e:
+        raise ValueError(f"--chat-template: not a valid Jinja template (line {e.lineno}: {e.message})") from None
+    return value
+
+
 class TokenizerWorker:
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer, chat_template: str | None = None) -> None:
+        """chat_template: the template's text (load_chat_template), used instead of the tokenizer's."""
         self.tokenizer = copy.deepcopy(tokenizer) if tokenizer is not None else None
+        if chat_template is not None:
+            if self.tokenizer is None:
+                raise ValueError("--chat-template needs a tokenizer, and this model has none")
+            self.tokenizer.chat_template = chat_template
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="picovllm-tokenizer")
 
     def _need(self, what: str):
