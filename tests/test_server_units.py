@@ -168,7 +168,8 @@ def test_chat_template_flag_replaces_the_models_template(tmp_path):
 
     from serving_fixtures import build_tiny_chat_model
 
-    from picovllm.entrypoints.openai.tokenizer_worker import TokenizerWorker, load_chat_template
+    from picovllm.entrypoints.chat_template import load_chat_template
+    from picovllm.entrypoints.openai.tokenizer_worker import TokenizerWorker
     from transformers import AutoTokenizer
     path = build_tiny_chat_model(str(tmp_path / "model"))
     tok = AutoTokenizer.from_pretrained(path)

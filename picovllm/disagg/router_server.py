@@ -89,7 +89,8 @@ def main(args: argparse.Namespace) -> int:
     from picovllm.entrypoints.openai.api_server import BACKSTOP_SECONDS, ServerSettings, _Server, build_app
     from picovllm.entrypoints.openai.metrics import ServerMetrics
     from picovllm.entrypoints.openai.serving import ServingContext
-    from picovllm.entrypoints.openai.tokenizer_worker import TokenizerWorker, load_chat_template
+    from picovllm.entrypoints.chat_template import load_chat_template
+    from picovllm.entrypoints.openai.tokenizer_worker import TokenizerWorker
     from picovllm.loader.source import open_model_source
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -147,36 +147,12 @@ class LLM:
                                continue_final_message, chat_template_kwargs)
 
 
-# apply_chat_template's own arguments (and the conversation's): never template variables from chat_template_kwargs
-RESERVED_TEMPLATE_KWARGS = frozenset({
-    "conversation", "messages", "tools", "documents", "chat_template", "tokenize", "add_generation_prompt",
-    "continue_final_message", "padding", "truncation", "max_length", "return_tensors", "return_dict",
-    "return_assistant_tokens_mask", "tokenizer_kwargs"})
-
-
-def template_kwargs(conversation: list[dict], add_generation_prompt: bool, continue_final_message: bool,
-                    chat_template_kwargs: dict | None) -> dict:
-    """apply_chat_template's options beyond the conversation, checked as vLLM checks them; ValueError naming the
-    field (chat_template_kwargs.<name>, continue_final_message) otherwise."""
-    extra = dict(chat_template_kwargs or {})
-    for name in extra:
-        if not isinstance(name, str) or not name.isidentifier():
-            raise ValueError(f"chat_template_kwargs: {name!r} is not a template variable name")
-        if name in RESERVED_TEMPLATE_KWARGS:
-            raise ValueError(f"chat_template_kwargs.{name}: is an argument of its own, not a template variable")
-    if continue_final_message:
-        if add_generation_prompt:
-            raise ValueError("continue_final_message: needs add_generation_prompt=false")
-        if not conversation or conversation[-1].get("role") != "assistant":
-            raise ValueError("continue_final_message: the last message must be the assistant's")
-    return dict(extra, add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message)
-
-
 def chat_prompt_ids(tokenizer, conversation: list[dict], add_generation_prompt: bool = True,
                     chat_template: str | None = None, tools: list[dict] | None = None,
                     continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> list[int]:
     """The conversation through the tokenizer's chat template, as token ids. tools: through the template if it
     renders them, else described in a system message. The other options: LLM.chat's."""
+    from picovllm.entrypoints.chat_template import template_kwargs
     from picovllm.entrypoints.openai.tool_calls import template_renders_tools, with_tool_prompt
     if tokenizer is None:
         raise ValueError("chat needs a tokenizer, and this model has none")

@@ -9,30 +9,9 @@ import asyncio
 import copy
 from concurrent.futures import ThreadPoolExecutor
 
-from picovllm.entrypoints.llm import template_kwargs
+from picovllm.entrypoints.chat_template import template_kwargs
 from picovllm.entrypoints.openai.protocol import APIError
 from picovllm.entrypoints.openai.tool_calls import template_renders_tools, with_tool_prompt
-
-
-CHAT_TEMPLATE_HELP = ("a chat template (a file, or the Jinja text itself) used instead of the model's, as vLLM's "
-                      "--chat-template")
-
-
-def load_chat_template(value: str) -> str:
-    """--chat-template's value: a file's text, or the template itself; ValueError unless it compiles as Jinja."""
-    import os
-
-    from jinja2 import Environment, TemplateSyntaxError
-    if os.path.isfile(value):
-        with open(value, encoding="utf-8") as f:
-            value = f.read()
-    elif "{{" not in value and "{%" not in value:
-        raise ValueError(f"--chat-template: {value!r} is neither a file nor a Jinja template")
-    try:
-        Environment().parse(value)
-    except TemplateSyntaxError as e:
-        raise ValueError(f"--chat-template: not a valid Jinja template (line {e.lineno}: {e.message})") from None
-    return value
 
 
 class TokenizerWorker:

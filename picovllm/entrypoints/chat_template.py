@@ -1,0 +1,46 @@
+"""Chat templates beyond the conversation: the options a request may pass (vLLM's chat_template_kwargs and
+continue_final_message) and a template given on the command line (--chat-template). No torch here: the CLI's
+--help imports it."""
+from __future__ import annotations
+
+
+# apply_chat_template's own arguments (and the conversation's): never template variables from chat_template_kwargs
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "tokenize", "add_generation_prompt",
+    "continue_final_message", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
+def template_kwargs(conversation: list[dict], add_generation_prompt: bool, continue_final_message: bool,
+                    chat_template_kwargs: dict | None) -> dict:
+    """apply_chat_template's options beyond the conversation, checked as vLLM checks them; ValueError naming the
+    field (chat_template_kwargs.<name>, continue_final_message) otherwise."""
+    extra = dict(chat_template_kwargs or {})
+    for name in extra:
+        if not isinstance(name, str) or not name.isidentifier():
+            raise ValueError(f"chat_template_kwargs: {name!r} is not a template variable name")
+        if name in RESERVED_TEMPLATE_KWARGS:
+            raise ValueError(f"chat_template_kwargs.{name}: is an argument of its own, not a template variable")
+    if continue_final_message:
+        if add_generation_prompt:
+            raise ValueError("continue_final_message: needs add_generation_prompt=false")
+        if not conversation or conversation[-1].get("role") != "assistant":
+            raise ValueError("continue_final_message: the last message must be the assistant's")
+    return dict(extra, add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message)
+
+
+def load_chat_template(value: str) -> str:
+    """--chat-template's value: a file's text, or the template itself; ValueError unless it compiles as Jinja."""
+    import os
+
+    from jinja2 import Environment, TemplateSyntaxError
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            value = f.read()
+    elif "{{" not in value and "{%" not in value:
+        raise ValueError(f"--chat-template: {value!r} is neither a file nor a Jinja template")
+    try:
+        Environment().parse(value)
+    except TemplateSyntaxError as e:
+        raise ValueError(f"--chat-template: not a valid Jinja template (line {e.lineno}: {e.message})") from None
+    return value
