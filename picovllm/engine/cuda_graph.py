@@ -46,8 +46,12 @@ def capture_largest_first(sizes: list[int], forward, pool=None) -> tuple[dict, d
 
 
 def fill_block_tables(out: np.ndarray, tables: list[list[int]]) -> None:
-    """Write ragged block tables into the rows of a 2-D int32 array (entries past a row's end are stale)."""
+    """Write ragged block tables into the rows of a 2-D int32 array (entries past a row's end are stale; a table
+    longer than the array is cut at its width)."""
+    width = out.shape[1]
     for row, table in zip(out, tables):
+        if len(table) > width:
+            table = table[:width]
         row[:len(table)] = table
 
 

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from picovllm.engine.cuda_graph import capture_largest_first, pinned
+from picovllm.engine.cuda_graph import capture_largest_first, fill_block_tables, pinned
 from picovllm.engine.piecewise_graph import piecewise_buckets
 from picovllm.engine.step_input import StepInput
 from picovllm.kernels.work_attention import max_work_items, work_items, work_tile
@@ -121,9 +121,7 @@ class MixedGraphRunner:
         meta[self._work_at:] = items.reshape(-1)
         width = -(-max(step.seq_lens) // self.block_size)     # the blocks the contexts use (tables may hold more)
         tables = np.empty((ns, width), dtype=np.int32)
-        for row, table in zip(tables, step.block_tables):
-            table = table[:width]
-            row[:len(table)] = table
+        fill_block_tables(tables, step.block_tables)
         self.tokens[:, :size].copy_(pinned(tokens), non_blocking=True)
         self.meta_i32[:len(meta)].copy_(pinned(meta), non_blocking=True)
         self.block_tables[:ns, :width].copy_(pinned(tables), non_blocking=True)
