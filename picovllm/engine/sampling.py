@@ -87,7 +87,7 @@ def sample_logits(logits: torch.Tensor, rows: list[SamplingRow], prev_tokens: to
     logits = adjust_logits(logits, rows, prev_tokens)   # bias, banned tokens, penalties
     temps = [r.temperature for r in rows]
     masked = token_bitmasks is not None and bool(token_bitmasks.filled)
-    if logits.is_cuda and (masked or any(temps)) and not any(r.top_k > 0 or r.top_p < 1 or r.min_p > 0 for r in rows):
+    if logits.is_cuda and (masked or any(temps)) and not any(r.filtered for r in rows):
         # one upload and one kernel: the fused Gumbel-max sampler, the grammar masks applied in its pass
         masks = device_masks(token_bitmasks, dev) if masked else (None, None)
         tokens = sample_temperature_only(logits, temps, [r.seed if r.temperature > 0 else None for r in rows], *masks)
@@ -106,7 +106,7 @@ def sample_logits(logits: torch.Tensor, rows: list[SamplingRow], prev_tokens: to
         any_top_k=any(r.top_k > 0 for r in rows),
         any_top_p=any(r.top_p < 1 for r in rows),
         any_min_p=any(r.min_p > 0 for r in rows),
-        filtered=[r.top_k > 0 or r.top_p < 1 or r.min_p > 0 for r in rows])
+        filtered=[r.filtered for r in rows])
     tokens = sample(logits, t)
     return tokens, _logprob_tensors(raw, tokens, rows)
 

@@ -42,6 +42,11 @@ class SamplingRow:
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
+    @property
+    def filtered(self) -> bool:
+        """Uses top-k, top-p or min-p (the torch sampler's filters)."""
+        return self.top_k > 0 or self.top_p < 1 or self.min_p > 0
+
 
 @dataclass
 class StepInput:

@@ -4,6 +4,9 @@ continue_final_message) and a template given on the command line (--chat-templat
 from __future__ import annotations
 
 
+CHAT_TEMPLATE_HELP = "a chat template (a file, or the Jinja text itself) used instead of the model's, as vLLM's " \
+                     "--chat-template"
+
 # apply_chat_template's own arguments (and the conversation's): never template variables from chat_template_kwargs
 RESERVED_TEMPLATE_KWARGS = frozenset({
     "conversation", "messages", "tools", "documents", "chat_template", "tokenize", "add_generation_prompt",

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 
+from picovllm.entrypoints.chat_template import CHAT_TEMPLATE_HELP
+
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("router", help="the OpenAI API in front of a fleet of prefill and decode instances",
@@ -26,8 +28,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                                                  "instance's model path)")
     p.add_argument("--api-key", default=None)
     p.add_argument("--served-model-name", default=None)
-    p.add_argument("--chat-template", default=None, help="a chat template (a file, or the Jinja text itself) used "
-                                                          "instead of the model's, as vLLM's --chat-template")
+    p.add_argument("--chat-template", default=None, help=CHAT_TEMPLATE_HELP)
     p.add_argument("--max-request-bytes", type=int, default=4 * 2**20)
     p.add_argument("--shutdown-timeout", type=float, default=10.0)
     p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for the instances")

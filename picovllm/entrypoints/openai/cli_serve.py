@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 
+from picovllm.entrypoints.chat_template import CHAT_TEMPLATE_HELP
 from picovllm.entrypoints.engine_args import add_engine_args, engine_config_from_args
 
 # Backends only a fleet has (picovllm.disagg.transfer.PULL_BACKENDS; not imported here: --help stays light).
@@ -31,8 +32,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="seconds in-flight requests get to finish after SIGTERM/SIGINT before they are aborted")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=False)
-    p.add_argument("--chat-template", default=None, help="a chat template (a file, or the Jinja text itself) used "
-                                                          "instead of the model's, as vLLM's --chat-template")
+    p.add_argument("--chat-template", default=None, help=CHAT_TEMPLATE_HELP)
     pd = p.add_argument_group("disaggregated serving (--role p|d, behind `picovllm proxy` or `picovllm router`)")
     pd.add_argument("--kv-host", default="127.0.0.1", help="--role p: where to listen for the decode server")
     pd.add_argument("--kv-port", type=int, default=0, help="--role p: the port the decode server connects to")
