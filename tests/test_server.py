@@ -448,6 +448,79 @@ def test_prompt_logprobs_and_echo_with_logprobs(server, client, llm):
     assert_idle(server)
 
 
+def test_tokens_as_ids_and_continuous_usage(server, client, llm):
+    """return_tokens_as_token_ids names each logprobs token "token_id:<id>" (chosen and top ones alike), the ids
+    LLM.generate samples; continuous_usage_stats puts in every chunk its choice's usage so far, which counts the
+    tokens streamed until then (each token comes with one logprobs entry)."""
+    model = client.models.list().data[0].id
+    prompt = [5, 6, 7, 8, 9, 10]
+    ref = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6, logprobs=2, prompt_logprobs=2),
+                       use_tqdm=False)[0]
+    out = ref.outputs[0]
+    names = [f"token_id:{t}" for t in out.token_ids]
+    plain = client.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0, logprobs=2)
+    kw = dict(model=model, prompt=prompt, max_tokens=6, temperature=0, logprobs=2,
+              extra_body={"return_tokens_as_token_ids": True})
+    for stream in (False, True):
+        got = client.completions.create(stream=stream, **kw)
+        choices = [c.choices[0] for c in got if c.choices] if stream else [got.choices[0]]
+        lp = [c.logprobs for c in choices if c.logprobs is not None]
+        assert [t for x in lp for t in x.tokens] == names
+        tops = [d for x in lp for d in x.top_logprobs]
+        assert [set(d) for d in tops] == [{f"token_id:{t}" for t in step} for step in out.logprobs]
+        assert [d[f"token_id:{t}"] for d, t in zip(tops, out.token_ids)] == pytest.approx(
+            [step[t].logprob for step, t in zip(out.logprobs, out.token_ids)], abs=1e-4)
+        # offsets still count characters of the text
+        assert [o for x in lp for o in x.text_offset] == plain.choices[0].logprobs.text_offset
+    echoed = client.completions.create(echo=True, **kw).choices[0].logprobs
+    assert echoed.tokens == [f"token_id:{t}" for t in prompt] + names
+    assert set(echoed.top_logprobs[1]) == {f"token_id:{t}" for t in ref.prompt_logprobs[1]}
+
+    msgs = [{"role": "user", "content": "Say something"}]
+    chat_ref = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=6, logprobs=2), use_tqdm=False)[0].outputs[0]
+    got = client.chat.completions.create(model=model, messages=msgs, max_tokens=6, temperature=0, logprobs=True,
+                                         top_logprobs=2, extra_body={"return_tokens_as_token_ids": True})
+    content = got.choices[0].logprobs.content
+    assert [c.token for c in content] == [f"token_id:{t}" for t in chat_ref.token_ids]
+    assert all(c.bytes == list(c.token.encode()) for c in content)
+    for c, step in zip(content, chat_ref.logprobs):
+        best = sorted((lp.rank, t) for t, lp in step.items() if lp.rank <= 2)
+        assert [x.token for x in c.top_logprobs] == [f"token_id:{t}" for _, t in best]
+
+    prompt_len = len(llm.apply_chat_template(msgs))
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    for endpoint in ("chat", "completions"):
+        if endpoint == "chat":
+            chunks = list(client.chat.completions.create(model=model, messages=msgs, max_tokens=6, n=2, stream=True,
+                                                         logprobs=True, stream_options=opts))
+            counted = lambda ch: len(ch.logprobs.content) if ch.logprobs else 0          # noqa: E731
+            plen = prompt_len
+        else:
+            chunks = list(client.completions.create(model=model, prompt=prompt, max_tokens=6, n=2, stream=True,
+                                                    logprobs=0, stream_options=opts))
+            counted = lambda ch: len(ch.logprobs.tokens) if ch.logprobs else 0           # noqa: E731
+            plen = len(prompt)
+        *streamed, final = chunks
+        assert not final.choices and final.usage.completion_tokens == 12
+        seen = {0: 0, 1: 0}
+        for ch in streamed:
+            (choice,) = ch.choices
+            seen[choice.index] += counted(choice)
+            assert ch.usage.prompt_tokens == plen, endpoint
+            assert ch.usage.completion_tokens == seen[choice.index], (endpoint, ch)
+            assert ch.usage.total_tokens == plen + seen[choice.index]
+        assert seen == {0: 6, 1: 6}
+    # without include_usage it does nothing, as vLLM's; a non-boolean value is a 400 naming it
+    chunks = list(client.completions.create(model=model, prompt=prompt, max_tokens=2, stream=True,
+                                            stream_options={"continuous_usage_stats": True}))
+    assert all(c.usage is None for c in chunks)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=model, prompt=prompt, max_tokens=2, stream=True,
+                                  stream_options={"include_usage": True, "continuous_usage_stats": "yes"})
+    assert e.value.body["param"] == "stream_options" and "continuous_usage_stats" in e.value.body["message"]
+    assert_idle(server)
+
+
 def test_n_samples_and_best_of(server, client, llm):
     """n seeded samples equal LLM.generate's (sample i: seed + i), streamed or not, on both endpoints;
     best_of returns the samples with the highest cumulative logprob."""

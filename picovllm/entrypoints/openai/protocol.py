@@ -53,14 +53,7 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
-    continuous_usage_stats: Any = None    # vLLM's; refused unless false (as the fields in REFUSED_COMMON)
-
-    @field_validator("continuous_usage_stats")
-    @classmethod
-    def _refuse(cls, v: Any) -> Any:
-        if v not in (None, False):
-            raise ValueError("is not supported (usage comes in the last chunk with include_usage)")
-        return v
+    continuous_usage_stats: bool = False    # vLLM's: with include_usage, every chunk carries its choice's usage so far
 
 
 # Refused fields and the values that ask for nothing (None always does): any other value is a 400.
@@ -69,7 +62,7 @@ REFUSED_COMMON: dict[str, tuple] = {
     "functions": (), "function_call": ("none",),
     "use_beam_search": (False,), "length_penalty": (1,),
     "bad_words": ([],), "spaces_between_special_tokens": (True,),
-    "return_tokens_as_token_ids": (False,), "priority": (0,), "logits_processors": (), "vllm_xargs": (),
+    "priority": (0,), "logits_processors": (), "vllm_xargs": (),
     "store": (False,), "prediction": (), "audio": (), "modalities": (["text"],), "reasoning_effort": (),
     "web_search_options": (),
 }
@@ -199,6 +192,7 @@ class _SamplingRequest(_StructuredRequest, _RefusedCommon):
     include_stop_str_in_output: bool = False
     truncate_prompt_tokens: int | None = Field(None, ge=1, le=MAX_INT)
     allowed_token_ids: Annotated[list[TokenId], Field(min_length=1, max_length=MAX_ALLOWED_TOKENS)] | None = None
+    return_tokens_as_token_ids: bool = False   # logprobs name tokens "token_id:<id>" (for text that is not UTF-8)
 
     @field_validator("logit_bias")
     @classmethod
@@ -232,6 +226,11 @@ class _SamplingRequest(_StructuredRequest, _RefusedCommon):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's continuous_usage_stats: asked together with include_usage, or it does nothing."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
 
 class CompletionRequest(_SamplingRequest, _RefusedCompletion):

@@ -175,8 +175,22 @@ def prompt_logprobs_json(steps: list[dict[int, Logprob] | None] | None) -> list 
                                     for t, lp in d.items()} for d in steps]
 
 
-def top_logprobs(d: dict[int, Logprob], k: int) -> list[Logprob]:
-    return sorted((lp for lp in d.values() if lp.rank is not None and lp.rank <= k), key=lambda lp: lp.rank)[:k]
+def top_logprobs(d: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
+    """The k best (token id, Logprob) of a step, best first."""
+    ranked = ((t, lp) for t, lp in d.items() if lp.rank is not None and lp.rank <= k)
+    return sorted(ranked, key=lambda item: item[1].rank)[:k]
+
+
+def token_name(token_id: int, lp: Logprob | None, as_id: bool) -> str:
+    """How logprobs name a token: its text, or vLLM's "token_id:<id>" (return_tokens_as_token_ids), which
+    tells apart tokens that decode to the same text or to no whole UTF-8 character."""
+    return f"token_id:{token_id}" if as_id else ((lp.decoded_token if lp is not None else None) or "")
+
+
+def with_usage(chunk: dict, prompt_tokens: int, completion_tokens: int) -> dict:
+    """A streamed chunk with vLLM's continuous usage (stream_options.continuous_usage_stats): its choice's so far."""
+    return {**chunk, "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                               "total_tokens": prompt_tokens + completion_tokens}}
 
 
 def sse(data: dict) -> str:

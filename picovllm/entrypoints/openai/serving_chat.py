@@ -11,7 +11,7 @@ from picovllm.entrypoints.openai.protocol import APIError, ChatCompletionRequest
 from picovllm.entrypoints.openai.tool_calls import AutoToolStream, ToolCall, ToolPolicy
 from picovllm.entrypoints.openai.serving import (ENGINE_ERRORS, SSE_DONE, JSONBody, SampleGroup, ServingContext,
                                                  TextDeltas, final_output, now, prompt_logprobs_json, sse, sse_error,
-                                                 sse_response, top_logprobs, usage)
+                                                 sse_response, token_name, top_logprobs, usage, with_usage)
 from picovllm.entrypoints.parallel_sampling import merge_samples, sample_params
 from picovllm.outputs import CompletionOutput
 
@@ -46,18 +46,19 @@ class ChatHandler:
         for c in out.outputs:
             message, finish = _message(c, policy)
             choices.append({"index": c.index, "message": message, "finish_reason": finish, "stop_reason": c.stop_reason,
-                            "logprobs": _logprobs(c, range(len(c.token_ids)), k) if k is not None else None})
+                            "logprobs": _logprobs(c, range(len(c.token_ids)), k, req.return_tokens_as_token_ids)
+                            if k is not None else None})
         extra = {"prompt_logprobs": prompt_logprobs_json(out.prompt_logprobs)} if req.prompt_logprobs is not None else {}
         return JSONBody(self._body(group.request_id, "chat.completion", choices, usage=usage(out), **extra))
 
     def _body(self, rid: str, obj: str, choices: list, **extra) -> dict:
         return {"id": rid, "object": obj, "created": now(), "model": self.ctx.model_name, "choices": choices, **extra}
 
-    def _chunk(self, rid: str, index: int, delta: dict, logprobs=None, finish_reason=None, stop_reason=None) -> str:
+    def _chunk(self, rid: str, index: int, delta: dict, logprobs=None, finish_reason=None, stop_reason=None) -> dict:
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         if finish_reason is not None:
             choice["stop_reason"] = stop_reason
-        return sse(self._body(rid, "chat.completion.chunk", [choice]))
+        return self._body(rid, "chat.completion.chunk", [choice])
 
     async def _events(self, req: ChatCompletionRequest, group: SampleGroup, stop: list[str],
                       k: int | None, policy: ToolPolicy) -> AsyncIterator[str]:
@@ -65,28 +66,34 @@ class ChatHandler:
         deltas, last = [TextDeltas(stop) for _ in range(n)], {}
         call_ids: dict[int, str] = {}    # named tool_choice: each choice's call id, once its first delta went out
         auto = [AutoToolStream(policy, d.hold) for d in deltas] if policy.mode == "auto" else None
+        sent = [0] * n     # continuous usage: each choice's tokens so far
+
+        def emit(chunks: list[dict], i: int) -> str:
+            if req.continuous_usage:
+                chunks = [with_usage(chunk, len(group.ids), sent[i]) for chunk in chunks]
+            return "".join(sse(chunk) for chunk in chunks)
+
         try:
             for i in range(n):
-                yield self._chunk(rid, i, {"role": "assistant", "content": ""})
+                yield emit([self._chunk(rid, i, {"role": "assistant", "content": ""})], i)
             async for i, out in group.outputs():
                 last[i], c = out, out.outputs[0]
                 text, toks = deltas[i].text(c, out.finished), deltas[i].tokens(c)
+                sent[i] = len(c.token_ids)
                 if not (text or out.finished or (k is not None and toks)):
                     continue
-                lps = _logprobs(c, toks, k) if k is not None else None
+                lps = _logprobs(c, toks, k, req.return_tokens_as_token_ids) if k is not None else None
                 if policy.mode == "named":   # the output is the call's arguments: streamed as they come
-                    for chunk in self._named_call_chunks(rid, i, text, c, lps, policy, call_ids):
-                        yield chunk
-                    continue
-                if auto is not None:   # content as it comes, each call once its block closes
-                    for chunk in self._auto_chunks(rid, i, c, lps, auto[i]):
-                        yield chunk
-                    continue
-                if policy.active:   # required: the calls are known once the output is
-                    for chunk in self._tool_chunks(rid, i, c, lps, policy):
-                        yield chunk
-                    continue
-                yield self._chunk(rid, i, {"content": text} if text else {}, lps, c.finish_reason, c.stop_reason)
+                    chunks = self._named_call_chunks(rid, i, text, c, lps, policy, call_ids)
+                elif auto is not None:   # content as it comes, each call once its block closes
+                    chunks = self._auto_chunks(rid, i, c, lps, auto[i])
+                elif policy.active:   # required: the calls are known once the output is
+                    chunks = self._tool_chunks(rid, i, c, lps, policy)
+                else:
+                    chunks = [self._chunk(rid, i, {"content": text} if text else {}, lps, c.finish_reason,
+                                          c.stop_reason)]
+                if chunks:
+                    yield emit(chunks, i)
             if req.include_usage and len(last) == n:
                 yield sse(self._body(rid, "chat.completion.chunk", [],
                                      usage=usage(merge_samples(rid, [last[i] for i in range(n)]))))
@@ -98,7 +105,7 @@ class ChatHandler:
 
 
     def _named_call_chunks(self, rid: str, i: int, text: str, c: CompletionOutput, lps: dict | None,
-                           policy: ToolPolicy, call_ids: dict[int, str]) -> list[str]:
+                           policy: ToolPolicy, call_ids: dict[int, str]) -> list[dict]:
         """A named tool_choice: the first delta opens the call (index, id, type, name), the next ones add to its
         arguments; the finish reason is tool_calls, or length when max_tokens cut the arguments short."""
         out = []
@@ -114,7 +121,8 @@ class ChatHandler:
             out.append(self._chunk(rid, i, {}, None, finish, c.stop_reason))
         return out
 
-    def _auto_chunks(self, rid: str, i: int, c: CompletionOutput, lps: dict | None, stream: AutoToolStream) -> list[str]:
+    def _auto_chunks(self, rid: str, i: int, c: CompletionOutput, lps: dict | None,
+                     stream: AutoToolStream) -> list[dict]:
         """tool_choice auto: the content so far, then each call whose block closed, whole (OpenAI's delta: index,
         id, type, name and arguments); at the end the finish reason (tool_calls if any call came)."""
         finished = c.finish_reason is not None
@@ -128,7 +136,8 @@ class ChatHandler:
                                    c.stop_reason))
         return out
 
-    def _tool_chunks(self, rid: str, i: int, c: CompletionOutput, lps: dict | None, policy: ToolPolicy) -> list[str]:
+    def _tool_chunks(self, rid: str, i: int, c: CompletionOutput, lps: dict | None,
+                     policy: ToolPolicy) -> list[dict]:
         """tool_choice required: logprobs as they come; at the end the content, then each call whole (as
         OpenAI's deltas: index, id, type and name, and the arguments), then the finish reason."""
         if c.finish_reason is None:
@@ -149,14 +158,15 @@ def _message(c: CompletionOutput, policy: ToolPolicy) -> tuple[dict, str | None]
     return {"role": "assistant", "content": content, "tool_calls": [x.as_dict() for x in calls]}, "tool_calls"
 
 
-def _logprobs(c: CompletionOutput, idx: range, k: int) -> dict:
-    """OpenAI's chat logprobs for output tokens idx: each chosen token and the k most likely ones."""
-    def entry(lp) -> dict:
-        s = lp.decoded_token or ""
+def _logprobs(c: CompletionOutput, idx: range, k: int, as_ids: bool) -> dict:
+    """OpenAI's chat logprobs for output tokens idx: each chosen token and the k most likely ones (named by
+    their ids with as_ids: return_tokens_as_token_ids)."""
+    def entry(t: int, lp) -> dict:
+        s = token_name(t, lp, as_ids)
         return {"token": s, "logprob": lp.logprob, "bytes": list(s.encode("utf-8"))}
 
     content = []
     for i in idx:
-        d = c.logprobs[i]
-        content.append({**entry(d[c.token_ids[i]]), "top_logprobs": [entry(lp) for lp in top_logprobs(d, k)]})
+        d, t = c.logprobs[i], c.token_ids[i]
+        content.append({**entry(t, d[t]), "top_logprobs": [entry(*item) for item in top_logprobs(d, k)]})
     return {"content": content}

@@ -11,7 +11,7 @@ from fastapi import Request, Response
 from picovllm.entrypoints.openai.protocol import CompletionRequest
 from picovllm.entrypoints.openai.serving import (ENGINE_ERRORS, SSE_DONE, JSONBody, SampleGroup, ServingContext,
                                                  TextDeltas, final_output, now, prompt_logprobs_json, sse, sse_error,
-                                                 sse_response, usage)
+                                                 sse_response, token_name, usage, with_usage)
 from picovllm.entrypoints.parallel_sampling import best_of, merge_samples
 from picovllm.outputs import CompletionOutput, Logprob
 
@@ -46,8 +46,10 @@ class CompletionHandler:
             choice = {"index": c.index, "text": echo + c.text, "logprobs": None,
                       "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
             if req.logprobs is not None:
-                head, offset = _echo_logprobs(out.prompt_token_ids, out.prompt_logprobs, first_token, req.logprobs)
-                choice["logprobs"] = _joined(head, _logprobs(c, range(len(c.token_ids)), offset)[0])
+                as_ids = req.return_tokens_as_token_ids
+                head, offset = _echo_logprobs(out.prompt_token_ids, out.prompt_logprobs, first_token, req.logprobs,
+                                              as_ids)
+                choice["logprobs"] = _joined(head, _logprobs(c, range(len(c.token_ids)), offset, as_ids)[0])
             if req.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs)
             choices.append(choice)
@@ -74,9 +76,10 @@ class CompletionHandler:
                 started.add(i)
                 scored = out.prompt_logprobs or scored     # sample 0's, which comes first
                 if first and req.logprobs is not None:
-                    head, offsets[i] = _echo_logprobs(out.prompt_token_ids, scored, first_token, req.logprobs)
+                    head, offsets[i] = _echo_logprobs(out.prompt_token_ids, scored, first_token, req.logprobs,
+                                                      req.return_tokens_as_token_ids)
                 if req.logprobs is not None:
-                    lp, offsets[i] = _logprobs(c, toks, offsets[i])
+                    lp, offsets[i] = _logprobs(c, toks, offsets[i], req.return_tokens_as_token_ids)
                     lp = _joined(head, lp)
                 if i in unechoed:
                     text = echo + text
@@ -85,7 +88,9 @@ class CompletionHandler:
                           "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
                 if first and req.prompt_logprobs is not None:   # with the choice's first chunk
                     choice["prompt_logprobs"] = prompt_logprobs_json(scored)
-                yield sse(self._body(group.request_id, [choice]))
+                chunk = self._body(group.request_id, [choice])
+                yield sse(with_usage(chunk, len(out.prompt_token_ids), len(c.token_ids)) if req.continuous_usage
+                          else chunk)
             if req.include_usage and len(last) == k:
                 yield sse(self._body(group.request_id, [], usage=usage(merge_samples(group.request_id,
                                                                                      [last[i] for i in range(k)]))))
@@ -97,18 +102,19 @@ class CompletionHandler:
 
 
 def _echo_logprobs(prompt_ids: list[int], scored: list | None, first_token: str | None,
-                   k: int) -> tuple[dict | None, int]:
+                   k: int, as_ids: bool) -> tuple[dict | None, int]:
     """The echoed prompt's part of logprobs (None without echo), and the text offset after it.
-    scored: the prompt's RequestOutput.prompt_logprobs (sample 0 scores it for all samples)."""
+    scored: the prompt's RequestOutput.prompt_logprobs (sample 0 scores it for all samples).
+    as_ids: tokens named "token_id:<id>" (return_tokens_as_token_ids)."""
     if first_token is None:
         return None, 0
-    entries = [(first_token, None, None)]          # nothing predicts the first token
+    entries = [(token_name(prompt_ids[0], None, as_ids) if as_ids else first_token, first_token, None, None)]
     for tok, d in zip(prompt_ids[1:], (scored or [None] * len(prompt_ids))[1:]):
         if d is None:     # not scored (a sample that is not the first, before the first's output)
             d = {tok: Logprob(None, None, "")}
-        top = {(lp.decoded_token or ""): lp.logprob for t, lp in d.items()
+        top = {token_name(t, lp, as_ids): lp.logprob for t, lp in d.items()
                if t == tok or (lp.rank is not None and lp.rank <= k)}
-        entries.append((d[tok].decoded_token or "", d[tok].logprob, top))
+        entries.append((token_name(tok, d[tok], as_ids), d[tok].decoded_token or "", d[tok].logprob, top))
     return _completion_logprobs(entries, 0)
 
 
@@ -116,23 +122,24 @@ def _joined(head: dict | None, tail: dict) -> dict:
     return tail if head is None else {key: head[key] + tail[key] for key in tail}
 
 
-def _logprobs(c: CompletionOutput, idx: range, offset: int) -> tuple[dict, int]:
-    """OpenAI's completions logprobs for output tokens idx: the chosen token and the top ones."""
+def _logprobs(c: CompletionOutput, idx: range, offset: int, as_ids: bool) -> tuple[dict, int]:
+    """OpenAI's completions logprobs for output tokens idx: the chosen token and the top ones (named by their
+    ids with as_ids: return_tokens_as_token_ids)."""
     entries = []
     for i in idx:
-        d = c.logprobs[i]
-        chosen = d[c.token_ids[i]]
-        entries.append((chosen.decoded_token or "", chosen.logprob,
-                        {(lp.decoded_token or ""): lp.logprob for lp in d.values()}))
+        d, t = c.logprobs[i], c.token_ids[i]
+        entries.append((token_name(t, d[t], as_ids), d[t].decoded_token or "", d[t].logprob,
+                        {token_name(u, lp, as_ids): lp.logprob for u, lp in d.items()}))
     return _completion_logprobs(entries, offset)
 
 
-def _completion_logprobs(entries: list[tuple[str, float | None, dict | None]], offset: int) -> tuple[dict, int]:
-    """OpenAI's completions logprobs of (token text, its logprob, the top ones) entries, their text offsets
-    counted from `offset`; and the offset after them."""
+def _completion_logprobs(entries: list[tuple[str, str, float | None, dict | None]],
+                         offset: int) -> tuple[dict, int]:
+    """OpenAI's completions logprobs of (token's name, its text, its logprob, the top ones) entries, their
+    offsets in the text counted from `offset`; and the offset after them."""
     out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    for text, logprob, top in entries:
-        out["tokens"].append(text)
+    for name, text, logprob, top in entries:
+        out["tokens"].append(name)
         out["token_logprobs"].append(logprob)
         out["top_logprobs"].append(top)
         out["text_offset"].append(offset)
