@@ -73,6 +73,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False     # vLLM's: a matched stop string stays at the end of the text
     allowed_token_ids: list[int] | None = None   # vLLM's: only these tokens may be sampled (None: any)
     truncate_prompt_tokens: int | None = None    # vLLM's: keep only the prompt's last k tokens (None: all of it)
+    # vLLM's: words never generated. Each is tokenized as it is and after a space; a one-token word is banned
+    # always, a longer one's last token whenever the output so far ends with the rest of it.
+    bad_words: list[str] | None = None
     # As vLLM/OpenAI: presence and frequency penalties count the generated tokens; the repetition
     # penalty (HF/CTRL: positive logits divided by it, negative ones multiplied) the prompt's too.
     presence_penalty: float = 0.0
@@ -93,6 +96,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.allowed_token_ids is not None and not isinstance(self.allowed_token_ids, (str, bytes)):
             self.allowed_token_ids = list(self.allowed_token_ids)
+        if self.bad_words is not None and not isinstance(self.bad_words, (str, bytes)):
+            self.bad_words = list(self.bad_words)
         if self.top_k == -1:
             self.top_k = 0
         self.logit_bias = _token_id_keys(self.logit_bias)
@@ -135,6 +140,10 @@ class SamplingParams:
         if allowed is not None and (not isinstance(allowed, list) or not allowed or not all(
                 isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in allowed)):
             raise bad("allowed_token_ids", "must be None or a non-empty list of token ids (ints >= 0)")
+        words = self.bad_words
+        if words is not None and (not isinstance(words, list) or not all(isinstance(w, str) and w.strip()
+                                                                          for w in words)):
+            raise bad("bad_words", "must be None or a list of words (strings with more than spaces)")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
             raise bad("logprobs", "must be an int >= 0 or None")
         if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int)

@@ -521,6 +521,41 @@ def test_tokens_as_ids_and_continuous_usage(server, client, llm):
     assert_idle(server)
 
 
+def test_bad_words_served_as_llm_generate(server, client, llm):
+    """bad_words (checked against HF in test_bad_words.py) reach the engine from both endpoints, streamed or not;
+    what cannot be honoured with them is a 400 naming the field."""
+    model = client.models.list().data[0].id
+    tok = llm.get_tokenizer()
+
+    def effective_words(generate):
+        """A word of the plain greedy output whose ban changes that output, and the output under the ban."""
+        plain = generate(SamplingParams(temperature=0, max_tokens=10))
+        for t in plain.token_ids[1:]:
+            word = tok.decode([t])
+            if word.strip() and "\ufffd" not in word:
+                got = generate(SamplingParams(temperature=0, max_tokens=10, bad_words=[word]))
+                if got.token_ids != plain.token_ids:
+                    return [word], got
+        raise AssertionError("no word of the output changes it when banned")
+
+    prompt, msgs = "The capital of France is", [{"role": "user", "content": "Hello"}]
+    words, ref = effective_words(lambda sp: llm.generate([prompt], sp, use_tqdm=False)[0].outputs[0])
+    for stream in (False, True):
+        got = client.completions.create(model=model, prompt=prompt, max_tokens=10, temperature=0,
+                                        stream=stream, extra_body={"bad_words": words})
+        assert (_streamed(got)[0] if stream else got.choices[0].text) == ref.text
+    words, ref = effective_words(lambda sp: llm.chat(msgs, sp, use_tqdm=False)[0].outputs[0])
+    got = client.chat.completions.create(model=model, messages=msgs, max_tokens=10, temperature=0,
+                                         extra_body={"bad_words": words})
+    assert got.choices[0].message.content == ref.text
+    for extra in ({"bad_words": ["x"], "guided_choice": ["a", "b"]}, {"bad_words": ["x"], "allowed_token_ids": [5]},
+                  {"bad_words": [""]}, {"bad_words": "x"}):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=model, prompt="Hi", max_tokens=2, extra_body=extra)
+        assert e.value.body["param"] == "bad_words", (extra, e.value.body)
+    assert_idle(server)
+
+
 def test_n_samples_and_best_of(server, client, llm):
     """n seeded samples equal LLM.generate's (sample i: seed + i), streamed or not, on both endpoints;
     best_of returns the samples with the highest cumulative logprob."""

@@ -34,6 +34,7 @@ from picovllm.engine.model_runner import LaunchedStep, ModelRunner, StepResult
 from picovllm.engine.request import FinishReason, Request, RequestStatus
 from picovllm.engine.scheduler import Scheduler, SchedulerOutput
 from picovllm.engine.step_input import StepInput
+from picovllm.layers.logits_processors import bad_words_token_ids
 from picovllm.layers.rotary import longrope_position_offset
 from picovllm.layers.structured_output import BitmaskBuffers, GrammarState, StructuredOutputCompiler
 from picovllm.loader import open_model_source
@@ -172,6 +173,7 @@ class Engine:
         if any(t >= vocab for t in params.logit_bias):
             raise ValueError(f"SamplingParams.logit_bias keys must be token ids in [0, {vocab}), got "
                              f"{max(params.logit_bias)}")
+        bad_words = self._bad_words(params)
         ids = self.tokenize(prompt)
         if params.truncate_prompt_tokens is not None:     # the last k tokens (the server truncates as it encodes)
             ids = ids[-params.truncate_prompt_tokens:]
@@ -189,6 +191,7 @@ class Engine:
         grammar = self._grammar_state(params) if params.structured_outputs is not None else None
         req = Request(request_id, ids, params, prompt if isinstance(prompt, str) else None, arrival_time)
         req.grammar = grammar
+        req.bad_words_ids = bad_words
         room = self.max_model_len - len(ids)
         req.max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         req.position_offset = longrope_position_offset(self.model_config.rope_scaling,
@@ -198,6 +201,23 @@ class Engine:
         self.requests[request_id] = req
         self.scheduler.add(req)
         return request_id
+
+    def _bad_words(self, params: SamplingParams) -> list[list[int]]:
+        """SamplingParams.bad_words as token ids; ValueError naming the field if they cannot be honoured."""
+        if not params.bad_words:
+            return []
+        if self.tokenizer is None:
+            raise ValueError("SamplingParams.bad_words needs the model's tokenizer")
+        # with another mask on the row, the two could leave no token at all
+        if params.structured_outputs is not None:
+            raise ValueError("SamplingParams.bad_words cannot be combined with structured outputs")
+        if params.allowed_token_ids is not None:
+            raise ValueError("SamplingParams.bad_words cannot be combined with allowed_token_ids")
+        ids = bad_words_token_ids(self.tokenizer, params.bad_words)
+        if any(t >= self.model_config.vocab_size for word in ids for t in word):
+            raise ValueError(f"SamplingParams.bad_words: a word has a token outside the model's vocabulary "
+                             f"({self.model_config.vocab_size})")
+        return ids
 
     def _grammar_state(self, params: SamplingParams) -> GrammarState:
         """A matcher for the request's structured output; ValueError naming the field if it cannot be."""
@@ -446,6 +466,7 @@ class Engine:
                 raise ValueError(f"request_id {req.request_id!r} is already in use on the {self.config.role} engine")
             self._check_length(req.num_prompt_tokens)
             self._check_capacity(req.num_prompt_tokens, req.max_tokens)
+            req.bad_words_ids = self._bad_words(req.params)
         except ValueError as e:
             req.finish(FinishReason.ERROR, error=str(e))
             answers = self.connector.answers_for(req)      # asked first: request_finished forgets it

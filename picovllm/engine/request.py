@@ -54,6 +54,7 @@ class Request:
         self.detok_state: object | None = None
         self.max_tokens = params.max_tokens  # resolved against max_model_len by the engine
         self.grammar = None              # structured outputs: a GrammarState, set by the engine
+        self.bad_words_ids: list[list[int]] = []   # SamplingParams.bad_words as token ids, set by the engine
         # Added to every position the rotary embedding sees (LongRoPE's long factors: layers/rotary.py); the
         # prefix cache keeps such a request's blocks apart from others', whose keys were rotated otherwise.
         self.position_offset = 0

@@ -13,6 +13,7 @@ import torch
 from picovllm.engine.cuda_graph import fill_block_tables
 from picovllm.engine.scheduler import SchedulerOutput
 from picovllm.layers.attention import AttentionMetadata
+from picovllm.layers.logits_processors import bad_word_bans
 from picovllm.layers.sampler import seeded_stream
 from picovllm.layers.structured_output import TokenBitmasks
 
@@ -37,6 +38,10 @@ class SamplingRow:
     prompt_token_ids: list[int] = field(default_factory=list)
     pending_src: int = -1     # overlapped: the in-flight step's row sampling this request's last output, or -1
     allowed: list[int] = field(default_factory=list)   # SamplingParams.allowed_token_ids: the only tokens (or [])
+    # SamplingParams.bad_words that hang on the pending token (pending_src): bad_ban[j] is banned if it is
+    # bad_after[j]. The bans the host can decide alone are in `banned`.
+    bad_after: list[int] = field(default_factory=list)
+    bad_ban: list[int] = field(default_factory=list)
 
     @property
     def has_penalties(self) -> bool:
@@ -130,7 +135,13 @@ def sampling_row(req, eos_token_ids: list[int]) -> SamplingRow:
     if n_out < p.min_tokens:
         banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids))
     seed = None if p.seed is None else seeded_stream(p.seed, n_out)
+    pending = req.pending_row if req.num_pending_tokens else -1
+    if req.bad_words_ids:
+        now, after, ban = bad_word_bans(req.bad_words_ids, req.output_token_ids, pending >= 0)
+        banned = banned + now
     row = SamplingRow(p.temperature, p.top_k, p.top_p, p.min_p, seed, banned, p.logprobs)
+    if req.bad_words_ids and after:
+        row.bad_after, row.bad_ban, row.pending_src = after, ban, pending
     if p.allowed_token_ids:
         row.allowed = p.allowed_token_ids          # never mutated
     if p.logit_bias:
@@ -140,7 +151,7 @@ def sampling_row(req, eos_token_ids: list[int]) -> SamplingRow:
         row.repetition_penalty = p.repetition_penalty
         row.output_token_ids = list(req.output_token_ids)
         row.prompt_token_ids = req.prompt_token_ids if p.repetition_penalty != 1 else []  # never mutated
-        row.pending_src = req.pending_row if req.num_pending_tokens else -1
+        row.pending_src = pending
     return row
 
 

@@ -1,11 +1,16 @@
 """What changes a step's logits before sampling, per row, as batched tensor ops on the device.
 
-In vLLM's order: logit bias (added), banned tokens (-inf: EOS and stop ids before min_tokens), then
-the penalties. The repetition penalty (HF/CTRL style) divides the positive logits and multiplies the
+In vLLM's order: logit bias (added), banned tokens (-inf: EOS and stop ids before min_tokens, and
+bad words), then the penalties. The repetition penalty (HF/CTRL style) divides the positive logits and multiplies the
 negative ones of every token seen in the prompt or the output; the frequency penalty subtracts
 penalty * count and the presence penalty subtracts the penalty once, for each token the request has
 generated (as OpenAI and vLLM, the prompt does not count for these two). Last, a row with allowed_token_ids
 keeps those tokens only (the others at -inf).
+
+Bad words (vLLM's): a word of one token is banned at every step; a word of several tokens has its last token
+banned when the output so far ends with its other tokens (the prompt does not count, as vLLM's). The host
+decides from the tokens it has (bad_word_bans); a word whose second-to-last token would be the pending one
+becomes a pair (that token, the banned one) checked on the device against the step in flight.
 
 No state lives between steps: each row carries its token ids (plain lists, see SamplingRow) and one
 upload plus one scatter per step turns them into per-row counts. So preemption, a P/D handover and a
@@ -31,7 +36,8 @@ def adjust_logits(logits: torch.Tensor, rows: Sequence["SamplingRow"],
     banned = [i for i, r in enumerate(rows) if r.banned]
     penalized = [i for i, r in enumerate(rows) if r.has_penalties]
     limited = [i for i, r in enumerate(rows) if r.allowed]
-    if not (biased or banned or penalized or limited):
+    hanging = [i for i, r in enumerate(rows) if r.bad_after]
+    if not (biased or banned or penalized or limited or hanging):
         return logits
     out = logits.to(torch.float32, copy=True)
     dev = out.device
@@ -42,6 +48,14 @@ def adjust_logits(logits: torch.Tensor, rows: Sequence["SamplingRow"],
     if banned:
         which, ids = _flatten([rows[i].banned for i in banned], banned)
         out[_to(which, dev), _to(ids, dev)] = float("-inf")
+    if hanging:       # bad words whose last token is banned if the pending token is the one before it
+        if prev_tokens is None:
+            raise ValueError("a row's bad word hangs on a pending token, but no step in flight was given")
+        which, after = _flatten([rows[i].bad_after for i in hanging], hanging)
+        src = [rows[i].pending_src for i in hanging for _ in rows[i].bad_after]
+        ban = [t for i in hanging for t in rows[i].bad_ban]
+        hit = prev_tokens[_to(src, dev)] == _to(after, dev)
+        out.index_put_((_to(which, dev), _to(ban, dev)), torch.where(hit, float("-inf"), 0.0), accumulate=True)
     if penalized:
         _apply_penalties(out, [rows[i] for i in penalized], _to(penalized, dev), prev_tokens)
     if limited:       # allowed_token_ids: every other token of the row at -inf
@@ -72,6 +86,39 @@ def _apply_penalties(logits: torch.Tensor, rows: list["SamplingRow"], idx: torch
     freq = _to([r.frequency_penalty for r in rows], dev, torch.float32)[:, None]
     pres = _to([r.presence_penalty for r in rows], dev, torch.float32)[:, None]
     logits[idx] = sub - freq * counts - pres * (counts > 0)
+
+
+def bad_word_bans(words: list[list[int]], output: list[int], pending: bool) -> tuple[list[int], list[int], list[int]]:
+    """The bans of bad words (token ids) before the next token: (banned now, then pairs after[j] -> ban[j]:
+    ban[j] is banned if the pending token, which the host does not have yet, is after[j]).
+    output: the output tokens the host has; pending: one more is on the device."""
+    now, after, ban = [], [], []
+    n = len(output) + pending
+    for word in words:
+        *prefix, last = word
+        if len(prefix) > n:
+            continue
+        if pending and prefix:       # the prefix's last token is the pending one
+            head = prefix[:-1]
+            if not head or output[-len(head):] == head:
+                after.append(prefix[-1])
+                ban.append(last)
+        elif not prefix or output[-len(prefix):] == prefix:
+            now.append(last)
+    return now, after, ban
+
+
+def bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
+    """vLLM's reading of bad words: each word (leading spaces dropped) as it is tokenized at the start of a text,
+    and after a space when that gives as many tokens and a different first one (a word inside a text)."""
+    out = []
+    for word in words:
+        bare = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        out.append(bare)
+        if len(spaced) == len(bare) and spaced[0] != bare[0]:
+            out.append(spaced)
+    return [w for w in out if w]
 
 
 def token_counts(token_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:

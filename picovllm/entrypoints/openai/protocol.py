@@ -26,6 +26,7 @@ MAX_STOP = 16
 MAX_N = 64               # samples per request (n, best_of)
 MAX_LOGIT_BIAS = 1024    # entries; OpenAI allows 300
 MAX_ALLOWED_TOKENS = 1 << 20   # allowed_token_ids entries (a vocabulary's size at most, in practice)
+MAX_BAD_WORDS = 128            # bad_words entries (as vLLM's)
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 TokenId = Annotated[int, Field(ge=0, le=MAX_INT)]
 
@@ -61,7 +62,7 @@ REFUSED_COMMON: dict[str, tuple] = {
     "guided_decoding_backend": (), "guided_whitespace_pattern": (),
     "functions": (), "function_call": ("none",),
     "use_beam_search": (False,), "length_penalty": (1,),
-    "bad_words": ([],), "spaces_between_special_tokens": (True,),
+    "spaces_between_special_tokens": (True,),
     "priority": (0,), "logits_processors": (), "vllm_xargs": (),
     "store": (False,), "prediction": (), "audio": (), "modalities": (["text"],), "reasoning_effort": (),
     "web_search_options": (),
@@ -192,6 +193,8 @@ class _SamplingRequest(_StructuredRequest, _RefusedCommon):
     include_stop_str_in_output: bool = False
     truncate_prompt_tokens: int | None = Field(None, ge=1, le=MAX_INT)
     allowed_token_ids: Annotated[list[TokenId], Field(min_length=1, max_length=MAX_ALLOWED_TOKENS)] | None = None
+    bad_words: Annotated[list[Annotated[str, Field(min_length=1, max_length=1024)]],
+                         Field(max_length=MAX_BAD_WORDS)] | None = None
     return_tokens_as_token_ids: bool = False   # logprobs name tokens "token_id:<id>" (for text that is not UTF-8)
 
     @field_validator("logit_bias")
@@ -214,6 +217,7 @@ class _SamplingRequest(_StructuredRequest, _RefusedCommon):
                 skip_special_tokens=self.skip_special_tokens,
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 allowed_token_ids=self.allowed_token_ids, truncate_prompt_tokens=self.truncate_prompt_tokens,
+                bad_words=self.bad_words,
                 presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
                 repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
                 logit_bias=self.logit_bias, structured_outputs=self.structured_output_params())
