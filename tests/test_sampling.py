@@ -241,12 +241,17 @@ def test_include_stop_str_in_output_keeps_the_matched_string(default_llm):
         assert kept.text == full[:full.find(kept.stop_reason) + len(kept.stop_reason)] == plain.text + kept.stop_reason
 
 
-def test_allowed_token_ids_match_hf_restricted_argmax(tiny_models):
+@pytest.mark.parametrize("engine", [
+    dict(),
+    pytest.param(dict(device="cuda", dtype="float32"),     # CUDA graphs, overlapped scheduling, the fused sampler
+                 marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]),
+])
+def test_allowed_token_ids_match_hf_restricted_argmax(tiny_models, engine):
     """allowed_token_ids: greedy picks HF's fp32 argmax over the allowed ids at every step (HF run token by token
     as the oracle); sampled rows never leave the set, beside an unrestricted row in the same batch; bad sets are
     refused naming the field."""
     path = tiny_models["qwen3"]
-    llm = LLM(path, num_kv_blocks=64)
+    llm = LLM(path, **{"num_kv_blocks": 64, **engine})
     allowed, prompt = [5, 17, 42, 99, 300, 301], [3, 1, 4, 1, 5, 9, 2, 6]
     sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, allowed_token_ids=allowed)
     got = llm.generate([prompt], sp, use_tqdm=False)[0].outputs[0].token_ids

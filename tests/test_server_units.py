@@ -199,3 +199,24 @@ def test_chat_template_flag_replaces_the_models_template(tmp_path):
         r = subprocess.run([sys.executable, "-m", "picovllm.entrypoints.cli", *command, "--chat-template", "{% if %}"],
                            capture_output=True, text=True, timeout=120, env=env)   # the front ends take it too
         assert r.returncode != 0 and "not a valid Jinja template" in r.stderr, r.stderr[-2000:]
+
+
+def test_a_server_freezes_what_it_built_before_serving():
+    """Full garbage collections scan every tracked object that is not frozen. A serving process freezes what
+    exists once its engine and app are built (_Server.run, before uvicorn serves), so the collections it does
+    while serving scan only what serving made. Run in a child: freezing here would pin the test process."""
+    import subprocess
+    import sys
+    code = """
+import gc, uvicorn
+from picovllm.entrypoints.openai import api_server
+seen = {}
+uvicorn.Server.run = lambda self, sockets=None: seen.setdefault("tracked", len(gc.get_objects()))
+before = len(gc.get_objects())
+api_server._Server(uvicorn.Config(app=None), engine=None, grace=1.0).run()
+print(before, seen["tracked"], gc.get_freeze_count())
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    before, tracked, frozen = map(int, out.stdout.split())
+    assert before > 20000 and frozen >= before * 0.9 and tracked < before * 0.05, (before, tracked, frozen)

@@ -21,7 +21,7 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from picovllm.config import EngineConfig
-from picovllm.engine.llm_engine import Engine
+from picovllm.engine.llm_engine import Engine, freeze_for_serving
 from picovllm.entrypoints.openai.async_engine import AsyncEngine
 from picovllm.entrypoints.openai.metrics import ServerMetrics
 from picovllm.entrypoints.openai.middleware import APIKeyAuth, BodySizeLimit
@@ -150,6 +150,10 @@ class _Server(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, engine: AsyncEngine, grace: float) -> None:
         super().__init__(config)
         self.engine, self.grace = engine, grace
+
+    def run(self, sockets=None) -> None:
+        freeze_for_serving()      # everything built so far lives as long as the process
+        super().run(sockets)
 
     async def shutdown(self, sockets=None) -> None:
         async def abort_when_grace_ends() -> None:
