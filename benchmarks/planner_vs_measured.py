@@ -14,6 +14,7 @@ that measured the best goodput. Everything lands in OUT_DIR (profile.json, bench
 predicted_vs_measured.png, the servers' logs).
 """
 import argparse
+import math
 import os
 import signal
 import socket
@@ -53,10 +54,13 @@ def start(out: str, name: str, *args: str) -> tuple[subprocess.Popen, str]:
 
 
 def bench(url: str, rate: float, path: str, args) -> None:
+    # a client process per --rate-per-client requests/s: one Python client streaming thousands of chunks a
+    # second delays its own reads, which the server would be blamed for (BENCHMARKS.md, thirteenth session)
+    workers = min(args.num_prompts, max(1, math.ceil(rate / args.rate_per_client)))
     subprocess.run([*CLI, "bench", "serve", "--base-url", url, "--dataset", "random", "--num-prompts",
                     str(args.num_prompts), "--request-rate", str(rate), "--input-len", str(args.input_len),
-                    "--output-len", str(args.output_len), "--result-json", path], check=True,
-                   stdout=subprocess.DEVNULL)
+                    "--output-len", str(args.output_len), "--num-workers", str(workers), "--result-json", path],
+                   check=True, stdout=subprocess.DEVNULL)
 
 
 def main() -> None:
@@ -72,6 +76,8 @@ def main() -> None:
     p.add_argument("--itl-slo-ms", default="20")
     p.add_argument("--dtype", default="float32", help="the checkpoint's and the engines' dtype")
     p.add_argument("--num-kv-blocks", default="2048")
+    p.add_argument("--rate-per-client", type=float, default=20.0,
+                   help="bench serve gets a client process per this many requests/s (--num-workers)")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
     engine = [*ENGINE, "--dtype", args.dtype, "--num-kv-blocks", args.num_kv_blocks]

@@ -893,6 +893,39 @@ def test_bench_serve_writes_report_and_plot(server, tmp_path):
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out_png.stat().st_size > 5000
 
 
+def test_bench_serve_workers_share_one_schedule(server, tmp_path):
+    """--num-workers N: N client processes send the one workload (the same prompts as one client, from the seed),
+    each request at its own time of the common schedule; the report merges them in the workload's order."""
+    import itertools
+    import os
+    import subprocess
+    import sys
+    from picovllm.bench.serve import arrival_gaps, random_dataset
+
+    n, rate, seed = 12, 20.0, 3
+    runs = {}
+    for workers in (1, 3):
+        out = tmp_path / f"w{workers}.json"
+        cmd = [sys.executable, "-m", "picovllm.entrypoints.cli", "bench", "serve", "--base-url", server.url,
+               "--num-prompts", str(n), "--request-rate", str(rate), "--input-len", "8", "--random-range-ratio", "0.5",
+               "--output-len", "4", "--seed", str(seed), "--num-workers", str(workers), "--result-json", str(out)]
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([os.getcwd()] + sys.path))
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        runs[workers] = json.loads(out.read_text())
+    vocab = httpx.get(server.url + "/v1/models").json()["data"][0]["vocab_size"]
+    rng = random.Random(seed)
+    want = random_dataset(n, 8, 4, 0.5, vocab, rng)
+    due = list(itertools.accumulate(arrival_gaps(n, rate, 1.0, rng)))
+    for s in runs.values():
+        assert s["completed"] == n and s["failed"] == 0
+        assert s["total_output_tokens"] == sum(r.output_len for r in want)   # ignore_eos: exact
+        assert [r["prompt_len"] for r in s["requests"]] == [len(r.prompt) for r in want]
+        assert all(abs(r["start"] - d) < 0.25 for r, d in zip(s["requests"], due)), [r["start"] for r in s["requests"]]
+    assert runs[3]["config"]["num_workers"] == 3
+    assert_idle(server)
+
+
 def test_bench_serve_round_robins_over_servers(server, chat_model, tmp_path):
     """Several --base-url: requests alternate between the servers (one colocated server per GPU)."""
     import os

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import random
 import sys
@@ -97,21 +98,44 @@ async def run_request(client, url: str, body: dict, t0: float, headers: dict) ->
     return res
 
 
-async def run_benchmark(args: argparse.Namespace) -> dict:
+def run_benchmark(args: argparse.Namespace) -> dict:
+    """Run the workload (across --num-workers client processes) and summarize what the clients saw."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    base = args.base_url[0].rstrip("/")
+    models = httpx.get(f"{base}/v1/models", headers=headers, timeout=args.timeout).json()["data"]
+    model = args.model or models[0]["id"]
+    vocab = min(models[0].get("vocab_size") or 1000, args.max_token_id or 10**9)
+    if args.num_workers == 1:
+        share = asyncio.run(run_share(args, model, vocab, 0, time.time() + 0.05))
+        shares = [share]
+    else:
+        shares = _run_workers(args, model, vocab)
+    results: list[RequestResult | None] = [None] * args.num_prompts
+    for done, _ in shares:
+        for i, r in done:
+            results[i] = r
+    duration = max(end for _, end in shares)
+    return summarize(results, duration, parse_goodput(args.goodput), vars(args) | {"model": model})
+
+
+async def run_share(args: argparse.Namespace, model: str, vocab: int, worker: int,
+                    t0_wall: float) -> tuple[list[tuple[int, RequestResult]], float]:
+    """Worker `worker`'s requests (every num_workers-th of the workload, which every worker draws alike from the
+    seed), each sent at its time after t0_wall (time.time()); ((index, result) pairs, when the last one ended,
+    in seconds after t0_wall)."""
     import httpx
 
     bases = [u.rstrip("/") for u in args.base_url]
-    base = bases[0]
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     rng = random.Random(args.seed)
-    limits = httpx.Limits(max_connections=args.max_concurrency or args.num_prompts, max_keepalive_connections=100)
+    reqs = random_dataset(args.num_prompts, args.input_len, args.output_len, args.random_range_ratio, vocab, rng)
+    due = list(itertools.accumulate(arrival_gaps(len(reqs), args.request_rate, args.burstiness, rng)))
+    mine = range(worker, len(reqs), args.num_workers)
+    limits = httpx.Limits(max_connections=args.max_concurrency or len(mine), max_keepalive_connections=100)
+    gate = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
     async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout), limits=limits) as client:
-        models = (await client.get(f"{base}/v1/models", headers=headers)).json()["data"]
-        model = args.model or models[0]["id"]
-        vocab = min(models[0].get("vocab_size") or 1000, args.max_token_id or 10**9)
-        reqs = random_dataset(args.num_prompts, args.input_len, args.output_len, args.random_range_ratio, vocab, rng)
-        gaps = arrival_gaps(len(reqs), args.request_rate, args.burstiness, rng)
-        gate = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
 
         async def one(r: BenchRequest, t0: float, url: str) -> RequestResult:
             body = {"model": model, "prompt": r.prompt, "max_tokens": r.output_len, "temperature": 0.0,
@@ -121,14 +145,54 @@ async def run_benchmark(args: argparse.Namespace) -> dict:
             async with gate:
                 return await run_request(client, f"{url}/v1/completions", body, t0, headers)
 
-        t0 = time.perf_counter()
+        t0 = time.perf_counter() + (t0_wall - time.time())     # the common start, on this process's clock
         tasks = []
-        for i, (r, gap) in enumerate(zip(reqs, gaps)):
-            await asyncio.sleep(gap)
-            tasks.append(asyncio.create_task(one(r, t0, bases[i % len(bases)])))   # round-robin over servers
-        results = await asyncio.gather(*tasks)
-        duration = time.perf_counter() - t0
-    return summarize(results, duration, parse_goodput(args.goodput), vars(args) | {"model": model})
+        for i in mine:      # each at its own time from the start, so a late one does not delay the rest
+            wait = t0 + due[i] - time.perf_counter()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            tasks.append((i, asyncio.create_task(one(reqs[i], t0, bases[i % len(bases)]))))   # round-robin
+        done = [(i, await task) for i, task in tasks]
+        return done, time.perf_counter() - t0
+
+
+def _worker(args: argparse.Namespace, model: str, vocab: int, worker: int, conn) -> None:
+    conn.send("ready")
+    done, end = asyncio.run(run_share(args, model, vocab, worker, conn.recv()))
+    conn.send(([(i, asdict(r)) for i, r in done], end))
+
+
+def _run_workers(args: argparse.Namespace, model: str, vocab: int) -> list:
+    """--num-workers processes, each with its share of the requests and its own event loop: one Python client
+    streaming thousands of chunks a second delays its own reads (at 40 requests/s of 64 tokens one client
+    added ~10 ms to the TTFT p99 that two clients measured; BENCHMARKS.md, thirteenth session)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")       # no event loop or client state crosses into the workers
+    pipes, procs = [], []
+    for w in range(args.num_workers):
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_worker, args=(args, model, vocab, w, child), daemon=True)
+        proc.start()
+        pipes.append(parent)
+        procs.append(proc)
+    try:
+        for conn in pipes:
+            if conn.recv() != "ready":
+                raise RuntimeError("a bench worker did not start")
+        t0 = time.time() + 0.1
+        for conn in pipes:
+            conn.send(t0)
+        shares = []
+        for conn in pipes:
+            done, end = conn.recv()
+            shares.append(([(i, RequestResult(**r)) for i, r in done], end))
+        return shares
+    finally:
+        for proc in procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
 
 
 # -- statistics --------------------------------------------------------------------------------------
@@ -246,6 +310,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (inf: all at once)")
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape: 1 = Poisson, <1 burstier")
     p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--num-workers", type=int, default=1,
+                   help="client processes sharing the requests (one Python client slows at thousands of chunks/s)")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--random-range-ratio", type=float, default=0.0, help="lengths uniform in len*(1 +- ratio)")
@@ -274,12 +340,16 @@ def validate(args: argparse.Namespace) -> None:
         raise ValueError(f"--random-range-ratio must be in [0, 1), got {args.random_range_ratio}")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
+    if args.num_workers < 1 or args.num_workers > args.num_prompts:
+        raise ValueError(f"--num-workers must be in [1, --num-prompts], got {args.num_workers}")
+    if args.num_workers > 1 and args.max_concurrency is not None:
+        raise ValueError("--max-concurrency bounds one client: it needs --num-workers 1")
     parse_goodput(args.goodput)
 
 
 def main(args: argparse.Namespace) -> int:
     validate(args)
-    summary = asyncio.run(run_benchmark(args))
+    summary = run_benchmark(args)
     print_summary(summary)
     if args.result_json:
         with open(args.result_json, "w") as f:
