@@ -147,7 +147,7 @@ def run_peer(preset: str, args) -> list[dict]:
         res = {"model": preset, "engine": f"hf_cb[{attn}]", "load_s": load_s}
         try:
             res.update(_peer_run(model, attn, prompts, [p.max_tokens for p in params], args.peer_budget_s,
-                                 GenerationConfig))
+                                 GenerationConfig, small_cache=args.tiny))
         except Exception as e:        # the peer's failure is a result, not the end of the run
             res["error"] = repr(e)[:400]
         results.append(res)
@@ -158,10 +158,15 @@ def run_peer(preset: str, args) -> list[dict]:
     return results
 
 
-def _peer_run(model, attn: str, prompts, max_toks, budget_s: float, GenerationConfig) -> dict:
+def _peer_run(model, attn: str, prompts, max_toks, budget_s: float, GenerationConfig,
+              small_cache: bool = False) -> dict:
     model.set_attn_implementation(attn)
     gc_ = GenerationConfig(max_new_tokens=max(max_toks), do_sample=False, eos_token_id=-1, pad_token_id=0)
-    mgr = model.init_continuous_batching(generation_config=gc_)
+    kw = {}
+    if small_cache:     # --tiny: a cache for 8 short requests (sized from memory, the peer fills ~25 s of it on a CPU)
+        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+        kw["continuous_batching_config"] = ContinuousBatchingConfig(num_blocks=16, max_batch_tokens=512)
+    mgr = model.init_continuous_batching(generation_config=gc_, **kw)
     try:
         mgr.warmup()
     except Exception as e:            # as the peer benchmark: a failed warm-up only costs its first steps

@@ -18,7 +18,7 @@ def test_tiny_run_end_to_end(tmp_path):
     out = tmp_path / "families.json"
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "families_gpu.py"), "--tiny", "--only",
-                           "qwen3-30b-a3b", "gemma2-2b", "--peer-attn", "sdpa", "--out", str(out)],
+                           "qwen3-30b-a3b", "gemma2-2b", "--peer-attn", "sdpa", "--repeat", "1", "--out", str(out)],
                           capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.load(open(out))["results"]
