@@ -50,6 +50,7 @@ class ServerSettings:
     log_level: str = "info"
     access_log: bool = False
     chat_template: str | None = None    # the template's text (tokenizer_worker.load_chat_template), or the model's
+    engine_process: bool = False        # the engine loop in a process of its own (engine_process.py), not a thread
 
 
 def build_app(ctx: ServingContext, settings: ServerSettings, openai_routes: bool = True) -> FastAPI:
@@ -187,15 +188,27 @@ def default_model_name(model: str | None) -> str:
 def serve(engine_config: EngineConfig, settings: ServerSettings) -> None:
     """Load the model, then serve until SIGTERM/SIGINT; returns after a graceful shutdown."""
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine = Engine(engine_config)
     name = settings.served_model_name or default_model_name(engine_config.model)
     metrics = ServerMetrics(name)
+    if settings.engine_process:
+        from picovllm.entrypoints.openai.engine_process import ProcessAsyncEngine, load_tokenizer
+        async_engine = ProcessAsyncEngine(engine_config, metrics, settings.log_level)   # builds while we go on
+        stop = async_engine.stop
+        try:
+            tokenizer = load_tokenizer(engine_config)
+            async_engine.wait_ready()
+        except Exception as e:
+            stop()
+            raise SystemExit(f"error: {e}") from None
+    else:
+        engine = Engine(engine_config)
+        async_engine, tokenizer, stop = AsyncEngine(engine, metrics), engine.tokenizer, engine.shutdown
     try:
-        worker = TokenizerWorker(engine.tokenizer, settings.chat_template)
+        worker = TokenizerWorker(tokenizer, settings.chat_template)
     except ValueError as e:
-        engine.shutdown()
+        stop()
         raise SystemExit(f"error: {e}") from None
-    ctx = ServingContext(AsyncEngine(engine, metrics), worker, metrics, name)
+    ctx = ServingContext(async_engine, worker, metrics, name)
     app = build_app(ctx, settings)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                             access_log=settings.access_log,

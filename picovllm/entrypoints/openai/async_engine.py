@@ -5,6 +5,10 @@ thread-safe queue (add, abort, shutdown); the loop thread hands each step's Requ
 one call_soon_threadsafe per step, into one asyncio queue per request. RequestOutputs are cumulative
 (full text and token ids so far), so a slow reader may skip to the latest one without losing anything.
 
+EngineClient is the event loop's half (streams, requests, dispatch), which the server talks to; AsyncEngine adds the
+loop thread, and engine_process.ProcessAsyncEngine runs the same loop in a process of its own instead. The loop's
+two ends are seams: _receive (the commands) and _deliver (an iteration's outputs).
+
 This layer knows nothing about HTTP: the OpenAI server (and later a PD role or proxy) sit on top of it.
 """
 from __future__ import annotations
@@ -109,36 +113,30 @@ class RequestStream:
         self._engine._streams.pop(self.request_id, None)
 
 
-class AsyncEngine:
-    def __init__(self, engine: Engine, metrics=None) -> None:
-        self.engine = engine
-        self.metrics = metrics          # ServerMetrics or None; called from the loop thread
+class EngineClient:
+    """The event loop's side of an engine loop: requests go out as commands (`_commands.put`), outputs come back
+    through _dispatch on the event loop. Its subclasses say where the loop runs (start, shutdown, is_running)."""
+
+    def __init__(self, commands, metrics=None) -> None:
+        self.metrics = metrics          # ServerMetrics or None; called where the outputs arrive
         self.stats = EngineStats()
-        self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
-        self._steps = StepLoop(engine, self._take_commands)     # the engine's one loop, run by the thread
-        self._pending: list = []        # this iteration's answers to commands (loop thread only)
+        self._commands = commands       # put(Command): to the loop
         self._streams: dict[str, RequestStream] = {}   # touched only on the event loop
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._publish_stats()
 
-    # -- lifecycle (event loop side) -------------------------------------------------------------
     def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="picovllm-engine", daemon=True)
-        self._thread.start()
+        raise NotImplementedError
+
+    async def shutdown(self) -> None:
+        raise NotImplementedError
 
     @property
     def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        raise NotImplementedError
 
-    async def shutdown(self) -> None:
-        """Abort whatever is still in flight and stop the loop thread."""
-        if self._thread is None:
-            return
-        self._commands.put(Shutdown())
-        await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
-        self._thread = None
+    def model_info(self) -> dict:
+        """What GET /v1/models shows besides the name."""
+        raise NotImplementedError
 
     # -- requests (event loop side) --------------------------------------------------------------
     async def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
@@ -170,6 +168,72 @@ class AsyncEngine:
         """Abort every request in flight: their streams end with finish_reason "abort"."""
         self._commands.put(AbortAll())
 
+    def _finish_outputs(self, outputs: list) -> None:
+        """The finished requests among outputs, to the metrics (wherever the outputs arrive)."""
+        if self.metrics is None:
+            return
+        for out in outputs:
+            if isinstance(out, RequestOutput) and out.finished:
+                self.metrics.observe_finished(out)
+
+    # -- back on the event loop ------------------------------------------------------------------
+    def _dispatch(self, outputs: list) -> None:
+        for out in outputs:
+            if isinstance(out, RequestOutput):
+                stream = self._streams.get(out.request_id)
+                if stream is not None:
+                    stream.put(out)
+                    if out.finished:      # its reader may never come (response never started)
+                        del self._streams[out.request_id]
+                continue
+            rid, item = out
+            stream = self._streams.get(rid)
+            if stream is None:
+                continue
+            if not stream.accepted.done():          # the answer to an AddRequest
+                if item is None:
+                    stream.accepted.set_result(None)
+                else:
+                    stream.accepted.set_exception(item)
+            elif item is not None:
+                stream.put(item)
+
+    def _fail_all_streams(self, why: str) -> None:
+        err = EngineDeadError(why)
+        for stream in list(self._streams.values()):
+            if not stream.accepted.done():
+                stream.accepted.set_exception(err)
+            else:
+                stream.put(err)
+
+
+class AsyncEngine(EngineClient):
+    def __init__(self, engine: Engine, metrics=None) -> None:
+        super().__init__(queue.SimpleQueue(), metrics)
+        self.engine = engine
+        self._steps = StepLoop(engine, self._take_commands)     # the engine's one loop, run by the thread
+        self._pending: list = []        # this iteration's answers to commands (loop thread only)
+        self._thread: threading.Thread | None = None
+        self._publish_stats()
+
+    # -- lifecycle (event loop side) -------------------------------------------------------------
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="picovllm-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    async def shutdown(self) -> None:
+        """Abort whatever is still in flight and stop the loop thread."""
+        if self._thread is None:
+            return
+        self._commands.put(Shutdown())
+        await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+        self._thread = None
+
     # -- the loop thread -------------------------------------------------------------------------
     def _run(self) -> None:
         why = "the engine loop has shut down"
@@ -184,7 +248,7 @@ class AsyncEngine:
             why = "the engine loop crashed"
             raise
         finally:   # nobody will answer requests still waiting (an add that raced the shutdown)
-            self._loop.call_soon_threadsafe(self._fail_all_streams, why)
+            self._deliver_end(why)
 
     def _iteration(self) -> bool:
         engine = self.engine
@@ -207,22 +271,33 @@ class AsyncEngine:
                 self._abort_into(rid, outputs)
         self._finish_outputs(outputs)
         self._publish_stats()
+        self._deliver(outputs)
+        return stepped is not None
+
+    def _deliver(self, outputs: list) -> None:
+        """An iteration's outputs (and answers to commands), to the event loop."""
         if outputs:
             self._loop.call_soon_threadsafe(self._dispatch, outputs)
-        return stepped is not None
+
+    def _deliver_end(self, why: str) -> None:
+        """The loop has ended: nobody will answer what is still waiting."""
+        self._loop.call_soon_threadsafe(self._fail_all_streams, why)
 
     def _take_commands(self, wait_s: float | None) -> bool:
         """StepLoop's input: the commands queued, waiting up to wait_s for the first. False: shut down."""
-        cmds = self._wait_for_command(self._poll_timeout(wait_s))
+        stop = False
+        for cmd in self._receive(self._poll_timeout(wait_s)):
+            stop = self._handle(cmd, self._pending) or stop
+        return not stop
+
+    def _receive(self, timeout_s: float | None) -> list[Command]:
+        """The commands queued, waiting up to timeout_s (None: until one comes) for the first."""
+        cmds = self._wait_for_command(timeout_s)
         while True:
             try:
                 cmds.append(self._commands.get_nowait())
             except queue.Empty:
-                break
-        stop = False
-        for cmd in cmds:
-            stop = self._handle(cmd, self._pending) or stop
-        return not stop
+                return cmds
 
     def _poll_timeout(self, wait_s: float | None) -> float | None:
         """How long to wait on the command queue (a subclass whose engine has a peer polls it)."""
@@ -271,13 +346,6 @@ class AsyncEngine:
         if out is not None:
             outputs.append(out)
 
-    def _finish_outputs(self, outputs: list) -> None:
-        if self.metrics is None:
-            return
-        for out in outputs:
-            if isinstance(out, RequestOutput) and out.finished:
-                self.metrics.observe_finished(out)
-
     def _publish_stats(self) -> None:
         e, bm = self.engine, self.engine.block_manager
         self.stats = EngineStats(len(e.scheduler.running), len(e.scheduler.waiting), bm.num_free_blocks,
@@ -285,35 +353,3 @@ class AsyncEngine:
                                  bm.queried_tokens, bm.hit_tokens)
         if self.metrics:
             self.metrics.observe_engine(self.stats)
-
-    # -- back on the event loop ------------------------------------------------------------------
-    def _dispatch(self, outputs: list) -> None:
-        for out in outputs:
-            if isinstance(out, RequestOutput):
-                stream = self._streams.get(out.request_id)
-                if stream is not None:
-                    stream.put(out)
-                    if out.finished:      # its reader may never come (response never started)
-                        del self._streams[out.request_id]
-                continue
-            rid, item = out
-            stream = self._streams.get(rid)
-            if stream is None:
-                continue
-            if not stream.accepted.done():          # the answer to an AddRequest
-                if item is None:
-                    stream.accepted.set_result(None)
-                else:
-                    stream.accepted.set_exception(item)
-            elif item is not None:
-                stream.put(item)
-
-    def _fail_all_streams(self, why: str) -> None:
-        err = EngineDeadError(why)
-        for stream in list(self._streams.values()):
-            if not stream.accepted.done():
-                stream.accepted.set_exception(err)
-            else:
-                stream.put(err)
-
-

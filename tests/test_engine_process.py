@@ -1,0 +1,134 @@
+"""`picovllm serve --engine-process`: the engine loop in a child process, the HTTP side in the parent.
+
+Oracle: LLM.generate / LLM.chat in this process on the same model (what the thread-mode server is held to in
+test_server.py). Also: an engine-side refusal is still a 400 naming the field, a client that hangs up frees its
+blocks, the child's metrics reach /metrics, a dead child fails in-flight streams cleanly, and SIGTERM stops both
+processes.
+"""
+import os
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+
+from picovllm import LLM, SamplingParams
+from serving_fixtures import ServerProcess, chat_model  # noqa: F401 - a fixture
+
+ENGINE_ARGS = ["--block-size", "16", "--num-kv-blocks", "512", "--max-model-len", "256", "--engine-process"]
+PROMPTS = ["Hello, how are you", "The capital of France is", "Numbers: 0 1 2"]
+
+
+@pytest.fixture(scope="module")
+def server(chat_model, tmp_path_factory):
+    srv = ServerProcess(chat_model, str(tmp_path_factory.mktemp("log") / "server.log"), *ENGINE_ARGS)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                out.append(int(entry))
+    return out
+
+
+def engine_child(server) -> int:
+    """The engine's process among the server's children (the other is multiprocessing's resource tracker)."""
+    for pid in children(server.proc.pid):
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"spawn_main" in f.read():
+                return pid
+    raise AssertionError("no engine process")
+
+
+def idle(server, timeout=20.0) -> dict:
+    deadline = time.time() + timeout
+    while True:
+        m = server.metrics()
+        if m["picovllm:num_requests_running"] == 0 and \
+                m["picovllm:kv_cache_free_blocks"] == m["picovllm:kv_cache_num_blocks"] > 0:
+            return m
+        assert time.time() < deadline, f"server not idle: {m}"
+        time.sleep(0.1)
+
+
+def test_outputs_equal_the_offline_api(server, client, chat_model):
+    llm = LLM(chat_model, block_size=16, num_kv_blocks=512, max_model_len=256)
+    model = client.models.list().data[0]
+    assert model.max_model_len == 256 and model.vocab_size == llm.engine.model_config.vocab_size
+    ref = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12, logprobs=1), use_tqdm=False)
+    for prompt, r in zip(PROMPTS, ref):
+        got = client.completions.create(model=model.id, prompt=prompt, max_tokens=12, temperature=0, logprobs=1)
+        assert got.choices[0].text == r.outputs[0].text
+        assert got.choices[0].logprobs.token_logprobs == pytest.approx(
+            [d[t].logprob for d, t in zip(r.outputs[0].logprobs, r.outputs[0].token_ids)], abs=1e-4)
+        streamed = "".join(c.choices[0].text for c in client.completions.create(
+            model=model.id, prompt=prompt, max_tokens=12, temperature=0, stream=True) if c.choices)
+        assert streamed == r.outputs[0].text
+    conv = [{"role": "user", "content": "Tell me a story about a cat"}]
+    want = llm.chat(conv, SamplingParams(temperature=0.8, seed=3, max_tokens=10), use_tqdm=False)[0].outputs[0]
+    got = client.chat.completions.create(model=model.id, messages=conv, temperature=0.8, seed=3, max_tokens=10)
+    assert got.choices[0].message.content == want.text
+    m = idle(server)
+    assert m["picovllm:requests_total.length"] >= 2 * len(PROMPTS) + 1     # finished requests counted by the parent
+    assert m["picovllm:decode_tokens_total"] > 0                            # the child's stats
+
+
+def test_engine_refusals_and_hang_ups(server, client, chat_model):
+    model = client.models.list().data[0]
+    with pytest.raises(openai.BadRequestError) as e:       # checked by the engine, in the child
+        client.completions.create(model=model.id, prompt="Hi", max_tokens=2,
+                                  extra_body={"allowed_token_ids": [model.vocab_size + 5]})
+    assert e.value.body["param"] == "allowed_token_ids"
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=30,
+                      json={"prompt": "Hello", "max_tokens": 200, "stream": True, "ignore_eos": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data:"):
+                break                                       # hang up after the first chunk
+    idle(server)                                            # the abort reached the child: every block is free
+
+
+def test_a_dead_engine_process_fails_streams_and_health(chat_model, tmp_path):
+    srv = ServerProcess(chat_model, str(tmp_path / "server.log"), *ENGINE_ARGS)
+    try:
+        child = engine_child(srv)
+        with httpx.stream("POST", srv.url + "/v1/completions", timeout=60,
+                          json={"prompt": "Hello", "max_tokens": 240, "stream": True, "ignore_eos": True}) as r:
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data:"))
+            os.kill(child, signal.SIGKILL)
+            rest = [line for line in lines if line.startswith("data:")]
+        assert rest[-1] == "data: [DONE]" and '"error"' in rest[-2], rest[-3:]     # ended with an error, not cut
+        assert httpx.get(srv.url + "/health").status_code == 503
+    finally:
+        assert srv.stop() == 0, srv.log()
+
+
+def test_sigterm_stops_both_processes(chat_model, tmp_path):
+    srv = ServerProcess(chat_model, str(tmp_path / "server.log"), *ENGINE_ARGS)
+    child = engine_child(srv)
+    assert srv.stop(signal.SIGTERM) == 0, srv.log()
+    deadline = time.time() + 10
+    while os.path.exists(f"/proc/{child}") and time.time() < deadline:
+        time.sleep(0.1)
+    assert not os.path.exists(f"/proc/{child}"), "the engine process outlived the server"
+
+
+def test_refused_for_disaggregated_roles(chat_model, tmp_path):
+    srv = ServerProcess(chat_model, str(tmp_path / "server.log"), "--role", "p", "--engine-process",
+                        startup_timeout=None)
+    assert srv.proc.wait(120) != 0 and "--engine-process" in srv.log()
