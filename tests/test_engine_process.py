@@ -3,7 +3,7 @@
 Oracle: LLM.generate / LLM.chat in this process on the same model (what the thread-mode server is held to in
 test_server.py). Also: an engine-side refusal is still a 400 naming the field, a client that hangs up frees its
 blocks, the child's metrics reach /metrics, a dead child fails in-flight streams cleanly, and SIGTERM stops both
-processes.
+processes (the module server's teardown).
 """
 import os
 import signal
@@ -22,9 +22,15 @@ PROMPTS = ["Hello, how are you", "The capital of France is", "Numbers: 0 1 2"]
 
 @pytest.fixture(scope="module")
 def server(chat_model, tmp_path_factory):
+    """The module's server; at the end, SIGTERM must stop both of its processes."""
     srv = ServerProcess(chat_model, str(tmp_path_factory.mktemp("log") / "server.log"), *ENGINE_ARGS)
     yield srv
-    srv.stop()
+    child = engine_child(srv)
+    assert srv.stop(signal.SIGTERM) == 0, srv.log()
+    deadline = time.time() + 10
+    while os.path.exists(f"/proc/{child}") and time.time() < deadline:
+        time.sleep(0.1)
+    assert not os.path.exists(f"/proc/{child}"), "the engine process outlived the server"
 
 
 @pytest.fixture(scope="module")
@@ -118,17 +124,7 @@ def test_a_dead_engine_process_fails_streams_and_health(chat_model, tmp_path):
         assert srv.stop() == 0, srv.log()
 
 
-def test_sigterm_stops_both_processes(chat_model, tmp_path):
-    srv = ServerProcess(chat_model, str(tmp_path / "server.log"), *ENGINE_ARGS)
-    child = engine_child(srv)
-    assert srv.stop(signal.SIGTERM) == 0, srv.log()
-    deadline = time.time() + 10
-    while os.path.exists(f"/proc/{child}") and time.time() < deadline:
-        time.sleep(0.1)
-    assert not os.path.exists(f"/proc/{child}"), "the engine process outlived the server"
-
-
-def test_refused_for_disaggregated_roles(chat_model, tmp_path):
-    srv = ServerProcess(chat_model, str(tmp_path / "server.log"), "--role", "p", "--engine-process",
-                        startup_timeout=None)
-    assert srv.proc.wait(120) != 0 and "--engine-process" in srv.log()
+def test_refused_for_disaggregated_roles(chat_model):
+    from picovllm.entrypoints.cli import main
+    with pytest.raises(SystemExit, match="--engine-process"):       # before anything loads
+        main(["serve", "--model", chat_model, "--role", "p", "--engine-process"])
