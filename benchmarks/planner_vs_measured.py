@@ -76,6 +76,7 @@ def main() -> None:
     p.add_argument("--itl-slo-ms", default="20")
     p.add_argument("--dtype", default="float32", help="the checkpoint's and the engines' dtype")
     p.add_argument("--num-kv-blocks", default="2048")
+    p.add_argument("--engine-process", action="store_true", help="the colocated server with serve --engine-process")
     p.add_argument("--rate-per-client", type=float, default=20.0,
                    help="bench serve gets a client process per this many requests/s (--num-workers)")
     args = p.parse_args()
@@ -86,7 +87,8 @@ def main() -> None:
     profile = os.path.join(args.out, "profile.json")
     subprocess.run([*CLI, "plan", "--measure-profile", "--profile", profile, "--model", model, *engine], check=True)
     measured = []
-    proc, url = start(args.out, "colocated", "serve", "--model", model, *engine)
+    proc, url = start(args.out, "colocated", "serve", "--model", model, *engine,
+                      *(["--engine-process"] if args.engine_process else []))
     try:
         for rate in args.rates:
             path = os.path.join(args.out, f"bench_colocated_{rate:g}.json")
