@@ -124,6 +124,40 @@ def test_a_dead_engine_process_fails_streams_and_health(chat_model, tmp_path):
         assert srv.stop() == 0, srv.log()
 
 
+def test_output_deltas_rebuild_every_output(chat_model):
+    """What crosses the pipe each step is what changed: decoded, every engine output equals the original (the
+    metrics ride with the last one only), through stop strings that trim the text, logprobs, prompt logprobs that
+    grow over prefill chunks, and an abort."""
+    import dataclasses
+    from picovllm.entrypoints.openai.engine_process import OutputDeltas, OutputsFromDeltas
+    llm = LLM(chat_model, block_size=16, num_kv_blocks=512, max_model_len=256, max_num_batched_tokens=8)
+    eng, enc, dec = llm.engine, OutputDeltas(), OutputsFromDeltas()
+    tok = llm.get_tokenizer()
+    plain = llm.generate(["Tell me a story"], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0]
+    stop = plain.outputs[0].text[6:9]                  # a stop string the greedy text runs into
+    eng.add_request("Tell me a story", SamplingParams(temperature=0, max_tokens=12, stop=[stop]), "stop")
+    eng.add_request(tok.encode("Numbers: 0 1 2 3 4 5"), SamplingParams(temperature=0.9, seed=1, max_tokens=10,
+                                                                       logprobs=2, prompt_logprobs=1), "scored")
+    eng.add_request("Hello there", SamplingParams(temperature=0, max_tokens=50, ignore_eos=True), "aborted")
+    seen, kinds = 0, set()
+    for step in range(200):
+        outs = eng.step()
+        if step == 6:
+            outs.append(eng.abort("aborted"))
+        for out in outs:
+            msg = enc.encode(out)
+            kinds.add(msg[0])
+            got = dec.decode(msg)
+            if not out.finished:
+                got, out = dataclasses.replace(got, metrics=None), dataclasses.replace(out, metrics=None)
+            assert got == out, (step, out.request_id)
+            seen += 1
+        if not eng.has_unfinished_requests():
+            break
+    assert kinds == {"whole", "delta"} and seen > 20
+    assert not enc._sent and not dec._last                  # nothing kept for finished requests
+
+
 def test_refused_for_disaggregated_roles(chat_model):
     from picovllm.entrypoints.cli import main
     with pytest.raises(SystemExit, match="--engine-process"):       # before anything loads
