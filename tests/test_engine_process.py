@@ -158,6 +158,16 @@ def test_output_deltas_rebuild_every_output(chat_model):
     assert not enc._sent and not dec._last                  # nothing kept for finished requests
 
 
+def test_a_model_the_engine_refuses_ends_the_server_as_the_thread_does(tmp_path):
+    """Engine() raising in the child: the command line reports it as it reports the thread's (exit 2, the reason)."""
+    bad = tmp_path / "model"
+    bad.mkdir()
+    (bad / "config.json").write_text('{"architectures": ["NoSuchForCausalLM"], "model_type": "nope"}')
+    srv = ServerProcess(str(bad), str(tmp_path / "server.log"), "--engine-process", startup_timeout=None)
+    assert srv.proc.wait(120) == 2
+    assert "error: config.json architectures=['NoSuchForCausalLM']: unsupported architecture" in srv.log()
+
+
 def test_refused_for_disaggregated_roles(chat_model):
     from picovllm.entrypoints.cli import main
     with pytest.raises(SystemExit, match="--engine-process"):       # before anything loads

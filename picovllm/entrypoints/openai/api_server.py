@@ -197,9 +197,9 @@ def serve(engine_config: EngineConfig, settings: ServerSettings) -> None:
         try:
             tokenizer = load_tokenizer(engine_config)
             async_engine.wait_ready()
-        except Exception as e:
+        except BaseException:       # a ValueError reaches the command line as the thread's Engine() would raise it
             stop()
-            raise SystemExit(f"error: {e}") from None
+            raise
     else:
         engine = Engine(engine_config)
         async_engine, tokenizer, stop = AsyncEngine(engine, metrics), engine.tokenizer, engine.shutdown

@@ -132,14 +132,17 @@ class ProcessAsyncEngine(EngineClient):
         atexit.register(cmd_write.close)
 
     def wait_ready(self) -> None:
-        """Block until the child has built its engine. RuntimeError with the child's reason if it could not."""
+        """Block until the child has built its engine. If it could not: ValueError (a bad configuration, as Engine()
+        raises it) or RuntimeError, with the child's reason."""
         try:
             kind, body = self._out.recv()
         except (EOFError, OSError):
-            kind, body = "failed", f"the engine process exited with code {self._proc.join(5) or self._proc.exitcode}"
+            self._proc.join(5)
+            kind, body = "failed", ("RuntimeError", f"the engine process exited with code {self._proc.exitcode}")
         if kind != "ready":
             self._proc.join(10)
-            raise RuntimeError(body)
+            error, why = body
+            raise (ValueError if error == "ValueError" else RuntimeError)(why)
         self._model_info = body
 
     def model_info(self) -> dict:
@@ -239,9 +242,12 @@ def _child_main(config: EngineConfig, commands, results, log_level: str) -> None
     from picovllm.engine.llm_engine import Engine, freeze_for_serving
     try:
         engine = Engine(config)
+    except ValueError as e:     # a configuration the engine refuses: the parent reports it as the thread would
+        results.send(("failed", ("ValueError", str(e))))
+        return
     except Exception as e:      # noqa: BLE001 - the parent reports it and exits
         logger.exception("the engine could not be built")
-        results.send(("failed", f"the engine could not be built: {type(e).__name__}: {e}"))
+        results.send(("failed", ("RuntimeError", f"the engine could not be built: {type(e).__name__}: {e}")))
         return
     loop = _ChildLoop(engine, commands, results)
     freeze_for_serving()        # this process lives as long as the server
