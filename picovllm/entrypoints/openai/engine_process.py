@@ -74,6 +74,7 @@ class OutputsFromDeltas:
     def decode(self, msg: tuple) -> RequestOutput:
         if msg[0] == "whole":
             out = msg[1]
+            self._last.pop(out.request_id, None)
         else:
             (_, rid, tokens, k, text, logprobs, cumulative, finish_reason, stop_reason, finished, error, cached,
              metrics, kv_handover) = msg
