@@ -521,6 +521,27 @@ def test_tokens_as_ids_and_continuous_usage(server, client, llm):
     assert_idle(server)
 
 
+def test_spaces_between_special_tokens_as_hf_decodes(server, client, llm):
+    """Adjacent special tokens in the text (skip_special_tokens: false): both values of the flag give what HF's
+    tokenizer.decode gives with it (a fast tokenizer puts no space there either way)."""
+    model = client.models.list().data[0].id
+    tok = llm.get_tokenizer()
+    special = tok.convert_tokens_to_ids("<|im_start|>")
+    for flag in (True, False):
+        got = client.completions.create(model=model, prompt="Hello", max_tokens=3, temperature=0, logprobs=0,
+                                        extra_body={"skip_special_tokens": False, "ignore_eos": True,
+                                                    "logit_bias": {str(special): 100},
+                                                    "spaces_between_special_tokens": flag,
+                                                    "return_tokens_as_token_ids": True}).choices[0]
+        ids = [int(t.split(":")[1]) for t in got.logprobs.tokens]
+        assert ids == [special] * 3
+        assert got.text == tok.decode(ids, skip_special_tokens=False, spaces_between_special_tokens=flag)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=model, prompt="Hello", max_tokens=1,
+                                  extra_body={"spaces_between_special_tokens": "no"})
+    assert e.value.body["param"] == "spaces_between_special_tokens"
+
+
 def test_bad_words_served_as_llm_generate(server, client, llm):
     """bad_words (checked against HF in test_bad_words.py) reach the engine from both endpoints, streamed or not;
     what cannot be honoured with them is a 400 naming the field."""

@@ -41,6 +41,14 @@ class ServingContext:
             raise APIError(400, f"model {model!r} does not exist; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
 
+    def check_special_token_spaces(self, spaces: bool) -> None:
+        """spaces_between_special_tokens: false is what a fast tokenizer's decode does anyway (HF's, ours); a slow
+        one would put spaces there, which the engine's detokenizer does not take out: refused."""
+        tok = self.tokenizer.tokenizer
+        if not spaces and tok is not None and not getattr(tok, "is_fast", True):
+            raise APIError(400, "spaces_between_special_tokens: false is not supported with this model's (slow) "
+                                "tokenizer", param="spaces_between_special_tokens")
+
     async def add(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
                   arrival_time: float) -> RequestStream:
         try:

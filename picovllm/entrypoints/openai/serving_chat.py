@@ -24,6 +24,7 @@ class ChatHandler:
         arrival = time.time()
         ctx = self.ctx
         ctx.check_model(req.model)
+        ctx.check_special_token_spaces(req.spaces_between_special_tokens)
         k = req.num_logprobs
         if req.stream and req.prompt_logprobs is not None:
             raise APIError(400, "prompt_logprobs is not supported with stream=true in chat completions "

@@ -24,6 +24,7 @@ class CompletionHandler:
         arrival = time.time()
         ctx = self.ctx
         ctx.check_model(req.model)
+        ctx.check_special_token_spaces(req.spaces_between_special_tokens)
         prompt = req.single_prompt()
         params = req.sampling_params(req.max_tokens, req.logprobs)
         samples = req.samples(params)
