@@ -15,6 +15,7 @@ import pytest
 
 from picovllm import LLM, SamplingParams
 from serving_fixtures import ServerProcess, chat_model  # noqa: F401 - a fixture
+from test_server_lifecycle import children_of
 
 ENGINE_ARGS = ["--block-size", "16", "--num-kv-blocks", "512", "--max-model-len", "256", "--engine-process"]
 PROMPTS = ["Hello, how are you", "The capital of France is", "Numbers: 0 1 2"]
@@ -38,23 +39,9 @@ def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
 
 
-def children(pid: int) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid:
-                out.append(int(entry))
-    return out
-
-
 def engine_child(server) -> int:
     """The engine's process among the server's children (the other is multiprocessing's resource tracker)."""
-    for pid in children(server.proc.pid):
+    for pid in children_of(server.proc.pid):
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             if b"spawn_main" in f.read():
                 return pid

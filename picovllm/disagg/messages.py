@@ -429,7 +429,7 @@ def output_from_wire(d: dict) -> RequestOutput:
                          d.get("error"), d.get("num_cached_tokens", 0), kv_handover=d.get("kv_handover"))
 
 
-def _common_prefix(a, b) -> int:
+def common_prefix(a, b) -> int:
     """Length of the common prefix of two sequences (strings or lists); a is usually a prefix of b."""
     n = min(len(a), len(b))
     if a[:n] == b[:n]:
@@ -459,13 +459,13 @@ class OutputEncoder:
             return {"output": output_to_wire(out)}
         comps = []
         for prev, c in zip(last, out.outputs):
-            t = _common_prefix(prev.token_ids, c.token_ids)
-            s = _common_prefix(prev.text, c.text)
+            t = common_prefix(prev.token_ids, c.token_ids)
+            s = common_prefix(prev.text, c.text)
             comp = {"index": c.index, "token_start": t, "token_ids": c.token_ids[t:], "text_start": s,
                     "text": c.text[s:], "cumulative_logprob": c.cumulative_logprob,
                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
             if c.logprobs is not None:
-                k = _common_prefix(prev.logprobs or [], c.logprobs)
+                k = common_prefix(prev.logprobs or [], c.logprobs)
                 comp["logprobs_start"], comp["logprobs"] = k, _steps_to_wire(c.logprobs[k:])
             comps.append(comp)
         delta = {"request_id": out.request_id, "finished": out.finished, "error": out.error,

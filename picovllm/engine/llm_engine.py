@@ -63,6 +63,13 @@ def role_connector(role: str) -> KVConnector | None:
 _gc_frozen = False      # the first Engine of this process has frozen what existed before it (Engine.__init__)
 
 
+def tokenizer_of(source, config: EngineConfig):
+    """The tokenizer an engine of this config uses: the model source's, or None (none there, skip_tokenizer_init)."""
+    if config.skip_tokenizer_init or source.load_tokenizer is None:
+        return None
+    return source.load_tokenizer()
+
+
 def freeze_for_serving() -> None:
     """A serving process, its engine built and its app about to serve until the process ends: collect, then take
     what exists out of the collector's reach, as the first engine did with the imports. The engine's warm-up, CUDA
@@ -93,9 +100,7 @@ class Engine:
             gc.freeze()
         source = open_model_source(config.model, config.disk_cache)
         self.model_config = source.config
-        self.tokenizer = None
-        if not config.skip_tokenizer_init and source.load_tokenizer is not None:
-            self.tokenizer = source.load_tokenizer()
+        self.tokenizer = tokenizer_of(source, config)
         self.eos_token_ids = list(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None \
                 and self.tokenizer.eos_token_id not in self.eos_token_ids:

@@ -25,6 +25,7 @@ import threading
 from typing import Any
 
 from picovllm.config import EngineConfig
+from picovllm.disagg.messages import common_prefix
 from picovllm.entrypoints.openai.async_engine import AsyncEngine, Command, EngineClient, Shutdown
 from picovllm.outputs import CompletionOutput, RequestOutput
 
@@ -32,12 +33,10 @@ logger = logging.getLogger(__name__)
 
 
 def load_tokenizer(config: EngineConfig):
-    """The tokenizer the engine would load for itself (None without one), for the HTTP side."""
+    """The tokenizer the engine loads for itself (None without one), for the HTTP side."""
+    from picovllm.engine.llm_engine import tokenizer_of
     from picovllm.loader import open_model_source
-    if config.skip_tokenizer_init:
-        return None
-    source = open_model_source(config.model, config.disk_cache)
-    return source.load_tokenizer() if source.load_tokenizer is not None else None
+    return tokenizer_of(open_model_source(config.model, config.disk_cache), config)
 
 
 class OutputDeltas:
@@ -58,7 +57,7 @@ class OutputDeltas:
         if prev is None or c is None or len(c.token_ids) < prev[0] or len(out.prompt_logprobs or ()) != prev[2]:
             return ("whole", out)
         t, text, _ = prev
-        k = len(text) if c.text.startswith(text) else _common_prefix(text, c.text)   # a stop string trims the end
+        k = common_prefix(text, c.text)    # the text so far, unless a stop string trimmed its end
         return ("delta", rid, c.token_ids[t:], k, c.text[k:], None if c.logprobs is None else c.logprobs[t:],
                 c.cumulative_logprob, c.finish_reason, c.stop_reason, out.finished, out.error, out.num_cached_tokens,
                 out.metrics if out.finished else None, out.kv_handover)
@@ -88,13 +87,6 @@ class OutputsFromDeltas:
         if not out.finished:
             self._last[out.request_id] = out
         return out
-
-
-def _common_prefix(a: str, b: str) -> int:
-    i, n = 0, min(len(a), len(b))
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 class _PipeCommands:
