@@ -77,15 +77,21 @@ def main() -> None:
     p.add_argument("--dtype", default="float32", help="the checkpoint's and the engines' dtype")
     p.add_argument("--num-kv-blocks", default="2048")
     p.add_argument("--engine-process", action="store_true", help="the colocated server with serve --engine-process")
+    p.add_argument("--reuse", metavar="DIR", help="take the checkpoint and profile.json of an earlier run's OUT_DIR "
+                   "(an A/B of serve options over one profile)")
     p.add_argument("--rate-per-client", type=float, default=20.0,
                    help="bench serve gets a client process per this many requests/s (--num-workers)")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
     engine = [*ENGINE, "--dtype", args.dtype, "--num-kv-blocks", args.num_kv_blocks]
-    model = make_random_checkpoint(os.path.join(args.out, "model"), args.preset, args.dtype, 0)
-    write_word_tokenizer(model, resolve_config(args.preset)["vocab_size"])
-    profile = os.path.join(args.out, "profile.json")
-    subprocess.run([*CLI, "plan", "--measure-profile", "--profile", profile, "--model", model, *engine], check=True)
+    if args.reuse:
+        model, profile = os.path.join(args.reuse, "model"), os.path.join(args.reuse, "profile.json")
+    else:
+        model = make_random_checkpoint(os.path.join(args.out, "model"), args.preset, args.dtype, 0)
+        write_word_tokenizer(model, resolve_config(args.preset)["vocab_size"])
+        profile = os.path.join(args.out, "profile.json")
+        subprocess.run([*CLI, "plan", "--measure-profile", "--profile", profile, "--model", model, *engine],
+                       check=True)
     measured = []
     proc, url = start(args.out, "colocated", "serve", "--model", model, *engine,
                       *(["--engine-process"] if args.engine_process else []))

@@ -1,9 +1,10 @@
-"""`picovllm serve --engine-process`: the engine loop in a child process, the HTTP side in the parent.
+"""`picovllm serve`'s engine loop in a child process (the default, --engine-process), the HTTP side in the parent;
+and the same server with the loop as a thread beside it (--no-engine-process).
 
-Oracle: LLM.generate / LLM.chat in this process on the same model (what the thread-mode server is held to in
-test_server.py). Also: an engine-side refusal is still a 400 naming the field, a client that hangs up frees its
-blocks, the child's metrics reach /metrics, a dead child fails in-flight streams cleanly, and SIGTERM stops both
-processes (the module server's teardown).
+Oracle: LLM.generate / LLM.chat in this process on the same model. Also, in both modes: an engine-side refusal is
+still a 400 naming the field, a client that hangs up frees its blocks, the engine's metrics reach /metrics. With the
+engine process: a dead child fails in-flight streams cleanly, and SIGTERM stops both processes (the module server's
+teardown). The P and D servers' two modes: test_pd_serving.py and test_pd_router.py.
 """
 import os
 import signal
@@ -15,23 +16,25 @@ import pytest
 
 from picovllm import LLM, SamplingParams
 from serving_fixtures import ServerProcess, chat_model  # noqa: F401 - a fixture
-from test_server_lifecycle import children_of
+from test_server_lifecycle import assert_exited, children_of
 
-ENGINE_ARGS = ["--block-size", "16", "--num-kv-blocks", "512", "--max-model-len", "256", "--engine-process"]
+ENGINE_ARGS = ["--block-size", "16", "--num-kv-blocks", "512", "--max-model-len", "256"]
 PROMPTS = ["Hello, how are you", "The capital of France is", "Numbers: 0 1 2"]
 
 
-@pytest.fixture(scope="module")
-def server(chat_model, tmp_path_factory):
-    """The module's server; at the end, SIGTERM must stop both of its processes."""
-    srv = ServerProcess(chat_model, str(tmp_path_factory.mktemp("log") / "server.log"), *ENGINE_ARGS)
+@pytest.fixture(scope="module", params=["process", "thread"])
+def server(request, chat_model, tmp_path_factory):
+    """The module's server, each mode; at the end, SIGTERM must stop every process of it."""
+    mode = [] if request.param == "process" else ["--no-engine-process"]
+    srv = ServerProcess(chat_model, str(tmp_path_factory.mktemp("log") / "server.log"), *ENGINE_ARGS, *mode)
+    kids = children_of(srv.proc.pid)
+    if request.param == "process":
+        engine_child(srv)
+    else:
+        assert not kids, "a thread-mode server started a process"
     yield srv
-    child = engine_child(srv)
     assert srv.stop(signal.SIGTERM) == 0, srv.log()
-    deadline = time.time() + 10
-    while os.path.exists(f"/proc/{child}") and time.time() < deadline:
-        time.sleep(0.1)
-    assert not os.path.exists(f"/proc/{child}"), "the engine process outlived the server"
+    assert_exited(kids)
 
 
 @pytest.fixture(scope="module")
@@ -150,12 +153,7 @@ def test_a_model_the_engine_refuses_ends_the_server_as_the_thread_does(tmp_path)
     bad = tmp_path / "model"
     bad.mkdir()
     (bad / "config.json").write_text('{"architectures": ["NoSuchForCausalLM"], "model_type": "nope"}')
-    srv = ServerProcess(str(bad), str(tmp_path / "server.log"), "--engine-process", startup_timeout=None)
+    srv = ServerProcess(str(bad), str(tmp_path / "server.log"), startup_timeout=None)
     assert srv.proc.wait(120) == 2
     assert "error: config.json architectures=['NoSuchForCausalLM']: unsupported architecture" in srv.log()
 
-
-def test_refused_for_disaggregated_roles(chat_model):
-    from picovllm.entrypoints.cli import main
-    with pytest.raises(SystemExit, match="--engine-process"):       # before anything loads
-        main(["serve", "--model", chat_model, "--role", "p", "--engine-process"])

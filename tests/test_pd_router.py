@@ -6,7 +6,6 @@ rotation, and P ends with every block free; a D started with --router joins and 
 stops every process cleanly. The routing policies are checked on their own first (no processes).
 """
 import json
-import os
 import signal
 import time
 
@@ -22,7 +21,7 @@ from picovllm.disagg.transfer import PULL_BACKENDS
 from picovllm.entrypoints.openai.cli_serve import FLEET_ONLY_BACKENDS
 from serving_fixtures import ServerProcess, build_tiny_chat_model
 from test_pd_serving import wait_idle
-from test_server_lifecycle import children_of
+from test_server_lifecycle import assert_exited, children_of
 
 ENGINE_ARGS = ["--block-size", "16", "--num-kv-blocks", "256", "--max-model-len", "1024"]
 SECRET = "router-test-secret-0123456789"
@@ -128,7 +127,8 @@ def signed(method: str, url: str, path: str, body: dict | None = None, secret: s
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
-    """1 P and 2 D instances behind a router (decode policy round_robin, so both Ds take work)."""
+    """1 P and 2 D instances behind a router (decode policy round_robin, so both Ds take work); d1's engine loop is
+    a thread (--no-engine-process), the others' run in processes of their own (the default)."""
     root = tmp_path_factory.mktemp("fleet")
     model = build_tiny_chat_model(str(root / "model"), max_position_embeddings=2048)
     secret_file = root / "secret"
@@ -142,8 +142,8 @@ def fleet(tmp_path_factory):
         return procs[name]
 
     try:
-        for name, role in (("p", "p"), ("d0", "d"), ("d1", "d")):
-            instance(name, role)
+        for name, role, *extra in (("p", "p"), ("d0", "d"), ("d1", "d", "--no-engine-process")):
+            instance(name, role, *extra)
         for srv in procs.values():
             srv.wait_ready(180.0)
         procs["router"] = ServerProcess(None, str(root / "router.log"), "--prefill", procs["p"].url, "--decode",
@@ -258,4 +258,4 @@ def test_sigterm_stops_every_process_cleanly(fleet):
             continue
         kids = children_of(srv.proc.pid)
         assert srv.stop(signal.SIGTERM, timeout=30) == 0, srv.log()[-3000:]
-        assert not [k for k in kids if os.path.exists(f"/proc/{k}")]
+        assert_exited(kids)

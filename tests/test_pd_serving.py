@@ -6,7 +6,6 @@ stops all three processes cleanly (exit 0, no process left); the P/D secret: a D
 with the wrong one is refused and stops, naming the flag, unsigned /pd calls get 401, and the pairs
 serve on, every block free."""
 import json
-import os
 import signal
 import time
 
@@ -18,7 +17,7 @@ from picovllm import LLM, SamplingParams
 from picovllm.disagg.auth import FleetSecret, sign_request
 from picovllm.disagg.messages import OutputDecoder
 from serving_fixtures import ServerProcess, build_tiny_chat_model, free_port
-from test_server_lifecycle import children_of
+from test_server_lifecycle import assert_exited, children_of
 
 ENGINE_ARGS = ["--block-size", "16", "--num-kv-blocks", "256", "--max-model-len", "1024"]
 PROMPTS = ["Hello, how are you", "The capital of France is", "Tell me a story about a cat"]
@@ -34,7 +33,8 @@ def start_proxy(log_path: str, prefill: list[str], decode: list[str], secret_fil
 def start_pairs(model: str, logdir, n: int, secret_file: str) -> tuple[list[dict[str, ServerProcess]], ServerProcess]:
     """n P-D server pairs, each linked on a fresh port, all started at once (a P is up once its D linked).
     Before pair 0's own D, a D server with the wrong secret tries P0's port: P0 refuses it and waits on;
-    the impostor stops (returned, exited)."""
+    the impostor stops (returned, exited). Pair 1's servers run their engine loops as threads
+    (--no-engine-process), the others in processes of their own (the default)."""
     wrong = logdir / "wrong.secret"
     wrong.write_text("not-the-pd-secret-0123456789\n")
     pairs, impostor = [], None
@@ -47,7 +47,8 @@ def start_pairs(model: str, logdir, n: int, secret_file: str) -> tuple[list[dict
                                          "--pd-secret-file", str(wrong), startup_timeout=None)
                 impostor.proc.wait(180)
             pair[role] = ServerProcess(model, str(logdir / f"{role}{i}.log"), "--role", role, *extra, *ENGINE_ARGS,
-                                       "--pd-secret-file", secret_file, startup_timeout=None)
+                                       "--pd-secret-file", secret_file, *(["--no-engine-process"] if i == 1 else []),
+                                       startup_timeout=None)
         pairs.append(pair)
     for pair in pairs:
         for srv in pair.values():
@@ -270,4 +271,4 @@ def test_sigterm_stops_every_process_cleanly(cluster):
     for srv in [cluster["proxy"]] + [s for s in all_servers(cluster) if s not in cluster.get("dead", [])]:
         kids = children_of(srv.proc.pid)
         assert srv.stop(signal.SIGTERM, timeout=30) == 0, srv.log()[-3000:]
-        assert not [k for k in kids if os.path.exists(f"/proc/{k}")]
+        assert_exited(kids)

@@ -35,6 +35,16 @@ def children_of(pid: int) -> list[int]:
     return out
 
 
+def assert_exited(pids, timeout_s: float = 10.0) -> None:
+    """Every one of pids ends within timeout_s of the server's exit (multiprocessing's resource tracker, a child of
+    a server with an engine process, ends on its own once the server's end of its pipe has closed)."""
+    deadline = time.time() + timeout_s
+    while [p for p in pids if os.path.exists(f"/proc/{p}")] and time.time() < deadline:
+        time.sleep(0.05)
+    left = [p for p in pids if os.path.exists(f"/proc/{p}")]
+    assert not left, f"children {left} outlived the server"
+
+
 def stream_tokens(url: str, body: dict, result: dict, first: threading.Event) -> None:
     """Read an SSE completion stream to its end, recording text, finish_reason and whether [DONE] came."""
     text, finish, done = "", None, False
@@ -100,8 +110,7 @@ def test_api_key_and_graceful_sigterm(long_context_model, tmp_path):
     assert "error" not in long and long["finish"] == "abort" and long["done"], long   # cut off, but cleanly
     assert GRACE <= elapsed < GRACE + 5, elapsed
     assert "aborting the requests still running" in srv.log()
-    for pid in kids:
-        assert not os.path.exists(f"/proc/{pid}"), f"child {pid} outlived the server"
+    assert_exited(kids)
     with pytest.raises(httpx.ConnectError):
         httpx.get(srv.url + "/health", timeout=5)
 

@@ -48,10 +48,7 @@ class FleetDecodeConnector(KVConnector):
 
     def check(self, offer: PublishedKV) -> None:
         """ValueError or TypeError naming what is wrong with an offer, before it is made (any thread)."""
-        request_from_handover(offer.request, self.block_size)
-        if offer.request.request_id != offer.handle.request_id:
-            raise ValueError(f"handle.request_id {offer.handle.request_id!r} is not request.request_id "
-                             f"{offer.request.request_id!r}")
+        check_offer(offer, self.block_size)
 
     def offer(self, offer: PublishedKV) -> None:
         """A request to decode (any thread): queued by the next poll()."""
@@ -149,3 +146,12 @@ class FleetDecodeConnector(KVConnector):
         else:
             self.stats["pulled"] += 1
             rep.arrived.append(rid)
+
+
+def check_offer(offer: PublishedKV, block_size: int) -> None:
+    """ValueError or TypeError naming what is wrong with an offer to a D of this block size (the HTTP side checks it
+    before the engine's loop takes it)."""
+    request_from_handover(offer.request, block_size)
+    if offer.request.request_id != offer.handle.request_id:
+        raise ValueError(f"handle.request_id {offer.handle.request_id!r} is not request.request_id "
+                         f"{offer.request.request_id!r}")

@@ -25,6 +25,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
+from functools import partial
 
 import httpx
 from fastapi import FastAPI, Request
@@ -32,13 +33,16 @@ from fastapi.responses import StreamingResponse
 
 from picovllm.config import EngineConfig
 from picovllm.disagg.auth import FleetSecret, sign_request
-from picovllm.disagg.fleet_decode import FleetDecodeConnector
+from picovllm.disagg.fleet_decode import FleetDecodeConnector, check_offer
 from picovllm.disagg.fleet_prefill import FleetPrefillConnector
 from picovllm.disagg.messages import PublishedKV, from_wire
-from picovllm.disagg.pd_http import PDAsyncEngine, add_prefill_route, listen_response, run_pd_server, setup_logging
+from picovllm.disagg.pd_http import (PDAsyncEngine, PDClient, ProcessPDEngine, add_prefill_route, listen_response,
+                                     run_pd_server, setup_logging)
 from picovllm.disagg.transfer import PULL_BACKENDS, PullConfig
 from picovllm.engine.llm_engine import Engine
-from picovllm.entrypoints.openai.api_server import ServerSettings
+from picovllm.entrypoints.openai.api_server import ServerSettings, default_model_name
+from picovllm.entrypoints.openai.engine_process import PipeEnds, open_async_engine
+from picovllm.entrypoints.openai.metrics import ServerMetrics
 from picovllm.entrypoints.openai.protocol import APIError
 from picovllm.entrypoints.openai.serving import ServingContext
 
@@ -77,47 +81,59 @@ class FleetAsyncEngine(PDAsyncEngine):
             return 0
         return self.busy_poll_s if self.engine.connector.transfers_in_flight else self.poll_s
 
+    def role_info(self) -> dict:
+        e = self.engine
+        t = e.connector.transfer
+        return {"role": e.config.role, "fleet": True, "instance_id": t.config.instance_id, "backend": t.name,
+                "kv_address": t.address if e.config.role == "p" else None, "block_size": e.config.block_size,
+                "layout": dict(t.layout.__dict__)}
+
+    def _connector_stats(self) -> dict:
+        return dict(self.engine.connector.stats)
+
+
+class FleetChildLoop(PipeEnds, FleetAsyncEngine):
+    """FleetAsyncEngine's loop in a fleet instance's engine process."""
+
 
 def add_fleet_routes(app: FastAPI, ctx: ServingContext, role: str) -> None:
-    engine: PDAsyncEngine = ctx.engine
-    connector = engine.engine.connector
+    engine: PDClient = ctx.engine
 
     @app.get("/pd/info")
     async def info() -> dict:
-        t = connector.transfer
-        return {"role": role, "fleet": True, "instance_id": t.config.instance_id, "backend": t.name,
-                "kv_address": t.address if role == "p" else None, "block_size": engine.engine.config.block_size,
-                "layout": t.layout.__dict__}
+        return engine.role_info()
 
     @app.get("/pd/load")
     async def load() -> dict:
         s = engine.stats
         return {"running": s.num_running, "waiting": s.num_waiting, "free_blocks": s.num_free_blocks,
                 "num_blocks": s.num_blocks, "kv_usage": 1.0 - s.num_free_blocks / max(s.num_blocks, 1),
-                "alive": engine.is_running, **connector.stats}
+                "alive": engine.is_running, **s.connector}
 
     if role == "p":
         add_prefill_route(app, ctx)
     else:
+        block_size = engine.role_info()["block_size"]
+
         @app.post("/pd/decode")
         async def decode(raw: Request) -> StreamingResponse:
             try:
                 data = await raw.json()
             except ValueError as e:
                 raise APIError(400, f"the body is not valid JSON: {e}") from None
-            offer = _read_offer(data, connector)
+            offer = _read_offer(data, block_size)
             response = listen_response(engine, offer.request.request_id)
-            connector.offer(offer)
+            engine.offer(offer)
             return response
 
 
-def _read_offer(body, connector: FleetDecodeConnector) -> PublishedKV:
+def _read_offer(body, block_size: int) -> PublishedKV:
     """The body of /pd/decode: {request_id, handover}; a 400 naming the field if it is not one."""
     if not isinstance(body, dict) or not isinstance(body.get("request_id"), str):
         raise APIError(400, "request_id: a string is required", param="request_id")
     try:
         offer = from_wire(body.get("handover"), PublishedKV)
-        connector.check(offer)
+        check_offer(offer, block_size)
     except (ValueError, TypeError, KeyError) as e:
         raise APIError(400, f"handover: {e}", param="handover") from None
     if offer.request.request_id != body["request_id"]:
@@ -148,19 +164,29 @@ def register_with_router(router: str, secret: FleetSecret, url: str, role: str, 
     logger.error("could not register with the router %s: %s", router, why)
 
 
+def build_fleet(config: EngineConfig, pull: PullConfig) -> Engine:
+    """The instance's engine with its KV transfer open (where the engine's loop runs: this process or its own)."""
+    connector = FleetPrefillConnector(pull) if config.role == "p" else FleetDecodeConnector(pull)
+    engine = Engine(config, connector=connector)
+    connector.open(engine.executor)
+    return engine
+
+
 def serve_fleet(engine_config: EngineConfig, settings: ServerSettings, fleet: FleetSettings) -> None:
     """Load the model, open the KV transfer, serve the /pd routes until SIGTERM/SIGINT."""
     setup_logging(settings)
     fleet.check()
     role = engine_config.role
-    pull = fleet.pull_config()
-    connector = FleetPrefillConnector(pull) if role == "p" else FleetDecodeConnector(pull)
-    engine = Engine(engine_config, connector=connector)
-    connector.open(engine.executor)
+    metrics = ServerMetrics(settings.served_model_name or default_model_name(engine_config.model))
+    async_engine, tokenizer, _ = open_async_engine(
+        engine_config, settings, metrics, partial(build_fleet, pull=fleet.pull_config()), FleetAsyncEngine,
+        FleetChildLoop, ProcessPDEngine)
+    info = async_engine.role_info()
     if fleet.router:
         url = f"http://{fleet.advertise_host or settings.host}:{settings.port}"
         threading.Thread(target=register_with_router, args=(fleet.router, fleet.secret, url, role),
                          name="picovllm-register", daemon=True).start()
-    kv = f", KV on {connector.address[0]}:{connector.address[1]}" if role == "p" else ""
-    run_pd_server(engine, FleetAsyncEngine, settings, fleet.secret, lambda app, ctx: add_fleet_routes(app, ctx, role),
-                  f"a fleet {'prefill' if role == 'p' else 'decode'} instance ({pull.instance_id}{kv})")
+    kv = f", KV on {info['kv_address'][0]}:{info['kv_address'][1]}" if role == "p" else ""
+    run_pd_server(async_engine, tokenizer, engine_config, settings, fleet.secret,
+                  lambda app, ctx: add_fleet_routes(app, ctx, role),
+                  f"a fleet {'prefill' if role == 'p' else 'decode'} instance ({info['instance_id']}{kv})")

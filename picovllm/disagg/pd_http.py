@@ -14,6 +14,7 @@ import dataclasses
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
 import uvicorn
 from fastapi import FastAPI
@@ -23,11 +24,12 @@ from pydantic import BaseModel, ConfigDict
 from picovllm.disagg.auth import FleetSecret, SignedRoutes
 from picovllm.disagg.messages import OutputEncoder
 from picovllm.disagg.prefill import PrefillConnector
+from picovllm.config import EngineConfig
 from picovllm.engine.llm_engine import Engine
 from picovllm.entrypoints.openai.api_server import BACKSTOP_SECONDS, ServerSettings, _Server, build_app, \
     default_model_name
-from picovllm.entrypoints.openai.async_engine import AsyncEngine, EngineDeadError, RequestStream
-from picovllm.entrypoints.openai.metrics import ServerMetrics
+from picovllm.entrypoints.openai.async_engine import AsyncEngine, EngineClient, EngineDeadError, RequestStream
+from picovllm.entrypoints.openai.engine_process import PipeEnds, ProcessAsyncEngine
 from picovllm.entrypoints.openai.protocol import APIError
 from picovllm.entrypoints.openai.serving import ENGINE_ERRORS, ServingContext
 from picovllm.entrypoints.openai.tokenizer_worker import TokenizerWorker
@@ -42,7 +44,35 @@ def is_handed_off(out: RequestOutput) -> bool:
     return out.finished and out.outputs[0].finish_reason is None
 
 
-class PDAsyncEngine(AsyncEngine):
+class PDClient:
+    """The HTTP side of a P or D engine, wherever its loop runs (a thread: PDAsyncEngine; a process of its own:
+    ProcessPDEngine). Mixed into an EngineClient."""
+
+    def listen(self, request_id: str) -> RequestStream:
+        """D: a stream for a request that will arrive from P. Closing it before it finished aborts it."""
+        if not self.is_running:
+            raise EngineDeadError("the engine loop is not running")
+        if request_id in self._streams:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        stream = self._streams[request_id] = RequestStream(request_id, self)
+        stream.accepted.set_result(None)
+        return stream
+
+    def offer(self, offer) -> None:
+        """A fleet's D: a request to pull and decode (picovllm.disagg.messages.PublishedKV), checked by the caller."""
+        self._commands.put(OfferKV(offer))
+
+    def _finish_outputs(self, outputs: list) -> None:
+        super()._finish_outputs([o for o in outputs if not (isinstance(o, RequestOutput) and is_handed_off(o))])
+
+
+@dataclass
+class OfferKV:
+    """The command PDClient.offer sends the loop."""
+    offer: object
+
+
+class PDAsyncEngine(PDClient, AsyncEngine):
     """AsyncEngine over a P or D engine: it keeps stepping to watch the peer link (or a fleet's KV
     transfers); on the P of a linked pair it turns D's Ack into a last output for the request
     (is_handed_off: a fleet's P engine emits that output itself, with its kv_handover); on D requests
@@ -79,22 +109,42 @@ class PDAsyncEngine(AsyncEngine):
         self._last.pop(request_id, None)
         super()._abort_into(request_id, outputs)
 
-    def _finish_outputs(self, outputs: list) -> None:
-        super()._finish_outputs([o for o in outputs if not (isinstance(o, RequestOutput) and is_handed_off(o))])
+    def _handle(self, cmd, outputs: list) -> bool:
+        if isinstance(cmd, OfferKV):
+            self.engine.connector.offer(cmd.offer)
+            return False
+        return super()._handle(cmd, outputs)
 
-    def listen(self, request_id: str) -> RequestStream:
-        """D: a stream for a request that will arrive from P. Closing it before it finished aborts it."""
-        if not self.is_running:
-            raise EngineDeadError("the engine loop is not running")
-        if request_id in self._streams:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        stream = self._streams[request_id] = RequestStream(request_id, self)
-        stream.accepted.set_result(None)
-        return stream
+    def role_info(self) -> dict:
+        """A linked pair's: the role and the link's two socket ends (the proxy pairs servers by them)."""
+        link = self.engine.connector.link
+        sock = link.channel.sock if link is not None and not link.closed else None
+        pair = None
+        if sock is not None:
+            try:
+                pair = [list(sock.getsockname()[:2]), list(sock.getpeername()[:2])]
+            except OSError:
+                pair = None
+        return {"role": self.engine.config.role, "link": pair}
+
+    def _connector_stats(self) -> dict:
+        link = self.engine.connector.link
+        return {"link_alive": link is not None and link.alive}
+
+    def release(self) -> None:
+        self.engine.connector.shutdown()            # the peer sees us leave
 
     async def shutdown(self) -> None:
         await super().shutdown()
-        self.engine.connector.shutdown()            # the peer sees us leave
+        self.release()
+
+
+class PDChildLoop(PipeEnds, PDAsyncEngine):
+    """PDAsyncEngine's loop in a server's engine process (ProcessPDEngine)."""
+
+
+class ProcessPDEngine(PDClient, ProcessAsyncEngine):
+    """The HTTP side of a P or D engine whose loop runs in a process of its own."""
 
 
 # -- the /pd routes ---------------------------------------------------------------------------------
@@ -150,14 +200,12 @@ def listen_response(engine: PDAsyncEngine, request_id: str) -> StreamingResponse
     return ndjson_response(stream)
 
 
-def run_pd_server(engine: Engine, async_engine_cls: type[PDAsyncEngine], settings: ServerSettings,
+def run_pd_server(async_engine: EngineClient, tokenizer, config: EngineConfig, settings: ServerSettings,
                   secret: FleetSecret, add_routes: Callable[[FastAPI, ServingContext], None], what: str) -> None:
     """Serve an engine's /pd routes (add_routes adds them; every one needs the secret's signature) until
     SIGTERM/SIGINT; what: the log line's description of the server."""
-    name = settings.served_model_name or default_model_name(engine.config.model)
-    metrics = ServerMetrics(name)
-    async_engine = async_engine_cls(engine, metrics)
-    ctx = ServingContext(async_engine, TokenizerWorker(engine.tokenizer), metrics, name)
+    name = settings.served_model_name or default_model_name(config.model)
+    ctx = ServingContext(async_engine, TokenizerWorker(tokenizer), async_engine.metrics, name)
     app = build_app(ctx, settings, openai_routes=False)
     add_routes(app, ctx)
     app.add_middleware(SignedRoutes, secret=secret, prefixes=("/pd/",))

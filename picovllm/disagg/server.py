@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from functools import partial
 
 from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
@@ -38,10 +39,13 @@ from pydantic import BaseModel, ConfigDict
 from picovllm.config import EngineConfig
 from picovllm.disagg.auth import AuthError, FleetSecret
 from picovllm.disagg.channel import Channel, Listener, PeerGone
-from picovllm.disagg.pd_http import PDAsyncEngine, add_prefill_route, listen_response, run_pd_server, setup_logging
+from picovllm.disagg.pd_http import (PDAsyncEngine, PDChildLoop, PDClient, ProcessPDEngine, add_prefill_route,
+                                     listen_response, run_pd_server, setup_logging)
 from picovllm.disagg.transfer import TransferConfig
 from picovllm.engine.llm_engine import Engine
-from picovllm.entrypoints.openai.api_server import ServerSettings
+from picovllm.entrypoints.openai.api_server import ServerSettings, default_model_name
+from picovllm.entrypoints.openai.engine_process import open_async_engine
+from picovllm.entrypoints.openai.metrics import ServerMetrics
 from picovllm.entrypoints.openai.serving import ServingContext
 
 logger = logging.getLogger("picovllm.server")
@@ -79,19 +83,11 @@ class DecodeBody(BaseModel):
 
 
 def add_pd_routes(app: FastAPI, ctx: ServingContext, role: str) -> None:
-    engine: PDAsyncEngine = ctx.engine
+    engine: PDClient = ctx.engine
 
     @app.get("/pd/info")
     async def info() -> dict:
-        link = engine.engine.connector.link
-        sock = link.channel.sock if link is not None and not link.closed else None
-        pair = None
-        if sock is not None:
-            try:
-                pair = [list(sock.getsockname()[:2]), list(sock.getpeername()[:2])]
-            except OSError:
-                pair = None
-        return {"role": role, "link": pair, "link_alive": link is not None and link.alive}
+        return {**engine.role_info(), "link_alive": engine.stats.connector.get("link_alive", False)}
 
     if role == "p":
         add_prefill_route(app, ctx)
@@ -128,17 +124,29 @@ def link_engine(engine: Engine, link: LinkSettings) -> None:
     logger.info("%s server: linked to its peer", "prefill" if engine.config.role == "p" else "decode")
 
 
-def serve_pd(engine_config: EngineConfig, settings: ServerSettings, link: LinkSettings) -> None:
-    """Load the model, link to the peer server, then serve the /pd routes until SIGTERM/SIGINT."""
-    setup_logging(settings)
-    role = engine_config.role
-    link.check(role)
-    engine = Engine(engine_config)     # the role's connector comes with the config
+def build_linked(config: EngineConfig, link: LinkSettings) -> Engine:
+    """The role's engine, linked to its peer server (where the engine's loop runs: this process or its own)."""
+    engine = Engine(config)     # the role's connector comes with the config
     try:
         link_engine(engine, link)
     except AuthError as e:
         engine.shutdown()
         raise SystemExit(f"error: --pd-secret-file: the link to the peer server failed authentication: {e}") \
             from None
-    run_pd_server(engine, PDAsyncEngine, settings, link.secret, lambda app, ctx: add_pd_routes(app, ctx, role),
+    except BaseException:
+        engine.shutdown()
+        raise
+    return engine
+
+
+def serve_pd(engine_config: EngineConfig, settings: ServerSettings, link: LinkSettings) -> None:
+    """Load the model, link to the peer server, then serve the /pd routes until SIGTERM/SIGINT."""
+    setup_logging(settings)
+    role = engine_config.role
+    link.check(role)
+    metrics = ServerMetrics(settings.served_model_name or default_model_name(engine_config.model))
+    async_engine, tokenizer, _ = open_async_engine(engine_config, settings, metrics, partial(build_linked, link=link),
+                                                   PDAsyncEngine, PDChildLoop, ProcessPDEngine)
+    run_pd_server(async_engine, tokenizer, engine_config, settings, link.secret,
+                  lambda app, ctx: add_pd_routes(app, ctx, role),
                   f"a {'prefill' if role == 'p' else 'decode'} server (linked pair)")

@@ -1,4 +1,4 @@
-"""The HTTP layer: a FastAPI app over an AsyncEngine, and running it under uvicorn with a graceful exit.
+"""The HTTP layer: a FastAPI app over an engine client (async_engine.py), and running it under uvicorn with a graceful exit.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, POST /tokenize, POST /detokenize, GET /v1/models,
 GET /health, GET /metrics.
@@ -21,8 +21,9 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from picovllm.config import EngineConfig
-from picovllm.engine.llm_engine import Engine, freeze_for_serving
-from picovllm.entrypoints.openai.async_engine import AsyncEngine
+from picovllm.engine.llm_engine import freeze_for_serving
+from picovllm.entrypoints.openai.async_engine import EngineClient
+from picovllm.entrypoints.openai.engine_process import open_async_engine
 from picovllm.entrypoints.openai.metrics import ServerMetrics
 from picovllm.entrypoints.openai.middleware import APIKeyAuth, BodySizeLimit
 from picovllm.entrypoints.openai.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
@@ -50,7 +51,7 @@ class ServerSettings:
     log_level: str = "info"
     access_log: bool = False
     chat_template: str | None = None    # the template's text (tokenizer_worker.load_chat_template), or the model's
-    engine_process: bool = False        # the engine loop in a process of its own (engine_process.py), not a thread
+    engine_process: bool = True         # the engine loop in a process of its own (engine_process.py), not a thread
 
 
 def build_app(ctx: ServingContext, settings: ServerSettings, openai_routes: bool = True) -> FastAPI:
@@ -148,7 +149,7 @@ class _Server(uvicorn.Server):
     "abort", then [DONE]). uvicorn's own timeout stays as a backstop. And exit 0: uvicorn would re-raise
     the caught signal after shutting down, killing the process with it."""
 
-    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, grace: float) -> None:
+    def __init__(self, config: uvicorn.Config, engine: EngineClient, grace: float) -> None:
         super().__init__(config)
         self.engine, self.grace = engine, grace
 
@@ -190,19 +191,7 @@ def serve(engine_config: EngineConfig, settings: ServerSettings) -> None:
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     name = settings.served_model_name or default_model_name(engine_config.model)
     metrics = ServerMetrics(name)
-    if settings.engine_process:
-        from picovllm.entrypoints.openai.engine_process import ProcessAsyncEngine, load_tokenizer
-        async_engine = ProcessAsyncEngine(engine_config, metrics, settings.log_level)   # builds while we go on
-        stop = async_engine.stop
-        try:
-            tokenizer = load_tokenizer(engine_config)
-            async_engine.wait_ready()
-        except BaseException:       # a ValueError reaches the command line as the thread's Engine() would raise it
-            stop()
-            raise
-    else:
-        engine = Engine(engine_config)
-        async_engine, tokenizer, stop = AsyncEngine(engine, metrics), engine.tokenizer, engine.shutdown
+    async_engine, tokenizer, stop = open_async_engine(engine_config, settings, metrics)
     try:
         worker = TokenizerWorker(tokenizer, settings.chat_template)
     except ValueError as e:

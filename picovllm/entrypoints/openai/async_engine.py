@@ -19,7 +19,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from picovllm.engine.llm_engine import Engine
 from picovllm.engine.model_runner import bind_device
@@ -49,6 +49,7 @@ class EngineStats:
     decode_tokens: int = 0           # cumulative
     prefix_queried_tokens: int = 0   # cumulative
     prefix_hit_tokens: int = 0       # cumulative
+    connector: dict = field(default_factory=dict)   # a P or D engine's: AsyncEngine._connector_stats
 
 
 # -- commands: event loop -> engine thread -----------------------------------------------------
@@ -136,6 +137,10 @@ class EngineClient:
 
     def model_info(self) -> dict:
         """What GET /v1/models shows besides the name."""
+        raise NotImplementedError
+
+    def role_info(self) -> dict:
+        """What the role's engine says of itself once built (a P or D server's /pd/info): AsyncEngine.role_info."""
         raise NotImplementedError
 
     # -- requests (event loop side) --------------------------------------------------------------
@@ -320,6 +325,18 @@ class AsyncEngine(EngineClient):
         e = self.engine
         return {"root": e.config.model, "max_model_len": e.max_model_len, "vocab_size": e.model_config.vocab_size}
 
+    def role_info(self) -> dict:
+        """What does not change while serving, which the server's routes show (a P or D engine's: its link or
+        KV address); the loop's side computes it, so it crosses to a server whose loop runs elsewhere."""
+        return {}
+
+    def _connector_stats(self) -> dict:
+        """What changes, published with each iteration's stats (EngineStats.connector)."""
+        return {}
+
+    def release(self) -> None:
+        """After the loop has ended, on its side: let go of what the engine holds beyond itself (a peer link)."""
+
     def _handle(self, cmd: Command, outputs: list) -> bool:
         if isinstance(cmd, Shutdown):
             return True
@@ -350,6 +367,6 @@ class AsyncEngine(EngineClient):
         e, bm = self.engine, self.engine.block_manager
         self.stats = EngineStats(len(e.scheduler.running), len(e.scheduler.waiting), bm.num_free_blocks,
                                  bm.num_blocks, e.stats["prefill_tokens"], e.stats["decode_tokens"],
-                                 bm.queried_tokens, bm.hit_tokens)
+                                 bm.queried_tokens, bm.hit_tokens, self._connector_stats())
         if self.metrics:
             self.metrics.observe_engine(self.stats)

@@ -33,9 +33,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=False)
     p.add_argument("--chat-template", default=None, help=CHAT_TEMPLATE_HELP)
-    p.add_argument("--engine-process", action="store_true",
-                   help="run the engine loop in a process of its own, not a thread beside the HTTP server's (the two "
-                        "then never wait for each other's GIL); colocated servers only")
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the engine loop in a process of its own, not a thread beside the HTTP server's, so the "
+                        "two never wait for each other's GIL (default: on; --no-engine-process: one process)")
     pd = p.add_argument_group("disaggregated serving (--role p|d, behind `picovllm proxy` or `picovllm router`)")
     pd.add_argument("--kv-host", default="127.0.0.1", help="--role p: where to listen for the decode server")
     pd.add_argument("--kv-port", type=int, default=0, help="--role p: the port the decode server connects to")
@@ -69,9 +69,6 @@ def main(args: argparse.Namespace) -> int:
         template = load_chat_template(args.chat_template) if args.chat_template is not None else None
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
-    if args.engine_process and config.role != "pd":
-        raise SystemExit("error: --engine-process: only a colocated server (--role pd) runs its engine in a process "
-                         "of its own so far")
     if template is not None and config.role != "pd":
         raise SystemExit("error: --chat-template: a prefill or decode server renders no chat (the proxy or the "
                          "router does): give it to them")

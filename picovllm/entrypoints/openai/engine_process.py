@@ -22,10 +22,12 @@ import logging
 import multiprocessing as mp
 import signal
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from picovllm.config import EngineConfig
 from picovllm.disagg.messages import common_prefix
+from picovllm.engine.llm_engine import Engine
 from picovllm.entrypoints.openai.async_engine import AsyncEngine, Command, EngineClient, Shutdown
 from picovllm.outputs import CompletionOutput, RequestOutput
 
@@ -103,22 +105,27 @@ class _PipeCommands:
 
 
 class ProcessAsyncEngine(EngineClient):
-    """Spawns the engine's process at once; wait_ready() blocks until the engine is built (or raises why not)."""
+    """Spawns the engine's process at once; wait_ready() blocks until the engine is built (or raises why not).
 
-    def __init__(self, config: EngineConfig, metrics=None, log_level: str = "info") -> None:
+    build(config) makes the Engine in the child (a P or D server's also links it to its peer); loop_cls runs it
+    there: an AsyncEngine subclass with PipeEnds first among its bases. Both are pickled by reference (module-level
+    functions and classes, or a functools.partial of one)."""
+
+    def __init__(self, config: EngineConfig, metrics=None, log_level: str = "info",
+                 build: Callable[[EngineConfig], Any] | None = None, loop_cls: type | None = None) -> None:
         ctx = mp.get_context("spawn")
         cmd_read, cmd_write = ctx.Pipe(duplex=False)
         out_read, out_write = ctx.Pipe(duplex=False)
         super().__init__(_PipeCommands(cmd_write), metrics)
         # not a daemon: the engine may start processes of its own (tensor-parallel ranks)
-        self._proc = ctx.Process(target=_child_main, args=(config, cmd_read, out_write, log_level),
-                                 name="picovllm-engine")
+        self._proc = ctx.Process(target=_child_main, name="picovllm-engine",
+                                 args=(config, build, loop_cls or ChildLoop, cmd_read, out_write, log_level))
         self._proc.start()
         cmd_read.close()
         out_write.close()
         self._out = out_read
         self._outputs = OutputsFromDeltas()     # the reader thread's
-        self._model_info: dict[str, Any] | None = None
+        self._info: dict[str, Any] | None = None      # the child's model_info and role_info, once ready
         self._reader: threading.Thread | None = None
         # Ours runs before multiprocessing's own exit handler, which waits for the child: on a way out that skipped
         # shutdown() (a second Ctrl-C), the closed pipe is what tells the child to end.
@@ -126,7 +133,7 @@ class ProcessAsyncEngine(EngineClient):
 
     def wait_ready(self) -> None:
         """Block until the child has built its engine. If it could not: ValueError (a bad configuration, as Engine()
-        raises it) or RuntimeError, with the child's reason."""
+        raises it), SystemExit (what build exits with) or RuntimeError, with the child's reason."""
         try:
             kind, body = self._out.recv()
         except (EOFError, OSError):
@@ -135,15 +142,18 @@ class ProcessAsyncEngine(EngineClient):
         if kind != "ready":
             self._proc.join(10)
             error, why = body
-            raise (ValueError if error == "ValueError" else RuntimeError)(why)
-        self._model_info = body
+            raise {"ValueError": ValueError, "SystemExit": SystemExit}.get(error, RuntimeError)(why)
+        self._info = body
 
     def model_info(self) -> dict:
-        return dict(self._model_info or {})
+        return dict((self._info or {}).get("model", {}))
+
+    def role_info(self) -> dict:
+        return dict((self._info or {}).get("role", {}))
 
     # -- lifecycle (event loop side) -------------------------------------------------------------
     def start(self) -> None:
-        if self._model_info is None:
+        if self._info is None:
             self.wait_ready()
         self._loop = asyncio.get_running_loop()
         self._reader = threading.Thread(target=self._read, name="picovllm-engine-reader", daemon=True)
@@ -195,9 +205,10 @@ class ProcessAsyncEngine(EngineClient):
             self._loop.call_soon_threadsafe(self._fail_all_streams, why)
 
 
-class _ChildLoop(AsyncEngine):
-    """AsyncEngine's loop in the child's main thread: commands from the parent's pipe, each iteration's outputs and
-    the stats (when they change) back over the other."""
+class PipeEnds:
+    """The two ends of an AsyncEngine loop (its seams _receive, _deliver, _deliver_end) on the child's pipes:
+    commands from the parent, each iteration's outputs and the stats (when they change) back. Mixed in first,
+    before AsyncEngine or a subclass (a P or D server's)."""
 
     def __init__(self, engine, commands, results) -> None:
         super().__init__(engine)
@@ -229,23 +240,55 @@ class _ChildLoop(AsyncEngine):
             pass
 
 
-def _child_main(config: EngineConfig, commands, results, log_level: str) -> None:
+class ChildLoop(PipeEnds, AsyncEngine):
+    """A colocated server's loop in its engine process."""
+
+
+def _child_main(config: EngineConfig, build, loop_cls: type, commands, results, log_level: str) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from picovllm.engine.llm_engine import Engine, freeze_for_serving
     try:
-        engine = Engine(config)
+        engine = (build or Engine)(config)
     except ValueError as e:     # a configuration the engine refuses: the parent reports it as the thread would
         results.send(("failed", ("ValueError", str(e))))
+        return
+    except SystemExit as e:     # build's own message for the command line
+        results.send(("failed", ("SystemExit", str(e.code))))
         return
     except Exception as e:      # noqa: BLE001 - the parent reports it and exits
         logger.exception("the engine could not be built")
         results.send(("failed", ("RuntimeError", f"the engine could not be built: {type(e).__name__}: {e}")))
         return
-    loop = _ChildLoop(engine, commands, results)
+    loop = loop_cls(engine, commands, results)
     freeze_for_serving()        # this process lives as long as the server
-    results.send(("ready", loop.model_info()))
+    results.send(("ready", {"model": loop.model_info(), "role": loop.role_info()}))
     try:
         loop._run()
     finally:
+        loop.release()
         engine.shutdown()
+
+
+def open_async_engine(config: EngineConfig, settings, metrics=None, build: Callable[[EngineConfig], Any] | None = None,
+                      loop_cls: type[AsyncEngine] = AsyncEngine, child_loop_cls: type = ChildLoop,
+                      client_cls: type[ProcessAsyncEngine] = ProcessAsyncEngine) -> tuple[EngineClient, Any, Callable]:
+    """A server's engine, its loop in a thread (loop_cls over build(config)) or, with settings.engine_process, in a
+    process of its own (client_cls in this process, child_loop_cls in the child); and the tokenizer for the HTTP
+    side, and what stops the engine if the server does not start. build: Engine by default."""
+    if not settings.engine_process:
+        engine = (build or Engine)(config)
+        async_engine = loop_cls(engine, metrics)
+
+        def stop() -> None:
+            async_engine.release()
+            engine.shutdown()
+        return async_engine, engine.tokenizer, stop
+    async_engine = client_cls(config, metrics, settings.log_level, build=build, loop_cls=child_loop_cls)
+    try:
+        tokenizer = load_tokenizer(config)      # while the child builds the engine
+        async_engine.wait_ready()
+    except BaseException:       # a ValueError reaches the command line as the thread's Engine() would raise it
+        async_engine.stop()
+        raise
+    return async_engine, tokenizer, async_engine.stop
