@@ -4,14 +4,15 @@
 picovllm/disagg/router.py) differ in how they pick the servers and in what P's hand-over line
 carries; the wire and the loop are these:
 
-    open_pd_stream(...)         a signed POST to a /pd route, its response streamed; refusals sorted
+    open_pd_stream(...)         a signed POST to a /pd route, its response streamed (RemoteEngine.post_stream:
+                                a connection of its own, picovllm/disagg/http_stream.py); refusals sorted
                                 into the client's fault (ValueError) and the server's (EngineDeadError)
     ndjson_outputs(resp, who)   a route's NDJSON lines as (RequestOutput, line): the first whole, later
                                 ones as deltas (picovllm.disagg.messages.OutputDecoder)
     prefill_then_decode(...)    P's outputs up to the line that hands the request over, then D's
     RemoteEngine                what the OpenAI handlers need of an engine (start, add_request, abort_all,
-                                shutdown, ...) when the engine is other servers: the HTTP client, the
-                                streams open through it
+                                shutdown, ...) when the engine is other servers: the HTTP client (for the
+                                short calls), the streams open through it
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from typing import Any
 import httpx
 
 from picovllm.disagg.auth import FleetSecret, sign_request
+from picovllm.disagg.http_stream import post_stream
 from picovllm.disagg.messages import OutputDecoder
 from picovllm.entrypoints.openai.async_engine import EngineDeadError, EngineStepError
 from picovllm.outputs import RequestOutput
@@ -39,8 +41,9 @@ class RemoteEngine:
 
     def __init__(self, model_info: dict, metrics=None, connect_timeout_s: float = 10.0,
                  transport: httpx.AsyncBaseTransport | None = None) -> None:
-        """transport: instead of the network (tests)."""
+        """transport: instead of the network (tests); the streams then go through the HTTP client too."""
         self._model_info, self.metrics = model_info, metrics
+        self._connect_timeout_s = connect_timeout_s
         self._timeout = httpx.Timeout(connect=connect_timeout_s, read=None, write=connect_timeout_s, pool=None)
         self._transport = transport
         self._client: httpx.AsyncClient | None = None
@@ -62,6 +65,14 @@ class RemoteEngine:
 
     def model_info(self) -> dict:
         return dict(self._model_info)
+
+    async def post_stream(self, base: str, path: str, body: bytes, headers: dict[str, str]):
+        """POST to a /pd route, the response streamed (status_code, aiter_lines, aread, aclose): a connection of
+        its own, not the client's pool. StreamError or httpx.HTTPError if the server cannot be reached."""
+        if self._transport is None:
+            return await post_stream(base, path, body, headers, self._connect_timeout_s)
+        return await self.client.send(self.client.build_request("POST", base + path, content=body, headers=headers),
+                                      stream=True)
 
     def track(self, stream) -> None:
         self._streams.add(stream)
@@ -86,24 +97,22 @@ class StreamBroken(EngineStepError):
     """A server's stream broke (it died, or the network did), as opposed to an error it reported."""
 
 
-async def open_pd_stream(client: httpx.AsyncClient, base: str, path: str, body: bytes, secret: FleetSecret,
-                         who: str) -> httpx.Response:
+async def open_pd_stream(engine: RemoteEngine, base: str, path: str, body: bytes, secret: FleetSecret, who: str):
     """POST a JSON body to base + path, signed with the P/D secret; the response, streamed (status 200).
 
     who names the server in errors ("the prefill server URL"). ValueError: it refused the request
     itself (a 4xx other than 401/404/405, with its message: the client's fault); EngineDeadError: it
     cannot be reached, refused our signature, or failed."""
     headers = {"content-type": "application/json", **sign_request(secret, "POST", path, body)}
-    request = client.build_request("POST", base + path, content=body, headers=headers)
     try:
-        resp = await client.send(request, stream=True)
-    except httpx.HTTPError as e:
+        resp = await engine.post_stream(base, path, body, headers)
+    except (OSError, httpx.HTTPError) as e:
         raise EngineDeadError(f"{who} is unreachable: {type(e).__name__}: {e}") from None
     if resp.status_code == 200:
         return resp
     try:
         message = json.loads(await resp.aread())["error"]["message"]
-    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+    except (OSError, httpx.HTTPError, ValueError, KeyError, TypeError):
         message = f"HTTP {resp.status_code}"
     finally:
         await resp.aclose()
@@ -114,7 +123,7 @@ async def open_pd_stream(client: httpx.AsyncClient, base: str, path: str, body: 
     raise EngineDeadError(f"{who} answered {resp.status_code}: {message}")
 
 
-async def ndjson_outputs(resp: httpx.Response, who: str) -> Lines:
+async def ndjson_outputs(resp, who: str) -> Lines:
     """A /pd route's stream as (output, line) pairs. EngineStepError for an error line the server sent,
     StreamBroken for a stream that broke or does not parse."""
     wire = OutputDecoder()
@@ -126,7 +135,7 @@ async def ndjson_outputs(resp: httpx.Response, who: str) -> Lines:
             if "error" in line:
                 raise EngineStepError(f"{who} failed: {line['error']}")
             yield wire.decode(line), line
-    except (httpx.HTTPError, json.JSONDecodeError, KeyError, ValueError) as e:
+    except (OSError, httpx.HTTPError, json.JSONDecodeError, KeyError, ValueError) as e:
         raise StreamBroken(f"{who} failed mid-request: {type(e).__name__}: {e}") from None
 
 

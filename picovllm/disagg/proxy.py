@@ -30,6 +30,7 @@ import httpx
 
 from picovllm.disagg.auth import FleetSecret, sign_request
 from picovllm.disagg.handover_stream import RemoteEngine, ndjson_outputs, open_pd_stream, prefill_then_decode
+from picovllm.disagg.http_stream import StreamedResponse
 from picovllm.entrypoints.openai.async_engine import EngineDeadError
 from picovllm.outputs import RequestOutput
 from picovllm.sampling_params import SamplingParams
@@ -46,7 +47,7 @@ class PDPair:
 class PDStream:
     """One request's outputs through a pair, as AsyncEngine's RequestStream: outputs(), close()."""
 
-    def __init__(self, request_id: str, pair: PDPair, prefill: httpx.Response, decode: httpx.Response,
+    def __init__(self, request_id: str, pair: PDPair, prefill: StreamedResponse, decode: StreamedResponse,
                  owner: "ProxyEngine") -> None:
         self.request_id, self.pair = request_id, pair
         self._prefill, self._decode, self._owner = prefill, decode, owner
@@ -121,8 +122,8 @@ class ProxyEngine(RemoteEngine):
             return stream
         raise EngineDeadError("no prefill/decode pair could take the request: " + "; ".join(errors))
 
-    async def _open(self, base: str, path: str, body: dict, what: str) -> httpx.Response:
-        return await open_pd_stream(self.client, base, path, json.dumps(body).encode(), self.secret,
+    async def _open(self, base: str, path: str, body: dict, what: str):
+        return await open_pd_stream(self, base, path, json.dumps(body).encode(), self.secret,
                                     f"the {what} server {base}")
 
 

@@ -32,6 +32,7 @@ from prometheus_client import Counter, Gauge
 from picovllm.disagg.auth import FleetSecret, sign_request
 from picovllm.disagg.handover_stream import RemoteEngine, StreamBroken, ndjson_outputs, open_pd_stream, \
     prefill_then_decode
+from picovllm.disagg.http_stream import StreamedResponse
 from picovllm.disagg.router_policy import Instance
 from picovllm.entrypoints.openai.async_engine import EngineDeadError, EngineStepError
 from picovllm.outputs import RequestOutput
@@ -137,7 +138,7 @@ class InstancePool:
 class RouterStream:
     """One request's outputs through a P and then a D, as AsyncEngine's RequestStream: outputs(), close()."""
 
-    def __init__(self, router: "RouterEngine", request_id: str, prefill: Instance, resp: httpx.Response,
+    def __init__(self, router: "RouterEngine", request_id: str, prefill: Instance, resp: StreamedResponse,
                  body: dict) -> None:
         self.router, self.request_id, self.body = router, request_id, body
         self.prefill, self.decode = prefill, None
@@ -183,7 +184,7 @@ class RouterStream:
         self._responses.append(resp)
         return self._lines(resp, self.decode)
 
-    async def _lines(self, resp: httpx.Response, inst: Instance) -> AsyncIterator[tuple[RequestOutput, dict]]:
+    async def _lines(self, resp: StreamedResponse, inst: Instance) -> AsyncIterator[tuple[RequestOutput, dict]]:
         """An instance's lines; one whose stream broke is marked down."""
         try:
             async for item in ndjson_outputs(resp, self._who(inst.role)):
@@ -249,7 +250,7 @@ class RouterEngine(RemoteEngine):
         self.track(stream)
         return stream
 
-    async def reopen_prefill(self, stream: RouterStream, tried: set[str]) -> tuple[Instance, httpx.Response]:
+    async def reopen_prefill(self, stream: RouterStream, tried: set[str]) -> tuple[Instance, StreamedResponse]:
         """The request again on another P (the last one was lost before it started); EngineStepError if none."""
         try:
             return await self._open_on_one("p", self.prefill_policy, "/pd/prefill", stream.body,
@@ -258,7 +259,7 @@ class RouterEngine(RemoteEngine):
             raise EngineStepError(f"the prefill instance {stream.prefill.url} was lost before the request started, "
                                   f"and no other could take it: {e}") from None
 
-    async def open_decode(self, stream: RouterStream, handover: dict) -> httpx.Response:
+    async def open_decode(self, stream: RouterStream, handover: dict) -> StreamedResponse:
         """Hand a published request to a D; EngineStepError if none could take it."""
         body = {"request_id": stream.request_id, "handover": handover}
         try:
@@ -268,7 +269,7 @@ class RouterEngine(RemoteEngine):
         return resp
 
     async def _open_on_one(self, role: str, policy, path: str, body: dict, prompt_token_ids: list[int],
-                           exclude: set[str] = frozenset()) -> tuple[Instance, httpx.Response]:
+                           exclude: set[str] = frozenset()) -> tuple[Instance, StreamedResponse]:
         """POST to one instance of the role, chosen by the policy; an unreachable one is marked down and
         the next is tried (the request had not started there)."""
         what = "prefill" if role == "p" else "decode"
@@ -295,7 +296,7 @@ class RouterEngine(RemoteEngine):
             self.pool.observe(inst)
             return inst, resp
 
-    async def _post(self, inst: Instance, path: str, data: bytes) -> httpx.Response:
+    async def _post(self, inst: Instance, path: str, data: bytes):
         what = "prefill" if inst.role == "p" else "decode"
-        return await open_pd_stream(self.client, inst.url, path, data, self.pool.secret,
+        return await open_pd_stream(self, inst.url, path, data, self.pool.secret,
                                     f"the {what} instance {inst.url}")
