@@ -211,6 +211,7 @@ class EngineConfig:
     block_size: int = 16
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
+    scheduling_policy: str = "fcfs"       # "fcfs" | "priority" (each request's priority, lower first; vLLM's)
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_gib: float = 1.0
     num_kv_blocks: int | None = None      # override the memory-budget computation (tests, PD)
@@ -253,6 +254,8 @@ class EngineConfig:
             raise bad("max_num_seqs", "must be an int >= 1")
         if not isinstance(self.max_num_batched_tokens, int) or self.max_num_batched_tokens < 1:
             raise bad("max_num_batched_tokens", "must be an int >= 1")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise bad("scheduling_policy", "must be 'fcfs' or 'priority'")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):
             raise bad("max_model_len", "must be an int >= 1")
         if not 0 < self.gpu_memory_utilization <= 1:

@@ -32,6 +32,18 @@ def test_messages_round_trip_as_json():
         assert decode(data) == msg                    # nested dataclasses (KVLayout, HandoverRequest) rebuilt
 
 
+def test_priority_crosses_to_d_and_a_bad_one_is_refused():
+    from picovllm.disagg.decode import request_from_handover
+    msg = Offer(dataclasses.replace(offer().request, priority=-3))
+    back = decode(encode(msg))
+    assert back == msg and request_from_handover(back.request, 4).priority == -3
+    body = to_wire(msg)
+    del body["body"]["request"]["priority"]                  # a peer that does not send it: FCFS's 0
+    assert request_from_handover(from_wire(body).request, 4).priority == 0
+    with pytest.raises(ValueError, match="priority must be an int"):
+        request_from_handover(dataclasses.replace(offer().request, priority="high"), 4)
+
+
 def test_decode_refuses_what_is_not_a_message():
     with pytest.raises(ValueError, match="unknown wire message type"):
         decode(json.dumps({"type": "os.system", "body": {}}).encode())

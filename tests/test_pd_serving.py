@@ -160,6 +160,10 @@ def test_outputs_equal_colocated(cluster, llm):
         with pytest.raises(openai.BadRequestError, match="not supported with disaggregated") as e:
             client.chat.completions.create(model=name, messages=conv, max_tokens=4, **kw)
         assert e.value.body["param"] == field, e.value.body
+    # a priority reaches P, whose policy (FCFS here) refuses it, naming the field
+    with pytest.raises(openai.BadRequestError, match="scheduling policy") as e:
+        client.completions.create(model=name, prompt="Hello", max_tokens=4, extra_body={"priority": 1})
+    assert e.value.body["param"] == "priority", e.value.body
     for srv in all_servers(cluster):
         wait_idle(srv)
 

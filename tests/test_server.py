@@ -225,11 +225,18 @@ def test_unhonoured_requests_are_refused_never_ignored(server, client):
                 client.chat.completions.create(model=model, messages=msgs, max_tokens=4, stream=stream, **kw)
             assert e.value.status_code == 400 and e.value.body["param"] == field, (kw, e.value.body)
             assert "not supported" in e.value.body["message"]
-    # asking for plain text is what the server does
-    ok = client.chat.completions.create(model=model, messages=msgs, max_tokens=4, response_format={"type": "text"})
+    # a priority without --scheduling-policy priority: refused by the engine (test_priority.py: the policy itself)
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=model, prompt="hi", max_tokens=4, stream=stream,
+                                      extra_body={"priority": 2})
+        assert e.value.body["param"] == "priority" and "scheduling policy" in e.value.body["message"], e.value.body
+    # asking for plain text, or priority 0 (FCFS's), is what the server does
+    ok = client.chat.completions.create(model=model, messages=msgs, max_tokens=4, response_format={"type": "text"},
+                                        extra_body={"priority": 0})
     assert ok.choices[0].finish_reason in ("stop", "length")
     after = assert_idle(server)
-    assert after["picovllm:requests_total.rejected"] - before["picovllm:requests_total.rejected"] == 2 * len(cases)
+    assert after["picovllm:requests_total.rejected"] - before["picovllm:requests_total.rejected"] == 2 * len(cases) + 2
 
 
 # Small enough for a random-weight model to finish: bounded strings, integers in ranges, enums.

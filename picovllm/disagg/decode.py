@@ -25,10 +25,13 @@ def request_from_handover(offer: HandoverRequest, block_size: int) -> Request:
     """The Request a decode engine queues for an offer; ValueError or TypeError naming what is wrong."""
     if len(offer.src_block_ids) != -(-offer.num_kv_tokens // block_size):
         raise ValueError(f"{len(offer.src_block_ids)} src blocks for {offer.num_kv_tokens} tokens")
+    if isinstance(offer.priority, bool) or not isinstance(offer.priority, int):
+        raise ValueError(f"priority must be an int, got {offer.priority!r}")
     req = Request(offer.request_id, offer.prompt_token_ids, SamplingParams(**offer.params), offer.prompt,
                   offer.arrival_time)
     req.output_token_ids = list(offer.output_token_ids)
     req.max_tokens = offer.max_tokens
+    req.priority = offer.priority
     if req.logprobs is not None:
         req.logprobs = logprobs_from_wire(offer.logprobs) or []
     req.cumulative_logprob = offer.cumulative_logprob

@@ -87,6 +87,7 @@ class HandoverRequest:
     first_scheduled_time: float | None
     first_token_time: float | None
     token_times: list[float]
+    priority: int = 0                 # the "priority" scheduling policy's (D orders by it if its policy is that)
 
 
 @dataclass

@@ -154,6 +154,7 @@ class PrefillBody(BaseModel):
     prompt_token_ids: list[int]
     params: dict
     arrival_time: float
+    priority: int = 0
 
 
 async def _ndjson_lines(stream: RequestStream) -> AsyncIterator[str]:
@@ -184,7 +185,7 @@ def add_prefill_route(app: FastAPI, ctx: ServingContext) -> None:
             params = SamplingParams(**body.params)
         except (TypeError, ValueError) as e:
             raise APIError(400, f"params: {e}", param="params") from None
-        stream = await ctx.add(body.prompt_token_ids, params, body.request_id, body.arrival_time)
+        stream = await ctx.add(body.prompt_token_ids, params, body.request_id, body.arrival_time, body.priority)
         return ndjson_response(stream)
 
 

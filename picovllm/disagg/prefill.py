@@ -37,7 +37,7 @@ def handover_request(req: Request, block_size: int) -> HandoverRequest:
         src_block_ids=list(req.block_table[:n_blocks]), logprobs=logprobs_to_wire(req.logprobs),
         cumulative_logprob=req.cumulative_logprob, num_cached_tokens=req.num_cached_tokens,
         arrival_time=m.arrival_time, first_scheduled_time=m.first_scheduled_time,
-        first_token_time=m.first_token_time, token_times=list(m.token_times))
+        first_token_time=m.first_token_time, token_times=list(m.token_times), priority=req.priority)
 
 
 class HandoverState(enum.Enum):

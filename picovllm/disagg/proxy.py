@@ -94,12 +94,12 @@ class ProxyEngine(RemoteEngine):
         self._next = itertools.count()
 
     async def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
-                          arrival_time: float | None = None) -> PDStream:
+                          arrival_time: float | None = None, priority: int = 0) -> PDStream:
         """Open the request on D (listen), then on P. Raises ValueError (a 400 from P), EngineDeadError."""
         if not self.is_running:
             raise EngineDeadError("the proxy is not running")
         body = {"request_id": request_id, "prompt_token_ids": list(prompt_token_ids),
-                "params": dataclasses.asdict(params), "arrival_time": arrival_time or time.time()}
+                "params": dataclasses.asdict(params), "arrival_time": arrival_time or time.time(), "priority": priority}
         errors = []
         for _ in range(len(self.pairs)):     # round-robin; a pair that cannot be reached is skipped
             pair = self.pairs[next(self._next) % len(self.pairs)]

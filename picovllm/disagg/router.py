@@ -241,10 +241,10 @@ class RouterEngine(RemoteEngine):
             await asyncio.gather(*(self.pool.check(self.client, i) for i in list(self.pool.instances.values())))
 
     async def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
-                          arrival_time: float | None = None) -> RouterStream:
+                          arrival_time: float | None = None, priority: int = 0) -> RouterStream:
         """Open the request on a P. Raises ValueError (a 400 from P), EngineDeadError (no P could take it)."""
         body = {"request_id": request_id, "prompt_token_ids": list(prompt_token_ids),
-                "params": dataclasses.asdict(params), "arrival_time": arrival_time or time.time()}
+                "params": dataclasses.asdict(params), "arrival_time": arrival_time or time.time(), "priority": priority}
         inst, resp = await self._open_on_one("p", self.prefill_policy, "/pd/prefill", body, prompt_token_ids)
         stream = RouterStream(self, request_id, inst, resp, body)
         self.track(stream)

@@ -116,7 +116,7 @@ class Engine:
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, salt)
         self.connector = connector if connector is not None else role_connector(config.role)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.connector)
+                                   self.connector, config.scheduling_policy)
         self.closed = False            # close() was called: submit() refuses
         self.detokenizer = Detokenizer(self.tokenizer)
         self.requests: dict[str, Request] = {}
@@ -157,8 +157,10 @@ class Engine:
         return list(prompt)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, arrival_time: float | None = None) -> str:
-        """Validate and queue a request. Raises ValueError naming the bad field; nothing else changes."""
+                    request_id: str | None = None, arrival_time: float | None = None, priority: int = 0) -> str:
+        """Validate and queue a request. Raises ValueError naming the bad field; nothing else changes.
+        priority: the "priority" scheduling policy's order (lower first); with "fcfs" it must be 0."""
+        self._check_priority(priority)
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError("sampling_params must be a SamplingParams")
@@ -207,6 +209,7 @@ class Engine:
         req = Request(request_id, ids, params, prompt if isinstance(prompt, str) else None, arrival_time)
         req.grammar = grammar
         req.bad_words_ids = bad_words
+        req.priority = priority
         room = self.max_model_len - len(ids)
         req.max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         req.position_offset = longrope_position_offset(self.model_config.rope_scaling,
@@ -216,6 +219,14 @@ class Engine:
         self.requests[request_id] = req
         self.scheduler.add(req)
         return request_id
+
+    def _check_priority(self, priority) -> None:
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an int, got {priority!r}")
+        if priority != 0 and self.config.scheduling_policy != "priority":
+            raise ValueError(f"priority {priority} needs the priority scheduling policy (EngineConfig."
+                             f"scheduling_policy='priority', --scheduling-policy priority); this engine's is "
+                             f"{self.config.scheduling_policy!r}")
 
     def _bad_words(self, params: SamplingParams) -> list[list[int]]:
         """SamplingParams.bad_words as token ids; ValueError naming the field if they cannot be honoured."""
@@ -264,13 +275,13 @@ class Engine:
                              f"({capacity} tokens)")
 
     def submit(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None,
-               arrival_time: float | None = None) -> str:
+               arrival_time: float | None = None, priority: int = 0) -> str:
         """add_request for a session's driver: refused after close(), and on a decode engine."""
         if self.config.role == "d":
             raise RuntimeError("a decode engine takes requests from its prefill engine, not submit()")
         if self.closed:
             raise EngineClosedError("the engine is closed (no more requests): submit refused")
-        return self.add_request(prompt, params, request_id, arrival_time)
+        return self.add_request(prompt, params, request_id, arrival_time, priority)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Abort a request; its final output, or None if it is gone, or its output is the peer's to send."""

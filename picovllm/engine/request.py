@@ -31,6 +31,7 @@ class Request:
         # A fresh list per request: a shared default list once merged every request's outputs.
         self.output_token_ids: list[int] = []
         self.params = params
+        self.priority = 0                # the "priority" scheduling policy's: lower goes first (vLLM's)
         self.status = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | str | None = None

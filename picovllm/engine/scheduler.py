@@ -6,6 +6,10 @@ max_num_seqs allow. When a running request needs a block and none is free, the m
 recently admitted running request is preempted: its blocks are freed (kept as cached
 prefix blocks) and it goes back to the front of the queue, to be recomputed later.
 
+The "priority" policy (vLLM's): the waiting queue is kept in order of (priority, arrival) instead, a lower
+priority value first, and the request preempted for blocks is the running one last in that order. A waiting
+request never preempts a running one: it is admitted first once there is room.
+
 With a KV connector (roles p and d, picovllm/engine/kv_connector.py) a third queue holds requests
 out of the batch whose blocks the connector uses: P's requests being handed over, D's requests
 whose KV is arriving. Only this class moves requests between its queues; the connector answers
@@ -57,8 +61,9 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 connector: KVConnector | None = None) -> None:
+                 connector: KVConnector | None = None, policy: str = "fcfs") -> None:
         self.block_manager = block_manager
+        self.by_priority = policy == "priority"
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.connector = connector
@@ -69,7 +74,17 @@ class Scheduler:
         self.held: dict[str, Request] = {}
 
     def add(self, req: Request) -> None:
-        self.waiting.append(req)
+        if self.by_priority:
+            self._queue_in_order(req)
+        else:
+            self.waiting.append(req)
+
+    def _queue_in_order(self, req: Request) -> None:
+        """Into the waiting queue after every request that goes before it (FCFS among equals)."""
+        key, i = priority_key(req), len(self.waiting)
+        while i > 0 and priority_key(self.waiting[i - 1]) > key:    # most requests go at the end: scan from there
+            i -= 1
+        self.waiting.insert(i, req)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.held)
@@ -103,7 +118,7 @@ class Scheduler:
     def _reserve(self, req: Request, n: int, out: SchedulerOutput) -> bool:
         """Find blocks for n more tokens of a running request, preempting others if needed."""
         while not self.block_manager.allocate(req, req.num_computed_tokens + n):
-            victim = self.running[-1]
+            victim = max(self.running, key=priority_key) if self.by_priority else self.running[-1]
             self.preempt(victim)
             out.preempted.append(victim)
             out.chunks = [c for c in out.chunks if c.request is not victim]
@@ -175,7 +190,10 @@ class Scheduler:
         self.running.remove(req)
         self.block_manager.free(req)
         req.status = RequestStatus.WAITING
-        self.waiting.appendleft(req)
+        if self.by_priority:
+            self._queue_in_order(req)
+        else:
+            self.waiting.appendleft(req)
 
     def remove(self, req: Request) -> bool:
         """Take a request out of the queues (finished, aborted or failed) and free its blocks, unless
@@ -198,3 +216,8 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+
+
+def priority_key(req: Request) -> tuple:
+    """The "priority" policy's order: a lower priority value first, then the earlier arrival."""
+    return req.priority, req.metrics.arrival_time

@@ -53,27 +53,38 @@ class LLM:
         self.shutdown()
 
     def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """One RequestOutput per prompt, in order, with params.n CompletionOutputs (parallel_sampling.py)."""
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in order, with params.n CompletionOutputs (parallel_sampling.py).
+        priority: one per prompt, for the "priority" scheduling policy (lower first)."""
         prompts, params = normalize_prompts(prompts, sampling_params)
+        priorities = self._priorities(priority, len(prompts))
         groups: list[list[str]] = []          # per prompt: its samples' request ids
         siblings: dict[str, tuple] = {}      # first sample's id -> (prompt, the other samples' params, group)
         try:
-            for p, sp in zip(prompts, params):
-                groups.append(self._add_samples(p, sp, siblings))
+            for p, sp, pr in zip(prompts, params, priorities):
+                groups.append(self._add_samples(p, sp, siblings, pr))
         except Exception:
             self._abort(groups)      # leave the engine as we found it
             raise
         return self._run_samples(groups, siblings, use_tqdm)
 
-    def _add_samples(self, prompt: Prompt, params: SamplingParams, siblings: dict[str, tuple]) -> list[str]:
+    @staticmethod
+    def _priorities(priority: Sequence[int] | None, n: int) -> list[int]:
+        if priority is None:
+            return [0] * n
+        if isinstance(priority, (str, bytes)) or not hasattr(priority, "__len__") or len(priority) != n:
+            raise ValueError(f"priority must be a list with one int per prompt ({n}), got {priority!r}")
+        return list(priority)
+
+    def _add_samples(self, prompt: Prompt, params: SamplingParams, siblings: dict[str, tuple],
+                     priority: int = 0) -> list[str]:
         """Add a prompt's first sample; the others wait in siblings until it has computed the prompt.
         Returns the group of request ids (it grows as the siblings are added). Raises ValueError as
         Engine.add_request does, having added nothing."""
         samples = sample_params(params)
-        group = [self.engine.add_request(prompt, samples[0])]
+        group = [self.engine.add_request(prompt, samples[0], priority=priority)]
         if len(samples) > 1:
-            siblings[group[0]] = (prompt, samples[1:], group)
+            siblings[group[0]] = (prompt, samples[1:], group, priority)
         return group
 
     def _run_samples(self, groups: list[list[str]], siblings: dict[str, tuple], use_tqdm: bool) -> list[RequestOutput]:
@@ -89,10 +100,10 @@ class LLM:
 
     def _add_siblings(self, siblings: dict[str, tuple]) -> None:
         """Add the other samples of each prompt whose first sample has computed the prompt (or ended)."""
-        for first, (prompt, params, group) in list(siblings.items()):
+        for first, (prompt, params, group, priority) in list(siblings.items()):
             req = self.engine.requests.get(first)
             if req is None or req.status == RequestStatus.DECODING:   # its full blocks are cached now
-                group.extend(self.engine.add_request(prompt, sp) for sp in params)
+                group.extend(self.engine.add_request(prompt, sp, priority=priority) for sp in params)
                 del siblings[first]
 
     def _run_groups(self, groups: list[list[str]], siblings: dict[str, tuple], total: int,

@@ -59,6 +59,7 @@ class AddRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float
+    priority: int = 0
 
 
 @dataclass
@@ -145,14 +146,15 @@ class EngineClient:
 
     # -- requests (event loop side) --------------------------------------------------------------
     async def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
-                          arrival_time: float | None = None) -> RequestStream:
+                          arrival_time: float | None = None, priority: int = 0) -> RequestStream:
         """Queue a request; return once the engine accepted it. Raises ValueError naming the bad field."""
         if not self.is_running:
             raise EngineDeadError("the engine loop is not running")
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
         stream = self._streams[request_id] = RequestStream(request_id, self)
-        self._commands.put(AddRequest(request_id, list(prompt_token_ids), params, arrival_time or time.time()))
+        self._commands.put(AddRequest(request_id, list(prompt_token_ids), params, arrival_time or time.time(),
+                                      priority))
         try:
             await stream.accepted
         except BaseException:   # rejected, or the caller went away: aborting an unknown id is a no-op
@@ -349,7 +351,8 @@ class AsyncEngine(EngineClient):
             return False
         error = None
         try:
-            self.engine.add_request(cmd.prompt_token_ids, cmd.params, cmd.request_id, cmd.arrival_time)
+            self.engine.add_request(cmd.prompt_token_ids, cmd.params, cmd.request_id, cmd.arrival_time,
+                                    cmd.priority)
         except ValueError as e:
             error = e
         except Exception as e:  # noqa: BLE001 - reported to the caller, never kills the loop

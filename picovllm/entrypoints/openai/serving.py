@@ -50,12 +50,14 @@ class ServingContext:
                                 "tokenizer", param="spaces_between_special_tokens")
 
     async def add(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
-                  arrival_time: float) -> RequestStream:
+                  arrival_time: float, priority: int = 0) -> RequestStream:
         try:
-            return await self.engine.add_request(prompt_token_ids, params, request_id, arrival_time)
+            return await self.engine.add_request(prompt_token_ids, params, request_id, arrival_time, priority)
         except ValueError as e:
             so = params.structured_outputs   # a bad schema, regex or grammar: the error names the request's field
             param = so.source if so is not None and so.source and str(e).startswith(so.source) else None
+            if str(e).startswith("priority"):
+                param = "priority"
             named = re.match(r"SamplingParams\.(\w+)", str(e))    # a field the engine checks against the model
             if param is None and named and named.group(1) in type(params).__dataclass_fields__:
                 param = named.group(1)
@@ -69,8 +71,9 @@ class SampleGroup:
     its first output shows the prompt computed (they take its KV blocks from the prefix cache)."""
 
     def __init__(self, ctx: ServingContext, ids: list[int], samples: list[SamplingParams], request_id: str,
-                 arrival_time: float) -> None:
+                 arrival_time: float, priority: int = 0) -> None:
         self.ctx, self.ids, self.samples, self.request_id, self.arrival = ctx, ids, samples, request_id, arrival_time
+        self.priority = priority
         self.streams: list[RequestStream] = []
 
     def _id(self, i: int) -> str:
@@ -78,14 +81,14 @@ class SampleGroup:
 
     async def start(self) -> "SampleGroup":
         """Add the first sample (raises APIError: 400 naming the field, 503 if the engine is gone)."""
-        self.streams.append(await self.ctx.add(self.ids, self.samples[0], self._id(0), self.arrival))
+        self.streams.append(await self.ctx.add(self.ids, self.samples[0], self._id(0), self.arrival, self.priority))
         return self
 
     async def _add_siblings(self) -> None:
         for i in range(1, len(self.samples)):
             try:
                 self.streams.append(await self.ctx.engine.add_request(self.ids, self.samples[i], self._id(i),
-                                                                      self.arrival))
+                                                                      self.arrival, self.priority))
             except ValueError as e:   # the first sample passed the same checks: only a race gets here
                 raise EngineStepError(f"sample {i}: {e}") from None
 

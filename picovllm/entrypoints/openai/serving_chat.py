@@ -37,7 +37,8 @@ class ChatHandler:
                                               chat_template_kwargs=req.chat_template_kwargs)
         if req.truncate_prompt_tokens is not None:
             ids = ids[-req.truncate_prompt_tokens:]
-        group = await SampleGroup(ctx, ids, sample_params(params), f"chatcmpl-{uuid.uuid4().hex}", arrival).start()
+        group = await SampleGroup(ctx, ids, sample_params(params), f"chatcmpl-{uuid.uuid4().hex}", arrival,
+                                  req.priority).start()
         if req.stream:
             return sse_response(self._events(req, group, params.stop, k, policy))
         out = await final_output(raw, group)

@@ -35,7 +35,7 @@ class CompletionHandler:
         echo = (prompt if isinstance(prompt, str) and not cut else await ctx.tokenizer.decode(ids)) if req.echo else ""
         # echo with logprobs: the prompt's tokens come first in logprobs (the first has no logprob)
         first_token = await ctx.tokenizer.decode(ids[:1]) if req.echo and req.logprobs is not None else None
-        group = await SampleGroup(ctx, ids, samples, f"cmpl-{uuid.uuid4().hex}", arrival).start()
+        group = await SampleGroup(ctx, ids, samples, f"cmpl-{uuid.uuid4().hex}", arrival, req.priority).start()
         if req.stream:
             return sse_response(self._events(req, group, params.stop, echo, first_token))
         out = await final_output(raw, group)
