@@ -1,4 +1,5 @@
 """picovllm: a compact, readable LLM inference engine with prefill/decode disaggregation."""
+from picovllm.entrypoints.beam_search import BeamSearchParams
 from picovllm.outputs import CompletionOutput, Logprob, RequestOutput
 from picovllm.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -18,4 +19,5 @@ def __getattr__(name):
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "Engine", "EngineConfig", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = ["LLM", "Engine", "EngineConfig", "SamplingParams", "StructuredOutputsParams", "BeamSearchParams",
+           "RequestOutput", "CompletionOutput", "Logprob"]

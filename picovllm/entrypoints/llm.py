@@ -1,4 +1,4 @@
-"""The offline API, named as in vLLM: LLM(...).generate(prompts, sampling_params) and .chat(...)."""
+"""The offline API, named as in vLLM: LLM(...).generate(prompts, sampling_params), .chat(...) and .beam_search(...)."""
 from __future__ import annotations
 
 import time
@@ -10,6 +10,7 @@ from picovllm.config import EngineConfig
 from picovllm.engine.llm_engine import Engine
 from picovllm.engine.request import RequestStatus
 from picovllm.engine.step_loop import StepLoop
+from picovllm.entrypoints.beam_search import BeamSearchOutput, BeamSearchParams, search, step_params
 from picovllm.entrypoints.parallel_sampling import merge_samples, sample_params
 from picovllm.outputs import RequestOutput
 from picovllm.sampling_params import SamplingParams
@@ -149,6 +150,34 @@ class LLM:
         prompts = [self.apply_chat_template(c, add_generation_prompt, chat_template, tools, continue_final_message,
                                             chat_template_kwargs) for c in convs]
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """vLLM's: each prompt's params.beam_width best beams by beam search (entrypoints/beam_search.py), best
+        first; each beam's tokens hold the prompt's, then the generated ones."""
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError("params must be a BeamSearchParams")
+        params.validate()
+        texts, _ = normalize_prompts(prompts, None)
+        ids = [self.engine.tokenize(p) for p in texts]
+        for p in ids:
+            if not p:
+                raise ValueError("prompt is empty")
+            if len(p) + params.max_tokens > self.engine.max_model_len:
+                raise ValueError(f"prompt ({len(p)} tokens) + BeamSearchParams.max_tokens ({params.max_tokens}) "
+                                 f"exceed max_model_len {self.engine.max_model_len}")
+        steps, step = search(ids, params, self.engine.eos_token_ids), step_params(params)
+        try:
+            batch = next(steps)
+            while True:
+                outs = self.generate(batch, step, use_tqdm=False)
+                batch = steps.send([o.outputs[0].logprobs[0] for o in outs])
+        except StopIteration as done:
+            results = done.value
+        tok = self.engine.tokenizer
+        for beams in results:
+            for beam in beams:
+                beam.text = tok.decode(beam.output_token_ids, skip_special_tokens=True) if tok is not None else None
+        return [BeamSearchOutput(beams) for beams in results]
 
     def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True,
                             chat_template: str | None = None, tools: list[dict] | None = None,

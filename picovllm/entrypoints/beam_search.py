@@ -1,0 +1,121 @@
+"""Beam search on top of the engine, as vLLM's LLM.beam_search and its server's `use_beam_search` do it: each step
+runs every live beam for one token with its top log-probabilities (SamplingParams(max_tokens=1, logprobs=2W)), and
+the prefix cache keeps a beam's step from recomputing the blocks it shares with its parent. The engine needs
+nothing for it.
+
+One step, W = beam_width (the rule of HF transformers' beam search):
+  - each live beam proposes its 2W most likely next tokens; a candidate's score is its beam's cumulative
+    log-probability plus the token's (the model's log-softmax; temperature 0 only);
+  - the candidates in order of score, best first: one that ends with an end-of-sequence token (not with
+    ignore_eos) is finished if it is among the first W, else dropped; the others become the next live beams, up to W.
+After max_tokens steps (or once no beam is live), the finished and the live beams are ranked by
+    cumulative log-probability / (generated tokens, a final end-of-sequence token not counted) ** length_penalty
+and the best W are returned, best first.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Generator, Sequence
+from dataclasses import dataclass, field
+
+from picovllm.outputs import Logprob
+from picovllm.sampling_params import SamplingParams
+
+
+@dataclass
+class BeamSearchParams:
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+
+    def validate(self) -> None:
+        for name in ("beam_width", "max_tokens"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"BeamSearchParams.{name} must be an int >= 1, got {v!r}")
+        if self.temperature != 0:
+            raise ValueError(f"BeamSearchParams.temperature: beam search ranks by the model's log-probabilities, "
+                             f"only 0 is supported, got {self.temperature!r}")
+        if not isinstance(self.length_penalty, (int, float)) or not math.isfinite(self.length_penalty):
+            raise ValueError(f"BeamSearchParams.length_penalty must be a finite number, got {self.length_penalty!r}")
+
+
+@dataclass
+class BeamSearchSequence:
+    tokens: list[int]                       # the prompt's, then the generated ones (as vLLM's)
+    num_prompt_tokens: int
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)   # per generated token: its step's top 2W
+    cum_logprob: float = 0.0
+    finish_reason: str | None = None        # "stop" (an end-of-sequence token) or "length"
+    text: str | None = None                 # the generated tokens decoded (None without a tokenizer)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.tokens[self.num_prompt_tokens:]
+
+    def score(self, length_penalty: float) -> float:
+        n = len(self.tokens) - self.num_prompt_tokens - (self.finish_reason == "stop")
+        return self.cum_logprob / max(n, 1) ** length_penalty
+
+
+@dataclass
+class BeamSearchOutput:
+    sequences: list[BeamSearchSequence]     # best first
+
+
+def step_params(params: BeamSearchParams) -> SamplingParams:
+    """What each beam runs for one step: its next token's top 2W log-probabilities."""
+    return SamplingParams(temperature=0, max_tokens=1, logprobs=2 * params.beam_width, ignore_eos=True)
+
+
+def expand(beams: list[BeamSearchSequence], tops: list[dict[int, Logprob]], params: BeamSearchParams,
+           eos_ids: Sequence[int]) -> tuple[list[BeamSearchSequence], list[BeamSearchSequence]]:
+    """One step of one prompt's search: (the next live beams, the beams finished at this step)."""
+    w = params.beam_width
+    cands = []
+    for beam, top in zip(beams, tops):
+        best = sorted(top.items(), key=lambda kv: (-kv[1].logprob, kv[0]))[:2 * w]
+        for tok, lp in best:
+            cands.append(BeamSearchSequence(beam.tokens + [tok], beam.num_prompt_tokens, beam.logprobs + [top],
+                                            beam.cum_logprob + lp.logprob))
+    cands.sort(key=lambda c: -c.cum_logprob)     # stable: a beam's earlier parent, then the token's own order
+    live, done = [], []
+    for i, c in enumerate(cands):
+        if not params.ignore_eos and c.tokens[-1] in eos_ids:
+            if i < w:
+                c.finish_reason = "stop"
+                done.append(c)
+        elif len(live) < w:
+            live.append(c)
+    return live, done
+
+
+def best_of(finished: list[BeamSearchSequence], live: list[BeamSearchSequence],
+            params: BeamSearchParams) -> list[BeamSearchSequence]:
+    for beam in live:
+        beam.finish_reason = "length"
+    ranked = sorted(finished + live, key=lambda b: -b.score(params.length_penalty))
+    return ranked[:params.beam_width]
+
+
+def search(prompts: list[list[int]], params: BeamSearchParams, eos_ids: Sequence[int]
+           ) -> Generator[list[list[int]], list[dict[int, Logprob]], list[list[BeamSearchSequence]]]:
+    """Every prompt's best beams, as a generator its caller drives (LLM.beam_search through LLM.generate, the
+    server through its engine): it yields the token id lists to run for one step with step_params(params), and
+    takes back each one's next-token top log-probabilities; it returns the beams, best first per prompt."""
+    params.validate()
+    live = [[BeamSearchSequence(list(p), len(p))] for p in prompts]
+    finished: list[list[BeamSearchSequence]] = [[] for _ in prompts]
+    for _ in range(params.max_tokens):
+        flat = [(i, beam) for i, beams in enumerate(live) for beam in beams]
+        if not flat:
+            break
+        tops = yield [beam.tokens for _, beam in flat]
+        for i in range(len(prompts)):
+            mine = [(beam, top) for (j, beam), top in zip(flat, tops) if j == i]
+            if mine:
+                live[i], done = expand([b for b, _ in mine], [t for _, t in mine], params, eos_ids)
+                finished[i].extend(done)
+    return [best_of(finished[i], live[i], params) for i in range(len(prompts))]

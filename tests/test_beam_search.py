@@ -1,0 +1,86 @@
+"""Beam search (LLM.beam_search, the server's use_beam_search) against a float64 beam search written here over HF
+transformers' logits on the same weights, with the rule entrypoints/beam_search.py states (HF's: 2W candidates a
+beam, an end-of-sequence candidate finishes if among the first W, the rest fill W live beams; ranked at the end by
+cumulative log-probability / generated length ** length_penalty)."""
+import pytest
+import torch
+
+from picovllm import LLM, BeamSearchParams
+from test_parity_hf import make_prompts
+
+
+def reference(model, prompt, width, max_tokens, eos, ignore_eos, length_penalty):
+    def next_logprobs(tokens):
+        with torch.no_grad():
+            logits = model(torch.tensor([tokens])).logits[0, -1].double()
+        return torch.log_softmax(logits, -1)
+
+    live, finished = [(list(prompt), 0.0)], []
+    for _ in range(max_tokens):
+        if not live:
+            break
+        cands = []
+        for tokens, cum in live:
+            lps = next_logprobs(tokens)
+            order = sorted(range(lps.numel()), key=lambda t: (-lps[t].item(), t))[:2 * width]
+            cands += [(tokens + [t], cum + lps[t].item()) for t in order]
+        cands.sort(key=lambda c: -c[1])
+        live = []
+        for i, (tokens, cum) in enumerate(cands):
+            if not ignore_eos and tokens[-1] in eos:
+                if i < width:
+                    finished.append((tokens, cum, True))
+            elif len(live) < width:
+                live.append((tokens, cum))
+    everything = finished + [(t, c, False) for t, c in live]
+
+    def score(b):
+        return b[1] / max(len(b[0]) - len(prompt) - b[2], 1) ** length_penalty
+    return sorted(everything, key=lambda b: -score(b))[:width], len(finished)
+
+
+@pytest.fixture(scope="module")
+def hf_and_llm(tiny_models):
+    from transformers import AutoModelForCausalLM
+    path = tiny_models["llama"]
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64, attn_implementation="eager").eval()
+    return model, LLM(path, block_size=4, num_kv_blocks=256, device="cpu")
+
+
+@pytest.mark.parametrize("width,length_penalty", [(1, 1.0), (3, 1.0), (3, 0.0), (4, 2.0)])
+def test_beams_match_the_float64_reference(hf_and_llm, width, length_penalty):
+    model, llm = hf_and_llm
+    prompts = make_prompts(3)[1:]        # 5 and 16 tokens
+    # an end-of-sequence token the search meets: the second most likely first token of the first prompt
+    first, _ = reference(model, prompts[0], width, 1, (), True, 1.0)
+    eos = [first[1][0][-1]] if width > 1 else [first[0][0][-1]]
+    ended = 0
+    llm.engine.eos_token_ids, saved = eos, llm.engine.eos_token_ids
+    try:
+        for ignore_eos in (False, True):
+            params = BeamSearchParams(beam_width=width, max_tokens=5, ignore_eos=ignore_eos,
+                                      length_penalty=length_penalty)
+            got = llm.beam_search(prompts, params)
+            for prompt, out in zip(prompts, got):
+                want, n = reference(model, prompt, width, 5, eos, ignore_eos, length_penalty)
+                ended += n
+                assert [b.tokens for b in out.sequences] == [w[0] for w in want]
+                assert [b.cum_logprob for b in out.sequences] == pytest.approx([w[1] for w in want], abs=1e-4)
+                assert [b.finish_reason for b in out.sequences] == ["stop" if w[2] else "length" for w in want]
+                assert all(b.num_prompt_tokens == len(prompt) and len(b.logprobs) == len(b.output_token_ids)
+                           for b in out.sequences)
+        assert ended > 0        # the end-of-sequence token did finish beams (kept at the end or not)
+    finally:
+        llm.engine.eos_token_ids = saved
+
+
+def test_bad_beam_search_params_are_refused_by_name(hf_and_llm):
+    _, llm = hf_and_llm
+    for kw, field in [(dict(beam_width=0), "beam_width"), (dict(max_tokens=0), "max_tokens"),
+                      (dict(temperature=0.7), "temperature"), (dict(length_penalty=float("nan")), "length_penalty")]:
+        args = dict(beam_width=2, max_tokens=3) | kw
+        with pytest.raises(ValueError, match=f"BeamSearchParams.{field}"):
+            llm.beam_search([[1, 2, 3]], BeamSearchParams(**args))
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.beam_search([[1] * (llm.engine.max_model_len - 2)], BeamSearchParams(beam_width=2, max_tokens=3))
+    assert not llm.engine.requests
