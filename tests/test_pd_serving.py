@@ -160,6 +160,10 @@ def test_outputs_equal_colocated(cluster, llm):
         with pytest.raises(openai.BadRequestError, match="not supported with disaggregated") as e:
             client.chat.completions.create(model=name, messages=conv, max_tokens=4, **kw)
         assert e.value.body["param"] == field, e.value.body
+    # beam search runs its steps as engine requests: not through a proxy's pairs
+    with pytest.raises(openai.BadRequestError, match="disaggregation") as e:
+        client.completions.create(model=name, prompt="Hello", n=2, max_tokens=4, extra_body={"use_beam_search": True})
+    assert e.value.body["param"] == "use_beam_search", e.value.body
     # a priority reaches P, whose policy (FCFS here) refuses it, naming the field
     with pytest.raises(openai.BadRequestError, match="scheduling policy") as e:
         client.completions.create(model=name, prompt="Hello", max_tokens=4, extra_body={"priority": 1})

@@ -549,6 +549,33 @@ def test_spaces_between_special_tokens_as_hf_decodes(server, client, llm):
     assert e.value.body["param"] == "spaces_between_special_tokens"
 
 
+def test_beam_search_served_as_llm_beam_search(server, client, llm):
+    """use_beam_search on both endpoints equals LLM.beam_search (itself checked against a float64 beam search over
+    HF's logits in test_beam_search.py); what beam search does not honour is a 400 naming the field."""
+    from picovllm import BeamSearchParams
+    model = client.models.list().data[0].id
+    want = llm.beam_search(["Once upon a time"], BeamSearchParams(beam_width=3, max_tokens=8,
+                                                                  length_penalty=0.5))[0].sequences
+    got = client.completions.create(model=model, prompt="Once upon a time", n=3, max_tokens=8,
+                                    extra_body={"use_beam_search": True, "length_penalty": 0.5})
+    assert [c.text for c in got.choices] == [b.text for b in want] and len(set(b.text for b in want)) > 1
+    assert [c.finish_reason for c in got.choices] == [b.finish_reason for b in want]
+    assert got.usage.completion_tokens == sum(len(b.output_token_ids) for b in want)
+    conv = [{"role": "user", "content": "Tell me a story about a cat"}]
+    want = llm.beam_search([llm.apply_chat_template(conv)], BeamSearchParams(beam_width=2, max_tokens=6))[0]
+    got = client.chat.completions.create(model=model, messages=conv, n=2, max_tokens=6, temperature=0,
+                                         top_p=1, extra_body={"use_beam_search": True})     # defaults are fine
+    assert [c.message.content for c in got.choices] == [b.text for b in want.sequences]
+    for kw, field in [(dict(top_p=0.5), "top_p"), (dict(logprobs=2), "logprobs"), (dict(stream=True), "stream"),
+                      (dict(temperature=0.8), "temperature"), (dict(stop=["x"]), "stop"),
+                      (dict(extra_body={"guided_choice": ["a", "b"]}), "guided_choice")]:
+        extra = {"use_beam_search": True, **kw.pop("extra_body", {})}
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=model, prompt="Hi", n=2, max_tokens=4, extra_body=extra, **kw)
+        assert e.value.body["param"] == field, (field, e.value.body)
+    assert_idle(server)
+
+
 def test_bad_words_served_as_llm_generate(server, client, llm):
     """bad_words (checked against HF in test_bad_words.py) reach the engine from both endpoints, streamed or not;
     what cannot be honoured with them is a 400 naming the field."""

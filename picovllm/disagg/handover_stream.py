@@ -66,6 +66,10 @@ class RemoteEngine:
     def model_info(self) -> dict:
         return dict(self._model_info)
 
+    def eos_token_ids(self) -> None:
+        """Unknown here (beam search, which needs them, is refused through a proxy or router)."""
+        return None
+
     async def post_stream(self, base: str, path: str, body: bytes, headers: dict[str, str]):
         """POST to a /pd route, the response streamed (status_code, aiter_lines, aread, aclose): a connection of
         its own, not the client's pool. StreamError or httpx.HTTPError if the server cannot be reached."""

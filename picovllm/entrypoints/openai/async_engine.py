@@ -144,6 +144,11 @@ class EngineClient:
         """What the role's engine says of itself once built (a P or D server's /pd/info): AsyncEngine.role_info."""
         raise NotImplementedError
 
+    def eos_token_ids(self) -> list[int] | None:
+        """The engine's end-of-sequence tokens (beam search ends beams on them); None where the engine is other
+        servers' (a proxy's, a router's)."""
+        raise NotImplementedError
+
     # -- requests (event loop side) --------------------------------------------------------------
     async def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
                           arrival_time: float | None = None, priority: int = 0) -> RequestStream:
@@ -326,6 +331,9 @@ class AsyncEngine(EngineClient):
         """What GET /v1/models shows besides the name."""
         e = self.engine
         return {"root": e.config.model, "max_model_len": e.max_model_len, "vocab_size": e.model_config.vocab_size}
+
+    def eos_token_ids(self) -> list[int] | None:
+        return list(self.engine.eos_token_ids)
 
     def role_info(self) -> dict:
         """What does not change while serving, which the server's routes show (a P or D engine's: its link or

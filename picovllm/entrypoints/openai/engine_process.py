@@ -151,6 +151,9 @@ class ProcessAsyncEngine(EngineClient):
     def role_info(self) -> dict:
         return dict((self._info or {}).get("role", {}))
 
+    def eos_token_ids(self) -> list[int] | None:
+        return list((self._info or {}).get("eos", []))
+
     # -- lifecycle (event loop side) -------------------------------------------------------------
     def start(self) -> None:
         if self._info is None:
@@ -262,7 +265,7 @@ def _child_main(config: EngineConfig, build, loop_cls: type, commands, results, 
         return
     loop = loop_cls(engine, commands, results)
     freeze_for_serving()        # this process lives as long as the server
-    results.send(("ready", {"model": loop.model_info(), "role": loop.role_info()}))
+    results.send(("ready", {"model": loop.model_info(), "role": loop.role_info(), "eos": loop.eos_token_ids()}))
     try:
         loop._run()
     finally:

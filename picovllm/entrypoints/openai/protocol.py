@@ -61,7 +61,6 @@ class StreamOptions(_Strict):
 REFUSED_COMMON: dict[str, tuple] = {
     "guided_decoding_backend": (), "guided_whitespace_pattern": (),
     "functions": (), "function_call": ("none",),
-    "use_beam_search": (False,), "length_penalty": (1,),
     "logits_processors": (), "vllm_xargs": (),
     "store": (False,), "prediction": (), "audio": (), "modalities": (["text"],), "reasoning_effort": (),
     "web_search_options": (),
@@ -195,6 +194,8 @@ class _SamplingRequest(_StructuredRequest, _RefusedCommon):
     bad_words: Annotated[list[Annotated[str, Field(min_length=1, max_length=1024)]],
                          Field(max_length=MAX_BAD_WORDS)] | None = None
     priority: int = Field(0, ge=-(2**63), le=2**63 - 1)   # vLLM's: with --scheduling-policy priority, lower first
+    use_beam_search: bool = False                          # vLLM's: n beams (serving_beam.py)
+    length_penalty: FiniteFloat = 1.0
     return_tokens_as_token_ids: bool = False   # logprobs name tokens "token_id:<id>" (for text that is not UTF-8)
     # vLLM's. The text is decoded as HF's tokenizer.decode decodes it with this flag: a fast tokenizer (every one this
     # server loads) puts no space between special tokens either way, as HF's and vLLM's fast detokenizers do.

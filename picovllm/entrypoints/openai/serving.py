@@ -224,7 +224,7 @@ async def final_output(raw: Request, group: SampleGroup) -> RequestOutput | None
     """Wait for the samples' last outputs, merged into one (outputs[i] is sample i); None if the client
     disconnected first (the samples are aborted)."""
     task = asyncio.ensure_future(group.finals())
-    watcher = asyncio.ensure_future(_disconnected(raw))
+    watcher = asyncio.ensure_future(disconnected(raw))
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -240,7 +240,7 @@ async def final_output(raw: Request, group: SampleGroup) -> RequestOutput | None
         raise APIError(500, str(e), type="internal_error") from None
 
 
-async def _disconnected(raw: Request) -> None:
+async def disconnected(raw: Request) -> None:
     while (await raw.receive())["type"] != "http.disconnect":
         pass
 

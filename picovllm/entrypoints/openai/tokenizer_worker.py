@@ -63,10 +63,10 @@ class TokenizerWorker:
 
         return await self._run(render)
 
-    async def decode(self, ids: list[int]) -> str:
-        """As the engine's detokenizer with skip_special_tokens=False: every id shows."""
+    async def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        """As the engine's detokenizer (by default with skip_special_tokens=False: every id shows)."""
         tok = self._need("detokenize")
-        return await self._run(lambda: tok.decode(ids, skip_special_tokens=False))
+        return await self._run(lambda: tok.decode(ids, skip_special_tokens=skip_special_tokens))
 
     async def token_strs(self, ids: list[int]) -> list[str]:
         tok = self._need("return_token_strs")

@@ -1,0 +1,122 @@
+"""`use_beam_search: true` on both endpoints (vLLM's): `n` beams (the beam width), `length_penalty`, `max_tokens`,
+`ignore_eos`; the search is entrypoints/beam_search.py's, its steps run as engine requests through the server's
+engine like any other request. The beams are known at the end, so the response is not streamed. A field beam search
+does not honour (sampling, logprobs, penalties, stop strings, structured outputs, tools, ...) sent with a value
+other than its default is a 400 naming it, never ignored.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+
+from fastapi import Request
+
+from picovllm.entrypoints.beam_search import BeamSearchParams, BeamSearchSequence, search, step_params
+from picovllm.entrypoints.openai.protocol import APIError
+from picovllm.entrypoints.openai.serving import ServingContext, disconnected
+
+# What a beam-search request may carry besides its prompt: the search's own fields, and those it honours as any
+# request does (the prompt's rendering and truncation, the text's decoding, scheduling, who asks).
+BEAM_FIELDS = frozenset({
+    "model", "prompt", "messages", "use_beam_search", "n", "max_tokens", "max_completion_tokens", "length_penalty",
+    "ignore_eos", "temperature", "seed", "stream", "user", "priority", "skip_special_tokens",
+    "truncate_prompt_tokens", "add_generation_prompt", "continue_final_message", "chat_template_kwargs",
+    "spaces_between_special_tokens"})
+
+
+# Values of other fields that ask for nothing (what clients often send explicitly), besides each field's default.
+NEUTRAL = {"top_p": (1,), "top_k": (0, -1), "min_p": (0,), "presence_penalty": (0,), "frequency_penalty": (0,),
+           "repetition_penalty": (1,), "min_tokens": (0,), "stop": ([],), "stop_token_ids": ([],),
+           "tool_choice": ("none",), "stream_options": ()}
+
+
+def _asks_nothing(req, name: str) -> bool:
+    value = getattr(req, name)
+    if value == type(req).model_fields[name].default or value in NEUTRAL.get(name, ()):
+        return True
+    return name == "response_format" and value.type == "text"
+
+
+def beam_search_params(req, max_tokens: int | None, num_prompt_tokens: int, max_model_len: int) -> BeamSearchParams:
+    """The request's BeamSearchParams; APIError(400) naming the field it cannot honour."""
+    for name in sorted(req.model_fields_set - BEAM_FIELDS):
+        if not _asks_nothing(req, name):
+            raise APIError(400, f"{name} cannot be combined with use_beam_search", param=name)
+    if req.stream:
+        raise APIError(400, "use_beam_search: the beams are known at the end, so the response is not streamed",
+                       param="stream")
+    room = max_model_len - num_prompt_tokens
+    if max_tokens is not None and max_tokens > room:
+        raise APIError(400, f"max_tokens ({max_tokens}) + the prompt ({num_prompt_tokens} tokens) exceed "
+                            f"max_model_len {max_model_len}", param="max_tokens")
+    params = BeamSearchParams(beam_width=req.n, max_tokens=room if max_tokens is None else max_tokens,
+                              ignore_eos=req.ignore_eos, temperature=req.temperature or 0.0,
+                              length_penalty=req.length_penalty)
+    try:
+        params.validate()
+    except ValueError as e:
+        raise APIError(400, str(e), param=str(e).split(":")[0].split()[0].removeprefix("BeamSearchParams.")) from None
+    if num_prompt_tokens >= max_model_len or room < 1:
+        raise APIError(400, f"the prompt ({num_prompt_tokens} tokens) leaves no room under max_model_len "
+                            f"{max_model_len}", param="max_tokens")
+    return params
+
+
+async def run_beam_search(ctx: ServingContext, raw: Request, ids: list[int], params: BeamSearchParams,
+                          request_id: str, priority: int) -> list[BeamSearchSequence] | None:
+    """The best beams, best first; None if the client went away first (the steps in flight are aborted)."""
+    eos = ctx.engine.eos_token_ids()
+    if eos is None:
+        raise APIError(400, "use_beam_search is not supported with prefill/decode disaggregation",
+                       param="use_beam_search")
+    task = asyncio.ensure_future(_search(ctx, ids, params, eos, request_id, priority))
+    watcher = asyncio.ensure_future(disconnected(raw))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if not task.done():         # the client went away
+        task.cancel()
+        return None
+    return task.result()
+
+
+async def _search(ctx: ServingContext, ids: list[int], params: BeamSearchParams, eos: list[int], request_id: str,
+                  priority: int) -> list[BeamSearchSequence]:
+    steps, step, n, arrival = search([ids], params, eos), step_params(params), 0, time.time()
+    try:
+        batch = next(steps)
+        while True:
+            streams = []
+            try:
+                for tokens in batch:
+                    streams.append(await ctx.add(tokens, step, f"{request_id}-{n}", arrival, priority))
+                    n += 1
+                tops = [(await _last(s)).outputs[0].logprobs[0] for s in streams]
+            finally:
+                for s in streams:
+                    s.close()           # aborts a step still running (the client went away)
+            batch = steps.send(tops)
+    except StopIteration as done:
+        return done.value[0]
+
+
+async def _last(stream):
+    last = None
+    async for out in stream.outputs():
+        last = out
+    return last
+
+
+async def beam_choices(ctx: ServingContext, beams: list[BeamSearchSequence], skip_special_tokens: bool
+                       ) -> list[tuple[str, BeamSearchSequence]]:
+    """Each beam's generated text, as the detokenizer would give it."""
+    return [(await ctx.tokenizer.decode(b.output_token_ids, skip_special_tokens), b) for b in beams]
+
+
+def beam_usage(num_prompt_tokens: int, beams: list[BeamSearchSequence]) -> dict:
+    c = sum(len(b.output_token_ids) for b in beams)
+    return {"prompt_tokens": num_prompt_tokens, "completion_tokens": c, "total_tokens": num_prompt_tokens + c}
