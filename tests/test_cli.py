@@ -211,11 +211,13 @@ def test_generate_disagg_prints_what_generate_prints(default_llm):
     for flag, model_input in want.items():
         ref = default_llm.generate([model_input], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0]
         flags = ["--max-tokens", "8"] + ([flag] if flag.startswith("--") else [])
-        colocated = run_cli(["generate", prompt, *flags])
         disagg = run_cli(["generate", prompt, *flags, "--disagg", "--stats"])
-        assert colocated.returncode == 0 and disagg.returncode == 0, disagg.stderr[-2000:]
-        assert colocated.stdout == disagg.stdout == ref.outputs[0].text + "\n", (flag, disagg.stdout, colocated.stdout)
+        assert disagg.returncode == 0, disagg.stderr[-2000:]
+        assert disagg.stdout == ref.outputs[0].text + "\n", (flag, disagg.stdout)
         assert "TTFT" in disagg.stderr and "tokens in" in disagg.stderr
+        if flag == "chat":      # colocated generate (test_generate_streams_paris_on_the_default_model) prints the same
+            colocated = run_cli(["generate", prompt, *flags])
+            assert colocated.returncode == 0 and colocated.stdout == disagg.stdout
 
 
 def test_import_and_help_do_not_load_torch():
