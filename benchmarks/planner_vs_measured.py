@@ -76,7 +76,9 @@ def main() -> None:
     p.add_argument("--itl-slo-ms", default="20")
     p.add_argument("--dtype", default="float32", help="the checkpoint's and the engines' dtype")
     p.add_argument("--num-kv-blocks", default="2048")
-    p.add_argument("--engine-process", action="store_true", help="the colocated server with serve --engine-process")
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                   help="the servers' engine loops in processes of their own (serve's default; before the fourteenth "
+                        "session's runs, the thread was: --no-engine-process)")
     p.add_argument("--reuse", metavar="DIR", help="take the checkpoint and profile.json of an earlier run's OUT_DIR "
                    "(an A/B of serve options over one profile)")
     p.add_argument("--rate-per-client", type=float, default=20.0,
@@ -94,7 +96,7 @@ def main() -> None:
                        check=True)
     measured = []
     proc, url = start(args.out, "colocated", "serve", "--model", model, *engine,
-                      *(["--engine-process"] if args.engine_process else []))
+                      *([] if args.engine_process else ["--no-engine-process"]))
     try:
         for rate in args.rates:
             path = os.path.join(args.out, f"bench_colocated_{rate:g}.json")
@@ -107,7 +109,8 @@ def main() -> None:
         secret = os.path.join(args.out, "secret")
         with open(secret, "w") as f:
             f.write("planner-benchmark-secret-0123456789\n")
-        fleet = ["--kv-transfer", "tcp", "--pd-secret-file", secret, "--model", model, *engine]
+        fleet = ["--kv-transfer", "tcp", "--pd-secret-file", secret, "--model", model, *engine,
+                 *([] if args.engine_process else ["--no-engine-process"])]
         procs = []
         try:
             pp, purl = start(args.out, "p", "serve", "--role", "p", *fleet)
