@@ -111,12 +111,14 @@ async def _last(stream):
     return last
 
 
-async def beam_choices(ctx: ServingContext, beams: list[BeamSearchSequence], skip_special_tokens: bool
-                       ) -> list[tuple[str, BeamSearchSequence]]:
-    """Each beam's generated text, as the detokenizer would give it."""
-    return [(await ctx.tokenizer.decode(b.output_token_ids, skip_special_tokens), b) for b in beams]
-
-
-def beam_usage(num_prompt_tokens: int, beams: list[BeamSearchSequence]) -> dict:
+async def serve_beam_search(ctx: ServingContext, req, raw: Request, ids: list[int], max_tokens: int | None,
+                            request_id: str) -> tuple[list[tuple[str, BeamSearchSequence]], dict] | None:
+    """A request's beams, best first, each with its text, and the usage; None if the client went away.
+    APIError(400) naming what cannot be honoured."""
+    params = beam_search_params(req, max_tokens, len(ids), ctx.engine.model_info()["max_model_len"])
+    beams = await run_beam_search(ctx, raw, ids, params, request_id, req.priority)
+    if beams is None:
+        return None
+    texts = [await ctx.tokenizer.decode(b.output_token_ids, req.skip_special_tokens) for b in beams]
     c = sum(len(b.output_token_ids) for b in beams)
-    return {"prompt_tokens": num_prompt_tokens, "completion_tokens": c, "total_tokens": num_prompt_tokens + c}
+    return list(zip(texts, beams)), {"prompt_tokens": len(ids), "completion_tokens": c, "total_tokens": len(ids) + c}

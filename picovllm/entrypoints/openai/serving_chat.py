@@ -12,7 +12,7 @@ from picovllm.entrypoints.openai.tool_calls import AutoToolStream, ToolCall, Too
 from picovllm.entrypoints.openai.serving import (ENGINE_ERRORS, SSE_DONE, JSONBody, SampleGroup, ServingContext,
                                                  TextDeltas, final_output, now, prompt_logprobs_json, sse, sse_error,
                                                  sse_response, token_name, top_logprobs, usage, with_usage)
-from picovllm.entrypoints.openai.serving_beam import beam_choices, beam_search_params, beam_usage, run_beam_search
+from picovllm.entrypoints.openai.serving_beam import serve_beam_search
 from picovllm.entrypoints.parallel_sampling import merge_samples, sample_params
 from picovllm.outputs import CompletionOutput
 
@@ -57,15 +57,13 @@ class ChatHandler:
         return JSONBody(self._body(group.request_id, "chat.completion", choices, usage=usage(out), **extra))
 
     async def _beams(self, req: ChatCompletionRequest, raw: Request, ids: list[int]) -> Response:
-        ctx, rid = self.ctx, f"chatcmpl-{uuid.uuid4().hex}"
-        params = beam_search_params(req, req.max_new_tokens, len(ids), ctx.engine.model_info()["max_model_len"])
-        beams = await run_beam_search(ctx, raw, ids, params, rid, req.priority)
-        if beams is None:
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        done = await serve_beam_search(self.ctx, req, raw, ids, req.max_new_tokens, rid)
+        if done is None:
             return Response(status_code=499)     # the client is gone; nobody reads this
         choices = [{"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                    "finish_reason": b.finish_reason, "stop_reason": None}
-                   for i, (text, b) in enumerate(await beam_choices(ctx, beams, req.skip_special_tokens))]
-        return JSONBody(self._body(rid, "chat.completion", choices, usage=beam_usage(len(ids), beams)))
+                    "finish_reason": b.finish_reason, "stop_reason": None} for i, (text, b) in enumerate(done[0])]
+        return JSONBody(self._body(rid, "chat.completion", choices, usage=done[1]))
 
     def _body(self, rid: str, obj: str, choices: list, **extra) -> dict:
         return {"id": rid, "object": obj, "created": now(), "model": self.ctx.model_name, "choices": choices, **extra}

@@ -12,7 +12,7 @@ from picovllm.entrypoints.openai.protocol import CompletionRequest
 from picovllm.entrypoints.openai.serving import (ENGINE_ERRORS, SSE_DONE, JSONBody, SampleGroup, ServingContext,
                                                  TextDeltas, final_output, now, prompt_logprobs_json, sse, sse_error,
                                                  sse_response, token_name, usage, with_usage)
-from picovllm.entrypoints.openai.serving_beam import beam_choices, beam_search_params, beam_usage, run_beam_search
+from picovllm.entrypoints.openai.serving_beam import serve_beam_search
 from picovllm.entrypoints.parallel_sampling import best_of, merge_samples
 from picovllm.outputs import CompletionOutput, Logprob
 
@@ -60,14 +60,13 @@ class CompletionHandler:
         return JSONBody(self._body(group.request_id, choices, usage=usage(out)))   # usage: every sample run
 
     async def _beams(self, req: CompletionRequest, raw: Request, ids: list[int]) -> Response:
-        ctx, rid = self.ctx, f"cmpl-{uuid.uuid4().hex}"
-        params = beam_search_params(req, req.max_tokens, len(ids), ctx.engine.model_info()["max_model_len"])
-        beams = await run_beam_search(ctx, raw, ids, params, rid, req.priority)
-        if beams is None:
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        done = await serve_beam_search(self.ctx, req, raw, ids, req.max_tokens, rid)
+        if done is None:
             return Response(status_code=499)     # the client is gone; nobody reads this
         choices = [{"index": i, "text": text, "logprobs": None, "finish_reason": b.finish_reason, "stop_reason": None}
-                   for i, (text, b) in enumerate(await beam_choices(ctx, beams, req.skip_special_tokens))]
-        return JSONBody(self._body(rid, choices, usage=beam_usage(len(ids), beams)))
+                   for i, (text, b) in enumerate(done[0])]
+        return JSONBody(self._body(rid, choices, usage=done[1]))
 
     def _body(self, rid: str, choices: list, **extra) -> dict:
         return {"id": rid, "object": "text_completion", "created": now(), "model": self.ctx.model_name,
