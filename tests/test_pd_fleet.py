@@ -305,3 +305,28 @@ def test_nixl_reads_runs_of_blocks():
     starts, runs = block_runs([3, 4, 5, 6], [1, 2, 5, 6])
     assert starts.tolist() == [0, 2] and runs.tolist() == [2, 2]
     assert [a.tolist() for a in block_runs([], [])] == [[], []]
+
+
+def test_claims_and_releases_go_before_queued_pulls():
+    """D's connection to a P runs one message at a time; a claim (which P's lease waits for) or a release sent
+    while pulls are queued runs before them, each kind in the order sent (hand-worked order)."""
+    import queue
+    from picovllm.disagg.messages import ClaimKV, PullKV, ReleaseKV
+    from picovllm.disagg.transfer.kv_socket import PeerConnection
+    order, running, gate = [], threading.Event(), threading.Event()
+    peer = PeerConnection(("127.0.0.1", 9), pull_config(), queue.SimpleQueue(), threading.Event())
+
+    def do(msg, handle, nbytes):             # stands in for the socket's round trip
+        order.append(f"{type(msg).__name__}:{msg.request_id}")
+        running.set()
+        gate.wait(10)
+    peer._do = do
+    peer.submit(PullKV("a"), None)
+    assert running.wait(10)                  # "a" is in flight; the rest queue behind it
+    for msg in (PullKV("b"), ClaimKV("c"), PullKV("d"), ReleaseKV("e"), ClaimKV("f")):
+        peer.submit(msg, None)
+    peer.close()                             # after what was submitted
+    gate.set()
+    peer._thread.join(10)
+    assert order == ["PullKV:a", "ClaimKV:c", "ReleaseKV:e", "ClaimKV:f", "PullKV:b", "PullKV:d"]
+    assert not peer.alive

@@ -13,6 +13,7 @@ import queue
 import socket
 import struct
 import threading
+from collections import deque
 
 from picovllm.disagg.auth import answer_challenge, challenge_peer
 from picovllm.disagg.messages import ClaimKV, Heartbeat, KVHandle, KVReply, PullKV, ReleaseKV, decode, encode
@@ -56,13 +57,21 @@ def authenticate_client(sock: socket.socket, config) -> None:
 
 
 class PeerConnection:
-    """D's connection to one P instance: a thread that runs its claims, pulls and releases in order,
-    connecting (and authenticating) when it has one to run, and keeping the link audible when idle."""
+    """D's connection to one P instance: a thread that runs its claims, pulls and releases one at a time,
+    connecting (and authenticating) when it has one to run, and keeping the link audible when idle.
+
+    Claims and releases go before the pulls queued (each in the order sent): a pull moves a request's whole KV
+    (~58 MB for 512 tokens of a Qwen3-0.6B), so behind a queue of them a claim would wait past P's lease and P would
+    free the KV (BENCHMARKS.md, fourteenth session). A request's pull is only sent after its claim, and a release
+    that passes its own pull (an abort) leaves the pull an error D ignores."""
 
     def __init__(self, address: tuple[str, int], config, results: queue.SimpleQueue,
                  closed: threading.Event) -> None:
         self.address, self.config, self.results, self._closed = address, config, results, closed
-        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._cond = threading.Condition()
+        self._control: deque = deque()      # (msg, handle, nbytes) of claims and releases
+        self._pulls: deque = deque()
+        self._closing = False
         self.sock: socket.socket | None = None
         self.claimed: set[str] = set()               # claims P granted on this socket (dropped with it)
         self.heartbeat_s = config.lease_s / 4        # and at most a quarter of the server's lease, once known
@@ -71,22 +80,37 @@ class PeerConnection:
         self._thread.start()
 
     def submit(self, msg, handle: KVHandle, nbytes: int = 0) -> None:
-        self.jobs.put((msg, handle, nbytes))
+        with self._cond:
+            (self._pulls if isinstance(msg, PullKV) else self._control).append((msg, handle, nbytes))
+            self._cond.notify()
 
     def close(self) -> None:
-        self.jobs.put(None)
+        """End the thread once what was submitted has run."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify()
+
+    def _next(self):
+        """The next job (claims and releases first), None to end, or () after heartbeat_s with none."""
+        with self._cond:
+            if not (self._control or self._pulls or self._closing):
+                self._cond.wait(self.heartbeat_s)
+            if self._control:
+                return self._control.popleft()
+            if self._pulls:
+                return self._pulls.popleft()
+            return None if self._closing else ()
 
     def _run(self) -> None:
         try:
             while not self._closed.is_set():
-                try:
-                    job = self.jobs.get(timeout=self.heartbeat_s)
-                except queue.Empty:
-                    self._heartbeat()
-                    continue
+                job = self._next()
                 if job is None:
                     return
-                self._do(*job)
+                if job:
+                    self._do(*job)
+                else:
+                    self._heartbeat()
         finally:
             self.alive = False
             self._disconnect()
