@@ -21,6 +21,7 @@ from picovllm.disagg.channel import Channel
 from picovllm.disagg.prefill import HandoverState
 from picovllm.engine.detokenizer import Detokenizer
 from picovllm.engine.llm_engine import Engine
+from serving_fixtures import chat_model  # noqa: F401 - a fixture
 
 BACKENDS = ["torch_dist", "cuda_ipc"]     # cuda_ipc on CPU: the same pull path over shared memory
 
@@ -335,3 +336,51 @@ def test_cuda_pair_in_one_process_matches_colocated(tiny_models, overlap):
     pair.p.close()
     pair.run()
     assert [pair.final[i].outputs[0].token_ids for i in ids] == [r.outputs[0].token_ids for r in ref]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_structured_outputs_across_p_and_d_match_colocated(chat_model, overlap):
+    """P samples the first token under the grammar, D compiles it too and advances it by P's token, then constrains
+    the rest: every output is the colocated engine's (greedy and seeded), and each follows its constraint."""
+    import json
+
+    from picovllm import StructuredOutputsParams
+    schema = {"type": "object", "required": ["name", "age"], "properties": {
+        "name": {"type": "string", "maxLength": 5}, "age": {"type": "integer", "minimum": 0, "maximum": 99}}}
+    constraints = [StructuredOutputsParams(json=schema), StructuredOutputsParams(regex=r"[a-c]{3}-[0-9]{2,4}"),
+                   StructuredOutputsParams(choice=["yes", "no", "maybe not"]), StructuredOutputsParams(json_object=True)]
+    ps = ["Tell me about a person", "A code:", "Answer:", "Some JSON"]
+    params = [SamplingParams(temperature=t, seed=3, max_tokens=40, structured_outputs=so)
+              for so in constraints for t in (0.0, 0.9)]
+    ps = [p for p in ps for _ in range(2)]
+    ref = LLM(chat_model, block_size=4, num_kv_blocks=256).generate(ps, params, use_tqdm=False)
+    pair = LocalPair(chat_model, "torch_dist", p_kw=dict(block_size=4, num_kv_blocks=256),
+                     d_kw=dict(block_size=4, num_kv_blocks=256), overlap=overlap)
+    ids = [pair.p.submit(p, sp) for p, sp in zip(ps, params)]
+    pair.p.close()
+    pair.run()
+    assert_same([pair.final[i] for i in ids], ref)
+    outs = [pair.final[i].outputs[0] for i in ids]
+    assert any(o.finish_reason == "stop" for o in outs[:2])
+    assert all(json.loads(o.text)["age"] in range(100) for o in outs[:2] if o.finish_reason == "stop")
+    assert all(o.text in ("yes", "no", "maybe not") for o in outs[4:6])
+    assert pair.d.stats["decode_tokens"] > 0
+
+
+def test_a_first_token_the_decode_grammar_refuses_names_the_field(chat_model):
+    """D advances its own matcher by P's tokens: one the grammar does not allow (P on another tokenizer or grammar
+    version) is a ValueError naming the constraint, which refuses the offer."""
+    from picovllm import StructuredOutputsParams
+    from picovllm.engine.request import Request
+    d = Engine(EngineConfig(chat_model, role="d", block_size=4, num_kv_blocks=64))
+    tok = d.tokenizer
+    params = SamplingParams(max_tokens=8,
+                            structured_outputs=StructuredOutputsParams(choice=["yes"], source="guided_choice"))
+    good = Request("a", tok.encode("Answer:"), params)
+    good.output_token_ids = tok.encode("y")[:1]
+    assert d._grammar_on_decode(good).num_accepted == 1
+    bad = Request("b", tok.encode("Answer:"), params)
+    bad.output_token_ids = tok.encode("z")[:1]
+    with pytest.raises(ValueError, match="^guided_choice: the prefill engine's token .* does not match the grammar"):
+        d._grammar_on_decode(bad)
+    d.shutdown()

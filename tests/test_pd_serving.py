@@ -152,14 +152,23 @@ def test_outputs_equal_colocated(cluster, llm):
     # bad input: a 400 from P, naming the problem, nothing left behind
     with pytest.raises(openai.BadRequestError, match="max_model_len|longer"):
         client.completions.create(model=name, prompt=list(range(5, 300)) * 4, max_tokens=4)
-    # structured outputs and forced tool calls: refused by P, naming the field, never answered unconstrained
-    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
-    for kw, field in [(dict(response_format={"type": "json_object"}), "response_format"),
-                      (dict(extra_body={"guided_choice": ["a", "b"]}), "guided_choice"),
-                      (dict(tools=[tool], tool_choice="required"), "tools")]:
-        with pytest.raises(openai.BadRequestError, match="not supported with disaggregated") as e:
-            client.chat.completions.create(model=name, messages=conv, max_tokens=4, **kw)
-        assert e.value.body["param"] == field, e.value.body
+    # structured outputs and forced tool calls: P samples the first token under the grammar, D the rest (the
+    # engines' parity: test_disagg_engines.py); served as the colocated engine answers
+    from picovllm import StructuredOutputsParams
+    for kw, so in [(dict(extra_body={"guided_choice": ["alpha", "beta gamma"]}),
+                    StructuredOutputsParams(choice=["alpha", "beta gamma"])),
+                   (dict(extra_body={"guided_regex": "[a-z]{2,6} [0-9]+"}),
+                    StructuredOutputsParams(regex="[a-z]{2,6} [0-9]+"))]:
+        want = llm.chat(conv, SamplingParams(temperature=0, max_tokens=12, structured_outputs=so),
+                        use_tqdm=False)[0].outputs[0]
+        got = client.chat.completions.create(model=name, messages=conv, max_tokens=12, temperature=0, **kw)
+        assert got.choices[0].message.content == want.text, (kw, want.text)
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "required": ["x"], "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9}}}}}
+    got = client.chat.completions.create(model=name, messages=conv, max_tokens=150, temperature=0, tools=[tool],
+                                         tool_choice="required")
+    calls = got.choices[0].message.tool_calls
+    assert calls and calls[0].function.name == "f" and json.loads(calls[0].function.arguments)["x"] in range(10)
     # beam search runs its steps as engine requests: not through a proxy's pairs
     with pytest.raises(openai.BadRequestError, match="disaggregation") as e:
         client.completions.create(model=name, prompt="Hello", n=2, max_tokens=4, extra_body={"use_beam_search": True})

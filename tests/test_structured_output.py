@@ -315,16 +315,6 @@ def test_overlap_finishes_a_grammar_that_ends(default_model_path):
     assert outs[0].finish_reason == outs[1].finish_reason == "stop"
 
 
-def test_refused_on_disaggregated_roles(default_model_path):
-    from picovllm.config import EngineConfig
-    from picovllm.engine.llm_engine import Engine
-    eng = Engine(EngineConfig(model=default_model_path, role="p", num_kv_blocks=16))
-    with pytest.raises(ValueError, match="structured_outputs.choice: structured outputs are not supported with "
-                                         "disaggregated"):
-        eng.add_request(PROMPT, so_params(0.0, 0, choice=["a"]))
-    eng.shutdown()
-
-
 def test_bounded_strings_admit_no_raw_control_characters(default_llm: LLM):
     """JSON strings hold no raw control characters and UTF-8 text no surrogates (json.loads and bytes.decode
     are the oracles); xgrammar 0.2.8 admits both unless picovllm's grammar fixes it."""

@@ -248,16 +248,22 @@ class Engine:
     def _grammar_state(self, params: SamplingParams) -> GrammarState:
         """A matcher for the request's structured output; ValueError naming the field if it cannot be."""
         so = params.structured_outputs
-        if self.config.role in ("p", "d"):
-            # P samples the first token and D the rest: the matcher's state would have to cross the link.
-            raise ValueError(f"{so.field_name}: structured outputs are not supported with disaggregated "
-                             f"prefill/decode (role {self.config.role})")
         if self.tokenizer is None:
             raise ValueError(f"{so.field_name}: structured outputs need the model's tokenizer")
         if self._structured is None:
             self._structured = StructuredOutputCompiler(self.tokenizer, self.model_config.vocab_size,
                                                         self.eos_token_ids)
         return self._structured.new_state(so)
+
+    def _grammar_on_decode(self, req: Request) -> GrammarState:
+        """D: the matcher of an offered request, advanced by the tokens P sampled under the same grammar (P and D
+        compile it each, from the request's params); ValueError naming the field if they do not match it."""
+        grammar = self._grammar_state(req.params)
+        for token in req.output_token_ids:
+            if not grammar.accept(token):
+                raise ValueError(f"{req.params.structured_outputs.field_name}: the prefill engine's token {token} "
+                                 f"does not match the grammar here (another tokenizer or grammar version?)")
+        return grammar
 
     def _check_length(self, num_prompt_tokens: int) -> None:
         if num_prompt_tokens >= self.max_model_len:
@@ -493,6 +499,8 @@ class Engine:
             self._check_length(req.num_prompt_tokens)
             self._check_capacity(req.num_prompt_tokens, req.max_tokens)
             req.bad_words_ids = self._bad_words(req.params)
+            if req.params.structured_outputs is not None:
+                req.grammar = self._grammar_on_decode(req)
         except ValueError as e:
             req.finish(FinishReason.ERROR, error=str(e))
             answers = self.connector.answers_for(req)      # asked first: request_finished forgets it

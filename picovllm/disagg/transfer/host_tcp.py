@@ -2,9 +2,9 @@
 
 P runs a KV server (a listening socket, one thread per connected D); D opens one connection per P
 instance the first time it claims from it (kv_socket.PeerConnection), with a thread that runs its
-claims, pulls and releases one at a time (claims and releases before the pulls queued). Every socket starts with the fleet's mutual HMAC
-challenge-response (kv_socket, picovllm.disagg.auth): nothing is read or written for a peer that
-fails it. A pull's KVReply is followed by its nbytes of blocks, laid out as the cache
+claims, pulls and releases one at a time (claims and releases before the pulls queued). Every socket
+starts with the fleet's mutual HMAC challenge-response (kv_socket, picovllm.disagg.auth): nothing is
+read or written for a peer that fails it. A pull's KVReply is followed by its nbytes of blocks, laid out as the cache
 ([num_layers, 2, n, block_size, kv_heads, head_dim]).
 
 Who touches the cache: P's server threads read published blocks (outside the lock, counted as

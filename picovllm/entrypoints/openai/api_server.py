@@ -1,4 +1,4 @@
-"""The HTTP layer: a FastAPI app over an engine client (async_engine.py), and running it under uvicorn with a graceful exit.
+"""The HTTP layer: a FastAPI app over an engine client (async_engine.py), run under uvicorn with a graceful exit.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, POST /tokenize, POST /detokenize, GET /v1/models,
 GET /health, GET /metrics.
