@@ -499,12 +499,13 @@ def test_tokens_as_ids_and_continuous_usage(server, client, llm):
     for endpoint in ("chat", "completions"):
         if endpoint == "chat":
             chunks = list(client.chat.completions.create(model=model, messages=msgs, max_tokens=6, n=2, stream=True,
-                                                         logprobs=True, stream_options=opts))
+                                                         logprobs=True, stream_options=opts,
+                                                         extra_body={"ignore_eos": True}))   # 6 tokens each
             counted = lambda ch: len(ch.logprobs.content) if ch.logprobs else 0          # noqa: E731
             plen = prompt_len
         else:
             chunks = list(client.completions.create(model=model, prompt=prompt, max_tokens=6, n=2, stream=True,
-                                                    logprobs=0, stream_options=opts))
+                                                    logprobs=0, stream_options=opts, extra_body={"ignore_eos": True}))
             counted = lambda ch: len(ch.logprobs.tokens) if ch.logprobs else 0           # noqa: E731
             plen = len(prompt)
         *streamed, final = chunks
