@@ -47,7 +47,7 @@ def hf_and_llm(tiny_models):
     return model, LLM(path, block_size=4, num_kv_blocks=256, device="cpu")
 
 
-@pytest.mark.parametrize("width,length_penalty", [(1, 1.0), (3, 1.0), (3, 0.0), (4, 2.0)])
+@pytest.mark.parametrize("width,length_penalty", [(1, 1.0), (3, 0.0), (4, 2.0)])
 def test_beams_match_the_float64_reference(hf_and_llm, width, length_penalty):
     model, llm = hf_and_llm
     prompts = make_prompts(3)[1:]        # 5 and 16 tokens

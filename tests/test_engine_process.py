@@ -1,10 +1,10 @@
-"""`picovllm serve`'s engine loop in a child process (the default, --engine-process), the HTTP side in the parent;
-and the same server with the loop as a thread beside it (--no-engine-process).
+"""`picovllm serve`'s engine loop in a child process (the default, --engine-process), the HTTP side in the parent.
 
-Oracle: LLM.generate / LLM.chat in this process on the same model. Also, in both modes: an engine-side refusal is
-still a 400 naming the field, a client that hangs up frees its blocks, the engine's metrics reach /metrics. With the
-engine process: a dead child fails in-flight streams cleanly, and SIGTERM stops both processes (the module server's
-teardown). The P and D servers' two modes: test_pd_serving.py and test_pd_router.py.
+Oracle: LLM.generate / LLM.chat in this process on the same model. Also: an engine-side refusal is still a 400
+naming the field, a client that hangs up frees its blocks, the engine's metrics reach /metrics, a dead child fails
+in-flight streams cleanly, and SIGTERM stops both processes (the module server's teardown). The loop as a thread
+(--no-engine-process): test_server_units.py's chat-template server (colocated), test_pd_serving.py and
+test_pd_router.py (P and D servers).
 """
 import os
 import signal
@@ -22,16 +22,13 @@ ENGINE_ARGS = ["--block-size", "16", "--num-kv-blocks", "512", "--max-model-len"
 PROMPTS = ["Hello, how are you", "The capital of France is", "Numbers: 0 1 2"]
 
 
-@pytest.fixture(scope="module", params=["process", "thread"])
-def server(request, chat_model, tmp_path_factory):
-    """The module's server, each mode; at the end, SIGTERM must stop every process of it."""
-    mode = [] if request.param == "process" else ["--no-engine-process"]
-    srv = ServerProcess(chat_model, str(tmp_path_factory.mktemp("log") / "server.log"), *ENGINE_ARGS, *mode)
+@pytest.fixture(scope="module")
+def server(chat_model, tmp_path_factory):
+    """The module's server (the default: the engine in a process of its own); at the end, SIGTERM must stop every
+    process of it."""
+    srv = ServerProcess(chat_model, str(tmp_path_factory.mktemp("log") / "server.log"), *ENGINE_ARGS)
     kids = children_of(srv.proc.pid)
-    if request.param == "process":
-        engine_child(srv)
-    else:
-        assert not kids, "a thread-mode server started a process"
+    engine_child(srv)
     yield srv
     assert srv.stop(signal.SIGTERM) == 0, srv.log()
     assert_exited(kids)
@@ -157,3 +154,21 @@ def test_a_model_the_engine_refuses_ends_the_server_as_the_thread_does(tmp_path)
     assert srv.proc.wait(120) == 2
     assert "error: config.json architectures=['NoSuchForCausalLM']: unsupported architecture" in srv.log()
 
+
+def test_the_thread_mode_serves_as_the_offline_api(chat_model, tmp_path):
+    """--no-engine-process: the loop as a thread in the server's process (no child), the same outputs."""
+    llm = LLM(chat_model, block_size=16, num_kv_blocks=512, max_model_len=256)
+    srv = ServerProcess(chat_model, str(tmp_path / "server.log"), *ENGINE_ARGS, "--no-engine-process")
+    try:
+        assert not children_of(srv.proc.pid), "a thread-mode server started a process"
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        model = client.models.list().data[0].id
+        ref = llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0].outputs[0]
+        assert client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=12,
+                                         temperature=0).choices[0].text == ref.text
+        streamed = "".join(c.choices[0].text for c in client.completions.create(
+            model=model, prompt=PROMPTS[0], max_tokens=12, temperature=0, stream=True) if c.choices)
+        assert streamed == ref.text
+        idle(srv)
+    finally:
+        assert srv.stop(signal.SIGTERM) == 0, srv.log()
