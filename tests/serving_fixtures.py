@@ -56,11 +56,18 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """`python -m picovllm.entrypoints.cli serve ...` in a subprocess, with its log in a file."""
+    """`python -m picovllm.entrypoints.cli serve ...` in a subprocess, with its log in a file.
+
+    A `serve` here runs its engine loop as a thread (--no-engine-process) unless extra says --engine-process:
+    spawning the engine's process costs a start ~2 s on the 2-core CI machine, and the features the servers' tests
+    check are the same in both modes. The process mode (serve's default) is tested where it is named:
+    test_engine_process.py, pair 0 of test_pd_serving.py, the fleet's p and d0 in test_pd_router.py."""
 
     def __init__(self, model: str | None, log_path: str, *extra: str, startup_timeout: float | None = 120.0,
                  command: tuple[str, ...] = ("serve",)) -> None:
         """command: the CLI subcommand; model None: no --model; startup_timeout None: do not wait (wait_ready)."""
+        if command == ("serve",) and "--engine-process" not in extra and "--no-engine-process" not in extra:
+            extra = (*extra, "--no-engine-process")
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",

@@ -19,6 +19,7 @@ from serving_fixtures import ServerProcess, chat_model  # noqa: F401 - a fixture
 from test_server_lifecycle import assert_exited, children_of
 
 ENGINE_ARGS = ["--block-size", "16", "--num-kv-blocks", "512", "--max-model-len", "256"]
+PROCESS = "--engine-process"     # serve's default; serving_fixtures' servers run the thread unless told
 PROMPTS = ["Hello, how are you", "The capital of France is", "Numbers: 0 1 2"]
 
 
@@ -26,7 +27,7 @@ PROMPTS = ["Hello, how are you", "The capital of France is", "Numbers: 0 1 2"]
 def server(chat_model, tmp_path_factory):
     """The module's server (the default: the engine in a process of its own); at the end, SIGTERM must stop every
     process of it."""
-    srv = ServerProcess(chat_model, str(tmp_path_factory.mktemp("log") / "server.log"), *ENGINE_ARGS)
+    srv = ServerProcess(chat_model, str(tmp_path_factory.mktemp("log") / "server.log"), *ENGINE_ARGS, PROCESS)
     kids = children_of(srv.proc.pid)
     engine_child(srv)
     yield srv
@@ -81,6 +82,17 @@ def test_outputs_equal_the_offline_api(server, client, chat_model):
     assert m["picovllm:decode_tokens_total"] > 0                            # the child's stats
 
 
+def test_beam_search_through_the_process(server, client, chat_model):
+    """The beams need the engine's end-of-sequence ids, which the engine process sends when it is ready."""
+    from picovllm import BeamSearchParams
+    llm = LLM(chat_model, block_size=16, num_kv_blocks=512, max_model_len=256)
+    want = llm.beam_search([PROMPTS[1]], BeamSearchParams(beam_width=2, max_tokens=6))[0].sequences
+    got = client.completions.create(model=client.models.list().data[0].id, prompt=PROMPTS[1], n=2, max_tokens=6,
+                                    extra_body={"use_beam_search": True})
+    assert [c.text for c in got.choices] == [b.text for b in want]
+    idle(server)
+
+
 def test_engine_refusals_and_hang_ups(server, client, chat_model):
     model = client.models.list().data[0]
     with pytest.raises(openai.BadRequestError) as e:       # checked by the engine, in the child
@@ -96,7 +108,7 @@ def test_engine_refusals_and_hang_ups(server, client, chat_model):
 
 
 def test_a_dead_engine_process_fails_streams_and_health(chat_model, tmp_path):
-    srv = ServerProcess(chat_model, str(tmp_path / "server.log"), *ENGINE_ARGS)
+    srv = ServerProcess(chat_model, str(tmp_path / "server.log"), *ENGINE_ARGS, PROCESS)
     try:
         child = engine_child(srv)
         with httpx.stream("POST", srv.url + "/v1/completions", timeout=60,
@@ -150,7 +162,7 @@ def test_a_model_the_engine_refuses_ends_the_server_as_the_thread_does(tmp_path)
     bad = tmp_path / "model"
     bad.mkdir()
     (bad / "config.json").write_text('{"architectures": ["NoSuchForCausalLM"], "model_type": "nope"}')
-    srv = ServerProcess(str(bad), str(tmp_path / "server.log"), startup_timeout=None)
+    srv = ServerProcess(str(bad), str(tmp_path / "server.log"), PROCESS, startup_timeout=None)
     assert srv.proc.wait(120) == 2
     assert "error: config.json architectures=['NoSuchForCausalLM']: unsupported architecture" in srv.log()
 

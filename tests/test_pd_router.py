@@ -128,7 +128,7 @@ def signed(method: str, url: str, path: str, body: dict | None = None, secret: s
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
     """1 P and 2 D instances behind a router (decode policy round_robin, so both Ds take work); d1's engine loop is
-    a thread (--no-engine-process), the others' run in processes of their own (the default)."""
+    a thread (serving_fixtures' default), the others' run in processes of their own (--engine-process, serve's)."""
     root = tmp_path_factory.mktemp("fleet")
     model = build_tiny_chat_model(str(root / "model"), max_position_embeddings=2048)
     secret_file = root / "secret"
@@ -142,7 +142,7 @@ def fleet(tmp_path_factory):
         return procs[name]
 
     try:
-        for name, role, *extra in (("p", "p"), ("d0", "d"), ("d1", "d", "--no-engine-process")):
+        for name, role, *extra in (("p", "p", "--engine-process"), ("d0", "d", "--engine-process"), ("d1", "d")):
             instance(name, role, *extra)
         for srv in procs.values():
             srv.wait_ready(180.0)

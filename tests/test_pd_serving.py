@@ -33,8 +33,8 @@ def start_proxy(log_path: str, prefill: list[str], decode: list[str], secret_fil
 def start_pairs(model: str, logdir, n: int, secret_file: str) -> tuple[list[dict[str, ServerProcess]], ServerProcess]:
     """n P-D server pairs, each linked on a fresh port, all started at once (a P is up once its D linked).
     Before pair 0's own D, a D server with the wrong secret tries P0's port: P0 refuses it and waits on;
-    the impostor stops (returned, exited). Pair 1's servers run their engine loops as threads
-    (--no-engine-process), the others in processes of their own (the default)."""
+    the impostor stops (returned, exited). Pair 0's servers and the impostor run their engine loops in processes
+    of their own (--engine-process, serve's default), pair 1's as threads (serving_fixtures' default)."""
     wrong = logdir / "wrong.secret"
     wrong.write_text("not-the-pd-secret-0123456789\n")
     pairs, impostor = [], None
@@ -44,10 +44,10 @@ def start_pairs(model: str, logdir, n: int, secret_file: str) -> tuple[list[dict
         for role, extra in (("p", ["--kv-port", str(kv)]), ("d", ["--kv-peer", f"127.0.0.1:{kv}"])):
             if i == 0 and role == "d":
                 impostor = ServerProcess(model, str(logdir / "impostor.log"), "--role", "d", *extra, *ENGINE_ARGS,
-                                         "--pd-secret-file", str(wrong), startup_timeout=None)
+                                         "--pd-secret-file", str(wrong), "--engine-process", startup_timeout=None)
                 impostor.proc.wait(180)
             pair[role] = ServerProcess(model, str(logdir / f"{role}{i}.log"), "--role", role, *extra, *ENGINE_ARGS,
-                                       "--pd-secret-file", secret_file, *(["--no-engine-process"] if i == 1 else []),
+                                       "--pd-secret-file", secret_file, *(["--engine-process"] if i == 0 else []),
                                        startup_timeout=None)
         pairs.append(pair)
     for pair in pairs:
