@@ -5,7 +5,7 @@ import asyncio
 import json
 import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 
 from fastapi import Request
@@ -220,10 +220,10 @@ def sse_error(e: Exception) -> str:
     return sse(error_body(str(e), "internal_error"))
 
 
-async def final_output(raw: Request, group: SampleGroup) -> RequestOutput | None:
-    """Wait for the samples' last outputs, merged into one (outputs[i] is sample i); None if the client
-    disconnected first (the samples are aborted)."""
-    task = asyncio.ensure_future(group.finals())
+async def until_disconnected(raw: Request, work: Awaitable) -> asyncio.Task | None:
+    """Run work until it ends or the client disconnects, whichever comes first: its task, done; None if the client
+    went first (work is cancelled, as it is if the caller is)."""
+    task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(disconnected(raw))
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
@@ -231,8 +231,17 @@ async def final_output(raw: Request, group: SampleGroup) -> RequestOutput | None
         watcher.cancel()
         if not task.done():
             task.cancel()
+    return task if task.done() and not task.cancelled() else None
+
+
+async def final_output(raw: Request, group: SampleGroup) -> RequestOutput | None:
+    """Wait for the samples' last outputs, merged into one (outputs[i] is sample i); None if the client
+    disconnected first (the samples are aborted)."""
+    try:
+        task = await until_disconnected(raw, group.finals())
+    finally:
         group.close()
-    if not task.done() or task.cancelled():
+    if task is None:
         return None
     try:
         return merge_samples(group.request_id, task.result())

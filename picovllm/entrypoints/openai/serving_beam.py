@@ -6,14 +6,13 @@ other than its default is a 400 naming it, never ignored.
 """
 from __future__ import annotations
 
-import asyncio
 import time
 
 from fastapi import Request
 
 from picovllm.entrypoints.beam_search import BeamSearchParams, BeamSearchSequence, search, step_params
 from picovllm.entrypoints.openai.protocol import APIError
-from picovllm.entrypoints.openai.serving import ServingContext, disconnected
+from picovllm.entrypoints.openai.serving import ServingContext, until_disconnected
 
 # What a beam-search request may carry besides its prompt: the search's own fields, and those it honours as any
 # request does (the prompt's rendering and truncation, the text's decoding, scheduling, who asks).
@@ -46,6 +45,9 @@ def beam_search_params(req, max_tokens: int | None, num_prompt_tokens: int, max_
         raise APIError(400, "use_beam_search: the beams are known at the end, so the response is not streamed",
                        param="stream")
     room = max_model_len - num_prompt_tokens
+    if room < 1:
+        raise APIError(400, f"the prompt ({num_prompt_tokens} tokens) leaves no room under max_model_len "
+                            f"{max_model_len}", param="max_tokens")
     if max_tokens is not None and max_tokens > room:
         raise APIError(400, f"max_tokens ({max_tokens}) + the prompt ({num_prompt_tokens} tokens) exceed "
                             f"max_model_len {max_model_len}", param="max_tokens")
@@ -56,9 +58,6 @@ def beam_search_params(req, max_tokens: int | None, num_prompt_tokens: int, max_
         params.validate()
     except ValueError as e:
         raise APIError(400, str(e), param=str(e).split(":")[0].split()[0].removeprefix("BeamSearchParams.")) from None
-    if num_prompt_tokens >= max_model_len or room < 1:
-        raise APIError(400, f"the prompt ({num_prompt_tokens} tokens) leaves no room under max_model_len "
-                            f"{max_model_len}", param="max_tokens")
     return params
 
 
@@ -69,19 +68,8 @@ async def run_beam_search(ctx: ServingContext, raw: Request, ids: list[int], par
     if eos is None:
         raise APIError(400, "use_beam_search is not supported with prefill/decode disaggregation",
                        param="use_beam_search")
-    task = asyncio.ensure_future(_search(ctx, ids, params, eos, request_id, priority))
-    watcher = asyncio.ensure_future(disconnected(raw))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:
-        task.cancel()
-        raise
-    finally:
-        watcher.cancel()
-    if not task.done():         # the client went away
-        task.cancel()
-        return None
-    return task.result()
+    task = await until_disconnected(raw, _search(ctx, ids, params, eos, request_id, priority))
+    return None if task is None else task.result()
 
 
 async def _search(ctx: ServingContext, ids: list[int], params: BeamSearchParams, eos: list[int], request_id: str,
