@@ -36,13 +36,12 @@ from picovllm.disagg.auth import FleetSecret, sign_request
 from picovllm.disagg.fleet_decode import FleetDecodeConnector, check_offer
 from picovllm.disagg.fleet_prefill import FleetPrefillConnector
 from picovllm.disagg.messages import PublishedKV, from_wire
-from picovllm.disagg.pd_http import (PDAsyncEngine, PDClient, ProcessPDEngine, add_prefill_route, listen_response,
+from picovllm.disagg.pd_http import (PDAsyncEngine, PDClient, add_prefill_route, listen_response, open_pd_engine,
                                      run_pd_server, setup_logging)
 from picovllm.disagg.transfer import PULL_BACKENDS, PullConfig
 from picovllm.engine.llm_engine import Engine
-from picovllm.entrypoints.openai.api_server import ServerSettings, default_model_name
-from picovllm.entrypoints.openai.engine_process import PipeEnds, open_async_engine
-from picovllm.entrypoints.openai.metrics import ServerMetrics
+from picovllm.entrypoints.openai.api_server import ServerSettings
+from picovllm.entrypoints.openai.engine_process import PipeEnds
 from picovllm.entrypoints.openai.protocol import APIError
 from picovllm.entrypoints.openai.serving import ServingContext
 
@@ -177,10 +176,8 @@ def serve_fleet(engine_config: EngineConfig, settings: ServerSettings, fleet: Fl
     setup_logging(settings)
     fleet.check()
     role = engine_config.role
-    metrics = ServerMetrics(settings.served_model_name or default_model_name(engine_config.model))
-    async_engine, tokenizer, _ = open_async_engine(
-        engine_config, settings, metrics, partial(build_fleet, pull=fleet.pull_config()), FleetAsyncEngine,
-        FleetChildLoop, ProcessPDEngine)
+    async_engine, tokenizer = open_pd_engine(engine_config, settings, partial(build_fleet, pull=fleet.pull_config()),
+                                             FleetAsyncEngine, FleetChildLoop)
     info = async_engine.role_info()
     if fleet.router:
         url = f"http://{fleet.advertise_host or settings.host}:{settings.port}"

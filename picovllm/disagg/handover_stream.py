@@ -17,7 +17,9 @@ carries; the wire and the loop are these:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -28,6 +30,7 @@ from picovllm.disagg.http_stream import post_stream
 from picovllm.disagg.messages import OutputDecoder
 from picovllm.entrypoints.openai.async_engine import EngineDeadError, EngineStepError
 from picovllm.outputs import RequestOutput
+from picovllm.sampling_params import SamplingParams
 
 Lines = AsyncIterator[tuple[RequestOutput, dict]]
 
@@ -141,6 +144,13 @@ async def ndjson_outputs(resp, who: str) -> Lines:
             yield wire.decode(line), line
     except (OSError, httpx.HTTPError, json.JSONDecodeError, KeyError, ValueError) as e:
         raise StreamBroken(f"{who} failed mid-request: {type(e).__name__}: {e}") from None
+
+
+def prefill_body(prompt_token_ids: list[int], params: SamplingParams, request_id: str, arrival_time: float | None,
+                 priority: int) -> dict:
+    """The body of POST /pd/prefill (pd_http.PrefillBody)."""
+    return {"request_id": request_id, "prompt_token_ids": list(prompt_token_ids), "params": dataclasses.asdict(params),
+            "arrival_time": arrival_time or time.time(), "priority": priority}
 
 
 async def prefill_then_decode(prefill: Lines, handover_of: Callable[[dict], Any],

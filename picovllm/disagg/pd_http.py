@@ -15,21 +15,22 @@ import json
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
+from picovllm.config import EngineConfig
 from picovllm.disagg.auth import FleetSecret, SignedRoutes
 from picovllm.disagg.messages import OutputEncoder
 from picovllm.disagg.prefill import PrefillConnector
-from picovllm.config import EngineConfig
 from picovllm.engine.llm_engine import Engine
-from picovllm.entrypoints.openai.api_server import BACKSTOP_SECONDS, ServerSettings, _Server, build_app, \
-    default_model_name
+from picovllm.entrypoints.openai.api_server import BACKSTOP_SECONDS, ServerSettings, _Server, build_app, served_name
 from picovllm.entrypoints.openai.async_engine import AsyncEngine, EngineClient, EngineDeadError, RequestStream
-from picovllm.entrypoints.openai.engine_process import PipeEnds, ProcessAsyncEngine
+from picovllm.entrypoints.openai.engine_process import PipeEnds, ProcessAsyncEngine, open_async_engine
+from picovllm.entrypoints.openai.metrics import ServerMetrics
 from picovllm.entrypoints.openai.protocol import APIError
 from picovllm.entrypoints.openai.serving import ENGINE_ERRORS, ServingContext
 from picovllm.entrypoints.openai.tokenizer_worker import TokenizerWorker
@@ -201,11 +202,21 @@ def listen_response(engine: PDAsyncEngine, request_id: str) -> StreamingResponse
     return ndjson_response(stream)
 
 
+def open_pd_engine(config: EngineConfig, settings: ServerSettings, build: Callable[[EngineConfig], Engine],
+                   loop_cls: type[PDAsyncEngine], child_loop_cls: type) -> tuple[EngineClient, Any]:
+    """A P or D server's engine client (its loop a thread, or a process of its own: settings.engine_process) and the
+    tokenizer for the HTTP side; build(config) makes the engine where the loop runs."""
+    metrics = ServerMetrics(served_name(settings, config.model))
+    async_engine, tokenizer, _ = open_async_engine(config, settings, metrics, build, loop_cls, child_loop_cls,
+                                                   ProcessPDEngine)
+    return async_engine, tokenizer
+
+
 def run_pd_server(async_engine: EngineClient, tokenizer, config: EngineConfig, settings: ServerSettings,
                   secret: FleetSecret, add_routes: Callable[[FastAPI, ServingContext], None], what: str) -> None:
     """Serve an engine's /pd routes (add_routes adds them; every one needs the secret's signature) until
     SIGTERM/SIGINT; what: the log line's description of the server."""
-    name = settings.served_model_name or default_model_name(config.model)
+    name = served_name(settings, config.model)
     ctx = ServingContext(async_engine, TokenizerWorker(tokenizer), async_engine.metrics, name)
     app = build_app(ctx, settings, openai_routes=False)
     add_routes(app, ctx)

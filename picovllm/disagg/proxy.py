@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import itertools
 import json
 import logging
@@ -29,7 +28,8 @@ from dataclasses import dataclass
 import httpx
 
 from picovllm.disagg.auth import FleetSecret, sign_request
-from picovllm.disagg.handover_stream import RemoteEngine, ndjson_outputs, open_pd_stream, prefill_then_decode
+from picovllm.disagg.handover_stream import RemoteEngine, ndjson_outputs, open_pd_stream, prefill_body, \
+    prefill_then_decode
 from picovllm.disagg.http_stream import StreamedResponse
 from picovllm.entrypoints.openai.async_engine import EngineDeadError
 from picovllm.outputs import RequestOutput
@@ -98,8 +98,7 @@ class ProxyEngine(RemoteEngine):
         """Open the request on D (listen), then on P. Raises ValueError (a 400 from P), EngineDeadError."""
         if not self.is_running:
             raise EngineDeadError("the proxy is not running")
-        body = {"request_id": request_id, "prompt_token_ids": list(prompt_token_ids),
-                "params": dataclasses.asdict(params), "arrival_time": arrival_time or time.time(), "priority": priority}
+        body = prefill_body(prompt_token_ids, params, request_id, arrival_time, priority)
         errors = []
         for _ in range(len(self.pairs)):     # round-robin; a pair that cannot be reached is skipped
             pair = self.pairs[next(self._next) % len(self.pairs)]

@@ -20,7 +20,6 @@ load and in-flight requests, and per routing decision a counter by role, policy 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
 import time
@@ -31,7 +30,7 @@ from prometheus_client import Counter, Gauge
 
 from picovllm.disagg.auth import FleetSecret, sign_request
 from picovllm.disagg.handover_stream import RemoteEngine, StreamBroken, ndjson_outputs, open_pd_stream, \
-    prefill_then_decode
+    prefill_body, prefill_then_decode
 from picovllm.disagg.http_stream import StreamedResponse
 from picovllm.disagg.router_policy import Instance
 from picovllm.entrypoints.openai.async_engine import EngineDeadError, EngineStepError
@@ -243,8 +242,7 @@ class RouterEngine(RemoteEngine):
     async def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
                           arrival_time: float | None = None, priority: int = 0) -> RouterStream:
         """Open the request on a P. Raises ValueError (a 400 from P), EngineDeadError (no P could take it)."""
-        body = {"request_id": request_id, "prompt_token_ids": list(prompt_token_ids),
-                "params": dataclasses.asdict(params), "arrival_time": arrival_time or time.time(), "priority": priority}
+        body = prefill_body(prompt_token_ids, params, request_id, arrival_time, priority)
         inst, resp = await self._open_on_one("p", self.prefill_policy, "/pd/prefill", body, prompt_token_ids)
         stream = RouterStream(self, request_id, inst, resp, body)
         self.track(stream)

@@ -39,13 +39,11 @@ from pydantic import BaseModel, ConfigDict
 from picovllm.config import EngineConfig
 from picovllm.disagg.auth import AuthError, FleetSecret
 from picovllm.disagg.channel import Channel, Listener, PeerGone
-from picovllm.disagg.pd_http import (PDAsyncEngine, PDChildLoop, PDClient, ProcessPDEngine, add_prefill_route,
-                                     listen_response, run_pd_server, setup_logging)
+from picovllm.disagg.pd_http import (PDAsyncEngine, PDChildLoop, PDClient, add_prefill_route, listen_response,
+                                     open_pd_engine, run_pd_server, setup_logging)
 from picovllm.disagg.transfer import TransferConfig
 from picovllm.engine.llm_engine import Engine
-from picovllm.entrypoints.openai.api_server import ServerSettings, default_model_name
-from picovllm.entrypoints.openai.engine_process import open_async_engine
-from picovllm.entrypoints.openai.metrics import ServerMetrics
+from picovllm.entrypoints.openai.api_server import ServerSettings
 from picovllm.entrypoints.openai.serving import ServingContext
 
 logger = logging.getLogger("picovllm.server")
@@ -144,9 +142,8 @@ def serve_pd(engine_config: EngineConfig, settings: ServerSettings, link: LinkSe
     setup_logging(settings)
     role = engine_config.role
     link.check(role)
-    metrics = ServerMetrics(settings.served_model_name or default_model_name(engine_config.model))
-    async_engine, tokenizer, _ = open_async_engine(engine_config, settings, metrics, partial(build_linked, link=link),
-                                                   PDAsyncEngine, PDChildLoop, ProcessPDEngine)
+    async_engine, tokenizer = open_pd_engine(engine_config, settings, partial(build_linked, link=link),
+                                             PDAsyncEngine, PDChildLoop)
     run_pd_server(async_engine, tokenizer, engine_config, settings, link.secret,
                   lambda app, ctx: add_pd_routes(app, ctx, role),
                   f"a {'prefill' if role == 'p' else 'decode'} server (linked pair)")

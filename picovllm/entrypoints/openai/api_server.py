@@ -186,10 +186,15 @@ def default_model_name(model: str | None) -> str:
     return model if model is not None else DEFAULT_FILE.split(".")[0]
 
 
+def served_name(settings: ServerSettings, model: str | None) -> str:
+    """The model id clients send: --served-model-name, else the model's."""
+    return settings.served_model_name or default_model_name(model)
+
+
 def serve(engine_config: EngineConfig, settings: ServerSettings) -> None:
     """Load the model, then serve until SIGTERM/SIGINT; returns after a graceful shutdown."""
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    name = settings.served_model_name or default_model_name(engine_config.model)
+    name = served_name(settings, engine_config.model)
     metrics = ServerMetrics(name)
     async_engine, tokenizer, stop = open_async_engine(engine_config, settings, metrics)
     try:

@@ -27,8 +27,9 @@ from typing import Any
 
 from picovllm.config import EngineConfig
 from picovllm.disagg.messages import common_prefix
-from picovllm.engine.llm_engine import Engine
+from picovllm.engine.llm_engine import Engine, freeze_for_serving, tokenizer_of
 from picovllm.entrypoints.openai.async_engine import AsyncEngine, Command, EngineClient, Shutdown
+from picovllm.loader import open_model_source
 from picovllm.outputs import CompletionOutput, RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -36,8 +37,6 @@ logger = logging.getLogger(__name__)
 
 def load_tokenizer(config: EngineConfig):
     """The tokenizer the engine loads for itself (None without one), for the HTTP side."""
-    from picovllm.engine.llm_engine import tokenizer_of
-    from picovllm.loader import open_model_source
     return tokenizer_of(open_model_source(config.model, config.disk_cache), config)
 
 
@@ -250,7 +249,6 @@ class ChildLoop(PipeEnds, AsyncEngine):
 def _child_main(config: EngineConfig, build, loop_cls: type, commands, results, log_level: str) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from picovllm.engine.llm_engine import Engine, freeze_for_serving
     try:
         engine = (build or Engine)(config)
     except ValueError as e:     # a configuration the engine refuses: the parent reports it as the thread would
