@@ -14,6 +14,7 @@ import time
 import uuid
 
 import pytest
+import torch
 
 from picovllm import LLM, EngineConfig, SamplingParams
 from picovllm.disagg.auth import FleetSecret
@@ -330,3 +331,79 @@ def test_claims_and_releases_go_before_queued_pulls():
     peer._thread.join(10)
     assert order == ["PullKV:a", "ClaimKV:c", "ReleaseKV:e", "ClaimKV:f", "PullKV:b", "PullKV:d"]
     assert not peer.alive
+
+
+def _transfer_pair(device: str = "cpu", **d_kw):
+    """A tcp P over a random bf16 cache and a D over a zeroed one (layout: 2 layers, 16 blocks of 4 x 2 x 8)."""
+    from picovllm.disagg.messages import KVLayout
+    gen = torch.Generator().manual_seed(0)
+    src = torch.randn(2, 2, 16, 4, 2, 8, generator=gen).to(torch.bfloat16).to(device)
+    layout = KVLayout(2, 2, 8, 4, 16, "bfloat16", 2)
+    p = HostTcpTransfer("p", src, layout, pull_config())
+    d = HostTcpTransfer("d", torch.zeros_like(src), layout, pull_config(**d_kw))
+    return p, d
+
+
+def _settle(t, want: int, timeout_s: float = 10.0) -> list:
+    done, t0 = [], time.monotonic()
+    while len(done) < want:
+        done += t.poll()
+        time.sleep(0.001)
+        assert time.monotonic() - t0 < timeout_s, done
+    return done
+
+
+GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, GPU])])
+def test_tcp_pull_moves_scattered_blocks_exactly(device):
+    """Blocks out of order and in runs on both sides land byte for byte where D asked (oracle: indexing the two
+    caches), twice (the second pull reuses the first's host buffer: pinned, after its copy ended, on a GPU);
+    P frees each on release. CPU caches are sent from the cache itself; a GPU's through pinned memory."""
+    p, d = _transfer_pair(device)
+    try:
+        for n, (src_ids, dst_ids) in enumerate([([7, 3, 4, 5, 12, 0], [1, 2, 9, 10, 11, 5]),
+                                                ([15, 14, 1, 2], [3, 4, 5, 0])]):
+            handle = p.publish(f"r{n}", src_ids, 4 * len(src_ids))
+            d.claim(handle)
+            d.start_pull(handle, dst_ids)
+            assert [x.error for x in _settle(d, 1)] == [None]
+            assert torch.equal(d.cache[:, :, dst_ids], p.cache[:, :, src_ids])
+            d.release(handle)
+            assert [x.request_id for x in _settle(p, 1)] == [f"r{n}"]
+        untouched = sorted(set(range(16)) - {1, 2, 9, 10, 11, 5, 3, 4, 0})
+        assert d.cache[:, :, untouched].abs().sum() == 0
+    finally:
+        d.close()
+        p.close()
+
+
+def test_tcp_pull_time_limit_runs_from_the_wire():
+    """D's pulls from one P run one at a time; those queued behind slow ones do not time out (each one's limit
+    starts when it is sent: 4 x 0.4 s of reads under a 0.7 s limit all arrive), and one slower than the limit
+    fails with an error."""
+    p, d = _transfer_pair(timeout_s=0.7)
+    read, delay = p._read_blocks, [0.4]
+
+    def slow_read(block_ids):
+        time.sleep(delay[0])
+        return read(block_ids)
+    p._read_blocks = slow_read
+    try:
+        handles = [p.publish(f"r{i}", [i], 4) for i in range(4)]
+        for h in handles:
+            d.claim(h)
+        for i, h in enumerate(handles):
+            d.start_pull(h, [8 + i])
+        t0 = time.monotonic()
+        done = _settle(d, 4)
+        assert time.monotonic() - t0 > 1.2 and [x.error for x in done] == [None] * 4, (time.monotonic() - t0, done)
+        assert torch.equal(d.cache[:, :, 8:12], p.cache[:, :, 0:4])
+        delay[0] = 1.5
+        d.start_pull(handles[0], [12])
+        late = _settle(d, 1)            # (the connection's claims are reported lost with it)
+        assert late[0].request_id == "r0" and "pull" in late[0].error, late
+    finally:
+        d.close()
+        p.close()

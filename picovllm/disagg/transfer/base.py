@@ -158,7 +158,7 @@ class PullConfig:
     port: int = 0                    # P: 0 takes any free port
     advertise_host: str | None = None   # where D instances reach it (default host)
     lease_s: float = 30.0            # an unclaimed handle lives this long; a claimant silent this long is gone
-    timeout_s: float = 30.0          # a pull not done this long after its start fails
+    timeout_s: float = 30.0          # a pull not done this long after it was sent fails (queued, it waits)
     connect_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:

@@ -15,6 +15,8 @@ import struct
 import threading
 from collections import deque
 
+import torch
+
 from picovllm.disagg.auth import answer_challenge, challenge_peer
 from picovllm.disagg.messages import ClaimKV, Heartbeat, KVHandle, KVReply, PullKV, ReleaseKV, decode, encode
 
@@ -27,20 +29,43 @@ _MAX_HEADER = 1 << 20
 # -- frames --------------------------------------------------------------------------------------
 def recv_exact(sock: socket.socket, n: int) -> bytearray:
     buf = bytearray(n)
-    view, got = memoryview(buf), 0
+    recv_into_exact(sock, memoryview(buf))
+    return buf
+
+
+def recv_into_exact(sock: socket.socket, view: memoryview) -> None:
+    """Fill view from the socket (a pull's KV goes into a reused host buffer: no new memory to fault in)."""
+    got, n = 0, len(view)
     while got < n:
         k = sock.recv_into(view[got:], n - got)
         if k == 0:
             raise ConnectionError("the peer closed the connection")
         got += k
-    return buf
 
 
-def send_frame(sock: socket.socket, msg, payload=None) -> None:
+_IOV_BATCH = 512          # buffers per sendmsg call (the kernel's IOV_MAX is 1024)
+
+
+def send_buffers(sock: socket.socket, buffers: list[memoryview]) -> None:
+    """sendall over several buffers without joining them (scatter-gather): a pull's runs of blocks go straight
+    from the cache. A call may send part of its buffers; the rest is sent by the next."""
+    pending = [b.cast("B") for b in buffers if b.nbytes]
+    while pending:
+        sent = sock.sendmsg(pending[:_IOV_BATCH])
+        i = 0
+        while i < len(pending) and sent >= pending[i].nbytes:
+            sent -= pending[i].nbytes
+            i += 1
+        pending = pending[i:]
+        if sent:
+            pending[0] = pending[0][sent:]
+
+
+def send_frame(sock: socket.socket, msg, payload: list[memoryview] | None = None) -> None:
     data = encode(msg)
     sock.sendall(_LEN.pack(len(data)) + data)
-    if payload is not None:
-        sock.sendall(payload)
+    if payload:
+        send_buffers(sock, payload)
 
 
 def recv_frame(sock: socket.socket):
@@ -56,6 +81,37 @@ def authenticate_client(sock: socket.socket, config) -> None:
                    config.instance_id, config.lease_s)
 
 
+class HostBuffers:
+    """Host buffers that pulled KV lands in, reused: a fresh buffer of a request's KV (58 MB for 512 tokens of a
+    Qwen3-0.6B) costs more to fault in than the socket takes to fill it. Pinned when the cache is on a GPU; a
+    buffer given back with a CUDA event is not taken again before the copy out of it is done."""
+
+    def __init__(self, pinned: bool, keep: int = 4, keep_bytes: int = 2 << 30) -> None:
+        self.pinned, self.keep, self.keep_bytes = pinned, keep, keep_bytes
+        self._free: list[tuple[torch.Tensor, object]] = []     # (uint8 buffer, event or None)
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A uint8 buffer of at least nbytes (its contents are whatever was there)."""
+        with self._lock:
+            fits = [i for i, (buf, done) in enumerate(self._free)
+                    if buf.numel() >= nbytes and (done is None or done.query())]
+            if fits:
+                return self._free.pop(min(fits, key=lambda i: self._free[i][0].numel()))[0]
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned)
+
+    def give(self, buf: torch.Tensor, event=None) -> None:
+        with self._lock:
+            self._free.append((buf, event))
+            self._free.sort(key=lambda e: -e[0].numel())        # keep the largest within the limits
+            total, kept = 0, []
+            for e in self._free:
+                if len(kept) < self.keep and total + e[0].numel() <= self.keep_bytes:
+                    kept.append(e)
+                    total += e[0].numel()
+            self._free = kept
+
+
 class PeerConnection:
     """D's connection to one P instance: a thread that runs its claims, pulls and releases one at a time,
     connecting (and authenticating) when it has one to run, and keeping the link audible when idle.
@@ -66,8 +122,9 @@ class PeerConnection:
     that passes its own pull (an abort) leaves the pull an error D ignores."""
 
     def __init__(self, address: tuple[str, int], config, results: queue.SimpleQueue,
-                 closed: threading.Event) -> None:
+                 closed: threading.Event, buffers: "HostBuffers | None" = None) -> None:
         self.address, self.config, self.results, self._closed = address, config, results, closed
+        self.buffers = buffers or HostBuffers(pinned=False)
         self._cond = threading.Condition()
         self._control: deque = deque()      # (msg, handle, nbytes) of claims and releases
         self._pulls: deque = deque()
@@ -118,22 +175,32 @@ class PeerConnection:
     def _do(self, msg, handle: KVHandle, nbytes: int) -> None:
         kind = {ClaimKV: "claim", PullKV: "pull", ReleaseKV: "release"}[type(msg)]
         data = error = None
+        broken = False
         try:
             if self.sock is None:
                 self._connect(handle.instance_id)
             send_frame(self.sock, msg)
+            if kind == "pull":                   # its time limit runs from here, not from the queue
+                self.results.put((msg.request_id, "sent", None, None))
             reply = recv_frame(self.sock)
             if not isinstance(reply, KVReply) or reply.request_id != msg.request_id:
                 raise ConnectionError(f"expected the KVReply for {msg.request_id!r}, got {reply!r}")
             error = reply.error
+            if reply.nbytes and (kind != "pull" or reply.nbytes != nbytes):    # and the stream is out of step
+                raise ConnectionError(f"prefill instance {handle.instance_id} sent {reply.nbytes} bytes of KV, "
+                                      f"expected {nbytes if kind == 'pull' else 0}")
             if reply.nbytes:
-                data = recv_exact(self.sock, reply.nbytes)
-            if kind == "pull" and error is None and len(data or b"") != nbytes:
-                error = f"prefill instance {handle.instance_id} sent {len(data or b'')} bytes of KV, expected {nbytes}"
+                data = self.buffers.take(nbytes)
+                recv_into_exact(self.sock, memoryview(data[:nbytes].numpy()))
+            elif kind == "pull" and error is None:
+                error = f"prefill instance {handle.instance_id} sent no KV, expected {nbytes} bytes"
         except (OSError, ConnectionError, ValueError, KeyError, TypeError) as e:
-            self._disconnect()
+            broken = True
             error = (f"prefill instance {handle.instance_id} at {self.address[0]}:{self.address[1]} "
                      f"failed during {kind}: {type(e).__name__}: {e}")
+        if data is not None and (error is not None or kind != "pull"):
+            self.buffers.give(data)
+            data = None
         if kind == "release":
             self.claimed.discard(msg.request_id)
             if error is not None:
@@ -141,6 +208,8 @@ class PeerConnection:
         elif kind == "claim" and error is None:
             self.claimed.add(msg.request_id)
         self.results.put((msg.request_id, kind, data, error))
+        if broken:      # after this job's own error, so that it is the one its request reports
+            self._disconnect()
 
     def _connect(self, instance_id: str) -> None:
         c = self.config
