@@ -200,26 +200,26 @@ def test_measured_trace_names_the_field():
     assert [(r.arrival, r.prompt, r.output) for r in trace] == [(1.0, 7, 2), (2.0, 5, 3)]
 
 
-def test_profile_times_the_whole_batch(tiny_models):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_profile_times_the_whole_batch(tiny_models, overlap):
     """A decode sample is timed on the batch it names: with a small chunk, filling 8 prompts of 64 tokens takes
     several steps, and the first requests must still decode when the last prompt is in (they used to finish
-    first, so a 'batch 32' sample could time a third of that)."""
+    first, so a 'batch 32' sample could time a third of that). Overlapped (as a GPU serves), the same steps are
+    timed in their stream, and the profile says it overlaps."""
     from picovllm.config import EngineConfig
     from picovllm.engine.llm_engine import Engine
     from picovllm.planner.profile import measure_profile
     engine = Engine(EngineConfig(tiny_models["llama"], block_size=16, num_kv_blocks=128, max_model_len=256,
-                                 max_num_batched_tokens=64, async_scheduling=False))
-    steps = []
-    step = engine.step
+                                 max_num_batched_tokens=64, async_scheduling=overlap))
+    steps = []                       # what each step ran: (prompt tokens computed, requests decoding)
+    schedule = engine._schedule
 
-    def recording_step(*a, **kw):    # what each step ran: (prompt tokens computed, requests decoding)
-        before = [(r, r.num_computed_tokens) for r in engine.requests.values()]
-        out = step(*a, **kw)
-        prompt = sum((r.num_prompt_tokens if r.is_finished else min(r.num_computed_tokens, r.num_prompt_tokens)) - n
-                     for r, n in before if n < r.num_prompt_tokens)     # a finished one computed its whole prompt
-        steps.append((prompt, sum(1 for r, n in before if n >= r.num_prompt_tokens)))
-        return out
-    engine.step = recording_step
+    def recording_schedule():
+        sched = schedule()
+        if not sched.is_empty():
+            steps.append((sum(c.num_new_tokens for c in sched.chunks if not c.is_decode), sched.num_decodes))
+        return sched
+    engine._schedule = recording_schedule
     prof = measure_profile(engine, prefill_lens=(16,), batches=(8,), contexts=(64,), repeats=3, mixed=((4, 16),))
     decode = [s for s in prof.samples if s["prefill"] == 0]
     assert [s["batch"] for s in decode] == [8]
@@ -227,8 +227,9 @@ def test_profile_times_the_whole_batch(tiny_models):
     assert decode[0]["context"] >= 8 * 66
     mixed = [s for s in prof.samples if s["prefill"] and s["batch"]]
     assert [(s["prefill"], s["batch"]) for s in mixed] == [(16, 4)]
-    assert steps.count((16, 4)) >= 3        # the mixed sample's three timed steps: 16 prompt tokens beside 4 decodes
-    assert len(prof.coef) == 7 and not engine.has_unfinished_requests()
+    assert steps.count((16, 4)) >= 3, steps  # the mixed sample's three timed steps: 16 prompt tokens beside 4 decodes
+    assert steps.count((0, 8)) >= 3, steps   # and the decode sample's: the whole batch
+    assert len(prof.coef) == 7 and not engine.has_unfinished_requests() and prof.overlapped is overlap
 
 
 def test_step_overhead_by_hand_and_calibrated():

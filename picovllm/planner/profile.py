@@ -1,8 +1,7 @@
 """What one engine step costs on this machine: measured, then fitted, for the planner's simulation.
 
-measure_profile() runs an Engine (no overlap, so a step is all its work) on prefill-only steps of
-several token counts, decode-only steps at several batch sizes and contexts, and mixed steps (a prompt's
-chunk beside decodes), and fits
+measure_profile() runs an Engine on prefill-only steps of several token counts, decode-only steps at
+several batch sizes and contexts, and mixed steps (a prompt's chunk beside decodes), and fits
 
     step_time(prefill_tokens, decode_batch, decode_context) =
         (c0 if no prefill, c1 if no decodes, else c6) + c2 * prefill_tokens + c3 * prefill_tokens**2
@@ -17,6 +16,12 @@ coefficients (measured before mixed steps were) takes c1 for c6. Each sample is 
 shared machine is noisy); the samples are kept with the fit, so a profile can be checked and re-fitted. A decode
 sample records the batch and context it timed (its requests last long enough that the first is still decoding when
 the last prompt is in).
+
+An engine that overlaps (async_scheduling, the GPU's default: it plans and launches step k + 1 while step k runs) is
+profiled as it serves: a decode or mixed sample is the time between two steps of a stream of such steps (its host
+work hides under the device's, so it is less than the step's host plus device time: on an H200 a batch-16 decode
+step took 2.0 ms alone and the served engine's token gap was 1.3-1.5 ms, BENCHMARKS.md), and a prefill-only sample
+is a lone prompt's time from its arrival to its first token. Without overlap each sample is one step's time.
 """
 from __future__ import annotations
 
@@ -87,11 +92,10 @@ def fit(samples: list[dict], kv_bytes_per_token: int, machine: str = "", overlap
 
 def measure_profile(engine, prefill_lens=(16, 64, 128, 256, 512), batches=(1, 4, 16, 32),
                     contexts=(32, 128, 512), repeats: int = 7, mixed=((4, 64), (16, 256), (4, 480))) -> StepProfile:
-    """Time an Engine's steps (it must run without overlap and hold enough blocks for the largest case)."""
+    """Time an Engine's steps, as it runs them: overlapped or not (it must hold enough blocks for the largest
+    case)."""
     from picovllm.sampling_params import SamplingParams
 
-    if engine.overlap:
-        raise ValueError("async_scheduling: profile an engine without overlap (a step must be all its work)")
     limit = min(engine.max_model_len - 2, engine.config.max_num_batched_tokens)
     samples = []
     engine.add_request([7] * 8, SamplingParams(max_tokens=4, ignore_eos=True))   # warm-up: first calls
@@ -99,13 +103,16 @@ def measure_profile(engine, prefill_lens=(16, 64, 128, 256, 512), batches=(1, 4,
     for n in [n for n in prefill_lens if n <= limit]:
         times = []
         for i in range(repeats):
+            t0 = time.perf_counter()
             engine.add_request([7 + i] * n, SamplingParams(max_tokens=1, ignore_eos=True))
-            times.append(_timed_step(engine))
-            _drain(engine)
+            _drain(engine)          # one step; overlapped, two calls: launch, then the token
+            times.append(time.perf_counter() - t0)
         samples.append({"prefill": n, "batch": 0, "context": 0, "seconds": float(np.median(times))})
     for ctx in [c for c in contexts if c <= limit]:
         for b in [b for b in batches if b <= engine.config.max_num_seqs]:
             _start_decoding(engine, [[(i % 50) + 5] * ctx for i in range(b)], repeats)
+            if engine.overlap:
+                engine.step()       # the call that reads the last prompt's step: not a decode step's pace
             batch, total = len(engine.requests), sum(r.num_tokens for r in engine.requests.values())
             times = [_timed_step(engine) for _ in range(repeats)]
             samples.append({"prefill": 0, "batch": batch, "context": total + batch * (repeats // 2),
@@ -127,10 +134,12 @@ def _mixed_sample(engine, batch: int, prefill: int, repeats: int, first_token: i
     from picovllm.sampling_params import SamplingParams
     _start_decoding(engine, [[first_token + i] * 32 for i in range(batch)], repeats)
     context = sum(r.num_tokens for r in engine.requests.values()) + batch * (repeats // 2)
-    times = []
-    for i in range(repeats):
+    times, warm = [], int(engine.overlap)     # overlapped, the first call reads a decode-only step
+    for i in range(repeats + warm):
         engine.add_request([first_token + batch + i] * prefill, SamplingParams(max_tokens=1, ignore_eos=True))
-        times.append(_timed_step(engine))
+        seconds = _timed_step(engine)
+        if i >= warm:
+            times.append(seconds)
     _drain(engine)
     return {"prefill": prefill, "batch": batch, "context": context, "seconds": float(np.median(times))}
 

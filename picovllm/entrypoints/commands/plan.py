@@ -55,7 +55,7 @@ def run_plan(args: argparse.Namespace) -> int:
         raise SystemExit(f"error: {e}") from None
     if args.measure_profile:
         from picovllm.engine.llm_engine import Engine
-        engine = Engine(engine_config_from_args(args, model=args.model, async_scheduling=False))
+        engine = Engine(engine_config_from_args(args, model=args.model))   # overlapped as served (GPU)
         profile = measure_profile(engine)
         profile.save(args.profile)
         print(f"step profile of {profile.machine}: coef {[f'{c:.3g}' for c in profile.coef]} -> {args.profile}")
