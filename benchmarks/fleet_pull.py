@@ -84,7 +84,12 @@ def decode_side(args, backend: str, handles: mp.Queue, done: mp.Queue, results: 
         t0 = time.perf_counter()
         t.start_pull(handle, handle.block_ids)
         while not (finished := t.poll()):
-            time.sleep(0.0001)
+            if args.busy_decode:             # a served D's loop: Python between polls, holding the GIL
+                spin = time.perf_counter() + 0.002
+                while time.perf_counter() < spin:
+                    pass
+            else:
+                time.sleep(0.0001)
         if cache.is_cuda:
             torch.cuda.synchronize(cache.device)
         times.setdefault(handle.num_tokens, []).append(time.perf_counter() - t0)
@@ -164,6 +169,9 @@ def main() -> None:
     p.add_argument("--head-dim", type=int, default=None, help="default 128 (--tiny 16)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--busy-decode", action="store_true",
+                   help="D's main thread runs Python between its polls (as a served engine's loop does) instead of "
+                        "sleeping: the pull's threads must then wait for the GIL")
     p.add_argument("--result-json", default=None, help="also write the rows here")
     args = p.parse_args()
     defaults = dict(lengths=[64, 256, 1024], repeats=3, layers=2, kv_heads=2, head_dim=16) if args.tiny else \

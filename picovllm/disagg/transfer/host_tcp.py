@@ -32,7 +32,7 @@ from picovllm.disagg.auth import AuthError
 from picovllm.disagg.messages import ClaimKV, Heartbeat, KVHandle, KVReply, PullKV, ReleaseKV
 from picovllm.disagg.transfer.base import PullTransfer, TransferDone
 from picovllm.disagg.transfer.kv_socket import (HostBuffers, PeerConnection, authenticate_client, recv_frame,
-                                                send_frame)
+                                                send_frame, set_io_timeout)
 
 logger = logging.getLogger("picovllm.kv")
 
@@ -119,7 +119,7 @@ class HostTcpTransfer(PullTransfer):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.settimeout(self.config.connect_timeout_s)
             authenticate_client(sock, self.config)
-            sock.settimeout(self.config.lease_s)     # a D sends a heartbeat every lease / 4 when idle
+            set_io_timeout(sock, self.config.lease_s)   # a D sends a heartbeat every lease / 4 when idle
             while not self._closed.is_set():
                 msg = recv_frame(sock)
                 if isinstance(msg, Heartbeat):

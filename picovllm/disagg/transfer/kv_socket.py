@@ -33,11 +33,24 @@ def recv_exact(sock: socket.socket, n: int) -> bytearray:
     return buf
 
 
+def set_io_timeout(sock: socket.socket, seconds: float) -> None:
+    """Block in the kernel, for at most `seconds` a call (SO_RCVTIMEO / SO_SNDTIMEO; a call that times out raises
+    OSError), instead of Python's timeout. Python's puts the socket in non-blocking mode and returns to the
+    interpreter for every chunk the kernel has, so a thread moving 58 MB takes the GIL hundreds of times; when the
+    engine's loop holds it (a served instance), each wait is up to the 5 ms switch interval and a pull crawled at
+    0.5 GB/s (benchmarks/fleet_pull.py --busy-decode). Blocking, one call moves the whole payload without the GIL."""
+    sock.settimeout(None)
+    tv = struct.pack("ll", int(seconds), int((seconds % 1) * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+
+
 def recv_into_exact(sock: socket.socket, view: memoryview) -> None:
-    """Fill view from the socket (a pull's KV goes into a reused host buffer: no new memory to fault in)."""
+    """Fill view from the socket (a pull's KV goes into a reused host buffer: no new memory to fault in); on a
+    blocking socket one call waits for all of it (MSG_WAITALL)."""
     got, n = 0, len(view)
     while got < n:
-        k = sock.recv_into(view[got:], n - got)
+        k = sock.recv_into(view[got:], n - got, socket.MSG_WAITALL)
         if k == 0:
             raise ConnectionError("the peer closed the connection")
         got += k
@@ -222,7 +235,7 @@ class PeerConnection:
             if challenge.instance_id != instance_id:
                 raise ConnectionError(f"the KV server is instance {challenge.instance_id!r}, not {instance_id!r} "
                                       f"(restarted? its handles are gone)")
-            sock.settimeout(c.timeout_s)
+            set_io_timeout(sock, c.timeout_s)
         except BaseException:
             sock.close()
             raise
