@@ -121,6 +121,17 @@ def test_plan_command_measures_and_ranks(tiny_models, tmp_path, capsys):
     assert np.isfinite([r["ttft_p99"] for r in ranked]).all()
 
 
+def test_idle_overhead_by_hand():
+    """A request that finds its instance with no step running pays idle_overhead on top of request_overhead;
+    one that arrives during a step does not."""
+    step = PROFILE.step_time
+    dep = Deployment(0, 1, chunk=512, request_overhead=2e-3, idle_overhead=1e-3)
+    a, b = simulate(PROFILE, dep, [SimRequest(1.0, 100, 1), SimRequest(1.0 + step(100, 0, 0) / 2, 50, 1)]).requests
+    assert a.found_idle and not b.found_idle
+    assert a.token_times == pytest.approx([1.0 + step(100, 0, 0) + 3e-3])
+    assert b.token_times == pytest.approx([1.0 + step(100, 0, 0) + step(50, 0, 0) + 2e-3])
+
+
 def test_host_overheads_and_noise_by_hand():
     """The noise pools shift the client's view: the first token by a TTFT residual, each later gap by a gap
     residual (never below zero), an xPyD request's first gap by a handover residual; pools are drawn without
@@ -168,7 +179,7 @@ def test_calibration_recovers_what_the_steps_do_not_hold(num_prefill):
     from picovllm.planner.simulator import HostNoise
     rng = random.Random(7)
     truth = Deployment(num_prefill, 1, chunk=512, transfer_bw=1e9, step_overhead=1e-3, request_overhead=3e-3,
-                       handover_overhead=6e-3 if num_prefill else 0.0,
+                       idle_overhead=2e-3, handover_overhead=6e-3 if num_prefill else 0.0,
                        noise=HostNoise(ttft=tuple(rng.expovariate(1 / 2e-3) for _ in range(200)),
                                        gap=tuple(rng.choice([-1e-3] * 4 + [4e-3]) for _ in range(400)),
                                        handover=tuple(rng.uniform(-2e-3, 2e-3) for _ in range(200)) if num_prefill
@@ -181,6 +192,7 @@ def test_calibration_recovers_what_the_steps_do_not_hold(num_prefill):
     noise_median = float(np.median(truth.noise.ttft))
     assert cal.step_overhead == pytest.approx(1e-3, abs=2e-4)       # the gap noise is zero-mean
     assert cal.request_overhead == pytest.approx(3e-3 + noise_median, rel=0.1)
+    assert cal.idle_overhead == pytest.approx(2e-3, abs=6e-4)      # arrivals at an idle instance pay more
     if num_prefill:
         assert cal.handover_overhead == pytest.approx(6e-3, abs=3e-4)
     got = compare(predict_measured(SIX, cal, runs[40.0], 10.0, 10.0), runs[40.0])

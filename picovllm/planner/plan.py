@@ -10,6 +10,7 @@ from picovllm.planner.simulator import Deployment, HostNoise, SimRequest, Traffi
 
 METRICS = ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99")
 WARM_UP = 1      # a calibration run's first requests, left out of its noise (they find a cold server)
+MIN_GROUP = 20   # requests that found the instance idle (and busy) needed to tell the two overheads apart
 
 
 def candidate_deployments(num_instances: int, chunks: list[int], max_num_seqs: int = 256,
@@ -51,8 +52,10 @@ def _later_gaps(times: list[list[float]], skip_first: bool) -> np.ndarray:
 def calibrate(profile: StepProfile, deployment: Deployment, measured: dict, seed: int = 0) -> Deployment:
     """The deployment with what the steps do not hold, from a measured run replayed through the simulation
     (its own arrivals and lengths): per decode step, the served step's cost beyond the profile's
-    (_step_overhead); per request, measured TTFT minus simulated, whose median is the
-    request overhead (HTTP, tokenization, the router's hop to P) and whose spread is the TTFT noise;
+    (_step_overhead); per request, measured TTFT minus simulated, whose median over the requests that
+    found their instance stepping is the request overhead (HTTP, tokenization, the router's hop to P), the
+    median over those that found it idle less that the idle overhead (where each group has MIN_GROUP), and
+    whose spread around those is the TTFT noise;
     xPyD, the same of the first gap (the router's hop from P to D beyond the pull); per later gap, the
     client's measured chunk gaps minus the simulated step, the delivery noise (a busy host coalesces
     tokens into one chunk and stalls others: the ITL tails). The run's first request is left out of the
@@ -61,12 +64,19 @@ def calibrate(profile: StepProfile, deployment: Deployment, measured: dict, seed
     xpyd = bool(deployment.num_prefill)
     skip = int(xpyd)                                    # an xPyD request's first gap is its handover
     bare = dataclasses.replace(deployment, step_overhead=0.0, request_overhead=0.0, handover_overhead=0.0,
-                               noise=None)
+                               idle_overhead=0.0, noise=None)
     step_overhead = _step_overhead(done, simulate(profile, bare, trace), skip)
     bare = dataclasses.replace(bare, step_overhead=step_overhead)
     sim = simulate(profile, bare, trace)
     ttft = np.array([m["ttft"] for m in done]) - sim.ttfts()
-    overhead = max(0.0, float(np.median(ttft)))
+    idle = np.array([r.found_idle for r in sim.requests])
+    overhead, idle_overhead = float(np.median(ttft)), 0.0
+    if idle.sum() >= MIN_GROUP and (~idle).sum() >= MIN_GROUP:
+        overhead = float(np.median(ttft[~idle]))
+        idle_overhead = float(np.median(ttft[idle])) - overhead
+    overhead = max(0.0, overhead)
+    idle_overhead = max(-overhead, idle_overhead)
+    ttft = ttft - idle_overhead * idle
     handover_noise, handover = (), 0.0
     sim_times = [r.token_times for r in sim.requests]
     if xpyd:
@@ -81,7 +91,7 @@ def calibrate(profile: StepProfile, deployment: Deployment, measured: dict, seed
     noise = HostNoise(ttft=tuple(float(x) for x in (ttft - overhead)[WARM_UP:]),
                       gap=tuple(float(x) for x in measured_gaps - step), handover=handover_noise[WARM_UP:], seed=seed)
     return dataclasses.replace(deployment, step_overhead=step_overhead, request_overhead=overhead,
-                               handover_overhead=handover, noise=noise)
+                               idle_overhead=idle_overhead, handover_overhead=handover, noise=noise)
 
 
 def _step_overhead(done: list[dict], sim, skip: int) -> float:

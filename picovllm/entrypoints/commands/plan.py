@@ -130,7 +130,8 @@ def _overheads(args, profile) -> dict:
         dep, traffic, measured = _read_measured(spec, args)
         cal = calibrate(profile, dep, measured, args.seed)
         kind = "xpyd" if dep.num_prefill else "colocated"
-        found[kind] = {"step_overhead": cal.step_overhead, "request_overhead": cal.request_overhead, "noise": cal.noise}
+        found[kind] = {"step_overhead": cal.step_overhead, "request_overhead": cal.request_overhead,
+                       "idle_overhead": cal.idle_overhead, "noise": cal.noise}
         if dep.num_prefill:
             found[kind]["handover_overhead"] = cal.handover_overhead
     return found
@@ -140,7 +141,7 @@ def with_overheads(dep, overheads: dict):
     import dataclasses
     kind = "xpyd" if dep.num_prefill else "colocated"
     other = "colocated" if kind == "xpyd" else "xpyd"
-    mine = {**{k: v for k, v in overheads.get(other, {}).items() if k == "request_overhead"},
+    mine = {**{k: v for k, v in overheads.get(other, {}).items() if k in ("request_overhead", "idle_overhead")},
             **overheads.get(kind, {})}
     return dataclasses.replace(dep, **mine)
 
