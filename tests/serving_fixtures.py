@@ -24,9 +24,10 @@ CORPUS = ("The capital of France is Paris. Tell me a story about a cat who lives
           "The quick brown fox jumps over the lazy dog. A server streams tokens to its clients. ") * 20
 
 
-def build_tiny_chat_model(path: str, **overrides) -> str:
-    """Tiny llama (vocab 384) plus a byte-level BPE tokenizer trained on the spot, with a ChatML template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+def build_tiny_chat_model(path: str, bos: bool = False, **overrides) -> str:
+    """Tiny llama (vocab 384) plus a byte-level BPE tokenizer trained on the spot, with a ChatML template.
+    bos: its encode adds the BOS token (<|im_start|>) in front, as Llama's tokenizers do."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
     build_tiny_checkpoint(path, "llama", **overrides)
@@ -37,6 +38,9 @@ def build_tiny_chat_model(path: str, **overrides) -> str:
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator([CORPUS], trainer)
     assert tok.get_vocab_size() <= 384
+    if bos:
+        tok.post_processor = processors.TemplateProcessing(single="<|im_start|> $A", pair="<|im_start|> $A $B",
+                                                           special_tokens=[("<|im_start|>", 1)])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
                                    unk_token=None, pad_token="<|endoftext|>")
     fast.chat_template = CHATML
@@ -68,6 +72,7 @@ class ServerProcess:
         """command: the CLI subcommand; model None: no --model; startup_timeout None: do not wait (wait_ready)."""
         if command == ("serve",) and "--engine-process" not in extra and "--no-engine-process" not in extra:
             extra = (*extra, "--no-engine-process")
+        self.model = model
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",

@@ -21,7 +21,7 @@ PROMPTS = ["Hello, how are you", "The capital of France is", "Tell me a story ab
 @pytest.fixture(scope="module")
 def server(chat_model, tmp_path_factory):
     srv = ServerProcess(chat_model, str(tmp_path_factory.mktemp("log") / "server.log"), *ENGINE_ARGS,
-                        "--max-request-bytes", str(2**20))
+                        "--max-request-bytes", str(2**20), "--trust-request-chat-template")
     yield srv
     assert srv.stop(signal.SIGINT) == 0, srv.log()   # SIGINT here; the lifecycle tests send SIGTERM
 
@@ -329,13 +329,60 @@ def _streamed_tool_calls(chunks) -> tuple[list[dict], str, int]:
 @pytest.fixture(scope="module")
 def tool_client(tmp_path_factory):
     """A server whose tiny model takes long prompts: its ChatML template has no tools, so they come as a
-    system message of some 500 of its tokens."""
+    system message of some 500 of its tokens. Its tokenizer adds a BOS token to a text (chat prompts have none)."""
     from serving_fixtures import build_tiny_chat_model
-    path = build_tiny_chat_model(str(tmp_path_factory.mktemp("toolmodel") / "model"), max_position_embeddings=2048)
+    path = build_tiny_chat_model(str(tmp_path_factory.mktemp("toolmodel") / "model"), bos=True,
+                                 max_position_embeddings=2048)
     srv = ServerProcess(path, str(tmp_path_factory.mktemp("log") / "tools.log"), "--num-kv-blocks", "512",
                         "--max-model-len", "2048")
     yield srv, openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
     assert srv.stop(signal.SIGINT) == 0, srv.log()
+
+
+RAG = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}{% for d in documents or [] %}"
+       "<doc {{ d['title'] }}>{{ d['text'] }}</doc>\n{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}")
+
+
+def test_request_chat_template_documents_and_special_tokens(server, client, llm, tool_client):
+    """A request's own chat_template (on a server started with --trust-request-chat-template) and documents render as
+    HF's apply_chat_template renders them (the oracle), on /tokenize and /v1/chat/completions, whose greedy reply is
+    LLM.generate's on those ids; documents a template does not render, a template that does not compile, and a
+    template sent to a server that does not trust them are 400s naming the field. add_special_tokens: the BOS a text
+    prompt gets (on completions by default, on chat only when asked), counted against the tokenizer's encode."""
+    from transformers import AutoTokenizer
+    tok, model = llm.get_tokenizer(), client.models.list().data[0].id
+    conv = [{"role": "user", "content": "Tell me a story about a cat"}]
+    docs = [{"title": "moon", "text": "A cat lives on the moon."}]
+    want = tok.encode(tok.apply_chat_template(conv, chat_template=RAG, documents=docs, tokenize=False,
+                                              add_generation_prompt=True), add_special_tokens=False)
+    assert "<doc moon>" in tok.decode(want)
+    body = {"messages": conv, "chat_template": RAG, "documents": docs}
+    assert httpx.post(server.url + "/tokenize", json=body).json()["tokens"] == want
+    got = client.chat.completions.create(model=model, messages=conv, max_tokens=6, temperature=0,
+                                         extra_body={"chat_template": RAG, "documents": docs, "ignore_eos": True})
+    ref = llm.generate([want], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)[0]
+    assert got.usage.prompt_tokens == len(want) and got.choices[0].message.content == ref.outputs[0].text
+    tool_server, tool_openai = tool_client
+    for url, extra, param in [(server.url, {"documents": docs}, "documents"),          # ChatML renders none
+                              (server.url, {"chat_template": "{% for %}"}, "chat_template"),
+                              (tool_server.url, {"chat_template": RAG}, "chat_template")]:   # not trusted there
+        for path in ("/tokenize", "/v1/chat/completions"):
+            e = httpx.post(url + path, json={"messages": conv, "max_tokens": 2, **extra} if "chat" in path
+                           else {"messages": conv, **extra})
+            assert e.status_code == 400 and e.json()["error"]["param"] == param, (url, path, extra, e.text)
+    bos_tok = AutoTokenizer.from_pretrained(tool_server.model)
+    text = "Tell me a story about a cat"
+    plain = bos_tok.encode(text, add_special_tokens=False)
+    assert bos_tok.encode(text) == [bos_tok.bos_token_id] + plain
+    for extra, n in [({}, len(plain) + 1), ({"add_special_tokens": False}, len(plain))]:
+        r = tool_openai.completions.create(model=tool_server.model, prompt=text, max_tokens=1, extra_body=extra)
+        assert r.usage.prompt_tokens == n, extra
+    chat_ids = bos_tok.encode(bos_tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=True),
+                              add_special_tokens=False)
+    for extra, n in [({}, len(chat_ids)), ({"add_special_tokens": True}, len(chat_ids) + 1)]:
+        r = tool_openai.chat.completions.create(model=tool_server.model, messages=conv, max_tokens=1,
+                                                extra_body=extra)
+        assert r.usage.prompt_tokens == n, extra
 
 
 def test_tool_calls_round_trip(tool_client):

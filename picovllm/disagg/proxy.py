@@ -201,7 +201,7 @@ def main(args: argparse.Namespace) -> int:
     metrics = ServerMetrics(name)
     engine = ProxyEngine(pairs, secret, info, metrics)
     try:
-        worker = TokenizerWorker(tokenizer, template)
+        worker = TokenizerWorker(tokenizer, template, args.trust_request_chat_template)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
     ctx = ServingContext(engine, worker, metrics, name)

@@ -123,7 +123,7 @@ def main(args: argparse.Namespace) -> int:
         pool.observe(inst)
     engine = RouterEngine(pool, prefill_policy, decode_policy, info, metrics, pool.metrics)
     try:
-        worker = TokenizerWorker(tokenizer, template)
+        worker = TokenizerWorker(tokenizer, template, args.trust_request_chat_template)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
     ctx = ServingContext(engine, worker, metrics, name)

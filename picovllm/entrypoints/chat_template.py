@@ -6,6 +6,8 @@ from __future__ import annotations
 
 CHAT_TEMPLATE_HELP = "a chat template (a file, or the Jinja text itself) used instead of the model's, as vLLM's " \
                      "--chat-template"
+TRUST_TEMPLATE_HELP = "let a request's chat_template field replace the chat template (vLLM's flag: a template is " \
+                      "code the server runs, in Jinja's sandbox); without it such a request is a 400"
 
 # apply_chat_template's own arguments (and the conversation's): never template variables from chat_template_kwargs
 RESERVED_TEMPLATE_KWARGS = frozenset({
@@ -30,6 +32,18 @@ def template_kwargs(conversation: list[dict], add_generation_prompt: bool, conti
         if not conversation or conversation[-1].get("role") != "assistant":
             raise ValueError("continue_final_message: the last message must be the assistant's")
     return dict(extra, add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message)
+
+
+def check_request_template(value: str) -> str:
+    """A request's chat_template: ValueError naming the field unless it is a Jinja template that compiles."""
+    from jinja2 import Environment, TemplateSyntaxError
+    if "{{" not in value and "{%" not in value:
+        raise ValueError("chat_template: not a Jinja template (the text itself is sent, not a file name)")
+    try:
+        Environment().parse(value)
+    except TemplateSyntaxError as e:
+        raise ValueError(f"chat_template: not a valid Jinja template (line {e.lineno}: {e.message})") from None
+    return value
 
 
 def load_chat_template(value: str) -> str:

@@ -51,6 +51,7 @@ class ServerSettings:
     log_level: str = "info"
     access_log: bool = False
     chat_template: str | None = None    # the template's text (tokenizer_worker.load_chat_template), or the model's
+    trust_request_chat_template: bool = False   # a request's chat_template may replace it
     engine_process: bool = True         # the engine loop in a process of its own (engine_process.py), not a thread
 
 
@@ -198,7 +199,7 @@ def serve(engine_config: EngineConfig, settings: ServerSettings) -> None:
     metrics = ServerMetrics(name)
     async_engine, tokenizer, stop = open_async_engine(engine_config, settings, metrics)
     try:
-        worker = TokenizerWorker(tokenizer, settings.chat_template)
+        worker = TokenizerWorker(tokenizer, settings.chat_template, settings.trust_request_chat_template)
     except ValueError as e:
         stop()
         raise SystemExit(f"error: {e}") from None

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from picovllm.entrypoints.chat_template import CHAT_TEMPLATE_HELP
+from picovllm.entrypoints.chat_template import CHAT_TEMPLATE_HELP, TRUST_TEMPLATE_HELP
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -21,6 +21,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None)
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--chat-template", default=None, help=CHAT_TEMPLATE_HELP)
+    p.add_argument("--trust-request-chat-template", action="store_true", help=TRUST_TEMPLATE_HELP)
     p.add_argument("--max-request-bytes", type=int, default=4 * 2**20)
     p.add_argument("--shutdown-timeout", type=float, default=10.0)
     p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for the servers")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from picovllm.entrypoints.chat_template import CHAT_TEMPLATE_HELP
+from picovllm.entrypoints.chat_template import CHAT_TEMPLATE_HELP, TRUST_TEMPLATE_HELP
 from picovllm.entrypoints.engine_args import add_engine_args, engine_config_from_args
 
 # Backends only a fleet has (picovllm.disagg.transfer.PULL_BACKENDS; not imported here: --help stays light).
@@ -33,6 +33,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=False)
     p.add_argument("--chat-template", default=None, help=CHAT_TEMPLATE_HELP)
+    p.add_argument("--trust-request-chat-template", action="store_true", help=TRUST_TEMPLATE_HELP)
     p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                    help="run the engine loop in a process of its own, not a thread beside the HTTP server's, so the "
                         "two never wait for each other's GIL (default: on; --no-engine-process: one process)")
@@ -69,13 +70,16 @@ def main(args: argparse.Namespace) -> int:
         template = load_chat_template(args.chat_template) if args.chat_template is not None else None
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
-    if template is not None and config.role != "pd":
-        raise SystemExit("error: --chat-template: a prefill or decode server renders no chat (the proxy or the "
-                         "router does): give it to them")
+    for flag, given in (("--chat-template", template is not None),
+                        ("--trust-request-chat-template", args.trust_request_chat_template)):
+        if given and config.role != "pd":
+            raise SystemExit(f"error: {flag}: a prefill or decode server renders no chat (the proxy or the router "
+                             f"does): give it to them")
     settings = ServerSettings(host=args.host, port=args.port, api_key=args.api_key,
                               served_model_name=args.served_model_name, max_request_bytes=args.max_request_bytes,
                               shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
                               access_log=args.access_log, chat_template=template,
+                              trust_request_chat_template=args.trust_request_chat_template,
                               engine_process=args.engine_process)
     if config.role == "pd":
         serve(config, settings)

@@ -66,11 +66,10 @@ REFUSED_COMMON: dict[str, tuple] = {
     "web_search_options": (),
 }
 REFUSED_CHAT: dict[str, tuple] = {
-    "echo": (False,), "chat_template": (), "documents": (), "mm_processor_kwargs": (),
-    "add_special_tokens": (False,),  # as LLM.chat encodes
+    "echo": (False,), "mm_processor_kwargs": (),
 }
 REFUSED_COMPLETION: dict[str, tuple] = {
-    "add_special_tokens": (True,), "prompt_embeds": (),   # add_special_tokens: as LLM.generate encodes
+    "prompt_embeds": (),
     "tool_choice": ("none",),                             # tools are chat's
 }
 
@@ -248,6 +247,7 @@ class CompletionRequest(_SamplingRequest, _RefusedCompletion):
     echo: bool = False
     best_of: int | None = Field(None, ge=1, le=MAX_N)
     suffix: str | None = None
+    add_special_tokens: bool = True      # vLLM's: a text prompt gets the tokenizer's special tokens (BOS)
 
     def prompt_logprob_count(self) -> int | None:
         if self.echo and self.logprobs is not None:   # the echoed prompt's tokens get logprobs like the output's
@@ -350,10 +350,13 @@ class NamedToolChoice(_Strict):
 
 
 class _ChatTemplateOptions(_Strict):
-    """vLLM's: the last (assistant) message left open to be continued, and more variables for the chat template
-    (checked by entrypoints/llm.template_kwargs)."""
+    """vLLM's: the last (assistant) message left open to be continued, more variables for the chat template
+    (checked by entrypoints/chat_template.template_kwargs), documents for a template that renders them (RAG), and
+    a template of the request's own (a server started with --trust-request-chat-template)."""
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    documents: Annotated[list[dict[str, str]], Field(max_length=1024)] | None = None
+    chat_template: str | None = None
 
 
 class ChatCompletionRequest(_SamplingRequest, _RefusedChat, _ChatTemplateOptions):
@@ -363,6 +366,7 @@ class ChatCompletionRequest(_SamplingRequest, _RefusedChat, _ChatTemplateOptions
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
+    add_special_tokens: bool = False     # vLLM's: the template holds the special tokens; True adds them again
     tools: Annotated[list[ToolSpec], Field(max_length=128)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
@@ -402,8 +406,7 @@ class ChatCompletionRequest(_SamplingRequest, _RefusedChat, _ChatTemplateOptions
 
 
 # -- /tokenize and /detokenize (vLLM's) -----------------------------------------------------------------------
-_RefusedTokenize = refusing_model("_RefusedTokenize", {
-    "chat_template": (), "tools": ([],), "documents": (), "mm_processor_kwargs": ()})
+_RefusedTokenize = refusing_model("_RefusedTokenize", {"tools": ([],), "mm_processor_kwargs": ()})
 
 
 
@@ -419,7 +422,8 @@ class TokenizeRequest(_RefusedTokenize, _ChatTemplateOptions):
     def checked(self) -> "TokenizeRequest":
         if (self.prompt is None) == (self.messages is None):
             raise APIError(400, "give exactly one of prompt or messages", param="prompt")
-        for name in ("add_generation_prompt", "continue_final_message", "chat_template_kwargs"):
+        for name in ("add_generation_prompt", "continue_final_message", "chat_template_kwargs", "documents",
+                     "chat_template"):
             if self.prompt is not None and name in self.model_fields_set:
                 raise APIError(400, f"{name} applies to messages only", param=name)
         return self

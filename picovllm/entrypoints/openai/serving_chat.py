@@ -33,9 +33,10 @@ class ChatHandler:
         params = req.sampling_params(req.max_new_tokens, k)
         policy = req.tool_policy()
         ids = await ctx.tokenizer.encode_chat([m.as_template_dict() for m in req.messages], req.add_generation_prompt,
-                                              tools=policy.tools if policy.active else None,
+                                              req.add_special_tokens, tools=policy.tools if policy.active else None,
                                               continue_final_message=req.continue_final_message,
-                                              chat_template_kwargs=req.chat_template_kwargs)
+                                              chat_template_kwargs=req.chat_template_kwargs,
+                                              documents=req.documents, chat_template=req.chat_template)
         if req.truncate_prompt_tokens is not None:
             ids = ids[-req.truncate_prompt_tokens:]
         if req.use_beam_search:

@@ -29,7 +29,7 @@ class CompletionHandler:
         prompt = req.single_prompt()
         params = req.sampling_params(req.max_tokens, req.logprobs)
         samples = req.samples(params)
-        ids = await ctx.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        ids = await ctx.tokenizer.encode(prompt, req.add_special_tokens) if isinstance(prompt, str) else prompt
         cut = req.truncate_prompt_tokens is not None and len(ids) > req.truncate_prompt_tokens
         ids = ids[-req.truncate_prompt_tokens:] if cut else ids
         if req.use_beam_search:

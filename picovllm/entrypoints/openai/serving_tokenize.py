@@ -12,7 +12,8 @@ async def tokenize(ctx: ServingContext, req: TokenizeRequest) -> dict:
     if req.messages is not None:
         ids = await ctx.tokenizer.encode_chat([m.as_template_dict() for m in req.messages], req.add_generation_prompt,
                                               req.special_tokens, continue_final_message=req.continue_final_message,
-                                              chat_template_kwargs=req.chat_template_kwargs)
+                                              chat_template_kwargs=req.chat_template_kwargs,
+                                              documents=req.documents, chat_template=req.chat_template)
     else:
         ids = await ctx.tokenizer.encode(req.prompt, req.special_tokens)
     body = {"count": len(ids), "max_model_len": ctx.engine.model_info()["max_model_len"], "tokens": ids}

@@ -7,16 +7,19 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import re
 from concurrent.futures import ThreadPoolExecutor
 
-from picovllm.entrypoints.chat_template import template_kwargs
+from picovllm.entrypoints.chat_template import check_request_template, template_kwargs
 from picovllm.entrypoints.openai.protocol import APIError
 from picovllm.entrypoints.openai.tool_calls import template_renders_tools, with_tool_prompt
 
 
 class TokenizerWorker:
-    def __init__(self, tokenizer, chat_template: str | None = None) -> None:
-        """chat_template: the template's text (load_chat_template), used instead of the tokenizer's."""
+    def __init__(self, tokenizer, chat_template: str | None = None, trust_request_chat_template: bool = False) -> None:
+        """chat_template: the template's text (load_chat_template), used instead of the tokenizer's.
+        trust_request_chat_template: a request may bring its own (vLLM's --trust-request-chat-template)."""
+        self.trust_request_chat_template = trust_request_chat_template
         self.tokenizer = copy.deepcopy(tokenizer) if tokenizer is not None else None
         if chat_template is not None:
             if self.tokenizer is None:
@@ -39,24 +42,38 @@ class TokenizerWorker:
 
     async def encode_chat(self, messages: list[dict], add_generation_prompt: bool,
                           add_special_tokens: bool = False, tools: list[dict] | None = None,
-                          continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> list[int]:
+                          continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
+                          documents: list[dict] | None = None, chat_template: str | None = None) -> list[int]:
         """As LLM.chat: render the chat template, then encode without adding special tokens again
-        (the template holds them; add_special_tokens: /tokenize's). tools: through the template if it
-        renders them, else described in a system message (entrypoints/openai/tool_calls.py). The other
-        options: LLM.chat's (a bad one is a 400 naming its field)."""
+        (the template holds them; add_special_tokens=True adds them anyway, as vLLM's field does). tools: through
+        the template if it renders them, else described in a system message (entrypoints/openai/tool_calls.py).
+        documents: the template's (RAG templates render them). chat_template: the request's own template, where
+        the server trusts requests with one. The other options: LLM.chat's (a bad one is a 400 naming its field)."""
         tok = self._need("chat")
-        if not getattr(tok, "chat_template", None):
+        if chat_template is not None:
+            if not self.trust_request_chat_template:
+                raise APIError(400, "chat_template: this server does not take a request's chat template (start it "
+                                    "with --trust-request-chat-template)", param="chat_template")
+            try:
+                check_request_template(chat_template)
+            except ValueError as e:
+                raise APIError(400, str(e), param="chat_template") from None
+        template = chat_template or getattr(tok, "chat_template", None)
+        if not template:
             raise APIError(400, "this model's tokenizer has no chat template: use /v1/completions")
         try:
             options = template_kwargs(messages, add_generation_prompt, continue_final_message, chat_template_kwargs)
         except ValueError as e:
             raise APIError(400, str(e), param=str(e).split(":")[0]) from None
-        if tools and not template_renders_tools(tok.chat_template):
+        if documents and not re.search(r"\bdocuments\b", template):
+            raise APIError(400, "documents: the chat template does not render documents", param="documents")
+        if tools and not template_renders_tools(template):
             messages, tools = with_tool_prompt(messages, tools), None
 
         def render() -> list[int]:
             try:
-                text = tok.apply_chat_template(messages, tokenize=False, tools=tools or None, **options)
+                text = tok.apply_chat_template(messages, tokenize=False, tools=tools or None, chat_template=template,
+                                               documents=documents, **options)
             except Exception as e:  # jinja raises TemplateError (and others) on conversations it refuses
                 raise APIError(400, f"messages: the chat template rejected them: {e}", param="messages") from None
             return _encode(tok, text, add_special_tokens)
