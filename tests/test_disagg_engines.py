@@ -97,6 +97,14 @@ def assert_same(outs, ref):
                     assert da[t].logprob == pytest.approx(db[t].logprob, abs=1e-4)
                     assert da[t].rank == db[t].rank
             assert a.cumulative_logprob == pytest.approx(b.cumulative_logprob, abs=1e-3)
+        assert (o.prompt_logprobs is None) == (r.prompt_logprobs is None), o.request_id
+        if r.prompt_logprobs is not None:
+            assert len(o.prompt_logprobs) == len(r.prompt_logprobs) and o.prompt_logprobs[0] is None
+            for da, db in zip(o.prompt_logprobs[1:], r.prompt_logprobs[1:]):
+                assert sorted(da) == sorted(db)
+                for t in db:
+                    assert (da[t].rank, da[t].decoded_token) == (db[t].rank, db[t].decoded_token)
+                    assert da[t].logprob == pytest.approx(db[t].logprob, abs=1e-4)
 
 
 @pytest.mark.parametrize("overlap", [False, True])
@@ -181,6 +189,31 @@ def test_penalties_and_logit_bias_travel_to_d(tiny_models):
     pair.run()
     assert_same([pair.final[i] for i in ids], ref)
     assert pair.d.stats["decode_tokens"] > 0
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_prompt_logprobs_are_p_s_and_reach_d_s_outputs(tiny_models, overlap):
+    """P scores the prompt as the colocated engine does (chunked: 8 tokens a step, so prompts span chunks) and the
+    handover carries the scores: every output D makes has them, equal to the colocated engine's (the oracle)."""
+    ps = prompts(4, seed=9)
+    params = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logprobs=k, logprobs=1)
+              for k in (0, 1, 3, 2)]
+    kw = dict(block_size=4, num_kv_blocks=128, max_num_batched_tokens=8)
+    ref = LLM(tiny_models["llama"], **kw).generate(ps, params, use_tqdm=False)
+    assert any(len(p) > 8 for p in ps) and all(r.prompt_logprobs is not None for r in ref)
+    pair = LocalPair(tiny_models["llama"], "torch_dist", p_kw=kw, d_kw=dict(block_size=4, num_kv_blocks=128),
+                     overlap=overlap)
+    ids = [pair.p.submit(p, sp) for p, sp in zip(ps, params)]
+    pair.p.close()
+    d_outputs = []
+    t0 = time.monotonic()
+    while not (pair.p.is_done() and pair.d.is_done()):
+        pair.step("p")
+        d_outputs += pair.step("d")
+        assert time.monotonic() - t0 < 60
+    assert_same([pair.final[i] for i in ids], ref)
+    assert d_outputs and all(o.prompt_logprobs is not None and len(o.prompt_logprobs) == len(o.prompt_token_ids)
+                             for o in d_outputs)
 
 
 # -- close ------------------------------------------------------------------------------------------

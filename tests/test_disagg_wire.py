@@ -66,11 +66,14 @@ def test_request_output_round_trip():
                         True, RequestMetrics(1.0, 1.5, 2.0, 3.0, [2.0, 2.5]), None, 0)
     back = output_from_wire(json.loads(encode(Output(output_to_wire(out))))["body"]["output"])
     assert back == out and back.metrics.ttft == 1.0 and back.metrics.itls == [0.5]
-    # the wire's shape is dataclasses.asdict's, each completion's logprobs as lists
+    # the wire's shape is dataclasses.asdict's, each completion's logprobs and the prompt's as lists
     out.prompt_logprobs, out.kv_handover = [None, {2: Logprob(-0.25, 1, "x")}], {"type": "PublishedKV"}
     expect = dataclasses.asdict(out)
     expect["outputs"][0]["logprobs"] = [[[5, -0.5, 1, "a"]], [[6, -0.75, 2, "b"]]]
+    expect["prompt_logprobs"] = [None, [[2, -0.25, 1, "x"]]]
     assert output_to_wire(out) == expect
+    back = output_from_wire(json.loads(encode(Output(output_to_wire(out))))["body"]["output"])
+    assert back == out         # the prompt's logprobs come back too (JSON made their token keys strings)
 
 
 def test_channel_frames_partial_writes_and_reports_eof():

@@ -172,6 +172,13 @@ def test_outputs_equal_colocated(fleet):
     assert "".join(parts) == llm.generate([PROMPTS[3]], sp, use_tqdm=False)[0].outputs[0].text
     one = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)[0].outputs[0]
     assert client.completions.create(model=name, prompt="Hello", max_tokens=1, temperature=0).choices[0].text == one.text
+    want = llm.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, prompt_logprobs=1),
+                        use_tqdm=False)[0]
+    got = client.completions.create(model=name, prompt=PROMPTS[1], max_tokens=3, temperature=0,
+                                    extra_body={"ignore_eos": True, "prompt_logprobs": 1})   # P's scores, via D
+    assert [None if d is None else {int(t): v["logprob"] for t, v in d.items()}
+            for d in got.choices[0].model_extra["prompt_logprobs"]] == \
+        [None] + [pytest.approx({t: lp.logprob for t, lp in d.items()}, abs=1e-4) for d in want.prompt_logprobs[1:]]
     with pytest.raises(openai.BadRequestError, match="longer"):
         client.completions.create(model=name, prompt=list(range(5, 300)) * 4, max_tokens=4)
     m = procs["router"].metrics()

@@ -146,6 +146,20 @@ def test_outputs_equal_colocated(cluster, llm):
     got = client.completions.create(model=name, prompt="Once upon", n=2, max_tokens=8, temperature=1.0, seed=3,
                                     extra_body={"ignore_eos": True})
     assert [c.text for c in got.choices] == [w.text for w in want] and want[0].text != want[1].text
+    # prompt logprobs: P scores the prompt, the handover carries the scores to D's outputs (streamed: the first
+    # chunk; not streamed: D's final output); echo with logprobs leads with the prompt's
+    want = llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True,
+                                                             prompt_logprobs=2, logprobs=1), use_tqdm=False)[0]
+    got = client.completions.create(model=name, prompt="Once upon a time", max_tokens=4, temperature=0, logprobs=1,
+                                    echo=True, extra_body={"ignore_eos": True, "prompt_logprobs": 2})
+    scored = got.choices[0].model_extra["prompt_logprobs"]
+    assert scored[0] is None and len(scored) == len(want.prompt_token_ids)
+    for d, w in zip(scored[1:], want.prompt_logprobs[1:]):
+        assert sorted(map(int, d)) == sorted(w) and all(d[str(t)]["logprob"] == pytest.approx(w[t].logprob, abs=1e-4)
+                                                        for t in w)
+    n_prompt = len(want.prompt_token_ids)
+    assert got.choices[0].logprobs.token_logprobs[1:n_prompt] == pytest.approx(
+        [d[t].logprob for d, t in zip(want.prompt_logprobs[1:], want.prompt_token_ids[1:])], abs=1e-4)
     # a request that ends at its first token never reaches D
     one = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)[0].outputs[0]
     assert client.completions.create(model=name, prompt="Hello", max_tokens=1, temperature=0).choices[0].text == one.text

@@ -13,7 +13,7 @@ import itertools
 from dataclasses import dataclass
 
 from picovllm.disagg.messages import Accept, Ack, Bye, Cancel, EndOfStream, HandoverRequest, Offer, Release, \
-    logprobs_from_wire
+    logprobs_from_wire, prompt_steps_from_wire
 from picovllm.disagg.peer_connector import PeerConnector
 from picovllm.disagg.transfer import TransferSpec
 from picovllm.engine.kv_connector import ConnectorReport
@@ -34,6 +34,11 @@ def request_from_handover(offer: HandoverRequest, block_size: int) -> Request:
     req.priority = offer.priority
     if req.logprobs is not None:
         req.logprobs = logprobs_from_wire(offer.logprobs) or []
+    if req.prompt_logprobs is not None:           # P scored the prompt; D computes none of it
+        scored = prompt_steps_from_wire(offer.prompt_logprobs)
+        if scored is None or len(scored) != len(offer.prompt_token_ids):
+            raise ValueError("prompt_logprobs: the handover must carry one entry per prompt token")
+        req.prompt_logprobs = scored
     req.cumulative_logprob = offer.cumulative_logprob
     req.num_cached_tokens = offer.num_cached_tokens
     m = req.metrics

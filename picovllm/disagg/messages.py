@@ -88,6 +88,7 @@ class HandoverRequest:
     first_token_time: float | None
     token_times: list[float]
     priority: int = 0                 # the "priority" scheduling policy's (D orders by it if its policy is that)
+    prompt_logprobs: list | None = None   # what P scored of the prompt, when asked (prompt_steps_to_wire)
 
 
 @dataclass
@@ -397,6 +398,15 @@ def _steps_from_wire(data: list | None) -> list[dict[int, Logprob]] | None:
     return None if data is None else [{int(tok): Logprob(lp, rank, text) for tok, lp, rank, text in s} for s in data]
 
 
+def prompt_steps_to_wire(steps: list[dict[int, Logprob] | None] | None) -> list | None:
+    """Prompt logprobs (None for the first token, then {token: Logprob}) as JSON-able lists."""
+    return None if steps is None else [None if s is None else _steps_to_wire([s])[0] for s in steps]
+
+
+def prompt_steps_from_wire(data: list | None) -> list[dict[int, Logprob] | None] | None:
+    return None if data is None else [None if s is None else _steps_from_wire([s])[0] for s in data]
+
+
 def _metrics_to_wire(m: RequestMetrics | None) -> dict | None:
     if m is None:
         return None
@@ -411,8 +421,7 @@ def output_to_wire(out: RequestOutput) -> dict:
     comps = [{"index": c.index, "text": c.text, "token_ids": list(c.token_ids),
               "cumulative_logprob": c.cumulative_logprob, "logprobs": _steps_to_wire(c.logprobs),
               "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in out.outputs]
-    prompt_logprobs = None if out.prompt_logprobs is None else \
-        [None if d is None else {t: dataclasses.asdict(lp) for t, lp in d.items()} for d in out.prompt_logprobs]
+    prompt_logprobs = prompt_steps_to_wire(out.prompt_logprobs)
     return {"request_id": out.request_id, "prompt": out.prompt, "prompt_token_ids": list(out.prompt_token_ids),
             "outputs": comps, "finished": out.finished, "metrics": _metrics_to_wire(out.metrics), "error": out.error,
             "num_cached_tokens": out.num_cached_tokens, "prompt_logprobs": prompt_logprobs,
@@ -427,7 +436,8 @@ def output_from_wire(d: dict) -> RequestOutput:
         comps.append(CompletionOutput(**c))
     metrics = RequestMetrics(**d["metrics"]) if d.get("metrics") else None
     return RequestOutput(d["request_id"], d["prompt"], d["prompt_token_ids"], comps, d["finished"], metrics,
-                         d.get("error"), d.get("num_cached_tokens", 0), kv_handover=d.get("kv_handover"))
+                         d.get("error"), d.get("num_cached_tokens", 0), prompt_steps_from_wire(d.get("prompt_logprobs")),
+                         kv_handover=d.get("kv_handover"))
 
 
 def common_prefix(a, b) -> int:
@@ -446,7 +456,8 @@ class OutputEncoder:
     prompt's ids, the per-token times), so sending each whole costs O(prompt + tokens) per token: at
     a 5k-token prompt that is what bounds a decode server. The first output goes whole
     ({"output": ...}); each later one as {"delta": ...}: where its token ids, text and logprobs part
-    from the last one sent and what follows, the scalars, and the metrics only once finished."""
+    from the last one sent and what follows, the scalars, and the metrics only once finished. The prompt's
+    logprobs go with the first output only (they are complete once a request has a token)."""
 
     def __init__(self) -> None:
         self._sent: list[CompletionOutput] | None = None
@@ -501,5 +512,5 @@ class OutputDecoder:
                                           c["cumulative_logprob"], logprobs, c["finish_reason"], c["stop_reason"]))
         metrics = RequestMetrics(**d["metrics"]) if d.get("metrics") else last.metrics
         self._last = RequestOutput(last.request_id, last.prompt, last.prompt_token_ids, comps, d["finished"],
-                                   metrics, d["error"], d["num_cached_tokens"])
+                                   metrics, d["error"], d["num_cached_tokens"], last.prompt_logprobs)
         return self._last

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 
 from picovllm.disagg.messages import Accept, Ack, Bye, Cancel, EndOfStream, HandoverRequest, Offer, Release, \
-    logprobs_to_wire
+    logprobs_to_wire, prompt_steps_to_wire
 from picovllm.disagg.peer_connector import PeerConnector
 from picovllm.disagg.transfer import TransferSpec
 from picovllm.engine.kv_connector import ConnectorReport
@@ -37,7 +37,8 @@ def handover_request(req: Request, block_size: int) -> HandoverRequest:
         src_block_ids=list(req.block_table[:n_blocks]), logprobs=logprobs_to_wire(req.logprobs),
         cumulative_logprob=req.cumulative_logprob, num_cached_tokens=req.num_cached_tokens,
         arrival_time=m.arrival_time, first_scheduled_time=m.first_scheduled_time,
-        first_token_time=m.first_token_time, token_times=list(m.token_times), priority=req.priority)
+        first_token_time=m.first_token_time, token_times=list(m.token_times), priority=req.priority,
+        prompt_logprobs=prompt_steps_to_wire(req.prompt_logprobs))
 
 
 class HandoverState(enum.Enum):

@@ -198,9 +198,6 @@ class Engine:
             raise ValueError("prompt is empty")
         if min(ids) < 0 or max(ids) >= vocab:     # C-level scans: a long prompt's check costs microseconds
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        if params.prompt_logprobs is not None and self.config.role in ("p", "d"):
-            raise ValueError("SamplingParams.prompt_logprobs is not supported with prefill/decode disaggregation "
-                             "(the prompt's logits stay on the prefill instance)")
         self._check_length(len(ids))
         request_id = str(next(self._ids)) if request_id is None else request_id
         if request_id in self.requests:
