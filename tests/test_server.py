@@ -768,6 +768,19 @@ def test_chat_template_options(server, client, llm):
             assert e.status_code == 400 and e.json()["error"]["param"] == param, (path, body, e.text)
     e = httpx.post(server.url + "/tokenize", json={"prompt": "a", "continue_final_message": True})
     assert e.status_code == 400 and e.json()["error"]["param"] == "continue_final_message"
+    # echo: a continued assistant message leads each choice's content (streamed: after the role's chunk); a reply
+    # to a user's message echoes nothing
+    want = llm.chat(cont, sp, use_tqdm=False, add_generation_prompt=False, continue_final_message=True)[0]
+    kw = dict(model=model, messages=cont, max_tokens=6, temperature=0,
+              extra_body={"ignore_eos": True, "echo": True, "add_generation_prompt": False,
+                          "continue_final_message": True})
+    assert client.chat.completions.create(**kw).choices[0].message.content == "The cat" + want.outputs[0].text
+    parts = [ch.choices[0].delta.content or "" for ch in client.chat.completions.create(stream=True, **kw)]
+    assert parts[1] == "The cat" and "".join(parts) == "The cat" + want.outputs[0].text
+    plain = llm.chat(conv, sp, use_tqdm=False)[0].outputs[0].text
+    got = client.chat.completions.create(model=model, messages=conv, max_tokens=6, temperature=0,
+                                         extra_body={"ignore_eos": True, "echo": True})
+    assert got.choices[0].message.content == plain
 
 
 def test_oversize_bodies_rejected(server):

@@ -66,7 +66,7 @@ REFUSED_COMMON: dict[str, tuple] = {
     "web_search_options": (),
 }
 REFUSED_CHAT: dict[str, tuple] = {
-    "echo": (False,), "mm_processor_kwargs": (),
+    "mm_processor_kwargs": (),
 }
 REFUSED_COMPLETION: dict[str, tuple] = {
     "prompt_embeds": (),
@@ -367,6 +367,14 @@ class ChatCompletionRequest(_SamplingRequest, _RefusedChat, _ChatTemplateOptions
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     add_special_tokens: bool = False     # vLLM's: the template holds the special tokens; True adds them again
+    echo: bool = False                   # vLLM's: a reply to an assistant's last message starts with that message
+
+    @property
+    def echoed(self) -> str:
+        """What echo puts before each choice's content: the last message's, if it is the assistant's (the reply's
+        role), else nothing."""
+        last = self.messages[-1]
+        return last.as_template_dict()["content"] if self.echo and last.role == "assistant" else ""
     tools: Annotated[list[ToolSpec], Field(max_length=128)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True

@@ -51,6 +51,8 @@ class ChatHandler:
         choices = []
         for c in out.outputs:
             message, finish = _message(c, policy)
+            if req.echoed:
+                message["content"] = req.echoed + (message["content"] or "")
             choices.append({"index": c.index, "message": message, "finish_reason": finish, "stop_reason": c.stop_reason,
                             "logprobs": _logprobs(c, range(len(c.token_ids)), k, req.return_tokens_as_token_ids)
                             if k is not None else None})
@@ -91,6 +93,8 @@ class ChatHandler:
         try:
             for i in range(n):
                 yield emit([self._chunk(rid, i, {"role": "assistant", "content": ""})], i)
+                if req.echoed:
+                    yield emit([self._chunk(rid, i, {"content": req.echoed})], i)
             async for i, out in group.outputs():
                 last[i], c = out, out.outputs[0]
                 text, toks = deltas[i].text(c, out.finished), deltas[i].tokens(c)
