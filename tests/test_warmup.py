@@ -140,10 +140,9 @@ def test_warmup_leaves_no_state(tiny_models):
     same tokens and logprobs after it; it writes nothing into the KV cache, holds no block and draws nothing
     from the random generator."""
     from picovllm import LLM, SamplingParams
-    prompts = _prompts([5, 11, 7], seed=6)
-    params = [SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=2),
-              SamplingParams(temperature=0.9, seed=3, max_tokens=3, ignore_eos=True, logprobs=2),
-              SamplingParams(temperature=0.7, top_p=0.8, seed=5, max_tokens=3, ignore_eos=True)]
+    prompts = _prompts([5, 3], seed=6)       # one 8-token step: an interpreted step takes seconds
+    params = [SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, logprobs=2),
+              SamplingParams(temperature=0.9, top_p=0.8, seed=3, max_tokens=2, ignore_eos=True, logprobs=2)]
     llm = LLM(tiny_models["qwen3"], device="cpu", attention_backend="triton", block_size=8, num_kv_blocks=24,
               max_num_seqs=4, max_num_batched_tokens=8, max_model_len=32, enable_prefix_caching=False)
     eng = llm.engine
