@@ -283,9 +283,12 @@ def test_environment_switches(monkeypatch, tmp_path):
 def test_unusable_cache_folder_and_switches(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("")
-    want = cli(["generate", PROMPT, "--max-tokens", "8", "--no-disk-cache"], tmp_path / "off")
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(2) as pool:      # the two starts side by side (one thread each: the suite's time)
+        off = pool.submit(cli, ["generate", PROMPT, "--max-tokens", "8", "--no-disk-cache"], tmp_path / "off")
+        blocked = pool.submit(cli, ["generate", PROMPT, "--max-tokens", "8"], blocker / "cache")
+        want, r = off.result(), blocked.result()
     assert want.returncode == 0 and not (tmp_path / "off").exists()       # --no-disk-cache writes nothing
-    r = cli(["generate", PROMPT, "--max-tokens", "8"], blocker / "cache")
     assert r.returncode == 0 and r.stdout == want.stdout
     assert r.stderr.count(WARNING) == 1, r.stderr
 
