@@ -300,7 +300,7 @@ def test_prefill_gone_before_the_pull(path):
 def test_nixl_reads_runs_of_blocks():
     """One descriptor a run of blocks consecutive on both sides (hand-worked): src 4 5 6 | 9 10 | 2 against dst
     7 8 9 10 11 12 breaks where src jumps; dst 1 2 | 5 6 against src 3 4 5 6 where dst jumps."""
-    from picovllm.disagg.transfer.nixl import block_runs
+    from picovllm.disagg.transfer.base import block_runs
     starts, runs = block_runs([4, 5, 6, 9, 10, 2], [7, 8, 9, 10, 11, 12])
     assert starts.tolist() == [0, 3, 5] and runs.tolist() == [3, 2, 1]
     starts, runs = block_runs([3, 4, 5, 6], [1, 2, 5, 6])

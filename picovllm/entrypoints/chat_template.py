@@ -34,30 +34,34 @@ def template_kwargs(conversation: list[dict], add_generation_prompt: bool, conti
     return dict(extra, add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message)
 
 
-def check_request_template(value: str) -> str:
-    """A request's chat_template: ValueError naming the field unless it is a Jinja template that compiles."""
+def _is_jinja(value: str) -> bool:
+    return "{{" in value or "{%" in value
+
+
+def _compiled(value: str, name: str) -> str:
+    """value, once it compiles as Jinja; ValueError naming `name` otherwise."""
     from jinja2 import Environment, TemplateSyntaxError
-    if "{{" not in value and "{%" not in value:
-        raise ValueError("chat_template: not a Jinja template (the text itself is sent, not a file name)")
     try:
         Environment().parse(value)
     except TemplateSyntaxError as e:
-        raise ValueError(f"chat_template: not a valid Jinja template (line {e.lineno}: {e.message})") from None
+        raise ValueError(f"{name}: not a valid Jinja template (line {e.lineno}: {e.message})") from None
     return value
+
+
+def check_request_template(value: str) -> str:
+    """A request's chat_template: ValueError naming the field unless it is a Jinja template that compiles."""
+    if not _is_jinja(value):
+        raise ValueError("chat_template: not a Jinja template (the text itself is sent, not a file name)")
+    return _compiled(value, "chat_template")
 
 
 def load_chat_template(value: str) -> str:
     """--chat-template's value: a file's text, or the template itself; ValueError unless it compiles as Jinja."""
     import os
 
-    from jinja2 import Environment, TemplateSyntaxError
     if os.path.isfile(value):
         with open(value, encoding="utf-8") as f:
             value = f.read()
-    elif "{{" not in value and "{%" not in value:
+    elif not _is_jinja(value):
         raise ValueError(f"--chat-template: {value!r} is neither a file nor a Jinja template")
-    try:
-        Environment().parse(value)
-    except TemplateSyntaxError as e:
-        raise ValueError(f"--chat-template: not a valid Jinja template (line {e.lineno}: {e.message})") from None
-    return value
+    return _compiled(value, "--chat-template")

@@ -25,6 +25,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
 
+import numpy as np
 import torch
 
 from picovllm.engine.kv_cache import wire_view
@@ -149,6 +150,18 @@ class KVTransfer(ABC):
 
 
 # -- many to many -----------------------------------------------------------------------------------
+def block_runs(src_ids: list[int], dst_ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """(first index, length) of each run of positions where both block id lists count up by one: one copy a run and
+    plane instead of one a block and plane (nixl: UCX posts every descriptor as a copy of its own, and a 16k-token
+    prompt of Qwen3-0.6B's layout is 57,344 of 32 KiB one a block, which ran at 3-5 GB/s on two H200s; tcp: one
+    buffer a run and plane for sendmsg). Give one list twice for the runs of that list alone."""
+    src, dst = np.asarray(src_ids, dtype=np.int64), np.asarray(dst_ids, dtype=np.int64)
+    if src.size == 0:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    starts = np.concatenate([[0], np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1])
+    return starts, np.diff(np.concatenate([starts, [src.size]]))
+
+
 @dataclass(frozen=True)
 class PullConfig:
     secret: FleetSecret              # every KV socket is authenticated with it (picovllm.disagg.auth)

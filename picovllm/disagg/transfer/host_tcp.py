@@ -30,7 +30,7 @@ import torch
 
 from picovllm.disagg.auth import AuthError
 from picovllm.disagg.messages import ClaimKV, Heartbeat, KVHandle, KVReply, PullKV, ReleaseKV
-from picovllm.disagg.transfer.base import PullTransfer, TransferDone
+from picovllm.disagg.transfer.base import PullTransfer, TransferDone, block_runs
 from picovllm.disagg.transfer.kv_socket import (HostBuffers, PeerConnection, authenticate_client, recv_frame,
                                                 send_frame, set_io_timeout)
 
@@ -38,17 +38,6 @@ logger = logging.getLogger("picovllm.kv")
 
 def _blocks_nbytes(cache: torch.Tensor, n: int) -> int:
     return cache[:, :, :1].numel() * n * cache.element_size()
-
-
-def block_runs(block_ids: list[int]) -> list[tuple[int, int]]:
-    """[start, end) runs of consecutive ids, in order: [4, 5, 6, 9, 2, 3] -> [(4, 7), (9, 10), (2, 4)]."""
-    runs: list[tuple[int, int]] = []
-    for b in block_ids:
-        if runs and runs[-1][1] == b:
-            runs[-1] = (runs[-1][0], b + 1)
-        else:
-            runs.append((b, b + 1))
-    return runs
 
 
 @dataclass
@@ -152,7 +141,7 @@ class HostTcpTransfer(PullTransfer):
                 h.claimant = conn
             elif isinstance(msg, PullKV):
                 reading = h
-                h.readers += 1               # unpublish waits for it (a slow D: up to timeout_s)
+                h.readers += 1               # unpublish waits for it (a slow D: up to the lease, P's send timeout)
             else:
                 self._retire(rid, TransferDone(rid))
         if reading is None:
@@ -181,7 +170,8 @@ class HostTcpTransfer(PullTransfer):
             return [memoryview(host.reshape(-1).view(torch.uint8).numpy())]
         whole = memoryview(cache.reshape(-1).view(torch.uint8).numpy())
         block_bytes = cache[0, 0, 0].numel() * cache.element_size()
-        runs = block_runs(block_ids)
+        starts, lengths = block_runs(block_ids, block_ids)
+        runs = [(block_ids[s], block_ids[s] + n) for s, n in zip(starts.tolist(), lengths.tolist())]
         return [whole[(plane * cache.shape[2] + a) * block_bytes:(plane * cache.shape[2] + b) * block_bytes]
                 for plane in range(cache.shape[0] * 2) for a, b in runs]
 
