@@ -5,7 +5,7 @@
 Rows (min / median / max over --repeat runs, each a fresh process):
   import          python3 -c "import picovllm"
   help            picovllm --help
-  generate-first  picovllm generate "What is the capital of France?" with an empty cache folder (a fresh machine)
+  generate-first  picovllm generate "Name the capital of France." with an empty cache folder (a fresh machine)
   generate-later  the same with the cache the first run filled
   serve-health    picovllm serve, until GET /health answers 200 (warm cache)
   llama.cpp       (with --llamacpp-python: the python of the llama-cpp-python venv, see
@@ -27,7 +27,7 @@ import tempfile
 import time
 import urllib.request
 
-PROMPT = "What is the capital of France?"
+PROMPT = "Name the capital of France."
 # llama.cpp gets the chat prompt as token ids (ours): this old llama-cpp-python neither applies the GGUF's chat
 # template nor parses special tokens in text, and answers nonsense otherwise
 LLAMACPP = """

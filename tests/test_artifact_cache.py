@@ -20,7 +20,7 @@ from picovllm.loader.gguf_file import open_gguf
 from test_gguf import TYPES, write_tiny_gguf
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PROMPT = "What is the capital of France?"
+PROMPT = "Name the capital of France."
 WARNING = "RuntimeWarning: picovllm: cache folder"
 
 

@@ -22,13 +22,13 @@ def run_cli(args, stdin=None, timeout=240):
 
 
 def test_generate_streams_paris_on_the_default_model():
-    r = run_cli(["generate", "What is the capital of France?", "--max-tokens", "20", "--dtype", "float32"])
+    r = run_cli(["generate", "Name the capital of France.", "--max-tokens", "20", "--dtype", "float32"])
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout
 
 
 def test_chat_two_turns_then_eof():
-    r = run_cli(["chat", "--max-tokens", "30", "--dtype", "float32"], stdin="What is the capital of France?\nAnd of Germany?\n")
+    r = run_cli(["chat", "--max-tokens", "30", "--dtype", "float32"], stdin="Name the capital of France.\nAnd of Germany?\n")
     assert r.returncode == 0, r.stderr
     replies = [line for line in r.stdout.splitlines() if line.strip()]
     assert len(replies) == 2, r.stdout
@@ -205,7 +205,7 @@ def test_text_streamer_never_shows_a_stop_string():
 def test_generate_disagg_prints_what_generate_prints(default_llm):
     """`picovllm generate --disagg` runs P and D in two processes; with the same flags it takes the prompt as
     `generate` does (chat template by default, --no-chat) and prints the same text, timings only with --stats."""
-    prompt = "What is the capital of France?"
+    prompt = "Name the capital of France."
     chat_ids = default_llm.apply_chat_template([{"role": "user", "content": prompt}])
     want = {"chat": chat_ids, "--no-chat": prompt}
     for flag, model_input in want.items():

@@ -7,10 +7,13 @@ from picovllm import SamplingParams
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 GREEDY = SamplingParams(temperature=0, max_tokens=32)
+# "Name the capital of France." and not "What is the capital of France?": the latter's first token is a coin flip
+# for this model ("The" -1.88 against "L" -1.96 in float32; int8 activations reverse them on an AVX2 CPU, which then
+# answers "L'Étoile, la Marseillaise, ..."). This one's closest greedy choice is ~0.9 apart on both paths.
 
 
 def test_llm_without_a_model_answers_paris(default_llm):
-    out = default_llm.chat([{"role": "user", "content": "What is the capital of France?"}], GREEDY, use_tqdm=False)[0]
+    out = default_llm.chat([{"role": "user", "content": "Name the capital of France."}], GREEDY, use_tqdm=False)[0]
     assert "Paris" in out.outputs[0].text
     assert out.outputs[0].finish_reason == "stop"          # ended by the model's <|im_end|>, not by max_tokens
 
@@ -25,7 +28,7 @@ def test_defaults(default_llm, default_model_path):
 
 
 def test_chat_batch_comes_back_in_order_with_the_templates_tokens(default_llm):
-    questions = [("What is the capital of Germany?", "Berlin"), ("What is the capital of France?", "Paris"),
+    questions = [("What is the capital of Germany?", "Berlin"), ("Name the capital of France.", "Paris"),
                  ("What is 2+2?", "4")]
     convs = [[{"role": "user", "content": q}] for q, _ in questions]
     outs = default_llm.chat(convs, GREEDY, use_tqdm=False)

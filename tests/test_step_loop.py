@@ -5,7 +5,7 @@ import pytest
 
 from picovllm import LLM, SamplingParams
 from picovllm.engine.step_loop import IN_FLIGHT_POLL_S, POLL_S, StepLoop
-from test_kv_connector import linked_pair
+from test_kv_connector import linked_pair, run_pair
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")   # tiny models on a shared 2-core machine
 
@@ -49,3 +49,24 @@ def test_a_connector_engine_polls_its_peer(tiny_models, monkeypatch):
         for out in p.step() + d.step():
             finals[out.request_id] = out
     assert finals[rid].finished and len(finals[rid].outputs[0].token_ids) == 3
+
+
+def test_a_full_prefill_engine_polls_instead_of_spinning(tiny_models):
+    """P's cache is full of KV held for the peer and a request waits for blocks: only the peer's release frees them,
+    so the loop polls (the served loop spun at 0 s here and held the GIL from the KV server's threads) and admits the
+    waiting request once the first is released. Oracle: blocks counted by hand (block_size 4, 4 blocks)."""
+    p, d, _ = linked_pair(tiny_models["llama"], False, dict(block_size=4, num_kv_blocks=4),
+                          dict(block_size=4, num_kv_blocks=32))
+    sp = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    first = p.add_request(list(range(10, 19)), sp)            # 9 tokens: 3 of the 4 blocks
+    second = p.add_request(list(range(20, 29)), sp)           # 3 more: waits
+    loop = StepLoop(p)
+    while first not in p.connector.sending:
+        assert loop.wait_s() == 0.0
+        loop.run_once()
+    loop.run_once()                                           # nothing admitted, nothing to compute
+    assert [r.request_id for r in p.scheduler.waiting] == [second] and p.block_manager.num_free_blocks == 1
+    assert not p.has_work() and p.has_unfinished_requests() and loop.wait_s() == POLL_S
+    finals = run_pair(p, d)
+    assert sorted(finals) == sorted([first, second]) and all(len(o.outputs[0].token_ids) == 3 for o in finals.values())
+    assert p.block_manager.num_free_blocks == 4 and d.block_manager.num_free_blocks == 32

@@ -123,6 +123,7 @@ class Engine:
         self.overlap = config.async_scheduling
         self.window = self._kv_window()   # every layer slides: blocks behind it are given back as requests go
         self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None   # overlap: launched, not read
+        self._stalled = False      # the last schedule changed nothing: its waiting requests wait for blocks or slots
         self._ids = itertools.count()
         self._structured: StructuredOutputCompiler | None = None   # built at the first structured request
         self._bitmasks: BitmaskBuffers | None = None       # the grammar masks' buffers, at the first such step
@@ -311,8 +312,11 @@ class Engine:
 
     def has_work(self) -> bool:
         """Anything to compute or a step's tokens to read, as opposed to requests only held for the
-        connector (waiting on the peer): a loop may wait for input only when there is none."""
-        return self.scheduler.has_work() or self._in_flight is not None
+        connector (waiting on the peer): a loop may wait for input only when there is none. Waiting
+        requests the last schedule could not admit are not work either: only the connector (blocks
+        released, KV arrived) or input frees room for them, so the loop polls instead of spinning, which
+        would hold the GIL from the transfer's threads (a full P stalled its KV server to ~0.4 pulls/s)."""
+        return self._in_flight is not None or self.scheduler.has_work() and not self._stalled
 
     def shutdown(self) -> None:
         """Stop the executor's helper processes (tensor-parallel workers), if any; idempotent."""
@@ -442,6 +446,7 @@ class Engine:
 
     def _schedule(self) -> SchedulerOutput:
         sched = self.scheduler.schedule()
+        self._stalled = not (sched.chunks or sched.preempted or sched.kv_to_receive)
         now = time.time()
         for c in sched.chunks:
             if c.request.metrics.first_scheduled_time is None:

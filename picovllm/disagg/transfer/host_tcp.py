@@ -67,6 +67,7 @@ class HostTcpTransfer(PullTransfer):
         self._closed = threading.Event()
         self._done: list[TransferDone] = []            # P: released or expired, for the next poll
         self._handles: dict[str, _Published] = {}      # P
+        self._unclaimed: dict[str, _Published] = {}    # P: the handles no D claimed yet, oldest first (the lease)
         self._draining: dict[str, _Published] = {}     # P: retired, still being read
         self._pulls: dict[str, _Pull] = {}             # D: started, not reported
         self._confirmed: set[str] = set()              # D: claims P granted, not yet released or lost
@@ -139,6 +140,7 @@ class HostTcpTransfer(PullTransfer):
                 error = f"request {rid!r} was claimed by another decode instance"
             elif isinstance(msg, ClaimKV):
                 h.claimant = conn
+                self._unclaimed.pop(rid, None)
             elif isinstance(msg, PullKV):
                 reading = h
                 h.readers += 1               # unpublish waits for it (a slow D: up to the lease, P's send timeout)
@@ -184,6 +186,7 @@ class HostTcpTransfer(PullTransfer):
     def _retire(self, rid: str, done: TransferDone) -> None:
         """Under the lock: the handle goes; P hears of it (and frees the blocks) once nobody reads them."""
         h = self._handles.pop(rid)
+        self._unclaimed.pop(rid, None)
         if h.readers:
             h.retired = done
             self._draining[rid] = h
@@ -195,7 +198,7 @@ class HostTcpTransfer(PullTransfer):
         with self._lock:
             if request_id in self._handles:
                 raise ValueError(f"request {request_id!r} is already published")
-            self._handles[request_id] = _Published(list(block_ids), time.monotonic())
+            self._handles[request_id] = self._unclaimed[request_id] = _Published(list(block_ids), time.monotonic())
         c = self.config
         return KVHandle(c.instance_id, self.name, list(self.address), request_id, list(block_ids), num_tokens,
                         self.layout, c.lease_s)
@@ -208,6 +211,7 @@ class HostTcpTransfer(PullTransfer):
     def unpublish(self, request_id: str) -> None:
         with self._lock:
             h = self._handles.pop(request_id, None) or self._draining.get(request_id)
+            self._unclaimed.pop(request_id, None)
             while h is not None and h.readers:
                 self._no_readers.wait()
             if h is not None and h.retired is not None:    # the engine frees it now: not reported again
@@ -296,11 +300,14 @@ class HostTcpTransfer(PullTransfer):
 
     def _poll_published(self) -> list[TransferDone]:
         now, lease = time.monotonic(), self.config.lease_s
-        with self._lock:
-            for rid, h in list(self._handles.items()):
-                if h.claimant is None and now - h.since > lease:
-                    self._retire(rid, TransferDone(rid, f"no decode instance claimed it within the lease "
-                                                        f"({lease:g} s)"))
+        with self._lock:     # the engine's thread polls often: look at the expired only, not every handle
+            expired = []
+            for rid, h in self._unclaimed.items():
+                if now - h.since <= lease:
+                    break
+                expired.append(rid)
+            for rid in expired:
+                self._retire(rid, TransferDone(rid, f"no decode instance claimed it within the lease ({lease:g} s)"))
             out, self._done = self._done, []
         return out
 
@@ -329,6 +336,7 @@ class HostTcpTransfer(PullTransfer):
             peer.close()
         with self._lock:
             self._handles.clear()
+            self._unclaimed.clear()
             for sock in self._conns:     # their threads see the socket fail and end
                 try:
                     sock.shutdown(socket.SHUT_RDWR)
