@@ -133,7 +133,7 @@ def test_tiny_gguf_hit_equals_miss_equals_no_cache(tmp_path, kind):
         assert list(got) == list(want)
         for name, w in want.items():
             assert torch.equal(got[name], w), (attempt, name)
-    assert len(entries(tmp_path / "cache", "gguf")) == 1
+    assert len(entries(tmp_path / "cache", "gguf")) == 1 and len(entries(tmp_path / "cache", "gguf_float")) == 1
 
 
 @pytest.mark.parametrize("damage", ["truncate", "random_bytes"])
@@ -142,9 +142,12 @@ def test_damaged_gguf_entry_is_rebuilt(tmp_path, damage):
     path, cache = str(tmp_path / "m.gguf"), ArtifactCache(str(tmp_path / "cache"))
     write_tiny_gguf(path, "Q4_1")
     want = dict(open_gguf(path).weights())
-    open_gguf(path, cache)
-    (key,) = entries(tmp_path / "cache", "gguf")
-    victim = tmp_path / "cache" / "gguf" / key / "weights.safetensors"
+    src = open_gguf(path, cache)
+    assert len(entries(tmp_path / "cache", "gguf")) == 1 and entries(tmp_path / "cache", "gguf_float") == []
+    for _ in src.weights():                                   # the dequantized weights' entry: made now
+        pass
+    (key,) = entries(tmp_path / "cache", "gguf_float")
+    victim = tmp_path / "cache" / "gguf_float" / key / "weights.safetensors"
     size = victim.stat().st_size
     if damage == "truncate":
         os.truncate(victim, size - 4096)
@@ -164,7 +167,7 @@ def test_changed_model_file_is_never_served_stale(tmp_path):
     want = dict(open_gguf(path).weights())
     assert all(torch.equal(second[n], w) for n, w in want.items())
     assert not torch.equal(first["model.layers.0.mlp.up_proj.weight"], second["model.layers.0.mlp.up_proj.weight"])
-    assert len(entries(tmp_path / "cache", "gguf")) == 2
+    assert len(entries(tmp_path / "cache", "gguf")) == 2 and len(entries(tmp_path / "cache", "gguf_float")) == 2
 
 
 def test_default_model_tokenizer_from_cache_matches_transformers(tmp_path):
@@ -211,26 +214,10 @@ def test_llm_greedy_tokens_same_on_miss_hit_and_no_cache(tmp_path, monkeypatch):
     assert outs["miss"] == outs["hit"] == outs["off"]
     assert (outs["miss loads"], outs["hit loads"], outs["off loads"]) == (1, 0, 1)
     assert len(entries(tmp_path, "engine")) == 1 and len(entries(tmp_path, "gguf")) == 1
+    assert entries(tmp_path, "gguf_float") == []      # the quantized weights never ask for the dequantized ones
 
 
 # -- whole starts, as a user runs them ----------------------------------------------------------------
-def test_two_concurrent_first_starts_both_succeed(tmp_path):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PICOVLLM_CACHE_DIR=str(with_compiled_kernels(tmp_path)),
-               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = [sys.executable, "-m", "picovllm.entrypoints.cli", "generate", PROMPT, "--max-tokens", "8"]
-    procs = [subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for _ in range(2)]
-    results = [p.communicate(timeout=400) + (p.returncode,) for p in procs]
-    assert all(rc == 0 for _, _, rc in results), [err[-1500:] for _, err, _ in results]
-    assert results[0][0] == results[1][0] and "Paris" in results[0][0]
-    for kind in ("gguf", "engine"):
-        assert len(entries(tmp_path, kind)) == 1, kind
-    leftovers = [n for kind in ("gguf", "engine", "kernels") for n in os.listdir(tmp_path / kind) if n.startswith(".")]
-    assert leftovers == []
-    again = cli(["generate", PROMPT, "--max-tokens", "8"], tmp_path)
-    assert again.returncode == 0 and again.stdout == results[0][0]
-
-
 def _read_only_prefix(src, dst):
     """A command prefix that runs the rest with `dst` a read-only view of `src`: a read-only bind mount in a
     mount namespace of its own (root ignores file modes); None where that cannot be made here."""
@@ -243,28 +230,37 @@ def _read_only_prefix(src, dst):
     return ["unshare", "-m", "sh", "-c", f'mount --bind -o ro {src} {dst} && exec "$@"', "sh"]
 
 
-def test_read_only_cache_folder(tmp_path):
-    """A filled read-only cache serves its entries, without a warning. (A folder that cannot be written means no
-    cache and one warning: test_unusable_cache_folder_and_switches; an empty read-only one is that case too.)"""
-    filled, view = tmp_path / "filled", tmp_path / "view"
-    for d in (filled, view):
-        d.mkdir()
-    want = cli(["generate", PROMPT, "--max-tokens", "8"], with_compiled_kernels(filled))
-    assert want.returncode == 0, want.stderr[-2000:]
-    for src, expect_warning in ((filled, False),):
-        if os.geteuid() == 0:
-            prefix = _read_only_prefix(src, view)
-            if prefix is None:
-                pytest.skip("no read-only bind mount here, and root ignores file modes")
-        else:
-            prefix = ()
-            for dirpath, _, _ in os.walk(src):
-                os.chmod(dirpath, 0o555)
-            shutil.copytree(src, view, dirs_exist_ok=True)
-        r = cli(["generate", PROMPT, "--max-tokens", "8"], view, prefix=prefix)
-        assert r.returncode == 0, r.stderr[-2000:]
-        assert r.stdout == want.stdout
-        assert r.stderr.count(WARNING) == (1 if expect_warning else 0), r.stderr
+def test_two_concurrent_first_starts_then_a_start_from_the_read_only_cache(tmp_path):
+    """Two first starts side by side both succeed and leave one whole entry of each kind; a later start serves
+    those entries from a read-only view of the folder, without a warning. (A folder that cannot be written means
+    no cache and one warning: test_unusable_cache_folder_and_switches; an empty read-only one is that case too.)"""
+    filled, view = with_compiled_kernels(tmp_path / "filled"), tmp_path / "view"
+    view.mkdir()
+    env = dict(os.environ, OMP_NUM_THREADS="1", PICOVLLM_CACHE_DIR=str(filled),
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [sys.executable, "-m", "picovllm.entrypoints.cli", "generate", PROMPT, "--max-tokens", "8"]
+    procs = [subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    results = [p.communicate(timeout=400) + (p.returncode,) for p in procs]
+    assert all(rc == 0 for _, _, rc in results), [err[-1500:] for _, err, _ in results]
+    assert results[0][0] == results[1][0] and "Paris" in results[0][0]
+    for kind in ("gguf", "engine"):
+        assert len(entries(filled, kind)) == 1, kind
+    leftovers = [n for kind in ("gguf", "engine", "kernels") for n in os.listdir(filled / kind) if n.startswith(".")]
+    assert leftovers == []
+    if os.geteuid() == 0:
+        prefix = _read_only_prefix(filled, view)
+        if prefix is None:                  # no read-only view here: a plain second start
+            prefix, view = (), filled
+    else:
+        prefix = ()
+        for dirpath, _, _ in os.walk(filled):
+            os.chmod(dirpath, 0o555)
+        shutil.copytree(filled, view, dirs_exist_ok=True)
+    again = cli(["generate", PROMPT, "--max-tokens", "8"], view, prefix=prefix)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert again.stdout == results[0][0]
+    assert again.stderr.count(WARNING) == 0, again.stderr
 
 
 def test_environment_switches(monkeypatch, tmp_path):

@@ -11,7 +11,8 @@ def add_parser(subparsers) -> None:
                                           "--clear removes them. The folder: $PICOVLLM_CACHE_DIR, else "
                                           "$XDG_CACHE_HOME/picovllm, else ~/.cache/picovllm.")
     p.add_argument("--clear", action="store_true", help="remove every entry (or those of --kind)")
-    p.add_argument("--kind", choices=("gguf", "engine", "kernels"), default=None, help="only entries of this kind")
+    p.add_argument("--kind", choices=("gguf", "gguf_float", "engine", "kernels"), default=None,
+                   help="only entries of this kind")
     p.set_defaults(func=run_cache)
 
 
