@@ -16,6 +16,7 @@ import random
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from typing import Callable
 
 SLO_KEYS = ("ttft", "tpot", "itl", "e2el")
 
@@ -108,7 +109,7 @@ def run_benchmark(args: argparse.Namespace) -> dict:
     model = args.model or models[0]["id"]
     vocab = min(models[0].get("vocab_size") or 1000, args.max_token_id or 10**9)
     if args.num_workers == 1:
-        share = asyncio.run(run_share(args, model, vocab, 0, time.time() + 0.05))
+        share = asyncio.run(run_share(args, model, vocab, 0, lambda: time.time() + 0.05))
         shares = [share]
     else:
         shares = _run_workers(args, model, vocab)
@@ -121,10 +122,11 @@ def run_benchmark(args: argparse.Namespace) -> dict:
 
 
 async def run_share(args: argparse.Namespace, model: str, vocab: int, worker: int,
-                    t0_wall: float) -> tuple[list[tuple[int, RequestResult]], float]:
+                    start: Callable[[], float]) -> tuple[list[tuple[int, RequestResult]], float]:
     """Worker `worker`'s requests (every num_workers-th of the workload, which every worker draws alike from the
-    seed), each sent at its time after t0_wall (time.time()); ((index, result) pairs, when the last one ended,
-    in seconds after t0_wall)."""
+    seed), each sent at its time after the common start; ((index, result) pairs, when the last one ended, in seconds
+    after the start). start() is called once the workload and the client are ready and returns the start (a
+    time.time()): taken earlier, a slow machine's set-up made the first requests late (0.28 s of a 0.05 s gap)."""
     import httpx
 
     bases = [u.rstrip("/") for u in args.base_url]
@@ -145,6 +147,7 @@ async def run_share(args: argparse.Namespace, model: str, vocab: int, worker: in
             async with gate:
                 return await run_request(client, f"{url}/v1/completions", body, t0, headers)
 
+        t0_wall = start()
         t0 = time.perf_counter() + (t0_wall - time.time())     # the common start, on this process's clock
         tasks = []
         for i in mine:      # each at its own time from the start, so a late one does not delay the rest
@@ -157,8 +160,11 @@ async def run_share(args: argparse.Namespace, model: str, vocab: int, worker: in
 
 
 def _worker(args: argparse.Namespace, model: str, vocab: int, worker: int, conn) -> None:
-    conn.send("ready")
-    done, end = asyncio.run(run_share(args, model, vocab, worker, conn.recv()))
+    def start() -> float:       # ready: wait for the common start
+        conn.send("ready")
+        return conn.recv()
+
+    done, end = asyncio.run(run_share(args, model, vocab, worker, start))
     conn.send(([(i, asdict(r)) for i, r in done], end))
 
 
