@@ -70,3 +70,25 @@ def test_a_full_prefill_engine_polls_instead_of_spinning(tiny_models):
     finals = run_pair(p, d)
     assert sorted(finals) == sorted([first, second]) and all(len(o.outputs[0].token_ids) == 3 for o in finals.values())
     assert p.block_manager.num_free_blocks == 4 and d.block_manager.num_free_blocks == 32
+
+
+def test_a_finished_request_ends_the_stall_at_once(tiny_models):
+    """Overlapped D with one slot: while its request's last token is in flight the schedule has nothing (the next one
+    waits for the slot), so the engine is stalled; the step that finishes it frees the slot, and the loop steps
+    again at once instead of waiting a poll interval."""
+    p, d, _ = linked_pair(tiny_models["llama"], True, dict(block_size=4, num_kv_blocks=32),
+                          dict(block_size=4, num_kv_blocks=32, max_num_seqs=1))
+    sp = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    first, second = p.add_request(list(range(10, 15)), sp), p.add_request(list(range(20, 25)), sp)
+    loop, finals, waits = StepLoop(d), {}, []
+    for _ in range(200):
+        for out in p.step():
+            finals[out.request_id] = out
+        for out in loop.run_once():
+            finals[out.request_id] = out
+            if out.request_id == first and out.finished:
+                waits.append(loop.wait_s())
+        if not (p.has_unfinished_requests() or d.has_unfinished_requests()):
+            break
+    assert waits == [0.0]                          # the second request was waiting for the slot: step at once
+    assert all(finals[r].finished and len(finals[r].outputs[0].token_ids) == 3 for r in (first, second))

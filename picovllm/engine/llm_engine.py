@@ -303,6 +303,7 @@ class Engine:
 
     def _drop(self, req: Request) -> None:
         """A finished request leaves the scheduler; it stays listed while the connector holds its blocks."""
+        self._stalled = False              # its slot (and blocks) may admit a waiting request: schedule again
         if not self.scheduler.remove(req):
             del self.requests[req.request_id]
 
