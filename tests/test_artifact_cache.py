@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -236,14 +237,11 @@ def test_two_concurrent_first_starts_then_a_start_from_the_read_only_cache(tmp_p
     no cache and one warning: test_unusable_cache_folder_and_switches; an empty read-only one is that case too.)"""
     filled, view = with_compiled_kernels(tmp_path / "filled"), tmp_path / "view"
     view.mkdir()
-    env = dict(os.environ, OMP_NUM_THREADS="1", PICOVLLM_CACHE_DIR=str(filled),
-               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = [sys.executable, "-m", "picovllm.entrypoints.cli", "generate", PROMPT, "--max-tokens", "8"]
-    procs = [subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for _ in range(2)]
-    results = [p.communicate(timeout=400) + (p.returncode,) for p in procs]
-    assert all(rc == 0 for _, _, rc in results), [err[-1500:] for _, err, _ in results]
-    assert results[0][0] == results[1][0] and "Paris" in results[0][0]
+    with ThreadPoolExecutor(2) as pool:      # the two first starts side by side
+        results = list(pool.map(lambda _: cli(["generate", PROMPT, "--max-tokens", "8"], filled, timeout=400),
+                                range(2)))
+    assert all(r.returncode == 0 for r in results), [r.stderr[-1500:] for r in results]
+    assert results[0].stdout == results[1].stdout and "Paris" in results[0].stdout
     for kind in ("gguf", "engine"):
         assert len(entries(filled, kind)) == 1, kind
     leftovers = [n for kind in ("gguf", "engine", "kernels") for n in os.listdir(filled / kind) if n.startswith(".")]
@@ -259,7 +257,7 @@ def test_two_concurrent_first_starts_then_a_start_from_the_read_only_cache(tmp_p
         shutil.copytree(filled, view, dirs_exist_ok=True)
     again = cli(["generate", PROMPT, "--max-tokens", "8"], view, prefix=prefix)
     assert again.returncode == 0, again.stderr[-2000:]
-    assert again.stdout == results[0][0]
+    assert again.stdout == results[0].stdout
     assert again.stderr.count(WARNING) == 0, again.stderr
 
 
@@ -279,7 +277,6 @@ def test_environment_switches(monkeypatch, tmp_path):
 def test_unusable_cache_folder_and_switches(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("")
-    from concurrent.futures import ThreadPoolExecutor
     with ThreadPoolExecutor(2) as pool:      # the two starts side by side (one thread each: the suite's time)
         off = pool.submit(cli, ["generate", PROMPT, "--max-tokens", "8", "--no-disk-cache"], tmp_path / "off")
         blocked = pool.submit(cli, ["generate", PROMPT, "--max-tokens", "8"], blocker / "cache")
