@@ -74,6 +74,33 @@ def default_model_path() -> str:
     return default_model_path()
 
 
+_GGUF_READERS: dict = {}
+
+
+def hf_from_gguf(loader, path: str, **kw):
+    """`loader.from_pretrained` (an HF Auto class) on a GGUF file, the oracle for our own reading of it, with the gguf
+    package's two slow pure steps memoized. transformers 5.x builds a GGUFReader of the file twice per model load
+    (config, then weights; ~6 s each for the default model: a numpy view per vocabulary string) and a tensor-name map
+    per module (~7 s in all). Readers are kept per (path, size, mtime); what HF computes from them is unchanged."""
+    import functools
+
+    import gguf
+
+    def reader(p, mode="r"):
+        st = os.stat(p)
+        key = (os.path.realpath(p), st.st_size, st.st_mtime_ns, mode)
+        if key not in _GGUF_READERS:
+            _GGUF_READERS[key] = real_reader(p, mode)
+        return _GGUF_READERS[key]
+
+    real_reader, real_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    gguf.GGUFReader, gguf.get_tensor_name_map = reader, functools.cache(real_map)
+    try:
+        return loader.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path), **kw)
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = real_reader, real_map
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """Run a module's tests on one intra-op thread. On a shared 2-core machine, OpenMP's two threads
@@ -141,4 +168,5 @@ def no_kv_leaks(monkeypatch):
     engines = [e for e in (ref() for ref in created) if e is not None] + list(_engines)
     for eng in engines:
         assert_engine_clean(eng)
-    gc.collect()
+    if created:
+        gc.collect()        # frees this test's engines (their caches) now; ~0.1 s, so not after tests that made none

@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
+from conftest import hf_from_gguf
 from picovllm import LLM, SamplingParams
 from picovllm.artifact_cache import ArtifactCache
 from picovllm.loader.default_model import default_model_path
@@ -177,7 +178,7 @@ def test_default_model_tokenizer_from_cache_matches_transformers(tmp_path):
     from transformers import AutoTokenizer
 
     path = default_model_path()
-    ref = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    ref = hf_from_gguf(AutoTokenizer, path)
     cache = ArtifactCache(str(tmp_path))
     for attempt in ("miss", "hit"):
         tok = open_gguf(path, cache).load_tokenizer()

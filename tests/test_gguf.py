@@ -15,6 +15,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
+from conftest import hf_from_gguf
 from picovllm import LLM, SamplingParams
 from picovllm.loader.gguf_file import open_gguf
 
@@ -314,8 +315,7 @@ def test_quantized_layers_hold_the_files_weights(tmp_path, gguf_files, kind):
 def test_default_model_greedy_matches_hf_on_the_same_gguf(default_model_path):
     """HF transformers dequantizes the same Q4_1/Q8_0 file with its own GGUF loader (our float32 path)."""
     from transformers import AutoModelForCausalLM
-    folder, name = os.path.split(default_model_path)
-    hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    hf = hf_from_gguf(AutoModelForCausalLM, default_model_path, dtype=torch.float32).eval()
     llm = LLM(quantization="none", num_kv_blocks=64)
     tok = llm.get_tokenizer()
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, a small robot"]
