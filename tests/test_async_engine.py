@@ -6,7 +6,8 @@ import random
 import pytest
 
 from picovllm import LLM, SamplingParams
-from picovllm.entrypoints.openai.async_engine import AsyncEngine, EngineStepError
+from picovllm.entrypoints.openai.async_engine import AsyncEngine
+from picovllm.entrypoints.openai.engine_client import EngineStepError
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 

@@ -21,10 +21,15 @@ def run_cli(args, stdin=None, timeout=240):
                           capture_output=True, text=True, timeout=timeout)
 
 
-def test_generate_streams_paris_on_the_default_model():
-    r = run_cli(["generate", "Name the capital of France.", "--max-tokens", "20", "--dtype", "float32"])
+def test_generate_streams_paris_on_the_default_model(default_llm):
+    """`picovllm generate` prints, streamed, what LLM.chat gives on the same prompt (the chat template by default)."""
+    prompt = "Name the capital of France."
+    r = run_cli(["generate", prompt, "--max-tokens", "20", "--dtype", "float32"])
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout
+    ref = default_llm.chat([{"role": "user", "content": prompt}], SamplingParams(temperature=0, max_tokens=20),
+                           use_tqdm=False)[0].outputs[0]
+    assert r.stdout == ref.text + "\n"
 
 
 def test_chat_two_turns_then_eof():
@@ -204,7 +209,8 @@ def test_text_streamer_never_shows_a_stop_string():
 
 def test_generate_disagg_prints_what_generate_prints(default_llm):
     """`picovllm generate --disagg` runs P and D in two processes; with the same flags it takes the prompt as
-    `generate` does (chat template by default, --no-chat) and prints the same text, timings only with --stats."""
+    `generate` does (chat template by default, --no-chat) and prints the same text, timings only with --stats
+    (`generate` prints LLM's text: test_generate_streams_paris_on_the_default_model)."""
     prompt = "Name the capital of France."
     chat_ids = default_llm.apply_chat_template([{"role": "user", "content": prompt}])
     want = {"chat": chat_ids, "--no-chat": prompt}
@@ -215,9 +221,6 @@ def test_generate_disagg_prints_what_generate_prints(default_llm):
         assert disagg.returncode == 0, disagg.stderr[-2000:]
         assert disagg.stdout == ref.outputs[0].text + "\n", (flag, disagg.stdout)
         assert "TTFT" in disagg.stderr and "tokens in" in disagg.stderr
-        if flag == "chat":      # colocated generate (test_generate_streams_paris_on_the_default_model) prints the same
-            colocated = run_cli(["generate", prompt, *flags])
-            assert colocated.returncode == 0 and colocated.stdout == disagg.stdout
 
 
 def test_import_and_help_do_not_load_torch():
@@ -225,6 +228,11 @@ def test_import_and_help_do_not_load_torch():
     code = ("import sys, picovllm; from picovllm.entrypoints.cli import build_parser; build_parser(); "
             "heavy = [m for m in ('torch', 'numpy', 'transformers', 'fastapi') if m in sys.modules]; "
             "assert not heavy, heavy")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    # the HTTP side (EngineClient and the app) and the fleet's front ends: the engine's side alone brings torch
+    code = ("import sys; import picovllm.entrypoints.openai.api_server, picovllm.disagg.proxy, "
+            "picovllm.disagg.router_server; assert 'torch' not in sys.modules")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     r = run_cli(["--help"])

@@ -7,7 +7,6 @@ does. Types the gguf package can quantize are quantized with it; Q4_K and Q6_K b
 byte by byte. The reference weights HF gets are this file's float64 decode of those bytes, un-permuted
 by this file's own inverse of the permutation.
 """
-import os
 
 import gguf
 import numpy as np

@@ -16,7 +16,7 @@ import pytest
 from picovllm import LLM, SamplingParams
 from picovllm.disagg.auth import FleetSecret, sign_request
 from picovllm.disagg.router_policy import Instance, LeastLoaded, PrefixAware, RoundRobin
-from picovllm.entrypoints.openai.async_engine import EngineStepError
+from picovllm.entrypoints.openai.engine_client import EngineStepError
 from picovllm.disagg.transfer import PULL_BACKENDS
 from picovllm.entrypoints.openai.cli_serve import FLEET_ONLY_BACKENDS
 from serving_fixtures import ServerProcess, build_tiny_chat_model

@@ -28,7 +28,7 @@ import httpx
 from picovllm.disagg.auth import FleetSecret, sign_request
 from picovllm.disagg.http_stream import post_stream
 from picovllm.disagg.messages import OutputDecoder
-from picovllm.entrypoints.openai.async_engine import EngineDeadError, EngineStepError
+from picovllm.entrypoints.openai.engine_client import EngineDeadError, EngineStepError
 from picovllm.outputs import RequestOutput
 from picovllm.sampling_params import SamplingParams
 

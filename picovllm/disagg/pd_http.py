@@ -28,7 +28,8 @@ from picovllm.disagg.messages import OutputEncoder
 from picovllm.disagg.prefill import PrefillConnector
 from picovllm.engine.llm_engine import Engine
 from picovllm.entrypoints.openai.api_server import BACKSTOP_SECONDS, ServerSettings, _Server, build_app, served_name
-from picovllm.entrypoints.openai.async_engine import AsyncEngine, EngineClient, EngineDeadError, RequestStream
+from picovllm.entrypoints.openai.async_engine import AsyncEngine
+from picovllm.entrypoints.openai.engine_client import EngineClient, EngineDeadError, RequestStream
 from picovllm.entrypoints.openai.engine_process import PipeEnds, ProcessAsyncEngine, open_async_engine
 from picovllm.entrypoints.openai.metrics import ServerMetrics
 from picovllm.entrypoints.openai.protocol import APIError

@@ -31,7 +31,7 @@ from picovllm.disagg.auth import FleetSecret, sign_request
 from picovllm.disagg.handover_stream import RemoteEngine, ndjson_outputs, open_pd_stream, prefill_body, \
     prefill_then_decode
 from picovllm.disagg.http_stream import StreamedResponse
-from picovllm.entrypoints.openai.async_engine import EngineDeadError
+from picovllm.entrypoints.openai.engine_client import EngineDeadError
 from picovllm.outputs import RequestOutput
 from picovllm.sampling_params import SamplingParams
 

@@ -33,7 +33,7 @@ from picovllm.disagg.handover_stream import RemoteEngine, StreamBroken, ndjson_o
     prefill_body, prefill_then_decode
 from picovllm.disagg.http_stream import StreamedResponse
 from picovllm.disagg.router_policy import Instance
-from picovllm.entrypoints.openai.async_engine import EngineDeadError, EngineStepError
+from picovllm.entrypoints.openai.engine_client import EngineDeadError, EngineStepError
 from picovllm.outputs import RequestOutput
 from picovllm.sampling_params import SamplingParams
 

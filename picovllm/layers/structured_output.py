@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import json
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 import torch

@@ -2,13 +2,14 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Callable, Iterator
-
-import torch
+from typing import TYPE_CHECKING, Callable, Iterator
 
 from picovllm.config import ModelConfig
 
-WeightIterator = Iterator[tuple[str, torch.Tensor]]
+if TYPE_CHECKING:
+    import torch
+
+WeightIterator = Iterator[tuple[str, "torch.Tensor"]]
 
 
 @dataclass

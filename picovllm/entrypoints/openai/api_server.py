@@ -21,9 +21,7 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from picovllm.config import EngineConfig
-from picovllm.engine.llm_engine import freeze_for_serving
-from picovllm.entrypoints.openai.async_engine import EngineClient
-from picovllm.entrypoints.openai.engine_process import open_async_engine
+from picovllm.entrypoints.openai.engine_client import EngineClient, freeze_for_serving
 from picovllm.entrypoints.openai.metrics import ServerMetrics
 from picovllm.entrypoints.openai.middleware import APIKeyAuth, BodySizeLimit
 from picovllm.entrypoints.openai.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
@@ -197,6 +195,7 @@ def serve(engine_config: EngineConfig, settings: ServerSettings) -> None:
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     name = served_name(settings, engine_config.model)
     metrics = ServerMetrics(name)
+    from picovllm.entrypoints.openai.engine_process import open_async_engine   # the engine's side: torch
     async_engine, tokenizer, stop = open_async_engine(engine_config, settings, metrics)
     try:
         worker = TokenizerWorker(tokenizer, settings.chat_template, settings.trust_request_chat_template)

@@ -65,11 +65,11 @@ def main(args: argparse.Namespace) -> int:
 
     if args.model_tag and args.model and args.model_tag != args.model:
         raise SystemExit("error: give the model once (positional or --model)")
-    config = engine_config_from_args(args, model=args.model or args.model_tag)
-    try:
+    try:            # before the engine's config, which imports torch: a bad template fails in a blink
         template = load_chat_template(args.chat_template) if args.chat_template is not None else None
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
+    config = engine_config_from_args(args, model=args.model or args.model_tag)
     for flag, given in (("--chat-template", template is not None),
                         ("--trust-request-chat-template", args.trust_request_chat_template)):
         if given and config.role != "pd":

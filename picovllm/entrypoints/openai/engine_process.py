@@ -27,8 +27,9 @@ from typing import Any
 
 from picovllm.config import EngineConfig
 from picovllm.disagg.messages import common_prefix
-from picovllm.engine.llm_engine import Engine, freeze_for_serving, tokenizer_of
-from picovllm.entrypoints.openai.async_engine import AsyncEngine, Command, EngineClient, Shutdown
+from picovllm.engine.llm_engine import Engine, tokenizer_of
+from picovllm.entrypoints.openai.async_engine import AsyncEngine
+from picovllm.entrypoints.openai.engine_client import Command, EngineClient, Shutdown, freeze_for_serving
 from picovllm.loader import open_model_source
 from picovllm.outputs import CompletionOutput, RequestOutput
 

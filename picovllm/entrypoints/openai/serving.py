@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from picovllm.entrypoints.openai.async_engine import AsyncEngine, EngineDeadError, EngineStepError, RequestStream
+from picovllm.entrypoints.openai.engine_client import EngineClient, EngineDeadError, EngineStepError, RequestStream
 from picovllm.entrypoints.openai.metrics import ServerMetrics
 from picovllm.entrypoints.openai.protocol import APIError, error_body
 from picovllm.entrypoints.openai.tokenizer_worker import TokenizerWorker
@@ -31,7 +31,7 @@ class JSONBody(JSONResponse):
 
 @dataclass
 class ServingContext:
-    engine: AsyncEngine
+    engine: EngineClient
     tokenizer: TokenizerWorker
     metrics: ServerMetrics
     model_name: str

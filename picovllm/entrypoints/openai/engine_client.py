@@ -1,0 +1,219 @@
+"""EngineClient: the event loop's side of a served engine, wherever its loop runs, and all the HTTP side needs of it.
+
+Requests go to the loop as typed commands (add, abort, shutdown) on a thread-safe queue; each step's RequestOutputs
+come back into one asyncio queue per request (RequestStream). RequestOutputs are cumulative (full text and token ids
+so far), so a slow reader may skip to the latest one without losing anything. Its subclasses say where the loop
+runs: async_engine.AsyncEngine (a thread of this process), engine_process.ProcessAsyncEngine (a process of its own),
+and the fleet's front ends (disagg.proxy, disagg.router: other servers' engines).
+
+Nothing here imports torch: a router or proxy serves the OpenAI API without it (tests/test_cli.py).
+"""
+from __future__ import annotations
+
+import asyncio
+import gc
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from picovllm.outputs import RequestOutput
+from picovllm.sampling_params import SamplingParams
+
+
+def freeze_for_serving() -> None:
+    """A serving process, its engine built and its app about to serve until the process ends: collect, then take
+    what exists out of the collector's reach, as the first engine did with the imports. The engine's warm-up, CUDA
+    graphs and the HTTP app leave ~250k more objects (one H200, a Qwen3-0.6B shape), over which a full collection
+    stalled the served engine ~140 ms every 10-15 s at 80 requests/s (BENCHMARKS.md, thirteenth session). Only
+    where the engine lives as long as the process: a frozen object in a reference cycle is never collected."""
+    gc.collect()
+    gc.freeze()
+
+
+class EngineStepError(RuntimeError):
+    """The engine failed while running a step this request was part of; the request was aborted."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop is not running (never started, shut down, or crashed)."""
+
+
+@dataclass
+class EngineStats:
+    """A snapshot the loop thread publishes after each iteration (read by /metrics and tests)."""
+    num_running: int = 0
+    num_waiting: int = 0
+    num_free_blocks: int = 0
+    num_blocks: int = 0
+    prefill_tokens: int = 0          # cumulative
+    decode_tokens: int = 0           # cumulative
+    prefix_queried_tokens: int = 0   # cumulative
+    prefix_hit_tokens: int = 0       # cumulative
+    connector: dict = field(default_factory=dict)   # a P or D engine's: AsyncEngine._connector_stats
+
+
+# -- commands: event loop -> engine thread -----------------------------------------------------
+@dataclass
+class AddRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    priority: int = 0
+
+
+@dataclass
+class AbortRequest:
+    request_id: str
+
+
+@dataclass
+class AbortAll:
+    pass
+
+
+@dataclass
+class Shutdown:
+    pass
+
+
+Command = AddRequest | AbortRequest | AbortAll | Shutdown
+
+
+class RequestStream:
+    """One request's outputs on the event loop side. Iterate outputs(); leaving early aborts it."""
+
+    def __init__(self, request_id: str, engine: EngineClient) -> None:
+        self.request_id = request_id
+        self._engine = engine
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self.accepted: asyncio.Future = asyncio.get_running_loop().create_future()
+        self.finished = False
+
+    def put(self, item: RequestOutput | Exception) -> None:
+        self._queue.put_nowait(item)
+
+    async def outputs(self) -> AsyncIterator[RequestOutput]:
+        try:
+            while not self.finished:
+                out = await self._queue.get()
+                while not isinstance(out, Exception) and not self._queue.empty():
+                    out = self._queue.get_nowait()      # cumulative outputs: skip to the newest
+                if isinstance(out, Exception):
+                    self.finished = True
+                    raise out
+                self.finished = out.finished
+                yield out
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Stop listening; abort the request if it has not finished (frees its KV blocks)."""
+        if not self.finished:
+            self.finished = True
+            self._engine.abort(self.request_id)
+        self._engine._streams.pop(self.request_id, None)
+
+
+class EngineClient:
+    """The event loop's side of an engine loop: requests go out as commands (`_commands.put`), outputs come back
+    through _dispatch on the event loop. Its subclasses say where the loop runs (start, shutdown, is_running)."""
+
+    def __init__(self, commands, metrics=None) -> None:
+        self.metrics = metrics          # ServerMetrics or None; called where the outputs arrive
+        self.stats = EngineStats()
+        self._commands = commands       # put(Command): to the loop
+        self._streams: dict[str, RequestStream] = {}   # touched only on the event loop
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    async def shutdown(self) -> None:
+        raise NotImplementedError
+
+    @property
+    def is_running(self) -> bool:
+        raise NotImplementedError
+
+    def model_info(self) -> dict:
+        """What GET /v1/models shows besides the name."""
+        raise NotImplementedError
+
+    def role_info(self) -> dict:
+        """What the role's engine says of itself once built (a P or D server's /pd/info): AsyncEngine.role_info."""
+        raise NotImplementedError
+
+    def eos_token_ids(self) -> list[int] | None:
+        """The engine's end-of-sequence tokens (beam search ends beams on them); None where the engine is other
+        servers' (a proxy's, a router's)."""
+        raise NotImplementedError
+
+    # -- requests (event loop side) --------------------------------------------------------------
+    async def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
+                          arrival_time: float | None = None, priority: int = 0) -> RequestStream:
+        """Queue a request; return once the engine accepted it. Raises ValueError naming the bad field."""
+        if not self.is_running:
+            raise EngineDeadError("the engine loop is not running")
+        if request_id in self._streams:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        stream = self._streams[request_id] = RequestStream(request_id, self)
+        self._commands.put(AddRequest(request_id, list(prompt_token_ids), params, arrival_time or time.time(),
+                                      priority))
+        try:
+            await stream.accepted
+        except BaseException:   # rejected, or the caller went away: aborting an unknown id is a no-op
+            stream.close()
+            raise
+        return stream
+
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
+                       arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
+        stream = await self.add_request(prompt_token_ids, params, request_id, arrival_time)
+        async for out in stream.outputs():
+            yield out
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(AbortRequest(request_id))
+
+    def abort_all(self) -> None:
+        """Abort every request in flight: their streams end with finish_reason "abort"."""
+        self._commands.put(AbortAll())
+
+    def _finish_outputs(self, outputs: list) -> None:
+        """The finished requests among outputs, to the metrics (wherever the outputs arrive)."""
+        if self.metrics is None:
+            return
+        for out in outputs:
+            if isinstance(out, RequestOutput) and out.finished:
+                self.metrics.observe_finished(out)
+
+    # -- back on the event loop ------------------------------------------------------------------
+    def _dispatch(self, outputs: list) -> None:
+        for out in outputs:
+            if isinstance(out, RequestOutput):
+                stream = self._streams.get(out.request_id)
+                if stream is not None:
+                    stream.put(out)
+                    if out.finished:      # its reader may never come (response never started)
+                        del self._streams[out.request_id]
+                continue
+            rid, item = out
+            stream = self._streams.get(rid)
+            if stream is None:
+                continue
+            if not stream.accepted.done():          # the answer to an AddRequest
+                if item is None:
+                    stream.accepted.set_result(None)
+                else:
+                    stream.accepted.set_exception(item)
+            elif item is not None:
+                stream.put(item)
+
+    def _fail_all_streams(self, why: str) -> None:
+        err = EngineDeadError(why)
+        for stream in list(self._streams.values()):
+            if not stream.accepted.done():
+                stream.accepted.set_exception(err)
+            else:
+                stream.put(err)
