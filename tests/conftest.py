@@ -4,6 +4,7 @@ from __future__ import annotations
 import gc
 import os
 import shutil
+import sys
 import tempfile
 import weakref
 import zlib
@@ -11,12 +12,21 @@ import zlib
 import pytest
 import torch
 
+import triton_interpreter
+
 # The suite's own artifact cache (tokenizers, weights, compiled kernels), new for every run and shared by the
 # subprocesses the tests start: the first test to load a model pays the miss, as on a fresh machine, and the
 # user's cache is never touched. tests/test_artifact_cache.py points single tests at folders of their own.
 _CACHE = tempfile.mkdtemp(prefix="picovllm-test-cache-")
 os.environ["PICOVLLM_CACHE_DIR"] = _CACHE
 os.environ.pop("PICOVLLM_NO_CACHE", None)
+
+
+def pytest_runtest_setup(item):
+    """Under TRITON_INTERPRET=1 (set by the kernel test modules at collection, before triton is imported: importing
+    it earlier would compile instead), memoize a pure step of each interpreted launch (tests/triton_interpreter.py)."""
+    if os.environ.get("TRITON_INTERPRET") == "1" and "triton" in sys.modules:
+        triton_interpreter.install()
 
 
 def pytest_sessionfinish(session, exitstatus):
