@@ -24,6 +24,10 @@ LINK = ["-shared", "-lm"]
 
 
 OPENMP = ("-fopenmp",)      # the flags of compile_openmp_library's builds
+# Sources built with other sources' objects linked in (each built with the same flags, no defines, kept in its own
+# cache entry): the decode stack is built once per attention shape, the GEMMs it calls do not depend on it.
+PARTS = {"decode_stack.c": ("small_gemm.c", "quant_gemm.c")}
+PARTS_LINK = ["-Wl,-Bsymbolic"]     # the library's calls into its parts bind to its own copies
 
 
 def compile_library(source: str, defines: dict[str, int] | None = None,
@@ -40,7 +44,9 @@ def compile_library(source: str, defines: dict[str, int] | None = None,
         if folder is not None:
             return ctypes.CDLL(os.path.join(folder, _library_name(source)))
         with tempfile.TemporaryDirectory(prefix="picovllm-cpu-") as tmp:
-            _build(cc, source, _macros(defines), flags, tmp)
+            for part in PARTS.get(source, ()):
+                _build(cc, part, (), flags, tmp)
+            _build(cc, source, _macros(defines), flags, tmp, tuple(_object(tmp, p) for p in PARTS.get(source, ())))
             return ctypes.CDLL(os.path.join(tmp, _library_name(source)))   # stays mapped after the folder goes
     except (OSError, subprocess.SubprocessError):
         return None
@@ -48,8 +54,9 @@ def compile_library(source: str, defines: dict[str, int] | None = None,
 
 def prebuild(jobs: list[tuple[str, dict[str, int] | None, tuple[str, ...]]]) -> None:
     """Compile each (source, defines, flags) into the artifact cache, all at once: on a first start the compiler
-    runs then take as long as the longest, not their sum, and compile_library later finds them built. Loads
-    nothing; does nothing without a cache or a compiler, and a failed build is left for compile_library."""
+    runs then take as long as the longest, not their sum, and compile_library later finds them built. A job with
+    PARTS waits for them (built beside the other jobs, once each). Loads nothing; does nothing without a cache or a
+    compiler, and a failed build is left for compile_library."""
     cc, cache = _compiler(), ArtifactCache.from_env()
     if cc is None or cache is None or not jobs:
         return
@@ -60,8 +67,13 @@ def prebuild(jobs: list[tuple[str, dict[str, int] | None, tuple[str, ...]]]) -> 
         except (OSError, subprocess.SubprocessError):
             pass
 
-    with ThreadPoolExecutor(len(jobs), thread_name_prefix="picovllm-cc") as compilers:
-        list(compilers.map(one, jobs))
+    linked = [job for job in jobs if job[0] in PARTS]
+    first = {(s, _macros(d), f): (s, d, f) for s, d, f in [job for job in jobs if job[0] not in PARTS] +
+             [(part, None, flags) for source, _, flags in linked for part in PARTS[source]]}
+    for batch in (list(first.values()), linked):
+        if batch:
+            with ThreadPoolExecutor(len(batch), thread_name_prefix="picovllm-cc") as compilers:
+                list(compilers.map(one, batch))
 
 
 # The instruction sets the quantized kernels are built for, best first, each with its flags beside -march=native.
@@ -97,21 +109,34 @@ def _library_name(source: str) -> str:
 
 def _cached_build(cache: ArtifactCache, cc: str, source: str, defines: dict[str, int] | None,
                   flags: tuple[str, ...]) -> str | None:
-    """The cache entry holding the build (made now on a miss); None if it could not be stored."""
-    macros = _macros(defines)
-    key = make_key(source, _sources_digest(), _compiler_identity(cc), COMPILE, LINK, macros, flags,
+    """The cache entry holding the build (made now on a miss, its PARTS' entries first); None if it could not be
+    stored. An entry keeps its object file beside the library, for the builds that link it as a part."""
+    macros, parts = _macros(defines), PARTS.get(source, ())
+    objects = []
+    for part in parts:
+        folder = _cached_build(cache, cc, part, None, flags)
+        if folder is None:
+            return None
+        objects.append(_object(folder, part))
+    key = make_key(source, _sources_digest(), _compiler_identity(cc), COMPILE, LINK, macros, flags, parts,
                    _cpu_identity())
-    return cache.get_or_build("kernels", key, lambda folder: _build(cc, source, macros, flags, folder),
+    return cache.get_or_build("kernels", key,
+                              lambda folder: _build(cc, source, macros, flags, folder, tuple(objects)),
                               f"{source} {' '.join(macros)}".strip())
 
 
-def _build(cc: str, source: str, macros: tuple[str, ...], flags: tuple[str, ...], folder: str) -> None:
-    obj = os.path.join(folder, os.path.splitext(source)[0] + ".o")
+def _object(folder: str, source: str) -> str:
+    return os.path.join(folder, os.path.splitext(source)[0] + ".o")
+
+
+def _build(cc: str, source: str, macros: tuple[str, ...], flags: tuple[str, ...], folder: str,
+           parts: tuple[str, ...] = ()) -> None:
+    """folder/<source>.o and the library linked from it and the objects `parts` (paths)."""
+    obj = _object(folder, source)
     subprocess.run([cc, *COMPILE, *macros, *flags, os.path.join(HERE, source), "-o", obj], check=True,
                    capture_output=True, timeout=60)
-    subprocess.run([cc, obj, "-o", os.path.join(folder, _library_name(source)), *LINK, *flags], check=True,
-                   capture_output=True, timeout=60)
-    os.remove(obj)
+    subprocess.run([cc, obj, *parts, "-o", os.path.join(folder, _library_name(source)), *LINK, *flags,
+                    *(PARTS_LINK if parts else [])], check=True, capture_output=True, timeout=60)
 
 
 @functools.lru_cache(maxsize=1)

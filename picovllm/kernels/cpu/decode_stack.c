@@ -11,10 +11,11 @@
  * microseconds of imbalance, no Python in between), then sleep on a futex. So the region starts once a
  * step, whatever the wait policy.
  *
- * It composes the kernels of this folder, included whole (one translation unit, nothing written twice):
- * rms_norm / silu_mul / rope (elementwise.c), panels (small_gemm.c), quantize_rows and qgemm_part (quant_gemm.c,
- * for weights kept in 4 or 8 bits) and paged_decode_attention (paged_decode.c, built for HQ, HKV, DIM, BLOCK
- * given with -D). Between barriers the threads split rows (the row-wise ops), 16-column weight panels (the
+ * It composes the kernels of this folder, nothing written twice: rms_norm / silu_mul / rope (elementwise.c) and
+ * paged_decode_attention (paged_decode.c, built for HQ, HKV, DIM, BLOCK given with -D), included whole; panels
+ * (small_gemm.c), quantize_rows and qgemm_part (quant_gemm.c, for weights kept in 4 or 8 bits), linked as objects
+ * built once (gemm_parts.h; build.py's parts): they do not depend on the shape, and compiling them took ~80% of
+ * this file's build, once per shape. Between barriers the threads split rows (the row-wise ops), 16-column weight panels (the
  * GEMMs) or runs of sequences (attention). With quantized weights, whoever writes a GEMM's input rows also
  * quantizes them, before the barrier the GEMM waits at anyway.
  * Compiled at run time by picovllm/kernels/cpu/decode_stack.py; the torch modules stay the reference.
@@ -26,10 +27,12 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <immintrin.h>
+#include <omp.h>
+
 #include "elementwise.c"
+#include "gemm_parts.h"
 #include "paged_decode.c"
-#include "quant_gemm.c"
-#include "small_gemm.c"
 
 /* A weight: panels as small_gemm.c reads them (n_segs 0; bfloat16 ones where bf16), or n_segs quantized segments. */
 #define MAX_SEGS 3

@@ -15,13 +15,15 @@
  * its high nibbles group c + 4. q8 block: 512 bytes, group g at byte 64 g. Scales [2][16] per block, float16 or
  * float32: q4 d then m; q8 the d of elements 0-15, then of 16-31. Rows past N are zero.
  * Built twice (build.py): with AVX-512 (F, BW, VL, VNNI) where the CPU has it, and with -mno-avx512f (AVX2,
- * FMA, F16C); picovllm/kernels/cpu/quant_gemm.py picks one at run time. decode_stack.c includes this file.
+ * FMA, F16C); picovllm/kernels/cpu/quant_gemm.py picks one at run time. decode_stack.c links its object.
  */
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "gemm_parts.h"   /* QSeg, QAct */
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #define QG_AVX512 1
@@ -32,24 +34,9 @@
 #endif
 
 #define QROWS 16     /* output rows per panel */
-#define QBLOCK 32    /* elements per block */
 #define QMR 4        /* rows of x per tile */
 #define QKIND_Q4 1
 #define QKIND_Q8 2
-
-/* One run of output rows in one form: a linear layer is one or more (q, k, v of different ggml types). */
-typedef struct {
-    int64_t kind, scale_f32, n;      /* QKIND_*, scales are float32 (else float16), output rows */
-    const uint8_t *codes;            /* [ceil(n / 16)][k / 32][256 (q4) | 512 (q8)] */
-    const void *scales;              /* [ceil(n / 16)][k / 32][2][16] */
-} QSeg;
-
-/* Quantized activations: xq [m][k] int8, xd [m][k / 32] scales, xs [m][k / 32][2] sums of xq over each 16. */
-typedef struct {
-    int8_t *q;
-    float *d;
-    int32_t *s;
-} QAct;
 
 static inline int32_t load4(const int8_t *p) {
     int32_t v;
@@ -58,7 +45,7 @@ static inline int32_t load4(const int8_t *p) {
 }
 
 /* Rows [lo, hi) of x [.][k] into a. */
-static void quantize_rows(const float *x, int64_t k, QAct a, int64_t lo, int64_t hi) {
+void quantize_rows(const float *x, int64_t k, QAct a, int64_t lo, int64_t hi) {
     const int64_t nb = k / QBLOCK;
     const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int64_t r = lo; r < hi; r++)
@@ -250,8 +237,8 @@ static void qseg_panels(const QSeg *w, QAct a, int64_t m, int64_t k, const float
 }
 
 /* Thread t of nt's share of every segment of a layer: y [m][ldy] from column 0, segment after segment. */
-static void qgemm_part(const QSeg *segs, int64_t n_segs, QAct a, int64_t m, int64_t k, const float *bias, float *y,
-                       int64_t ldy, int64_t t, int64_t nt) {
+void qgemm_part(const QSeg *segs, int64_t n_segs, QAct a, int64_t m, int64_t k, const float *bias, float *y,
+                int64_t ldy, int64_t t, int64_t nt) {
     for (int64_t s = 0, col = 0; s < n_segs; col += segs[s].n, s++) {
         const int64_t panels = (segs[s].n + QROWS - 1) / QROWS;
         qseg_panels(segs + s, a, m, k, bias ? bias + col : 0, y + col, ldy, panels * t / nt,

@@ -22,7 +22,8 @@
 #error "small_gemm.c needs AVX2 and FMA"
 #endif
 
-#define NR 16
+#include "gemm_parts.h"   /* NR, panels */
+
 #define MR 6
 
 static inline __m256 widen_bf16(const uint16_t *p) {
@@ -95,8 +96,8 @@ static inline __attribute__((always_inline)) void row_block(int64_t rows, const 
 
 /* Panels [panel_begin, panel_end). x [m, k] and y [m, n] contiguous; packed [ceil(n / 16), k, 16] float32, or
  * bfloat16 where bf16; bias [n] or NULL. */
-static void panels(const float *x, int64_t m, int64_t k, const void *packed, int bf16, const float *bias, float *y,
-                   int64_t n, int64_t panel_begin, int64_t panel_end) {
+void panels(const float *x, int64_t m, int64_t k, const void *packed, int bf16, const float *bias, float *y,
+            int64_t n, int64_t panel_begin, int64_t panel_end) {
     const int64_t esize = bf16 ? 2 : 4;
     for (int64_t p = panel_begin; p < panel_end; p++) {
         const char *panel = (const char *)packed + p * k * NR * esize;
