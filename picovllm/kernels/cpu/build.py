@@ -24,9 +24,10 @@ LINK = ["-shared", "-lm"]
 
 
 OPENMP = ("-fopenmp",)      # the flags of compile_openmp_library's builds
-# Sources built with other sources' objects linked in (each built with the same flags, no defines, kept in its own
-# cache entry): the decode stack is built once per attention shape, the GEMMs it calls do not depend on it.
-PARTS = {"decode_stack.c": ("small_gemm.c", "quant_gemm.c")}
+# Sources built with other sources' objects linked in, each part with no defines and its own flags (None: the build's
+# own, e.g. an ISA variant's), kept in its own cache entry: the decode stack is built once per attention shape, the
+# GEMMs it calls do not depend on it. small_gemm.c has no ISA variants: its part is small_gemm.py's own build.
+PARTS = {"decode_stack.c": (("small_gemm.c", OPENMP), ("quant_gemm.c", None))}
 PARTS_LINK = ["-Wl,-Bsymbolic"]     # the library's calls into its parts bind to its own copies
 
 
@@ -44,9 +45,9 @@ def compile_library(source: str, defines: dict[str, int] | None = None,
         if folder is not None:
             return ctypes.CDLL(os.path.join(folder, _library_name(source)))
         with tempfile.TemporaryDirectory(prefix="picovllm-cpu-") as tmp:
-            for part in PARTS.get(source, ()):
-                _build(cc, part, (), flags, tmp)
-            _build(cc, source, _macros(defines), flags, tmp, tuple(_object(tmp, p) for p in PARTS.get(source, ())))
+            for part, part_flags in PARTS.get(source, ()):
+                _build(cc, part, (), flags if part_flags is None else part_flags, tmp)
+            _build(cc, source, _macros(defines), flags, tmp, tuple(_object(tmp, p) for p, _ in PARTS.get(source, ())))
             return ctypes.CDLL(os.path.join(tmp, _library_name(source)))   # stays mapped after the folder goes
     except (OSError, subprocess.SubprocessError):
         return None
@@ -69,7 +70,8 @@ def prebuild(jobs: list[tuple[str, dict[str, int] | None, tuple[str, ...]]]) -> 
 
     linked = [job for job in jobs if job[0] in PARTS]
     first = {(s, _macros(d), f): (s, d, f) for s, d, f in [job for job in jobs if job[0] not in PARTS] +
-             [(part, None, flags) for source, _, flags in linked for part in PARTS[source]]}
+             [(part, None, flags if part_flags is None else part_flags) for source, _, flags in linked
+              for part, part_flags in PARTS[source]]}
     for batch in (list(first.values()), linked):
         if batch:
             with ThreadPoolExecutor(len(batch), thread_name_prefix="picovllm-cc") as compilers:
@@ -113,8 +115,8 @@ def _cached_build(cache: ArtifactCache, cc: str, source: str, defines: dict[str,
     stored. An entry keeps its object file beside the library, for the builds that link it as a part."""
     macros, parts = _macros(defines), PARTS.get(source, ())
     objects = []
-    for part in parts:
-        folder = _cached_build(cache, cc, part, None, flags)
+    for part, part_flags in parts:
+        folder = _cached_build(cache, cc, part, None, flags if part_flags is None else part_flags)
         if folder is None:
             return None
         objects.append(_object(folder, part))
