@@ -14,20 +14,24 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--pd-secret-file", default=None,
                    help="the P/D shared secret the servers were given (first line of the file; default "
                         "$PICOVLLM_PD_SECRET): every call to a /pd route is signed with it")
+    add_front_end_args(p, "the prefill servers' model path", "the servers")
+    p.set_defaults(func=main)
+    return p
+
+
+def add_front_end_args(p: argparse.ArgumentParser, model_default: str, waits_for: str) -> None:
+    """The flags of an OpenAI front end over other servers' engines (the proxy's and the router's)."""
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--model", default=None, help="where to load the tokenizer from (default: the prefill "
-                                                 "servers' model path)")
+    p.add_argument("--model", default=None, help=f"where to load the tokenizer from (default: {model_default})")
     p.add_argument("--api-key", default=None)
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--chat-template", default=None, help=CHAT_TEMPLATE_HELP)
     p.add_argument("--trust-request-chat-template", action="store_true", help=TRUST_TEMPLATE_HELP)
     p.add_argument("--max-request-bytes", type=int, default=4 * 2**20)
     p.add_argument("--shutdown-timeout", type=float, default=10.0)
-    p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for the servers")
+    p.add_argument("--startup-timeout", type=float, default=300.0, help=f"seconds to wait for {waits_for}")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    p.set_defaults(func=main)
-    return p
 
 
 def main(args: argparse.Namespace) -> int:

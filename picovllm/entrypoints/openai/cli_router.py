@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from picovllm.entrypoints.chat_template import CHAT_TEMPLATE_HELP, TRUST_TEMPLATE_HELP
+from picovllm.entrypoints.openai.cli_proxy import add_front_end_args
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -22,18 +22,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="the fleet's shared secret (first line of the file; default $PICOVLLM_PD_SECRET)")
     p.add_argument("--lease", type=float, default=10.0,
                    help="seconds an instance may fail its health checks before it leaves the rotation")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--model", default=None, help="where to load the tokenizer from (default: the first prefill "
-                                                 "instance's model path)")
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--served-model-name", default=None)
-    p.add_argument("--chat-template", default=None, help=CHAT_TEMPLATE_HELP)
-    p.add_argument("--trust-request-chat-template", action="store_true", help=TRUST_TEMPLATE_HELP)
-    p.add_argument("--max-request-bytes", type=int, default=4 * 2**20)
-    p.add_argument("--shutdown-timeout", type=float, default=10.0)
-    p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for the instances")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_front_end_args(p, "the first prefill instance's model path", "the instances")
     p.set_defaults(func=main)
     return p
 
