@@ -175,13 +175,9 @@ def discover_pairs(prefill: list[str], decode: list[str], secret: FleetSecret, t
 
 def main(args: argparse.Namespace) -> int:
     """`picovllm proxy`: find the pairs, load the tokenizer, serve until SIGTERM/SIGINT."""
-    import uvicorn
-
-    from picovllm.entrypoints.openai.api_server import BACKSTOP_SECONDS, ServerSettings, _Server, build_app
-    from picovllm.entrypoints.openai.metrics import ServerMetrics
-    from picovllm.entrypoints.openai.serving import ServingContext
     from picovllm.entrypoints.chat_template import load_chat_template
-    from picovllm.entrypoints.openai.tokenizer_worker import TokenizerWorker
+    from picovllm.entrypoints.openai.api_server import front_end_app, run_front_end
+    from picovllm.entrypoints.openai.metrics import ServerMetrics
     from picovllm.loader.source import open_model_source
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -200,18 +196,8 @@ def main(args: argparse.Namespace) -> int:
     tokenizer = source.load_tokenizer() if source.load_tokenizer is not None else None
     metrics = ServerMetrics(name)
     engine = ProxyEngine(pairs, secret, info, metrics)
-    try:
-        worker = TokenizerWorker(tokenizer, template, args.trust_request_chat_template)
-    except ValueError as e:
-        raise SystemExit(f"error: {e}") from None
-    ctx = ServingContext(engine, worker, metrics, name)
-    settings = ServerSettings(host=args.host, port=args.port, api_key=args.api_key, served_model_name=name,
-                              max_request_bytes=args.max_request_bytes, shutdown_timeout=args.shutdown_timeout,
-                              log_level=args.log_level)
-    app = build_app(ctx, settings)
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                            access_log=False, timeout_graceful_shutdown=settings.shutdown_timeout + BACKSTOP_SECONDS)
+    app, settings = front_end_app(engine, tokenizer, args, name, metrics, template)
     logger.info("proxy for %d prefill/decode pairs on http://%s:%d: %s", len(pairs), args.host, args.port,
                 ", ".join(f"{p.prefill} -> {p.decode}" for p in pairs))
-    _Server(config, engine, settings.shutdown_timeout).run()
+    run_front_end(app, engine, settings)
     return 0

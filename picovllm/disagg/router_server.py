@@ -84,13 +84,9 @@ async def _json_object(raw: Request) -> dict:
 
 def main(args: argparse.Namespace) -> int:
     """`picovllm router`: add the instances given, load the tokenizer, serve until SIGTERM/SIGINT."""
-    import uvicorn
-
-    from picovllm.entrypoints.openai.api_server import BACKSTOP_SECONDS, ServerSettings, _Server, build_app
-    from picovllm.entrypoints.openai.metrics import ServerMetrics
-    from picovllm.entrypoints.openai.serving import ServingContext
     from picovllm.entrypoints.chat_template import load_chat_template
-    from picovllm.entrypoints.openai.tokenizer_worker import TokenizerWorker
+    from picovllm.entrypoints.openai.api_server import front_end_app, run_front_end
+    from picovllm.entrypoints.openai.metrics import ServerMetrics
     from picovllm.loader.source import open_model_source
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -122,20 +118,10 @@ def main(args: argparse.Namespace) -> int:
     for inst in pool.instances.values():
         pool.observe(inst)
     engine = RouterEngine(pool, prefill_policy, decode_policy, info, metrics, pool.metrics)
-    try:
-        worker = TokenizerWorker(tokenizer, template, args.trust_request_chat_template)
-    except ValueError as e:
-        raise SystemExit(f"error: {e}") from None
-    ctx = ServingContext(engine, worker, metrics, name)
-    settings = ServerSettings(host=args.host, port=args.port, api_key=args.api_key, served_model_name=name,
-                              max_request_bytes=args.max_request_bytes, shutdown_timeout=args.shutdown_timeout,
-                              log_level=args.log_level)
-    app = build_app(ctx, settings)
+    app, settings = front_end_app(engine, tokenizer, args, name, metrics, template)
     add_admin_routes(app, engine)
     app.add_middleware(SignedRoutes, secret=secret, prefixes=("/admin/",))
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                            access_log=False, timeout_graceful_shutdown=settings.shutdown_timeout + BACKSTOP_SECONDS)
     logger.info("router on http://%s:%d: %d prefill and %d decode instances; policies %s (P), %s (D)", args.host,
                 args.port, len(args.prefill), len(args.decode), prefill_policy.name, decode_policy.name)
-    _Server(config, engine, settings.shutdown_timeout).run()
+    run_front_end(app, engine, settings)
     return 0

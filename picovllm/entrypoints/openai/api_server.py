@@ -185,6 +185,27 @@ def default_model_name(model: str | None) -> str:
     return model if model is not None else DEFAULT_FILE.split(".")[0]
 
 
+def front_end_app(engine: EngineClient, tokenizer, args, name: str, metrics: ServerMetrics,
+                  template: str | None) -> tuple[FastAPI, ServerSettings]:
+    """The OpenAI app of a front end over other servers' engines (the proxy's, the router's), from the flags of
+    cli_proxy.add_front_end_args; run it with run_front_end."""
+    try:
+        worker = TokenizerWorker(tokenizer, template, args.trust_request_chat_template)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    settings = ServerSettings(host=args.host, port=args.port, api_key=args.api_key, served_model_name=name,
+                              max_request_bytes=args.max_request_bytes, shutdown_timeout=args.shutdown_timeout,
+                              log_level=args.log_level)
+    return build_app(ServingContext(engine, worker, metrics, name), settings), settings
+
+
+def run_front_end(app: FastAPI, engine: EngineClient, settings: ServerSettings) -> None:
+    """Serve a front end's app until SIGTERM/SIGINT (no access log: the instances behind it keep theirs)."""
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                            access_log=False, timeout_graceful_shutdown=settings.shutdown_timeout + BACKSTOP_SECONDS)
+    _Server(config, engine, settings.shutdown_timeout).run()
+
+
 def served_name(settings: ServerSettings, model: str | None) -> str:
     """The model id clients send: --served-model-name, else the model's."""
     return settings.served_model_name or default_model_name(model)
