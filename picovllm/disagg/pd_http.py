@@ -17,7 +17,6 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict
@@ -27,7 +26,7 @@ from picovllm.disagg.auth import FleetSecret, SignedRoutes
 from picovllm.disagg.messages import OutputEncoder
 from picovllm.disagg.prefill import PrefillConnector
 from picovllm.engine.llm_engine import Engine
-from picovllm.entrypoints.openai.api_server import BACKSTOP_SECONDS, ServerSettings, _Server, build_app, served_name
+from picovllm.entrypoints.openai.api_server import ServerSettings, build_app, run_app, served_name
 from picovllm.entrypoints.openai.async_engine import AsyncEngine
 from picovllm.entrypoints.openai.engine_client import EngineClient, EngineDeadError, RequestStream
 from picovllm.entrypoints.openai.engine_process import PipeEnds, ProcessAsyncEngine, open_async_engine
@@ -222,11 +221,8 @@ def run_pd_server(async_engine: EngineClient, tokenizer, config: EngineConfig, s
     app = build_app(ctx, settings, openai_routes=False)
     add_routes(app, ctx)
     app.add_middleware(SignedRoutes, secret=secret, prefixes=("/pd/",))
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                            access_log=settings.access_log,
-                            timeout_graceful_shutdown=settings.shutdown_timeout + BACKSTOP_SECONDS)
     logger.info("serving %s as %s on http://%s:%d", name, what, settings.host, settings.port)
-    _Server(config, async_engine, settings.shutdown_timeout).run()
+    run_app(app, async_engine, settings)
 
 
 def setup_logging(settings: ServerSettings) -> None:

@@ -176,7 +176,7 @@ def discover_pairs(prefill: list[str], decode: list[str], secret: FleetSecret, t
 def main(args: argparse.Namespace) -> int:
     """`picovllm proxy`: find the pairs, load the tokenizer, serve until SIGTERM/SIGINT."""
     from picovllm.entrypoints.chat_template import load_chat_template
-    from picovllm.entrypoints.openai.api_server import front_end_app, run_front_end
+    from picovllm.entrypoints.openai.api_server import front_end_app, run_app
     from picovllm.entrypoints.openai.metrics import ServerMetrics
     from picovllm.loader.source import open_model_source
 
@@ -199,5 +199,5 @@ def main(args: argparse.Namespace) -> int:
     app, settings = front_end_app(engine, tokenizer, args, name, metrics, template)
     logger.info("proxy for %d prefill/decode pairs on http://%s:%d: %s", len(pairs), args.host, args.port,
                 ", ".join(f"{p.prefill} -> {p.decode}" for p in pairs))
-    run_front_end(app, engine, settings)
+    run_app(app, engine, settings)
     return 0

@@ -85,7 +85,7 @@ async def _json_object(raw: Request) -> dict:
 def main(args: argparse.Namespace) -> int:
     """`picovllm router`: add the instances given, load the tokenizer, serve until SIGTERM/SIGINT."""
     from picovllm.entrypoints.chat_template import load_chat_template
-    from picovllm.entrypoints.openai.api_server import front_end_app, run_front_end
+    from picovllm.entrypoints.openai.api_server import front_end_app, run_app
     from picovllm.entrypoints.openai.metrics import ServerMetrics
     from picovllm.loader.source import open_model_source
 
@@ -123,5 +123,5 @@ def main(args: argparse.Namespace) -> int:
     app.add_middleware(SignedRoutes, secret=secret, prefixes=("/admin/",))
     logger.info("router on http://%s:%d: %d prefill and %d decode instances; policies %s (P), %s (D)", args.host,
                 args.port, len(args.prefill), len(args.decode), prefill_policy.name, decode_policy.name)
-    run_front_end(app, engine, settings)
+    run_app(app, engine, settings)
     return 0

@@ -188,7 +188,7 @@ def default_model_name(model: str | None) -> str:
 def front_end_app(engine: EngineClient, tokenizer, args, name: str, metrics: ServerMetrics,
                   template: str | None) -> tuple[FastAPI, ServerSettings]:
     """The OpenAI app of a front end over other servers' engines (the proxy's, the router's), from the flags of
-    cli_proxy.add_front_end_args; run it with run_front_end."""
+    cli_proxy.add_front_end_args; run it with run_app."""
     try:
         worker = TokenizerWorker(tokenizer, template, args.trust_request_chat_template)
     except ValueError as e:
@@ -199,10 +199,12 @@ def front_end_app(engine: EngineClient, tokenizer, args, name: str, metrics: Ser
     return build_app(ServingContext(engine, worker, metrics, name), settings), settings
 
 
-def run_front_end(app: FastAPI, engine: EngineClient, settings: ServerSettings) -> None:
-    """Serve a front end's app until SIGTERM/SIGINT (no access log: the instances behind it keep theirs)."""
+def run_app(app: FastAPI, engine: EngineClient, settings: ServerSettings) -> None:
+    """Serve app, in front of engine, until SIGTERM/SIGINT, then shut down gracefully (every server: serve's, a P or
+    D server's, the proxy's and the router's, whose settings keep the access log off)."""
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                            access_log=False, timeout_graceful_shutdown=settings.shutdown_timeout + BACKSTOP_SECONDS)
+                            access_log=settings.access_log,
+                            timeout_graceful_shutdown=settings.shutdown_timeout + BACKSTOP_SECONDS)
     _Server(config, engine, settings.shutdown_timeout).run()
 
 
@@ -223,10 +225,6 @@ def serve(engine_config: EngineConfig, settings: ServerSettings) -> None:
     except ValueError as e:
         stop()
         raise SystemExit(f"error: {e}") from None
-    ctx = ServingContext(async_engine, worker, metrics, name)
-    app = build_app(ctx, settings)
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                            access_log=settings.access_log,
-                            timeout_graceful_shutdown=settings.shutdown_timeout + BACKSTOP_SECONDS)
+    app = build_app(ServingContext(async_engine, worker, metrics, name), settings)
     logger.info("serving %s on http://%s:%d", name, settings.host, settings.port)
-    _Server(config, ctx.engine, settings.shutdown_timeout).run()
+    run_app(app, async_engine, settings)
