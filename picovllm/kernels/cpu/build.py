@@ -45,9 +45,10 @@ def compile_library(source: str, defines: dict[str, int] | None = None,
         if folder is not None:
             return ctypes.CDLL(os.path.join(folder, _library_name(source)))
         with tempfile.TemporaryDirectory(prefix="picovllm-cpu-") as tmp:
-            for part, part_flags in PARTS.get(source, ()):
-                _build(cc, part, (), flags if part_flags is None else part_flags, tmp)
-            _build(cc, source, _macros(defines), flags, tmp, tuple(_object(tmp, p) for p, _ in PARTS.get(source, ())))
+            parts = _parts(source, flags)
+            for part, part_flags in parts:
+                _build(cc, part, (), part_flags, tmp)
+            _build(cc, source, _macros(defines), flags, tmp, tuple(_object(tmp, part) for part, _ in parts))
             return ctypes.CDLL(os.path.join(tmp, _library_name(source)))   # stays mapped after the folder goes
     except (OSError, subprocess.SubprocessError):
         return None
@@ -69,9 +70,8 @@ def prebuild(jobs: list[tuple[str, dict[str, int] | None, tuple[str, ...]]]) -> 
             pass
 
     linked = [job for job in jobs if job[0] in PARTS]
-    first = {(s, _macros(d), f): (s, d, f) for s, d, f in [job for job in jobs if job[0] not in PARTS] +
-             [(part, None, flags if part_flags is None else part_flags) for source, _, flags in linked
-              for part, part_flags in PARTS[source]]}
+    parts = [(part, None, part_flags) for source, _, flags in linked for part, part_flags in _parts(source, flags)]
+    first = {(s, _macros(d), f): (s, d, f) for s, d, f in [job for job in jobs if job[0] not in PARTS] + parts}
     for batch in (list(first.values()), linked):
         if batch:
             with ThreadPoolExecutor(len(batch), thread_name_prefix="picovllm-cc") as compilers:
@@ -113,10 +113,10 @@ def _cached_build(cache: ArtifactCache, cc: str, source: str, defines: dict[str,
                   flags: tuple[str, ...]) -> str | None:
     """The cache entry holding the build (made now on a miss, its PARTS' entries first); None if it could not be
     stored. An entry keeps its object file beside the library, for the builds that link it as a part."""
-    macros, parts = _macros(defines), PARTS.get(source, ())
+    macros, parts = _macros(defines), _parts(source, flags)
     objects = []
     for part, part_flags in parts:
-        folder = _cached_build(cache, cc, part, None, flags if part_flags is None else part_flags)
+        folder = _cached_build(cache, cc, part, None, part_flags)
         if folder is None:
             return None
         objects.append(_object(folder, part))
@@ -125,6 +125,11 @@ def _cached_build(cache: ArtifactCache, cc: str, source: str, defines: dict[str,
     return cache.get_or_build("kernels", key,
                               lambda folder: _build(cc, source, macros, flags, folder, tuple(objects)),
                               f"{source} {' '.join(macros)}".strip())
+
+
+def _parts(source: str, flags: tuple[str, ...]) -> list[tuple[str, tuple[str, ...]]]:
+    """(part, the flags it is built with) of each of source's PARTS, for a build of source with `flags`."""
+    return [(part, flags if own is None else own) for part, own in PARTS.get(source, ())]
 
 
 def _object(folder: str, source: str) -> str:

@@ -14,9 +14,9 @@
  * It composes the kernels of this folder, nothing written twice: rms_norm / silu_mul / rope (elementwise.c) and
  * paged_decode_attention (paged_decode.c, built for HQ, HKV, DIM, BLOCK given with -D), included whole; panels
  * (small_gemm.c), quantize_rows and qgemm_part (quant_gemm.c, for weights kept in 4 or 8 bits), linked as objects
- * built once (gemm_parts.h; build.py's parts): they do not depend on the shape, and compiling them took ~80% of
- * this file's build, once per shape. Between barriers the threads split rows (the row-wise ops), 16-column weight panels (the
- * GEMMs) or runs of sequences (attention). With quantized weights, whoever writes a GEMM's input rows also
+ * built once (gemm_parts.h; build.py's PARTS): they do not depend on the shape, and compiling them took ~80% of
+ * this file's build, once per shape. Between barriers the threads split rows (the row-wise ops), 16-column weight
+ * panels (the GEMMs) or runs of sequences (attention). With quantized weights, whoever writes a GEMM's input rows also
  * quantizes them, before the barrier the GEMM waits at anyway.
  * Compiled at run time by picovllm/kernels/cpu/decode_stack.py; the torch modules stay the reference.
  */
