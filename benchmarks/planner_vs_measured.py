@@ -53,13 +53,18 @@ def start(out: str, name: str, *args: str) -> tuple[subprocess.Popen, str]:
         time.sleep(0.3)
 
 
-def bench(url: str, rate: float, path: str, args) -> None:
+def bench(url: str, rate: float, path: str, args, seed: int) -> None:
+    """One `bench serve` run. Each run of a server gets prompts of its own (seed): with bench serve's one default
+    seed, every run after the first sent the first run's prompts again, which the server's prefix cache then held,
+    so those runs skipped most of their prefill and were compared with a simulation that computes it (until the
+    eighteenth session: BENCHMARKS.md)."""
     # a client process per --rate-per-client requests/s: one Python client streaming thousands of chunks a
     # second delays its own reads, which the server would be blamed for (BENCHMARKS.md, thirteenth session)
     workers = min(args.num_prompts, max(1, math.ceil(rate / args.rate_per_client)))
     subprocess.run([*CLI, "bench", "serve", "--base-url", url, "--dataset", "random", "--num-prompts",
                     str(args.num_prompts), "--request-rate", str(rate), "--input-len", str(args.input_len),
-                    "--output-len", str(args.output_len), "--num-workers", str(workers), "--result-json", path],
+                    "--output-len", str(args.output_len), "--num-workers", str(workers), "--seed", str(seed),
+                    "--result-json", path],
                    check=True, stdout=subprocess.DEVNULL)
 
 
@@ -98,9 +103,9 @@ def main() -> None:
     proc, url = start(args.out, "colocated", "serve", "--model", model, *engine,
                       *([] if args.engine_process else ["--no-engine-process"]))
     try:
-        for rate in args.rates:
+        for seed, rate in enumerate(args.rates):
             path = os.path.join(args.out, f"bench_colocated_{rate:g}.json")
-            bench(url, rate, path, args)
+            bench(url, rate, path, args, seed)
             measured.append(f"colocated-1:512:{path}")
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -120,9 +125,9 @@ def main() -> None:
             rp, rurl = start(args.out, "router", "router", "--prefill", purl, "--decode", durl,
                              "--pd-secret-file", secret)
             procs.append(rp)
-            for rate in args.rates:
+            for seed, rate in enumerate(args.rates):
                 path = os.path.join(args.out, f"bench_1p1d_{rate:g}.json")
-                bench(rurl, rate, path, args)
+                bench(rurl, rate, path, args, seed)
                 measured.append(f"1P1D:512:{path}")
         finally:
             for proc in reversed(procs):

@@ -46,12 +46,15 @@ stop_all() {   # SIGINT, then SIGKILL whatever has not exited after 30 s
   kill -KILL "${PIDS[@]}" 2> /dev/null; wait "${PIDS[@]}" 2> /dev/null; PIDS=()
 }
 trap stop_all EXIT
-bench() {   # setup-name rate url...
-  local name=$1 rate=$2; shift 2
+SEED=0
+bench() {   # setup-name rate url...: each run its own prompts (one seed for all let a server's prefix cache hold
+  local name=$1 rate=$2; shift 2     # the later runs' prompts, sent by the earlier runs)
+  SEED=$((SEED + 1))
   local n=${NUM_PROMPTS:-$(python3 -c "print(max(40, round($rate * $DURATION)))")}
   "${CLI[@]}" bench serve --base-url "$@" --num-prompts "$n" --request-rate "$rate" \
       --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" --random-range-ratio "$RATIO" --goodput ttft:1000 tpot:50 \
-      --result-json "$WORK/$name-$rate.json" --plot "$WORK/$name-$rate.png" > "$WORK/bench-$name-$rate.log" 2>&1
+      --seed "$SEED" --result-json "$WORK/$name-$rate.json" --plot "$WORK/$name-$rate.png" \
+      > "$WORK/bench-$name-$rate.log" 2>&1
   grep -E "Request throughput|Median TTFT|P99 TTFT|Median ITL|P99 ITL|goodput" "$WORK/bench-$name-$rate.log" \
       | sed "s/^/  [$name @ $rate req\/s] /"
 }

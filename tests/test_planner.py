@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from picovllm.entrypoints.cli import main
-from picovllm.planner.profile import StepProfile, fit
+from picovllm.planner.profile import WAKE_IDLES, StepProfile, fit
 from picovllm.planner.simulator import Deployment, Lengths, SimRequest, Traffic, make_requests, simulate
 
 PROFILE = StepProfile([1e-3, 2e-3, 1e-5, 1e-9, 2e-4, 1e-7, 9e-3], kv_bytes_per_token=1000)
@@ -112,8 +112,9 @@ def test_plan_command_measures_and_ranks(tiny_models, tmp_path, capsys):
     assert rc == 0
     text = capsys.readouterr().out
     assert "recommended:" in text and "2P1D, chunk 64" in text
-    saved = StepProfile.load(str(prof))
+    saved = StepProfile.load(str(prof))      # load checks the wake's shape: idle ascending, extra non-decreasing
     assert saved.kv_bytes_per_token == 2 * 2 * 2 * 16 * 4 and len(saved.samples) >= 12
+    assert [w[0] for w in saved.wake] == list(WAKE_IDLES)
     ranked = json.loads(out.read_text())["ranked"]
     assert len(ranked) == 3 * 2 and ranked[0]["goodput"] == max(r["goodput"] for r in ranked)
     with pytest.raises(SystemExit, match="--input-len"):
@@ -130,6 +131,44 @@ def test_idle_overhead_by_hand():
     assert a.found_idle and not b.found_idle
     assert a.token_times == pytest.approx([1.0 + step(100, 0, 0) + 3e-3])
     assert b.token_times == pytest.approx([1.0 + step(100, 0, 0) + step(50, 0, 0) + 2e-3])
+
+
+def test_wake_time_by_hand():
+    """The wake-up cost between measured points: linear in log(idle) (at the geometric mean, the points' mean),
+    from nothing at no idle up to the first point, the last point's beyond the last."""
+    prof = dataclasses.replace(PROFILE, wake=[[0.001, 1e-4], [0.1, 9e-4], [1.0, 1e-3]])
+    assert prof.wake_time(0.0) == 0.0 and PROFILE.wake_time(5.0) == 0.0      # no wake measured: nothing
+    assert prof.wake_time(0.0005) == pytest.approx(5e-5)
+    assert prof.wake_time(0.01) == pytest.approx(5e-4)                        # halfway in log from 1 ms to 100 ms
+    assert prof.wake_time(0.1) == pytest.approx(9e-4)
+    assert prof.wake_time(5.0) == prof.wake_time(float("inf")) == pytest.approx(1e-3)
+
+
+def test_the_first_step_after_idle_pays_the_wake_by_hand():
+    """A step planned on an idle instance lasts wake_time(how long it idled) more (since ever: the last point's);
+    a step that follows another at once, nothing more."""
+    step = PROFILE.step_time
+    prof = dataclasses.replace(PROFILE, wake=[[0.001, 1e-4], [0.1, 9e-4]])
+    a_end = 1.0 + step(100, 0, 0) + 9e-4                                      # idle since ever
+    reqs = [SimRequest(1.0, 100, 2), SimRequest(a_end + step(0, 1, 101) + 0.01, 50, 1),
+            SimRequest(a_end + step(0, 1, 101) + 0.01 + 1e-4, 30, 1)]
+    a, b, c = simulate(prof, Deployment(0, 1, chunk=512), reqs).requests
+    assert a.token_times == pytest.approx([a_end, a_end + step(0, 1, 101)])   # its decode follows at once
+    b_end = reqs[1].arrival + step(50, 0, 0) + 5e-4                            # after 10 ms of quiet
+    assert b.token_times == pytest.approx([b_end])
+    assert c.token_times == pytest.approx([b_end + step(30, 0, 0)])           # arrived during b's step
+    pd = simulate(prof, Deployment(1, 1, chunk=512, transfer_bw=1e6, transfer_latency=0.01), reqs[:1]).requests[0]
+    arrive = a_end + 100 * 1000 / 1e6 + 0.01                                  # D idle since ever as well
+    assert pd.token_times == pytest.approx([a_end, arrive + step(0, 1, 101) + 9e-4])
+
+
+@pytest.mark.parametrize("wake", [[[0.01, 1e-3], [0.001, 2e-3]], [[0.001, 2e-3], [0.01, 1e-3]], [[0.0, 1e-3]],
+                                  [[0.001]], "x"])
+def test_a_bad_wake_is_refused_naming_it(tmp_path, wake):
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(dict(dataclasses.asdict(PROFILE), wake=wake)))
+    with pytest.raises(ValueError, match="wake"):
+        StepProfile.load(str(path))
 
 
 def test_host_overheads_and_noise_by_hand():

@@ -22,14 +22,24 @@ profiled as it serves: a decode or mixed sample is the time between two steps of
 work hides under the device's, so it is less than the step's host plus device time: on an H200 a batch-16 decode
 step took 2.0 ms alone and the served engine's token gap was 1.3-1.5 ms, BENCHMARKS.md), and a prefill-only sample
 is a lone prompt's time from its arrival to its first token. Without overlap each sample is one step's time.
+
+An engine that has waited for work steps slower at first: a served engine's lone prompt after 0.2 s of quiet took
+6.1 ms on this project's 2-core CPU against 3.5 back to back (its threads sleeping, the core's caches holding the
+other processes' data; BENCHMARKS.md, eighteenth session). `wake` holds that extra against the time the engine
+idled before the step: measured on lone prompts of WAKE_PROMPT tokens after each of WAKE_IDLES seconds of sleep,
+less the same prompts back to back; the simulation adds it to the first step after an idle spell.
 """
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
+
+WAKE_IDLES = (0.001, 0.003, 0.01, 0.03, 0.1, 0.3)   # seconds of quiet before a timed lone prompt
+WAKE_PROMPT = 64
 
 
 @dataclass
@@ -41,6 +51,9 @@ class StepProfile:
     # The engine plans each step while the one before it runs (EngineConfig.async_scheduling), so a request that
     # arrives during a step joins the step after the next. None (a profile saved before this field): on a GPU.
     overlap: bool | None = None
+    # [idle seconds, extra seconds] pairs, idle ascending and extra non-decreasing: what the first step after that
+    # long without a step costs beyond the fit (empty in a profile saved before this field: nothing)
+    wake: list[list[float]] = field(default_factory=list)
 
     @property
     def overlapped(self) -> bool:
@@ -52,6 +65,19 @@ class StepProfile:
             return 0.0
         fixed = c[0] if not prefill_tokens else c[1] if not decode_batch or len(c) == 6 else c[6]
         return fixed + c[2] * prefill_tokens + c[3] * prefill_tokens ** 2 + c[4] * decode_batch + c[5] * decode_context
+
+    def wake_time(self, idle: float) -> float:
+        """The extra cost of a step that starts after `idle` seconds without one: the measured points joined
+        linearly in log(idle), from nothing at no idle to the first point, the last point's beyond it."""
+        pts = self.wake
+        if not pts or idle <= 0:
+            return 0.0
+        if idle <= pts[0][0]:
+            return pts[0][1] * idle / pts[0][0]
+        for (a, ea), (b, eb) in zip(pts, pts[1:]):
+            if idle <= b:
+                return ea + (eb - ea) * math.log(idle / a) / math.log(b / a)
+        return pts[-1][1]
 
     def save(self, path: str) -> None:
         with open(path, "w") as f:
@@ -67,7 +93,20 @@ class StepProfile:
             raise ValueError(f"{path}: not a step profile ({e})") from None
         if len(prof.coef) not in (6, 7) or any(c < 0 for c in prof.coef):
             raise ValueError(f"{path}: coef must be 6 or 7 numbers >= 0, got {prof.coef!r}")
+        check_wake(prof.wake, f"{path}: wake")
         return prof
+
+
+def check_wake(wake: list, name: str = "wake") -> None:
+    """Raise ValueError (naming `name`) unless wake is [idle, extra] pairs, idle > 0 ascending, extra >= 0
+    non-decreasing."""
+    ok = all(isinstance(p, (list, tuple)) and len(p) == 2 and all(isinstance(x, (int, float)) for x in p)
+             for p in wake)
+    ok = ok and all(p[0] > 0 and p[1] >= 0 for p in wake)
+    ok = ok and all(a[0] < b[0] and a[1] <= b[1] for a, b in zip(wake, wake[1:]))
+    if not ok:
+        raise ValueError(f"{name} must be [idle seconds, extra seconds] pairs, idle > 0 and ascending, extra >= 0 "
+                         f"and non-decreasing, got {wake!r}")
 
 
 def fit(samples: list[dict], kv_bytes_per_token: int, machine: str = "", overlap: bool | None = None) -> StepProfile:
@@ -91,9 +130,10 @@ def fit(samples: list[dict], kv_bytes_per_token: int, machine: str = "", overlap
 
 
 def measure_profile(engine, prefill_lens=(16, 64, 128, 256, 512), batches=(1, 4, 16, 32),
-                    contexts=(32, 128, 512), repeats: int = 7, mixed=((4, 64), (16, 256), (4, 480))) -> StepProfile:
+                    contexts=(32, 128, 512), repeats: int = 7, mixed=((4, 64), (16, 256), (4, 480)),
+                    wake_idles=WAKE_IDLES) -> StepProfile:
     """Time an Engine's steps, as it runs them: overlapped or not (it must hold enough blocks for the largest
-    case)."""
+    case); then the wake-up cost after each of wake_idles seconds of quiet."""
     from picovllm.sampling_params import SamplingParams
 
     limit = min(engine.max_model_len - 2, engine.config.max_num_batched_tokens)
@@ -120,11 +160,42 @@ def measure_profile(engine, prefill_lens=(16, 64, 128, 256, 512), batches=(1, 4,
             _drain(engine)
     for k, (b, n) in enumerate((b, n) for b, n in mixed if b + n <= limit and b < engine.config.max_num_seqs):
         samples.append(_mixed_sample(engine, b, n, repeats, first_token=60 + 30 * k))
+    wake = _measure_wake(engine, min(WAKE_PROMPT, limit), wake_idles, repeats)
     mc = engine.model_config
     dtype_bytes = engine.runner.kv_cache.element_size()
     kv_bytes = 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * dtype_bytes
-    return fit(samples, kv_bytes, machine=f"{engine.config.device} {engine.config.model}",
+    prof = fit(samples, kv_bytes, machine=f"{engine.config.device} {engine.config.model}",
                overlap=engine.config.async_scheduling)
+    prof.wake = wake
+    return prof
+
+
+def _measure_wake(engine, n: int, idles, repeats: int) -> list[list[float]]:
+    """[idle, extra] for each idle: the median time of a lone n-token prompt after sleeping that long, less the
+    median back to back (interleaved with them, so a drift of the machine touches both), made non-decreasing.
+    Each prompt is new (no prefix-cache hit): the k-th counts up by one from its own first token."""
+    from picovllm.sampling_params import SamplingParams
+    vocab = engine.model_config.vocab_size - 5
+    starts = iter(range(10 ** 9))
+
+    def lone(idle: float) -> float:
+        k = next(starts)
+        time.sleep(idle)
+        t0 = time.perf_counter()
+        engine.add_request([5 + (k + j) % vocab for j in range(n)], SamplingParams(max_tokens=1, ignore_eos=True))
+        _drain(engine)
+        return time.perf_counter() - t0
+
+    hot, after = [], {idle: [] for idle in idles}
+    for _ in range(repeats):
+        for idle in idles:
+            hot.extend(lone(0.0) for _ in range(2))      # the first of each pair finds the engine just stepped
+            after[idle].append(lone(idle))
+    base, out, top = float(np.median(hot[1::2])), [], 0.0
+    for idle in idles:
+        top = max(top, float(np.median(after[idle])) - base)
+        out.append([float(idle), top])
+    return out
 
 
 def _mixed_sample(engine, batch: int, prefill: int, repeats: int, first_token: int) -> dict:

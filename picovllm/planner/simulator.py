@@ -3,8 +3,9 @@
 Each instance runs engine steps back to back while it has work. A step is planned as the
 Scheduler plans one (decodes first, one token each, then running prefill chunks, then waiting
 requests FCFS, under the chunk budget `chunk` = max_num_batched_tokens and max_num_seqs) and lasts
-StepProfile.step_time(prefill tokens, decode batch, decode context). At its end, a request whose
-prompt completed has its first token; a decode has its next one. Roles:
+StepProfile.step_time(prefill tokens, decode batch, decode context); the first step after an idle spell
+lasts StepProfile.wake_time(the spell's length) more (an engine that waited for work starts slow). At its
+end, a request whose prompt completed has its first token; a decode has its next one. Roles:
 
     colocated ("pd")  arrivals go to the instance with the fewest prompt tokens left to compute
     P ("p")           the same; a request leaves P at its first token, its KV moves to a D in
@@ -14,23 +15,22 @@ prompt completed has its first token; a decode has its next one. Roles:
 What the client sees is the steps' times plus what the steps do not hold, taken from a measured run
 (plan.calibrate): constant overheads (step_overhead on every step: a served step is the engine's step
 plus the server's loop and the hand-off of its outputs to the HTTP side, which compete for the same cores;
-request_overhead on the first token, and idle_overhead on a request that finds its instance idle (a
-served engine that was stepping takes a request sooner than one that was waiting for work: on an H200 the
-TTFT median fell from 8.9 to 7.6 ms as the rate rose from 10 to 40/s); handover_overhead on an xPyD request's hop from P to D, inside the
-simulation since it delays D's admission) and, for the
-tails, HostNoise: the spread a real server adds (HTTP and tokenization per request; per gap, the
-delivery of tokens to the client, which on a busy host coalesces several tokens into one chunk
-and stalls others). Noise is drawn from the calibration run's residuals, independently per request
-and gap (seeded), and touches only the client's view, not the engine's schedule. The gap residuals
-are measured per chunk (as `bench serve` counts ITL: a chunk may carry several tokens) and drawn per
-token gap here: ITL percentiles and the worst gap come out as measured, a request's end-to-end time
-would not (it is not predicted).
+request_overhead on the first token, and idle_overhead on a request that finds its instance idle: the
+serving side's own wake-up, beyond the engine's; handover_overhead on an xPyD request's hop from P to D,
+inside the simulation since it delays D's admission) and, for the tails, HostNoise: the spread a real
+server adds (HTTP and tokenization per request; per gap, the delivery of tokens to the client, which on
+a busy host coalesces several tokens into one chunk and stalls others). Noise is drawn from the
+calibration run's residuals, independently per request and gap (seeded), and touches only the client's
+view, not the engine's schedule. The gap residuals are measured per chunk (as `bench serve` counts ITL: a
+chunk may carry several tokens) and drawn per token gap here: ITL percentiles and the worst gap come out
+as measured, a request's end-to-end time would not (it is not predicted).
 
-Not modelled: the KV cache's size (no preemption; D admits up to max_num_seqs), overlap of transfers
-with a D that is itself busy with that pull (a pull costs D no step time), a step cost that depends on
-how busy the host has been (on a shared CPU a busier server serves faster; the profile times steps back
-to back), and why the client's chunk gaps split as they do (on a 2-core CPU they are bimodal, and their
-median moves between runs of one setting: BENCHMARKS.md, the planner).
+Not modelled: the KV cache's size (no preemption; D admits up to max_num_seqs) and prefix caching (a
+measured run's prompts must be new to the server: BENCHMARKS.md, eighteenth session), overlap of transfers
+with a D that is itself busy with that pull (a pull costs D no step time), instances that share a host's
+cores (on one CPU, P's prefill slows while D decodes), and why the client's chunk gaps split as they do
+(on a 2-core CPU they are bimodal, and their median moves between runs of one setting: BENCHMARKS.md, the
+planner).
 """
 from __future__ import annotations
 
@@ -174,6 +174,7 @@ class _Instance:
     running: list = field(default_factory=list)
     busy: bool = False
     started: float = 0.0                                # when the step in flight began
+    ended: float = float("-inf")                        # when the last step ended (never: idle since ever)
     plan: tuple = ()                                    # the step in flight: (decodes, [(req, n)])
 
     def prompt_backlog(self) -> int:
@@ -235,6 +236,7 @@ def simulate(profile: StepProfile, deployment: Deployment, requests: list[SimReq
         if dt is None and cutoff < now:
             dt = _plan_step(inst, profile, deployment, now)
         if dt is not None:
+            dt += profile.wake_time(now - inst.ended)   # 0 straight after a step
             inst.busy, inst.started = True, now
             heapq.heappush(events, (now + dt + deployment.step_overhead, next(seq), "step", inst))
 
@@ -250,7 +252,7 @@ def simulate(profile: StepProfile, deployment: Deployment, requests: list[SimReq
             inst.waiting.append(obj)
             start(inst, now, now)
         else:
-            obj.busy = False
+            obj.busy, obj.ended = False, now
             for r in _finish_step(obj, now):            # requests leaving a P at their first token
                 pull = r.prompt * profile.kv_bytes_per_token / deployment.transfer_bw + deployment.transfer_latency
                 heapq.heappush(events, (now + pull + deployment.handover_overhead, next(seq), "kv", r))
