@@ -23,9 +23,9 @@ work hides under the device's, so it is less than the step's host plus device ti
 step took 2.0 ms alone and the served engine's token gap was 1.3-1.5 ms, BENCHMARKS.md), and a prefill-only sample
 is a lone prompt's time from its arrival to its first token. Without overlap each sample is one step's time.
 
-An engine that has waited for work steps slower at first: a served engine's lone prompt after 0.2 s of quiet took
-6.1 ms on this project's 2-core CPU against 3.5 back to back (its threads sleeping, the core's caches holding the
-other processes' data; BENCHMARKS.md, eighteenth session). `wake` holds that extra against the time the engine
+An engine that has waited for work steps slower at first: on this project's 2-core CPU a lone 128-token prompt of
+the planner benchmark's tiny model took 6.4 ms after 0.1 s of quiet against 4.4 back to back (its threads asleep,
+its caches cold; BENCHMARKS.md, eighteenth session). `wake` holds that extra against the time the engine
 idled before the step: measured on lone prompts of WAKE_PROMPT tokens after each of WAKE_IDLES seconds of sleep,
 less the same prompts back to back; the simulation adds it to the first step after an idle spell.
 """
