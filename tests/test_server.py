@@ -1042,6 +1042,47 @@ def test_bench_serve_workers_share_one_schedule(server, tmp_path):
     assert_idle(server)
 
 
+def test_bench_serve_reports_the_servers_prefix_cache_hits_and_plan_warns(server, tmp_path):
+    """bench serve records the share of its prompt tokens the servers took from their prefix cache (their counters
+    before and after): a run that repeats an earlier run's prompts (the same seed) is almost all hits, by hand
+    ((40 - 1) // 16 = 2 full blocks of each 40-token prompt), a run of new prompts none; `picovllm plan --measured`
+    warns of the first, whose TTFT the simulation (no prefix cache) cannot predict, and not of the second."""
+    import os
+    import subprocess
+    import sys
+    from picovllm.planner.profile import StepProfile
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([os.getcwd()] + sys.path))
+    runs = []
+    for k, seed in enumerate((11, 11, 12)):
+        out = tmp_path / f"run{k}.json"
+        before = server.metrics()
+        cmd = [sys.executable, "-m", "picovllm.entrypoints.cli", "bench", "serve", "--base-url", server.url,
+               "--num-prompts", "6", "--request-rate", "50", "--input-len", "40", "--output-len", "3",
+               "--seed", str(seed), "--result-json", str(out)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        after = server.metrics()
+        s = json.loads(out.read_text())
+        hits = after["picovllm:prefix_cache_hits_total"] - before["picovllm:prefix_cache_hits_total"]
+        queries = after["picovllm:prefix_cache_queries_total"] - before["picovllm:prefix_cache_queries_total"]
+        assert queries == 6 * 40 and s["prefix_cache_hit_rate"] == pytest.approx(hits / queries)
+        runs.append((out, s["prefix_cache_hit_rate"], proc.stdout))
+    assert runs[0][1] == 0.0 and runs[2][1] == 0.0
+    assert runs[1][1] == pytest.approx(6 * 32 / (6 * 40))
+    assert "Prefix cache hit rate (servers, %)" in runs[1][2]
+    profile = tmp_path / "profile.json"
+    StepProfile([1e-3, 2e-3, 1e-5, 0.0, 2e-4, 1e-7], kv_bytes_per_token=1000).save(str(profile))
+    cmd = [sys.executable, "-m", "picovllm.entrypoints.cli", "plan", "--profile", str(profile), "--input-len", "40",
+           "--output-len", "3", "--request-rate", "50", "--calibrate", f"colocated-1:512:{runs[0][0]}",
+           "--measured", *(f"colocated-1:512:{out}" for out, _, _ in runs)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    warned = [line for line in proc.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warned) == 1 and str(runs[1][0]) in warned[0] and "80%" in warned[0], proc.stderr
+    assert_idle(server)
+
+
 def test_bench_serve_round_robins_over_servers(server, chat_model, tmp_path):
     """Several --base-url: requests alternate between the servers (one colocated server per GPU)."""
     import os

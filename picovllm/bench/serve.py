@@ -19,6 +19,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 SLO_KEYS = ("ttft", "tpot", "itl", "e2el")
+# The servers' prefix-cache counters in their Prometheus /metrics (picovllm's and vLLM's names): summed over the
+# servers, read before and after the run, they give the share of prompt tokens the servers did not compute.
+PREFIX_COUNTERS = {"queries": ("picovllm:prefix_cache_queries_total", "vllm:prefix_cache_queries_total"),
+                   "hits": ("picovllm:prefix_cache_hits_total", "vllm:prefix_cache_hits_total")}
 
 
 @dataclass
@@ -108,6 +112,7 @@ def run_benchmark(args: argparse.Namespace) -> dict:
     models = httpx.get(f"{base}/v1/models", headers=headers, timeout=args.timeout).json()["data"]
     model = args.model or models[0]["id"]
     vocab = min(models[0].get("vocab_size") or 1000, args.max_token_id or 10**9)
+    before = prefix_cache_counters(args.base_url, headers, args.timeout)
     if args.num_workers == 1:
         share = asyncio.run(run_share(args, model, vocab, 0, lambda: time.time() + 0.05))
         shares = [share]
@@ -118,7 +123,44 @@ def run_benchmark(args: argparse.Namespace) -> dict:
         for i, r in done:
             results[i] = r
     duration = max(end for _, end in shares)
-    return summarize(results, duration, parse_goodput(args.goodput), vars(args) | {"model": model})
+    after = prefix_cache_counters(args.base_url, headers, args.timeout) if before else None
+    summary = summarize(results, duration, parse_goodput(args.goodput), vars(args) | {"model": model})
+    summary["prefix_cache_hit_rate"] = prefix_hit_rate(before, after)
+    return summary
+
+
+def prefix_cache_counters(base_urls: list[str], headers: dict, timeout: float) -> dict[str, float] | None:
+    """The servers' prefix-cache counters ({"queries", "hits"} prompt tokens, summed over the servers), or None
+    where a server does not expose them (a router, another engine) or its /metrics does not answer."""
+    import httpx
+
+    total = {"queries": 0.0, "hits": 0.0}
+    for base in base_urls:
+        try:
+            text = httpx.get(f"{base.rstrip('/')}/metrics", headers=headers, timeout=timeout).text
+        except httpx.HTTPError:
+            return None
+        seen = set()
+        for line in text.splitlines():
+            name = line.split("{", 1)[0].split(" ", 1)[0]     # NAME{labels} VALUE or NAME VALUE
+            for key, names in PREFIX_COUNTERS.items():
+                if name in names:
+                    try:
+                        total[key] += float(line.rsplit(" ", 1)[1])
+                    except (IndexError, ValueError):
+                        return None
+                    seen.add(key)
+        if seen != set(total):
+            return None
+    return total
+
+
+def prefix_hit_rate(before: dict[str, float] | None, after: dict[str, float] | None) -> float | None:
+    """Hits over queries between the two readings (other traffic to the servers counts too); None without both
+    or without a query."""
+    if before is None or after is None or after["queries"] <= before["queries"]:
+        return None
+    return (after["hits"] - before["hits"]) / (after["queries"] - before["queries"])
 
 
 async def run_share(args: argparse.Namespace, model: str, vocab: int, worker: int,
@@ -271,6 +313,8 @@ def print_summary(s: dict) -> None:
             ("Total token throughput (tok/s)", s["total_token_throughput"])]
     if s["request_goodput"] is not None:
         rows.append(("Request goodput (req/s)", s["request_goodput"]))
+    if s.get("prefix_cache_hit_rate") is not None:
+        rows.append(("Prefix cache hit rate (servers, %)", 100 * s["prefix_cache_hit_rate"]))
     for name, label in [("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st)"),
                         ("itl", "Inter-token Latency"), ("e2el", "End-to-end Latency")]:
         rows.append((f"-- {label} --", ""))

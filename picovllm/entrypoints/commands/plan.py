@@ -3,8 +3,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from picovllm.entrypoints.engine_args import add_engine_args, engine_config_from_args
+
+PREFIX_HITS_WARN = 0.05   # a measured run whose servers took more of its prompt tokens from their prefix cache
 
 
 def add_parser(subparsers) -> None:
@@ -117,6 +120,13 @@ def _read_measured(spec: str, args) -> tuple:
         measured_trace(measured)
     except (ValueError, KeyError, OSError) as e:
         raise SystemExit(f"error: {spec!r}: DEPLOYMENT:CHUNK:RESULT.json ({e})") from None
+    hits = measured.get("prefix_cache_hit_rate")     # bench serve's, from the servers' counters (None: unknown)
+    warned = vars(args).setdefault("_warned_prefix_hits", set())
+    if hits is not None and hits > PREFIX_HITS_WARN and path not in warned:
+        warned.add(path)
+        print(f"warning: {path}: the servers took {hits:.0%} of the run's prompt tokens from their prefix cache, "
+              f"which the simulation does not have, so its TTFT is not comparable: send prompts new to the servers "
+              f"(bench serve --seed)", file=sys.stderr)
     return dep, traffic, measured
 
 
@@ -156,4 +166,4 @@ def _compare_one(spec: str, profile, args, slo_ttft: float, slo_itl: float, comp
     goodput = {"predicted": predicted["goodput"], "measured": measured_goodput(measured, slo_ttft, slo_itl)}
     return {"label": f"{dep.name} @ {traffic.rate:g}/s", "deployment": dep.name, "rate": traffic.rate,
             "predicted": predicted, "comparison": compare(predicted, measured), "goodput": goodput,
-            "calibration": spec in args.calibrate}
+            "calibration": spec in args.calibrate, "prefix_cache_hit_rate": measured.get("prefix_cache_hit_rate")}
