@@ -189,9 +189,9 @@ def _measure_wake(engine, n: int, idles, repeats: int) -> list[list[float]]:
     hot, after = [], {idle: [] for idle in idles}
     for _ in range(repeats):
         for idle in idles:
-            hot.extend(lone(0.0) for _ in range(2))      # the first of each pair finds the engine just stepped
+            hot.append(lone(0.0))                       # right after the engine stepped
             after[idle].append(lone(idle))
-    base, out, top = float(np.median(hot[1::2])), [], 0.0
+    base, out, top = float(np.median(hot)), [], 0.0
     for idle in idles:
         top = max(top, float(np.median(after[idle])) - base)
         out.append([float(idle), top])
