@@ -19,7 +19,7 @@ from picovllm import LLM, SamplingParams
 from picovllm.artifact_cache import ArtifactCache
 from picovllm.loader.default_model import default_model_path
 from picovllm.loader.gguf_file import open_gguf
-from test_gguf import TYPES, write_tiny_gguf
+from test_gguf import write_tiny_gguf
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPT = "Name the capital of France."

@@ -322,7 +322,7 @@ def test_silent_decode_engine_loses_its_lease(tiny_models):
     sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     pair = LocalPair(tiny_models["llama"], p_kw=dict(block_size=4, num_kv_blocks=64),
                      d_kw=dict(block_size=4, num_kv_blocks=64), lease_s=0.4)
-    p, d = pair.p, pair.d
+    p = pair.p
     pair.d.connector.link.channel._stop.set()                   # D's heartbeats stop, and D is not stepped: it hangs
     ids = [p.submit(x, sp) for x in prompts(3)]
     t0 = time.monotonic()
