@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything the GPU fast path needs measured, in one device call. Full logs go to $OUT (or /tmp/out).
 # Usage: bash benchmarks/gpu_session.sh [tests] [kernels] [splits] [sync] [throughput] [greedy] [eager] [latency] [prefill] [profile]
+#        [planner]   (the planner against served runs, colocated: needs fastapi and uvicorn, carried as wheels)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1
@@ -19,6 +20,10 @@ for what in "$@"; do
     greedy) log=greedy lines=12 bench throughput --temperature 0 ;;
     eager) log=eager lines=12 bench throughput --enforce-eager ;;
     latency) log=latency lines=40 bench latency --timeline ;;
+    planner) timeout 520 python3 benchmarks/planner_vs_measured.py "$OUT/planner" --preset qwen3-0.6b --dtype bfloat16 \
+               --num-kv-blocks 16384 --rates 10 40 80 --input-len 512 --output-len 64 --num-prompts 400 \
+               --ttft-slo-ms 50 --itl-slo-ms 20 > "$OUT/planner.log" 2>&1
+             find "$OUT/planner" -name '*.safetensors' -delete; grep -E "calibrated|predicted/measured|agree" "$OUT/planner.log" ;;
     *) log=$what bench "$what" ;;
   esac
   echo "== $what took $(( $(date +%s) - t0 )) s"
