@@ -23,7 +23,8 @@ for what in "$@"; do
     planner) timeout 520 python3 benchmarks/planner_vs_measured.py "$OUT/planner" --preset qwen3-0.6b --dtype bfloat16 \
                --num-kv-blocks 16384 --rates 10 40 80 --input-len 512 --output-len 64 --num-prompts 400 \
                --ttft-slo-ms 50 --itl-slo-ms 20 > "$OUT/planner.log" 2>&1
-             find "$OUT/planner" -name '*.safetensors' -delete; grep -E "calibrated|predicted/measured|agree" "$OUT/planner.log" ;;
+             find "$OUT/planner" -name '*.safetensors' -delete
+             grep -E "calibrated|predicted/measured|agree" "$OUT/planner.log" ;;
     *) log=$what bench "$what" ;;
   esac
   echo "== $what took $(( $(date +%s) - t0 )) s"
