@@ -271,7 +271,8 @@ def test_profile_times_the_whole_batch(tiny_models, overlap):
             steps.append((sum(c.num_new_tokens for c in sched.chunks if not c.is_decode), sched.num_decodes))
         return sched
     engine._schedule = recording_schedule
-    prof = measure_profile(engine, prefill_lens=(16,), batches=(8,), contexts=(64,), repeats=3, mixed=((4, 16),))
+    prof = measure_profile(engine, prefill_lens=(16,), batches=(8,), contexts=(64,), repeats=3, mixed=((4, 16),),
+                           wake_idles=(0.001, 0.01))
     decode = [s for s in prof.samples if s["prefill"] == 0]
     assert [s["batch"] for s in decode] == [8]
     # 8 requests of 64 prompt tokens, each with its first token and at least one more by the timed steps
@@ -281,6 +282,7 @@ def test_profile_times_the_whole_batch(tiny_models, overlap):
     assert steps.count((16, 4)) >= 3, steps  # the mixed sample's three timed steps: 16 prompt tokens beside 4 decodes
     assert steps.count((0, 8)) >= 3, steps   # and the decode sample's: the whole batch
     assert len(prof.coef) == 7 and not engine.has_unfinished_requests() and prof.overlapped is overlap
+    assert [w[0] for w in prof.wake] == [0.001, 0.01] and 0 <= prof.wake[0][1] <= prof.wake[1][1]
 
 
 def test_step_overhead_by_hand_and_calibrated():
