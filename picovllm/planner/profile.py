@@ -141,12 +141,7 @@ def measure_profile(engine, prefill_lens=(16, 64, 128, 256, 512), batches=(1, 4,
     engine.add_request([7] * 8, SamplingParams(max_tokens=4, ignore_eos=True))   # warm-up: first calls
     _drain(engine)
     for n in [n for n in prefill_lens if n <= limit]:
-        times = []
-        for i in range(repeats):
-            t0 = time.perf_counter()
-            engine.add_request([7 + i] * n, SamplingParams(max_tokens=1, ignore_eos=True))
-            _drain(engine)          # one step; overlapped, two calls: launch, then the token
-            times.append(time.perf_counter() - t0)
+        times = [_timed_prompt(engine, [7 + i] * n) for i in range(repeats)]
         samples.append({"prefill": n, "batch": 0, "context": 0, "seconds": float(np.median(times))})
     for ctx in [c for c in contexts if c <= limit]:
         for b in [b for b in batches if b <= engine.config.max_num_seqs]:
@@ -174,17 +169,13 @@ def _measure_wake(engine, n: int, idles, repeats: int) -> list[list[float]]:
     """[idle, extra] for each idle: the median time of a lone n-token prompt after sleeping that long, less the
     median back to back (interleaved with them, so a drift of the machine touches both), made non-decreasing.
     Each prompt is new (no prefix-cache hit): the k-th counts up by one from its own first token."""
-    from picovllm.sampling_params import SamplingParams
     vocab = engine.model_config.vocab_size - 5
     starts = iter(range(10 ** 9))
 
     def lone(idle: float) -> float:
         k = next(starts)
         time.sleep(idle)
-        t0 = time.perf_counter()
-        engine.add_request([5 + (k + j) % vocab for j in range(n)], SamplingParams(max_tokens=1, ignore_eos=True))
-        _drain(engine)
-        return time.perf_counter() - t0
+        return _timed_prompt(engine, [5 + (k + j) % vocab for j in range(n)])
 
     hot, after = [], {idle: [] for idle in idles}
     for _ in range(repeats):
@@ -227,6 +218,16 @@ def _start_decoding(engine, prompts: list[list[int]], repeats: int) -> None:
         engine.add_request(p, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
         engine.step()
+
+
+def _timed_prompt(engine, prompt: list[int]) -> float:
+    """Seconds from adding a lone prompt to its first token: one step; overlapped, two calls (launch, then the
+    token)."""
+    from picovllm.sampling_params import SamplingParams
+    t0 = time.perf_counter()
+    engine.add_request(prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+    _drain(engine)
+    return time.perf_counter() - t0
 
 
 def _timed_step(engine) -> float:
