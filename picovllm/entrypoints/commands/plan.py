@@ -68,7 +68,8 @@ def run_plan(args: argparse.Namespace) -> int:
         except (OSError, ValueError) as e:
             raise SystemExit(f"error: --profile: {e}") from None
     slo_ttft, slo_itl = args.ttft_slo_ms / 1e3, args.itl_slo_ms / 1e3
-    overheads = _overheads(args, profile)
+    runs: dict[str, dict] = {}      # each measured run's JSON, read once (a calibration run is measured too)
+    overheads = _overheads(args, profile, runs)
     if overheads:
         print("calibrated overheads: " + "; ".join(f"{kind}: " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in o.items()
                                                                            if k != "noise")
@@ -80,7 +81,8 @@ def run_plan(args: argparse.Namespace) -> int:
         print(f"{r['deployment']:<28}{r['goodput']:>10.2f}{r['ttft_p50'] * 1e3:>10.1f}{r['ttft_p99'] * 1e3:>10.1f}"
               f"{r['itl_p50'] * 1e3:>9.1f}{r['itl_p99'] * 1e3:>9.1f}")
     print(f"recommended: {rows[0]['deployment']}")
-    comparisons = [_compare_one(spec, profile, args, slo_ttft, slo_itl, compare, overheads) for spec in args.measured]
+    comparisons = [_compare_one(spec, profile, args, slo_ttft, slo_itl, compare, overheads, runs)
+                   for spec in args.measured]
     for c in comparisons:
         errs = ", ".join(f"{m} {v['predicted'] * 1e3:.1f}/{v['measured'] * 1e3:.1f} ms ({v['error']:+.0%})"
                          for m, v in c["comparison"].items() if v["error"] is not None)
@@ -100,8 +102,9 @@ def run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _read_measured(spec: str, args) -> tuple:
-    """DEPLOYMENT:CHUNK:RESULT.json -> (Deployment, Traffic, the bench serve result)."""
+def _read_measured(spec: str, args, runs: dict[str, dict]) -> tuple:
+    """DEPLOYMENT:CHUNK:RESULT.json -> (Deployment, Traffic, the bench serve result). runs: the results read so
+    far, by path; a new one is read into it, with a warning if its servers had most of its prompts cached."""
     from picovllm.planner.plan import measured_trace
     from picovllm.planner.simulator import Deployment, Lengths, Traffic
 
@@ -111,8 +114,11 @@ def _read_measured(spec: str, args) -> tuple:
             x, y = 0, int(shape.split("-", 1)[1])
         else:
             x, y = (int(v) for v in shape.upper().removesuffix("D").split("P"))
-        with open(path) as f:
-            measured = json.load(f)
+        fresh = path not in runs
+        if fresh:
+            with open(path) as f:
+                runs[path] = json.load(f)
+        measured = runs[path]
         cfg = measured["config"]
         traffic = Traffic(float(cfg["request_rate"]), Lengths.parse("input_len", str(cfg["input_len"])),
                           Lengths.parse("output_len", str(cfg["output_len"])), int(measured["completed"]), args.seed)
@@ -120,24 +126,27 @@ def _read_measured(spec: str, args) -> tuple:
         measured_trace(measured)
     except (ValueError, KeyError, OSError) as e:
         raise SystemExit(f"error: {spec!r}: DEPLOYMENT:CHUNK:RESULT.json ({e})") from None
-    hits = measured.get("prefix_cache_hit_rate")     # bench serve's, from the servers' counters (None: unknown)
-    warned = vars(args).setdefault("_warned_prefix_hits", set())
-    if hits is not None and hits > PREFIX_HITS_WARN and path not in warned:
-        warned.add(path)
-        print(f"warning: {path}: the servers took {hits:.0%} of the run's prompt tokens from their prefix cache, "
-              f"which the simulation does not have, so its TTFT is not comparable: send prompts new to the servers "
-              f"(bench serve --seed)", file=sys.stderr)
+    if fresh:
+        _warn_prefix_hits(path, measured)
     return dep, traffic, measured
 
 
-def _overheads(args, profile) -> dict:
+def _warn_prefix_hits(path: str, measured: dict) -> None:
+    hits = measured.get("prefix_cache_hit_rate")     # bench serve's, from the servers' counters (None: unknown)
+    if hits is not None and hits > PREFIX_HITS_WARN:
+        print(f"warning: {path}: the servers took {hits:.0%} of the run's prompt tokens from their prefix cache, "
+              f"which the simulation does not have, so its TTFT is not comparable: send prompts new to the servers "
+              f"(bench serve --seed)", file=sys.stderr)
+
+
+def _overheads(args, profile, runs: dict[str, dict]) -> dict:
     """--calibrate: per kind ("colocated", "xpyd"), what the steps do not hold: the request's overhead (HTTP,
     tokenization; behind the router its hop to P too), xPyD the handover's (P to D), and their noise."""
     from picovllm.planner.plan import calibrate
 
     found: dict[str, dict] = {}
     for spec in args.calibrate:
-        dep, traffic, measured = _read_measured(spec, args)
+        dep, traffic, measured = _read_measured(spec, args, runs)
         cal = calibrate(profile, dep, measured, args.seed)
         kind = "xpyd" if dep.num_prefill else "colocated"
         found[kind] = {"step_overhead": cal.step_overhead, "request_overhead": cal.request_overhead,
@@ -156,11 +165,12 @@ def with_overheads(dep, overheads: dict):
     return dataclasses.replace(dep, **mine)
 
 
-def _compare_one(spec: str, profile, args, slo_ttft: float, slo_itl: float, compare, overheads: dict) -> dict:
+def _compare_one(spec: str, profile, args, slo_ttft: float, slo_itl: float, compare, overheads: dict,
+                 runs: dict[str, dict]) -> dict:
     """A measured run against the prediction for its own arrivals and lengths (bursts included)."""
     from picovllm.planner.plan import measured_goodput, predict_measured
 
-    dep, traffic, measured = _read_measured(spec, args)
+    dep, traffic, measured = _read_measured(spec, args, runs)
     dep = with_overheads(dep, overheads)
     predicted = predict_measured(profile, dep, measured, slo_ttft, slo_itl)
     goodput = {"predicted": predicted["goodput"], "measured": measured_goodput(measured, slo_ttft, slo_itl)}
