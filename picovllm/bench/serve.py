@@ -133,25 +133,20 @@ def prefix_cache_counters(base_urls: list[str], headers: dict, timeout: float) -
     """The servers' prefix-cache counters ({"queries", "hits"} prompt tokens, summed over the servers), or None
     where a server does not expose them (a router, another engine) or its /metrics does not answer."""
     import httpx
+    from prometheus_client.parser import text_string_to_metric_families
 
     total = {"queries": 0.0, "hits": 0.0}
     for base in base_urls:
         try:
             text = httpx.get(f"{base.rstrip('/')}/metrics", headers=headers, timeout=timeout).text
-        except httpx.HTTPError:
+            samples = [s for family in text_string_to_metric_families(text) for s in family.samples]
+        except (httpx.HTTPError, ValueError):
             return None
-        seen = set()
-        for line in text.splitlines():
-            name = line.split("{", 1)[0].split(" ", 1)[0]     # NAME{labels} VALUE or NAME VALUE
-            for key, names in PREFIX_COUNTERS.items():
-                if name in names:
-                    try:
-                        total[key] += float(line.rsplit(" ", 1)[1])
-                    except (IndexError, ValueError):
-                        return None
-                    seen.add(key)
-        if seen != set(total):
-            return None
+        for key, names in PREFIX_COUNTERS.items():
+            found = [s.value for s in samples if s.name in names]
+            if not found:
+                return None
+            total[key] += sum(found)
     return total
 
 
