@@ -4,7 +4,7 @@
 #        [planner]   (the planner against served runs, colocated: needs fastapi and uvicorn, carried as wheels)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
 bench() { python3 benchmarks/nano_throughput.py "$@" > "$OUT/$log.log" 2>&1; tail -${lines:-30} "$OUT/$log.log"; }
@@ -20,7 +20,7 @@ for what in "$@"; do
     greedy) log=greedy lines=12 bench throughput --temperature 0 ;;
     eager) log=eager lines=12 bench throughput --enforce-eager ;;
     latency) log=latency lines=40 bench latency --timeline ;;
-    planner) timeout 520 python3 benchmarks/planner_vs_measured.py "$OUT/planner" --preset qwen3-0.6b --dtype bfloat16 \
+    planner) timeout ${PLANNER_TIMEOUT:-520} python3 benchmarks/planner_vs_measured.py "$OUT/planner" --preset qwen3-0.6b --dtype bfloat16 \
                --num-kv-blocks 16384 --rates 10 40 80 --input-len 512 --output-len 64 --num-prompts 400 \
                --ttft-slo-ms 50 --itl-slo-ms 20 > "$OUT/planner.log" 2>&1
              find "$OUT/planner" -name '*.safetensors' -delete

@@ -220,3 +220,85 @@ print(before, seen["tracked"], gc.get_freeze_count())
     assert out.returncode == 0, out.stderr
     before, tracked, frozen = map(int, out.stdout.split())
     assert before > 20000 and frozen >= before * 0.9 and tracked < before * 0.05, (before, tracked, frozen)
+
+
+def test_bench_serve_clients_warm_up_before_the_clock_starts(tmp_path):
+    """Each bench serve client process sends one request to each server before the common start, so that its first
+    timed request does not pay for the client's own lazy imports and first connection (25-45 ms on this CPU). A stub
+    server logs every request: all GETs (the parent's /v1/models and /metrics, one /v1/models per worker and server)
+    come before the first completion, and every completion is sent on the workload's schedule."""
+    import itertools
+    import os
+    import subprocess
+    import sys
+    import threading
+    import time
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from picovllm.bench.serve import random_dataset
+
+    log, lock = [], threading.Lock()
+
+    class Stub(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args):
+            pass
+
+        def _send(self, code, body, kind="application/json"):
+            self.send_response(code)
+            self.send_header("Content-Type", kind)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self):
+            with lock:
+                log.append((time.perf_counter(), "GET", self.path))
+            if self.path == "/v1/models":
+                self._send(200, json.dumps({"data": [{"id": "stub", "vocab_size": 50}]}).encode())
+            else:
+                self._send(404, b"{}")
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            with lock:
+                log.append((time.perf_counter(), "POST", len(body["prompt"])))
+            chunks = [{"choices": [{"text": "a"}]} for _ in range(body["max_tokens"])]
+            chunks.append({"choices": [], "usage": {"completion_tokens": body["max_tokens"]}})
+            sse = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+            self._send(200, sse.encode(), "text/event-stream")
+
+    servers = [ThreadingHTTPServer(("127.0.0.1", 0), Stub) for _ in range(2)]
+    for s in servers:
+        threading.Thread(target=s.serve_forever, daemon=True).start()
+    try:
+        n, rate, workers, seed = 10, 20.0, 2, 5
+        urls = [f"http://127.0.0.1:{s.server_address[1]}" for s in servers]
+        cmd = [sys.executable, "-m", "picovllm.entrypoints.cli", "bench", "serve", "--base-url", *urls,
+               "--num-prompts", str(n), "--request-rate", str(rate), "--burstiness", "50", "--input-len", "12",
+               "--random-range-ratio", "0.5", "--output-len", "3", "--num-workers", str(workers), "--seed", str(seed),
+               "--result-json", str(tmp_path / "b.json")]
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd()] + sys.path))
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    finally:
+        for s in servers:
+            s.shutdown()
+            s.server_close()
+    log.sort()
+    first_post = next(i for i, (_, method, _) in enumerate(log) if method == "POST")
+    gets = [path for _, method, path in log[:first_post]]
+    # the parent's /v1/models, its /metrics try (404 here: no counters), then each worker's one to each server
+    assert gets.count("/v1/models") == 1 + workers * len(urls), gets
+    posts = [(t, plen) for t, method, plen in log if method == "POST"]
+    assert len(posts) == n and len(log) == first_post + n    # nothing but the workload after the start
+    rng = random.Random(seed)
+    want = random_dataset(n, 12, 3, 0.5, 50, rng)
+    due = list(itertools.accumulate(arrival_gaps(n, rate, 50.0, rng)))
+    # in the schedule's order (burstiness 50: gaps of 50 +- 7 ms), each within 0.15 s of its time after the first
+    assert [plen for _, plen in posts] == [len(r.prompt) for r in want]
+    t_first = posts[0][0]
+    assert all(abs((t - t_first) - (d - due[0])) < 0.15 for (t, _), d in zip(posts, due))
+    s = json.loads((tmp_path / "b.json").read_text())
+    assert s["completed"] == n and s["prefix_cache_hit_rate"] is None

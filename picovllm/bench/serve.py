@@ -158,6 +158,15 @@ def prefix_hit_rate(before: dict[str, float] | None, after: dict[str, float] | N
     return (after["hits"] - before["hits"]) / (after["queries"] - before["queries"])
 
 
+async def warm_up(client, bases: list[str], headers: dict) -> None:
+    """One request to each server on `client` before the clock starts. A client's first request loads the parts of
+    httpx, httpcore, h11 and anyio that load lazily and opens its first connection: 25-45 ms on a 2-core CPU,
+    100-170 ms on the H200's host, added to the TTFT of each client process's first request (at 80 requests/s on 4
+    clients, exactly the 4 requests at the TTFT p99; BENCHMARKS.md, nineteenth session)."""
+    for base in bases:
+        (await client.get(f"{base}/v1/models", headers=headers)).raise_for_status()
+
+
 async def run_share(args: argparse.Namespace, model: str, vocab: int, worker: int,
                     start: Callable[[], float]) -> tuple[list[tuple[int, RequestResult]], float]:
     """Worker `worker`'s requests (every num_workers-th of the workload, which every worker draws alike from the
@@ -184,6 +193,7 @@ async def run_share(args: argparse.Namespace, model: str, vocab: int, worker: in
             async with gate:
                 return await run_request(client, f"{url}/v1/completions", body, t0, headers)
 
+        await warm_up(client, bases, headers)
         t0_wall = start()
         t0 = time.perf_counter() + (t0_wall - time.time())     # the common start, on this process's clock
         tasks = []
