@@ -26,7 +26,9 @@ chunk may carry several tokens) and drawn per token gap here: ITL percentiles an
 as measured, a request's end-to-end time would not (it is not predicted).
 
 Not modelled: the KV cache's size (no preemption; D admits up to max_num_seqs) and prefix caching (a
-measured run's prompts must be new to the server: BENCHMARKS.md, eighteenth session), overlap of transfers
+measured run's prompts must be new to the server: BENCHMARKS.md, eighteenth session), the HTTP front-end's own
+CPU (one Python process a server, ~2 ms a request and ~0.07 ms a streamed token on the H200's host: near 160
+requests/s of 64 tokens it is nearly full and bursts queue there, BENCHMARKS.md, nineteenth session), overlap of transfers
 with a D that is itself busy with that pull (a pull costs D no step time), instances that share a host's
 cores (on one CPU, P's prefill slows while D decodes), and why the client's chunk gaps split as they do
 (on a 2-core CPU they are bimodal, and their median moves between runs of one setting: BENCHMARKS.md, the
