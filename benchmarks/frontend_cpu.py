@@ -14,12 +14,11 @@ close the front-end is to being the bottleneck: it is one Python process.
 import argparse
 import json
 import os
-import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from planner_vs_measured import CLI, ENGINE, start, warm  # noqa: E402
+from planner_vs_measured import ENGINE, bench, start, warm  # noqa: E402
 from picovllm.bench.random_checkpoint import make_random_checkpoint, resolve_config, write_word_tokenizer  # noqa: E402
 
 
@@ -51,11 +50,7 @@ def main() -> None:
             out_len, rate = (float(x) for x in run.split(":"))
             path = os.path.join(args.out, f"run{k}.json")
             before = cpu_seconds(proc.pid)
-            subprocess.run([*CLI, "bench", "serve", "--base-url", url, "--num-prompts", str(args.num_prompts),
-                            "--request-rate", f"{rate:g}", "--input-len", str(args.input_len),
-                            "--output-len", str(int(out_len)), "--seed", str(100 + k), "--result-json", path,
-                            "--num-workers", str(max(1, round(rate / args.rate_per_client)))],
-                           check=True, stdout=subprocess.DEVNULL)
+            bench(url, rate, path, argparse.Namespace(**{**vars(args), "output_len": int(out_len)}), 100 + k)
             used = cpu_seconds(proc.pid) - before
             s = json.load(open(path))
             rows.append({"output_len": int(out_len), "rate": rate, "cpu_s": used, "duration_s": s["duration"],
