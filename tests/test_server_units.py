@@ -302,3 +302,47 @@ def test_bench_serve_clients_warm_up_before_the_clock_starts(tmp_path):
     assert all(abs((t - t_first) - (d - due[0])) < 0.15 for (t, _), d in zip(posts, due))
     s = json.loads((tmp_path / "b.json").read_text())
     assert s["completed"] == n and s["prefix_cache_hit_rate"] is None
+
+
+def test_servers_parse_http_with_httptools_on_uvloop(tmp_path):
+    """run_app (every server's) serves on uvloop with httptools' parser, which the serve extra installs: ~20% less
+    of the server process's CPU a request than h11 on asyncio (BENCHMARKS.md, twentieth session). Asked of a
+    running server: its handler's event loop, and which of uvicorn's HTTP implementations it loaded."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code = f"""
+import asyncio, sys
+from fastapi import FastAPI
+from picovllm.entrypoints.openai.api_server import ServerSettings, run_app
+app = FastAPI()
+
+@app.get("/stack")
+async def stack():
+    return {{"loop": type(asyncio.get_running_loop()).__module__,
+             "http": sorted(m.rsplit(".", 1)[1] for m in sys.modules if m.startswith("uvicorn.protocols.http."))}}
+
+run_app(app, None, ServerSettings(port={port}, log_level="warning"))
+"""
+    proc = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 60
+        while True:
+            try:
+                got = httpx.get(f"http://127.0.0.1:{port}/stack", timeout=5).json()
+                break
+            except httpx.HTTPError:
+                assert proc.poll() is None and time.time() < deadline, proc.stderr.read() if proc.poll() else "slow"
+                time.sleep(0.2)
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=30)
+    assert got["loop"].startswith("uvloop"), got
+    assert "httptools_impl" in got["http"] and "h11_impl" not in got["http"], got
+    assert proc.returncode == 0 and "install uvloop" not in err, err

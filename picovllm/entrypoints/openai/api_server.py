@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import logging
 import signal
 import threading
@@ -199,11 +200,23 @@ def front_end_app(engine: EngineClient, tokenizer, args, name: str, metrics: Ser
     return build_app(ServingContext(engine, worker, metrics, name), settings), settings
 
 
+def http_stack() -> tuple[str, str]:
+    """uvicorn's HTTP parser and event loop: httptools and uvloop (C; the serve extra installs them) where they
+    import, else h11 and asyncio (pure Python). The server process spent ~20% less CPU a request on them
+    (BENCHMARKS.md, twentieth session): what a busy front-end can serve before it queues requests."""
+    def have(name: str) -> bool:
+        return importlib.util.find_spec(name) is not None
+    return "httptools" if have("httptools") else "h11", "uvloop" if have("uvloop") else "asyncio"
+
+
 def run_app(app: FastAPI, engine: EngineClient, settings: ServerSettings) -> None:
     """Serve app, in front of engine, until SIGTERM/SIGINT, then shut down gracefully (every server: serve's, a P or
     D server's, the proxy's and the router's, whose settings keep the access log off)."""
+    http, loop = http_stack()
+    if (http, loop) != ("httptools", "uvloop"):
+        logger.warning("serving HTTP with %s on %s (install uvloop and httptools for less CPU a request)", http, loop)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                            access_log=settings.access_log,
+                            access_log=settings.access_log, http=http, loop=loop,
                             timeout_graceful_shutdown=settings.shutdown_timeout + BACKSTOP_SECONDS)
     _Server(config, engine, settings.shutdown_timeout).run()
 
