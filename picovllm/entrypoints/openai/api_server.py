@@ -52,6 +52,7 @@ class ServerSettings:
     chat_template: str | None = None    # the template's text (tokenizer_worker.load_chat_template), or the model's
     trust_request_chat_template: bool = False   # a request's chat_template may replace it
     engine_process: bool = True         # the engine loop in a process of its own (engine_process.py), not a thread
+    api_server_count: int = 1           # HTTP processes in front of the one engine process (api_workers.py)
 
 
 def build_app(ctx: ServingContext, settings: ServerSettings, openai_routes: bool = True) -> FastAPI:
@@ -209,16 +210,21 @@ def http_stack() -> tuple[str, str]:
     return "httptools" if have("httptools") else "h11", "uvloop" if have("uvloop") else "asyncio"
 
 
-def run_app(app: FastAPI, engine: EngineClient, settings: ServerSettings) -> None:
-    """Serve app, in front of engine, until SIGTERM/SIGINT, then shut down gracefully (every server: serve's, a P or
-    D server's, the proxy's and the router's, whose settings keep the access log off)."""
+def make_server(app: FastAPI, engine: EngineClient, settings: ServerSettings) -> _Server:
+    """The uvicorn server of every server (serve's, a P or D server's, the proxy's and the router's, whose settings
+    keep the access log off): run() serves until SIGTERM/SIGINT, then shuts down gracefully."""
     http, loop = http_stack()
     if (http, loop) != ("httptools", "uvloop"):
         logger.warning("serving HTTP with %s on %s (install uvloop and httptools for less CPU a request)", http, loop)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                             access_log=settings.access_log, http=http, loop=loop,
                             timeout_graceful_shutdown=settings.shutdown_timeout + BACKSTOP_SECONDS)
-    _Server(config, engine, settings.shutdown_timeout).run()
+    return _Server(config, engine, settings.shutdown_timeout)
+
+
+def run_app(app: FastAPI, engine: EngineClient, settings: ServerSettings) -> None:
+    """Serve app, in front of engine, on settings' host and port until SIGTERM/SIGINT (make_server)."""
+    make_server(app, engine, settings).run()
 
 
 def served_name(settings: ServerSettings, model: str | None) -> str:
@@ -226,10 +232,14 @@ def served_name(settings: ServerSettings, model: str | None) -> str:
     return settings.served_model_name or default_model_name(model)
 
 
-def serve(engine_config: EngineConfig, settings: ServerSettings) -> None:
-    """Load the model, then serve until SIGTERM/SIGINT; returns after a graceful shutdown."""
+def serve(engine_config: EngineConfig, settings: ServerSettings) -> int:
+    """Load the model, then serve until SIGTERM/SIGINT; returns the exit code after a graceful shutdown (not 0:
+    with several API servers, one of the processes died)."""
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     name = served_name(settings, engine_config.model)
+    if settings.api_server_count > 1:
+        from picovllm.entrypoints.openai.api_workers import serve_with_api_servers
+        return serve_with_api_servers(engine_config, settings, name)
     metrics = ServerMetrics(name)
     from picovllm.entrypoints.openai.engine_process import open_async_engine   # the engine's side: torch
     async_engine, tokenizer, stop = open_async_engine(engine_config, settings, metrics)
@@ -241,3 +251,4 @@ def serve(engine_config: EngineConfig, settings: ServerSettings) -> None:
     app = build_app(ServingContext(async_engine, worker, metrics, name), settings)
     logger.info("serving %s on http://%s:%d", name, settings.host, settings.port)
     run_app(app, async_engine, settings)
+    return 0

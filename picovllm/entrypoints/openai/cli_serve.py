@@ -18,6 +18,13 @@ def is_linked_pair(args: argparse.Namespace, role: str) -> bool:
     return args.kv_transfer != "cuda_ipc" or bool(args.kv_peer if role == "d" else args.kv_port)
 
 
+def _positive(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
+
+
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("serve", help="serve the OpenAI-compatible HTTP API",
                               description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.")
@@ -37,6 +44,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                    help="run the engine loop in a process of its own, not a thread beside the HTTP server's, so the "
                         "two never wait for each other's GIL (default: on; --no-engine-process: one process)")
+    p.add_argument("--api-server-count", type=_positive, default=1,
+                   help="HTTP server processes in front of the one engine process, sharing the port: each parses "
+                        "requests and streams tokens on a CPU core of its own (default 1; colocated only)")
     pd = p.add_argument_group("disaggregated serving (--role p|d, behind `picovllm proxy` or `picovllm router`)")
     pd.add_argument("--kv-host", default="127.0.0.1", help="--role p: where to listen for the decode server")
     pd.add_argument("--kv-port", type=int, default=0, help="--role p: the port the decode server connects to")
@@ -80,10 +90,12 @@ def main(args: argparse.Namespace) -> int:
                               shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
                               access_log=args.access_log, chat_template=template,
                               trust_request_chat_template=args.trust_request_chat_template,
-                              engine_process=args.engine_process)
+                              engine_process=args.engine_process, api_server_count=args.api_server_count)
+    if args.api_server_count > 1 and (config.role != "pd" or not args.engine_process):
+        raise SystemExit("error: --api-server-count: several API servers need the engine in a process of its own "
+                         "(not --no-engine-process) and a colocated server (not --role p or d)")
     if config.role == "pd":
-        serve(config, settings)
-        return 0
+        return serve(config, settings)
     from picovllm.disagg.auth import FleetSecret
     try:
         secret = FleetSecret.load(args.pd_secret_file)

@@ -13,6 +13,11 @@ token so far), and pickling 256 of them whole took 3-9 ms a step on the CPU (500
 
 The child ignores SIGINT (a terminal's Ctrl-C reaches the whole process group; the parent shuts the child down) and
 ends when the parent's pipe closes, so it never outlives the server.
+
+Several API servers (`serve --api-server-count N`, api_workers.py): one engine process, a pair of pipes per API
+server process besides the parent's, which then carries only start-up and shutdown. Each request's outputs go back
+on the pipe it came in on; an API server that leaves (its pipe closes, or it says Shutdown) has its requests
+aborted, and the engine goes on for the others.
 """
 from __future__ import annotations
 
@@ -23,13 +28,15 @@ import multiprocessing as mp
 import signal
 import threading
 from collections.abc import Callable
+from multiprocessing.connection import wait as wait_for_pipes
 from typing import Any
 
 from picovllm.config import EngineConfig
 from picovllm.disagg.messages import common_prefix
 from picovllm.engine.llm_engine import Engine, tokenizer_of
 from picovllm.entrypoints.openai.async_engine import AsyncEngine
-from picovllm.entrypoints.openai.engine_client import Command, EngineClient, Shutdown, freeze_for_serving
+from picovllm.entrypoints.openai.engine_client import (AbortAll, AbortRequest, AddRequest, Command, EngineClient,
+                                                       Shutdown, freeze_for_serving)
 from picovllm.loader import open_model_source
 from picovllm.outputs import CompletionOutput, RequestOutput
 
@@ -104,32 +111,114 @@ class _PipeCommands:
             pass
 
 
-class ProcessAsyncEngine(EngineClient):
+class PipeEngineClient(EngineClient):
+    """The event loop's side of an engine loop in another process, over a pair of pipes (commands out, outputs in):
+    one thread reads the outputs and hands them to the event loop. info: what the engine said of itself once
+    built (model, role, eos). observe_engine: whether the engine's stats go to the metrics (with several API
+    servers, one of them publishes the engine's gauges and counters). on_end: called on the event loop once the
+    engine's side has ended (an API server process then exits)."""
+
+    def __init__(self, commands, outputs, metrics=None, info: dict | None = None, observe_engine: bool = True,
+                 on_end: Callable[[], None] | None = None) -> None:
+        super().__init__(_PipeCommands(commands), metrics)
+        self._out = outputs
+        self._outputs = OutputsFromDeltas()     # the reader thread's
+        self._info: dict[str, Any] | None = info
+        self._observe_engine = observe_engine
+        self.on_end = on_end
+        self._reader: threading.Thread | None = None
+
+    def model_info(self) -> dict:
+        return dict((self._info or {}).get("model", {}))
+
+    def role_info(self) -> dict:
+        return dict((self._info or {}).get("role", {}))
+
+    def eos_token_ids(self) -> list[int] | None:
+        return list((self._info or {}).get("eos", []))
+
+    # -- lifecycle (event loop side) -------------------------------------------------------------
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._reader = threading.Thread(target=self._read, name="picovllm-engine-reader", daemon=True)
+        self._reader.start()
+
+    @property
+    def is_running(self) -> bool:
+        return self._reader is not None and self._reader.is_alive()
+
+    async def shutdown(self) -> None:
+        """Leave the engine: what this side still has in flight is aborted, and the engine says its last."""
+        self._commands.put(Shutdown())
+        if self._reader is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._reader.join, 60)
+
+    # -- the reader thread -----------------------------------------------------------------------
+    def _read(self) -> None:
+        why = "the engine process has ended"
+        try:
+            while True:
+                kind, *body = self._out.recv()
+                if kind == "end":
+                    why = body[0]
+                    break
+                items, self.stats = body
+                outputs = [self._outputs.decode(m) if m[0] != "answer" else m[1] for m in items]
+                if self.metrics and self._observe_engine:
+                    self.metrics.observe_engine(self.stats)
+                self._finish_outputs(outputs)
+                if outputs:
+                    self._loop.call_soon_threadsafe(self._dispatch, outputs)
+        except (EOFError, OSError):
+            why = self._died()
+        finally:
+            self._loop.call_soon_threadsafe(self._ended, why)
+
+    def _died(self) -> str:
+        logger.error("the engine process died")
+        return "the engine process died"
+
+    def _ended(self, why: str) -> None:
+        self._fail_all_streams(why)
+        if self.on_end is not None:
+            self.on_end()
+
+
+class ProcessAsyncEngine(PipeEngineClient):
     """Spawns the engine's process at once; wait_ready() blocks until the engine is built (or raises why not).
 
     build(config) makes the Engine in the child (a P or D server's also links it to its peer); loop_cls runs it
     there: an AsyncEngine subclass with PipeEnds first among its bases. Both are pickled by reference (module-level
-    functions and classes, or a functools.partial of one)."""
+    functions and classes, or a functools.partial of one).
+
+    api_servers > 0: the engine also gets that many pairs of pipes (api_ends: each API server's two ends, to hand
+    to its process), and this side's pair carries only start-up and shutdown (nothing reads it in between)."""
 
     def __init__(self, config: EngineConfig, metrics=None, log_level: str = "info",
-                 build: Callable[[EngineConfig], Any] | None = None, loop_cls: type | None = None) -> None:
+                 build: Callable[[EngineConfig], Any] | None = None, loop_cls: type | None = None,
+                 api_servers: int = 0) -> None:
         ctx = mp.get_context("spawn")
-        cmd_read, cmd_write = ctx.Pipe(duplex=False)
-        out_read, out_write = ctx.Pipe(duplex=False)
-        super().__init__(_PipeCommands(cmd_write), metrics)
+        pairs = [(ctx.Pipe(duplex=False), ctx.Pipe(duplex=False)) for _ in range(1 + api_servers)]
+        (cmd_read, cmd_write), (out_read, out_write) = pairs[0]
+        super().__init__(cmd_write, out_read, metrics)
+        commands = [p[0][0] for p in pairs] if api_servers else cmd_read
+        results = [p[1][1] for p in pairs] if api_servers else out_write
         # not a daemon: the engine may start processes of its own (tensor-parallel ranks)
+        loop_cls = loop_cls or (SharedChildLoop if api_servers else ChildLoop)
         self._proc = ctx.Process(target=_child_main, name="picovllm-engine",
-                                 args=(config, build, loop_cls or ChildLoop, cmd_read, out_write, log_level))
+                                 args=(config, build, loop_cls, commands, results, log_level))
         self._proc.start()
-        cmd_read.close()
-        out_write.close()
-        self._out = out_read
-        self._outputs = OutputsFromDeltas()     # the reader thread's
-        self._info: dict[str, Any] | None = None      # the child's model_info and role_info, once ready
-        self._reader: threading.Thread | None = None
+        for (c_read, _), (_, o_write) in pairs:
+            c_read.close()
+            o_write.close()
+        self.api_ends = [(c_write, o_read) for (_, c_write), (o_read, _) in pairs[1:]]
         # Ours runs before multiprocessing's own exit handler, which waits for the child: on a way out that skipped
         # shutdown() (a second Ctrl-C), the closed pipe is what tells the child to end.
         atexit.register(cmd_write.close)
+
+    @property
+    def info(self) -> dict | None:
+        return self._info
 
     def wait_ready(self) -> None:
         """Block until the child has built its engine. If it could not: ValueError (a bad configuration, as Engine()
@@ -145,26 +234,19 @@ class ProcessAsyncEngine(EngineClient):
             raise {"ValueError": ValueError, "SystemExit": SystemExit}.get(error, RuntimeError)(why)
         self._info = body
 
-    def model_info(self) -> dict:
-        return dict((self._info or {}).get("model", {}))
-
-    def role_info(self) -> dict:
-        return dict((self._info or {}).get("role", {}))
-
-    def eos_token_ids(self) -> list[int] | None:
-        return list((self._info or {}).get("eos", []))
-
     # -- lifecycle (event loop side) -------------------------------------------------------------
     def start(self) -> None:
         if self._info is None:
             self.wait_ready()
-        self._loop = asyncio.get_running_loop()
-        self._reader = threading.Thread(target=self._read, name="picovllm-engine-reader", daemon=True)
-        self._reader.start()
+        super().start()
 
     @property
     def is_running(self) -> bool:
-        return self._reader is not None and self._reader.is_alive() and self._proc.is_alive()
+        return super().is_running and self._proc.is_alive()
+
+    @property
+    def alive(self) -> bool:
+        return self._proc.is_alive()
 
     async def shutdown(self) -> None:
         """Abort whatever is still in flight, stop the child and wait for it."""
@@ -181,31 +263,13 @@ class ProcessAsyncEngine(EngineClient):
             self._reader.join(5)
 
     def stop(self) -> None:
-        """From outside an event loop (start-up failed): stop the child."""
+        """From outside an event loop (start-up failed, or the API servers have gone): stop the child."""
         self._commands.put(Shutdown())
         self.join()
 
-    # -- the reader thread -----------------------------------------------------------------------
-    def _read(self) -> None:
-        why = "the engine process has ended"
-        try:
-            while True:
-                kind, *body = self._out.recv()
-                if kind == "end":
-                    why = body[0]
-                    break
-                items, self.stats = body
-                outputs = [self._outputs.decode(m) if m[0] != "answer" else m[1] for m in items]
-                if self.metrics:
-                    self.metrics.observe_engine(self.stats)
-                self._finish_outputs(outputs)
-                if outputs:
-                    self._loop.call_soon_threadsafe(self._dispatch, outputs)
-        except (EOFError, OSError):
-            why = "the engine process died"
-            logger.error("the engine process died (exit code %s)", self._proc.exitcode)
-        finally:
-            self._loop.call_soon_threadsafe(self._fail_all_streams, why)
+    def _died(self) -> str:
+        logger.error("the engine process died (exit code %s)", self._proc.exitcode)
+        return "the engine process died"
 
 
 class PipeEnds:
@@ -243,28 +307,120 @@ class PipeEnds:
             pass
 
 
+class SharedPipeEnds(PipeEnds):
+    """PipeEnds for several API server processes: pipe 0 is the parent's (start-up and shutdown only), pipes 1..N
+    the API servers'. Each request's outputs go back on the pipe its AddRequest came in on; the engine's stats go
+    to API server 1, which publishes them (the others' metrics would count them again). An API server that says
+    Shutdown gets its requests' aborts and then "end"; one whose pipe breaks has its requests aborted. AbortAll
+    and AbortRequest reach only the sender's own requests."""
+
+    def __init__(self, engine, commands: list, results: list) -> None:
+        super().__init__(engine, commands[0], results[0])
+        self._ins, self._outs = commands, results
+        self._owner: dict[str, int] = {}            # request id -> the API server that added it
+        self._open = set(range(1, len(commands)))   # API servers still sending
+        self._leaving: set[int] = set()             # said Shutdown: their last outputs, then "end"
+
+    def _receive(self, timeout_s: float | None) -> list[Command]:
+        cmds: list[Command] = []
+        for conn in wait_for_pipes([self._ins[0], *(self._ins[k] for k in sorted(self._open))], timeout_s):
+            k = self._ins.index(conn)
+            try:
+                while conn.poll(0):
+                    cmds += self._from(k, conn.recv())
+            except (EOFError, OSError):             # that process is gone
+                cmds += self._leave(k, gone=True)
+        return cmds
+
+    def _from(self, k: int, cmd: Command) -> list[Command]:
+        if k == 0:
+            return [cmd]
+        if isinstance(cmd, AddRequest):
+            rid = cmd.request_id
+            if rid in self._owner:                  # another API server's: refused here, never taken over
+                self._send(k, ("step", [("answer", (rid, ValueError(f"request_id {rid!r} is already in use")))],
+                               self.stats))
+                return []
+            self._owner[rid] = k
+            return [cmd]
+        if isinstance(cmd, AbortAll):
+            return self._aborts(k)
+        if isinstance(cmd, Shutdown):
+            return self._leave(k, gone=False)
+        return [cmd] if self._owner.get(cmd.request_id) == k else []
+
+    def _aborts(self, k: int) -> list[Command]:
+        return [AbortRequest(rid) for rid, owner in self._owner.items() if owner == k]
+
+    def _leave(self, k: int, gone: bool) -> list[Command]:
+        if k == 0:                                  # the parent: the engine shuts down
+            return [Shutdown()]
+        self._open.discard(k)
+        if not gone:
+            self._leaving.add(k)
+        logger.info("API server %d has left the engine (%d requests aborted)", k, len(self._aborts(k)))
+        return self._aborts(k)
+
+    def _deliver(self, outputs: list) -> None:
+        per: dict[int, list] = {}
+        for o in outputs:
+            if isinstance(o, RequestOutput):
+                rid, item, done = o.request_id, self._deltas.encode(o), o.finished
+            else:                                   # an answer: an Exception ends the request
+                rid, item, done = o[0], ("answer", o), isinstance(o[1], Exception)
+            k = self._owner.pop(rid, None) if done else self._owner.get(rid)
+            if k is not None:
+                per.setdefault(k, []).append(item)
+        if self.stats != self._sent_stats:
+            per.setdefault(1, [])
+            self._sent_stats = self.stats
+        for k, items in per.items():
+            self._send(k, ("step", items, self.stats))
+        for k in self._leaving:
+            self._send(k, ("end", "this API server has left the engine"))
+        self._leaving.clear()
+
+    def _send(self, k: int, msg: tuple) -> None:
+        if k in self._open or k in self._leaving:
+            try:
+                self._outs[k].send(msg)
+            except OSError:                         # gone: its requests are aborted when its pipe reads EOF
+                self._open.discard(k)
+
+    def _deliver_end(self, why: str) -> None:
+        for k in sorted(self._open | self._leaving):
+            self._send(k, ("end", why))
+        super()._deliver_end(why)
+
+
 class ChildLoop(PipeEnds, AsyncEngine):
     """A colocated server's loop in its engine process."""
 
 
+class SharedChildLoop(SharedPipeEnds, AsyncEngine):
+    """A colocated server's loop in its engine process, for several API server processes."""
+
+
 def _child_main(config: EngineConfig, build, loop_cls: type, commands, results, log_level: str) -> None:
+    """commands and results: the parent's pipes, or lists of pipes (the parent's first, then each API server's)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    parent = results[0] if isinstance(results, list) else results
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         engine = (build or Engine)(config)
     except ValueError as e:     # a configuration the engine refuses: the parent reports it as the thread would
-        results.send(("failed", ("ValueError", str(e))))
+        parent.send(("failed", ("ValueError", str(e))))
         return
     except SystemExit as e:     # build's own message for the command line
-        results.send(("failed", ("SystemExit", str(e.code))))
+        parent.send(("failed", ("SystemExit", str(e.code))))
         return
     except Exception as e:      # noqa: BLE001 - the parent reports it and exits
         logger.exception("the engine could not be built")
-        results.send(("failed", ("RuntimeError", f"the engine could not be built: {type(e).__name__}: {e}")))
+        parent.send(("failed", ("RuntimeError", f"the engine could not be built: {type(e).__name__}: {e}")))
         return
     loop = loop_cls(engine, commands, results)
     freeze_for_serving()        # this process lives as long as the server
-    results.send(("ready", {"model": loop.model_info(), "role": loop.role_info(), "eos": loop.eos_token_ids()}))
+    parent.send(("ready", {"model": loop.model_info(), "role": loop.role_info(), "eos": loop.eos_token_ids()}))
     try:
         loop._run()
     finally:

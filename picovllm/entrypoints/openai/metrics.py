@@ -1,7 +1,16 @@
-"""Prometheus metrics for one server, in its own registry (never the process-global one)."""
+"""Prometheus metrics for one server, in its own registry (never the process-global one).
+
+Several API server processes (`serve --api-server-count`, api_workers.py) each count their own requests into files
+under $PROMETHEUS_MULTIPROC_DIR (prometheus_client's multiprocess mode, chosen when it is imported: the parent sets
+the variable before it spawns them); /metrics, in whichever process answers it, adds up every process's files.
+One of them observes the engine's stats, so its gauges are taken as the processes' maximum.
+"""
 from __future__ import annotations
 
+import os
+
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from picovllm.outputs import RequestOutput
 
@@ -22,7 +31,7 @@ class ServerMetrics:
             return Counter(name, doc, ln + list(extra), registry=r)
 
         def gauge(name, doc):
-            return Gauge(name, doc, ln, registry=r).labels(**labels)
+            return Gauge(name, doc, ln, registry=r, multiprocess_mode="max").labels(**labels)
 
         def hist(name, doc):
             return Histogram(name, doc, ln, buckets=LATENCY_BUCKETS, registry=r).labels(**labels)
@@ -75,4 +84,8 @@ class ServerMetrics:
         self.outcomes[outcome].inc()
 
     def render(self) -> tuple[bytes, str]:
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        if "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
+            return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        every_process = CollectorRegistry()
+        MultiProcessCollector(every_process)
+        return generate_latest(every_process), CONTENT_TYPE_LATEST
