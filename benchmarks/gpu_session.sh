@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything the GPU fast path needs measured, in one device call. Full logs go to $OUT (or /tmp/out).
 # Usage: bash benchmarks/gpu_session.sh [tests] [kernels] [splits] [sync] [throughput] [greedy] [eager] [latency] [prefill] [profile]
-#        [planner]   (the planner against served runs, colocated: needs fastapi and uvicorn, carried as wheels)
+#        [planner]   (the planner against served runs, colocated: needs fastapi and uvicorn, carried as wheels;
+#                     API_SERVERS=N: the colocated server's --api-server-count)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1
@@ -22,7 +23,7 @@ for what in "$@"; do
     latency) log=latency lines=40 bench latency --timeline ;;
     planner) timeout ${PLANNER_TIMEOUT:-520} python3 benchmarks/planner_vs_measured.py "$OUT/planner" --preset qwen3-0.6b --dtype bfloat16 \
                --num-kv-blocks 16384 --rates ${PLANNER_RATES:-10 40 80} --input-len 512 --output-len 64 --num-prompts 400 \
-               --ttft-slo-ms 50 --itl-slo-ms 20 > "$OUT/planner.log" 2>&1
+               --ttft-slo-ms 50 --itl-slo-ms 20 --api-server-count ${API_SERVERS:-1} > "$OUT/planner.log" 2>&1
              find "$OUT/planner" -name '*.safetensors' -delete
              grep -E "calibrated|predicted/measured|agree" "$OUT/planner.log" ;;
     *) log=$what bench "$what" ;;

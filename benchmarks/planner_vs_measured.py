@@ -96,6 +96,7 @@ def main() -> None:
     p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                    help="the servers' engine loops in processes of their own (serve's default; before the fourteenth "
                         "session's runs, the thread was: --no-engine-process)")
+    p.add_argument("--api-server-count", default="1", help="the colocated server's HTTP processes (serve's flag)")
     p.add_argument("--reuse", metavar="DIR", help="take the checkpoint and profile.json of an earlier run's OUT_DIR "
                    "(an A/B of serve options over one profile)")
     p.add_argument("--rate-per-client", type=float, default=20.0,
@@ -113,7 +114,8 @@ def main() -> None:
                        check=True)
     measured = []
     proc, url = start(args.out, "colocated", "serve", "--model", model, *engine,
-                      *([] if args.engine_process else ["--no-engine-process"]))
+                      *([] if args.engine_process else ["--no-engine-process"]),
+                      "--api-server-count", args.api_server_count)
     try:
         warm(url)
         for seed, rate in enumerate(args.rates):
