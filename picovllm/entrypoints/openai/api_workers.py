@@ -111,7 +111,10 @@ def _api_server_main(config: EngineConfig, settings: ServerSettings, name: str, 
 
     metrics = ServerMetrics(name)
     client = PipeEngineClient(commands, outputs, metrics, info, observe_engine=index == 1)
-    worker = TokenizerWorker(load_tokenizer(config), settings.chat_template, settings.trust_request_chat_template)
+    try:
+        worker = TokenizerWorker(load_tokenizer(config), settings.chat_template, settings.trust_request_chat_template)
+    except ValueError as e:     # as a single server says it; the parent then stops the rest
+        raise SystemExit(f"error: {e}") from None
     server = make_server(build_app(ServingContext(client, worker, metrics, name), settings), client, settings)
     client.on_end = lambda: setattr(server, "should_exit", True)   # the engine has gone: stop (the parent stops all)
     server.run([sock])
