@@ -61,19 +61,15 @@ def serve_with_api_servers(config: EngineConfig, settings: ServerSettings, name:
     workers: list = []
     code = 0
     try:
-        try:
-            engine.wait_ready()
-        except BaseException:
-            engine.stop()
-            raise
         ctx = mp.get_context("spawn")
-        for k, (commands, outputs) in enumerate(engine.api_ends, 1):
+        for k, (commands, outputs) in enumerate(engine.api_ends, 1):     # they start while the engine is built
             w = ctx.Process(target=_api_server_main, name=f"picovllm-api-{k}",
-                            args=(config, settings, name, engine.info, sock, commands, outputs, k))
+                            args=(config, settings, name, sock, commands, outputs, k))
             w.start()
             commands.close()
             outputs.close()
             workers.append(w)
+        engine.wait_ready()         # or raises why not, as a single server does
         logger.info("serving %s on http://%s:%d with %d API servers", name, settings.host, settings.port, n)
         while not stop.wait(0.5):
             dead = [w.name for w in workers if not w.is_alive()] + ([] if engine.alive else ["the engine"])
@@ -99,22 +95,27 @@ def serve_with_api_servers(config: EngineConfig, settings: ServerSettings, name:
     return code
 
 
-def _api_server_main(config: EngineConfig, settings: ServerSettings, name: str, info: dict, sock: socket.socket,
-                     commands, outputs, index: int) -> None:
-    """One API server process: the OpenAI app over its pipes to the engine, on the shared socket."""
+def _api_server_main(config: EngineConfig, settings: ServerSettings, name: str, sock: socket.socket, commands,
+                     outputs, index: int) -> None:
+    """One API server process: the OpenAI app over its pipes to the engine, on the shared socket. Its tokenizer loads
+    while the engine is built; it serves once the engine says it is ready (and exits if it could not be built)."""
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from picovllm.entrypoints.openai.api_server import build_app, make_server
-    from picovllm.entrypoints.openai.engine_process import PipeEngineClient, load_tokenizer
+    from picovllm.entrypoints.openai.engine_process import PipeEngineClient, engine_ready, load_tokenizer
     from picovllm.entrypoints.openai.metrics import ServerMetrics
     from picovllm.entrypoints.openai.serving import ServingContext
     from picovllm.entrypoints.openai.tokenizer_worker import TokenizerWorker
 
-    metrics = ServerMetrics(name)
-    client = PipeEngineClient(commands, outputs, metrics, info, observe_engine=index == 1)
     try:
         worker = TokenizerWorker(load_tokenizer(config), settings.chat_template, settings.trust_request_chat_template)
     except ValueError as e:     # as a single server says it; the parent then stops the rest
         raise SystemExit(f"error: {e}") from None
+    try:
+        info = engine_ready(outputs)
+    except BaseException:       # the parent reports why
+        return
+    metrics = ServerMetrics(name)
+    client = PipeEngineClient(commands, outputs, metrics, info, observe_engine=index == 1)
     server = make_server(build_app(ServingContext(client, worker, metrics, name), settings), client, settings)
     client.on_end = lambda: setattr(server, "should_exit", True)   # the engine has gone: stop (the parent stops all)
     server.run([sock])

@@ -79,6 +79,9 @@ def main(args: argparse.Namespace) -> int:
         template = load_chat_template(args.chat_template) if args.chat_template is not None else None
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
+    if args.api_server_count > 1 and (args.role != "pd" or not args.engine_process):
+        raise SystemExit("error: --api-server-count: several API servers need the engine in a process of its own "
+                         "(not --no-engine-process) and a colocated server (not --role p or d)")
     config = engine_config_from_args(args, model=args.model or args.model_tag)
     for flag, given in (("--chat-template", template is not None),
                         ("--trust-request-chat-template", args.trust_request_chat_template)):
@@ -91,9 +94,6 @@ def main(args: argparse.Namespace) -> int:
                               access_log=args.access_log, chat_template=template,
                               trust_request_chat_template=args.trust_request_chat_template,
                               engine_process=args.engine_process, api_server_count=args.api_server_count)
-    if args.api_server_count > 1 and (config.role != "pd" or not args.engine_process):
-        raise SystemExit("error: --api-server-count: several API servers need the engine in a process of its own "
-                         "(not --no-engine-process) and a colocated server (not --role p or d)")
     if config.role == "pd":
         return serve(config, settings)
     from picovllm.disagg.auth import FleetSecret

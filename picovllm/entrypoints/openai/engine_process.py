@@ -184,6 +184,19 @@ class PipeEngineClient(EngineClient):
             self.on_end()
 
 
+def engine_ready(outputs) -> dict:
+    """The engine process's first word on an outputs pipe: what it says of itself once built (model, role, eos), or
+    why it could not be built, raised as ValueError, SystemExit or RuntimeError."""
+    try:
+        kind, body = outputs.recv()
+    except (EOFError, OSError):
+        kind, body = "failed", ("RuntimeError", "the engine process exited before its engine was built")
+    if kind != "ready":
+        error, why = body
+        raise {"ValueError": ValueError, "SystemExit": SystemExit}.get(error, RuntimeError)(why)
+    return body
+
+
 class ProcessAsyncEngine(PipeEngineClient):
     """Spawns the engine's process at once; wait_ready() blocks until the engine is built (or raises why not).
 
@@ -224,15 +237,10 @@ class ProcessAsyncEngine(PipeEngineClient):
         """Block until the child has built its engine. If it could not: ValueError (a bad configuration, as Engine()
         raises it), SystemExit (what build exits with) or RuntimeError, with the child's reason."""
         try:
-            kind, body = self._out.recv()
-        except (EOFError, OSError):
-            self._proc.join(5)
-            kind, body = "failed", ("RuntimeError", f"the engine process exited with code {self._proc.exitcode}")
-        if kind != "ready":
+            self._info = engine_ready(self._out)
+        except BaseException:
             self._proc.join(10)
-            error, why = body
-            raise {"ValueError": ValueError, "SystemExit": SystemExit}.get(error, RuntimeError)(why)
-        self._info = body
+            raise
 
     # -- lifecycle (event loop side) -------------------------------------------------------------
     def start(self) -> None:
@@ -402,25 +410,34 @@ class SharedChildLoop(SharedPipeEnds, AsyncEngine):
 
 
 def _child_main(config: EngineConfig, build, loop_cls: type, commands, results, log_level: str) -> None:
-    """commands and results: the parent's pipes, or lists of pipes (the parent's first, then each API server's)."""
+    """commands and results: the parent's pipes, or lists of pipes (the parent's first, then each API server's,
+    which hear the engine's "ready" or "failed" too: they start while it is built)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    parent = results[0] if isinstance(results, list) else results
+    everyone = results if isinstance(results, list) else [results]
+
+    def tell(msg: tuple) -> None:
+        for conn in everyone:
+            try:
+                conn.send(msg)
+            except OSError:     # an API server that has gone already: its pipe reads EOF in the loop
+                pass
+
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         engine = (build or Engine)(config)
     except ValueError as e:     # a configuration the engine refuses: the parent reports it as the thread would
-        parent.send(("failed", ("ValueError", str(e))))
+        tell(("failed", ("ValueError", str(e))))
         return
     except SystemExit as e:     # build's own message for the command line
-        parent.send(("failed", ("SystemExit", str(e.code))))
+        tell(("failed", ("SystemExit", str(e.code))))
         return
     except Exception as e:      # noqa: BLE001 - the parent reports it and exits
         logger.exception("the engine could not be built")
-        parent.send(("failed", ("RuntimeError", f"the engine could not be built: {type(e).__name__}: {e}")))
+        tell(("failed", ("RuntimeError", f"the engine could not be built: {type(e).__name__}: {e}")))
         return
     loop = loop_cls(engine, commands, results)
     freeze_for_serving()        # this process lives as long as the server
-    parent.send(("ready", {"model": loop.model_info(), "role": loop.role_info(), "eos": loop.eos_token_ids()}))
+    tell(("ready", {"model": loop.model_info(), "role": loop.role_info(), "eos": loop.eos_token_ids()}))
     try:
         loop._run()
     finally:
