@@ -86,6 +86,14 @@ def add(side: Side, rid: str, ids: list[int], max_tokens: int) -> None:
                                   time.time()))
 
 
+def start_long(a: Side, b: Side, id_a: str, id_b: str) -> None:
+    """A long request from each API server, both under way."""
+    add(a, id_a, [5, 6, 7], 200)
+    add(b, id_b, [5, 6, 8], 200)
+    a.pump(lambda: id_a in a.last)
+    b.pump(lambda: id_b in b.last)
+
+
 def test_each_api_server_gets_its_own_requests_outputs(shared_loop, chat_model):
     _, (a, b), engine = shared_loop
     llm = LLM(chat_model, block_size=16, num_kv_blocks=64, max_model_len=256)
@@ -104,10 +112,7 @@ def test_each_api_server_gets_its_own_requests_outputs(shared_loop, chat_model):
 
 def test_abort_all_and_a_taken_id_reach_only_the_senders_requests(shared_loop):
     _, (a, b), engine = shared_loop
-    add(a, "long-a", [5, 6, 7], 200)
-    add(b, "long-b", [5, 6, 8], 200)
-    a.pump(lambda: "long-a" in a.last)
-    b.pump(lambda: "long-b" in b.last)
+    start_long(a, b, "long-a", "long-b")
     add(b, "long-a", [9, 9], 4)                 # a's id: refused to b, a's request untouched
     b.pump(lambda: "long-a" in b.answers)
     assert isinstance(b.answers["long-a"], ValueError) and "already in use" in str(b.answers["long-a"])
@@ -123,10 +128,7 @@ def test_abort_all_and_a_taken_id_reach_only_the_senders_requests(shared_loop):
 
 def test_an_api_server_that_leaves_or_breaks_has_only_its_requests_aborted(shared_loop):
     _, (a, b), engine = shared_loop
-    add(a, "a1", [5, 6, 7], 200)
-    add(b, "b1", [5, 6, 8], 200)
-    a.pump(lambda: "a1" in a.last)
-    b.pump(lambda: "b1" in b.last)
+    start_long(a, b, "a1", "b1")
     b.commands.send(Shutdown())                 # b leaves: its request aborted, then "end" to b only
     b.pump(lambda: b.ended is not None)
     assert b.done("b1") and b.last["b1"].outputs[0].finish_reason == "abort"

@@ -229,10 +229,6 @@ class ProcessAsyncEngine(PipeEngineClient):
         # shutdown() (a second Ctrl-C), the closed pipe is what tells the child to end.
         atexit.register(cmd_write.close)
 
-    @property
-    def info(self) -> dict | None:
-        return self._info
-
     def wait_ready(self) -> None:
         """Block until the child has built its engine. If it could not: ValueError (a bad configuration, as Engine()
         raises it), SystemExit (what build exits with) or RuntimeError, with the child's reason."""
