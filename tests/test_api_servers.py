@@ -27,6 +27,7 @@ from picovllm.entrypoints.cli import main as cli_main
 from picovllm.entrypoints.openai.engine_client import AbortAll, AddRequest, Shutdown
 from picovllm.entrypoints.openai.engine_process import OutputsFromDeltas, SharedChildLoop
 from serving_fixtures import ServerProcess, chat_model  # noqa: F401 - a fixture
+from test_engine_process import spawned
 from test_server_lifecycle import assert_exited, children_of
 
 ENGINE_ARGS = ["--block-size", "16", "--num-kv-blocks", "512", "--max-model-len", "256"]
@@ -139,18 +140,6 @@ def test_an_api_server_that_leaves_or_breaks_has_only_its_requests_aborted(share
     while "a1" in engine.requests:
         assert time.time() < deadline
         time.sleep(0.05)
-
-
-def spawned(pid: int) -> list[int]:
-    """The server's spawned children, oldest first: the engine's process, then the API servers (without
-    multiprocessing's resource tracker)."""
-    out = []
-    for p in children_of(pid):
-        with open(f"/proc/{p}/cmdline", "rb") as f:
-            if b"spawn_main" in f.read():
-                with open(f"/proc/{p}/stat") as st:
-                    out.append((int(st.read().rsplit(")", 1)[1].split()[19]), p))     # start time
-    return [p for _, p in sorted(out)]
 
 
 def metrics_dir(pid: int) -> str:

@@ -40,13 +40,26 @@ def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
 
 
+def spawned(pid: int) -> list[int]:
+    """A server's spawned children, oldest first: its engine's process, then any API servers (not multiprocessing's
+    resource tracker)."""
+    out = []
+    for child in children_of(pid):
+        try:
+            with open(f"/proc/{child}/cmdline", "rb") as f:
+                if b"spawn_main" in f.read():
+                    with open(f"/proc/{child}/stat") as st:
+                        out.append((int(st.read().rsplit(")", 1)[1].split()[19]), child))     # start time
+        except OSError:     # gone meanwhile
+            pass
+    return [child for _, child in sorted(out)]
+
+
 def engine_child(server) -> int:
     """The engine's process among the server's children (the other is multiprocessing's resource tracker)."""
-    for pid in children_of(server.proc.pid):
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            if b"spawn_main" in f.read():
-                return pid
-    raise AssertionError("no engine process")
+    kids = spawned(server.proc.pid)
+    assert kids, "no engine process"
+    return kids[0]
 
 
 def idle(server, timeout=20.0) -> dict:
@@ -157,14 +170,22 @@ def test_output_deltas_rebuild_every_output(chat_model):
     assert not enc._sent and not dec._last                  # nothing kept for finished requests
 
 
-def test_a_model_the_engine_refuses_ends_the_server_as_the_thread_does(tmp_path):
-    """Engine() raising in the child: the command line reports it as it reports the thread's (exit 2, the reason)."""
+@pytest.mark.parametrize("api_servers", [[], ["--api-server-count", "2"]], ids=["one", "two-api-servers"])
+def test_a_model_the_engine_refuses_ends_the_server_as_the_thread_does(tmp_path, api_servers):
+    """Engine() raising in the child: the command line reports it as it reports the thread's (exit 2, the reason),
+    and with several API servers (started while the engine is built) no process is left."""
     bad = tmp_path / "model"
     bad.mkdir()
     (bad / "config.json").write_text('{"architectures": ["NoSuchForCausalLM"], "model_type": "nope"}')
-    srv = ServerProcess(str(bad), str(tmp_path / "server.log"), PROCESS, startup_timeout=None)
+    srv = ServerProcess(str(bad), str(tmp_path / "server.log"), PROCESS, *api_servers, startup_timeout=None)
+    kids, deadline = [], time.time() + 60
+    while len(kids) < (3 if api_servers else 1) and srv.proc.poll() is None and time.time() < deadline:
+        kids = spawned(srv.proc.pid)        # the engine (and the API servers) import torch before it fails
+        time.sleep(0.05)
+    assert kids, "no process was spawned"
     assert srv.proc.wait(120) == 2
-    assert "error: config.json architectures=['NoSuchForCausalLM']: unsupported architecture" in srv.log()
+    assert "serve: error: config.json architectures=['NoSuchForCausalLM']: unsupported architecture" in srv.log()
+    assert_exited(kids)
 
 
 def test_the_thread_mode_serves_as_the_offline_api(chat_model, tmp_path):
