@@ -227,3 +227,21 @@ def test_bad_api_server_flags_are_refused_by_name(flags, says, capsys):
     with pytest.raises(SystemExit) as e:
         cli_main(["serve", "--model", "unused", *flags])
     assert e.value.code != 0 and says in f"{e.value.code} {capsys.readouterr().err}"
+
+
+def test_sigterm_while_the_engine_is_built_stops_everything(chat_model, tmp_path):
+    """A server told to stop while it starts (a rolling restart): the parent exits at once instead of waiting for
+    the engine, and every process it started ends."""
+    srv = ServerProcess(chat_model, str(tmp_path / "server.log"), *ENGINE_ARGS, "--engine-process",
+                        "--api-server-count", "2", startup_timeout=None)
+    try:
+        kids, deadline = [], time.time() + 60
+        while len(kids) < 3:            # the engine and both API servers started (none is serving yet)
+            assert srv.proc.poll() is None and time.time() < deadline, srv.log()
+            kids = spawned(srv.proc.pid)
+            time.sleep(0.02)
+        srv.proc.send_signal(signal.SIGTERM)
+        assert srv.proc.wait(60) == 130, srv.log()
+        assert_exited(children_of(srv.proc.pid) + kids, timeout_s=60)
+    finally:
+        srv.stop()

@@ -55,7 +55,11 @@ def serve_with_api_servers(config: EngineConfig, settings: ServerSettings, name:
     metrics_dir = tempfile.mkdtemp(prefix="picovllm-metrics-")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir      # before the spawns: each process reads it at import
     stop = threading.Event()
-    handlers = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def interrupt(*_) -> None:      # until the engine is ready: what Ctrl-C does anyway, and the cleanup below runs
+        raise KeyboardInterrupt
+
+    handlers = {s: signal.signal(s, interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
     sock = bind(settings.host, settings.port)
     engine = ProcessAsyncEngine(config, None, settings.log_level, api_servers=n)
     workers: list = []
@@ -70,6 +74,8 @@ def serve_with_api_servers(config: EngineConfig, settings: ServerSettings, name:
             outputs.close()
             workers.append(w)
         engine.wait_ready()         # or raises why not, as a single server does
+        for sig in handlers:        # serving: a signal drains the API servers, then the engine stops
+            signal.signal(sig, lambda *_: stop.set())
         logger.info("serving %s on http://%s:%d with %d API servers", name, settings.host, settings.port, n)
         while not stop.wait(0.5):
             dead = [w.name for w in workers if not w.is_alive()] + ([] if engine.alive else ["the engine"])
@@ -98,7 +104,9 @@ def serve_with_api_servers(config: EngineConfig, settings: ServerSettings, name:
 def _api_server_main(config: EngineConfig, settings: ServerSettings, name: str, sock: socket.socket, commands,
                      outputs, index: int) -> None:
     """One API server process: the OpenAI app over its pipes to the engine, on the shared socket. Its tokenizer loads
-    while the engine is built; it serves once the engine says it is ready (and exits if it could not be built)."""
+    while the engine is built; it serves once the engine says it is ready (and exits if it could not be built).
+    Until it serves it ignores SIGINT (a terminal's Ctrl-C reaches the whole group; the parent sends SIGTERM)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from picovllm.entrypoints.openai.api_server import build_app, make_server
     from picovllm.entrypoints.openai.engine_process import PipeEngineClient, engine_ready, load_tokenizer

@@ -234,7 +234,7 @@ class ProcessAsyncEngine(PipeEngineClient):
         raises it), SystemExit (what build exits with) or RuntimeError, with the child's reason."""
         try:
             self._info = engine_ready(self._out)
-        except BaseException:
+        except (ValueError, SystemExit, RuntimeError):      # the child is ending
             self._proc.join(10)
             raise
 
