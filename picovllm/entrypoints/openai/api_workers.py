@@ -52,6 +52,7 @@ def serve_with_api_servers(config: EngineConfig, settings: ServerSettings, name:
     from picovllm.entrypoints.openai.engine_process import ProcessAsyncEngine   # the engine's side: torch
 
     n = settings.api_server_count
+    sock = bind(settings.host, settings.port)
     metrics_dir = tempfile.mkdtemp(prefix="picovllm-metrics-")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir      # before the spawns: each process reads it at import
     stop = threading.Event()
@@ -60,7 +61,6 @@ def serve_with_api_servers(config: EngineConfig, settings: ServerSettings, name:
         raise KeyboardInterrupt
 
     handlers = {s: signal.signal(s, interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
-    sock = bind(settings.host, settings.port)
     engine = ProcessAsyncEngine(config, None, settings.log_level, api_servers=n)
     workers: list = []
     code = 0
@@ -96,6 +96,7 @@ def serve_with_api_servers(config: EngineConfig, settings: ServerSettings, name:
         engine.stop()
         sock.close()
         shutil.rmtree(metrics_dir, ignore_errors=True)
+        os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
         for s, h in handlers.items():
             signal.signal(s, h)
     return code
