@@ -42,7 +42,6 @@ def bind(host: str, port: int) -> socket.socket:
         sock.close()
         raise SystemExit(f"error: cannot listen on {host}:{port}: {e.strerror}") from None
     sock.listen(2048)
-    sock.set_inheritable(True)
     return sock
 
 

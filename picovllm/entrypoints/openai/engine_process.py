@@ -115,17 +115,16 @@ class PipeEngineClient(EngineClient):
     """The event loop's side of an engine loop in another process, over a pair of pipes (commands out, outputs in):
     one thread reads the outputs and hands them to the event loop. info: what the engine said of itself once
     built (model, role, eos). observe_engine: whether the engine's stats go to the metrics (with several API
-    servers, one of them publishes the engine's gauges and counters). on_end: called on the event loop once the
-    engine's side has ended (an API server process then exits)."""
+    servers, one of them publishes the engine's gauges and counters). on_end, if set: called on the event loop once
+    the engine's side has ended (an API server process then exits)."""
 
-    def __init__(self, commands, outputs, metrics=None, info: dict | None = None, observe_engine: bool = True,
-                 on_end: Callable[[], None] | None = None) -> None:
+    def __init__(self, commands, outputs, metrics=None, info: dict | None = None, observe_engine: bool = True) -> None:
         super().__init__(_PipeCommands(commands), metrics)
         self._out = outputs
         self._outputs = OutputsFromDeltas()     # the reader thread's
         self._info: dict[str, Any] | None = info
         self._observe_engine = observe_engine
-        self.on_end = on_end
+        self.on_end: Callable[[], None] | None = None
         self._reader: threading.Thread | None = None
 
     def model_info(self) -> dict:
@@ -362,8 +361,9 @@ class SharedPipeEnds(PipeEnds):
         self._open.discard(k)
         if not gone:
             self._leaving.add(k)
-        logger.info("API server %d has left the engine (%d requests aborted)", k, len(self._aborts(k)))
-        return self._aborts(k)
+        aborts = self._aborts(k)
+        logger.info("API server %d has left the engine (%d requests aborted)", k, len(aborts))
+        return aborts
 
     def _deliver(self, outputs: list) -> None:
         per: dict[int, list] = {}
