@@ -233,8 +233,10 @@ class ProcessAsyncEngine(PipeEngineClient):
         raises it), SystemExit (what build exits with) or RuntimeError, with the child's reason."""
         try:
             self._info = engine_ready(self._out)
-        except (ValueError, SystemExit, RuntimeError):      # the child is ending
+        except (ValueError, SystemExit, RuntimeError) as e:      # the child is ending
             self._proc.join(10)
+            if self._proc.exitcode:     # it died (a reported failure returns: exit code 0)
+                raise RuntimeError(f"{e} (exit code {self._proc.exitcode})") from None
             raise
 
     # -- lifecycle (event loop side) -------------------------------------------------------------
