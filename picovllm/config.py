@@ -231,6 +231,8 @@ class EngineConfig:
     quantization: str = "auto"            # weights on the CPU: "auto" (a GGUF's own 4/8-bit form) | "none" (fp32)
                                           # | "q8_0" (an HF folder quantized at load) | "bf16" (CPU decode)
     kv_cache_dtype: str = "auto"          # "auto" (the model's dtype) | "fp8" / "fp8_e4m3" (float8 e4m3fn, scaled)
+    stream_interval: int = 1              # a streamed request's outputs: its first token, then every this many
+                                          # tokens, and its last (vLLM's and SGLang's --stream-interval)
 
     def __post_init__(self) -> None:
         import torch
@@ -264,6 +266,9 @@ class EngineConfig:
             raise bad("cpu_kv_cache_gib", "must be > 0")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise bad("num_kv_blocks", "must be >= 1")
+        if not isinstance(self.stream_interval, int) or isinstance(self.stream_interval, bool) \
+                or self.stream_interval < 1:
+            raise bad("stream_interval", "must be an int >= 1")
         if self.attention_backend not in ("auto", "torch", "triton", "cpu"):
             raise bad("attention_backend", "must be 'auto', 'torch', 'triton' or 'cpu'")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:

@@ -551,7 +551,7 @@ class Engine:
             req.num_pending_tokens -= 1
             self.append_token(req, token, logprobs, now)
             self.block_manager.cache_full_blocks(req)   # a block ending in this token may be full now
-            if unfinished_outputs or req.is_finished:
+            if req.is_finished or (unfinished_outputs and self._streams_now(req)):
                 outputs.append(self.make_output(req))
             if req.is_finished:
                 self._drop(req)
@@ -585,7 +585,13 @@ class Engine:
                 if lp.decoded_token is None:
                     lp.decoded_token = self.tokenizer.decode([tok])
 
+    def _streams_now(self, req: Request) -> bool:
+        """A running request's output goes out at its first token, then once stream_interval tokens are new."""
+        return req.num_streamed_tokens == 0 \
+            or len(req.output_token_ids) - req.num_streamed_tokens >= self.config.stream_interval
+
     def make_output(self, req: Request) -> RequestOutput:
+        req.num_streamed_tokens = len(req.output_token_ids)
         if req.logprobs is not None:
             for d in req.logprobs:
                 self._decode_tokens(d)

@@ -52,6 +52,7 @@ class Request:
         self.cumulative_logprob = 0.0
         self.metrics = RequestMetrics(arrival_time=arrival_time or time.time())
         self.text = ""                   # detokenized output (stop string trimmed)
+        self.num_streamed_tokens = 0     # output tokens in the last RequestOutput made (EngineConfig.stream_interval)
         self.detok_state: object | None = None
         self.max_tokens = params.max_tokens  # resolved against max_model_len by the engine
         self.grammar = None              # structured outputs: a GrammarState, set by the engine
