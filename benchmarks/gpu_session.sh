@@ -3,6 +3,8 @@
 # Usage: bash benchmarks/gpu_session.sh [tests] [kernels] [splits] [sync] [throughput] [greedy] [eager] [latency] [prefill] [profile]
 #        [planner]   (the planner against served runs, colocated: needs fastapi and uvicorn, carried as wheels;
 #                     API_SERVERS=N: the colocated server's --api-server-count)
+#        [frontend]  (the server's front-end and engine process CPU a request, 1- and 64-token requests;
+#                     STREAM_INTERVAL=N: the server's --stream-interval; FRONTEND_RUNS: OUTPUT_LEN:RATE runs)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1
@@ -26,6 +28,11 @@ for what in "$@"; do
                --ttft-slo-ms 50 --itl-slo-ms 20 --api-server-count ${API_SERVERS:-1} > "$OUT/planner.log" 2>&1
              find "$OUT/planner" -name '*.safetensors' -delete
              grep -E "calibrated|predicted/measured|agree" "$OUT/planner.log" ;;
+    frontend) python3 benchmarks/frontend_cpu.py "$OUT/frontend" --preset qwen3-0.6b --dtype bfloat16 --num-kv-blocks 16384 \
+                --num-prompts 400 --runs ${FRONTEND_RUNS:-1:80 64:160} --stream-interval ${STREAM_INTERVAL:-1} \
+                > "$OUT/frontend.log" 2>&1
+              find "$OUT/frontend" -name '*.safetensors' -delete
+              grep -E "front-end|Error" "$OUT/frontend.log" ;;
     *) log=$what bench "$what" ;;
   esac
   echo "== $what took $(( $(date +%s) - t0 )) s"
