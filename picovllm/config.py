@@ -233,6 +233,10 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"          # "auto" (the model's dtype) | "fp8" / "fp8_e4m3" (float8 e4m3fn, scaled)
     stream_interval: int = 1              # a streamed request's outputs: its first token, then every this many
                                           # tokens, and its last (vLLM's and SGLang's --stream-interval)
+    generation_config: str = "auto"       # sampling defaults for requests that leave them unset: "auto" (the
+                                          # model folder's generation_config.json), "vllm" (none), or a folder
+    override_generation_config: dict | str | None = None   # JSON: set or replace those defaults
+                                                           # (picovllm/generation_config.py, vLLM's flags)
 
     def __post_init__(self) -> None:
         import torch
@@ -269,6 +273,10 @@ class EngineConfig:
         if not isinstance(self.stream_interval, int) or isinstance(self.stream_interval, bool) \
                 or self.stream_interval < 1:
             raise bad("stream_interval", "must be an int >= 1")
+        from picovllm.generation_config import parse_override
+        self.override_generation_config = parse_override(self.override_generation_config)
+        if not isinstance(self.generation_config, str) or not self.generation_config:
+            raise bad("generation_config", "must be 'auto', 'vllm' or a folder path")
         if self.attention_backend not in ("auto", "torch", "triton", "cpu"):
             raise bad("attention_backend", "must be 'auto', 'torch', 'triton' or 'cpu'")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:

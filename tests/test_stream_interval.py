@@ -57,8 +57,8 @@ def test_a_stream_through_the_async_engine_adds_up_to_the_same_completion(tiny_m
 
     for outs, r in zip(asyncio.run(main()), ref):
         counts = [n for n, _ in outs]
-        assert counts[0] == 1 and counts[-1] == 12 and len(counts) <= 4      # 1, 6, 11, 12 unless coalesced
-        assert all(b - a >= 5 for a, b in zip(counts, counts[1:-1]))
+        # the engine's outputs are at 1, 6, 11 and 12 tokens; a slow reader may get several as one (the latest)
+        assert set(counts) <= {1, 6, 11, 12} and counts == sorted(set(counts)) and counts[-1] == 12
         last = outs[-1][1].outputs[0]
         assert last.token_ids == r.outputs[0].token_ids and last.text == r.outputs[0].text
         assert [d.keys() for d in last.logprobs] == [d.keys() for d in r.outputs[0].logprobs]

@@ -43,6 +43,7 @@ from picovllm.disagg.session import NAMES, ROLES, DisaggSession
 from picovllm.disagg.transfer import BACKENDS
 from picovllm.disagg.worker import worker_main
 from picovllm.entrypoints.llm import normalize_prompts
+from picovllm.generation_config import parse_override, sampling_defaults
 from picovllm.outputs import RequestOutput
 from picovllm.sampling_params import SamplingParams
 
@@ -78,6 +79,8 @@ class DisaggLLM:
             raise ValueError("secret: with remote_roles, pass the P/D secret the remote workers share "
                              "(and the listener's)")
         self.secret = secret or FleetSecret.generate()
+        self.sampling_defaults = sampling_defaults(model, engine_kwargs.get("generation_config", "auto"),
+                                                   parse_override(engine_kwargs.get("override_generation_config")))
         configs = _side_configs(model, engine_kwargs, prefill_device, decode_device, prefill or {}, decode or {})
         self.procs: dict[str, mp.Process] = {}
         self.channels: dict[str, Channel] = {}
@@ -162,9 +165,15 @@ class DisaggLLM:
         self._active = DisaggSession(self, next(self._sessions), opts, stream, fault or {})
         return self._active
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """As LLM's: the model's generation config on top of SamplingParams' defaults."""
+        return SamplingParams(**self.sampling_defaults)
+
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = False, timeout_s: float | None = None, **options) -> list[RequestOutput]:
         """As LLM.generate: one session with every prompt submitted at once, then closed and drained."""
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         prompts, params = normalize_prompts(prompts, sampling_params)
         s = self.session(**options)
         ids = [s.submit(p, sp) for p, sp in zip(prompts, params)]

@@ -196,7 +196,7 @@ def main(args: argparse.Namespace) -> int:
     tokenizer = source.load_tokenizer() if source.load_tokenizer is not None else None
     metrics = ServerMetrics(name)
     engine = ProxyEngine(pairs, secret, info, metrics)
-    app, settings = front_end_app(engine, tokenizer, args, name, metrics, template)
+    app, settings = front_end_app(engine, tokenizer, args, name, metrics, template, args.model or card["root"])
     logger.info("proxy for %d prefill/decode pairs on http://%s:%d: %s", len(pairs), args.host, args.port,
                 ", ".join(f"{p.prefill} -> {p.decode}" for p in pairs))
     run_app(app, engine, settings)

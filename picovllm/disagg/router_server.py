@@ -118,7 +118,7 @@ def main(args: argparse.Namespace) -> int:
     for inst in pool.instances.values():
         pool.observe(inst)
     engine = RouterEngine(pool, prefill_policy, decode_policy, info, metrics, pool.metrics)
-    app, settings = front_end_app(engine, tokenizer, args, name, metrics, template)
+    app, settings = front_end_app(engine, tokenizer, args, name, metrics, template, model or card["root"])
     add_admin_routes(app, engine)
     app.add_middleware(SignedRoutes, secret=secret, prefixes=("/admin/",))
     logger.info("router on http://%s:%d: %d prefill and %d decode instances; policies %s (P), %s (D)", args.host,

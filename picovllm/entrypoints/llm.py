@@ -12,6 +12,7 @@ from picovllm.engine.request import RequestStatus
 from picovllm.engine.step_loop import StepLoop
 from picovllm.entrypoints.beam_search import BeamSearchOutput, BeamSearchParams, search, step_params
 from picovllm.entrypoints.parallel_sampling import merge_samples, sample_params
+from picovllm.generation_config import sampling_defaults
 from picovllm.outputs import RequestOutput
 from picovllm.sampling_params import SamplingParams
 
@@ -36,7 +37,14 @@ def normalize_prompts(prompts, sampling_params) -> tuple[list, list[SamplingPara
 class LLM:
     def __init__(self, model: str | None = None, **kwargs) -> None:
         self.config = EngineConfig(model=model, **kwargs)
+        self.sampling_defaults = sampling_defaults(model, self.config.generation_config,
+                                                   self.config.override_generation_config)
         self.engine = Engine(self.config)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: SamplingParams with the model's generation config (picovllm/generation_config.py) on top of
+        SamplingParams' own defaults; what generate() and chat() use without sampling_params."""
+        return SamplingParams(**self.sampling_defaults)
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -57,6 +65,8 @@ class LLM:
                  use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """One RequestOutput per prompt, in order, with params.n CompletionOutputs (parallel_sampling.py).
         priority: one per prompt, for the "priority" scheduling policy (lower first)."""
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         prompts, params = normalize_prompts(prompts, sampling_params)
         priorities = self._priorities(priority, len(prompts))
         groups: list[list[str]] = []          # per prompt: its samples' request ids

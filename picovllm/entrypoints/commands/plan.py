@@ -6,6 +6,7 @@ import json
 import sys
 
 from picovllm.entrypoints.engine_args import add_engine_args, engine_config_from_args
+from picovllm.entrypoints.commands.args import SERVER_ONLY
 
 PREFIX_HITS_WARN = 0.05   # a measured run whose servers took more of its prompt tokens from their prefix cache
 
@@ -40,7 +41,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--plot", default=None, help="with --measured: a PNG of predicted against measured")
     p.add_argument("--result-json", default=None)
     p.add_argument("--model", default=None, help="with --measure-profile: the model (default: SmolLM2-135M-Instruct)")
-    add_engine_args(p, skip=("seed",))
+    add_engine_args(p, skip=("seed",) + SERVER_ONLY)
     p.set_defaults(func=run_plan)
 
 

@@ -32,6 +32,7 @@ from picovllm.entrypoints.openai.serving_chat import ChatHandler
 from picovllm.entrypoints.openai.serving_completion import CompletionHandler
 from picovllm.entrypoints.openai.serving_tokenize import detokenize, tokenize
 from picovllm.entrypoints.openai.tokenizer_worker import TokenizerWorker
+from picovllm.generation_config import describe, parse_override, sampling_defaults
 from picovllm.loader.default_model import DEFAULT_FILE
 
 logger = logging.getLogger("picovllm.server")
@@ -187,10 +188,24 @@ def default_model_name(model: str | None) -> str:
     return model if model is not None else DEFAULT_FILE.split(".")[0]
 
 
+def generation_defaults(model: str | None, mode: str, override) -> dict:
+    """The sampling defaults of requests that leave fields unset (picovllm/generation_config.py), logged as vLLM
+    logs them; a bad generation config stops the server naming it."""
+    try:
+        defaults = sampling_defaults(model, mode, parse_override(override))
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    if defaults:
+        logger.info(describe(defaults))
+    return defaults
+
+
 def front_end_app(engine: EngineClient, tokenizer, args, name: str, metrics: ServerMetrics,
-                  template: str | None) -> tuple[FastAPI, ServerSettings]:
+                  template: str | None, model: str) -> tuple[FastAPI, ServerSettings]:
     """The OpenAI app of a front end over other servers' engines (the proxy's, the router's), from the flags of
-    cli_proxy.add_front_end_args; run it with run_app."""
+    cli_proxy.add_front_end_args; run it with run_app. model: where the tokenizer and generation config come
+    from."""
+    defaults = generation_defaults(model, args.generation_config, args.override_generation_config)
     try:
         worker = TokenizerWorker(tokenizer, template, args.trust_request_chat_template)
     except ValueError as e:
@@ -198,7 +213,7 @@ def front_end_app(engine: EngineClient, tokenizer, args, name: str, metrics: Ser
     settings = ServerSettings(host=args.host, port=args.port, api_key=args.api_key, served_model_name=name,
                               max_request_bytes=args.max_request_bytes, shutdown_timeout=args.shutdown_timeout,
                               log_level=args.log_level)
-    return build_app(ServingContext(engine, worker, metrics, name), settings), settings
+    return build_app(ServingContext(engine, worker, metrics, name, defaults), settings), settings
 
 
 def http_stack() -> tuple[str, str]:
@@ -237,9 +252,11 @@ def serve(engine_config: EngineConfig, settings: ServerSettings) -> int:
     with several API servers, one of the processes died)."""
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     name = served_name(settings, engine_config.model)
+    defaults = generation_defaults(engine_config.model, engine_config.generation_config,
+                                   engine_config.override_generation_config)
     if settings.api_server_count > 1:
         from picovllm.entrypoints.openai.api_workers import serve_with_api_servers
-        return serve_with_api_servers(engine_config, settings, name)
+        return serve_with_api_servers(engine_config, settings, name, defaults)
     metrics = ServerMetrics(name)
     from picovllm.entrypoints.openai.engine_process import open_async_engine   # the engine's side: torch
     async_engine, tokenizer, stop = open_async_engine(engine_config, settings, metrics)
@@ -248,7 +265,7 @@ def serve(engine_config: EngineConfig, settings: ServerSettings) -> int:
     except ValueError as e:
         stop()
         raise SystemExit(f"error: {e}") from None
-    app = build_app(ServingContext(async_engine, worker, metrics, name), settings)
+    app = build_app(ServingContext(async_engine, worker, metrics, name, defaults), settings)
     logger.info("serving %s on http://%s:%d", name, settings.host, settings.port)
     run_app(app, async_engine, settings)
     return 0

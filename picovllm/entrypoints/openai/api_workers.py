@@ -45,9 +45,9 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve_with_api_servers(config: EngineConfig, settings: ServerSettings, name: str) -> int:
+def serve_with_api_servers(config: EngineConfig, settings: ServerSettings, name: str, defaults: dict) -> int:
     """Serve with settings.api_server_count API server processes until SIGINT/SIGTERM; the exit code (1: a process
-    died)."""
+    died). defaults: the requests' sampling defaults (api_server.generation_defaults)."""
     from picovllm.entrypoints.openai.engine_process import ProcessAsyncEngine   # the engine's side: torch
 
     n = settings.api_server_count
@@ -67,7 +67,7 @@ def serve_with_api_servers(config: EngineConfig, settings: ServerSettings, name:
         ctx = mp.get_context("spawn")
         for k, (commands, outputs) in enumerate(engine.api_ends, 1):     # they start while the engine is built
             w = ctx.Process(target=_api_server_main, name=f"picovllm-api-{k}",
-                            args=(config, settings, name, sock, commands, outputs, k))
+                            args=(config, settings, name, defaults, sock, commands, outputs, k))
             w.start()
             commands.close()
             outputs.close()
@@ -101,8 +101,8 @@ def serve_with_api_servers(config: EngineConfig, settings: ServerSettings, name:
     return code
 
 
-def _api_server_main(config: EngineConfig, settings: ServerSettings, name: str, sock: socket.socket, commands,
-                     outputs, index: int) -> None:
+def _api_server_main(config: EngineConfig, settings: ServerSettings, name: str, defaults: dict,
+                     sock: socket.socket, commands, outputs, index: int) -> None:
     """One API server process: the OpenAI app over its pipes to the engine, on the shared socket. Its tokenizer loads
     while the engine is built; it serves once the engine says it is ready (and exits if it could not be built).
     Until it serves it ignores SIGINT (a terminal's Ctrl-C reaches the whole group; the parent sends SIGTERM)."""
@@ -124,6 +124,7 @@ def _api_server_main(config: EngineConfig, settings: ServerSettings, name: str, 
         return
     metrics = ServerMetrics(name)
     client = PipeEngineClient(commands, outputs, metrics, info, observe_engine=index == 1)
-    server = make_server(build_app(ServingContext(client, worker, metrics, name), settings), client, settings)
+    server = make_server(build_app(ServingContext(client, worker, metrics, name, defaults), settings), client,
+                         settings)
     client.on_end = lambda: setattr(server, "should_exit", True)   # the engine has gone: stop (the parent stops all)
     server.run([sock])

@@ -32,6 +32,11 @@ def add_front_end_args(p: argparse.ArgumentParser, model_default: str, waits_for
     p.add_argument("--shutdown-timeout", type=float, default=10.0)
     p.add_argument("--startup-timeout", type=float, default=300.0, help=f"seconds to wait for {waits_for}")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--generation-config", default="auto",
+                   help="sampling defaults for requests that leave them unset: 'auto' (the model folder's "
+                        "generation_config.json), 'vllm' (none) or a folder holding one (as serve's)")
+    p.add_argument("--override-generation-config", default=None,
+                   help='JSON that sets or replaces those defaults, e.g. \'{"temperature": 0.5}\'')
 
 
 def main(args: argparse.Namespace) -> int:

@@ -208,13 +208,23 @@ class _SamplingRequest(_StructuredRequest, _RefusedCommon):
             raise ValueError(f"keys must be token ids (decimal strings), got {bad[:20]!r}")
         return v
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """Raises APIError(400) naming the field when the combination is invalid."""
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        defaults: dict | None = None) -> SamplingParams:
+        """defaults: the model's generation config (picovllm/generation_config.py) for the fields this request left
+        unset; its max_tokens caps the request's. Raises APIError(400) naming the field when the combination is
+        invalid."""
+        d = defaults or {}
+
+        def own(value, name: str, fallback):
+            return value if value is not None else d.get(name, fallback)
+
+        if "max_tokens" in d:
+            max_tokens = d["max_tokens"] if max_tokens is None else min(max_tokens, d["max_tokens"])
         try:
             return SamplingParams(
-                temperature=1.0 if self.temperature is None else self.temperature,
-                top_p=1.0 if self.top_p is None else self.top_p,
-                n=self.n, top_k=self.top_k or 0, min_p=self.min_p or 0.0, seed=self.seed, max_tokens=max_tokens,
+                temperature=own(self.temperature, "temperature", 1.0), top_p=own(self.top_p, "top_p", 1.0),
+                n=self.n, top_k=own(self.top_k, "top_k", 0), min_p=own(self.min_p, "min_p", 0.0), seed=self.seed,
+                max_tokens=max_tokens,
                 min_tokens=self.min_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids,
                 ignore_eos=self.ignore_eos, logprobs=logprobs, prompt_logprobs=self.prompt_logprob_count(),
                 skip_special_tokens=self.skip_special_tokens,
@@ -222,7 +232,7 @@ class _SamplingRequest(_StructuredRequest, _RefusedCommon):
                 allowed_token_ids=self.allowed_token_ids, truncate_prompt_tokens=self.truncate_prompt_tokens,
                 bad_words=self.bad_words,
                 presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
-                repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+                repetition_penalty=own(self.repetition_penalty, "repetition_penalty", 1.0),
                 logit_bias=self.logit_bias, structured_outputs=self.structured_output_params())
         except ValueError as e:
             raise APIError(400, str(e)) from None

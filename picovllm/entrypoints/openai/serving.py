@@ -6,7 +6,7 @@ import json
 import re
 import time
 from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -35,6 +35,8 @@ class ServingContext:
     tokenizer: TokenizerWorker
     metrics: ServerMetrics
     model_name: str
+    # the model's generation config: sampling defaults for fields a request leaves unset (generation_config.py)
+    sampling_defaults: dict = field(default_factory=dict)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:

@@ -30,7 +30,7 @@ class ChatHandler:
         if req.stream and req.prompt_logprobs is not None:
             raise APIError(400, "prompt_logprobs is not supported with stream=true in chat completions "
                                 "(it comes in the response body)", param="prompt_logprobs")
-        params = req.sampling_params(req.max_new_tokens, k)
+        params = req.sampling_params(req.max_new_tokens, k, ctx.sampling_defaults)
         policy = req.tool_policy()
         ids = await ctx.tokenizer.encode_chat([m.as_template_dict() for m in req.messages], req.add_generation_prompt,
                                               req.add_special_tokens, tools=policy.tools if policy.active else None,

@@ -27,7 +27,7 @@ class CompletionHandler:
         ctx.check_model(req.model)
         ctx.check_special_token_spaces(req.spaces_between_special_tokens)
         prompt = req.single_prompt()
-        params = req.sampling_params(req.max_tokens, req.logprobs)
+        params = req.sampling_params(req.max_tokens, req.logprobs, ctx.sampling_defaults)
         samples = req.samples(params)
         ids = await ctx.tokenizer.encode(prompt, req.add_special_tokens) if isinstance(prompt, str) else prompt
         cut = req.truncate_prompt_tokens is not None and len(ids) > req.truncate_prompt_tokens
