@@ -115,5 +115,8 @@ def test_a_server_applies_the_models_generation_config(tmp_path, chat_model):
                                use_tqdm=False)[0].outputs[0]
             assert got["choices"][0]["text"] == ref.text and got["usage"]["completion_tokens"] == runs
         assert "default sampling parameters from the model's generation config" in srv.log()
+        pre = httpx.options(srv.url + "/v1/completions", headers={"origin": "http://app.example",
+                                                                   "access-control-request-method": "POST"})
+        assert "access-control-allow-origin" not in pre.headers       # no CORS unless --allowed-origins
     finally:
         assert srv.stop(signal.SIGTERM) == 0

@@ -67,9 +67,19 @@ def stream_tokens(url: str, body: dict, result: dict, first: threading.Event) ->
 
 def test_api_key_and_graceful_sigterm(long_context_model, tmp_path):
     srv = ServerProcess(long_context_model, str(tmp_path / "server.log"), "--api-key", KEY, "--shutdown-timeout",
-                        str(GRACE), "--num-kv-blocks", "1024", "--max-model-len", "8192")
+                        str(GRACE), "--num-kv-blocks", "1024", "--max-model-len", "8192",
+                        "--allowed-origins", '["http://app.example"]')
     try:
         model = long_context_model
+        # CORS: a browser's preflight carries no API key and is answered for the allowed origin only
+        ask = {"access-control-request-method": "POST", "access-control-request-headers": "authorization"}
+        pre = httpx.options(srv.url + "/v1/completions", headers={"origin": "http://app.example", **ask})
+        assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == "http://app.example"
+        pre = httpx.options(srv.url + "/v1/completions", headers={"origin": "http://evil.example", **ask})
+        assert pre.status_code == 400 and "access-control-allow-origin" not in pre.headers
+        r = httpx.post(srv.url + "/v1/completions", json={"model": model, "prompt": "hi", "max_tokens": 1},
+                       headers={"origin": "http://app.example", "authorization": f"Bearer {KEY}"})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://app.example"
         wrong = openai.OpenAI(base_url=srv.url + "/v1", api_key="sk-wrong", max_retries=0)
         with pytest.raises(openai.AuthenticationError):
             wrong.completions.create(model=model, prompt="hi", max_tokens=2)

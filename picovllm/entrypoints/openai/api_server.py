@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -54,6 +55,12 @@ class ServerSettings:
     trust_request_chat_template: bool = False   # a request's chat_template may replace it
     engine_process: bool = True         # the engine loop in a process of its own (engine_process.py), not a thread
     api_server_count: int = 1           # HTTP processes in front of the one engine process (api_workers.py)
+    # CORS (vLLM's --allowed-origins ...): browsers may call the API from these origins; none by default (vLLM
+    # allows every origin): a page on any site could otherwise drive a server on the user's own machine
+    allowed_origins: tuple[str, ...] = ()
+    allow_credentials: bool = False
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
 
 
 def build_app(ctx: ServingContext, settings: ServerSettings, openai_routes: bool = True) -> FastAPI:
@@ -106,7 +113,11 @@ def build_app(ctx: ServingContext, settings: ServerSettings, openai_routes: bool
     _add_error_handlers(app, ctx)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes)
     if settings.api_key:
-        app.add_middleware(APIKeyAuth, api_key=settings.api_key)   # outermost: checked before the body is read
+        app.add_middleware(APIKeyAuth, api_key=settings.api_key)   # checked before the body is read
+    if settings.allowed_origins:        # outermost: a browser's preflight (no API key) is answered here
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins),
+                           allow_credentials=settings.allow_credentials, allow_methods=list(settings.allowed_methods),
+                           allow_headers=list(settings.allowed_headers))
     return app
 
 
@@ -188,6 +199,12 @@ def default_model_name(model: str | None) -> str:
     return model if model is not None else DEFAULT_FILE.split(".")[0]
 
 
+def cors_settings(args) -> dict:
+    """ServerSettings' CORS fields from the flags of cli_proxy.add_cors_args."""
+    return dict(allowed_origins=tuple(args.allowed_origins), allow_credentials=args.allow_credentials,
+                allowed_methods=tuple(args.allowed_methods), allowed_headers=tuple(args.allowed_headers))
+
+
 def generation_defaults(model: str | None, mode: str, override) -> dict:
     """The sampling defaults of requests that leave fields unset (picovllm/generation_config.py), logged as vLLM
     logs them; a bad generation config stops the server naming it."""
@@ -212,7 +229,7 @@ def front_end_app(engine: EngineClient, tokenizer, args, name: str, metrics: Ser
         raise SystemExit(f"error: {e}") from None
     settings = ServerSettings(host=args.host, port=args.port, api_key=args.api_key, served_model_name=name,
                               max_request_bytes=args.max_request_bytes, shutdown_timeout=args.shutdown_timeout,
-                              log_level=args.log_level)
+                              log_level=args.log_level, **cors_settings(args))
     return build_app(ServingContext(engine, worker, metrics, name, defaults), settings), settings
 
 

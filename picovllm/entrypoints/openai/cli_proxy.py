@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 
 from picovllm.entrypoints.chat_template import CHAT_TEMPLATE_HELP, TRUST_TEMPLATE_HELP
 
@@ -17,6 +18,28 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     add_front_end_args(p, "the prefill servers' model path", "the servers")
     p.set_defaults(func=main)
     return p
+
+
+def _json_list(text: str) -> list[str]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f"must be a JSON list of strings, e.g. '[\"https://example.com\"]', "
+                                         f"got {text!r}")
+    return value
+
+
+def add_cors_args(p: argparse.ArgumentParser) -> None:
+    """CORS, as vLLM's flags (api_server.cors_settings reads them); off unless --allowed-origins names some."""
+    g = p.add_argument_group("CORS (browsers calling the API from other origins)")
+    g.add_argument("--allowed-origins", type=_json_list, default=[],
+                   help="JSON list of origins allowed, e.g. '[\"https://app.example.com\"]' or '[\"*\"]' "
+                        "(default: none; vLLM's default is every origin)")
+    g.add_argument("--allow-credentials", action="store_true", help="allow cookies and credentials")
+    g.add_argument("--allowed-methods", type=_json_list, default=["*"], help="JSON list (default: every method)")
+    g.add_argument("--allowed-headers", type=_json_list, default=["*"], help="JSON list (default: every header)")
 
 
 def add_front_end_args(p: argparse.ArgumentParser, model_default: str, waits_for: str) -> None:
@@ -37,6 +60,7 @@ def add_front_end_args(p: argparse.ArgumentParser, model_default: str, waits_for
                         "generation_config.json), 'vllm' (none) or a folder holding one (as serve's)")
     p.add_argument("--override-generation-config", default=None,
                    help='JSON that sets or replaces those defaults, e.g. \'{"temperature": 0.5}\'')
+    add_cors_args(p)
 
 
 def main(args: argparse.Namespace) -> int:

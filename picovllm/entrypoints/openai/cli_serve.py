@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 
 from picovllm.entrypoints.chat_template import CHAT_TEMPLATE_HELP, TRUST_TEMPLATE_HELP
+from picovllm.entrypoints.openai.cli_proxy import add_cors_args
 from picovllm.entrypoints.engine_args import add_engine_args, engine_config_from_args
 
 # Backends only a fleet has (picovllm.disagg.transfer.PULL_BACKENDS; not imported here: --help stays light).
@@ -47,6 +48,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--api-server-count", type=_positive, default=1,
                    help="HTTP server processes in front of the one engine process, sharing the port: each parses "
                         "requests and streams tokens on a CPU core of its own (default 1; colocated only)")
+    add_cors_args(p)
     pd = p.add_argument_group("disaggregated serving (--role p|d, behind `picovllm proxy` or `picovllm router`)")
     pd.add_argument("--kv-host", default="127.0.0.1", help="--role p: where to listen for the decode server")
     pd.add_argument("--kv-port", type=int, default=0, help="--role p: the port the decode server connects to")
@@ -71,7 +73,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def main(args: argparse.Namespace) -> int:
     from picovllm.entrypoints.chat_template import load_chat_template
-    from picovllm.entrypoints.openai.api_server import ServerSettings, serve
+    from picovllm.entrypoints.openai.api_server import ServerSettings, cors_settings, serve
 
     if args.model_tag and args.model and args.model_tag != args.model:
         raise SystemExit("error: give the model once (positional or --model)")
@@ -93,7 +95,8 @@ def main(args: argparse.Namespace) -> int:
                               shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
                               access_log=args.access_log, chat_template=template,
                               trust_request_chat_template=args.trust_request_chat_template,
-                              engine_process=args.engine_process, api_server_count=args.api_server_count)
+                              engine_process=args.engine_process, api_server_count=args.api_server_count,
+                              **cors_settings(args))
     if config.role == "pd":
         return serve(config, settings)
     from picovllm.disagg.auth import FleetSecret
