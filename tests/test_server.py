@@ -1104,3 +1104,100 @@ def test_bench_serve_round_robins_over_servers(server, chat_model, tmp_path):
         assert [a - b for a, b in zip(after, before)] == [5, 4]
     finally:
         assert second.stop(signal.SIGINT) == 0, second.log()
+
+
+# -- /v1/responses (OpenAI's Responses API, stateless, over the chat pipeline) ---------------------------------------
+def _responses_stream(events) -> tuple[list[str], str, object]:
+    """The event types in order (sequence numbers checked), the text deltas joined, and the final response."""
+    types, text, final = [], "", None
+    for k, e in enumerate(events):
+        assert e.sequence_number == k, (k, e)
+        types.append(e.type)
+        if e.type == "response.output_text.delta":
+            text += e.delta
+        if e.type in ("response.completed", "response.incomplete"):
+            final = e.response
+    return types, text, final
+
+
+def test_responses_match_llm_chat(server, client, llm):
+    """instructions + input as chat messages: the same reply as LLM.chat, streamed (OpenAI's event order) or not;
+    usage counts the chat prompt and the tokens; a stopped-by-length reply is incomplete."""
+    model = client.models.list().data[0].id
+    sys_msg = {"role": "system", "content": "Answer briefly."}
+    cases = [("Hello, how are you", [sys_msg, {"role": "user", "content": "Hello, how are you"}]),
+             ([{"role": "user", "content": [{"type": "input_text", "text": "Hi"}]},
+               {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Hello!"}]},
+               {"role": "user", "content": "Numbers: 0 1 2"}],
+              [sys_msg, {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
+               {"role": "user", "content": "Numbers: 0 1 2"}])]
+    for inp, conv in cases:
+        for limit in (12, 200):
+            ref = llm.chat(conv, SamplingParams(temperature=0, max_tokens=limit), use_tqdm=False)[0]
+            status = "incomplete" if ref.outputs[0].finish_reason == "length" else "completed"
+            kw = dict(model=model, input=inp, instructions="Answer briefly.", max_output_tokens=limit, temperature=0)
+            r = client.responses.create(**kw)
+            assert r.output_text == ref.outputs[0].text and r.status == status
+            assert (r.usage.input_tokens, r.usage.output_tokens) == (len(ref.prompt_token_ids),
+                                                                       len(ref.outputs[0].token_ids))
+            types, text, final = _responses_stream(client.responses.create(stream=True, **kw))
+            assert text == ref.outputs[0].text and final.output_text == text and final.status == status
+            head = ["response.created", "response.in_progress", "response.output_item.added",
+                    "response.content_part.added"]
+            tail = ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                    f"response.{status}"]
+            assert types[:4] == head and types[-4:] == tail and set(types[4:-4]) == {"response.output_text.delta"}
+    assert_idle(server)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"store": True}, "store"), ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"background": True}, "background"), ({"reasoning": {"effort": "low"}}, "reasoning"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0]"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type"),
+    ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"text": {"format": {"type": "yaml"}}}, "text.format"),
+    ({"temperature": 3}, "temperature"), ({"top_k": "many"}, "top_k"),
+])
+def test_responses_refuse_what_they_cannot_honour(server, body, param):
+    r = httpx.post(server.url + "/v1/responses", json={"input": "hi", "max_output_tokens": 2, **body})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_responses_tool_calls(tool_client):
+    """Function tools: a named call's item has the chat endpoint's name and arguments (same seed), streamed as
+    argument deltas too; a function_call and its output in the input continue the conversation as the chat
+    endpoint's tool_calls and tool message do."""
+    server, client = tool_client
+    model = client.models.list().data[0].id
+    tools = [{"type": "function", **t["function"]} for t in (CITY_TOOL, CLOCK_TOOL)]
+    ask = "What is the weather in Paris?"
+    for seed in range(2):
+        chat = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": ask}], tools=[CITY_TOOL, CLOCK_TOOL], seed=seed,
+            tool_choice={"type": "function", "function": {"name": "get_time"}}, max_tokens=120, temperature=1.0)
+        want = chat.choices[0].message.tool_calls[0].function
+        kw = dict(model=model, input=ask, tools=tools, tool_choice={"type": "function", "name": "get_time"},
+                  max_output_tokens=120, temperature=1.0, extra_body={"seed": seed})
+        r = client.responses.create(**kw)
+        calls = [o for o in r.output if o.type == "function_call"]
+        assert [(c.name, c.arguments) for c in calls] == [("get_time", want.arguments)] and calls[0].call_id
+        events = list(client.responses.create(stream=True, **kw))
+        args = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+        done = [e.item for e in events if e.type == "response.output_item.done"]
+        assert args == want.arguments and [(d.type, d.name, d.arguments) for d in done] == \
+            [("function_call", "get_time", want.arguments)]
+    history = [{"role": "user", "content": ask},
+               {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function", "function": {
+                   "name": "get_weather", "arguments": '{"city": "Paris", "days": 1}'}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 21 C"}]
+    want = client.chat.completions.create(model=model, messages=history, tools=[CITY_TOOL], tool_choice="none",
+                                          max_tokens=10, temperature=0).choices[0].message.content
+    items = [{"role": "user", "content": ask},
+             {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+              "arguments": '{"city": "Paris", "days": 1}'},
+             {"type": "function_call_output", "call_id": "call_1", "output": "Sunny, 21 C"}]
+    r = client.responses.create(model=model, input=items, tools=[tools[0]], tool_choice="none", max_output_tokens=10,
+                                temperature=0)
+    assert r.output_text == want
+    assert_idle(server)

@@ -31,13 +31,14 @@ from picovllm.entrypoints.openai.protocol import (APIError, ChatCompletionReques
 from picovllm.entrypoints.openai.serving import JSONBody, ServingContext
 from picovllm.entrypoints.openai.serving_chat import ChatHandler
 from picovllm.entrypoints.openai.serving_completion import CompletionHandler
+from picovllm.entrypoints.openai.serving_responses import ResponsesHandler, ResponsesRequest
 from picovllm.entrypoints.openai.serving_tokenize import detokenize, tokenize
 from picovllm.entrypoints.openai.tokenizer_worker import TokenizerWorker
 from picovllm.generation_config import describe, parse_override, sampling_defaults
 from picovllm.loader.default_model import DEFAULT_FILE
 
 logger = logging.getLogger("picovllm.server")
-GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions")
+GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 BACKSTOP_SECONDS = 5.0    # after the grace period and our abort, uvicorn cancels whatever still hangs
 
 
@@ -74,6 +75,7 @@ def build_app(ctx: ServingContext, settings: ServerSettings, openai_routes: bool
 
     app = FastAPI(title="picovllm", version="0.1.0", lifespan=lifespan)
     completions, chat = CompletionHandler(ctx), ChatHandler(ctx)
+    responses = ResponsesHandler(ctx, chat)
     started = int(time.time())
 
     if openai_routes:
@@ -84,6 +86,10 @@ def build_app(ctx: ServingContext, settings: ServerSettings, openai_routes: bool
         @app.post("/v1/chat/completions")
         async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Response:
             return await chat(body, raw)
+
+        @app.post("/v1/responses")
+        async def create_response(body: ResponsesRequest, raw: Request) -> Response:
+            return await responses(body, raw)
 
         @app.post("/tokenize")
         async def tokenize_route(body: TokenizeRequest) -> Response:
