@@ -1150,6 +1150,21 @@ def test_responses_match_llm_chat(server, client, llm):
     assert_idle(server)
 
 
+def test_responses_text_format_json_schema(server, client):
+    """text.format json_schema constrains the output as chat's response_format does: it parses and validates."""
+    import jsonschema
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                               "age": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["name", "age"], "additionalProperties": False}
+    model = client.models.list().data[0].id
+    for seed in range(3):
+        r = client.responses.create(model=model, input="A person as JSON", max_output_tokens=60, temperature=1.0,
+                                    text={"format": {"type": "json_schema", "name": "person", "schema": schema}},
+                                    extra_body={"seed": seed})
+        assert r.status == "completed"
+        jsonschema.validate(json.loads(r.output_text), schema)
+
+
 @pytest.mark.parametrize("body, param", [
     ({"store": True}, "store"), ({"previous_response_id": "resp_1"}, "previous_response_id"),
     ({"background": True}, "background"), ({"reasoning": {"effort": "low"}}, "reasoning"),
