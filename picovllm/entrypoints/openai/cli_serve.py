@@ -86,10 +86,12 @@ def main(args: argparse.Namespace) -> int:
                          "(not --no-engine-process) and a colocated server (not --role p or d)")
     config = engine_config_from_args(args, model=args.model or args.model_tag)
     for flag, given in (("--chat-template", template is not None),
-                        ("--trust-request-chat-template", args.trust_request_chat_template)):
+                        ("--trust-request-chat-template", args.trust_request_chat_template),
+                        ("--generation-config", args.generation_config != "auto"),
+                        ("--override-generation-config", args.override_generation_config is not None)):
         if given and config.role != "pd":
-            raise SystemExit(f"error: {flag}: a prefill or decode server renders no chat (the proxy or the router "
-                             f"does): give it to them")
+            raise SystemExit(f"error: {flag}: a prefill or decode server reads no OpenAI request (the proxy or the "
+                             f"router does): give it to them")
     settings = ServerSettings(host=args.host, port=args.port, api_key=args.api_key,
                               served_model_name=args.served_model_name, max_request_bytes=args.max_request_bytes,
                               shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
