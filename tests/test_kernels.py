@@ -471,6 +471,21 @@ def test_temperature_only_sampling_equals_the_tensor_path():
         assert got[greedy].tolist() == logits.float()[greedy].argmax(-1).tolist()
 
 
+def test_packed_rows_keep_the_temperatures_16_byte_aligned_for_every_batch_size():
+    """The fused sampler's one upload: seeds at 0, float32 temperatures from an even int64 index, so the pointer the
+    kernel gets is 16-byte aligned whatever the batch size (Triton compiles a variant per alignment; an odd batch
+    had one of its own, which a GPU run after the warm-up compiled: BENCHMARKS.md, twenty-first session)."""
+    from picovllm.layers.sampler import GREEDY_BELOW, packed_rows
+    for b in range(1, 10):
+        temps = [[0.0, 0.7, 1.3, GREEDY_BELOW / 2][i % 4] for i in range(b)]
+        seeds = [2 ** 40 + i for i in range(b)]
+        host, at = packed_rows(temps, seeds)
+        temp_view = host[at:].view(torch.float32)[:b]
+        assert (host.data_ptr() + 8 * at) % 16 == 0 and temp_view.data_ptr() % 16 == 0
+        assert host[:b].tolist() == seeds
+        assert temp_view.tolist() == [x if x >= GREEDY_BELOW else 0.0 for x in torch.tensor(temps).tolist()]
+
+
 ARGMAX_CASES = [   # exact comparisons: every logits dtype on the interpreter too
     case(device, dt, id=f"{kind}-{str(dt)[6:]}")
     for case, device, kind in ((interpreted, "cpu", "interp"), (compiled, "cuda", "gpu"))

@@ -23,8 +23,9 @@ specialize. So, kernel by kernel (kernels/*.py):
   tokens) or penalties (logits_processors copies to float32). Both are sampled.
 - greedy argmax (kernels/argmax.py, batches of few rows): the same, so greedy batches run on both dtypes
   (the "greedy_adjusted" step: a greedy row with a bias and penalties).
-- Alignment: every tensor a kernel receives is a fresh allocation or a slice starting at row 0, so
-  always 16-byte aligned; nothing to vary.
+- Alignment: every tensor a kernel receives is a fresh allocation, a slice starting at row 0, or (the fused
+  sampler's temperatures) a slice at an even int64 index (layers/sampler.packed_rows), so always 16-byte
+  aligned; nothing to vary.
 
 What the token count does change is outside Triton: cuBLAS picks its GEMM kernel by the row count
 (each loaded on first use, CUDA's lazy module loading), the caching allocator and the pinned host

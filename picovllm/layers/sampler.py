@@ -127,12 +127,23 @@ def sample_temperature_only(logits: torch.Tensor, temperatures: list[float], see
     applied in the same kernel."""
     from picovllm.kernels.sampling import gumbel_sample
     b = len(temperatures)
-    host = torch.empty(b + (b + 1) // 2, dtype=torch.long, pin_memory=True)
-    host[:b] = torch.tensor(_row_seeds(seeds), dtype=torch.long)
-    host[b:].view(torch.float32)[:b] = torch.tensor([x if x >= GREEDY_BELOW else 0.0 for x in temperatures],
-                                                    dtype=torch.float32)
+    host, at = packed_rows(temperatures, _row_seeds(seeds), pin=True)
     dev = host.to(logits.device, non_blocking=True)
-    return gumbel_sample(logits, dev[b:].view(torch.float32)[:b], dev[:b], words=words, word_rows=word_rows)
+    return gumbel_sample(logits, dev[at:].view(torch.float32)[:b], dev[:b], words=words, word_rows=word_rows)
+
+
+def packed_rows(temperatures: list[float], seeds: list[int], pin: bool = False) -> tuple[torch.Tensor, int]:
+    """One int64 buffer for one upload: the seeds at 0, the float32 temperatures (0 below GREEDY_BELOW) from int64
+    index `at`. `at` is even, so the temperatures start 16-byte aligned for every batch size: Triton compiles a
+    kernel per pointer alignment, and an odd batch's temperatures at index b had made a variant of the sampling
+    kernel of their own (one the start-up warm-up could miss, engine/warmup.py)."""
+    b = len(temperatures)
+    at = b + (b & 1)
+    host = torch.empty(at + (b + 1) // 2, dtype=torch.long, pin_memory=pin)
+    host[:b] = torch.tensor(seeds, dtype=torch.long)
+    host[at:].view(torch.float32)[:b] = torch.tensor([x if x >= GREEDY_BELOW else 0.0 for x in temperatures],
+                                                     dtype=torch.float32)
+    return host, at
 
 
 def _sample_on_gpu(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
