@@ -181,6 +181,9 @@ def test_models_health_and_named_errors(server, client, chat_model):
     models = client.models.list().data
     assert [m.id for m in models] == [chat_model]   # served under the --model it was given
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    assert httpx.get(server.url + "/ping").json() == httpx.post(server.url + "/ping").json() == {"status": "ok"}
+    from importlib.metadata import version
+    assert httpx.get(server.url + "/version").json() == {"version": version("picovllm")}
     model = models[0].id
     cases = [
         (dict(model="nope", prompt="hi"), "model"),

@@ -106,10 +106,15 @@ def build_app(ctx: ServingContext, settings: ServerSettings, openai_routes: bool
             **ctx.engine.model_info()}]}
 
     @app.get("/health")
+    @app.api_route("/ping", methods=["GET", "POST"])     # vLLM's (SageMaker's probe): the same answer
     async def health() -> Response:
         if not ctx.engine.is_running:
             return JSONBody(error_body("the engine loop is not running", "service_unavailable"), 503)
         return JSONBody({"status": "ok"})
+
+    @app.get("/version")
+    async def version() -> Response:
+        return JSONBody({"version": package_version()})
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -203,6 +208,15 @@ class _Server(uvicorn.Server):
 
 def default_model_name(model: str | None) -> str:
     return model if model is not None else DEFAULT_FILE.split(".")[0]
+
+
+def package_version() -> str:
+    """picovllm's installed version (GET /version, as vLLM's), or the source tree's when it is not installed."""
+    import importlib.metadata
+    try:
+        return importlib.metadata.version("picovllm")
+    except importlib.metadata.PackageNotFoundError:
+        return "0.1.0+source"
 
 
 def cors_settings(args) -> dict:
