@@ -1205,6 +1205,9 @@ def test_responses_tool_calls(tool_client):
         done = [e.item for e in events if e.type == "response.output_item.done"]
         assert args == want.arguments and [(d.type, d.name, d.arguments) for d in done] == \
             [("function_call", "get_time", want.arguments)]
+        with client.responses.stream(**kw) as stream:      # the SDK's accumulator takes the events as OpenAI's
+            final = stream.get_final_response()
+        assert [(o.type, o.name, o.arguments) for o in final.output] == [("function_call", "get_time", want.arguments)]
     history = [{"role": "user", "content": ask},
                {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function", "function": {
                    "name": "get_weather", "arguments": '{"city": "Paris", "days": 1}'}}]},

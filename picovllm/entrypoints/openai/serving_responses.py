@@ -239,7 +239,7 @@ class ResponsesHandler:
             at = {"item_id": done["id"], "output_index": output.index(done)}
             if done["type"] == "message":
                 part = done["content"][0]
-                return [event("response.output_text.done", **at, content_index=0, text=part["text"]),
+                return [event("response.output_text.done", **at, content_index=0, text=part["text"], logprobs=[]),
                         event("response.content_part.done", **at, content_index=0, part=part),
                         event("response.output_item.done", output_index=at["output_index"], item=done)]
             return [event("response.function_call_arguments.done", **at, arguments=done["arguments"]),
@@ -279,7 +279,8 @@ class ResponsesHandler:
                                     yield e
                             item["content"][0]["text"] += delta["content"]
                             yield event("response.output_text.delta", item_id=item["id"],
-                                        output_index=len(output) - 1, content_index=0, delta=delta["content"])
+                                        output_index=len(output) - 1, content_index=0, delta=delta["content"],
+                                        logprobs=[])
                         for tc in delta.get("tool_calls") or []:
                             fn = tc.get("function", {})
                             if tc["index"] not in calls:
