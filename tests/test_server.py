@@ -1150,6 +1150,17 @@ def test_responses_match_llm_chat(server, client, llm):
             tail = ["response.output_text.done", "response.content_part.done", "response.output_item.done",
                     f"response.{status}"]
             assert types[:4] == head and types[-4:] == tail and set(types[4:-4]) == {"response.output_text.delta"}
+    # include the output's logprobs: each token's as LLM.chat's, top_logprobs of them, streamed or not
+    ref = llm.chat(cases[0][1], SamplingParams(temperature=0, max_tokens=8, logprobs=2), use_tqdm=False)[0].outputs[0]
+    want = [d[t].logprob for d, t in zip(ref.logprobs, ref.token_ids)]
+    kw = dict(model=model, input=cases[0][0], instructions="Answer briefly.", max_output_tokens=8, temperature=0,
+              include=["message.output_text.logprobs"], top_logprobs=2)
+    part = client.responses.create(**kw).output[0].content[0]
+    assert [e.logprob for e in part.logprobs] == pytest.approx(want, abs=1e-4)
+    assert all(len(e.top_logprobs) == 2 for e in part.logprobs)
+    streamed = [lp.logprob for e in client.responses.create(stream=True, **kw)
+                if e.type == "response.output_text.delta" for lp in e.logprobs]
+    assert streamed == pytest.approx(want, abs=1e-4)
     assert_idle(server)
 
 
@@ -1171,6 +1182,7 @@ def test_responses_text_format_json_schema(server, client):
 @pytest.mark.parametrize("body, param", [
     ({"store": True}, "store"), ({"previous_response_id": "resp_1"}, "previous_response_id"),
     ({"background": True}, "background"), ({"reasoning": {"effort": "low"}}, "reasoning"),
+    ({"include": ["message.output_text.logprobs", "file_search_call.results"]}, "include[1]"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0]"),
     ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type"),
     ({"tools": [{"type": "web_search"}]}, "tools[0].type"),

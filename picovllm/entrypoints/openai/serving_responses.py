@@ -6,7 +6,8 @@ runs it (templates, structured outputs, tool calls, sampling defaults, metrics: 
 comes back as a response object; streamed, its chunks become the Responses events (response.created,
 response.output_text.delta, response.function_call_arguments.delta, ..., response.completed). Nothing is stored:
 `store: true`, `previous_response_id`, `conversation` and `background: true` are refused by name, as are non-text
-input parts and tools other than functions. vLLM's extra sampling fields (top_k, seed, ...) pass through to the
+input parts, tools other than functions and any `include` but the output's logprobs (`top_logprobs` with
+`include: ["message.output_text.logprobs"]`). vLLM's extra sampling fields (top_k, seed, ...) pass through to the
 chat request.
 """
 from __future__ import annotations
@@ -21,7 +22,7 @@ from fastapi import Request
 from fastapi.responses import Response
 from pydantic import Field, ValidationError
 
-from picovllm.entrypoints.openai.protocol import (MAX_INT, APIError, ChatCompletionRequest, FiniteFloat, _Strict,
+from picovllm.entrypoints.openai.protocol import (MAX_INT, MAX_LOGPROBS, APIError, ChatCompletionRequest, FiniteFloat,
                                                   refusing_model)
 from picovllm.entrypoints.openai.serving import JSONBody, ServingContext, sse_response
 from picovllm.entrypoints.openai.serving_chat import ChatHandler
@@ -29,8 +30,9 @@ from picovllm.entrypoints.openai.serving_chat import ChatHandler
 # What a stateless server cannot do, and the values that ask for nothing (None always does).
 REFUSED_RESPONSES: dict[str, tuple] = {
     "previous_response_id": (), "conversation": (), "background": (False,), "store": (False,), "reasoning": (),
-    "include": ([],), "top_logprobs": (0,), "prompt": (), "truncation": ("disabled",), "stream_options": (),
+    "prompt": (), "truncation": ("disabled",), "stream_options": (),
 }
+LOGPROBS = "message.output_text.logprobs"     # the one `include` this server honours
 # vLLM's sampling fields beyond OpenAI's, handed to the chat request as they are (validated there, by these names)
 PASSTHROUGH = ("top_k", "min_p", "min_tokens", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed",
                "stop", "stop_token_ids", "ignore_eos", "logit_bias", "priority", "chat_template_kwargs")
@@ -50,6 +52,8 @@ class ResponsesRequest(refusing_model("_RefusedResponses", REFUSED_RESPONSES)):
     text: dict[str, Any] | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
+    include: list[str] | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     # vLLM's extras (PASSTHROUGH)
     top_k: Any = None
     min_p: Any = None
@@ -135,6 +139,11 @@ def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
                             **{k: getattr(req, k) for k in PASSTHROUGH if getattr(req, k) is not None}}
     if req.stream:
         body["stream_options"] = {"include_usage": True}
+    for k, name in enumerate(req.include or []):
+        if name != LOGPROBS:
+            raise _bad(f"include[{k}]: only {LOGPROBS!r} is supported, got {name!r}", f"include[{k}]")
+    if LOGPROBS in (req.include or []) or req.top_logprobs:
+        body["logprobs"], body["top_logprobs"] = True, req.top_logprobs or 0
     if req.tools:
         body["tools"] = [_chat_tool(t, f"tools[{i}]") for i, t in enumerate(req.tools)]
     if isinstance(req.tool_choice, dict):
@@ -192,7 +201,8 @@ class ResponsesHandler:
         message = choice["message"]
         output = []
         if message.get("content"):
-            output.append(_message_item(f"msg_{uuid.uuid4().hex}", message["content"], "completed"))
+            output.append(_message_item(f"msg_{uuid.uuid4().hex}", message["content"], "completed",
+                                        (choice.get("logprobs") or {}).get("content")))
         for call in message.get("tool_calls") or []:
             output.append(_call_item(f"fc_{uuid.uuid4().hex}", call["id"], call["function"]["name"],
                                      call["function"]["arguments"], "completed"))
@@ -239,7 +249,8 @@ class ResponsesHandler:
             at = {"item_id": done["id"], "output_index": output.index(done)}
             if done["type"] == "message":
                 part = done["content"][0]
-                return [event("response.output_text.done", **at, content_index=0, text=part["text"], logprobs=[]),
+                return [event("response.output_text.done", **at, content_index=0, text=part["text"],
+                              logprobs=part["logprobs"]),
                         event("response.content_part.done", **at, content_index=0, part=part),
                         event("response.output_item.done", output_index=at["output_index"], item=done)]
             return [event("response.function_call_arguments.done", **at, arguments=done["arguments"]),
@@ -273,14 +284,19 @@ class ResponsesHandler:
                     use = chunk.get("usage") or use
                     for choice in chunk.get("choices", []):
                         delta = choice.get("delta", {})
-                        if delta.get("content"):
+                        lps = (choice.get("logprobs") or {}).get("content") or []
+                        text = delta.get("content") or ""
+                        # a token may have no text yet (an incomplete character): its logprob still goes out, unless
+                        # it belongs to a function call's arguments
+                        in_text = item is None or item["type"] == "message"
+                        if text or (lps and in_text and not delta.get("tool_calls")):
                             if item is None or item["type"] != "message":
                                 for e in open_item(_message_item(f"msg_{uuid.uuid4().hex}", "", "in_progress")):
                                     yield e
-                            item["content"][0]["text"] += delta["content"]
+                            item["content"][0]["text"] += text
+                            item["content"][0]["logprobs"] += lps
                             yield event("response.output_text.delta", item_id=item["id"],
-                                        output_index=len(output) - 1, content_index=0, delta=delta["content"],
-                                        logprobs=[])
+                                        output_index=len(output) - 1, content_index=0, delta=text, logprobs=lps)
                         for tc in delta.get("tool_calls") or []:
                             fn = tc.get("function", {})
                             if tc["index"] not in calls:
@@ -303,9 +319,10 @@ class ResponsesHandler:
             await chunks.aclose()
 
 
-def _message_item(item_id: str, text: str, status: str) -> dict:
+def _message_item(item_id: str, text: str, status: str, logprobs: list | None = None) -> dict:
+    """logprobs: chat's logprobs.content entries (token, logprob, bytes, top_logprobs), which are the Responses'."""
     return {"type": "message", "id": item_id, "status": status, "role": "assistant",
-            "content": [{"type": "output_text", "text": text, "annotations": []}]}
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}]}
 
 
 def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict:
