@@ -20,10 +20,10 @@ from typing import Annotated, Any, Literal
 
 from fastapi import Request
 from fastapi.responses import Response
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, create_model
 
 from picovllm.entrypoints.openai.protocol import (MAX_INT, MAX_LOGPROBS, APIError, ChatCompletionRequest, FiniteFloat,
-                                                  refusing_model)
+                                                  _Strict, refusing_model)
 from picovllm.entrypoints.openai.serving import JSONBody, ServingContext, sse_response
 from picovllm.entrypoints.openai.serving_chat import ChatHandler
 
@@ -38,7 +38,10 @@ PASSTHROUGH = ("top_k", "min_p", "min_tokens", "repetition_penalty", "presence_p
                "stop", "stop_token_ids", "ignore_eos", "logit_bias", "priority", "chat_template_kwargs")
 
 
-class ResponsesRequest(refusing_model("_RefusedResponses", REFUSED_RESPONSES)):
+_Passthrough = create_model("_Passthrough", __base__=_Strict, **{f: (Any, None) for f in PASSTHROUGH})
+
+
+class ResponsesRequest(refusing_model("_RefusedResponses", REFUSED_RESPONSES), _Passthrough):
     model: str | None = None
     input: str | Annotated[list[dict[str, Any]], Field(min_length=1)]
     instructions: str | None = None
@@ -54,20 +57,6 @@ class ResponsesRequest(refusing_model("_RefusedResponses", REFUSED_RESPONSES)):
     user: str | None = None
     include: list[str] | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    # vLLM's extras (PASSTHROUGH)
-    top_k: Any = None
-    min_p: Any = None
-    min_tokens: Any = None
-    repetition_penalty: Any = None
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
-    seed: Any = None
-    stop: Any = None
-    stop_token_ids: Any = None
-    ignore_eos: Any = None
-    logit_bias: Any = None
-    priority: Any = None
-    chat_template_kwargs: Any = None
 
 
 def _bad(message: str, param: str) -> APIError:
