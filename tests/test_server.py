@@ -1188,6 +1188,7 @@ def test_responses_text_format_json_schema(server, client):
     ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({"text": {"format": {"type": "yaml"}}}, "text.format"),
     ({"temperature": 3}, "temperature"), ({"top_k": "many"}, "top_k"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}}}, "text.format.schema"),
 ])
 def test_responses_refuse_what_they_cannot_honour(server, body, param):
     r = httpx.post(server.url + "/v1/responses", json={"input": "hi", "max_output_tokens": 2, **body})

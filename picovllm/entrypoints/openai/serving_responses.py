@@ -153,6 +153,21 @@ def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
         raise _bad(f"{loc}: {err.get('msg', 'invalid')}", loc.split(".")[0] or None) from None
 
 
+# a chat field an error names -> the Responses field it came from (the longest that matches)
+CHAT_NAMES = {"response_format.json_schema": "text.format", "response_format": "text.format",
+              "max_completion_tokens": "max_output_tokens", "messages": "input"}
+
+
+def responses_error(e: APIError) -> APIError:
+    """e, naming the Responses field where it names the chat field made from it."""
+    param = e.param or ""
+    for chat in sorted(CHAT_NAMES, key=len, reverse=True):
+        if param == chat or param.startswith(chat + "."):
+            name = CHAT_NAMES[chat] + param[len(chat):]
+            return APIError(e.status, e.message.replace(param, name), e.type, name, e.code)
+    return e
+
+
 def _chat_tool(tool: dict, at: str) -> dict:
     if tool.get("type") != "function":
         raise _bad(f"{at}.type: only function tools are supported, got {tool.get('type')!r}", f"{at}.type")
@@ -180,7 +195,10 @@ class ResponsesHandler:
         self.ctx, self.chat = ctx, chat
 
     async def __call__(self, req: ResponsesRequest, raw: Request) -> Response:
-        out = await self.chat(chat_request(req), raw)
+        try:
+            out = await self.chat(chat_request(req), raw)
+        except APIError as e:
+            raise responses_error(e) from None
         if req.stream:
             return sse_response(self._events(req, out.body_iterator))
         if not isinstance(out, JSONBody):
