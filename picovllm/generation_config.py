@@ -51,11 +51,13 @@ def parse_override(value) -> dict | None:
     raise ValueError(f"override_generation_config must be a JSON object, got {value!r}")
 
 
-def sampling_defaults(model: str | None, mode: str = "auto", override: dict | None = None) -> dict:
+def sampling_defaults(model: str | None, mode: str = "auto", override: dict | str | None = None) -> dict:
     """SamplingParams keyword arguments a request that leaves them unset gets, e.g. {"temperature": 0.6, "top_k":
-    20}; {} for none. model: the model's folder or file (a GGUF, None or "random:..." has no generation config).
-    Raises ValueError naming the bad key or value."""
+    20}; {} for none. model: the model's folder or file (a GGUF, None or "random:..." has no generation config);
+    override: a dict or its JSON text (parse_override). Raises ValueError naming the bad key or value."""
     from picovllm.sampling_params import SamplingParams
+
+    override = parse_override(override)
 
     if mode == "vllm":
         raw = {}

@@ -43,7 +43,7 @@ from picovllm.disagg.session import NAMES, ROLES, DisaggSession
 from picovllm.disagg.transfer import BACKENDS
 from picovllm.disagg.worker import worker_main
 from picovllm.entrypoints.llm import normalize_prompts
-from picovllm.generation_config import parse_override, sampling_defaults
+from picovllm.generation_config import sampling_defaults
 from picovllm.outputs import RequestOutput
 from picovllm.sampling_params import SamplingParams
 
@@ -80,7 +80,7 @@ class DisaggLLM:
                              "(and the listener's)")
         self.secret = secret or FleetSecret.generate()
         self.sampling_defaults = sampling_defaults(model, engine_kwargs.get("generation_config", "auto"),
-                                                   parse_override(engine_kwargs.get("override_generation_config")))
+                                                   engine_kwargs.get("override_generation_config"))
         configs = _side_configs(model, engine_kwargs, prefill_device, decode_device, prefill or {}, decode or {})
         self.procs: dict[str, mp.Process] = {}
         self.channels: dict[str, Channel] = {}

@@ -34,7 +34,7 @@ from picovllm.entrypoints.openai.serving_completion import CompletionHandler
 from picovllm.entrypoints.openai.serving_responses import ResponsesHandler, ResponsesRequest
 from picovllm.entrypoints.openai.serving_tokenize import detokenize, tokenize
 from picovllm.entrypoints.openai.tokenizer_worker import TokenizerWorker
-from picovllm.generation_config import describe, parse_override, sampling_defaults
+from picovllm.generation_config import describe, sampling_defaults
 from picovllm.loader.default_model import DEFAULT_FILE
 
 logger = logging.getLogger("picovllm.server")
@@ -229,7 +229,7 @@ def generation_defaults(model: str | None, mode: str, override) -> dict:
     """The sampling defaults of requests that leave fields unset (picovllm/generation_config.py), logged as vLLM
     logs them; a bad generation config stops the server naming it."""
     try:
-        defaults = sampling_defaults(model, mode, parse_override(override))
+        defaults = sampling_defaults(model, mode, override)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
     if defaults:
