@@ -76,7 +76,7 @@ def build_app(ctx: ServingContext, settings: ServerSettings, openai_routes: bool
     app = FastAPI(title="picovllm", version="0.1.0", lifespan=lifespan)
     completions, chat = CompletionHandler(ctx), ChatHandler(ctx)
     responses = ResponsesHandler(ctx, chat)
-    started = int(time.time())
+    started, version_body = int(time.time()), {"version": package_version()}
 
     if openai_routes:
         @app.post("/v1/completions")
@@ -114,7 +114,7 @@ def build_app(ctx: ServingContext, settings: ServerSettings, openai_routes: bool
 
     @app.get("/version")
     async def version() -> Response:
-        return JSONBody({"version": package_version()})
+        return JSONBody(version_body)
 
     @app.get("/metrics")
     async def metrics() -> Response:
