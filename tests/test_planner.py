@@ -13,17 +13,20 @@ from picovllm.entrypoints.cli import main
 from picovllm.planner.profile import WAKE_IDLES, StepProfile, fit
 from picovllm.planner.simulator import Deployment, Lengths, SimRequest, Traffic, make_requests, simulate
 
-PROFILE = StepProfile([1e-3, 2e-3, 1e-5, 1e-9, 2e-4, 1e-7, 9e-3], kv_bytes_per_token=1000)
-SIX = StepProfile(PROFILE.coef[:6], kv_bytes_per_token=1000)    # mixed steps at a lone prefill's fixed cost
+PROFILE = StepProfile([1e-3, 2e-3, 1e-5, 1e-9, 2e-4, 1e-7, 9e-3, 3e-5], kv_bytes_per_token=1000)
+SEVEN = StepProfile(PROFILE.coef[:7], kv_bytes_per_token=1000)  # a decode beside a chunk at a lone decode's cost
+SIX = StepProfile(PROFILE.coef[:6], kv_bytes_per_token=1000)    # mixed steps at a lone prefill's fixed cost too
 
 
 def test_step_time_by_kind_of_step():
-    """Decode-only, prefill-only and mixed steps each take their own fixed cost (c0, c1, c6), by hand; a profile of
-    six coefficients (measured before mixed steps were) charges a mixed step c1."""
-    c0, c1, c2, c3, c4, c5, c6 = PROFILE.coef
+    """Decode-only, prefill-only and mixed steps each take their own fixed cost (c0, c1, c6), and a decode beside a
+    chunk its own slope (c7), by hand; a profile of seven coefficients (saved before c7) charges such a decode c4,
+    one of six (measured before mixed steps were) a mixed step c1 too."""
+    c0, c1, c2, c3, c4, c5, c6, c7 = PROFILE.coef
     assert PROFILE.step_time(0, 3, 300) == pytest.approx(c0 + 3 * c4 + 300 * c5)
     assert PROFILE.step_time(100, 0, 0) == pytest.approx(c1 + 100 * c2 + 1e4 * c3)
-    assert PROFILE.step_time(100, 3, 300) == pytest.approx(c6 + 100 * c2 + 1e4 * c3 + 3 * c4 + 300 * c5)
+    assert PROFILE.step_time(100, 3, 300) == pytest.approx(c6 + 100 * c2 + 1e4 * c3 + 3 * c7 + 300 * c5)
+    assert SEVEN.step_time(100, 3, 300) == pytest.approx(c6 + 100 * c2 + 1e4 * c3 + 3 * c4 + 300 * c5)
     assert SIX.step_time(100, 3, 300) == pytest.approx(c1 + 100 * c2 + 1e4 * c3 + 3 * c4 + 300 * c5)
     assert PROFILE.step_time(0, 0, 0) == 0.0
 
@@ -41,6 +44,10 @@ def test_fit_recovers_nonnegative_coefficients():
     assert got.coef == pytest.approx(PROFILE.coef, rel=1e-4, abs=1e-12)
     unmixed = [s for s in samples if not (s["prefill"] and s["batch"])]     # no mixed step: six coefficients
     assert fit(unmixed, 1000).coef == pytest.approx(PROFILE.coef[:6], rel=1e-4, abs=1e-12)
+    # mixed steps of one batch size cannot tell c7 from c6: seven coefficients, from a profile with c7 = c4
+    one = [dict(s, seconds=SEVEN.step_time(s["prefill"], s["batch"], s["context"])) for s in samples
+           if not (s["prefill"] and s["batch"] not in (0, 8))]
+    assert fit(one, 1000).coef == pytest.approx(SEVEN.coef, rel=1e-4, abs=1e-12)
     noisy = fit([dict(s, seconds=s["seconds"] - 5e-3 * (s["batch"] == 1)) for s in samples], 1000)
     assert all(c >= 0 for c in noisy.coef)
 
@@ -281,7 +288,7 @@ def test_profile_times_the_whole_batch(tiny_models, overlap):
     assert [(s["prefill"], s["batch"]) for s in mixed] == [(16, 4)]
     assert steps.count((16, 4)) >= 3, steps  # the mixed sample's three timed steps: 16 prompt tokens beside 4 decodes
     assert steps.count((0, 8)) >= 3, steps   # and the decode sample's: the whole batch
-    assert len(prof.coef) == 7 and not engine.has_unfinished_requests() and prof.overlapped is overlap
+    assert len(prof.coef) == 7 and not engine.has_unfinished_requests() and prof.overlapped is overlap  # one batch
     assert [w[0] for w in prof.wake] == [0.001, 0.01] and 0 <= prof.wake[0][1] <= prof.wake[1][1]
 
 
