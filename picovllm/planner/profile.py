@@ -8,11 +8,12 @@ several batch sizes and contexts, and mixed steps (a prompt's chunk beside decod
         + (c7 if a mixed step, else c4) * decode_batch + c5 * decode_context
 
 (decode_context: the tokens the batch's decodes attend over, summed) by least squares, with every coefficient >= 0.
-A decode costs less beside a chunk than in a decode-only step: there it is one more row of GEMMs the chunk runs
-anyway. On this project's 2-core CPU (tiny model, `benchmarks/profile_check.py`) one slope for both made a mixed step
-of 448-480 prompt tokens beside 32-64 decodes 21-31% dearer than measured (BENCHMARKS.md, twenty-second session),
-so mixed steps have their own, c7, where the mixed samples hold two batch sizes or more to fit it from (else c4
-serves, and a profile of seven coefficients, saved before c7, the same).
+A decode beside a chunk may cost otherwise than in a decode-only step (there it is one more row of GEMMs the chunk
+runs anyway), so mixed steps have a slope of their own, c7, where the mixed samples hold two batch sizes or more to
+fit it from (else c4 serves, and in a profile of seven coefficients, saved before c7, too). The samples reach the
+batches a busy server runs (mixed steps of 32 and 64 decodes beside a chunk, decode-only at 64): fitted from
+batches of 4-16 beside a chunk, such steps came out 21-31% dearer than measured on this project's 2-core CPU
+(`benchmarks/profile_check.py`, BENCHMARKS.md, twenty-second session).
 The three kinds of step have fixed costs of their own, as they take different paths through the model: on a GPU,
 each replays its own kind of CUDA graph (engine/cuda_graph.py, prefill_graph.py, mixed_graph.py; on an H200 a mixed
 step's is 1.8 ms against 1.4 for a lone chunk, and was 4.5 in pieces around eager attention, 15.4 eager;
