@@ -1184,7 +1184,7 @@ def test_responses_text_format_json_schema(server, client):
     ({"background": True}, "background"), ({"reasoning": {"effort": "low"}}, "reasoning"),
     ({"include": ["message.output_text.logprobs", "file_search_call.results"]}, "include[1]"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0]"),
-    ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type"),
+    ({"input": [{"type": "web_search_call", "id": "ws_1"}]}, "input[0].type"),
     ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({"text": {"format": {"type": "yaml"}}}, "text.format"),
     ({"temperature": 3}, "temperature"), ({"top_k": "many"}, "top_k"),

@@ -5,6 +5,7 @@ import argparse
 import json
 
 from picovllm.entrypoints.chat_template import CHAT_TEMPLATE_HELP, TRUST_TEMPLATE_HELP
+from picovllm.entrypoints.openai.reasoning import HELP as REASONING_HELP, PARSERS as REASONING_PARSERS
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -51,6 +52,7 @@ def add_front_end_args(p: argparse.ArgumentParser, model_default: str, waits_for
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--chat-template", default=None, help=CHAT_TEMPLATE_HELP)
     p.add_argument("--trust-request-chat-template", action="store_true", help=TRUST_TEMPLATE_HELP)
+    p.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS, help=REASONING_HELP)
     p.add_argument("--max-request-bytes", type=int, default=4 * 2**20)
     p.add_argument("--shutdown-timeout", type=float, default=10.0)
     p.add_argument("--startup-timeout", type=float, default=300.0, help=f"seconds to wait for {waits_for}")

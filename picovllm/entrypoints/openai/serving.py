@@ -37,6 +37,7 @@ class ServingContext:
     model_name: str
     # the model's generation config: sampling defaults for fields a request leaves unset (generation_config.py)
     sampling_defaults: dict = field(default_factory=dict)
+    reasoning_parser: str | None = None     # chat: <think> ... </think> apart from the answer (reasoning.py)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request, Response
 
 from picovllm.entrypoints.openai.protocol import APIError, ChatCompletionRequest
+from picovllm.entrypoints.openai.reasoning import PROMPT_TAIL, ReasoningSplitter, opened_in_prompt, split_reasoning
 from picovllm.entrypoints.openai.tool_calls import AutoToolStream, ToolCall, ToolPolicy
 from picovllm.entrypoints.openai.serving import (ENGINE_ERRORS, SSE_DONE, JSONBody, SampleGroup, ServingContext,
                                                  TextDeltas, final_output, now, prompt_logprobs_json, sse, sse_error,
@@ -41,16 +42,19 @@ class ChatHandler:
             ids = ids[-req.truncate_prompt_tokens:]
         if req.use_beam_search:
             return await self._beams(req, raw, ids)
+        # a reasoning parser splits what no grammar governs; opened: the prompt left a think block open
+        split = ctx.reasoning_parser is not None and params.structured_outputs is None
+        opened = split and opened_in_prompt(await ctx.tokenizer.decode(ids[-PROMPT_TAIL:]))
         group = await SampleGroup(ctx, ids, sample_params(params), f"chatcmpl-{uuid.uuid4().hex}", arrival,
                                   req.priority).start()
         if req.stream:
-            return sse_response(self._events(req, group, params.stop, k, policy))
+            return sse_response(self._events(req, group, params.stop, k, policy, opened if split else None))
         out = await final_output(raw, group)
         if out is None:
             return Response(status_code=499)     # the client is gone; nobody reads this
         choices = []
         for c in out.outputs:
-            message, finish = _message(c, policy)
+            message, finish = _message(c, policy, opened if split else None)
             if req.echoed:
                 message["content"] = req.echoed + (message["content"] or "")
             choices.append({"index": c.index, "message": message, "finish_reason": finish, "stop_reason": c.stop_reason,
@@ -78,12 +82,15 @@ class ChatHandler:
         return self._body(rid, "chat.completion.chunk", [choice])
 
     async def _events(self, req: ChatCompletionRequest, group: SampleGroup, stop: list[str],
-                      k: int | None, policy: ToolPolicy) -> AsyncIterator[str]:
+                      k: int | None, policy: ToolPolicy, opened: bool | None) -> AsyncIterator[str]:
+        """opened: None without a reasoning split, else whether the prompt left a think block open."""
         rid, n = group.request_id, len(group.samples)
         deltas, last = [TextDeltas(stop) for _ in range(n)], {}
         call_ids: dict[int, str] = {}    # named tool_choice: each choice's call id, once its first delta went out
         auto = [AutoToolStream(policy, d.hold) for d in deltas] if policy.mode == "auto" else None
         sent = [0] * n     # continuous usage: each choice's tokens so far
+        splits = None if opened is None else [ReasoningSplitter(opened) for _ in range(n)]
+        content = [""] * n     # with splits: each choice's content so far (what the tool calls are read from)
 
         def emit(chunks: list[dict], i: int) -> str:
             if req.continuous_usage:
@@ -99,18 +106,27 @@ class ChatHandler:
                 last[i], c = out, out.outputs[0]
                 text, toks = deltas[i].text(c, out.finished), deltas[i].tokens(c)
                 sent[i] = len(c.token_ids)
-                if not (text or out.finished or (k is not None and toks)):
+                thought = ""
+                if splits is not None:
+                    thought, text = splits[i].feed(text, out.finished)
+                    content[i] += text
+                if not (text or thought or out.finished or (k is not None and toks)):
                     continue
                 lps = _logprobs(c, toks, k, req.return_tokens_as_token_ids) if k is not None else None
+                head = [self._chunk(rid, i, _reasoning_delta(thought), lps)] if thought else []
+                lps = None if thought else lps      # they went with the reasoning
                 if policy.mode == "named":   # the output is the call's arguments: streamed as they come
                     chunks = self._named_call_chunks(rid, i, text, c, lps, policy, call_ids)
                 elif auto is not None:   # content as it comes, each call once its block closes
-                    chunks = self._auto_chunks(rid, i, c, lps, auto[i])
+                    chunks = self._auto_chunks(rid, i, c, lps, auto[i], c.text if splits is None else content[i])
                 elif policy.active:   # required: the calls are known once the output is
                     chunks = self._tool_chunks(rid, i, c, lps, policy)
-                else:
+                elif text or not thought or c.finish_reason is not None:
                     chunks = [self._chunk(rid, i, {"content": text} if text else {}, lps, c.finish_reason,
                                           c.stop_reason)]
+                else:
+                    chunks = []
+                chunks = head + chunks
                 if chunks:
                     yield emit(chunks, i)
             if req.include_usage and len(last) == n:
@@ -141,11 +157,12 @@ class ChatHandler:
         return out
 
     def _auto_chunks(self, rid: str, i: int, c: CompletionOutput, lps: dict | None,
-                     stream: AutoToolStream) -> list[dict]:
-        """tool_choice auto: the content so far, then each call whose block closed, whole (OpenAI's delta: index,
-        id, type, name and arguments); at the end the finish reason (tool_calls if any call came)."""
+                     stream: AutoToolStream, so_far: str) -> list[dict]:
+        """tool_choice auto: the content so far (so_far: the output's text, or its content after the reasoning),
+        then each call whose block closed, whole (OpenAI's delta: index, id, type, name and arguments); at the end
+        the finish reason (tool_calls if any call came)."""
         finished = c.finish_reason is not None
-        text, calls = stream.feed(c.text, finished)
+        text, calls = stream.feed(so_far, finished)
         out = [self._chunk(rid, i, {"content": text} if text else {}, lps)] if text or lps is not None else []
         first = stream.num_calls - len(calls)      # the calls' indices run on over the whole choice
         for j, call in enumerate(calls):
@@ -169,12 +186,23 @@ class ChatHandler:
         return out + [self._chunk(rid, i, {}, None, finish, c.stop_reason)]
 
 
-def _message(c: CompletionOutput, policy: ToolPolicy) -> tuple[dict, str | None]:
-    """The assistant message of a finished output and its finish reason ("tool_calls" when it calls)."""
-    content, calls = policy.parse(c.text) if policy.active else (c.text, [])
+def _message(c: CompletionOutput, policy: ToolPolicy, opened: bool | None = None) -> tuple[dict, str | None]:
+    """The assistant message of a finished output and its finish reason ("tool_calls" when it calls). opened: as
+    in _events (with a split, the message has reasoning, null where there was none, and calls are read from the
+    content after it)."""
+    head, text = {"role": "assistant"}, c.text
+    if opened is not None:
+        thought, text = split_reasoning(c.text, opened)
+        head.update(_reasoning_delta(thought))
+    content, calls = policy.parse(text) if policy.active and text is not None else (text, [])
     if not calls:
-        return {"role": "assistant", "content": content}, c.finish_reason
-    return {"role": "assistant", "content": content, "tool_calls": [x.as_dict() for x in calls]}, "tool_calls"
+        return {**head, "content": content}, c.finish_reason
+    return {**head, "content": content, "tool_calls": [x.as_dict() for x in calls]}, "tool_calls"
+
+
+def _reasoning_delta(thought: str | None) -> dict:
+    """vLLM's two names of the reasoning text: `reasoning` (now) and `reasoning_content` (first, still read)."""
+    return {"reasoning": thought, "reasoning_content": thought}
 
 
 def _logprobs(c: CompletionOutput, idx: range, k: int, as_ids: bool) -> dict:

@@ -107,9 +107,11 @@ def chat_messages(req: ResponsesRequest) -> list[dict]:
             if not isinstance(output, str):
                 raise _bad(f"{at}.output: must be a string", f"{at}.output")
             messages.append({"role": "tool", "tool_call_id": _string(item, "call_id", at), "content": output})
+        elif kind == "reasoning":
+            pass        # an earlier turn's reasoning, sent back as the SDK does: chat templates leave it out too
         else:
-            raise _bad(f"{at}.type: {kind!r} is not supported (message, function_call, function_call_output)",
-                       f"{at}.type")
+            raise _bad(f"{at}.type: {kind!r} is not supported (message, function_call, function_call_output, "
+                       f"reasoning)", f"{at}.type")
     return messages
 
 
@@ -207,6 +209,8 @@ class ResponsesHandler:
         choice = body["choices"][0]
         message = choice["message"]
         output = []
+        if message.get("reasoning") is not None:      # the server's --reasoning-parser split it off
+            output.append(_reasoning_item(f"rs_{uuid.uuid4().hex}", message["reasoning"], "completed"))
         if message.get("content"):
             output.append(_message_item(f"msg_{uuid.uuid4().hex}", message["content"], "completed",
                                         (choice.get("logprobs") or {}).get("content")))
@@ -260,6 +264,9 @@ class ResponsesHandler:
                               logprobs=part["logprobs"]),
                         event("response.content_part.done", **at, content_index=0, part=part),
                         event("response.output_item.done", output_index=at["output_index"], item=done)]
+            if done["type"] == "reasoning":
+                return [event("response.reasoning_text.done", **at, content_index=0, text=done["content"][0]["text"]),
+                        event("response.output_item.done", output_index=at["output_index"], item=done)]
             return [event("response.function_call_arguments.done", **at, arguments=done["arguments"]),
                     event("response.output_item.done", output_index=at["output_index"], item=done)]
 
@@ -291,6 +298,13 @@ class ResponsesHandler:
                     use = chunk.get("usage") or use
                     for choice in chunk.get("choices", []):
                         delta = choice.get("delta", {})
+                        if delta.get("reasoning"):
+                            if item is None or item["type"] != "reasoning":
+                                for e in open_item(_reasoning_item(f"rs_{uuid.uuid4().hex}", "", "in_progress")):
+                                    yield e
+                            item["content"][0]["text"] += delta["reasoning"]
+                            yield event("response.reasoning_text.delta", item_id=item["id"],
+                                        output_index=len(output) - 1, content_index=0, delta=delta["reasoning"])
                         lps = (choice.get("logprobs") or {}).get("content") or []
                         text = delta.get("content") or ""
                         # a token may have no text yet (an incomplete character): its logprob still goes out, unless
@@ -330,6 +344,11 @@ def _message_item(item_id: str, text: str, status: str, logprobs: list | None = 
     """logprobs: chat's logprobs.content entries (token, logprob, bytes, top_logprobs), which are the Responses'."""
     return {"type": "message", "id": item_id, "status": status, "role": "assistant",
             "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}]}
+
+
+def _reasoning_item(item_id: str, text: str, status: str) -> dict:
+    return {"type": "reasoning", "id": item_id, "status": status, "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}]}
 
 
 def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict:

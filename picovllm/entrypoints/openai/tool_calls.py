@@ -147,14 +147,14 @@ class AutoToolStream:
             if tag >= 0:                          # a block still open: it may become a call
                 end = min(end, tag)
             else:                                 # a tag may be starting at the end
-                end = min(end, len(text) - _partial_tag(text))
+                end = min(end, len(text) - partial_tag(text))
             end = len(text[:end].rstrip())
         new = text[self.sent:end] if end > self.sent else ""
         self.sent = max(self.sent, end)
         return new, calls
 
 
-def _partial_tag(text: str, tag: str = "<tool_call>") -> int:
+def partial_tag(text: str, tag: str = "<tool_call>") -> int:
     """How many characters at the end of text could be the start of tag."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:n]):

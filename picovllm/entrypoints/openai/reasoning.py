@@ -1,0 +1,85 @@
+"""Reasoning outputs (vLLM's `--reasoning-parser`): a thinking model's reasoning apart from its answer.
+
+Qwen3 and DeepSeek-R1 (and their distills, QwQ) reason inside `<think> ... </think>` before they answer; with a
+parser the chat endpoint returns that part as the message's `reasoning` (and `reasoning_content`, the name vLLM
+used first and clients still read), the rest as `content`, and the Responses endpoint a `reasoning` item before the
+message. One rule serves both parsers:
+
+- the prompt ends with `<think>` (and whitespace): DeepSeek-R1's template and Qwen3.5's open the block there, and
+  the output starts inside it;
+- else an output that starts (after whitespace) with `<think>` opens one (Qwen3's older template lets the model
+  write it);
+- else the output is all content (Qwen3 with `chat_template_kwargs: {"enable_thinking": false}`: its template
+  closes an empty block in the prompt);
+- inside the block, everything before the first `</think>` is reasoning, everything after it content; a block that
+  never closes (max_tokens cut it) is all reasoning, and the content null (as vLLM's).
+
+A `<think>` the model writes at the start of a block it is already in (prompt-opened) is dropped, as vLLM does.
+The streamed pieces add up to the whole answer's split: a piece that may be the start of a tag waits for the next.
+A request whose output a grammar governs (structured outputs, tool_choice "required" or a named function) is not
+split: its whole output is the constrained text (vLLM lets the model reason first, then applies the grammar; here
+the grammar holds from the first token, so such a reply has no reasoning).
+"""
+from __future__ import annotations
+
+from picovllm.entrypoints.openai.tool_calls import partial_tag
+
+START, END = "<think>", "</think>"
+PARSERS = ("qwen3", "deepseek_r1")      # both by the rule above
+HELP = ("split a thinking model's <think> ... </think> from its answer: chat's message.reasoning (and "
+        "reasoning_content), a reasoning item in /v1/responses (vLLM's flag: qwen3, deepseek_r1)")
+PROMPT_TAIL = 16      # the prompt's last tokens, decoded, tell whether it opens a think block
+
+
+def opened_in_prompt(prompt_text: str) -> bool:
+    """Whether the rendered prompt opens a think block for the output (it ends with <think> and whitespace). An
+    unclosed <think> further back (an earlier message's) opens nothing."""
+    return prompt_text.rstrip().endswith(START)
+
+
+class ReasoningSplitter:
+    """One output's text, piece by piece, into (reasoning, content) pieces."""
+
+    def __init__(self, opened: bool) -> None:
+        self.opened = opened            # the prompt left a block open: no <think> needed
+        self.state = "start"            # start (nothing decided yet), reasoning, content
+        self.buf = ""                   # text not yet given out
+        self.saw_end = False
+
+    def feed(self, piece: str, finished: bool) -> tuple[str, str]:
+        """The reasoning and the content this piece (with whatever waited) gives out; finished: the last piece."""
+        self.buf += piece
+        reasoning = content = ""
+        if self.state == "start":
+            head = self.buf.lstrip()
+            if head.startswith(START):
+                self.buf, self.state = head[len(START):], "reasoning"
+            elif (head and not START.startswith(head)) or finished:
+                self.state = "reasoning" if self.opened else "content"
+            else:
+                return "", ""           # whitespace or the start of <think> so far: wait
+        if self.state == "reasoning":
+            end = self.buf.find(END)
+            if end >= 0:
+                reasoning, self.buf, self.state, self.saw_end = self.buf[:end], self.buf[end + len(END):], "content", True
+            else:
+                keep = 0 if finished else partial_tag(self.buf, END)
+                reasoning, self.buf = self.buf[:len(self.buf) - keep], self.buf[len(self.buf) - keep:]
+                return reasoning, ""
+        content, self.buf = self.buf, ""
+        return reasoning, content
+
+    @property
+    def reasoned(self) -> bool:
+        """Whether the output had a reasoning block (so far)."""
+        return self.state == "reasoning" or self.saw_end
+
+
+def split_reasoning(text: str, opened: bool) -> tuple[str | None, str | None]:
+    """A finished output's (reasoning, content): None where it has none (no block: reasoning None; a block that
+    never closed: content None), as vLLM's."""
+    s = ReasoningSplitter(opened)
+    reasoning, content = s.feed(text, True)
+    if not s.reasoned:
+        return None, content
+    return reasoning, (content if s.saw_end else None)
