@@ -17,11 +17,10 @@ batches of 4-16 beside a chunk, such steps came out 21-31% dearer than measured 
 The three kinds of step have fixed costs of their own, as they take different paths through the model: on a GPU,
 each replays its own kind of CUDA graph (engine/cuda_graph.py, prefill_graph.py, mixed_graph.py; on an H200 a mixed
 step's is 1.8 ms against 1.4 for a lone chunk, and was 4.5 in pieces around eager attention, 15.4 eager;
-BENCHMARKS.md). A profile of six
-coefficients (measured before mixed steps were) takes c1 for c6 (and c4 for c7). Each sample is the median of several timed steps (a
-shared machine is noisy); the samples are kept with the fit, so a profile can be checked and re-fitted. A decode
-sample records the batch and context it timed (its requests last long enough that the first is still decoding when
-the last prompt is in).
+BENCHMARKS.md). A profile of six coefficients (measured before mixed steps were) takes c1 for c6 (and c4 for c7).
+Each sample is the median of several timed steps (a shared machine is noisy); the samples are kept with the fit, so a
+profile can be checked and re-fitted. A decode sample records the batch and context it timed (its requests last long
+enough that the first is still decoding when the last prompt is in).
 
 An engine that overlaps (async_scheduling, the GPU's default: it plans and launches step k + 1 while step k runs) is
 profiled as it serves: a decode or mixed sample is the time between two steps of a stream of such steps (its host

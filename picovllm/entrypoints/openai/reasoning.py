@@ -61,7 +61,8 @@ class ReasoningSplitter:
         if self.state == "reasoning":
             end = self.buf.find(END)
             if end >= 0:
-                reasoning, self.buf, self.state, self.saw_end = self.buf[:end], self.buf[end + len(END):], "content", True
+                reasoning, self.buf = self.buf[:end], self.buf[end + len(END):]
+                self.state, self.saw_end = "content", True
             else:
                 keep = 0 if finished else partial_tag(self.buf, END)
                 reasoning, self.buf = self.buf[:len(self.buf) - keep], self.buf[len(self.buf) - keep:]
