@@ -22,6 +22,28 @@ from picovllm.planner.profile import _drain, _mixed_sample, _start_decoding, _ti
     measure_profile
 
 
+def checks(engine, a, base: int) -> list[tuple[str, dict]]:
+    """The steps to check, timed; base: where their prompts' tokens start (each run's prompts its own)."""
+    rows = []
+    for k, spec in enumerate(a.mixed):
+        b, n = map(int, spec.split(":"))
+        rows.append(("mixed", _mixed_sample(engine, b, n, a.repeats, first_token=base + 400 + 70 * k)))
+    for b in a.decode:
+        _start_decoding(engine, [[i + base + 900] * 512 for i in range(b)], a.repeats)
+        if engine.overlap:
+            engine.step()
+        batch, total = len(engine.requests), sum(r.num_tokens for r in engine.requests.values())
+        times = [_timed_step(engine) for _ in range(a.repeats)]
+        rows.append(("decode", {"prefill": 0, "batch": batch, "context": total + batch * (a.repeats // 2),
+                                "seconds": float(np.median(times))}))
+        _drain(engine)
+    for j, n in enumerate(a.prefill):
+        times = [_timed_prompt(engine, [base + 2000 + 37 * j + i] * n) for i in range(a.repeats)]
+        rows.append(("prefill", {"prefill": n, "batch": 0, "context": 0, "seconds": float(np.median(times)),
+                                 "all_ms": [round(t * 1e3, 2) for t in times]}))
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("out")
@@ -33,36 +55,21 @@ def main() -> None:
                    help="BATCH:PREFILL mixed steps to time")
     p.add_argument("--decode", type=int, nargs="+", default=[8, 24, 48, 64], help="decode-only batches (512 tokens)")
     p.add_argument("--prefill", type=int, nargs="+", default=[128, 384, 512], help="lone prompts to time")
+    p.add_argument("--check-first", action="store_true", help="time the checks before the profile too")
     a = p.parse_args()
     os.makedirs(a.out, exist_ok=True)
     model = make_random_checkpoint(os.path.join(a.out, "model"), a.preset, a.dtype, 0)
     write_word_tokenizer(model, resolve_config(a.preset)["vocab_size"])
     engine = Engine(EngineConfig(model=model, dtype=a.dtype, block_size=16, max_num_batched_tokens=512,
                                  max_model_len=1024, num_kv_blocks=a.num_kv_blocks))
+    early = checks(engine, a, 0) if a.check_first else []
     prof = measure_profile(engine)
     prof.save(os.path.join(a.out, "profile.json"))
     print(f"profile of {prof.machine}: coef (ms) {[round(c * 1e3, 4) for c in prof.coef]}")
     for s in prof.samples:
         print(f"  sampled  prefill {s['prefill']:4d} batch {s['batch']:3d} context {s['context']:6d}: "
               f"{s['seconds'] * 1e3:7.3f} ms, fit {prof.step_time(s['prefill'], s['batch'], s['context']) * 1e3:7.3f}")
-    rows = []
-    for k, spec in enumerate(a.mixed):
-        b, n = map(int, spec.split(":"))
-        s = _mixed_sample(engine, b, n, a.repeats, first_token=400 + 70 * k)
-        rows.append(("mixed", s))
-    for b in a.decode:
-        _start_decoding(engine, [[(i % 50) + 900] * 512 for i in range(b)], a.repeats)
-        if engine.overlap:
-            engine.step()
-        batch, total = len(engine.requests), sum(r.num_tokens for r in engine.requests.values())
-        times = [_timed_step(engine) for _ in range(a.repeats)]
-        rows.append(("decode", {"prefill": 0, "batch": batch, "context": total + batch * (a.repeats // 2),
-                                "seconds": float(np.median(times))}))
-        _drain(engine)
-    for j, n in enumerate(a.prefill):
-        times = [_timed_prompt(engine, [(2000 + 37 * j + i) % 5000 + 5] * n) for i in range(a.repeats)]
-        rows.append(("prefill", {"prefill": n, "batch": 0, "context": 0, "seconds": float(np.median(times)),
-                                 "all_ms": [round(t * 1e3, 2) for t in times]}))
+    rows = [(f"{kind}, before", s) for kind, s in early] + checks(engine, a, 3000)
     for kind, s in rows:
         fit = prof.step_time(s["prefill"], s["batch"], s["context"])
         print(f"  {kind:8s} prefill {s['prefill']:4d} batch {s['batch']:3d} context {s['context']:6d}: "

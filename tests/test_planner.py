@@ -335,3 +335,14 @@ def test_measured_goodput_and_the_best_by_rate():
                         run("B", 5.0, 3.0, 4.0)])
     assert [(b["rate"], b["recommended"], b["measured_best"], b["agree"]) for b in got] == \
         [(2.0, "A", "A", True), (5.0, "A", "B", False)]
+
+
+def test_profile_passes_agree_by_their_median_difference():
+    """measure_profile takes its samples again until two passes agree: by hand, the median relative difference of
+    the same steps against the tolerance (a drifting machine's pass differs in most samples, a noisy one in few)."""
+    from picovllm.planner.profile import _agrees
+    a = [{"seconds": s} for s in (1.0, 2.0, 3.0, 4.0, 5.0)]
+    noisy = [{"seconds": s} for s in (1.05, 2.0, 3.9, 4.1, 5.0)]        # differences 5, 0, 30, 2.5, 0%: median 2.5%
+    slow = [{"seconds": s * 1.3} for s in (1.0, 2.0, 3.0, 4.0, 5.0)]
+    assert _agrees(a, noisy, 0.1) and not _agrees(a, slow, 0.1) and _agrees(a, slow, 0.31)
+    assert not _agrees(a, a[:4], 0.1)                                    # not the same steps
