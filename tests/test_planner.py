@@ -346,3 +346,22 @@ def test_profile_passes_agree_by_their_median_difference():
     slow = [{"seconds": s * 1.3} for s in (1.0, 2.0, 3.0, 4.0, 5.0)]
     assert _agrees(a, noisy, 0.1) and not _agrees(a, slow, 0.1) and _agrees(a, slow, 0.31)
     assert not _agrees(a, a[:4], 0.1)                                    # not the same steps
+
+
+def test_step_log_records_each_scheduled_step(tiny_models, tmp_path):
+    """PICOVLLM_STEP_LOG: each scheduled step's prompt tokens, decodes, sequences and waiting requests, written when
+    the process exits. By hand: two 20-token prompts under a 16-token budget, 3 tokens each."""
+    import os
+    import subprocess
+    import sys
+    code = ("from picovllm import LLM, SamplingParams\n"
+            f"llm = LLM({tiny_models['llama']!r}, max_model_len=64, num_kv_blocks=32, max_num_batched_tokens=16,"
+            " enforce_eager=True, enable_prefix_caching=False)\n"
+            "llm.generate([[5] * 20, [6] * 20], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)\n")
+    env = dict(os.environ, PICOVLLM_STEP_LOG=str(tmp_path / "steps"),
+               PYTHONPATH=os.pathsep.join([os.getcwd()] + sys.path))
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=300)
+    [log] = list(tmp_path.glob("steps.*"))
+    steps = [tuple(s[1:]) for s in json.loads(log.read_text())]
+    # 16 of A; A's last 4 and 12 of B (A samples); A decodes, B's last 8 (B samples); two decodes; B's last decode
+    assert steps == [(16, 0, 1, 1), (16, 0, 2, 0), (8, 1, 2, 0), (0, 2, 2, 0), (0, 1, 1, 0)]

@@ -20,6 +20,9 @@ from __future__ import annotations
 
 import gc
 import itertools
+import json
+import multiprocessing.util
+import os
 import time
 from typing import TYPE_CHECKING
 
@@ -45,6 +48,15 @@ if TYPE_CHECKING:
     from picovllm.disagg.channel import Channel
     from picovllm.disagg.transfer import TransferConfig
 
+# PICOVLLM_STEP_LOG=PATH (a debugging aid): every scheduled step's (wall time, prompt tokens, decodes, sequences,
+# requests waiting), written to PATH.<pid> as JSON when the process exits: how a served engine's steps ran.
+_STEP_LOG: list | None = [] if os.environ.get("PICOVLLM_STEP_LOG") else None
+if _STEP_LOG is not None:
+    def _dump_step_log() -> None:
+        with open(f"{os.environ['PICOVLLM_STEP_LOG']}.{os.getpid()}", "w") as f:
+            json.dump(_STEP_LOG, f)
+    # multiprocessing's children skip atexit; its finalizers run in every process
+    multiprocessing.util.Finalize(None, _dump_step_log, exitpriority=100)
 
 class EngineClosedError(RuntimeError):
     """submit() after close(): the engine takes no more requests."""
@@ -439,6 +451,9 @@ class Engine:
         sched = self.scheduler.schedule()
         self._stalled = not (sched.chunks or sched.preempted or sched.kv_to_receive)
         now = time.time()
+        if _STEP_LOG is not None and sched.chunks:
+            _STEP_LOG.append((now, sched.num_tokens - sched.num_decodes, sched.num_decodes, len(sched.chunks),
+                              len(self.scheduler.waiting)))
         for c in sched.chunks:
             if c.request.metrics.first_scheduled_time is None:
                 c.request.metrics.first_scheduled_time = now
