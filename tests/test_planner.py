@@ -349,8 +349,8 @@ def test_profile_passes_agree_by_their_median_difference():
 
 
 def test_step_log_records_each_scheduled_step(tiny_models, tmp_path):
-    """PICOVLLM_STEP_LOG: each scheduled step's prompt tokens, decodes, sequences and waiting requests, written when
-    the process exits. By hand: two 20-token prompts under a 16-token budget, 3 tokens each."""
+    """PICOVLLM_STEP_LOG: each scheduled step's prompt tokens, decodes, sequences, waiting requests and the decodes'
+    tokens, written when the process exits. By hand: two 20-token prompts under a 16-token budget, 3 tokens each."""
     import os
     import subprocess
     import sys
@@ -363,5 +363,6 @@ def test_step_log_records_each_scheduled_step(tiny_models, tmp_path):
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=300)
     [log] = list(tmp_path.glob("steps.*"))
     steps = [tuple(s[1:]) for s in json.loads(log.read_text())]
-    # 16 of A; A's last 4 and 12 of B (A samples); A decodes, B's last 8 (B samples); two decodes; B's last decode
-    assert steps == [(16, 0, 1, 1), (16, 0, 2, 0), (8, 1, 2, 0), (0, 2, 2, 0), (0, 1, 1, 0)]
+    # 16 of A; A's last 4 and 12 of B (A samples); A decodes (21 tokens, its next being sampled), B's last 8 (B
+    # samples); two decodes (22 + 21); B's last decode (22: A has finished)
+    assert steps == [(16, 0, 1, 1, 0), (16, 0, 2, 0, 0), (8, 1, 2, 0, 21), (0, 2, 2, 0, 43), (0, 1, 1, 0, 22)]

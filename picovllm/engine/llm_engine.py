@@ -49,7 +49,8 @@ if TYPE_CHECKING:
     from picovllm.disagg.transfer import TransferConfig
 
 # PICOVLLM_STEP_LOG=PATH (a debugging aid): every scheduled step's (wall time, prompt tokens, decodes, sequences,
-# requests waiting), written to PATH.<pid> as JSON when the process exits: how a served engine's steps ran.
+# requests waiting, the decodes' tokens), written to PATH.<pid> as JSON when the process exits: how a served engine's
+# steps ran (benchmarks/step_log.py sets them beside the planner's profile).
 _STEP_LOG: list | None = [] if os.environ.get("PICOVLLM_STEP_LOG") else None
 if _STEP_LOG is not None:
     def _dump_step_log() -> None:
@@ -452,8 +453,9 @@ class Engine:
         self._stalled = not (sched.chunks or sched.preempted or sched.kv_to_receive)
         now = time.time()
         if _STEP_LOG is not None and sched.chunks:
+            context = sum(c.request.num_tokens for c in sched.chunks if c.is_decode)
             _STEP_LOG.append((now, sched.num_tokens - sched.num_decodes, sched.num_decodes, len(sched.chunks),
-                              len(self.scheduler.waiting)))
+                              len(self.scheduler.waiting), context))
         for c in sched.chunks:
             if c.request.metrics.first_scheduled_time is None:
                 c.request.metrics.first_scheduled_time = now

@@ -1,0 +1,71 @@
+"""A served engine's steps (PICOVLLM_STEP_LOG) beside the planner's step profile: is a served step what the profile
+says it is?
+
+    PICOVLLM_STEP_LOG=/tmp/steps picovllm serve ...            # or any run; one file a process: /tmp/steps.<pid>
+    python benchmarks/step_log.py /tmp/steps.<pid> --profile profile.json [--bench bench.json] [--top 15]
+
+Each step that has decodes follows one with no idle between (a running request is scheduled every step), so the
+time from the step before it to it is that step's period as served: the engine's step plus whatever the serving
+loop did in between (outputs to the HTTP side, new requests in). Printed: the served period over the profile's
+step_time (overlapped, the period of a step is set by the step before it), by kind of step and decode batch; the
+`--top` periods furthest above the profile, with what ran and how many requests waited; with `--bench` (a `picovllm
+bench serve` result), the requests that arrived in those windows.
+"""
+import argparse
+import json
+import sys
+
+import numpy as np
+
+sys.path.insert(0, ".")
+from picovllm.planner.profile import StepProfile  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("log")
+    p.add_argument("--profile", required=True)
+    p.add_argument("--bench", default=None)
+    p.add_argument("--top", type=int, default=15)
+    a = p.parse_args()
+    steps = json.load(open(a.log))
+    prof = StepProfile.load(a.profile)
+    rows = []     # (time, period, predicted, prefill, decodes, waiting)
+    for prev, cur in zip(steps, steps[1:]):
+        t, prefill, decodes, _, waiting, context = cur
+        if decodes == 0:
+            continue          # the engine may have idled before it
+        # overlapped, a step is planned while the one before it runs: its period is the step before it's time
+        src = prev if prof.overlapped else cur
+        predicted = prof.step_time(src[1], src[2], src[5])
+        rows.append((t, t - prev[0], predicted, src[1], src[2], waiting))
+    if not rows:
+        raise SystemExit("no back-to-back steps in the log")
+    print(f"{len(steps)} steps, {len(rows)} back to back; served period / profile's step time:")
+    print(f"{'steps':<28}{'n':>6}{'median':>8}{'p90':>8}{'p99':>8}{'served p50 ms':>15}")
+    groups = {"decode-only": lambda r: r[3] == 0, "mixed (chunk + decodes)": lambda r: r[3] > 0}
+    for lo, hi in ((1, 8), (9, 32), (33, 96), (97, 10 ** 9)):
+        groups[f"  decodes {lo}-{hi if hi < 10 ** 9 else 'more'}"] = lambda r, lo=lo, hi=hi: lo <= r[4] <= hi
+    groups["with requests waiting"] = lambda r: r[5] > 0
+    for name, keep in groups.items():
+        sel = [r for r in rows if keep(r)]
+        if sel:
+            ratio = np.array([r[1] / r[2] for r in sel])
+            print(f"{name:<28}{len(sel):>6}{np.median(ratio):>8.2f}{np.percentile(ratio, 90):>8.2f}"
+                  f"{np.percentile(ratio, 99):>8.2f}{np.median([r[1] for r in sel]) * 1e3:>15.2f}")
+    t0 = steps[0][0]
+    worst = sorted(rows, key=lambda r: r[1] - r[2], reverse=True)[:a.top]
+    print(f"\nthe {len(worst)} periods furthest above the profile (t from the log's first step):")
+    print(f"{'t s':>9}{'served ms':>10}{'profile ms':>11}{'prompt tok':>11}{'decodes':>8}{'waiting':>8}")
+    for r in sorted(worst):
+        print(f"{r[0] - t0:>9.3f}{r[1] * 1e3:>10.2f}{r[2] * 1e3:>11.2f}{r[3]:>11}{r[4]:>8}{r[5]:>8}")
+    if a.bench:
+        reqs = [q for q in json.load(open(a.bench))["requests"] if q.get("success")]
+        print("\nrequests sent within 50 ms before each of those periods:")
+        for r in sorted(worst):
+            near = [q for q in reqs if r[0] - 0.05 <= q["start"] <= r[0]]
+            print(f"{r[0] - t0:>9.3f}: {len(near)} sent, their TTFT {[round(q['ttft'] * 1e3, 1) for q in near]}")
+
+
+if __name__ == "__main__":
+    main()
