@@ -5,9 +5,9 @@ says it is?
     python benchmarks/step_log.py /tmp/steps.<pid> --profile profile.json [--bench bench.json] [--top 15]
 
 Each step that has decodes follows one with no idle between (a running request is scheduled every step), so the
-time from the step before it to it is that step's period as served: the engine's step plus whatever the serving
-loop did in between (outputs to the HTTP side, new requests in). Printed: the served period over the profile's
-step_time (overlapped, the period of a step is set by the step before it), by kind of step and decode batch; the
+time from the step before it to it is the step before's period as served: the engine's step plus whatever the
+serving loop did in between (outputs to the HTTP side, new requests in). Printed: the served period over the
+profile's step_time of the step before, by kind of step and decode batch; the
 `--top` periods furthest above the profile, with what ran and how many requests waited; with `--bench` (a `picovllm
 bench serve` result), the requests that arrived in those windows.
 """
@@ -35,10 +35,10 @@ def main() -> None:
         t, prefill, decodes, _, waiting, context = cur
         if decodes == 0:
             continue          # the engine may have idled before it
-        # overlapped, a step is planned while the one before it runs: its period is the step before it's time
-        src = prev if prof.overlapped else cur
-        predicted = prof.step_time(src[1], src[2], src[5])
-        rows.append((t, t - prev[0], predicted, src[1], src[2], waiting))
+        # from planning the step before to planning this one: the step before ran (overlapped, it was launched and
+        # the one before it read)
+        predicted = prof.step_time(prev[1], prev[2], prev[5])
+        rows.append((t, t - prev[0], predicted, prev[1], prev[2], waiting))
     if not rows:
         raise SystemExit("no back-to-back steps in the log")
     print(f"{len(steps)} steps, {len(rows)} back to back; served period / profile's step time:")
@@ -56,14 +56,17 @@ def main() -> None:
     t0 = steps[0][0]
     worst = sorted(rows, key=lambda r: r[1] - r[2], reverse=True)[:a.top]
     print(f"\nthe {len(worst)} periods furthest above the profile (t from the log's first step):")
-    print(f"{'t s':>9}{'served ms':>10}{'profile ms':>11}{'prompt tok':>11}{'decodes':>8}{'waiting':>8}")
+    print(f"{'t s':>9}{'served ms':>10}{'profile ms':>11}{'prompt tok':>11}{'decodes':>8}{'waiting after':>14}")
     for r in sorted(worst):
-        print(f"{r[0] - t0:>9.3f}{r[1] * 1e3:>10.2f}{r[2] * 1e3:>11.2f}{r[3]:>11}{r[4]:>8}{r[5]:>8}")
+        print(f"{r[0] - t0:>9.3f}{r[1] * 1e3:>10.2f}{r[2] * 1e3:>11.2f}{r[3]:>11}{r[4]:>8}{r[5]:>14}")
     if a.bench:
-        reqs = [q for q in json.load(open(a.bench))["requests"] if q.get("success")]
+        bench = json.load(open(a.bench))
+        if "start_time" not in bench:
+            raise SystemExit(f"--bench {a.bench}: no start_time (a result of a bench serve before it had one)")
+        reqs = [q for q in bench["requests"] if q.get("success")]
         print("\nrequests sent within 50 ms before each of those periods:")
         for r in sorted(worst):
-            near = [q for q in reqs if r[0] - 0.05 <= q["start"] <= r[0]]
+            near = [q for q in reqs if r[0] - 0.05 <= bench["start_time"] + q["start"] <= r[0]]
             print(f"{r[0] - t0:>9.3f}: {len(near)} sent, their TTFT {[round(q['ttft'] * 1e3, 1) for q in near]}")
 
 

@@ -1019,6 +1019,7 @@ def test_bench_serve_workers_share_one_schedule(server, tmp_path):
     import os
     import subprocess
     import sys
+    import time
     from picovllm.bench.serve import arrival_gaps, random_dataset
 
     n, rate, seed = 12, 20.0, 3
@@ -1029,9 +1030,12 @@ def test_bench_serve_workers_share_one_schedule(server, tmp_path):
                "--num-prompts", str(n), "--request-rate", str(rate), "--input-len", "8", "--random-range-ratio", "0.5",
                "--output-len", "4", "--seed", str(seed), "--num-workers", str(workers), "--result-json", str(out)]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([os.getcwd()] + sys.path))
+        before = time.time()
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
         assert proc.returncode == 0, proc.stdout + proc.stderr
         runs[workers] = json.loads(out.read_text())
+        # the common start as a wall time (server-side logs line up with it), within the command's run
+        assert before < runs[workers]["start_time"] < time.time() - runs[workers]["duration"]
     vocab = httpx.get(server.url + "/v1/models").json()["data"][0]["vocab_size"]
     rng = random.Random(seed)
     want = random_dataset(n, 8, 4, 0.5, vocab, rng)

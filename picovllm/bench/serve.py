@@ -114,10 +114,15 @@ def run_benchmark(args: argparse.Namespace) -> dict:
     vocab = min(models[0].get("vocab_size") or 1000, args.max_token_id or 10**9)
     before = prefix_cache_counters(args.base_url, headers, args.timeout)
     if args.num_workers == 1:
-        share = asyncio.run(run_share(args, model, vocab, 0, lambda: time.time() + 0.05))
-        shares = [share]
+        starts = []
+
+        def start() -> float:
+            starts.append(time.time() + 0.05)
+            return starts[-1]
+        shares = [asyncio.run(run_share(args, model, vocab, 0, start))]
+        t0 = starts[0]
     else:
-        shares = _run_workers(args, model, vocab)
+        shares, t0 = _run_workers(args, model, vocab)
     results: list[RequestResult | None] = [None] * args.num_prompts
     for done, _ in shares:
         for i, r in done:
@@ -126,6 +131,7 @@ def run_benchmark(args: argparse.Namespace) -> dict:
     after = prefix_cache_counters(args.base_url, headers, args.timeout) if before else None
     summary = summarize(results, duration, parse_goodput(args.goodput), vars(args) | {"model": model})
     summary["prefix_cache_hit_rate"] = prefix_hit_rate(before, after)
+    summary["start_time"] = t0      # the common start (time.time()): each request's `start` counts from it
     return summary
 
 
@@ -215,7 +221,7 @@ def _worker(args: argparse.Namespace, model: str, vocab: int, worker: int, conn)
     conn.send(([(i, asdict(r)) for i, r in done], end))
 
 
-def _run_workers(args: argparse.Namespace, model: str, vocab: int) -> list:
+def _run_workers(args: argparse.Namespace, model: str, vocab: int) -> tuple[list, float]:
     """--num-workers processes, each with its share of the requests and its own event loop: one Python client
     streaming thousands of chunks a second delays its own reads (at 40 requests/s of 64 tokens one client
     added ~10 ms to the TTFT p99 that two clients measured; BENCHMARKS.md, thirteenth session)."""
@@ -240,7 +246,7 @@ def _run_workers(args: argparse.Namespace, model: str, vocab: int) -> list:
         for conn in pipes:
             done, end = conn.recv()
             shares.append(([(i, RequestResult(**r)) for i, r in done], end))
-        return shares
+        return shares, t0
     finally:
         for proc in procs:
             proc.join(timeout=10)
