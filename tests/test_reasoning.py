@@ -99,30 +99,37 @@ def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
 
 
-def _streamed(client, **kw) -> tuple[str, str]:
+def _streamed(client, **kw) -> tuple:
+    """(reasoning, content) of a streamed chat reply, and its reasoning tokens where it asked for usage."""
     reasoning = content = ""
+    tokens = ()
     for chunk in client.chat.completions.create(stream=True, **kw):
+        if chunk.usage is not None:
+            tokens = (chunk.usage.completion_tokens_details.reasoning_tokens,)
+        if not chunk.choices:
+            continue
         d = chunk.choices[0].delta
         extra = d.model_extra or {}
         assert extra.get("reasoning") == extra.get("reasoning_content")
         reasoning += extra.get("reasoning") or ""
         content += d.content or ""
-    return reasoning, content
+    return (reasoning, content) + tokens
 
 
-def _responses(client, **kw) -> list[tuple[str, str]]:
-    """(type, text) of each output item, from the response object; streamed, the same from the events' items,
-    and the deltas add up to them."""
-    def texts(items):
-        return [(o.type, o.content[0].text if o.type in ("reasoning", "message") else o.arguments) for o in items]
-    whole = texts(client.responses.create(**kw).output)
+def _responses(client, **kw) -> list:
+    """(type, text) of each output item, from the response object, then its reasoning tokens; streamed, the same
+    from the last event, and the deltas add up to the items."""
+    def texts(r):
+        return [(o.type, o.content[0].text if o.type in ("reasoning", "message") else o.arguments)
+                for o in r.output] + [r.usage.output_tokens_details.reasoning_tokens]
+    whole = texts(client.responses.create(**kw))
     deltas, final = {}, None
     for e in client.responses.create(stream=True, **kw):
         if e.type in ("response.reasoning_text.delta", "response.output_text.delta"):
             deltas[e.output_index] = deltas.get(e.output_index, "") + e.delta
         elif e.type in ("response.completed", "response.incomplete"):   # incomplete: max_output_tokens cut it
-            final = texts(e.response.output)
-    assert final == whole and [deltas.get(i, "") for i in range(len(final))] == [t for _, t in final]
+            final = texts(e.response)
+    assert final == whole and [deltas.get(i, "") for i in range(len(final) - 1)] == [t for _, t in final[:-1]]
     return whole
 
 
@@ -135,21 +142,26 @@ def test_served_reasoning_and_content_match_llm_chat(client, llm, thinking_model
     bias = {t: 100.0 for t in tok.encode("a</think>b", add_special_tokens=False)}    # in effect, only these
     params = [SamplingParams(seed=s, temperature=1.0, max_tokens=24, logit_bias=bias) for s in range(40)]
     outs = llm.chat([ASK] * len(params), params, use_tqdm=False, chat_template=THINKING)
-    closing = [(p.seed, o.outputs[0].text) for p, o in zip(params, outs) if "</think>" in o.outputs[0].text[1:-9]]
+    closing = [(p.seed, o.outputs[0]) for p, o in zip(params, outs) if "</think>" in o.outputs[0].text[1:-9]]
     assert closing, [o.outputs[0].text for o in outs]
     model = client.models.list().data[0].id
-    for seed, text in closing[:2]:
+    end_id = tok.convert_tokens_to_ids("</think>")
+    for seed, out in closing[:2]:
+        text = out.text
         end = text.index("</think>")
         want = (text[:end], text[end + len("</think>"):])
+        thinking = out.token_ids.index(end_id) + 1         # the reasoning's tokens, its </think> included
         kw = dict(model=model, messages=ASK, seed=seed, temperature=1.0, max_tokens=24,
                   logit_bias={str(t): b for t, b in bias.items()})
-        msg = client.chat.completions.create(**kw).choices[0].message
+        got = client.chat.completions.create(**kw)
+        msg = got.choices[0].message
         assert (msg.model_extra["reasoning"], msg.content) == want
         assert msg.model_extra["reasoning_content"] == want[0]
-        assert _streamed(client, **kw) == want
+        assert got.usage.completion_tokens_details.reasoning_tokens == thinking
+        assert _streamed(client, **kw, stream_options={"include_usage": True}) == want + (thinking,)
         got = _responses(client, model=model, input=ASK, temperature=1.0, max_output_tokens=24,
                          extra_body={"seed": seed, "logit_bias": {str(t): b for t, b in bias.items()}})
-        assert got == [("reasoning", want[0]), ("message", want[1])]
+        assert got == [("reasoning", want[0]), ("message", want[1]), thinking]
 
 
 def test_served_blocks_that_do_not_close_and_thinking_off(client, llm):
@@ -159,19 +171,21 @@ def test_served_blocks_that_do_not_close_and_thinking_off(client, llm):
     model = client.models.list().data[0].id
     greedy = SamplingParams(temperature=0, max_tokens=12)
     for kwargs in (None, OFF):
-        text = llm.chat([ASK], greedy, use_tqdm=False, chat_template=THINKING,
-                        chat_template_kwargs=kwargs)[0].outputs[0].text
+        out = llm.chat([ASK], greedy, use_tqdm=False, chat_template=THINKING, chat_template_kwargs=kwargs)[0]
+        text = out.outputs[0].text
         assert "</think>" not in text and not text.lstrip().startswith("<think>")
         want = (text, None) if kwargs is None else (None, text)
+        thinking = len(out.outputs[0].token_ids) if kwargs is None else 0      # all of it, or none
         kw = dict(model=model, messages=ASK, temperature=0, max_tokens=12,
                   extra_body={"chat_template_kwargs": kwargs} if kwargs else None)
-        msg = client.chat.completions.create(**kw).choices[0].message
-        assert (msg.model_extra["reasoning"], msg.content) == want
+        got = client.chat.completions.create(**kw)
+        assert (got.choices[0].message.model_extra["reasoning"], got.choices[0].message.content) == want
+        assert got.usage.completion_tokens_details.reasoning_tokens == thinking
         assert _streamed(client, **kw) == tuple(x or "" for x in want)
-    text = llm.chat([ASK], greedy, use_tqdm=False, chat_template=THINKING)[0].outputs[0].text
+    out = llm.chat([ASK], greedy, use_tqdm=False, chat_template=THINKING)[0].outputs[0]
     got = _responses(client, model=model, input=[{"type": "reasoning", "id": "rs_1", "summary": []}, *ASK],
                      temperature=0, max_output_tokens=12)
-    assert got == [("reasoning", text)]
+    assert got == [("reasoning", out.text), len(out.token_ids)]
 
 
 def test_structured_outputs_are_not_split(client, llm):

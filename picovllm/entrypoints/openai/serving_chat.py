@@ -15,7 +15,7 @@ from picovllm.entrypoints.openai.serving import (ENGINE_ERRORS, SSE_DONE, JSONBo
                                                  sse_response, token_name, top_logprobs, usage, with_usage)
 from picovllm.entrypoints.openai.serving_beam import serve_beam_search
 from picovllm.entrypoints.parallel_sampling import merge_samples, sample_params
-from picovllm.outputs import CompletionOutput
+from picovllm.outputs import CompletionOutput, RequestOutput
 
 
 class ChatHandler:
@@ -61,7 +61,34 @@ class ChatHandler:
                             "logprobs": _logprobs(c, range(len(c.token_ids)), k, req.return_tokens_as_token_ids)
                             if k is not None else None})
         extra = {"prompt_logprobs": prompt_logprobs_json(out.prompt_logprobs)} if req.prompt_logprobs is not None else {}
-        return JSONBody(self._body(group.request_id, "chat.completion", choices, usage=usage(out), **extra))
+        use = await self._usage(req, out, opened if split else None)
+        return JSONBody(self._body(group.request_id, "chat.completion", choices, usage=use, **extra))
+
+    async def _usage(self, req: ChatCompletionRequest, out: RequestOutput, opened: bool | None) -> dict:
+        """usage; with a reasoning split also completion_tokens_details.reasoning_tokens (OpenAI's): the output
+        tokens up to the reasoning block's end, summed over the choices."""
+        use = usage(out)
+        if opened is not None:
+            counts = [await self._reasoning_tokens(c, opened, req.skip_special_tokens) for c in out.outputs]
+            use["completion_tokens_details"] = {"reasoning_tokens": sum(counts)}
+        return use
+
+    async def _reasoning_tokens(self, c: CompletionOutput, opened: bool, skip_special_tokens: bool) -> int:
+        """The shortest run of c's tokens whose text reaches the end of its reasoning block (its </think>, or all of
+        it where the block never closed; 0 without one): found by bisection over decoded prefixes."""
+        thought, content = split_reasoning(c.text, opened)
+        if thought is None:
+            return 0
+        if content is None:
+            return len(c.token_ids)
+        end, lo, hi = len(c.text) - len(content), 0, len(c.token_ids)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if len(await self.ctx.tokenizer.decode(c.token_ids[:mid], skip_special_tokens)) >= end:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
 
     async def _beams(self, req: ChatCompletionRequest, raw: Request, ids: list[int]) -> Response:
         rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -130,8 +157,8 @@ class ChatHandler:
                 if chunks:
                     yield emit(chunks, i)
             if req.include_usage and len(last) == n:
-                yield sse(self._body(rid, "chat.completion.chunk", [],
-                                     usage=usage(merge_samples(rid, [last[i] for i in range(n)]))))
+                use = await self._usage(req, merge_samples(rid, [last[i] for i in range(n)]), opened)
+                yield sse(self._body(rid, "chat.completion.chunk", [], usage=use))
         except ENGINE_ERRORS as e:
             yield sse_error(e)
         finally:

@@ -235,7 +235,8 @@ class ResponsesHandler:
             "usage": None if use is None else {
                 "input_tokens": use["prompt_tokens"],
                 "input_tokens_details": {"cached_tokens": use["prompt_tokens_details"]["cached_tokens"]},
-                "output_tokens": use["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+                "output_tokens": use["completion_tokens"], "output_tokens_details": {
+                    "reasoning_tokens": use.get("completion_tokens_details", {}).get("reasoning_tokens", 0)},
                 "total_tokens": use["total_tokens"]}}
 
     async def _events(self, req: ResponsesRequest, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
