@@ -5,8 +5,11 @@
 #                     API_SERVERS=N: the colocated server's --api-server-count)
 #        [frontend]  (the server's front-end and engine process CPU a request, 1- and 64-token requests;
 #                     STREAM_INTERVAL=N: the server's --stream-interval; FRONTEND_RUNS: OUTPUT_LEN:RATE runs)
+#        STEP_LOG=1: every engine process writes its steps to $OUT/steps/log.<pid> (PICOVLLM_STEP_LOG; read them
+#                    with benchmarks/step_log.py)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+if [ "${STEP_LOG:-0}" = 1 ]; then mkdir -p "$OUT/steps"; export PICOVLLM_STEP_LOG=$OUT/steps/log; fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
