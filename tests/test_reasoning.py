@@ -135,7 +135,7 @@ def _responses(client, **kw) -> list:
 
 def test_served_reasoning_and_content_match_llm_chat(client, llm, thinking_model):
     """The template opens the block: the output up to its </think> is reasoning, the rest content, streamed or
-    not; /v1/responses gives a reasoning item, then the message. The seeds are picked offline where LLM.chat's
+    not (include_reasoning false: the content alone); /v1/responses gives a reasoning item, then the message. The seeds are picked offline where LLM.chat's
     sampled text (biased to the tokens of "a</think>b", so that a close comes by chance) has one inside."""
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(thinking_model)
@@ -159,6 +159,12 @@ def test_served_reasoning_and_content_match_llm_chat(client, llm, thinking_model
         assert msg.model_extra["reasoning_content"] == want[0]
         assert got.usage.completion_tokens_details.reasoning_tokens == thinking
         assert _streamed(client, **kw, stream_options={"include_usage": True}) == want + (thinking,)
+        kw["extra_body"] = {"include_reasoning": False}      # vLLM's: the reasoning left out, the answer as before
+        got = client.chat.completions.create(**kw)
+        assert (got.choices[0].message.model_extra["reasoning"], got.choices[0].message.content) == (None, want[1])
+        assert got.usage.completion_tokens_details.reasoning_tokens == thinking
+        assert _streamed(client, **kw) == ("", want[1])
+        del kw["extra_body"]
         got = _responses(client, model=model, input=ASK, temperature=1.0, max_output_tokens=24,
                          extra_body={"seed": seed, "logit_bias": {str(t): b for t, b in bias.items()}})
         assert got == [("reasoning", want[0]), ("message", want[1]), thinking]

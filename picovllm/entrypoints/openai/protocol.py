@@ -378,6 +378,7 @@ class ChatCompletionRequest(_SamplingRequest, _RefusedChat, _ChatTemplateOptions
     add_generation_prompt: bool = True
     add_special_tokens: bool = False     # vLLM's: the template holds the special tokens; True adds them again
     echo: bool = False                   # vLLM's: a reply to an assistant's last message starts with that message
+    include_reasoning: bool = True       # vLLM's: false leaves the reasoning out (a server with --reasoning-parser)
 
     @property
     def echoed(self) -> str:

@@ -54,7 +54,7 @@ class ChatHandler:
             return Response(status_code=499)     # the client is gone; nobody reads this
         choices = []
         for c in out.outputs:
-            message, finish = _message(c, policy, opened if split else None)
+            message, finish = _message(c, policy, opened if split else None, req.include_reasoning)
             if req.echoed:
                 message["content"] = req.echoed + (message["content"] or "")
             choices.append({"index": c.index, "message": message, "finish_reason": finish, "stop_reason": c.stop_reason,
@@ -137,6 +137,7 @@ class ChatHandler:
                 if splits is not None:
                     thought, text = splits[i].feed(text, out.finished)
                     content[i] += text
+                    thought = thought if req.include_reasoning else ""
                 if not (text or thought or out.finished or (k is not None and toks)):
                     continue
                 lps = _logprobs(c, toks, k, req.return_tokens_as_token_ids) if k is not None else None
@@ -213,14 +214,15 @@ class ChatHandler:
         return out + [self._chunk(rid, i, {}, None, finish, c.stop_reason)]
 
 
-def _message(c: CompletionOutput, policy: ToolPolicy, opened: bool | None = None) -> tuple[dict, str | None]:
+def _message(c: CompletionOutput, policy: ToolPolicy, opened: bool | None = None,
+             include_reasoning: bool = True) -> tuple[dict, str | None]:
     """The assistant message of a finished output and its finish reason ("tool_calls" when it calls). opened: as
-    in _events (with a split, the message has reasoning, null where there was none, and calls are read from the
-    content after it)."""
+    in _events (with a split, the message has reasoning, null where there was none or include_reasoning is false,
+    and calls are read from the content after it)."""
     head, text = {"role": "assistant"}, c.text
     if opened is not None:
         thought, text = split_reasoning(c.text, opened)
-        head.update(_reasoning_delta(thought))
+        head.update(_reasoning_delta(thought if include_reasoning else None))
     content, calls = policy.parse(text) if policy.active and text is not None else (text, [])
     if not calls:
         return {**head, "content": content}, c.finish_reason
