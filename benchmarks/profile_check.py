@@ -18,8 +18,7 @@ import numpy as np
 from picovllm.bench.random_checkpoint import make_random_checkpoint, resolve_config, write_word_tokenizer
 from picovllm.config import EngineConfig
 from picovllm.engine.llm_engine import Engine
-from picovllm.planner.profile import _drain, _mixed_sample, _start_decoding, _timed_prompt, _timed_step, \
-    measure_profile
+from picovllm.planner.profile import _mixed_sample, _timed_prompt, decode_sample, measure_profile
 
 
 def checks(engine, a, base: int) -> list[tuple[str, dict]]:
@@ -29,14 +28,7 @@ def checks(engine, a, base: int) -> list[tuple[str, dict]]:
         b, n = map(int, spec.split(":"))
         rows.append(("mixed", _mixed_sample(engine, b, n, a.repeats, first_token=base + 400 + 70 * k)))
     for b in a.decode:
-        _start_decoding(engine, [[i + base + 900] * 512 for i in range(b)], a.repeats)
-        if engine.overlap:
-            engine.step()
-        batch, total = len(engine.requests), sum(r.num_tokens for r in engine.requests.values())
-        times = [_timed_step(engine) for _ in range(a.repeats)]
-        rows.append(("decode", {"prefill": 0, "batch": batch, "context": total + batch * (a.repeats // 2),
-                                "seconds": float(np.median(times))}))
-        _drain(engine)
+        rows.append(("decode", decode_sample(engine, [[i + base + 900] * 512 for i in range(b)], a.repeats)))
     for j, n in enumerate(a.prefill):
         times = [_timed_prompt(engine, [base + 2000 + 37 * j + i] * n) for i in range(a.repeats)]
         rows.append(("prefill", {"prefill": n, "batch": 0, "context": 0, "seconds": float(np.median(times)),

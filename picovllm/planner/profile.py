@@ -188,20 +188,25 @@ def _sample_steps(engine, limit: int, prefill_lens, batches, contexts, repeats: 
         samples.append({"prefill": n, "batch": 0, "context": 0, "seconds": float(np.median(times))})
     for ctx in [c for c in contexts if c <= limit]:
         for b in [b for b in batches if b <= engine.config.max_num_seqs]:
-            _start_decoding(engine, [[i + 5] * ctx for i in range(b)], repeats)
-            if engine.overlap:
-                engine.step()       # the call that reads the last prompt's step: not a decode step's pace
-            batch, total = len(engine.requests), sum(r.num_tokens for r in engine.requests.values())
-            times = [_timed_step(engine) for _ in range(repeats)]
-            samples.append({"prefill": 0, "batch": batch, "context": total + batch * (repeats // 2),
-                            "seconds": float(np.median(times))})
-            _drain(engine)
+            samples.append(decode_sample(engine, [[i + 5] * ctx for i in range(b)], repeats))
     first = 5 + max(batches, default=0)      # each mixed sample's prompts start at tokens of its own
     for b, n in mixed:
         if b + n <= limit and b < engine.config.max_num_seqs:
             samples.append(_mixed_sample(engine, b, n, repeats, first_token=first))
             first += b + repeats + 1
     return samples
+
+
+def decode_sample(engine, prompts: list[list[int]], repeats: int) -> dict:
+    """The median decode-only step of the prompts' requests, once every prompt is in; the batch and the context it
+    timed (the requests drained after)."""
+    _start_decoding(engine, prompts, repeats)
+    if engine.overlap:
+        engine.step()       # the call that reads the last prompt's step: not a decode step's pace
+    batch, total = len(engine.requests), sum(r.num_tokens for r in engine.requests.values())
+    times = [_timed_step(engine) for _ in range(repeats)]
+    _drain(engine)
+    return {"prefill": 0, "batch": batch, "context": total + batch * (repeats // 2), "seconds": float(np.median(times))}
 
 
 def _agrees(a: list[dict], b: list[dict], tolerance: float) -> bool:

@@ -42,26 +42,28 @@ class ChatHandler:
             ids = ids[-req.truncate_prompt_tokens:]
         if req.use_beam_search:
             return await self._beams(req, raw, ids)
-        # a reasoning parser splits what no grammar governs; opened: the prompt left a think block open
-        split = ctx.reasoning_parser is not None and params.structured_outputs is None
-        opened = split and opened_in_prompt(await ctx.tokenizer.decode(ids[-PROMPT_TAIL:]))
+        # a reasoning parser splits what no grammar governs; opened: None without a split, else whether the prompt
+        # opens a think block
+        opened = None
+        if ctx.reasoning_parser is not None and params.structured_outputs is None:
+            opened = opened_in_prompt(await ctx.tokenizer.decode(ids[-PROMPT_TAIL:]))
         group = await SampleGroup(ctx, ids, sample_params(params), f"chatcmpl-{uuid.uuid4().hex}", arrival,
                                   req.priority).start()
         if req.stream:
-            return sse_response(self._events(req, group, params.stop, k, policy, opened if split else None))
+            return sse_response(self._events(req, group, params.stop, k, policy, opened))
         out = await final_output(raw, group)
         if out is None:
             return Response(status_code=499)     # the client is gone; nobody reads this
         choices = []
         for c in out.outputs:
-            message, finish = _message(c, policy, opened if split else None, req.include_reasoning)
+            message, finish = _message(c, policy, opened, req.include_reasoning)
             if req.echoed:
                 message["content"] = req.echoed + (message["content"] or "")
             choices.append({"index": c.index, "message": message, "finish_reason": finish, "stop_reason": c.stop_reason,
                             "logprobs": _logprobs(c, range(len(c.token_ids)), k, req.return_tokens_as_token_ids)
                             if k is not None else None})
         extra = {"prompt_logprobs": prompt_logprobs_json(out.prompt_logprobs)} if req.prompt_logprobs is not None else {}
-        use = await self._usage(req, out, opened if split else None)
+        use = await self._usage(req, out, opened)
         return JSONBody(self._body(group.request_id, "chat.completion", choices, usage=use, **extra))
 
     async def _usage(self, req: ChatCompletionRequest, out: RequestOutput, opened: bool | None) -> dict:
@@ -110,7 +112,7 @@ class ChatHandler:
 
     async def _events(self, req: ChatCompletionRequest, group: SampleGroup, stop: list[str],
                       k: int | None, policy: ToolPolicy, opened: bool | None) -> AsyncIterator[str]:
-        """opened: None without a reasoning split, else whether the prompt left a think block open."""
+        """opened: None without a reasoning split, else whether the prompt opens a think block."""
         rid, n = group.request_id, len(group.samples)
         deltas, last = [TextDeltas(stop) for _ in range(n)], {}
         call_ids: dict[int, str] = {}    # named tool_choice: each choice's call id, once its first delta went out
