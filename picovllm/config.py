@@ -237,6 +237,8 @@ class EngineConfig:
                                           # model folder's generation_config.json), "vllm" (none), or a folder
     override_generation_config: dict | str | None = None   # JSON: set or replace those defaults
                                                            # (picovllm/generation_config.py, vLLM's flags)
+    reasoning_parser: str | None = None   # "qwen3" | "deepseek_r1": structured outputs' grammar governs the answer
+                                          # after a thinking model's <think> block (vLLM's --reasoning-parser)
 
     def __post_init__(self) -> None:
         import torch
@@ -277,6 +279,9 @@ class EngineConfig:
         self.override_generation_config = parse_override(self.override_generation_config)
         if not isinstance(self.generation_config, str) or not self.generation_config:
             raise bad("generation_config", "must be 'auto', 'vllm' or a folder path")
+        from picovllm.reasoning import REASONING_PARSERS
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise bad("reasoning_parser", f"must be None or one of {', '.join(map(repr, REASONING_PARSERS))}")
         if self.attention_backend not in ("auto", "torch", "triton", "cpu"):
             raise bad("attention_backend", "must be 'auto', 'torch', 'triton' or 'cpu'")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:

@@ -4,12 +4,14 @@ Oracles: hand-split texts; the whole answer's split against every way of streami
 model's reasoning and content against LLM.chat's text on the same weights and seed, split where the text (found by
 the test) has its </think>."""
 import random
+import re
 import signal
 
 import openai
 import pytest
 
-from picovllm import LLM, SamplingParams
+from picovllm import LLM, SamplingParams, StructuredOutputsParams
+from picovllm.layers.structured_output import GrammarState
 from picovllm.entrypoints.openai.reasoning import ReasoningSplitter, opened_in_prompt, split_reasoning
 from serving_fixtures import ServerProcess, build_tiny_chat_model
 
@@ -194,12 +196,148 @@ def test_served_blocks_that_do_not_close_and_thinking_off(client, llm):
     assert got == [("reasoning", out.text), len(out.token_ids)]
 
 
-def test_structured_outputs_are_not_split(client, llm):
-    """A grammar governs the whole output: the reply is the constrained text as content, no reasoning."""
+def _biased_seeds(llm, tok, n: int = 40, template: str = THINKING) -> tuple[dict, list]:
+    """A logit bias that leaves only the tokens of "a</think>b" (while nothing masks them), and the seeds where
+    LLM.chat's sampled text under it (no grammar) closes a block: (seed, output) pairs."""
+    bias = {t: 100.0 for t in tok.encode("a</think>b", add_special_tokens=False)}
+    params = [SamplingParams(seed=s, temperature=1.0, max_tokens=24, logit_bias=bias) for s in range(n)]
+    outs = llm.chat([ASK] * n, params, use_tqdm=False, chat_template=template)
+    return bias, [(p.seed, o.outputs[0]) for p, o in zip(params, outs) if "</think>" in o.outputs[0].text[:-1]]
+
+
+REGEX = "[ab]{2,6}"
+
+
+def test_served_structured_outputs_follow_the_reasoning(client, llm, thinking_model):
+    """With the parser, serve's engine holds a grammar back until the block ends (vLLM's way): the reasoning is the
+    unconstrained sample's text up to its </think> (same seed: the grammar touched none of it), the content after
+    it matches the grammar, streamed or not. Without a parser (LLM.chat here) the grammar governs the whole output."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(thinking_model)
+    bias, closing = _biased_seeds(llm, tok)
+    assert closing
     model = client.models.list().data[0].id
-    from picovllm import StructuredOutputsParams
-    sp = SamplingParams(temperature=0, max_tokens=12, structured_outputs=StructuredOutputsParams(regex="[a-z]{3,8}"))
-    text = llm.chat([ASK], sp, use_tqdm=False, chat_template=THINKING)[0].outputs[0].text
-    msg = client.chat.completions.create(model=model, messages=ASK, temperature=0, max_tokens=12,
-                                         extra_body={"guided_regex": "[a-z]{3,8}"}).choices[0].message
-    assert msg.content == text and msg.model_extra.get("reasoning") is None
+    end_id = tok.convert_tokens_to_ids("</think>")
+    for seed, out in closing[:3]:
+        thought = out.text[:out.text.index("</think>")]
+        kw = dict(model=model, messages=ASK, seed=seed, temperature=1.0, max_tokens=24,
+                  logit_bias={str(t): b for t, b in bias.items()}, extra_body={"guided_regex": REGEX})
+        got = client.chat.completions.create(**kw)
+        msg = got.choices[0].message
+        assert msg.model_extra["reasoning"] == thought and re.fullmatch(REGEX, msg.content), (thought, msg)
+        assert got.usage.completion_tokens_details.reasoning_tokens == out.token_ids.index(end_id) + 1
+        assert _streamed(client, **kw) == (thought, msg.content)
+    sp = SamplingParams(temperature=1.0, seed=closing[0][0], max_tokens=24, logit_bias=bias,
+                        structured_outputs=StructuredOutputsParams(regex=REGEX))
+    whole = llm.chat([ASK], sp, use_tqdm=False, chat_template=THINKING)[0].outputs[0].text
+    assert re.fullmatch(REGEX, whole)
+
+
+# Qwen3's way: the model opens the block itself (the generation prompt leaves it to the model), unless thinking is off
+QWEN3 = THINKING.replace("{% else %}<think>\n{% endif %}", "{% endif %}")
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["plain", "overlap"])
+def gated_llm(thinking_model, request):
+    """An engine that holds structured outputs' grammar back until the think block ends, with and without
+    overlapped scheduling (the grammar's late masks)."""
+    return LLM(thinking_model, block_size=16, num_kv_blocks=256, max_model_len=256, reasoning_parser="qwen3",
+               async_scheduling=request.param)
+
+
+def test_grammar_waits_for_the_block_the_prompt_opens(gated_llm, llm, thinking_model):
+    """DeepSeek-R1's template opens the block: the gated engine's tokens up to </think> are the unconstrained
+    sample's (same seed), the text after it matches the grammar; every block free afterwards."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(thinking_model)
+    bias, closing = _biased_seeds(llm, tok)
+    assert closing
+    end_id = tok.convert_tokens_to_ids("</think>")
+    params = [SamplingParams(temperature=1.0, seed=seed, max_tokens=24, logit_bias=bias,
+                             structured_outputs=StructuredOutputsParams(regex=REGEX)) for seed, _ in closing]
+    outs = gated_llm.chat([ASK] * len(params), params, use_tqdm=False, chat_template=THINKING)
+    for (seed, free), o in zip(closing, outs):
+        ids, text = o.outputs[0].token_ids, o.outputs[0].text
+        cut = free.token_ids.index(end_id) + 1
+        assert ids[:cut] == free.token_ids[:cut], seed
+        assert re.fullmatch(REGEX, text[text.index("</think>") + len("</think>"):]), text
+    bm = gated_llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_grammar_lets_the_model_open_a_block_or_starts_after_a_closed_one(gated_llm, thinking_model):
+    """Qwen3's template: the first token may be <think> (besides the grammar's), a block the model opens holds no
+    mask until its </think>, and the grammar governs the rest; with thinking off (the prompt closes an empty
+    block) the grammar governs from the first token, <think> masked however it is biased."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(thinking_model)
+    start, end = tok.convert_tokens_to_ids(["<think>", "</think>"])
+    bias = {start: 30.0, end: 30.0}     # under no mask, these two outweigh the rest
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=40, logit_bias=bias,
+                             structured_outputs=StructuredOutputsParams(regex=REGEX)) for s in range(8)]
+    for kwargs in (None, OFF):
+        outs = gated_llm.chat([ASK] * len(params), params, use_tqdm=False, chat_template=QWEN3,
+                              chat_template_kwargs=kwargs)
+        for o in outs:
+            ids, text = o.outputs[0].token_ids, o.outputs[0].text
+            if kwargs is None:
+                assert ids[0] == start and end in ids, text
+                k = ids.index(end)
+                assert set(ids[1:k]) <= {start}, text      # inside the block only the biased two: no mask there
+                text = tok.decode(ids[k + 1:], skip_special_tokens=True)
+            assert re.fullmatch(REGEX, text), text
+
+
+def test_a_gate_by_hand(thinking_model):
+    """The gate's phases, token by token, against xgrammar's own verdicts and masks on a matcher of the same
+    grammar; the first token's mask is the grammar's plus <think> (at bit 31 of a word too); a tokenizer without the
+    tags is refused naming the field."""
+    import torch
+    from transformers import AutoTokenizer
+    from picovllm.layers.structured_output import BitmaskBuffers, ReasoningGate, StructuredOutputCompiler
+    from picovllm.reasoning import ANSWER, MAY_OPEN, REASONING
+    tok = AutoTokenizer.from_pretrained(thinking_model)
+    so = StructuredOutputsParams(regex=REGEX)
+    compiler = StructuredOutputCompiler(tok, 400, [tok.eos_token_id])
+    gate = ReasoningGate(tok, "qwen3")
+    a, q = tok.encode("a", add_special_tokens=False)[0], tok.encode("Q", add_special_tokens=False)[0]
+
+    def mask(state) -> list[int]:
+        buffers = BitmaskBuffers(400, torch.device("cpu"))
+        m = buffers.for_step(1)
+        m.fill([0], [state])
+        return [t for t in range(400) if (int(m.words[0, t // 32]) >> (t % 32)) & 1]
+
+    plain = compiler.new_state(so)
+    s = compiler.new_state(so, gate, MAY_OPEN)
+    assert mask(s) == sorted(mask(plain) + [gate.start]) and gate.end not in mask(s)
+    assert s.accept(gate.start) and s.phase == REASONING and not s.masked
+    for t in (q, gate.start, a, q):        # anything inside the block, a second <think> included
+        assert s.accept(t) and s.phase == REASONING
+    assert s.accept(gate.end) and s.phase == ANSWER and s.masked and s.num_accepted == 6
+    assert mask(s) == mask(plain)
+    assert not s.accept(q) and not s.accept(gate.start) and s.accept(a) and plain.accept(a)
+    assert mask(s) == mask(plain)
+    s = compiler.new_state(so, gate, MAY_OPEN)      # a first token of the grammar's: no block, the grammar's from now
+    assert not s.accept(q) and s.phase == MAY_OPEN
+    assert s.accept(a) and s.phase == ANSWER and not s.accept(gate.start)
+    r, g = compiler.new_state(so, gate, REASONING), compiler.new_state(so)     # accept_all with a gated row
+    assert GrammarState.accept_all([r, g], [q, q]) == [True, False] and r.phase == REASONING
+    assert GrammarState.accept_all([r, g], [gate.end, a]) == [True, True] and r.phase == ANSWER
+    base = mask(compiler.new_state(so))
+    for start in (31, 63):      # the sign bit of an int32 word
+        fake = object.__new__(ReasoningGate)
+        fake.start, fake.end = start, gate.end
+        assert start not in base and mask(compiler.new_state(so, fake, MAY_OPEN)) == sorted(base + [start])
+
+    class Untagged:
+        def encode(self, text, add_special_tokens=False):
+            return [1, 2, 3]
+    with pytest.raises(ValueError, match="EngineConfig.reasoning_parser 'qwen3': the tokenizer has no <think>"):
+        ReasoningGate(Untagged(), "qwen3")
+
+
+def test_reasoning_parser_is_validated():
+    from picovllm.config import EngineConfig
+    with pytest.raises(ValueError, match="EngineConfig.reasoning_parser must be None or one of 'qwen3'"):
+        EngineConfig(reasoning_parser="qwen")

@@ -24,6 +24,7 @@ import json
 import multiprocessing.util
 import os
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -39,7 +40,8 @@ from picovllm.engine.scheduler import Scheduler, SchedulerOutput
 from picovllm.engine.step_input import StepInput
 from picovllm.layers.logits_processors import bad_words_token_ids
 from picovllm.layers.rotary import longrope_position_offset
-from picovllm.layers.structured_output import BitmaskBuffers, GrammarState, StructuredOutputCompiler
+from picovllm.layers.structured_output import BitmaskBuffers, GrammarState, ReasoningGate, StructuredOutputCompiler
+from picovllm.reasoning import PROMPT_TAIL, reasoning_phase
 from picovllm.loader import open_model_source
 from picovllm.outputs import CompletionOutput, Logprob, RequestOutput
 from picovllm.sampling_params import SamplingParams
@@ -129,6 +131,7 @@ class Engine:
         self._stalled = False      # the last schedule changed nothing: its waiting requests wait for blocks or slots
         self._ids = itertools.count()
         self._structured: StructuredOutputCompiler | None = None   # built at the first structured request
+        self._reasoning_gate = self._make_reasoning_gate()   # a reasoning parser's think tokens, or None
         self._bitmasks: BitmaskBuffers | None = None       # the grammar masks' buffers, at the first such step
         self.stats = {"prefill_tokens": 0, "decode_tokens": 0}
 
@@ -206,7 +209,7 @@ class Engine:
         request_id = str(next(self._ids)) if request_id is None else request_id
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        grammar = self._grammar_state(params) if params.structured_outputs is not None else None
+        grammar = self._grammar_state(params, ids) if params.structured_outputs is not None else None
         req = Request(request_id, ids, params, prompt if isinstance(prompt, str) else None, arrival_time)
         req.grammar = grammar
         req.bad_words_ids = bad_words
@@ -246,20 +249,33 @@ class Engine:
                              f"({self.model_config.vocab_size})")
         return ids
 
-    def _grammar_state(self, params: SamplingParams) -> GrammarState:
-        """A matcher for the request's structured output; ValueError naming the field if it cannot be."""
+    def _make_reasoning_gate(self) -> ReasoningGate | None:
+        parser = self.config.reasoning_parser
+        if parser is None:
+            return None
+        if self.tokenizer is None:
+            raise ValueError(f"EngineConfig.reasoning_parser {parser!r} needs the model's tokenizer")
+        return ReasoningGate(self.tokenizer, parser)
+
+    def _grammar_state(self, params: SamplingParams, prompt_ids: Sequence[int] = ()) -> GrammarState:
+        """A matcher for the request's structured output; ValueError naming the field if it cannot be. With a
+        reasoning parser, it starts where the prompt's tail leaves the output (picovllm/reasoning.py)."""
         so = params.structured_outputs
         if self.tokenizer is None:
             raise ValueError(f"{so.field_name}: structured outputs need the model's tokenizer")
         if self._structured is None:
             self._structured = StructuredOutputCompiler(self.tokenizer, self.model_config.vocab_size,
                                                         self.eos_token_ids)
-        return self._structured.new_state(so)
+        gate = self._reasoning_gate
+        if gate is None:
+            return self._structured.new_state(so)
+        tail = self.tokenizer.decode(prompt_ids[-PROMPT_TAIL:], skip_special_tokens=False)
+        return self._structured.new_state(so, gate, reasoning_phase(tail))
 
     def _grammar_on_decode(self, req: Request) -> GrammarState:
         """D: the matcher of an offered request, advanced by the tokens P sampled under the same grammar (P and D
         compile it each, from the request's params); ValueError naming the field if they do not match it."""
-        grammar = self._grammar_state(req.params)
+        grammar = self._grammar_state(req.params, req.prompt_token_ids)
         for token in req.output_token_ids:
             if not grammar.accept(token):
                 raise ValueError(f"{req.params.structured_outputs.field_name}: the prefill engine's token {token} "
@@ -415,7 +431,7 @@ class Engine:
             if req.grammar is not None:
                 if req.num_pending_tokens:
                     late.append((i, req))
-                else:
+                elif req.grammar.masked:
                     rows.append(i)
                     states.append(req.grammar)
         if rows or late:
@@ -443,8 +459,8 @@ class Engine:
                 states.append(grammar)
                 taken.append(tokens[row])
         accepted = GrammarState.accept_all(states, taken)
-        if not all(accepted) or any(g.is_terminated for g in states):
-            keep = [k for k, g in enumerate(states) if accepted[k] and not g.is_terminated]
+        if not all(accepted) or any(g.is_terminated or not g.masked for g in states):
+            keep = [k for k, g in enumerate(states) if accepted[k] and g.masked and not g.is_terminated]
             rows, states = [rows[k] for k in keep], [states[k] for k in keep]
         step.token_bitmasks.fill(rows, states)
 

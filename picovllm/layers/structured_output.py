@@ -17,6 +17,13 @@ queues step N+1's sampling (Executor.launch's before_sampling). The host's gramm
 constrained requests decode every step, as without overlap.
 
 Compiled grammars are cached by xgrammar's compiler, one per engine (so per tokenizer), keyed by the grammar text.
+
+With a reasoning parser (EngineConfig.reasoning_parser, vLLM's --reasoning-parser) a thinking model reasons first
+and the grammar governs the answer after it, as vLLM does: a `ReasoningGate` (the `<think>` and `</think>` token ids)
+on the GrammarState keeps its matcher out of the way while the model reasons. The prompt's tail sets where it
+starts (`reasoning_phase`, picovllm/reasoning.py): inside a block the prompt opened (DeepSeek-R1's template: no
+mask until `</think>`), after a block the prompt closed (Qwen3 with thinking off: the grammar from the first token),
+or at a first token that may open one (Qwen3's template: the grammar's mask plus `<think>`).
 """
 from __future__ import annotations
 
@@ -30,6 +37,7 @@ import torch
 
 from picovllm.kernels import use_triton
 from picovllm.kernels.cpu import token_mask
+from picovllm.reasoning import ANSWER as GRAMMAR, MAY_OPEN, REASONING, THINK_END, THINK_START
 from picovllm.sampling_params import StructuredOutputsParams
 
 CACHE_BYTES = 256 << 20   # compiled grammars kept per engine
@@ -40,6 +48,7 @@ CACHE_BYTES = 256 << 20   # compiled grammars kept per engine
 # starts its N threads on every call (~70-100 us a call on a 2-core host, a 1-row fill included, against ~1 us a row
 # on one). --fill-threads N of benchmarks/structured_output.py measures it.
 FILL_THREADS = 1
+
 
 
 # Two fixes to xgrammar 0.2.8's JSON grammar, so that every accepted string is JSON (json.loads is the test's
@@ -66,10 +75,23 @@ def choice_grammar(choices: list[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
-class GrammarState:
-    """One request's matcher: which tokens may come next, advanced with each accepted token."""
+class ReasoningGate:
+    """A tokenizer's think-block tokens: what a GrammarState's reasoning phase watches for."""
 
-    def __init__(self, matcher: Any, vocab_size: int) -> None:
+    def __init__(self, tokenizer: Any, parser: str) -> None:
+        ids = [tokenizer.encode(tag, add_special_tokens=False) for tag in (THINK_START, THINK_END)]
+        if any(len(i) != 1 for i in ids):
+            raise ValueError(f"EngineConfig.reasoning_parser {parser!r}: the tokenizer has no {THINK_START} and "
+                             f"{THINK_END} tokens (the model does not reason in think blocks)")
+        self.start, self.end = ids[0][0], ids[1][0]
+
+
+class GrammarState:
+    """One request's matcher: which tokens may come next, advanced with each accepted token. With a gate, the
+    tokens of a think block before the answer pass it by (phase: module docstring)."""
+
+    def __init__(self, matcher: Any, vocab_size: int, gate: ReasoningGate | None = None,
+                 phase: str = GRAMMAR) -> None:
         self._matcher = matcher   # xgrammar's matcher (the tests' oracle calls: accept_string, one-row fills)
         # what the batched calls take: xgrammar's native matcher (its Python wrappers look it up per call), or the
         # matcher itself where that private handle is not there (_native)
@@ -80,12 +102,33 @@ class GrammarState:
         # the grammar is complete and its end (a stop token) was accepted: kept here, not asked of the matcher
         # per token, since only a stop token can end it (two calls into xgrammar a row a step fewer)
         self.is_terminated = False
+        self.gate, self.phase = gate, phase if gate is not None else GRAMMAR
+
+    @property
+    def masked(self) -> bool:
+        """Whether its next token has a mask (not inside a think block)."""
+        return self.phase != REASONING
 
     def accept(self, token: int) -> bool:
         """Advance by a sampled token; False if the grammar does not allow it (the state is unchanged)."""
+        if self.phase != GRAMMAR and self._passes(token):
+            self.num_accepted += 1
+            return True
         if not self.handle.accept_token(token, False):
             return False
+        self.phase = GRAMMAR
         self._took(token)
+        return True
+
+    def _passes(self, token: int) -> bool:
+        """A token of the think block (its start at a first token that may open one; anything inside it, its end
+        included); the phase moves on with it."""
+        if self.phase == MAY_OPEN:
+            if token != self.gate.start:
+                return False
+            self.phase = REASONING
+        elif token == self.gate.end:
+            self.phase = GRAMMAR
         return True
 
     def _took(self, token: int) -> None:
@@ -99,6 +142,8 @@ class GrammarState:
         """states[i].accept(tokens[i]) for every i, in one call into xgrammar: whether each was accepted."""
         if not states:
             return []
+        if any(s.phase != GRAMMAR for s in states):      # a think block's tokens (few states, seldom): one by one
+            return [s.accept(t) for s, t in zip(states, tokens)]
         result = _batch_accept()([s.handle for s in states], tokens, False)
         # an array of xgrammar's whose elements cost ~0.5 us each to read: one `in` (native) for the usual case
         accepted = [True] * len(states) if 0 not in result else [bool(a) for a in result]
@@ -172,9 +217,10 @@ class StructuredOutputCompiler:
             return c.compile_grammar(choice_grammar(p.choice))
         return c.compile_grammar(p.grammar)
 
-    def new_state(self, p: StructuredOutputsParams) -> GrammarState:
+    def new_state(self, p: StructuredOutputsParams, gate: ReasoningGate | None = None,
+                  phase: str = GRAMMAR) -> GrammarState:
         import xgrammar as xgr
-        return GrammarState(xgr.GrammarMatcher(self.compile(p)), self.vocab_size)
+        return GrammarState(xgr.GrammarMatcher(self.compile(p)), self.vocab_size, gate, phase)
 
 
 _WHAT = {"json": "JSON schema", "json_object": "JSON schema", "regex": "regular expression",
@@ -184,6 +230,11 @@ _WHAT = {"json": "JSON schema", "json_object": "JSON schema", "regex": "regular 
 def _first_line(e: Exception) -> str:
     text = str(e).strip() or type(e).__name__
     return text.splitlines()[0][:300]
+
+
+def _signed_bit(bit: int) -> int:
+    """Bit `bit` of an int32 word, as the int32 value it has alone (bit 31 is the sign)."""
+    return (1 << bit) - (1 << 32 if bit == 31 else 0)
 
 
 def bitmask_words(vocab_size: int) -> int:
@@ -205,6 +256,10 @@ class TokenBitmasks:
         if rows:
             self._owner.fill_rows([s.handle for s in states], self.words, rows)
             self.filled.extend(rows)
+            for row, s in zip(rows, states):
+                if s.phase == MAY_OPEN:      # the first token may open a think block instead
+                    word, bit = divmod(s.gate.start, 32)
+                    self.words[row, word] |= _signed_bit(bit)
 
     def word_rows(self) -> list[int]:
         """For each sampling row, its row of `words` if filled, else -1 (left as it is)."""

@@ -11,7 +11,7 @@ from picovllm.sampling_params import SamplingParams
 
 # EngineConfig fields that only a server's requests use: the sampling defaults of requests that leave fields unset
 # (here the sampling flags set every field)
-SERVER_ONLY = ("generation_config", "override_generation_config")
+SERVER_ONLY = ("generation_config", "override_generation_config", "reasoning_parser")
 
 
 def add_model_and_engine_args(p: argparse.ArgumentParser) -> None:

@@ -304,7 +304,9 @@ def serve(engine_config: EngineConfig, settings: ServerSettings) -> int:
     except ValueError as e:
         stop()
         raise SystemExit(f"error: {e}") from None
-    app = build_app(ServingContext(async_engine, worker, metrics, name, defaults, settings.reasoning_parser), settings)
+    ctx = ServingContext(async_engine, worker, metrics, name, defaults, settings.reasoning_parser,
+                         grammar_after_reasoning=engine_config.reasoning_parser is not None)
+    app = build_app(ctx, settings)
     logger.info("serving %s on http://%s:%d", name, settings.host, settings.port)
     run_app(app, async_engine, settings)
     return 0

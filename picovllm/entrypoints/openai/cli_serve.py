@@ -68,7 +68,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                          "$PICOVLLM_PD_SECRET): every /pd route, the P-D link and every KV socket is "
                          "authenticated with it; the proxy or router needs the same one")
     pd.add_argument("--router", default=None, help="a fleet instance: register with this router once up")
-    add_engine_args(p)
+    add_engine_args(p, skip=("reasoning_parser",))    # declared above, with its choices; the engine takes it too
     p.set_defaults(func=main)
     return p
 

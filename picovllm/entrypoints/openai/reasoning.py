@@ -16,25 +16,27 @@ message. One rule serves both parsers:
 
 A `<think>` the model writes at the start of a block it is already in (prompt-opened) is dropped, as vLLM does.
 The streamed pieces add up to the whole answer's split: a piece that may be the start of a tag waits for the next.
-A request whose output a grammar governs (structured outputs, tool_choice "required" or a named function) is not
-split: its whole output is the constrained text (vLLM lets the model reason first, then applies the grammar; here
-the grammar holds from the first token, so such a reply has no reasoning).
+A request whose output a grammar governs (structured outputs, tool_choice "required" or a named function) is split
+the same way where the engine holds the grammar back until the block ends (serve's engine takes the same
+--reasoning-parser: EngineConfig.reasoning_parser, layers/structured_output.py), as vLLM does; behind the proxy or
+the router (whose P and D engines take no parser) such a request is not split: the grammar holds from its first
+token, and the reply has no reasoning.
 """
 from __future__ import annotations
 
 from picovllm.entrypoints.openai.tool_calls import partial_tag
+from picovllm.reasoning import PROMPT_TAIL, REASONING, REASONING_PARSERS, THINK_END, THINK_START, reasoning_phase
 
-START, END = "<think>", "</think>"
-PARSERS = ("qwen3", "deepseek_r1")      # both by the rule above
+__all__ = ["PARSERS", "PROMPT_TAIL", "ReasoningSplitter", "opened_in_prompt", "split_reasoning"]
+START, END, PARSERS = THINK_START, THINK_END, REASONING_PARSERS
 HELP = ("split a thinking model's <think> ... </think> from its answer: chat's message.reasoning (and "
         "reasoning_content), a reasoning item in /v1/responses (vLLM's flag: qwen3, deepseek_r1)")
-PROMPT_TAIL = 16      # the prompt's last tokens, decoded, tell whether it opens a think block
 
 
 def opened_in_prompt(prompt_text: str) -> bool:
     """Whether the rendered prompt opens a think block for the output (it ends with <think> and whitespace). An
     unclosed <think> further back (an earlier message's) opens nothing."""
-    return prompt_text.rstrip().endswith(START)
+    return reasoning_phase(prompt_text) == REASONING
 
 
 class ReasoningSplitter:

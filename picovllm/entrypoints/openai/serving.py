@@ -38,6 +38,9 @@ class ServingContext:
     # the model's generation config: sampling defaults for fields a request leaves unset (generation_config.py)
     sampling_defaults: dict = field(default_factory=dict)
     reasoning_parser: str | None = None     # chat: <think> ... </think> apart from the answer (reasoning.py)
+    # the engine holds structured outputs' grammar back until the think block ends (its own reasoning parser, serve's):
+    # then a constrained request is split too; else (the proxy's and router's P and D engines) it is not
+    grammar_after_reasoning: bool = False
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
