@@ -9,7 +9,10 @@ time from the step before it to it is the step before's period as served: the en
 serving loop did in between (outputs to the HTTP side, new requests in). Printed: the served period over the
 profile's step_time of the step before, by kind of step and decode batch; the
 `--top` periods furthest above the profile, with what ran and how many requests waited; with `--bench` (a `picovllm
-bench serve` result), the requests that arrived in those windows.
+bench serve` result), the requests that arrived in those windows. Where the log has them (an overlapped engine's),
+each of those periods is taken apart: launch (from planning the step to its launch returning: the host's prepare
+and launch), wait (reading the step before's result: the device still on it), apply (its outputs), loop (the serving
+loop until the next step: outputs out, commands in) and the engine thread's CPU time over the period.
 """
 import argparse
 import json
@@ -21,6 +24,15 @@ sys.path.insert(0, ".")
 from picovllm.planner.profile import StepProfile  # noqa: E402
 
 
+def breakdown(prev: list, cur: list) -> tuple | None:
+    """The period from prev's planning to cur's, in ms: launch, wait, apply, loop, and the engine thread's CPU time
+    (None where the log has no marks: an older log, or a step that was not launched overlapped)."""
+    if len(prev) < 10 or None in prev[7:10] or len(cur) < 10:
+        return None
+    t, launched, read, returned = prev[0], prev[7], prev[8], prev[9]
+    return tuple(1e3 * x for x in (launched - t, read - launched, returned - read, cur[0] - returned, cur[6] - prev[6]))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("log")
@@ -30,15 +42,15 @@ def main() -> None:
     a = p.parse_args()
     steps = json.load(open(a.log))
     prof = StepProfile.load(a.profile)
-    rows = []     # (time, period, predicted, prefill, decodes, waiting)
+    rows = []     # (time, period, predicted, prefill, decodes, waiting, breakdown ms or None)
     for prev, cur in zip(steps, steps[1:]):
-        t, prefill, decodes, _, waiting, context = cur
+        t, prefill, decodes, _, waiting, context = cur[:6]
         if decodes == 0:
             continue          # the engine may have idled before it
         # from planning the step before to planning this one: the step before ran (overlapped, it was launched and
         # the one before it read)
         predicted = prof.step_time(prev[1], prev[2], prev[5])
-        rows.append((t, t - prev[0], predicted, prev[1], prev[2], waiting))
+        rows.append((t, t - prev[0], predicted, prev[1], prev[2], waiting, breakdown(prev, cur)))
     if not rows:
         raise SystemExit("no back-to-back steps in the log")
     print(f"{len(steps)} steps, {len(rows)} back to back; served period / profile's step time:")
@@ -56,9 +68,12 @@ def main() -> None:
     t0 = steps[0][0]
     worst = sorted(rows, key=lambda r: r[1] - r[2], reverse=True)[:a.top]
     print(f"\nthe {len(worst)} periods furthest above the profile (t from the log's first step):")
-    print(f"{'t s':>9}{'served ms':>10}{'profile ms':>11}{'prompt tok':>11}{'decodes':>8}{'waiting after':>14}")
+    parts = ("launch", "wait", "apply", "loop", "cpu")
+    print(f"{'t s':>9}{'served ms':>10}{'profile ms':>11}{'prompt tok':>11}{'decodes':>8}{'waiting after':>14}"
+          + "".join(f"{p:>8}" for p in parts))
     for r in sorted(worst):
-        print(f"{r[0] - t0:>9.3f}{r[1] * 1e3:>10.2f}{r[2] * 1e3:>11.2f}{r[3]:>11}{r[4]:>8}{r[5]:>14}")
+        print(f"{r[0] - t0:>9.3f}{r[1] * 1e3:>10.2f}{r[2] * 1e3:>11.2f}{r[3]:>11}{r[4]:>8}{r[5]:>14}"
+              + ("".join(f"{x:>8.2f}" for x in r[6]) if r[6] else ""))
     if a.bench:
         bench = json.load(open(a.bench))
         if "start_time" not in bench:

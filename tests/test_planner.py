@@ -357,12 +357,23 @@ def test_step_log_records_each_scheduled_step(tiny_models, tmp_path):
     code = ("from picovllm import LLM, SamplingParams\n"
             f"llm = LLM({tiny_models['llama']!r}, max_model_len=64, num_kv_blocks=32, max_num_batched_tokens=16,"
             " enforce_eager=True, enable_prefix_caching=False)\n"
-            "llm.generate([[5] * 20, [6] * 20], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)\n")
+            "llm.generate([[5] * 20, [6] * 20], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)\n"
+            "llm.engine.overlap = True\n"     # the same engine overlapped: each step's marks
+            "llm.generate([[7] * 20], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)\n")
     env = dict(os.environ, PICOVLLM_STEP_LOG=str(tmp_path / "steps"),
                PYTHONPATH=os.pathsep.join([os.getcwd()] + sys.path))
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=300)
     [log] = list(tmp_path.glob("steps.*"))
-    steps = [tuple(s[1:]) for s in json.loads(log.read_text())]
+    log = json.loads(log.read_text())
+    steps = [tuple(s[1:6]) for s in log]
     # 16 of A; A's last 4 and 12 of B (A samples); A decodes (21 tokens, its next being sampled), B's last 8 (B
-    # samples); two decodes (22 + 21); B's last decode (22: A has finished)
-    assert steps == [(16, 0, 1, 1, 0), (16, 0, 2, 0, 0), (8, 1, 2, 0, 21), (0, 2, 2, 0, 43), (0, 1, 1, 0, 22)]
+    # samples); two decodes (22 + 21); B's last decode (22: A has finished); then C: 16, 4, and three decodes
+    assert steps[:5] == [(16, 0, 1, 1, 0), (16, 0, 2, 0, 0), (8, 1, 2, 0, 21), (0, 2, 2, 0, 43), (0, 1, 1, 0, 22)]
+    assert steps[5:7] == [(16, 0, 1, 0, 0), (4, 0, 1, 0, 0)] and [s[1] for s in steps[7:]] == [1, 1, 1]
+    assert all(s[7:] == [None] * 3 for s in log[:5])      # not overlapped: no marks
+    cpu = [s[6] for s in log]
+    assert cpu == sorted(cpu)
+    for s, nxt in zip(log[5:], log[6:] + [None]):      # planned <= launched <= read <= returned <= the next planned
+        marks = [s[0], s[7], s[8] if s[8] is not None else s[7], s[9]] + ([nxt[0]] if nxt else [])
+        assert marks == sorted(marks) and None not in marks, s
+    assert log[5][8] is None and all(s[8] is not None for s in log[6:])    # the first had no step before it

@@ -60,7 +60,7 @@ def test_a_prompt_opens_a_block_when_it_ends_with_think():
     assert opened_in_prompt("<think>old</think> then <think>")
 
 
-ENGINE_ARGS = ["--block-size", "16", "--num-kv-blocks", "256", "--max-model-len", "256"]
+ENGINE_ARGS = ["--block-size", "16", "--num-kv-blocks", "256", "--max-model-len", "512"]   # tools: a long prompt
 # DeepSeek-R1's way (and Qwen3.5's): the generation prompt opens the think block, unless thinking is off
 THINKING = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
             "{% if add_generation_prompt %}<|im_start|>assistant\n"
@@ -231,6 +231,33 @@ def test_served_structured_outputs_follow_the_reasoning(client, llm, thinking_mo
                         structured_outputs=StructuredOutputsParams(regex=REGEX))
     whole = llm.chat([ASK], sp, use_tqdm=False, chat_template=THINKING)[0].outputs[0].text
     assert re.fullmatch(REGEX, whole)
+
+
+def test_served_named_tool_call_after_the_reasoning(client, thinking_model):
+    """A named tool_choice constrains the answer after the block: the reply has the reasoning, then a call whose
+    arguments validate against the function's schema, streamed or not."""
+    import json
+    import jsonschema
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(thinking_model)
+    schema = {"type": "object", "properties": {"x": {"enum": ["a", "b"]}}, "required": ["x"],
+              "additionalProperties": False}
+    kw = dict(model=client.models.list().data[0].id, messages=ASK, temperature=1.0, max_tokens=64,
+              tools=[{"type": "function", "function": {"name": "pick", "parameters": schema}}],
+              tool_choice={"type": "function", "function": {"name": "pick"}},
+              logit_bias={str(t): 100.0 for t in tok.encode("a</think>b", add_special_tokens=False)})
+    for seed in range(3):
+        msg = client.chat.completions.create(seed=seed, **kw).choices[0].message
+        thought = msg.model_extra["reasoning"]
+        assert thought is not None and "</think>" not in thought, msg
+        assert [c.function.name for c in msg.tool_calls] == ["pick"]
+        jsonschema.validate(json.loads(msg.tool_calls[0].function.arguments), schema)
+        reasoning, args = "", ""
+        for chunk in client.chat.completions.create(seed=seed, stream=True, **kw):
+            d = chunk.choices[0].delta if chunk.choices else None
+            reasoning += (d.model_extra or {}).get("reasoning") or "" if d else ""
+            args += "".join(c.function.arguments or "" for c in (d.tool_calls or [])) if d else ""
+        assert (reasoning, args) == (thought, msg.tool_calls[0].function.arguments)
 
 
 # Qwen3's way: the model opens the block itself (the generation prompt leaves it to the model), unless thinking is off

@@ -51,8 +51,9 @@ if TYPE_CHECKING:
     from picovllm.disagg.transfer import TransferConfig
 
 # PICOVLLM_STEP_LOG=PATH (a debugging aid): every scheduled step's (wall time, prompt tokens, decodes, sequences,
-# requests waiting, the decodes' tokens), written to PATH.<pid> as JSON when the process exits: how a served engine's
-# steps ran (benchmarks/step_log.py sets them beside the planner's profile).
+# requests waiting, the decodes' tokens, the engine thread's CPU time then, and, overlapped, the wall times at which
+# it was launched, the step before's result was read and Engine.step returned), written to PATH.<pid> as JSON when the
+# process exits: how a served engine's steps ran (benchmarks/step_log.py sets them beside the planner's profile).
 _STEP_LOG: list | None = [] if os.environ.get("PICOVLLM_STEP_LOG") else None
 if _STEP_LOG is not None:
     def _dump_step_log() -> None:
@@ -409,14 +410,21 @@ class Engine:
 
             launched = self.executor.launch(step, prev, fill_late_masks if late else None)
             self.advance(sched)
+        marks = _STEP_LOG[-1] if _STEP_LOG and launched is not None else None
+        if marks is not None:
+            marks[7] = time.time()
         outputs = []
         if self._in_flight is not None:
             done_sched, done = self._in_flight
             result = early if early is not None else self.executor.resolve(done)
+            if marks is not None:
+                marks[8] = time.time()
             outputs = self.apply_results(done_sched, result, unfinished_outputs)
         self._in_flight = (sched, launched) if launched is not None else None
         if launched is not None and all(c.request.is_finished for c in sched.chunks):
             self._in_flight = None     # every request in it has finished meanwhile: nothing to read
+        if marks is not None:
+            marks[9] = time.time()
         return outputs
 
     def _prepare(self, sched: SchedulerOutput) -> tuple[StepInput, list[tuple[int, Request]]]:
@@ -470,8 +478,8 @@ class Engine:
         now = time.time()
         if _STEP_LOG is not None and sched.chunks:
             context = sum(c.request.num_tokens for c in sched.chunks if c.is_decode)
-            _STEP_LOG.append((now, sched.num_tokens - sched.num_decodes, sched.num_decodes, len(sched.chunks),
-                              len(self.scheduler.waiting), context))
+            _STEP_LOG.append([now, sched.num_tokens - sched.num_decodes, sched.num_decodes, len(sched.chunks),
+                              len(self.scheduler.waiting), context, time.thread_time(), None, None, None])
         for c in sched.chunks:
             if c.request.metrics.first_scheduled_time is None:
                 c.request.metrics.first_scheduled_time = now
