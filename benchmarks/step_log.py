@@ -12,10 +12,12 @@ profile's step_time of the step before, by kind of step and decode batch; the
 bench serve` result), the requests that arrived in those windows. Where the log has them (an overlapped engine's),
 each of those periods is taken apart: launch (from planning the step to its launch returning: the host's prepare
 and launch), wait (reading the step before's result: the device still on it), apply (its outputs), loop (the serving
-loop until the next step: outputs out, commands in) and the engine thread's CPU time over the period.
+loop until the next step: outputs out, commands in) and the engine thread's CPU time over the period; and the
+process's garbage collections (PATH.gc beside the log) that started in each.
 """
 import argparse
 import json
+import os
 import sys
 
 import numpy as np
@@ -68,12 +70,20 @@ def main() -> None:
     t0 = steps[0][0]
     worst = sorted(rows, key=lambda r: r[1] - r[2], reverse=True)[:a.top]
     print(f"\nthe {len(worst)} periods furthest above the profile (t from the log's first step):")
+    gcs = []     # the process's garbage collections (start, generation, seconds), where the log has them
+    if os.path.exists(a.log + ".gc"):
+        gcs = [g[:3] for g in json.load(open(a.log + ".gc"))]
+        full = [g[2] * 1e3 for g in gcs if g[1] == 2]
+        print(f"\n{len(gcs)} garbage collections, {len(full)} of every generation"
+              + (f" (ms: median {np.median(full):.2f}, max {max(full):.2f})" if full else ""))
     parts = ("launch", "wait", "apply", "loop", "cpu")
     print(f"{'t s':>9}{'served ms':>10}{'profile ms':>11}{'prompt tok':>11}{'decodes':>8}{'waiting after':>14}"
-          + "".join(f"{p:>8}" for p in parts))
+          + "".join(f"{p:>8}" for p in parts) + ("   gc in the period (generation: ms)" if gcs else ""))
     for r in sorted(worst):
+        inside = [f"{g[1]}: {g[2] * 1e3:.2f}" for g in gcs if r[0] - r[1] <= g[0] <= r[0]]
         print(f"{r[0] - t0:>9.3f}{r[1] * 1e3:>10.2f}{r[2] * 1e3:>11.2f}{r[3]:>11}{r[4]:>8}{r[5]:>14}"
-              + ("".join(f"{x:>8.2f}" for x in r[6]) if r[6] else ""))
+              + ("".join(f"{x:>8.2f}" for x in r[6]) if r[6] else " " * 8 * len(parts))
+              + ("   " + ", ".join(inside) if inside else ""))
     if a.bench:
         bench = json.load(open(a.bench))
         if "start_time" not in bench:

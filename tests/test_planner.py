@@ -363,7 +363,9 @@ def test_step_log_records_each_scheduled_step(tiny_models, tmp_path):
     env = dict(os.environ, PICOVLLM_STEP_LOG=str(tmp_path / "steps"),
                PYTHONPATH=os.pathsep.join([os.getcwd()] + sys.path))
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=300)
-    [log] = list(tmp_path.glob("steps.*"))
+    [log] = [p for p in tmp_path.glob("steps.*") if p.suffix != ".gc"]
+    gcs = json.loads(log.with_name(log.name + ".gc").read_text())    # the process's collections: (start, gen, s, n)
+    assert gcs and all(g[1] in (0, 1, 2) and 0 <= g[2] < 10 and g[3] >= 0 for g in gcs)
     log = json.loads(log.read_text())
     steps = [tuple(s[1:6]) for s in log]
     # 16 of A; A's last 4 and 12 of B (A samples); A decodes (21 tokens, its next being sampled), B's last 8 (B

@@ -54,11 +54,23 @@ if TYPE_CHECKING:
 # requests waiting, the decodes' tokens, the engine thread's CPU time then, and, overlapped, the wall times at which
 # it was launched, the step before's result was read and Engine.step returned), written to PATH.<pid> as JSON when the
 # process exits: how a served engine's steps ran (benchmarks/step_log.py sets them beside the planner's profile).
+# Python's garbage collections go to PATH.<pid>.gc: (start wall time, generation, seconds, objects collected).
 _STEP_LOG: list | None = [] if os.environ.get("PICOVLLM_STEP_LOG") else None
 if _STEP_LOG is not None:
+    _GC_LOG: list = []
+
+    def _log_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            _GC_LOG.append([time.time(), info["generation"], time.perf_counter(), 0])
+        elif _GC_LOG:
+            _GC_LOG[-1][2:] = [time.perf_counter() - _GC_LOG[-1][2], info["collected"]]
+    gc.callbacks.append(_log_gc)
+
     def _dump_step_log() -> None:
-        with open(f"{os.environ['PICOVLLM_STEP_LOG']}.{os.getpid()}", "w") as f:
-            json.dump(_STEP_LOG, f)
+        path = f"{os.environ['PICOVLLM_STEP_LOG']}.{os.getpid()}"
+        for name, log in ((path, _STEP_LOG), (path + ".gc", _GC_LOG)):
+            with open(name, "w") as f:
+                json.dump(log, f)
     # multiprocessing's children skip atexit; its finalizers run in every process
     multiprocessing.util.Finalize(None, _dump_step_log, exitpriority=100)
 
