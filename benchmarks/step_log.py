@@ -10,8 +10,8 @@ serving loop did in between (outputs to the HTTP side, new requests in). Printed
 profile's step_time of the step before, by kind of step and decode batch; the
 `--top` periods furthest above the profile, with what ran and how many requests waited; with `--bench` (a `picovllm
 bench serve` result), the requests that arrived in those windows. Where the log has them (an overlapped engine's),
-each of those periods is taken apart: launch (from planning the step to its launch returning: the host's prepare
-and launch), wait (reading the step before's result: the device still on it), apply (its outputs), loop (the serving
+each of those periods is taken apart: prepare (from planning the step to its inputs built), launch (to the launch's
+return), wait (reading the step before's result: the device still on it), apply (its outputs), loop (the serving
 loop until the next step: outputs out, commands in) and the engine thread's CPU time over the period; and the
 process's garbage collections (PATH.gc beside the log) that started in each.
 """
@@ -27,12 +27,14 @@ from picovllm.planner.profile import StepProfile  # noqa: E402
 
 
 def breakdown(prev: list, cur: list) -> tuple | None:
-    """The period from prev's planning to cur's, in ms: launch, wait, apply, loop, and the engine thread's CPU time
-    (None where the log has no marks: an older log, or a step that was not launched overlapped)."""
+    """The period from prev's planning to cur's, in ms: prepare, launch, wait, apply, loop, and the engine thread's CPU
+    time (None where the log has no marks: an older log, or a step that was not launched overlapped)."""
     if len(prev) < 10 or None in prev[7:10] or len(cur) < 10:
         return None
     t, launched, read, returned = prev[0], prev[7], prev[8], prev[9]
-    return tuple(1e3 * x for x in (launched - t, read - launched, returned - read, cur[0] - returned, cur[6] - prev[6]))
+    prepared = prev[10] if len(prev) > 10 else t
+    return tuple(1e3 * x for x in (prepared - t, launched - prepared, read - launched, returned - read,
+                                   cur[0] - returned, cur[6] - prev[6]))
 
 
 def main() -> None:
@@ -76,7 +78,7 @@ def main() -> None:
         full = [g[2] * 1e3 for g in gcs if g[1] == 2]
         print(f"\n{len(gcs)} garbage collections, {len(full)} of every generation"
               + (f" (ms: median {np.median(full):.2f}, max {max(full):.2f})" if full else ""))
-    parts = ("launch", "wait", "apply", "loop", "cpu")
+    parts = ("prepare", "launch", "wait", "apply", "loop", "cpu")
     print(f"{'t s':>9}{'served ms':>10}{'profile ms':>11}{'prompt tok':>11}{'decodes':>8}{'waiting after':>14}"
           + "".join(f"{p:>8}" for p in parts) + ("   gc in the period (generation: ms)" if gcs else ""))
     for r in sorted(worst):

@@ -375,7 +375,7 @@ def test_step_log_records_each_scheduled_step(tiny_models, tmp_path):
     assert all(s[7:] == [None] * 3 for s in log[:5])      # not overlapped: no marks
     cpu = [s[6] for s in log]
     assert cpu == sorted(cpu)
-    for s, nxt in zip(log[5:], log[6:] + [None]):      # planned <= launched <= read <= returned <= the next planned
-        marks = [s[0], s[7], s[8] if s[8] is not None else s[7], s[9]] + ([nxt[0]] if nxt else [])
+    for s, nxt in zip(log[5:], log[6:] + [None]):   # planned <= prepared <= launched <= read <= returned <= next
+        marks = [s[0], s[10], s[7], s[8] if s[8] is not None else s[7], s[9]] + ([nxt[0]] if nxt else [])
         assert marks == sorted(marks) and None not in marks, s
     assert log[5][8] is None and all(s[8] is not None for s in log[6:])    # the first had no step before it

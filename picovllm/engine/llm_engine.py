@@ -52,7 +52,8 @@ if TYPE_CHECKING:
 
 # PICOVLLM_STEP_LOG=PATH (a debugging aid): every scheduled step's (wall time, prompt tokens, decodes, sequences,
 # requests waiting, the decodes' tokens, the engine thread's CPU time then, and, overlapped, the wall times at which
-# it was launched, the step before's result was read and Engine.step returned), written to PATH.<pid> as JSON when the
+# it was launched, the step before's result was read, Engine.step returned and (last) it was prepared for the
+# launch), written to PATH.<pid> as JSON when the
 # process exits: how a served engine's steps ran (benchmarks/step_log.py sets them beside the planner's profile).
 # Python's garbage collections go to PATH.<pid>.gc: (start wall time, generation, seconds, objects collected).
 _STEP_LOG: list | None = [] if os.environ.get("PICOVLLM_STEP_LOG") else None
@@ -414,6 +415,8 @@ class Engine:
         if not sched.is_empty():
             prev = self._in_flight[1] if self._in_flight else None
             step, late = self._prepare(sched)
+            if _STEP_LOG:
+                _STEP_LOG[-1][10:] = [time.time()]      # prepared (the step log's marks)
 
             def fill_late_masks() -> None:     # runs while the device computes this step's forward
                 nonlocal early
