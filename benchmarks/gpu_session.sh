@@ -28,6 +28,7 @@ for what in "$@"; do
     latency) log=latency lines=40 bench latency --timeline ;;
     planner) timeout ${PLANNER_TIMEOUT:-520} python3 benchmarks/planner_vs_measured.py "$OUT/planner" --preset qwen3-0.6b --dtype bfloat16 \
                --num-kv-blocks 16384 --rates ${PLANNER_RATES:-10 40 80} --input-len 512 --output-len 64 --num-prompts 400 \
+               --min-seconds ${PLANNER_MIN_S:-10} \
                --ttft-slo-ms 50 --itl-slo-ms 20 --api-server-count ${API_SERVERS:-1} > "$OUT/planner.log" 2>&1
              find "$OUT/planner" -name '*.safetensors' -delete
              grep -E "calibrated|predicted/measured|agree" "$OUT/planner.log" ;;

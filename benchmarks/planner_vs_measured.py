@@ -72,9 +72,12 @@ def bench(url: str, rate: float, path: str, args, seed: int) -> None:
     eighteenth session: BENCHMARKS.md)."""
     # a client process per --rate-per-client requests/s: one Python client streaming thousands of chunks a
     # second delays its own reads, which the server would be blamed for (BENCHMARKS.md, thirteenth session)
-    workers = min(args.num_prompts, max(1, math.ceil(rate / args.rate_per_client)))
+    # at least --min-seconds of arrivals: a p99 over 400 requests at 160/s (2.5 s) is the 4th-slowest request, and
+    # moved -53% to +67% against the prediction between four runs of one tree (BENCHMARKS.md, twenty-third session)
+    num_prompts = max(args.num_prompts, math.ceil(rate * args.min_seconds))
+    workers = min(num_prompts, max(1, math.ceil(rate / args.rate_per_client)))
     subprocess.run([*CLI, "bench", "serve", "--base-url", url, "--dataset", "random", "--num-prompts",
-                    str(args.num_prompts), "--request-rate", str(rate), "--input-len", str(args.input_len),
+                    str(num_prompts), "--request-rate", str(rate), "--input-len", str(args.input_len),
                     "--output-len", str(args.output_len), "--num-workers", str(workers), "--seed", str(seed),
                     "--result-json", path],
                    check=True, stdout=subprocess.DEVNULL)
@@ -86,6 +89,8 @@ def main() -> None:
     p.add_argument("--rates", type=float, nargs="+", default=[2.0, 5.0, 10.0])
     p.add_argument("--preset", default="tiny-qwen3")
     p.add_argument("--num-prompts", type=int, default=100)
+    p.add_argument("--min-seconds", type=float, default=0.0,
+                   help="each run sends at least rate x this many requests (a high rate's tail over more of them)")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--fleet", action="store_true", help="also 1P1D behind the router (tcp)")
