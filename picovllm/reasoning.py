@@ -13,6 +13,16 @@ PROMPT_TAIL = 16      # the prompt's last tokens, decoded, tell where it leaves 
 REASONING, ANSWER, MAY_OPEN = "reasoning", "answer", "may_open"
 
 
+def think_token_ids(tokenizer, what: str) -> tuple[int, int]:
+    """The ids of <think> and </think>, each a token of its own; ValueError naming `what` (the field that asked for
+    them) where the tokenizer has no such tokens."""
+    ids = [tokenizer.encode(tag, add_special_tokens=False) for tag in (THINK_START, THINK_END)]
+    if any(len(i) != 1 for i in ids):
+        raise ValueError(f"{what}: the tokenizer has no {THINK_START} and {THINK_END} tokens (the model does not "
+                         f"reason in think blocks)")
+    return ids[0][0], ids[1][0]
+
+
 def reasoning_phase(prompt_tail: str) -> str:
     """Where the output starts, from the prompt's last tokens decoded: inside a block if it ends with <think> (and
     whitespace), after one if it ends with </think>, else where the model may open one. An unclosed <think> further

@@ -13,13 +13,17 @@ class StructuredOutputsParams:
     """Exactly one of these constrains the output (vLLM's StructuredOutputsParams):
     json: a JSON schema (dict or its text); regex: the output fullmatches it; choice: the output is one of
     these strings; grammar: an EBNF (GBNF) grammar whose rule `root` the output matches; json_object: any
-    JSON object. `source`: the name the caller gave the constraint by (e.g. a request field), used in errors."""
+    JSON object. `source`: the name the caller gave the constraint by (e.g. a request field), used in errors.
+    reasoning_parser ("qwen3" | "deepseek_r1"; picovllm's): the constraint governs the answer after a thinking
+    model's <think> ... </think> block, as EngineConfig.reasoning_parser does for every request (the OpenAI front
+    ends set it from their --reasoning-parser)."""
     json: str | dict | None = None
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool = False
     source: str | None = None
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
         if self.choice is not None and isinstance(self.choice, (list, tuple)):
@@ -52,6 +56,10 @@ class StructuredOutputsParams:
             raise bad
         if self.kind == "json_object" and value is not True:
             raise bad
+        from picovllm.reasoning import REASONING_PARSERS
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"SamplingParams.structured_outputs.reasoning_parser must be None or one of "
+                             f"{', '.join(map(repr, REASONING_PARSERS))}, got {self.reasoning_parser!r}")
 
 
 @dataclass

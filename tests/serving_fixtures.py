@@ -53,6 +53,19 @@ def chat_model(tmp_path_factory) -> str:
     return build_tiny_chat_model(str(tmp_path_factory.mktemp("tinychat") / "model"))
 
 
+@pytest.fixture(scope="session")
+def thinking_model(tmp_path_factory) -> str:
+    """The tiny chat model with <think> and </think> as tokens of their own (added, not special: as Qwen3's and
+    DeepSeek-R1's tokenizers have them)."""
+    from transformers import AutoTokenizer
+    path = build_tiny_chat_model(str(tmp_path_factory.mktemp("thinking") / "model"), vocab_size=400)
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.add_tokens(["<think>", "</think>"])
+    assert max(tok.convert_tokens_to_ids(["<think>", "</think>"])) < 400
+    tok.save_pretrained(path)
+    return path
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -13,7 +13,7 @@ import pytest
 from picovllm import LLM, SamplingParams, StructuredOutputsParams
 from picovllm.layers.structured_output import GrammarState
 from picovllm.entrypoints.openai.reasoning import ReasoningSplitter, opened_in_prompt, split_reasoning
-from serving_fixtures import ServerProcess, build_tiny_chat_model
+from serving_fixtures import ServerProcess, thinking_model  # noqa: F401 - a fixture
 
 
 @pytest.mark.parametrize("text, opened, want", [
@@ -68,19 +68,6 @@ THINKING = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content']
             "{% else %}<think>\n{% endif %}{% endif %}")
 ASK = [{"role": "user", "content": "Why is the sky blue?"}]
 OFF = {"enable_thinking": False}
-
-
-@pytest.fixture(scope="module")
-def thinking_model(tmp_path_factory) -> str:
-    """The tiny chat model with <think> and </think> as tokens of their own (added, not special: as Qwen3's and
-    DeepSeek-R1's tokenizers have them)."""
-    from transformers import AutoTokenizer
-    path = build_tiny_chat_model(str(tmp_path_factory.mktemp("thinking") / "model"), vocab_size=400)
-    tok = AutoTokenizer.from_pretrained(path)
-    tok.add_tokens(["<think>", "</think>"])
-    assert max(tok.convert_tokens_to_ids(["<think>", "</think>"])) < 400
-    tok.save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -264,15 +251,18 @@ def test_served_named_tool_call_after_the_reasoning(client, thinking_model):
 QWEN3 = THINKING.replace("{% else %}<think>\n{% endif %}", "{% endif %}")
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["plain", "overlap"])
-def gated_llm(thinking_model, request):
-    """An engine that holds structured outputs' grammar back until the think block ends, with and without
-    overlapped scheduling (the grammar's late masks)."""
-    return LLM(thinking_model, block_size=16, num_kv_blocks=256, max_model_len=256, reasoning_parser="qwen3",
-               async_scheduling=request.param)
+@pytest.fixture(scope="module", params=[("config", False), ("request", True)], ids=["config", "request-overlap"])
+def gated(thinking_model, request):
+    """An engine that holds structured outputs' grammar back until the think block ends: for every request
+    (EngineConfig.reasoning_parser), or for those whose constraint asks (StructuredOutputsParams.reasoning_parser,
+    an OpenAI front end's way), overlapped (the grammar's late masks); and the constraint's extra field."""
+    by_config, overlap = request.param[0] == "config", request.param[1]
+    llm = LLM(thinking_model, block_size=16, num_kv_blocks=256, max_model_len=256, async_scheduling=overlap,
+              reasoning_parser="qwen3" if by_config else None)
+    return llm, {} if by_config else {"reasoning_parser": "deepseek_r1"}
 
 
-def test_grammar_waits_for_the_block_the_prompt_opens(gated_llm, llm, thinking_model):
+def test_grammar_waits_for_the_block_the_prompt_opens(gated, llm, thinking_model):
     """DeepSeek-R1's template opens the block: the gated engine's tokens up to </think> are the unconstrained
     sample's (same seed), the text after it matches the grammar; every block free afterwards."""
     from transformers import AutoTokenizer
@@ -280,8 +270,9 @@ def test_grammar_waits_for_the_block_the_prompt_opens(gated_llm, llm, thinking_m
     bias, closing = _biased_seeds(llm, tok)
     assert closing
     end_id = tok.convert_tokens_to_ids("</think>")
+    gated_llm, extra = gated
     params = [SamplingParams(temperature=1.0, seed=seed, max_tokens=24, logit_bias=bias,
-                             structured_outputs=StructuredOutputsParams(regex=REGEX)) for seed, _ in closing]
+                             structured_outputs=StructuredOutputsParams(regex=REGEX, **extra)) for seed, _ in closing]
     outs = gated_llm.chat([ASK] * len(params), params, use_tqdm=False, chat_template=THINKING)
     for (seed, free), o in zip(closing, outs):
         ids, text = o.outputs[0].token_ids, o.outputs[0].text
@@ -292,7 +283,7 @@ def test_grammar_waits_for_the_block_the_prompt_opens(gated_llm, llm, thinking_m
     assert bm.num_free_blocks == bm.num_blocks
 
 
-def test_grammar_lets_the_model_open_a_block_or_starts_after_a_closed_one(gated_llm, thinking_model):
+def test_grammar_lets_the_model_open_a_block_or_starts_after_a_closed_one(gated, thinking_model):
     """Qwen3's template: the first token may be <think> (besides the grammar's), a block the model opens holds no
     mask until its </think>, and the grammar governs the rest; with thinking off (the prompt closes an empty
     block) the grammar governs from the first token, <think> masked however it is biased."""
@@ -300,8 +291,9 @@ def test_grammar_lets_the_model_open_a_block_or_starts_after_a_closed_one(gated_
     tok = AutoTokenizer.from_pretrained(thinking_model)
     start, end = tok.convert_tokens_to_ids(["<think>", "</think>"])
     bias = {start: 30.0, end: 30.0}     # under no mask, these two outweigh the rest
+    gated_llm, extra = gated
     params = [SamplingParams(temperature=1.0, seed=s, max_tokens=40, logit_bias=bias,
-                             structured_outputs=StructuredOutputsParams(regex=REGEX)) for s in range(8)]
+                             structured_outputs=StructuredOutputsParams(regex=REGEX, **extra)) for s in range(8)]
     for kwargs in (None, OFF):
         outs = gated_llm.chat([ASK] * len(params), params, use_tqdm=False, chat_template=QWEN3,
                               chat_template_kwargs=kwargs)
@@ -322,11 +314,11 @@ def test_a_gate_by_hand(thinking_model):
     import torch
     from transformers import AutoTokenizer
     from picovllm.layers.structured_output import BitmaskBuffers, ReasoningGate, StructuredOutputCompiler
-    from picovllm.reasoning import ANSWER, MAY_OPEN, REASONING
+    from picovllm.reasoning import ANSWER, MAY_OPEN, REASONING, think_token_ids
     tok = AutoTokenizer.from_pretrained(thinking_model)
     so = StructuredOutputsParams(regex=REGEX)
     compiler = StructuredOutputCompiler(tok, 400, [tok.eos_token_id])
-    gate = ReasoningGate(tok, "qwen3")
+    gate = ReasoningGate(*think_token_ids(tok, "EngineConfig.reasoning_parser 'qwen3'"))
     a, q = tok.encode("a", add_special_tokens=False)[0], tok.encode("Q", add_special_tokens=False)[0]
 
     def mask(state) -> list[int]:
@@ -353,18 +345,31 @@ def test_a_gate_by_hand(thinking_model):
     assert GrammarState.accept_all([r, g], [gate.end, a]) == [True, True] and r.phase == ANSWER
     base = mask(compiler.new_state(so))
     for start in (31, 63):      # the sign bit of an int32 word
-        fake = object.__new__(ReasoningGate)
-        fake.start, fake.end = start, gate.end
+        fake = ReasoningGate(start, gate.end)
         assert start not in base and mask(compiler.new_state(so, fake, MAY_OPEN)) == sorted(base + [start])
 
     class Untagged:
         def encode(self, text, add_special_tokens=False):
             return [1, 2, 3]
     with pytest.raises(ValueError, match="EngineConfig.reasoning_parser 'qwen3': the tokenizer has no <think>"):
-        ReasoningGate(Untagged(), "qwen3")
+        think_token_ids(Untagged(), "EngineConfig.reasoning_parser 'qwen3'")
 
 
-def test_reasoning_parser_is_validated():
+def test_reasoning_parser_is_validated(tmp_path_factory):
+    """Bad names, and a tokenizer without the think tokens, are refused naming the field (the other requests run)."""
     from picovllm.config import EngineConfig
+    from serving_fixtures import build_tiny_chat_model
     with pytest.raises(ValueError, match="EngineConfig.reasoning_parser must be None or one of 'qwen3'"):
         EngineConfig(reasoning_parser="qwen")
+    with pytest.raises(ValueError, match="structured_outputs.reasoning_parser must be None or one of 'qwen3'"):
+        StructuredOutputsParams(regex="a", reasoning_parser="r1")
+    plain = build_tiny_chat_model(str(tmp_path_factory.mktemp("plain") / "model"))
+    with pytest.raises(ValueError, match="EngineConfig.reasoning_parser 'qwen3': the tokenizer has no <think>"):
+        LLM(plain, num_kv_blocks=16, reasoning_parser="qwen3")
+    llm = LLM(plain, block_size=16, num_kv_blocks=32, max_model_len=128)
+    asks = SamplingParams(max_tokens=2, structured_outputs=StructuredOutputsParams(regex="a+", reasoning_parser="qwen3"))
+    with pytest.raises(ValueError, match="structured_outputs.reasoning_parser 'qwen3': the tokenizer has no <think>"):
+        llm.engine.add_request("hi", asks)
+    out = llm.generate(["hi"], SamplingParams(max_tokens=2, structured_outputs=StructuredOutputsParams(regex="a+")),
+                       use_tqdm=False)[0].outputs[0]
+    assert re.fullmatch("a+", out.text) and llm.engine.block_manager.num_free_blocks == 32

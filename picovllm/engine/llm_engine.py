@@ -41,7 +41,7 @@ from picovllm.engine.step_input import StepInput
 from picovllm.layers.logits_processors import bad_words_token_ids
 from picovllm.layers.rotary import longrope_position_offset
 from picovllm.layers.structured_output import BitmaskBuffers, GrammarState, ReasoningGate, StructuredOutputCompiler
-from picovllm.reasoning import PROMPT_TAIL, reasoning_phase
+from picovllm.reasoning import PROMPT_TAIL, reasoning_phase, think_token_ids
 from picovllm.loader import open_model_source
 from picovllm.outputs import CompletionOutput, Logprob, RequestOutput
 from picovllm.sampling_params import SamplingParams
@@ -145,7 +145,9 @@ class Engine:
         self._stalled = False      # the last schedule changed nothing: its waiting requests wait for blocks or slots
         self._ids = itertools.count()
         self._structured: StructuredOutputCompiler | None = None   # built at the first structured request
-        self._reasoning_gate = self._make_reasoning_gate()   # a reasoning parser's think tokens, or None
+        # the think tokens of a reasoning parser's gate (structured outputs): the config's, or at a request's first ask
+        parser = config.reasoning_parser
+        self._reasoning_gate = self._think_gate(f"EngineConfig.reasoning_parser {parser!r}") if parser else None
         self._bitmasks: BitmaskBuffers | None = None       # the grammar masks' buffers, at the first such step
         self.stats = {"prefill_tokens": 0, "decode_tokens": 0}
 
@@ -263,13 +265,11 @@ class Engine:
                              f"({self.model_config.vocab_size})")
         return ids
 
-    def _make_reasoning_gate(self) -> ReasoningGate | None:
-        parser = self.config.reasoning_parser
-        if parser is None:
-            return None
+    def _think_gate(self, what: str) -> ReasoningGate:
+        """The think tokens a grammar's gate watches for; ValueError naming `what` where the tokenizer has none."""
         if self.tokenizer is None:
-            raise ValueError(f"EngineConfig.reasoning_parser {parser!r} needs the model's tokenizer")
-        return ReasoningGate(self.tokenizer, parser)
+            raise ValueError(f"{what} needs the model's tokenizer")
+        return ReasoningGate(*think_token_ids(self.tokenizer, what))
 
     def _grammar_state(self, params: SamplingParams, prompt_ids: Sequence[int] = ()) -> GrammarState:
         """A matcher for the request's structured output; ValueError naming the field if it cannot be. With a
@@ -280,9 +280,12 @@ class Engine:
         if self._structured is None:
             self._structured = StructuredOutputCompiler(self.tokenizer, self.model_config.vocab_size,
                                                         self.eos_token_ids)
-        gate = self._reasoning_gate
-        if gate is None:
+        if so.reasoning_parser is None and self.config.reasoning_parser is None:
             return self._structured.new_state(so)
+        if self._reasoning_gate is None:      # a request's own parser (an OpenAI front end's), the first one
+            self._reasoning_gate = self._think_gate(f"SamplingParams.structured_outputs.reasoning_parser "
+                                                    f"{so.reasoning_parser!r}")
+        gate = self._reasoning_gate
         tail = self.tokenizer.decode(prompt_ids[-PROMPT_TAIL:], skip_special_tokens=False)
         return self._structured.new_state(so, gate, reasoning_phase(tail))
 

@@ -18,8 +18,9 @@ constrained requests decode every step, as without overlap.
 
 Compiled grammars are cached by xgrammar's compiler, one per engine (so per tokenizer), keyed by the grammar text.
 
-With a reasoning parser (EngineConfig.reasoning_parser, vLLM's --reasoning-parser) a thinking model reasons first
-and the grammar governs the answer after it, as vLLM does: a `ReasoningGate` (the `<think>` and `</think>` token ids)
+With a reasoning parser (EngineConfig.reasoning_parser, vLLM's --reasoning-parser, for every request; or the
+request's StructuredOutputsParams.reasoning_parser, which the OpenAI front ends set, so that P and D engines need no
+flag) a thinking model reasons first and the grammar governs the answer after it, as vLLM does: a `ReasoningGate` (the `<think>` and `</think>` token ids)
 on the GrammarState keeps its matcher out of the way while the model reasons. The prompt's tail sets where it
 starts (`reasoning_phase`, picovllm/reasoning.py): inside a block the prompt opened (DeepSeek-R1's template: no
 mask until `</think>`), after a block the prompt closed (Qwen3 with thinking off: the grammar from the first token),
@@ -37,7 +38,7 @@ import torch
 
 from picovllm.kernels import use_triton
 from picovllm.kernels.cpu import token_mask
-from picovllm.reasoning import ANSWER as GRAMMAR, MAY_OPEN, REASONING, THINK_END, THINK_START
+from picovllm.reasoning import ANSWER as GRAMMAR, MAY_OPEN, REASONING
 from picovllm.sampling_params import StructuredOutputsParams
 
 CACHE_BYTES = 256 << 20   # compiled grammars kept per engine
@@ -76,14 +77,10 @@ def choice_grammar(choices: list[str]) -> str:
 
 
 class ReasoningGate:
-    """A tokenizer's think-block tokens: what a GrammarState's reasoning phase watches for."""
+    """A tokenizer's think-block tokens (<think>, </think>): what a GrammarState's reasoning phase watches for."""
 
-    def __init__(self, tokenizer: Any, parser: str) -> None:
-        ids = [tokenizer.encode(tag, add_special_tokens=False) for tag in (THINK_START, THINK_END)]
-        if any(len(i) != 1 for i in ids):
-            raise ValueError(f"EngineConfig.reasoning_parser {parser!r}: the tokenizer has no {THINK_START} and "
-                             f"{THINK_END} tokens (the model does not reason in think blocks)")
-        self.start, self.end = ids[0][0], ids[1][0]
+    def __init__(self, start: int, end: int) -> None:
+        self.start, self.end = start, end
 
 
 class GrammarState:

@@ -36,6 +36,7 @@ from picovllm.entrypoints.openai.serving_tokenize import detokenize, tokenize
 from picovllm.entrypoints.openai.tokenizer_worker import TokenizerWorker
 from picovllm.generation_config import describe, sampling_defaults
 from picovllm.loader.default_model import DEFAULT_FILE
+from picovllm.reasoning import think_token_ids
 
 logger = logging.getLogger("picovllm.server")
 GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
@@ -246,6 +247,8 @@ def front_end_app(engine: EngineClient, tokenizer, args, name: str, metrics: Ser
     defaults = generation_defaults(model, args.generation_config, args.override_generation_config)
     try:
         worker = TokenizerWorker(tokenizer, template, args.trust_request_chat_template)
+        if args.reasoning_parser is not None:      # the engines behind it gate grammars on these tokens
+            think_token_ids(tokenizer, f"--reasoning-parser {args.reasoning_parser}")
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
     settings = ServerSettings(host=args.host, port=args.port, api_key=args.api_key, served_model_name=name,
@@ -304,9 +307,7 @@ def serve(engine_config: EngineConfig, settings: ServerSettings) -> int:
     except ValueError as e:
         stop()
         raise SystemExit(f"error: {e}") from None
-    ctx = ServingContext(async_engine, worker, metrics, name, defaults, settings.reasoning_parser,
-                         grammar_after_reasoning=engine_config.reasoning_parser is not None)
-    app = build_app(ctx, settings)
+    app = build_app(ServingContext(async_engine, worker, metrics, name, defaults, settings.reasoning_parser), settings)
     logger.info("serving %s on http://%s:%d", name, settings.host, settings.port)
     run_app(app, async_engine, settings)
     return 0

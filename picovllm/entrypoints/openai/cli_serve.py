@@ -68,7 +68,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                          "$PICOVLLM_PD_SECRET): every /pd route, the P-D link and every KV socket is "
                          "authenticated with it; the proxy or router needs the same one")
     pd.add_argument("--router", default=None, help="a fleet instance: register with this router once up")
-    add_engine_args(p, skip=("reasoning_parser",))    # declared above, with its choices; the engine takes it too
+    add_engine_args(p, skip=("reasoning_parser",))    # the HTTP side's, declared above
     p.set_defaults(func=main)
     return p
 
@@ -86,7 +86,9 @@ def main(args: argparse.Namespace) -> int:
     if args.api_server_count > 1 and (args.role != "pd" or not args.engine_process):
         raise SystemExit("error: --api-server-count: several API servers need the engine in a process of its own "
                          "(not --no-engine-process) and a colocated server (not --role p or d)")
-    config = engine_config_from_args(args, model=args.model or args.model_tag)
+    # --reasoning-parser is the HTTP side's: it splits chat replies and sets each constrained request's own parser
+    # (StructuredOutputsParams.reasoning_parser), as the proxy and the router do for their engines
+    config = engine_config_from_args(args, model=args.model or args.model_tag, reasoning_parser=None)
     for flag, given in (("--chat-template", template is not None),
                         ("--trust-request-chat-template", args.trust_request_chat_template),
                         ("--reasoning-parser", args.reasoning_parser is not None),

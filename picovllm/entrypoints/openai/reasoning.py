@@ -17,10 +17,9 @@ message. One rule serves both parsers:
 A `<think>` the model writes at the start of a block it is already in (prompt-opened) is dropped, as vLLM does.
 The streamed pieces add up to the whole answer's split: a piece that may be the start of a tag waits for the next.
 A request whose output a grammar governs (structured outputs, tool_choice "required" or a named function) is split
-the same way where the engine holds the grammar back until the block ends (serve's engine takes the same
---reasoning-parser: EngineConfig.reasoning_parser, layers/structured_output.py), as vLLM does; behind the proxy or
-the router (whose P and D engines take no parser) such a request is not split: the grammar holds from its first
-token, and the reply has no reasoning.
+the same way: the server gives its constraint the parser (StructuredOutputsParams.reasoning_parser, serving.py's
+SampleGroup), and the engine, colocated or P and D, holds the grammar back until the block ends
+(layers/structured_output.py), as vLLM does.
 """
 from __future__ import annotations
 

@@ -37,10 +37,10 @@ class ServingContext:
     model_name: str
     # the model's generation config: sampling defaults for fields a request leaves unset (generation_config.py)
     sampling_defaults: dict = field(default_factory=dict)
-    reasoning_parser: str | None = None     # chat: <think> ... </think> apart from the answer (reasoning.py)
-    # the engine holds structured outputs' grammar back until the think block ends (its own reasoning parser, serve's):
-    # then a constrained request is split too; else (the proxy's and router's P and D engines) it is not
-    grammar_after_reasoning: bool = False
+    # chat: <think> ... </think> apart from the answer (reasoning.py); and every request's structured output governs
+    # the answer after the block (SampleGroup sets the constraint's reasoning_parser: any engine behind it holds the
+    # grammar back until then)
+    reasoning_parser: str | None = None
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -80,6 +80,9 @@ class SampleGroup:
                  arrival_time: float, priority: int = 0) -> None:
         self.ctx, self.ids, self.samples, self.request_id, self.arrival = ctx, ids, samples, request_id, arrival_time
         self.priority = priority
+        for s in samples:     # the request's own params: a grammar waits for the end of the think block
+            if ctx.reasoning_parser is not None and s.structured_outputs is not None:
+                s.structured_outputs.reasoning_parser = ctx.reasoning_parser
         self.streams: list[RequestStream] = []
 
     def _id(self, i: int) -> str:

@@ -42,10 +42,10 @@ class ChatHandler:
             ids = ids[-req.truncate_prompt_tokens:]
         if req.use_beam_search:
             return await self._beams(req, raw, ids)
-        # a reasoning parser splits what no grammar governs, or where the engine holds the grammar back until the
-        # think block ends; opened: None without a split, else whether the prompt opens a think block
+        # a reasoning parser splits the think block from the answer (a grammar governs the answer alone: SampleGroup);
+        # opened: None without a split, else whether the prompt opens a think block
         opened = None
-        if ctx.reasoning_parser is not None and (params.structured_outputs is None or ctx.grammar_after_reasoning):
+        if ctx.reasoning_parser is not None:
             opened = opened_in_prompt(await ctx.tokenizer.decode(ids[-PROMPT_TAIL:]))
         group = await SampleGroup(ctx, ids, sample_params(params), f"chatcmpl-{uuid.uuid4().hex}", arrival,
                                   req.priority).start()
