@@ -245,6 +245,26 @@ def test_served_named_tool_call_after_the_reasoning(client, thinking_model):
             reasoning += (d.model_extra or {}).get("reasoning") or "" if d else ""
             args += "".join(c.function.arguments or "" for c in (d.tool_calls or [])) if d else ""
         assert (reasoning, args) == (thought, msg.tool_calls[0].function.arguments)
+    required = dict(kw, tool_choice="required", max_tokens=140)    # the calls come whole at the end, from the content
+    for seed in range(2):
+        got = client.chat.completions.create(seed=seed, **required).choices[0]
+        assert got.finish_reason == "tool_calls" and {c.function.name for c in got.message.tool_calls} == {"pick"}
+        assert got.message.model_extra["reasoning"] is not None
+        calls, content, finish = [], "", None
+        for chunk in client.chat.completions.create(seed=seed, stream=True, **required):
+            d = chunk.choices[0].delta if chunk.choices else None
+            calls += [(c.function.name, c.function.arguments) for c in (d.tool_calls or [])] if d else []
+            content += (d.content or "") if d else ""
+            finish = chunk.choices[0].finish_reason if chunk.choices and chunk.choices[0].finish_reason else finish
+        assert (calls, content, finish) == ([(c.function.name, c.function.arguments) for c in got.message.tool_calls],
+                                            "", "tool_calls")
+    # an output that ends inside the block (the end of text at once) has no call, streamed or not
+    eos = dict(kw, logit_bias={str(tok.convert_tokens_to_ids("<|im_end|>")): 100.0})
+    got = client.chat.completions.create(**eos).choices[0]
+    assert (got.message.tool_calls, got.message.content, got.finish_reason) == (None, None, "stop")
+    chunks = list(client.chat.completions.create(stream=True, **eos))
+    assert not any(c.choices[0].delta.tool_calls for c in chunks if c.choices)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["stop"]
 
 
 # Qwen3's way: the model opens the block itself (the generation prompt leaves it to the model), unless thinking is off

@@ -124,6 +124,10 @@ class Engine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None \
                 and self.tokenizer.eos_token_id not in self.eos_token_ids:
             self.eos_token_ids.append(self.tokenizer.eos_token_id)
+        # the think tokens of a reasoning parser's gate (structured outputs): the config's (checked before the weights
+        # load), or at a request's first ask
+        parser = config.reasoning_parser
+        self._reasoning_gate = self._think_gate(f"EngineConfig.reasoning_parser {parser!r}") if parser else None
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
         if isinstance(runner, ModelRunner):
@@ -145,9 +149,6 @@ class Engine:
         self._stalled = False      # the last schedule changed nothing: its waiting requests wait for blocks or slots
         self._ids = itertools.count()
         self._structured: StructuredOutputCompiler | None = None   # built at the first structured request
-        # the think tokens of a reasoning parser's gate (structured outputs): the config's, or at a request's first ask
-        parser = config.reasoning_parser
-        self._reasoning_gate = self._think_gate(f"EngineConfig.reasoning_parser {parser!r}") if parser else None
         self._bitmasks: BitmaskBuffers | None = None       # the grammar masks' buffers, at the first such step
         self.stats = {"prefill_tokens": 0, "decode_tokens": 0}
 
@@ -269,7 +270,11 @@ class Engine:
         """The think tokens a grammar's gate watches for; ValueError naming `what` where the tokenizer has none."""
         if self.tokenizer is None:
             raise ValueError(f"{what} needs the model's tokenizer")
-        return ReasoningGate(*think_token_ids(self.tokenizer, what))
+        ids = think_token_ids(self.tokenizer, what)
+        if max(ids) >= self.model_config.vocab_size:
+            raise ValueError(f"{what}: the tokenizer's think tokens {ids} are outside the model's vocabulary "
+                             f"({self.model_config.vocab_size})")
+        return ReasoningGate(*ids)
 
     def _grammar_state(self, params: SamplingParams, prompt_ids: Sequence[int] = ()) -> GrammarState:
         """A matcher for the request's structured output; ValueError naming the field if it cannot be. With a

@@ -150,7 +150,7 @@ class ChatHandler:
                 elif auto is not None:   # content as it comes, each call once its block closes
                     chunks = self._auto_chunks(rid, i, c, lps, auto[i], c.text if splits is None else content[i])
                 elif policy.active:   # required: the calls are known once the output is
-                    chunks = self._tool_chunks(rid, i, c, lps, policy)
+                    chunks = self._tool_chunks(rid, i, c, lps, policy, opened)
                 elif text or not thought or c.finish_reason is not None:
                     chunks = [self._chunk(rid, i, {"content": text} if text else {}, lps, c.finish_reason,
                                           c.stop_reason)]
@@ -171,10 +171,11 @@ class ChatHandler:
 
     def _named_call_chunks(self, rid: str, i: int, text: str, c: CompletionOutput, lps: dict | None,
                            policy: ToolPolicy, call_ids: dict[int, str]) -> list[dict]:
-        """A named tool_choice: the first delta opens the call (index, id, type, name), the next ones add to its
-        arguments; the finish reason is tool_calls, or length when max_tokens cut the arguments short."""
+        """A named tool_choice: the first delta with text (after a reasoning block, if any) opens the call (index,
+        id, type, name), the next ones add to its arguments; the finish reason is tool_calls, or length when
+        max_tokens cut the arguments short, or the output's own where no call came (it ended inside the block)."""
         out = []
-        if i not in call_ids:
+        if i not in call_ids and text:
             call_ids[i] = ToolCall(policy.named, "").id
             opened = {"index": 0, "id": call_ids[i], "type": "function", "function": {"name": policy.named, "arguments": ""}}
             out.append(self._chunk(rid, i, {"tool_calls": [opened]}))
@@ -182,7 +183,7 @@ class ChatHandler:
             delta = {"tool_calls": [{"index": 0, "function": {"arguments": text}}]} if text else {}
             out.append(self._chunk(rid, i, delta, lps))
         if c.finish_reason is not None:
-            finish = "tool_calls" if c.finish_reason == "stop" else c.finish_reason
+            finish = "tool_calls" if c.finish_reason == "stop" and i in call_ids else c.finish_reason
             out.append(self._chunk(rid, i, {}, None, finish, c.stop_reason))
         return out
 
@@ -203,12 +204,13 @@ class ChatHandler:
         return out
 
     def _tool_chunks(self, rid: str, i: int, c: CompletionOutput, lps: dict | None,
-                     policy: ToolPolicy) -> list[dict]:
-        """tool_choice required: logprobs as they come; at the end the content, then each call whole (as
-        OpenAI's deltas: index, id, type and name, and the arguments), then the finish reason."""
+                     policy: ToolPolicy, opened: bool | None) -> list[dict]:
+        """tool_choice required: logprobs as they come; at the end the content (after the reasoning, which went
+        out as it came), then each call whole (as OpenAI's deltas: index, id, type and name, and the arguments),
+        then the finish reason."""
         if c.finish_reason is None:
             return [self._chunk(rid, i, {}, lps)] if lps is not None else []
-        message, finish = _message(c, policy)
+        message, finish = _message(c, policy, opened)
         head = {"content": message["content"]} if message["content"] else {}
         out = [self._chunk(rid, i, head, lps)] if head or lps is not None else []
         for j, call in enumerate(message.get("tool_calls", [])):
