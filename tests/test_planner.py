@@ -69,6 +69,25 @@ def test_one_request_by_hand():
                                             + step(0, 1, 103)])
 
 
+def test_serving_cost_a_sequence_by_hand():
+    """profile.serve_per_seq is added to every step, once per sequence in it: one request alone, then two side by
+    side."""
+    import dataclasses
+    prof, step, extra = dataclasses.replace(PROFILE, serve_per_seq=5e-4), PROFILE.step_time, 5e-4
+    one = simulate(prof, Deployment(0, 1, chunk=512), [SimRequest(1.0, 100, 3)]).requests[0]
+    want = [1.0 + step(100, 0, 0) + extra]
+    for i in range(2):
+        want.append(want[-1] + step(0, 1, 101 + i) + extra)
+    assert one.token_times == pytest.approx(want)
+    # a second request arrives during the first's prompt: its chunk beside the first's decode, then two decodes
+    a, b = simulate(prof, Deployment(0, 1, chunk=512),
+                    [SimRequest(1.0, 100, 3), SimRequest(1.0 + step(100, 0, 0) / 2, 50, 2)]).requests
+    t1 = 1.0 + step(100, 0, 0) + extra
+    t2 = t1 + step(50, 1, 101) + 2 * extra
+    t3 = t2 + step(0, 2, 102 + 51) + 2 * extra
+    assert a.token_times == pytest.approx([t1, t2, t3]) and b.token_times == pytest.approx([t2, t3])
+
+
 def test_an_overlapped_engine_admits_an_arrival_a_step_later_by_hand():
     """Under overlap (EngineConfig.async_scheduling: a GPU's default) the step after the running one was planned as
     the running one began: a request that arrives during step 1 joins step 3, not step 2; an engine with nothing
@@ -290,6 +309,11 @@ def test_profile_times_the_whole_batch(tiny_models, overlap):
     assert steps.count((0, 8)) >= 3, steps   # and the decode sample's: the whole batch
     assert len(prof.coef) == 7 and not engine.has_unfinished_requests() and prof.overlapped is overlap  # one batch
     assert [w[0] for w in prof.wake] == [0.001, 0.01] and 0 <= prof.wake[0][1] <= prof.wake[1][1]
+    # the serving loop's cost a sequence: timed on decode steps of as many requests as the blocks hold, a part of
+    # such a step (its outputs' encoding is far less than the step)
+    served = [n for p, n in steps[-12:] if p == 0]
+    assert max(served) > 8 and 0 < prof.serve_per_seq < decode[0]["seconds"] / 8
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
 def test_step_overhead_by_hand_and_calibrated():

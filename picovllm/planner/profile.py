@@ -33,6 +33,13 @@ the planner benchmark's tiny model took 6.4 ms after 0.1 s of quiet against 4.4 
 its caches cold; BENCHMARKS.md, eighteenth session). `wake` holds that extra against the time the engine
 idled before the step: measured on lone prompts of WAKE_PROMPT tokens after each of WAKE_IDLES seconds of sleep,
 less the same prompts back to back; the simulation adds it to the first step after an idle spell.
+
+A served step costs more than the engine's own: the server's engine loop encodes each sequence's output and pipes
+the step's outputs to the HTTP side (entrypoints/openai/engine_process.py). On an H100 at 160 requests/s the served
+engine was host-bound from ~17 sequences a step, and its host parts grew by 0.031 ms a sequence (BENCHMARKS.md,
+twenty-third session), a slope the calibration at a low rate cannot see. `serve_per_seq` is that loop's cost a
+sequence, measured on the real encoding and a real pipe (measure_serving); the simulation adds it per sequence to
+every step.
 """
 from __future__ import annotations
 
@@ -59,6 +66,9 @@ class StepProfile:
     # [idle seconds, extra seconds] pairs, idle ascending and extra non-decreasing: what the first step after that
     # long without a step costs beyond the fit (empty in a profile saved before this field: nothing)
     wake: list[list[float]] = field(default_factory=list)
+    # seconds a served step costs per sequence in it beyond the engine's step: its output encoded and piped to the
+    # HTTP side (0 in a profile saved before this field)
+    serve_per_seq: float = 0.0
 
     @property
     def overlapped(self) -> bool:
@@ -171,13 +181,60 @@ def measure_profile(engine, prefill_lens=(16, 64, 128, 256, 512), batches=(1, 4,
             break
         before = samples
     wake = _measure_wake(engine, min(WAKE_PROMPT, limit), wake_idles, repeats)
+    serve = measure_serving(engine, SERVE_BATCH, repeats)
     mc = engine.model_config
     dtype_bytes = engine.runner.kv_cache.element_size()
     kv_bytes = 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * dtype_bytes
     prof = fit(samples, kv_bytes, machine=f"{engine.config.device} {engine.config.model}",
                overlap=engine.config.async_scheduling)
-    prof.wake = wake
+    prof.wake, prof.serve_per_seq = wake, serve
     return prof
+
+
+SERVE_BATCH = 32      # measure_serving's decode batch: a busy server's
+
+
+def measure_serving(engine, batch: int = SERVE_BATCH, repeats: int = 7, context: int = 64) -> float:
+    """Seconds a sequence's output costs a served step's loop: each output encoded as the engine process sends it
+    (OutputDeltas: the new tokens and text) and the step's list sent down a pipe, which a thread drains as the HTTP
+    side would. The median over `repeats` decode steps of `batch` requests (fewer where the engine holds fewer),
+    per output (the first step, whose outputs go whole, left out); the requests drained after."""
+    import threading
+    from multiprocessing import Pipe
+
+    from picovllm.entrypoints.openai.engine_process import OutputDeltas
+    bm, chunk = engine.block_manager, engine.config.max_num_batched_tokens
+    batch = min(batch, engine.config.max_num_seqs)
+    while batch > 1:     # the blocks its requests take as _start_decoding sizes them
+        fill = -(-batch * (context + 1) // chunk) + batch
+        if batch * -(-(context + fill + repeats + 3) // bm.block_size) <= bm.num_free_blocks:
+            break
+        batch -= 1
+    _start_decoding(engine, [[i + 11] * context for i in range(batch)], repeats + 1)
+    reader, writer = Pipe(duplex=False)
+
+    def drain() -> None:
+        try:
+            while True:
+                reader.recv_bytes()
+        except (EOFError, OSError):
+            pass
+    thread = threading.Thread(target=drain, name="picovllm-profile-pipe", daemon=True)
+    thread.start()
+    deltas, times = OutputDeltas(), []
+    try:
+        for k in range(repeats + 1):
+            outputs = engine.step()
+            t0 = time.perf_counter()
+            writer.send(("step", [deltas.encode(o) for o in outputs], None))
+            if k and outputs:
+                times.append((time.perf_counter() - t0) / len(outputs))
+    finally:
+        writer.close()
+        thread.join()
+        reader.close()
+        _drain(engine)
+    return float(np.median(times)) if times else 0.0
 
 
 def _sample_steps(engine, limit: int, prefill_lens, batches, contexts, repeats: int, mixed) -> list[dict]:

@@ -12,9 +12,10 @@ end, a request whose prompt completed has its first token; a decode has its next
                       kv_bytes / transfer_bw + transfer_latency seconds (the pull)
     D ("d")           takes it on arrival (the instance with the fewest requests), decodes it to the end
 
-What the client sees is the steps' times plus what the steps do not hold, taken from a measured run
-(plan.calibrate): constant overheads (step_overhead on every step: a served step is the engine's step
-plus the server's loop and the hand-off of its outputs to the HTTP side, which compete for the same cores;
+A step's time is the profile's, plus the serving loop's cost of each sequence's output (profile.serve_per_seq,
+measured with the profile). What the client sees is the steps' times plus what the steps do not hold, taken from a
+measured run (plan.calibrate): constant overheads (step_overhead on every step: a served step is the engine's step
+plus the rest of the server's loop and the hand-off of its outputs to the HTTP side, which compete for the same cores;
 request_overhead on the first token, and idle_overhead on a request that finds its instance idle: the
 serving side's own wake-up, beyond the engine's; handover_overhead on an xPyD request's hop from P to D,
 inside the simulation since it delays D's admission) and, for the tails, HostNoise: the spread a real
@@ -291,7 +292,9 @@ def _plan_step(inst: _Instance, profile: StepProfile, dep: Deployment, cutoff: f
         return None
     inst.plan = (decodes, chunks)
     context = sum(r.prompt + len(r.token_times) for r in decodes)
-    return profile.step_time(sum(n for _, n in chunks), len(decodes), context)
+    # and the serving loop's cost of each sequence's output (profile.serve_per_seq)
+    return profile.step_time(sum(n for _, n in chunks), len(decodes), context) \
+        + profile.serve_per_seq * (len(decodes) + len(chunks))
 
 
 def _finish_step(inst: _Instance, now: float) -> list[SimRequest]:

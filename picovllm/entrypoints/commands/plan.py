@@ -62,7 +62,8 @@ def run_plan(args: argparse.Namespace) -> int:
         engine = Engine(engine_config_from_args(args, model=args.model))   # overlapped as served (GPU)
         profile = measure_profile(engine)
         profile.save(args.profile)
-        print(f"step profile of {profile.machine}: coef {[f'{c:.3g}' for c in profile.coef]} -> {args.profile}")
+        print(f"step profile of {profile.machine}: coef {[f'{c:.3g}' for c in profile.coef]}, serving "
+              f"{profile.serve_per_seq * 1e6:.1f} us a sequence -> {args.profile}")
     else:
         try:
             profile = StepProfile.load(args.profile)
