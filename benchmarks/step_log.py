@@ -13,7 +13,8 @@ bench serve` result), the requests that arrived in those windows. Where the log 
 each of those periods is taken apart: prepare (from planning the step to its inputs built), launch (to the launch's
 return), wait (reading the step before's result: the device still on it), apply (its outputs), loop (the serving
 loop until the next step: outputs out, commands in) and the engine thread's CPU time over the period; and the
-process's garbage collections (PATH.gc beside the log) that started in each.
+process's garbage collections (PATH.gc beside the log) that started in each; and the medians of those parts by the
+step's number of sequences.
 """
 import argparse
 import json
@@ -46,15 +47,15 @@ def main() -> None:
     a = p.parse_args()
     steps = json.load(open(a.log))
     prof = StepProfile.load(a.profile)
-    rows = []     # (time, period, predicted, prefill, decodes, waiting, breakdown ms or None)
+    rows = []     # (time, period, predicted, prefill, decodes, waiting, breakdown ms or None, sequences)
     for prev, cur in zip(steps, steps[1:]):
         t, prefill, decodes, _, waiting, context = cur[:6]
         if decodes == 0:
             continue          # the engine may have idled before it
         # from planning the step before to planning this one: the step before ran (overlapped, it was launched and
-        # the one before it read)
-        predicted = prof.step_time(prev[1], prev[2], prev[5])
-        rows.append((t, t - prev[0], predicted, prev[1], prev[2], waiting, breakdown(prev, cur)))
+        # the one before it read); predicted as the simulator does, with the serving loop's cost a sequence
+        predicted = prof.step_time(prev[1], prev[2], prev[5]) + prof.serve_per_seq * prev[3]
+        rows.append((t, t - prev[0], predicted, prev[1], prev[2], waiting, breakdown(prev, cur), prev[3]))
     if not rows:
         raise SystemExit("no back-to-back steps in the log")
     print(f"{len(steps)} steps, {len(rows)} back to back; served period / profile's step time:")
@@ -69,6 +70,17 @@ def main() -> None:
             ratio = np.array([r[1] / r[2] for r in sel])
             print(f"{name:<28}{len(sel):>6}{np.median(ratio):>8.2f}{np.percentile(ratio, 90):>8.2f}"
                   f"{np.percentile(ratio, 99):>8.2f}{np.median([r[1] for r in sel]) * 1e3:>15.2f}")
+    parts = ("prepare", "launch", "wait", "apply", "loop", "cpu")
+    marked = [r for r in rows if r[6]]
+    if marked:
+        print("\neach part of a served period (ms, medians), by the step's sequences:")
+        print(f"{'sequences':<12}{'n':>7}" + "".join(f"{p:>9}" for p in parts) + f"{'period':>9}")
+        for lo, hi in ((1, 2), (3, 8), (9, 16), (17, 32), (33, 64), (65, 10 ** 9)):
+            sel = [r for r in marked if lo <= r[7] <= hi]
+            if sel:
+                med = np.median([r[6] for r in sel], axis=0)
+                print(f"{f'{lo}-{hi}' if hi < 10 ** 9 else f'{lo}+':<12}{len(sel):>7}"
+                      + "".join(f"{x:>9.3f}" for x in med) + f"{np.median([r[1] for r in sel]) * 1e3:>9.3f}")
     t0 = steps[0][0]
     worst = sorted(rows, key=lambda r: r[1] - r[2], reverse=True)[:a.top]
     print(f"\nthe {len(worst)} periods furthest above the profile (t from the log's first step):")
@@ -78,7 +90,6 @@ def main() -> None:
         full = [g[2] * 1e3 for g in gcs if g[1] == 2]
         print(f"\n{len(gcs)} garbage collections, {len(full)} of every generation"
               + (f" (ms: median {np.median(full):.2f}, max {max(full):.2f})" if full else ""))
-    parts = ("prepare", "launch", "wait", "apply", "loop", "cpu")
     print(f"{'t s':>9}{'served ms':>10}{'profile ms':>11}{'prompt tok':>11}{'decodes':>8}{'waiting after':>14}"
           + "".join(f"{p:>8}" for p in parts) + ("   gc in the period (generation: ms)" if gcs else ""))
     for r in sorted(worst):
