@@ -1,7 +1,7 @@
 """picovllm: a compact, readable LLM inference engine with prefill/decode disaggregation."""
 from picovllm.entrypoints.beam_search import BeamSearchParams
 from picovllm.outputs import CompletionOutput, Logprob, RequestOutput
-from picovllm.sampling_params import SamplingParams, StructuredOutputsParams
+from picovllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 
 def __getattr__(name):
@@ -19,5 +19,5 @@ def __getattr__(name):
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "Engine", "EngineConfig", "SamplingParams", "StructuredOutputsParams", "BeamSearchParams",
-           "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = ["LLM", "Engine", "EngineConfig", "SamplingParams", "StructuredOutputsParams", "RequestOutputKind",
+           "BeamSearchParams", "RequestOutput", "CompletionOutput", "Logprob"]

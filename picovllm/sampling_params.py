@@ -3,9 +3,20 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from enum import IntEnum
 
 
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+class RequestOutputKind(IntEnum):
+    """vLLM's: what each RequestOutput of a running request holds (Engine.step's; LLM.generate and LLM.chat return
+    whole outputs whatever it says). CUMULATIVE: everything so far; DELTA: only what is new since the request's last
+    output (its text held back by the longest stop string, which could still cut it; prompt_logprobs in the first
+    only); FINAL_ONLY: no output until the request finishes, then the whole of it."""
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclass
@@ -92,6 +103,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None   # token id -> added to its logit; str keys ("42") are read as ids
     # A JSON schema, regex, choice list or grammar the output must match (a dict is read as its fields).
     structured_outputs: StructuredOutputsParams | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE    # vLLM's (the enum's docstring)
 
     def __post_init__(self) -> None:
         # Normalise containers so no two requests ever share a list object.
@@ -111,6 +123,8 @@ class SamplingParams:
         self.logit_bias = _token_id_keys(self.logit_bias)
         if isinstance(self.structured_outputs, dict):   # from JSON: batch lines, the P/D wire
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if type(self.output_kind) is int and self.output_kind in iter(RequestOutputKind):    # from JSON: an int
+            self.output_kind = RequestOutputKind(self.output_kind)
         self.validate()
 
     def validate(self) -> None:
@@ -161,6 +175,8 @@ class SamplingParams:
         so = self.structured_outputs
         if so is not None and not isinstance(so, StructuredOutputsParams):
             raise bad("structured_outputs", "must be a StructuredOutputsParams (or a dict of its fields)")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise bad("output_kind", "must be a RequestOutputKind (CUMULATIVE, DELTA or FINAL_ONLY)")
 
     def _validate_penalties(self, bad) -> None:
         for name in ("presence_penalty", "frequency_penalty"):

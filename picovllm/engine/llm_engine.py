@@ -44,7 +44,7 @@ from picovllm.layers.structured_output import BitmaskBuffers, GrammarState, Reas
 from picovllm.reasoning import PROMPT_TAIL, reasoning_phase, think_token_ids
 from picovllm.loader import open_model_source
 from picovllm.outputs import CompletionOutput, Logprob, RequestOutput
-from picovllm.sampling_params import SamplingParams
+from picovllm.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
     from picovllm.disagg.channel import Channel
@@ -615,7 +615,8 @@ class Engine:
             req.num_pending_tokens -= 1
             self.append_token(req, token, logprobs, now)
             self.block_manager.cache_full_blocks(req)   # a block ending in this token may be full now
-            if req.is_finished or (unfinished_outputs and self._streams_now(req)):
+            if req.is_finished or (unfinished_outputs and self._streams_now(req)
+                                   and req.params.output_kind != RequestOutputKind.FINAL_ONLY):
                 outputs.append(self.make_output(req))
             if req.is_finished:
                 self._drop(req)
@@ -655,15 +656,27 @@ class Engine:
             or len(req.output_token_ids) - req.num_streamed_tokens >= self.config.stream_interval
 
     def make_output(self, req: Request) -> RequestOutput:
-        req.num_streamed_tokens = len(req.output_token_ids)
+        """The request's output: all of it so far, or (SamplingParams.output_kind DELTA) what is new since its last
+        one: the tokens and logprobs after those, and the text after what went out, less the last (longest stop
+        string - 1) characters while it runs (a stop string completing later would cut them)."""
+        first, req.num_streamed_tokens = req.num_streamed_tokens, len(req.output_token_ids)
+        delta = req.params.output_kind == RequestOutputKind.DELTA
+        if not delta:
+            first = 0
         if req.logprobs is not None:
-            for d in req.logprobs:
+            for d in req.logprobs[first:]:
                 self._decode_tokens(d)
-        comp = CompletionOutput(0, req.text, list(req.output_token_ids),
+        text = req.text
+        if delta:
+            sent = req.num_streamed_chars
+            end = len(text) if req.is_finished else len(text) - max(map(len, req.params.stop), default=1) + 1
+            text, req.num_streamed_chars = text[sent:end], max(sent, end)
+        comp = CompletionOutput(0, text, req.output_token_ids[first:],
                                 req.cumulative_logprob if req.logprobs is not None else None,
-                                list(req.logprobs) if req.logprobs is not None else None,
+                                req.logprobs[first:] if req.logprobs is not None else None,
                                 req.finish_reason.value if req.finish_reason else None, req.stop_reason)
+        prompt_logprobs = list(req.prompt_logprobs) if req.prompt_logprobs is not None and not (delta and first) \
+            else None
         # the prompt ids never change after add_request, so they are shared rather than copied per step
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [comp], req.is_finished,
-                             req.metrics, req.error, req.num_cached_tokens,
-                             list(req.prompt_logprobs) if req.prompt_logprobs is not None else None)
+                             req.metrics, req.error, req.num_cached_tokens, prompt_logprobs)

@@ -53,6 +53,7 @@ class Request:
         self.metrics = RequestMetrics(arrival_time=arrival_time or time.time())
         self.text = ""                   # detokenized output (stop string trimmed)
         self.num_streamed_tokens = 0     # output tokens in the last RequestOutput made (EngineConfig.stream_interval)
+        self.num_streamed_chars = 0      # of the text, in the outputs made so far (SamplingParams.output_kind DELTA)
         self.detok_state: object | None = None
         self.max_tokens = params.max_tokens  # resolved against max_model_len by the engine
         self.grammar = None              # structured outputs: a GrammarState, set by the engine

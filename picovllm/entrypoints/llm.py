@@ -1,6 +1,7 @@
 """The offline API, named as in vLLM: LLM(...).generate(prompts, sampling_params), .chat(...) and .beam_search(...)."""
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Sequence
 
@@ -14,7 +15,7 @@ from picovllm.entrypoints.beam_search import BeamSearchOutput, BeamSearchParams,
 from picovllm.entrypoints.parallel_sampling import merge_samples, sample_params
 from picovllm.generation_config import sampling_defaults
 from picovllm.outputs import RequestOutput
-from picovllm.sampling_params import SamplingParams
+from picovllm.sampling_params import RequestOutputKind, SamplingParams
 
 Prompt = str | list[int] | dict
 
@@ -92,6 +93,8 @@ class LLM:
         """Add a prompt's first sample; the others wait in siblings until it has computed the prompt.
         Returns the group of request ids (it grows as the siblings are added). Raises ValueError as
         Engine.add_request does, having added nothing."""
+        if params.output_kind != RequestOutputKind.FINAL_ONLY:    # whole outputs here, as vLLM's LLM returns
+            params = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
         samples = sample_params(params)
         group = [self.engine.add_request(prompt, samples[0], priority=priority)]
         if len(samples) > 1:
