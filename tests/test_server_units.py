@@ -161,7 +161,8 @@ def test_chat_template_flag_replaces_the_models_template(tmp_path):
     """--chat-template (a file, or the text itself): the server renders chat with it, as HF's apply_chat_template
     renders the same template (the oracle); neither a file nor Jinja, or Jinja that does not compile, stops the
     command before it loads a model; a P or D server, which reads no OpenAI request, refuses it (and the generation
-    config's flags, and --reasoning-parser, whose unknown names the command refuses too)."""
+    config's flags, and --reasoning-parser, whose unknown names the command refuses too, and a model whose tokenizer
+    has no think tokens)."""
     import asyncio
     import os
     import subprocess
@@ -195,7 +196,8 @@ def test_chat_template_flag_replaces_the_models_template(tmp_path):
             ((["--chat-template", CUSTOM, "--role", "p"]), "reads no OpenAI request"), \
             ((["--override-generation-config", '{"top_k": 5}', "--role", "d"]), "reads no OpenAI request"), \
             ((["--reasoning-parser", "qwen3", "--role", "p"]), "--reasoning-parser: a prefill or decode server"), \
-            ((["--reasoning-parser", "qwen"]), "argument --reasoning-parser: invalid choice: 'qwen'"):
+            ((["--reasoning-parser", "qwen"]), "argument --reasoning-parser: invalid choice: 'qwen'"), \
+            ((["--reasoning-parser", "qwen3"]), "--reasoning-parser qwen3: the tokenizer has no <think> and"):
         r = subprocess.run([sys.executable, "-m", "picovllm.entrypoints.cli", "serve", "--model", path, *extra],
                            capture_output=True, text=True, timeout=120, env=env)
         assert r.returncode != 0 and why in r.stderr, r.stderr[-2000:]

@@ -296,6 +296,12 @@ def serve(engine_config: EngineConfig, settings: ServerSettings) -> int:
     name = served_name(settings, engine_config.model)
     defaults = generation_defaults(engine_config.model, engine_config.generation_config,
                                    engine_config.override_generation_config)
+    if settings.reasoning_parser is not None:     # before the engine loads: the think tokens its gates watch for
+        from picovllm.entrypoints.openai.engine_process import load_tokenizer
+        try:
+            think_token_ids(load_tokenizer(engine_config), f"--reasoning-parser {settings.reasoning_parser}")
+        except ValueError as e:
+            raise SystemExit(f"error: {e}") from None
     if settings.api_server_count > 1:
         from picovllm.entrypoints.openai.api_workers import serve_with_api_servers
         return serve_with_api_servers(engine_config, settings, name, defaults)
