@@ -81,4 +81,5 @@ def test_output_kind_is_validated_and_travels_as_an_int():
     p = SamplingParams(output_kind=1)
     assert p.output_kind is RequestOutputKind.DELTA
     wire = dataclasses.asdict(SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY))
-    assert SamplingParams(**dict(wire, output_kind=int(wire["output_kind"]))).output_kind is RequestOutputKind.FINAL_ONLY
+    back = SamplingParams(**dict(wire, output_kind=int(wire["output_kind"])))
+    assert back.output_kind is RequestOutputKind.FINAL_ONLY

@@ -387,7 +387,8 @@ def test_reasoning_parser_is_validated(tmp_path_factory):
     with pytest.raises(ValueError, match="EngineConfig.reasoning_parser 'qwen3': the tokenizer has no <think>"):
         LLM(plain, num_kv_blocks=16, reasoning_parser="qwen3")
     llm = LLM(plain, block_size=16, num_kv_blocks=32, max_model_len=128)
-    asks = SamplingParams(max_tokens=2, structured_outputs=StructuredOutputsParams(regex="a+", reasoning_parser="qwen3"))
+    so = StructuredOutputsParams(regex="a+", reasoning_parser="qwen3")
+    asks = SamplingParams(max_tokens=2, structured_outputs=so)
     with pytest.raises(ValueError, match="structured_outputs.reasoning_parser 'qwen3': the tokenizer has no <think>"):
         llm.engine.add_request("hi", asks)
     out = llm.generate(["hi"], SamplingParams(max_tokens=2, structured_outputs=StructuredOutputsParams(regex="a+")),

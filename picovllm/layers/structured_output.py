@@ -20,11 +20,12 @@ Compiled grammars are cached by xgrammar's compiler, one per engine (so per toke
 
 With a reasoning parser (EngineConfig.reasoning_parser, vLLM's --reasoning-parser, for every request; or the
 request's StructuredOutputsParams.reasoning_parser, which the OpenAI front ends set, so that P and D engines need no
-flag) a thinking model reasons first and the grammar governs the answer after it, as vLLM does: a `ReasoningGate` (the `<think>` and `</think>` token ids)
-on the GrammarState keeps its matcher out of the way while the model reasons. The prompt's tail sets where it
-starts (`reasoning_phase`, picovllm/reasoning.py): inside a block the prompt opened (DeepSeek-R1's template: no
-mask until `</think>`), after a block the prompt closed (Qwen3 with thinking off: the grammar from the first token),
-or at a first token that may open one (Qwen3's template: the grammar's mask plus `<think>`).
+flag) a thinking model reasons first and the grammar governs the answer after it, as vLLM does: a `ReasoningGate`
+(the `<think>` and `</think>` token ids) on the GrammarState keeps its matcher out of the way while the model
+reasons. The prompt's tail sets where it starts (`reasoning_phase`, picovllm/reasoning.py): inside a block the
+prompt opened (DeepSeek-R1's template: no mask until `</think>`), after a block the prompt closed (Qwen3 with
+thinking off: the grammar from the first token), or at a first token that may open one (Qwen3's template: the
+grammar's mask plus `<think>`).
 """
 from __future__ import annotations
 
@@ -49,7 +50,6 @@ CACHE_BYTES = 256 << 20   # compiled grammars kept per engine
 # starts its N threads on every call (~70-100 us a call on a 2-core host, a 1-row fill included, against ~1 us a row
 # on one). --fill-threads N of benchmarks/structured_output.py measures it.
 FILL_THREADS = 1
-
 
 
 # Two fixes to xgrammar 0.2.8's JSON grammar, so that every accepted string is JSON (json.loads is the test's
