@@ -52,12 +52,27 @@ def test_streamed_pieces_add_up_to_the_whole_split():
                 assert reasoning == (want[0] or "") and content == (want[1] or ""), (text, opened, pieces)
 
 
-def test_a_prompt_opens_a_block_when_it_ends_with_think():
-    assert opened_in_prompt("<|im_start|>assistant\n<think>\n")
-    assert not opened_in_prompt("<|im_start|>assistant\n<think>\n\n</think>\n\n")      # enable_thinking false
-    assert not opened_in_prompt("<|im_start|>assistant\n")
-    assert not opened_in_prompt("<|im_start|>assistant\n<think><|im_end|>\n<|im_start|>assistant\n")  # an old one
-    assert opened_in_prompt("<think>old</think> then <think>")
+def test_where_a_prompt_leaves_the_output_by_hand(thinking_model):
+    """Scanning back from the prompt's end, its last <think>, </think> or turn boundary (a special token) decides;
+    an earlier message's unclosed <think> sits behind a boundary; a continued assistant message inside its block is
+    in it, one after its block is past it. The server's split reads the same."""
+    from transformers import AutoTokenizer
+
+    from picovllm.reasoning import ANSWER, MAY_OPEN, REASONING, ThinkTags
+    tok = AutoTokenizer.from_pretrained(thinking_model)
+    tags = ThinkTags.of(tok, "x")
+    cases = [("<|im_start|>assistant\n<think>\n", REASONING),                      # R1's template opens it
+             ("<|im_start|>assistant\n<think>\n\n</think>\n\n", ANSWER),           # thinking off
+             ("<|im_start|>assistant\n", MAY_OPEN),                                   # Qwen3's: the model may
+             ("<|im_start|>assistant\n<think><|im_end|>\n<|im_start|>assistant\n", MAY_OPEN),   # an old one
+             ("<|im_start|>assistant\n<think>\nLet me see", REASONING),               # continued inside its block
+             ("<|im_start|>assistant\n<think>a</think>\nThe answer", ANSWER),         # continued past it
+             ("plain text, no tags", MAY_OPEN), ("<think>old</think> then <think>", REASONING)]
+    for text, want in cases:
+        ids = tok.encode(text, add_special_tokens=False)
+        assert tags.phase(ids) == want, text
+        assert opened_in_prompt(tags, ids) == (want == REASONING)
+    assert tok.convert_tokens_to_ids("<|im_start|>") in tags.boundaries and tags.start not in tags.boundaries
 
 
 ENGINE_ARGS = ["--block-size", "16", "--num-kv-blocks", "256", "--max-model-len", "512"]   # tools: a long prompt
@@ -303,6 +318,28 @@ def test_grammar_waits_for_the_block_the_prompt_opens(gated, llm, thinking_model
     assert bm.num_free_blocks == bm.num_blocks
 
 
+def test_grammar_waits_in_a_continued_message_s_open_block(gated, llm, thinking_model):
+    """continue_final_message with an assistant message cut inside its think block: the output goes on in the block
+    (its tokens up to </think> are the unconstrained sample's), then the grammar governs."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(thinking_model)
+    gated_llm, extra = gated
+    bias = {t: 100.0 for t in tok.encode("a</think>b", add_special_tokens=False)}
+    conv = ASK + [{"role": "assistant", "content": "<think>\nLet me see"}]
+    kw = dict(use_tqdm=False, chat_template=QWEN3, add_generation_prompt=False, continue_final_message=True)
+    free = [SamplingParams(seed=s, temperature=1.0, max_tokens=24, logit_bias=bias) for s in range(12)]
+    frees = [o.outputs[0] for o in llm.chat([conv] * len(free), free, **kw)]
+    end_id = tok.convert_tokens_to_ids("</think>")
+    closing = [(p.seed, o) for p, o in zip(free, frees) if end_id in o.token_ids[:-1]]
+    assert closing
+    params = [SamplingParams(seed=seed, temperature=1.0, max_tokens=24, logit_bias=bias,
+                             structured_outputs=StructuredOutputsParams(regex=REGEX, **extra)) for seed, _ in closing]
+    for (seed, f), o in zip(closing, gated_llm.chat([conv] * len(params), params, **kw)):
+        ids, cut = o.outputs[0].token_ids, f.token_ids.index(end_id) + 1
+        assert ids[:cut] == f.token_ids[:cut], seed
+        assert re.fullmatch(REGEX, tok.decode(ids[cut:], skip_special_tokens=True)), o.outputs[0].text
+
+
 def test_grammar_lets_the_model_open_a_block_or_starts_after_a_closed_one(gated, thinking_model):
     """Qwen3's template: the first token may be <think> (besides the grammar's), a block the model opens holds no
     mask until its </think>, and the grammar governs the rest; with thinking off (the prompt closes an empty
@@ -333,12 +370,12 @@ def test_a_gate_by_hand(thinking_model):
     tags is refused naming the field."""
     import torch
     from transformers import AutoTokenizer
-    from picovllm.layers.structured_output import BitmaskBuffers, ReasoningGate, StructuredOutputCompiler
-    from picovllm.reasoning import ANSWER, MAY_OPEN, REASONING, think_token_ids
+    from picovllm.layers.structured_output import BitmaskBuffers, StructuredOutputCompiler
+    from picovllm.reasoning import ANSWER, MAY_OPEN, REASONING, ThinkTags, think_token_ids
     tok = AutoTokenizer.from_pretrained(thinking_model)
     so = StructuredOutputsParams(regex=REGEX)
     compiler = StructuredOutputCompiler(tok, 400, [tok.eos_token_id])
-    gate = ReasoningGate(*think_token_ids(tok, "EngineConfig.reasoning_parser 'qwen3'"))
+    gate = ThinkTags.of(tok, "EngineConfig.reasoning_parser 'qwen3'")
     a, q = tok.encode("a", add_special_tokens=False)[0], tok.encode("Q", add_special_tokens=False)[0]
 
     def mask(state) -> list[int]:
@@ -365,7 +402,7 @@ def test_a_gate_by_hand(thinking_model):
     assert GrammarState.accept_all([r, g], [gate.end, a]) == [True, True] and r.phase == ANSWER
     base = mask(compiler.new_state(so))
     for start in (31, 63):      # the sign bit of an int32 word
-        fake = ReasoningGate(start, gate.end)
+        fake = ThinkTags(start, gate.end)
         assert start not in base and mask(compiler.new_state(so, fake, MAY_OPEN)) == sorted(base + [start])
 
     class Untagged:

@@ -40,8 +40,8 @@ from picovllm.engine.scheduler import Scheduler, SchedulerOutput
 from picovllm.engine.step_input import StepInput
 from picovllm.layers.logits_processors import bad_words_token_ids
 from picovllm.layers.rotary import longrope_position_offset
-from picovllm.layers.structured_output import BitmaskBuffers, GrammarState, ReasoningGate, StructuredOutputCompiler
-from picovllm.reasoning import PROMPT_TAIL, reasoning_phase, think_token_ids
+from picovllm.layers.structured_output import BitmaskBuffers, GrammarState, StructuredOutputCompiler
+from picovllm.reasoning import ThinkTags
 from picovllm.loader import open_model_source
 from picovllm.outputs import CompletionOutput, Logprob, RequestOutput
 from picovllm.sampling_params import RequestOutputKind, SamplingParams
@@ -266,19 +266,19 @@ class Engine:
                              f"({self.model_config.vocab_size})")
         return ids
 
-    def _think_gate(self, what: str) -> ReasoningGate:
+    def _think_gate(self, what: str) -> ThinkTags:
         """The think tokens a grammar's gate watches for; ValueError naming `what` where the tokenizer has none."""
         if self.tokenizer is None:
             raise ValueError(f"{what} needs the model's tokenizer")
-        ids = think_token_ids(self.tokenizer, what)
-        if max(ids) >= self.model_config.vocab_size:
-            raise ValueError(f"{what}: the tokenizer's think tokens {ids} are outside the model's vocabulary "
-                             f"({self.model_config.vocab_size})")
-        return ReasoningGate(*ids)
+        tags = ThinkTags.of(self.tokenizer, what)
+        if max(tags.start, tags.end) >= self.model_config.vocab_size:
+            raise ValueError(f"{what}: the tokenizer's think tokens {tags.start, tags.end} are outside the model's "
+                             f"vocabulary ({self.model_config.vocab_size})")
+        return tags
 
     def _grammar_state(self, params: SamplingParams, prompt_ids: Sequence[int] = ()) -> GrammarState:
         """A matcher for the request's structured output; ValueError naming the field if it cannot be. With a
-        reasoning parser, it starts where the prompt's tail leaves the output (picovllm/reasoning.py)."""
+        reasoning parser, it starts where the prompt leaves the output (picovllm/reasoning.py's ThinkTags.phase)."""
         so = params.structured_outputs
         if self.tokenizer is None:
             raise ValueError(f"{so.field_name}: structured outputs need the model's tokenizer")
@@ -291,8 +291,7 @@ class Engine:
             self._reasoning_gate = self._think_gate(f"SamplingParams.structured_outputs.reasoning_parser "
                                                     f"{so.reasoning_parser!r}")
         gate = self._reasoning_gate
-        tail = self.tokenizer.decode(prompt_ids[-PROMPT_TAIL:], skip_special_tokens=False)
-        return self._structured.new_state(so, gate, reasoning_phase(tail))
+        return self._structured.new_state(so, gate, gate.phase(prompt_ids))
 
     def _grammar_on_decode(self, req: Request) -> GrammarState:
         """D: the matcher of an offered request, advanced by the tokens P sampled under the same grammar (P and D

@@ -20,10 +20,10 @@ Compiled grammars are cached by xgrammar's compiler, one per engine (so per toke
 
 With a reasoning parser (EngineConfig.reasoning_parser, vLLM's --reasoning-parser, for every request; or the
 request's StructuredOutputsParams.reasoning_parser, which the OpenAI front ends set, so that P and D engines need no
-flag) a thinking model reasons first and the grammar governs the answer after it, as vLLM does: a `ReasoningGate`
-(the `<think>` and `</think>` token ids) on the GrammarState keeps its matcher out of the way while the model
-reasons. The prompt's tail sets where it starts (`reasoning_phase`, picovllm/reasoning.py): inside a block the
-prompt opened (DeepSeek-R1's template: no mask until `</think>`), after a block the prompt closed (Qwen3 with
+flag) a thinking model reasons first and the grammar governs the answer after it, as vLLM does: a gate (`ThinkTags`:
+the `<think>` and `</think>` token ids) on the GrammarState keeps its matcher out of the way while the model
+reasons. The prompt sets where it starts (`ThinkTags.phase`, picovllm/reasoning.py): inside a block the prompt
+opened (DeepSeek-R1's template: no mask until `</think>`), after a block the prompt closed (Qwen3 with
 thinking off: the grammar from the first token), or at a first token that may open one (Qwen3's template: the
 grammar's mask plus `<think>`).
 """
@@ -39,7 +39,7 @@ import torch
 
 from picovllm.kernels import use_triton
 from picovllm.kernels.cpu import token_mask
-from picovllm.reasoning import ANSWER as GRAMMAR, MAY_OPEN, REASONING
+from picovllm.reasoning import ANSWER as GRAMMAR, MAY_OPEN, REASONING, ThinkTags
 from picovllm.sampling_params import StructuredOutputsParams
 
 CACHE_BYTES = 256 << 20   # compiled grammars kept per engine
@@ -76,18 +76,11 @@ def choice_grammar(choices: list[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
-class ReasoningGate:
-    """A tokenizer's think-block tokens (<think>, </think>): what a GrammarState's reasoning phase watches for."""
-
-    def __init__(self, start: int, end: int) -> None:
-        self.start, self.end = start, end
-
-
 class GrammarState:
     """One request's matcher: which tokens may come next, advanced with each accepted token. With a gate, the
     tokens of a think block before the answer pass it by (phase: module docstring)."""
 
-    def __init__(self, matcher: Any, vocab_size: int, gate: ReasoningGate | None = None,
+    def __init__(self, matcher: Any, vocab_size: int, gate: ThinkTags | None = None,
                  phase: str = GRAMMAR) -> None:
         self._matcher = matcher   # xgrammar's matcher (the tests' oracle calls: accept_string, one-row fills)
         # what the batched calls take: xgrammar's native matcher (its Python wrappers look it up per call), or the
@@ -214,7 +207,7 @@ class StructuredOutputCompiler:
             return c.compile_grammar(choice_grammar(p.choice))
         return c.compile_grammar(p.grammar)
 
-    def new_state(self, p: StructuredOutputsParams, gate: ReasoningGate | None = None,
+    def new_state(self, p: StructuredOutputsParams, gate: ThinkTags | None = None,
                   phase: str = GRAMMAR) -> GrammarState:
         import xgrammar as xgr
         return GrammarState(xgr.GrammarMatcher(self.compile(p)), self.vocab_size, gate, phase)

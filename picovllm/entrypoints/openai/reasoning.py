@@ -5,8 +5,8 @@ parser the chat endpoint returns that part as the message's `reasoning` (and `re
 used first and clients still read), the rest as `content`, and the Responses endpoint a `reasoning` item before the
 message. One rule serves both parsers:
 
-- the prompt ends with `<think>` (and whitespace): DeepSeek-R1's template and Qwen3.5's open the block there, and
-  the output starts inside it;
+- the prompt's last think tag or turn boundary (a special token) is a `<think>`: DeepSeek-R1's template and
+  Qwen3.5's open the block there (and an assistant message continued inside its block), the output starts in it;
 - else an output that starts (after whitespace) with `<think>` opens one (Qwen3's older template lets the model
   write it);
 - else the output is all content (Qwen3 with `chat_template_kwargs: {"enable_thinking": false}`: its template
@@ -24,18 +24,18 @@ SampleGroup), and the engine, colocated or P and D, holds the grammar back until
 from __future__ import annotations
 
 from picovllm.entrypoints.openai.tool_calls import partial_tag
-from picovllm.reasoning import PROMPT_TAIL, REASONING, REASONING_PARSERS, THINK_END, THINK_START, reasoning_phase
+from picovllm.reasoning import REASONING, REASONING_PARSERS, THINK_END, THINK_START, ThinkTags
 
-__all__ = ["PARSERS", "PROMPT_TAIL", "ReasoningSplitter", "opened_in_prompt", "split_reasoning"]
+__all__ = ["PARSERS", "ReasoningSplitter", "opened_in_prompt", "split_reasoning"]
 START, END, PARSERS = THINK_START, THINK_END, REASONING_PARSERS
 HELP = ("split a thinking model's <think> ... </think> from its answer: chat's message.reasoning (and "
         "reasoning_content), a reasoning item in /v1/responses (vLLM's flag: qwen3, deepseek_r1)")
 
 
-def opened_in_prompt(prompt_text: str) -> bool:
-    """Whether the rendered prompt opens a think block for the output (it ends with <think> and whitespace). An
-    unclosed <think> further back (an earlier message's) opens nothing."""
-    return reasoning_phase(prompt_text) == REASONING
+def opened_in_prompt(tags: ThinkTags, prompt_ids: list[int]) -> bool:
+    """Whether the prompt opens a think block for the output (picovllm/reasoning.py's ThinkTags.phase, as the
+    engine's grammar gate reads it)."""
+    return tags.phase(prompt_ids) == REASONING
 
 
 class ReasoningSplitter:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import re
 import time
@@ -17,6 +18,7 @@ from picovllm.entrypoints.openai.protocol import APIError, error_body
 from picovllm.entrypoints.openai.tokenizer_worker import TokenizerWorker
 from picovllm.entrypoints.parallel_sampling import merge_samples
 from picovllm.outputs import CompletionOutput, Logprob, RequestOutput
+from picovllm.reasoning import ThinkTags
 from picovllm.sampling_params import SamplingParams
 
 ENGINE_ERRORS = (EngineStepError, EngineDeadError)
@@ -41,6 +43,11 @@ class ServingContext:
     # the answer after the block (SampleGroup sets the constraint's reasoning_parser: any engine behind it holds the
     # grammar back until then)
     reasoning_parser: str | None = None
+
+    @functools.cached_property
+    def think_tags(self) -> ThinkTags:
+        """With a reasoning parser: the tokenizer's think tags (the servers checked at start that it has them)."""
+        return ThinkTags.of(self.tokenizer.tokenizer, f"--reasoning-parser {self.reasoning_parser}")
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:

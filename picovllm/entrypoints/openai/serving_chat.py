@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request, Response
 
 from picovllm.entrypoints.openai.protocol import APIError, ChatCompletionRequest
-from picovllm.entrypoints.openai.reasoning import PROMPT_TAIL, ReasoningSplitter, opened_in_prompt, split_reasoning
+from picovllm.entrypoints.openai.reasoning import ReasoningSplitter, opened_in_prompt, split_reasoning
 from picovllm.entrypoints.openai.tool_calls import AutoToolStream, ToolCall, ToolPolicy
 from picovllm.entrypoints.openai.serving import (ENGINE_ERRORS, SSE_DONE, JSONBody, SampleGroup, ServingContext,
                                                  TextDeltas, final_output, now, prompt_logprobs_json, sse, sse_error,
@@ -46,7 +46,7 @@ class ChatHandler:
         # opened: None without a split, else whether the prompt opens a think block
         opened = None
         if ctx.reasoning_parser is not None:
-            opened = opened_in_prompt(await ctx.tokenizer.decode(ids[-PROMPT_TAIL:]))
+            opened = opened_in_prompt(ctx.think_tags, ids)
         group = await SampleGroup(ctx, ids, sample_params(params), f"chatcmpl-{uuid.uuid4().hex}", arrival,
                                   req.priority).start()
         if req.stream:
