@@ -41,9 +41,9 @@ from picovllm.engine.step_input import StepInput
 from picovllm.layers.logits_processors import bad_words_token_ids
 from picovllm.layers.rotary import longrope_position_offset
 from picovllm.layers.structured_output import BitmaskBuffers, GrammarState, StructuredOutputCompiler
-from picovllm.reasoning import ThinkTags
 from picovllm.loader import open_model_source
 from picovllm.outputs import CompletionOutput, Logprob, RequestOutput
+from picovllm.reasoning import ThinkTags
 from picovllm.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
@@ -53,8 +53,8 @@ if TYPE_CHECKING:
 # PICOVLLM_STEP_LOG=PATH (a debugging aid): every scheduled step's (wall time, prompt tokens, decodes, sequences,
 # requests waiting, the decodes' tokens, the engine thread's CPU time then, and, overlapped, the wall times at which
 # it was launched, the step before's result was read, Engine.step returned and (last) it was prepared for the
-# launch), written to PATH.<pid> as JSON when the
-# process exits: how a served engine's steps ran (benchmarks/step_log.py sets them beside the planner's profile).
+# launch), written to PATH.<pid> as JSON when the process exits: how a served engine's steps ran
+# (benchmarks/step_log.py sets them beside the planner's profile).
 # Python's garbage collections go to PATH.<pid>.gc: (start wall time, generation, seconds, objects collected).
 _STEP_LOG: list | None = [] if os.environ.get("PICOVLLM_STEP_LOG") else None
 if _STEP_LOG is not None:
@@ -147,6 +147,7 @@ class Engine:
         self.window = self._kv_window()   # every layer slides: blocks behind it are given back as requests go
         self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None   # overlap: launched, not read
         self._stalled = False      # the last schedule changed nothing: its waiting requests wait for blocks or slots
+        self._step_marks: list | None = None   # PICOVLLM_STEP_LOG: the last scheduled step's entry, if it has one
         self._ids = itertools.count()
         self._structured: StructuredOutputCompiler | None = None   # built at the first structured request
         self._bitmasks: BitmaskBuffers | None = None       # the grammar masks' buffers, at the first such step
@@ -422,8 +423,8 @@ class Engine:
         if not sched.is_empty():
             prev = self._in_flight[1] if self._in_flight else None
             step, late = self._prepare(sched)
-            if _STEP_LOG:
-                _STEP_LOG[-1][10:] = [time.time()]      # prepared (the step log's marks)
+            if self._step_marks is not None:
+                self._step_marks[10:] = [time.time()]      # prepared (the step log's marks)
 
             def fill_late_masks() -> None:     # runs while the device computes this step's forward
                 nonlocal early
@@ -432,7 +433,7 @@ class Engine:
 
             launched = self.executor.launch(step, prev, fill_late_masks if late else None)
             self.advance(sched)
-        marks = _STEP_LOG[-1] if _STEP_LOG and launched is not None else None
+        marks = self._step_marks if launched is not None else None
         if marks is not None:
             marks[7] = time.time()
         outputs = []
@@ -498,10 +499,13 @@ class Engine:
         sched = self.scheduler.schedule()
         self._stalled = not (sched.chunks or sched.preempted or sched.kv_to_receive)
         now = time.time()
-        if _STEP_LOG is not None and sched.chunks:
-            context = sum(c.request.num_tokens for c in sched.chunks if c.is_decode)
-            _STEP_LOG.append([now, sched.num_tokens - sched.num_decodes, sched.num_decodes, len(sched.chunks),
-                              len(self.scheduler.waiting), context, time.thread_time(), None, None, None])
+        if _STEP_LOG is not None:
+            self._step_marks = None
+            if sched.chunks:
+                context = sum(c.request.num_tokens for c in sched.chunks if c.is_decode)
+                self._step_marks = [now, sched.num_tokens - sched.num_decodes, sched.num_decodes, len(sched.chunks),
+                                    len(self.scheduler.waiting), context, time.thread_time(), None, None, None]
+                _STEP_LOG.append(self._step_marks)
         for c in sched.chunks:
             if c.request.metrics.first_scheduled_time is None:
                 c.request.metrics.first_scheduled_time = now
@@ -658,10 +662,9 @@ class Engine:
         """The request's output: all of it so far, or (SamplingParams.output_kind DELTA) what is new since its last
         one: the tokens and logprobs after those, and the text after what went out, less the last (longest stop
         string - 1) characters while it runs (a stop string completing later would cut them)."""
-        first, req.num_streamed_tokens = req.num_streamed_tokens, len(req.output_token_ids)
         delta = req.params.output_kind == RequestOutputKind.DELTA
-        if not delta:
-            first = 0
+        first = req.num_streamed_tokens if delta else 0      # the first output token this output holds
+        req.num_streamed_tokens = len(req.output_token_ids)
         if req.logprobs is not None:
             for d in req.logprobs[first:]:
                 self._decode_tokens(d)
