@@ -47,6 +47,11 @@ CASES = {
     # top-1 of 64, renormalised (llama.cpp's default: no key in the file)
     "qwen3_moe_64": ("qwen3moe", "Qwen3MoeConfig", dict(head_dim=16, num_experts=64, num_experts_per_tok=1,
                                                         moe_intermediate_size=32, norm_topk_prob=True)),
+    # Llama 3's rope scaling (llama.cpp writes it as rope_freqs, a divisor per frequency): a 64-token original
+    # context puts the 8 frequencies of head_dim 16 in all three bands (kept, blended, slowed by `factor`)
+    "llama3": ("llama", "LlamaConfig", dict(rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64})),
     "phi3_window": ("phi3", "Phi3Config", dict(num_attention_heads=6, num_key_value_heads=6, sliding_window=20)),
     "phi3_longrope": ("phi3", "Phi3Config", dict(
         sliding_window=None, original_max_position_embeddings=32, max_position_embeddings=512,
@@ -177,6 +182,8 @@ def write_gguf(folder: str, case: str, path: str, kind: str = "F32", extra=None)
         w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(orig)))
         tensors["rope_factors_short.weight"] = np.array(rs["short_factor"], dtype=np.float32)
         tensors["rope_factors_long.weight"] = np.array(rs["long_factor"], dtype=np.float32)
+    if arch == "llama" and rope.get("rope_type") == "llama3":
+        tensors["rope_freqs.weight"] = _llama3_divisors(rope, head_dim)
     if extra is not None:
         extra(w, tensors)
     for name, data in tensors.items():
@@ -193,6 +200,24 @@ def write_gguf(folder: str, case: str, path: str, kind: str = "F32", extra=None)
     return path
 
 
+def _llama3_divisors(rope: dict, head_dim: int) -> np.ndarray:
+    """What llama.cpp's converter stores for Llama 3's scaling: per rotary frequency, what it is divided by (1 for
+    wavelengths under original / high_freq_factor, `factor` over original / low_freq_factor, blended between)."""
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    original = rope["original_max_position_embeddings"]
+    out = []
+    for i in range(0, head_dim, 2):
+        wavelength = 2 * math.pi * rope["rope_theta"] ** (i / head_dim)
+        if wavelength < original / high:
+            out.append(1.0)
+        elif wavelength > original / low:
+            out.append(factor)
+        else:
+            smooth = (original / wavelength - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("gguf_families")
@@ -206,7 +231,7 @@ def prompts(seed: int = 0) -> list[list[int]]:
 
 EXPECTED = {"mistral_window": "MistralForCausalLM", "mixtral": "MixtralForCausalLM", "gemma2_f16": "Gemma2ForCausalLM",
             "gemma3": "Gemma3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "qwen3_moe_64": "Qwen3MoeForCausalLM",
-            "phi3_window": "Phi3ForCausalLM", "phi3_longrope": "Phi3ForCausalLM"}
+            "phi3_window": "Phi3ForCausalLM", "phi3_longrope": "Phi3ForCausalLM", "llama3": "LlamaForCausalLM"}
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -277,7 +302,8 @@ def _set(key: str, value):
 
 
 @pytest.mark.parametrize("case,key,value,match", [
-    ("mistral_window", "rope_freqs.weight", [1.0] * 5, "rope frequency factors"),
+    ("mistral_window", "rope_freqs.weight", [1.0] * 4, "'rope_freqs.weight' has 4 values"),
+    ("gemma3", "rope_freqs.weight", [1.0] * 40, "with another rope scaling"),
     ("mixtral", "llama.expert_gating_func", 2, "expert_gating_func"),
     ("qwen3_moe", "qwen3moe.expert_shared_count", 1, "shared experts"),
     ("gemma3", "gemma3.rope.scaling.type", "yarn", "rope.scaling.type"),

@@ -1,4 +1,5 @@
-"""Rotary position embedding (the 'rotate half' layout of HF checkpoints), with Llama-3, linear or LongRoPE scaling.
+"""Rotary position embedding (the 'rotate half' layout of HF checkpoints), with Llama-3, linear or LongRoPE scaling,
+or a divisor per frequency (a GGUF's rope_freqs: Llama 3's scaling as llama.cpp's converter computed it).
 
 LongRoPE (Phi-3): each frequency is divided by its factor, and cos and sin are scaled by the attention factor. A
 sequence uses the short factors while it stays within original_max_position_embeddings and the long ones at every
@@ -22,6 +23,8 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) -> to
         return inv.float()
     if scaling.get("rope_type") == "linear":   # positions divided by `factor`
         return (inv / scaling["factor"]).float()
+    if scaling.get("rope_type") == "freq_factors":   # a GGUF's rope_freqs: each frequency divided by its own factor
+        return (inv / torch.tensor(scaling["factors"], dtype=torch.float32)).float()
     # Llama 3: long wavelengths are slowed down by `factor`, short ones kept, the band between blended.
     factor = scaling["factor"]
     low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)

@@ -9,7 +9,8 @@ What llama.cpp's converter changed, undone here:
   tensors (rope_factors_short/long), read into the config, not the weights.
 - qwen3moe: experts stacked as Mixtral's; a layer without a router (ffn_gate_inp) is a dense MLP.
 What the metadata does not say, llama.cpp's own rule decides (Gemma's query scale, Gemma 3's sliding pattern,
-Qwen3-MoE's renormalised top-k); what it cannot say (Llama 3's rope_freqs) is refused.
+Qwen3-MoE's renormalised top-k). Llama 3's rope scaling comes as a tensor (rope_freqs: a divisor per rotary frequency,
+computed by the converter from the checkpoint's llama3 parameters), read into the config as such.
 """
 from __future__ import annotations
 
@@ -58,7 +59,8 @@ _LAYER = {
 _GEMMA_LAYER = {"ffn_norm.weight": "pre_feedforward_layernorm.weight"}
 _TOP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
         "output.weight": "lm_head.weight"}
-_IN_CONFIG = ("rope_factors_short.weight", "rope_factors_long.weight")   # Phi-3's LongRoPE factors
+_IN_CONFIG = ("rope_factors_short.weight", "rope_factors_long.weight",   # Phi-3's LongRoPE factors
+              "rope_freqs.weight")                                        # Llama 3's frequency divisors
 
 
 @dataclass(frozen=True)
@@ -100,9 +102,6 @@ def tensor_parts(name: str, shape: tuple[int, ...], cfg: ModelConfig, arch: Arch
     elif name in _TOP:
         return [Part(_TOP[name], shape, slice(None), arch.gemma and name == "output_norm.weight",
                      name != "output_norm.weight")]
-    if name == "rope_freqs.weight":
-        raise ValueError(f"GGUF tensor {name!r}: Llama 3's rope frequency factors are unsupported (the file does not "
-                         "record the scaling parameters they came from)")
     raise ValueError(f"GGUF tensor {name!r}: unknown tensor name (supported architectures: "
                      f"{', '.join(ARCHITECTURES)})")
 
@@ -170,7 +169,7 @@ def model_config(meta: dict, tensors: dict, path: str) -> tuple[ModelConfig, Arc
         rms_norm_eps=float(meta.get(p + "attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(meta.get(p + "rope.freq_base", 1e6 if name == "gemma3" else 10000.0)),
         max_position_embeddings=int(meta.get(p + "context_length", 4096)),
-        rope_scaling=_rope_scaling(meta, tensors, p, path),
+        rope_scaling=_rope_scaling(meta, tensors, p, path, head_dim),
         tie_word_embeddings="output.weight" not in tensors,
         eos_token_ids=[int(eos)] if eos is not None else [],
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
@@ -234,8 +233,19 @@ def _gemma(meta: dict, p: str, arch: str, hidden: int, heads: int, head_dim: int
     return dict(hidden_act="gelu_pytorch_tanh", query_pre_attn_scalar=scalar, rope_local_theta=local, **caps)
 
 
-def _rope_scaling(meta: dict, tensors: dict, p: str, path: str) -> dict | None:
-    """Linear scaling (Gemma 3's global layers), or Phi-3's LongRoPE (its factors are tensors of the file)."""
+def _rope_scaling(meta: dict, tensors: dict, p: str, path: str, head_dim: int) -> dict | None:
+    """Linear scaling (Gemma 3's global layers), Phi-3's LongRoPE or Llama 3's frequency divisors (both factors are
+    tensors of the file)."""
+    kind = meta.get(p + "rope.scaling.type", "none")
+    if "rope_freqs.weight" in tensors:
+        factors = _vector(tensors["rope_freqs.weight"])
+        if len(factors) != head_dim // 2:
+            raise ValueError(f"GGUF {path!r}: tensor 'rope_freqs.weight' has {len(factors)} values, the rotary "
+                             f"embedding has {head_dim // 2} frequencies")
+        if kind != "none" or "rope_factors_long.weight" in tensors:
+            raise ValueError(f"GGUF {path!r}: tensor 'rope_freqs.weight' with another rope scaling "
+                             f"({p}rope.scaling.type={kind!r}) is unsupported")
+        return {"rope_type": "freq_factors", "factors": factors}
     if "rope_factors_long.weight" in tensors:
         factors = {k: _vector(tensors[f"rope_factors_{k}.weight"]) for k in ("short", "long")}
         orig = int(_required(meta, p + "rope.scaling.original_context_length", path))
@@ -245,7 +255,6 @@ def _rope_scaling(meta: dict, tensors: dict, p: str, path: str) -> dict | None:
         if meta.get(p + "rope.scaling.attn_factor"):
             out["attention_factor"] = float(meta[p + "rope.scaling.attn_factor"])
         return out
-    kind = meta.get(p + "rope.scaling.type", "none")
     if kind == "none":
         return None
     if kind != "linear":
