@@ -22,6 +22,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 VOCAB, HIDDEN, INTER, LAYERS, HEADS, KV_HEADS, HEAD_DIM = 384, 256, 512, 2, 4, 2, 64
 TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"]
+REQUANTIZED = ["Q5_0", "Q5_1", "Q5_K", "Q3_K", "Q2_K"]     # the CPU runs them in its 8-bit form
 PROMPTS = [[1, 17, 250, 3, 99], [5], list(range(40, 73))]
 
 
@@ -46,20 +47,36 @@ def decode_q4_1(b):   # 20 bytes: f16 d, f16 m, 16 bytes of nibbles; x = d * q +
     return _f16(b[:, :2])[:, None] * _nibbles(b[:, 4:]) + _f16(b[:, 2:4])[:, None]
 
 
-def decode_q4_k(b):   # 144 bytes: f16 d, f16 dmin, 12 bytes of 6-bit scales/mins, 128 bytes of nibbles
-    d, dmin, s, qs = _f16(b[:, :2]), _f16(b[:, 2:4]), b[:, 4:16].astype(np.int64), b[:, 16:]
-    sc, mn = np.empty((len(b), 8)), np.empty((len(b), 8))
+def _k4_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K's and Q5_K's 12 bytes -> eight 6-bit scales and eight 6-bit mins."""
+    s = s.astype(np.int64)
+    sc, mn = np.empty((len(s), 8)), np.empty((len(s), 8))
     for j in range(8):
         if j < 4:
             sc[:, j], mn[:, j] = s[:, j] & 63, s[:, j + 4] & 63
         else:
             sc[:, j] = (s[:, j + 4] & 0xF) | ((s[:, j - 4] >> 6) << 4)
             mn[:, j] = (s[:, j + 4] >> 4) | ((s[:, j] >> 6) << 4)
-    out = np.empty((len(b), 256))
+    return sc, mn
+
+
+def decode_q4_k(b):   # 144 bytes: f16 d, f16 dmin, 12 bytes of 6-bit scales/mins, 128 bytes of nibbles
+    return _decode_k(b[:, :16], b[:, 16:], None)
+
+
+def decode_q5_k(b):   # 176 bytes: as Q4_K with 32 bytes of 5th bits before the nibbles
+    return _decode_k(b[:, :16], b[:, 48:], b[:, 16:48].astype(np.int64))
+
+
+def _decode_k(head, qs, qh):
+    d, dmin = _f16(head[:, :2]), _f16(head[:, 2:4])
+    sc, mn = _k4_scales(head[:, 4:16])
+    out = np.empty((len(qs), 256))
     for i in range(4):            # 64 values per chunk: 32 low nibbles, then 32 high nibbles
         q = qs[:, 32 * i:32 * i + 32]
         for half, vals in enumerate([q & 0xF, q >> 4]):
-            j = 2 * i + half
+            j = 2 * i + half      # sub-block j; its 5th bits: bit j of qh[l]
+            vals = vals.astype(np.float64) + (0 if qh is None else 16 * ((qh >> j) & 1))
             out[:, 64 * i + 32 * half:64 * i + 32 * half + 32] = \
                 (d * sc[:, j])[:, None] * vals - (dmin * mn[:, j])[:, None]
     return out
@@ -78,8 +95,49 @@ def decode_q6_k(b):   # 210 bytes: 128 low-nibble bytes, 64 bytes of 2-bit highs
     return out
 
 
+def _fifth_bits(qh: np.ndarray) -> np.ndarray:   # 4 bytes: bit j is element j's 5th bit
+    return ((qh.astype(np.uint64) << (8 * np.arange(4, dtype=np.uint64))).sum(1)[:, None] >> np.arange(32, dtype=np.uint64)) & 1
+
+
+def decode_q5_0(b):   # 22 bytes: f16 d, 4 bytes of 5th bits, 16 bytes of nibbles; x = d * (q - 16)
+    return _f16(b[:, :2])[:, None] * (_nibbles(b[:, 6:]) + 16 * _fifth_bits(b[:, 2:6]) - 16)
+
+
+def decode_q5_1(b):   # 24 bytes: f16 d, f16 m, 4 bytes of 5th bits, 16 bytes of nibbles; x = d * q + m
+    return _f16(b[:, :2])[:, None] * (_nibbles(b[:, 8:]) + 16 * _fifth_bits(b[:, 4:8])) + _f16(b[:, 2:4])[:, None]
+
+
+def decode_q3_k(b):   # 110 bytes: 32 bytes of 3rd bits (set: +0, clear: -4), 64 of 2-bit codes, 12 of scales, f16 d
+    hm, qs, s, d = b[:, :32].astype(np.int64), b[:, 32:96].astype(np.int64), b[:, 96:108].astype(np.int64), _f16(b[:, 108:])
+    i = np.arange(16)     # 6-bit scales: low nibble from byte i % 8 (high half for i >= 8), 2 high bits from byte 8 + i % 4
+    sc = (((s[:, i % 8] >> (4 * (i // 8))) & 0xF) | (((s[:, 8 + i % 4] >> (2 * (i // 4))) & 3) << 4)) - 32
+    out = np.empty((len(b), 256))
+    for n in range(2):            # two halves of 128 values, 32 code bytes each
+        for j in range(4):        # 2-bit field j of those bytes: 32 values, 16 per scale
+            for half in range(2):
+                at = 32 * n + 16 * half + np.arange(16)
+                q = ((qs[:, at] >> (2 * j)) & 3) - 4 * (((hm[:, at - 32 * n] >> (4 * n + j)) & 1) == 0)
+                out[:, 128 * n + 32 * j + 16 * half + np.arange(16)] = (d * sc[:, 8 * n + 2 * j + half])[:, None] * q
+    return out
+
+
+def decode_q2_k(b):   # 84 bytes: 16 bytes of (scale, min) nibbles, 64 of 2-bit codes, f16 d, f16 dmin
+    s, qs, d, dmin = b[:, :16].astype(np.int64), b[:, 16:80].astype(np.int64), _f16(b[:, 80:82]), _f16(b[:, 82:84])
+    out = np.empty((len(b), 256))
+    for n in range(2):
+        for j in range(4):
+            for half in range(2):
+                k = 8 * n + 2 * j + half
+                q = (qs[:, 32 * n + 16 * half + np.arange(16)] >> (2 * j)) & 3
+                out[:, 128 * n + 32 * j + 16 * half + np.arange(16)] = \
+                    (d * (s[:, k] & 0xF))[:, None] * q - (dmin * (s[:, k] >> 4))[:, None]
+    return out
+
+
 BLOCK = {"Q8_0": (32, 34, decode_q8_0), "Q4_0": (32, 18, decode_q4_0), "Q4_1": (32, 20, decode_q4_1),
-         "Q4_K": (256, 144, decode_q4_k), "Q6_K": (256, 210, decode_q6_k)}
+         "Q4_K": (256, 144, decode_q4_k), "Q6_K": (256, 210, decode_q6_k), "Q5_0": (32, 22, decode_q5_0),
+         "Q5_1": (32, 24, decode_q5_1), "Q5_K": (256, 176, decode_q5_k), "Q3_K": (256, 110, decode_q3_k),
+         "Q2_K": (256, 84, decode_q2_k)}
 
 
 def decode(raw: np.ndarray, kind: str, shape: tuple[int, int]) -> np.ndarray:
@@ -116,12 +174,33 @@ def raw_q6_k(rng, rows, cols):
     return blocks.reshape(rows, -1)
 
 
+# K-quants the gguf package cannot quantize: random bytes, float16 fields (byte offset -> multiple of a random d
+# around the given size) chosen so the weights stay near zero (dmin offsets the mean of d * scale * code)
+_RAW_K = {"Q5_K": (176, 1e-4, {0: 1.0, 2: 15.5}), "Q3_K": (110, 2e-3, {108: 1.0}),
+          "Q2_K": (84, 5e-3, {80: 1.0, 82: 1.5})}
+
+
+def raw_k(rng, kind, rows, cols):
+    size, scale, fields = _RAW_K[kind]
+    n = rows * cols // 256
+    blocks = rng.integers(0, 256, (n, size), dtype=np.uint8)
+    d = rng.uniform(0.5, 1.5, n) * scale
+    for at, times in fields.items():
+        blocks[:, at:at + 2] = _f16_bytes(d * times)
+    return blocks.reshape(rows, -1)
+
+
 def encode(rng, kind: str, rows: int, cols: int) -> np.ndarray:
     """Random data for one tensor, as the array add_tensor() writes."""
     if kind == "Q4_K":
         return raw_q4_k(rng, rows, cols)
     if kind == "Q6_K":
         return raw_q6_k(rng, rows, cols)
+    if kind in _RAW_K:
+        return raw_k(rng, kind, rows, cols)
+    if kind == "IQ4_NL":                       # refused: any bytes will do
+        per, size = gguf.GGML_QUANT_SIZES[Q[kind]]
+        return rng.integers(0, 256, (rows, cols // per * size), dtype=np.uint8)
     x = (rng.standard_normal((rows, cols)) * 0.08).astype(np.float32)
     if kind == "F32":
         return x
@@ -165,7 +244,7 @@ def write_tiny_gguf(path: str, kind: str, arch: str = "llama", skip: tuple[str, 
                     override: dict | None = None) -> dict[str, np.ndarray]:
     """Write a tiny llama GGUF with every matrix of type `kind` (norms F32); return the float64
     weights HF should see, by HF name. `override` maps a GGUF name to a type for that tensor."""
-    rng = np.random.default_rng(TYPES.index(kind) if kind in TYPES else 0)
+    rng = np.random.default_rng((TYPES + REQUANTIZED).index(kind) if kind in TYPES + REQUANTIZED else 0)
     w = gguf.GGUFWriter(path, arch)
     w.add_context_length(512)
     w.add_embedding_length(HIDDEN)
@@ -191,7 +270,7 @@ def write_tiny_gguf(path: str, kind: str, arch: str = "llama", skip: tuple[str, 
             w.add_tensor(gname, data)
         else:
             w.add_tensor(gname, data, raw_shape=data.shape, raw_dtype=Q[t])
-        if t in TYPES:
+        if t in TYPES + REQUANTIZED:
             full = decode(data, t, shape)
             ref[hname] = unpermute(full, heads) if heads else full
     w.write_header_to_file()
@@ -204,7 +283,8 @@ def write_tiny_gguf(path: str, kind: str, arch: str = "llama", skip: tuple[str, 
 @pytest.fixture(scope="module")
 def gguf_files(tmp_path_factory):
     root = tmp_path_factory.mktemp("gguf")
-    return {k: (str(root / f"tiny-{k}.gguf"), write_tiny_gguf(str(root / f"tiny-{k}.gguf"), k)) for k in TYPES}
+    return {k: (str(root / f"tiny-{k}.gguf"), write_tiny_gguf(str(root / f"tiny-{k}.gguf"), k))
+            for k in TYPES + REQUANTIZED}
 
 
 def hf_llama(ref: dict[str, np.ndarray]):
@@ -233,7 +313,18 @@ def test_reference_decoders_round_trip():
     assert np.abs(got - x).max() <= np.abs(x).max() * 2 ** -8
 
 
-@pytest.mark.parametrize("kind", TYPES)
+@pytest.mark.parametrize("kind", REQUANTIZED)
+def test_reference_decoders_equal_the_gguf_package(kind):
+    """The float64 decoders of the requantized types (written here from ggml's block layouts) against the gguf
+    package's own, on random blocks: two readings of the format that must agree."""
+    rng = np.random.default_rng(5)
+    raw = encode(rng, kind, 6, 512)
+    want = gguf.quants.dequantize(raw, Q[kind]).astype(np.float64)
+    got = decode(raw, kind, (6, 512))
+    assert np.abs(want).max() > 0 and np.abs(got - want).max() <= 1e-6 * np.abs(want).max()
+
+
+@pytest.mark.parametrize("kind", TYPES + REQUANTIZED)
 def test_loaded_weights_match_reference_decode(gguf_files, kind):
     path, ref = gguf_files[kind]
     src = open_gguf(path)
@@ -250,7 +341,7 @@ def test_loaded_weights_match_reference_decode(gguf_files, kind):
         assert err <= 1e-6 * np.abs(want).max() + 1e-9, f"{name}: max error {err}"
 
 
-@pytest.mark.parametrize("kind", TYPES)
+@pytest.mark.parametrize("kind", TYPES + REQUANTIZED)
 def test_tiny_gguf_greedy_matches_hf(gguf_files, kind):
     path, ref = gguf_files[kind]
     hf = hf_llama(ref)
@@ -311,6 +402,22 @@ def test_quantized_layers_hold_the_files_weights(tmp_path, gguf_files, kind):
     assert [s.kind for s in qkv.segments] == (["q4", "q8"] if kind == "mixed" else [qkv.segments[0].kind])
 
 
+@pytest.mark.parametrize("kind", REQUANTIZED)
+def test_requantized_layers_within_half_a_step(gguf_files, kind):
+    """A type the CPU kernels do not run (quantization="auto"): every matrix runs in the kernels' 8-bit form, each
+    weight within half a step (its 16 weights' largest magnitude / 254) of the file's (float64 reference decode)."""
+    from picovllm.kernels.cpu.quant_gemm import QuantizedWeight
+    path, ref = gguf_files[kind]
+    model = LLM(path, num_kv_blocks=32).engine.runner.model
+    for name, want in _fused_reference(ref, model).items():
+        module = model.get_submodule(name)
+        qw = module.quantized if name == "embed_tokens" else module.packed
+        assert isinstance(qw, QuantizedWeight) and [s.kind for s in qw.segments] == ["q8"], name
+        got = qw.dequantize().double().numpy()
+        half_step = np.abs(want).reshape(want.shape[0], -1, 16).max(-1, keepdims=True) / 254
+        assert (np.abs(got - want).reshape(half_step.shape[0], -1, 16) <= half_step * 1.001 + 1e-12).all(), name
+
+
 def test_default_model_greedy_matches_hf_on_the_same_gguf(default_model_path):
     """HF transformers dequantizes the same Q4_1/Q8_0 file with its own GGUF loader (our float32 path)."""
     from transformers import AutoModelForCausalLM
@@ -338,9 +445,9 @@ def test_unknown_architecture_is_named(tmp_path):
 
 
 def test_unsupported_quant_type_is_named(tmp_path):
-    path = str(tmp_path / "q5.gguf")
-    write_tiny_gguf(path, "F32", override={"blk.1.ffn_up.weight": "Q5_0"})
-    with pytest.raises(ValueError, match=r"blk\.1\.ffn_up\.weight.*Q5_0"):
+    path = str(tmp_path / "iq4.gguf")
+    write_tiny_gguf(path, "F32", override={"blk.1.ffn_up.weight": "IQ4_NL"})
+    with pytest.raises(ValueError, match=r"blk\.1\.ffn_up\.weight.*IQ4_NL"):
         LLM(path)
 
 

@@ -1,5 +1,6 @@
 """GGUF files (the architectures of loader/gguf_archs.py, llama.cpp's names), dequantized to float at load time
-(or mapped from the artifact cache), or kept quantized (stored_weights).
+(or mapped from the artifact cache), or kept quantized (stored_weights: as stored where the CPU kernels run the
+type, else requantized to their 8-bit form).
 
 The artifact cache keeps two entries a file: "gguf" (config and converted tokenizer), made at the first open, and
 "gguf_float" (the dequantized weights), made the first time they are asked for. The CPU's default, quantized weights
@@ -22,9 +23,13 @@ from picovllm.config import ModelConfig
 from picovllm.loader import gguf_quants, gguf_tokenizer, tensor_file
 from picovllm.loader.gguf_archs import ARCHITECTURES, Arch, Part, model_config, tensor_parts
 from picovllm.loader.gguf_format import GGUFFile, GGUFTensor
+from picovllm.loader.quantize_at_load import quantize_q8
 from picovllm.loader.source import ModelSource, WeightIterator
 
-SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
+# Read as they are: floats, and the quantized types the CPU kernels run (gguf_quants). Requantized on the CPU: types
+# the kernels do not run, dequantized by the gguf package and quantized again into the kernels' 8-bit form (a scale
+# per 16 weights: within half a step of max / 127 of the file's weight, far inside these formats' own steps).
+SUPPORTED_TYPES = ("F32", "F16", "BF16") + gguf_quants.QUANTIZED_TYPES + ("Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q5_K")
 
 
 def _model_config(gf: GGUFFile) -> tuple[ModelConfig, Arch]:
@@ -63,8 +68,12 @@ def _stored(gf: GGUFFile, config: ModelConfig, arch: Arch) -> Iterator[tuple[str
     the rest (norms, routers, experts, float tensors) as float."""
     for t, parts in _layout(gf, config, arch):
         kind = GGMLQuantizationType(t.ggml_type).name
-        if parts and kind in gguf_quants.QUANTIZED_TYPES and len(t.shape) == 2 and all(p.linear for p in parts):
+        linear = parts and len(t.shape) == 2 and all(p.linear for p in parts)
+        if linear and kind in gguf_quants.QUANTIZED_TYPES:
             blocks = gguf_quants.decode_blocks(kind, t.data, *reversed(t.shape))
+            yield from ((part.name, blocks.take_rows(part.take)) for part in parts)
+        elif linear and kind not in ("F32", "F16", "BF16"):          # requantized (SUPPORTED_TYPES)
+            blocks = quantize_q8(_float(t))
             yield from ((part.name, blocks.take_rows(part.take)) for part in parts)
         elif parts:
             w = _float(t)
