@@ -22,7 +22,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 VOCAB, HIDDEN, INTER, LAYERS, HEADS, KV_HEADS, HEAD_DIM = 384, 256, 512, 2, 4, 2, 64
 TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"]
-REQUANTIZED = ["Q5_0", "Q5_1", "Q5_K", "Q3_K", "Q2_K"]     # the CPU runs them in its 8-bit form
+REQUANTIZED = ["Q5_0", "Q5_1", "Q5_K", "Q3_K", "Q2_K", "IQ4_NL", "IQ4_XS"]     # the CPU runs them in its 8-bit form
 PROMPTS = [[1, 17, 250, 3, 99], [5], list(range(40, 73))]
 
 
@@ -134,10 +134,27 @@ def decode_q2_k(b):   # 84 bytes: 16 bytes of (scale, min) nibbles, 64 of 2-bit 
     return out
 
 
+IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.float64)
+
+
+def decode_iq4_nl(b):  # 18 bytes: f16 d, 16 bytes of nibbles (as Q4_0's) indexing a fixed table; x = d * table[q]
+    return _f16(b[:, :2])[:, None] * IQ4_VALUES[_nibbles(b[:, 2:]).astype(np.int64)]
+
+
+def decode_iq4_xs(b):  # 136 bytes: f16 d, u16 of 2-bit scale highs, 4 bytes of 4-bit scale lows, 8 x 16 bytes as IQ4_NL's
+    d, hi, lo = _f16(b[:, :2]), b[:, 2:4].copy().view("<u2").astype(np.int64), b[:, 4:8].astype(np.int64)
+    out = np.empty((len(b), 256))
+    for j in range(8):         # sub-block j of 32: a 6-bit scale (minus 32)
+        scale = ((lo[:, j // 2] >> (4 * (j % 2))) & 0xF) | (((hi[:, 0] >> (2 * j)) & 3) << 4)
+        q = _nibbles(b[:, 8 + 16 * j:24 + 16 * j]).astype(np.int64)
+        out[:, 32 * j:32 * j + 32] = (d * (scale - 32))[:, None] * IQ4_VALUES[q]
+    return out
+
+
 BLOCK = {"Q8_0": (32, 34, decode_q8_0), "Q4_0": (32, 18, decode_q4_0), "Q4_1": (32, 20, decode_q4_1),
          "Q4_K": (256, 144, decode_q4_k), "Q6_K": (256, 210, decode_q6_k), "Q5_0": (32, 22, decode_q5_0),
          "Q5_1": (32, 24, decode_q5_1), "Q5_K": (256, 176, decode_q5_k), "Q3_K": (256, 110, decode_q3_k),
-         "Q2_K": (256, 84, decode_q2_k)}
+         "Q2_K": (256, 84, decode_q2_k), "IQ4_NL": (32, 18, decode_iq4_nl), "IQ4_XS": (256, 136, decode_iq4_xs)}
 
 
 def decode(raw: np.ndarray, kind: str, shape: tuple[int, int]) -> np.ndarray:
@@ -177,7 +194,7 @@ def raw_q6_k(rng, rows, cols):
 # K-quants the gguf package cannot quantize: random bytes, float16 fields (byte offset -> multiple of a random d
 # around the given size) chosen so the weights stay near zero (dmin offsets the mean of d * scale * code)
 _RAW_K = {"Q5_K": (176, 1e-4, {0: 1.0, 2: 15.5}), "Q3_K": (110, 2e-3, {108: 1.0}),
-          "Q2_K": (84, 5e-3, {80: 1.0, 82: 1.5})}
+          "Q2_K": (84, 5e-3, {80: 1.0, 82: 1.5}), "IQ4_XS": (136, 5e-5, {0: 1.0})}
 
 
 def raw_k(rng, kind, rows, cols):
@@ -198,9 +215,11 @@ def encode(rng, kind: str, rows: int, cols: int) -> np.ndarray:
         return raw_q6_k(rng, rows, cols)
     if kind in _RAW_K:
         return raw_k(rng, kind, rows, cols)
-    if kind == "IQ4_NL":                       # refused: any bytes will do
+    if kind in ("IQ4_NL", "TQ2_0"):            # random bytes, the float16 d first in each block
         per, size = gguf.GGML_QUANT_SIZES[Q[kind]]
-        return rng.integers(0, 256, (rows, cols // per * size), dtype=np.uint8)
+        blocks = rng.integers(0, 256, (rows * cols // per, size), dtype=np.uint8)
+        blocks[:, -2 if kind == "TQ2_0" else 0:][:, :2] = _f16_bytes(rng.uniform(0.5, 1.5, len(blocks)) * 1e-3)
+        return blocks.reshape(rows, -1)
     x = (rng.standard_normal((rows, cols)) * 0.08).astype(np.float32)
     if kind == "F32":
         return x
@@ -445,9 +464,9 @@ def test_unknown_architecture_is_named(tmp_path):
 
 
 def test_unsupported_quant_type_is_named(tmp_path):
-    path = str(tmp_path / "iq4.gguf")
-    write_tiny_gguf(path, "F32", override={"blk.1.ffn_up.weight": "IQ4_NL"})
-    with pytest.raises(ValueError, match=r"blk\.1\.ffn_up\.weight.*IQ4_NL"):
+    path = str(tmp_path / "tq2.gguf")
+    write_tiny_gguf(path, "F32", override={"blk.1.ffn_up.weight": "TQ2_0"})
+    with pytest.raises(ValueError, match=r"blk\.1\.ffn_up\.weight.*TQ2_0"):
         LLM(path)
 
 

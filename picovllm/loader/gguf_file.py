@@ -29,7 +29,8 @@ from picovllm.loader.source import ModelSource, WeightIterator
 # Read as they are: floats, and the quantized types the CPU kernels run (gguf_quants). Requantized on the CPU: types
 # the kernels do not run, dequantized by the gguf package and quantized again into the kernels' 8-bit form (a scale
 # per 16 weights: within half a step of max / 127 of the file's weight, far inside these formats' own steps).
-SUPPORTED_TYPES = ("F32", "F16", "BF16") + gguf_quants.QUANTIZED_TYPES + ("Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q5_K")
+SUPPORTED_TYPES = ("F32", "F16", "BF16") + gguf_quants.QUANTIZED_TYPES + ("Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q5_K",
+                                                                      "IQ4_NL", "IQ4_XS")
 
 
 def _model_config(gf: GGUFFile) -> tuple[ModelConfig, Arch]:
