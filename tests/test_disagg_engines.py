@@ -400,10 +400,12 @@ def test_structured_outputs_across_p_and_d_match_colocated(chat_model, overlap):
     assert pair.d.stats["decode_tokens"] > 0
 
 
-def test_a_grammar_after_the_reasoning_across_p_and_d_matches_colocated(thinking_model):
-    """A constraint with its own reasoning parser (an OpenAI front end's): P and D each find where the prompt leaves
-    the output (inside a think block here), D replays P's first token through its gate, and every output is the
-    colocated engine's; the answer after </think> follows the constraint."""
+@pytest.mark.parametrize("where", ["request", "prefill_config"])
+def test_a_grammar_after_the_reasoning_across_p_and_d_matches_colocated(thinking_model, where):
+    """A constraint with its own reasoning parser (an OpenAI front end's), or none but P's EngineConfig's (D has
+    none: the parser goes with the request): P and D each find where the prompt leaves the output (inside a think
+    block here), D replays P's first token through its gate, and every output is the colocated engine's; the
+    answer after </think> follows the constraint."""
     import re
 
     from transformers import AutoTokenizer
@@ -411,19 +413,21 @@ def test_a_grammar_after_the_reasoning_across_p_and_d_matches_colocated(thinking
     from picovllm import StructuredOutputsParams
     tok = AutoTokenizer.from_pretrained(thinking_model)
     bias = {t: 100.0 for t in tok.encode("a</think>b", add_special_tokens=False)}   # a block closes by chance
-    so = StructuredOutputsParams(regex="[ab]{2,6}", reasoning_parser="deepseek_r1")
+    engine_parser = {"reasoning_parser": "deepseek_r1"} if where == "prefill_config" else {}
+    so = StructuredOutputsParams(regex="[ab]{2,6}", reasoning_parser=None if engine_parser else "deepseek_r1")
     prompt = "<|im_start|>user\nWhy?<|im_end|>\n<|im_start|>assistant\n<think>\n"
     params = [SamplingParams(temperature=1.0, seed=s, max_tokens=24, logit_bias=bias, structured_outputs=so)
               for s in range(8)]
     kw = dict(block_size=4, num_kv_blocks=256)
-    ref = LLM(thinking_model, **kw).generate([prompt] * 8, params, use_tqdm=False)
-    pair = LocalPair(thinking_model, "torch_dist", p_kw=kw, d_kw=kw, overlap=True)
+    ref = LLM(thinking_model, **kw, **engine_parser).generate([prompt] * 8, params, use_tqdm=False)
+    pair = LocalPair(thinking_model, "torch_dist", p_kw=dict(kw, **engine_parser), d_kw=kw, overlap=True)
     ids = [pair.p.submit(prompt, sp) for sp in params]
     pair.p.close()
     pair.run()
     assert_same([pair.final[i] for i in ids], ref)
     closed = [r.outputs[0].text.split("</think>", 1)[1] for r in ref if "</think>" in r.outputs[0].text]
     assert closed and all(re.fullmatch("[ab]{2,6}", c) for c in closed)
+    assert so.reasoning_parser == (None if engine_parser else "deepseek_r1")     # the caller's params untouched
 
 
 def test_a_first_token_the_decode_grammar_refuses_names_the_field(chat_model):

@@ -18,6 +18,7 @@ requests to hold for a handover and which arrive with their KV; see ARCHITECTURE
 """
 from __future__ import annotations
 
+import dataclasses
 import gc
 import itertools
 import json
@@ -227,6 +228,12 @@ class Engine:
         request_id = str(next(self._ids)) if request_id is None else request_id
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        so = params.structured_outputs
+        if so is not None and so.reasoning_parser is None and self.config.reasoning_parser is not None:
+            # the engine's parser goes with the request (a copy: the caller's params stay as they were), so a
+            # decode engine it is handed to gates its grammar as this engine did, whatever its own config says
+            params = dataclasses.replace(params, structured_outputs=dataclasses.replace(
+                so, reasoning_parser=self.config.reasoning_parser))
         grammar = self._grammar_state(params, ids) if params.structured_outputs is not None else None
         req = Request(request_id, ids, params, prompt if isinstance(prompt, str) else None, arrival_time)
         req.grammar = grammar
@@ -301,7 +308,9 @@ class Engine:
         for token in req.output_token_ids:
             if not grammar.accept(token):
                 raise ValueError(f"{req.params.structured_outputs.field_name}: the prefill engine's token {token} "
-                                 f"does not match the grammar here (another tokenizer or grammar version?)")
+                                 f"does not match the grammar here (another tokenizer or grammar version, or a "
+                                 f"prefill engine without the EngineConfig.reasoning_parser "
+                                 f"{self.config.reasoning_parser!r} this one has?)")
         return grammar
 
     def _check_length(self, num_prompt_tokens: int) -> None:

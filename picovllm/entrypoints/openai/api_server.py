@@ -296,10 +296,12 @@ def serve(engine_config: EngineConfig, settings: ServerSettings) -> int:
     name = served_name(settings, engine_config.model)
     defaults = generation_defaults(engine_config.model, engine_config.generation_config,
                                    engine_config.override_generation_config)
+    tokenizer = None
     if settings.reasoning_parser is not None:     # before the engine loads: the think tokens its gates watch for
         from picovllm.entrypoints.openai.engine_process import load_tokenizer
         try:
-            think_token_ids(load_tokenizer(engine_config), f"--reasoning-parser {settings.reasoning_parser}")
+            tokenizer = load_tokenizer(engine_config)
+            think_token_ids(tokenizer, f"--reasoning-parser {settings.reasoning_parser}")
         except ValueError as e:
             raise SystemExit(f"error: {e}") from None
     if settings.api_server_count > 1:
@@ -307,7 +309,7 @@ def serve(engine_config: EngineConfig, settings: ServerSettings) -> int:
         return serve_with_api_servers(engine_config, settings, name, defaults)
     metrics = ServerMetrics(name)
     from picovllm.entrypoints.openai.engine_process import open_async_engine   # the engine's side: torch
-    async_engine, tokenizer, stop = open_async_engine(engine_config, settings, metrics)
+    async_engine, tokenizer, stop = open_async_engine(engine_config, settings, metrics, tokenizer=tokenizer)
     try:
         worker = TokenizerWorker(tokenizer, settings.chat_template, settings.trust_request_chat_template)
     except ValueError as e:

@@ -445,10 +445,12 @@ def _child_main(config: EngineConfig, build, loop_cls: type, commands, results, 
 
 def open_async_engine(config: EngineConfig, settings, metrics=None, build: Callable[[EngineConfig], Any] | None = None,
                       loop_cls: type[AsyncEngine] = AsyncEngine, child_loop_cls: type = ChildLoop,
-                      client_cls: type[ProcessAsyncEngine] = ProcessAsyncEngine) -> tuple[EngineClient, Any, Callable]:
+                      client_cls: type[ProcessAsyncEngine] = ProcessAsyncEngine,
+                      tokenizer=None) -> tuple[EngineClient, Any, Callable]:
     """A server's engine, its loop in a thread (loop_cls over build(config)) or, with settings.engine_process, in a
     process of its own (client_cls in this process, child_loop_cls in the child); and the tokenizer for the HTTP
-    side, and what stops the engine if the server does not start. build: Engine by default."""
+    side, and what stops the engine if the server does not start. build: Engine by default. tokenizer: the HTTP
+    side's if the caller has loaded it already (with the engine in a process of its own, else it is loaded here)."""
     if not settings.engine_process:
         engine = (build or Engine)(config)
         async_engine = loop_cls(engine, metrics)
@@ -459,7 +461,8 @@ def open_async_engine(config: EngineConfig, settings, metrics=None, build: Calla
         return async_engine, engine.tokenizer, stop
     async_engine = client_cls(config, metrics, settings.log_level, build=build, loop_cls=child_loop_cls)
     try:
-        tokenizer = load_tokenizer(config)      # while the child builds the engine
+        if tokenizer is None:
+            tokenizer = load_tokenizer(config)      # while the child builds the engine
         async_engine.wait_ready()
     except BaseException:       # a ValueError reaches the command line as the thread's Engine() would raise it
         async_engine.stop()
