@@ -88,6 +88,29 @@ def test_serving_cost_a_sequence_by_hand():
     assert a.token_times == pytest.approx([t1, t2, t3]) and b.token_times == pytest.approx([t2, t3])
 
 
+def test_serving_cost_an_admission_by_hand():
+    """profile.serve_per_admission is added to the step that takes a request in, once per request, whatever else
+    runs in it (colocated: the step of its first chunk; 1P1D: P's first chunk and D's first decode), and to no
+    other step."""
+    prof, step, adm = dataclasses.replace(PROFILE, serve_per_admission=7e-4), PROFILE.step_time, 7e-4
+    a, b = simulate(prof, Deployment(0, 1, chunk=512),
+                    [SimRequest(1.0, 100, 3), SimRequest(1.0 + step(100, 0, 0) / 2, 50, 2)]).requests
+    t1 = 1.0 + step(100, 0, 0) + adm
+    t2 = t1 + step(50, 1, 101) + adm                    # B's admission slows A's decode beside it
+    t3 = t2 + step(0, 2, 102 + 51)
+    assert a.token_times == pytest.approx([t1, t2, t3]) and b.token_times == pytest.approx([t2, t3])
+    both = simulate(prof, Deployment(0, 1, chunk=512), [SimRequest(1.0, 40, 1), SimRequest(1.0, 30, 1)]).requests
+    t1 = 1.0 + step(40, 0, 0) + adm                     # the second arrives as the first's step starts
+    assert both[0].token_times == pytest.approx([t1])
+    assert both[1].token_times == pytest.approx([t1 + step(30, 0, 0) + adm])
+    pd = simulate(prof, Deployment(1, 1, chunk=64, transfer_bw=1e6, transfer_latency=0.01),
+                  [SimRequest(1.0, 100, 3)]).requests[0]
+    first = 1.0 + step(64, 0, 0) + adm + step(36, 0, 0)
+    arrive = first + 100 * 1000 / 1e6 + 0.01
+    second = arrive + step(0, 1, 101) + adm
+    assert pd.token_times == pytest.approx([first, second, second + step(0, 1, 102)])
+
+
 def test_an_overlapped_engine_admits_an_arrival_a_step_later_by_hand():
     """Under overlap (EngineConfig.async_scheduling: a GPU's default) the step after the running one was planned as
     the running one began: a request that arrives during step 1 joins step 3, not step 2; an engine with nothing
@@ -141,6 +164,7 @@ def test_plan_command_measures_and_ranks(tiny_models, tmp_path, capsys):
     saved = StepProfile.load(str(prof))      # load checks the wake's shape: idle ascending, extra non-decreasing
     assert saved.kv_bytes_per_token == 2 * 2 * 2 * 16 * 4 and len(saved.samples) >= 12
     assert [w[0] for w in saved.wake] == list(WAKE_IDLES)
+    assert 0 < saved.serve_per_seq < 0.01 and 0 < saved.serve_per_admission < 0.05
     ranked = json.loads(out.read_text())["ranked"]
     assert len(ranked) == 3 * 2 and ranked[0]["goodput"] == max(r["goodput"] for r in ranked)
     with pytest.raises(SystemExit, match="--input-len"):
@@ -311,8 +335,9 @@ def test_profile_times_the_whole_batch(tiny_models, overlap):
     assert [w[0] for w in prof.wake] == [0.001, 0.01] and 0 <= prof.wake[0][1] <= prof.wake[1][1]
     # the serving loop's cost a sequence: timed on decode steps of as many requests as the blocks hold, a part of
     # such a step (its outputs' encoding is far less than the step)
-    served = [n for p, n in steps[-12:] if p == 0]
-    assert max(served) > 8 and 0 < prof.serve_per_seq < decode[0]["seconds"] / 8
+    assert max(n for p, n in steps if p == 0) > 8 and 0 < prof.serve_per_seq < decode[0]["seconds"] / 8
+    # and an admission's: three requests, each its whole prompt (the chunk's 64 tokens) alone in a step
+    assert steps[-6:].count((64, 0)) == 3 and 0 < prof.serve_per_admission < 0.05
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 

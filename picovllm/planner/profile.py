@@ -39,7 +39,8 @@ the step's outputs to the HTTP side (entrypoints/openai/engine_process.py). On a
 engine was host-bound from ~17 sequences a step, and its host parts grew by 0.031 ms a sequence (BENCHMARKS.md,
 twenty-third session), a slope the calibration at a low rate cannot see. `serve_per_seq` is that loop's cost a
 sequence, measured on the real encoding and a real pipe (measure_serving); the simulation adds it per sequence to
-every step.
+every step. `serve_per_admission` is its cost a new request (measure_admission: ~0.25 ms on an H100's host), added
+to the step that admits it: a burst of arrivals slows the steps of every request running beside them.
 """
 from __future__ import annotations
 
@@ -69,6 +70,9 @@ class StepProfile:
     # seconds a served step costs per sequence in it beyond the engine's step: its output encoded and piped to the
     # HTTP side (0 in a profile saved before this field)
     serve_per_seq: float = 0.0
+    # seconds the served loop spends on each request it admits: its command unpickled from the pipe, added to the
+    # engine, the acceptance sent back, its first output encoded whole (0 in a profile saved before this field)
+    serve_per_admission: float = 0.0
 
     @property
     def overlapped(self) -> bool:
@@ -182,12 +186,13 @@ def measure_profile(engine, prefill_lens=(16, 64, 128, 256, 512), batches=(1, 4,
         before = samples
     wake = _measure_wake(engine, min(WAKE_PROMPT, limit), wake_idles, repeats)
     serve = measure_serving(engine, SERVE_BATCH, repeats)
+    admission = measure_admission(engine, min(ADMISSION_PROMPT, limit), repeats)
     mc = engine.model_config
     dtype_bytes = engine.runner.kv_cache.element_size()
     kv_bytes = 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * dtype_bytes
     prof = fit(samples, kv_bytes, machine=f"{engine.config.device} {engine.config.model}",
                overlap=engine.config.async_scheduling)
-    prof.wake, prof.serve_per_seq = wake, serve
+    prof.wake, prof.serve_per_seq, prof.serve_per_admission = wake, serve, admission
     return prof
 
 
@@ -234,6 +239,60 @@ def measure_serving(engine, batch: int = SERVE_BATCH, repeats: int = 7, context:
         thread.join()
         reader.close()
         _drain(engine)
+    return float(np.median(times)) if times else 0.0
+
+
+ADMISSION_PROMPT = 256     # measure_admission's prompt tokens (its command's size)
+
+
+def measure_admission(engine, prompt_len: int = ADMISSION_PROMPT, repeats: int = 7) -> float:
+    """Seconds a request's admission costs a served engine loop beyond its steps (the median of `repeats`): its
+    AddRequest received from a pipe, added to the engine, the acceptance sent back, and its first output, which
+    goes whole (prompt ids included), encoded and sent; the requests drained after. On an H100's host an
+    admission added ~0.25 ms to the loop (twenty-third session)."""
+    import threading
+    from multiprocessing import Pipe
+
+    from picovllm.entrypoints.openai.engine_client import AddRequest
+    from picovllm.entrypoints.openai.engine_process import OutputDeltas
+    from picovllm.sampling_params import SamplingParams
+    commands_in, commands_out = Pipe(duplex=False)
+    results_in, results_out = Pipe(duplex=False)
+
+    def drain() -> None:
+        try:
+            while True:
+                results_in.recv_bytes()
+        except (EOFError, OSError):
+            pass
+    thread = threading.Thread(target=drain, name="picovllm-profile-admit", daemon=True)
+    thread.start()
+    deltas, times, vocab = OutputDeltas(), [], engine.model_config.vocab_size
+    try:
+        for k in range(repeats):
+            rid = f"profile-admit-{k}"
+            params = SamplingParams(temperature=0.7, top_p=0.9, max_tokens=2, ignore_eos=True, seed=k)
+            commands_out.send(AddRequest(rid, [(k * 131 + i) % (vocab - 3) + 3 for i in range(prompt_len)], params,
+                                         time.time()))
+            t0 = time.perf_counter()
+            cmd = commands_in.recv()
+            engine.add_request(cmd.prompt_token_ids, cmd.params, cmd.request_id, cmd.arrival_time, cmd.priority)
+            results_out.send(("step", [("answer", (rid, None))], None))
+            spent = time.perf_counter() - t0
+            first = None
+            while first is None and engine.has_unfinished_requests():
+                first = next((o for o in engine.step() if o.request_id == rid), None)
+            t0 = time.perf_counter()
+            if first is not None:
+                results_out.send(("step", [deltas.encode(first)], None))
+            times.append(spent + time.perf_counter() - t0)
+            _drain(engine)
+    finally:
+        commands_out.close()
+        commands_in.close()
+        results_out.close()
+        thread.join()
+        results_in.close()
     return float(np.median(times)) if times else 0.0
 
 

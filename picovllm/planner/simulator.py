@@ -13,7 +13,7 @@ end, a request whose prompt completed has its first token; a decode has its next
     D ("d")           takes it on arrival (the instance with the fewest requests), decodes it to the end
 
 A step's time is the profile's, plus the serving loop's cost of each sequence's output (profile.serve_per_seq,
-measured with the profile). What the client sees is the steps' times plus what the steps do not hold, taken from a
+measured with the profile) and of each request the step admits (profile.serve_per_admission). What the client sees is the steps' times plus what the steps do not hold, taken from a
 measured run (plan.calibrate): constant overheads (step_overhead on every step: a served step is the engine's step
 plus the rest of the server's loop and the hand-off of its outputs to the HTTP side, which compete for the same cores;
 request_overhead on the first token, and idle_overhead on a request that finds its instance idle: the
@@ -269,10 +269,11 @@ def simulate(profile: StepProfile, deployment: Deployment, requests: list[SimReq
 
 
 def _plan_step(inst: _Instance, profile: StepProfile, dep: Deployment, cutoff: float) -> float | None:
-    budget = dep.chunk
+    budget, admitted = dep.chunk, 0
     if inst.role == "d":                                # D: admit arrivals, decode everyone
         while inst.waiting and inst.waiting[0].ready <= cutoff and len(inst.running) < dep.max_num_seqs:
             inst.running.append(inst.waiting.popleft())
+            admitted += 1
     decodes = [r for r in inst.running if r.decoding][:budget]
     budget -= len(decodes)
     chunks = []
@@ -285,6 +286,7 @@ def _plan_step(inst: _Instance, profile: StepProfile, dep: Deployment, cutoff: f
            and len(inst.running) < dep.max_num_seqs):
         r = inst.waiting.popleft()
         inst.running.append(r)
+        admitted += 1
         n = min(r.prompt, budget)
         chunks.append((r, n))
         budget -= n
@@ -292,9 +294,9 @@ def _plan_step(inst: _Instance, profile: StepProfile, dep: Deployment, cutoff: f
         return None
     inst.plan = (decodes, chunks)
     context = sum(r.prompt + len(r.token_times) for r in decodes)
-    # and the serving loop's cost of each sequence's output (profile.serve_per_seq)
+    # and the serving loop's cost of each sequence's output and of each request it takes in (profile.serve_per_*)
     return profile.step_time(sum(n for _, n in chunks), len(decodes), context) \
-        + profile.serve_per_seq * (len(decodes) + len(chunks))
+        + profile.serve_per_seq * (len(decodes) + len(chunks)) + profile.serve_per_admission * admitted
 
 
 def _finish_step(inst: _Instance, now: float) -> list[SimRequest]:

@@ -63,7 +63,8 @@ def run_plan(args: argparse.Namespace) -> int:
         profile = measure_profile(engine)
         profile.save(args.profile)
         print(f"step profile of {profile.machine}: coef {[f'{c:.3g}' for c in profile.coef]}, serving "
-              f"{profile.serve_per_seq * 1e6:.1f} us a sequence -> {args.profile}")
+              f"{profile.serve_per_seq * 1e6:.1f} us a sequence, {profile.serve_per_admission * 1e3:.3f} ms an "
+              f"admission -> {args.profile}")
     else:
         try:
             profile = StepProfile.load(args.profile)
