@@ -236,14 +236,16 @@ def test_default_model_greedy_answers_mostly_equal():
     """The default model's greedy answers to 8 chat questions, fp8 KV against float32 KV, both on the torch
     attention path (the C kernels' float path differs from torch's by itself on near-ties).
 
-    Asserted: (1) free-running, at least 4 of the 8 16-token answers are equal token for token; (2) teacher-
-    forced on float's 24-token answers (the fp8 engine scores prompt + float's answer through prompt_logprobs),
-    fp8's argmax is float's token at >= 90% of the positions, and wherever it is not, float's own top-2
-    logprobs are within 1.5 nats (a near-tie, not a broken cache). Measured on one thread: 5 of 8 equal (6 on
-    two threads); 183 of 192 positions agree (95%), flipped margins 0.02-1.13 nats. It can fail without a bug:
-    this 135M model's answers are often near-ties, fp8 (3 mantissa bits: K and V each off by 2.6% rms, measured
-    per layer, none clamped) moves logprobs by up to about a nat, and a free-running answer differs wholly
-    after its first flip. A wrong scale or a garbled block fails both (and the perplexity test)."""
+    Asserted: (1) free-running, wherever an fp8 answer leaves float's, it leaves at a near-tie: there float's own
+    top-2 logprobs are within 1.5 nats and the two answers took those two tokens; (2) teacher-forced on float's 24-token
+    answers (the fp8 engine scores prompt + float's answer through prompt_logprobs), fp8's argmax is float's
+    token at >= 90% of the positions, and wherever it is not, float's own top-2 logprobs are within 1.5 nats (a
+    near-tie, not a broken cache). How many answers stay equal is not asserted: it moves with the machine
+    (measured: 5 of 8 equal on one thread, 6 on two, on an AVX-512 Xeon; 3 on a Xeon with AMX, 181 of 192
+    positions agreeing there, flipped margins 0.01-0.45 nats): this 135M model's answers are often near-ties,
+    fp8 (3 mantissa bits: K and V each off by 2.6% rms, measured per layer, none clamped) moves logprobs by up to
+    about a nat, and a free-running answer differs wholly after its first flip. A wrong scale or a garbled block
+    fails both (and the perplexity test)."""
     answers, llms = {}, {}
     for kv in ("auto", "fp8"):
         llm = llms[kv] = LLM(kv_cache_dtype=kv, attention_backend="torch", num_kv_blocks=128)
@@ -251,8 +253,17 @@ def test_default_model_greedy_answers_mostly_equal():
         prompts = [tok(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
                                                tokenize=False)).input_ids for q in QUESTIONS]
         answers[kv] = _greedy(llm, prompts, 24)
-    same = sum(a[:16] == b[:16] for a, b in zip(answers["auto"], answers["fp8"]))
-    assert same >= 4, (same, answers)
+    for p, a, b in zip(prompts, answers["auto"], answers["fp8"]):
+        split = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if split is None:
+            continue
+        at = llms["auto"].generate([p + a[:split + 1]], SamplingParams(temperature=0, max_tokens=1,
+                                                                      prompt_logprobs=2),
+                                   use_tqdm=False)[0].prompt_logprobs[len(p) + split]
+        top2 = sorted(at.items(), key=lambda kv: -kv[1].logprob)[:2]
+        # (which of the two is float's first here may differ from its greedy run: prefill and decode round apart)
+        assert top2[0][1].logprob - top2[1][1].logprob < 1.5 and {a[split], b[split]} == {t for t, _ in top2}, \
+            (split, top2, a[split], b[split])
     agree = total = 0
     for p, answer in zip(prompts, answers["auto"]):
         full = p + answer
