@@ -44,8 +44,11 @@ to the step that admits it: a burst of arrivals slows the steps of every request
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import multiprocessing
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -204,9 +207,6 @@ def measure_serving(engine, batch: int = SERVE_BATCH, repeats: int = 7, context:
     (OutputDeltas: the new tokens and text) and the step's list sent down a pipe, which a thread drains as the HTTP
     side would. The median over `repeats` decode steps of `batch` requests (fewer where the engine holds fewer),
     per output (the first step, whose outputs go whole, left out); the requests drained after."""
-    import threading
-    from multiprocessing import Pipe
-
     from picovllm.entrypoints.openai.engine_process import OutputDeltas
     bm, chunk = engine.block_manager, engine.config.max_num_batched_tokens
     batch = min(batch, engine.config.max_num_seqs)
@@ -216,7 +216,24 @@ def measure_serving(engine, batch: int = SERVE_BATCH, repeats: int = 7, context:
             break
         batch -= 1
     _start_decoding(engine, [[i + 11] * context for i in range(batch)], repeats + 1)
-    reader, writer = Pipe(duplex=False)
+    deltas, times = OutputDeltas(), []
+    try:
+        with _drained_pipe() as writer:
+            for k in range(repeats + 1):
+                outputs = engine.step()
+                t0 = time.perf_counter()
+                writer.send(("step", [deltas.encode(o) for o in outputs], None))
+                if k and outputs:
+                    times.append((time.perf_counter() - t0) / len(outputs))
+    finally:
+        _drain(engine)
+    return float(np.median(times)) if times else 0.0
+
+
+@contextlib.contextmanager
+def _drained_pipe():
+    """The sending end of a pipe whose other end a thread reads and drops, as the HTTP side would."""
+    reader, writer = multiprocessing.Pipe(duplex=False)
 
     def drain() -> None:
         try:
@@ -226,20 +243,12 @@ def measure_serving(engine, batch: int = SERVE_BATCH, repeats: int = 7, context:
             pass
     thread = threading.Thread(target=drain, name="picovllm-profile-pipe", daemon=True)
     thread.start()
-    deltas, times = OutputDeltas(), []
     try:
-        for k in range(repeats + 1):
-            outputs = engine.step()
-            t0 = time.perf_counter()
-            writer.send(("step", [deltas.encode(o) for o in outputs], None))
-            if k and outputs:
-                times.append((time.perf_counter() - t0) / len(outputs))
+        yield writer
     finally:
         writer.close()
         thread.join()
         reader.close()
-        _drain(engine)
-    return float(np.median(times)) if times else 0.0
 
 
 ADMISSION_PROMPT = 256     # measure_admission's prompt tokens (its command's size)
@@ -250,49 +259,35 @@ def measure_admission(engine, prompt_len: int = ADMISSION_PROMPT, repeats: int =
     AddRequest received from a pipe, added to the engine, the acceptance sent back, and its first output, which
     goes whole (prompt ids included), encoded and sent; the requests drained after. On an H100's host an
     admission added ~0.25 ms to the loop (twenty-third session)."""
-    import threading
-    from multiprocessing import Pipe
-
     from picovllm.entrypoints.openai.engine_client import AddRequest
     from picovllm.entrypoints.openai.engine_process import OutputDeltas
     from picovllm.sampling_params import SamplingParams
-    commands_in, commands_out = Pipe(duplex=False)
-    results_in, results_out = Pipe(duplex=False)
-
-    def drain() -> None:
-        try:
-            while True:
-                results_in.recv_bytes()
-        except (EOFError, OSError):
-            pass
-    thread = threading.Thread(target=drain, name="picovllm-profile-admit", daemon=True)
-    thread.start()
+    commands_in, commands_out = multiprocessing.Pipe(duplex=False)
     deltas, times, vocab = OutputDeltas(), [], engine.model_config.vocab_size
     try:
-        for k in range(repeats):
-            rid = f"profile-admit-{k}"
-            params = SamplingParams(temperature=0.7, top_p=0.9, max_tokens=2, ignore_eos=True, seed=k)
-            commands_out.send(AddRequest(rid, [(k * 131 + i) % (vocab - 3) + 3 for i in range(prompt_len)], params,
-                                         time.time()))
-            t0 = time.perf_counter()
-            cmd = commands_in.recv()
-            engine.add_request(cmd.prompt_token_ids, cmd.params, cmd.request_id, cmd.arrival_time, cmd.priority)
-            results_out.send(("step", [("answer", (rid, None))], None))
-            spent = time.perf_counter() - t0
-            first = None
-            while first is None and engine.has_unfinished_requests():
-                first = next((o for o in engine.step() if o.request_id == rid), None)
-            t0 = time.perf_counter()
-            if first is not None:
-                results_out.send(("step", [deltas.encode(first)], None))
-            times.append(spent + time.perf_counter() - t0)
-            _drain(engine)
+        with _drained_pipe() as results_out:
+            for k in range(repeats):
+                rid = f"profile-admit-{k}"
+                params = SamplingParams(temperature=0.7, top_p=0.9, max_tokens=2, ignore_eos=True, seed=k)
+                commands_out.send(AddRequest(rid, [(k * 131 + i) % (vocab - 3) + 3 for i in range(prompt_len)],
+                                             params, time.time()))
+                t0 = time.perf_counter()
+                cmd = commands_in.recv()
+                engine.add_request(cmd.prompt_token_ids, cmd.params, cmd.request_id, cmd.arrival_time, cmd.priority)
+                results_out.send(("step", [("answer", (rid, None))], None))
+                spent = time.perf_counter() - t0
+                first = None
+                while first is None and engine.has_unfinished_requests():
+                    first = next((o for o in engine.step() if o.request_id == rid), None)
+                t0 = time.perf_counter()
+                if first is not None:
+                    results_out.send(("step", [deltas.encode(first)], None))
+                times.append(spent + time.perf_counter() - t0)
+                _drain(engine)
     finally:
         commands_out.close()
         commands_in.close()
-        results_out.close()
-        thread.join()
-        results_in.close()
+        _drain(engine)
     return float(np.median(times)) if times else 0.0
 
 
