@@ -23,7 +23,7 @@ def dtype_from_name(name: str) -> "torch.dtype":
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM",
                            "Qwen3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM",
-                           "MixtralForCausalLM")
+                           "MixtralForCausalLM", "GraniteForCausalLM", "SmolLM3ForCausalLM")
 GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
@@ -60,6 +60,11 @@ class ModelConfig:
     moe_intermediate_size: int = 0                 # each expert's
     norm_topk_prob: bool = True                    # renormalise the top-k routing weights to sum to 1
     moe_layers: list[bool] | None = None           # which layers route to experts (the others: a dense MLP)
+    rope_layers: list[bool] | None = None          # SmolLM3: which layers rotate q and k (None: all; the rest NoPE)
+    attention_multiplier: float | None = None      # Granite: the scores' scale (not head_dim ** -0.5)
+    embedding_multiplier: float = 1.0              # Granite: embeddings scaled by it
+    residual_multiplier: float = 1.0               # Granite: each attention and MLP output scaled before the add
+    logits_scaling: float = 1.0                    # Granite: logits divided by it
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of decoder layer `layer` (None: it attends to the whole context)."""
@@ -127,6 +132,8 @@ class ModelConfig:
             moe_intermediate_size=cfg.get("moe_intermediate_size") or cfg["intermediate_size"] if experts else 0,
             norm_topk_prob=arch == "MixtralForCausalLM" or bool(cfg.get("norm_topk_prob", False)),
             moe_layers=_moe_layers(cfg, layers) if experts else None,
+            rope_layers=_rope_layers(cfg, arch, layers),
+            **_granite(cfg, arch),
         )
 
 
@@ -164,6 +171,32 @@ def _sliding_window(cfg: dict[str, Any], arch: str, layers: int) -> tuple[int | 
     else:
         sliding = [True] * layers
     return (int(window), sliding) if any(sliding) else (None, None)
+
+
+def _rope_layers(cfg: dict[str, Any], arch: str, layers: int) -> list[bool] | None:
+    """SmolLM3: no_rope_layers holds 1 for a layer with rotary embeddings, 0 for a NoPE one (None: all rotate)."""
+    if arch != "SmolLM3ForCausalLM":
+        return None
+    flags = cfg.get("no_rope_layers")
+    if flags is None:
+        interval = cfg.get("no_rope_layer_interval", 4)
+        flags = [(i + 1) % interval != 0 for i in range(layers)]
+    if len(flags) != layers:
+        raise ValueError(f"config.json no_rope_layers has {len(flags)} entries for {layers} layers")
+    flags = [bool(f) for f in flags]
+    return None if all(flags) else flags
+
+
+def _granite(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
+    """Granite's four scalings (HF's defaults where a field is missing; the others' neutral values)."""
+    if arch != "GraniteForCausalLM":
+        return {}
+    if cfg.get("mlp_bias"):
+        raise ValueError("config.json mlp_bias=true: only MLPs without biases are supported")
+    return dict(attention_multiplier=float(cfg.get("attention_multiplier", 1.0)),
+                embedding_multiplier=float(cfg.get("embedding_multiplier", 1.0)),
+                residual_multiplier=float(cfg.get("residual_multiplier", 1.0)),
+                logits_scaling=float(cfg.get("logits_scaling", 1.0)))
 
 
 def _moe_layers(cfg: dict[str, Any], layers: int) -> list[bool]:

@@ -1,5 +1,6 @@
-"""Mistral and Phi-3 from HF folders: greedy tokens and logprobs against HF transformers on the same tiny random
-weights (fp32, CPU), with and without a sliding window shorter than the longer prompts, and TP=2 against TP=1.
+"""Mistral, Phi-3, Granite and SmolLM3 from HF folders: greedy tokens and logprobs against HF transformers on the same
+tiny random weights (fp32, CPU), with and without a sliding window shorter than the longer prompts, and TP=2 against
+TP=1.
 
 Phi-3 checkpoints store q/k/v and gate/up fused (loader/weights.py splits them for the shard loaders).
 """
@@ -19,6 +20,11 @@ CASES = {
     "mistral_window": ("MistralConfig", {"sliding_window": 20}),
     "phi3": ("Phi3Config", {"sliding_window": None}),
     "phi3_window": ("Phi3Config", {"sliding_window": 20, "num_key_value_heads": 6}),
+    # every scaling away from 1 (and the scores' from head_dim ** -0.5)
+    "granite": ("GraniteConfig", {"embedding_multiplier": 3.0, "residual_multiplier": 0.5, "initializer_range": 0.2,
+                                  "attention_multiplier": 0.6, "logits_scaling": 2.5}),
+    # NoPE on every other layer (SmolLM3-3B: every fourth)
+    "smollm3": ("SmolLM3Config", {"no_rope_layer_interval": 2, "initializer_range": 0.2}),
 }
 # LongRoPE as Phi-3-mini-128k has it, on a 32-token original context (head_dim 64 / 6 heads: 5 frequencies)
 LONGROPE = {"sliding_window": None, "original_max_position_embeddings": 32, "num_attention_heads": 4,
@@ -147,7 +153,39 @@ def test_partial_rotary_is_refused(tmp_path):
         LLM(path, device="cpu")
 
 
-@pytest.mark.parametrize("case", ["mistral", "phi3"])
+def test_nope_layers_and_granite_scalings_matter(models, tmp_path):
+    """What the parity above rests on: SmolLM3's second layer has no rotation (the first has one), Granite's four
+    scalings are read, and each changes the output: the same weights with the field at its neutral value give other
+    prompt logprobs."""
+    import json
+    import shutil
+
+    smol = LLM(models["smollm3"], num_kv_blocks=64, device="cpu")
+    assert smol.engine.model_config.rope_layers == [True, False]
+    cos_sin = [layer.self_attn.rotary.cos_sin for layer in smol.engine.runner.model.layers]
+    assert (cos_sin[1][:, :5] == 1).all() and (cos_sin[1][:, 5:] == 0).all() and not (cos_sin[0][1:, :5] == 1).all()
+    cfg = LLM(models["granite"], num_kv_blocks=64, device="cpu").engine.model_config
+    assert (cfg.embedding_multiplier, cfg.residual_multiplier, cfg.attention_multiplier, cfg.logits_scaling) == \
+        (3.0, 0.5, 0.6, 2.5)
+    sp = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+
+    def logprobs(path):
+        out = LLM(path, num_kv_blocks=64, device="cpu").generate([prompts()[2]], sp, use_tqdm=False)[0]
+        return [d[t].logprob for d, t in zip(out.prompt_logprobs[1:], out.prompt_token_ids[1:])]
+    for case, field, neutral in [("smollm3", "no_rope_layers", [1, 1]), ("granite", "embedding_multiplier", 1.0),
+                                 ("granite", "residual_multiplier", 1.0), ("granite", "attention_multiplier", 10 ** -0.5),
+                                 ("granite", "logits_scaling", 1.0)]:
+        other = str(tmp_path / f"{case}-{field}")
+        shutil.copytree(models[case], other)
+        with open(f"{other}/config.json") as f:
+            hf = json.load(f)
+        hf[field] = neutral
+        with open(f"{other}/config.json", "w") as f:
+            json.dump(hf, f)
+        assert logprobs(other) != pytest.approx(logprobs(models[case]), abs=1e-3), field
+
+
+@pytest.mark.parametrize("case", ["mistral", "phi3", "granite", "smollm3"])
 def test_tp2_matches_tp1(models, case, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")     # two ranks on two shared cores
     ps, sp = prompts(1), SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)

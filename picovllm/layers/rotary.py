@@ -67,6 +67,14 @@ class RotaryEmbedding(nn.Module):
             cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
         self.register_buffer("cos_sin", cos_sin, persistent=False)
 
+    @classmethod
+    def identity(cls, head_dim: int, max_position: int) -> "RotaryEmbedding":
+        """A rotation by angle 0 at every position (cos 1, sin 0): a NoPE layer's, on every rotary path."""
+        rot = cls(head_dim, 1, 10000.0)
+        rot.cos_sin = torch.cat([torch.ones(max_position, head_dim // 2), torch.zeros(max_position, head_dim // 2)],
+                                dim=-1)
+        return rot
+
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [T, Hq, D], k: [T, Hk, D]."""
         if _c_path(q, k, positions, self.cos_sin):    # one C pass each (float32 on the CPU)

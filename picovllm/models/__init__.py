@@ -1,10 +1,12 @@
 """Model registry: HF architecture name -> model class."""
 from picovllm.models.gemma import GemmaForCausalLM
+from picovllm.models.granite import GraniteForCausalLM
 from picovllm.models.llama import LlamaForCausalLM
 from picovllm.models.mixtral import MixtralForCausalLM
 
 # Most families are the shared decoder with a flag or two of ModelConfig: Qwen2 (q/k/v bias), Qwen3 (q/k norm),
-# Mistral (sliding window), Phi-3 (q/k/v and gate/up fused in the checkpoint), Qwen3-MoE (q/k norm, experts).
+# Mistral (sliding window), Phi-3 (q/k/v and gate/up fused in the checkpoint), Qwen3-MoE (q/k norm, experts),
+# SmolLM3 (NoPE layers).
 MODEL_REGISTRY = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
@@ -15,4 +17,6 @@ MODEL_REGISTRY = {
     "MixtralForCausalLM": MixtralForCausalLM,
     "Gemma2ForCausalLM": GemmaForCausalLM,
     "Gemma3ForCausalLM": GemmaForCausalLM,
+    "GraniteForCausalLM": GraniteForCausalLM,
+    "SmolLM3ForCausalLM": LlamaForCausalLM,
 }

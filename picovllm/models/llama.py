@@ -1,6 +1,7 @@
-"""The shared decoder over a flat varlen token batch: Llama 2/3, SmolLM, Mistral, Phi-3, Qwen2, Qwen3 and, with
+"""The shared decoder over a flat varlen token batch: Llama 2/3, SmolLM 1-3, Mistral, Phi-3, Qwen2, Qwen3 and, with
 routed experts in place of the MLP, Qwen3-MoE and Mixtral. What differs between families is configuration
-(ModelConfig: q/k/v bias, q/k norm, sliding windows, experts, ...); Gemma's layer shape is in models/gemma.py."""
+(ModelConfig: q/k/v bias, q/k norm, sliding windows, experts, NoPE layers, ...); Gemma's layer shape is in
+models/gemma.py, Granite's scalings in models/granite.py."""
 from __future__ import annotations
 
 import functools
@@ -40,7 +41,8 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps, norm_offset) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps, norm_offset) if cfg.qk_norm else None
         self.rotary = rotary
-        scale = cfg.query_pre_attn_scalar ** -0.5 if cfg.query_pre_attn_scalar else None
+        scale = cfg.attention_multiplier if cfg.attention_multiplier is not None else \
+            cfg.query_pre_attn_scalar ** -0.5 if cfg.query_pre_attn_scalar else None
         self.attn = Attention(self.num_heads, self.num_kv_heads, d, scale, cfg.layer_window(layer),
                               cfg.attn_logit_softcapping)
         self.head_dim = d
@@ -116,10 +118,16 @@ class LlamaForCausalLM(nn.Module):
         rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         local = rotary if cfg.rope_local_theta is None else \
             RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_local_theta)   # Gemma 3's sliding layers
+        # SmolLM3's NoPE layers: a rotation by angle 0 (every rotary path then leaves q and k as they are)
+        nope = RotaryEmbedding.identity(cfg.head_dim, cfg.max_position_embeddings) if cfg.rope_layers else None
+
+        def layer_rotary(i: int) -> RotaryEmbedding:
+            if cfg.rope_layers and not cfg.rope_layers[i]:
+                return nope
+            return rotary if cfg.layer_window(i) is None else local
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        self.layers = nn.ModuleList(
-            self.layer_class(cfg, i, rotary if cfg.layer_window(i) is None else local, tp, self.norm_offset)
-            for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(self.layer_class(cfg, i, layer_rotary(i), tp, self.norm_offset)
+                                    for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.norm_offset)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
         if cfg.tie_word_embeddings:
