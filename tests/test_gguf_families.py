@@ -1,7 +1,8 @@
-"""GGUF files of Mistral and Mixtral (llama.cpp's llama architecture, with a window and with experts), Gemma 2 and 3,
-Qwen3-MoE and Phi-3, written here from tiny random HF checkpoints as llama.cpp's converter lays them out (q/k rows
-interleaved for llama, experts stacked per projection, Gemma's norms stored as 1 + w, Phi-3's q/k/v and gate/up
-fused, LongRoPE factors as tensors). The oracle is HF transformers on the HF folder (fp32, CPU): greedy tokens and
+"""GGUF files of Mistral and Mixtral (llama.cpp's llama architecture, with a window and with experts), Llama 3's
+rope scaling (rope_freqs), Gemma 2 and 3, Qwen3-MoE, Phi-3, Granite and SmolLM3, written here from tiny random HF
+checkpoints as llama.cpp's converter lays them out (q/k rows interleaved for llama, granite and smollm3, experts
+stacked per projection, Gemma's norms stored as 1 + w, Phi-3's q/k/v and gate/up fused, LongRoPE factors and Llama 3's
+divisors as tensors, Granite's scalings as metadata). The oracle is HF transformers on the HF folder (fp32, CPU): greedy tokens and
 logprobs. F16 files are checked against HF on the same weights rounded to float16; Q8_0 files run quantized and
 stay near the float file; what a file asks and picovllm cannot do is refused, naming it.
 """
@@ -52,6 +53,10 @@ CASES = {
     "llama3": ("llama", "LlamaConfig", dict(rope_scaling={
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 64})),
+    "granite": ("granite", "GraniteConfig", dict(embedding_multiplier=3.0, residual_multiplier=0.5,
+                                                  attention_multiplier=0.6, logits_scaling=2.5, initializer_range=0.2)),
+    # 4 layers: llama.cpp's rule puts NoPE on the 4th (HF's default no_rope_layer_interval)
+    "smollm3": ("smollm3", "SmolLM3Config", dict(num_hidden_layers=4, initializer_range=0.2)),
     "phi3_window": ("phi3", "Phi3Config", dict(num_attention_heads=6, num_key_value_heads=6, sliding_window=20)),
     "phi3_longrope": ("phi3", "Phi3Config", dict(
         sliding_window=None, original_max_position_embeddings=32, max_position_embeddings=512,
@@ -116,7 +121,7 @@ def _tensors(sd: dict, cfg: dict, arch: str) -> dict[str, np.ndarray]:
                 experts.setdefault(f"blk.{layer}.{_EXPERT[proj]}", {})[int(e)] = w
                 continue
             gg = f"blk.{layer}.{(_GEMMA if arch.startswith('gemma') else {}).get(rest) or _LAYER[rest]}"
-            if arch == "llama" and rest in ("self_attn.q_proj", "self_attn.k_proj"):
+            if arch in ("llama", "granite", "smollm3") and rest in ("self_attn.q_proj", "self_attn.k_proj"):
                 w = _permute(w, cfg["num_attention_heads" if "q_proj" in rest else "num_key_value_heads"])
         if arch.startswith("gemma") and name.endswith("norm.weight"):
             w = w + 1
@@ -165,6 +170,11 @@ def write_gguf(folder: str, case: str, path: str, kind: str = "F32", extra=None)
         if rope.get("rope_type") == "linear":
             w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
             w.add_rope_scaling_factor(rope["factor"])
+    if arch == "granite":
+        w.add_embedding_scale(cfg["embedding_multiplier"])
+        w.add_residual_scale(cfg["residual_multiplier"])
+        w.add_attention_scale(cfg["attention_multiplier"])
+        w.add_logit_scale(cfg["logits_scaling"])
     n_experts = cfg.get("num_experts") or cfg.get("num_local_experts")
     if n_experts:
         w.add_expert_count(n_experts)
@@ -231,7 +241,8 @@ def prompts(seed: int = 0) -> list[list[int]]:
 
 EXPECTED = {"mistral_window": "MistralForCausalLM", "mixtral": "MixtralForCausalLM", "gemma2_f16": "Gemma2ForCausalLM",
             "gemma3": "Gemma3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "qwen3_moe_64": "Qwen3MoeForCausalLM",
-            "phi3_window": "Phi3ForCausalLM", "phi3_longrope": "Phi3ForCausalLM", "llama3": "LlamaForCausalLM"}
+            "phi3_window": "Phi3ForCausalLM", "phi3_longrope": "Phi3ForCausalLM", "llama3": "LlamaForCausalLM",
+            "granite": "GraniteForCausalLM", "smollm3": "SmolLM3ForCausalLM"}
 
 
 @pytest.mark.parametrize("case", list(CASES))

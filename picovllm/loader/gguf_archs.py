@@ -8,9 +8,11 @@ What llama.cpp's converter changed, undone here:
 - phi3: q/k/v kept fused (attn_qkv) and gate/up fused in ffn_up, as Phi-3's checkpoints; LongRoPE's factors as
   tensors (rope_factors_short/long), read into the config, not the weights.
 - qwen3moe: experts stacked as Mixtral's; a layer without a router (ffn_gate_inp) is a dense MLP.
+- granite, smollm3: q/k rows interleaved as llama's; Granite's four scalings as metadata.
 What the metadata does not say, llama.cpp's own rule decides (Gemma's query scale, Gemma 3's sliding pattern,
-Qwen3-MoE's renormalised top-k). Llama 3's rope scaling comes as a tensor (rope_freqs: a divisor per rotary frequency,
-computed by the converter from the checkpoint's llama3 parameters), read into the config as such.
+Qwen3-MoE's renormalised top-k, SmolLM3's NoPE on every 4th layer). Llama 3's rope scaling comes as a tensor
+(rope_freqs: a divisor per rotary frequency, computed by the converter from the checkpoint's llama3 parameters),
+read into the config as such.
 """
 from __future__ import annotations
 
@@ -37,6 +39,8 @@ ARCHITECTURES = {
     "gemma2": Arch("Gemma2ForCausalLM", gemma=True),
     "gemma3": Arch("Gemma3ForCausalLM", gemma=True),
     "phi3": Arch("Phi3ForCausalLM"),
+    "granite": Arch("GraniteForCausalLM", interleaved_qk=True),
+    "smollm3": Arch("SmolLM3ForCausalLM", interleaved_qk=True),
 }
 
 # blk.N.<GGUF name> -> model.layers.N.<HF name>
@@ -157,6 +161,10 @@ def model_config(meta: dict, tensors: dict, path: str) -> tuple[ModelConfig, Arc
     if not inter:
         _required(meta, p + "feed_forward_length", path)
     gemma = _gemma(meta, p, name, hidden, heads, head_dim, layers) if arch.gemma else {}
+    if name == "granite":
+        gemma = {field: float(meta.get(p + key, 1.0)) for field, key in _GRANITE.items()}
+    elif name == "smollm3":             # llama.cpp's rule (the file does not say): every 4th layer NoPE
+        gemma = {"rope_layers": [(i + 1) % 4 != 0 for i in range(layers)] if layers >= 4 else None}
     config = ModelConfig(
         architecture=hf,
         vocab_size=int(tensors["token_embd.weight"].shape[1]),
@@ -181,6 +189,11 @@ def model_config(meta: dict, tensors: dict, path: str) -> tuple[ModelConfig, Arc
         **experts,
     )
     return config, arch
+
+
+# Granite's ModelConfig fields <- its metadata keys (llama.cpp's names)
+_GRANITE = {"embedding_multiplier": "embedding_scale", "residual_multiplier": "residual_scale",
+            "attention_multiplier": "attention.scale", "logits_scaling": "logit_scale"}
 
 
 def _experts(meta: dict, tensors: dict, p: str, layers: int, path: str) -> dict:
