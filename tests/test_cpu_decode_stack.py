@@ -1,7 +1,8 @@
 """The CPU decode stack (picovllm/kernels/cpu/decode_stack.c: a decode-only step's layers, final norm and LM
 head in one C call) against HF transformers on the same weights, greedy tokens identical and logprobs within
 LOGPROB_ATOL, with every decode step counted as run by the stack; and each step's logits against the torch
-modules' on the same inputs. Llama, Qwen2 (qkv bias), Qwen3 (q/k norm), Llama 3 rope; one and two threads."""
+modules' on the same inputs. Llama, Qwen2 (qkv bias), Qwen3 (q/k norm), Llama 3 rope; one and two threads; and the
+other families the stack runs."""
 import functools
 
 import pytest
@@ -29,7 +30,8 @@ def threads(request):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "llama3"])
 def test_decode_steps_match_hf_and_the_modules(tiny_models, arch, threads):
-    llm = LLM(tiny_models[arch], block_size=8, num_kv_blocks=96, enable_prefix_caching=False, device="cpu")
+    path = tiny_models[arch]
+    llm = LLM(path, block_size=8, num_kv_blocks=96, enable_prefix_caching=False, device="cpu")
     runner = llm.engine.runner
     stack = runner.cpu_decode
     if stack is None:
@@ -46,7 +48,7 @@ def test_decode_steps_match_hf_and_the_modules(tiny_models, arch, threads):
     prompts = make_prompts()
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0),
                         use_tqdm=False)
-    ref_tokens, ref_logprobs = hf_reference(tiny_models[arch])
+    ref_tokens, ref_logprobs = hf_reference(path)
     assert len(gaps) == MAX_TOKENS - 1     # one prefill step samples the first tokens; every decode step ran here
     assert max(gaps) < 1e-4, gaps
     for o, toks, lps in zip(outs, ref_tokens, ref_logprobs):
@@ -118,18 +120,22 @@ def test_quantized_decode_steps_match_the_modules(tmp_path, monkeypatch, kind, i
 
 @pytest.fixture(scope="module")
 def family_models(tmp_path_factory):
-    from test_gemma_moe import build
+    import test_gemma_moe
+    import test_more_families
     root = tmp_path_factory.mktemp("stack_families")
     cases = ("gemma2", "gemma2_hd256_mqa", "gemma3", "qwen3_moe", "qwen3_moe_64", "mixtral")
-    return {case: build(str(root / case), case) for case in cases}
+    out = {case: test_gemma_moe.build(str(root / case), case) for case in cases}
+    return out | {case: test_more_families.build(str(root / case), case) for case in ("granite", "smollm3")}
 
 
-@pytest.mark.parametrize("case", ["gemma2", "gemma2_hd256_mqa", "gemma3", "qwen3_moe", "qwen3_moe_64", "mixtral"])
+@pytest.mark.parametrize("case", ["gemma2", "gemma2_hd256_mqa", "gemma3", "qwen3_moe", "qwen3_moe_64", "mixtral",
+                                  "granite", "smollm3"])
 def test_family_decode_steps_match_hf_and_the_modules(family_models, case, threads):
     """Gemma 2 and 3 in the stack: post-norms, GeGLU, scaled embeddings, soft-capped scores (hard enough to bite)
     and logits, sliding windows shorter than the prompts on alternate layers, Gemma 3's q/k norms and local rope
     base; head_dim 256 with one KV head. MoE: top-2 of 8 not renormalised with a dense layer (Qwen3-MoE), top-1
-    of 64, Mixtral's top-2 renormalised. Every decode step runs in C, its logits checked against the modules'."""
+    of 64, Mixtral's top-2 renormalised. Granite's four scalings; SmolLM3's NoPE layer. Every decode step runs in
+    C, its logits checked against the modules'."""
     from test_gemma_moe import prompts
     llm = LLM(family_models[case], block_size=4, num_kv_blocks=128, enable_prefix_caching=False, device="cpu")
     runner = llm.engine.runner

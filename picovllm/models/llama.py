@@ -136,10 +136,12 @@ class LlamaForCausalLM(nn.Module):
     @property
     def in_decode_stack(self) -> bool:
         """Layers the CPU's one-call decode step (kernels/cpu/decode_stack.c) runs: the shared decoder (experts
-        included) and Gemma's (sliding windows, soft-caps, GeGLU, a rope base per layer)."""
+        and NoPE layers included), Gemma's (sliding windows, soft-caps, GeGLU, a rope base per layer) and Granite's
+        (its scalings)."""
         from picovllm.models.gemma import GemmaForCausalLM
+        from picovllm.models.granite import GraniteForCausalLM
         from picovllm.models.mixtral import MixtralForCausalLM
-        return type(self) in (LlamaForCausalLM, GemmaForCausalLM, MixtralForCausalLM)
+        return type(self) in (LlamaForCausalLM, GemmaForCausalLM, MixtralForCausalLM, GraniteForCausalLM)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)

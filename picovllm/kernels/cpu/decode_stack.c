@@ -45,20 +45,26 @@ typedef struct {
 
 /* One decoder layer: norm weights, its weights (qkv_bias, q_norm and k_norm may be NULL), the layer's KV
  * cache [num_blocks, BLOCK, HKV, DIM], its sliding window (0: none), its rotary table (cos_sin as rope() reads
- * it), Gemma's norms of the attention and MLP outputs (NULL: none; post_norm is then Gemma's pre-MLP norm) and
- * its attention scores' soft-cap (0: none). */
+ * it), Gemma's norms of the attention and MLP outputs (NULL: none; post_norm is then Gemma's pre-MLP norm), its
+ * attention scores' soft-cap (0: none) and what the attention and MLP outputs are multiplied by before they join
+ * the residual (Granite's residual multiplier; 1: none). */
 typedef struct {
     const float *input_norm, *qkv_bias, *q_norm, *k_norm, *post_norm;
     Weight qkv, o, gate_up, down;
     float *k_cache, *v_cache;
     int64_t window;
     const float *cos_sin, *attn_out_norm, *mlp_out_norm;
-    float softcap;
+    float softcap, out_scale;
     /* a MoE layer (n_experts > 0; gate_up and down unused): the router's panels, and each expert's gate_up
      * [2 * moe_inter, hidden] and down [hidden, moe_inter] panels, one expert after another */
     int64_t n_experts, top_k, moe_inter, renormalize;
     const float *router, *expert_gate_up, *expert_down;
 } Layer;
+
+/* rows lo..hi of x [rows, n] times s */
+static void scale_rows(float *x, float s, int64_t n, int64_t lo, int64_t hi) {
+    for (int64_t i = lo * n; i < hi * n; i++) x[i] *= s;
+}
 
 /* ---- barrier: spin a little, then sleep on a futex ---------------------------------------------- */
 #define SPIN 4000   /* ~100 us of pause loops: longer than the imbalance between threads at a barrier */
@@ -236,12 +242,14 @@ void decode_stack(const Layer *layers, int64_t n_layers, int64_t hidden, int64_t
             SYNC();
             GEMM(attn, nq, &L->o, NULL, x, hidden);
             SYNC();
+            if (L->out_scale != 1.0f) scale_rows(x, L->out_scale, hidden, lo, hi);
             if (L->attn_out_norm) rms_norm(x, NULL, NULL, L->attn_out_norm, x, hidden, eps, lo, hi);
             rms_norm(x, res, res, L->post_norm, xn, hidden, eps, lo, hi);
             if (L->n_experts) {        /* the experts are float32 panels: no quantized input needed */
                 SYNC();
                 moe_part(L, moe, xn, x, m, hidden, (int)gelu, &barrier, t, nt, lo, hi);
                 SYNC();
+                if (L->out_scale != 1.0f) scale_rows(x, L->out_scale, hidden, lo, hi);
                 if (L->mlp_out_norm) rms_norm(x, NULL, NULL, L->mlp_out_norm, x, hidden, eps, lo, hi);
                 continue;
             }
@@ -255,6 +263,7 @@ void decode_stack(const Layer *layers, int64_t n_layers, int64_t hidden, int64_t
             SYNC();
             GEMM(act, inter, &L->down, NULL, x, hidden);
             SYNC();
+            if (L->out_scale != 1.0f) scale_rows(x, L->out_scale, hidden, lo, hi);
             if (L->mlp_out_norm) rms_norm(x, NULL, NULL, L->mlp_out_norm, x, hidden, eps, lo, hi);   /* own rows */
         }
         rms_norm(x, res, res, final_norm, xn, hidden, eps, lo, hi);

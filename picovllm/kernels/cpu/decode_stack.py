@@ -37,6 +37,7 @@ class Layer(ctypes.Structure):   # as in decode_stack.c
                 *[(name, Weight) for name in ("qkv", "o", "gate_up", "down")],
                 ("k_cache", _ptr), ("v_cache", _ptr), ("window", _i64),
                 *[(name, _ptr) for name in ("cos_sin", "attn_out_norm", "mlp_out_norm")], ("softcap", _f32),
+                ("out_scale", _f32),
                 *[(name, _i64) for name in ("n_experts", "top_k", "moe_inter", "renormalize")],
                 *[(name, _ptr) for name in ("router", "expert_gate_up", "expert_down")]]
 
@@ -90,6 +91,7 @@ class DecodeStack:
         self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         self.scale = attn.attn.scale
         self.vocab, self.gelu, self.final_cap = cfg.vocab_size, cfg.hidden_act != "silu", cfg.final_logit_softcapping
+        self.logits_scaling = cfg.logits_scaling                                  # Granite's
         self.cos_sin = [layer.self_attn.rotary.cos_sin.contiguous() for layer in model.layers]   # kept alive
         self.quantized = _isa(model) is not None
         self.kmax = max(self.hidden, self.inter, self.num_heads * self.head_dim)   # the widest GEMM input
@@ -111,6 +113,7 @@ class DecodeStack:
                 setattr(entry, name, None if t is None else t.data_ptr())
             entry.window = a.attn.sliding_window or 0
             entry.softcap = a.attn.softcap or 0.0
+            entry.out_scale = cfg.residual_multiplier
             entry.qkv, entry.o = _weight(a.qkv_proj), _weight(a.o_proj)
             if isinstance(mlp, FusedMoE):
                 self._moe(entry, mlp)
@@ -191,6 +194,8 @@ class DecodeStack:
             logits.data_ptr(), torch.get_num_threads())
         if isinstance(model.lm_head.packed, QuantizedWeight):   # as ParallelLMHead.compute_logits does
             refine_top_logits(logits, scratch[m * h:2 * m * h].view(m, h), model.lm_head.packed)   # the final norm's
+        if self.logits_scaling != 1.0:                          # Granite, as GraniteForCausalLM.compute_logits
+            logits.div_(self.logits_scaling)
         if self.final_cap:                                      # Gemma 2, as GemmaForCausalLM.compute_logits
             logits.div_(self.final_cap).tanh_().mul_(self.final_cap)
         return logits
