@@ -51,11 +51,13 @@ class TPGroup:
             return x
         x = x.contiguous()
         out = torch.empty((self.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-        dist.all_gather_into_tensor(out, x, group=self.group)   # one collective, CUDA-graph capturable
+        _all_gather(out, x, group=self.group)   # one collective, CUDA-graph capturable
         return torch.cat(out.chunk(self.size), dim=-1)
 
 
 SINGLE = TPGroup()
+# torch 2.13 renamed all_gather_into_tensor (deprecated there, with a warning a call); 2.11 has the old name only
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 # Measured on two H200s (BENCHMARKS.md): NCCL's small all-reduce inside a CUDA graph takes ~7 us, torch's
