@@ -12,6 +12,12 @@ step profile does not hold: HTTP, tokenization, the router's hops, the served st
 per rate, that the deployment the planner ranks first by goodput (TTFT and every gap within the SLOs) is the one
 that measured the best goodput. Everything lands in OUT_DIR (profile.json, bench_*.json, plan.json,
 predicted_vs_measured.png, the servers' logs).
+
+On a 2-core CPU run it as `OMP_NUM_THREADS=1 python benchmarks/planner_vs_measured.py ...`: the tiny model's step
+is a fraction of a millisecond, and an engine's second OpenMP thread, sharing the cores with the HTTP side, the
+client and (--fleet) the other instances, waits at every barrier: a lone decode served in 1.4 ms where the same
+engine alone steps in 0.44-0.64 (one thread: 0.65 served), so the calibration run's step overhead no longer held
+at other rates (BENCHMARKS.md, twenty-fourth session).
 """
 import argparse
 import math
