@@ -241,7 +241,7 @@ def test_default_model_greedy_answers_mostly_equal():
     answers (the fp8 engine scores prompt + float's answer through prompt_logprobs), fp8's argmax is float's
     token at >= 90% of the positions, and wherever it is not, float's own top-2 logprobs are within 1.5 nats (a
     near-tie, not a broken cache). How many answers stay equal is not asserted: it moves with the machine
-    (measured: 5 of 8 equal on one thread, 6 on two, on an AVX-512 Xeon; 3 on a Xeon with AMX, 181 of 192
+    (measured: 5 of 8 equal on one thread, 6 on two, on the machines before; 3 on a Xeon with AMX, 181 of 192
     positions agreeing there, flipped margins 0.01-0.45 nats): this 135M model's answers are often near-ties,
     fp8 (3 mantissa bits: K and V each off by 2.6% rms, measured per layer, none clamped) moves logprobs by up to
     about a nat, and a free-running answer differs wholly after its first flip. A wrong scale or a garbled block
