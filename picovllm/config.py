@@ -61,6 +61,8 @@ class ModelConfig:
     norm_topk_prob: bool = True                    # renormalise the top-k routing weights to sum to 1
     moe_layers: list[bool] | None = None           # which layers route to experts (the others: a dense MLP)
     rope_layers: list[bool] | None = None          # SmolLM3: which layers rotate q and k (None: all; the rest NoPE)
+    rotary_dim: int | None = None                  # partial rotary (Phi-4-mini): each head's first rotary_dim dims
+                                                   # rotate, the rest pass (None: all); layers/rotary.rotary_order
     attention_multiplier: float | None = None      # Granite: the scores' scale (not head_dim ** -0.5)
     embedding_multiplier: float = 1.0              # Granite: embeddings scaled by it
     residual_multiplier: float = 1.0               # Granite: each attention and MLP output scaled before the add
@@ -84,10 +86,12 @@ class ModelConfig:
                              f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
         heads, layers = cfg["num_attention_heads"], cfg["num_hidden_layers"]
         rope, local_rope = _ropes(cfg)
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
         partial = cfg.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
-        if partial != 1.0:
-            raise ValueError(f"config.json partial_rotary_factor={partial!r}: only full rotary embeddings (1.0) "
-                             "are supported")
+        rotary_dim = int(head_dim * partial)      # as HF computes it
+        if not 0 < rotary_dim <= head_dim or rotary_dim % 2:
+            raise ValueError(f"config.json partial_rotary_factor={partial!r}: rotates {rotary_dim} of head_dim "
+                             f"{head_dim}; it must rotate an even number of dimensions, at least 2")
         if local_rope is not None and _rope_scaling(local_rope) is not None:
             raise ValueError("config.json rope_parameters.sliding_attention: only the default rope is supported "
                              "on sliding layers")
@@ -110,7 +114,7 @@ class ModelConfig:
             num_hidden_layers=layers,
             num_attention_heads=heads,
             num_key_value_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            head_dim=head_dim,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=rope.get("rope_theta", 10000.0),
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
@@ -133,6 +137,7 @@ class ModelConfig:
             norm_topk_prob=arch == "MixtralForCausalLM" or bool(cfg.get("norm_topk_prob", False)),
             moe_layers=_moe_layers(cfg, layers) if experts else None,
             rope_layers=_rope_layers(cfg, arch, layers),
+            rotary_dim=None if rotary_dim == head_dim else rotary_dim,
             **_granite(cfg, arch),
         )
 

@@ -57,6 +57,9 @@ CASES = {
                                                   attention_multiplier=0.6, logits_scaling=2.5, initializer_range=0.2)),
     # 4 layers: llama.cpp's rule puts NoPE on the 4th (HF's default no_rope_layer_interval)
     "smollm3": ("smollm3", "SmolLM3Config", dict(num_hidden_layers=4, initializer_range=0.2)),
+    # partial rotary (Phi-4-mini's kind): 12 of head_dim 16 rotate
+    "phi3_partial": ("phi3", "Phi3Config", dict(num_attention_heads=4, partial_rotary_factor=0.75, sliding_window=None,
+                                                initializer_range=0.2)),
     "phi3_window": ("phi3", "Phi3Config", dict(num_attention_heads=6, num_key_value_heads=6, sliding_window=20)),
     "phi3_longrope": ("phi3", "Phi3Config", dict(
         sliding_window=None, original_max_position_embeddings=32, max_position_embeddings=512,
@@ -151,7 +154,8 @@ def write_gguf(folder: str, case: str, path: str, kind: str = "F32", extra=None)
     w.add_head_count_kv(cfg["num_key_value_heads"])
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
-    w.add_rope_dimension_count(head_dim)
+    w.add_rope_dimension_count(int(head_dim * (cfg.get("partial_rotary_factor")
+                                               or _rope(cfg).get("partial_rotary_factor", 1.0))))
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     rope = _rope(cfg)
     w.add_rope_freq_base(rope["rope_theta"])
@@ -242,7 +246,7 @@ def prompts(seed: int = 0) -> list[list[int]]:
 EXPECTED = {"mistral_window": "MistralForCausalLM", "mixtral": "MixtralForCausalLM", "gemma2_f16": "Gemma2ForCausalLM",
             "gemma3": "Gemma3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "qwen3_moe_64": "Qwen3MoeForCausalLM",
             "phi3_window": "Phi3ForCausalLM", "phi3_longrope": "Phi3ForCausalLM", "llama3": "LlamaForCausalLM",
-            "granite": "GraniteForCausalLM", "smollm3": "SmolLM3ForCausalLM"}
+            "granite": "GraniteForCausalLM", "smollm3": "SmolLM3ForCausalLM", "phi3_partial": "Phi3ForCausalLM"}
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -298,6 +302,24 @@ def test_q8_0_gguf_runs_quantized_and_close_to_float(models, tmp_path, case):
             for x, y in zip(f32.generate(ps, sp, use_tqdm=False), q8.generate(ps, sp, use_tqdm=False))
             for a, b, t in zip(x.prompt_logprobs[1:], y.prompt_logprobs[1:], x.prompt_token_ids[1:])]
     assert 0 < np.mean(errs) < 0.06 and max(errs) < 0.3, (np.mean(errs), max(errs))
+
+
+def test_partial_rotary_rows_reordered_alike_quantized_and_float(models, tmp_path):
+    """Partial rotary reorders q's and k's rows (layers/rotary.rotary_order): the quantized layer's rows are the
+    float file's, each within its Q8_0 step, so both paths took the same order."""
+    from picovllm.kernels.cpu.quant_gemm import isa
+    if isa() is None:
+        pytest.skip("the quantized CPU kernels need a C compiler and AVX2")
+    f = LLM(write_gguf(models["phi3_partial"], "phi3_partial", str(tmp_path / "f.gguf")), device="cpu",
+            num_kv_blocks=64, quantization="none")
+    q = LLM(write_gguf(models["phi3_partial"], "phi3_partial", str(tmp_path / "q.gguf"), "Q8_0"), device="cpu",
+            num_kv_blocks=64)
+    for i in range(2):
+        want = f.engine.runner.model.layers[i].self_attn.qkv_proj.weight
+        got = q.engine.runner.model.layers[i].self_attn.qkv_proj.packed.dequantize()
+        # Q8_0: a step of max / 127 a block, the step rounded to float16 (up to 127 x 2^-11 of a step more)
+        step = want.abs().reshape(len(want), -1, 32).amax(-1, keepdim=True) / 127
+        assert ((got - want).abs().reshape(step.shape[0], -1, 32) <= step * 0.57 + 1e-6).all()
 
 
 def _set(key: str, value):

@@ -1,4 +1,4 @@
-"""Mistral, Phi-3, Granite and SmolLM3 from HF folders: greedy tokens and logprobs against HF transformers on the same
+"""Mistral, Phi-3 (partial rotary too, as Phi-4-mini's), Granite and SmolLM3 from HF folders: greedy tokens and logprobs against HF transformers on the same
 tiny random weights (fp32, CPU), with and without a sliding window shorter than the longer prompts, and TP=2 against
 TP=1.
 
@@ -25,6 +25,9 @@ CASES = {
                                   "attention_multiplier": 0.6, "logits_scaling": 2.5}),
     # NoPE on every other layer (SmolLM3-3B: every fourth)
     "smollm3": ("SmolLM3Config", {"no_rope_layer_interval": 2, "initializer_range": 0.2}),
+    # partial rotary: 12 of head_dim 16 rotate (Phi-4-mini: 96 of 128)
+    "phi3_partial": ("Phi3Config", {"sliding_window": None, "num_attention_heads": 4, "partial_rotary_factor": 0.75,
+                                    "initializer_range": 0.2}),
 }
 # LongRoPE as Phi-3-mini-128k has it, on a 32-token original context (head_dim 64 / 6 heads: 5 frequencies)
 LONGROPE = {"sliding_window": None, "original_max_position_embeddings": 32, "num_attention_heads": 4,
@@ -32,10 +35,17 @@ LONGROPE = {"sliding_window": None, "original_max_position_embeddings": 32, "num
                              "long_factor": [3.0 + 1.1 * i for i in range(8)]}}
 
 
+# Phi-4-mini's rope: LongRoPE over a partial rotary (6 factors for the 12 rotated dims of 16)
+PARTIAL_LONGROPE = {**LONGROPE, "partial_rotary_factor": 0.75, "initializer_range": 0.2,
+                    "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0 + 0.3 * i for i in range(6)],
+                                     "long_factor": [3.0 + 1.1 * i for i in range(6)]}}
+LONGROPE_CASES = {"phi3_longrope": LONGROPE, "phi4_longrope_partial": PARTIAL_LONGROPE}
+
+
 def build(path: str, case: str) -> str:
     import transformers
 
-    cls, extra = CASES[case] if case in CASES else ("Phi3Config", LONGROPE)
+    cls, extra = CASES[case] if case in CASES else ("Phi3Config", LONGROPE_CASES[case])
     cfg = getattr(transformers, cls)(**{**BASE, **extra})
     torch.manual_seed(len(cls))    # one family's cases share their weights (mistral and mistral_window)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
@@ -84,11 +94,13 @@ def test_the_window_slides(models):
     assert len(out.outputs[0].token_ids) == 4
 
 
-def test_longrope_matches_hf_within_and_past_the_original_context(tmp_path):
+@pytest.mark.parametrize("case", list(LONGROPE_CASES))
+def test_longrope_matches_hf_within_and_past_the_original_context(tmp_path, case):
     """Phi-3's LongRoPE on a 32-token original context: a request that stays within it uses the short factors, one
     whose prompt is longer the long ones at every position (as HF, which rotates a sequence past the original length
-    with the long factors throughout); cos and sin scaled by sqrt(1 + ln(512 / 32) / ln(32))."""
-    path = build(str(tmp_path / "longrope"), "phi3_longrope")
+    with the long factors throughout); cos and sin scaled by sqrt(1 + ln(512 / 32) / ln(32)). Also over a partial
+    rotary, as Phi-4-mini's (the passed dims not scaled)."""
+    path = build(str(tmp_path / "longrope"), case)
     rng = random.Random(3)
     llm = LLM(path, block_size=16, num_kv_blocks=64, device="cpu")
     assert llm.engine.model_config.rope_scaling["rope_type"] == "longrope"
@@ -139,53 +151,38 @@ def test_blocks_behind_the_window_are_given_back(models):
         full.generate([p], SamplingParams(max_tokens=40), use_tqdm=False)
 
 
-def test_partial_rotary_is_refused(tmp_path):
+def test_partial_rotary_in_rotary_order_and_odd_ones_refused(models, tmp_path):
+    """Partial rotary runs as a full rotation of reordered q and k: the table turns 6 of the 8 pairs and leaves 2 (cos
+    1, sin 0); q's rows are the checkpoint's in rotary_order within each head. A rotary part of odd width is refused
+    naming the field."""
     import json
     import os
-
-    path = build(str(tmp_path / "phi"), "phi3")
-    with open(os.path.join(path, "config.json")) as f:
-        cfg = json.load(f)
-    cfg["partial_rotary_factor"] = 0.75
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(cfg, f)
-    with pytest.raises(ValueError, match="partial_rotary_factor"):
-        LLM(path, device="cpu")
-
-
-def test_nope_layers_and_granite_scalings_matter(models, tmp_path):
-    """What the parity above rests on: SmolLM3's second layer has no rotation (the first has one), Granite's four
-    scalings are read, and each changes the output: the same weights with the field at its neutral value give other
-    prompt logprobs."""
-    import json
     import shutil
 
-    smol = LLM(models["smollm3"], num_kv_blocks=64, device="cpu")
-    assert smol.engine.model_config.rope_layers == [True, False]
-    cos_sin = [layer.self_attn.rotary.cos_sin for layer in smol.engine.runner.model.layers]
-    assert (cos_sin[1][:, :5] == 1).all() and (cos_sin[1][:, 5:] == 0).all() and not (cos_sin[0][1:, :5] == 1).all()
-    cfg = LLM(models["granite"], num_kv_blocks=64, device="cpu").engine.model_config
-    assert (cfg.embedding_multiplier, cfg.residual_multiplier, cfg.attention_multiplier, cfg.logits_scaling) == \
-        (3.0, 0.5, 0.6, 2.5)
-    sp = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    from safetensors.torch import load_file
 
-    def logprobs(path):
-        out = LLM(path, num_kv_blocks=64, device="cpu").generate([prompts()[2]], sp, use_tqdm=False)[0]
-        return [d[t].logprob for d, t in zip(out.prompt_logprobs[1:], out.prompt_token_ids[1:])]
-    for case, field, neutral in [("smollm3", "no_rope_layers", [1, 1]), ("granite", "embedding_multiplier", 1.0),
-                                 ("granite", "residual_multiplier", 1.0), ("granite", "attention_multiplier", 10 ** -0.5),
-                                 ("granite", "logits_scaling", 1.0)]:
-        other = str(tmp_path / f"{case}-{field}")
-        shutil.copytree(models[case], other)
-        with open(f"{other}/config.json") as f:
-            hf = json.load(f)
-        hf[field] = neutral
-        with open(f"{other}/config.json", "w") as f:
-            json.dump(hf, f)
-        assert logprobs(other) != pytest.approx(logprobs(models[case]), abs=1e-3), field
+    from picovllm.layers.rotary import rotary_order
+    llm = LLM(models["phi3_partial"], num_kv_blocks=64, device="cpu", quantization="none")
+    assert llm.engine.model_config.rotary_dim == 12
+    attn = llm.engine.runner.model.layers[0].self_attn
+    cos, sin = attn.rotary.cos_sin[5].chunk(2)
+    assert (cos[6:] == 1).all() and (sin[6:] == 0).all() and (sin[:6] != 0).all()
+    assert rotary_order(16, 12) == [0, 1, 2, 3, 4, 5, 12, 13, 6, 7, 8, 9, 10, 11, 14, 15]
+    fused = load_file(os.path.join(models["phi3_partial"], "model.safetensors"))["model.layers.0.self_attn.qkv_proj.weight"]
+    q = attn.qkv_proj.weight[:64]
+    assert torch.equal(q.view(4, 16, -1), fused[:64].view(4, 16, -1)[:, rotary_order(16, 12)])
+    odd = str(tmp_path / "odd")
+    shutil.copytree(models["phi3_partial"], odd)
+    with open(os.path.join(odd, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["partial_rotary_factor"] = 0.5625         # 9 of 16
+    with open(os.path.join(odd, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    with pytest.raises(ValueError, match="partial_rotary_factor"):
+        LLM(odd, device="cpu")
 
 
-@pytest.mark.parametrize("case", ["mistral", "phi3", "granite", "smollm3"])
+@pytest.mark.parametrize("case", ["mistral", "phi3", "granite", "smollm3", "phi3_partial"])
 def test_tp2_matches_tp1(models, case, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")     # two ranks on two shared cores
     ps, sp = prompts(1), SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)

@@ -1,5 +1,6 @@
 """Rotary position embedding (the 'rotate half' layout of HF checkpoints), with Llama-3, linear or LongRoPE scaling,
-or a divisor per frequency (a GGUF's rope_freqs: Llama 3's scaling as llama.cpp's converter computed it).
+or a divisor per frequency (a GGUF's rope_freqs: Llama 3's scaling as llama.cpp's converter computed it); partial
+rotary (only each head's first rotary_dim dims turn) as a full rotation of reordered q and k (rotary_order).
 
 LongRoPE (Phi-3): each frequency is divided by its factor, and cos and sin are scaled by the attention factor. A
 sequence uses the short factors while it stays within original_max_position_embeddings and the long ones at every
@@ -56,15 +57,34 @@ def longrope_cos_sin(head_dim: int, max_position: int, theta: float, scaling: di
     return (torch.cat([freqs.cos(), freqs.sin()], dim=-1) * attn).float()
 
 
+def rotary_order(head_dim: int, rotary_dim: int) -> list[int]:
+    """Partial rotary as a full one: the order of a head's dims (new position -> checkpoint dim) that puts HF's
+    rotated pairs (i, i + rotary_dim / 2) at (i, i + head_dim / 2) and pairs up the passed dims two by two, which a
+    rotation by angle 0 leaves as they are (RotaryEmbedding's table past rotary_dim / 2). The loaders reorder q's and
+    k's rows (and their biases and norms) so; q.k, and so attention, does not change under one order of both."""
+    rot, rest = rotary_dim // 2, (head_dim - rotary_dim) // 2
+    return [*range(rot), *range(rotary_dim, rotary_dim + rest), *range(rot, rotary_dim),
+            *range(rotary_dim + rest, head_dim)]
+
+
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict | None = None) -> None:
+    """cos_sin [positions, head_dim]: cos then sin of each of the head_dim / 2 pairs' angles; with rotary_dim (partial
+    rotary, q and k in rotary_order), the pairs past rotary_dim / 2 turn by angle 0 (cos 1, sin 0)."""
+
+    def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict | None = None,
+                 rotary_dim: int | None = None) -> None:
         super().__init__()
+        rd = rotary_dim or head_dim
         if scaling and scaling.get("rope_type") == "longrope":
-            cos_sin = longrope_cos_sin(head_dim, max_position, theta, scaling)
+            cos_sin = longrope_cos_sin(rd, max_position, theta, scaling)
         else:
-            inv = inverse_frequencies(head_dim, theta, scaling)
+            inv = inverse_frequencies(rd, theta, scaling)
             freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv)
             cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+        if rd < head_dim:
+            cos, sin = cos_sin.chunk(2, dim=-1)
+            pad = (head_dim - rd) // 2
+            cos_sin = torch.cat([cos, torch.ones(len(cos), pad), sin, torch.zeros(len(sin), pad)], dim=-1)
         self.register_buffer("cos_sin", cos_sin, persistent=False)
 
     @classmethod

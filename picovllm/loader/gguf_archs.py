@@ -16,6 +16,7 @@ read into the config as such.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -85,6 +86,25 @@ class Part:
 
 def tensor_parts(name: str, shape: tuple[int, ...], cfg: ModelConfig, arch: Arch) -> list[Part]:
     """The HF tensors the file tensor `name` (torch shape `shape`) holds; ValueError for a name no model reads."""
+    parts = _file_parts(name, shape, cfg, arch)
+    return parts if cfg.rotary_dim is None else [_in_rotary_order(part, cfg) for part in parts]
+
+
+def _in_rotary_order(part: Part, cfg: ModelConfig) -> Part:
+    """Partial rotary: q's and k's rows (and biases, per-head norms) with each head's dims in
+    layers/rotary.rotary_order, as the HF folders' loader puts them."""
+    from picovllm.layers.rotary import rotary_order
+    if not part.name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias", "q_norm.weight",
+                               "k_norm.weight")):
+        return part
+    d, rows = cfg.head_dim, part.shape[0]
+    order = (np.arange(rows).reshape(-1, d)[:, rotary_order(d, cfg.rotary_dim)]).reshape(-1)
+    start = part.take.start or 0 if isinstance(part.take, slice) else 0
+    base = np.arange(start, start + rows) if isinstance(part.take, slice) else np.asarray(part.take)
+    return dataclasses.replace(part, take=base[order])
+
+
+def _file_parts(name: str, shape: tuple[int, ...], cfg: ModelConfig, arch: Arch) -> list[Part]:
     if name in _IN_CONFIG:
         return []
     parts = name.split(".")
@@ -148,9 +168,9 @@ def model_config(meta: dict, tensors: dict, path: str) -> tuple[ModelConfig, Arc
     layers = int(_required(meta, p + "block_count", path))
     head_dim = int(meta.get(p + "attention.key_length", hidden // heads))
     rot = int(meta.get(p + "rope.dimension_count", head_dim))
-    if rot != head_dim:
+    if rot != head_dim and (arch.interleaved_qk or rot % 2 or not 0 < rot < head_dim):
         raise ValueError(f"GGUF {path!r}: {p}rope.dimension_count={rot} with head_dim {head_dim}: only full rotary "
-                         "embeddings are supported")
+                         "embeddings are supported here (partial ones: an even count, rotate-half architectures)")
     eos = meta.get("tokenizer.ggml.eos_token_id")
     experts = _experts(meta, tensors, p, layers, path)
     window, sliding = _sliding(meta, p, name, layers)
@@ -183,6 +203,7 @@ def model_config(meta: dict, tensors: dict, path: str) -> tuple[ModelConfig, Arc
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         attention_bias="blk.0.attn_q.bias" in tensors,
         qk_norm="blk.0.attn_q_norm.weight" in tensors,
+        rotary_dim=None if rot == head_dim else rot,
         sliding_window=window,
         sliding_layers=sliding,
         **gemma,

@@ -35,7 +35,8 @@ def open_folder(path: str) -> ModelSource:
         for file in files:
             with safe_open(file, framework="pt") as f:
                 for name in f.keys():
-                    yield name, f.get_tensor(name)
+                    t = f.get_tensor(name)
+                    yield name, t if config.rotary_dim is None else _in_rotary_order(name, t, config)
 
     has_tok = any(os.path.exists(os.path.join(path, n)) for n in TOKENIZER_FILES)
 
@@ -45,3 +46,26 @@ def open_folder(path: str) -> ModelSource:
 
     identity = ("hf", raw, [(os.path.basename(f), file_identity(f, head_bytes=1 << 20)) for f in files])
     return ModelSource(path, config, weights, load_tokenizer if has_tok else None, identity)
+
+
+def _in_rotary_order(name: str, t, config: ModelConfig):
+    """Partial rotary: q's and k's rows (Phi-3's fused q/k/v rows too), biases and per-head norms with each head's
+    dims in layers/rotary.rotary_order; every other tensor as it is."""
+    import torch
+
+    from picovllm.layers.rotary import rotary_order
+    d = config.head_dim
+    order = torch.tensor(rotary_order(d, config.rotary_dim))
+    if name.endswith((".q_norm.weight", ".k_norm.weight")):
+        return t[order]
+
+    def heads(rows):          # rows of whole heads, each in the order
+        return rows.reshape(-1, d, *rows.shape[1:])[:, order].reshape(rows.shape)
+    if ".q_proj." in name or ".k_proj." in name:
+        return heads(t)
+    if ".qkv_proj." in name:
+        q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
+        q_rows, k_rows, v_rows = t.split([q, kv, kv])
+        return torch.cat([heads(q_rows), heads(k_rows), v_rows])
+    return t
+

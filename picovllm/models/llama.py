@@ -115,9 +115,10 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         self.cfg = cfg
-        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
-        local = rotary if cfg.rope_local_theta is None else \
-            RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_local_theta)   # Gemma 3's sliding layers
+        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling,
+                                 cfg.rotary_dim)
+        local = rotary if cfg.rope_local_theta is None else RotaryEmbedding(     # Gemma 3's sliding layers
+            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_local_theta, rotary_dim=cfg.rotary_dim)
         # SmolLM3's NoPE layers: a rotation by angle 0 (every rotary path then leaves q and k as they are)
         nope = RotaryEmbedding.identity(cfg.head_dim, cfg.max_position_embeddings) if cfg.rope_layers else None
 
