@@ -23,7 +23,7 @@ def dtype_from_name(name: str) -> "torch.dtype":
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM",
                            "Qwen3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM",
-                           "MixtralForCausalLM", "GraniteForCausalLM", "SmolLM3ForCausalLM")
+                           "MixtralForCausalLM", "GraniteForCausalLM", "SmolLM3ForCausalLM", "Qwen2MoeForCausalLM")
 GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
@@ -60,6 +60,7 @@ class ModelConfig:
     moe_intermediate_size: int = 0                 # each expert's
     norm_topk_prob: bool = True                    # renormalise the top-k routing weights to sum to 1
     moe_layers: list[bool] | None = None           # which layers route to experts (the others: a dense MLP)
+    shared_expert_intermediate_size: int = 0       # Qwen2-MoE: a dense expert every token takes, sigmoid-gated
     rope_layers: list[bool] | None = None          # SmolLM3: which layers rotate q and k (None: all; the rest NoPE)
     rotary_dim: int | None = None                  # partial rotary (Phi-4-mini): each head's first rotary_dim dims
                                                    # rotate, the rest pass (None: all); layers/rotary.rotary_order
@@ -120,7 +121,8 @@ class ModelConfig:
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=cfg.get("tie_word_embeddings", gemma),
             rope_scaling=_rope_scaling(rope, cfg),
-            attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+            attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False))
+            or (arch == "Qwen2MoeForCausalLM" and bool(cfg.get("qkv_bias", True))),
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
             eos_token_ids=eos,
             bos_token_id=cfg.get("bos_token_id"),
@@ -136,6 +138,7 @@ class ModelConfig:
             moe_intermediate_size=cfg.get("moe_intermediate_size") or cfg["intermediate_size"] if experts else 0,
             norm_topk_prob=arch == "MixtralForCausalLM" or bool(cfg.get("norm_topk_prob", False)),
             moe_layers=_moe_layers(cfg, layers) if experts else None,
+            shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size") or 0 if experts else 0,
             rope_layers=_rope_layers(cfg, arch, layers),
             rotary_dim=None if rotary_dim == head_dim else rotary_dim,
             **_granite(cfg, arch),

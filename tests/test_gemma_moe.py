@@ -1,4 +1,4 @@
-"""Gemma 2, Gemma 3 (text), Qwen3-MoE and Mixtral from HF folders: greedy tokens and logprobs against HF transformers on the same tiny random weights (fp32, CPU), and
+"""Gemma 2, Gemma 3 (text), Qwen3-MoE, Mixtral and Qwen2-MoE (a shared expert) from HF folders: greedy tokens and logprobs against HF transformers on the same tiny random weights (fp32, CPU), and
 TP=2 against TP=1.
 
 The shapes are the awkward ones: head_dim 80 and 256, one KV head, windows shorter than the prompt (and than a
@@ -38,6 +38,10 @@ CASES = {
     "qwen3_moe_64": ("Qwen3MoeConfig", dict(head_dim=16, num_experts=64, num_experts_per_tok=1,
                                             moe_intermediate_size=16, norm_topk_prob=True)),
     "mixtral": ("MixtralConfig", dict(head_dim=16, num_local_experts=8, num_experts_per_tok=2, sliding_window=None)),
+    # top-2 of 8 beside a sigmoid-gated shared expert, q/k/v biases; layer 1 dense
+    "qwen2_moe": ("Qwen2MoeConfig", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                         shared_expert_intermediate_size=48, mlp_only_layers=[1],
+                                         norm_topk_prob=False)),
 }
 
 
@@ -101,7 +105,7 @@ def test_greedy_and_logprobs_match_hf(models, case):
         assert llm.engine.scheduler.block_manager.num_free_blocks == 128
 
 
-@pytest.mark.parametrize("case", ["gemma2", "gemma3", "qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("case", ["gemma2", "gemma3", "qwen3_moe", "mixtral", "qwen2_moe"])
 def test_tp2_matches_tp1(models, case, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")     # two ranks on two shared cores
     ps, sp = prompts(1), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)

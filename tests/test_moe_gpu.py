@@ -44,16 +44,16 @@ def test_fused_experts_at_qwen3_30b_a3b_shape(tokens, act, dtype, tol):
 @pytest.fixture(scope="module")
 def moe_models(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe_gpu")
-    return {case: build(str(root / case), case) for case in ("qwen3_moe", "qwen3_moe_64", "mixtral")}
+    return {case: build(str(root / case), case) for case in ("qwen3_moe", "qwen3_moe_64", "mixtral", "qwen2_moe")}
 
 
-@pytest.mark.parametrize("case", ["qwen3_moe", "qwen3_moe_64", "mixtral"])
+@pytest.mark.parametrize("case", ["qwen3_moe", "qwen3_moe_64", "mixtral", "qwen2_moe"])
 def test_moe_model_fp32_matches_hf(moe_models, case):
     """CUDA graphs for the decode steps, Triton attention and experts, fp32: HF's greedy tokens and logprobs."""
     assert_gpu_fp32_matches_hf(moe_models[case], prompts())
 
 
-@pytest.mark.parametrize("case", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("case", ["qwen3_moe", "mixtral", "qwen2_moe"])
 def test_moe_model_bf16_near_hf(moe_models, case):
     """bf16 on the GPU against HF fp32 on the same weights: each prompt token's logprob (the model's prediction at
     every position, routing included)."""

@@ -1,5 +1,5 @@
-"""Mixture of experts (Qwen3-MoE, Mixtral): a router picks each token's top-k experts, each a gated MLP, and the
-layer sums their outputs weighted by the router's probabilities.
+"""Mixture of experts (Qwen3-MoE, Mixtral; Qwen2-MoE with a shared expert): a router picks each token's top-k
+experts, each a gated MLP, and the layer sums their outputs weighted by the router's probabilities.
 
 Under tensor parallelism every rank holds every expert with its intermediate dimension sharded, as a dense MLP's
 (gate/up column-parallel, down row-parallel): each rank computes every routed token's partial output, and one
@@ -90,3 +90,24 @@ class FusedMoE(nn.Module):
             weights, ids = route(logits, self.top_k, self.renormalize)
             out = experts_reference(x, weights, ids, w13, w2, self.act)
         return self.tp.all_reduce(out)
+
+
+class SharedExpertMoE(FusedMoE):
+    """Qwen2-MoE's layer: the routed experts plus a dense gated MLP every token takes (`shared_expert`, sharded as a
+    dense MLP), its output scaled by sigmoid(shared_expert_gate(x)) (replicated, [1, H]), as HF's
+    Qwen2MoeSparseMoeBlock."""
+
+    def __init__(self, num_experts: int, top_k: int, hidden: int, intermediate: int, renormalize: bool,
+                 shared_intermediate: int, act: str = "silu", tp: TPGroup = SINGLE) -> None:
+        super().__init__(num_experts, top_k, hidden, intermediate, renormalize, act, tp)
+        from picovllm.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+        self.shared_expert = nn.Module()
+        self.shared_expert.gate_up_proj = MergedColumnParallelLinear(hidden, [shared_intermediate] * 2, tp=tp)
+        self.shared_expert.down_proj = RowParallelLinear(shared_intermediate, hidden, tp=tp)
+        self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
+        self.shared_expert_gate.weight.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shared = self.shared_expert.down_proj(self.act(self.shared_expert.gate_up_proj(x)))
+        return super().forward(x) + torch.sigmoid(self.shared_expert_gate(x)) * shared
+

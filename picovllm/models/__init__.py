@@ -6,7 +6,7 @@ from picovllm.models.mixtral import MixtralForCausalLM
 
 # Most families are the shared decoder with a flag or two of ModelConfig: Qwen2 (q/k/v bias), Qwen3 (q/k norm),
 # Mistral (sliding window), Phi-3 (q/k/v and gate/up fused in the checkpoint), Qwen3-MoE (q/k norm, experts),
-# SmolLM3 (NoPE layers).
+# SmolLM3 (NoPE layers), Qwen2-MoE (q/k/v bias, experts and a shared expert).
 MODEL_REGISTRY = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
@@ -14,6 +14,7 @@ MODEL_REGISTRY = {
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "Qwen3MoeForCausalLM": LlamaForCausalLM,
+    "Qwen2MoeForCausalLM": LlamaForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "Gemma2ForCausalLM": GemmaForCausalLM,
     "Gemma3ForCausalLM": GemmaForCausalLM,

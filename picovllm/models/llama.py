@@ -1,5 +1,5 @@
 """The shared decoder over a flat varlen token batch: Llama 2/3, SmolLM 1-3, Mistral, Phi-3, Qwen2, Qwen3 and, with
-routed experts in place of the MLP, Qwen3-MoE and Mixtral. What differs between families is configuration
+routed experts in place of the MLP, Qwen3-MoE, Mixtral and Qwen2-MoE (a shared expert beside them). What differs between families is configuration
 (ModelConfig: q/k/v bias, q/k norm, sliding windows, experts, NoPE layers, ...); Gemma's layer shape is in
 models/gemma.py, Granite's scalings in models/granite.py."""
 from __future__ import annotations
@@ -17,7 +17,7 @@ from picovllm.layers.attention import Attention, AttentionMetadata
 from picovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from picovllm.layers.layernorm import RMSNorm
 from picovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from picovllm.layers.moe import FusedMoE
+from picovllm.layers.moe import FusedMoE, SharedExpertMoE
 from picovllm.layers.rotary import RotaryEmbedding
 
 
@@ -84,7 +84,11 @@ class LlamaDecoderLayer(nn.Module):
                  norm_offset: float = 0.0) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(cfg, layer, rotary, tp, norm_offset)
-        if cfg.is_moe_layer(layer):
+        if cfg.is_moe_layer(layer) and cfg.shared_expert_intermediate_size:     # Qwen2-MoE
+            self.mlp = SharedExpertMoE(cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size,
+                                       cfg.moe_intermediate_size, cfg.norm_topk_prob,
+                                       cfg.shared_expert_intermediate_size, cfg.hidden_act, tp)
+        elif cfg.is_moe_layer(layer):
             self.mlp = FusedMoE(cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size,
                                 cfg.norm_topk_prob, cfg.hidden_act, tp)
         else:
@@ -142,7 +146,8 @@ class LlamaForCausalLM(nn.Module):
         from picovllm.models.gemma import GemmaForCausalLM
         from picovllm.models.granite import GraniteForCausalLM
         from picovllm.models.mixtral import MixtralForCausalLM
-        return type(self) in (LlamaForCausalLM, GemmaForCausalLM, MixtralForCausalLM, GraniteForCausalLM)
+        return type(self) in (LlamaForCausalLM, GemmaForCausalLM, MixtralForCausalLM, GraniteForCausalLM) \
+            and not self.cfg.shared_expert_intermediate_size      # Qwen2-MoE's shared expert: not in C
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
