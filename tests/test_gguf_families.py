@@ -1,5 +1,5 @@
 """GGUF files of Mistral and Mixtral (llama.cpp's llama architecture, with a window and with experts), Llama 3's
-rope scaling (rope_freqs), Gemma 2 and 3, Qwen3-MoE, Phi-3, Granite and SmolLM3, written here from tiny random HF
+rope scaling (rope_freqs), Gemma 2 and 3, Qwen3-MoE, Qwen2-MoE, Phi-3, Granite and SmolLM3, written here from tiny random HF
 checkpoints as llama.cpp's converter lays them out (q/k rows interleaved for llama, granite and smollm3, experts
 stacked per projection, Gemma's norms stored as 1 + w, Phi-3's q/k/v and gate/up fused, LongRoPE factors and Llama 3's
 divisors as tensors, Granite's scalings as metadata). The oracle is HF transformers on the HF folder (fp32, CPU): greedy tokens and
@@ -60,6 +60,10 @@ CASES = {
     # partial rotary (Phi-4-mini's kind): 12 of head_dim 16 rotate
     "phi3_partial": ("phi3", "Phi3Config", dict(num_attention_heads=4, partial_rotary_factor=0.75, sliding_window=None,
                                                 initializer_range=0.2)),
+    # top-2 of 8 beside a sigmoid-gated shared expert, q/k/v biases, layer 1 dense
+    "qwen2_moe": ("qwen2moe", "Qwen2MoeConfig", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                                     shared_expert_intermediate_size=48, mlp_only_layers=[1],
+                                                     norm_topk_prob=False)),
     "phi3_window": ("phi3", "Phi3Config", dict(num_attention_heads=6, num_key_value_heads=6, sliding_window=20)),
     "phi3_longrope": ("phi3", "Phi3Config", dict(
         sliding_window=None, original_max_position_embeddings=32, max_position_embeddings=512,
@@ -97,7 +101,9 @@ _LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"
           "self_attn.o_proj": "attn_output", "self_attn.qkv_proj": "attn_qkv", "self_attn.q_norm": "attn_q_norm",
           "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
           "mlp.gate_up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "mlp.gate": "ffn_gate_inp",
-          "block_sparse_moe.gate": "ffn_gate_inp"}
+          "block_sparse_moe.gate": "ffn_gate_inp", "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+          "mlp.shared_expert.up_proj": "ffn_up_shexp", "mlp.shared_expert.down_proj": "ffn_down_shexp",
+          "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
 _GEMMA = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
           "post_feedforward_layernorm": "post_ffw_norm"}
 _EXPERT = {"gate_proj": "ffn_gate_exps", "w1": "ffn_gate_exps", "up_proj": "ffn_up_exps", "w3": "ffn_up_exps",
@@ -128,6 +134,8 @@ def _tensors(sd: dict, cfg: dict, arch: str) -> dict[str, np.ndarray]:
                 w = _permute(w, cfg["num_attention_heads" if "q_proj" in rest else "num_key_value_heads"])
         if arch.startswith("gemma") and name.endswith("norm.weight"):
             w = w + 1
+        if name.endswith("shared_expert_gate.weight"):      # llama.cpp's loader takes it as a vector
+            w = w.reshape(-1)
         out[f"{gg}.{name.rsplit('.', 1)[1]}"] = w
     for gg, by_e in experts.items():
         out[f"{gg}.weight"] = np.stack([by_e[e] for e in sorted(by_e)])
@@ -185,8 +193,10 @@ def write_gguf(folder: str, case: str, path: str, kind: str = "F32", extra=None)
         w.add_expert_used_count(cfg["num_experts_per_tok"])
         if cfg.get("moe_intermediate_size"):
             w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
-        if cfg.get("norm_topk_prob") is False:
+        if cfg.get("norm_topk_prob") is False and arch != "qwen2moe":     # llama.cpp's default for qwen2moe
             w.add_expert_weights_norm(False)
+        if cfg.get("shared_expert_intermediate_size"):
+            w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
     tensors = _tensors(sd, cfg, arch)
     rs = cfg.get("rope_scaling") or (rope if rope.get("rope_type") == "longrope" else None)
     if arch == "phi3" and rs:                       # LongRoPE: the factors as tensors, the attention factor
@@ -246,7 +256,8 @@ def prompts(seed: int = 0) -> list[list[int]]:
 EXPECTED = {"mistral_window": "MistralForCausalLM", "mixtral": "MixtralForCausalLM", "gemma2_f16": "Gemma2ForCausalLM",
             "gemma3": "Gemma3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "qwen3_moe_64": "Qwen3MoeForCausalLM",
             "phi3_window": "Phi3ForCausalLM", "phi3_longrope": "Phi3ForCausalLM", "llama3": "LlamaForCausalLM",
-            "granite": "GraniteForCausalLM", "smollm3": "SmolLM3ForCausalLM", "phi3_partial": "Phi3ForCausalLM"}
+            "granite": "GraniteForCausalLM", "smollm3": "SmolLM3ForCausalLM", "phi3_partial": "Phi3ForCausalLM",
+            "qwen2_moe": "Qwen2MoeForCausalLM"}
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -283,7 +294,7 @@ def test_config_read_from_the_metadata(models, tmp_path):
     assert cfg.moe_layers == [True, False] and cfg.norm_topk_prob is False
 
 
-@pytest.mark.parametrize("case", ["mixtral", "phi3_window", "gemma3"])
+@pytest.mark.parametrize("case", ["mixtral", "phi3_window", "gemma3", "qwen2_moe"])
 def test_q8_0_gguf_runs_quantized_and_close_to_float(models, tmp_path, case):
     """Q8_0 matrices (Phi-3's fused q/k/v split into the three layers' rows) stay quantized on the CPU; the stacked
     experts are dequantized to float; the prompt's logprobs stay near the float file's."""
@@ -339,6 +350,7 @@ def _set(key: str, value):
     ("gemma3", "rope_freqs.weight", [1.0] * 40, "with another rope scaling"),
     ("mixtral", "llama.expert_gating_func", 2, "expert_gating_func"),
     ("qwen3_moe", "qwen3moe.expert_shared_count", 1, "shared experts"),
+    ("qwen2_moe", "qwen2moe.expert_shared_count", 2, "shared experts"),
     ("gemma3", "gemma3.rope.scaling.type", "yarn", "rope.scaling.type"),
     ("mistral_window", "llama.rope.dimension_count", 4, "full rotary"),
 ])

@@ -7,7 +7,8 @@ What llama.cpp's converter changed, undone here:
 - gemma2, gemma3: every norm stored as 1 + w (Gemma's norms scale by 1 + w; the model adds the 1 back at load).
 - phi3: q/k/v kept fused (attn_qkv) and gate/up fused in ffn_up, as Phi-3's checkpoints; LongRoPE's factors as
   tensors (rope_factors_short/long), read into the config, not the weights.
-- qwen3moe: experts stacked as Mixtral's; a layer without a router (ffn_gate_inp) is a dense MLP.
+- qwen3moe, qwen2moe: experts stacked as Mixtral's; a layer without a router (ffn_gate_inp) is a dense MLP;
+  qwen2moe's shared expert gate ([1, H] in HF) is stored as a vector.
 - granite, smollm3: q/k rows interleaved as llama's; Granite's four scalings as metadata.
 What the metadata does not say, llama.cpp's own rule decides (Gemma's query scale, Gemma 3's sliding pattern,
 Qwen3-MoE's renormalised top-k, SmolLM3's NoPE on every 4th layer). Llama 3's rope scaling comes as a tensor
@@ -37,6 +38,7 @@ ARCHITECTURES = {
     "qwen2": Arch("Qwen2ForCausalLM"),
     "qwen3": Arch("Qwen3ForCausalLM"),
     "qwen3moe": Arch("Qwen3MoeForCausalLM"),
+    "qwen2moe": Arch("Qwen2MoeForCausalLM"),
     "gemma2": Arch("Gemma2ForCausalLM", gemma=True),
     "gemma3": Arch("Gemma3ForCausalLM", gemma=True),
     "phi3": Arch("Phi3ForCausalLM"),
@@ -60,6 +62,10 @@ _LAYER = {
     "ffn_gate_inp.weight": "mlp.gate.weight",                                           # the router
     "ffn_gate_exps.weight": "mlp.experts.{}.gate_proj.weight", "ffn_up_exps.weight": "mlp.experts.{}.up_proj.weight",
     "ffn_down_exps.weight": "mlp.experts.{}.down_proj.weight",
+    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",                     # Qwen2-MoE's shared expert
+    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",                       # [H] in the file, HF [1, H]
 }
 _GEMMA_LAYER = {"ffn_norm.weight": "pre_feedforward_layernorm.weight"}
 _TOP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
@@ -79,9 +85,9 @@ class Part:
     linear: bool = False         # a dense linear layer, the embedding or the LM head: may stay quantized
 
     def of(self, w: torch.Tensor) -> torch.Tensor:
-        """This part of the file tensor `w`, dequantized to float."""
+        """This part of the file tensor `w`, dequantized to float, in the HF tensor's shape."""
         t = w[self.take] if not isinstance(self.take, np.ndarray) else w[torch.from_numpy(self.take)]
-        return (t - 1 if self.minus_one else t).contiguous()
+        return (t - 1 if self.minus_one else t).reshape(self.shape).contiguous()
 
 
 def tensor_parts(name: str, shape: tuple[int, ...], cfg: ModelConfig, arch: Arch) -> list[Part]:
@@ -121,6 +127,8 @@ def _file_parts(name: str, shape: tuple[int, ...], cfg: ModelConfig, arch: Arch)
             full = f"model.layers.{parts[1]}.{hf}"
             if "{}" in full:         # experts stacked [E, rows, cols]
                 return [Part(full.format(e), shape[1:], e) for e in range(shape[0])]
+            if key == "ffn_gate_inp_shexp.weight" and len(shape) == 1:
+                shape = (1, shape[0])
             return [Part(full, shape, _rows(full, shape[0], cfg, arch), arch.gemma and key.endswith("norm.weight"),
                          full.endswith("_proj.weight"))]
     elif name in _TOP:
@@ -218,11 +226,13 @@ _GRANITE = {"embedding_multiplier": "embedding_scale", "residual_multiplier": "r
 
 
 def _experts(meta: dict, tensors: dict, p: str, layers: int, path: str) -> dict:
-    """Mixtral (llama with experts) and Qwen3-MoE: the MoE fields of ModelConfig (zeros for a dense model)."""
+    """Mixtral (llama with experts), Qwen3-MoE and Qwen2-MoE: the MoE fields of ModelConfig (zeros for a dense
+    model)."""
     n = int(meta.get(p + "expert_count", 0))
     if not n:
         return dict(num_experts=0, num_experts_per_tok=0, moe_intermediate_size=0)
-    if int(meta.get(p + "expert_shared_count", 0)):
+    qwen2 = p == "qwen2moe."               # one shared expert a layer, sigmoid-gated (Qwen2-MoE)
+    if int(meta.get(p + "expert_shared_count", 0)) > (1 if qwen2 else 0):
         raise ValueError(f"GGUF {path!r}: shared experts ({p}expert_shared_count) are unsupported")
     gating = int(meta.get(p + "expert_gating_func", 1))
     if gating != 1:
@@ -232,8 +242,11 @@ def _experts(meta: dict, tensors: dict, p: str, layers: int, path: str) -> dict:
     return dict(num_experts=n, num_experts_per_tok=int(_required(meta, p + "expert_used_count", path)),
                 moe_intermediate_size=int(inter),
                 # llama.cpp renormalises Mixtral's and Qwen3-MoE's top-k weights unless the file says otherwise
-                norm_topk_prob=bool(meta.get(p + "expert_weights_norm", True)),
-                moe_layers=None if all(routed) else routed)
+                # (Qwen2-MoE's it does not)
+                norm_topk_prob=bool(meta.get(p + "expert_weights_norm", not qwen2)),
+                moe_layers=None if all(routed) else routed,
+                shared_expert_intermediate_size=int(_required(meta, p + "expert_shared_feed_forward_length", path))
+                if qwen2 else 0)
 
 
 def _sliding(meta: dict, p: str, arch: str, layers: int) -> tuple[int | None, list[bool] | None]:
