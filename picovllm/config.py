@@ -23,7 +23,8 @@ def dtype_from_name(name: str) -> "torch.dtype":
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM",
                            "Qwen3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM",
-                           "MixtralForCausalLM", "GraniteForCausalLM", "SmolLM3ForCausalLM", "Qwen2MoeForCausalLM")
+                           "MixtralForCausalLM", "GraniteForCausalLM", "SmolLM3ForCausalLM", "Qwen2MoeForCausalLM",
+                           "Olmo2ForCausalLM")
 GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 

@@ -1,4 +1,4 @@
-"""Mistral, Phi-3 (partial rotary too, as Phi-4-mini's), Granite and SmolLM3 from HF folders: greedy tokens and logprobs against HF transformers on the same
+"""Mistral, Phi-3 (partial rotary too, as Phi-4-mini's), Granite, SmolLM3 and OLMo 2 from HF folders: greedy tokens and logprobs against HF transformers on the same
 tiny random weights (fp32, CPU), with and without a sliding window shorter than the longer prompts, and TP=2 against
 TP=1.
 
@@ -25,6 +25,10 @@ CASES = {
                                   "attention_multiplier": 0.6, "logits_scaling": 2.5}),
     # NoPE on every other layer (SmolLM3-3B: every fourth)
     "smollm3": ("SmolLM3Config", {"no_rope_layer_interval": 2, "initializer_range": 0.2}),
+    # norms after attention and the MLP, q and k normed over the whole projection; one KV head (under TP=2 it is
+    # replicated, and its norm's sum must count it once)
+    "olmo2": ("Olmo2Config", {"initializer_range": 0.2}),
+    "olmo2_mqa": ("Olmo2Config", {"initializer_range": 0.2, "num_key_value_heads": 1}),
     # partial rotary: 12 of head_dim 16 rotate (Phi-4-mini: 96 of 128)
     "phi3_partial": ("Phi3Config", {"sliding_window": None, "num_attention_heads": 4, "partial_rotary_factor": 0.75,
                                     "initializer_range": 0.2}),
@@ -182,7 +186,7 @@ def test_partial_rotary_in_rotary_order_and_odd_ones_refused(models, tmp_path):
         LLM(odd, device="cpu")
 
 
-@pytest.mark.parametrize("case", ["mistral", "phi3", "granite", "smollm3", "phi3_partial"])
+@pytest.mark.parametrize("case", ["mistral", "phi3", "granite", "smollm3", "phi3_partial", "olmo2", "olmo2_mqa"])
 def test_tp2_matches_tp1(models, case, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")     # two ranks on two shared cores
     ps, sp = prompts(1), SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)

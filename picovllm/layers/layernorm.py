@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from picovllm import kernels
+from picovllm.distributed import SINGLE, TPGroup
 from picovllm.kernels.cpu import elementwise as cpu
 
 
@@ -48,3 +49,30 @@ class RMSNorm(nn.Module):
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         out = self.weight * h.to(dtype)
         return out if residual is None else (out, residual)
+
+
+class ProjectionRMSNorm(nn.Module):
+    """RMSNorm over a whole projection's features (OLMo 2's q and k norms: every head's dims together), computed in
+    float32. Under tensor parallelism a rank holds features [start, start + dim) of `total` (its heads'): it sums its
+    squares, all-reduces the sum (divided by `replicas` where each feature lives on that many ranks: KV heads
+    replicated over the ranks) and scales its own features by its slice of the weight."""
+
+    def __init__(self, total: int, start: int, dim: int, eps: float, tp: TPGroup = SINGLE, replicas: int = 1) -> None:
+        super().__init__()
+        self.total, self.start, self.eps, self.tp, self.replicas = total, start, eps, tp, replicas
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+        self.weight.weight_loader = self.load
+
+    def load(self, param: nn.Parameter, w: torch.Tensor, shard: object = None, name: str = "") -> None:
+        if tuple(w.shape) != (self.total,):
+            raise ValueError(f"weight {name}: shape mismatch, model expects ({self.total},), checkpoint has "
+                             f"{tuple(w.shape)}")
+        param.data.copy_(w.narrow(0, self.start, len(param)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        squares = h.pow(2).sum(-1, keepdim=True)
+        if self.tp.size > 1:
+            squares = self.tp.all_reduce(squares) / self.replicas
+        return self.weight * (h * torch.rsqrt(squares / self.total + self.eps)).to(x.dtype)
+

@@ -3,6 +3,7 @@ from picovllm.models.gemma import GemmaForCausalLM
 from picovllm.models.granite import GraniteForCausalLM
 from picovllm.models.llama import LlamaForCausalLM
 from picovllm.models.mixtral import MixtralForCausalLM
+from picovllm.models.olmo2 import Olmo2ForCausalLM
 
 # Most families are the shared decoder with a flag or two of ModelConfig: Qwen2 (q/k/v bias), Qwen3 (q/k norm),
 # Mistral (sliding window), Phi-3 (q/k/v and gate/up fused in the checkpoint), Qwen3-MoE (q/k norm, experts),
@@ -20,4 +21,5 @@ MODEL_REGISTRY = {
     "Gemma3ForCausalLM": GemmaForCausalLM,
     "GraniteForCausalLM": GraniteForCausalLM,
     "SmolLM3ForCausalLM": LlamaForCausalLM,
+    "Olmo2ForCausalLM": Olmo2ForCausalLM,
 }

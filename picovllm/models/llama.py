@@ -29,6 +29,8 @@ def _triton_rotary():
 
 
 class LlamaAttention(nn.Module):
+    per_head_qk_norm = True     # q_norm and k_norm, if any, over each head's dims (OLMo 2's: models/olmo2.py)
+
     def __init__(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding, tp: TPGroup,
                  norm_offset: float = 0.0) -> None:
         super().__init__()
@@ -47,10 +49,14 @@ class LlamaAttention(nn.Module):
                               cfg.attn_logit_softcapping)
         self.head_dim = d
 
+    def prepare_qkv(self, qkv: torch.Tensor) -> torch.Tensor:
+        """The QKV projection's output before the heads' norms and rotation (a family may change it first)."""
+        return qkv
+
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        qkv = self.qkv_proj(x)
+        qkv = self.prepare_qkv(self.qkv_proj(x))
         if kernels.use_triton(qkv):   # q/k norm and rotary in one Triton pass over qkv (same math as the branch below)
-            norm = self.q_norm is not None
+            norm = self.q_norm is not None and self.per_head_qk_norm
             kv_write = self.attn.kv_write(meta)   # where the backend allows: the KV store in the same pass
             q, k, v = _triton_rotary().rope_qkv(positions, qkv, self.num_heads, self.num_kv_heads, self.rotary.cos_sin,
                                                 self.q_norm.weight if norm else None,
@@ -61,7 +67,7 @@ class LlamaAttention(nn.Module):
         d = self.head_dim
         q, k, v = qkv.split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
         q, k, v = q.view(-1, self.num_heads, d), k.view(-1, self.num_kv_heads, d), v.view(-1, self.num_kv_heads, d)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.per_head_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
         o = self.attn(q, k, v, meta)   # v is a strided view of qkv; the KV store takes it as is
@@ -80,10 +86,12 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    attention_class = LlamaAttention
+
     def __init__(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding, tp: TPGroup,
                  norm_offset: float = 0.0) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, layer, rotary, tp, norm_offset)
+        self.self_attn = self.attention_class(cfg, layer, rotary, tp, norm_offset)
         if cfg.is_moe_layer(layer) and cfg.shared_expert_intermediate_size:     # Qwen2-MoE
             self.mlp = SharedExpertMoE(cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size,
                                        cfg.moe_intermediate_size, cfg.norm_topk_prob,
