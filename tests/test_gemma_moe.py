@@ -50,14 +50,14 @@ def build(path: str, case: str) -> str:
     return build_checkpoint(path, case, cls, {**BASE, **extra})
 
 
-def build_checkpoint(path: str, case: str, cls: str, config: dict) -> str:
+def build_checkpoint(path: str, case: str, cls: str, config: dict, auto: str = "AutoModelForCausalLM") -> str:
     """A random HF checkpoint of transformers' `cls` (a config class name) at path, its weights seeded by the case's
     name and scaled so that every norm, router and soft-cap matters."""
     import transformers
 
     cfg = getattr(transformers, cls)(**config)
     torch.manual_seed(len(case))
-    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model = getattr(transformers, auto).from_config(cfg, dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:        # HF starts norms at 1 (Gemma's at 0, as 1 + w): make each one matter
@@ -130,3 +130,45 @@ def test_what_cannot_be_honoured_is_refused(models, tmp_path, field, value):
         json.dump(dict(cfg, **{field: value}), f)
     with pytest.raises(ValueError, match=field.split("_")[0] if field == "rope_parameters" else field):
         LLM(path, device="cpu")
+
+
+MULTIMODAL = {
+    # Gemma 3 4B-27B's checkpoints: the text model (q/k norms, a sliding layer and a global one) beside SigLIP
+    "gemma3_mm": ("Gemma3Config", "Gemma3TextConfig", dict(head_dim=32, query_pre_attn_scalar=24, sliding_window=7,
+                                                          layer_types=["sliding_attention", "full_attention"]),
+                  "SiglipVisionConfig", dict(image_size=28, patch_size=14), dict(mm_tokens_per_image=4,
+                                                                                  image_token_index=383)),
+    # Mistral Small 3.1's: Mistral's text model beside Pixtral
+    "mistral3_mm": ("Mistral3Config", "MistralConfig", dict(head_dim=16, sliding_window=None),
+                    "PixtralVisionConfig", dict(image_size=28, patch_size=14, head_dim=16), dict(image_token_index=383)),
+}
+
+
+def build_multimodal(path: str, case: str) -> str:
+    """A tiny random image-and-text checkpoint (a one-layer vision tower), saved as transformers saves one."""
+    import transformers
+
+    cls, text_cls, text, vision_cls, vision, top = MULTIMODAL[case]
+    text_cfg = getattr(transformers, text_cls)(**{**BASE, **text})
+    vision_cfg = getattr(transformers, vision_cls)(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                   num_attention_heads=2, **vision)
+    return build_checkpoint(path, case, cls, dict(text_config=text_cfg, vision_config=vision_cfg, **top),
+                            "AutoModelForImageTextToText")
+
+
+@pytest.mark.parametrize("case", list(MULTIMODAL))
+def test_the_text_model_of_a_multimodal_checkpoint_matches_hf(tmp_path, case):
+    """Gemma3ForConditionalGeneration and Mistral3ForConditionalGeneration served as their text models: the vision
+    tower and projector are left out, the text model's tensors renamed; on text prompts, HF's whole model's greedy
+    tokens and logprobs."""
+    path = build_multimodal(str(tmp_path / case), case)
+    ps = prompts()
+    ref, ref_lp = hf_greedy(path, ps, 10, "AutoModelForImageTextToText")
+    llm = LLM(path, block_size=4, num_kv_blocks=128, device="cpu")
+    assert llm.engine.model_config.architecture == {"gemma3_mm": "Gemma3ForCausalLM",
+                                                    "mistral3_mm": "MistralForCausalLM"}[case]
+    outs = generate(llm, ps, 10)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    for o, lp in zip(outs, ref_lp):
+        ours = [d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
+        assert ours == pytest.approx(lp, abs=LOGPROB_ATOL)

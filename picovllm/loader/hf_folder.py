@@ -14,12 +14,49 @@ from picovllm.loader.source import ModelSource, WeightIterator
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 
+# An image-and-text checkpoint served as its text model: its architecture -> the text model's, and what its
+# tensors' names start with: the text model's prefixes (old and new transformers layouts) -> the text model's own,
+# and the parts left out (the vision tower and its projector). Images are never taken (non-text content is refused).
+TEXT_OF_MULTIMODAL = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
+                      "Mistral3ForConditionalGeneration": "MistralForCausalLM"}
+_TEXT_PREFIXES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
+                  ("model.language_model.", "model."))
+_LEFT_OUT = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
+def _text_config(raw: dict) -> dict:
+    """config.json as the text model's: a multimodal one's text_config (what it leaves out taken from the top
+    level, and the top level's tie_word_embeddings over its own), any other as it is."""
+    arch = (raw.get("architectures") or [None])[0]
+    if arch not in TEXT_OF_MULTIMODAL:
+        return raw
+    text = dict(raw.get("text_config") or {})
+    for key in ("eos_token_id", "bos_token_id", "pad_token_id", "torch_dtype", "dtype"):
+        if key not in text and key in raw:
+            text[key] = raw[key]
+    if "tie_word_embeddings" in raw:       # the whole model's, as HF ties the LM head of the multimodal model
+        text["tie_word_embeddings"] = raw["tie_word_embeddings"]
+    return dict(text, architectures=[TEXT_OF_MULTIMODAL[arch]])
+
+
+def _text_name(name: str) -> str | None:
+    """A multimodal checkpoint's tensor name as the text model's, None for a part left out."""
+    if name.startswith(_LEFT_OUT):
+        return None
+    for old, new in _TEXT_PREFIXES:
+        if name.startswith(old):
+            return new + name[len(old):]
+    return name
+
+
 def open_folder(path: str) -> ModelSource:
     cfg_path = os.path.join(path, "config.json")
     if not os.path.exists(cfg_path):
         raise ValueError(f"model folder {path!r} has no config.json")
     with open(cfg_path) as f:
-        raw = json.load(f)
+        full = json.load(f)
+    raw = _text_config(full)
+    multimodal = raw is not full
     gen_path = os.path.join(path, "generation_config.json")
     if os.path.exists(gen_path):
         with open(gen_path) as f:
@@ -35,8 +72,11 @@ def open_folder(path: str) -> ModelSource:
         for file in files:
             with safe_open(file, framework="pt") as f:
                 for name in f.keys():
+                    text_name = _text_name(name) if multimodal else name
+                    if text_name is None:
+                        continue
                     t = f.get_tensor(name)
-                    yield name, t if config.rotary_dim is None else _in_rotary_order(name, t, config)
+                    yield text_name, t if config.rotary_dim is None else _in_rotary_order(text_name, t, config)
 
     has_tok = any(os.path.exists(os.path.join(path, n)) for n in TOKENIZER_FILES)
 
@@ -44,7 +84,7 @@ def open_folder(path: str) -> ModelSource:
         from transformers import AutoTokenizer
         return AutoTokenizer.from_pretrained(path)
 
-    identity = ("hf", raw, [(os.path.basename(f), file_identity(f, head_bytes=1 << 20)) for f in files])
+    identity = ("hf", full, [(os.path.basename(f), file_identity(f, head_bytes=1 << 20)) for f in files])
     return ModelSource(path, config, weights, load_tokenizer if has_tok else None, identity)
 
 
