@@ -51,6 +51,17 @@ def parse_override(value) -> dict | None:
     raise ValueError(f"override_generation_config must be a JSON object, got {value!r}")
 
 
+def _local(model: str | None) -> str | None:
+    """The model's local folder or file (a Hub repository's in the Hub's cache); None where there is none."""
+    if model is None or model.startswith("random:"):
+        return None
+    from picovllm.loader.source import resolve_model
+    try:
+        return resolve_model(model)
+    except ValueError:
+        return None
+
+
 def sampling_defaults(model: str | None, mode: str = "auto", override: dict | str | None = None) -> dict:
     """SamplingParams keyword arguments a request that leaves them unset gets, e.g. {"temperature": 0.6, "top_k":
     20}; {} for none. model: the model's folder or file (a GGUF, None or "random:..." has no generation config);
@@ -62,7 +73,7 @@ def sampling_defaults(model: str | None, mode: str = "auto", override: dict | st
     if mode == "vllm":
         raw = {}
     elif mode == "auto":
-        raw = _read(model, False) if model is not None and os.path.isdir(model) else {}
+        raw = _read(_local(model), False) if _local(model) is not None and os.path.isdir(_local(model)) else {}
     else:
         raw = _read(mode, True)
     raw = {k: raw[k] for k in KEYS if raw.get(k) is not None}

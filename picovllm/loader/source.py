@@ -1,6 +1,8 @@
 from __future__ import annotations
 
+import functools
 import os
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterator
 
@@ -25,7 +27,7 @@ class ModelSource:
 
 
 def open_model_source(model: str | None, disk_cache: bool = True) -> ModelSource:
-    """model: an HF folder, a .gguf file, "random:<preset>" (random weights of a benchmark preset's shape, made as
+    """model: an HF folder, a .gguf file, a Hugging Face Hub repository (resolve_model), "random:<preset>" (random weights of a benchmark preset's shape, made as
     they are loaded: picovllm/bench/random_checkpoint.py), or None for the default model. disk_cache: keep what is
     derived from a GGUF (tokenizer, dequantized weights) in the artifact cache (picovllm/artifact_cache.py)."""
     from picovllm.artifact_cache import ArtifactCache
@@ -35,9 +37,7 @@ def open_model_source(model: str | None, disk_cache: bool = True) -> ModelSource
         from picovllm.bench.random_checkpoint import random_source
         return random_source(model[len("random:"):])
 
-    path = model if model is not None else default_model_path()
-    if not os.path.exists(path):
-        raise ValueError(f"model path {path!r} does not exist (give an HF model folder or a .gguf file)")
+    path = resolve_model(model) if model is not None else default_model_path()
     if os.path.isdir(path):
         from picovllm.loader import hf_folder
         return hf_folder.open_folder(path)
@@ -45,3 +45,31 @@ def open_model_source(model: str | None, disk_cache: bool = True) -> ModelSource
         from picovllm.loader import gguf_file   # needs the gguf package, which an HF-only setup may lack
         return gguf_file.open_gguf(path, ArtifactCache.from_env() if disk_cache else None)
     raise ValueError(f"model path {path!r} is neither a folder nor a .gguf file")
+
+
+# a Hub repository id ("org/name"), or one GGUF file in one ("org/name/file.gguf")
+_REPO = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+(/[^/]+\.gguf)?")
+# what an HF folder needs of a repository: configs, weights, tokenizer files, chat templates
+HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
+
+
+@functools.lru_cache(maxsize=None)
+def resolve_model(model: str) -> str:
+    """A local path as it is; else a Hugging Face Hub repository id, as vLLM takes one: "org/name" (its configs,
+    safetensors and tokenizer files) or "org/name/file.gguf" (that file), fetched into the Hub's cache (HF_HOME,
+    HF_HUB_CACHE) or found there (HF_HUB_OFFLINE=1: only there). ValueError naming the model otherwise."""
+    if os.path.exists(model):
+        return model
+    if model.startswith((".", "/", "~")) or not _REPO.fullmatch(model):
+        raise ValueError(f"model path {model!r} does not exist (give an HF model folder, a .gguf file or a Hugging "
+                         "Face Hub repository id such as Qwen/Qwen3-0.6B)")
+    try:
+        import huggingface_hub
+        if model.endswith(".gguf"):
+            org, name, file = model.split("/", 2)
+            return huggingface_hub.hf_hub_download(f"{org}/{name}", file)
+        return huggingface_hub.snapshot_download(model, allow_patterns=HUB_FILES)
+    except Exception as e:  # noqa: BLE001 - offline, unknown, gated: one error naming the model and the cause
+        raise ValueError(f"model {model!r} is no local path, and fetching it from the Hugging Face Hub failed: "
+                         f"{type(e).__name__}: {e}") from None
+

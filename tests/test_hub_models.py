@@ -1,0 +1,75 @@
+"""A model given as a Hugging Face Hub repository id (as vLLM takes one): "org/name" or "org/name/file.gguf", found
+in the Hub's cache. No network here: the cache is laid out as huggingface_hub lays it out (refs/main naming a
+snapshot folder) and the Hub is offline (HF_HUB_OFFLINE), so the lookup is huggingface_hub's own, as on a machine
+that fetched the repository before. The oracle: the same model given as its local path."""
+import os
+import shutil
+
+import pytest
+
+from picovllm import LLM, SamplingParams
+from picovllm.loader.source import resolve_model
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+@pytest.fixture
+def hub_cache(tmp_path, monkeypatch):
+    """An offline Hub cache at tmp_path; returns a function that puts a folder's files in it as repo `repo_id`."""
+    import huggingface_hub.constants as constants
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    resolve_model.cache_clear()
+
+    def put(repo_id: str, files: dict[str, str]) -> str:
+        repo = tmp_path / ("models--" + repo_id.replace("/", "--"))
+        snap = repo / "snapshots" / COMMIT
+        snap.mkdir(parents=True)
+        (repo / "refs").mkdir()
+        (repo / "refs" / "main").write_text(COMMIT)
+        for name, src in files.items():
+            shutil.copy(src, snap / name)
+        return str(snap)
+    yield put
+    resolve_model.cache_clear()
+
+
+def test_a_repository_id_runs_the_cached_snapshot(tiny_models, hub_cache):
+    src = tiny_models["llama"]
+    files = {f: os.path.join(src, f) for f in os.listdir(src)}
+    gen = os.path.join(os.path.dirname(src), "generation_config.json")
+    with open(gen, "w") as f:
+        f.write('{"temperature": 0.3, "top_k": 7}')
+    snap = hub_cache("tiny-org/tiny-llama", {**files, "generation_config.json": gen})
+    assert resolve_model("tiny-org/tiny-llama") == snap
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = [[5, 6, 7, 8], [40, 41]]
+    hub = LLM("tiny-org/tiny-llama", num_kv_blocks=32, device="cpu")
+    local = LLM(src, num_kv_blocks=32, device="cpu")
+    assert [o.outputs[0].token_ids for o in hub.generate(prompts, sp, use_tqdm=False)] == \
+        [o.outputs[0].token_ids for o in local.generate(prompts, sp, use_tqdm=False)]
+    defaults = hub.get_default_sampling_params()          # the repository's generation_config.json
+    assert (defaults.temperature, defaults.top_k) == (0.3, 7)
+
+
+def test_a_gguf_file_in_a_repository(tmp_path, hub_cache):
+    from test_gguf import write_tiny_gguf
+    path = str(tmp_path / "tiny.gguf")
+    write_tiny_gguf(path, "Q8_0")
+    hub_cache("tiny-org/tiny-gguf", {"tiny-q8_0.gguf": path})
+    sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    hub = LLM("tiny-org/tiny-gguf/tiny-q8_0.gguf", num_kv_blocks=32, device="cpu")
+    local = LLM(path, num_kv_blocks=32, device="cpu")
+    assert hub.generate([[1, 2, 3]], sp, use_tqdm=False)[0].outputs[0].token_ids == \
+        local.generate([[1, 2, 3]], sp, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_what_cannot_be_found_names_the_model(hub_cache):
+    with pytest.raises(ValueError, match="'nobody/nothing' is no local path, and fetching it from the Hugging Face "
+                                         "Hub failed"):
+        LLM("nobody/nothing", device="cpu")
+    with pytest.raises(ValueError, match="'./missing' does not exist"):
+        LLM("./missing", device="cpu")
+    with pytest.raises(ValueError, match="'a/b/c' does not exist"):       # neither a path nor a repository id
+        LLM("a/b/c", device="cpu")
