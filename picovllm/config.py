@@ -266,6 +266,8 @@ class EngineConfig:
                                           # meet (engine/warmup.py); None: on for CUDA with the Triton backend
     attention_backend: str = "auto"       # "torch" | "triton" | "cpu" (C paged kernel) | "auto"
     skip_tokenizer_init: bool = False
+    trust_remote_code: bool = False       # vLLM's flag, accepted so its command lines run: picovllm never runs a
+                                          # checkpoint's own code (an architecture it lacks is refused either way)
     tensor_parallel_size: int = 1
     seed: int = 0
     role: str = "pd"                      # "pd" (colocated), "p" (prefill only), "d" (decode only)

@@ -73,3 +73,24 @@ def test_what_cannot_be_found_names_the_model(hub_cache):
         LLM("./missing", device="cpu")
     with pytest.raises(ValueError, match="'a/b/c' does not exist"):       # neither a path nor a repository id
         LLM("a/b/c", device="cpu")
+
+
+def test_a_vllm_serve_command_line_parses(tiny_models, hub_cache):
+    """`vllm serve org/name --trust-remote-code --max-model-len N` as picovllm's serve reads it: the repository id
+    positional, vLLM's trust flag accepted (picovllm runs no checkpoint code), the engine built from it."""
+    import argparse
+
+    from picovllm.entrypoints.engine_args import engine_config_from_args
+    from picovllm.entrypoints.openai import cli_serve
+    from picovllm.engine.llm_engine import Engine
+    src = tiny_models["qwen3"]
+    hub_cache("tiny-org/tiny-qwen3", {f: os.path.join(src, f) for f in os.listdir(src)})
+    parser = argparse.ArgumentParser()
+    cli_serve.add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["serve", "tiny-org/tiny-qwen3", "--trust-remote-code", "--max-model-len", "128",
+                              "--num-kv-blocks", "16", "--device", "cpu"])
+    config = engine_config_from_args(args, model=args.model or args.model_tag)
+    assert config.trust_remote_code and config.model == "tiny-org/tiny-qwen3"
+    engine = Engine(config)
+    assert engine.max_model_len == 128 and engine.model_config.architecture == "Qwen3ForCausalLM"
+    engine.shutdown()
