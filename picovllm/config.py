@@ -89,7 +89,13 @@ class ModelConfig:
         heads, layers = cfg["num_attention_heads"], cfg["num_hidden_layers"]
         rope, local_rope = _ropes(cfg)
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-        partial = cfg.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
+        if head_dim % 2:
+            raise ValueError(f"config.json head_dim {head_dim}: rotary embeddings need an even head_dim")
+        partial = cfg.get("partial_rotary_factor", rope.get("partial_rotary_factor"))
+        partial = 1.0 if partial is None else partial
+        if partial != 1.0 and arch != "Phi3ForCausalLM":     # HF's other families here rotate every dim anyway
+            raise ValueError(f"config.json partial_rotary_factor={partial!r}: only Phi-3's (Phi3ForCausalLM) partial "
+                             "rotary is supported")
         rotary_dim = int(head_dim * partial)      # as HF computes it
         if not 0 < rotary_dim <= head_dim or rotary_dim % 2:
             raise ValueError(f"config.json partial_rotary_factor={partial!r}: rotates {rotary_dim} of head_dim "
@@ -168,6 +174,9 @@ def _sliding_window(cfg: dict[str, Any], arch: str, layers: int) -> tuple[int | 
     if window is None or cfg.get("use_sliding_window", True) is False:
         return None, None
     types = cfg.get("layer_types")
+    if types is None and arch in ("Qwen2MoeForCausalLM", "SmolLM3ForCausalLM"):
+        raise ValueError(f"config.json use_sliding_window without layer_types: which layers of {arch} slide is not "
+                         "read from this config (give layer_types)")
     if types is not None:
         sliding = [t == "sliding_attention" for t in types]
     elif arch == "Gemma2ForCausalLM":

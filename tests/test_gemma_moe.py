@@ -115,6 +115,11 @@ def test_tp2_matches_tp1(models, case, monkeypatch):
     assert [o.outputs[0].token_ids for o in tp2] == [o.outputs[0].token_ids for o in tp1]
 
 
+def test_q8_0_at_load_is_refused_for_experts(models):
+    with pytest.raises(ValueError, match="'q8_0' quantizes dense models"):
+        LLM(models["qwen2_moe"], device="cpu", quantization="q8_0")
+
+
 @pytest.mark.parametrize("field,value", [("use_bidirectional_attention", True), ("hidden_activation", "relu"),
                                          ("rope_parameters", {"rope_type": "yarn", "factor": 2.0})])
 def test_what_cannot_be_honoured_is_refused(models, tmp_path, field, value):

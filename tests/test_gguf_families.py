@@ -281,6 +281,13 @@ def test_gguf_matches_hf(models, tmp_path, case):
 def test_config_read_from_the_metadata(models, tmp_path):
     """What the parity above rests on, field by field, where a wrong reading could still pass by chance."""
     from picovllm.loader.gguf_file import open_gguf
+
+    def no_attention_scale(w, tensors):
+        for kv in w.kv_data:
+            kv.pop("granite.attention.scale", None)
+    # Granite without attention.scale: llama.cpp's rule, head_dim ** -0.5 (the multiplier left unset)
+    cfg = open_gguf(write_gguf(models["granite"], "granite", str(tmp_path / "gr.gguf"), extra=no_attention_scale)).config
+    assert cfg.attention_multiplier is None and cfg.logits_scaling == 2.5
     cfg = open_gguf(write_gguf(models["gemma3"], "gemma3", str(tmp_path / "g3.gguf"))).config
     assert cfg.sliding_layers == [True] * 5 + [False, True] and cfg.sliding_window == 7
     assert (cfg.query_pre_attn_scalar, cfg.rope_local_theta, cfg.rope_theta) == pytest.approx((64, 100.0, 10000.0))

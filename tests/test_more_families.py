@@ -184,6 +184,59 @@ def test_partial_rotary_in_rotary_order_and_odd_ones_refused(models, tmp_path):
         json.dump(cfg, f)
     with pytest.raises(ValueError, match="partial_rotary_factor"):
         LLM(odd, device="cpu")
+    # another family's config with the field: HF rotates every dim there, so it is refused, not half-honoured
+    mistral = str(tmp_path / "mistral")
+    shutil.copytree(models["mistral"], mistral)
+    with open(os.path.join(mistral, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["partial_rotary_factor"] = 0.5
+    with open(os.path.join(mistral, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    with pytest.raises(ValueError, match="only Phi-3's"):
+        LLM(mistral, device="cpu")
+
+
+def test_nope_layers_and_granite_scalings_matter(models, tmp_path):
+    """What the parity above rests on: SmolLM3's second layer has no rotation (the first has one), Granite's four
+    scalings are read, and each changes the output: the same weights with the field at its neutral value give other
+    prompt logprobs."""
+    import json
+    import shutil
+
+    smol = LLM(models["smollm3"], num_kv_blocks=64, device="cpu")
+    assert smol.engine.model_config.rope_layers == [True, False]
+    cos_sin = [layer.self_attn.rotary.cos_sin for layer in smol.engine.runner.model.layers]
+    assert (cos_sin[1][:, :5] == 1).all() and (cos_sin[1][:, 5:] == 0).all() and not (cos_sin[0][1:, :5] == 1).all()
+    assert cos_sin[1].shape == cos_sin[0].shape and cos_sin[1].dtype == torch.float32   # as long as the other table
+    cfg = LLM(models["granite"], num_kv_blocks=64, device="cpu").engine.model_config
+    assert (cfg.embedding_multiplier, cfg.residual_multiplier, cfg.attention_multiplier, cfg.logits_scaling) == \
+        (3.0, 0.5, 0.6, 2.5)
+    sp = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+
+    def logprobs(path):
+        out = LLM(path, num_kv_blocks=64, device="cpu").generate([prompts()[2]], sp, use_tqdm=False)[0]
+        return [d[t].logprob for d, t in zip(out.prompt_logprobs[1:], out.prompt_token_ids[1:])]
+    windowed = str(tmp_path / "smollm3-window")            # no layer_types to say which layers slide: refused
+    shutil.copytree(models["smollm3"], windowed)
+    with open(f"{windowed}/config.json") as f:
+        hf = json.load(f)
+    hf.update(use_sliding_window=True, sliding_window=8)
+    hf.pop("layer_types", None)
+    with open(f"{windowed}/config.json", "w") as f:
+        json.dump(hf, f)
+    with pytest.raises(ValueError, match="use_sliding_window without layer_types"):
+        LLM(windowed, device="cpu")
+    for case, field, neutral in [("smollm3", "no_rope_layers", [1, 1]), ("granite", "embedding_multiplier", 1.0),
+                                 ("granite", "residual_multiplier", 1.0), ("granite", "attention_multiplier", 10 ** -0.5),
+                                 ("granite", "logits_scaling", 1.0)]:
+        other = str(tmp_path / f"{case}-{field}")
+        shutil.copytree(models[case], other)
+        with open(f"{other}/config.json") as f:
+            hf = json.load(f)
+        hf[field] = neutral
+        with open(f"{other}/config.json", "w") as f:
+            json.dump(hf, f)
+        assert logprobs(other) != pytest.approx(logprobs(models[case]), abs=1e-3), field
 
 
 @pytest.mark.parametrize("case", ["mistral", "phi3", "granite", "smollm3", "phi3_partial", "olmo2", "olmo2_mqa"])

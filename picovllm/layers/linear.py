@@ -116,9 +116,11 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 class RowParallelLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = False, tp: TPGroup = SINGLE,
-                 in_shard: tuple[int, int] | None = None) -> None:
-        """in_shard: (first, count) of the input features this rank holds, when not an even split."""
+                 in_shard: tuple[int, int] | None = None, reduce: bool = True) -> None:
+        """in_shard: (first, count) of the input features this rank holds, when not an even split. reduce: False
+        leaves the ranks' partial sums for the caller to add up (with others, in one all-reduce)."""
         super().__init__()
+        self.reduce = reduce
         if in_shard is None:
             assert in_features % tp.size == 0, f"in_features {in_features} not divisible by tp size {tp.size}"
             in_shard = (tp.rank * (in_features // tp.size), in_features // tp.size)
@@ -148,7 +150,8 @@ class RowParallelLinear(nn.Module):
         return self._finish(y)
 
     def _finish(self, y: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(y)
+        if self.reduce:
+            y = self.tp.all_reduce(y)
         return y if self.bias is None else y + self.bias
 
 

@@ -80,6 +80,10 @@ class FusedMoE(nn.Module):
         dst.copy_(src)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_reduce(self.routed(x))
+
+    def routed(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the experts' sum (its shards of every expert), before the all-reduce."""
         logits = self.gate(x)
         w13, w2 = self.experts.gate_up_proj, self.experts.down_proj
         if x.is_cuda:   # routed in one kernel, tokens grouped by expert, a grouped GEMM per projection; the torch
@@ -89,7 +93,7 @@ class FusedMoE(nn.Module):
         else:
             weights, ids = route(logits, self.top_k, self.renormalize)
             out = experts_reference(x, weights, ids, w13, w2, self.act)
-        return self.tp.all_reduce(out)
+        return out
 
 
 class SharedExpertMoE(FusedMoE):
@@ -103,11 +107,12 @@ class SharedExpertMoE(FusedMoE):
         from picovllm.layers.linear import MergedColumnParallelLinear, RowParallelLinear
         self.shared_expert = nn.Module()
         self.shared_expert.gate_up_proj = MergedColumnParallelLinear(hidden, [shared_intermediate] * 2, tp=tp)
-        self.shared_expert.down_proj = RowParallelLinear(shared_intermediate, hidden, tp=tp)
+        self.shared_expert.down_proj = RowParallelLinear(shared_intermediate, hidden, tp=tp, reduce=False)
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
         self.shared_expert_gate.weight.requires_grad_(False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shared = self.shared_expert.down_proj(self.act(self.shared_expert.gate_up_proj(x)))
-        return super().forward(x) + torch.sigmoid(self.shared_expert_gate(x)) * shared
+        shared = self.shared_expert.down_proj(self.act(self.shared_expert.gate_up_proj(x)))   # a partial sum
+        # the gate is replicated: gate * (sum of the ranks' parts) = sum of gate * part, one all-reduce for both
+        return self.tp.all_reduce(self.routed(x) + torch.sigmoid(self.shared_expert_gate(x)) * shared)
 

@@ -88,11 +88,12 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin", cos_sin, persistent=False)
 
     @classmethod
-    def identity(cls, head_dim: int, max_position: int) -> "RotaryEmbedding":
-        """A rotation by angle 0 at every position (cos 1, sin 0): a NoPE layer's, on every rotary path."""
+    def identity(cls, head_dim: int, rows: int) -> "RotaryEmbedding":
+        """A rotation by angle 0 at every one of `rows` positions (cos 1, sin 0; as many rows as the model's other
+        table, LongRoPE's second half included): a NoPE layer's, on every rotary path."""
         rot = cls(head_dim, 1, 10000.0)
-        rot.cos_sin = torch.cat([torch.ones(max_position, head_dim // 2), torch.zeros(max_position, head_dim // 2)],
-                                dim=-1)
+        half = (rows, head_dim // 2)
+        rot.cos_sin = torch.cat([torch.ones(half, dtype=torch.float32), torch.zeros(half, dtype=torch.float32)], dim=-1)
         return rot
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):

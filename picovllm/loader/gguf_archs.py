@@ -191,6 +191,8 @@ def model_config(meta: dict, tensors: dict, path: str) -> tuple[ModelConfig, Arc
     gemma = _gemma(meta, p, name, hidden, heads, head_dim, layers) if arch.gemma else {}
     if name == "granite":
         gemma = {field: float(meta.get(p + key, 1.0)) for field, key in _GRANITE.items()}
+        if not meta.get(p + "attention.scale"):        # llama.cpp's rule: missing or 0 is head_dim ** -0.5
+            gemma["attention_multiplier"] = None
     elif name == "smollm3":             # llama.cpp's rule (the file does not say): every 4th layer NoPE
         gemma = {"rope_layers": [(i + 1) % 4 != 0 for i in range(layers)] if layers >= 4 else None}
     config = ModelConfig(
@@ -205,7 +207,7 @@ def model_config(meta: dict, tensors: dict, path: str) -> tuple[ModelConfig, Arc
         rms_norm_eps=float(meta.get(p + "attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(meta.get(p + "rope.freq_base", 1e6 if name == "gemma3" else 10000.0)),
         max_position_embeddings=int(meta.get(p + "context_length", 4096)),
-        rope_scaling=_rope_scaling(meta, tensors, p, path, head_dim),
+        rope_scaling=_rope_scaling(meta, tensors, p, path, rot),
         tie_word_embeddings="output.weight" not in tensors,
         eos_token_ids=[int(eos)] if eos is not None else [],
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
@@ -280,15 +282,15 @@ def _gemma(meta: dict, p: str, arch: str, hidden: int, heads: int, head_dim: int
     return dict(hidden_act="gelu_pytorch_tanh", query_pre_attn_scalar=scalar, rope_local_theta=local, **caps)
 
 
-def _rope_scaling(meta: dict, tensors: dict, p: str, path: str, head_dim: int) -> dict | None:
+def _rope_scaling(meta: dict, tensors: dict, p: str, path: str, rotary_dim: int) -> dict | None:
     """Linear scaling (Gemma 3's global layers), Phi-3's LongRoPE or Llama 3's frequency divisors (both factors are
     tensors of the file)."""
     kind = meta.get(p + "rope.scaling.type", "none")
     if "rope_freqs.weight" in tensors:
         factors = _vector(tensors["rope_freqs.weight"])
-        if len(factors) != head_dim // 2:
+        if len(factors) != rotary_dim // 2:
             raise ValueError(f"GGUF {path!r}: tensor 'rope_freqs.weight' has {len(factors)} values, the rotary "
-                             f"embedding has {head_dim // 2} frequencies")
+                             f"embedding has {rotary_dim // 2} frequencies")
         if kind != "none" or "rope_factors_long.weight" in tensors:
             raise ValueError(f"GGUF {path!r}: tensor 'rope_freqs.weight' with another rope scaling "
                              f"({p}rope.scaling.type={kind!r}) is unsupported")

@@ -41,6 +41,9 @@ def with_q8_0(source: ModelSource, device: torch.device, dtype: torch.dtype, tp_
     if source.stored_weights is not None:
         raise ValueError("EngineConfig.quantization 'q8_0' quantizes an HF folder at load; a GGUF runs in its own "
                          "quantized form with 'auto' (or as float32 with 'none')")
+    if source.config.num_experts:
+        raise ValueError("EngineConfig.quantization 'q8_0' quantizes dense models; this one routes to experts "
+                         f"({source.config.architecture}): give 'none' or 'bf16'")
     if device.type != "cpu" or dtype != torch.float32 or tp_size != 1:
         raise ValueError("EngineConfig.quantization 'q8_0' runs on the CPU in float32 with tensor_parallel_size 1, "
                          f"got device {device.type}, dtype {dtype}, tensor_parallel_size {tp_size}")

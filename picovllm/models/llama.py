@@ -132,7 +132,7 @@ class LlamaForCausalLM(nn.Module):
         local = rotary if cfg.rope_local_theta is None else RotaryEmbedding(     # Gemma 3's sliding layers
             cfg.head_dim, cfg.max_position_embeddings, cfg.rope_local_theta, rotary_dim=cfg.rotary_dim)
         # SmolLM3's NoPE layers: a rotation by angle 0 (every rotary path then leaves q and k as they are)
-        nope = RotaryEmbedding.identity(cfg.head_dim, cfg.max_position_embeddings) if cfg.rope_layers else None
+        nope = RotaryEmbedding.identity(cfg.head_dim, len(rotary.cos_sin)) if cfg.rope_layers else None   # as long
 
         def layer_rotary(i: int) -> RotaryEmbedding:
             if cfg.rope_layers and not cfg.rope_layers[i]:
