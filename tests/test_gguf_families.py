@@ -1,5 +1,5 @@
 """GGUF files of Mistral and Mixtral (llama.cpp's llama architecture, with a window and with experts), Llama 3's
-rope scaling (rope_freqs), Gemma 2 and 3, Qwen3-MoE, Qwen2-MoE, Phi-3, Granite and SmolLM3, written here from tiny random HF
+rope scaling (rope_freqs), Gemma 2 and 3, Qwen3-MoE, Qwen2-MoE, Phi-3, Granite, SmolLM3 and OLMo 2, written here from tiny random HF
 checkpoints as llama.cpp's converter lays them out (q/k rows interleaved for llama, granite and smollm3, experts
 stacked per projection, Gemma's norms stored as 1 + w, Phi-3's q/k/v and gate/up fused, LongRoPE factors and Llama 3's
 divisors as tensors, Granite's scalings as metadata). The oracle is HF transformers on the HF folder (fp32, CPU): greedy tokens and
@@ -64,6 +64,7 @@ CASES = {
     "qwen2_moe": ("qwen2moe", "Qwen2MoeConfig", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                                                      shared_expert_intermediate_size=48, mlp_only_layers=[1],
                                                      norm_topk_prob=False)),
+    "olmo2": ("olmo2", "Olmo2Config", dict(initializer_range=0.2)),
     "phi3_window": ("phi3", "Phi3Config", dict(num_attention_heads=6, num_key_value_heads=6, sliding_window=20)),
     "phi3_longrope": ("phi3", "Phi3Config", dict(
         sliding_window=None, original_max_position_embeddings=32, max_position_embeddings=512,
@@ -106,6 +107,7 @@ _LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"
           "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
 _GEMMA = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
           "post_feedforward_layernorm": "post_ffw_norm"}
+_OLMO2 = {"post_attention_layernorm": "post_attention_norm", "post_feedforward_layernorm": "post_ffw_norm"}
 _EXPERT = {"gate_proj": "ffn_gate_exps", "w1": "ffn_gate_exps", "up_proj": "ffn_up_exps", "w3": "ffn_up_exps",
            "down_proj": "ffn_down_exps", "w2": "ffn_down_exps"}
 
@@ -129,7 +131,8 @@ def _tensors(sd: dict, cfg: dict, arch: str) -> dict[str, np.ndarray]:
                 _, e, proj = rest.rsplit(".", 2)
                 experts.setdefault(f"blk.{layer}.{_EXPERT[proj]}", {})[int(e)] = w
                 continue
-            gg = f"blk.{layer}.{(_GEMMA if arch.startswith('gemma') else {}).get(rest) or _LAYER[rest]}"
+            post = _GEMMA if arch.startswith("gemma") else _OLMO2 if arch == "olmo2" else {}
+            gg = f"blk.{layer}.{post.get(rest) or _LAYER[rest]}"
             if arch in ("llama", "granite", "smollm3") and rest in ("self_attn.q_proj", "self_attn.k_proj"):
                 w = _permute(w, cfg["num_attention_heads" if "q_proj" in rest else "num_key_value_heads"])
         if arch.startswith("gemma") and name.endswith("norm.weight"):
@@ -257,7 +260,7 @@ EXPECTED = {"mistral_window": "MistralForCausalLM", "mixtral": "MixtralForCausal
             "gemma3": "Gemma3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "qwen3_moe_64": "Qwen3MoeForCausalLM",
             "phi3_window": "Phi3ForCausalLM", "phi3_longrope": "Phi3ForCausalLM", "llama3": "LlamaForCausalLM",
             "granite": "GraniteForCausalLM", "smollm3": "SmolLM3ForCausalLM", "phi3_partial": "Phi3ForCausalLM",
-            "qwen2_moe": "Qwen2MoeForCausalLM"}
+            "qwen2_moe": "Qwen2MoeForCausalLM", "olmo2": "Olmo2ForCausalLM"}
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -358,6 +361,7 @@ def _set(key: str, value):
     ("mixtral", "llama.expert_gating_func", 2, "expert_gating_func"),
     ("qwen3_moe", "qwen3moe.expert_shared_count", 1, "shared experts"),
     ("qwen2_moe", "qwen2moe.expert_shared_count", 2, "shared experts"),
+    ("olmo2", "olmo2.attention.sliding_window", 8, "OLMo 3"),
     ("gemma3", "gemma3.rope.scaling.type", "yarn", "rope.scaling.type"),
     ("mistral_window", "llama.rope.dimension_count", 4, "full rotary"),
 ])

@@ -10,6 +10,7 @@ What llama.cpp's converter changed, undone here:
 - qwen3moe, qwen2moe: experts stacked as Mixtral's; a layer without a router (ffn_gate_inp) is a dense MLP;
   qwen2moe's shared expert gate ([1, H] in HF) is stored as a vector.
 - granite, smollm3: q/k rows interleaved as llama's; Granite's four scalings as metadata.
+- olmo2: its norms after attention and the MLP (post_attention_norm, post_ffw_norm), q/k norms over the projection.
 What the metadata does not say, llama.cpp's own rule decides (Gemma's query scale, Gemma 3's sliding pattern,
 Qwen3-MoE's renormalised top-k, SmolLM3's NoPE on every 4th layer). Llama 3's rope scaling comes as a tensor
 (rope_freqs: a divisor per rotary frequency, computed by the converter from the checkpoint's llama3 parameters),
@@ -39,6 +40,7 @@ ARCHITECTURES = {
     "qwen3": Arch("Qwen3ForCausalLM"),
     "qwen3moe": Arch("Qwen3MoeForCausalLM"),
     "qwen2moe": Arch("Qwen2MoeForCausalLM"),
+    "olmo2": Arch("Olmo2ForCausalLM"),
     "gemma2": Arch("Gemma2ForCausalLM", gemma=True),
     "gemma3": Arch("Gemma3ForCausalLM", gemma=True),
     "phi3": Arch("Phi3ForCausalLM"),
@@ -182,6 +184,8 @@ def model_config(meta: dict, tensors: dict, path: str) -> tuple[ModelConfig, Arc
     eos = meta.get("tokenizer.ggml.eos_token_id")
     experts = _experts(meta, tensors, p, layers, path)
     window, sliding = _sliding(meta, p, name, layers)
+    if name == "olmo2" and window:          # OLMo 3 as llama.cpp writes it: not this model's layer shape
+        raise ValueError(f"GGUF {path!r}: {p}attention.sliding_window: sliding-window OLMo (OLMo 3) is unsupported")
     hf = arch.hf
     if name == "llama":
         hf = "MixtralForCausalLM" if experts["num_experts"] else "MistralForCausalLM" if window else hf
