@@ -33,7 +33,7 @@ def breakdown(prev: list, cur: list) -> tuple | None:
     if len(prev) < 10 or None in prev[7:10] or len(cur) < 10:
         return None
     t, launched, read, returned = prev[0], prev[7], prev[8], prev[9]
-    prepared = prev[10] if len(prev) > 10 else t
+    prepared = prev[10] if len(prev) > 10 and prev[10] is not None else t
     return tuple(1e3 * x for x in (prepared - t, launched - prepared, read - launched, returned - read,
                                    cur[0] - returned, cur[6] - prev[6]))
 
@@ -53,8 +53,11 @@ def main() -> None:
         if decodes == 0:
             continue          # the engine may have idled before it
         # from planning the step before to planning this one: the step before ran (overlapped, it was launched and
-        # the one before it read); predicted as the simulator does, with the serving loop's cost a sequence
-        predicted = prof.step_time(prev[1], prev[2], prev[5]) + prof.serve_per_seq * prev[3]
+        # the one before it read); predicted as the simulator does, with the serving loop's cost a sequence and an
+        # admission (a log before the admissions were recorded: none)
+        admitted = prev[11] if len(prev) > 11 else 0
+        predicted = prof.step_time(prev[1], prev[2], prev[5]) + prof.serve_per_seq * prev[3] \
+            + prof.serve_per_admission * admitted
         rows.append((t, t - prev[0], predicted, prev[1], prev[2], waiting, breakdown(prev, cur), prev[3]))
     if not rows:
         raise SystemExit("no back-to-back steps in the log")

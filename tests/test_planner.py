@@ -398,8 +398,8 @@ def test_profile_passes_agree_by_their_median_difference():
 
 
 def test_step_log_records_each_scheduled_step(tiny_models, tmp_path):
-    """PICOVLLM_STEP_LOG: each scheduled step's prompt tokens, decodes, sequences, waiting requests and the decodes'
-    tokens, written when the process exits. By hand: two 20-token prompts under a 16-token budget, 3 tokens each."""
+    """PICOVLLM_STEP_LOG: each scheduled step's prompt tokens, decodes, sequences, waiting requests, the decodes'
+    tokens and the requests it schedules first, written when the process exits. By hand: two 20-token prompts under a 16-token budget, 3 tokens each."""
     import os
     import subprocess
     import sys
@@ -421,7 +421,8 @@ def test_step_log_records_each_scheduled_step(tiny_models, tmp_path):
     # samples); two decodes (22 + 21); B's last decode (22: A has finished); then C: 16, 4, and three decodes
     assert steps[:5] == [(16, 0, 1, 1, 0), (16, 0, 2, 0, 0), (8, 1, 2, 0, 21), (0, 2, 2, 0, 43), (0, 1, 1, 0, 22)]
     assert steps[5:7] == [(16, 0, 1, 0, 0), (4, 0, 1, 0, 0)] and [s[1] for s in steps[7:]] == [1, 1, 1]
-    assert all(s[7:] == [None] * 3 for s in log[:5])      # not overlapped: no marks
+    assert all(s[7:11] == [None] * 4 for s in log[:5])    # not overlapped: no marks
+    assert [s[11] for s in log] == [1, 1, 0, 0, 0, 1, 0, 0, 0, 0]     # the steps that took A, B and C in
     cpu = [s[6] for s in log]
     assert cpu == sorted(cpu)
     for s, nxt in zip(log[5:], log[6:] + [None]):   # planned <= prepared <= launched <= read <= returned <= next

@@ -53,8 +53,9 @@ if TYPE_CHECKING:
 
 # PICOVLLM_STEP_LOG=PATH (a debugging aid): every scheduled step's (wall time, prompt tokens, decodes, sequences,
 # requests waiting, the decodes' tokens, the engine thread's CPU time then, and, overlapped, the wall times at which
-# it was launched, the step before's result was read, Engine.step returned and (last) it was prepared for the
-# launch), written to PATH.<pid> as JSON when the process exits: how a served engine's steps ran
+# it was launched, the step before's result was read, Engine.step returned and it was prepared for the launch; then
+# the requests it schedules for the first time), written to PATH.<pid> as JSON when the process exits: how a served
+# engine's steps ran
 # (benchmarks/step_log.py sets them beside the planner's profile).
 # Python's garbage collections go to PATH.<pid>.gc: (start wall time, generation, seconds, objects collected).
 _STEP_LOG: list | None = [] if os.environ.get("PICOVLLM_STEP_LOG") else None
@@ -433,7 +434,7 @@ class Engine:
             prev = self._in_flight[1] if self._in_flight else None
             step, late = self._prepare(sched)
             if self._step_marks is not None:
-                self._step_marks[10:] = [time.time()]      # prepared (the step log's marks)
+                self._step_marks[10] = time.time()      # prepared (the step log's marks)
 
             def fill_late_masks() -> None:     # runs while the device computes this step's forward
                 nonlocal early
@@ -512,8 +513,10 @@ class Engine:
             self._step_marks = None
             if sched.chunks:
                 context = sum(c.request.num_tokens for c in sched.chunks if c.is_decode)
+                admitted = sum(c.request.metrics.first_scheduled_time is None for c in sched.chunks)
                 self._step_marks = [now, sched.num_tokens - sched.num_decodes, sched.num_decodes, len(sched.chunks),
-                                    len(self.scheduler.waiting), context, time.thread_time(), None, None, None]
+                                    len(self.scheduler.waiting), context, time.thread_time(), None, None, None,
+                                    None, admitted]
                 _STEP_LOG.append(self._step_marks)
         for c in sched.chunks:
             if c.request.metrics.first_scheduled_time is None:
