@@ -24,7 +24,8 @@ def dtype_from_name(name: str) -> "torch.dtype":
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM",
                            "Qwen3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM",
                            "MixtralForCausalLM", "GraniteForCausalLM", "SmolLM3ForCausalLM", "Qwen2MoeForCausalLM",
-                           "Olmo2ForCausalLM")
+                           "Olmo2ForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM")
+COHERE = ("CohereForCausalLM", "Cohere2ForCausalLM")
 GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
@@ -63,12 +64,13 @@ class ModelConfig:
     moe_layers: list[bool] | None = None           # which layers route to experts (the others: a dense MLP)
     shared_expert_intermediate_size: int = 0       # Qwen2-MoE: a dense expert every token takes, sigmoid-gated
     rope_layers: list[bool] | None = None          # SmolLM3: which layers rotate q and k (None: all; the rest NoPE)
+    rotary_interleaved: bool = False               # Cohere: rotated pairs (2i, 2i + 1), not (i, i + D / 2)
     rotary_dim: int | None = None                  # partial rotary (Phi-4-mini): each head's first rotary_dim dims
                                                    # rotate, the rest pass (None: all); layers/rotary.rotary_order
     attention_multiplier: float | None = None      # Granite: the scores' scale (not head_dim ** -0.5)
     embedding_multiplier: float = 1.0              # Granite: embeddings scaled by it
     residual_multiplier: float = 1.0               # Granite: each attention and MLP output scaled before the add
-    logits_scaling: float = 1.0                    # Granite: logits divided by it
+    logits_scaling: float = 1.0                    # Granite: logits divided by it (Cohere: 1 / logit_scale)
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of decoder layer `layer` (None: it attends to the whole context)."""
@@ -123,10 +125,10 @@ class ModelConfig:
             num_attention_heads=heads,
             num_key_value_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=head_dim,
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rms_norm_eps=cfg.get("rms_norm_eps", cfg.get("layer_norm_eps", 1e-5) if arch in COHERE else 1e-6),
             rope_theta=rope.get("rope_theta", 10000.0),
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-            tie_word_embeddings=cfg.get("tie_word_embeddings", gemma),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", gemma or arch in COHERE),   # HF's defaults
             rope_scaling=_rope_scaling(rope, cfg),
             attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False))
             or (arch == "Qwen2MoeForCausalLM" and bool(cfg.get("qkv_bias", True))),
@@ -146,9 +148,10 @@ class ModelConfig:
             norm_topk_prob=arch == "MixtralForCausalLM" or bool(cfg.get("norm_topk_prob", False)),
             moe_layers=_moe_layers(cfg, layers) if experts else None,
             shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size") or 0 if experts else 0,
-            rope_layers=_rope_layers(cfg, arch, layers),
+            rope_layers=_rope_layers(cfg, arch, layers, sliding),
             rotary_dim=None if rotary_dim == head_dim else rotary_dim,
             **_granite(cfg, arch),
+            **_cohere(cfg, arch),
         )
 
 
@@ -191,8 +194,11 @@ def _sliding_window(cfg: dict[str, Any], arch: str, layers: int) -> tuple[int | 
     return (int(window), sliding) if any(sliding) else (None, None)
 
 
-def _rope_layers(cfg: dict[str, Any], arch: str, layers: int) -> list[bool] | None:
-    """SmolLM3: no_rope_layers holds 1 for a layer with rotary embeddings, 0 for a NoPE one (None: all rotate)."""
+def _rope_layers(cfg: dict[str, Any], arch: str, layers: int, sliding: list[bool] | None) -> list[bool] | None:
+    """SmolLM3: no_rope_layers holds 1 for a layer with rotary embeddings, 0 for a NoPE one (None: all rotate).
+    Cohere 2: only the sliding layers rotate."""
+    if arch == "Cohere2ForCausalLM":
+        return None if sliding is None or all(sliding) else list(sliding)
     if arch != "SmolLM3ForCausalLM":
         return None
     flags = cfg.get("no_rope_layers")
@@ -215,6 +221,15 @@ def _granite(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
                 embedding_multiplier=float(cfg.get("embedding_multiplier", 1.0)),
                 residual_multiplier=float(cfg.get("residual_multiplier", 1.0)),
                 logits_scaling=float(cfg.get("logits_scaling", 1.0)))
+
+
+def _cohere(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
+    """Cohere's interleaved rotary pairs and logit scale; its q/k LayerNorms (use_qk_norm) are refused."""
+    if arch not in COHERE:
+        return {}
+    if cfg.get("use_qk_norm"):
+        raise ValueError("config.json use_qk_norm=true: Cohere's q/k norms are unsupported")
+    return dict(rotary_interleaved=True, logits_scaling=1.0 / float(cfg.get("logit_scale") or 1.0))
 
 
 def _moe_layers(cfg: dict[str, Any], layers: int) -> list[bool]:

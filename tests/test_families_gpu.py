@@ -15,7 +15,7 @@ from test_parity_hf import assert_gpu_bf16_near_hf, assert_gpu_fp32_matches_hf
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 DENSE = {**{c: test_more_families for c in ("mistral", "mistral_window", "phi3", "phi3_window", "granite", "smollm3",
-                                            "phi3_partial", "olmo2")},
+                                            "phi3_partial", "olmo2", "cohere2")},
          **{c: test_gemma_moe for c in ("gemma2", "gemma2_hd256_mqa", "gemma3")}}
 
 
@@ -31,6 +31,6 @@ def test_fp32_matches_hf(models, case):
 
 
 @pytest.mark.parametrize("case", ["mistral_window", "phi3", "gemma2", "gemma3", "granite", "smollm3", "phi3_partial",
-                                  "olmo2"])
+                                  "olmo2", "cohere2"])
 def test_bf16_near_hf(models, case):
     assert_gpu_bf16_near_hf(models[case], DENSE[case].prompts(3))

@@ -1,4 +1,5 @@
-"""Mistral, Phi-3 (partial rotary too, as Phi-4-mini's), Granite, SmolLM3 and OLMo 2 from HF folders: greedy tokens and logprobs against HF transformers on the same
+"""Mistral, Phi-3 (partial rotary too, as Phi-4-mini's), Granite, SmolLM3, OLMo 2, Cohere and Cohere 2 from HF
+folders: greedy tokens and logprobs against HF transformers on the same
 tiny random weights (fp32, CPU), with and without a sliding window shorter than the longer prompts, and TP=2 against
 TP=1.
 
@@ -29,6 +30,11 @@ CASES = {
     # replicated, and its norm's sum must count it once)
     "olmo2": ("Olmo2Config", {"initializer_range": 0.2}),
     "olmo2_mqa": ("Olmo2Config", {"initializer_range": 0.2, "num_key_value_heads": 1}),
+    # a parallel block (one LayerNorm, attention + MLP), interleaved rotary pairs, a logit scale; Cohere 2 slides 3
+    # layers of 4 (window 6, under the longer prompts) and rotates only those
+    "cohere": ("CohereConfig", {"initializer_range": 0.2, "logit_scale": 0.5}),
+    "cohere2": ("Cohere2Config", {"initializer_range": 0.2, "logit_scale": 0.5, "num_hidden_layers": 4,
+                                  "sliding_window": 6}),
     # partial rotary: 12 of head_dim 16 rotate (Phi-4-mini: 96 of 128)
     "phi3_partial": ("Phi3Config", {"sliding_window": None, "num_attention_heads": 4, "partial_rotary_factor": 0.75,
                                     "initializer_range": 0.2}),
@@ -239,7 +245,8 @@ def test_nope_layers_and_granite_scalings_matter(models, tmp_path):
         assert logprobs(other) != pytest.approx(logprobs(models[case]), abs=1e-3), field
 
 
-@pytest.mark.parametrize("case", ["mistral", "phi3", "granite", "smollm3", "phi3_partial", "olmo2", "olmo2_mqa"])
+@pytest.mark.parametrize("case", ["mistral", "phi3", "granite", "smollm3", "phi3_partial", "olmo2", "olmo2_mqa",
+                                  "cohere2"])
 def test_tp2_matches_tp1(models, case, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")     # two ranks on two shared cores
     ps, sp = prompts(1), SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)

@@ -76,3 +76,21 @@ class ProjectionRMSNorm(nn.Module):
             squares = self.tp.all_reduce(squares) / self.replicas
         return self.weight * (h * torch.rsqrt(squares / self.total + self.eps)).to(x.dtype)
 
+
+class LayerNorm(nn.Module):
+    """LayerNorm with a weight and no bias (Cohere's), computed in float32; with a residual it first adds it
+    (returning the new residual), as RMSNorm does."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is not None:
+            x = x + residual
+            residual = x
+        h = torch.nn.functional.layer_norm(x.float(), x.shape[-1:], self.weight.float(), None, self.eps)
+        out = h.to(x.dtype)
+        return out if residual is None else (out, residual)
+

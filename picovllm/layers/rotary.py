@@ -1,6 +1,7 @@
 """Rotary position embedding (the 'rotate half' layout of HF checkpoints), with Llama-3, linear or LongRoPE scaling,
 or a divisor per frequency (a GGUF's rope_freqs: Llama 3's scaling as llama.cpp's converter computed it); partial
-rotary (only each head's first rotary_dim dims turn) as a full rotation of reordered q and k (rotary_order).
+rotary (only each head's first rotary_dim dims turn) and Cohere's interleaved pairs as a full rotate-half rotation of
+reordered q and k (head_order).
 
 LongRoPE (Phi-3): each frequency is divided by its factor, and cos and sin are scaled by the attention factor. A
 sequence uses the short factors while it stays within original_max_position_embeddings and the long ones at every
@@ -55,6 +56,16 @@ def longrope_cos_sin(head_dim: int, max_position: int, theta: float, scaling: di
     factor, orig = scaling["factor"], scaling["original_max_position_embeddings"]
     attn = scaling.get("attention_factor") or (1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(orig)))
     return (torch.cat([freqs.cos(), freqs.sin()], dim=-1) * attn).float()
+
+
+def head_order(cfg) -> list[int] | None:
+    """The order the loaders put each q and k head's dims in (new position -> checkpoint dim), so that the model's
+    rotation is the rotate-half kind over the whole head every kernel runs; None where the checkpoint's already is."""
+    if cfg.rotary_interleaved:       # Cohere's pairs (2i, 2i + 1) -> (i, i + D / 2)
+        return [*range(0, cfg.head_dim, 2), *range(1, cfg.head_dim, 2)]
+    if cfg.rotary_dim is not None:
+        return rotary_order(cfg.head_dim, cfg.rotary_dim)
+    return None
 
 
 def rotary_order(head_dim: int, rotary_dim: int) -> list[int]:

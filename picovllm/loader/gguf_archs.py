@@ -94,19 +94,19 @@ class Part:
 
 def tensor_parts(name: str, shape: tuple[int, ...], cfg: ModelConfig, arch: Arch) -> list[Part]:
     """The HF tensors the file tensor `name` (torch shape `shape`) holds; ValueError for a name no model reads."""
-    parts = _file_parts(name, shape, cfg, arch)
-    return parts if cfg.rotary_dim is None else [_in_rotary_order(part, cfg) for part in parts]
+    from picovllm.layers.rotary import head_order
+    parts, order = _file_parts(name, shape, cfg, arch), head_order(cfg)
+    return parts if order is None else [_in_rotary_order(part, cfg, order) for part in parts]
 
 
-def _in_rotary_order(part: Part, cfg: ModelConfig) -> Part:
+def _in_rotary_order(part: Part, cfg: ModelConfig, head_order: list[int]) -> Part:
     """Partial rotary: q's and k's rows (and biases, per-head norms) with each head's dims in
-    layers/rotary.rotary_order, as the HF folders' loader puts them."""
-    from picovllm.layers.rotary import rotary_order
+    layers/rotary.head_order, as the HF folders' loader puts them."""
     if not part.name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias", "q_norm.weight",
                                "k_norm.weight")):
         return part
     d, rows = cfg.head_dim, part.shape[0]
-    order = (np.arange(rows).reshape(-1, d)[:, rotary_order(d, cfg.rotary_dim)]).reshape(-1)
+    order = (np.arange(rows).reshape(-1, d)[:, head_order]).reshape(-1)
     start = part.take.start or 0 if isinstance(part.take, slice) else 0
     base = np.arange(start, start + rows) if isinstance(part.take, slice) else np.asarray(part.take)
     return dataclasses.replace(part, take=base[order])

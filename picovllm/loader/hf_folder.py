@@ -68,6 +68,9 @@ def open_folder(path: str) -> ModelSource:
     if not files:
         raise ValueError(f"model folder {path!r} has no *.safetensors files")
 
+    from picovllm.layers.rotary import head_order
+    order = head_order(config)
+
     def weights() -> WeightIterator:
         for file in files:
             with safe_open(file, framework="pt") as f:
@@ -76,7 +79,7 @@ def open_folder(path: str) -> ModelSource:
                     if text_name is None:
                         continue
                     t = f.get_tensor(name)
-                    yield text_name, t if config.rotary_dim is None else _in_rotary_order(text_name, t, config)
+                    yield text_name, t if order is None else _in_rotary_order(text_name, t, config, order)
 
     has_tok = any(os.path.exists(os.path.join(path, n)) for n in TOKENIZER_FILES)
 
@@ -88,14 +91,13 @@ def open_folder(path: str) -> ModelSource:
     return ModelSource(path, config, weights, load_tokenizer if has_tok else None, identity)
 
 
-def _in_rotary_order(name: str, t, config: ModelConfig):
-    """Partial rotary: q's and k's rows (Phi-3's fused q/k/v rows too), biases and per-head norms with each head's
-    dims in layers/rotary.rotary_order; every other tensor as it is."""
+def _in_rotary_order(name: str, t, config: ModelConfig, head_order: list[int]):
+    """Partial or interleaved rotary: q's and k's rows (Phi-3's fused q/k/v rows too), biases and per-head norms
+    with each head's dims in layers/rotary.head_order; every other tensor as it is."""
     import torch
 
-    from picovllm.layers.rotary import rotary_order
     d = config.head_dim
-    order = torch.tensor(rotary_order(d, config.rotary_dim))
+    order = torch.tensor(head_order)
     if name.endswith((".q_norm.weight", ".k_norm.weight")):
         return t[order]
 

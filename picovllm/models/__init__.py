@@ -1,4 +1,5 @@
 """Model registry: HF architecture name -> model class."""
+from picovllm.models.cohere import CohereForCausalLM
 from picovllm.models.gemma import GemmaForCausalLM
 from picovllm.models.granite import GraniteForCausalLM
 from picovllm.models.llama import LlamaForCausalLM
@@ -22,4 +23,6 @@ MODEL_REGISTRY = {
     "GraniteForCausalLM": GraniteForCausalLM,
     "SmolLM3ForCausalLM": LlamaForCausalLM,
     "Olmo2ForCausalLM": Olmo2ForCausalLM,
+    "CohereForCausalLM": CohereForCausalLM,
+    "Cohere2ForCausalLM": CohereForCausalLM,
 }
