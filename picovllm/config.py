@@ -125,7 +125,8 @@ class ModelConfig:
             num_attention_heads=heads,
             num_key_value_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=head_dim,
-            rms_norm_eps=cfg.get("rms_norm_eps", cfg.get("layer_norm_eps", 1e-5) if arch in COHERE else 1e-6),
+            rms_norm_eps=cfg.get("rms_norm_eps", cfg.get("layer_norm_eps", 1e-5) if arch in COHERE
+                                 else 1e-5 if arch == "Olmo2ForCausalLM" else 1e-6),           # HF's defaults
             rope_theta=rope.get("rope_theta", 10000.0),
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=cfg.get("tie_word_embeddings", gemma or arch in COHERE),   # HF's defaults
@@ -184,8 +185,9 @@ def _sliding_window(cfg: dict[str, Any], arch: str, layers: int) -> tuple[int | 
         sliding = [t == "sliding_attention" for t in types]
     elif arch == "Gemma2ForCausalLM":
         sliding = [i % 2 == 0 for i in range(layers)]
-    elif arch == "Gemma3ForCausalLM":
-        pattern = cfg.get("sliding_window_pattern", cfg.get("_sliding_window_pattern", 6))
+    elif arch in ("Gemma3ForCausalLM", "Cohere2ForCausalLM"):    # every pattern-th layer global
+        default = 6 if arch == "Gemma3ForCausalLM" else 4
+        pattern = cfg.get("sliding_window_pattern", cfg.get("_sliding_window_pattern", default))
         sliding = [(i + 1) % pattern != 0 for i in range(layers)]
     elif arch.startswith("Qwen"):
         sliding = [i >= cfg.get("max_window_layers", layers) for i in range(layers)]
@@ -229,7 +231,7 @@ def _cohere(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
         return {}
     if cfg.get("use_qk_norm"):
         raise ValueError("config.json use_qk_norm=true: Cohere's q/k norms are unsupported")
-    return dict(rotary_interleaved=True, logits_scaling=1.0 / float(cfg.get("logit_scale") or 1.0))
+    return dict(rotary_interleaved=True, logits_scaling=1.0 / float(cfg.get("logit_scale") or 0.0625))   # HF's
 
 
 def _moe_layers(cfg: dict[str, Any], layers: int) -> list[bool]:

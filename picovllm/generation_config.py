@@ -52,14 +52,14 @@ def parse_override(value) -> dict | None:
 
 
 def _local(model: str | None) -> str | None:
-    """The model's local folder or file (a Hub repository's in the Hub's cache); None where there is none."""
+    """The model's local folder or file (a Hub repository's configs in the Hub's cache); None where there is none.
+    A Hub repository that cannot be fetched is a ValueError naming it (its defaults would silently be lost)."""
     if model is None or model.startswith("random:"):
         return None
-    from picovllm.loader.source import resolve_model
-    try:
-        return resolve_model(model)
-    except ValueError:
-        return None
+    from picovllm.loader.source import is_hub_id, resolve_model
+    if not is_hub_id(model):
+        return model if os.path.exists(model) else None
+    return resolve_model(model, weights_needed=False)
 
 
 def sampling_defaults(model: str | None, mode: str = "auto", override: dict | str | None = None) -> dict:

@@ -149,12 +149,14 @@ MULTIMODAL = {
 }
 
 
-def build_multimodal(path: str, case: str) -> str:
-    """A tiny random image-and-text checkpoint (a one-layer vision tower), saved as transformers saves one."""
+def build_multimodal(path: str, case: str, **extra) -> str:
+    """A tiny random image-and-text checkpoint (a one-layer vision tower), saved as transformers saves one; extra:
+    fields set both in its text config and at its top level."""
     import transformers
 
     cls, text_cls, text, vision_cls, vision, top = MULTIMODAL[case]
-    text_cfg = getattr(transformers, text_cls)(**{**BASE, **text})
+    top = {**top, **extra}
+    text_cfg = getattr(transformers, text_cls)(**{**BASE, **text, **extra})
     vision_cfg = getattr(transformers, vision_cls)(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                                    num_attention_heads=2, **vision)
     return build_checkpoint(path, case, cls, dict(text_config=text_cfg, vision_config=vision_cfg, **top),
@@ -177,3 +179,60 @@ def test_the_text_model_of_a_multimodal_checkpoint_matches_hf(tmp_path, case):
     for o, lp in zip(outs, ref_lp):
         ours = [d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
         assert ours == pytest.approx(lp, abs=LOGPROB_ATOL)
+
+
+def test_a_released_gemma3_config_takes_transformers_defaults(tmp_path):
+    """Gemma 3 4B's config.json as released names six text_config fields; the rest are Gemma3TextConfig's defaults
+    (the oracle: transformers' own config class on the same six), and HF's image-and-text model does not soft-cap."""
+    import json
+
+    import transformers
+
+    from picovllm.config import ModelConfig
+    from picovllm.loader.hf_folder import _text_config
+    text = {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text", "num_hidden_layers": 34,
+            "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 1024}
+    raw = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "text_config": text,
+           "vision_config": {"model_type": "siglip_vision_model"}, "eos_token_id": [1, 106], "mm_tokens_per_image": 256,
+           "image_token_index": 262144}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    got = ModelConfig.from_hf_dict(_text_config(str(tmp_path), raw))
+    want = transformers.Gemma3TextConfig(**{k: v for k, v in text.items() if k != "model_type"})
+    assert (got.vocab_size, got.num_attention_heads, got.num_key_value_heads, got.head_dim, got.hidden_act) == \
+        (want.vocab_size, want.num_attention_heads, want.num_key_value_heads, want.head_dim, want.hidden_activation)
+    assert (got.max_position_embeddings, got.query_pre_attn_scalar, got.sliding_window) == \
+        (want.max_position_embeddings, want.query_pre_attn_scalar, 1024)
+    assert got.rope_theta == want.rope_parameters["full_attention"]["rope_theta"] == 1e6
+    assert (got.rope_scaling["rope_type"], got.rope_scaling["factor"], got.rope_local_theta) == ("linear", 8.0, 10000.0)
+    assert got.sliding_layers == [(i + 1) % 6 != 0 for i in range(34)] and got.eos_token_ids == [1, 106]
+    assert got.final_logit_softcapping is None
+    raw["text_config"] = dict(text, model_type="gemma2")          # another text model: refused by name
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match="text_config.model_type='gemma2'"):
+        _text_config(str(tmp_path), raw)
+
+
+def test_a_multimodal_lm_head_is_tied_as_hf_ties_it(tmp_path):
+    """A Mistral 3 checkpoint with its own LM head whose top-level config still says tie_word_embeddings (transformers
+    5 writes Mistral3Config's default): HF keeps the head it was given, and so does picovllm (tokens and logprobs);
+    the Mistral-format consolidated.safetensors beside an index is not read."""
+    import json
+    import os
+
+    from safetensors.torch import save_file
+    path = build_multimodal(str(tmp_path / "m"), "mistral3_mm", tie_word_embeddings=False)
+    cfg = json.load(open(os.path.join(path, "config.json")))
+    cfg["tie_word_embeddings"] = True
+    json.dump(cfg, open(os.path.join(path, "config.json"), "w"))
+    files = [f for f in os.listdir(path) if f.endswith(".safetensors")]
+    json.dump({"weight_map": {"x": files[0]}}, open(os.path.join(path, "model.safetensors.index.json"), "w"))
+    save_file({"layers.0.attention.wq.weight": torch.zeros(2, 2)}, os.path.join(path, "consolidated.safetensors"))
+    ps = prompts()
+    ref, ref_lp = hf_greedy(path, ps, 8, "AutoModelForImageTextToText")
+    llm = LLM(path, block_size=4, num_kv_blocks=128, device="cpu")
+    assert not llm.engine.model_config.tie_word_embeddings
+    outs = generate(llm, ps, 8)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    for o, lp in zip(outs, ref_lp):
+        assert [d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] == \
+            pytest.approx(lp, abs=LOGPROB_ATOL)

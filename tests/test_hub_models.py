@@ -94,3 +94,19 @@ def test_a_vllm_serve_command_line_parses(tiny_models, hub_cache):
     engine = Engine(config)
     assert engine.max_model_len == 128 and engine.model_config.architecture == "Qwen3ForCausalLM"
     engine.shutdown()
+
+
+def test_a_front_end_fetches_no_weights(tiny_models, hub_cache):
+    """The proxy's and the router's model (weights_needed=False): its config and tokenizer, no safetensors asked for;
+    a repository that cannot be found stops the generation defaults by name instead of dropping them."""
+    from picovllm.generation_config import sampling_defaults
+    from picovllm.loader.source import open_model_source
+    src = tiny_models["llama"]
+    hub_cache("tiny-org/no-weights", {f: os.path.join(src, f) for f in os.listdir(src) if f.endswith(".json")})
+    source = open_model_source("tiny-org/no-weights", weights_needed=False)
+    assert source.config.vocab_size == 384
+    with pytest.raises(ValueError, match="no \\*.safetensors files"):
+        open_model_source("tiny-org/no-weights")
+    with pytest.raises(ValueError, match="'nobody/nothing' is no local path"):
+        sampling_defaults("nobody/nothing")
+

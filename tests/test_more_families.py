@@ -245,6 +245,31 @@ def test_nope_layers_and_granite_scalings_matter(models, tmp_path):
         assert logprobs(other) != pytest.approx(logprobs(models[case]), abs=1e-3), field
 
 
+def test_cohere2_without_layer_types_takes_its_pattern(models, tmp_path):
+    """A Cohere 2 config as released before layer_types (sliding_window_pattern 4, transformers' default): every 4th
+    layer global and NoPE, as HF reads it (tokens and logprobs against HF on the edited config)."""
+    import json
+    import shutil
+    path = str(tmp_path / "cohere2")
+    shutil.copytree(models["cohere2"], path)
+    with open(f"{path}/config.json") as f:
+        cfg = json.load(f)
+    cfg.pop("layer_types")
+    cfg["sliding_window_pattern"] = 4
+    with open(f"{path}/config.json", "w") as f:
+        json.dump(cfg, f)
+    llm = LLM(path, block_size=16, num_kv_blocks=64, device="cpu")
+    assert llm.engine.model_config.rope_layers == [True, True, True, False]
+    assert llm.engine.model_config.sliding_layers == [True, True, True, False]
+    ps = prompts()
+    ref, ref_lp = hf_greedy(path, ps, 8)
+    outs = llm.generate(ps, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    for o, lp in zip(outs, ref_lp):
+        assert [d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] == \
+            pytest.approx(lp, abs=LOGPROB_ATOL)
+
+
 @pytest.mark.parametrize("case", ["mistral", "phi3", "granite", "smollm3", "phi3_partial", "olmo2", "olmo2_mqa",
                                   "cohere2"])
 def test_tp2_matches_tp1(models, case, monkeypatch):

@@ -192,7 +192,7 @@ def main(args: argparse.Namespace) -> int:
     card = _get(pairs[0].prefill + "/v1/models", time.monotonic() + args.startup_timeout)["data"][0]
     name = args.served_model_name or card["id"]
     info = {k: card.get(k) for k in ("root", "max_model_len", "vocab_size")}
-    source = open_model_source(args.model or card["root"])
+    source = open_model_source(args.model or card["root"], weights_needed=False)
     tokenizer = source.load_tokenizer() if source.load_tokenizer is not None else None
     metrics = ServerMetrics(name)
     engine = ProxyEngine(pairs, secret, info, metrics)

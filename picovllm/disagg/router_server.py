@@ -109,7 +109,7 @@ def main(args: argparse.Namespace) -> int:
     elif model is None:
         raise SystemExit("error: --model: needed when no --prefill instance is given (the router tokenizes)")
     name = args.served_model_name or card.get("id") or model
-    source = open_model_source(model or card["root"])
+    source = open_model_source(model or card["root"], weights_needed=False)
     tokenizer = source.load_tokenizer() if source.load_tokenizer is not None else None
     info = {"root": card.get("root", model), "max_model_len": card.get("max_model_len"),
             "vocab_size": card.get("vocab_size", source.config.vocab_size)}

@@ -120,6 +120,8 @@ class RowParallelLinear(nn.Module):
         """in_shard: (first, count) of the input features this rank holds, when not an even split. reduce: False
         leaves the ranks' partial sums for the caller to add up (with others, in one all-reduce)."""
         super().__init__()
+        if not reduce and bias:
+            raise ValueError("RowParallelLinear(reduce=False) with a bias: each rank would add it")
         self.reduce = reduce
         if in_shard is None:
             assert in_features % tp.size == 0, f"in_features {in_features} not divisible by tp size {tp.size}"

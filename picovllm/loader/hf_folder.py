@@ -24,19 +24,40 @@ _TEXT_PREFIXES = (("language_model.model.", "model."), ("language_model.lm_head.
 _LEFT_OUT = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
 
 
-def _text_config(raw: dict) -> dict:
-    """config.json as the text model's: a multimodal one's text_config (what it leaves out taken from the top
-    level, and the top level's tie_word_embeddings over its own), any other as it is."""
+TEXT_MODEL_TYPES = {"Gemma3ForConditionalGeneration": "gemma3_text", "Mistral3ForConditionalGeneration": "mistral"}
+
+
+def _text_config(path: str, raw: dict) -> dict:
+    """config.json as the text model's: a multimodal one's text_config with transformers' defaults filled in (the
+    released configs leave most fields to them: Gemma 3 4B's names six), what it leaves out taken from the top
+    level; any other as it is. ValueError naming a text model this loader does not take."""
     arch = (raw.get("architectures") or [None])[0]
     if arch not in TEXT_OF_MULTIMODAL:
         return raw
-    text = dict(raw.get("text_config") or {})
-    for key in ("eos_token_id", "bos_token_id", "pad_token_id", "torch_dtype", "dtype"):
-        if key not in text and key in raw:
+    text_type = (raw.get("text_config") or {}).get("model_type", TEXT_MODEL_TYPES[arch])
+    if text_type != TEXT_MODEL_TYPES[arch]:
+        raise ValueError(f"config.json text_config.model_type={text_type!r}: {arch}'s text model is read as "
+                         f"{TEXT_MODEL_TYPES[arch]!r} only")
+    from transformers import AutoConfig
+    text = AutoConfig.from_pretrained(path).get_text_config().to_dict()
+    written = raw.get("text_config") or {}
+    for key in ("eos_token_id", "bos_token_id", "pad_token_id"):    # the file's top level over a text default
+        if key not in written and raw.get(key) is not None:
             text[key] = raw[key]
-    if "tie_word_embeddings" in raw:       # the whole model's, as HF ties the LM head of the multimodal model
-        text["tie_word_embeddings"] = raw["tie_word_embeddings"]
+    if arch == "Gemma3ForConditionalGeneration":    # HF's image-and-text Gemma 3 does not soft-cap its logits
+        text["final_logit_softcapping"] = None
     return dict(text, architectures=[TEXT_OF_MULTIMODAL[arch]])
+
+
+def _weight_files(path: str) -> list[str]:
+    """The checkpoint's safetensors files: those its index names where it has one (a Mistral repository also holds
+    consolidated.safetensors, the same weights in Mistral's own names), else every one in the folder."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(path, n) for n in names]
+    return sorted(glob.glob(os.path.join(path, "*.safetensors")))
 
 
 def _text_name(name: str) -> str | None:
@@ -49,14 +70,24 @@ def _text_name(name: str) -> str | None:
     return name
 
 
-def open_folder(path: str) -> ModelSource:
+def open_folder(path: str, weights_needed: bool = True) -> ModelSource:
+    """weights_needed=False: the config and tokenizer only (a front end's), no safetensors files asked for."""
     cfg_path = os.path.join(path, "config.json")
     if not os.path.exists(cfg_path):
         raise ValueError(f"model folder {path!r} has no config.json")
     with open(cfg_path) as f:
         full = json.load(f)
-    raw = _text_config(full)
+    raw = _text_config(path, full)
     multimodal = raw is not full
+    files = _weight_files(path)
+    if not files and weights_needed:
+        raise ValueError(f"model folder {path!r} has no *.safetensors files")
+    if multimodal:     # tied as HF ties it: where the checkpoint holds no LM head of its own
+        names = set()
+        for file in files:
+            with safe_open(file, framework="pt") as f:
+                names.update(_text_name(n) for n in f.keys())
+        raw = dict(raw, tie_word_embeddings="lm_head.weight" not in names) if files else raw
     gen_path = os.path.join(path, "generation_config.json")
     if os.path.exists(gen_path):
         with open(gen_path) as f:
@@ -64,9 +95,6 @@ def open_folder(path: str) -> ModelSource:
         if gen_eos is not None:
             raw = dict(raw, eos_token_id=gen_eos)
     config = ModelConfig.from_hf_dict(raw)
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-    if not files:
-        raise ValueError(f"model folder {path!r} has no *.safetensors files")
 
     from picovllm.layers.rotary import head_order
     order = head_order(config)

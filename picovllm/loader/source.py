@@ -26,10 +26,11 @@ class ModelSource:
     stored_weights: Callable[[], Iterator[tuple[str, object]]] | None = None
 
 
-def open_model_source(model: str | None, disk_cache: bool = True) -> ModelSource:
+def open_model_source(model: str | None, disk_cache: bool = True, weights_needed: bool = True) -> ModelSource:
     """model: an HF folder, a .gguf file, a Hugging Face Hub repository (resolve_model), "random:<preset>" (random weights of a benchmark preset's shape, made as
     they are loaded: picovllm/bench/random_checkpoint.py), or None for the default model. disk_cache: keep what is
-    derived from a GGUF (tokenizer, dequantized weights) in the artifact cache (picovllm/artifact_cache.py)."""
+    derived from a GGUF (tokenizer, dequantized weights) in the artifact cache (picovllm/artifact_cache.py).
+    weights_needed=False: a front end's, the config and tokenizer only (a Hub repository's weights not fetched)."""
     from picovllm.artifact_cache import ArtifactCache
     from picovllm.loader.default_model import default_model_path
 
@@ -37,10 +38,10 @@ def open_model_source(model: str | None, disk_cache: bool = True) -> ModelSource
         from picovllm.bench.random_checkpoint import random_source
         return random_source(model[len("random:"):])
 
-    path = resolve_model(model) if model is not None else default_model_path()
+    path = resolve_model(model, weights_needed) if model is not None else default_model_path()
     if os.path.isdir(path):
         from picovllm.loader import hf_folder
-        return hf_folder.open_folder(path)
+        return hf_folder.open_folder(path, weights_needed)
     if path.endswith(".gguf"):
         from picovllm.loader import gguf_file   # needs the gguf package, which an HF-only setup may lack
         return gguf_file.open_gguf(path, ArtifactCache.from_env() if disk_cache else None)
@@ -49,18 +50,26 @@ def open_model_source(model: str | None, disk_cache: bool = True) -> ModelSource
 
 # a Hub repository id ("org/name"), or one GGUF file in one ("org/name/file.gguf")
 _REPO = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+(/[^/]+\.gguf)?")
-# what an HF folder needs of a repository: configs, weights, tokenizer files, chat templates
-HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
+# what an HF folder needs of a repository: configs, tokenizer files, chat templates (and the weights); not its
+# subfolders' files (fnmatch's * matches "/") nor Mistral's consolidated.safetensors (the weights again, its names)
+HUB_FILES = ["*.json", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
+HUB_IGNORED = ["*/*", "consolidated*"]
+
+
+def is_hub_id(model: str) -> bool:
+    """Does `model` name a Hub repository (or a GGUF in one) rather than a local path?"""
+    return not os.path.exists(model) and not model.startswith((".", "/", "~")) and bool(_REPO.fullmatch(model))
 
 
 @functools.lru_cache(maxsize=None)
-def resolve_model(model: str) -> str:
+def resolve_model(model: str, weights_needed: bool = True) -> str:
     """A local path as it is; else a Hugging Face Hub repository id, as vLLM takes one: "org/name" (its configs,
-    safetensors and tokenizer files) or "org/name/file.gguf" (that file), fetched into the Hub's cache (HF_HOME,
-    HF_HUB_CACHE) or found there (HF_HUB_OFFLINE=1: only there). ValueError naming the model otherwise."""
+    tokenizer files and, if weights_needed, safetensors) or "org/name/file.gguf" (that file), fetched into the Hub's
+    cache (HF_HOME, HF_HUB_CACHE) or found there (HF_HUB_OFFLINE=1: only there). ValueError naming the model
+    otherwise."""
     if os.path.exists(model):
         return model
-    if model.startswith((".", "/", "~")) or not _REPO.fullmatch(model):
+    if not is_hub_id(model):
         raise ValueError(f"model path {model!r} does not exist (give an HF model folder, a .gguf file or a Hugging "
                          "Face Hub repository id such as Qwen/Qwen3-0.6B)")
     try:
@@ -68,7 +77,8 @@ def resolve_model(model: str) -> str:
         if model.endswith(".gguf"):
             org, name, file = model.split("/", 2)
             return huggingface_hub.hf_hub_download(f"{org}/{name}", file)
-        return huggingface_hub.snapshot_download(model, allow_patterns=HUB_FILES)
+        return huggingface_hub.snapshot_download(
+            model, allow_patterns=HUB_FILES + (["*.safetensors"] if weights_needed else []), ignore_patterns=HUB_IGNORED)
     except Exception as e:  # noqa: BLE001 - offline, unknown, gated: one error naming the model and the cause
         raise ValueError(f"model {model!r} is no local path, and fetching it from the Hugging Face Hub failed: "
                          f"{type(e).__name__}: {e}") from None
