@@ -80,8 +80,6 @@ def open_folder(path: str, weights_needed: bool = True) -> ModelSource:
     raw = _text_config(path, full)
     multimodal = raw is not full
     files = _weight_files(path)
-    if not files and weights_needed:
-        raise ValueError(f"model folder {path!r} has no *.safetensors files")
     if multimodal:     # tied as HF ties it: where the checkpoint holds no LM head of its own
         names = set()
         for file in files:
@@ -94,7 +92,9 @@ def open_folder(path: str, weights_needed: bool = True) -> ModelSource:
             gen_eos = json.load(f).get("eos_token_id")
         if gen_eos is not None:
             raw = dict(raw, eos_token_id=gen_eos)
-    config = ModelConfig.from_hf_dict(raw)
+    config = ModelConfig.from_hf_dict(raw)          # its errors first: they name what the model is
+    if not files and weights_needed:
+        raise ValueError(f"model folder {path!r} has no *.safetensors files")
 
     from picovllm.layers.rotary import head_order
     order = head_order(config)

@@ -23,11 +23,14 @@ class CohereDecoderLayer(LlamaDecoderLayer):
         super().__init__(cfg, layer, rotary, tp, norm_offset)
         self.input_layernorm = LayerNorm(cfg.hidden_size, cfg.rms_norm_eps)
         del self.post_attention_layernorm                # one norm: attention and the MLP read the same input
+        # under tensor parallelism the two outputs' partial sums are added first, then reduced once
+        self.tp = tp
+        self.self_attn.o_proj.reduce = self.mlp.down_proj.reduce = False
 
     def forward(self, positions, x, residual, meta):
         h = x if residual is None else x + residual
         normed = self.input_layernorm(h)
-        return self.self_attn(positions, normed, meta) + self.mlp(normed), h
+        return self.tp.all_reduce(self.self_attn(positions, normed, meta) + self.mlp(normed)), h
 
 
 class CohereForCausalLM(LlamaForCausalLM):
