@@ -302,3 +302,26 @@ def test_kv_write_only_where_the_backend_takes_it_and_the_kernel_can_rotate():
     assert w is not None and w.rotation is wide.kv_rotation
     a.kv_rotation, a.k_cache = None, None
     assert a.kv_write(meta) is None
+
+
+@pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1")
+@pytest.mark.parametrize("case", ["olmo2", "cohere2", "phi3_partial", "smollm3"])
+def test_the_new_families_through_the_fused_kernels_match_hf(tmp_path, monkeypatch, case):
+    """OLMo 2 (q/k normed over the projection before rope_qkv, no per-head norms), Cohere 2 (interleaved pairs
+    reordered at load, NoPE global layers, a parallel block), partial rotary and SmolLM3's NoPE layers, every layer
+    on its CUDA path (rope_qkv over the reordered or identity tables, Triton attention), interpreted on the CPU in
+    float32: HF's greedy tokens through chunked prefill and decodes."""
+    import test_more_families
+    from picovllm import LLM, SamplingParams
+    from test_parity_hf import hf_greedy
+    path = test_more_families.build(str(tmp_path / case), case)
+    calls = []
+    real = rotary.rope_qkv
+    monkeypatch.setattr(kernels, "use_triton", lambda x: True)
+    monkeypatch.setattr(rotary, "rope_qkv", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    rng = random.Random(4)
+    prompts = [[rng.randrange(384) for _ in range(n)] for n in (5, 11)]
+    llm = LLM(path, device="cpu", attention_backend="triton", block_size=8, num_kv_blocks=16, max_num_batched_tokens=8)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert calls, "the model was meant to run rope_qkv"
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(path, prompts, 4)[0]
