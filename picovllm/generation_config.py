@@ -73,7 +73,8 @@ def sampling_defaults(model: str | None, mode: str = "auto", override: dict | st
     if mode == "vllm":
         raw = {}
     elif mode == "auto":
-        raw = _read(_local(model), False) if _local(model) is not None and os.path.isdir(_local(model)) else {}
+        local = _local(model)
+        raw = _read(local, False) if local is not None and os.path.isdir(local) else {}
     else:
         raw = _read(mode, True)
     raw = {k: raw[k] for k in KEYS if raw.get(k) is not None}

@@ -68,6 +68,12 @@ def head_order(cfg) -> list[int] | None:
     return None
 
 
+def head_rows(rows: int, head_dim: int, order: list[int]) -> torch.Tensor:
+    """The row indices that put each of `rows // head_dim` heads' dims in `order` (a projection's rows, its bias or
+    norm): what both loaders take from a q or k tensor."""
+    return torch.arange(rows).view(-1, head_dim)[:, order].reshape(-1)
+
+
 def rotary_order(head_dim: int, rotary_dim: int) -> list[int]:
     """Partial rotary as a full one: the order of a head's dims (new position -> checkpoint dim) that puts HF's
     rotated pairs (i, i + rotary_dim / 2) at (i, i + head_dim / 2) and pairs up the passed dims two by two, which a

@@ -102,11 +102,12 @@ def tensor_parts(name: str, shape: tuple[int, ...], cfg: ModelConfig, arch: Arch
 def _in_rotary_order(part: Part, cfg: ModelConfig, head_order: list[int]) -> Part:
     """Partial rotary: q's and k's rows (and biases, per-head norms) with each head's dims in
     layers/rotary.head_order, as the HF folders' loader puts them."""
+    from picovllm.layers.rotary import head_rows
     if not part.name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias", "q_norm.weight",
                                "k_norm.weight")):
         return part
-    d, rows = cfg.head_dim, part.shape[0]
-    order = (np.arange(rows).reshape(-1, d)[:, head_order]).reshape(-1)
+    rows = part.shape[0]
+    order = head_rows(rows, cfg.head_dim, head_order).numpy()
     start = part.take.start or 0 if isinstance(part.take, slice) else 0
     base = np.arange(start, start + rows) if isinstance(part.take, slice) else np.asarray(part.take)
     return dataclasses.replace(part, take=base[order])
@@ -192,13 +193,13 @@ def model_config(meta: dict, tensors: dict, path: str) -> tuple[ModelConfig, Arc
     inter = meta.get(p + "feed_forward_length") or experts["moe_intermediate_size"]   # MoE: its dense layers'
     if not inter:
         _required(meta, p + "feed_forward_length", path)
-    gemma = _gemma(meta, p, name, hidden, heads, head_dim, layers) if arch.gemma else {}
+    family = _gemma(meta, p, name, hidden, heads, head_dim, layers) if arch.gemma else {}   # one family's fields
     if name == "granite":
-        gemma = {field: float(meta.get(p + key, 1.0)) for field, key in _GRANITE.items()}
+        family = {field: float(meta.get(p + key, 1.0)) for field, key in _GRANITE.items()}
         if not meta.get(p + "attention.scale"):        # llama.cpp's rule: missing or 0 is head_dim ** -0.5
-            gemma["attention_multiplier"] = None
+            family["attention_multiplier"] = None
     elif name == "smollm3":             # llama.cpp's rule (the file does not say): every 4th layer NoPE
-        gemma = {"rope_layers": [(i + 1) % 4 != 0 for i in range(layers)] if layers >= 4 else None}
+        family = {"rope_layers": [(i + 1) % 4 != 0 for i in range(layers)] if layers >= 4 else None}
     config = ModelConfig(
         architecture=hf,
         vocab_size=int(tensors["token_embd.weight"].shape[1]),
@@ -220,7 +221,7 @@ def model_config(meta: dict, tensors: dict, path: str) -> tuple[ModelConfig, Arc
         rotary_dim=None if rot == head_dim else rot,
         sliding_window=window,
         sliding_layers=sliding,
-        **gemma,
+        **family,
         **experts,
     )
     return config, arch

@@ -14,17 +14,15 @@ from picovllm.loader.source import ModelSource, WeightIterator
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 
-# An image-and-text checkpoint served as its text model: its architecture -> the text model's, and what its
-# tensors' names start with: the text model's prefixes (old and new transformers layouts) -> the text model's own,
-# and the parts left out (the vision tower and its projector). Images are never taken (non-text content is refused).
-TEXT_OF_MULTIMODAL = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
-                      "Mistral3ForConditionalGeneration": "MistralForCausalLM"}
+# An image-and-text checkpoint served as its text model: its architecture -> (the text model's, the text config's
+# model_type), and what its tensors' names start with: the text model's prefixes (old and new transformers layouts)
+# -> the text model's own, and the parts left out (the vision tower and its projector). Images are never taken
+# (non-text content is refused).
+TEXT_OF_MULTIMODAL = {"Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", "gemma3_text"),
+                      "Mistral3ForConditionalGeneration": ("MistralForCausalLM", "mistral")}
 _TEXT_PREFIXES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
                   ("model.language_model.", "model."))
 _LEFT_OUT = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
-
-
-TEXT_MODEL_TYPES = {"Gemma3ForConditionalGeneration": "gemma3_text", "Mistral3ForConditionalGeneration": "mistral"}
 
 
 def _text_config(path: str, raw: dict) -> dict:
@@ -34,19 +32,19 @@ def _text_config(path: str, raw: dict) -> dict:
     arch = (raw.get("architectures") or [None])[0]
     if arch not in TEXT_OF_MULTIMODAL:
         return raw
-    text_type = (raw.get("text_config") or {}).get("model_type", TEXT_MODEL_TYPES[arch])
-    if text_type != TEXT_MODEL_TYPES[arch]:
-        raise ValueError(f"config.json text_config.model_type={text_type!r}: {arch}'s text model is read as "
-                         f"{TEXT_MODEL_TYPES[arch]!r} only")
+    text_arch, text_type = TEXT_OF_MULTIMODAL[arch]
+    written = raw.get("text_config") or {}
+    if written.get("model_type", text_type) != text_type:
+        raise ValueError(f"config.json text_config.model_type={written['model_type']!r}: {arch}'s text model is read "
+                         f"as {text_type!r} only")
     from transformers import AutoConfig
     text = AutoConfig.from_pretrained(path).get_text_config().to_dict()
-    written = raw.get("text_config") or {}
     for key in ("eos_token_id", "bos_token_id", "pad_token_id"):    # the file's top level over a text default
         if key not in written and raw.get(key) is not None:
             text[key] = raw[key]
     if arch == "Gemma3ForConditionalGeneration":    # HF's image-and-text Gemma 3 does not soft-cap its logits
         text["final_logit_softcapping"] = None
-    return dict(text, architectures=[TEXT_OF_MULTIMODAL[arch]])
+    return dict(text, architectures=[text_arch])
 
 
 def _weight_files(path: str) -> list[str]:
@@ -124,18 +122,13 @@ def _in_rotary_order(name: str, t, config: ModelConfig, head_order: list[int]):
     with each head's dims in layers/rotary.head_order; every other tensor as it is."""
     import torch
 
+    from picovllm.layers.rotary import head_rows
     d = config.head_dim
-    order = torch.tensor(head_order)
-    if name.endswith((".q_norm.weight", ".k_norm.weight")):
-        return t[order]
-
-    def heads(rows):          # rows of whole heads, each in the order
-        return rows.reshape(-1, d, *rows.shape[1:])[:, order].reshape(rows.shape)
-    if ".q_proj." in name or ".k_proj." in name:
-        return heads(t)
+    if name.endswith((".q_norm.weight", ".k_norm.weight")) or ".q_proj." in name or ".k_proj." in name:
+        return t[head_rows(len(t), d, head_order)]
     if ".qkv_proj." in name:
         q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
         q_rows, k_rows, v_rows = t.split([q, kv, kv])
-        return torch.cat([heads(q_rows), heads(k_rows), v_rows])
+        return torch.cat([q_rows[head_rows(q, d, head_order)], k_rows[head_rows(kv, d, head_order)], v_rows])
     return t
 

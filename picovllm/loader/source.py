@@ -27,8 +27,9 @@ class ModelSource:
 
 
 def open_model_source(model: str | None, disk_cache: bool = True, weights_needed: bool = True) -> ModelSource:
-    """model: an HF folder, a .gguf file, a Hugging Face Hub repository (resolve_model), "random:<preset>" (random weights of a benchmark preset's shape, made as
-    they are loaded: picovllm/bench/random_checkpoint.py), or None for the default model. disk_cache: keep what is
+    """model: an HF folder, a .gguf file, a Hugging Face Hub repository (resolve_model), "random:<preset>" (random
+    weights of a benchmark preset's shape, made as they are loaded: picovllm/bench/random_checkpoint.py), or None for
+    the default model. disk_cache: keep what is
     derived from a GGUF (tokenizer, dequantized weights) in the artifact cache (picovllm/artifact_cache.py).
     weights_needed=False: a front end's, the config and tokenizer only (a Hub repository's weights not fetched)."""
     from picovllm.artifact_cache import ArtifactCache
@@ -77,8 +78,8 @@ def resolve_model(model: str, weights_needed: bool = True) -> str:
         if model.endswith(".gguf"):
             org, name, file = model.split("/", 2)
             return huggingface_hub.hf_hub_download(f"{org}/{name}", file)
-        return huggingface_hub.snapshot_download(
-            model, allow_patterns=HUB_FILES + (["*.safetensors"] if weights_needed else []), ignore_patterns=HUB_IGNORED)
+        patterns = HUB_FILES + (["*.safetensors"] if weights_needed else [])
+        return huggingface_hub.snapshot_download(model, allow_patterns=patterns, ignore_patterns=HUB_IGNORED)
     except Exception as e:  # noqa: BLE001 - offline, unknown, gated: one error naming the model and the cause
         raise ValueError(f"model {model!r} is no local path, and fetching it from the Hugging Face Hub failed: "
                          f"{type(e).__name__}: {e}") from None

@@ -8,8 +8,6 @@ and rotates only on those: its global layers are NoPE (ModelConfig.rope_layers).
 """
 from __future__ import annotations
 
-import torch
-
 from picovllm.config import ModelConfig
 from picovllm.distributed import SINGLE, TPGroup
 from picovllm.layers.layernorm import LayerNorm
@@ -39,6 +37,3 @@ class CohereForCausalLM(LlamaForCausalLM):
     def __init__(self, cfg: ModelConfig, tp: TPGroup = SINGLE) -> None:
         super().__init__(cfg, tp)
         self.norm = LayerNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return super().compute_logits(hidden) / self.cfg.logits_scaling

@@ -1,8 +1,8 @@
 """Granite (IBM): the shared decoder (models/llama.py) with four scalings, from ModelConfig.
 
 Embeddings are multiplied by embedding_multiplier; each attention and MLP output by residual_multiplier before it
-joins the residual stream; the logits divided by logits_scaling; and the scores scaled by attention_multiplier in
-place of head_dim ** -0.5 (LlamaAttention reads that one).
+joins the residual stream; the logits divided by logits_scaling and the scores scaled by attention_multiplier in
+place of head_dim ** -0.5 (the shared decoder reads those two).
 """
 from __future__ import annotations
 
@@ -36,6 +36,3 @@ class GraniteForCausalLM(LlamaForCausalLM):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids) * self.cfg.embedding_multiplier
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return super().compute_logits(hidden) / self.cfg.logits_scaling

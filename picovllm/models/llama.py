@@ -1,7 +1,7 @@
 """The shared decoder over a flat varlen token batch: Llama 2/3, SmolLM 1-3, Mistral, Phi-3, Qwen2, Qwen3 and, with
-routed experts in place of the MLP, Qwen3-MoE, Mixtral and Qwen2-MoE (a shared expert beside them). What differs between families is configuration
-(ModelConfig: q/k/v bias, q/k norm, sliding windows, experts, NoPE layers, ...); Gemma's layer shape is in
-models/gemma.py, Granite's scalings in models/granite.py."""
+routed experts in place of the MLP, Qwen3-MoE, Mixtral and Qwen2-MoE (a shared expert beside them). What differs
+between families is configuration (ModelConfig: q/k/v bias, q/k norm, sliding windows, experts, NoPE layers, logits
+scaling, ...); other layer shapes are in models/gemma.py, granite.py, olmo2.py and cohere.py."""
 from __future__ import annotations
 
 import functools
@@ -168,7 +168,9 @@ class LlamaForCausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head.compute_logits(hidden)
+        logits = self.lm_head.compute_logits(hidden)
+        scaling = self.cfg.logits_scaling          # Granite's, Cohere's (1 / logit_scale)
+        return logits if scaling == 1.0 else logits / scaling
 
     @staticmethod
     def checkpoint_name(name: str) -> str:

@@ -194,7 +194,7 @@ class DecodeStack:
             logits.data_ptr(), torch.get_num_threads())
         if isinstance(model.lm_head.packed, QuantizedWeight):   # as ParallelLMHead.compute_logits does
             refine_top_logits(logits, scratch[m * h:2 * m * h].view(m, h), model.lm_head.packed)   # the final norm's
-        if self.logits_scaling != 1.0:                          # Granite, as GraniteForCausalLM.compute_logits
+        if self.logits_scaling != 1.0:                          # Granite, as LlamaForCausalLM.compute_logits
             logits.div_(self.logits_scaling)
         if self.final_cap:                                      # Gemma 2, as GemmaForCausalLM.compute_logits
             logits.div_(self.final_cap).tanh_().mul_(self.final_cap)
