@@ -73,6 +73,20 @@ def models(tmp_path_factory) -> dict[str, str]:
     return {case: build(str(root / case), case) for case in CASES}
 
 
+def edited(src: str, dst: str, drop: tuple[str, ...] = (), **fields) -> str:
+    """A copy of the model folder src at dst, its config.json with `fields` set and `drop` removed."""
+    import json
+    import shutil
+    shutil.copytree(src, dst)
+    with open(f"{dst}/config.json") as f:
+        cfg = json.load(f)
+    for key in drop:
+        cfg.pop(key, None)
+    with open(f"{dst}/config.json", "w") as f:
+        json.dump({**cfg, **fields}, f)
+    return dst
+
+
 def prompts(seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(384) for _ in range(n)] for n in (1, 7, 16, 33)]
@@ -165,9 +179,7 @@ def test_partial_rotary_in_rotary_order_and_odd_ones_refused(models, tmp_path):
     """Partial rotary runs as a full rotation of reordered q and k: the table turns 6 of the 8 pairs and leaves 2 (cos
     1, sin 0); q's rows are the checkpoint's in rotary_order within each head. A rotary part of odd width is refused
     naming the field."""
-    import json
     import os
-    import shutil
 
     from safetensors.torch import load_file
 
@@ -181,23 +193,11 @@ def test_partial_rotary_in_rotary_order_and_odd_ones_refused(models, tmp_path):
     fused = load_file(os.path.join(models["phi3_partial"], "model.safetensors"))["model.layers.0.self_attn.qkv_proj.weight"]
     q = attn.qkv_proj.weight[:64]
     assert torch.equal(q.view(4, 16, -1), fused[:64].view(4, 16, -1)[:, rotary_order(16, 12)])
-    odd = str(tmp_path / "odd")
-    shutil.copytree(models["phi3_partial"], odd)
-    with open(os.path.join(odd, "config.json")) as f:
-        cfg = json.load(f)
-    cfg["partial_rotary_factor"] = 0.5625         # 9 of 16
-    with open(os.path.join(odd, "config.json"), "w") as f:
-        json.dump(cfg, f)
+    odd = edited(models["phi3_partial"], str(tmp_path / "odd"), partial_rotary_factor=0.5625)    # 9 of 16
     with pytest.raises(ValueError, match="partial_rotary_factor"):
         LLM(odd, device="cpu")
     # another family's config with the field: HF rotates every dim there, so it is refused, not half-honoured
-    mistral = str(tmp_path / "mistral")
-    shutil.copytree(models["mistral"], mistral)
-    with open(os.path.join(mistral, "config.json")) as f:
-        cfg = json.load(f)
-    cfg["partial_rotary_factor"] = 0.5
-    with open(os.path.join(mistral, "config.json"), "w") as f:
-        json.dump(cfg, f)
+    mistral = edited(models["mistral"], str(tmp_path / "mistral"), partial_rotary_factor=0.5)
     with pytest.raises(ValueError, match="only Phi-3's"):
         LLM(mistral, device="cpu")
 
@@ -206,9 +206,6 @@ def test_nope_layers_and_granite_scalings_matter(models, tmp_path):
     """What the parity above rests on: SmolLM3's second layer has no rotation (the first has one), Granite's four
     scalings are read, and each changes the output: the same weights with the field at its neutral value give other
     prompt logprobs."""
-    import json
-    import shutil
-
     smol = LLM(models["smollm3"], num_kv_blocks=64, device="cpu")
     assert smol.engine.model_config.rope_layers == [True, False]
     cos_sin = [layer.self_attn.rotary.cos_sin for layer in smol.engine.runner.model.layers]
@@ -222,42 +219,22 @@ def test_nope_layers_and_granite_scalings_matter(models, tmp_path):
     def logprobs(path):
         out = LLM(path, num_kv_blocks=64, device="cpu").generate([prompts()[2]], sp, use_tqdm=False)[0]
         return [d[t].logprob for d, t in zip(out.prompt_logprobs[1:], out.prompt_token_ids[1:])]
-    windowed = str(tmp_path / "smollm3-window")            # no layer_types to say which layers slide: refused
-    shutil.copytree(models["smollm3"], windowed)
-    with open(f"{windowed}/config.json") as f:
-        hf = json.load(f)
-    hf.update(use_sliding_window=True, sliding_window=8)
-    hf.pop("layer_types", None)
-    with open(f"{windowed}/config.json", "w") as f:
-        json.dump(hf, f)
+    # no layer_types to say which layers slide: refused
+    windowed = edited(models["smollm3"], str(tmp_path / "smollm3-window"), drop=("layer_types",),
+                      use_sliding_window=True, sliding_window=8)
     with pytest.raises(ValueError, match="use_sliding_window without layer_types"):
         LLM(windowed, device="cpu")
     for case, field, neutral in [("smollm3", "no_rope_layers", [1, 1]), ("granite", "embedding_multiplier", 1.0),
                                  ("granite", "residual_multiplier", 1.0), ("granite", "attention_multiplier", 10 ** -0.5),
                                  ("granite", "logits_scaling", 1.0)]:
-        other = str(tmp_path / f"{case}-{field}")
-        shutil.copytree(models[case], other)
-        with open(f"{other}/config.json") as f:
-            hf = json.load(f)
-        hf[field] = neutral
-        with open(f"{other}/config.json", "w") as f:
-            json.dump(hf, f)
+        other = edited(models[case], str(tmp_path / f"{case}-{field}"), **{field: neutral})
         assert logprobs(other) != pytest.approx(logprobs(models[case]), abs=1e-3), field
 
 
 def test_cohere2_without_layer_types_takes_its_pattern(models, tmp_path):
     """A Cohere 2 config as released before layer_types (sliding_window_pattern 4, transformers' default): every 4th
     layer global and NoPE, as HF reads it (tokens and logprobs against HF on the edited config)."""
-    import json
-    import shutil
-    path = str(tmp_path / "cohere2")
-    shutil.copytree(models["cohere2"], path)
-    with open(f"{path}/config.json") as f:
-        cfg = json.load(f)
-    cfg.pop("layer_types")
-    cfg["sliding_window_pattern"] = 4
-    with open(f"{path}/config.json", "w") as f:
-        json.dump(cfg, f)
+    path = edited(models["cohere2"], str(tmp_path / "cohere2"), drop=("layer_types",), sliding_window_pattern=4)
     llm = LLM(path, block_size=16, num_kv_blocks=64, device="cpu")
     assert llm.engine.model_config.rope_layers == [True, True, True, False]
     assert llm.engine.model_config.sliding_layers == [True, True, True, False]
