@@ -294,6 +294,9 @@ class EngineConfig:
     skip_tokenizer_init: bool = False
     trust_remote_code: bool = False       # vLLM's flag, accepted so its command lines run: picovllm never runs a
                                           # checkpoint's own code (an architecture it lacks is refused either way)
+    revision: str | None = None           # a Hub repository's branch, tag or commit (vLLM's --revision); None: main
+    download_dir: str | None = None       # where a Hub repository is fetched to and looked for (vLLM's
+                                          # --download-dir); None: the Hub's cache (HF_HUB_CACHE)
     tensor_parallel_size: int = 1
     seed: int = 0
     role: str = "pd"                      # "pd" (colocated), "p" (prefill only), "d" (decode only)

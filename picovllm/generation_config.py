@@ -51,7 +51,7 @@ def parse_override(value) -> dict | None:
     raise ValueError(f"override_generation_config must be a JSON object, got {value!r}")
 
 
-def _local(model: str | None) -> str | None:
+def _local(model: str | None, revision: str | None = None, download_dir: str | None = None) -> str | None:
     """The model's local folder or file (a Hub repository's configs in the Hub's cache); None where there is none.
     A Hub repository that cannot be fetched is a ValueError naming it (its defaults would silently be lost)."""
     if model is None or model.startswith("random:"):
@@ -59,10 +59,11 @@ def _local(model: str | None) -> str | None:
     from picovllm.loader.source import is_hub_id, resolve_model
     if not is_hub_id(model):
         return model if os.path.exists(model) else None
-    return resolve_model(model, weights_needed=False)
+    return resolve_model(model, False, revision, download_dir)
 
 
-def sampling_defaults(model: str | None, mode: str = "auto", override: dict | str | None = None) -> dict:
+def sampling_defaults(model: str | None, mode: str = "auto", override: dict | str | None = None,
+                      revision: str | None = None, download_dir: str | None = None) -> dict:
     """SamplingParams keyword arguments a request that leaves them unset gets, e.g. {"temperature": 0.6, "top_k":
     20}; {} for none. model: the model's folder or file (a GGUF, None or "random:..." has no generation config);
     override: a dict or its JSON text (parse_override). Raises ValueError naming the bad key or value."""
@@ -73,7 +74,7 @@ def sampling_defaults(model: str | None, mode: str = "auto", override: dict | st
     if mode == "vllm":
         raw = {}
     elif mode == "auto":
-        local = _local(model)
+        local = _local(model, revision, download_dir)
         raw = _read(local, False) if local is not None and os.path.isdir(local) else {}
     else:
         raw = _read(mode, True)

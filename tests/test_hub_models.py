@@ -22,12 +22,13 @@ def hub_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     resolve_model.cache_clear()
 
-    def put(repo_id: str, files: dict[str, str]) -> str:
-        repo = tmp_path / ("models--" + repo_id.replace("/", "--"))
-        snap = repo / "snapshots" / COMMIT
+    def put(repo_id: str, files: dict[str, str], ref: str = "main", commit: str = COMMIT, cache=tmp_path) -> str:
+        """cache: the Hub cache folder (another one: a --download-dir)."""
+        repo = cache / ("models--" + repo_id.replace("/", "--"))
+        snap = repo / "snapshots" / commit
         snap.mkdir(parents=True)
-        (repo / "refs").mkdir()
-        (repo / "refs" / "main").write_text(COMMIT)
+        (repo / "refs").mkdir(exist_ok=True)
+        (repo / "refs" / ref).write_text(commit)
         for name, src in files.items():
             shutil.copy(src, snap / name)
         return str(snap)
@@ -110,3 +111,62 @@ def test_a_front_end_fetches_no_weights(tiny_models, hub_cache):
     with pytest.raises(ValueError, match="'nobody/nothing' is no local path"):
         sampling_defaults("nobody/nothing")
 
+
+
+def test_a_revision_and_a_download_dir(tiny_models, hub_cache, tmp_path):
+    """vLLM's --revision (a branch, tag or commit of the repository) and --download-dir (a Hub cache of its own):
+    the repository's main and a tag hold two different models; each revision runs its own, as its local folder
+    does (the oracle), in the default cache and in another folder."""
+    llama, qwen3 = tiny_models["llama"], tiny_models["qwen3"]
+    other = "fedcba9876543210fedcba9876543210fedcba98"
+    hub_cache("tiny-org/two", {f: os.path.join(llama, f) for f in os.listdir(llama)})
+    tag = hub_cache("tiny-org/two", {f: os.path.join(qwen3, f) for f in os.listdir(qwen3)}, ref="v2", commit=other)
+    own = tmp_path / "downloads"
+    hub_cache("tiny-org/elsewhere", {f: os.path.join(qwen3, f) for f in os.listdir(qwen3)}, cache=own)
+    assert resolve_model("tiny-org/two", revision="v2") == tag
+    assert resolve_model("tiny-org/two", revision=other) == tag           # a commit, as the tag names it
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = [[5, 6, 7, 8], [40, 41]]
+
+    def tokens(model, **kw):
+        llm = LLM(model, num_kv_blocks=32, device="cpu", **kw)
+        arch = llm.engine.model_config.architecture
+        out = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+        llm.shutdown()
+        return arch, out
+    assert tokens("tiny-org/two") == tokens(llama)
+    assert tokens("tiny-org/two", revision="v2") == tokens(qwen3)
+    assert tokens("tiny-org/two", revision="v2")[0] == "Qwen3ForCausalLM"
+    assert tokens("tiny-org/elsewhere", download_dir=str(own)) == tokens(qwen3)
+    with pytest.raises(ValueError, match="'tiny-org/elsewhere' is no local path"):     # not in the default cache
+        LLM("tiny-org/elsewhere", device="cpu")
+    with pytest.raises(ValueError, match="fetching it at revision 'v3' from the Hugging Face Hub failed"):
+        LLM("tiny-org/two", revision="v3", device="cpu")
+    with pytest.raises(ValueError, match="revision 'v2' applies to a Hugging Face Hub repository id; model .* is a "
+                                         "local path"):
+        LLM(llama, revision="v2", device="cpu")
+
+
+def test_revision_flags_reach_the_engine_and_the_models_card(tiny_models, hub_cache):
+    """`serve org/name --revision R --download-dir D` parses as vLLM's; the server's /v1/models card names the
+    revision, so a proxy or router in front reads the tokenizer at the same one."""
+    import argparse
+
+    from picovllm.entrypoints.engine_args import engine_config_from_args
+    from picovllm.entrypoints.openai import cli_serve
+    from picovllm.entrypoints.openai.async_engine import AsyncEngine
+    from picovllm.engine.llm_engine import Engine
+    src = tiny_models["qwen3"]
+    hub_cache("tiny-org/tagged", {f: os.path.join(src, f) for f in os.listdir(src)}, ref="v1")
+    parser = argparse.ArgumentParser()
+    cli_serve.add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["serve", "tiny-org/tagged", "--revision", "v1", "--num-kv-blocks", "16",
+                              "--device", "cpu"])
+    config = engine_config_from_args(args, model=args.model or args.model_tag)
+    assert (config.revision, config.download_dir) == ("v1", None)
+    engine = Engine(config)
+    try:
+        card = AsyncEngine(engine).model_info()
+        assert (card["root"], card["revision"]) == ("tiny-org/tagged", "v1")
+    finally:
+        engine.shutdown()

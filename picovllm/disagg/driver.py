@@ -80,7 +80,8 @@ class DisaggLLM:
                              "(and the listener's)")
         self.secret = secret or FleetSecret.generate()
         self.sampling_defaults = sampling_defaults(model, engine_kwargs.get("generation_config", "auto"),
-                                                   engine_kwargs.get("override_generation_config"))
+                                                   engine_kwargs.get("override_generation_config"),
+                                                   engine_kwargs.get("revision"), engine_kwargs.get("download_dir"))
         configs = _side_configs(model, engine_kwargs, prefill_device, decode_device, prefill or {}, decode or {})
         self.procs: dict[str, mp.Process] = {}
         self.channels: dict[str, Channel] = {}

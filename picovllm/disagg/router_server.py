@@ -109,7 +109,9 @@ def main(args: argparse.Namespace) -> int:
     elif model is None:
         raise SystemExit("error: --model: needed when no --prefill instance is given (the router tokenizes)")
     name = args.served_model_name or card.get("id") or model
-    source = open_model_source(model or card["root"], weights_needed=False)
+    # the P servers' model at their revision, unless --model names one
+    model, revision = (model, None) if model is not None else (card["root"], card.get("revision"))
+    source = open_model_source(model, weights_needed=False, revision=revision)
     tokenizer = source.load_tokenizer() if source.load_tokenizer is not None else None
     info = {"root": card.get("root", model), "max_model_len": card.get("max_model_len"),
             "vocab_size": card.get("vocab_size", source.config.vocab_size)}
@@ -118,7 +120,7 @@ def main(args: argparse.Namespace) -> int:
     for inst in pool.instances.values():
         pool.observe(inst)
     engine = RouterEngine(pool, prefill_policy, decode_policy, info, metrics, pool.metrics)
-    app, settings = front_end_app(engine, tokenizer, args, name, metrics, template, model or card["root"])
+    app, settings = front_end_app(engine, tokenizer, args, name, metrics, template, model, revision)
     add_admin_routes(app, engine)
     app.add_middleware(SignedRoutes, secret=secret, prefixes=("/admin/",))
     logger.info("router on http://%s:%d: %d prefill and %d decode instances; policies %s (P), %s (D)", args.host,

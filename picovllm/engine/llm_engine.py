@@ -119,7 +119,8 @@ class Engine:
             _gc_frozen = True
             gc.collect()
             gc.freeze()
-        source = open_model_source(config.model, config.disk_cache)
+        source = open_model_source(config.model, config.disk_cache, revision=config.revision,
+                                   download_dir=config.download_dir)
         self.model_config = source.config
         self.tokenizer = tokenizer_of(source, config)
         self.eos_token_ids = list(self.model_config.eos_token_ids)

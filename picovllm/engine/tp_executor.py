@@ -248,7 +248,10 @@ def run_worker(ranks: list[int], local_rank: int) -> None:
     tp = new_tp_group(ranks, device)
     if device.type == "cpu":
         share_cpu_threads(tp.size)
-    runner = ModelRunner(setup.config, open_model_source(setup.config.model, setup.config.disk_cache), tp, device)
+    config = setup.config
+    source = open_model_source(config.model, config.disk_cache, revision=config.revision,
+                               download_dir=config.download_dir)
+    runner = ModelRunner(config, source, tp, device)
     sampled = None    # overlapped scheduling: the last step's sampled tokens, as rank 0 broadcast them
     while True:
         msg = channel.recv()

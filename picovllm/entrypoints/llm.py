@@ -39,7 +39,8 @@ class LLM:
     def __init__(self, model: str | None = None, **kwargs) -> None:
         self.config = EngineConfig(model=model, **kwargs)
         self.sampling_defaults = sampling_defaults(model, self.config.generation_config,
-                                                   self.config.override_generation_config)
+                                                   self.config.override_generation_config, self.config.revision,
+                                                   self.config.download_dir)
         self.engine = Engine(self.config)
 
     def get_default_sampling_params(self) -> SamplingParams:

@@ -26,12 +26,14 @@ class ModelSource:
     stored_weights: Callable[[], Iterator[tuple[str, object]]] | None = None
 
 
-def open_model_source(model: str | None, disk_cache: bool = True, weights_needed: bool = True) -> ModelSource:
+def open_model_source(model: str | None, disk_cache: bool = True, weights_needed: bool = True,
+                      revision: str | None = None, download_dir: str | None = None) -> ModelSource:
     """model: an HF folder, a .gguf file, a Hugging Face Hub repository (resolve_model), "random:<preset>" (random
     weights of a benchmark preset's shape, made as they are loaded: picovllm/bench/random_checkpoint.py), or None for
     the default model. disk_cache: keep what is
     derived from a GGUF (tokenizer, dequantized weights) in the artifact cache (picovllm/artifact_cache.py).
-    weights_needed=False: a front end's, the config and tokenizer only (a Hub repository's weights not fetched)."""
+    weights_needed=False: a front end's, the config and tokenizer only (a Hub repository's weights not fetched).
+    revision, download_dir: a Hub repository's (resolve_model)."""
     from picovllm.artifact_cache import ArtifactCache
     from picovllm.loader.default_model import default_model_path
 
@@ -39,7 +41,13 @@ def open_model_source(model: str | None, disk_cache: bool = True, weights_needed
         from picovllm.bench.random_checkpoint import random_source
         return random_source(model[len("random:"):])
 
-    path = resolve_model(model, weights_needed) if model is not None else default_model_path()
+    if model is None:
+        if revision is not None:
+            raise ValueError("revision applies to a Hugging Face Hub repository id; no model was given (the default "
+                             "model is a local file)")
+        path = default_model_path()
+    else:
+        path = resolve_model(model, weights_needed, revision, download_dir)
     if os.path.isdir(path):
         from picovllm.loader import hf_folder
         return hf_folder.open_folder(path, weights_needed)
@@ -63,12 +71,17 @@ def is_hub_id(model: str) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def resolve_model(model: str, weights_needed: bool = True) -> str:
+def resolve_model(model: str, weights_needed: bool = True, revision: str | None = None,
+                  download_dir: str | None = None) -> str:
     """A local path as it is; else a Hugging Face Hub repository id, as vLLM takes one: "org/name" (its configs,
-    tokenizer files and, if weights_needed, safetensors) or "org/name/file.gguf" (that file), fetched into the Hub's
-    cache (HF_HOME, HF_HUB_CACHE) or found there (HF_HUB_OFFLINE=1: only there). ValueError naming the model
-    otherwise."""
+    tokenizer files and, if weights_needed, safetensors) or "org/name/file.gguf" (that file), at `revision` (a
+    branch, tag or commit; None: main), fetched into download_dir (None: the Hub's cache, HF_HOME / HF_HUB_CACHE)
+    or found there (HF_HUB_OFFLINE=1: only there). ValueError naming the model otherwise, and naming `revision`
+    for a local path (a folder or file has no revisions to pick from)."""
     if os.path.exists(model):
+        if revision is not None:
+            raise ValueError(f"revision {revision!r} applies to a Hugging Face Hub repository id; model {model!r} is "
+                             "a local path")
         return model
     if not is_hub_id(model):
         raise ValueError(f"model path {model!r} does not exist (give an HF model folder, a .gguf file or a Hugging "
@@ -77,10 +90,12 @@ def resolve_model(model: str, weights_needed: bool = True) -> str:
         import huggingface_hub
         if model.endswith(".gguf"):
             org, name, file = model.split("/", 2)
-            return huggingface_hub.hf_hub_download(f"{org}/{name}", file)
+            return huggingface_hub.hf_hub_download(f"{org}/{name}", file, revision=revision, cache_dir=download_dir)
         patterns = HUB_FILES + (["*.safetensors"] if weights_needed else [])
-        return huggingface_hub.snapshot_download(model, allow_patterns=patterns, ignore_patterns=HUB_IGNORED)
+        return huggingface_hub.snapshot_download(model, revision=revision, cache_dir=download_dir,
+                                                 allow_patterns=patterns, ignore_patterns=HUB_IGNORED)
     except Exception as e:  # noqa: BLE001 - offline, unknown, gated: one error naming the model and the cause
-        raise ValueError(f"model {model!r} is no local path, and fetching it from the Hugging Face Hub failed: "
+        at = f" at revision {revision!r}" if revision is not None else ""
+        raise ValueError(f"model {model!r} is no local path, and fetching it{at} from the Hugging Face Hub failed: "
                          f"{type(e).__name__}: {e}") from None
 

@@ -227,11 +227,12 @@ def cors_settings(args) -> dict:
                 allowed_methods=tuple(args.allowed_methods), allowed_headers=tuple(args.allowed_headers))
 
 
-def generation_defaults(model: str | None, mode: str, override) -> dict:
+def generation_defaults(model: str | None, mode: str, override, revision: str | None = None,
+                        download_dir: str | None = None) -> dict:
     """The sampling defaults of requests that leave fields unset (picovllm/generation_config.py), logged as vLLM
     logs them; a bad generation config stops the server naming it."""
     try:
-        defaults = sampling_defaults(model, mode, override)
+        defaults = sampling_defaults(model, mode, override, revision, download_dir)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
     if defaults:
@@ -240,11 +241,11 @@ def generation_defaults(model: str | None, mode: str, override) -> dict:
 
 
 def front_end_app(engine: EngineClient, tokenizer, args, name: str, metrics: ServerMetrics,
-                  template: str | None, model: str) -> tuple[FastAPI, ServerSettings]:
+                  template: str | None, model: str, revision: str | None = None) -> tuple[FastAPI, ServerSettings]:
     """The OpenAI app of a front end over other servers' engines (the proxy's, the router's), from the flags of
-    cli_proxy.add_front_end_args; run it with run_app. model: where the tokenizer and generation config come
-    from."""
-    defaults = generation_defaults(model, args.generation_config, args.override_generation_config)
+    cli_proxy.add_front_end_args; run it with run_app. model (at revision, a Hub repository's): where the tokenizer
+    and generation config come from."""
+    defaults = generation_defaults(model, args.generation_config, args.override_generation_config, revision)
     try:
         worker = TokenizerWorker(tokenizer, template, args.trust_request_chat_template)
         if args.reasoning_parser is not None:      # the engines behind it gate grammars on these tokens
@@ -295,7 +296,8 @@ def serve(engine_config: EngineConfig, settings: ServerSettings) -> int:
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     name = served_name(settings, engine_config.model)
     defaults = generation_defaults(engine_config.model, engine_config.generation_config,
-                                   engine_config.override_generation_config)
+                                   engine_config.override_generation_config, engine_config.revision,
+                                   engine_config.download_dir)
     tokenizer = None
     if settings.reasoning_parser is not None:     # before the engine loads: the think tokens its gates watch for
         from picovllm.entrypoints.openai.engine_process import load_tokenizer

@@ -132,9 +132,12 @@ class AsyncEngine(EngineClient):
         return outputs
 
     def model_info(self) -> dict:
-        """What GET /v1/models shows besides the name."""
+        """What GET /v1/models shows besides the name (the revision of a Hub repository, where one was asked for:
+        a front end in front of this engine reads its tokenizer and generation config at the same one)."""
         e = self.engine
-        return {"root": e.config.model, "max_model_len": e.max_model_len, "vocab_size": e.model_config.vocab_size}
+        revision = {"revision": e.config.revision} if e.config.revision is not None else {}
+        return {"root": e.config.model, **revision, "max_model_len": e.max_model_len,
+                "vocab_size": e.model_config.vocab_size}
 
     def eos_token_ids(self) -> list[int] | None:
         return list(self.engine.eos_token_ids)

@@ -45,7 +45,9 @@ logger = logging.getLogger(__name__)
 
 def load_tokenizer(config: EngineConfig):
     """The tokenizer the engine loads for itself (None without one), for the HTTP side."""
-    return tokenizer_of(open_model_source(config.model, config.disk_cache), config)
+    source = open_model_source(config.model, config.disk_cache, revision=config.revision,
+                               download_dir=config.download_dir)
+    return tokenizer_of(source, config)
 
 
 class OutputDeltas:
