@@ -116,6 +116,7 @@ class ModelConfig:
         window, sliding = _sliding_window(cfg, arch, layers)
         gemma = arch in GEMMA
         experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+        scaling = _rope_scaling(rope, cfg)
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -128,9 +129,9 @@ class ModelConfig:
             rms_norm_eps=cfg.get("rms_norm_eps", cfg.get("layer_norm_eps", 1e-5) if arch in COHERE
                                  else 1e-5 if arch == "Olmo2ForCausalLM" else 1e-6),           # HF's defaults
             rope_theta=rope.get("rope_theta", 10000.0),
-            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            max_position_embeddings=scaled_context(cfg.get("max_position_embeddings", 4096), scaling),
             tie_word_embeddings=cfg.get("tie_word_embeddings", gemma or arch in COHERE),   # HF's defaults
-            rope_scaling=_rope_scaling(rope, cfg),
+            rope_scaling=scaling,
             attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False))
             or (arch == "Qwen2MoeForCausalLM" and bool(cfg.get("qkv_bias", True))),
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
@@ -240,16 +241,31 @@ def _moe_layers(cfg: dict[str, Any], layers: int) -> list[bool]:
     return [i not in dense and (i + 1) % step == 0 for i in range(layers)]
 
 
+def scaled_context(max_position: int, scaling: dict | None) -> int:
+    """The positions a model takes: its max_position_embeddings, or under YaRN at least the original context times
+    the factor (as vLLM derives it; Qwen's configs keep the unscaled length there)."""
+    if scaling is not None and scaling["rope_type"] == "yarn":
+        return max(max_position, int(scaling["original_max_position_embeddings"] * scaling["factor"]))
+    return max_position
+
+
 def _rope_scaling(rs: dict[str, Any], cfg: dict[str, Any] | None = None) -> dict | None:
     kind = rs.get("rope_type", rs.get("type"))
     if kind in (None, "default"):
         return None
     if kind == "su":                     # Phi-3's first name for LongRoPE
         kind = "longrope"
-    if kind not in ("llama3", "linear", "longrope"):
-        raise ValueError(f"config.json rope_scaling.rope_type={kind!r}: only 'llama3', 'linear' and 'longrope' "
-                         "are supported")
+    if kind not in ("llama3", "linear", "longrope", "yarn"):
+        raise ValueError(f"config.json rope_scaling.rope_type={kind!r}: only 'llama3', 'linear', 'yarn' and "
+                         "'longrope' are supported")
     out = dict(rs, rope_type=kind)
+    if kind == "yarn":                   # Qwen's long-context setting: factor x the original context
+        cfg = cfg or {}
+        orig = rs.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
+        if not orig:
+            raise ValueError("config.json rope_scaling (yarn) needs original_max_position_embeddings")
+        out.update(original_max_position_embeddings=int(orig),
+                   factor=float(rs.get("factor") or cfg.get("max_position_embeddings", orig) / orig))
     if kind == "longrope":               # Phi-3: per-frequency factors, short below the original context
         cfg = cfg or {}
         orig = rs.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")

@@ -53,6 +53,10 @@ CASES = {
     "llama3": ("llama", "LlamaConfig", dict(rope_scaling={
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 64})),
+    # YaRN as Qwen's long-context setting writes it (type, factor, original context): a 16-token original context
+    # and the config's 32 positions, stretched to 64 (the longest prompt and its answer: 46)
+    "qwen3_yarn": ("qwen3", "Qwen3Config", dict(head_dim=16, max_position_embeddings=32, rope_parameters={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "rope_theta": 10000.0})),
     "granite": ("granite", "GraniteConfig", dict(embedding_multiplier=3.0, residual_multiplier=0.5,
                                                   attention_multiplier=0.6, logits_scaling=2.5, initializer_range=0.2)),
     # 4 layers: llama.cpp's rule puts NoPE on the 4th (HF's default no_rope_layer_interval)
@@ -185,6 +189,10 @@ def write_gguf(folder: str, case: str, path: str, kind: str = "F32", extra=None)
         if rope.get("rope_type") == "linear":
             w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
             w.add_rope_scaling_factor(rope["factor"])
+    if rope.get("rope_type") == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
     if arch == "granite":
         w.add_embedding_scale(cfg["embedding_multiplier"])
         w.add_residual_scale(cfg["residual_multiplier"])
@@ -260,7 +268,7 @@ EXPECTED = {"mistral_window": "MistralForCausalLM", "mixtral": "MixtralForCausal
             "gemma3": "Gemma3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "qwen3_moe_64": "Qwen3MoeForCausalLM",
             "phi3_window": "Phi3ForCausalLM", "phi3_longrope": "Phi3ForCausalLM", "llama3": "LlamaForCausalLM",
             "granite": "GraniteForCausalLM", "smollm3": "SmolLM3ForCausalLM", "phi3_partial": "Phi3ForCausalLM",
-            "qwen2_moe": "Qwen2MoeForCausalLM", "olmo2": "Olmo2ForCausalLM"}
+            "qwen2_moe": "Qwen2MoeForCausalLM", "olmo2": "Olmo2ForCausalLM", "qwen3_yarn": "Qwen3ForCausalLM"}
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -295,6 +303,9 @@ def test_config_read_from_the_metadata(models, tmp_path):
     assert cfg.sliding_layers == [True] * 5 + [False, True] and cfg.sliding_window == 7
     assert (cfg.query_pre_attn_scalar, cfg.rope_local_theta, cfg.rope_theta) == pytest.approx((64, 100.0, 10000.0))
     assert cfg.rope_scaling == {"rope_type": "linear", "factor": 4.0} and cfg.hidden_act == "gelu_pytorch_tanh"
+    cfg = open_gguf(write_gguf(models["qwen3_yarn"], "qwen3_yarn", str(tmp_path / "y.gguf"))).config
+    assert cfg.rope_scaling == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
+    assert cfg.max_position_embeddings == 64          # 16 x 4, past the file's context_length of 32
     cfg = open_gguf(write_gguf(models["gemma2_f16"], "gemma2_f16", str(tmp_path / "g2.gguf"))).config
     assert cfg.sliding_layers == [False, True] and cfg.query_pre_attn_scalar == 32
     assert (cfg.attn_logit_softcapping, cfg.final_logit_softcapping) == (2.0, 3.0)
@@ -362,7 +373,9 @@ def _set(key: str, value):
     ("qwen3_moe", "qwen3moe.expert_shared_count", 1, "shared experts"),
     ("qwen2_moe", "qwen2moe.expert_shared_count", 2, "shared experts"),
     ("olmo2", "olmo2.attention.sliding_window", 8, "OLMo 3"),
-    ("gemma3", "gemma3.rope.scaling.type", "yarn", "rope.scaling.type"),
+    ("gemma3", "gemma3.rope.scaling.type", "longrope", "rope.scaling.type"),     # without its factors
+    ("gemma3", "gemma3.rope.scaling.type", "yarn", "rope.scaling.original_context_length"),
+    ("qwen3_yarn", "qwen3.rope.scaling.yarn_log_multiplier", 1, "yarn_log_multiplier"),
     ("mistral_window", "llama.rope.dimension_count", 4, "full rotary"),
 ])
 def test_what_cannot_be_honoured_is_refused(models, tmp_path, case, key, value, match):

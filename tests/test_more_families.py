@@ -1,4 +1,4 @@
-"""Mistral, Phi-3 (partial rotary too, as Phi-4-mini's), Granite, SmolLM3, OLMo 2, Cohere and Cohere 2 from HF
+"""Mistral, Phi-3 (partial rotary too, as Phi-4-mini's), YaRN rope scaling, Granite, SmolLM3, OLMo 2, Cohere and Cohere 2 from HF
 folders: greedy tokens and logprobs against HF transformers on the same
 tiny random weights (fp32, CPU), with and without a sliding window shorter than the longer prompts, and TP=2 against
 TP=1.
@@ -144,6 +144,55 @@ def test_longrope_matches_hf_within_and_past_the_original_context(tmp_path, case
     again = llm.generate([p], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert long[0].num_cached_tokens == 0 and again[0].num_cached_tokens == 16      # short hits short's blocks
     assert short[0].outputs[0].logprobs != long[0].outputs[0].logprobs[:4]
+
+
+# YaRN on a 32-token original context, factor 4: Qwen3's form (the context grows to 128 past the config's 64, as
+# vLLM stretches it), DeepSeek's (mscale over mscale_all_dim; its own betas, no truncation) and a given factor
+YARN = {
+    "qwen3_yarn": ("Qwen3Config", {"max_position_embeddings": 64, "head_dim": 32, "num_attention_heads": 4,
+                                   "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                                                       "original_max_position_embeddings": 32}}),
+    "llama_yarn_mscale": ("LlamaConfig", {"num_attention_heads": 4, "rope_parameters": {
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "rope_theta": 500.0,
+        "mscale": 2.0, "mscale_all_dim": 1.0, "beta_fast": 16, "beta_slow": 2, "truncate": False}}),
+    "llama_yarn_attention_factor": ("LlamaConfig", {"num_attention_heads": 4, "rope_parameters": {
+        "rope_type": "yarn", "factor": 3.0, "original_max_position_embeddings": 32, "rope_theta": 10000.0,
+        "attention_factor": 1.3}}),
+}
+
+
+@pytest.mark.parametrize("case", list(YARN))
+def test_yarn_matches_hf_within_and_past_the_original_context(tmp_path, case):
+    """Greedy tokens and logprobs against HF, prompts within the 32-token original context and past it (to 102
+    positions); the same weights without the scaling answer otherwise, so the parity is YaRN's."""
+    import transformers
+    cls, extra = YARN[case]
+    cfg = getattr(transformers, cls)(**{**BASE, "initializer_range": 0.2, **extra})
+    torch.manual_seed(11)
+    transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(str(tmp_path / "yarn"))
+    path = str(tmp_path / "yarn")
+    llm = LLM(path, block_size=16, num_kv_blocks=64, device="cpu")
+    assert llm.engine.max_model_len == (128 if case == "qwen3_yarn" else 512)
+    rng = random.Random(4)
+    ps = [[rng.randrange(384) for _ in range(n)] for n in (5, 20, 45, 90)]
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
+    ref, ref_lp = hf_greedy(path, ps, 12)
+    outs = llm.generate(ps, sp, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    for o, lp in zip(outs, ref_lp):
+        assert [d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] == \
+            pytest.approx(lp, abs=LOGPROB_ATOL)
+    plain = LLM(edited(path, str(tmp_path / "plain"), drop=("rope_parameters", "rope_scaling"),
+                       max_position_embeddings=512), num_kv_blocks=64, device="cpu")
+    assert [o.outputs[0].logprobs for o in plain.generate(ps, sp, use_tqdm=False)] != \
+        [o.outputs[0].logprobs for o in outs]
+
+
+def test_yarn_without_its_original_context_is_refused(models, tmp_path):
+    bad = edited(models["mistral"], str(tmp_path / "bad"),
+                 rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0})
+    with pytest.raises(ValueError, match="yarn.*original_max_position_embeddings"):
+        LLM(bad, device="cpu")
 
 
 def test_blocks_behind_the_window_are_given_back(models):

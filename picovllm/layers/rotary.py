@@ -1,5 +1,5 @@
-"""Rotary position embedding (the 'rotate half' layout of HF checkpoints), with Llama-3, linear or LongRoPE scaling,
-or a divisor per frequency (a GGUF's rope_freqs: Llama 3's scaling as llama.cpp's converter computed it); partial
+"""Rotary position embedding (the 'rotate half' layout of HF checkpoints), with Llama-3, linear, YaRN or LongRoPE
+scaling, or a divisor per frequency (a GGUF's rope_freqs: Llama 3's scaling as llama.cpp's converter computed it); partial
 rotary (only each head's first rotary_dim dims turn) and Cohere's interleaved pairs as a full rotate-half rotation of
 reordered q and k (head_order).
 
@@ -8,7 +8,11 @@ sequence uses the short factors while it stays within original_max_position_embe
 position once it is longer: HF recomputes the whole sequence with the long factors when it passes that length. Here
 a request that may pass it (prompt + max_tokens) takes the long factors from its first token (the engine offsets
 its positions by max_position_embeddings into the second half of the table: longrope_position_offset), so its
-tokens are HF's after the switch; one that stays within gets HF's short-factor tokens."""
+tokens are HF's after the switch; one that stays within gets HF's short-factor tokens.
+
+YaRN (Qwen's long-context setting, DeepSeek's): the frequencies that turn many times over the original context are
+kept, those that turn less than once are divided by `factor`, the band between blended linearly by pair index; cos
+and sin are scaled by the attention factor (0.1 ln(factor) + 1 unless the config gives it)."""
 from __future__ import annotations
 
 import math
@@ -27,6 +31,8 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) -> to
         return (inv / scaling["factor"]).float()
     if scaling.get("rope_type") == "freq_factors":   # a GGUF's rope_freqs: each frequency divided by its own factor
         return (inv / torch.tensor(scaling["factors"], dtype=torch.float32)).float()
+    if scaling.get("rope_type") == "yarn":
+        return _yarn(inv, head_dim, theta, scaling)
     # Llama 3: long wavelengths are slowed down by `factor`, short ones kept, the band between blended.
     factor = scaling["factor"]
     low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
@@ -35,6 +41,38 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) -> to
     blend = ((old_len / wavelen - low) / (high - low)).clamp(0, 1)
     scaled = (1 - blend) * inv / factor + blend * inv
     return scaled.float()
+
+
+def _yarn(inv: torch.Tensor, head_dim: int, theta: float, s: dict) -> torch.Tensor:
+    factor, orig = s["factor"], s["original_max_position_embeddings"]
+
+    def pair_index(turns: float) -> float:   # the (fractional) pair whose frequency turns `turns` times over orig
+        return head_dim * math.log(orig / (turns * 2 * math.pi)) / (2 * math.log(theta))
+    lo, hi = pair_index(s.get("beta_fast") or 32), pair_index(s.get("beta_slow") or 1)
+    if s.get("truncate", True):
+        lo, hi = math.floor(lo), math.ceil(hi)
+    lo, hi = max(lo, 0), min(hi, head_dim - 1)
+    if hi == lo:
+        hi += 0.001
+    # 0 below lo (fast pairs, kept), 1 from hi on (slow pairs, interpolated)
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - lo) / (hi - lo)).clamp(0, 1)
+    return (inv * (1 - ramp) + inv / factor * ramp).float()
+
+
+def attention_factor(scaling: dict | None) -> float:
+    """What cos and sin are multiplied by: YaRN's attention factor; 1 for the other kinds (LongRoPE's is applied in
+    longrope_cos_sin)."""
+    if not scaling or scaling.get("rope_type") != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = scaling["factor"]
+
+    def mscale(m: float = 1.0) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+    if scaling.get("mscale") and scaling.get("mscale_all_dim"):      # DeepSeek's form
+        return mscale(scaling["mscale"]) / mscale(scaling["mscale_all_dim"])
+    return mscale()
 
 
 def longrope_position_offset(scaling: dict | None, max_position: int, prompt_len: int, max_tokens: int) -> int:
@@ -97,7 +135,7 @@ class RotaryEmbedding(nn.Module):
         else:
             inv = inverse_frequencies(rd, theta, scaling)
             freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv)
-            cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+            cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1) * attention_factor(scaling)
         if rd < head_dim:
             cos, sin = cos_sin.chunk(2, dim=-1)
             pad = (head_dim - rd) // 2

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from picovllm.config import ModelConfig
+from picovllm.config import ModelConfig, scaled_context
 
 
 @dataclass(frozen=True)
@@ -200,6 +200,7 @@ def model_config(meta: dict, tensors: dict, path: str) -> tuple[ModelConfig, Arc
             family["attention_multiplier"] = None
     elif name == "smollm3":             # llama.cpp's rule (the file does not say): every 4th layer NoPE
         family = {"rope_layers": [(i + 1) % 4 != 0 for i in range(layers)] if layers >= 4 else None}
+    scaling = _rope_scaling(meta, tensors, p, path, rot)
     config = ModelConfig(
         architecture=hf,
         vocab_size=int(tensors["token_embd.weight"].shape[1]),
@@ -211,8 +212,8 @@ def model_config(meta: dict, tensors: dict, path: str) -> tuple[ModelConfig, Arc
         head_dim=head_dim,
         rms_norm_eps=float(meta.get(p + "attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(meta.get(p + "rope.freq_base", 1e6 if name == "gemma3" else 10000.0)),
-        max_position_embeddings=int(meta.get(p + "context_length", 4096)),
-        rope_scaling=_rope_scaling(meta, tensors, p, path, rot),
+        max_position_embeddings=scaled_context(int(meta.get(p + "context_length", 4096)), scaling),
+        rope_scaling=scaling,
         tie_word_embeddings="output.weight" not in tensors,
         eos_token_ids=[int(eos)] if eos is not None else [],
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
@@ -288,8 +289,8 @@ def _gemma(meta: dict, p: str, arch: str, hidden: int, heads: int, head_dim: int
 
 
 def _rope_scaling(meta: dict, tensors: dict, p: str, path: str, rotary_dim: int) -> dict | None:
-    """Linear scaling (Gemma 3's global layers), Phi-3's LongRoPE or Llama 3's frequency divisors (both factors are
-    tensors of the file)."""
+    """Linear scaling (Gemma 3's global layers), YaRN (Qwen's long-context setting), Phi-3's LongRoPE or Llama 3's
+    frequency divisors (both factors are tensors of the file)."""
     kind = meta.get(p + "rope.scaling.type", "none")
     if "rope_freqs.weight" in tensors:
         factors = _vector(tensors["rope_freqs.weight"])
@@ -311,10 +312,33 @@ def _rope_scaling(meta: dict, tensors: dict, p: str, path: str, rotary_dim: int)
         return out
     if kind == "none":
         return None
+    if kind == "yarn":
+        return _yarn(meta, p, path)
     if kind != "linear":
-        raise ValueError(f"GGUF {path!r}: {p}rope.scaling.type={kind!r}: only 'linear' (and Phi-3's LongRoPE "
-                         "factors) are supported")
+        raise ValueError(f"GGUF {path!r}: {p}rope.scaling.type={kind!r}: only 'linear', 'yarn' (and Phi-3's "
+                         "LongRoPE factors) are supported")
     return {"rope_type": "linear", "factor": float(_required(meta, p + "rope.scaling.factor", path))}
+
+
+# YaRN's keys past the factor and original context that change llama.cpp's rotation, with their neutral values
+# (yarn_ext_factor: -1 is llama.cpp's "the default", 1); another value is refused rather than ignored
+_YARN_NEUTRAL = {"yarn_ext_factor": (-1.0, 1.0), "yarn_attn_factor": (1.0,), "attn_factor": (1.0,),
+                 "yarn_log_multiplier": (0.0,)}
+
+
+def _yarn(meta: dict, p: str, path: str) -> dict:
+    """The HF form of a file's YaRN (llama.cpp's converter writes Qwen's as type, factor and original context)."""
+    out = {"rope_type": "yarn", "factor": float(_required(meta, p + "rope.scaling.factor", path)),
+           "original_max_position_embeddings": int(_required(meta, p + "rope.scaling.original_context_length", path))}
+    for key, field in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
+        if meta.get(p + "rope.scaling." + key) is not None:
+            out[field] = float(meta[p + "rope.scaling." + key])
+    for key, neutral in _YARN_NEUTRAL.items():
+        value = meta.get(p + "rope.scaling." + key)
+        if value is not None and float(value) not in neutral:
+            raise ValueError(f"GGUF {path!r}: {p}rope.scaling.{key}={value!r} is unsupported (YaRN with its default "
+                             "attention factor only)")
+    return out
 
 
 def _vector(t) -> list[float]:
