@@ -24,7 +24,7 @@ def dtype_from_name(name: str) -> "torch.dtype":
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM",
                            "Qwen3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM",
                            "MixtralForCausalLM", "GraniteForCausalLM", "SmolLM3ForCausalLM", "Qwen2MoeForCausalLM",
-                           "Olmo2ForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM")
+                           "Olmo2ForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM", "GptOssForCausalLM")
 COHERE = ("CohereForCausalLM", "Cohere2ForCausalLM")
 GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
@@ -71,6 +71,8 @@ class ModelConfig:
     embedding_multiplier: float = 1.0              # Granite: embeddings scaled by it
     residual_multiplier: float = 1.0               # Granite: each attention and MLP output scaled before the add
     logits_scaling: float = 1.0                    # Granite: logits divided by it (Cohere: 1 / logit_scale)
+    swiglu_alpha: float = 1.702                    # GPT-OSS: its experts' clamped SwiGLU (layers.activation)
+    swiglu_limit: float = 7.0
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of decoder layer `layer` (None: it attends to the whole context)."""
@@ -147,13 +149,15 @@ class ModelConfig:
             num_experts=experts,
             num_experts_per_tok=cfg.get("num_experts_per_tok", 0) if experts else 0,
             moe_intermediate_size=cfg.get("moe_intermediate_size") or cfg["intermediate_size"] if experts else 0,
-            norm_topk_prob=arch == "MixtralForCausalLM" or bool(cfg.get("norm_topk_prob", False)),
+            norm_topk_prob=arch in ("MixtralForCausalLM", "GptOssForCausalLM")
+            or bool(cfg.get("norm_topk_prob", False)),
             moe_layers=_moe_layers(cfg, layers) if experts else None,
             shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size") or 0 if experts else 0,
             rope_layers=_rope_layers(cfg, arch, layers, sliding),
             rotary_dim=None if rotary_dim == head_dim else rotary_dim,
             **_granite(cfg, arch),
             **_cohere(cfg, arch),
+            **_gpt_oss(cfg, arch),
         )
 
 
@@ -233,6 +237,16 @@ def _cohere(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
     if cfg.get("use_qk_norm"):
         raise ValueError("config.json use_qk_norm=true: Cohere's q/k norms are unsupported")
     return dict(rotary_interleaved=True, logits_scaling=1.0 / float(cfg.get("logit_scale") or 0.0625))   # HF's
+
+
+def _gpt_oss(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
+    """GPT-OSS: its SwiGLU's constants (its routing, the top-k logits softmaxed, is softmax, top-k, renormalised;
+    its o_proj bias and sinks are the model's own: models/gpt_oss.py)."""
+    if arch != "GptOssForCausalLM":
+        return {}
+    if not cfg.get("attention_bias", True):
+        raise ValueError("config.json attention_bias=false: GPT-OSS's attention without biases is unsupported")
+    return dict(swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)), swiglu_limit=float(cfg.get("swiglu_limit", 7.0)))
 
 
 def _moe_layers(cfg: dict[str, Any], layers: int) -> list[bool]:

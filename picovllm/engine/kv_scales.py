@@ -66,10 +66,10 @@ class _AmaxRecorder(AttentionBackend):
         self.k_amax: torch.Tensor | None = None
         self.v_amax: torch.Tensor | None = None
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale, window=None, softcap=None, kv_scales=None):
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale, window=None, softcap=None, kv_scales=None, sinks=None):
         self.k_amax = k.float().abs().amax(dim=(0, 2))
         self.v_amax = v.float().abs().amax(dim=(0, 2))
-        return TorchAttentionBackend._attend(q, k, v, scale, window, softcap)
+        return TorchAttentionBackend._attend(q, k, v, scale, window, softcap, sinks)
 
 
 @torch.inference_mode()

@@ -23,11 +23,12 @@ from picovllm.kernels.decode_attention import dot_precision
 
 
 @triton.jit
-def _grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, rows_ptr, tile_expert_ptr, scale_ptr, N, K,
-                         stride_am, stride_we, stride_wn, stride_om,
-                         A_DIV: tl.constexpr, SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """out[pair] = a[pair // A_DIV] @ w[expert].T (* scale[pair]) for the pairs of one row tile."""
+def _grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, rows_ptr, tile_expert_ptr, scale_ptr, bias_ptr, N, K,
+                         stride_am, stride_we, stride_wn, stride_om, stride_be,
+                         A_DIV: tl.constexpr, SCALE: tl.constexpr, BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """out[pair] = (a[pair // A_DIV] @ w[expert].T (+ bias[expert])) (* scale[pair]) for the pairs of one row
+    tile."""
     tile = tl.program_id(0)
     expert = tl.load(tile_expert_ptr + tile)
     if expert < 0:
@@ -47,6 +48,9 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, rows_ptr, tile_expert_ptr, scale
         b = tl.load(w + offs_n[None, :] * stride_wn + k[:, None], mask=(offs_n[None, :] < N) & (k[:, None] < K),
                     other=0.0)   # [BLOCK_K, BLOCK_N]: the expert's weight, transposed
         acc += tl.dot(a, b, input_precision=DOT_PRECISION)
+    if BIAS:
+        acc += tl.load(bias_ptr + expert.to(tl.int64) * stride_be + offs_n, mask=offs_n < N,
+                       other=0.0).to(tl.float32)[None, :]
     if SCALE:
         acc *= tl.load(scale_ptr + pairs, mask=valid, other=0.0)[:, None]
     out = out_ptr + tl.where(valid, pairs, 0).to(tl.int64)[:, None] * stride_om + offs_n[None, :]
@@ -179,15 +183,17 @@ def group_by_expert_torch(ids: torch.Tensor, num_experts: int, block_m: int) -> 
 
 def grouped_gemm(a: torch.Tensor, w: torch.Tensor, rows: torch.Tensor, tile_expert: torch.Tensor, num_pairs: int,
                  a_div: int, scale: torch.Tensor | None = None, block_m: int = 16, block_n: int = 64,
-                 block_k: int = 128, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
-    """a [*, K]; w [E, N, K] -> out [num_pairs, N] (see _grouped_gemm_kernel; tiles: expert_tiles)."""
+                 block_k: int = 128, num_warps: int = 4, num_stages: int = 3,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """a [*, K]; w [E, N, K]; bias [E, N] or None -> out [num_pairs, N] (see _grouped_gemm_kernel; tiles:
+    expert_tiles)."""
     n, k = w.shape[1], w.shape[2]
     out = torch.empty(num_pairs, n, dtype=a.dtype, device=a.device)
     grid = (tile_expert.numel(), triton.cdiv(n, block_n))
     _grouped_gemm_kernel[grid](
-        a, w, out, rows, tile_expert, scale if scale is not None else out, n, k,
-        a.stride(0), w.stride(0), w.stride(1), out.stride(0),
-        A_DIV=a_div, SCALE=scale is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        a, w, out, rows, tile_expert, scale if scale is not None else out, bias if bias is not None else out, n, k,
+        a.stride(0), w.stride(0), w.stride(1), out.stride(0), bias.stride(0) if bias is not None else 0,
+        A_DIV=a_div, SCALE=scale is not None, BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         DOT_PRECISION=dot_precision(a.dtype), num_warps=num_warps, num_stages=num_stages)
     return out
 
@@ -206,12 +212,15 @@ def expert_tiles(pairs: int, num_experts: int) -> dict:
 
 
 def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
-                  down: torch.Tensor, act) -> torch.Tensor:
-    """As experts_reference: x [T, H]; weights (float32), ids [T, k]; gate_up [E, 2I, H]; down [E, H, I]."""
+                  down: torch.Tensor, act, gate_up_bias: torch.Tensor | None = None,
+                  down_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """As experts_reference: x [T, H]; weights (float32), ids [T, k]; gate_up [E, 2I, H]; down [E, H, I]; the
+    biases [E, 2I] and [E, H] (GPT-OSS's) or None."""
     t, top_k = ids.shape
     tiles = expert_tiles(t * top_k, gate_up.shape[0])   # from shapes alone: the same in every replay of a graph
     rows, tile_expert = group_by_expert(ids, gate_up.shape[0], tiles["block_m"])
     x = x.contiguous()
-    h = act(grouped_gemm(x, gate_up, rows, tile_expert, t * top_k, top_k, **tiles))
-    y = grouped_gemm(h, down, rows, tile_expert, t * top_k, 1, weights.flatten().contiguous(), **tiles)
+    h = act(grouped_gemm(x, gate_up, rows, tile_expert, t * top_k, top_k, bias=gate_up_bias, **tiles))
+    y = grouped_gemm(h, down, rows, tile_expert, t * top_k, 1, weights.flatten().contiguous(), bias=down_bias,
+                     **tiles)
     return y.view(t, top_k, -1).sum(1, dtype=torch.float32).to(x.dtype)

@@ -35,6 +35,20 @@ class GeluAndMul(nn.Module):
         return F.gelu(gate, approximate="tanh") * up
 
 
+class ClampedSwiGLU(nn.Module):
+    """GPT-OSS's experts: x = [gate | up] -> (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), with
+    g = gate clamped above at limit (torch ops: elementwise, so a CUDA graph captures them)."""
+
+    def __init__(self, alpha: float, limit: float) -> None:
+        super().__init__()
+        self.alpha, self.limit = alpha, limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        gate = gate.clamp(max=self.limit)
+        return (up.clamp(-self.limit, self.limit) + 1) * gate * torch.sigmoid(gate * self.alpha)
+
+
 def gated_activation(name: str) -> nn.Module:
     """ModelConfig.hidden_act -> the gated MLP's activation module."""
     return {"silu": SiluAndMul, "gelu_pytorch_tanh": GeluAndMul}[name]()

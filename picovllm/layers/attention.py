@@ -61,7 +61,7 @@ class AttentionBackend(ABC):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int | None = None,
                 softcap: float | None = None, kv_scales: KVScales | None = None,
-                kv_stored: bool = False) -> torch.Tensor:
+                kv_stored: bool = False, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hkv, D]; caches: [num_blocks, block_size, Hkv, D].
 
         Must first store k, v at meta.slot_mapping (unless kv_stored: the caller has, with store_kv's
@@ -73,6 +73,9 @@ class AttentionBackend(ABC):
         quantize(x, scale), read dequantize(x8, scale) (below; engine/kv_scales.py says where scales come from).
         Every key and value attended to is then the one read back from the cache, the new tokens' too.
         A backend that cannot read fp8 must raise, never ignore them.
+        sinks: [Hq] float32 (GPT-OSS's attention sinks): each query head's softmax also takes the logit sinks[h], a
+        key whose value is 0, so out = sum_i exp(s_i) v_i / (sum_i exp(s_i) + exp(sinks[h])) over the scores s_i
+        (already scaled). Passed as a keyword only when set, never with softcap; a backend that cannot must raise.
         """
 
 
@@ -145,44 +148,49 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int, start
 
 
 def attend(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, mask: torch.Tensor | None, scale: float,
-           softcap: float | None = None) -> torch.Tensor:
+           softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Softmax attention, q [..., Hq, M, D] over keys/values [..., Hkv, L, D] (Hq a multiple of Hkv); mask: bool
-    (True = visible) or additive, broadcast to the scores [..., Hq, M, L]. SDPA, unless the scores are soft-capped
-    (Gemma 2), which SDPA cannot do: then the same math spelled out, in float32."""
-    if softcap is None:
+    (True = visible) or additive, broadcast to the scores [..., Hq, M, L]; sinks: broadcast to [..., Hq, M, 1], a
+    zero-valued key's logit per row (AttentionBackend.forward). SDPA, unless the scores are soft-capped (Gemma 2)
+    or have sinks (GPT-OSS), which SDPA cannot do: then the same math spelled out, in float32."""
+    if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, scale=scale, enable_gqa=True)
     g = q.shape[-3] // keys.shape[-3]
     keys, vals = keys.repeat_interleave(g, -3).float(), vals.repeat_interleave(g, -3).float()
     s = q.float() @ keys.transpose(-1, -2) * scale
-    s = softcap * torch.tanh(s / softcap)
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
     if mask is not None:
         s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask
-    return (s.softmax(-1) @ vals).to(q.dtype)
+    if sinks is None:
+        return (s.softmax(-1) @ vals).to(q.dtype)
+    s = torch.cat([s, sinks.float().expand(*s.shape[:-1], 1)], dim=-1)     # the sink's column, dropped after
+    return (s.softmax(-1)[..., :-1] @ vals).to(q.dtype)
 
 
 class TorchAttentionBackend(AttentionBackend):
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale, window=None, softcap=None, kv_scales=None):
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale, window=None, softcap=None, kv_scales=None, sinks=None):
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping, kv_scales)
         ks, vs = kv_scales if kv_scales is not None else (None, None)
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:
-            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale, window, softcap, kv_scales)
+            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale, window, softcap, kv_scales, sinks)
         starts = meta.query_start_loc.tolist() if meta.num_seqs > nd else []
         for s in range(nd, meta.num_seqs):
             a, b = starts[s], starts[s + 1]
             seq_len = meta.seq_lens_cpu[s]
             if b - a == seq_len and kv_scales is None:   # all new: its K/V are k, v themselves
-                out[a:b] = self._attend(q[a:b], k[a:b], v[a:b], scale, window, softcap)
+                out[a:b] = self._attend(q[a:b], k[a:b], v[a:b], scale, window, softcap, sinks)
             else:                    # keys from the first one the chunk's first query sees
                 first = 0 if window is None else max(0, seq_len - (b - a) - window + 1)
                 keys = _read(gather_kv(k_cache, meta.block_tables[s], seq_len, first), ks, q.dtype)
                 vals = _read(gather_kv(v_cache, meta.block_tables[s], seq_len, first), vs, q.dtype)
-                out[a:b] = self._attend(q[a:b], keys, vals, scale, window, softcap)
+                out[a:b] = self._attend(q[a:b], keys, vals, scale, window, softcap, sinks)
         return out
 
     @staticmethod
-    def _decode(q, k_cache, v_cache, meta, scale, window=None, softcap=None, kv_scales=None):
+    def _decode(q, k_cache, v_cache, meta, scale, window=None, softcap=None, kv_scales=None, sinks=None):
         """q: the num_decodes decode rows [nd, Hq, D] (one token each) -> their output, by length groups."""
         nd = meta.num_decodes
         key = ("torch_decode", k_cache.shape[1], q.dtype, window)
@@ -199,20 +207,21 @@ class TorchAttentionBackend(AttentionBackend):
             keys = _read(gather_blocks(k_cache, g.block_ids), ks, q.dtype).flatten(1, 2).transpose(1, 2)  # [n,Hkv,L,D]
             vals = _read(gather_blocks(v_cache, g.block_ids), vs, q.dtype).flatten(1, 2).transpose(1, 2)
             # The query heads of one KV head act as its "query length": no KV head is expanded.
-            o = attend(qg.reshape(-1, hkv, hq // hkv, d), keys, vals, g.mask, scale, softcap).reshape(-1, hq, d)
+            sink = None if sinks is None else sinks.view(hkv, hq // hkv, 1)
+            o = attend(qg.reshape(-1, hkv, hq // hkv, d), keys, vals, g.mask, scale, softcap, sink).reshape(-1, hq, d)
             if g.rows is None:
                 return o
             out.index_copy_(0, g.rows, o)
         return out
 
     @staticmethod
-    def _attend(q, keys, vals, scale, window=None, softcap=None):
+    def _attend(q, keys, vals, scale, window=None, softcap=None, sinks=None):
         """q [ql, Hq, D], the sequence's last keys/values [L, Hkv, D]: the last ql positions attend causally
         (within the window)."""
         ql, seq_len = q.shape[0], keys.shape[0]
         # 4-D [1, H, L, D]: on the CPU, 3-D inputs miss SDPA's flash kernel and run 2-3x slower.
         q, keys, vals = (x.transpose(0, 1)[None] for x in (q, keys, vals))
-        if ql == seq_len and window is None and softcap is None:
+        if ql == seq_len and window is None and softcap is None and sinks is None:
             o = F.scaled_dot_product_attention(q, keys, vals, is_causal=True, scale=scale, enable_gqa=True)
         else:
             pos_q = torch.arange(seq_len - ql, seq_len, device=q.device)[:, None]
@@ -220,7 +229,7 @@ class TorchAttentionBackend(AttentionBackend):
             mask = pos_k <= pos_q
             if window is not None:
                 mask &= pos_k > pos_q - window
-            o = attend(q, keys, vals, mask, scale, softcap)
+            o = attend(q, keys, vals, mask, scale, softcap, None if sinks is None else sinks.view(-1, 1, 1))
         return o[0].transpose(0, 1)
 
 
@@ -246,7 +255,8 @@ def kv_rotation(head_dim: int, dtype: torch.dtype, device: torch.device | str) -
 class Attention(nn.Module):
     """Holds this layer's view of the KV cache (bound by the model runner) and its backend.
     scale: of the scores (default head_dim ** -0.5); sliding_window: attend to the last this many positions
-    only (None: all); softcap: soft-cap the scores (see AttentionBackend.forward); kv_scales: this layer's
+    only (None: all); softcap: soft-cap the scores (see AttentionBackend.forward); sinks: [num_heads] float32
+    logits of a zero-valued key per head (GPT-OSS; AttentionBackend.forward), set by the model; kv_scales: this layer's
     (k_scale, v_scale) when the cache is fp8 (bound by the model runner with the cache, else None), and then
     kv_rotation too: q, k and v enter the backend times it, and the output leaves times it (kv_rotation()), unless
     output_rotated: the output projection's weight holds the rotation (engine/kv_scales.py fold_output_rotations)."""
@@ -257,6 +267,7 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim ** -0.5 if scale is None else scale
         self.sliding_window, self.softcap = sliding_window, softcap
+        self.sinks: torch.Tensor | None = None
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
         self.kv_scales: KVScales | None = None
@@ -282,8 +293,10 @@ class Attention(nn.Module):
         r = self.kv_rotation
         if r is not None and not kv_stored:
             q, k, v = q @ r, k @ r, v @ r
-        # the keyword only when set: a backend that cannot skip its store need not take it
-        stored = {"kv_stored": True} if kv_stored else {}
+        # the keywords only when set: a backend that cannot skip its store need not take it
+        extra = {"kv_stored": True} if kv_stored else {}
+        if self.sinks is not None:
+            extra["sinks"] = self.sinks
         out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.sliding_window,
-                                   self.softcap, self.kv_scales, **stored)
+                                   self.softcap, self.kv_scales, **extra)
         return out if r is None or self.output_rotated else out @ r

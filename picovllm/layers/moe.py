@@ -29,15 +29,17 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
 
 
 def experts_reference(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
-                      down: torch.Tensor, act: nn.Module) -> torch.Tensor:
-    """x [T, H]; weights, ids [T, k]; gate_up [E, 2I, H]; down [E, H, I] -> sum over each token's k experts of
-    weight * down(act(gate_up(x))), [T, H] in x's dtype. One expert at a time, over the tokens routed to it."""
+                      down: torch.Tensor, act: nn.Module, gate_up_bias: torch.Tensor | None = None,
+                      down_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, H]; weights, ids [T, k]; gate_up [E, 2I, H]; down [E, H, I]; biases [E, 2I], [E, H] or None (GPT-OSS
+    has them) -> sum over each token's k experts of weight * down(act(gate_up(x))), [T, H] in x's dtype. One expert
+    at a time, over the tokens routed to it."""
     acc = torch.promote_types(x.dtype, torch.float32)     # float32 sums; float64 for a float64 oracle
     out = torch.zeros(x.shape, dtype=acc, device=x.device)
     for e in ids.unique().tolist():
         token, slot = (ids == e).nonzero(as_tuple=True)
-        h = act(F.linear(x[token], gate_up[e]))
-        y = F.linear(h, down[e]).to(acc) * weights[token, slot, None]
+        h = act(F.linear(x[token], gate_up[e], None if gate_up_bias is None else gate_up_bias[e]))
+        y = F.linear(h, down[e], None if down_bias is None else down_bias[e]).to(acc) * weights[token, slot, None]
         out.index_add_(0, token, y)
     return out.to(x.dtype)
 
@@ -86,14 +88,19 @@ class FusedMoE(nn.Module):
         """This rank's part of the experts' sum (its shards of every expert), before the all-reduce."""
         logits = self.gate(x)
         w13, w2 = self.experts.gate_up_proj, self.experts.down_proj
+        b13, b2 = self.expert_biases()
         if x.is_cuda:   # routed in one kernel, tokens grouped by expert, a grouped GEMM per projection; the torch
             from picovllm.kernels.moe import fused_experts, route_topk    # code is their reference
             weights, ids = route_topk(logits, self.top_k, self.renormalize)
-            out = fused_experts(x, weights, ids, w13, w2, self.act)
+            out = fused_experts(x, weights, ids, w13, w2, self.act, b13, b2)
         else:
             weights, ids = route(logits, self.top_k, self.renormalize)
-            out = experts_reference(x, weights, ids, w13, w2, self.act)
+            out = experts_reference(x, weights, ids, w13, w2, self.act, b13, b2)
         return out
+
+    def expert_biases(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The experts' gate/up and down biases ([E, 2 I/tp], [E, H]), None where the family has none."""
+        return None, None
 
 
 class SharedExpertMoE(FusedMoE):

@@ -1,7 +1,7 @@
-"""Rotary position embedding (the 'rotate half' layout of HF checkpoints), with Llama-3, linear, YaRN or LongRoPE
-scaling, or a divisor per frequency (a GGUF's rope_freqs: Llama 3's scaling as llama.cpp's converter computed it); partial
-rotary (only each head's first rotary_dim dims turn) and Cohere's interleaved pairs as a full rotate-half rotation of
-reordered q and k (head_order).
+"""Rotary position embedding (the 'rotate half' layout of HF checkpoints), with Llama-3, linear, YaRN or
+LongRoPE scaling, or a divisor per frequency (a GGUF's rope_freqs: Llama 3's scaling as llama.cpp's converter
+computed it); partial rotary (only each head's first rotary_dim dims turn) and Cohere's interleaved pairs as a full
+rotate-half rotation of reordered q and k (head_order).
 
 LongRoPE (Phi-3): each frequency is divided by its factor, and cos and sin are scaled by the attention factor. A
 sequence uses the short factors while it stays within original_max_position_embeddings and the long ones at every

@@ -1,6 +1,7 @@
 """Model registry: HF architecture name -> model class."""
 from picovllm.models.cohere import CohereForCausalLM
 from picovllm.models.gemma import GemmaForCausalLM
+from picovllm.models.gpt_oss import GptOssForCausalLM
 from picovllm.models.granite import GraniteForCausalLM
 from picovllm.models.llama import LlamaForCausalLM
 from picovllm.models.mixtral import MixtralForCausalLM
@@ -25,4 +26,5 @@ MODEL_REGISTRY = {
     "Olmo2ForCausalLM": Olmo2ForCausalLM,
     "CohereForCausalLM": CohereForCausalLM,
     "Cohere2ForCausalLM": CohereForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
 }

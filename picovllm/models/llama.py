@@ -92,17 +92,21 @@ class LlamaDecoderLayer(nn.Module):
                  norm_offset: float = 0.0) -> None:
         super().__init__()
         self.self_attn = self.attention_class(cfg, layer, rotary, tp, norm_offset)
-        if cfg.is_moe_layer(layer) and cfg.shared_expert_intermediate_size:     # Qwen2-MoE
-            self.mlp = SharedExpertMoE(cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size,
-                                       cfg.moe_intermediate_size, cfg.norm_topk_prob,
-                                       cfg.shared_expert_intermediate_size, cfg.hidden_act, tp)
-        elif cfg.is_moe_layer(layer):
-            self.mlp = FusedMoE(cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size,
-                                cfg.norm_topk_prob, cfg.hidden_act, tp)
-        else:
-            self.mlp = LlamaMLP(cfg, tp)
+        self.mlp = self.make_mlp(cfg, layer, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, norm_offset)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, norm_offset)
+
+    @staticmethod
+    def make_mlp(cfg: ModelConfig, layer: int, tp: TPGroup) -> nn.Module:
+        """The layer's MLP: routed experts (with Qwen2-MoE's shared one) or a dense gated MLP."""
+        if cfg.is_moe_layer(layer) and cfg.shared_expert_intermediate_size:     # Qwen2-MoE
+            return SharedExpertMoE(cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size,
+                                   cfg.moe_intermediate_size, cfg.norm_topk_prob,
+                                   cfg.shared_expert_intermediate_size, cfg.hidden_act, tp)
+        if cfg.is_moe_layer(layer):
+            return FusedMoE(cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size,
+                            cfg.norm_topk_prob, cfg.hidden_act, tp)
+        return LlamaMLP(cfg, tp)
 
     def forward(self, positions, x, residual, meta):
         if residual is None:

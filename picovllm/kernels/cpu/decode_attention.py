@@ -30,11 +30,11 @@ def _library(shape: tuple[int, int, int, int]) -> ctypes.CDLL | None:
     if lib is None:
         return None
     i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-    lib.paged_attention.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr, f32, i64, f32, i64, i64]
+    lib.paged_attention.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr, f32, i64, f32, ptr, i64, i64]
     lib.paged_attention.restype = None
     lib.openmp = hasattr(lib, "paged_attention_runs")   # else the runs go to a Python thread pool
     if lib.openmp:
-        lib.paged_attention_runs.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr, f32, i64, f32, ptr, i64]
+        lib.paged_attention_runs.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr, f32, i64, f32, ptr, ptr, i64]
         lib.paged_attention_runs.restype = None
     built = (ctypes.c_int64 * 4)()
     lib.paged_decode_shape(built)
@@ -73,16 +73,18 @@ def decode_batch(block_tables: torch.Tensor, seq_lens: list[int], threads: int |
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: DecodeBatch,
-                           scale: float, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+                           scale: float, window: int | None = None, softcap: float | None = None,
+                           sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, Hq, D]; caches [num_blocks, block_size, Hkv, D]; batch: decode_batch(block tables, lengths) of the
     B sequences (a length 0 gives zeros). float32, CPU. Returns [B, Hq, D]. window: each sequence attends to
-    its last `window` tokens only; softcap: scores soft-capped (see AttentionBackend.forward)."""
+    its last `window` tokens only; softcap: scores soft-capped; sinks [Hq]: see AttentionBackend.forward."""
     _, hq, d = q.shape
     lib = _library((hq, k_cache.shape[2], d, k_cache.shape[1]))
     q = q.contiguous()
     out = torch.empty_like(q)
     args = (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), batch.tables.data_ptr(), batch.tables.stride(0),
-            batch.lens.data_ptr(), out.data_ptr(), scale, window or 0, softcap or 0.0)
+            batch.lens.data_ptr(), out.data_ptr(), scale, window or 0, softcap or 0.0,
+            None if sinks is None else sinks.data_ptr())
     if lib.openmp:
         lib.paged_attention_runs(*args, batch.bounds_array.data_ptr(), len(batch.bounds) - 1)
     else:
@@ -98,14 +100,16 @@ class CpuAttentionBackend(AttentionBackend):
     SDPA per sequence at the cpu-small workload's prompt lengths (SDPA's per-call overhead dominates there).
     A sliding window is the same per token: a query at position p sees its prefix's last `window` tokens."""
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale, window=None, softcap=None, kv_scales=None):
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale, window=None, softcap=None, kv_scales=None, sinks=None):
         if kv_scales is not None:   # make_attention_backend never pairs them; a direct caller must not either
             raise ValueError("EngineConfig.kv_cache_dtype 'fp8': the CPU's C attention kernel reads float32 KV only")
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         batch = meta.scratch.get("cpu_tokens")
         if batch is None:
             batch = meta.scratch["cpu_tokens"] = token_batch(meta)
-        return paged_decode_attention(q, k_cache, v_cache, batch, scale, window, softcap)
+        if sinks is not None:
+            sinks = sinks.float().contiguous()
+        return paged_decode_attention(q, k_cache, v_cache, batch, scale, window, softcap, sinks)
 
 
 def token_batch(meta) -> DecodeBatch:

@@ -236,7 +236,7 @@ void decode_stack(const Layer *layers, int64_t n_layers, int64_t hidden, int64_t
             SYNC();
             for (int64_t r = t; r < n_runs; r += nt) {   /* a decode-only step: sequence i is row i */
                 paged_attention(q, L->k_cache, L->v_cache, tables, table_stride, lens, attn, scale, L->window, L->softcap,
-                                runs[r], runs[r + 1]);
+                                0, runs[r], runs[r + 1]);   /* no sinks: a model with them is not in the stack */
                 QUANTIZE(attn, nq, runs[r], runs[r + 1]);
             }
             SYNC();

@@ -2,7 +2,8 @@
  *
  * Task b (one sequence) attends all its query heads to its first seq_lens[b] cached tokens (with a
  * sliding window > 0, to the last `window` of them; with softcap > 0, scores s become
- * softcap * tanh(s / softcap), as Gemma 2's), block by block with an online softmax. Each K and V
+ * softcap * tanh(s / softcap), as Gemma 2's; with sinks, each head's softmax also takes the logit sinks[h] of
+ * a zero-valued key, as GPT-OSS's), block by block with an online softmax. Each K and V
  * block ([block_size, Hkv, D], contiguous) is read once, front to back, straight from the paged
  * cache (no gathered copy), while the next block of the sequence is prefetched: blocks sit at
  * random places, which no hardware prefetcher can guess. The caller splits the sequences between threads: [task_begin, task_end).
@@ -25,11 +26,12 @@ void paged_decode_shape(int64_t *shape) {
     shape[3] = BLOCK;
 }
 
-/* A sequence's online-softmax state per query head: running max m, running sum l, weighted values acc. */
-static void start_sequence(float acc[HQ][DIM], float *m, float *l, float m0) {
+/* A sequence's online-softmax state per query head: running max m, running sum l, weighted values acc. With
+ * sinks (NULL: none), the sink's key is already in: max its logit, sum exp(0) = 1, no value. */
+static void start_sequence(float acc[HQ][DIM], float *m, float *l, float m0, const float *sinks) {
     for (int64_t i = 0; i < HQ; i++) {
-        m[i] = m0;
-        l[i] = 0.0f;
+        m[i] = sinks ? sinks[i] : m0;
+        l[i] = sinks ? 1.0f : 0.0f;
         for (int64_t d = 0; d < DIM; d++) acc[i][d] = 0.0f;
     }
 }
@@ -57,7 +59,7 @@ static void prefetch(const float *p, int64_t n) {
 
 void paged_attention(const float *q, const float *k_cache, const float *v_cache, const int32_t *block_tables,
                      int64_t bt_stride, const int32_t *seq_lens, float *out, float scale, int64_t window,
-                     float softcap, int64_t task_begin, int64_t task_end) {
+                     float softcap, const float *sinks, int64_t task_begin, int64_t task_end) {
     const int64_t hq = HQ, dim = DIM, block_size = BLOCK, group = HQ / HKV;
     const int64_t row = HKV * DIM;                     /* one token's K (or V) in a block */
     const int64_t block_floats = BLOCK * row;
@@ -66,7 +68,7 @@ void paged_attention(const float *q, const float *k_cache, const float *v_cache,
         const int64_t len = seq_lens[b];
         const int32_t *table = block_tables + b * bt_stride;
         const float *qb = q + b * hq * dim;
-        start_sequence(acc, m, l, -FLT_MAX);     /* built with -ffast-math (finite math only): no infinities */
+        start_sequence(acc, m, l, -FLT_MAX, sinks);   /* built with -ffast-math (finite math only): no infinities */
         const int64_t first = window_start(len, window);
         for (int64_t start = first / block_size * block_size; start < len; start += block_size) {
             const int64_t n = len - start < block_size ? len - start : block_size;
@@ -149,7 +151,7 @@ static inline __m256 hsum8x8(__m256 a[8]) {   /* lane t of the result = sum of a
 
 void paged_attention(const float *q, const float *k_cache, const float *v_cache, const int32_t *block_tables,
                      int64_t bt_stride, const int32_t *seq_lens, float *out, float scale, int64_t window,
-                     float softcap, int64_t task_begin, int64_t task_end) {
+                     float softcap, const float *sinks, int64_t task_begin, int64_t task_end) {
     const int64_t group = HQ / HKV, row = HKV * DIM, block_floats = BLOCK * row;
     float acc[HQ][DIM] __attribute__((aligned(32)));
     float s[HQ][BLOCK] __attribute__((aligned(32)));
@@ -158,7 +160,7 @@ void paged_attention(const float *q, const float *k_cache, const float *v_cache,
         const int64_t len = seq_lens[b];
         const int32_t *table = block_tables + b * bt_stride;
         const float *qb = q + b * HQ * DIM;
-        start_sequence(acc, m, l, NEG_BIG);
+        start_sequence(acc, m, l, NEG_BIG, sinks);
         const int64_t first = window_start(len, window);
         for (int64_t start = first / BLOCK * BLOCK; start < len; start += BLOCK) {
             const int64_t n = len - start < BLOCK ? len - start : BLOCK;
@@ -232,11 +234,11 @@ void paged_attention(const float *q, const float *k_cache, const float *v_cache,
 }
 #endif
 
-/* Whole contexts, no soft-cap: the Llama family's attention (decode_stack.c calls it). */
+/* Whole contexts, no soft-cap, no sinks: the Llama family's attention (decode_stack.c calls it). */
 void paged_decode_attention(const float *q, const float *k_cache, const float *v_cache,
                             const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
                             float *out, float scale, int64_t task_begin, int64_t task_end) {
-    paged_attention(q, k_cache, v_cache, block_tables, bt_stride, seq_lens, out, scale, 0, 0.0f, task_begin,
+    paged_attention(q, k_cache, v_cache, block_tables, bt_stride, seq_lens, out, scale, 0, 0.0f, 0, task_begin,
                     task_end);
 }
 
@@ -244,10 +246,10 @@ void paged_decode_attention(const float *q, const float *k_cache, const float *v
 /* The runs [bounds[r], bounds[r + 1]) of sequences, one per thread of torch's OpenMP pool. */
 void paged_attention_runs(const float *q, const float *k_cache, const float *v_cache, const int32_t *block_tables,
                           int64_t bt_stride, const int32_t *seq_lens, float *out, float scale, int64_t window,
-                          float softcap, const int64_t *bounds, int64_t runs) {
+                          float softcap, const float *sinks, const int64_t *bounds, int64_t runs) {
 #pragma omp parallel for num_threads(runs) schedule(static, 1)
     for (int64_t r = 0; r < runs; r++)
-        paged_attention(q, k_cache, v_cache, block_tables, bt_stride, seq_lens, out, scale, window, softcap,
+        paged_attention(q, k_cache, v_cache, block_tables, bt_stride, seq_lens, out, scale, window, softcap, sinks,
                         bounds[r], bounds[r + 1]);
 }
 #endif

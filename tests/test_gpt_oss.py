@@ -1,0 +1,128 @@
+"""GPT-OSS from an HF folder: greedy tokens and logprobs against HF transformers on the same tiny random weights
+(fp32, CPU; HF's eager attention, which spells the sinks out), with its parts made to matter: attention sinks
+large enough to take much of each head's weight, biases everywhere, a sliding window (6) under the longer prompts
+on alternating layers, YaRN rope without truncation, 8 experts top-2 whose clamped SwiGLU clamps; TP=2 against TP=1;
+and the sinks taken away (zeroed in the checkpoint: then they still add exp(0) to every softmax; removed from the
+math: another answer) to show the parity rests on them."""
+import json
+import os
+import random
+
+import pytest
+import torch
+
+from picovllm import LLM, SamplingParams
+from test_parity_hf import LOGPROB_ATOL, hf_greedy
+
+CONFIG = dict(vocab_size=384, hidden_size=64, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2, sliding_window=6,
+              layer_types=["sliding_attention", "full_attention"] * 2, max_position_embeddings=512,
+              rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                               "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False, "rope_theta": 10000.0},
+              swiglu_limit=1.5, bos_token_id=1, eos_token_id=2, pad_token_id=0, initializer_range=0.2)
+
+
+def build(path: str, sinks_scale: float = 2.0) -> str:
+    import transformers
+    cfg = transformers.GptOssConfig(**CONFIG)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+            elif name.endswith("sinks"):
+                p.copy_(sinks_scale * torch.randn_like(p))
+            elif "bias" in name:
+                p.copy_(0.3 * torch.randn_like(p))
+            elif "router.weight" in name:
+                p.copy_(0.5 * torch.randn_like(p))
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory) -> str:
+    return build(str(tmp_path_factory.mktemp("gpt_oss") / "m"))
+
+
+def prompts(seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 384) for _ in range(n)] for n in (1, 7, 16, 33)]
+
+
+def run(path: str, ps, new: int = 10, **kw):
+    llm = LLM(path, block_size=4, num_kv_blocks=128, device="cpu", max_num_batched_tokens=16, **kw)
+    outs = llm.generate(ps, SamplingParams(temperature=0, max_tokens=new, ignore_eos=True, logprobs=0),
+                        use_tqdm=False)
+    llm.shutdown()
+    return [o.outputs[0].token_ids for o in outs], \
+        [[d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outs]
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_greedy_and_logprobs_match_hf(model_path, backend):
+    """The C kernel's sinks (auto on the CPU: CpuAttentionBackend) and the torch reference's."""
+    ps = prompts()
+    ref, ref_lp = hf_greedy(model_path, ps, 10)
+    toks, lps = run(model_path, ps, attention_backend=backend)
+    assert toks == ref
+    for lp, want in zip(lps, ref_lp):
+        assert lp == pytest.approx(want, abs=LOGPROB_ATOL)
+
+
+def test_tensor_parallel_matches_one_rank(model_path):
+    """Heads, sinks, experts and their biases sharded over two ranks (the down bias added once)."""
+    ps = prompts(1)
+    one = run(model_path, ps)
+    two = run(model_path, ps, tensor_parallel_size=2)
+    assert one[0] == two[0]
+    for a, b in zip(one[1], two[1]):
+        assert a == pytest.approx(b, abs=LOGPROB_ATOL)
+
+
+def test_the_sinks_matter(model_path, tmp_path):
+    """The same weights with the sinks' logits moved (all -30: almost no weight) answer otherwise."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    other = str(tmp_path / "no_sinks")
+    shutil.copytree(model_path, other)
+    sd = load_file(os.path.join(other, "model.safetensors"))
+    for name in sd:
+        if name.endswith("sinks"):
+            sd[name] = torch.full_like(sd[name], -30.0)
+    save_file(sd, os.path.join(other, "model.safetensors"), metadata={"format": "pt"})
+    ps = prompts()
+    assert run(model_path, ps)[1] != run(other, ps)[1]
+
+
+def test_the_checkpoint_layout_is_read(model_path):
+    """What the parity rests on, where a wrong reading could pass by chance: the experts' interleaved gate/up
+    columns are de-interleaved into [gate rows; up rows], down transposed, the router's bias kept."""
+    from safetensors.torch import load_file
+    sd = load_file(os.path.join(model_path, "model.safetensors"))
+    llm = LLM(model_path, num_kv_blocks=32, device="cpu", quantization="none")
+    moe = llm.engine.runner.model.layers[1].mlp
+    gate_up = sd["model.layers.1.mlp.experts.gate_up_proj"]          # [E, H, 2I], gate at even columns
+    assert torch.equal(moe.experts.gate_up_proj[3, :32], gate_up[3, :, 0::2].T)
+    assert torch.equal(moe.experts.gate_up_proj[3, 32:], gate_up[3, :, 1::2].T)
+    assert torch.equal(moe.experts.down_proj[5], sd["model.layers.1.mlp.experts.down_proj"][5].T)
+    assert torch.equal(moe.gate.bias, sd["model.layers.1.mlp.router.bias"])
+    assert torch.equal(llm.engine.runner.model.layers[2].self_attn.attn.sinks,
+                       sd["model.layers.2.self_attn.sinks"])
+    cfg = llm.engine.model_config
+    assert cfg.layer_window(0) == 6 and cfg.layer_window(1) is None and cfg.swiglu_limit == 1.5
+
+
+def test_attention_without_biases_is_refused(model_path, tmp_path):
+    import shutil
+    bad = str(tmp_path / "bad")
+    shutil.copytree(model_path, bad)
+    with open(os.path.join(bad, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["attention_bias"] = False
+    with open(os.path.join(bad, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    with pytest.raises(ValueError, match="attention_bias"):
+        LLM(bad, device="cpu")
