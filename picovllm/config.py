@@ -90,6 +90,10 @@ class ModelConfig:
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"config.json architectures={archs!r}: unsupported architecture; "
                              f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        quant = checkpoint_quantization(cfg)
+        if quant not in (None, "mxfp4"):
+            raise ValueError(f"config.json quantization_config.quant_method={quant!r}: quantized HF checkpoints are "
+                             "unsupported (but GPT-OSS's mxfp4, dequantized at load; GGUF files for 4-8 bits)")
         heads, layers = cfg["num_attention_heads"], cfg["num_hidden_layers"]
         rope, local_rope = _ropes(cfg)
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
@@ -253,6 +257,12 @@ def _moe_layers(cfg: dict[str, Any], layers: int) -> list[bool]:
     """Qwen3-MoE: layer i routes unless it is in mlp_only_layers or (i + 1) is off decoder_sparse_step."""
     dense, step = set(cfg.get("mlp_only_layers") or ()), cfg.get("decoder_sparse_step", 1) or 1
     return [i not in dense and (i + 1) % step == 0 for i in range(layers)]
+
+
+def checkpoint_quantization(cfg: dict[str, Any]) -> str | None:
+    """An HF config's quantization_config.quant_method (None: the weights are not quantized)."""
+    qc = cfg.get("quantization_config")
+    return None if not qc else str(qc.get("quant_method"))
 
 
 def scaled_context(max_position: int, scaling: dict | None) -> int:

@@ -126,3 +126,61 @@ def test_attention_without_biases_is_refused(model_path, tmp_path):
         json.dump(cfg, f)
     with pytest.raises(ValueError, match="attention_bias"):
         LLM(bad, device="cpu")
+
+
+def test_mxfp4_dequantized_as_hf_does():
+    """The format's decoder against transformers' own (integrations.mxfp4.convert_moe_packed_tensors, which also
+    swaps the last two dims as the checkpoint's dense layout has them) on random blocks and scales."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from picovllm.loader.mxfp4 import dequantize, dequantized
+    g = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (3, 10, 4, 16), dtype=torch.uint8, generator=g)
+    scales = torch.randint(120, 134, (3, 10, 4), dtype=torch.uint8, generator=g)
+    want = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)          # [3, 128, 10]
+    assert torch.equal(dequantize(blocks, scales).transpose(1, 2), want)
+    (name, got), = list(dequantized(iter([("x_scales", scales), ("x_blocks", blocks)]), torch.float32))
+    assert name == "x" and torch.equal(got, want)
+    with pytest.raises(ValueError, match="'x_blocks' has no 'x_scales'"):
+        list(dequantized(iter([("x_blocks", blocks)])))
+
+
+def test_an_mxfp4_checkpoint_runs_as_its_dense_form(model_path, tmp_path):
+    """gpt-oss-20b's layout: the experts' projections as MXFP4 _blocks/_scales pairs (quantization_config mxfp4).
+    The model's experts here are MXFP4 values to begin with, so the dense checkpoint of the same values is the
+    oracle: the same greedy tokens and logprobs as HF on it."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+    dense, packed = str(tmp_path / "dense"), str(tmp_path / "mxfp4")
+    shutil.copytree(model_path, dense)
+    shutil.copytree(model_path, packed)
+    sd = load_file(os.path.join(model_path, "model.safetensors"))
+    g = torch.Generator().manual_seed(1)
+    dense_sd, packed_sd = dict(sd), {k: v for k, v in sd.items() if not k.endswith(("gate_up_proj", "down_proj"))}
+    for name, t in sd.items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):     # [E, in, out]
+            e, n_in, n_out = t.shape
+            blocks = torch.randint(0, 256, (e, n_out, n_in // 32, 16), dtype=torch.uint8, generator=g)
+            scales = torch.randint(122, 126, (e, n_out, n_in // 32), dtype=torch.uint8, generator=g)
+            dense_sd[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+            packed_sd[name + "_blocks"], packed_sd[name + "_scales"] = blocks, scales
+    save_file(dense_sd, os.path.join(dense, "model.safetensors"), metadata={"format": "pt"})
+    save_file(packed_sd, os.path.join(packed, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(packed, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    with open(os.path.join(packed, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    ps = prompts(2)
+    ref, ref_lp = hf_greedy(dense, ps, 8)
+    toks, lps = run(packed, ps, new=8)
+    assert toks == ref
+    for lp, want in zip(lps, ref_lp):
+        assert lp == pytest.approx(want, abs=LOGPROB_ATOL)
+    cfg["quantization_config"] = {"quant_method": "fp8"}          # another method: refused by name
+    with open(os.path.join(packed, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    with pytest.raises(ValueError, match="quant_method='fp8'"):
+        LLM(packed, device="cpu")

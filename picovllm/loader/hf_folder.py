@@ -8,7 +8,7 @@ import os
 from safetensors import safe_open
 
 from picovllm.artifact_cache import file_identity
-from picovllm.config import ModelConfig
+from picovllm.config import ModelConfig, checkpoint_quantization
 from picovllm.loader.source import ModelSource, WeightIterator
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
@@ -97,7 +97,7 @@ def open_folder(path: str, weights_needed: bool = True) -> ModelSource:
     from picovllm.layers.rotary import head_order
     order = head_order(config)
 
-    def weights() -> WeightIterator:
+    def stored() -> WeightIterator:
         for file in files:
             with safe_open(file, framework="pt") as f:
                 for name in f.keys():
@@ -106,6 +106,12 @@ def open_folder(path: str, weights_needed: bool = True) -> ModelSource:
                         continue
                     t = f.get_tensor(name)
                     yield text_name, t if order is None else _in_rotary_order(text_name, t, config, order)
+
+    def weights() -> WeightIterator:
+        if checkpoint_quantization(raw) == "mxfp4":     # GPT-OSS's experts (the only quantization taken)
+            from picovllm.loader.mxfp4 import dequantized
+            return dequantized(stored())
+        return stored()
 
     has_tok = any(os.path.exists(os.path.join(path, n)) for n in TOKENIZER_FILES)
 
