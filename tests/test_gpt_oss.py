@@ -184,3 +184,18 @@ def test_an_mxfp4_checkpoint_runs_as_its_dense_form(model_path, tmp_path):
         json.dump(cfg, f)
     with pytest.raises(ValueError, match="quant_method='fp8'"):
         LLM(packed, device="cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_fp32_matches_hf(model_path):
+    """CUDA graphs for decode, the Triton attention kernels with sinks and windows, the grouped GEMMs with biases."""
+    from test_parity_hf import assert_gpu_fp32_matches_hf
+    assert_gpu_fp32_matches_hf(model_path, prompts(4))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_bf16_near_hf(model_path):
+    from test_parity_hf import assert_gpu_bf16_near_hf
+    assert_gpu_bf16_near_hf(model_path, prompts(5))

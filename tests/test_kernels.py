@@ -578,6 +578,29 @@ def test_fused_experts_match_torch(device, dtype, tol, tokens, experts, top_k):
     assert rel_err(out.cpu(), ref) < tol
 
 
+@pytest.mark.parametrize("device,dtype,tol", CASES)
+@pytest.mark.parametrize("tokens,experts,top_k", [(5, 8, 2), (150, 4, 2)])
+def test_fused_experts_with_biases_match_torch(device, dtype, tol, tokens, experts, top_k):
+    """GPT-OSS's experts: a bias on each projection (the down bias scaled by the routing weight with the rest) and
+    the clamped SwiGLU; decode-sized and prefill-sized tiles."""
+    from picovllm.kernels.moe import fused_experts
+    from picovllm.layers.activation import ClampedSwiGLU
+    from picovllm.layers.moe import experts_reference, route
+    g = torch.Generator().manual_seed(tokens + 1)
+    h, inter = 32, 24
+    x = torch.randn(tokens, h, generator=g)
+    gate_up = torch.randn(experts, 2 * inter, h, generator=g) * 0.3
+    down = torch.randn(experts, h, inter, generator=g) * 0.3
+    b13, b2 = torch.randn(experts, 2 * inter, generator=g), torch.randn(experts, h, generator=g)
+    weights, ids = route(torch.randn(tokens, experts, generator=g) * 3, top_k, renormalize=True)
+    act = ClampedSwiGLU(1.702, 1.0)
+    ref = experts_reference(x, weights, ids, gate_up, down, act, b13, b2)
+    assert rel_err(ref, experts_reference(x, weights, ids, gate_up, down, act)) > 0.1    # the biases matter
+    out = fused_experts(*(t.to(device) for t in (x.to(dtype), weights, ids, gate_up.to(dtype), down.to(dtype))),
+                        act, b13.to(device, dtype), b2.to(device, dtype))
+    assert rel_err(out.cpu(), ref) < tol
+
+
 @pytest.mark.parametrize("device", [interpreted("cpu", id="interp"), compiled("cuda", id="gpu")])
 @pytest.mark.parametrize("tokens,experts,top_k,renormalize", [(5, 8, 2, True), (33, 128, 8, True), (7, 64, 1, False),
                                                               (3, 60, 4, False), (1, 8, 8, True)])

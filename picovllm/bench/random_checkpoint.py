@@ -41,6 +41,17 @@ PRESETS: dict[str, dict] = {
                       final_logit_softcapping=30.0, hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True,
                       rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=8192, bos_token_id=2,
                       eos_token_id=1, pad_token_id=0),
+    # gpt-oss-20b: 32 experts top-4 with biases, attention sinks, 128-token windows on every other layer, YaRN x32
+    # (the Hub's checkpoint is MXFP4; this one is the dense bf16 form, 20.9B parameters)
+    "gpt-oss-20b": dict(architectures=["GptOssForCausalLM"], model_type="gpt_oss", vocab_size=201088,
+                        hidden_size=2880, intermediate_size=2880, num_local_experts=32, num_experts_per_tok=4,
+                        num_hidden_layers=24, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+                        sliding_window=128, layer_types=["sliding_attention", "full_attention"] * 12,
+                        attention_bias=True, tie_word_embeddings=False, rms_norm_eps=1e-5,
+                        rope_parameters={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                         "truncate": False, "original_max_position_embeddings": 4096,
+                                         "rope_theta": 150000.0},
+                        max_position_embeddings=131072, swiglu_limit=7.0, bos_token_id=199998, eos_token_id=200002),
     # The same family at toy size, for tests (its vocabulary holds the workloads' token ids, < 10001).
     "tiny-qwen3": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=10240, hidden_size=64,
                        intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -55,6 +66,11 @@ PRESETS["tiny-qwen3-moe"] = dict(PRESETS["qwen3-30b-a3b"], vocab_size=10240, hid
 PRESETS["tiny-mistral"] = dict(PRESETS["mistral-7b"], vocab_size=10240, hidden_size=64, intermediate_size=128,
                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                                max_position_embeddings=2048, bos_token_id=0, eos_token_id=1)
+PRESETS["tiny-gpt-oss"] = dict(PRESETS["gpt-oss-20b"], vocab_size=10240, hidden_size=64, intermediate_size=32,
+                               num_local_experts=8, num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4,
+                               num_key_value_heads=2, head_dim=16, sliding_window=16,
+                               layer_types=["sliding_attention", "full_attention"], max_position_embeddings=2048,
+                               bos_token_id=0, eos_token_id=1)
 PRESETS["tiny-gemma2"] = dict(PRESETS["gemma2-2b"], vocab_size=10240, hidden_size=64, intermediate_size=128,
                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                               query_pre_attn_scalar=32, sliding_window=64, max_position_embeddings=2048)
@@ -86,7 +102,16 @@ def _tensor_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
             p + "self_attn.v_proj.weight": (nkv * d, h), p + "self_attn.o_proj.weight": (h, nq * d),
             p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
         })
-        if cfg.get("num_experts") and i not in (cfg.get("mlp_only_layers") or []):
+        if arch == "GptOssForCausalLM":      # stacked experts, [E, in, out] (gate/up interleaved), biases, sinks
+            e, mi = cfg["num_local_experts"], cfg["intermediate_size"]
+            q = p + "mlp.experts."
+            shapes.update({p + "mlp.router.weight": (e, h), p + "mlp.router.bias": (e,),
+                           q + "gate_up_proj": (e, h, 2 * mi), q + "gate_up_proj_bias": (e, 2 * mi),
+                           q + "down_proj": (e, mi, h), q + "down_proj_bias": (e, h),
+                           p + "self_attn.sinks": (nq,), p + "self_attn.o_proj.bias": (h,)})
+            for n, size in (("q", nq * d), ("k", nkv * d), ("v", nkv * d)):
+                shapes[p + f"self_attn.{n}_proj.bias"] = (size,)
+        elif cfg.get("num_experts") and i not in (cfg.get("mlp_only_layers") or []):
             mi = cfg["moe_intermediate_size"]
             shapes[p + "mlp.gate.weight"] = (cfg["num_experts"], h)
             for e in range(cfg["num_experts"]):
