@@ -1,6 +1,7 @@
 """Engine and model configuration: built once, validated in one place, passed down."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -337,6 +338,8 @@ class EngineConfig:
     revision: str | None = None           # a Hub repository's branch, tag or commit (vLLM's --revision); None: main
     download_dir: str | None = None       # where a Hub repository is fetched to and looked for (vLLM's
                                           # --download-dir); None: the Hub's cache (HF_HUB_CACHE)
+    hf_overrides: dict | str | None = None    # JSON: config.json's top-level fields set or replaced before the model
+                                              # is read (vLLM's --hf-overrides; HF folders only), e.g. a rope_scaling
     tensor_parallel_size: int = 1
     seed: int = 0
     role: str = "pd"                      # "pd" (colocated), "p" (prefill only), "d" (decode only)
@@ -390,6 +393,13 @@ class EngineConfig:
             raise bad("stream_interval", "must be an int >= 1")
         from picovllm.generation_config import parse_override
         self.override_generation_config = parse_override(self.override_generation_config)
+        if isinstance(self.hf_overrides, str):
+            try:
+                self.hf_overrides = json.loads(self.hf_overrides)
+            except json.JSONDecodeError as e:
+                raise bad("hf_overrides", f"is not valid JSON ({e})") from None
+        if self.hf_overrides is not None and not isinstance(self.hf_overrides, dict):
+            raise bad("hf_overrides", "must be a JSON object of config.json fields")
         if not isinstance(self.generation_config, str) or not self.generation_config:
             raise bad("generation_config", "must be 'auto', 'vllm' or a folder path")
         from picovllm.reasoning import REASONING_PARSERS

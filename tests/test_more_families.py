@@ -188,6 +188,44 @@ def test_yarn_matches_hf_within_and_past_the_original_context(tmp_path, case):
         [o.outputs[0].logprobs for o in outs]
 
 
+def test_hf_overrides_set_config_fields(tmp_path):
+    """vLLM's --hf-overrides: YaRN switched on for a model whose config.json lacks it (Qwen's long-context recipe)
+    runs as the model whose config.json has it (the oracle: that folder, itself checked against HF above); the flag
+    parses from the command line; bad JSON, a non-object and a GGUF file are refused naming the field."""
+    import argparse
+    import json
+
+    from picovllm.entrypoints.engine_args import engine_config_from_args
+    from picovllm.entrypoints.openai import cli_serve
+    import transformers
+    cls, extra = YARN["qwen3_yarn"]
+    cfg = getattr(transformers, cls)(**{**BASE, "initializer_range": 0.2, **extra})
+    torch.manual_seed(11)
+    transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(str(tmp_path / "yarn"))
+    rope = json.load(open(tmp_path / "yarn" / "config.json"))["rope_parameters"]
+    plain = edited(str(tmp_path / "yarn"), str(tmp_path / "plain"), drop=("rope_parameters", "rope_scaling"))
+    parser = argparse.ArgumentParser()
+    cli_serve.add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["serve", plain, "--hf-overrides", json.dumps({"rope_parameters": rope}),
+                              "--device", "cpu", "--num-kv-blocks", "64"])
+    config = engine_config_from_args(args, model=args.model or args.model_tag)
+    assert config.hf_overrides == {"rope_parameters": rope}
+    rng = random.Random(9)
+    ps = [[rng.randrange(384) for _ in range(n)] for n in (20, 90)]
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+    got = LLM(plain, num_kv_blocks=64, device="cpu", hf_overrides=json.dumps({"rope_parameters": rope}))
+    want = LLM(str(tmp_path / "yarn"), num_kv_blocks=64, device="cpu")
+    assert got.engine.max_model_len == want.engine.max_model_len == 128
+    assert [o.outputs[0].logprobs for o in got.generate(ps, sp, use_tqdm=False)] == \
+        [o.outputs[0].logprobs for o in want.generate(ps, sp, use_tqdm=False)]
+    with pytest.raises(ValueError, match="EngineConfig.hf_overrides is not valid JSON"):
+        LLM(plain, device="cpu", hf_overrides="{rope")
+    with pytest.raises(ValueError, match="EngineConfig.hf_overrides must be a JSON object"):
+        LLM(plain, device="cpu", hf_overrides="[1]")
+    with pytest.raises(ValueError, match="hf_overrides: they set config.json fields of an HF folder"):
+        LLM("random:tiny-qwen3", device="cpu", hf_overrides={"rope_theta": 5.0})
+
+
 def test_yarn_without_its_original_context_is_refused(models, tmp_path):
     bad = edited(models["mistral"], str(tmp_path / "bad"),
                  rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0})

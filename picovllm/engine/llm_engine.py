@@ -42,7 +42,7 @@ from picovllm.engine.step_input import StepInput
 from picovllm.layers.logits_processors import bad_words_token_ids
 from picovllm.layers.rotary import longrope_position_offset
 from picovllm.layers.structured_output import BitmaskBuffers, GrammarState, StructuredOutputCompiler
-from picovllm.loader import open_model_source
+from picovllm.loader import engine_model_source
 from picovllm.outputs import CompletionOutput, Logprob, RequestOutput
 from picovllm.reasoning import ThinkTags
 from picovllm.sampling_params import RequestOutputKind, SamplingParams
@@ -119,8 +119,7 @@ class Engine:
             _gc_frozen = True
             gc.collect()
             gc.freeze()
-        source = open_model_source(config.model, config.disk_cache, revision=config.revision,
-                                   download_dir=config.download_dir)
+        source = engine_model_source(config)
         self.model_config = source.config
         self.tokenizer = tokenizer_of(source, config)
         self.eos_token_ids = list(self.model_config.eos_token_ids)

@@ -33,7 +33,7 @@ from picovllm.engine.model_runner import LaunchedStep, ModelRunner, StepInput, S
 from picovllm.engine.tp_workers import STARTED_KEY, TPWorkerError, WorkerProcesses, exit_with_parent
 from picovllm.engine.tp_world import (WORLD_TIMEOUT, ControlChannel, join_external_world, launched_externally,
                                       new_control_group, new_tp_group, rank_device)
-from picovllm.loader import open_model_source
+from picovllm.loader import engine_model_source
 from picovllm.loader.source import ModelSource
 
 SHUTDOWN_GRACE_S = 10.0    # how long workers get to leave their loop before they are terminated
@@ -249,9 +249,7 @@ def run_worker(ranks: list[int], local_rank: int) -> None:
     if device.type == "cpu":
         share_cpu_threads(tp.size)
     config = setup.config
-    source = open_model_source(config.model, config.disk_cache, revision=config.revision,
-                               download_dir=config.download_dir)
-    runner = ModelRunner(config, source, tp, device)
+    runner = ModelRunner(config, engine_model_source(config), tp, device)
     sampled = None    # overlapped scheduling: the last step's sampled tokens, as rank 0 broadcast them
     while True:
         msg = channel.recv()

@@ -68,8 +68,9 @@ def _text_name(name: str) -> str | None:
     return name
 
 
-def open_folder(path: str, weights_needed: bool = True) -> ModelSource:
-    """weights_needed=False: the config and tokenizer only (a front end's), no safetensors files asked for."""
+def open_folder(path: str, weights_needed: bool = True, overrides: dict | None = None) -> ModelSource:
+    """weights_needed=False: the config and tokenizer only (a front end's), no safetensors files asked for.
+    overrides: config.json's (the text model's) top-level fields set or replaced (EngineConfig.hf_overrides)."""
     cfg_path = os.path.join(path, "config.json")
     if not os.path.exists(cfg_path):
         raise ValueError(f"model folder {path!r} has no config.json")
@@ -90,6 +91,8 @@ def open_folder(path: str, weights_needed: bool = True) -> ModelSource:
             gen_eos = json.load(f).get("eos_token_id")
         if gen_eos is not None:
             raw = dict(raw, eos_token_id=gen_eos)
+    if overrides:
+        raw = {**raw, **overrides}
     config = ModelConfig.from_hf_dict(raw)          # its errors first: they name what the model is
     if not files and weights_needed:
         raise ValueError(f"model folder {path!r} has no *.safetensors files")
@@ -119,7 +122,8 @@ def open_folder(path: str, weights_needed: bool = True) -> ModelSource:
         from transformers import AutoTokenizer
         return AutoTokenizer.from_pretrained(path)
 
-    identity = ("hf", full, [(os.path.basename(f), file_identity(f, head_bytes=1 << 20)) for f in files])
+    identity = ("hf", full, overrides or {}, [(os.path.basename(f), file_identity(f, head_bytes=1 << 20))
+                                              for f in files])
     return ModelSource(path, config, weights, load_tokenizer if has_tok else None, identity)
 
 

@@ -26,19 +26,28 @@ class ModelSource:
     stored_weights: Callable[[], Iterator[tuple[str, object]]] | None = None
 
 
+def engine_model_source(config, weights_needed: bool = True) -> ModelSource:
+    """The model an EngineConfig names: its model, revision, download_dir, hf_overrides and disk_cache."""
+    return open_model_source(config.model, config.disk_cache, weights_needed, config.revision, config.download_dir,
+                             config.hf_overrides)
+
+
 def open_model_source(model: str | None, disk_cache: bool = True, weights_needed: bool = True,
-                      revision: str | None = None, download_dir: str | None = None) -> ModelSource:
+                      revision: str | None = None, download_dir: str | None = None,
+                      hf_overrides: dict | None = None) -> ModelSource:
     """model: an HF folder, a .gguf file, a Hugging Face Hub repository (resolve_model), "random:<preset>" (random
     weights of a benchmark preset's shape, made as they are loaded: picovllm/bench/random_checkpoint.py), or None for
     the default model. disk_cache: keep what is
     derived from a GGUF (tokenizer, dequantized weights) in the artifact cache (picovllm/artifact_cache.py).
     weights_needed=False: a front end's, the config and tokenizer only (a Hub repository's weights not fetched).
-    revision, download_dir: a Hub repository's (resolve_model)."""
+    revision, download_dir: a Hub repository's (resolve_model). hf_overrides: config.json fields set before the
+    model is read (an HF folder's; refused for another kind of model)."""
     from picovllm.artifact_cache import ArtifactCache
     from picovllm.loader.default_model import default_model_path
 
     if model is not None and model.startswith("random:"):
         from picovllm.bench.random_checkpoint import random_source
+        _no_overrides(hf_overrides, model)
         return random_source(model[len("random:"):])
 
     if model is None:
@@ -50,11 +59,17 @@ def open_model_source(model: str | None, disk_cache: bool = True, weights_needed
         path = resolve_model(model, weights_needed, revision, download_dir)
     if os.path.isdir(path):
         from picovllm.loader import hf_folder
-        return hf_folder.open_folder(path, weights_needed)
+        return hf_folder.open_folder(path, weights_needed, hf_overrides)
+    _no_overrides(hf_overrides, path)
     if path.endswith(".gguf"):
         from picovllm.loader import gguf_file   # needs the gguf package, which an HF-only setup may lack
         return gguf_file.open_gguf(path, ArtifactCache.from_env() if disk_cache else None)
     raise ValueError(f"model path {path!r} is neither a folder nor a .gguf file")
+
+
+def _no_overrides(hf_overrides: dict | None, model: str) -> None:
+    if hf_overrides:
+        raise ValueError(f"hf_overrides: they set config.json fields of an HF folder; model {model!r} has none")
 
 
 # a Hub repository id ("org/name"), or one GGUF file in one ("org/name/file.gguf")

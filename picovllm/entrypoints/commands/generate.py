@@ -102,7 +102,7 @@ def _generate_disaggregated(args: argparse.Namespace, text: str, params) -> int:
     from picovllm.loader import open_model_source
 
     source = open_model_source(args.model, args.disk_cache, revision=args.revision,   # the tokenizer, for the
-                               download_dir=args.download_dir)                   # chat template
+                               download_dir=args.download_dir, hf_overrides=args.hf_overrides)   # chat template
     tokenizer = source.load_tokenizer() if source.load_tokenizer is not None else None
     prompt = _prompt(tokenizer, text, args)
     with DisaggLLM(args.model, **disagg_options(args)) as llm:

@@ -37,7 +37,7 @@ from picovllm.engine.llm_engine import Engine, tokenizer_of
 from picovllm.entrypoints.openai.async_engine import AsyncEngine
 from picovllm.entrypoints.openai.engine_client import (AbortAll, AbortRequest, AddRequest, Command, EngineClient,
                                                        Shutdown, freeze_for_serving)
-from picovllm.loader import open_model_source
+from picovllm.loader import engine_model_source
 from picovllm.outputs import CompletionOutput, RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -45,9 +45,7 @@ logger = logging.getLogger(__name__)
 
 def load_tokenizer(config: EngineConfig):
     """The tokenizer the engine loads for itself (None without one), for the HTTP side."""
-    source = open_model_source(config.model, config.disk_cache, revision=config.revision,
-                               download_dir=config.download_dir)
-    return tokenizer_of(source, config)
+    return tokenizer_of(engine_model_source(config), config)
 
 
 class OutputDeltas:
