@@ -51,6 +51,7 @@ class _AttentionCall:
     softcap: float | None
     kv_scales: object
     kv_stored: bool
+    sinks: torch.Tensor | None
     out: torch.Tensor
 
 
@@ -73,7 +74,7 @@ class _CutAtAttention:
         return getattr(self._backend, name)
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, window=None, softcap=None,
-                kv_scales=None, kv_stored: bool = False) -> torch.Tensor:
+                kv_scales=None, kv_stored: bool = False, sinks=None) -> torch.Tensor:
         static = self._runner.static
         q_in = static("q", q).copy_(q)               # the piece's last kernels: its q (k, v) where attention reads
         k_in = None if kv_stored else static("k", k).copy_(k)
@@ -81,7 +82,7 @@ class _CutAtAttention:
         out = static("out", q)
         self._runner._end_piece(self._bucket)
         self._bucket.calls.append(_AttentionCall(q_in, k_in, v_in, k_cache, v_cache, scale, window, softcap,
-                                                 kv_scales, kv_stored, out))
+                                                 kv_scales, kv_stored, sinks, out))
         self._runner._begin_piece()
         return out
 
@@ -187,10 +188,13 @@ class PiecewiseGraphRunner:
             self.tokens[2, n:size].fill_(-1)
         for piece, call, backend in zip(bucket.pieces, bucket.calls, self.backends):
             piece.replay()
-            stored = {"kv_stored": True} if call.kv_stored else {}
+            # the keywords only when set, as Attention.forward passes them
+            extra = {"kv_stored": True} if call.kv_stored else {}
+            if call.sinks is not None:
+                extra["sinks"] = call.sinks
             k, v = (None, None) if call.kv_stored else (call.k[:n], call.v[:n])
             out = backend.forward(call.q[:n], k, v, call.k_cache, call.v_cache, meta, call.scale, call.window,
-                                  call.softcap, call.kv_scales, **stored)
+                                  call.softcap, call.kv_scales, **extra)
             call.out[:n].copy_(out)
         bucket.pieces[-1].replay()
         if not step.num_logit_rows:

@@ -25,32 +25,33 @@ class TritonAttentionBackend(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int | None = None,
-                softcap: float | None = None, kv_scales=None, kv_stored: bool = False) -> torch.Tensor:
+                softcap: float | None = None, kv_scales=None, kv_stored: bool = False,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         if not kv_stored:
             store_kv(k, v, k_cache, v_cache, meta.slot_mapping, kv_scales)
         out = torch.empty_like(q)
         if meta.work is not None:
             return work_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
                                   meta.work.items, meta.work.splits, scale, out, window=window, softcap=softcap,
-                                  kv_scales=kv_scales)
+                                  kv_scales=kv_scales, sinks=sinks)
         nd = meta.num_decodes
         if nd:
             decode_attention(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd],
-                             scale, out=out[:nd], window=window, softcap=softcap, kv_scales=kv_scales)
+                             scale, out=out[:nd], window=window, softcap=softcap, kv_scales=kv_scales, sinks=sinks)
         num_prefills = meta.num_seqs - nd
         if num_prefills:
             max_q = max(meta.query_lens_cpu[nd:])
             if num_prefills == 1 and max_q <= SHORT_PREFILL:
-                self._short_prefill(q, k_cache, v_cache, meta, max_q, scale, out, window, softcap, kv_scales)
+                self._short_prefill(q, k_cache, v_cache, meta, max_q, scale, out, window, softcap, kv_scales, sinks)
             else:
                 prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
                                   nd, num_prefills, max_q, scale, out, window=window, softcap=softcap,
-                                  kv_scales=kv_scales)
+                                  kv_scales=kv_scales, sinks=sinks)
         return out
 
     @staticmethod
     def _short_prefill(q, k_cache, v_cache, meta: AttentionMetadata, max_q: int, scale: float, out,
-                       window: int | None, softcap: float | None, kv_scales=None) -> None:
+                       window: int | None, softcap: float | None, kv_scales=None, sinks=None) -> None:
         """One prefill chunk of at most SHORT_PREFILL tokens (a suffix after a cached prefix, say) as that many
         decode rows: query token i sees the context and the chunk up to itself, seq_len - q_len + 1 + i keys,
         through the sequence's block table. The prefill kernel would give such a chunk one program per head,
@@ -71,4 +72,4 @@ class TritonAttentionBackend(AttentionBackend):
             meta.scratch[key] = lens, meta.block_tables[nd:nd + 1].expand(max_q, -1).clone()
         lens, tables = meta.scratch[key]
         decode_attention(q[rows], k_cache, v_cache, tables, lens, scale, out=out[rows], window=window,
-                         softcap=softcap, kv_scales=kv_scales)
+                         softcap=softcap, kv_scales=kv_scales, sinks=sinks)

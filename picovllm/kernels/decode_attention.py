@@ -8,6 +8,11 @@ slice's normalized output and its log-sum-exp (base 2). Pass 2 (_decode_reduce_k
 the slices of each head. The grid depends only on the batch size and head count, never on the
 context lengths: no host-device sync, and one CUDA graph per batch size serves every context.
 
+Attention sinks (SINKS, a constexpr; GPT-OSS): a query head's softmax also takes a zero-valued key of logit sinks[h],
+which is the online softmax's starting state (running max the sink, running sum 1) in split 0 only: the split every
+non-empty context has, so the reduce, which weights each split by its log-sum-exp, counts it once. A padding row
+(length 0) runs no split and stays zeros.
+
 An fp8 cache (FP8, a constexpr: the other path compiles as before) is read as x8 * scale with one scale per
 KV head: a program sees one KV head, so K's scale joins the score scale. V is dequantized (times its scale) in
 registers before its dot: V is that dot's transposed operand, and 8-bit data has no transposed shared-memory read
@@ -46,6 +51,18 @@ def fp8_scales(k_cache: torch.Tensor, kv_scales, who: str) -> bool:
     return fp8
 
 
+def sink_logits(sinks: torch.Tensor | None, softcap: float | None, num_heads: int, who: str) -> torch.Tensor | None:
+    """sinks as the kernels read them ([Hq] float32, contiguous), or None; raises with softcap (the kernels keep
+    capped scores in other units, and no model has both) or for a length other than the query heads'."""
+    if sinks is None:
+        return None
+    if softcap:
+        raise ValueError(f"{who}: attention sinks with softcap")
+    if sinks.shape != (num_heads,):
+        raise ValueError(f"{who}: sinks of shape {tuple(sinks.shape)}, not one per query head ({num_heads})")
+    return sinks.float().contiguous()
+
+
 def fp8_f16_dots(q: torch.Tensor, fp8: bool) -> bool:
     """Whether the kernels take an fp8 cache's dot products in float16: for a half-precision q. Every e4m3 value is
     exact in float16 and the conversion is one instruction per two values, where e4m3 -> bfloat16 goes through
@@ -67,14 +84,15 @@ def _slice_len(seq_len, num_splits, BLOCK_N: tl.constexpr):
 @triton.jit(do_not_specialize=["num_splits", "stride_bt"])   # vary per step: no recompiles
 def _decode_partial_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, part_o_ptr, part_lse_ptr, o_ptr,
-        k_scale_ptr, v_scale_ptr, qk_scale, num_splits, window,
+        k_scale_ptr, v_scale_ptr, sinks_ptr, qk_scale, num_splits, window,
         stride_qb, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt,
         stride_pb, stride_ph, stride_ps, stride_ob, stride_oh,
         BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
         DIRECT: tl.constexpr, SOFTCAP: tl.constexpr, FP8: tl.constexpr, F16_DOTS: tl.constexpr,
-        PDL: tl.constexpr):
+        SINKS: tl.constexpr, PDL: tl.constexpr):
     """DIRECT (one split): write the final output, no partials and no reduce pass. SOFTCAP 0: none.
+    SINKS: sinks_ptr[query head] is the logit of a zero-valued key, counted in split 0 (the module doc).
     FP8: the caches hold float8_e4m3fn, dequantized by k_scale_ptr[kv head], v_scale_ptr[kv head];
     F16_DOTS: their dot products in float16 (fp8_f16_dots)."""
     wait_for_previous(PDL)
@@ -109,6 +127,10 @@ def _decode_partial_kernel(
 
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
+    if SINKS:             # the head's sink as a key already seen, in base 2 (never with softcap: sink_logits)
+        if split == 0:    # in one split only: the reduce counts it once
+            m_i = tl.load(sinks_ptr + heads, mask=mask_g, other=float("-inf")) * 1.4426950408889634
+            l_i = tl.where(mask_g, 1.0, 0.0)
     acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     for t0 in range(start, end, BLOCK_N):
@@ -197,11 +219,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      block_n: int | None = None, num_warps: int = 4, num_stages: int = 2,
                      num_splits: int | None = None, window: int | None = None,
                      softcap: float | None = None,
-                     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, Hq, D]; caches [num_blocks, block_size, Hkv, D]; block_tables [B, W] int32; seq_lens [B] int32
-    (0 for a padding row, which gets zeros). Returns [B, Hq, D]. window: attend to the last `window` tokens
-    only; softcap: scores soft-capped; kv_scales: (k_scale, v_scale) [Hkv] float32, given exactly when the
-    caches are fp8 (see AttentionBackend.forward)."""
+    (0 for a padding row, which gets zeros, sinks or not). Returns [B, Hq, D]. window: attend to the last `window`
+    tokens only; softcap: scores soft-capped; kv_scales: (k_scale, v_scale) [Hkv] float32, given exactly when the
+    caches are fp8; sinks: [Hq] logits of a zero-valued key, never with softcap (see AttentionBackend.forward)."""
     b, hq, d = q.shape
     hkv = k_cache.shape[2]
     if hq % hkv:
@@ -210,6 +233,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if b == 0:
         return out
     fp8 = fp8_scales(k_cache, kv_scales, "decode_attention")
+    sinks = sink_logits(sinks, softcap, hq, "decode_attention")
     group = hq // hkv
     block_d = triton.next_power_of_2(d)
     splits = num_splits or num_splits_for(b, hkv)
@@ -227,13 +251,14 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     part_lse = torch.empty(0 if direct else b, hq, splits, dtype=torch.float32, device=q.device)
     _decode_partial_kernel[(b, hkv, splits)](
         q, k_cache, v_cache, block_tables, seq_lens, part_o, part_lse, out,
-        *(kv_scales if fp8 else (seq_lens, seq_lens)), score_scale(scale, softcap), splits, window or NO_WINDOW,
+        *(kv_scales if fp8 else (seq_lens, seq_lens)), seq_lens if sinks is None else sinks,
+        score_scale(scale, softcap), splits, window or NO_WINDOW,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         part_o.stride(0), part_o.stride(1), part_o.stride(2), out.stride(0), out.stride(1),
         BLOCK_SIZE=k_cache.shape[1], GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=d, BLOCK_D=block_d, BLOCK_N=block_n, DOT_PRECISION=dot_precision(q.dtype), DIRECT=direct,
-        SOFTCAP=float(softcap or 0.0), FP8=fp8, F16_DOTS=fp8_f16_dots(q, fp8), num_warps=num_warps,
-        num_stages=num_stages, **pdl)
+        SOFTCAP=float(softcap or 0.0), FP8=fp8, F16_DOTS=fp8_f16_dots(q, fp8), SINKS=sinks is not None,
+        num_warps=num_warps, num_stages=num_stages, **pdl)
     if direct:
         return out
     _decode_reduce_kernel[(b, hq)](

@@ -7,7 +7,8 @@ keys 0..p (p - window + 1 .. p under a sliding window). Program (q_tile, seq, q_
 With a work list (WORK, a constexpr; kernels/work_attention.py) program (i, 0, kv_head) reads its sequence, query
 tile and share of the keys from item i instead and takes all of the KV head's query heads (HEADS).
 An fp8 cache (FP8, a constexpr) is read as x8 * scale: K's scale of the program's KV head joins the score scale,
-V's multiplies the output.
+V's multiplies the output. Attention sinks (SINKS, a constexpr): each row's online softmax starts from its head's
+sink, a zero-valued key already seen (decode_attention's module doc); of a work item's shares only split 0 does.
 """
 from __future__ import annotations
 
@@ -15,18 +16,19 @@ import torch
 import triton
 import triton.language as tl
 
-from picovllm.kernels.decode_attention import NO_WINDOW, dot_precision, fp8_f16_dots, fp8_scales, score_scale, soft_cap
+from picovllm.kernels.decode_attention import (NO_WINDOW, dot_precision, fp8_f16_dots, fp8_scales, score_scale,
+                                               sink_logits, soft_cap)
 
 
 @triton.jit(do_not_specialize=["first_seq", "stride_bt"])   # vary per step: no recompiles
 def _prefill_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr, work_ptr,
-        part_o_ptr, part_lse_ptr, k_scale_ptr, v_scale_ptr, first_seq, qk_scale, window,
+        part_o_ptr, part_lse_ptr, k_scale_ptr, v_scale_ptr, sinks_ptr, first_seq, qk_scale, window,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
         stride_pseq, stride_psplit,
         BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
-        FP8: tl.constexpr, F16_DOTS: tl.constexpr, WORK: tl.constexpr, HEADS: tl.constexpr):
+        FP8: tl.constexpr, F16_DOTS: tl.constexpr, WORK: tl.constexpr, HEADS: tl.constexpr, SINKS: tl.constexpr):
     # HEADS: query heads a program takes. 1: program (., ., h) takes query head h; else the power of two at
     # least GROUP: program (., ., kvh) takes KV head kvh's GROUP query heads, row r of a tile being query token
     # r // HEADS, head r % HEADS (rows of heads past GROUP masked), so the KV is read once for all of them.
@@ -76,6 +78,10 @@ def _prefill_kernel(
     # Finite: under a window a row can see no key of a whole tile, and -inf - -inf would be NaN.
     m_i = tl.full([BLOCK_M], -1e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
+    if SINKS:             # the row's head's sink as a key already seen, in base 2 (never with softcap: sink_logits)
+        if split == 0:    # a split decode's first share only: the merge counts it once
+            m_i = tl.where(mask_m, tl.load(sinks_ptr + heads, mask=mask_m, other=0.0) * 1.4426950408889634, m_i)
+            l_i = tl.where(mask_m, 1.0, 0.0)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     kv_start = tl.maximum(ctx + tile * (BLOCK_M // HEADS) - window + 1, 0)   # the tile's first query sees from here
     kv_end = tl.minimum(seq_len, ctx + (tile + 1) * (BLOCK_M // HEADS))   # the tile's last query sees up to here
@@ -126,12 +132,13 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       max_query_len: int, scale: float, out: torch.Tensor,
                       block_m: int = 64, block_n: int = 64, num_warps: int = 4, num_stages: int = 2,
                       window: int | None = None, softcap: float | None = None,
-                      kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                      kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                      sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention for sequences first_seq .. first_seq + num_seqs - 1 of the batch, written into out.
 
     q, out: [T, Hq, D] for the whole flat batch; query_start_loc [B + 1] int32; max_query_len is a
     host-side bound on those sequences' query lengths (it sizes the grid). window, softcap, kv_scales (given
-    exactly when the caches are fp8): see AttentionBackend.forward.
+    exactly when the caches are fp8), sinks (never with softcap): see AttentionBackend.forward.
     """
     t, hq, d = q.shape
     hkv = k_cache.shape[2]
@@ -141,12 +148,15 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         return out
     grid = (triton.cdiv(max_query_len, block_m), num_seqs, hq)
     fp8 = fp8_scales(k_cache, kv_scales, "prefill_attention")
+    sinks = sink_logits(sinks, softcap, hq, "prefill_attention")
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, seq_lens, out, out,
-        *(kv_scales if fp8 else (seq_lens, seq_lens)), first_seq, score_scale(scale, softcap), window or NO_WINDOW,
+        *(kv_scales if fp8 else (seq_lens, seq_lens)), seq_lens if sinks is None else sinks, first_seq,
+        score_scale(scale, softcap), window or NO_WINDOW,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), 0, 0,
         BLOCK_SIZE=k_cache.shape[1], GROUP=hq // hkv, HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d),
         BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=dot_precision(q.dtype), SOFTCAP=float(softcap or 0.0),
-        FP8=fp8, F16_DOTS=fp8_f16_dots(q, fp8), WORK=False, HEADS=1, num_warps=num_warps, num_stages=num_stages)
+        FP8=fp8, F16_DOTS=fp8_f16_dots(q, fp8), WORK=False, HEADS=1, SINKS=sinks is not None, num_warps=num_warps,
+        num_stages=num_stages)
     return out

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from picovllm.kernels.decode_attention import (NO_WINDOW, dot_precision, fp8_f16_dots, fp8_scales, merge_splits,
-                                               score_scale)
+                                               score_scale, sink_logits)
 from picovllm.kernels.prefill_attention import _prefill_kernel
 
 WORK_ROWS = 64        # rows of a program's tile: query tokens x the KV head's query heads
@@ -91,11 +91,13 @@ def work_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, work: torch.Tensor, splits: torch.Tensor,
                    scale: float, out: torch.Tensor, block_n: int = 64, num_warps: int = 4, num_stages: int = 2,
                    window: int | None = None, softcap: float | None = None,
-                   kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                   kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                   sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention over a work list (work_items): q, out [T, Hq, D]; the caches, block tables [S, W], seq_lens [S] and
     query_start_loc [S + 1] as for prefill_attention; work [I, 4] int32 (tiles of work_tile(Hq // Hkv) tokens);
     splits [S] int32, each sequence's (work_items' second answer, padded with 0 or 1). Two launches, sized by I and
-    S alone. window, softcap, kv_scales: see AttentionBackend.forward."""
+    S alone. window, softcap, kv_scales, sinks: see AttentionBackend.forward (a split decode's sink is in its first
+    share's partial only, so the merge counts it once)."""
     t, hq, d = q.shape
     hkv = k_cache.shape[2]
     if hq % hkv:
@@ -103,19 +105,22 @@ def work_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     group = hq // hkv
     work_tile(group)                               # raises past WORK_ROWS heads
     fp8 = fp8_scales(k_cache, kv_scales, "work_attention")
+    sinks = sink_logits(sinks, softcap, hq, "work_attention")
     block_d = triton.next_power_of_2(d)
     num_seqs = splits.shape[0]
     part_o = torch.empty(num_seqs, MAX_SPLITS, hq, block_d, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(num_seqs, MAX_SPLITS, hq, dtype=torch.float32, device=q.device)
     _prefill_kernel[(work.shape[0], 1, hkv)](
         q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, work, part_o, part_lse,
-        *(kv_scales if fp8 else (seq_lens, seq_lens)), 0, score_scale(scale, softcap), window or NO_WINDOW,
+        *(kv_scales if fp8 else (seq_lens, seq_lens)), seq_lens if sinks is None else sinks, 0,
+        score_scale(scale, softcap), window or NO_WINDOW,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         part_o.stride(0), part_o.stride(1),
         BLOCK_SIZE=k_cache.shape[1], GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=WORK_ROWS, BLOCK_N=block_n,
         DOT_PRECISION=dot_precision(q.dtype), SOFTCAP=float(softcap or 0.0), FP8=fp8, F16_DOTS=fp8_f16_dots(q, fp8),
-        WORK=True, HEADS=triton.next_power_of_2(group), num_warps=num_warps, num_stages=num_stages)
+        WORK=True, HEADS=triton.next_power_of_2(group), SINKS=sinks is not None, num_warps=num_warps,
+        num_stages=num_stages)
     _merge_kernel[(num_seqs, hq)](part_o, part_lse, splits, query_start_loc, out, part_o.stride(0), part_o.stride(1),
                                   out.stride(0), out.stride(1), HEAD_DIM=d, BLOCK_D=block_d, num_warps=1)
     return out

@@ -29,8 +29,9 @@ class GptOssAttention(LlamaAttention):
         p = self.qkv_proj
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, bias=True, tp=tp,
                                         in_shard=p.q_shard)
-        # this rank's heads' sinks (the checkpoint's self_attn.sinks: checkpoint_name below)
-        self.attn.sinks = nn.Parameter(torch.zeros(p.num_heads), requires_grad=False)
+        # this rank's heads' sinks (the checkpoint's self_attn.sinks: checkpoint_name below), float32 whatever the
+        # model's dtype: the kernels read them so (no conversion a step)
+        self.attn.sinks = nn.Parameter(torch.zeros(p.num_heads, dtype=torch.float32), requires_grad=False)
         self.attn.sinks.weight_loader = self._load_sinks
         self._heads = (p.q_head_start, p.num_heads, cfg.num_attention_heads)
 
