@@ -63,7 +63,7 @@ def test_decode_with_sinks_matches_torch(device, dtype, tol, block_size, hq, hkv
     store_kv_ref(b.k, b.v, k_cache, v_cache, b.meta.slot_mapping)
     sinks = sinks_for(hq, device)
     out = torch.full_like(b.q, float("nan"))
-    decode_attention(b.q, k_cache, v_cache, b.meta.block_tables, b.meta.seq_lens, 0.25, out=out, block_n=8,
+    decode_attention(b.q, k_cache, v_cache, b.meta.block_tables, b.meta.seq_lens, 0.25, out=out, block_n=16,
                      num_splits=splits, window=window, sinks=sinks)
     check(out, b, k_cache, v_cache, 0.25, tol, window, sinks)
 
