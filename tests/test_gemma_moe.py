@@ -1,5 +1,6 @@
-"""Gemma 2, Gemma 3 (text), Qwen3-MoE, Mixtral and Qwen2-MoE (a shared expert) from HF folders: greedy tokens and logprobs against HF transformers on the same tiny random weights (fp32, CPU), and
-TP=2 against TP=1.
+"""Gemma 2, Gemma 3 (text), Qwen3-MoE, Mixtral and Qwen2-MoE (a shared expert) from HF folders, and the text models
+of image-and-text checkpoints (Gemma 3, Mistral 3, Qwen2.5-VL, Qwen3-VL): greedy tokens and logprobs against HF
+transformers on the same tiny random weights (fp32, CPU), and TP=2 against TP=1.
 
 The shapes are the awkward ones: head_dim 80 and 256, one KV head, windows shorter than the prompt (and than a
 KV block), alternating sliding and global layers, soft-capped scores and logits, top-1 and top-2 routing over 8
@@ -144,8 +145,19 @@ MULTIMODAL = {
                   "SiglipVisionConfig", dict(image_size=28, patch_size=14), dict(mm_tokens_per_image=4,
                                                                                   image_token_index=383)),
     # Mistral Small 3.1's: Mistral's text model beside Pixtral
-    "mistral3_mm": ("Mistral3Config", "MistralConfig", dict(head_dim=16, sliding_window=None),
-                    "PixtralVisionConfig", dict(image_size=28, patch_size=14, head_dim=16), dict(image_token_index=383)),
+    "mistral3_mm": ("Mistral3Config", "MistralConfig", dict(head_dim=16, sliding_window=None), "PixtralVisionConfig",
+                    dict(image_size=28, patch_size=14, head_dim=16), dict(image_token_index=383)),
+    # Qwen2.5-VL's: Qwen2's text model (q/k/v biases) under multimodal rope, whose three position streams are equal
+    # on text (so it is plain rope there)
+    "qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLTextConfig",
+                   dict(rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}), "Qwen2_5_VLVisionConfig",
+                   dict(depth=1, num_heads=2, out_hidden_size=64, fullatt_block_indexes=[0]),
+                   dict(image_token_id=380, video_token_id=381, vision_start_token_id=382)),
+    # Qwen3-VL's: Qwen3's (q/k norms) under interleaved multimodal rope
+    "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLTextConfig", dict(head_dim=16, rope_scaling={
+                     "rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True}),
+                 "Qwen3VLVisionConfig", dict(depth=1, num_heads=2, out_hidden_size=64, deepstack_visual_indexes=[0]),
+                 dict(image_token_id=380, video_token_id=381, vision_start_token_id=382)),
 }
 
 
@@ -172,8 +184,9 @@ def test_the_text_model_of_a_multimodal_checkpoint_matches_hf(tmp_path, case):
     ps = prompts()
     ref, ref_lp = hf_greedy(path, ps, 10, "AutoModelForImageTextToText")
     llm = LLM(path, block_size=4, num_kv_blocks=128, device="cpu")
-    assert llm.engine.model_config.architecture == {"gemma3_mm": "Gemma3ForCausalLM",
-                                                    "mistral3_mm": "MistralForCausalLM"}[case]
+    assert llm.engine.model_config.architecture == {
+        "gemma3_mm": "Gemma3ForCausalLM", "mistral3_mm": "MistralForCausalLM", "qwen2_5_vl": "Qwen2ForCausalLM",
+        "qwen3_vl": "Qwen3ForCausalLM"}[case]
     outs = generate(llm, ps, 10)
     assert [o.outputs[0].token_ids for o in outs] == ref
     for o, lp in zip(outs, ref_lp):

@@ -19,10 +19,14 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 # -> the text model's own, and the parts left out (the vision tower and its projector). Images are never taken
 # (non-text content is refused).
 TEXT_OF_MULTIMODAL = {"Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", "gemma3_text"),
-                      "Mistral3ForConditionalGeneration": ("MistralForCausalLM", "mistral")}
+                      "Mistral3ForConditionalGeneration": ("MistralForCausalLM", "mistral"),
+                      # multimodal rope (mrope): three position streams, equal on text, so plain rope there
+                      "Qwen2_5_VLForConditionalGeneration": ("Qwen2ForCausalLM", "qwen2_5_vl_text"),
+                      "Qwen3VLForConditionalGeneration": ("Qwen3ForCausalLM", "qwen3_vl_text")}
 _TEXT_PREFIXES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
                   ("model.language_model.", "model."))
-_LEFT_OUT = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+_LEFT_OUT = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.",
+             "visual.", "model.visual.")
 
 
 def _text_config(path: str, raw: dict) -> dict:
