@@ -31,9 +31,10 @@ CONFIG = dict(vocab_size=384, hidden_size=64, intermediate_size=32, num_hidden_l
               bos_token_id=1, eos_token_id=2, pad_token_id=0, initializer_range=0.2)
 
 
-def build(path: str, sinks_scale: float = 2.0) -> str:
+def build(path: str, sinks_scale: float = 2.0, init: float = 0.2) -> str:
+    """init: the weights' scale (0.2: activations of a few units, where every part shows in the logits)."""
     import transformers
-    cfg = transformers.GptOssConfig(**CONFIG, swiglu_limit=hf_swiglu_limit())
+    cfg = transformers.GptOssConfig(**{**CONFIG, "initializer_range": init}, swiglu_limit=hf_swiglu_limit())
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():
@@ -205,6 +206,8 @@ def test_gpu_fp32_matches_hf(model_path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_bf16_near_hf(model_path):
+def test_gpu_bf16_near_hf(tmp_path):
+    """On weights of HF's usual scale (0.02): the test model's 0.2 makes bf16 flip routing choices (on this CPU, torch
+    in bf16: 0.14 nats on average against HF fp32 with HF 5.17's SwiGLU limit; 0.002 at 0.02)."""
     from test_parity_hf import assert_gpu_bf16_near_hf
-    assert_gpu_bf16_near_hf(model_path, prompts(5))
+    assert_gpu_bf16_near_hf(build(str(tmp_path / "soft"), sinks_scale=1.0, init=0.02), prompts(5))
