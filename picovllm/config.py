@@ -92,7 +92,7 @@ class ModelConfig:
             raise ValueError(f"config.json architectures={archs!r}: unsupported architecture; "
                              f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
         quant = checkpoint_quantization(cfg)
-        if quant not in (None, "mxfp4"):
+        if quant not in (None, "mxfp4") or (quant == "mxfp4" and arch != "GptOssForCausalLM"):
             raise ValueError(f"config.json quantization_config.quant_method={quant!r}: quantized HF checkpoints are "
                              "unsupported (but GPT-OSS's mxfp4, dequantized at load; GGUF files for 4-8 bits)")
         heads, layers = cfg["num_attention_heads"], cfg["num_hidden_layers"]
@@ -260,6 +260,19 @@ def _moe_layers(cfg: dict[str, Any], layers: int) -> list[bool]:
     return [i not in dense and (i + 1) % step == 0 for i in range(layers)]
 
 
+def parse_hf_overrides(value: dict | str | None, what: str = "hf_overrides") -> dict | None:
+    """--hf-overrides' value: a dict or its JSON text (an object of config.json fields); None for none. ValueError
+    naming `what` otherwise."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{what} is not valid JSON ({e}), got {value!r}") from None
+    if value is not None and not isinstance(value, dict):
+        raise ValueError(f"{what} must be a JSON object of config.json fields, got {value!r}")
+    return value
+
+
 def checkpoint_quantization(cfg: dict[str, Any]) -> str | None:
     """An HF config's quantization_config.quant_method (None: the weights are not quantized)."""
     qc = cfg.get("quantization_config")
@@ -286,14 +299,14 @@ def _rope_scaling(rs: dict[str, Any], cfg: dict[str, Any] | None = None) -> dict
     out = dict(rs, rope_type=kind)
     if kind == "yarn":                   # Qwen's long-context setting: factor x the original context
         cfg = cfg or {}
-        orig = rs.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
+        orig = cfg.get("original_max_position_embeddings") or rs.get("original_max_position_embeddings")   # HF's order
         if not orig:
             raise ValueError("config.json rope_scaling (yarn) needs original_max_position_embeddings")
         out.update(original_max_position_embeddings=int(orig),
                    factor=float(rs.get("factor") or cfg.get("max_position_embeddings", orig) / orig))
     if kind == "longrope":               # Phi-3: per-frequency factors, short below the original context
         cfg = cfg or {}
-        orig = rs.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
+        orig = cfg.get("original_max_position_embeddings") or rs.get("original_max_position_embeddings")   # HF's order
         if not orig or "short_factor" not in rs or "long_factor" not in rs:
             raise ValueError("config.json rope_scaling (longrope) needs short_factor, long_factor and "
                              "original_max_position_embeddings")
@@ -393,13 +406,7 @@ class EngineConfig:
             raise bad("stream_interval", "must be an int >= 1")
         from picovllm.generation_config import parse_override
         self.override_generation_config = parse_override(self.override_generation_config)
-        if isinstance(self.hf_overrides, str):
-            try:
-                self.hf_overrides = json.loads(self.hf_overrides)
-            except json.JSONDecodeError as e:
-                raise bad("hf_overrides", f"is not valid JSON ({e})") from None
-        if self.hf_overrides is not None and not isinstance(self.hf_overrides, dict):
-            raise bad("hf_overrides", "must be a JSON object of config.json fields")
+        self.hf_overrides = parse_hf_overrides(self.hf_overrides, "EngineConfig.hf_overrides")
         if not isinstance(self.generation_config, str) or not self.generation_config:
             raise bad("generation_config", "must be 'auto', 'vllm' or a folder path")
         from picovllm.reasoning import REASONING_PARSERS

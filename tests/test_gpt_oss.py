@@ -125,6 +125,41 @@ def test_the_checkpoint_layout_is_read(model_path):
     assert cfg.layer_window(0) == 6 and cfg.layer_window(1) is None and cfg.swiglu_limit == hf_swiglu_limit()
 
 
+def test_fields_left_to_transformers_defaults(model_path, tmp_path):
+    """A config.json without layer_types, the rope parameters, attention_bias or rms_norm_eps reads as HF's
+    GptOssConfig fills them in (alternating windows, YaRN x32 over 4096 positions at base 150000, biases, 1e-5):
+    HF's greedy tokens and logprobs on it."""
+    import shutil
+    bare = str(tmp_path / "bare")
+    shutil.copytree(model_path, bare)
+    with open(os.path.join(bare, "config.json")) as f:
+        cfg = json.load(f)
+    for key in ("layer_types", "rope_parameters", "rope_scaling", "attention_bias", "rms_norm_eps"):
+        cfg.pop(key, None)
+    with open(os.path.join(bare, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    llm = LLM(bare, num_kv_blocks=32, device="cpu")
+    mc = llm.engine.model_config
+    assert (mc.layer_window(0), mc.layer_window(1), mc.rope_theta) == (6, None, 150000.0)
+    assert mc.rope_scaling["factor"] == 32.0 and mc.rope_scaling["original_max_position_embeddings"] == 4096
+    ps = prompts(6)
+    ref, ref_lp = hf_greedy(bare, ps, 8)
+    toks, lps = run(bare, ps, new=8)
+    assert toks == ref
+    for lp, want in zip(lps, ref_lp):
+        assert lp == pytest.approx(want, abs=LOGPROB_ATOL)
+
+
+def test_mxfp4_elsewhere_is_refused(model_path, tmp_path):
+    """mxfp4 is read for GPT-OSS's experts only; another architecture's mxfp4 config is refused by name."""
+    from picovllm.config import ModelConfig
+    with open(os.path.join(model_path, "config.json")) as f:
+        cfg = json.load(f)
+    llama = dict(cfg, architectures=["LlamaForCausalLM"], quantization_config={"quant_method": "mxfp4"})
+    with pytest.raises(ValueError, match="quant_method='mxfp4'"):
+        ModelConfig.from_hf_dict(llama)
+
+
 def test_attention_without_biases_is_refused(model_path, tmp_path):
     import shutil
     bad = str(tmp_path / "bad")
@@ -149,10 +184,14 @@ def test_mxfp4_dequantized_as_hf_does():
     scales = torch.randint(120, 134, (3, 10, 4), dtype=torch.uint8, generator=g)
     want = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)          # [3, 128, 10]
     assert torch.equal(dequantize(blocks, scales).transpose(1, 2), want)
-    (name, got), = list(dequantized(iter([("x_scales", scales), ("x_blocks", blocks)]), torch.float32))
-    assert name == "x" and torch.equal(got, want)
-    with pytest.raises(ValueError, match="'x_blocks' has no 'x_scales'"):
-        list(dequantized(iter([("x_blocks", blocks)])))
+    assert torch.equal(dequantize(blocks[1], scales[1]).T, want[1])                  # one expert's alone
+    x = "model.layers.0.mlp.experts.x"
+    (name, got), = list(dequantized(iter([(x + "_scales", scales), (x + "_blocks", blocks)]), torch.float32))
+    assert name == x and torch.equal(got, want)
+    with pytest.raises(ValueError, match=f"'{x}_blocks' has no '{x}_scales'"):
+        list(dequantized(iter([(x + "_blocks", blocks)])))
+    with pytest.raises(ValueError, match="MXFP4 weights are read for GPT-OSS's experts only"):
+        list(dequantized(iter([("model.layers.0.self_attn.q_proj_blocks", blocks)])))
 
 
 def test_an_mxfp4_checkpoint_runs_as_its_dense_form(model_path, tmp_path):

@@ -142,9 +142,12 @@ def test_a_revision_and_a_download_dir(tiny_models, hub_cache, tmp_path):
         LLM("tiny-org/elsewhere", device="cpu")
     with pytest.raises(ValueError, match="fetching it at revision 'v3' from the Hugging Face Hub failed"):
         LLM("tiny-org/two", revision="v3", device="cpu")
-    with pytest.raises(ValueError, match="revision 'v2' applies to a Hugging Face Hub repository id; model .* is a "
-                                         "local path"):
-        LLM(llama, revision="v2", device="cpu")
+    # where there is no repository, both are refused, not ignored (a local path, a random model, the default one)
+    for model, kw in [(llama, {"revision": "v2"}), (llama, {"download_dir": str(own)}),
+                      ("random:tiny-qwen3", {"revision": "v2"}), (None, {"download_dir": str(own)})]:
+        field = next(iter(kw))
+        with pytest.raises(ValueError, match=f"{field} .* applies to a Hugging Face Hub repository id; .* is not one"):
+            LLM(model, device="cpu", **kw)
 
 
 def test_revision_flags_reach_the_engine_and_the_models_card(tiny_models, hub_cache):
@@ -170,3 +173,13 @@ def test_revision_flags_reach_the_engine_and_the_models_card(tiny_models, hub_ca
         assert (card["root"], card["revision"]) == ("tiny-org/tagged", "v1")
     finally:
         engine.shutdown()
+
+
+def test_both_pd_sides_run_one_model():
+    """A DisaggLLM's per-side settings may not give P and D another revision, cache or config: D reads the KV P
+    computed, which only the same model makes right (the KV handshake compares shapes, not weights)."""
+    from picovllm.disagg.driver import _side_configs
+    for field, value in (("revision", "v2"), ("hf_overrides", {"rope_theta": 5.0}), ("download_dir", "/tmp/x"),
+                         ("model", "other")):
+        with pytest.raises(ValueError, match=f"decode\\['{field}'\\]: both sides run one model"):
+            _side_configs("m", {}, "cpu", "cpu", {}, {field: value})

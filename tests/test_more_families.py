@@ -224,6 +224,10 @@ def test_hf_overrides_set_config_fields(tmp_path):
         LLM(plain, device="cpu", hf_overrides="[1]")
     with pytest.raises(ValueError, match="hf_overrides: they set config.json fields of an HF folder"):
         LLM("random:tiny-qwen3", device="cpu", hf_overrides={"rope_theta": 5.0})
+    # the JSON text as a command's flag leaves it (generate's disaggregated path opens the model from its flags)
+    from picovllm.loader.source import open_model_source
+    src = open_model_source(plain, hf_overrides=json.dumps({"rope_parameters": rope}), weights_needed=False)
+    assert src.config.rope_scaling["rope_type"] == "yarn"
 
 
 def test_yarn_without_its_original_context_is_refused(models, tmp_path):

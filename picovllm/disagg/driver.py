@@ -248,6 +248,9 @@ def _side_configs(model, common: dict, p_device: str, d_device: str, p_over: dic
     for name, over in (("prefill", p_over), ("decode", d_over)):
         if "role" in over:
             raise ValueError(f"{name}['role'] is set by the side it configures")
+        for field in ("model", "revision", "download_dir", "hf_overrides"):   # D reads the KV P computed: one model
+            if field in over:
+                raise ValueError(f"{name}[{field!r}]: both sides run one model; give it once, for both")
     out = {}
     for role, device, over in (("p", p_device, p_over), ("d", d_device, d_over)):
         cfg = EngineConfig(model=model, **{**common, "device": device, **over, "role": role})

@@ -191,7 +191,7 @@ def main(args: argparse.Namespace) -> int:
         raise SystemExit(f"error: {e}") from None
     card = _get(pairs[0].prefill + "/v1/models", time.monotonic() + args.startup_timeout)["data"][0]
     name = args.served_model_name or card["id"]
-    info = {k: card.get(k) for k in ("root", "max_model_len", "vocab_size")}
+    info = {k: card[k] for k in ("root", "revision", "max_model_len", "vocab_size") if k in card}
     model, revision = (args.model, None) if args.model else (card["root"], card.get("revision"))
     source = open_model_source(model, weights_needed=False, revision=revision)
     tokenizer = source.load_tokenizer() if source.load_tokenizer is not None else None

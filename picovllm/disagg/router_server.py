@@ -113,7 +113,8 @@ def main(args: argparse.Namespace) -> int:
     model, revision = (model, None) if model is not None else (card["root"], card.get("revision"))
     source = open_model_source(model, weights_needed=False, revision=revision)
     tokenizer = source.load_tokenizer() if source.load_tokenizer is not None else None
-    info = {"root": card.get("root", model), "max_model_len": card.get("max_model_len"),
+    info = {"root": card.get("root", model), **({"revision": revision} if revision else {}),
+            "max_model_len": card.get("max_model_len"),
             "vocab_size": card.get("vocab_size", source.config.vocab_size)}
     metrics = ServerMetrics(name)
     pool.metrics = RouterMetrics(metrics.registry)

@@ -51,6 +51,19 @@ def _text_config(path: str, raw: dict) -> dict:
     return dict(text, architectures=[text_arch])
 
 
+# Architectures whose config.json may leave fields to transformers' config class, where those defaults shape the
+# model (GPT-OSS: alternating windows, YaRN x32 over 4096 positions, q/k/v/o biases): read through the class
+_CLASS_DEFAULTS = {"GptOssForCausalLM": "GptOssConfig"}
+
+
+def _with_class_defaults(raw: dict) -> dict:
+    arch = (raw.get("architectures") or [None])[0]
+    if arch not in _CLASS_DEFAULTS:
+        return raw
+    import transformers
+    return dict(getattr(transformers, _CLASS_DEFAULTS[arch]).from_dict(raw).to_dict(), architectures=[arch])
+
+
 def _weight_files(path: str) -> list[str]:
     """The checkpoint's safetensors files: those its index names where it has one (a Mistral repository also holds
     consolidated.safetensors, the same weights in Mistral's own names), else every one in the folder."""
@@ -80,6 +93,10 @@ def open_folder(path: str, weights_needed: bool = True, overrides: dict | None =
         raise ValueError(f"model folder {path!r} has no config.json")
     with open(cfg_path) as f:
         full = json.load(f)
+    quant = checkpoint_quantization(full)      # at the top level, an image-and-text checkpoint's too
+    if quant not in (None, "mxfp4"):
+        raise ValueError(f"config.json quantization_config.quant_method={quant!r}: quantized HF checkpoints are "
+                         "unsupported (but GPT-OSS's mxfp4, dequantized at load; GGUF files for 4-8 bits)")
     raw = _text_config(path, full)
     multimodal = raw is not full
     files = _weight_files(path)
@@ -96,7 +113,11 @@ def open_folder(path: str, weights_needed: bool = True, overrides: dict | None =
         if gen_eos is not None:
             raw = dict(raw, eos_token_id=gen_eos)
     if overrides:
+        if multimodal and "text_config" in overrides:
+            raise ValueError("hf_overrides: an image-and-text checkpoint is read as its text model; give the text "
+                             "model's fields at the top level, not under text_config")
         raw = {**raw, **overrides}
+    raw = _with_class_defaults(raw)
     config = ModelConfig.from_hf_dict(raw)          # its errors first: they name what the model is
     if not files and weights_needed:
         raise ValueError(f"model folder {path!r} has no *.safetensors files")

@@ -34,28 +34,32 @@ def engine_model_source(config, weights_needed: bool = True) -> ModelSource:
 
 def open_model_source(model: str | None, disk_cache: bool = True, weights_needed: bool = True,
                       revision: str | None = None, download_dir: str | None = None,
-                      hf_overrides: dict | None = None) -> ModelSource:
+                      hf_overrides: dict | str | None = None) -> ModelSource:
     """model: an HF folder, a .gguf file, a Hugging Face Hub repository (resolve_model), "random:<preset>" (random
     weights of a benchmark preset's shape, made as they are loaded: picovllm/bench/random_checkpoint.py), or None for
     the default model. disk_cache: keep what is
     derived from a GGUF (tokenizer, dequantized weights) in the artifact cache (picovllm/artifact_cache.py).
     weights_needed=False: a front end's, the config and tokenizer only (a Hub repository's weights not fetched).
-    revision, download_dir: a Hub repository's (resolve_model). hf_overrides: config.json fields set before the
-    model is read (an HF folder's; refused for another kind of model)."""
+    revision, download_dir: a Hub repository's (resolve_model; refused for any other model). hf_overrides (a dict
+    or its JSON text): config.json fields set before the model is read (an HF folder's; refused for another kind of
+    model, before anything is fetched)."""
     from picovllm.artifact_cache import ArtifactCache
+    from picovllm.config import parse_hf_overrides
     from picovllm.loader.default_model import default_model_path
 
-    if model is not None and model.startswith("random:"):
-        from picovllm.bench.random_checkpoint import random_source
-        _no_overrides(hf_overrides, model)
-        return random_source(model[len("random:"):])
-
-    if model is None:
-        if revision is not None:
-            raise ValueError("revision applies to a Hugging Face Hub repository id; no model was given (the default "
-                             "model is a local file)")
-        path = default_model_path()
+    hf_overrides = parse_hf_overrides(hf_overrides)
+    if model is None or model.startswith("random:"):
+        what = "the default model" if model is None else model
+        _hub_only(revision, download_dir, what)
+        _no_overrides(hf_overrides, what)
+        if model is None:
+            path = default_model_path()
+        else:
+            from picovllm.bench.random_checkpoint import random_source
+            return random_source(model[len("random:"):])
     else:
+        if model.endswith(".gguf"):
+            _no_overrides(hf_overrides, model)
         path = resolve_model(model, weights_needed, revision, download_dir)
     if os.path.isdir(path):
         from picovllm.loader import hf_folder
@@ -69,7 +73,14 @@ def open_model_source(model: str | None, disk_cache: bool = True, weights_needed
 
 def _no_overrides(hf_overrides: dict | None, model: str) -> None:
     if hf_overrides:
-        raise ValueError(f"hf_overrides: they set config.json fields of an HF folder; model {model!r} has none")
+        raise ValueError(f"hf_overrides: they set config.json fields of an HF folder; {model!r} has none")
+
+
+def _hub_only(revision: str | None, download_dir: str | None, what: str) -> None:
+    """revision and download_dir name where a Hub repository comes from: refused for a model that is none."""
+    for field, value in (("revision", revision), ("download_dir", download_dir)):
+        if value is not None:
+            raise ValueError(f"{field} {value!r} applies to a Hugging Face Hub repository id; {what!r} is not one")
 
 
 # a Hub repository id ("org/name"), or one GGUF file in one ("org/name/file.gguf")
@@ -94,9 +105,7 @@ def resolve_model(model: str, weights_needed: bool = True, revision: str | None 
     or found there (HF_HUB_OFFLINE=1: only there). ValueError naming the model otherwise, and naming `revision`
     for a local path (a folder or file has no revisions to pick from)."""
     if os.path.exists(model):
-        if revision is not None:
-            raise ValueError(f"revision {revision!r} applies to a Hugging Face Hub repository id; model {model!r} is "
-                             "a local path")
+        _hub_only(revision, download_dir, model)
         return model
     if not is_hub_id(model):
         raise ValueError(f"model path {model!r} does not exist (give an HF model folder, a .gguf file or a Hugging "

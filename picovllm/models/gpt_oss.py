@@ -16,7 +16,7 @@ from torch import nn
 from picovllm.config import ModelConfig
 from picovllm.distributed import TPGroup
 from picovllm.layers.activation import ClampedSwiGLU
-from picovllm.layers.linear import RowParallelLinear
+from picovllm.layers.linear import RowParallelLinear, _check
 from picovllm.layers.moe import FusedMoE
 from picovllm.layers.rotary import RotaryEmbedding
 from picovllm.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
@@ -50,7 +50,7 @@ class GptOssMoE(FusedMoE):
 
     def __init__(self, cfg: ModelConfig, tp: TPGroup) -> None:
         e, h = cfg.num_experts, cfg.hidden_size
-        super().__init__(e, cfg.num_experts_per_tok, h, cfg.moe_intermediate_size, True, tp=tp)
+        super().__init__(e, cfg.num_experts_per_tok, h, cfg.moe_intermediate_size, cfg.norm_topk_prob, tp=tp)
         self.gate = nn.Linear(h, e, bias=True)
         self.gate.requires_grad_(False)
         self.act = ClampedSwiGLU(cfg.swiglu_alpha, cfg.swiglu_limit)
@@ -78,11 +78,6 @@ class GptOssMoE(FusedMoE):
         else:
             _check(name, tuple(x.down_proj_bias.shape), w.shape)
             param.data.copy_(w if r == 0 else torch.zeros_like(w))
-
-
-def _check(name: str, want: tuple, got: torch.Size) -> None:
-    if tuple(got) != tuple(want):
-        raise ValueError(f"weight {name}: shape mismatch, model expects {tuple(want)}, checkpoint has {tuple(got)}")
 
 
 class GptOssDecoderLayer(LlamaDecoderLayer):

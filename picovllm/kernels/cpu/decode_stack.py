@@ -150,8 +150,9 @@ class DecodeStack:
             a, m = layer.self_attn, layer.mlp
             mlp = [] if isinstance(m, FusedMoE) else [m.gate_up_proj, m.down_proj]
             needed += [_weight(lin) for lin in [a.qkv_proj, a.o_proj, *mlp]]
-            if any(lin.bias is not None for lin in [a.o_proj, *mlp]):
-                return None
+            if any(lin.bias is not None for lin in [a.o_proj, *mlp]) or a.attn.sinks is not None \
+                    or (isinstance(m, FusedMoE) and m.expert_biases() != (None, None)):
+                return None     # o/MLP biases, attention sinks, expert biases (GPT-OSS): not in the C stack
         if any(p is None for p in needed):
             return None
         a = layers[0].self_attn
