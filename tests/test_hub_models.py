@@ -183,3 +183,37 @@ def test_both_pd_sides_run_one_model():
                          ("model", "other")):
         with pytest.raises(ValueError, match=f"decode\\['{field}'\\]: both sides run one model"):
             _side_configs("m", {}, "cpu", "cpu", {}, {field: value})
+
+
+def test_a_router_reads_its_model_at_a_revision_in_a_download_dir(tiny_models, hub_cache, tmp_path, monkeypatch):
+    """`picovllm router --model org/name --revision R --download-dir D` (no instance yet: the router tokenizes with
+    its --model): the tokenizer and generation defaults are read at that revision, from that folder (the repository
+    is in no other cache), up to the built app."""
+    import argparse
+
+    from picovllm.disagg import router_server
+    from picovllm.entrypoints.openai import api_server, cli_router
+    import picovllm.loader.source as source
+    src, own = tiny_models["qwen3"], tmp_path / "downloads"
+    hub_cache("tiny-org/tagged", {f: os.path.join(src, f) for f in os.listdir(src)}, ref="v1", cache=own)
+    seen = []
+    real = source.open_model_source
+
+    def watch(*a, **kw):
+        seen.append(kw)
+        return real(*a, **kw)
+
+    class Built(Exception):
+        pass
+
+    def stop(app, engine, settings):
+        raise Built
+    monkeypatch.setattr(source, "open_model_source", watch)
+    monkeypatch.setattr(api_server, "run_app", stop)
+    monkeypatch.setenv("PICOVLLM_PD_SECRET", "s" * 64)
+    parser = argparse.ArgumentParser()
+    cli_router.add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["router", "--model", "tiny-org/tagged", "--revision", "v1", "--download-dir", str(own)])
+    with pytest.raises(Built):
+        router_server.main(args)
+    assert seen and seen[0]["revision"] == "v1" and seen[0]["download_dir"] == str(own)

@@ -192,12 +192,13 @@ def main(args: argparse.Namespace) -> int:
     card = _get(pairs[0].prefill + "/v1/models", time.monotonic() + args.startup_timeout)["data"][0]
     name = args.served_model_name or card["id"]
     info = {k: card[k] for k in ("root", "revision", "max_model_len", "vocab_size") if k in card}
-    model, revision = (args.model, None) if args.model else (card["root"], card.get("revision"))
-    source = open_model_source(model, weights_needed=False, revision=revision)
+    model, revision = (args.model, args.revision) if args.model else (card["root"], card.get("revision"))
+    source = open_model_source(model, weights_needed=False, revision=revision, download_dir=args.download_dir)
     tokenizer = source.load_tokenizer() if source.load_tokenizer is not None else None
     metrics = ServerMetrics(name)
     engine = ProxyEngine(pairs, secret, info, metrics)
-    app, settings = front_end_app(engine, tokenizer, args, name, metrics, template, model, revision)
+    app, settings = front_end_app(engine, tokenizer, args, name, metrics, template, model, revision,
+                                  args.download_dir)
     logger.info("proxy for %d prefill/decode pairs on http://%s:%d: %s", len(pairs), args.host, args.port,
                 ", ".join(f"{p.prefill} -> {p.decode}" for p in pairs))
     run_app(app, engine, settings)

@@ -110,8 +110,8 @@ def main(args: argparse.Namespace) -> int:
         raise SystemExit("error: --model: needed when no --prefill instance is given (the router tokenizes)")
     name = args.served_model_name or card.get("id") or model
     # the P servers' model at their revision, unless --model names one
-    model, revision = (model, None) if model is not None else (card["root"], card.get("revision"))
-    source = open_model_source(model, weights_needed=False, revision=revision)
+    model, revision = (model, args.revision) if model is not None else (card["root"], card.get("revision"))
+    source = open_model_source(model, weights_needed=False, revision=revision, download_dir=args.download_dir)
     tokenizer = source.load_tokenizer() if source.load_tokenizer is not None else None
     info = {"root": card.get("root", model), **({"revision": revision} if revision else {}),
             "max_model_len": card.get("max_model_len"),
@@ -121,7 +121,8 @@ def main(args: argparse.Namespace) -> int:
     for inst in pool.instances.values():
         pool.observe(inst)
     engine = RouterEngine(pool, prefill_policy, decode_policy, info, metrics, pool.metrics)
-    app, settings = front_end_app(engine, tokenizer, args, name, metrics, template, model, revision)
+    app, settings = front_end_app(engine, tokenizer, args, name, metrics, template, model, revision,
+                                  args.download_dir)
     add_admin_routes(app, engine)
     app.add_middleware(SignedRoutes, secret=secret, prefixes=("/admin/",))
     logger.info("router on http://%s:%d: %d prefill and %d decode instances; policies %s (P), %s (D)", args.host,

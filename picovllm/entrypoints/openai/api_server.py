@@ -241,11 +241,13 @@ def generation_defaults(model: str | None, mode: str, override, revision: str | 
 
 
 def front_end_app(engine: EngineClient, tokenizer, args, name: str, metrics: ServerMetrics,
-                  template: str | None, model: str, revision: str | None = None) -> tuple[FastAPI, ServerSettings]:
+                  template: str | None, model: str, revision: str | None = None,
+                  download_dir: str | None = None) -> tuple[FastAPI, ServerSettings]:
     """The OpenAI app of a front end over other servers' engines (the proxy's, the router's), from the flags of
-    cli_proxy.add_front_end_args; run it with run_app. model (at revision, a Hub repository's): where the tokenizer
-    and generation config come from."""
-    defaults = generation_defaults(model, args.generation_config, args.override_generation_config, revision)
+    cli_proxy.add_front_end_args; run it with run_app. model (a Hub repository's at revision, in download_dir):
+    where the tokenizer and generation config come from."""
+    defaults = generation_defaults(model, args.generation_config, args.override_generation_config, revision,
+                                   download_dir)
     try:
         worker = TokenizerWorker(tokenizer, template, args.trust_request_chat_template)
         if args.reasoning_parser is not None:      # the engines behind it gate grammars on these tokens

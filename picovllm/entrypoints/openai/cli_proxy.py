@@ -48,6 +48,10 @@ def add_front_end_args(p: argparse.ArgumentParser, model_default: str, waits_for
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--model", default=None, help=f"where to load the tokenizer from (default: {model_default})")
+    p.add_argument("--revision", default=None, help="the --model Hub repository's branch, tag or commit (default: "
+                                                    "main; without --model, the servers' revision)")
+    p.add_argument("--download-dir", default=None, help="where a Hub repository's configs and tokenizer are fetched "
+                                                        "to and looked for (default: the Hub's cache)")
     p.add_argument("--api-key", default=None)
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--chat-template", default=None, help=CHAT_TEMPLATE_HELP)
