@@ -219,6 +219,9 @@ def test_a_released_gemma3_config_takes_transformers_defaults(tmp_path):
     assert (got.rope_scaling["rope_type"], got.rope_scaling["factor"], got.rope_local_theta) == ("linear", 8.0, 10000.0)
     assert got.sliding_layers == [(i + 1) % 6 != 0 for i in range(34)] and got.eos_token_ids == [1, 106]
     assert got.final_logit_softcapping is None
+    quantized = dict(raw, quantization_config={"quant_method": "awq"})   # the checkpoint's, at the top level
+    with pytest.raises(ValueError, match="quant_method='awq'"):
+        ModelConfig.from_hf_dict(_text_config(str(tmp_path), quantized))
     raw["text_config"] = dict(text, model_type="gemma2")          # another text model: refused by name
     (tmp_path / "config.json").write_text(json.dumps(raw))
     with pytest.raises(ValueError, match="text_config.model_type='gemma2'"):

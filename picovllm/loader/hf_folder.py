@@ -46,6 +46,8 @@ def _text_config(path: str, raw: dict) -> dict:
     for key in ("eos_token_id", "bos_token_id", "pad_token_id"):    # the file's top level over a text default
         if key not in written and raw.get(key) is not None:
             text[key] = raw[key]
+    if raw.get("quantization_config"):      # the whole checkpoint's: ModelConfig refuses it as any model's
+        text["quantization_config"] = raw["quantization_config"]
     if arch == "Gemma3ForConditionalGeneration":    # HF's image-and-text Gemma 3 does not soft-cap its logits
         text["final_logit_softcapping"] = None
     return dict(text, architectures=[text_arch])
@@ -93,10 +95,6 @@ def open_folder(path: str, weights_needed: bool = True, overrides: dict | None =
         raise ValueError(f"model folder {path!r} has no config.json")
     with open(cfg_path) as f:
         full = json.load(f)
-    quant = checkpoint_quantization(full)      # at the top level, an image-and-text checkpoint's too
-    if quant not in (None, "mxfp4"):
-        raise ValueError(f"config.json quantization_config.quant_method={quant!r}: quantized HF checkpoints are "
-                         "unsupported (but GPT-OSS's mxfp4, dequantized at load; GGUF files for 4-8 bits)")
     raw = _text_config(path, full)
     multimodal = raw is not full
     files = _weight_files(path)
