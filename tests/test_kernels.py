@@ -133,13 +133,15 @@ def test_decode_attention(device, dtype, tol, block_size, hq, hkv, d, ctx, split
 
 @pytest.mark.parametrize("device,dtype,tol", CASES)
 @pytest.mark.parametrize("splits", [1, 3])
-def test_decode_padding_rows_give_zeros(device, dtype, tol, splits):
-    """CUDA-graph padding: a row with seq_len 0 reads nothing and yields zeros, not NaN."""
+@pytest.mark.parametrize("sinks", [False, True])
+def test_decode_padding_rows_give_zeros(device, dtype, tol, splits, sinks):
+    """CUDA-graph padding: a row with seq_len 0 reads nothing and yields zeros, not NaN; with attention sinks too
+    (no split of it adds the sink)."""
     b = PagedBatch([4, 0], [1, 1], 16, 4, 2, 16, dtype, device)
     b.meta.seq_lens[1] = 0
     out = torch.full_like(b.q, float("nan"))
     decode_attention(b.q, b.k_cache, b.v_cache, b.meta.block_tables, b.meta.seq_lens, 0.25, out=out,
-                     num_splits=splits)
+                     num_splits=splits, sinks=torch.tensor([5.0, -2.0, 3.0, 0.5]).to(device) if sinks else None)
     assert torch.equal(out[1], torch.zeros_like(out[1])) and not out[0].isnan().any()
 
 
