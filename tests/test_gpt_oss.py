@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from picovllm import LLM, SamplingParams
+from test_more_families import edited
 from test_parity_hf import LOGPROB_ATOL, hf_greedy
 
 def hf_swiglu_limit() -> float:
@@ -70,15 +71,19 @@ def run(path: str, ps, new: int = 10, **kw):
         [[d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outs]
 
 
-@pytest.mark.parametrize("backend", ["auto", "torch"])
-def test_greedy_and_logprobs_match_hf(model_path, backend):
-    """The C kernel's sinks (auto on the CPU: CpuAttentionBackend) and the torch reference's."""
-    ps = prompts()
-    ref, ref_lp = hf_greedy(model_path, ps, 10)
-    toks, lps = run(model_path, ps, attention_backend=backend)
+def assert_matches_hf(hf_path: str, path: str, ps, new: int = 10, **kw) -> None:
+    """Ours on `path` gives HF's greedy tokens and logprobs on `hf_path` (the same folder, or its dense form)."""
+    ref, ref_lp = hf_greedy(hf_path, ps, new)
+    toks, lps = run(path, ps, new, **kw)
     assert toks == ref
     for lp, want in zip(lps, ref_lp):
         assert lp == pytest.approx(want, abs=LOGPROB_ATOL)
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_greedy_and_logprobs_match_hf(model_path, backend):
+    """The C kernel's sinks (auto on the CPU: CpuAttentionBackend) and the torch reference's."""
+    assert_matches_hf(model_path, model_path, prompts(), attention_backend=backend)
 
 
 def test_tensor_parallel_matches_one_rank(model_path):
@@ -129,25 +134,13 @@ def test_fields_left_to_transformers_defaults(model_path, tmp_path):
     """A config.json without layer_types, the rope parameters, attention_bias or rms_norm_eps reads as HF's
     GptOssConfig fills them in (alternating windows, YaRN x32 over 4096 positions at base 150000, biases, 1e-5):
     HF's greedy tokens and logprobs on it."""
-    import shutil
-    bare = str(tmp_path / "bare")
-    shutil.copytree(model_path, bare)
-    with open(os.path.join(bare, "config.json")) as f:
-        cfg = json.load(f)
-    for key in ("layer_types", "rope_parameters", "rope_scaling", "attention_bias", "rms_norm_eps"):
-        cfg.pop(key, None)
-    with open(os.path.join(bare, "config.json"), "w") as f:
-        json.dump(cfg, f)
+    bare = edited(model_path, str(tmp_path / "bare"),
+                  drop=("layer_types", "rope_parameters", "rope_scaling", "attention_bias", "rms_norm_eps"))
     llm = LLM(bare, num_kv_blocks=32, device="cpu")
     mc = llm.engine.model_config
     assert (mc.layer_window(0), mc.layer_window(1), mc.rope_theta) == (6, None, 150000.0)
     assert mc.rope_scaling["factor"] == 32.0 and mc.rope_scaling["original_max_position_embeddings"] == 4096
-    ps = prompts(6)
-    ref, ref_lp = hf_greedy(bare, ps, 8)
-    toks, lps = run(bare, ps, new=8)
-    assert toks == ref
-    for lp, want in zip(lps, ref_lp):
-        assert lp == pytest.approx(want, abs=LOGPROB_ATOL)
+    assert_matches_hf(bare, bare, prompts(6), 8)
 
 
 def test_mxfp4_elsewhere_is_refused(model_path, tmp_path):
@@ -161,14 +154,7 @@ def test_mxfp4_elsewhere_is_refused(model_path, tmp_path):
 
 
 def test_attention_without_biases_is_refused(model_path, tmp_path):
-    import shutil
-    bad = str(tmp_path / "bad")
-    shutil.copytree(model_path, bad)
-    with open(os.path.join(bad, "config.json")) as f:
-        cfg = json.load(f)
-    cfg["attention_bias"] = False
-    with open(os.path.join(bad, "config.json"), "w") as f:
-        json.dump(cfg, f)
+    bad = edited(model_path, str(tmp_path / "bad"), attention_bias=False)
     with pytest.raises(ValueError, match="attention_bias"):
         LLM(bad, device="cpu")
 
@@ -202,9 +188,10 @@ def test_an_mxfp4_checkpoint_runs_as_its_dense_form(model_path, tmp_path):
 
     from safetensors.torch import load_file, save_file
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
-    dense, packed = str(tmp_path / "dense"), str(tmp_path / "mxfp4")
+    dense = str(tmp_path / "dense")
     shutil.copytree(model_path, dense)
-    shutil.copytree(model_path, packed)
+    packed = edited(model_path, str(tmp_path / "mxfp4"), quantization_config={
+        "quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]})
     sd = load_file(os.path.join(model_path, "model.safetensors"))
     g = torch.Generator().manual_seed(1)
     dense_sd, packed_sd = dict(sd), {k: v for k, v in sd.items() if not k.endswith(("gate_up_proj", "down_proj"))}
@@ -217,22 +204,10 @@ def test_an_mxfp4_checkpoint_runs_as_its_dense_form(model_path, tmp_path):
             packed_sd[name + "_blocks"], packed_sd[name + "_scales"] = blocks, scales
     save_file(dense_sd, os.path.join(dense, "model.safetensors"), metadata={"format": "pt"})
     save_file(packed_sd, os.path.join(packed, "model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(packed, "config.json")) as f:
-        cfg = json.load(f)
-    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
-    with open(os.path.join(packed, "config.json"), "w") as f:
-        json.dump(cfg, f)
-    ps = prompts(2)
-    ref, ref_lp = hf_greedy(dense, ps, 8)
-    toks, lps = run(packed, ps, new=8)
-    assert toks == ref
-    for lp, want in zip(lps, ref_lp):
-        assert lp == pytest.approx(want, abs=LOGPROB_ATOL)
-    cfg["quantization_config"] = {"quant_method": "fp8"}          # another method: refused by name
-    with open(os.path.join(packed, "config.json"), "w") as f:
-        json.dump(cfg, f)
+    assert_matches_hf(dense, packed, prompts(2), 8)
+    fp8 = edited(packed, str(tmp_path / "fp8"), quantization_config={"quant_method": "fp8"})   # another method
     with pytest.raises(ValueError, match="quant_method='fp8'"):
-        LLM(packed, device="cpu")
+        LLM(fp8, device="cpu")
 
 
 @pytest.mark.gpu
