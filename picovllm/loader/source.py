@@ -37,8 +37,8 @@ def open_model_source(model: str | None, disk_cache: bool = True, weights_needed
                       hf_overrides: dict | str | None = None) -> ModelSource:
     """model: an HF folder, a .gguf file, a Hugging Face Hub repository (resolve_model), "random:<preset>" (random
     weights of a benchmark preset's shape, made as they are loaded: picovllm/bench/random_checkpoint.py), or None for
-    the default model. disk_cache: keep what is
-    derived from a GGUF (tokenizer, dequantized weights) in the artifact cache (picovllm/artifact_cache.py).
+    the default model. disk_cache: keep what is derived from a GGUF (tokenizer, dequantized weights) in the artifact
+    cache (picovllm/artifact_cache.py).
     weights_needed=False: a front end's, the config and tokenizer only (a Hub repository's weights not fetched).
     revision, download_dir: a Hub repository's (resolve_model; refused for any other model). hf_overrides (a dict
     or its JSON text): config.json fields set before the model is read (an HF folder's; refused for another kind of
@@ -102,8 +102,8 @@ def resolve_model(model: str, weights_needed: bool = True, revision: str | None 
     """A local path as it is; else a Hugging Face Hub repository id, as vLLM takes one: "org/name" (its configs,
     tokenizer files and, if weights_needed, safetensors) or "org/name/file.gguf" (that file), at `revision` (a
     branch, tag or commit; None: main), fetched into download_dir (None: the Hub's cache, HF_HOME / HF_HUB_CACHE)
-    or found there (HF_HUB_OFFLINE=1: only there). ValueError naming the model otherwise, and naming `revision`
-    for a local path (a folder or file has no revisions to pick from)."""
+    or found there (HF_HUB_OFFLINE=1: only there). ValueError naming the model otherwise, and naming `revision` or
+    `download_dir` given with a local path (a folder or file has neither)."""
     if os.path.exists(model):
         _hub_only(revision, download_dir, model)
         return model
