@@ -241,6 +241,30 @@ def test_include_stop_str_in_output_keeps_the_matched_string(default_llm):
         assert kept.text == full[:full.find(kept.stop_reason) + len(kept.stop_reason)] == plain.text + kept.stop_reason
 
 
+def test_a_stop_tokens_text_stays_out_unless_asked_for(default_llm):
+    """As vLLM's: the token that stops a request (stop_token_ids, or EOS) is in its token ids but not in its text,
+    unless include_stop_str_in_output; with skip_special_tokens=false a special one would show. The decode of the
+    tokens is the oracle."""
+    tok = default_llm.get_tokenizer()
+    prompt = "The capital of France is"
+    base = default_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0].outputs[0]
+    k = next(i for i in range(2, 8) if base.token_ids[i] not in base.token_ids[:i])
+    stop = base.token_ids[k]
+    for inc in (False, True):
+        out = default_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[stop],
+                                                            include_stop_str_in_output=inc), use_tqdm=False)[0].outputs[0]
+        assert out.token_ids == base.token_ids[:k + 1] and out.stop_reason == stop
+        assert out.text == tok.decode(base.token_ids[:k + inc])
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    chat = [{"role": "user", "content": "Say hi."}]
+    for inc in (False, True):
+        out = default_llm.chat([chat], SamplingParams(temperature=0, max_tokens=64, skip_special_tokens=False,
+                                                      include_stop_str_in_output=inc), use_tqdm=False)[0].outputs[0]
+        assert out.token_ids[-1] == eos and out.finish_reason == "stop"
+        assert out.text.endswith("<|im_end|>") == inc
+        assert out.text == tok.decode(out.token_ids[:len(out.token_ids) - 1 + inc], skip_special_tokens=False)
+
+
 @pytest.mark.parametrize("engine", [
     dict(),
     pytest.param(dict(device="cuda", dtype="float32"),     # CUDA graphs, overlapped scheduling, the fused sampler

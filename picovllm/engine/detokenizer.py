@@ -76,8 +76,17 @@ class Detokenizer:
         return full[len(prefix):]
 
 
+def stop_token(req: Request, token_id: int, eos_token_ids: list[int]) -> bool:
+    """Whether req's newest token (token_id, already in its output) stops it: one of its stop_token_ids, or an EOS
+    it does not ignore, past min_tokens."""
+    p = req.params
+    return len(req.output_token_ids) >= p.min_tokens and (
+        token_id in p.stop_token_ids or (not p.ignore_eos and token_id in eos_token_ids))
+
+
 def check_stop(req: Request, token_id: int, new_text: str, eos_token_ids: list[int], max_model_len: int) -> None:
-    """Finish req if token_id or its text meets a stop condition; trims a matched stop string."""
+    """Finish req if token_id or its text meets a stop condition; trims a matched stop string. A stop token's own
+    text is the caller's to leave out (as vLLM: unless include_stop_str_in_output; stop_token)."""
     p = req.params
     n_out = len(req.output_token_ids)
     if n_out >= p.min_tokens:

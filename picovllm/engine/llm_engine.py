@@ -32,7 +32,7 @@ import torch
 
 from picovllm.config import EngineConfig
 from picovllm.engine.block_manager import BlockManager, prefix_salt
-from picovllm.engine.detokenizer import Detokenizer, check_stop
+from picovllm.engine.detokenizer import Detokenizer, check_stop, stop_token
 from picovllm.engine.kv_connector import ConnectorReport, KVConnector
 from picovllm.engine.executor import Executor, InProcessExecutor, make_executor
 from picovllm.engine.model_runner import LaunchedStep, ModelRunner, StepResult
@@ -647,7 +647,9 @@ class Engine:
         if logprobs is not None:
             req.logprobs.append(logprobs)
             req.cumulative_logprob += logprobs[token].logprob
-        delta = self.detokenizer.append(req, token)
+        delta = ""
+        if req.params.include_stop_str_in_output or not stop_token(req, token, self.eos_token_ids):
+            delta = self.detokenizer.append(req, token)      # a stop token's text stays out (vLLM's)
         req.text += delta
         check_stop(req, token, delta, self.eos_token_ids, self.max_model_len)
         grammar = req.grammar

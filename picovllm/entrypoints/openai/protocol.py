@@ -62,7 +62,7 @@ REFUSED_COMMON: dict[str, tuple] = {
     "guided_decoding_backend": (), "guided_whitespace_pattern": (),
     "functions": (), "function_call": ("none",),
     "logits_processors": (), "vllm_xargs": (),
-    "store": (False,), "prediction": (), "audio": (), "modalities": (["text"],), "reasoning_effort": (),
+    "store": (False,), "prediction": (), "audio": (), "modalities": (["text"],),
     "web_search_options": (),
 }
 REFUSED_CHAT: dict[str, tuple] = {
@@ -71,6 +71,7 @@ REFUSED_CHAT: dict[str, tuple] = {
 REFUSED_COMPLETION: dict[str, tuple] = {
     "prompt_embeds": (),
     "tool_choice": ("none",),                             # tools are chat's
+    "reasoning_effort": (),                               # chat's (a template variable)
 }
 
 
@@ -314,6 +315,8 @@ class ChatMessage(refusing_model("_RefusedInMessage", {"function_call": ()})):
     name: str | None = None
     tool_calls: list[MessageToolCall] | None = None    # an assistant's earlier calls
     tool_call_id: str | None = None                    # a tool message: which call it answers
+    reasoning: str | None = None                       # an assistant's earlier reasoning, as this server returns it
+    reasoning_content: str | None = None               # (vLLM's older name)
 
     def as_template_dict(self) -> dict:
         content = self.content
@@ -324,6 +327,9 @@ class ChatMessage(refusing_model("_RefusedInMessage", {"function_call": ()})):
             d["name"] = self.name
         if self.tool_call_id is not None:
             d["tool_call_id"] = self.tool_call_id
+        thought = self.reasoning if self.reasoning is not None else self.reasoning_content
+        if thought is not None:     # by the names templates read: Qwen3's reasoning_content, GPT-OSS's thinking
+            d["reasoning_content"] = d["thinking"] = thought
         if self.tool_calls:
             # chat templates (Qwen's, HF's convention) take the arguments as an object, not as JSON text
             d["tool_calls"] = [{"id": c.id, "type": "function", "function": {
@@ -379,6 +385,8 @@ class ChatCompletionRequest(_SamplingRequest, _RefusedChat, _ChatTemplateOptions
     add_special_tokens: bool = False     # vLLM's: the template holds the special tokens; True adds them again
     echo: bool = False                   # vLLM's: a reply to an assistant's last message starts with that message
     include_reasoning: bool = True       # vLLM's: false leaves the reasoning out (a server with --reasoning-parser)
+    # OpenAI's: the chat template's reasoning_effort variable (GPT-OSS's system message); a 400 where it has none
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
 
     @property
     def echoed(self) -> str:

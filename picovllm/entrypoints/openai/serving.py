@@ -13,6 +13,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from picovllm.entrypoints.openai.engine_client import EngineClient, EngineDeadError, EngineStepError, RequestStream
+from picovllm.entrypoints.openai.harmony import HarmonyTokens, speaks_harmony
 from picovllm.entrypoints.openai.metrics import ServerMetrics
 from picovllm.entrypoints.openai.protocol import APIError, error_body
 from picovllm.entrypoints.openai.tokenizer_worker import TokenizerWorker
@@ -48,6 +49,12 @@ class ServingContext:
     def think_tags(self) -> ThinkTags:
         """With a reasoning parser: the tokenizer's think tags (the servers checked at start that it has them)."""
         return ThinkTags.of(self.tokenizer.tokenizer, f"--reasoning-parser {self.reasoning_parser}")
+
+    @functools.cached_property
+    def harmony(self) -> HarmonyTokens | None:
+        """GPT-OSS's tokenizer (harmony's markers): its chat replies are read as harmony (harmony.py), else None."""
+        tok = self.tokenizer.tokenizer
+        return HarmonyTokens(tok) if speaks_harmony(tok) else None
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:

@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import Request, Response
 
+from picovllm.entrypoints.openai.harmony import HarmonyStream, parse_harmony
 from picovllm.entrypoints.openai.protocol import APIError, ChatCompletionRequest
 from picovllm.entrypoints.openai.reasoning import ReasoningSplitter, opened_in_prompt, split_reasoning
 from picovllm.entrypoints.openai.tool_calls import AutoToolStream, ToolCall, ToolPolicy
@@ -37,7 +38,8 @@ class ChatHandler:
                                               req.add_special_tokens, tools=policy.tools if policy.active else None,
                                               continue_final_message=req.continue_final_message,
                                               chat_template_kwargs=req.chat_template_kwargs,
-                                              documents=req.documents, chat_template=req.chat_template)
+                                              documents=req.documents, chat_template=req.chat_template,
+                                              reasoning_effort=req.reasoning_effort)
         if req.truncate_prompt_tokens is not None:
             ids = ids[-req.truncate_prompt_tokens:]
         if req.use_beam_search:
@@ -47,30 +49,40 @@ class ChatHandler:
         opened = None
         if ctx.reasoning_parser is not None:
             opened = opened_in_prompt(ctx.think_tags, ids)
+        # GPT-OSS: its reply's harmony messages into reasoning, content and calls, read at the markers the engine
+        # keeps for it (harmony.py); not where a grammar governs the whole reply (it writes no markers)
+        harmony = ctx.harmony is not None and params.structured_outputs is None
+        if harmony:
+            params.skip_special_tokens = False
         group = await SampleGroup(ctx, ids, sample_params(params), f"chatcmpl-{uuid.uuid4().hex}", arrival,
                                   req.priority).start()
         if req.stream:
-            return sse_response(self._events(req, group, params.stop, k, policy, opened))
+            return sse_response(self._events(req, group, params.stop, k, policy, opened, harmony))
         out = await final_output(raw, group)
         if out is None:
             return Response(status_code=499)     # the client is gone; nobody reads this
         choices = []
         for c in out.outputs:
-            message, finish = _message(c, policy, opened, req.include_reasoning)
+            message, finish = (_harmony_message(c, policy, req.include_reasoning) if harmony else
+                               _message(c, policy, opened, req.include_reasoning))
             if req.echoed:
                 message["content"] = req.echoed + (message["content"] or "")
             choices.append({"index": c.index, "message": message, "finish_reason": finish, "stop_reason": c.stop_reason,
                             "logprobs": _logprobs(c, range(len(c.token_ids)), k, req.return_tokens_as_token_ids)
                             if k is not None else None})
         extra = {"prompt_logprobs": prompt_logprobs_json(out.prompt_logprobs)} if req.prompt_logprobs is not None else {}
-        use = await self._usage(req, out, opened)
+        use = await self._usage(req, out, opened, harmony)
         return JSONBody(self._body(group.request_id, "chat.completion", choices, usage=use, **extra))
 
-    async def _usage(self, req: ChatCompletionRequest, out: RequestOutput, opened: bool | None) -> dict:
+    async def _usage(self, req: ChatCompletionRequest, out: RequestOutput, opened: bool | None,
+                     harmony: bool = False) -> dict:
         """usage; with a reasoning split also completion_tokens_details.reasoning_tokens (OpenAI's): the output
-        tokens up to the reasoning block's end, summed over the choices."""
+        tokens up to the reasoning block's end (harmony: its analysis messages' tokens), summed over the choices."""
         use = usage(out)
-        if opened is not None:
+        if harmony:
+            counts = [self.ctx.harmony.reasoning_tokens(c.token_ids) for c in out.outputs]
+            use["completion_tokens_details"] = {"reasoning_tokens": sum(counts)}
+        elif opened is not None:
             counts = [await self._reasoning_tokens(c, opened, req.skip_special_tokens) for c in out.outputs]
             use["completion_tokens_details"] = {"reasoning_tokens": sum(counts)}
         return use
@@ -111,8 +123,9 @@ class ChatHandler:
         return self._body(rid, "chat.completion.chunk", [choice])
 
     async def _events(self, req: ChatCompletionRequest, group: SampleGroup, stop: list[str],
-                      k: int | None, policy: ToolPolicy, opened: bool | None) -> AsyncIterator[str]:
-        """opened: None without a reasoning split, else whether the prompt opens a think block."""
+                      k: int | None, policy: ToolPolicy, opened: bool | None, harmony: bool) -> AsyncIterator[str]:
+        """opened: None without a reasoning split, else whether the prompt opens a think block; harmony: the reply
+        read as harmony messages (harmony.py)."""
         rid, n = group.request_id, len(group.samples)
         deltas, last = [TextDeltas(stop) for _ in range(n)], {}
         call_ids: dict[int, str] = {}    # named tool_choice: each choice's call id, once its first delta went out
@@ -120,6 +133,7 @@ class ChatHandler:
         sent = [0] * n     # continuous usage: each choice's tokens so far
         splits = None if opened is None else [ReasoningSplitter(opened) for _ in range(n)]
         content = [""] * n     # with splits: each choice's content so far (what the tool calls are read from)
+        harmonies = [HarmonyStream(policy) for _ in range(n)] if harmony else None
 
         def emit(chunks: list[dict], i: int) -> str:
             if req.continuous_usage:
@@ -143,6 +157,11 @@ class ChatHandler:
                 if not (text or thought or out.finished or (k is not None and toks)):
                     continue
                 lps = _logprobs(c, toks, k, req.return_tokens_as_token_ids) if k is not None else None
+                if harmonies is not None:
+                    chunks = self._harmony_chunks(rid, i, text, c, lps, harmonies[i], req.include_reasoning)
+                    if chunks:
+                        yield emit(chunks, i)
+                    continue
                 head = [self._chunk(rid, i, _reasoning_delta(thought), lps)] if thought else []
                 lps = None if thought else lps      # they went with the reasoning
                 if policy.mode == "named":   # the output is the call's arguments: streamed as they come
@@ -160,7 +179,7 @@ class ChatHandler:
                 if chunks:
                     yield emit(chunks, i)
             if req.include_usage and len(last) == n:
-                use = await self._usage(req, merge_samples(rid, [last[i] for i in range(n)]), opened)
+                use = await self._usage(req, merge_samples(rid, [last[i] for i in range(n)]), opened, harmony)
                 yield sse(self._body(rid, "chat.completion.chunk", [], usage=use))
         except ENGINE_ERRORS as e:
             yield sse_error(e)
@@ -168,6 +187,30 @@ class ChatHandler:
             group.close()
         yield SSE_DONE
 
+
+    def _harmony_chunks(self, rid: str, i: int, text: str, c: CompletionOutput, lps: dict | None,
+                        stream: HarmonyStream, include_reasoning: bool) -> list[dict]:
+        """A harmony reply (GPT-OSS): its reasoning and content as they come, each call whole once its message ends
+        (OpenAI's delta: index, id, type, name and arguments), then the finish reason (tool_calls if any came)."""
+        finished = c.finish_reason is not None
+        d = stream.feed(text, finished, cut=finished and c.finish_reason != "stop")
+        out = []
+        if d.reasoning and include_reasoning:
+            out.append(self._chunk(rid, i, _reasoning_delta(d.reasoning)))
+        if d.content:
+            out.append(self._chunk(rid, i, {"content": d.content}))
+        first = stream.num_calls - len(d.calls)      # the calls' indices run on over the whole choice
+        for j, call in enumerate(d.calls):
+            out.append(self._chunk(rid, i, {"tool_calls": [{"index": first + j, **call.as_dict()}]}))
+        if lps is not None:       # the step's logprobs ride on its first chunk (or one of their own)
+            if out:
+                out[0]["choices"][0]["logprobs"] = lps
+            else:
+                out.append(self._chunk(rid, i, {}, lps))
+        if finished:
+            out.append(self._chunk(rid, i, {}, None, "tool_calls" if stream.num_calls else c.finish_reason,
+                                   c.stop_reason))
+        return out
 
     def _named_call_chunks(self, rid: str, i: int, text: str, c: CompletionOutput, lps: dict | None,
                            policy: ToolPolicy, call_ids: dict[int, str]) -> list[dict]:
@@ -231,6 +274,15 @@ def _message(c: CompletionOutput, policy: ToolPolicy, opened: bool | None = None
     if not calls:
         return {**head, "content": content}, c.finish_reason
     return {**head, "content": content, "tool_calls": [x.as_dict() for x in calls]}, "tool_calls"
+
+
+def _harmony_message(c: CompletionOutput, policy: ToolPolicy, include_reasoning: bool) -> tuple[dict, str | None]:
+    """A finished harmony reply's assistant message (reasoning, content, calls) and its finish reason."""
+    thought, content, calls = parse_harmony(c.text, policy, cut=c.finish_reason != "stop")
+    message = {"role": "assistant", **_reasoning_delta(thought if include_reasoning else None), "content": content}
+    if not calls:
+        return message, c.finish_reason
+    return {**message, "tool_calls": [x.as_dict() for x in calls]}, "tool_calls"
 
 
 def _reasoning_delta(thought: str | None) -> dict:

@@ -43,12 +43,14 @@ class TokenizerWorker:
     async def encode_chat(self, messages: list[dict], add_generation_prompt: bool,
                           add_special_tokens: bool = False, tools: list[dict] | None = None,
                           continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
-                          documents: list[dict] | None = None, chat_template: str | None = None) -> list[int]:
+                          documents: list[dict] | None = None, chat_template: str | None = None,
+                          reasoning_effort: str | None = None) -> list[int]:
         """As LLM.chat: render the chat template, then encode without adding special tokens again
         (the template holds them; add_special_tokens=True adds them anyway, as vLLM's field does). tools: through
         the template if it renders them, else described in a system message (entrypoints/openai/tool_calls.py).
         documents: the template's (RAG templates render them). chat_template: the request's own template, where
-        the server trusts requests with one. The other options: LLM.chat's (a bad one is a 400 naming its field)."""
+        the server trusts requests with one. reasoning_effort: the template's variable of that name (a 400 where
+        it has none). The other options: LLM.chat's (a bad one is a 400 naming its field)."""
         tok = self._need("chat")
         if chat_template is not None:
             if not self.trust_request_chat_template:
@@ -67,6 +69,11 @@ class TokenizerWorker:
             raise APIError(400, str(e), param=str(e).split(":")[0]) from None
         if documents and not re.search(r"\bdocuments\b", template):
             raise APIError(400, "documents: the chat template does not render documents", param="documents")
+        if reasoning_effort is not None:
+            if not re.search(r"\breasoning_effort\b", template):
+                raise APIError(400, "reasoning_effort: the chat template has no reasoning effort (send null or omit "
+                                    "it)", param="reasoning_effort")
+            options["reasoning_effort"] = reasoning_effort
         if tools and not template_renders_tools(template):
             messages, tools = with_tool_prompt(messages, tools), None
 

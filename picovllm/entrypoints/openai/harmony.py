@@ -1,0 +1,204 @@
+"""GPT-OSS's replies (OpenAI's harmony format) apart: reasoning, answer and tool calls, as vLLM serves them.
+
+A harmony reply is a run of messages, each `<|start|>{header}<|message|>{body}` ended by `<|end|>` (or by the stop
+tokens `<|return|>`, after the answer, and `<|call|>`, after a tool call). The prompt ends with
+`<|start|>assistant`, so the first message's header starts at its `<|channel|>`:
+
+    <|channel|>analysis<|message|>User asks for 2+2. Simple.<|end|><|start|>assistant<|channel|>final<|message|>4<|return|>
+    <|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city":"Paris"}<|call|>
+
+The header names the channel (`analysis`: reasoning; `final`: the answer; `commentary`: a tool call's preamble, or
+the call itself) and, for a call, its recipient (`to=functions.NAME`, before or after the channel). This module
+reads the reply's text with its special tokens kept (the chat endpoint asks the engine for them: the server sees
+the markers, the client never does):
+
+- `analysis` bodies are the message's `reasoning` (and `reasoning_content`);
+- `final` and `commentary` bodies without a recipient are its `content`;
+- a body sent to `functions.NAME`, a tool the request offered (tool_choice "auto"), whose JSON parses to an object,
+  is a tool call; any other (a tool not offered, broken arguments, arguments max_tokens cut short, built-in tools
+  such as `browser.search` the API cannot offer) stays text, where its channel's text goes: never a call with
+  broken arguments;
+- a reply without a harmony header (structured outputs and tool_choice "required" or a named function constrain
+  the whole reply to JSON) is all content.
+
+Streamed, each piece goes out as soon as no marker can still be starting in it, and each call whole once its
+message ends. Torch-free.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+
+from picovllm.entrypoints.openai.tool_calls import ToolCall, ToolPolicy
+
+START, END, MESSAGE, CHANNEL = "<|start|>", "<|end|>", "<|message|>", "<|channel|>"
+CALL, RETURN = "<|call|>", "<|return|>"
+MARKERS = (START, END, MESSAGE, CHANNEL, "<|constrain|>", CALL, RETURN)
+BODY_ENDS = (END, CALL, RETURN, START)
+FUNCTIONS = "functions."
+_RECIPIENT = re.compile(r"\bto=([^\s<]+)")
+_CHANNEL = re.compile(re.escape(CHANNEL) + r"\s*([A-Za-z_]+)")
+
+
+def speaks_harmony(tokenizer) -> bool:
+    """Whether a tokenizer has harmony's markers, each a single token (GPT-OSS's o200k_harmony)."""
+    if tokenizer is None:
+        return False
+    try:
+        return all(len(tokenizer.encode(m, add_special_tokens=False)) == 1 for m in (START, END, MESSAGE, CHANNEL))
+    except Exception:      # a tokenizer that cannot encode: no harmony
+        return False
+
+
+@dataclass
+class HarmonyDelta:
+    reasoning: str = ""
+    content: str = ""
+    calls: list[ToolCall] = field(default_factory=list)
+
+
+class HarmonyStream:
+    """One reply's text, piece by piece, into reasoning, content and tool calls. policy: the request's tools (calls
+    only under tool_choice "auto"; None or another mode: no calls)."""
+
+    def __init__(self, policy: ToolPolicy | None = None) -> None:
+        self.functions = policy.functions if policy is not None and policy.mode == "auto" else {}
+        self.parallel = policy.parallel if policy is not None else True
+        self.buf = ""
+        self.state = "start"       # start (a header may follow), header, body, plain (no harmony: all content)
+        self.channel: str | None = None
+        self.recipient: str | None = None
+        self.args = ""             # a call's body so far
+        self.num_calls = 0
+        self.reasoned = False      # whether any analysis message came
+
+    def feed(self, piece: str, finished: bool, cut: bool = False) -> HarmonyDelta:
+        """What this piece (with whatever waited) gives out. finished: the reply's last piece; cut: it ended
+        without its stop token (max_tokens, an abort): a call still open is then not a call."""
+        self.buf += piece
+        out = HarmonyDelta()
+        while True:
+            if self.state == "plain":
+                out.content, self.buf = out.content + self.buf, ""
+                return out
+            if self.state == "start":
+                head = self.buf.lstrip()
+                for marker in (START, CHANNEL):
+                    if head.startswith(marker):
+                        self.buf, self.state = head[len(START):] if marker == START else head, "header"
+                        break
+                else:
+                    if not head or (not finished and (START.startswith(head) or CHANNEL.startswith(head))):
+                        return out         # nothing yet, or a marker may be starting
+                    self.state = "plain"
+                    continue
+            if self.state == "header":
+                at = self.buf.find(MESSAGE)
+                if at < 0:
+                    return out             # a header max_tokens cut short carries no text
+                self._open(self.buf[:at])
+                self.buf, self.state = self.buf[at + len(MESSAGE):], "body"
+            # body: up to the first marker that ends it
+            ends = [(i, m) for m in BODY_ENDS if (i := self.buf.find(m)) >= 0]
+            if ends:
+                at, marker = min(ends)
+                self._route(self.buf[:at], out)
+                self._close(out, complete=True)
+                self.buf = self.buf[at + len(marker):]
+                self.state = "header" if marker == START else "start"
+                continue
+            keep = 0 if finished else max(_partial(self.buf, m) for m in BODY_ENDS)
+            self._route(self.buf[:len(self.buf) - keep], out)
+            self.buf = self.buf[len(self.buf) - keep:]
+            if finished:
+                self._close(out, complete=not cut)
+            return out
+
+    def _open(self, header: str) -> None:
+        channel, recipient = _CHANNEL.search(header), _RECIPIENT.search(header)
+        self.channel = channel.group(1) if channel else None
+        self.recipient = recipient.group(1) if recipient else None
+        self.args = ""
+        self.reasoned |= self.channel == "analysis" and self.recipient is None
+
+    def _route(self, text: str, out: HarmonyDelta) -> None:
+        if self.recipient is not None:
+            self.args += text          # a call's arguments: given out whole when the message ends
+        else:
+            self._text(text, out)
+
+    def _text(self, text: str, out: HarmonyDelta) -> None:
+        if not text:
+            return
+        if self.channel == "analysis":
+            self.reasoned = True
+            out.reasoning += text
+        else:
+            out.content += text
+
+    def _close(self, out: HarmonyDelta, complete: bool) -> None:
+        """The message ends: a call to an offered function with an object for arguments is a call, else its text
+        goes where its channel's text goes (a built-in tool's call in the reasoning stays reasoning)."""
+        if self.recipient is None:
+            return
+        call = self._call(self.recipient, self.args) if complete else None
+        if call is None:
+            self._text(self.args, out)
+        elif self.parallel or self.num_calls == 0:
+            self.num_calls += 1
+            out.calls.append(call)
+        self.recipient, self.args = None, ""
+
+    def _call(self, recipient: str, args: str) -> ToolCall | None:
+        name = recipient[len(FUNCTIONS):] if recipient.startswith(FUNCTIONS) else None
+        if name not in self.functions:
+            return None
+        try:
+            obj = json.loads(args) if args.strip() else {}
+        except json.JSONDecodeError:
+            return None
+        return ToolCall(name, json.dumps(obj, ensure_ascii=False)) if isinstance(obj, dict) else None
+
+
+def _partial(text: str, marker: str) -> int:
+    """How many characters at the end of text could be the start of marker."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:n]):
+            return n
+    return 0
+
+
+def parse_harmony(text: str, policy: ToolPolicy | None, cut: bool) -> tuple[str | None, str | None, list[ToolCall]]:
+    """A finished reply's (reasoning, content, calls): reasoning None where no analysis message came, content None
+    where there is none (as vLLM's)."""
+    s = HarmonyStream(policy)
+    d = s.feed(text, True, cut)
+    return (d.reasoning if s.reasoned else None), (d.content or None), d.calls
+
+
+class HarmonyTokens:
+    """The marker ids, to count a reply's reasoning tokens (usage.completion_tokens_details.reasoning_tokens): the
+    tokens of its analysis messages, headers and ends included."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        ids = {m: tokenizer.encode(m, add_special_tokens=False)[0] for m in (START, END, MESSAGE, CALL, RETURN)}
+        self.start, self.message = ids[START], ids[MESSAGE]
+        self.ends = {ids[END], ids[CALL], ids[RETURN]}
+
+    def reasoning_tokens(self, ids: list[int]) -> int:
+        count, begin, header_end = 0, 0, None
+        for i, t in enumerate(ids + [self.start]):       # a last message without its end closes at the reply's
+            if t == self.message and header_end is None:
+                header_end = i
+            elif t in self.ends or t == self.start:
+                if header_end is not None and self._analysis(ids[begin:header_end]):
+                    count += min(i + 1, len(ids)) - begin
+                begin, header_end = i + 1, None
+        return count
+
+    def _analysis(self, header: list[int]) -> bool:
+        text = self.tokenizer.decode(header, skip_special_tokens=False)
+        channel, recipient = _CHANNEL.search(text), _RECIPIENT.search(text)
+        return channel is not None and channel.group(1) == "analysis" and recipient is None

@@ -1,0 +1,273 @@
+"""GPT-OSS's harmony replies in the chat server (entrypoints/openai/harmony.py): reasoning, content and tool calls.
+
+The oracle is the format as OpenAI's harmony guide writes it (its examples, by hand); the served round trip runs a
+tiny model trained here to say harmony replies, so the server reads what a model wrote."""
+import asyncio
+import json
+import random
+import signal
+
+import openai
+import pytest
+
+from picovllm.entrypoints.openai.harmony import HarmonyStream, parse_harmony, speaks_harmony
+from picovllm.entrypoints.openai.protocol import APIError, ChatCompletionRequest
+from picovllm.entrypoints.openai.tokenizer_worker import TokenizerWorker
+from serving_fixtures import CHATML, ServerProcess
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+
+# the guide's reply to "What is 2 + 2?" (the prompt ends with <|start|>assistant; <|return|> stops the engine)
+ANSWER = ('<|channel|>analysis<|message|>User asks: "What is 2 + 2?" Simple arithmetic. Provide answer.<|end|>'
+          '<|start|>assistant<|channel|>final<|message|>2 + 2 = 4.')
+# the guide's tool call: the recipient in the channel's part of the header, <|constrain|>json; <|call|> stops it
+CALL = ('<|channel|>analysis<|message|>Need to use function get_weather.<|end|><|start|>assistant'
+        '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city":"San Francisco"}')
+# HF's gpt-oss chat template's form: the recipient after the role, the content type as a word
+CALL_AFTER_ROLE = ('<|start|>assistant to=functions.get_time<|channel|>commentary json<|message|>{}<|end|>'
+                   '<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json'
+                   '<|message|>{"city": "Oslo"}')
+
+
+def policy(tools=(WEATHER, TIME), **kw):
+    return ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tools=list(tools), **kw).tool_policy()
+
+
+def calls_of(calls):
+    return [(c.name, json.loads(c.arguments)) for c in calls]
+
+
+def test_the_guides_replies_by_hand():
+    assert parse_harmony(ANSWER, policy(), cut=False)[:2] == (
+        'User asks: "What is 2 + 2?" Simple arithmetic. Provide answer.', "2 + 2 = 4.")
+    assert parse_harmony(ANSWER + "<|return|>", None, cut=False) == parse_harmony(ANSWER, None, cut=False)
+    thought, content, calls = parse_harmony(CALL, policy(), cut=False)
+    assert (thought, content) == ("Need to use function get_weather.", None)
+    assert calls_of(calls) == [("get_weather", {"city": "San Francisco"})]
+    thought, content, calls = parse_harmony(CALL_AFTER_ROLE, policy(), cut=False)
+    assert (thought, content) == (None, None)
+    assert calls_of(calls) == [("get_time", {}), ("get_weather", {"city": "Oslo"})]
+    assert len({c.id for c in calls}) == 2
+    assert calls_of(parse_harmony(CALL_AFTER_ROLE, policy(parallel_tool_calls=False), cut=False)[2]) == [
+        ("get_time", {})]
+
+
+def test_what_is_not_a_call_stays_text():
+    """A call cut short, with broken arguments, to a tool not offered, under tool_choice none, or a built-in tool's
+    in the reasoning: never a call; its text goes where its channel's goes."""
+    args = '{"city":"San Francisco"}'
+    assert parse_harmony(CALL, policy(), cut=True) == ("Need to use function get_weather.", args, [])
+    assert parse_harmony(CALL[:-3], policy(), cut=False)[1:] == (args[:-3], [])
+    assert parse_harmony(CALL, policy(tools=[TIME]), cut=False)[1:] == (args, [])
+    assert parse_harmony(CALL, policy(tool_choice="none"), cut=False)[1:] == (args, [])
+    assert parse_harmony(CALL, None, cut=False)[1:] == (args, [])
+    browse = ('<|channel|>analysis to=browser.search <|constrain|>json<|message|>{"query": "x"}<|end|>'
+              '<|start|>assistant<|channel|>final<|message|>Done.')
+    assert parse_harmony(browse, policy(), cut=False) == ('{"query": "x"}', "Done.", [])
+
+
+def test_replies_without_harmony_and_cut_short():
+    """No header (a grammar governed the whole reply): all content, reasoning null; a reply max_tokens cut inside
+    its reasoning: reasoning, content null; inside a header: nothing of it."""
+    assert parse_harmony(' {"a": 1}', policy(), cut=False) == (None, ' {"a": 1}', [])
+    assert parse_harmony("<|channel|>analysis<|message|>Thinking", None, cut=True) == ("Thinking", None, [])
+    assert parse_harmony("<|channel|>analysis<|message|>Hm.<|end|><|start|>assistant<|chan", None, cut=True) == (
+        "Hm.", None, [])
+    assert parse_harmony("", None, cut=True) == (None, None, [])
+
+
+@pytest.mark.parametrize("text", [ANSWER, CALL, CALL_AFTER_ROLE, '{"a": [1, 2]}', ANSWER[:-7]])
+def test_the_stream_adds_up_to_the_parse_and_never_shows_a_marker(text):
+    """Any split into pieces gives what the whole text gives; no piece shows a marker or a part of one; each call
+    comes whole once its message ends."""
+    want = parse_harmony(text, policy(), cut=False)
+    rng = random.Random(0)
+    for _ in range(30):
+        cuts = sorted(rng.sample(range(1, len(text)), rng.randint(1, min(12, len(text) - 1))))
+        pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+        s = HarmonyStream(policy())
+        thought = content = ""
+        calls = []
+        for k, piece in enumerate(pieces):
+            d = s.feed(piece, k == len(pieces) - 1)
+            assert "<|" not in d.reasoning + d.content and "|>" not in d.reasoning + d.content
+            thought, content, calls = thought + d.reasoning, content + d.content, calls + d.calls
+        assert (thought if s.reasoned else None, content or None) == want[:2]
+        assert calls_of(calls) == calls_of(want[2])
+
+
+# -- a tiny model trained here to answer in harmony, served ---------------------------------------------------------
+MARKERS = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>"]
+# a harmony chat template of this test's own (GPT-OSS's renders more: dates, tools as TypeScript, ...)
+TEMPLATE = ("{% if reasoning_effort %}<|start|>system<|message|>Reasoning: {{ reasoning_effort }}<|end|>{% endif %}"
+            "{% for m in messages %}<|start|>{{ m['role'] }}<|message|>{{ m['content'] }}"
+            "{% if m.thinking %} ({{ m.thinking }}){% endif %}<|end|>{% endfor %}"
+            "{% if add_generation_prompt %}<|start|>assistant{% endif %}")
+ASK = [{"role": "user", "content": "The capital of France?"}]
+ASK_TOOL = [{"role": "user", "content": "Tell me the weather in Paris."}]
+THOUGHT, FINAL = "The capital of France is Paris.", "Paris."
+TOOL_THOUGHT = "A server streams tokens."
+REPLY = f"<|channel|>analysis<|message|>{THOUGHT}<|end|><|start|>assistant<|channel|>final<|message|>{FINAL}<|return|>"
+TOOL_REPLY = (f"<|channel|>analysis<|message|>{TOOL_THOUGHT}<|end|><|start|>assistant<|channel|>commentary "
+              'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>')
+
+
+def _prompt_ids(tok, messages, tools=None) -> list[int]:
+    """The prompt the server renders (tools: described in a system message, as for any template without them)."""
+    worker = TokenizerWorker(tok)
+    try:
+        return asyncio.run(worker.encode_chat(messages, True, tools=tools))
+    finally:
+        worker.shutdown()
+
+
+@pytest.fixture(scope="module")
+def harmony_model(tmp_path_factory) -> str:
+    """The tiny chat model's tokenizer with harmony's markers as special tokens and a harmony template, and a tiny
+    Llama trained (teacher-forced, to a loss near 0) to answer ASK with REPLY and ASK_TOOL (WEATHER offered) with
+    TOOL_REPLY, so that it says them greedily; <|return|> and <|call|> are its EOS tokens, as GPT-OSS's."""
+    import torch
+    from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
+    from serving_fixtures import build_tiny_chat_model
+
+    path = build_tiny_chat_model(str(tmp_path_factory.mktemp("harmony") / "model"), vocab_size=400)
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.add_special_tokens({"additional_special_tokens": MARKERS})
+    tok.chat_template = TEMPLATE
+    assert speaks_harmony(tok) and max(tok.convert_tokens_to_ids(MARKERS)) < 400
+    tok.save_pretrained(path)
+    stops = tok.convert_tokens_to_ids(["<|return|>", "<|call|>"])
+    seqs = []
+    for messages, tools, reply in [(ASK, None, REPLY), (ASK_TOOL, [WEATHER], TOOL_REPLY)]:
+        prompt = _prompt_ids(tok, messages, tools)
+        seqs.append((prompt, tok.encode(reply, add_special_tokens=False)))
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=400, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                      eos_token_id=stops, bos_token_id=1, tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg)
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    for step in range(400):
+        loss = 0
+        for prompt, reply in seqs:
+            ids = torch.tensor([prompt + reply])
+            labels = torch.tensor([[-100] * len(prompt) + reply])
+            loss = loss + model(input_ids=ids, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if loss.item() < 1e-3:
+            break
+    assert loss.item() < 1e-2, loss.item()
+    model.save_pretrained(path)
+    GenerationConfig(eos_token_id=stops, bos_token_id=1).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def client(harmony_model, tmp_path_factory):
+    srv = ServerProcess(harmony_model, str(tmp_path_factory.mktemp("log") / "server.log"), "--block-size", "16",
+                        "--num-kv-blocks", "128", "--max-model-len", "1024")
+    yield openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+    assert srv.stop(signal.SIGINT) == 0, srv.log()
+
+
+def _streamed(client, **kw) -> tuple:
+    """(reasoning, content, calls, finish reason, reasoning tokens) of a streamed reply, as a client adds them up."""
+    reasoning = content = ""
+    calls, finish, tokens = {}, None, None
+    for chunk in client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw):
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens_details.reasoning_tokens
+        if not chunk.choices:
+            continue
+        d, finish = chunk.choices[0].delta, chunk.choices[0].finish_reason or finish
+        reasoning += (d.model_extra or {}).get("reasoning") or ""
+        content += d.content or ""
+        for c in d.tool_calls or []:
+            calls.setdefault(c.index, [c.function.name, ""])[1] += c.function.arguments or ""
+    return reasoning, content, [(n, json.loads(a)) for _, (n, a) in sorted(calls.items())], finish, tokens
+
+
+def _tokens(tok, text: str) -> int:
+    return len(tok.encode(text, add_special_tokens=False))
+
+
+def test_served_reasoning_answer_and_tool_call(client, harmony_model):
+    """The trained replies come back split as the guide reads them, streamed or not: the analysis message as
+    reasoning, the final one as content (finish stop), the call to functions.get_weather as a tool call (finish
+    tool_calls); usage counts the analysis message's tokens (its header and end included) as reasoning tokens; no
+    marker reaches the client."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(harmony_model)
+    model = client.models.list().data[0].id
+    kw = dict(model=model, messages=ASK, temperature=0, max_tokens=200)
+    thinking = _tokens(tok, f"<|channel|>analysis<|message|>{THOUGHT}<|end|>")
+    got = client.chat.completions.create(**kw)
+    msg = got.choices[0].message
+    assert (msg.model_extra["reasoning"], msg.model_extra["reasoning_content"], msg.content) == (THOUGHT, THOUGHT, FINAL)
+    assert got.choices[0].finish_reason == "stop" and msg.tool_calls is None
+    assert got.usage.completion_tokens == _tokens(tok, REPLY)     # <|return|> counted, not shown
+    assert got.usage.completion_tokens_details.reasoning_tokens == thinking
+    assert _streamed(client, **kw) == (THOUGHT, FINAL, [], "stop", thinking)
+    got = client.chat.completions.create(**kw, extra_body={"include_reasoning": False})
+    assert (got.choices[0].message.model_extra["reasoning"], got.choices[0].message.content) == (None, FINAL)
+    got = client.responses.create(model=model, input=ASK, temperature=0, max_output_tokens=200)
+    assert [(o.type, o.content[0].text) for o in got.output] == [("reasoning", THOUGHT), ("message", FINAL)]
+
+    kw = dict(model=model, messages=ASK_TOOL, tools=[WEATHER], temperature=0, max_tokens=200)
+    got = client.chat.completions.create(**kw)
+    msg = got.choices[0].message
+    assert (msg.model_extra["reasoning"], msg.content) == (TOOL_THOUGHT, None)
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in msg.tool_calls] == [
+        ("get_weather", {"city": "Paris"})]
+    assert got.choices[0].finish_reason == "tool_calls"
+    thinking = _tokens(tok, f"<|channel|>analysis<|message|>{TOOL_THOUGHT}<|end|>")
+    assert _streamed(client, **kw) == (TOOL_THOUGHT, "", [("get_weather", {"city": "Paris"})], "tool_calls", thinking)
+
+
+def test_served_reply_cut_short(client, harmony_model):
+    """max_tokens inside the reasoning: the reasoning so far, content null, finish length; inside the call's
+    arguments: no call, the arguments so far as text (never a call with broken arguments)."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(harmony_model)
+    model = client.models.list().data[0].id
+    head = "<|channel|>analysis<|message|>"
+    n = _tokens(tok, head + "The capital")
+    got = client.chat.completions.create(model=model, messages=ASK, temperature=0, max_tokens=n)
+    msg = got.choices[0].message
+    assert (msg.model_extra["reasoning"], msg.content, got.choices[0].finish_reason) == ("The capital", None, "length")
+    ids = tok.encode(TOOL_REPLY, add_special_tokens=False)[:-4]       # <|call|> and the arguments' last 3 tokens
+    args = tok.decode(ids, skip_special_tokens=False).rsplit("<|message|>", 1)[1]
+    assert args and '{"city": "Paris"}'.startswith(args) and args != '{"city": "Paris"}'
+    got = client.chat.completions.create(model=model, messages=ASK_TOOL, tools=[WEATHER], temperature=0,
+                                         max_tokens=len(ids))
+    msg = got.choices[0].message
+    assert msg.tool_calls is None and got.choices[0].finish_reason == "length"
+    assert (msg.model_extra["reasoning"], msg.content) == (TOOL_THOUGHT, args)
+
+
+def test_reasoning_effort_and_earlier_reasoning_reach_the_template(harmony_model):
+    """reasoning_effort sets the template's variable of that name, and is a 400 naming it where the template has
+    none; an assistant message's reasoning reaches the template as `thinking` (GPT-OSS's name) and
+    `reasoning_content` (Qwen3's)."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(harmony_model)
+    worker, chatml = TokenizerWorker(tok), TokenizerWorker(tok, chat_template=CHATML)
+    try:
+        text = tok.decode(asyncio.run(worker.encode_chat(ASK, True, reasoning_effort="high")))
+        assert text.startswith("<|start|>system<|message|>Reasoning: high<|end|>")
+        assert "Reasoning" not in tok.decode(asyncio.run(worker.encode_chat(ASK, True)))
+        with pytest.raises(APIError) as e:
+            asyncio.run(chatml.encode_chat(ASK, True, reasoning_effort="high"))
+        assert e.value.status == 400 and e.value.param == "reasoning_effort"
+    finally:
+        worker.shutdown()
+        chatml.shutdown()
+    req = ChatCompletionRequest(messages=[*ASK, {"role": "assistant", "content": "Paris.", "reasoning": "Easy."}])
+    assert req.messages[1].as_template_dict() == {"role": "assistant", "content": "Paris.",
+                                                  "reasoning_content": "Easy.", "thinking": "Easy."}
+    with pytest.raises(ValueError):
+        ChatCompletionRequest(messages=ASK, reasoning_effort="extreme")
