@@ -216,6 +216,8 @@ def test_served_reasoning_answer_and_tool_call(client, harmony_model):
     assert (got.choices[0].message.model_extra["reasoning"], got.choices[0].message.content) == (None, FINAL)
     got = client.responses.create(model=model, input=ASK, temperature=0, max_output_tokens=200)
     assert [(o.type, o.content[0].text) for o in got.output] == [("reasoning", THOUGHT), ("message", FINAL)]
+    got = client.responses.create(model=model, input=ASK, max_output_tokens=4, reasoning={"effort": "high"})
+    assert got.reasoning.effort == "high"     # the template's variable (what it does to the prompt: below)
 
     kw = dict(model=model, messages=ASK_TOOL, tools=[WEATHER], temperature=0, max_tokens=200)
     got = client.chat.completions.create(**kw)

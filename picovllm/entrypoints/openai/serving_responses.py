@@ -29,7 +29,7 @@ from picovllm.entrypoints.openai.serving_chat import ChatHandler
 
 # What a stateless server cannot do, and the values that ask for nothing (None always does).
 REFUSED_RESPONSES: dict[str, tuple] = {
-    "previous_response_id": (), "conversation": (), "background": (False,), "store": (False,), "reasoning": (),
+    "previous_response_id": (), "conversation": (), "background": (False,), "store": (False,),
     "prompt": (), "truncation": ("disabled",), "stream_options": (),
 }
 LOGPROBS = "message.output_text.logprobs"     # the one `include` this server honours
@@ -57,6 +57,7 @@ class ResponsesRequest(refusing_model("_RefusedResponses", REFUSED_RESPONSES), _
     user: str | None = None
     include: list[str] | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    reasoning: dict[str, Any] | None = None    # {"effort": ...}: chat's reasoning_effort; a summary is refused
 
 
 def _bad(message: str, param: str) -> APIError:
@@ -144,6 +145,11 @@ def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
         body["tool_choice"] = {"type": "function", "function": {"name": req.tool_choice["name"]}}
     elif req.tool_choice is not None:
         body["tool_choice"] = req.tool_choice
+    for key, value in (req.reasoning or {}).items():
+        if key == "effort":
+            body["reasoning_effort"] = value
+        elif value is not None:
+            raise _bad(f"reasoning.{key}: is not supported (only reasoning.effort)", f"reasoning.{key}")
     fmt = (req.text or {}).get("format")
     if fmt is not None:
         body["response_format"] = _response_format(fmt)
@@ -157,7 +163,7 @@ def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
 
 # a chat field an error names -> the Responses field it came from (the longest that matches)
 CHAT_NAMES = {"response_format.json_schema": "text.format", "response_format": "text.format",
-              "max_completion_tokens": "max_output_tokens", "messages": "input"}
+              "max_completion_tokens": "max_output_tokens", "messages": "input", "reasoning_effort": "reasoning.effort"}
 
 
 def responses_error(e: APIError) -> APIError:
@@ -228,7 +234,8 @@ class ResponsesHandler:
             "id": rid, "object": "response", "created_at": int(time.time()), "status": status, "error": error,
             "incomplete_details": incomplete, "instructions": req.instructions,
             "max_output_tokens": req.max_output_tokens, "model": self.ctx.model_name, "output": output,
-            "parallel_tool_calls": req.parallel_tool_calls, "previous_response_id": None, "reasoning": None,
+            "parallel_tool_calls": req.parallel_tool_calls, "previous_response_id": None,
+            "reasoning": {"effort": (req.reasoning or {}).get("effort"), "summary": None} if req.reasoning else None,
             "store": False, "temperature": req.temperature, "top_p": req.top_p,
             "text": req.text or {"format": {"type": "text"}}, "tool_choice": req.tool_choice or "auto",
             "tools": req.tools or [], "truncation": "disabled", "user": req.user, "metadata": req.metadata or {},
