@@ -11,15 +11,19 @@ What llama.cpp's converter changed, undone here:
   qwen2moe's shared expert gate ([1, H] in HF) is stored as a vector.
 - granite, smollm3: q/k rows interleaved as llama's; Granite's four scalings as metadata.
 - olmo2: its norms after attention and the MLP (post_attention_norm, post_ffw_norm), q/k norms over the projection.
+- gpt-oss: each projection's experts stacked [E, out, in] (MXFP4 blocks or floats), gate and up apart, biases
+  [E, out]: put back into the checkpoint's [E, in, out] with gate and up interleaved (gate_up_proj, its bias), which
+  the model reads as it reads an HF folder (models/gpt_oss.py); the router (ffn_gate_inp) and sinks as HF's.
 What the metadata does not say, llama.cpp's own rule decides (Gemma's query scale, Gemma 3's sliding pattern,
-Qwen3-MoE's renormalised top-k, SmolLM3's NoPE on every 4th layer). Llama 3's rope scaling comes as a tensor
-(rope_freqs: a divisor per rotary frequency, computed by the converter from the checkpoint's llama3 parameters),
-read into the config as such.
+Qwen3-MoE's renormalised top-k, SmolLM3's NoPE on every 4th layer, GPT-OSS's SwiGLU constants and stop tokens).
+Llama 3's rope scaling comes as a tensor (rope_freqs: a divisor per rotary frequency, computed by the converter from
+the checkpoint's llama3 parameters), read into the config as such.
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Iterable, Iterator
 
 import numpy as np
 import torch
@@ -46,6 +50,7 @@ ARCHITECTURES = {
     "phi3": Arch("Phi3ForCausalLM"),
     "granite": Arch("GraniteForCausalLM", interleaved_qk=True),
     "smollm3": Arch("SmolLM3ForCausalLM", interleaved_qk=True),
+    "gpt-oss": Arch("GptOssForCausalLM"),
 }
 
 # blk.N.<GGUF name> -> model.layers.N.<HF name>
@@ -72,6 +77,18 @@ _LAYER = {
 _GEMMA_LAYER = {"ffn_norm.weight": "pre_feedforward_layernorm.weight"}
 _TOP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
         "output.weight": "lm_head.weight"}
+# gpt-oss: blk.N.<GGUF name> -> (model.layers.N.<HF name>, the file's [.., out, in] transposed, interleaved (i, n))
+_GPT_OSS_LAYER = {
+    "attn_sinks.weight": ("self_attn.sinks", False, None),
+    "attn_output.bias": ("self_attn.o_proj.bias", False, None),
+    "ffn_gate_inp.weight": ("mlp.router.weight", False, None), "ffn_gate_inp.bias": ("mlp.router.bias", False, None),
+    "ffn_gate_exps.weight": ("mlp.experts.gate_up_proj", True, (0, 2)),
+    "ffn_up_exps.weight": ("mlp.experts.gate_up_proj", True, (1, 2)),
+    "ffn_down_exps.weight": ("mlp.experts.down_proj", True, None),
+    "ffn_gate_exps.bias": ("mlp.experts.gate_up_proj_bias", False, (0, 2)),
+    "ffn_up_exps.bias": ("mlp.experts.gate_up_proj_bias", False, (1, 2)),
+    "ffn_down_exps.bias": ("mlp.experts.down_proj_bias", False, None),
+}
 _IN_CONFIG = ("rope_factors_short.weight", "rope_factors_long.weight",   # Phi-3's LongRoPE factors
               "rope_freqs.weight")                                        # Llama 3's frequency divisors
 
@@ -79,17 +96,50 @@ _IN_CONFIG = ("rope_factors_short.weight", "rope_factors_long.weight",   # Phi-3
 @dataclass(frozen=True)
 class Part:
     """One HF tensor of a file tensor (torch dimension order): `take` is rows of a 2-D one (slice or index array,
-    in HF order) or an expert's index in a stacked 3-D one."""
+    in HF order) or an expert's index in a stacked 3-D one. With `interleaved` (i, n), it is not a whole HF tensor
+    but its columns i, i + n, i + 2n, ... (last dim; `shape` is the part's): hf_tensors assembles the n parts."""
     name: str
     shape: tuple[int, ...]
     take: slice | np.ndarray | int
     minus_one: bool = False      # Gemma's norms: the file holds 1 + w
     linear: bool = False         # a dense linear layer, the embedding or the LM head: may stay quantized
+    transposed: bool = False     # GPT-OSS's experts: the file's [E, out, in] as the checkpoint's [E, in, out]
+    interleaved: tuple[int, int] | None = None      # GPT-OSS's gate (0, 2) and up (1, 2) in gate_up_proj
 
     def of(self, w: torch.Tensor) -> torch.Tensor:
         """This part of the file tensor `w`, dequantized to float, in the HF tensor's shape."""
         t = w[self.take] if not isinstance(self.take, np.ndarray) else w[torch.from_numpy(self.take)]
+        t = t.transpose(-1, -2) if self.transposed else t
         return (t - 1 if self.minus_one else t).reshape(self.shape).contiguous()
+
+
+def hf_tensors(pieces: Iterable[tuple[Part, object]]) -> Iterator[tuple[str, object]]:
+    """(HF name, tensor) from (part, what part.of gave, or a quantized form) in file order: a whole part as it
+    comes, an interleaved one's HF tensor once its last part is in. ValueError if the parts of one never all come
+    (hf_specs, on meta tensors, finds that before any weight is read)."""
+    pending: dict[str, tuple[torch.Tensor, set[int]]] = {}
+    for part, t in pieces:
+        if part.interleaved is None:
+            yield part.name, t
+            continue
+        i, n = part.interleaved
+        if part.name not in pending:
+            pending[part.name] = (t.new_empty(part.shape[:-1] + (part.shape[-1] * n,)), set())
+        whole, seen = pending[part.name]
+        whole[..., i::n] = t
+        seen.add(i)
+        if len(seen) == n:
+            del pending[part.name]
+            yield part.name, whole
+    if pending:
+        name, (_, seen) = next(iter(pending.items()))
+        raise ValueError(f"the HF tensor {name!r} is made of {len(seen)} file tensor(s) only; it needs all its "
+                         "interleaved parts (GPT-OSS's gate_up_proj: ffn_gate_exps and ffn_up_exps, weight and bias)")
+
+
+def hf_specs(parts: Iterable[Part]) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of each HF tensor, in the order hf_tensors yields them from `parts` (file order)."""
+    return [(name, tuple(t.shape)) for name, t in hf_tensors((p, torch.empty(p.shape, device="meta")) for p in parts)]
 
 
 def tensor_parts(name: str, shape: tuple[int, ...], cfg: ModelConfig, arch: Arch) -> list[Part]:
@@ -119,6 +169,11 @@ def _file_parts(name: str, shape: tuple[int, ...], cfg: ModelConfig, arch: Arch)
     parts = name.split(".")
     if parts[0] == "blk" and len(parts) > 2:
         key = ".".join(parts[2:])
+        if arch.hf == "GptOssForCausalLM" and key in _GPT_OSS_LAYER:
+            return [_gpt_oss_part(f"model.layers.{parts[1]}.", key, shape)]
+        if arch.hf == "GptOssForCausalLM" and key.startswith("ffn_gate_up_exps."):
+            raise ValueError(f"GGUF tensor {name!r}: gate and up experts fused in one tensor are unsupported "
+                             "(llama.cpp's gpt-oss reads ffn_gate_exps and ffn_up_exps)")
         hf = (_GEMMA_LAYER if arch.gemma else {}).get(key, _LAYER.get(key))
         if key == "attn_qkv.weight":
             return _split(name, shape, f"model.layers.{parts[1]}.self_attn.{{}}_proj.weight", ("q", "k", "v"),
@@ -139,6 +194,13 @@ def _file_parts(name: str, shape: tuple[int, ...], cfg: ModelConfig, arch: Arch)
                      name != "output_norm.weight")]
     raise ValueError(f"GGUF tensor {name!r}: unknown tensor name (supported architectures: "
                      f"{', '.join(ARCHITECTURES)})")
+
+
+def _gpt_oss_part(prefix: str, key: str, shape: tuple[int, ...]) -> Part:
+    hf, transposed, interleaved = _GPT_OSS_LAYER[key]
+    if transposed:
+        shape = shape[:-2] + (shape[-1], shape[-2])
+    return Part(prefix + hf, shape, slice(None), transposed=transposed, interleaved=interleaved)
 
 
 def _split(name: str, shape: tuple[int, ...], pattern: str, labels: tuple[str, ...], sizes: list[int]) -> list[Part]:
@@ -201,6 +263,15 @@ def model_config(meta: dict, tensors: dict, path: str) -> tuple[ModelConfig, Arc
     elif name == "smollm3":             # llama.cpp's rule (the file does not say): every 4th layer NoPE
         family = {"rope_layers": [(i + 1) % 4 != 0 for i in range(layers)] if layers >= 4 else None}
     scaling = _rope_scaling(meta, tensors, p, path, rot)
+    stops = [int(eos)] if eos is not None else []
+    if name == "gpt-oss":
+        family = _gpt_oss(meta, tensors, p, path)
+        experts["norm_topk_prob"] = True        # llama.cpp softmaxes the top-k logits, whatever the file says
+        stops += _gpt_oss_stops(meta, stops)
+        if scaling is not None and scaling["rope_type"] == "yarn":
+            # GPT-OSS's YaRN does not round its ramp's ends (OpenAI's reference, HF's config: truncate false);
+            # ggml's rope does (floor/ceil), a small difference in the ramp's two end pairs: ours is the model's
+            scaling["truncate"] = False
     config = ModelConfig(
         architecture=hf,
         vocab_size=int(tensors["token_embd.weight"].shape[1]),
@@ -215,7 +286,7 @@ def model_config(meta: dict, tensors: dict, path: str) -> tuple[ModelConfig, Arc
         max_position_embeddings=scaled_context(int(meta.get(p + "context_length", 4096)), scaling),
         rope_scaling=scaling,
         tie_word_embeddings="output.weight" not in tensors,
-        eos_token_ids=[int(eos)] if eos is not None else [],
+        eos_token_ids=stops,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         attention_bias="blk.0.attn_q.bias" in tensors,
         qk_norm="blk.0.attn_q_norm.weight" in tensors,
@@ -243,7 +314,7 @@ def _experts(meta: dict, tensors: dict, p: str, layers: int, path: str) -> dict:
     if int(meta.get(p + "expert_shared_count", 0)) > (1 if qwen2 else 0):
         raise ValueError(f"GGUF {path!r}: shared experts ({p}expert_shared_count) are unsupported")
     gating = int(meta.get(p + "expert_gating_func", 1))
-    if gating != 1:
+    if gating != 1 and p != "gpt-oss.":     # gpt-oss: llama.cpp reads no gating function (softmax of the top-k)
         raise ValueError(f"GGUF {path!r}: {p}expert_gating_func={gating}: only softmax routing (1) is supported")
     routed = [f"blk.{i}.ffn_gate_inp.weight" in tensors for i in range(layers)]
     inter = meta.get(p + "expert_feed_forward_length") or _required(meta, p + "feed_forward_length", path)
@@ -259,12 +330,12 @@ def _experts(meta: dict, tensors: dict, p: str, layers: int, path: str) -> dict:
 
 def _sliding(meta: dict, p: str, arch: str, layers: int) -> tuple[int | None, list[bool] | None]:
     """(window, which layers slide). attention.sliding_window_pattern: a bool per layer (True: sliding), or a period
-    n (every n-th layer global); without it, llama.cpp's rules: Gemma 2 every other layer from the first, Gemma 3
-    a period of 6, the others every layer."""
+    n (every n-th layer global); without it, llama.cpp's rules: Gemma 2 and GPT-OSS every other layer from the
+    first, Gemma 3 a period of 6, the others every layer."""
     window = meta.get(p + "attention.sliding_window")
     if not window:
         return None, None
-    pattern = meta.get(p + "attention.sliding_window_pattern", {"gemma2": 2, "gemma3": 6}.get(arch))
+    pattern = meta.get(p + "attention.sliding_window_pattern", {"gemma2": 2, "gemma3": 6, "gpt-oss": 2}.get(arch))
     if pattern is None:
         return int(window), None
     if isinstance(pattern, (int, np.integer)):
@@ -272,6 +343,36 @@ def _sliding(meta: dict, p: str, arch: str, layers: int) -> tuple[int | None, li
     else:
         sliding = [bool(s) for s in pattern]
     return (int(window), sliding) if any(sliding) else (None, None)
+
+
+def _gpt_oss(meta: dict, tensors: dict, p: str, path: str) -> dict:
+    """GPT-OSS's fields. Its clamped SwiGLU's constants are llama.cpp's (build_moe_ffn's LLM_FFN_SWIGLU_OAI_MOE:
+    alpha 1.702, limit 7, every released model's; the file has none). What llama.cpp's gpt-oss would read and this
+    model cannot do is refused: attention without sinks or biases, another rope base on the sliding layers, scaled
+    routing weights."""
+    _required(meta, p + "expert_count", path)
+    for key in ("blk.0.attn_sinks.weight", "blk.0.attn_q.bias", "blk.0.attn_output.bias"):
+        if key not in tensors:
+            raise ValueError(f"GGUF {path!r}: tensor {key!r} is missing (GPT-OSS's attention has sinks and biases)")
+    base = meta.get(p + "rope.freq_base_swa")
+    if base is not None and float(base) != float(meta.get(p + "rope.freq_base", 10000.0)):
+        raise ValueError(f"GGUF {path!r}: {p}rope.freq_base_swa={base!r}: another rope base on the sliding layers "
+                         "is unsupported for gpt-oss")
+    scale = meta.get(p + "expert_weights_scale")
+    if scale is not None and float(scale) not in (0.0, 1.0):       # 0: llama.cpp's "unset"
+        raise ValueError(f"GGUF {path!r}: {p}expert_weights_scale={scale!r}: scaled routing weights are unsupported")
+    return dict(swiglu_alpha=1.702, swiglu_limit=7.0)
+
+
+_GPT_OSS_STOPS = ("<|return|>", "<|call|>", "<|endoftext|>")
+
+
+def _gpt_oss_stops(meta: dict, stops: list[int]) -> list[int]:
+    """llama.cpp's end-of-generation tokens for gpt-oss's vocabulary beside its eos, found by their text as
+    llama.cpp does (HF's generation_config for gpt-oss lists the same three; <|end|> ends a message, not a reply)."""
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+    index = {t: i for i, t in enumerate(tokens) if t in _GPT_OSS_STOPS}
+    return [index[t] for t in _GPT_OSS_STOPS if t in index and index[t] not in stops]
 
 
 def _gemma(meta: dict, p: str, arch: str, hidden: int, heads: int, head_dim: int, layers: int) -> dict:

@@ -21,16 +21,17 @@ from gguf import GGMLQuantizationType
 from picovllm.artifact_cache import ArtifactCache, file_identity, make_key
 from picovllm.config import ModelConfig
 from picovllm.loader import gguf_quants, gguf_tokenizer, tensor_file
-from picovllm.loader.gguf_archs import ARCHITECTURES, Arch, Part, model_config, tensor_parts
+from picovllm.loader.gguf_archs import ARCHITECTURES, Arch, Part, hf_specs, hf_tensors, model_config, tensor_parts
 from picovllm.loader.gguf_format import GGUFFile, GGUFTensor
 from picovllm.loader.quantize_at_load import quantize_q8
 from picovllm.loader.source import ModelSource, WeightIterator
 
 # Read as they are: floats, and the quantized types the CPU kernels run (gguf_quants). Requantized on the CPU: types
 # the kernels do not run, dequantized by the gguf package and quantized again into the kernels' 8-bit form (a scale
-# per 16 weights: within half a step of max / 127 of the file's weight, far inside these formats' own steps).
+# per 16 weights: within half a step of max / 127 of the file's weight, far inside these formats' own steps). MXFP4
+# (GPT-OSS's experts, which are float in the model) is dequantized by gguf_quants.dequantize_mxfp4.
 SUPPORTED_TYPES = ("F32", "F16", "BF16") + gguf_quants.QUANTIZED_TYPES + ("Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q5_K",
-                                                                      "IQ4_NL", "IQ4_XS")
+                                                                      "IQ4_NL", "IQ4_XS", "MXFP4")
 
 
 def _model_config(gf: GGUFFile) -> tuple[ModelConfig, Arch]:
@@ -38,7 +39,8 @@ def _model_config(gf: GGUFFile) -> tuple[ModelConfig, Arch]:
 
 
 def _layout(gf: GGUFFile, config: ModelConfig, arch: Arch) -> list[tuple[GGUFTensor, list[Part]]]:
-    """Each file tensor (in file order) with the HF tensors it holds; unsupported types and names refused."""
+    """Each file tensor (in file order) with the HF tensors it holds; unsupported types and names refused, and HF
+    tensors assembled from several file tensors (GPT-OSS's gate_up_proj) some of which are missing."""
     out = []
     for t in gf.tensors.values():
         kind = GGMLQuantizationType(t.ggml_type).name
@@ -46,39 +48,50 @@ def _layout(gf: GGUFFile, config: ModelConfig, arch: Arch) -> list[tuple[GGUFTen
             raise ValueError(f"GGUF tensor {t.name!r}: quantization {kind} is unsupported "
                              f"(supported: {', '.join(SUPPORTED_TYPES)})")
         out.append((t, tensor_parts(t.name, tuple(reversed(t.shape)), config, arch)))
+    try:
+        hf_specs(part for _, parts in out for part in parts)
+    except ValueError as e:
+        raise ValueError(f"GGUF {gf.path!r}: {e}") from None
     return out
 
 
 def _float(t: GGUFTensor) -> torch.Tensor:
     """The whole file tensor dequantized to float32, in torch's dimension order."""
     shape = tuple(reversed(t.shape))
-    rows = t.data.reshape(-1, t.data.size // max(1, int(np.prod(shape[:-1], dtype=np.int64))))
-    w = np.array(gguf.quants.dequantize(rows, GGMLQuantizationType(t.ggml_type)), dtype=np.float32)
+    rows = max(1, int(np.prod(shape[:-1], dtype=np.int64)))
+    if GGMLQuantizationType(t.ggml_type).name == "MXFP4":
+        return torch.from_numpy(gguf_quants.dequantize_mxfp4(t.data, rows, shape[-1])).reshape(shape)
+    w = np.array(gguf.quants.dequantize(t.data.reshape(rows, -1), GGMLQuantizationType(t.ggml_type)),
+                 dtype=np.float32)
     return torch.from_numpy(w).reshape(shape)
 
 
 def _dequantized(gf: GGUFFile, config: ModelConfig, arch: Arch) -> WeightIterator:
-    for t, parts in _layout(gf, config, arch):
-        if parts:
-            w = _float(t)
-            yield from ((part.name, part.of(w)) for part in parts)
+    def pieces():
+        for t, parts in _layout(gf, config, arch):
+            if parts:
+                w = _float(t)
+                yield from ((part, part.of(w)) for part in parts)
+    return hf_tensors(pieces())
 
 
 def _stored(gf: GGUFFile, config: ModelConfig, arch: Arch) -> Iterator[tuple[str, object]]:
     """ModelSource.stored_weights: the linear layers' quantized 2-d tensors as DecodedBlocks (rows in HF order),
     the rest (norms, routers, experts, float tensors) as float."""
-    for t, parts in _layout(gf, config, arch):
-        kind = GGMLQuantizationType(t.ggml_type).name
-        linear = parts and len(t.shape) == 2 and all(p.linear for p in parts)
-        if linear and kind in gguf_quants.QUANTIZED_TYPES:
-            blocks = gguf_quants.decode_blocks(kind, t.data, *reversed(t.shape))
-            yield from ((part.name, blocks.take_rows(part.take)) for part in parts)
-        elif linear and kind not in ("F32", "F16", "BF16"):          # requantized (SUPPORTED_TYPES)
-            blocks = quantize_q8(_float(t))
-            yield from ((part.name, blocks.take_rows(part.take)) for part in parts)
-        elif parts:
-            w = _float(t)
-            yield from ((part.name, part.of(w)) for part in parts)
+    def pieces():
+        for t, parts in _layout(gf, config, arch):
+            kind = GGMLQuantizationType(t.ggml_type).name
+            linear = parts and len(t.shape) == 2 and all(p.linear for p in parts)
+            if linear and kind in gguf_quants.QUANTIZED_TYPES:
+                blocks = gguf_quants.decode_blocks(kind, t.data, *reversed(t.shape))
+                yield from ((part, blocks.take_rows(part.take)) for part in parts)
+            elif linear and kind not in ("F32", "F16", "BF16"):          # requantized (SUPPORTED_TYPES)
+                blocks = quantize_q8(_float(t))
+                yield from ((part, blocks.take_rows(part.take)) for part in parts)
+            elif parts:
+                w = _float(t)
+                yield from ((part, part.of(w)) for part in parts)
+    return hf_tensors(pieces())
 
 
 def open_gguf(path: str, cache: ArtifactCache | None = None) -> ModelSource:
@@ -116,7 +129,7 @@ def _write_entry(gf: GGUFFile, folder: str) -> None:
 
 def _write_float_entry(gf: GGUFFile, folder: str) -> None:
     config, arch = _model_config(gf)
-    specs = [(part.name, part.shape) for _, parts in _layout(gf, config, arch) for part in parts]
+    specs = hf_specs(part for _, parts in _layout(gf, config, arch) for part in parts)
     tensor_file.write(os.path.join(folder, "weights.safetensors"), specs, _dequantized(gf, config, arch))
 
 

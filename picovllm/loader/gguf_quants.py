@@ -11,6 +11,11 @@ The two forms (the kernels' `kind`):
   q4: codes u in 0..15, a scale d and an offset m per 32 elements: value = d * u + m  (Q4_0, Q4_1, Q4_K)
   q8: codes q in -128..127, a scale d per 16 elements:          value = d * q      (Q8_0, Q6_K)
 Q4_K and Q6_K's scales are products (d * sc) that float16 cannot hold exactly, so those keep float32 scales.
+
+MXFP4 (GPT-OSS's experts, ggml type 39) has no kernel here: dequantize_mxfp4 turns it into float32 at load, exactly
+(e2m1 values times a power of two). Its block (ggml-common.h's block_mxfp4): one e8m0 scale byte e, then 16 bytes of
+e2m1 nibbles, element j in the low nibble of byte j and element j + 16 in the high one (Q4_0's order, not the HF
+checkpoints' two-neighbours-a-byte: loader/mxfp4.py); value e2m1(q) * 2^(e - 127).
 """
 from __future__ import annotations
 
@@ -114,3 +119,25 @@ def _q6_k(b: np.ndarray, n: int, k: int) -> DecodedBlocks:
 
 
 _DECODERS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q8_0": _q8_0, "Q4_K": _q4_k, "Q6_K": _q6_k}
+
+
+MXFP4_BLOCK = (32, 17)              # elements, bytes
+_ROWS_AT_ONCE = 4096                # bounds the float temporaries (gpt-oss-20b's expert tensors: 92160 rows)
+
+
+def dequantize_mxfp4(raw: np.ndarray, n: int, k: int) -> np.ndarray:
+    """The [n, k] float32 weight whose MXFP4 blocks GGUF stores as `raw` (uint8, n * k / 32 * 17 bytes)."""
+    from picovllm.loader.mxfp4 import E2M1
+
+    per, size = MXFP4_BLOCK
+    if k % per:
+        raise ValueError(f"MXFP4 weight of shape ({n}, {k}): {k} columns is not a multiple of its block ({per})")
+    b = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, k // per, size)
+    lut, out = np.array(E2M1, dtype=np.float32), np.empty((n, k), dtype=np.float32)
+    for r in range(0, n, _ROWS_AT_ONCE):
+        rows = b[r:r + _ROWS_AT_ONCE]
+        qs = rows[..., 1:]
+        values = np.concatenate([lut[qs & 0x0F], lut[qs >> 4]], axis=-1)       # elements 0-15, then 16-31
+        exponent = rows[..., :1].astype(np.int32) - 127
+        out[r:r + len(rows)] = np.ldexp(values, exponent).reshape(len(rows), k)
+    return out
