@@ -91,10 +91,7 @@ class ModelConfig:
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"config.json architectures={archs!r}: unsupported architecture; "
                              f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-        quant = checkpoint_quantization(cfg)
-        if quant not in (None, "mxfp4") or (quant == "mxfp4" and arch != "GptOssForCausalLM"):
-            raise ValueError(f"config.json quantization_config.quant_method={quant!r}: quantized HF checkpoints are "
-                             "unsupported (but GPT-OSS's mxfp4, dequantized at load; GGUF files for 4-8 bits)")
+        _check_quantization(cfg, arch)
         heads, layers = cfg["num_attention_heads"], cfg["num_hidden_layers"]
         rope, local_rope = _ropes(cfg)
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
@@ -271,6 +268,22 @@ def parse_hf_overrides(value: dict | str | None, what: str = "hf_overrides") -> 
     if value is not None and not isinstance(value, dict):
         raise ValueError(f"{what} must be a JSON object of config.json fields, got {value!r}")
     return value
+
+
+def _check_quantization(cfg: dict[str, Any], arch: str) -> None:
+    """The quantized HF checkpoints read, each dequantized at load: GPT-OSS's mxfp4 (loader/mxfp4.py) and any other
+    architecture's FP8 (quant_method "fp8" or "compressed-tensors", loader/fp8.py, whose refusals name the field)."""
+    quant = checkpoint_quantization(cfg)
+    gpt_oss = arch == "GptOssForCausalLM"
+    if quant is None or (quant == "mxfp4" and gpt_oss):
+        return
+    if quant in ("fp8", "compressed-tensors") and not gpt_oss:
+        from picovllm.loader.fp8 import Fp8Scheme
+        Fp8Scheme.from_quantization_config(cfg["quantization_config"])
+        return
+    raise ValueError(f"config.json quantization_config.quant_method={quant!r}: quantized HF checkpoints are "
+                     "unsupported (but GPT-OSS's mxfp4 and other models' FP8, fp8 or compressed-tensors, dequantized "
+                     "at load; GGUF files for 4-8 bits)")
 
 
 def checkpoint_quantization(cfg: dict[str, Any]) -> str | None:

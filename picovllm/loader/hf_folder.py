@@ -46,7 +46,7 @@ def _text_config(path: str, raw: dict) -> dict:
     for key in ("eos_token_id", "bos_token_id", "pad_token_id"):    # the file's top level over a text default
         if key not in written and raw.get(key) is not None:
             text[key] = raw[key]
-    if raw.get("quantization_config"):      # the whole checkpoint's: ModelConfig refuses it as any model's
+    if raw.get("quantization_config"):      # the whole checkpoint's: read (or refused) as any model's
         text["quantization_config"] = raw["quantization_config"]
     if arch == "Gemma3ForConditionalGeneration":    # HF's image-and-text Gemma 3 does not soft-cap its logits
         text["final_logit_softcapping"] = None
@@ -128,16 +128,15 @@ def open_folder(path: str, weights_needed: bool = True, overrides: dict | None =
             with safe_open(file, framework="pt") as f:
                 for name in f.keys():
                     text_name = _text_name(name) if multimodal else name
-                    if text_name is None:
-                        continue
-                    t = f.get_tensor(name)
-                    yield text_name, t if order is None else _in_rotary_order(text_name, t, config, order)
+                    if text_name is not None:
+                        yield text_name, f.get_tensor(name)
 
     def weights() -> WeightIterator:
-        if checkpoint_quantization(raw) == "mxfp4":     # GPT-OSS's experts (the only quantization taken)
-            from picovllm.loader.mxfp4 import dequantized
-            return dequantized(stored())
-        return stored()
+        tensors = _dequantized(stored(), raw)
+        if order is None:
+            return tensors
+        # after dequantization: a block's scale covers rows as the checkpoint stores them
+        return ((name, _in_rotary_order(name, t, config, order)) for name, t in tensors)
 
     has_tok = any(os.path.exists(os.path.join(path, n)) for n in TOKENIZER_FILES)
 
@@ -148,6 +147,19 @@ def open_folder(path: str, weights_needed: bool = True, overrides: dict | None =
     identity = ("hf", full, overrides or {}, [(os.path.basename(f), file_identity(f, head_bytes=1 << 20))
                                               for f in files])
     return ModelSource(path, config, weights, load_tokenizer if has_tok else None, identity)
+
+
+def _dequantized(tensors: WeightIterator, raw: dict) -> WeightIterator:
+    """A quantized checkpoint's tensors dequantized (the quantizations ModelConfig takes): GPT-OSS's MXFP4 experts,
+    FP8 weights; any other checkpoint's as they are."""
+    quant = checkpoint_quantization(raw)
+    if quant == "mxfp4":
+        from picovllm.loader.mxfp4 import dequantized
+        return dequantized(tensors)
+    if quant is not None:
+        from picovllm.loader import fp8
+        return fp8.dequantized(tensors, fp8.Fp8Scheme.from_quantization_config(raw["quantization_config"]))
+    return tensors
 
 
 def _in_rotary_order(name: str, t, config: ModelConfig, head_order: list[int]):
