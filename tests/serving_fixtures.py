@@ -48,6 +48,36 @@ def build_tiny_chat_model(path: str, bos: bool = False, **overrides) -> str:
     return path
 
 
+def train_replies(path: str, seqs: list[tuple[list[int], list[int]]], stops: list[int]) -> str:
+    """Replace the tiny chat model's weights in path by a tiny Llama trained (teacher-forced, to a loss near 0) to
+    answer each prompt's ids with its reply's ids, so that it says them greedily (a served parser then reads what
+    a model wrote); stops: its EOS tokens (config and generation config)."""
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=400, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                      eos_token_id=stops, bos_token_id=1, tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg)
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    for _ in range(400):
+        loss = 0
+        for prompt, reply in seqs:
+            ids = torch.tensor([prompt + reply])
+            labels = torch.tensor([[-100] * len(prompt) + reply])
+            loss = loss + model(input_ids=ids, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if loss.item() < 1e-3:
+            break
+    assert loss.item() < 1e-2, loss.item()
+    model.save_pretrained(path)
+    GenerationConfig(eos_token_id=stops, bos_token_id=1).save_pretrained(path)
+    return path
+
+
 @pytest.fixture(scope="session")
 def chat_model(tmp_path_factory) -> str:
     return build_tiny_chat_model(str(tmp_path_factory.mktemp("tinychat") / "model"))

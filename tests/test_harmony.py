@@ -128,9 +128,8 @@ def harmony_model(tmp_path_factory) -> str:
     """The tiny chat model's tokenizer with harmony's markers as special tokens and a harmony template, and a tiny
     Llama trained (teacher-forced, to a loss near 0) to answer ASK with REPLY and ASK_TOOL (WEATHER offered) with
     TOOL_REPLY, so that it says them greedily; <|return|> and <|call|> are its EOS tokens, as GPT-OSS's."""
-    import torch
-    from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
-    from serving_fixtures import build_tiny_chat_model
+    from transformers import AutoTokenizer
+    from serving_fixtures import build_tiny_chat_model, train_replies
 
     path = build_tiny_chat_model(str(tmp_path_factory.mktemp("harmony") / "model"), vocab_size=400)
     tok = AutoTokenizer.from_pretrained(path)
@@ -138,32 +137,9 @@ def harmony_model(tmp_path_factory) -> str:
     tok.chat_template = TEMPLATE
     assert speaks_harmony(tok) and max(tok.convert_tokens_to_ids(MARKERS)) < 400
     tok.save_pretrained(path)
-    stops = tok.convert_tokens_to_ids(["<|return|>", "<|call|>"])
-    seqs = []
-    for messages, tools, reply in [(ASK, None, REPLY), (ASK_TOOL, [WEATHER], TOOL_REPLY)]:
-        prompt = _prompt_ids(tok, messages, tools)
-        seqs.append((prompt, tok.encode(reply, add_special_tokens=False)))
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=400, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                      eos_token_id=stops, bos_token_id=1, tie_word_embeddings=False)
-    model = LlamaForCausalLM(cfg)
-    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
-    for step in range(400):
-        loss = 0
-        for prompt, reply in seqs:
-            ids = torch.tensor([prompt + reply])
-            labels = torch.tensor([[-100] * len(prompt) + reply])
-            loss = loss + model(input_ids=ids, labels=labels).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        if loss.item() < 1e-3:
-            break
-    assert loss.item() < 1e-2, loss.item()
-    model.save_pretrained(path)
-    GenerationConfig(eos_token_id=stops, bos_token_id=1).save_pretrained(path)
-    return path
+    seqs = [(_prompt_ids(tok, messages, tools), tok.encode(reply, add_special_tokens=False))
+            for messages, tools, reply in [(ASK, None, REPLY), (ASK_TOOL, [WEATHER], TOOL_REPLY)]]
+    return train_replies(path, seqs, tok.convert_tokens_to_ids(["<|return|>", "<|call|>"]))
 
 
 @pytest.fixture(scope="module")

@@ -153,3 +153,156 @@ def test_auto_stream_sends_content_before_the_call_is_known():
     new, calls = stream.feed("Checking the weather.\n" + block, False)
     assert new == "" and [(c.name, c.arguments) for c in calls] == [("get_weather", '{"city": "Oslo"}')]
     assert stream.feed("Checking the weather.\n" + block + "\nDone.", True) == ("", [])
+
+
+def policy_of(parser: str, **kw) -> ToolPolicy:
+    policy = request(tools=[WEATHER, TIME], **kw).tool_policy()
+    policy.parser = parser
+    return policy
+
+
+def named_args(calls) -> list:
+    return [(c.name, json.loads(c.arguments)) for c in calls]
+
+
+@pytest.mark.parametrize("text, want", [
+    ('{"name": "get_weather", "parameters": {"city": "Paris"}}', (None, [("get_weather", {"city": "Paris"})])),
+    ('<|python_tag|>{"name": "get_weather", "arguments": {"city": "Oslo"}}; {"name": "get_time", "parameters": {}}',
+     (None, [("get_weather", {"city": "Oslo"}), ("get_time", {})])),          # Llama 3.1's tag, two calls
+    ('  {"name": "get_time", "parameters": {}} ', (None, [("get_time", {})])),
+    ("The weather is fine.", ("The weather is fine.", [])),
+    ('Sure: {"name": "get_time", "parameters": {}}', ('Sure: {"name": "get_time", "parameters": {}}', [])),
+    ('{"name": "get_weather", "parameters": {"city": "Par', None),                # cut short: no call
+    ('{"name": "unknown", "parameters": {}}', None),                              # not an offered tool
+    ('{"name": "get_time", "parameters": {}} and then prose', None),              # all calls or none
+    ('{"name": "get_weather", "parameters": "Paris"}', None),                     # arguments not an object
+])
+def test_llama3_json_calls_by_hand(text, want):
+    """Llama 3.1-3.3's format (vLLM's llama3_json): the whole output is calls, or it is all content."""
+    content, calls = policy_of("llama3_json").parse(text)
+    assert (content, named_args(calls)) == (want if want is not None else (text, []))
+
+
+@pytest.mark.parametrize("text, want", [
+    ('[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}]',
+     (None, [("get_weather", {"city": "Paris"})])),                               # v3 tokenizers: a JSON list
+    ('Let me look.\n[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Rome"}}, '
+     '{"name": "get_time", "arguments": {}}]', ("Let me look.", [("get_weather", {"city": "Rome"}), ("get_time", {})])),
+    ('[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}[TOOL_CALLS]get_time[ARGS]{}',   # v11+: NAME[ARGS]{...} each
+     (None, [("get_weather", {"city": "Oslo"}), ("get_time", {})])),
+    ('[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}get_time[ARGS]{}', (None, [("get_weather", {"city": "Oslo"}),
+                                                                         ("get_time", {})])),
+    ("No call here.", ("No call here.", [])),
+    ('[TOOL_CALLS][{"name": "get_weather", "arguments": {"city"', None),         # cut short
+    ('[TOOL_CALLS][{"name": "nope", "arguments": {}}]', None),
+    ('[TOOL_CALLS]get_weather{"city": "Oslo"}', None),                            # no [ARGS]
+])
+def test_mistral_calls_by_hand(text, want):
+    content, calls = policy_of("mistral").parse(text)
+    assert (content, named_args(calls)) == (want if want is not None else (text, []))
+
+
+@pytest.mark.parametrize("parser, text", [
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "get_time", "parameters": {}}'),
+    ("llama3_json", "  Plain prose, streamed as it comes."),
+    ("llama3_json", '{"name": "get_weather", "parameters": {"ci'),
+    ("mistral", 'Let me look.\n[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Rome"}}]'),
+    ("mistral", 'Checking [TOOL_'),
+    ("mistral", "[TOOL_CALLS]get_weather[ARGS]{\"city\": \"Oslo\"}[TOOL_CALLS]get_time[ARGS]{}"),
+])
+def test_whole_call_streams_add_up_to_the_parse(parser, text):
+    """llama3_json and mistral streamed: the content as it comes (up to where calls may start), the calls at the
+    end, adding up to the parse of the whole text; nothing sent is taken back."""
+    import random
+    for parallel in (True, False):
+        policy = policy_of(parser, parallel_tool_calls=parallel)
+        want_content, want_calls = policy.parse(text)
+        rng = random.Random(len(text))
+        stream, content, calls, cut = AutoToolStream(policy), "", [], 0
+        while cut < len(text):
+            cut = min(len(text), cut + rng.randint(1, 6))
+            new, got = stream.feed(text[:cut], cut == len(text))
+            content += new
+            assert (want_content or "").startswith(content)
+            assert not got or cut == len(text)
+            calls += got
+        assert (content or None, named_args(calls)) == (want_content, named_args(want_calls))
+    prose = policy_of("llama3_json")
+    assert AutoToolStream(prose).feed("The weather", False) == ("The weather", [])   # content at once
+
+
+def test_the_call_format_is_the_models():
+    """Detected from the tokenizer (a [TOOL_CALLS] token: mistral) and the template (Llama 3's: llama3_json), else
+    hermes; a template that does not render tools falls back to Hermes in a system message whatever the flag."""
+    from picovllm.entrypoints.openai.tool_calls import detect_tool_parser
+
+    class Tok:
+        def __init__(self, special):
+            self.special = special
+
+        def encode(self, text, add_special_tokens=False):
+            return [1] if text in self.special else list(text.encode())
+
+    llama3 = '{{- "Environment: ipython\\n" }}{%- for t in tools %}{{ t | tojson }}{% endfor %}<|python_tag|>'
+    assert detect_tool_parser(Tok({"[TOOL_CALLS]"}), "{{ tools }}") == "mistral"
+    assert detect_tool_parser(Tok(set()), llama3) == "llama3_json"
+    assert detect_tool_parser(Tok(set()), "{{ tools }} <tool_call>") == "hermes"
+    assert detect_tool_parser(None, None) == "hermes"
+
+
+# -- served: a tiny model trained to call tools in Mistral's format -------------------------------------------------
+MISTRAL_TEMPLATE = ("{% if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}"
+                    "{% for m in messages %}[INST]{{ m['content'] }}[/INST]{% endfor %}")
+ASK_TOOL = [{"role": "user", "content": "Tell me the weather in Paris."}]
+MISTRAL_REPLY = 'Let me look.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]'
+
+
+@pytest.fixture(scope="module")
+def mistral_tool_model(tmp_path_factory) -> str:
+    """The tiny chat model's tokenizer with Mistral's control tokens as special tokens and a template that renders
+    the tools, its weights trained to answer ASK_TOOL (WEATHER offered) with MISTRAL_REPLY."""
+    from transformers import AutoTokenizer
+    from serving_fixtures import build_tiny_chat_model, train_replies
+    path = build_tiny_chat_model(str(tmp_path_factory.mktemp("mistral") / "model"), vocab_size=400)
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]", "[ARGS]", "[INST]", "[/INST]"]})
+    tok.chat_template = MISTRAL_TEMPLATE
+    tok.save_pretrained(path)
+    worker = TokenizerWorker(tok)
+    try:
+        prompt = asyncio.run(worker.encode_chat(ASK_TOOL, True, tools=[WEATHER]))
+    finally:
+        worker.shutdown()
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    return train_replies(path, [(prompt, tok.encode(MISTRAL_REPLY, add_special_tokens=False) + [eos])], [eos])
+
+
+def test_served_mistral_tool_calls(mistral_tool_model, tmp_path):
+    """A server on a model whose tokenizer has [TOOL_CALLS] reads its calls in Mistral's format with no flag (the
+    special token kept in the text for it, never shown), streamed or not: the content before the calls, then the
+    call, finish tool_calls; --tool-call-parser hermes (vLLM's flag) reads none."""
+    import signal
+    import openai
+    from serving_fixtures import ServerProcess
+    kw = dict(messages=ASK_TOOL, tools=[WEATHER], temperature=0, max_tokens=100)
+    for flags, want in [((), ("Let me look.", [("get_weather", {"city": "Paris"})], "tool_calls")),
+                        (("--tool-call-parser", "hermes", "--enable-auto-tool-choice"),
+                         ("Let me look." + MISTRAL_REPLY.split("look.")[1].replace("[TOOL_CALLS]", ""), [], "stop"))]:
+        srv = ServerProcess(mistral_tool_model, str(tmp_path / f"server{len(flags)}.log"), "--block-size", "16",
+                            "--num-kv-blocks", "64", "--max-model-len", "1024", *flags)
+        try:
+            client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+            r = client.chat.completions.create(model=client.models.list().data[0].id, **kw)
+            msg = r.choices[0].message
+            got = [(c.function.name, json.loads(c.function.arguments)) for c in msg.tool_calls or []]
+            assert (msg.content, got, r.choices[0].finish_reason) == want
+            content, calls, finish = "", {}, None
+            for chunk in client.chat.completions.create(model=client.models.list().data[0].id, stream=True, **kw):
+                d, finish = chunk.choices[0].delta, chunk.choices[0].finish_reason or finish
+                content += d.content or ""
+                for c in d.tool_calls or []:
+                    calls.setdefault(c.index, [c.function.name, ""])[1] += c.function.arguments or ""
+            got = [(n, json.loads(a)) for _, (n, a) in sorted(calls.items())]
+            assert (content, got, finish) == want
+        finally:
+            assert srv.stop(signal.SIGINT) == 0, srv.log()

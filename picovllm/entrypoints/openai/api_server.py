@@ -56,6 +56,7 @@ class ServerSettings:
     chat_template: str | None = None    # the template's text (tokenizer_worker.load_chat_template), or the model's
     trust_request_chat_template: bool = False   # a request's chat_template may replace it
     reasoning_parser: str | None = None  # split <think> ... </think> from the answer (reasoning.py): qwen3, deepseek_r1
+    tool_call_parser: str = "auto"      # tool calls' format under tool_choice auto (tool_calls.py): auto, hermes, ...
     engine_process: bool = True         # the engine loop in a process of its own (engine_process.py), not a thread
     api_server_count: int = 1           # HTTP processes in front of the one engine process (api_workers.py)
     # CORS (vLLM's --allowed-origins ...): browsers may call the API from these origins; none by default (vLLM
@@ -256,8 +257,9 @@ def front_end_app(engine: EngineClient, tokenizer, args, name: str, metrics: Ser
         raise SystemExit(f"error: {e}") from None
     settings = ServerSettings(host=args.host, port=args.port, api_key=args.api_key, served_model_name=name,
                               max_request_bytes=args.max_request_bytes, shutdown_timeout=args.shutdown_timeout,
-                              log_level=args.log_level, reasoning_parser=args.reasoning_parser, **cors_settings(args))
-    ctx = ServingContext(engine, worker, metrics, name, defaults, settings.reasoning_parser)
+                              log_level=args.log_level, reasoning_parser=args.reasoning_parser,
+                              tool_call_parser=args.tool_call_parser, **cors_settings(args))
+    ctx = ServingContext(engine, worker, metrics, name, defaults, settings.reasoning_parser, settings.tool_call_parser)
     return build_app(ctx, settings), settings
 
 
@@ -319,7 +321,9 @@ def serve(engine_config: EngineConfig, settings: ServerSettings) -> int:
     except ValueError as e:
         stop()
         raise SystemExit(f"error: {e}") from None
-    app = build_app(ServingContext(async_engine, worker, metrics, name, defaults, settings.reasoning_parser), settings)
+    ctx = ServingContext(async_engine, worker, metrics, name, defaults, settings.reasoning_parser,
+                         settings.tool_call_parser)
+    app = build_app(ctx, settings)
     logger.info("serving %s on http://%s:%d", name, settings.host, settings.port)
     run_app(app, async_engine, settings)
     return 0

@@ -124,7 +124,8 @@ def _api_server_main(config: EngineConfig, settings: ServerSettings, name: str, 
         return
     metrics = ServerMetrics(name)
     client = PipeEngineClient(commands, outputs, metrics, info, observe_engine=index == 1)
-    ctx = ServingContext(client, worker, metrics, name, defaults, settings.reasoning_parser)
+    ctx = ServingContext(client, worker, metrics, name, defaults, settings.reasoning_parser,
+                         settings.tool_call_parser)
     server = make_server(build_app(ctx, settings), client, settings)
     client.on_end = lambda: setattr(server, "should_exit", True)   # the engine has gone: stop (the parent stops all)
     server.run([sock])

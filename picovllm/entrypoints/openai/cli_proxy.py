@@ -6,6 +6,7 @@ import json
 
 from picovllm.entrypoints.chat_template import CHAT_TEMPLATE_HELP, TRUST_TEMPLATE_HELP
 from picovllm.entrypoints.openai.reasoning import HELP as REASONING_HELP, PARSERS as REASONING_PARSERS
+from picovllm.entrypoints.openai.tool_calls import TOOL_PARSERS
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -43,6 +44,15 @@ def add_cors_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--allowed-headers", type=_json_list, default=["*"], help="JSON list (default: every header)")
 
 
+def add_tool_args(p: argparse.ArgumentParser) -> None:
+    """vLLM's tool-calling flags (serve's, the proxy's and the router's)."""
+    p.add_argument("--tool-call-parser", default="auto", choices=("auto", *TOOL_PARSERS),
+                   help="tool calls' format under tool_choice auto (default: the one the model's tokenizer and "
+                        "chat template speak: mistral, llama3_json, else hermes)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="accepted for vLLM's command lines: tool_choice auto is always on here")
+
+
 def add_front_end_args(p: argparse.ArgumentParser, model_default: str, waits_for: str) -> None:
     """The flags of an OpenAI front end over other servers' engines (the proxy's and the router's)."""
     p.add_argument("--host", default="127.0.0.1")
@@ -57,6 +67,7 @@ def add_front_end_args(p: argparse.ArgumentParser, model_default: str, waits_for
     p.add_argument("--chat-template", default=None, help=CHAT_TEMPLATE_HELP)
     p.add_argument("--trust-request-chat-template", action="store_true", help=TRUST_TEMPLATE_HELP)
     p.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS, help=REASONING_HELP)
+    add_tool_args(p)
     p.add_argument("--max-request-bytes", type=int, default=4 * 2**20)
     p.add_argument("--shutdown-timeout", type=float, default=10.0)
     p.add_argument("--startup-timeout", type=float, default=300.0, help=f"seconds to wait for {waits_for}")

@@ -5,7 +5,7 @@ import argparse
 
 from picovllm.entrypoints.chat_template import CHAT_TEMPLATE_HELP, TRUST_TEMPLATE_HELP
 from picovllm.entrypoints.openai.reasoning import HELP as REASONING_HELP, PARSERS as REASONING_PARSERS
-from picovllm.entrypoints.openai.cli_proxy import add_cors_args
+from picovllm.entrypoints.openai.cli_proxy import add_cors_args, add_tool_args
 from picovllm.entrypoints.engine_args import add_engine_args, engine_config_from_args
 
 # Backends only a fleet has (picovllm.disagg.transfer.PULL_BACKENDS; not imported here: --help stays light).
@@ -44,6 +44,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--chat-template", default=None, help=CHAT_TEMPLATE_HELP)
     p.add_argument("--trust-request-chat-template", action="store_true", help=TRUST_TEMPLATE_HELP)
     p.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS, help=REASONING_HELP)
+    add_tool_args(p)
     p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                    help="run the engine loop in a process of its own, not a thread beside the HTTP server's, so the "
                         "two never wait for each other's GIL (default: on; --no-engine-process: one process)")
@@ -92,6 +93,7 @@ def main(args: argparse.Namespace) -> int:
     for flag, given in (("--chat-template", template is not None),
                         ("--trust-request-chat-template", args.trust_request_chat_template),
                         ("--reasoning-parser", args.reasoning_parser is not None),
+                        ("--tool-call-parser", args.tool_call_parser != "auto"),
                         ("--generation-config", args.generation_config != "auto"),
                         ("--override-generation-config", args.override_generation_config is not None)):
         if given and config.role != "pd":
@@ -102,7 +104,7 @@ def main(args: argparse.Namespace) -> int:
                               shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
                               access_log=args.access_log, chat_template=template,
                               trust_request_chat_template=args.trust_request_chat_template,
-                              reasoning_parser=args.reasoning_parser,
+                              reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
                               engine_process=args.engine_process, api_server_count=args.api_server_count,
                               **cors_settings(args))
     if config.role == "pd":

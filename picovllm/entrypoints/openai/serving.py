@@ -17,6 +17,7 @@ from picovllm.entrypoints.openai.harmony import HarmonyTokens, speaks_harmony
 from picovllm.entrypoints.openai.metrics import ServerMetrics
 from picovllm.entrypoints.openai.protocol import APIError, error_body
 from picovllm.entrypoints.openai.tokenizer_worker import TokenizerWorker
+from picovllm.entrypoints.openai.tool_calls import detect_tool_parser
 from picovllm.entrypoints.parallel_sampling import merge_samples
 from picovllm.outputs import CompletionOutput, Logprob, RequestOutput
 from picovllm.reasoning import ThinkTags
@@ -44,6 +45,16 @@ class ServingContext:
     # the answer after the block (SampleGroup sets the constraint's reasoning_parser: any engine behind it holds the
     # grammar back until then)
     reasoning_parser: str | None = None
+    # tool_choice "auto": the calls' format (tool_calls.TOOL_PARSERS), or "auto": the one the model speaks
+    tool_call_parser: str = "auto"
+
+    @functools.cached_property
+    def tool_parser(self) -> str:
+        """The calls' format of this server's model (tool_calls.detect_tool_parser, unless --tool-call-parser)."""
+        if self.tool_call_parser != "auto":
+            return self.tool_call_parser
+        tok = self.tokenizer.tokenizer
+        return detect_tool_parser(tok, getattr(tok, "chat_template", None))
 
     @functools.cached_property
     def think_tags(self) -> ThinkTags:

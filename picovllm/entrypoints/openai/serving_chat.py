@@ -10,7 +10,7 @@ from fastapi import Request, Response
 from picovllm.entrypoints.openai.harmony import HarmonyStream, parse_harmony
 from picovllm.entrypoints.openai.protocol import APIError, ChatCompletionRequest
 from picovllm.entrypoints.openai.reasoning import ReasoningSplitter, opened_in_prompt, split_reasoning
-from picovllm.entrypoints.openai.tool_calls import AutoToolStream, ToolCall, ToolPolicy
+from picovllm.entrypoints.openai.tool_calls import AutoToolStream, ToolCall, ToolPolicy, template_renders_tools
 from picovllm.entrypoints.openai.serving import (ENGINE_ERRORS, SSE_DONE, JSONBody, SampleGroup, ServingContext,
                                                  TextDeltas, final_output, now, prompt_logprobs_json, sse, sse_error,
                                                  sse_response, token_name, top_logprobs, usage, with_usage)
@@ -34,6 +34,11 @@ class ChatHandler:
                                 "(it comes in the response body)", param="prompt_logprobs")
         params = req.sampling_params(req.max_new_tokens, k, ctx.sampling_defaults)
         policy = req.tool_policy()
+        if policy.mode == "auto":     # the model's own call format where its template renders the tools, else
+            template = req.chat_template or getattr(ctx.tokenizer.tokenizer, "chat_template", None)   # Hermes'
+            policy.parser = ctx.tool_parser if template_renders_tools(template) else "hermes"
+            if policy.active and policy.parser == "mistral":
+                params.skip_special_tokens = False       # its [TOOL_CALLS] is a special token
         ids = await ctx.tokenizer.encode_chat([m.as_template_dict() for m in req.messages], req.add_generation_prompt,
                                               req.add_special_tokens, tools=policy.tools if policy.active else None,
                                               continue_final_message=req.continue_final_message,

@@ -1,14 +1,22 @@
 """Tool calling for /v1/chat/completions: tools into the prompt, calls out of the output.
 
 The prompt: the tools go through the model's chat template (apply_chat_template(tools=...)) when the template
-uses them (Qwen-family and other Hermes-style templates); otherwise a system message describes them and the
-format to call them in. Either way a call is `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`.
+uses them; otherwise a system message describes them and the Hermes format to call them in.
+
+The calls' format (vLLM's --tool-call-parser; by default the one the model's tokenizer and template speak):
+- hermes (Qwen-family and other Hermes-style templates, and the system-message fallback):
+  `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks;
+- llama3_json (Llama 3.1-3.3's templates): the output is one or more `{"name": ..., "parameters": {...}}` objects
+  (or "arguments"), `; ` between them, after an optional `<|python_tag|>`;
+- mistral (a tokenizer with a `[TOOL_CALLS]` token): `[TOOL_CALLS]` then a JSON list of {"name", "arguments"}, or
+  (the newer tokenizers') `[TOOL_CALLS]NAME[ARGS]{...}` for each call; the server keeps the special tokens in the
+  text for it.
 
 The output, by tool_choice:
-- "auto": free text; each <tool_call> block whose JSON names a given tool becomes a call, the text before the
-  first such block is the content, trailing whitespace dropped (a block that does not parse stays content: never
-  a call with broken arguments). Streamed (AutoToolStream), the content goes out as it is generated and each
-  call as soon as its block closes;
+- "auto": free text; each call whose JSON names a given tool with an object for arguments becomes a call, the
+  text before the first one is the content, trailing whitespace dropped (a call that does not parse stays
+  content: never a call with broken arguments). Streamed (AutoToolStream), the content goes out as it is
+  generated; a Hermes call as soon as its block closes, the other formats' calls when the output ends;
 - "required": the output is constrained (structured outputs) to a JSON array of one or more
   {"name", "arguments"} objects, each one's arguments by that function's parameter schema;
 - a named function: the output is constrained to that function's arguments (its parameter schema);
@@ -26,6 +34,8 @@ from picovllm.sampling_params import StructuredOutputsParams
 
 TOOL_CALL_RE = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
 ANY_OBJECT = {"type": "object"}
+TOOL_PARSERS = ("hermes", "llama3_json", "mistral")
+PYTHON_TAG, MISTRAL_CALLS, MISTRAL_ARGS = "<|python_tag|>", "[TOOL_CALLS]", "[ARGS]"
 
 
 @dataclass
@@ -45,6 +55,7 @@ class ToolPolicy:
     mode: str
     named: str | None = None
     parallel: bool = True         # parallel_tool_calls: false -> at most one call
+    parser: str = "hermes"        # the calls' format under "auto" (TOOL_PARSERS)
 
     @property
     def functions(self) -> dict[str, dict]:
@@ -89,6 +100,10 @@ class ToolPolicy:
         return text, []
 
     def _parse_auto(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        if self.parser == "llama3_json":
+            return self._parse_llama3(text)
+        if self.parser == "mistral":
+            return self._parse_mistral(text)
         calls, first = [], None
         for m in TOOL_CALL_RE.finditer(text):
             call = self.valid_call(m.group(1))
@@ -100,12 +115,73 @@ class ToolPolicy:
         content = text[:first].rstrip()
         return content or None, calls if self.parallel else calls[:1]
 
+    def _parse_llama3(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """All calls or none: the output (after whitespace and <|python_tag|>) is JSON objects with `;` between."""
+        body = text.lstrip()
+        body = body[len(PYTHON_TAG):] if body.startswith(PYTHON_TAG) else body
+        if not body.lstrip().startswith("{"):
+            return text, []
+        calls, at, decoder = [], 0, json.JSONDecoder()
+        while True:
+            at = len(body) - len(body[at:].lstrip())
+            if at == len(body):
+                break
+            try:
+                obj, at = decoder.raw_decode(body, at)
+            except json.JSONDecodeError:
+                return text, []
+            call = self._call_of(obj)
+            if call is None:
+                return text, []
+            calls.append(call)
+            rest = body[at:].lstrip()
+            at = len(body) - len(rest) + (1 if rest.startswith(";") else 0)
+            if rest and not rest.startswith(";"):
+                return text, []
+        return None, calls if self.parallel else calls[:1]
+
+    def _parse_mistral(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """The content before [TOOL_CALLS]; after it a JSON list of calls, or NAME[ARGS]{...} for each call (each
+        after a [TOOL_CALLS] of its own, or one after the other). Anything that does not parse: all content."""
+        start = text.find(MISTRAL_CALLS)
+        if start < 0:
+            return text, []
+        rest, calls = text[start + len(MISTRAL_CALLS):], []
+        if rest.lstrip().startswith("["):
+            try:
+                items = json.loads(rest)
+            except json.JSONDecodeError:
+                return text, []
+            calls = [self._call_of(item) for item in items] if isinstance(items, list) and items else [None]
+        else:
+            decoder = json.JSONDecoder()
+            for piece in rest.split(MISTRAL_CALLS):
+                while piece.strip():
+                    name, sep, args = piece.partition(MISTRAL_ARGS)
+                    try:
+                        obj, end = decoder.raw_decode(args.lstrip()) if sep else (None, 0)
+                    except json.JSONDecodeError:
+                        obj = None
+                    calls.append(self._call_of({"name": name.strip(), "arguments": obj}) if sep else None)
+                    if calls[-1] is None:
+                        break
+                    piece = args.lstrip()[end:]
+        if not calls or any(c is None for c in calls):
+            return text, []
+        content = text[:start].rstrip()
+        return content or None, calls if self.parallel else calls[:1]
+
     def valid_call(self, block: str) -> ToolCall | None:
         """The call a complete <tool_call> block's JSON makes, or None if it makes none."""
         try:
             obj = json.loads(block)
         except json.JSONDecodeError:
             return None
+        return self._call_of(obj)
+
+    def _call_of(self, obj) -> ToolCall | None:
+        """The call a decoded {"name", "arguments" (or "parameters")} object makes: an offered tool and an object
+        for its arguments, else None."""
         args = obj.get("arguments", obj.get("parameters", {})) if isinstance(obj, dict) else None
         if isinstance(obj, dict) and obj.get("name") in self.functions and isinstance(args, dict):
             return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
@@ -114,9 +190,9 @@ class ToolPolicy:
 
 class AutoToolStream:
     """tool_choice "auto", streamed: feed() the whole text so far, get the new content and the calls whose
-    blocks closed since. What it gives adds up to ToolPolicy.parse of the final text: content is held back
-    only where a <tool_call> tag may be starting, where trailing whitespace may end the content, and the
-    `hold` characters a stop string could still trim."""
+    blocks closed since (llama3_json and mistral: the calls at the end). What it gives adds up to
+    ToolPolicy.parse of the final text: content is held back only where a call may be starting, where trailing
+    whitespace may end the content, and the `hold` characters a stop string could still trim."""
 
     def __init__(self, policy: ToolPolicy, hold: int = 0) -> None:
         self.policy, self.hold = policy, hold
@@ -128,6 +204,8 @@ class AutoToolStream:
     def feed(self, text: str, finished: bool) -> tuple[str, list[ToolCall]]:
         if not finished:     # a stop string could still cut the last `hold` characters (and a block there)
             text = text[:max(0, len(text) - self.hold)]
+        if self.policy.parser != "hermes":
+            return self._feed_whole(text, finished)
         calls = []
         for m in TOOL_CALL_RE.finditer(text, self.scanned):
             self.scanned = m.end()
@@ -152,6 +230,40 @@ class AutoToolStream:
         new = text[self.sent:end] if end > self.sent else ""
         self.sent = max(self.sent, end)
         return new, calls
+
+
+    def _feed_whole(self, text: str, finished: bool) -> tuple[str, list[ToolCall]]:
+        """llama3_json and mistral: the content up to where calls may start; the calls once the output ends."""
+        calls = []
+        if finished:
+            content, calls = self.policy.parse(text)
+            end = len(content or "")
+            self.num_calls = len(calls)
+        elif self.policy.parser == "mistral":
+            tag = text.find(MISTRAL_CALLS)
+            end = tag if tag >= 0 else len(text) - partial_tag(text, MISTRAL_CALLS)
+            end = len(text[:end].rstrip())
+        else:                           # llama3_json: calls or content, as the output's first characters say
+            head = text.lstrip()
+            calls_may_come = head[:1] == "{" or head.startswith(PYTHON_TAG) or PYTHON_TAG.startswith(head)
+            end = 0 if calls_may_come else len(text)
+        new = text[self.sent:end] if end > self.sent else ""
+        self.sent = max(self.sent, end)
+        return new, calls
+
+
+def detect_tool_parser(tokenizer, chat_template: str | None) -> str:
+    """The calls' format a model speaks (TOOL_PARSERS): mistral where its tokenizer has a [TOOL_CALLS] token,
+    llama3_json where its chat template is Llama 3's (tools through `Environment: ipython` / <|python_tag|>), else
+    hermes."""
+    try:
+        if tokenizer is not None and len(tokenizer.encode(MISTRAL_CALLS, add_special_tokens=False)) == 1:
+            return "mistral"
+    except Exception:       # a tokenizer that cannot encode: not Mistral's
+        pass
+    if chat_template and (PYTHON_TAG in chat_template or "Environment: ipython" in chat_template):
+        return "llama3_json"
+    return "hermes"
 
 
 def partial_tag(text: str, tag: str = "<tool_call>") -> int:
