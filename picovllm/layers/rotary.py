@@ -60,13 +60,17 @@ def _yarn(inv: torch.Tensor, head_dim: int, theta: float, s: dict) -> torch.Tens
 
 
 def attention_factor(scaling: dict | None) -> float:
-    """What cos and sin are multiplied by: YaRN's attention factor; 1 for the other kinds (LongRoPE's is applied in
-    longrope_cos_sin)."""
-    if not scaling or scaling.get("rope_type") != "yarn":
+    """What cos and sin are multiplied by: YaRN's and LongRoPE's attention factor (the config's, else derived from
+    the scaling factor, as HF derives it); 1 for the other kinds."""
+    kind = scaling.get("rope_type") if scaling else None
+    if kind not in ("yarn", "longrope"):
         return 1.0
     if scaling.get("attention_factor") is not None:
         return float(scaling["attention_factor"])
     factor = scaling["factor"]
+    if kind == "longrope":
+        orig = scaling["original_max_position_embeddings"]
+        return 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(orig))
 
     def mscale(m: float = 1.0) -> float:
         return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
@@ -91,9 +95,7 @@ def longrope_cos_sin(head_dim: int, max_position: int, theta: float, scaling: di
     short = pos * (base / torch.tensor(scaling["short_factor"], dtype=torch.float64))
     long = pos * (base / torch.tensor(scaling["long_factor"], dtype=torch.float64))
     freqs = torch.cat([short, long])
-    factor, orig = scaling["factor"], scaling["original_max_position_embeddings"]
-    attn = scaling.get("attention_factor") or (1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(orig)))
-    return (torch.cat([freqs.cos(), freqs.sin()], dim=-1) * attn).float()
+    return (torch.cat([freqs.cos(), freqs.sin()], dim=-1) * attention_factor(scaling)).float()
 
 
 def head_order(cfg) -> list[int] | None:
