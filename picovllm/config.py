@@ -25,9 +25,15 @@ def dtype_from_name(name: str) -> "torch.dtype":
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM",
                            "Qwen3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM",
                            "MixtralForCausalLM", "GraniteForCausalLM", "SmolLM3ForCausalLM", "Qwen2MoeForCausalLM",
-                           "Olmo2ForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM", "GptOssForCausalLM")
+                           "Olmo2ForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM", "GptOssForCausalLM",
+                           "Glm4ForCausalLM", "Glm4MoeForCausalLM")
+# A checkpoint saved as the bare decoder (no LM head; tensors without the "model." prefix), as sentence-transformers
+# saves an embedding model (Qwen3-Embedding, e5-mistral): read as its causal LM's architecture, for pooling only
+BARE_MODELS = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM",
+               "Qwen2Model": "Qwen2ForCausalLM", "Qwen3Model": "Qwen3ForCausalLM"}
 COHERE = ("CohereForCausalLM", "Cohere2ForCausalLM")
 GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+GLM = ("Glm4ForCausalLM", "Glm4MoeForCausalLM")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
@@ -63,9 +69,15 @@ class ModelConfig:
     moe_intermediate_size: int = 0                 # each expert's
     norm_topk_prob: bool = True                    # renormalise the top-k routing weights to sum to 1
     moe_layers: list[bool] | None = None           # which layers route to experts (the others: a dense MLP)
-    shared_expert_intermediate_size: int = 0       # Qwen2-MoE: a dense expert every token takes, sigmoid-gated
+    shared_expert_intermediate_size: int = 0       # Qwen2-MoE, GLM-4.5: a dense expert every token takes
+    shared_expert_gated: bool = True               # its output scaled by sigmoid(shared_expert_gate(x)) (Qwen2-MoE)
+                                                   # or added as it is (GLM-4.5)
+    scoring_func: str = "softmax"                  # routing (layers/moe.Routing): softmax, or sigmoid (GLM-4.5:
+    n_group: int = 1                               # DeepSeek-V3's, an e_score_correction_bias for the choice only,
+    topk_group: int = 1                            # experts picked from the best topk_group of n_group groups,
+    routed_scaling_factor: float = 1.0             # the routed weights times routed_scaling_factor)
     rope_layers: list[bool] | None = None          # SmolLM3: which layers rotate q and k (None: all; the rest NoPE)
-    rotary_interleaved: bool = False               # Cohere: rotated pairs (2i, 2i + 1), not (i, i + D / 2)
+    rotary_interleaved: bool = False               # Cohere, GLM-4: rotated pairs (2i, 2i + 1), not (i, i + D / 2)
     rotary_dim: int | None = None                  # partial rotary (Phi-4-mini): each head's first rotary_dim dims
                                                    # rotate, the rest pass (None: all); layers/rotary.rotary_order
     attention_multiplier: float | None = None      # Granite: the scores' scale (not head_dim ** -0.5)
@@ -74,6 +86,11 @@ class ModelConfig:
     logits_scaling: float = 1.0                    # Granite: logits divided by it (Cohere: 1 / logit_scale)
     swiglu_alpha: float = 1.702                    # GPT-OSS: its experts' clamped SwiGLU (layers.activation)
     swiglu_limit: float = 7.0
+    has_lm_head: bool = True                       # False: a bare model's checkpoint (BARE_MODELS): pooling only
+    # Matryoshka-trained embeddings (config.json's is_matryoshka / matryoshka_dimensions, as vLLM reads them): a
+    # request may cut its embedding to its first `dimensions` (any, or only those listed)
+    is_matryoshka: bool = False
+    matryoshka_dimensions: list[int] | None = None
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of decoder layer `layer` (None: it attends to the whole context)."""
@@ -88,10 +105,14 @@ class ModelConfig:
     def from_hf_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
         archs = cfg.get("architectures") or []
         arch = archs[0] if archs else None
+        bare = arch in BARE_MODELS
+        arch = BARE_MODELS.get(arch, arch)
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"config.json architectures={archs!r}: unsupported architecture; "
-                             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+                             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)} (and, for pooling, "
+                             f"{', '.join(BARE_MODELS)})")
         _check_quantization(cfg, arch)
+        cfg = _glm_as_shared_fields(cfg, arch)
         heads, layers = cfg["num_attention_heads"], cfg["num_hidden_layers"]
         rope, local_rope = _ropes(cfg)
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
@@ -99,9 +120,9 @@ class ModelConfig:
             raise ValueError(f"config.json head_dim {head_dim}: rotary embeddings need an even head_dim")
         partial = cfg.get("partial_rotary_factor", rope.get("partial_rotary_factor"))
         partial = 1.0 if partial is None else partial
-        if partial != 1.0 and arch != "Phi3ForCausalLM":     # HF's other families here rotate every dim anyway
-            raise ValueError(f"config.json partial_rotary_factor={partial!r}: only Phi-3's (Phi3ForCausalLM) partial "
-                             "rotary is supported")
+        if partial != 1.0 and arch not in ("Phi3ForCausalLM", *GLM):   # HF's other families rotate every dim anyway
+            raise ValueError(f"config.json partial_rotary_factor={partial!r}: only Phi-3's (Phi3ForCausalLM) and "
+                             "GLM-4's (Glm4ForCausalLM, Glm4MoeForCausalLM) partial rotary is supported")
         rotary_dim = int(head_dim * partial)      # as HF computes it
         if not 0 < rotary_dim <= head_dim or rotary_dim % 2:
             raise ValueError(f"config.json partial_rotary_factor={partial!r}: rotates {rotary_dim} of head_dim "
@@ -138,7 +159,8 @@ class ModelConfig:
             rope_scaling=scaling,
             attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False))
             or (arch == "Qwen2MoeForCausalLM" and bool(cfg.get("qkv_bias", True))),
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM")
+            or (arch == "Glm4MoeForCausalLM" and bool(cfg.get("use_qk_norm"))),
             eos_token_ids=eos,
             bos_token_id=cfg.get("bos_token_id"),
             hidden_act=act,
@@ -157,9 +179,12 @@ class ModelConfig:
             shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size") or 0 if experts else 0,
             rope_layers=_rope_layers(cfg, arch, layers, sliding),
             rotary_dim=None if rotary_dim == head_dim else rotary_dim,
+            has_lm_head=not bare,
+            **_matryoshka(cfg),
             **_granite(cfg, arch),
             **_cohere(cfg, arch),
             **_gpt_oss(cfg, arch),
+            **_glm(cfg, arch),
         )
 
 
@@ -220,6 +245,14 @@ def _rope_layers(cfg: dict[str, Any], arch: str, layers: int, sliding: list[bool
     return None if all(flags) else flags
 
 
+def _matryoshka(cfg: dict[str, Any]) -> dict[str, Any]:
+    """is_matryoshka and matryoshka_dimensions (vLLM's reading: a list of dimensions makes a model Matryoshka)."""
+    dims = cfg.get("matryoshka_dimensions")
+    if dims is not None and (not isinstance(dims, list) or not all(isinstance(d, int) and d >= 1 for d in dims)):
+        raise ValueError(f"config.json matryoshka_dimensions must be a list of ints >= 1, got {dims!r}")
+    return dict(is_matryoshka=bool(cfg.get("is_matryoshka")) or dims is not None, matryoshka_dimensions=dims)
+
+
 def _granite(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
     """Granite's four scalings (HF's defaults where a field is missing; the others' neutral values)."""
     if arch != "GraniteForCausalLM":
@@ -249,6 +282,49 @@ def _gpt_oss(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
     if not cfg.get("attention_bias", True):
         raise ValueError("config.json attention_bias=false: GPT-OSS's attention without biases is unsupported")
     return dict(swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)), swiglu_limit=float(cfg.get("swiglu_limit", 7.0)))
+
+
+def _glm_as_shared_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
+    """GLM-4's and GLM-4.5's config.json in the fields the other families are read by, with transformers' defaults
+    (Glm4Config, Glm4MoeConfig) where it leaves them out: head_dim 128, q/k/v biases and eps 1.5625e-7 (GLM-4),
+    half of each head rotating (both); GLM-4.5's n_routed_experts as num_experts, its first first_k_dense_replace
+    layers as mlp_only_layers, its n_shared_experts as one shared expert of n times moe_intermediate_size. Any other
+    architecture's as it is."""
+    if arch not in GLM:
+        return cfg
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    partial = {} if "partial_rotary_factor" in cfg or "partial_rotary_factor" in rope else \
+        {"partial_rotary_factor": 0.5}
+    if arch == "Glm4ForCausalLM":
+        out = {"head_dim": 128, "attention_bias": True, "rms_norm_eps": 1.5625e-07, **partial, **cfg}
+        return out if out.get("eos_token_id") is not None else dict(out, eos_token_id=[151329, 151336, 151338])
+    experts, inter = cfg.get("n_routed_experts", 128), cfg.get("moe_intermediate_size", 1408)
+    dense = cfg.get("first_k_dense_replace", 1)
+    if not isinstance(dense, int) or dense < 0:
+        raise ValueError(f"config.json first_k_dense_replace={dense!r}: must be an int >= 0")
+    return {"rms_norm_eps": 1e-5, "norm_topk_prob": True, "num_experts_per_tok": 8, "moe_intermediate_size": inter,
+            **partial, **cfg, "num_experts": experts, "mlp_only_layers": list(range(dense)),
+            "shared_expert_intermediate_size": cfg.get("n_shared_experts", 1) * inter}
+
+
+def _glm(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
+    """GLM-4: rotary pairs interleaved (2i, 2i + 1) within the rotated part; GLM-4.5: DeepSeek-V3's routing (sigmoid
+    scores, a correction bias for the choice, group-limited, scaled; layers/moe.route_sigmoid) and a shared expert
+    added without a gate. Groups are checked as HF's router reads them (the two best experts of each group)."""
+    if arch == "Glm4ForCausalLM":
+        return dict(rotary_interleaved=True)
+    if arch != "Glm4MoeForCausalLM":
+        return {}
+    experts, k = cfg["num_experts"], cfg["num_experts_per_tok"]
+    groups, keep = cfg.get("n_group", 1), cfg.get("topk_group", 1)
+    if not isinstance(groups, int) or groups < 1 or experts % groups or experts // groups < 2:
+        raise ValueError(f"config.json n_group={groups!r}: must divide n_routed_experts ({experts}) into groups of "
+                         "at least 2 experts")
+    if not isinstance(keep, int) or not 1 <= keep <= groups or k > keep * (experts // groups):
+        raise ValueError(f"config.json topk_group={keep!r}: must be 1 .. n_group ({groups}), its groups holding at "
+                         f"least num_experts_per_tok ({k}) experts")
+    return dict(scoring_func="sigmoid", n_group=groups, topk_group=keep, shared_expert_gated=False,
+                routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)))
 
 
 def _moe_layers(cfg: dict[str, Any], layers: int) -> list[bool]:
@@ -328,6 +404,48 @@ def _rope_scaling(rs: dict[str, Any], cfg: dict[str, Any] | None = None) -> dict
     return out
 
 
+POOLING_TYPES = ("LAST", "MEAN")
+
+
+@dataclass
+class PoolerConfig:
+    """How a pooling engine (EngineConfig.runner "pooling") makes a prompt's embedding from its final hidden states,
+    as vLLM's PoolerConfig: pooling_type "LAST" (the last prompt token's: decoder embedders such as Qwen3-Embedding
+    and e5-mistral) or "MEAN" (over every prompt token); normalize: L2-normalize it. None: the model folder's
+    sentence-transformers config (modules.json), else LAST and normalized (engine/pooling.py)."""
+    pooling_type: str | None = None
+    normalize: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.pooling_type is not None:
+            if not isinstance(self.pooling_type, str) or self.pooling_type.upper() not in POOLING_TYPES:
+                raise ValueError(f"EngineConfig.pooler_config.pooling_type must be one of {', '.join(POOLING_TYPES)}"
+                                 f" or None, got {self.pooling_type!r}")
+            self.pooling_type = self.pooling_type.upper()
+        if self.normalize is not None and not isinstance(self.normalize, bool):
+            raise ValueError(f"EngineConfig.pooler_config.normalize must be a bool or None, got {self.normalize!r}")
+
+    @classmethod
+    def parse(cls, value: "PoolerConfig | dict | str | None") -> "PoolerConfig | None":
+        """EngineConfig.pooler_config's value: a PoolerConfig, a dict of its fields, or that as JSON (--pooler-config
+        '{"pooling_type": "MEAN"}'); ValueError naming the field otherwise."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"EngineConfig.pooler_config is not valid JSON ({e}), got {value!r}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"EngineConfig.pooler_config must be an object of pooling_type and normalize, "
+                             f"got {value!r}")
+        unknown = sorted(set(value) - {"pooling_type", "normalize"})
+        if unknown:
+            raise ValueError(f"EngineConfig.pooler_config.{unknown[0]} is not supported (only pooling_type and "
+                             "normalize)")
+        return cls(**value)
+
+
 # "auto": a GGUF's own 4/8-bit form on the CPU; "none": float; "q8_0": an HF folder's matrices quantized at
 # load to 8 bits (a scale per 16 weights), run by the same CPU kernels (loader/quantize_at_load.py); "bf16":
 # the CPU's decode GEMMs read bfloat16 copies of the float32 weights (kernels/cpu/small_gemm.c)
@@ -381,6 +499,10 @@ class EngineConfig:
                                                            # (picovllm/generation_config.py, vLLM's flags)
     reasoning_parser: str | None = None   # "qwen3" | "deepseek_r1": structured outputs' grammar governs the answer
                                           # after a thinking model's <think> block (vLLM's --reasoning-parser)
+    runner: str = "generate"              # "generate" | "pooling" (prompts in, embeddings out: LLM.embed,
+                                          # /v1/embeddings; engine/pooling.py) | "auto" ("generate"); vLLM's --runner
+    pooler_config: PoolerConfig | dict | str | None = None   # a pooling engine's pooling_type and normalize
+                                                             # (vLLM's --pooler-config JSON)
 
     def __post_init__(self) -> None:
         import torch
@@ -444,9 +566,31 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise bad("kv_cache_dtype", f"must be one of {', '.join(map(repr, KV_CACHE_DTYPES))}")
         self.kv_cache_dtype = KV_CACHE_DTYPES[self.kv_cache_dtype]
+        self._check_runner()
         if self.kv_cache_dtype == "fp8" and self.attention_backend == "cpu":
             raise ValueError("EngineConfig.kv_cache_dtype 'fp8': the CPU's C attention kernels read float32 KV "
                              "only; use attention_backend 'torch' or 'auto' (which takes torch for fp8 KV)")
+
+    def _check_runner(self) -> None:
+        """runner and pooler_config; what a pooling engine (prefill only, no LM head, steps run eagerly) refuses."""
+        if self.runner == "auto":       # vLLM's default: every architecture here generates (a bare model's pools)
+            self.runner = "generate"
+        if self.runner not in ("generate", "pooling"):
+            raise ValueError(f"EngineConfig.runner must be 'generate', 'pooling' or 'auto', got {self.runner!r}")
+        self.pooler_config = PoolerConfig.parse(self.pooler_config)
+        if self.runner != "pooling":
+            if self.pooler_config is not None:
+                raise ValueError("EngineConfig.pooler_config applies to a pooling engine (runner 'pooling') only")
+            return
+        refused = {"role": (self.role != "pd", "roles p and d hand a prompt's KV over for decoding, and a pooling "
+                                               "request never decodes"),
+                   "warmup": (self.warmup is True, "a pooling engine runs its steps eagerly: nothing to warm up"),
+                   "prefill_cuda_graphs": (self.prefill_cuda_graphs is True, "the graphs end in the LM head, which "
+                                                                              "a pooling engine has not"),
+                   "reasoning_parser": (self.reasoning_parser is not None, "a pooling engine samples nothing")}
+        for name, (given, why) in refused.items():
+            if given:
+                raise ValueError(f"EngineConfig.{name} {getattr(self, name)!r} with runner 'pooling': {why}")
 
     @property
     def torch_dtype(self) -> torch.dtype:

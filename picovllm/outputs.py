@@ -1,4 +1,5 @@
-"""What generation returns, with vLLM's names: RequestOutput holding CompletionOutputs."""
+"""What generation returns, with vLLM's names: RequestOutput holding CompletionOutputs; and what LLM.embed returns,
+EmbeddingRequestOutput."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -58,3 +59,24 @@ class RequestOutput:
     # A prefill instance of a fleet: where the request's KV waits for a decode instance (a PublishedKV as
     # JSON), on its last output (finished, no finish reason: the request goes on elsewhere).
     kv_handover: dict | None = None
+    # A pooling engine's request (engine/pooling.py), finished: its embedding (its one CompletionOutput is empty)
+    embedding: list[float] | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    """vLLM's: one prompt's embedding."""
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """vLLM's: what LLM.embed returns per prompt."""
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True

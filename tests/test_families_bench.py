@@ -31,7 +31,7 @@ def test_tiny_run_end_to_end(tmp_path):
     assert list(results[-1]["ratios"]) == ["tiny-qwen3-moe / hf_cb[sdpa]"]
 
 
-@pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-gemma2", "tiny-gpt-oss"])
+@pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-gemma2", "tiny-gpt-oss", "tiny-glm-4.5"])
 def test_random_source_is_the_written_checkpoint(tmp_path, preset):
     """"random:<preset>" generates the tensors make_random_checkpoint writes (same names, seeds, values)."""
     folder = make_random_checkpoint(str(tmp_path / preset), preset)

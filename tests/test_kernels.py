@@ -603,6 +603,30 @@ def test_fused_experts_with_biases_match_torch(device, dtype, tol, tokens, exper
     assert rel_err(out.cpu(), ref) < tol
 
 
+@pytest.mark.parametrize("device,dtype,tol", CASES)
+@pytest.mark.parametrize("tokens,experts,top_k", [(5, 8, 3), (70, 16, 4)])
+def test_fused_experts_take_sigmoid_routing(device, dtype, tol, tokens, experts, top_k):
+    """GLM-4.5's routing on the GPU path: route_sigmoid (torch ops; route_topk is softmax-only) hands its ids, in no
+    order, and its weights, scaled (2.5) and renormalised before it, to the grouped GEMMs: experts_reference's
+    sum; under the group limit (2 groups of 4 kept) the picked experts are in the kept groups."""
+    from picovllm.kernels.moe import fused_experts
+    from picovllm.layers.moe import Routing, experts_reference, route_sigmoid
+    g = torch.Generator().manual_seed(tokens + 2)
+    h, inter = 32, 24
+    x = torch.randn(tokens, h, generator=g)
+    gate_up = torch.randn(experts, 2 * inter, h, generator=g) * 0.3
+    down = torch.randn(experts, h, inter, generator=g) * 0.3
+    logits, bias = torch.randn(tokens, experts, generator=g) * 3, torch.randn(experts, generator=g)
+    routing = Routing("sigmoid", experts // 4, 2, 2.5)
+    weights, ids = route_sigmoid(logits.to(device), bias.to(device), top_k, True, routing)
+    assert torch.allclose(weights.sum(-1).cpu(), torch.full((tokens,), 2.5))
+    assert max(len(set(row)) for row in (ids // 4).cpu().tolist()) <= 2
+    ref = experts_reference(x, weights.cpu(), ids.cpu(), gate_up, down, SiluAndMul())
+    out = fused_experts(*(t.to(device) for t in (x.to(dtype), weights, ids, gate_up.to(dtype), down.to(dtype))),
+                        SiluAndMul())
+    assert rel_err(out.cpu(), ref) < tol
+
+
 @pytest.mark.parametrize("device", [interpreted("cpu", id="interp"), compiled("cuda", id="gpu")])
 @pytest.mark.parametrize("tokens,experts,top_k,renormalize", [(5, 8, 2, True), (33, 128, 8, True), (7, 64, 1, False),
                                                               (3, 60, 4, False), (1, 8, 8, True)])

@@ -52,6 +52,16 @@ PRESETS: dict[str, dict] = {
                                          "truncate": False, "original_max_position_embeddings": 4096,
                                          "rope_theta": 150000.0},
                         max_position_embeddings=131072, swiglu_limit=7.0, bos_token_id=199998, eos_token_id=200002),
+    # GLM-4.5-Air: 128 experts top-8 (sigmoid routing, one group), a shared expert, layer 0 dense, q/k/v biases, half
+    # of each head rotating; 106B parameters, 12B active (its MTP layer, read only by speculative decoding, left out)
+    "glm-4.5-air": dict(architectures=["Glm4MoeForCausalLM"], model_type="glm4_moe", vocab_size=151552,
+                        hidden_size=4096, intermediate_size=10944, moe_intermediate_size=1408, n_routed_experts=128,
+                        num_experts_per_tok=8, n_shared_experts=1, n_group=1, topk_group=1, routed_scaling_factor=1.0,
+                        norm_topk_prob=True, first_k_dense_replace=1, num_hidden_layers=46, num_attention_heads=96,
+                        num_key_value_heads=8, head_dim=128, partial_rotary_factor=0.5, attention_bias=True,
+                        use_qk_norm=False, tie_word_embeddings=False, rope_theta=1_000_000.0, rms_norm_eps=1e-5,
+                        max_position_embeddings=131072, hidden_act="silu", num_nextn_predict_layers=0,
+                        pad_token_id=151329, eos_token_id=[151329, 151336, 151338]),
     # The same family at toy size, for tests (its vocabulary holds the workloads' token ids, < 10001).
     "tiny-qwen3": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=10240, hidden_size=64,
                        intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -70,6 +80,11 @@ PRESETS["tiny-gpt-oss"] = dict(PRESETS["gpt-oss-20b"], vocab_size=10240, hidden_
                                num_local_experts=8, num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4,
                                num_key_value_heads=2, head_dim=16, sliding_window=16,
                                layer_types=["sliding_attention", "full_attention"], max_position_embeddings=2048,
+                               bos_token_id=0, eos_token_id=1)
+PRESETS["tiny-glm-4.5"] = dict(PRESETS["glm-4.5-air"], vocab_size=10240, hidden_size=64, intermediate_size=128,
+                               moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_group=4,
+                               topk_group=2, routed_scaling_factor=2.5, num_hidden_layers=2, num_attention_heads=4,
+                               num_key_value_heads=2, head_dim=16, max_position_embeddings=2048, pad_token_id=0,
                                bos_token_id=0, eos_token_id=1)
 PRESETS["tiny-gemma2"] = dict(PRESETS["gemma2-2b"], vocab_size=10240, hidden_size=64, intermediate_size=128,
                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
@@ -92,6 +107,8 @@ def _tensor_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
         cfg["intermediate_size"]
     nq, nkv = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
     arch = cfg["architectures"][0]
+    experts = cfg.get("num_experts") or cfg.get("n_routed_experts")     # GLM-4.5's name
+    dense = cfg.get("mlp_only_layers") or range(cfg.get("first_k_dense_replace", 0))
     shapes = {"model.embed_tokens.weight": (cfg["vocab_size"], h), "model.norm.weight": (h,)}
     if not cfg.get("tie_word_embeddings", False):
         shapes["lm_head.weight"] = (cfg["vocab_size"], h)
@@ -111,22 +128,27 @@ def _tensor_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
                            p + "self_attn.sinks": (nq,), p + "self_attn.o_proj.bias": (h,)})
             for n, size in (("q", nq * d), ("k", nkv * d), ("v", nkv * d)):
                 shapes[p + f"self_attn.{n}_proj.bias"] = (size,)
-        elif cfg.get("num_experts") and i not in (cfg.get("mlp_only_layers") or []):
+        elif experts and i not in dense:
             mi = cfg["moe_intermediate_size"]
-            shapes[p + "mlp.gate.weight"] = (cfg["num_experts"], h)
-            for e in range(cfg["num_experts"]):
+            shapes[p + "mlp.gate.weight"] = (experts, h)
+            for e in range(experts):
                 q = f"{p}mlp.experts.{e}."
                 shapes.update({q + "gate_proj.weight": (mi, h), q + "up_proj.weight": (mi, h),
                                q + "down_proj.weight": (h, mi)})
+            if arch == "Glm4MoeForCausalLM":     # the router's correction bias, the shared experts as one MLP
+                si, q = mi * cfg.get("n_shared_experts", 1), p + "mlp.shared_experts."
+                shapes.update({p + "mlp.gate.e_score_correction_bias": (experts,), q + "gate_proj.weight": (si, h),
+                               q + "up_proj.weight": (si, h), q + "down_proj.weight": (h, si)})
         else:
             shapes.update({p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
                            p + "mlp.down_proj.weight": (h, inter)})
         if arch.startswith("Gemma"):
             shapes[p + "pre_feedforward_layernorm.weight"] = shapes[p + "post_feedforward_layernorm.weight"] = (h,)
-        if arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
+        if arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM") or (arch == "Glm4MoeForCausalLM"
+                                                                   and cfg.get("use_qk_norm")):
             shapes[p + "self_attn.q_norm.weight"] = (d,)
             shapes[p + "self_attn.k_norm.weight"] = (d,)
-        if arch == "Qwen2ForCausalLM":
+        if arch == "Qwen2ForCausalLM" or (arch == "Glm4MoeForCausalLM" and cfg.get("attention_bias")):
             for n, size in (("q", nq * d), ("k", nkv * d), ("v", nkv * d)):
                 shapes[p + f"self_attn.{n}_proj.bias"] = (size,)
     return shapes
@@ -167,15 +189,20 @@ def random_source(preset_or_file: str, seed: int = 0):
     "random:<preset>" or "random:<config.json>" (with the tokenizer saved beside that file, if one is). The tensors
     are made on the GPU when there is one (a 30B model's in seconds), bf16."""
     from picovllm.config import ModelConfig
+    from picovllm.layers.rotary import head_order
+    from picovllm.loader.hf_folder import _in_rotary_order
     from picovllm.loader.source import ModelSource
 
     cfg = resolve_config(preset_or_file)
+    config = ModelConfig.from_hf_dict(cfg)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     gemma = cfg["architectures"][0].startswith("Gemma")
+    order = head_order(config)      # partial rotary (GLM-4.5): q/k rows reordered, as the HF folder's loader does
 
     def weights():
         for name, shape in _tensor_shapes(cfg).items():
-            yield name, random_tensor(name, shape, seed, torch.bfloat16, device, gemma)
+            t = random_tensor(name, shape, seed, torch.bfloat16, device, gemma)
+            yield name, t if order is None else _in_rotary_order(name, t, config, order)
 
     tokenizer = None          # a config.json beside a tokenizer's files: that tokenizer (benchmarks that need text)
     folder = os.path.dirname(os.path.abspath(preset_or_file))
@@ -184,7 +211,7 @@ def random_source(preset_or_file: str, seed: int = 0):
             from transformers import AutoTokenizer
             return AutoTokenizer.from_pretrained(folder)
 
-    return ModelSource(f"random:{preset_or_file}", ModelConfig.from_hf_dict(cfg), weights, tokenizer)   # nothing cached
+    return ModelSource(f"random:{preset_or_file}", config, weights, tokenizer)   # nothing cached
 
 
 def write_word_tokenizer(path: str, vocab_size: int) -> str:

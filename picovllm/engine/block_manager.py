@@ -76,8 +76,8 @@ class BlockManager:
         the prompt has logits to sample from. Returns the number of tokens taken from cache.
         """
         assert not req.block_table and req.num_computed_tokens == 0
-        if not self.enable_prefix_caching:
-            return 0
+        if not self.enable_prefix_caching or (req.pooling is not None and req.pooling.mean):
+            return 0        # mean pooling: every prompt token's hidden state is needed (engine/pooling.py)
         tokens = req.all_token_ids
         max_blocks = (len(tokens) - 1) // self.block_size
         if req.prompt_logprobs is not None:   # cached positions have no logits: only those already taken

@@ -87,7 +87,8 @@ def _profile_forward(model: torch.nn.Module, config: EngineConfig, device: torch
         query_lens_cpu=list(lens), seq_lens_cpu=list(lens))
     with torch.inference_mode():
         h = model(ids, positions, meta)
-        model.compute_logits(h[-min(n, config.max_num_seqs):])
+        if model.lm_head is not None:      # a pooling model has none (engine/pooling.py)
+            model.compute_logits(h[-min(n, config.max_num_seqs):])
     for a, (k, v) in zip(model.attention_layers(), saved):
         a.k_cache, a.v_cache = k, v
     del scratch, h

@@ -36,6 +36,7 @@ from picovllm.engine.detokenizer import Detokenizer, check_stop, stop_token
 from picovllm.engine.kv_connector import ConnectorReport, KVConnector
 from picovllm.engine.executor import Executor, InProcessExecutor, make_executor
 from picovllm.engine.model_runner import LaunchedStep, ModelRunner, StepResult
+from picovllm.engine.pooling import engine_pooler, request_pooling
 from picovllm.engine.request import FinishReason, Request, RequestStatus
 from picovllm.engine.scheduler import Scheduler, SchedulerOutput
 from picovllm.engine.step_input import StepInput
@@ -44,6 +45,7 @@ from picovllm.layers.rotary import longrope_position_offset
 from picovllm.layers.structured_output import BitmaskBuffers, GrammarState, StructuredOutputCompiler
 from picovllm.loader import engine_model_source
 from picovllm.outputs import CompletionOutput, Logprob, RequestOutput
+from picovllm.pooling_params import PoolingParams
 from picovllm.reasoning import ThinkTags
 from picovllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -132,6 +134,11 @@ class Engine:
         self._reasoning_gate = self._think_gate(f"EngineConfig.reasoning_parser {parser!r}") if parser else None
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
+        if config.runner == "generate" and not self.model_config.has_lm_head:
+            raise ValueError(f"{source.path}: its config.json names a bare model (no LM head), which embeds only: "
+                             "EngineConfig.runner 'pooling' (--runner pooling)")
+        # a pooling engine's pooler (engine/pooling.py): its requests are prompts to embed, never to decode
+        self.pooler = engine_pooler(config.pooler_config, source.path) if config.runner == "pooling" else None
         if isinstance(runner, ModelRunner):
             runner = InProcessExecutor(runner)
         self.executor: Executor = runner or self._make_runner(source)
@@ -183,10 +190,16 @@ class Engine:
             raise ValueError("prompt must be a string or a list of int token ids")
         return list(prompt)
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+    def add_request(self, prompt: str | list[int], params: SamplingParams | PoolingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None, priority: int = 0) -> str:
         """Validate and queue a request. Raises ValueError naming the bad field; nothing else changes.
+        params: a pooling engine's are PoolingParams (None: the defaults), a generating one's SamplingParams.
         priority: the "priority" scheduling policy's order (lower first); with "fcfs" it must be 0."""
+        if isinstance(params, PoolingParams) or (params is None and self.pooler is not None):
+            return self._add_pooling_request(prompt, params or PoolingParams(), request_id, arrival_time, priority)
+        if self.pooler is not None:
+            raise ValueError("this engine pools (EngineConfig.runner 'pooling'): it embeds prompts (PoolingParams: "
+                             "LLM.embed, /v1/embeddings) and generates nothing; generation needs runner 'generate'")
         self._check_priority(priority)
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -218,17 +231,9 @@ class Engine:
             raise ValueError(f"SamplingParams.logit_bias keys must be token ids in [0, {vocab}), got "
                              f"{max(params.logit_bias)}")
         bad_words = self._bad_words(params)
-        ids = self.tokenize(prompt)
-        if params.truncate_prompt_tokens is not None:     # the last k tokens (the server truncates as it encodes)
-            ids = ids[-params.truncate_prompt_tokens:]
-        if not ids:
-            raise ValueError("prompt is empty")
-        if min(ids) < 0 or max(ids) >= vocab:     # C-level scans: a long prompt's check costs microseconds
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        ids = self._prompt_ids(prompt, params.truncate_prompt_tokens)
         self._check_length(len(ids))
-        request_id = str(next(self._ids)) if request_id is None else request_id
-        if request_id in self.requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
+        request_id = self._new_request_id(request_id)
         so = params.structured_outputs
         if so is not None and so.reasoning_parser is None and self.config.reasoning_parser is not None:
             # the engine's parser goes with the request (a copy: the caller's params stay as they were), so a
@@ -248,6 +253,46 @@ class Engine:
         self._check_capacity(len(ids), req.max_tokens)
         self.requests[request_id] = req
         self.scheduler.add(req)
+        return request_id
+
+    def _add_pooling_request(self, prompt: str | list[int], params: PoolingParams, request_id: str | None,
+                             arrival_time: float | None, priority: int) -> str:
+        """add_request on a pooling engine (engine/pooling.py): the prompt is prefilled, never decoded; its request
+        finishes with its embedding once its last chunk is computed. ValueError naming the field, as add_request."""
+        if self.pooler is None:
+            raise ValueError("PoolingParams: embedding needs a pooling engine (EngineConfig.runner 'pooling', "
+                             "--runner pooling); this one generates")
+        self._check_priority(priority)
+        pooling = request_pooling(params, self.pooler, self.model_config)
+        ids = self._prompt_ids(prompt, params.truncate_prompt_tokens)
+        if len(ids) > self.max_model_len:           # nothing to generate: a prompt may fill the context
+            raise ValueError(f"prompt is {len(ids)} tokens, longer than max_model_len {self.max_model_len}")
+        self._check_capacity(len(ids), 0)
+        request_id = self._new_request_id(request_id)
+        req = Request(request_id, ids, SamplingParams(), prompt if isinstance(prompt, str) else None, arrival_time)
+        req.pooling, req.priority, req.max_tokens = pooling, priority, 0
+        req.position_offset = longrope_position_offset(self.model_config.rope_scaling,
+                                                       self.model_config.max_position_embeddings, len(ids), 0)
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+        return request_id
+
+    def _prompt_ids(self, prompt: str | list[int], truncate: int | None) -> list[int]:
+        """The prompt's token ids (its last `truncate` ones; the server truncates as it encodes), checked."""
+        ids = self.tokenize(prompt)
+        if truncate is not None:
+            ids = ids[-truncate:]
+        if not ids:
+            raise ValueError("prompt is empty")
+        vocab = self.model_config.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:     # C-level scans: a long prompt's check costs microseconds
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        return ids
+
+    def _new_request_id(self, request_id: str | None) -> str:
+        request_id = str(next(self._ids)) if request_id is None else request_id
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
         return request_id
 
     def _check_priority(self, priority) -> None:
@@ -612,7 +657,10 @@ class Engine:
 
     def apply_results(self, sched: SchedulerOutput, result: StepResult,
                       unfinished_outputs: bool = True) -> list[RequestOutput]:
-        """Give each sampling chunk's request its token; finish, free and report as needed."""
+        """Give each sampling chunk's request its token (a pooling step: each pooling chunk's its pooled row);
+        finish, free and report as needed."""
+        if result.pooled is not None:
+            return self._apply_pooled(sched, result.pooled)
         now = time.time()
         for seq, pos, logprobs in result.prompt_logprobs:
             scored = sched.chunks[seq].request.prompt_logprobs
@@ -637,6 +685,26 @@ class Engine:
                 self._drop(req)
             elif not chunk.is_decode and req.request_id in self.scheduler.held:
                 self.connector.start_send(req)          # held after its prompt: its first token is known
+        return outputs
+
+    def _apply_pooled(self, sched: SchedulerOutput, pooled: torch.Tensor) -> list[RequestOutput]:
+        """A pooling step's rows, one per pooling chunk in order, added to its request's sum (mean pooling; a chunk
+        from the prompt's start begins it again: the request was preempted and is recomputed). After its prompt's
+        last chunk a request has its embedding, finishes and frees its blocks (engine/pooling.py)."""
+        outputs, rows = [], iter(pooled)
+        for chunk in sched.chunks:
+            if not chunk.pools:
+                continue
+            row, req = next(rows), chunk.request
+            if req.is_finished:      # aborted while this step ran
+                continue
+            restart = chunk.start == 0 or not req.pooling.mean
+            req.pooled = row if restart else req.pooled + row
+            if chunk.start + chunk.num_new_tokens == req.num_prompt_tokens:
+                req.embedding = req.pooling.embedding(req.pooled, req.num_prompt_tokens)
+                req.finish(FinishReason.STOP)
+                outputs.append(self.make_output(req))
+                self._drop(req)
         return outputs
 
     def append_token(self, req: Request, token: int, logprobs, now: float) -> None:
@@ -695,4 +763,4 @@ class Engine:
             else None
         # the prompt ids never change after add_request, so they are shared rather than copied per step
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [comp], req.is_finished,
-                             req.metrics, req.error, req.num_cached_tokens, prompt_logprobs)
+                             req.metrics, req.error, req.num_cached_tokens, prompt_logprobs, embedding=req.embedding)

@@ -8,7 +8,7 @@ than letting the ranks run different things. RunStep, sent every step, is a comp
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, is_dataclass
 from typing import Any, Union
 
 import torch
@@ -117,7 +117,9 @@ def _config_to_dict(config: EngineConfig) -> dict[str, Any]:
         value = getattr(config, f.name)
         if isinstance(value, torch.dtype):
             value = str(value).removeprefix("torch.")
-        elif not isinstance(value, (str, int, float, bool, type(None))):
+        elif is_dataclass(value):            # PoolerConfig: its fields, which EngineConfig takes back as a dict
+            value = asdict(value)
+        elif not isinstance(value, (str, int, float, bool, type(None), dict)):    # a dict: JSON (hf_overrides)
             raise TypeError(f"EngineConfig.{f.name} ({type(value).__name__}) cannot be sent to tensor-parallel workers")
         out[f.name] = value
     return out

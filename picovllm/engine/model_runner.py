@@ -16,7 +16,7 @@ import torch
 
 from picovllm.config import EngineConfig, ModelConfig
 from picovllm.distributed import SINGLE, TPGroup
-from picovllm.engine import kv_cache, kv_scales, sampling
+from picovllm.engine import kv_cache, kv_scales, pooling, sampling
 from picovllm.engine.attention_backends import make_attention_backend
 from picovllm.engine.kv_cache import lazy_zeros  # noqa: F401  (re-exported: ARCHITECTURE.md names it here)
 from picovllm.engine.sampling import LaunchedStep, StepResult
@@ -70,12 +70,17 @@ class ModelRunner:
         cls = MODEL_REGISTRY[source.config.architecture]
         with _default_dtype(self.dtype), torch.device(self.device):
             self.model = cls(source.config, tp)
+        # a pooling engine pools the final hidden states (engine/pooling.py): it has no LM head (none is loaded, a bare
+        # checkpoint has none) and runs every step eagerly (the graphs and the CPU decode stack end in the LM head)
+        self.is_pooling = config.runner == "pooling"
+        if self.is_pooling:
+            self.model.lm_head = None
         if self.device.type == "cpu" and self.dtype == torch.float32:   # a first start compiles them all at once
             attn = self.model.attention_layers()[0]
             quantized = config.quantization != "none" and source.stored_weights is not None and tp.size == 1
             prebuild_cpu_kernels((attn.num_heads, attn.num_kv_heads, attn.head_dim, config.block_size),
                                  attention=config.attention_backend in ("auto", "cpu"),
-                                 stack=not config.enforce_eager and tp.size == 1,
+                                 stack=not config.enforce_eager and tp.size == 1 and not self.is_pooling,
                                  quantized_isa=quant_gemm.preferred_isa() if quantized else None)
         load_model_weights(self.model, source, config.disk_cache, (tp.rank, tp.size),   # packs on the CPU
                            config.quantization)
@@ -113,6 +118,8 @@ class ModelRunner:
         step's CUDA graphs or CPU stack."""
         self.kv_cache = kv_cache.allocate_kv_cache(self.model, num_blocks, self.block_size, self.kv_dtype,
                                                    self.device)
+        if self.is_pooling:
+            return
         triton = getattr(self.attn_backend, "supports_cuda_graphs", False)
         if self.config.warmup or (self.config.warmup is None and triton and self.device.type == "cuda"):
             self.warm_up()
@@ -190,8 +197,11 @@ class ModelRunner:
     @staticmethod
     def launch_sampling(logits: torch.Tensor | None, step: StepInput,
                         prev_tokens: torch.Tensor | None = None) -> LaunchedStep:
-        """logits: compute_logits' rows, the sampled ones first, then the prompt-logprob ones.
+        """logits: compute_logits' rows, the sampled ones first, then the prompt-logprob ones (a pooling step's:
+        its pooled rows, copied to the host, nothing sampled).
         prev_tokens: the in-flight step's sampled tokens (penalties count a pending output from there)."""
+        if step.pooled_rows:
+            return pooling.launch_pooled(logits)
         return sampling.launch_sampling(logits, step, prev_tokens)
 
     @staticmethod
@@ -208,8 +218,13 @@ class ModelRunner:
         bucket's tokens a whole-step graph (engine/mixed_graph.py), or, for the few it leaves, pieces around eager
         attention (engine/piecewise_graph.py).
         prev_tokens: (flat indices, token ids) to write into the input ids on the device.
+        A pooling engine's step with StepInput.pooled_rows gets those rows' sums of the final hidden states instead
+        (engine/pooling.py; the forward is eager, and the hidden states are the same on every rank).
 
         Tensor-parallel workers stop here: they take part in the collectives; rank 0 samples."""
+        if step.pooled_rows:
+            ids, positions, meta, _ = step_tensors(step, self.device)
+            return pooling.pool_rows(self.model(ids, positions, meta), step.pooled_rows)
         plain = not step.prompt_indices     # the captured paths compute the sampled rows' logits only
         if plain and self.cuda_graphs is not None and self.cuda_graphs.fits(step):
             return self.cuda_graphs.run(step, prev_tokens)

@@ -3,9 +3,15 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import TYPE_CHECKING
 
 from picovllm.outputs import Logprob, RequestMetrics
 from picovllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
+
+    from picovllm.engine.pooling import Pooling
 
 
 class RequestStatus(enum.Enum):
@@ -61,6 +67,11 @@ class Request:
         # Added to every position the rotary embedding sees (LongRoPE's long factors: layers/rotary.py); the
         # prefix cache keeps such a request's blocks apart from others', whose keys were rotated otherwise.
         self.position_offset = 0
+        # A pooling engine's request (engine/pooling.py): its prompt is prefilled, never decoded (params are
+        # SamplingParams' defaults, unused); its chunks' pooled rows add up in `pooled` (float32, on the host)
+        self.pooling: Pooling | None = None
+        self.pooled: torch.Tensor | None = None
+        self.embedding: list[float] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -82,7 +93,10 @@ class Request:
 
     @property
     def awaiting_last_token(self) -> bool:
-        """Its last allowed token is being sampled: another decode step for it would be wasted."""
+        """Its last allowed token is being sampled (a pooling request: its prompt's last chunk is launched):
+        another step for it would be wasted."""
+        if self.pooling is not None:
+            return self.num_computed_tokens >= self.num_prompt_tokens
         return self.num_pending_tokens > 0 and self.num_output_tokens >= self.max_tokens
 
     @property

@@ -24,6 +24,8 @@ class StepResult:
     # SamplingParams.prompt_logprobs: (sequence index in the step, position, the logprobs of the
     # prompt token at position + 1), in the step's order
     prompt_logprobs: list[tuple[int, int, dict[int, Logprob]]] = field(default_factory=list)
+    # a pooling engine's step: one float32 row (on the host) per StepInput.pooled_rows range (engine/pooling.py)
+    pooled: torch.Tensor | None = None
 
 
 @dataclass
@@ -36,6 +38,7 @@ class LaunchedStep:
     done: torch.cuda.Event | None          # recorded after the copies (CUDA); None on CPU
     prompt_host: list[torch.Tensor] = field(default_factory=list)   # prompt-logprob tensors, host copies
     prompt_rows: list[tuple[int, int, int, int]] = field(default_factory=list)  # (sequence, position, target, k)
+    pooled: torch.Tensor | None = None     # a pooling step's rows, host copy (engine/pooling.py); nothing samples
 
 
 def launch_sampling(logits: torch.Tensor | None, step: StepInput,
@@ -73,6 +76,7 @@ def resolve(launched: LaunchedStep) -> StepResult:
         result = StepResult(tokens, _logprob_dicts(tokens, launched.host[1:], launched.rows))
     if launched.prompt_rows:
         result.prompt_logprobs = _prompt_logprob_dicts(launched.prompt_host, launched.prompt_rows)
+    result.pooled = launched.pooled
     return result
 
 

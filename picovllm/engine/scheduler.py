@@ -32,12 +32,16 @@ class ScheduledChunk:
     # Taken when the chunk is made: the engine advances the request before the step's results are in.
     start: int = field(init=False)          # position of the first new token
     samples: bool = field(init=False)       # does this step produce a token for it?
+    pools: bool = field(init=False)         # a pooling request's: does it give a pooled row (engine/pooling.py)?
     is_decode: bool = field(init=False)
 
     def __post_init__(self) -> None:
         req = self.request
         self.start = req.num_computed_tokens
-        self.samples = self.start + self.num_new_tokens == req.num_tokens
+        at_end = self.start + self.num_new_tokens == req.num_tokens
+        self.samples = at_end and req.pooling is None
+        # mean pooling sums every chunk's rows; last-token pooling needs the prompt's last chunk only
+        self.pools = req.pooling is not None and (at_end or req.pooling.mean)
         self.is_decode = req.status == RequestStatus.DECODING
 
 

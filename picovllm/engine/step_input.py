@@ -77,6 +77,9 @@ class StepInput:
     # Structured outputs: the grammar masks of the sampling rows, filled by the engine on the host (rank 0
     # only: not part of the wire form, workers do not sample)
     token_bitmasks: TokenBitmasks | None = None
+    # A pooling engine's step (engine/pooling.py): rows [a, b) of the flat batch whose hidden states are summed into
+    # one pooled row each, in place of logits (rank 0 only: not part of the wire form, workers run the forward alone)
+    pooled_rows: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_logit_rows(self) -> int:
@@ -90,6 +93,7 @@ def build_step_input(sched: SchedulerOutput, block_size: int, eos_token_ids: lis
     ids, pos, slots, qsl, lens, tables, samp_idx, rows = [], [], [], [0], [], [], [], []
     prev_dst, prev_src = [], []
     p_idx, p_tgt, p_k = [], [], []
+    pooled = []
     for chunk in sched.chunks:
         req, start, n = chunk.request, chunk.start, chunk.num_new_tokens
         if req.prompt_logprobs is not None:
@@ -123,8 +127,10 @@ def build_step_input(sched: SchedulerOutput, block_size: int, eos_token_ids: lis
         if chunk.samples:
             samp_idx.append(qsl[-1] - 1)
             rows.append(sampling_row(req, eos_token_ids))
+        if chunk.pools:      # every row of the chunk under mean pooling, else the prompt's last
+            pooled.append((qsl[-2] if req.pooling.mean else qsl[-1] - 1, qsl[-1]))
     return StepInput(ids, pos, slots, qsl, lens, tables, sched.num_decodes, samp_idx, rows, prev_dst, prev_src,
-                     p_idx, p_tgt, p_k)
+                     p_idx, p_tgt, p_k, pooled_rows=pooled)
 
 
 def sampling_row(req, eos_token_ids: list[int]) -> SamplingRow:

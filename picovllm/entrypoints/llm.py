@@ -1,4 +1,5 @@
-"""The offline API, named as in vLLM: LLM(...).generate(prompts, sampling_params), .chat(...) and .beam_search(...)."""
+"""The offline API, named as in vLLM: LLM(...).generate(prompts, sampling_params), .chat(...) and .beam_search(...);
+LLM(model, runner="pooling").embed(prompts)."""
 from __future__ import annotations
 
 import dataclasses
@@ -14,7 +15,8 @@ from picovllm.engine.step_loop import StepLoop
 from picovllm.entrypoints.beam_search import BeamSearchOutput, BeamSearchParams, search, step_params
 from picovllm.entrypoints.parallel_sampling import merge_samples, sample_params
 from picovllm.generation_config import sampling_defaults
-from picovllm.outputs import RequestOutput
+from picovllm.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from picovllm.pooling_params import PoolingParams
 from picovllm.sampling_params import RequestOutputKind, SamplingParams
 
 Prompt = str | list[int] | dict
@@ -35,8 +37,21 @@ def normalize_prompts(prompts, sampling_params) -> tuple[list, list[SamplingPara
     return prompts, params
 
 
+# vLLM's older task= argument -> EngineConfig.runner (its other tasks, classify, score, reward, ..., are not run here)
+TASK_RUNNERS = {"auto": "auto", "generate": "generate", "embed": "pooling", "embedding": "pooling"}
+
+
 class LLM:
     def __init__(self, model: str | None = None, **kwargs) -> None:
+        """kwargs: EngineConfig's fields; and vLLM's older task="embed" for runner="pooling"."""
+        task = kwargs.pop("task", None)
+        if task is not None:
+            if task not in TASK_RUNNERS:
+                raise ValueError(f"task {task!r} is not supported: {', '.join(map(repr, TASK_RUNNERS))} "
+                                 "(or runner='generate' | 'pooling')")
+            if "runner" in kwargs and kwargs["runner"] != TASK_RUNNERS[task]:
+                raise ValueError(f"task {task!r} and runner {kwargs['runner']!r} disagree: give one")
+            kwargs["runner"] = TASK_RUNNERS[task]
         self.config = EngineConfig(model=model, **kwargs)
         self.sampling_defaults = sampling_defaults(model, self.config.generation_config,
                                                    self.config.override_generation_config, self.config.revision,
@@ -151,6 +166,34 @@ class LLM:
         finally:
             bar.close()
         return final
+
+    def embed(self, prompts: Prompt | Sequence[Prompt],
+              pooling_params: PoolingParams | Sequence[PoolingParams] | None = None, use_tqdm: bool = True,
+              truncate_prompt_tokens: int | None = None) -> list[EmbeddingRequestOutput]:
+        """vLLM's: one EmbeddingRequestOutput per prompt, in order (outputs.embedding: a list of floats), from an
+        LLM(model, runner="pooling") (engine/pooling.py). truncate_prompt_tokens: each prompt's last k tokens only
+        (PoolingParams.truncate_prompt_tokens)."""
+        if self.engine.pooler is None:
+            raise ValueError("LLM.embed needs a pooling model: LLM(model, runner='pooling') (or vLLM's task='embed')")
+        prompts, params = normalize_prompts(prompts, PoolingParams() if pooling_params is None else pooling_params)
+        if truncate_prompt_tokens is not None:
+            params = [dataclasses.replace(p, truncate_prompt_tokens=truncate_prompt_tokens) for p in params]
+        groups: list[list[str]] = []
+        try:
+            for p, pp in zip(prompts, params):
+                groups.append([self.engine.add_request(p, pp)])
+        except Exception:
+            self._abort(groups)      # leave the engine as we found it
+            raise
+        final = self._run_groups(groups, {}, len(groups), use_tqdm)
+        outs = []
+        for (rid,) in groups:
+            out = final[rid]
+            if out.embedding is None:
+                raise RuntimeError(f"request {rid} ended without its embedding: "
+                                   f"{out.error or out.outputs[0].finish_reason}")
+            outs.append(EmbeddingRequestOutput(rid, EmbeddingOutput(out.embedding), out.prompt_token_ids, True))
+        return outs
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True, chat_template: str | None = None,

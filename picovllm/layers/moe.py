@@ -1,14 +1,19 @@
-"""Mixture of experts (Qwen3-MoE, Mixtral; Qwen2-MoE with a shared expert): a router picks each token's top-k
-experts, each a gated MLP, and the layer sums their outputs weighted by the router's probabilities.
+"""Mixture of experts (Qwen3-MoE, Mixtral; Qwen2-MoE and GLM-4.5 with shared experts): a router picks each token's
+top-k experts, each a gated MLP, and the layer sums their outputs weighted by the router's scores. How the scores pick
+and weigh the experts is the layer's Routing (softmax, or DeepSeek-V3's sigmoid with group-limited selection).
 
 Under tensor parallelism every rank holds every expert with its intermediate dimension sharded, as a dense MLP's
 (gate/up column-parallel, down row-parallel): each rank computes every routed token's partial output, and one
 all-reduce of the combined sum finishes the layer. The router is replicated, so the ranks route alike.
 
-route() and experts_reference() are the torch reference: the CPU path, and the oracle of the routing and grouped
-Triton kernels (picovllm/kernels/moe.py) that the layer runs on the GPU.
+route(), route_sigmoid() and experts_reference() are the torch reference: the CPU path, and the oracle of the
+routing and grouped Triton kernels (picovllm/kernels/moe.py) that the layer runs on the GPU. The routing kernel
+(route_topk) is softmax-only: a sigmoid Routing is computed by route_sigmoid in torch on the GPU too, and its ids and
+weights go to the same grouped GEMMs.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +31,47 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
     if renormalize:
         weights = weights / weights.sum(-1, keepdim=True)
     return weights, ids
+
+
+@dataclass(frozen=True)
+class Routing:
+    """How a MoE layer's router scores pick each token's top-k experts and weigh them, beside top_k and renormalize
+    (ModelConfig: scoring_func, n_group, topk_group, routed_scaling_factor).
+
+    softmax (Qwen3-MoE, Mixtral, GPT-OSS): route(). sigmoid (DeepSeek-V3, GLM-4.5): route_sigmoid(); the router then
+    has a float32 weight and a per-expert e_score_correction_bias (the checkpoint's), as HF keeps both."""
+    scoring: str = "softmax"      # "softmax" | "sigmoid"
+    n_group: int = 1              # sigmoid: the experts in this many equal groups ...
+    topk_group: int = 1           # ... of which each token picks from the best this many
+    scale: float = 1.0            # sigmoid: routed_scaling_factor, the routed weights' factor (after renormalising)
+
+    def __post_init__(self) -> None:
+        if self.scoring not in ("softmax", "sigmoid"):
+            raise ValueError(f"Routing.scoring must be 'softmax' or 'sigmoid', got {self.scoring!r}")
+        if self.scoring == "softmax" and (self.n_group, self.topk_group, self.scale) != (1, 1, 1.0):
+            raise ValueError("Routing: groups and a scale are read with sigmoid scoring only")
+
+
+def route_sigmoid(router_logits: torch.Tensor, correction_bias: torch.Tensor, top_k: int, renormalize: bool,
+                  routing: Routing) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's routing, as HF's Glm4MoeTopkRouter: [T, E] logits -> (weights [T, k] float32, ids [T, k] int64).
+    Scores sigmoid(logits); experts are chosen by score + correction_bias ([E]; for the choice only), among the
+    topk_group groups (of n_group) whose two best biased scores sum highest; the weights are the chosen experts'
+    unbiased scores, renormalised to sum to 1 if asked, times routing.scale. Ids are in no particular order."""
+    scores = router_logits.float().sigmoid()
+    choice = scores + correction_bias.float()
+    t, e = choice.shape
+    groups = routing.n_group
+    if routing.topk_group < groups:       # with every group kept the mask is all ones: skipped
+        best2 = choice.view(t, groups, e // groups).topk(2, dim=-1)[0].sum(-1)          # [T, groups]
+        kept = torch.zeros_like(best2).scatter_(1, best2.topk(routing.topk_group, dim=-1, sorted=False)[1], 1.0)
+        kept = kept.view(t, groups, 1).expand(t, groups, e // groups).reshape(t, e)    # each expert's group's
+        choice = choice.masked_fill(kept == 0, float("-inf"))
+    ids = choice.topk(top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)     # HF's guard against an all-zero row
+    return weights * routing.scale, ids
 
 
 def experts_reference(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
@@ -50,15 +96,20 @@ class FusedMoE(nn.Module):
     the loader (loader/weights.py) hands each to load() with shard (expert, 0 gate | 1 up | None down)."""
 
     def __init__(self, num_experts: int, top_k: int, hidden: int, intermediate: int, renormalize: bool,
-                 act: str = "silu", tp: TPGroup = SINGLE) -> None:
+                 act: str = "silu", tp: TPGroup = SINGLE, routing: Routing = Routing()) -> None:
         super().__init__()
         if intermediate % tp.size:
             raise ValueError(f"moe_intermediate_size {intermediate} is not divisible by tensor_parallel_size "
                              f"{tp.size}")
         self.num_experts, self.top_k, self.renormalize, self.tp = num_experts, top_k, renormalize, tp
+        self.routing = routing
         self.inter = intermediate // tp.size
-        self.gate = nn.Linear(hidden, num_experts, bias=False)
+        sigmoid = routing.scoring == "sigmoid"      # its router in float32 whatever the model's dtype, as HF's
+        self.gate = nn.Linear(hidden, num_experts, bias=False, dtype=torch.float32 if sigmoid else None)
         self.gate.weight.requires_grad_(False)
+        if sigmoid:
+            self.gate.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32),
+                                                             requires_grad=False)
         self.experts = nn.Module()   # a namespace, so the parameters are named as the checkpoint's experts
         self.experts.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * self.inter, hidden),
                                                  requires_grad=False)
@@ -86,17 +137,25 @@ class FusedMoE(nn.Module):
 
     def routed(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's part of the experts' sum (its shards of every expert), before the all-reduce."""
-        logits = self.gate(x)
+        logits = self.gate(x.to(self.gate.weight.dtype))
         w13, w2 = self.experts.gate_up_proj, self.experts.down_proj
         b13, b2 = self.expert_biases()
         if x.is_cuda:   # routed in one kernel, tokens grouped by expert, a grouped GEMM per projection; the torch
             from picovllm.kernels.moe import fused_experts, route_topk    # code is their reference
-            weights, ids = route_topk(logits, self.top_k, self.renormalize)
+            if self.routing.scoring == "softmax":
+                weights, ids = route_topk(logits, self.top_k, self.renormalize)
+            else:       # route_topk is softmax-only: the sigmoid, grouped choice in torch ops, then the same GEMMs
+                weights, ids = self.route(logits)
             out = fused_experts(x, weights, ids, w13, w2, self.act, b13, b2)
         else:
-            weights, ids = route(logits, self.top_k, self.renormalize)
-            out = experts_reference(x, weights, ids, w13, w2, self.act, b13, b2)
+            out = experts_reference(x, *self.route(logits), w13, w2, self.act, b13, b2)
         return out
+
+    def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The torch reference of the layer's routing: [T, E] logits -> (weights [T, k] float32, ids [T, k])."""
+        if self.routing.scoring == "softmax":
+            return route(logits, self.top_k, self.renormalize)
+        return route_sigmoid(logits, self.gate.e_score_correction_bias, self.top_k, self.renormalize, self.routing)
 
     def expert_biases(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The experts' gate/up and down biases ([E, 2 I/tp], [E, H]), None where the family has none."""
@@ -104,22 +163,27 @@ class FusedMoE(nn.Module):
 
 
 class SharedExpertMoE(FusedMoE):
-    """Qwen2-MoE's layer: the routed experts plus a dense gated MLP every token takes (`shared_expert`, sharded as a
-    dense MLP), its output scaled by sigmoid(shared_expert_gate(x)) (replicated, [1, H]), as HF's
-    Qwen2MoeSparseMoeBlock."""
+    """The routed experts plus a dense gated MLP every token takes (`shared_expert`, sharded as a dense MLP). Qwen2-MoE
+    (gated): its output scaled by sigmoid(shared_expert_gate(x)) (replicated, [1, H]), as HF's
+    Qwen2MoeSparseMoeBlock; GLM-4.5 (not gated): added as it is, as HF's Glm4MoeMoE (its n_shared_experts as one MLP
+    of n times the width)."""
 
     def __init__(self, num_experts: int, top_k: int, hidden: int, intermediate: int, renormalize: bool,
-                 shared_intermediate: int, act: str = "silu", tp: TPGroup = SINGLE) -> None:
-        super().__init__(num_experts, top_k, hidden, intermediate, renormalize, act, tp)
+                 shared_intermediate: int, act: str = "silu", tp: TPGroup = SINGLE, routing: Routing = Routing(),
+                 gated: bool = True) -> None:
+        super().__init__(num_experts, top_k, hidden, intermediate, renormalize, act, tp, routing)
         from picovllm.layers.linear import MergedColumnParallelLinear, RowParallelLinear
         self.shared_expert = nn.Module()
         self.shared_expert.gate_up_proj = MergedColumnParallelLinear(hidden, [shared_intermediate] * 2, tp=tp)
         self.shared_expert.down_proj = RowParallelLinear(shared_intermediate, hidden, tp=tp, reduce=False)
-        self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
-        self.shared_expert_gate.weight.requires_grad_(False)
+        self.shared_expert_gate = nn.Linear(hidden, 1, bias=False) if gated else None
+        if gated:
+            self.shared_expert_gate.weight.requires_grad_(False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shared = self.shared_expert.down_proj(self.act(self.shared_expert.gate_up_proj(x)))   # a partial sum
-        # the gate is replicated: gate * (sum of the ranks' parts) = sum of gate * part, one all-reduce for both
-        return self.tp.all_reduce(self.routed(x) + torch.sigmoid(self.shared_expert_gate(x)) * shared)
+        if self.shared_expert_gate is not None:
+            # the gate is replicated: gate * (sum of the ranks' parts) = sum of gate * part, one all-reduce for both
+            shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+        return self.tp.all_reduce(self.routed(x) + shared)
 

@@ -1,7 +1,7 @@
 """Rotary position embedding (the 'rotate half' layout of HF checkpoints), with Llama-3, linear, YaRN or
 LongRoPE scaling, or a divisor per frequency (a GGUF's rope_freqs: Llama 3's scaling as llama.cpp's converter
-computed it); partial rotary (only each head's first rotary_dim dims turn) and Cohere's interleaved pairs as a full
-rotate-half rotation of reordered q and k (head_order).
+computed it); partial rotary (only each head's first rotary_dim dims turn) and interleaved pairs (Cohere's; GLM-4's,
+within a partial rotary) as a full rotate-half rotation of reordered q and k (head_order).
 
 LongRoPE (Phi-3): each frequency is divided by its factor, and cos and sin are scaled by the attention factor. A
 sequence uses the short factors while it stays within original_max_position_embeddings and the long ones at every
@@ -100,12 +100,17 @@ def longrope_cos_sin(head_dim: int, max_position: int, theta: float, scaling: di
 
 def head_order(cfg) -> list[int] | None:
     """The order the loaders put each q and k head's dims in (new position -> checkpoint dim), so that the model's
-    rotation is the rotate-half kind over the whole head every kernel runs; None where the checkpoint's already is."""
-    if cfg.rotary_interleaved:       # Cohere's pairs (2i, 2i + 1) -> (i, i + D / 2)
-        return [*range(0, cfg.head_dim, 2), *range(1, cfg.head_dim, 2)]
+    rotation is the rotate-half kind over the whole head every kernel runs; None where the checkpoint's already is.
+    Interleaved pairs (Cohere's over the whole head, GLM-4's within its rotated part) first become rotate-half pairs
+    of the rotated part, which a partial rotary's rotary_order then spreads over the head."""
+    d = cfg.head_dim
+    rd = cfg.rotary_dim or d
+    order = list(range(d))
+    if cfg.rotary_interleaved:       # pairs (2i, 2i + 1) -> (i, i + rd / 2)
+        order = [*range(0, rd, 2), *range(1, rd, 2), *range(rd, d)]
     if cfg.rotary_dim is not None:
-        return rotary_order(cfg.head_dim, cfg.rotary_dim)
-    return None
+        order = [order[j] for j in rotary_order(d, rd)]
+    return None if order == list(range(d)) else order
 
 
 def head_rows(rows: int, head_dim: int, order: list[int]) -> torch.Tensor:

@@ -123,12 +123,14 @@ def open_folder(path: str, weights_needed: bool = True, overrides: dict | None =
     from picovllm.layers.rotary import head_order
     order = head_order(config)
 
+    mtp = _mtp_layers(raw, config.num_hidden_layers)
+
     def stored() -> WeightIterator:
         for file in files:
             with safe_open(file, framework="pt") as f:
                 for name in f.keys():
                     text_name = _text_name(name) if multimodal else name
-                    if text_name is not None:
+                    if text_name is not None and not _in_layers(text_name, mtp):
                         yield text_name, f.get_tensor(name)
 
     def weights() -> WeightIterator:
@@ -147,6 +149,22 @@ def open_folder(path: str, weights_needed: bool = True, overrides: dict | None =
     identity = ("hf", full, overrides or {}, [(os.path.basename(f), file_identity(f, head_bytes=1 << 20))
                                               for f in files])
     return ModelSource(path, config, weights, load_tokenizer if has_tok else None, identity)
+
+
+def _mtp_layers(raw: dict, layers: int) -> range:
+    """The layer indices of the checkpoint's multi-token-prediction layers (GLM-4.5's num_nextn_predict_layers, after
+    the decoder's num_hidden_layers): only speculative decoding reads them, so they are not read (not even from disk),
+    as vLLM without it."""
+    n = raw.get("num_nextn_predict_layers") or raw.get("num_mtp_layers") or 0
+    return range(layers, layers + n)
+
+
+def _in_layers(name: str, layers: range) -> bool:
+    """Whether tensor `name` belongs to one of the decoder layers `layers` (model.layers.N.*)."""
+    if not layers or not name.startswith("model.layers."):
+        return False
+    index = name[len("model.layers."):].split(".", 1)[0]
+    return index.isdigit() and int(index) in layers
 
 
 def _dequantized(tensors: WeightIterator, raw: dict) -> WeightIterator:

@@ -47,7 +47,7 @@ def _attach(model: nn.Module, param: str, qw: QuantizedWeight) -> None:
         module.packed = qw
     else:                                              # the embedding (and, tied, the LM head)
         module.quantized = qw
-        if model.lm_head.weight is module.weight:
+        if model.lm_head is not None and model.lm_head.weight is module.weight:
             model.lm_head.packed, model.lm_head.weight = qw, meta
     module.weight = meta
 
@@ -59,7 +59,8 @@ def load_quantized(model: nn.Module, source: ModelSource, isa: str) -> list[str]
     floats, quantized = [], []
     for ckpt_name, t in source.stored_weights():
         name, shard = parameter_of(model, ckpt_name)
-        if ckpt_name == "lm_head.weight" and getattr(model.cfg, "tie_word_embeddings", False):
+        if ckpt_name == "lm_head.weight" and (getattr(model.cfg, "tie_word_embeddings", False)
+                                              or model.lm_head is None):     # tied, or a pooling model's: none
             continue
         if isinstance(t, torch.Tensor) and name not in pending and _shards(model, name) == [None]:
             floats.append((ckpt_name, t))

@@ -24,11 +24,12 @@ def load_weights(model: nn.Module, weights: WeightIterator, elsewhere: frozenset
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
     tied = getattr(model.cfg, "tie_word_embeddings", False)
+    no_head = getattr(model, "lm_head", True) is None      # a pooling model's (engine/pooling.py)
     for ckpt_name, tensor in _unfused(weights, model.cfg):
         if "rotary_emb.inv_freq" in ckpt_name:
             continue
-        if tied and ckpt_name == "lm_head.weight":
-            continue  # tied to the embedding, loaded from there
+        if (tied and ckpt_name == "lm_head.weight") or (no_head and ckpt_name.startswith("lm_head.")):
+            continue  # tied to the embedding, loaded from there; or no LM head at all
         name, shard = parameter_of(model, ckpt_name)
         param = params.get(name)
         if param is None:

@@ -1,6 +1,7 @@
 """Model registry: HF architecture name -> model class."""
 from picovllm.models.cohere import CohereForCausalLM
 from picovllm.models.gemma import GemmaForCausalLM
+from picovllm.models.glm4 import Glm4ForCausalLM, Glm4MoeForCausalLM
 from picovllm.models.gpt_oss import GptOssForCausalLM
 from picovllm.models.granite import GraniteForCausalLM
 from picovllm.models.llama import LlamaForCausalLM
@@ -27,4 +28,6 @@ MODEL_REGISTRY = {
     "CohereForCausalLM": CohereForCausalLM,
     "Cohere2ForCausalLM": CohereForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
+    "Glm4ForCausalLM": Glm4ForCausalLM,
+    "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
 }

@@ -1,7 +1,8 @@
 """The shared decoder over a flat varlen token batch: Llama 2/3, SmolLM 1-3, Mistral, Phi-3, Qwen2, Qwen3 and, with
-routed experts in place of the MLP, Qwen3-MoE, Mixtral and Qwen2-MoE (a shared expert beside them). What differs
-between families is configuration (ModelConfig: q/k/v bias, q/k norm, sliding windows, experts, NoPE layers, logits
-scaling, ...); other layer shapes are in models/gemma.py, granite.py, olmo2.py and cohere.py."""
+routed experts in place of the MLP, Qwen3-MoE, Mixtral, Qwen2-MoE (a shared expert beside them) and GLM-4.5 (sigmoid,
+group-limited routing and a shared expert; its checkpoint names in models/glm4.py). What differs between families is
+configuration (ModelConfig: q/k/v bias, q/k norm, sliding windows, experts and their routing, NoPE layers, logits
+scaling, ...); other layer shapes are in models/gemma.py, granite.py, olmo2.py, cohere.py and glm4.py."""
 from __future__ import annotations
 
 import functools
@@ -17,7 +18,7 @@ from picovllm.layers.attention import Attention, AttentionMetadata
 from picovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from picovllm.layers.layernorm import RMSNorm
 from picovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from picovllm.layers.moe import FusedMoE, SharedExpertMoE
+from picovllm.layers.moe import FusedMoE, Routing, SharedExpertMoE
 from picovllm.layers.rotary import RotaryEmbedding
 
 
@@ -98,14 +99,16 @@ class LlamaDecoderLayer(nn.Module):
 
     @staticmethod
     def make_mlp(cfg: ModelConfig, layer: int, tp: TPGroup) -> nn.Module:
-        """The layer's MLP: routed experts (with Qwen2-MoE's shared one) or a dense gated MLP."""
-        if cfg.is_moe_layer(layer) and cfg.shared_expert_intermediate_size:     # Qwen2-MoE
+        """The layer's MLP: routed experts (with Qwen2-MoE's or GLM-4.5's shared one) or a dense gated MLP."""
+        routing = Routing(cfg.scoring_func, cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor)
+        if cfg.is_moe_layer(layer) and cfg.shared_expert_intermediate_size:     # Qwen2-MoE, GLM-4.5
             return SharedExpertMoE(cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size,
                                    cfg.moe_intermediate_size, cfg.norm_topk_prob,
-                                   cfg.shared_expert_intermediate_size, cfg.hidden_act, tp)
+                                   cfg.shared_expert_intermediate_size, cfg.hidden_act, tp, routing,
+                                   cfg.shared_expert_gated)
         if cfg.is_moe_layer(layer):
             return FusedMoE(cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size,
-                            cfg.norm_topk_prob, cfg.hidden_act, tp)
+                            cfg.norm_topk_prob, cfg.hidden_act, tp, routing)
         return LlamaMLP(cfg, tp)
 
     def forward(self, positions, x, residual, meta):
@@ -153,13 +156,16 @@ class LlamaForCausalLM(nn.Module):
     @property
     def in_decode_stack(self) -> bool:
         """Layers the CPU's one-call decode step (kernels/cpu/decode_stack.c) runs: the shared decoder (experts
-        and NoPE layers included), Gemma's (sliding windows, soft-caps, GeGLU, a rope base per layer) and Granite's
-        (its scalings)."""
+        and NoPE layers included), Gemma's (sliding windows, soft-caps, GeGLU, a rope base per layer; GLM-4's, the
+        same layer) and Granite's (its scalings)."""
         from picovllm.models.gemma import GemmaForCausalLM
+        from picovllm.models.glm4 import Glm4ForCausalLM
         from picovllm.models.granite import GraniteForCausalLM
         from picovllm.models.mixtral import MixtralForCausalLM
-        return type(self) in (LlamaForCausalLM, GemmaForCausalLM, MixtralForCausalLM, GraniteForCausalLM) \
-            and not self.cfg.shared_expert_intermediate_size      # Qwen2-MoE's shared expert: not in C
+        return type(self) in (LlamaForCausalLM, GemmaForCausalLM, MixtralForCausalLM, GraniteForCausalLM,
+                              Glm4ForCausalLM) \
+            and not self.cfg.shared_expert_intermediate_size \
+            and self.cfg.scoring_func == "softmax"     # shared experts, sigmoid routing (GLM-4.5): not in C
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)

@@ -1,7 +1,7 @@
 """The HTTP layer: a FastAPI app over an engine client (async_engine.py), run under uvicorn with a graceful exit.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, POST /tokenize, POST /detokenize, GET /v1/models,
-GET /health, GET /metrics.
+GET /health, GET /metrics; a pooling model's POST /v1/embeddings (serving_embeddings.py).
 Everything the client does wrong comes back as OpenAI's error object with a 4xx status.
 """
 from __future__ import annotations
@@ -31,6 +31,7 @@ from picovllm.entrypoints.openai.protocol import (APIError, ChatCompletionReques
 from picovllm.entrypoints.openai.serving import JSONBody, ServingContext
 from picovllm.entrypoints.openai.serving_chat import ChatHandler
 from picovllm.entrypoints.openai.serving_completion import CompletionHandler
+from picovllm.entrypoints.openai.serving_embeddings import EmbeddingHandler, EmbeddingRequest
 from picovllm.entrypoints.openai.serving_responses import ResponsesHandler, ResponsesRequest
 from picovllm.entrypoints.openai.serving_tokenize import detokenize, tokenize
 from picovllm.entrypoints.openai.tokenizer_worker import TokenizerWorker
@@ -79,6 +80,7 @@ def build_app(ctx: ServingContext, settings: ServerSettings, openai_routes: bool
     app = FastAPI(title="picovllm", version="0.1.0", lifespan=lifespan)
     completions, chat = CompletionHandler(ctx), ChatHandler(ctx)
     responses = ResponsesHandler(ctx, chat)
+    embeddings = EmbeddingHandler(ctx)
     started, version_body = int(time.time()), {"version": package_version()}
 
     if openai_routes:
@@ -93,6 +95,10 @@ def build_app(ctx: ServingContext, settings: ServerSettings, openai_routes: bool
         @app.post("/v1/responses")
         async def create_response(body: ResponsesRequest, raw: Request) -> Response:
             return await responses(body, raw)
+
+        @app.post("/v1/embeddings")
+        async def create_embedding(body: EmbeddingRequest, raw: Request) -> Response:
+            return await embeddings(body, raw)
 
         @app.post("/tokenize")
         async def tokenize_route(body: TokenizeRequest) -> Response:

@@ -133,11 +133,13 @@ class AsyncEngine(EngineClient):
 
     def model_info(self) -> dict:
         """What GET /v1/models shows besides the name (the revision of a Hub repository, where one was asked for:
-        a front end in front of this engine reads its tokenizer and generation config at the same one)."""
+        a front end in front of this engine reads its tokenizer and generation config at the same one; a pooling
+        engine's runner, which the embeddings route asks for)."""
         e = self.engine
         revision = {"revision": e.config.revision} if e.config.revision is not None else {}
+        pooling = {"runner": "pooling"} if e.config.runner == "pooling" else {}   # serves /v1/embeddings
         return {"root": e.config.model, **revision, "max_model_len": e.max_model_len,
-                "vocab_size": e.model_config.vocab_size}
+                "vocab_size": e.model_config.vocab_size, **pooling}
 
     def eos_token_ids(self) -> list[int] | None:
         return list(self.engine.eos_token_ids)

@@ -29,7 +29,8 @@ def _positive(text: str) -> int:
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("serve", help="serve the OpenAI-compatible HTTP API",
-                              description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.")
+                              description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics "
+                                          "(with --runner pooling: /v1/embeddings).")
     p.add_argument("model_tag", nargs="?", default=None, help="model (same as --model)")
     p.add_argument("--model", default=None, help="HF folder or .gguf file (default: SmolLM2-135M-Instruct)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: localhost only)")

@@ -463,3 +463,30 @@ class TokenizeRequest(_RefusedTokenize, _ChatTemplateOptions):
 class DetokenizeRequest(_Strict):
     model: str | None = None
     tokens: Annotated[list[TokenId], Field(max_length=1_000_000)]
+
+
+# -- /v1/embeddings (OpenAI's, with vLLM's extras; a pooling server's: serving_embeddings.py) --------------------------
+MAX_EMBEDDING_INPUTS = 2048      # OpenAI's limit of inputs in one request
+
+
+class EmbeddingRequest(_Strict):
+    """input: a string, a list of strings, a list of token ids, or a list of those (one embedding each).
+    encoding_format: "float" or "base64" (little-endian float32, as OpenAI's). dimensions: a Matryoshka model's only.
+    user: accepted, no effect. vLLM's: truncate_prompt_tokens (each input's last k tokens; -1: the model's maximum
+    length), add_special_tokens, normalize (None: the server's pooler config), priority."""
+    model: str | None = None
+    input: (str | Annotated[list[str], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)]
+            | Annotated[list[TokenId], Field(min_length=1)]
+            | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]],
+                        Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)])
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1, le=MAX_INT)
+    user: str | None = None
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, le=MAX_INT)
+    add_special_tokens: bool = True
+    normalize: bool | None = None
+    priority: int = Field(0, ge=-(2**63), le=2**63 - 1)   # as the generation requests'
+
+    def inputs(self) -> list[str | list[int]]:
+        x = self.input
+        return [x] if isinstance(x, str) or isinstance(x[0], int) else list(x)

@@ -1,0 +1,26 @@
+"""Per-request pooling parameters (an embedding's), named and validated as in vLLM."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class PoolingParams:
+    """vLLM's PoolingParams, for a pooling engine (EngineConfig.runner "pooling"): LLM.embed, /v1/embeddings.
+    truncate_prompt_tokens: only the prompt's last k tokens are embedded. dimensions: the embedding cut to its first
+    `dimensions` values, then normalized (Matryoshka; only for a model whose config says it was trained so).
+    normalize: L2-normalize the embedding (None: the engine's pooler config, normalized by default)."""
+    truncate_prompt_tokens: int | None = None
+    dimensions: int | None = None
+    normalize: bool | None = None
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        for name in ("truncate_prompt_tokens", "dimensions"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"PoolingParams.{name} must be an int >= 1 or None, got {value!r}")
+        if self.normalize is not None and not isinstance(self.normalize, bool):
+            raise ValueError(f"PoolingParams.normalize must be a bool or None, got {self.normalize!r}")
