@@ -425,7 +425,7 @@ def output_to_wire(out: RequestOutput) -> dict:
     return {"request_id": out.request_id, "prompt": out.prompt, "prompt_token_ids": list(out.prompt_token_ids),
             "outputs": comps, "finished": out.finished, "metrics": _metrics_to_wire(out.metrics), "error": out.error,
             "num_cached_tokens": out.num_cached_tokens, "prompt_logprobs": prompt_logprobs,
-            "kv_handover": out.kv_handover}
+            "kv_handover": out.kv_handover, "embedding": out.embedding}
 
 
 def output_from_wire(d: dict) -> RequestOutput:
@@ -437,7 +437,7 @@ def output_from_wire(d: dict) -> RequestOutput:
     metrics = RequestMetrics(**d["metrics"]) if d.get("metrics") else None
     return RequestOutput(d["request_id"], d["prompt"], d["prompt_token_ids"], comps, d["finished"], metrics,
                          d.get("error"), d.get("num_cached_tokens", 0), prompt_steps_from_wire(d.get("prompt_logprobs")),
-                         kv_handover=d.get("kv_handover"))
+                         kv_handover=d.get("kv_handover"), embedding=d.get("embedding"))
 
 
 def common_prefix(a, b) -> int:
