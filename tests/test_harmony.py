@@ -247,5 +247,31 @@ def test_reasoning_effort_and_earlier_reasoning_reach_the_template(harmony_model
     req = ChatCompletionRequest(messages=[*ASK, {"role": "assistant", "content": "Paris.", "reasoning": "Easy."}])
     assert req.messages[1].as_template_dict() == {"role": "assistant", "content": "Paris.",
                                                   "reasoning_content": "Easy.", "thinking": "Easy."}
+    # a reply this server gave (reasoning, a preamble as content, a call), sent back: GPT-OSS's template refuses
+    # both content and thinking before a call, so the reasoning goes by Qwen3's name only
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    back = ChatCompletionRequest(messages=[*ASK_TOOL, {"role": "assistant", "content": "Let me check.",
+                                                       "reasoning": "Need it.", "tool_calls": [call]}])
+    d = back.messages[1].as_template_dict()
+    assert d["reasoning_content"] == "Need it." and "thinking" not in d
+
+
+def test_a_reply_continuing_a_prompts_message(harmony_model):
+    """A prompt that ends inside a message's body (continue_final_message) leaves the reply in that message: its
+    text goes where that message's channel says, markers never shown; the header is read from the prompt."""
+    from transformers import AutoTokenizer
+    from picovllm.entrypoints.openai.harmony import HarmonyTokens
+    tok = AutoTokenizer.from_pretrained(harmony_model)
+    marks = HarmonyTokens(tok)
+    ids = tok.encode("<|start|>user<|message|>Hi<|end|><|start|>assistant<|channel|>final<|message|>The capital",
+                     add_special_tokens=False)
+    header = marks.open_header(ids)
+    assert header == "assistant<|channel|>final"
+    assert marks.open_header(ids + tok.encode("<|end|>", add_special_tokens=False)) is None
+    assert marks.open_header(tok.encode("<|start|>user<|message|>Hi<|end|><|start|>assistant",
+                                        add_special_tokens=False)) is None
+    reply = " is Paris.<|end|><|start|>assistant<|channel|>analysis<|message|>Done?<|end|>"
+    assert parse_harmony(reply, None, False, header) == ("Done?", " is Paris.", [])
+    assert parse_harmony(" is Paris.", None, False, "assistant<|channel|>analysis") == (" is Paris.", None, [])
     with pytest.raises(ValueError):
         ChatCompletionRequest(messages=ASK, reasoning_effort="extreme")

@@ -84,16 +84,18 @@ def stop_token(req: Request, token_id: int, eos_token_ids: list[int]) -> bool:
         token_id in p.stop_token_ids or (not p.ignore_eos and token_id in eos_token_ids))
 
 
-def check_stop(req: Request, token_id: int, new_text: str, eos_token_ids: list[int], max_model_len: int) -> None:
-    """Finish req if token_id or its text meets a stop condition; trims a matched stop string. A stop token's own
-    text is the caller's to leave out (as vLLM: unless include_stop_str_in_output; stop_token)."""
+def check_stop(req: Request, token_id: int, new_text: str, eos_token_ids: list[int], max_model_len: int,
+               token_stops: bool | None = None) -> None:
+    """Finish req if token_id or its text meets a stop condition; trims a matched stop string. token_stops: what
+    stop_token said of token_id, where the caller asked already (it leaves a stop token's own text out, as vLLM
+    does unless include_stop_str_in_output)."""
     p = req.params
     n_out = len(req.output_token_ids)
+    if token_stops is None:
+        token_stops = stop_token(req, token_id, eos_token_ids)
+    if token_stops:
+        return req.finish(FinishReason.STOP, stop_reason=token_id if token_id in p.stop_token_ids else None)
     if n_out >= p.min_tokens:
-        if token_id in p.stop_token_ids:
-            return req.finish(FinishReason.STOP, stop_reason=token_id)
-        if not p.ignore_eos and token_id in eos_token_ids:
-            return req.finish(FinishReason.STOP)
         if p.stop and new_text:
             for s in p.stop:
                 idx = req.text.find(s, max(0, len(req.text) - len(new_text) - len(s) + 1))

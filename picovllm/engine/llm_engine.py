@@ -715,11 +715,12 @@ class Engine:
         if logprobs is not None:
             req.logprobs.append(logprobs)
             req.cumulative_logprob += logprobs[token].logprob
+        stops = stop_token(req, token, self.eos_token_ids)
         delta = ""
-        if req.params.include_stop_str_in_output or not stop_token(req, token, self.eos_token_ids):
+        if not stops or req.params.include_stop_str_in_output:
             delta = self.detokenizer.append(req, token)      # a stop token's text stays out (vLLM's)
-        req.text += delta
-        check_stop(req, token, delta, self.eos_token_ids, self.max_model_len)
+            req.text += delta
+        check_stop(req, token, delta, self.eos_token_ids, self.max_model_len, stops)
         grammar = req.grammar
         if grammar is not None and not req.is_finished:
             # it takes its newest token, unless _fill_late_masks gave it already; it refuses one only if the mask

@@ -19,7 +19,9 @@ the markers, the client never does):
   such as `browser.search` the API cannot offer) stays text, where its channel's text goes: never a call with
   broken arguments;
 - a reply without a harmony header (structured outputs and tool_choice "required" or a named function constrain
-  the whole reply to JSON) is all content.
+  the whole reply to JSON) is all content;
+- a prompt that ends inside a message's body (an assistant message continued: continue_final_message) leaves the
+  reply in that message: its text goes where that message's channel says, up to its end.
 
 Streamed, each piece goes out as soon as no marker can still be starting in it, and each call whole once its
 message ends. Torch-free.
@@ -62,7 +64,9 @@ class HarmonyStream:
     """One reply's text, piece by piece, into reasoning, content and tool calls. policy: the request's tools (calls
     only under tool_choice "auto"; None or another mode: no calls)."""
 
-    def __init__(self, policy: ToolPolicy | None = None) -> None:
+    def __init__(self, policy: ToolPolicy | None = None, header: str | None = None) -> None:
+        """header: the prompt's last message's header where the prompt ends inside its body (HarmonyTokens.
+        open_header), else None."""
         self.functions = policy.functions if policy is not None and policy.mode == "auto" else {}
         self.parallel = policy.parallel if policy is not None else True
         self.buf = ""
@@ -72,6 +76,9 @@ class HarmonyStream:
         self.args = ""             # a call's body so far
         self.num_calls = 0
         self.reasoned = False      # whether any analysis message came
+        if header is not None:
+            self._open(header)
+            self.state = "body"
 
     def feed(self, piece: str, finished: bool, cut: bool = False) -> HarmonyDelta:
         """What this piece (with whatever waited) gives out. finished: the reply's last piece; cut: it ended
@@ -169,10 +176,11 @@ def _partial(text: str, marker: str) -> int:
     return 0
 
 
-def parse_harmony(text: str, policy: ToolPolicy | None, cut: bool) -> tuple[str | None, str | None, list[ToolCall]]:
+def parse_harmony(text: str, policy: ToolPolicy | None, cut: bool,
+                  header: str | None = None) -> tuple[str | None, str | None, list[ToolCall]]:
     """A finished reply's (reasoning, content, calls): reasoning None where no analysis message came, content None
-    where there is none (as vLLM's)."""
-    s = HarmonyStream(policy)
+    where there is none (as vLLM's). header: HarmonyStream's."""
+    s = HarmonyStream(policy, header)
     d = s.feed(text, True, cut)
     return (d.reasoning if s.reasoned else None), (d.content or None), d.calls
 
@@ -186,6 +194,20 @@ class HarmonyTokens:
         ids = {m: tokenizer.encode(m, add_special_tokens=False)[0] for m in (START, END, MESSAGE, CALL, RETURN)}
         self.start, self.message = ids[START], ids[MESSAGE]
         self.ends = {ids[END], ids[CALL], ids[RETURN]}
+
+    def open_header(self, prompt_ids: list[int]) -> str | None:
+        """Where the prompt ends inside a message's body (its last marker a <|message|>): that message's header
+        text (its role, channel, recipient), else None."""
+        for i in range(len(prompt_ids) - 1, -1, -1):
+            t = prompt_ids[i]
+            if t == self.message:
+                begin = i
+                while begin > 0 and prompt_ids[begin - 1] != self.start and prompt_ids[begin - 1] not in self.ends:
+                    begin -= 1
+                return self.tokenizer.decode(prompt_ids[begin:i], skip_special_tokens=False)
+            if t == self.start or t in self.ends:
+                return None
+        return None
 
     def reasoning_tokens(self, ids: list[int]) -> int:
         count, begin, header_end = 0, 0, None

@@ -329,7 +329,9 @@ class ChatMessage(refusing_model("_RefusedInMessage", {"function_call": ()})):
             d["tool_call_id"] = self.tool_call_id
         thought = self.reasoning if self.reasoning is not None else self.reasoning_content
         if thought is not None:     # by the names templates read: Qwen3's reasoning_content, GPT-OSS's thinking
-            d["reasoning_content"] = d["thinking"] = thought
+            d["reasoning_content"] = thought
+            if not (self.tool_calls and d["content"]):   # GPT-OSS's template takes one or the other before a call
+                d["thinking"] = thought
         if self.tool_calls:
             # chat templates (Qwen's, HF's convention) take the arguments as an object, not as JSON text
             d["tool_calls"] = [{"id": c.id, "type": "function", "function": {

@@ -57,18 +57,20 @@ class ChatHandler:
         # GPT-OSS: its reply's harmony messages into reasoning, content and calls, read at the markers the engine
         # keeps for it (harmony.py); not where a grammar governs the whole reply (it writes no markers)
         harmony = ctx.harmony is not None and params.structured_outputs is None
+        header = None      # with harmony: the header of a message the prompt leaves open (continue_final_message)
         if harmony:
             params.skip_special_tokens = False
+            header = ctx.harmony.open_header(ids)
         group = await SampleGroup(ctx, ids, sample_params(params), f"chatcmpl-{uuid.uuid4().hex}", arrival,
                                   req.priority).start()
         if req.stream:
-            return sse_response(self._events(req, group, params.stop, k, policy, opened, harmony))
+            return sse_response(self._events(req, group, params.stop, k, policy, opened, harmony, header))
         out = await final_output(raw, group)
         if out is None:
             return Response(status_code=499)     # the client is gone; nobody reads this
         choices = []
         for c in out.outputs:
-            message, finish = (_harmony_message(c, policy, req.include_reasoning) if harmony else
+            message, finish = (_harmony_message(c, policy, req.include_reasoning, header) if harmony else
                                _message(c, policy, opened, req.include_reasoning))
             if req.echoed:
                 message["content"] = req.echoed + (message["content"] or "")
@@ -128,9 +130,10 @@ class ChatHandler:
         return self._body(rid, "chat.completion.chunk", [choice])
 
     async def _events(self, req: ChatCompletionRequest, group: SampleGroup, stop: list[str],
-                      k: int | None, policy: ToolPolicy, opened: bool | None, harmony: bool) -> AsyncIterator[str]:
+                      k: int | None, policy: ToolPolicy, opened: bool | None, harmony: bool,
+                      header: str | None = None) -> AsyncIterator[str]:
         """opened: None without a reasoning split, else whether the prompt opens a think block; harmony: the reply
-        read as harmony messages (harmony.py)."""
+        read as harmony messages (harmony.py; header: the message the prompt leaves open, if any)."""
         rid, n = group.request_id, len(group.samples)
         deltas, last = [TextDeltas(stop) for _ in range(n)], {}
         call_ids: dict[int, str] = {}    # named tool_choice: each choice's call id, once its first delta went out
@@ -138,7 +141,7 @@ class ChatHandler:
         sent = [0] * n     # continuous usage: each choice's tokens so far
         splits = None if opened is None else [ReasoningSplitter(opened) for _ in range(n)]
         content = [""] * n     # with splits: each choice's content so far (what the tool calls are read from)
-        harmonies = [HarmonyStream(policy) for _ in range(n)] if harmony else None
+        harmonies = [HarmonyStream(policy, header) for _ in range(n)] if harmony else None
 
         def emit(chunks: list[dict], i: int) -> str:
             if req.continuous_usage:
@@ -281,9 +284,10 @@ def _message(c: CompletionOutput, policy: ToolPolicy, opened: bool | None = None
     return {**head, "content": content, "tool_calls": [x.as_dict() for x in calls]}, "tool_calls"
 
 
-def _harmony_message(c: CompletionOutput, policy: ToolPolicy, include_reasoning: bool) -> tuple[dict, str | None]:
+def _harmony_message(c: CompletionOutput, policy: ToolPolicy, include_reasoning: bool,
+                     header: str | None = None) -> tuple[dict, str | None]:
     """A finished harmony reply's assistant message (reasoning, content, calls) and its finish reason."""
-    thought, content, calls = parse_harmony(c.text, policy, cut=c.finish_reason != "stop")
+    thought, content, calls = parse_harmony(c.text, policy, c.finish_reason != "stop", header)
     message = {"role": "assistant", **_reasoning_delta(thought if include_reasoning else None), "content": content}
     if not calls:
         return message, c.finish_reason
