@@ -275,3 +275,23 @@ def test_a_reply_continuing_a_prompts_message(harmony_model):
     assert parse_harmony(" is Paris.", None, False, "assistant<|channel|>analysis") == (" is Paris.", None, [])
     with pytest.raises(ValueError):
         ChatCompletionRequest(messages=ASK, reasoning_effort="extreme")
+
+
+def test_responses_reasoning_items_go_with_the_next_assistant_message():
+    """A Responses input's reasoning item (as this server returns it) is the reasoning of the assistant message
+    after it (GPT-OSS's template renders it before a call: the model's thread of thought between calls); a
+    summary-only item, as other servers return, carries none."""
+    from picovllm.entrypoints.openai.serving_responses import ResponsesRequest, chat_messages
+    user = {"role": "user", "content": [{"type": "input_text", "text": "Weather in Paris?"}]}
+    rs = {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "Need it."}]}
+    call = {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Paris"}'}
+    done = {"type": "function_call_output", "call_id": "c1", "output": "Sunny"}
+    msgs = chat_messages(ResponsesRequest(input=[user, rs, call, done]))
+    assert [m["role"] for m in msgs] == ["user", "assistant", "tool"] and msgs[1]["reasoning"] == "Need it."
+    chat = ChatCompletionRequest(messages=msgs)
+    assert chat.messages[1].as_template_dict()["thinking"] == "Need it."
+    answer = {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Sunny."}]}
+    msgs = chat_messages(ResponsesRequest(input=[user, rs, answer]))
+    assert msgs[1] == {"role": "assistant", "content": "Sunny.", "reasoning": "Need it."}
+    msgs = chat_messages(ResponsesRequest(input=[user, {"type": "reasoning", "id": "rs_2", "summary": []}, answer]))
+    assert "reasoning" not in msgs[1]

@@ -81,10 +81,13 @@ def _text_of(content: Any, param: str, kinds: tuple[str, ...]) -> str:
 
 
 def chat_messages(req: ResponsesRequest) -> list[dict]:
-    """instructions and input as chat messages; consecutive function_call items are one assistant message."""
+    """instructions and input as chat messages; consecutive function_call items are one assistant message; a
+    reasoning item's text goes with the assistant message after it (its `reasoning`: GPT-OSS's template renders it
+    before a call; others leave it out), a summary-only one is dropped."""
     messages = [{"role": "system", "content": req.instructions}] if req.instructions is not None else []
     if isinstance(req.input, str):
         return messages + [{"role": "user", "content": req.input}]
+    thought = None          # a reasoning item's text, for the next assistant message
     for i, item in enumerate(req.input):
         at = f"input[{i}]"
         kind = item.get("type", "message") if isinstance(item, dict) else None
@@ -94,6 +97,8 @@ def chat_messages(req: ResponsesRequest) -> list[dict]:
                 raise _bad(f"{at}.role: must be user, system, developer or assistant, got {role!r}", f"{at}.role")
             kinds = ("output_text", "input_text") if role == "assistant" else ("input_text",)
             messages.append({"role": role, "content": _text_of(item.get("content"), f"{at}.content", kinds)})
+            if role == "assistant" and thought is not None:
+                messages[-1]["reasoning"], thought = thought, None
         elif kind == "function_call":
             call = {"id": _string(item, "call_id", at), "type": "function",
                     "function": {"name": _string(item, "name", at), "arguments": _string(item, "arguments", at)}}
@@ -102,14 +107,20 @@ def chat_messages(req: ResponsesRequest) -> list[dict]:
                 last["tool_calls"].append(call)
             else:
                 messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+                if thought is not None:
+                    messages[-1]["reasoning"], thought = thought, None
         elif kind == "function_call_output":
             output = item.get("output")
             output = _text_of(output, f"{at}.output", ("input_text",)) if isinstance(output, list) else output
             if not isinstance(output, str):
                 raise _bad(f"{at}.output: must be a string", f"{at}.output")
             messages.append({"role": "tool", "tool_call_id": _string(item, "call_id", at), "content": output})
-        elif kind == "reasoning":
-            pass        # an earlier turn's reasoning, sent back as the SDK does: chat templates leave it out too
+        elif kind == "reasoning":     # an earlier turn's, sent back as the SDK does
+            parts = item.get("content") or []
+            texts = [p.get("text") for p in parts if isinstance(p, dict) and p.get("type") == "reasoning_text"]
+            if any(not isinstance(t, str) for t in texts):
+                raise _bad(f"{at}.content: reasoning_text parts need a text", f"{at}.content")
+            thought = "\n".join(texts) if texts else thought
         else:
             raise _bad(f"{at}.type: {kind!r} is not supported (message, function_call, function_call_output, "
                        f"reasoning)", f"{at}.type")
