@@ -306,3 +306,42 @@ def test_served_mistral_tool_calls(mistral_tool_model, tmp_path):
             assert (content, got, finish) == want
         finally:
             assert srv.stop(signal.SIGINT) == 0, srv.log()
+
+
+COUNT = {"type": "function", "function": {"name": "count", "parameters": {"type": "object", "properties": {
+    "n": {"type": "integer"}, "label": {"type": "string"}, "opts": {"type": "object"}}}}}
+
+
+@pytest.mark.parametrize("text, want", [
+    ("<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n</tool_call>",   # GLM-4.5's
+     (None, [("get_weather", {"city": "Paris"})])),
+    ("Let me see.\n<tool_call>count<arg_key>n</arg_key><arg_value>3</arg_value><arg_key>label</arg_key>"   # 4.7's
+     "<arg_value>123</arg_value><arg_key>opts</arg_key><arg_value>{\"a\": [1]}</arg_value></tool_call>"
+     "<tool_call>get_time</tool_call>",
+     ("Let me see.", [("count", {"n": 3, "label": "123", "opts": {"a": [1]}}), ("get_time", {})])),
+    ("<tool_call>count\n<arg_key>n</arg_key>\n<arg_value>many</arg_value>\n</tool_call>",    # not JSON: as text
+     (None, [("count", {"n": "many"})])),
+    ("<tool_call>nope\n<arg_key>a</arg_key>\n<arg_value>1</arg_value>\n</tool_call>", None),   # not offered
+    ("<tool_call>count\n<arg_key>n</arg_key>\n<arg_value>1</arg_value> junk\n</tool_call>", None),
+    ("cut <tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Par", None),
+])
+def test_glm45_calls_by_hand(text, want):
+    """GLM-4.5 to 4.7's format (vLLM's glm45): a value is text where the tool's schema says string (label "123"),
+    else JSON where it parses; the content is what stands before the first call."""
+    policy = request(tools=[WEATHER, TIME, COUNT]).tool_policy()
+    policy.parser = "glm45"
+    content, calls = policy.parse(text)
+    assert (content, named_args(calls)) == (want if want is not None else (text, []))
+    rng = __import__("random").Random(len(text))
+    stream, sent, streamed, cut = AutoToolStream(policy), "", [], 0
+    while cut < len(text):        # streamed: each call as soon as its block closes, adding up to the parse
+        cut = min(len(text), cut + rng.randint(1, 6))
+        new, got = stream.feed(text[:cut], cut == len(text))
+        sent, streamed = sent + new, streamed + got
+    assert (sent or None, named_args(streamed)) == (content, named_args(calls))
+
+
+def test_glm_template_is_detected():
+    from picovllm.entrypoints.openai.tool_calls import detect_tool_parser
+    glm = "{{ '<tool_call>' + tc.name }}{% for k, v in tc.arguments.items() %}<arg_key>{{ k }}</arg_key>{% endfor %}"
+    assert detect_tool_parser(None, glm) == "glm45"

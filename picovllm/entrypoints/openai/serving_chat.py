@@ -37,8 +37,8 @@ class ChatHandler:
         if policy.mode == "auto":     # the model's own call format where its template renders the tools, else
             template = req.chat_template or getattr(ctx.tokenizer.tokenizer, "chat_template", None)   # Hermes'
             policy.parser = ctx.tool_parser if template_renders_tools(template) else "hermes"
-            if policy.active and policy.parser == "mistral":
-                params.skip_special_tokens = False       # its [TOOL_CALLS] is a special token
+            if policy.active and policy.parser in ("mistral", "glm45"):
+                params.skip_special_tokens = False       # their markers are special tokens
         ids = await ctx.tokenizer.encode_chat([m.as_template_dict() for m in req.messages], req.add_generation_prompt,
                                               req.add_special_tokens, tools=policy.tools if policy.active else None,
                                               continue_final_message=req.continue_final_message,

@@ -6,6 +6,9 @@ uses them; otherwise a system message describes them and the Hermes format to ca
 The calls' format (vLLM's --tool-call-parser; by default the one the model's tokenizer and template speak):
 - hermes (Qwen-family and other Hermes-style templates, and the system-message fallback):
   `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks;
+- glm45 (GLM-4.5 to 4.7's templates): `<tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value>...</tool_call>`
+  blocks (newlines between or not), a value taken as text where the tool's schema says string, else as JSON where
+  it parses; the server keeps the special tokens in the text for it;
 - llama3_json (Llama 3.1-3.3's templates): the output is one or more `{"name": ..., "parameters": {...}}` objects
   (or "arguments"), `; ` between them, after an optional `<|python_tag|>`;
 - mistral (a tokenizer with a `[TOOL_CALLS]` token): `[TOOL_CALLS]` then a JSON list of {"name", "arguments"}, or
@@ -34,7 +37,9 @@ from picovllm.sampling_params import StructuredOutputsParams
 
 TOOL_CALL_RE = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
 ANY_OBJECT = {"type": "object"}
-TOOL_PARSERS = ("hermes", "llama3_json", "mistral")
+TOOL_PARSERS = ("hermes", "glm45", "llama3_json", "mistral")
+GLM_CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+GLM_ARG_RE = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
 PYTHON_TAG, MISTRAL_CALLS, MISTRAL_ARGS = "<|python_tag|>", "[TOOL_CALLS]", "[ARGS]"
 
 
@@ -105,8 +110,8 @@ class ToolPolicy:
         if self.parser == "mistral":
             return self._parse_mistral(text)
         calls, first = [], None
-        for m in TOOL_CALL_RE.finditer(text):
-            call = self.valid_call(m.group(1))
+        for m in self.block_re.finditer(text):
+            call = self.block_call(m.group(1))
             if call is not None:
                 calls.append(call)
                 first = m.start() if first is None else first
@@ -171,6 +176,30 @@ class ToolPolicy:
         content = text[:start].rstrip()
         return content or None, calls if self.parallel else calls[:1]
 
+    @property
+    def block_re(self) -> re.Pattern:
+        """The <tool_call> blocks of the block formats (hermes, glm45): their inside is group 1."""
+        return GLM_CALL_RE if self.parser == "glm45" else TOOL_CALL_RE
+
+    def block_call(self, block: str) -> ToolCall | None:
+        """The call a complete <tool_call> block's inside makes, or None if it makes none."""
+        return self._glm_call(block) if self.parser == "glm45" else self.valid_call(block)
+
+    def _glm_call(self, block: str) -> ToolCall | None:
+        """GLM's NAME then <arg_key>/<arg_value> pairs and nothing else; a value is text where the tool's schema
+        says string, else JSON where it parses (GLM's template writes non-strings as JSON), else text."""
+        head = block.split("<arg_key>", 1)[0]
+        name = head.strip()
+        if name not in self.functions or GLM_ARG_RE.sub("", block[len(head):]).strip():
+            return None
+        props = (self.functions[name].get("parameters") or {}).get("properties") or {}
+        args = {}
+        for m in GLM_ARG_RE.finditer(block):
+            key, raw = m.group(1).strip(), m.group(2)
+            kind = (props.get(key) or {}).get("type")
+            args[key] = raw if kind == "string" or (isinstance(kind, list) and "string" in kind) else _json_or_text(raw)
+        return ToolCall(name, json.dumps(args, ensure_ascii=False))
+
     def valid_call(self, block: str) -> ToolCall | None:
         """The call a complete <tool_call> block's JSON makes, or None if it makes none."""
         try:
@@ -204,12 +233,12 @@ class AutoToolStream:
     def feed(self, text: str, finished: bool) -> tuple[str, list[ToolCall]]:
         if not finished:     # a stop string could still cut the last `hold` characters (and a block there)
             text = text[:max(0, len(text) - self.hold)]
-        if self.policy.parser != "hermes":
+        if self.policy.parser not in ("hermes", "glm45"):
             return self._feed_whole(text, finished)
         calls = []
-        for m in TOOL_CALL_RE.finditer(text, self.scanned):
+        for m in self.policy.block_re.finditer(text, self.scanned):
             self.scanned = m.end()
-            call = self.policy.valid_call(m.group(1))
+            call = self.policy.block_call(m.group(1))
             if call is None or (self.num_calls and not self.policy.parallel):
                 continue
             self.content_end = m.start() if self.content_end is None else self.content_end
@@ -253,17 +282,26 @@ class AutoToolStream:
 
 
 def detect_tool_parser(tokenizer, chat_template: str | None) -> str:
-    """The calls' format a model speaks (TOOL_PARSERS): mistral where its tokenizer has a [TOOL_CALLS] token,
-    llama3_json where its chat template is Llama 3's (tools through `Environment: ipython` / <|python_tag|>), else
-    hermes."""
+    """The calls' format a model speaks (TOOL_PARSERS): mistral where its tokenizer has a [TOOL_CALLS] token, glm45
+    where its chat template writes <arg_key> pairs, llama3_json where the template is Llama 3's (tools through
+    `Environment: ipython` / <|python_tag|>), else hermes."""
     try:
         if tokenizer is not None and len(tokenizer.encode(MISTRAL_CALLS, add_special_tokens=False)) == 1:
             return "mistral"
     except Exception:       # a tokenizer that cannot encode: not Mistral's
         pass
+    if chat_template and "<arg_key>" in chat_template:
+        return "glm45"
     if chat_template and (PYTHON_TAG in chat_template or "Environment: ipython" in chat_template):
         return "llama3_json"
     return "hermes"
+
+
+def _json_or_text(raw: str):
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        return raw
 
 
 def partial_tag(text: str, tag: str = "<tool_call>") -> int:
