@@ -345,3 +345,34 @@ def test_glm_template_is_detected():
     from picovllm.entrypoints.openai.tool_calls import detect_tool_parser
     glm = "{{ '<tool_call>' + tc.name }}{% for k, v in tc.arguments.items() %}<arg_key>{{ k }}</arg_key>{% endfor %}"
     assert detect_tool_parser(None, glm) == "glm45"
+
+
+@pytest.mark.parametrize("text, want", [
+    ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>",
+     (None, [("get_weather", {"city": "Paris"})])),                         # Qwen3-Coder's, as its template writes
+    ("I will count.\n<tool_call>\n<function=count>\n<parameter=n>\n3\n</parameter>\n<parameter=label>\n007\n"
+     "</parameter>\n<parameter=opts>\n{\"a\": true}\n</parameter>\n</function>\n</tool_call>\n"
+     "<tool_call>\n<function=get_time>\n</function>\n</tool_call>",
+     ("I will count.", [("count", {"n": 3, "label": "007", "opts": {"a": True}}), ("get_time", {})])),
+    ("<tool_call>\n<function=get_weather>\n<parameter=city>\nLine one\nLine two\n\n</parameter>\n</function>\n"
+     "</tool_call>", (None, [("get_weather", {"city": "Line one\nLine two\n"})])),   # one newline dropped each side
+    ("<tool_call>\n<function=nope>\n</function>\n</tool_call>", None),
+    ("<tool_call>\n<function=get_time>\n</function>\nextra\n</tool_call>", None),
+    ("<tool_call>\n<function=get_weather>\n<parameter=city>\nPar", None),
+])
+def test_qwen3_coder_calls_by_hand(text, want):
+    """Qwen3-Coder's format (vLLM's qwen3_coder): values typed by the tool's schema (label "007" stays text)."""
+    policy = request(tools=[WEATHER, TIME, COUNT]).tool_policy()
+    policy.parser = "qwen3_coder"
+    content, calls = policy.parse(text)
+    assert (content, named_args(calls)) == (want if want is not None else (text, []))
+    rng = __import__("random").Random(len(text))
+    stream, sent, streamed, cut = AutoToolStream(policy), "", [], 0
+    while cut < len(text):
+        cut = min(len(text), cut + rng.randint(1, 6))
+        new, got = stream.feed(text[:cut], cut == len(text))
+        sent, streamed = sent + new, streamed + got
+    assert (sent or None, named_args(streamed)) == (content, named_args(calls))
+    from picovllm.entrypoints.openai.tool_calls import detect_tool_parser
+    coder = "{{ '<tool_call>\\n<function=' + tc.name + '>\\n' }}{{ '<parameter=' + k + '>\\n' }}"
+    assert detect_tool_parser(None, coder) == "qwen3_coder"

@@ -9,6 +9,8 @@ The calls' format (vLLM's --tool-call-parser; by default the one the model's tok
 - glm45 (GLM-4.5 to 4.7's templates): `<tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value>...</tool_call>`
   blocks (newlines between or not), a value taken as text where the tool's schema says string, else as JSON where
   it parses; the server keeps the special tokens in the text for it;
+- qwen3_coder (Qwen3-Coder's template): `<tool_call><function=NAME><parameter=K>V</parameter>...</function>
+  </tool_call>` blocks, a value's one leading and trailing newline dropped, then read as glm45's are;
 - llama3_json (Llama 3.1-3.3's templates): the output is one or more `{"name": ..., "parameters": {...}}` objects
   (or "arguments"), `; ` between them, after an optional `<|python_tag|>`;
 - mistral (a tokenizer with a `[TOOL_CALLS]` token): `[TOOL_CALLS]` then a JSON list of {"name", "arguments"}, or
@@ -37,9 +39,12 @@ from picovllm.sampling_params import StructuredOutputsParams
 
 TOOL_CALL_RE = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
 ANY_OBJECT = {"type": "object"}
-TOOL_PARSERS = ("hermes", "glm45", "llama3_json", "mistral")
+TOOL_PARSERS = ("hermes", "glm45", "llama3_json", "mistral", "qwen3_coder")
 GLM_CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 GLM_ARG_RE = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+CODER_FUNCTION_RE = re.compile(r"\s*<function=([^>\n]+)>(.*?)</function>\s*", re.DOTALL)
+CODER_PARAM_RE = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
+BLOCK_PARSERS = ("hermes", "glm45", "qwen3_coder")     # <tool_call> blocks, each call as soon as it closes
 PYTHON_TAG, MISTRAL_CALLS, MISTRAL_ARGS = "<|python_tag|>", "[TOOL_CALLS]", "[ARGS]"
 
 
@@ -179,11 +184,35 @@ class ToolPolicy:
     @property
     def block_re(self) -> re.Pattern:
         """The <tool_call> blocks of the block formats (hermes, glm45): their inside is group 1."""
-        return GLM_CALL_RE if self.parser == "glm45" else TOOL_CALL_RE
+        return TOOL_CALL_RE if self.parser == "hermes" else GLM_CALL_RE
 
     def block_call(self, block: str) -> ToolCall | None:
         """The call a complete <tool_call> block's inside makes, or None if it makes none."""
-        return self._glm_call(block) if self.parser == "glm45" else self.valid_call(block)
+        if self.parser == "glm45":
+            return self._glm_call(block)
+        if self.parser == "qwen3_coder":
+            return self._coder_call(block)
+        return self.valid_call(block)
+
+    def _coder_call(self, block: str) -> ToolCall | None:
+        """Qwen3-Coder's one <function=NAME> of <parameter=K> values and nothing else (values as _typed reads)."""
+        m = CODER_FUNCTION_RE.fullmatch(block)
+        name = m.group(1).strip() if m else None
+        if name not in self.functions or CODER_PARAM_RE.sub("", m.group(2)).strip():
+            return None
+        args = {}
+        for p in CODER_PARAM_RE.finditer(m.group(2)):
+            raw = p.group(2)
+            raw = raw[1:] if raw.startswith("\n") else raw
+            raw = raw[:-1] if raw.endswith("\n") else raw
+            args[p.group(1).strip()] = self._typed(name, p.group(1).strip(), raw)
+        return ToolCall(name, json.dumps(args, ensure_ascii=False))
+
+    def _typed(self, name: str, key: str, raw: str):
+        """A value written as text: text where the tool's schema says string, else JSON where it parses, else text."""
+        props = (self.functions[name].get("parameters") or {}).get("properties") or {}
+        kind = (props.get(key) or {}).get("type")
+        return raw if kind == "string" or (isinstance(kind, list) and "string" in kind) else _json_or_text(raw)
 
     def _glm_call(self, block: str) -> ToolCall | None:
         """GLM's NAME then <arg_key>/<arg_value> pairs and nothing else; a value is text where the tool's schema
@@ -192,12 +221,8 @@ class ToolPolicy:
         name = head.strip()
         if name not in self.functions or GLM_ARG_RE.sub("", block[len(head):]).strip():
             return None
-        props = (self.functions[name].get("parameters") or {}).get("properties") or {}
-        args = {}
-        for m in GLM_ARG_RE.finditer(block):
-            key, raw = m.group(1).strip(), m.group(2)
-            kind = (props.get(key) or {}).get("type")
-            args[key] = raw if kind == "string" or (isinstance(kind, list) and "string" in kind) else _json_or_text(raw)
+        args = {m.group(1).strip(): self._typed(name, m.group(1).strip(), m.group(2))
+                for m in GLM_ARG_RE.finditer(block)}
         return ToolCall(name, json.dumps(args, ensure_ascii=False))
 
     def valid_call(self, block: str) -> ToolCall | None:
@@ -233,7 +258,7 @@ class AutoToolStream:
     def feed(self, text: str, finished: bool) -> tuple[str, list[ToolCall]]:
         if not finished:     # a stop string could still cut the last `hold` characters (and a block there)
             text = text[:max(0, len(text) - self.hold)]
-        if self.policy.parser not in ("hermes", "glm45"):
+        if self.policy.parser not in BLOCK_PARSERS:
             return self._feed_whole(text, finished)
         calls = []
         for m in self.policy.block_re.finditer(text, self.scanned):
@@ -282,14 +307,17 @@ class AutoToolStream:
 
 
 def detect_tool_parser(tokenizer, chat_template: str | None) -> str:
-    """The calls' format a model speaks (TOOL_PARSERS): mistral where its tokenizer has a [TOOL_CALLS] token, glm45
-    where its chat template writes <arg_key> pairs, llama3_json where the template is Llama 3's (tools through
+    """The calls' format a model speaks (TOOL_PARSERS): mistral where its tokenizer has a [TOOL_CALLS] token,
+    qwen3_coder where its chat template writes <function=...> and <parameter=...>, glm45 where it writes <arg_key>
+    pairs, llama3_json where the template is Llama 3's (tools through
     `Environment: ipython` / <|python_tag|>), else hermes."""
     try:
         if tokenizer is not None and len(tokenizer.encode(MISTRAL_CALLS, add_special_tokens=False)) == 1:
             return "mistral"
     except Exception:       # a tokenizer that cannot encode: not Mistral's
         pass
+    if chat_template and "<function=" in chat_template and "<parameter=" in chat_template:
+        return "qwen3_coder"
     if chat_template and "<arg_key>" in chat_template:
         return "glm45"
     if chat_template and (PYTHON_TAG in chat_template or "Environment: ipython" in chat_template):
