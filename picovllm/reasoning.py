@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 THINK_START, THINK_END = "<think>", "</think>"
-REASONING_PARSERS = ("qwen3", "deepseek_r1")     # vLLM's --reasoning-parser names; both by the rules here
+REASONING_PARSERS = ("qwen3", "deepseek_r1", "glm45")    # vLLM's --reasoning-parser names; all by the rules here
 
 # where the output starts: inside a block the prompt opened (DeepSeek-R1's template, Qwen3.5's; or an assistant
 # message continued inside its block), after one it closed (Qwen3's with thinking off: an empty block; or an answer

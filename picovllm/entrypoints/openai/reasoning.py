@@ -1,6 +1,6 @@
 """Reasoning outputs (vLLM's `--reasoning-parser`): a thinking model's reasoning apart from its answer.
 
-Qwen3 and DeepSeek-R1 (and their distills, QwQ) reason inside `<think> ... </think>` before they answer; with a
+Qwen3, DeepSeek-R1 and GLM-4.5 (and their distills, QwQ) reason inside `<think> ... </think>` before they answer; with a
 parser the chat endpoint returns that part as the message's `reasoning` (and `reasoning_content`, the name vLLM
 used first and clients still read), the rest as `content`, and the Responses endpoint a `reasoning` item before the
 message. One rule serves both parsers:
@@ -29,7 +29,7 @@ from picovllm.reasoning import REASONING, REASONING_PARSERS, THINK_END, THINK_ST
 __all__ = ["PARSERS", "ReasoningSplitter", "opened_in_prompt", "split_reasoning"]
 START, END, PARSERS = THINK_START, THINK_END, REASONING_PARSERS
 HELP = ("split a thinking model's <think> ... </think> from its answer: chat's message.reasoning (and "
-        "reasoning_content), a reasoning item in /v1/responses (vLLM's flag: qwen3, deepseek_r1)")
+        "reasoning_content), a reasoning item in /v1/responses (vLLM's flag: qwen3, deepseek_r1, glm45)")
 
 
 def opened_in_prompt(tags: ThinkTags, prompt_ids: list[int]) -> bool:
