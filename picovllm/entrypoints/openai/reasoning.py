@@ -1,9 +1,9 @@
 """Reasoning outputs (vLLM's `--reasoning-parser`): a thinking model's reasoning apart from its answer.
 
-Qwen3, DeepSeek-R1 and GLM-4.5 (and their distills, QwQ) reason inside `<think> ... </think>` before they answer; with a
-parser the chat endpoint returns that part as the message's `reasoning` (and `reasoning_content`, the name vLLM
-used first and clients still read), the rest as `content`, and the Responses endpoint a `reasoning` item before the
-message. One rule serves both parsers:
+Qwen3, DeepSeek-R1 and GLM-4.5 (and their distills, QwQ) reason inside `<think> ... </think>` before they answer;
+with a parser the chat endpoint returns that part as the message's `reasoning` (and `reasoning_content`, the name
+vLLM used first and clients still read), the rest as `content`, and the Responses endpoint a `reasoning` item before
+the message. One rule serves every parser:
 
 - the prompt's last think tag or turn boundary (a special token) is a `<think>`: DeepSeek-R1's template and
   Qwen3.5's open the block there (and an assistant message continued inside its block), the output starts in it;
