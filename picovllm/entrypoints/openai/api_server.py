@@ -56,7 +56,8 @@ class ServerSettings:
     access_log: bool = False
     chat_template: str | None = None    # the template's text (tokenizer_worker.load_chat_template), or the model's
     trust_request_chat_template: bool = False   # a request's chat_template may replace it
-    reasoning_parser: str | None = None  # split <think> ... </think> from the answer (reasoning.py): qwen3, deepseek_r1, glm45
+    # split <think> ... </think> from the answer (reasoning.py): qwen3, deepseek_r1, glm45
+    reasoning_parser: str | None = None
     tool_call_parser: str = "auto"      # tool calls' format under tool_choice auto (tool_calls.py): auto, hermes, ...
     engine_process: bool = True         # the engine loop in a process of its own (engine_process.py), not a thread
     api_server_count: int = 1           # HTTP processes in front of the one engine process (api_workers.py)

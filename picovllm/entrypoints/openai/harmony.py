@@ -4,7 +4,7 @@ A harmony reply is a run of messages, each `<|start|>{header}<|message|>{body}` 
 tokens `<|return|>`, after the answer, and `<|call|>`, after a tool call). The prompt ends with
 `<|start|>assistant`, so the first message's header starts at its `<|channel|>`:
 
-    <|channel|>analysis<|message|>User asks for 2+2. Simple.<|end|><|start|>assistant<|channel|>final<|message|>4<|return|>
+    <|channel|>analysis<|message|>2+2? Simple.<|end|><|start|>assistant<|channel|>final<|message|>4<|return|>
     <|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city":"Paris"}<|call|>
 
 The header names the channel (`analysis`: reasoning; `final`: the answer; `commentary`: a tool call's preamble, or
