@@ -295,3 +295,30 @@ def test_responses_reasoning_items_go_with_the_next_assistant_message():
     assert msgs[1] == {"role": "assistant", "content": "Sunny.", "reasoning": "Need it."}
     msgs = chat_messages(ResponsesRequest(input=[user, {"type": "reasoning", "id": "rs_2", "summary": []}, answer]))
     assert "reasoning" not in msgs[1]
+
+
+def test_parallel_calls_sent_back_reach_a_one_call_template(harmony_model):
+    """GPT-OSS's HF template renders an assistant message's first tool call only: with harmony the server splits a
+    message of several calls into one a call, each followed by its result (by tool_call_id, else in order), so none
+    is lost from the prompt; the first part keeps the content and reasoning."""
+    from transformers import AutoTokenizer
+    from picovllm.entrypoints.openai.harmony import one_call_per_message
+    call = {"type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+    msgs = [ASK_TOOL[0], {"role": "assistant", "content": "Checking.", "tool_calls": [
+        dict(call, id="a", function={"name": "get_weather", "arguments": '{"city": "Paris"}'}),
+        dict(call, id="b", function={"name": "get_weather", "arguments": '{"city": "Oslo"}'})]},
+        {"role": "tool", "tool_call_id": "b", "content": "Snow"}, {"role": "tool", "tool_call_id": "a", "content": "Sun"}]
+    req = ChatCompletionRequest(messages=msgs)
+    split = one_call_per_message([m.as_template_dict() for m in req.messages])
+    assert [(m["role"], m.get("tool_calls", [{}])[0].get("id"), m["content"]) for m in split] == [
+        ("user", None, ASK_TOOL[0]["content"]), ("assistant", "a", "Checking."), ("tool", None, "Sun"),
+        ("assistant", "b", ""), ("tool", None, "Snow")]
+    assert one_call_per_message(split) == split
+    # the template's way (GPT-OSS's: the first call of each assistant message, the tool's result after it)
+    first_only = ("{% for m in messages %}{% if m.tool_calls %}<|start|>assistant to=functions."
+                  "{{ m.tool_calls[0].function.name }}<|channel|>commentary json<|message|>"
+                  "{{ m.tool_calls[0].function.arguments | tojson }}<|call|>{% else %}<|start|>{{ m.role }}"
+                  "<|message|>{{ m.content }}<|end|>{% endif %}{% endfor %}<|start|>assistant")
+    tok = AutoTokenizer.from_pretrained(harmony_model)
+    text = tok.apply_chat_template(split, tokenize=False, chat_template=first_only)
+    assert '"Paris"' in text and '"Oslo"' in text and text.index("Sun") < text.index("Oslo") < text.index("Snow")

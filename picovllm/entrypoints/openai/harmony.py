@@ -168,6 +168,37 @@ class HarmonyStream:
         return ToolCall(name, json.dumps(obj, ensure_ascii=False)) if isinstance(obj, dict) else None
 
 
+def one_call_per_message(messages: list[dict]) -> list[dict]:
+    """Chat messages (template dicts) with each assistant message of several tool calls split into one message a
+    call, each followed by its tool result (matched by tool_call_id, else in order): GPT-OSS's chat template renders
+    an assistant message's first call only, and harmony writes calls one message each anyway. The first part keeps
+    the message's content and reasoning; results that match no call follow the last part, as they came."""
+    out, i = [], 0
+    while i < len(messages):
+        m = messages[i]
+        calls = m.get("tool_calls") or []
+        if m.get("role") != "assistant" or len(calls) < 2:
+            out.append(m)
+            i += 1
+            continue
+        j = i + 1
+        while j < len(messages) and messages[j].get("role") == "tool":
+            j += 1
+        results = list(messages[i + 1:j])
+        for k, call in enumerate(calls):
+            part = dict(m, tool_calls=[call]) if k == 0 else {"role": "assistant", "content": "", "tool_calls": [call]}
+            out.append(part)
+            match = next((r for r in results if r.get("tool_call_id") == call.get("id")), None)
+            if match is None and results and results[0].get("tool_call_id") is None:
+                match = results[0]
+            if match is not None:
+                results.remove(match)
+                out.append(match)
+        out.extend(results)
+        i = j
+    return out
+
+
 def _partial(text: str, marker: str) -> int:
     """How many characters at the end of text could be the start of marker."""
     for n in range(min(len(marker) - 1, len(text)), 0, -1):
