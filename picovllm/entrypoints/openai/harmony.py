@@ -32,7 +32,7 @@ import json
 import re
 from dataclasses import dataclass, field
 
-from picovllm.entrypoints.openai.tool_calls import ToolCall, ToolPolicy
+from picovllm.entrypoints.openai.tool_calls import ToolCall, ToolPolicy, partial_tag
 
 START, END, MESSAGE, CHANNEL = "<|start|>", "<|end|>", "<|message|>", "<|channel|>"
 CALL, RETURN = "<|call|>", "<|return|>"
@@ -115,7 +115,7 @@ class HarmonyStream:
                 self.buf = self.buf[at + len(marker):]
                 self.state = "header" if marker == START else "start"
                 continue
-            keep = 0 if finished else max(_partial(self.buf, m) for m in BODY_ENDS)
+            keep = 0 if finished else max(partial_tag(self.buf, m) for m in BODY_ENDS)
             self._route(self.buf[:len(self.buf) - keep], out)
             self.buf = self.buf[len(self.buf) - keep:]
             if finished:
@@ -197,14 +197,6 @@ def one_call_per_message(messages: list[dict]) -> list[dict]:
         out.extend(results)
         i = j
     return out
-
-
-def _partial(text: str, marker: str) -> int:
-    """How many characters at the end of text could be the start of marker."""
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:n]):
-            return n
-    return 0
 
 
 def parse_harmony(text: str, policy: ToolPolicy | None, cut: bool,

@@ -10,12 +10,11 @@ as OpenAI and vLLM do.
 from __future__ import annotations
 
 import dataclasses
-import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, create_model, field_validator
 
-from picovllm.entrypoints.openai.tool_calls import ToolPolicy
+from picovllm.entrypoints.openai.tool_calls import ToolPolicy, json_or_text
 from picovllm.entrypoints.parallel_sampling import sample_params
 from picovllm.sampling_params import StructuredOutputsParams
 from picovllm.sampling_params import SamplingParams
@@ -335,15 +334,8 @@ class ChatMessage(refusing_model("_RefusedInMessage", {"function_call": ()})):
         if self.tool_calls:
             # chat templates (Qwen's, HF's convention) take the arguments as an object, not as JSON text
             d["tool_calls"] = [{"id": c.id, "type": "function", "function": {
-                "name": c.function.name, "arguments": _json_or_text(c.function.arguments)}} for c in self.tool_calls]
+                "name": c.function.name, "arguments": json_or_text(c.function.arguments)}} for c in self.tool_calls]
         return d
-
-
-def _json_or_text(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return text
 
 
 class FunctionSpec(_Strict):

@@ -13,7 +13,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from picovllm.entrypoints.openai.engine_client import EngineClient, EngineDeadError, EngineStepError, RequestStream
-from picovllm.entrypoints.openai.harmony import HarmonyTokens, speaks_harmony
+from picovllm.entrypoints.openai.harmony import HarmonyTokens, one_call_per_message, speaks_harmony
 from picovllm.entrypoints.openai.metrics import ServerMetrics
 from picovllm.entrypoints.openai.protocol import APIError, error_body
 from picovllm.entrypoints.openai.tokenizer_worker import TokenizerWorker
@@ -66,6 +66,12 @@ class ServingContext:
         """GPT-OSS's tokenizer (harmony's markers): its chat replies are read as harmony (harmony.py), else None."""
         tok = self.tokenizer.tokenizer
         return HarmonyTokens(tok) if speaks_harmony(tok) else None
+
+    def template_messages(self, messages: list) -> list[dict]:
+        """A request's messages as the chat template takes them (with harmony, one tool call an assistant message:
+        GPT-OSS's template renders the first only)."""
+        dicts = [m.as_template_dict() for m in messages]
+        return one_call_per_message(dicts) if self.harmony is not None else dicts
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import Request, Response
 
-from picovllm.entrypoints.openai.harmony import HarmonyStream, one_call_per_message, parse_harmony
+from picovllm.entrypoints.openai.harmony import HarmonyStream, parse_harmony
 from picovllm.entrypoints.openai.protocol import APIError, ChatCompletionRequest
 from picovllm.entrypoints.openai.reasoning import ReasoningSplitter, opened_in_prompt, split_reasoning
 from picovllm.entrypoints.openai.tool_calls import AutoToolStream, ToolCall, ToolPolicy, template_renders_tools
@@ -39,10 +39,7 @@ class ChatHandler:
             policy.parser = ctx.tool_parser if template_renders_tools(template) else "hermes"
             if policy.active and policy.parser in ("mistral", "glm45"):
                 params.skip_special_tokens = False       # their markers are special tokens
-        messages = [m.as_template_dict() for m in req.messages]
-        if ctx.harmony is not None:     # GPT-OSS's template renders one call an assistant message
-            messages = one_call_per_message(messages)
-        ids = await ctx.tokenizer.encode_chat(messages, req.add_generation_prompt,
+        ids = await ctx.tokenizer.encode_chat(ctx.template_messages(req.messages), req.add_generation_prompt,
                                               req.add_special_tokens, tools=policy.tools if policy.active else None,
                                               continue_final_message=req.continue_final_message,
                                               chat_template_kwargs=req.chat_template_kwargs,

@@ -2,7 +2,6 @@
 generation endpoints would run, e.g. to build a logit_bias), and text for token ids."""
 from __future__ import annotations
 
-from picovllm.entrypoints.openai.harmony import one_call_per_message
 from picovllm.entrypoints.openai.protocol import APIError, DetokenizeRequest, TokenizeRequest
 from picovllm.entrypoints.openai.serving import ServingContext
 
@@ -11,10 +10,7 @@ async def tokenize(ctx: ServingContext, req: TokenizeRequest) -> dict:
     ctx.check_model(req.model)
     req.checked()
     if req.messages is not None:
-        messages = [m.as_template_dict() for m in req.messages]
-        if ctx.harmony is not None:      # as the chat endpoint renders them
-            messages = one_call_per_message(messages)
-        ids = await ctx.tokenizer.encode_chat(messages, req.add_generation_prompt,
+        ids = await ctx.tokenizer.encode_chat(ctx.template_messages(req.messages), req.add_generation_prompt,
                                               req.special_tokens, continue_final_message=req.continue_final_message,
                                               chat_template_kwargs=req.chat_template_kwargs,
                                               documents=req.documents, chat_template=req.chat_template)

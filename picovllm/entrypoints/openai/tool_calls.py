@@ -21,7 +21,8 @@ The output, by tool_choice:
 - "auto": free text; each call whose JSON names a given tool with an object for arguments becomes a call, the
   text before the first one is the content, trailing whitespace dropped (a call that does not parse stays
   content: never a call with broken arguments). Streamed (AutoToolStream), the content goes out as it is
-  generated; a Hermes call as soon as its block closes, the other formats' calls when the output ends;
+  generated; a call of the block formats (hermes, glm45, qwen3_coder) as soon as its block closes, llama3_json's
+  and mistral's calls when the output ends;
 - "required": the output is constrained (structured outputs) to a JSON array of one or more
   {"name", "arguments"} objects, each one's arguments by that function's parameter schema;
 - a named function: the output is constrained to that function's arguments (its parameter schema);
@@ -34,6 +35,7 @@ import json
 import re
 import uuid
 from dataclasses import dataclass, field
+from typing import Any
 
 from picovllm.sampling_params import StructuredOutputsParams
 
@@ -183,7 +185,7 @@ class ToolPolicy:
 
     @property
     def block_re(self) -> re.Pattern:
-        """The <tool_call> blocks of the block formats (hermes, glm45): their inside is group 1."""
+        """The <tool_call> blocks of the block formats (BLOCK_PARSERS): their inside is group 1."""
         return TOOL_CALL_RE if self.parser == "hermes" else GLM_CALL_RE
 
     def block_call(self, block: str) -> ToolCall | None:
@@ -212,7 +214,7 @@ class ToolPolicy:
         """A value written as text: text where the tool's schema says string, else JSON where it parses, else text."""
         props = (self.functions[name].get("parameters") or {}).get("properties") or {}
         kind = (props.get(key) or {}).get("type")
-        return raw if kind == "string" or (isinstance(kind, list) and "string" in kind) else _json_or_text(raw)
+        return raw if kind == "string" or (isinstance(kind, list) and "string" in kind) else json_or_text(raw)
 
     def _glm_call(self, block: str) -> ToolCall | None:
         """GLM's NAME then <arg_key>/<arg_value> pairs and nothing else; a value is text where the tool's schema
@@ -285,7 +287,6 @@ class AutoToolStream:
         self.sent = max(self.sent, end)
         return new, calls
 
-
     def _feed_whole(self, text: str, finished: bool) -> tuple[str, list[ToolCall]]:
         """llama3_json and mistral: the content up to where calls may start; the calls once the output ends."""
         calls = []
@@ -309,8 +310,8 @@ class AutoToolStream:
 def detect_tool_parser(tokenizer, chat_template: str | None) -> str:
     """The calls' format a model speaks (TOOL_PARSERS): mistral where its tokenizer has a [TOOL_CALLS] token,
     qwen3_coder where its chat template writes <function=...> and <parameter=...>, glm45 where it writes <arg_key>
-    pairs, llama3_json where the template is Llama 3's (tools through
-    `Environment: ipython` / <|python_tag|>), else hermes."""
+    pairs, llama3_json where the template is Llama 3's (tools through `Environment: ipython` / <|python_tag|>),
+    else hermes."""
     try:
         if tokenizer is not None and len(tokenizer.encode(MISTRAL_CALLS, add_special_tokens=False)) == 1:
             return "mistral"
@@ -325,11 +326,12 @@ def detect_tool_parser(tokenizer, chat_template: str | None) -> str:
     return "hermes"
 
 
-def _json_or_text(raw: str):
+def json_or_text(text: str) -> Any:
+    """text's JSON value where it parses, else text itself."""
     try:
-        return json.loads(raw)
+        return json.loads(text)
     except json.JSONDecodeError:
-        return raw
+        return text
 
 
 def partial_tag(text: str, tag: str = "<tool_call>") -> int:
