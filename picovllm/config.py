@@ -336,13 +336,19 @@ def _moe_layers(cfg: dict[str, Any], layers: int) -> list[bool]:
 def parse_hf_overrides(value: dict | str | None, what: str = "hf_overrides") -> dict | None:
     """--hf-overrides' value: a dict or its JSON text (an object of config.json fields); None for none. ValueError
     naming `what` otherwise."""
+    return parse_json_object(value, what, "config.json fields")
+
+
+def parse_json_object(value: dict | str | None, what: str, of: str) -> dict | None:
+    """A flag's or field's value that is a dict or its JSON text (an object of `of`); None for none. ValueError
+    naming `what` otherwise."""
     if isinstance(value, str):
         try:
             value = json.loads(value)
         except json.JSONDecodeError as e:
             raise ValueError(f"{what} is not valid JSON ({e}), got {value!r}") from None
     if value is not None and not isinstance(value, dict):
-        raise ValueError(f"{what} must be a JSON object of config.json fields, got {value!r}")
+        raise ValueError(f"{what} must be a JSON object of {of}, got {value!r}")
     return value
 
 
@@ -431,14 +437,7 @@ class PoolerConfig:
         '{"pooling_type": "MEAN"}'); ValueError naming the field otherwise."""
         if value is None or isinstance(value, cls):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"EngineConfig.pooler_config is not valid JSON ({e}), got {value!r}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"EngineConfig.pooler_config must be an object of pooling_type and normalize, "
-                             f"got {value!r}")
+        value = parse_json_object(value, "EngineConfig.pooler_config", "pooling_type and normalize")
         unknown = sorted(set(value) - {"pooling_type", "normalize"})
         if unknown:
             raise ValueError(f"EngineConfig.pooler_config.{unknown[0]} is not supported (only pooling_type and "
