@@ -21,6 +21,7 @@ from picovllm.entrypoints.openai.tool_calls import detect_tool_parser
 from picovllm.entrypoints.parallel_sampling import merge_samples
 from picovllm.outputs import CompletionOutput, Logprob, RequestOutput
 from picovllm.reasoning import ThinkTags
+from picovllm.pooling_params import PoolingParams
 from picovllm.sampling_params import SamplingParams
 
 ENGINE_ERRORS = (EngineStepError, EngineDeadError)
@@ -86,16 +87,20 @@ class ServingContext:
             raise APIError(400, "spaces_between_special_tokens: false is not supported with this model's (slow) "
                                 "tokenizer", param="spaces_between_special_tokens")
 
-    async def add(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
-                  arrival_time: float, priority: int = 0) -> RequestStream:
+    async def add(self, prompt_token_ids: list[int], params: SamplingParams | PoolingParams, request_id: str,
+                  arrival_time: float, priority: int = 0, prompt_param: str | None = None) -> RequestStream:
+        """The engine's refusal as a 400 naming the request's field: a structured output's source, priority, a
+        SamplingParams (PoolingParams) field the engine checks against the model, or (prompt_param) the prompt."""
         try:
             return await self.engine.add_request(prompt_token_ids, params, request_id, arrival_time, priority)
         except ValueError as e:
-            so = params.structured_outputs   # a bad schema, regex or grammar: the error names the request's field
+            so = getattr(params, "structured_outputs", None)   # a bad schema, regex or grammar: the request's field
             param = so.source if so is not None and so.source and str(e).startswith(so.source) else None
             if str(e).startswith("priority"):
                 param = "priority"
-            named = re.match(r"SamplingParams\.(\w+)", str(e))    # a field the engine checks against the model
+            elif str(e).startswith("prompt"):
+                param = param or prompt_param
+            named = re.match(rf"{type(params).__name__}\.(\w+)", str(e))    # checked against the model
             if param is None and named and named.group(1) in type(params).__dataclass_fields__:
                 param = named.group(1)
             raise APIError(400, str(e), param=param) from None

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import re
 import struct
 import time
 import uuid
@@ -39,7 +38,7 @@ class EmbeddingHandler:
         finals: list[asyncio.Future] = []
         try:
             for i, ids in enumerate(prompts):
-                streams.append(await self._add(ids, params, f"{request_id}-{i}", arrival, req.priority))
+                streams.append(await ctx.add(ids, params, f"{request_id}-{i}", arrival, req.priority, "input"))
             finals = [asyncio.ensure_future(_final(s)) for s in streams]
             task = await until_disconnected(raw, asyncio.gather(*finals))
         finally:
@@ -79,29 +78,12 @@ class EmbeddingHandler:
             prompts.append(ids)
         return prompts
 
-    async def _add(self, ids: list[int], params: PoolingParams, request_id: str, arrival: float,
-                   priority: int) -> RequestStream:
-        try:
-            return await self.ctx.engine.add_request(ids, params, request_id, arrival, priority)
-        except ValueError as e:
-            raise APIError(400, str(e), param=_param_of(str(e))) from None
-        except ENGINE_ERRORS as e:
-            raise APIError(503, str(e), type="service_unavailable") from None
-
 
 async def _final(stream: RequestStream) -> RequestOutput:
     out = None
     async for out in stream.outputs():
         pass
     return out
-
-
-def _param_of(error: str) -> str | None:
-    """The request field an engine's refusal names: PoolingParams' own, a prompt's (input), or priority."""
-    named = re.match(r"PoolingParams\.(\w+)", error)
-    if named:
-        return named.group(1)
-    return "input" if error.startswith("prompt") else "priority" if error.startswith("priority") else None
 
 
 def _embedding(out: RequestOutput, index: int) -> list[float]:
