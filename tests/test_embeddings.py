@@ -139,6 +139,17 @@ def test_tensor_parallel_pools_rank_0s_hidden_states(bare_qwen3, tiny_models):
         assert_close(llm.embed(prompts, use_tqdm=False), hf_embeddings(tiny_models["qwen3"], prompts, mean=True))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,atol", [("float32", 2e-4), ("bfloat16", 3e-2)])
+def test_gpu_pooling_matches_hf(tiny_models, dtype, atol):
+    """On the GPU (the Triton prefill kernels, eager steps): last-token and mean pooling over chunked prompts against
+    HF in float64; fp32 within CUDA's summation orders, bf16 within its rounding."""
+    path, prompts = tiny_models["qwen3"], prompts_of(LENGTHS, seed=5)
+    for pooling, mean in [("LAST", False), ("MEAN", True)]:
+        llm = LLM(path, device="cuda", dtype=dtype, pooler_config={"pooling_type": pooling}, **ENGINE)
+        assert_close(llm.embed(prompts, use_tqdm=False), hf_embeddings(path, prompts, mean=mean), atol=atol)
+
+
 def test_matryoshka_dimensions_cut_then_normalize(tiny_models):
     path, prompts = tiny_models["qwen3"], prompts_of([12, 30], seed=3)
     llm = LLM(path, hf_overrides={"matryoshka_dimensions": [16, 32]}, **ENGINE)

@@ -112,20 +112,18 @@ def _group_kernel(ids_ptr, rows_ptr, tile_expert_ptr, num_pairs, num_slots, num_
     counts = tl.where(e < num_experts, counts, 0)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     seg_end = tl.cumsum(padded, 0)
-    seg_start = tl.sum(tl.where(e == me, seg_end - padded, 0), 0)
-    seg_stop = tl.sum(tl.where(e == me, seg_end, 0), 0)
-    if me == num_experts:         # the end program: everything after the last segment
-        seg_start = tl.sum(padded, 0)
-        seg_stop = num_slots
-        pad_from = seg_start
-    else:
-        placed = seg_start * 0    # this expert's pairs written so far
-        for p0 in range(0, num_pairs, CHUNK):
-            pair = p0 + c
-            hit = (tl.load(ids_ptr + pair, mask=pair < num_pairs, other=-1) == me).to(tl.int32)
-            tl.store(rows_ptr + seg_start + placed + tl.cumsum(hit, 0) - hit, pair, mask=hit != 0)
-            placed += tl.sum(hit, 0)
-        pad_from = seg_start + placed
+    # No branch on the end program: triton 3.6 on sm_90 miscompiled an if/else reassigning seg_start (every program
+    # read 48 after it, for one 16-expert batch, on an H100); the end program's pairs loop finds no pair of its own.
+    end = me == num_experts
+    seg_start = tl.where(end, tl.sum(padded, 0), tl.sum(tl.where(e == me, seg_end - padded, 0), 0))
+    seg_stop = tl.where(end, num_slots, tl.sum(tl.where(e == me, seg_end, 0), 0))
+    placed = seg_start * 0    # this expert's pairs written so far
+    for p0 in range(0, num_pairs, CHUNK):
+        pair = p0 + c
+        hit = (tl.load(ids_ptr + pair, mask=pair < num_pairs, other=-1) == me).to(tl.int32)
+        tl.store(rows_ptr + seg_start + placed + tl.cumsum(hit, 0) - hit, pair, mask=hit != 0)
+        placed += tl.sum(hit, 0)
+    pad_from = seg_start + placed
     for s0 in range(pad_from, seg_stop, CHUNK):
         tl.store(rows_ptr + s0 + c, tl.full([CHUNK], -1, tl.int32), mask=s0 + c < seg_stop)
     expert = tl.where(me < num_experts, me, -1)
