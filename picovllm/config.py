@@ -496,8 +496,9 @@ class EngineConfig:
                                           # model folder's generation_config.json), "vllm" (none), or a folder
     override_generation_config: dict | str | None = None   # JSON: set or replace those defaults
                                                            # (picovllm/generation_config.py, vLLM's flags)
-    reasoning_parser: str | None = None   # "qwen3" | "deepseek_r1": structured outputs' grammar governs the answer
-                                          # after a thinking model's <think> block (vLLM's --reasoning-parser)
+    reasoning_parser: str | None = None   # "qwen3" | "deepseek_r1" | "glm45": structured outputs' grammar governs
+                                          # the answer after a thinking model's <think> block; "openai_gptoss":
+                                          # after GPT-OSS's final header (vLLM's --reasoning-parser)
     runner: str = "generate"              # "generate" | "pooling" (prompts in, embeddings out: LLM.embed,
                                           # /v1/embeddings; engine/pooling.py) | "auto" ("generate"); vLLM's --runner
     pooler_config: PoolerConfig | dict | str | None = None   # a pooling engine's pooling_type and normalize

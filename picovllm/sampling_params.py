@@ -25,9 +25,10 @@ class StructuredOutputsParams:
     json: a JSON schema (dict or its text); regex: the output fullmatches it; choice: the output is one of
     these strings; grammar: an EBNF (GBNF) grammar whose rule `root` the output matches; json_object: any
     JSON object. `source`: the name the caller gave the constraint by (e.g. a request field), used in errors.
-    reasoning_parser ("qwen3" | "deepseek_r1"; picovllm's): the constraint governs the answer after a thinking
-    model's <think> ... </think> block, as EngineConfig.reasoning_parser does for every request (the OpenAI front
-    ends set it from their --reasoning-parser)."""
+    reasoning_parser (picovllm.reasoning.REASONING_PARSERS; picovllm's): the constraint governs the answer after a
+    thinking model's <think> ... </think> block ("qwen3", "deepseek_r1", "glm45") or after GPT-OSS's
+    `<|channel|>final<|message|>` ("openai_gptoss"), as EngineConfig.reasoning_parser does for every request (the
+    OpenAI front ends set it from their --reasoning-parser, and for a harmony model by themselves)."""
     json: str | dict | None = None
     regex: str | None = None
     choice: list[str] | None = None

@@ -140,6 +140,7 @@ def test_tensor_parallel_pools_rank_0s_hidden_states(bare_qwen3, tiny_models):
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype,atol", [("float32", 2e-4), ("bfloat16", 3e-2)])
 def test_gpu_pooling_matches_hf(tiny_models, dtype, atol):
     """On the GPU (the Triton prefill kernels, eager steps): last-token and mean pooling over chunked prompts against

@@ -322,3 +322,75 @@ def test_parallel_calls_sent_back_reach_a_one_call_template(harmony_model):
     tok = AutoTokenizer.from_pretrained(harmony_model)
     text = tok.apply_chat_template(split, tokenize=False, chat_template=first_only)
     assert '"Paris"' in text and '"Oslo"' in text and text.index("Sun") < text.index("Oslo") < text.index("Snow")
+
+
+# -- structured outputs on a harmony model: the grammar governs the final message's body ------------------------------
+def test_harmony_gate_by_hand():
+    """HarmonyTags: where a prompt leaves the output (plain text: the answer; a header or another channel's body
+    opened, a message ended: reasoning; the final header or its body: the answer), and the final header found in
+    the sampled tokens, false starts included. Ids by hand: markers 1-7 (<|message|> 3, <|channel|> 4), "final"
+    10, "analysis" 11."""
+    from picovllm.reasoning import ANSWER, REASONING, HarmonyTags
+    gate = HarmonyTags((4, 10, 3), 3, frozenset(range(1, 8)))
+    user = [1, 30, 3, 40, 41, 2]
+    assert [gate.phase(p) for p in ([], [20, 21], user + [1, 31], user + [1, 31, 4, 10, 3],
+                                    user + [1, 31, 4, 10, 3, 50, 51], user + [1, 31, 4, 11, 3, 50],
+                                    user + [1, 31, 4, 10, 3, 50, 2])] == [
+        ANSWER, ANSWER, REASONING, ANSWER, ANSWER, REASONING, REASONING]
+    phase, progress, seen = REASONING, 0, []
+    for t in [4, 11, 3, 60, 4, 2, 1, 31, 4, 4, 10, 3]:     # analysis, a stray <|channel|>, then the final header
+        passes, phase, progress = gate.advance(phase, progress, t)
+        assert passes
+        seen.append(phase)
+    assert seen == [REASONING] * 11 + [ANSWER]
+
+
+def _harmony_prompt(harmony_model) -> list[int]:
+    from transformers import AutoTokenizer
+    return _prompt_ids(AutoTokenizer.from_pretrained(harmony_model), ASK)
+
+
+def test_offline_grammar_waits_for_the_final_message(harmony_model):
+    """EngineConfig.reasoning_parser "openai_gptoss" (vLLM's): the trained analysis message and the final header pass
+    unmasked, the final body is one of the choices (the model would say "Paris."), and only an EOS may follow it.
+    Without the parser the grammar governs the whole reply (no harmony in it)."""
+    from picovllm import LLM, SamplingParams
+    from picovllm.sampling_params import StructuredOutputsParams
+    choices = ["Lyon", "Nice"]
+    params = SamplingParams(temperature=0, max_tokens=100, skip_special_tokens=False,
+                            structured_outputs=StructuredOutputsParams(choice=choices))
+    prompt = _harmony_prompt(harmony_model)
+    head = REPLY[:REPLY.index("<|channel|>final<|message|>")] + "<|channel|>final<|message|>"
+    out = LLM(harmony_model, reasoning_parser="openai_gptoss", num_kv_blocks=64).generate(
+        [prompt], params, use_tqdm=False)[0].outputs[0]
+    assert out.text.startswith(head) and out.text[len(head):] in choices and out.finish_reason == "stop"
+    out = LLM(harmony_model, num_kv_blocks=64).generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    assert out.text in choices
+    with pytest.raises(ValueError, match="openai_gptoss'.*no harmony markers"):
+        from serving_fixtures import build_tiny_chat_model
+        import tempfile
+        with tempfile.TemporaryDirectory() as d:
+            LLM(build_tiny_chat_model(d + "/m", vocab_size=400), reasoning_parser="openai_gptoss", num_kv_blocks=8)
+
+
+def test_served_structured_output_keeps_the_reasoning(client):
+    """Through the openai client, streamed or not, no flag: guided_choice and a json_schema response_format govern
+    the final message (the analysis comes back as reasoning, the content is a choice or parses against the
+    schema); tool_choice "required" still constrains the whole reply to a call (one: the tiny model, unconstrained,
+    repeats calls to max_tokens)."""
+    model = client.models.list().data[0].id
+    kw = dict(model=model, messages=ASK, temperature=0, max_tokens=200)
+    choices = ["Lyon", "Nice"]
+    got = client.chat.completions.create(**kw, extra_body={"guided_choice": choices})
+    msg = got.choices[0].message
+    assert msg.model_extra["reasoning"] == THOUGHT and msg.content in choices
+    reasoning, content, calls, finish, _ = _streamed(client, **kw, extra_body={"guided_choice": choices})
+    assert (reasoning, content, calls, finish) == (THOUGHT, msg.content, [], "stop")
+    schema = {"type": "object", "properties": {"city": {"type": "string", "enum": choices}}, "required": ["city"]}
+    got = client.chat.completions.create(**kw, response_format={"type": "json_schema", "json_schema": {
+        "name": "city", "schema": schema}})
+    msg = got.choices[0].message
+    assert msg.model_extra["reasoning"] == THOUGHT and json.loads(msg.content)["city"] in choices
+    got = client.chat.completions.create(**kw, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False)
+    call = got.choices[0].message.tool_calls[0]
+    assert call.function.name == "get_weather" and isinstance(json.loads(call.function.arguments)["city"], str)

@@ -46,7 +46,7 @@ from picovllm.layers.structured_output import BitmaskBuffers, GrammarState, Stru
 from picovllm.loader import engine_model_source
 from picovllm.outputs import CompletionOutput, Logprob, RequestOutput
 from picovllm.pooling_params import PoolingParams
-from picovllm.reasoning import ThinkTags
+from picovllm.reasoning import HarmonyTags, ThinkTags, reasoning_gate
 from picovllm.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
@@ -128,10 +128,11 @@ class Engine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None \
                 and self.tokenizer.eos_token_id not in self.eos_token_ids:
             self.eos_token_ids.append(self.tokenizer.eos_token_id)
-        # the think tokens of a reasoning parser's gate (structured outputs): the config's (checked before the weights
-        # load), or at a request's first ask
-        parser = config.reasoning_parser
-        self._reasoning_gate = self._think_gate(f"EngineConfig.reasoning_parser {parser!r}") if parser else None
+        # the reasoning parsers' gates (structured outputs), by name: the config's (checked before the weights load),
+        # or at a request's first ask
+        self._reasoning_gates: dict[str, ThinkTags | HarmonyTags] = {}
+        if config.reasoning_parser:
+            self._reasoning_gate(config.reasoning_parser, f"EngineConfig.reasoning_parser {config.reasoning_parser!r}")
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
         if config.runner == "generate" and not self.model_config.has_lm_head:
@@ -320,15 +321,20 @@ class Engine:
                              f"({self.model_config.vocab_size})")
         return ids
 
-    def _think_gate(self, what: str) -> ThinkTags:
-        """The think tokens a grammar's gate watches for; ValueError naming `what` where the tokenizer has none."""
+    def _reasoning_gate(self, parser: str, what: str) -> ThinkTags | HarmonyTags:
+        """The tokens a reasoning parser's grammar gate watches for (picovllm/reasoning.py); ValueError naming `what`
+        where the tokenizer has none."""
+        if parser in self._reasoning_gates:
+            return self._reasoning_gates[parser]
         if self.tokenizer is None:
             raise ValueError(f"{what} needs the model's tokenizer")
-        tags = ThinkTags.of(self.tokenizer, what)
-        if max(tags.start, tags.end) >= self.model_config.vocab_size:
-            raise ValueError(f"{what}: the tokenizer's think tokens {tags.start, tags.end} are outside the model's "
-                             f"vocabulary ({self.model_config.vocab_size})")
-        return tags
+        gate = reasoning_gate(self.tokenizer, parser, what)
+        ids = (gate.start, gate.end) if isinstance(gate, ThinkTags) else gate.final + tuple(gate.markers)
+        if max(ids) >= self.model_config.vocab_size:
+            raise ValueError(f"{what}: the tokenizer's reasoning tokens {sorted(set(ids))} are not all inside the "
+                             f"model's vocabulary ({self.model_config.vocab_size})")
+        self._reasoning_gates[parser] = gate
+        return gate
 
     def _grammar_state(self, params: SamplingParams, prompt_ids: Sequence[int] = ()) -> GrammarState:
         """A matcher for the request's structured output; ValueError naming the field if it cannot be. With a
@@ -339,12 +345,10 @@ class Engine:
         if self._structured is None:
             self._structured = StructuredOutputCompiler(self.tokenizer, self.model_config.vocab_size,
                                                         self.eos_token_ids)
-        if so.reasoning_parser is None and self.config.reasoning_parser is None:
+        parser = so.reasoning_parser or self.config.reasoning_parser      # the request's own (a front end's) first
+        if parser is None:
             return self._structured.new_state(so)
-        if self._reasoning_gate is None:      # a request's own parser (an OpenAI front end's), the first one
-            self._reasoning_gate = self._think_gate(f"SamplingParams.structured_outputs.reasoning_parser "
-                                                    f"{so.reasoning_parser!r}")
-        gate = self._reasoning_gate
+        gate = self._reasoning_gate(parser, f"SamplingParams.structured_outputs.reasoning_parser {parser!r}")
         return self._structured.new_state(so, gate, gate.phase(prompt_ids))
 
     def _grammar_on_decode(self, req: Request) -> GrammarState:

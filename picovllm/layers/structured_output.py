@@ -25,7 +25,9 @@ the `<think>` and `</think>` token ids) on the GrammarState keeps its matcher ou
 reasons. The prompt sets where it starts (`ThinkTags.phase`, picovllm/reasoning.py): inside a block the prompt
 opened (DeepSeek-R1's template: no mask until `</think>`), after a block the prompt closed (Qwen3 with
 thinking off: the grammar from the first token), or at a first token that may open one (Qwen3's template: the
-grammar's mask plus `<think>`).
+grammar's mask plus `<think>`). GPT-OSS's gate (`HarmonyTags`, --reasoning-parser openai_gptoss; the chat server
+sets it for any harmony model) holds the grammar back until `<|channel|>final<|message|>`: analysis and commentary
+messages, headers included, pass, and the final message's body is the grammar's.
 """
 from __future__ import annotations
 
@@ -39,7 +41,7 @@ import torch
 
 from picovllm.kernels import use_triton
 from picovllm.kernels.cpu import token_mask
-from picovllm.reasoning import ANSWER as GRAMMAR, MAY_OPEN, REASONING, ThinkTags
+from picovllm.reasoning import ANSWER as GRAMMAR, MAY_OPEN, REASONING, HarmonyTags, ThinkTags
 from picovllm.sampling_params import StructuredOutputsParams
 
 CACHE_BYTES = 256 << 20   # compiled grammars kept per engine
@@ -80,7 +82,7 @@ class GrammarState:
     """One request's matcher: which tokens may come next, advanced with each accepted token. With a gate, the
     tokens of a think block before the answer pass it by (phase: module docstring)."""
 
-    def __init__(self, matcher: Any, vocab_size: int, gate: ThinkTags | None = None,
+    def __init__(self, matcher: Any, vocab_size: int, gate: ThinkTags | HarmonyTags | None = None,
                  phase: str = GRAMMAR) -> None:
         self._matcher = matcher   # xgrammar's matcher (the tests' oracle calls: accept_string, one-row fills)
         # what the batched calls take: xgrammar's native matcher (its Python wrappers look it up per call), or the
@@ -93,6 +95,7 @@ class GrammarState:
         # per token, since only a stop token can end it (two calls into xgrammar a row a step fewer)
         self.is_terminated = False
         self.gate, self.phase = gate, phase if gate is not None else GRAMMAR
+        self._progress = 0        # the gate's own count (HarmonyTags: how much of the final header came so far)
 
     @property
     def masked(self) -> bool:
@@ -101,24 +104,16 @@ class GrammarState:
 
     def accept(self, token: int) -> bool:
         """Advance by a sampled token; False if the grammar does not allow it (the state is unchanged)."""
-        if self.phase != GRAMMAR and self._passes(token):
-            self.num_accepted += 1
-            return True
+        if self.phase != GRAMMAR:     # a token of the reasoning passes the grammar by; the phase moves on with it
+            passes, phase, progress = self.gate.advance(self.phase, self._progress, token)
+            if passes:
+                self.phase, self._progress = phase, progress
+                self.num_accepted += 1
+                return True
         if not self.handle.accept_token(token, False):
             return False
         self.phase = GRAMMAR
         self._took(token)
-        return True
-
-    def _passes(self, token: int) -> bool:
-        """A token of the think block (its start at a first token that may open one; anything inside it, its end
-        included); the phase moves on with it."""
-        if self.phase == MAY_OPEN:
-            if token != self.gate.start:
-                return False
-            self.phase = REASONING
-        elif token == self.gate.end:
-            self.phase = GRAMMAR
         return True
 
     def _took(self, token: int) -> None:
@@ -207,7 +202,7 @@ class StructuredOutputCompiler:
             return c.compile_grammar(choice_grammar(p.choice))
         return c.compile_grammar(p.grammar)
 
-    def new_state(self, p: StructuredOutputsParams, gate: ThinkTags | None = None,
+    def new_state(self, p: StructuredOutputsParams, gate: ThinkTags | HarmonyTags | None = None,
                   phase: str = GRAMMAR) -> GrammarState:
         import xgrammar as xgr
         return GrammarState(xgr.GrammarMatcher(self.compile(p)), self.vocab_size, gate, phase)

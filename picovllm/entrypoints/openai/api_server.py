@@ -37,7 +37,7 @@ from picovllm.entrypoints.openai.serving_tokenize import detokenize, tokenize
 from picovllm.entrypoints.openai.tokenizer_worker import TokenizerWorker
 from picovllm.generation_config import describe, sampling_defaults
 from picovllm.loader.default_model import DEFAULT_FILE
-from picovllm.reasoning import think_token_ids
+from picovllm.reasoning import reasoning_gate
 
 logger = logging.getLogger("picovllm.server")
 GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
@@ -259,7 +259,7 @@ def front_end_app(engine: EngineClient, tokenizer, args, name: str, metrics: Ser
     try:
         worker = TokenizerWorker(tokenizer, template, args.trust_request_chat_template)
         if args.reasoning_parser is not None:      # the engines behind it gate grammars on these tokens
-            think_token_ids(tokenizer, f"--reasoning-parser {args.reasoning_parser}")
+            reasoning_gate(tokenizer, args.reasoning_parser, f"--reasoning-parser {args.reasoning_parser}")
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
     settings = ServerSettings(host=args.host, port=args.port, api_key=args.api_key, served_model_name=name,
@@ -310,11 +310,11 @@ def serve(engine_config: EngineConfig, settings: ServerSettings) -> int:
                                    engine_config.override_generation_config, engine_config.revision,
                                    engine_config.download_dir)
     tokenizer = None
-    if settings.reasoning_parser is not None:     # before the engine loads: the think tokens its gates watch for
+    if settings.reasoning_parser is not None:     # before the engine loads: the tokens its gates watch for
         from picovllm.entrypoints.openai.engine_process import load_tokenizer
         try:
             tokenizer = load_tokenizer(engine_config)
-            think_token_ids(tokenizer, f"--reasoning-parser {settings.reasoning_parser}")
+            reasoning_gate(tokenizer, settings.reasoning_parser, f"--reasoning-parser {settings.reasoning_parser}")
         except ValueError as e:
             raise SystemExit(f"error: {e}") from None
     if settings.api_server_count > 1:

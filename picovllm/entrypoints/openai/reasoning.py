@@ -29,7 +29,8 @@ from picovllm.reasoning import REASONING, REASONING_PARSERS, THINK_END, THINK_ST
 __all__ = ["PARSERS", "ReasoningSplitter", "opened_in_prompt", "split_reasoning"]
 START, END, PARSERS = THINK_START, THINK_END, REASONING_PARSERS
 HELP = ("split a thinking model's <think> ... </think> from its answer: chat's message.reasoning (and "
-        "reasoning_content), a reasoning item in /v1/responses (vLLM's flag: qwen3, deepseek_r1, glm45)")
+        "reasoning_content), a reasoning item in /v1/responses (vLLM's flag: qwen3, deepseek_r1, glm45; "
+        "openai_gptoss: GPT-OSS's harmony, which the server reads without the flag too)")
 
 
 def opened_in_prompt(tags: ThinkTags, prompt_ids: list[int]) -> bool:

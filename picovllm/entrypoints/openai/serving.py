@@ -17,10 +17,10 @@ from picovllm.entrypoints.openai.harmony import HarmonyTokens, one_call_per_mess
 from picovllm.entrypoints.openai.metrics import ServerMetrics
 from picovllm.entrypoints.openai.protocol import APIError, error_body
 from picovllm.entrypoints.openai.tokenizer_worker import TokenizerWorker
-from picovllm.entrypoints.openai.tool_calls import detect_tool_parser
+from picovllm.entrypoints.openai.tool_calls import TOOLS_SOURCES, detect_tool_parser
 from picovllm.entrypoints.parallel_sampling import merge_samples
 from picovllm.outputs import CompletionOutput, Logprob, RequestOutput
-from picovllm.reasoning import ThinkTags
+from picovllm.reasoning import HARMONY_PARSER, ThinkTags
 from picovllm.pooling_params import PoolingParams
 from picovllm.sampling_params import SamplingParams
 
@@ -58,9 +58,20 @@ class ServingContext:
         return detect_tool_parser(tok, getattr(tok, "chat_template", None))
 
     @functools.cached_property
-    def think_tags(self) -> ThinkTags:
-        """With a reasoning parser: the tokenizer's think tags (the servers checked at start that it has them)."""
+    def think_tags(self) -> ThinkTags | None:
+        """With a think-block reasoning parser: the tokenizer's think tags (the servers checked at start that it has
+        them); None without one, or with openai_gptoss (harmony.py reads GPT-OSS's reasoning, parser or not)."""
+        if self.reasoning_parser in (None, HARMONY_PARSER):
+            return None
         return ThinkTags.of(self.tokenizer.tokenizer, f"--reasoning-parser {self.reasoning_parser}")
+
+    def grammar_parser(self, tools_constraint: bool) -> str | None:
+        """The reasoning parser a request's grammar waits on (StructuredOutputsParams.reasoning_parser): a harmony
+        model's, without the flag too (the grammar governs the final message's body, the reply stays harmony), but for
+        a constraint of tool_choice's (it governs the whole reply: tool_calls.py); else --reasoning-parser's."""
+        if self.harmony is not None:
+            return None if tools_constraint else HARMONY_PARSER
+        return self.reasoning_parser
 
     @functools.cached_property
     def harmony(self) -> HarmonyTokens | None:
@@ -116,9 +127,10 @@ class SampleGroup:
                  arrival_time: float, priority: int = 0) -> None:
         self.ctx, self.ids, self.samples, self.request_id, self.arrival = ctx, ids, samples, request_id, arrival_time
         self.priority = priority
-        for s in samples:     # the request's own params: a grammar waits for the end of the think block
-            if ctx.reasoning_parser is not None and s.structured_outputs is not None:
-                s.structured_outputs.reasoning_parser = ctx.reasoning_parser
+        for s in samples:     # the request's own params: a grammar waits for the end of the reasoning
+            so = s.structured_outputs
+            if so is not None:
+                so.reasoning_parser = ctx.grammar_parser(so.source in TOOLS_SOURCES)
         self.streams: list[RequestStream] = []
 
     def _id(self, i: int) -> str:

@@ -10,7 +10,8 @@ from fastapi import Request, Response
 from picovllm.entrypoints.openai.harmony import HarmonyStream, parse_harmony
 from picovllm.entrypoints.openai.protocol import APIError, ChatCompletionRequest
 from picovllm.entrypoints.openai.reasoning import ReasoningSplitter, opened_in_prompt, split_reasoning
-from picovllm.entrypoints.openai.tool_calls import AutoToolStream, ToolCall, ToolPolicy, template_renders_tools
+from picovllm.entrypoints.openai.tool_calls import (TOOLS_SOURCES, AutoToolStream, ToolCall, ToolPolicy,
+                                                   template_renders_tools)
 from picovllm.entrypoints.openai.serving import (ENGINE_ERRORS, SSE_DONE, JSONBody, SampleGroup, ServingContext,
                                                  TextDeltas, final_output, now, prompt_logprobs_json, sse, sse_error,
                                                  sse_response, token_name, top_logprobs, usage, with_usage)
@@ -52,11 +53,13 @@ class ChatHandler:
         # a reasoning parser splits the think block from the answer (a grammar governs the answer alone: SampleGroup);
         # opened: None without a split, else whether the prompt opens a think block
         opened = None
-        if ctx.reasoning_parser is not None:
+        if ctx.think_tags is not None:
             opened = opened_in_prompt(ctx.think_tags, ids)
         # GPT-OSS: its reply's harmony messages into reasoning, content and calls, read at the markers the engine
-        # keeps for it (harmony.py); not where a grammar governs the whole reply (it writes no markers)
-        harmony = ctx.harmony is not None and params.structured_outputs is None
+        # keeps for it (harmony.py); a grammar governs the final message's body (SampleGroup), but tool_choice's
+        # governs the whole reply (it writes no markers)
+        so = params.structured_outputs
+        harmony = ctx.harmony is not None and (so is None or so.source not in TOOLS_SOURCES)
         header = None      # with harmony: the header of a message the prompt leaves open (continue_final_message)
         if harmony:
             params.skip_special_tokens = False

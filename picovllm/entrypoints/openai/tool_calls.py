@@ -60,6 +60,10 @@ class ToolCall:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 
+# the sources of ToolPolicy.constraint's structured outputs (a named function's, tool_choice "required"'s)
+TOOLS_SOURCES = ("tool_choice", "tools")
+
+
 @dataclass
 class ToolPolicy:
     """What a request's tools and tool_choice ask for. mode: none, auto, required or named (then `named`)."""
@@ -78,9 +82,10 @@ class ToolPolicy:
         return self.mode != "none" and bool(self.tools)
 
     def constraint(self) -> StructuredOutputsParams | None:
-        """The structured output that makes the reply a valid call (required, named), else None."""
+        """The structured output that makes the reply a valid call (required, named: its source one of
+        TOOLS_SOURCES), else None."""
         if self.mode == "named":
-            return StructuredOutputsParams(json=self._parameters(self.named), source="tool_choice")
+            return StructuredOutputsParams(json=self._parameters(self.named), source=TOOLS_SOURCES[0])
         if self.mode != "required":
             return None
         calls = [{"type": "object", "required": ["name", "arguments"],
@@ -88,7 +93,7 @@ class ToolPolicy:
         schema = {"type": "array", "minItems": 1, "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
         if not self.parallel:
             schema["maxItems"] = 1
-        return StructuredOutputsParams(json=schema, source="tools")
+        return StructuredOutputsParams(json=schema, source=TOOLS_SOURCES[1])
 
     def _parameters(self, name: str) -> dict:
         return self.functions[name].get("parameters") or ANY_OBJECT
