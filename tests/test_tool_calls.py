@@ -196,10 +196,32 @@ def test_llama3_json_calls_by_hand(text, want):
     ('[TOOL_CALLS][{"name": "get_weather", "arguments": {"city"', None),         # cut short
     ('[TOOL_CALLS][{"name": "nope", "arguments": {}}]', None),
     ('[TOOL_CALLS]get_weather{"city": "Oslo"}', None),                            # no [ARGS]
+    ('[TOOL_CALLS]get_weather[CALL_ID]a1B2c3D4e[ARGS]{"city": "Oslo"}', (None, [("get_weather", {"city": "Oslo"})])),
 ])
 def test_mistral_calls_by_hand(text, want):
     content, calls = policy_of("mistral").parse(text)
     assert (content, named_args(calls)) == (want if want is not None else (text, []))
+
+
+def test_mistral_call_ids_are_nine_letters_and_digits():
+    """Mistral's chat templates refuse a tool call id that is not 9 letters and digits when the call comes back: with
+    mistral_ids every call gets such an id (the model's own from [CALL_ID] where it is one), in every tool_choice
+    mode; without, OpenAI's call_ ids."""
+    import re
+    nine = re.compile(r"[A-Za-z0-9]{9}")
+    policy = policy_of("mistral")
+    policy.mistral_ids = True
+    text = '[TOOL_CALLS]get_weather[CALL_ID]a1B2c3D4e[ARGS]{"city": "Oslo"}get_time[CALL_ID]bad id[ARGS]{}'
+    calls = policy.parse(text)[1]
+    assert named_args(calls) == [("get_weather", {"city": "Oslo"}), ("get_time", {})]
+    assert calls[0].id == "a1B2c3D4e" and nine.fullmatch(calls[1].id)
+    assert nine.fullmatch(policy.parse('[TOOL_CALLS][{"name": "get_time", "arguments": {}}]')[1][0].id)
+    for choice, out in [("required", '[{"name": "get_time", "arguments": {}}]'),
+                        ({"type": "function", "function": {"name": "get_time"}}, "{}")]:
+        strict = ChatCompletionRequest(messages=ASK_TOOL, tools=[WEATHER, TIME], tool_choice=choice).tool_policy()
+        strict.mistral_ids = True
+        assert nine.fullmatch(strict.parse(out)[1][0].id)
+    assert policy_of("mistral").parse(text)[1][0].id.startswith("call_")
 
 
 @pytest.mark.parametrize("parser, text", [
@@ -296,6 +318,7 @@ def test_served_mistral_tool_calls(mistral_tool_model, tmp_path):
             msg = r.choices[0].message
             got = [(c.function.name, json.loads(c.function.arguments)) for c in msg.tool_calls or []]
             assert (msg.content, got, r.choices[0].finish_reason) == want
+            assert all(len(c.id) == 9 and c.id.isalnum() for c in msg.tool_calls or [])     # Mistral's ids
             content, calls, finish = "", {}, None
             for chunk in client.chat.completions.create(model=client.models.list().data[0].id, stream=True, **kw):
                 d, finish = chunk.choices[0].delta, chunk.choices[0].finish_reason or finish

@@ -10,7 +10,7 @@ from fastapi import Request, Response
 from picovllm.entrypoints.openai.harmony import HarmonyStream, parse_harmony
 from picovllm.entrypoints.openai.protocol import APIError, ChatCompletionRequest
 from picovllm.entrypoints.openai.reasoning import ReasoningSplitter, opened_in_prompt, split_reasoning
-from picovllm.entrypoints.openai.tool_calls import (TOOLS_SOURCES, AutoToolStream, ToolCall, ToolPolicy,
+from picovllm.entrypoints.openai.tool_calls import (TOOLS_SOURCES, AutoToolStream, ToolPolicy,
                                                    template_renders_tools)
 from picovllm.entrypoints.openai.serving import (ENGINE_ERRORS, SSE_DONE, JSONBody, SampleGroup, ServingContext,
                                                  TextDeltas, final_output, now, prompt_logprobs_json, sse, sse_error,
@@ -35,6 +35,7 @@ class ChatHandler:
                                 "(it comes in the response body)", param="prompt_logprobs")
         params = req.sampling_params(req.max_new_tokens, k, ctx.sampling_defaults)
         policy = req.tool_policy()
+        policy.mistral_ids = ctx.tool_parser == "mistral"
         if policy.mode == "auto":     # the model's own call format where its template renders the tools, else
             template = req.chat_template or getattr(ctx.tokenizer.tokenizer, "chat_template", None)   # Hermes'
             policy.parser = ctx.tool_parser if template_renders_tools(template) else "hermes"
@@ -230,7 +231,7 @@ class ChatHandler:
         max_tokens cut the arguments short, or the output's own where no call came (it ended inside the block)."""
         out = []
         if i not in call_ids and text:
-            call_ids[i] = ToolCall(policy.named, "").id
+            call_ids[i] = policy.new_call(policy.named, "").id
             opened = {"index": 0, "id": call_ids[i], "type": "function", "function": {"name": policy.named, "arguments": ""}}
             out.append(self._chunk(rid, i, {"tool_calls": [opened]}))
         if text or lps is not None:

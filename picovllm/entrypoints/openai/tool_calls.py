@@ -14,7 +14,8 @@ The calls' format (vLLM's --tool-call-parser; by default the one the model's tok
 - llama3_json (Llama 3.1-3.3's templates): the output is one or more `{"name": ..., "parameters": {...}}` objects
   (or "arguments"), `; ` between them, after an optional `<|python_tag|>`;
 - mistral (a tokenizer with a `[TOOL_CALLS]` token): `[TOOL_CALLS]` then a JSON list of {"name", "arguments"}, or
-  (the newer tokenizers') `[TOOL_CALLS]NAME[ARGS]{...}` for each call; the server keeps the special tokens in the
+  (the newer tokenizers') `[TOOL_CALLS]NAME[ARGS]{...}` (or `NAME[CALL_ID]ID[ARGS]{...}`) for each call, ids of 9
+  letters and digits (Mistral's templates refuse others); the server keeps the special tokens in the
   text for it.
 
 The output, by tool_choice:
@@ -47,7 +48,9 @@ GLM_ARG_RE = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value
 CODER_FUNCTION_RE = re.compile(r"\s*<function=([^>\n]+)>(.*?)</function>\s*", re.DOTALL)
 CODER_PARAM_RE = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
 BLOCK_PARSERS = ("hermes", "glm45", "qwen3_coder")     # <tool_call> blocks, each call as soon as it closes
-PYTHON_TAG, MISTRAL_CALLS, MISTRAL_ARGS = "<|python_tag|>", "[TOOL_CALLS]", "[ARGS]"
+PYTHON_TAG, MISTRAL_CALLS, MISTRAL_ARGS, MISTRAL_CALL_ID = "<|python_tag|>", "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
+# Mistral's chat templates refuse a tool call id that is not 9 letters and digits (the next turn's): its calls get such
+MISTRAL_ID = re.compile(r"[A-Za-z0-9]{9}")
 
 
 @dataclass
@@ -72,6 +75,14 @@ class ToolPolicy:
     named: str | None = None
     parallel: bool = True         # parallel_tool_calls: false -> at most one call
     parser: str = "hermes"        # the calls' format under "auto" (TOOL_PARSERS)
+    mistral_ids: bool = False     # call ids of 9 letters and digits: a Mistral model's (its templates take no others)
+
+    def new_call(self, name: str, arguments: str) -> ToolCall:
+        """A call of this request's, with a new id (mistral_ids: Mistral's kind)."""
+        call = ToolCall(name, arguments)
+        if self.mistral_ids:
+            call.id = uuid.uuid4().hex[:9]
+        return call
 
     @property
     def functions(self) -> dict[str, dict]:
@@ -105,13 +116,13 @@ class ToolPolicy:
                 json.loads(text)
             except json.JSONDecodeError:   # cut short by max_tokens
                 return text, []
-            return None, [ToolCall(self.named, text)]
+            return None, [self.new_call(self.named, text)]
         if self.mode == "required":
             try:
                 items = json.loads(text)
             except json.JSONDecodeError:   # cut short by max_tokens: no call, the text as content
                 return text, []
-            return None, [ToolCall(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in items]
+            return None, [self.new_call(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in items]
         if self.mode == "auto":
             return self._parse_auto(text)
         return text, []
@@ -158,7 +169,8 @@ class ToolPolicy:
         return None, calls if self.parallel else calls[:1]
 
     def _parse_mistral(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """The content before [TOOL_CALLS]; after it a JSON list of calls, or NAME[ARGS]{...} for each call (each
+        """The content before [TOOL_CALLS]; after it a JSON list of calls, or NAME[ARGS]{...} (NAME[CALL_ID]ID[ARGS]
+        {...}: the model's id kept where it is Mistral's 9 letters and digits, with mistral_ids) for each call (each
         after a [TOOL_CALLS] of its own, or one after the other). Anything that does not parse: all content."""
         start = text.find(MISTRAL_CALLS)
         if start < 0:
@@ -175,6 +187,7 @@ class ToolPolicy:
             for piece in rest.split(MISTRAL_CALLS):
                 while piece.strip():
                     name, sep, args = piece.partition(MISTRAL_ARGS)
+                    name, _, given_id = name.partition(MISTRAL_CALL_ID)
                     try:
                         obj, end = decoder.raw_decode(args.lstrip()) if sep else (None, 0)
                     except json.JSONDecodeError:
@@ -182,6 +195,8 @@ class ToolPolicy:
                     calls.append(self._call_of({"name": name.strip(), "arguments": obj}) if sep else None)
                     if calls[-1] is None:
                         break
+                    if self.mistral_ids and MISTRAL_ID.fullmatch(given_id.strip()):
+                        calls[-1].id = given_id.strip()
                     piece = args.lstrip()[end:]
         if not calls or any(c is None for c in calls):
             return text, []
@@ -245,7 +260,7 @@ class ToolPolicy:
         for its arguments, else None."""
         args = obj.get("arguments", obj.get("parameters", {})) if isinstance(obj, dict) else None
         if isinstance(obj, dict) and obj.get("name") in self.functions and isinstance(args, dict):
-            return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
+            return self.new_call(obj["name"], json.dumps(args, ensure_ascii=False))
         return None
 
 
