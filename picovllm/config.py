@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -26,7 +27,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Phi3ForCau
                            "Qwen3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM",
                            "MixtralForCausalLM", "GraniteForCausalLM", "SmolLM3ForCausalLM", "Qwen2MoeForCausalLM",
                            "Olmo2ForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM", "GptOssForCausalLM",
-                           "Glm4ForCausalLM", "Glm4MoeForCausalLM")
+                           "Glm4ForCausalLM", "Glm4MoeForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 # A checkpoint saved as the bare decoder (no LM head; tensors without the "model." prefix), as sentence-transformers
 # saves an embedding model (Qwen3-Embedding, e5-mistral): read as its causal LM's architecture, for pooling only
 BARE_MODELS = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM",
@@ -34,6 +35,7 @@ BARE_MODELS = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCaus
 COHERE = ("CohereForCausalLM", "Cohere2ForCausalLM")
 GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 GLM = ("Glm4ForCausalLM", "Glm4MoeForCausalLM")
+DEEPSEEK = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
@@ -47,7 +49,7 @@ class ModelConfig:
     num_hidden_layers: int
     num_attention_heads: int
     num_key_value_heads: int
-    head_dim: int
+    head_dim: int                  # of the KV cache's heads (MLA: K's and V's, the narrower padded with zeros)
     rms_norm_eps: float
     rope_theta: float
     max_position_embeddings: int
@@ -73,14 +75,23 @@ class ModelConfig:
     shared_expert_gated: bool = True               # its output scaled by sigmoid(shared_expert_gate(x)) (Qwen2-MoE)
                                                    # or added as it is (GLM-4.5)
     scoring_func: str = "softmax"                  # routing (layers/moe.Routing): softmax, or sigmoid (GLM-4.5:
-    n_group: int = 1                               # DeepSeek-V3's, an e_score_correction_bias for the choice only,
-    topk_group: int = 1                            # experts picked from the best topk_group of n_group groups,
-    routed_scaling_factor: float = 1.0             # the routed weights times routed_scaling_factor)
+    n_group: int = 1                               # DeepSeek-V3's, an e_score_correction_bias for the choice only);
+    topk_group: int = 1                            # experts picked from the best topk_group of n_group groups (and
+    routed_scaling_factor: float = 1.0             # DeepSeek-V2's softmax), the routed weights times this factor
     rope_layers: list[bool] | None = None          # SmolLM3: which layers rotate q and k (None: all; the rest NoPE)
-    rotary_interleaved: bool = False               # Cohere, GLM-4: rotated pairs (2i, 2i + 1), not (i, i + D / 2)
+    rotary_interleaved: bool = False               # Cohere, GLM-4, DeepSeek: rotated pairs (2i, 2i + 1), not
+                                                   # (i, i + D / 2)
     rotary_dim: int | None = None                  # partial rotary (Phi-4-mini): each head's first rotary_dim dims
                                                    # rotate, the rest pass (None: all); layers/rotary.rotary_order
-    attention_multiplier: float | None = None      # Granite: the scores' scale (not head_dim ** -0.5)
+    # DeepSeek's multi-head latent attention (MLA; kv_lora_rank > 0): K and V from a latent of kv_lora_rank dims,
+    # per head k_nope (qk_nope_head_dim) and v (v_head_dim), beside one k_pe (qk_rope_head_dim) all heads share;
+    # q direct (q_lora_rank None) or through a latent of q_lora_rank dims (models/deepseek.py)
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    attention_multiplier: float | None = None      # Granite, DeepSeek: the scores' scale (not head_dim ** -0.5)
     embedding_multiplier: float = 1.0              # Granite: embeddings scaled by it
     residual_multiplier: float = 1.0               # Granite: each attention and MLP output scaled before the add
     logits_scaling: float = 1.0                    # Granite: logits divided by it (Cohere: 1 / logit_scale)
@@ -113,6 +124,7 @@ class ModelConfig:
                              f"{', '.join(BARE_MODELS)})")
         _check_quantization(cfg, arch)
         cfg = _glm_as_shared_fields(cfg, arch)
+        cfg = _deepseek_as_shared_fields(cfg, arch)
         heads, layers = cfg["num_attention_heads"], cfg["num_hidden_layers"]
         rope, local_rope = _ropes(cfg)
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
@@ -185,6 +197,7 @@ class ModelConfig:
             **_cohere(cfg, arch),
             **_gpt_oss(cfg, arch),
             **_glm(cfg, arch),
+            **_deepseek(cfg, arch, scaling),
         )
 
 
@@ -315,16 +328,103 @@ def _glm(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
         return dict(rotary_interleaved=True)
     if arch != "Glm4MoeForCausalLM":
         return {}
+    groups, keep = _expert_groups(cfg, smallest=2)
+    return dict(scoring_func="sigmoid", n_group=groups, topk_group=keep, shared_expert_gated=False,
+                routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)))
+
+
+def _expert_groups(cfg: dict[str, Any], smallest: int) -> tuple[int, int]:
+    """(n_group, topk_group) of a group-limited router, checked: the groups divide the experts into groups of at
+    least `smallest` (DeepSeek-V3's rule reads each group's two best), and the kept groups hold the top-k."""
     experts, k = cfg["num_experts"], cfg["num_experts_per_tok"]
-    groups, keep = cfg.get("n_group", 1), cfg.get("topk_group", 1)
-    if not isinstance(groups, int) or groups < 1 or experts % groups or experts // groups < 2:
+    groups, keep = cfg.get("n_group") or 1, cfg.get("topk_group") or 1
+    if not isinstance(groups, int) or groups < 1 or experts % groups or experts // groups < smallest:
         raise ValueError(f"config.json n_group={groups!r}: must divide n_routed_experts ({experts}) into groups of "
-                         "at least 2 experts")
+                         f"at least {smallest} expert{'s' if smallest > 1 else ''}")
     if not isinstance(keep, int) or not 1 <= keep <= groups or k > keep * (experts // groups):
         raise ValueError(f"config.json topk_group={keep!r}: must be 1 .. n_group ({groups}), its groups holding at "
                          f"least num_experts_per_tok ({k}) experts")
-    return dict(scoring_func="sigmoid", n_group=groups, topk_group=keep, shared_expert_gated=False,
-                routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)))
+    return groups, keep
+
+
+# transformers' defaults (DeepseekV2Config, DeepseekV3Config) of the fields a DeepSeek config.json may leave out
+_DEEPSEEK_DEFAULTS = {
+    "DeepseekV2ForCausalLM": dict(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                                  v_head_dim=128, n_routed_experts=64, n_shared_experts=2, moe_intermediate_size=1407,
+                                  first_k_dense_replace=0, routed_scaling_factor=1.0, topk_method="greedy",
+                                  norm_topk_prob=False, max_position_embeddings=2048, bos_token_id=1, eos_token_id=2),
+    "DeepseekV3ForCausalLM": dict(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                                  v_head_dim=128, n_routed_experts=256, n_shared_experts=1, moe_intermediate_size=2048,
+                                  first_k_dense_replace=3, routed_scaling_factor=2.5, n_group=8, topk_group=4,
+                                  num_experts_per_tok=8, norm_topk_prob=True, max_position_embeddings=4096,
+                                  bos_token_id=0, eos_token_id=1),
+}
+
+
+def _deepseek_as_shared_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
+    """DeepSeek-V2's and -V3's config.json in the shared fields, with transformers' defaults where it leaves them
+    out: head_dim the cache's (the wider of K's qk_nope_head_dim + qk_rope_head_dim and v_head_dim), as many KV heads
+    as query heads (MLA's K and V are per head once made from the latent), n_routed_experts as num_experts, the
+    dense layers (the first first_k_dense_replace, then all but every moe_layer_freq-th, as DeepSeek's code) as
+    mlp_only_layers, n_shared_experts as one shared expert of n times moe_intermediate_size. Any other
+    architecture's as it is."""
+    if arch not in DEEPSEEK:
+        return cfg
+    cfg = {**_DEEPSEEK_DEFAULTS[arch], **cfg}
+    for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+        if not isinstance(cfg[name], int) or cfg[name] < 1:
+            raise ValueError(f"config.json {name}={cfg[name]!r}: must be an int >= 1")
+    if cfg["qk_rope_head_dim"] % 2:
+        raise ValueError(f"config.json qk_rope_head_dim={cfg['qk_rope_head_dim']}: rotary embeddings need an even "
+                         "number of dims")
+    q_rank = cfg["q_lora_rank"]
+    if q_rank is not None and (not isinstance(q_rank, int) or q_rank < 1):
+        raise ValueError(f"config.json q_lora_rank={q_rank!r}: must be null (q_proj) or an int >= 1")
+    dense, freq = cfg["first_k_dense_replace"], cfg.get("moe_layer_freq") or 1
+    if not isinstance(dense, int) or dense < 0:
+        raise ValueError(f"config.json first_k_dense_replace={dense!r}: must be an int >= 0")
+    if not isinstance(freq, int) or freq < 1:
+        raise ValueError(f"config.json moe_layer_freq={freq!r}: must be an int >= 1")
+    experts, inter = cfg["n_routed_experts"] or 0, cfg["moe_intermediate_size"]
+    if experts and not cfg.get("num_experts_per_tok"):
+        raise ValueError(f"config.json num_experts_per_tok={cfg.get('num_experts_per_tok')!r}: must be an int >= 1")
+    layers = cfg["num_hidden_layers"]
+    return {**cfg, "head_dim": max(cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"], cfg["v_head_dim"]),
+            "num_key_value_heads": cfg["num_attention_heads"], "num_experts": experts,
+            "mlp_only_layers": [i for i in range(layers) if i < dense or i % freq],
+            "shared_expert_intermediate_size": (cfg.get("n_shared_experts") or 0) * inter}
+
+
+def _deepseek(cfg: dict[str, Any], arch: str, scaling: dict | None) -> dict[str, Any]:
+    """DeepSeek-V2/V3: MLA's shapes; the scores' scale qk_head_dim ** -0.5 times YaRN's mscale(mscale_all_dim)
+    squared, as HF's; the rope part's pairs interleaved (V2's always, V3's unless rope_interleave is false); the
+    routing: V2's softmax (topk_method greedy, or group_limited_greedy: the topk_group groups with the best expert),
+    V3's sigmoid with its correction bias (noaux_tc), both times routed_scaling_factor; the shared experts ungated."""
+    if arch not in DEEPSEEK:
+        return {}
+    v2 = arch == "DeepseekV2ForCausalLM"
+    scoring, method = cfg.get("scoring_func") or ("softmax" if v2 else "sigmoid"), cfg.get("topk_method")
+    if scoring != ("softmax" if v2 else "sigmoid"):
+        raise ValueError(f"config.json scoring_func={scoring!r}: {arch} routes by "
+                         f"{'softmax' if v2 else 'sigmoid'} only")
+    if method not in (("greedy", "group_limited_greedy") if v2 else (None, "noaux_tc")):
+        raise ValueError(f"config.json topk_method={method!r}: {arch} supports "
+                         f"{'greedy and group_limited_greedy' if v2 else 'noaux_tc'} only")
+    if v2 and cfg.get("norm_topk_prob"):
+        raise ValueError("config.json norm_topk_prob=true: unsupported for DeepseekV2ForCausalLM (HF's router ignores "
+                         "it, DeepSeek's own renormalises instead of scaling)")
+    routing = {}
+    if cfg["num_experts"]:
+        groups, keep = (1, 1) if method == "greedy" else _expert_groups(cfg, smallest=1 if v2 else 2)
+        routing = dict(scoring_func=scoring, n_group=groups, topk_group=keep, shared_expert_gated=False,
+                       routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0))
+    nope, rope = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"]
+    scale = (nope + rope) ** -0.5
+    if scaling is not None and scaling.get("mscale_all_dim") and scaling.get("factor", 1.0) > 1:
+        scale *= (0.1 * scaling["mscale_all_dim"] * math.log(scaling["factor"]) + 1.0) ** 2
+    return dict(q_lora_rank=cfg["q_lora_rank"], kv_lora_rank=cfg["kv_lora_rank"], qk_nope_head_dim=nope,
+                qk_rope_head_dim=rope, v_head_dim=cfg["v_head_dim"], attention_multiplier=scale,
+                rotary_interleaved=v2 or bool(cfg.get("rope_interleave", True)), **routing)
 
 
 def _moe_layers(cfg: dict[str, Any], layers: int) -> list[bool]:

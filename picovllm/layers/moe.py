@@ -1,6 +1,7 @@
-"""Mixture of experts (Qwen3-MoE, Mixtral; Qwen2-MoE and GLM-4.5 with shared experts): a router picks each token's
-top-k experts, each a gated MLP, and the layer sums their outputs weighted by the router's scores. How the scores pick
-and weigh the experts is the layer's Routing (softmax, or DeepSeek-V3's sigmoid with group-limited selection).
+"""Mixture of experts (Qwen3-MoE, Mixtral; Qwen2-MoE, GLM-4.5 and DeepSeek-V2/V3 with shared experts): a router picks
+each token's top-k experts, each a gated MLP, and the layer sums their outputs weighted by the router's scores. How the
+scores pick and weigh the experts is the layer's Routing (softmax, DeepSeek-V2's softmax with group-limited selection
+and a scale, or DeepSeek-V3's sigmoid with group-limited selection).
 
 Under tensor parallelism every rank holds every expert with its intermediate dimension sharded, as a dense MLP's
 (gate/up column-parallel, down row-parallel): each rank computes every routed token's partial output, and one
@@ -8,8 +9,8 @@ all-reduce of the combined sum finishes the layer. The router is replicated, so 
 
 route(), route_sigmoid() and experts_reference() are the torch reference: the CPU path, and the oracle of the
 routing and grouped Triton kernels (picovllm/kernels/moe.py) that the layer runs on the GPU. The routing kernel
-(route_topk) is softmax-only: a sigmoid Routing is computed by route_sigmoid in torch on the GPU too, and its ids and
-weights go to the same grouped GEMMs.
+(route_topk) computes the plain softmax only: another Routing is computed by route_grouped / route_sigmoid in torch on
+the GPU too, and its ids and weights go to the same grouped GEMMs.
 """
 from __future__ import annotations
 
@@ -38,18 +39,50 @@ class Routing:
     """How a MoE layer's router scores pick each token's top-k experts and weigh them, beside top_k and renormalize
     (ModelConfig: scoring_func, n_group, topk_group, routed_scaling_factor).
 
-    softmax (Qwen3-MoE, Mixtral, GPT-OSS): route(). sigmoid (DeepSeek-V3, GLM-4.5): route_sigmoid(); the router then
-    has a float32 weight and a per-expert e_score_correction_bias (the checkpoint's), as HF keeps both."""
+    softmax (Qwen3-MoE, Mixtral, GPT-OSS): route(); with groups or a scale (DeepSeek-V2's greedy and
+    group_limited_greedy): route_grouped(). sigmoid (DeepSeek-V3, GLM-4.5): route_sigmoid(); the router then has a
+    float32 weight and a per-expert e_score_correction_bias (the checkpoint's), as HF keeps both."""
     scoring: str = "softmax"      # "softmax" | "sigmoid"
-    n_group: int = 1              # sigmoid: the experts in this many equal groups ...
+    n_group: int = 1              # the experts in this many equal groups ...
     topk_group: int = 1           # ... of which each token picks from the best this many
-    scale: float = 1.0            # sigmoid: routed_scaling_factor, the routed weights' factor (after renormalising)
+    scale: float = 1.0            # routed_scaling_factor, the routed weights' factor (after renormalising)
 
     def __post_init__(self) -> None:
         if self.scoring not in ("softmax", "sigmoid"):
             raise ValueError(f"Routing.scoring must be 'softmax' or 'sigmoid', got {self.scoring!r}")
-        if self.scoring == "softmax" and (self.n_group, self.topk_group, self.scale) != (1, 1, 1.0):
-            raise ValueError("Routing: groups and a scale are read with sigmoid scoring only")
+
+    @property
+    def plain(self) -> bool:
+        """Softmax over every expert, unscaled: route(), what the fused routing kernel (route_topk) computes."""
+        return self.scoring == "softmax" and self.topk_group >= self.n_group and self.scale == 1.0
+
+
+def _keep_groups(choice: torch.Tensor, group_scores: torch.Tensor, topk_group: int) -> torch.Tensor:
+    """choice [T, E] with the experts outside each token's topk_group best groups (by group_scores [T, groups]) at
+    -inf."""
+    t, e = choice.shape
+    groups = group_scores.shape[1]
+    kept = torch.zeros_like(group_scores).scatter_(1, group_scores.topk(topk_group, dim=-1, sorted=False)[1], 1.0)
+    kept = kept.view(t, groups, 1).expand(t, groups, e // groups).reshape(t, e)    # each expert's group's
+    return choice.masked_fill(kept == 0, float("-inf"))
+
+
+def route_grouped(router_logits: torch.Tensor, top_k: int, renormalize: bool,
+                  routing: Routing) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V2's routing, as HF's DeepseekV2TopkRouter: [T, E] logits -> (weights [T, k] float32, ids [T, k]
+    int64). Softmax over all experts in float32; with groups (group_limited_greedy: topk_group < n_group) the choice
+    is among the topk_group groups whose best expert scores highest; the k best scores, renormalised to sum to 1 if
+    asked, times routing.scale. Ids are in no particular order."""
+    scores = router_logits.float().softmax(-1)
+    t, e = scores.shape
+    choice = scores
+    if routing.topk_group < routing.n_group:
+        choice = _keep_groups(scores, scores.view(t, routing.n_group, e // routing.n_group).amax(-1),
+                              routing.topk_group)
+    weights, ids = choice.topk(top_k, dim=-1, sorted=False)
+    if renormalize:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return weights * routing.scale, ids
 
 
 def route_sigmoid(router_logits: torch.Tensor, correction_bias: torch.Tensor, top_k: int, renormalize: bool,
@@ -64,9 +97,7 @@ def route_sigmoid(router_logits: torch.Tensor, correction_bias: torch.Tensor, to
     groups = routing.n_group
     if routing.topk_group < groups:       # with every group kept the mask is all ones: skipped
         best2 = choice.view(t, groups, e // groups).topk(2, dim=-1)[0].sum(-1)          # [T, groups]
-        kept = torch.zeros_like(best2).scatter_(1, best2.topk(routing.topk_group, dim=-1, sorted=False)[1], 1.0)
-        kept = kept.view(t, groups, 1).expand(t, groups, e // groups).reshape(t, e)    # each expert's group's
-        choice = choice.masked_fill(kept == 0, float("-inf"))
+        choice = _keep_groups(choice, best2, routing.topk_group)
     ids = choice.topk(top_k, dim=-1, sorted=False)[1]
     weights = scores.gather(1, ids)
     if renormalize:
@@ -142,9 +173,9 @@ class FusedMoE(nn.Module):
         b13, b2 = self.expert_biases()
         if x.is_cuda:   # routed in one kernel, tokens grouped by expert, a grouped GEMM per projection; the torch
             from picovllm.kernels.moe import fused_experts, route_topk    # code is their reference
-            if self.routing.scoring == "softmax":
+            if self.routing.plain:
                 weights, ids = route_topk(logits, self.top_k, self.renormalize)
-            else:       # route_topk is softmax-only: the sigmoid, grouped choice in torch ops, then the same GEMMs
+            else:       # route_topk is plain softmax only: groups, scales, sigmoid in torch ops, then the same GEMMs
                 weights, ids = self.route(logits)
             out = fused_experts(x, weights, ids, w13, w2, self.act, b13, b2)
         else:
@@ -153,8 +184,10 @@ class FusedMoE(nn.Module):
 
     def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The torch reference of the layer's routing: [T, E] logits -> (weights [T, k] float32, ids [T, k])."""
-        if self.routing.scoring == "softmax":
+        if self.routing.plain:
             return route(logits, self.top_k, self.renormalize)
+        if self.routing.scoring == "softmax":
+            return route_grouped(logits, self.top_k, self.renormalize, self.routing)
         return route_sigmoid(logits, self.gate.e_score_correction_bias, self.top_k, self.renormalize, self.routing)
 
     def expert_biases(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:

@@ -102,7 +102,10 @@ def head_order(cfg) -> list[int] | None:
     """The order the loaders put each q and k head's dims in (new position -> checkpoint dim), so that the model's
     rotation is the rotate-half kind over the whole head every kernel runs; None where the checkpoint's already is.
     Interleaved pairs (Cohere's over the whole head, GLM-4's within its rotated part) first become rotate-half pairs
-    of the rotated part, which a partial rotary's rotary_order then spreads over the head."""
+    of the rotated part, which a partial rotary's rotary_order then spreads over the head. DeepSeek's MLA: None (its
+    rope part is not a head's rows here; models/deepseek.py reorders its interleaved pairs itself)."""
+    if cfg.kv_lora_rank:
+        return None
     d = cfg.head_dim
     rd = cfg.rotary_dim or d
     order = list(range(d))

@@ -1,5 +1,6 @@
 """Model registry: HF architecture name -> model class."""
 from picovllm.models.cohere import CohereForCausalLM
+from picovllm.models.deepseek import DeepseekForCausalLM
 from picovllm.models.gemma import GemmaForCausalLM
 from picovllm.models.glm4 import Glm4ForCausalLM, Glm4MoeForCausalLM
 from picovllm.models.gpt_oss import GptOssForCausalLM
@@ -30,4 +31,6 @@ MODEL_REGISTRY = {
     "GptOssForCausalLM": GptOssForCausalLM,
     "Glm4ForCausalLM": Glm4ForCausalLM,
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
+    "DeepseekV2ForCausalLM": DeepseekForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekForCausalLM,
 }

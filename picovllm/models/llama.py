@@ -2,7 +2,8 @@
 routed experts in place of the MLP, Qwen3-MoE, Mixtral, Qwen2-MoE (a shared expert beside them) and GLM-4.5 (sigmoid,
 group-limited routing and a shared expert; its checkpoint names in models/glm4.py). What differs between families is
 configuration (ModelConfig: q/k/v bias, q/k norm, sliding windows, experts and their routing, NoPE layers, logits
-scaling, ...); other layer shapes are in models/gemma.py, granite.py, olmo2.py, cohere.py and glm4.py."""
+scaling, ...); other layer shapes are in models/gemma.py, granite.py, olmo2.py, cohere.py, glm4.py and deepseek.py
+(DeepSeek-V2/V3's latent attention in place of this one's)."""
 from __future__ import annotations
 
 import functools
@@ -134,12 +135,12 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         self.cfg = cfg
-        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling,
-                                 cfg.rotary_dim)
+        d = self.rotary_head_dim(cfg)
+        rotary = RotaryEmbedding(d, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, cfg.rotary_dim)
         local = rotary if cfg.rope_local_theta is None else RotaryEmbedding(     # Gemma 3's sliding layers
-            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_local_theta, rotary_dim=cfg.rotary_dim)
+            d, cfg.max_position_embeddings, cfg.rope_local_theta, rotary_dim=cfg.rotary_dim)
         # SmolLM3's NoPE layers: a rotation by angle 0 (every rotary path then leaves q and k as they are)
-        nope = RotaryEmbedding.identity(cfg.head_dim, len(rotary.cos_sin)) if cfg.rope_layers else None   # as long
+        nope = RotaryEmbedding.identity(d, len(rotary.cos_sin)) if cfg.rope_layers else None   # as long
 
         def layer_rotary(i: int) -> RotaryEmbedding:
             if cfg.rope_layers and not cfg.rope_layers[i]:
@@ -152,6 +153,11 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+
+    @staticmethod
+    def rotary_head_dim(cfg: ModelConfig) -> int:
+        """The dims of a head the rotary table spans (DeepSeek's MLA: its rope part only)."""
+        return cfg.head_dim
 
     @property
     def in_decode_stack(self) -> bool:
