@@ -7,7 +7,7 @@ from dataclasses import dataclass
 @dataclass
 class PoolingParams:
     """vLLM's PoolingParams, for a pooling engine (EngineConfig.runner "pooling"): LLM.embed, /v1/embeddings.
-    truncate_prompt_tokens: only the prompt's last k tokens are embedded. dimensions: the embedding cut to its first
+    truncate_prompt_tokens: only the prompt's last k tokens are embedded (-1: max_model_len of them). dimensions: the embedding cut to its first
     `dimensions` values, then normalized (Matryoshka; only for a model whose config says it was trained so).
     normalize: L2-normalize the embedding (None: the engine's pooler config, normalized by default)."""
     truncate_prompt_tokens: int | None = None
@@ -18,9 +18,12 @@ class PoolingParams:
         self.validate()
 
     def validate(self) -> None:
-        for name in ("truncate_prompt_tokens", "dimensions"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"PoolingParams.{name} must be an int >= 1 or None, got {value!r}")
+        k = self.truncate_prompt_tokens
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not (k >= 1 or k == -1)):
+            raise ValueError(f"PoolingParams.truncate_prompt_tokens must be an int >= 1, -1 (max_model_len) or None, "
+                             f"got {k!r}")
+        value = self.dimensions
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"PoolingParams.dimensions must be an int >= 1 or None, got {value!r}")
         if self.normalize is not None and not isinstance(self.normalize, bool):
             raise ValueError(f"PoolingParams.normalize must be a bool or None, got {self.normalize!r}")

@@ -92,7 +92,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False     # vLLM's: a matched stop string stays at the end of the text
     allowed_token_ids: list[int] | None = None   # vLLM's: only these tokens may be sampled (None: any)
-    truncate_prompt_tokens: int | None = None    # vLLM's: keep only the prompt's last k tokens (None: all of it)
+    truncate_prompt_tokens: int | None = None    # vLLM's: keep only the prompt's last k tokens (None: all of it;
+                                                 # -1: as many as the model takes, max_model_len - 1)
     # vLLM's: words never generated. Each is tokenized as it is and after a space; a one-token word is banned
     # always, a longer one's last token whenever the output so far ends with the rest of it.
     bad_words: list[str] | None = None
@@ -155,8 +156,8 @@ class SamplingParams:
         if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative ints")
         k = self.truncate_prompt_tokens
-        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
-            raise bad("truncate_prompt_tokens", "must be None or an int >= 1")
+        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not (k >= 1 or k == -1)):
+            raise bad("truncate_prompt_tokens", "must be None, an int >= 1, or -1 (as many as the model takes)")
         if not isinstance(self.include_stop_str_in_output, bool):
             raise bad("include_stop_str_in_output", "must be a bool")
         allowed = self.allowed_token_ids

@@ -300,7 +300,8 @@ def test_allowed_token_ids_match_hf_restricted_argmax(tiny_models, engine):
 
 def test_truncate_prompt_tokens_keeps_the_last_k(tiny_models):
     """truncate_prompt_tokens=k runs the prompt's last k tokens: greedy output as HF's on those k (the oracle), the
-    output's prompt ids are them; a prompt shorter than k runs whole; k < 1 is refused naming the field."""
+    output's prompt ids are them; a prompt shorter than k runs whole; -1 (vLLM's) keeps as many as the model takes
+    (max_model_len - 1: one position to generate); other k < 1 are refused naming the field."""
     path = tiny_models["llama"]
     llm, model = LLM(path, num_kv_blocks=64), hf_model(path)
     prompt = [7, 3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]
@@ -309,7 +310,11 @@ def test_truncate_prompt_tokens_keeps_the_last_k(tiny_models):
                                                     truncate_prompt_tokens=k), use_tqdm=False)[0]
         assert out.prompt_token_ids == prompt[-k:]
         assert out.outputs[0].token_ids == hf_generate(model, prompt[-k:], 6, eos=-1)
-    for k in (0, -1, 2.5):
+    short = LLM(path, num_kv_blocks=64, max_model_len=10)
+    out = short.generate([prompt], SamplingParams(temperature=0, max_tokens=1, truncate_prompt_tokens=-1),
+                         use_tqdm=False)[0]
+    assert out.prompt_token_ids == prompt[-9:] and out.outputs[0].token_ids == hf_generate(model, prompt[-9:], 1, eos=-1)
+    for k in (0, -2, 2.5):
         with pytest.raises(ValueError, match="truncate_prompt_tokens"):
             SamplingParams(truncate_prompt_tokens=k)
 

@@ -461,8 +461,11 @@ def test_truncate_prompt_tokens(server, client, llm):
     kw["extra_body"]["truncate_prompt_tokens"] = 6
     got = client.chat.completions.create(messages=conv, **kw)
     assert got.usage.prompt_tokens == 6 and got.choices[0].message.content == ref.text
-    e = httpx.post(server.url + "/v1/completions", json={"prompt": prompt, "truncate_prompt_tokens": 0})
-    assert e.status_code == 400 and e.json()["error"]["param"] == "truncate_prompt_tokens"
+    kw["extra_body"]["truncate_prompt_tokens"] = -1      # as many as the model takes: all of this one
+    assert client.completions.create(prompt=prompt, **kw).usage.prompt_tokens == len(ids)
+    for k in (0, -2):
+        e = httpx.post(server.url + "/v1/completions", json={"prompt": prompt, "truncate_prompt_tokens": k})
+        assert e.status_code == 400 and e.json()["error"]["param"] == "truncate_prompt_tokens"
 
 
 def test_prompt_logprobs_and_echo_with_logprobs(server, client, llm):

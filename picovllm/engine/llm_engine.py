@@ -232,7 +232,7 @@ class Engine:
             raise ValueError(f"SamplingParams.logit_bias keys must be token ids in [0, {vocab}), got "
                              f"{max(params.logit_bias)}")
         bad_words = self._bad_words(params)
-        ids = self._prompt_ids(prompt, params.truncate_prompt_tokens)
+        ids = self._prompt_ids(prompt, params.truncate_prompt_tokens, self.max_model_len - 1)
         self._check_length(len(ids))
         request_id = self._new_request_id(request_id)
         so = params.structured_outputs
@@ -265,7 +265,7 @@ class Engine:
                              "--runner pooling); this one generates")
         self._check_priority(priority)
         pooling = request_pooling(params, self.pooler, self.model_config)
-        ids = self._prompt_ids(prompt, params.truncate_prompt_tokens)
+        ids = self._prompt_ids(prompt, params.truncate_prompt_tokens, self.max_model_len)
         if len(ids) > self.max_model_len:           # nothing to generate: a prompt may fill the context
             raise ValueError(f"prompt is {len(ids)} tokens, longer than max_model_len {self.max_model_len}")
         self._check_capacity(len(ids), 0)
@@ -278,11 +278,12 @@ class Engine:
         self.scheduler.add(req)
         return request_id
 
-    def _prompt_ids(self, prompt: str | list[int], truncate: int | None) -> list[int]:
-        """The prompt's token ids (its last `truncate` ones; the server truncates as it encodes), checked."""
+    def _prompt_ids(self, prompt: str | list[int], truncate: int | None, most: int) -> list[int]:
+        """The prompt's token ids (its last `truncate` ones, -1: `most`; the server truncates as it encodes),
+        checked."""
         ids = self.tokenize(prompt)
         if truncate is not None:
-            ids = ids[-truncate:]
+            ids = ids[-(most if truncate == -1 else truncate):]
         if not ids:
             raise ValueError("prompt is empty")
         vocab = self.model_config.vocab_size

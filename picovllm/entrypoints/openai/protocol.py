@@ -10,6 +10,7 @@ as OpenAI and vLLM do.
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, create_model, field_validator
@@ -188,7 +189,7 @@ class _SamplingRequest(_StructuredRequest, _RefusedCommon):
     stop_token_ids: Annotated[list[TokenId], Field(max_length=256)] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    truncate_prompt_tokens: int | None = Field(None, ge=1, le=MAX_INT)
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, le=MAX_INT)    # -1: as many as the model takes
     allowed_token_ids: Annotated[list[TokenId], Field(min_length=1, max_length=MAX_ALLOWED_TOKENS)] | None = None
     bad_words: Annotated[list[Annotated[str, Field(min_length=1, max_length=1024)]],
                          Field(max_length=MAX_BAD_WORDS)] | None = None
@@ -234,8 +235,10 @@ class _SamplingRequest(_StructuredRequest, _RefusedCommon):
                 presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
                 repetition_penalty=own(self.repetition_penalty, "repetition_penalty", 1.0),
                 logit_bias=self.logit_bias, structured_outputs=self.structured_output_params())
-        except ValueError as e:
-            raise APIError(400, str(e)) from None
+        except ValueError as e:       # SamplingParams.FIELD ...: the request's field of that name, where it has one
+            named = re.match(r"SamplingParams\.(\w+)", str(e))
+            param = named.group(1) if named and named.group(1) in type(self).model_fields else None
+            raise APIError(400, str(e), param=param) from None
 
     def prompt_logprob_count(self) -> int | None:
         return self.prompt_logprobs

@@ -119,6 +119,17 @@ class ServingContext:
             raise APIError(503, str(e), type="service_unavailable") from None
 
 
+def truncated(ids: list[int], keep: int | None, ctx: ServingContext) -> list[int]:
+    """A generation request's prompt after its truncate_prompt_tokens: its last `keep` ids (-1: as many as the model
+    takes, max_model_len - 1: one position left to generate); a 400 naming the field for 0."""
+    if keep is None:
+        return ids
+    if keep == 0:
+        raise APIError(400, "truncate_prompt_tokens must be >= 1, or -1 (as many as the model takes)",
+                       param="truncate_prompt_tokens")
+    return ids[-(ctx.engine.model_info()["max_model_len"] - 1 if keep == -1 else keep):]
+
+
 class SampleGroup:
     """The samples of one prompt (n, best_of) as one request: the first is added at once, its siblings when
     its first output shows the prompt computed (they take its KV blocks from the prefix cache)."""

@@ -14,7 +14,8 @@ from picovllm.entrypoints.openai.tool_calls import (TOOLS_SOURCES, AutoToolStrea
                                                    template_renders_tools)
 from picovllm.entrypoints.openai.serving import (ENGINE_ERRORS, SSE_DONE, JSONBody, SampleGroup, ServingContext,
                                                  TextDeltas, final_output, now, prompt_logprobs_json, sse, sse_error,
-                                                 sse_response, token_name, top_logprobs, usage, with_usage)
+                                                 sse_response, token_name, top_logprobs, truncated, usage,
+                                                 with_usage)
 from picovllm.entrypoints.openai.serving_beam import serve_beam_search
 from picovllm.entrypoints.parallel_sampling import merge_samples, sample_params
 from picovllm.outputs import CompletionOutput, RequestOutput
@@ -47,8 +48,7 @@ class ChatHandler:
                                               chat_template_kwargs=req.chat_template_kwargs,
                                               documents=req.documents, chat_template=req.chat_template,
                                               reasoning_effort=req.reasoning_effort)
-        if req.truncate_prompt_tokens is not None:
-            ids = ids[-req.truncate_prompt_tokens:]
+        ids = truncated(ids, req.truncate_prompt_tokens, ctx)
         if req.use_beam_search:
             return await self._beams(req, raw, ids)
         # a reasoning parser splits the think block from the answer (a grammar governs the answer alone: SampleGroup);

@@ -11,7 +11,7 @@ from fastapi import Request, Response
 from picovllm.entrypoints.openai.protocol import CompletionRequest
 from picovllm.entrypoints.openai.serving import (ENGINE_ERRORS, SSE_DONE, JSONBody, SampleGroup, ServingContext,
                                                  TextDeltas, final_output, now, prompt_logprobs_json, sse, sse_error,
-                                                 sse_response, token_name, usage, with_usage)
+                                                 sse_response, token_name, truncated, usage, with_usage)
 from picovllm.entrypoints.openai.serving_beam import serve_beam_search
 from picovllm.entrypoints.parallel_sampling import best_of, merge_samples
 from picovllm.outputs import CompletionOutput, Logprob
@@ -30,8 +30,8 @@ class CompletionHandler:
         params = req.sampling_params(req.max_tokens, req.logprobs, ctx.sampling_defaults)
         samples = req.samples(params)
         ids = await ctx.tokenizer.encode(prompt, req.add_special_tokens) if isinstance(prompt, str) else prompt
-        cut = req.truncate_prompt_tokens is not None and len(ids) > req.truncate_prompt_tokens
-        ids = ids[-req.truncate_prompt_tokens:] if cut else ids
+        kept = truncated(ids, req.truncate_prompt_tokens, ctx)
+        cut, ids = len(kept) < len(ids), kept
         if req.use_beam_search:
             return await self._beams(req, raw, ids)
         # echo: the prompt as sent (text), or its ids (what is left of them) decoded as /detokenize does
