@@ -399,3 +399,189 @@ def test_qwen3_coder_calls_by_hand(text, want):
     from picovllm.entrypoints.openai.tool_calls import detect_tool_parser
     coder = "{{ '<tool_call>\\n<function=' + tc.name + '>\\n' }}{{ '<parameter=' + k + '>\\n' }}"
     assert detect_tool_parser(None, coder) == "qwen3_coder"
+
+
+# -- the section formats: DeepSeek-V3 / R1-0528, DeepSeek-V3.1, Kimi-K2 ----------------------------------------------
+DS_BEGIN, DS_END, DS_CALL, DS_CALL_END, DS_SEP = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>",
+                                                 "<｜tool▁call▁end｜>", "<｜tool▁sep｜>")
+KIMI_BEGIN, KIMI_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
+KIMI_CALL, KIMI_CALL_END, KIMI_ARGS = "<|tool_call_begin|>", "<|tool_call_end|>", "<|tool_call_argument_begin|>"
+
+
+def v3_call(name: str, args: str) -> str:
+    return f"{DS_CALL}function{DS_SEP}{name}\n```json\n{args}\n```{DS_CALL_END}"
+
+
+def v31_call(name: str, args: str) -> str:
+    return f"{DS_CALL}{name}{DS_SEP}{args}{DS_CALL_END}"
+
+
+def kimi_call(name: str, idx: int, args: str) -> str:
+    return f"{KIMI_CALL}functions.{name}:{idx}{KIMI_ARGS}{args}{KIMI_CALL_END}"
+
+
+PARIS, NONE = '{"city": "Paris"}', "{}"
+SECTION_CASES = [      # (parser, the model's text, (content, [(name, arguments)]) as the format says)
+    ("deepseek_v3", DS_BEGIN + v3_call("get_weather", PARIS) + DS_END, (None, [("get_weather", {"city": "Paris"})])),
+    ("deepseek_v3", "Let me look.\n\n" + DS_BEGIN + v3_call("get_weather", PARIS) + "\n" + v3_call("get_time", NONE)
+     + DS_END, ("Let me look.", [("get_weather", {"city": "Paris"}), ("get_time", {})])),
+    ("deepseek_v3", "Plain answer.", ("Plain answer.", [])),
+    ("deepseek_v3", "Hm. " + DS_BEGIN + DS_CALL + "function" + DS_SEP + 'get_weather\n```json\n{"ci',        # cut
+     ("Hm. function" + 'get_weather\n```json\n{"ci', [])),
+    ("deepseek_v3", DS_BEGIN + v3_call("nope", NONE) + DS_END, ("function" + "nope\n```json\n{}\n```", [])),
+    ("deepseek_v3", DS_BEGIN + v3_call("get_weather", '{"city": Paris}') + DS_END,                       # broken
+     ('function' + 'get_weather\n```json\n{"city": Paris}\n```', [])),
+    ("deepseek_v3", DS_BEGIN + v3_call("get_time", NONE) + v3_call("get_weather", '{"city"') + DS_END,  # one broken
+     (None, [("get_time", {})])),
+    ("deepseek_v31", DS_BEGIN + v31_call("get_weather", PARIS) + DS_END, (None, [("get_weather", {"city": "Paris"})])),
+    ("deepseek_v31", "Checking both.\n" + DS_BEGIN + v31_call("get_weather", PARIS) + v31_call("get_time", NONE)
+     + DS_END, ("Checking both.", [("get_weather", {"city": "Paris"}), ("get_time", {})])),
+    ("deepseek_v31", "So " + DS_BEGIN + v31_call("get_weather", PARIS)[:-len(DS_CALL_END)],       # no end marker
+     ("So " + 'get_weather{"city": "Paris"}', [])),
+    ("deepseek_v31", DS_BEGIN + v31_call("nope", NONE) + DS_END, ("nope{}", [])),
+    ("deepseek_v31", DS_BEGIN + v31_call("get_weather", '{"city": "Paris"') + DS_END,
+     ('get_weather{"city": "Paris"', [])),
+    ("deepseek_v31", DS_BEGIN + v31_call("get_weather", '"Paris"') + DS_END, ('get_weather"Paris"', [])),  # no object
+    ("kimi_k2", KIMI_BEGIN + kimi_call("get_weather", 0, PARIS) + KIMI_END,
+     (None, [("get_weather", {"city": "Paris"})])),
+    ("kimi_k2", "I'll check.\n" + KIMI_BEGIN + kimi_call("get_weather", 3, PARIS) + kimi_call("get_time", 4, NONE)
+     + KIMI_END, ("I'll check.", [("get_weather", {"city": "Paris"}), ("get_time", {})])),
+    ("kimi_k2", "Cut " + KIMI_BEGIN + KIMI_CALL + "functions.get_weather:0" + KIMI_ARGS + '{"city": "Pa',
+     ("Cut functions.get_weather:0" + '{"city": "Pa', [])),
+    ("kimi_k2", KIMI_BEGIN + kimi_call("nope", 0, NONE) + KIMI_END, ("functions.nope:0{}", [])),
+    ("kimi_k2", KIMI_BEGIN + kimi_call("get_weather", 0, "{city: Paris}") + KIMI_END,
+     ("functions.get_weather:0{city: Paris}", [])),
+    ("kimi_k2", KIMI_BEGIN + KIMI_CALL + "get_weather" + KIMI_ARGS + PARIS + KIMI_CALL_END + KIMI_END,      # no :IDX
+     ("get_weather" + PARIS, [])),
+]
+
+
+@pytest.mark.parametrize("parser, text, want", SECTION_CASES)
+def test_section_format_calls_by_hand(parser, text, want):
+    """DeepSeek-V3's, V3.1's and Kimi-K2's calls (vLLM's deepseek_v3, deepseek_v31, kimi_k2): the content before the
+    section; a call cut short, of a tool not offered or with arguments that are no JSON object is none; where no
+    call comes, the text is the content without the format's markers (special tokens: never shown)."""
+    content, calls = policy_of(parser).parse(text)
+    assert (content, named_args(calls)) == want
+    assert named_args(policy_of(parser, parallel_tool_calls=False).parse(text)[1]) == want[1][:1]
+
+
+@pytest.mark.parametrize("parser, text, want", SECTION_CASES)
+def test_section_format_streams_add_up_to_the_parse(parser, text, want):
+    """Streamed: the content as it comes up to where a marker is or may be starting, each call once its end marker
+    is in (past the held characters), adding up to the parse of the whole text; nothing sent is taken back."""
+    import random
+    call_end = DS_CALL_END if parser.startswith("deepseek") else KIMI_CALL_END
+    for parallel, hold in [(True, 0), (False, 0), (True, 3)]:
+        policy = policy_of(parser, parallel_tool_calls=parallel)
+        want_content, want_calls = policy.parse(text)
+        rng = random.Random(len(text) + hold)
+        stream, content, calls, cut = AutoToolStream(policy, hold), "", [], 0
+        while cut < len(text):
+            cut = min(len(text), cut + rng.randint(1, 6))
+            new, got = stream.feed(text[:cut], cut == len(text))
+            content += new
+            assert (want_content or "").startswith(content)
+            assert not any(m in content for m in (DS_BEGIN, DS_CALL, DS_SEP, KIMI_BEGIN, KIMI_CALL, KIMI_ARGS))
+            if got:
+                assert text[:cut - (0 if cut == len(text) else hold)].count(call_end) >= len(calls) + len(got)
+            calls += got
+        assert (content or None, named_args(calls)) == (want_content, named_args(want_calls))
+
+
+def test_kimi_call_ids_are_the_models():
+    """Kimi-K2's template writes a call's id back as `functions.NAME:IDX`: a call keeps the id the model gave it."""
+    text = KIMI_BEGIN + kimi_call("get_weather", 2, PARIS) + kimi_call("get_time", 3, NONE) + KIMI_END
+    assert [c.id for c in policy_of("kimi_k2").parse(text)[1]] == ["functions.get_weather:2", "functions.get_time:3"]
+    assert policy_of("deepseek_v31").parse(DS_BEGIN + v31_call("get_time", NONE))[1][0].id.startswith("call_")
+
+
+def test_section_formats_are_detected_from_tokenizer_and_template():
+    """A single-token <｜tool▁calls▁begin｜>: deepseek_v3, or deepseek_v31 where the template writes V3.1's calls (the
+    name right after <｜tool▁call▁begin｜>, no ```json); a <|tool_calls_section_begin|> token: kimi_k2; the same text
+    in several tokens is no such model's. --tool-call-parser takes the names."""
+    import argparse
+    from picovllm.entrypoints.openai.cli_proxy import add_tool_args
+    from picovllm.entrypoints.openai.tool_calls import detect_tool_parser
+
+    class Tok:
+        def __init__(self, special):
+            self.special = special
+
+        def encode(self, text, add_special_tokens=False):
+            return [1] if text in self.special else list(text.encode())
+
+    v3 = ("{{'<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + tool['function']['name'] + "
+          "'\\n' + '```json' + '\\n' + tool['function']['arguments'] + '\\n' + '```' + '<｜tool▁call▁end｜>'}}"
+          " {{ tools }}")
+    v31 = ("{{'<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>'+ tool['function']['name'] + '<｜tool▁sep｜>' + "
+           "tool['function']['arguments'] + '<｜tool▁call▁end｜>'}} {{ tools }}")
+    kimi = "{{ '<|tool_call_begin|>' + tc.id + '<|tool_call_argument_begin|>' }} {{ tools }}"
+    deepseek, moonshot = Tok({DS_BEGIN}), Tok({KIMI_BEGIN})
+    assert detect_tool_parser(deepseek, v3) == "deepseek_v3"
+    assert detect_tool_parser(deepseek, None) == "deepseek_v3"
+    assert detect_tool_parser(deepseek, v31) == "deepseek_v31"
+    assert detect_tool_parser(moonshot, kimi) == "kimi_k2"
+    assert detect_tool_parser(Tok(set()), v31) == "hermes" and detect_tool_parser(Tok(set()), kimi) == "hermes"
+    p = argparse.ArgumentParser()
+    add_tool_args(p)
+    for name in ("deepseek_v3", "deepseek_v31", "kimi_k2"):
+        assert p.parse_args(["--tool-call-parser", name]).tool_call_parser == name
+
+
+# -- served: a tiny model trained to call tools in Kimi-K2's format --------------------------------------------------
+KIMI_TEMPLATE = ("{% if tools %}<|im_system|>tool_declare<|im_middle|>{{ tools | tojson }}<|im_end|>{% endif %}"
+                 "{% for m in messages %}<|im_user|>{{ m['content'] }}<|im_end|>{% endfor %}<|im_assistant|>")
+KIMI_REPLY = "Let me look." + KIMI_BEGIN + kimi_call("get_weather", 0, PARIS) + KIMI_END
+
+
+@pytest.fixture(scope="module")
+def kimi_tool_model(tmp_path_factory) -> str:
+    """The tiny chat model's tokenizer with Kimi-K2's markers as special tokens and a template that renders the
+    tools, its weights trained to answer ASK_TOOL (WEATHER offered) with KIMI_REPLY."""
+    from transformers import AutoTokenizer
+    from serving_fixtures import build_tiny_chat_model, train_replies
+    path = build_tiny_chat_model(str(tmp_path_factory.mktemp("kimi") / "model"), vocab_size=400)
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.add_special_tokens({"additional_special_tokens": [KIMI_BEGIN, KIMI_END, KIMI_CALL, KIMI_CALL_END, KIMI_ARGS,
+                                                          "<|im_system|>", "<|im_middle|>", "<|im_user|>",
+                                                          "<|im_assistant|>"]})
+    tok.chat_template = KIMI_TEMPLATE
+    tok.save_pretrained(path)
+    worker = TokenizerWorker(tok)
+    try:
+        prompt = asyncio.run(worker.encode_chat(ASK_TOOL, True, tools=[WEATHER]))
+    finally:
+        worker.shutdown()
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    return train_replies(path, [(prompt, tok.encode(KIMI_REPLY, add_special_tokens=False) + [eos])], [eos])
+
+
+def test_served_kimi_tool_calls(kimi_tool_model, tmp_path):
+    """A server on a model whose tokenizer has <|tool_calls_section_begin|> reads its calls in Kimi-K2's format with
+    no flag (the markers kept in the text for it, never shown), streamed or not: the content before the section,
+    then the call with the model's id functions.NAME:IDX, finish tool_calls."""
+    import signal
+    import openai
+    from serving_fixtures import ServerProcess
+    kw = dict(messages=ASK_TOOL, tools=[WEATHER], temperature=0, max_tokens=100)
+    want = ("Let me look.", [("functions.get_weather:0", "get_weather", {"city": "Paris"})], "tool_calls")
+    srv = ServerProcess(kimi_tool_model, str(tmp_path / "server.log"), "--block-size", "16", "--num-kv-blocks", "64",
+                        "--max-model-len", "1024")
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        model = client.models.list().data[0].id
+        r = client.chat.completions.create(model=model, **kw)
+        msg = r.choices[0].message
+        got = [(c.id, c.function.name, json.loads(c.function.arguments)) for c in msg.tool_calls or []]
+        assert (msg.content, got, r.choices[0].finish_reason) == want
+        content, calls, finish = "", {}, None
+        for chunk in client.chat.completions.create(model=model, stream=True, **kw):
+            d, finish = chunk.choices[0].delta, chunk.choices[0].finish_reason or finish
+            content += d.content or ""
+            for c in d.tool_calls or []:
+                calls.setdefault(c.index, [c.id, c.function.name, ""])[2] += c.function.arguments or ""
+        got = [(i, n, json.loads(a)) for _, (i, n, a) in sorted(calls.items())]
+        assert (content, got, finish) == want
+    finally:
+        assert srv.stop(signal.SIGINT) == 0, srv.log()

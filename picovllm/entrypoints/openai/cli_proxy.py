@@ -48,7 +48,8 @@ def add_tool_args(p: argparse.ArgumentParser) -> None:
     """vLLM's tool-calling flags (serve's, the proxy's and the router's)."""
     p.add_argument("--tool-call-parser", default="auto", choices=("auto", *TOOL_PARSERS),
                    help="tool calls' format under tool_choice auto (default: the one the model's tokenizer and "
-                        "chat template speak: mistral, qwen3_coder, glm45, llama3_json, else hermes)")
+                        "chat template speak: mistral, deepseek_v3, deepseek_v31, kimi_k2, qwen3_coder, glm45, "
+                        "llama3_json, else hermes)")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accepted for vLLM's command lines: tool_choice auto is always on here")
 

@@ -10,8 +10,8 @@ from fastapi import Request, Response
 from picovllm.entrypoints.openai.harmony import HarmonyStream, parse_harmony
 from picovllm.entrypoints.openai.protocol import APIError, ChatCompletionRequest
 from picovllm.entrypoints.openai.reasoning import ReasoningSplitter, opened_in_prompt, split_reasoning
-from picovllm.entrypoints.openai.tool_calls import (TOOLS_SOURCES, AutoToolStream, ToolPolicy,
-                                                   template_renders_tools)
+from picovllm.entrypoints.openai.tool_calls import (SPECIAL_MARKER_PARSERS, TOOLS_SOURCES, AutoToolStream,
+                                                   ToolPolicy, template_renders_tools)
 from picovllm.entrypoints.openai.serving import (ENGINE_ERRORS, SSE_DONE, JSONBody, SampleGroup, ServingContext,
                                                  TextDeltas, final_output, now, prompt_logprobs_json, sse, sse_error,
                                                  sse_response, token_name, top_logprobs, truncated, usage,
@@ -40,7 +40,7 @@ class ChatHandler:
         if policy.mode == "auto":     # the model's own call format where its template renders the tools, else
             template = req.chat_template or getattr(ctx.tokenizer.tokenizer, "chat_template", None)   # Hermes'
             policy.parser = ctx.tool_parser if template_renders_tools(template) else "hermes"
-            if policy.active and policy.parser in ("mistral", "glm45"):
+            if policy.active and policy.parser in SPECIAL_MARKER_PARSERS:
                 params.skip_special_tokens = False       # their markers are special tokens
         ids = await ctx.tokenizer.encode_chat(ctx.template_messages(req.messages), req.add_generation_prompt,
                                               req.add_special_tokens, tools=policy.tools if policy.active else None,

@@ -16,14 +16,22 @@ The calls' format (vLLM's --tool-call-parser; by default the one the model's tok
 - mistral (a tokenizer with a `[TOOL_CALLS]` token): `[TOOL_CALLS]` then a JSON list of {"name", "arguments"}, or
   (the newer tokenizers') `[TOOL_CALLS]NAME[ARGS]{...}` (or `NAME[CALL_ID]ID[ARGS]{...}`) for each call, ids of 9
   letters and digits (Mistral's templates refuse others); the server keeps the special tokens in the
-  text for it.
+  text for it;
+- the section formats (SECTION_FORMATS; their markers are special tokens, kept in the text for the parser): a calls
+  section opens, then each call between its own markers: deepseek_v3 (DeepSeek-V3, R1-0528: a tokenizer with a
+  `<｜tool▁calls▁begin｜>` token) `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\n{...}\n```<｜tool▁call▁end｜>`;
+  deepseek_v31 (DeepSeek-V3.1: that token and a template that writes NAME right after `<｜tool▁call▁begin｜>`)
+  `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>`; kimi_k2 (a `<|tool_calls_section_begin|>` token)
+  `<|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>{...}<|tool_call_end|>`, the call's id
+  `functions.NAME:IDX` as the model wrote it (vLLM's). Where no call comes, the content is the text without the
+  format's markers (what skip_special_tokens would have shown).
 
 The output, by tool_choice:
 - "auto": free text; each call whose JSON names a given tool with an object for arguments becomes a call, the
   text before the first one is the content, trailing whitespace dropped (a call that does not parse stays
   content: never a call with broken arguments). Streamed (AutoToolStream), the content goes out as it is
-  generated; a call of the block formats (hermes, glm45, qwen3_coder) as soon as its block closes, llama3_json's
-  and mistral's calls when the output ends;
+  generated; a call of the block and section formats (hermes, glm45, qwen3_coder; deepseek_v3, deepseek_v31,
+  kimi_k2) as soon as its block closes, llama3_json's and mistral's calls when the output ends;
 - "required": the output is constrained (structured outputs) to a JSON array of one or more
   {"name", "arguments"} objects, each one's arguments by that function's parameter schema;
 - a named function: the output is constrained to that function's arguments (its parameter schema);
@@ -42,7 +50,7 @@ from picovllm.sampling_params import StructuredOutputsParams
 
 TOOL_CALL_RE = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
 ANY_OBJECT = {"type": "object"}
-TOOL_PARSERS = ("hermes", "glm45", "llama3_json", "mistral", "qwen3_coder")
+TOOL_PARSERS = ("hermes", "glm45", "llama3_json", "mistral", "qwen3_coder", "deepseek_v3", "deepseek_v31", "kimi_k2")
 GLM_CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 GLM_ARG_RE = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
 CODER_FUNCTION_RE = re.compile(r"\s*<function=([^>\n]+)>(.*?)</function>\s*", re.DOTALL)
@@ -51,6 +59,52 @@ BLOCK_PARSERS = ("hermes", "glm45", "qwen3_coder")     # <tool_call> blocks, eac
 PYTHON_TAG, MISTRAL_CALLS, MISTRAL_ARGS, MISTRAL_CALL_ID = "<|python_tag|>", "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
 # Mistral's chat templates refuse a tool call id that is not 9 letters and digits (the next turn's): its calls get such
 MISTRAL_ID = re.compile(r"[A-Za-z0-9]{9}")
+
+
+@dataclass(frozen=True)
+class SectionFormat:
+    """A format whose calls stand in a section: `begin`, then each call's inside between `call_begin` and
+    `call_end`, then `end`. Its markers are special tokens of the model's tokenizer."""
+    begin: str
+    end: str
+    call_begin: str
+    call_end: str
+    sep: str             # between a call's name and its arguments
+
+    @property
+    def markers(self) -> tuple[str, ...]:
+        return self.begin, self.end, self.call_begin, self.call_end, self.sep
+
+    @property
+    def call_re(self) -> re.Pattern:
+        """A complete call: its inside is group 1."""
+        return re.compile(re.escape(self.call_begin) + "(.*?)" + re.escape(self.call_end), re.DOTALL)
+
+    def without_markers(self, text: str) -> str:
+        """text as the client may see it: the markers out (what skip_special_tokens would have shown)."""
+        for marker in self.markers:
+            text = text.replace(marker, "")
+        return text
+
+    def content_end(self, text: str) -> int:
+        """Where the content of a text still growing may end: at its first marker, or where one may be starting."""
+        found = [i for i in (text.find(m) for m in self.markers) if i >= 0]
+        return min(found) if found else len(text) - max(partial_tag(text, m) for m in self.markers)
+
+
+DEEPSEEK = dict(begin="<｜tool▁calls▁begin｜>", end="<｜tool▁calls▁end｜>", call_begin="<｜tool▁call▁begin｜>",
+                call_end="<｜tool▁call▁end｜>", sep="<｜tool▁sep｜>")
+SECTION_FORMATS = {
+    "deepseek_v3": SectionFormat(**DEEPSEEK),       # function<｜tool▁sep｜>NAME\n```json\n{...}\n```
+    "deepseek_v31": SectionFormat(**DEEPSEEK),      # NAME<｜tool▁sep｜>{...}
+    "kimi_k2": SectionFormat(begin="<|tool_calls_section_begin|>", end="<|tool_calls_section_end|>",
+                             call_begin="<|tool_call_begin|>", call_end="<|tool_call_end|>",
+                             sep="<|tool_call_argument_begin|>"),     # functions.NAME:IDX<|...|>{...}
+}
+DEEPSEEK_V3_CALL_RE = re.compile(r"\s*function\s*<｜tool▁sep｜>\s*([^\n`]+?)\s*```(?:json)?\s*(.*?)\s*```\s*", re.DOTALL)
+KIMI_ID_RE = re.compile(r"(?:functions\.)?(.+):\d+")
+# the formats whose markers are special tokens: the server keeps them in the text for the parser
+SPECIAL_MARKER_PARSERS = ("mistral", "glm45", *SECTION_FORMATS)
 
 
 @dataclass
@@ -132,6 +186,8 @@ class ToolPolicy:
             return self._parse_llama3(text)
         if self.parser == "mistral":
             return self._parse_mistral(text)
+        if self.parser in SECTION_FORMATS:
+            return self._parse_section(text)
         calls, first = [], None
         for m in self.block_re.finditer(text):
             call = self.block_call(m.group(1))
@@ -202,6 +258,47 @@ class ToolPolicy:
             return text, []
         content = text[:start].rstrip()
         return content or None, calls if self.parallel else calls[:1]
+
+    def _parse_section(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """The section formats: the content before the section; each complete call after its start that names an
+        offered tool with an object for arguments (one cut short or broken is left out). No call: all content, the
+        markers out."""
+        fmt = SECTION_FORMATS[self.parser]
+        start = text.find(fmt.begin)
+        calls = [] if start < 0 else [self.section_call(m.group(1)) for m in fmt.call_re.finditer(text, start)]
+        calls = [c for c in calls if c is not None]
+        if not calls:
+            return fmt.without_markers(text), []
+        content = fmt.without_markers(text[:start]).rstrip()
+        return content or None, calls if self.parallel else calls[:1]
+
+    def section_call(self, inside: str) -> ToolCall | None:
+        """The call a complete call of a section format makes (its inside, between its markers), or None."""
+        parts = self._section_parts(inside)
+        if parts is None:
+            return None
+        name, args, given_id = parts
+        try:
+            call = self._call_of({"name": name, "arguments": json.loads(args)})
+        except json.JSONDecodeError:
+            return None
+        if call is not None and given_id is not None:
+            call.id = given_id
+        return call
+
+    def _section_parts(self, inside: str) -> tuple[str, str, str | None] | None:
+        """A call's (name, arguments' JSON text, the model's id for it or None), or None where it has no such parts."""
+        if self.parser == "deepseek_v3":
+            m = DEEPSEEK_V3_CALL_RE.fullmatch(inside)
+            return (m.group(1), m.group(2), None) if m else None
+        head, sep, args = inside.partition(SECTION_FORMATS[self.parser].sep)
+        head = head.strip()
+        if not sep:
+            return None
+        if self.parser == "kimi_k2":      # functions.NAME:IDX, the call's id as well
+            m = KIMI_ID_RE.fullmatch(head)
+            return (m.group(1), args, head) if m else None
+        return head, args, None
 
     @property
     def block_re(self) -> re.Pattern:
@@ -280,6 +377,8 @@ class AutoToolStream:
     def feed(self, text: str, finished: bool) -> tuple[str, list[ToolCall]]:
         if not finished:     # a stop string could still cut the last `hold` characters (and a block there)
             text = text[:max(0, len(text) - self.hold)]
+        if self.policy.parser in SECTION_FORMATS:
+            return self._feed_section(text, finished)
         if self.policy.parser not in BLOCK_PARSERS:
             return self._feed_whole(text, finished)
         calls = []
@@ -307,6 +406,29 @@ class AutoToolStream:
         self.sent = max(self.sent, end)
         return new, calls
 
+    def _feed_section(self, text: str, finished: bool) -> tuple[str, list[ToolCall]]:
+        """The section formats: each call once its end marker comes; the content (the markers out) up to where the
+        first marker is or may be starting, and, once a call came, up to its section's start."""
+        fmt, calls = SECTION_FORMATS[self.policy.parser], []
+        start = text.find(fmt.begin)
+        for m in fmt.call_re.finditer(text, max(self.scanned, start)) if start >= 0 else ():
+            self.scanned = m.end()
+            call = self.policy.section_call(m.group(1))
+            if call is None or (self.num_calls and not self.policy.parallel):
+                continue
+            self.content_end = start
+            self.num_calls += 1
+            calls.append(call)
+        if self.content_end is not None:
+            content = fmt.without_markers(text[:self.content_end]).rstrip()
+        elif finished:
+            content = fmt.without_markers(text)
+        else:        # no marker before the end: the text so far is content as it stands
+            content = text[:fmt.content_end(text)].rstrip()
+        new = content[self.sent:]
+        self.sent = max(self.sent, len(content))
+        return new, calls
+
     def _feed_whole(self, text: str, finished: bool) -> tuple[str, list[ToolCall]]:
         """llama3_json and mistral: the content up to where calls may start; the calls once the output ends."""
         calls = []
@@ -329,14 +451,19 @@ class AutoToolStream:
 
 def detect_tool_parser(tokenizer, chat_template: str | None) -> str:
     """The calls' format a model speaks (TOOL_PARSERS): mistral where its tokenizer has a [TOOL_CALLS] token,
+    deepseek_v3 where it has a <｜tool▁calls▁begin｜> token (deepseek_v31 where the chat template writes V3.1's calls:
+    the name right after <｜tool▁call▁begin｜>, no ```json), kimi_k2 where it has <|tool_calls_section_begin|>,
     qwen3_coder where its chat template writes <function=...> and <parameter=...>, glm45 where it writes <arg_key>
     pairs, llama3_json where the template is Llama 3's (tools through `Environment: ipython` / <|python_tag|>),
     else hermes."""
-    try:
-        if tokenizer is not None and len(tokenizer.encode(MISTRAL_CALLS, add_special_tokens=False)) == 1:
-            return "mistral"
-    except Exception:       # a tokenizer that cannot encode: not Mistral's
-        pass
+    if has_token(tokenizer, MISTRAL_CALLS):
+        return "mistral"
+    deepseek = SECTION_FORMATS["deepseek_v3"]
+    if has_token(tokenizer, deepseek.begin):      # V3.1's template writes NAME right after the call's marker
+        v31 = chat_template and deepseek.call_begin in chat_template and "```json" not in chat_template
+        return "deepseek_v31" if v31 else "deepseek_v3"
+    if has_token(tokenizer, SECTION_FORMATS["kimi_k2"].begin):
+        return "kimi_k2"
     if chat_template and "<function=" in chat_template and "<parameter=" in chat_template:
         return "qwen3_coder"
     if chat_template and "<arg_key>" in chat_template:
@@ -344,6 +471,14 @@ def detect_tool_parser(tokenizer, chat_template: str | None) -> str:
     if chat_template and (PYTHON_TAG in chat_template or "Environment: ipython" in chat_template):
         return "llama3_json"
     return "hermes"
+
+
+def has_token(tokenizer, marker: str) -> bool:
+    """Whether the tokenizer has marker as one token of its own."""
+    try:
+        return tokenizer is not None and len(tokenizer.encode(marker, add_special_tokens=False)) == 1
+    except Exception:       # a tokenizer that cannot encode: not one with this marker
+        return False
 
 
 def json_or_text(text: str) -> Any:
