@@ -39,7 +39,7 @@ from nano_throughput import workload  # noqa: E402
 from picovllm import LLM, SamplingParams  # noqa: E402
 from picovllm.bench.random_checkpoint import _tensor_shapes, random_tensor, resolve_config  # noqa: E402
 
-MODELS = ["qwen3-30b-a3b", "mistral-7b", "gemma2-2b", "gpt-oss-20b"]
+MODELS = ["qwen3-30b-a3b", "mistral-7b", "gemma2-2b", "gpt-oss-20b", "deepseek-v2-lite"]
 PEER = ("qwen3-30b-a3b",)       # the target: at least 20x HF's continuous batching on this one
 
 
@@ -223,7 +223,8 @@ def main() -> None:
     presets = args.only
     if args.tiny:
         presets = [{"qwen3-30b-a3b": "tiny-qwen3-moe", "mistral-7b": "tiny-mistral",
-                    "gemma2-2b": "tiny-gemma2", "gpt-oss-20b": "tiny-gpt-oss"}[m] for m in args.only]
+                    "gemma2-2b": "tiny-gemma2", "gpt-oss-20b": "tiny-gpt-oss",
+                    "deepseek-v2-lite": "tiny-deepseek-v2-lite"}[m] for m in args.only]
         args.num_seqs, args.repeat = min(args.num_seqs, 8), 1
         args.peer_budget_s = min(args.peer_budget_s, 120.0)
     elif args.device == "cpu":

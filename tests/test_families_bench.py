@@ -31,10 +31,16 @@ def test_tiny_run_end_to_end(tmp_path):
     assert list(results[-1]["ratios"]) == ["tiny-qwen3-moe / hf_cb[sdpa]"]
 
 
-@pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-gemma2", "tiny-gpt-oss", "tiny-glm-4.5"])
+@pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-gemma2", "tiny-gpt-oss", "tiny-glm-4.5",
+                                    "tiny-deepseek-v2-lite"])
 def test_random_source_is_the_written_checkpoint(tmp_path, preset):
-    """"random:<preset>" generates the tensors make_random_checkpoint writes (same names, seeds, values)."""
+    """"random:<preset>" generates the tensors make_random_checkpoint writes (same names, seeds, values); HF reads
+    the written checkpoint with no tensor missing or left over (DeepSeek's latent attention's names)."""
     folder = make_random_checkpoint(str(tmp_path / preset), preset)
+    if preset == "tiny-deepseek-v2-lite":
+        from transformers import AutoModelForCausalLM
+        _, info = AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True)
+        assert not info["missing_keys"] and not info["unexpected_keys"], info
     sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
     a, b = (LLM(m, device="cpu", num_kv_blocks=32).generate([[3, 1, 4, 1, 5, 9]], sp, use_tqdm=False)[0].outputs[0]
             for m in (folder, f"random:{preset}"))

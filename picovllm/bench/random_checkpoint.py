@@ -62,6 +62,20 @@ PRESETS: dict[str, dict] = {
                         use_qk_norm=False, tie_word_embeddings=False, rope_theta=1_000_000.0, rms_norm_eps=1e-5,
                         max_position_embeddings=131072, hidden_act="silu", num_nextn_predict_layers=0,
                         pad_token_id=151329, eos_token_id=[151329, 151336, 151338]),
+    # DeepSeek-V2-Lite: multi-head latent attention (q direct, a 512-dim KV latent, 128 + 64 / 128 head dims), 64
+    # routed experts top-6 (softmax, greedy) beside 2 shared, layer 0 dense, YaRN; 15.7B parameters, 2.4B active
+    "deepseek-v2-lite": dict(architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2", vocab_size=102400,
+                             hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
+                             n_routed_experts=64, num_experts_per_tok=6, n_shared_experts=2, first_k_dense_replace=1,
+                             moe_layer_freq=1, topk_method="greedy", n_group=1, topk_group=1,
+                             routed_scaling_factor=1.0, norm_topk_prob=False, num_hidden_layers=27,
+                             num_attention_heads=16, num_key_value_heads=16, q_lora_rank=None, kv_lora_rank=512,
+                             qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, tie_word_embeddings=False,
+                             rope_theta=10000.0, rope_scaling={"type": "yarn", "factor": 40, "beta_fast": 32,
+                                                              "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707,
+                                                              "original_max_position_embeddings": 4096},
+                             max_position_embeddings=163840, rms_norm_eps=1e-6, hidden_act="silu",
+                             bos_token_id=100000, eos_token_id=100001),
     # The same family at toy size, for tests (its vocabulary holds the workloads' token ids, < 10001).
     "tiny-qwen3": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=10240, hidden_size=64,
                        intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -86,6 +100,12 @@ PRESETS["tiny-glm-4.5"] = dict(PRESETS["glm-4.5-air"], vocab_size=10240, hidden_
                                topk_group=2, routed_scaling_factor=2.5, num_hidden_layers=2, num_attention_heads=4,
                                num_key_value_heads=2, head_dim=16, max_position_embeddings=2048, pad_token_id=0,
                                bos_token_id=0, eos_token_id=1)
+PRESETS["tiny-deepseek-v2-lite"] = dict(PRESETS["deepseek-v2-lite"], vocab_size=10240, hidden_size=64,
+                                        intermediate_size=128, moe_intermediate_size=32, n_routed_experts=8,
+                                        num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4,
+                                        num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16,
+                                        qk_rope_head_dim=16, v_head_dim=16, max_position_embeddings=2048,
+                                        bos_token_id=0, eos_token_id=1)
 PRESETS["tiny-gemma2"] = dict(PRESETS["gemma2-2b"], vocab_size=10240, hidden_size=64, intermediate_size=128,
                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                               query_pre_attn_scalar=32, sliding_window=64, max_position_embeddings=2048)
@@ -114,11 +134,19 @@ def _tensor_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
         shapes["lm_head.weight"] = (cfg["vocab_size"], h)
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        shapes.update({
-            p + "self_attn.q_proj.weight": (nq * d, h), p + "self_attn.k_proj.weight": (nkv * d, h),
-            p + "self_attn.v_proj.weight": (nkv * d, h), p + "self_attn.o_proj.weight": (h, nq * d),
-            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-        })
+        shapes.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)})
+        if cfg.get("kv_lora_rank"):         # DeepSeek's latent attention (q direct: q_lora_rank None)
+            a, rank, qk = p + "self_attn.", cfg["kv_lora_rank"], cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"]
+            shapes.update({a + "q_proj.weight": (nq * qk, h),
+                           a + "kv_a_proj_with_mqa.weight": (rank + cfg["qk_rope_head_dim"], h),
+                           a + "kv_a_layernorm.weight": (rank,),
+                           a + "kv_b_proj.weight": (nq * (cfg["qk_nope_head_dim"] + cfg["v_head_dim"]), rank),
+                           a + "o_proj.weight": (h, nq * cfg["v_head_dim"])})
+        else:
+            shapes.update({
+                p + "self_attn.q_proj.weight": (nq * d, h), p + "self_attn.k_proj.weight": (nkv * d, h),
+                p + "self_attn.v_proj.weight": (nkv * d, h), p + "self_attn.o_proj.weight": (h, nq * d),
+            })
         if arch == "GptOssForCausalLM":      # stacked experts, [E, in, out] (gate/up interleaved), biases, sinks
             e, mi = cfg["num_local_experts"], cfg["intermediate_size"]
             q = p + "mlp.experts."
@@ -135,10 +163,12 @@ def _tensor_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
                 q = f"{p}mlp.experts.{e}."
                 shapes.update({q + "gate_proj.weight": (mi, h), q + "up_proj.weight": (mi, h),
                                q + "down_proj.weight": (h, mi)})
-            if arch == "Glm4MoeForCausalLM":     # the router's correction bias, the shared experts as one MLP
+            if arch in ("Glm4MoeForCausalLM", "DeepseekV2ForCausalLM"):     # the shared experts as one MLP
                 si, q = mi * cfg.get("n_shared_experts", 1), p + "mlp.shared_experts."
-                shapes.update({p + "mlp.gate.e_score_correction_bias": (experts,), q + "gate_proj.weight": (si, h),
-                               q + "up_proj.weight": (si, h), q + "down_proj.weight": (h, si)})
+                shapes.update({q + "gate_proj.weight": (si, h), q + "up_proj.weight": (si, h),
+                               q + "down_proj.weight": (h, si)})
+            if arch == "Glm4MoeForCausalLM":     # the router's correction bias
+                shapes[p + "mlp.gate.e_score_correction_bias"] = (experts,)
         else:
             shapes.update({p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
                            p + "mlp.down_proj.weight": (h, inter)})
