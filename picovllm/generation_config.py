@@ -39,16 +39,8 @@ def _read(folder: str, required: bool) -> dict:
 
 def parse_override(value) -> dict | None:
     """--override-generation-config's value: a dict, or its JSON text (None: no override)."""
-    if value is None or isinstance(value, dict):
-        return value
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"override_generation_config is not valid JSON: {e}") from None
-        if isinstance(value, dict):
-            return value
-    raise ValueError(f"override_generation_config must be a JSON object, got {value!r}")
+    from picovllm.config import parse_json_object
+    return parse_json_object(value, "override_generation_config", "generation config fields")
 
 
 def _local(model: str | None, revision: str | None = None, download_dir: str | None = None) -> str | None:
