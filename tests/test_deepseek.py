@@ -192,7 +192,9 @@ def test_grouped_softmax_routing_matches_hf_router():
             assert not torch.equal(free, got_w)
 
 
-def test_deepseek2_gguf_is_refused(tmp_path):
+def test_deepseek2_gguf_without_its_metadata_is_refused(tmp_path):
+    """deepseek2 GGUF files are read (tests/test_gguf_deepseek.py); one without MLA's metadata is refused, naming
+    the key."""
     import gguf
 
     path = str(tmp_path / "ds.gguf")
@@ -203,7 +205,7 @@ def test_deepseek2_gguf_is_refused(tmp_path):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(ValueError, match="general.architecture='deepseek2' is unsupported"):
+    with pytest.raises(ValueError, match="metadata key 'deepseek2.attention.head_count' is missing"):
         LLM(path, device="cpu")
 
 

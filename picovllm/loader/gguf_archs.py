@@ -14,6 +14,8 @@ What llama.cpp's converter changed, undone here:
 - gpt-oss: each projection's experts stacked [E, out, in] (MXFP4 blocks or floats), gate and up apart, biases
   [E, out]: put back into the checkpoint's [E, in, out] with gate and up interleaved (gate_up_proj, its bias), which
   the model reads as it reads an HF folder (models/gpt_oss.py); the router (ffn_gate_inp) and sinks as HF's.
+- deepseek2 (DeepSeek-V2/V3, Kimi-K2, Moonlight): its own module, loader/gguf_deepseek2.py (MLA's shapes, kv_b_proj
+  split per head in newer files, the rope rows, the routing).
 What the metadata does not say, llama.cpp's own rule decides (Gemma's query scale, Gemma 3's sliding pattern,
 Qwen3-MoE's renormalised top-k, SmolLM3's NoPE on every 4th layer, GPT-OSS's SwiGLU constants and stop tokens).
 Llama 3's rope scaling comes as a tensor (rope_freqs: a divisor per rotary frequency, computed by the converter from
@@ -36,6 +38,7 @@ class Arch:
     hf: str                         # the HF architecture (llama: Mistral with a window, Mixtral with experts)
     interleaved_qk: bool = False    # q/k rows with each head's rotary halves interleaved (llama.cpp's non-NeoX rope)
     gemma: bool = False             # norms stored as 1 + w, GeGLU, soft-caps, query scale by llama.cpp's rule
+    mla: bool = False               # DeepSeek's multi-head latent attention: loader/gguf_deepseek2.py
 
 
 ARCHITECTURES = {
@@ -51,6 +54,7 @@ ARCHITECTURES = {
     "granite": Arch("GraniteForCausalLM", interleaved_qk=True),
     "smollm3": Arch("SmolLM3ForCausalLM", interleaved_qk=True),
     "gpt-oss": Arch("GptOssForCausalLM"),
+    "deepseek2": Arch("DeepseekV3ForCausalLM", mla=True),   # V2 (softmax routing) or V3: the file's gating says
 }
 
 # blk.N.<GGUF name> -> model.layers.N.<HF name>
@@ -94,17 +98,30 @@ _IN_CONFIG = ("rope_factors_short.weight", "rope_factors_long.weight",   # Phi-3
 
 
 @dataclass(frozen=True)
+class Slot:
+    """Where a part goes in an HF tensor made of `n` file tensors (this part is number `i`): whole.view(view)[index],
+    `whole` of shape `shape`. GPT-OSS's gate and up: columns i, i + 2, ... of gate_up_proj; DeepSeek's attn_k_b and
+    attn_v_b: each head's first qk_nope_head_dim rows of kv_b_proj, and the rest."""
+    shape: tuple[int, ...]
+    view: tuple[int, ...]
+    index: tuple
+    i: int
+    n: int
+
+
+@dataclass(frozen=True)
 class Part:
     """One HF tensor of a file tensor (torch dimension order): `take` is rows of a 2-D one (slice or index array,
-    in HF order) or an expert's index in a stacked 3-D one. With `interleaved` (i, n), it is not a whole HF tensor
-    but its columns i, i + n, i + 2n, ... (last dim; `shape` is the part's): hf_tensors assembles the n parts."""
+    in HF order) or an expert's index in a stacked 3-D one. With a `slot`, it is not a whole HF tensor but the
+    slot's share of one (`shape` is the part's): hf_tensors assembles the slot's n parts."""
     name: str
     shape: tuple[int, ...]
     take: slice | np.ndarray | int
     minus_one: bool = False      # Gemma's norms: the file holds 1 + w
     linear: bool = False         # a dense linear layer, the embedding or the LM head: may stay quantized
-    transposed: bool = False     # GPT-OSS's experts: the file's [E, out, in] as the checkpoint's [E, in, out]
-    interleaved: tuple[int, int] | None = None      # GPT-OSS's gate (0, 2) and up (1, 2) in gate_up_proj
+    transposed: bool = False     # the last two dims swapped: GPT-OSS's experts ([E, out, in] -> the checkpoint's
+                                 # [E, in, out]), DeepSeek's attn_k_b ([H, rank, nope] -> kv_b_proj's rows)
+    slot: Slot | None = None     # a share of an HF tensor made of several file tensors
 
     def of(self, w: torch.Tensor) -> torch.Tensor:
         """This part of the file tensor `w`, dequantized to float, in the HF tensor's shape."""
@@ -115,26 +132,27 @@ class Part:
 
 def hf_tensors(pieces: Iterable[tuple[Part, object]]) -> Iterator[tuple[str, object]]:
     """(HF name, tensor) from (part, what part.of gave, or a quantized form) in file order: a whole part as it
-    comes, an interleaved one's HF tensor once its last part is in. ValueError if the parts of one never all come
+    comes, a slotted one's HF tensor once its last part is in. ValueError if the parts of one never all come
     (hf_specs, on meta tensors, finds that before any weight is read)."""
     pending: dict[str, tuple[torch.Tensor, set[int]]] = {}
     for part, t in pieces:
-        if part.interleaved is None:
+        slot = part.slot
+        if slot is None:
             yield part.name, t
             continue
-        i, n = part.interleaved
         if part.name not in pending:
-            pending[part.name] = (t.new_empty(part.shape[:-1] + (part.shape[-1] * n,)), set())
+            pending[part.name] = (t.new_empty(slot.shape), set())
         whole, seen = pending[part.name]
-        whole[..., i::n] = t
-        seen.add(i)
-        if len(seen) == n:
+        whole.view(slot.view)[slot.index] = t
+        seen.add(slot.i)
+        if len(seen) == slot.n:
             del pending[part.name]
             yield part.name, whole
     if pending:
         name, (_, seen) = next(iter(pending.items()))
         raise ValueError(f"the HF tensor {name!r} is made of {len(seen)} file tensor(s) only; it needs all its "
-                         "interleaved parts (GPT-OSS's gate_up_proj: ffn_gate_exps and ffn_up_exps, weight and bias)")
+                         "parts (GPT-OSS's gate_up_proj: ffn_gate_exps and ffn_up_exps, weight and bias; DeepSeek's "
+                         "kv_b_proj: attn_k_b and attn_v_b)")
 
 
 def hf_specs(parts: Iterable[Part]) -> list[tuple[str, tuple[int, ...]]]:
@@ -169,6 +187,11 @@ def _file_parts(name: str, shape: tuple[int, ...], cfg: ModelConfig, arch: Arch)
     parts = name.split(".")
     if parts[0] == "blk" and len(parts) > 2:
         key = ".".join(parts[2:])
+        if arch.mla:
+            from picovllm.loader import gguf_deepseek2
+            mla = gguf_deepseek2.layer_parts(name, f"model.layers.{parts[1]}.", key, shape, cfg)
+            if mla is not None:
+                return mla
         if arch.hf == "GptOssForCausalLM" and key in _GPT_OSS_LAYER:
             return [_gpt_oss_part(f"model.layers.{parts[1]}.", key, shape)]
         if arch.hf == "GptOssForCausalLM" and key.startswith("ffn_gate_up_exps."):
@@ -200,7 +223,12 @@ def _gpt_oss_part(prefix: str, key: str, shape: tuple[int, ...]) -> Part:
     hf, transposed, interleaved = _GPT_OSS_LAYER[key]
     if transposed:
         shape = shape[:-2] + (shape[-1], shape[-2])
-    return Part(prefix + hf, shape, slice(None), transposed=transposed, interleaved=interleaved)
+    slot = None
+    if interleaved is not None:      # columns i, i + n, ... of the last dim
+        i, n = interleaved
+        whole = shape[:-1] + (shape[-1] * n,)
+        slot = Slot(whole, whole, (..., slice(i, None, n)), i, n)
+    return Part(prefix + hf, shape, slice(None), transposed=transposed, slot=slot)
 
 
 def _split(name: str, shape: tuple[int, ...], pattern: str, labels: tuple[str, ...], sizes: list[int]) -> list[Part]:
@@ -236,6 +264,9 @@ def model_config(meta: dict, tensors: dict, path: str) -> tuple[ModelConfig, Arc
     arch, p = ARCHITECTURES[name], name + "."
     if "token_embd.weight" not in tensors:
         raise ValueError(f"GGUF {path!r}: tensor 'token_embd.weight' is missing")
+    if arch.mla:
+        from picovllm.loader import gguf_deepseek2
+        return gguf_deepseek2.model_config(meta, tensors, path), arch
     heads = int(_required(meta, p + "attention.head_count", path))
     hidden = int(_required(meta, p + "embedding_length", path))
     layers = int(_required(meta, p + "block_count", path))
@@ -414,7 +445,7 @@ def _rope_scaling(meta: dict, tensors: dict, p: str, path: str, rotary_dim: int)
     if kind == "none":
         return None
     if kind == "yarn":
-        return _yarn(meta, p, path)
+        return yarn_scaling(meta, p, path)
     if kind != "linear":
         raise ValueError(f"GGUF {path!r}: {p}rope.scaling.type={kind!r}: only 'linear', 'yarn' (and Phi-3's "
                          "LongRoPE factors) are supported")
@@ -427,8 +458,9 @@ _YARN_NEUTRAL = {"yarn_ext_factor": (-1.0, 1.0), "yarn_attn_factor": (1.0,), "at
                  "yarn_log_multiplier": (0.0,)}
 
 
-def _yarn(meta: dict, p: str, path: str) -> dict:
-    """The HF form of a file's YaRN (llama.cpp's converter writes Qwen's as type, factor and original context)."""
+def yarn_scaling(meta: dict, p: str, path: str, read_elsewhere: tuple[str, ...] = ()) -> dict:
+    """The HF form of a file's YaRN (llama.cpp's converter writes Qwen's as type, factor and original context).
+    read_elsewhere: keys of _YARN_NEUTRAL the caller reads itself (deepseek2's yarn_log_multiplier)."""
     out = {"rope_type": "yarn", "factor": float(_required(meta, p + "rope.scaling.factor", path)),
            "original_max_position_embeddings": int(_required(meta, p + "rope.scaling.original_context_length", path))}
     for key, field in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
@@ -436,7 +468,7 @@ def _yarn(meta: dict, p: str, path: str) -> dict:
             out[field] = float(meta[p + "rope.scaling." + key])
     for key, neutral in _YARN_NEUTRAL.items():
         value = meta.get(p + "rope.scaling." + key)
-        if value is not None and float(value) not in neutral:
+        if key not in read_elsewhere and value is not None and float(value) not in neutral:
             raise ValueError(f"GGUF {path!r}: {p}rope.scaling.{key}={value!r} is unsupported (YaRN with its default "
                              "attention factor only)")
     return out
