@@ -50,6 +50,14 @@ class ThinkTags:
                 return MAY_OPEN
         return MAY_OPEN
 
+    def begin(self, prompt_ids: Sequence[int]) -> tuple[str, int]:
+        """(phase, progress) where the prompt leaves the output (progress: none here)."""
+        return self.phase(prompt_ids), 0
+
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        return self.start, self.end
+
     def advance(self, phase: str, progress: int, token: int) -> tuple[bool, str, int]:
         """A sampled token against the gate, before the answer: (whether it is the think block's: its start at a
         first token that may open one, anything inside it, its end included; the phase after it; progress, unused
@@ -61,43 +69,72 @@ class ThinkTags:
 
 class HarmonyTags:
     """GPT-OSS's harmony replies: everything before the final channel's body (analysis and commentary messages,
-    headers included) is reasoning; the answer is the body after `<|channel|>final<|message|>`, where vLLM's
-    openai_gptoss parser ends the reasoning. The gate of ThinkTags' kind (phase, advance) for structured outputs."""
+    headers included) is reasoning; the answer is the body after a `<|channel|>final ... <|message|>` header, where
+    vLLM's openai_gptoss parser ends the reasoning (as it, up to MAX_GAP tokens between `final` and `<|message|>`:
+    `<|channel|>final <|constrain|>json<|message|>`). The gate of ThinkTags' kind (begin, phase, advance) for
+    structured outputs. Progress through a header: 0 none; 1 after <|channel|>; 1 + k after k tokens of the word
+    `final`; from 1 + len(word) on, inside the final header (1 + len(word) + the tokens since the word)."""
+    MAX_GAP = 20
 
-    def __init__(self, final: Sequence[int], message: int, markers: frozenset[int]) -> None:
-        self.final, self.message, self.markers = tuple(final), message, markers
+    def __init__(self, channel: int, word: Sequence[int], message: int, resets: frozenset[int],
+                 markers: frozenset[int]) -> None:
+        self.channel, self.word, self.message = channel, tuple(word), message
+        self.resets = resets          # tokens that end any header: <|start|>, <|end|>, <|return|>, <|call|>
+        self.markers = markers        # every harmony marker the tokenizer has
+        self.header = 1 + len(self.word)
 
     @classmethod
     def of(cls, tokenizer, what: str) -> "HarmonyTags":
-        """ValueError naming `what` (the field that asked) where the tokenizer does not have harmony's markers."""
-        ids = [tokenizer.encode(m, add_special_tokens=False) for m in HARMONY_MARKERS]
-        if any(len(i) != 1 for i in ids):
-            raise ValueError(f"{what}: the tokenizer has no harmony markers ({', '.join(HARMONY_MARKERS)}) as tokens "
-                             f"of their own (the model does not reply in GPT-OSS's harmony format)")
-        markers = {m: i[0] for m, i in zip(HARMONY_MARKERS, ids)}
-        return cls(tokenizer.encode(HARMONY_FINAL, add_special_tokens=False), markers["<|message|>"],
-                   frozenset(markers.values()))
+        """ValueError naming `what` (the field that asked) where the tokenizer does not have harmony's markers
+        (<|start|>, <|end|>, <|message|>, <|channel|>: what the chat server reads harmony by)."""
+        ids = {m: tokenizer.encode(m, add_special_tokens=False) for m in HARMONY_MARKERS}
+        needed = HARMONY_MARKERS[:4]
+        if any(len(ids[m]) != 1 for m in needed):
+            raise ValueError(f"{what}: the tokenizer has no harmony markers ({', '.join(needed)}) as tokens of their "
+                             f"own (the model does not reply in GPT-OSS's harmony format)")
+        one = {m: i[0] for m, i in ids.items() if len(i) == 1}
+        final = tokenizer.encode(HARMONY_FINAL, add_special_tokens=False)
+        word = final[1:-1]     # "final" between the two markers
+        if final[:1] != [one["<|channel|>"]] or final[-1:] != [one["<|message|>"]] or not word:
+            raise ValueError(f"{what}: the tokenizer does not encode {HARMONY_FINAL!r} as <|channel|>, final, "
+                             f"<|message|>")
+        resets = frozenset(one[m] for m in ("<|start|>", "<|end|>", "<|return|>", "<|call|>") if m in one)
+        return cls(one["<|channel|>"], word, one["<|message|>"], resets, frozenset(one.values()))
+
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        return tuple(self.markers) + self.word
+
+    def begin(self, prompt_ids: Sequence[int]) -> tuple[str, int]:
+        """(phase, progress) where the prompt leaves the output: the answer where it ends inside a final message's
+        body or has no marker at all (a plain-text prompt); else reasoning, part way through a final header if it
+        ends in one (`<|start|>assistant<|channel|>final`)."""
+        begin = max((i for i, t in enumerate(prompt_ids) if t in self.resets), default=-1)
+        if begin < 0 and not any(t in self.markers for t in prompt_ids):
+            return ANSWER, 0
+        phase, progress = REASONING, 0
+        for t in prompt_ids[begin + 1:]:       # since the last message boundary
+            if phase == REASONING:
+                _, phase, progress = self.advance(phase, progress, t)
+        return phase, progress
 
     def phase(self, prompt_ids: Sequence[int]) -> str:
-        """Where the output starts: in the answer where the prompt ends inside a final message's body (its last
-        marker the <|message|> of `<|channel|>final<|message|>`) or has no marker at all (a plain-text prompt);
-        else (a header opened: `<|start|>assistant`; another channel's body; a message ended) reasoning."""
-        n = len(self.final)
-        for i in range(len(prompt_ids) - 1, -1, -1):
-            if prompt_ids[i] in self.markers:
-                final = prompt_ids[i] == self.message and tuple(prompt_ids[max(0, i - n + 1):i + 1]) == self.final
-                return ANSWER if final else REASONING
-        return ANSWER
+        return self.begin(prompt_ids)[0]
 
     def advance(self, phase: str, progress: int, token: int) -> tuple[bool, str, int]:
-        """A sampled token before the answer: every one is reasoning, the final header's last included, after which
-        the answer starts; progress: how much of the final header the tokens so far end with."""
-        if token == self.final[progress]:
-            progress += 1
-            if progress == len(self.final):
+        """A sampled token before the answer: every one is reasoning, the final header's <|message|> included, after
+        which the answer starts (the class doc says what progress counts)."""
+        if token == self.channel:
+            return True, phase, 1
+        if token in self.resets:
+            return True, phase, 0
+        if 1 <= progress < self.header:                   # <|channel|> and part of "final" so far
+            return True, phase, progress + 1 if token == self.word[progress - 1] else 0
+        if progress >= self.header:                       # inside the final header
+            if token == self.message:
                 return True, ANSWER, 0
-            return True, phase, progress
-        return True, phase, 1 if token == self.final[0] else 0
+            return True, phase, progress + 1 if progress - self.header < self.MAX_GAP else 0
+        return True, phase, 0
 
 
 def reasoning_gate(tokenizer, parser: str, what: str) -> ThinkTags | HarmonyTags:

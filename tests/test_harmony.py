@@ -327,27 +327,61 @@ def test_parallel_calls_sent_back_reach_a_one_call_template(harmony_model):
 # -- structured outputs on a harmony model: the grammar governs the final message's body ------------------------------
 def test_harmony_gate_by_hand():
     """HarmonyTags: where a prompt leaves the output (plain text: the answer; a header or another channel's body
-    opened, a message ended: reasoning; the final header or its body: the answer), and the final header found in
-    the sampled tokens, false starts included. Ids by hand: markers 1-7 (<|message|> 3, <|channel|> 4), "final"
-    10, "analysis" 11."""
+    opened, a message ended: reasoning, part way through a final header if it ends in one; a final header, with
+    vLLM's up to 20 tokens between `final` and <|message|> (`final <|constrain|>json`), or its body: the answer), and
+    the final header found in the sampled tokens, false starts included. Ids by hand: <|start|> 1, <|end|> 2,
+    <|message|> 3, <|channel|> 4, <|constrain|> 5, <|return|> 6, <|call|> 7; "final" 10, "analysis" 11, "json" 40."""
     from picovllm.reasoning import ANSWER, REASONING, HarmonyTags
-    gate = HarmonyTags((4, 10, 3), 3, frozenset(range(1, 8)))
-    user = [1, 30, 3, 40, 41, 2]
-    assert [gate.phase(p) for p in ([], [20, 21], user + [1, 31], user + [1, 31, 4, 10, 3],
-                                    user + [1, 31, 4, 10, 3, 50, 51], user + [1, 31, 4, 11, 3, 50],
-                                    user + [1, 31, 4, 10, 3, 50, 2])] == [
-        ANSWER, ANSWER, REASONING, ANSWER, ANSWER, REASONING, REASONING]
-    phase, progress, seen = REASONING, 0, []
-    for t in [4, 11, 3, 60, 4, 2, 1, 31, 4, 4, 10, 3]:     # analysis, a stray <|channel|>, then the final header
-        passes, phase, progress = gate.advance(phase, progress, t)
-        assert passes
-        seen.append(phase)
-    assert seen == [REASONING] * 11 + [ANSWER]
+    gate = HarmonyTags(4, (10,), 3, frozenset({1, 2, 6, 7}), frozenset(range(1, 8)))
+    user, me = [1, 30, 3, 40, 41, 2], [1, 31]
+    assert [gate.begin(p) for p in ([], [20, 21], user + me, user + me + [4], user + me + [4, 10],
+                                    user + me + [4, 10, 5, 40], user + me + [4, 10, 3], user + me + [4, 10, 5, 40, 3, 50],
+                                    user + me + [4, 11, 3, 50], user + me + [4, 10, 3, 50, 2])] == [
+        (ANSWER, 0), (ANSWER, 0), (REASONING, 0), (REASONING, 1), (REASONING, 2), (REASONING, 4), (ANSWER, 0),
+        (ANSWER, 0), (REASONING, 0), (REASONING, 0)]
+
+    def phases(tokens, phase=REASONING, progress=0):
+        seen = []
+        for t in tokens:
+            passes, phase, progress = gate.advance(phase, progress, t)
+            assert passes
+            seen.append(phase)
+        return seen
+    # analysis, a message's end, then a constrained final header (a stray <|channel|> before it)
+    assert phases([4, 11, 3, 60, 2, 1, 31, 4, 4, 10, 5, 40, 3]) == [REASONING] * 12 + [ANSWER]
+    assert phases([10, 5, 40, 3], progress=1) == [REASONING] * 3 + [ANSWER]      # the prompt gave <|channel|>
+    assert phases([4, 10] + [40] * 21 + [3]) == [REASONING] * 24                  # past 20 tokens: not a header
+    assert phases([4, 10] + [40] * 20 + [3])[-1] == ANSWER
+    assert phases([4, 10, 2, 3]) == [REASONING] * 4                                # a message ended in between
 
 
 def _harmony_prompt(harmony_model) -> list[int]:
     from transformers import AutoTokenizer
     return _prompt_ids(AutoTokenizer.from_pretrained(harmony_model), ASK)
+
+
+def test_a_prompt_part_way_through_the_final_header(harmony_model):
+    """The real tokenizer's gate (HarmonyTags.of) and a grammar's state: a prompt that ends in `<|channel|>final`
+    leaves the output inside the header, so its <|message|> opens the masked answer; after the full header in the
+    prompt the grammar masks from the first token; after `<|start|>assistant` nothing is masked until the header."""
+    from transformers import AutoTokenizer
+    from picovllm.layers.structured_output import StructuredOutputCompiler
+    from picovllm.reasoning import ANSWER, REASONING, HarmonyTags
+    from picovllm.sampling_params import StructuredOutputsParams
+    tok = AutoTokenizer.from_pretrained(harmony_model)
+    gate = HarmonyTags.of(tok, "test")
+    compiler = StructuredOutputCompiler(tok, 400, tok.convert_tokens_to_ids(["<|return|>", "<|call|>"]))
+    so = StructuredOutputsParams(choice=["Lyon"])
+    prompt = _prompt_ids(tok, ASK)
+    enc = lambda text: tok.encode(text, add_special_tokens=False)      # noqa: E731
+    state = compiler.new_state(so, gate, *gate.begin(prompt + enc("<|channel|>final")))
+    assert state.phase == REASONING and not state.masked
+    assert state.accept(enc("<|message|>")[0]) and state.phase == ANSWER and state.masked
+    state = compiler.new_state(so, gate, *gate.begin(prompt + enc("<|channel|>final<|message|>")))
+    assert state.phase == ANSWER and state.masked
+    state = compiler.new_state(so, gate, *gate.begin(prompt))
+    assert state.phase == REASONING and all(state.accept(t) for t in enc("<|channel|>analysis<|message|>x<|end|>"))
+    assert state.phase == REASONING
 
 
 def test_offline_grammar_waits_for_the_final_message(harmony_model):
@@ -373,11 +407,11 @@ def test_offline_grammar_waits_for_the_final_message(harmony_model):
             LLM(build_tiny_chat_model(d + "/m", vocab_size=400), reasoning_parser="openai_gptoss", num_kv_blocks=8)
 
 
-def test_served_structured_output_keeps_the_reasoning(client):
+def test_served_structured_output_keeps_the_reasoning(client, harmony_model):
     """Through the openai client, streamed or not, no flag: guided_choice and a json_schema response_format govern
     the final message (the analysis comes back as reasoning, the content is a choice or parses against the
-    schema); tool_choice "required" still constrains the whole reply to a call (one: the tiny model, unconstrained,
-    repeats calls to max_tokens)."""
+    schema); a completion's grammar governs its whole output (no flag); tool_choice "required" still constrains the
+    whole reply to a call (one: the tiny model, unconstrained, repeats calls to max_tokens)."""
     model = client.models.list().data[0].id
     kw = dict(model=model, messages=ASK, temperature=0, max_tokens=200)
     choices = ["Lyon", "Nice"]
@@ -391,6 +425,10 @@ def test_served_structured_output_keeps_the_reasoning(client):
         "name": "city", "schema": schema}})
     msg = got.choices[0].message
     assert msg.model_extra["reasoning"] == THOUGHT and json.loads(msg.content)["city"] in choices
+    # completions without --reasoning-parser openai_gptoss (vLLM's): the grammar governs the whole output
+    got = client.completions.create(model=model, prompt=_harmony_prompt(harmony_model), temperature=0, max_tokens=20,
+                                    extra_body={"guided_choice": choices})
+    assert got.choices[0].text in choices
     got = client.chat.completions.create(**kw, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False)
     call = got.choices[0].message.tool_calls[0]
     assert call.function.name == "get_weather" and isinstance(json.loads(call.function.arguments)["city"], str)

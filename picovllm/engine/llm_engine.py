@@ -330,7 +330,7 @@ class Engine:
         if self.tokenizer is None:
             raise ValueError(f"{what} needs the model's tokenizer")
         gate = reasoning_gate(self.tokenizer, parser, what)
-        ids = (gate.start, gate.end) if isinstance(gate, ThinkTags) else gate.final + tuple(gate.markers)
+        ids = gate.token_ids
         if max(ids) >= self.model_config.vocab_size:
             raise ValueError(f"{what}: the tokenizer's reasoning tokens {sorted(set(ids))} are not all inside the "
                              f"model's vocabulary ({self.model_config.vocab_size})")
@@ -339,7 +339,7 @@ class Engine:
 
     def _grammar_state(self, params: SamplingParams, prompt_ids: Sequence[int] = ()) -> GrammarState:
         """A matcher for the request's structured output; ValueError naming the field if it cannot be. With a
-        reasoning parser, it starts where the prompt leaves the output (picovllm/reasoning.py's ThinkTags.phase)."""
+        reasoning parser, it starts where the prompt leaves the output (picovllm/reasoning.py's gates' begin)."""
         so = params.structured_outputs
         if self.tokenizer is None:
             raise ValueError(f"{so.field_name}: structured outputs need the model's tokenizer")
@@ -350,7 +350,7 @@ class Engine:
         if parser is None:
             return self._structured.new_state(so)
         gate = self._reasoning_gate(parser, f"SamplingParams.structured_outputs.reasoning_parser {parser!r}")
-        return self._structured.new_state(so, gate, gate.phase(prompt_ids))
+        return self._structured.new_state(so, gate, *gate.begin(prompt_ids))
 
     def _grammar_on_decode(self, req: Request) -> GrammarState:
         """D: the matcher of an offered request, advanced by the tokens P sampled under the same grammar (P and D

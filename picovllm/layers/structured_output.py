@@ -26,8 +26,8 @@ reasons. The prompt sets where it starts (`ThinkTags.phase`, picovllm/reasoning.
 opened (DeepSeek-R1's template: no mask until `</think>`), after a block the prompt closed (Qwen3 with
 thinking off: the grammar from the first token), or at a first token that may open one (Qwen3's template: the
 grammar's mask plus `<think>`). GPT-OSS's gate (`HarmonyTags`, --reasoning-parser openai_gptoss; the chat server
-sets it for any harmony model) holds the grammar back until `<|channel|>final<|message|>`: analysis and commentary
-messages, headers included, pass, and the final message's body is the grammar's.
+sets it for a harmony model's chat) holds the grammar back until a `<|channel|>final ... <|message|>` header: analysis
+and commentary messages, headers included, pass, and the final message's body is the grammar's.
 """
 from __future__ import annotations
 
@@ -83,7 +83,7 @@ class GrammarState:
     tokens of a think block before the answer pass it by (phase: module docstring)."""
 
     def __init__(self, matcher: Any, vocab_size: int, gate: ThinkTags | HarmonyTags | None = None,
-                 phase: str = GRAMMAR) -> None:
+                 phase: str = GRAMMAR, progress: int = 0) -> None:
         self._matcher = matcher   # xgrammar's matcher (the tests' oracle calls: accept_string, one-row fills)
         # what the batched calls take: xgrammar's native matcher (its Python wrappers look it up per call), or the
         # matcher itself where that private handle is not there (_native)
@@ -95,7 +95,7 @@ class GrammarState:
         # per token, since only a stop token can end it (two calls into xgrammar a row a step fewer)
         self.is_terminated = False
         self.gate, self.phase = gate, phase if gate is not None else GRAMMAR
-        self._progress = 0        # the gate's own count (HarmonyTags: how much of the final header came so far)
+        self._progress = progress     # the gate's own count (HarmonyTags: how far into a final header so far)
 
     @property
     def masked(self) -> bool:
@@ -203,9 +203,9 @@ class StructuredOutputCompiler:
         return c.compile_grammar(p.grammar)
 
     def new_state(self, p: StructuredOutputsParams, gate: ThinkTags | HarmonyTags | None = None,
-                  phase: str = GRAMMAR) -> GrammarState:
+                  phase: str = GRAMMAR, progress: int = 0) -> GrammarState:
         import xgrammar as xgr
-        return GrammarState(xgr.GrammarMatcher(self.compile(p)), self.vocab_size, gate, phase)
+        return GrammarState(xgr.GrammarMatcher(self.compile(p)), self.vocab_size, gate, phase, progress)
 
 
 _WHAT = {"json": "JSON schema", "json_object": "JSON schema", "regex": "regular expression",

@@ -33,6 +33,7 @@ import re
 from dataclasses import dataclass, field
 
 from picovllm.entrypoints.openai.tool_calls import ToolCall, ToolPolicy, partial_tag
+from picovllm.reasoning import HarmonyTags
 
 START, END, MESSAGE, CHANNEL = "<|start|>", "<|end|>", "<|message|>", "<|channel|>"
 CALL, RETURN = "<|call|>", "<|return|>"
@@ -44,12 +45,14 @@ _CHANNEL = re.compile(re.escape(CHANNEL) + r"\s*([A-Za-z_]+)")
 
 
 def speaks_harmony(tokenizer) -> bool:
-    """Whether a tokenizer has harmony's markers, each a single token (GPT-OSS's o200k_harmony)."""
+    """Whether a tokenizer has harmony's markers, each a single token (GPT-OSS's o200k_harmony): what the engine's
+    grammar gate needs too (picovllm/reasoning.py's HarmonyTags)."""
     if tokenizer is None:
         return False
     try:
-        return all(len(tokenizer.encode(m, add_special_tokens=False)) == 1 for m in (START, END, MESSAGE, CHANNEL))
-    except Exception:      # a tokenizer that cannot encode: no harmony
+        HarmonyTags.of(tokenizer, "harmony")
+        return True
+    except Exception:      # no such markers, or a tokenizer that cannot encode: no harmony
         return False
 
 

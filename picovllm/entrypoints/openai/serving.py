@@ -65,12 +65,15 @@ class ServingContext:
             return None
         return ThinkTags.of(self.tokenizer.tokenizer, f"--reasoning-parser {self.reasoning_parser}")
 
-    def grammar_parser(self, tools_constraint: bool) -> str | None:
-        """The reasoning parser a request's grammar waits on (StructuredOutputsParams.reasoning_parser): a harmony
-        model's, without the flag too (the grammar governs the final message's body, the reply stays harmony), but for
-        a constraint of tool_choice's (it governs the whole reply: tool_calls.py); else --reasoning-parser's."""
+    def grammar_parser(self, tools_constraint: bool, harmony_reply: bool) -> str | None:
+        """The reasoning parser a request's grammar waits on (StructuredOutputsParams.reasoning_parser). A harmony
+        model's: a chat reply read as harmony (harmony_reply) without the flag too (the grammar governs the final
+        message's body, the reply stays harmony), a completion with --reasoning-parser openai_gptoss (vLLM's), never
+        tool_choice's constraint (it governs the whole reply: tool_calls.py); else --reasoning-parser's."""
         if self.harmony is not None:
-            return None if tools_constraint else HARMONY_PARSER
+            if tools_constraint:
+                return None
+            return HARMONY_PARSER if harmony_reply else self.reasoning_parser
         return self.reasoning_parser
 
     @functools.cached_property
@@ -135,13 +138,14 @@ class SampleGroup:
     its first output shows the prompt computed (they take its KV blocks from the prefix cache)."""
 
     def __init__(self, ctx: ServingContext, ids: list[int], samples: list[SamplingParams], request_id: str,
-                 arrival_time: float, priority: int = 0) -> None:
+                 arrival_time: float, priority: int = 0, harmony: bool = False) -> None:
+        """harmony: a chat reply read as harmony (ServingContext.grammar_parser)."""
         self.ctx, self.ids, self.samples, self.request_id, self.arrival = ctx, ids, samples, request_id, arrival_time
         self.priority = priority
         for s in samples:     # the request's own params: a grammar waits for the end of the reasoning
             so = s.structured_outputs
             if so is not None:
-                so.reasoning_parser = ctx.grammar_parser(so.source in TOOLS_SOURCES)
+                so.reasoning_parser = ctx.grammar_parser(so.source in TOOLS_SOURCES, harmony)
         self.streams: list[RequestStream] = []
 
     def _id(self, i: int) -> str:
