@@ -16,6 +16,12 @@ What llama.cpp's converter changed, undone here:
   the model reads as it reads an HF folder (models/gpt_oss.py); the router (ffn_gate_inp) and sinks as HF's.
 - deepseek2 (DeepSeek-V2/V3, Kimi-K2, Moonlight): its own module, loader/gguf_deepseek2.py (MLA's shapes, kv_b_proj
   split per head in newer files, the rope rows, the routing).
+- glm4, glm4moe (GLM-4-0414, GLM-Z1; GLM-4.5, -Air, 4.6): loader/gguf_glm4.py (GLM-4's post-norms and fused gate/up,
+  GLM-4.5's routing, the MTP layers past the model's).
+- command-r, cohere2 (Command R, Aya; Command R7B, Command A): loader/gguf_cohere.py (the LayerNorm's epsilon, the
+  logit scale, Cohere 2's window and NoPE layers).
+An architecture with a module of its own (Arch.module) reads its metadata there (model_config(meta, tensors, path))
+and may claim its layer tensors first (layer_parts(name, prefix, key, shape, cfg): None for the shared names).
 What the metadata does not say, llama.cpp's own rule decides (Gemma's query scale, Gemma 3's sliding pattern,
 Qwen3-MoE's renormalised top-k, SmolLM3's NoPE on every 4th layer, GPT-OSS's SwiGLU constants and stop tokens).
 Llama 3's rope scaling comes as a tensor (rope_freqs: a divisor per rotary frequency, computed by the converter from
@@ -38,7 +44,7 @@ class Arch:
     hf: str                         # the HF architecture (llama: Mistral with a window, Mixtral with experts)
     interleaved_qk: bool = False    # q/k rows with each head's rotary halves interleaved (llama.cpp's non-NeoX rope)
     gemma: bool = False             # norms stored as 1 + w, GeGLU, soft-caps, query scale by llama.cpp's rule
-    mla: bool = False               # DeepSeek's multi-head latent attention: loader/gguf_deepseek2.py
+    module: str | None = None       # the loader module that reads it (gguf_deepseek2, gguf_glm4, gguf_cohere)
 
 
 ARCHITECTURES = {
@@ -54,8 +60,18 @@ ARCHITECTURES = {
     "granite": Arch("GraniteForCausalLM", interleaved_qk=True),
     "smollm3": Arch("SmolLM3ForCausalLM", interleaved_qk=True),
     "gpt-oss": Arch("GptOssForCausalLM"),
-    "deepseek2": Arch("DeepseekV3ForCausalLM", mla=True),   # V2 (softmax routing) or V3: the file's gating says
+    "deepseek2": Arch("DeepseekV3ForCausalLM", module="gguf_deepseek2"),   # V2 (softmax routing) or V3: its gating
+    "glm4": Arch("Glm4ForCausalLM", module="gguf_glm4"),
+    "glm4moe": Arch("Glm4MoeForCausalLM", module="gguf_glm4"),
+    "command-r": Arch("CohereForCausalLM", module="gguf_cohere"),
+    "cohere2": Arch("Cohere2ForCausalLM", module="gguf_cohere"),
 }
+
+
+def family_module(arch: Arch):
+    """The loader module of an architecture with one of its own (Arch.module), else None."""
+    import importlib
+    return None if arch.module is None else importlib.import_module(f"picovllm.loader.{arch.module}")
 
 # blk.N.<GGUF name> -> model.layers.N.<HF name>
 _LAYER = {
@@ -187,11 +203,11 @@ def _file_parts(name: str, shape: tuple[int, ...], cfg: ModelConfig, arch: Arch)
     parts = name.split(".")
     if parts[0] == "blk" and len(parts) > 2:
         key = ".".join(parts[2:])
-        if arch.mla:
-            from picovllm.loader import gguf_deepseek2
-            mla = gguf_deepseek2.layer_parts(name, f"model.layers.{parts[1]}.", key, shape, cfg)
-            if mla is not None:
-                return mla
+        family = family_module(arch)
+        if family is not None and hasattr(family, "layer_parts"):
+            own = family.layer_parts(name, f"model.layers.{parts[1]}.", key, shape, cfg)
+            if own is not None:
+                return own
         if arch.hf == "GptOssForCausalLM" and key in _GPT_OSS_LAYER:
             return [_gpt_oss_part(f"model.layers.{parts[1]}.", key, shape)]
         if arch.hf == "GptOssForCausalLM" and key.startswith("ffn_gate_up_exps."):
@@ -199,11 +215,11 @@ def _file_parts(name: str, shape: tuple[int, ...], cfg: ModelConfig, arch: Arch)
                              "(llama.cpp's gpt-oss reads ffn_gate_exps and ffn_up_exps)")
         hf = (_GEMMA_LAYER if arch.gemma else {}).get(key, _LAYER.get(key))
         if key == "attn_qkv.weight":
-            return _split(name, shape, f"model.layers.{parts[1]}.self_attn.{{}}_proj.weight", ("q", "k", "v"),
-                          [cfg.num_attention_heads * cfg.head_dim] + [cfg.num_key_value_heads * cfg.head_dim] * 2)
+            return split_rows(name, shape, f"model.layers.{parts[1]}.self_attn.{{}}_proj.weight", ("q", "k", "v"),
+                              [cfg.num_attention_heads * cfg.head_dim] + [cfg.num_key_value_heads * cfg.head_dim] * 2)
         if key == "ffn_up.weight" and cfg.architecture == "Phi3ForCausalLM":      # [gate; up]
-            return _split(name, shape, f"model.layers.{parts[1]}.mlp.{{}}_proj.weight", ("gate", "up"),
-                          [cfg.intermediate_size] * 2)
+            return split_rows(name, shape, f"model.layers.{parts[1]}.mlp.{{}}_proj.weight", ("gate", "up"),
+                              [cfg.intermediate_size] * 2)
         if hf is not None:
             full = f"model.layers.{parts[1]}.{hf}"
             if "{}" in full:         # experts stacked [E, rows, cols]
@@ -231,7 +247,10 @@ def _gpt_oss_part(prefix: str, key: str, shape: tuple[int, ...]) -> Part:
     return Part(prefix + hf, shape, slice(None), transposed=transposed, slot=slot)
 
 
-def _split(name: str, shape: tuple[int, ...], pattern: str, labels: tuple[str, ...], sizes: list[int]) -> list[Part]:
+def split_rows(name: str, shape: tuple[int, ...], pattern: str, labels: tuple[str, ...],
+               sizes: list[int]) -> list[Part]:
+    """A file tensor holding several HF matrices one above the other (Phi-3's attn_qkv, its and GLM-4's ffn_up):
+    each one's rows, named by `pattern` with its label."""
     if sum(sizes) != shape[0]:
         raise ValueError(f"GGUF tensor {name!r}: {shape[0]} rows, the config's shape needs {sum(sizes)}")
     bounds = np.cumsum([0] + sizes)
@@ -248,7 +267,7 @@ def _rows(name: str, rows: int, cfg: ModelConfig, arch: Arch) -> np.ndarray | sl
 
 
 # -- the metadata -----------------------------------------------------------------------------------
-def _required(meta: dict, key: str, path: str):
+def required(meta: dict, key: str, path: str):
     if key not in meta:
         raise ValueError(f"GGUF {path!r}: metadata key {key!r} is missing")
     return meta[key]
@@ -264,20 +283,14 @@ def model_config(meta: dict, tensors: dict, path: str) -> tuple[ModelConfig, Arc
     arch, p = ARCHITECTURES[name], name + "."
     if "token_embd.weight" not in tensors:
         raise ValueError(f"GGUF {path!r}: tensor 'token_embd.weight' is missing")
-    if arch.mla:
-        from picovllm.loader import gguf_deepseek2
-        return gguf_deepseek2.model_config(meta, tensors, path), arch
-    heads = int(_required(meta, p + "attention.head_count", path))
-    hidden = int(_required(meta, p + "embedding_length", path))
-    layers = int(_required(meta, p + "block_count", path))
-    head_dim = int(meta.get(p + "attention.key_length", hidden // heads))
-    rot = int(meta.get(p + "rope.dimension_count", head_dim))
-    if rot != head_dim and (arch.interleaved_qk or rot % 2 or not 0 < rot < head_dim):
-        raise ValueError(f"GGUF {path!r}: {p}rope.dimension_count={rot} with head_dim {head_dim}: only full rotary "
-                         "embeddings are supported here (partial ones: an even count, rotate-half architectures)")
-    eos = meta.get("tokenizer.ggml.eos_token_id")
+    family_reader = family_module(arch)
+    if family_reader is not None:
+        return family_reader.model_config(meta, tensors, path), arch
+    shared = shared_fields(meta, tensors, p, path, arch.interleaved_qk, 1e6 if name == "gemma3" else 10000.0)
+    heads, hidden, layers = shared["num_attention_heads"], shared["hidden_size"], shared["num_hidden_layers"]
+    head_dim, scaling = shared["head_dim"], shared["rope_scaling"]
     experts = _experts(meta, tensors, p, layers, path)
-    window, sliding = _sliding(meta, p, name, layers)
+    window, sliding = sliding_pattern(meta, p, name, layers)
     if name == "olmo2" and window:          # OLMo 3 as llama.cpp writes it: not this model's layer shape
         raise ValueError(f"GGUF {path!r}: {p}attention.sliding_window: sliding-window OLMo (OLMo 3) is unsupported")
     hf = arch.hf
@@ -285,7 +298,7 @@ def model_config(meta: dict, tensors: dict, path: str) -> tuple[ModelConfig, Arc
         hf = "MixtralForCausalLM" if experts["num_experts"] else "MistralForCausalLM" if window else hf
     inter = meta.get(p + "feed_forward_length") or experts["moe_intermediate_size"]   # MoE: its dense layers'
     if not inter:
-        _required(meta, p + "feed_forward_length", path)
+        required(meta, p + "feed_forward_length", path)
     family = _gemma(meta, p, name, hidden, heads, head_dim, layers) if arch.gemma else {}   # one family's fields
     if name == "granite":
         family = {field: float(meta.get(p + key, 1.0)) for field, key in _GRANITE.items()}
@@ -293,41 +306,51 @@ def model_config(meta: dict, tensors: dict, path: str) -> tuple[ModelConfig, Arc
             family["attention_multiplier"] = None
     elif name == "smollm3":             # llama.cpp's rule (the file does not say): every 4th layer NoPE
         family = {"rope_layers": [(i + 1) % 4 != 0 for i in range(layers)] if layers >= 4 else None}
-    scaling = _rope_scaling(meta, tensors, p, path, rot)
-    stops = [int(eos)] if eos is not None else []
     if name == "gpt-oss":
         family = _gpt_oss(meta, tensors, p, path)
         experts["norm_topk_prob"] = True        # llama.cpp softmaxes the top-k logits, whatever the file says
-        stops += _gpt_oss_stops(meta, stops)
+        shared["eos_token_ids"] += _gpt_oss_stops(meta, shared["eos_token_ids"])
         if scaling is not None and scaling["rope_type"] == "yarn":
             # GPT-OSS's YaRN does not round its ramp's ends (OpenAI's reference, HF's config: truncate false);
             # ggml's rope does (floor/ceil), a small difference in the ramp's two end pairs: ours is the model's
             scaling["truncate"] = False
-    config = ModelConfig(
-        architecture=hf,
+    config = ModelConfig(architecture=hf, intermediate_size=int(inter), sliding_window=window, sliding_layers=sliding,
+                         **shared, **family, **experts)
+    return config, arch
+
+
+def shared_fields(meta: dict, tensors: dict, p: str, path: str, interleaved_qk: bool = False,
+                  default_theta: float = 10000.0) -> dict:
+    """The ModelConfig fields every architecture's metadata gives alike (the shape, rope, context, special tokens;
+    biases and q/k norms by their tensors), under prefix `p`: those of the architectures without a module of their
+    own, and a base for those with one (gguf_glm4, gguf_cohere), which replace what they read otherwise."""
+    heads = int(required(meta, p + "attention.head_count", path))
+    hidden = int(required(meta, p + "embedding_length", path))
+    head_dim = int(meta.get(p + "attention.key_length", hidden // heads))
+    rot = int(meta.get(p + "rope.dimension_count", head_dim))
+    if rot != head_dim and (interleaved_qk or rot % 2 or not 0 < rot < head_dim):
+        raise ValueError(f"GGUF {path!r}: {p}rope.dimension_count={rot} with head_dim {head_dim}: only full rotary "
+                         "embeddings are supported here (partial ones: an even count, rotate-half architectures)")
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    scaling = _rope_scaling(meta, tensors, p, path, rot)
+    return dict(
         vocab_size=int(tensors["token_embd.weight"].shape[1]),
         hidden_size=hidden,
-        intermediate_size=int(inter),
-        num_hidden_layers=layers,
+        num_hidden_layers=int(required(meta, p + "block_count", path)),
         num_attention_heads=heads,
         num_key_value_heads=int(meta.get(p + "attention.head_count_kv", heads)),
         head_dim=head_dim,
         rms_norm_eps=float(meta.get(p + "attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=float(meta.get(p + "rope.freq_base", 1e6 if name == "gemma3" else 10000.0)),
+        rope_theta=float(meta.get(p + "rope.freq_base", default_theta)),
         max_position_embeddings=scaled_context(int(meta.get(p + "context_length", 4096)), scaling),
         rope_scaling=scaling,
         tie_word_embeddings="output.weight" not in tensors,
-        eos_token_ids=stops,
+        eos_token_ids=[int(eos)] if eos is not None else [],
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         attention_bias="blk.0.attn_q.bias" in tensors,
         qk_norm="blk.0.attn_q_norm.weight" in tensors,
         rotary_dim=None if rot == head_dim else rot,
-        sliding_window=window,
-        sliding_layers=sliding,
-        **family,
-        **experts,
     )
-    return config, arch
 
 
 # Granite's ModelConfig fields <- its metadata keys (llama.cpp's names)
@@ -348,25 +371,26 @@ def _experts(meta: dict, tensors: dict, p: str, layers: int, path: str) -> dict:
     if gating != 1 and p != "gpt-oss.":     # gpt-oss: llama.cpp reads no gating function (softmax of the top-k)
         raise ValueError(f"GGUF {path!r}: {p}expert_gating_func={gating}: only softmax routing (1) is supported")
     routed = [f"blk.{i}.ffn_gate_inp.weight" in tensors for i in range(layers)]
-    inter = meta.get(p + "expert_feed_forward_length") or _required(meta, p + "feed_forward_length", path)
-    return dict(num_experts=n, num_experts_per_tok=int(_required(meta, p + "expert_used_count", path)),
+    inter = meta.get(p + "expert_feed_forward_length") or required(meta, p + "feed_forward_length", path)
+    return dict(num_experts=n, num_experts_per_tok=int(required(meta, p + "expert_used_count", path)),
                 moe_intermediate_size=int(inter),
                 # llama.cpp renormalises Mixtral's and Qwen3-MoE's top-k weights unless the file says otherwise
                 # (Qwen2-MoE's it does not)
                 norm_topk_prob=bool(meta.get(p + "expert_weights_norm", not qwen2)),
                 moe_layers=None if all(routed) else routed,
-                shared_expert_intermediate_size=int(_required(meta, p + "expert_shared_feed_forward_length", path))
+                shared_expert_intermediate_size=int(required(meta, p + "expert_shared_feed_forward_length", path))
                 if qwen2 else 0)
 
 
-def _sliding(meta: dict, p: str, arch: str, layers: int) -> tuple[int | None, list[bool] | None]:
+def sliding_pattern(meta: dict, p: str, arch: str, layers: int) -> tuple[int | None, list[bool] | None]:
     """(window, which layers slide). attention.sliding_window_pattern: a bool per layer (True: sliding), or a period
     n (every n-th layer global); without it, llama.cpp's rules: Gemma 2 and GPT-OSS every other layer from the
-    first, Gemma 3 a period of 6, the others every layer."""
+    first, Gemma 3 a period of 6, Cohere 2 of 4, the others every layer."""
     window = meta.get(p + "attention.sliding_window")
     if not window:
         return None, None
-    pattern = meta.get(p + "attention.sliding_window_pattern", {"gemma2": 2, "gemma3": 6, "gpt-oss": 2}.get(arch))
+    default = {"gemma2": 2, "gemma3": 6, "gpt-oss": 2, "cohere2": 4}.get(arch)
+    pattern = meta.get(p + "attention.sliding_window_pattern", default)
     if pattern is None:
         return int(window), None
     if isinstance(pattern, (int, np.integer)):
@@ -381,7 +405,7 @@ def _gpt_oss(meta: dict, tensors: dict, p: str, path: str) -> dict:
     alpha 1.702, limit 7, every released model's; the file has none). What llama.cpp's gpt-oss would read and this
     model cannot do is refused: attention without sinks or biases, another rope base on the sliding layers, scaled
     routing weights."""
-    _required(meta, p + "expert_count", path)
+    required(meta, p + "expert_count", path)
     for key in ("blk.0.attn_sinks.weight", "blk.0.attn_q.bias", "blk.0.attn_output.bias"):
         if key not in tensors:
             raise ValueError(f"GGUF {path!r}: tensor {key!r} is missing (GPT-OSS's attention has sinks and biases)")
@@ -435,7 +459,7 @@ def _rope_scaling(meta: dict, tensors: dict, p: str, path: str, rotary_dim: int)
         return {"rope_type": "freq_factors", "factors": factors}
     if "rope_factors_long.weight" in tensors:
         factors = {k: _vector(tensors[f"rope_factors_{k}.weight"]) for k in ("short", "long")}
-        orig = int(_required(meta, p + "rope.scaling.original_context_length", path))
+        orig = int(required(meta, p + "rope.scaling.original_context_length", path))
         ctx = int(meta.get(p + "context_length", orig))
         out = {"rope_type": "longrope", "short_factor": factors["short"], "long_factor": factors["long"],
                "original_max_position_embeddings": orig, "factor": ctx / orig}
@@ -449,7 +473,7 @@ def _rope_scaling(meta: dict, tensors: dict, p: str, path: str, rotary_dim: int)
     if kind != "linear":
         raise ValueError(f"GGUF {path!r}: {p}rope.scaling.type={kind!r}: only 'linear', 'yarn' (and Phi-3's "
                          "LongRoPE factors) are supported")
-    return {"rope_type": "linear", "factor": float(_required(meta, p + "rope.scaling.factor", path))}
+    return {"rope_type": "linear", "factor": float(required(meta, p + "rope.scaling.factor", path))}
 
 
 # YaRN's keys past the factor and original context that change llama.cpp's rotation, with their neutral values
@@ -461,8 +485,8 @@ _YARN_NEUTRAL = {"yarn_ext_factor": (-1.0, 1.0), "yarn_attn_factor": (1.0,), "at
 def yarn_scaling(meta: dict, p: str, path: str, read_elsewhere: tuple[str, ...] = ()) -> dict:
     """The HF form of a file's YaRN (llama.cpp's converter writes Qwen's as type, factor and original context).
     read_elsewhere: keys of _YARN_NEUTRAL the caller reads itself (deepseek2's yarn_log_multiplier)."""
-    out = {"rope_type": "yarn", "factor": float(_required(meta, p + "rope.scaling.factor", path)),
-           "original_max_position_embeddings": int(_required(meta, p + "rope.scaling.original_context_length", path))}
+    out = {"rope_type": "yarn", "factor": float(required(meta, p + "rope.scaling.factor", path)),
+           "original_max_position_embeddings": int(required(meta, p + "rope.scaling.original_context_length", path))}
     for key, field in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
         if meta.get(p + "rope.scaling." + key) is not None:
             out[field] = float(meta[p + "rope.scaling." + key])
