@@ -205,12 +205,12 @@ def test_mistral_calls_by_hand(text, want):
 
 def test_mistral_call_ids_are_nine_letters_and_digits():
     """Mistral's chat templates refuse a tool call id that is not 9 letters and digits when the call comes back: with
-    mistral_ids every call gets such an id (the model's own from [CALL_ID] where it is one), in every tool_choice
+    id_style "mistral" every call gets such an id (the model's own from [CALL_ID] where it is one), in every tool_choice
     mode; without, OpenAI's call_ ids."""
     import re
     nine = re.compile(r"[A-Za-z0-9]{9}")
     policy = policy_of("mistral")
-    policy.mistral_ids = True
+    policy.id_style = "mistral"
     text = '[TOOL_CALLS]get_weather[CALL_ID]a1B2c3D4e[ARGS]{"city": "Oslo"}get_time[CALL_ID]bad id[ARGS]{}'
     calls = policy.parse(text)[1]
     assert named_args(calls) == [("get_weather", {"city": "Oslo"}), ("get_time", {})]
@@ -219,9 +219,22 @@ def test_mistral_call_ids_are_nine_letters_and_digits():
     for choice, out in [("required", '[{"name": "get_time", "arguments": {}}]'),
                         ({"type": "function", "function": {"name": "get_time"}}, "{}")]:
         strict = ChatCompletionRequest(messages=ASK_TOOL, tools=[WEATHER, TIME], tool_choice=choice).tool_policy()
-        strict.mistral_ids = True
+        strict.id_style = "mistral"
         assert nine.fullmatch(strict.parse(out)[1][0].id)
     assert policy_of("mistral").parse(text)[1][0].id.startswith("call_")
+
+
+def test_kimi_call_ids_count_the_conversations_calls():
+    """Kimi-K2's template writes each call's id back as functions.NAME:IDX, IDX counting the conversation's calls:
+    under tool_choice "required" and a named function the calls get such ids, after the earlier messages' calls."""
+    out = '[{"name": "get_weather", "arguments": {"city": "Oslo"}}, {"name": "get_time", "arguments": {}}]'
+    strict = ChatCompletionRequest(messages=ASK_TOOL, tools=[WEATHER, TIME], tool_choice="required").tool_policy()
+    strict.id_style, strict.calls_before = "kimi", 2
+    assert [c.id for c in strict.parse(out)[1]] == ["functions.get_weather:2", "functions.get_time:3"]
+    named = ChatCompletionRequest(messages=ASK_TOOL, tools=[WEATHER, TIME],
+                                  tool_choice={"type": "function", "function": {"name": "get_time"}}).tool_policy()
+    named.id_style = "kimi"
+    assert named.parse("{}")[1][0].id == "functions.get_time:0"
 
 
 @pytest.mark.parametrize("parser, text", [

@@ -36,7 +36,9 @@ class ChatHandler:
                                 "(it comes in the response body)", param="prompt_logprobs")
         params = req.sampling_params(req.max_new_tokens, k, ctx.sampling_defaults)
         policy = req.tool_policy()
-        policy.mistral_ids = ctx.tool_parser == "mistral"
+        # call ids as the model's templates take them back (Mistral's 9 characters, Kimi's functions.NAME:IDX)
+        policy.id_style = {"mistral": "mistral", "kimi_k2": "kimi"}.get(ctx.tool_parser, "openai")
+        policy.calls_before = sum(len(m.tool_calls or []) for m in req.messages if getattr(m, "tool_calls", None))
         if policy.mode == "auto":     # the model's own call format where its template renders the tools, else
             template = req.chat_template or getattr(ctx.tokenizer.tokenizer, "chat_template", None)   # Hermes'
             policy.parser = ctx.tool_parser if template_renders_tools(template) else "hermes"

@@ -129,13 +129,18 @@ class ToolPolicy:
     named: str | None = None
     parallel: bool = True         # parallel_tool_calls: false -> at most one call
     parser: str = "hermes"        # the calls' format under "auto" (TOOL_PARSERS)
-    mistral_ids: bool = False     # call ids of 9 letters and digits: a Mistral model's (its templates take no others)
+    # the ids of the calls made here: "openai" (call_...), "mistral" (9 letters and digits: Mistral's templates take
+    # no others) or "kimi" (functions.NAME:IDX, IDX counting the conversation's calls: calls_before, then these)
+    id_style: str = "openai"
+    calls_before: int = 0         # "kimi": the tool calls of the request's earlier assistant messages
 
-    def new_call(self, name: str, arguments: str) -> ToolCall:
-        """A call of this request's, with a new id (mistral_ids: Mistral's kind)."""
+    def new_call(self, name: str, arguments: str, index: int = 0) -> ToolCall:
+        """The index-th call of this reply, with a new id of the request's id_style."""
         call = ToolCall(name, arguments)
-        if self.mistral_ids:
+        if self.id_style == "mistral":
             call.id = uuid.uuid4().hex[:9]
+        elif self.id_style == "kimi":
+            call.id = f"functions.{name}:{self.calls_before + index}"
         return call
 
     @property
@@ -176,7 +181,8 @@ class ToolPolicy:
                 items = json.loads(text)
             except json.JSONDecodeError:   # cut short by max_tokens: no call, the text as content
                 return text, []
-            return None, [self.new_call(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in items]
+            return None, [self.new_call(c["name"], json.dumps(c["arguments"], ensure_ascii=False), i)
+                          for i, c in enumerate(items)]
         if self.mode == "auto":
             return self._parse_auto(text)
         return text, []
@@ -226,8 +232,9 @@ class ToolPolicy:
 
     def _parse_mistral(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """The content before [TOOL_CALLS]; after it a JSON list of calls, or NAME[ARGS]{...} (NAME[CALL_ID]ID[ARGS]
-        {...}: the model's id kept where it is Mistral's 9 letters and digits, with mistral_ids) for each call (each
-        after a [TOOL_CALLS] of its own, or one after the other). Anything that does not parse: all content."""
+        {...}: the model's id kept where it is Mistral's 9 letters and digits, with id_style "mistral") for each
+        call (each after a [TOOL_CALLS] of its own, or one after the other). Anything that does not parse: all
+        content."""
         start = text.find(MISTRAL_CALLS)
         if start < 0:
             return text, []
@@ -251,7 +258,7 @@ class ToolPolicy:
                     calls.append(self._call_of({"name": name.strip(), "arguments": obj}) if sep else None)
                     if calls[-1] is None:
                         break
-                    if self.mistral_ids and MISTRAL_ID.fullmatch(given_id.strip()):
+                    if self.id_style == "mistral" and MISTRAL_ID.fullmatch(given_id.strip()):
                         calls[-1].id = given_id.strip()
                     piece = args.lstrip()[end:]
         if not calls or any(c is None for c in calls):
