@@ -128,20 +128,33 @@ def _tensor_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
     nq, nkv = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
     arch = cfg["architectures"][0]
     experts = cfg.get("num_experts") or cfg.get("n_routed_experts")     # GLM-4.5's name
-    dense = cfg.get("mlp_only_layers") or range(cfg.get("first_k_dense_replace", 0))
+    dense = set(cfg.get("mlp_only_layers") or range(cfg.get("first_k_dense_replace", 0)))
+    if arch.startswith("Deepseek"):      # routed from first_k_dense_replace on, every moe_layer_freq-th layer
+        freq = cfg.get("moe_layer_freq") or 1
+        dense |= {i for i in range(cfg["num_hidden_layers"]) if i % freq}
     shapes = {"model.embed_tokens.weight": (cfg["vocab_size"], h), "model.norm.weight": (h,)}
     if not cfg.get("tie_word_embeddings", False):
         shapes["lm_head.weight"] = (cfg["vocab_size"], h)
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
         shapes.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)})
-        if cfg.get("kv_lora_rank"):         # DeepSeek's latent attention (q direct: q_lora_rank None)
+        if cfg.get("kv_lora_rank"):         # DeepSeek's latent attention
             a, rank, qk = p + "self_attn.", cfg["kv_lora_rank"], cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"]
-            shapes.update({a + "q_proj.weight": (nq * qk, h),
-                           a + "kv_a_proj_with_mqa.weight": (rank + cfg["qk_rope_head_dim"], h),
+            qr = cfg.get("q_lora_rank")
+            shapes.update({a + "kv_a_proj_with_mqa.weight": (rank + cfg["qk_rope_head_dim"], h),
                            a + "kv_a_layernorm.weight": (rank,),
                            a + "kv_b_proj.weight": (nq * (cfg["qk_nope_head_dim"] + cfg["v_head_dim"]), rank),
                            a + "o_proj.weight": (h, nq * cfg["v_head_dim"])})
+            if qr:          # q through its own latent
+                shapes.update({a + "q_a_proj.weight": (qr, h), a + "q_a_layernorm.weight": (qr,),
+                               a + "q_b_proj.weight": (nq * qk, qr)})
+            else:
+                shapes[a + "q_proj.weight"] = (nq * qk, h)
+            if cfg.get("attention_bias"):
+                for n, size in (("q_a_proj", qr), ("kv_a_proj_with_mqa", rank + cfg["qk_rope_head_dim"]),
+                                ("o_proj", h)):
+                    if size:
+                        shapes[a + n + ".bias"] = (size,)
         else:
             shapes.update({
                 p + "self_attn.q_proj.weight": (nq * d, h), p + "self_attn.k_proj.weight": (nkv * d, h),
@@ -163,11 +176,12 @@ def _tensor_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
                 q = f"{p}mlp.experts.{e}."
                 shapes.update({q + "gate_proj.weight": (mi, h), q + "up_proj.weight": (mi, h),
                                q + "down_proj.weight": (h, mi)})
-            if arch in ("Glm4MoeForCausalLM", "DeepseekV2ForCausalLM"):     # the shared experts as one MLP
-                si, q = mi * cfg.get("n_shared_experts", 1), p + "mlp.shared_experts."
+            shared = cfg.get("n_shared_experts", 1) if arch == "Glm4MoeForCausalLM" else cfg.get("n_shared_experts")
+            if shared and arch in ("Glm4MoeForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"):
+                si, q = mi * shared, p + "mlp.shared_experts."       # the shared experts as one MLP
                 shapes.update({q + "gate_proj.weight": (si, h), q + "up_proj.weight": (si, h),
                                q + "down_proj.weight": (h, si)})
-            if arch == "Glm4MoeForCausalLM":     # the router's correction bias
+            if arch in ("Glm4MoeForCausalLM", "DeepseekV3ForCausalLM"):     # the router's correction bias
                 shapes[p + "mlp.gate.e_score_correction_bias"] = (experts,)
         else:
             shapes.update({p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
