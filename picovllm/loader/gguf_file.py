@@ -102,7 +102,8 @@ def open_gguf(path: str, cache: ArtifactCache | None = None) -> ModelSource:
     if cache is not None:
         config_fields = [f.name for f in dataclasses.fields(ModelConfig)]     # config.json's schema
         key = make_key(identity, _transformers_version(), config_fields)
-        folder = cache.get_or_build("gguf", key, lambda entry: _write_entry(GGUFFile(path), entry),
+        entry_key = make_key(key, gguf_tokenizer.CONVERSION_VERSION)      # the float weights do not depend on it
+        folder = cache.get_or_build("gguf", entry_key, lambda entry: _write_entry(GGUFFile(path), entry),
                                     os.path.abspath(path))
         if folder is not None:
             return _source_from_entry(path, folder, identity, lambda: _float_weights(path, cache, key))
