@@ -130,11 +130,32 @@ def from_metadata(meta: dict, path: str):
     return tokenizer
 
 
-def _converted(meta: dict, path: str):
-    """transformers' conversion of the file's tokenizer metadata."""
+def _gguf_converter():
+    """transformers' converter of a GGUF's tokenizer metadata, (architecture, dict) -> (backend, extra kwargs): the
+    one of 5.24's layout, or the older transformers.integrations.ggml one (5.17's: a converter per architecture, so
+    an architecture it does not list borrows its tokenizer model's: gpt2's byte-level BPE, llama's sentencepiece;
+    the BPE split is ours either way); None where neither is there."""
     try:
         from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
+        return convert_gguf_tokenizer
     except ImportError:
+        pass
+    try:
+        from transformers.integrations.ggml import GGUF_TO_FAST_CONVERTERS, convert_gguf_tokenizer as by_architecture
+    except ImportError:
+        return None
+
+    def convert(architecture: str, tokenizer_dict: dict):
+        if architecture not in GGUF_TO_FAST_CONVERTERS:
+            architecture = "gpt2" if tokenizer_dict.get("tokenizer_type") == "gpt2" else "llama"
+        return by_architecture(architecture, tokenizer_dict)
+    return convert
+
+
+def _converted(meta: dict, path: str):
+    """transformers' conversion of the file's tokenizer metadata."""
+    convert_gguf_tokenizer = _gguf_converter()
+    if convert_gguf_tokenizer is None:
         from transformers import AutoTokenizer
         folder, file = os.path.split(os.path.abspath(path))
         return AutoTokenizer.from_pretrained(folder, gguf_file=file)
