@@ -27,7 +27,9 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Phi3ForCau
                            "Qwen3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM",
                            "MixtralForCausalLM", "GraniteForCausalLM", "SmolLM3ForCausalLM", "Qwen2MoeForCausalLM",
                            "Olmo2ForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM", "GptOssForCausalLM",
-                           "Glm4ForCausalLM", "Glm4MoeForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+                           "Glm4ForCausalLM", "Glm4MoeForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
+                           "Olmo3ForCausalLM", "OlmoeForCausalLM", "SeedOssForCausalLM", "Exaone4ForCausalLM",
+                           "Ernie4_5ForCausalLM")
 # A checkpoint saved as the bare decoder (no LM head; tensors without the "model." prefix), as sentence-transformers
 # saves an embedding model (Qwen3-Embedding, e5-mistral): read as its causal LM's architecture, for pooling only
 BARE_MODELS = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM",
@@ -56,6 +58,7 @@ class ModelConfig:
     tie_word_embeddings: bool
     rope_scaling: dict | None = None
     attention_bias: bool = False   # Qwen2: bias on q/k/v
+    o_proj_bias: bool = False      # Seed-OSS (attention_out_bias), OLMo (attention_bias): bias on o_proj too
     qk_norm: bool = False          # Qwen3, Gemma 3: RMSNorm on q and k per head
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
@@ -123,6 +126,7 @@ class ModelConfig:
                              f"supported: {', '.join(SUPPORTED_ARCHITECTURES)} (and, for pooling, "
                              f"{', '.join(BARE_MODELS)})")
         _check_quantization(cfg, arch)
+        cfg = _with_family_defaults(cfg, arch)
         cfg = _glm_as_shared_fields(cfg, arch)
         cfg = _deepseek_as_shared_fields(cfg, arch)
         heads, layers = cfg["num_attention_heads"], cfg["num_hidden_layers"]
@@ -165,13 +169,13 @@ class ModelConfig:
             head_dim=head_dim,
             rms_norm_eps=cfg.get("rms_norm_eps", cfg.get("layer_norm_eps", 1e-5) if arch in COHERE
                                  else 1e-5 if arch == "Olmo2ForCausalLM" else 1e-6),           # HF's defaults
-            rope_theta=rope.get("rope_theta", 10000.0),
+            rope_theta=rope.get("rope_theta", _DEFAULT_THETA.get(arch, 10000.0)),
             max_position_embeddings=scaled_context(cfg.get("max_position_embeddings", 4096), scaling),
             tie_word_embeddings=cfg.get("tie_word_embeddings", gemma or arch in COHERE),   # HF's defaults
             rope_scaling=scaling,
             attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False))
             or (arch == "Qwen2MoeForCausalLM" and bool(cfg.get("qkv_bias", True))),
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM")
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM", "Exaone4ForCausalLM")
             or (arch == "Glm4MoeForCausalLM" and bool(cfg.get("use_qk_norm"))),
             eos_token_ids=eos,
             bos_token_id=cfg.get("bos_token_id"),
@@ -198,27 +202,34 @@ class ModelConfig:
             **_gpt_oss(cfg, arch),
             **_glm(cfg, arch),
             **_deepseek(cfg, arch, scaling),
+            **_olmo(cfg, arch, heads),
+            **_seed_oss(cfg, arch),
+            **_ernie(cfg, arch),
         )
 
 
 def _ropes(cfg: dict[str, Any]) -> tuple[dict, dict | None]:
-    """(the global layers' rope parameters, Gemma 3's sliding layers' or None): rope_theta and rope_scaling
-    as HF configs before 5.0 wrote them (Gemma 3: rope_local_base_freq), or rope_parameters (per layer type)."""
+    """(the global layers' rope parameters, Gemma 3's and OLMo 3's sliding layers' or None): rope_theta and
+    rope_scaling as HF configs before 5.0 wrote them (Gemma 3: rope_local_base_freq), or rope_parameters (per layer
+    type)."""
     params = cfg.get("rope_parameters") or {}
     if "full_attention" in params:     # per layer type (Gemma 3)
         return dict(params["full_attention"]), dict(params.get("sliding_attention") or {})
     rope = dict(cfg.get("rope_scaling") or {}, **params)
     if "rope_theta" in cfg:
         rope["rope_theta"] = cfg["rope_theta"]
-    local = {"rope_theta": cfg.get("rope_local_base_freq", 10000.0)} \
-        if cfg.get("architectures", [None])[0] == "Gemma3ForCausalLM" else None
+    arch = (cfg.get("architectures") or [None])[0]
+    if arch == "Olmo3ForCausalLM":     # its sliding layers: the same base, never scaled (HF's rope_scaling is the
+        return rope, {"rope_theta": rope.get("rope_theta", _DEFAULT_THETA[arch])}   # full layers' only)
+    local = {"rope_theta": cfg.get("rope_local_base_freq", 10000.0)} if arch == "Gemma3ForCausalLM" else None
     return rope, local
 
 
 def _sliding_window(cfg: dict[str, Any], arch: str, layers: int) -> tuple[int | None, list[bool] | None]:
     """(window, which layers slide): HF's rules per family. Mistral, Mixtral, Phi-3: every layer; Qwen: with
     use_sliding_window, the layers from max_window_layers on; Gemma 2: every other layer, from the first;
-    Gemma 3: all but every sliding_window_pattern-th. A config's layer_types overrides the rule."""
+    Gemma 3, Cohere 2, EXAONE 4: all but every sliding_window_pattern-th; OLMo 3: all but every 4th. A config's
+    layer_types overrides the rule."""
     window = cfg.get("sliding_window")
     if window is None or cfg.get("use_sliding_window", True) is False:
         return None, None
@@ -230,10 +241,15 @@ def _sliding_window(cfg: dict[str, Any], arch: str, layers: int) -> tuple[int | 
         sliding = [t == "sliding_attention" for t in types]
     elif arch == "Gemma2ForCausalLM":
         sliding = [i % 2 == 0 for i in range(layers)]
-    elif arch in ("Gemma3ForCausalLM", "Cohere2ForCausalLM"):    # every pattern-th layer global
+    elif arch in ("Gemma3ForCausalLM", "Cohere2ForCausalLM", "Exaone4ForCausalLM"):   # every pattern-th global
         default = 6 if arch == "Gemma3ForCausalLM" else 4
         pattern = cfg.get("sliding_window_pattern", cfg.get("_sliding_window_pattern", default))
+        if not isinstance(pattern, int) or isinstance(pattern, bool) or pattern < 1:   # EXAONE's "LLLG" form
+            raise ValueError(f"config.json sliding_window_pattern={pattern!r} without layer_types: only an int "
+                             "pattern is read (give layer_types)")
         sliding = [(i + 1) % pattern != 0 for i in range(layers)]
+    elif arch == "Olmo3ForCausalLM":
+        sliding = [(i + 1) % 4 != 0 for i in range(layers)]
     elif arch.startswith("Qwen"):
         sliding = [i >= cfg.get("max_window_layers", layers) for i in range(layers)]
     else:
@@ -243,9 +259,15 @@ def _sliding_window(cfg: dict[str, Any], arch: str, layers: int) -> tuple[int | 
 
 def _rope_layers(cfg: dict[str, Any], arch: str, layers: int, sliding: list[bool] | None) -> list[bool] | None:
     """SmolLM3: no_rope_layers holds 1 for a layer with rotary embeddings, 0 for a NoPE one (None: all rotate).
-    Cohere 2: only the sliding layers rotate."""
+    Cohere 2: only the sliding layers rotate; EXAONE 4 too, once it has a sliding_window (without one, every layer
+    rotates; with one and no sliding layer, none does, as HF's)."""
     if arch == "Cohere2ForCausalLM":
         return None if sliding is None or all(sliding) else list(sliding)
+    if arch == "Exaone4ForCausalLM":
+        if cfg.get("sliding_window") is None:
+            return None
+        flags = sliding or [False] * layers          # None here: no layer slides
+        return None if all(flags) else list(flags)
     if arch != "SmolLM3ForCausalLM":
         return None
     flags = cfg.get("no_rope_layers")
@@ -295,6 +317,64 @@ def _gpt_oss(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
     if not cfg.get("attention_bias", True):
         raise ValueError("config.json attention_bias=false: GPT-OSS's attention without biases is unsupported")
     return dict(swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)), swiglu_limit=float(cfg.get("swiglu_limit", 7.0)))
+
+
+# transformers' defaults of the fields a config.json of these families may leave out (HF's save_pretrained writes only
+# the fields that differ from them) where they differ from the shared ones; rope_theta's: _DEFAULT_THETA
+_FAMILY_DEFAULTS = {
+    "Olmo3ForCausalLM": dict(rms_norm_eps=1e-5, sliding_window=4096, max_position_embeddings=2048, eos_token_id=50279),
+    "OlmoeForCausalLM": dict(rms_norm_eps=1e-5, num_experts=64, num_experts_per_tok=8, max_position_embeddings=4096,
+                             eos_token_id=50279),
+    "SeedOssForCausalLM": dict(attention_bias=True, head_dim=128, num_key_value_heads=8, rms_norm_eps=1e-6,
+                               max_position_embeddings=524288, bos_token_id=0, eos_token_id=2),
+    "Exaone4ForCausalLM": dict(rms_norm_eps=1e-5, sliding_window=4096, sliding_window_pattern=4, num_key_value_heads=32,
+                               max_position_embeddings=2048, bos_token_id=0, eos_token_id=2),
+    "Ernie4_5ForCausalLM": dict(rms_norm_eps=1e-5, head_dim=128, num_key_value_heads=2, tie_word_embeddings=True,
+                                max_position_embeddings=131072, bos_token_id=1, eos_token_id=2),
+}
+_DEFAULT_THETA = {"Olmo3ForCausalLM": 500000.0, "Ernie4_5ForCausalLM": 500000.0}
+
+
+def _with_family_defaults(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
+    """cfg with _FAMILY_DEFAULTS under it (OLMoE's num_local_experts, its other name, stands for num_experts)."""
+    defaults = dict(_FAMILY_DEFAULTS.get(arch, {}))
+    if "num_local_experts" in cfg:
+        defaults.pop("num_experts", None)
+    return {**defaults, **cfg}
+
+
+def _olmo(cfg: dict[str, Any], arch: str, heads: int) -> dict[str, Any]:
+    """OLMo 2, OLMo 3, OLMoE: attention_bias puts a bias on o_proj too (HF's). OLMoE's q/k norms span hidden_size,
+    so its heads must tile it; its clip_qkv (q, k, v clamped) is refused."""
+    if arch not in ("Olmo2ForCausalLM", "Olmo3ForCausalLM", "OlmoeForCausalLM"):
+        return {}
+    if arch == "OlmoeForCausalLM":
+        if cfg.get("clip_qkv") is not None:
+            raise ValueError(f"config.json clip_qkv={cfg['clip_qkv']!r}: OLMoE's clamped q/k/v are unsupported")
+        if cfg.get("head_dim") not in (None, cfg["hidden_size"] // heads):
+            raise ValueError(f"config.json head_dim={cfg['head_dim']!r}: OLMoE's q/k norms span hidden_size, so "
+                             f"head_dim must be hidden_size / num_attention_heads ({cfg['hidden_size'] // heads})")
+    return dict(o_proj_bias=bool(cfg.get("attention_bias", False)))
+
+
+def _seed_oss(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
+    """Seed-OSS: Llama with q/k/v biases (attention_bias, on by default) and an o_proj bias (attention_out_bias);
+    MLP biases (mlp_bias) are refused. Its dropouts are training-only."""
+    if arch != "SeedOssForCausalLM":
+        return {}
+    if cfg.get("mlp_bias"):
+        raise ValueError("config.json mlp_bias=true: only MLPs without biases are supported")
+    return dict(o_proj_bias=bool(cfg.get("attention_out_bias", False)))
+
+
+def _ernie(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
+    """ERNIE 4.5 (dense): Llama with rotary pairs interleaved (2i, 2i + 1), reordered at load; use_bias (biases on
+    every projection, the MLP's included) is refused."""
+    if arch != "Ernie4_5ForCausalLM":
+        return {}
+    if cfg.get("use_bias"):
+        raise ValueError("config.json use_bias=true: ERNIE 4.5's biased projections are unsupported")
+    return dict(rotary_interleaved=True)
 
 
 def _glm_as_shared_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:

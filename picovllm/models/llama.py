@@ -1,9 +1,10 @@
-"""The shared decoder over a flat varlen token batch: Llama 2/3, SmolLM 1-3, Mistral, Phi-3, Qwen2, Qwen3 and, with
-routed experts in place of the MLP, Qwen3-MoE, Mixtral, Qwen2-MoE (a shared expert beside them) and GLM-4.5 (sigmoid,
-group-limited routing and a shared expert; its checkpoint names in models/glm4.py). What differs between families is
-configuration (ModelConfig: q/k/v bias, q/k norm, sliding windows, experts and their routing, NoPE layers, logits
-scaling, ...); other layer shapes are in models/gemma.py, granite.py, olmo2.py, cohere.py, glm4.py and deepseek.py
-(DeepSeek-V2/V3's latent attention in place of this one's)."""
+"""The shared decoder over a flat varlen token batch: Llama 2/3, SmolLM 1-3, Mistral, Phi-3, Qwen2, Qwen3, Seed-OSS,
+ERNIE 4.5 and, with routed experts in place of the MLP, Qwen3-MoE, Mixtral, Qwen2-MoE (a shared expert beside them)
+and GLM-4.5 (sigmoid, group-limited routing and a shared expert; its checkpoint names in models/glm4.py). What differs
+between families is configuration (ModelConfig: q/k/v and o biases, q/k norm, sliding windows, experts and their
+routing, NoPE layers, logits scaling, ...); other layer shapes are in models/gemma.py, granite.py, olmo2.py (OLMo 2
+and 3, OLMoE), exaone4.py, cohere.py, glm4.py and deepseek.py (DeepSeek-V2/V3's latent attention in place of this
+one's)."""
 from __future__ import annotations
 
 import functools
@@ -40,7 +41,7 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, d, cfg.num_attention_heads, cfg.num_key_value_heads,
                                           bias=cfg.attention_bias, tp=tp)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
-        self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, cfg.hidden_size, bias=False, tp=tp,
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, cfg.hidden_size, bias=cfg.o_proj_bias, tp=tp,
                                         in_shard=self.qkv_proj.q_shard)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps, norm_offset) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps, norm_offset) if cfg.qk_norm else None

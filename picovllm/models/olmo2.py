@@ -1,8 +1,10 @@
-"""OLMo 2 (AllenAI): the shared decoder (models/llama.py) with its norms moved.
+"""OLMo 2, OLMo 3 and OLMoE (AllenAI): the shared decoder (models/llama.py) with OLMo's attention.
 
-No norm before attention or the MLP: each output is normed before it joins the residual stream (post_attention_
-layernorm, post_feedforward_layernorm); and q and k are normed over the whole projection (every head's dims
-together, layers.layernorm.ProjectionRMSNorm), before the heads' rotation.
+q and k are normed over the whole projection (every head's dims together, layers.layernorm.ProjectionRMSNorm),
+before the heads' rotation. OLMo 2 and 3 move the layer's norms: none before attention or the MLP, each output normed
+before it joins the residual stream (post_attention_layernorm, post_feedforward_layernorm); OLMo 3 is OLMo 2 with
+sliding layers (layer_types; the default rope of the same base on them, config.py's _ropes). OLMoE keeps the pre-norm
+layer and routes each token to experts (layers/moe.py; softmax, top-k).
 """
 from __future__ import annotations
 
@@ -51,3 +53,11 @@ class Olmo2DecoderLayer(LlamaDecoderLayer):
 
 class Olmo2ForCausalLM(LlamaForCausalLM):
     layer_class = Olmo2DecoderLayer
+
+
+class OlmoeDecoderLayer(LlamaDecoderLayer):
+    attention_class = Olmo2Attention      # the pre-norm layer (experts: make_mlp) with OLMo's q/k norms
+
+
+class OlmoeForCausalLM(LlamaForCausalLM):
+    layer_class = OlmoeDecoderLayer
