@@ -13,16 +13,15 @@ dequantized gives. What a file says and picovllm cannot do is refused, naming th
 import dataclasses
 import json
 import os
-import random
 
 import gguf
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType as Q
 from safetensors.torch import load_file
 
 from picovllm import LLM, SamplingParams
+from gguf_writing import greedy, hf_folders, random_prompts, set_or_remove, write_file
 from test_parity_hf import LOGPROB_ATOL, hf_greedy
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -104,40 +103,18 @@ def write_gguf(folder: str, case: str, path: str, kind: str = "F32", extra=None)
         w.add_rope_dimension_count(cfg["hidden_size"] // heads)     # rotary_pct 1
     w.add_bos_token_id(cfg["bos_token_id"])
     w.add_eos_token_id(cfg["eos_token_id"])
-    tensors = _tensors(sd)
-    if extra is not None:
-        extra(w, tensors)
-    for name, data in tensors.items():
-        if data.ndim < 2 or kind == "F32":
-            w.add_tensor(name, np.ascontiguousarray(data, dtype=np.float32))
-        elif kind == "F16":
-            w.add_tensor(name, data.astype(np.float16))
-        else:
-            w.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(data), Q.Q8_0), raw_dtype=Q.Q8_0)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_file(w, _tensors(sd), kind, extra=extra)
     return path
 
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     """case -> HF folder; "<case>_f16": the same weights rounded to float16, built at first use."""
-    root = tmp_path_factory.mktemp("gguf_cohere")
-    made = {}
-
-    def get(name: str) -> str:
-        if name not in made:
-            case, f16 = name.removesuffix("_f16"), name.endswith("_f16")
-            made[name] = build(str(root / name), case, f16)
-        return made[name]
-    return get
+    return hf_folders(tmp_path_factory.mktemp("gguf_cohere"), build)
 
 
 def prompts(seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, VOCAB) for _ in range(n)] for n in (1, 7, 19, 36)]
+    return random_prompts(seed, (1, 7, 19, 36), VOCAB)
 
 
 # case -> (the architecture's case, HF folder, the file's matrices)
@@ -156,11 +133,10 @@ def test_gguf_matches_hf(folders, tmp_path, case):
     ref, ref_lp = hf_greedy(folder, ps, 8)
     llm = LLM(path, block_size=4, num_kv_blocks=64, device="cpu", max_num_batched_tokens=16, quantization="none")
     assert llm.engine.model_config.architecture == CASES[arch_case][1].replace("Config", "ForCausalLM")
-    outs = llm.generate(ps, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0), use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == ref
-    for o, lp in zip(outs, ref_lp):
-        assert [d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] == \
-            pytest.approx(lp, abs=LOGPROB_ATOL)
+    toks, lps = greedy(llm, ps, 8)
+    assert toks == ref
+    for lp, want in zip(lps, ref_lp):
+        assert lp == pytest.approx(want, abs=LOGPROB_ATOL)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -220,29 +196,13 @@ def test_q8_0_matrices_run_quantized(folders, tmp_path):
     assert np.mean(errs) < 0.1 and max(errs) < 0.6, (np.mean(errs), max(errs))
 
 
-def _set(key: str, value=None):
-    """A writer hook: metadata key `key` set to `value` (uint32) or, value None, removed; or tensor `key` (no
-    architecture prefix) added (value: its data) or removed."""
-    def extra(w, tensors):
-        for kv in w.kv_data:
-            kv.pop(key, None)
-        if key.startswith("blk."):
-            if value is None:
-                del tensors[key]
-            else:
-                tensors[key] = np.asarray(value, dtype=np.float32)
-        elif value is not None:
-            w.add_uint32(key, value)
-    return extra
-
-
 @pytest.mark.parametrize("case,extra,match", [
-    ("cohere", _set("command-r.logit_scale"), "logit_scale' is missing"),
-    ("cohere", _set("command-r.attention.layer_norm_epsilon"), "layer_norm_epsilon' is missing"),
-    ("cohere", _set("command-r.rope.dimension_count", 8), "rope.dimension_count=8"),
-    ("cohere", _set("blk.0.attn_q_norm.weight", np.ones((4, 16))), "attn_q_norm.weight': Cohere's q/k"),
-    ("cohere2", _set("cohere2.attention.sliding_window"), "sliding_window' is missing"),
-    ("cohere2", _set("blk.1.attn_norm.bias", np.zeros(64)), "blk.1.attn_norm.bias': unknown tensor name"),
+    ("cohere", set_or_remove("command-r.logit_scale"), "logit_scale' is missing"),
+    ("cohere", set_or_remove("command-r.attention.layer_norm_epsilon"), "layer_norm_epsilon' is missing"),
+    ("cohere", set_or_remove("command-r.rope.dimension_count", 8), "rope.dimension_count=8"),
+    ("cohere", set_or_remove("blk.0.attn_q_norm.weight", np.ones((4, 16))), "attn_q_norm.weight': Cohere's q/k"),
+    ("cohere2", set_or_remove("cohere2.attention.sliding_window"), "sliding_window' is missing"),
+    ("cohere2", set_or_remove("blk.1.attn_norm.bias", np.zeros(64)), "blk.1.attn_norm.bias': unknown tensor name"),
 ])
 def test_what_cannot_be_honoured_is_refused(folders, tmp_path, case, extra, match):
     from picovllm.loader.gguf_file import open_gguf

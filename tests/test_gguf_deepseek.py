@@ -16,16 +16,15 @@ says and picovllm cannot do is refused, naming the key or tensor.
 """
 import json
 import os
-import random
 
 import gguf
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType as Q
 from safetensors.torch import load_file
 
-from picovllm import LLM, SamplingParams
+from picovllm import LLM
+from gguf_writing import greedy, hf_folders, random_prompts, set_or_remove, write_file
 from test_parity_hf import LOGPROB_ATOL, hf_greedy
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -169,49 +168,23 @@ def write_gguf(folder: str, path: str, kind: str = "F32", split: bool = True, ex
         w.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
         w.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
         w.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
-    tensors = _tensors(sd, cfg, split)
-    if extra is not None:
-        extra(w, tensors)
-    for name, data in tensors.items():
-        if data.ndim < 2 or not name.endswith(".weight") or "gate_inp" in name or kind == "F32":
-            w.add_tensor(name, np.ascontiguousarray(data, dtype=np.float32))
-        elif kind == "F16":
-            w.add_tensor(name, data.astype(np.float16))
-        elif data.ndim == 2:                                      # Q8_0: the 2-D matrices
-            w.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(data), Q.Q8_0), raw_dtype=Q.Q8_0)
-        else:
-            w.add_tensor(name, np.ascontiguousarray(data, dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_file(w, _tensors(sd, cfg, split), kind, _converter_keeps_f32, extra)
     return path
+
+
+def _converter_keeps_f32(name: str) -> bool:
+    """Biases (exp_probs_b's included) and the router."""
+    return not name.endswith(".weight") or "gate_inp" in name
 
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory) -> dict[str, str]:
     """case -> HF folder; "<case>_f16": the same weights rounded to float16, built at first use."""
-    root = tmp_path_factory.mktemp("gguf_deepseek")
-    made = {}
-
-    def get(name: str) -> str:
-        if name not in made:
-            case, f16 = name.removesuffix("_f16"), name.endswith("_f16")
-            made[name] = build(str(root / name), case, f16)
-        return made[name]
-    return get
+    return hf_folders(tmp_path_factory.mktemp("gguf_deepseek"), build)
 
 
 def prompts(seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, VOCAB) for _ in range(n)] for n in (1, 7, 20, 33)]
-
-
-def generate(llm: LLM, ps, new: int = 8):
-    outs = llm.generate(ps, SamplingParams(temperature=0, max_tokens=new, ignore_eos=True, logprobs=0),
-                        use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outs], \
-        [[d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outs]
+    return random_prompts(seed, (1, 7, 20, 33), VOCAB)
 
 
 # case -> (HF folder, the file's matrices, split kv_b)
@@ -232,7 +205,7 @@ def test_gguf_matches_hf(folders, tmp_path, case):
     llm = LLM(path, block_size=4, num_kv_blocks=64, device="cpu", max_num_batched_tokens=16, quantization="none")
     assert llm.engine.model_config.architecture == ("DeepseekV3ForCausalLM" if case.startswith("v3")
                                                     else "DeepseekV2ForCausalLM")
-    toks, lps = generate(llm, ps)
+    toks, lps = greedy(llm, ps, 8)
     assert toks == ref
     for lp, want in zip(lps, ref_lp):
         assert lp == pytest.approx(want, abs=LOGPROB_ATOL)
@@ -301,21 +274,8 @@ def test_q8_0_matrices_run_quantized(folders, tmp_path):
             name = f"{layer}self_attn.{proj}"
             assert name in packed, (name, sorted(packed))
             assert torch.allclose(packed[name].dequantize(), floats[name + ".weight"], rtol=0, atol=1e-6), name
-    toks, _ = generate(quantized, prompts(2), 4)
+    toks, _ = greedy(quantized, prompts(2), 4)
     assert all(len(t) == 4 for t in toks)
-
-
-def _set(key: str, value=None):
-    """A writer hook: metadata key `key` set to `value` (uint32 or float32) or, value None, removed; or tensor `key`
-    (no architecture prefix) removed."""
-    def extra(w, tensors):
-        for kv in w.kv_data:
-            kv.pop(key, None)
-        if not key.startswith("deepseek2."):
-            del tensors[key]
-        elif value is not None:
-            (w.add_float32 if isinstance(value, float) else w.add_uint32)(key, value)
-    return extra
 
 
 def _with_bias(w, tensors):
@@ -324,19 +284,19 @@ def _with_bias(w, tensors):
 
 
 @pytest.mark.parametrize("case,split,extra,match", [
-    ("v3", True, _set("deepseek2.expert_gating_func", 3), "expert_gating_func=3"),
-    ("v3", True, _set("deepseek2.expert_gating_func"), "expert_gating_func' is missing"),
-    ("v3", True, _set("blk.1.exp_probs_b.bias"), "blk.1.exp_probs_b.bias' is missing"),
+    ("v3", True, set_or_remove("deepseek2.expert_gating_func", 3), "expert_gating_func=3"),
+    ("v3", True, set_or_remove("deepseek2.expert_gating_func"), "expert_gating_func' is missing"),
+    ("v3", True, set_or_remove("blk.1.exp_probs_b.bias"), "blk.1.exp_probs_b.bias' is missing"),
     ("v2", True, _with_bias, "correction bias on softmax routing"),
     ("v2", False, None, None),           # an older V2 file: no gating key, llama.cpp's softmax
-    ("v3", True, _set("deepseek2.rope.scaling.yarn_log_multiplier"), "yarn_log_multiplier' is missing"),
-    ("v3", True, _set("deepseek2.attention.q_lora_rank"), "q_lora_rank=None does not match"),
-    ("v3", True, _set("deepseek2.expert_group_count", 3), "expert_group_count=3"),
-    ("v3", True, _set("deepseek2.expert_group_used_count", 5), "expert_group_used_count=5"),
-    ("v2", True, _set("deepseek2.attention.kv_lora_rank"), "kv_lora_rank' is missing"),
-    ("v2", True, _set("blk.1.attn_v_b.weight"), "kv_b_proj.weight' is made of 1 file tensor"),
-    ("v2", True, _set("deepseek2.attention.value_length_mla", 16), "attn_v_b.weight': shape"),
-    ("v3", True, _set("deepseek2.rope.scaling.yarn_ext_factor", 0.5), "yarn_ext_factor"),
+    ("v3", True, set_or_remove("deepseek2.rope.scaling.yarn_log_multiplier"), "yarn_log_multiplier' is missing"),
+    ("v3", True, set_or_remove("deepseek2.attention.q_lora_rank"), "q_lora_rank=None does not match"),
+    ("v3", True, set_or_remove("deepseek2.expert_group_count", 3), "expert_group_count=3"),
+    ("v3", True, set_or_remove("deepseek2.expert_group_used_count", 5), "expert_group_used_count=5"),
+    ("v2", True, set_or_remove("deepseek2.attention.kv_lora_rank"), "kv_lora_rank' is missing"),
+    ("v2", True, set_or_remove("blk.1.attn_v_b.weight"), "kv_b_proj.weight' is made of 1 file tensor"),
+    ("v2", True, set_or_remove("deepseek2.attention.value_length_mla", 16), "attn_v_b.weight': shape"),
+    ("v3", True, set_or_remove("deepseek2.rope.scaling.yarn_ext_factor", 0.5), "yarn_ext_factor"),
 ])
 def test_what_cannot_be_honoured_is_refused(folders, tmp_path, case, split, extra, match):
     path = write_gguf(folders(case), str(tmp_path / "bad.gguf"), split=split, extra=extra)

@@ -15,16 +15,15 @@ weight the same file dequantized gives. What a file says and picovllm cannot do 
 import dataclasses
 import json
 import os
-import random
 
 import gguf
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType as Q
 from safetensors.torch import load_file
 
 from picovllm import LLM, SamplingParams
+from gguf_writing import greedy, hf_folders, random_prompts, set_or_remove, write_file
 from test_parity_hf import LOGPROB_ATOL, hf_greedy
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -157,49 +156,18 @@ def write_gguf(folder: str, path: str, kind: str = "F32", extra=None) -> str:
         w.add_nextn_predict_layers(nextn)
     w.add_bos_token_id(cfg["bos_token_id"])
     w.add_eos_token_id(cfg["eos_token_id"])
-    tensors = _tensors(sd, moe)
-    if extra is not None:
-        extra(w, tensors)
-    for name, data in tensors.items():
-        if data.ndim < 2 or "gate_inp" in name or kind == "F32":
-            w.add_tensor(name, np.ascontiguousarray(data, dtype=np.float32))
-        elif kind == "F16":
-            w.add_tensor(name, data.astype(np.float16))
-        elif data.ndim == 2:                                      # Q8_0: the 2-D matrices
-            w.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(data), Q.Q8_0), raw_dtype=Q.Q8_0)
-        else:
-            w.add_tensor(name, np.ascontiguousarray(data, dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_file(w, _tensors(sd, moe), kind, lambda name: "gate_inp" in name, extra)      # the router
     return path
 
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     """case -> HF folder; "<case>_f16": the same weights rounded to float16, built at first use."""
-    root = tmp_path_factory.mktemp("gguf_glm")
-    made = {}
-
-    def get(name: str) -> str:
-        if name not in made:
-            case, f16 = name.removesuffix("_f16"), name.endswith("_f16")
-            made[name] = build(str(root / name), case, f16)
-        return made[name]
-    return get
+    return hf_folders(tmp_path_factory.mktemp("gguf_glm"), build)
 
 
 def prompts(seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, VOCAB) for _ in range(n)] for n in (1, 7, 19, 36)]
-
-
-def generate(llm: LLM, ps, new: int = 8):
-    outs = llm.generate(ps, SamplingParams(temperature=0, max_tokens=new, ignore_eos=True, logprobs=0),
-                        use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outs], \
-        [[d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outs]
+    return random_prompts(seed, (1, 7, 19, 36), VOCAB)
 
 
 # case -> (HF folder, the file's matrices)
@@ -216,7 +184,7 @@ def test_gguf_matches_hf(folders, tmp_path, case):
     ref, ref_lp = hf_greedy(folder, ps, 8)
     llm = LLM(path, block_size=4, num_kv_blocks=64, device="cpu", max_num_batched_tokens=16, quantization="none")
     assert llm.engine.model_config.architecture == ("Glm4MoeForCausalLM" if "moe" in case else "Glm4ForCausalLM")
-    toks, lps = generate(llm, ps)
+    toks, lps = greedy(llm, ps, 8)
     assert toks == ref
     for lp, want in zip(lps, ref_lp):
         assert lp == pytest.approx(want, abs=LOGPROB_ATOL)
@@ -276,35 +244,21 @@ def test_q8_0_matrices_run_quantized(folders, tmp_path):
     assert np.mean(errs) < 0.06 and max(errs) < 0.3, (np.mean(errs), max(errs))
 
 
-def _set(key: str, value=None):
-    """A writer hook: metadata key `key` set to `value` (uint32, a list of int32) or, value None, removed; or tensor
-    `key` (no architecture prefix) removed."""
-    def extra(w, tensors):
-        for kv in w.kv_data:
-            kv.pop(key, None)
-        if not key.startswith(("glm4.", "glm4moe.")):
-            del tensors[key]
-        elif isinstance(value, list):
-            w.add_array(key, value)
-        elif value is not None:
-            w.add_uint32(key, value)
-    return extra
-
-
 @pytest.mark.parametrize("case,extra,match", [
-    ("glm4_moe", _set("glm4moe.expert_gating_func", 1), "expert_gating_func=1"),
-    ("glm4_moe", _set("glm4moe.expert_gating_func"), None),      # none: llama.cpp's sigmoid
-    ("glm4_moe", _set("blk.1.exp_probs_b.bias"), "blk.1.exp_probs_b.bias' is missing"),
-    ("glm4_moe", _set("blk.1.ffn_gate_inp.weight"), "blk.1.ffn_gate_inp.weight' is missing"),
-    ("glm4_moe", _set("glm4moe.expert_weights_scale"), "expert_weights_scale' is missing"),
-    ("glm4_moe", _set("glm4moe.expert_shared_count"), "expert_shared_count' is missing"),
-    ("glm4_moe", _set("glm4moe.expert_group_count", 3), "expert_group_count=3"),
-    ("glm4_moe", _set("glm4moe.expert_group_used_count", 5), "expert_group_used_count=5"),
-    ("glm4_moe", _set("glm4moe.nextn_predict_layers", 3), "nextn_predict_layers=3"),
-    ("glm4_moe", _set("glm4moe.nextn_predict_layers"), "blk.2.nextn.eh_proj.weight"),   # the MTP block read as a layer
-    ("glm4", _set("blk.1.post_ffw_norm.weight"), "blk.1.post_ffw_norm.weight' is missing"),
-    ("glm4", _set("glm4.rope.dimension_sections", [2, 1, 1, 0]), "M-RoPE"),
-    ("glm4", _set("glm4.feed_forward_length", 80), "'blk.0.ffn_up.weight': 192 rows"),
+    ("glm4_moe", set_or_remove("glm4moe.expert_gating_func", 1), "expert_gating_func=1"),
+    ("glm4_moe", set_or_remove("glm4moe.expert_gating_func"), None),      # none: llama.cpp's sigmoid
+    ("glm4_moe", set_or_remove("blk.1.exp_probs_b.bias"), "blk.1.exp_probs_b.bias' is missing"),
+    ("glm4_moe", set_or_remove("blk.1.ffn_gate_inp.weight"), "blk.1.ffn_gate_inp.weight' is missing"),
+    ("glm4_moe", set_or_remove("glm4moe.expert_weights_scale"), "expert_weights_scale' is missing"),
+    ("glm4_moe", set_or_remove("glm4moe.expert_shared_count"), "expert_shared_count' is missing"),
+    ("glm4_moe", set_or_remove("glm4moe.expert_group_count", 3), "expert_group_count=3"),
+    ("glm4_moe", set_or_remove("glm4moe.expert_group_used_count", 5), "expert_group_used_count=5"),
+    ("glm4_moe", set_or_remove("glm4moe.nextn_predict_layers", 3), "nextn_predict_layers=3"),
+    # the MTP block read as a layer
+    ("glm4_moe", set_or_remove("glm4moe.nextn_predict_layers"), "blk.2.nextn.eh_proj.weight"),
+    ("glm4", set_or_remove("blk.1.post_ffw_norm.weight"), "blk.1.post_ffw_norm.weight' is missing"),
+    ("glm4", set_or_remove("glm4.rope.dimension_sections", [2, 1, 1, 0]), "M-RoPE"),
+    ("glm4", set_or_remove("glm4.feed_forward_length", 80), "'blk.0.ffn_up.weight': 192 rows"),
 ])
 def test_what_cannot_be_honoured_is_refused(folders, tmp_path, case, extra, match):
     from picovllm.loader.gguf_file import open_gguf

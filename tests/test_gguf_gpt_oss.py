@@ -11,7 +11,6 @@ out by hand.
 """
 import json
 import os
-import random
 
 import gguf
 import numpy as np
@@ -21,6 +20,7 @@ from gguf import GGMLQuantizationType as Q
 from safetensors.torch import load_file, save_file
 
 from picovllm import LLM, SamplingParams
+from gguf_writing import greedy, random_prompts, set_or_remove, write_file
 from test_gpt_oss import CONFIG
 from test_parity_hf import LOGPROB_ATOL, hf_greedy
 
@@ -150,25 +150,13 @@ def write_gguf(folder: str, path: str, kind: str = "F32", packed: dict | None = 
     w.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
     w.add_sliding_window(cfg["sliding_window"])
     w.add_expert_feed_forward_length(cfg["intermediate_size"])
-    tensors = _tensors(sd, packed or {})
-    if extra is not None:
-        extra(w, tensors)
-    for name, data in tensors.items():
-        if isinstance(data, tuple):
-            w.add_tensor(name, data[1], raw_dtype=Q.MXFP4)
-        elif data.ndim < 2 or not name.endswith(".weight") or "gate_inp" in name or kind == "F32":
-            w.add_tensor(name, np.ascontiguousarray(data, dtype=np.float32))
-        elif kind == "F16":
-            w.add_tensor(name, data.astype(np.float16))
-        elif data.ndim == 2:                                              # Q8_0: the matrices, not the experts
-            w.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(data), Q.Q8_0), raw_dtype=Q.Q8_0)
-        else:
-            w.add_tensor(name, np.ascontiguousarray(data, dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_file(w, _tensors(sd, packed or {}), kind, _converter_keeps_f32, extra)
     return path
+
+
+def _converter_keeps_f32(name: str) -> bool:
+    """Biases (and sinks: no .weight) and the router."""
+    return not name.endswith(".weight") or "gate_inp" in name
 
 
 @pytest.fixture(scope="module")
@@ -180,15 +168,7 @@ def folders(tmp_path_factory) -> dict:
 
 
 def prompts(seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 384) for _ in range(n)] for n in (1, 7, 16, 33)]
-
-
-def generate(llm: LLM, ps, new: int = 10):
-    outs = llm.generate(ps, SamplingParams(temperature=0, max_tokens=new, ignore_eos=True, logprobs=0),
-                        use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outs], \
-        [[d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outs]
+    return random_prompts(seed, (1, 7, 16, 33), 384)
 
 
 # case -> (HF folder, the file's matrices, MXFP4 experts, quantization)
@@ -212,7 +192,7 @@ def test_gguf_matches_hf(folders, tmp_path, case):
     llm = LLM(path, block_size=4, num_kv_blocks=128, device="cpu", max_num_batched_tokens=16,
               quantization=quantization)
     assert llm.engine.model_config.architecture == "GptOssForCausalLM"
-    toks, lps = generate(llm, ps)
+    toks, lps = greedy(llm, ps, 10)
     assert toks == ref
     for lp, want in zip(lps, ref_lp):
         assert lp == pytest.approx(want, abs=LOGPROB_ATOL)
@@ -242,7 +222,7 @@ def test_the_parameters_are_the_hf_folders(folders, tmp_path):
     moe = ours.engine.runner.model.layers[0].mlp
     seen = []
     hook = moe.act.register_forward_hook(lambda m, args, out: seen.append(args[0].abs().max().item()))
-    generate(ours, prompts(3), 2)
+    greedy(ours, prompts(3), 2)
     hook.remove()
     assert max(seen) > LIMIT
 
@@ -316,19 +296,6 @@ def test_stop_tokens_by_llama_cpps_rule(folders, tmp_path):
     assert cfg.eos_token_ids == [301, 302, 300]
 
 
-def _set(key: str, value=None):
-    """A writer hook: metadata key `key` set to `value` (replacing the writer's own) or, value None, removed; or
-    tensor `key` (a name without the architecture's prefix) removed."""
-    def extra(w, tensors):
-        for kv in w.kv_data:
-            kv.pop(key, None)
-        if not key.startswith("gpt-oss."):
-            del tensors[key]
-        elif value is not None:
-            (w.add_float32 if isinstance(value, float) else w.add_uint32)(key, value)
-    return extra
-
-
 def _fuse_gate_up(w, tensors):
     """The converter's optional fused form: one ffn_gate_up_exps tensor ([gate; up] rows)."""
     gate, up = tensors.pop("blk.0.ffn_gate_exps.weight"), tensors.pop("blk.0.ffn_up_exps.weight")
@@ -336,15 +303,15 @@ def _fuse_gate_up(w, tensors):
 
 
 @pytest.mark.parametrize("extra,match", [
-    (_set("blk.1.attn_sinks.weight"), "missing weights: layers.1.self_attn.attn.sinks"),
-    (_set("blk.0.attn_sinks.weight"), "sinks and biases"),
-    (_set("blk.0.attn_q.bias"), "sinks and biases"),
-    (_set("blk.1.ffn_up_exps.weight"), "gate_up_proj' is made of 1 file tensor"),
-    (_set("blk.1.ffn_gate_exps.bias"), "gate_up_proj_bias' is made of 1 file tensor"),
+    (set_or_remove("blk.1.attn_sinks.weight"), "missing weights: layers.1.self_attn.attn.sinks"),
+    (set_or_remove("blk.0.attn_sinks.weight"), "sinks and biases"),
+    (set_or_remove("blk.0.attn_q.bias"), "sinks and biases"),
+    (set_or_remove("blk.1.ffn_up_exps.weight"), "gate_up_proj' is made of 1 file tensor"),
+    (set_or_remove("blk.1.ffn_gate_exps.bias"), "gate_up_proj_bias' is made of 1 file tensor"),
     (_fuse_gate_up, "fused in one tensor"),
-    (_set("gpt-oss.rope.freq_base_swa", 500.0), "rope.freq_base_swa"),
-    (_set("gpt-oss.expert_weights_scale", 2.0), "expert_weights_scale"),
-    (_set("gpt-oss.expert_count"), "expert_count' is missing"),
+    (set_or_remove("gpt-oss.rope.freq_base_swa", 500.0), "rope.freq_base_swa"),
+    (set_or_remove("gpt-oss.expert_weights_scale", 2.0), "expert_weights_scale"),
+    (set_or_remove("gpt-oss.expert_count"), "expert_count' is missing"),
 ])
 def test_what_cannot_be_honoured_is_refused(folders, tmp_path, extra, match):
     path = write_gguf(folders["dense"], str(tmp_path / "bad.gguf"), extra=extra)
