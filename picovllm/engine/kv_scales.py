@@ -153,10 +153,10 @@ def fold_output_rotations(model: torch.nn.Module) -> int:
             continue
         w = getattr(o_proj, "weight", None)
         if w is None or w.dim() != 2 or not w.dtype.is_floating_point or getattr(o_proj, "packed", None) is not None \
-                or w.shape[1] % attn.head_dim:
+                or w.shape[1] != attn.num_heads * attn.head_dim:     # (MLA's o_proj reads v_head_dim a head)
             continue
         r = attn.kv_rotation.to(torch.float64)
-        heads = w.shape[1] // attn.head_dim
+        heads = attn.num_heads
         w.data.copy_((w.data.to(torch.float64).view(w.shape[0], heads, attn.head_dim) @ r).view(w.shape))
         attn.output_rotated = True
         n += 1

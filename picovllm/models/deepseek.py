@@ -85,9 +85,7 @@ class MLAAttention(nn.Module):
                     p.weight_loader = rotate_half_loader(kv_a.load, self.kv_rank + self.rope, self.rope)
         self.rotary = rotary
         self.head_dim = cfg.head_dim        # max(qk, v_dim): K, V and q padded to it with zeros
-        # not `attn`: engine/kv_scales.fold_output_rotations would fold an fp8 cache's rotation into o_proj, whose
-        # columns are v_head_dim a head, not head_dim
-        self.attention = Attention(self.num_heads, self.num_heads, self.head_dim, cfg.attention_multiplier,
+        self.attn = Attention(self.num_heads, self.num_heads, self.head_dim, cfg.attention_multiplier,
                                    cfg.layer_window(layer))
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -102,7 +100,7 @@ class MLAAttention(nn.Module):
         v = kv[..., nope:]
         d = self.head_dim
         q, k, v = (_padded(t, d) for t in (q, k, v))
-        o = self.attention(q, k, v, meta)[..., :self.v_dim]
+        o = self.attn(q, k, v, meta)[..., :self.v_dim]
         return self.o_proj(o.reshape(-1, h * self.v_dim))
 
 
@@ -127,6 +125,3 @@ class DeepseekForCausalLM(LlamaForCausalLM):
     def checkpoint_name(name: str) -> str:
         """DeepSeek's shared experts (one MLP in the checkpoint) as the shared decoder's shared_expert."""
         return LlamaForCausalLM.checkpoint_name(name).replace(".mlp.shared_experts.", ".mlp.shared_expert.")
-
-    def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn.attention for layer in self.layers]
