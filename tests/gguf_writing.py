@@ -1,6 +1,7 @@
 """For the GGUF family tests (test_gguf_gpt_oss, _deepseek, _glm, _cohere): what their writers share once a file's
 metadata is written (the tensors added by kind, the file closed), their HF folders built at first use, their
-prompts, greedy generation with logprobs, and the writer hooks their refusal tests pass.
+prompts, greedy generation with logprobs, the writer hooks their refusal tests pass, and (test_gguf_archs and
+_families too) a quantized file's checks against the same file run float.
 
 Each test module keeps what is its family's own: the metadata keys, the tensor names (llama.cpp's converter's
 layout), which tensors the converter keeps float32, the prompts' lengths.
@@ -13,6 +14,7 @@ from typing import Callable
 
 import gguf
 import numpy as np
+import torch
 from gguf import GGMLQuantizationType as Q
 
 from picovllm import LLM, SamplingParams
@@ -73,6 +75,27 @@ def greedy(llm: LLM, ps: list[list[int]], new: int) -> tuple[list[list[int]], li
                         use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs], \
         [[d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outs]
+
+
+def prompt_logprob_errors(floats: LLM, quantized: LLM, ps: list[list[int]]) -> list[float]:
+    """|quantized's - floats'| logprob of each prompt token but the first (which has none), the same file run
+    float (quantization "none") and quantized."""
+    sp = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, prompt_logprobs=0)
+    return [abs(a[t].logprob - b[t].logprob)
+            for x, y in zip(floats.generate(ps, sp, use_tqdm=False), quantized.generate(ps, sp, use_tqdm=False))
+            for a, b, t in zip(x.prompt_logprobs[1:], y.prompt_logprobs[1:], x.prompt_token_ids[1:])]
+
+
+def assert_packed_as_float(quantized: LLM, floats: LLM, names: list[str]) -> None:
+    """Each module `names` of quantized's model holds its weight quantized (the CPU kernels' packed form), the very
+    weight floats' model (the same file dequantized at load) holds."""
+    from picovllm.kernels.cpu.quant_gemm import QuantizedWeight
+    params = dict(floats.engine.runner.model.named_parameters())
+    packed = {n: m.packed for n, m in quantized.engine.runner.model.named_modules()
+              if isinstance(getattr(m, "packed", None), QuantizedWeight)}
+    for name in names:
+        assert name in packed, (name, sorted(packed))
+        assert torch.allclose(packed[name].dequantize(), params[name + ".weight"], rtol=0, atol=1e-6), name
 
 
 def set_or_remove(key: str, value=None) -> WriterHook:

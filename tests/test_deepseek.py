@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from picovllm import LLM, SamplingParams
-from test_parity_hf import LOGPROB_ATOL, assert_gpu_fp32_matches_hf, hf_greedy
+from test_parity_hf import LOGPROB_ATOL, assert_gpu_fp32_matches_hf, assert_tp2_matches_tp1, hf_greedy
 
 VOCAB = 384
 BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -215,11 +215,7 @@ def test_tp2_matches_tp1(models, case, monkeypatch):
     experts' and shared experts' intermediate dims split. The torch attention (the C kernel's per-shape builds are
     the parity test's)."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")     # two ranks on two shared cores
-    ps, sp = prompts(1), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    tp1 = LLM(models[case], num_kv_blocks=64, attention_backend="torch").generate(ps, sp, use_tqdm=False)
-    with LLM(models[case], tensor_parallel_size=2, num_kv_blocks=64, attention_backend="torch") as llm:
-        tp2 = llm.generate(ps, sp, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in tp2] == [o.outputs[0].token_ids for o in tp1]
+    assert_tp2_matches_tp1(models[case], prompts(1), attention_backend="torch")
 
 
 @pytest.mark.gpu

@@ -17,7 +17,7 @@ import torch
 
 from picovllm import LLM, SamplingParams
 from picovllm.config import ModelConfig
-from test_parity_hf import LOGPROB_ATOL, assert_gpu_fp32_matches_hf, hf_greedy
+from test_parity_hf import LOGPROB_ATOL, assert_gpu_fp32_matches_hf, assert_tp2_matches_tp1, hf_greedy
 
 VOCAB = 384
 BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -211,11 +211,7 @@ def test_defaults_of_fields_left_out():
 @pytest.mark.parametrize("case", TP_CASES)
 def test_tp2_matches_tp1(models, case, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")     # two ranks on two shared cores
-    ps, sp = prompts(1), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    tp1 = LLM(models[case], num_kv_blocks=64).generate(ps, sp, use_tqdm=False)
-    with LLM(models[case], tensor_parallel_size=2, num_kv_blocks=64) as llm:
-        tp2 = llm.generate(ps, sp, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in tp2] == [o.outputs[0].token_ids for o in tp1]
+    assert_tp2_matches_tp1(models[case], prompts(1))
 
 
 @pytest.mark.gpu

@@ -12,6 +12,7 @@ from gguf import GGMLQuantizationType as Q
 from safetensors.torch import load_file
 
 from picovllm import LLM, SamplingParams
+from gguf_writing import prompt_logprob_errors
 from test_parity_hf import LOGPROB_ATOL, hf_greedy, make_prompts
 
 # HF name -> llama.cpp's ({} the layer)
@@ -93,9 +94,5 @@ def test_qwen3_q8_0_gguf_runs_quantized_and_close_to_float(tiny_models, tmp_path
               quantization="none")
     q8 = LLM(write_gguf(folder, "qwen3", str(tmp_path / "q.gguf"), "Q8_0"), device="cpu", num_kv_blocks=64)
     assert any(isinstance(getattr(m, "packed", None), QuantizedWeight) for m in q8.engine.runner.model.modules())
-    sp = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, prompt_logprobs=0)
-    prompts = make_prompts()[3:6]
-    errs = [abs(a[t].logprob - b[t].logprob)
-            for x, y in zip(f32.generate(prompts, sp, use_tqdm=False), q8.generate(prompts, sp, use_tqdm=False))
-            for a, b, t in zip(x.prompt_logprobs[1:], y.prompt_logprobs[1:], x.prompt_token_ids[1:])]
+    errs = prompt_logprob_errors(f32, q8, make_prompts()[3:6])
     assert np.mean(errs) < 0.06 and max(errs) < 0.3, (np.mean(errs), max(errs))

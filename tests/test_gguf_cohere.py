@@ -20,8 +20,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from picovllm import LLM, SamplingParams
-from gguf_writing import greedy, hf_folders, random_prompts, set_or_remove, write_file
+from picovllm import LLM
+from gguf_writing import (assert_packed_as_float, greedy, hf_folders, prompt_logprob_errors, random_prompts,
+                          set_or_remove, write_file)
 from test_parity_hf import LOGPROB_ATOL, hf_greedy
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -172,25 +173,15 @@ def test_q8_0_matrices_run_quantized(folders, tmp_path):
     """A Q8_0 Cohere 2 file: q/k/v (q's and k's rows in the rotary order), o, gate/up, down and the tied
     embedding's head stay quantized on the CPU, each holding the very weight the same file dequantized at load gives,
     and the model runs on them near the float file."""
-    from picovllm.kernels.cpu.quant_gemm import QuantizedWeight, isa
+    from picovllm.kernels.cpu.quant_gemm import isa
     if isa() is None:
         pytest.skip("the quantized CPU kernels need a C compiler and AVX2")
     path = write_gguf(folders("cohere2"), "cohere2", str(tmp_path / "q.gguf"), "Q8_0")
     quantized = LLM(path, device="cpu", num_kv_blocks=32)
     floats = LLM(path, device="cpu", num_kv_blocks=32, quantization="none")
-    params = dict(floats.engine.runner.model.named_parameters())
-    packed = {n: m.packed for n, m in quantized.engine.runner.model.named_modules()
-              if isinstance(getattr(m, "packed", None), QuantizedWeight)}
-    for layer in ("layers.0.", "layers.3."):
-        for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
-            assert layer + name in packed, (layer + name, sorted(packed))
-            assert torch.allclose(packed[layer + name].dequantize(), params[layer + name + ".weight"], rtol=0,
-                                  atol=1e-6), name
-    sp = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, prompt_logprobs=0)
-    ps = prompts(2)[2:]
-    errs = [abs(a[t].logprob - b[t].logprob)
-            for x, y in zip(floats.generate(ps, sp, use_tqdm=False), quantized.generate(ps, sp, use_tqdm=False))
-            for a, b, t in zip(x.prompt_logprobs[1:], y.prompt_logprobs[1:], x.prompt_token_ids[1:])]
+    assert_packed_as_float(quantized, floats, [layer + name for layer in ("layers.0.", "layers.3.") for name in (
+        "self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")])
+    errs = prompt_logprob_errors(floats, quantized, prompts(2)[2:])
     # looser than test_gguf_families' bound: the peaked attention (q/k scaled by 3) and the quantized tied head
     # both magnify Q8_0's steps (the weights themselves are checked exactly above)
     assert np.mean(errs) < 0.1 and max(errs) < 0.6, (np.mean(errs), max(errs))

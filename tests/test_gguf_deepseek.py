@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import load_file
 
 from picovllm import LLM
-from gguf_writing import greedy, hf_folders, random_prompts, set_or_remove, write_file
+from gguf_writing import assert_packed_as_float, greedy, hf_folders, random_prompts, set_or_remove, write_file
 from test_parity_hf import LOGPROB_ATOL, hf_greedy
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -260,20 +260,15 @@ def test_q8_0_matrices_run_quantized(folders, tmp_path):
     """A Q8_0 file: the attention's matrices (q with its rope rows reordered, the latent projections, kv_b_proj, o)
     and the MLPs' stay quantized on the CPU, each holding the very weight the same file dequantized at load gives
     (the reordered rows included: no float path corrects them afterwards), and the model runs on them."""
-    from picovllm.kernels.cpu.quant_gemm import QuantizedWeight, isa
+    from picovllm.kernels.cpu.quant_gemm import isa
     if isa() is None:
         pytest.skip("the quantized CPU kernels need a C compiler and AVX2")
     path = write_gguf(folders("v3"), str(tmp_path / "q.gguf"), "Q8_0", split=False)
     quantized = LLM(path, device="cpu", num_kv_blocks=32)
-    floats = dict(LLM(path, device="cpu", num_kv_blocks=32, quantization="none").engine.runner.model
-                  .named_parameters())
-    packed = {n: m.packed for n, m in quantized.engine.runner.model.named_modules()
-              if isinstance(getattr(m, "packed", None), QuantizedWeight)}
-    for layer in ("layers.0.", "layers.1."):
-        for proj in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"):
-            name = f"{layer}self_attn.{proj}"
-            assert name in packed, (name, sorted(packed))
-            assert torch.allclose(packed[name].dequantize(), floats[name + ".weight"], rtol=0, atol=1e-6), name
+    floats = LLM(path, device="cpu", num_kv_blocks=32, quantization="none")
+    assert_packed_as_float(quantized, floats, [f"{layer}self_attn.{proj}" for layer in ("layers.0.", "layers.1.")
+                                               for proj in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj",
+                                                            "o_proj")])
     toks, _ = greedy(quantized, prompts(2), 4)
     assert all(len(t) == 4 for t in toks)
 

@@ -19,6 +19,7 @@ from gguf import GGMLQuantizationType as Q
 from safetensors.torch import load_file
 
 from picovllm import LLM, SamplingParams
+from gguf_writing import prompt_logprob_errors
 from test_parity_hf import LOGPROB_ATOL, hf_greedy
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -328,11 +329,7 @@ def test_q8_0_gguf_runs_quantized_and_close_to_float(models, tmp_path, case):
     packed = [n for n, m in q8.engine.runner.model.named_modules()
               if isinstance(getattr(m, "packed", None), QuantizedWeight)]
     assert any("qkv_proj" in n for n in packed) and "lm_head" in packed
-    sp = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, prompt_logprobs=0)
-    ps = prompts(2)[2:]
-    errs = [abs(a[t].logprob - b[t].logprob)
-            for x, y in zip(f32.generate(ps, sp, use_tqdm=False), q8.generate(ps, sp, use_tqdm=False))
-            for a, b, t in zip(x.prompt_logprobs[1:], y.prompt_logprobs[1:], x.prompt_token_ids[1:])]
+    errs = prompt_logprob_errors(f32, q8, prompts(2)[2:])
     assert 0 < np.mean(errs) < 0.06 and max(errs) < 0.3, (np.mean(errs), max(errs))
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from picovllm import LLM, SamplingParams
-from test_parity_hf import LOGPROB_ATOL, hf_greedy
+from test_parity_hf import LOGPROB_ATOL, assert_tp2_matches_tp1, hf_greedy
 
 BASE = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=6,
             num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
@@ -342,8 +342,4 @@ def test_cohere2_without_layer_types_takes_its_pattern(models, tmp_path):
                                   "cohere2"])
 def test_tp2_matches_tp1(models, case, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")     # two ranks on two shared cores
-    ps, sp = prompts(1), SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    tp1 = LLM(models[case], num_kv_blocks=64).generate(ps, sp, use_tqdm=False)
-    with LLM(models[case], tensor_parallel_size=2, num_kv_blocks=64) as llm:
-        tp2 = llm.generate(ps, sp, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in tp2] == [o.outputs[0].token_ids for o in tp1]
+    assert_tp2_matches_tp1(models[case], prompts(1), 10)

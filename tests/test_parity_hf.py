@@ -40,6 +40,15 @@ def assert_gpu_fp32_matches_hf(path, prompts):
             pytest.approx(lp, abs=5e-3)
 
 
+def assert_tp2_matches_tp1(path, prompts, max_tokens: int = 8, **engine):
+    """TP=2 (gloo on the CPU) gives TP=1's greedy tokens; engine: more LLM arguments for both."""
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    tp1 = LLM(path, num_kv_blocks=64, **engine).generate(prompts, sp, use_tqdm=False)
+    with LLM(path, tensor_parallel_size=2, num_kv_blocks=64, **engine) as llm:
+        tp2 = llm.generate(prompts, sp, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in tp2] == [o.outputs[0].token_ids for o in tp1]
+
+
 def assert_gpu_bf16_near_hf(path, prompts):
     """bf16 on the GPU against HF fp32 on the same weights: each prompt token's logprob (the model's prediction at
     every position) within 0.1 of HF's on average."""

@@ -296,12 +296,19 @@ MISTRAL_REPLY = 'Let me look.[TOOL_CALLS][{"name": "get_weather", "arguments": {
 def mistral_tool_model(tmp_path_factory) -> str:
     """The tiny chat model's tokenizer with Mistral's control tokens as special tokens and a template that renders
     the tools, its weights trained to answer ASK_TOOL (WEATHER offered) with MISTRAL_REPLY."""
+    markers = ["[TOOL_CALLS]", "[ARGS]", "[INST]", "[/INST]"]
+    return tool_model(str(tmp_path_factory.mktemp("mistral") / "model"), markers, MISTRAL_TEMPLATE, MISTRAL_REPLY)
+
+
+def tool_model(path: str, markers: list[str], template: str, reply: str) -> str:
+    """The tiny chat model at path with `markers` as special tokens and the chat template `template`, its weights
+    trained to answer ASK_TOOL (WEATHER offered, through the template) with `reply` and <|im_end|>."""
     from transformers import AutoTokenizer
     from serving_fixtures import build_tiny_chat_model, train_replies
-    path = build_tiny_chat_model(str(tmp_path_factory.mktemp("mistral") / "model"), vocab_size=400)
+    path = build_tiny_chat_model(path, vocab_size=400)
     tok = AutoTokenizer.from_pretrained(path)
-    tok.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]", "[ARGS]", "[INST]", "[/INST]"]})
-    tok.chat_template = MISTRAL_TEMPLATE
+    tok.add_special_tokens({"additional_special_tokens": markers})
+    tok.chat_template = template
     tok.save_pretrained(path)
     worker = TokenizerWorker(tok)
     try:
@@ -309,7 +316,7 @@ def mistral_tool_model(tmp_path_factory) -> str:
     finally:
         worker.shutdown()
     eos = tok.convert_tokens_to_ids("<|im_end|>")
-    return train_replies(path, [(prompt, tok.encode(MISTRAL_REPLY, add_special_tokens=False) + [eos])], [eos])
+    return train_replies(path, [(prompt, tok.encode(reply, add_special_tokens=False) + [eos])], [eos])
 
 
 def test_served_mistral_tool_calls(mistral_tool_model, tmp_path):
@@ -552,22 +559,9 @@ KIMI_REPLY = "Let me look." + KIMI_BEGIN + kimi_call("get_weather", 0, PARIS) + 
 def kimi_tool_model(tmp_path_factory) -> str:
     """The tiny chat model's tokenizer with Kimi-K2's markers as special tokens and a template that renders the
     tools, its weights trained to answer ASK_TOOL (WEATHER offered) with KIMI_REPLY."""
-    from transformers import AutoTokenizer
-    from serving_fixtures import build_tiny_chat_model, train_replies
-    path = build_tiny_chat_model(str(tmp_path_factory.mktemp("kimi") / "model"), vocab_size=400)
-    tok = AutoTokenizer.from_pretrained(path)
-    tok.add_special_tokens({"additional_special_tokens": [KIMI_BEGIN, KIMI_END, KIMI_CALL, KIMI_CALL_END, KIMI_ARGS,
-                                                          "<|im_system|>", "<|im_middle|>", "<|im_user|>",
-                                                          "<|im_assistant|>"]})
-    tok.chat_template = KIMI_TEMPLATE
-    tok.save_pretrained(path)
-    worker = TokenizerWorker(tok)
-    try:
-        prompt = asyncio.run(worker.encode_chat(ASK_TOOL, True, tools=[WEATHER]))
-    finally:
-        worker.shutdown()
-    eos = tok.convert_tokens_to_ids("<|im_end|>")
-    return train_replies(path, [(prompt, tok.encode(KIMI_REPLY, add_special_tokens=False) + [eos])], [eos])
+    markers = [KIMI_BEGIN, KIMI_END, KIMI_CALL, KIMI_CALL_END, KIMI_ARGS, "<|im_system|>", "<|im_middle|>",
+               "<|im_user|>", "<|im_assistant|>"]
+    return tool_model(str(tmp_path_factory.mktemp("kimi") / "model"), markers, KIMI_TEMPLATE, KIMI_REPLY)
 
 
 def test_served_kimi_tool_calls(kimi_tool_model, tmp_path):
