@@ -273,6 +273,22 @@ def required(meta: dict, key: str, path: str):
     return meta[key]
 
 
+def expert_groups(meta: dict, p: str, experts: int, k: int, smallest: int, path: str) -> tuple[int, int]:
+    """(n_group, topk_group) of a group-limited router (p's expert_group_count and _used_count), checked: groups of
+    at least `smallest` experts (sigmoid's rule ranks a group by its two best), the kept groups holding the top-k."""
+    groups = int(meta.get(p + "expert_group_count") or 1)
+    if groups == 1:
+        return 1, 1
+    if experts % groups or experts // groups < smallest:
+        raise ValueError(f"GGUF {path!r}: {p}expert_group_count={groups} must divide expert_count ({experts}) into "
+                         f"groups of at least {smallest} experts")
+    keep = int(required(meta, p + "expert_group_used_count", path))
+    if not 1 <= keep <= groups or k > keep * (experts // groups):
+        raise ValueError(f"GGUF {path!r}: {p}expert_group_used_count={keep} must be 1 .. {groups}, its groups "
+                         f"holding at least expert_used_count ({k}) experts")
+    return groups, keep
+
+
 def model_config(meta: dict, tensors: dict, path: str) -> tuple[ModelConfig, Arch]:
     """The ModelConfig a GGUF's metadata and tensor names describe, and its architecture's conventions.
     tensors: {name: object with .shape (GGUF order, fastest dimension first) and .data}."""

@@ -34,7 +34,7 @@ import numpy as np
 
 from picovllm.config import ModelConfig, scaled_context
 from picovllm.layers.rotary import head_rows
-from picovllm.loader.gguf_archs import Part, Slot, yarn_scaling
+from picovllm.loader.gguf_archs import Part, Slot, expert_groups, required, yarn_scaling
 
 P = "deepseek2."
 GATING = {1: "softmax", 2: "sigmoid"}      # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_*
@@ -90,21 +90,15 @@ def _kv_b_share(name: str, prefix: str, key: str, shape: tuple[int, ...], cfg: M
 
 
 # -- the metadata -----------------------------------------------------------------------------------
-def _required(meta: dict, key: str, path: str):
-    if key not in meta:
-        raise ValueError(f"GGUF {path!r}: metadata key {key!r} is missing")
-    return meta[key]
-
-
 def model_config(meta: dict, tensors: dict, path: str) -> ModelConfig:
     """The ModelConfig of a deepseek2 file (tensors: {name: object with .shape, GGUF order})."""
-    heads = int(_required(meta, P + "attention.head_count", path))
-    layers = int(_required(meta, P + "block_count", path))
-    kv_rank = int(_required(meta, P + "attention.kv_lora_rank", path))
-    rope = int(_required(meta, P + "rope.dimension_count", path))
+    heads = int(required(meta, P + "attention.head_count", path))
+    layers = int(required(meta, P + "block_count", path))
+    kv_rank = int(required(meta, P + "attention.kv_lora_rank", path))
+    rope = int(required(meta, P + "rope.dimension_count", path))
     mla = P + "attention.key_length_mla" in meta          # newer files: the absorbed form's lengths beside these
-    qk = int(_required(meta, P + ("attention.key_length_mla" if mla else "attention.key_length"), path))
-    v = int(_required(meta, P + ("attention.value_length_mla" if mla else "attention.value_length"), path))
+    qk = int(required(meta, P + ("attention.key_length_mla" if mla else "attention.key_length"), path))
+    v = int(required(meta, P + ("attention.value_length_mla" if mla else "attention.value_length"), path))
     if rope % 2 or not 0 < rope < qk:
         raise ValueError(f"GGUF {path!r}: {P}rope.dimension_count={rope}: qk_rope_head_dim must be even and below "
                          f"the key length {qk}")
@@ -120,11 +114,11 @@ def model_config(meta: dict, tensors: dict, path: str) -> ModelConfig:
     eos = meta.get("tokenizer.ggml.eos_token_id")
     inter = meta.get(P + "feed_forward_length") or routing["moe_intermediate_size"]    # the dense layers'
     if not inter:
-        _required(meta, P + "feed_forward_length", path)
+        required(meta, P + "feed_forward_length", path)
     return ModelConfig(
         architecture="DeepseekV3ForCausalLM" if routing.get("scoring_func") == "sigmoid" else "DeepseekV2ForCausalLM",
         vocab_size=int(tensors["token_embd.weight"].shape[1]),
-        hidden_size=int(_required(meta, P + "embedding_length", path)),
+        hidden_size=int(required(meta, P + "embedding_length", path)),
         intermediate_size=int(inter),
         num_hidden_layers=layers,
         num_attention_heads=heads,
@@ -168,31 +162,15 @@ def _routing(meta: dict, tensors: dict, layers: int, path: str) -> dict:
     if scoring == "sigmoid" and not all(biased):
         raise ValueError(f"GGUF {path!r}: tensor 'blk.{dense + biased.index(False)}.exp_probs_b.bias' is missing "
                          "(sigmoid routing chooses by its correction bias)")
-    k = int(_required(meta, P + "expert_used_count", path))
-    inter = int(_required(meta, P + "expert_feed_forward_length", path))
-    groups, keep = _groups(meta, n, k, 2 if scoring == "sigmoid" else 1, path)
+    k = int(required(meta, P + "expert_used_count", path))
+    inter = int(required(meta, P + "expert_feed_forward_length", path))
+    groups, keep = expert_groups(meta, P, n, k, 2 if scoring == "sigmoid" else 1, path)
     return dict(num_experts=n, num_experts_per_tok=k, moe_intermediate_size=inter,
                 norm_topk_prob=bool(meta.get(P + "expert_weights_norm", False)),
                 moe_layers=[i >= dense for i in range(layers)],
                 shared_expert_intermediate_size=int(meta.get(P + "expert_shared_count") or 0) * inter,
                 shared_expert_gated=False, scoring_func=scoring, n_group=groups, topk_group=keep,
                 routed_scaling_factor=float(meta.get(P + "expert_weights_scale") or 1.0))
-
-
-def _groups(meta: dict, experts: int, k: int, smallest: int, path: str) -> tuple[int, int]:
-    """(n_group, topk_group), checked: groups of at least `smallest` experts (sigmoid's rule reads each group's two
-    best), the kept groups holding the top-k."""
-    groups = int(meta.get(P + "expert_group_count") or 1)
-    if groups == 1:
-        return 1, 1
-    if experts % groups or experts // groups < smallest:
-        raise ValueError(f"GGUF {path!r}: {P}expert_group_count={groups} must divide expert_count ({experts}) into "
-                         f"groups of at least {smallest} experts")
-    keep = int(_required(meta, P + "expert_group_used_count", path))
-    if not 1 <= keep <= groups or k > keep * (experts // groups):
-        raise ValueError(f"GGUF {path!r}: {P}expert_group_used_count={keep} must be 1 .. {groups}, its groups "
-                         f"holding at least expert_used_count ({k}) experts")
-    return groups, keep
 
 
 def _rope_scaling(meta: dict, path: str) -> dict | None:

@@ -25,7 +25,7 @@ What llama.cpp's converter (Glm4Model, Glm4MoeModel) wrote, read back:
 from __future__ import annotations
 
 from picovllm.config import ModelConfig
-from picovllm.loader.gguf_archs import Part, required, shared_fields, split_rows
+from picovllm.loader.gguf_archs import Part, expert_groups, required, shared_fields, split_rows
 
 # blk.N.<GGUF name> -> model.layers.N.<HF name> where it is not gguf_archs._LAYER's
 _GLM4_LAYER = {"post_attention_norm.weight": "post_self_attn_layernorm.weight",
@@ -102,25 +102,9 @@ def _routing(meta: dict, tensors: dict, p: str, layers: int, path: str) -> dict:
     scale = float(required(meta, p + "expert_weights_scale", path))
     if scale <= 0:
         raise ValueError(f"GGUF {path!r}: {p}expert_weights_scale={scale}: must be > 0")
-    groups, keep = _groups(meta, p, n, k, path)
+    groups, keep = expert_groups(meta, p, n, k, 2, path)
     return dict(num_experts=n, num_experts_per_tok=k, moe_intermediate_size=inter,
                 norm_topk_prob=bool(meta.get(p + "expert_weights_norm", False)),
                 moe_layers=[i >= dense for i in range(layers)], shared_expert_intermediate_size=shared * inter,
                 shared_expert_gated=False, scoring_func="sigmoid", n_group=groups, topk_group=keep,
                 routed_scaling_factor=scale)
-
-
-def _groups(meta: dict, p: str, experts: int, k: int, path: str) -> tuple[int, int]:
-    """(n_group, topk_group), checked as config.py checks GLM-4.5's: groups of at least two experts (the sigmoid
-    rule ranks a group by its two best), the kept groups holding the top-k."""
-    groups = int(meta.get(p + "expert_group_count") or 1)
-    if groups == 1:
-        return 1, 1
-    if experts % groups or experts // groups < 2:
-        raise ValueError(f"GGUF {path!r}: {p}expert_group_count={groups} must divide expert_count ({experts}) into "
-                         "groups of at least 2 experts")
-    keep = int(required(meta, p + "expert_group_used_count", path))
-    if not 1 <= keep <= groups or k > keep * (experts // groups):
-        raise ValueError(f"GGUF {path!r}: {p}expert_group_used_count={keep} must be 1 .. {groups}, its groups "
-                         f"holding at least expert_used_count ({k}) experts")
-    return groups, keep
