@@ -1,6 +1,7 @@
 """Engine and model configuration: built once, validated in one place, passed down."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
@@ -625,6 +626,63 @@ class PoolerConfig:
         return cls(**value)
 
 
+SPECULATIVE_METHODS = ("ngram",)
+MAX_SPECULATIVE_TOKENS = 32
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's speculative_config): each step a decoding request also feeds up to
+    num_speculative_tokens drafted tokens, and the step keeps the longest run of them the model itself samples, plus
+    one token of its own (engine/spec_decode.py). method "ngram" (prompt lookup): the drafts are what followed the
+    latest earlier occurrence of the sequence's last n tokens, n from prompt_lookup_max down to prompt_lookup_min
+    (vLLM's defaults: either one missing is the other; both missing, 5)."""
+    method: str = "ngram"
+    num_speculative_tokens: int | None = None
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+
+    def __post_init__(self) -> None:
+        def bad(name: str, why: str) -> ValueError:
+            return ValueError(f"EngineConfig.speculative_config.{name} {why}, got {getattr(self, name)!r}")
+
+        if self.method not in SPECULATIVE_METHODS:
+            raise bad("method", "must be 'ngram' (draft models, EAGLE, MTP and suffix decoding are not supported)")
+        k = self.num_speculative_tokens
+        if k is None:
+            raise bad("num_speculative_tokens", "is required")
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise bad("num_speculative_tokens", f"must be an int in [1, {MAX_SPECULATIVE_TOKENS}]")
+        if self.prompt_lookup_max is None and self.prompt_lookup_min is None:
+            self.prompt_lookup_max = self.prompt_lookup_min = 5
+        elif self.prompt_lookup_min is None:
+            self.prompt_lookup_min = self.prompt_lookup_max
+        elif self.prompt_lookup_max is None:
+            self.prompt_lookup_max = self.prompt_lookup_min
+        for name in ("prompt_lookup_min", "prompt_lookup_max"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise bad(name, "must be an int >= 1")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise bad("prompt_lookup_min", f"must be at most prompt_lookup_max ({self.prompt_lookup_max})")
+
+    @classmethod
+    def parse(cls, value: "SpeculativeConfig | dict | str | None") -> "SpeculativeConfig | None":
+        """EngineConfig.speculative_config's value: a SpeculativeConfig, a dict of its fields, or that as JSON
+        (--speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'); ValueError naming the field
+        otherwise."""
+        if value is None or isinstance(value, cls):
+            return value
+        value = parse_json_object(value, "EngineConfig.speculative_config",
+                                  "method, num_speculative_tokens, prompt_lookup_max and prompt_lookup_min")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - fields)
+        if unknown:
+            raise ValueError(f"EngineConfig.speculative_config.{unknown[0]} is not supported (only "
+                             f"{', '.join(sorted(fields))})")
+        return cls(**value)
+
+
 # "auto": a GGUF's own 4/8-bit form on the CPU; "none": float; "q8_0": an HF folder's matrices quantized at
 # load to 8 bits (a scale per 16 weights), run by the same CPU kernels (loader/quantize_at_load.py); "bf16":
 # the CPU's decode GEMMs read bfloat16 copies of the float32 weights (kernels/cpu/small_gemm.c)
@@ -683,6 +741,8 @@ class EngineConfig:
                                           # /v1/embeddings; engine/pooling.py) | "auto" ("generate"); vLLM's --runner
     pooler_config: PoolerConfig | dict | str | None = None   # a pooling engine's pooling_type and normalize
                                                              # (vLLM's --pooler-config JSON)
+    speculative_config: SpeculativeConfig | dict | str | None = None   # vLLM's --speculative-config JSON:
+                                          # {"method": "ngram", "num_speculative_tokens": k, ...} (engine/spec_decode.py)
 
     def __post_init__(self) -> None:
         import torch
@@ -731,8 +791,9 @@ class EngineConfig:
             raise bad("attention_backend", "must be 'auto', 'torch', 'triton' or 'cpu'")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise bad("tensor_parallel_size", "must be an int >= 1")
-        if self.async_scheduling is None:
-            self.async_scheduling = str(self.device).startswith("cuda")
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        if self.async_scheduling is None:     # a speculative step needs the tokens of the step before it
+            self.async_scheduling = str(self.device).startswith("cuda") and self.speculative_config is None
         if not isinstance(self.async_scheduling, bool):
             raise bad("async_scheduling", "must be a bool or None")
         if self.prefill_cuda_graphs is not None and not isinstance(self.prefill_cuda_graphs, bool):
@@ -747,6 +808,7 @@ class EngineConfig:
             raise bad("kv_cache_dtype", f"must be one of {', '.join(map(repr, KV_CACHE_DTYPES))}")
         self.kv_cache_dtype = KV_CACHE_DTYPES[self.kv_cache_dtype]
         self._check_runner()
+        self._check_speculative()
         if self.kv_cache_dtype == "fp8" and self.attention_backend == "cpu":
             raise ValueError("EngineConfig.kv_cache_dtype 'fp8': the CPU's C attention kernels read float32 KV "
                              "only; use attention_backend 'torch' or 'auto' (which takes torch for fp8 KV)")
@@ -771,6 +833,17 @@ class EngineConfig:
         for name, (given, why) in refused.items():
             if given:
                 raise ValueError(f"EngineConfig.{name} {getattr(self, name)!r} with runner 'pooling': {why}")
+
+    def _check_speculative(self) -> None:
+        if self.speculative_config is None:
+            return
+        refused = {"async_scheduling": (self.async_scheduling, "an overlapped step is launched before the tokens of "
+                                        "the step before it are known, and a speculative step drafts from them"),
+                   "role": (self.role == "p", "a prefill engine never decodes"),
+                   "runner": (self.runner == "pooling", "a pooling engine never decodes")}
+        for name, (given, why) in refused.items():
+            if given:
+                raise ValueError(f"EngineConfig.{name} {getattr(self, name)!r} with speculative_config: {why}")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -39,6 +39,7 @@ from picovllm.engine.model_runner import LaunchedStep, ModelRunner, StepResult
 from picovllm.engine.pooling import engine_pooler, request_pooling
 from picovllm.engine.request import FinishReason, Request, RequestStatus
 from picovllm.engine.scheduler import Scheduler, SchedulerOutput
+from picovllm.engine.spec_decode import NgramProposer
 from picovllm.engine.step_input import StepInput
 from picovllm.layers.logits_processors import bad_words_token_ids
 from picovllm.layers.rotary import longrope_position_offset
@@ -148,8 +149,10 @@ class Engine:
         salt = prefix_salt(source.path, config.torch_dtype)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, salt)
         self.connector = connector if connector is not None else role_connector(config.role)
+        spec = config.speculative_config      # speculative decoding: the drafts' proposer (engine/spec_decode.py)
+        drafts = NgramProposer(spec, self.max_model_len) if spec is not None else None
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.connector, config.scheduling_policy)
+                                   self.connector, config.scheduling_policy, drafts)
         self.closed = False            # close() was called: submit() refuses
         self.detokenizer = Detokenizer(self.tokenizer)
         self.requests: dict[str, Request] = {}
@@ -161,7 +164,9 @@ class Engine:
         self._ids = itertools.count()
         self._structured: StructuredOutputCompiler | None = None   # built at the first structured request
         self._bitmasks: BitmaskBuffers | None = None       # the grammar masks' buffers, at the first such step
-        self.stats = {"prefill_tokens": 0, "decode_tokens": 0}
+        # speculative decoding's draft_tokens fed, accepted_tokens kept (vLLM's spec_decode num_draft_tokens and
+        # num_accepted_tokens) and drafts (speculative chunks)
+        self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "drafts": 0, "draft_tokens": 0, "accepted_tokens": 0}
 
     def _kv_window(self) -> int | None:
         """The longest sliding window when every layer has one (None if any layer attends to everything). P keeps
@@ -517,14 +522,16 @@ class Engine:
         late: list[tuple[int, Request]] = []
         if self._structured is None:
             return step, late
-        rows, states = [], []
-        for i, req in enumerate([c.request for c in sched.chunks if c.samples]):
-            if req.grammar is not None:
+        rows, states, row = [], [], 0
+        for chunk in sched.chunks:      # a request with a grammar samples one row (it never speculates)
+            req = chunk.request
+            if chunk.samples and req.grammar is not None:
                 if req.num_pending_tokens:
-                    late.append((i, req))
+                    late.append((row, req))
                 elif req.grammar.masked:
-                    rows.append(i)
+                    rows.append(row)
                     states.append(req.grammar)
+            row += chunk.num_samples
         if rows or late:
             if self._bitmasks is None:
                 self._bitmasks = BitmaskBuffers(self.model_config.vocab_size, self.executor.device)
@@ -647,18 +654,22 @@ class Engine:
         row = 0
         for chunk in sched.chunks:
             req = chunk.request
-            self.stats["decode_tokens" if chunk.is_decode else "prefill_tokens"] += chunk.num_new_tokens
-            req.num_computed_tokens += chunk.num_new_tokens
+            if chunk.drafts:     # its last token is computed; the drafts' KV counts once apply_results keeps them
+                self.stats["decode_tokens"] += 1
+                req.num_computed_tokens += 1
+            else:
+                self.stats["decode_tokens" if chunk.is_decode else "prefill_tokens"] += chunk.num_new_tokens
+                req.num_computed_tokens += chunk.num_new_tokens
             self.block_manager.cache_full_blocks(req)
             if self.window is not None:
                 self.block_manager.free_slid_out(req, self.window)
             if chunk.samples:
+                if not chunk.is_decode and not chunk.drafts:
+                    self.scheduler.prompt_computed(req)
                 req.status = RequestStatus.DECODING
                 req.num_pending_tokens += 1
                 req.pending_row = row
-                row += 1
-                if not chunk.is_decode:
-                    self.scheduler.prompt_computed(req)
+                row += chunk.num_samples
 
     def apply_results(self, sched: SchedulerOutput, result: StepResult,
                       unfinished_outputs: bool = True) -> list[RequestOutput]:
@@ -679,9 +690,13 @@ class Engine:
             token, logprobs = next(sampled)
             req = chunk.request
             if req.is_finished:      # finished or aborted while this step ran: its token is dropped
+                for _ in chunk.drafts:
+                    next(sampled)
                 continue
             req.num_pending_tokens -= 1
             self.append_token(req, token, logprobs, now)
+            if chunk.drafts:
+                self._keep_drafts(req, chunk.drafts, token, sampled, now)
             self.block_manager.cache_full_blocks(req)   # a block ending in this token may be full now
             if req.is_finished or (unfinished_outputs and self._streams_now(req)
                                    and req.params.output_kind != RequestOutputKind.FINAL_ONLY):
@@ -691,6 +706,27 @@ class Engine:
             elif not chunk.is_decode and req.request_id in self.scheduler.held:
                 self.connector.start_send(req)          # held after its prompt: its first token is known
         return outputs
+
+    def _keep_drafts(self, req: Request, drafts: list[int], token: int, sampled, now: float) -> None:
+        """Speculative decoding (engine/spec_decode.py): after the first sampled token, each draft equal to the token
+        sampled before it was computed on the right input, so its own sample follows; the first draft that differs
+        (or a finish) ends the run. The drafts kept count as computed; the rest of the chunk's rows are dropped."""
+        kept, going = 0, True
+        for draft in drafts:
+            token_after, logprobs = next(sampled)
+            going = going and not req.is_finished and token == draft
+            if not going:          # ended: the chunk's other rows are drained
+                continue
+            kept += 1
+            self.append_token(req, token_after, logprobs, now)
+            token = token_after
+        req.num_computed_tokens += kept
+        req.draft_token_ids = []
+        self.stats["drafts"] += 1
+        self.stats["draft_tokens"] += len(drafts)
+        self.stats["accepted_tokens"] += kept
+        if self.window is not None:
+            self.block_manager.free_slid_out(req, self.window)
 
     def _apply_pooled(self, sched: SchedulerOutput, pooled: torch.Tensor) -> list[RequestOutput]:
         """A pooling step's rows, one per pooling chunk in order, added to its request's sum (mean pooling; a chunk

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 from picovllm.engine.block_manager import BlockManager
 from picovllm.engine.kv_connector import KVConnector
@@ -28,21 +29,32 @@ from picovllm.engine.request import Request, RequestStatus
 @dataclass
 class ScheduledChunk:
     request: Request
-    num_new_tokens: int            # tokens computed for it this step (1 for a decode)
+    num_new_tokens: int            # tokens computed for it this step (1 for a decode; 1 + drafts for a speculative one)
     # Taken when the chunk is made: the engine advances the request before the step's results are in.
     start: int = field(init=False)          # position of the first new token
     samples: bool = field(init=False)       # does this step produce a token for it?
     pools: bool = field(init=False)         # a pooling request's: does it give a pooled row (engine/pooling.py)?
-    is_decode: bool = field(init=False)
+    is_decode: bool = field(init=False)     # one new token, sampled (a speculative chunk is not: it has several)
+    # speculative decoding (engine/spec_decode.py): the drafted tokens fed after the last one; the chunk samples a
+    # token at each of its 1 + len(drafts) positions
+    drafts: list[int] = field(init=False)
 
     def __post_init__(self) -> None:
         req = self.request
         self.start = req.num_computed_tokens
-        at_end = self.start + self.num_new_tokens == req.num_tokens
+        extra = self.start + self.num_new_tokens - req.num_tokens
+        self.drafts = req.draft_token_ids if extra > 0 else []
+        assert extra <= 0 or len(self.drafts) == extra, (req, extra)
+        at_end = extra >= 0
         self.samples = at_end and req.pooling is None
         # mean pooling sums every chunk's rows; last-token pooling needs the prompt's last chunk only
         self.pools = req.pooling is not None and (at_end or req.pooling.mean)
-        self.is_decode = req.status == RequestStatus.DECODING
+        self.is_decode = req.status == RequestStatus.DECODING and not self.drafts
+
+    @property
+    def num_samples(self) -> int:
+        """Rows of the step's sampled tokens that are this chunk's."""
+        return (1 + len(self.drafts)) if self.samples else 0
 
 
 @dataclass
@@ -65,8 +77,11 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 connector: KVConnector | None = None, policy: str = "fcfs") -> None:
+                 connector: KVConnector | None = None, policy: str = "fcfs",
+                 drafts: Callable[[Request, int], list[int]] | None = None) -> None:
         self.block_manager = block_manager
+        # speculative decoding: (a decoding request, the most it may take) -> the tokens drafted for its next step
+        self.drafts = drafts
         self.by_priority = policy == "priority"
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -110,6 +125,8 @@ class Scheduler:
             if req.awaiting_last_token:               # overlapped scheduling: it finishes when that token lands
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            req.draft_token_ids = self._draft(req, budget - n) if self.drafts is not None and n == 1 else []
+            n += len(req.draft_token_ids)
             if not self._reserve(req, n, out):
                 continue
             out.chunks.append(ScheduledChunk(req, n))
@@ -118,6 +135,17 @@ class Scheduler:
             self._admit_waiting(out, budget)
         out.chunks.sort(key=lambda c: not c.is_decode)
         return out
+
+    def _draft(self, req: Request, room: int) -> list[int]:
+        """A decoding request's drafts, if the blocks they need are free beyond a block of headroom per running
+        request: speculation never preempts anyone."""
+        if req.status != RequestStatus.DECODING or room <= 0:
+            return []
+        drafts = self.drafts(req, room)
+        bm = self.block_manager
+        if drafts and bm.blocks_needed(req, req.num_tokens + len(drafts)) > bm.num_free_blocks - len(self.running):
+            return []
+        return drafts
 
     def _reserve(self, req: Request, n: int, out: SchedulerOutput) -> bool:
         """Find blocks for n more tokens of a running request, preempting others if needed."""
@@ -194,6 +222,7 @@ class Scheduler:
         self.running.remove(req)
         self.block_manager.free(req)
         req.status = RequestStatus.WAITING
+        req.draft_token_ids = []
         if self.by_priority:
             self._queue_in_order(req)
         else:

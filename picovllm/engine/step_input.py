@@ -105,7 +105,14 @@ def build_step_input(sched: SchedulerOutput, block_size: int, eos_token_ids: lis
                 p_tgt.append(prompt[p + 1])
                 p_k.append(req.params.prompt_logprobs)
         table = req.block_table
-        if n == 1:   # decodes: the common case at large batch, kept cheap
+        drafts = chunk.drafts
+        if drafts:   # speculative: the last token (its sample not in flight: no overlap), then the drafts
+            assert start == req.num_known_tokens - 1 and n == 1 + len(drafts), req
+            ids.append(req.token_id(start))
+            ids.extend(drafts)
+            pos.extend(range(start + req.position_offset, start + n + req.position_offset))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+        elif n == 1:   # decodes: the common case at large batch, kept cheap
             if start < req.num_known_tokens:
                 ids.append(req.token_id(start))
             else:    # sampled by the step in flight: read on the device
@@ -124,7 +131,10 @@ def build_step_input(sched: SchedulerOutput, block_size: int, eos_token_ids: lis
         qsl.append(qsl[-1] + n)
         lens.append(start + n)
         tables.append(table)
-        if chunk.samples:
+        if drafts:   # a token at every position: the draft after it is kept only if it equals that token
+            samp_idx.extend(range(qsl[-2], qsl[-1]))
+            rows.extend(sampling_row(req, eos_token_ids, drafts[:i]) for i in range(n))
+        elif chunk.samples:
             samp_idx.append(qsl[-1] - 1)
             rows.append(sampling_row(req, eos_token_ids))
         if chunk.pools:      # every row of the chunk under mean pooling, else the prompt's last
@@ -133,17 +143,19 @@ def build_step_input(sched: SchedulerOutput, block_size: int, eos_token_ids: lis
                      p_idx, p_tgt, p_k, pooled_rows=pooled)
 
 
-def sampling_row(req, eos_token_ids: list[int]) -> SamplingRow:
-    """How a request samples its next token: its SamplingParams resolved for this output index."""
+def sampling_row(req, eos_token_ids: list[int], ahead: list[int] = ()) -> SamplingRow:
+    """How a request samples its next token: its SamplingParams resolved for this output index.
+    ahead: drafted tokens taken as its next outputs (speculative decoding: the row samples the token after them)."""
     p = req.params
-    n_out = req.num_output_tokens
+    n_out = req.num_output_tokens + len(ahead)
+    outputs = req.output_token_ids + list(ahead) if ahead else req.output_token_ids
     banned = []
     if n_out < p.min_tokens:
         banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids))
     seed = None if p.seed is None else seeded_stream(p.seed, n_out)
     pending = req.pending_row if req.num_pending_tokens else -1
     if req.bad_words_ids:
-        now, after, ban = bad_word_bans(req.bad_words_ids, req.output_token_ids, pending >= 0)
+        now, after, ban = bad_word_bans(req.bad_words_ids, outputs, pending >= 0)
         banned = banned + now
     row = SamplingRow(p.temperature, p.top_k, p.top_p, p.min_p, seed, banned, p.logprobs)
     if req.bad_words_ids and after:
@@ -155,7 +167,7 @@ def sampling_row(req, eos_token_ids: list[int]) -> SamplingRow:
     if p.has_penalties:
         row.presence_penalty, row.frequency_penalty = p.presence_penalty, p.frequency_penalty
         row.repetition_penalty = p.repetition_penalty
-        row.output_token_ids = list(req.output_token_ids)
+        row.output_token_ids = list(outputs)
         row.prompt_token_ids = req.prompt_token_ids if p.repetition_penalty != 1 else []  # never mutated
         row.pending_src = pending
     return row

@@ -1,0 +1,82 @@
+"""Speculative decoding by n-gram lookup (EngineConfig.speculative_config, method "ngram": vLLM's prompt lookup).
+
+Each step, a decoding request may feed drafted tokens after its last one: the tokens that followed the latest
+earlier occurrence of its sequence's last n tokens (n from prompt_lookup_max down to prompt_lookup_min; the
+longest match wins, then the latest). The step computes the last token and the drafts as one chunk and samples a
+token at every one of its positions, each with the request's own sampling (its temperature, filters, seed stream,
+penalties and bans as if the drafts before it were outputs: step_input.sampling_row's `ahead`). The engine keeps
+the sampled tokens while each equals the draft that was fed after it, and the first that does not (or a token past
+the last draft): at least one token a step, at most drafts + 1.
+
+That is exact, not an approximation. A draft is a fixed token d, so keeping the model's own sample t when t == d
+and taking t otherwise gives each token with the model's probability: P(d) when d was drafted, and P(x) for any
+other x (the rejection-sampling rule of speculative decoding with a one-hot draft). Greedy and seeded requests get
+the very tokens they get without speculation (a token's seed stream is its output index's); the KV of rejected
+drafts sits past the request's computed tokens and is overwritten by the next step.
+
+What does not speculate (a plain decode instead): a request under a structured output's grammar (its masks follow
+one token at a time), one with a token in flight (overlapped scheduling: refused with speculative_config), and any
+step where the budget leaves no room.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from picovllm.config import SpeculativeConfig
+from picovllm.engine.request import Request
+
+
+class NgramProposer:
+    """The scheduler's `drafts` callable for method "ngram"."""
+
+    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+        self.k = config.num_speculative_tokens
+        self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
+        self.max_model_len = max_model_len
+
+    def __call__(self, req: Request, room: int) -> list[int]:
+        """Drafts for a decoding request's next step, at most room of them (what the step's token budget leaves),
+        or [] where it does not speculate."""
+        if req.grammar is not None or req.num_pending_tokens or req.pooling is not None:
+            return []
+        # positions up to max_model_len - 1; no more than the tokens it may still produce, less the one of its own
+        k = min(self.k, room, self.max_model_len - req.num_tokens, req.max_tokens - req.num_output_tokens - 1)
+        if k <= 0:
+            return []
+        return ngram_drafts(_tokens(req), k, self.min_n, self.max_n)
+
+
+def ngram_drafts(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> list[int]:
+    """Up to k tokens that followed the latest earlier occurrence of tokens' last n (the longest n in
+    [min_n, max_n] that occurs), or [] if none does."""
+    last = len(tokens) - 1
+    if last < min_n:
+        return []
+    alive = np.flatnonzero(tokens[:last] == tokens[last])     # ends j of matches of length 1 (j < last)
+    best = int(alive[-1]) if alive.size and min_n <= 1 else -1
+    for m in range(1, min(max_n, last)):       # extend every surviving match one token back
+        alive = alive[alive >= m]
+        alive = alive[tokens[alive - m] == tokens[last - m]]
+        if not alive.size:
+            break
+        if m + 1 >= min_n:
+            best = int(alive[-1])
+    if best < 0:
+        return []
+    return tokens[best + 1:best + 1 + k].tolist()
+
+
+def _tokens(req: Request) -> np.ndarray:
+    """The request's token ids as an int64 array, kept on the request and extended by what is new."""
+    buf, n = req.spec_tokens if req.spec_tokens is not None else (np.empty(0, dtype=np.int64), 0)
+    total = req.num_known_tokens
+    if total > len(buf):
+        grown = np.empty(max(total, 2 * len(buf), 256), dtype=np.int64)
+        grown[:n] = buf[:n]
+        buf = grown
+    if total > n:
+        buf[n:total] = req.token_ids(n, total)
+    elif total < n:      # cannot shrink but by a new request object; rebuild to be safe
+        buf[:total] = req.token_ids(0, total)
+    req.spec_tokens = (buf, total)
+    return buf[:total]
