@@ -664,7 +664,7 @@ class Engine:
             if self.window is not None:
                 self.block_manager.free_slid_out(req, self.window)
             if chunk.samples:
-                if not chunk.is_decode and not chunk.drafts:
+                if not chunk.is_decode:
                     self.scheduler.prompt_computed(req)
                 req.status = RequestStatus.DECODING
                 req.num_pending_tokens += 1

@@ -34,7 +34,7 @@ class ScheduledChunk:
     start: int = field(init=False)          # position of the first new token
     samples: bool = field(init=False)       # does this step produce a token for it?
     pools: bool = field(init=False)         # a pooling request's: does it give a pooled row (engine/pooling.py)?
-    is_decode: bool = field(init=False)     # one new token, sampled (a speculative chunk is not: it has several)
+    is_decode: bool = field(init=False)     # a decoding request's: its last token (and drafts), each row sampled
     # speculative decoding (engine/spec_decode.py): the drafted tokens fed after the last one; the chunk samples a
     # token at each of its 1 + len(drafts) positions
     drafts: list[int] = field(init=False)
@@ -49,7 +49,7 @@ class ScheduledChunk:
         self.samples = at_end and req.pooling is None
         # mean pooling sums every chunk's rows; last-token pooling needs the prompt's last chunk only
         self.pools = req.pooling is not None and (at_end or req.pooling.mean)
-        self.is_decode = req.status == RequestStatus.DECODING and not self.drafts
+        self.is_decode = req.status == RequestStatus.DECODING
 
     @property
     def num_samples(self) -> int:
@@ -69,7 +69,8 @@ class SchedulerOutput:
 
     @property
     def num_decodes(self) -> int:
-        return sum(1 for c in self.chunks if c.is_decode)
+        """Decode rows: one a decoding request, and one more a draft (step_input.build_step_input)."""
+        return sum(c.num_new_tokens for c in self.chunks if c.is_decode)
 
     def is_empty(self) -> bool:
         return not self.chunks

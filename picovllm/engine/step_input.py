@@ -105,14 +105,10 @@ def build_step_input(sched: SchedulerOutput, block_size: int, eos_token_ids: lis
                 p_tgt.append(prompt[p + 1])
                 p_k.append(req.params.prompt_logprobs)
         table = req.block_table
-        drafts = chunk.drafts
-        if drafts:   # speculative: the last token (its sample not in flight: no overlap), then the drafts
-            assert start == req.num_known_tokens - 1 and n == 1 + len(drafts), req
-            ids.append(req.token_id(start))
-            ids.extend(drafts)
-            pos.extend(range(start + req.position_offset, start + n + req.position_offset))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-        elif n == 1:   # decodes: the common case at large batch, kept cheap
+        if chunk.drafts:
+            _speculative_rows(chunk, bs, eos_token_ids, ids, pos, slots, qsl, lens, tables, samp_idx, rows)
+            continue
+        if n == 1:   # decodes: the common case at large batch, kept cheap
             if start < req.num_known_tokens:
                 ids.append(req.token_id(start))
             else:    # sampled by the step in flight: read on the device
@@ -131,16 +127,34 @@ def build_step_input(sched: SchedulerOutput, block_size: int, eos_token_ids: lis
         qsl.append(qsl[-1] + n)
         lens.append(start + n)
         tables.append(table)
-        if drafts:   # a token at every position: the draft after it is kept only if it equals that token
-            samp_idx.extend(range(qsl[-2], qsl[-1]))
-            rows.extend(sampling_row(req, eos_token_ids, drafts[:i]) for i in range(n))
-        elif chunk.samples:
+        if chunk.samples:
             samp_idx.append(qsl[-1] - 1)
             rows.append(sampling_row(req, eos_token_ids))
         if chunk.pools:      # every row of the chunk under mean pooling, else the prompt's last
             pooled.append((qsl[-2] if req.pooling.mean else qsl[-1] - 1, qsl[-1]))
     return StepInput(ids, pos, slots, qsl, lens, tables, sched.num_decodes, samp_idx, rows, prev_dst, prev_src,
                      p_idx, p_tgt, p_k, pooled_rows=pooled)
+
+
+def _speculative_rows(chunk, bs: int, eos_token_ids: list[int], ids, pos, slots, qsl, lens, tables, samp_idx,
+                      rows) -> None:
+    """A speculative chunk (engine/spec_decode.py) as decode rows: its last token, then each draft, every one a
+    decode of its own prefix (the same block table, its own sequence length) that samples the token after it. A
+    layer stores every row's K/V before any row attends, so a row sees the rows before it: the decode-only paths
+    (CUDA graphs, the CPU's one-call decode stack) run speculative steps as they run any other."""
+    req, start, drafts = chunk.request, chunk.start, chunk.drafts
+    assert start == req.num_known_tokens - 1, req      # its last token is on the host: no overlap
+    table, off = req.block_table, req.position_offset
+    for i, token in enumerate([req.token_id(start)] + drafts):
+        p = start + i
+        samp_idx.append(len(ids))
+        ids.append(token)
+        pos.append(p + off)
+        slots.append(table[p // bs] * bs + p % bs)
+        qsl.append(qsl[-1] + 1)
+        lens.append(p + 1)
+        tables.append(table)
+        rows.append(sampling_row(req, eos_token_ids, drafts[:i]))
 
 
 def sampling_row(req, eos_token_ids: list[int], ahead: list[int] = ()) -> SamplingRow:
