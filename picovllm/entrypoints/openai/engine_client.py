@@ -49,6 +49,9 @@ class EngineStats:
     decode_tokens: int = 0           # cumulative
     prefix_queried_tokens: int = 0   # cumulative
     prefix_hit_tokens: int = 0       # cumulative
+    drafts: int = 0                  # cumulative, speculative decoding's (Engine.stats): speculative chunks,
+    draft_tokens: int = 0            # the drafted tokens they fed,
+    accepted_tokens: int = 0         # and those kept
     connector: dict = field(default_factory=dict)   # a P or D engine's: AsyncEngine._connector_stats
 
 

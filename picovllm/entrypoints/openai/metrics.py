@@ -4,6 +4,10 @@ Several API server processes (`serve --api-server-count`, api_workers.py) each c
 under $PROMETHEUS_MULTIPROC_DIR (prometheus_client's multiprocess mode, chosen when it is imported: the parent sets
 the variable before it spawns them); /metrics, in whichever process answers it, adds up every process's files.
 One of them observes the engine's stats, so its gauges are taken as the processes' maximum.
+
+Speculative decoding's counters carry vLLM's names (vllm:spec_decode_num_drafts_total, ..._num_draft_tokens_total,
+..._num_accepted_tokens_total: what vLLM's dashboards and acceptance-rate queries read) and, as in vLLM, exist only on
+a server whose engine has a speculative_config.
 """
 from __future__ import annotations
 
@@ -22,7 +26,8 @@ OUTCOMES = ("stop", "length", "abort", "error", "rejected")
 class ServerMetrics:
     """Written by the engine loop thread (engine stats, finished requests) and the HTTP layer (rejections)."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, speculative: bool = False) -> None:
+        """speculative: the engine has a speculative_config (its counters are exported)."""
         self.registry = r = CollectorRegistry(auto_describe=True)
         labels = {"model_name": model_name}
         ln = list(labels)
@@ -51,6 +56,11 @@ class ServerMetrics:
             ("decode_tokens", "Tokens computed in decode steps"),
             ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache"),
             ("prefix_cache_hits", "Prompt tokens found in the prefix cache")]}
+        if speculative:
+            self.tokens.update({k: counter(f"vllm:spec_decode_num_{k}", doc).labels(**labels) for k, doc in [
+                ("drafts", "Speculative steps of a request: its last token fed with drafted tokens"),
+                ("draft_tokens", "Drafted tokens fed"),
+                ("accepted_tokens", "Drafted tokens kept (the model sampled each one)")]})
         self._last = {k: 0 for k in self.tokens}
 
     def observe_engine(self, stats) -> None:
@@ -61,11 +71,12 @@ class ServerMetrics:
         self.kv_total.set(stats.num_blocks)
         self.kv_usage.set(1.0 - stats.num_free_blocks / max(stats.num_blocks, 1))
         now = {"prefill_tokens": stats.prefill_tokens, "decode_tokens": stats.decode_tokens,
-               "prefix_cache_queries": stats.prefix_queried_tokens, "prefix_cache_hits": stats.prefix_hit_tokens}
-        for k, v in now.items():    # the engine keeps totals; counters take the increments
-            if v > self._last[k]:
-                self.tokens[k].inc(v - self._last[k])
-                self._last[k] = v
+               "prefix_cache_queries": stats.prefix_queried_tokens, "prefix_cache_hits": stats.prefix_hit_tokens,
+               "drafts": stats.drafts, "draft_tokens": stats.draft_tokens, "accepted_tokens": stats.accepted_tokens}
+        for k, counter in self.tokens.items():    # the engine keeps totals; counters take the increments
+            if now[k] > self._last[k]:
+                counter.inc(now[k] - self._last[k])
+                self._last[k] = now[k]
 
     def observe_finished(self, out: RequestOutput) -> None:
         reason = out.outputs[0].finish_reason if out.outputs else "error"

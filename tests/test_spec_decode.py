@@ -1,0 +1,227 @@
+"""Speculative decoding by n-gram lookup (EngineConfig.speculative_config; engine/spec_decode.py).
+
+Oracles: a brute-force search for the drafts; HF transformers' greedy tokens on the same weights; for sampled
+requests, the same engine without speculation (a token's seed stream is its output index's, so a seeded request
+samples the very same tokens: any difference is a draft kept that the model did not sample, or a sampling row
+resolved for the wrong position). Every test ends with every block free (conftest).
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from picovllm import LLM, EngineConfig, SamplingParams
+from picovllm.engine.spec_decode import ngram_drafts
+from serving_fixtures import chat_model  # noqa: F401 - a fixture
+from test_parity_hf import assert_tp2_matches_tp1, hf_greedy
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")   # tiny models on a shared 2-core machine
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+
+
+def repetitive_prompts(n=6, seed=0, vocab=384):
+    """Random phrases said two or three times (the tiny random models also fall into loops of their own): drafts
+    are found, some kept, some not."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        phrase = [rng.randrange(vocab) for _ in range(3 + 2 * i)]
+        out.append([rng.randrange(vocab) for _ in range(i)] + phrase * (2 + i % 2))
+    return out
+
+
+def brute_force_drafts(tokens: list[int], k: int, lo: int, hi: int) -> list[int]:
+    """The longest n in [lo, hi] whose last-n-token suffix occurs earlier; of those occurrences, the latest."""
+    L = len(tokens)
+    for n in range(min(hi, L - 1), lo - 1, -1):
+        for i in range(L - n - 1, -1, -1):
+            if tokens[i:i + n] == tokens[L - n:]:
+                return tokens[i + n:i + n + k]
+    return []
+
+
+def test_ngram_drafts_match_brute_force():
+    import numpy as np
+    rng = random.Random(1)
+    for trial in range(3000):
+        vocab = rng.choice([2, 3, 5, 50])
+        tokens = [rng.randrange(vocab) for _ in range(rng.randrange(1, 40))]
+        lo = rng.randrange(1, 5)
+        hi = lo + rng.randrange(0, 4)
+        k = rng.randrange(1, 6)
+        got = ngram_drafts(np.array(tokens, dtype=np.int64), k, lo, hi)
+        assert got == brute_force_drafts(tokens, k, lo, hi), (tokens, k, lo, hi)
+
+
+def spec_stats(llm) -> tuple[int, int]:
+    s = llm.engine.stats
+    return s["draft_tokens"], s["accepted_tokens"]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("engine", [dict(), dict(block_size=4, num_kv_blocks=40, max_num_batched_tokens=8)],
+                         ids=["roomy", "chunked_and_preempted"])
+def test_greedy_matches_hf(tiny_models, arch, engine, monkeypatch):
+    from picovllm.engine.scheduler import Scheduler
+    preempted, preempt = [], Scheduler.preempt
+    monkeypatch.setattr(Scheduler, "preempt", lambda self, req: preempted.append(req) or preempt(self, req))
+    prompts = repetitive_prompts()
+    ref, _ = hf_greedy(tiny_models[arch], prompts, 24)
+    llm = LLM(tiny_models[arch], speculative_config=SPEC, **engine)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    fed, kept = spec_stats(llm)
+    assert 0 < kept < fed, (fed, kept)      # drafts were both kept and dropped
+    assert bool(preempted) == ("num_kv_blocks" in engine)
+
+
+def sampled_params():
+    return [SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=20, ignore_eos=True),
+            SamplingParams(temperature=1.1, top_k=20, seed=4, max_tokens=18, ignore_eos=True,
+                           presence_penalty=0.4, frequency_penalty=0.3, logprobs=2),
+            SamplingParams(temperature=0.7, seed=5, max_tokens=20, ignore_eos=True, repetition_penalty=1.3,
+                           logit_bias={7: 2.0, 11: -5.0}, min_p=0.05),
+            SamplingParams(temperature=0, max_tokens=20, min_tokens=12, stop_token_ids=[5, 9], logprobs=1),
+            SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, frequency_penalty=-0.5)]
+
+
+def test_sampling_and_processors_equal_the_engine_without_speculation(tiny_models):
+    """Seeded sampling with every filter and penalty, logit bias, min_tokens with stop ids, logprobs: each row of a
+    speculative chunk is resolved for its own output position, so outputs equal the plain engine's."""
+    prompts = repetitive_prompts(5, seed=2)
+    params = sampled_params()
+    plain = LLM(tiny_models["llama"]).generate(prompts, params, use_tqdm=False)
+    llm = LLM(tiny_models["llama"], speculative_config=SPEC)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for o, r in zip(outs, plain):
+        a, b = o.outputs[0], r.outputs[0]
+        assert (a.token_ids, a.finish_reason, a.stop_reason) == (b.token_ids, b.finish_reason, b.stop_reason)
+        if b.logprobs is not None:
+            for da, db in zip(a.logprobs, b.logprobs):
+                assert sorted(da) == sorted(db)
+                assert all(da[t].logprob == pytest.approx(db[t].logprob, abs=1e-4) for t in db)
+    assert spec_stats(llm)[1] > 0
+
+
+def test_stops_inside_a_kept_run_end_the_request_there(tiny_models):
+    """A stop token, a max_tokens limit or max_model_len reached part way through a run of kept drafts: nothing after
+    it is output, and the finish reasons are the plain engine's."""
+    prompts = repetitive_prompts(6, seed=3)
+    greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    free = LLM(tiny_models["qwen3"]).generate(prompts, greedy, use_tqdm=False)
+    params = [SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[o.outputs[0].token_ids[7 + i]])
+              for i, o in enumerate(free)]
+    params[0] = SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)
+    plain = LLM(tiny_models["qwen3"], max_model_len=64).generate(prompts, params, use_tqdm=False)
+    llm = LLM(tiny_models["qwen3"], max_model_len=64, speculative_config=SPEC)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    reasons = set()
+    for o, r in zip(outs, plain):
+        a, b = o.outputs[0], r.outputs[0]
+        assert (a.token_ids, a.finish_reason, a.stop_reason) == (b.token_ids, b.finish_reason, b.stop_reason)
+        reasons.add(b.finish_reason)
+    assert reasons == {"stop", "length"}
+    assert spec_stats(llm)[1] > 0
+
+
+def test_sliding_window_shorter_than_the_prompts_matches_hf(tmp_path):
+    from test_more_families import build
+    path = build(str(tmp_path / "mistral_window"), "mistral_window")       # window 20
+    prompts = [p * 2 for p in repetitive_prompts(4, seed=4)]            # 12-60 tokens
+    ref, _ = hf_greedy(path, prompts, 24)
+    llm = LLM(path, block_size=4, speculative_config=SPEC)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    assert spec_stats(llm)[1] > 0
+
+
+def test_tp2_matches_tp1(tiny_models):
+    assert_tp2_matches_tp1(tiny_models["qwen3"], repetitive_prompts(4), max_tokens=16, speculative_config=SPEC)
+
+
+def test_decode_engine_speculates_and_matches_colocated(tiny_models):
+    from test_disagg_engines import LocalPair
+    prompts = repetitive_prompts(4, seed=5)
+    params = sampled_params()[:4]
+    ref = LLM(tiny_models["llama"]).generate(prompts, params, use_tqdm=False)
+    pair = LocalPair(tiny_models["llama"], d_kw=dict(speculative_config=SPEC))
+    ids = [pair.p.submit(p, sp) for p, sp in zip(prompts, params)]
+    pair.p.close()
+    pair.run()
+    for i, r in zip(ids, ref):
+        a, b = pair.final[i].outputs[0], r.outputs[0]
+        assert (a.token_ids, a.finish_reason) == (b.token_ids, b.finish_reason)
+    assert pair.d.stats["accepted_tokens"] > 0
+
+
+def test_structured_request_beside_speculating_ones(chat_model):
+    """A request under a grammar samples one row a step (it does not speculate) while the others in its batch do:
+    its mask goes to its own row, and every output is the plain engine's."""
+    from picovllm import StructuredOutputsParams
+    so = SamplingParams(temperature=0, max_tokens=16, structured_outputs=StructuredOutputsParams(regex="(ab|cd){3,6}"))
+    prompts = ["abab abab abab", "hello hello hello hello", "one two one two one two", "xyz"]
+    params = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)] * 3 + [so]
+    plain = LLM(chat_model).generate(prompts, params, use_tqdm=False)
+    llm = LLM(chat_model, speculative_config=SPEC)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    import re
+    assert re.fullmatch("(ab|cd){3,6}", outs[3].outputs[0].text)
+    assert spec_stats(llm)[0] > 0
+
+
+@pytest.mark.parametrize("config,field", [
+    ({"method": "eagle", "num_speculative_tokens": 2}, "speculative_config.method"),
+    ({"method": "ngram"}, "speculative_config.num_speculative_tokens"),
+    ({"num_speculative_tokens": 0}, "speculative_config.num_speculative_tokens"),
+    ({"num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "speculative_config.prompt_lookup_min"),
+    ({"num_speculative_tokens": 2, "draft_model": "x"}, "speculative_config.draft_model"),
+    ('{"num_speculative_tokens": 2', "speculative_config is not valid JSON"),
+])
+def test_bad_configs_name_the_field(config, field):
+    with pytest.raises(ValueError, match=field.replace(".", r"\.")):
+        EngineConfig(speculative_config=config)
+
+
+@pytest.mark.parametrize("other,field", [(dict(async_scheduling=True), "async_scheduling"), (dict(role="p"), "role"),
+                                         (dict(runner="pooling"), "runner")])
+def test_what_cannot_speculate_is_refused(other, field):
+    with pytest.raises(ValueError, match=f"EngineConfig.{field} .* with speculative_config"):
+        EngineConfig(speculative_config={"num_speculative_tokens": 2}, **other)
+    assert EngineConfig(speculative_config='{"num_speculative_tokens": 2}').async_scheduling is False
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_gpu_fp32_greedy_matches_hf_through_the_decode_graphs(tiny_models, arch):
+    """On the GPU (fp32: batch shapes do not flip a near tie) speculative steps replay the decode CUDA graphs (the
+    drafts as decode rows), steps with a prefill the mixed-step graphs; HF's greedy tokens either way."""
+    prompts = repetitive_prompts()
+    ref, _ = hf_greedy(tiny_models[arch], prompts, 24)
+    llm = LLM(tiny_models[arch], dtype="float32", speculative_config=SPEC, max_num_batched_tokens=32)
+    runner = llm.engine.executor.runner
+    replays, run = [], runner.cuda_graphs.run
+    runner.cuda_graphs.run = lambda step, *a: replays.append(len(step.input_ids) - len(step.seq_lens) == 0
+                                                              and len(step.input_ids)) or run(step, *a)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    fed, kept = spec_stats(llm)
+    assert 0 < kept < fed
+    assert max(replays) > len(prompts), "no decode graph ran a step with drafts"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+def test_gpu_seeded_sampling_equals_the_engine_without_speculation(tiny_models):
+    prompts = repetitive_prompts(5, seed=2)
+    params = sampled_params()
+    plain = LLM(tiny_models["llama"], dtype="float32").generate(prompts, params, use_tqdm=False)
+    llm = LLM(tiny_models["llama"], dtype="float32", speculative_config=SPEC)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for o, r in zip(outs, plain):
+        a, b = o.outputs[0], r.outputs[0]
+        assert (a.token_ids, a.finish_reason, a.stop_reason) == (b.token_ids, b.finish_reason, b.stop_reason)
+    assert spec_stats(llm)[1] > 0
