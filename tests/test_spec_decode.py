@@ -201,7 +201,7 @@ def test_gpu_fp32_greedy_matches_hf_through_the_decode_graphs(tiny_models, arch)
     drafts as decode rows), steps with a prefill the mixed-step graphs; HF's greedy tokens either way."""
     prompts = repetitive_prompts()
     ref, _ = hf_greedy(tiny_models[arch], prompts, 24)
-    llm = LLM(tiny_models[arch], dtype="float32", speculative_config=SPEC, max_num_batched_tokens=32)
+    llm = LLM(tiny_models[arch], dtype="float32", speculative_config=SPEC, max_num_batched_tokens=32, num_kv_blocks=256)
     runner = llm.engine.executor.runner
     replays, run = [], runner.cuda_graphs.run
     runner.cuda_graphs.run = lambda step, *a: replays.append(len(step.input_ids) - len(step.seq_lens) == 0
@@ -218,8 +218,8 @@ def test_gpu_fp32_greedy_matches_hf_through_the_decode_graphs(tiny_models, arch)
 def test_gpu_seeded_sampling_equals_the_engine_without_speculation(tiny_models):
     prompts = repetitive_prompts(5, seed=2)
     params = sampled_params()
-    plain = LLM(tiny_models["llama"], dtype="float32").generate(prompts, params, use_tqdm=False)
-    llm = LLM(tiny_models["llama"], dtype="float32", speculative_config=SPEC)
+    plain = LLM(tiny_models["llama"], dtype="float32", num_kv_blocks=256).generate(prompts, params, use_tqdm=False)
+    llm = LLM(tiny_models["llama"], dtype="float32", speculative_config=SPEC, num_kv_blocks=256)
     outs = llm.generate(prompts, params, use_tqdm=False)
     for o, r in zip(outs, plain):
         a, b = o.outputs[0], r.outputs[0]
