@@ -322,6 +322,7 @@ def main() -> None:
     ap.add_argument("--peer-repeat", type=int, default=1)
     args = ap.parse_args()
 
+    load0 = os.getloadavg()
     import torch
     from picovllm import LLM, SamplingParams
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -348,31 +349,23 @@ def main() -> None:
     tok = plain.get_tokenizer()
     sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
 
-    peer = None
-    if args.peer == "hf":
-        if args.batch != 1:
-            print(f"peer: skipped at --batch {args.batch} (HF's prompt lookup decodes one sequence)")
-        elif args.random_model:
-            print("peer: skipped with --random-model (no GGUF to load)")
-        else:
-            peer = HFPeer(model, device, sorted(plain.engine.eos_token_ids), args)
-
     rows, mismatches = [], 0     # mismatches: added up as the table is printed
     workloads = args.workloads.split(",")
+    prompts, ours = {}, {}
     for wl in workloads:
-        prompts = [plain.apply_chat_template(c) for c in conversations(wl)[:args.num_prompts]]
-        lens = sorted(map(len, prompts))
-        print(f"== {wl}: {len(prompts)} prompts of {lens[0]}-{lens[-1]} tokens, max_tokens {args.max_tokens}, "
+        prompts[wl] = [plain.apply_chat_template(c) for c in conversations(wl)[:args.num_prompts]]
+        lens = sorted(map(len, prompts[wl]))
+        print(f"== {wl}: {len(prompts[wl])} prompts of {lens[0]}-{lens[-1]} tokens, max_tokens {args.max_tokens}, "
               f"batch {args.batch}", flush=True)
-        totals = {"plain": Totals(), "ngram": Totals()}
+        totals = ours[wl] = {"plain": Totals(), "ngram": Totals()}
         engines = {"plain": plain, "ngram": spec}
         for name, llm in engines.items():       # warm-up
             t = time.perf_counter()
-            run_ours(llm, prompts, args.batch, sp)
+            run_ours(llm, prompts[wl], args.batch, sp)
             print(f"   warm-up {name}: {time.perf_counter() - t:.1f} s", flush=True)
         for r in range(args.repeat):
             for name, llm in engines.items():
-                res = run_ours(llm, prompts, args.batch, sp)
+                res = run_ours(llm, prompts[wl], args.batch, sp)
                 totals[name].add(*res)
                 print(f"   run {r} {name:5s}: {sum(map(len, res[0]))} tokens in {res[1]:.2f} s = "
                       f"{sum(map(len, res[0])) / res[1]:.1f} tok/s; {res[3]}", flush=True)
@@ -382,28 +375,38 @@ def main() -> None:
         for name, tt in totals.items():
             rows.append(dict(workload=wl, engine="picovllm", mode=name, totals=tt, base=totals["plain"]))
 
-        if peer is not None:
-            pp = prompts[:args.peer_prompts or len(prompts)]
-            hf = {"plain": Totals(), "lookup": Totals()}
-            t = time.perf_counter()
-            peer.generate(pp[:1], lookup=False)
-            peer.generate(pp[:1], lookup=True)
-            print(f"   HF warm-up (first prompt, both modes): {time.perf_counter() - t:.1f} s", flush=True)
-            for r in range(args.peer_repeat):
-                for name in hf:
-                    res = peer.generate(pp, lookup=name == "lookup")
-                    hf[name].add(*res)
-                    print(f"   HF run {r} {name:6s}: {sum(map(len, res[0]))} tokens in {res[1]:.2f} s = "
-                          f"{sum(map(len, res[0])) / res[1]:.1f} tok/s; {res[3]}", flush=True)
-                    if name == "lookup":
-                        hf[name].mismatches += check_same(f"HF {wl} run {r}", hf["plain"].outputs, res[0], tok)
-            same = sum(a == b for a, b in zip(totals["plain"].outputs, hf["plain"].outputs))
-            print(f"   plain outputs, picovllm = HF: {same} of {len(pp)} prompts (for information: "
-                  f"{cfg.quantization!r} weights against HF's float32)", flush=True)
-            for name, tt in hf.items():
-                rows.append(dict(workload=wl, engine=f"HF {peer_version()}", mode=name, totals=tt, base=hf["plain"],
-                                 prompts=len(pp), same_as_hf=same))
+    peer = None         # loaded after our runs, so that its load is not in them
+    if args.peer == "hf":
+        if args.batch != 1:
+            print(f"peer: skipped at --batch {args.batch} (HF's prompt lookup decodes one sequence)")
+        elif args.random_model:
+            print("peer: skipped with --random-model (no GGUF to load)")
+        else:
+            peer = HFPeer(model, device, sorted(plain.engine.eos_token_ids), args)
+    for wl in workloads if peer is not None else []:
+        pp = prompts[wl][:args.peer_prompts or len(prompts[wl])]
+        print(f"== HF {wl}: {len(pp)} prompts", flush=True)
+        hf = {"plain": Totals(), "lookup": Totals()}
+        t = time.perf_counter()
+        peer.generate(pp[:1], lookup=False)
+        peer.generate(pp[:1], lookup=True)
+        print(f"   HF warm-up (first prompt, both modes): {time.perf_counter() - t:.1f} s", flush=True)
+        for r in range(args.peer_repeat):
+            for name in hf:
+                res = peer.generate(pp, lookup=name == "lookup")
+                hf[name].add(*res)
+                print(f"   HF run {r} {name:6s}: {sum(map(len, res[0]))} tokens in {res[1]:.2f} s = "
+                      f"{sum(map(len, res[0])) / res[1]:.1f} tok/s; {res[3]}", flush=True)
+                if name == "lookup":
+                    hf[name].mismatches += check_same(f"HF {wl} run {r}", hf["plain"].outputs, res[0], tok)
+        same = sum(a == b for a, b in zip(ours[wl]["plain"].outputs, hf["plain"].outputs))
+        print(f"   plain outputs, picovllm = HF: {same} of {len(pp)} prompts (for information: "
+              f"{cfg.quantization!r} weights against HF's float32)", flush=True)
+        at = max(i for i, row in enumerate(rows) if row["workload"] == wl) + 1
+        rows[at:at] = [dict(workload=wl, engine=f"HF {peer_version()}", mode=name, totals=tt, base=hf["plain"])
+                       for name, tt in hf.items()]
 
+    print(f"load average at the end: {os.getloadavg()} (at the start: {load0}; 2 cores: other work skews the CPU numbers)")
     print()
     print(f"### batch {args.batch}, k={args.num_speculative_tokens}, lookup n in [{args.prompt_lookup_min}, "
           f"{args.prompt_lookup_max}], max_tokens {args.max_tokens}, greedy, {device}")

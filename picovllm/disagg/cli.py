@@ -63,6 +63,8 @@ def disagg_options(args: argparse.Namespace) -> dict:
                                             "kv_cache_dtype", "revision", "download_dir", "hf_overrides")
               if getattr(args, k, None) is not None}
     decode = {"num_kv_blocks": args.decode_num_kv_blocks} if args.decode_num_kv_blocks else {}
+    if getattr(args, "speculative_config", None) is not None:    # D's alone: a prefill engine never decodes
+        decode["speculative_config"] = args.speculative_config
     prefill = {}
     for side, tp in ((prefill, args.prefill_tp), (decode, args.decode_tp)):
         if tp is not None:

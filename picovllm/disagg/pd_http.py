@@ -206,7 +206,7 @@ def open_pd_engine(config: EngineConfig, settings: ServerSettings, build: Callab
                    loop_cls: type[PDAsyncEngine], child_loop_cls: type) -> tuple[EngineClient, Any]:
     """A P or D server's engine client (its loop a thread, or a process of its own: settings.engine_process) and the
     tokenizer for the HTTP side; build(config) makes the engine where the loop runs."""
-    metrics = ServerMetrics(served_name(settings, config.model))
+    metrics = ServerMetrics(served_name(settings, config.model), speculative=config.speculative_config is not None)
     async_engine, tokenizer, _ = open_async_engine(config, settings, metrics, build, loop_cls, child_loop_cls,
                                                    ProcessPDEngine)
     return async_engine, tokenizer

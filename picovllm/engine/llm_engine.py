@@ -664,12 +664,12 @@ class Engine:
             if self.window is not None:
                 self.block_manager.free_slid_out(req, self.window)
             if chunk.samples:
-                if not chunk.is_decode:
-                    self.scheduler.prompt_computed(req)
                 req.status = RequestStatus.DECODING
                 req.num_pending_tokens += 1
                 req.pending_row = row
                 row += chunk.num_samples
+                if not chunk.is_decode:
+                    self.scheduler.prompt_computed(req)
 
     def apply_results(self, sched: SchedulerOutput, result: StepResult,
                       unfinished_outputs: bool = True) -> list[RequestOutput]:

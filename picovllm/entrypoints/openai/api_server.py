@@ -320,7 +320,7 @@ def serve(engine_config: EngineConfig, settings: ServerSettings) -> int:
     if settings.api_server_count > 1:
         from picovllm.entrypoints.openai.api_workers import serve_with_api_servers
         return serve_with_api_servers(engine_config, settings, name, defaults)
-    metrics = ServerMetrics(name)
+    metrics = ServerMetrics(name, speculative=engine_config.speculative_config is not None)
     from picovllm.entrypoints.openai.engine_process import open_async_engine   # the engine's side: torch
     async_engine, tokenizer, stop = open_async_engine(engine_config, settings, metrics, tokenizer=tokenizer)
     try:

@@ -122,7 +122,7 @@ def _api_server_main(config: EngineConfig, settings: ServerSettings, name: str, 
         info = engine_ready(outputs)
     except BaseException:       # the parent reports why
         return
-    metrics = ServerMetrics(name)
+    metrics = ServerMetrics(name, speculative=config.speculative_config is not None)
     client = PipeEngineClient(commands, outputs, metrics, info, observe_engine=index == 1)
     ctx = ServingContext(client, worker, metrics, name, defaults, settings.reasoning_parser,
                          settings.tool_call_parser)
