@@ -225,3 +225,41 @@ def test_gpu_seeded_sampling_equals_the_engine_without_speculation(tiny_models):
         a, b = o.outputs[0], r.outputs[0]
         assert (a.token_ids, a.finish_reason, a.stop_reason) == (b.token_ids, b.finish_reason, b.stop_reason)
     assert spec_stats(llm)[1] > 0
+
+
+def test_drafts_leave_every_decode_its_token_and_never_preempt():
+    """The scheduler gives drafts what the token budget leaves after one token for each decode still to come, and
+    the blocks they need only out of the free ones beyond a block of headroom per running request."""
+    from picovllm.engine.block_manager import BlockManager
+    from picovllm.engine.request import Request, RequestStatus
+    from picovllm.engine.scheduler import Scheduler
+    asked = []
+
+    def drafts(req, room):
+        asked.append(room)
+        return [5] * min(4, room)
+
+    def decoding(num_blocks, n, budget):
+        """n requests of 3 prompt tokens and one output (one block of 4 each), decoding."""
+        bm = BlockManager(num_blocks, 4, enable_prefix_caching=False)
+        s = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=budget, drafts=drafts)
+        reqs = [Request(f"r{i}", [1, 2, 3], SamplingParams(temperature=0, max_tokens=50)) for i in range(n)]
+        for r in reqs:
+            s.add(r)
+            assert bm.allocate(r, 4)
+            r.num_computed_tokens, r.status = 3, RequestStatus.DECODING
+            r.output_token_ids.append(9)
+        s.waiting.clear()
+        s.running.extend(reqs)
+        return bm, s
+
+    bm, s = decoding(40, 4, 8)
+    out = s.schedule()                       # 4 decodes, 8 tokens: 4 left for drafts, the first one's to take
+    assert [c.request.request_id for c in out.chunks] == ["r0", "r1", "r2", "r3"]
+    assert [len(c.drafts) for c in out.chunks] == [4, 0, 0, 0] and asked == [4]
+    assert out.num_tokens == 8 and out.num_decodes == 8 and not out.preempted
+    # 2 free blocks for 2 running requests: a draft's new block would eat the headroom, so there are none, and
+    # nobody is preempted for them
+    bm, s = decoding(4, 2, 64)
+    out = s.schedule()
+    assert [len(c.drafts) for c in out.chunks] == [0, 0] and not out.preempted and bm.num_free_blocks == 2

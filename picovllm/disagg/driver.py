@@ -253,7 +253,8 @@ def _side_configs(model, common: dict, p_device: str, d_device: str, p_over: dic
                 raise ValueError(f"{name}[{field!r}]: both sides run one model; give it once, for both")
     out = {}
     for role, device, over in (("p", p_device, p_over), ("d", d_device, d_over)):
-        cfg = EngineConfig(model=model, **{**common, "device": device, **over, "role": role})
+        shared = common if role == "d" else {k: v for k, v in common.items() if k != "speculative_config"}
+        cfg = EngineConfig(model=model, **{**shared, "device": device, **over, "role": role})   # only D decodes
         fields = dataclasses.asdict(cfg)
         fields["dtype"] = str(cfg.torch_dtype).removeprefix("torch.")
         out[role] = fields

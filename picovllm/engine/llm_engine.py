@@ -722,6 +722,7 @@ class Engine:
             token = token_after
         req.num_computed_tokens += kept
         req.draft_token_ids = []
+        self.stats["decode_tokens"] += kept      # advance counted the chunk's first row
         self.stats["drafts"] += 1
         self.stats["draft_tokens"] += len(drafts)
         self.stats["accepted_tokens"] += kept

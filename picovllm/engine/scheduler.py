@@ -118,7 +118,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         decodes = [r for r in self.running if r.status == RequestStatus.DECODING]
         prefills = [r for r in self.running if r.status != RequestStatus.DECODING]
-        for req in decodes + prefills:
+        for i, req in enumerate(decodes + prefills):
             if budget == 0:
                 break
             if req.status == RequestStatus.WAITING:   # preempted earlier in this loop (O(1), not a list scan)
@@ -126,7 +126,9 @@ class Scheduler:
             if req.awaiting_last_token:               # overlapped scheduling: it finishes when that token lands
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            req.draft_token_ids = self._draft(req, budget - n) if self.drafts is not None and n == 1 else []
+            # drafts take what the budget leaves after a token for each decode still to come
+            room = budget - n - max(0, len(decodes) - i - 1)
+            req.draft_token_ids = self._draft(req, room) if self.drafts is not None and n == 1 else []
             n += len(req.draft_token_ids)
             if not self._reserve(req, n, out):
                 continue
