@@ -14,7 +14,8 @@ may end early, and the generated tokens are what is counted):
   free  open-ended questions: little to look up, so mostly drafts that are rejected (or none): the cost
 
 At --batch B the prompts go to LLM.generate B at a time (batch 1: one request at a time). Each workload runs once
-untimed (warm-up) per engine, then --repeat timed runs, plain and speculative interleaved (the host's load drifts).
+untimed (warm-up) per engine, then --repeat timed runs, plain and speculative interleaved batch by batch (the host's
+load drifts; on a shared CPU, a burst of other work then falls on both alike).
 tok/s = generated tokens / wall time of LLM.generate (prefill included; prefix caching off so every run prefills);
 ms/token = the mean over requests of (last token's time - first token's time) / (tokens - 1): decode only.
 acceptance = accepted_tokens / draft_tokens; tokens/step = (accepted_tokens + drafts) / drafts: tokens a request
@@ -26,7 +27,8 @@ The peer (--peer hf, batch 1 only: HF's prompt lookup takes one sequence): AutoM
 with prompt_lookup_num_tokens=k, max_matching_ngram_size=--prompt-lookup-max. HF's lookup differs from vLLM's: it
 tries n-grams from max_matching_ngram_size down to 1 (no minimum) and takes the earliest match in the sequence,
 not the latest. Its acceptance counts come from PromptLookupCandidateGenerator.update_candidate_strategy.
-The peer's first prompt runs once untimed first. On the CPU our engine runs the GGUF's own quantized form
+The peer's first prompt runs once untimed first; then --peer-repeat runs of the first --peer-prompts prompts
+(interleaved prompt by prompt), after all of ours (its load and memory kept out of our timings). On the CPU our engine runs the GGUF's own quantized form
 (quantization "auto") while HF runs the dequantized float32 weights, so the two engines' texts may differ a little
 (reported as "= HF": prompts whose plain outputs agree, for information).
 """
@@ -178,21 +180,43 @@ class Totals:
         return (s["accepted_tokens"] + s["drafts"]) / s["drafts"] if s["drafts"] else None
 
 
-def run_ours(llm, prompts: list[list[int]], batch: int, sp) -> tuple[list[list[int]], float, list[float], dict]:
-    """prompts through llm.generate, batch at a time: (token ids per prompt, seconds, ms/token per request,
-    the speculative counters' change)."""
+def run_ours(llm, prompts: list[list[int]], sp) -> tuple[list[list[int]], float, list[float], dict]:
+    """One LLM.generate of prompts: (token ids per prompt, seconds, ms/token per request, the speculative counters'
+    change)."""
     before = dict(llm.engine.stats)
-    outs, itl, seconds = [], [], 0.0
-    for i in range(0, len(prompts), batch):
-        t = time.perf_counter()
-        res = llm.generate(prompts[i:i + batch], sp, use_tqdm=False)
-        seconds += time.perf_counter() - t
-        for o in res:
-            outs.append(list(o.outputs[0].token_ids))
-            tt = o.metrics.token_times
-            if len(tt) > 1:
-                itl.append((tt[-1] - tt[0]) / (len(tt) - 1) * 1e3)
+    t = time.perf_counter()
+    res = llm.generate(prompts, sp, use_tqdm=False)
+    seconds = time.perf_counter() - t
+    outs, itl = [], []
+    for o in res:
+        outs.append(list(o.outputs[0].token_ids))
+        tt = o.metrics.token_times
+        if len(tt) > 1:
+            itl.append((tt[-1] - tt[0]) / (len(tt) - 1) * 1e3)
     return outs, seconds, itl, stats_delta(llm.engine.stats, before)
+
+
+def timed_runs(label: str, modes: dict, groups: list[list[list[int]]], repeat: int, tok) -> dict[str, "Totals"]:
+    """repeat runs of every group (a batch of prompts) through every mode (name -> fn(group) -> run_ours' tuple),
+    the modes interleaved group by group, so that a change in the host's load falls on all of them alike. The
+    first mode is the plain one: the others' outputs are checked against it, run by run."""
+    totals = {name: Totals() for name in modes}
+    base = next(iter(modes))
+    for r in range(repeat):
+        acc = {name: ([], 0.0, [], {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0}) for name in modes}
+        for group in groups:
+            for name, fn in modes.items():
+                outs, seconds, itl, spec = fn(group)
+                o, s, i, c = acc[name]
+                acc[name] = (o + outs, s + seconds, i + itl, {k: c[k] + spec[k] for k in c})
+        for name, res in acc.items():
+            totals[name].add(*res)
+            n = sum(map(len, res[0]))
+            print(f"   {label} run {r} {name:6s}: {n} tokens in {res[1]:.2f} s = {n / res[1]:.1f} tok/s; {res[3]}",
+                  flush=True)
+            if name != base:
+                totals[name].mismatches += check_same(f"{label} {name} run {r}", acc[base][0], res[0], tok)
+    return totals
 
 
 class HFPeer:
@@ -357,21 +381,15 @@ def main() -> None:
         lens = sorted(map(len, prompts[wl]))
         print(f"== {wl}: {len(prompts[wl])} prompts of {lens[0]}-{lens[-1]} tokens, max_tokens {args.max_tokens}, "
               f"batch {args.batch}", flush=True)
-        totals = ours[wl] = {"plain": Totals(), "ngram": Totals()}
         engines = {"plain": plain, "ngram": spec}
+        groups = [prompts[wl][i:i + args.batch] for i in range(0, len(prompts[wl]), args.batch)]
         for name, llm in engines.items():       # warm-up
             t = time.perf_counter()
-            run_ours(llm, prompts[wl], args.batch, sp)
+            for group in groups:
+                run_ours(llm, group, sp)
             print(f"   warm-up {name}: {time.perf_counter() - t:.1f} s", flush=True)
-        for r in range(args.repeat):
-            for name, llm in engines.items():
-                res = run_ours(llm, prompts[wl], args.batch, sp)
-                totals[name].add(*res)
-                print(f"   run {r} {name:5s}: {sum(map(len, res[0]))} tokens in {res[1]:.2f} s = "
-                      f"{sum(map(len, res[0])) / res[1]:.1f} tok/s; {res[3]}", flush=True)
-                if name == "ngram":
-                    totals[name].mismatches += check_same(f"{wl} batch {args.batch} run {r}",
-                                                          totals["plain"].outputs, res[0], tok)
+        modes = {name: (lambda g, llm=llm: run_ours(llm, g, sp)) for name, llm in engines.items()}
+        totals = ours[wl] = timed_runs(f"{wl} batch {args.batch}", modes, groups, args.repeat, tok)
         for name, tt in totals.items():
             rows.append(dict(workload=wl, engine="picovllm", mode=name, totals=tt, base=totals["plain"]))
 
@@ -386,19 +404,12 @@ def main() -> None:
     for wl in workloads if peer is not None else []:
         pp = prompts[wl][:args.peer_prompts or len(prompts[wl])]
         print(f"== HF {wl}: {len(pp)} prompts", flush=True)
-        hf = {"plain": Totals(), "lookup": Totals()}
         t = time.perf_counter()
         peer.generate(pp[:1], lookup=False)
         peer.generate(pp[:1], lookup=True)
         print(f"   HF warm-up (first prompt, both modes): {time.perf_counter() - t:.1f} s", flush=True)
-        for r in range(args.peer_repeat):
-            for name in hf:
-                res = peer.generate(pp, lookup=name == "lookup")
-                hf[name].add(*res)
-                print(f"   HF run {r} {name:6s}: {sum(map(len, res[0]))} tokens in {res[1]:.2f} s = "
-                      f"{sum(map(len, res[0])) / res[1]:.1f} tok/s; {res[3]}", flush=True)
-                if name == "lookup":
-                    hf[name].mismatches += check_same(f"HF {wl} run {r}", hf["plain"].outputs, res[0], tok)
+        modes = {name: (lambda g, lookup=name == "lookup": peer.generate(g, lookup)) for name in ("plain", "lookup")}
+        hf = timed_runs(f"HF {wl}", modes, [[p] for p in pp], args.peer_repeat, tok)
         same = sum(a == b for a, b in zip(ours[wl]["plain"].outputs, hf["plain"].outputs))
         print(f"   plain outputs, picovllm = HF: {same} of {len(pp)} prompts (for information: "
               f"{cfg.quantization!r} weights against HF's float32)", flush=True)
@@ -406,7 +417,8 @@ def main() -> None:
         rows[at:at] = [dict(workload=wl, engine=f"HF {peer_version()}", mode=name, totals=tt, base=hf["plain"])
                        for name, tt in hf.items()]
 
-    print(f"load average at the end: {os.getloadavg()} (at the start: {load0}; 2 cores: other work skews the CPU numbers)")
+    print(f"load average at the end: {os.getloadavg()} (at the start: {load0}; on a small CPU, other work skews "
+          "the numbers)")
     print()
     print(f"### batch {args.batch}, k={args.num_speculative_tokens}, lookup n in [{args.prompt_lookup_min}, "
           f"{args.prompt_lookup_max}], max_tokens {args.max_tokens}, greedy, {device}")

@@ -636,11 +636,14 @@ class SpeculativeConfig:
     num_speculative_tokens drafted tokens, and the step keeps the longest run of them the model itself samples, plus
     one token of its own (engine/spec_decode.py). method "ngram" (prompt lookup): the drafts are what followed the
     latest earlier occurrence of the sequence's last n tokens, n from prompt_lookup_max down to prompt_lookup_min
-    (vLLM's defaults: either one missing is the other; both missing, 5)."""
+    (vLLM's defaults: either one missing is the other; both missing, 5). disable_by_batch_size (vLLM's): no request
+    speculates in a step while more than this many are running (a large batch is compute-bound enough that rejected
+    drafts cost more than kept ones save)."""
     method: str = "ngram"
     num_speculative_tokens: int | None = None
     prompt_lookup_max: int | None = None
     prompt_lookup_min: int | None = None
+    disable_by_batch_size: int | None = None   # no drafts in a step while more requests than this are running
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:
@@ -665,6 +668,9 @@ class SpeculativeConfig:
                 raise bad(name, "must be an int >= 1")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise bad("prompt_lookup_min", f"must be at most prompt_lookup_max ({self.prompt_lookup_max})")
+        limit = self.disable_by_batch_size
+        if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
+            raise bad("disable_by_batch_size", "must be None or an int >= 1")
 
     @classmethod
     def parse(cls, value: "SpeculativeConfig | dict | str | None") -> "SpeculativeConfig | None":
@@ -674,7 +680,8 @@ class SpeculativeConfig:
         if value is None or isinstance(value, cls):
             return value
         value = parse_json_object(value, "EngineConfig.speculative_config",
-                                  "method, num_speculative_tokens, prompt_lookup_max and prompt_lookup_min")
+                                  "method, num_speculative_tokens, prompt_lookup_max, prompt_lookup_min and "
+                                  "disable_by_batch_size")
         fields = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(value) - fields)
         if unknown:

@@ -178,6 +178,7 @@ def test_structured_request_beside_speculating_ones(chat_model):
     ({"num_speculative_tokens": 0}, "speculative_config.num_speculative_tokens"),
     ({"num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "speculative_config.prompt_lookup_min"),
     ({"num_speculative_tokens": 2, "draft_model": "x"}, "speculative_config.draft_model"),
+    ({"num_speculative_tokens": 2, "disable_by_batch_size": 0}, "speculative_config.disable_by_batch_size"),
     ('{"num_speculative_tokens": 2', "speculative_config is not valid JSON"),
 ])
 def test_bad_configs_name_the_field(config, field):
@@ -235,7 +236,7 @@ def test_drafts_leave_every_decode_its_token_and_never_preempt():
     from picovllm.engine.scheduler import Scheduler
     asked = []
 
-    def drafts(req, room):
+    def drafts(req, room, running):
         asked.append(room)
         return [5] * min(4, room)
 
@@ -263,3 +264,14 @@ def test_drafts_leave_every_decode_its_token_and_never_preempt():
     bm, s = decoding(4, 2, 64)
     out = s.schedule()
     assert [len(c.drafts) for c in out.chunks] == [0, 0] and not out.preempted and bm.num_free_blocks == 2
+
+
+def test_disable_by_batch_size_keeps_large_batches_plain(tiny_models):
+    prompts = repetitive_prompts(4)
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    off = LLM(tiny_models["llama"], speculative_config={**SPEC, "disable_by_batch_size": 3})
+    assert [o.outputs[0].token_ids for o in off.generate(prompts, sp, use_tqdm=False)] == \
+        [o.outputs[0].token_ids for o in LLM(tiny_models["llama"]).generate(prompts, sp, use_tqdm=False)]
+    assert off.engine.stats["drafts"] == 0          # four running: none speculates
+    off.generate(prompts[:3], sp, use_tqdm=False)
+    assert off.engine.stats["drafts"] > 0           # three: they do

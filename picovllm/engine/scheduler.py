@@ -79,9 +79,10 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  connector: KVConnector | None = None, policy: str = "fcfs",
-                 drafts: Callable[[Request, int], list[int]] | None = None) -> None:
+                 drafts: Callable[[Request, int, int], list[int]] | None = None) -> None:
         self.block_manager = block_manager
-        # speculative decoding: (a decoding request, the most it may take) -> the tokens drafted for its next step
+        # speculative decoding: (a decoding request, the most it may take, the running requests) -> the tokens
+        # drafted for its next step
         self.drafts = drafts
         self.by_priority = policy == "priority"
         self.max_num_seqs = max_num_seqs
@@ -144,7 +145,7 @@ class Scheduler:
         request: speculation never preempts anyone."""
         if req.status != RequestStatus.DECODING or room <= 0:
             return []
-        drafts = self.drafts(req, room)
+        drafts = self.drafts(req, room, len(self.running))
         bm = self.block_manager
         if drafts and bm.blocks_needed(req, req.num_tokens + len(drafts)) > bm.num_free_blocks - len(self.running):
             return []

@@ -32,12 +32,15 @@ class NgramProposer:
     def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
         self.k = config.num_speculative_tokens
         self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
+        self.batch_limit = config.disable_by_batch_size
         self.max_model_len = max_model_len
 
-    def __call__(self, req: Request, room: int) -> list[int]:
+    def __call__(self, req: Request, room: int, running: int) -> list[int]:
         """Drafts for a decoding request's next step, at most room of them (what the step's token budget leaves),
-        or [] where it does not speculate."""
+        or [] where it does not speculate; running: how many requests the scheduler runs."""
         if req.grammar is not None or req.num_pending_tokens or req.pooling is not None:
+            return []
+        if self.batch_limit is not None and running > self.batch_limit:
             return []
         # positions up to max_model_len - 1; no more than the tokens it may still produce, less the one of its own
         k = min(self.k, room, self.max_model_len - req.num_tokens, req.max_tokens - req.num_output_tokens - 1)
