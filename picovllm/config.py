@@ -656,21 +656,18 @@ class SpeculativeConfig:
             raise bad("num_speculative_tokens", "is required")
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise bad("num_speculative_tokens", f"must be an int in [1, {MAX_SPECULATIVE_TOKENS}]")
+        for name, least in (("prompt_lookup_min", 1), ("prompt_lookup_max", 1), ("disable_by_batch_size", 2)):
+            v = getattr(self, name)      # what was given, before a missing one is filled in
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < least):
+                raise bad(name, f"must be None or an int >= {least}")
         if self.prompt_lookup_max is None and self.prompt_lookup_min is None:
             self.prompt_lookup_max = self.prompt_lookup_min = 5
         elif self.prompt_lookup_min is None:
             self.prompt_lookup_min = self.prompt_lookup_max
         elif self.prompt_lookup_max is None:
             self.prompt_lookup_max = self.prompt_lookup_min
-        for name in ("prompt_lookup_min", "prompt_lookup_max"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise bad(name, "must be an int >= 1")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise bad("prompt_lookup_min", f"must be at most prompt_lookup_max ({self.prompt_lookup_max})")
-        limit = self.disable_by_batch_size
-        if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
-            raise bad("disable_by_batch_size", "must be None or an int >= 1")
 
     @classmethod
     def parse(cls, value: "SpeculativeConfig | dict | str | None") -> "SpeculativeConfig | None":

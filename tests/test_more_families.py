@@ -146,6 +146,18 @@ def test_longrope_matches_hf_within_and_past_the_original_context(tmp_path, case
     assert short[0].outputs[0].logprobs != long[0].outputs[0].logprobs[:4]
 
 
+def test_longrope_prompt_logprobs_of_a_long_request_match_hf(tmp_path):
+    """A request past LongRoPE's original context rotates its keys at offset positions (the long factors' table):
+    its prompt logprobs are still matched to prompt tokens by index, not by the rotary's position."""
+    from test_prompt_logprobs import TOPK, check, hf_prompt_logprobs
+    path = build(str(tmp_path / "longrope"), "phi3_longrope")
+    rng = random.Random(4)
+    ps = [[rng.randrange(384) for _ in range(n)] for n in (33, 40)]     # past the original 32 (HF: long factors)
+    llm = LLM(path, block_size=8, max_num_batched_tokens=16, num_kv_blocks=64, device="cpu")
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=TOPK)
+    check(llm.generate(ps, sp, use_tqdm=False), hf_prompt_logprobs(path, ps))
+
+
 # YaRN on a 32-token original context, factor 4: Qwen3's form (the context grows to 128 past the config's 64, as
 # vLLM stretches it), DeepSeek's (mscale over mscale_all_dim; its own betas, no truncation) and a given factor
 YARN = {

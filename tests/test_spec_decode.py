@@ -156,6 +156,21 @@ def test_decode_engine_speculates_and_matches_colocated(tiny_models):
     assert pair.d.stats["accepted_tokens"] > 0
 
 
+def test_prompt_logprobs_beside_a_speculating_decode_match_hf(tiny_models):
+    """A speculative chunk is several sequences of the step (its decode rows): a prompt scored in the same step is
+    still matched to its own request."""
+    from test_prompt_logprobs import TOPK, check, hf_prompt_logprobs
+    rng = random.Random(7)
+    scored = [rng.randrange(384) for _ in range(40)]
+    prompts = [list(range(380)), scored]     # the first drafts from its prompt at every step
+    params = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=TOPK)]
+    llm = LLM(tiny_models["qwen3"], max_num_batched_tokens=400, speculative_config=SPEC)
+    outs = llm.generate(prompts, params, use_tqdm=False)     # the scored prompt's second chunk beside drafts
+    check(outs[1:], hf_prompt_logprobs(tiny_models["qwen3"], [scored]))
+    assert spec_stats(llm)[0] > 0
+
+
 def test_structured_request_beside_speculating_ones(chat_model):
     """A request under a grammar samples one row a step (it does not speculate) while the others in its batch do:
     its mask goes to its own row, and every output is the plain engine's."""
@@ -178,7 +193,8 @@ def test_structured_request_beside_speculating_ones(chat_model):
     ({"num_speculative_tokens": 0}, "speculative_config.num_speculative_tokens"),
     ({"num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "speculative_config.prompt_lookup_min"),
     ({"num_speculative_tokens": 2, "draft_model": "x"}, "speculative_config.draft_model"),
-    ({"num_speculative_tokens": 2, "disable_by_batch_size": 0}, "speculative_config.disable_by_batch_size"),
+    ({"num_speculative_tokens": 2, "disable_by_batch_size": 1}, "speculative_config.disable_by_batch_size"),
+    ({"num_speculative_tokens": 2, "prompt_lookup_max": 0}, "speculative_config.prompt_lookup_max"),
     ('{"num_speculative_tokens": 2', "speculative_config is not valid JSON"),
 ])
 def test_bad_configs_name_the_field(config, field):

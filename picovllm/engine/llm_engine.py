@@ -678,25 +678,26 @@ class Engine:
         if result.pooled is not None:
             return self._apply_pooled(sched, result.pooled)
         now = time.time()
+        # the step's sequences: a chunk each, but a speculative one's decode rows (step_input.build_step_input)
+        seqs = [c for c in sched.chunks for _ in range(1 + len(c.drafts))] if result.prompt_logprobs else []
         for seq, pos, logprobs in result.prompt_logprobs:
-            scored = sched.chunks[seq].request.prompt_logprobs
+            scored = seqs[seq].request.prompt_logprobs
             if pos + 1 == len(scored):   # else scored before a preemption, or the request is gone
                 self._decode_tokens(logprobs)
                 scored.append(logprobs)
-        outputs, sampled = [], iter(zip(result.token_ids, result.logprobs))
+        outputs, sampled, row = [], list(zip(result.token_ids, result.logprobs)), 0
         for chunk in sched.chunks:
             if not chunk.samples:
                 continue
-            token, logprobs = next(sampled)
+            token, logprobs = sampled[row]
             req = chunk.request
+            row += chunk.num_samples
             if req.is_finished:      # finished or aborted while this step ran: its token is dropped
-                for _ in chunk.drafts:
-                    next(sampled)
                 continue
             req.num_pending_tokens -= 1
             self.append_token(req, token, logprobs, now)
             if chunk.drafts:
-                self._keep_drafts(req, chunk.drafts, token, sampled, now)
+                self._keep_drafts(req, chunk.drafts, sampled[row - len(chunk.drafts):row], now)
             self.block_manager.cache_full_blocks(req)   # a block ending in this token may be full now
             if req.is_finished or (unfinished_outputs and self._streams_now(req)
                                    and req.params.output_kind != RequestOutputKind.FINAL_ONLY):
@@ -707,21 +708,19 @@ class Engine:
                 self.connector.start_send(req)          # held after its prompt: its first token is known
         return outputs
 
-    def _keep_drafts(self, req: Request, drafts: list[int], token: int, sampled, now: float) -> None:
-        """Speculative decoding (engine/spec_decode.py): after the first sampled token, each draft equal to the token
-        sampled before it was computed on the right input, so its own sample follows; the first draft that differs
-        (or a finish) ends the run. The drafts kept count as computed; the rest of the chunk's rows are dropped."""
-        kept, going = 0, True
-        for draft in drafts:
-            token_after, logprobs = next(sampled)
-            going = going and not req.is_finished and token == draft
-            if not going:          # ended: the chunk's other rows are drained
-                continue
+    def _keep_drafts(self, req: Request, drafts: list[int], after: list[tuple], now: float) -> None:
+        """Speculative decoding (engine/spec_decode.py): the request has its chunk's first sampled token; after[i] is
+        (the token, its logprobs) sampled after drafts[i]. Each draft equal to the token sampled before it was the
+        right input, so the token after it follows; the first draft that differs, or a finish, ends the run. The
+        drafts kept count as computed."""
+        kept, token = 0, req.output_token_ids[-1]
+        for draft, (token_after, logprobs) in zip(drafts, after):
+            if req.is_finished or token != draft:
+                break
             kept += 1
             self.append_token(req, token_after, logprobs, now)
             token = token_after
         req.num_computed_tokens += kept
-        req.draft_token_ids = []
         self.stats["decode_tokens"] += kept      # advance counted the chunk's first row
         self.stats["drafts"] += 1
         self.stats["draft_tokens"] += len(drafts)

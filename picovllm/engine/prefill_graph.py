@@ -67,7 +67,6 @@ class PrefillGraphRunner:
 
     def fits(self, step) -> bool:
         return (step.num_decodes == 0 and len(step.seq_lens) == 1 and not step.prompt_indices
-                and len(step.sample_indices) <= 1      # a speculative chunk samples every row: not this graph
                 and 0 < len(step.input_ids) <= self.max_tokens and len(step.block_tables[0]) <= self.max_blocks)
 
     def run(self, step) -> torch.Tensor | None:

@@ -47,10 +47,7 @@ class Request:
         # appended here (0 or 1), and that token's row among the step's sampled rows.
         self.num_pending_tokens = 0
         self.pending_row = -1
-        # Speculative decoding (engine/spec_decode.py): the tokens drafted after the last one for the step being
-        # scheduled, fed as inputs and kept only where the step samples them; the proposer's copy of the ids
-        self.draft_token_ids: list[int] = []
-        self.spec_tokens = None
+        self.lookup_tokens = None        # speculative decoding: the proposer's copy of the ids (spec_decode.TokenArray)
         self.num_cached_tokens = 0       # of those, how many came from the prefix cache
         self.block_table: list[int] = []
         self.num_slid_out_blocks = 0     # the table's first entries, given back (block_manager.SLID_OUT)

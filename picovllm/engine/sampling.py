@@ -57,9 +57,11 @@ def launch_sampling(logits: torch.Tensor | None, step: StepInput,
     if step.prompt_indices:
         launched.prompt_host = [_to_host(t) for t in
                                 prompt_logprob_tensors(logits[k:], step.prompt_targets, max(step.prompt_topk))]
-        qsl = step.query_start_loc
-        launched.prompt_rows = [(bisect_right(qsl, i) - 1, step.positions[i], target, topk)
-                                for i, target, topk in zip(step.prompt_indices, step.prompt_targets, step.prompt_topk)]
+        qsl, lens = step.query_start_loc, step.seq_lens
+        seqs = [bisect_right(qsl, i) - 1 for i in step.prompt_indices]
+        # a row's token index in its sequence (not step.positions: the rotary's, LongRoPE's offset included)
+        launched.prompt_rows = [(q, lens[q] - qsl[q + 1] + i, target, topk) for q, i, target, topk
+                                in zip(seqs, step.prompt_indices, step.prompt_targets, step.prompt_topk)]
     if logits.is_cuda:
         launched.done = torch.cuda.Event()
         launched.done.record()

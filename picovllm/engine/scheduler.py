@@ -30,22 +30,20 @@ from picovllm.engine.request import Request, RequestStatus
 class ScheduledChunk:
     request: Request
     num_new_tokens: int            # tokens computed for it this step (1 for a decode; 1 + drafts for a speculative one)
+    # speculative decoding (engine/spec_decode.py): tokens drafted after a decode's last one; the chunk samples a
+    # token at each of its 1 + len(drafts) positions
+    drafts: list[int] = field(default_factory=list)
     # Taken when the chunk is made: the engine advances the request before the step's results are in.
     start: int = field(init=False)          # position of the first new token
     samples: bool = field(init=False)       # does this step produce a token for it?
     pools: bool = field(init=False)         # a pooling request's: does it give a pooled row (engine/pooling.py)?
     is_decode: bool = field(init=False)     # a decoding request's: its last token (and drafts), each row sampled
-    # speculative decoding (engine/spec_decode.py): the drafted tokens fed after the last one; the chunk samples a
-    # token at each of its 1 + len(drafts) positions
-    drafts: list[int] = field(init=False)
 
     def __post_init__(self) -> None:
         req = self.request
         self.start = req.num_computed_tokens
-        extra = self.start + self.num_new_tokens - req.num_tokens
-        self.drafts = req.draft_token_ids if extra > 0 else []
-        assert extra <= 0 or len(self.drafts) == extra, (req, extra)
-        at_end = extra >= 0
+        at_end = self.start + self.num_new_tokens - len(self.drafts) == req.num_tokens
+        assert at_end or not self.drafts, req
         self.samples = at_end and req.pooling is None
         # mean pooling sums every chunk's rows; last-token pooling needs the prompt's last chunk only
         self.pools = req.pooling is not None and (at_end or req.pooling.mean)
@@ -119,6 +117,9 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         decodes = [r for r in self.running if r.status == RequestStatus.DECODING]
         prefills = [r for r in self.running if r.status != RequestStatus.DECODING]
+        # speculative decoding: drafts are decode rows, kept within max_num_seqs in all (the sizes the decode graphs
+        # and the warm-up cover, and the rows the memory profile samples)
+        draft_rows = self.max_num_seqs - len(decodes)
         for i, req in enumerate(decodes + prefills):
             if budget == 0:
                 break
@@ -127,14 +128,14 @@ class Scheduler:
             if req.awaiting_last_token:               # overlapped scheduling: it finishes when that token lands
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            # drafts take what the budget leaves after a token for each decode still to come
-            room = budget - n - max(0, len(decodes) - i - 1)
-            req.draft_token_ids = self._draft(req, room) if self.drafts is not None and n == 1 else []
-            n += len(req.draft_token_ids)
-            if not self._reserve(req, n, out):
+            drafts = []
+            if self.drafts is not None and n == 1:    # what the budget leaves after a token for each decode to come
+                drafts = self._draft(req, min(budget - n - max(0, len(decodes) - i - 1), draft_rows))
+                draft_rows -= len(drafts)
+            if not self._reserve(req, n + len(drafts), out):
                 continue
-            out.chunks.append(ScheduledChunk(req, n))
-            budget -= n
+            out.chunks.append(ScheduledChunk(req, n + len(drafts), drafts))
+            budget -= n + len(drafts)
         if not out.preempted:
             self._admit_waiting(out, budget)
         out.chunks.sort(key=lambda c: not c.is_decode)
@@ -226,7 +227,6 @@ class Scheduler:
         self.running.remove(req)
         self.block_manager.free(req)
         req.status = RequestStatus.WAITING
-        req.draft_token_ids = []
         if self.by_priority:
             self._queue_in_order(req)
         else:

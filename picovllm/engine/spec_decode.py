@@ -11,12 +11,14 @@ the last draft): at least one token a step, at most drafts + 1.
 That is exact, not an approximation. A draft is a fixed token d, so keeping the model's own sample t when t == d
 and taking t otherwise gives each token with the model's probability: P(d) when d was drafted, and P(x) for any
 other x (the rejection-sampling rule of speculative decoding with a one-hot draft). Greedy and seeded requests get
-the very tokens they get without speculation (a token's seed stream is its output index's); the KV of rejected
-drafts sits past the request's computed tokens and is overwritten by the next step.
+the very tokens they get without speculation (a token's seed stream is its output index's), up to the numerics of
+another batch shape; the KV of rejected drafts sits past the request's computed tokens and is overwritten by the next
+step.
 
 What does not speculate (a plain decode instead): a request under a structured output's grammar (its masks follow
-one token at a time), one with a token in flight (overlapped scheduling: refused with speculative_config), and any
-step where the budget leaves no room.
+one token at a time), one with a token in flight (overlapped scheduling: refused with speculative_config), any step
+where the token budget or the decode rows (at most max_num_seqs) leave no room, and any step with more running
+requests than disable_by_batch_size.
 """
 from __future__ import annotations
 
@@ -69,17 +71,27 @@ def ngram_drafts(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> list[int
     return tokens[best + 1:best + 1 + k].tolist()
 
 
+class TokenArray:
+    """A request's token ids as an int64 array, kept on the request (Request.lookup_tokens) and extended by what is
+    new at each lookup instead of built again from the lists."""
+
+    def __init__(self) -> None:
+        self.buf = np.empty(256, dtype=np.int64)
+        self.n = 0
+
+    def of(self, req: Request) -> np.ndarray:
+        total = req.num_known_tokens
+        if total > len(self.buf):
+            grown = np.empty(max(total, 2 * len(self.buf)), dtype=np.int64)
+            grown[:self.n] = self.buf[:self.n]
+            self.buf = grown
+        if total > self.n:
+            self.buf[self.n:total] = req.token_ids(self.n, total)
+        self.n = total
+        return self.buf[:total]
+
+
 def _tokens(req: Request) -> np.ndarray:
-    """The request's token ids as an int64 array, kept on the request and extended by what is new."""
-    buf, n = req.spec_tokens if req.spec_tokens is not None else (np.empty(0, dtype=np.int64), 0)
-    total = req.num_known_tokens
-    if total > len(buf):
-        grown = np.empty(max(total, 2 * len(buf), 256), dtype=np.int64)
-        grown[:n] = buf[:n]
-        buf = grown
-    if total > n:
-        buf[n:total] = req.token_ids(n, total)
-    elif total < n:      # cannot shrink but by a new request object; rebuild to be safe
-        buf[:total] = req.token_ids(0, total)
-    req.spec_tokens = (buf, total)
-    return buf[:total]
+    if req.lookup_tokens is None:
+        req.lookup_tokens = TokenArray()
+    return req.lookup_tokens.of(req)

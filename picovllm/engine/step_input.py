@@ -105,8 +105,17 @@ def build_step_input(sched: SchedulerOutput, block_size: int, eos_token_ids: lis
                 p_tgt.append(prompt[p + 1])
                 p_k.append(req.params.prompt_logprobs)
         table = req.block_table
-        if chunk.drafts:
-            _speculative_rows(chunk, bs, eos_token_ids, ids, pos, slots, qsl, lens, tables, samp_idx, rows)
+        if chunk.drafts:     # decode rows, one a token: each samples, each a sequence of its own
+            r_ids, r_pos, r_slots, r_rows = speculative_rows(chunk, bs, eos_token_ids)
+            samp_idx.extend(range(len(ids), len(ids) + len(r_ids)))
+            ids += r_ids
+            pos += r_pos
+            slots += r_slots
+            rows += r_rows
+            for p in range(start + 1, start + 1 + len(r_ids)):
+                qsl.append(qsl[-1] + 1)
+                lens.append(p)
+                tables.append(table)
             continue
         if n == 1:   # decodes: the common case at large batch, kept cheap
             if start < req.num_known_tokens:
@@ -136,25 +145,17 @@ def build_step_input(sched: SchedulerOutput, block_size: int, eos_token_ids: lis
                      p_idx, p_tgt, p_k, pooled_rows=pooled)
 
 
-def _speculative_rows(chunk, bs: int, eos_token_ids: list[int], ids, pos, slots, qsl, lens, tables, samp_idx,
-                      rows) -> None:
+def speculative_rows(chunk, bs: int, eos_token_ids: list[int]) -> tuple[list, list, list, list[SamplingRow]]:
     """A speculative chunk (engine/spec_decode.py) as decode rows: its last token, then each draft, every one a
-    decode of its own prefix (the same block table, its own sequence length) that samples the token after it. A
-    layer stores every row's K/V before any row attends, so a row sees the rows before it: the decode-only paths
-    (CUDA graphs, the CPU's one-call decode stack) run speculative steps as they run any other."""
+    decode of its own prefix (the same block table, its own sequence length) that samples the token after it: (ids,
+    positions, slots, sampling rows). A layer stores every row's K/V before any row attends, so a row sees the rows
+    before it: the decode-only paths (CUDA graphs, the CPU's one-call decode stack) run speculative steps as any other."""
     req, start, drafts = chunk.request, chunk.start, chunk.drafts
     assert start == req.num_known_tokens - 1, req      # its last token is on the host: no overlap
-    table, off = req.block_table, req.position_offset
-    for i, token in enumerate([req.token_id(start)] + drafts):
-        p = start + i
-        samp_idx.append(len(ids))
-        ids.append(token)
-        pos.append(p + off)
-        slots.append(table[p // bs] * bs + p % bs)
-        qsl.append(qsl[-1] + 1)
-        lens.append(p + 1)
-        tables.append(table)
-        rows.append(sampling_row(req, eos_token_ids, drafts[:i]))
+    table, off, n = req.block_table, req.position_offset, 1 + len(drafts)
+    slots = [table[p // bs] * bs + p % bs for p in range(start, start + n)]
+    rows = [sampling_row(req, eos_token_ids, drafts[:i]) for i in range(n)]
+    return [req.token_id(start)] + drafts, list(range(start + off, start + n + off)), slots, rows
 
 
 def sampling_row(req, eos_token_ids: list[int], ahead: list[int] = ()) -> SamplingRow:
@@ -162,7 +163,9 @@ def sampling_row(req, eos_token_ids: list[int], ahead: list[int] = ()) -> Sampli
     ahead: drafted tokens taken as its next outputs (speculative decoding: the row samples the token after them)."""
     p = req.params
     n_out = req.num_output_tokens + len(ahead)
-    outputs = req.output_token_ids + list(ahead) if ahead else req.output_token_ids
+    # the outputs so far, drafts included, read by bad words and penalties only (a copy a row: made only for them)
+    outputs = req.output_token_ids + list(ahead) if ahead and (req.bad_words_ids or p.has_penalties) \
+        else req.output_token_ids
     banned = []
     if n_out < p.min_tokens:
         banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids))

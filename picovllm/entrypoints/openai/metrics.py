@@ -53,7 +53,7 @@ class ServerMetrics:
         self.kv_total = gauge("picovllm:kv_cache_num_blocks", "KV blocks in the cache")
         self.tokens = {k: counter(f"picovllm:{k}", doc).labels(**labels) for k, doc in [
             ("prefill_tokens", "Prompt tokens computed (prefill)"),
-            ("decode_tokens", "Tokens computed in decode steps"),
+            ("decode_tokens", "Tokens decoded (a decode's token, and the speculative drafts kept)"),
             ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache"),
             ("prefix_cache_hits", "Prompt tokens found in the prefix cache")]}
         if speculative:
