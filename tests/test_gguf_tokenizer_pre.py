@@ -259,3 +259,20 @@ def test_default_model_splits_as_smollm2s_own_tokenizer():
     for text in texts:
         assert ours.encode(text, add_special_tokens=False) == theirs.encode(text, add_special_tokens=False).ids, text
     assert ours.convert_ids_to_tokens(ours.encode("x  1", add_special_tokens=False)) == ["x", "ĠĠ", "1"]
+
+
+def test_the_files_special_tokens_win_over_the_converters(tmp_path, monkeypatch):
+    """transformers 5.17's GGUF converters return special tokens of their own (its gpt2 one an unk_token) beside
+    those the file names: both went to the tokenizer's constructor, which refused the second (the default model did
+    not load on 5.17). The file's are kept."""
+    path = str(tmp_path / "v3.gguf")
+    _write_tokenizer_gguf(path, "deepseek-v3")
+    meta = dict(GGUFFile(path).metadata)
+    meta["tokenizer.ggml.unknown_token_id"] = 2
+    real = gguf_tokenizer._gguf_converter()
+    monkeypatch.setattr(gguf_tokenizer, "_gguf_converter", lambda: lambda arch, d: (
+        lambda backend, extra: (backend, {**extra, "unk_token": "<|not the file's|>", "bos_token": "3"}))(
+        *real(arch, d)))
+    tok = gguf_tokenizer.from_metadata(meta, path)
+    tokens = meta["tokenizer.ggml.tokens"]
+    assert (tok.unk_token, tok.bos_token) == (tokens[2], tokens[0])

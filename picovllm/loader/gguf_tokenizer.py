@@ -174,7 +174,8 @@ def _converted(meta: dict, path: str):
         options[name] = tokens[int(token_id)] if token_id is not None else None
     backend, extra = convert_gguf_tokenizer(meta["general.architecture"], backend_dict)
     options = {k: v for k, v in options.items() if v is not None}
-    return PreTrainedTokenizerFast(tokenizer_object=backend, **options, **extra)
+    # the file's own special tokens over the converter's (5.17's gpt2 converter names an unk_token too)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **{**extra, **options})
 
 
 def load_saved(folder: str):
