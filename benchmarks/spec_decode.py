@@ -6,12 +6,16 @@ transformers' own prompt-lookup decoding (generate(prompt_lookup_num_tokens=k)) 
                                      [--prompt-lookup-min 1] [--max-tokens 128] [--num-prompts 8] [--repeat 2]
                                      [--workloads copy,edit,free] [--device cpu|cuda] [--model PATH |
                                      --random-model PRESET] [--peer hf|none] [--peer-prompts N] [--peer-repeat 1]
+                                     [--max-num-seqs N] [--disable-by-batch-size N] [--quantization Q]
+                                     [--enforce-eager] [--no-overlap]
 
 Workloads (8 chat prompts each, through the model's chat template, greedy, max_tokens fixed, EOS honoured: a request
 may end early, and the generated tokens are what is counted):
-  copy  "copy this paragraph word for word" (paragraphs of ~100-250 tokens): the output is in the prompt
-  edit  "rewrite this code with one small change": the output mostly repeats the prompt
-  free  open-ended questions: little to look up, so mostly drafts that are rejected (or none): the cost
+  copy  "copy this paragraph word for word" (prompts of 127-159 tokens on the default model): the output is in the
+        prompt
+  edit  "rewrite this code with one small change" (84-142 tokens): the output mostly repeats the prompt
+  free  open-ended questions (39-47 tokens): little to look up, so mostly drafts that are rejected (or none): the
+        cost (a small model repeats itself within 128 tokens, though, and then drafts from its own output pay)
 
 At --batch B the prompts go to LLM.generate B at a time (batch 1: one request at a time). Each workload runs once
 untimed (warm-up) per engine, then --repeat timed runs, plain and speculative interleaved batch by batch (the host's
@@ -28,9 +32,14 @@ with prompt_lookup_num_tokens=k, max_matching_ngram_size=--prompt-lookup-max. HF
 tries n-grams from max_matching_ngram_size down to 1 (no minimum) and takes the earliest match in the sequence,
 not the latest. Its acceptance counts come from PromptLookupCandidateGenerator.update_candidate_strategy.
 The peer's first prompt runs once untimed first; then --peer-repeat runs of the first --peer-prompts prompts
-(interleaved prompt by prompt), after all of ours (its load and memory kept out of our timings). On the CPU our engine runs the GGUF's own quantized form
-(quantization "auto") while HF runs the dequantized float32 weights, so the two engines' texts may differ a little
-(reported as "= HF": prompts whose plain outputs agree, for information).
+(interleaved prompt by prompt), after all of ours (its load and memory kept out of our timings). On the CPU our
+engine runs the GGUF's own quantized form (quantization "auto") while HF runs the dequantized float32 weights, so
+the two engines' texts may differ ("picovllm = HF": prompts whose plain outputs agree, for information), and with
+them what there is to look up.
+
+Also checked: the engine's counters equal the lookup rule replayed on the plain outputs (expected_stats); a
+STATS MISMATCH line if not. Drafts are decode rows kept within max_num_seqs (engine/scheduler.py): the engine's
+default (256) leaves room at batch 8; --max-num-seqs 8 at --batch 8 leaves none (no drafts, a STATS MISMATCH).
 """
 from __future__ import annotations
 
@@ -296,6 +305,32 @@ class HFPeer:
         return outs, seconds, itl, stats_delta(self.counts, before)
 
 
+def expected_stats(prompt: list[int], out: list[int], args, eos: set[int]) -> dict:
+    """The speculative counters the engine's rule gives for a request whose (greedy) output is out: from the first
+    token (the prefill's), each step drafts ngram_drafts of the tokens so far (at most k, and no more than
+    max_tokens - outputs - 1) and keeps the drafts while each equals the token sampled before it and none has
+    finished the request. Measured counters that differ mean the engine drafted or kept something else."""
+    import numpy as np
+    from picovllm.engine.spec_decode import ngram_drafts
+    res = {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0}
+    seq = np.array(prompt + out, dtype=np.int64)
+    p = 1
+    while p < len(out):
+        k = min(args.num_speculative_tokens, args.max_tokens - p - 1)
+        drafts = ngram_drafts(seq[:len(prompt) + p], k, args.prompt_lookup_min, args.prompt_lookup_max) if k > 0 else []
+        kept = 0
+        if drafts:
+            for j, d in enumerate(drafts):
+                if out[p + j] in eos or out[p + j] != d or p + j + 1 >= len(out):
+                    break
+                kept += 1
+            res["drafts"] += 1
+            res["draft_tokens"] += len(drafts)
+            res["accepted_tokens"] += kept
+        p += 1 + kept
+    return res
+
+
 def first_difference(a: list[int], b: list[int]) -> int:
     for i, (x, y) in enumerate(zip(a, b)):
         if x != y:
@@ -339,6 +374,10 @@ def main() -> None:
                          "model's tokenizer; no HF peer")
     ap.add_argument("--quantization", default=None, help="EngineConfig.quantization (default: the engine's)")
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--max-num-seqs", type=int, default=None,
+                    help="EngineConfig.max_num_seqs (default: the engine's); it bounds decode rows, drafts included")
+    ap.add_argument("--disable-by-batch-size", type=int, default=None,
+                    help="speculative_config's disable_by_batch_size (default: none)")
     ap.add_argument("--no-overlap", action="store_true",
                     help="plain runs without overlapped scheduling too (speculation always runs without it)")
     ap.add_argument("--peer", choices=["hf", "none"], default="hf")
@@ -354,26 +393,40 @@ def main() -> None:
     if args.random_model:
         from structured_output import random_model_with_tokenizer
         model = random_model_with_tokenizer(args.random_model)
-    common = dict(device=device, enable_prefix_caching=False, enforce_eager=args.enforce_eager,
-                  max_num_seqs=max(8, args.batch))
+    common = dict(device=device, enable_prefix_caching=False, enforce_eager=args.enforce_eager)
+    if args.max_num_seqs:       # drafts are decode rows, within max_num_seqs: batch 8 with 8 leaves no room for any
+        common["max_num_seqs"] = args.max_num_seqs
     if args.quantization:
         common["quantization"] = args.quantization
     if device.startswith("cuda"):
-        common["gpu_memory_utilization"] = 0.4          # two engines on one GPU
+        common["num_kv_blocks"] = 4096      # two engines on one GPU (a memory fraction is of the process's total)
     spec_cfg = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
                 "prompt_lookup_max": args.prompt_lookup_max, "prompt_lookup_min": args.prompt_lookup_min}
+    if args.disable_by_batch_size:
+        spec_cfg["disable_by_batch_size"] = args.disable_by_batch_size
     t = time.perf_counter()
     plain = LLM(model, **common, **({"async_scheduling": False} if args.no_overlap else {}))
     spec = LLM(model, **common, speculative_config=spec_cfg)
     cfg = plain.config
     print(f"picovllm: model {model or 'the default'} ({plain.engine.model_config.architecture}), device {device}, "
-          f"dtype {cfg.dtype}, quantization {cfg.quantization}, plain async_scheduling {cfg.async_scheduling}, "
+          f"dtype {cfg.dtype}, quantization {cfg.quantization}, max_num_seqs {cfg.max_num_seqs}, "
+          f"max_num_batched_tokens {cfg.max_num_batched_tokens}, plain async_scheduling {cfg.async_scheduling}, "
           f"speculative {spec_cfg}; two engines loaded in {time.perf_counter() - t:.1f} s; torch {torch.__version__}, "
           f"threads {torch.get_num_threads()}, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}", flush=True)
+    try:
+        import subprocess
+        here = os.path.dirname(os.path.abspath(__file__))
+        head = subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", here, "status", "--porcelain", "--", "../picovllm"], capture_output=True,
+                               text=True, timeout=10).stdout.strip()
+        print(f"commit {head}{' (picovllm/ modified)' if dirty else ''}")
+    except (OSError, subprocess.SubprocessError):
+        pass
     tok = plain.get_tokenizer()
     sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
 
-    rows, mismatches = [], 0     # mismatches: added up as the table is printed
+    rows, mismatches, problems = [], 0, []     # mismatches: added up as the table is printed
     workloads = args.workloads.split(",")
     prompts, ours = {}, {}
     for wl in workloads:
@@ -390,6 +443,16 @@ def main() -> None:
             print(f"   warm-up {name}: {time.perf_counter() - t:.1f} s", flush=True)
         modes = {name: (lambda g, llm=llm: run_ours(llm, g, sp)) for name, llm in engines.items()}
         totals = ours[wl] = timed_runs(f"{wl} batch {args.batch}", modes, groups, args.repeat, tok)
+        expected = {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0}
+        for prompt, out in zip(prompts[wl], totals["plain"].outputs):
+            for k, v in expected_stats(prompt, out, args, set(plain.engine.eos_token_ids)).items():
+                expected[k] += v * args.repeat
+        if expected != totals["ngram"].spec:
+            print(f"STATS MISMATCH {wl}: the engine's counters {totals['ngram'].spec}, the lookup rule on the plain "
+                  f"outputs gives {expected}", flush=True)
+            problems.append(f"STATS MISMATCH {wl}")
+        else:
+            print(f"   counters = the lookup rule replayed on the plain outputs: {expected}", flush=True)
         for name, tt in totals.items():
             rows.append(dict(workload=wl, engine="picovllm", mode=name, totals=tt, base=totals["plain"]))
 
@@ -441,6 +504,8 @@ def main() -> None:
     print()
     print("MISMATCH: speculative outputs differ from plain ones on "
           f"{mismatches} prompt-runs" if mismatches else "speculative outputs identical to plain ones everywhere")
+    for line in problems:
+        print(line)
 
 
 def peer_version() -> str:

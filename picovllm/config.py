@@ -850,6 +850,16 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name} {getattr(self, name)!r} with speculative_config: {why}")
 
     @property
+    def max_decode_rows(self) -> int:
+        """The most decode rows a step has: a row per running request (max_num_seqs), and with speculative decoding a
+        row per draft too, up to max(max_num_seqs, 256) rows in all (engine/spec_decode.py). The decode CUDA graphs,
+        the warm-up and the memory profile cover this many."""
+        if self.speculative_config is None:
+            return self.max_num_seqs
+        with_drafts = self.max_num_seqs * (1 + self.speculative_config.num_speculative_tokens)
+        return max(self.max_num_seqs, min(self.max_num_batched_tokens, with_drafts, 256))
+
+    @property
     def torch_dtype(self) -> torch.dtype:
         return self.dtype  # normalised in __post_init__
 

@@ -291,3 +291,18 @@ def test_disable_by_batch_size_keeps_large_batches_plain(tiny_models):
     assert off.engine.stats["drafts"] == 0          # four running: none speculates
     off.generate(prompts[:3], sp, use_tqdm=False)
     assert off.engine.stats["drafts"] > 0           # three: they do
+
+
+def test_a_full_batch_still_speculates(tiny_models):
+    """Drafts are decode rows beyond max_num_seqs (EngineConfig.max_decode_rows: up to 256, or max_num_seqs x
+    (1 + k)): a batch of max_num_seqs requests speculates too."""
+    assert EngineConfig(max_num_seqs=4, speculative_config=SPEC).max_decode_rows == 16
+    assert EngineConfig(max_num_seqs=100, speculative_config=SPEC).max_decode_rows == 256
+    assert EngineConfig(max_num_seqs=300, speculative_config=SPEC).max_decode_rows == 300
+    assert EngineConfig(max_num_seqs=100).max_decode_rows == 100
+    prompts = repetitive_prompts(4)
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    llm = LLM(tiny_models["llama"], max_num_seqs=4, speculative_config=SPEC)
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(tiny_models["llama"], prompts, 12)[0]
+    assert llm.engine.stats["drafts"] > 0

@@ -88,7 +88,7 @@ def _profile_forward(model: torch.nn.Module, config: EngineConfig, device: torch
     with torch.inference_mode():
         h = model(ids, positions, meta)
         if model.lm_head is not None:      # a pooling model has none (engine/pooling.py)
-            model.compute_logits(h[-min(n, config.max_num_seqs):])
+            model.compute_logits(h[-min(n, config.max_decode_rows):])
     for a, (k, v) in zip(model.attention_layers(), saved):
         a.k_cache, a.v_cache = k, v
     del scratch, h

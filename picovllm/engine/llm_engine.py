@@ -152,7 +152,7 @@ class Engine:
         spec = config.speculative_config      # speculative decoding: the drafts' proposer (engine/spec_decode.py)
         drafts = NgramProposer(spec, self.max_model_len) if spec is not None else None
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.connector, config.scheduling_policy, drafts)
+                                   self.connector, config.scheduling_policy, drafts, config.max_decode_rows)
         self.closed = False            # close() was called: submit() refuses
         self.detokenizer = Detokenizer(self.tokenizer)
         self.requests: dict[str, Request] = {}

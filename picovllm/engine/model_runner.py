@@ -129,7 +129,7 @@ class ModelRunner:
             # collectives inside the graphs (NCCL all-reduce, all-gather) pair up at replay.
             from picovllm.engine.cuda_graph import CUDAGraphRunner
             max_blocks = -(-self.max_model_len // self.block_size)
-            self.cuda_graphs = CUDAGraphRunner(self.model, self.config.max_num_seqs, max_blocks,
+            self.cuda_graphs = CUDAGraphRunner(self.model, self.config.max_decode_rows, max_blocks,
                                                self.block_size, self.device).capture()
             prefill_graphs = self.config.prefill_cuda_graphs
             if prefill_graphs or (prefill_graphs is None and self.tp.size == 1):   # not yet measured under TP
@@ -139,7 +139,7 @@ class ModelRunner:
                 if self.tp.size == 1 and getattr(self.attn_backend, "supports_work_lists", False):
                     from picovllm.engine.mixed_graph import MixedGraphRunner   # the other steps with a prefill
                     self.mixed_graphs = MixedGraphRunner(self.model, self.config.max_num_batched_tokens,
-                                                         self.config.max_num_seqs, max_blocks, self.block_size,
+                                                         self.config.max_decode_rows, max_blocks, self.block_size,
                                                          self.device).capture()
                 if self.tp.size == 1:      # the few it does not take: pieces around eager attention
                     from picovllm.engine.piecewise_graph import PiecewiseGraphRunner
@@ -159,7 +159,7 @@ class ModelRunner:
         from picovllm.engine.warmup import plan_warmup, warm_up
         from picovllm.kernels.decode_attention import num_splits_for
         hkv = self.model.attention_layers()[0].num_kv_heads
-        plan = plan_warmup(self.config.max_num_batched_tokens, self.config.max_num_seqs, self.max_model_len,
+        plan = plan_warmup(self.config.max_num_batched_tokens, self.config.max_decode_rows, self.max_model_len,
                            lambda b: num_splits_for(b, hkv) == 1)
         self.warmup_seconds = warm_up(self, plan)
         return self.warmup_seconds

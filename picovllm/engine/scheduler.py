@@ -77,8 +77,10 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  connector: KVConnector | None = None, policy: str = "fcfs",
-                 drafts: Callable[[Request, int, int], list[int]] | None = None) -> None:
+                 drafts: Callable[[Request, int, int], list[int]] | None = None,
+                 max_decode_rows: int | None = None) -> None:
         self.block_manager = block_manager
+        self.max_decode_rows = max_decode_rows or max_num_seqs    # decode rows a step may have, drafts included
         # speculative decoding: (a decoding request, the most it may take, the running requests) -> the tokens
         # drafted for its next step
         self.drafts = drafts
@@ -117,9 +119,9 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         decodes = [r for r in self.running if r.status == RequestStatus.DECODING]
         prefills = [r for r in self.running if r.status != RequestStatus.DECODING]
-        # speculative decoding: drafts are decode rows, kept within max_num_seqs in all (the sizes the decode graphs
-        # and the warm-up cover, and the rows the memory profile samples)
-        draft_rows = self.max_num_seqs - len(decodes)
+        # speculative decoding: drafts are decode rows, max_decode_rows in all (EngineConfig.max_decode_rows: the sizes
+        # the decode graphs and the warm-up cover, and the rows the memory profile samples)
+        draft_rows = self.max_decode_rows - len(decodes)
         for i, req in enumerate(decodes + prefills):
             if budget == 0:
                 break

@@ -17,7 +17,7 @@ step.
 
 What does not speculate (a plain decode instead): a request under a structured output's grammar (its masks follow
 one token at a time), one with a token in flight (overlapped scheduling: refused with speculative_config), any step
-where the token budget or the decode rows (at most max_num_seqs) leave no room, and any step with more running
+where the token budget or the decode rows (EngineConfig.max_decode_rows) leave no room, and any step with more running
 requests than disable_by_batch_size.
 """
 from __future__ import annotations
