@@ -171,20 +171,38 @@ def test_prompt_logprobs_beside_a_speculating_decode_match_hf(tiny_models):
     assert spec_stats(llm)[0] > 0
 
 
-def test_structured_request_beside_speculating_ones(chat_model):
-    """A request under a grammar samples one row a step (it does not speculate) while the others in its batch do:
-    its mask goes to its own row, and every output is the plain engine's."""
-    from picovllm import StructuredOutputsParams
-    so = SamplingParams(temperature=0, max_tokens=16, structured_outputs=StructuredOutputsParams(regex="(ab|cd){3,6}"))
-    prompts = ["abab abab abab", "hello hello hello hello", "one two one two one two", "xyz"]
-    params = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)] * 3 + [so]
+@pytest.mark.parametrize("seed", [None, 3])
+def test_structured_requests_speculate_within_their_grammar(chat_model, seed):
+    """A request under a grammar drafts only what the grammar takes, and every row is sampled under the grammar
+    advanced by the drafts before it: outputs equal the plain engine's (greedy, and seeded sampling), match the
+    grammar, and the grammar's requests did speculate."""
+    import json
+    import re
+
+    from picovllm import StructuredOutputsParams as SO
+    schema = {"type": "object", "properties": {"a": {"type": "array", "items": {"enum": ["xy", "zw"]}}},
+              "required": ["a"]}
+    temp = dict(temperature=0) if seed is None else dict(temperature=0.8, seed=seed)
+    prompts = ["abab abab abab abab", '{"a": ["xy", "xy", "zw", "xy", "xy", "zw"]} {"a": ["xy", "xy", "zw"', "hello hello",
+               "one two one two one two"]
+    params = [SamplingParams(max_tokens=24, structured_outputs=SO(regex="(ab|cd){4,12}"), **temp),
+              SamplingParams(max_tokens=40, structured_outputs=SO(json=schema), **temp),
+              SamplingParams(max_tokens=16, ignore_eos=True, **temp),
+              SamplingParams(max_tokens=16, ignore_eos=True, structured_outputs=SO(choice=["one two one two", "x"]),
+                             **temp)]
     plain = LLM(chat_model).generate(prompts, params, use_tqdm=False)
     llm = LLM(chat_model, speculative_config=SPEC)
+    spied, real = [], llm.engine.scheduler.drafts
+    llm.engine.scheduler.drafts = lambda req, room, running: spied.append(
+        (req.grammar is not None, len(d := real(req, room, running)))) or d
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
-    import re
-    assert re.fullmatch("(ab|cd){3,6}", outs[3].outputs[0].text)
-    assert spec_stats(llm)[0] > 0
+    texts = [o.outputs[0].text for o in outs]
+    assert re.fullmatch("(ab|cd){4,12}", texts[0]) or outs[0].outputs[0].finish_reason == "length"
+    if outs[1].outputs[0].finish_reason == "stop":
+        json.loads(texts[1])
+    assert texts[3] in ("one two one two", "x")
+    assert sum(n for constrained, n in spied if constrained) > 0, "no request under a grammar speculated"
 
 
 @pytest.mark.parametrize("config,field", [

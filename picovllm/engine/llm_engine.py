@@ -522,21 +522,25 @@ class Engine:
         late: list[tuple[int, Request]] = []
         if self._structured is None:
             return step, late
-        rows, states, row = [], [], 0
-        for chunk in sched.chunks:      # a request with a grammar samples one row (it never speculates)
+        rows, states, ahead, row = [], [], [], 0
+        for chunk in sched.chunks:
             req = chunk.request
             if chunk.samples and req.grammar is not None:
-                if req.num_pending_tokens:
+                if chunk.drafts:        # a row a draft: each with the grammar advanced by the drafts before it
+                    ahead.append((row, req.grammar, chunk.drafts))
+                elif req.num_pending_tokens:
                     late.append((row, req))
                 elif req.grammar.masked:
                     rows.append(row)
                     states.append(req.grammar)
             row += chunk.num_samples
-        if rows or late:
+        if rows or late or ahead:
             if self._bitmasks is None:
                 self._bitmasks = BitmaskBuffers(self.model_config.vocab_size, self.executor.device)
             step.token_bitmasks = self._bitmasks.for_step(len(step.sampling))
             step.token_bitmasks.fill(rows, states)
+            for first, grammar, drafts in ahead:
+                grammar.fill_ahead(step.token_bitmasks, first, drafts)
         return step, late
 
     @staticmethod
@@ -546,7 +550,7 @@ class Engine:
         fill the rows' masks. apply_results later appends the token without advancing the grammar again
         (GrammarState.num_accepted). A token the grammar refuses, or one that ends it, leaves the row
         unmasked: apply_results finishes the request and drops the row's token."""
-        sampled = [c.request for c in done_sched.chunks if c.samples]
+        sampled = [c.request for c in done_sched.chunks for _ in range(c.num_samples)]     # by row
         n, tokens = len(sampled), done.token_ids
         rows, states, taken = [], [], []
         for i, req in late:

@@ -15,8 +15,11 @@ the very tokens they get without speculation (a token's seed stream is its outpu
 another batch shape; the KV of rejected drafts sits past the request's computed tokens and is overwritten by the next
 step.
 
-What does not speculate (a plain decode instead): a request under a structured output's grammar (its masks follow
-one token at a time), one with a token in flight (overlapped scheduling: refused with speculative_config), any step
+A request under a structured output's grammar drafts only what its grammar takes (the drafts cut before the first
+it refuses, or a stop token), and each row gets the mask of the grammar advanced by the drafts before it
+(GrammarState.valid_drafts, fill_ahead); inside a reasoning gate's think block it does not speculate.
+
+What does not speculate (a plain decode instead): one with a token in flight (overlapped scheduling: refused with speculative_config), any step
 where the token budget or the decode rows (EngineConfig.max_decode_rows) leave no room, and any step with more running
 requests than disable_by_batch_size.
 """
@@ -40,15 +43,16 @@ class NgramProposer:
     def __call__(self, req: Request, room: int, running: int) -> list[int]:
         """Drafts for a decoding request's next step, at most room of them (what the step's token budget leaves),
         or [] where it does not speculate; running: how many requests the scheduler runs."""
-        if req.grammar is not None or req.num_pending_tokens or req.pooling is not None:
+        if req.num_pending_tokens or req.pooling is not None:
             return []
         if self.batch_limit is not None and running > self.batch_limit:
             return []
         # positions up to max_model_len - 1; no more than the tokens it may still produce, less the one of its own
         k = min(self.k, room, self.max_model_len - req.num_tokens, req.max_tokens - req.num_output_tokens - 1)
-        if k <= 0:
+        if k <= 0 or (req.grammar is not None and req.grammar.num_accepted < len(req.output_token_ids)):
             return []
-        return ngram_drafts(_tokens(req), k, self.min_n, self.max_n)
+        drafts = ngram_drafts(_tokens(req), k, self.min_n, self.max_n)
+        return req.grammar.valid_drafts(drafts) if req.grammar is not None and drafts else drafts
 
 
 def ngram_drafts(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> list[int]:

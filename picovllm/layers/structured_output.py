@@ -116,6 +116,32 @@ class GrammarState:
         self._took(token)
         return True
 
+    def valid_drafts(self, drafts: list[int]) -> list[int]:
+        """Speculative decoding: the longest prefix of drafts the grammar takes after what it has taken, stopping
+        before a stop token (no mask follows the grammar's end); the state is unchanged. [] unless the grammar itself
+        governs the next token (not inside a think block)."""
+        if self.phase != GRAMMAR or self.is_terminated:
+            return []
+        n = 0
+        for token in drafts:
+            if token in self._stops or not self.handle.accept_token(token, False):
+                break
+            n += 1
+        if n:
+            self.handle.rollback(n)
+        return drafts[:n]
+
+    def fill_ahead(self, masks: "TokenBitmasks", row: int, drafts: list[int]) -> None:
+        """Rows row .. row + len(drafts) of masks := what the grammar allows next after drafts[:i] (valid_drafts':
+        each is taken); the state is unchanged."""
+        masks.fill([row], [self])
+        for i, token in enumerate(drafts):
+            taken = self.handle.accept_token(token, False)
+            assert taken, (token, drafts)
+            masks.fill([row + 1 + i], [self])
+        if drafts:
+            self.handle.rollback(len(drafts))
+
     def _took(self, token: int) -> None:
         """Bookkeeping after the matcher accepted `token`."""
         self.num_accepted += 1
