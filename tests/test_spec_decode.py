@@ -176,6 +176,18 @@ def test_structured_requests_speculate_within_their_grammar(chat_model, seed):
     """A request under a grammar drafts only what the grammar takes, and every row is sampled under the grammar
     advanced by the drafts before it: outputs equal the plain engine's (greedy, and seeded sampling), match the
     grammar, and the grammar's requests did speculate."""
+    structured_requests_speculate(chat_model, seed, dict(device="cpu"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("seed", [None, 3])
+def test_gpu_structured_requests_speculate_within_their_grammar(chat_model, seed):
+    """The same on the GPU: the masks of the drafts' rows in the fused sampler (fp32)."""
+    structured_requests_speculate(chat_model, seed, dict(dtype="float32", num_kv_blocks=256))
+
+
+def structured_requests_speculate(chat_model, seed, engine: dict) -> None:
     import json
     import re
 
@@ -190,8 +202,8 @@ def test_structured_requests_speculate_within_their_grammar(chat_model, seed):
               SamplingParams(max_tokens=16, ignore_eos=True, **temp),
               SamplingParams(max_tokens=16, ignore_eos=True, structured_outputs=SO(choice=["one two one two", "x"]),
                              **temp)]
-    plain = LLM(chat_model).generate(prompts, params, use_tqdm=False)
-    llm = LLM(chat_model, speculative_config=SPEC)
+    plain = LLM(chat_model, **engine).generate(prompts, params, use_tqdm=False)
+    llm = LLM(chat_model, speculative_config=SPEC, **engine)
     spied, real = [], llm.engine.scheduler.drafts
     llm.engine.scheduler.drafts = lambda req, room, running: spied.append(
         (req.grammar is not None, len(d := real(req, room, running)))) or d
