@@ -379,7 +379,7 @@ def main() -> None:
     ap.add_argument("--disable-by-batch-size", type=int, default=None,
                     help="speculative_config's disable_by_batch_size (default: none)")
     ap.add_argument("--no-overlap", action="store_true",
-                    help="plain runs without overlapped scheduling too (speculation always runs without it)")
+                    help="both engines without overlapped scheduling (the default on a GPU: both with it)")
     ap.add_argument("--peer", choices=["hf", "none"], default="hf")
     ap.add_argument("--peer-prompts", type=int, default=None, help="prompts per workload for the peer (default: all)")
     ap.add_argument("--peer-repeat", type=int, default=1)
@@ -405,7 +405,9 @@ def main() -> None:
     if args.disable_by_batch_size:
         spec_cfg["disable_by_batch_size"] = args.disable_by_batch_size
     t = time.perf_counter()
-    plain = LLM(model, **common, **({"async_scheduling": False} if args.no_overlap else {}))
+    if args.no_overlap:
+        common["async_scheduling"] = False
+    plain = LLM(model, **common)
     spec = LLM(model, **common, speculative_config=spec_cfg)
     cfg = plain.config
     print(f"picovllm: model {model or 'the default'} ({plain.engine.model_config.architecture}), device {device}, "

@@ -796,8 +796,8 @@ class EngineConfig:
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise bad("tensor_parallel_size", "must be an int >= 1")
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
-        if self.async_scheduling is None:     # a speculative step needs the tokens of the step before it
-            self.async_scheduling = str(self.device).startswith("cuda") and self.speculative_config is None
+        if self.async_scheduling is None:
+            self.async_scheduling = str(self.device).startswith("cuda")
         if not isinstance(self.async_scheduling, bool):
             raise bad("async_scheduling", "must be a bool or None")
         if self.prefill_cuda_graphs is not None and not isinstance(self.prefill_cuda_graphs, bool):
@@ -841,9 +841,7 @@ class EngineConfig:
     def _check_speculative(self) -> None:
         if self.speculative_config is None:
             return
-        refused = {"async_scheduling": (self.async_scheduling, "an overlapped step is launched before the tokens of "
-                                        "the step before it are known, and a speculative step drafts from them"),
-                   "role": (self.role == "p", "a prefill engine never decodes"),
+        refused = {"role": (self.role == "p", "a prefill engine never decodes"),
                    "runner": (self.runner == "pooling", "a pooling engine never decodes")}
         for name, (given, why) in refused.items():
             if given:

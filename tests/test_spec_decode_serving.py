@@ -116,7 +116,7 @@ def test_a_bad_speculative_config_stops_serve_naming_the_field(capsys, spec, fie
     assert err.startswith("picovllm serve: error: ") and f"EngineConfig.{field} " in err, err
 
 
-@pytest.mark.parametrize("flags, field", [(["--role", "p"], "role"), (["--async-scheduling"], "async_scheduling")])
+@pytest.mark.parametrize("flags, field", [(["--role", "p"], "role"), (["--runner", "pooling"], "runner")])
 def test_serve_refuses_what_cannot_speculate(capsys, flags, field):
     from picovllm.entrypoints.cli import main
     assert main(["serve", "--speculative-config", json.dumps(SPEC), *flags]) == 2
@@ -134,7 +134,7 @@ def test_the_flag_reaches_every_command_s_engine_config(argv):
         kw = engine_config_from_args(args, model=None).__dict__
     else:       # bench latency's budget and bench throughput's dtype default to None: their run() sets them
         kw = engine_kwargs(args, max_num_batched_tokens=2048, dtype="float32")
-    assert kw["speculative_config"] == SpeculativeConfig(**SPEC) and kw["async_scheduling"] is False
+    assert kw["speculative_config"] == SpeculativeConfig(**SPEC)
 
 
 def test_a_disaggregated_generate_speculates_on_its_decode_side_alone():

@@ -150,9 +150,9 @@ class Engine:
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, salt)
         self.connector = connector if connector is not None else role_connector(config.role)
         spec = config.speculative_config      # speculative decoding: the drafts' proposer (engine/spec_decode.py)
-        drafts = NgramProposer(spec, self.max_model_len) if spec is not None else None
+        self.proposer = NgramProposer(spec, self.max_model_len) if spec is not None else None
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.connector, config.scheduling_policy, drafts, config.max_decode_rows)
+                                   self.connector, config.scheduling_policy, self.proposer, config.max_decode_rows)
         self.closed = False            # close() was called: submit() refuses
         self.detokenizer = Detokenizer(self.tokenizer)
         self.requests: dict[str, Request] = {}
@@ -661,6 +661,7 @@ class Engine:
             if chunk.drafts:     # its last token is computed; the drafts' KV counts once apply_results keeps them
                 self.stats["decode_tokens"] += 1
                 req.num_computed_tokens += 1
+                req.speculating = True
             else:
                 self.stats["decode_tokens" if chunk.is_decode else "prefill_tokens"] += chunk.num_new_tokens
                 req.num_computed_tokens += chunk.num_new_tokens
@@ -724,7 +725,10 @@ class Engine:
             kept += 1
             self.append_token(req, token_after, logprobs, now)
             token = token_after
-        req.num_computed_tokens += kept
+        req.speculating = False
+        self.proposer.record(req, kept)
+        if req.status == RequestStatus.DECODING:      # not preempted while its step was in flight (overlapped)
+            req.num_computed_tokens += kept
         self.stats["decode_tokens"] += kept      # advance counted the chunk's first row
         self.stats["drafts"] += 1
         self.stats["draft_tokens"] += len(drafts)

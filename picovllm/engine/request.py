@@ -47,7 +47,9 @@ class Request:
         # appended here (0 or 1), and that token's row among the step's sampled rows.
         self.num_pending_tokens = 0
         self.pending_row = -1
-        self.lookup_tokens = None        # speculative decoding: the proposer's copy of the ids (spec_decode.TokenArray)
+        # speculative decoding: the proposer's state (spec_decode.LookupState); a speculative chunk of it is in flight
+        self.lookup = None
+        self.speculating = False
         self.num_cached_tokens = 0       # of those, how many came from the prefix cache
         self.block_table: list[int] = []
         self.num_slid_out_blocks = 0     # the table's first entries, given back (block_manager.SLID_OUT)

@@ -129,6 +129,8 @@ class Scheduler:
                 continue
             if req.awaiting_last_token:               # overlapped scheduling: it finishes when that token lands
                 continue
+            if req.speculating:      # overlapped: its speculative chunk is in flight, how many tokens it kept unknown
+                continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             drafts = []
             if self.drafts is not None and n == 1:    # what the budget leaves after a token for each decode to come

@@ -17,9 +17,18 @@ step.
 
 A request under a structured output's grammar drafts only what its grammar takes (the drafts cut before the first
 it refuses, or a stop token), and each row gets the mask of the grammar advanced by the drafts before it
-(GrammarState.valid_drafts, fill_ahead); inside a reasoning gate's think block it does not speculate.
+(GrammarState.valid_drafts, fill_ahead); it does not speculate inside a reasoning gate's think block, nor with a
+token in flight (overlapped: the grammar has not taken it yet).
 
-What does not speculate (a plain decode instead): one with a token in flight (overlapped scheduling: refused with speculative_config), any step
+Overlapped scheduling (the next step is scheduled before this one's tokens are known) keeps on. A request whose
+last token is still in flight drafts from its known tokens: the match's next token stands for the one in flight,
+the tokens after it are the drafts, and the chunk's first row reads the real token on the device (a wrong guess
+costs drafts, never a wrong token). While its speculative chunk is in flight the request sits the next step out
+(how many tokens it keeps is not known yet); then, its tokens all known, it drafts from them. Sitting out costs a
+step, so a request that keeps fewer than 2 drafts backs off (LookupState); requests without matches decode every
+step, overlapped, as without speculation.
+
+What does not speculate (a plain decode instead): any step
 where the token budget or the decode rows (EngineConfig.max_decode_rows) leave no room, and any step with more running
 requests than disable_by_batch_size.
 """
@@ -29,6 +38,12 @@ import numpy as np
 
 from picovllm.config import SpeculativeConfig
 from picovllm.engine.request import Request
+
+
+# overlapped scheduling: a speculative chunk costs its request the next step (it sits that one out), so one that keeps
+# fewer than 2 drafts backs off: it drafts through a token in flight again only after 2 ** misses more tokens (at
+# most 2 ** MAX_BACKOFF)
+MAX_BACKOFF = 5
 
 
 class NgramProposer:
@@ -42,17 +57,33 @@ class NgramProposer:
 
     def __call__(self, req: Request, room: int, running: int) -> list[int]:
         """Drafts for a decoding request's next step, at most room of them (what the step's token budget leaves),
-        or [] where it does not speculate; running: how many requests the scheduler runs."""
-        if req.num_pending_tokens or req.pooling is not None:
-            return []
-        if self.batch_limit is not None and running > self.batch_limit:
+        or [] where it does not speculate; running: how many requests the scheduler runs.
+
+        A request with a token in flight (overlapped scheduling) looks up its known tokens: the match's next token
+        stands for the one in flight, and the tokens after it are the drafts (a request under a grammar or with bad
+        words does not: both follow the token in flight)."""
+        if req.pooling is not None or (self.batch_limit is not None and running > self.batch_limit):
             return []
         # positions up to max_model_len - 1; no more than the tokens it may still produce, less the one of its own
         k = min(self.k, room, self.max_model_len - req.num_tokens, req.max_tokens - req.num_output_tokens - 1)
-        if k <= 0 or (req.grammar is not None and req.grammar.num_accepted < len(req.output_token_ids)):
+        if k <= 0:
             return []
-        drafts = ngram_drafts(_tokens(req), k, self.min_n, self.max_n)
-        return req.grammar.valid_drafts(drafts) if req.grammar is not None and drafts else drafts
+        state = _state(req)
+        if req.num_pending_tokens:
+            if req.grammar is not None or req.bad_words_ids or req.num_output_tokens < state.resume_at:
+                return []
+            return ngram_drafts(state.tokens(req), k + 1, self.min_n, self.max_n)[1:]
+        if req.grammar is not None and req.grammar.num_accepted < len(req.output_token_ids):
+            return []
+        drafts = ngram_drafts(state.tokens(req), k, self.min_n, self.max_n)
+        return req.grammar.valid_drafts(drafts) if drafts and req.grammar is not None else drafts
+
+    @staticmethod
+    def record(req: Request, kept: int) -> None:
+        """The drafts a request kept of its last speculative chunk (the overlapped engine's backoff)."""
+        state = _state(req)
+        state.misses = 0 if kept >= 2 else state.misses + 1
+        state.resume_at = req.num_output_tokens + (2 ** min(state.misses, MAX_BACKOFF) if state.misses else 0)
 
 
 def ngram_drafts(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> list[int]:
@@ -75,15 +106,17 @@ def ngram_drafts(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> list[int
     return tokens[best + 1:best + 1 + k].tolist()
 
 
-class TokenArray:
-    """A request's token ids as an int64 array, kept on the request (Request.lookup_tokens) and extended by what is
-    new at each lookup instead of built again from the lists."""
+class LookupState:
+    """What the proposer keeps on a request (Request.lookup): its token ids as an int64 array, extended by what is
+    new at each lookup instead of built again from the lists; and the overlapped engine's backoff."""
 
     def __init__(self) -> None:
         self.buf = np.empty(256, dtype=np.int64)
         self.n = 0
+        self.misses = 0           # speculative chunks in a row that kept fewer than 2 drafts
+        self.resume_at = 0        # no drafts through a token in flight before this many output tokens
 
-    def of(self, req: Request) -> np.ndarray:
+    def tokens(self, req: Request) -> np.ndarray:
         total = req.num_known_tokens
         if total > len(self.buf):
             grown = np.empty(max(total, 2 * len(self.buf)), dtype=np.int64)
@@ -95,7 +128,7 @@ class TokenArray:
         return self.buf[:total]
 
 
-def _tokens(req: Request) -> np.ndarray:
-    if req.lookup_tokens is None:
-        req.lookup_tokens = TokenArray()
-    return req.lookup_tokens.of(req)
+def _state(req: Request) -> LookupState:
+    if req.lookup is None:
+        req.lookup = LookupState()
+    return req.lookup

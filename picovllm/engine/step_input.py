@@ -106,6 +106,9 @@ def build_step_input(sched: SchedulerOutput, block_size: int, eos_token_ids: lis
                 p_k.append(req.params.prompt_logprobs)
         table = req.block_table
         if chunk.drafts:     # decode rows, one a token: each samples, each a sequence of its own
+            if req.num_pending_tokens:      # its first row reads the token in flight on the device
+                prev_dst.append(len(ids))
+                prev_src.append(req.pending_row)
             r_ids, r_pos, r_slots, r_rows = speculative_rows(chunk, bs, eos_token_ids)
             samp_idx.extend(range(len(ids), len(ids) + len(r_ids)))
             ids += r_ids
@@ -151,11 +154,12 @@ def speculative_rows(chunk, bs: int, eos_token_ids: list[int]) -> tuple[list, li
     positions, slots, sampling rows). A layer stores every row's K/V before any row attends, so a row sees the rows
     before it: the decode-only paths (CUDA graphs, the CPU's one-call decode stack) run speculative steps as any other."""
     req, start, drafts = chunk.request, chunk.start, chunk.drafts
-    assert start == req.num_known_tokens - 1, req      # its last token is on the host: no overlap
+    assert start == req.num_tokens - 1, req
     table, off, n = req.block_table, req.position_offset, 1 + len(drafts)
     slots = [table[p // bs] * bs + p % bs for p in range(start, start + n)]
     rows = [sampling_row(req, eos_token_ids, drafts[:i]) for i in range(n)]
-    return [req.token_id(start)] + drafts, list(range(start + off, start + n + off)), slots, rows
+    first = req.token_id(start) if start < req.num_known_tokens else 0     # 0: a placeholder for the token in flight
+    return [first] + drafts, list(range(start + off, start + n + off)), slots, rows
 
 
 def sampling_row(req, eos_token_ids: list[int], ahead: list[int] = ()) -> SamplingRow:
