@@ -796,8 +796,8 @@ class EngineConfig:
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise bad("tensor_parallel_size", "must be an int >= 1")
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
-        if self.async_scheduling is None:
-            self.async_scheduling = str(self.device).startswith("cuda")
+        if self.async_scheduling is None:     # speculation gains more waiting for each step (BENCHMARKS.md)
+            self.async_scheduling = str(self.device).startswith("cuda") and self.speculative_config is None
         if not isinstance(self.async_scheduling, bool):
             raise bad("async_scheduling", "must be a bool or None")
         if self.prefill_cuda_graphs is not None and not isinstance(self.prefill_cuda_graphs, bool):

@@ -188,7 +188,7 @@ def test_structured_requests_speculate_within_their_grammar(chat_model, seed, ov
 @pytest.mark.parametrize("seed", [None, 3])
 def test_gpu_structured_requests_speculate_within_their_grammar(chat_model, seed):
     """The same on the GPU: the masks of the drafts' rows in the fused sampler (fp32)."""
-    structured_requests_speculate(chat_model, seed, dict(dtype="float32", num_kv_blocks=256))
+    structured_requests_speculate(chat_model, seed, dict(dtype="float32", num_kv_blocks=256, async_scheduling=False))
 
 
 def structured_requests_speculate(chat_model, seed, engine: dict) -> None:
@@ -246,13 +246,14 @@ def test_what_cannot_speculate_is_refused(other, field):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_gpu_fp32_greedy_matches_hf_through_the_decode_graphs(tiny_models, arch):
+@pytest.mark.parametrize("arch,overlap", [("llama", False), ("qwen3", False), ("qwen3", True)])
+def test_gpu_fp32_greedy_matches_hf_through_the_decode_graphs(tiny_models, arch, overlap):
     """On the GPU (fp32: batch shapes do not flip a near tie) speculative steps replay the decode CUDA graphs (the
     drafts as decode rows), steps with a prefill the mixed-step graphs; HF's greedy tokens either way."""
     prompts = repetitive_prompts()
     ref, _ = hf_greedy(tiny_models[arch], prompts, 24)
-    llm = LLM(tiny_models[arch], dtype="float32", speculative_config=SPEC, max_num_batched_tokens=32, num_kv_blocks=256)
+    llm = LLM(tiny_models[arch], dtype="float32", speculative_config=SPEC, max_num_batched_tokens=32, num_kv_blocks=256,
+              async_scheduling=overlap)
     runner = llm.engine.executor.runner
     replays, run = [], runner.cuda_graphs.run
     runner.cuda_graphs.run = lambda step, *a: replays.append(len(step.input_ids) - len(step.seq_lens) == 0
@@ -261,7 +262,7 @@ def test_gpu_fp32_greedy_matches_hf_through_the_decode_graphs(tiny_models, arch)
     assert [o.outputs[0].token_ids for o in outs] == ref
     fed, kept = spec_stats(llm)
     assert 0 < kept < fed
-    assert max(replays) > len(prompts), "no decode graph ran a step with drafts"
+    assert overlap or max(replays) > len(prompts), "no decode graph ran a step with drafts"
 
 
 @pytest.mark.gpu
