@@ -711,7 +711,8 @@ class EngineConfig:
     num_kv_blocks: int | None = None      # override the memory-budget computation (tests, PD)
     enable_prefix_caching: bool = True
     enforce_eager: bool = False           # no CUDA graphs (GPU), no one-call decode stack (CPU)
-    async_scheduling: bool | None = None  # overlap host work with the device (None: on for GPUs)
+    async_scheduling: bool | None = None  # overlap host work with the device (None: on for GPUs, but with
+                                          # speculative_config)
     prefill_cuda_graphs: bool | None = None   # CUDA graphs for one-chunk prefill steps of <= 512 tokens (GPU);
                                               # None: on where the decode steps have graphs, one rank (no TP)
     warmup: bool | None = None            # start-up steps that compile every Triton kernel variant a run can

@@ -300,7 +300,8 @@ def test_decode_killed_mid_transfer(tiny_models):
         assert "d" in llm.gone and "p" in s.ended
         assert_clean(s)                                # P freed what it held for D
         errs = [s.results[r].error for r in ids if s.results[r].error]
-        assert errs and all("decode engine" in e for e in errs), errs
+        # the link's loss, or the transfer's where it fails first (which comes first depends on the timing)
+        assert errs and all("decode engine" in e or e.startswith("KV transfer failed") for e in errs), errs
         assert all(s.results[r].finished for r in ids)
         assert llm.procs["p"].is_alive(), "P stays up when D dies"
     finally:

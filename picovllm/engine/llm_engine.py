@@ -150,7 +150,7 @@ class Engine:
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, salt)
         self.connector = connector if connector is not None else role_connector(config.role)
         spec = config.speculative_config      # speculative decoding: the drafts' proposer (engine/spec_decode.py)
-        self.proposer = NgramProposer(spec, self.max_model_len) if spec is not None else None
+        self.proposer = NgramProposer(spec, self.max_model_len, config.async_scheduling) if spec is not None else None
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.connector, config.scheduling_policy, self.proposer, config.max_decode_rows)
         self.closed = False            # close() was called: submit() refuses
@@ -725,7 +725,8 @@ class Engine:
             kept += 1
             self.append_token(req, token_after, logprobs, now)
             token = token_after
-        req.speculating = False
+        req.speculating = False       # it may be scheduled again: a step that left it out did not stall
+        self._stalled = False
         self.proposer.record(req, kept)
         if req.status == RequestStatus.DECODING:      # not preempted while its step was in flight (overlapped)
             req.num_computed_tokens += kept

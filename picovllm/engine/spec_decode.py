@@ -28,7 +28,8 @@ costs drafts, never a wrong token). While its speculative chunk is in flight the
 step, so a request that keeps fewer than 2 drafts backs off (LookupState); requests without matches decode every
 step, overlapped, as without speculation.
 
-What does not speculate (a plain decode instead): any step
+What does not speculate (a plain decode instead): a request with bad words or a grammar whose last token is in
+flight (both follow that token), one backing off (overlapped), any step
 where the token budget or the decode rows (EngineConfig.max_decode_rows) leave no room, and any step with more running
 requests than disable_by_batch_size.
 """
@@ -49,11 +50,12 @@ MAX_BACKOFF = 5
 class NgramProposer:
     """The scheduler's `drafts` callable for method "ngram"."""
 
-    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, overlapped: bool = False) -> None:
         self.k = config.num_speculative_tokens
         self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
         self.batch_limit = config.disable_by_batch_size
         self.max_model_len = max_model_len
+        self.overlapped = overlapped     # the engine's async_scheduling: a speculative chunk costs a step sat out
 
     def __call__(self, req: Request, room: int, running: int) -> list[int]:
         """Drafts for a decoding request's next step, at most room of them (what the step's token budget leaves),
@@ -69,8 +71,10 @@ class NgramProposer:
         if k <= 0:
             return []
         state = _state(req)
+        if self.overlapped and req.num_output_tokens < state.resume_at:      # backing off
+            return []
         if req.num_pending_tokens:
-            if req.grammar is not None or req.bad_words_ids or req.num_output_tokens < state.resume_at:
+            if req.grammar is not None or req.bad_words_ids:
                 return []
             return ngram_drafts(state.tokens(req), k + 1, self.min_n, self.max_n)[1:]
         if req.grammar is not None and req.grammar.num_accepted < len(req.output_token_ids):
