@@ -77,6 +77,8 @@ def test_greedy_matches_hf(tiny_models, arch, engine, monkeypatch):
     fed, kept = spec_stats(llm)
     assert 0 < kept < fed, (fed, kept)      # drafts were both kept and dropped
     assert bool(preempted) == ("num_kv_blocks" in engine)
+    per_pos = llm.engine.accepted_per_pos     # a draft is kept only after every one before it
+    assert sum(per_pos) == kept and per_pos == sorted(per_pos, reverse=True) and len(per_pos) == 3
 
 
 def sampled_params():

@@ -90,15 +90,19 @@ def test_served_tokens_are_the_plain_engine_s_and_metrics_count_the_drafts(serve
 
 
 def test_the_counters_exist_only_with_speculative_decoding():
-    stats = EngineStats(drafts=3, draft_tokens=10, accepted_tokens=6)
+    stats = EngineStats(drafts=3, draft_tokens=10, accepted_tokens=6, accepted_per_pos=[3, 2, 1, 0])
     plain, spec = ServerMetrics("m"), ServerMetrics("m", speculative=True)
     for metrics in (plain, spec):
         metrics.observe_engine(stats)
-        metrics.observe_engine(EngineStats(drafts=5, draft_tokens=14, accepted_tokens=9))   # totals: increments
+        metrics.observe_engine(EngineStats(drafts=5, draft_tokens=14, accepted_tokens=9,    # totals: increments
+                                           accepted_per_pos=[4, 3, 2, 0]))
     assert "spec_decode" not in plain.render()[0].decode()
     text = spec.render()[0].decode()
     for name, value in zip(SPEC_COUNTERS, (5, 14, 9)):
         assert f'{name}{{model_name="m"}} {float(value)}' in text, text
+    for pos, value in enumerate([4, 3, 2, 0]):
+        assert (f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",position="{pos}"}} '
+                f'{float(value)}') in text, text
 
 
 @pytest.mark.parametrize("spec, field", [

@@ -167,6 +167,9 @@ class Engine:
         # speculative decoding's draft_tokens fed, accepted_tokens kept (vLLM's spec_decode num_draft_tokens and
         # num_accepted_tokens) and drafts (speculative chunks)
         self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "drafts": 0, "draft_tokens": 0, "accepted_tokens": 0}
+        # drafts kept by position in their chunk (vLLM's num_accepted_tokens_per_pos): entry i counts the chunks whose
+        # first i + 1 drafts were kept, so it never grows along the list
+        self.accepted_per_pos = [0] * (spec.num_speculative_tokens if spec is not None else 0)
 
     def _kv_window(self) -> int | None:
         """The longest sliding window when every layer has one (None if any layer attends to everything). P keeps
@@ -734,6 +737,8 @@ class Engine:
         self.stats["drafts"] += 1
         self.stats["draft_tokens"] += len(drafts)
         self.stats["accepted_tokens"] += kept
+        for i in range(kept):
+            self.accepted_per_pos[i] += 1
         if self.window is not None:
             self.block_manager.free_slid_out(req, self.window)
 

@@ -188,6 +188,6 @@ class AsyncEngine(EngineClient):
         self.stats = EngineStats(len(e.scheduler.running), len(e.scheduler.waiting), bm.num_free_blocks,
                                  bm.num_blocks, e.stats["prefill_tokens"], e.stats["decode_tokens"],
                                  bm.queried_tokens, bm.hit_tokens, e.stats["drafts"], e.stats["draft_tokens"],
-                                 e.stats["accepted_tokens"], self._connector_stats())
+                                 e.stats["accepted_tokens"], self._connector_stats(), list(e.accepted_per_pos))
         if self.metrics:
             self.metrics.observe_engine(self.stats)

@@ -53,6 +53,7 @@ class EngineStats:
     draft_tokens: int = 0            # the drafted tokens they fed,
     accepted_tokens: int = 0         # and those kept
     connector: dict = field(default_factory=dict)   # a P or D engine's: AsyncEngine._connector_stats
+    accepted_per_pos: list = field(default_factory=list)   # cumulative, drafts kept by position (Engine's)
 
 
 # -- commands: event loop -> engine thread -----------------------------------------------------

@@ -6,7 +6,8 @@ the variable before it spawns them); /metrics, in whichever process answers it, 
 One of them observes the engine's stats, so its gauges are taken as the processes' maximum.
 
 Speculative decoding's counters carry vLLM's names (vllm:spec_decode_num_drafts_total, ..._num_draft_tokens_total,
-..._num_accepted_tokens_total: what vLLM's dashboards and acceptance-rate queries read) and, as in vLLM, exist only on
+..._num_accepted_tokens_total, ..._num_accepted_tokens_per_pos_total{position}: what vLLM's dashboards and
+acceptance-rate queries read) and, as in vLLM, exist only on
 a server whose engine has a speculative_config.
 """
 from __future__ import annotations
@@ -61,7 +62,12 @@ class ServerMetrics:
                 ("drafts", "Speculative steps of a request: its last token fed with drafted tokens"),
                 ("draft_tokens", "Drafted tokens fed"),
                 ("accepted_tokens", "Drafted tokens kept (the model sampled each one)")]})
+        self.per_pos = counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                               "Drafted tokens kept, by their position among a step's drafts", ["position"]) \
+            if speculative else None
+        self._labels = labels
         self._last = {k: 0 for k in self.tokens}
+        self._last_pos: list[int] = []
 
     def observe_engine(self, stats) -> None:
         """Engine-wide state after a loop iteration (an EngineStats)."""
@@ -77,6 +83,12 @@ class ServerMetrics:
             if now[k] > self._last[k]:
                 counter.inc(now[k] - self._last[k])
                 self._last[k] = now[k]
+        if self.per_pos is not None:
+            self._last_pos += [0] * (len(stats.accepted_per_pos) - len(self._last_pos))
+            for pos, total in enumerate(stats.accepted_per_pos):
+                if total > self._last_pos[pos] or not self._last_pos[pos]:   # every position shows, at 0 too
+                    self.per_pos.labels(position=str(pos), **self._labels).inc(total - self._last_pos[pos])
+                    self._last_pos[pos] = total
 
     def observe_finished(self, out: RequestOutput) -> None:
         reason = out.outputs[0].finish_reason if out.outputs else "error"
