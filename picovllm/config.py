@@ -533,6 +533,19 @@ def parse_json_object(value: dict | str | None, what: str, of: str) -> dict | No
     return value
 
 
+def parse_config_object(cls, value, what: str, of: str, only: str | None = None):
+    """A config dataclass field's value (EngineConfig.pooler_config, .speculative_config): an instance of cls, a dict
+    of its fields, or that dict as JSON text (parse_json_object's `of` says what the object holds); None for none.
+    A key that is not one of cls's fields is refused naming it (`only`: the fields the message lists, else `of`)."""
+    if value is None or isinstance(value, cls):
+        return value
+    value = parse_json_object(value, what, of)
+    unknown = sorted(set(value) - {f.name for f in dataclasses.fields(cls)})
+    if unknown:
+        raise ValueError(f"{what}.{unknown[0]} is not supported (only {only or of})")
+    return cls(**value)
+
+
 def _check_quantization(cfg: dict[str, Any], arch: str) -> None:
     """The quantized HF checkpoints read, each dequantized at load: GPT-OSS's mxfp4 (loader/mxfp4.py) and any other
     architecture's FP8 (quant_method "fp8" or "compressed-tensors", loader/fp8.py, whose refusals name the field)."""
@@ -616,14 +629,7 @@ class PoolerConfig:
     def parse(cls, value: "PoolerConfig | dict | str | None") -> "PoolerConfig | None":
         """EngineConfig.pooler_config's value: a PoolerConfig, a dict of its fields, or that as JSON (--pooler-config
         '{"pooling_type": "MEAN"}'); ValueError naming the field otherwise."""
-        if value is None or isinstance(value, cls):
-            return value
-        value = parse_json_object(value, "EngineConfig.pooler_config", "pooling_type and normalize")
-        unknown = sorted(set(value) - {"pooling_type", "normalize"})
-        if unknown:
-            raise ValueError(f"EngineConfig.pooler_config.{unknown[0]} is not supported (only pooling_type and "
-                             "normalize)")
-        return cls(**value)
+        return parse_config_object(cls, value, "EngineConfig.pooler_config", "pooling_type and normalize")
 
 
 SPECULATIVE_METHODS = ("ngram",)
@@ -674,17 +680,9 @@ class SpeculativeConfig:
         """EngineConfig.speculative_config's value: a SpeculativeConfig, a dict of its fields, or that as JSON
         (--speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'); ValueError naming the field
         otherwise."""
-        if value is None or isinstance(value, cls):
-            return value
-        value = parse_json_object(value, "EngineConfig.speculative_config",
-                                  "method, num_speculative_tokens, prompt_lookup_max, prompt_lookup_min and "
-                                  "disable_by_batch_size")
-        fields = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(value) - fields)
-        if unknown:
-            raise ValueError(f"EngineConfig.speculative_config.{unknown[0]} is not supported (only "
-                             f"{', '.join(sorted(fields))})")
-        return cls(**value)
+        return parse_config_object(cls, value, "EngineConfig.speculative_config",
+                                   "method, num_speculative_tokens, prompt_lookup_max, prompt_lookup_min and "
+                                   "disable_by_batch_size", ", ".join(sorted(f.name for f in dataclasses.fields(cls))))
 
 
 # "auto": a GGUF's own 4/8-bit form on the CPU; "none": float; "q8_0": an HF folder's matrices quantized at
@@ -835,18 +833,19 @@ class EngineConfig:
                    "prefill_cuda_graphs": (self.prefill_cuda_graphs is True, "the graphs end in the LM head, which "
                                                                               "a pooling engine has not"),
                    "reasoning_parser": (self.reasoning_parser is not None, "a pooling engine samples nothing")}
-        for name, (given, why) in refused.items():
-            if given:
-                raise ValueError(f"EngineConfig.{name} {getattr(self, name)!r} with runner 'pooling': {why}")
+        self._refuse(refused, "runner 'pooling'")
 
     def _check_speculative(self) -> None:
         if self.speculative_config is None:
             return
-        refused = {"role": (self.role == "p", "a prefill engine never decodes"),
-                   "runner": (self.runner == "pooling", "a pooling engine never decodes")}
+        self._refuse({"role": (self.role == "p", "a prefill engine never decodes"),
+                      "runner": (self.runner == "pooling", "a pooling engine never decodes")}, "speculative_config")
+
+    def _refuse(self, refused: dict[str, tuple[bool, str]], beside: str) -> None:
+        """ValueError naming the first field given (name -> (given, why)) that cannot go with `beside`."""
         for name, (given, why) in refused.items():
             if given:
-                raise ValueError(f"EngineConfig.{name} {getattr(self, name)!r} with speculative_config: {why}")
+                raise ValueError(f"EngineConfig.{name} {getattr(self, name)!r} with {beside}: {why}")
 
     @property
     def max_decode_rows(self) -> int:
