@@ -688,7 +688,7 @@ class SpeculativeConfig:
 # "auto": a GGUF's own 4/8-bit form on the CPU; "none": float; "q8_0": an HF folder's matrices quantized at
 # load to 8 bits (a scale per 16 weights), run by the same CPU kernels (loader/quantize_at_load.py); "bf16":
 # the CPU's decode GEMMs read bfloat16 copies of the float32 weights (kernels/cpu/small_gemm.c)
-QUANTIZATIONS = ("auto", "none", "q8_0", "bf16")
+QUANTIZATIONS = ("auto", "none", "q8_0", "bf16", "fp8")
 # the KV cache's element type: "auto" = the model's dtype; "fp8" (alias "fp8_e4m3") = float8 e4m3fn with a float32
 # scale per layer and KV head for K and for V (engine/kv_scales.py)
 KV_CACHE_DTYPES = {"auto": "auto", "fp8": "fp8", "fp8_e4m3": "fp8"}
@@ -730,6 +730,8 @@ class EngineConfig:
     disk_cache: bool = True               # keep a GGUF's tokenizer and weights in the artifact cache
     quantization: str = "auto"            # weights on the CPU: "auto" (a GGUF's own 4/8-bit form) | "none" (fp32)
                                           # | "q8_0" (an HF folder quantized at load) | "bf16" (CPU decode)
+                                          # | "fp8" (linear and expert weights in float8 e4m3, a scale per
+                                          # output feature, quantized at load: layers/fp8_weights.py)
     kv_cache_dtype: str = "auto"          # "auto" (the model's dtype) | "fp8" / "fp8_e4m3" (float8 e4m3fn, scaled)
     stream_interval: int = 1              # a streamed request's outputs: its first token, then every this many
                                           # tokens, and its last (vLLM's and SGLang's --stream-interval)

@@ -24,7 +24,9 @@ from picovllm.engine.scheduler import SchedulerOutput
 from picovllm.engine.step_input import (SamplingRow, StepInput, build_step_input, step_metadata,  # noqa: F401
                                         step_tensors, to_device, token_tensors)
 from picovllm.kernels.cpu import prebuild_cpu_kernels, quant_gemm, small_gemm
+from picovllm.layers import fp8_weights
 from picovllm.layers.attention import AttentionMetadata
+from picovllm.layers.packed_linear import pack_linear_weights
 from picovllm.loader.engine_weights import load_model_weights
 from picovllm.loader.quantize_at_load import with_q8_0
 from picovllm.loader.source import ModelSource
@@ -92,6 +94,11 @@ class ModelRunner:
         self.kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None
         if config.kv_cache_dtype == "fp8":
             self.kv_scales = kv_scales.bind_calibrated(self.model, source, tp, self.device)
+        if config.quantization == "fp8":      # after the fp8 KV cache's fold into o_proj, which needs W's own values
+            keep = self.device.type == "cuda"
+            fp8_weights.quantize_model_weights(self.model, keep_fp8=keep)
+            if not keep and self.dtype == torch.float32:
+                pack_linear_weights(self.model)     # the CPU's packed copies of the rounded weights
         self.kv_cache: torch.Tensor | None = None
         self.attn_backend = make_attention_backend(config, self.model)
         for attn in self.model.attention_layers():

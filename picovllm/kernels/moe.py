@@ -23,12 +23,14 @@ from picovllm.kernels.decode_attention import dot_precision
 
 
 @triton.jit
-def _grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, rows_ptr, tile_expert_ptr, scale_ptr, bias_ptr, N, K,
-                         stride_am, stride_we, stride_wn, stride_om, stride_be,
-                         A_DIV: tl.constexpr, SCALE: tl.constexpr, BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """out[pair] = (a[pair // A_DIV] @ w[expert].T (+ bias[expert])) (* scale[pair]) for the pairs of one row
-    tile."""
+def _grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, rows_ptr, tile_expert_ptr, scale_ptr, bias_ptr, w_scale_ptr, N, K,
+                         stride_am, stride_we, stride_wn, stride_om, stride_be, stride_se,
+                         A_DIV: tl.constexpr, SCALE: tl.constexpr, BIAS: tl.constexpr, W_SCALE: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         DOT_PRECISION: tl.constexpr):
+    """out[pair] = (a[pair // A_DIV] @ (w[expert] (* w_scale[expert] by row)).T (+ bias[expert])) (* scale[pair])
+    for the pairs of one row tile. W_SCALE: w is float8 (quantization="fp8"), widened to a's dtype tile by tile, and
+    each output feature's sum times its row's scale."""
     tile = tl.program_id(0)
     expert = tl.load(tile_expert_ptr + tile)
     if expert < 0:
@@ -47,7 +49,11 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, rows_ptr, tile_expert_ptr, scale
                     other=0.0)
         b = tl.load(w + offs_n[None, :] * stride_wn + k[:, None], mask=(offs_n[None, :] < N) & (k[:, None] < K),
                     other=0.0)   # [BLOCK_K, BLOCK_N]: the expert's weight, transposed
+        if W_SCALE:
+            b = b.to(a.dtype)
         acc += tl.dot(a, b, input_precision=DOT_PRECISION)
+    if W_SCALE:
+        acc *= tl.load(w_scale_ptr + expert.to(tl.int64) * stride_se + offs_n, mask=offs_n < N, other=0.0)[None, :]
     if BIAS:
         acc += tl.load(bias_ptr + expert.to(tl.int64) * stride_be + offs_n, mask=offs_n < N,
                        other=0.0).to(tl.float32)[None, :]
@@ -182,17 +188,19 @@ def group_by_expert_torch(ids: torch.Tensor, num_experts: int, block_m: int) -> 
 def grouped_gemm(a: torch.Tensor, w: torch.Tensor, rows: torch.Tensor, tile_expert: torch.Tensor, num_pairs: int,
                  a_div: int, scale: torch.Tensor | None = None, block_m: int = 16, block_n: int = 64,
                  block_k: int = 128, num_warps: int = 4, num_stages: int = 3,
-                 bias: torch.Tensor | None = None) -> torch.Tensor:
-    """a [*, K]; w [E, N, K]; bias [E, N] or None -> out [num_pairs, N] (see _grouped_gemm_kernel; tiles:
-    expert_tiles)."""
+                 bias: torch.Tensor | None = None, w_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """a [*, K]; w [E, N, K]; bias [E, N] or None; w_scale [E, N] float32 for a float8 w -> out [num_pairs, N]
+    (see _grouped_gemm_kernel; tiles: expert_tiles)."""
     n, k = w.shape[1], w.shape[2]
     out = torch.empty(num_pairs, n, dtype=a.dtype, device=a.device)
     grid = (tile_expert.numel(), triton.cdiv(n, block_n))
     _grouped_gemm_kernel[grid](
-        a, w, out, rows, tile_expert, scale if scale is not None else out, bias if bias is not None else out, n, k,
-        a.stride(0), w.stride(0), w.stride(1), out.stride(0), bias.stride(0) if bias is not None else 0,
-        A_DIV=a_div, SCALE=scale is not None, BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        DOT_PRECISION=dot_precision(a.dtype), num_warps=num_warps, num_stages=num_stages)
+        a, w, out, rows, tile_expert, scale if scale is not None else out, bias if bias is not None else out,
+        w_scale if w_scale is not None else out, n, k, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
+        bias.stride(0) if bias is not None else 0, w_scale.stride(0) if w_scale is not None else 0,
+        A_DIV=a_div, SCALE=scale is not None, BIAS=bias is not None, W_SCALE=w_scale is not None, BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_K=block_k, DOT_PRECISION=dot_precision(a.dtype), num_warps=num_warps,
+        num_stages=num_stages)
     return out
 
 
@@ -211,14 +219,16 @@ def expert_tiles(pairs: int, num_experts: int) -> dict:
 
 def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
                   down: torch.Tensor, act, gate_up_bias: torch.Tensor | None = None,
-                  down_bias: torch.Tensor | None = None) -> torch.Tensor:
+                  down_bias: torch.Tensor | None = None, gate_up_scale: torch.Tensor | None = None,
+                  down_scale: torch.Tensor | None = None) -> torch.Tensor:
     """As experts_reference: x [T, H]; weights (float32), ids [T, k]; gate_up [E, 2I, H]; down [E, H, I]; the
-    biases [E, 2I] and [E, H] (GPT-OSS's) or None."""
+    biases [E, 2I] and [E, H] (GPT-OSS's) or None; for float8 weights their row scales [E, 2I] and [E, H]."""
     t, top_k = ids.shape
     tiles = expert_tiles(t * top_k, gate_up.shape[0])   # from shapes alone: the same in every replay of a graph
     rows, tile_expert = group_by_expert(ids, gate_up.shape[0], tiles["block_m"])
     x = x.contiguous()
-    h = act(grouped_gemm(x, gate_up, rows, tile_expert, t * top_k, top_k, bias=gate_up_bias, **tiles))
+    h = act(grouped_gemm(x, gate_up, rows, tile_expert, t * top_k, top_k, bias=gate_up_bias, w_scale=gate_up_scale,
+                         **tiles))
     y = grouped_gemm(h, down, rows, tile_expert, t * top_k, 1, weights.flatten().contiguous(), bias=down_bias,
-                     **tiles)
+                     w_scale=down_scale, **tiles)
     return y.view(t, top_k, -1).sum(1, dtype=torch.float32).to(x.dtype)

@@ -11,6 +11,7 @@ from torch import nn
 
 from picovllm import kernels
 from picovllm.distributed import SINGLE, TPGroup
+from picovllm.layers.fp8_weights import FP8, fp8_linear
 
 
 def _check(param_name: str, want: torch.Size, got: torch.Size) -> None:
@@ -47,6 +48,8 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             return self.packed(x, self.bias)
+        if self.weight.dtype == FP8:     # quantization="fp8" (layers/fp8_weights.py)
+            return fp8_linear(x, self.weight, self.weight_scale, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -145,6 +148,8 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             y = self.packed(x)
+        elif self.weight.dtype == FP8:
+            y = fp8_linear(x, self.weight, self.weight_scale)
         elif _skinny(x, self.weight):   # a decode batch of a few rows (kernels/skinny_gemm.py)
             y = _skinny_kernels().skinny_linear(x, self.weight)
         else:

@@ -20,8 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from picovllm import kernels
 from picovllm.distributed import SINGLE, TPGroup
 from picovllm.layers.activation import gated_activation
+from picovllm.layers.fp8_weights import FP8, dequantize
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -171,14 +173,19 @@ class FusedMoE(nn.Module):
         logits = self.gate(x.to(self.gate.weight.dtype))
         w13, w2 = self.experts.gate_up_proj, self.experts.down_proj
         b13, b2 = self.expert_biases()
-        if x.is_cuda:   # routed in one kernel, tokens grouped by expert, a grouped GEMM per projection; the torch
+        fp8 = w13.dtype == FP8       # quantization="fp8" (layers/fp8_weights.py)
+        if kernels.use_triton(x):   # routed in one kernel, tokens grouped by expert, a grouped GEMM per projection; the torch
             from picovllm.kernels.moe import fused_experts, route_topk    # code is their reference
             if self.routing.plain:
                 weights, ids = route_topk(logits, self.top_k, self.renormalize)
             else:       # route_topk is plain softmax only: groups, scales, sigmoid in torch ops, then the same GEMMs
                 weights, ids = self.route(logits)
-            out = fused_experts(x, weights, ids, w13, w2, self.act, b13, b2)
+            out = fused_experts(x, weights, ids, w13, w2, self.act, b13, b2,
+                                *(self.experts.gate_up_proj_scale, self.experts.down_proj_scale) if fp8 else ())
         else:
+            if fp8:     # the grouped kernels' reference: the float8 codes times their scales
+                w13 = dequantize(w13, self.experts.gate_up_proj_scale, x.dtype)
+                w2 = dequantize(w2, self.experts.down_proj_scale, x.dtype)
             out = experts_reference(x, *self.route(logits), w13, w2, self.act, b13, b2)
         return out
 

@@ -36,7 +36,8 @@ def load_model_weights(model: nn.Module, source: ModelSource, disk_cache: bool, 
     cpu32 = param.device.type == "cpu" and param.dtype == torch.float32
     isa = _quantized_isa(source, quantization, cpu32, shard)
     panel_dtype = torch.bfloat16 if quantization == "bf16" else torch.float32
-    packs = cpu32 and (onednn_packing_available() or isa is not None)
+    # fp8: the weights are rounded after loading (ModelRunner), then packed: neither packed nor cached here
+    packs = cpu32 and (onednn_packing_available() or isa is not None) and quantization != "fp8"
     cache = ArtifactCache.from_env() if packs and disk_cache and source.identity is not None else None
     built = []
 
@@ -65,7 +66,7 @@ def load_model_weights(model: nn.Module, source: ModelSource, disk_cache: bool, 
 
 def _quantized_isa(source: ModelSource, quantization: str, cpu32: bool, shard: tuple[int, int]) -> str | None:
     """The instruction set the quantized kernels run with, or None: the weights run in float."""
-    if quantization in ("none", "bf16") or source.stored_weights is None:
+    if quantization in ("none", "bf16", "fp8") or source.stored_weights is None:
         return None
     if not cpu32 or shard[1] != 1:
         if cpu32:

@@ -1,0 +1,103 @@
+"""quantization="fp8": the weights of every linear layer and routed expert in float8 e4m3, quantized as the model
+loads (vLLM's online `--quantization fp8`, with a scale per output feature where vLLM takes one per tensor).
+
+Each output feature (a row of W [N, K]) gets scale = max |row| / 448 (e4m3's largest finite value) and its weights
+become round-to-nearest e4m3 codes of w / scale. Activations, sums, norms, the embedding and the LM head keep the
+model's dtype (weight-only quantization): a decode step reads half the bytes of bfloat16 weights, which is what
+bounds it at small batches and for mixture-of-experts models (kernels/fp8_gemm.py, kernels/moe.py).
+
+Under tensor parallelism a row-parallel layer (o_proj, down_proj, an expert's down projection) holds a slice of each
+row: its rows' maxima are taken over every rank (an all-reduce of the max), so every rank count gives the same codes
+and scales. On the CPU the weights keep float32, holding exactly the values the GPU's codes times scales give
+(`keep_fp8=False`): the model computes what the fp8 model computes, and its fast float32 kernels still apply, but
+no memory is saved. fp8_linear_reference is the torch reference of the GPU kernels.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from picovllm.distributed import TPGroup
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+
+
+def row_scales(amax: torch.Tensor) -> torch.Tensor:
+    """Rows' largest magnitudes -> their float32 scales (an all-zero row gets 1)."""
+    amax = amax.to(torch.float32)
+    return torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+
+
+def quantize_rows(w: torch.Tensor, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [..., N, K] -> (codes [..., N, K] float8 e4m3, scales [..., N] float32) with codes * scales ~ w. amax: each
+    row's largest magnitude, where it spans more than w holds (a tensor-parallel slice)."""
+    if amax is None:
+        amax = w.abs().amax(-1)
+    scale = row_scales(amax)
+    codes = (w.to(torch.float32) / scale[..., None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
+    return codes, scale
+
+
+def dequantize(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (codes.to(torch.float32) * scale[..., None]).to(dtype)
+
+
+def fp8_linear_reference(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
+                         bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ (codes * scale).T (+ bias): kernels/fp8_gemm.fp8_linear's reference."""
+    return F.linear(x, dequantize(codes, scale, x.dtype), bias)
+
+
+def fp8_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """A float8 linear layer's forward: the Triton kernel where the layers run theirs, else the reference."""
+    from picovllm import kernels
+    if kernels.use_triton(x):
+        from picovllm.kernels.fp8_gemm import fp8_linear as kernel   # triton: imported at the first GPU call
+        return kernel(x, codes, scale, bias)
+    return fp8_linear_reference(x, codes, scale, bias)
+
+
+def _row_max(w: torch.Tensor, sliced_rows: bool, tp: TPGroup) -> torch.Tensor:
+    """Each row's largest magnitude; sliced_rows: each rank holds a slice of every row (row-parallel), so the
+    maximum is taken over the ranks too."""
+    amax = w.detach().abs().amax(-1).to(torch.float32)
+    if sliced_rows and tp.size > 1:
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=tp.group)
+    return amax
+
+
+def _quantize_param(module: nn.Module, name: str, sliced_rows: bool, tp: TPGroup, keep_fp8: bool) -> None:
+    """module.<name> (a float weight [..., N, K]) -> float8 codes, with module.<name>_scale [..., N]; or, keep_fp8
+    False, the same values in the weight's own dtype."""
+    w = getattr(module, name)
+    codes, scale = quantize_rows(w.data, _row_max(w.data, sliced_rows, tp))
+    if keep_fp8:
+        setattr(module, name, nn.Parameter(codes, requires_grad=False))
+        getattr(module, name).weight_loader = getattr(w, "weight_loader", None)
+        module.register_buffer(name + "_scale", scale, persistent=False)
+    else:
+        w.data.copy_(dequantize(codes, scale, w.dtype))
+
+
+def quantize_model_weights(model: nn.Module, keep_fp8: bool) -> int:
+    """quantization="fp8" on a loaded model: every ColumnParallelLinear and RowParallelLinear weight and every
+    FusedMoE's expert weights, in place (module docstring). Returns how many tensors were quantized."""
+    from picovllm.layers.linear import ColumnParallelLinear, RowParallelLinear
+    from picovllm.layers.moe import FusedMoE
+    n = 0
+    for m in list(model.modules()):
+        if isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and m.weight.dim() == 2 \
+                and m.weight.dtype.is_floating_point and m.weight.dtype != FP8:
+            _quantize_param(m, "weight", isinstance(m, RowParallelLinear), m.tp, keep_fp8)
+            n += 1
+        elif isinstance(m, FusedMoE) and m.experts.gate_up_proj.dtype != FP8:
+            _quantize_param(m.experts, "gate_up_proj", False, m.tp, keep_fp8)
+            _quantize_param(m.experts, "down_proj", True, m.tp, keep_fp8)
+            n += 2
+    if keep_fp8 and torch.cuda.is_available():
+        torch.cuda.empty_cache()        # the float weights' memory back, for the KV cache's profile
+    return n

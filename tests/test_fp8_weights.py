@@ -1,0 +1,228 @@
+"""quantization="fp8": linear and expert weights as float8 e4m3 with a scale per output feature.
+
+Oracles: e4m3's 254 finite values enumerated from its bit fields (sign, 4 exponent bits of bias 7, 3 mantissa bits),
+each weight rounded to the nearest in float64; HF transformers with its projections' weights so rounded, for the
+engine; the float64 product of the rounded weights, for the kernels (interpreted on the CPU, compiled on a GPU).
+"""
+import os
+import random
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from picovllm import LLM, SamplingParams                       # noqa: E402
+from picovllm.layers import fp8_weights                        # noqa: E402
+from tests.test_gemma_moe import build as build_family          # noqa: E402
+from tests.test_parity_hf import LOGPROB_ATOL, make_prompts     # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+CUDA = torch.cuda.is_available()
+ON_GPU = [pytest.mark.gpu, pytest.mark.skipif(not CUDA or INTERPRET, reason="needs CUDA")]
+DEVICES = [pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1")),
+           pytest.param("cuda", marks=ON_GPU)]
+
+
+def e4m3_grid() -> torch.Tensor:
+    """Every finite float8 e4m3fn value, in float64, ascending."""
+    vals = []
+    for e in range(16):
+        for m in range(8):
+            if e == 15 and m == 7:      # the NaN code
+                continue
+            mag = (m / 8) * 2.0 ** -6 if e == 0 else (1 + m / 8) * 2.0 ** (e - 7)
+            vals += [mag, -mag]
+    return torch.tensor(sorted(set(vals)), dtype=torch.float64)
+
+
+def rounded(w: torch.Tensor) -> torch.Tensor:
+    """w [..., N, K] with each row scaled by its max |w| / 448 (float32), rounded to the nearest e4m3 value, scaled
+    back: the weights an fp8 model computes with, in float64."""
+    grid = e4m3_grid()
+    scale = w.abs().amax(-1).to(torch.float32) / 448.0
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale)).double()
+    v = w.double() / scale[..., None]
+    nearest = grid[(v[..., None] - grid).abs().argmin(-1)]
+    return nearest * scale[..., None]
+
+
+def test_quantize_rows_rounds_to_the_nearest_e4m3_value():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(7, 96, generator=g) * torch.logspace(-3, 2, 7)[:, None]
+    w[3] = 0                                               # an all-zero row: scale 1, codes 0
+    w[5, 10] = -w[5].abs().max() * 2                       # the row's max is negative
+    codes, scale = fp8_weights.quantize_rows(w)
+    assert codes.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32 and scale.shape == (7,)
+    assert scale[3] == 1 and codes[3].float().abs().max() == 0
+    assert codes[5, 10].float() == -448                    # the largest magnitude maps to e4m3's largest value
+    got = fp8_weights.dequantize(codes, scale, torch.float64)
+    assert torch.allclose(got, rounded(w), rtol=1e-6, atol=0)
+
+
+def fp8_case(m, n, k, bias, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g)
+    codes, scale = fp8_weights.quantize_rows(torch.randn(n, k, generator=g) * 0.2)
+    b = torch.randn(n, generator=g) if bias else None
+    ref = x.double() @ fp8_weights.dequantize(codes, scale, torch.float64).T + (0 if b is None else b.double())
+    return x, codes, scale, b, ref
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("m,n,k,bias", [(1, 48, 256, False), (5, 40, 200, True), (40, 24, 96, False),
+                                        (70, 130, 72, True), (300, 20, 64, False)])
+def test_fp8_gemm_matches_float64(device, m, n, k, bias):
+    """Every tile size fp8_config picks (decode rows, mid batches, prefill), edges of N, K off every block."""
+    from picovllm.kernels.fp8_gemm import fp8_config, fp8_linear
+    x, codes, scale, b, ref = fp8_case(m, n, k, bias)
+    for dtype, tol in ([(torch.float32, 1e-5)] if device == "cpu" else [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)]):
+        bm, bn, bk, warps, stages = fp8_config(m, n, k)
+        config = (bm, min(bn, 32), min(bk, 64), warps, stages) if device == "cpu" else None   # the interpreter: small
+        y = fp8_linear(x.to(device, dtype), codes.to(device), scale.to(device),
+                       None if b is None else b.to(device, dtype), config=config)
+        assert y.dtype == dtype and y.shape == (m, n)
+        err = ((y.double().cpu() - ref).norm() / ref.norm()).item()
+        assert err < tol, (dtype, err)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_grouped_experts_with_fp8_weights_match_the_reference(device):
+    """fused_experts on float8 experts (decode-sized and prefill-sized batches) against experts_reference on the
+    dequantized weights in float64."""
+    from picovllm.kernels.moe import fused_experts
+    from picovllm.layers.activation import gated_activation
+    from picovllm.layers.moe import experts_reference, route
+    g = torch.Generator().manual_seed(3)
+    experts, h, inter = 8, 32, 24
+    gu, gu_s = fp8_weights.quantize_rows(torch.randn(experts, 2 * inter, h, generator=g) * 0.3)
+    dn, dn_s = fp8_weights.quantize_rows(torch.randn(experts, h, inter, generator=g) * 0.3)
+    act = gated_activation("silu")
+    for tokens in (3, 150):
+        x = torch.randn(tokens, h, generator=g)
+        weights, ids = route(torch.randn(tokens, experts, generator=g), 2, True)
+        ref = experts_reference(x.double(), weights.double(), ids, fp8_weights.dequantize(gu, gu_s, torch.float64),
+                                fp8_weights.dequantize(dn, dn_s, torch.float64), act)
+        d = torch.device(device)
+        out = fused_experts(x.to(d), weights.to(d), ids.to(d), gu.to(d), dn.to(d), act, None, None, gu_s.to(d),
+                            dn_s.to(d))
+        err = ((out.double().cpu() - ref).norm() / ref.norm()).item()
+        assert err < 1e-5, (tokens, err)
+
+
+def hf_rounded_greedy(path, prompts, n):
+    """HF's greedy tokens and logprobs with every projection weight (attention, MLP, experts) rounded as fp8 rounds
+    it (`rounded`); embeddings, norms, routers and the LM head as they are."""
+    import transformers
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                              attn_implementation="eager").eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "_proj" in name and p.dim() >= 2:
+                p.copy_(rounded(p).float())
+    outs, logps = [], []
+    for p in prompts:
+        ids = torch.tensor([p])
+        with torch.no_grad():
+            g = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                               do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0,
+                               eos_token_id=None)
+        toks = g.sequences[0, len(p):].tolist()
+        outs.append(toks)
+        logps.append([torch.log_softmax(lg[0].float(), -1)[t].item() for lg, t in zip(g.logits, toks)])
+    return outs, logps
+
+
+@pytest.fixture(scope="module")
+def moe_model(tmp_path_factory):
+    return build_family(str(tmp_path_factory.mktemp("fp8moe") / "qwen3_moe"), "qwen3_moe")
+
+
+def assert_matches_hf_rounded(path, prompts, **engine):
+    ref, ref_lp = hf_rounded_greedy(path, prompts, 10)
+    llm = LLM(path, quantization="fp8", block_size=8, num_kv_blocks=64, device="cpu", **engine)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=0),
+                        use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    for o, lp in zip(outs, ref_lp):
+        assert [d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] == \
+            pytest.approx(lp, abs=LOGPROB_ATOL)
+    assert llm.engine.scheduler.block_manager.num_free_blocks == 64
+    return llm
+
+
+def test_dense_fp8_engine_matches_hf_with_rounded_weights(tiny_models):
+    """Qwen3 (q/k norms) on the CPU: the CPU keeps float32 weights holding the rounded values, its fast kernels
+    (packed GEMMs, the C decode stack) run them; chunked prefill."""
+    llm = assert_matches_hf_rounded(tiny_models["qwen3"], make_prompts(), max_num_batched_tokens=16)
+    proj = llm.engine.runner.model.layers[0].self_attn.qkv_proj
+    assert proj.weight.dtype == torch.float32 and proj.packed is not None, "the CPU path: rounded float32, packed"
+
+
+def test_moe_fp8_engine_matches_hf_with_rounded_weights(moe_model):
+    """Qwen3-MoE (8 experts, top-2, a dense layer): the experts' weights rounded per expert and output row."""
+    assert_matches_hf_rounded(moe_model, make_prompts(6))
+
+
+def test_fp8_rounding_does_not_depend_on_tensor_parallelism(moe_model):
+    """A row-parallel layer's rank holds part of each row: the row's scale is the max over the ranks, so TP=2 (gloo)
+    gives TP=1's tokens (down_proj and the experts' down projections are row-parallel)."""
+    from tests.test_parity_hf import assert_tp2_matches_tp1
+    assert_tp2_matches_tp1(moe_model, make_prompts(4), quantization="fp8", device="cpu")
+
+
+def test_the_kernels_path_on_float8_weights_matches_the_cpu_path(moe_model, monkeypatch):
+    """The model holding float8 codes (as on a GPU) with the layers routed through the Triton kernels, interpreted
+    on the CPU: the rounded-float32 CPU engine's tokens."""
+    if not INTERPRET:
+        pytest.skip("needs TRITON_INTERPRET=1")
+    from picovllm import kernels
+    prompts = [[random.Random(s).randrange(3, 300) for _ in range(n)] for s, n in ((1, 3), (2, 9))]
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    kw = dict(quantization="fp8", block_size=8, num_kv_blocks=32, device="cpu", attention_backend="torch",
+              enforce_eager=True)
+    ref = [o.outputs[0].token_ids for o in LLM(moe_model, **kw).generate(prompts, sp, use_tqdm=False)]
+    real = fp8_weights.quantize_model_weights
+    monkeypatch.setattr(fp8_weights, "quantize_model_weights", lambda model, keep_fp8: real(model, True))
+    monkeypatch.setattr(kernels, "use_triton", lambda x: True)
+    llm = LLM(moe_model, **kw)
+    layer = llm.engine.runner.model.layers[0]
+    assert layer.self_attn.o_proj.weight.dtype == torch.float8_e4m3fn
+    assert layer.mlp.experts.down_proj.dtype == torch.float8_e4m3fn
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)] == ref
+
+
+def test_fp8_is_a_listed_quantization():
+    from picovllm.config import EngineConfig
+    with pytest.raises(ValueError, match="quantization"):
+        EngineConfig(model="x", quantization="fp4")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("case", ["dense", "moe"])
+def test_gpu_fp8_engine_holds_float8_and_matches_the_cpu(tiny_models, moe_model, case):
+    """On the GPU (CUDA graphs, float32 activations) the weights are float8 codes, half a bfloat16 model's bytes,
+    and the tokens are the CPU fp8 engine's; in bfloat16, the prompts' logprobs stay near the CPU's."""
+    path = tiny_models["qwen3"] if case == "dense" else moe_model
+    prompts = make_prompts(6)
+    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    cpu = [o.outputs[0].token_ids for o in LLM(path, quantization="fp8", device="cpu", num_kv_blocks=64)
+           .generate(prompts, sp, use_tqdm=False)]
+    llm = LLM(path, quantization="fp8", dtype="float32", num_kv_blocks=64)
+    model = llm.engine.runner.model
+    assert model.layers[0].mlp.down_proj.weight.dtype == torch.float8_e4m3fn if case == "dense" else \
+        model.layers[0].mlp.experts.gate_up_proj.dtype == torch.float8_e4m3fn
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)] == cpu
+    del llm
+    bf16 = LLM(path, quantization="fp8", dtype="bfloat16", num_kv_blocks=64)
+    ref = LLM(path, quantization="fp8", device="cpu", num_kv_blocks=64)
+    lp = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    ps = [p for p in prompts if len(p) > 1]
+    errs = []
+    for a, b in zip(bf16.generate(ps, lp, use_tqdm=False), ref.generate(ps, lp, use_tqdm=False)):
+        errs += [abs(x[t].logprob - y[t].logprob) for x, y, t in
+                 zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:], a.prompt_token_ids[1:])]
+    assert sum(errs) / len(errs) < 0.1
