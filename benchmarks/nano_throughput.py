@@ -41,7 +41,8 @@ def make_llm(args, **over) -> LLM:
               enable_prefix_caching=not args.no_prefix_caching,
               gpu_memory_utilization=0.9, async_scheduling=not args.no_overlap,
               tensor_parallel_size=args.tp, warmup=False if args.no_warmup else None,
-              prefill_cuda_graphs=args.prefill_cuda_graphs, kv_cache_dtype=args.kv_cache_dtype)
+              prefill_cuda_graphs=args.prefill_cuda_graphs, kv_cache_dtype=args.kv_cache_dtype,
+              quantization=args.quantization)
     kw.update(over)
     return LLM(args.model, **kw)
 
@@ -245,6 +246,8 @@ def main() -> None:
                     help="prefill_cuda_graphs (default: the engine's, on for one GPU)")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
                     help="the KV cache's dtype: auto (the model's, bf16) or fp8 (e4m3, calibrated scales)")
+    ap.add_argument("--quantization", default="auto", choices=["auto", "fp8"],
+                    help="fp8: linear weights in float8 e4m3 (layers/fp8_weights.py)")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="0.6b", help="the random checkpoint's shape")
     ap.add_argument("--split-target", type=int, help="decode attention's SPLIT_TARGET_PROGRAMS (A/B runs)")
     args = ap.parse_args()
