@@ -39,14 +39,44 @@ def bench_linear(name: str, n: int, k: int, rows: int, copies: int) -> dict:
 
     def fp8():
         for c, s in qs:
-            fp8_linear(x, c, s)
+            fp8_linear(x, c, s, method="triton")
+
+    def widened():
+        for c, s in qs:
+            fp8_linear(x, c, s, method="widen")
 
     ref = torch.nn.functional.linear(x.float(), (qs[0][0].float() * qs[0][1][:, None]))
     err = ((fp8_linear(x, *qs[0]).float() - ref).norm() / ref.norm()).item()
     t16 = do_bench_cudagraph(bf16) * 1000 / copies
     t8 = do_bench_cudagraph(fp8) * 1000 / copies
-    return {"shape": name, "rows": rows, "bf16_us": round(t16, 2), "fp8_us": round(t8, 2),
+    tw = do_bench_cudagraph(widened) * 1000 / copies
+    return {"shape": name, "rows": rows, "bf16_us": round(t16, 2), "fp8_us": round(t8, 2), "widen_us": round(tw, 2),
             "speedup": round(t16 / t8, 2), "fp8_weight_TBps": round(n * k / t8 / 1e6, 2), "rel_err": f"{err:.1e}"}
+
+
+def sweep(name: str, n: int, k: int, rows: int, copies: int) -> dict:
+    """The fastest fp8_linear kernel config for this shape and batch (us, cold weights), beside fp8_config's."""
+    import itertools
+
+    from picovllm.kernels.fp8_gemm import fp8_config
+    qs = [quantize_rows(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02) for _ in range(copies)]
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    bm = fp8_config(rows, n, k)[0]
+    times = {}
+    for bn, bk, w_kn, stages in itertools.product((16, 32, 64), (256, 512, 1024), (True, False), (3, 4)):
+        if bm * bk > 16384 or k % bk:
+            continue
+        cfg = (bm, bn, bk, 4, stages, w_kn)
+        try:
+            times[cfg] = do_bench_cudagraph(lambda: [fp8_linear(x, c, s, config=cfg) for c, s in qs],
+                                            rep=20) * 1000 / copies
+        except Exception as e:       # out of shared memory: not a candidate
+            times[cfg] = float("inf")
+            print("skip", cfg, repr(e)[:80], flush=True)
+    best = min(times, key=times.get)
+    default = fp8_config(rows, n, k)
+    return {"shape": name, "rows": rows, "best": best, "best_us": round(times[best], 2),
+            "default": default, "default_us": round(times.get(default, float("nan")), 2)}
 
 
 def bench_experts(tokens: int, copies: int = 2) -> dict:
@@ -81,8 +111,14 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES))
     ap.add_argument("--expert-tokens", type=int, nargs="+", default=[1, 8, 64, 256, 4096])
     ap.add_argument("--copies", type=int, default=8)
+    ap.add_argument("--sweep", action="store_true", help="the best kernel config per shape and batch, nothing else")
     args = ap.parse_args()
     print(json.dumps({"device": torch.cuda.get_device_name(0)}), flush=True)
+    if args.sweep:
+        for name in args.shapes:
+            for rows in args.rows:
+                print(json.dumps(sweep(name, *SHAPES[name], rows, args.copies)), flush=True)
+        return
     for name in args.shapes:
         for rows in args.rows:
             print(json.dumps(bench_linear(name, *SHAPES[name], rows, args.copies)), flush=True)

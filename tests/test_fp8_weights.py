@@ -73,19 +73,27 @@ def fp8_case(m, n, k, bias, seed=0):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("m,n,k,bias", [(1, 48, 256, False), (5, 40, 200, True), (40, 24, 96, False),
-                                        (70, 130, 72, True), (300, 20, 64, False)])
+                                        (70, 130, 72, True), (300, 20, 64, False),
+                                        *(pytest.param(m, 1024, 3072, False, marks=ON_GPU) for m in (16, 33, 64, 200))])
 def test_fp8_gemm_matches_float64(device, m, n, k, bias):
-    """Every tile size fp8_config picks (decode rows, mid batches, prefill), edges of N, K off every block."""
+    """Every tile size fp8_config picks (decode rows, mid batches, prefill), edges of N, K off every block, and the
+    widened weight through cuBLAS (prefill's path)."""
     from picovllm.kernels.fp8_gemm import fp8_config, fp8_linear
     x, codes, scale, b, ref = fp8_case(m, n, k, bias)
     for dtype, tol in ([(torch.float32, 1e-5)] if device == "cpu" else [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)]):
-        bm, bn, bk, warps, stages = fp8_config(m, n, k)
-        config = (bm, min(bn, 32), min(bk, 64), warps, stages) if device == "cpu" else None   # the interpreter: small
-        y = fp8_linear(x.to(device, dtype), codes.to(device), scale.to(device),
-                       None if b is None else b.to(device, dtype), config=config)
-        assert y.dtype == dtype and y.shape == (m, n)
-        err = ((y.double().cpu() - ref).norm() / ref.norm()).item()
-        assert err < tol, (dtype, err)
+        bm, bn, bk, warps, stages, _ = fp8_config(m, n, k)
+        if device == "cpu":      # the interpreter: small tiles
+            bn, bk = min(bn, 32), min(bk, 64)
+        from picovllm.kernels.fp8_gemm import TRITON_MAX_ROWS
+        for method, w_kn in (("triton", True), ("triton", False), ("widen", None)):
+            if method == "triton" and m > TRITON_MAX_ROWS and device == "cuda":
+                continue        # past its rows fp8_linear widens; the interpreter still checks its tiles there
+            config = (bm, bn, bk, warps, stages, w_kn) if device == "cpu" or not w_kn else None
+            y = fp8_linear(x.to(device, dtype), codes.to(device), scale.to(device),
+                           None if b is None else b.to(device, dtype), config=config, method=method)
+            assert y.dtype == dtype and y.shape == (m, n)
+            err = ((y.double().cpu() - ref).norm() / ref.norm()).item()
+            assert err < tol, (dtype, method, w_kn, err)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -3,8 +3,10 @@
 multiplied on the tensor cores, and the sums scaled by the features' scales once at the end. The weight bytes a
 decode step streams are halved against bfloat16; activations and sums keep the model's dtype (weight-only).
 
-One kernel for every batch; the tile follows the rows (fp8_config): few rows (decode) take 16-row tiles and a
-narrow slice of features each, so that enough programs stream the weight; many rows (prefill) take 128 x 128 tiles.
+Decode batches (up to TRITON_MAX_ROWS rows) take all their rows and a narrow slice of the features a program, so
+that enough programs stream the weight (fp8_config). Larger batches (prefill, compute-bound) widen the weight to x's
+dtype (times its scales) and multiply by cuBLAS: this kernel's tensor-core tiles ran those shapes at 0.4x of
+cuBLAS on bfloat16 weights, the widened weight at about 0.85x (BENCHMARKS.md).
 The torch reference is layers.fp8_weights.fp8_linear_reference.
 """
 from __future__ import annotations
@@ -20,22 +22,31 @@ from picovllm.kernels.pdl import launch_options, wait_for_previous
 @triton.jit(do_not_specialize=["M"])        # one compiled kernel for every batch size of a tile
 def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                      HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+                     W_KN: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+    """W_KN: each weight tile loaded as [BLOCK_K, BLOCK_N] (the dot's B as it is), else as [BLOCK_N, BLOCK_K] rows
+    and transposed; which is faster depends on the shape (fp8_config)."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     mask_m = offs_m < M
     mask_n = offs_n < N
     x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
-    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    if W_KN:
+        w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]     # [BLOCK_K, BLOCK_N]: w.T
+    else:
+        w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]     # [BLOCK_N, BLOCK_K]
     scale = tl.load(s_ptr + offs_n, mask=mask_n, other=0.0)     # a weight's: before the wait (pdl.py's rule)
     wait_for_previous(PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         in_k = k0 + offs_k < K
         x = tl.load(x_ptrs, mask=mask_m[:, None] & in_k[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=mask_n[:, None] & in_k[None, :], other=0.0)
-        acc += tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=DOT_PRECISION)
+        if W_KN:
+            w = tl.load(w_ptrs, mask=in_k[:, None] & mask_n[None, :], other=0.0)
+            acc += tl.dot(x, w.to(x.dtype), input_precision=DOT_PRECISION)
+        else:
+            w = tl.load(w_ptrs, mask=mask_n[:, None] & in_k[None, :], other=0.0)
+            acc += tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=DOT_PRECISION)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     acc *= scale[None, :]
@@ -45,30 +56,54 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stri
              mask=mask_m[:, None] & mask_n[None, :])
 
 
-def fp8_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for m rows of x and an [n, k] weight."""
-    if m <= 16:     # decode: every byte of the weight read once, by at least ~n / 32 programs
-        return 16, 16 if n <= 4096 else 32, 512 if k >= 4096 else 256, 4, 4
-    if m <= 64:
-        return 64, 32 if n <= 4096 else 64, 128, 4, 4
-    if m <= 256:
-        return 64, 128, 64, 4, 4
-    return 128, 128, 64, 8, 3
+@triton.jit
+def _widen_kernel(w_ptr, s_ptr, out_ptr, K, BLOCK_K: tl.constexpr):
+    """out[n] = w[n] * scale[n] in out's dtype, a row a program (the widened weight cuBLAS multiplies)."""
+    n = tl.program_id(0).to(tl.int64)
+    scale = tl.load(s_ptr + n)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        w = tl.load(w_ptr + n * K + k, mask=k < K, other=0.0)
+        tl.store(out_ptr + n * K + k, (w.to(tl.float32) * scale).to(out_ptr.dtype.element_ty), mask=k < K)
+
+
+def widen(w: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """w [N, K] float8 (contiguous) times its row scales, in dtype: fp8_weights.dequantize in one kernel."""
+    out = torch.empty(w.shape, dtype=dtype, device=w.device)
+    _widen_kernel[(w.shape[0],)](w, scale, out, w.shape[1], BLOCK_K=1024, num_warps=4)
+    return out
+
+
+def fp8_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int, bool]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, W_KN) for m <= TRITON_MAX_ROWS rows of x and an [n, k]
+    weight: every program takes all the rows and a narrow slice of the features, streaming its slice of the weight
+    in long chunks (the skinny kernel's way with bfloat16)."""
+    block_m = max(16, triton.next_power_of_2(m))
+    block_k = min(next((b for b in (1024, 512, 256) if k % b == 0), 128), 16384 // block_m)   # x: 32 KB a stage
+    return block_m, 16 if n <= 2048 else 32, block_k, 4, 3, True
+
+
+# x with more rows than this (prefill) goes to cuBLAS on the weight widened to x's dtype (fp8_linear)
+TRITON_MAX_ROWS = 64
 
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
-               config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
-    """x [..., K] @ (w [N, K] float8 * scale [N] float32 per row).T (+ bias [N]) -> [..., N] in x's dtype."""
+               config: tuple[int, int, int, int, int, bool] | None = None, method: str | None = None) -> torch.Tensor:
+    """x [..., K] @ (w [N, K] float8 * scale [N] float32 per row).T (+ bias [N]) -> [..., N] in x's dtype. method:
+    "triton" (the kernel) or "widen" (cuBLAS on w times its scales, widened to x's dtype by `widen`); None: the
+    kernel up to TRITON_MAX_ROWS rows."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m, (n, k) = x2.shape[0], w.shape
+    if (method or ("triton" if m <= TRITON_MAX_ROWS else "widen")) == "widen":
+        return torch.nn.functional.linear(x2, widen(w, scale, x.dtype), bias).view(*lead, n)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m:
-        bm, bn, bk, warps, stages = config or fp8_config(m, n, k)
+        bm, bn, bk, warps, stages, w_kn = config or fp8_config(m, n, k)
         _fp8_gemm_kernel[(triton.cdiv(n, bn), triton.cdiv(m, bm))](
             x2, w, scale, bias if bias is not None else scale, y, m, n, k, x2.stride(0), w.stride(0), y.stride(0),
-            HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_PRECISION=dot_precision(x.dtype),
+            HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, W_KN=w_kn, DOT_PRECISION=dot_precision(x.dtype),
             num_warps=warps, num_stages=stages, **launch_options(x))
     return y.view(*lead, n)
