@@ -76,11 +76,13 @@ def widen(w: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Ten
 
 def fp8_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int, bool]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, W_KN) for m <= TRITON_MAX_ROWS rows of x and an [n, k]
-    weight: every program takes all the rows and a narrow slice of the features, streaming its slice of the weight
-    in long chunks (the skinny kernel's way with bfloat16)."""
+    weight: every program takes all the rows and a narrow slice of the features, streaming its slice of the weight.
+    The fastest of 36 configs at Qwen3-0.6B's, -8B's and -30B-A3B's shapes, 1, 16 and 64 rows, on an H100
+    (BENCHMARKS.md): 256-wide chunks but for the longest rows, slices of 16-64 features by the width."""
     block_m = max(16, triton.next_power_of_2(m))
-    block_k = min(next((b for b in (1024, 512, 256) if k % b == 0), 128), 16384 // block_m)   # x: 32 KB a stage
-    return block_m, 16 if n <= 2048 else 32, block_k, 4, 3, True
+    block_k = 1024 if k >= 8192 and block_m == 16 else 256 if k % 256 == 0 else 128
+    block_n = 64 if m > 32 and n >= 5120 else 32 if n > 2048 else 16
+    return block_m, block_n, block_k, 4, 3, False
 
 
 # x with more rows than this (prefill) goes to cuBLAS on the weight widened to x's dtype (fp8_linear)
