@@ -105,15 +105,53 @@ def bench_experts(tokens: int, copies: int = 2) -> dict:
             "speedup": round(t16 / t8, 2)}
 
 
+def expert_sweep(tokens: int) -> dict:
+    """The fastest decode tile of the grouped GEMM on float8 experts (Qwen3-30B-A3B's), beside expert_tiles'."""
+    import itertools
+
+    from picovllm.kernels import moe
+    e, h, i = 128, 2048, 768
+    layers = []
+    for _ in range(2):
+        gu, dn = (torch.randn(e, 2 * i, h, device="cuda", dtype=torch.bfloat16) * 0.02,
+                  torch.randn(e, h, i, device="cuda", dtype=torch.bfloat16) * 0.02)
+        layers.append((*quantize_rows(gu), *quantize_rows(dn)))
+    x = torch.randn(tokens, h, device="cuda", dtype=torch.bfloat16)
+    w, ids = route_topk(torch.randn(tokens, e, device="cuda"), 8, True)
+    act = gated_activation("silu")
+    default, real = moe.expert_tiles(tokens * 8, e), moe.expert_tiles
+    times = {}
+    for bn, bk, stages, warps in itertools.product((32, 64, 128), (128, 256), (3, 4), (4,)):
+        tiles = dict(default, block_n=bn, block_k=bk, num_stages=stages, num_warps=warps)
+        moe.expert_tiles = lambda pairs, experts: tiles
+        try:
+            times[(bn, bk, stages, warps)] = do_bench_cudagraph(
+                lambda: [fused_experts(x, w, ids, gc, dc, act, None, None, gs, ds) for gc, gs, dc, ds in layers],
+                rep=20) * 1000 / 2
+        except Exception:
+            pass
+        finally:
+            moe.expert_tiles = real
+    best = min(times, key=times.get)
+    key = (default["block_n"], default["block_k"], default["num_stages"], default["num_warps"])
+    return {"shape": "30b-a3b experts fp8", "rows": tokens, "best": best, "best_us": round(times[best], 2),
+            "default": key, "default_us": round(times.get(key, float("nan")), 2)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 128, 512, 4096])
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES))
     ap.add_argument("--expert-tokens", type=int, nargs="+", default=[1, 8, 64, 256, 4096])
     ap.add_argument("--copies", type=int, default=8)
+    ap.add_argument("--expert-sweep", action="store_true", help="the grouped GEMM's best decode tile on fp8 experts")
     ap.add_argument("--sweep", action="store_true", help="the best kernel config per shape and batch, nothing else")
     args = ap.parse_args()
     print(json.dumps({"device": torch.cuda.get_device_name(0)}), flush=True)
+    if args.expert_sweep:
+        for t in args.expert_tokens:
+            print(json.dumps(expert_sweep(t)), flush=True)
+        return
     if args.sweep:
         for name in args.shapes:
             for rows in args.rows:
