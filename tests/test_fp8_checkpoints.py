@@ -126,11 +126,12 @@ def prompts() -> list[list[int]]:
     return [[rng.randrange(3, 384) for _ in range(n)] for n in (1, 9, 33)]
 
 
-def assert_matches_hf(dense_path: str, fp8_path: str, new: int = 8) -> None:
-    """Ours on the FP8 folder gives HF's greedy tokens and logprobs on the dense one."""
+def assert_matches_hf(dense_path: str, fp8_path: str, new: int = 8, **engine) -> LLM:
+    """Ours on the FP8 folder gives HF's greedy tokens and logprobs on the dense one (engine: more LLM arguments);
+    returns the engine, shut down."""
     ps = prompts()
     ref, ref_lp = hf_greedy(dense_path, ps, new)
-    llm = LLM(fp8_path, block_size=4, num_kv_blocks=64, device="cpu", max_num_batched_tokens=16)
+    llm = LLM(fp8_path, block_size=4, num_kv_blocks=64, device="cpu", max_num_batched_tokens=16, **engine)
     outs = llm.generate(ps, SamplingParams(temperature=0, max_tokens=new, ignore_eos=True, logprobs=0),
                         use_tqdm=False)
     llm.shutdown()
@@ -138,6 +139,7 @@ def assert_matches_hf(dense_path: str, fp8_path: str, new: int = 8) -> None:
     for o, want in zip(outs, ref_lp):
         got = [d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
         assert got == pytest.approx(want, abs=LOGPROB_ATOL)
+    return llm
 
 
 @pytest.fixture(scope="module")

@@ -49,6 +49,26 @@ def rounded(w: torch.Tensor) -> torch.Tensor:
     return nearest * scale[..., None]
 
 
+def rounded_blocks(w: torch.Tensor, bn: int, bk: int) -> torch.Tensor:
+    """`rounded` with a scale per bn x bk block (the last ones cut short) instead of per row."""
+    out = torch.empty(w.shape, dtype=torch.float64)
+    for i in range(0, w.shape[0], bn):
+        for j in range(0, w.shape[1], bk):
+            blk = w[i:i + bn, j:j + bk]
+            out[i:i + bn, j:j + bk] = rounded(blk.reshape(1, -1)).reshape(blk.shape)
+    return out
+
+
+def test_block_scales_round_each_block_to_the_nearest_e4m3_value():
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(70, 96, generator=g) * torch.logspace(-2, 1, 70)[:, None]
+    w[32:48, 48:] = 0                                      # an all-zero block
+    codes, scale = fp8_weights.quantize_rows(w, block=(16, 48))
+    assert scale.shape == (5, 2) and scale[2, 1] == 1
+    assert torch.allclose(fp8_weights.dequantize(codes, scale, torch.float64, (16, 48)), rounded_blocks(w, 16, 48),
+                          rtol=1e-6, atol=0)
+
+
 def test_quantize_rows_rounds_to_the_nearest_e4m3_value():
     g = torch.Generator().manual_seed(0)
     w = torch.randn(7, 96, generator=g) * torch.logspace(-3, 2, 7)[:, None]
@@ -97,6 +117,24 @@ def test_fp8_gemm_matches_float64(device, m, n, k, bias):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("m,n,k,block", [(3, 40, 96, (16, 32)), (70, 130, 200, (32, 64)), (9, 64, 256, (1, 128)),
+                                         *(pytest.param(m, 1024, 3072, (128, 128), marks=ON_GPU)
+                                           for m in (1, 64, 300))])
+def test_fp8_gemm_with_block_scales_matches_float64(device, m, n, k, block):
+    """A scale per block (an FP8 checkpoint's), blocks cut short at both edges; the kernel's chunks within a block."""
+    from picovllm.kernels.fp8_gemm import fp8_linear
+    g = torch.Generator().manual_seed(m)
+    x = torch.randn(m, k, generator=g)
+    codes, scale = fp8_weights.quantize_rows(torch.randn(n, k, generator=g) * 0.2, block=block)
+    ref = x.double() @ fp8_weights.dequantize(codes, scale, torch.float64, block).T
+    config = (max(16, 1 << (m - 1).bit_length()) if m <= 64 else 64, 16, 64, 4, 2, False) if device == "cpu" else None
+    for method in (("triton", "widen") if m <= 64 or device == "cpu" else ("widen",)):
+        y = fp8_linear(x.to(device), codes.to(device), scale.to(device), block=block, config=config, method=method)
+        err = ((y.double().cpu() - ref).norm() / ref.norm()).item()
+        assert err < 1e-5, (method, err)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_grouped_experts_with_fp8_weights_match_the_reference(device):
     """fused_experts on float8 experts (decode-sized and prefill-sized batches) against experts_reference on the
     dequantized weights in float64."""
@@ -105,19 +143,23 @@ def test_grouped_experts_with_fp8_weights_match_the_reference(device):
     from picovllm.layers.moe import experts_reference, route
     g = torch.Generator().manual_seed(3)
     experts, h, inter = 8, 32, 24
-    gu, gu_s = fp8_weights.quantize_rows(torch.randn(experts, 2 * inter, h, generator=g) * 0.3)
-    dn, dn_s = fp8_weights.quantize_rows(torch.randn(experts, h, inter, generator=g) * 0.3)
+    gu_w = torch.randn(experts, 2 * inter, h, generator=g) * 0.3
+    dn_w = torch.randn(experts, h, inter, generator=g) * 0.3
     act = gated_activation("silu")
-    for tokens in (3, 150):
-        x = torch.randn(tokens, h, generator=g)
-        weights, ids = route(torch.randn(tokens, experts, generator=g), 2, True)
-        ref = experts_reference(x.double(), weights.double(), ids, fp8_weights.dequantize(gu, gu_s, torch.float64),
-                                fp8_weights.dequantize(dn, dn_s, torch.float64), act)
-        d = torch.device(device)
-        out = fused_experts(x.to(d), weights.to(d), ids.to(d), gu.to(d), dn.to(d), act, None, None, gu_s.to(d),
-                            dn_s.to(d))
-        err = ((out.double().cpu() - ref).norm() / ref.norm()).item()
-        assert err < 1e-5, (tokens, err)
+    for block in (None, (16, 16)):     # a scale a row; a scale a block, down's K (24) cut short
+        gu, gu_s = fp8_weights.quantize_rows(gu_w, block=block)
+        dn, dn_s = fp8_weights.quantize_rows(dn_w, block=block)
+        for tokens in (3, 150):
+            x = torch.randn(tokens, h, generator=g)
+            weights, ids = route(torch.randn(tokens, experts, generator=g), 2, True)
+            ref = experts_reference(x.double(), weights.double(), ids,
+                                    fp8_weights.dequantize(gu, gu_s, torch.float64, block),
+                                    fp8_weights.dequantize(dn, dn_s, torch.float64, block), act)
+            d = torch.device(device)
+            out = fused_experts(x.to(d), weights.to(d), ids.to(d), gu.to(d), dn.to(d), act, None, None, gu_s.to(d),
+                                dn_s.to(d), block)
+            err = ((out.double().cpu() - ref).norm() / ref.norm()).item()
+            assert err < 1e-5, (block, tokens, err)
 
 
 def hf_rounded_greedy(path, prompts, n):
@@ -193,7 +235,8 @@ def test_the_kernels_path_on_float8_weights_matches_the_cpu_path(moe_model, monk
               enforce_eager=True)
     ref = [o.outputs[0].token_ids for o in LLM(moe_model, **kw).generate(prompts, sp, use_tqdm=False)]
     real = fp8_weights.quantize_model_weights
-    monkeypatch.setattr(fp8_weights, "quantize_model_weights", lambda model, keep_fp8: real(model, True))
+    monkeypatch.setattr(fp8_weights, "quantize_model_weights",
+                        lambda model, keep_fp8, block=None: real(model, True, block))
     monkeypatch.setattr(kernels, "use_triton", lambda x: True)
     llm = LLM(moe_model, **kw)
     layer = llm.engine.runner.model.layers[0]
@@ -234,3 +277,44 @@ def test_gpu_fp8_engine_holds_float8_and_matches_the_cpu(tiny_models, moe_model,
         errs += [abs(x[t].logprob - y[t].logprob) for x, y, t in
                  zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:], a.prompt_token_ids[1:])]
     assert sum(errs) / len(errs) < 0.1
+
+
+def test_an_fp8_checkpoint_comes_back_as_its_own_codes(tmp_path, monkeypatch):
+    """quantization="fp8" on a block-quantized FP8 checkpoint (Qwen3-*-FP8's form, blocks that divide the weights):
+    dequantized at load, quantized again in its blocks, the model holds the checkpoint's codes exactly (q, k and v's
+    fused, gate and up's fused) with its scales; run through the kernels (interpreted), its greedy tokens and
+    logprobs are HF's on the checkpoint's float64 dequantization."""
+    if not INTERPRET:
+        pytest.skip("needs TRITON_INTERPRET=1")
+    from safetensors.torch import load_file
+
+    from picovllm import kernels
+    from tests.conftest import build_tiny_checkpoint
+    from tests.test_fp8_checkpoints import QWEN3_FP8, assert_matches_hf, fp8_folders
+    src = build_tiny_checkpoint(str(tmp_path / "qwen3"), "qwen3")
+    spec = ({**QWEN3_FP8, "weight_block_size": [32, 64], "modules_to_not_convert": []}, (32, 64), "weight_scale_inv",
+            "float32", None)
+    fp8_path, dense_path, dense_sd = fp8_folders(src, str(tmp_path), "blocks", spec)
+    # the checkpoint's one unquantized linear (test_fp8_checkpoints.LEFT_DENSE) is rounded in blocks too, as "fp8"
+    # rounds a dense model's
+    from safetensors.torch import save_file
+
+    from tests.test_fp8_checkpoints import LEFT_DENSE
+    dense_sd[LEFT_DENSE + ".weight"] = rounded_blocks(dense_sd[LEFT_DENSE + ".weight"], 32, 64).float()
+    save_file(dense_sd, os.path.join(dense_path, "model.safetensors"), metadata={"format": "pt"})
+    real = fp8_weights.quantize_model_weights
+    monkeypatch.setattr(fp8_weights, "quantize_model_weights", lambda model, keep_fp8, block=None: real(model, True,
+                                                                                                         block))
+    monkeypatch.setattr(kernels, "use_triton", lambda x: True)
+    llm = assert_matches_hf(dense_path, fp8_path, quantization="fp8", attention_backend="torch")
+    sd = load_file(os.path.join(fp8_path, "model.safetensors"))
+    layer = llm.engine.runner.model.layers[1]
+    p = "model.layers.1."
+    qkv = layer.self_attn.qkv_proj
+    assert qkv.weight_block == (32, 64)
+    assert torch.equal(qkv.weight.view(torch.uint8), torch.cat(
+        [sd[p + f"self_attn.{x}_proj.weight"] for x in "qkv"]).view(torch.uint8))
+    want = torch.cat([sd[p + f"self_attn.{x}_proj.weight_scale_inv"] for x in "qkv"])
+    assert torch.allclose(qkv.weight_scale, want, rtol=1e-6, atol=0)
+    down = llm.engine.runner.model.layers[0].mlp.down_proj
+    assert torch.equal(down.weight.view(torch.uint8), sd["model.layers.0.mlp.down_proj.weight"].view(torch.uint8))

@@ -96,7 +96,7 @@ class ModelRunner:
             self.kv_scales = kv_scales.bind_calibrated(self.model, source, tp, self.device)
         if config.quantization == "fp8":      # after the fp8 KV cache's fold into o_proj, which needs W's own values
             keep = self.device.type == "cuda"
-            fp8_weights.quantize_model_weights(self.model, keep_fp8=keep)
+            fp8_weights.quantize_model_weights(self.model, keep_fp8=keep, block=source.fp8_block)
             if not keep and self.dtype == torch.float32:
                 pack_linear_weights(self.model)     # the CPU's packed copies of the rounded weights
         self.kv_cache: torch.Tensor | None = None

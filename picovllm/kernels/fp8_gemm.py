@@ -20,11 +20,14 @@ from picovllm.kernels.pdl import launch_options, wait_for_previous
 
 
 @triton.jit(do_not_specialize=["M"])        # one compiled kernel for every batch size of a tile
-def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, stride_sn,
+                     stride_sk, SBN, SBK,
                      HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     W_KN: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+                     W_KN: tl.constexpr, BLOCKED: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
     """W_KN: each weight tile loaded as [BLOCK_K, BLOCK_N] (the dot's B as it is), else as [BLOCK_N, BLOCK_K] rows
-    and transposed; which is faster depends on the shape (fp8_config)."""
+    and transposed; which is faster depends on the shape (fp8_config). BLOCKED: a scale per SBN x SBK block of w
+    (an FP8 checkpoint's), each chunk's sums times its blocks' scales (BLOCK_K divides SBK); else one per row, the
+    sums scaled once at the end."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
@@ -35,21 +38,26 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stri
         w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]     # [BLOCK_K, BLOCK_N]: w.T
     else:
         w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]     # [BLOCK_N, BLOCK_K]
-    scale = tl.load(s_ptr + offs_n, mask=mask_n, other=0.0)     # a weight's: before the wait (pdl.py's rule)
+    if not BLOCKED:
+        scale = tl.load(s_ptr + offs_n * stride_sn, mask=mask_n, other=0.0)  # a weight's: before the wait (pdl.py)
     wait_for_previous(PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         in_k = k0 + offs_k < K
         x = tl.load(x_ptrs, mask=mask_m[:, None] & in_k[None, :], other=0.0)
         if W_KN:
-            w = tl.load(w_ptrs, mask=in_k[:, None] & mask_n[None, :], other=0.0)
-            acc += tl.dot(x, w.to(x.dtype), input_precision=DOT_PRECISION)
+            w = tl.load(w_ptrs, mask=in_k[:, None] & mask_n[None, :], other=0.0).to(x.dtype)
         else:
-            w = tl.load(w_ptrs, mask=mask_n[:, None] & in_k[None, :], other=0.0)
-            acc += tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=DOT_PRECISION)
+            w = tl.trans(tl.load(w_ptrs, mask=mask_n[:, None] & in_k[None, :], other=0.0).to(x.dtype))
+        if BLOCKED:
+            s = tl.load(s_ptr + (offs_n // SBN) * stride_sn + (k0 // SBK) * stride_sk, mask=mask_n, other=0.0)
+            acc += tl.dot(x, w, input_precision=DOT_PRECISION) * s[None, :]
+        else:
+            acc += tl.dot(x, w, input_precision=DOT_PRECISION)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    acc *= scale[None, :]
+    if not BLOCKED:
+        acc *= scale[None, :]
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
@@ -57,20 +65,30 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stri
 
 
 @triton.jit
-def _widen_kernel(w_ptr, s_ptr, out_ptr, K, BLOCK_K: tl.constexpr):
-    """out[n] = w[n] * scale[n] in out's dtype, a row a program (the widened weight cuBLAS multiplies)."""
+def _widen_kernel(w_ptr, s_ptr, out_ptr, K, stride_sn, stride_sk, SBN, SBK, BLOCK_K: tl.constexpr):
+    """out[n, k] = w[n, k] * its scale in out's dtype, a row a program (the widened weight cuBLAS multiplies); the
+    scale of (n, k) at (n // SBN, k // SBK) (a row's own: SBN 1, stride_sk 0)."""
     n = tl.program_id(0).to(tl.int64)
-    scale = tl.load(s_ptr + n)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         w = tl.load(w_ptr + n * K + k, mask=k < K, other=0.0)
+        scale = tl.load(s_ptr + (n // SBN) * stride_sn + (k // SBK) * stride_sk, mask=k < K, other=0.0)
         tl.store(out_ptr + n * K + k, (w.to(tl.float32) * scale).to(out_ptr.dtype.element_ty), mask=k < K)
 
 
-def widen(w: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """w [N, K] float8 (contiguous) times its row scales, in dtype: fp8_weights.dequantize in one kernel."""
+def scale_grid(scale: torch.Tensor, block: tuple[int, int] | None) -> tuple[int, int, int, int]:
+    """(stride_sn, stride_sk, SBN, SBK) of a weight's scales: [N] one a row (block None), or [ceil(N / bn),
+    ceil(K / bk)] one a bn x bk block."""
+    if block is None:
+        return scale.stride(0), 0, 1, 1
+    return scale.stride(0), scale.stride(1), block[0], block[1]
+
+
+def widen(w: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+          block: tuple[int, int] | None = None) -> torch.Tensor:
+    """w [N, K] float8 (contiguous) times its scales, in dtype: fp8_weights.dequantize in one kernel."""
     out = torch.empty(w.shape, dtype=dtype, device=w.device)
-    _widen_kernel[(w.shape[0],)](w, scale, out, w.shape[1], BLOCK_K=1024, num_warps=4)
+    _widen_kernel[(w.shape[0],)](w, scale, out, w.shape[1], *scale_grid(scale, block), BLOCK_K=1024, num_warps=4)
     return out
 
 
@@ -85,27 +103,41 @@ def fp8_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int, bool]:
     return block_m, block_n, block_k, 4, 3, False
 
 
+def block_divisor(cols: int) -> int:
+    """The largest power of two (at least 16, tl.dot's least K) dividing a scale block's columns; ValueError past
+    that."""
+    d = cols & -cols
+    if d < 16:
+        raise ValueError(f"FP8 scale blocks of {cols} columns: the kernels take blocks of a multiple of 16 columns")
+    return d
+
+
 # x with more rows than this (prefill) goes to cuBLAS on the weight widened to x's dtype (fp8_linear)
 TRITON_MAX_ROWS = 64
 
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
-               config: tuple[int, int, int, int, int, bool] | None = None, method: str | None = None) -> torch.Tensor:
-    """x [..., K] @ (w [N, K] float8 * scale [N] float32 per row).T (+ bias [N]) -> [..., N] in x's dtype. method:
-    "triton" (the kernel) or "widen" (cuBLAS on w times its scales, widened to x's dtype by `widen`); None: the
-    kernel up to TRITON_MAX_ROWS rows."""
+               block: tuple[int, int] | None = None, config: tuple[int, int, int, int, int, bool] | None = None,
+               method: str | None = None) -> torch.Tensor:
+    """x [..., K] @ (w [N, K] float8 * its scales).T (+ bias [N]) -> [..., N] in x's dtype. scale: [N] float32, one
+    a row; or with block (bn, bk), [ceil(N / bn), ceil(K / bk)], one a block. method: "triton" (the kernel) or
+    "widen" (cuBLAS on w times its scales, widened to x's dtype by `widen`); None: the kernel up to TRITON_MAX_ROWS
+    rows."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m, (n, k) = x2.shape[0], w.shape
     if (method or ("triton" if m <= TRITON_MAX_ROWS else "widen")) == "widen":
-        return torch.nn.functional.linear(x2, widen(w, scale, x.dtype), bias).view(*lead, n)
+        return torch.nn.functional.linear(x2, widen(w, scale, x.dtype, block), bias).view(*lead, n)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m:
         bm, bn, bk, warps, stages, w_kn = config or fp8_config(m, n, k)
+        if block is not None:       # a chunk within one block of columns
+            bk = min(bk, block_divisor(block[1]))
         _fp8_gemm_kernel[(triton.cdiv(n, bn), triton.cdiv(m, bm))](
             x2, w, scale, bias if bias is not None else scale, y, m, n, k, x2.stride(0), w.stride(0), y.stride(0),
-            HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, W_KN=w_kn, DOT_PRECISION=dot_precision(x.dtype),
-            num_warps=warps, num_stages=stages, **launch_options(x))
+            *scale_grid(scale, block), HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, W_KN=w_kn,
+            BLOCKED=block is not None, DOT_PRECISION=dot_precision(x.dtype), num_warps=warps, num_stages=stages,
+            **launch_options(x))
     return y.view(*lead, n)

@@ -20,17 +20,19 @@ import triton
 import triton.language as tl
 
 from picovllm.kernels.decode_attention import dot_precision
+from picovllm.kernels.fp8_gemm import block_divisor, scale_grid
 
 
 @triton.jit
 def _grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, rows_ptr, tile_expert_ptr, scale_ptr, bias_ptr, w_scale_ptr, N, K,
-                         stride_am, stride_we, stride_wn, stride_om, stride_be, stride_se,
-                         A_DIV: tl.constexpr, SCALE: tl.constexpr, BIAS: tl.constexpr, W_SCALE: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         stride_am, stride_we, stride_wn, stride_om, stride_be, stride_se, stride_sn, stride_sk, SBN,
+                         SBK, A_DIV: tl.constexpr, SCALE: tl.constexpr, BIAS: tl.constexpr, W_SCALE: tl.constexpr,
+                         W_BLOCKED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          DOT_PRECISION: tl.constexpr):
-    """out[pair] = (a[pair // A_DIV] @ (w[expert] (* w_scale[expert] by row)).T (+ bias[expert])) (* scale[pair])
-    for the pairs of one row tile. W_SCALE: w is float8 (quantization="fp8"), widened to a's dtype tile by tile, and
-    each output feature's sum times its row's scale."""
+    """out[pair] = (a[pair // A_DIV] @ (w[expert] (* its scales)).T (+ bias[expert])) (* scale[pair]) for the pairs
+    of one row tile. W_SCALE: w is float8 (layers/fp8_weights.py), widened to a's dtype tile by tile; each output
+    feature's sum times its row's scale, or (W_BLOCKED) each chunk's sums times the scales of their SBN x SBK blocks
+    (BLOCK_K divides SBK)."""
     tile = tl.program_id(0)
     expert = tl.load(tile_expert_ptr + tile)
     if expert < 0:
@@ -51,9 +53,15 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, rows_ptr, tile_expert_ptr, scale
                     other=0.0)   # [BLOCK_K, BLOCK_N]: the expert's weight, transposed
         if W_SCALE:
             b = b.to(a.dtype)
-        acc += tl.dot(a, b, input_precision=DOT_PRECISION)
-    if W_SCALE:
-        acc *= tl.load(w_scale_ptr + expert.to(tl.int64) * stride_se + offs_n, mask=offs_n < N, other=0.0)[None, :]
+        if W_BLOCKED:
+            s = tl.load(w_scale_ptr + expert.to(tl.int64) * stride_se + (offs_n // SBN) * stride_sn
+                        + (k0 // SBK) * stride_sk, mask=offs_n < N, other=0.0)
+            acc += tl.dot(a, b, input_precision=DOT_PRECISION) * s[None, :]
+        else:
+            acc += tl.dot(a, b, input_precision=DOT_PRECISION)
+    if W_SCALE and not W_BLOCKED:
+        acc *= tl.load(w_scale_ptr + expert.to(tl.int64) * stride_se + offs_n * stride_sn, mask=offs_n < N,
+                       other=0.0)[None, :]
     if BIAS:
         acc += tl.load(bias_ptr + expert.to(tl.int64) * stride_be + offs_n, mask=offs_n < N,
                        other=0.0).to(tl.float32)[None, :]
@@ -188,17 +196,24 @@ def group_by_expert_torch(ids: torch.Tensor, num_experts: int, block_m: int) -> 
 def grouped_gemm(a: torch.Tensor, w: torch.Tensor, rows: torch.Tensor, tile_expert: torch.Tensor, num_pairs: int,
                  a_div: int, scale: torch.Tensor | None = None, block_m: int = 16, block_n: int = 64,
                  block_k: int = 128, num_warps: int = 4, num_stages: int = 3,
-                 bias: torch.Tensor | None = None, w_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """a [*, K]; w [E, N, K]; bias [E, N] or None; w_scale [E, N] float32 for a float8 w -> out [num_pairs, N]
-    (see _grouped_gemm_kernel; tiles: expert_tiles)."""
+                 bias: torch.Tensor | None = None, w_scale: torch.Tensor | None = None,
+                 w_block: tuple[int, int] | None = None) -> torch.Tensor:
+    """a [*, K]; w [E, N, K]; bias [E, N] or None; for a float8 w its float32 scales w_scale, [E, N] one a row, or
+    with w_block (bn, bk) [E, ceil(N / bn), ceil(K / bk)] one a block -> out [num_pairs, N] (see
+    _grouped_gemm_kernel; tiles: expert_tiles)."""
     n, k = w.shape[1], w.shape[2]
     out = torch.empty(num_pairs, n, dtype=a.dtype, device=a.device)
+    grid_args = (0, 0, 0, 1, 1)
+    if w_scale is not None:
+        grid_args = (w_scale.stride(0), *scale_grid(w_scale[0], w_block))
+        if w_block is not None:
+            block_k = min(block_k, block_divisor(w_block[1]))
     grid = (tile_expert.numel(), triton.cdiv(n, block_n))
     _grouped_gemm_kernel[grid](
         a, w, out, rows, tile_expert, scale if scale is not None else out, bias if bias is not None else out,
         w_scale if w_scale is not None else out, n, k, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
-        bias.stride(0) if bias is not None else 0, w_scale.stride(0) if w_scale is not None else 0,
-        A_DIV=a_div, SCALE=scale is not None, BIAS=bias is not None, W_SCALE=w_scale is not None, BLOCK_M=block_m,
+        bias.stride(0) if bias is not None else 0, *grid_args, A_DIV=a_div, SCALE=scale is not None,
+        BIAS=bias is not None, W_SCALE=w_scale is not None, W_BLOCKED=w_block is not None, BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_K=block_k, DOT_PRECISION=dot_precision(a.dtype), num_warps=num_warps,
         num_stages=num_stages)
     return out
@@ -220,15 +235,16 @@ def expert_tiles(pairs: int, num_experts: int) -> dict:
 def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
                   down: torch.Tensor, act, gate_up_bias: torch.Tensor | None = None,
                   down_bias: torch.Tensor | None = None, gate_up_scale: torch.Tensor | None = None,
-                  down_scale: torch.Tensor | None = None) -> torch.Tensor:
+                  down_scale: torch.Tensor | None = None, w_block: tuple[int, int] | None = None) -> torch.Tensor:
     """As experts_reference: x [T, H]; weights (float32), ids [T, k]; gate_up [E, 2I, H]; down [E, H, I]; the
-    biases [E, 2I] and [E, H] (GPT-OSS's) or None; for float8 weights their row scales [E, 2I] and [E, H]."""
+    biases [E, 2I] and [E, H] (GPT-OSS's) or None; for float8 weights their scales (grouped_gemm's w_scale: one a
+    row, [E, 2I] and [E, H], or one a w_block)."""
     t, top_k = ids.shape
     tiles = expert_tiles(t * top_k, gate_up.shape[0])   # from shapes alone: the same in every replay of a graph
     rows, tile_expert = group_by_expert(ids, gate_up.shape[0], tiles["block_m"])
     x = x.contiguous()
     h = act(grouped_gemm(x, gate_up, rows, tile_expert, t * top_k, top_k, bias=gate_up_bias, w_scale=gate_up_scale,
-                         **tiles))
+                         w_block=w_block, **tiles))
     y = grouped_gemm(h, down, rows, tile_expert, t * top_k, 1, weights.flatten().contiguous(), bias=down_bias,
-                     w_scale=down_scale, **tiles)
+                     w_scale=down_scale, w_block=w_block, **tiles)
     return y.view(t, top_k, -1).sum(1, dtype=torch.float32).to(x.dtype)

@@ -25,78 +25,100 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 
 
+Block = tuple[int, int] | None      # (rows, cols) a scale covers; None: one scale a row (an output feature)
+
+
 def row_scales(amax: torch.Tensor) -> torch.Tensor:
-    """Rows' largest magnitudes -> their float32 scales (an all-zero row gets 1)."""
+    """Rows' (or blocks') largest magnitudes -> their float32 scales (an all-zero one gets 1)."""
     amax = amax.to(torch.float32)
     return torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
 
 
-def quantize_rows(w: torch.Tensor, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [..., N, K] -> (codes [..., N, K] float8 e4m3, scales [..., N] float32) with codes * scales ~ w. amax: each
-    row's largest magnitude, where it spans more than w holds (a tensor-parallel slice)."""
+def _by_block(w: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """w [..., N, K] -> [..., N / bn, bn, K / bk, bk], zero-padded to whole blocks."""
+    bn, bk = block
+    n, k = w.shape[-2:]
+    w = F.pad(w, (0, -k % bk, 0, -n % bn))
+    return w.unflatten(-1, (-1, bk)).unflatten(-3, (-1, bn))
+
+
+def _expand(scale: torch.Tensor, block: Block, shape: torch.Size) -> torch.Tensor:
+    """A weight's scales, one per element of a weight of `shape` (rows' [..., N] or blocks' [..., N / bn, K / bk])."""
+    if block is None:
+        return scale[..., None]
+    n, k = shape[-2:]
+    return scale.repeat_interleave(block[0], -2)[..., :n, :].repeat_interleave(block[1], -1)[..., :k]
+
+
+def quantize_rows(w: torch.Tensor, amax: torch.Tensor | None = None,
+                  block: Block = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [..., N, K] -> (codes [..., N, K] float8 e4m3, scales float32) with codes * scales ~ w: scales [..., N], one
+    a row, or with block (bn, bk) [..., ceil(N / bn), ceil(K / bk)], one a block. amax: each row's largest magnitude,
+    where it spans more than w holds (a tensor-parallel slice)."""
     if amax is None:
-        amax = w.abs().amax(-1)
+        amax = w.abs().amax(-1) if block is None else _by_block(w.abs(), block).amax((-3, -1))
     scale = row_scales(amax)
-    codes = (w.to(torch.float32) / scale[..., None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
+    codes = (w.to(torch.float32) / _expand(scale, block, w.shape)).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
     return codes, scale
 
 
-def dequantize(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return (codes.to(torch.float32) * scale[..., None]).to(dtype)
+def dequantize(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, block: Block = None) -> torch.Tensor:
+    return (codes.to(torch.float32) * _expand(scale, block, codes.shape)).to(dtype)
 
 
 def fp8_linear_reference(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
-                         bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ (codes * scale).T (+ bias): kernels/fp8_gemm.fp8_linear's reference."""
-    return F.linear(x, dequantize(codes, scale, x.dtype), bias)
+                         bias: torch.Tensor | None = None, block: Block = None) -> torch.Tensor:
+    """x @ (codes * scales).T (+ bias): kernels/fp8_gemm.fp8_linear's reference."""
+    return F.linear(x, dequantize(codes, scale, x.dtype, block), bias)
 
 
-def fp8_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
-               bias: torch.Tensor | None = None) -> torch.Tensor:
+def fp8_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+               block: Block = None) -> torch.Tensor:
     """A float8 linear layer's forward: the Triton kernel where the layers run theirs, else the reference."""
     from picovllm import kernels
     if kernels.use_triton(x):
         from picovllm.kernels.fp8_gemm import fp8_linear as kernel   # triton: imported at the first GPU call
-        return kernel(x, codes, scale, bias)
-    return fp8_linear_reference(x, codes, scale, bias)
+        return kernel(x, codes, scale, bias, block)
+    return fp8_linear_reference(x, codes, scale, bias, block)
 
 
-def _row_max(w: torch.Tensor, sliced_rows: bool, tp: TPGroup) -> torch.Tensor:
-    """Each row's largest magnitude; sliced_rows: each rank holds a slice of every row (row-parallel), so the
-    maximum is taken over the ranks too."""
-    amax = w.detach().abs().amax(-1).to(torch.float32)
-    if sliced_rows and tp.size > 1:
-        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=tp.group)
-    return amax
-
-
-def _quantize_param(module: nn.Module, name: str, sliced_rows: bool, tp: TPGroup, keep_fp8: bool) -> None:
-    """module.<name> (a float weight [..., N, K]) -> float8 codes, with module.<name>_scale [..., N]; or, keep_fp8
-    False, the same values in the weight's own dtype."""
+def _quantize_param(module: nn.Module, name: str, sliced_rows: bool, tp: TPGroup, keep_fp8: bool,
+                    block: Block) -> None:
+    """module.<name> (a float weight [..., N, K]) -> float8 codes, with module.<name>_scale (rows' [..., N] or
+    blocks') and module.<name>_block; or, keep_fp8 False, the same values in the weight's own dtype. sliced_rows:
+    each rank holds a slice of every row (row-parallel), so a row's maximum is taken over the ranks too (blocks are
+    each rank's own)."""
     w = getattr(module, name)
-    codes, scale = quantize_rows(w.data, _row_max(w.data, sliced_rows, tp))
+    amax = None
+    if block is None and sliced_rows and tp.size > 1:
+        amax = w.data.abs().amax(-1).to(torch.float32)
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=tp.group)
+    codes, scale = quantize_rows(w.data, amax, block)
     if keep_fp8:
         setattr(module, name, nn.Parameter(codes, requires_grad=False))
         getattr(module, name).weight_loader = getattr(w, "weight_loader", None)
         module.register_buffer(name + "_scale", scale, persistent=False)
+        setattr(module, name + "_block", block)
     else:
-        w.data.copy_(dequantize(codes, scale, w.dtype))
+        w.data.copy_(dequantize(codes, scale, w.dtype, block))
 
 
-def quantize_model_weights(model: nn.Module, keep_fp8: bool) -> int:
+def quantize_model_weights(model: nn.Module, keep_fp8: bool, block: Block = None) -> int:
     """quantization="fp8" on a loaded model: every ColumnParallelLinear and RowParallelLinear weight and every
-    FusedMoE's expert weights, in place (module docstring). Returns how many tensors were quantized."""
+    FusedMoE's expert weights, in place (module docstring); block: a scale per block of that shape (an FP8
+    checkpoint's own, so that its codes come back as they were) rather than per row. Returns how many tensors were
+    quantized."""
     from picovllm.layers.linear import ColumnParallelLinear, RowParallelLinear
     from picovllm.layers.moe import FusedMoE
     n = 0
     for m in list(model.modules()):
         if isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and m.weight.dim() == 2 \
                 and m.weight.dtype.is_floating_point and m.weight.dtype != FP8:
-            _quantize_param(m, "weight", isinstance(m, RowParallelLinear), m.tp, keep_fp8)
+            _quantize_param(m, "weight", isinstance(m, RowParallelLinear), m.tp, keep_fp8, block)
             n += 1
         elif isinstance(m, FusedMoE) and m.experts.gate_up_proj.dtype != FP8:
-            _quantize_param(m.experts, "gate_up_proj", False, m.tp, keep_fp8)
-            _quantize_param(m.experts, "down_proj", True, m.tp, keep_fp8)
+            _quantize_param(m.experts, "gate_up_proj", False, m.tp, keep_fp8, block)
+            _quantize_param(m.experts, "down_proj", True, m.tp, keep_fp8, block)
             n += 2
     if keep_fp8 and torch.cuda.is_available():
         torch.cuda.empty_cache()        # the float weights' memory back, for the KV cache's profile

@@ -49,7 +49,7 @@ class ColumnParallelLinear(nn.Module):
         if self.packed is not None:
             return self.packed(x, self.bias)
         if self.weight.dtype == FP8:     # quantization="fp8" (layers/fp8_weights.py)
-            return fp8_linear(x, self.weight, self.weight_scale, self.bias)
+            return fp8_linear(x, self.weight, self.weight_scale, self.bias, self.weight_block)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -149,7 +149,7 @@ class RowParallelLinear(nn.Module):
         if self.packed is not None:
             y = self.packed(x)
         elif self.weight.dtype == FP8:
-            y = fp8_linear(x, self.weight, self.weight_scale)
+            y = fp8_linear(x, self.weight, self.weight_scale, None, self.weight_block)
         elif _skinny(x, self.weight):   # a decode batch of a few rows (kernels/skinny_gemm.py)
             y = _skinny_kernels().skinny_linear(x, self.weight)
         else:

@@ -174,18 +174,20 @@ class FusedMoE(nn.Module):
         w13, w2 = self.experts.gate_up_proj, self.experts.down_proj
         b13, b2 = self.expert_biases()
         fp8 = w13.dtype == FP8       # quantization="fp8" (layers/fp8_weights.py)
-        if kernels.use_triton(x):   # routed in one kernel, tokens grouped by expert, a grouped GEMM per projection; the torch
+        if kernels.use_triton(x):   # routed in one kernel, tokens grouped by expert, a grouped GEMM a projection; the torch
             from picovllm.kernels.moe import fused_experts, route_topk    # code is their reference
             if self.routing.plain:
                 weights, ids = route_topk(logits, self.top_k, self.renormalize)
             else:       # route_topk is plain softmax only: groups, scales, sigmoid in torch ops, then the same GEMMs
                 weights, ids = self.route(logits)
+            ex = self.experts
             out = fused_experts(x, weights, ids, w13, w2, self.act, b13, b2,
-                                *(self.experts.gate_up_proj_scale, self.experts.down_proj_scale) if fp8 else ())
+                                *(ex.gate_up_proj_scale, ex.down_proj_scale, ex.gate_up_proj_block) if fp8 else ())
         else:
             if fp8:     # the grouped kernels' reference: the float8 codes times their scales
-                w13 = dequantize(w13, self.experts.gate_up_proj_scale, x.dtype)
-                w2 = dequantize(w2, self.experts.down_proj_scale, x.dtype)
+                ex = self.experts
+                w13 = dequantize(w13, ex.gate_up_proj_scale, x.dtype, ex.gate_up_proj_block)
+                w2 = dequantize(w2, ex.down_proj_scale, x.dtype, ex.down_proj_block)
             out = experts_reference(x, *self.route(logits), w13, w2, self.act, b13, b2)
         return out
 

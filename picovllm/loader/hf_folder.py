@@ -148,7 +148,8 @@ def open_folder(path: str, weights_needed: bool = True, overrides: dict | None =
 
     identity = ("hf", full, overrides or {}, [(os.path.basename(f), file_identity(f, head_bytes=1 << 20))
                                               for f in files])
-    return ModelSource(path, config, weights, load_tokenizer if has_tok else None, identity)
+    return ModelSource(path, config, weights, load_tokenizer if has_tok else None, identity,
+                       fp8_block=_fp8_block(raw) if order is None else None)
 
 
 def _mtp_layers(raw: dict, layers: int) -> range:
@@ -178,6 +179,18 @@ def _dequantized(tensors: WeightIterator, raw: dict) -> WeightIterator:
         from picovllm.loader import fp8
         return fp8.dequantized(tensors, fp8.Fp8Scheme.from_quantization_config(raw["quantization_config"]))
     return tensors
+
+
+def _fp8_block(raw: dict) -> tuple[int, int] | None:
+    """An FP8 checkpoint's scale block (ModelSource.fp8_block) where the kernels can take it (whole 16-column
+    chunks); None for any other checkpoint."""
+    if checkpoint_quantization(raw) not in ("fp8", "compressed-tensors"):
+        return None
+    from picovllm.loader import fp8
+    blocks = fp8.Fp8Scheme.from_quantization_config(raw["quantization_config"]).granularities
+    if len(blocks) != 1 or None in blocks[0] or blocks[0][1] % 16:
+        return None
+    return blocks[0]
 
 
 def _in_rotary_order(name: str, t, config: ModelConfig, head_order: list[int]):

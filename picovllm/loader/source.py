@@ -24,6 +24,10 @@ class ModelSource:
     # GGUF: its tensors as the file stores them, HF-named: quantized ones as gguf_quants.DecodedBlocks, the
     # others as float32 tensors (None: no quantized form, e.g. an HF folder)
     stored_weights: Callable[[], Iterator[tuple[str, object]]] | None = None
+    # an FP8 checkpoint's scale blocks (rows, cols), its weights dequantized by weights(): quantization="fp8"
+    # quantizes them again in these blocks, which gives back its codes (layers/fp8_weights.py); None: not one, or
+    # one whose scales are per tensor or channel, or whose rows the loader reorders
+    fp8_block: tuple[int, int] | None = None
 
 
 def engine_model_source(config, weights_needed: bool = True) -> ModelSource:
