@@ -174,8 +174,8 @@ class FusedMoE(nn.Module):
         w13, w2 = self.experts.gate_up_proj, self.experts.down_proj
         b13, b2 = self.expert_biases()
         fp8 = w13.dtype == FP8       # quantization="fp8" (layers/fp8_weights.py)
-        if kernels.use_triton(x):   # routed in one kernel, tokens grouped by expert, a grouped GEMM a projection; the torch
-            from picovllm.kernels.moe import fused_experts, route_topk    # code is their reference
+        if kernels.use_triton(x):   # routed in one kernel, tokens grouped by expert, a grouped GEMM a projection;
+            from picovllm.kernels.moe import fused_experts, route_topk    # the torch code is their reference
             if self.routing.plain:
                 weights, ids = route_topk(logits, self.top_k, self.renormalize)
             else:       # route_topk is plain softmax only: groups, scales, sigmoid in torch ops, then the same GEMMs
