@@ -16,8 +16,8 @@ pytest.importorskip("triton")
 
 from picovllm import LLM, SamplingParams                       # noqa: E402
 from picovllm.layers import fp8_weights                        # noqa: E402
-from tests.test_gemma_moe import build as build_family          # noqa: E402
-from tests.test_parity_hf import LOGPROB_ATOL, make_prompts     # noqa: E402
+from test_gemma_moe import build as build_family          # noqa: E402
+from test_parity_hf import LOGPROB_ATOL, hf_greedy, make_prompts     # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 CUDA = torch.cuda.is_available()
@@ -162,27 +162,12 @@ def test_grouped_experts_with_fp8_weights_match_the_reference(device):
             assert err < 1e-5, (block, tokens, err)
 
 
-def hf_rounded_greedy(path, prompts, n):
-    """HF's greedy tokens and logprobs with every projection weight (attention, MLP, experts) rounded as fp8 rounds
-    it (`rounded`); embeddings, norms, routers and the LM head as they are."""
-    import transformers
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                              attn_implementation="eager").eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "_proj" in name and p.dim() >= 2:
-                p.copy_(rounded(p).float())
-    outs, logps = [], []
-    for p in prompts:
-        ids = torch.tensor([p])
-        with torch.no_grad():
-            g = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                               do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0,
-                               eos_token_id=None)
-        toks = g.sequences[0, len(p):].tolist()
-        outs.append(toks)
-        logps.append([torch.log_softmax(lg[0].float(), -1)[t].item() for lg, t in zip(g.logits, toks)])
-    return outs, logps
+def round_projections(model) -> None:
+    """Every projection weight of an HF model (attention, MLP, experts) rounded as fp8 rounds it (`rounded`);
+    embeddings, norms, routers and the LM head as they are."""
+    for name, p in model.named_parameters():
+        if "_proj" in name and p.dim() >= 2:
+            p.copy_(rounded(p).float())
 
 
 @pytest.fixture(scope="module")
@@ -191,7 +176,7 @@ def moe_model(tmp_path_factory):
 
 
 def assert_matches_hf_rounded(path, prompts, **engine):
-    ref, ref_lp = hf_rounded_greedy(path, prompts, 10)
+    ref, ref_lp = hf_greedy(path, prompts, 10, edit=round_projections)
     llm = LLM(path, quantization="fp8", block_size=8, num_kv_blocks=64, device="cpu", **engine)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=0),
                         use_tqdm=False)
@@ -219,7 +204,7 @@ def test_moe_fp8_engine_matches_hf_with_rounded_weights(moe_model):
 def test_fp8_rounding_does_not_depend_on_tensor_parallelism(moe_model):
     """A row-parallel layer's rank holds part of each row: the row's scale is the max over the ranks, so TP=2 (gloo)
     gives TP=1's tokens (down_proj and the experts' down projections are row-parallel)."""
-    from tests.test_parity_hf import assert_tp2_matches_tp1
+    from test_parity_hf import assert_tp2_matches_tp1
     assert_tp2_matches_tp1(moe_model, make_prompts(4), quantization="fp8", device="cpu")
 
 
@@ -289,8 +274,8 @@ def test_an_fp8_checkpoint_comes_back_as_its_own_codes(tmp_path, monkeypatch):
     from safetensors.torch import load_file
 
     from picovllm import kernels
-    from tests.conftest import build_tiny_checkpoint
-    from tests.test_fp8_checkpoints import QWEN3_FP8, assert_matches_hf, fp8_folders
+    from conftest import build_tiny_checkpoint
+    from test_fp8_checkpoints import QWEN3_FP8, assert_matches_hf, fp8_folders
     src = build_tiny_checkpoint(str(tmp_path / "qwen3"), "qwen3")
     spec = ({**QWEN3_FP8, "weight_block_size": [32, 64], "modules_to_not_convert": []}, (32, 64), "weight_scale_inv",
             "float32", None)
@@ -299,7 +284,7 @@ def test_an_fp8_checkpoint_comes_back_as_its_own_codes(tmp_path, monkeypatch):
     # rounds a dense model's
     from safetensors.torch import save_file
 
-    from tests.test_fp8_checkpoints import LEFT_DENSE
+    from test_fp8_checkpoints import LEFT_DENSE
     dense_sd[LEFT_DENSE + ".weight"] = rounded_blocks(dense_sd[LEFT_DENSE + ".weight"], 32, 64).float()
     save_file(dense_sd, os.path.join(dense_path, "model.safetensors"), metadata={"format": "pt"})
     real = fp8_weights.quantize_model_weights

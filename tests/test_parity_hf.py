@@ -9,11 +9,15 @@ from picovllm import LLM, SamplingParams
 LOGPROB_ATOL = 1e-3   # fp32 on both sides; differences come from summation order only
 
 
-def hf_greedy(path, prompts, max_new_tokens, auto: str = "AutoModelForCausalLM"):
+def hf_greedy(path, prompts, max_new_tokens, auto: str = "AutoModelForCausalLM", edit=None):
+    """HF's greedy tokens and their logprobs; edit(model): a change to its weights first (under no_grad)."""
     import transformers
     # eager attention: the reference math in every transformers version (an older one's default sdpa path skips
     # Gemma 2's attention soft-capping)
     model = getattr(transformers, auto).from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    if edit is not None:
+        with torch.no_grad():
+            edit(model)
     outs, logps = [], []
     for p in prompts:
         ids = torch.tensor([p])
