@@ -38,24 +38,26 @@ def e4m3_grid() -> torch.Tensor:
     return torch.tensor(sorted(set(vals)), dtype=torch.float64)
 
 
-def rounded(w: torch.Tensor) -> torch.Tensor:
-    """w [..., N, K] with each row scaled by its max |w| / 448 (float32), rounded to the nearest e4m3 value, scaled
-    back: the weights an fp8 model computes with, in float64."""
+def rounded(w: torch.Tensor, pow2: bool = False) -> torch.Tensor:
+    """w [..., N, K] with each row scaled by its max |w| / 448 (float32; pow2: the next power of two up), rounded to
+    the nearest e4m3 value, scaled back: the weights an fp8 model computes with, in float64."""
     grid = e4m3_grid()
     scale = w.abs().amax(-1).to(torch.float32) / 448.0
     scale = torch.where(scale > 0, scale, torch.ones_like(scale)).double()
+    if pow2:
+        scale = 2.0 ** torch.ceil(torch.log2(scale))
     v = w.double() / scale[..., None]
     nearest = grid[(v[..., None] - grid).abs().argmin(-1)]
     return nearest * scale[..., None]
 
 
-def rounded_blocks(w: torch.Tensor, bn: int, bk: int) -> torch.Tensor:
+def rounded_blocks(w: torch.Tensor, bn: int, bk: int, pow2: bool = False) -> torch.Tensor:
     """`rounded` with a scale per bn x bk block (the last ones cut short) instead of per row."""
     out = torch.empty(w.shape, dtype=torch.float64)
     for i in range(0, w.shape[0], bn):
         for j in range(0, w.shape[1], bk):
             blk = w[i:i + bn, j:j + bk]
-            out[i:i + bn, j:j + bk] = rounded(blk.reshape(1, -1)).reshape(blk.shape)
+            out[i:i + bn, j:j + bk] = rounded(blk.reshape(1, -1), pow2).reshape(blk.shape)
     return out
 
 
@@ -94,7 +96,8 @@ def fp8_case(m, n, k, bias, seed=0):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("m,n,k,bias", [(1, 48, 256, False), (5, 40, 200, True), (40, 24, 96, False),
                                         (70, 130, 72, True), (300, 20, 64, False),
-                                        *(pytest.param(m, 1024, 3072, False, marks=ON_GPU) for m in (16, 33, 64, 200))])
+                                        *(pytest.param(m, 1024, 3072, False, marks=ON_GPU) for m in (16, 33, 64, 200)),
+                                        pytest.param(1, 256, 8192, True, marks=ON_GPU)])     # 1024-wide chunks
 def test_fp8_gemm_matches_float64(device, m, n, k, bias):
     """Every tile size fp8_config picks (decode rows, mid batches, prefill), edges of N, K off every block, and the
     widened weight through cuBLAS (prefill's path)."""
@@ -108,7 +111,7 @@ def test_fp8_gemm_matches_float64(device, m, n, k, bias):
         for method, w_kn in (("triton", True), ("triton", False), ("widen", None)):
             if method == "triton" and m > TRITON_MAX_ROWS and device == "cuda":
                 continue        # past its rows fp8_linear widens; the interpreter still checks its tiles there
-            config = (bm, bn, bk, warps, stages, w_kn) if device == "cpu" or not w_kn else None
+            config = (bm, bn, bk, warps, stages, w_kn) if device == "cpu" or w_kn else None   # GPU: fp8_config's
             y = fp8_linear(x.to(device, dtype), codes.to(device), scale.to(device),
                            None if b is None else b.to(device, dtype), config=config, method=method)
             assert y.dtype == dtype and y.shape == (m, n)
@@ -221,7 +224,7 @@ def test_the_kernels_path_on_float8_weights_matches_the_cpu_path(moe_model, monk
     ref = [o.outputs[0].token_ids for o in LLM(moe_model, **kw).generate(prompts, sp, use_tqdm=False)]
     real = fp8_weights.quantize_model_weights
     monkeypatch.setattr(fp8_weights, "quantize_model_weights",
-                        lambda model, keep_fp8, block=None: real(model, True, block))
+                        lambda model, keep_fp8, **kw: real(model, True, **kw))
     monkeypatch.setattr(kernels, "use_triton", lambda x: True)
     llm = LLM(moe_model, **kw)
     layer = llm.engine.runner.model.layers[0]
@@ -264,42 +267,98 @@ def test_gpu_fp8_engine_holds_float8_and_matches_the_cpu(tiny_models, moe_model,
     assert sum(errs) / len(errs) < 0.1
 
 
-def test_an_fp8_checkpoint_comes_back_as_its_own_codes(tmp_path, monkeypatch):
-    """quantization="fp8" on a block-quantized FP8 checkpoint (Qwen3-*-FP8's form, blocks that divide the weights):
-    dequantized at load, quantized again in its blocks, the model holds the checkpoint's codes exactly (q, k and v's
-    fused, gate and up's fused) with its scales; run through the kernels (interpreted), its greedy tokens and
-    logprobs are HF's on the checkpoint's float64 dequantization."""
+@pytest.mark.parametrize("storage", ["float32", "e8m0"])
+def test_an_fp8_checkpoint_comes_back_as_its_own_codes(tmp_path, monkeypatch, storage):
+    """quantization="fp8" on a block-quantized FP8 checkpoint (Qwen3-*-FP8's form, blocks that divide the weights;
+    DeepSeek-V3.1's ue8m0 power-of-two scales): dequantized at load, quantized again in its blocks, the model holds
+    the checkpoint's weights exactly (codes times scales; q, k and v's fused, gate and up's fused); run through the
+    kernels (interpreted), its greedy tokens and logprobs are HF's on the checkpoint's float64 dequantization."""
     if not INTERPRET:
         pytest.skip("needs TRITON_INTERPRET=1")
-    from safetensors.torch import load_file
+    from conftest import build_tiny_checkpoint
+    from safetensors.torch import load_file, save_file
+    from test_fp8_checkpoints import LEFT_DENSE, QWEN3_FP8, assert_matches_hf, fp8_folders
 
     from picovllm import kernels
-    from conftest import build_tiny_checkpoint
-    from test_fp8_checkpoints import QWEN3_FP8, assert_matches_hf, fp8_folders
+    from picovllm.loader.fp8 import scale_values
     src = build_tiny_checkpoint(str(tmp_path / "qwen3"), "qwen3")
-    spec = ({**QWEN3_FP8, "weight_block_size": [32, 64], "modules_to_not_convert": []}, (32, 64), "weight_scale_inv",
-            "float32", None)
-    fp8_path, dense_path, dense_sd = fp8_folders(src, str(tmp_path), "blocks", spec)
-    # the checkpoint's one unquantized linear (test_fp8_checkpoints.LEFT_DENSE) is rounded in blocks too, as "fp8"
-    # rounds a dense model's
-    from safetensors.torch import save_file
-
-    from test_fp8_checkpoints import LEFT_DENSE
-    dense_sd[LEFT_DENSE + ".weight"] = rounded_blocks(dense_sd[LEFT_DENSE + ".weight"], 32, 64).float()
+    qc = {**QWEN3_FP8, "weight_block_size": [32, 64], "modules_to_not_convert": []}
+    if storage == "e8m0":
+        qc["scale_fmt"] = "ue8m0"
+    fp8_path, dense_path, dense_sd = fp8_folders(src, str(tmp_path), storage,
+                                                 (qc, (32, 64), "weight_scale_inv", storage, None))
+    # the checkpoint's one unquantized linear (LEFT_DENSE) is rounded in blocks too, as "fp8" rounds a dense model's
+    dense_sd[LEFT_DENSE + ".weight"] = rounded_blocks(dense_sd[LEFT_DENSE + ".weight"], 32, 64,
+                                                      pow2=storage == "e8m0").float()
     save_file(dense_sd, os.path.join(dense_path, "model.safetensors"), metadata={"format": "pt"})
     real = fp8_weights.quantize_model_weights
-    monkeypatch.setattr(fp8_weights, "quantize_model_weights", lambda model, keep_fp8, block=None: real(model, True,
-                                                                                                         block))
+    monkeypatch.setattr(fp8_weights, "quantize_model_weights", lambda model, keep_fp8, **kw: real(model, True, **kw))
     monkeypatch.setattr(kernels, "use_triton", lambda x: True)
     llm = assert_matches_hf(dense_path, fp8_path, quantization="fp8", attention_backend="torch")
     sd = load_file(os.path.join(fp8_path, "model.safetensors"))
-    layer = llm.engine.runner.model.layers[1]
+
+    def checkpoint(names: list[str]) -> torch.Tensor:
+        """The named weights, each its codes times its blocks' scales in float64, stacked as the model fuses them."""
+        from picovllm.loader.fp8 import Fp8Scheme
+        scheme = Fp8Scheme.from_quantization_config(qc)
+        return torch.cat([fp8_weights.dequantize(sd[n + ".weight"], scale_values(sd[n + ".weight_scale_inv"],
+                                                                                 scheme, n).double(),
+                                                 torch.float64, (32, 64)) for n in names])
+
     p = "model.layers.1."
-    qkv = layer.self_attn.qkv_proj
-    assert qkv.weight_block == (32, 64)
-    assert torch.equal(qkv.weight.view(torch.uint8), torch.cat(
-        [sd[p + f"self_attn.{x}_proj.weight"] for x in "qkv"]).view(torch.uint8))
-    want = torch.cat([sd[p + f"self_attn.{x}_proj.weight_scale_inv"] for x in "qkv"])
-    assert torch.allclose(qkv.weight_scale, want, rtol=1e-6, atol=0)
-    down = llm.engine.runner.model.layers[0].mlp.down_proj
-    assert torch.equal(down.weight.view(torch.uint8), sd["model.layers.0.mlp.down_proj.weight"].view(torch.uint8))
+    qkv = llm.engine.runner.model.layers[1].self_attn.qkv_proj
+    assert qkv.weight.dtype == torch.float8_e4m3fn and qkv.weight_block == (32, 64)
+    held = fp8_weights.dequantize(qkv.weight, qkv.weight_scale.double(), torch.float64, (32, 64))
+    assert torch.equal(held, checkpoint([p + f"self_attn.{x}_proj" for x in "qkv"]))
+    up = llm.engine.runner.model.layers[0].mlp.gate_up_proj
+    held = fp8_weights.dequantize(up.weight, up.weight_scale.double(), torch.float64, (32, 64))
+    assert torch.equal(held, checkpoint([f"model.layers.0.mlp.{x}_proj" for x in ("gate", "up")]))
+    if storage == "e8m0":
+        assert torch.equal(torch.exp2(torch.log2(qkv.weight_scale).round()), qkv.weight_scale), "powers of two"
+
+
+def test_blocks_a_rank_or_a_fused_part_splits_take_a_scale_per_row():
+    """Under tensor parallelism (rank 1 of 2 here) a layer whose slice or fused parts cut the checkpoint's blocks
+    takes per-row scales, with a warning; layers that fall on them keep the blocks."""
+    from torch import nn
+
+    from picovllm.distributed import TPGroup
+    from picovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
+    tp = TPGroup(rank=1, size=2)
+    model = nn.Module()
+    model.qkv = QKVParallelLinear(64, 16, 4, 2, tp=tp)            # local: q 32 rows from 32, k and v 16 from 16
+    model.gate_up = MergedColumnParallelLinear(64, [128, 128], tp=tp)   # gate and up 64 rows each
+    for m in (model.qkv, model.gate_up):
+        m.weight.data.normal_()
+    assert fp8_weights.quantize_model_weights(model, keep_fp8=True, block=(16, 32)) == 2
+    assert model.qkv.weight_block == (16, 32) and model.gate_up.weight_block == (16, 32)
+    model.qkv = QKVParallelLinear(64, 16, 4, 2, tp=tp)
+    model.qkv.weight.data.normal_()
+    with pytest.warns(UserWarning, match=r"1 layers \(e\.g\. qkv\).*32x64"):
+        fp8_weights.quantize_model_weights(model, keep_fp8=True, block=(32, 64))     # k's 16 rows cut a block
+    assert model.qkv.weight_block is None and model.qkv.weight_scale.shape == (64,)
+
+
+def test_fp8_checkpoint_blocks_under_tensor_parallelism(tmp_path):
+    """TP=2 (gloo) on an FP8 checkpoint whose blocks every rank's slices fall on: its weights exactly (the CPU keeps
+    them in float32), so HF's tokens on its dequantization."""
+    from conftest import build_tiny_checkpoint
+    from test_fp8_checkpoints import LEFT_DENSE, QWEN3_FP8, fp8_folders, prompts
+    from safetensors.torch import save_file
+    from test_parity_hf import hf_greedy as greedy
+    src = build_tiny_checkpoint(str(tmp_path / "qwen3"), "qwen3")
+    qc = {**QWEN3_FP8, "weight_block_size": [16, 32], "modules_to_not_convert": []}
+    fp8_path, dense_path, dense_sd = fp8_folders(src, str(tmp_path), "tp", (qc, (16, 32), "weight_scale_inv",
+                                                                         "float32", None))
+    dense_sd[LEFT_DENSE + ".weight"] = rounded_blocks(dense_sd[LEFT_DENSE + ".weight"], 16, 32).float()
+    save_file(dense_sd, os.path.join(dense_path, "model.safetensors"), metadata={"format": "pt"})
+    ps = prompts()
+    ref, _ = greedy(dense_path, ps, 8)
+    with LLM(fp8_path, quantization="fp8", tensor_parallel_size=2, device="cpu", num_kv_blocks=64) as llm:
+        outs = llm.generate(ps, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+
+
+def test_what_fp8_weights_cannot_run_is_refused(default_model_path):
+    with pytest.raises(ValueError, match="quantization 'fp8'.*GGUF"):
+        LLM(default_model_path, quantization="fp8", device="cpu")

@@ -144,7 +144,8 @@ def fold_output_rotations(model: torch.nn.Module) -> int:
     the cache's rotation R into that projection: o_proj(out R) = x_rot @ (W B)^T with B = diag(R, ..., R) over the
     heads, so W's columns of head h become W_h R (in float64, rounded once to W's dtype) and the attention output
     stays rotated (Attention.output_rotated): one [tokens, heads, D] x [D, D] matmul a layer fewer. Under tensor
-    parallelism a rank's o_proj holds its own heads' columns, so the fold is local. Returns the layers folded."""
+    parallelism a rank's o_proj holds its own heads' columns, so the fold is local. An fp8 o_proj is not folded
+    (its codes would change). Returns the layers folded."""
     from picovllm.layers.attention import Attention
     n = 0
     for m in model.modules():
@@ -154,6 +155,8 @@ def fold_output_rotations(model: torch.nn.Module) -> int:
         w = getattr(o_proj, "weight", None)
         if w is None or w.dim() != 2 or not w.dtype.is_floating_point or getattr(o_proj, "packed", None) is not None \
                 or w.shape[1] != attn.num_heads * attn.head_dim:     # (MLA's o_proj reads v_head_dim a head)
+            continue
+        if w.dtype.itemsize == 1:       # fp8 weights (quantization "fp8") keep their codes: R stays in attention
             continue
         r = attn.kv_rotation.to(torch.float64)
         heads = attn.num_heads

@@ -64,6 +64,8 @@ class ModelRunner:
         self.dtype = config.torch_dtype
         if config.quantization == "q8_0":
             source = with_q8_0(source, self.device, self.dtype, tp.size)
+        if config.quantization == "fp8":
+            fp8_weights.check_fp8_weights(source, self.device)
         if config.quantization == "bf16" and (self.device.type != "cpu" or self.dtype != torch.float32
                                               or not small_gemm.available()):
             raise ValueError("EngineConfig.quantization 'bf16' gives the CPU's float32 decode kernels bfloat16 weights: "
@@ -92,13 +94,14 @@ class ModelRunner:
         # fp8 KV: (k, v) scales of every KV head [layers, total KV heads], the same on every rank (what P and D
         # compare); each layer holds its own heads' slice (engine/kv_scales.py)
         self.kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None
-        if config.kv_cache_dtype == "fp8":
-            self.kv_scales = kv_scales.bind_calibrated(self.model, source, tp, self.device)
-        if config.quantization == "fp8":      # after the fp8 KV cache's fold into o_proj, which needs W's own values
+        if config.quantization == "fp8":     # first: the fp8 KV cache's calibration sees the weights that run
             keep = self.device.type == "cuda"
-            fp8_weights.quantize_model_weights(self.model, keep_fp8=keep, block=source.fp8_block)
+            fp8_weights.quantize_model_weights(self.model, keep_fp8=keep, block=source.fp8_block,
+                                               pow2_scales=source.fp8_pow2_scales)
             if not keep and self.dtype == torch.float32:
                 pack_linear_weights(self.model)     # the CPU's packed copies of the rounded weights
+        if config.kv_cache_dtype == "fp8":
+            self.kv_scales = kv_scales.bind_calibrated(self.model, source, tp, self.device)
         self.kv_cache: torch.Tensor | None = None
         self.attn_backend = make_attention_backend(config, self.model)
         for attn in self.model.attention_layers():

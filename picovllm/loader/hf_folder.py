@@ -148,8 +148,9 @@ def open_folder(path: str, weights_needed: bool = True, overrides: dict | None =
 
     identity = ("hf", full, overrides or {}, [(os.path.basename(f), file_identity(f, head_bytes=1 << 20))
                                               for f in files])
-    return ModelSource(path, config, weights, load_tokenizer if has_tok else None, identity,
-                       fp8_block=_fp8_block(raw) if order is None else None)
+    block = _fp8_block(raw) if order is None else None
+    return ModelSource(path, config, weights, load_tokenizer if has_tok else None, identity, fp8_block=block,
+                       fp8_pow2_scales=block is not None and raw["quantization_config"].get("scale_fmt") == "ue8m0")
 
 
 def _mtp_layers(raw: dict, layers: int) -> range:

@@ -28,6 +28,7 @@ class ModelSource:
     # quantizes them again in these blocks, which gives back its codes (layers/fp8_weights.py); None: not one, or
     # one whose scales are per tensor or channel, or whose rows the loader reorders
     fp8_block: tuple[int, int] | None = None
+    fp8_pow2_scales: bool = False                        # its block scales are powers of two (scale_fmt "ue8m0")
 
 
 def engine_model_source(config, weights_needed: bool = True) -> ModelSource:
