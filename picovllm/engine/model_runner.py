@@ -81,7 +81,7 @@ class ModelRunner:
             self.model.lm_head = None
         if self.device.type == "cpu" and self.dtype == torch.float32:   # a first start compiles them all at once
             attn = self.model.attention_layers()[0]
-            quantized = config.quantization not in ("none", "fp8") and source.stored_weights is not None and tp.size == 1
+            quantized = config.quantization != "none" and source.stored_weights is not None and tp.size == 1
             prebuild_cpu_kernels((attn.num_heads, attn.num_kv_heads, attn.head_dim, config.block_size),
                                  attention=config.attention_backend in ("auto", "cpu"),
                                  stack=not config.enforce_eager and tp.size == 1 and not self.is_pooling,

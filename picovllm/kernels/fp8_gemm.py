@@ -25,9 +25,9 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stri
                      HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      W_KN: tl.constexpr, BLOCKED: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
     """W_KN: each weight tile loaded as [BLOCK_K, BLOCK_N] (the dot's B as it is), else as [BLOCK_N, BLOCK_K] rows
-    and transposed (fp8_config's: as fast or faster at most shapes of the sweep; benchmarks/fp8_gemm.py). BLOCKED: a scale per SBN x SBK block of w
-    (an FP8 checkpoint's), each chunk's sums times its blocks' scales (BLOCK_K divides SBK); else one per row, the
-    sums scaled once at the end."""
+    and transposed (fp8_config's: as fast or faster at most shapes of the sweep; benchmarks/fp8_gemm.py). BLOCKED:
+    a scale per SBN x SBK block of w (an FP8 checkpoint's), each chunk's sums times its blocks' scales (BLOCK_K
+    divides SBK); else one per row, the sums scaled once at the end."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
