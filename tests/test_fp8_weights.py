@@ -362,3 +362,62 @@ def test_fp8_checkpoint_blocks_under_tensor_parallelism(tmp_path):
 def test_what_fp8_weights_cannot_run_is_refused(default_model_path):
     with pytest.raises(ValueError, match="quantization 'fp8'.*GGUF"):
         LLM(default_model_path, quantization="fp8", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def fp8_checkpoint(tmp_path_factory):
+    """A tiny Qwen3 FP8 checkpoint in 32 x 64 blocks (float32 scales), one linear (LEFT_DENSE) kept unquantized:
+    (its folder, its dense reference's folder)."""
+    from conftest import build_tiny_checkpoint
+    from test_fp8_checkpoints import QWEN3_FP8, fp8_folders
+    root = tmp_path_factory.mktemp("fp8ckpt")
+    src = build_tiny_checkpoint(str(root / "qwen3"), "qwen3")
+    fp8_path, dense_path, _ = fp8_folders(src, str(root), "blocks", ({**QWEN3_FP8, "weight_block_size": [32, 64]},
+                                                                   (32, 64), "weight_scale_inv", "float32", None))
+    return fp8_path, dense_path
+
+
+def test_auto_keeps_in_fp8_what_the_checkpoint_holds_in_fp8(fp8_checkpoint, tmp_path):
+    """What quantization "auto" runs in fp8 on a GPU: the layers whose every checkpoint tensor is float8 (q, k, v fused;
+    gate, up fused), not the one it kept unquantized; with only those, the rest stays as loaded. Which checkpoints:
+    blocks or channels (their codes come back), not per-tensor scales."""
+    from conftest import build_tiny_checkpoint
+    from test_fp8_checkpoints import LEFT_DENSE, fp8_folders
+
+    from picovllm.loader.fp8 import float8_parameters
+    from picovllm.loader.hf_folder import open_folder
+    source = open_folder(fp8_checkpoint[0])
+    assert source.fp8.block == (32, 64) and source.fp8.comes_back
+    model = LLM(fp8_checkpoint[0], device="cpu", num_kv_blocks=16).engine.runner.model
+    only = float8_parameters(model, source.fp8)
+    linear = {n for n, p in model.named_parameters() if n.endswith("_proj.weight")}
+    dense = LEFT_DENSE.removeprefix("model.") + ".weight"        # the model's own parameter names
+    assert only == linear - {dense} and "layers.0.self_attn.qkv_proj.weight" in only
+    assert fp8_weights.quantize_model_weights(model, keep_fp8=True, block=source.fp8.block, only=only) == len(only)
+    assert model.layers[1].mlp.down_proj.weight.dtype == torch.float32
+    assert model.layers[1].mlp.gate_up_proj.weight.dtype == torch.float8_e4m3fn
+    src = build_tiny_checkpoint(str(tmp_path / "qwen3"), "qwen3")
+    for fmt, comes_back in (("ct_channel_dynamic", True), ("fp8_per_tensor_static", False)):
+        path, _, _ = fp8_folders(src, str(tmp_path), fmt)
+        fp8 = open_folder(path).fp8
+        assert fp8.block is None and fp8.comes_back == comes_back, fmt
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_gpu_runs_an_fp8_checkpoint_in_fp8_by_default(fp8_checkpoint):
+    """quantization "auto" on a GPU: the checkpoint's float8 layers hold its codes, its unquantized one stays float;
+    the tokens are the CPU's (which runs the dequantized weights), float32 activations on both."""
+    from safetensors.torch import load_file
+    from test_fp8_checkpoints import prompts
+    fp8_path = fp8_checkpoint[0]
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    cpu = [o.outputs[0].token_ids for o in LLM(fp8_path, device="cpu", num_kv_blocks=64).generate(prompts(), sp,
+                                                                                                  use_tqdm=False)]
+    llm = LLM(fp8_path, dtype="float32", num_kv_blocks=64)
+    model = llm.engine.runner.model
+    sd = load_file(os.path.join(fp8_path, "model.safetensors"))
+    assert torch.equal(model.layers[0].mlp.down_proj.weight.cpu().view(torch.uint8),
+                       sd["model.layers.0.mlp.down_proj.weight"].view(torch.uint8))
+    assert model.layers[1].mlp.down_proj.weight.dtype == torch.float32
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts(), sp, use_tqdm=False)] == cpu

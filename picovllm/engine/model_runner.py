@@ -28,6 +28,7 @@ from picovllm.layers import fp8_weights
 from picovllm.layers.attention import AttentionMetadata
 from picovllm.layers.packed_linear import pack_linear_weights
 from picovllm.loader.engine_weights import load_model_weights
+from picovllm.loader.fp8 import float8_parameters
 from picovllm.loader.quantize_at_load import with_q8_0
 from picovllm.loader.source import ModelSource
 from picovllm.models import MODEL_REGISTRY
@@ -94,12 +95,7 @@ class ModelRunner:
         # fp8 KV: (k, v) scales of every KV head [layers, total KV heads], the same on every rank (what P and D
         # compare); each layer holds its own heads' slice (engine/kv_scales.py)
         self.kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None
-        if config.quantization == "fp8":     # first: the fp8 KV cache's calibration sees the weights that run
-            keep = self.device.type == "cuda"
-            fp8_weights.quantize_model_weights(self.model, keep_fp8=keep, block=source.fp8_block,
-                                               pow2_scales=source.fp8_pow2_scales)
-            if not keep and self.dtype == torch.float32:
-                pack_linear_weights(self.model)     # the CPU's packed copies of the rounded weights
+        self._quantize_fp8(source)      # first: the fp8 KV cache's calibration sees the weights that run
         if config.kv_cache_dtype == "fp8":
             self.kv_scales = kv_scales.bind_calibrated(self.model, source, tp, self.device)
         self.kv_cache: torch.Tensor | None = None
@@ -114,6 +110,21 @@ class ModelRunner:
         self.warmup_seconds: float | None = None   # what the start-up warm-up took (EngineConfig.warmup)
         mc = self.model_config
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+
+    def _quantize_fp8(self, source: ModelSource) -> None:
+        """fp8 weights (layers/fp8_weights.py): quantization "fp8", every linear layer and expert; "auto" on a GPU
+        with float8 (compute capability 8.9+) and an FP8 checkpoint of block or channel scales, the layers it holds
+        in float8, with its own codes, as vLLM runs them (elsewhere its weights run dequantized, as "none")."""
+        ckpt, cuda = source.fp8, self.device.type == "cuda"
+        auto = (self.config.quantization == "auto" and ckpt is not None and ckpt.comes_back and cuda
+                and torch.cuda.get_device_capability(self.device) >= (8, 9))
+        if self.config.quantization != "fp8" and not auto:
+            return
+        fp8_weights.quantize_model_weights(
+            self.model, keep_fp8=cuda, block=ckpt.block if ckpt else None, pow2_scales=bool(ckpt and ckpt.pow2_scales),
+            only=float8_parameters(self.model, ckpt) if auto else None)
+        if not cuda and self.dtype == torch.float32:
+            pack_linear_weights(self.model)     # the CPU's packed copies of the rounded weights
 
     # -- KV cache ------------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:

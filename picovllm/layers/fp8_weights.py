@@ -138,12 +138,14 @@ def _quantize_param(module: nn.Module, name: str, sliced_rows: bool, tp: TPGroup
         w.data.copy_(dequantize(codes, scale, w.dtype, block))
 
 
-def quantize_model_weights(model: nn.Module, keep_fp8: bool, block: Block = None, pow2_scales: bool = False) -> int:
+def quantize_model_weights(model: nn.Module, keep_fp8: bool, block: Block = None, pow2_scales: bool = False,
+                           only: frozenset[str] | None = None) -> int:
     """quantization="fp8" on a loaded model: every ColumnParallelLinear and RowParallelLinear weight and every
     FusedMoE's expert weights, in place (module docstring). block: a scale per block of that shape (an FP8
     checkpoint's own, pow2_scales: its scales powers of two), so that its codes come back, rather than per row; a
     layer whose fused parts or tensor-parallel slice do not fall on those blocks takes a scale per row (a warning
-    says how many). Returns how many tensors were quantized."""
+    says how many). only: the parameter names to quantize (an FP8 checkpoint's float8 ones), None: all. Returns how
+    many tensors were quantized."""
     from picovllm.layers.linear import ColumnParallelLinear, RowParallelLinear
     from picovllm.layers.moe import FusedMoE
     n, per_row = 0, []
@@ -151,7 +153,8 @@ def quantize_model_weights(model: nn.Module, keep_fp8: bool, block: Block = None
         linear = isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and m.weight.dim() == 2 \
             and m.weight.dtype.is_floating_point and m.weight.dtype != FP8
         experts = isinstance(m, FusedMoE) and m.experts.gate_up_proj.dtype != FP8
-        if not (linear or experts):
+        params = [f"{name}.weight"] if linear else [f"{name}.experts.gate_up_proj", f"{name}.experts.down_proj"]
+        if not (linear or experts) or (only is not None and not all(p in only for p in params)):
             continue
         mine = block if block is None or _fits(m, block) else None
         if mine != block:

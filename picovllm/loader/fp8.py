@@ -187,3 +187,15 @@ def dequantized(weights: WeightIterator, scheme: Fp8Scheme) -> WeightIterator:
             raise ValueError(f"checkpoint tensor {module + '.weight'!r} is {parts[part].dtype} but has no scale ("
                              + " or ".join(f"{module}.{s}" for s in scheme.scale_names) + ")")
         raise ValueError(f"checkpoint tensor {module + '.' + part!r} has no float8 weight ({module}.weight) to scale")
+
+
+def float8_parameters(model: torch.nn.Module, checkpoint) -> frozenset[str]:
+    """The model's parameters all of whose checkpoint tensors were float8 (checkpoint: a source.Fp8Checkpoint): what
+    quantization "auto" keeps in fp8 on a GPU. A layer the checkpoint left unquantized (modules_to_not_convert,
+    ignore), or a fused one with such a part, is not among them."""
+    from picovllm.loader.weights import parameter_of
+    all_float8: dict[str, bool] = {}
+    for name in checkpoint.weights:
+        param = parameter_of(model, name)[0]
+        all_float8[param] = all_float8.get(param, True) and name in checkpoint.quantized
+    return frozenset(p for p, ok in all_float8.items() if ok)

@@ -9,7 +9,7 @@ from safetensors import safe_open
 
 from picovllm.artifact_cache import file_identity
 from picovllm.config import ModelConfig, checkpoint_quantization
-from picovllm.loader.source import ModelSource, WeightIterator
+from picovllm.loader.source import Fp8Checkpoint, ModelSource, WeightIterator
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
@@ -148,9 +148,8 @@ def open_folder(path: str, weights_needed: bool = True, overrides: dict | None =
 
     identity = ("hf", full, overrides or {}, [(os.path.basename(f), file_identity(f, head_bytes=1 << 20))
                                               for f in files])
-    block = _fp8_block(raw) if order is None else None
-    return ModelSource(path, config, weights, load_tokenizer if has_tok else None, identity, fp8_block=block,
-                       fp8_pow2_scales=block is not None and raw["quantization_config"].get("scale_fmt") == "ue8m0")
+    fp8 = _fp8_checkpoint(raw, files, multimodal, mtp, reordered=order is not None)
+    return ModelSource(path, config, weights, load_tokenizer if has_tok else None, identity, fp8=fp8)
 
 
 def _mtp_layers(raw: dict, layers: int) -> range:
@@ -182,16 +181,24 @@ def _dequantized(tensors: WeightIterator, raw: dict) -> WeightIterator:
     return tensors
 
 
-def _fp8_block(raw: dict) -> tuple[int, int] | None:
-    """An FP8 checkpoint's scale block (ModelSource.fp8_block) where the kernels can take it (whole 16-column
-    chunks); None for any other checkpoint."""
-    if checkpoint_quantization(raw) not in ("fp8", "compressed-tensors"):
+def _fp8_checkpoint(raw: dict, files: list[str], multimodal: bool, mtp: range,
+                    reordered: bool) -> Fp8Checkpoint | None:
+    """ModelSource.fp8 of an FP8 checkpoint (its tensors' names read from the files' headers), None for another."""
+    if checkpoint_quantization(raw) not in ("fp8", "compressed-tensors") or not files:
         return None
     from picovllm.loader import fp8
-    blocks = fp8.Fp8Scheme.from_quantization_config(raw["quantization_config"]).granularities
-    if len(blocks) != 1 or None in blocks[0] or blocks[0][1] % 16:
-        return None
-    return blocks[0]
+    scheme = fp8.Fp8Scheme.from_quantization_config(raw["quantization_config"])
+    names = set()
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            names.update(n for n in map(_text_name if multimodal else str, f.keys())
+                         if n is not None and not _in_layers(n, mtp))
+    scaled = {n.rpartition(".")[0] + ".weight" for n in names if n.rpartition(".")[2] in scheme.scale_names}
+    blocks = scheme.granularities
+    block = None if reordered or len(blocks) != 1 or None in blocks[0] or blocks[0][1] % 16 else blocks[0]
+    return Fp8Checkpoint(frozenset(scaled & names), frozenset(n for n in names if n.endswith(".weight")), block,
+                         block is not None and raw["quantization_config"].get("scale_fmt") == "ue8m0",
+                         per_channel=blocks == ((1, None),))
 
 
 def _in_rotary_order(name: str, t, config: ModelConfig, head_order: list[int]):

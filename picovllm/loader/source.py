@@ -24,11 +24,26 @@ class ModelSource:
     # GGUF: its tensors as the file stores them, HF-named: quantized ones as gguf_quants.DecodedBlocks, the
     # others as float32 tensors (None: no quantized form, e.g. an HF folder)
     stored_weights: Callable[[], Iterator[tuple[str, object]]] | None = None
-    # an FP8 checkpoint's scale blocks (rows, cols), its weights dequantized by weights(): quantization="fp8"
-    # quantizes them again in these blocks, which gives back its codes (layers/fp8_weights.py); None: not one, or
-    # one whose scales are per tensor or channel, or whose rows the loader reorders
-    fp8_block: tuple[int, int] | None = None
-    fp8_pow2_scales: bool = False                        # its block scales are powers of two (scale_fmt "ue8m0")
+    fp8: "Fp8Checkpoint | None" = None                   # an FP8 checkpoint's (its weights() dequantized)
+
+
+@dataclass(frozen=True)
+class Fp8Checkpoint:
+    """What an FP8 HF checkpoint's tensors say, beside its dequantized weights: on a GPU they run as fp8 again
+    (layers/fp8_weights.py, quantization "auto" or "fp8")."""
+    quantized: frozenset[str]        # the names of its float8 weights (NAME.weight with a scale)
+    weights: frozenset[str]          # the names of all its NAME.weight tensors
+    # its scale blocks (rows, cols), quantized again in which its codes come back; None: per tensor or channel, or
+    # rows the loader reorders (then per row)
+    block: tuple[int, int] | None = None
+    pow2_scales: bool = False        # its block scales are powers of two (scale_fmt "ue8m0")
+    per_channel: bool = False        # a scale per output row: quantized again per row, its codes come back
+
+    @property
+    def comes_back(self) -> bool:
+        """Whether quantizing its dequantized weights again gives back its codes (blocks or rows whose largest code
+        is e4m3's largest, as its quantizers make them; per-tensor scales would be re-rounded row by row)."""
+        return self.block is not None or self.per_channel
 
 
 def engine_model_source(config, weights_needed: bool = True) -> ModelSource:
