@@ -1,5 +1,7 @@
-"""FP8 weights of an HF checkpoint, dequantized at load into float32 (the loader copies them into the model's dtype),
-after which the model runs unquantized.
+"""FP8 weights of an HF checkpoint, dequantized at load into float32 (the loader copies them into the model's dtype).
+The model then runs them unquantized, or, on a GPU with float8 (quantization "auto" or "fp8"), quantizes them again
+in the checkpoint's own blocks, which gives back its codes (layers/fp8_weights.py; float8_parameters below says
+which layers).
 
 A quantized linear's NAME.weight is float8_e4m3fn [N, K]; its scale tensor holds one float per block of rows x
 columns ([ceil(N / rows), ceil(K / cols)]: the last row and column of blocks may be cut short), and the weight is
@@ -13,7 +15,7 @@ each value times the scale of its block. Two conventions name them:
     ([ceil(N / rows), ceil(K / cols)] of its block_structure).
 Which tensors are quantized is read from the tensors (a float8 weight and its scale), not from the module lists
 (modules_to_not_convert, ignore). Activation scales (static input_scale, activation_scale, output_scale) and an FP8
-KV cache's k_scale / v_scale are dropped: nothing here runs quantized.
+KV cache's k_scale / v_scale are dropped: activations are never quantized here.
 """
 from __future__ import annotations
 
