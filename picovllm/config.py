@@ -728,7 +728,8 @@ class EngineConfig:
     seed: int = 0
     role: str = "pd"                      # "pd" (colocated), "p" (prefill only), "d" (decode only)
     disk_cache: bool = True               # keep a GGUF's tokenizer and weights in the artifact cache
-    quantization: str = "auto"            # weights on the CPU: "auto" (a GGUF's own 4/8-bit form) | "none" (fp32)
+    quantization: str = "auto"            # "auto": a GGUF's own 4/8-bit form on the CPU, an FP8 checkpoint's
+                                          # float8 layers in fp8 on a GPU | "none" (float, dequantized)
                                           # | "q8_0" (an HF folder quantized at load) | "bf16" (CPU decode)
                                           # | "fp8" (linear and expert weights in float8 e4m3, a scale per
                                           # output feature, quantized at load: layers/fp8_weights.py)

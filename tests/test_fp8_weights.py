@@ -317,10 +317,12 @@ def test_an_fp8_checkpoint_comes_back_as_its_own_codes(tmp_path, monkeypatch, st
         assert torch.equal(torch.exp2(torch.log2(qkv.weight_scale).round()), qkv.weight_scale), "powers of two"
 
 
-def test_blocks_a_rank_or_a_fused_part_splits_take_a_scale_per_row():
-    """Under tensor parallelism (rank 1 of 2 here) a layer whose slice or fused parts cut the checkpoint's blocks
-    takes per-row scales, with a warning; layers that fall on them keep the blocks."""
+def test_blocks_a_rank_or_a_fused_part_splits_take_a_scale_per_row(monkeypatch):
+    """Under tensor parallelism (rank 1 of 2 here, no process group: this rank's own decision) a layer whose slice or
+    fused parts cut the checkpoint's blocks takes per-row scales, with a warning; layers that fall on them keep the
+    blocks."""
     from torch import nn
+    monkeypatch.setattr(fp8_weights, "_fits_on_every_rank", fp8_weights._fits)
 
     from picovllm.distributed import TPGroup
     from picovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
@@ -357,6 +359,30 @@ def test_fp8_checkpoint_blocks_under_tensor_parallelism(tmp_path):
     with LLM(fp8_path, quantization="fp8", tensor_parallel_size=2, device="cpu", num_kv_blocks=64) as llm:
         outs = llm.generate(ps, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == ref
+
+
+def test_ranks_whose_slices_differ_agree_on_blocks(tmp_path, monkeypatch):
+    """3 heads and 3 KV heads on 2 ranks: rank 0 holds 2 heads, rank 1 one, so o_proj's slice falls on 16 x 32 blocks
+    on rank 0 (columns 0-31) and not on rank 1 (32-47). Both take per-row scales (a rank alone on per-row scales
+    would all-reduce with a rank that does not: a hang), and the tokens are those of TP=1 with per-row scales."""
+    from conftest import build_tiny_checkpoint
+    from test_fp8_checkpoints import QWEN3_FP8, fp8_folders
+    src = build_tiny_checkpoint(str(tmp_path / "qwen3"), "qwen3", num_attention_heads=3, num_key_value_heads=3,
+                                head_dim=16)
+    qc = {**QWEN3_FP8, "weight_block_size": [16, 32], "modules_to_not_convert": []}
+    fp8_path, _, _ = fp8_folders(src, str(tmp_path), "uneven", (qc, (16, 32), "weight_scale_inv", "float32", None))
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    ps = [[5, 6, 7], [9, 10, 11, 12, 13]]
+    with pytest.warns(UserWarning, match="fp8 weights"):
+        with LLM(fp8_path, quantization="fp8", tensor_parallel_size=2, device="cpu", num_kv_blocks=64) as llm:
+            tp2 = [o.outputs[0].token_ids for o in llm.generate(ps, sp, use_tqdm=False)]
+    from picovllm.layers.linear import RowParallelLinear
+    real = fp8_weights._fits      # TP=1 with o_proj per row (48 inputs: the 3 heads), the rest in blocks, as TP=2 took
+    monkeypatch.setattr(fp8_weights, "_fits", lambda m, block: real(m, block) and not (
+        isinstance(m, RowParallelLinear) and m.weight.shape[1] == 48))
+    with pytest.warns(UserWarning, match="fp8 weights"):
+        tp1 = LLM(fp8_path, quantization="fp8", device="cpu", num_kv_blocks=64).generate(ps, sp, use_tqdm=False)
+    assert tp2 == [o.outputs[0].token_ids for o in tp1]
 
 
 def test_what_fp8_weights_cannot_run_is_refused(default_model_path):

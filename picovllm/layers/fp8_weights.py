@@ -117,6 +117,17 @@ def _fits(m: nn.Module, block: tuple[int, int]) -> bool:
     return m.tp.size == 1 or m.weight.shape[0] % bn == 0        # a column-parallel slice
 
 
+def _fits_on_every_rank(m: nn.Module, block: tuple[int, int]) -> bool:
+    """_fits, agreed by the layer's ranks: their slices differ (uneven KV-head splits), and a rank that took per-row
+    scales alone would all-reduce its rows' maxima with ranks that do not."""
+    fits = _fits(m, block)
+    if m.tp.size > 1:
+        flag = torch.tensor([int(fits)], device=next(m.parameters()).device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=m.tp.group)
+        fits = bool(flag.item())
+    return fits
+
+
 def _quantize_param(module: nn.Module, name: str, sliced_rows: bool, tp: TPGroup, keep_fp8: bool,
                     block: Block, pow2: bool) -> None:
     """module.<name> (a float weight [..., N, K]) -> float8 codes, with module.<name>_scale (rows' [..., N] or
@@ -156,7 +167,7 @@ def quantize_model_weights(model: nn.Module, keep_fp8: bool, block: Block = None
         params = [f"{name}.weight"] if linear else [f"{name}.experts.gate_up_proj", f"{name}.experts.down_proj"]
         if not (linear or experts) or (only is not None and not all(p in only for p in params)):
             continue
-        mine = block if block is None or _fits(m, block) else None
+        mine = block if block is None or _fits_on_every_rank(m, block) else None
         if mine != block:
             per_row.append(name)
         if linear:
@@ -167,7 +178,7 @@ def quantize_model_weights(model: nn.Module, keep_fp8: bool, block: Block = None
             _quantize_param(m.experts, "down_proj", True, m.tp, keep_fp8, mine, pow2_scales)
             n += 2
     if per_row:
-        warnings.warn(f"picovllm: quantization='fp8': {len(per_row)} layers (e.g. {per_row[0]}) do not fall on the "
+        warnings.warn(f"picovllm: fp8 weights: {len(per_row)} layers (e.g. {per_row[0]}) do not fall on the "
                       f"checkpoint's {block[0]}x{block[1]} scale blocks (fused parts or tensor-parallel slices); "
                       "they take a scale per row, their codes rounded again", stacklevel=2)
     if keep_fp8 and torch.cuda.is_available():

@@ -197,7 +197,7 @@ def _fp8_checkpoint(raw: dict, files: list[str], multimodal: bool, mtp: range,
     blocks = scheme.granularities
     block = None if reordered or len(blocks) != 1 or None in blocks[0] or blocks[0][1] % 16 else blocks[0]
     return Fp8Checkpoint(frozenset(scaled & names), frozenset(n for n in names if n.endswith(".weight")), block,
-                         block is not None and raw["quantization_config"].get("scale_fmt") == "ue8m0",
+                         block is not None and str(raw["quantization_config"].get("scale_fmt")).lower() == "ue8m0",
                          per_channel=blocks == ((1, None),))
 
 
