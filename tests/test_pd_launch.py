@@ -185,7 +185,8 @@ def test_remote_decode_worker_dying_fails_its_requests(model):
         assert "d" in llm.gone and "remote" in llm.gone["d"] and "p" in s.ended
         assert_clean(s)
         errs = [s.results[r].error for r in ids if s.results[r].error]
-        assert errs and all("decode engine" in e for e in errs), errs
+        # a request whose KV was in flight when D died ends with the transfer's error, the others with D's loss
+        assert errs and all("decode engine" in e or e.startswith("KV transfer failed") for e in errs), errs
         assert llm.procs["p"].is_alive()
     finally:
         llm.shutdown()
