@@ -276,8 +276,8 @@ def test_an_fp8_checkpoint_comes_back_as_its_own_codes(tmp_path, monkeypatch, st
     if not INTERPRET:
         pytest.skip("needs TRITON_INTERPRET=1")
     from conftest import build_tiny_checkpoint
-    from safetensors.torch import load_file, save_file
-    from test_fp8_checkpoints import LEFT_DENSE, QWEN3_FP8, assert_matches_hf, fp8_folders
+    from safetensors.torch import load_file
+    from test_fp8_checkpoints import QWEN3_FP8, assert_matches_hf, fp8_folders
 
     from picovllm import kernels
     from picovllm.loader.fp8 import scale_values
@@ -285,12 +285,8 @@ def test_an_fp8_checkpoint_comes_back_as_its_own_codes(tmp_path, monkeypatch, st
     qc = {**QWEN3_FP8, "weight_block_size": [32, 64], "modules_to_not_convert": []}
     if storage == "e8m0":
         qc["scale_fmt"] = "ue8m0"
-    fp8_path, dense_path, dense_sd = fp8_folders(src, str(tmp_path), storage,
-                                                 (qc, (32, 64), "weight_scale_inv", storage, None))
-    # the checkpoint's one unquantized linear (LEFT_DENSE) is rounded in blocks too, as "fp8" rounds a dense model's
-    dense_sd[LEFT_DENSE + ".weight"] = rounded_blocks(dense_sd[LEFT_DENSE + ".weight"], 32, 64,
-                                                      pow2=storage == "e8m0").float()
-    save_file(dense_sd, os.path.join(dense_path, "model.safetensors"), metadata={"format": "pt"})
+    fp8_path, dense_path, _ = fp8_folders(src, str(tmp_path), storage,
+                                          (qc, (32, 64), "weight_scale_inv", storage, None))
     real = fp8_weights.quantize_model_weights
     monkeypatch.setattr(fp8_weights, "quantize_model_weights", lambda model, keep_fp8, **kw: real(model, True, **kw))
     monkeypatch.setattr(kernels, "use_triton", lambda x: True)
@@ -315,6 +311,8 @@ def test_an_fp8_checkpoint_comes_back_as_its_own_codes(tmp_path, monkeypatch, st
     assert torch.equal(held, checkpoint([f"model.layers.0.mlp.{x}_proj" for x in ("gate", "up")]))
     if storage == "e8m0":
         assert torch.equal(torch.exp2(torch.log2(qkv.weight_scale).round()), qkv.weight_scale), "powers of two"
+    # the one linear the file kept unquantized (test_fp8_checkpoints.LEFT_DENSE) stays as it is
+    assert llm.engine.runner.model.layers[1].mlp.down_proj.weight.dtype == torch.float32
 
 
 def test_blocks_a_rank_or_a_fused_part_splits_take_a_scale_per_row(monkeypatch):
@@ -345,15 +343,12 @@ def test_fp8_checkpoint_blocks_under_tensor_parallelism(tmp_path):
     """TP=2 (gloo) on an FP8 checkpoint whose blocks every rank's slices fall on: its weights exactly (the CPU keeps
     them in float32), so HF's tokens on its dequantization."""
     from conftest import build_tiny_checkpoint
-    from test_fp8_checkpoints import LEFT_DENSE, QWEN3_FP8, fp8_folders, prompts
-    from safetensors.torch import save_file
+    from test_fp8_checkpoints import QWEN3_FP8, fp8_folders, prompts
     from test_parity_hf import hf_greedy as greedy
     src = build_tiny_checkpoint(str(tmp_path / "qwen3"), "qwen3")
     qc = {**QWEN3_FP8, "weight_block_size": [16, 32], "modules_to_not_convert": []}
-    fp8_path, dense_path, dense_sd = fp8_folders(src, str(tmp_path), "tp", (qc, (16, 32), "weight_scale_inv",
-                                                                         "float32", None))
-    dense_sd[LEFT_DENSE + ".weight"] = rounded_blocks(dense_sd[LEFT_DENSE + ".weight"], 16, 32).float()
-    save_file(dense_sd, os.path.join(dense_path, "model.safetensors"), metadata={"format": "pt"})
+    fp8_path, dense_path, _ = fp8_folders(src, str(tmp_path), "tp", (qc, (16, 32), "weight_scale_inv", "float32",
+                                                                  None))
     ps = prompts()
     ref, _ = greedy(dense_path, ps, 8)
     with LLM(fp8_path, quantization="fp8", tensor_parallel_size=2, device="cpu", num_kv_blocks=64) as llm:

@@ -112,9 +112,10 @@ class ModelRunner:
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
 
     def _quantize_fp8(self, source: ModelSource) -> None:
-        """fp8 weights (layers/fp8_weights.py): quantization "fp8", every linear layer and expert; "auto" on a GPU
-        with float8 (compute capability 8.9+) and an FP8 checkpoint of block or channel scales, the layers it holds
-        in float8, with its own codes, as vLLM runs them (elsewhere its weights run dequantized, as "none")."""
+        """fp8 weights (layers/fp8_weights.py): quantization "fp8", every linear layer and expert, or of an FP8
+        checkpoint the layers it holds in float8 (those it kept unquantized stay so, as vLLM keeps them); "auto" on a
+        GPU with float8 (compute capability 8.9+) and an FP8 checkpoint of block or channel scales, the same, with
+        its own codes (elsewhere its weights run dequantized, as "none")."""
         ckpt, cuda = source.fp8, self.device.type == "cuda"
         auto = (self.config.quantization == "auto" and ckpt is not None and ckpt.comes_back and cuda
                 and torch.cuda.get_device_capability(self.device) >= (8, 9))
@@ -122,7 +123,7 @@ class ModelRunner:
             return
         fp8_weights.quantize_model_weights(
             self.model, keep_fp8=cuda, block=ckpt.block if ckpt else None, pow2_scales=bool(ckpt and ckpt.pow2_scales),
-            only=float8_parameters(self.model, ckpt) if auto else None)
+            only=float8_parameters(self.model, ckpt) if ckpt is not None else None)
         if not cuda and self.dtype == torch.float32:
             pack_linear_weights(self.model)     # the CPU's packed copies of the rounded weights
 
