@@ -27,6 +27,7 @@ import torch
 
 from picovllm.layers.attention import (FP8_DTYPE, FP8_MAX, AttentionBackend, AttentionMetadata,  # noqa: F401
                                        TorchAttentionBackend, dequantize, kv_rotation, quantize)
+from picovllm.layers.fp8_weights import has_float8
 
 HEADROOM = 2.0
 CALIBRATION_TOKENS = 256
@@ -115,7 +116,7 @@ def bind_calibrated(model: torch.nn.Module, source, tp, device: torch.device) ->
     """Calibrate, give each attention layer its (k_scale, v_scale) of this rank's KV heads, and return the
     full-head scales [layers, total KV heads] (under tensor parallelism: every rank's, gathered by a max-reduce,
     so every rank returns the same)."""
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+    if not has_float8(device):
         raise ValueError("EngineConfig.kv_cache_dtype 'fp8' needs a GPU with float8 e4m3 (compute capability 8.9+: "
                          f"Ada, Hopper), this one is {torch.cuda.get_device_name(device)}")
     ids = calibration_ids(source.load_tokenizer, source.config.vocab_size)

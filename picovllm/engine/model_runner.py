@@ -118,7 +118,7 @@ class ModelRunner:
         its own codes (elsewhere its weights run dequantized, as "none")."""
         ckpt, cuda = source.fp8, self.device.type == "cuda"
         auto = (self.config.quantization == "auto" and ckpt is not None and ckpt.comes_back and cuda
-                and torch.cuda.get_device_capability(self.device) >= (8, 9))
+                and fp8_weights.has_float8(self.device))
         if self.config.quantization != "fp8" and not auto:
             return
         fp8_weights.quantize_model_weights(

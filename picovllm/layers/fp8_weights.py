@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from picovllm import kernels
 from picovllm.distributed import TPGroup
 
 FP8 = torch.float8_e4m3fn
@@ -79,11 +80,16 @@ def fp8_linear_reference(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tens
 def fp8_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
                block: Block = None) -> torch.Tensor:
     """A float8 linear layer's forward: the Triton kernel where the layers run theirs, else the reference."""
-    from picovllm import kernels
     if kernels.use_triton(x):
         from picovllm.kernels.fp8_gemm import fp8_linear as kernel   # triton: imported at the first GPU call
         return kernel(x, codes, scale, bias, block)
     return fp8_linear_reference(x, codes, scale, bias, block)
+
+
+def has_float8(device: torch.device) -> bool:
+    """Whether the device computes with float8 e4m3 (Triton's fp8e4nv): the CPU, or a GPU of compute capability
+    8.9+ (Ada, Hopper). fp8 weights and the fp8 KV cache need it."""
+    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def check_fp8_weights(source, device: torch.device) -> None:
@@ -92,7 +98,7 @@ def check_fp8_weights(source, device: torch.device) -> None:
     if source.stored_weights is not None:
         raise ValueError("EngineConfig.quantization 'fp8' quantizes an HF folder's weights at load; a GGUF runs in its "
                          "own quantized form with 'auto' (or dequantized with 'none')")
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+    if not has_float8(device):
         raise ValueError("EngineConfig.quantization 'fp8' needs a GPU with float8 e4m3 (compute capability 8.9+: Ada, "
                          f"Hopper), this one is {torch.cuda.get_device_name(device)}")
 

@@ -171,7 +171,8 @@ class FusedMoE(nn.Module):
     def routed(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's part of the experts' sum (its shards of every expert), before the all-reduce."""
         logits = self.gate(x.to(self.gate.weight.dtype))
-        w13, w2 = self.experts.gate_up_proj, self.experts.down_proj
+        ex = self.experts
+        w13, w2 = ex.gate_up_proj, ex.down_proj
         b13, b2 = self.expert_biases()
         fp8 = w13.dtype == FP8       # quantization="fp8" (layers/fp8_weights.py)
         if kernels.use_triton(x):   # routed in one kernel, tokens grouped by expert, a grouped GEMM a projection;
@@ -180,12 +181,10 @@ class FusedMoE(nn.Module):
                 weights, ids = route_topk(logits, self.top_k, self.renormalize)
             else:       # route_topk is plain softmax only: groups, scales, sigmoid in torch ops, then the same GEMMs
                 weights, ids = self.route(logits)
-            ex = self.experts
             out = fused_experts(x, weights, ids, w13, w2, self.act, b13, b2,
                                 *(ex.gate_up_proj_scale, ex.down_proj_scale, ex.gate_up_proj_block) if fp8 else ())
         else:
             if fp8:     # the grouped kernels' reference: the float8 codes times their scales
-                ex = self.experts
                 w13 = dequantize(w13, ex.gate_up_proj_scale, x.dtype, ex.gate_up_proj_block)
                 w2 = dequantize(w2, ex.down_proj_scale, x.dtype, ex.down_proj_block)
             out = experts_reference(x, *self.route(logits), w13, w2, self.act, b13, b2)

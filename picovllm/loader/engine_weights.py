@@ -66,7 +66,7 @@ def load_model_weights(model: nn.Module, source: ModelSource, disk_cache: bool, 
 
 def _quantized_isa(source: ModelSource, quantization: str, cpu32: bool, shard: tuple[int, int]) -> str | None:
     """The instruction set the quantized kernels run with, or None: the weights run in float."""
-    if quantization in ("none", "bf16", "fp8") or source.stored_weights is None:
+    if quantization in ("none", "bf16") or source.stored_weights is None:
         return None
     if not cpu32 or shard[1] != 1:
         if cpu32:

@@ -87,6 +87,16 @@ def _text_name(name: str) -> str | None:
     return name
 
 
+def _tensor_names(files: list[str], multimodal: bool) -> set[str]:
+    """The names of the checkpoint's tensors, read from the files' headers (a multimodal one's text model's, as
+    _text_name names them; the parts left out are not among them)."""
+    names = set()
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            names.update(n for n in map(_text_name if multimodal else str, f.keys()) if n is not None)
+    return names
+
+
 def open_folder(path: str, weights_needed: bool = True, overrides: dict | None = None) -> ModelSource:
     """weights_needed=False: the config and tokenizer only (a front end's), no safetensors files asked for.
     overrides: config.json's (the text model's) top-level fields set or replaced (EngineConfig.hf_overrides)."""
@@ -99,10 +109,7 @@ def open_folder(path: str, weights_needed: bool = True, overrides: dict | None =
     multimodal = raw is not full
     files = _weight_files(path)
     if multimodal:     # tied as HF ties it: where the checkpoint holds no LM head of its own
-        names = set()
-        for file in files:
-            with safe_open(file, framework="pt") as f:
-                names.update(_text_name(n) for n in f.keys())
+        names = _tensor_names(files, multimodal)
         raw = dict(raw, tie_word_embeddings="lm_head.weight" not in names) if files else raw
     gen_path = os.path.join(path, "generation_config.json")
     if os.path.exists(gen_path):
@@ -188,11 +195,7 @@ def _fp8_checkpoint(raw: dict, files: list[str], multimodal: bool, mtp: range,
         return None
     from picovllm.loader import fp8
     scheme = fp8.Fp8Scheme.from_quantization_config(raw["quantization_config"])
-    names = set()
-    for file in files:
-        with safe_open(file, framework="pt") as f:
-            names.update(n for n in map(_text_name if multimodal else str, f.keys())
-                         if n is not None and not _in_layers(n, mtp))
+    names = {n for n in _tensor_names(files, multimodal) if not _in_layers(n, mtp)}
     scaled = {n.rpartition(".")[0] + ".weight" for n in names if n.rpartition(".")[2] in scheme.scale_names}
     blocks = scheme.granularities
     block = None if reordered or len(blocks) != 1 or None in blocks[0] or blocks[0][1] % 16 else blocks[0]
