@@ -131,9 +131,10 @@ def test_degenerate_filters_equal_greedy(tiny_models):
               SamplingParams(temperature=1.0, top_p=1e-6, seed=5, **common),
               SamplingParams(temperature=0, **common),
               SamplingParams(temperature=3.0, top_k=1, top_p=0.5, **common),
-              SamplingParams(temperature=1e-45, seed=9, **common)]    # 1 / T overflows: must act greedy
-    prompts = prompts + prompts[:1]
-    ref = ref + ref[:1]
+              SamplingParams(temperature=1e-45, seed=9, **common),    # 1 / T overflows: must act greedy
+              SamplingParams(temperature=1.0, top_p=1e-50, seed=7, **common)]   # 0 in float32: the top token stays
+    prompts = prompts + prompts[:2]
+    ref = ref + ref[:2]
     outs = LLM(path, num_kv_blocks=64).generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == ref
 

@@ -211,6 +211,21 @@ def test_models_health_and_named_errors(server, client, chat_model):
         client.chat.completions.create(model=model, messages=[])
     r = httpx.post(server.url + "/v1/completions", json={"model": model, "prompt": "hi", "max_tokens": "5"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    # the engine's refusals name the request's field: the prompt's ("messages" in chat), min_tokens with a grammar
+    # (which may end before min_tokens: it would end the request in an error)
+    long_chat = [{"role": "user", "content": "hi " * 400}]
+    for call, kw, param in [(client.completions.create, dict(prompt="hi " * 400), "prompt"),
+                            (client.completions.create, dict(prompt=""), "prompt"),
+                            (client.chat.completions.create, dict(messages=long_chat), "messages"),
+                            (client.chat.completions.create,
+                             dict(messages=[{"role": "user", "content": "yes?"}],
+                                  extra_body={"guided_choice": ["yes", "no"], "min_tokens": 3}), "min_tokens"),
+                            (client.completions.create, dict(prompt="a", extra_body={"guided_regex": "x",
+                                                                                     "min_tokens": 5}), "min_tokens")]:
+        for stream in (False, True):
+            with pytest.raises(openai.BadRequestError) as e:
+                call(model=model, max_tokens=8, stream=stream, **kw)
+            assert e.value.body["param"] == param, (kw, e.value.body)
 
 
 def test_unhonoured_requests_are_refused_never_ignored(server, client):

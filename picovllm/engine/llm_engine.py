@@ -236,6 +236,9 @@ class Engine:
             ends = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
             if params.min_tokens and set(allowed) <= ends:   # banned before min_tokens: nothing left to sample
                 raise ValueError("SamplingParams.allowed_token_ids holds only stop tokens, which min_tokens bans")
+        if params.min_tokens and params.structured_outputs is not None:   # the grammar may end before min_tokens
+            raise ValueError("SamplingParams.min_tokens cannot be combined with structured outputs: the grammar may "
+                             "end before it, and min_tokens bans the end")
         if any(t >= vocab for t in params.logit_bias):
             raise ValueError(f"SamplingParams.logit_bias keys must be token ids in [0, {vocab}), got "
                              f"{max(params.logit_bias)}")

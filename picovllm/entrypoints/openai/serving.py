@@ -138,10 +138,11 @@ class SampleGroup:
     its first output shows the prompt computed (they take its KV blocks from the prefix cache)."""
 
     def __init__(self, ctx: ServingContext, ids: list[int], samples: list[SamplingParams], request_id: str,
-                 arrival_time: float, priority: int = 0, harmony: bool = False) -> None:
-        """harmony: a chat reply read as harmony (ServingContext.grammar_parser)."""
+                 arrival_time: float, priority: int = 0, harmony: bool = False, prompt_param: str = "prompt") -> None:
+        """harmony: a chat reply read as harmony (ServingContext.grammar_parser); prompt_param: the request's field
+        the prompt came from, which a refusal of the prompt names ("messages" for chat)."""
         self.ctx, self.ids, self.samples, self.request_id, self.arrival = ctx, ids, samples, request_id, arrival_time
-        self.priority = priority
+        self.priority, self.prompt_param = priority, prompt_param
         for s in samples:     # the request's own params: a grammar waits for the end of the reasoning
             so = s.structured_outputs
             if so is not None:
@@ -153,7 +154,8 @@ class SampleGroup:
 
     async def start(self) -> "SampleGroup":
         """Add the first sample (raises APIError: 400 naming the field, 503 if the engine is gone)."""
-        self.streams.append(await self.ctx.add(self.ids, self.samples[0], self._id(0), self.arrival, self.priority))
+        self.streams.append(await self.ctx.add(self.ids, self.samples[0], self._id(0), self.arrival, self.priority,
+                                               self.prompt_param))
         return self
 
     async def _add_siblings(self) -> None:

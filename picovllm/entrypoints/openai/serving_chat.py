@@ -68,7 +68,7 @@ class ChatHandler:
             params.skip_special_tokens = False
             header = ctx.harmony.open_header(ids)
         group = await SampleGroup(ctx, ids, sample_params(params), f"chatcmpl-{uuid.uuid4().hex}", arrival,
-                                  req.priority, harmony).start()
+                                  req.priority, harmony, "messages").start()
         if req.stream:
             return sse_response(self._events(req, group, params.stop, k, policy, opened, harmony, header))
         out = await final_output(raw, group)
