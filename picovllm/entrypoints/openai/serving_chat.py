@@ -13,8 +13,8 @@ from picovllm.entrypoints.openai.reasoning import ReasoningSplitter, opened_in_p
 from picovllm.entrypoints.openai.tool_calls import (SPECIAL_MARKER_PARSERS, TOOLS_SOURCES, AutoToolStream,
                                                    ToolPolicy, template_renders_tools)
 from picovllm.entrypoints.openai.serving import (ENGINE_ERRORS, SSE_DONE, JSONBody, SampleGroup, ServingContext,
-                                                 TextDeltas, final_output, now, prompt_logprobs_json, sse, sse_error,
-                                                 sse_response, token_name, top_logprobs, truncated, usage,
+                                                 TextDeltas, check_room, final_output, now, prompt_logprobs_json, sse,
+                                                 sse_error, sse_response, token_name, top_logprobs, truncated, usage,
                                                  with_usage)
 from picovllm.entrypoints.openai.serving_beam import serve_beam_search
 from picovllm.entrypoints.parallel_sampling import merge_samples, sample_params
@@ -51,6 +51,8 @@ class ChatHandler:
                                               documents=req.documents, chat_template=req.chat_template,
                                               reasoning_effort=req.reasoning_effort)
         ids = truncated(ids, req.truncate_prompt_tokens, ctx)
+        check_room(ids, req.max_new_tokens, "max_tokens" if req.max_completion_tokens is None else
+                   "max_completion_tokens", ctx)
         if req.use_beam_search:
             return await self._beams(req, raw, ids)
         # a reasoning parser splits the think block from the answer (a grammar governs the answer alone: SampleGroup);

@@ -10,8 +10,8 @@ from fastapi import Request, Response
 
 from picovllm.entrypoints.openai.protocol import CompletionRequest
 from picovllm.entrypoints.openai.serving import (ENGINE_ERRORS, SSE_DONE, JSONBody, SampleGroup, ServingContext,
-                                                 TextDeltas, final_output, now, prompt_logprobs_json, sse, sse_error,
-                                                 sse_response, token_name, truncated, usage, with_usage)
+                                                 TextDeltas, check_room, final_output, now, prompt_logprobs_json, sse,
+                                                 sse_error, sse_response, token_name, truncated, usage, with_usage)
 from picovllm.entrypoints.openai.serving_beam import serve_beam_search
 from picovllm.entrypoints.parallel_sampling import best_of, merge_samples
 from picovllm.outputs import CompletionOutput, Logprob
@@ -32,6 +32,7 @@ class CompletionHandler:
         ids = await ctx.tokenizer.encode(prompt, req.add_special_tokens) if isinstance(prompt, str) else prompt
         kept = truncated(ids, req.truncate_prompt_tokens, ctx)
         cut, ids = len(kept) < len(ids), kept
+        check_room(ids, req.max_tokens, "max_tokens", ctx)
         if req.use_beam_search:
             return await self._beams(req, raw, ids)
         # echo: the prompt as sent (text), or its ids (what is left of them) decoded as /detokenize does
