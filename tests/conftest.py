@@ -12,16 +12,14 @@ import zlib
 import pytest
 
 # Under pytest-xdist (the README's test command runs two workers on a 2-core machine): one intra-op thread a worker,
-# and in the processes it spawns, so that two workers' OpenMP threads do not wait on each other (one_torch_thread)
+# and in the processes it spawns, so that two workers' OpenMP threads do not wait on each other (one_torch_thread);
+# set before torch is imported, which reads it then
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
 
 import triton_interpreter  # noqa: E402
-
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 # The suite's own artifact cache (tokenizers, weights, compiled kernels), new for every run and shared by the
 # subprocesses the tests start: the first test to load a model pays the miss, as on a fresh machine, and the

@@ -231,6 +231,8 @@ def test_models_health_and_named_errors(server, client, chat_model):
     hi = [{"role": "user", "content": "hi"}]
     for call, kw, param in [(client.completions.create, dict(prompt="hi", max_tokens=limit), "max_tokens"),
                             (client.chat.completions.create, dict(messages=hi, max_tokens=limit), "max_tokens"),
+                            (client.completions.create, dict(prompt="hi", n=2, max_tokens=limit,
+                                                             extra_body={"use_beam_search": True}), "max_tokens"),
                             (client.chat.completions.create, dict(messages=hi, max_tokens=4,
                                                                   max_completion_tokens=limit), "max_completion_tokens")]:
         with pytest.raises(openai.BadRequestError) as e:

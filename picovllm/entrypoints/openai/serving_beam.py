@@ -44,13 +44,10 @@ def beam_search_params(req, max_tokens: int | None, num_prompt_tokens: int, max_
     if req.stream:
         raise APIError(400, "use_beam_search: the beams are known at the end, so the response is not streamed",
                        param="stream")
-    room = max_model_len - num_prompt_tokens
+    room = max_model_len - num_prompt_tokens     # a max_tokens past it: refused before (serving.check_room)
     if room < 1:
         raise APIError(400, f"the prompt ({num_prompt_tokens} tokens) leaves no room under max_model_len "
                             f"{max_model_len}", param="max_tokens")
-    if max_tokens is not None and max_tokens > room:
-        raise APIError(400, f"max_tokens ({max_tokens}) + the prompt ({num_prompt_tokens} tokens) exceed "
-                            f"max_model_len {max_model_len}", param="max_tokens")
     params = BeamSearchParams(beam_width=req.n, max_tokens=room if max_tokens is None else max_tokens,
                               ignore_eos=req.ignore_eos, temperature=req.temperature or 0.0,
                               length_penalty=req.length_penalty)
