@@ -352,3 +352,41 @@ run_app(app, None, ServerSettings(port={port}, log_level="warning"))
     assert got["loop"].startswith("uvloop"), got
     assert "httptools_impl" in got["http"] and "h11_impl" not in got["http"], got
     assert proc.returncode == 0 and "install uvloop" not in err, err
+
+
+def test_a_request_the_engine_ends_in_error_is_a_500_or_an_sse_error(tmp_path, monkeypatch):
+    """A request the engine finishes with FinishReason.ERROR (here its grammar refuses every token: a fault put in
+    on purpose) reaches the client as a 500 with the engine's reason, or, streamed, as an SSE error event before
+    [DONE]; never as a 200 whose finish_reason is "error". Other requests are served; every block is free after."""
+    from fastapi.testclient import TestClient
+
+    from picovllm import EngineConfig
+    from picovllm.engine.llm_engine import Engine
+    from picovllm.entrypoints.openai.api_server import ServerSettings, build_app
+    from picovllm.entrypoints.openai.async_engine import AsyncEngine
+    from picovllm.entrypoints.openai.metrics import ServerMetrics
+    from picovllm.entrypoints.openai.serving import ServingContext
+    from picovllm.entrypoints.openai.tokenizer_worker import TokenizerWorker
+    from picovllm.layers.structured_output import GrammarState
+    from serving_fixtures import build_tiny_chat_model
+
+    engine = Engine(EngineConfig(model=build_tiny_chat_model(str(tmp_path / "model")), num_kv_blocks=64,
+                                 max_model_len=256, async_scheduling=False))
+    monkeypatch.setattr(GrammarState, "accept", lambda self, token: False)
+    ctx = ServingContext(AsyncEngine(engine), TokenizerWorker(engine.tokenizer), ServerMetrics("m"), "m")
+    why = "does not match the structured output's grammar"
+    guided = {"max_tokens": 4, "guided_choice": ["yes", "no"]}
+    with TestClient(build_app(ctx, ServerSettings())) as http:
+        for path, body in (("/v1/completions", {"prompt": "hi", **guided}),
+                           ("/v1/completions", {"prompt": "hi", "n": 2, "temperature": 1.0, **guided}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], **guided})):
+            r = http.post(path, json=body)
+            assert r.status_code == 500 and why in r.json()["error"]["message"], (path, body, r.text)
+            with http.stream("POST", path, json={**body, "stream": True}) as s:
+                assert s.status_code == 200
+                events = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]
+            assert events[-1] == "[DONE]" and why in json.loads(events[-2])["error"]["message"], events
+            assert all(c.get("finish_reason") != "error" for e in events[:-1] for c in json.loads(e).get("choices", []))
+        r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length", r.text
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks

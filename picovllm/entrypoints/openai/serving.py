@@ -182,7 +182,7 @@ class SampleGroup:
         RequestStream, a slow reader skips to each sample's newest (cumulative) output."""
         if len(self.samples) == 1:
             async for out in self.streams[0].outputs():
-                yield 0, out
+                yield 0, checked(out)
             return
         queue: asyncio.Queue = asyncio.Queue()
         tasks = [asyncio.ensure_future(_pump(0, self.streams[0], queue))]
@@ -223,11 +223,20 @@ async def _pump(i: int, stream: RequestStream, queue: asyncio.Queue) -> None:
     """Sample i's outputs into the group's queue, then None (or the exception, which the reader raises)."""
     try:
         async for out in stream.outputs():
-            queue.put_nowait((i, out))
+            queue.put_nowait((i, checked(out)))
     except Exception as e:
         queue.put_nowait((i, e))
         return
     queue.put_nowait((i, None))
+
+
+def checked(out: RequestOutput) -> RequestOutput:
+    """out, unless the engine ended the request in an error (FinishReason.ERROR: a grammar that refused a token, a
+    KV transfer that failed): then EngineStepError with the engine's reason, so that the client gets a 500 or an SSE
+    error event saying why, never a 200 whose finish_reason is "error"."""
+    if out.finished and out.outputs and out.outputs[0].finish_reason == "error":
+        raise EngineStepError(out.error or "the request failed in the engine")
+    return out
 
 
 async def _drain(queue: asyncio.Queue) -> list:

@@ -12,7 +12,7 @@ from fastapi import Request
 
 from picovllm.entrypoints.beam_search import BeamSearchParams, BeamSearchSequence, search, step_params
 from picovllm.entrypoints.openai.protocol import APIError
-from picovllm.entrypoints.openai.serving import ServingContext, until_disconnected
+from picovllm.entrypoints.openai.serving import ENGINE_ERRORS, ServingContext, checked, until_disconnected
 
 # What a beam-search request may carry besides its prompt: the search's own fields, and those it honours as any
 # request does (the prompt's rendering and truncation, the text's decoding, scheduling, who asks).
@@ -66,7 +66,10 @@ async def run_beam_search(ctx: ServingContext, raw: Request, ids: list[int], par
         raise APIError(400, "use_beam_search is not supported with prefill/decode disaggregation",
                        param="use_beam_search")
     task = await until_disconnected(raw, _search(ctx, ids, params, eos, request_id, priority))
-    return None if task is None else task.result()
+    try:
+        return None if task is None else task.result()
+    except ENGINE_ERRORS as e:
+        raise APIError(500, str(e), type="internal_error") from None
 
 
 async def _search(ctx: ServingContext, ids: list[int], params: BeamSearchParams, eos: list[int], request_id: str,
@@ -92,7 +95,7 @@ async def _search(ctx: ServingContext, ids: list[int], params: BeamSearchParams,
 async def _last(stream):
     last = None
     async for out in stream.outputs():
-        last = out
+        last = checked(out)
     return last
 
 
