@@ -114,12 +114,10 @@ class SamplingParams:
         elif isinstance(self.stop, str):
             self.stop = [self.stop]
         else:
-            self.stop = list(self.stop)
-        self.stop_token_ids = list(self.stop_token_ids or [])
-        if self.allowed_token_ids is not None and not isinstance(self.allowed_token_ids, (str, bytes)):
-            self.allowed_token_ids = list(self.allowed_token_ids)
-        if self.bad_words is not None and not isinstance(self.bad_words, (str, bytes)):
-            self.bad_words = list(self.bad_words)
+            self.stop = _copied(self.stop)
+        self.stop_token_ids = _copied(self.stop_token_ids) if self.stop_token_ids is not None else []
+        self.allowed_token_ids = _copied(self.allowed_token_ids)
+        self.bad_words = _copied(self.bad_words)
         if self.top_k == -1:
             self.top_k = 0
         self.logit_bias = _token_id_keys(self.logit_bias)
@@ -151,10 +149,11 @@ class SamplingParams:
             raise bad("min_tokens", "must be an int >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
-        if not all(isinstance(s, str) and s for s in self.stop):
-            raise bad("stop", "must be non-empty strings")
-        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
-            raise bad("stop_token_ids", "must be non-negative ints")
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
+            raise bad("stop", "must be a string or a list of non-empty strings")
+        if not isinstance(self.stop_token_ids, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "must be a list of non-negative ints")
         k = self.truncate_prompt_tokens
         if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not (k >= 1 or k == -1)):
             raise bad("truncate_prompt_tokens", "must be None, an int >= 1, or -1 (as many as the model takes)")
@@ -205,6 +204,17 @@ class SamplingParams:
 
 def _number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _copied(value):
+    """An iterable (a list, tuple, range, ...) as a new list, so no two requests share one; a string, a mapping or a
+    non-iterable as it is, for validate to name."""
+    if value is None or isinstance(value, (str, bytes, dict)):
+        return value
+    try:
+        return list(value)
+    except TypeError:
+        return value
 
 
 def _token_id_keys(bias):

@@ -25,6 +25,11 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
     (dict(min_tokens=4, max_tokens=2), "min_tokens"),
     (dict(stop=["ok", ""]), "stop"),
     (dict(stop_token_ids=[-1]), "stop_token_ids"),
+    (dict(stop=5), "stop"),                       # not iterable: named, not "'int' object is not iterable"
+    (dict(stop_token_ids=5), "stop_token_ids"),
+    (dict(stop_token_ids=[True]), "stop_token_ids"),
+    (dict(bad_words=3), "bad_words"),
+    (dict(allowed_token_ids=7), "allowed_token_ids"),
     (dict(logprobs=-1), "logprobs"),
     (dict(n=0), "n"),
     (dict(n=True), "n"),

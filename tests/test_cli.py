@@ -67,6 +67,43 @@ def test_batch_jsonl_round_trip_equals_llm_generate(tiny_models, tmp_path, capsy
     assert all(r["finish_reason"] == "length" for r in good)
 
 
+def test_batch_bad_lines_name_their_field_and_file_line(tmp_path, capsys):
+    """Chat lines with a message missing its role or content, a content given as OpenAI's text parts (the same prompt
+    as the joined string: LLM.chat is the oracle), token ids given as text, a non-list stop: each bad line fails
+    alone, naming its field and its line in the file (blank lines counted), and the others run. A message without a
+    content is read as an empty one, as the server reads it."""
+    from serving_fixtures import build_tiny_chat_model
+    model = build_tiny_chat_model(str(tmp_path / "model"))
+    parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}]
+    lines = [{"messages": [{"role": "user", "content": parts}], "max_tokens": 5, "id": "parts"},
+             {"messages": [{"role": "user"}], "max_tokens": 2},
+             {"messages": [{"content": "hi"}], "max_tokens": 2},
+             {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+             {"prompt_token_ids": "Hello", "max_tokens": 2},
+             {"prompt": "Hello", "stop": 5},
+             {"prompt_token_ids": [1.5, 3]}]
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    text = [json.dumps(x) for x in lines]
+    inp.write_text("\n".join(text[:1] + ["", "   "] + text[1:]) + "\n")      # two blank lines after the first
+    rc = cli_main(["batch", "-i", str(inp), "-o", str(out), "--model", model, "--num-kv-blocks", "64",
+                   "--ignore-eos", "--no-progress"])
+    assert rc == 1
+    recs = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [r["index"] for r in recs] == list(range(7))
+    expected = [None, None, "line 5: messages[0].role", "line 6: messages[0].content[0]",
+                "line 7: field 'prompt_token_ids'", "line 8: SamplingParams.stop", "line 9: field 'prompt_token_ids'"]
+    for rec, want in zip(recs, expected):
+        assert (rec.get("error") is None) if want is None else rec["error"].startswith(want), (rec, want)
+    llm = LLM(model, num_kv_blocks=64)
+    ref = llm.chat([{"role": "user", "content": "Hello\nthere"}], SamplingParams(temperature=0, max_tokens=5,
+                                                                                 ignore_eos=True), use_tqdm=False)
+    assert recs[0]["token_ids"] == ref[0].outputs[0].token_ids and recs[0]["id"] == "parts"
+    assert recs[0]["num_prompt_tokens"] == len(ref[0].prompt_token_ids)
+    empty = llm.chat([{"role": "user", "content": ""}], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True),
+                     use_tqdm=False)
+    assert recs[1]["token_ids"] == empty[0].outputs[0].token_ids
+
+
 def test_batch_n_samples_and_prompt_logprobs(tiny_models, tmp_path, capsys):
     """A line with n > 1 gets an "outputs" list (as LLM.generate's samples), prompt_logprobs a list per prompt token."""
     lines = [{"prompt_token_ids": [3, 4, 5, 6], "n": 3, "temperature": 1.0, "seed": 7, "max_tokens": 4},

@@ -26,14 +26,15 @@ SAMPLING_KEYS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 @dataclass
 class BatchItem:
     index: int                               # 0-based line number among non-empty lines
+    line: int = 0                            # 1-based line number in the file (what an error names)
     id: object | None = None
     prompt: str | list[int] | None = None    # what goes to Engine.add_request
     params: SamplingParams | None = None
     error: str | None = None
 
 
-def parse_line(index: int, line: str, defaults: dict, llm) -> BatchItem:
-    item = BatchItem(index)
+def parse_line(index: int, line: str, defaults: dict, llm, line_number: int | None = None) -> BatchItem:
+    item = BatchItem(index, line_number or index + 1)
     try:
         rec = json.loads(line)
         if not isinstance(rec, dict):
@@ -46,28 +47,29 @@ def parse_line(index: int, line: str, defaults: dict, llm) -> BatchItem:
         if len(given) != 1:
             raise ValueError(f"give exactly one of {', '.join(PROMPT_KEYS)}")
         key = given[0]
-        if key == "messages":
-            if not isinstance(rec[key], list) or not all(isinstance(m, dict) for m in rec[key]):
-                raise ValueError("field 'messages' must be a list of {role, content} objects")
+        if key == "messages":     # a ValueError naming messages[i].<field> if a message is not one
             item.prompt = llm.apply_chat_template(rec[key])
         elif key == "prompt" and not isinstance(rec[key], str):
             raise ValueError("field 'prompt' must be a string (token ids go in 'prompt_token_ids')")
+        elif key == "prompt_token_ids" and not (isinstance(rec[key], list) and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in rec[key])):
+            raise ValueError("field 'prompt_token_ids' must be a list of int token ids (text goes in 'prompt')")
         else:
             item.prompt = rec[key]
         item.params = SamplingParams(**{**defaults, **{k: v for k, v in rec.items() if k in SAMPLING_KEYS}})
     except (ValueError, TypeError) as e:       # json.JSONDecodeError is a ValueError
-        item.error = f"line {index + 1}: {e}"
+        item.error = f"line {item.line}: {e}"
     return item
 
 
 def read_batch(path: str, defaults: dict, llm) -> list[BatchItem]:
     f = sys.stdin if path == "-" else open(path)
     try:
-        lines = [line for line in f if line.strip()]
+        lines = [(number, line) for number, line in enumerate(f, 1) if line.strip()]
     finally:
         if f is not sys.stdin:
             f.close()
-    return [parse_line(i, line, defaults, llm) for i, line in enumerate(lines)]
+    return [parse_line(i, line, defaults, llm, number) for i, (number, line) in enumerate(lines)]
 
 
 def result_record(item: BatchItem, out: RequestOutput | None) -> dict:

@@ -16,6 +16,35 @@ RESERVED_TEMPLATE_KWARGS = frozenset({
     "return_assistant_tokens_mask", "tokenizer_kwargs"})
 
 
+def conversation_messages(conversation) -> list[dict]:
+    """LLM.chat's conversation as a chat template takes it: each message a dict with a string role; its content a
+    string, None (read as ""), or OpenAI's list of text parts (joined by newlines, as the server joins them); the
+    other keys (tool_calls, name, ...) as they are. ValueError naming messages[i].<field> otherwise."""
+    if not isinstance(conversation, list):
+        raise ValueError("messages must be a list of {role, content} objects")
+    out = []
+    for i, m in enumerate(conversation):
+        if not isinstance(m, dict):
+            raise ValueError(f"messages[{i}] must be an object with a role and a content")
+        if not isinstance(m.get("role"), str) or not m["role"]:
+            raise ValueError(f"messages[{i}].role must be a non-empty string")
+        content = m.get("content")
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                    raise ValueError(f"messages[{i}].content[{j}]: only text parts ({{\"type\": \"text\", "
+                                     f"\"text\": ...}}) are supported")
+                texts.append(part["text"])
+            content = "\n".join(texts)
+        elif content is None:
+            content = ""
+        elif not isinstance(content, str):
+            raise ValueError(f"messages[{i}].content must be a string or a list of text parts")
+        out.append({**m, "content": content})
+    return out
+
+
 def template_kwargs(conversation: list[dict], add_generation_prompt: bool, continue_final_message: bool,
                     chat_template_kwargs: dict | None) -> dict:
     """apply_chat_template's options beyond the conversation, checked as vLLM checks them; ValueError naming the

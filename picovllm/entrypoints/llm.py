@@ -249,14 +249,20 @@ def chat_prompt_ids(tokenizer, conversation: list[dict], add_generation_prompt: 
                     continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> list[int]:
     """The conversation through the tokenizer's chat template, as token ids. tools: through the template if it
     renders them, else described in a system message. The other options: LLM.chat's."""
-    from picovllm.entrypoints.chat_template import template_kwargs
+    from jinja2 import TemplateError
+
+    from picovllm.entrypoints.chat_template import conversation_messages, template_kwargs
     from picovllm.entrypoints.openai.tool_calls import template_renders_tools, with_tool_prompt
     if tokenizer is None:
         raise ValueError("chat needs a tokenizer, and this model has none")
+    conversation = conversation_messages(conversation)
     options = template_kwargs(conversation, add_generation_prompt, continue_final_message, chat_template_kwargs)
     if tools and not template_renders_tools(chat_template or tokenizer.chat_template):
         conversation, tools = with_tool_prompt(conversation, tools), None
-    text = tokenizer.apply_chat_template(conversation, tokenize=False, chat_template=chat_template,
-                                         tools=tools or None, **options)
+    try:
+        text = tokenizer.apply_chat_template(conversation, tokenize=False, chat_template=chat_template,
+                                             tools=tools or None, **options)
+    except TemplateError as e:      # the template's own refusal (raise_exception), or a message it cannot render
+        raise ValueError(f"messages: the chat template cannot render them: {e}") from None
     # The template already holds any BOS it wants; don't let the tokenizer add a second.
     return tokenizer.encode(text, add_special_tokens=False)

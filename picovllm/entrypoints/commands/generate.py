@@ -189,7 +189,7 @@ def run_batch(args: argparse.Namespace) -> int:
             try:
                 groups.append(llm._add_samples(item.prompt, item.params, siblings))
             except ValueError as e:
-                item.error = f"line {item.index + 1}: {e}"
+                item.error = f"line {item.line}: {e}"
     outputs = iter(llm._run_samples(groups, siblings, use_tqdm=not args.no_progress))
     out_file = sys.stdout if args.output == "-" else open(args.output, "w")
     try:
