@@ -204,6 +204,29 @@ def test_bench_latency_runs_small(capsys):
     assert res["prefix_len"] == 150 and res["cached_prefix_tokens_computed"] == 6 + 3
 
 
+@pytest.mark.parametrize("flags,says", [
+    (["--timeout", "0"], "--timeout must be > 0"),
+    (["--max-token-id", "0"], "--max-token-id must be >= 1"),
+    (["--max-token-id", "-1"], "--max-token-id must be >= 1"),
+    ([], "--base-url: no OpenAI server answered"),        # nothing listens there: named, not a traceback
+])
+def test_bench_serve_refuses_bad_flags_by_name(flags, says, capsys):
+    import socket
+    with socket.socket() as s:            # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    rc = cli_main(["bench", "serve", "--base-url", f"http://127.0.0.1:{port}", "--num-prompts", "2", *flags])
+    err = capsys.readouterr().err
+    assert rc == 2 and says in err and "Traceback" not in err, err
+
+
+def test_bench_latency_refuses_a_suffix_past_the_context(capsys):
+    rc = cli_main(["bench", "latency", "--random-model", "tiny-qwen3", "--random-model-dtype", "float32",
+                   "--num-kv-blocks", "64", "--block-size", "16", "--max-model-len", "256", "--suffix-len", "300",
+                   "--input-len", "16", "--output-len", "8"])
+    assert rc == 2 and "--suffix-len must be <= max_model_len - 9 = 247" in capsys.readouterr().err
+
+
 def test_random_checkpoint_matches_hf(tmp_path):
     from transformers import AutoModelForCausalLM
 

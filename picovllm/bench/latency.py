@@ -107,6 +107,8 @@ def run_latency(args: argparse.Namespace) -> dict:
     def prompt(n: int) -> list[int]:
         return [rng.randrange(vocab) for _ in range(n)]
 
+    if args.suffix_len > eng.max_model_len - 9:      # room for a 1-token prefix and the run's 8 outputs
+        raise ValueError(f"--suffix-len must be <= max_model_len - 9 = {eng.max_model_len - 9}, got {args.suffix_len}")
     prefix_len = min(args.prefix_len, eng.max_model_len - 8 - args.suffix_len)
     itl, ttft, prefill, cached, loaded = [], [], [], [], []
     for it in range(args.num_iters + 1):                     # iteration 0 warms up

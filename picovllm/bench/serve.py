@@ -109,9 +109,15 @@ def run_benchmark(args: argparse.Namespace) -> dict:
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     base = args.base_url[0].rstrip("/")
-    models = httpx.get(f"{base}/v1/models", headers=headers, timeout=args.timeout).json()["data"]
+    try:
+        r = httpx.get(f"{base}/v1/models", headers=headers, timeout=args.timeout)
+        r.raise_for_status()
+        models = r.json()["data"]
+    except (httpx.HTTPError, ValueError, KeyError) as e:
+        raise ValueError(f"--base-url: no OpenAI server answered GET {base}/v1/models: {type(e).__name__}: {e}"
+                         ) from None
     model = args.model or models[0]["id"]
-    vocab = min(models[0].get("vocab_size") or 1000, args.max_token_id or 10**9)
+    vocab = min(models[0].get("vocab_size") or 1000, args.max_token_id if args.max_token_id is not None else 10**9)
     before = prefix_cache_counters(args.base_url, headers, args.timeout)
     if args.num_workers == 1:
         starts = []
@@ -376,7 +382,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--random-range-ratio", type=float, default=0.0, help="lengths uniform in len*(1 +- ratio)")
-    p.add_argument("--max-token-id", type=int, default=None, help="cap on random prompt token ids")
+    p.add_argument("--max-token-id", type=int, default=None, help="random prompt token ids are drawn from [0, N)")
     p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                    help="generate exactly the output length (default on)")
     p.add_argument("--goodput", nargs="+", default=None, metavar="METRIC:MS",
@@ -403,6 +409,10 @@ def validate(args: argparse.Namespace) -> None:
         raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
     if args.num_workers < 1 or args.num_workers > args.num_prompts:
         raise ValueError(f"--num-workers must be in [1, --num-prompts], got {args.num_workers}")
+    if not args.timeout > 0:
+        raise ValueError(f"--timeout must be > 0, got {args.timeout}")
+    if args.max_token_id is not None and args.max_token_id < 1:
+        raise ValueError(f"--max-token-id must be >= 1, got {args.max_token_id}")
     if args.num_workers > 1 and args.max_concurrency is not None:
         raise ValueError("--max-concurrency bounds one client: it needs --num-workers 1")
     parse_goodput(args.goodput)
