@@ -104,6 +104,46 @@ def test_batch_bad_lines_name_their_field_and_file_line(tmp_path, capsys):
     assert recs[1]["token_ids"] == empty[0].outputs[0].token_ids
 
 
+def test_run_batch_answers_each_line_as_the_server_and_llm_would(tmp_path, capsys):
+    """`picovllm run-batch` (OpenAI's batch format, vLLM's command): each request's body is LLM.chat's / LLM.generate's
+    greedy output (the oracle), in input order; a bad body gets the server's 400 naming its field, and a line that
+    is no request (not JSON, a GET, an url not served, a stream) an error naming its file line; the others run."""
+    from serving_fixtures import build_tiny_chat_model
+    model = build_tiny_chat_model(str(tmp_path / "model"))
+    chat = {"messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 6, "temperature": 0,
+            "ignore_eos": True}
+    lines = [{"custom_id": "chat", "method": "POST", "url": "/v1/chat/completions", "body": chat},
+             {"custom_id": "cmpl", "method": "POST", "url": "/v1/completions",
+              "body": {"prompt": "abc abc", "max_tokens": 5, "temperature": 0, "ignore_eos": True, "n": 2}},
+             {"custom_id": "bad-top-p", "method": "POST", "url": "/v1/completions", "body": {"prompt": "a", "top_p": 3}},
+             {"custom_id": "get", "method": "GET", "url": "/v1/completions", "body": {}},
+             {"custom_id": "models", "method": "POST", "url": "/v1/models", "body": {}},
+             {"custom_id": "stream", "method": "POST", "url": "/v1/completions", "body": {"prompt": "a", "stream": True}}]
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    text = [json.dumps(x) for x in lines]
+    inp.write_text("\n".join(text[:2] + ["", "not json"] + text[2:]) + "\n")
+    rc = cli_main(["run-batch", "-i", str(inp), "-o", str(out), "--model", model, "--num-kv-blocks", "64"])
+    assert rc == 1 and "5 of 7 requests failed" in capsys.readouterr().err
+    recs = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [r["custom_id"] for r in recs] == ["chat", "cmpl", None, "bad-top-p", "get", "models", "stream"]
+    assert len({r["id"] for r in recs}) == 7 and all(r["id"].startswith("batch_req_") for r in recs)
+    llm = LLM(model, num_kv_blocks=64)
+    greedy = dict(temperature=0, ignore_eos=True)
+    ref_chat = llm.chat(chat["messages"], SamplingParams(max_tokens=6, **greedy), use_tqdm=False)[0].outputs[0]
+    ref_cmpl = llm.generate(["abc abc"], SamplingParams(max_tokens=5, **greedy), use_tqdm=False)[0].outputs[0]
+    ok = [r["response"] for r in recs[:2]]
+    assert all(r["status_code"] == 200 for r in ok) and recs[0]["error"] is None
+    assert ok[0]["body"]["object"] == "chat.completion"
+    assert ok[0]["body"]["choices"][0]["message"]["content"] == ref_chat.text
+    assert [c["text"] for c in ok[1]["body"]["choices"]] == [ref_cmpl.text] * 2
+    assert ok[1]["body"]["usage"]["completion_tokens"] == 10
+    assert recs[2]["response"] is None and recs[2]["error"]["message"].startswith("line 4: not JSON")
+    bad = recs[3]["response"]
+    assert bad["status_code"] == 400 and bad["body"]["error"]["param"] == "top_p" and recs[3]["error"] is None
+    for rec, says in zip(recs[4:], ("line 6: method must be", "line 7: url must be one of", "line 8: body.stream")):
+        assert rec["response"] is None and rec["error"]["message"].startswith(says), rec
+
+
 def test_batch_n_samples_and_prompt_logprobs(tiny_models, tmp_path, capsys):
     """A line with n > 1 gets an "outputs" list (as LLM.generate's samples), prompt_logprobs a list per prompt token."""
     lines = [{"prompt_token_ids": [3, 4, 5, 6], "n": 3, "temperature": 1.0, "seed": 7, "max_tokens": 4},

@@ -20,6 +20,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 COMMAND_MODULES: tuple[str, ...] = (
     "picovllm.entrypoints.commands.generate",   # generate, chat, batch
     "picovllm.entrypoints.openai.cli_serve",    # serve (also --role p|d)
+    "picovllm.entrypoints.openai.run_batch",    # run-batch (OpenAI's batch file format, as vLLM's)
     "picovllm.entrypoints.openai.cli_proxy",    # proxy (in front of prefill/decode server pairs)
     "picovllm.entrypoints.openai.cli_router",   # router (in front of a fleet: any prefill to any decode)
     "picovllm.entrypoints.commands.bench",      # bench throughput | latency | serve

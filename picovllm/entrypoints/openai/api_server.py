@@ -14,6 +14,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -305,21 +306,35 @@ def serve(engine_config: EngineConfig, settings: ServerSettings) -> int:
     """Load the model, then serve until SIGTERM/SIGINT; returns the exit code after a graceful shutdown (not 0:
     with several API servers, one of the processes died)."""
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    name = served_name(settings, engine_config.model)
-    defaults = generation_defaults(engine_config.model, engine_config.generation_config,
-                                   engine_config.override_generation_config, engine_config.revision,
-                                   engine_config.download_dir)
-    tokenizer = None
-    if settings.reasoning_parser is not None:     # before the engine loads: the tokens its gates watch for
-        from picovllm.entrypoints.openai.engine_process import load_tokenizer
-        try:
-            tokenizer = load_tokenizer(engine_config)
-            reasoning_gate(tokenizer, settings.reasoning_parser, f"--reasoning-parser {settings.reasoning_parser}")
-        except ValueError as e:
-            raise SystemExit(f"error: {e}") from None
+    try:
+        tokenizer = _reasoning_tokenizer(engine_config, settings)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
     if settings.api_server_count > 1:
         from picovllm.entrypoints.openai.api_workers import serve_with_api_servers
-        return serve_with_api_servers(engine_config, settings, name, defaults)
+        return serve_with_api_servers(engine_config, settings, served_name(settings, engine_config.model),
+                                      _generation_defaults(engine_config))
+    try:
+        app, async_engine, _ = app_for(engine_config, settings, tokenizer)
+    except TokenizerSetupError as e:
+        raise SystemExit(f"error: {e}") from None
+    logger.info("serving %s on http://%s:%d", served_name(settings, engine_config.model), settings.host, settings.port)
+    run_app(app, async_engine, settings)
+    return 0
+
+
+class TokenizerSetupError(ValueError):
+    """The HTTP side's tokenizer cannot serve the settings (e.g. --chat-template without a tokenizer)."""
+
+
+def app_for(engine_config: EngineConfig, settings: ServerSettings, tokenizer=None) -> tuple[FastAPI, EngineClient,
+                                                                                            Callable[[], None]]:
+    """The OpenAI app over a new engine (`serve`'s, and run-batch's in-process one): the app, whose lifespan starts
+    and shuts down the engine's loop; the engine's client; and what releases the engine after the app (or if the app
+    never runs). tokenizer: the HTTP side's, if already loaded (_reasoning_tokenizer)."""
+    if tokenizer is None:
+        tokenizer = _reasoning_tokenizer(engine_config, settings)
+    name, defaults = served_name(settings, engine_config.model), _generation_defaults(engine_config)
     metrics = ServerMetrics(name, speculative=engine_config.speculative_config is not None)
     from picovllm.entrypoints.openai.engine_process import open_async_engine   # the engine's side: torch
     async_engine, tokenizer, stop = open_async_engine(engine_config, settings, metrics, tokenizer=tokenizer)
@@ -327,10 +342,24 @@ def serve(engine_config: EngineConfig, settings: ServerSettings) -> int:
         worker = TokenizerWorker(tokenizer, settings.chat_template, settings.trust_request_chat_template)
     except ValueError as e:
         stop()
-        raise SystemExit(f"error: {e}") from None
+        raise TokenizerSetupError(str(e)) from None
     ctx = ServingContext(async_engine, worker, metrics, name, defaults, settings.reasoning_parser,
                          settings.tool_call_parser)
-    app = build_app(ctx, settings)
-    logger.info("serving %s on http://%s:%d", name, settings.host, settings.port)
-    run_app(app, async_engine, settings)
-    return 0
+    return build_app(ctx, settings), async_engine, stop
+
+
+def _generation_defaults(engine_config: EngineConfig) -> dict:
+    return generation_defaults(engine_config.model, engine_config.generation_config,
+                               engine_config.override_generation_config, engine_config.revision,
+                               engine_config.download_dir)
+
+
+def _reasoning_tokenizer(engine_config: EngineConfig, settings: ServerSettings):
+    """With --reasoning-parser, the tokenizer, loaded before the engine to check that it has the tokens the parser's
+    gates watch for (a ValueError naming the flag if not); None otherwise."""
+    if settings.reasoning_parser is None:
+        return None
+    from picovllm.entrypoints.openai.engine_process import load_tokenizer
+    tokenizer = load_tokenizer(engine_config)
+    reasoning_gate(tokenizer, settings.reasoning_parser, f"--reasoning-parser {settings.reasoning_parser}")
+    return tokenizer
