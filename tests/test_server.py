@@ -752,6 +752,12 @@ def test_tokenize_and_detokenize(server, client, llm):
     assert client.chat.completions.create(model=model, messages=conv, max_tokens=1).usage.prompt_tokens == r["count"]
     r2 = httpx.post(server.url + "/tokenize", json={"messages": conv, "add_generation_prompt": False}).json()
     assert r2["tokens"] == llm.apply_chat_template(conv, add_generation_prompt=False) != r["tokens"]
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                               "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+    rt = httpx.post(server.url + "/tokenize", json={"messages": conv, "tools": tools}).json()   # as chat renders them
+    assert rt["tokens"] == llm.apply_chat_template(conv, tools=tools) != r["tokens"]
+    long = httpx.post(server.url + "/v1/chat/completions", json={"messages": conv, "tools": tools, "max_tokens": 1})
+    assert f"prompt is {rt['count']} tokens" in long.json()["error"]["message"]     # past this server's 256: the count
     d = httpx.post(server.url + "/detokenize", json={"model": model, "tokens": r["tokens"]}).json()
     assert d == {"prompt": tok.decode(r["tokens"], skip_special_tokens=False)} and "<|im_start|>" in d["prompt"]
     ids = tok.encode(text)
@@ -759,6 +765,8 @@ def test_tokenize_and_detokenize(server, client, llm):
     for path, body, param in [("/tokenize", {"prompt": "a", "messages": conv}, "prompt"), ("/tokenize", {}, "prompt"),
                               ("/tokenize", {"prompt": "a", "model": "nope"}, "model"),
                               ("/tokenize", {"messages": conv, "chat_template": "x"}, "chat_template"),
+                              ("/tokenize", {"prompt": "a", "tools": tools}, "tools"),
+                              ("/tokenize", {"messages": conv, "tools": tools * 2}, "tools"),
                               ("/detokenize", {"tokens": [1, 384]}, "tokens"), ("/detokenize", {"tokens": [-1]}, "tokens")]:
         e = httpx.post(server.url + path, json=body)
         assert e.status_code == 400 and e.json()["error"]["param"] == param, (path, body, e.text)

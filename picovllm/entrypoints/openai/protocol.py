@@ -430,15 +430,17 @@ class ChatCompletionRequest(_SamplingRequest, _RefusedChat, _ChatTemplateOptions
 
 
 # -- /tokenize and /detokenize (vLLM's) -----------------------------------------------------------------------
-_RefusedTokenize = refusing_model("_RefusedTokenize", {"tools": ([],), "mm_processor_kwargs": ()})
+_RefusedTokenize = refusing_model("_RefusedTokenize", {"mm_processor_kwargs": ()})
 
 
 
 class TokenizeRequest(_RefusedTokenize, _ChatTemplateOptions):
-    """Exactly one of prompt (as /v1/completions encodes it) or messages (as /v1/chat/completions)."""
+    """Exactly one of prompt (as /v1/completions encodes it) or messages (as /v1/chat/completions; with tools, as
+    a chat request whose tool_choice is "auto" renders them)."""
     model: str | None = None
     prompt: str | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    tools: list[ToolSpec] | None = None
     add_special_tokens: bool | None = None    # None: True for a prompt, False for messages (the endpoints' way)
     add_generation_prompt: bool = True
     return_token_strs: bool = False
@@ -446,8 +448,11 @@ class TokenizeRequest(_RefusedTokenize, _ChatTemplateOptions):
     def checked(self) -> "TokenizeRequest":
         if (self.prompt is None) == (self.messages is None):
             raise APIError(400, "give exactly one of prompt or messages", param="prompt")
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise APIError(400, "tools: function names must be unique", param="tools")
         for name in ("add_generation_prompt", "continue_final_message", "chat_template_kwargs", "documents",
-                     "chat_template"):
+                     "chat_template", "tools"):
             if self.prompt is not None and name in self.model_fields_set:
                 raise APIError(400, f"{name} applies to messages only", param=name)
         return self

@@ -10,8 +10,10 @@ async def tokenize(ctx: ServingContext, req: TokenizeRequest) -> dict:
     ctx.check_model(req.model)
     req.checked()
     if req.messages is not None:
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None   # as chat's "auto"
         ids = await ctx.tokenizer.encode_chat(ctx.template_messages(req.messages), req.add_generation_prompt,
-                                              req.special_tokens, continue_final_message=req.continue_final_message,
+                                              req.special_tokens, tools=tools,
+                                              continue_final_message=req.continue_final_message,
                                               chat_template_kwargs=req.chat_template_kwargs,
                                               documents=req.documents, chat_template=req.chat_template)
     else:
