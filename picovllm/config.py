@@ -725,7 +725,8 @@ class EngineConfig:
     hf_overrides: dict | str | None = None    # JSON: config.json's top-level fields set or replaced before the model
                                               # is read (vLLM's --hf-overrides; HF folders only), e.g. a rope_scaling
     tensor_parallel_size: int = 1
-    seed: int = 0
+    seed: int = 0                         # seeds torch and random at start-up, as vLLM's: unseeded sampling
+                                          # repeats run to run
     role: str = "pd"                      # "pd" (colocated), "p" (prefill only), "d" (decode only)
     disk_cache: bool = True               # keep a GGUF's tokenizer and weights in the artifact cache
     quantization: str = "auto"            # "auto": a GGUF's own 4/8-bit form on the CPU, an FP8 checkpoint's

@@ -133,8 +133,8 @@ class SamplingParams:
 
         if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
             raise bad("n", "must be an int >= 1")
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise bad("temperature", "must be a number >= 0")
+        if not _number(self.temperature) or self.temperature < 0:
+            raise bad("temperature", "must be a finite number >= 0")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise bad("top_p", "must be in (0, 1]")
         if not isinstance(self.top_k, int) or self.top_k < 0:

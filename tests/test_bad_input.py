@@ -16,6 +16,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 @pytest.mark.parametrize("kwargs,field", [
     (dict(temperature=-0.1), "temperature"),
+    (dict(temperature=float("nan")), "temperature"),     # was read as greedy
     (dict(top_p=0.0), "top_p"),
     (dict(top_p=1.01), "top_p"),
     (dict(max_tokens=0), "max_tokens"),
@@ -214,6 +215,24 @@ def test_bad_prompt_in_a_batch_rejects_the_batch_cleanly(tiny_models):
         llm.generate(prompts, params[:2], use_tqdm=False)
     assert summary(llm.generate(prompts, params, use_tqdm=False)) == \
         summary(LLM(path, **ENGINE).generate(prompts, params, use_tqdm=False))
+
+
+def test_prompt_dicts_and_lengths_the_engine_cannot_honour_are_named(tiny_models, caplog):
+    """A prompt dict's keys beyond prompt / prompt_token_ids (vLLM's multi_modal_data, cache_salt, prompt_embeds) are
+    refused by name, not dropped; a max_model_len past the model's context is cut with a warning, not silently."""
+    llm = LLM(tiny_models["llama"], num_kv_blocks=32)
+    sp = SamplingParams(max_tokens=2)
+    for prompt, says in (({"prompt": "hi", "multi_modal_data": {"image": None}}, "'multi_modal_data'"),
+                         ({"prompt_token_ids": [1, 2], "cache_salt": "x"}, "'cache_salt'"),
+                         ({"prompt_embeds": [[0.0]]}, "'prompt_embeds'"),
+                         ({}, "needs \"prompt\"")):
+        with pytest.raises(ValueError, match=f"prompt: .*{says}"):
+            llm.generate([[5, 6, 7], prompt], sp, use_tqdm=False)
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], sp, use_tqdm=False)
+    assert out[0].prompt_token_ids == [5, 6, 7]
+    with caplog.at_level("WARNING", logger="picovllm.engine.llm_engine"):
+        assert LLM(tiny_models["llama"], num_kv_blocks=32, max_model_len=513).engine.max_model_len == 512
+    assert "max_model_len 513 is longer than the model's context, 512" in caplog.text      # cut, and said
 
 
 def test_empty_text_prompt_on_the_default_model(default_llm):

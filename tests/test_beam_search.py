@@ -60,7 +60,7 @@ def test_beams_match_the_float64_reference(hf_and_llm, width, length_penalty):
         for ignore_eos in (False, True):
             params = BeamSearchParams(beam_width=width, max_tokens=5, ignore_eos=ignore_eos,
                                       length_penalty=length_penalty)
-            got = llm.beam_search(prompts, params)
+            got = llm.beam_search(prompts, params, use_tqdm=ignore_eos)     # vLLM's keyword, a bar or not
             for prompt, out in zip(prompts, got):
                 want, n = reference(model, prompt, width, 5, eos, ignore_eos, length_penalty)
                 ended += n

@@ -37,3 +37,20 @@ def test_chat_batch_comes_back_in_order_with_the_templates_tokens(default_llm):
         assert answer in out.outputs[0].text
         want = tok.apply_chat_template(conv, add_generation_prompt=True, tokenize=True)
         assert out.prompt_token_ids == (want["input_ids"] if hasattr(want, "keys") else want)
+
+
+def test_chat_outputs_carry_the_rendered_prompt_and_take_a_tqdm_factory(default_llm):
+    """LLM.chat's RequestOutput.prompt is the chat template's text (vLLM's; HF's apply_chat_template is the oracle),
+    and use_tqdm may be a tqdm-like factory, as vLLM's, which is then what reports progress."""
+    from tqdm import tqdm
+    conv = [{"role": "user", "content": "Name the capital of France."}]
+    made = []
+
+    def factory(*args, **kwargs):
+        made.append(kwargs.get("total"))
+        return tqdm(*args, **kwargs)
+    out = default_llm.chat(conv, SamplingParams(temperature=0, max_tokens=3), use_tqdm=factory)[0]
+    tok = default_llm.get_tokenizer()
+    assert out.prompt == tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+    assert out.prompt_token_ids == tok.encode(out.prompt, add_special_tokens=False)
+    assert made == [1]

@@ -48,7 +48,7 @@ def test_defaults_by_hand(tmp_path, tiny_models):
 @pytest.mark.parametrize("mode, override, gen, match", [
     ("auto", {"temprature": 0.5}, None, "'temprature' is not one of"),
     ("auto", {"top_p": 2}, None, "top_p must be in"),
-    ("auto", None, {"temperature": -1}, "temperature must be a number >= 0"),
+    ("auto", None, {"temperature": -1}, "temperature must be a finite number >= 0"),
     ("auto", None, {"max_new_tokens": 0}, "max_tokens must be an int >= 1"),
     ("{folder}/nowhere", None, None, "has no generation_config.json"),
 ])

@@ -22,8 +22,10 @@ import dataclasses
 import gc
 import itertools
 import json
+import logging
 import multiprocessing.util
 import os
+import random
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -49,6 +51,8 @@ from picovllm.outputs import CompletionOutput, Logprob, RequestOutput
 from picovllm.pooling_params import PoolingParams
 from picovllm.reasoning import HarmonyTags, ThinkTags, reasoning_gate
 from picovllm.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from picovllm.disagg.channel import Channel
@@ -110,6 +114,10 @@ class Engine:
         """runner: run the model through this (a ModelRunner runs in this process) instead of the
         executor the config asks for (tests inject one); connector: instead of the role's."""
         self.config = config
+        # as vLLM's: the generators unseeded sampling draws from start from config.seed, so the same requests in the
+        # same order sample the same tokens run to run (a request's own seed makes it independent of the rest)
+        random.seed(config.seed)
+        torch.manual_seed(config.seed)
         # Python's full garbage collections scan every tracked object: with torch, triton and transformers
         # imported that is some 200k, ~100 ms a pass, which stalled steady decoding every few seconds. The first
         # engine of a process moves what exists before it (the imports; garbage is collected first) out of the
@@ -134,8 +142,12 @@ class Engine:
         self._reasoning_gates: dict[str, ThinkTags | HarmonyTags] = {}
         if config.reasoning_parser:
             self._reasoning_gate(config.reasoning_parser, f"EngineConfig.reasoning_parser {config.reasoning_parser!r}")
-        self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
-                                 self.model_config.max_position_embeddings)
+        limit = self.model_config.max_position_embeddings
+        if config.max_model_len is not None and config.max_model_len > limit:
+            # cut, and said (vLLM refuses it; benchmarks here pass one length to models of every context)
+            logger.warning("EngineConfig.max_model_len %d is longer than the model's context, %d (max_position_"
+                           "embeddings, with its rope scaling): max_model_len is %d", config.max_model_len, limit, limit)
+        self.max_model_len = min(config.max_model_len or limit, limit)
         if config.runner == "generate" and not self.model_config.has_lm_head:
             raise ValueError(f"{source.path}: its config.json names a bare model (no LM head), which embeds only: "
                              "EngineConfig.runner 'pooling' (--runner pooling)")

@@ -27,14 +27,28 @@ def normalize_prompts(prompts, sampling_params) -> tuple[list, list[SamplingPara
     SamplingParams per prompt."""
     if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
         prompts = [prompts]
-    prompts = [p["prompt_token_ids"] if isinstance(p, dict) and "prompt_token_ids" in p
-               else p["prompt"] if isinstance(p, dict) else p for p in prompts]
+    prompts = [_dict_prompt(p) if isinstance(p, dict) else p for p in prompts]
     if sampling_params is None:
         sampling_params = SamplingParams()
     params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
     if len(params) != len(prompts):
         raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts")
     return prompts, params
+
+
+def _dict_prompt(p: dict) -> str | list[int]:
+    """vLLM's TextPrompt ({"prompt": text}) or TokensPrompt ({"prompt_token_ids": ids}; its "prompt" text, if given,
+    is not read); any other key (multi_modal_data, cache_salt, prompt_embeds, ...) is not honoured here: a
+    ValueError naming it."""
+    unknown = sorted(set(p) - {"prompt", "prompt_token_ids"})
+    if unknown:
+        raise ValueError(f"prompt: the key {unknown[0]!r} is not supported (a prompt dict takes \"prompt\" or "
+                         f"\"prompt_token_ids\")")
+    if "prompt_token_ids" in p:
+        return p["prompt_token_ids"]
+    if "prompt" not in p:
+        raise ValueError("prompt: a prompt dict needs \"prompt\" (text) or \"prompt_token_ids\" (token ids)")
+    return p["prompt"]
 
 
 # vLLM's older task= argument -> EngineConfig.runner (its other tasks, classify, score, reward, ..., are not run here)
@@ -139,8 +153,9 @@ class LLM:
     def _run_groups(self, groups: list[list[str]], siblings: dict[str, tuple], total: int,
                     use_tqdm: bool) -> dict[str, RequestOutput]:
         final: dict[str, RequestOutput] = {}
-        bar = tqdm(total=total, desc="Processed prompts" if total == len(groups) else "Processed samples",
-                   disable=not use_tqdm, dynamic_ncols=True)
+        bar = (use_tqdm if callable(use_tqdm) else tqdm)(      # vLLM's: use_tqdm may be a tqdm-like factory
+            total=total, desc="Processed prompts" if total == len(groups) else "Processed samples",
+            disable=not use_tqdm, dynamic_ncols=True)
         t0, last = time.time(), dict(self.engine.stats)
 
         def collect(outputs: list[RequestOutput]) -> None:
@@ -204,13 +219,17 @@ class LLM:
         left open for the model to continue (add_generation_prompt must be False). chat_template_kwargs: more
         variables for the template (e.g. Qwen3's {"enable_thinking": False})."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.apply_chat_template(c, add_generation_prompt, chat_template, tools, continue_final_message,
-                                            chat_template_kwargs) for c in convs]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        rendered = [chat_prompt(self.engine.tokenizer, c, add_generation_prompt, chat_template, tools,
+                                continue_final_message, chat_template_kwargs) for c in convs]
+        outs = self.generate([ids for _, ids in rendered], sampling_params, use_tqdm)
+        for out, (text, _) in zip(outs, rendered):
+            out.prompt = text          # as vLLM's: the rendered template's text
+        return outs
 
-    def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams) -> list[BeamSearchOutput]:
+    def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
         """vLLM's: each prompt's params.beam_width best beams by beam search (entrypoints/beam_search.py), best
-        first; each beam's tokens hold the prompt's, then the generated ones."""
+        first; each beam's tokens hold the prompt's, then the generated ones. use_tqdm: a bar over the steps."""
         if not isinstance(params, BeamSearchParams):
             raise ValueError("params must be a BeamSearchParams")
         params.validate()
@@ -223,13 +242,18 @@ class LLM:
                 raise ValueError(f"prompt ({len(p)} tokens) + BeamSearchParams.max_tokens ({params.max_tokens}) "
                                  f"exceed max_model_len {self.engine.max_model_len}")
         steps, step = search(ids, params, self.engine.eos_token_ids), step_params(params)
+        bar = (use_tqdm if callable(use_tqdm) else tqdm)(total=params.max_tokens, desc="Beam search steps",
+                                                         disable=not use_tqdm, dynamic_ncols=True)
         try:
             batch = next(steps)
             while True:
                 outs = self.generate(batch, step, use_tqdm=False)
+                bar.update(1)
                 batch = steps.send([o.outputs[0].logprobs[0] for o in outs])
         except StopIteration as done:
             results = done.value
+        finally:
+            bar.close()
         tok = self.engine.tokenizer
         for beams in results:
             for beam in beams:
@@ -249,6 +273,15 @@ def chat_prompt_ids(tokenizer, conversation: list[dict], add_generation_prompt: 
                     continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> list[int]:
     """The conversation through the tokenizer's chat template, as token ids. tools: through the template if it
     renders them, else described in a system message. The other options: LLM.chat's."""
+    return chat_prompt(tokenizer, conversation, add_generation_prompt, chat_template, tools, continue_final_message,
+                       chat_template_kwargs)[1]
+
+
+def chat_prompt(tokenizer, conversation: list[dict], add_generation_prompt: bool = True,
+                chat_template: str | None = None, tools: list[dict] | None = None,
+                continue_final_message: bool = False, chat_template_kwargs: dict | None = None
+                ) -> tuple[str, list[int]]:
+    """chat_prompt_ids' rendered text and its token ids."""
     from jinja2 import TemplateError
 
     from picovllm.entrypoints.chat_template import conversation_messages, template_kwargs
@@ -265,4 +298,4 @@ def chat_prompt_ids(tokenizer, conversation: list[dict], add_generation_prompt: 
     except TemplateError as e:      # the template's own refusal (raise_exception), or a message it cannot render
         raise ValueError(f"messages: the chat template cannot render them: {e}") from None
     # The template already holds any BOS it wants; don't let the tokenizer add a second.
-    return tokenizer.encode(text, add_special_tokens=False)
+    return text, tokenizer.encode(text, add_special_tokens=False)
