@@ -451,9 +451,15 @@ def test_tool_calls_round_trip(tool_client):
     # the pieces add up to the unstreamed reply
     kw = dict(model=model, messages=msgs, tools=[CITY_TOOL], max_tokens=24, temperature=0)
     whole = client.chat.completions.create(**kw).choices[0]
-    chunks = [c.choices[0] for c in client.chat.completions.create(stream=True, **kw) if c.choices]
-    assert "".join(c.delta.content or "" for c in chunks) == (whole.message.content or "")
-    assert sum(bool(c.delta.content) for c in chunks) > 1 and chunks[-1].finish_reason == whole.finish_reason
+    pieces = []        # content chunks a run; a client slower than the engine (a loaded CI machine) gets them coalesced
+    for _ in range(3):
+        chunks = [c.choices[0] for c in client.chat.completions.create(stream=True, **kw) if c.choices]
+        assert "".join(c.delta.content or "" for c in chunks) == (whole.message.content or "")
+        assert chunks[-1].finish_reason == whole.finish_reason
+        pieces.append(sum(bool(c.delta.content) for c in chunks))
+        if pieces[-1] > 1:
+            break
+    assert max(pieces) > 1, pieces
     assert_idle(server)
 
 
