@@ -217,6 +217,68 @@ def test_control_routes_need_the_secret(fleet):
     wait_idle(procs["p"])
 
 
+def test_a_client_gone_before_a_decode_took_the_kv_frees_it_on_p_at_once(fleet):
+    """A client that leaves before its request reached a D: the KV published on P is taken back at once (P's connector
+    counts it withdrawn) or the request aborted while P still prefilled it, never left until the lease frees it
+    (expired). The router drops P's stream when it sees its client gone, and gives the handle back (/pd/release) if
+    P's first line came; P aborts a request whose stream breaks, the handle's line included."""
+    procs, router, p = fleet["procs"], fleet["procs"]["router"], fleet["procs"]["p"]
+    before, aborts = signed("GET", p.url, "/pd/load").json(), p.metrics()["picovllm:requests_total.abort"]
+    prompt = [5 + i % 370 for i in range(900)]     # 900 tokens (of the tiny vocabulary): P prefills for a while
+    with httpx.stream("POST", router.url + "/v1/completions",
+                      json={"prompt": prompt, "max_tokens": 50, "stream": True}, timeout=30) as r:
+        assert r.status_code == 200                # and gone, before any token
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(router.url + "/v1/completions", json={"prompt": prompt[1:], "max_tokens": 50},
+                   timeout=httpx.Timeout(30, read=0.02))
+    time.sleep(3.0)                                # past the lease (2 s): an expiry would have counted by now
+    after = signed("GET", p.url, "/pd/load").json()
+    assert after["expired"] == before["expired"], (before, after)
+    assert after["released"] == before["released"]  # no D ever took them
+    # each taken back once published (withdrawn), or aborted while P still prefilled it (an abort output)
+    aborted = wait_idle(p)["picovllm:requests_total.abort"] - aborts
+    assert after["withdrawn"] - before["withdrawn"] + aborted == 2, (before, after, aborted)
+    for d in ("d0", "d1"):
+        wait_idle(procs[d])
+
+
+def test_a_prefill_stream_cut_as_its_handle_goes_out_gives_the_kv_back():
+    """P's /pd/prefill stream whose reader is gone as the line with the KV's handle is sent (the generator closed at
+    that line, as the server closes it when the write fails): the request is aborted, which takes the published KV
+    back; a stream read to its end leaves it published for its D."""
+    import asyncio
+
+    from picovllm.disagg.pd_http import _ndjson_lines
+    from picovllm.outputs import CompletionOutput, RequestOutput
+
+    class Stream:      # a RequestStream's surface: the last output carries the handle, as a fleet P's does
+        request_id, aborted, closed = "r", 0, 0
+
+        async def outputs(self):
+            out = RequestOutput("r", None, [1, 2], [CompletionOutput(0, "a", [7], None, None)], True)
+            out.kv_handover = {"instance": "p0"}
+            yield out
+
+        def abort(self):
+            self.aborted += 1
+
+        def close(self):
+            self.closed += 1
+
+    async def run(read_to_end: bool) -> Stream:
+        stream = Stream()
+        lines = _ndjson_lines(stream)
+        assert json.loads(await lines.__anext__())["kv_handover"] == {"instance": "p0"}
+        if read_to_end:
+            assert [x async for x in lines] == []
+        else:
+            await lines.aclose()
+        return stream
+
+    cut, whole = asyncio.run(run(False)), asyncio.run(run(True))
+    assert (cut.aborted, cut.closed) == (1, 1) and (whole.aborted, whole.closed) == (0, 1)
+
+
 def test_decode_killed_then_one_joins(fleet):
     procs, router = fleet["procs"], fleet["procs"]["router"]
     body = {"prompt": "Tell me a story", "max_tokens": 900, "temperature": 0, "ignore_eos": True, "stream": True}
@@ -237,6 +299,9 @@ def test_decode_killed_then_one_joins(fleet):
     for _ in range(3):            # the dead D is out of rotation: every request goes to the other
         r = httpx.post(router.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 4}, timeout=30)
         assert r.status_code == 200, r.text
+    for _ in range(2):            # the same 16+ token prompt twice: the prefix policy's hit (this module's tests may
+        r = httpx.post(router.url + "/v1/completions", json={"prompt": PROMPTS[3], "max_tokens": 2}, timeout=30)
+        assert r.status_code == 200, r.text     # run on different xdist workers, each with a fleet of its own)
     m = router.metrics()
     assert m["picovllm:requests_total.error"] == 1
     up = {i["url"]: i["up"] for i in signed("GET", router.url, "/admin/instances").json()["instances"]}

@@ -5,8 +5,8 @@ No peer is linked: the connector runs a PullTransfer (picovllm.disagg.transfer.b
 any decode instance of the fleet may claim from, pull from and release to. A request here goes
 WAITING -> PREFILL -> (first token) -> published -> gone. Published: the scheduler holds it, blocks
 kept (hold_after_prefill); the engine's last output for it carries the handle (kv_handover); its
-blocks are freed when a D releases it, or when nobody claimed it within the lease, or when its
-claimant died. From publishing on, whoever decodes it answers for it.
+blocks are freed when a D releases it, when the router gives it back (POST /pd/release: its client left
+before a D took it), or when nobody claimed it within the lease, or when its claimant died. From publishing on, whoever decodes it answers for it.
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ class FleetPrefillConnector(KVConnector):
         self.block_size = 0
         self.published: dict[str, Request] = {}       # held here until released or expired
         self._report = ConnectorReport()
-        self.stats = {"published": 0, "released": 0, "expired": 0}
+        self.stats = {"published": 0, "released": 0, "expired": 0, "withdrawn": 0}
 
     def open(self, runner) -> None:
         """Start serving the engine's KV cache (runner: Engine.executor, once the cache is allocated)."""
@@ -55,9 +55,11 @@ class FleetPrefillConnector(KVConnector):
         return True
 
     def request_finished(self, req: Request) -> bool:
-        """Aborted after publishing (the server is stopping): take the handle back, free at once."""
+        """Aborted after publishing (the server is stopping, or the router's client left before a D took it:
+        /pd/release): take the handle back, free at once."""
         if self.published.pop(req.request_id, None) is not None:
             self.transfer.unpublish(req.request_id)    # returns once no read of its blocks is in flight
+            self.stats["withdrawn"] += 1
         return False
 
     def answers_for(self, req: Request) -> bool:

@@ -30,6 +30,7 @@ from functools import partial
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, ConfigDict
 
 from picovllm.config import EngineConfig
 from picovllm.disagg.auth import FleetSecret, sign_request
@@ -95,6 +96,11 @@ class FleetChildLoop(PipeEnds, FleetAsyncEngine):
     """FleetAsyncEngine's loop in a fleet instance's engine process."""
 
 
+class ReleaseBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    request_id: str
+
+
 def add_fleet_routes(app: FastAPI, ctx: ServingContext, role: str) -> None:
     engine: PDClient = ctx.engine
 
@@ -111,6 +117,13 @@ def add_fleet_routes(app: FastAPI, ctx: ServingContext, role: str) -> None:
 
     if role == "p":
         add_prefill_route(app, ctx)
+
+        @app.post("/pd/release")
+        async def release(body: ReleaseBody) -> dict:
+            """The router's client left before a D took the request: its published KV is freed now, not at the
+            lease's end (an abort; a request already gone, or never published here, is left as it is)."""
+            engine.abort(body.request_id)
+            return {"request_id": body.request_id}
     else:
         block_size = engine.role_info()["block_size"]
 

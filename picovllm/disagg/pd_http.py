@@ -160,6 +160,7 @@ class PrefillBody(BaseModel):
 
 async def _ndjson_lines(stream: RequestStream) -> AsyncIterator[str]:
     wire = OutputEncoder()
+    published, ended = False, False
     try:
         async for out in stream.outputs():
             line = wire.encode(out)
@@ -167,15 +168,32 @@ async def _ndjson_lines(stream: RequestStream) -> AsyncIterator[str]:
                 line["handed_off"] = True
             if out.kv_handover is not None:          # a fleet's P: where D pulls the KV from
                 line["kv_handover"] = out.kv_handover
+                published = True
             yield json.dumps(line) + "\n"
+        ended = True
     except ENGINE_ERRORS as e:
+        ended = True
         yield json.dumps({"error": str(e)}) + "\n"
     finally:
+        if published and not ended:   # the reader left as the handle went out: no D will take this KV, free it now
+            stream.abort()
         stream.close()
 
 
+class _ClosingStreamingResponse(StreamingResponse):
+    """A /pd stream whose generator is closed however the response ends. A client that goes away while a line is
+    being sent cancels the send, not the generator, which stays suspended at that line until a garbage collection
+    finds it (its traceback keeps it in a cycle); a fleet P's published KV then waited for the lease."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
 def ndjson_response(stream: RequestStream) -> StreamingResponse:
-    return StreamingResponse(_ndjson_lines(stream), media_type="application/x-ndjson")
+    return _ClosingStreamingResponse(_ndjson_lines(stream), media_type="application/x-ndjson")
 
 
 def add_prefill_route(app: FastAPI, ctx: ServingContext) -> None:

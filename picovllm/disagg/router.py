@@ -179,7 +179,7 @@ class RouterStream:
     async def _open_decode(self, handover: dict) -> AsyncIterator[tuple[RequestOutput, dict]]:
         """P published the KV: on to a D."""
         self._leave(self.prefill)
-        resp = await self.router.open_decode(self, handover)
+        resp = await self.router.open_decode(self, handover)       # sets self.decode: D answers for the KV now
         self._responses.append(resp)
         return self._lines(resp, self.decode)
 
@@ -202,12 +202,16 @@ class RouterStream:
         """Drop the connections: an instance whose client went away aborts the request (frees its KV)."""
         if self.router is None:
             return
-        self.finished = True
+        ended, self.finished = self.finished, True
         self._leave(self.prefill)
         self._leave(self.decode)
         self.router.forget(self)
         for resp in self._responses:
             asyncio.ensure_future(resp.aclose())
+        if self.decode is None and not ended:
+            # its client left before a D took the request: P may have published its KV (a line this stream
+            # never read, too), which P frees now rather than at the lease's end; a no-op where it has not
+            asyncio.ensure_future(self.router.release(self.prefill, self.request_id))
         self.router = None
 
 
@@ -265,6 +269,17 @@ class RouterEngine(RemoteEngine):
         except (EngineDeadError, ValueError) as e:
             raise EngineStepError(str(e)) from None
         return resp
+
+    async def release(self, inst: Instance, request_id: str) -> None:
+        """Tell P to free a request's published KV that no D will take (POST /pd/release); if P cannot be
+        reached, the lease frees it."""
+        data = json.dumps({"request_id": request_id}).encode()
+        try:
+            await self.client.post(inst.url + "/pd/release", content=data, timeout=5.0,
+                                   headers={"content-type": "application/json",
+                                            **self.pool.headers("POST", "/pd/release", data)})
+        except httpx.HTTPError as e:
+            logger.info("request %s: %s did not take back its KV (%s): its lease frees it", request_id, inst.url, e)
 
     async def _open_on_one(self, role: str, policy, path: str, body: dict, prompt_token_ids: list[int],
                            exclude: set[str] = frozenset()) -> tuple[Instance, StreamedResponse]:

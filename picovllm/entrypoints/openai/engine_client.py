@@ -111,6 +111,11 @@ class RequestStream:
         finally:
             self.close()
 
+    def abort(self) -> None:
+        """Abort the request even if its stream has ended: a fleet P's request whose last output (the KV's handle)
+        went out while the KV stays published for a D, when whoever would hand it to a D has left."""
+        self._engine.abort(self.request_id)
+
     def close(self) -> None:
         """Stop listening; abort the request if it has not finished (frees its KV blocks)."""
         if not self.finished:
