@@ -746,7 +746,7 @@ def test_tokenize_and_detokenize(server, client, llm):
     model = client.models.list().data[0].id
     text = "Tell me a story about a cat"
     r = httpx.post(server.url + "/tokenize", json={"model": model, "prompt": text}).json()
-    assert r == {"count": len(tok.encode(text)), "max_model_len": 256, "tokens": tok.encode(text)}
+    assert r == {"count": len(tok.encode(text)), "max_model_len": 256, "tokens": tok.encode(text), "token_strs": None}
     assert client.completions.create(model=model, prompt=text, max_tokens=1).usage.prompt_tokens == r["count"]
     r = httpx.post(server.url + "/tokenize", json={"prompt": text, "add_special_tokens": False,
                                                    "return_token_strs": True}).json()

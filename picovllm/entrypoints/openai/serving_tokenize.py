@@ -18,10 +18,8 @@ async def tokenize(ctx: ServingContext, req: TokenizeRequest) -> dict:
                                               documents=req.documents, chat_template=req.chat_template)
     else:
         ids = await ctx.tokenizer.encode(req.prompt, req.special_tokens)
-    body = {"count": len(ids), "max_model_len": ctx.engine.model_info()["max_model_len"], "tokens": ids}
-    if req.return_token_strs:
-        body["token_strs"] = await ctx.tokenizer.token_strs(ids)
-    return body
+    return {"count": len(ids), "max_model_len": ctx.engine.model_info()["max_model_len"], "tokens": ids,
+            "token_strs": await ctx.tokenizer.token_strs(ids) if req.return_token_strs else None}   # vLLM's null
 
 
 async def detokenize(ctx: ServingContext, req: DetokenizeRequest) -> dict:
