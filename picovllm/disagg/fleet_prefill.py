@@ -6,7 +6,8 @@ any decode instance of the fleet may claim from, pull from and release to. A req
 WAITING -> PREFILL -> (first token) -> published -> gone. Published: the scheduler holds it, blocks
 kept (hold_after_prefill); the engine's last output for it carries the handle (kv_handover); its
 blocks are freed when a D releases it, when the router gives it back (POST /pd/release: its client left
-before a D took it), or when nobody claimed it within the lease, or when its claimant died. From publishing on, whoever decodes it answers for it.
+before a D took it), or when nobody claimed it within the lease, or when its claimant died. From
+publishing on, whoever decodes it answers for it.
 """
 from __future__ import annotations
 

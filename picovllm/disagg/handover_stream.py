@@ -28,7 +28,7 @@ import httpx
 from picovllm.disagg.auth import FleetSecret, sign_request
 from picovllm.disagg.http_stream import post_stream
 from picovllm.disagg.messages import OutputDecoder
-from picovllm.entrypoints.openai.engine_client import EngineDeadError, EngineStepError
+from picovllm.entrypoints.openai.engine_client import EngineDeadError, EngineStepError, checked
 from picovllm.outputs import RequestOutput
 from picovllm.sampling_params import SamplingParams
 
@@ -153,6 +153,9 @@ def prefill_body(prompt_token_ids: list[int], params: SamplingParams, request_id
             "arrival_time": arrival_time or time.time(), "priority": priority}
 
 
+FAILED_ON_P_OR_D = "the request failed on a prefill or decode server"     # an error output that says no more
+
+
 async def prefill_then_decode(prefill: Lines, handover_of: Callable[[dict], Any],
                               open_decode: Callable[[Any], Awaitable[Lines]], who: Callable[[str], str],
                               metrics=None) -> AsyncIterator[RequestOutput]:
@@ -165,7 +168,7 @@ async def prefill_then_decode(prefill: Lines, handover_of: Callable[[dict], Any]
     try:
         handover = None
         async for out, line in prefill:
-            _check(out)
+            checked(out, FAILED_ON_P_OR_D)
             handover = handover_of(line)
             if handover is not None:
                 out.finished = False
@@ -178,7 +181,7 @@ async def prefill_then_decode(prefill: Lines, handover_of: Callable[[dict], Any]
         if handover is None:
             raise EngineStepError(f"{who('p')} ended the request's stream early")
         async for out, _ in await open_decode(handover):
-            _check(out)
+            checked(out, FAILED_ON_P_OR_D)
             _observe(metrics, out)
             yield out
             if out.finished:
@@ -188,11 +191,6 @@ async def prefill_then_decode(prefill: Lines, handover_of: Callable[[dict], Any]
         if metrics is not None:
             metrics.count_outcome("error")
         raise
-
-
-def _check(out: RequestOutput) -> None:
-    if out.outputs[0].finish_reason == "error":
-        raise EngineStepError(out.error or "the request failed on a prefill or decode server")
 
 
 def _observe(metrics, out: RequestOutput) -> None:

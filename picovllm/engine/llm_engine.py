@@ -146,7 +146,8 @@ class Engine:
         if config.max_model_len is not None and config.max_model_len > limit:
             # cut, and said (vLLM refuses it; benchmarks here pass one length to models of every context)
             logger.warning("EngineConfig.max_model_len %d is longer than the model's context, %d (max_position_"
-                           "embeddings, with its rope scaling): max_model_len is %d", config.max_model_len, limit, limit)
+                           "embeddings, with its rope scaling): max_model_len is %d",
+                           config.max_model_len, limit, limit)
         self.max_model_len = min(config.max_model_len or limit, limit)
         if config.runner == "generate" and not self.model_config.has_lm_head:
             raise ValueError(f"{source.path}: its config.json names a bare model (no LM head), which embeds only: "

@@ -33,8 +33,8 @@ class BatchItem:
     error: str | None = None
 
 
-def parse_line(index: int, line: str, defaults: dict, llm, line_number: int | None = None) -> BatchItem:
-    item = BatchItem(index, line_number or index + 1)
+def parse_line(index: int, line: str, defaults: dict, llm, line_number: int) -> BatchItem:
+    item = BatchItem(index, line_number)
     try:
         rec = json.loads(line)
         if not isinstance(rec, dict):
@@ -62,14 +62,18 @@ def parse_line(index: int, line: str, defaults: dict, llm, line_number: int | No
     return item
 
 
-def read_batch(path: str, defaults: dict, llm) -> list[BatchItem]:
+def read_lines(path: str) -> list[tuple[int, str]]:
+    """A JSONL file's (or stdin's, path "-") non-blank lines, each with its 1-based number in the file."""
     f = sys.stdin if path == "-" else open(path)
     try:
-        lines = [(number, line) for number, line in enumerate(f, 1) if line.strip()]
+        return [(number, line) for number, line in enumerate(f, 1) if line.strip()]
     finally:
         if f is not sys.stdin:
             f.close()
-    return [parse_line(i, line, defaults, llm, number) for i, (number, line) in enumerate(lines)]
+
+
+def read_batch(path: str, defaults: dict, llm) -> list[BatchItem]:
+    return [parse_line(i, line, defaults, llm, number) for i, (number, line) in enumerate(read_lines(path))]
 
 
 def result_record(item: BatchItem, out: RequestOutput | None) -> dict:

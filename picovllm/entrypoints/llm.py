@@ -51,6 +51,12 @@ def _dict_prompt(p: dict) -> str | list[int]:
     return p["prompt"]
 
 
+def _progress_bar(use_tqdm, total: int, desc: str):
+    """A progress bar, hidden unless use_tqdm; use_tqdm may be a tqdm-like factory (vLLM's), which then makes it."""
+    return (use_tqdm if callable(use_tqdm) else tqdm)(total=total, desc=desc, disable=not use_tqdm,
+                                                      dynamic_ncols=True)
+
+
 # vLLM's older task= argument -> EngineConfig.runner (its other tasks, classify, score, reward, ..., are not run here)
 TASK_RUNNERS = {"auto": "auto", "generate": "generate", "embed": "pooling", "embedding": "pooling"}
 
@@ -153,9 +159,7 @@ class LLM:
     def _run_groups(self, groups: list[list[str]], siblings: dict[str, tuple], total: int,
                     use_tqdm: bool) -> dict[str, RequestOutput]:
         final: dict[str, RequestOutput] = {}
-        bar = (use_tqdm if callable(use_tqdm) else tqdm)(      # vLLM's: use_tqdm may be a tqdm-like factory
-            total=total, desc="Processed prompts" if total == len(groups) else "Processed samples",
-            disable=not use_tqdm, dynamic_ncols=True)
+        bar = _progress_bar(use_tqdm, total, "Processed prompts" if total == len(groups) else "Processed samples")
         t0, last = time.time(), dict(self.engine.stats)
 
         def collect(outputs: list[RequestOutput]) -> None:
@@ -242,8 +246,7 @@ class LLM:
                 raise ValueError(f"prompt ({len(p)} tokens) + BeamSearchParams.max_tokens ({params.max_tokens}) "
                                  f"exceed max_model_len {self.engine.max_model_len}")
         steps, step = search(ids, params, self.engine.eos_token_ids), step_params(params)
-        bar = (use_tqdm if callable(use_tqdm) else tqdm)(total=params.max_tokens, desc="Beam search steps",
-                                                         disable=not use_tqdm, dynamic_ncols=True)
+        bar = _progress_bar(use_tqdm, params.max_tokens, "Beam search steps")
         try:
             batch = next(steps)
             while True:

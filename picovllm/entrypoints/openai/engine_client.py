@@ -34,6 +34,15 @@ class EngineStepError(RuntimeError):
     """The engine failed while running a step this request was part of; the request was aborted."""
 
 
+def checked(out: RequestOutput, unsaid: str = "the request failed in the engine") -> RequestOutput:
+    """out, unless the engine ended the request in an error (FinishReason.ERROR: a grammar that refused a token, a
+    KV transfer that failed): then EngineStepError with the engine's reason (unsaid: where it gave none), so that
+    the client gets a 500 or an SSE error event saying why, never a 200 whose finish_reason is "error"."""
+    if out.finished and out.outputs and out.outputs[0].finish_reason == "error":
+        raise EngineStepError(out.error or unsaid)
+    return out
+
+
 class EngineDeadError(RuntimeError):
     """The engine loop is not running (never started, shut down, or crashed)."""
 

@@ -106,6 +106,7 @@ async def run_requests(app, lines: list[tuple[int, str]], concurrency: int) -> l
 def main(args: argparse.Namespace) -> int:
     import logging
 
+    from picovllm.entrypoints.batch_io import read_lines
     from picovllm.entrypoints.chat_template import load_chat_template
     from picovllm.entrypoints.engine_args import engine_config_from_args
     from picovllm.entrypoints.openai.api_server import ServerSettings, app_for
@@ -115,12 +116,7 @@ def main(args: argparse.Namespace) -> int:
     if args.max_concurrency < 1:
         raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
     template = load_chat_template(args.chat_template) if args.chat_template is not None else None
-    f = sys.stdin if args.input_file == "-" else open(args.input_file)
-    try:
-        lines = [(number, text) for number, text in enumerate(f, 1) if text.strip()]
-    finally:
-        if f is not sys.stdin:
-            f.close()
+    lines = read_lines(args.input_file)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = engine_config_from_args(args, model=args.model or args.model_tag, reasoning_parser=None)
     if config.role != "pd":

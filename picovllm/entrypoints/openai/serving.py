@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from picovllm.entrypoints.openai.engine_client import EngineClient, EngineDeadError, EngineStepError, RequestStream
+from picovllm.entrypoints.openai.engine_client import (EngineClient, EngineDeadError, EngineStepError, RequestStream,
+                                                      checked)
 from picovllm.entrypoints.openai.harmony import HarmonyTokens, one_call_per_message, speaks_harmony
 from picovllm.entrypoints.openai.metrics import ServerMetrics
 from picovllm.entrypoints.openai.protocol import APIError, error_body
@@ -228,15 +229,6 @@ async def _pump(i: int, stream: RequestStream, queue: asyncio.Queue) -> None:
         queue.put_nowait((i, e))
         return
     queue.put_nowait((i, None))
-
-
-def checked(out: RequestOutput) -> RequestOutput:
-    """out, unless the engine ended the request in an error (FinishReason.ERROR: a grammar that refused a token, a
-    KV transfer that failed): then EngineStepError with the engine's reason, so that the client gets a 500 or an SSE
-    error event saying why, never a 200 whose finish_reason is "error"."""
-    if out.finished and out.outputs and out.outputs[0].finish_reason == "error":
-        raise EngineStepError(out.error or "the request failed in the engine")
-    return out
 
 
 async def _drain(queue: asyncio.Queue) -> list:

@@ -12,7 +12,8 @@ from fastapi import Request
 
 from picovllm.entrypoints.beam_search import BeamSearchParams, BeamSearchSequence, search, step_params
 from picovllm.entrypoints.openai.protocol import APIError
-from picovllm.entrypoints.openai.serving import ENGINE_ERRORS, ServingContext, checked, until_disconnected
+from picovllm.entrypoints.openai.engine_client import checked
+from picovllm.entrypoints.openai.serving import ENGINE_ERRORS, ServingContext, until_disconnected
 
 # What a beam-search request may carry besides its prompt: the search's own fields, and those it honours as any
 # request does (the prompt's rendering and truncation, the text's decoding, scheduling, who asks).
