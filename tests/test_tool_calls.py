@@ -199,8 +199,12 @@ def test_llama3_json_calls_by_hand(text, want):
     ('[TOOL_CALLS]get_weather[CALL_ID]a1B2c3D4e[ARGS]{"city": "Oslo"}', (None, [("get_weather", {"city": "Oslo"})])),
 ])
 def test_mistral_calls_by_hand(text, want):
+    """Where the calls do not parse, all content, without the special tokens the server kept for the parser
+    (vLLM's mistral parser strips [TOOL_CALLS] too)."""
     content, calls = policy_of("mistral").parse(text)
-    assert (content, named_args(calls)) == (want if want is not None else (text, []))
+    shown = text.replace("[TOOL_CALLS]", "").replace("[ARGS]", "").replace("[CALL_ID]", "")
+    assert (content, named_args(calls)) == (want if want is not None else (shown, []))
+    assert "[TOOL_CALLS]" not in (content or "") and "[ARGS]" not in (content or "")
 
 
 def test_mistral_call_ids_are_nine_letters_and_digits():
@@ -244,6 +248,8 @@ def test_kimi_call_ids_count_the_conversations_calls():
     ("mistral", 'Let me look.\n[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Rome"}}]'),
     ("mistral", 'Checking [TOOL_'),
     ("mistral", "[TOOL_CALLS]get_weather[ARGS]{\"city\": \"Oslo\"}[TOOL_CALLS]get_time[ARGS]{}"),
+    ("mistral", 'Let me look.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Pa'),     # cut short
+    ("mistral", 'Let me look.[TOOL_CALLS]get_weather[ARGS]{"city": "Pa'),
 ])
 def test_whole_call_streams_add_up_to_the_parse(parser, text):
     """llama3_json and mistral streamed: the content as it comes (up to where calls may start), the calls at the
@@ -300,14 +306,18 @@ def mistral_tool_model(tmp_path_factory) -> str:
     return tool_model(str(tmp_path_factory.mktemp("mistral") / "model"), markers, MISTRAL_TEMPLATE, MISTRAL_REPLY)
 
 
-def tool_model(path: str, markers: list[str], template: str, reply: str) -> str:
-    """The tiny chat model at path with `markers` as special tokens and the chat template `template`, its weights
-    trained to answer ASK_TOOL (WEATHER offered, through the template) with `reply` and <|im_end|>."""
+def tool_model(path: str, markers: list[str], template: str, reply: str, special: bool = True) -> str:
+    """The tiny chat model at path with `markers` as special tokens (special False: tokens of their own, as Qwen3's
+    <think>) and the chat template `template`, its weights trained to answer ASK_TOOL (WEATHER offered, through the
+    template) with `reply` and <|im_end|>."""
     from transformers import AutoTokenizer
     from serving_fixtures import build_tiny_chat_model, train_replies
     path = build_tiny_chat_model(path, vocab_size=400)
     tok = AutoTokenizer.from_pretrained(path)
-    tok.add_special_tokens({"additional_special_tokens": markers})
+    if special:
+        tok.add_special_tokens({"additional_special_tokens": markers})
+    else:
+        tok.add_tokens(markers)
     tok.chat_template = template
     tok.save_pretrained(path)
     worker = TokenizerWorker(tok)
@@ -592,3 +602,96 @@ def test_served_kimi_tool_calls(kimi_tool_model, tmp_path):
         assert (content, got, finish) == want
     finally:
         assert srv.stop(signal.SIGINT) == 0, srv.log()
+
+
+def _chat_in_process(engine, body: dict) -> tuple[dict, dict]:
+    """(the non-streamed choice, the streamed one gathered: finish_reason and each call's name and arguments) of
+    one chat request through the server's app in this process."""
+    from fastapi.testclient import TestClient
+    from picovllm.entrypoints.openai.api_server import ServerSettings, build_app
+    from picovllm.entrypoints.openai.async_engine import AsyncEngine
+    from picovllm.entrypoints.openai.metrics import ServerMetrics
+    from picovllm.entrypoints.openai.serving import ServingContext
+    from picovllm.entrypoints.openai.tokenizer_worker import TokenizerWorker
+    ctx = ServingContext(AsyncEngine(engine), TokenizerWorker(engine.tokenizer), ServerMetrics("m"), "m")
+    with TestClient(build_app(ctx, ServerSettings())) as http:
+        whole = http.post("/v1/chat/completions", json=body).json()
+        text = http.post("/v1/chat/completions", json={**body, "stream": True}).text
+    streamed = {"finish_reason": None, "calls": {}}
+    for line in text.splitlines():
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        for choice in json.loads(line[6:]).get("choices", []):
+            streamed["finish_reason"] = choice.get("finish_reason") or streamed["finish_reason"]
+            for c in choice["delta"].get("tool_calls") or []:
+                call = streamed["calls"].setdefault(c["index"], [None, ""])
+                call[0] = c["function"].get("name") or call[0]
+                call[1] += c["function"].get("arguments") or ""
+    return {**whole["choices"][0], "usage": whole["usage"]}, streamed
+
+
+def test_finish_reasons_of_named_and_required_calls_as_openai(chat_model):
+    """OpenAI's and vLLM's finish reasons, the same streamed and not: a named function's call finishes "stop" (its
+    grammar ended the output) or "length" (max_tokens reached the arguments' last token before the end), "required"
+    finishes "tool_calls" when the output ended by itself and "length" when max_tokens cut it after the calls."""
+    from conftest import assert_engine_clean
+    from picovllm import EngineConfig
+    from picovllm.engine.llm_engine import Engine
+    engine = Engine(EngineConfig(model=chat_model, num_kv_blocks=64, max_model_len=512, async_scheduling=False))
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "required": ["city"], "properties": {"city": {"enum": ["Paris"]}},
+        "additionalProperties": False}}}
+    base = {"messages": [{"role": "user", "content": "weather?"}], "tools": [tool], "temperature": 0,
+            "parallel_tool_calls": False}
+    for choice, ended, cut in [({"type": "function", "function": {"name": "get_weather"}}, "stop", "length"),
+                               ("required", "tool_calls", "length")]:
+        whole, streamed = _chat_in_process(engine, {**base, "tool_choice": choice, "max_tokens": 100})
+        assert whole["message"].get("tool_calls"), whole
+        calls = [(c["function"]["name"], c["function"]["arguments"]) for c in whole["message"]["tool_calls"]]
+        assert json.loads(calls[0][1]) == {"city": "Paris"}
+        assert (whole["finish_reason"], streamed["finish_reason"]) == (ended, ended), choice
+        assert [tuple(c) for c in streamed["calls"].values()] == calls
+        # the output's tokens but the end the grammar added: the calls whole, the output cut by max_tokens
+        n = whole["usage"]["completion_tokens"] - 1
+        whole, streamed = _chat_in_process(engine, {**base, "tool_choice": choice, "max_tokens": n})
+        assert [(c["function"]["name"], c["function"]["arguments"]) for c in whole["message"]["tool_calls"]] == calls
+        assert (whole["finish_reason"], streamed["finish_reason"]) == (cut, cut), choice
+        assert [tuple(c) for c in streamed["calls"].values()] == calls
+    assert_engine_clean(engine)
+
+
+def test_responses_items_the_same_streamed_or_not(tmp_path_factory):
+    """/v1/responses with the message's logprobs asked for: a reply that is only a tool call is one function_call
+    item, and a reply with a reasoning block is a reasoning item then the message, streamed or not (no empty message
+    item for the tokens that have no text of their own: a call's held-back text, a <think>); not streamed, the
+    message's logprobs are those of its tokens (a streamed step's chunks may be coalesced, its logprobs riding on
+    the reasoning's chunk)."""
+    import openai
+    from fastapi.testclient import TestClient
+    from picovllm import EngineConfig
+    from picovllm.engine.llm_engine import Engine
+    from picovllm.entrypoints.openai.api_server import ServerSettings, build_app
+    from picovllm.entrypoints.openai.async_engine import AsyncEngine
+    from picovllm.entrypoints.openai.metrics import ServerMetrics
+    from picovllm.entrypoints.openai.serving import ServingContext
+    from conftest import assert_engine_clean
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    for reply, markers, parser, want, tokens in [
+            (call, [], None, [("function_call", '{"city": "Paris"}')], None),
+            ("<think>plan</think>Hello.", ["<think>", "</think>"], "qwen3", [("reasoning", "plan"), ("message", "Hello.")],
+             "Hello.<|im_end|>")]:     # its end token too
+        path = tool_model(str(tmp_path_factory.mktemp("responses") / "model"), markers, CHATML, reply, special=False)
+        engine = Engine(EngineConfig(model=path, num_kv_blocks=64, max_model_len=1024, async_scheduling=False))
+        ctx = ServingContext(AsyncEngine(engine), TokenizerWorker(engine.tokenizer), ServerMetrics("m"), "m",
+                             reasoning_parser=parser)
+        with TestClient(build_app(ctx, ServerSettings())) as http:
+            client = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=http, max_retries=0)
+            kw = dict(model="m", input=ASK_TOOL, tools=[{"type": "function", **WEATHER["function"]}], temperature=0,
+                      max_output_tokens=200, include=["message.output_text.logprobs"])
+            whole = client.responses.create(**kw)
+            for got in (whole, list(client.responses.create(stream=True, **kw))[-1].response):
+                items = [(o.type, o.arguments if o.type == "function_call" else o.content[0].text) for o in got.output]
+                assert items == want, reply
+            if tokens is not None:
+                assert "".join(lp.token for lp in whole.output[-1].content[0].logprobs) == tokens
+        assert_engine_clean(engine)

@@ -223,7 +223,7 @@ class ChatHandler:
                 out[0]["choices"][0]["logprobs"] = lps
             else:
                 out.append(self._chunk(rid, i, {}, lps))
-        if finished:
+        if finished:      # calls stream only under "auto" (HarmonyStream)
             out.append(self._chunk(rid, i, {}, None, "tool_calls" if stream.num_calls else c.finish_reason,
                                    c.stop_reason))
         return out
@@ -231,8 +231,8 @@ class ChatHandler:
     def _named_call_chunks(self, rid: str, i: int, text: str, c: CompletionOutput, lps: dict | None,
                            policy: ToolPolicy, call_ids: dict[int, str]) -> list[dict]:
         """A named tool_choice: the first delta with text (after a reasoning block, if any) opens the call (index,
-        id, type, name), the next ones add to its arguments; the finish reason is tool_calls, or length when
-        max_tokens cut the arguments short, or the output's own where no call came (it ended inside the block)."""
+        id, type, name), the next ones add to its arguments; the finish reason is the output's own (stop, or length
+        when max_tokens cut the arguments short), as OpenAI's for a named function (ToolPolicy.finish_reason)."""
         out = []
         if i not in call_ids and text:
             call_ids[i] = policy.new_call(policy.named, "").id
@@ -242,8 +242,7 @@ class ChatHandler:
             delta = {"tool_calls": [{"index": 0, "function": {"arguments": text}}]} if text else {}
             out.append(self._chunk(rid, i, delta, lps))
         if c.finish_reason is not None:
-            finish = "tool_calls" if c.finish_reason == "stop" and i in call_ids else c.finish_reason
-            out.append(self._chunk(rid, i, {}, None, finish, c.stop_reason))
+            out.append(self._chunk(rid, i, {}, None, c.finish_reason, c.stop_reason))
         return out
 
     def _auto_chunks(self, rid: str, i: int, c: CompletionOutput, lps: dict | None,
@@ -258,8 +257,8 @@ class ChatHandler:
         for j, call in enumerate(calls):
             out.append(self._chunk(rid, i, {"tool_calls": [{"index": first + j, **call.as_dict()}]}))
         if finished:
-            out.append(self._chunk(rid, i, {}, None, "tool_calls" if stream.num_calls else c.finish_reason,
-                                   c.stop_reason))
+            out.append(self._chunk(rid, i, {}, None, stream.policy.finish_reason(stream.num_calls > 0,
+                                                                                 c.finish_reason), c.stop_reason))
         return out
 
     def _tool_chunks(self, rid: str, i: int, c: CompletionOutput, lps: dict | None,
@@ -279,7 +278,7 @@ class ChatHandler:
 
 def _message(c: CompletionOutput, policy: ToolPolicy, opened: bool | None = None,
              include_reasoning: bool = True) -> tuple[dict, str | None]:
-    """The assistant message of a finished output and its finish reason ("tool_calls" when it calls). opened: as
+    """The assistant message of a finished output and its finish reason (ToolPolicy.finish_reason). opened: as
     in _events (with a split, the message has reasoning, null where there was none or include_reasoning is false,
     and calls are read from the content after it)."""
     head, text = {"role": "assistant"}, c.text
@@ -289,7 +288,8 @@ def _message(c: CompletionOutput, policy: ToolPolicy, opened: bool | None = None
     content, calls = policy.parse(text) if policy.active and text is not None else (text, [])
     if not calls:
         return {**head, "content": content}, c.finish_reason
-    return {**head, "content": content, "tool_calls": [x.as_dict() for x in calls]}, "tool_calls"
+    return ({**head, "content": content, "tool_calls": [x.as_dict() for x in calls]},
+            policy.finish_reason(True, c.finish_reason))
 
 
 def _harmony_message(c: CompletionOutput, policy: ToolPolicy, include_reasoning: bool,
@@ -299,7 +299,7 @@ def _harmony_message(c: CompletionOutput, policy: ToolPolicy, include_reasoning:
     message = {"role": "assistant", **_reasoning_delta(thought if include_reasoning else None), "content": content}
     if not calls:
         return message, c.finish_reason
-    return {**message, "tool_calls": [x.as_dict() for x in calls]}, "tool_calls"
+    return {**message, "tool_calls": [x.as_dict() for x in calls]}, policy.finish_reason(True, c.finish_reason)
 
 
 def _reasoning_delta(thought: str | None) -> dict:

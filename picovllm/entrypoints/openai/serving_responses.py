@@ -228,9 +228,11 @@ class ResponsesHandler:
         output = []
         if message.get("reasoning") is not None:      # the server's --reasoning-parser split it off
             output.append(_reasoning_item(f"rs_{uuid.uuid4().hex}", message["reasoning"], "completed"))
-        if message.get("content"):
+        if message.get("content"):     # the message's logprobs: those after the reasoning block's tokens
+            thought = (body.get("usage", {}).get("completion_tokens_details") or {}).get("reasoning_tokens", 0)
+            lps = (choice.get("logprobs") or {}).get("content")
             output.append(_message_item(f"msg_{uuid.uuid4().hex}", message["content"], "completed",
-                                        (choice.get("logprobs") or {}).get("content")))
+                                        lps[thought:] if lps else lps))
         for call in message.get("tool_calls") or []:
             output.append(_call_item(f"fc_{uuid.uuid4().hex}", call["id"], call["function"]["name"],
                                      call["function"]["arguments"], "completed"))
@@ -264,6 +266,9 @@ class ResponsesHandler:
         item: dict | None = None      # the output item being streamed
         calls: dict[int, dict] = {}   # the chat tool call index -> its item
         finish, use = None, None
+        # logprobs of tokens with no text yet while no item is open: the next text's (an incomplete character), or
+        # dropped where reasoning or a call comes first (a <think>, a call's held-back text): no empty message
+        pending: list = []
 
         def event(kind: str, **data) -> str:
             nonlocal seq
@@ -317,6 +322,8 @@ class ResponsesHandler:
                     use = chunk.get("usage") or use
                     for choice in chunk.get("choices", []):
                         delta = choice.get("delta", {})
+                        if delta.get("reasoning") or delta.get("tool_calls"):
+                            pending = []
                         if delta.get("reasoning"):
                             if item is None or item["type"] != "reasoning":
                                 for e in open_item(_reasoning_item(f"rs_{uuid.uuid4().hex}", "", "in_progress")):
@@ -326,13 +333,17 @@ class ResponsesHandler:
                                         output_index=len(output) - 1, content_index=0, delta=delta["reasoning"])
                         lps = (choice.get("logprobs") or {}).get("content") or []
                         text = delta.get("content") or ""
-                        # a token may have no text yet (an incomplete character): its logprob still goes out, unless
-                        # it belongs to a function call's arguments
-                        in_text = item is None or item["type"] == "message"
+                        if not text and lps and item is None and not delta.get("tool_calls"):
+                            pending += lps
+                            lps = []
+                        # a token may have no text yet (an incomplete character): its logprob still goes out with
+                        # the message's, unless it belongs to a function call's arguments
+                        in_text = item is not None and item["type"] == "message"
                         if text or (lps and in_text and not delta.get("tool_calls")):
                             if item is None or item["type"] != "message":
                                 for e in open_item(_message_item(f"msg_{uuid.uuid4().hex}", "", "in_progress")):
                                     yield e
+                            lps, pending = pending + lps, []
                             item["content"][0]["text"] += text
                             item["content"][0]["logprobs"] += lps
                             yield event("response.output_text.delta", item_id=item["id"],

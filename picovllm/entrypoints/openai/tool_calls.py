@@ -61,6 +61,14 @@ PYTHON_TAG, MISTRAL_CALLS, MISTRAL_ARGS, MISTRAL_CALL_ID = "<|python_tag|>", "[T
 MISTRAL_ID = re.compile(r"[A-Za-z0-9]{9}")
 
 
+def mistral_without_markers(text: str) -> str:
+    """A Mistral reply whose calls did not parse, as the client may see it: [TOOL_CALLS], [ARGS] and [CALL_ID] out
+    (what skip_special_tokens would have shown)."""
+    for marker in (MISTRAL_CALLS, MISTRAL_ARGS, MISTRAL_CALL_ID):
+        text = text.replace(marker, "")
+    return text
+
+
 @dataclass(frozen=True)
 class SectionFormat:
     """A format whose calls stand in a section: `begin`, then each call's inside between `call_begin` and
@@ -165,6 +173,14 @@ class ToolPolicy:
             schema["maxItems"] = 1
         return StructuredOutputsParams(json=schema, source=TOOLS_SOURCES[1])
 
+    def finish_reason(self, called: bool, own: str | None) -> str | None:
+        """A choice's finish reason, as OpenAI's and vLLM's: tool_calls where calls came under "auto", and under
+        "required" where the output ended by itself; a named function's call keeps the output's own (stop, or length
+        where max_tokens cut it)."""
+        if called and (self.mode == "auto" or (self.mode == "required" and own == "stop")):
+            return "tool_calls"
+        return own
+
     def _parameters(self, name: str) -> dict:
         return self.functions[name].get("parameters") or ANY_OBJECT
 
@@ -234,7 +250,7 @@ class ToolPolicy:
         """The content before [TOOL_CALLS]; after it a JSON list of calls, or NAME[ARGS]{...} (NAME[CALL_ID]ID[ARGS]
         {...}: the model's id kept where it is Mistral's 9 letters and digits, with id_style "mistral") for each
         call (each after a [TOOL_CALLS] of its own, or one after the other). Anything that does not parse: all
-        content."""
+        content, the markers out (they are special tokens, kept in the text for this parser only)."""
         start = text.find(MISTRAL_CALLS)
         if start < 0:
             return text, []
@@ -243,7 +259,7 @@ class ToolPolicy:
             try:
                 items = json.loads(rest)
             except json.JSONDecodeError:
-                return text, []
+                return mistral_without_markers(text), []
             calls = [self._call_of(item) for item in items] if isinstance(items, list) and items else [None]
         else:
             decoder = json.JSONDecoder()
@@ -262,7 +278,7 @@ class ToolPolicy:
                         calls[-1].id = given_id.strip()
                     piece = args.lstrip()[end:]
         if not calls or any(c is None for c in calls):
-            return text, []
+            return mistral_without_markers(text), []
         content = text[:start].rstrip()
         return content or None, calls if self.parallel else calls[:1]
 
@@ -439,11 +455,13 @@ class AutoToolStream:
     def _feed_whole(self, text: str, finished: bool) -> tuple[str, list[ToolCall]]:
         """llama3_json and mistral: the content up to where calls may start; the calls once the output ends."""
         calls = []
-        if finished:
+        if finished:      # the content sent so far is a prefix of the parse's (no marker stood before it)
             content, calls = self.policy.parse(text)
-            end = len(content or "")
             self.num_calls = len(calls)
-        elif self.policy.parser == "mistral":
+            new = (content or "")[self.sent:]
+            self.sent = max(self.sent, len(content or ""))
+            return new, calls
+        if self.policy.parser == "mistral":
             tag = text.find(MISTRAL_CALLS)
             end = tag if tag >= 0 else len(text) - partial_tag(text, MISTRAL_CALLS)
             end = len(text[:end].rstrip())
