@@ -678,8 +678,8 @@ def test_responses_items_the_same_streamed_or_not(tmp_path_factory):
     call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
     for reply, markers, parser, want, tokens in [
             (call, [], None, [("function_call", '{"city": "Paris"}')], None),
-            ("<think>plan</think>Hello.", ["<think>", "</think>"], "qwen3", [("reasoning", "plan"), ("message", "Hello.")],
-             "Hello.<|im_end|>")]:     # its end token too
+            ("<think>plan</think>Hello.", ["<think>", "</think>"], "qwen3",
+             [("reasoning", "plan"), ("message", "Hello.")], "Hello.<|im_end|>")]:     # its end token too
         path = tool_model(str(tmp_path_factory.mktemp("responses") / "model"), markers, CHATML, reply, special=False)
         engine = Engine(EngineConfig(model=path, num_kv_blocks=64, max_model_len=1024, async_scheduling=False))
         ctx = ServingContext(AsyncEngine(engine), TokenizerWorker(engine.tokenizer), ServerMetrics("m"), "m",
