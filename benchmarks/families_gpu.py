@@ -57,8 +57,9 @@ def run_picovllm(preset: str, args) -> dict:
     t = time.perf_counter()
     kw = dict(device="cpu") if args.device == "cpu" else dict(gpu_memory_utilization=args.gpu_memory_utilization)
     llm = LLM(f"random:{preset}", max_model_len=4096, max_num_seqs=256, max_num_batched_tokens=16384,
-              enable_prefix_caching=False, quantization=args.quantization, **kw)
+              enable_prefix_caching=False, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, **kw)
     res = {"model": preset, "engine": "picovllm", "quantization": args.quantization,
+           "kv_cache_dtype": args.kv_cache_dtype,
            "load_s": round(time.perf_counter() - t, 1),
            "kv_blocks": llm.engine.block_manager.num_blocks}
     try:
@@ -217,6 +218,8 @@ def main() -> None:
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--quantization", default="auto", choices=["auto", "fp8"],
                     help="fp8: picovllm's linear and expert weights in float8 (the peer stays bfloat16)")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                    help="fp8: picovllm's KV cache in float8 e4m3 (the peer's stays bfloat16)")
     ap.add_argument("--tiny", action="store_true", help="toy shapes and 8 short requests (CPU without a GPU)")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "/tmp"), "families_gpu.json"))
     args = ap.parse_args()

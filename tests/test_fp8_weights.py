@@ -165,6 +165,48 @@ def test_grouped_experts_with_fp8_weights_match_the_reference(device):
             assert err < 1e-5, (block, tokens, err)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_to_f16_saturates_at_float16s_largest_value(device):
+    """float8 experts' activations pass to float16 clamped at +-65504 (not infinity); NaN stays NaN; the rest is
+    float16's rounding (torch's the oracle)."""
+    from picovllm.kernels.moe import to_f16
+    x = torch.tensor([1e5, -7e4, 65504.0, 65519.0, 1.5, -2.75e-3, 1e-8, 0.0, float("nan")]
+                     + [0.1 * i for i in range(40)])
+    got = to_f16(x.to(device)).cpu()
+    want = x.clamp(-65504.0, 65504.0).to(torch.float16)
+    assert got.dtype == torch.float16 and torch.equal(got[:-41].isnan(), want[:-41].isnan())
+    assert torch.equal(torch.nan_to_num(got), torch.nan_to_num(want))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA or INTERPRET, reason="needs CUDA")
+def test_bf16_activations_of_fp8_experts_take_float16_dots():
+    """bfloat16 activations on float8 experts (the dots in float16): within bfloat16's rounding of the float64
+    reference on the dequantized weights; an activation past float16's range gives finite outputs (saturated)."""
+    from picovllm.kernels.moe import fused_experts
+    from picovllm.layers.activation import gated_activation
+    from picovllm.layers.moe import experts_reference, route
+    g = torch.Generator().manual_seed(5)
+    experts, h, inter = 16, 256, 128
+    gu, gu_s = fp8_weights.quantize_rows(torch.randn(experts, 2 * inter, h, generator=g) * 0.05)
+    dn, dn_s = fp8_weights.quantize_rows(torch.randn(experts, h, inter, generator=g) * 0.05)
+    act = gated_activation("silu")
+    for tokens in (1, 7, 64, 300):
+        x = torch.randn(tokens, h, generator=g).to(torch.bfloat16)
+        weights, ids = route(torch.randn(tokens, experts, generator=g), 4, True)
+        ref = experts_reference(x.double(), weights.double(), ids,
+                                fp8_weights.dequantize(gu, gu_s, torch.float64),
+                                fp8_weights.dequantize(dn, dn_s, torch.float64), act)
+        out = fused_experts(x.cuda(), weights.cuda(), ids.cuda(), gu.cuda(), dn.cuda(), act, None, None,
+                            gu_s.cuda(), dn_s.cuda())
+        assert out.dtype == torch.bfloat16
+        err = ((out.double().cpu() - ref).norm() / ref.norm()).item()
+        assert err < 1e-2, (tokens, err)
+        x[0, 3] = 1e5      # past float16's largest value
+        assert fused_experts(x.cuda(), weights.cuda(), ids.cuda(), gu.cuda(), dn.cuda(), act, None, None,
+                             gu_s.cuda(), dn_s.cuda()).isfinite().all()
+
+
 def round_projections(model) -> None:
     """Every projection weight of an HF model (attention, MLP, experts) rounded as fp8 rounds it (`rounded`);
     embeddings, norms, routers and the LM head as they are."""
