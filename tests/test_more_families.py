@@ -230,6 +230,16 @@ def test_hf_overrides_set_config_fields(tmp_path):
     assert got.engine.max_model_len == want.engine.max_model_len == 128
     assert [o.outputs[0].logprobs for o in got.generate(ps, sp, use_tqdm=False)] == \
         [o.outputs[0].logprobs for o in want.generate(ps, sp, use_tqdm=False)]
+    # the README's form, rope_scaling, on a config.json as transformers 5 writes it (rope_parameters, "default"):
+    # the same YaRN, as transformers applies it (AutoConfig with the same override the oracle)
+    v5 = edited(plain, str(tmp_path / "v5"), rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+    hf = transformers.AutoConfig.from_pretrained(v5, rope_scaling=dict(scaling)).rope_parameters    # it edits it
+    assert (hf["rope_type"], hf["factor"]) == (rope["rope_type"], rope["factor"])
+    got = LLM(v5, num_kv_blocks=64, device="cpu", hf_overrides={"rope_scaling": scaling})
+    assert got.engine.max_model_len == 128
+    assert [o.outputs[0].logprobs for o in got.generate(ps, sp, use_tqdm=False)] == \
+        [o.outputs[0].logprobs for o in want.generate(ps, sp, use_tqdm=False)]
     with pytest.raises(ValueError, match="EngineConfig.hf_overrides is not valid JSON"):
         LLM(plain, device="cpu", hf_overrides="{rope")
     with pytest.raises(ValueError, match="EngineConfig.hf_overrides must be a JSON object"):

@@ -97,6 +97,18 @@ def _tensor_names(files: list[str], multimodal: bool) -> set[str]:
     return names
 
 
+def _renamed_rope(raw: dict, overrides: dict) -> dict:
+    """overrides as transformers 5 applies them: rope_scaling is another name for rope_parameters, which is how
+    config.json now holds them (rope_theta in it), so an override of rope_scaling replaces the file's rope_parameters
+    (its rope_theta kept) instead of losing to its "default" entry."""
+    params = raw.get("rope_parameters")
+    if "rope_scaling" not in overrides or "rope_parameters" in overrides or not isinstance(params, dict) or \
+            "full_attention" in params:     # per layer type (Gemma 3): only rope_parameters names them
+        return overrides
+    theta = {"rope_theta": params["rope_theta"]} if "rope_theta" in params else {}
+    return {**overrides, "rope_parameters": {**theta, **(overrides["rope_scaling"] or {})}}
+
+
 def open_folder(path: str, weights_needed: bool = True, overrides: dict | None = None) -> ModelSource:
     """weights_needed=False: the config and tokenizer only (a front end's), no safetensors files asked for.
     overrides: config.json's (the text model's) top-level fields set or replaced (EngineConfig.hf_overrides)."""
@@ -121,7 +133,7 @@ def open_folder(path: str, weights_needed: bool = True, overrides: dict | None =
         if multimodal and "text_config" in overrides:
             raise ValueError("hf_overrides: an image-and-text checkpoint is read as its text model; give the text "
                              "model's fields at the top level, not under text_config")
-        raw = {**raw, **overrides}
+        raw = {**raw, **_renamed_rope(raw, overrides)}
     raw = _with_class_defaults(raw)
     config = ModelConfig.from_hf_dict(raw)          # its errors first: they name what the model is
     if not files and weights_needed:
