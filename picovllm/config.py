@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -322,7 +323,12 @@ def _gpt_oss(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
 
 # transformers' defaults of the fields a config.json of these families may leave out (HF's save_pretrained writes only
 # the fields that differ from them) where they differ from the shared ones; rope_theta's: _DEFAULT_THETA
-_FAMILY_DEFAULTS = {
+_FAMILY_DEFAULTS = {       # transformers' config classes' defaults where they differ from the generic ones
+    "Phi3ForCausalLM": dict(rms_norm_eps=1e-5),
+    "MixtralForCausalLM": dict(rms_norm_eps=1e-5),
+    "Gemma2ForCausalLM": dict(hidden_activation="gelu_pytorch_tanh"),
+    "Gemma3ForCausalLM": dict(hidden_activation="gelu_pytorch_tanh"),
+    "SmolLM3ForCausalLM": dict(tie_word_embeddings=True),
     "Olmo3ForCausalLM": dict(rms_norm_eps=1e-5, sliding_window=4096, max_position_embeddings=2048, eos_token_id=50279),
     "OlmoeForCausalLM": dict(rms_norm_eps=1e-5, num_experts=64, num_experts_per_tok=8, max_position_embeddings=4096,
                              eos_token_id=50279),
@@ -333,7 +339,8 @@ _FAMILY_DEFAULTS = {
     "Ernie4_5ForCausalLM": dict(rms_norm_eps=1e-5, head_dim=128, num_key_value_heads=2, tie_word_embeddings=True,
                                 max_position_embeddings=131072, bos_token_id=1, eos_token_id=2),
 }
-_DEFAULT_THETA = {"Olmo3ForCausalLM": 500000.0, "Ernie4_5ForCausalLM": 500000.0}
+_DEFAULT_THETA = {"Olmo3ForCausalLM": 500000.0, "Ernie4_5ForCausalLM": 500000.0, "MixtralForCausalLM": 1e6,
+                  "Gemma3ForCausalLM": 1e6, "SmolLM3ForCausalLM": 2e6, "CohereForCausalLM": 500000.0}
 
 
 def _with_family_defaults(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
@@ -757,8 +764,11 @@ class EngineConfig:
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"EngineConfig.{name} {why}, got {getattr(self, name)!r}")
 
+        if isinstance(self.model, os.PathLike):     # a pathlib.Path, as HF's from_pretrained takes
+            self.model = os.fspath(self.model)
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self._check_device(bad)
         if self.dtype == "auto":
             self.dtype = torch.bfloat16 if str(self.device).startswith("cuda") else torch.float32
         elif isinstance(self.dtype, str):
@@ -819,6 +829,22 @@ class EngineConfig:
         if self.kv_cache_dtype == "fp8" and self.attention_backend == "cpu":
             raise ValueError("EngineConfig.kv_cache_dtype 'fp8': the CPU's C attention kernels read float32 KV "
                              "only; use attention_backend 'torch' or 'auto' (which takes torch for fp8 KV)")
+
+    def _check_device(self, bad) -> None:
+        """device names a torch device this machine has: the CPU, or a CUDA device (an index below its count)."""
+        import torch
+        try:
+            device = torch.device(self.device)
+        except (RuntimeError, TypeError):
+            raise bad("device", "must be 'auto', 'cpu', 'cuda' or 'cuda:N'") from None
+        if device.type not in ("cpu", "cuda"):
+            raise bad("device", "must be 'auto', 'cpu', 'cuda' or 'cuda:N'")
+        if device.type == "cuda":
+            count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            if count == 0:
+                raise bad("device", "names a CUDA device, and this machine has none (torch sees no CUDA)")
+            if device.index is not None and device.index >= count:
+                raise bad("device", f"names CUDA device {device.index}; this machine has {count}")
 
     def _check_runner(self) -> None:
         """runner and pooler_config; what a pooling engine (prefill only, no LM head, steps run eagerly) refuses."""

@@ -362,3 +362,80 @@ def test_pd_servers_and_the_proxy_need_the_secret(monkeypatch, tiny_models):
     assert is_linked_pair(args("cuda_ipc", port=9100), "p") and is_linked_pair(args("cuda_ipc", peer="h:1"), "d")
     assert not is_linked_pair(args("cuda_ipc"), "p") and not is_linked_pair(args("cuda_ipc", port=9100), "d")
     assert not is_linked_pair(args("tcp", port=9100), "p") and not is_linked_pair(args("nixl", peer="h:1"), "d")
+
+
+def _damaged(src: str, dst, how: str) -> str:
+    """A copy of the HF folder src at dst, damaged one way."""
+    import shutil
+    shutil.copytree(src, dst)
+    weights, config = os.path.join(dst, "model.safetensors"), os.path.join(dst, "config.json")
+    if how == "truncated":
+        with open(weights, "r+b") as f:
+            f.truncate(os.path.getsize(weights) // 2)
+    elif how == "garbage header":
+        with open(weights, "r+b") as f:
+            f.seek(8)
+            f.write(b"not json")
+    elif how == "missing shard":
+        with open(os.path.join(dst, "model.safetensors.index.json"), "w") as f:
+            json.dump({"weight_map": {"lm_head.weight": "model-00002-of-00002.safetensors"}}, f)
+    elif how == "config without a field":
+        cfg = json.load(open(config))
+        del cfg["num_attention_heads"]
+        json.dump(cfg, open(config, "w"))
+    elif how == "config not json":
+        open(config, "w").write("{'vocab_size': 1}")
+    return str(dst)
+
+
+@pytest.mark.parametrize("how, says", [
+    ("truncated", "cannot read checkpoint file .*model.safetensors"),
+    ("garbage header", "cannot read checkpoint file .*model.safetensors"),
+    ("missing shard", "index.json names model-00002-of-00002.safetensors, not in the folder"),
+    ("config without a field", "config.json: no 'num_attention_heads'"),
+    ("config not json", "cannot read .*config.json"),
+])
+def test_a_damaged_checkpoint_is_one_line_naming_its_file(tiny_models, tmp_path, capsys, how, says):
+    """A damaged HF folder: one error line naming the file at fault, exit code 2, no traceback."""
+    import re
+    model = _damaged(tiny_models["llama"], tmp_path / "m", how)
+    rc = cli_main(["generate", "hello", "--model", model, "--max-tokens", "2"])
+    err = capsys.readouterr().err
+    assert rc == 2 and re.search(says, err) and "Traceback" not in err, err
+
+
+def test_flags_refused_before_the_model_loads(tiny_models, tmp_path, capsys):
+    """A missing --input, an --output in no folder, --role p|d outside a server, a device this machine does not
+    have, a port past 65535: each one error line naming the flag, before any model is loaded."""
+    import argparse
+    model = os.path.join(tmp_path, "no-model-here")      # any load would fail with another message
+    inp = tmp_path / "in.jsonl"
+    inp.write_text('{"prompt": "hi"}\n')
+    cases = [(["batch", "-i", str(tmp_path / "nope.jsonl"), "--model", model], "--input .*nope.jsonl.*no such file"),
+             (["batch", "-i", str(inp), "-o", str(tmp_path / "no" / "out.jsonl"), "--model", model],
+              "--output .*out.jsonl.*cannot write"),
+             (["run-batch", "-i", str(inp), "-o", str(tmp_path / "no" / "o.jsonl"), "--model", model],
+              "--output-file .*cannot write"),
+             (["generate", "hi", "--model", tiny_models["llama"], "--role", "p"], "role 'p': LLM runs colocated")]
+    if not torch.cuda.is_available():
+        cases.append((["generate", "hi", "--model", model, "--device", "cuda"], "EngineConfig.device .* has none"))
+    cases.append((["generate", "hi", "--model", model, "--device", "tpu"], "EngineConfig.device must be"))
+    import re
+    for argv, says in cases:
+        rc = cli_main(argv)
+        err = capsys.readouterr().err
+        assert rc == 2 and re.search(says, err) and "Traceback" not in err, (argv, err)
+    from picovllm.entrypoints.openai.cli_proxy import port
+    with pytest.raises(argparse.ArgumentTypeError, match="0-65535"):
+        port("99999")
+    assert port("0") == 0 and port("65535") == 65535
+
+
+def test_a_path_object_names_the_model_as_its_text_does(tiny_models):
+    """LLM(pathlib.Path(folder)), as HF's from_pretrained takes one: the same greedy tokens as the str path."""
+    import pathlib
+    ps = [[5, 6, 7, 8]]
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    got = LLM(pathlib.Path(tiny_models["llama"]), num_kv_blocks=16).generate(ps, sp, use_tqdm=False)
+    want = LLM(tiny_models["llama"], num_kv_blocks=16).generate(ps, sp, use_tqdm=False)
+    assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids

@@ -96,3 +96,27 @@ def test_qwen3_q8_0_gguf_runs_quantized_and_close_to_float(tiny_models, tmp_path
     assert any(isinstance(getattr(m, "packed", None), QuantizedWeight) for m in q8.engine.runner.model.modules())
     errs = prompt_logprob_errors(f32, q8, make_prompts()[3:6])
     assert np.mean(errs) < 0.06 and max(errs) < 0.3, (np.mean(errs), max(errs))
+
+
+def test_end_of_generation_tokens_as_llama_cpp_reads_them():
+    """A GGUF's stop tokens as llama.cpp takes them (llama-vocab.cpp): eos, eot and eom from the metadata, and
+    control tokens whose text ends a turn; a token of that text that is not a control token does not stop, nor
+    gpt-oss's <|end|> (it ends a message there, not the reply). Hand-written vocabularies."""
+    from picovllm.loader.gguf_archs import end_of_generation
+    normal, control = 1, 3
+    vocab = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "hello", "<end_of_turn>", "<|end|>", "<|eot_id|>"]
+    types = [control, control, control, normal, normal, control, control]
+    meta = {"tokenizer.ggml.tokens": vocab, "tokenizer.ggml.token_type": types}
+    assert end_of_generation({**meta, "tokenizer.ggml.eos_token_id": 0}) == [0, 2, 5, 6]
+    assert end_of_generation({**meta, "tokenizer.ggml.eos_token_id": 2, "tokenizer.ggml.eot_token_id": 3,
+                              "tokenizer.ggml.eom_token_id": 4}) == [2, 3, 4, 0, 5, 6]
+    assert end_of_generation({**meta, "general.architecture": "gpt-oss", "tokenizer.ggml.eos_token_id": 6}) == [6, 0, 2]
+    assert end_of_generation({"tokenizer.ggml.eos_token_id": 7}) == [7]       # no vocabulary: the metadata's only
+    assert end_of_generation({}) == []
+
+
+def test_default_model_stops_at_its_end_of_text_too():
+    """SmolLM2's GGUF: eos <|im_end|> (2); <|endoftext|> (0), a control token, ends generation too, as in llama.cpp."""
+    from picovllm.loader.default_model import default_model_path
+    from picovllm.loader.source import open_model_source
+    assert open_model_source(default_model_path()).config.eos_token_ids == [2, 0]

@@ -365,3 +365,29 @@ def test_cohere2_without_layer_types_takes_its_pattern(models, tmp_path):
 def test_tp2_matches_tp1(models, case, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")     # two ranks on two shared cores
     assert_tp2_matches_tp1(models[case], prompts(1), 10)
+
+
+def test_fields_a_config_leaves_out_take_the_architectures_defaults():
+    """A config.json with only the shape: each supported architecture reads rope_theta, rms_norm_eps,
+    tie_word_embeddings and the activation as its transformers config class defaults them (the oracle: that class,
+    as vLLM and HF read config.json through it), not generic ones (Mixtral's theta 1e6, Gemma's GeGLU, ...)."""
+    import transformers
+    from picovllm.config import SUPPORTED_ARCHITECTURES, ModelConfig
+    from picovllm.loader.hf_folder import _with_class_defaults
+    shape = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, moe_intermediate_size=32, num_experts=4, num_local_experts=4,
+                 num_experts_per_tok=2)
+    wrong = {}
+    for arch in SUPPORTED_ARCHITECTURES:
+        name = arch.replace("ForCausalLM", "")
+        hf = (getattr(transformers, name + "TextConfig", None) or getattr(transformers, name + "Config"))(**shape)
+        hf = hf.to_dict()
+        rope = hf.get("rope_parameters") or {}
+        rope = rope.get("full_attention", rope)
+        want = dict(rope_theta=rope.get("rope_theta", hf.get("rope_theta")),
+                    rms_norm_eps=hf.get("rms_norm_eps", hf.get("layer_norm_eps")),
+                    tie_word_embeddings=hf.get("tie_word_embeddings"),
+                    hidden_act=hf.get("hidden_activation") or hf.get("hidden_act"))
+        got = ModelConfig.from_hf_dict(_with_class_defaults({"architectures": [arch], **shape}))
+        wrong.update({(arch, k): (getattr(got, k), v) for k, v in want.items() if v is not None and getattr(got, k) != v})
+    assert not wrong

@@ -3,6 +3,7 @@ of its device's preference list. A new backend is one entry here (and its module
 from __future__ import annotations
 
 import importlib.util
+import os
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Callable
@@ -36,8 +37,9 @@ def _make_cpu() -> AttentionBackend:
 
 
 def _triton_available(config: EngineConfig, model: torch.nn.Module) -> bool:
-    # Not tied to CUDA: under TRITON_INTERPRET=1 the kernels run on the CPU (the kernel tests do).
-    return importlib.util.find_spec("triton") is not None
+    # a CUDA device, or under TRITON_INTERPRET=1 the CPU (the kernel tests run them so)
+    on_device = torch.device(config.device).type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    return on_device and importlib.util.find_spec("triton") is not None
 
 
 def _cpu_available(config: EngineConfig, model: torch.nn.Module) -> bool:
@@ -52,7 +54,8 @@ def _cpu_available(config: EngineConfig, model: torch.nn.Module) -> bool:
 
 ATTENTION_BACKENDS = MappingProxyType({
     "torch": BackendEntry(_make_torch, lambda config, model: True, "nothing"),
-    "triton": BackendEntry(_make_triton, _triton_available, "triton installed"),
+    "triton": BackendEntry(_make_triton, _triton_available,
+                           "triton installed and a CUDA device (or TRITON_INTERPRET=1)"),
     "cpu": BackendEntry(_make_cpu, _cpu_available, "float32 on the CPU, kv_cache_dtype 'auto' and a C compiler"),
 })
 AUTO_ORDER = MappingProxyType({"cuda": ("triton", "torch"), "cpu": ("cpu", "torch")})

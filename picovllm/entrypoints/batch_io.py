@@ -62,6 +62,19 @@ def parse_line(index: int, line: str, defaults: dict, llm, line_number: int) -> 
     return item
 
 
+def check_paths(inp: str | None, out: str | None, flags: tuple[str, str]) -> None:
+    """Before any work: the input file (path, "-" stdin) is there to read and the output file's folder is there to
+    write into (path, "-" stdout, None none), so that a mistyped path costs no model load and loses no results.
+    flags: the two options' names, for the error."""
+    import os
+    if inp is not None and inp != "-" and not os.path.isfile(inp):
+        raise ValueError(f"{flags[0]} {inp!r}: no such file")
+    if out is not None and out != "-":
+        folder = os.path.dirname(os.path.abspath(out))
+        if os.path.isdir(out) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            raise ValueError(f"{flags[1]} {out!r}: cannot write a file there (no such folder, or not writable)")
+
+
 def read_lines(path: str) -> list[tuple[int, str]]:
     """A JSONL file's (or stdin's, path "-") non-blank lines, each with its 1-based number in the file."""
     f = sys.stdin if path == "-" else open(path)

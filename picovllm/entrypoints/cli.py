@@ -46,6 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:     # bad input or flag values: EngineConfig and friends name the field
         print(f"picovllm {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:        # a file that cannot be read or written (the error names it)
+        print(f"picovllm {args.command}: error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 

@@ -73,7 +73,11 @@ class LLM:
                 raise ValueError(f"task {task!r} and runner {kwargs['runner']!r} disagree: give one")
             kwargs["runner"] = TASK_RUNNERS[task]
         self.config = EngineConfig(model=model, **kwargs)
-        self.sampling_defaults = sampling_defaults(model, self.config.generation_config,
+        if self.config.role != "pd":      # before the model loads: its engine would wait for a peer it never gets
+            raise ValueError(f"EngineConfig.role {self.config.role!r}: LLM runs colocated ('pd'); a prefill or decode "
+                             "engine runs behind `picovllm serve --role p|d` (with the proxy or router), or use "
+                             "DisaggLLM / `picovllm generate --disagg`")
+        self.sampling_defaults = sampling_defaults(self.config.model, self.config.generation_config,
                                                    self.config.override_generation_config, self.config.revision,
                                                    self.config.download_dir)
         self.engine = Engine(self.config)

@@ -347,7 +347,6 @@ def shared_fields(meta: dict, tensors: dict, p: str, path: str, interleaved_qk: 
     if rot != head_dim and (interleaved_qk or rot % 2 or not 0 < rot < head_dim):
         raise ValueError(f"GGUF {path!r}: {p}rope.dimension_count={rot} with head_dim {head_dim}: only full rotary "
                          "embeddings are supported here (partial ones: an even count, rotate-half architectures)")
-    eos = meta.get("tokenizer.ggml.eos_token_id")
     scaling = _rope_scaling(meta, tensors, p, path, rot)
     return dict(
         vocab_size=int(tensors["token_embd.weight"].shape[1]),
@@ -361,7 +360,7 @@ def shared_fields(meta: dict, tensors: dict, p: str, path: str, interleaved_qk: 
         max_position_embeddings=scaled_context(int(meta.get(p + "context_length", 4096)), scaling),
         rope_scaling=scaling,
         tie_word_embeddings="output.weight" not in tensors,
-        eos_token_ids=[int(eos)] if eos is not None else [],
+        eos_token_ids=end_of_generation(meta),
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         attention_bias="blk.0.attn_q.bias" in tensors,
         qk_norm="blk.0.attn_q_norm.weight" in tensors,
@@ -436,6 +435,24 @@ def _gpt_oss(meta: dict, tensors: dict, p: str, path: str) -> dict:
 
 
 _GPT_OSS_STOPS = ("<|return|>", "<|call|>", "<|endoftext|>")
+# control tokens that end a reply by their text, as llama.cpp reads a GGUF's vocabulary (llama-vocab.cpp: a file's
+# eos is often the base model's <|endoftext|> where the chat template ends turns with another token)
+_END_TEXTS = ("<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>",
+              "<EOT>", "_<EOT>", "<end_of_utterance>")
+_CONTROL = 3      # tokenizer.ggml.token_type's control-token type
+
+
+def end_of_generation(meta: dict) -> list[int]:
+    """The tokens that end generation, as llama.cpp takes them: the file's eos, its eot and eom tokens, and the
+    control tokens whose text ends a turn (_END_TEXTS; gpt-oss's <|end|> ends a message, not a reply: left out)."""
+    ids = [int(meta[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+                                  "tokenizer.ggml.eom_token_id") if meta.get(k) is not None]
+    tokens = meta.get("tokenizer.ggml.tokens")
+    types = meta.get("tokenizer.ggml.token_type")
+    texts = {t for t in _END_TEXTS if not (t == "<|end|>" and meta.get("general.architecture") == "gpt-oss")}
+    if tokens is not None and types is not None:
+        ids += [i for i, t in enumerate(tokens) if t in texts and i < len(types) and int(types[i]) == _CONTROL]
+    return list(dict.fromkeys(ids))
 
 
 def _gpt_oss_stops(meta: dict, stops: list[int]) -> list[int]:

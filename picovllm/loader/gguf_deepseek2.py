@@ -34,7 +34,7 @@ import numpy as np
 
 from picovllm.config import ModelConfig, scaled_context
 from picovllm.layers.rotary import head_rows
-from picovllm.loader.gguf_archs import Part, Slot, expert_groups, required, yarn_scaling
+from picovllm.loader.gguf_archs import Part, Slot, end_of_generation, expert_groups, required, yarn_scaling
 
 P = "deepseek2."
 GATING = {1: "softmax", 2: "sigmoid"}      # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_*
@@ -111,7 +111,6 @@ def model_config(meta: dict, tensors: dict, path: str) -> ModelConfig:
     scale = qk ** -0.5
     if scaling is not None and scaling["factor"] > 1:
         scale *= (0.1 * scaling["mscale_all_dim"] * math.log(scaling["factor"]) + 1.0) ** 2
-    eos = meta.get("tokenizer.ggml.eos_token_id")
     inter = meta.get(P + "feed_forward_length") or routing["moe_intermediate_size"]    # the dense layers'
     if not inter:
         required(meta, P + "feed_forward_length", path)
@@ -129,7 +128,7 @@ def model_config(meta: dict, tensors: dict, path: str) -> ModelConfig:
         max_position_embeddings=scaled_context(int(meta.get(P + "context_length", 4096)), scaling),
         rope_scaling=scaling,
         tie_word_embeddings="output.weight" not in tensors,
-        eos_token_ids=[int(eos)] if eos is not None else [],
+        eos_token_ids=end_of_generation(meta),
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         q_lora_rank=None if q_rank is None else int(q_rank),
         kv_lora_rank=kv_rank,

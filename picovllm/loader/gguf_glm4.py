@@ -65,9 +65,6 @@ def model_config(meta: dict, tensors: dict, path: str) -> ModelConfig:
         raise ValueError(f"GGUF {path!r}: {p}nextn_predict_layers={nextn} leaves no layer of block_count "
                          f"{fields['num_hidden_layers']}")
     fields["num_hidden_layers"] = layers
-    for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
-        if meta.get(key) is not None and int(meta[key]) not in fields["eos_token_ids"]:
-            fields["eos_token_ids"].append(int(meta[key]))
     inter = int(required(meta, p + "feed_forward_length", path))      # GLM-4.5: its dense layers'
     if name == "glm4":
         _require_tensors(tensors, range(layers), _GLM4_POST_NORMS, path, "GLM-4's norms after attention and the MLP")

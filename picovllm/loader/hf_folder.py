@@ -71,9 +71,14 @@ def _weight_files(path: str) -> list[str]:
     consolidated.safetensors, the same weights in Mistral's own names), else every one in the folder."""
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):
-        with open(index) as f:
-            names = sorted(set(json.load(f)["weight_map"].values()))
-        return [os.path.join(path, n) for n in names]
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index}: no weight_map (tensor name -> file) in it")
+        files = [os.path.join(path, n) for n in sorted(set(weight_map.values()))]
+        missing = [os.path.basename(f) for f in files if not os.path.isfile(f)]
+        if missing:
+            raise ValueError(f"{index} names {', '.join(missing)}, not in the folder")
+        return files
     return sorted(glob.glob(os.path.join(path, "*.safetensors")))
 
 
@@ -85,6 +90,29 @@ def _text_name(name: str) -> str | None:
         if name.startswith(old):
             return new + name[len(old):]
     return name
+
+
+def _read_json(path: str) -> dict:
+    """A checkpoint's JSON file as a dict; one that does not parse is a ValueError naming it."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"cannot read {path}: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"cannot read {path}: not a JSON object")
+    return data
+
+
+def _check_readable(files: list[str]) -> None:
+    """Each safetensors file's header parses and its data is all there (safetensors checks both on opening): a
+    truncated or damaged file is a ValueError naming it, before any weight is read."""
+    for file in files:
+        try:
+            with safe_open(file, framework="pt"):
+                pass
+        except Exception as e:       # safetensors' SafetensorError derives from Exception only
+            raise ValueError(f"cannot read checkpoint file {file}: {e}") from None
 
 
 def _tensor_names(files: list[str], multimodal: bool) -> set[str]:
@@ -115,18 +143,18 @@ def open_folder(path: str, weights_needed: bool = True, overrides: dict | None =
     cfg_path = os.path.join(path, "config.json")
     if not os.path.exists(cfg_path):
         raise ValueError(f"model folder {path!r} has no config.json")
-    with open(cfg_path) as f:
-        full = json.load(f)
+    full = _read_json(cfg_path)
     raw = _text_config(path, full)
     multimodal = raw is not full
     files = _weight_files(path)
+    if weights_needed:
+        _check_readable(files)
     if multimodal:     # tied as HF ties it: where the checkpoint holds no LM head of its own
         names = _tensor_names(files, multimodal)
         raw = dict(raw, tie_word_embeddings="lm_head.weight" not in names) if files else raw
     gen_path = os.path.join(path, "generation_config.json")
     if os.path.exists(gen_path):
-        with open(gen_path) as f:
-            gen_eos = json.load(f).get("eos_token_id")
+        gen_eos = _read_json(gen_path).get("eos_token_id")
         if gen_eos is not None:
             raw = dict(raw, eos_token_id=gen_eos)
     if overrides:
@@ -135,7 +163,10 @@ def open_folder(path: str, weights_needed: bool = True, overrides: dict | None =
                              "model's fields at the top level, not under text_config")
         raw = {**raw, **_renamed_rope(raw, overrides)}
     raw = _with_class_defaults(raw)
-    config = ModelConfig.from_hf_dict(raw)          # its errors first: they name what the model is
+    try:
+        config = ModelConfig.from_hf_dict(raw)          # its errors first: they name what the model is
+    except KeyError as e:
+        raise ValueError(f"{cfg_path}: no {e.args[0]!r}, which {raw.get('architectures')} needs") from None
     if not files and weights_needed:
         raise ValueError(f"model folder {path!r} has no *.safetensors files")
 
@@ -163,7 +194,10 @@ def open_folder(path: str, weights_needed: bool = True, overrides: dict | None =
 
     def load_tokenizer():
         from transformers import AutoTokenizer
-        return AutoTokenizer.from_pretrained(path)
+        try:
+            return AutoTokenizer.from_pretrained(path)
+        except (ValueError, OSError) as e:      # a tokenizer file that does not parse
+            raise ValueError(f"cannot load the tokenizer of {path!r}: {e}") from None
 
     identity = ("hf", full, overrides or {}, [(os.path.basename(f), file_identity(f, head_bytes=1 << 20))
                                               for f in files])

@@ -179,8 +179,9 @@ def _read_line(interactive: bool) -> str | None:
 
 # -- batch ---------------------------------------------------------------------------------------
 def run_batch(args: argparse.Namespace) -> int:
-    from picovllm.entrypoints.batch_io import read_batch, result_record
+    from picovllm.entrypoints.batch_io import check_paths, read_batch, result_record
 
+    check_paths(args.input, args.output, ("--input", "--output"))
     llm = _make_llm(args)
     items = read_batch(args.input, sampling_kwargs(args), llm)
     groups, siblings = [], {}

@@ -9,6 +9,14 @@ from picovllm.entrypoints.openai.reasoning import HELP as REASONING_HELP, PARSER
 from picovllm.entrypoints.openai.tool_calls import TOOL_PARSERS
 
 
+def port(text: str) -> int:
+    """A TCP port, 0-65535 (0: one the system picks); uvicorn would bind any int modulo 65536 and log the other."""
+    n = int(text)
+    if not 0 <= n <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port, 0-65535, got {n}")
+    return n
+
+
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("proxy", help="the OpenAI API in front of prefill/decode server pairs",
                               description="Route each request through a prefill server, then its decode server.")
@@ -57,7 +65,7 @@ def add_tool_args(p: argparse.ArgumentParser) -> None:
 def add_front_end_args(p: argparse.ArgumentParser, model_default: str, waits_for: str) -> None:
     """The flags of an OpenAI front end over other servers' engines (the proxy's and the router's)."""
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=port, default=8000)
     p.add_argument("--model", default=None, help=f"where to load the tokenizer from (default: {model_default})")
     p.add_argument("--revision", default=None, help="the --model Hub repository's branch, tag or commit (default: "
                                                     "main; without --model, the servers' revision)")

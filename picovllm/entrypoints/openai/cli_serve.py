@@ -5,7 +5,7 @@ import argparse
 
 from picovllm.entrypoints.chat_template import CHAT_TEMPLATE_HELP, TRUST_TEMPLATE_HELP
 from picovllm.entrypoints.openai.reasoning import HELP as REASONING_HELP, PARSERS as REASONING_PARSERS
-from picovllm.entrypoints.openai.cli_proxy import add_cors_args, add_tool_args
+from picovllm.entrypoints.openai.cli_proxy import add_cors_args, add_tool_args, port
 from picovllm.entrypoints.engine_args import add_engine_args, engine_config_from_args
 
 # Backends only a fleet has (picovllm.disagg.transfer.PULL_BACKENDS; not imported here: --help stays light).
@@ -34,7 +34,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("model_tag", nargs="?", default=None, help="model (same as --model)")
     p.add_argument("--model", default=None, help="HF folder or .gguf file (default: SmolLM2-135M-Instruct)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: localhost only)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=port, default=8000)
     p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 routes")
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model)")
     p.add_argument("--max-request-bytes", type=int, default=4 * 2**20, help="larger bodies get HTTP 413")
@@ -55,7 +55,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     add_cors_args(p)
     pd = p.add_argument_group("disaggregated serving (--role p|d, behind `picovllm proxy` or `picovllm router`)")
     pd.add_argument("--kv-host", default="127.0.0.1", help="--role p: where to listen for the decode server")
-    pd.add_argument("--kv-port", type=int, default=0, help="--role p: the port the decode server connects to")
+    pd.add_argument("--kv-port", type=port, default=0, help="--role p: the port the decode server connects to")
     pd.add_argument("--kv-peer", default=None, help="--role d: the prefill server's HOST:PORT (its --kv-port)")
     pd.add_argument("--kv-transfer", default="torch_dist",
                     help="KV transfer backend: torch_dist or cuda_ipc (a linked pair: --kv-port/--kv-peer), "
