@@ -389,5 +389,6 @@ def test_fields_a_config_leaves_out_take_the_architectures_defaults():
                     tie_word_embeddings=hf.get("tie_word_embeddings"),
                     hidden_act=hf.get("hidden_activation") or hf.get("hidden_act"))
         got = ModelConfig.from_hf_dict(_with_class_defaults({"architectures": [arch], **shape}))
-        wrong.update({(arch, k): (getattr(got, k), v) for k, v in want.items() if v is not None and getattr(got, k) != v})
+        wrong.update({(arch, k): (getattr(got, k), v) for k, v in want.items()
+                      if v is not None and getattr(got, k) != v})
     assert not wrong
