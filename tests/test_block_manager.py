@@ -76,7 +76,7 @@ def test_prefix_hits_hand_computed():
     for i, (tokens, hit) in enumerate(cases):
         r = req(f"r{i}", tokens)
         assert bm.allocate_prefix(r) == hit, tokens
-        assert r.num_computed_tokens == r.num_cached_tokens == hit
+        assert r.num_computed_tokens == r.prefix_hit_tokens == hit
         assert r.block_table == [0, 1][:hit // 4]
         held.append(r)
     assert bm.ref_counts[0] == 3 and bm.ref_counts[1] == 1          # shared, not copied

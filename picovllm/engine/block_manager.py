@@ -96,9 +96,9 @@ class BlockManager:
             self._take(block)
         req.block_table = blocks
         req.block_hashes = hashes
-        req.num_computed_tokens = req.num_cached_tokens = len(blocks) * self.block_size
-        self.hit_tokens += req.num_cached_tokens
-        return req.num_cached_tokens
+        req.num_computed_tokens = req.prefix_hit_tokens = len(blocks) * self.block_size
+        self.hit_tokens += req.prefix_hit_tokens
+        return req.prefix_hit_tokens
 
     def cancel_prefix(self, req: Request) -> None:
         """Give back what allocate_prefix took for a request that could not be admitted after all.
@@ -108,8 +108,8 @@ class BlockManager:
         """
         if self.enable_prefix_caching:
             self.queried_tokens -= req.num_tokens
-            self.hit_tokens -= req.num_cached_tokens
-        req.num_cached_tokens = 0
+            self.hit_tokens -= req.prefix_hit_tokens
+        req.prefix_hit_tokens = 0
         self.free(req)
 
     def allocate(self, req: Request, num_tokens: int) -> bool:

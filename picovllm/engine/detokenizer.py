@@ -102,5 +102,5 @@ def check_stop(req: Request, token_id: int, new_text: str, eos_token_ids: list[i
                 if idx >= 0:
                     req.text = req.text[:idx + (len(s) if p.include_stop_str_in_output else 0)]
                     return req.finish(FinishReason.STOP, stop_reason=s)
-    if n_out >= req.max_tokens or req.num_tokens >= max_model_len:
+    if n_out >= req.max_tokens or req.num_known_tokens >= max_model_len:    # a pending token: the next step's
         req.finish(FinishReason.LENGTH)

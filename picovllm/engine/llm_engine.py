@@ -170,7 +170,8 @@ class Engine:
         self.detokenizer = Detokenizer(self.tokenizer)
         self.requests: dict[str, Request] = {}
         self.overlap = config.async_scheduling
-        self.window = self._kv_window()   # every layer slides: blocks behind it are given back as requests go
+        # every layer slides: blocks behind the window are given back as requests go (and at admission)
+        self.window = self.scheduler.window = self._kv_window()
         self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None   # overlap: launched, not read
         self._stalled = False      # the last schedule changed nothing: its waiting requests wait for blocks or slots
         self._step_marks: list | None = None   # PICOVLLM_STEP_LOG: the last scheduled step's entry, if it has one
@@ -424,6 +425,8 @@ class Engine:
         answers = self.connector is None or self.connector.answers_for(req)
         req.finish(FinishReason.ABORT)
         self._drop(req)
+        if self._in_flight is not None and all(c.request.is_finished for c in self._in_flight[0].chunks):
+            self._in_flight = None     # nothing of it is read: else has_work stays true and an idle loop spins
         return self.make_output(req) if answers else None
 
     def _drop(self, req: Request) -> None:

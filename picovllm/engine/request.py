@@ -50,7 +50,8 @@ class Request:
         # speculative decoding: the proposer's state (spec_decode.LookupState); a speculative chunk of it is in flight
         self.lookup = None
         self.speculating = False
-        self.num_cached_tokens = 0       # of those, how many came from the prefix cache
+        self.num_cached_tokens = 0       # of the prompt, how many the prefix cache held at its first admission
+        self.prefix_hit_tokens = 0       # of the computed ones, how many the cache gave at the latest admission
         self.block_table: list[int] = []
         self.num_slid_out_blocks = 0     # the table's first entries, given back (block_manager.SLID_OUT)
         self.block_hashes: list[int] = []  # chained hashes of this request's full blocks, in order

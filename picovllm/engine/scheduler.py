@@ -87,6 +87,7 @@ class Scheduler:
         self.by_priority = policy == "priority"
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.window: int | None = None     # every layer's KV window (the engine's): blocks behind it are not read
         self.connector = connector
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []   # admission order; the last is preempted first
@@ -181,6 +182,8 @@ class Scheduler:
             looked_up = not req.block_table
             if looked_up:
                 bm.allocate_prefix(req)
+                if self.window is not None:    # cached blocks behind the window are never read: give them back
+                    bm.free_slid_out(req, self.window)
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if not bm.allocate(req, req.num_computed_tokens + n):
                 if looked_up:          # waiting requests hold no blocks; the cached ones stay cached
@@ -192,6 +195,8 @@ class Scheduler:
                                        f"{bm.block_size}) cannot hold even its first chunk")
                 break
             self.waiting.popleft()
+            if req.metrics.first_scheduled_time is None:     # a preempted one keeps what its first admission saw
+                req.num_cached_tokens = min(req.prefix_hit_tokens, req.num_prompt_tokens)
             req.status = RequestStatus.PREFILL
             self.running.append(req)
             out.chunks.append(ScheduledChunk(req, n))

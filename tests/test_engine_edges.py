@@ -1,0 +1,97 @@
+"""The engine core at its edges (a helper's randomized stress review; each case its minimal repro): the context's
+end under overlapped scheduling, an abort while a step is in flight, num_cached_tokens across a preemption, and a
+sliding-window model's prefix-cache hit larger than the cache. Oracles: HF transformers' greedy tokens, the same
+engine without the feature, vLLM's definitions; every engine ends with every block free."""
+import random
+
+import pytest
+import torch
+
+from conftest import assert_engine_clean, build_tiny_checkpoint
+from picovllm import LLM, SamplingParams
+from test_parity_hf import hf_greedy
+
+
+@pytest.fixture(scope="module")
+def short_model(tmp_path_factory) -> str:
+    """The tiny llama with a 256-token context."""
+    return build_tiny_checkpoint(str(tmp_path_factory.mktemp("short") / "llama"), "llama", max_position_embeddings=256)
+
+
+@pytest.mark.parametrize("max_tokens", [None, 6, 100])
+def test_the_context_end_under_overlapped_scheduling(short_model, max_tokens):
+    """A 250-token prompt in a 256-token context runs to exactly 256 tokens with the step in flight too (the
+    pending token is the next step's, not one of those known): HF's 6 greedy tokens, finish length."""
+    prompt = list(range(1, 251))
+    want = hf_greedy(short_model, [prompt], 6)[0][0]
+    for overlap in (False, True):
+        llm = LLM(short_model, device="cpu", num_kv_blocks=64, async_scheduling=overlap)
+        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+                           use_tqdm=False)[0].outputs[0]
+        assert (list(out.token_ids), out.finish_reason) == (want, "length"), overlap
+        assert_engine_clean(llm.engine)
+
+
+def test_an_abort_while_a_step_is_in_flight_leaves_an_idle_loop_waiting(short_model):
+    """Aborting the only request while its step is in flight: the engine has no work left, so a step loop waits for
+    input (wait None) instead of polling at once (wait 0, a spinning engine thread), overlapped or not."""
+    from picovllm.engine.step_loop import StepLoop
+    for overlap in (False, True):
+        llm = LLM(short_model, device="cpu", num_kv_blocks=64, async_scheduling=overlap)
+        eng = llm.engine
+        eng.add_request([1, 2, 3, 4, 5], SamplingParams(temperature=0, max_tokens=50), request_id="a")
+        for _ in range(3):
+            eng.step()
+        eng.abort("a")
+        waits = []
+        StepLoop(eng, lambda wait_s: waits.append(wait_s) or len(waits) < 5).run_until(lambda: False, lambda o: None)
+        assert set(waits) == {None} and not eng.has_work(), (overlap, waits)
+        assert_engine_clean(eng)
+
+
+def test_num_cached_tokens_is_the_first_admissions_prompt_hit(short_model):
+    """vLLM's num_cached_tokens: the prompt's tokens the prefix cache held when the request was first scheduled,
+    never more than the prompt, and not recounted when a preempted request comes back (whose re-admission finds its
+    own prompt and outputs cached). The tokens equal an engine's with room for all."""
+    rng = random.Random(1)
+    prompts = [[rng.randrange(384) for _ in range(10)] for _ in range(2)]
+    sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    want = LLM(short_model, device="cpu", block_size=4, num_kv_blocks=100,
+               enable_prefix_caching=False).generate(prompts, sp, use_tqdm=False)
+    llm = LLM(short_model, device="cpu", block_size=4, num_kv_blocks=15, enable_prefix_caching=True)
+    preempted = []
+    real = llm.engine.scheduler.preempt
+    llm.engine.scheduler.preempt = lambda r: (preempted.append(r.request_id), real(r))[1]
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    assert preempted
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in want]
+    assert [o.num_cached_tokens for o in outs] == [0, 0]       # nothing of these prompts was cached at first
+    again = llm.generate([prompts[0] + [1, 2]], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)[0]
+    assert again.num_cached_tokens == 8                            # its first two blocks of 4
+    assert_engine_clean(llm.engine)
+
+
+def test_a_sliding_window_models_prefix_hit_past_the_cache(tmp_path):
+    """Mistral with a 7-token window, a 64-token cache: a 100-token prompt whose first 40 tokens are cached takes
+    only the cached blocks its window reads, so it runs (it raised 'cannot hold even its first chunk'), with HF's
+    greedy tokens; as it does with prefix caching off."""
+    import transformers
+    cfg = transformers.MistralConfig(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                     rms_norm_eps=1e-5, initializer_range=0.2, sliding_window=7)
+    torch.manual_seed(5)
+    path = str(tmp_path / "mistral")
+    transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path)
+    rng = random.Random(0)
+    x = [rng.randrange(384) for _ in range(40)]
+    y = [rng.randrange(384) for _ in range(60)]
+    sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    want = hf_greedy(path, [x + y], 5)[0][0]
+    for caching in (False, True):
+        llm = LLM(path, device="cpu", block_size=4, num_kv_blocks=16, max_num_batched_tokens=32,
+                  enable_prefix_caching=caching)
+        llm.generate([x], sp, use_tqdm=False)
+        out = llm.generate([x + y], sp, use_tqdm=False)[0]
+        assert list(out.outputs[0].token_ids) == want, caching
+        assert out.num_cached_tokens == (40 if caching else 0)
+        assert_engine_clean(llm.engine)
