@@ -95,3 +95,22 @@ def test_a_sliding_window_models_prefix_hit_past_the_cache(tmp_path):
         assert list(out.outputs[0].token_ids) == want, caching
         assert out.num_cached_tokens == (40 if caching else 0)
         assert_engine_clean(llm.engine)
+
+
+def test_another_eos_of_the_model_is_the_stop_reason(tmp_path):
+    """A model whose config lists EOS ids [2, 5], its tokenizer's EOS 2: either stops generation (finish stop); 5,
+    not the tokenizer's, is the stop_reason (vLLM moves the generation config's other EOS ids into stop_token_ids),
+    2 is none. Each forced by logit_bias."""
+    import json
+    from serving_fixtures import build_tiny_chat_model
+    path = build_tiny_chat_model(str(tmp_path / "m"))
+    for name in ("config.json", "generation_config.json"):     # the latter's list wins, as in HF
+        cfg = json.load(open(f"{path}/{name}"))
+        json.dump({**cfg, "eos_token_id": [2, 5]}, open(f"{path}/{name}", "w"))
+    llm = LLM(path, device="cpu", num_kv_blocks=32)
+    assert llm.get_tokenizer().eos_token_id == 2
+    for token, reason in ((2, None), (5, 5)):
+        out = llm.generate([[10, 11, 12]], SamplingParams(temperature=0, max_tokens=5, logit_bias={token: 100}),
+                           use_tqdm=False)[0].outputs[0]
+        assert (list(out.token_ids), out.finish_reason, out.stop_reason) == ([token], "stop", reason)
+    assert_engine_clean(llm.engine)

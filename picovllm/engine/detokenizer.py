@@ -85,16 +85,19 @@ def stop_token(req: Request, token_id: int, eos_token_ids: list[int]) -> bool:
 
 
 def check_stop(req: Request, token_id: int, new_text: str, eos_token_ids: list[int], max_model_len: int,
-               token_stops: bool | None = None) -> None:
+               token_stops: bool | None = None, primary_eos: int | None = None) -> None:
     """Finish req if token_id or its text meets a stop condition; trims a matched stop string. token_stops: what
     stop_token said of token_id, where the caller asked already (it leaves a stop token's own text out, as vLLM
-    does unless include_stop_str_in_output)."""
+    does unless include_stop_str_in_output). primary_eos: the tokenizer's EOS; the model's other EOS ids (its
+    generation config's) stop as stop tokens do, their id the stop_reason (vLLM moves them into stop_token_ids)."""
     p = req.params
     n_out = len(req.output_token_ids)
     if token_stops is None:
         token_stops = stop_token(req, token_id, eos_token_ids)
     if token_stops:
-        return req.finish(FinishReason.STOP, stop_reason=token_id if token_id in p.stop_token_ids else None)
+        other_eos = primary_eos is not None and token_id != primary_eos and token_id in eos_token_ids
+        return req.finish(FinishReason.STOP, stop_reason=token_id if token_id in p.stop_token_ids or other_eos
+                          else None)
     if n_out >= p.min_tokens:
         if p.stop and new_text:
             for s in p.stop:

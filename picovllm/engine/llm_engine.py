@@ -137,6 +137,9 @@ class Engine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None \
                 and self.tokenizer.eos_token_id not in self.eos_token_ids:
             self.eos_token_ids.append(self.tokenizer.eos_token_id)
+        # vLLM's model EOS (the tokenizer's, else the config's first): a stop at another EOS id reports it
+        self.primary_eos = self.tokenizer.eos_token_id if self.tokenizer is not None and \
+            self.tokenizer.eos_token_id is not None else next(iter(self.eos_token_ids), None)
         # the reasoning parsers' gates (structured outputs), by name: the config's (checked before the weights load),
         # or at a request's first ask
         self._reasoning_gates: dict[str, ThinkTags | HarmonyTags] = {}
@@ -794,7 +797,7 @@ class Engine:
         if not stops or req.params.include_stop_str_in_output:
             delta = self.detokenizer.append(req, token)      # a stop token's text stays out (vLLM's)
             req.text += delta
-        check_stop(req, token, delta, self.eos_token_ids, self.max_model_len, stops)
+        check_stop(req, token, delta, self.eos_token_ids, self.max_model_len, stops, self.primary_eos)
         grammar = req.grammar
         if grammar is not None and not req.is_finished:
             # it takes its newest token, unless _fill_late_masks gave it already; it refuses one only if the mask
