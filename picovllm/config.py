@@ -764,6 +764,8 @@ class EngineConfig:
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"EngineConfig.{name} {why}, got {getattr(self, name)!r}")
 
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not -2**63 <= self.seed < 2**64:
+            raise bad("seed", "must be an int in [-2**63, 2**64) (torch's generator seeds)")
         if isinstance(self.model, os.PathLike):     # a pathlib.Path, as HF's from_pretrained takes
             self.model = os.fspath(self.model)
         if self.device == "auto":

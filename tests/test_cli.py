@@ -420,6 +420,10 @@ def test_flags_refused_before_the_model_loads(tiny_models, tmp_path, capsys):
     if not torch.cuda.is_available():
         cases.append((["generate", "hi", "--model", model, "--device", "cuda"], "EngineConfig.device .* has none"))
     cases.append((["generate", "hi", "--model", model, "--device", "tpu"], "EngineConfig.device must be"))
+    cases.append((["generate", "hi", "--model", model, "--seed", str(2**70)], "EngineConfig.seed must be an int"))
+    empty = tmp_path / "empty.gguf"
+    empty.write_bytes(b"")
+    cases.append((["generate", "hi", "--model", str(empty)], "empty.gguf'?: not a GGUF file"))
     import re
     for argv, says in cases:
         rc = cli_main(argv)

@@ -8,6 +8,7 @@ numpy view each. Dequantization is still the gguf package's (`gguf.quants`).
 """
 from __future__ import annotations
 
+import os
 import struct
 from dataclasses import dataclass
 
@@ -34,6 +35,8 @@ class GGUFFile:
 
     def __init__(self, path: str) -> None:
         self.path = path
+        if os.path.getsize(path) < 4:
+            raise ValueError(f"GGUF {path!r}: not a GGUF file (empty or shorter than its magic)")
         self._buf = np.memmap(path, dtype=np.uint8, mode="r")
         self._mv = memoryview(self._buf)
         self._pos = 0
