@@ -443,3 +443,11 @@ def test_a_path_object_names_the_model_as_its_text_does(tiny_models):
     got = LLM(pathlib.Path(tiny_models["llama"]), num_kv_blocks=16).generate(ps, sp, use_tqdm=False)
     want = LLM(tiny_models["llama"], num_kv_blocks=16).generate(ps, sp, use_tqdm=False)
     assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+
+
+def test_stop_strings_repeat_their_flag_and_leave_the_prompt():
+    """--stop takes one string a flag, repeated for more (llama.cpp's -r): the prompt after it stays the prompt
+    (with one-or-more values it swallowed it, and argparse then said the prompt was missing)."""
+    from picovllm.entrypoints.cli import build_parser
+    args = build_parser().parse_args(["generate", "--stop", ".", "Once upon a time", "--stop", "\n"])
+    assert (args.stop, args.prompt) == ([".", "\n"], "Once upon a time")

@@ -41,7 +41,8 @@ def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 256) -> None
     g.add_argument("--top-k", type=int, default=0, help="0 or -1: off")
     g.add_argument("--min-p", type=float, default=0.0)
     g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--stop", nargs="+", default=None, metavar="STR", help="stop strings")
+    g.add_argument("--stop", action="append", default=None, metavar="STR",
+                   help="a stop string (repeat the flag for more: --stop . --stop '\\n')")
     g.add_argument("--stop-token-ids", nargs="+", type=int, default=None, metavar="ID")
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--presence-penalty", type=float, default=0.0, help="[-2, 2], over generated tokens")
