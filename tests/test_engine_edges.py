@@ -114,3 +114,17 @@ def test_another_eos_of_the_model_is_the_stop_reason(tmp_path):
                            use_tqdm=False)[0].outputs[0]
         assert (list(out.token_ids), out.finish_reason, out.stop_reason) == ([token], "stop", reason)
     assert_engine_clean(llm.engine)
+
+
+def test_max_tokens_unset_takes_the_room_a_smaller_kv_cache_leaves(short_model):
+    """max_tokens unset is the room left (vLLM's): with a KV cache of 64 tokens under a 256-token context, a
+    10-token prompt runs to the cache's 64 tokens (54 new, finish length) instead of being refused for asking 246;
+    a given max_tokens past the cache is still refused by name."""
+    llm = LLM(short_model, device="cpu", block_size=16, num_kv_blocks=4)
+    assert llm.engine.max_model_len == 256
+    out = llm.generate([list(range(1, 11))], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0]
+    assert (len(out.token_ids), out.finish_reason) == (54, "length")
+    with pytest.raises(ValueError, match=r"max_tokens \(60\) tokens exceed the KV cache \(64 tokens\)"):
+        llm.generate([list(range(1, 11))], SamplingParams(max_tokens=60), use_tqdm=False)
+    assert_engine_clean(llm.engine)

@@ -185,8 +185,11 @@ def test_models_health_and_named_errors(server, client, chat_model):
     from importlib.metadata import version
     assert httpx.get(server.url + "/version").json() == {"version": version("picovllm")}
     model = models[0].id
+    with pytest.raises(openai.NotFoundError, match="'nope' does not exist") as e:     # OpenAI's and vLLM's 404
+        client.completions.create(model="nope", prompt="hi")
+    assert e.value.body["code"] == "model_not_found" and e.value.body["param"] == "model"
+    assert client.completions.create(model="", prompt="hi", max_tokens=1).choices     # none given: this one
     cases = [
-        (dict(model="nope", prompt="hi"), "model"),
         (dict(model=model, prompt="hi", temperature=-1), "temperature"),
         (dict(model=model, prompt="hi", top_p=0), "top_p"),
         (dict(model=model, prompt="hi", n=0), "n"),
@@ -771,13 +774,14 @@ def test_tokenize_and_detokenize(server, client, llm):
     ids = tok.encode(text)
     assert httpx.post(server.url + "/detokenize", json={"tokens": ids}).json()["prompt"] == text
     for path, body, param in [("/tokenize", {"prompt": "a", "messages": conv}, "prompt"), ("/tokenize", {}, "prompt"),
-                              ("/tokenize", {"prompt": "a", "model": "nope"}, "model"),
                               ("/tokenize", {"messages": conv, "chat_template": "x"}, "chat_template"),
                               ("/tokenize", {"prompt": "a", "tools": tools}, "tools"),
                               ("/tokenize", {"messages": conv, "tools": tools * 2}, "tools"),
                               ("/detokenize", {"tokens": [1, 384]}, "tokens"), ("/detokenize", {"tokens": [-1]}, "tokens")]:
         e = httpx.post(server.url + path, json=body)
         assert e.status_code == 400 and e.json()["error"]["param"] == param, (path, body, e.text)
+    e = httpx.post(server.url + "/tokenize", json={"prompt": "a", "model": "nope"})
+    assert e.status_code == 404 and e.json()["error"]["code"] == "model_not_found"
 
 
 def test_chat_template_options(server, client, llm):

@@ -275,7 +275,12 @@ class Engine:
         req.bad_words_ids = bad_words
         req.priority = priority
         room = self.max_model_len - len(ids)
-        req.max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        if params.max_tokens is None:      # the room left: in the context, and in a KV cache that holds less
+            bm = self.block_manager
+            unset = room if self.window is not None else min(room, bm.num_blocks * bm.block_size - len(ids))
+            req.max_tokens = max(unset, 1)   # a prompt that fills the cache: _check_capacity refuses it
+        else:
+            req.max_tokens = min(params.max_tokens, room)
         req.position_offset = longrope_position_offset(self.model_config.rope_scaling,
                                                        self.model_config.max_position_embeddings, len(ids),
                                                        req.max_tokens)

@@ -90,8 +90,9 @@ class ServingContext:
         return one_call_per_message(dicts) if self.harmony is not None else dicts
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise APIError(400, f"model {model!r} does not exist; this server serves {self.model_name!r}",
+        """A model this server does not serve: OpenAI's and vLLM's 404 model_not_found; none or "" is this one."""
+        if model and model != self.model_name:
+            raise APIError(404, f"model {model!r} does not exist; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
 
     def check_special_token_spaces(self, spaces: bool) -> None:
