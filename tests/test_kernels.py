@@ -417,6 +417,21 @@ def test_gumbel_sample_greedy_rows_and_seeds(device, dtype, tol):
 
 
 @pytest.mark.parametrize("device,dtype,tol", CASES)
+def test_gumbel_sample_of_a_row_its_mask_empties_is_token_zero(device, dtype, tol):
+    """A row whose grammar mask allows no token, greedy or sampled, gets token 0 as torch's argmax over -inf does
+    (the reference path's), an id in the vocabulary (it had been 2**31 - 1, past the embedding); the other rows
+    are as without it."""
+    from picovllm.kernels.sampling import gumbel_sample
+    g = torch.Generator().manual_seed(8)
+    logits = torch.randn(3, 384, generator=g)
+    words = torch.full((3, 12), -1, dtype=torch.int32)
+    words[1] = words[2] = 0
+    temps, seeds = torch.tensor([0.0, 0.0, 1.0]), torch.tensor([1, 2, 3])
+    out = gumbel_sample(logits.to(dtype).to(device), temps.to(device), seeds.to(device), words=words.to(device)).cpu()
+    assert out.tolist() == [logits[0].to(dtype).float().argmax().item(), 0, 0]
+
+
+@pytest.mark.parametrize("device,dtype,tol", CASES)
 def test_gumbel_sample_applies_grammar_masks_in_its_pass(device, dtype, tol):
     """The fused masks (words, word_rows) draw exactly what the sampler draws from logits the torch reference
     (layers.structured_output.mask_logits) masked: rows with their own mask, rows left unmasked (-1), greedy

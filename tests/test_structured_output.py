@@ -237,6 +237,10 @@ def test_choice_regex_json_object_and_grammar(default_llm: LLM):
     ({"json": "{not json"}, "structured_outputs.json: invalid JSON schema"),
     ({"regex": "(unclosed"}, "structured_outputs.regex: invalid regular expression"),
     ({"grammar": "root ::= missing_rule"}, "structured_outputs.grammar: invalid EBNF grammar"),
+    # valid, but no text matches them (their requests had failed at the first token, a 500 in the server)
+    ({"json": {"$ref": "#/$defs/n", "$defs": {"n": {"$ref": "#/$defs/n"}}}}, "json: the JSON schema matches no text"),
+    ({"regex": "[^\\x00-\\U0010FFFF]"}, "regex: the regular expression matches no text"),
+    ({"grammar": 'root ::= root "a"'}, "grammar: the EBNF grammar matches no text"),
 ])
 def test_bad_constraint_names_the_field_and_others_run(default_llm: LLM, kw, match):
     with pytest.raises(ValueError, match=match):
@@ -340,6 +344,22 @@ def test_bounded_strings_admit_no_raw_control_characters(default_llm: LLM):
             assert state._matcher.accept_string('{"s": "')
             got = state.accept(tokens[b"\xed"]) and state.accept(tokens[second])
             assert got == ok, (string, second)
+
+
+def test_schema_strings_keep_their_characters(default_llm: LLM):
+    """Enum values and property names with a character in U+0080-U+00FF before a hex digit ("°C", "größe",
+    "café2go") come out as themselves: the only string the grammar forces, json.loads'd, is the schema's (xgrammar's
+    EBNF text writes such a character as \\xHH and read it back greedily: "°C" became U+0B0C)."""
+    from picovllm.layers.structured_output import StructuredOutputCompiler
+    eng = default_llm.engine
+    compiler = StructuredOutputCompiler(eng.tokenizer, eng.model_config.vocab_size, eng.eos_token_ids)
+    for schema, value in [({"enum": ["°C"]}, "°C"), ({"const": "ÿF ñ0 \u00a0A"}, "ÿF ñ0 \u00a0A"),
+                          ({"type": "object", "properties": {"café2go": {"const": True}}, "required": ["café2go"],
+                            "additionalProperties": False}, {"café2go": True})]:
+        state = compiler.new_state(StructuredOutputsParams(json=schema))
+        forced = state._matcher.find_jump_forward_string()
+        assert json.loads(forced) == value, (schema, forced)
+        assert state._matcher.accept_string(json.dumps(value, ensure_ascii=False)), schema
 
 
 def test_tensor_parallel_matches_one_rank(chat_model, one_thread_in_children):

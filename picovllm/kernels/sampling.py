@@ -79,8 +79,11 @@ def _gumbel_pick_kernel(best_ptr, best_idx_ptr, out_ptr, num_chunks, BLOCK_C: tl
     best = tl.load(best_ptr + row * num_chunks + c, mask=c < num_chunks, other=float("-inf"))
     idx = tl.load(best_idx_ptr + row * num_chunks + c, mask=c < num_chunks, other=2147483647)
     top = tl.max(best, 0)
-    # chunks are in vocabulary order, so the smallest index among the maxima is the first maximum
-    tl.store(out_ptr + row, tl.min(tl.where(best == top, idx, 2147483647), 0).to(tl.int64))
+    # chunks are in vocabulary order, so the smallest index among the maxima is the first maximum; a row its mask
+    # leaves no token (a grammar with nothing next) takes 0, as torch's argmax over -inf does: a token in the
+    # vocabulary, which the grammar then refuses (the request ends in an error), never an id past the embedding
+    pick = tl.min(tl.where(best == top, idx, 2147483647), 0)
+    tl.store(out_ptr + row, tl.where(pick == 2147483647, 0, pick).to(tl.int64))
 
 
 MAX_CHUNKS = 64

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -62,6 +63,9 @@ _CONTROL_CHARS = ("[^\\0-\\x1f", "[^\\x00-\\x1f")    # how negated string classe
 _NOT_SURROGATES = "\\uD800-\\uDFFF"
 
 
+_HEX_ESCAPE = re.compile(r"(?<!\\)((?:\\\\)*)\\x([0-9A-Fa-f]{2})")     # \xHH not after an escaped backslash
+
+
 def json_schema_grammar(schema_text: str) -> str:
     """The EBNF grammar of a JSON schema's instances: compact (no free whitespace between tokens, which a
     small model would otherwise spend its tokens on), strings of JSON characters only."""
@@ -70,7 +74,9 @@ def json_schema_grammar(schema_text: str) -> str:
     ebnf = ebnf.replace(_BOUNDED_STRING_CHAR, _CONTROL_CHARS[1] + '\\"\\\\]')
     for start in _CONTROL_CHARS:
         ebnf = ebnf.replace(start, start + _NOT_SURROGATES)
-    return ebnf
+    # xgrammar prints a character as \xHH and reads \x greedily back ("\xb0C", the schema's "°C", as U+0B0C): \u00HH
+    # reads exactly four digits
+    return _HEX_ESCAPE.sub(lambda m: f"{m.group(1)}\\u00{m.group(2)}", ebnf)
 
 
 def choice_grammar(choices: list[str]) -> str:
@@ -230,8 +236,16 @@ class StructuredOutputCompiler:
 
     def new_state(self, p: StructuredOutputsParams, gate: ThinkTags | HarmonyTags | None = None,
                   phase: str = GRAMMAR, progress: int = 0) -> GrammarState:
+        """A matcher at the grammar's start; ValueError naming p's field for a grammar no text matches (a $ref
+        cycle without a base case, 'root ::= root "a"', an empty regex class): no token may start it, and the
+        request would only fail at its first token."""
         import xgrammar as xgr
-        return GrammarState(xgr.GrammarMatcher(self.compile(p)), self.vocab_size, gate, phase, progress)
+        matcher = xgr.GrammarMatcher(self.compile(p))
+        first = xgr.allocate_token_bitmask(1, self.vocab_size)
+        matcher.fill_next_token_bitmask(first)
+        if not first.any():
+            raise ValueError(f"{p.field_name}: the {_WHAT[p.kind]} matches no text (no token may begin it)")
+        return GrammarState(matcher, self.vocab_size, gate, phase, progress)
 
 
 _WHAT = {"json": "JSON schema", "json_object": "JSON schema", "regex": "regular expression",
