@@ -241,6 +241,13 @@ def test_choice_regex_json_object_and_grammar(default_llm: LLM):
     ({"json": {"$ref": "#/$defs/n", "$defs": {"n": {"$ref": "#/$defs/n"}}}}, "json: the JSON schema matches no text"),
     ({"regex": "[^\\x00-\\U0010FFFF]"}, "regex: the regular expression matches no text"),
     ({"grammar": 'root ::= root "a"'}, "grammar: the EBNF grammar matches no text"),
+    # keywords xgrammar's grammar would not enforce (it admitted [1, 1], "ab", 3): refused by name, as vLLM's
+    # xgrammar backend refuses them
+    ({"json": {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}}, "uniqueItems at /: the grammar"),
+    ({"json": {"type": "object", "properties": {"s": {"type": "string", "pattern": "^[a-z]+$", "minLength": 3}}}},
+     "pattern with minLength/maxLength at /properties/s"),
+    ({"json": {"allOf": [{"type": "integer"}, {"minimum": 10}]}}, "allOf of 2 schemas"),
+    ({"json": {"$defs": {"n": {"not": {"type": "integer"}}}, "$ref": "#/$defs/n"}}, "not at /\\$defs/n"),
 ])
 def test_bad_constraint_names_the_field_and_others_run(default_llm: LLM, kw, match):
     with pytest.raises(ValueError, match=match):
@@ -390,3 +397,13 @@ def test_compiled_grammars_are_cached_by_text(default_llm: LLM):
     assert eng._structured._compiler.get_cache_size_bytes() == size
     run({"type": "object", "properties": {"y": {"enum": ["r"]}}, "required": ["y"]})
     assert eng._structured._compiler.get_cache_size_bytes() > size
+
+
+def test_keyword_names_as_property_names_are_names():
+    """A property called "not" or "contains" is a name, not a keyword: only subschemas are searched; annotations
+    beside anyOf (Pydantic's Optional fields: title, default) are no constraint."""
+    from picovllm.layers.structured_output import unenforced_keyword
+    assert unenforced_keyword({"type": "object", "properties": {"not": {"type": "integer"},
+                                                                "contains": {"enum": ["uniqueItems"]}}}) is None
+    assert unenforced_keyword({"anyOf": [{"type": "integer"}, {"type": "null"}], "title": "X", "default": None}) is None
+    assert unenforced_keyword({"type": "array", "uniqueItems": False}) is None

@@ -66,6 +66,45 @@ _NOT_SURROGATES = "\\uD800-\\uDFFF"
 _HEX_ESCAPE = re.compile(r"(?<!\\)((?:\\\\)*)\\x([0-9A-Fa-f]{2})")     # \xHH not after an escaped backslash
 
 
+# JSON-schema keywords xgrammar 0.2.8 does not enforce (its grammar admits instances they reject; each checked
+# against jsonschema): refused, as vLLM's xgrammar backend refuses them, rather than ignored
+_UNENFORCED = ("uniqueItems", "contains", "minContains", "maxContains", "not", "if", "then", "else",
+               "dependentRequired", "dependentSchemas")
+# keywords that constrain an instance (beside $ref or anyOf/oneOf, xgrammar drops them)
+_CONSTRAINTS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "minLength", "maxLength",
+                "pattern", "format", "minItems", "maxItems", "items", "prefixItems", "properties", "required",
+                "additionalProperties", "minProperties", "maxProperties", "enum", "const")
+
+
+def unenforced_keyword(schema: Any, path: str = "") -> str | None:
+    """The first keyword of a JSON schema (where: a JSON pointer) the grammar would not enforce, or None. Walks the
+    schema's subschemas only (a property named "not" is a name, not a keyword)."""
+    if not isinstance(schema, dict):
+        return None
+    for key in _UNENFORCED:
+        if key in schema and not (key == "uniqueItems" and schema[key] is False):
+            return f"{key} at {path or '/'}"
+    if ("pattern" in schema or "format" in schema) and ("minLength" in schema or "maxLength" in schema):
+        return f"{'pattern' if 'pattern' in schema else 'format'} with minLength/maxLength at {path or '/'}"
+    if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
+        return f"allOf of {len(schema['allOf'])} schemas at {path or '/'}"
+    for key in ("$ref", "anyOf", "oneOf"):
+        if key in schema and any(k in schema for k in _CONSTRAINTS):
+            return f"{key} beside {next(k for k in _CONSTRAINTS if k in schema)} at {path or '/'}"
+    subs = [(f"{path}/{k}", schema[k]) for k in ("items", "additionalProperties", "propertyNames") if k in schema]
+    for key in ("properties", "patternProperties", "$defs", "definitions"):
+        if isinstance(schema.get(key), dict):
+            subs += [(f"{path}/{key}/{name}", sub) for name, sub in schema[key].items()]
+    for key in ("allOf", "anyOf", "oneOf", "prefixItems"):
+        if isinstance(schema.get(key), list):
+            subs += [(f"{path}/{key}/{i}", sub) for i, sub in enumerate(schema[key])]
+    for where, sub in subs:
+        found = unenforced_keyword(sub, where)
+        if found is not None:
+            return found
+    return None
+
+
 def json_schema_grammar(schema_text: str) -> str:
     """The EBNF grammar of a JSON schema's instances: compact (no free whitespace between tokens, which a
     small model would otherwise spend its tokens on), strings of JSON characters only."""
@@ -224,7 +263,9 @@ class StructuredOutputCompiler:
         c = self._compiler
         if p.kind == "json":
             text = p.json if isinstance(p.json, str) else json.dumps(p.json)
-            json.loads(text)   # xgrammar's own message for bad JSON text is less clear
+            found = unenforced_keyword(json.loads(text))   # (xgrammar's own message for bad JSON text is less clear)
+            if found is not None:
+                raise ValueError(f"{found}: the grammar backend (xgrammar) does not enforce it")
             return c.compile_grammar(json_schema_grammar(text))
         if p.kind == "json_object":
             return c.compile_grammar(json_schema_grammar('{"type": "object"}'))
