@@ -205,3 +205,26 @@ def test_the_thread_mode_serves_as_the_offline_api(chat_model, tmp_path):
         idle(srv)
     finally:
         assert srv.stop(signal.SIGTERM) == 0, srv.log()
+
+
+def test_metrics_show_the_kv_cache_before_any_request(chat_model):
+    """The engine in a process of its own: /metrics has the cache's blocks (all free) from the start, as the thread
+    mode has (they read 0 until the first request's step: a fresh server looked full to a dashboard)."""
+    from fastapi.testclient import TestClient
+    from picovllm import EngineConfig
+    from picovllm.entrypoints.openai.api_server import ServerSettings, app_for
+    config = EngineConfig(model=chat_model, num_kv_blocks=64, max_model_len=256)
+    app, _, stop = app_for(config, ServerSettings(served_model_name="m"))
+    try:
+        with TestClient(app) as http:
+            deadline = time.time() + 30
+            while True:
+                lines = [line for line in http.get("/metrics").text.splitlines()
+                         if line.startswith("picovllm:kv_cache_")]
+                blocks = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in lines if "_blocks" in line}
+                if blocks.get("picovllm:kv_cache_num_blocks") or time.time() > deadline:
+                    break
+                time.sleep(0.1)
+            assert blocks == {"picovllm:kv_cache_num_blocks": 64.0, "picovllm:kv_cache_free_blocks": 64.0}, lines
+    finally:
+        stop()

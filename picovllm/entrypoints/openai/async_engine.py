@@ -57,6 +57,7 @@ class AsyncEngine(EngineClient):
             config = getattr(self.engine, "config", None)
             if config is not None:
                 bind_device(config.device)      # this thread runs the model
+            self._deliver([])     # the stats as built (a process's pipe: its server's metrics before any request)
             while self._iteration():
                 pass
         except BaseException:
