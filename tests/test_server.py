@@ -619,6 +619,9 @@ def test_tokens_as_ids_and_continuous_usage(server, client, llm):
         client.completions.create(model=model, prompt=prompt, max_tokens=2, stream=True,
                                   stream_options={"include_usage": True, "continuous_usage_stats": "yes"})
     assert e.value.body["param"] == "stream_options" and "continuous_usage_stats" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:      # not streamed: refused, as vLLM and OpenAI refuse it
+        client.completions.create(model=model, prompt=prompt, max_tokens=2, stream_options={"include_usage": True})
+    assert e.value.body["param"] == "stream_options" and "stream: true" in e.value.body["message"]
     assert_idle(server)
 
 
@@ -951,7 +954,7 @@ def valid_body(rng: random.Random, chat: bool, model: str) -> dict:
         body["prompt"] = rng.choice(PROMPTS + [[1, 2, 3, 4]])
     for k, v in [("top_p", 0.9), ("top_k", 5), ("seed", 3), ("stop", ["a"]), ("logprobs", 2 if not chat else True),
                  ("stream_options", {"include_usage": True})]:
-        if rng.random() < 0.3:
+        if rng.random() < 0.3 and (k != "stream_options" or body["stream"]):     # stream_options: streams only
             body[k] = v
     return body
 

@@ -201,6 +201,13 @@ class _SamplingRequest(_StructuredRequest, _RefusedCommon):
     # server loads) puts no space between special tokens either way, as HF's and vLLM's fast detokenizers do.
     spaces_between_special_tokens: bool = True
 
+    @field_validator("stream_options")
+    @classmethod
+    def _only_streamed(cls, v: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        if v is not None and not info.data.get("stream"):     # vLLM's and OpenAI's refusal
+            raise ValueError("stream_options can only be given with stream: true")
+        return v
+
     @field_validator("logit_bias")
     @classmethod
     def _token_id_keys(cls, v: dict | None) -> dict | None:
