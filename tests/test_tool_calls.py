@@ -95,6 +95,10 @@ def test_assistant_tool_calls_and_tool_results_go_to_the_template():
     msgs = [m.as_template_dict() for m in req.messages]
     assert msgs[1]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": {"city": "Oslo"}}
     assert msgs[2] == {"role": "tool", "content": "sunny", "tool_call_id": "c1"}
+    # a call without arguments (""): an empty object, as vLLM passes it (a template iterating them would fail on "")
+    empty = ChatCompletionRequest(messages=[{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c2", "type": "function", "function": {"name": "get_time", "arguments": ""}}]}], tools=[TIME])
+    assert empty.messages[0].as_template_dict()["tool_calls"][0]["function"] == {"name": "get_time", "arguments": {}}
 
 
 def test_offline_chat_renders_tools_as_the_server_does(chat_model):

@@ -342,9 +342,11 @@ class ChatMessage(refusing_model("_RefusedInMessage", {"function_call": ()})):
             if not (self.tool_calls and d["content"]):   # GPT-OSS's template takes one or the other before a call
                 d["thinking"] = thought
         if self.tool_calls:
-            # chat templates (Qwen's, HF's convention) take the arguments as an object, not as JSON text
+            # chat templates (Qwen's, HF's convention) take the arguments as an object, not as JSON text; none (an
+            # empty string) as {}, as vLLM passes them
             d["tool_calls"] = [{"id": c.id, "type": "function", "function": {
-                "name": c.function.name, "arguments": json_or_text(c.function.arguments)}} for c in self.tool_calls]
+                "name": c.function.name, "arguments": json_or_text(c.function.arguments)
+                if (c.function.arguments or "").strip() else {}}} for c in self.tool_calls]
         return d
 
 
