@@ -538,6 +538,24 @@ def test_prompt_logprobs_and_echo_with_logprobs(server, client, llm):
         assert lps[len(prompt):] == pytest.approx([d[t].logprob for d, t in zip(ref.outputs[0].logprobs,
                                                                                 ref.outputs[0].token_ids)], abs=1e-4)
         assert "".join(c.text for c in choices).endswith(ref.outputs[0].text)
+    # max_tokens 0 with echo (OpenAI's prompt scoring, as vLLM answers it): the prompt's logprobs only, n choices,
+    # no completion token counted; without echo, a 400 naming max_tokens
+    text = llm.get_tokenizer().decode(prompt)
+    for stream in (False, True):
+        got = client.completions.create(echo=True, logprobs=2, stream=stream, n=2,
+                                        stream_options={"include_usage": True} if stream else None,
+                                        **{**kw, "max_tokens": 0})
+        parts = list(got) if stream else [got]
+        choices = sorted((c for p in parts for c in p.choices), key=lambda c: c.index)
+        assert [(c.index, c.text, c.finish_reason) for c in choices] == [(0, text, "length"), (1, text, "length")]
+        lps = choices[1].logprobs.token_logprobs
+        assert lps[0] is None and len(lps) == len(prompt)
+        assert lps[1:] == pytest.approx([d[t].logprob for d, t in zip(ref.prompt_logprobs[1:], prompt[1:])], abs=1e-4)
+        use = [p.usage for p in parts if p.usage is not None][-1]
+        assert (use.prompt_tokens, use.completion_tokens) == (len(prompt), 0)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(**{**kw, "max_tokens": 0})
+    assert e.value.body["param"] == "max_tokens"
     msgs = [{"role": "user", "content": "hi"}]
     chat = client.chat.completions.create(model=model, messages=msgs, max_tokens=2, extra_body={"prompt_logprobs": 0})
     assert chat.prompt_logprobs[0] is None and all(len(d) == 1 for d in chat.prompt_logprobs[1:])

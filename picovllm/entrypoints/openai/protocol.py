@@ -262,7 +262,7 @@ class _SamplingRequest(_StructuredRequest, _RefusedCommon):
 
 class CompletionRequest(_SamplingRequest, _RefusedCompletion):
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
-    max_tokens: int | None = Field(16, ge=1, le=MAX_INT)
+    max_tokens: int | None = Field(16, ge=0, le=MAX_INT)     # 0: only with echo (the prompt scored, as OpenAI's)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     best_of: int | None = Field(None, ge=1, le=MAX_N)

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import Request, Response
 
-from picovllm.entrypoints.openai.protocol import CompletionRequest
+from picovllm.entrypoints.openai.protocol import APIError, CompletionRequest
 from picovllm.entrypoints.openai.serving import (ENGINE_ERRORS, SSE_DONE, JSONBody, SampleGroup, ServingContext,
                                                  TextDeltas, check_room, final_output, now, prompt_logprobs_json, sse,
                                                  sse_error, sse_response, token_name, truncated, usage, with_usage)
@@ -27,7 +27,13 @@ class CompletionHandler:
         ctx.check_model(req.model)
         ctx.check_special_token_spaces(req.spaces_between_special_tokens)
         prompt = req.single_prompt()
-        params = req.sampling_params(req.max_tokens, req.logprobs, ctx.sampling_defaults)
+        # max_tokens 0 with echo: the prompt back, with its logprobs if asked, nothing generated (OpenAI's legacy
+        # prompt scoring, as vLLM answers it); the engine samples one token, which is dropped
+        echo_only = req.max_tokens == 0
+        if echo_only and not req.echo:
+            raise APIError(400, "max_tokens: must be >= 1 (0 only with echo: the prompt scored, nothing generated)",
+                           param="max_tokens")
+        params = req.sampling_params(1 if echo_only else req.max_tokens, req.logprobs, ctx.sampling_defaults)
         samples = req.samples(params)
         ids = await ctx.tokenizer.encode(prompt, req.add_special_tokens) if isinstance(prompt, str) else prompt
         kept = truncated(ids, req.truncate_prompt_tokens, ctx)
@@ -40,6 +46,8 @@ class CompletionHandler:
         # echo with logprobs: the prompt's tokens come first in logprobs (the first has no logprob)
         first_token = await ctx.tokenizer.decode(ids[:1]) if req.echo and req.logprobs is not None else None
         group = await SampleGroup(ctx, ids, samples, f"cmpl-{uuid.uuid4().hex}", arrival, req.priority).start()
+        if echo_only:
+            return await self._echo_only(req, raw, group, echo, first_token, params.n)
         if req.stream:
             return sse_response(self._events(req, group, params.stop, echo, first_token))
         out = await final_output(raw, group)
@@ -59,6 +67,49 @@ class CompletionHandler:
                 choice["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs)
             choices.append(choice)
         return JSONBody(self._body(group.request_id, choices, usage=usage(out)))   # usage: every sample run
+
+    async def _echo_only(self, req: CompletionRequest, raw: Request, group: SampleGroup, echo: str,
+                         first_token: str | None, n: int) -> Response:
+        """max_tokens 0 with echo: each of the n choices is the prompt (its logprobs, when asked, the prompt's),
+        finish length; usage counts no completion token. Streamed: one chunk a choice, then usage if asked."""
+        if req.stream:
+            async def events() -> AsyncIterator[str]:
+                try:
+                    body = await self._echo_only_body(req, raw, group, echo, first_token, n)
+                except ENGINE_ERRORS as e:
+                    yield sse_error(e)
+                    yield SSE_DONE
+                    return
+                if body is None:
+                    return
+                for choice in body["choices"]:
+                    yield sse(self._body(body["id"], [choice]))
+                if req.include_usage:
+                    yield sse(self._body(body["id"], [], usage=body["usage"]))
+                yield SSE_DONE
+            return sse_response(events())
+        body = await self._echo_only_body(req, raw, group, echo, first_token, n)
+        return Response(status_code=499) if body is None else JSONBody(body)
+
+    async def _echo_only_body(self, req: CompletionRequest, raw: Request, group: SampleGroup, echo: str,
+                              first_token: str | None, n: int) -> dict | None:
+        out = await final_output(raw, group)
+        if out is None:
+            return None     # the client is gone
+        lp = None
+        if req.logprobs is not None:
+            head, offset = _echo_logprobs(out.prompt_token_ids, out.prompt_logprobs, first_token, req.logprobs,
+                                          req.return_tokens_as_token_ids)
+            lp = _joined(head, _completion_logprobs([], offset)[0])
+        choices = [{"index": i, "text": echo, "logprobs": lp, "finish_reason": "length", "stop_reason": None}
+                   for i in range(n)]
+        if req.prompt_logprobs is not None:
+            for choice in choices:
+                choice["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs)
+        p = len(out.prompt_token_ids)
+        use = {"prompt_tokens": p, "completion_tokens": 0, "total_tokens": p,
+               "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
+        return self._body(group.request_id, choices, usage=use)
 
     async def _beams(self, req: CompletionRequest, raw: Request, ids: list[int]) -> Response:
         rid = f"cmpl-{uuid.uuid4().hex}"
