@@ -126,6 +126,9 @@ def test_offline_chat_renders_tools_as_the_server_does(chat_model):
     '"arguments": {}}</tool_call>',                                                   # a block that is no call
     '  <tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>',
     'cut short <tool_call>{"name": "get_weather", "argum',                            # max_tokens inside a block
+    'Never closed: <tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n',   # a call (vLLM's)
+    '<tool_call>{"name": "get_time", "arguments": {}}</tool_call><tool_call>{"name": "get_weather", '
+    '"arguments": {"city": "Rome"}}',                                                 # a closed block, then an open one
 ])
 @pytest.mark.parametrize("parallel", [True, False])
 def test_auto_stream_adds_up_to_the_parse_and_sends_each_call_when_its_block_closes(text, parallel):
@@ -141,11 +144,23 @@ def test_auto_stream_adds_up_to_the_parse_and_sends_each_call_when_its_block_clo
             new, closed = stream.feed(text[:cut], cut == len(text))
             content += new
             assert (want_content or "").startswith(content)    # nothing sent is ever taken back
-            for call in closed:      # sent as soon as its block is complete and past the held characters
-                assert text[:cut - (0 if cut == len(text) else hold)].count("</tool_call>") >= len(calls) + 1
+            for call in closed:      # sent as soon as its block is complete and past the held characters (a block
+                # never closed: at the end)
+                assert cut == len(text) or text[:cut - hold].count("</tool_call>") >= len(calls) + 1
                 calls.append(call)
         assert (content or None) == want_content
         assert [(c.name, c.arguments) for c in calls] == [(c.name, c.arguments) for c in want_calls]
+
+
+def test_an_unclosed_last_block_is_a_call_where_its_json_is_one():
+    """vLLM's hermes parser reads `<tool_call>(.*)` to the end beside the closed blocks: a last block the model
+    never closed is a call where its inside is one, else the text stays content."""
+    policy = request(tools=[WEATHER, TIME]).tool_policy()
+    content, calls = policy.parse('Sure. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n')
+    assert (content, [(c.name, json.loads(c.arguments)) for c in calls]) == ("Sure.", [("get_weather",
+                                                                                         {"city": "Oslo"})])
+    broken = 'Sure. <tool_call>{"name": "get_weather", "arguments": {"city": "Os'
+    assert policy.parse(broken) == (broken, [])
 
 
 def test_auto_stream_sends_content_before_the_call_is_known():

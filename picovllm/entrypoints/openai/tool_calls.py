@@ -210,12 +210,17 @@ class ToolPolicy:
             return self._parse_mistral(text)
         if self.parser in SECTION_FORMATS:
             return self._parse_section(text)
-        calls, first = [], None
+        calls, first, end = [], None, 0
         for m in self.block_re.finditer(text):
             call = self.block_call(m.group(1))
+            end = m.end()
             if call is not None:
                 calls.append(call)
                 first = m.start() if first is None else first
+        open_at, call = self.unclosed_call(text, end)
+        if call is not None:
+            calls.append(call)
+            first = open_at if first is None else first
         if not calls:
             return text, []
         content = text[:first].rstrip()
@@ -328,6 +333,14 @@ class ToolPolicy:
         """The <tool_call> blocks of the block formats (BLOCK_PARSERS): their inside is group 1."""
         return TOOL_CALL_RE if self.parser == "hermes" else GLM_CALL_RE
 
+    def unclosed_call(self, text: str, after: int) -> tuple[int, ToolCall | None]:
+        """hermes: a last <tool_call> (after `after`) that the output never closed, read as a call where its inside
+        is one (vLLM's hermes parser: `<tool_call>(.*)` beside the closed blocks): (where it opens, the call or None)."""
+        at = text.find("<tool_call>", after) if self.parser == "hermes" else -1
+        if at < 0:
+            return -1, None
+        return at, self.block_call(text[at + len("<tool_call>"):])
+
     def block_call(self, block: str) -> ToolCall | None:
         """The call a complete <tool_call> block's inside makes, or None if it makes none."""
         if self.parser == "glm45":
@@ -413,6 +426,12 @@ class AutoToolStream:
             self.content_end = m.start() if self.content_end is None else self.content_end
             self.num_calls += 1
             calls.append(call)
+        if finished:      # a last block never closed (ToolPolicy.unclosed_call)
+            at, call = self.policy.unclosed_call(text, self.scanned)
+            if call is not None and not (self.num_calls and not self.policy.parallel):
+                self.content_end = at if self.content_end is None else self.content_end
+                self.num_calls += 1
+                calls.append(call)
         if self.content_end is not None:          # a call came: the content is what stood before it
             end = len(text[:self.content_end].rstrip())
         elif finished:
