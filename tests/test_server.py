@@ -202,7 +202,6 @@ def test_models_health_and_named_errors(server, client, chat_model):
         (dict(model=model, prompt=[1, 2, 384]), "token ids"),
         (dict(model=model, prompt=""), "empty"),
         (dict(model=model, prompt="hi", max_tokens=4, extra_body={"min_tokens": 9}), "min_tokens"),
-        (dict(model=model, prompt=["a", "b"]), "one prompt"),
         (dict(model=model, prompt="hi", max_tokens=4, extra_body={"min_tokens": 2, "stop_token_ids": [5000]}),
          "stop_token_ids"),
     ]
@@ -212,6 +211,21 @@ def test_models_health_and_named_errors(server, client, chat_model):
         assert e.value.status_code == 400 and needle in str(e.value), (kw, str(e.value))
     with pytest.raises(openai.BadRequestError, match="messages"):
         client.chat.completions.create(model=model, messages=[])
+    # OpenAI's batched prompts: prompt i's n choices at i * n .., each what the prompt alone gets (greedy), usage
+    # summed; a bad one refuses the request before any runs; streamed, one prompt a request
+    prompts = ["Hello, how are you", "The capital of France is"]
+    alone = [client.completions.create(model=model, prompt=p, max_tokens=4, temperature=0, n=2) for p in prompts]
+    both = client.completions.create(model=model, prompt=prompts, max_tokens=4, temperature=0, n=2)
+    assert [(c.index, c.text) for c in both.choices] == [(i * 2 + c.index, c.text) for i, r in enumerate(alone)
+                                                         for c in r.choices]
+    assert both.usage.prompt_tokens == sum(r.usage.prompt_tokens for r in alone)
+    assert both.usage.completion_tokens == sum(r.usage.completion_tokens for r in alone)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=model, prompt=["hi", ""], max_tokens=4)
+    assert e.value.body["param"] == "prompt"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=model, prompt=["a", "b"], max_tokens=4, stream=True)
+    assert e.value.body["param"] == "prompt" and "streamed" in e.value.body["message"]
     r = httpx.post(server.url + "/v1/completions", json={"model": model, "prompt": "hi", "max_tokens": "5"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
     # the engine's refusals name the request's field: the prompt's ("messages" in chat), min_tokens with a grammar

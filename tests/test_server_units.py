@@ -46,7 +46,8 @@ def test_request_models_are_strict_and_name_fields():
     with pytest.raises(Exception, match="n\n.*greater than or equal to 1"):
         CompletionRequest.model_validate_json('{"prompt": "a", "n": 0}')
     r = CompletionRequest.model_validate_json('{"prompt": [[1, 2]], "temperature": 0, "stop": "x"}')
-    assert r.single_prompt() == [1, 2] and r.max_tokens == 16
+    assert r.prompts() == [[1, 2]] and r.max_tokens == 16
+    assert CompletionRequest(prompt=["a", "b"]).prompts() == ["a", "b"] and CompletionRequest(prompt=[5]).prompts() == [[5]]
     sp = r.sampling_params(r.max_tokens, None)
     assert sp.temperature == 0 and sp.stop == ["x"] and sp.max_tokens == 16
     with pytest.raises(APIError, match="min_tokens"):

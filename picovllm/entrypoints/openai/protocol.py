@@ -293,13 +293,12 @@ class CompletionRequest(_SamplingRequest, _RefusedCompletion):
             raise ValueError("suffix is not supported")
         return v
 
-    def single_prompt(self) -> str | list[int]:
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts: one (text or token ids), or each of a list of them (OpenAI's batched prompts)."""
         p = self.prompt
         if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            if len(p) != 1:
-                raise APIError(400, f"prompt: one prompt per request is supported, got {len(p)}", param="prompt")
-            return p[0]
-        return p
+            return list(p)
+        return [p]
 
 
 class TextPart(_Strict):

@@ -2,6 +2,7 @@
 over SSE or not."""
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -26,33 +27,65 @@ class CompletionHandler:
         ctx = self.ctx
         ctx.check_model(req.model)
         ctx.check_special_token_spaces(req.spaces_between_special_tokens)
-        prompt = req.single_prompt()
+        prompts = req.prompts()
         # max_tokens 0 with echo: the prompt back, with its logprobs if asked, nothing generated (OpenAI's legacy
         # prompt scoring, as vLLM answers it); the engine samples one token, which is dropped
         echo_only = req.max_tokens == 0
         if echo_only and not req.echo:
             raise APIError(400, "max_tokens: must be >= 1 (0 only with echo: the prompt scored, nothing generated)",
                            param="max_tokens")
+        if len(prompts) > 1 and (req.stream or req.use_beam_search):
+            raise APIError(400, f"prompt: a list of {len(prompts)} prompts is answered whole, not "
+                                f"{'streamed' if req.stream else 'by beam search'}: send one a request",
+                           param="prompt")
         params = req.sampling_params(1 if echo_only else req.max_tokens, req.logprobs, ctx.sampling_defaults)
         samples = req.samples(params)
+        jobs = [await self._prepared(req, prompt) for prompt in prompts]     # every prompt checked before any runs
+        if req.use_beam_search:
+            return await self._beams(req, raw, jobs[0][0])
+        if req.stream:
+            ids, echo, first_token = jobs[0]
+            group = await SampleGroup(ctx, ids, samples, f"cmpl-{uuid.uuid4().hex}", arrival, req.priority).start()
+            if echo_only:
+                return await self._echo_only(req, raw, group, echo, first_token, params.n)
+            return sse_response(self._events(req, group, params.stop, echo, first_token))
+        bodies = await asyncio.gather(*(self._answer(req, raw, job, params, samples, echo_only, arrival)
+                                        for job in jobs))
+        if any(b is None for b in bodies):
+            return Response(status_code=499)     # the client is gone; nobody reads this
+        if len(bodies) == 1:
+            return JSONBody(bodies[0])
+        # OpenAI's batched prompts: prompt i's choices are i * n .. i * n + n - 1; usage summed over the prompts
+        choices = [dict(c, index=i * params.n + c["index"]) for i, b in enumerate(bodies) for c in b["choices"]]
+        use = {k: sum(b["usage"][k] for b in bodies) for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+        use["prompt_tokens_details"] = {"cached_tokens": sum(b["usage"]["prompt_tokens_details"]["cached_tokens"]
+                                                             for b in bodies)}
+        return JSONBody(self._body(bodies[0]["id"], choices, usage=use))
+
+    async def _prepared(self, req: CompletionRequest, prompt: str | list[int]) -> tuple[list[int], str, str | None]:
+        """One prompt's ids (truncated, checked against the context: a 400 naming the field), the text echo returns
+        and the first token's text its logprobs lead with."""
+        ctx = self.ctx
         ids = await ctx.tokenizer.encode(prompt, req.add_special_tokens) if isinstance(prompt, str) else prompt
         kept = truncated(ids, req.truncate_prompt_tokens, ctx)
         cut, ids = len(kept) < len(ids), kept
         check_room(ids, req.max_tokens, "max_tokens", ctx)
-        if req.use_beam_search:
-            return await self._beams(req, raw, ids)
         # echo: the prompt as sent (text), or its ids (what is left of them) decoded as /detokenize does
         echo = (prompt if isinstance(prompt, str) and not cut else await ctx.tokenizer.decode(ids)) if req.echo else ""
         # echo with logprobs: the prompt's tokens come first in logprobs (the first has no logprob)
         first_token = await ctx.tokenizer.decode(ids[:1]) if req.echo and req.logprobs is not None else None
-        group = await SampleGroup(ctx, ids, samples, f"cmpl-{uuid.uuid4().hex}", arrival, req.priority).start()
+        return ids, echo, first_token
+
+    async def _answer(self, req: CompletionRequest, raw: Request, job: tuple, params, samples: list,
+                      echo_only: bool, arrival: float) -> dict | None:
+        """One prompt's completion body (None: the client went away)."""
+        ids, echo, first_token = job
+        group = await SampleGroup(self.ctx, ids, samples, f"cmpl-{uuid.uuid4().hex}", arrival, req.priority).start()
         if echo_only:
-            return await self._echo_only(req, raw, group, echo, first_token, params.n)
-        if req.stream:
-            return sse_response(self._events(req, group, params.stop, echo, first_token))
+            return await self._echo_only_body(req, raw, group, echo, first_token, params.n)
         out = await final_output(raw, group)
         if out is None:
-            return Response(status_code=499)     # the client is gone; nobody reads this
+            return None
         chosen = best_of(out, params.n) if len(samples) > params.n else out.outputs
         choices = []
         for c in chosen:
@@ -66,7 +99,7 @@ class CompletionHandler:
             if req.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs)
             choices.append(choice)
-        return JSONBody(self._body(group.request_id, choices, usage=usage(out)))   # usage: every sample run
+        return self._body(group.request_id, choices, usage=usage(out))   # usage: every sample run
 
     async def _echo_only(self, req: CompletionRequest, raw: Request, group: SampleGroup, echo: str,
                          first_token: str | None, n: int) -> Response:
