@@ -47,7 +47,8 @@ def test_request_models_are_strict_and_name_fields():
         CompletionRequest.model_validate_json('{"prompt": "a", "n": 0}')
     r = CompletionRequest.model_validate_json('{"prompt": [[1, 2]], "temperature": 0, "stop": "x"}')
     assert r.prompts() == [[1, 2]] and r.max_tokens == 16
-    assert CompletionRequest(prompt=["a", "b"]).prompts() == ["a", "b"] and CompletionRequest(prompt=[5]).prompts() == [[5]]
+    assert CompletionRequest(prompt=["a", "b"]).prompts() == ["a", "b"]
+    assert CompletionRequest(prompt=[5]).prompts() == [[5]]
     sp = r.sampling_params(r.max_tokens, None)
     assert sp.temperature == 0 and sp.stop == ["x"] and sp.max_tokens == 16
     with pytest.raises(APIError, match="min_tokens"):

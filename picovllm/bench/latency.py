@@ -145,8 +145,8 @@ def run_latency(args: argparse.Namespace) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from picovllm.entrypoints.batch_io import check_paths
-    check_paths(None, args.output_json, ("", "--output-json"))
+    from picovllm.entrypoints.batch_io import check_output
+    check_output(args.output_json, "--output-json")
     res = run_latency(args)
     print(f"decode (batch 1, {res['input_len']}-token prompt, {res['output_len']} tokens): "
           f"{res['decode_ms_per_token']:.2f} ms/token, TTFT {res['ttft_ms']:.1f} ms | "

@@ -419,9 +419,9 @@ def validate(args: argparse.Namespace) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from picovllm.entrypoints.batch_io import check_paths
+    from picovllm.entrypoints.batch_io import check_output
     validate(args)
-    check_paths(None, args.result_json, ("", "--result-json"))
+    check_output(args.result_json, "--result-json")
     summary = run_benchmark(args)
     print_summary(summary)
     if args.result_json:

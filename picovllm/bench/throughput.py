@@ -103,8 +103,8 @@ def run_throughput(args: argparse.Namespace) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from picovllm.entrypoints.batch_io import check_paths
-    check_paths(None, args.output_json, ("", "--output-json"))
+    from picovllm.entrypoints.batch_io import check_output
+    check_output(args.output_json, "--output-json")
     res = run_throughput(args)
     print(f"workload {res['workload']}: {res['num_requests']} requests, {res['prompt_tokens']} prompt + "
           f"{res['output_tokens']} output tokens on {res['model']} ({res['dtype']}, {res['device']})", file=sys.stderr)

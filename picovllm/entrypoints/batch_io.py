@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 from dataclasses import dataclass
 
@@ -62,17 +63,19 @@ def parse_line(index: int, line: str, defaults: dict, llm, line_number: int) -> 
     return item
 
 
-def check_paths(inp: str | None, out: str | None, flags: tuple[str, str]) -> None:
-    """Before any work: the input file (path, "-" stdin) is there to read and the output file's folder is there to
-    write into (path, "-" stdout, None none), so that a mistyped path costs no model load and loses no results.
-    flags: the two options' names, for the error."""
-    import os
-    if inp is not None and inp != "-" and not os.path.isfile(inp):
-        raise ValueError(f"{flags[0]} {inp!r}: no such file")
-    if out is not None and out != "-":
-        folder = os.path.dirname(os.path.abspath(out))
-        if os.path.isdir(out) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
-            raise ValueError(f"{flags[1]} {out!r}: cannot write a file there (no such folder, or not writable)")
+# Before any work, so that a mistyped path costs no model load and loses no results: ValueError naming the flag.
+def check_input(path: str, flag: str) -> None:
+    """The input file (a path, or "-" for stdin) is there to read."""
+    if path != "-" and not os.path.isfile(path):
+        raise ValueError(f"{flag} {path!r}: no such file")
+
+
+def check_output(path: str | None, flag: str) -> None:
+    """The output file's folder is there to write into (a path, "-" for stdout, or None for none)."""
+    if path is not None and path != "-":
+        folder = os.path.dirname(os.path.abspath(path))
+        if os.path.isdir(path) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            raise ValueError(f"{flag} {path!r}: cannot write a file there (no such folder, or not writable)")
 
 
 def read_lines(path: str) -> list[tuple[int, str]]:

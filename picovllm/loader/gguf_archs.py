@@ -325,7 +325,6 @@ def model_config(meta: dict, tensors: dict, path: str) -> tuple[ModelConfig, Arc
     if name == "gpt-oss":
         family = _gpt_oss(meta, tensors, p, path)
         experts["norm_topk_prob"] = True        # llama.cpp softmaxes the top-k logits, whatever the file says
-        shared["eos_token_ids"] += _gpt_oss_stops(meta, shared["eos_token_ids"])
         if scaling is not None and scaling["rope_type"] == "yarn":
             # GPT-OSS's YaRN does not round its ramp's ends (OpenAI's reference, HF's config: truncate false);
             # ggml's rope does (floor/ceil), a small difference in the ramp's two end pairs: ours is the model's
@@ -444,23 +443,20 @@ _CONTROL = 3      # tokenizer.ggml.token_type's control-token type
 
 def end_of_generation(meta: dict) -> list[int]:
     """The tokens that end generation, as llama.cpp takes them: the file's eos, its eot and eom tokens, and the
-    control tokens whose text ends a turn (_END_TEXTS; gpt-oss's <|end|> ends a message, not a reply: left out)."""
+    control tokens whose text ends a turn (_END_TEXTS; gpt-oss's <|end|> ends a message, not a reply: left out); for
+    gpt-oss also _GPT_OSS_STOPS, whatever their token type."""
     ids = [int(meta[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
                                   "tokenizer.ggml.eom_token_id") if meta.get(k) is not None]
     tokens = meta.get("tokenizer.ggml.tokens")
     types = meta.get("tokenizer.ggml.token_type")
-    texts = {t for t in _END_TEXTS if not (t == "<|end|>" and meta.get("general.architecture") == "gpt-oss")}
+    gpt_oss = meta.get("general.architecture") == "gpt-oss"
+    texts = {t for t in _END_TEXTS if not (t == "<|end|>" and gpt_oss)}
     if tokens is not None and types is not None:
         ids += [i for i, t in enumerate(tokens) if t in texts and i < len(types) and int(types[i]) == _CONTROL]
+    if gpt_oss and tokens is not None:
+        index = {t: i for i, t in enumerate(tokens) if t in _GPT_OSS_STOPS}
+        ids += [index[t] for t in _GPT_OSS_STOPS if t in index]
     return list(dict.fromkeys(ids))
-
-
-def _gpt_oss_stops(meta: dict, stops: list[int]) -> list[int]:
-    """llama.cpp's end-of-generation tokens for gpt-oss's vocabulary beside its eos, found by their text as
-    llama.cpp does (HF's generation_config for gpt-oss lists the same three; <|end|> ends a message, not a reply)."""
-    tokens = meta.get("tokenizer.ggml.tokens") or []
-    index = {t: i for i, t in enumerate(tokens) if t in _GPT_OSS_STOPS}
-    return [index[t] for t in _GPT_OSS_STOPS if t in index and index[t] not in stops]
 
 
 def _gemma(meta: dict, p: str, arch: str, hidden: int, heads: int, head_dim: int, layers: int) -> dict:

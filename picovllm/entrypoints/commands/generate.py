@@ -179,9 +179,10 @@ def _read_line(interactive: bool) -> str | None:
 
 # -- batch ---------------------------------------------------------------------------------------
 def run_batch(args: argparse.Namespace) -> int:
-    from picovllm.entrypoints.batch_io import check_paths, read_batch, result_record
+    from picovllm.entrypoints.batch_io import check_input, check_output, read_batch, result_record
 
-    check_paths(args.input, args.output, ("--input", "--output"))
+    check_input(args.input, "--input")
+    check_output(args.output, "--output")
     llm = _make_llm(args)
     items = read_batch(args.input, sampling_kwargs(args), llm)
     groups, siblings = [], {}

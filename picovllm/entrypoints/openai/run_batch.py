@@ -106,7 +106,7 @@ async def run_requests(app, lines: list[tuple[int, str]], concurrency: int) -> l
 def main(args: argparse.Namespace) -> int:
     import logging
 
-    from picovllm.entrypoints.batch_io import check_paths, read_lines
+    from picovllm.entrypoints.batch_io import check_input, check_output, read_lines
     from picovllm.entrypoints.chat_template import load_chat_template
     from picovllm.entrypoints.engine_args import engine_config_from_args
     from picovllm.entrypoints.openai.api_server import ServerSettings, app_for
@@ -115,7 +115,8 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError("give the model once (positional or --model)")
     if args.max_concurrency < 1:
         raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
-    check_paths(args.input_file, args.output_file, ("--input-file", "--output-file"))
+    check_input(args.input_file, "--input-file")
+    check_output(args.output_file, "--output-file")
     template = load_chat_template(args.chat_template) if args.chat_template is not None else None
     lines = read_lines(args.input_file)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

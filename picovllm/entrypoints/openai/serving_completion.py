@@ -47,7 +47,7 @@ class CompletionHandler:
             ids, echo, first_token = jobs[0]
             group = await SampleGroup(ctx, ids, samples, f"cmpl-{uuid.uuid4().hex}", arrival, req.priority).start()
             if echo_only:
-                return await self._echo_only(req, raw, group, echo, first_token, params.n)
+                return sse_response(self._echo_only_events(req, raw, group, echo, first_token, params.n))
             return sse_response(self._events(req, group, params.stop, echo, first_token))
         bodies = await asyncio.gather(*(self._answer(req, raw, job, params, samples, echo_only, arrival)
                                         for job in jobs))
@@ -101,31 +101,27 @@ class CompletionHandler:
             choices.append(choice)
         return self._body(group.request_id, choices, usage=usage(out))   # usage: every sample run
 
-    async def _echo_only(self, req: CompletionRequest, raw: Request, group: SampleGroup, echo: str,
-                         first_token: str | None, n: int) -> Response:
-        """max_tokens 0 with echo: each of the n choices is the prompt (its logprobs, when asked, the prompt's),
-        finish length; usage counts no completion token. Streamed: one chunk a choice, then usage if asked."""
-        if req.stream:
-            async def events() -> AsyncIterator[str]:
-                try:
-                    body = await self._echo_only_body(req, raw, group, echo, first_token, n)
-                except ENGINE_ERRORS as e:
-                    yield sse_error(e)
-                    yield SSE_DONE
-                    return
-                if body is None:
-                    return
-                for choice in body["choices"]:
-                    yield sse(self._body(body["id"], [choice]))
-                if req.include_usage:
-                    yield sse(self._body(body["id"], [], usage=body["usage"]))
-                yield SSE_DONE
-            return sse_response(events())
-        body = await self._echo_only_body(req, raw, group, echo, first_token, n)
-        return Response(status_code=499) if body is None else JSONBody(body)
+    async def _echo_only_events(self, req: CompletionRequest, raw: Request, group: SampleGroup, echo: str,
+                                first_token: str | None, n: int) -> AsyncIterator[str]:
+        """_echo_only_body streamed: one chunk a choice, then the usage if asked."""
+        try:
+            body = await self._echo_only_body(req, raw, group, echo, first_token, n)
+        except ENGINE_ERRORS as e:
+            yield sse_error(e)
+            yield SSE_DONE
+            return
+        if body is None:
+            return
+        for choice in body["choices"]:
+            yield sse(self._body(body["id"], [choice]))
+        if req.include_usage:
+            yield sse(self._body(body["id"], [], usage=body["usage"]))
+        yield SSE_DONE
 
     async def _echo_only_body(self, req: CompletionRequest, raw: Request, group: SampleGroup, echo: str,
                               first_token: str | None, n: int) -> dict | None:
+        """max_tokens 0 with echo: each of the n choices is the prompt (its logprobs, when asked, the prompt's),
+        finish length; usage counts no completion token (the one sampled is dropped). None: the client is gone."""
         out = await final_output(raw, group)
         if out is None:
             return None     # the client is gone
@@ -139,9 +135,7 @@ class CompletionHandler:
         if req.prompt_logprobs is not None:
             for choice in choices:
                 choice["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs)
-        p = len(out.prompt_token_ids)
-        use = {"prompt_tokens": p, "completion_tokens": 0, "total_tokens": p,
-               "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
+        use = {**usage(out), "completion_tokens": 0, "total_tokens": len(out.prompt_token_ids)}
         return self._body(group.request_id, choices, usage=use)
 
     async def _beams(self, req: CompletionRequest, raw: Request, ids: list[int]) -> Response:

@@ -43,6 +43,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,10 +62,10 @@ PYTHON_TAG, MISTRAL_CALLS, MISTRAL_ARGS, MISTRAL_CALL_ID = "<|python_tag|>", "[T
 MISTRAL_ID = re.compile(r"[A-Za-z0-9]{9}")
 
 
-def mistral_without_markers(text: str) -> str:
-    """A Mistral reply whose calls did not parse, as the client may see it: [TOOL_CALLS], [ARGS] and [CALL_ID] out
-    (what skip_special_tokens would have shown)."""
-    for marker in (MISTRAL_CALLS, MISTRAL_ARGS, MISTRAL_CALL_ID):
+def without_markers(text: str, markers: Sequence[str]) -> str:
+    """text as the client may see it: a format's markers (special tokens, kept in the text for its parser) out, as
+    skip_special_tokens would have shown it."""
+    for marker in markers:
         text = text.replace(marker, "")
     return text
 
@@ -89,10 +90,7 @@ class SectionFormat:
         return re.compile(re.escape(self.call_begin) + "(.*?)" + re.escape(self.call_end), re.DOTALL)
 
     def without_markers(self, text: str) -> str:
-        """text as the client may see it: the markers out (what skip_special_tokens would have shown)."""
-        for marker in self.markers:
-            text = text.replace(marker, "")
-        return text
+        return without_markers(text, self.markers)
 
     def content_end(self, text: str) -> int:
         """Where the content of a text still growing may end: at its first marker, or where one may be starting."""
@@ -264,7 +262,7 @@ class ToolPolicy:
             try:
                 items = json.loads(rest)
             except json.JSONDecodeError:
-                return mistral_without_markers(text), []
+                return without_markers(text, (MISTRAL_CALLS, MISTRAL_ARGS, MISTRAL_CALL_ID)), []
             calls = [self._call_of(item) for item in items] if isinstance(items, list) and items else [None]
         else:
             decoder = json.JSONDecoder()
@@ -283,7 +281,7 @@ class ToolPolicy:
                         calls[-1].id = given_id.strip()
                     piece = args.lstrip()[end:]
         if not calls or any(c is None for c in calls):
-            return mistral_without_markers(text), []
+            return without_markers(text, (MISTRAL_CALLS, MISTRAL_ARGS, MISTRAL_CALL_ID)), []
         content = text[:start].rstrip()
         return content or None, calls if self.parallel else calls[:1]
 
@@ -335,7 +333,8 @@ class ToolPolicy:
 
     def unclosed_call(self, text: str, after: int) -> tuple[int, ToolCall | None]:
         """hermes: a last <tool_call> (after `after`) that the output never closed, read as a call where its inside
-        is one (vLLM's hermes parser: `<tool_call>(.*)` beside the closed blocks): (where it opens, the call or None)."""
+        is one (vLLM's hermes parser: `<tool_call>(.*)` beside the closed blocks): where it opens, and the call or
+        None."""
         at = text.find("<tool_call>", after) if self.parser == "hermes" else -1
         if at < 0:
             return -1, None
