@@ -223,9 +223,28 @@ def test_models_health_and_named_errors(server, client, chat_model):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=model, prompt=["hi", ""], max_tokens=4)
     assert e.value.body["param"] == "prompt"
-    with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model=model, prompt=["a", "b"], max_tokens=4, stream=True)
-    assert e.value.body["param"] == "prompt" and "streamed" in e.value.body["message"]
+    # streamed, as vLLM streams it: the prompts' chunks interleaved under one id, each choice's text what it is
+    # unstreamed, the usage summed once at the end
+    texts, ids, usages = {}, set(), []
+    for chunk in client.completions.create(model=model, prompt=prompts, max_tokens=4, temperature=0, n=2,
+                                           stream=True, stream_options={"include_usage": True}):
+        ids.add(chunk.id)
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+        if chunk.usage is not None:
+            usages.append(chunk.usage)
+    assert texts == {c.index: c.text for c in both.choices} and len(ids) == 1
+    assert [(u.prompt_tokens, u.completion_tokens) for u in usages] == [(both.usage.prompt_tokens,
+                                                                         both.usage.completion_tokens)]
+    # echo with max_tokens 0 (prompt scoring), streamed over a batch: each prompt back at its indexes
+    scored = {}
+    for chunk in client.completions.create(model=model, prompt=prompts, max_tokens=0, echo=True, stream=True):
+        for c in chunk.choices:
+            scored[c.index] = scored.get(c.index, "") + c.text
+    assert scored == {0: prompts[0], 1: prompts[1]}
+    with pytest.raises(openai.BadRequestError) as e:     # a bad prompt among them: refused before any streams
+        client.completions.create(model=model, prompt=["a", "hi " * 400], max_tokens=4, stream=True)
+    assert e.value.body["param"] == "prompt"
     r = httpx.post(server.url + "/v1/completions", json={"model": model, "prompt": "hi", "max_tokens": "5"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
     # the engine's refusals name the request's field: the prompt's ("messages" in chat), min_tokens with a grammar

@@ -34,21 +34,28 @@ class CompletionHandler:
         if echo_only and not req.echo:
             raise APIError(400, "max_tokens: must be >= 1 (0 only with echo: the prompt scored, nothing generated)",
                            param="max_tokens")
-        if len(prompts) > 1 and (req.stream or req.use_beam_search):
-            raise APIError(400, f"prompt: a list of {len(prompts)} prompts is answered whole, not "
-                                f"{'streamed' if req.stream else 'by beam search'}: send one a request",
-                           param="prompt")
+        if len(prompts) > 1 and req.use_beam_search:
+            raise APIError(400, f"prompt: a list of {len(prompts)} prompts is not taken by beam search: send one "
+                                f"a request", param="prompt")
         params = req.sampling_params(1 if echo_only else req.max_tokens, req.logprobs, ctx.sampling_defaults)
         samples = req.samples(params)
         jobs = [await self._prepared(req, prompt) for prompt in prompts]     # every prompt checked before any runs
         if req.use_beam_search:
             return await self._beams(req, raw, jobs[0][0])
         if req.stream:
-            ids, echo, first_token = jobs[0]
-            group = await SampleGroup(ctx, ids, samples, f"cmpl-{uuid.uuid4().hex}", arrival, req.priority).start()
+            groups = []
+            try:
+                for ids, _, _ in jobs:
+                    groups.append(await SampleGroup(ctx, ids, samples, f"cmpl-{uuid.uuid4().hex}", arrival,
+                                                    req.priority).start())
+            except BaseException:
+                for g in groups:     # a later prompt refused: the earlier ones' requests are aborted
+                    g.close()
+                raise
+            streamed = [(g, echo, first) for g, (_, echo, first) in zip(groups, jobs)]
             if echo_only:
-                return sse_response(self._echo_only_events(req, raw, group, echo, first_token, params.n))
-            return sse_response(self._events(req, group, params.stop, echo, first_token))
+                return sse_response(self._echo_only_events(req, raw, streamed, params.n))
+            return sse_response(self._events(req, streamed, params.stop, params.n))
         bodies = await asyncio.gather(*(self._answer(req, raw, job, params, samples, echo_only, arrival)
                                         for job in jobs))
         if any(b is None for b in bodies):
@@ -57,10 +64,7 @@ class CompletionHandler:
             return JSONBody(bodies[0])
         # OpenAI's batched prompts: prompt i's choices are i * n .. i * n + n - 1; usage summed over the prompts
         choices = [dict(c, index=i * params.n + c["index"]) for i, b in enumerate(bodies) for c in b["choices"]]
-        use = {k: sum(b["usage"][k] for b in bodies) for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
-        use["prompt_tokens_details"] = {"cached_tokens": sum(b["usage"]["prompt_tokens_details"]["cached_tokens"]
-                                                             for b in bodies)}
-        return JSONBody(self._body(bodies[0]["id"], choices, usage=use))
+        return JSONBody(self._body(bodies[0]["id"], choices, usage=_summed([b["usage"] for b in bodies])))
 
     async def _prepared(self, req: CompletionRequest, prompt: str | list[int]) -> tuple[list[int], str, str | None]:
         """One prompt's ids (truncated, checked against the context: a 400 naming the field), the text echo returns
@@ -101,21 +105,27 @@ class CompletionHandler:
             choices.append(choice)
         return self._body(group.request_id, choices, usage=usage(out))   # usage: every sample run
 
-    async def _echo_only_events(self, req: CompletionRequest, raw: Request, group: SampleGroup, echo: str,
-                                first_token: str | None, n: int) -> AsyncIterator[str]:
-        """_echo_only_body streamed: one chunk a choice, then the usage if asked."""
+    async def _echo_only_events(self, req: CompletionRequest, raw: Request,
+                                jobs: list[tuple[SampleGroup, str, str | None]], n: int) -> AsyncIterator[str]:
+        """_echo_only_body streamed: one chunk a choice (prompt i's at indexes i * n ..), then the usage if asked."""
+        bodies = []
         try:
-            body = await self._echo_only_body(req, raw, group, echo, first_token, n)
+            for i, (group, echo, first_token) in enumerate(jobs):
+                body = await self._echo_only_body(req, raw, group, echo, first_token, n)
+                if body is None:
+                    return
+                bodies.append(body)
+                for choice in body["choices"]:
+                    yield sse(self._body(bodies[0]["id"], [dict(choice, index=i * n + choice["index"])]))
         except ENGINE_ERRORS as e:
             yield sse_error(e)
             yield SSE_DONE
             return
-        if body is None:
-            return
-        for choice in body["choices"]:
-            yield sse(self._body(body["id"], [choice]))
+        finally:
+            for group, _, _ in jobs:
+                group.close()
         if req.include_usage:
-            yield sse(self._body(body["id"], [], usage=body["usage"]))
+            yield sse(self._body(bodies[0]["id"], [], usage=_summed([b["usage"] for b in bodies])))
         yield SSE_DONE
 
     async def _echo_only_body(self, req: CompletionRequest, raw: Request, group: SampleGroup, echo: str,
@@ -151,46 +161,105 @@ class CompletionHandler:
         return {"id": rid, "object": "text_completion", "created": now(), "model": self.ctx.model_name,
                 "choices": choices, **extra}
 
-    async def _events(self, req: CompletionRequest, group: SampleGroup, stop: list[str],
-                      echo: str, first_token: str | None) -> AsyncIterator[str]:
+    async def _events(self, req: CompletionRequest, jobs: list[tuple[SampleGroup, str, str | None]],
+                      stop: list[str], n: int) -> AsyncIterator[str]:
+        """The prompts' choices streamed as their samples advance (prompt i's at indexes i * n ..), interleaved
+        across prompts under the first prompt's id; then the usage summed over every prompt, if asked."""
+        rid, finals = jobs[0][0].request_id, []
+        try:
+            async for item in _merged([self._choices(req, g, stop, echo, first, i * n)
+                                       for i, (g, echo, first) in enumerate(jobs)]):
+                if isinstance(item, list):      # a prompt's final outputs, one a sample
+                    finals.append(item)
+                    continue
+                choice, prompt_tokens, completion_tokens = item
+                chunk = self._body(rid, [choice])
+                yield sse(with_usage(chunk, prompt_tokens, completion_tokens) if req.continuous_usage else chunk)
+            if req.include_usage and len(finals) == len(jobs):
+                use = [usage(merge_samples(rid, outs)) for outs in finals]
+                yield sse(self._body(rid, [], usage=_summed(use)))
+        except ENGINE_ERRORS as e:
+            yield sse_error(e)
+        finally:
+            for g, _, _ in jobs:
+                g.close()
+        yield SSE_DONE
+
+    async def _choices(self, req: CompletionRequest, group: SampleGroup, stop: list[str], echo: str,
+                       first_token: str | None, base: int) -> AsyncIterator[tuple | list]:
+        """One prompt's streamed choices, (choice, prompt tokens, its completion tokens so far), its samples' indexes
+        counted from base; then, once every sample has finished, the list of their final outputs."""
         k = len(group.samples)
         deltas, offsets, last = [TextDeltas(stop) for _ in range(k)], [0] * k, {}
         unechoed = set(range(k)) if echo else set()   # choices whose first chunk (it carries the prompt) is to come
         started: set[int] = set()                      # choices whose first chunk went out
         scored = None                                  # the prompt's logprobs, once sample 0 has them
+        async for i, out in group.outputs():
+            last[i], c = out, out.outputs[0]
+            text, toks = deltas[i].text(c, out.finished), deltas[i].tokens(c)
+            if not (text or out.finished or (req.logprobs is not None and toks)):
+                continue
+            lp, head, first = None, None, i not in started
+            started.add(i)
+            scored = out.prompt_logprobs or scored     # sample 0's, which comes first
+            if first and req.logprobs is not None:
+                head, offsets[i] = _echo_logprobs(out.prompt_token_ids, scored, first_token, req.logprobs,
+                                                  req.return_tokens_as_token_ids)
+            if req.logprobs is not None:
+                lp, offsets[i] = _logprobs(c, toks, offsets[i], req.return_tokens_as_token_ids)
+                lp = _joined(head, lp)
+            if i in unechoed:
+                text = echo + text
+                unechoed.discard(i)
+            choice = {"index": base + i, "text": text, "logprobs": lp,
+                      "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+            if first and req.prompt_logprobs is not None:   # with the choice's first chunk
+                choice["prompt_logprobs"] = prompt_logprobs_json(scored)
+            yield choice, len(out.prompt_token_ids), len(c.token_ids)
+        if len(last) == k:
+            yield [last[i] for i in range(k)]
+
+
+async def _merged(streams: list[AsyncIterator]) -> AsyncIterator:
+    """The items of several async iterators as each comes; an exception in one is raised here, and leaving early
+    (or an exception) closes them all."""
+    if len(streams) == 1:
+        async for item in streams[0]:
+            yield item
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(stream: AsyncIterator) -> None:
         try:
-            async for i, out in group.outputs():
-                last[i], c = out, out.outputs[0]
-                text, toks = deltas[i].text(c, out.finished), deltas[i].tokens(c)
-                if not (text or out.finished or (req.logprobs is not None and toks)):
-                    continue
-                lp, head, first = None, None, i not in started
-                started.add(i)
-                scored = out.prompt_logprobs or scored     # sample 0's, which comes first
-                if first and req.logprobs is not None:
-                    head, offsets[i] = _echo_logprobs(out.prompt_token_ids, scored, first_token, req.logprobs,
-                                                      req.return_tokens_as_token_ids)
-                if req.logprobs is not None:
-                    lp, offsets[i] = _logprobs(c, toks, offsets[i], req.return_tokens_as_token_ids)
-                    lp = _joined(head, lp)
-                if i in unechoed:
-                    text = echo + text
-                    unechoed.discard(i)
-                choice = {"index": i, "text": text, "logprobs": lp,
-                          "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-                if first and req.prompt_logprobs is not None:   # with the choice's first chunk
-                    choice["prompt_logprobs"] = prompt_logprobs_json(scored)
-                chunk = self._body(group.request_id, [choice])
-                yield sse(with_usage(chunk, len(out.prompt_token_ids), len(c.token_ids)) if req.continuous_usage
-                          else chunk)
-            if req.include_usage and len(last) == k:
-                yield sse(self._body(group.request_id, [], usage=usage(merge_samples(group.request_id,
-                                                                                     [last[i] for i in range(k)]))))
-        except ENGINE_ERRORS as e:
-            yield sse_error(e)
-        finally:
-            group.close()
-        yield SSE_DONE
+            async for item in stream:
+                queue.put_nowait(item)
+            queue.put_nowait(done)
+        except Exception as e:
+            queue.put_nowait(e)
+
+    tasks = [asyncio.ensure_future(pump(s)) for s in streams]
+    try:
+        running = len(tasks)
+        while running:
+            item = await queue.get()
+            if item is done:
+                running -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _summed(uses: list[dict]) -> dict:
+    """Usage summed over a batch's prompts."""
+    out = {k: sum(u[k] for u in uses) for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+    out["prompt_tokens_details"] = {"cached_tokens": sum(u["prompt_tokens_details"]["cached_tokens"] for u in uses)}
+    return out
 
 
 def _echo_logprobs(prompt_ids: list[int], scored: list | None, first_token: str | None,
