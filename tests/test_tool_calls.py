@@ -683,8 +683,8 @@ def test_responses_items_the_same_streamed_or_not(tmp_path_factory):
     """/v1/responses with the message's logprobs asked for: a reply that is only a tool call is one function_call
     item, and a reply with a reasoning block is a reasoning item then the message, streamed or not (no empty message
     item for the tokens that have no text of their own: a call's held-back text, a <think>); not streamed, the
-    message's logprobs are those of its tokens (a streamed step's chunks may be coalesced, its logprobs riding on
-    the reasoning's chunk)."""
+    message's logprobs are those of its tokens, streamed or not, also where one step's output carries the end of
+    the reasoning and the message's start (stream_interval: outputs N tokens at a time)."""
     import openai
     from fastapi.testclient import TestClient
     from picovllm import EngineConfig
@@ -700,17 +700,24 @@ def test_responses_items_the_same_streamed_or_not(tmp_path_factory):
             ("<think>plan</think>Hello.", ["<think>", "</think>"], "qwen3",
              [("reasoning", "plan"), ("message", "Hello.")], "Hello.<|im_end|>")]:     # its end token too
         path = tool_model(str(tmp_path_factory.mktemp("responses") / "model"), markers, CHATML, reply, special=False)
-        engine = Engine(EngineConfig(model=path, num_kv_blocks=64, max_model_len=1024, async_scheduling=False))
-        ctx = ServingContext(AsyncEngine(engine), TokenizerWorker(engine.tokenizer), ServerMetrics("m"), "m",
-                             reasoning_parser=parser)
-        with TestClient(build_app(ctx, ServerSettings())) as http:
-            client = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=http, max_retries=0)
-            kw = dict(model="m", input=ASK_TOOL, tools=[{"type": "function", **WEATHER["function"]}], temperature=0,
-                      max_output_tokens=200, include=["message.output_text.logprobs"])
-            whole = client.responses.create(**kw)
-            for got in (whole, list(client.responses.create(stream=True, **kw))[-1].response):
-                items = [(o.type, o.arguments if o.type == "function_call" else o.content[0].text) for o in got.output]
-                assert items == want, reply
-            if tokens is not None:
-                assert "".join(lp.token for lp in whole.output[-1].content[0].logprobs) == tokens
-        assert_engine_clean(engine)
+        for interval in (1, 64):
+            engine = Engine(EngineConfig(model=path, num_kv_blocks=64, max_model_len=1024, async_scheduling=False,
+                                         stream_interval=interval))
+            ctx = ServingContext(AsyncEngine(engine), TokenizerWorker(engine.tokenizer), ServerMetrics("m"), "m",
+                                 reasoning_parser=parser)
+            with TestClient(build_app(ctx, ServerSettings())) as http:
+                client = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=http, max_retries=0)
+                kw = dict(model="m", input=ASK_TOOL, tools=[{"type": "function", **WEATHER["function"]}],
+                          temperature=0, max_output_tokens=200, include=["message.output_text.logprobs"])
+                whole = client.responses.create(**kw)
+                streamed = list(client.responses.create(stream=True, **kw))
+                for got in (whole, streamed[-1].response):
+                    items = [(o.type, o.arguments if o.type == "function_call" else o.content[0].text)
+                             for o in got.output]
+                    assert items == want, reply
+                    if tokens is not None:
+                        assert "".join(lp.token for lp in got.output[-1].content[0].logprobs) == tokens, interval
+                if tokens is not None:     # the deltas carry them too
+                    assert "".join(lp.token for e in streamed if e.type == "response.output_text.delta"
+                                   for lp in e.logprobs) == tokens, interval
+            assert_engine_clean(engine)

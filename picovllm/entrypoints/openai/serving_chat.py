@@ -178,8 +178,15 @@ class ChatHandler:
                     if chunks:
                         yield emit(chunks, i)
                     continue
-                head = [self._chunk(rid, i, _reasoning_delta(thought), lps)] if thought else []
-                lps = None if thought else lps      # they went with the reasoning
+                head = []
+                if thought:     # the reasoning's tokens' logprobs go with it, the rest with the content
+                    cut = len(toks)
+                    if text and lps is not None:    # the block ended in this step's tokens
+                        ended = await self._reasoning_tokens(c, opened, req.skip_special_tokens)
+                        cut = min(max(ended - toks.start, 0), len(toks))
+                    mine = None if lps is None else {"content": lps["content"][:cut]}
+                    head = [self._chunk(rid, i, _reasoning_delta(thought), mine)]
+                    lps = None if lps is None or cut == len(toks) else {"content": lps["content"][cut:]}
                 if policy.mode == "named":   # the output is the call's arguments: streamed as they come
                     chunks = self._named_call_chunks(rid, i, text, c, lps, policy, call_ids)
                 elif auto is not None:   # content as it comes, each call once its block closes
