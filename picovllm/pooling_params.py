@@ -13,6 +13,7 @@ class PoolingParams:
     truncate_prompt_tokens: int | None = None
     dimensions: int | None = None
     normalize: bool | None = None
+    cache_salt: str | None = None     # as SamplingParams.cache_salt: prefix-cache hits only within one salt
 
     def __post_init__(self) -> None:
         self.validate()
@@ -27,3 +28,5 @@ class PoolingParams:
             raise ValueError(f"PoolingParams.dimensions must be an int >= 1 or None, got {value!r}")
         if self.normalize is not None and not isinstance(self.normalize, bool):
             raise ValueError(f"PoolingParams.normalize must be a bool or None, got {self.normalize!r}")
+        if self.cache_salt is not None and not (isinstance(self.cache_salt, str) and self.cache_salt):
+            raise ValueError(f"PoolingParams.cache_salt must be a non-empty string or None, got {self.cache_salt!r}")

@@ -106,6 +106,9 @@ class SamplingParams:
     # A JSON schema, regex, choice list or grammar the output must match (a dict is read as its fields).
     structured_outputs: StructuredOutputsParams | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE    # vLLM's (the enum's docstring)
+    # vLLM's request cache_salt (offline: a prompt dict's): prefix-cache hits only among requests of the same salt,
+    # so that one tenant cannot learn from another's hits (time to first token) which prompts it sent
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         # Normalise containers so no two requests ever share a list object.
@@ -178,6 +181,8 @@ class SamplingParams:
             raise bad("structured_outputs", "must be a StructuredOutputsParams (or a dict of its fields)")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise bad("output_kind", "must be a RequestOutputKind (CUMULATIVE, DELTA or FINAL_ONLY)")
+        if self.cache_salt is not None and not (isinstance(self.cache_salt, str) and self.cache_salt):
+            raise bad("cache_salt", "must be a non-empty string or None")
 
     def _validate_penalties(self, bad) -> None:
         for name in ("presence_penalty", "frequency_penalty"):

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from picovllm import LLM, EngineConfig, SamplingParams
+from picovllm import LLM, BeamSearchParams, EngineConfig, SamplingParams
 from test_parity_hf import make_prompts
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -218,16 +218,18 @@ def test_bad_prompt_in_a_batch_rejects_the_batch_cleanly(tiny_models):
 
 
 def test_prompt_dicts_and_lengths_the_engine_cannot_honour_are_named(tiny_models, caplog):
-    """A prompt dict's keys beyond prompt / prompt_token_ids (vLLM's multi_modal_data, cache_salt, prompt_embeds) are
-    refused by name, not dropped; a max_model_len past the model's context is cut with a warning, not silently."""
+    """A prompt dict's keys beyond prompt / prompt_token_ids / cache_salt (vLLM's multi_modal_data, prompt_embeds) are
+    refused by name, not dropped, and so is a cache_salt that beam search would not use; a max_model_len past the
+    model's context is cut with a warning, not silently."""
     llm = LLM(tiny_models["llama"], num_kv_blocks=32)
     sp = SamplingParams(max_tokens=2)
     for prompt, says in (({"prompt": "hi", "multi_modal_data": {"image": None}}, "'multi_modal_data'"),
-                         ({"prompt_token_ids": [1, 2], "cache_salt": "x"}, "'cache_salt'"),
                          ({"prompt_embeds": [[0.0]]}, "'prompt_embeds'"),
                          ({}, "needs \"prompt\"")):
         with pytest.raises(ValueError, match=f"prompt: .*{says}"):
             llm.generate([[5, 6, 7], prompt], sp, use_tqdm=False)
+    with pytest.raises(ValueError, match="prompt: .*'cache_salt'.*beam search"):
+        llm.beam_search([{"prompt_token_ids": [1, 2], "cache_salt": "x"}], BeamSearchParams(beam_width=2, max_tokens=2))
     out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], sp, use_tqdm=False)
     assert out[0].prompt_token_ids == [5, 6, 7]
     with caplog.at_level("WARNING", logger="picovllm.engine.llm_engine"):

@@ -56,7 +56,10 @@ def test_request_models_are_strict_and_name_fields():
     c = ChatCompletionRequest.model_validate_json(
         '{"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],'
         ' "max_completion_tokens": 7, "logprobs": true, "top_logprobs": 3}')
-    assert c.messages[0].as_template_dict() == {"role": "user", "content": "a\nb"}
+    from picovllm.entrypoints.chat_template import content_for_template
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    assert c.messages[0].as_template_dict() == {"role": "user", "content": parts}
+    assert content_for_template([c.messages[0].as_template_dict()], "{{ m.content }}") == [{"role": "user", "content": "a\nb"}]
     assert c.max_new_tokens == 7 and c.num_logprobs == 3
     with pytest.raises(Exception, match="messages"):
         ChatCompletionRequest.model_validate_json('{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}')

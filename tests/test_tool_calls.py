@@ -700,7 +700,7 @@ def test_responses_items_the_same_streamed_or_not(tmp_path_factory):
             ("<think>plan</think>Hello.", ["<think>", "</think>"], "qwen3",
              [("reasoning", "plan"), ("message", "Hello.")], "Hello.<|im_end|>")]:     # its end token too
         path = tool_model(str(tmp_path_factory.mktemp("responses") / "model"), markers, CHATML, reply, special=False)
-        for interval in (1, 64):
+        for interval in ((1, 2, 3, 64) if tokens else (1,)):     # 2, 3: </think> and the text in one output
             engine = Engine(EngineConfig(model=path, num_kv_blocks=64, max_model_len=1024, async_scheduling=False,
                                          stream_interval=interval))
             ctx = ServingContext(AsyncEngine(engine), TokenizerWorker(engine.tokenizer), ServerMetrics("m"), "m",

@@ -137,9 +137,13 @@ class BlockManager:
                 self.hash_to_block[h] = block
 
     def _chain_start(self, req: Request) -> int:
-        """The hash a request's chain of block hashes starts from: the model's salt, and the rotary offset of a
-        request whose keys are rotated otherwise (LongRoPE's long factors)."""
-        return hash((self.salt, req.position_offset)) if req.position_offset else self.salt
+        """The hash a request's chain of block hashes starts from: the model's salt, the rotary offset of a
+        request whose keys are rotated otherwise (LongRoPE's long factors), and the request's cache_salt (its
+        blocks match only those of requests with the same one)."""
+        salt = getattr(req.params, "cache_salt", None)
+        if not req.position_offset and salt is None:
+            return self.salt
+        return hash((self.salt, req.position_offset, salt))
 
     def free(self, req: Request) -> None:
         """Drop req's references. Tail blocks go first in line for eviction, hashed ones last."""

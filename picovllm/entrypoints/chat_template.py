@@ -3,6 +3,8 @@ continue_final_message) and a template given on the command line (--chat-templat
 --help imports it."""
 from __future__ import annotations
 
+import re
+
 
 CHAT_TEMPLATE_HELP = "a chat template (a file, or the Jinja text itself) used instead of the model's, as vLLM's " \
                      "--chat-template"
@@ -18,8 +20,10 @@ RESERVED_TEMPLATE_KWARGS = frozenset({
 
 def conversation_messages(conversation) -> list[dict]:
     """LLM.chat's conversation as a chat template takes it: each message a dict with a string role; its content a
-    string, None (read as ""), or OpenAI's list of text parts (joined by newlines, as the server joins them); the
-    other keys (tool_calls, name, ...) as they are. ValueError naming messages[i].<field> otherwise."""
+    string, None (read as ""), or OpenAI's list of text parts (content_for_template decides how the template gets
+    them); an assistant's tool_calls with their arguments as objects, as the server passes them (JSON text parsed,
+    empty as {}); the other keys (name, ...) as they are. ValueError naming messages[i].<field> otherwise."""
+    from picovllm.entrypoints.openai.tool_calls import json_or_text
     if not isinstance(conversation, list):
         raise ValueError("messages must be a list of {role, content} objects")
     out = []
@@ -35,14 +39,63 @@ def conversation_messages(conversation) -> list[dict]:
                 if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
                     raise ValueError(f"messages[{i}].content[{j}]: only text parts ({{\"type\": \"text\", "
                                      f"\"text\": ...}}) are supported")
-                texts.append(part["text"])
-            content = "\n".join(texts)
+                texts.append({"type": "text", "text": part["text"]})
+            content = texts
         elif content is None:
             content = ""
         elif not isinstance(content, str):
             raise ValueError(f"messages[{i}].content must be a string or a list of text parts")
-        out.append({**m, "content": content})
+        message = {**m, "content": content}
+        if isinstance(m.get("tool_calls"), list):
+            message["tool_calls"] = [_call_with_object_arguments(c, json_or_text) for c in m["tool_calls"]]
+        out.append(message)
     return out
+
+
+def _call_with_object_arguments(call, json_or_text):
+    """An assistant's earlier tool call with its arguments as chat templates take them: an object (Qwen's and HF's
+    convention), not JSON text; none (an empty string) as {}. Anything else as it is."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("arguments"), str):
+        return call
+    args = fn["arguments"]
+    return {**call, "function": {**fn, "arguments": json_or_text(args) if args.strip() else {}}}
+
+
+# a template that loops over a message's content (Gemma 3's `for item in message['content']`) takes its parts
+_CONTENT_LOOP = re.compile(r"\{%-?\s*for\s+\w+\s+in\s+\w+\s*(?:\[\s*['\"]content['\"]\s*\]|\.content\b)")
+
+
+def content_for_template(messages: list[dict], template: str | None) -> list[dict]:
+    """The messages whose content is a list of text parts, as the template takes them: kept a list where it loops
+    over a message's content (as transformers renders them, and vLLM's "openai" content format), else the texts
+    joined by newlines (vLLM's "string" format: a template that prints the content would print the list)."""
+    if template and _CONTENT_LOOP.search(template):
+        return messages
+    return [dict(m, content=joined_parts(m["content"])) if isinstance(m.get("content"), list) else m
+            for m in messages]
+
+
+def joined_parts(content) -> str:
+    """A message's content as one text: a list of text parts joined by newlines."""
+    return "\n".join(p["text"] for p in content) if isinstance(content, list) else content
+
+
+def resolved_template(tokenizer, chat_template: str | None = None, tools: list | None = None) -> str | None:
+    """The one template text a conversation renders with: chat_template (a request's, or LLM.chat's argument) where
+    given, else the tokenizer's (None: it has none). A tokenizer with several named templates (Hermes-2-Pro's,
+    Command-R's) gives its "tool_use" one when tools come and it has one, else its "default", as transformers
+    picks; ValueError where it has neither."""
+    if chat_template is not None:
+        return chat_template
+    own = getattr(tokenizer, "chat_template", None)
+    if not isinstance(own, dict):
+        return own
+    name = "tool_use" if tools and "tool_use" in own else "default"
+    if name not in own:
+        raise ValueError(f"messages: this model has several chat templates ({', '.join(sorted(own))}) and none named "
+                         f"'default': pass chat_template")
+    return own[name]
 
 
 def template_kwargs(conversation: list[dict], add_generation_prompt: bool, continue_final_message: bool,
@@ -68,10 +121,21 @@ def _is_jinja(value: str) -> bool:
 
 
 def _compiled(value: str, name: str) -> str:
-    """value, once it compiles as Jinja; ValueError naming `name` otherwise."""
-    from jinja2 import Environment, TemplateSyntaxError
+    """value, once it compiles as Jinja with what transformers' templates may use: loop controls ({% break %},
+    {% continue %}) and {% generation %} blocks; ValueError naming `name` otherwise."""
+    from jinja2 import TemplateSyntaxError
+    from jinja2.ext import Extension, loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(Extension):     # {% generation %}...{% endgeneration %}: its body (transformers marks it)
+        tags = {"generation"}
+
+        def parse(self, parser):
+            next(parser.stream)
+            return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
     try:
-        Environment().parse(value)
+        ImmutableSandboxedEnvironment(extensions=[loopcontrols, Generation]).parse(value)
     except TemplateSyntaxError as e:
         raise ValueError(f"{name}: not a valid Jinja template (line {e.lineno}: {e.message})") from None
     return value

@@ -24,26 +24,34 @@ Prompt = str | list[int] | dict
 
 def normalize_prompts(prompts, sampling_params) -> tuple[list, list[SamplingParams]]:
     """generate()'s inputs as vLLM takes them -> a list of prompts (text or token ids) and one
-    SamplingParams per prompt."""
+    SamplingParams per prompt (with a prompt dict's cache_salt). sampling_params None: beam search's prompts,
+    which take no cache_salt."""
     if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
         prompts = [prompts]
+    salts = [p.get("cache_salt") if isinstance(p, dict) else None for p in prompts]
     prompts = [_dict_prompt(p) if isinstance(p, dict) else p for p in prompts]
+    beams = sampling_params is None
     if sampling_params is None:
         sampling_params = SamplingParams()
     params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
     if len(params) != len(prompts):
         raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts")
+    for i, salt in enumerate(salts):
+        if salt is not None:
+            if beams:
+                raise ValueError("prompt: the key 'cache_salt' is not supported by beam search")
+            params[i] = dataclasses.replace(params[i], cache_salt=salt)    # a ValueError unless a non-empty string
     return prompts, params
 
 
 def _dict_prompt(p: dict) -> str | list[int]:
     """vLLM's TextPrompt ({"prompt": text}) or TokensPrompt ({"prompt_token_ids": ids}; its "prompt" text, if given,
-    is not read); any other key (multi_modal_data, cache_salt, prompt_embeds, ...) is not honoured here: a
-    ValueError naming it."""
-    unknown = sorted(set(p) - {"prompt", "prompt_token_ids"})
+    is not read), either with a cache_salt (normalize_prompts puts it in the prompt's params); any other key
+    (multi_modal_data, prompt_embeds, ...) is not honoured here: a ValueError naming it."""
+    unknown = sorted(set(p) - {"prompt", "prompt_token_ids", "cache_salt"})
     if unknown:
         raise ValueError(f"prompt: the key {unknown[0]!r} is not supported (a prompt dict takes \"prompt\" or "
-                         f"\"prompt_token_ids\")")
+                         f"\"prompt_token_ids\", and \"cache_salt\")")
     if "prompt_token_ids" in p:
         return p["prompt_token_ids"]
     if "prompt" not in p:
@@ -291,13 +299,16 @@ def chat_prompt(tokenizer, conversation: list[dict], add_generation_prompt: bool
     """chat_prompt_ids' rendered text and its token ids."""
     from jinja2 import TemplateError
 
-    from picovllm.entrypoints.chat_template import conversation_messages, template_kwargs
+    from picovllm.entrypoints.chat_template import (content_for_template, conversation_messages, resolved_template,
+                                                    template_kwargs)
     from picovllm.entrypoints.openai.tool_calls import template_renders_tools, with_tool_prompt
     if tokenizer is None:
         raise ValueError("chat needs a tokenizer, and this model has none")
     conversation = conversation_messages(conversation)
     options = template_kwargs(conversation, add_generation_prompt, continue_final_message, chat_template_kwargs)
-    if tools and not template_renders_tools(chat_template or tokenizer.chat_template):
+    chat_template = resolved_template(tokenizer, chat_template, tools)
+    conversation = content_for_template(conversation, chat_template)
+    if tools and not template_renders_tools(chat_template):
         conversation, tools = with_tool_prompt(conversation, tools), None
     try:
         text = tokenizer.apply_chat_template(conversation, tokenize=False, chat_template=chat_template,

@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, create_model, field_validator
 
+from picovllm.entrypoints.chat_template import joined_parts
 from picovllm.entrypoints.openai.tool_calls import ToolPolicy, json_or_text
 from picovllm.entrypoints.parallel_sampling import sample_params
 from picovllm.sampling_params import StructuredOutputsParams
@@ -197,6 +198,7 @@ class _SamplingRequest(_StructuredRequest, _RefusedCommon):
     use_beam_search: bool = False                          # vLLM's: n beams (serving_beam.py)
     length_penalty: FiniteFloat = 1.0
     return_tokens_as_token_ids: bool = False   # logprobs name tokens "token_id:<id>" (for text that is not UTF-8)
+    cache_salt: str | None = Field(None, min_length=1)    # vLLM's: prefix-cache hits only within one salt
     # vLLM's. The text is decoded as HF's tokenizer.decode decodes it with this flag: a fast tokenizer (every one this
     # server loads) puts no space between special tokens either way, as HF's and vLLM's fast detokenizers do.
     spaces_between_special_tokens: bool = True
@@ -241,7 +243,8 @@ class _SamplingRequest(_StructuredRequest, _RefusedCommon):
                 bad_words=self.bad_words,
                 presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
                 repetition_penalty=own(self.repetition_penalty, "repetition_penalty", 1.0),
-                logit_bias=self.logit_bias, structured_outputs=self.structured_output_params())
+                logit_bias=self.logit_bias, structured_outputs=self.structured_output_params(),
+                cache_salt=self.cache_salt)
         except ValueError as e:       # SamplingParams.FIELD ...: the request's field of that name, where it has one
             named = re.match(r"SamplingParams\.(\w+)", str(e))
             param = named.group(1) if named and named.group(1) in type(self).model_fields else None
@@ -326,10 +329,24 @@ class ChatMessage(refusing_model("_RefusedInMessage", {"function_call": ()})):
     reasoning: str | None = None                       # an assistant's earlier reasoning, as this server returns it
     reasoning_content: str | None = None               # (vLLM's older name)
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, v: Any) -> Any:
+        """A part that is not text (an image, audio, a file, a refusal) named by its type: this server serves text
+        models."""
+        for j, part in enumerate(v if isinstance(v, list) else []):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind != "text":
+                raise ValueError(f"content[{j}]: a part of type {kind!r} is not supported (text parts only: this "
+                                 f"server's model takes text)")
+        return v
+
     def as_template_dict(self) -> dict:
+        """The message as a chat template takes it; a content of text parts stays a list of them
+        (chat_template.content_for_template joins them unless the template loops over them)."""
         content = self.content
         if isinstance(content, list):
-            content = "\n".join(p.text for p in content)
+            content = [{"type": "text", "text": p.text} for p in content]
         d = {"role": self.role, "content": content or ""}
         if self.name is not None:
             d["name"] = self.name
@@ -398,7 +415,7 @@ class ChatCompletionRequest(_SamplingRequest, _RefusedChat, _ChatTemplateOptions
         """What echo puts before each choice's content: the last message's, if it is the assistant's (the reply's
         role), else nothing."""
         last = self.messages[-1]
-        return last.as_template_dict()["content"] if self.echo and last.role == "assistant" else ""
+        return joined_parts(last.as_template_dict()["content"]) if self.echo and last.role == "assistant" else ""
     tools: Annotated[list[ToolSpec], Field(max_length=128)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
@@ -481,7 +498,8 @@ MAX_EMBEDDING_INPUTS = 2048      # OpenAI's limit of inputs in one request
 
 class EmbeddingRequest(_Strict):
     """input: a string, a list of strings, a list of token ids, or a list of those (one embedding each).
-    encoding_format: "float" or "base64" (little-endian float32, as OpenAI's). dimensions: a Matryoshka model's only.
+    encoding_format: "float" or "base64" (float32, as OpenAI's; vLLM's embed_dtype float16 or bfloat16 and endianness
+    native, little or big change that). dimensions: a Matryoshka model's only.
     user: accepted, no effect. vLLM's: truncate_prompt_tokens (each input's last k tokens; -1: the model's maximum
     length), add_special_tokens, normalize (None: the server's pooler config), priority."""
     model: str | None = None
@@ -490,12 +508,15 @@ class EmbeddingRequest(_Strict):
             | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]],
                         Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)])
     encoding_format: Literal["float", "base64"] = "float"
+    embed_dtype: Literal["float32", "float16", "bfloat16"] = "float32"    # vLLM's (its fp8 ones are refused)
+    endianness: Literal["native", "big", "little"] = "native"            # vLLM's, of base64's values
     dimensions: int | None = Field(None, ge=1, le=MAX_INT)
     user: str | None = None
     truncate_prompt_tokens: int | None = Field(None, ge=-1, le=MAX_INT)
     add_special_tokens: bool = True
     normalize: bool | None = None
     priority: int = Field(0, ge=-(2**63), le=2**63 - 1)   # as the generation requests'
+    cache_salt: str | None = Field(None, min_length=1)    # as theirs
 
     def inputs(self) -> list[str | list[int]]:
         x = self.input

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from picovllm.entrypoints.chat_template import resolved_template
 from picovllm.entrypoints.openai.engine_client import (EngineClient, EngineDeadError, EngineStepError, RequestStream,
                                                       checked)
 from picovllm.entrypoints.openai.harmony import HarmonyTokens, one_call_per_message, speaks_harmony
@@ -56,7 +57,11 @@ class ServingContext:
         if self.tool_call_parser != "auto":
             return self.tool_call_parser
         tok = self.tokenizer.tokenizer
-        return detect_tool_parser(tok, getattr(tok, "chat_template", None))
+        try:       # the template that renders tools: a tokenizer with named ones, its "tool_use"
+            template = resolved_template(tok, None, tools=[{}])
+        except ValueError:
+            template = None
+        return detect_tool_parser(tok, template)
 
     @functools.cached_property
     def think_tags(self) -> ThinkTags | None:

@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import Request, Response
 
+from picovllm.entrypoints.chat_template import resolved_template
 from picovllm.entrypoints.openai.harmony import HarmonyStream, parse_harmony
 from picovllm.entrypoints.openai.protocol import APIError, ChatCompletionRequest
 from picovllm.entrypoints.openai.reasoning import ReasoningSplitter, opened_in_prompt, split_reasoning
@@ -39,13 +40,20 @@ class ChatHandler:
         # call ids as the model's templates take them back (Mistral's 9 characters, Kimi's functions.NAME:IDX)
         policy.id_style = {"mistral": "mistral", "kimi_k2": "kimi"}.get(ctx.tool_parser, "openai")
         policy.calls_before = sum(len(m.tool_calls or []) for m in req.messages if getattr(m, "tool_calls", None))
-        if policy.mode == "auto":     # the model's own call format where its template renders the tools, else
-            template = req.chat_template or getattr(ctx.tokenizer.tokenizer, "chat_template", None)   # Hermes'
-            policy.parser = ctx.tool_parser if template_renders_tools(template) else "hermes"
+        try:
+            renders = template_renders_tools(resolved_template(ctx.tokenizer.tokenizer, req.chat_template,
+                                                               policy.tools))
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages") from None
+        if policy.mode == "auto":     # the model's own call format where its template renders the tools, else Hermes'
+            policy.parser = ctx.tool_parser if renders else "hermes"
             if policy.active and policy.parser in SPECIAL_MARKER_PARSERS:
                 params.skip_special_tokens = False       # their markers are special tokens
+        # tool_choice "none": a template that renders the tools still gets them, as vLLM and transformers render them
+        # (not the fallback's system message, which asks for calls)
+        tools = policy.tools if policy.active or (renders and policy.tools) else None
         ids = await ctx.tokenizer.encode_chat(ctx.template_messages(req.messages), req.add_generation_prompt,
-                                              req.add_special_tokens, tools=policy.tools if policy.active else None,
+                                              req.add_special_tokens, tools=tools,
                                               continue_final_message=req.continue_final_message,
                                               chat_template_kwargs=req.chat_template_kwargs,
                                               documents=req.documents, chat_template=req.chat_template,
@@ -165,9 +173,11 @@ class ChatHandler:
                 last[i], c = out, out.outputs[0]
                 text, toks = deltas[i].text(c, out.finished), deltas[i].tokens(c)
                 sent[i] = len(c.token_ids)
-                thought = ""
+                thought, ended = "", False
                 if splits is not None:
+                    before = splits[i].state
                     thought, text = splits[i].feed(text, out.finished)
+                    ended = before != "content" and splits[i].state == "content" and splits[i].reasoned
                     content[i] += text
                     thought = thought if req.include_reasoning else ""
                 if not (text or thought or out.finished or (k is not None and toks)):
@@ -178,14 +188,16 @@ class ChatHandler:
                     if chunks:
                         yield emit(chunks, i)
                     continue
+                # the reasoning's tokens' logprobs go with it, the content's with the content; where the block ended
+                # in this step's tokens, they are cut where its text ends (its </think> the reasoning's)
+                cut = len(toks) if thought else 0
+                if ended and lps is not None:
+                    cut = min(max(await self._reasoning_tokens(c, opened, req.skip_special_tokens) - toks.start, 0),
+                              len(toks))
                 head = []
-                if thought:     # the reasoning's tokens' logprobs go with it, the rest with the content
-                    cut = len(toks)
-                    if text and lps is not None:    # the block ended in this step's tokens
-                        ended = await self._reasoning_tokens(c, opened, req.skip_special_tokens)
-                        cut = min(max(ended - toks.start, 0), len(toks))
+                if thought or cut:
                     mine = None if lps is None else {"content": lps["content"][:cut]}
-                    head = [self._chunk(rid, i, _reasoning_delta(thought), mine)]
+                    head = [self._chunk(rid, i, _reasoning_delta(thought) if thought else {}, mine)]
                     lps = None if lps is None or cut == len(toks) else {"content": lps["content"][cut:]}
                 if policy.mode == "named":   # the output is the call's arguments: streamed as they come
                     chunks = self._named_call_chunks(rid, i, text, c, lps, policy, call_ids)

@@ -1,6 +1,6 @@
 """POST /v1/embeddings, as vLLM serves it from a pooling model (`serve --runner pooling`; engine/pooling.py): one
 engine request per input, each a prompt that is prefilled and never decoded; the embeddings come back as floats or as
-base64 (little-endian float32, as OpenAI's). A generating server answers with a 400, and so does a proxy or router
+base64 (float32, as OpenAI's, or vLLM's embed_dtype and endianness). A generating server answers with a 400, and so does a proxy or router
 (the P and D engines behind them generate)."""
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ class EmbeddingHandler:
             raise APIError(400, "/v1/embeddings needs a pooling model, and this server's model generates (serve it "
                                 "with --runner pooling)")
         prompts = await self._prompt_ids(req, info["max_model_len"])
-        params = PoolingParams(dimensions=req.dimensions, normalize=req.normalize)
+        params = PoolingParams(dimensions=req.dimensions, normalize=req.normalize, cache_salt=req.cache_salt)
         request_id = f"embd-{uuid.uuid4().hex}"
         streams: list[RequestStream] = []
         finals: list[asyncio.Future] = []
@@ -52,7 +52,7 @@ class EmbeddingHandler:
             outs = task.result()
         except ENGINE_ERRORS as e:
             raise APIError(503, str(e), type="service_unavailable") from None
-        data = [{"object": "embedding", "index": i, "embedding": _encoded(_embedding(out, i), req.encoding_format)}
+        data = [{"object": "embedding", "index": i, "embedding": _encoded(_embedding(out, i), req)}
                 for i, out in enumerate(outs)]
         tokens = sum(len(out.prompt_token_ids) for out in outs)
         return JSONBody({"id": request_id, "object": "list", "created": now(), "model": ctx.model_name, "data": data,
@@ -92,7 +92,26 @@ def _embedding(out: RequestOutput, index: int) -> list[float]:
     return out.embedding
 
 
-def _encoded(embedding: list[float], encoding_format: str) -> list[float] | str:
-    if encoding_format == "float":
-        return embedding
-    return base64.b64encode(struct.pack(f"<{len(embedding)}f", *embedding)).decode("ascii")
+def _encoded(embedding: list[float], req: EmbeddingRequest) -> list[float] | str:
+    """The embedding as the request asks: floats, or base64 of its values in vLLM's embed_dtype (float32, float16
+    or bfloat16) and endianness (native: this machine's); floats in another embed_dtype are its values rounded to
+    it."""
+    order = {"native": "=", "little": "<", "big": ">"}[req.endianness]
+    if req.embed_dtype == "bfloat16":
+        bits = [_bf16_bits(x) for x in embedding]
+        if req.encoding_format == "float":
+            return [struct.unpack("<f", struct.pack("<I", b << 16))[0] for b in bits]
+        return base64.b64encode(struct.pack(f"{order}{len(bits)}H", *bits)).decode("ascii")
+    code = {"float32": "f", "float16": "e"}[req.embed_dtype]
+    if req.encoding_format == "float":
+        return embedding if code == "f" else list(struct.unpack(f"<{len(embedding)}e",
+                                                                 struct.pack(f"<{len(embedding)}e", *embedding)))
+    return base64.b64encode(struct.pack(f"{order}{len(embedding)}{code}", *embedding)).decode("ascii")
+
+
+def _bf16_bits(x: float) -> int:
+    """x's bfloat16 bits, rounded to nearest even as torch rounds it."""
+    bits = struct.unpack("<I", struct.pack("<f", x))[0]
+    if (bits & 0x7F800000) == 0x7F800000 and bits & 0x7FFFFF:     # NaN
+        return 0x7FC0
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF

@@ -35,7 +35,7 @@ REFUSED_RESPONSES: dict[str, tuple] = {
 LOGPROBS = "message.output_text.logprobs"     # the one `include` this server honours
 # vLLM's sampling fields beyond OpenAI's, handed to the chat request as they are (validated there, by these names)
 PASSTHROUGH = ("top_k", "min_p", "min_tokens", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed",
-               "stop", "stop_token_ids", "ignore_eos", "logit_bias", "priority", "chat_template_kwargs")
+               "stop", "stop_token_ids", "ignore_eos", "logit_bias", "priority", "chat_template_kwargs", "cache_salt")
 
 
 _Passthrough = create_model("_Passthrough", __base__=_Strict, **{f: (Any, None) for f in PASSTHROUGH})

@@ -10,7 +10,8 @@ import copy
 import re
 from concurrent.futures import ThreadPoolExecutor
 
-from picovllm.entrypoints.chat_template import check_request_template, template_kwargs
+from picovllm.entrypoints.chat_template import (check_request_template, content_for_template, resolved_template,
+                                                template_kwargs)
 from picovllm.entrypoints.openai.protocol import APIError
 from picovllm.entrypoints.openai.tool_calls import template_renders_tools, with_tool_prompt
 
@@ -60,9 +61,13 @@ class TokenizerWorker:
                 check_request_template(chat_template)
             except ValueError as e:
                 raise APIError(400, str(e), param="chat_template") from None
-        template = chat_template or getattr(tok, "chat_template", None)
+        try:
+            template = resolved_template(tok, chat_template, tools)
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages") from None
         if not template:
             raise APIError(400, "this model's tokenizer has no chat template: use /v1/completions")
+        messages = content_for_template(messages, template)
         try:
             options = template_kwargs(messages, add_generation_prompt, continue_final_message, chat_template_kwargs)
         except ValueError as e:

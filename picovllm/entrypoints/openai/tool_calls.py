@@ -558,5 +558,7 @@ def with_tool_prompt(messages: list[dict], tools: list[dict]) -> list[dict]:
     """The messages with the tools' description added to the system message (a new one first if none)."""
     prompt = tool_system_prompt(tools)
     if messages and messages[0]["role"] == "system":
-        return [{**messages[0], "content": f"{messages[0]['content']}\n\n{prompt}"}, *messages[1:]]
+        content = messages[0]["content"]
+        content = content + [{"type": "text", "text": prompt}] if isinstance(content, list) else f"{content}\n\n{prompt}"
+        return [{**messages[0], "content": content}, *messages[1:]]
     return [{"role": "system", "content": prompt}, *messages]
