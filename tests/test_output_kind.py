@@ -51,6 +51,9 @@ def test_delta_pieces_add_up_to_the_cumulative_output(engine):
     for k, p in enumerate(pieces[:-1]):
         sent = len("".join(q.outputs[0].text for q in pieces[:k + 1]))
         assert sent <= max(0, len(whole[k].outputs[0].text) - (len(stop) - 1))
+    # a stop string longer than the text for a while: nothing goes out until there is more text, nothing twice
+    long_stop = dataclasses.replace(base, stop=["\u2603" * 60], output_kind=RequestOutputKind.DELTA)
+    assert "".join(p.outputs[0].text for p in run(engine, long_stop)) == text
 
 
 def test_final_only_gives_one_output(engine):

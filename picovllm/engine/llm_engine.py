@@ -837,7 +837,8 @@ class Engine:
         if delta:
             sent = req.num_streamed_chars
             end = len(text) if req.is_finished else len(text) - max(map(len, req.params.stop), default=1) + 1
-            text, req.num_streamed_chars = text[sent:end], max(sent, end)
+            end = max(sent, end)     # a text shorter than the held-back tail gives nothing yet
+            text, req.num_streamed_chars = text[sent:end], end
         comp = CompletionOutput(0, text, req.output_token_ids[first:],
                                 req.cumulative_logprob if req.logprobs is not None else None,
                                 req.logprobs[first:] if req.logprobs is not None else None,
