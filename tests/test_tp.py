@@ -84,6 +84,9 @@ def test_plain_batch_matches_tp1_and_hf_then_shuts_down(tp_models):
             la = [d[t].logprob for d, t in zip(a.outputs[0].logprobs, a.outputs[0].token_ids)]
             lb = [d[t].logprob for d, t in zip(b.outputs[0].logprobs, b.outputs[0].token_ids)]
             assert lb == pytest.approx(la, abs=1e-4)
+        # a second engine that would spawn workers while this one runs: refused by name, not hung in new_group
+        with pytest.raises(ValueError, match="tensor_parallel_size 2: another tensor-parallel engine"):
+            LLM(path, tensor_parallel_size=2, num_kv_blocks=64)
         again = llm.generate(prompts[:3], sp, use_tqdm=False)   # the engine is reusable
         assert tokens(again) == ref[:3]
     assert spawned_children() == []

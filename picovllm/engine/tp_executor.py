@@ -40,6 +40,11 @@ SHUTDOWN_GRACE_S = 10.0    # how long workers get to leave their loop before the
 DEATH_WAIT_S = 2.0         # after a collective fails: how long to wait for the worker's exit to show
 
 
+# The session whose spawned workers make up this process's torch.distributed world, while it runs: a process has
+# one world, so a second engine cannot spawn its own (its new_group would wait forever on the first's ranks)
+_spawned_world: "TPSession | None" = None
+
+
 class TPSession:
     """What a tensor-parallel engine holds outside rank 0's model: the groups and the workers."""
 
@@ -55,6 +60,11 @@ class TPSession:
         self._threads: int | None = None              # rank 0's torch thread count before we changed it
 
     def start(self, size: int, device: str) -> None:
+        global _spawned_world
+        if _spawned_world is not None and not _spawned_world.closed:
+            raise ValueError(f"EngineConfig.tensor_parallel_size {size}: another tensor-parallel engine of this "
+                             "process is running on workers it spawned (a process holds one torch.distributed "
+                             "world); shut it down first (LLM.shutdown(), or leave its `with` block)")
         if launched_externally():
             self.local_rank, self.owns_world = join_external_world()
             if dist.get_rank() != 0:
@@ -71,6 +81,7 @@ class TPSession:
             self.workers.wait_started()
             dist.init_process_group("gloo", store=self.workers.store, rank=0, world_size=size, timeout=WORLD_TIMEOUT)
             self.owns_world = True
+            _spawned_world = self
         self.ranks = list(range(size))
         self.channel = ControlChannel(new_control_group(self.ranks), src=self.ranks[0])
 
