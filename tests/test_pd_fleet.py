@@ -297,6 +297,25 @@ def test_prefill_gone_before_the_pull(path):
         d.connector.shutdown()
 
 
+def test_a_decode_with_a_shorter_max_model_len_refuses_by_name(path):
+    """A D whose max_model_len is below prompt + max_tokens (P resolved max_tokens against its own, longer one)
+    refuses the request naming max_tokens; it had cut the output short at its own limit, finished "length". Both
+    engines end with every block free."""
+    p, d = fleet_engine(path, "p", max_model_len=512), fleet_engine(path, "d", max_model_len=64)
+    fleet = Fleet([p], [d])
+    try:
+        ok = fleet.submit(list(range(5, 25)), SamplingParams(max_tokens=40, ignore_eos=True))
+        long = fleet.submit(list(range(5, 45)), SamplingParams(max_tokens=60, ignore_eos=True))
+        fleet.run([ok, long])
+        assert len(fleet.finals[ok].outputs[0].token_ids) == 40
+        out = fleet.finals[long]
+        assert out.outputs[0].finish_reason == "error" and "max_tokens" in out.error and "64" in out.error, out.error
+        for eng in (p, d):
+            assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+    finally:
+        fleet.close()
+
+
 def test_nixl_reads_runs_of_blocks():
     """One descriptor a run of blocks consecutive on both sides (hand-worked): src 4 5 6 | 9 10 | 2 against dst
     7 8 9 10 11 12 breaks where src jumps; dst 1 2 | 5 6 against src 3 4 5 6 where dst jumps."""

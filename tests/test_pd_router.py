@@ -119,6 +119,157 @@ def test_a_prefill_lost_before_it_started_passes_the_request_on():
     assert all(i.in_flight == 0 for i in pool.instances.values())
 
 
+def _output_lines(*outs, handover=None) -> list[bytes]:
+    from picovllm.disagg.messages import OutputEncoder
+    wire, res = OutputEncoder(), []
+    for o in outs:
+        res.append(wire.encode(o))
+    if handover is not None:
+        res[-1]["kv_handover"] = handover
+    return [json.dumps(x).encode() + b"\n" for x in res]
+
+
+def _out(tokens, finished, reason=None):
+    from picovllm.outputs import CompletionOutput, RequestOutput
+    return RequestOutput("r", None, [1, 2, 3], [CompletionOutput(0, "", tokens, None, None, reason)], finished)
+
+
+def test_a_decode_lost_before_its_first_line_passes_the_request_on():
+    """D1 takes the request, then its stream breaks before a line (it never claimed the KV, which P still
+    publishes): D2 takes it and the client sees one clean stream; D1 leaves the rotation."""
+    import asyncio
+
+    from picovllm.disagg.router import InstancePool, RouterEngine
+
+    async def stream(lines, broken=False):
+        for line in lines:
+            yield line
+        if broken:
+            raise httpx.ReadError("connection reset")
+
+    seen = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request.url.host)
+        if request.url.host == "p1":
+            return httpx.Response(200, content=stream(_output_lines(_out([5], True), handover={"opaque": True})))
+        if request.url.host == "d1":
+            return httpx.Response(200, content=stream([], broken=True))
+        return httpx.Response(200, content=stream(_output_lines(_out([5, 6], False), _out([5, 6, 7], True, "length"))))
+
+    async def run():
+        pool = InstancePool(FleetSecret(SECRET.encode()), lease_s=30.0)
+        for url, role in (("http://p1", "p"), ("http://d1", "d"), ("http://d2", "d")):
+            pool.add(url, role, {"role": role, "fleet": True, "instance_id": url[7:], "block_size": 4})
+        engine = RouterEngine(pool, RoundRobin(), RoundRobin(), {}, transport=httpx.MockTransport(handler))
+        engine.start()
+        try:
+            stream_ = await engine.add_request([1, 2, 3], SamplingParams(max_tokens=3), "r")
+            return [o.outputs[0].token_ids async for o in stream_.outputs()], pool
+        finally:
+            await engine.shutdown()
+
+    got, pool = asyncio.run(run())
+    assert got == [[5], [5, 6], [5, 6, 7]] and seen == ["p1", "d1", "d2"]
+    assert not pool.instances["http://d1"].up and pool.instances["http://d2"].up
+    assert all(i.in_flight == 0 for i in pool.instances.values())
+
+
+def test_a_frozen_decode_ends_its_streams_and_a_dead_engine_leaves_the_rotation():
+    """Real sockets against fake instances: a D that sent a line and then nothing (a frozen process) and whose
+    /pd/load stops answering fails the stream open on it within about a lease, with an error naming it, where
+    the client had waited forever; an instance whose /pd/load says its engine is not running leaves the rotation
+    at the next check."""
+    import asyncio
+
+    from picovllm.disagg.router import InstancePool, RouterEngine
+
+    async def main():
+        frozen, routes, ports = asyncio.Event(), {}, []
+        routes["/pd/prefill"] = _output_lines(_out([5], True), handover={"opaque": True})
+        routes["/pd/decode"] = _output_lines(_out([5, 6], False))
+
+        async def serve(reader, writer):
+            head = await reader.readuntil(b"\r\n\r\n")
+            path = head.split(b" ")[1].decode()
+            length = next((int(h.split(b":")[1]) for h in head.split(b"\r\n") if h.lower().startswith(
+                b"content-length")), 0)
+            await reader.readexactly(length)
+            if path == "/pd/load":
+                port = writer.get_extra_info("sockname")[1]
+                alive = b"true" if port != ports[2] else b"false"
+                body = b'{"running": 0, "waiting": 0, "kv_usage": 0.0, "alive": ' + alive + b"}"
+                status = b"503 Service Unavailable" if frozen.is_set() and port == ports[1] else b"200 OK"
+                writer.write(b"HTTP/1.1 " + status + b"\r\ncontent-length: " + str(len(body)).encode() +
+                             b"\r\ncontent-type: application/json\r\n\r\n" + body)
+            else:
+                writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+                for line in routes[path]:
+                    writer.write(b"%x\r\n%s\r\n" % (len(line), line))
+                if path == "/pd/decode":
+                    frozen.set()          # a line, then nothing: the process froze
+                    await asyncio.sleep(3600)
+                writer.write(b"0\r\n\r\n")
+            await writer.drain()
+            writer.close()
+
+        servers = [await asyncio.start_server(serve, "127.0.0.1", 0) for _ in range(3)]
+        ports[:] = [srv.sockets[0].getsockname()[1] for srv in servers]
+        pool = InstancePool(FleetSecret(SECRET.encode()), lease_s=0.4)
+        for port, role in zip(ports, ("p", "d", "p")):
+            pool.add(f"http://127.0.0.1:{port}", role, {"role": role, "fleet": True, "instance_id": str(port),
+                                                         "block_size": 4})
+        pool.instances[f"http://127.0.0.1:{ports[2]}"].up = False     # not chosen before the checks run
+        engine = RouterEngine(pool, RoundRobin(), RoundRobin(), {})
+        engine.start()
+        start = time.monotonic()
+        try:
+            stream_ = await engine.add_request([1, 2, 3], SamplingParams(max_tokens=3), "r")
+            got = []
+            with pytest.raises(EngineStepError, match=f"127.0.0.1:{ports[1]}"):
+                async for o in stream_.outputs():
+                    got.append(o.outputs[0].token_ids)
+            took = time.monotonic() - start
+        finally:
+            await engine.shutdown()
+            for srv in servers:
+                srv.close()
+        return got, took, pool, ports
+
+    got, took, pool, ports = asyncio.run(asyncio.wait_for(main(), 30))
+    assert got == [[5], [5, 6]] and took < 5.0, took
+    inst = {port: pool.instances[f"http://127.0.0.1:{port}"] for port in ports}
+    assert not inst[ports[1]].up and inst[ports[0]].up
+    assert not inst[ports[2]].up and "alive false" in inst[ports[2]].down_reason
+    assert all(i.in_flight == 0 for i in inst.values())
+
+
+def test_instances_whose_kv_or_length_do_not_fit_the_fleet_are_refused():
+    """A D whose KV layout differs from the fleet's P (its blocks could not be copied as they are), or whose
+    max_model_len is below a P's (it would cut short what P admitted), is refused by the name of what differs."""
+    from picovllm.disagg.messages import KVLayout
+    from picovllm.disagg.router import InstancePool
+
+    def info(role, length=1024, **layout):
+        lay = dict(KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, block_size=16, num_blocks=64,
+                            dtype="float32", total_kv_heads=2).__dict__, **layout)
+        return {"role": role, "fleet": True, "instance_id": role, "block_size": lay["block_size"], "layout": lay,
+                "max_model_len": length}
+
+    pool = InstancePool(FleetSecret(SECRET.encode()), lease_s=30.0)
+    pool.add("http://p", "p", info("p"))
+    pool.add("http://d0", "d", info("d", length=2048, num_blocks=999))     # more blocks and room: fine
+    with pytest.raises(ValueError, match="KVLayout.dtype differs"):
+        pool.add("http://d1", "d", info("d", dtype="bfloat16"))
+    with pytest.raises(ValueError, match="block size 8"):
+        pool.add("http://d2", "d", info("d", block_size=8))
+    with pytest.raises(ValueError, match="max_model_len: http://d3"):
+        pool.add("http://d3", "d", info("d", length=512))
+    with pytest.raises(ValueError, match="max_model_len: http://p1"):
+        pool.add("http://p1", "p", info("p", length=4096))
+    assert sorted(pool.instances) == ["http://d0", "http://p"]
+
+
 def signed(method: str, url: str, path: str, body: dict | None = None, secret: str = SECRET) -> httpx.Response:
     data = json.dumps(body).encode() if body is not None else b""
     headers = {"content-type": "application/json", **sign_request(FleetSecret(secret.encode()), method, path, data)}

@@ -86,7 +86,7 @@ class FleetAsyncEngine(PDAsyncEngine):
         t = e.connector.transfer
         return {"role": e.config.role, "fleet": True, "instance_id": t.config.instance_id, "backend": t.name,
                 "kv_address": t.address if e.config.role == "p" else None, "block_size": e.config.block_size,
-                "layout": dict(t.layout.__dict__)}
+                "layout": dict(t.layout.__dict__), "max_model_len": e.max_model_len}
 
     def _connector_stats(self) -> dict:
         return dict(self.engine.connector.stats)

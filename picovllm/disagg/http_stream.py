@@ -80,6 +80,15 @@ class StreamedResponse:
     async def aread(self) -> bytes:
         return b"".join([piece async for piece in self._pieces()])
 
+    def fail(self, why: str) -> None:
+        """End the body in StreamError(why) where it is being read, and close the connection (the server seen
+        dead: a read would wait forever)."""
+        if not self._done:
+            self._reader.set_exception(StreamError(why))
+        self._done = True
+        if not self._writer.is_closing():
+            self._writer.close()
+
     async def aclose(self) -> None:
         """Close the connection (the server sees its client leave: a /pd route aborts the request)."""
         self._done = True

@@ -14,7 +14,9 @@ Instances come from --prefill/--decode at start-up and from the admin API at run
 /admin/instances {url, role}; POST /admin/instances/remove {url}; GET /admin/instances), which needs
 the fleet's signature (picovllm.disagg.auth), as every call the router makes to an instance carries it.
 Every lease / 4 the router reads each instance's /pd/load; one that has not answered for a lease is
-out of rotation until it answers again. /metrics adds, per instance, requests routed, failures, up,
+out of rotation until it answers again, and the streams open on it fail (a frozen process: they would wait
+forever); one whose engine is not running (alive: false) is out at once. An instance whose KV layout or
+max_model_len does not fit the fleet's is refused when it is added. /metrics adds, per instance, requests routed, failures, up,
 load and in-flight requests, and per routing decision a counter by role, policy and reason.
 """
 from __future__ import annotations
@@ -23,7 +25,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import httpx
 from prometheus_client import Counter, Gauge
@@ -32,6 +34,7 @@ from picovllm.disagg.auth import FleetSecret, sign_request
 from picovllm.disagg.handover_stream import RemoteEngine, StreamBroken, ndjson_outputs, open_pd_stream, \
     prefill_body, prefill_then_decode
 from picovllm.disagg.http_stream import StreamedResponse
+from picovllm.disagg.messages import KVLayout
 from picovllm.disagg.router_policy import Instance
 from picovllm.entrypoints.openai.engine_client import EngineDeadError, EngineStepError
 from picovllm.outputs import RequestOutput
@@ -68,6 +71,8 @@ class InstancePool:
     def __init__(self, secret: FleetSecret, lease_s: float, metrics: RouterMetrics | None = None) -> None:
         self.secret, self.lease_s, self.metrics = secret, lease_s, metrics
         self.instances: dict[str, Instance] = {}
+        # called for an instance silent for a lease (the router fails the streams open on it)
+        self.on_silent: Callable[[Instance, str], None] | None = None
 
     def headers(self, method: str, path: str, body: bytes = b"") -> dict[str, str]:
         return sign_request(self.secret, method, path, body)
@@ -80,10 +85,24 @@ class InstancePool:
             raise ValueError(f"role: {url} is a {info.get('role')!r} instance, not {role!r}")
         if not info.get("fleet"):
             raise ValueError(f"url: {url} is a linked-pair server (--kv-peer/--kv-port), not a fleet instance")
-        others = [i for i in self.instances.values() if i.role == "p" and i.url != url]
-        if role == "p" and others and others[0].block_size != info.get("block_size"):
+        others = [i for i in self.instances.values() if i.url != url]
+        if others and others[0].block_size != info.get("block_size"):
             raise ValueError(f"url: {url} has block size {info.get('block_size')}, the fleet {others[0].block_size}")
-        inst = Instance(url, role, str(info.get("instance_id")), int(info.get("block_size") or 16))
+        layout = info.get("layout")
+        for other in others:     # a P's KV must copy as-is into every D's cache (messages.KVLayout.mismatch)
+            if layout is not None and other.layout is not None:
+                p_side, d_side = (layout, other.layout) if role == "p" else (other.layout, layout)
+                why = KVLayout(**d_side).mismatch(KVLayout(**p_side)) if other.role != role else None
+                if why:
+                    raise ValueError(f"url: {url}'s KV cache does not fit the fleet's ({other.url}): {why}")
+        length = info.get("max_model_len")
+        ps = [i.max_model_len for i in others if i.role == "p" and i.max_model_len] + ([length] if role == "p" else [])
+        ds = [i.max_model_len for i in others if i.role == "d" and i.max_model_len] + ([length] if role == "d" else [])
+        if length and ps and ds and min(ds) < max(ps):    # a D cuts short what a P admitted
+            raise ValueError(f"max_model_len: {url} ({role}) has {length}; every decode instance needs at least the "
+                             f"prefill instances' ({max(ps)}), the fleet's decode instances have {min(ds)}")
+        inst = Instance(url, role, str(info.get("instance_id")), int(info.get("block_size") or 16), layout=layout,
+                        max_model_len=length)
         self.instances[url] = inst
         self.observe(inst)
         return inst
@@ -116,18 +135,26 @@ class InstancePool:
         self.observe(inst)
 
     def saw_failure(self, inst: Instance, why: str) -> None:
-        """A health check failed: out of rotation once it has not answered for a lease."""
+        """A health check failed: out of rotation once it has not answered for a lease, and the requests open on
+        it fail (a frozen instance sends nothing more: its clients would wait forever)."""
         if time.monotonic() - inst.last_ok > self.lease_s:
             self.mark_down(inst, f"no answer for {self.lease_s:g} s: {why}")
+            if self.on_silent is not None:
+                self.on_silent(inst, inst.down_reason)
 
     async def check(self, client: httpx.AsyncClient, inst: Instance) -> None:
         try:
             r = await client.get(inst.url + "/pd/load", headers=self.headers("GET", "/pd/load"), timeout=5.0)
             if r.status_code != 200:
                 raise ValueError(f"/pd/load answered HTTP {r.status_code}")
-            self.saw_load(inst, r.json())
+            load = r.json()
         except (httpx.HTTPError, ValueError) as e:
             self.saw_failure(inst, f"{type(e).__name__}: {e}")
+            return
+        if load.get("alive", True) is False:     # its server answers, its engine is gone: no use trying it
+            self.mark_down(inst, "its engine is not running (/pd/load: alive false)")
+        else:
+            self.saw_load(inst, load)
 
     def observe(self, inst: Instance) -> None:
         if self.metrics is not None:
@@ -181,7 +208,26 @@ class RouterStream:
         self._leave(self.prefill)
         resp = await self.router.open_decode(self, handover)       # sets self.decode: D answers for the KV now
         self._responses.append(resp)
-        return self._lines(resp, self.decode)
+        return self._decode_lines(handover)
+
+    async def _decode_lines(self, handover: dict) -> AsyncIterator[tuple[RequestOutput, dict]]:
+        """D's lines. A D lost before its first line had not claimed the KV, which P still publishes: the request
+        goes to another D."""
+        tried = {self.decode.url}
+        while True:
+            started = False
+            try:
+                async for item in self._lines(self._responses[-1], self.decode):
+                    started = True
+                    yield item
+                return
+            except StreamBroken:
+                if started or self.router is None:
+                    raise
+            self._leave(self.decode)
+            resp = await self.router.open_decode(self, handover, tried)
+            tried.add(self.decode.url)
+            self._responses.append(resp)
 
     async def _lines(self, resp: StreamedResponse, inst: Instance) -> AsyncIterator[tuple[RequestOutput, dict]]:
         """An instance's lines; one whose stream broke is marked down."""
@@ -191,6 +237,17 @@ class RouterStream:
         except StreamBroken as e:
             self.router.pool.mark_down(inst, str(e))
             raise
+
+    def lose(self, inst: Instance, why: str) -> None:
+        """inst stopped answering (InstancePool.on_silent): the stream open on it ends in StreamBroken where it is
+        read (an error naming it, or, before its first line, the next instance)."""
+        current = self.decode if self.decode is not None else self.prefill
+        if current is inst and self._responses:
+            resp = self._responses[-1]
+            if isinstance(resp, StreamedResponse):
+                resp.fail(f"{inst.url} stopped answering: {why}")
+            else:      # an httpx stream (tests' transports)
+                asyncio.ensure_future(resp.aclose())
 
     def _leave(self, inst: Instance | None) -> None:
         if inst is not None and inst.url not in self._left:
@@ -228,6 +285,11 @@ class RouterEngine(RemoteEngine):
         self.pool, self.prefill_policy, self.decode_policy = pool, prefill_policy, decode_policy
         self.router_metrics = router_metrics
         self._health: asyncio.Task | None = None
+        pool.on_silent = self._silent
+
+    def _silent(self, inst: Instance, why: str) -> None:
+        for stream in list(self._streams):
+            stream.lose(inst, why)
 
     def start(self) -> None:
         super().start()
@@ -261,11 +323,13 @@ class RouterEngine(RemoteEngine):
             raise EngineStepError(f"the prefill instance {stream.prefill.url} was lost before the request started, "
                                   f"and no other could take it: {e}") from None
 
-    async def open_decode(self, stream: RouterStream, handover: dict) -> StreamedResponse:
-        """Hand a published request to a D; EngineStepError if none could take it."""
+    async def open_decode(self, stream: RouterStream, handover: dict,
+                          tried: set[str] = frozenset()) -> StreamedResponse:
+        """Hand a published request to a D (not one of those tried); EngineStepError if none could take it."""
         body = {"request_id": stream.request_id, "handover": handover}
         try:
-            stream.decode, resp = await self._open_on_one("d", self.decode_policy, "/pd/decode", body, [])
+            stream.decode, resp = await self._open_on_one("d", self.decode_policy, "/pd/decode", body, [],
+                                                          exclude=tried)
         except (EngineDeadError, ValueError) as e:
             raise EngineStepError(str(e)) from None
         return resp

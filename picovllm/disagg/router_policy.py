@@ -36,6 +36,8 @@ class Instance:
     waiting: int = 0
     kv_usage: float = 0.0
     in_flight: int = 0                 # the router's requests on it now
+    layout: dict | None = None         # its KV layout (/pd/info's: messages.KVLayout's fields)
+    max_model_len: int | None = None
 
     @property
     def load(self) -> float:

@@ -660,6 +660,9 @@ class Engine:
             if req.request_id in self.requests:
                 raise ValueError(f"request_id {req.request_id!r} is already in use on the {self.config.role} engine")
             self._check_length(req.num_prompt_tokens)
+            if req.num_prompt_tokens + req.max_tokens > self.max_model_len:    # P resolved it against its own
+                raise ValueError(f"max_tokens: prompt ({req.num_prompt_tokens}) + max_tokens ({req.max_tokens}) "
+                                 f"exceed the {self.config.role} engine's max_model_len ({self.max_model_len})")
             self._check_capacity(req.num_prompt_tokens, req.max_tokens)
             req.bad_words_ids = self._bad_words(req.params)
             if req.params.structured_outputs is not None:
