@@ -1,11 +1,8 @@
 """Chat templates as transformers renders them (the oracle: its apply_chat_template on the same tokenizer and
-messages), through the server's /tokenize and chat routes and LLM.chat; the prefix cache's cache_salt; embeddings in
-vLLM's embed_dtype and endianness."""
+messages), through the server's /tokenize and chat routes and LLM.chat."""
 from __future__ import annotations
 
-import base64
 import shutil
-import struct
 
 import pytest
 
@@ -148,66 +145,4 @@ def test_tools_and_earlier_calls_in_the_prompt(model):
                                                          "max_tokens": 1})
             assert r.json()["usage"]["prompt_tokens"] == len(with_tools), choice
         assert http.post("/tokenize", json={"messages": history}).json()["tokens"] == want
-    assert_engine_clean(engine)
-
-
-def test_cache_salt_keeps_prefix_caches_apart(model):
-    """vLLM's cache_salt: a prompt cached under one salt is no hit under another, or without one; under the same salt
-    it is (the server and LLM's prompt dicts). The salt changes nothing else: greedy outputs are the same."""
-    from picovllm import LLM, SamplingParams
-    prompt = "The capital of France is Paris. Tell me a story about a cat who lives on the moon."
-    engine, http = _served(model)
-    with http:
-        def cached(**extra) -> tuple[int, str]:
-            r = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 3, "temperature": 0, **extra})
-            assert r.status_code == 200, r.text
-            return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"], r.json()["choices"][0]["text"]
-
-        first, text = cached(cache_salt="tenant-a")
-        again, other, unsalted, same = (cached(cache_salt="tenant-a"), cached(cache_salt="tenant-b"), cached(),
-                                        cached(cache_salt="tenant-a"))
-        assert first == 0 and again[0] > 0 and other[0] == 0 and unsalted[0] == 0 and same[0] == again[0]
-        assert {text, again[1], other[1], unsalted[1]} == {text}
-        r = http.post("/v1/completions", json={"prompt": prompt, "cache_salt": ""})
-        assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt"
-    assert_engine_clean(engine)
-    llm = LLM(model, num_kv_blocks=64, max_model_len=256, async_scheduling=False)
-    params = SamplingParams(max_tokens=2, temperature=0)
-    outs = [llm.generate(p, params, use_tqdm=False)[0] for p in (
-        {"prompt": prompt, "cache_salt": "a"}, {"prompt": prompt, "cache_salt": "b"}, {"prompt": prompt},
-        {"prompt": prompt, "cache_salt": "b"})]
-    assert [o.num_cached_tokens > 0 for o in outs] == [False, False, False, True]
-    with pytest.raises(ValueError, match="cache_salt"):
-        llm.generate({"prompt": prompt, "cache_salt": 7}, params, use_tqdm=False)
-    assert_engine_clean(llm.engine)
-
-
-def test_embeddings_in_vllm_dtypes_and_byte_orders(model):
-    """/v1/embeddings' base64 in vLLM's embed_dtype (float32, float16, bfloat16) and endianness, against the float
-    embedding rounded by torch; "float" in another dtype gives the rounded values."""
-    import torch
-    engine, http = _served(model, runner="pooling")
-    with http:
-        def embed(**extra):
-            r = http.post("/v1/embeddings", json={"input": "hello there", **extra})
-            assert r.status_code == 200, r.text
-            return r.json()["data"][0]["embedding"]
-
-        floats = torch.tensor(embed(), dtype=torch.float64)
-        for dtype, torch_dtype, fmt in (("float32", torch.float32, "f"), ("float16", torch.float16, "e"),
-                                        ("bfloat16", torch.bfloat16, None)):
-            rounded = floats.to(torch_dtype)
-            for order, prefix in (("little", "<"), ("big", ">"), ("native", "=")):
-                raw = base64.b64decode(embed(encoding_format="base64", embed_dtype=dtype, endianness=order))
-                assert len(raw) == floats.numel() * rounded.element_size()
-                if fmt is None:     # bfloat16: the top half of float32's bits
-                    bits = struct.unpack(f"{prefix}{floats.numel()}H", raw)
-                    got = torch.tensor([struct.unpack("<f", struct.pack("<I", b << 16))[0] for b in bits])
-                else:
-                    got = torch.tensor(struct.unpack(f"{prefix}{floats.numel()}{fmt}", raw))
-                assert torch.equal(got.to(torch_dtype), rounded), (dtype, order)
-            as_floats = torch.tensor(embed(embed_dtype=dtype), dtype=torch.float64)
-            assert torch.equal(as_floats, rounded.to(torch.float64)), dtype
-        r = http.post("/v1/embeddings", json={"input": "hi", "embed_dtype": "fp8_e4m3"})
-        assert r.status_code == 400 and "embed_dtype" in r.json()["error"]["message"]
     assert_engine_clean(engine)

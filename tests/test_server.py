@@ -1115,7 +1115,8 @@ def test_bench_serve_writes_report_and_plot(server, tmp_path):
     assert delta("picovllm:prefill_tokens_total") + delta("picovllm:prefix_cache_hits_total") == 12 * 16
     assert delta("picovllm:prefix_cache_queries_total") == 12 * 16
     for m in ("ttft", "tpot", "itl", "e2el"):
-        assert 0 < s[f"median_{m}_ms"] <= s[f"p90_{m}_ms"] <= s[f"p99_{m}_ms"]
+        assert 0 <= s[f"median_{m}_ms"] <= s[f"p90_{m}_ms"] <= s[f"p99_{m}_ms"]
+        assert m == "itl" or s[f"median_{m}_ms"] > 0     # (tokens a loaded machine coalesces arrive 0 ms apart)
     assert s["mean_e2el_ms"] >= s["mean_ttft_ms"]
     assert s["request_goodput"] == pytest.approx(s["request_throughput"])   # SLOs generous enough for all
     assert s["request_throughput"] == pytest.approx(12 / s["duration"])

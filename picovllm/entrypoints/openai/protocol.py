@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import uuid
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, create_model, field_validator
@@ -199,6 +200,14 @@ class _SamplingRequest(_StructuredRequest, _RefusedCommon):
     length_penalty: FiniteFloat = 1.0
     return_tokens_as_token_ids: bool = False   # logprobs name tokens "token_id:<id>" (for text that is not UTF-8)
     cache_salt: str | None = Field(None, min_length=1)    # vLLM's: prefix-cache hits only within one salt
+    # vLLM's: the prompt's and each choice's token ids in the response (streamed: the prompt's in the first chunk,
+    # each chunk's new ones)
+    return_token_ids: bool = False
+    # vLLM's: the request's id (the response's is the endpoint's prefix and it), else a random one
+    request_id: str | None = Field(None, min_length=1, max_length=256, pattern=r"^[\x21-\x7e]+$")
+
+    def response_id(self, prefix: str) -> str:
+        return f"{prefix}-{self.request_id or uuid.uuid4().hex}"
     # vLLM's. The text is decoded as HF's tokenizer.decode decodes it with this flag: a fast tokenizer (every one this
     # server loads) puts no space between special tokens either way, as HF's and vLLM's fast detokenizers do.
     spaces_between_special_tokens: bool = True

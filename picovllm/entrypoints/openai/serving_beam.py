@@ -21,7 +21,7 @@ BEAM_FIELDS = frozenset({
     "model", "prompt", "messages", "use_beam_search", "n", "max_tokens", "max_completion_tokens", "length_penalty",
     "ignore_eos", "temperature", "seed", "stream", "user", "priority", "skip_special_tokens",
     "truncate_prompt_tokens", "add_generation_prompt", "continue_final_message", "chat_template_kwargs",
-    "documents", "chat_template", "add_special_tokens", "spaces_between_special_tokens"})
+    "documents", "chat_template", "add_special_tokens", "spaces_between_special_tokens", "request_id"})
 
 
 # Values of other fields that ask for nothing (what clients often send explicitly), besides each field's default.

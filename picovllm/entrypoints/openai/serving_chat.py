@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import AsyncIterator
 
 from fastapi import Request, Response
@@ -77,7 +76,7 @@ class ChatHandler:
         if harmony:
             params.skip_special_tokens = False
             header = ctx.harmony.open_header(ids)
-        group = await SampleGroup(ctx, ids, sample_params(params), f"chatcmpl-{uuid.uuid4().hex}", arrival,
+        group = await SampleGroup(ctx, ids, sample_params(params), req.response_id("chatcmpl"), arrival,
                                   req.priority, harmony, "messages").start()
         if req.stream:
             return sse_response(self._events(req, group, params.stop, k, policy, opened, harmony, header))
@@ -93,7 +92,11 @@ class ChatHandler:
             choices.append({"index": c.index, "message": message, "finish_reason": finish, "stop_reason": c.stop_reason,
                             "logprobs": _logprobs(c, range(len(c.token_ids)), k, req.return_tokens_as_token_ids)
                             if k is not None else None})
+            if req.return_token_ids:
+                choices[-1]["token_ids"] = list(c.token_ids)
         extra = {"prompt_logprobs": prompt_logprobs_json(out.prompt_logprobs)} if req.prompt_logprobs is not None else {}
+        if req.return_token_ids:
+            extra["prompt_token_ids"] = list(out.prompt_token_ids)
         use = await self._usage(req, out, opened, harmony)
         return JSONBody(self._body(group.request_id, "chat.completion", choices, usage=use, **extra))
 
@@ -128,7 +131,7 @@ class ChatHandler:
         return lo
 
     async def _beams(self, req: ChatCompletionRequest, raw: Request, ids: list[int]) -> Response:
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        rid = req.response_id("chatcmpl")
         done = await serve_beam_search(self.ctx, req, raw, ids, req.max_new_tokens, rid)
         if done is None:
             return Response(status_code=499)     # the client is gone; nobody reads this
@@ -158,10 +161,18 @@ class ChatHandler:
         splits = None if opened is None else [ReasoningSplitter(opened) for _ in range(n)]
         content = [""] * n     # with splits: each choice's content so far (what the tool calls are read from)
         harmonies = [HarmonyStream(policy, header) for _ in range(n)] if harmony else None
+        new_ids: list[list[int]] = [[] for _ in range(n)]    # return_token_ids: each choice's tokens not yet sent
+        first = [req.return_token_ids]                       # the prompt's ids still to go, on the first chunk
 
         def emit(chunks: list[dict], i: int) -> str:
             if req.continuous_usage:
                 chunks = [with_usage(chunk, len(group.ids), sent[i]) for chunk in chunks]
+            if req.return_token_ids:
+                if new_ids[i]:
+                    chunks[-1]["choices"][0]["token_ids"], new_ids[i] = new_ids[i], []
+                if first[0]:
+                    chunks[0] = {**chunks[0], "prompt_token_ids": list(group.ids)}
+                    first[0] = False
             return "".join(sse(chunk) for chunk in chunks)
 
         try:
@@ -173,6 +184,7 @@ class ChatHandler:
                 last[i], c = out, out.outputs[0]
                 text, toks = deltas[i].text(c, out.finished), deltas[i].tokens(c)
                 sent[i] = len(c.token_ids)
+                new_ids[i] += c.token_ids[toks.start:toks.stop]
                 thought, ended = "", False
                 if splits is not None:
                     before = splits[i].state

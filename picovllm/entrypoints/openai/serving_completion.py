@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from collections.abc import AsyncIterator
 
 from fastapi import Request, Response
@@ -42,29 +41,30 @@ class CompletionHandler:
         jobs = [await self._prepared(req, prompt) for prompt in prompts]     # every prompt checked before any runs
         if req.use_beam_search:
             return await self._beams(req, raw, jobs[0][0])
+        rid = req.response_id("cmpl")      # a batch's prompt i runs as rid-i
+        rids = [rid] if len(jobs) == 1 else [f"{rid}-{i}" for i in range(len(jobs))]
         if req.stream:
             groups = []
             try:
-                for ids, _, _ in jobs:
-                    groups.append(await SampleGroup(ctx, ids, samples, f"cmpl-{uuid.uuid4().hex}", arrival,
-                                                    req.priority).start())
+                for (ids, _, _), group_id in zip(jobs, rids):
+                    groups.append(await SampleGroup(ctx, ids, samples, group_id, arrival, req.priority).start())
             except BaseException:
                 for g in groups:     # a later prompt refused: the earlier ones' requests are aborted
                     g.close()
                 raise
             streamed = [(g, echo, first) for g, (_, echo, first) in zip(groups, jobs)]
             if echo_only:
-                return sse_response(self._echo_only_events(req, raw, streamed, params.n))
-            return sse_response(self._events(req, streamed, params.stop, params.n))
-        bodies = await asyncio.gather(*(self._answer(req, raw, job, params, samples, echo_only, arrival)
-                                        for job in jobs))
+                return sse_response(self._echo_only_events(req, raw, rid, streamed, params.n))
+            return sse_response(self._events(req, rid, streamed, params.stop, params.n))
+        bodies = await asyncio.gather(*(self._answer(req, raw, job, group_id, params, samples, echo_only, arrival)
+                                        for job, group_id in zip(jobs, rids)))
         if any(b is None for b in bodies):
             return Response(status_code=499)     # the client is gone; nobody reads this
         if len(bodies) == 1:
             return JSONBody(bodies[0])
         # OpenAI's batched prompts: prompt i's choices are i * n .. i * n + n - 1; usage summed over the prompts
         choices = [dict(c, index=i * params.n + c["index"]) for i, b in enumerate(bodies) for c in b["choices"]]
-        return JSONBody(self._body(bodies[0]["id"], choices, usage=_summed([b["usage"] for b in bodies])))
+        return JSONBody(self._body(rid, choices, usage=_summed([b["usage"] for b in bodies])))
 
     async def _prepared(self, req: CompletionRequest, prompt: str | list[int]) -> tuple[list[int], str, str | None]:
         """One prompt's ids (truncated, checked against the context: a 400 naming the field), the text echo returns
@@ -80,11 +80,11 @@ class CompletionHandler:
         first_token = await ctx.tokenizer.decode(ids[:1]) if req.echo and req.logprobs is not None else None
         return ids, echo, first_token
 
-    async def _answer(self, req: CompletionRequest, raw: Request, job: tuple, params, samples: list,
+    async def _answer(self, req: CompletionRequest, raw: Request, job: tuple, group_id: str, params, samples: list,
                       echo_only: bool, arrival: float) -> dict | None:
         """One prompt's completion body (None: the client went away)."""
         ids, echo, first_token = job
-        group = await SampleGroup(self.ctx, ids, samples, f"cmpl-{uuid.uuid4().hex}", arrival, req.priority).start()
+        group = await SampleGroup(self.ctx, ids, samples, group_id, arrival, req.priority).start()
         if echo_only:
             return await self._echo_only_body(req, raw, group, echo, first_token, params.n)
         out = await final_output(raw, group)
@@ -102,10 +102,12 @@ class CompletionHandler:
                 choice["logprobs"] = _joined(head, _logprobs(c, range(len(c.token_ids)), offset, as_ids)[0])
             if req.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs)
+            if req.return_token_ids:
+                choice.update(prompt_token_ids=list(out.prompt_token_ids), token_ids=list(c.token_ids))
             choices.append(choice)
         return self._body(group.request_id, choices, usage=usage(out))   # usage: every sample run
 
-    async def _echo_only_events(self, req: CompletionRequest, raw: Request,
+    async def _echo_only_events(self, req: CompletionRequest, raw: Request, rid: str,
                                 jobs: list[tuple[SampleGroup, str, str | None]], n: int) -> AsyncIterator[str]:
         """_echo_only_body streamed: one chunk a choice (prompt i's at indexes i * n ..), then the usage if asked."""
         bodies = []
@@ -116,7 +118,7 @@ class CompletionHandler:
                     return
                 bodies.append(body)
                 for choice in body["choices"]:
-                    yield sse(self._body(bodies[0]["id"], [dict(choice, index=i * n + choice["index"])]))
+                    yield sse(self._body(rid, [dict(choice, index=i * n + choice["index"])]))
         except ENGINE_ERRORS as e:
             yield sse_error(e)
             yield SSE_DONE
@@ -125,7 +127,7 @@ class CompletionHandler:
             for group, _, _ in jobs:
                 group.close()
         if req.include_usage:
-            yield sse(self._body(bodies[0]["id"], [], usage=_summed([b["usage"] for b in bodies])))
+            yield sse(self._body(rid, [], usage=_summed([b["usage"] for b in bodies])))
         yield SSE_DONE
 
     async def _echo_only_body(self, req: CompletionRequest, raw: Request, group: SampleGroup, echo: str,
@@ -142,6 +144,9 @@ class CompletionHandler:
             lp = _joined(head, _completion_logprobs([], offset)[0])
         choices = [{"index": i, "text": echo, "logprobs": lp, "finish_reason": "length", "stop_reason": None}
                    for i in range(n)]
+        if req.return_token_ids:       # nothing generated
+            for choice in choices:
+                choice.update(prompt_token_ids=list(out.prompt_token_ids), token_ids=[])
         if req.prompt_logprobs is not None:
             for choice in choices:
                 choice["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs)
@@ -149,7 +154,7 @@ class CompletionHandler:
         return self._body(group.request_id, choices, usage=use)
 
     async def _beams(self, req: CompletionRequest, raw: Request, ids: list[int]) -> Response:
-        rid = f"cmpl-{uuid.uuid4().hex}"
+        rid = req.response_id("cmpl")
         done = await serve_beam_search(self.ctx, req, raw, ids, req.max_tokens, rid)
         if done is None:
             return Response(status_code=499)     # the client is gone; nobody reads this
@@ -161,11 +166,11 @@ class CompletionHandler:
         return {"id": rid, "object": "text_completion", "created": now(), "model": self.ctx.model_name,
                 "choices": choices, **extra}
 
-    async def _events(self, req: CompletionRequest, jobs: list[tuple[SampleGroup, str, str | None]],
+    async def _events(self, req: CompletionRequest, rid: str, jobs: list[tuple[SampleGroup, str, str | None]],
                       stop: list[str], n: int) -> AsyncIterator[str]:
         """The prompts' choices streamed as their samples advance (prompt i's at indexes i * n ..), interleaved
-        across prompts under the first prompt's id; then the usage summed over every prompt, if asked."""
-        rid, finals = jobs[0][0].request_id, []
+        across prompts under the response's id rid; then the usage summed over every prompt, if asked."""
+        finals = []
         try:
             async for item in _merged([self._choices(req, g, stop, echo, first, i * n)
                                        for i, (g, echo, first) in enumerate(jobs)]):
@@ -191,12 +196,14 @@ class CompletionHandler:
         counted from base; then, once every sample has finished, the list of their final outputs."""
         k = len(group.samples)
         deltas, offsets, last = [TextDeltas(stop) for _ in range(k)], [0] * k, {}
+        new_ids: list[list[int]] = [[] for _ in range(k)]    # return_token_ids: each choice's tokens not yet sent
         unechoed = set(range(k)) if echo else set()   # choices whose first chunk (it carries the prompt) is to come
         started: set[int] = set()                      # choices whose first chunk went out
         scored = None                                  # the prompt's logprobs, once sample 0 has them
         async for i, out in group.outputs():
             last[i], c = out, out.outputs[0]
             text, toks = deltas[i].text(c, out.finished), deltas[i].tokens(c)
+            new_ids[i] += c.token_ids[toks.start:toks.stop]
             if not (text or out.finished or (req.logprobs is not None and toks)):
                 continue
             lp, head, first = None, None, i not in started
@@ -215,6 +222,10 @@ class CompletionHandler:
                       "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
             if first and req.prompt_logprobs is not None:   # with the choice's first chunk
                 choice["prompt_logprobs"] = prompt_logprobs_json(scored)
+            if req.return_token_ids:    # the prompt's with the choice's first chunk (vLLM puts them in the choice)
+                if first:
+                    choice["prompt_token_ids"] = list(out.prompt_token_ids)
+                choice["token_ids"], new_ids[i] = new_ids[i], []
             yield choice, len(out.prompt_token_ids), len(c.token_ids)
         if len(last) == k:
             yield [last[i] for i in range(k)]

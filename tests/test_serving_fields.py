@@ -1,0 +1,124 @@
+"""vLLM's request fields beyond OpenAI's, against what they must equal: cache_salt (prefix-cache hits only within a
+salt), return_token_ids (the ids the engine ran and produced: the prompt's as /tokenize gives them, the output's
+as the text decodes from them), request_id, and the embeddings' embed_dtype and endianness (torch's rounding)."""
+from __future__ import annotations
+
+import base64
+import json
+import struct
+
+import pytest
+
+from conftest import assert_engine_clean
+from test_chat_templates import _served, model  # noqa: F401 - a fixture
+
+
+def test_return_token_ids_and_request_id(model):
+    """return_token_ids: chat's prompt ids at the top, each choice's ids; completions' both in each choice; streamed,
+    the prompt's in the first chunk and each chunk's new ids, which add up to the unstreamed ones. The prompt's are
+    /tokenize's, the output's decode to the text. request_id names the response."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(model)
+    messages = [{"role": "user", "content": "Tell me a story"}]
+    engine, http = _served(model)
+    with http:
+        chat_ids = http.post("/tokenize", json={"messages": messages}).json()["tokens"]
+        kw = {"max_tokens": 12, "temperature": 0, "return_token_ids": True}
+        r = http.post("/v1/chat/completions", json={"messages": messages, "n": 2, "request_id": "abc-1", **kw}).json()
+        assert r["id"] == "chatcmpl-abc-1" and r["prompt_token_ids"] == chat_ids
+        for c in r["choices"]:
+            assert len(c["token_ids"]) == r["usage"]["completion_tokens"] // 2
+            # (an incomplete character at the end is held back from the text)
+            assert tok.decode(c["token_ids"], skip_special_tokens=True).rstrip("\ufffd") == \
+                c["message"]["content"].rstrip("\ufffd")
+        plain = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 12}).json()
+        assert "prompt_token_ids" not in plain and "token_ids" not in plain["choices"][0]
+        chunks = [json.loads(line[6:]) for line in http.post("/v1/chat/completions", json={
+            "messages": messages, "stream": True, **kw}).text.splitlines()
+            if line.startswith("data: {")]
+        assert chunks[0]["prompt_token_ids"] == chat_ids
+        assert all("prompt_token_ids" not in c for c in chunks[1:])
+        streamed = [t for c in chunks for ch in c["choices"] for t in ch.get("token_ids") or []]
+        assert streamed == r["choices"][0]["token_ids"]
+
+        prompts = ["Hello, how are you", "The capital of France is"]
+        ids = [http.post("/tokenize", json={"prompt": p}).json()["tokens"] for p in prompts]
+        r = http.post("/v1/completions", json={"prompt": prompts, "request_id": "xyz", **kw}).json()
+        assert r["id"] == "cmpl-xyz" and [c["prompt_token_ids"] for c in r["choices"]] == ids
+        for c in r["choices"]:
+            assert tok.decode(c["token_ids"]).rstrip("\ufffd") == c["text"].rstrip("\ufffd")
+            assert len(c["token_ids"]) == 12
+        chunks = [json.loads(line[6:]) for line in http.post("/v1/completions", json={
+            "prompt": prompts, "stream": True, **kw}).text.splitlines() if line.startswith("data: {")]
+        for i in range(2):
+            mine = [ch for c in chunks for ch in c["choices"] if ch["index"] == i]
+            assert mine[0]["prompt_token_ids"] == ids[i] and all("prompt_token_ids" not in ch for ch in mine[1:])
+            assert [t for ch in mine for t in ch["token_ids"]] == r["choices"][i]["token_ids"]
+        scored = http.post("/v1/completions", json={"prompt": prompts[0], "max_tokens": 0, "echo": True,
+                                                    "return_token_ids": True}).json()["choices"][0]
+        assert scored["prompt_token_ids"] == ids[0] and scored["token_ids"] == []
+        bad = http.post("/v1/completions", json={"prompt": "hi", "request_id": "has space"})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "request_id"
+    assert_engine_clean(engine)
+
+
+def test_cache_salt_keeps_prefix_caches_apart(model):
+    """vLLM's cache_salt: a prompt cached under one salt is no hit under another, or without one; under the same salt
+    it is (the server and LLM's prompt dicts). The salt changes nothing else: greedy outputs are the same."""
+    from picovllm import LLM, SamplingParams
+    prompt = "The capital of France is Paris. Tell me a story about a cat who lives on the moon."
+    engine, http = _served(model)
+    with http:
+        def cached(**extra) -> tuple[int, str]:
+            r = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 3, "temperature": 0, **extra})
+            assert r.status_code == 200, r.text
+            return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"], r.json()["choices"][0]["text"]
+
+        first, text = cached(cache_salt="tenant-a")
+        again, other, unsalted, same = (cached(cache_salt="tenant-a"), cached(cache_salt="tenant-b"), cached(),
+                                        cached(cache_salt="tenant-a"))
+        assert first == 0 and again[0] > 0 and other[0] == 0 and unsalted[0] == 0 and same[0] == again[0]
+        assert {text, again[1], other[1], unsalted[1]} == {text}
+        r = http.post("/v1/completions", json={"prompt": prompt, "cache_salt": ""})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt"
+    assert_engine_clean(engine)
+    llm = LLM(model, num_kv_blocks=64, max_model_len=256, async_scheduling=False)
+    params = SamplingParams(max_tokens=2, temperature=0)
+    outs = [llm.generate(p, params, use_tqdm=False)[0] for p in (
+        {"prompt": prompt, "cache_salt": "a"}, {"prompt": prompt, "cache_salt": "b"}, {"prompt": prompt},
+        {"prompt": prompt, "cache_salt": "b"})]
+    assert [o.num_cached_tokens > 0 for o in outs] == [False, False, False, True]
+    with pytest.raises(ValueError, match="cache_salt"):
+        llm.generate({"prompt": prompt, "cache_salt": 7}, params, use_tqdm=False)
+    assert_engine_clean(llm.engine)
+
+
+def test_embeddings_in_vllm_dtypes_and_byte_orders(model):
+    """/v1/embeddings' base64 in vLLM's embed_dtype (float32, float16, bfloat16) and endianness, against the float
+    embedding rounded by torch; "float" in another dtype gives the rounded values."""
+    import torch
+    engine, http = _served(model, runner="pooling")
+    with http:
+        def embed(**extra):
+            r = http.post("/v1/embeddings", json={"input": "hello there", **extra})
+            assert r.status_code == 200, r.text
+            return r.json()["data"][0]["embedding"]
+
+        floats = torch.tensor(embed(), dtype=torch.float64)
+        for dtype, torch_dtype, fmt in (("float32", torch.float32, "f"), ("float16", torch.float16, "e"),
+                                        ("bfloat16", torch.bfloat16, None)):
+            rounded = floats.to(torch_dtype)
+            for order, prefix in (("little", "<"), ("big", ">"), ("native", "=")):
+                raw = base64.b64decode(embed(encoding_format="base64", embed_dtype=dtype, endianness=order))
+                assert len(raw) == floats.numel() * rounded.element_size()
+                if fmt is None:     # bfloat16: the top half of float32's bits
+                    bits = struct.unpack(f"{prefix}{floats.numel()}H", raw)
+                    got = torch.tensor([struct.unpack("<f", struct.pack("<I", b << 16))[0] for b in bits])
+                else:
+                    got = torch.tensor(struct.unpack(f"{prefix}{floats.numel()}{fmt}", raw))
+                assert torch.equal(got.to(torch_dtype), rounded), (dtype, order)
+            as_floats = torch.tensor(embed(embed_dtype=dtype), dtype=torch.float64)
+            assert torch.equal(as_floats, rounded.to(torch.float64)), dtype
+        r = http.post("/v1/embeddings", json={"input": "hi", "embed_dtype": "fp8_e4m3"})
+        assert r.status_code == 400 and "embed_dtype" in r.json()["error"]["message"]
+    assert_engine_clean(engine)
