@@ -146,3 +146,11 @@ def test_tools_and_earlier_calls_in_the_prompt(model):
             assert r.json()["usage"]["prompt_tokens"] == len(with_tools), choice
         assert http.post("/tokenize", json={"messages": history}).json()["tokens"] == want
     assert_engine_clean(engine)
+    engine, http = _served(model)      # ChatML renders no tools: under "none" no system message asks for calls
+    with http:
+        r = http.post("/v1/chat/completions", json={"messages": USER, "tools": TOOLS, "tool_choice": "none",
+                                                     "max_tokens": 1}).json()
+        assert r["usage"]["prompt_tokens"] == len(_hf_ids(tok, USER))
+        described = http.post("/tokenize", json={"messages": USER, "tools": TOOLS}).json()["count"]   # as "auto"
+        assert described > len(_hf_ids(tok, USER)) + 100
+    assert_engine_clean(engine)
