@@ -31,7 +31,7 @@ def model(tmp_path_factory) -> str:
     return build_tiny_chat_model(str(tmp_path_factory.mktemp("templates") / "model"))
 
 
-def _served(path: str, template: str | None = None, **engine_kw):
+def _served(path: str, template: str | None = None, sampling_defaults: dict | None = None, **engine_kw):
     from fastapi.testclient import TestClient
     from picovllm import EngineConfig
     from picovllm.engine.llm_engine import Engine
@@ -43,7 +43,7 @@ def _served(path: str, template: str | None = None, **engine_kw):
     engine = Engine(EngineConfig(**{"model": path, "num_kv_blocks": 64, "max_model_len": 256,
                                     "async_scheduling": False, **engine_kw}))
     ctx = ServingContext(AsyncEngine(engine), TokenizerWorker(engine.tokenizer, template, True), ServerMetrics("m"),
-                         "m")
+                         "m", sampling_defaults=sampling_defaults or {})
     return engine, TestClient(build_app(ctx, ServerSettings()))
 
 

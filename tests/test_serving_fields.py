@@ -62,6 +62,57 @@ def test_return_token_ids_and_request_id(model):
     assert_engine_clean(engine)
 
 
+def test_beam_search_takes_the_generation_config_cap_and_leaves_its_end_token_out(model):
+    """Served beam search is capped by the model's generation config's max_tokens as any request is (it had run
+    each beam to the end of the context); a beam that ended on an end-of-sequence token leaves that token's text
+    out unless include_stop_str_in_output (vLLM's), offline and served."""
+    from picovllm import LLM, BeamSearchParams, SamplingParams
+    llm = LLM(model, num_kv_blocks=64, max_model_len=256, async_scheduling=False)
+    prompt = "The capital of France is"
+    first = llm.generate(prompt, SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)[0].outputs[0]
+    llm.engine.eos_token_ids = [first.token_ids[0]]      # an ordinary token, greedy's first: a beam ends on it
+    for keep in (False, True):
+        beams = llm.beam_search([prompt], BeamSearchParams(beam_width=2, max_tokens=4,
+                                                           include_stop_str_in_output=keep))[0].sequences
+        ended = next(b for b in beams if b.finish_reason == "stop")
+        text = llm.engine.tokenizer.decode(first.token_ids, skip_special_tokens=True)
+        assert ended.output_token_ids == first.token_ids and ended.text == (text if keep else "") and text
+    assert_engine_clean(llm.engine)
+    engine, http = _served(model, sampling_defaults={"max_tokens": 4})
+    with http:
+        for extra in ({}, {"max_tokens": 50}):
+            r = http.post("/v1/completions", json={"prompt": prompt, "n": 2, "use_beam_search": True,
+                                                   "ignore_eos": True, **extra}).json()
+            assert r["usage"]["completion_tokens"] == 2 * 4, extra
+    assert_engine_clean(engine)
+
+
+def test_responses_cut_by_max_output_tokens_mark_their_last_item_incomplete(model):
+    """A response max_output_tokens cut is incomplete, and so is its last output item (OpenAI's), streamed or not;
+    a named function's call cut short is that call, with the arguments so far, both ways (as chat answers it)."""
+    tool = {"type": "function", "name": "get_weather", "parameters": {     # arguments 3 tokens cannot finish
+        "type": "object", "properties": {"city": {"type": "string", "minLength": 40}}, "required": ["city"]}}
+    engine, http = _served(model, max_model_len=512)     # the tools' system message is ~340 tokens
+    with http:
+        for extra, kind in (({}, "message"), ({"tools": [tool], "tool_choice": {"type": "function",
+                                                                                 "name": "get_weather"}},
+                                              "function_call")):
+            body = {"input": "Tell me a story", "max_output_tokens": 3, **extra}
+            whole = http.post("/v1/responses", json=body).json()
+            events = [json.loads(line[6:]) for line in http.post("/v1/responses", json={**body, "stream": True})
+                      .text.splitlines() if line.startswith("data: ")]
+            streamed = events[-1]["response"]
+            assert events[-1]["type"] == "response.incomplete"
+            for got in (whole, streamed):
+                assert got["status"] == "incomplete" and got["incomplete_details"] == {"reason": "max_output_tokens"}
+                assert [(o["type"], o["status"]) for o in got["output"]] == [(kind, "incomplete")], got["output"]
+            done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+            assert [o["status"] for o in done] == ["incomplete"]
+            if kind == "function_call":
+                assert whole["output"][0]["arguments"] == streamed["output"][0]["arguments"] != ""
+    assert_engine_clean(engine)
+
+
 def test_cache_salt_keeps_prefix_caches_apart(model):
     """vLLM's cache_salt: a prompt cached under one salt is no hit under another, or without one; under the same salt
     it is (the server and LLM's prompt dicts). The salt changes nothing else: greedy outputs are the same."""

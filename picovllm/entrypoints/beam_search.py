@@ -4,13 +4,16 @@ the prefix cache keeps a beam's step from recomputing the blocks it shares with 
 nothing for it.
 
 One step, W = beam_width (the rule of HF transformers' beam search):
-  - each live beam proposes its 2W most likely next tokens; a candidate's score is its beam's cumulative
+  - each live beam proposes its max(2, 1 + E) W most likely next tokens (E: the end-of-sequence ids, 0 with
+    ignore_eos), so that W live beams remain whichever of them end; a candidate's score is its beam's cumulative
     log-probability plus the token's (the model's log-softmax; temperature 0 only);
   - the candidates in order of score, best first: one that ends with an end-of-sequence token (not with
     ignore_eos) is finished if it is among the first W, else dropped; the others become the next live beams, up to W.
 After max_tokens steps (or once no beam is live), the finished and the live beams are ranked by
     cumulative log-probability / (generated tokens, a final end-of-sequence token not counted) ** length_penalty
-and the best W are returned, best first.
+(the power saturated at e^+-700, so a large penalty orders beams instead of overflowing) and the best W are
+returned, best first. A beam's text leaves out its final end-of-sequence token unless include_stop_str_in_output
+(vLLM's field).
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ class BeamSearchParams:
     ignore_eos: bool = False
     temperature: float = 0.0
     length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False     # vLLM's: the end-of-sequence token's text kept in a beam's text
 
     def validate(self) -> None:
         for name in ("beam_width", "max_tokens"):
@@ -40,6 +44,9 @@ class BeamSearchParams:
                              f"only 0 is supported, got {self.temperature!r}")
         if not isinstance(self.length_penalty, (int, float)) or not math.isfinite(self.length_penalty):
             raise ValueError(f"BeamSearchParams.length_penalty must be a finite number, got {self.length_penalty!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"BeamSearchParams.{name} must be a bool, got {getattr(self, name)!r}")
 
 
 @dataclass
@@ -55,9 +62,16 @@ class BeamSearchSequence:
     def output_token_ids(self) -> list[int]:
         return self.tokens[self.num_prompt_tokens:]
 
+    def text_token_ids(self, include_stop_str_in_output: bool = False) -> list[int]:
+        """The generated tokens a beam's text is decoded from: a final end-of-sequence token left out, unless
+        include_stop_str_in_output."""
+        ids = self.output_token_ids
+        return ids[:-1] if self.finish_reason == "stop" and not include_stop_str_in_output else ids
+
     def score(self, length_penalty: float) -> float:
         n = len(self.tokens) - self.num_prompt_tokens - (self.finish_reason == "stop")
-        return self.cum_logprob / max(n, 1) ** length_penalty
+        power = min(max(length_penalty * math.log(max(n, 1)), -700.0), 700.0)
+        return self.cum_logprob * math.exp(-power)
 
 
 @dataclass
@@ -65,18 +79,23 @@ class BeamSearchOutput:
     sequences: list[BeamSearchSequence]     # best first
 
 
-def step_params(params: BeamSearchParams) -> SamplingParams:
-    """What each beam runs for one step: its next token's top 2W log-probabilities."""
-    return SamplingParams(temperature=0, max_tokens=1, logprobs=2 * params.beam_width, ignore_eos=True)
+def candidates(params: BeamSearchParams, eos_ids: Sequence[int]) -> int:
+    """How many next tokens each live beam proposes: enough that W stay live however many of them end."""
+    return max(2, 1 + (0 if params.ignore_eos else len(set(eos_ids)))) * params.beam_width
+
+
+def step_params(params: BeamSearchParams, eos_ids: Sequence[int]) -> SamplingParams:
+    """What each beam runs for one step: its next token's top log-probabilities, candidates() of them."""
+    return SamplingParams(temperature=0, max_tokens=1, logprobs=candidates(params, eos_ids), ignore_eos=True)
 
 
 def expand(beams: list[BeamSearchSequence], tops: list[dict[int, Logprob]], params: BeamSearchParams,
            eos_ids: Sequence[int]) -> tuple[list[BeamSearchSequence], list[BeamSearchSequence]]:
     """One step of one prompt's search: (the next live beams, the beams finished at this step)."""
-    w = params.beam_width
+    w, k = params.beam_width, candidates(params, eos_ids)
     cands = []
     for beam, top in zip(beams, tops):
-        best = sorted(top.items(), key=lambda kv: (-kv[1].logprob, kv[0]))[:2 * w]
+        best = sorted(top.items(), key=lambda kv: (-kv[1].logprob, kv[0]))[:k]
         for tok, lp in best:
             cands.append(BeamSearchSequence(beam.tokens + [tok], beam.num_prompt_tokens, beam.logprobs + [top],
                                             beam.cum_logprob + lp.logprob))
@@ -103,7 +122,7 @@ def best_of(finished: list[BeamSearchSequence], live: list[BeamSearchSequence],
 def search(prompts: list[list[int]], params: BeamSearchParams, eos_ids: Sequence[int]
            ) -> Generator[list[list[int]], list[dict[int, Logprob]], list[list[BeamSearchSequence]]]:
     """Every prompt's best beams, as a generator its caller drives (LLM.beam_search through LLM.generate, the
-    server through its engine): it yields the token id lists to run for one step with step_params(params), and
+    server through its engine): it yields the token id lists to run for one step with step_params(params, eos_ids), and
     takes back each one's next-token top log-probabilities; it returns the beams, best first per prompt."""
     params.validate()
     live = [[BeamSearchSequence(list(p), len(p))] for p in prompts]

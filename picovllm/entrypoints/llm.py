@@ -257,7 +257,8 @@ class LLM:
             if len(p) + params.max_tokens > self.engine.max_model_len:
                 raise ValueError(f"prompt ({len(p)} tokens) + BeamSearchParams.max_tokens ({params.max_tokens}) "
                                  f"exceed max_model_len {self.engine.max_model_len}")
-        steps, step = search(ids, params, self.engine.eos_token_ids), step_params(params)
+        eos = self.engine.eos_token_ids
+        steps, step = search(ids, params, eos), step_params(params, eos)
         bar = _progress_bar(use_tqdm, params.max_tokens, "Beam search steps")
         try:
             batch = next(steps)
@@ -272,7 +273,8 @@ class LLM:
         tok = self.engine.tokenizer
         for beams in results:
             for beam in beams:
-                beam.text = tok.decode(beam.output_token_ids, skip_special_tokens=True) if tok is not None else None
+                beam.text = tok.decode(beam.text_token_ids(params.include_stop_str_in_output),
+                                       skip_special_tokens=True) if tok is not None else None
         return [BeamSearchOutput(beams) for beams in results]
 
     def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True,

@@ -21,7 +21,8 @@ BEAM_FIELDS = frozenset({
     "model", "prompt", "messages", "use_beam_search", "n", "max_tokens", "max_completion_tokens", "length_penalty",
     "ignore_eos", "temperature", "seed", "stream", "user", "priority", "skip_special_tokens",
     "truncate_prompt_tokens", "add_generation_prompt", "continue_final_message", "chat_template_kwargs",
-    "documents", "chat_template", "add_special_tokens", "spaces_between_special_tokens", "request_id"})
+    "documents", "chat_template", "add_special_tokens", "spaces_between_special_tokens", "request_id",
+    "include_stop_str_in_output"})
 
 
 # Values of other fields that ask for nothing (what clients often send explicitly), besides each field's default.
@@ -37,8 +38,10 @@ def _asks_nothing(req, name: str) -> bool:
     return name == "response_format" and value.type == "text"
 
 
-def beam_search_params(req, max_tokens: int | None, num_prompt_tokens: int, max_model_len: int) -> BeamSearchParams:
-    """The request's BeamSearchParams; APIError(400) naming the field it cannot honour."""
+def beam_search_params(req, max_tokens: int | None, num_prompt_tokens: int, max_model_len: int,
+                       defaults: dict | None = None) -> BeamSearchParams:
+    """The request's BeamSearchParams; APIError(400) naming the field it cannot honour. defaults: the model's
+    generation config (its max_tokens caps the request's, as for any request)."""
     for name in sorted(req.model_fields_set - BEAM_FIELDS):
         if not _asks_nothing(req, name):
             raise APIError(400, f"{name} cannot be combined with use_beam_search", param=name)
@@ -49,9 +52,14 @@ def beam_search_params(req, max_tokens: int | None, num_prompt_tokens: int, max_
     if room < 1:
         raise APIError(400, f"the prompt ({num_prompt_tokens} tokens) leaves no room under max_model_len "
                             f"{max_model_len}", param="max_tokens")
-    params = BeamSearchParams(beam_width=req.n, max_tokens=room if max_tokens is None else max_tokens,
+    max_tokens = room if max_tokens is None else max_tokens
+    cap = (defaults or {}).get("max_tokens")
+    if cap is not None:
+        max_tokens = min(max_tokens, cap)
+    params = BeamSearchParams(beam_width=req.n, max_tokens=max_tokens,
                               ignore_eos=req.ignore_eos, temperature=req.temperature or 0.0,
-                              length_penalty=req.length_penalty)
+                              length_penalty=req.length_penalty,
+                              include_stop_str_in_output=req.include_stop_str_in_output)
     try:
         params.validate()
     except ValueError as e:
@@ -75,7 +83,7 @@ async def run_beam_search(ctx: ServingContext, raw: Request, ids: list[int], par
 
 async def _search(ctx: ServingContext, ids: list[int], params: BeamSearchParams, eos: list[int], request_id: str,
                   priority: int) -> list[BeamSearchSequence]:
-    steps, step, n, arrival = search([ids], params, eos), step_params(params), 0, time.time()
+    steps, step, n, arrival = search([ids], params, eos), step_params(params, eos), 0, time.time()
     try:
         batch = next(steps)
         while True:
@@ -104,10 +112,12 @@ async def serve_beam_search(ctx: ServingContext, req, raw: Request, ids: list[in
                             request_id: str) -> tuple[list[tuple[str, BeamSearchSequence]], dict] | None:
     """A request's beams, best first, each with its text, and the usage; None if the client went away.
     APIError(400) naming what cannot be honoured."""
-    params = beam_search_params(req, max_tokens, len(ids), ctx.engine.model_info()["max_model_len"])
+    params = beam_search_params(req, max_tokens, len(ids), ctx.engine.model_info()["max_model_len"],
+                                ctx.sampling_defaults)
     beams = await run_beam_search(ctx, raw, ids, params, request_id, req.priority)
     if beams is None:
         return None
-    texts = [await ctx.tokenizer.decode(b.output_token_ids, req.skip_special_tokens) for b in beams]
+    texts = [await ctx.tokenizer.decode(b.text_token_ids(params.include_stop_str_in_output), req.skip_special_tokens)
+             for b in beams]
     c = sum(len(b.output_token_ids) for b in beams)
     return list(zip(texts, beams)), {"prompt_tokens": len(ids), "completion_tokens": c, "total_tokens": len(ids) + c}

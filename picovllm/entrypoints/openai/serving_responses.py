@@ -236,6 +236,8 @@ class ResponsesHandler:
         for call in message.get("tool_calls") or []:
             output.append(_call_item(f"fc_{uuid.uuid4().hex}", call["id"], call["function"]["name"],
                                      call["function"]["arguments"], "completed"))
+        if output and choice["finish_reason"] == "length":     # max_output_tokens cut the last item short
+            output[-1]["status"] = "incomplete"
         return JSONBody(self._response(req, f"resp_{uuid.uuid4().hex}", output, choice["finish_reason"],
                                        body.get("usage")))
 
@@ -275,12 +277,12 @@ class ResponsesHandler:
             seq += 1
             return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': seq - 1, **data})}\n\n"
 
-        def close() -> list[str]:
+        def close(status: str = "completed") -> list[str]:
             nonlocal item
             if item is None:
                 return []
             done, item = item, None
-            done["status"] = "completed"
+            done["status"] = status
             at = {"item_id": done["id"], "output_index": output.index(done)}
             if done["type"] == "message":
                 part = done["content"][0]
@@ -361,7 +363,7 @@ class ResponsesHandler:
                                 yield event("response.function_call_arguments.delta", item_id=call["id"],
                                             output_index=output.index(call), delta=fn["arguments"])
                         finish = choice.get("finish_reason") or finish
-            for e in close():
+            for e in close("incomplete" if finish == "length" else "completed"):    # max_output_tokens cut it
                 yield e
             done = self._response(req, rid, output, finish, use)
             yield event("response.incomplete" if done["status"] == "incomplete" else "response.completed",

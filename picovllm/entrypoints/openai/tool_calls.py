@@ -184,12 +184,8 @@ class ToolPolicy:
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """(content, calls) of a finished output."""
-        if self.mode == "named":
-            try:
-                json.loads(text)
-            except json.JSONDecodeError:   # cut short by max_tokens
-                return text, []
-            return None, [self.new_call(self.named, text)]
+        if self.mode == "named":       # the call, also where max_tokens cut its arguments short (finish length), as
+            return None, [self.new_call(self.named, text)]     # vLLM answers it and as it is streamed
         if self.mode == "required":
             try:
                 items = json.loads(text)
