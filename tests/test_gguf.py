@@ -470,6 +470,25 @@ def test_unsupported_quant_type_is_named(tmp_path):
         LLM(path)
 
 
+def test_rows_not_whole_blocks_are_named(tmp_path):
+    """A Q4_K tensor whose rows (384 values) are not whole 256-value blocks is refused when the file is opened,
+    naming the tensor and its type (the gguf package's error named neither, at weight load)."""
+    from gguf.constants import GGML_QUANT_SIZES
+
+    from picovllm.loader.gguf_format import GGUFFile
+    path = str(tmp_path / "rows.gguf")
+    per, size = GGML_QUANT_SIZES[Q.Q4_K]
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_tensor("blk.0.attn_q.weight", np.zeros(2 * 384 * size // per, np.uint8), raw_dtype=Q.Q4_K)
+    w.tensors[-1]["blk.0.attn_q.weight"].shape = [2, 384]      # the element shape, whatever the bytes
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match=r"'blk\.0\.attn_q\.weight' of type Q4_K has rows of 384 values"):
+        GGUFFile(path)
+
+
 @pytest.mark.parametrize("missing,named", [("blk.1.ffn_down.weight", "layers.1.mlp.down_proj.weight"),
                                            ("token_embd.weight", "token_embd.weight")])
 def test_missing_tensor_is_named(tmp_path, missing, named):

@@ -94,6 +94,37 @@ def test_gemm_matches_float64(isa, kind, m, n, k):
 
 
 @pytest.mark.parametrize("isa", ISAS)
+def test_scales_past_float16_stay_exact(isa):
+    """Q4_0 with d = 10000 (a valid float16): its offset -8 d is past float16's range, so the segment keeps float32
+    scales; they had become -inf, and every output inf."""
+    rng = np.random.default_rng(5)
+    raw = random_blocks(rng, "Q4_0", 16, 64).reshape(16, 2, 18)
+    raw[..., 0:2] = np.full((16, 2, 1), 10000.0, np.float16).view(np.uint8)
+    raw = raw.reshape(16, -1)
+    w = gguf.quants.dequantize(raw, Q.Q4_0).astype(np.float64)
+    qw = qg.QuantizedWeight([qg.pack(decode_blocks("Q4_0", raw, 16, 64))], isa)
+    _check(qw, w, torch.randn(3, 64, generator=torch.Generator().manual_seed(1)), None, isa)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_activations_give_non_finite_rows(isa, bad):
+    """A NaN or an infinity in a row of x makes that row's outputs non-finite, as the float64 product's are; the
+    other rows stay as they were. A NaN had come out as an ordinary number (max dropped it, its int8 code was -128),
+    an infinity as -128 too."""
+    rng = np.random.default_rng(3)
+    raw = random_blocks(rng, "Q8_0", 16, 64)
+    w = gguf.quants.dequantize(raw, Q.Q8_0).astype(np.float64)
+    qw = qg.QuantizedWeight([qg.pack(decode_blocks("Q8_0", raw, 16, 64))], isa)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))
+    clean = qw(x)
+    x[1, 37] = bad
+    y, ref = qw(x), x.double().numpy() @ w.T
+    assert not np.isfinite(ref[1]).any() and not torch.isfinite(y[1]).any()
+    assert torch.equal(y[[0, 2]], clean[[0, 2]])
+
+
+@pytest.mark.parametrize("isa", ISAS)
 def test_segments_of_different_forms_and_a_bias(isa):
     """q, k, v of one layer in three types (rows not a multiple of 16), one output; a bias; 2 threads."""
     rng = np.random.default_rng(7)

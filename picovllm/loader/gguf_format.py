@@ -104,6 +104,9 @@ class GGUFFile:
             block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
         except (ValueError, KeyError):
             raise ValueError(f"GGUF {self.path!r}: tensor {name!r} has unknown ggml type {kind}") from None
+        if shape and shape[0] % block:      # a row (GGUF's first dimension) is whole blocks
+            raise ValueError(f"GGUF {self.path!r}: tensor {name!r} of type {GGMLQuantizationType(kind).name} has rows "
+                             f"of {shape[0]} values, not a multiple of its blocks of {block}")
         count = int(np.prod(shape, dtype=np.int64))
         size = count // block * type_size
         if start + size > len(self._buf):

@@ -17,9 +17,11 @@ void rms_norm(const float *x, const float *residual, float *residual_out, const 
             for (int64_t i = 0; i < n; i++) ro[i] = xr[i] + rr[i];
             xr = ro;
         }
-        float ss = 0.0f;
-        for (int64_t i = 0; i < n; i++) ss += xr[i] * xr[i];
-        const float inv = 1.0f / sqrtf(ss / (float)n + eps);
+        /* in double: a row of finite values whose squares overflow float32 still normalizes, and -ffast-math's
+           approximate float reciprocal square root (NaN at infinity) is not used */
+        double ss = 0.0;
+        for (int64_t i = 0; i < n; i++) ss += (double)xr[i] * xr[i];
+        const float inv = (float)(1.0 / sqrt(ss / (double)n + eps));
         for (int64_t i = 0; i < n; i++) o[i] = w[i] * (xr[i] * inv);
     }
 }

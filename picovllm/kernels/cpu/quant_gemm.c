@@ -44,17 +44,27 @@ static inline int32_t load4(const int8_t *p) {
     return v;
 }
 
-/* Rows [lo, hi) of x [.][k] into a. */
+/* Rows [lo, hi) of x [.][k] into a. A block holding a NaN or an infinity gets a NaN scale and zero codes, so that
+ * every output of its row is NaN, as the float product's would be non-finite (a NaN had come out as an ordinary
+ * number: max drops it, and its conversion gives a -128 code). */
 void quantize_rows(const float *x, int64_t k, QAct a, int64_t lo, int64_t hi) {
     const int64_t nb = k / QBLOCK;
-    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256 sign = _mm256_set1_ps(-0.0f), inf = _mm256_set1_ps(INFINITY);
     for (int64_t r = lo; r < hi; r++)
         for (int64_t b = 0; b < nb; b++) {
             const float *v = x + r * k + b * QBLOCK;
-            __m256 x4[4], amax = _mm256_setzero_ps();
+            __m256 x4[4], amax = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
             for (int i = 0; i < 4; i++) {
                 x4[i] = _mm256_loadu_ps(v + 8 * i);
-                amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, x4[i]));
+                const __m256 ax = _mm256_andnot_ps(sign, x4[i]);
+                amax = _mm256_max_ps(amax, ax);
+                bad = _mm256_or_ps(bad, _mm256_cmp_ps(ax, inf, _CMP_NLT_UQ));   /* |x| >= inf, or NaN */
+            }
+            if (!_mm256_testz_ps(bad, bad)) {
+                a.d[r * nb + b] = NAN;
+                memset(a.q + r * k + b * QBLOCK, 0, QBLOCK);
+                a.s[(r * nb + b) * 2] = a.s[(r * nb + b) * 2 + 1] = 0;
+                continue;
             }
             __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
             m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));

@@ -98,7 +98,11 @@ def pack(blocks: DecodedBlocks) -> QuantizedSegment:
         d = blocks.scales.reshape(n, nb, 2)
         pair = (d[..., 0], d[..., 1])                                      # per 16: first, second half
     scales = np.stack([np.pad(s, ((0, pad), (0, 0))).reshape(panels, ROWS, nb).transpose(0, 2, 1) for s in pair],
-                      axis=2).astype(blocks.scale_dtype)
+                      axis=2).astype(np.float32)
+    with np.errstate(over="ignore"):
+        narrow = scales.astype(blocks.scale_dtype)
+        if np.array_equal(narrow.astype(np.float32), scales, equal_nan=True):   # float32 where float16 loses any
+            scales = narrow                                                       # (Q4_0's -8 d past 65504)
     return QuantizedSegment(blocks.kind, n, k,
                             torch.from_numpy(np.ascontiguousarray(g).view(np.uint8).reshape(panels, nb, -1)),
                             torch.from_numpy(np.ascontiguousarray(scales)))
