@@ -4,6 +4,7 @@
  * Built by picovllm/kernels/cpu/build.py (-O3 -march=native -ffast-math: the loops vectorize). */
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 /* out = w * h / sqrt(mean(h^2) + eps), h = x (+ residual, then written to residual_out when given). */
 void rms_norm(const float *x, const float *residual, float *residual_out, const float *w, float *out,
@@ -17,11 +18,15 @@ void rms_norm(const float *x, const float *residual, float *residual_out, const 
             for (int64_t i = 0; i < n; i++) ro[i] = xr[i] + rr[i];
             xr = ro;
         }
-        /* in double: a row of finite values whose squares overflow float32 still normalizes, and -ffast-math's
-           approximate float reciprocal square root (NaN at infinity) is not used */
-        double ss = 0.0;
-        for (int64_t i = 0; i < n; i++) ss += (double)xr[i] * xr[i];
-        const float inv = (float)(1.0 / sqrt(ss / (double)n + eps));
+        float ss = 0.0f;
+        for (int64_t i = 0; i < n; i++) ss += xr[i] * xr[i];
+        /* -ffast-math's approximate reciprocal square root gives NaN at infinity (a row whose squares overflow
+           float32): there the scale is 0, as torch's float32 norm makes it (a NaN stays NaN). Read from the bits:
+           finite-math lets the compiler drop isinf/isnan. */
+        uint32_t bits;
+        memcpy(&bits, &ss, sizeof bits);
+        const float inv = (bits & 0x7f800000u) == 0x7f800000u ? ((bits & 0x7fffffu) ? ss : 0.0f)
+                                                              : 1.0f / sqrtf(ss / (float)n + eps);
         for (int64_t i = 0; i < n; i++) o[i] = w[i] * (xr[i] * inv);
     }
 }
