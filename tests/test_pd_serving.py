@@ -104,6 +104,26 @@ def all_servers(cluster) -> list[ServerProcess]:
     return [s for pair in cluster["pairs"] for s in pair.values()]
 
 
+def test_a_pair_whose_decode_server_takes_less_is_refused(monkeypatch):
+    """The proxy pairs each P with the D on its link's other end, and refuses a D whose max_model_len is below its
+    P's (naming the field), as the router does: P would admit what D then fails as a 500, after the prefill."""
+    from picovllm.disagg import proxy
+
+    def info(role, length, local, remote):
+        return {"role": role, "link_alive": True, "link": [local, remote], "max_model_len": length}
+
+    ends = (["127.0.0.1", 1], ["127.0.0.1", 2])
+    for d_length, ok in ((2048, True), (1024, True), (256, False)):
+        served = {"http://p/pd/info": info("p", 1024, *ends), "http://d/pd/info": info("d", d_length, *ends[::-1])}
+        monkeypatch.setattr(proxy, "_get", lambda url, deadline, secret=None: served[url])
+        if ok:
+            assert proxy.discover_pairs(["http://p"], ["http://d"], None, 1.0) == [proxy.PDPair("http://p",
+                                                                                                  "http://d")]
+        else:
+            with pytest.raises(ValueError, match="max_model_len: the decode server http://d has 256"):
+                proxy.discover_pairs(["http://p"], ["http://d"], None, 1.0)
+
+
 def test_outputs_equal_colocated(cluster, llm):
     client = openai.OpenAI(base_url=cluster["proxy"].url + "/v1", api_key="unused", max_retries=0)
     name = client.models.list().data[0].id

@@ -126,7 +126,7 @@ class PDAsyncEngine(PDClient, AsyncEngine):
                 pair = [list(sock.getsockname()[:2]), list(sock.getpeername()[:2])]
             except OSError:
                 pair = None
-        return {"role": self.engine.config.role, "link": pair}
+        return {"role": self.engine.config.role, "link": pair, "max_model_len": self.engine.max_model_len}
 
     def _connector_stats(self) -> dict:
         link = self.engine.connector.link

@@ -151,10 +151,11 @@ def _get(url: str, deadline: float, secret: FleetSecret | None = None) -> dict:
 def discover_pairs(prefill: list[str], decode: list[str], secret: FleetSecret, timeout_s: float) -> list[PDPair]:
     """Match each P server to the D server on the other end of its link (from /pd/info)."""
     deadline = time.monotonic() + timeout_s
-    links = {}
+    links, lengths = {}, {}
     for what, urls, role in (("--prefill", prefill, "p"), ("--decode", decode, "d")):
         for url in urls:
             info = _get(url + "/pd/info", deadline, secret)
+            lengths[url] = info.get("max_model_len")
             if info.get("role") != role:
                 raise ValueError(f"{what}: {url} is a {info.get('role')!r} server, not {role!r}")
             if not info.get("link_alive") or not info.get("link"):
@@ -167,6 +168,9 @@ def discover_pairs(prefill: list[str], decode: list[str], secret: FleetSecret, t
             d = links.get(("d", remote, local))
             if d is None:
                 raise ValueError(f"--decode: the decode server linked to {url} is not among {decode}")
+            if lengths[url] and lengths[d] and lengths[d] < lengths[url]:     # D would cut short what P admits
+                raise ValueError(f"max_model_len: the decode server {d} has {lengths[d]}, below its prefill "
+                                 f"server {url}'s {lengths[url]}: start them with the same --max-model-len")
             pairs.append(PDPair(url, d))
     if len(pairs) != len(decode):
         raise ValueError(f"--prefill: the prefill server of some decode server in {decode} is not among {prefill}")
