@@ -13,6 +13,9 @@ before the response starts, a final SSE error event after); the request's other 
 closed, which aborts it on that server. Every call to a /pd route is signed with the P/D secret
 (--pd-secret-file or $PICOVLLM_PD_SECRET, the servers' own; picovllm.disagg.auth): a server that
 refuses the signature (401) stops the proxy at start-up and fails a request later, naming the flag.
+Every lease / 4 the proxy reads each server's /pd/info: a pair one of whose servers has not answered for a lease
+(a frozen process), or whose P reports its link down, leaves the rotation until both answer again, and the
+requests open on it end in an error (their reads would otherwise wait forever).
 """
 from __future__ import annotations
 
@@ -69,6 +72,14 @@ class PDStream:
     def _who(self, role: str) -> str:
         return f"the prefill server {self.pair.prefill}" if role == "p" else f"the decode server {self.pair.decode}"
 
+    def lose(self, why: str) -> None:
+        """Its pair is lost (ProxyEngine's health checks): the reads of both streams end in an error."""
+        for resp in (self._prefill, self._decode):
+            if isinstance(resp, StreamedResponse):
+                resp.fail(why)
+            else:      # an httpx stream (tests' transports)
+                asyncio.ensure_future(resp.aclose())
+
     def close(self) -> None:
         """Drop both connections: a server whose client went away aborts the request (frees its KV)."""
         if self._owner is None:
@@ -86,12 +97,58 @@ class ProxyEngine(RemoteEngine):
     name = "proxy"
 
     def __init__(self, pairs: list[PDPair], secret: FleetSecret, model_info: dict, metrics=None,
-                 connect_timeout_s: float = 10.0) -> None:
+                 connect_timeout_s: float = 10.0, lease_s: float = 10.0) -> None:
         if not pairs:
             raise ValueError("pairs: at least one prefill/decode pair is needed")
         super().__init__(model_info, metrics, connect_timeout_s)
-        self.pairs, self.secret = pairs, secret
+        self.pairs, self.secret, self.lease_s = pairs, secret, lease_s
         self._next = itertools.count()
+        self._last_ok = {url: time.monotonic() for p in pairs for url in (p.prefill, p.decode)}
+        self.down: dict[PDPair, str] = {}       # pairs out of rotation, and why
+        self._health: asyncio.Task | None = None
+
+    def start(self) -> None:
+        super().start()
+        self._health = asyncio.get_running_loop().create_task(self._check_health())
+
+    async def shutdown(self) -> None:
+        if self._health is not None:
+            self._health.cancel()
+        await super().shutdown()
+
+    async def _check_health(self) -> None:
+        while True:
+            await asyncio.sleep(self.lease_s / 4)
+            urls = list(self._last_ok)
+            answers = await asyncio.gather(*(self._info(url) for url in urls))
+            now = time.monotonic()
+            for url, info in zip(urls, answers):
+                if info is not None:
+                    self._last_ok[url] = now
+            for pair in self.pairs:
+                silent = [u for u in (pair.prefill, pair.decode) if now - self._last_ok[u] > self.lease_s]
+                info = answers[urls.index(pair.prefill)]
+                why = (f"{silent[0]} has not answered for {self.lease_s:g} s" if silent else
+                       f"the prefill server {pair.prefill} reports its link to {pair.decode} down"
+                       if info is not None and not info.get("link_alive", True) else None)
+                if why is None:
+                    if self.down.pop(pair, None) is not None:
+                        logger.info("pair %s -> %s back in rotation", pair.prefill, pair.decode)
+                    continue
+                if pair not in self.down:
+                    logger.warning("pair %s -> %s out of rotation: %s", pair.prefill, pair.decode, why)
+                self.down[pair] = why
+                for stream in list(self._streams):
+                    if stream.pair == pair:
+                        stream.lose(why)
+
+    async def _info(self, url: str) -> dict | None:
+        try:
+            headers = sign_request(self.secret, "GET", "/pd/info") if self.secret is not None else {}
+            r = await self.client.get(url + "/pd/info", headers=headers, timeout=min(5.0, self.lease_s))
+            return r.json() if r.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            return None
 
     async def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
                           arrival_time: float | None = None, priority: int = 0) -> PDStream:
@@ -100,8 +157,11 @@ class ProxyEngine(RemoteEngine):
             raise EngineDeadError("the proxy is not running")
         body = prefill_body(prompt_token_ids, params, request_id, arrival_time, priority)
         errors = []
-        for _ in range(len(self.pairs)):     # round-robin; a pair that cannot be reached is skipped
+        for _ in range(len(self.pairs)):     # round-robin; a pair that cannot be reached, or is down, is skipped
             pair = self.pairs[next(self._next) % len(self.pairs)]
+            if pair in self.down:
+                errors.append(f"{pair.prefill} -> {pair.decode}: {self.down[pair]}")
+                continue
             try:
                 decode = await self._open(pair.decode, "/pd/decode", {"request_id": request_id}, "decode")
             except EngineDeadError as e:
@@ -200,7 +260,7 @@ def main(args: argparse.Namespace) -> int:
     source = open_model_source(model, weights_needed=False, revision=revision, download_dir=args.download_dir)
     tokenizer = source.load_tokenizer() if source.load_tokenizer is not None else None
     metrics = ServerMetrics(name)
-    engine = ProxyEngine(pairs, secret, info, metrics)
+    engine = ProxyEngine(pairs, secret, info, metrics, lease_s=args.lease)
     app, settings = front_end_app(engine, tokenizer, args, name, metrics, template, model, revision,
                                   args.download_dir)
     logger.info("proxy for %d prefill/decode pairs on http://%s:%d: %s", len(pairs), args.host, args.port,

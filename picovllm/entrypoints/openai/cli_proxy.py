@@ -25,6 +25,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--pd-secret-file", default=None,
                    help="the P/D shared secret the servers were given (first line of the file; default "
                         "$PICOVLLM_PD_SECRET): every call to a /pd route is signed with it")
+    p.add_argument("--lease", type=float, default=10.0,
+                   help="seconds a server may fail its health checks (or a P report its link down) before its "
+                        "pair leaves the rotation and the requests open on it end in an error")
     add_front_end_args(p, "the prefill servers' model path", "the servers")
     p.set_defaults(func=main)
     return p
