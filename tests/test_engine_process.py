@@ -170,6 +170,56 @@ def test_output_deltas_rebuild_every_output(chat_model):
     assert not enc._sent and not dec._last                  # nothing kept for finished requests
 
 
+def test_a_failed_step_leaves_no_delta_state_behind(chat_model):
+    """The engine-process pipe sends outputs as deltas against what each end saw last. A step that fails answers
+    its requests with the exception: both ends must forget them, or a later request with the same id (a client
+    retrying with its own request_id) is decoded against the dead one's prompt and tokens. The engine loop runs
+    in a thread on real pipes; the oracle is LLM.generate of the retried prompt."""
+    import asyncio
+    import multiprocessing as mp
+    import threading
+
+    from picovllm.entrypoints.openai.engine_client import EngineStepError
+    from picovllm.entrypoints.openai.engine_process import ChildLoop, PipeEngineClient
+    llm = LLM(chat_model, block_size=16, num_kv_blocks=64, max_model_len=256, async_scheduling=False)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    first, retried = [5, 6, 7, 8, 9], [100, 101, 102, 103, 104, 105, 106]
+    want = llm.generate([retried], params, use_tqdm=False)[0].outputs[0].token_ids
+    engine, real, calls = llm.engine, llm.engine.runner.launch, {"n": 0, "fail_at": None}
+
+    def flaky(step, *args):
+        calls["n"] += 1
+        if calls["n"] == calls["fail_at"]:
+            raise RuntimeError("injected failure")
+        return real(step, *args)
+
+    engine.runner.launch = flaky
+    cmd_r, cmd_w = mp.Pipe(duplex=False)
+    out_r, out_w = mp.Pipe(duplex=False)
+    loop = ChildLoop(engine, cmd_r, out_w)
+    thread = threading.Thread(target=loop._run, daemon=True)
+    thread.start()
+
+    async def main():
+        client = PipeEngineClient(cmd_w, out_r, None, {"model": {"max_model_len": 256}, "eos": [2]})
+        client.start()
+        calls["fail_at"] = calls["n"] + 2        # the prefill gives token 1, the next step fails
+        with pytest.raises(EngineStepError, match="injected failure"):
+            async for _ in client.generate(first, params, "my-id"):
+                pass
+        last = None
+        async for last in client.generate(retried, params, "my-id"):
+            pass
+        state = (dict(loop._deltas._sent), dict(client._outputs._last))
+        await client.shutdown()
+        return last, state
+
+    last, state = asyncio.run(asyncio.wait_for(main(), 60))
+    thread.join(10)
+    assert last.prompt_token_ids == retried and last.outputs[0].token_ids == want
+    assert state == ({}, {})
+
+
 @pytest.mark.parametrize("api_servers", [[], ["--api-server-count", "2"]], ids=["one", "two-api-servers"])
 def test_a_model_the_engine_refuses_ends_the_server_as_the_thread_does(tmp_path, api_servers):
     """Engine() raising in the child: the command line reports it as it reports the thread's (exit 2, the reason),

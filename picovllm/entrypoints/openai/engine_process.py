@@ -57,6 +57,11 @@ class OutputDeltas:
     def __init__(self) -> None:
         self._sent: dict[str, tuple[int, str, int]] = {}   # request id -> (tokens, text, prompt logprobs) sent
 
+    def forget(self, rid: str) -> None:
+        """A request ended otherwise than by a finished output (an exception answered it): its next use of the
+        id is a new request."""
+        self._sent.pop(rid, None)
+
     def encode(self, out: RequestOutput) -> tuple:
         rid = out.request_id
         prev = self._sent.pop(rid, None)
@@ -78,6 +83,10 @@ class OutputsFromDeltas:
 
     def __init__(self) -> None:
         self._last: dict[str, RequestOutput] = {}
+
+    def forget(self, rid: str) -> None:
+        """As OutputDeltas.forget, on this end (a step failure answered the request with an exception)."""
+        self._last.pop(rid, None)
 
     def decode(self, msg: tuple) -> RequestOutput:
         if msg[0] == "whole":
@@ -163,6 +172,9 @@ class PipeEngineClient(EngineClient):
                     break
                 items, self.stats = body
                 outputs = [self._outputs.decode(m) if m[0] != "answer" else m[1] for m in items]
+                for m in items:     # an exception ended the request: a later request may take its id
+                    if m[0] == "answer" and isinstance(m[1][1], Exception):
+                        self._outputs.forget(m[1][0])
                 if self.metrics and self._observe_engine:
                     self.metrics.observe_engine(self.stats)
                 self._finish_outputs(outputs)
@@ -301,6 +313,9 @@ class PipeEnds:
 
     def _deliver(self, outputs: list) -> None:
         if outputs or self.stats != self._sent_stats:
+            for o in outputs:    # an exception ended the request: a later request may take its id
+                if not isinstance(o, RequestOutput) and isinstance(o[1], Exception):
+                    self._deltas.forget(o[0])
             items = [self._deltas.encode(o) if isinstance(o, RequestOutput) else ("answer", o) for o in outputs]
             self._out.send(("step", items, self.stats))
             self._sent_stats = self.stats
@@ -374,6 +389,8 @@ class SharedPipeEnds(PipeEnds):
                 rid, item, done = o.request_id, self._deltas.encode(o), o.finished
             else:                                   # an answer: an Exception ends the request
                 rid, item, done = o[0], ("answer", o), isinstance(o[1], Exception)
+                if done:
+                    self._deltas.forget(rid)
             k = self._owner.pop(rid, None) if done else self._owner.get(rid)
             if k is not None:
                 per.setdefault(k, []).append(item)
