@@ -124,3 +124,46 @@ def test_api_key_and_graceful_sigterm(long_context_model, tmp_path):
     with pytest.raises(httpx.ConnectError):
         httpx.get(srv.url + "/health", timeout=5)
 
+
+
+def test_sigterm_aborts_waiting_samples_and_beam_searches(long_context_model, tmp_path):
+    """One slot (--max-num-seqs 1), held by a long stream; an n=2 request and a beam search wait behind it. At the
+    grace period's end every waiting sample is aborted, not started: the n=2 request's second sample had started
+    after the abort and run to its length, and the beam search had failed with a 500 (or kept adding steps)."""
+    srv = ServerProcess(long_context_model, str(tmp_path / "server.log"), "--api-key", KEY, "--shutdown-timeout",
+                        str(GRACE), "--num-kv-blocks", "1024", "--max-model-len", "8192", "--max-num-seqs", "1")
+    auth = {"Authorization": f"Bearer {KEY}"}
+    results, threads = {}, []
+    try:
+        first = threading.Event()
+        body = {"prompt": "Tell me a story", "stream": True, "ignore_eos": True, "max_tokens": 8000}
+        t = threading.Thread(target=stream_tokens, args=(srv.url, body, results.setdefault("long", {}), first))
+        t.start()
+        assert first.wait(30)
+        threads.append(t)
+
+        def post(name, extra):
+            r = httpx.post(srv.url + "/v1/completions", json={"prompt": "Hi there", "max_tokens": 4000,
+                                                              "ignore_eos": True, "n": 2, **extra},
+                           headers=auth, timeout=60)
+            results[name] = (r.status_code, r.json())
+
+        for name, extra in (("n2", {}), ("beam", {"use_beam_search": True})):
+            threads.append(threading.Thread(target=post, args=(name, extra)))
+            threads[-1].start()
+        time.sleep(1.0)                    # both waiting behind the long one
+        t0 = time.time()
+        srv.proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(30)
+        assert srv.proc.wait(30) == 0, srv.log()
+        elapsed = time.time() - t0
+    finally:
+        srv.stop()
+    status, n2 = results["n2"]
+    assert status == 200 and [(c["finish_reason"], c["text"]) for c in n2["choices"]] == [("abort", "")] * 2, n2
+    assert n2["usage"]["completion_tokens"] == 0
+    status, beam = results["beam"]
+    assert status == 503 and "shutting down" in beam["error"]["message"], beam
+    assert results["long"]["finish"] == "abort" and results["long"]["done"]
+    assert elapsed < GRACE + 3, elapsed

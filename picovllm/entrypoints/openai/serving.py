@@ -204,7 +204,12 @@ class SampleGroup:
                         running -= 1
                     else:
                         latest[i] = item
-                if latest and len(tasks) == 1:      # the first sample's first output: the prompt is computed
+                if latest and len(tasks) == 1 and _aborted(latest[0]):
+                    # aborted before its first token (the server shutting down): the siblings, never started,
+                    # end the same way rather than starting after the abort
+                    for j in range(1, len(self.samples)):
+                        latest[j] = _aborted_like(latest[0], self._id(j))
+                elif latest and len(tasks) == 1:    # the first sample's first output: the prompt is computed
                     await self._add_siblings()
                     tasks += [asyncio.ensure_future(_pump(j, s, queue)) for j, s in enumerate(self.streams[1:], 1)]
                     running += len(self.samples) - 1
@@ -224,6 +229,19 @@ class SampleGroup:
     def close(self) -> None:
         for stream in self.streams:
             stream.close()
+
+
+def _aborted(out: RequestOutput) -> bool:
+    return out.finished and out.outputs[0].finish_reason == "abort"
+
+
+def _aborted_like(out: RequestOutput, request_id: str) -> RequestOutput:
+    """A sample never started, ended as the aborted `out` (its prompt, no tokens)."""
+    c = out.outputs[0]
+    empty = CompletionOutput(c.index, "", [], None if c.cumulative_logprob is None else 0.0,
+                             None if c.logprobs is None else [], "abort")
+    return RequestOutput(request_id, out.prompt, out.prompt_token_ids, [empty], True, out.metrics, out.error,
+                         out.num_cached_tokens, out.prompt_logprobs)
 
 
 async def _pump(i: int, stream: RequestStream, queue: asyncio.Queue) -> None:

@@ -92,7 +92,11 @@ async def _search(ctx: ServingContext, ids: list[int], params: BeamSearchParams,
                 for tokens in batch:
                     streams.append(await ctx.add(tokens, step, f"{request_id}-{n}", arrival, priority))
                     n += 1
-                tops = [(await _last(s)).outputs[0].logprobs[0] for s in streams]
+                outs = [await _last(s) for s in streams]
+                if any(o.outputs[0].finish_reason == "abort" for o in outs):    # the server is shutting down
+                    raise APIError(503, "the beam search was aborted: the server is shutting down",
+                                   type="service_unavailable")
+                tops = [o.outputs[0].logprobs[0] for o in outs]
             finally:
                 for s in streams:
                     s.close()           # aborts a step still running (the client went away)
