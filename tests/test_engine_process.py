@@ -131,9 +131,10 @@ def test_a_dead_engine_process_fails_streams_and_health(chat_model, tmp_path):
             os.kill(child, signal.SIGKILL)
             rest = [line for line in lines if line.startswith("data:")]
         assert rest[-1] == "data: [DONE]" and '"error"' in rest[-2], rest[-3:]     # ended with an error, not cut
-        assert httpx.get(srv.url + "/health").status_code == 503
+        # then the server ends, exit 1, as vLLM's does (and as several API servers do): a supervisor restarts it
+        assert srv.proc.wait(30) == 1, srv.log()
     finally:
-        assert srv.stop() == 0, srv.log()
+        srv.stop()
 
 
 def test_output_deltas_rebuild_every_output(chat_model):

@@ -319,8 +319,16 @@ def serve(engine_config: EngineConfig, settings: ServerSettings) -> int:
     except TokenizerSetupError as e:
         raise SystemExit(f"error: {e}") from None
     logger.info("serving %s on http://%s:%d", served_name(settings, engine_config.model), settings.host, settings.port)
-    run_app(app, async_engine, settings)
-    return 0
+    server = make_server(app, async_engine, settings)
+    died = []
+    if hasattr(async_engine, "on_end"):     # an engine process that dies ends the server, as vLLM's: exit 1, so that
+        def ended() -> None:                # a supervisor restarts it (several API servers stop the same way)
+            if not server.should_exit:      # (not the end a SIGTERM's shutdown brings)
+                died.append(True)
+                server.should_exit = True
+        async_engine.on_end = ended
+    server.run()
+    return 1 if died else 0
 
 
 class TokenizerSetupError(ValueError):
