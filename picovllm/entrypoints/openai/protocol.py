@@ -66,6 +66,10 @@ REFUSED_COMMON: dict[str, tuple] = {
     "logits_processors": (), "vllm_xargs": (),
     "store": (False,), "prediction": (), "audio": (), "modalities": (["text"],),
     "web_search_options": (),
+    # vLLM's newer fields: explicit logprob token sets, a thinking budget, its own P/D connector's parameters,
+    # watermarks, media; truncation keeps the prompt's last tokens (vLLM's "left" side)
+    "logprob_token_ids": (), "thinking_token_budget": (), "kv_transfer_params": (), "watermarking": (False,),
+    "media_io_kwargs": (), "truncation_side": ("left",),
 }
 REFUSED_CHAT: dict[str, tuple] = {
     "mm_processor_kwargs": (),
