@@ -49,49 +49,50 @@ def test_policies():
     assert set(FLEET_ONLY_BACKENDS) <= set(PULL_BACKENDS)
 
 
+def _output_lines(*outs, handover=None) -> list[bytes]:
+    from picovllm.disagg.messages import OutputEncoder
+    wire, res = OutputEncoder(), []
+    for o in outs:
+        res.append(wire.encode(o))
+    if handover is not None:
+        res[-1]["kv_handover"] = handover
+    return [json.dumps(x).encode() + b"\n" for x in res]
+
+
+def _out(tokens, finished, reason=None):
+    from picovllm.outputs import CompletionOutput, RequestOutput
+    return RequestOutput("r", None, [1, 2, 3], [CompletionOutput(0, "", tokens, None, None, reason)], finished)
+
+
+async def _body(lines, broken=False):
+    """A fake instance's streamed body: the lines, then (broken) a reset connection."""
+    for line in lines:
+        yield line
+    if broken:
+        raise httpx.ReadError("connection reset")
+
+
 def test_a_prefill_lost_before_it_started_passes_the_request_on():
     """The router against fake instances (httpx.MockTransport): P1 accepts the request, then its stream breaks
     before a line: P2 takes it, P1 leaves the rotation, the client sees one clean stream. A D whose stream breaks
     after its first line ends the request with an error naming it."""
     import asyncio
 
-    from picovllm.disagg.messages import OutputEncoder
     from picovllm.disagg.router import InstancePool, RouterEngine
-    from picovllm.outputs import CompletionOutput, RequestOutput
 
-    def out(tokens, finished, reason=None):
-        return RequestOutput("r", None, [1, 2, 3], [CompletionOutput(0, "", tokens, None, None, reason)], finished)
-
-    async def broken(lines=()):
-        for line in lines:
-            yield line
-        raise httpx.ReadError("connection reset")
-
-    async def whole(lines):
-        for line in lines:
-            yield line
-
-    def lines(*outs, handover=None):
-        wire, res = OutputEncoder(), []
-        for o in outs:
-            res.append(wire.encode(o))
-        if handover is not None:
-            res[-1]["kv_handover"] = handover
-        return [json.dumps(x).encode() + b"\n" for x in res]
-
-    d_lines = lines(out([5, 6], False), out([5, 6, 7], True, "length"))
+    d_lines = _output_lines(_out([5, 6], False), _out([5, 6, 7], True, "length"))
     seen = []
 
     def handler(request: httpx.Request) -> httpx.Response:
         host = request.url.host
         seen.append(host)
         if host == "p1":
-            return httpx.Response(200, content=broken())
+            return httpx.Response(200, content=_body([], broken=True))
         if host == "p2":
-            return httpx.Response(200, content=whole(lines(out([5], True), handover={"opaque": True})))
+            return httpx.Response(200, content=_body(_output_lines(_out([5], True), handover={"opaque": True})))
         if host == "d1":
-            return httpx.Response(200, content=whole(d_lines))
-        return httpx.Response(200, content=broken(d_lines[:1]))
+            return httpx.Response(200, content=_body(d_lines))
+        return httpx.Response(200, content=_body(d_lines[:1], broken=True))
 
     async def run(decode: str):
         pool = InstancePool(FleetSecret(SECRET.encode()), lease_s=30.0)
@@ -119,21 +120,6 @@ def test_a_prefill_lost_before_it_started_passes_the_request_on():
     assert all(i.in_flight == 0 for i in pool.instances.values())
 
 
-def _output_lines(*outs, handover=None) -> list[bytes]:
-    from picovllm.disagg.messages import OutputEncoder
-    wire, res = OutputEncoder(), []
-    for o in outs:
-        res.append(wire.encode(o))
-    if handover is not None:
-        res[-1]["kv_handover"] = handover
-    return [json.dumps(x).encode() + b"\n" for x in res]
-
-
-def _out(tokens, finished, reason=None):
-    from picovllm.outputs import CompletionOutput, RequestOutput
-    return RequestOutput("r", None, [1, 2, 3], [CompletionOutput(0, "", tokens, None, None, reason)], finished)
-
-
 def test_a_decode_lost_before_its_first_line_passes_the_request_on():
     """D1 takes the request, then its stream breaks before a line (it never claimed the KV, which P still
     publishes): D2 takes it and the client sees one clean stream; D1 leaves the rotation."""
@@ -141,21 +127,15 @@ def test_a_decode_lost_before_its_first_line_passes_the_request_on():
 
     from picovllm.disagg.router import InstancePool, RouterEngine
 
-    async def stream(lines, broken=False):
-        for line in lines:
-            yield line
-        if broken:
-            raise httpx.ReadError("connection reset")
-
     seen = []
 
     def handler(request: httpx.Request) -> httpx.Response:
         seen.append(request.url.host)
         if request.url.host == "p1":
-            return httpx.Response(200, content=stream(_output_lines(_out([5], True), handover={"opaque": True})))
+            return httpx.Response(200, content=_body(_output_lines(_out([5], True), handover={"opaque": True})))
         if request.url.host == "d1":
-            return httpx.Response(200, content=stream([], broken=True))
-        return httpx.Response(200, content=stream(_output_lines(_out([5, 6], False), _out([5, 6, 7], True, "length"))))
+            return httpx.Response(200, content=_body([], broken=True))
+        return httpx.Response(200, content=_body(_output_lines(_out([5, 6], False), _out([5, 6, 7], True, "length"))))
 
     async def run():
         pool = InstancePool(FleetSecret(SECRET.encode()), lease_s=30.0)

@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 
 from picovllm.disagg.auth import FleetSecret, sign_request
-from picovllm.disagg.http_stream import post_stream
+from picovllm.disagg.http_stream import StreamedResponse, post_stream
 from picovllm.disagg.messages import OutputDecoder
 from picovllm.entrypoints.openai.engine_client import EngineDeadError, EngineStepError, checked
 from picovllm.outputs import RequestOutput
@@ -38,9 +38,11 @@ Lines = AsyncIterator[tuple[RequestOutput, dict]]
 class RemoteEngine:
     """The AsyncEngine surface of an engine made of other servers (the proxy's pairs, the router's fleet):
     one HTTP client, started with the server's event loop, and the request streams open through it.
-    A stream registers with track() and leaves with forget() (its close()); add_request is the owner's."""
+    A stream registers with track() and leaves with forget() (its close()); add_request is the owner's. An owner
+    that watches its servers sets health_interval_s: check_health() then runs that often while it is started."""
 
     name = "engine"          # in errors: "the proxy is not running"
+    health_interval_s: float | None = None
 
     def __init__(self, model_info: dict, metrics=None, connect_timeout_s: float = 10.0,
                  transport: httpx.AsyncBaseTransport | None = None) -> None:
@@ -51,10 +53,21 @@ class RemoteEngine:
         self._transport = transport
         self._client: httpx.AsyncClient | None = None
         self._streams: set = set()
+        self._health: asyncio.Task | None = None
 
     def start(self) -> None:
         self._client = httpx.AsyncClient(timeout=self._timeout, transport=self._transport,
                                          limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+        if self.health_interval_s is not None:
+            self._health = asyncio.get_running_loop().create_task(self._watch_health())
+
+    async def _watch_health(self) -> None:
+        while True:
+            await asyncio.sleep(self.health_interval_s)
+            await self.check_health()
+
+    async def check_health(self) -> None:
+        """Check the servers (the owner's; run every health_interval_s)."""
 
     @property
     def is_running(self) -> bool:
@@ -93,11 +106,21 @@ class RemoteEngine:
             stream.close()
 
     async def shutdown(self) -> None:
+        if self._health is not None:
+            self._health.cancel()
         self.abort_all()
         if self._client is not None:
             await asyncio.sleep(0)            # let the closes scheduled by abort_all run
             await self._client.aclose()
             self._client = None
+
+
+def fail_stream(resp, why: str) -> None:
+    """End the reads of a /pd stream whose server stopped answering, in an error (StreamBroken where read)."""
+    if isinstance(resp, StreamedResponse):
+        resp.fail(why)
+    else:      # an httpx stream (tests' transports)
+        asyncio.ensure_future(resp.aclose())
 
 
 class StreamBroken(EngineStepError):

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 import httpx
 
 from picovllm.disagg.auth import FleetSecret, sign_request
-from picovllm.disagg.handover_stream import RemoteEngine, ndjson_outputs, open_pd_stream, prefill_body, \
-    prefill_then_decode
+from picovllm.disagg.handover_stream import RemoteEngine, fail_stream, ndjson_outputs, open_pd_stream, \
+    prefill_body, prefill_then_decode
 from picovllm.disagg.http_stream import StreamedResponse
 from picovllm.entrypoints.openai.engine_client import EngineDeadError
 from picovllm.outputs import RequestOutput
@@ -75,10 +75,7 @@ class PDStream:
     def lose(self, why: str) -> None:
         """Its pair is lost (ProxyEngine's health checks): the reads of both streams end in an error."""
         for resp in (self._prefill, self._decode):
-            if isinstance(resp, StreamedResponse):
-                resp.fail(why)
-            else:      # an httpx stream (tests' transports)
-                asyncio.ensure_future(resp.aclose())
+            fail_stream(resp, why)
 
     def close(self) -> None:
         """Drop both connections: a server whose client went away aborts the request (frees its KV)."""
@@ -105,42 +102,33 @@ class ProxyEngine(RemoteEngine):
         self._next = itertools.count()
         self._last_ok = {url: time.monotonic() for p in pairs for url in (p.prefill, p.decode)}
         self.down: dict[PDPair, str] = {}       # pairs out of rotation, and why
-        self._health: asyncio.Task | None = None
+        self.health_interval_s = lease_s / 4
 
-    def start(self) -> None:
-        super().start()
-        self._health = asyncio.get_running_loop().create_task(self._check_health())
-
-    async def shutdown(self) -> None:
-        if self._health is not None:
-            self._health.cancel()
-        await super().shutdown()
-
-    async def _check_health(self) -> None:
-        while True:
-            await asyncio.sleep(self.lease_s / 4)
-            urls = list(self._last_ok)
-            answers = await asyncio.gather(*(self._info(url) for url in urls))
-            now = time.monotonic()
-            for url, info in zip(urls, answers):
-                if info is not None:
-                    self._last_ok[url] = now
-            for pair in self.pairs:
-                silent = [u for u in (pair.prefill, pair.decode) if now - self._last_ok[u] > self.lease_s]
-                info = answers[urls.index(pair.prefill)]
-                why = (f"{silent[0]} has not answered for {self.lease_s:g} s" if silent else
-                       f"the prefill server {pair.prefill} reports its link to {pair.decode} down"
-                       if info is not None and not info.get("link_alive", True) else None)
-                if why is None:
-                    if self.down.pop(pair, None) is not None:
-                        logger.info("pair %s -> %s back in rotation", pair.prefill, pair.decode)
-                    continue
-                if pair not in self.down:
-                    logger.warning("pair %s -> %s out of rotation: %s", pair.prefill, pair.decode, why)
-                self.down[pair] = why
-                for stream in list(self._streams):
-                    if stream.pair == pair:
-                        stream.lose(why)
+    async def check_health(self) -> None:
+        """Each server's /pd/info: a pair with one silent for a lease, or whose P's link is down, leaves the rotation
+        (its open streams fail); it comes back once both answer and the link is up."""
+        urls = list(self._last_ok)
+        infos = dict(zip(urls, await asyncio.gather(*(self._info(url) for url in urls))))
+        now = time.monotonic()
+        for url, info in infos.items():
+            if info is not None:
+                self._last_ok[url] = now
+        for pair in self.pairs:
+            silent = [u for u in (pair.prefill, pair.decode) if now - self._last_ok[u] > self.lease_s]
+            info = infos[pair.prefill]
+            why = (f"{silent[0]} has not answered for {self.lease_s:g} s" if silent else
+                   f"the prefill server {pair.prefill} reports its link to {pair.decode} down"
+                   if info is not None and not info.get("link_alive", True) else None)
+            if why is None:
+                if self.down.pop(pair, None) is not None:
+                    logger.info("pair %s -> %s back in rotation", pair.prefill, pair.decode)
+                continue
+            if pair not in self.down:
+                logger.warning("pair %s -> %s out of rotation: %s", pair.prefill, pair.decode, why)
+            self.down[pair] = why
+            for stream in list(self._streams):
+                if stream.pair == pair:
+                    stream.lose(why)
 
     async def _info(self, url: str) -> dict | None:
         try:

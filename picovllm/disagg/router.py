@@ -31,8 +31,8 @@ import httpx
 from prometheus_client import Counter, Gauge
 
 from picovllm.disagg.auth import FleetSecret, sign_request
-from picovllm.disagg.handover_stream import RemoteEngine, StreamBroken, ndjson_outputs, open_pd_stream, \
-    prefill_body, prefill_then_decode
+from picovllm.disagg.handover_stream import RemoteEngine, StreamBroken, fail_stream, ndjson_outputs, \
+    open_pd_stream, prefill_body, prefill_then_decode
 from picovllm.disagg.http_stream import StreamedResponse
 from picovllm.disagg.messages import KVLayout
 from picovllm.disagg.router_policy import Instance
@@ -185,49 +185,41 @@ class RouterStream:
         inst = self.prefill if role == "p" else self.decode
         return f"the {'prefill' if role == 'p' else 'decode'} instance {inst.url if inst else None}"
 
-    async def _prefill_lines(self) -> AsyncIterator[tuple[RequestOutput, dict]]:
+    def _prefill_lines(self) -> AsyncIterator[tuple[RequestOutput, dict]]:
         """P's lines. A P lost before its first line had not started the request: it goes to another P."""
-        tried = {self.prefill.url}
-        while True:
-            started = False
-            try:
-                async for item in self._lines(self._responses[-1], self.prefill):
-                    started = True
-                    yield item
-                return
-            except StreamBroken:
-                if started:
-                    raise
-            self._leave(self.prefill)
+        async def reopen(tried: set[str]) -> StreamedResponse:
             self.prefill, resp = await self.router.reopen_prefill(self, tried)
-            tried.add(self.prefill.url)
-            self._responses.append(resp)
+            return resp
+        return self._retried_lines("p", reopen)
 
     async def _open_decode(self, handover: dict) -> AsyncIterator[tuple[RequestOutput, dict]]:
-        """P published the KV: on to a D."""
+        """P published the KV: on to a D. A D lost before its first line had not claimed the KV, which P still
+        publishes: the request goes to another D."""
         self._leave(self.prefill)
         resp = await self.router.open_decode(self, handover)       # sets self.decode: D answers for the KV now
         self._responses.append(resp)
-        return self._decode_lines(handover)
+        return self._retried_lines("d", lambda tried: self.router.open_decode(self, handover, tried))
 
-    async def _decode_lines(self, handover: dict) -> AsyncIterator[tuple[RequestOutput, dict]]:
-        """D's lines. A D lost before its first line had not claimed the KV, which P still publishes: the request
-        goes to another D."""
-        tried = {self.decode.url}
+    def _current(self, role: str) -> Instance:
+        return self.prefill if role == "p" else self.decode
+
+    async def _retried_lines(self, role: str, reopen) -> AsyncIterator[tuple[RequestOutput, dict]]:
+        """The lines of the role's instance; one whose stream breaks before its first line is left for the next,
+        which reopen(the instances tried) opens (setting this stream's instance of the role) and returns."""
+        tried = {self._current(role).url}
         while True:
             started = False
             try:
-                async for item in self._lines(self._responses[-1], self.decode):
+                async for item in self._lines(self._responses[-1], self._current(role)):
                     started = True
                     yield item
                 return
             except StreamBroken:
                 if started or self.router is None:
                     raise
-            self._leave(self.decode)
-            resp = await self.router.open_decode(self, handover, tried)
-            tried.add(self.decode.url)
-            self._responses.append(resp)
+            self._leave(self._current(role))
+            self._responses.append(await reopen(tried))
+            tried.add(self._current(role).url)
 
     async def _lines(self, resp: StreamedResponse, inst: Instance) -> AsyncIterator[tuple[RequestOutput, dict]]:
         """An instance's lines; one whose stream broke is marked down."""
@@ -243,11 +235,7 @@ class RouterStream:
         read (an error naming it, or, before its first line, the next instance)."""
         current = self.decode if self.decode is not None else self.prefill
         if current is inst and self._responses:
-            resp = self._responses[-1]
-            if isinstance(resp, StreamedResponse):
-                resp.fail(f"{inst.url} stopped answering: {why}")
-            else:      # an httpx stream (tests' transports)
-                asyncio.ensure_future(resp.aclose())
+            fail_stream(self._responses[-1], f"{inst.url} stopped answering: {why}")
 
     def _leave(self, inst: Instance | None) -> None:
         if inst is not None and inst.url not in self._left:
@@ -284,26 +272,15 @@ class RouterEngine(RemoteEngine):
         super().__init__(model_info, metrics, connect_timeout_s, transport)
         self.pool, self.prefill_policy, self.decode_policy = pool, prefill_policy, decode_policy
         self.router_metrics = router_metrics
-        self._health: asyncio.Task | None = None
+        self.health_interval_s = pool.lease_s / 4
         pool.on_silent = self._silent
 
     def _silent(self, inst: Instance, why: str) -> None:
         for stream in list(self._streams):
             stream.lose(inst, why)
 
-    def start(self) -> None:
-        super().start()
-        self._health = asyncio.get_running_loop().create_task(self._check_health())
-
-    async def shutdown(self) -> None:
-        if self._health is not None:
-            self._health.cancel()
-        await super().shutdown()
-
-    async def _check_health(self) -> None:
-        while True:
-            await asyncio.sleep(self.pool.lease_s / 4)
-            await asyncio.gather(*(self.pool.check(self.client, i) for i in list(self.pool.instances.values())))
+    async def check_health(self) -> None:
+        await asyncio.gather(*(self.pool.check(self.client, i) for i in list(self.pool.instances.values())))
 
     async def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
                           arrival_time: float | None = None, priority: int = 0) -> RouterStream:
