@@ -1,0 +1,101 @@
+"""The proxy's pairs without processes: picovllm/disagg/proxy.py's start-up checks against fake /pd/info answers,
+and its health checks against fake pair servers on real sockets (a frozen one). (test_pd_serving.py runs the pairs as
+processes; these stay out of its module, whose tests share one cluster and count its requests.)"""
+import json
+import time
+
+import pytest
+
+from picovllm import SamplingParams
+from picovllm.disagg.auth import FleetSecret
+
+SECRET = "pd-pair-test-secret-0123456789"
+
+
+def test_a_pair_whose_decode_server_takes_less_is_refused(monkeypatch):
+    """The proxy pairs each P with the D on its link's other end, and refuses a D whose max_model_len is below its
+    P's (naming the field), as the router does: P would admit what D then fails as a 500, after the prefill."""
+    from picovllm.disagg import proxy
+
+    def info(role, length, local, remote):
+        return {"role": role, "link_alive": True, "link": [local, remote], "max_model_len": length}
+
+    ends = (["127.0.0.1", 1], ["127.0.0.1", 2])
+    for d_length, ok in ((2048, True), (1024, True), (256, False)):
+        served = {"http://p/pd/info": info("p", 1024, *ends), "http://d/pd/info": info("d", d_length, *ends[::-1])}
+        monkeypatch.setattr(proxy, "_get", lambda url, deadline, secret=None: served[url])
+        if ok:
+            assert proxy.discover_pairs(["http://p"], ["http://d"], None, 1.0) == [proxy.PDPair("http://p",
+                                                                                                  "http://d")]
+        else:
+            with pytest.raises(ValueError, match="max_model_len: the decode server http://d has 256"):
+                proxy.discover_pairs(["http://p"], ["http://d"], None, 1.0)
+
+
+def test_a_frozen_decode_server_ends_its_streams_and_leaves_the_rotation():
+    """Real sockets against fake pair servers: D sends a line and then nothing, and its /pd/info stops answering
+    (a frozen process): the stream open on it ends within about a lease with an error naming it (it had waited
+    forever), and the pair leaves the rotation, so a new request is refused at once."""
+    import asyncio
+
+    from picovllm.disagg.messages import OutputEncoder
+    from picovllm.disagg.proxy import PDPair, ProxyEngine
+    from picovllm.entrypoints.openai.engine_client import EngineDeadError, EngineStepError
+    from picovllm.outputs import CompletionOutput, RequestOutput
+
+    def lines(*outs, **last):
+        wire = OutputEncoder()
+        encoded = [wire.encode(RequestOutput("r", None, [1, 2, 3], [CompletionOutput(0, "", t, None, None, None)],
+                                             False)) for t in outs]
+        encoded[-1].update(last)
+        return [json.dumps(x).encode() + b"\n" for x in encoded]
+
+    async def main():
+        frozen, ports = asyncio.Event(), []
+
+        async def serve(reader, writer):
+            head = await reader.readuntil(b"\r\n\r\n")
+            path = head.split(b" ")[1].decode()
+            length = next((int(h.split(b":")[1]) for h in head.split(b"\r\n")
+                           if h.lower().startswith(b"content-length")), 0)
+            await reader.readexactly(length)
+            port = writer.get_extra_info("sockname")[1]
+            if path == "/pd/info":
+                if frozen.is_set() and port == ports[1]:
+                    await asyncio.sleep(3600)          # a frozen process: no answer
+                body = b'{"link_alive": true}'
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+            else:
+                writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+                for line in (lines([5], handed_off=True) if path == "/pd/prefill" else lines([5, 6])):
+                    writer.write(b"%x\r\n%s\r\n" % (len(line), line))
+                if path == "/pd/decode":
+                    await writer.drain()
+                    frozen.set()
+                    await asyncio.sleep(3600)
+                writer.write(b"0\r\n\r\n")
+            await writer.drain()
+            writer.close()
+
+        servers = [await asyncio.start_server(serve, "127.0.0.1", 0) for _ in range(2)]
+        ports += [srv.sockets[0].getsockname()[1] for srv in servers]
+        pair = PDPair(f"http://127.0.0.1:{ports[0]}", f"http://127.0.0.1:{ports[1]}")
+        engine = ProxyEngine([pair], FleetSecret(SECRET.encode()), {}, lease_s=0.4)
+        engine.start()
+        start, got = time.monotonic(), []
+        try:
+            stream = await engine.add_request([1, 2, 3], SamplingParams(max_tokens=3), "r")
+            with pytest.raises(EngineStepError, match=f"127.0.0.1:{ports[1]}"):
+                async for out in stream.outputs():
+                    got.append(out.outputs[0].token_ids)
+            took = time.monotonic() - start
+            with pytest.raises(EngineDeadError, match="has not answered"):
+                await engine.add_request([1, 2, 3], SamplingParams(max_tokens=3), "r2")
+        finally:
+            await engine.shutdown()
+            for srv in servers:
+                srv.close()
+        return got, took
+
+    got, took = asyncio.run(asyncio.wait_for(main(), 30))
+    assert got == [[5], [5, 6]] and took < 5.0, (got, took)
