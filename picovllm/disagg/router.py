@@ -16,8 +16,8 @@ the fleet's signature (picovllm.disagg.auth), as every call the router makes to 
 Every lease / 4 the router reads each instance's /pd/load; one that has not answered for a lease is
 out of rotation until it answers again, and the streams open on it fail (a frozen process: they would wait
 forever); one whose engine is not running (alive: false) is out at once. An instance whose KV layout or
-max_model_len does not fit the fleet's is refused when it is added. /metrics adds, per instance, requests routed, failures, up,
-load and in-flight requests, and per routing decision a counter by role, policy and reason.
+max_model_len does not fit the fleet's is refused when it is added. /metrics adds, per instance, requests routed,
+failures, up, load and in-flight requests, and per routing decision a counter by role, policy and reason.
 """
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ def conversation_messages(conversation) -> list[dict]:
     string, None (read as ""), or OpenAI's list of text parts (content_for_template decides how the template gets
     them); an assistant's tool_calls with their arguments as objects, as the server passes them (JSON text parsed,
     empty as {}); the other keys (name, ...) as they are. ValueError naming messages[i].<field> otherwise."""
-    from picovllm.entrypoints.openai.tool_calls import json_or_text
+    from picovllm.entrypoints.openai.tool_calls import template_arguments
     if not isinstance(conversation, list):
         raise ValueError("messages must be a list of {role, content} objects")
     out = []
@@ -47,19 +47,18 @@ def conversation_messages(conversation) -> list[dict]:
             raise ValueError(f"messages[{i}].content must be a string or a list of text parts")
         message = {**m, "content": content}
         if isinstance(m.get("tool_calls"), list):
-            message["tool_calls"] = [_call_with_object_arguments(c, json_or_text) for c in m["tool_calls"]]
+            message["tool_calls"] = [_call_with_object_arguments(c, template_arguments) for c in m["tool_calls"]]
         out.append(message)
     return out
 
 
-def _call_with_object_arguments(call, json_or_text):
-    """An assistant's earlier tool call with its arguments as chat templates take them: an object (Qwen's and HF's
-    convention), not JSON text; none (an empty string) as {}. Anything else as it is."""
+def _call_with_object_arguments(call, template_arguments):
+    """An assistant's earlier tool call with its JSON-text arguments as the server passes them
+    (tool_calls.template_arguments); anything else as it is."""
     fn = call.get("function") if isinstance(call, dict) else None
     if not isinstance(fn, dict) or not isinstance(fn.get("arguments"), str):
         return call
-    args = fn["arguments"]
-    return {**call, "function": {**fn, "arguments": json_or_text(args) if args.strip() else {}}}
+    return {**call, "function": {**fn, "arguments": template_arguments(fn["arguments"])}}
 
 
 # a template that loops over a message's content (Gemma 3's `for item in message['content']`) takes its parts

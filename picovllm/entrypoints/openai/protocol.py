@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, create_model, field_validator
 
 from picovllm.entrypoints.chat_template import joined_parts
-from picovllm.entrypoints.openai.tool_calls import ToolPolicy, json_or_text
+from picovllm.entrypoints.openai.tool_calls import ToolPolicy, template_arguments
 from picovllm.entrypoints.parallel_sampling import sample_params
 from picovllm.sampling_params import StructuredOutputsParams
 from picovllm.sampling_params import SamplingParams
@@ -371,11 +371,9 @@ class ChatMessage(refusing_model("_RefusedInMessage", {"function_call": ()})):
             if not (self.tool_calls and d["content"]):   # GPT-OSS's template takes one or the other before a call
                 d["thinking"] = thought
         if self.tool_calls:
-            # chat templates (Qwen's, HF's convention) take the arguments as an object, not as JSON text; none (an
-            # empty string) as {}, as vLLM passes them
             d["tool_calls"] = [{"id": c.id, "type": "function", "function": {
-                "name": c.function.name, "arguments": json_or_text(c.function.arguments)
-                if (c.function.arguments or "").strip() else {}}} for c in self.tool_calls]
+                "name": c.function.name, "arguments": template_arguments(c.function.arguments)}}
+                for c in self.tool_calls]
         return d
 
 

@@ -162,17 +162,18 @@ class ChatHandler:
         content = [""] * n     # with splits: each choice's content so far (what the tool calls are read from)
         harmonies = [HarmonyStream(policy, header) for _ in range(n)] if harmony else None
         new_ids: list[list[int]] = [[] for _ in range(n)]    # return_token_ids: each choice's tokens not yet sent
-        first = [req.return_token_ids]                       # the prompt's ids still to go, on the first chunk
+        prompt_ids_due = req.return_token_ids                # the prompt's ids still to go, on the first chunk
 
         def emit(chunks: list[dict], i: int) -> str:
+            nonlocal prompt_ids_due
             if req.continuous_usage:
                 chunks = [with_usage(chunk, len(group.ids), sent[i]) for chunk in chunks]
             if req.return_token_ids:
                 if new_ids[i]:
                     chunks[-1]["choices"][0]["token_ids"], new_ids[i] = new_ids[i], []
-                if first[0]:
+                if prompt_ids_due:
                     chunks[0] = {**chunks[0], "prompt_token_ids": list(group.ids)}
-                    first[0] = False
+                    prompt_ids_due = False
             return "".join(sse(chunk) for chunk in chunks)
 
         try:

@@ -1,7 +1,7 @@
 """POST /v1/embeddings, as vLLM serves it from a pooling model (`serve --runner pooling`; engine/pooling.py): one
 engine request per input, each a prompt that is prefilled and never decoded; the embeddings come back as floats or as
-base64 (float32, as OpenAI's, or vLLM's embed_dtype and endianness). A generating server answers with a 400, and so does a proxy or router
-(the P and D engines behind them generate)."""
+base64 (float32, as OpenAI's, or vLLM's embed_dtype and endianness). A generating server answers with a 400, and so
+does a proxy or router (the P and D engines behind them generate)."""
 from __future__ import annotations
 
 import asyncio

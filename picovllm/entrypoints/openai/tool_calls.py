@@ -528,6 +528,12 @@ def json_or_text(text: str) -> Any:
         return text
 
 
+def template_arguments(text: str | None) -> Any:
+    """An earlier call's arguments as chat templates take them (Qwen's, HF's convention): an object, not JSON text;
+    none (an empty string) as {}, as vLLM passes them."""
+    return json_or_text(text) if (text or "").strip() else {}
+
+
 def partial_tag(text: str, tag: str = "<tool_call>") -> int:
     """How many characters at the end of text could be the start of tag."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
@@ -555,6 +561,9 @@ def with_tool_prompt(messages: list[dict], tools: list[dict]) -> list[dict]:
     prompt = tool_system_prompt(tools)
     if messages and messages[0]["role"] == "system":
         content = messages[0]["content"]
-        content = content + [{"type": "text", "text": prompt}] if isinstance(content, list) else f"{content}\n\n{prompt}"
+        if isinstance(content, list):         # text parts (a template that loops over them)
+            content = content + [{"type": "text", "text": prompt}]
+        else:
+            content = f"{content}\n\n{prompt}"
         return [{**messages[0], "content": content}, *messages[1:]]
     return [{"role": "system", "content": prompt}, *messages]
