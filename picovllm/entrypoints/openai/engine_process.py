@@ -57,12 +57,13 @@ class OutputDeltas:
     def __init__(self) -> None:
         self._sent: dict[str, tuple[int, str, int]] = {}   # request id -> (tokens, text, prompt logprobs) sent
 
-    def forget(self, rid: str) -> None:
-        """A request ended otherwise than by a finished output (an exception answered it): its next use of the
-        id is a new request."""
-        self._sent.pop(rid, None)
-
-    def encode(self, out: RequestOutput) -> tuple:
+    def encode(self, out: RequestOutput | tuple) -> tuple:
+        """out: an engine output, or an answer to a command, (request id, None or an exception), which goes as
+        ("answer", out); an exception ends its request, so the id's next use is a new request."""
+        if not isinstance(out, RequestOutput):
+            if isinstance(out[1], Exception):
+                self._sent.pop(out[0], None)
+            return ("answer", out)
         rid = out.request_id
         prev = self._sent.pop(rid, None)
         c = out.outputs[0] if len(out.outputs) == 1 else None
@@ -84,11 +85,13 @@ class OutputsFromDeltas:
     def __init__(self) -> None:
         self._last: dict[str, RequestOutput] = {}
 
-    def forget(self, rid: str) -> None:
-        """As OutputDeltas.forget, on this end (a step failure answered the request with an exception)."""
-        self._last.pop(rid, None)
-
-    def decode(self, msg: tuple) -> RequestOutput:
+    def decode(self, msg: tuple) -> RequestOutput | tuple:
+        """The output a message holds; an answer as OutputDeltas took it (its exception forgets the request here
+        too)."""
+        if msg[0] == "answer":
+            if isinstance(msg[1][1], Exception):
+                self._last.pop(msg[1][0], None)
+            return msg[1]
         if msg[0] == "whole":
             out = msg[1]
             self._last.pop(out.request_id, None)
@@ -171,10 +174,7 @@ class PipeEngineClient(EngineClient):
                     why = body[0]
                     break
                 items, self.stats = body
-                outputs = [self._outputs.decode(m) if m[0] != "answer" else m[1] for m in items]
-                for m in items:     # an exception ended the request: a later request may take its id
-                    if m[0] == "answer" and isinstance(m[1][1], Exception):
-                        self._outputs.forget(m[1][0])
+                outputs = [self._outputs.decode(m) for m in items]
                 if self.metrics and self._observe_engine:
                     self.metrics.observe_engine(self.stats)
                 self._finish_outputs(outputs)
@@ -313,10 +313,7 @@ class PipeEnds:
 
     def _deliver(self, outputs: list) -> None:
         if outputs or self.stats != self._sent_stats:
-            for o in outputs:    # an exception ended the request: a later request may take its id
-                if not isinstance(o, RequestOutput) and isinstance(o[1], Exception):
-                    self._deltas.forget(o[0])
-            items = [self._deltas.encode(o) if isinstance(o, RequestOutput) else ("answer", o) for o in outputs]
+            items = [self._deltas.encode(o) for o in outputs]
             self._out.send(("step", items, self.stats))
             self._sent_stats = self.stats
 
@@ -388,9 +385,7 @@ class SharedPipeEnds(PipeEnds):
             if isinstance(o, RequestOutput):
                 rid, item, done = o.request_id, self._deltas.encode(o), o.finished
             else:                                   # an answer: an Exception ends the request
-                rid, item, done = o[0], ("answer", o), isinstance(o[1], Exception)
-                if done:
-                    self._deltas.forget(rid)
+                rid, item, done = o[0], self._deltas.encode(o), isinstance(o[1], Exception)
             k = self._owner.pop(rid, None) if done else self._owner.get(rid)
             if k is not None:
                 per.setdefault(k, []).append(item)
