@@ -111,15 +111,18 @@ class ServerProcess:
     test_engine_process.py, pair 0 of test_pd_serving.py, the fleet's p and d0 in test_pd_router.py."""
 
     def __init__(self, model: str | None, log_path: str, *extra: str, startup_timeout: float | None = 120.0,
-                 command: tuple[str, ...] = ("serve",)) -> None:
-        """command: the CLI subcommand; model None: no --model; startup_timeout None: do not wait (wait_ready)."""
+                 command: tuple[str, ...] = ("serve",), env: dict[str, str] | None = None) -> None:
+        """command: the CLI subcommand; model None: no --model; startup_timeout None: do not wait (wait_ready);
+        env: variables set beside the usual ones (PYTHONPATH's entries go first)."""
         if command == ("serve",) and "--engine-process" not in extra and "--no-engine-process" not in extra:
             extra = (*extra, "--no-engine-process")
         self.model = model
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        extra_env = dict(env or {})
+        path = [extra_env.pop("PYTHONPATH")] if "PYTHONPATH" in extra_env else []
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-                   PYTHONPATH=os.pathsep.join([os.getcwd()] + sys.path))
+                   PYTHONPATH=os.pathsep.join(path + [os.getcwd()] + sys.path), **extra_env)
         self.log_path = log_path
         self._log = open(log_path, "w")
         self.proc = subprocess.Popen(

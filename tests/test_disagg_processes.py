@@ -342,9 +342,32 @@ def test_frozen_decode_engine_loses_its_lease(tiny_models):
         assert s.ended["p"].free_blocks == s.ended["p"].num_blocks
         errs = [s.results[r].error for r in ids if r in s.results and s.results[r].error]
         assert errs and any("silent" in e for e in errs), errs
-        os.kill(llm.pids["d"], signal.SIGKILL)
-        s.wait(timeout_s=10)
+        s.wait(timeout_s=10)      # the driver's lease on D ends the wait (it had hung until D was killed)
+        assert "silent" in llm.gone["d"] and "p" not in llm.gone, llm.gone
         assert all(s.results[r].finished for r in ids)
+        assert llm.procs["d"].is_alive(), "frozen, not dead: the driver's shutdown kills it"
+    finally:
+        shut_down_quickly(llm)
+
+
+def test_frozen_prefill_engine_loses_the_drivers_lease(tiny_models):
+    """P freezes mid-drain: D gives up on its link, and the driver on P (its heartbeats stop): wait() returns with
+    every request finished, where it had hung forever."""
+    llm = faulty_pair(tiny_models, lease_s=1.0)
+    try:
+        s = llm.session(fault={"p": "stop:Offer:2"})      # P freezes (SIGSTOP) after its second Offer
+        ids = [s.submit(p, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+               for p in random_prompts(5, seed=4, max_len=30)]
+        s.close()
+        t0 = time.monotonic()
+        s.wait(timeout_s=15)
+        assert time.monotonic() - t0 < 10
+        assert "silent" in llm.gone["p"] and "d" in s.ended, (llm.gone, s.ended)
+        assert s.ended["d"].free_blocks == s.ended["d"].num_blocks      # D freed what it was waiting for
+        outs = [s.results[r] for r in ids]
+        assert all(o.finished for o in outs)
+        assert any(o.error for o in outs) and all("prefill engine" in o.error for o in outs if o.error), \
+            [o.error for o in outs]
     finally:
         shut_down_quickly(llm)
 

@@ -6,7 +6,9 @@ in-flight streams cleanly, and SIGTERM stops both processes (the module server's
 (--no-engine-process): test_server_units.py's chat-template server (colocated), test_pd_serving.py and
 test_pd_router.py (P and D servers).
 """
+import json
 import os
+import shutil
 import signal
 import time
 
@@ -222,12 +224,14 @@ def test_a_failed_step_leaves_no_delta_state_behind(chat_model):
 
 
 @pytest.mark.parametrize("api_servers", [[], ["--api-server-count", "2"]], ids=["one", "two-api-servers"])
-def test_a_model_the_engine_refuses_ends_the_server_as_the_thread_does(tmp_path, api_servers):
+def test_a_model_the_engine_refuses_ends_the_server_as_the_thread_does(chat_model, tmp_path, api_servers):
     """Engine() raising in the child: the command line reports it as it reports the thread's (exit 2, the reason),
-    and with several API servers (started while the engine is built) no process is left."""
+    and with several API servers (started while the engine is built) no process is left. The model's tokenizer
+    loads (the server's side gets that far) and its weights do not fit its config (the engine's side fails)."""
     bad = tmp_path / "model"
-    bad.mkdir()
-    (bad / "config.json").write_text('{"architectures": ["NoSuchForCausalLM"], "model_type": "nope"}')
+    shutil.copytree(chat_model, bad)
+    config = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**config, "hidden_size": 2 * config["hidden_size"]}))
     srv = ServerProcess(str(bad), str(tmp_path / "server.log"), PROCESS, *api_servers, startup_timeout=None)
     kids, deadline = [], time.time() + 60
     while len(kids) < (3 if api_servers else 1) and srv.proc.poll() is None and time.time() < deadline:
@@ -235,7 +239,7 @@ def test_a_model_the_engine_refuses_ends_the_server_as_the_thread_does(tmp_path,
         time.sleep(0.05)
     assert kids, "no process was spawned"
     assert srv.proc.wait(120) == 2
-    assert "serve: error: config.json architectures=['NoSuchForCausalLM']: unsupported architecture" in srv.log()
+    assert "serve: error: weight lm_head.weight: shape mismatch" in srv.log()
     assert_exited(kids)
 
 

@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from serving_fixtures import ServerProcess, build_tiny_chat_model
+from serving_fixtures import ServerProcess, build_tiny_chat_model, chat_model  # noqa: F401 - a fixture
 
 KEY = "sk-test-123"
 GRACE = 2.5   # --shutdown-timeout
@@ -167,3 +167,62 @@ def test_sigterm_aborts_waiting_samples_and_beam_searches(long_context_model, tm
     assert status == 503 and "shutting down" in beam["error"]["message"], beam
     assert results["long"]["finish"] == "abort" and results["long"]["done"]
     assert elapsed < GRACE + 3, elapsed
+
+# A sitecustomize that makes every Engine of its processes wait BUILD_DELAY_S before it builds, after writing a file
+# named by the building process's pid: an engine process stopped mid-build, found without timing guesses.
+SLOW_BUILD = '''
+import os, time
+if os.environ.get("PICOVLLM_TEST_BUILD_MARKS"):
+    import picovllm.engine.llm_engine as _m
+    _init = _m.Engine.__init__
+    def _slow(self, *a, **k):
+        open(os.path.join(os.environ["PICOVLLM_TEST_BUILD_MARKS"], str(os.getpid())), "w").close()
+        time.sleep(float(os.environ["PICOVLLM_TEST_BUILD_DELAY"]))
+        _init(self, *a, **k)
+    _m.Engine.__init__ = _slow
+'''
+BUILD_DELAY_S = 120
+
+
+def _building_server(model: str, tmp_path, *extra: str) -> tuple[ServerProcess, int]:
+    """A server whose engine process is building its engine (for BUILD_DELAY_S); and that process's pid."""
+    site, marks = tmp_path / "site", tmp_path / "marks"
+    site.mkdir()
+    marks.mkdir()
+    (site / "sitecustomize.py").write_text(SLOW_BUILD)
+    srv = ServerProcess(model, str(tmp_path / "server.log"), "--engine-process", *extra, startup_timeout=None,
+                        env={"PYTHONPATH": str(site), "PICOVLLM_TEST_BUILD_MARKS": str(marks),
+                             "PICOVLLM_TEST_BUILD_DELAY": str(BUILD_DELAY_S)})
+    deadline = time.time() + 60
+    while not os.listdir(marks):
+        assert srv.proc.poll() is None and time.time() < deadline, srv.log()
+        time.sleep(0.1)
+    engine = int(os.listdir(marks)[0])
+    assert engine != srv.proc.pid and engine in children_of(srv.proc.pid)
+    return srv, engine
+
+
+@pytest.mark.parametrize("api_servers", [1, 2])
+def test_sigterm_while_the_engine_is_built_stops_its_process(chat_model, tmp_path, api_servers):
+    """SIGTERM before the engine is ready: the server exits at once and its engine process with it (it had built on
+    for as long as the build took, after the server was gone; with API server processes the server waited 60 s)."""
+    extra = ("--api-server-count", str(api_servers)) if api_servers > 1 else ()
+    srv, engine = _building_server(chat_model, tmp_path, *extra)
+    kids = children_of(srv.proc.pid)
+    t0 = time.time()
+    srv.proc.send_signal(signal.SIGTERM)
+    try:
+        srv.proc.wait(20)
+    finally:
+        srv.stop(signal.SIGKILL)
+    assert time.time() - t0 < 20, srv.log()
+    assert_exited([engine, *kids], timeout_s=10)
+    assert "stopped while the engine was being built" in srv.log()
+
+
+def test_an_engine_process_whose_server_is_killed_mid_build_ends(chat_model, tmp_path):
+    """A server killed outright (SIGKILL: no handler runs) while its engine is built: the engine process sees its
+    parent gone and ends, where it had built on and then served no one."""
+    srv, engine = _building_server(chat_model, tmp_path)
+    srv.stop(signal.SIGKILL)
+    assert_exited([engine], timeout_s=10)

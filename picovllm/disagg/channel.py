@@ -44,6 +44,8 @@ class Channel:
         self._send_lock = threading.Lock()
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
+        self._beat_s = float("inf")
+        self._beat_now = threading.Event()      # set: beat at once (a shorter interval), or stop (close)
         self.last_heard = time.monotonic()
         self.closed = False
 
@@ -136,9 +138,21 @@ class Channel:
         return decode(payload)
 
     def start_heartbeat(self, interval_s: float) -> None:
-        """Send a Heartbeat every interval_s from a daemon thread, so a busy peer still looks alive."""
+        """Send a Heartbeat every interval_s from a daemon thread, so a busy peer still looks alive. Called again
+        with a shorter interval, the one thread beats at once and at that interval from then on."""
+        if interval_s >= self._beat_s:
+            return
+        self._beat_s = interval_s
+        if self._heartbeat is not None:
+            self._beat_now.set()
+            return
+
         def beat() -> None:
-            while not self._stop.wait(interval_s):
+            while True:
+                self._beat_now.wait(self._beat_s)
+                if self._stop.is_set():
+                    return
+                self._beat_now.clear()
                 try:
                     self.send(Heartbeat())
                 except PeerGone:
@@ -160,6 +174,7 @@ class Channel:
         if self.closed:
             return
         self._stop.set()
+        self._beat_now.set()
         with self._send_lock:
             self.closed = True
         try:

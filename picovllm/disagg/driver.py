@@ -193,12 +193,16 @@ class DisaggLLM:
 
     # -- the end -------------------------------------------------------------------------------
     def shutdown(self, timeout_s: float = 10.0) -> None:
-        """Stop both processes (Shutdown, then a kill for any that is still up after timeout_s)."""
+        """Stop both processes (Shutdown, then a kill for any that is still up after timeout_s; at once for one the
+        driver has given up on: silent past its lease, frozen)."""
         for ch in self.channels.values():
             try:
                 ch.send(Shutdown())
             except PeerGone:
                 pass
+        for role, p in self.procs.items():
+            if role in self.gone and p.is_alive():
+                p.kill()
         deadline = time.monotonic() + timeout_s
         for p in self.procs.values():
             p.join(max(0.0, deadline - time.monotonic()))

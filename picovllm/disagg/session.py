@@ -30,6 +30,8 @@ class DisaggSession:
 
     def __init__(self, llm: DisaggLLM, session: int, opts: dict, stream: bool, fault: dict) -> None:
         self.llm, self.session, self.stream = llm, session, stream
+        self.lease_s = opts["lease_s"]     # a worker silent this long (no heartbeat: frozen, or its host hung) is gone
+        self._started = time.monotonic()   # (silence counts from the session's start: no beats came between sessions)
         self.results: dict[str, RequestOutput] = {}      # final outputs
         self.rejected: dict[str, str] = {}               # submit refused: request_id -> why
         self.ended: dict[str, SessionEnded] = {}
@@ -61,8 +63,8 @@ class DisaggSession:
             return
         proc.join(1.0)
         code = proc.exitcode
-        self.llm.gone.setdefault(role, f"the {NAMES[role]} engine process died "
-                                       f"({'exit code ' + str(code) if code is not None else why})")
+        self.llm.gone.setdefault(role, f"the {NAMES[role]} engine process died (exit code {code})" if code is not None
+                                 else f"the {NAMES[role]} engine process is gone ({why})")
 
     # -- the surface ---------------------------------------------------------------------------
     def submit(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -108,6 +110,9 @@ class DisaggSession:
                 self._lost(role, str(e))
             for msg in msgs:
                 outs += self._on_message(role, msg)
+            silent = min(ch.silent_for(), time.monotonic() - self._started)
+            if role not in self.llm.gone and role not in self.ended and silent > self.lease_s:
+                self._lost(role, f"silent for {silent:.1f} s (lease {self.lease_s:g} s)")
         if self.is_done():
             outs += self._fail_unfinished()
         return outs

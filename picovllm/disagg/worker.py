@@ -93,6 +93,8 @@ class Worker:
 
     # -- one session ---------------------------------------------------------------------------
     def _session(self, engine, start: StartSession) -> None:
+        # the driver's lease on this process (DisaggSession.poll): a frozen one goes silent, a busy one beats on
+        self.driver.start_heartbeat(start.lease_s / 4)
         tc = TransferConfig(backend=start.backend, async_transfer=start.async_transfer,
                             timeout_s=start.transfer_timeout_s, lease_s=start.lease_s,
                             connect_timeout_s=start.connect_timeout_s, host=self.hosts.host,

@@ -12,7 +12,9 @@ What crosses the pipe each step is what changed (OutputDeltas): a RequestOutput 
 token so far), and pickling 256 of them whole took 3-9 ms a step on the CPU (500-token prompts, 50-1000 tokens out).
 
 The child ignores SIGINT (a terminal's Ctrl-C reaches the whole process group; the parent shuts the child down) and
-ends when the parent's pipe closes, so it never outlives the server.
+ends when the parent's pipe closes, so it never outlives the server. While it builds the engine it reads no pipe, so
+there SIGTERM stops it (the parent's stop() sends it before the engine is ready), and so does its parent's end (a
+thread watches for it: a parent killed outright leaves no one to send it).
 
 Several API servers (`serve --api-server-count N`, api_workers.py): one engine process, a pair of pipes per API
 server process besides the parent's, which then carries only start-up and shutdown. Each request's outputs go back
@@ -23,8 +25,10 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import logging
 import multiprocessing as mp
+import os
 import signal
 import threading
 from collections.abc import Callable
@@ -280,7 +284,10 @@ class ProcessAsyncEngine(PipeEngineClient):
             self._reader.join(5)
 
     def stop(self) -> None:
-        """From outside an event loop (start-up failed, or the API servers have gone): stop the child."""
+        """From outside an event loop (start-up failed or was interrupted, or the API servers have gone): stop the
+        child. One still building its engine reads no commands until it is built: SIGTERM stops it there."""
+        if self._info is None and self._proc.is_alive():
+            self._proc.terminate()
         self._commands.put(Shutdown())
         self.join()
 
@@ -419,6 +426,42 @@ class SharedChildLoop(SharedPipeEnds, AsyncEngine):
     """A colocated server's loop in its engine process, for several API server processes."""
 
 
+class StopBuilding(BaseException):
+    """SIGTERM, or the parent's end, while the child builds its engine (_child_main)."""
+
+
+def _stop_building(*_) -> None:
+    raise StopBuilding
+
+
+def _watch_parent(parent: int, built: threading.Event, every_s: float = 0.5) -> None:
+    """Until built is set: SIGTERM to this process once its parent has gone (it is then another process's child)."""
+    while not built.wait(every_s):
+        if os.getppid() != parent:
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+
+
+def _build_stoppably(config: EngineConfig, build) -> Any:
+    """build(config), or None if SIGTERM or the parent's end stopped it (what it had built is released)."""
+    engine, built = None, threading.Event()
+    signal.signal(signal.SIGTERM, _stop_building)
+    threading.Thread(target=_watch_parent, args=(os.getppid(), built), name="picovllm-parent-watch",
+                     daemon=True).start()
+    try:
+        try:
+            engine = (build or Engine)(config)
+        finally:
+            built.set()
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    except StopBuilding:
+        logger.info("stopped while the engine was being built")
+        if engine is not None:
+            engine.shutdown()
+        return None
+    return engine
+
+
 def _child_main(config: EngineConfig, build, loop_cls: type, commands, results, log_level: str) -> None:
     """commands and results: the parent's pipes, or lists of pipes (the parent's first, then each API server's,
     which hear the engine's "ready" or "failed" too: they start while it is built)."""
@@ -434,7 +477,9 @@ def _child_main(config: EngineConfig, build, loop_cls: type, commands, results, 
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        engine = (build or Engine)(config)
+        engine = _build_stoppably(config, build)
+        if engine is None:      # the parent is stopping or gone: nothing to tell
+            return
     except ValueError as e:     # a configuration the engine refuses: the parent reports it as the thread would
         tell(("failed", ("ValueError", str(e))))
         return
@@ -471,12 +516,31 @@ def open_async_engine(config: EngineConfig, settings, metrics=None, build: Calla
             async_engine.release()
             engine.shutdown()
         return async_engine, engine.tokenizer, stop
-    async_engine = client_cls(config, metrics, settings.log_level, build=build, loop_cls=child_loop_cls)
-    try:
-        if tokenizer is None:
-            tokenizer = load_tokenizer(config)      # while the child builds the engine
-        async_engine.wait_ready()
-    except BaseException:       # a ValueError reaches the command line as the thread's Engine() would raise it
-        async_engine.stop()
-        raise
+    with sigterm_interrupts():
+        async_engine = client_cls(config, metrics, settings.log_level, build=build, loop_cls=child_loop_cls)
+        try:
+            if tokenizer is None:
+                tokenizer = load_tokenizer(config)      # while the child builds the engine
+            async_engine.wait_ready()
+        except BaseException:   # a ValueError reaches the command line as the thread's Engine() would raise it
+            async_engine.stop()
+            raise
     return async_engine, tokenizer, async_engine.stop
+
+
+@contextlib.contextmanager
+def sigterm_interrupts():
+    """While it lasts, SIGTERM is Ctrl-C (KeyboardInterrupt) in the main thread: a server stopped while its engine's
+    process builds the engine unwinds and stops that process (ProcessAsyncEngine.stop), where the default action
+    would end the server at once and leave the child building. Elsewhere than the main thread: nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(*_) -> None:
+        raise KeyboardInterrupt
+    old = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
