@@ -256,6 +256,42 @@ def test_reasoning_effort_and_earlier_reasoning_reach_the_template(harmony_model
     assert d["reasoning_content"] == "Need it." and "thinking" not in d
 
 
+# GPT-OSS's template's rule for an assistant message with a call: its content or its thinking is the analysis before
+# the call, and both at once are refused (its words); transformers copies reasoning_content into thinking
+GPTOSS_CALL_RULE = (
+    "{% for m in messages %}{% if m.tool_calls %}{% if m.content and m.thinking %}{{ raise_exception('Cannot pass "
+    "both content and thinking in an assistant message with tool calls!') }}{% endif %}{% if m.content or "
+    "m.thinking %}<|start|>assistant<|channel|>analysis<|message|>{{ m.content or m.thinking }}<|end|>{% endif %}"
+    "<|start|>assistant to=functions.{{ m.tool_calls[0].function.name }}<|channel|>commentary json<|message|>"
+    "{{ m.tool_calls[0].function.arguments | tojson }}<|call|>{% else %}<|start|>{{ m.role }}<|message|>"
+    "{{ m.content }}<|end|>{% endif %}{% endfor %}<|start|>assistant")
+
+
+def test_a_reply_with_reasoning_preamble_and_call_sent_back_renders(harmony_model):
+    """The server's own harmony reply (analysis as reasoning, a commentary preamble as content, a call), sent back
+    as the next turn's history, renders through GPT-OSS's rule with the reasoning as the call's analysis: it had
+    been a 400 (the template refused content beside the thinking transformers made of reasoning_content)."""
+    from transformers import AutoTokenizer
+    from picovllm.entrypoints.openai.harmony import harmony_template_messages
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    req = ChatCompletionRequest(messages=[*ASK_TOOL, {"role": "assistant", "content": "Let me check.",
+                                                      "reasoning": "Need it.", "tool_calls": [call]},
+                                          {"role": "tool", "tool_call_id": "c1", "content": "Sunny"}])
+    worker = TokenizerWorker(AutoTokenizer.from_pretrained(harmony_model), chat_template=GPTOSS_CALL_RULE)
+    try:
+        msgs = harmony_template_messages([m.as_template_dict() for m in req.messages])
+        text = worker.tokenizer.decode(asyncio.run(worker.encode_chat(msgs, True)))
+    finally:
+        worker.shutdown()
+    assert ('<|start|>assistant<|channel|>analysis<|message|>Need it.<|end|><|start|>assistant to=functions.'
+            'get_weather<|channel|>commentary json<|message|>{"city": "Paris"}<|call|><|start|>tool<|message|>Sunny'
+            in text), text
+    # a call without reasoning keeps its content as the template's analysis, and other messages are as they were
+    plain = [m.as_template_dict() for m in ChatCompletionRequest(messages=[*ASK_TOOL, {
+        "role": "assistant", "content": "Checking.", "tool_calls": [call]}]).messages]
+    assert harmony_template_messages(plain) == plain
+
+
 def test_a_reply_continuing_a_prompts_message(harmony_model):
     """A prompt that ends inside a message's body (continue_final_message) leaves the reply in that message: its
     text goes where that message's channel says, markers never shown; the header is read from the prompt."""
@@ -266,13 +302,27 @@ def test_a_reply_continuing_a_prompts_message(harmony_model):
     ids = tok.encode("<|start|>user<|message|>Hi<|end|><|start|>assistant<|channel|>final<|message|>The capital",
                      add_special_tokens=False)
     header = marks.open_header(ids)
-    assert header == "assistant<|channel|>final"
+    assert header == "assistant<|channel|>final<|message|>"
     assert marks.open_header(ids + tok.encode("<|end|>", add_special_tokens=False)) is None
     assert marks.open_header(tok.encode("<|start|>user<|message|>Hi<|end|><|start|>assistant",
                                         add_special_tokens=False)) is None
     reply = " is Paris.<|end|><|start|>assistant<|channel|>analysis<|message|>Done?<|end|>"
     assert parse_harmony(reply, None, False, header) == ("Done?", " is Paris.", [])
-    assert parse_harmony(" is Paris.", None, False, "assistant<|channel|>analysis") == (" is Paris.", None, [])
+    analysis = "assistant<|channel|>analysis<|message|>"
+    assert parse_harmony(" is Paris.", None, False, analysis) == (" is Paris.", None, [])
+    # a generation prompt part way through the final header (the grammar gate's case too): the reply finishes the
+    # header, and only the body is content (the markers had reached the content)
+    partial = marks.open_header(tok.encode("<|start|>user<|message|>Hi<|end|><|start|>assistant<|channel|>final",
+                                           add_special_tokens=False))
+    assert partial == "assistant<|channel|>final"
+    reply = ' <|constrain|>json<|message|>{"city": "Paris"}<|return|>'
+    assert parse_harmony(reply, None, False, partial) == (None, '{"city": "Paris"}', [])
+    for h in (partial, header):     # streamed in pieces of any size, the same as the whole
+        for size in (1, 3, 7):
+            stream = HarmonyStream(None, h)
+            pieces = [stream.feed(reply[j:j + size], j + size >= len(reply)) for j in range(0, len(reply), size)]
+            assert ("".join(d.content for d in pieces), "".join(d.reasoning for d in pieces)) == \
+                (parse_harmony(reply, None, False, h)[1], ""), (h, size)
     with pytest.raises(ValueError):
         ChatCompletionRequest(messages=ASK, reasoning_effort="extreme")
 

@@ -68,8 +68,8 @@ class HarmonyStream:
     only under tool_choice "auto"; None or another mode: no calls)."""
 
     def __init__(self, policy: ToolPolicy | None = None, header: str | None = None) -> None:
-        """header: the prompt's last message's header where the prompt ends inside its body (HarmonyTokens.
-        open_header), else None."""
+        """header: the text of the message the prompt leaves open (HarmonyTokens.open_header: its header part way,
+        or whole and its <|message|>), read as the reply's start; else None."""
         self.functions = policy.functions if policy is not None and policy.mode == "auto" else {}
         self.parallel = policy.parallel if policy is not None else True
         self.buf = ""
@@ -80,8 +80,7 @@ class HarmonyStream:
         self.num_calls = 0
         self.reasoned = False      # whether any analysis message came
         if header is not None:
-            self._open(header)
-            self.state = "body"
+            self.buf, self.state = header, "header"
 
     def feed(self, piece: str, finished: bool, cut: bool = False) -> HarmonyDelta:
         """What this piece (with whatever waited) gives out. finished: the reply's last piece; cut: it ended
@@ -171,6 +170,21 @@ class HarmonyStream:
         return ToolCall(name, json.dumps(obj, ensure_ascii=False)) if isinstance(obj, dict) else None
 
 
+def harmony_template_messages(messages: list[dict]) -> list[dict]:
+    """Chat messages (template dicts) as GPT-OSS's template takes them: one tool call a message
+    (one_call_per_message), and before a call one analysis text. Its template renders a calling message's content
+    *as* the analysis and refuses content beside thinking, and transformers copies reasoning_content into thinking;
+    so where this server's own reply comes back (reasoning, a commentary preamble as content, a call), the reasoning
+    goes as thinking and the preamble, which the template has no place for, is left out."""
+    out = []
+    for m in one_call_per_message(messages):
+        thought = m.get("reasoning_content", m.get("thinking"))
+        if m.get("role") == "assistant" and m.get("tool_calls") and m.get("content") and thought:
+            m = {k: v for k, v in m.items() if k != "reasoning_content"} | {"content": "", "thinking": thought}
+        out.append(m)
+    return out
+
+
 def one_call_per_message(messages: list[dict]) -> list[dict]:
     """Chat messages (template dicts) with each assistant message of several tool calls split into one message a
     call, each followed by its tool result (matched by tool_call_id, else in order): GPT-OSS's chat template renders
@@ -222,16 +236,22 @@ class HarmonyTokens:
         self.ends = {ids[END], ids[CALL], ids[RETURN]}
 
     def open_header(self, prompt_ids: list[int]) -> str | None:
-        """Where the prompt ends inside a message's body (its last marker a <|message|>): that message's header
-        text (its role, channel, recipient), else None."""
+        """The message the prompt leaves open, as HarmonyStream reads it: where the prompt ends inside its body (its
+        last marker a <|message|>: continue_final_message), its header (role, channel, recipient) and <|message|>;
+        where it ends part way through a header that names a channel (a generation prompt ending in
+        `<|start|>assistant<|channel|>final`), that header so far. Else (a bare `<|start|>assistant`, a message
+        ended) None: the reply starts a message."""
         for i in range(len(prompt_ids) - 1, -1, -1):
             t = prompt_ids[i]
             if t == self.message:
                 begin = i
                 while begin > 0 and prompt_ids[begin - 1] != self.start and prompt_ids[begin - 1] not in self.ends:
                     begin -= 1
-                return self.tokenizer.decode(prompt_ids[begin:i], skip_special_tokens=False)
-            if t == self.start or t in self.ends:
+                return self.tokenizer.decode(prompt_ids[begin:i + 1], skip_special_tokens=False)
+            if t == self.start:
+                header = self.tokenizer.decode(prompt_ids[i + 1:], skip_special_tokens=False)
+                return header if CHANNEL in header else None
+            if t in self.ends:
                 return None
         return None
 

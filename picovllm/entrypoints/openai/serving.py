@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from picovllm.entrypoints.chat_template import resolved_template
 from picovllm.entrypoints.openai.engine_client import (EngineClient, EngineDeadError, EngineStepError, RequestStream,
                                                       checked)
-from picovllm.entrypoints.openai.harmony import HarmonyTokens, one_call_per_message, speaks_harmony
+from picovllm.entrypoints.openai.harmony import HarmonyTokens, harmony_template_messages, speaks_harmony
 from picovllm.entrypoints.openai.metrics import ServerMetrics
 from picovllm.entrypoints.openai.protocol import APIError, error_body
 from picovllm.entrypoints.openai.tokenizer_worker import TokenizerWorker
@@ -89,10 +89,10 @@ class ServingContext:
         return HarmonyTokens(tok) if speaks_harmony(tok) else None
 
     def template_messages(self, messages: list) -> list[dict]:
-        """A request's messages as the chat template takes them (with harmony, one tool call an assistant message:
-        GPT-OSS's template renders the first only)."""
+        """A request's messages as the chat template takes them (with harmony, as GPT-OSS's template takes them:
+        harmony_template_messages)."""
         dicts = [m.as_template_dict() for m in messages]
-        return one_call_per_message(dicts) if self.harmony is not None else dicts
+        return harmony_template_messages(dicts) if self.harmony is not None else dicts
 
     def check_model(self, model: str | None) -> None:
         """A model this server does not serve: OpenAI's and vLLM's 404 model_not_found; none or "" is this one."""
@@ -137,15 +137,19 @@ def truncated(ids: list[int], keep: int | None, ctx: ServingContext) -> list[int
     if keep == 0:
         raise APIError(400, "truncate_prompt_tokens must be >= 1, or -1 (as many as the model takes)",
                        param="truncate_prompt_tokens")
-    return ids[-(ctx.engine.model_info()["max_model_len"] - 1 if keep == -1 else keep):]
+    limit = ctx.engine.model_info()["max_model_len"]
+    if keep == -1 and limit is None:    # a router that knows no prefill instance yet: the one it reaches checks
+        return ids
+    return ids[-(limit - 1 if keep == -1 else keep):]
 
 
 def check_room(ids: list[int], requested: int | None, field: str, ctx: ServingContext) -> None:
     """A 400 naming `field` (vLLM's) when the prompt leaves less room than the request's max_tokens asks for; the
     engine itself caps it at the room left (the offline API's, as vLLM's). A prompt that leaves no room at all gets
-    the engine's own refusal of the prompt."""
+    the engine's own refusal of the prompt; none while the limit is unknown (a router that knows no prefill
+    instance yet: the one it reaches checks)."""
     limit = ctx.engine.model_info()["max_model_len"]
-    if requested is not None and len(ids) < limit < len(ids) + requested:
+    if requested is not None and limit is not None and len(ids) < limit < len(ids) + requested:
         raise APIError(400, f"'{field}' is too large: {requested}. This model's maximum context length is {limit} "
                             f"tokens and your request has {len(ids)} input tokens ({requested} > {limit} - {len(ids)})",
                        param=field)
