@@ -206,6 +206,24 @@ def test_served_reasoning_answer_and_tool_call(client, harmony_model):
     assert _streamed(client, **kw) == (TOOL_THOUGHT, "", [("get_weather", {"city": "Paris"})], "tool_calls", thinking)
 
 
+def test_served_beam_search_replies_are_read_as_harmony(client, harmony_model):
+    """use_beam_search: the best beam (the trained reply) is split as a sampled reply is, reasoning tokens counted;
+    it had come back as content with the markers dropped and the channel names glued to the text."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(harmony_model)
+    kw = dict(model=client.models.list().data[0].id, messages=ASK, max_tokens=200)
+    got = client.chat.completions.create(**kw, n=2, extra_body={"use_beam_search": True})
+    msg = got.choices[0].message
+    assert (msg.model_extra["reasoning"], msg.content, got.choices[0].finish_reason) == (THOUGHT, FINAL, "stop")
+    assert all("<|" not in (c.message.content or "") + (c.message.model_extra["reasoning"] or "") and
+               "assistantfinal" not in (c.message.content or "") for c in got.choices)
+    beams = [tok.encode(c.message.model_extra["reasoning"] or "", add_special_tokens=False) for c in got.choices]
+    assert got.usage.completion_tokens_details.reasoning_tokens >= sum(len(b) for b in beams) > 0
+    greedy = client.chat.completions.create(**kw, temperature=0, n=1, extra_body={"use_beam_search": True})
+    assert greedy.usage.completion_tokens_details.reasoning_tokens == \
+        _tokens(tok, f"<|channel|>analysis<|message|>{THOUGHT}<|end|>")
+
+
 def test_served_reply_cut_short(client, harmony_model):
     """max_tokens inside the reasoning: the reasoning so far, content null, finish length; inside the call's
     arguments: no call, the arguments so far as text (never a call with broken arguments)."""

@@ -113,15 +113,17 @@ async def _last(stream):
 
 
 async def serve_beam_search(ctx: ServingContext, req, raw: Request, ids: list[int], max_tokens: int | None,
-                            request_id: str) -> tuple[list[tuple[str, BeamSearchSequence]], dict] | None:
+                            request_id: str, skip_special_tokens: bool | None = None
+                            ) -> tuple[list[tuple[str, BeamSearchSequence]], dict] | None:
     """A request's beams, best first, each with its text, and the usage; None if the client went away.
-    APIError(400) naming what cannot be honoured."""
+    APIError(400) naming what cannot be honoured. skip_special_tokens: the text's, where not the request's (a
+    harmony reply is read at its markers)."""
     params = beam_search_params(req, max_tokens, len(ids), ctx.engine.model_info()["max_model_len"],
                                 ctx.sampling_defaults)
     beams = await run_beam_search(ctx, raw, ids, params, request_id, req.priority)
     if beams is None:
         return None
-    texts = [await ctx.tokenizer.decode(b.text_token_ids(params.include_stop_str_in_output), req.skip_special_tokens)
-             for b in beams]
+    skip = req.skip_special_tokens if skip_special_tokens is None else skip_special_tokens
+    texts = [await ctx.tokenizer.decode(b.text_token_ids(params.include_stop_str_in_output), skip) for b in beams]
     c = sum(len(b.output_token_ids) for b in beams)
     return list(zip(texts, beams)), {"prompt_tokens": len(ids), "completion_tokens": c, "total_tokens": len(ids) + c}

@@ -60,8 +60,6 @@ class ChatHandler:
         ids = truncated(ids, req.truncate_prompt_tokens, ctx)
         check_room(ids, req.max_new_tokens, "max_tokens" if req.max_completion_tokens is None else
                    "max_completion_tokens", ctx)
-        if req.use_beam_search:
-            return await self._beams(req, raw, ids)
         # a reasoning parser splits the think block from the answer (a grammar governs the answer alone: SampleGroup);
         # opened: None without a split, else whether the prompt opens a think block
         opened = None
@@ -76,6 +74,8 @@ class ChatHandler:
         if harmony:
             params.skip_special_tokens = False
             header = ctx.harmony.open_header(ids)
+        if req.use_beam_search:
+            return await self._beams(req, raw, ids, opened, harmony, header)
         group = await SampleGroup(ctx, ids, sample_params(params), req.response_id("chatcmpl"), arrival,
                                   req.priority, harmony, "messages").start()
         if req.stream:
@@ -130,14 +130,29 @@ class ChatHandler:
                 lo = mid + 1
         return lo
 
-    async def _beams(self, req: ChatCompletionRequest, raw: Request, ids: list[int]) -> Response:
+    async def _beams(self, req: ChatCompletionRequest, raw: Request, ids: list[int], opened: bool | None,
+                     harmony: bool, header: str | None) -> Response:
+        """The beams as any reply's message: a reasoning split (opened, harmony, header: as for sampling) applies
+        to each, and the usage counts its reasoning tokens. (Beam search takes no tools: beam_search_params.)"""
         rid = req.response_id("chatcmpl")
-        done = await serve_beam_search(self.ctx, req, raw, ids, req.max_new_tokens, rid)
+        done = await serve_beam_search(self.ctx, req, raw, ids, req.max_new_tokens, rid,
+                                       skip_special_tokens=False if harmony else None)
         if done is None:
             return Response(status_code=499)     # the client is gone; nobody reads this
-        choices = [{"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                    "finish_reason": b.finish_reason, "stop_reason": None} for i, (text, b) in enumerate(done[0])]
-        return JSONBody(self._body(rid, "chat.completion", choices, usage=done[1]))
+        beams, use = done
+        outs = [CompletionOutput(i, text, b.output_token_ids, b.cum_logprob, None, b.finish_reason)
+                for i, (text, b) in enumerate(beams)]
+        policy, choices = req.tool_policy(), []      # no tools (beam_search_params refused them)
+        for c in outs:
+            message, finish = (_harmony_message(c, policy, req.include_reasoning, header) if harmony else
+                               _message(c, policy, opened, req.include_reasoning))
+            choices.append({"index": c.index, "message": message, "logprobs": None, "finish_reason": finish,
+                            "stop_reason": None})
+        if harmony or opened is not None:
+            use["completion_tokens_details"] = {"reasoning_tokens": sum(
+                [self.ctx.harmony.reasoning_tokens(c.token_ids) if harmony else
+                 await self._reasoning_tokens(c, opened, req.skip_special_tokens) for c in outs])}
+        return JSONBody(self._body(rid, "chat.completion", choices, usage=use))
 
     def _body(self, rid: str, obj: str, choices: list, **extra) -> dict:
         return {"id": rid, "object": obj, "created": now(), "model": self.ctx.model_name, "choices": choices, **extra}
