@@ -167,9 +167,93 @@ def test_plan_command_measures_and_ranks(tiny_models, tmp_path, capsys):
     assert 0 < saved.serve_per_seq < 0.01 and 0 < saved.serve_per_admission < 0.05
     ranked = json.loads(out.read_text())["ranked"]
     assert len(ranked) == 3 * 2 and ranked[0]["goodput"] == max(r["goodput"] for r in ranked)
-    with pytest.raises(SystemExit, match="--input-len"):
-        main(["plan", "--profile", str(prof), "--input-len", "0"])
+    assert main(["plan", "--profile", str(prof), "--input-len", "0"]) == 2
+    assert "picovllm plan: error: --input-len" in capsys.readouterr().err
     assert np.isfinite([r["ttft_p99"] for r in ranked]).all()
+
+
+
+GOOD_PROFILE = {"coef": [0.01, 0.02, 0.001, 0, 0.002, 0], "kv_bytes_per_token": 1000}
+GOOD_REQUEST = {"success": True, "start": 0.0, "prompt_len": 8, "output_tokens": 2, "ttft": 0.1, "latency": 0.2,
+                "itls": [0.1]}
+GOOD_RUN = {"config": {"request_rate": 4}, "requests": [GOOD_REQUEST], "median_ttft_ms": 100, "p99_ttft_ms": 100,
+            "median_itl_ms": 100, "p99_itl_ms": 100}
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize("flags, profile, run, names", [
+    (["--transfer-gbps", "0"], {}, {}, "--transfer-gbps"),        # a pull of infinite time: ZeroDivisionError
+    (["--transfer-gbps", "-1"], {}, {}, "--transfer-gbps"),       # negative ITLs
+    (["--ttft-slo-ms", "0"], {}, {}, "--ttft-slo-ms"),            # no request can meet it, yet a recommendation
+    (["--ttft-slo-ms", "-5"], {}, {}, "--ttft-slo-ms"),
+    (["--itl-slo-ms", "-1"], {}, {}, "--itl-slo-ms"),
+    (["--request-rate", "nan"], {}, {}, "--request-rate"),        # arrivals at NaN: IndexError
+    (["--request-rate", "inf"], {}, {}, "--request-rate"),
+    (["--num-prompts", "0"], {}, {}, "--num-prompts"),            # not num_requests
+    (["--chunks", "0"], {}, {}, "--chunks"),                      # not "chunk and max_num_seqs"
+    (["--plan-max-num-seqs", "0"], {}, {}, "--plan-max-num-seqs"),
+    ([], {"coef": ["a", 0, 0, 0, 0, 0]}, {}, "--profile: PROFILE: coef"),    # TypeError
+    ([], {"coef": 5}, {}, "--profile: PROFILE: coef"),
+    ([], {"coef": [NAN, 0, 0, 0, 0, 0]}, {}, "--profile: PROFILE: coef"),     # loaded, every step 0 s
+    ([], {"kv_bytes_per_token": -1000}, {}, "--profile: PROFILE: kv_bytes_per_token"),
+    ([], {"kv_bytes_per_token": "1000"}, {}, "--profile: PROFILE: kv_bytes_per_token"),
+    ([], {"overlap": "false"}, {}, "--profile: PROFILE: overlap"),            # loaded as true
+    ([], {"serve_per_seq": -1}, {}, "--profile: PROFILE: serve_per_seq"),
+    ([], {"serve_per_admission": INF}, {}, "--profile: PROFILE: serve_per_admission"),
+    ([], {"samples": [{"prefill": 1}]}, {}, "--profile: PROFILE: samples"),
+    ([], {"machine": 3}, {}, "--profile: PROFILE: machine"),
+    ([], {"wake": 5}, {}, "--profile: PROFILE: wake"),
+    ([], {"wake": [[0.01, NAN]]}, {}, "--profile: PROFILE: wake"),
+    (["--measured", "M"], {}, {"config": {"request_rate": None}}, "--measured 'colocated-1:512:RUN': RUN: "
+                                                                  "config.request_rate"),   # TypeError
+    (["--measured", "M"], {}, {"config": [1]}, "RUN: config must be an object"),            # TypeError
+    (["--measured", "M"], {}, {"requests": [[1, 2]]}, "RUN: requests must be a list"),      # AttributeError
+    (["--measured", "M"], {}, {"p99_itl_ms": "9"}, "RUN: p99_itl_ms"),
+    (["--measured", "M"], {}, {"prefix_cache_hit_rate": "high"}, "RUN: prefix_cache_hit_rate"),
+    (["--measured", "M"], {}, {"requests": [dict(GOOD_REQUEST, itls=[-1])]}, "RUN: requests[0].itls"),
+    (["--measured", "M"], {}, {"requests": [dict(GOOD_REQUEST, prompt_len=8.5)]}, "RUN: requests[0].prompt_len"),
+    (["--calibrate", "M"], {}, {"requests": [{k: v for k, v in GOOD_REQUEST.items() if k != "ttft"}]},
+     "--calibrate 'colocated-1:512:RUN': RUN: requests[0].ttft"),                           # KeyError
+    (["--calibrate", "M"], {}, {"requests": [dict(GOOD_REQUEST, success=False)]}, "RUN: requests: the run has no"),
+])
+def test_plan_refuses_bad_input_naming_the_flag_or_field(tmp_path, capsys, flags, profile, run, names):
+    """A bad flag, step profile or measured run is an error line that names the flag, or the file and its field
+    (exit 2, as cli.py prints a ValueError): not a traceback, not a plan of negative times or of no good request."""
+    prof, res = tmp_path / "prof.json", tmp_path / "run.json"
+    prof.write_text(json.dumps({**GOOD_PROFILE, **profile}))
+    res.write_text(json.dumps({**GOOD_RUN, **run}))
+    flags = [f"colocated-1:512:{res}" if f == "M" else f for f in flags]
+    assert main(["plan", "--profile", str(prof), "--num-prompts", "20", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("picovllm plan: error: "), err
+    assert names.replace("PROFILE", str(prof)).replace("RUN", str(res)) in err, err
+
+
+def test_plan_takes_the_good_inputs_of_that_table(tmp_path, capsys):
+    """The table's inputs but the field it spoils: a plan, calibrated and compared (a run sent all at once has its
+    rate written "inf" by bench serve)."""
+    prof, res = tmp_path / "prof.json", tmp_path / "run.json"
+    prof.write_text(json.dumps(GOOD_PROFILE))
+    res.write_text(json.dumps(dict(GOOD_RUN, config={"request_rate": "inf"}, prefix_cache_hit_rate=None)))
+    spec = f"colocated-1:512:{res}"
+    assert main(["plan", "--profile", str(prof), "--num-prompts", "20", "--calibrate", spec, "--measured", spec]) == 0
+    assert "@ inf/s" in capsys.readouterr().out
+
+@pytest.mark.parametrize("make, field", [
+    (lambda: Deployment(1, 1, 512, transfer_bw=0.0), "transfer_bw"),       # ZeroDivisionError
+    (lambda: Deployment(1, 1, 512, transfer_bw=-1e5), "transfer_bw"),      # the KV at D before P finished
+    (lambda: Deployment(1, 1, 512, transfer_bw=NAN), "transfer_bw"),
+    (lambda: Deployment(1, 1, 512, transfer_latency=-1.0), "transfer_latency"),
+    (lambda: Deployment(1, 1, 512, transfer_latency=INF), "transfer_latency"),
+    (lambda: Deployment(1, 1, 0), "chunk"),
+    (lambda: Deployment(1, 1, 512, max_num_seqs=0), "max_num_seqs"),
+    (lambda: Traffic(NAN, Lengths(8, 8), Lengths(2, 2)), "rate"),             # IndexError in the simulation
+    (lambda: Traffic(INF, Lengths(8, 8), Lengths(2, 2)), "rate"),
+    (lambda: Traffic(1.0, Lengths(8, 8), Lengths(2, 2), num_requests=0), "num_requests"),
+])
+def test_a_bad_deployment_or_traffic_is_refused_naming_the_field(make, field):
+    with pytest.raises(ValueError, match=f"^{field} must be"):
+        make()
 
 
 def test_idle_overhead_by_hand():

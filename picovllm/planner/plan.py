@@ -5,7 +5,7 @@ import dataclasses
 
 import numpy as np
 
-from picovllm.planner.profile import StepProfile
+from picovllm.planner.profile import StepProfile, check_number
 from picovllm.planner.simulator import Deployment, HostNoise, SimRequest, Traffic, make_requests, simulate
 
 METRICS = ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99")
@@ -28,6 +28,36 @@ def plan(profile: StepProfile, traffic: Traffic, deployments: list[Deployment], 
     requests = make_requests(traffic)
     rows = [simulate(profile, d, requests).summary(ttft_slo, itl_slo) for d in deployments]
     return sorted(rows, key=lambda r: (-r["goodput"], r["ttft_p99"]))
+
+
+def check_run(measured) -> None:
+    """Raise ValueError naming the field unless a `bench serve --result-json` result holds what the planner reads of
+    it, as bench serve writes it: a file edited by hand or cut short fails here, not deep in a simulation."""
+    if not isinstance(measured, dict):
+        raise ValueError(f"not a bench serve result (a JSON object), got {type(measured).__name__}")
+    cfg = measured.get("config")
+    if not isinstance(cfg, dict):
+        raise ValueError(f"config must be an object, got {cfg!r:.80}")
+    if cfg.get("request_rate") != "inf":            # how bench serve writes a run sent all at once
+        check_number(cfg.get("request_rate"), "config.request_rate", above=True)
+    for key in ("median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms"):
+        check_number(measured.get(key), key)
+    if measured.get("prefix_cache_hit_rate") is not None:     # None: the servers' counters unknown
+        check_number(measured["prefix_cache_hit_rate"], "prefix_cache_hit_rate")
+    reqs = measured.get("requests")
+    if not isinstance(reqs, list) or not all(isinstance(r, dict) for r in reqs):
+        raise ValueError(f"requests must be a list of objects, got {reqs!r:.80}")
+    for i, r in enumerate(reqs):
+        if not r.get("success"):
+            continue
+        check_number(r.get("prompt_len"), f"requests[{i}].prompt_len", low=1, integer=True)
+        check_number(r.get("output_tokens"), f"requests[{i}].output_tokens", integer=True)   # 0: no usage sent
+        for key in ("start", "ttft", "latency"):
+            check_number(r.get(key), f"requests[{i}].{key}")
+        if r.get("itls") is not None and not isinstance(r["itls"], list):
+            raise ValueError(f"requests[{i}].itls must be a list, got {r['itls']!r:.80}")
+        for x in r.get("itls") or []:
+            check_number(x, f"requests[{i}].itls")
 
 
 def measured_trace(measured: dict) -> tuple[list[SimRequest], list[dict]]:

@@ -56,6 +56,7 @@ import numpy as np
 
 WAKE_IDLES = (0.001, 0.003, 0.01, 0.03, 0.1, 0.3)   # seconds of quiet before a timed lone prompt
 WAKE_PROMPT = 64
+SAMPLE_KEYS = ("prefill", "batch", "context", "seconds")   # a sample's, each a number >= 0
 
 
 @dataclass
@@ -110,23 +111,60 @@ class StepProfile:
 
     @classmethod
     def load(cls, path: str) -> "StepProfile":
+        """The profile saved at `path`, every field checked: a file edited by hand or cut short fails here, with a
+        ValueError naming the file and the field, not later as a wrong type deep in a simulation."""
         with open(path) as f:
-            data = json.load(f)
+            try:
+                data = json.load(f)
+            except ValueError as e:
+                raise ValueError(f"{path}: not JSON ({e})") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: not a step profile (a JSON object), got {type(data).__name__}")
         try:
             prof = cls(**data)
         except TypeError as e:
             raise ValueError(f"{path}: not a step profile ({e})") from None
-        if len(prof.coef) not in (6, 7, 8) or any(c < 0 for c in prof.coef):
-            raise ValueError(f"{path}: coef must be 6, 7 or 8 numbers >= 0, got {prof.coef!r}")
-        check_wake(prof.wake, f"{path}: wake")
+        prof._check(path)
         return prof
+
+    def _check(self, path: str) -> None:
+        c = self.coef
+        if not isinstance(c, list) or len(c) not in (6, 7, 8) or not all(_is_number(x) and x >= 0 for x in c):
+            raise ValueError(f"{path}: coef must be 6, 7 or 8 finite numbers >= 0, got {c!r}")
+        # a negative size would have the KV reach D before P computed it
+        check_number(self.kv_bytes_per_token, f"{path}: kv_bytes_per_token", low=1, integer=True)
+        if not isinstance(self.samples, list) or not all(
+                isinstance(s, dict) and all(_is_number(s.get(k)) and s[k] >= 0 for k in SAMPLE_KEYS)
+                for s in self.samples):
+            raise ValueError(f"{path}: samples must be objects of {', '.join(SAMPLE_KEYS)} (numbers >= 0)")
+        if not isinstance(self.machine, str):
+            raise ValueError(f"{path}: machine must be a string, got {self.machine!r}")
+        if self.overlap is not None and not isinstance(self.overlap, bool):     # "false" would read as true
+            raise ValueError(f"{path}: overlap must be true, false or null, got {self.overlap!r}")
+        check_wake(self.wake, f"{path}: wake")
+        check_number(self.serve_per_seq, f"{path}: serve_per_seq")
+        check_number(self.serve_per_admission, f"{path}: serve_per_admission")
+
+
+def _is_number(x) -> bool:
+    """A finite int or float, not a bool (which JSON spells true/false and Python counts as an int)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and (isinstance(x, int) or math.isfinite(x))
+
+
+def check_number(value, name: str, low: float = 0.0, above: bool = False, integer: bool = False) -> None:
+    """Raise ValueError naming `name` unless value is a finite number (an int where `integer`) >= low (> low where
+    `above`): NaN compares false both ways, so a plain `value <= 0` check lets it through."""
+    ok = _is_number(value) and (isinstance(value, int) or not integer) and (value > low if above else value >= low)
+    if not ok:
+        raise ValueError(f"{name} must be {'an integer' if integer else 'a finite number'} {'>' if above else '>='} "
+                         f"{low:g}, got {value!r}")
 
 
 def check_wake(wake: list, name: str = "wake") -> None:
     """Raise ValueError (naming `name`) unless wake is [idle, extra] pairs, idle > 0 ascending, extra >= 0
     non-decreasing."""
-    ok = all(isinstance(p, (list, tuple)) and len(p) == 2 and all(isinstance(x, (int, float)) for x in p)
-             for p in wake)
+    ok = isinstance(wake, list) and all(isinstance(p, (list, tuple)) and len(p) == 2 and all(map(_is_number, p))
+                                        for p in wake)
     ok = ok and all(p[0] > 0 and p[1] >= 0 for p in wake)
     ok = ok and all(a[0] < b[0] and a[1] <= b[1] for a, b in zip(wake, wake[1:]))
     if not ok:

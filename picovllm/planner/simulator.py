@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from picovllm.planner.profile import StepProfile
+from picovllm.planner.profile import StepProfile, check_number
 
 
 @dataclass(frozen=True)
@@ -78,10 +78,8 @@ class Traffic:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.rate <= 0:
-            raise ValueError(f"rate must be > 0, got {self.rate!r}")
-        if self.num_requests < 1:
-            raise ValueError(f"num_requests must be >= 1, got {self.num_requests!r}")
+        check_number(self.rate, "rate", above=True)     # NaN or inf: arrivals at NaN, or all at once
+        check_number(self.num_requests, "num_requests", low=1, integer=True)
 
 
 @dataclass(frozen=True)
@@ -146,8 +144,11 @@ class Deployment:
         if self.num_decode < 1 or self.num_prefill < 0:
             raise ValueError(f"a deployment needs >= 1 decode (or colocated) instance and >= 0 prefill instances, "
                              f"got {self.num_prefill}P {self.num_decode}D")
-        if self.chunk < 1 or self.max_num_seqs < 1:
-            raise ValueError("chunk and max_num_seqs must be >= 1")
+        check_number(self.chunk, "chunk", low=1, integer=True)
+        check_number(self.max_num_seqs, "max_num_seqs", low=1, integer=True)
+        # a pull's time is bytes / transfer_bw + transfer_latency: not below zero, nor infinite
+        check_number(self.transfer_bw, "transfer_bw", above=True)
+        check_number(self.transfer_latency, "transfer_latency")
 
     @property
     def name(self) -> str:

@@ -33,7 +33,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--transfer-gbps", type=float, default=10.0, help="a KV pull's bandwidth, GB/s")
     p.add_argument("--measured", nargs="*", default=[],
                    help="compare with measured runs: DEPLOYMENT:CHUNK:RESULT.json (DEPLOYMENT colocated-N or xPyD; "
-                        "rate and lengths from the JSON's config)")
+                        "rate from the JSON's config, arrivals and lengths from its requests)")
     p.add_argument("--calibrate", nargs="*", default=[],
                    help="measured runs (as --measured) that set what the steps do not hold: HTTP and tokenization "
                         "(a colocated run's TTFT), the router's P-to-D hop (an xPyD run's first gap), and the "
@@ -50,13 +50,11 @@ def run_plan(args: argparse.Namespace) -> int:
     from picovllm.planner.profile import StepProfile, measure_profile
     from picovllm.planner.simulator import Lengths, Traffic
 
-    try:
-        traffic = Traffic(args.request_rate, Lengths.parse("--input-len", args.input_len),
-                          Lengths.parse("--output-len", args.output_len), args.num_prompts, args.seed)
-        deployments = candidate_deployments(args.num_instances, args.chunks, args.plan_max_num_seqs,
-                                            args.transfer_gbps * 1e9)
-    except ValueError as e:
-        raise SystemExit(f"error: {e}") from None
+    _check_flags(args)
+    traffic = Traffic(args.request_rate, Lengths.parse("--input-len", args.input_len),
+                      Lengths.parse("--output-len", args.output_len), args.num_prompts, args.seed)
+    deployments = candidate_deployments(args.num_instances, args.chunks, args.plan_max_num_seqs,
+                                        args.transfer_gbps * 1e9)
     if args.measure_profile:
         from picovllm.engine.llm_engine import Engine
         engine = Engine(engine_config_from_args(args, model=args.model))   # overlapped as served (GPU)
@@ -68,8 +66,8 @@ def run_plan(args: argparse.Namespace) -> int:
     else:
         try:
             profile = StepProfile.load(args.profile)
-        except (OSError, ValueError) as e:
-            raise SystemExit(f"error: --profile: {e}") from None
+        except ValueError as e:         # cli.py prints it as an error line (exit 2); an OSError names the file
+            raise ValueError(f"--profile: {e}") from None
     slo_ttft, slo_itl = args.ttft_slo_ms / 1e3, args.itl_slo_ms / 1e3
     runs: dict[str, dict] = {}      # each measured run's JSON, read once (a calibration run is measured too)
     overheads = _overheads(args, profile, runs)
@@ -105,11 +103,24 @@ def run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _read_measured(spec: str, args, runs: dict[str, dict]) -> tuple:
-    """DEPLOYMENT:CHUNK:RESULT.json -> (Deployment, Traffic, the bench serve result). runs: the results read so
-    far, by path; a new one is read into it, with a warning if its servers had most of its prompts cached."""
-    from picovllm.planner.plan import measured_trace
-    from picovllm.planner.simulator import Deployment, Lengths, Traffic
+def _check_flags(args: argparse.Namespace) -> None:
+    """The numeric flags, each named as typed (the planner's dataclasses name their own fields, not the flags). NaN
+    and inf are refused: NaN passes a plain `<= 0` check, and an infinite rate or SLO means nothing to plan for."""
+    from picovllm.planner.profile import check_number
+    for flag in ("--request-rate", "--ttft-slo-ms", "--itl-slo-ms", "--transfer-gbps"):
+        check_number(getattr(args, flag[2:].replace("-", "_")), flag, above=True)
+    for flag in ("--num-prompts", "--num-instances", "--plan-max-num-seqs"):
+        check_number(getattr(args, flag[2:].replace("-", "_")), flag, low=1, integer=True)
+    for chunk in args.chunks:
+        check_number(chunk, "--chunks", low=1, integer=True)
+
+
+def _read_measured(flag: str, spec: str, args, runs: dict[str, dict]) -> tuple:
+    """--measured or --calibrate's DEPLOYMENT:CHUNK:RESULT.json -> (Deployment, the run's request rate, the bench
+    serve result). runs: the results read so far, by path; a new one is read into it and checked (plan.check_run),
+    with a warning if its servers had most of its prompts cached."""
+    from picovllm.planner.plan import check_run, measured_trace
+    from picovllm.planner.simulator import Deployment
 
     try:
         shape, chunk, path = spec.split(":", 2)
@@ -117,21 +128,20 @@ def _read_measured(spec: str, args, runs: dict[str, dict]) -> tuple:
             x, y = 0, int(shape.split("-", 1)[1])
         else:
             x, y = (int(v) for v in shape.upper().removesuffix("D").split("P"))
-        fresh = path not in runs
-        if fresh:
-            with open(path) as f:
-                runs[path] = json.load(f)
-        measured = runs[path]
-        cfg = measured["config"]
-        traffic = Traffic(float(cfg["request_rate"]), Lengths.parse("input_len", str(cfg["input_len"])),
-                          Lengths.parse("output_len", str(cfg["output_len"])), int(measured["completed"]), args.seed)
         dep = Deployment(x, y, int(chunk), args.plan_max_num_seqs, args.transfer_gbps * 1e9)
-        measured_trace(measured)
-    except (ValueError, KeyError, OSError) as e:
-        raise SystemExit(f"error: {spec!r}: DEPLOYMENT:CHUNK:RESULT.json ({e})") from None
-    if fresh:
+    except ValueError as e:
+        raise ValueError(f"{flag} {spec!r}: not DEPLOYMENT:CHUNK:RESULT.json ({e})") from None
+    if path not in runs:
+        with open(path) as f:
+            try:
+                measured = json.load(f)
+                check_run(measured)
+                measured_trace(measured)        # and it has a successful request to replay
+            except ValueError as e:
+                raise ValueError(f"{flag} {spec!r}: {path}: {e}") from None
         _warn_prefix_hits(path, measured)
-    return dep, traffic, measured
+        runs[path] = measured
+    return dep, float(runs[path]["config"]["request_rate"]), runs[path]
 
 
 def _warn_prefix_hits(path: str, measured: dict) -> None:
@@ -149,7 +159,7 @@ def _overheads(args, profile, runs: dict[str, dict]) -> dict:
 
     found: dict[str, dict] = {}
     for spec in args.calibrate:
-        dep, traffic, measured = _read_measured(spec, args, runs)
+        dep, _, measured = _read_measured("--calibrate", spec, args, runs)
         cal = calibrate(profile, dep, measured, args.seed)
         kind = "xpyd" if dep.num_prefill else "colocated"
         found[kind] = {"step_overhead": cal.step_overhead, "request_overhead": cal.request_overhead,
@@ -173,10 +183,10 @@ def _compare_one(spec: str, profile, args, slo_ttft: float, slo_itl: float, comp
     """A measured run against the prediction for its own arrivals and lengths (bursts included)."""
     from picovllm.planner.plan import measured_goodput, predict_measured
 
-    dep, traffic, measured = _read_measured(spec, args, runs)
+    dep, rate, measured = _read_measured("--measured", spec, args, runs)
     dep = with_overheads(dep, overheads)
     predicted = predict_measured(profile, dep, measured, slo_ttft, slo_itl)
     goodput = {"predicted": predicted["goodput"], "measured": measured_goodput(measured, slo_ttft, slo_itl)}
-    return {"label": f"{dep.name} @ {traffic.rate:g}/s", "deployment": dep.name, "rate": traffic.rate,
+    return {"label": f"{dep.name} @ {rate:g}/s", "deployment": dep.name, "rate": rate,
             "predicted": predicted, "comparison": compare(predicted, measured), "goodput": goodput,
             "calibration": spec in args.calibrate, "prefix_cache_hit_rate": measured.get("prefix_cache_hit_rate")}
