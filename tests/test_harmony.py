@@ -224,6 +224,47 @@ def test_served_beam_search_replies_are_read_as_harmony(client, harmony_model):
         _tokens(tok, f"<|channel|>analysis<|message|>{THOUGHT}<|end|>")
 
 
+def test_responses_message_logprobs_are_the_final_messages_tokens(harmony_model):
+    """/v1/responses with the message's logprobs: with harmony they are the final message's body tokens (not its
+    header's, the analysis', or the markers'), streamed or not, also where one output carries the end of the
+    analysis and the answer (stream_interval); they had carried the headers (not streamed) or been lost (streamed).
+    The chat API's logprobs still cover every token."""
+    from fastapi.testclient import TestClient
+    from transformers import AutoTokenizer
+    from conftest import assert_engine_clean
+    from picovllm import EngineConfig
+    from picovllm.engine.llm_engine import Engine
+    from picovllm.entrypoints.openai.api_server import ServerSettings, build_app
+    from picovllm.entrypoints.openai.async_engine import AsyncEngine
+    from picovllm.entrypoints.openai.harmony import ContentTokens, HarmonyTokens
+    from picovllm.entrypoints.openai.metrics import ServerMetrics
+    from picovllm.entrypoints.openai.serving import ServingContext
+    tok = AutoTokenizer.from_pretrained(harmony_model)
+    final = [tok.decode([t]) for t in tok.encode(FINAL, add_special_tokens=False)]
+    ids = tok.encode(REPLY, add_special_tokens=False)       # by hand: the final body's tokens, fed in any pieces
+    for size in (1, 5, len(ids)):
+        kinds = ContentTokens(HarmonyTokens(tok))
+        keep = [k for j in range(0, len(ids), size) for k in kinds.feed(ids[j:j + size])]
+        assert [tok.decode([t]) for t, k in zip(ids, keep) if k] == final
+    for interval in (1, 3, 64):
+        engine = Engine(EngineConfig(model=harmony_model, num_kv_blocks=64, max_model_len=1024,
+                                     async_scheduling=False, stream_interval=interval))
+        ctx = ServingContext(AsyncEngine(engine), TokenizerWorker(engine.tokenizer), ServerMetrics("m"), "m")
+        with TestClient(build_app(ctx, ServerSettings())) as http:
+            client = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=http, max_retries=0)
+            kw = dict(model="m", input=ASK, temperature=0, max_output_tokens=200,
+                      include=["message.output_text.logprobs"])
+            whole = client.responses.create(**kw)
+            streamed = list(client.responses.create(stream=True, **kw))
+            for got in (whole, streamed[-1].response):
+                assert [(o.type, o.content[0].text) for o in got.output] == [("reasoning", THOUGHT), ("message", FINAL)]
+                assert [lp.token for lp in got.output[-1].content[0].logprobs] == final, interval
+            assert [lp.token for e in streamed if e.type == "response.output_text.delta" for lp in e.logprobs] == final
+            chat = client.chat.completions.create(model="m", messages=ASK, temperature=0, logprobs=True)
+            assert len(chat.choices[0].logprobs.content) == chat.usage.completion_tokens
+        assert_engine_clean(engine)
+
+
 def test_served_reply_cut_short(client, harmony_model):
     """max_tokens inside the reasoning: the reasoning so far, content null, finish length; inside the call's
     arguments: no call, the arguments so far as text (never a call with broken arguments)."""

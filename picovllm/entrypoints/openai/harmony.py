@@ -225,14 +225,59 @@ def parse_harmony(text: str, policy: ToolPolicy | None, cut: bool,
     return (d.reasoning if s.reasoned else None), (d.content or None), d.calls
 
 
+def is_content(header: str) -> bool:
+    """Whether a message of this header is content (HarmonyStream's routing): any channel but analysis, to no
+    recipient (a call's arguments are not text)."""
+    channel = _CHANNEL.search(header)
+    return (channel is None or channel.group(1) != "analysis") and _RECIPIENT.search(header) is None
+
+
+class ContentTokens:
+    """Which of a reply's tokens, fed in order, are its content's text (the bodies of content messages: is_content):
+    the Responses message's logprobs are theirs, not the headers', the markers' or the analysis'. header: as
+    HarmonyStream's. A reply that does not start a harmony message is all content, as HarmonyStream reads it."""
+
+    def __init__(self, marks: "HarmonyTokens", header: str | None = None) -> None:
+        self.marks = marks
+        self.head: list[int] | None = []        # the open header's ids; None inside a body
+        self.prefix = header or ""              # its text from the prompt
+        self.content = self.plain = False
+        if header is not None and header.endswith(MESSAGE):
+            self.head, self.content = None, is_content(header)
+        self.first = header is None             # the reply's first token says whether it is harmony at all
+
+    def feed(self, ids: list[int]) -> list[bool]:
+        m, out = self.marks, []
+        for t in ids:
+            if self.first:
+                self.first, self.plain = False, t not in (m.start, m.channel)
+            if self.plain:
+                out.append(True)
+            elif self.head is None:           # a body, up to the marker that ends it
+                if t in m.ends or t == m.start:
+                    self.head, self.prefix = [], ""
+                out.append(self.content and t not in m.ends and t != m.start)
+            else:
+                if t == m.message:
+                    header = self.prefix + m.tokenizer.decode(self.head, skip_special_tokens=False)
+                    self.head, self.content = None, is_content(header)
+                elif t == m.start:
+                    self.head, self.prefix = [], ""
+                else:
+                    self.head.append(t)
+                out.append(False)
+        return out
+
+
 class HarmonyTokens:
     """The marker ids, to count a reply's reasoning tokens (usage.completion_tokens_details.reasoning_tokens): the
     tokens of its analysis messages, headers and ends included."""
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
-        ids = {m: tokenizer.encode(m, add_special_tokens=False)[0] for m in (START, END, MESSAGE, CALL, RETURN)}
-        self.start, self.message = ids[START], ids[MESSAGE]
+        ids = {m: tokenizer.encode(m, add_special_tokens=False)[0]
+               for m in (START, END, MESSAGE, CHANNEL, CALL, RETURN)}
+        self.start, self.message, self.channel = ids[START], ids[MESSAGE], ids[CHANNEL]
         self.ends = {ids[END], ids[CALL], ids[RETURN]}
 
     def open_header(self, prompt_ids: list[int]) -> str | None:

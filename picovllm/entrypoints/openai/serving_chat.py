@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request, Response
 
 from picovllm.entrypoints.chat_template import resolved_template
-from picovllm.entrypoints.openai.harmony import HarmonyStream, parse_harmony
+from picovllm.entrypoints.openai.harmony import ContentTokens, HarmonyStream, parse_harmony
 from picovllm.entrypoints.openai.protocol import APIError, ChatCompletionRequest
 from picovllm.entrypoints.openai.reasoning import ReasoningSplitter, opened_in_prompt, split_reasoning
 from picovllm.entrypoints.openai.tool_calls import (SPECIAL_MARKER_PARSERS, TOOLS_SOURCES, AutoToolStream,
@@ -25,7 +25,9 @@ class ChatHandler:
     def __init__(self, ctx: ServingContext) -> None:
         self.ctx = ctx
 
-    async def __call__(self, req: ChatCompletionRequest, raw: Request) -> Response:
+    async def __call__(self, req: ChatCompletionRequest, raw: Request, message_logprobs: bool = False) -> Response:
+        """message_logprobs (the Responses API's): the logprobs of the reply's content tokens only, not of its
+        reasoning, nor, with harmony, of its headers, markers and calls (ContentTokens)."""
         arrival = time.time()
         ctx = self.ctx
         ctx.check_model(req.model)
@@ -79,7 +81,8 @@ class ChatHandler:
         group = await SampleGroup(ctx, ids, sample_params(params), req.response_id("chatcmpl"), arrival,
                                   req.priority, harmony, "messages").start()
         if req.stream:
-            return sse_response(self._events(req, group, params.stop, k, policy, opened, harmony, header))
+            return sse_response(self._events(req, group, params.stop, k, policy, opened, harmony, header,
+                                             message_logprobs))
         out = await final_output(raw, group)
         if out is None:
             return Response(status_code=499)     # the client is gone; nobody reads this
@@ -89,8 +92,13 @@ class ChatHandler:
                                _message(c, policy, opened, req.include_reasoning))
             if req.echoed:
                 message["content"] = req.echoed + (message["content"] or "")
+            idx = range(len(c.token_ids))
+            if message_logprobs and harmony:
+                idx = [j for j, kept in enumerate(ContentTokens(ctx.harmony, header).feed(c.token_ids)) if kept]
+            elif message_logprobs and opened is not None:
+                idx = idx[await self._reasoning_tokens(c, opened, req.skip_special_tokens):]
             choices.append({"index": c.index, "message": message, "finish_reason": finish, "stop_reason": c.stop_reason,
-                            "logprobs": _logprobs(c, range(len(c.token_ids)), k, req.return_tokens_as_token_ids)
+                            "logprobs": _logprobs(c, idx, k, req.return_tokens_as_token_ids)
                             if k is not None else None})
             if req.return_token_ids:
                 choices[-1]["token_ids"] = list(c.token_ids)
@@ -165,9 +173,10 @@ class ChatHandler:
 
     async def _events(self, req: ChatCompletionRequest, group: SampleGroup, stop: list[str],
                       k: int | None, policy: ToolPolicy, opened: bool | None, harmony: bool,
-                      header: str | None = None) -> AsyncIterator[str]:
+                      header: str | None = None, message_logprobs: bool = False) -> AsyncIterator[str]:
         """opened: None without a reasoning split, else whether the prompt opens a think block; harmony: the reply
-        read as harmony messages (harmony.py; header: the message the prompt leaves open, if any)."""
+        read as harmony messages (harmony.py; header: the message the prompt leaves open, if any);
+        message_logprobs: as __call__'s (a think block's go on its reasoning chunks anyway)."""
         rid, n = group.request_id, len(group.samples)
         deltas, last = [TextDeltas(stop) for _ in range(n)], {}
         call_ids: dict[int, str] = {}    # named tool_choice: each choice's call id, once its first delta went out
@@ -176,6 +185,7 @@ class ChatHandler:
         splits = None if opened is None else [ReasoningSplitter(opened) for _ in range(n)]
         content = [""] * n     # with splits: each choice's content so far (what the tool calls are read from)
         harmonies = [HarmonyStream(policy, header) for _ in range(n)] if harmony else None
+        kinds = [ContentTokens(self.ctx.harmony, header) for _ in range(n)] if harmony and message_logprobs else None
         new_ids: list[list[int]] = [[] for _ in range(n)]    # return_token_ids: each choice's tokens not yet sent
         prompt_ids_due = req.return_token_ids                # the prompt's ids still to go, on the first chunk
 
@@ -212,6 +222,9 @@ class ChatHandler:
                     continue
                 lps = _logprobs(c, toks, k, req.return_tokens_as_token_ids) if k is not None else None
                 if harmonies is not None:
+                    if kinds is not None and lps is not None:
+                        keep = kinds[i].feed(c.token_ids[toks.start:toks.stop])
+                        lps = {"content": [e for e, kept in zip(lps["content"], keep) if kept]}
                     chunks = self._harmony_chunks(rid, i, text, c, lps, harmonies[i], req.include_reasoning)
                     if chunks:
                         yield emit(chunks, i)
@@ -265,9 +278,10 @@ class ChatHandler:
         first = stream.num_calls - len(d.calls)      # the calls' indices run on over the whole choice
         for j, call in enumerate(d.calls):
             out.append(self._chunk(rid, i, {"tool_calls": [{"index": first + j, **call.as_dict()}]}))
-        if lps is not None:       # the step's logprobs ride on its first chunk (or one of their own)
-            if out:
-                out[0]["choices"][0]["logprobs"] = lps
+        if lps is not None:       # the step's logprobs ride on its content chunk, else its first (or one of their own)
+            at = next((ch for ch in out if ch["choices"][0]["delta"].get("content")), out[0] if out else None)
+            if at is not None:
+                at["choices"][0]["logprobs"] = lps
             else:
                 out.append(self._chunk(rid, i, {}, lps))
         if finished:      # calls stream only under "auto" (HarmonyStream)

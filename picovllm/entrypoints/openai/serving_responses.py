@@ -215,7 +215,7 @@ class ResponsesHandler:
 
     async def __call__(self, req: ResponsesRequest, raw: Request) -> Response:
         try:
-            out = await self.chat(chat_request(req), raw)
+            out = await self.chat(chat_request(req), raw, message_logprobs=True)
         except APIError as e:
             raise responses_error(e) from None
         if req.stream:
@@ -228,11 +228,9 @@ class ResponsesHandler:
         output = []
         if message.get("reasoning") is not None:      # the server's --reasoning-parser split it off
             output.append(_reasoning_item(f"rs_{uuid.uuid4().hex}", message["reasoning"], "completed"))
-        if message.get("content"):     # the message's logprobs: those after the reasoning block's tokens
-            thought = (body.get("usage", {}).get("completion_tokens_details") or {}).get("reasoning_tokens", 0)
-            lps = (choice.get("logprobs") or {}).get("content")
+        if message.get("content"):     # (the chat's logprobs are the message's: message_logprobs)
             output.append(_message_item(f"msg_{uuid.uuid4().hex}", message["content"], "completed",
-                                        lps[thought:] if lps else lps))
+                                        (choice.get("logprobs") or {}).get("content")))
         for call in message.get("tool_calls") or []:
             output.append(_call_item(f"fc_{uuid.uuid4().hex}", call["id"], call["function"]["name"],
                                      call["function"]["arguments"], "completed"))
