@@ -5,9 +5,11 @@ caller without the fleet's secret; a D killed mid-stream ends its request with a
 rotation, and P ends with every block free; a D started with --router joins and takes work; SIGTERM
 stops every process cleanly. The routing policies are checked on their own first (no processes).
 """
+import argparse
 import json
 import signal
 import time
+from collections import Counter
 
 import httpx
 import openai
@@ -248,6 +250,317 @@ def test_instances_whose_kv_or_length_do_not_fit_the_fleet_are_refused():
     with pytest.raises(ValueError, match="max_model_len: http://p1"):
         pool.add("http://p1", "p", info("p", length=4096))
     assert sorted(pool.instances) == ["http://d0", "http://p"]
+
+
+def _fake_fleet(handler, *urls: str, policy=None, lease_s: float = 30.0):
+    """A RouterEngine over fake instances (httpx.MockTransport handler); each url's role is its host's first letter
+    (http://p0: a P). policy: the prefill policy (least_loaded by default)."""
+    from picovllm.disagg.router import InstancePool, RouterEngine
+
+    pool = InstancePool(FleetSecret(SECRET.encode()), lease_s=lease_s)
+    for url in urls:
+        pool.add(url, url[7], {"role": url[7], "fleet": True, "instance_id": url[7:], "block_size": 4})
+    return RouterEngine(pool, policy or LeastLoaded(), LeastLoaded(), {}, transport=httpx.MockTransport(handler))
+
+
+def test_requests_are_counted_on_their_instance_from_the_moment_it_is_chosen():
+    """A burst of requests spreads over idle instances: each is counted on its instance when chosen, not once the
+    instance answered (all would see the same load and go to one). The count goes back whatever ends the call:
+    a refusal, an instance down (the next takes it), the caller cancelled, or the request closed meanwhile."""
+    import asyncio
+
+    gate = asyncio.Event()                             # dslow answers once it is set
+
+    async def hang():
+        await asyncio.sleep(3600)
+        yield b""
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        host = request.url.host
+        if host == "pslow":
+            await asyncio.sleep(3600)                  # never answers
+        await asyncio.sleep(0.02)                      # the round trip before the headers
+        if host == "pbad":
+            return httpx.Response(400, json={"error": {"message": "prompt: too long"}})
+        if host == "pdown":
+            return httpx.Response(503, json={"error": {"message": "draining"}})
+        if host == "ph":
+            return httpx.Response(200, content=_body(_output_lines(_out([5], True), handover={"opaque": True})))
+        if host == "dslow":
+            await gate.wait()
+            return httpx.Response(200, content=_body(_output_lines(_out([5, 6], True, "length"))))
+        return httpx.Response(200, content=hang())    # a P that took the request and computes it
+
+    def counts(engine):
+        return {url: i.in_flight for url, i in engine.pool.instances.items()}
+
+    async def burst():
+        engine = _fake_fleet(handler, "http://p0", "http://p1", "http://p2", "http://p3", "http://d0")
+        engine.start()
+        streams = await asyncio.gather(*(engine.add_request([k] * 8, SamplingParams(max_tokens=3), f"r{k}")
+                                         for k in range(8)))
+        placed, during = Counter(s.prefill.url for s in streams), counts(engine)
+        for s in streams:
+            s.close()
+        await engine.shutdown()
+        return placed, during, counts(engine)
+
+    placed, during, after = asyncio.run(burst())
+    assert sorted(placed.values()) == [2, 2, 2, 2], placed
+    assert during == {"http://p0": 2, "http://p1": 2, "http://p2": 2, "http://p3": 2, "http://d0": 0}
+    assert set(after.values()) == {0}
+
+    async def every_path():
+        engine = _fake_fleet(handler, "http://pslow", "http://dslow", "http://d9")
+        engine.start()
+        seen = []
+        task = asyncio.ensure_future(engine.add_request([1] * 8, SamplingParams(max_tokens=3), "r"))
+        await asyncio.sleep(0.05)
+        seen.append(counts(engine)["http://pslow"])    # counted while it is asked
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        seen.append(counts(engine)["http://pslow"])    # the caller gave up: given back
+        await engine.shutdown()
+        engine = _fake_fleet(handler, "http://pbad", "http://pdown", "http://d0", policy=RoundRobin())
+        engine.start()
+        for _ in range(2):    # pbad refuses; then pdown is down, and pbad, tried next, refuses
+            with pytest.raises(ValueError, match="too long"):
+                await engine.add_request([1] * 8, SamplingParams(max_tokens=3), "r")
+        assert not engine.pool.instances["http://pdown"].up
+        seen.append(counts(engine))
+        await engine.shutdown()
+        # on to a D that takes its time: counted while asked, given back when the consumer is cancelled, or when
+        # the request is closed meanwhile (abort_all) and D answers after all
+        for close in ("cancel", "abort_all"):
+            gate.clear()
+            engine = _fake_fleet(handler, "http://ph", "http://dslow")
+            engine.start()
+            stream = await engine.add_request([1] * 8, SamplingParams(max_tokens=3), "r")
+            task = asyncio.ensure_future(asyncio.wait_for(_drain(stream), 10))
+            await asyncio.sleep(0.1)
+            seen.append(counts(engine))
+            if close == "cancel":
+                task.cancel()
+            else:
+                engine.abort_all()
+                gate.set()
+            await asyncio.gather(task, return_exceptions=True)
+            seen.append(counts(engine))
+            await engine.shutdown()
+        return seen
+
+    async def _drain(stream):
+        return [o async for o in stream.outputs()]
+
+    seen = asyncio.run(every_path())
+    assert seen[:2] == [1, 0]
+    assert seen[2] == {"http://pbad": 0, "http://pdown": 0, "http://d0": 0}
+    for during, after in (seen[3:5], seen[5:7]):
+        assert during == {"http://ph": 0, "http://dslow": 1} and after == {"http://ph": 0, "http://dslow": 0}
+
+
+def test_an_instance_added_again_is_updated_in_place(monkeypatch):
+    """POST /admin/instances for a URL already in the fleet (serve --router at a restart, or by hand) keeps the
+    Instance: its running requests stay counted on it (least_loaded sees them) and fail with it when it stops
+    answering; its info is the new one."""
+    import asyncio
+
+    import picovllm.disagg.router as router_mod
+
+    failed = []
+    monkeypatch.setattr(router_mod, "fail_stream", lambda resp, why: failed.append(resp))
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        async def hang():
+            await asyncio.sleep(3600)
+            yield b""
+        return httpx.Response(200, content=hang())
+
+    async def run():
+        engine = _fake_fleet(handler, "http://p0", "http://p1", "http://d0")
+        engine.start()
+        pool = engine.pool
+        a = await engine.add_request([1] * 8, SamplingParams(max_tokens=3), "a")
+        b = await engine.add_request([2] * 8, SamplingParams(max_tokens=3), "b")
+        pool.mark_down(pool.instances["http://p0"], "a blip")
+        pool.add("http://p0", "p", {"role": "p", "fleet": True, "instance_id": "p0-restarted", "block_size": 4,
+                                    "max_model_len": 512})
+        p0 = pool.instances["http://p0"]
+        state = (p0 is a.prefill, p0.in_flight, p0.up, p0.instance_id, p0.max_model_len, b.prefill.url)
+        engine._silent(p0, "no answer for 30 s")       # p0 froze: a's stream fails
+        lost = a._responses[-1] in failed
+        for s in (a, b):
+            s.close()
+        await engine.shutdown()
+        return state, lost, {url: i.in_flight for url, i in pool.instances.items()}
+
+    state, lost, after = asyncio.run(run())
+    assert state == (True, 1, True, "p0-restarted", 512, "http://p1") and lost
+    assert set(after.values()) == {0}
+
+
+def test_a_malformed_load_answer_fails_the_check_and_the_health_task_goes_on():
+    """An instance whose /pd/load answers 200 with what is not a load ({"running": null}, a list), or whose check
+    raises what was not foreseen, fails its checks (out of rotation after a lease); the others are still checked."""
+    import asyncio
+
+    calls = Counter()
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        host = request.url.host
+        calls[host] += 1
+        if host == "dnull":
+            return httpx.Response(200, json={"running": None, "waiting": 0, "kv_usage": 0.0})
+        if host == "dlist":
+            return httpx.Response(200, json=[1, 2])
+        if host == "dboom":
+            raise RuntimeError("a bug in a check")
+        return httpx.Response(200, json={"running": calls[host], "waiting": 0, "kv_usage": 0.0})
+
+    async def run():
+        engine = _fake_fleet(handler, "http://p0", "http://dnull", "http://dlist", "http://dboom", lease_s=0.2)
+        engine.start()                                  # a check every 50 ms
+        await asyncio.sleep(1.0)
+        alive = not engine._health.done()
+        await engine.shutdown()
+        return alive, engine.pool.instances
+
+    alive, instances = asyncio.run(run())
+    assert alive and instances["http://p0"].running >= 5 and instances["http://p0"].up, calls
+    assert not instances["http://dnull"].up and "not a load" in instances["http://dnull"].down_reason
+    assert not instances["http://dlist"].up and calls["dboom"] >= 5
+
+
+def test_a_router_started_without_prefill_instances_takes_their_max_model_len_when_they_join(tmp_path, monkeypatch):
+    """`picovllm router --model M` and no --prefill: a completion is refused with a 503 (no instance), not a 500;
+    once a P joins, the length checks use its max_model_len (the smallest P's), and /v1/models says it."""
+    from fastapi.testclient import TestClient
+
+    from picovllm.disagg import router_server
+    from picovllm.entrypoints.openai import api_server, cli_router
+
+    built = {}
+    monkeypatch.setattr(api_server, "run_app", lambda app, engine, settings: built.update(app=app, engine=engine))
+    monkeypatch.setenv("PICOVLLM_PD_SECRET", SECRET)
+    parser = argparse.ArgumentParser()
+    cli_router.add_parser(parser.add_subparsers(dest="command"))
+    router_server.main(parser.parse_args(["router", "--model", build_tiny_chat_model(str(tmp_path / "m"))]))
+    pool = built["engine"].pool
+    with TestClient(built["app"]) as client:
+        r = client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 5})
+        assert r.status_code == 503 and "no decode instance" in r.json()["error"]["message"], r.text
+        for url, length in (("http://p0", 64), ("http://p1", 48), ("http://d0", 128)):
+            pool.add(url, url[7], {"role": url[7], "fleet": True, "instance_id": url[7:], "block_size": 16,
+                                   "max_model_len": length})
+        r = client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 100})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+        assert "maximum context length is 48" in r.json()["error"]["message"]
+        assert client.get("/v1/models").json()["data"][0]["max_model_len"] == 48
+        pool.remove("http://p1")
+        assert client.get("/v1/models").json()["data"][0]["max_model_len"] == 64
+
+
+def test_the_admin_api_answers_bad_input_by_the_field(caplog):
+    """POST /admin/instances: a url that is not one, or a bad role, is a 400 naming it (the role checked before the
+    instance is asked); an instance whose /pd/info cannot be read (not JSON, not an object, a KV layout of fields
+    this router does not know) a 502 naming the url; one that does not fit the fleet a 400."""
+    import asyncio
+
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse
+
+    from picovllm.disagg.messages import KVLayout
+    from picovllm.disagg.router_server import add_admin_routes
+    from picovllm.entrypoints.openai.protocol import APIError
+
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, block_size=16, num_blocks=64, dtype="float32",
+                      total_kv_heads=2).__dict__
+    infos = {"/p": {"role": "p", "fleet": True, "instance_id": "p", "block_size": 16, "layout": layout},
+             "/d": {"role": "d", "fleet": True, "instance_id": "d", "block_size": 16, "layout": layout},
+             "/list": [1, 2], "/newlayout": {"role": "d", "fleet": True, "instance_id": "n", "block_size": 16,
+                                             "layout": {**layout, "kv_cache_version": 2}}}
+    asked = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        base = request.url.path.removesuffix("/pd/info")
+        asked.append(base)
+        if base == "/nonjson":
+            return httpx.Response(200, text="<html>hello</html>")
+        return httpx.Response(200, json=infos[base])
+
+    app = FastAPI()
+    app.add_exception_handler(APIError, lambda request, e: JSONResponse(e.body(), e.status))
+    engine = _fake_fleet(handler)
+    add_admin_routes(app, engine)
+
+    async def post(body):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as client:
+            r = await client.post("/admin/instances", json=body)
+        return r.status_code, r.json().get("error", {}).get("param")
+
+    async def run():
+        engine.start()
+        try:
+            got = [await post({"url": url, "role": "p"}) for url in ("http://host:abc", "http://[::1", "http://",
+                                                                     "http://fake:99999", "http://exa mple.com", 7)]
+            got.append(await post({"url": "http://fake/p", "role": "x"}))
+            first_asked = list(asked)
+            for path, role in (("/nonjson", "p"), ("/list", "p"), ("/p", "p"), ("/newlayout", "d"), ("/d", "p")):
+                got.append(await post({"url": "http://fake" + path, "role": role}))
+            return got, first_asked
+        finally:
+            await engine.shutdown()
+
+    got, first_asked = asyncio.run(run())
+    assert got[:6] == [(400, "url")] * 6 and got[6] == (400, "role") and first_asked == []
+    assert got[7:] == [(502, "url"), (502, "url"), (200, None), (502, "url"), (400, "role")]
+    assert list(engine.pool.instances) == ["http://fake/p"]
+
+
+def test_router_flags_and_start_up_errors(tmp_path, monkeypatch, capsys):
+    """--lease must be a positive number of seconds (0 had the health checks run back to back); an instance that
+    never answers at start-up ends the router with an error line, as the other start-up errors do."""
+    from picovllm.disagg import router_server
+    from picovllm.entrypoints.openai import cli_router
+
+    parser = argparse.ArgumentParser()
+    cli_router.add_parser(parser.add_subparsers(dest="command"))
+    for bad in ("0", "-1", "nan", "inf"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["router", "--lease", bad])
+        assert "argument --lease: must be a positive number of seconds" in capsys.readouterr().err
+    assert parser.parse_args(["router", "--lease", "2.5"]).lease == 2.5
+    monkeypatch.setenv("PICOVLLM_PD_SECRET", SECRET)
+    args = parser.parse_args(["router", "--prefill", "http://127.0.0.1:1", "--startup-timeout", "0.3"])
+    with pytest.raises(SystemExit, match="^error: http://127.0.0.1:1 did not answer in time"):
+        router_server.main(args)
+
+
+def test_no_decode_instance_refuses_the_request_before_a_prefill_runs_it():
+    """No D in rotation: the request is refused at once (a 503), rather than P computing the prompt and the client
+    getting a first token, then an error."""
+    import asyncio
+
+    from picovllm.entrypoints.openai.engine_client import EngineDeadError
+
+    asked = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        asked.append(request.url.host)
+        return httpx.Response(200, content=_body(_output_lines(_out([5], True), handover={"opaque": True})))
+
+    async def run():
+        engine = _fake_fleet(handler, "http://p0", "http://d0")
+        engine.pool.mark_down(engine.pool.instances["http://d0"], "gone")
+        engine.start()
+        try:
+            with pytest.raises(EngineDeadError, match="no decode instance is in rotation"):
+                await engine.add_request([1, 2, 3], SamplingParams(max_tokens=3), "r")
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(run())
+    assert asked == []
 
 
 def signed(method: str, url: str, path: str, body: dict | None = None, secret: str = SECRET) -> httpx.Response:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -77,33 +78,43 @@ class InstancePool:
     def headers(self, method: str, path: str, body: bytes = b"") -> dict[str, str]:
         return sign_request(self.secret, method, path, body)
 
-    def add(self, url: str, role: str, info: dict) -> Instance:
-        """Add (or bring back) an instance from its /pd/info. ValueError naming the field if it does not fit."""
+    def add(self, url: str, role: str, info: object) -> Instance:
+        """Add (or bring back) an instance from its /pd/info. InstanceRefused, naming the field, if it does not fit.
+        One already in the fleet in that role is updated in place: the requests open on it stay counted in its
+        in_flight and fail with it (RouterStream.lose compares identity)."""
         if role not in ("p", "d"):
-            raise ValueError(f"role must be 'p' or 'd', got {role!r}")
+            raise InstanceRefused(f"role must be 'p' or 'd', got {role!r}", "role")
+        info = _read_info(url, info)
         if info.get("role") != role:
-            raise ValueError(f"role: {url} is a {info.get('role')!r} instance, not {role!r}")
+            raise InstanceRefused(f"role: {url} is a {info.get('role')!r} instance, not {role!r}", "role")
         if not info.get("fleet"):
-            raise ValueError(f"url: {url} is a linked-pair server (--kv-peer/--kv-port), not a fleet instance")
+            raise InstanceRefused(f"url: {url} is a linked-pair server (--kv-peer/--kv-port), not a fleet instance")
         others = [i for i in self.instances.values() if i.url != url]
         if others and others[0].block_size != info.get("block_size"):
-            raise ValueError(f"url: {url} has block size {info.get('block_size')}, the fleet {others[0].block_size}")
+            raise InstanceRefused(f"url: {url} has block size {info.get('block_size')}, the fleet "
+                                  f"{others[0].block_size}")
         layout = info.get("layout")
         for other in others:     # a P's KV must copy as-is into every D's cache (messages.KVLayout.mismatch)
             if layout is not None and other.layout is not None:
                 p_side, d_side = (layout, other.layout) if role == "p" else (other.layout, layout)
                 why = KVLayout(**d_side).mismatch(KVLayout(**p_side)) if other.role != role else None
                 if why:
-                    raise ValueError(f"url: {url}'s KV cache does not fit the fleet's ({other.url}): {why}")
+                    raise InstanceRefused(f"url: {url}'s KV cache does not fit the fleet's ({other.url}): {why}")
         length = info.get("max_model_len")
         ps = [i.max_model_len for i in others if i.role == "p" and i.max_model_len] + ([length] if role == "p" else [])
         ds = [i.max_model_len for i in others if i.role == "d" and i.max_model_len] + ([length] if role == "d" else [])
         if length and ps and ds and min(ds) < max(ps):    # a D cuts short what a P admitted
-            raise ValueError(f"max_model_len: {url} ({role}) has {length}; every decode instance needs at least the "
-                             f"prefill instances' ({max(ps)}), the fleet's decode instances have {min(ds)}")
-        inst = Instance(url, role, str(info.get("instance_id")), int(info.get("block_size") or 16), layout=layout,
-                        max_model_len=length)
-        self.instances[url] = inst
+            raise InstanceRefused(f"max_model_len: {url} ({role}) has {length}; every decode instance needs at least "
+                                  f"the prefill instances' ({max(ps)}), the fleet's decode instances have {min(ds)}")
+        fields = dict(instance_id=str(info.get("instance_id")), block_size=info.get("block_size") or 16,
+                      layout=layout, max_model_len=length)
+        inst = self.instances.get(url)
+        if inst is not None and inst.role == role:
+            for name, value in fields.items():
+                setattr(inst, name, value)
+            inst.up, inst.down_reason, inst.last_ok = True, None, time.monotonic()    # it just answered
+        else:        # new (or a server restarted in the other role: its old requests went with it)
+            inst = self.instances[url] = Instance(url, role, **fields)
         self.observe(inst)
         return inst
 
@@ -127,8 +138,9 @@ class InstancePool:
         self.observe(inst)
 
     def saw_load(self, inst: Instance, load: dict) -> None:
-        inst.running, inst.waiting = int(load.get("running", 0)), int(load.get("waiting", 0))
-        inst.kv_usage, inst.last_ok = float(load.get("kv_usage", 0.0)), time.monotonic()
+        """A health check's answer, as _read_load gives it."""
+        inst.running, inst.waiting, inst.kv_usage = load["running"], load["waiting"], load["kv_usage"]
+        inst.last_ok = time.monotonic()
         if not inst.up:
             logger.info("instance %s (%s) back in rotation", inst.url, inst.role)
         inst.up, inst.down_reason = True, None
@@ -143,15 +155,20 @@ class InstancePool:
                 self.on_silent(inst, inst.down_reason)
 
     async def check(self, client: httpx.AsyncClient, inst: Instance) -> None:
+        """One health check. An answer that is not a load (not JSON, not an object, a count not a number) fails it,
+        as no answer does: it must not raise, or the health task would end with it."""
         try:
             r = await client.get(inst.url + "/pd/load", headers=self.headers("GET", "/pd/load"), timeout=5.0)
             if r.status_code != 200:
                 raise ValueError(f"/pd/load answered HTTP {r.status_code}")
-            load = r.json()
+            load = _read_load(r.json())
         except (httpx.HTTPError, ValueError) as e:
-            self.saw_failure(inst, f"{type(e).__name__}: {e}")
+            why = f"{type(e).__name__}: {e}"
+            if inst.up:      # once out of rotation, the checks that would bring it back fail quietly
+                logger.warning("instance %s (%s): health check failed: %s", inst.url, inst.role, why)
+            self.saw_failure(inst, why)
             return
-        if load.get("alive", True) is False:     # its server answers, its engine is gone: no use trying it
+        if not load["alive"]:     # its server answers, its engine is gone: no use trying it
             self.mark_down(inst, "its engine is not running (/pd/load: alive false)")
         else:
             self.saw_load(inst, load)
@@ -161,12 +178,49 @@ class InstancePool:
             self.metrics.observe(inst)
 
 
+class InstanceRefused(ValueError):
+    """InstancePool.add's refusal. param: the admin request's field it is about (url or role); status: 502 where the
+    instance's /pd/info cannot be read (the instance's fault, not the caller's), else 400."""
+
+    def __init__(self, message: str, param: str = "url", status: int = 400) -> None:
+        super().__init__(message)
+        self.param, self.status = param, status
+
+
+def _read_info(url: str, info: object) -> dict:
+    """info, checked to be a /pd/info this router can read (InstanceRefused, status 502, if not)."""
+    if not isinstance(info, dict):
+        raise InstanceRefused(f"url: {url}/pd/info is not a JSON object: {str(info)[:100]}", status=502)
+    for name in ("block_size", "max_model_len"):
+        value = info.get(name)
+        if value is not None and (type(value) is not int or value < 1):
+            raise InstanceRefused(f"url: {url}/pd/info has {name} {value!r}, not a positive integer", status=502)
+    try:
+        if info.get("layout") is not None:
+            KVLayout(**info["layout"])
+    except TypeError as e:       # not an object, or fields this router does not know (a newer instance)
+        raise InstanceRefused(f"url: {url}/pd/info has a KV layout this router cannot read: {e}", status=502) from None
+    return info
+
+
+def _read_load(load: object) -> dict:
+    """/pd/load's answer as {alive, running, waiting, kv_usage}; ValueError if it is not one."""
+    try:
+        read = {"alive": load.get("alive", True) is not False, "running": int(load.get("running", 0)),
+                "waiting": int(load.get("waiting", 0)), "kv_usage": float(load.get("kv_usage", 0.0))}
+    except (AttributeError, TypeError, ValueError, OverflowError) as e:
+        raise ValueError(f"/pd/load answered {str(load)[:100]}, not a load ({type(e).__name__}: {e})") from None
+    if not math.isfinite(read["kv_usage"]):
+        raise ValueError(f"/pd/load answered kv_usage {read['kv_usage']}")
+    return read
+
+
 class RouterStream:
     """One request's outputs through a P and then a D, as AsyncEngine's RequestStream: outputs(), close()."""
 
     def __init__(self, router: "RouterEngine", request_id: str, prefill: Instance, resp: StreamedResponse,
                  body: dict) -> None:
-        self.router, self.request_id, self.body = router, request_id, body
+        self.router, self.pool, self.request_id, self.body = router, router.pool, request_id, body
         self.prefill, self.decode = prefill, None
         self._responses = [resp]
         self._left: set[str] = set()         # instances whose in-flight count this request left
@@ -196,8 +250,7 @@ class RouterStream:
         """P published the KV: on to a D. A D lost before its first line had not claimed the KV, which P still
         publishes: the request goes to another D."""
         self._leave(self.prefill)
-        resp = await self.router.open_decode(self, handover)       # sets self.decode: D answers for the KV now
-        self._responses.append(resp)
+        await self._took(await self.router.open_decode(self, handover))   # sets self.decode: D answers for the KV now
         return self._retried_lines("d", lambda tried: self.router.open_decode(self, handover, tried))
 
     def _current(self, role: str) -> Instance:
@@ -218,7 +271,7 @@ class RouterStream:
                 if started or self.router is None:
                     raise
             self._leave(self._current(role))
-            self._responses.append(await reopen(tried))
+            await self._took(await reopen(tried))
             tried.add(self._current(role).url)
 
     async def _lines(self, resp: StreamedResponse, inst: Instance) -> AsyncIterator[tuple[RequestOutput, dict]]:
@@ -227,8 +280,17 @@ class RouterStream:
             async for item in ndjson_outputs(resp, self._who(inst.role)):
                 yield item
         except StreamBroken as e:
-            self.router.pool.mark_down(inst, str(e))
+            self.pool.mark_down(inst, str(e))
             raise
+
+    async def _took(self, resp: StreamedResponse) -> None:
+        """The stream of the instance just opened for this request. A request closed meanwhile without a
+        cancellation (abort_all) leaves that instance here, where nothing else would give back its count."""
+        self._responses.append(resp)
+        if self.router is None:
+            self._leave(self.decode or self.prefill)
+            await resp.aclose()
+            raise EngineStepError(f"request {self.request_id} was closed")
 
     def lose(self, inst: Instance, why: str) -> None:
         """inst stopped answering (InstancePool.on_silent): the stream open on it ends in StreamBroken where it is
@@ -241,7 +303,7 @@ class RouterStream:
         if inst is not None and inst.url not in self._left:
             self._left.add(inst.url)
             inst.in_flight = max(0, inst.in_flight - 1)
-            self.router.pool.observe(inst)
+            self.pool.observe(inst)
 
     def close(self) -> None:
         """Drop the connections: an instance whose client went away aborts the request (frees its KV)."""
@@ -279,12 +341,26 @@ class RouterEngine(RemoteEngine):
         for stream in list(self._streams):
             stream.lose(inst, why)
 
+    def model_info(self) -> dict:
+        """The model card's, with the max_model_len of the smallest P in the fleet now (instances come and go; every
+        D has at least that, InstancePool.add); the card's where no P says (None: the handlers skip their checks)."""
+        lengths = [i.max_model_len for i in self.pool.instances.values() if i.role == "p" and i.max_model_len]
+        return {**self._model_info, "max_model_len": min(lengths, default=self._model_info.get("max_model_len"))}
+
     async def check_health(self) -> None:
-        await asyncio.gather(*(self.pool.check(self.client, i) for i in list(self.pool.instances.values())))
+        """Every instance's check; one that raises anyway is logged, never ends the health task (no instance
+        would be checked again: a frozen one never taken out)."""
+        instances = list(self.pool.instances.values())
+        done = await asyncio.gather(*(self.pool.check(self.client, i) for i in instances), return_exceptions=True)
+        for inst, result in zip(instances, done):
+            if isinstance(result, Exception):
+                logger.error("health check of %s failed: %r", inst.url, result, exc_info=result)
 
     async def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
                           arrival_time: float | None = None, priority: int = 0) -> RouterStream:
         """Open the request on a P. Raises ValueError (a 400 from P), EngineDeadError (no P could take it)."""
+        if not self.pool.candidates("d"):    # P would compute the prompt and publish KV that no D could take
+            raise EngineDeadError("no decode instance could take the request: no decode instance is in rotation")
         body = prefill_body(prompt_token_ids, params, request_id, arrival_time, priority)
         inst, resp = await self._open_on_one("p", self.prefill_policy, "/pd/prefill", body, prompt_token_ids)
         stream = RouterStream(self, request_id, inst, resp, body)
@@ -338,16 +414,20 @@ class RouterEngine(RemoteEngine):
             if self.router_metrics is not None:     # a second choice for the same request: a retry
                 self.router_metrics.decisions.labels(role, policy.name, "retry" if tried else reason).inc()
             tried.add(inst.url)
+            inst.in_flight += 1          # now, not once it answers: the requests choosing meanwhile see it busier
+            self.pool.observe(inst)
             try:
                 resp = await self._post(inst, path, data)
-            except EngineDeadError as e:
+            except BaseException as e:   # refused, unreachable, or the caller cancelled: not on it after all
+                inst.in_flight = max(0, inst.in_flight - 1)
+                self.pool.observe(inst)
+                if not isinstance(e, EngineDeadError):
+                    raise
                 self.pool.mark_down(inst, str(e))
                 errors.append(str(e))
                 continue
-            inst.in_flight += 1
             if self.router_metrics is not None:
                 self.router_metrics.routed.labels(inst.url, role).inc()
-            self.pool.observe(inst)
             return inst, resp
 
     async def _post(self, inst: Instance, path: str, data: bytes):

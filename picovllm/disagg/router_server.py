@@ -9,7 +9,7 @@ import httpx
 from fastapi import FastAPI, Request
 
 from picovllm.disagg.auth import FleetSecret, SignedRoutes
-from picovllm.disagg.router import InstancePool, RouterEngine, RouterMetrics
+from picovllm.disagg.router import InstancePool, InstanceRefused, RouterEngine, RouterMetrics
 from picovllm.disagg.router_policy import make_policy
 from picovllm.entrypoints.openai.protocol import APIError
 
@@ -29,7 +29,7 @@ def fetch_info(pool: InstancePool, url: str, deadline: float) -> dict:
         except httpx.HTTPError as e:
             why = f"{type(e).__name__}: {e}"
         if time.monotonic() > deadline:
-            raise RuntimeError(f"{url} did not answer in time ({why})")
+            raise TimeoutError(f"{url} did not answer in time ({why})")
         time.sleep(0.25)
 
 
@@ -44,9 +44,9 @@ def add_admin_routes(app: FastAPI, engine: RouterEngine) -> None:
     async def add_instance(raw: Request) -> dict:
         body = await _json_object(raw)
         url, role = body.get("url"), body.get("role")
-        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-            raise APIError(400, f"url: an http(s) base URL is required, got {url!r}", param="url")
-        url = url.rstrip("/")
+        if role not in ("p", "d"):
+            raise APIError(400, f"role must be 'p' or 'd', got {role!r}", param="role")
+        url = _base_url(url)
         try:
             r = await engine.client.get(url + "/pd/info", headers=pool.headers("GET", "/pd/info"), timeout=5.0)
         except httpx.HTTPError as e:
@@ -55,9 +55,13 @@ def add_admin_routes(app: FastAPI, engine: RouterEngine) -> None:
             raise APIError(502 if r.status_code >= 500 else 400, f"url: {url}/pd/info answered HTTP "
                            f"{r.status_code}", param="url")
         try:
-            inst = pool.add(url, role, r.json())
+            info = r.json()
         except ValueError as e:
-            raise APIError(400, str(e), param=str(e).split(":")[0]) from None
+            raise APIError(502, f"url: {url}/pd/info is not JSON: {e}", param="url") from None
+        try:
+            inst = pool.add(url, role, info)
+        except InstanceRefused as e:
+            raise APIError(e.status, str(e), param=e.param) from None
         logger.info("instance %s (%s) added", url, role)
         return {"instance": inst.describe()}
 
@@ -70,6 +74,17 @@ def add_admin_routes(app: FastAPI, engine: RouterEngine) -> None:
             raise APIError(404, f"url: no instance {body.get('url')!r} in the fleet", param="url") from None
         logger.info("instance %s (%s) removed", inst.url, inst.role)
         return {"instance": inst.describe()}
+
+
+def _base_url(url: object) -> str:
+    """The admin request's url as an instance's base URL; a 400 naming it if it is not one."""
+    try:
+        parsed = httpx.URL(url) if isinstance(url, str) and not any(c.isspace() for c in url) else None
+    except httpx.InvalidURL:     # a port not a number, an unclosed [ ...
+        parsed = None
+    if parsed is None or parsed.scheme not in ("http", "https") or not parsed.host or (parsed.port or 0) > 65535:
+        raise APIError(400, f"url: an http(s) base URL is required, got {url!r}", param="url")
+    return url.rstrip("/")
 
 
 async def _json_object(raw: Request) -> dict:
@@ -99,9 +114,12 @@ def main(args: argparse.Namespace) -> int:
         raise SystemExit(f"error: {e}") from None
     pool = InstancePool(secret, args.lease)
     deadline = time.monotonic() + args.startup_timeout
-    for role, urls in (("p", args.prefill), ("d", args.decode)):
-        for url in (u.rstrip("/") for u in urls):
-            pool.add(url, role, fetch_info(pool, url, deadline))
+    try:
+        for role, urls in (("p", args.prefill), ("d", args.decode)):
+            for url in (u.rstrip("/") for u in urls):
+                pool.add(url, role, fetch_info(pool, url, deadline))
+    except (ValueError, TimeoutError) as e:      # an instance that does not fit, or never answered
+        raise SystemExit(f"error: {e}") from None
     model = args.model
     card = {}
     if pool.candidates("p"):

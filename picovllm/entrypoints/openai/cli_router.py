@@ -2,8 +2,17 @@
 from __future__ import annotations
 
 import argparse
+import math
 
 from picovllm.entrypoints.openai.cli_proxy import add_front_end_args
+
+
+def seconds(text: str) -> float:
+    """A positive, finite number of seconds (a lease of 0 would have the health checks run back to back)."""
+    n = float(text)
+    if not (math.isfinite(n) and n > 0):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return n
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -20,7 +29,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--decode-policy", default="least_loaded", choices=["round_robin", "least_loaded"])
     p.add_argument("--pd-secret-file", default=None,
                    help="the fleet's shared secret (first line of the file; default $PICOVLLM_PD_SECRET)")
-    p.add_argument("--lease", type=float, default=10.0,
+    p.add_argument("--lease", type=seconds, default=10.0,
                    help="seconds an instance may fail its health checks before it leaves the rotation")
     add_front_end_args(p, "the first prefill instance's model path", "the instances")
     p.set_defaults(func=main)
