@@ -369,6 +369,13 @@ def test_a_reply_continuing_a_prompts_message(harmony_model):
     assert parse_harmony(reply, None, False, header) == ("Done?", " is Paris.", [])
     analysis = "assistant<|channel|>analysis<|message|>"
     assert parse_harmony(" is Paris.", None, False, analysis) == (" is Paris.", None, [])
+    # reasoning tokens (usage): an analysis body the prompt opened counts, as one the reply opens (it had counted 0)
+    rest = tok.encode(" more.<|end|><|start|>assistant<|channel|>final<|message|>Paris.<|return|>",
+                      add_special_tokens=False)
+    assert marks.reasoning_tokens(rest, analysis) == len(tok.encode(" more.<|end|>", add_special_tokens=False))
+    assert marks.reasoning_tokens(rest, header) == marks.reasoning_tokens(rest) == 0
+    whole = tok.encode("<|message|> more.<|end|>", add_special_tokens=False)
+    assert marks.reasoning_tokens(whole, "assistant<|channel|>analysis") == len(whole)
     # a generation prompt part way through the final header (the grammar gate's case too): the reply finishes the
     # header, and only the body is content (the markers had reached the content)
     partial = marks.open_header(tok.encode("<|start|>user<|message|>Hi<|end|><|start|>assistant<|channel|>final",

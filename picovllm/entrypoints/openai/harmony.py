@@ -300,18 +300,19 @@ class HarmonyTokens:
                 return None
         return None
 
-    def reasoning_tokens(self, ids: list[int]) -> int:
-        count, begin, header_end = 0, 0, None
+    def reasoning_tokens(self, ids: list[int], header: str | None = None) -> int:
+        """header: the message the prompt leaves open (open_header), the reply's first message's start: an analysis
+        body the reply goes on with counts too."""
+        prefix = header or ""
+        count, begin, header_end = 0, 0, 0 if prefix.endswith(MESSAGE) else None
         for i, t in enumerate(ids + [self.start]):       # a last message without its end closes at the reply's
             if t == self.message and header_end is None:
                 header_end = i
             elif t in self.ends or t == self.start:
-                if header_end is not None and self._analysis(ids[begin:header_end]):
+                text = prefix + self.tokenizer.decode(ids[begin:header_end], skip_special_tokens=False) \
+                    if header_end is not None else ""
+                channel = _CHANNEL.search(text)
+                if channel is not None and channel.group(1) == "analysis" and _RECIPIENT.search(text) is None:
                     count += min(i + 1, len(ids)) - begin
-                begin, header_end = i + 1, None
+                begin, header_end, prefix = i + 1, None, ""
         return count
-
-    def _analysis(self, header: list[int]) -> bool:
-        text = self.tokenizer.decode(header, skip_special_tokens=False)
-        channel, recipient = _CHANNEL.search(text), _RECIPIENT.search(text)
-        return channel is not None and channel.group(1) == "analysis" and recipient is None

@@ -105,16 +105,17 @@ class ChatHandler:
         extra = {"prompt_logprobs": prompt_logprobs_json(out.prompt_logprobs)} if req.prompt_logprobs is not None else {}
         if req.return_token_ids:
             extra["prompt_token_ids"] = list(out.prompt_token_ids)
-        use = await self._usage(req, out, opened, harmony)
+        use = await self._usage(req, out, opened, harmony, header)
         return JSONBody(self._body(group.request_id, "chat.completion", choices, usage=use, **extra))
 
     async def _usage(self, req: ChatCompletionRequest, out: RequestOutput, opened: bool | None,
-                     harmony: bool = False) -> dict:
+                     harmony: bool = False, header: str | None = None) -> dict:
         """usage; with a reasoning split also completion_tokens_details.reasoning_tokens (OpenAI's): the output
-        tokens up to the reasoning block's end (harmony: its analysis messages' tokens), summed over the choices."""
+        tokens up to the reasoning block's end (harmony: its analysis messages' tokens; header: _events'), summed
+        over the choices."""
         use = usage(out)
         if harmony:
-            counts = [self.ctx.harmony.reasoning_tokens(c.token_ids) for c in out.outputs]
+            counts = [self.ctx.harmony.reasoning_tokens(c.token_ids, header) for c in out.outputs]
             use["completion_tokens_details"] = {"reasoning_tokens": sum(counts)}
         elif opened is not None:
             counts = [await self._reasoning_tokens(c, opened, req.skip_special_tokens) for c in out.outputs]
@@ -158,7 +159,7 @@ class ChatHandler:
                             "stop_reason": None})
         if harmony or opened is not None:
             use["completion_tokens_details"] = {"reasoning_tokens": sum(
-                [self.ctx.harmony.reasoning_tokens(c.token_ids) if harmony else
+                [self.ctx.harmony.reasoning_tokens(c.token_ids, header) if harmony else
                  await self._reasoning_tokens(c, opened, req.skip_special_tokens) for c in outs])}
         return JSONBody(self._body(rid, "chat.completion", choices, usage=use))
 
@@ -255,7 +256,8 @@ class ChatHandler:
                 if chunks:
                     yield emit(chunks, i)
             if req.include_usage and len(last) == n:
-                use = await self._usage(req, merge_samples(rid, [last[i] for i in range(n)]), opened, harmony)
+                use = await self._usage(req, merge_samples(rid, [last[i] for i in range(n)]), opened, harmony,
+                                        header)
                 yield sse(self._body(rid, "chat.completion.chunk", [], usage=use))
         except ENGINE_ERRORS as e:
             yield sse_error(e)
