@@ -144,6 +144,134 @@ def test_run_batch_answers_each_line_as_the_server_and_llm_would(tmp_path, capsy
         assert rec["response"] is None and rec["error"]["message"].startswith(says), rec
 
 
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory) -> str:
+    from serving_fixtures import build_tiny_chat_model
+    return build_tiny_chat_model(str(tmp_path_factory.mktemp("chat") / "model"))
+
+
+def _run_batch_line(custom_id: str, prompt: str, **body) -> str:
+    return json.dumps({"custom_id": custom_id, "method": "POST", "url": "/v1/completions",
+                       "body": {"prompt": prompt, "max_tokens": 2, "temperature": 0, **body}})      # greedy
+
+
+def test_run_batch_a_line_that_fails_costs_only_its_own_line(chat_model, tmp_path, capsys, monkeypatch):
+    """A body with NaN or 1e400 (json.loads reads them, httpx would not send them), a lone surrogate (no UTF-8 for it)
+    and a handler that raises: each line gets the answer `serve` gives those bytes (400 naming the field; the 500 of
+    an internal error); a line too deep for json.loads an error line of its own. The lines around them run, in
+    order, as if they were alone."""
+    from picovllm.entrypoints.openai.serving_completion import CompletionHandler
+    real = CompletionHandler.__call__
+
+    async def crashing(self, req, *rest):
+        if req.prompt == "crash":
+            raise KeyError("a handler bug")
+        return await real(self, req, *rest)
+
+    monkeypatch.setattr(CompletionHandler, "__call__", crashing)
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("\n".join([_run_batch_line("a", "hi"), _run_batch_line("nan", "hi", temperature=float("nan")),
+                              _run_batch_line("inf", "hi", top_p=float("inf")), _run_batch_line("sur", "hi \ud800"),
+                              _run_batch_line("crash", "crash"), "[" * 100_000, _run_batch_line("b", "yo")]) + "\n")
+    rc = cli_main(["run-batch", "-i", str(inp), "-o", str(out), "--model", chat_model, "--num-kv-blocks", "64"])
+    assert rc == 1 and "5 of 7 requests failed" in capsys.readouterr().err
+    recs = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [r["custom_id"] for r in recs] == ["a", "nan", "inf", "sur", "crash", None, "b"]
+    assert recs[5]["response"] is None and recs[5]["error"]["message"].startswith("line 6: RecursionError"), recs[5]
+    del recs[5]
+    assert all(r["error"] is None for r in recs), recs
+    assert [r["response"]["status_code"] for r in recs] == [200, 400, 400, 400, 500, 200], recs
+    assert [recs[i]["response"]["body"]["error"]["param"] for i in (1, 2, 3)] == ["temperature", "top_p", "prompt"]
+    assert recs[4]["response"]["body"]["error"]["message"] == "internal error: KeyError"
+    alone = tmp_path / "alone.jsonl"       # the good lines' answers do not depend on their failing neighbours
+    inp.write_text("\n".join([_run_batch_line("a", "hi"), _run_batch_line("b", "yo")]) + "\n")
+    rc = cli_main(["run-batch", "-i", str(inp), "-o", str(alone), "--model", chat_model, "--num-kv-blocks", "64"])
+    assert rc == 0
+    ref = [json.loads(x)["response"]["body"]["choices"] for x in alone.read_text().splitlines()]
+    assert [recs[i]["response"]["body"]["choices"] for i in (0, 5)] == ref
+
+
+def test_run_batch_writes_each_line_once_it_and_those_before_are_done(chat_model, tmp_path, monkeypatch):
+    """Lines go to the file as they finish (in input order), so a run cut short keeps what it answered: when the
+    last line's request arrives, the file already holds the lines before it."""
+    import asyncio
+    from picovllm.entrypoints.openai.serving_completion import CompletionHandler
+    real, inp, out, seen = CompletionHandler.__call__, tmp_path / "in.jsonl", tmp_path / "out.jsonl", []
+
+    async def waiting(self, req, *rest):
+        if req.prompt == "last":    # give the others time to finish and be written, then look at the file
+            for _ in range(400):
+                if out.exists() and out.read_text().count("\n") == 2:
+                    break
+                await asyncio.sleep(0.025)
+            seen.append(out.read_text() if out.exists() else "")
+        return await real(self, req, *rest)
+
+    monkeypatch.setattr(CompletionHandler, "__call__", waiting)
+    inp.write_text("\n".join([_run_batch_line("a", "hi"), _run_batch_line("b", "yo"),
+                              _run_batch_line("c", "last")]) + "\n")
+    rc = cli_main(["run-batch", "-i", str(inp), "-o", str(out), "--model", chat_model, "--num-kv-blocks", "64"])
+    assert rc == 0
+    lines = out.read_text().splitlines()
+    assert [json.loads(x)["custom_id"] for x in lines] == ["a", "b", "c"]
+    assert seen == ["".join(x + "\n" for x in lines[:2])]
+
+
+def test_run_batch_reads_and_writes_http_urls(chat_model, tmp_path, capsys):
+    """-i and -o as http(s) URLs, as vLLM's run-batch takes them: the input is a GET, the output a PUT of the lines a
+    local file would hold; a URL that fails (an error status, a refused connection) is one error naming its flag."""
+    import http.server
+    import re
+    import socket
+    import threading
+    inp, local = tmp_path / "in.jsonl", tmp_path / "local.jsonl"
+    inp.write_text("\n".join([_run_batch_line("a", "hi"), _run_batch_line("b", "yo")]))
+    put = {}
+
+    class Files(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            found = self.path == "/in.jsonl"
+            self.send_response(200 if found else 404)
+            self.end_headers()
+            self.wfile.write(inp.read_bytes() if found else b"no")
+
+        def do_PUT(self):
+            put[self.path] = self.rfile.read(int(self.headers["content-length"])).decode()
+            self.send_response(200 if self.path == "/out.jsonl" else 403)
+            self.end_headers()
+
+        def log_message(self, *a):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Files)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    with socket.socket() as s:      # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        assert cli_main(["run-batch", "-i", str(inp), "-o", str(local), "--model", chat_model,
+                         "--num-kv-blocks", "64"]) == 0
+        assert cli_main(["run-batch", "-i", f"{url}/in.jsonl", "-o", f"{url}/out.jsonl", "--model", chat_model,
+                         "--num-kv-blocks", "64"]) == 0
+        strip = [json.loads(x)["response"]["body"]["choices"] for x in local.read_text().splitlines()]
+        assert [json.loads(x)["response"]["body"]["choices"] for x in put["/out.jsonl"].splitlines()] == strip
+        nowhere = str(tmp_path / "no-model")        # an input that fails, fails before any model loads
+        for argv, says in ((["-i", f"{url}/nope.jsonl", "-o", str(local), "--model", nowhere],
+                            r"--input-file '.*/nope.jsonl': GET failed: the server answered 404"),
+                           (["-i", f"http://127.0.0.1:{closed}/in.jsonl", "-o", str(local), "--model", nowhere],
+                            r"--input-file '.*/in.jsonl': GET failed: .*refused"),
+                           (["-i", str(inp), "-o", f"{url}/locked.jsonl", "--model", chat_model, "--num-kv-blocks",
+                             "64"], r"--output-file '.*/locked.jsonl': PUT failed: the server answered 403")):
+            capsys.readouterr()
+            rc = cli_main(["run-batch", *argv])
+            err = capsys.readouterr().err
+            assert rc == 2 and re.search(says, err) and "Traceback" not in err, (argv, err)
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def test_batch_n_samples_and_prompt_logprobs(tiny_models, tmp_path, capsys):
     """A line with n > 1 gets an "outputs" list (as LLM.generate's samples), prompt_logprobs a list per prompt token."""
     lines = [{"prompt_token_ids": [3, 4, 5, 6], "n": 3, "temperature": 1.0, "seed": 7, "max_tokens": 4},

@@ -12,6 +12,7 @@ A bad line becomes an output line with an "error" naming the field; the other li
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import os
 import sys
@@ -78,9 +79,40 @@ def check_output(path: str | None, flag: str) -> None:
             raise ValueError(f"{flag} {path!r}: cannot write a file there (no such folder, or not writable)")
 
 
-def read_lines(path: str) -> list[tuple[int, str]]:
-    """A JSONL file's (or stdin's, path "-") non-blank lines, each with its 1-based number in the file."""
-    f = sys.stdin if path == "-" else open(path)
+def is_url(path: str) -> bool:
+    """An http(s) URL rather than a local path: run-batch GETs its input and PUTs its output there, as vLLM's."""
+    return path.startswith(("http://", "https://"))
+
+
+def http_get(url: str, flag: str) -> str:
+    """The text at url; ValueError naming the flag if it cannot be had."""
+    return _http("GET", url, flag).text
+
+
+def http_put(url: str, text: str, flag: str) -> None:
+    """PUT text to url; ValueError naming the flag if the server does not take it."""
+    _http("PUT", url, flag, content=text.encode())
+
+
+def _http(method: str, url: str, flag: str, **kw):
+    import httpx
+    try:
+        r = httpx.request(method, url, follow_redirects=True, timeout=60, **kw)
+    except (httpx.HTTPError, httpx.InvalidURL) as e:     # no answer: refused, no such host, timed out, no host
+        why = str(e) or type(e).__name__
+    else:
+        if r.is_success:
+            return r
+        why = f"the server answered {r.status_code} {r.reason_phrase}"
+    raise ValueError(f"{flag} {url!r}: {method} failed: {why}")
+
+
+def read_lines(path: str, flag: str = "--input") -> list[tuple[int, str]]:
+    """A JSONL file's (stdin's, path "-"; an http(s) URL's, GET) non-blank lines, each with its 1-based number."""
+    if is_url(path):    # newline=None: a line ends at \r\n or \r too, as in a file open() reads
+        f = io.StringIO(http_get(path, flag), newline=None)
+    else:
+        f = sys.stdin if path == "-" else open(path)
     try:
         return [(number, line) for number, line in enumerate(f, 1) if line.strip()]
     finally:

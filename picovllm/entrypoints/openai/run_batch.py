@@ -6,16 +6,22 @@ Output, a line per input line, in input order (OpenAI's batch output):
     {"id": "batch_req_<hex>", "custom_id": ..., "response": {"status_code": int, "request_id": str,
      "body": the response, or its error object for a 4xx/5xx}, "error": null}
 A line that is no request (not JSON, a field missing or of the wrong type, a url or method not served, a streamed
-body) gets "response": null and "error": {"code": ..., "message": ...} naming the field. Blank lines are skipped;
-a line number counts them. The command exits 0 if every request got a 200, else 1.
+body) gets "response": null and "error": {"code": ..., "message": ...} naming the field; a line that fails in any
+other way gets such an error of its own, and the other lines run. Blank lines are skipped; a line number counts
+them. A line is written as soon as it and all before it are done. The input and output may be http(s) URLs (GET,
+PUT), as in vLLM's. The command exits 0 if every request got a 200, else 1.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import io
 import json
 import sys
 import uuid
+from collections.abc import Callable, Iterator
+from typing import TextIO
 
 URLS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
 
@@ -32,8 +38,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                                           "batch output, a line per request, in input order.")
     p.add_argument("model_tag", nargs="?", default=None, help="model (same as --model)")
     p.add_argument("--model", default=None, help="HF folder or .gguf file (default: SmolLM2-135M-Instruct)")
-    p.add_argument("-i", "--input-file", required=True, help="the batch file (JSONL; - for stdin)")
-    p.add_argument("-o", "--output-file", required=True, help="where the results go (JSONL; - for stdout)")
+    p.add_argument("-i", "--input-file", required=True,
+                   help="the batch file (JSONL; - for stdin; an http(s) URL to GET it from)")
+    p.add_argument("-o", "--output-file", required=True,
+                   help="where the results go (JSONL; - for stdout; an http(s) URL to PUT them to)")
     p.add_argument("--served-model-name", default=None, help="the model id a body's \"model\" must name "
                                                               "(default: --model's)")
     p.add_argument("--max-concurrency", type=int, default=256, help="requests in the engine at once (default 256)")
@@ -78,35 +86,50 @@ def _error(code: str, message: str) -> dict:
     return {"code": code, "message": message}
 
 
-async def run_requests(app, lines: list[tuple[int, str]], concurrency: int) -> list[dict]:
+async def run_requests(app, lines: list[tuple[int, str]], concurrency: int,
+                       write: Callable[[dict], None] = lambda rec: None) -> list[dict]:
     """Each (line number, text)'s output record, in order, every request posted to app (the server's, its engine
-    started by its own lifespan) through httpx's ASGI transport, at most `concurrency` at once."""
+    started by its own lifespan) through httpx's ASGI transport, at most `concurrency` at once. Each record goes to
+    write as soon as it and all before it are done, so that a run cut short keeps what it answered."""
     import httpx
 
     gate = asyncio.Semaphore(concurrency)
 
     async def one(client: httpx.AsyncClient, line: int, text: str) -> dict:
-        rec, error = parse_request(text, line)
-        out = {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": rec.get("custom_id"), "response": None,
-               "error": error}
-        if error is None:
-            async with gate:
-                r = await client.post(rec["url"], json=rec["body"])
-            out["response"] = {"status_code": r.status_code,
-                               "request_id": r.headers.get("x-request-id") or f"batch-{uuid.uuid4().hex}",
-                               "body": r.json()}
+        out = {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": None, "response": None, "error": None}
+        try:
+            rec, out["error"] = parse_request(text, line)
+            out["custom_id"] = rec.get("custom_id")
+            if out["error"] is None:
+                # The body as a client would send it to `serve` (json.dumps: NaN and Infinity as Python's JSON
+                # writes them, a lone surrogate \u-escaped), so such a body gets serve's 400, not an encoder's error.
+                async with gate:
+                    r = await client.post(rec["url"], content=json.dumps(rec["body"]),
+                                          headers={"content-type": "application/json"})
+                out["response"] = {"status_code": r.status_code,
+                                   "request_id": r.headers.get("x-request-id") or f"batch-{uuid.uuid4().hex}",
+                                   "body": r.json()}
+        except Exception as e:      # this line's failure, never the batch's (vLLM's run_request does the same)
+            out["error"] = _error("internal_error", f"line {line}: {type(e).__name__}: {e}")
         return out
 
+    # raise_app_exceptions=False: a handler's exception is that line's 500 (the server's error body), as serve
+    # answers it, not an exception out of client.post
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
     async with app.router.lifespan_context(app):
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://run-batch",
-                                     timeout=None) as client:
-            return list(await asyncio.gather(*(one(client, line, text) for line, text in lines)))
+        async with httpx.AsyncClient(transport=transport, base_url="http://run-batch", timeout=None) as client:
+            tasks = [asyncio.ensure_future(one(client, line, text)) for line, text in lines]
+            results = []
+            for task in tasks:
+                results.append(await task)
+                write(results[-1])
+            return results
 
 
 def main(args: argparse.Namespace) -> int:
     import logging
 
-    from picovllm.entrypoints.batch_io import check_input, check_output, read_lines
+    from picovllm.entrypoints.batch_io import check_input, check_output, is_url, read_lines
     from picovllm.entrypoints.chat_template import load_chat_template
     from picovllm.entrypoints.engine_args import engine_config_from_args
     from picovllm.entrypoints.openai.api_server import ServerSettings, app_for
@@ -115,10 +138,12 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError("give the model once (positional or --model)")
     if args.max_concurrency < 1:
         raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
-    check_input(args.input_file, "--input-file")
-    check_output(args.output_file, "--output-file")
+    if not is_url(args.input_file):     # a URL is fetched by read_lines, before the model loads all the same
+        check_input(args.input_file, "--input-file")
+    if not is_url(args.output_file):
+        check_output(args.output_file, "--output-file")
     template = load_chat_template(args.chat_template) if args.chat_template is not None else None
-    lines = read_lines(args.input_file)
+    lines = read_lines(args.input_file, "--input-file")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = engine_config_from_args(args, model=args.model or args.model_tag, reasoning_parser=None)
     if config.role != "pd":
@@ -129,18 +154,30 @@ def main(args: argparse.Namespace) -> int:
                               max_request_bytes=2**62)     # a file's line: no HTTP client to protect against
     app, _, stop = app_for(config, settings)
     try:
-        results = asyncio.run(run_requests(app, lines, args.max_concurrency))
+        with _output(args.output_file) as out:      # opened once the model has loaded: a failed load costs no file
+            results = asyncio.run(run_requests(app, lines, args.max_concurrency,
+                                               lambda rec: print(json.dumps(rec), file=out, flush=True)))
     finally:
         stop()
-    out = sys.stdout if args.output_file == "-" else open(args.output_file, "w")
-    try:
-        for rec in results:
-            out.write(json.dumps(rec) + "\n")
-    finally:
-        if out is not sys.stdout:
-            out.close()
     failed = sum(r["error"] is not None or r["response"]["status_code"] != 200 for r in results)
     if failed:
         print(f"picovllm run-batch: {failed} of {len(results)} requests failed (see their \"error\" or "
               f"\"response.status_code\")", file=sys.stderr)
     return 1 if failed else 0
+
+
+@contextlib.contextmanager
+def _output(path: str) -> Iterator[TextIO]:
+    """Where the output lines go: the file at path, stdout ("-"), or, for an http(s) URL, a buffer PUT there once
+    every line is in (as vLLM's run-batch does)."""
+    from picovllm.entrypoints.batch_io import http_put, is_url
+
+    if path == "-":
+        yield sys.stdout
+    elif is_url(path):
+        buf = io.StringIO()
+        yield buf
+        http_put(path, buf.getvalue(), "--output-file")
+    else:
+        with open(path, "w") as f:
+            yield f
