@@ -232,3 +232,20 @@ def test_hit_rate_counts_each_admission_once():
     run_step(s, out)
     s.remove(late)
     assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_a_mean_pooling_request_given_back_leaves_the_lookup_counts_alone():
+    """Mean pooling is never looked up in the prefix cache (every token's hidden state is needed), so giving such
+    a request back (cancel_prefix: it could not be admitted) takes nothing off the counts; it had subtracted its
+    tokens from queried_tokens (negative after one refusal), which /metrics reports."""
+    from picovllm.engine.pooling import Pooling
+    bm = BlockManager(8, 4, enable_prefix_caching=True)
+    other = req("a", list(range(9)))
+    assert bm.allocate_prefix(other) == 0
+    r = req("mean", list(range(9)))
+    r.pooling = Pooling(mean=True, normalize=True)
+    assert bm.allocate_prefix(r) == 0
+    bm.cancel_prefix(r)
+    assert (bm.queried_tokens, bm.hit_tokens) == (9, 0)      # other's lookup only
+    bm.free(other)
+    assert bm.num_free_blocks == bm.num_blocks

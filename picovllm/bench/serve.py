@@ -155,8 +155,11 @@ def prefix_cache_counters(base_urls: list[str], headers: dict, timeout: float) -
         except (httpx.HTTPError, ValueError):
             return None
         for key, names in PREFIX_COUNTERS.items():
-            found = [s.value for s in samples if s.name in names]
-            if not found:
+            # the first name the server has (a picovllm server exports both: its own, and vLLM's, which leaves
+            # a preempted request's second lookup out)
+            found = next(([s.value for s in samples if s.name == n] for n in names
+                          if any(s.name == n for s in samples)), None)
+            if found is None:
                 return None
             total[key] += sum(found)
     return total

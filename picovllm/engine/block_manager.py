@@ -40,6 +40,9 @@ class BlockManager:
         self.free_queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self.queried_tokens = 0
         self.hit_tokens = 0
+        # of those, the lookups of requests admitted again after a preemption (vLLM's metrics leave them out)
+        self.requeried_tokens = 0
+        self.rehit_tokens = 0
 
     # -- queries -------------------------------------------------------------------------------
     @property
@@ -76,8 +79,8 @@ class BlockManager:
         the prompt has logits to sample from. Returns the number of tokens taken from cache.
         """
         assert not req.block_table and req.num_computed_tokens == 0
-        if not self.enable_prefix_caching or (req.pooling is not None and req.pooling.mean):
-            return 0        # mean pooling: every prompt token's hidden state is needed (engine/pooling.py)
+        if not self._looks_up(req):
+            return 0
         tokens = req.all_token_ids
         max_blocks = (len(tokens) - 1) // self.block_size
         if req.prompt_logprobs is not None:   # cached positions have no logits: only those already taken
@@ -98,7 +101,15 @@ class BlockManager:
         req.block_hashes = hashes
         req.num_computed_tokens = req.prefix_hit_tokens = len(blocks) * self.block_size
         self.hit_tokens += req.prefix_hit_tokens
+        if req.metrics.first_scheduled_time is not None:     # scheduled before: preempted since
+            self.requeried_tokens += len(tokens)
+            self.rehit_tokens += req.prefix_hit_tokens
         return req.prefix_hit_tokens
+
+    def _looks_up(self, req: Request) -> bool:
+        """Whether allocate_prefix looks req up in the prefix cache (and counts it): not for mean pooling, which
+        needs every prompt token's hidden state (engine/pooling.py)."""
+        return self.enable_prefix_caching and not (req.pooling is not None and req.pooling.mean)
 
     def cancel_prefix(self, req: Request) -> None:
         """Give back what allocate_prefix took for a request that could not be admitted after all.
@@ -106,9 +117,12 @@ class BlockManager:
         Its lookup is not counted in the hit rate: a request that waits for blocks over many
         steps is looked up again, and counted once, when it is admitted.
         """
-        if self.enable_prefix_caching:
+        if self._looks_up(req):
             self.queried_tokens -= req.num_tokens
             self.hit_tokens -= req.prefix_hit_tokens
+            if req.metrics.first_scheduled_time is not None:
+                self.requeried_tokens -= req.num_tokens
+                self.rehit_tokens -= req.prefix_hit_tokens
         req.prefix_hit_tokens = 0
         self.free(req)
 

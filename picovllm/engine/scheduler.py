@@ -94,6 +94,7 @@ class Scheduler:
         # Out of the batch, blocks kept for the connector (P: handing over; D: KV arriving). While
         # any exist, a waiting request that does not fit waits for their blocks instead of failing.
         self.held: dict[str, Request] = {}
+        self.num_preemptions = 0           # cumulative (the server's vllm:num_preemptions_total)
 
     def add(self, req: Request) -> None:
         if self.by_priority:
@@ -233,6 +234,7 @@ class Scheduler:
         self.running.append(req)
 
     def preempt(self, req: Request) -> None:
+        self.num_preemptions += 1
         self.running.remove(req)
         self.block_manager.free(req)
         req.status = RequestStatus.WAITING

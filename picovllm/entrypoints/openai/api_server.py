@@ -41,7 +41,8 @@ from picovllm.loader.default_model import DEFAULT_FILE
 from picovllm.reasoning import reasoning_gate
 
 logger = logging.getLogger("picovllm.server")
-GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
+# the routes whose 4xx count as rejected requests (picovllm:requests_total{outcome="rejected"})
+REQUEST_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings")
 BACKSTOP_SECONDS = 5.0    # after the grace period and our abort, uvicorn cancels whatever still hangs
 
 
@@ -145,7 +146,7 @@ def build_app(ctx: ServingContext, settings: ServerSettings, openai_routes: bool
 
 def _add_error_handlers(app: FastAPI, ctx: ServingContext) -> None:
     def reject(request: Request, status: int, body: dict) -> JSONBody:
-        if 400 <= status < 500 and request.url.path in GENERATION_ROUTES:
+        if 400 <= status < 500 and request.url.path in REQUEST_ROUTES:
             ctx.metrics.count_outcome("rejected")
         return JSONBody(body, status)
 

@@ -77,11 +77,9 @@ class AsyncEngine(EngineClient):
         except Exception as e:   # one bad step must not take the server down: fail its requests
             logger.exception("engine step failed; aborting %d requests", len(engine.requests))
             err = EngineStepError(f"engine step failed: {type(e).__name__}: {e}")
-            for rid in list(engine.requests):
+            for rid in list(engine.requests):      # counted as errors where the answers arrive (_finish_outputs)
                 engine.abort(rid)
                 outputs.append((rid, err))
-                if self.metrics:
-                    self.metrics.count_outcome("error")
             stepped = []
         if stepped is None:             # shut down: nobody will read what is left
             for rid in list(engine.requests):
@@ -189,6 +187,7 @@ class AsyncEngine(EngineClient):
         self.stats = EngineStats(len(e.scheduler.running), len(e.scheduler.waiting), bm.num_free_blocks,
                                  bm.num_blocks, e.stats["prefill_tokens"], e.stats["decode_tokens"],
                                  bm.queried_tokens, bm.hit_tokens, e.stats["drafts"], e.stats["draft_tokens"],
-                                 e.stats["accepted_tokens"], self._connector_stats(), list(e.accepted_per_pos))
+                                 e.stats["accepted_tokens"], self._connector_stats(), list(e.accepted_per_pos),
+                                 e.scheduler.num_preemptions, bm.requeried_tokens, bm.rehit_tokens)
         if self.metrics:
             self.metrics.observe_engine(self.stats)

@@ -63,6 +63,9 @@ class EngineStats:
     accepted_tokens: int = 0         # and those kept
     connector: dict = field(default_factory=dict)   # a P or D engine's: AsyncEngine._connector_stats
     accepted_per_pos: list = field(default_factory=list)   # cumulative, drafts kept by position (Engine's)
+    preemptions: int = 0                 # cumulative (Scheduler.num_preemptions)
+    prefix_requeried_tokens: int = 0     # cumulative, of the prefix cache's: lookups again after a preemption
+    prefix_rehit_tokens: int = 0         # (BlockManager.requeried_tokens, rehit_tokens)
 
 
 # -- commands: event loop -> engine thread -----------------------------------------------------
@@ -199,12 +202,17 @@ class EngineClient:
         self._commands.put(AbortAll())
 
     def _finish_outputs(self, outputs: list) -> None:
-        """The finished requests among outputs, to the metrics (wherever the outputs arrive)."""
+        """The requests among outputs that finished or failed, to the metrics: counted here, where the outputs
+        arrive, so that each counts once whether the engine loop runs in this process or in its own (whose loop has
+        no metrics)."""
         if self.metrics is None:
             return
         for out in outputs:
-            if isinstance(out, RequestOutput) and out.finished:
-                self.metrics.observe_finished(out)
+            if isinstance(out, RequestOutput):
+                if out.finished:
+                    self.metrics.observe_finished(out)
+            elif isinstance(out[1], EngineStepError):     # the engine failed the request (its step, or its add)
+                self.metrics.count_outcome("error")
 
     # -- back on the event loop ------------------------------------------------------------------
     def _dispatch(self, outputs: list) -> None:
