@@ -168,6 +168,36 @@ def test_sigterm_aborts_waiting_samples_and_beam_searches(long_context_model, tm
     assert results["long"]["finish"] == "abort" and results["long"]["done"]
     assert elapsed < GRACE + 3, elapsed
 
+
+@pytest.mark.parametrize("mode", ["--engine-process", "--no-engine-process"])
+def test_a_second_signal_aborts_at_once_and_exits_quietly(long_context_model, tmp_path, mode):
+    """Ctrl-C twice: the second signal does not wait out the grace period: what runs is aborted at once, its stream
+    still ends cleanly (finish_reason "abort", [DONE]), and the server exits 0 without a traceback. It had cancelled
+    the server's tasks: tracebacks, the stream cut without its end, exit 0."""
+    srv = ServerProcess(long_context_model, str(tmp_path / "server.log"), mode, "--shutdown-timeout", "60",
+                        "--num-kv-blocks", "1024", "--max-model-len", "8192")
+    result, first = {}, threading.Event()
+    body = {"prompt": "Tell me a story", "stream": True, "ignore_eos": True, "max_tokens": 8000}
+    try:
+        t = threading.Thread(target=stream_tokens, args=(srv.url, body, result, first))
+        t.start()
+        assert first.wait(30)
+        kids = children_of(srv.proc.pid)
+        t0 = time.time()
+        srv.proc.send_signal(signal.SIGINT)
+        time.sleep(1.0)
+        srv.proc.send_signal(signal.SIGINT)
+        t.join(30)
+        assert srv.proc.wait(30) == 0, srv.log()
+        elapsed = time.time() - t0
+    finally:
+        srv.stop()
+    assert result["finish"] == "abort" and result["done"] and "error" not in result, result
+    assert elapsed < 15, elapsed
+    assert "Traceback" not in srv.log(), srv.log()
+    assert_exited(kids)
+
+
 # A sitecustomize that makes every Engine of its processes wait BUILD_DELAY_S before it builds, after writing a file
 # named by the building process's pid: an engine process stopped mid-build, found without timing guesses.
 SLOW_BUILD = '''
@@ -226,3 +256,29 @@ def test_an_engine_process_whose_server_is_killed_mid_build_ends(chat_model, tmp
     srv, engine = _building_server(chat_model, tmp_path)
     srv.stop(signal.SIGKILL)
     assert_exited([engine], timeout_s=10)
+
+
+def test_a_port_in_use_is_refused_before_the_model_loads(chat_model, tmp_path):
+    """The listening socket is bound first: a port in use ends the server at once, naming the flags, where it had
+    been found only after the engine was built (minutes for a large model), after a log line saying it served."""
+    import socket
+    site, marks = tmp_path / "site", tmp_path / "marks"
+    site.mkdir()
+    marks.mkdir()
+    (site / "sitecustomize.py").write_text(SLOW_BUILD)
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    try:
+        port = taken.getsockname()[1]     # (the last --port given is the one: ServerProcess gives its own first)
+        srv = ServerProcess(chat_model, str(tmp_path / "server.log"), "--engine-process", "--port", str(port),
+                            startup_timeout=None, env={"PYTHONPATH": str(site), "PICOVLLM_TEST_BUILD_MARKS":
+                                                       str(marks), "PICOVLLM_TEST_BUILD_DELAY": str(BUILD_DELAY_S)})
+        try:
+            assert srv.proc.wait(60) != 0
+        finally:
+            srv.stop(signal.SIGKILL)
+    finally:
+        taken.close()
+    assert f"--port {port}: cannot listen there" in srv.log(), srv.log()
+    assert not os.listdir(marks), "the engine was being built"

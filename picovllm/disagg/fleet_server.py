@@ -42,6 +42,7 @@ from picovllm.disagg.pd_http import (PDAsyncEngine, PDClient, add_prefill_route,
 from picovllm.disagg.transfer import PULL_BACKENDS, PullConfig
 from picovllm.engine.llm_engine import Engine
 from picovllm.entrypoints.openai.api_server import ServerSettings
+from picovllm.entrypoints.openai.api_workers import bind
 from picovllm.entrypoints.openai.engine_process import PipeEnds
 from picovllm.entrypoints.openai.protocol import APIError
 from picovllm.entrypoints.openai.serving import ServingContext
@@ -189,8 +190,14 @@ def serve_fleet(engine_config: EngineConfig, settings: ServerSettings, fleet: Fl
     setup_logging(settings)
     fleet.check()
     role = engine_config.role
-    async_engine, tokenizer = open_pd_engine(engine_config, settings, partial(build_fleet, pull=fleet.pull_config()),
-                                             FleetAsyncEngine, FleetChildLoop)
+    sock = bind(settings.host, settings.port)      # before the engine: a port in use is said at once
+    try:
+        async_engine, tokenizer = open_pd_engine(engine_config, settings,
+                                                 partial(build_fleet, pull=fleet.pull_config()),
+                                                 FleetAsyncEngine, FleetChildLoop)
+    except BaseException:
+        sock.close()
+        raise
     info = async_engine.role_info()
     if fleet.router:
         url = f"http://{fleet.advertise_host or settings.host}:{settings.port}"
@@ -199,4 +206,4 @@ def serve_fleet(engine_config: EngineConfig, settings: ServerSettings, fleet: Fl
     kv = f", KV on {info['kv_address'][0]}:{info['kv_address'][1]}" if role == "p" else ""
     run_pd_server(async_engine, tokenizer, engine_config, settings, fleet.secret,
                   lambda app, ctx: add_fleet_routes(app, ctx, role),
-                  f"a fleet {'prefill' if role == 'p' else 'decode'} instance ({info['instance_id']}{kv})")
+                  f"a fleet {'prefill' if role == 'p' else 'decode'} instance ({info['instance_id']}{kv})", sock)

@@ -231,16 +231,18 @@ def open_pd_engine(config: EngineConfig, settings: ServerSettings, build: Callab
 
 
 def run_pd_server(async_engine: EngineClient, tokenizer, config: EngineConfig, settings: ServerSettings,
-                  secret: FleetSecret, add_routes: Callable[[FastAPI, ServingContext], None], what: str) -> None:
+                  secret: FleetSecret, add_routes: Callable[[FastAPI, ServingContext], None], what: str,
+                  sock=None) -> None:
     """Serve an engine's /pd routes (add_routes adds them; every one needs the secret's signature) until
-    SIGTERM/SIGINT; what: the log line's description of the server."""
+    SIGTERM/SIGINT; what: the log line's description of the server; sock: its socket, bound before the engine was
+    built (api_workers.bind)."""
     name = served_name(settings, config.model)
     ctx = ServingContext(async_engine, TokenizerWorker(tokenizer), async_engine.metrics, name)
     app = build_app(ctx, settings, openai_routes=False)
     add_routes(app, ctx)
     app.add_middleware(SignedRoutes, secret=secret, prefixes=("/pd/",))
     logger.info("serving %s as %s on http://%s:%d", name, what, settings.host, settings.port)
-    run_app(app, async_engine, settings)
+    run_app(app, async_engine, settings, sock)
 
 
 def setup_logging(settings: ServerSettings) -> None:

@@ -182,16 +182,32 @@ def _add_error_handlers(app: FastAPI, ctx: ServingContext) -> None:
 class _Server(uvicorn.Server):
     """uvicorn with our shutdown: on SIGTERM/SIGINT it stops accepting and waits for open requests; after
     grace seconds we abort what is left in the engine, so those streams still end cleanly (finish_reason
-    "abort", then [DONE]). uvicorn's own timeout stays as a backstop. And exit 0: uvicorn would re-raise
-    the caught signal after shutting down, killing the process with it."""
+    "abort", then [DONE]). A second signal aborts them at once (uvicorn's would cancel the server's tasks: their
+    streams cut without an end, tracebacks); a third is uvicorn's forced exit. uvicorn's own timeout stays as a
+    backstop. And exit 0: uvicorn would re-raise the caught signal after shutting down, killing the process
+    with it."""
 
     def __init__(self, config: uvicorn.Config, engine: EngineClient, grace: float) -> None:
         super().__init__(config)
         self.engine, self.grace = engine, grace
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._aborted = False
 
     def run(self, sockets=None) -> None:
         freeze_for_serving()      # everything built so far lives as long as the process
         super().run(sockets)
+
+    async def serve(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if self.should_exit and not self._aborted and self._loop is not None:
+            self._aborted = True
+            logger.warning("shutdown: a second signal: aborting the requests still running now")
+            self._loop.call_soon_threadsafe(self.engine.abort_all)     # a signal handler: not inside the loop
+            return
+        super().handle_exit(sig, frame)
 
     async def shutdown(self, sockets=None) -> None:
         async def abort_when_grace_ends() -> None:
@@ -293,9 +309,10 @@ def make_server(app: FastAPI, engine: EngineClient, settings: ServerSettings) ->
     return _Server(config, engine, settings.shutdown_timeout)
 
 
-def run_app(app: FastAPI, engine: EngineClient, settings: ServerSettings) -> None:
-    """Serve app, in front of engine, on settings' host and port until SIGTERM/SIGINT (make_server)."""
-    make_server(app, engine, settings).run()
+def run_app(app: FastAPI, engine: EngineClient, settings: ServerSettings, sock=None) -> None:
+    """Serve app, in front of engine, on settings' host and port (on sock if bound already: api_workers.bind)
+    until SIGTERM/SIGINT (make_server)."""
+    make_server(app, engine, settings).run(sockets=None if sock is None else [sock])
 
 
 def served_name(settings: ServerSettings, model: str | None) -> str:
@@ -315,10 +332,16 @@ def serve(engine_config: EngineConfig, settings: ServerSettings) -> int:
         from picovllm.entrypoints.openai.api_workers import serve_with_api_servers
         return serve_with_api_servers(engine_config, settings, served_name(settings, engine_config.model),
                                       _generation_defaults(engine_config))
+    from picovllm.entrypoints.openai.api_workers import bind
+    sock = bind(settings.host, settings.port)
     try:
         app, async_engine, _ = app_for(engine_config, settings, tokenizer)
     except TokenizerSetupError as e:
+        sock.close()
         raise SystemExit(f"error: {e}") from None
+    except BaseException:
+        sock.close()
+        raise
     logger.info("serving %s on http://%s:%d", served_name(settings, engine_config.model), settings.host, settings.port)
     server = make_server(app, async_engine, settings)
     died = []
@@ -328,7 +351,7 @@ def serve(engine_config: EngineConfig, settings: ServerSettings) -> int:
                 died.append(True)
                 server.should_exit = True
         async_engine.on_end = ended
-    server.run()
+    server.run(sockets=[sock])
     return 1 if died else 0
 
 

@@ -32,7 +32,8 @@ logger = logging.getLogger("picovllm.server")
 
 
 def bind(host: str, port: int) -> socket.socket:
-    """The listening socket every API server accepts on (as uvicorn binds its own)."""
+    """A server's listening socket (every API server's, as uvicorn binds its own), bound before the model loads: a
+    port in use or a host that does not resolve is an error naming the flags at once, not after the load."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -40,7 +41,7 @@ def bind(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as e:
         sock.close()
-        raise SystemExit(f"error: cannot listen on {host}:{port}: {e.strerror}") from None
+        raise SystemExit(f"error: --host {host} --port {port}: cannot listen there: {e.strerror}") from None
     sock.listen(2048)
     return sock
 
