@@ -704,6 +704,8 @@ KV_CACHE_DTYPES = {"auto": "auto", "fp8": "fp8", "fp8_e4m3": "fp8"}
 @dataclass
 class EngineConfig:
     model: str | None = None              # HF folder, .gguf file, or None for the default model
+    tokenizer: str | None = None          # load the tokenizer from this HF folder, .gguf file or Hub repository,
+                                          # not the model's (vLLM's --tokenizer; engine/llm_engine.tokenizer_of)
     dtype: str | torch.dtype = "auto"
     device: str = "auto"
     max_model_len: int | None = None
@@ -768,6 +770,10 @@ class EngineConfig:
             raise bad("seed", "must be an int in [-2**63, 2**64) (torch's generator seeds)")
         if isinstance(self.model, os.PathLike):     # a pathlib.Path, as HF's from_pretrained takes
             self.model = os.fspath(self.model)
+        if isinstance(self.tokenizer, os.PathLike):
+            self.tokenizer = os.fspath(self.tokenizer)
+        if self.tokenizer is not None and (not isinstance(self.tokenizer, str) or not self.tokenizer):
+            raise bad("tokenizer", "must be None or a path or Hub repository id")
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         self._check_device(bad)

@@ -3,6 +3,7 @@ streaming helper in-process on tiny checkpoints (oracles: LLM.generate, HF trans
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 
@@ -473,7 +474,7 @@ def test_cli_backend_names_are_the_transfer_backends():
     assert tuple(sorted(BACKENDS)) == BACKEND_NAMES
 
 
-def test_pd_servers_and_the_proxy_need_the_secret(monkeypatch, tiny_models):
+def test_pd_servers_and_the_proxy_need_the_secret(monkeypatch, tiny_models, capsys):
     """`serve --role p|d` (pair or fleet) and `proxy` stop before loading or calling anything without the P/D
     secret, naming the flag and the variable; which server a role becomes: cuda_ipc is a pair given a peer."""
     import argparse
@@ -483,8 +484,11 @@ def test_pd_servers_and_the_proxy_need_the_secret(monkeypatch, tiny_models):
     for argv in (["serve", "--model", tiny_models["llama"], "--role", "p", "--kv-port", "1"],
                  ["serve", "--model", tiny_models["llama"], "--role", "d", "--kv-transfer", "tcp"],
                  ["proxy", "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2"]):
-        with pytest.raises(SystemExit, match=r"--pd-secret-file: .*\$PICOVLLM_PD_SECRET"):
+        with pytest.raises(SystemExit) as e:
             cli_main(argv)
+        err = capsys.readouterr().err
+        says = rf"picovllm {argv[0]}: error: --pd-secret-file: .*\$PICOVLLM_PD_SECRET"
+        assert e.value.code == 2 and re.search(says, err), err
     args = (lambda backend, port=0, peer=None: argparse.Namespace(kv_transfer=backend, kv_port=port, kv_peer=peer))
     assert is_linked_pair(args("torch_dist"), "p") and is_linked_pair(args("torch_dist"), "d")
     assert is_linked_pair(args("cuda_ipc", port=9100), "p") and is_linked_pair(args("cuda_ipc", peer="h:1"), "d")
@@ -546,9 +550,9 @@ def test_flags_refused_before_the_model_loads(tiny_models, tmp_path, capsys):
               "--output-file .*cannot write"),
              (["generate", "hi", "--model", tiny_models["llama"], "--role", "p"], "role 'p': LLM runs colocated")]
     if not torch.cuda.is_available():
-        cases.append((["generate", "hi", "--model", model, "--device", "cuda"], "EngineConfig.device .* has none"))
-    cases.append((["generate", "hi", "--model", model, "--device", "tpu"], "EngineConfig.device must be"))
-    cases.append((["generate", "hi", "--model", model, "--seed", str(2**70)], "EngineConfig.seed must be an int"))
+        cases.append((["generate", "hi", "--model", model, "--device", "cuda"], "--device .* has none"))
+    cases.append((["generate", "hi", "--model", model, "--device", "tpu"], "--device must be"))
+    cases.append((["generate", "hi", "--model", model, "--seed", str(2**70)], "--seed must be an int"))
     empty = tmp_path / "empty.gguf"
     empty.write_bytes(b"")
     cases.append((["generate", "hi", "--model", str(empty)], "empty.gguf'?: not a GGUF file"))
@@ -579,3 +583,188 @@ def test_stop_strings_repeat_their_flag_and_leave_the_prompt():
     from picovllm.entrypoints.cli import build_parser
     args = build_parser().parse_args(["generate", "--stop", ".", "Once upon a time", "--stop", "\n"])
     assert (args.stop, args.prompt) == ([".", "\n"], "Once upon a time")
+
+
+def _refused(argv: list[str], capsys) -> str:
+    """The error line of a command line refused: exit code 2 (as argparse's), returned or raised."""
+    try:
+        rc = cli_main(argv)
+    except SystemExit as e:
+        rc = e.code
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err, (argv, rc, err)
+    return err.strip().splitlines()[-1]
+
+
+def test_a_flag_another_mode_reads_is_refused_by_name(tmp_path, capsys):
+    """A flag the command would drop in the mode it runs is refused by name, before any model loads: a
+    disaggregation flag without --disagg, an engine flag --disagg does not pass on, a P/D server's flag on a
+    colocated server; serve's --served-model-name "" and a negative --shutdown-timeout."""
+    model = str(tmp_path / "no-model-here")      # any load would fail with another message
+    for argv, says in ((["generate", "hi", "--host", "0.0.0.0"], "--host applies to --disagg only"),
+                       (["generate", "hi", "--prefill-tp", "2"], "--prefill-tp applies to --disagg only"),
+                       (["generate", "hi", "--disagg", "--device", "cpu"], "--device does not apply with --disagg"),
+                       (["generate", "hi", "--disagg", "--tokenizer", "x"], "--tokenizer does not apply with"),
+                       (["serve", "--kv-port", "9100"], "--kv-port applies to --role p|d only"),
+                       (["serve", "--served-model-name", ""], "argument --served-model-name: must not be empty"),
+                       (["serve", "--shutdown-timeout", "-5"], "argument --shutdown-timeout: must be a number of "
+                                                               "seconds >= 0, got -5"),
+                       (["proxy", "--prefill", "a", "--decode", "b", "--served-model-name", " "],
+                        "argument --served-model-name: must not be empty")):
+        assert says in _refused(argv + ["--model", model], capsys), argv
+
+
+def test_the_engine_flags_generate_disagg_refuses_are_those_it_drops():
+    """generate.DISAGG_ENGINE_FLAGS is what disagg_options hands the two engines (and --trust-remote-code, read by
+    none): every other engine flag given with --disagg would be dropped."""
+    import dataclasses
+
+    from picovllm.config import EngineConfig
+    from picovllm.disagg.cli import disagg_options
+    from picovllm.entrypoints.cli import build_parser
+    from picovllm.entrypoints.commands.generate import DISAGG_ENGINE_FLAGS
+    args = build_parser().parse_args(["generate", "hi", "--disagg"])
+    fields = [f.name for f in dataclasses.fields(EngineConfig) if hasattr(args, f.name)]
+    for name in fields:
+        setattr(args, name, f"given-{name}")
+    opts = disagg_options(args)
+    passed = {name for name in fields if opts.get(name, opts["decode"].get(name)) == f"given-{name}"}
+    assert passed | {"trust_remote_code"} == set(DISAGG_ENGINE_FLAGS)
+
+
+def test_a_flag_the_device_does_not_read_is_one_clean_warning_line(tmp_path, capsys, monkeypatch):
+    """--gpu-memory-utilization on the CPU runs, with one warning line in the command's voice (no Python source
+    line); so does any warning the command's process emits, once from one place."""
+    import warnings
+
+    from picovllm.entrypoints.commands import generate
+    model = str(tmp_path / "no-model-here")
+    err = _refused(["generate", "hi", "--model", model, "--device", "cpu", "--gpu-memory-utilization", "0.5"], capsys)
+    assert "no-model-here" in err           # it went on to load the model
+    cli_main(["generate", "hi", "--model", model, "--device", "cpu", "--gpu-memory-utilization", "0.5"])
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == "picovllm generate: warning: --gpu-memory-utilization applies to GPUs only; this engine runs " \
+                       "on cpu" and len(lines) == 2, lines
+    cli_main(["generate", "hi", "--model", model, "--device", "cpu"])
+    assert "warning" not in capsys.readouterr().err
+
+    def warns_twice(args):
+        for _ in range(2):
+            warnings.warn("picovllm: quantization='auto' runs these weights in float32")
+        return 0
+
+    monkeypatch.setattr(generate, "run_generate", warns_twice)
+    assert cli_main(["generate", "hi"]) == 0
+    assert capsys.readouterr().err == \
+        "picovllm generate: warning: quantization='auto' runs these weights in float32\n"
+
+
+def test_an_unknown_flag_is_the_subcommand_s_error(capsys):
+    """An unknown flag: the subcommand's usage and error line (exit 2), naming the flag, also when a positional is
+    missing too; a missing positional alone is still said."""
+    for argv, command, unknown in ((["generate", "hi", "--help-me"], "generate", "--help-me"),
+                                   (["generate", "--help-me"], "generate", "--help-me"),
+                                   (["serve", "--tokenizr", "x"], "serve", "--tokenizr"),
+                                   (["bench", "throughput", "--bad"], "bench throughput", "--bad")):
+        with pytest.raises(SystemExit) as e:
+            cli_main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.startswith(f"usage: picovllm {command} "), err
+        assert err.splitlines()[-1] == f"picovllm {command}: error: unrecognized arguments: {unknown}", err
+    with pytest.raises(SystemExit):
+        cli_main(["generate"])
+    assert "the following arguments are required: prompt" in capsys.readouterr().err
+
+
+def test_config_errors_name_the_flag_typed(tmp_path, capsys):
+    """EngineConfig's and SamplingParams' errors name the flag (the field of a field as the flag's), a value out of
+    a closed set is argparse's own error listing the choices; a field no flag sets keeps its name."""
+    from picovllm.entrypoints.cli import build_parser, command_parser, with_flag_names
+    model = str(tmp_path / "no-model-here")
+    for flags, says in ((["--max-tokens", "0"], "--max-tokens must be an int >= 1, got 0"),
+                        (["--top-p", "2"], "--top-p must be in (0, 1], got 2.0"),
+                        (["--max-model-len", "0"], "--max-model-len must be an int >= 1, got 0"),
+                        (["-tp", "0"], "--tensor-parallel-size must be an int >= 1, got 0"),
+                        (["--speculative-config", '{"method": "x"}'], "--speculative-config's method must be"),
+                        (["--quantization", "awq"], "argument --quantization/-q: invalid choice: 'awq' (choose "
+                                                    "from 'auto', 'none', 'q8_0', 'bf16', 'fp8')")):
+        assert _refused(["generate", "hi", "--model", model, *flags], capsys).startswith(f"picovllm generate: "
+                                                                                         f"error: {says}"), flags
+    parser = build_parser()
+    bench = command_parser(parser, parser.parse_args(["bench", "throughput"]))     # a subcommand's subcommand
+    assert with_flag_names("EngineConfig.block_size 0; EngineConfig.reasoning_parser x", bench) == \
+        "--block-size 0; EngineConfig.reasoning_parser x"        # generate's and bench's: no --reasoning-parser
+
+
+def test_a_model_given_twice_is_an_argument_error_of_each_command(capsys):
+    """serve's and run-batch's positional model and --model disagree: `picovllm CMD: error:` and exit 2, as any
+    other argument error."""
+    for command in (["serve"], ["run-batch", "-i", "in.jsonl", "-o", "out.jsonl"]):
+        line = _refused([*command, "foo", "--model", "bar"], capsys)
+        assert line == f"picovllm {command[0]}: error: give the model once (positional or --model)"
+
+
+def test_vllm_short_flags_and_version(capsys):
+    """vLLM's -tp and -q, and `picovllm --version` (the package's, as GET /version says it)."""
+    from picovllm.entrypoints.cli import build_parser
+    from picovllm.entrypoints.openai.api_server import package_version
+    args = build_parser().parse_args(["generate", "hi", "-tp", "2", "-q", "none"])
+    assert (args.tensor_parallel_size, args.quantization) == (2, "none")
+    with pytest.raises(SystemExit) as e:
+        cli_main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out == package_version() + "\n"
+
+
+def test_engine_flags_say_what_they_do_their_choices_and_defaults():
+    """Every engine flag has a help line; a closed set's values are listed (and each is one EngineConfig takes);
+    --port, --max-tokens and the engine flags show their defaults."""
+    import dataclasses
+
+    from picovllm.config import EngineConfig
+    from picovllm.entrypoints.cli import build_parser, command_parser
+    from picovllm.entrypoints.engine_args import CHOICES, HELP
+    assert {f.name for f in dataclasses.fields(EngineConfig)} - set(HELP) == {"model"}
+    for name, values in CHOICES.items():
+        for value in values:
+            EngineConfig(**{name: value})
+    parser = build_parser()
+    text = {cmd: " ".join(command_parser(parser, parser.parse_args(argv)).format_help().split())
+            for cmd, argv in (("serve", ["serve"]), ("generate", ["generate", "hi"]), ("proxy", ["proxy",
+                              "--prefill", "a", "--decode", "b"]))}
+    for cmd, says in (("serve", "--port PORT port to listen on (default: 8000)"),
+                      ("serve", "--quantization {auto,none,q8_0,bf16,fp8}, -q {auto,none,q8_0,bf16,fp8} auto: a "
+                                "GGUF's own"),
+                      ("serve", "--kv-cache-dtype {auto,fp8,fp8_e4m3} auto: the model's dtype"),
+                      ("serve", "--role {pd,p,d} pd: colocated"), ("serve", "--runner {generate,pooling,auto}"),
+                      ("serve", "--dtype {auto,float32,"), ("serve", "(default: 0.9)"),
+                      ("serve", "--enforce-eager, --no-enforce-eager no CUDA graphs (GPU), no one-call decode stack "
+                                "(CPU) (default: off)"),
+                      ("generate", "--max-tokens MAX_TOKENS most tokens to generate (default: 256)"),
+                      ("proxy", "--port PORT port to listen on (default: 8000)")):
+        assert says in text[cmd], (cmd, says)
+
+
+def test_tokenizer_flag_loads_another_tokenizer(tmp_path, capsys, default_model_path):
+    """--tokenizer (vLLM's; LLM(tokenizer=...)): the engine's tokenizer comes from a folder of tokenizer files alone
+    (here the model's own with another chat template: the prompt ids, and so the output, follow it) or a GGUF
+    file; one that holds none is refused naming the flag."""
+    from serving_fixtures import build_tiny_chat_model
+    from transformers import AutoTokenizer
+    model = build_tiny_chat_model(str(tmp_path / "model"))
+    other = "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}"
+    tok = AutoTokenizer.from_pretrained(model)
+    tok.chat_template = other
+    tok.save_pretrained(str(tmp_path / "tok"))
+    conv = [{"role": "user", "content": "Hello there"}]
+    llm = LLM(model, tokenizer=str(tmp_path / "tok"), num_kv_blocks=16)
+    assert llm.get_tokenizer().chat_template == other
+    ids = llm.apply_chat_template(conv)
+    assert ids == tok.encode("<<Hello there>>", add_special_tokens=False)
+    assert ids != LLM(model, num_kv_blocks=16).apply_chat_template(conv)
+    want = llm.generate([ids], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
+    assert cli_main(["generate", "Hello there", "--model", model, "--tokenizer", str(tmp_path / "tok"),
+                     "--num-kv-blocks", "16", "--max-tokens", "4", "--ignore-eos"]) == 0
+    assert capsys.readouterr().out == want.outputs[0].text + "\n"
+    gguf = LLM(model, tokenizer=default_model_path, num_kv_blocks=16).get_tokenizer()
+    assert len(gguf) == 49152 and gguf.chat_template != other      # SmolLM2's, not the tiny model's 384
+    assert "--tokenizer '" in _refused(["generate", "hi", "--model", model, "--tokenizer", str(tmp_path)], capsys)

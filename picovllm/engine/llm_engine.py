@@ -46,7 +46,7 @@ from picovllm.engine.step_input import StepInput
 from picovllm.layers.logits_processors import bad_words_token_ids
 from picovllm.layers.rotary import longrope_position_offset
 from picovllm.layers.structured_output import BitmaskBuffers, GrammarState, StructuredOutputCompiler
-from picovllm.loader import engine_model_source
+from picovllm.loader import engine_model_source, open_model_source
 from picovllm.outputs import CompletionOutput, Logprob, RequestOutput
 from picovllm.pooling_params import PoolingParams
 from picovllm.reasoning import HarmonyTags, ThinkTags, reasoning_gate
@@ -102,10 +102,33 @@ _gc_frozen = False      # the first Engine of this process has frozen what exist
 
 
 def tokenizer_of(source, config: EngineConfig):
-    """The tokenizer an engine of this config uses: the model source's, or None (none there, skip_tokenizer_init)."""
-    if config.skip_tokenizer_init or source.load_tokenizer is None:
+    """The tokenizer an engine of this config uses: config.tokenizer's, else the model source's, or None (none there,
+    skip_tokenizer_init)."""
+    if config.skip_tokenizer_init:
         return None
-    return source.load_tokenizer()
+    if config.tokenizer is not None:
+        return open_tokenizer(config.tokenizer, config.disk_cache)
+    return None if source.load_tokenizer is None else source.load_tokenizer()
+
+
+def open_tokenizer(name: str, disk_cache: bool = True):
+    """vLLM's --tokenizer: an HF folder's or Hub repository's tokenizer files (no config.json needed), or a .gguf
+    file's; ValueError naming EngineConfig.tokenizer when there is none to load."""
+    from picovllm.loader.hf_folder import TOKENIZER_FILES
+    from picovllm.loader.source import resolve_model
+    try:
+        path = resolve_model(name, weights_needed=False)
+        if os.path.isdir(path):
+            if not any(os.path.exists(os.path.join(path, n)) for n in TOKENIZER_FILES):
+                raise ValueError(f"the folder has none of the tokenizer files {', '.join(TOKENIZER_FILES)}")
+            from transformers import AutoTokenizer
+            return AutoTokenizer.from_pretrained(path)
+        load = open_model_source(path, disk_cache, weights_needed=False).load_tokenizer
+        if load is None:
+            raise ValueError("it holds no tokenizer")
+        return load()
+    except (ValueError, OSError) as e:
+        raise ValueError(f"EngineConfig.tokenizer {name!r}: {e}") from None
 
 
 class Engine:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from typing import Callable
 
 from picovllm.config import EngineConfig
 from picovllm.entrypoints.engine_args import add_engine_args, engine_config_from_args
@@ -34,21 +35,30 @@ def engine_kwargs(args: argparse.Namespace, **overrides) -> dict:
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 256) -> None:
     g = p.add_argument_group("sampling (default: greedy)")
-    g.add_argument("--max-tokens", type=int, default=max_tokens)
-    g.add_argument("--min-tokens", type=int, default=0)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0, help="0 or -1: off")
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--max-tokens", type=int, default=max_tokens, help="most tokens to generate (default: %(default)s)")
+    g.add_argument("--min-tokens", type=int, default=0, help="fewest tokens before a stop counts (default: 0)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: 0)")
+    g.add_argument("--top-p", type=float, default=1.0, help="(0, 1], 1 is off (default: 1)")
+    g.add_argument("--top-k", type=int, default=0, help="0 or -1: off (default: 0)")
+    g.add_argument("--min-p", type=float, default=0.0, help="[0, 1], 0 is off (default: 0)")
+    g.add_argument("--seed", type=int, default=None,
+                   help="seeds the sampling, and the engine (default: sampling unseeded, the engine's seed 0)")
     g.add_argument("--stop", action="append", default=None, metavar="STR",
                    help="a stop string (repeat the flag for more: --stop . --stop '\\n')")
     g.add_argument("--stop-token-ids", nargs="+", type=int, default=None, metavar="ID")
-    g.add_argument("--ignore-eos", action="store_true")
-    g.add_argument("--presence-penalty", type=float, default=0.0, help="[-2, 2], over generated tokens")
-    g.add_argument("--frequency-penalty", type=float, default=0.0, help="[-2, 2], over generated tokens")
+    g.add_argument("--ignore-eos", action="store_true", help="go on past the end-of-sequence token")
+    g.add_argument("--presence-penalty", type=float, default=0.0, help="[-2, 2], over generated tokens (default: 0)")
+    g.add_argument("--frequency-penalty", type=float, default=0.0, help="[-2, 2], over generated tokens (default: 0)")
     g.add_argument("--repetition-penalty", type=float, default=1.0,
-                   help="> 0, 1 is off; over prompt and generated tokens (HF/CTRL style)")
+                   help="> 0, 1 is off; over prompt and generated tokens (HF/CTRL style) (default: 1)")
+
+
+def flags_given(args: argparse.Namespace, add_args: Callable[[argparse.ArgumentParser], None]) -> list[str]:
+    """The flags add_args(parser) declares that args holds other values than their defaults for: flags a command
+    would ignore in its mode are refused by name rather than dropped without a word."""
+    probe = argparse.ArgumentParser(add_help=False)
+    add_args(probe)
+    return [a.option_strings[0] for a in probe._actions if getattr(args, a.dest, a.default) != a.default]
 
 
 def sampling_kwargs(args: argparse.Namespace) -> dict:

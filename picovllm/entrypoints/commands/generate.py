@@ -8,8 +8,13 @@ import sys
 import time
 
 from picovllm.entrypoints.commands.args import (add_model_and_engine_args, add_sampling_args, engine_kwargs,
-                                                 sampling_kwargs, sampling_params)
+                                                 flags_given, sampling_kwargs, sampling_params)
 from picovllm.disagg.cli import add_disagg_arguments
+
+# The engine flags `generate --disagg` hands its two engines (disagg.cli.disagg_options; test_cli checks the two
+# agree), and one no engine reads: the others would be dropped there, so they are refused
+DISAGG_ENGINE_FLAGS = ("dtype", "max_model_len", "block_size", "num_kv_blocks", "disk_cache", "kv_cache_dtype",
+                       "revision", "download_dir", "hf_overrides", "speculative_config", "trust_remote_code")
 
 
 def add_parser(subparsers) -> None:
@@ -67,8 +72,9 @@ def _messages(system: str | None, history: list[dict]) -> list[dict]:
 def run_generate(args: argparse.Namespace) -> int:
     """One prompt, colocated or (--disagg) with P and D in processes of their own: the same prompt handling
     (chat template by default, --no-chat, --system), the same text on stdout, timings on stderr with --stats."""
-    text = sys.stdin.read() if args.prompt == "-" else args.prompt
+    _check_disagg_flags(args)
     params = sampling_params(args)
+    text = sys.stdin.read() if args.prompt == "-" else args.prompt
     if args.disagg:
         return _generate_disaggregated(args, text, params)
     from picovllm.entrypoints.streaming import StreamedRequest
@@ -84,6 +90,21 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.stats:
         _print_stats(stream.output, time.time() - t0)
     return 0
+
+
+def _check_disagg_flags(args: argparse.Namespace) -> None:
+    """ValueError naming a flag the mode would ignore: a disaggregation flag without --disagg, an engine flag that
+    --disagg does not hand its engines."""
+    if not args.disagg:
+        given = flags_given(args, lambda p: add_disagg_arguments(p, switch=False))
+        if given:
+            raise ValueError(f"{given[0]} applies to --disagg only")
+        return
+    kept = {"--" + name.replace("_", "-") for name in DISAGG_ENGINE_FLAGS}
+    given = [flag for flag in flags_given(args, add_model_and_engine_args) if flag not in kept | {"--model"}]
+    if given:
+        raise ValueError(f"{given[0]} does not apply with --disagg (its engines take --model, "
+                         f"{', '.join(sorted(kept - {'--trust-remote-code'}))} and the disaggregation flags)")
 
 
 def _prompt(tokenizer, text: str, args: argparse.Namespace) -> str | list[int]:

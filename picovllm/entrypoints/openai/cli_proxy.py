@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 
 from picovllm.entrypoints.chat_template import CHAT_TEMPLATE_HELP, TRUST_TEMPLATE_HELP
 from picovllm.entrypoints.openai.reasoning import HELP as REASONING_HELP, PARSERS as REASONING_PARSERS
@@ -15,6 +16,28 @@ def port(text: str) -> int:
     if not 0 <= n <= 65535:
         raise argparse.ArgumentTypeError(f"must be a TCP port, 0-65535, got {n}")
     return n
+
+
+def positive(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
+
+
+def wait_seconds(text: str) -> float:
+    """A finite number of seconds >= 0 (0: no wait)."""
+    n = float(text)
+    if not (math.isfinite(n) and n >= 0):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text}")
+    return n
+
+
+def model_name(text: str) -> str:
+    """A model id clients send: not empty (an empty one would mean the default, unasked)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -67,22 +90,26 @@ def add_tool_args(p: argparse.ArgumentParser) -> None:
 
 def add_front_end_args(p: argparse.ArgumentParser, model_default: str, waits_for: str) -> None:
     """The flags of an OpenAI front end over other servers' engines (the proxy's and the router's)."""
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=port, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: localhost only)")
+    p.add_argument("--port", type=port, default=8000, help="port to listen on (default: %(default)s)")
     p.add_argument("--model", default=None, help=f"where to load the tokenizer from (default: {model_default})")
     p.add_argument("--revision", default=None, help="the --model Hub repository's branch, tag or commit (default: "
                                                     "main; without --model, the servers' revision)")
     p.add_argument("--download-dir", default=None, help="where a Hub repository's configs and tokenizer are fetched "
                                                         "to and looked for (default: the Hub's cache)")
     p.add_argument("--api-key", default=None)
-    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--served-model-name", type=model_name, default=None,
+                   help="the model id clients send (default: the servers' own)")
     p.add_argument("--chat-template", default=None, help=CHAT_TEMPLATE_HELP)
     p.add_argument("--trust-request-chat-template", action="store_true", help=TRUST_TEMPLATE_HELP)
     p.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS, help=REASONING_HELP)
     add_tool_args(p)
-    p.add_argument("--max-request-bytes", type=int, default=4 * 2**20)
-    p.add_argument("--shutdown-timeout", type=float, default=10.0)
-    p.add_argument("--startup-timeout", type=float, default=300.0, help=f"seconds to wait for {waits_for}")
+    p.add_argument("--max-request-bytes", type=positive, default=4 * 2**20,
+                   help="larger bodies get HTTP 413 (default: %(default)s)")
+    p.add_argument("--shutdown-timeout", type=wait_seconds, default=10.0,
+                   help="seconds in-flight requests get to finish after SIGTERM/SIGINT (default: %(default)s)")
+    p.add_argument("--startup-timeout", type=wait_seconds, default=300.0,
+                   help=f"seconds to wait for {waits_for} (default: %(default)s)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--generation-config", default="auto",
                    help="sampling defaults for requests that leave them unset: 'auto' (the model folder's "

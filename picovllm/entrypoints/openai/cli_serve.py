@@ -5,8 +5,10 @@ import argparse
 
 from picovllm.entrypoints.chat_template import CHAT_TEMPLATE_HELP, TRUST_TEMPLATE_HELP
 from picovllm.entrypoints.openai.reasoning import HELP as REASONING_HELP, PARSERS as REASONING_PARSERS
-from picovllm.entrypoints.openai.cli_proxy import add_cors_args, add_tool_args, port
+from picovllm.entrypoints.commands.args import flags_given
 from picovllm.entrypoints.engine_args import add_engine_args, engine_config_from_args
+from picovllm.entrypoints.openai.cli_proxy import (add_cors_args, add_tool_args, model_name, port, positive,
+                                                   wait_seconds)
 
 # Backends only a fleet has (picovllm.disagg.transfer.PULL_BACKENDS; not imported here: --help stays light).
 # cuda_ipc serves both: a linked pair given --kv-port (P) or --kv-peer (D), a fleet instance otherwise.
@@ -20,13 +22,6 @@ def is_linked_pair(args: argparse.Namespace, role: str) -> bool:
     return args.kv_transfer != "cuda_ipc" or bool(args.kv_peer if role == "d" else args.kv_port)
 
 
-def _positive(text: str) -> int:
-    n = int(text)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
-    return n
-
-
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("serve", help="serve the OpenAI-compatible HTTP API",
                               description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics "
@@ -34,12 +29,15 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("model_tag", nargs="?", default=None, help="model (same as --model)")
     p.add_argument("--model", default=None, help="HF folder or .gguf file (default: SmolLM2-135M-Instruct)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: localhost only)")
-    p.add_argument("--port", type=port, default=8000)
+    p.add_argument("--port", type=port, default=8000, help="port to listen on (default: %(default)s)")
     p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 routes")
-    p.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model)")
-    p.add_argument("--max-request-bytes", type=int, default=4 * 2**20, help="larger bodies get HTTP 413")
-    p.add_argument("--shutdown-timeout", type=float, default=10.0,
-                   help="seconds in-flight requests get to finish after SIGTERM/SIGINT before they are aborted")
+    p.add_argument("--served-model-name", type=model_name, default=None,
+                   help="the model id clients send (default: --model)")
+    p.add_argument("--max-request-bytes", type=positive, default=4 * 2**20,
+                   help="larger bodies get HTTP 413 (default: %(default)s)")
+    p.add_argument("--shutdown-timeout", type=wait_seconds, default=10.0,
+                   help="seconds in-flight requests get to finish after SIGTERM/SIGINT before they are aborted "
+                        "(default: %(default)s)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=False)
     p.add_argument("--chat-template", default=None, help=CHAT_TEMPLATE_HELP)
@@ -49,10 +47,18 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                    help="run the engine loop in a process of its own, not a thread beside the HTTP server's, so the "
                         "two never wait for each other's GIL (default: on; --no-engine-process: one process)")
-    p.add_argument("--api-server-count", type=_positive, default=1,
+    p.add_argument("--api-server-count", type=positive, default=1,
                    help="HTTP server processes in front of the one engine process, sharing the port: each parses "
                         "requests and streams tokens on a CPU core of its own (default 1; colocated only)")
     add_cors_args(p)
+    add_pd_args(p)
+    add_engine_args(p, skip=("reasoning_parser",))    # the HTTP side's, declared above
+    p.set_defaults(func=main)
+    return p
+
+
+def add_pd_args(p: argparse.ArgumentParser) -> None:
+    """The flags only a prefill or decode server reads (--role p|d)."""
     pd = p.add_argument_group("disaggregated serving (--role p|d, behind `picovllm proxy` or `picovllm router`)")
     pd.add_argument("--kv-host", default="127.0.0.1", help="--role p: where to listen for the decode server")
     pd.add_argument("--kv-port", type=port, default=0, help="--role p: the port the decode server connects to")
@@ -70,9 +76,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                          "$PICOVLLM_PD_SECRET): every /pd route, the P-D link and every KV socket is "
                          "authenticated with it; the proxy or router needs the same one")
     pd.add_argument("--router", default=None, help="a fleet instance: register with this router once up")
-    add_engine_args(p, skip=("reasoning_parser",))    # the HTTP side's, declared above
-    p.set_defaults(func=main)
-    return p
 
 
 def main(args: argparse.Namespace) -> int:
@@ -88,6 +91,9 @@ def main(args: argparse.Namespace) -> int:
     if args.api_server_count > 1 and (args.role != "pd" or not args.engine_process):
         raise SystemExit("error: --api-server-count: several API servers need the engine in a process of its own "
                          "(not --no-engine-process) and a colocated server (not --role p or d)")
+    pd_only = flags_given(args, add_pd_args) if args.role == "pd" else []
+    if pd_only:
+        raise SystemExit(f"error: {pd_only[0]} applies to --role p|d only")
     # --reasoning-parser is the HTTP side's: it splits chat replies and sets each constrained request's own parser
     # (StructuredOutputsParams.reasoning_parser), as the proxy and the router do for their engines
     config = engine_config_from_args(args, model=args.model or args.model_tag, reasoning_parser=None)
