@@ -69,7 +69,7 @@ def _quantized_isa(source: ModelSource, quantization: str, cpu32: bool, shard: t
     if quantization in ("none", "bf16") or source.stored_weights is None:
         return None
     if not cpu32 or shard[1] != 1:
-        if cpu32:
+        if cpu32 and shard[0] == 0:      # once, from rank 0: every rank loads its shard
             warnings.warn(f"picovllm: quantization={quantization!r} runs these weights in float32: the quantized "
                           "kernels take tensor_parallel_size 1", stacklevel=3)
         return None
