@@ -411,6 +411,14 @@ def test_responses_reasoning_items_go_with_the_next_assistant_message():
     assert msgs[1] == {"role": "assistant", "content": "Sunny.", "reasoning": "Need it."}
     msgs = chat_messages(ResponsesRequest(input=[user, {"type": "reasoning", "id": "rs_2", "summary": []}, answer]))
     assert "reasoning" not in msgs[1]
+    # a reply of reasoning, a preamble and a call comes back as one assistant message, as chat returned it: the
+    # reasoning then reaches GPT-OSS's template as the call's analysis (it had gone with the preamble alone, which
+    # that template renders as a final answer, dropping the reasoning)
+    pre = {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Let me check."}]}
+    msgs = chat_messages(ResponsesRequest(input=[user, rs, pre, call, done]))
+    assert msgs[1:] == [{"role": "assistant", "content": "Let me check.", "reasoning": "Need it.", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "Sunny"}]
 
 
 def test_parallel_calls_sent_back_reach_a_one_call_template(harmony_model):

@@ -81,9 +81,10 @@ def _text_of(content: Any, param: str, kinds: tuple[str, ...]) -> str:
 
 
 def chat_messages(req: ResponsesRequest) -> list[dict]:
-    """instructions and input as chat messages; consecutive function_call items are one assistant message; a
-    reasoning item's text goes with the assistant message after it (its `reasoning`: GPT-OSS's template renders it
-    before a call; others leave it out), a summary-only one is dropped."""
+    """instructions and input as chat messages; function_call items go with the assistant message right before
+    them, or make one, as one chat reply's content and calls (the items a reply of this server gives: a message, then
+    its calls); a reasoning item's text goes with the assistant message after it (its `reasoning`: GPT-OSS's template
+    renders it before a call; others leave it out), a summary-only one is dropped."""
     messages = [{"role": "system", "content": req.instructions}] if req.instructions is not None else []
     if isinstance(req.input, str):
         return messages + [{"role": "user", "content": req.input}]
@@ -103,8 +104,8 @@ def chat_messages(req: ResponsesRequest) -> list[dict]:
             call = {"id": _string(item, "call_id", at), "type": "function",
                     "function": {"name": _string(item, "name", at), "arguments": _string(item, "arguments", at)}}
             last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant" and last.get("tool_calls") and not last["content"]:
-                last["tool_calls"].append(call)
+            if last is not None and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
                 if thought is not None:
