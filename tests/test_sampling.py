@@ -366,8 +366,8 @@ def test_detokenized_text_keeps_leading_spaces(word_model):
 def test_native_decode_equals_the_tokenizers_decode(default_llm):
     """The detokenizer's native decode (the `tokenizers` object, transformers' wrapper skipped) gives exactly
     tokenizer.decode on random id runs of the default vocabulary, special tokens kept and skipped, byte pieces of
-    split characters included; a tokenizer that cleans up spaces keeps transformers' decode (one asked to, but on a
-    BPE model, where transformers 5 skips the clean-up, takes the native decode)."""
+    split characters included; a tokenizer that cleans up spaces decodes as without the clean-up (vLLM's: a clean-up
+    can take back a space already streamed), natively too."""
     import copy
     import random
     from picovllm.engine.detokenizer import Detokenizer, native_decoder
@@ -385,11 +385,69 @@ def test_native_decode_equals_the_tokenizers_decode(default_llm):
     assert type(tok.backend_tokenizer.model).__name__ == "BPE" and native_decoder(asked) is not None
     ids = tok.encode("Hello , world ! It 's fine .")
     assert Detokenizer(asked)._decode(ids, True) == asked.decode(ids, skip_special_tokens=True)
-    forced = copy.copy(asked)       # ... unless forced, and then the clean-up runs: transformers' decode is kept
+    forced = copy.copy(asked)       # ... unless forced: the detokenizer still leaves the spaces as they are
     forced.clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output = True
-    assert native_decoder(forced) is None and native_decoder(None) is None
-    assert Detokenizer(forced)._decode(ids, True) == forced.decode(ids, skip_special_tokens=True) != \
-        tok.decode(ids, skip_special_tokens=True)
+    assert native_decoder(forced) is not None and native_decoder(None) is None
+    assert Detokenizer(forced)._decode(ids, True) == tok.decode(ids, skip_special_tokens=True) != \
+        forced.decode(ids, skip_special_tokens=True)
+
+
+def _fed(tok, prompt: list[int], out: list[int], **params) -> list[str]:
+    """The texts of the outputs a request makes as the engine feeds it out's tokens one by one (Engine.append_token,
+    Engine.make_output on an engine of this tokenizer alone; no EOS)."""
+    from types import SimpleNamespace
+    from picovllm.engine.detokenizer import Detokenizer
+    from picovllm.engine.llm_engine import Engine
+    from picovllm.engine.request import Request
+    eng = SimpleNamespace(eos_token_ids=[], detokenizer=Detokenizer(tok), max_model_len=10**9, primary_eos=None,
+                          _decode_tokens=lambda d: None)
+    req = Request("r", prompt, SamplingParams(max_tokens=len(out), **params))
+    req.max_tokens = len(out)
+    texts = []
+    for t in out:
+        if req.is_finished:
+            break
+        Engine.append_token(eng, req, t, None, 0.0)
+        texts.append(Engine.make_output(eng, req).outputs[0].text)
+    return texts
+
+
+def test_incremental_text_against_the_tokenizers_decode(default_llm):
+    """Token by token, against the tokenizer's own decode: a tokenizer that cleans up spaces streams the text
+    without the clean-up, every character there (the clean-up had taken back a streamed space and cut the next
+    character: " 'top'"); a prompt ending part way through a character leaves it to the output token that finishes
+    it (that character had been lost); cumulative outputs never take back text (a stop string may cut the
+    running text's tail: it is held back, as DELTA's is)."""
+    import copy
+    from picovllm.sampling_params import RequestOutputKind
+    tok = default_llm.get_tokenizer()
+    cleans = copy.copy(tok)
+    cleans.clean_up_tokenization_spaces = True
+    cleans.clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output = True
+    prompt, out = tok.encode("Quote:"), tok.encode(" He said 'stop' and 'go' now.")
+    assert cleans.decode(out) != tok.decode(out)      # the clean-up does change this text
+    deltas = _fed(cleans, prompt, out, output_kind=RequestOutputKind.DELTA)
+    assert "".join(deltas) == tok.decode(prompt + out)[len(tok.decode(prompt)):] == " He said 'stop' and 'go' now."
+    ids = tok.encode("Smile 😀 and 中文 ok")
+    cut = next(i for i in range(1, len(ids)) if tok.decode(ids[:i]).endswith("\ufffd"))
+    whole = tok.decode(ids)
+    head = tok.decode(ids[:cut - 1])          # the prompt's text up to the token that starts that character
+    assert not head.endswith("\ufffd")
+    assert "".join(_fed(tok, ids[:cut], ids[cut:], output_kind=RequestOutputKind.DELTA)) == whole[len(head):]
+    texts = _fed(tok, prompt, out, stop=["and 'x"])
+    assert all(b.startswith(a) for a, b in zip(texts, texts[1:])) and texts[-1] == " He said 'stop' and 'go' now."
+    texts = _fed(tok, prompt, out, stop=["and 'go"])
+    assert all(b.startswith(a) for a, b in zip(texts, texts[1:])) and texts[-1] == " He said 'stop' "
+
+
+def test_stop_strings_wait_for_min_tokens_text(default_llm):
+    """min_tokens protects its tokens' text from stop strings too (vLLM's): with min_tokens 1, a first token that
+    is a stop string does not stop the request; the search starts after it. It had stopped at once, empty."""
+    tok = default_llm.get_tokenizer()
+    out = tok.encode("\nHello world\nmore")
+    texts = _fed(tok, tok.encode("Hi"), out, min_tokens=1, stop=["\n"])
+    assert texts[-1] == "\nHello world"
+    assert _fed(tok, tok.encode("Hi"), out, stop=["\n"])[-1] == ""
 
 
 # -- logprobs ------------------------------------------------------------------------------------

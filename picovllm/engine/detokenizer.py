@@ -14,10 +14,10 @@ FAST_DECODES = {("transformers.tokenization_utils_tokenizers", "TokenizersBacken
 
 
 def native_decoder(tokenizer):
-    """The `tokenizers` object behind a fast HF tokenizer whose decode is exactly that object's (no clean-up of
-    spaces done, no decode of its own), or None. Its decode skips transformers' wrapper, which took ~60% of a decode's
-    time (4.8 against 1.9 us for a short text on a 2-core CPU): two decodes a token a request are much of a
-    decode step's host work at small models."""
+    """The `tokenizers` object behind a fast HF tokenizer whose decode is that object's (no decode of its own; a
+    clean-up of spaces, which the detokenizer never asks for, aside), or None. Its decode skips transformers'
+    wrapper, which took ~60% of a decode's time (4.8 against 1.9 us for a short text on a 2-core CPU): two decodes a
+    token a request are much of a decode step's host work at small models."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         return None
@@ -27,16 +27,7 @@ def native_decoder(tokenizer):
     if (owner.__module__, owner.__name__) not in FAST_DECODES or \
             next(c for c in mro if "decode" in c.__dict__) is not PreTrainedTokenizerBase:
         return None
-    return None if _cleans_up_spaces(tokenizer, owner.__name__) else backend
-
-
-def _cleans_up_spaces(tokenizer, owner: str) -> bool:
-    """Whether the tokenizer's _decode rewrites spaces after the backend's decode: it is asked to, and it is not
-    transformers 5's TokenizersBackend on a BPE model, which skips the clean-up unless forced (5.17 and 5.24 alike)."""
-    if not getattr(tokenizer, "clean_up_tokenization_spaces", True):
-        return False
-    return owner != "TokenizersBackend" or type(tokenizer.backend_tokenizer.model).__name__ != "BPE" or \
-        getattr(tokenizer, "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output", True)
+    return backend
 
 
 @dataclass
@@ -52,22 +43,29 @@ class Detokenizer:
         self._backend = native_decoder(tokenizer)
 
     def _decode(self, ids: list[int], skip_special: bool) -> str:
+        """ids' text, spaces never cleaned up (as vLLM's detokenizer): a clean-up can take back a space an earlier
+        delta sent, and the text after it would then come out a character short."""
         if self._backend is not None:
             return self._backend.decode(ids, skip_special_tokens=skip_special)
-        return self.tokenizer.decode(ids, skip_special_tokens=skip_special)
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special, clean_up_tokenization_spaces=False)
 
     def append(self, req: Request, token_id: int) -> str:
         """Add one output token; return the text it adds (empty while a character is incomplete)."""
         if self.tokenizer is None:
             return ""
         st = req.detok_state
+        skip = req.params.skip_special_tokens
         if st is None:
             ctx = req.prompt_token_ids[-CONTEXT_TOKENS:]
             # The first delta is decode(ctx + token) minus decode(ctx): a token decoded alone can
-            # lose its leading space (SentencePiece's '▁').
-            st = req.detok_state = DetokState(list(ctx), 0, len(ctx))
+            # lose its leading space (SentencePiece's '▁'). A prompt that ends part way through a character
+            # (its text ends in U+FFFD) leaves that character to the output tokens that finish it: read from before
+            # it, or the character would never come out.
+            read = len(ctx)
+            while read and self._decode(ctx[:read], skip).endswith("\ufffd"):
+                read -= 1
+            st = req.detok_state = DetokState(list(ctx), 0, read)
         st.tokens.append(token_id)
-        skip = req.params.skip_special_tokens
         prefix = self._decode(st.tokens[st.prefix_offset:st.read_offset], skip)
         full = self._decode(st.tokens[st.prefix_offset:], skip)
         if full.endswith("\ufffd") or len(full) <= len(prefix):
@@ -98,10 +96,12 @@ def check_stop(req: Request, token_id: int, new_text: str, eos_token_ids: list[i
         other_eos = primary_eos is not None and token_id != primary_eos and token_id in eos_token_ids
         return req.finish(FinishReason.STOP, stop_reason=token_id if token_id in p.stop_token_ids or other_eos
                           else None)
-    if n_out >= p.min_tokens:
+    if n_out == p.min_tokens:       # the text of the first min_tokens tokens is not searched (vLLM's)
+        req.stop_search_from = len(req.text)
+    if n_out > p.min_tokens:
         if p.stop and new_text:
             for s in p.stop:
-                idx = req.text.find(s, max(0, len(req.text) - len(new_text) - len(s) + 1))
+                idx = req.text.find(s, max(req.stop_search_from, len(req.text) - len(new_text) - len(s) + 1))
                 if idx >= 0:
                     req.text = req.text[:idx + (len(s) if p.include_stop_str_in_output else 0)]
                     return req.finish(FinishReason.STOP, stop_reason=s)

@@ -851,20 +851,21 @@ class Engine:
 
     def make_output(self, req: Request) -> RequestOutput:
         """The request's output: all of it so far, or (SamplingParams.output_kind DELTA) what is new since its last
-        one: the tokens and logprobs after those, and the text after what went out, less the last (longest stop
-        string - 1) characters while it runs (a stop string completing later would cut them)."""
+        one: the tokens and logprobs after those, and the text after what went out. Either way, while it runs, the
+        text's last (longest stop string - 1) characters are held back, as vLLM's: a stop string completing later
+        would cut them, and no output takes back text an earlier one showed (none with include_stop_str_in_output,
+        whose cut keeps all that came before)."""
         delta = req.params.output_kind == RequestOutputKind.DELTA
         first = req.num_streamed_tokens if delta else 0      # the first output token this output holds
         req.num_streamed_tokens = len(req.output_token_ids)
         if req.logprobs is not None:
             for d in req.logprobs[first:]:
                 self._decode_tokens(d)
-        text = req.text
-        if delta:
-            sent = req.num_streamed_chars
-            end = len(text) if req.is_finished else len(text) - max(map(len, req.params.stop), default=1) + 1
-            end = max(sent, end)     # a text shorter than the held-back tail gives nothing yet
-            text, req.num_streamed_chars = text[sent:end], end
+        text, p = req.text, req.params
+        hold = 0 if req.is_finished or p.include_stop_str_in_output else max(map(len, p.stop), default=1) - 1
+        start = req.num_streamed_chars if delta else 0
+        end = max(req.num_streamed_chars, len(text) - hold)      # a text shorter than the held-back tail: no more
+        text, req.num_streamed_chars = text[start:end], end
         comp = CompletionOutput(0, text, req.output_token_ids[first:],
                                 req.cumulative_logprob if req.logprobs is not None else None,
                                 req.logprobs[first:] if req.logprobs is not None else None,
