@@ -23,7 +23,7 @@ from test_gguf import write_tiny_gguf
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPT = "Name the capital of France."
-WARNING = "RuntimeWarning: picovllm: cache folder"
+WARNING = "picovllm generate: warning: cache folder"   # the CLI prints a warning as one line
 
 
 def cli(args, cache_dir, timeout=300, prefix=(), **env):
