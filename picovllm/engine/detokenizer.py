@@ -30,6 +30,13 @@ def native_decoder(tokenizer):
     return backend
 
 
+def _hf_tokenizer(tokenizer) -> bool:
+    if tokenizer is None:
+        return False
+    from transformers import PreTrainedTokenizerBase
+    return isinstance(tokenizer, PreTrainedTokenizerBase)
+
+
 @dataclass
 class DetokState:
     tokens: list[int]      # context tokens + output tokens
@@ -41,13 +48,15 @@ class Detokenizer:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self._backend = native_decoder(tokenizer)
+        # an HF tokenizer's decode takes the clean-up switch; another (a test's, a user's own) decodes as it does
+        self._no_clean_up = {"clean_up_tokenization_spaces": False} if _hf_tokenizer(tokenizer) else {}
 
     def _decode(self, ids: list[int], skip_special: bool) -> str:
         """ids' text, spaces never cleaned up (as vLLM's detokenizer): a clean-up can take back a space an earlier
         delta sent, and the text after it would then come out a character short."""
         if self._backend is not None:
             return self._backend.decode(ids, skip_special_tokens=skip_special)
-        return self.tokenizer.decode(ids, skip_special_tokens=skip_special, clean_up_tokenization_spaces=False)
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special, **self._no_clean_up)
 
     def append(self, req: Request, token_id: int) -> str:
         """Add one output token; return the text it adds (empty while a character is incomplete)."""
