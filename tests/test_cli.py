@@ -34,10 +34,12 @@ def test_generate_streams_paris_on_the_default_model(default_llm):
 
 
 def test_chat_two_turns_then_eof():
-    r = run_cli(["chat", "--max-tokens", "30", "--dtype", "float32"], stdin="Name the capital of France.\nAnd of Germany?\n")
+    r = run_cli(["chat", "--max-tokens", "30", "--dtype", "float32"],
+                stdin="/help\nName the capital of France.\nAnd of Germany?\n")
     assert r.returncode == 0, r.stderr
     replies = [line for line in r.stdout.splitlines() if line.strip()]
-    assert len(replies) == 2, r.stdout
+    assert len(replies) == 2, r.stdout      # /help is answered on stderr, not sent to the model
+    assert "/reset" in r.stderr
     assert "Paris" in replies[0]
     assert "Berlin" in replies[1]      # the second turn only makes sense with the first in the history
 

@@ -122,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
                 raise
             print(f"{prefix}: {e.code}", file=sys.stderr)
             raise SystemExit(2) from None
-        except KeyboardInterrupt:
+        except KeyboardInterrupt:       # Ctrl-C: a streamed line left part way ends, so the shell's prompt does not
+            print(file=sys.stderr)      # follow it on the same line
             return 130
 
 

@@ -30,7 +30,7 @@ def add_parser(subparsers) -> None:
 
     p = subparsers.add_parser("chat", help="interactive multi-turn chat on stdin/stdout",
                               description="Chat with the model: one user turn per line; /reset clears the "
-                                          "history, /exit (or end of input) quits.")
+                                          "history, /exit (or end of input) quits, /help lists these.")
     p.add_argument("--system", default=None, help="system prompt")
     add_sampling_args(p, max_tokens=512)
     add_model_and_engine_args(p)
@@ -158,8 +158,9 @@ def run_chat(args: argparse.Namespace) -> int:
         raise ValueError("--model has no chat template: use `picovllm generate --no-chat` instead")
     params = sampling_params(args)
     interactive = sys.stdin.isatty()
+    usage = "picovllm chat: one message per line; /reset clears the history, /exit quits, /help says this."
     if interactive:
-        print("picovllm chat: one message per line; /reset clears the history, /exit quits.", file=sys.stderr)
+        print(usage, file=sys.stderr)
     history: list[dict] = []
     while True:
         line = _read_line(interactive)
@@ -170,6 +171,9 @@ def run_chat(args: argparse.Namespace) -> int:
             continue
         if line == "/reset":
             history = []
+            continue
+        if line == "/help":          # not a message for the model
+            print(usage, file=sys.stderr)
             continue
         history.append({"role": "user", "content": line})
         try:
