@@ -13,16 +13,16 @@ if TYPE_CHECKING:
 
 # dtype names -> torch attribute; torch is imported when a config is built, not when this module is (the CLI's
 # parser is made from EngineConfig's fields and must not wait for torch)
-_DTYPES = {"float32": "float32", "fp32": "float32", "float": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+DTYPES = {"float32": "float32", "fp32": "float32", "float": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
            "float16": "float16", "fp16": "float16", "half": "float16"}
 
 def dtype_from_name(name: str) -> "torch.dtype":
     """'bf16', 'float32', ... -> the torch dtype; ValueError for other names."""
     import torch
 
-    if name not in _DTYPES:
-        raise ValueError(f"dtype {name!r} must be one of {sorted(_DTYPES)}")
-    return getattr(torch, _DTYPES[name])
+    if name not in DTYPES:
+        raise ValueError(f"dtype {name!r} must be one of {sorted(DTYPES)}")
+    return getattr(torch, DTYPES[name])
 
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM",
@@ -780,8 +780,8 @@ class EngineConfig:
         if self.dtype == "auto":
             self.dtype = torch.bfloat16 if str(self.device).startswith("cuda") else torch.float32
         elif isinstance(self.dtype, str):
-            if self.dtype not in _DTYPES:
-                raise bad("dtype", f"must be one of {sorted(set(_DTYPES))}")
+            if self.dtype not in DTYPES:
+                raise bad("dtype", f"must be one of {sorted(set(DTYPES))}")
             self.dtype = dtype_from_name(self.dtype)
         elif self.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise bad("dtype", "must be float32, bfloat16 or float16")

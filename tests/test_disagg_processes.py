@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import random
-import signal
 import threading
 import time
 from types import SimpleNamespace

@@ -442,12 +442,16 @@ def test_incremental_text_against_the_tokenizers_decode(default_llm):
 
 def test_stop_strings_wait_for_min_tokens_text(default_llm):
     """min_tokens protects its tokens' text from stop strings too (vLLM's): with min_tokens 1, a first token that
-    is a stop string does not stop the request; the search starts after it. It had stopped at once, empty."""
+    is a stop string does not stop the request (it had stopped at once, empty); a stop string that starts in that
+    text and ends after it does."""
     tok = default_llm.get_tokenizer()
     out = tok.encode("\nHello world\nmore")
     texts = _fed(tok, tok.encode("Hi"), out, min_tokens=1, stop=["\n"])
     assert texts[-1] == "\nHello world"
     assert _fed(tok, tok.encode("Hi"), out, stop=["\n"])[-1] == ""
+    out = tok.encode(" Hello world and more")
+    assert tok.decode(out[:1]) == " Hello"
+    assert _fed(tok, tok.encode("Hi"), out, min_tokens=1, stop=["o world"])[-1] == " Hell"
 
 
 # -- logprobs ------------------------------------------------------------------------------------

@@ -157,11 +157,10 @@ def prefix_cache_counters(base_urls: list[str], headers: dict, timeout: float) -
         for key, names in PREFIX_COUNTERS.items():
             # the first name the server has (a picovllm server exports both: its own, and vLLM's, which leaves
             # a preempted request's second lookup out)
-            found = next(([s.value for s in samples if s.name == n] for n in names
-                          if any(s.name == n for s in samples)), None)
-            if found is None:
+            name = next((n for n in names if any(s.name == n for s in samples)), None)
+            if name is None:
                 return None
-            total[key] += sum(found)
+            total[key] += sum(s.value for s in samples if s.name == name)
     return total
 
 

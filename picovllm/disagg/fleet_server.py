@@ -42,7 +42,6 @@ from picovllm.disagg.pd_http import (PDAsyncEngine, PDClient, add_prefill_route,
 from picovllm.disagg.transfer import PULL_BACKENDS, PullConfig
 from picovllm.engine.llm_engine import Engine
 from picovllm.entrypoints.openai.api_server import ServerSettings
-from picovllm.entrypoints.openai.api_workers import bind
 from picovllm.entrypoints.openai.engine_process import PipeEnds
 from picovllm.entrypoints.openai.protocol import APIError
 from picovllm.entrypoints.openai.serving import ServingContext
@@ -190,14 +189,9 @@ def serve_fleet(engine_config: EngineConfig, settings: ServerSettings, fleet: Fl
     setup_logging(settings)
     fleet.check()
     role = engine_config.role
-    sock = bind(settings.host, settings.port)      # before the engine: a port in use is said at once
-    try:
-        async_engine, tokenizer = open_pd_engine(engine_config, settings,
-                                                 partial(build_fleet, pull=fleet.pull_config()),
-                                                 FleetAsyncEngine, FleetChildLoop)
-    except BaseException:
-        sock.close()
-        raise
+    async_engine, tokenizer, sock = open_pd_engine(engine_config, settings,
+                                                   partial(build_fleet, pull=fleet.pull_config()),
+                                                   FleetAsyncEngine, FleetChildLoop)
     info = async_engine.role_info()
     if fleet.router:
         url = f"http://{fleet.advertise_host or settings.host}:{settings.port}"

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import socket
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +28,7 @@ from picovllm.disagg.messages import OutputEncoder
 from picovllm.disagg.prefill import PrefillConnector
 from picovllm.engine.llm_engine import Engine
 from picovllm.entrypoints.openai.api_server import ServerSettings, build_app, run_app, served_name
+from picovllm.entrypoints.openai.api_workers import bind
 from picovllm.entrypoints.openai.async_engine import AsyncEngine
 from picovllm.entrypoints.openai.engine_client import EngineClient, EngineDeadError, RequestStream
 from picovllm.entrypoints.openai.engine_process import PipeEnds, ProcessAsyncEngine, open_async_engine
@@ -221,21 +223,26 @@ def listen_response(engine: PDAsyncEngine, request_id: str) -> StreamingResponse
 
 
 def open_pd_engine(config: EngineConfig, settings: ServerSettings, build: Callable[[EngineConfig], Engine],
-                   loop_cls: type[PDAsyncEngine], child_loop_cls: type) -> tuple[EngineClient, Any]:
-    """A P or D server's engine client (its loop a thread, or a process of its own: settings.engine_process) and the
-    tokenizer for the HTTP side; build(config) makes the engine where the loop runs."""
+                   loop_cls: type[PDAsyncEngine], child_loop_cls: type) -> tuple[EngineClient, Any, socket.socket]:
+    """A P or D server's engine client (its loop a thread, or a process of its own: settings.engine_process), the
+    tokenizer for the HTTP side, and its listening socket, bound before the engine is built (api_workers.bind: a port
+    in use is said at once); build(config) makes the engine where the loop runs."""
     metrics = ServerMetrics(served_name(settings, config.model), speculative=config.speculative_config is not None)
-    async_engine, tokenizer, _ = open_async_engine(config, settings, metrics, build, loop_cls, child_loop_cls,
-                                                   ProcessPDEngine)
-    return async_engine, tokenizer
+    sock = bind(settings.host, settings.port)
+    try:
+        async_engine, tokenizer, _ = open_async_engine(config, settings, metrics, build, loop_cls, child_loop_cls,
+                                                       ProcessPDEngine)
+    except BaseException:
+        sock.close()
+        raise
+    return async_engine, tokenizer, sock
 
 
 def run_pd_server(async_engine: EngineClient, tokenizer, config: EngineConfig, settings: ServerSettings,
                   secret: FleetSecret, add_routes: Callable[[FastAPI, ServingContext], None], what: str,
-                  sock=None) -> None:
+                  sock: socket.socket) -> None:
     """Serve an engine's /pd routes (add_routes adds them; every one needs the secret's signature) until
-    SIGTERM/SIGINT; what: the log line's description of the server; sock: its socket, bound before the engine was
-    built (api_workers.bind)."""
+    SIGTERM/SIGINT; what: the log line's description of the server; sock: its socket (open_pd_engine's)."""
     name = served_name(settings, config.model)
     ctx = ServingContext(async_engine, TokenizerWorker(tokenizer), async_engine.metrics, name)
     app = build_app(ctx, settings, openai_routes=False)

@@ -358,7 +358,8 @@ class RouterEngine(RemoteEngine):
 
     async def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
                           arrival_time: float | None = None, priority: int = 0) -> RouterStream:
-        """Open the request on a P. Raises ValueError (a 400 from P), EngineDeadError (no P could take it)."""
+        """Open the request on a P. Raises ValueError (a 400 from P), EngineDeadError (no D in rotation, or no P
+        could take it)."""
         if not self.pool.candidates("d"):    # P would compute the prompt and publish KV that no D could take
             raise EngineDeadError("no decode instance could take the request: no decode instance is in rotation")
         body = prefill_body(prompt_token_ids, params, request_id, arrival_time, priority)

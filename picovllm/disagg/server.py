@@ -44,7 +44,6 @@ from picovllm.disagg.pd_http import (PDAsyncEngine, PDChildLoop, PDClient, add_p
 from picovllm.disagg.transfer import TransferConfig
 from picovllm.engine.llm_engine import Engine
 from picovllm.entrypoints.openai.api_server import ServerSettings
-from picovllm.entrypoints.openai.api_workers import bind
 from picovllm.entrypoints.openai.serving import ServingContext
 
 logger = logging.getLogger("picovllm.server")
@@ -143,13 +142,8 @@ def serve_pd(engine_config: EngineConfig, settings: ServerSettings, link: LinkSe
     setup_logging(settings)
     role = engine_config.role
     link.check(role)
-    sock = bind(settings.host, settings.port)      # before the engine: a port in use is said at once
-    try:
-        async_engine, tokenizer = open_pd_engine(engine_config, settings, partial(build_linked, link=link),
-                                                 PDAsyncEngine, PDChildLoop)
-    except BaseException:
-        sock.close()
-        raise
+    async_engine, tokenizer, sock = open_pd_engine(engine_config, settings, partial(build_linked, link=link),
+                                                   PDAsyncEngine, PDChildLoop)
     run_pd_server(async_engine, tokenizer, engine_config, settings, link.secret,
                   lambda app, ctx: add_pd_routes(app, ctx, role),
                   f"a {'prefill' if role == 'p' else 'decode'} server (linked pair)", sock)

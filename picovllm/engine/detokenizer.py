@@ -105,12 +105,10 @@ def check_stop(req: Request, token_id: int, new_text: str, eos_token_ids: list[i
         other_eos = primary_eos is not None and token_id != primary_eos and token_id in eos_token_ids
         return req.finish(FinishReason.STOP, stop_reason=token_id if token_id in p.stop_token_ids or other_eos
                           else None)
-    if n_out == p.min_tokens:       # the text of the first min_tokens tokens is not searched (vLLM's)
-        req.stop_search_from = len(req.text)
-    if n_out > p.min_tokens:
+    if n_out > p.min_tokens:        # (vLLM's): a stop string must end after the first min_tokens tokens' text
         if p.stop and new_text:
             for s in p.stop:
-                idx = req.text.find(s, max(req.stop_search_from, len(req.text) - len(new_text) - len(s) + 1))
+                idx = req.text.find(s, max(0, len(req.text) - len(new_text) - len(s) + 1))
                 if idx >= 0:
                     req.text = req.text[:idx + (len(s) if p.include_stop_str_in_output else 0)]
                     return req.finish(FinishReason.STOP, stop_reason=s)

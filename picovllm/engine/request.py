@@ -65,7 +65,6 @@ class Request:
         self.num_streamed_tokens = 0     # output tokens in the last RequestOutput made (EngineConfig.stream_interval)
         self.num_streamed_chars = 0      # of the text, shown by the outputs made so far (Engine.make_output)
         self.detok_state: object | None = None
-        self.stop_search_from = 0        # where stop strings are looked for: after the first min_tokens' text
         self.max_tokens = params.max_tokens  # resolved against max_model_len by the engine
         self.grammar = None              # structured outputs: a GrammarState, set by the engine
         self.bad_words_ids: list[list[int]] = []   # SamplingParams.bad_words as token ids, set by the engine

@@ -9,13 +9,13 @@ import argparse
 import dataclasses
 import warnings
 
-from picovllm.config import _DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
+from picovllm.config import DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
 
 SKIP = ("model",)   # each command declares --model itself (positional or not)
 ALIASES = {"tensor_parallel_size": "-tp", "quantization": "-q"}     # vLLM's short flags
 
 # The values EngineConfig accepts, where they are a closed set: argparse refuses others and --help lists them
-CHOICES = {"dtype": ("auto", *_DTYPES), "quantization": QUANTIZATIONS, "kv_cache_dtype": tuple(KV_CACHE_DTYPES),
+CHOICES = {"dtype": ("auto", *DTYPES), "quantization": QUANTIZATIONS, "kv_cache_dtype": tuple(KV_CACHE_DTYPES),
            "scheduling_policy": ("fcfs", "priority"), "attention_backend": ("auto", "torch", "triton", "cpu"),
            "role": ("pd", "p", "d"), "runner": ("generate", "pooling", "auto")}
 

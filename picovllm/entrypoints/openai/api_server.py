@@ -183,7 +183,7 @@ class _Server(uvicorn.Server):
     """uvicorn with our shutdown: on SIGTERM/SIGINT it stops accepting and waits for open requests; after
     grace seconds we abort what is left in the engine, so those streams still end cleanly (finish_reason
     "abort", then [DONE]). A second signal aborts them at once (uvicorn's would cancel the server's tasks: their
-    streams cut without an end, tracebacks); a third is uvicorn's forced exit. uvicorn's own timeout stays as a
+    streams cut without an end, tracebacks); a third SIGINT is uvicorn's forced exit. uvicorn's own timeout stays as a
     backstop. And exit 0: uvicorn would re-raise the caught signal after shutting down, killing the process
     with it."""
 

@@ -44,6 +44,12 @@ _RECIPIENT = re.compile(r"\bto=([^\s<]+)")
 _CHANNEL = re.compile(re.escape(CHANNEL) + r"\s*([A-Za-z_]+)")
 
 
+def _header_fields(header: str) -> tuple[str | None, str | None]:
+    """A message header's channel and recipient (None where it names none)."""
+    channel, recipient = _CHANNEL.search(header), _RECIPIENT.search(header)
+    return (channel.group(1) if channel else None), (recipient.group(1) if recipient else None)
+
+
 def speaks_harmony(tokenizer) -> bool:
     """Whether a tokenizer has harmony's markers, each a single token (GPT-OSS's o200k_harmony): what the engine's
     grammar gate needs too (picovllm/reasoning.py's HarmonyTags)."""
@@ -125,9 +131,7 @@ class HarmonyStream:
             return out
 
     def _open(self, header: str) -> None:
-        channel, recipient = _CHANNEL.search(header), _RECIPIENT.search(header)
-        self.channel = channel.group(1) if channel else None
-        self.recipient = recipient.group(1) if recipient else None
+        self.channel, self.recipient = _header_fields(header)
         self.args = ""
         self.reasoned |= self.channel == "analysis" and self.recipient is None
 
@@ -228,8 +232,8 @@ def parse_harmony(text: str, policy: ToolPolicy | None, cut: bool,
 def is_content(header: str) -> bool:
     """Whether a message of this header is content (HarmonyStream's routing): any channel but analysis, to no
     recipient (a call's arguments are not text)."""
-    channel = _CHANNEL.search(header)
-    return (channel is None or channel.group(1) != "analysis") and _RECIPIENT.search(header) is None
+    channel, recipient = _header_fields(header)
+    return channel != "analysis" and recipient is None
 
 
 class ContentTokens:
@@ -311,8 +315,8 @@ class HarmonyTokens:
             elif t in self.ends or t == self.start:
                 text = prefix + self.tokenizer.decode(ids[begin:header_end], skip_special_tokens=False) \
                     if header_end is not None else ""
-                channel = _CHANNEL.search(text)
-                if channel is not None and channel.group(1) == "analysis" and _RECIPIENT.search(text) is None:
+                channel, recipient = _header_fields(text)
+                if channel == "analysis" and recipient is None:
                     count += min(i + 1, len(ids)) - begin
                 begin, header_end, prefix = i + 1, None, ""
         return count
