@@ -78,6 +78,34 @@ def test_reject_and_abort_leave_engine_clean(llm):
     assert bm.num_free_blocks == bm.num_blocks and not llm.engine.requests
 
 
+def test_an_id_given_up_is_reused_only_once_its_abort_is_in(llm):
+    """A client that leaves and sends the same request_id at once (the same event-loop tick): the id is still the
+    old request's until its abort's output comes back, so the new one is refused (it had been accepted, then ended
+    by the old one's abort output, its acceptance sent to no one: add_request never returned); once it is in, the
+    id serves a new request in full."""
+    async def main():
+        ae = AsyncEngine(llm.engine)
+        ae.start()
+        try:
+            old = await ae.add_request(prompts(1)[0], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True),
+                                       "R")
+            gen = old.outputs()
+            await gen.__anext__()       # one output, then the client leaves: its stream closes, the abort goes out
+            old.close()
+            with pytest.raises(ValueError, match="already in use"):
+                await asyncio.wait_for(ae.add_request([8, 9], GREEDY, "R"), 5)
+            await stream_closed_and_idle(ae)
+            while "R" in ae._streams:
+                await asyncio.sleep(0.01)
+            out = await asyncio.wait_for(collect(ae, [8, 9], GREEDY, "R"), 30)
+            assert out.finished and len(out.outputs[0].token_ids) == 10
+        finally:
+            await ae.shutdown()
+
+    asyncio.run(main())
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+
+
 async def stream_closed_and_idle(ae, timeout=10.0):
     loop = asyncio.get_running_loop()
     end = loop.time() + timeout

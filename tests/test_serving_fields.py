@@ -173,3 +173,24 @@ def test_embeddings_in_vllm_dtypes_and_byte_orders(model):
         r = http.post("/v1/embeddings", json={"input": "hi", "embed_dtype": "fp8_e4m3"})
         assert r.status_code == 400 and "embed_dtype" in r.json()["error"]["message"]
     assert_engine_clean(engine)
+
+
+def test_request_ids_clients_choose_never_meet_in_the_engine(model):
+    """Clients choose request ids: one sends "c-1" while another's n=2 request "c" runs its samples; the same id
+    twice at once. Each gets its own answer under its id: the engine's ids carry a random tag (an n=2 sample had
+    been `c-1` too, and one of them got a 500 "already in use")."""
+    from concurrent.futures import ThreadPoolExecutor
+    engine, http = _served(model)
+    with http:
+        def post(body: dict) -> tuple[int, dict]:
+            r = http.post("/v1/completions", json={"prompt": "Tell me a story", "temperature": 0, **body})
+            return r.status_code, r.json()
+        bodies = [{"request_id": "c-1", "max_tokens": 40, "ignore_eos": True},
+                  {"request_id": "c", "n": 2, "max_tokens": 5, "ignore_eos": True},
+                  {"request_id": "same", "max_tokens": 5}, {"request_id": "same", "max_tokens": 5}]
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(post, bodies))
+    assert [code for code, _ in answers] == [200] * 4, answers
+    assert [a["id"] for _, a in answers] == ["cmpl-c-1", "cmpl-c", "cmpl-same", "cmpl-same"]
+    assert len(answers[1][1]["choices"]) == 2 and answers[2][1]["choices"] == answers[3][1]["choices"]
+    assert_engine_clean(engine)

@@ -129,11 +129,16 @@ class RequestStream:
         self._engine.abort(self.request_id)
 
     def close(self) -> None:
-        """Stop listening; abort the request if it has not finished (frees its KV blocks)."""
+        """Stop listening; abort the request if it has not finished (frees its KV blocks). The id of a request the
+        engine took stays in use until its last output (the abort's) arrives (_dispatch lets it go): a new request
+        under that id meanwhile would get the old one's outputs, its abort ending it."""
         if not self.finished:
             self.finished = True
             self._engine.abort(self.request_id)
-        self._engine._streams.pop(self.request_id, None)
+            if self.accepted.done() and not self.accepted.cancelled() and self.accepted.exception() is None:
+                return
+        if self._engine._streams.get(self.request_id) is self:
+            del self._engine._streams[self.request_id]
 
 
 class EngineClient:

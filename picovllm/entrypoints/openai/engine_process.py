@@ -40,7 +40,7 @@ from picovllm.disagg.messages import common_prefix
 from picovllm.engine.llm_engine import Engine, tokenizer_of
 from picovllm.entrypoints.openai.async_engine import AsyncEngine
 from picovllm.entrypoints.openai.engine_client import (AbortAll, AbortRequest, AddRequest, Command, EngineClient,
-                                                       Shutdown, freeze_for_serving)
+                                                       EngineStepError, Shutdown, freeze_for_serving)
 from picovllm.loader import engine_model_source
 from picovllm.outputs import CompletionOutput, RequestOutput
 
@@ -63,9 +63,10 @@ class OutputDeltas:
 
     def encode(self, out: RequestOutput | tuple) -> tuple:
         """out: an engine output, or an answer to a command, (request id, None or an exception), which goes as
-        ("answer", out); an exception ends its request, so the id's next use is a new request."""
+        ("answer", out); an EngineStepError ends its request, so the id's next use is a new request (a refused add,
+        a ValueError, leaves the request running under that id as it is: its outputs may be on their way)."""
         if not isinstance(out, RequestOutput):
-            if isinstance(out[1], Exception):
+            if isinstance(out[1], EngineStepError):
                 self._sent.pop(out[0], None)
             return ("answer", out)
         rid = out.request_id
@@ -90,10 +91,10 @@ class OutputsFromDeltas:
         self._last: dict[str, RequestOutput] = {}
 
     def decode(self, msg: tuple) -> RequestOutput | tuple:
-        """The output a message holds; an answer as OutputDeltas took it (its exception forgets the request here
-        too)."""
+        """The output a message holds; an answer as OutputDeltas took it (its EngineStepError forgets the request
+        here too)."""
         if msg[0] == "answer":
-            if isinstance(msg[1][1], Exception):
+            if isinstance(msg[1][1], EngineStepError):
                 self._last.pop(msg[1][0], None)
             return msg[1]
         if msg[0] == "whole":

@@ -5,6 +5,7 @@ import asyncio
 import functools
 import json
 import re
+import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
@@ -155,6 +156,13 @@ def check_room(ids: list[int], requested: int | None, field: str, ctx: ServingCo
                        param=field)
 
 
+def engine_request_id(request_id: str) -> str:
+    """The engine's id of a request the client calls request_id: that id and a random tag. Clients choose their ids
+    (request_id, X-Request-Id), so two may send the same, or send one again the moment they hang up, while the
+    engine still holds the first; and an n>1 request's samples, `{id}-{i}`, must not meet another client's id."""
+    return f"{request_id}-{secrets.token_hex(4)}"
+
+
 class SampleGroup:
     """The samples of one prompt (n, best_of) as one request: the first is added at once, its siblings when
     its first output shows the prompt computed (they take its KV blocks from the prefix cache)."""
@@ -164,6 +172,7 @@ class SampleGroup:
         """harmony: a chat reply read as harmony (ServingContext.grammar_parser); prompt_param: the request's field
         the prompt came from, which a refusal of the prompt names ("messages" for chat)."""
         self.ctx, self.ids, self.samples, self.request_id, self.arrival = ctx, ids, samples, request_id, arrival_time
+        self._engine_id = engine_request_id(request_id)     # the engine's (its samples': `-{i}` after it)
         self.priority, self.prompt_param = priority, prompt_param
         for s in samples:     # the request's own params: a grammar waits for the end of the reasoning
             so = s.structured_outputs
@@ -172,7 +181,7 @@ class SampleGroup:
         self.streams: list[RequestStream] = []
 
     def _id(self, i: int) -> str:
-        return self.request_id if len(self.samples) == 1 else f"{self.request_id}-{i}"
+        return self._engine_id if len(self.samples) == 1 else f"{self._engine_id}-{i}"
 
     async def start(self) -> "SampleGroup":
         """Add the first sample (raises APIError: 400 naming the field, 503 if the engine is gone)."""

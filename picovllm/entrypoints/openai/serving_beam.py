@@ -13,7 +13,8 @@ from fastapi import Request
 from picovllm.entrypoints.beam_search import BeamSearchParams, BeamSearchSequence, search, step_params
 from picovllm.entrypoints.openai.protocol import APIError
 from picovllm.entrypoints.openai.engine_client import checked
-from picovllm.entrypoints.openai.serving import ENGINE_ERRORS, ServingContext, until_disconnected
+from picovllm.entrypoints.openai.serving import (ENGINE_ERRORS, ServingContext, engine_request_id,
+                                                 until_disconnected)
 
 # What a beam-search request may carry besides its prompt: the search's own fields, and those it honours as any
 # request does (the prompt's rendering and truncation, the text's decoding, scheduling, who asks).
@@ -84,13 +85,14 @@ async def run_beam_search(ctx: ServingContext, raw: Request, ids: list[int], par
 async def _search(ctx: ServingContext, ids: list[int], params: BeamSearchParams, eos: list[int], request_id: str,
                   priority: int) -> list[BeamSearchSequence]:
     steps, step, n, arrival = search([ids], params, eos), step_params(params, eos), 0, time.time()
+    base = engine_request_id(request_id)        # each step's engine request: `{base}-{n}`
     try:
         batch = next(steps)
         while True:
             streams = []
             try:
                 for tokens in batch:
-                    streams.append(await ctx.add(tokens, step, f"{request_id}-{n}", arrival, priority))
+                    streams.append(await ctx.add(tokens, step, f"{base}-{n}", arrival, priority))
                     n += 1
                 outs = [await _last(s) for s in streams]
                 if any(o.outputs[0].finish_reason == "abort" for o in outs):    # the server is shutting down
