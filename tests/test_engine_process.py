@@ -283,3 +283,28 @@ def test_metrics_show_the_kv_cache_before_any_request(chat_model):
             assert blocks == {"picovllm:kv_cache_num_blocks": 64.0, "picovllm:kv_cache_free_blocks": 64.0}, lines
     finally:
         stop()
+
+
+def test_a_refused_add_leaves_the_running_requests_deltas():
+    """A second add under a running request's id is refused at once (SharedPipeEnds answers it ahead of outputs
+    encoded before): the refusal, a ValueError, leaves that request's delta state on both ends, so its next delta
+    still decodes (it had been forgotten: a KeyError that killed the API server's reader thread); an EngineStepError
+    ends the request, and then its state goes."""
+    from picovllm.entrypoints.openai.engine_client import EngineStepError
+    from picovllm.entrypoints.openai.engine_process import OutputDeltas, OutputsFromDeltas
+    from picovllm.outputs import CompletionOutput, RequestOutput
+
+    def out(text: str, ids: list[int], finished: bool = False) -> RequestOutput:
+        return RequestOutput("r", None, [1, 2], [CompletionOutput(0, text, ids, None, None,
+                                                                  "stop" if finished else None)], finished)
+    enc, dec = OutputDeltas(), OutputsFromDeltas()
+    first, second = enc.encode(out("a", [5])), enc.encode(out("ab", [5, 6]))
+    refusal = enc.encode(("r", ValueError("request_id 'r' is already in use")))
+    last = enc.encode(out("abc", [5, 6, 7], True))
+    assert second[0] == last[0] == "delta"
+    got = [dec.decode(m) for m in (first, refusal, second, last)]
+    assert [o.outputs[0].text for o in (got[0], got[2], got[3])] == ["a", "ab", "abc"] and got[3].finished
+    assert got[3].outputs[0].token_ids == [5, 6, 7] and isinstance(got[1][1], ValueError)
+    enc.encode(out("a", [5]))
+    assert enc.encode(("r", EngineStepError("step failed")))[0] == "answer"
+    assert enc.encode(out("x", [9]))[0] == "whole"      # a new request under the id: sent whole
