@@ -84,6 +84,27 @@ def test_unreachable_and_bad_urls():
         asyncio.run(post_stream("ftp://x", "/pd/decode", b"{}", {}, 2.0))
 
 
+def test_a_server_that_takes_the_request_and_never_answers():
+    """A frozen server (its socket accepts; nothing answers): with answer_timeout_s the wait for the status line
+    ends in a StreamError naming the wait (the router's and the proxy's lease), where it had waited as long as the
+    freeze lasted; without one it waits."""
+    import time
+
+    async def main():
+        server = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)     # takes the bytes, says nothing
+        port = server.sockets[0].getsockname()[1]
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(StreamError, match="no answer .* within 0.5 s"):
+                await post_stream(f"http://127.0.0.1:{port}", "/pd/decode", b"{}", {}, 2.0, answer_timeout_s=0.5)
+            assert time.monotonic() - t0 < 2.0
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(post_stream(f"http://127.0.0.1:{port}", "/pd/decode", b"{}", {}, 2.0), 1.0)
+        finally:
+            server.close()
+    asyncio.run(main())
+
+
 def test_uvicorn_streaming_response_and_closing_early():
     """A FastAPI StreamingResponse (what the /pd routes answer): every line arrives as sent, and closing the
     response mid-stream is seen by the server as its client leaving."""

@@ -775,3 +775,53 @@ def test_sigterm_stops_every_process_cleanly(fleet):
         kids = children_of(srv.proc.pid)
         assert srv.stop(signal.SIGTERM, timeout=30) == 0, srv.log()[-3000:]
         assert_exited(kids)
+
+
+def test_a_client_that_leaves_counts_as_an_abort():
+    """The router's requests_total: a client that leaves mid-stream counts as an abort (it had counted nothing);
+    a request its instance failed counts as an error, once; one that finished, by its reason."""
+    import asyncio
+
+    from picovllm.entrypoints.openai.metrics import ServerMetrics
+
+    async def held():        # a D that has sent one line and goes on (the client leaves before the rest)
+        yield _output_lines(_out([5, 6], False))[0]
+        await asyncio.sleep(30)
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.host == "p0":
+            return httpx.Response(200, content=_body(_output_lines(_out([5], True), handover={"opaque": True})))
+        if request.url.path == "/pd/release":
+            return httpx.Response(200, json={})
+        if request.url.host == "d0":
+            return httpx.Response(200, content=held())
+        if request.url.host == "dbroken":       # one line, then the connection breaks
+            return httpx.Response(200, content=_body(_output_lines(_out([5, 6], False)), broken=True))
+        return httpx.Response(200, content=_body(_output_lines(_out([5, 6], True, "length"))))
+
+    def counts(metrics) -> dict:
+        return {o: c._value.get() for o, c in metrics.outcomes.items() if c._value.get()}
+
+    async def run(decode: str) -> dict:
+        engine = _fake_fleet(handler, "http://p0", decode)
+        engine.metrics = metrics = ServerMetrics("m")
+        engine.start()
+        try:
+            stream = await engine.add_request([1, 2, 3], SamplingParams(max_tokens=3), "r")
+            gen = stream.outputs()
+            if decode == "http://d0":
+                await gen.__anext__()            # the first token, from P
+                await gen.__anext__()            # D's first line: then the client leaves
+                stream.close()
+            else:
+                try:
+                    _ = [o async for o in gen]
+                except EngineStepError:
+                    pass
+        finally:
+            await engine.shutdown()
+        return counts(metrics)
+
+    assert asyncio.run(run("http://d0")) == {"abort": 1.0}
+    assert asyncio.run(run("http://dfinished")) == {"length": 1.0}
+    assert asyncio.run(run("http://dbroken")) == {"error": 1.0}

@@ -43,6 +43,9 @@ class RemoteEngine:
 
     name = "engine"          # in errors: "the proxy is not running"
     health_interval_s: float | None = None
+    # a server that sends no status and headers this long after a request went to it is taken for frozen: the
+    # request fails there (StreamError), as one it could not reach (the owner sets its lease; None: no limit)
+    answer_timeout_s: float | None = None
 
     def __init__(self, model_info: dict, metrics=None, connect_timeout_s: float = 10.0,
                  transport: httpx.AsyncBaseTransport | None = None) -> None:
@@ -90,7 +93,7 @@ class RemoteEngine:
         """POST to a /pd route, the response streamed (status_code, aiter_lines, aread, aclose): a connection of
         its own, not the client's pool. StreamError or httpx.HTTPError if the server cannot be reached."""
         if self._transport is None:
-            return await post_stream(base, path, body, headers, self._connect_timeout_s)
+            return await post_stream(base, path, body, headers, self._connect_timeout_s, self.answer_timeout_s)
         return await self.client.send(self.client.build_request("POST", base + path, content=body, headers=headers),
                                       stream=True)
 

@@ -100,10 +100,24 @@ class StreamedResponse:
             pass
 
 
+async def _read_head(reader: asyncio.StreamReader) -> tuple[int, dict[str, str]]:
+    """A response's status code and headers (lower-case names)."""
+    status_line = await reader.readuntil(b"\r\n")
+    parts = status_line.split(None, 2)
+    if len(parts) < 2 or not parts[0].startswith(b"HTTP/1.") or not parts[1].isdigit():
+        raise StreamError(f"not an HTTP/1.1 answer: {status_line[:80]!r}")
+    got: dict[str, str] = {}
+    while (line := await reader.readuntil(b"\r\n")) != b"\r\n":
+        name, _, value = line.decode("latin-1").partition(":")
+        got[name.strip().lower()] = value.strip()
+    return int(parts[1]), got
+
+
 async def post_stream(base_url: str, path: str, body: bytes, headers: dict[str, str],
-                      connect_timeout_s: float = 10.0) -> StreamedResponse:
+                      connect_timeout_s: float = 10.0, answer_timeout_s: float | None = None) -> StreamedResponse:
     """POST body to base_url + path on a new connection; returns once the status and headers are in.
-    StreamError if the server cannot be reached in connect_timeout_s or does not answer HTTP/1.1."""
+    StreamError if the server cannot be reached in connect_timeout_s, does not answer HTTP/1.1, or sends no status
+    and headers within answer_timeout_s (None: no limit)."""
     url = urlsplit(base_url)
     if url.scheme not in ("http", "https") or not url.hostname:
         raise ValueError(f"{base_url!r} is not an http:// or https:// URL")
@@ -120,15 +134,11 @@ async def post_stream(base_url: str, path: str, body: bytes, headers: dict[str, 
                 "connection: close", *(f"{k}: {v}" for k, v in headers.items())]
         writer.write(("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body)
         await asyncio.wait_for(writer.drain(), connect_timeout_s)
-        status_line = await reader.readuntil(b"\r\n")
-        parts = status_line.split(None, 2)
-        if len(parts) < 2 or not parts[0].startswith(b"HTTP/1.") or not parts[1].isdigit():
-            raise StreamError(f"not an HTTP/1.1 answer: {status_line[:80]!r}")
-        got: dict[str, str] = {}
-        while (line := await reader.readuntil(b"\r\n")) != b"\r\n":
-            name, _, value = line.decode("latin-1").partition(":")
-            got[name.strip().lower()] = value.strip()
-        return StreamedResponse(reader, writer, int(parts[1]), got)
+        try:
+            status, got = await asyncio.wait_for(_read_head(reader), answer_timeout_s)
+        except asyncio.TimeoutError:        # a frozen server: the connection is made, no answer comes
+            raise StreamError(f"no answer from {url.hostname}:{port} within {answer_timeout_s:g} s") from None
+        return StreamedResponse(reader, writer, status, got)
     except BaseException as e:
         writer.close()
         if isinstance(e, (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError)):

@@ -34,7 +34,7 @@ from picovllm.disagg.auth import FleetSecret, sign_request
 from picovllm.disagg.handover_stream import RemoteEngine, fail_stream, ndjson_outputs, open_pd_stream, \
     prefill_body, prefill_then_decode
 from picovllm.disagg.http_stream import StreamedResponse
-from picovllm.entrypoints.openai.engine_client import EngineDeadError
+from picovllm.entrypoints.openai.engine_client import EngineDeadError, EngineStepError
 from picovllm.outputs import RequestOutput
 from picovllm.sampling_params import SamplingParams
 
@@ -54,7 +54,7 @@ class PDStream:
                  owner: "ProxyEngine") -> None:
         self.request_id, self.pair = request_id, pair
         self._prefill, self._decode, self._owner = prefill, decode, owner
-        self.finished = False
+        self.finished = self._failed = False
 
     async def outputs(self) -> AsyncIterator[RequestOutput]:
         async def open_decode(_) -> AsyncIterator:
@@ -66,6 +66,9 @@ class PDStream:
                                                  self._who, self._owner.metrics if self._owner else None):
                 self.finished = out.finished
                 yield out
+        except EngineStepError:
+            self._failed = True                  # counted as an error (prefill_then_decode)
+            raise
         finally:
             self.close()
 
@@ -81,6 +84,8 @@ class PDStream:
         """Drop both connections: a server whose client went away aborts the request (frees its KV)."""
         if self._owner is None:
             return
+        if not self.finished and not self._failed and self._owner.metrics is not None:
+            self._owner.metrics.count_outcome("abort")      # its client left (or the proxy is stopping)
         self.finished = True
         self._owner.forget(self)
         self._owner = None
@@ -103,6 +108,7 @@ class ProxyEngine(RemoteEngine):
         self._last_ok = {url: time.monotonic() for p in pairs for url in (p.prefill, p.decode)}
         self.down: dict[PDPair, str] = {}       # pairs out of rotation, and why
         self.health_interval_s = lease_s / 4
+        self.answer_timeout_s = lease_s
 
     async def check_health(self) -> None:
         """Each server's /pd/info: a pair with one silent for a lease, or whose P's link is down, leaves the rotation

@@ -224,7 +224,7 @@ class RouterStream:
         self.prefill, self.decode = prefill, None
         self._responses = [resp]
         self._left: set[str] = set()         # instances whose in-flight count this request left
-        self.finished = False
+        self.finished = self._failed = False
 
     async def outputs(self) -> AsyncIterator[RequestOutput]:
         try:
@@ -232,6 +232,9 @@ class RouterStream:
                                                  self._open_decode, self._who, self.router.metrics):
                 self.finished = out.finished
                 yield out
+        except EngineStepError:
+            self._failed = True                  # counted as an error (prefill_then_decode)
+            raise
         finally:
             self.close()
 
@@ -310,6 +313,8 @@ class RouterStream:
         if self.router is None:
             return
         ended, self.finished = self.finished, True
+        if not ended and not self._failed and self.router.metrics is not None:
+            self.router.metrics.count_outcome("abort")      # its client left (or the router is stopping)
         self._leave(self.prefill)
         self._leave(self.decode)
         self.router.forget(self)
@@ -335,6 +340,7 @@ class RouterEngine(RemoteEngine):
         self.pool, self.prefill_policy, self.decode_policy = pool, prefill_policy, decode_policy
         self.router_metrics = router_metrics
         self.health_interval_s = pool.lease_s / 4
+        self.answer_timeout_s = pool.lease_s
         pool.on_silent = self._silent
 
     def _silent(self, inst: Instance, why: str) -> None:
