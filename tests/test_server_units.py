@@ -16,25 +16,33 @@ from picovllm.sampling_params import SamplingParams
 
 
 def test_streamed_deltas_add_up_to_final_text_under_stop_strings():
-    """Drive the engine's own check_stop with random text pieces: whatever it trims at the end, the
-    deltas streamed along the way must concatenate to exactly the final text."""
+    """Drive the engine's own check_stop and make_output with random text pieces: whatever a stop string trims at
+    the end, the cumulative outputs never take back text, and the deltas streamed from them along the way
+    concatenate to exactly the final text (with and without include_stop_str_in_output)."""
     for seed in range(300):
         one_stream(random.Random(seed))
 
 
 def one_stream(rng: random.Random) -> None:
+    from types import SimpleNamespace
+    from picovllm.engine.llm_engine import Engine
     alphabet = "abc "
     stops = ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 4))) for _ in range(rng.randint(1, 3))]
-    req = Request("r", [1], SamplingParams(max_tokens=40, stop=stops, ignore_eos=True))
+    req = Request("r", [1], SamplingParams(max_tokens=40, stop=stops, ignore_eos=True,
+                                           include_stop_str_in_output=rng.random() < 0.3))
     req.max_tokens = 40
-    deltas, streamed = TextDeltas(req.params.stop), ""
+    engine = SimpleNamespace(_decode_tokens=lambda d: None)
+    deltas, streamed, shown = TextDeltas(), "", ""
     while not req.is_finished:
         piece = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 3)))
         req.output_token_ids.append(7)
         req.text += piece
         check_stop(req, 7, piece, [], 10**6)
         if rng.random() < 0.7 or req.is_finished:     # the reader sometimes skips outputs (coalescing)
-            streamed += deltas.text(CompletionOutput(0, req.text, [], None, None), req.is_finished)
+            c = Engine.make_output(engine, req).outputs[0]
+            assert c.text.startswith(shown)           # nothing taken back
+            shown = c.text
+            streamed += deltas.text(c, req.is_finished)
     assert streamed == req.text
 
 

@@ -276,16 +276,16 @@ async def _drain(queue: asyncio.Queue) -> list:
 
 
 class TextDeltas:
-    """Turns cumulative outputs into deltas. While a stop string could still trim the text, the last
-    len(longest stop) - 1 characters are held back, so the streamed pieces always add up to the final text."""
+    """Turns cumulative outputs into deltas. An engine's cumulative text never takes back what an output showed
+    (Engine.make_output holds back the tail a stop string could still cut), so the streamed pieces always add up
+    to the final text."""
 
-    def __init__(self, stop: list[str]) -> None:
-        self.hold = max((len(s) for s in stop), default=1) - 1
+    def __init__(self) -> None:
         self.sent_chars = 0
         self.sent_tokens = 0
 
     def text(self, c: CompletionOutput, finished: bool) -> str:
-        end = len(c.text) if finished else max(self.sent_chars, len(c.text) - self.hold)
+        end = max(self.sent_chars, len(c.text))
         delta, self.sent_chars = c.text[self.sent_chars:end], end
         return delta
 

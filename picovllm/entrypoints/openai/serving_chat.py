@@ -179,9 +179,9 @@ class ChatHandler:
         read as harmony messages (harmony.py; header: the message the prompt leaves open, if any);
         message_logprobs: as __call__'s (a think block's go on its reasoning chunks anyway)."""
         rid, n = group.request_id, len(group.samples)
-        deltas, last = [TextDeltas(stop) for _ in range(n)], {}
+        deltas, last = [TextDeltas() for _ in range(n)], {}
         call_ids: dict[int, str] = {}    # named tool_choice: each choice's call id, once its first delta went out
-        auto = [AutoToolStream(policy, d.hold) for d in deltas] if policy.mode == "auto" else None
+        auto = [AutoToolStream(policy) for _ in deltas] if policy.mode == "auto" else None
         sent = [0] * n     # continuous usage: each choice's tokens so far
         splits = None if opened is None else [ReasoningSplitter(opened) for _ in range(n)]
         content = [""] * n     # with splits: each choice's content so far (what the tool calls are read from)

@@ -195,7 +195,7 @@ class CompletionHandler:
         """One prompt's streamed choices, (choice, prompt tokens, its completion tokens so far), its samples' indexes
         counted from base; then, once every sample has finished, the list of their final outputs."""
         k = len(group.samples)
-        deltas, offsets, last = [TextDeltas(stop) for _ in range(k)], [0] * k, {}
+        deltas, offsets, last = [TextDeltas() for _ in range(k)], [0] * k, {}
         new_ids: list[list[int]] = [[] for _ in range(k)]    # return_token_ids: each choice's tokens not yet sent
         unechoed = set(range(k)) if echo else set()   # choices whose first chunk (it carries the prompt) is to come
         started: set[int] = set()                      # choices whose first chunk went out
