@@ -155,6 +155,20 @@ def default_llm():
     _engines.remove(llm.engine)
 
 
+def fail_a_launch(engine) -> dict:
+    """Wrap engine's runner.launch so that its launch number calls["fail_at"] (None: none) raises
+    RuntimeError("injected failure"); returns calls ({"n": launches so far, "fail_at": None}) for the test to set."""
+    real, calls = engine.runner.launch, {"n": 0, "fail_at": None}
+
+    def flaky(step, *args):
+        calls["n"] += 1
+        if calls["n"] == calls["fail_at"]:
+            raise RuntimeError("injected failure")
+        return real(step, *args)
+    engine.runner.launch = flaky
+    return calls
+
+
 def assert_engine_clean(eng) -> None:
     """No unfinished request; every block free (unreferenced), cached or not; the cache index consistent."""
     bm = eng.block_manager

@@ -17,6 +17,7 @@ import openai
 import pytest
 
 from picovllm import LLM, SamplingParams
+from conftest import fail_a_launch
 from serving_fixtures import ServerProcess, chat_model  # noqa: F401 - a fixture
 from test_server_lifecycle import assert_exited, children_of
 
@@ -188,15 +189,8 @@ def test_a_failed_step_leaves_no_delta_state_behind(chat_model):
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     first, retried = [5, 6, 7, 8, 9], [100, 101, 102, 103, 104, 105, 106]
     want = llm.generate([retried], params, use_tqdm=False)[0].outputs[0].token_ids
-    engine, real, calls = llm.engine, llm.engine.runner.launch, {"n": 0, "fail_at": None}
-
-    def flaky(step, *args):
-        calls["n"] += 1
-        if calls["n"] == calls["fail_at"]:
-            raise RuntimeError("injected failure")
-        return real(step, *args)
-
-    engine.runner.launch = flaky
+    engine = llm.engine
+    calls = fail_a_launch(engine)
     cmd_r, cmd_w = mp.Pipe(duplex=False)
     out_r, out_w = mp.Pipe(duplex=False)
     loop = ChildLoop(engine, cmd_r, out_w)

@@ -27,6 +27,7 @@ from picovllm.entrypoints.openai.metrics import ServerMetrics
 from picovllm.entrypoints.openai.serving import ServingContext
 from picovllm.entrypoints.openai.tokenizer_worker import TokenizerWorker
 from picovllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from conftest import fail_a_launch
 from serving_fixtures import chat_model  # noqa: F401 - a fixture
 
 GREEDY = dict(temperature=0, ignore_eos=True)
@@ -59,15 +60,7 @@ def test_a_failed_step_counts_one_error_wherever_the_loop_runs(chat_model, where
     """The engine in its own process (serve's default) answers a failed step's requests over the pipe; the server
     counts them there, once (the child's loop has no metrics), as the thread's loop is counted."""
     eng = engine(chat_model)
-    real, calls = eng.runner.launch, {"n": 0, "fail_at": None}
-
-    def flaky(step, *args):
-        calls["n"] += 1
-        if calls["n"] == calls["fail_at"]:
-            raise RuntimeError("injected failure")
-        return real(step, *args)
-
-    eng.runner.launch = flaky
+    calls = fail_a_launch(eng)
     metrics = ServerMetrics("m")
     thread = None
     if where == "process":
