@@ -81,8 +81,7 @@ class ChatHandler:
         group = await SampleGroup(ctx, ids, sample_params(params), req.response_id("chatcmpl"), arrival,
                                   req.priority, harmony, "messages").start()
         if req.stream:
-            return sse_response(self._events(req, group, params.stop, k, policy, opened, harmony, header,
-                                             message_logprobs))
+            return sse_response(self._events(req, group, k, policy, opened, harmony, header, message_logprobs))
         out = await final_output(raw, group)
         if out is None:
             return Response(status_code=499)     # the client is gone; nobody reads this
@@ -172,9 +171,9 @@ class ChatHandler:
             choice["stop_reason"] = stop_reason
         return self._body(rid, "chat.completion.chunk", [choice])
 
-    async def _events(self, req: ChatCompletionRequest, group: SampleGroup, stop: list[str],
-                      k: int | None, policy: ToolPolicy, opened: bool | None, harmony: bool,
-                      header: str | None = None, message_logprobs: bool = False) -> AsyncIterator[str]:
+    async def _events(self, req: ChatCompletionRequest, group: SampleGroup, k: int | None, policy: ToolPolicy,
+                      opened: bool | None, harmony: bool, header: str | None = None,
+                      message_logprobs: bool = False) -> AsyncIterator[str]:
         """opened: None without a reasoning split, else whether the prompt opens a think block; harmony: the reply
         read as harmony messages (harmony.py; header: the message the prompt leaves open, if any);
         message_logprobs: as __call__'s (a think block's go on its reasoning chunks anyway)."""

@@ -55,7 +55,7 @@ class CompletionHandler:
             streamed = [(g, echo, first) for g, (_, echo, first) in zip(groups, jobs)]
             if echo_only:
                 return sse_response(self._echo_only_events(req, raw, rid, streamed, params.n))
-            return sse_response(self._events(req, rid, streamed, params.stop, params.n))
+            return sse_response(self._events(req, rid, streamed, params.n))
         bodies = await asyncio.gather(*(self._answer(req, raw, job, group_id, params, samples, echo_only, arrival)
                                         for job, group_id in zip(jobs, rids)))
         if any(b is None for b in bodies):
@@ -167,12 +167,12 @@ class CompletionHandler:
                 "choices": choices, **extra}
 
     async def _events(self, req: CompletionRequest, rid: str, jobs: list[tuple[SampleGroup, str, str | None]],
-                      stop: list[str], n: int) -> AsyncIterator[str]:
+                      n: int) -> AsyncIterator[str]:
         """The prompts' choices streamed as their samples advance (prompt i's at indexes i * n ..), interleaved
         across prompts under the response's id rid; then the usage summed over every prompt, if asked."""
         finals = []
         try:
-            async for item in _merged([self._choices(req, g, stop, echo, first, i * n)
+            async for item in _merged([self._choices(req, g, echo, first, i * n)
                                        for i, (g, echo, first) in enumerate(jobs)]):
                 if isinstance(item, list):      # a prompt's final outputs, one a sample
                     finals.append(item)
@@ -190,8 +190,8 @@ class CompletionHandler:
                 g.close()
         yield SSE_DONE
 
-    async def _choices(self, req: CompletionRequest, group: SampleGroup, stop: list[str], echo: str,
-                       first_token: str | None, base: int) -> AsyncIterator[tuple | list]:
+    async def _choices(self, req: CompletionRequest, group: SampleGroup, echo: str, first_token: str | None,
+                       base: int) -> AsyncIterator[tuple | list]:
         """One prompt's streamed choices, (choice, prompt tokens, its completion tokens so far), its samples' indexes
         counted from base; then, once every sample has finished, the list of their final outputs."""
         k = len(group.samples)
