@@ -5,6 +5,8 @@ Each oracle is worked by hand from the regexes (the comment names the rule that 
 compared as text, before the byte-level mapping (which only respells them)."""
 from __future__ import annotations
 
+import json
+
 import gguf
 import pytest
 from tokenizers.pre_tokenizers import ByteLevel
@@ -276,3 +278,47 @@ def test_the_files_special_tokens_win_over_the_converters(tmp_path, monkeypatch)
     tok = gguf_tokenizer.from_metadata(meta, path)
     tokens = meta["tokenizer.ggml.tokens"]
     assert (tok.unk_token, tok.bos_token) == (tokens[2], tokens[0])
+
+
+# -- ignore_merges: a word that is a token is taken whole (llama.cpp's LLAMA3 and TEKKEN names) --------------------
+def _tiktoken_oracle(monkeypatch, ranks: dict[bytes, int]):
+    """transformers' TikTokenConverter (what made Llama 3's tokenizer.json from its tiktoken ranks; its default split
+    is Llama 3's) over `ranks`."""
+    from tokenizers import Tokenizer
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+    monkeypatch.setattr(TikTokenConverter, "load_tiktoken_bpe", staticmethod(lambda _: ranks))
+    return Tokenizer.from_str(TikTokenConverter(vocab_file="ranks").converted().to_str())
+
+
+@pytest.mark.parametrize("pre", ["llama-bpe", "tekken"])
+def test_llama3_file_takes_a_word_that_is_a_token_whole(tmp_path, monkeypatch, pre):
+    """"abcd" is a token, but its merges (ab cd) never meet: "bc" merges first and "abc", "bcd" are no tokens, so
+    merges alone leave "a", "bc", "d". Llama 3's tokenizer (tiktoken, and its tokenizer.json's ignore_merges) and
+    llama.cpp take the word whole."""
+    ranks = {bytes([b]): b for b in range(256)}
+    ranks.update({b"bc": 256, b"ab": 257, b"cd": 258, b"abcd": 259})
+    oracle = _tiktoken_oracle(monkeypatch, ranks)
+    vocab = oracle.get_vocab()
+    tokens = sorted(vocab, key=vocab.get)
+    path = str(tmp_path / "l3.gguf")
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types([gguf.TokenType.NORMAL] * len(tokens))
+    w.add_token_merges([" ".join(m) for m in json.loads(oracle.to_str())["model"]["merges"]])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    ours = gguf_tokenizer.from_metadata(GGUFFile(path).metadata, path)
+    for text in ["abcd", "x abcd abc", "bcd abcdabcd"]:
+        assert ours.encode(text, add_special_tokens=False) == oracle.encode(text).ids, text
+    assert ours.encode("abcd", add_special_tokens=False) == [259]
+
+
+def test_gpt2_file_still_merges_a_word_that_is_a_token(tmp_path):
+    """Names llama.cpp does not give ignore_merges keep plain BPE (GPT-2's own tokenizer.json has no ignore_merges)."""
+    path = str(tmp_path / "gpt2.gguf")
+    _write_tokenizer_gguf(path, "gpt-2")
+    assert not gguf_tokenizer.from_metadata(GGUFFile(path).metadata, path).backend_tokenizer.model.ignore_merges

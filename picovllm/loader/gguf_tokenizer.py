@@ -11,6 +11,11 @@ pre-tokenizer, which the file names only by `tokenizer.ggml.pre`. transformers' 
 names and silently splits the rest as GPT-2 does, so a DeepSeek-V3 prompt would cut numbers wrongly. We set the
 split ourselves from PRE_TOKENIZER_SPLITS (llama.cpp's regexes for each name, src/llama-vocab.cpp) and refuse a
 name we do not know.
+
+A sentencepiece vocabulary (`tokenizer.ggml.model` "llama") is split as llama.cpp splits it: spaces become "▁",
+with one more "▁" before every run of text that starts the prompt or follows a special token, but only where
+`tokenizer.ggml.add_space_prefix` (default true) says so. transformers 5.24's converter uses a Metaspace that adds
+none before text that already starts with a space and ignores the flag (its 5.17 one did as llama.cpp does).
 """
 from __future__ import annotations
 
@@ -18,8 +23,9 @@ import os
 
 # Bump when from_metadata builds a different tokenizer from the same file: the artifact cache's key of a GGUF's
 # converted tokenizer includes it (loader/gguf_file.py), so a tokenizer built by older code is not reused.
-# 2: the BPE pre-tokenizer from PRE_TOKENIZER_SPLITS.
-CONVERSION_VERSION = 2
+# 2: the BPE pre-tokenizer from PRE_TOKENIZER_SPLITS. 3: sentencepiece's space prefix as llama.cpp adds it, and
+# ignore_merges for IGNORE_MERGES_PRE_TOKENIZERS.
+CONVERSION_VERSION = 3
 
 # llama.cpp's tokenizer metadata key -> the name transformers' converter expects
 _BACKEND_KEYS = {
@@ -102,6 +108,13 @@ GPT2_PRE_TOKENIZERS = frozenset((
     "granite-docling"))
 
 
+# The names llama.cpp gives ignore_merges (src/llama-vocab.cpp): a pre-tokenized word that is itself a token is taken
+# whole before any merge, as tiktoken does (Llama 3's and Tekken's tokenizer.json say "ignore_merges": true). Merges
+# alone can miss such a token: "abcd" stays "a", "bc", "d" where "bc" merges first and "abc", "bcd" are no tokens.
+IGNORE_MERGES_PRE_TOKENIZERS = frozenset(("llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral", "midm-2.0",
+                                          "tekken"))
+
+
 def bpe_pre_tokenizer(pre: str | None):
     """The `tokenizers` pre-tokenizer of a byte-level BPE vocabulary whose tokenizer.ggml.pre is `pre` (None:
     the key is absent, which llama.cpp reads as "default"). ValueError for a name neither table has."""
@@ -127,7 +140,25 @@ def from_metadata(meta: dict, path: str):
     tokenizer = _converted(meta, path)
     if pre_tokenizer is not None:
         tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizer
+        tokenizer.backend_tokenizer.model.ignore_merges = meta.get("tokenizer.ggml.pre") in IGNORE_MERGES_PRE_TOKENIZERS
+    if meta.get("tokenizer.ggml.model") == "llama":
+        _split_as_llama_cpp_spm(tokenizer.backend_tokenizer, meta.get("tokenizer.ggml.add_space_prefix", True))
     return tokenizer
+
+
+def _split_as_llama_cpp_spm(backend, add_space_prefix: bool) -> None:
+    """A sentencepiece vocabulary's normalizer and decoder as llama.cpp's SPM tokenizer works (llama_vocab::impl::
+    tokenize): each run of plain text (the prompt's start, or text after a special token) gets a " " in front where
+    the file says add_space_prefix, then every space becomes "▁"; nothing else splits it. The normalizer does
+    both for each run between added tokens. Sentencepiece itself always prepends, so " Hi" is "▁▁Hi"
+    (the converter's Metaspace gave "▁Hi"). Decoding drops the first space only where one was added."""
+    from tokenizers import decoders, normalizers
+    prefix = [normalizers.Prepend("▁")] if add_space_prefix else []
+    backend.normalizer = normalizers.Sequence([*prefix, normalizers.Replace(" ", "▁")])
+    backend.pre_tokenizer = None
+    strip = [decoders.Strip(content=" ", left=1, right=0)] if add_space_prefix else []
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         *strip])
 
 
 def _gguf_converter():
