@@ -1,6 +1,7 @@
 """picovllm: a compact, readable LLM inference engine with prefill/decode disaggregation."""
 from picovllm.entrypoints.beam_search import BeamSearchParams
-from picovllm.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, Logprob, RequestOutput
+from picovllm.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, Logprob, PoolingOutput,
+                              PoolingRequestOutput, RequestOutput)
 from picovllm.pooling_params import PoolingParams
 from picovllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
@@ -22,4 +23,4 @@ def __getattr__(name):
 
 __all__ = ["LLM", "Engine", "EngineConfig", "SamplingParams", "StructuredOutputsParams", "RequestOutputKind",
            "BeamSearchParams", "RequestOutput", "CompletionOutput", "Logprob", "PoolingParams", "EmbeddingOutput",
-           "EmbeddingRequestOutput"]
+           "EmbeddingRequestOutput", "PoolingOutput", "PoolingRequestOutput"]

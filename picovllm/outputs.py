@@ -1,8 +1,9 @@
 """What generation returns, with vLLM's names: RequestOutput holding CompletionOutputs; and what LLM.embed returns,
-EmbeddingRequestOutput."""
+EmbeddingRequestOutput, and LLM.encode's PoolingRequestOutput."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -80,3 +81,20 @@ class EmbeddingRequestOutput:
     outputs: EmbeddingOutput
     prompt_token_ids: list[int]
     finished: bool = True
+    num_cached_tokens: int = 0      # vLLM's: the prompt's tokens found in the prefix cache
+
+
+@dataclass
+class PoolingOutput:
+    """vLLM's: one prompt's pooled output (here an embedding) as a tensor."""
+    data: Any       # torch.Tensor
+
+
+@dataclass
+class PoolingRequestOutput:
+    """vLLM's: what LLM.encode returns per prompt."""
+    request_id: str
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    num_cached_tokens: int = 0

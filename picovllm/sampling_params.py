@@ -1,8 +1,9 @@
 """Per-request sampling parameters, named and validated as in vLLM."""
 from __future__ import annotations
 
+import copy
 import math
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from enum import IntEnum
 
 
@@ -77,6 +78,9 @@ class StructuredOutputsParams:
 @dataclass
 class SamplingParams:
     n: int = 1
+    # The rest by keyword only: vLLM's positional order differs (n, presence_penalty, ...), so SamplingParams(1, 0.5)
+    # would silently mean another field here; a TypeError instead.
+    _: KW_ONLY
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: disabled
@@ -90,6 +94,10 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None   # per prompt token (the first gets None): its logprob, rank and top-k
     skip_special_tokens: bool = True
+    # vLLM's: a fast tokenizer's decode (HF's, ours) puts no spaces between special tokens whatever this says, as
+    # vLLM's fast detokenizer; LLM refuses False with a slow tokenizer, whose decode would
+    spaces_between_special_tokens: bool = True
+    detokenize: bool = True     # vLLM's: False (token ids only) is not supported, refused by validate()
     include_stop_str_in_output: bool = False     # vLLM's: a matched stop string stays at the end of the text
     allowed_token_ids: list[int] | None = None   # vLLM's: only these tokens may be sampled (None: any)
     truncate_prompt_tokens: int | None = None    # vLLM's: keep only the prompt's last k tokens (None: all of it;
@@ -123,6 +131,10 @@ class SamplingParams:
         self.bad_words = _copied(self.bad_words)
         if self.top_k == -1:
             self.top_k = 0
+        if self.seed == -1 and not isinstance(self.seed, bool):     # vLLM's: -1 is no seed (a random stream)
+            self.seed = None
+        if self.logprobs is True:       # vLLM's: 1 (prompt_logprobs=True stays refused, as it always was here)
+            self.logprobs = 1
         self.logit_bias = _token_id_keys(self.logit_bias)
         if isinstance(self.structured_outputs, dict):   # from JSON: batch lines, the P/D wire
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
@@ -160,8 +172,12 @@ class SamplingParams:
         k = self.truncate_prompt_tokens
         if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not (k >= 1 or k == -1)):
             raise bad("truncate_prompt_tokens", "must be None, an int >= 1, or -1 (as many as the model takes)")
-        if not isinstance(self.include_stop_str_in_output, bool):
-            raise bad("include_stop_str_in_output", "must be a bool")
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
+                     "detokenize"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, "must be a bool")
+        if not self.detokenize:
+            raise bad("detokenize", "False (token ids without text) is not supported; leave it True")
         allowed = self.allowed_token_ids
         if allowed is not None and (not isinstance(allowed, list) or not allowed or not all(
                 isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in allowed)):
@@ -197,6 +213,10 @@ class SamplingParams:
                 raise bad("logit_bias", f"keys must be token ids (ints >= 0), not {tok!r}")
             if not _number(b) or not -100 <= b <= 100:
                 raise bad("logit_bias", f"values must be numbers in [-100, 100], not {b!r} (token {tok})")
+
+    def clone(self) -> "SamplingParams":
+        """vLLM's: a deep copy (its lists and dicts are the copy's own)."""
+        return copy.deepcopy(self)
 
     @property
     def has_penalties(self) -> bool:

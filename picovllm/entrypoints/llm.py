@@ -15,19 +15,39 @@ from picovllm.engine.step_loop import StepLoop
 from picovllm.entrypoints.beam_search import BeamSearchOutput, BeamSearchParams, search, step_params
 from picovllm.entrypoints.parallel_sampling import merge_samples, sample_params
 from picovllm.generation_config import sampling_defaults
-from picovllm.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from picovllm.outputs import (EmbeddingOutput, EmbeddingRequestOutput, PoolingOutput, PoolingRequestOutput,
+                              RequestOutput)
 from picovllm.pooling_params import PoolingParams
 from picovllm.sampling_params import RequestOutputKind, SamplingParams
 
 Prompt = str | list[int] | dict
 
 
+def prompt_list(prompts) -> list:
+    """One prompt (text, token ids, or a prompt dict) or a sequence of them -> a list of them."""
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        return [prompts]
+    return list(prompts)
+
+
+def tokens_prompt_texts(prompts) -> list[str | None]:
+    """Per prompt: a TokensPrompt's own "prompt" text (vLLM's RequestOutput.prompt then shows it), else None."""
+    return [p.get("prompt") if isinstance(p, dict) and "prompt_token_ids" in p else None for p in prompt_list(prompts)]
+
+
+def refuse_unsupported(**given) -> None:
+    """vLLM's arguments picovllm does not honour (LoRA adapters, multi-modal processing): ValueError naming the one
+    given, rather than running without it. None (vLLM's default) passes."""
+    for name, value in given.items():
+        if value is not None:
+            raise ValueError(f"{name}: not supported by picovllm (got {value!r}); leave it None")
+
+
 def normalize_prompts(prompts, sampling_params) -> tuple[list, list[SamplingParams]]:
     """generate()'s inputs as vLLM takes them -> a list of prompts (text or token ids) and one
     SamplingParams per prompt (with a prompt dict's cache_salt). sampling_params None: beam search's prompts,
     which take no cache_salt."""
-    if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-        prompts = [prompts]
+    prompts = prompt_list(prompts)
     salts = [p.get("cache_salt") if isinstance(p, dict) else None for p in prompts]
     prompts = [_dict_prompt(p) if isinstance(p, dict) else p for p in prompts]
     beams = sampling_params is None
@@ -110,13 +130,20 @@ class LLM:
     def __exit__(self, *exc) -> None:
         self.shutdown()
 
-    def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None, *, lora_request=None,
+                 tokenization_kwargs: dict | None = None) -> list[RequestOutput]:
         """One RequestOutput per prompt, in order, with params.n CompletionOutputs (parallel_sampling.py).
-        priority: one per prompt, for the "priority" scheduling policy (lower first)."""
+        priority: one per prompt, for the "priority" scheduling policy (lower first). lora_request: vLLM's, refused
+        unless None. tokenization_kwargs: vLLM's; only {"truncate_prompt_tokens": k} (SamplingParams')."""
+        refuse_unsupported(lora_request=lora_request)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
+        prompts = prompt_list(prompts)      # once: a generator of prompts is read here only
+        texts = tokens_prompt_texts(prompts)
         prompts, params = normalize_prompts(prompts, sampling_params)
+        params = [self._checked_params(sp, tokenization_kwargs) for sp in params]
         priorities = self._priorities(priority, len(prompts))
         groups: list[list[str]] = []          # per prompt: its samples' request ids
         siblings: dict[str, tuple] = {}      # first sample's id -> (prompt, the other samples' params, group)
@@ -126,7 +153,26 @@ class LLM:
         except Exception:
             self._abort(groups)      # leave the engine as we found it
             raise
-        return self._run_samples(groups, siblings, use_tqdm)
+        outs = self._run_samples(groups, siblings, use_tqdm)
+        for out, text in zip(outs, texts):
+            if text is not None:
+                out.prompt = text
+        return outs
+
+    def _checked_params(self, params: SamplingParams, tokenization_kwargs: dict | None) -> SamplingParams:
+        """params with tokenization_kwargs' truncate_prompt_tokens; ValueError naming what is not honoured."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams (or a list of them), got {params!r}")
+        if not params.spaces_between_special_tokens and not getattr(self.engine.tokenizer, "is_fast", True):
+            # a slow tokenizer's decode would put the spaces in, which the engine's detokenizer never does
+            raise ValueError("SamplingParams.spaces_between_special_tokens: False is not supported with this "
+                             "model's (slow) tokenizer")
+        extra = dict(tokenization_kwargs or {})
+        k = extra.pop("truncate_prompt_tokens", None)
+        if extra:
+            raise ValueError(f"tokenization_kwargs: {sorted(extra)[0]!r} is not supported (only "
+                             f"'truncate_prompt_tokens')")
+        return params if k is None else dataclasses.replace(params, truncate_prompt_tokens=k)
 
     @staticmethod
     def _priorities(priority: Sequence[int] | None, n: int) -> list[int]:
@@ -200,15 +246,46 @@ class LLM:
 
     def embed(self, prompts: Prompt | Sequence[Prompt],
               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None, use_tqdm: bool = True,
-              truncate_prompt_tokens: int | None = None) -> list[EmbeddingRequestOutput]:
+              truncate_prompt_tokens: int | None = None, *, lora_request=None,
+              tokenization_kwargs: dict | None = None) -> list[EmbeddingRequestOutput]:
         """vLLM's: one EmbeddingRequestOutput per prompt, in order (outputs.embedding: a list of floats), from an
         LLM(model, runner="pooling") (engine/pooling.py). truncate_prompt_tokens: each prompt's last k tokens only
-        (PoolingParams.truncate_prompt_tokens)."""
+        (PoolingParams.truncate_prompt_tokens). lora_request, tokenization_kwargs: as generate()'s."""
+        finals = self._pooled(prompts, pooling_params, use_tqdm, truncate_prompt_tokens, lora_request,
+                              tokenization_kwargs)
+        return [EmbeddingRequestOutput(out.request_id, EmbeddingOutput(out.embedding), out.prompt_token_ids, True,
+                                       out.num_cached_tokens) for out in finals]
+
+    def encode(self, prompts: Prompt | Sequence[Prompt],
+               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None, *,
+               truncate_prompt_tokens: int | None = None, use_tqdm: bool = True, lora_request=None,
+               pooling_task: str | None = None, tokenization_kwargs: dict | None = None) -> list[PoolingRequestOutput]:
+        """vLLM's: one PoolingRequestOutput per prompt, its outputs.data a tensor. pooling_task must be given, as
+        vLLM asks; only "embed" is run here (embed() is the same with lists of floats)."""
+        if pooling_task is None:
+            raise ValueError("pooling_task: required for LLM.encode (\"embed\"), or use LLM.embed")
+        if pooling_task != "embed":
+            raise ValueError(f"pooling_task {pooling_task!r} is not supported: only 'embed'")
+        import torch
+        finals = self._pooled(prompts, pooling_params, use_tqdm, truncate_prompt_tokens, lora_request,
+                              tokenization_kwargs)
+        return [PoolingRequestOutput(out.request_id, PoolingOutput(torch.tensor(out.embedding)), out.prompt_token_ids,
+                                     True, out.num_cached_tokens) for out in finals]
+
+    def _pooled(self, prompts, pooling_params, use_tqdm, truncate_prompt_tokens, lora_request,
+                tokenization_kwargs) -> list[RequestOutput]:
+        """Each prompt's finished pooling request, in order, its embedding set."""
+        refuse_unsupported(lora_request=lora_request)
         if self.engine.pooler is None:
             raise ValueError("LLM.embed needs a pooling model: LLM(model, runner='pooling') (or vLLM's task='embed')")
+        extra = dict(tokenization_kwargs or {})
+        truncate = extra.pop("truncate_prompt_tokens", truncate_prompt_tokens)
+        if extra:
+            raise ValueError(f"tokenization_kwargs: {sorted(extra)[0]!r} is not supported (only "
+                             f"'truncate_prompt_tokens')")
         prompts, params = normalize_prompts(prompts, PoolingParams() if pooling_params is None else pooling_params)
-        if truncate_prompt_tokens is not None:
-            params = [dataclasses.replace(p, truncate_prompt_tokens=truncate_prompt_tokens) for p in params]
+        if truncate is not None:
+            params = [dataclasses.replace(p, truncate_prompt_tokens=truncate) for p in params]
         groups: list[list[str]] = []
         try:
             for p, pp in zip(prompts, params):
@@ -223,29 +300,51 @@ class LLM:
             if out.embedding is None:
                 raise RuntimeError(f"request {rid} ended without its embedding: "
                                    f"{out.error or out.outputs[0].finish_reason}")
-            outs.append(EmbeddingRequestOutput(rid, EmbeddingOutput(out.embedding), out.prompt_token_ids, True))
+            outs.append(out)
         return outs
 
-    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True, chat_template: str | None = None,
-             tools: list[dict] | None = None, continue_final_message: bool = False,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
-        """tools: OpenAI tool objects, rendered as the server renders them (entrypoints/openai/tool_calls.py);
-        constrain or parse the calls with its ToolPolicy. continue_final_message: the last (assistant) message is
-        left open for the model to continue (add_generation_prompt must be False). chat_template_kwargs: more
-        variables for the template (e.g. Qwen3's {"enable_thinking": False})."""
+    def chat(self, messages: list[dict] | Sequence[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
+             lora_request=None, chat_template: str | None = None, chat_template_content_format: str = "auto",
+             add_generation_prompt: bool = True, continue_final_message: bool = False, tools: list[dict] | None = None,
+             chat_template_kwargs: dict | None = None, tokenization_kwargs: dict | None = None,
+             mm_processor_kwargs: dict | None = None) -> list[RequestOutput]:
+        """vLLM's, its arguments in its order. messages: one conversation or a list of them. tools: OpenAI tool
+        objects, rendered as the server renders them (entrypoints/openai/tool_calls.py); constrain or parse the
+        calls with its ToolPolicy. chat_template_content_format: "auto" (text parts kept a list where the template
+        loops over them, else joined) or "string" (always joined); "openai" is refused. continue_final_message: the
+        last (assistant) message is left open for the model to continue (add_generation_prompt must be False).
+        chat_template_kwargs: more variables for the template (e.g. Qwen3's {"enable_thinking": False}).
+        lora_request, mm_processor_kwargs: refused unless None."""
+        refuse_unsupported(lora_request=lora_request, mm_processor_kwargs=mm_processor_kwargs)
+        if chat_template_content_format not in ("auto", "string"):
+            raise ValueError(f"chat_template_content_format {chat_template_content_format!r} is not supported: "
+                             f"'auto' or 'string'")
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        if chat_template_content_format == "string":
+            convs = [_string_contents(c) for c in convs]
         rendered = [chat_prompt(self.engine.tokenizer, c, add_generation_prompt, chat_template, tools,
                                 continue_final_message, chat_template_kwargs) for c in convs]
-        outs = self.generate([ids for _, ids in rendered], sampling_params, use_tqdm)
+        outs = self.generate([ids for _, ids in rendered], sampling_params, use_tqdm,
+                             tokenization_kwargs=tokenization_kwargs)
         for out, (text, _) in zip(outs, rendered):
             out.prompt = text          # as vLLM's: the rendered template's text
         return outs
 
-    def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams,
-                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
-        """vLLM's: each prompt's params.beam_width best beams by beam search (entrypoints/beam_search.py), best
-        first; each beam's tokens hold the prompt's, then the generated ones. use_tqdm: a bar over the steps."""
+    def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams, lora_request=None,
+                    use_tqdm: bool = False, concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
+        """vLLM's (its arguments in its order): each prompt's params.beam_width best beams by beam search
+        (entrypoints/beam_search.py), best first; each beam's tokens hold the prompt's, then the generated ones.
+        use_tqdm: a bar over the steps. concurrency_limit: at most this many prompts searched at once (the results
+        are the same). lora_request: refused unless None."""
+        refuse_unsupported(lora_request=lora_request)
+        c = concurrency_limit
+        if c is not None and (isinstance(c, bool) or not isinstance(c, int) or c < 1):
+            raise ValueError(f"concurrency_limit must be None or an int >= 1, got {c!r}")
+        prompts = prompt_list(prompts)
+        if c is not None and len(prompts) > c:     # batches of c prompts, one after the other
+            return [o for i in range(0, len(prompts), c)
+                    for o in self.beam_search(prompts[i:i + c], params, use_tqdm=use_tqdm)]
         if not isinstance(params, BeamSearchParams):
             raise ValueError("params must be a BeamSearchParams")
         params.validate()
@@ -283,6 +382,20 @@ class LLM:
                             ) -> list[int]:
         return chat_prompt_ids(self.engine.tokenizer, conversation, add_generation_prompt, chat_template, tools,
                                continue_final_message, chat_template_kwargs)
+
+
+def _string_contents(conversation):
+    """chat_template_content_format "string": each message's list of text parts joined by newlines (as "auto" does
+    for a template that does not loop over them); anything else as it is, for conversation_messages to check."""
+    if not isinstance(conversation, list):
+        return conversation
+    return [dict(m, content="\n".join(p["text"] for p in m["content"]))
+            if isinstance(m, dict) and _text_parts(m.get("content")) else m for m in conversation]
+
+
+def _text_parts(content) -> bool:
+    return isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                             and isinstance(p.get("text"), str) for p in content)
 
 
 def chat_prompt_ids(tokenizer, conversation: list[dict], add_generation_prompt: bool = True,
