@@ -43,6 +43,7 @@ from picovllm.disagg.session import NAMES, ROLES, DisaggSession
 from picovllm.disagg.transfer import BACKENDS
 from picovllm.disagg.worker import worker_main
 from picovllm.entrypoints.llm import normalize_prompts
+from picovllm.entrypoints.parallel_sampling import merge_samples, sample_params
 from picovllm.generation_config import sampling_defaults
 from picovllm.outputs import RequestOutput
 from picovllm.sampling_params import SamplingParams
@@ -172,12 +173,15 @@ class DisaggLLM:
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = False, timeout_s: float | None = None, **options) -> list[RequestOutput]:
-        """As LLM.generate: one session with every prompt submitted at once, then closed and drained."""
+        """As LLM.generate: one session with every prompt submitted at once, then closed and drained. A prompt's
+        params.n samples are requests of their own (the engines run one sample a request), merged back into one
+        RequestOutput, as LLM.generate does (picovllm.entrypoints.parallel_sampling)."""
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         prompts, params = normalize_prompts(prompts, sampling_params)
         s = self.session(**options)
-        ids = [s.submit(p, sp) for p, sp in zip(prompts, params)]
+        groups = [[s.submit(p, one) for one in sample_params(sp)] for p, sp in zip(prompts, params)]
+        ids = [rid for g in groups for rid in g]
         s.close()
         s.wait_submitted(timeout_s)
         if s.rejected:
@@ -186,7 +190,7 @@ class DisaggLLM:
         s.wait(timeout_s, use_tqdm=use_tqdm)
         if s.rejected:
             raise ValueError(next(iter(s.rejected.values())))
-        return [s.results[i] for i in ids]
+        return [s.results[g[0]] if len(g) == 1 else merge_samples(g[0], [s.results[i] for i in g]) for g in groups]
 
     def next_request_id(self) -> str:
         return f"pd-{next(self._ids)}"

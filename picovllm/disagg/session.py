@@ -140,8 +140,9 @@ class DisaggSession:
 
     def _fail_unfinished(self) -> list[RequestOutput]:
         """Once both sides are done or dead: every request without a final gets an error output."""
-        why = "; ".join(self.llm.gone.values()) or "; ".join(e.error for e in self.ended.values() if e.error) \
-            or "the engines ended the session without finishing it"
+        # an engine's own word first (why it failed: a tensor-parallel rank died), then what the driver saw
+        said = [e.error for e in self.ended.values() if e.error]
+        why = "; ".join(said + list(self.llm.gone.values())) or "the engines ended the session without finishing it"
         outs = []
         for rid in self.submitted:
             if rid not in self.results and rid not in self.rejected:

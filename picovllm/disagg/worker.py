@@ -24,6 +24,7 @@ from picovllm.disagg.channel import Channel, Listener, PeerGone
 from picovllm.disagg.hosts import HostOptions
 from picovllm.disagg.messages import (Abort, BuildEngine, CloseSession, Output, OutputEncoder, SessionEnded,
                                       Shutdown, StartSession, Submit, SubmitResult, WorkerHello, WorkerReady)
+from picovllm.disagg.session import NAMES
 from picovllm.disagg.transfer import TransferConfig
 from picovllm.engine.llm_engine import Engine
 from picovllm.engine.step_loop import StepLoop
@@ -115,7 +116,19 @@ class Worker:
         except PeerGone:                 # the driver is gone: drop everything, the peer sees us leave
             engine.connector.link.close()
             raise
+        except Exception as e:
+            self._fail(engine, start, e)
+            raise                        # the process exits: this engine cannot step again
         self._end(engine, start)
+
+    def _fail(self, engine, start: StartSession, exc: Exception) -> None:
+        """The engine failed mid-session (a tensor-parallel rank died): end the session with the reason, so that the
+        driver fails its requests naming it (else all it saw was "the engine process died (exit code 1)"); the
+        peer sees the link close at once."""
+        try:
+            self._end(engine, start, error=f"the {NAMES[self.role]} engine failed: {type(exc).__name__}: {exc}")
+        except Exception:  # noqa: BLE001 - best effort: the driver still sees the process die
+            traceback.print_exc()
 
     def _loop(self, engine: Engine, start: StartSession) -> None:
         def send(outputs: list) -> None:
