@@ -105,6 +105,38 @@ def test_a_served_prefill_engine_whose_tp_rank_dies_leaves_its_pair(model):
         d_eng.shutdown()
 
 
+def test_a_served_colocated_engine_whose_tp_rank_dies_stops_taking_requests(model):
+    """The colocated server's loop (AsyncEngine, TP=2): after a rank dies, the request in flight fails naming it,
+    then the loop ends (/health 503) and a new request is refused at once. Before, the loop stepped on: /health
+    said 200 and every later request failed in a step of its own, forever."""
+    from picovllm.entrypoints.openai.async_engine import AsyncEngine
+    prompt, params = [5, 17, 42, 7, 99, 3, 250], SamplingParams(max_tokens=6, **GREEDY)
+    ref = LLM(model, **KW).generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    engine = Engine(EngineConfig(model, tensor_parallel_size=2, **KW))
+    loop_engine = AsyncEngine(engine)
+
+    async def generate(rid: str) -> list:
+        return [o async for o in (await loop_engine.add_request(prompt, params, rid)).outputs()]
+
+    async def scenario() -> None:
+        loop_engine.start()
+        try:
+            assert (await generate("ok"))[-1].outputs[0].token_ids == ref
+            os.kill(engine.executor.worker_pids[0], signal.SIGKILL)
+            with pytest.raises((EngineStepError, EngineDeadError), match="tensor-parallel worker rank 1"):
+                await generate("doomed")
+            await wait_for(lambda: not loop_engine.is_running, "the loop ends")
+            with pytest.raises(EngineDeadError):
+                await loop_engine.add_request(prompt, params, "late")
+        finally:
+            await loop_engine.shutdown()
+
+    try:
+        asyncio.run(asyncio.wait_for(scenario(), 60))
+    finally:
+        engine.shutdown()
+
+
 # -- DisaggLLM: P TP=2, D TP=1 in processes of their own ---------------------------------------------------------
 @pytest.fixture(scope="module")
 def pd(model):

@@ -47,13 +47,6 @@ def is_handed_off(out: RequestOutput) -> bool:
     return out.finished and out.outputs[0].finish_reason is None
 
 
-def engine_failure(engine: Engine) -> str | None:
-    """Why the engine can never step again, or None: a tensor-parallel engine whose ranks failed (a worker died, a
-    collective failed) has closed its session for good (engine/tp_executor.py TPSession.fail)."""
-    session = getattr(engine.executor, "session", None)
-    return getattr(session, "failure", None)
-
-
 class PDClient:
     """The HTTP side of a P or D engine, wherever its loop runs (a thread: PDAsyncEngine; a process of its own:
     ProcessPDEngine). Mixed into an EngineClient."""
@@ -116,16 +109,12 @@ class PDAsyncEngine(PDClient, AsyncEngine):
         return outputs
 
     def _iteration(self) -> bool:
-        """AsyncEngine's iteration, ended for good once the engine cannot step again (a tensor-parallel rank died).
-        AsyncEngine fails that step's requests and steps on, as after one bad step; but every later step fails too,
-        while the link to the peer stays up: the proxy kept routing to this pair and the peer kept offering to it,
-        each request a 500. So: drop the link (the peer fails and frees what it waited for; /pd/info says the link
-        is down, which takes the pair out of the proxy's rotation) and end the loop (/health answers 503)."""
+        """AsyncEngine's iteration; once the engine cannot step again (a tensor-parallel rank died) it also drops the
+        link: the peer fails and frees what it waited for, and /pd/info says the link is down, which takes the pair
+        out of the proxy's rotation (else the proxy kept routing to it and the peer kept offering to it)."""
         going = super()._iteration()
-        failure = engine_failure(self.engine)
-        if not going or failure is None:
+        if going or self._cannot_step() is None:
             return going
-        logger.error("the engine cannot step any more (%s): dropping the link to the peer and stopping", failure)
         self.release()
         self._publish_stats()        # link_alive False reaches the HTTP side (a process's: with its last delivery)
         self._deliver([])

@@ -60,6 +60,12 @@ class Executor(ABC):
         """This process's place among the tensor-parallel ranks (size 1 when there are none)."""
         return self.runner.tp
 
+    @property
+    def failure(self) -> str | None:
+        """Why no step can ever run again (a tensor-parallel rank died, a collective failed), or None. A failed step
+        raises; this says whether the next one would too, so that a server stops taking requests (AsyncEngine)."""
+        return None
+
     # -- start-up: the KV cache -----------------------------------------------------------------
     @abstractmethod
     def profile_num_blocks(self) -> int:

@@ -166,6 +166,10 @@ class TPExecutor(Executor):
     def supports_overlap(self) -> bool:
         return self.overlap
 
+    @property
+    def failure(self) -> str | None:
+        return self.session.failure     # set once a step's collectives failed: the session is closed for good
+
     def shutdown(self) -> None:
         self._finalizer()
 

@@ -50,7 +50,7 @@ HELP = {
     "disk_cache": "keep a GGUF's tokenizer and weights, and compiled kernels, in the cache (`picovllm cache`)",
     "quantization": "auto: a GGUF's own 4/8-bit form on the CPU, an FP8 checkpoint's on a GPU; none: float; q8_0: "
                     "an HF folder quantized at load (CPU); bf16: bfloat16 decode weights (CPU); fp8: float8 weights "
-                    "quantized at load (GPU)",
+                    "quantized at load (GPU; the CPU keeps their rounded values in float32)",
     "kv_cache_dtype": "auto: the model's dtype; fp8 (fp8_e4m3): float8 e4m3 with scales",
     "stream_interval": "a stream's outputs: its first token, then every this many tokens, and its last",
     "generation_config": "sampling defaults of requests that leave them unset: auto (the model's "

@@ -16,7 +16,8 @@ from picovllm.engine.tp_executor import run_worker_from_env
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=None, help="HF folder or .gguf file (default: the bundled SmolLM2-135M)")
+    p.add_argument("--model", default=None,
+                   help="HF folder, .gguf file or Hub id (org/name[/file.gguf]) (default: the bundled SmolLM2-135M)")
     p.add_argument("--prompt", action="append", default=[], help="a text prompt (repeatable)")
     p.add_argument("--prompt-ids", action="append", default=[], help="a prompt as comma-separated token ids")
     p.add_argument("--max-tokens", type=int, default=64)

