@@ -70,6 +70,9 @@ REFUSED_COMMON: dict[str, tuple] = {
     # watermarks, media; truncation keeps the prompt's last tokens (vLLM's "left" side)
     "logprob_token_ids": (), "thinking_token_budget": (), "kv_transfer_params": (), "watermarking": (False,),
     "media_io_kwargs": (), "truncation_side": ("left",),
+    # vLLM's: ends a request on a repeating n-gram, encoder-cache disaggregation's parameters, the rendered prompt's
+    # text in the response, and a per-request --stream-interval (1, the least, changes nothing here)
+    "repetition_detection": (), "ec_transfer_params": (), "return_prompt_text": (False,), "stream_interval": (1,),
 }
 REFUSED_CHAT: dict[str, tuple] = {
     "mm_processor_kwargs": (),
@@ -186,6 +189,16 @@ class _SamplingRequest(_StructuredRequest, _RefusedCommon):
     logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False)]],
                           Field(max_length=MAX_LOGIT_BIAS)] | None = None
     user: str | None = None
+    # Accepted and ignored, as vLLM ignores them: OpenAI's service_tier, metadata, verbosity, prompt_cache_key,
+    # safety_identifier and stream_options.include_obfuscation (vLLM's models do not declare them: undeclared, they are
+    # dropped here too); vLLM's return_token_offsets and return_mm_kwargs (its render endpoints' only, "ignored on
+    # regular generation endpoints"), routed_experts_prompt_start (used only with --enable-return-routed-experts,
+    # which this server does not have) and session_id (a conversation's identity across requests, no sampling
+    # parameter; nothing here is keyed by sessions).
+    session_id: str | None = None
+    return_token_offsets: bool | None = None
+    return_mm_kwargs: bool = True
+    routed_experts_prompt_start: int = Field(0, ge=0, le=MAX_INT)
     # vLLM's additions
     repetition_penalty: FiniteFloat | None = Field(None, gt=0)
     top_k: int | None = Field(None, ge=-1, le=MAX_INT)
@@ -284,6 +297,12 @@ class CompletionRequest(_SamplingRequest, _RefusedCompletion):
     best_of: int | None = Field(None, ge=1, le=MAX_N)
     suffix: str | None = None
     add_special_tokens: bool = True      # vLLM's: a text prompt gets the tokenizer's special tokens (BOS)
+
+    @field_validator("max_tokens", mode="before")
+    @classmethod
+    def _null_is_default(cls, v: Any) -> Any:
+        """null is OpenAI's default, 16, as vLLM reads it (not "until the context is full")."""
+        return cls.model_fields["max_tokens"].default if v is None else v
 
     def prompt_logprob_count(self) -> int | None:
         if self.echo and self.logprobs is not None:   # the echoed prompt's tokens get logprobs like the output's
@@ -427,7 +446,8 @@ class ChatCompletionRequest(_SamplingRequest, _RefusedChat, _ChatTemplateOptions
         role), else nothing."""
         last = self.messages[-1]
         return joined_parts(last.as_template_dict()["content"]) if self.echo and last.role == "assistant" else ""
-    tools: Annotated[list[ToolSpec], Field(max_length=128)] | None = None
+    # an empty list is a 400, as OpenAI's and vLLM's: omit tools instead
+    tools: Annotated[list[ToolSpec], Field(min_length=1, max_length=128)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
 
@@ -466,7 +486,7 @@ class ChatCompletionRequest(_SamplingRequest, _RefusedChat, _ChatTemplateOptions
 
 
 # -- /tokenize and /detokenize (vLLM's) -----------------------------------------------------------------------
-_RefusedTokenize = refusing_model("_RefusedTokenize", {"mm_processor_kwargs": ()})
+_RefusedTokenize = refusing_model("_RefusedTokenize", {"mm_processor_kwargs": (), "media_io_kwargs": ()})
 
 
 

@@ -7,8 +7,8 @@ comes back as a response object; streamed, its chunks become the Responses event
 response.output_text.delta, response.function_call_arguments.delta, ..., response.completed). Nothing is stored:
 `store: true`, `previous_response_id`, `conversation` and `background: true` are refused by name, as are non-text
 input parts, tools other than functions and any `include` but the output's logprobs (`top_logprobs` with
-`include: ["message.output_text.logprobs"]`). vLLM's extra sampling fields (top_k, seed, ...) pass through to the
-chat request.
+`include: ["message.output_text.logprobs"]`). vLLM's extra sampling fields (top_k, seed, structured_outputs, ...) pass
+through to the chat request; vLLM's request_id is the response's id.
 """
 from __future__ import annotations
 
@@ -31,11 +31,16 @@ from picovllm.entrypoints.openai.serving_chat import ChatHandler
 REFUSED_RESPONSES: dict[str, tuple] = {
     "previous_response_id": (), "conversation": (), "background": (False,), "store": (False,),
     "prompt": (), "truncation": ("disabled",), "stream_options": (),
+    # vLLM's: multimodal processing, custom extensions' arguments, the response's messages (harmony's), an earlier
+    # turn's harmony messages or whole response (stateless multi-turn of GPT-OSS's)
+    "mm_processor_kwargs": (), "vllm_xargs": (), "enable_response_messages": (False,), "previous_input_messages": (),
+    "previous_response": (),
 }
 LOGPROBS = "message.output_text.logprobs"     # the one `include` this server honours
 # vLLM's sampling fields beyond OpenAI's, handed to the chat request as they are (validated there, by these names)
 PASSTHROUGH = ("top_k", "min_p", "min_tokens", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed",
-               "stop", "stop_token_ids", "ignore_eos", "logit_bias", "priority", "chat_template_kwargs", "cache_salt")
+               "stop", "stop_token_ids", "ignore_eos", "logit_bias", "priority", "chat_template_kwargs", "cache_salt",
+               "structured_outputs", "skip_special_tokens", "include_stop_str_in_output", "request_id")
 
 
 _Passthrough = create_model("_Passthrough", __base__=_Strict, **{f: (Any, None) for f in PASSTHROUGH})
@@ -58,6 +63,13 @@ class ResponsesRequest(refusing_model("_RefusedResponses", REFUSED_RESPONSES), _
     include: list[str] | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     reasoning: dict[str, Any] | None = None    # {"effort": ...}: chat's reasoning_effort; a summary is refused
+    # Accepted and ignored, as vLLM does: service_tier, prompt_cache_key (vLLM: "not implemented yet and vLLM will
+    # ignore it"), safety_identifier, text.verbosity; max_tool_calls caps built-in tools' calls, and this server has
+    # none (a tool that is not a function is refused).
+
+    def response_id(self) -> str:
+        """vLLM's: the request's request_id (checked by the chat request it becomes), else a random one."""
+        return self.request_id or f"resp_{uuid.uuid4().hex}"
 
 
 def _bad(message: str, param: str) -> APIError:
@@ -163,6 +175,8 @@ def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
         elif value is not None:
             raise _bad(f"reasoning.{key}: is not supported (only reasoning.effort)", f"reasoning.{key}")
     fmt = (req.text or {}).get("format")
+    if fmt is not None and req.structured_outputs is not None:    # (the chat request would name response_format)
+        raise _bad("give at most one of text.format or structured_outputs", "structured_outputs")
     if fmt is not None:
         body["response_format"] = _response_format(fmt)
     try:
@@ -237,7 +251,7 @@ class ResponsesHandler:
                                      call["function"]["arguments"], "completed"))
         if output and choice["finish_reason"] == "length":     # max_output_tokens cut the last item short
             output[-1]["status"] = "incomplete"
-        return JSONBody(self._response(req, f"resp_{uuid.uuid4().hex}", output, choice["finish_reason"],
+        return JSONBody(self._response(req, req.response_id(), output, choice["finish_reason"],
                                        body.get("usage")))
 
     def _response(self, req: ResponsesRequest, rid: str, output: list, finish: str | None,
@@ -263,7 +277,7 @@ class ResponsesHandler:
     async def _events(self, req: ResponsesRequest, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
         """The chat stream's chunks as Responses events: each text run a message item, each tool call a
         function_call item, one after another, then response.completed (or .incomplete) with all of them."""
-        rid, seq, output = f"resp_{uuid.uuid4().hex}", 0, []
+        rid, seq, output = req.response_id(), 0, []
         item: dict | None = None      # the output item being streamed
         calls: dict[int, dict] = {}   # the chat tool call index -> its item
         finish, use = None, None
