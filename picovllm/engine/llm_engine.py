@@ -326,7 +326,9 @@ class Engine:
             raise ValueError(f"prompt is {len(ids)} tokens, longer than max_model_len {self.max_model_len}")
         self._check_capacity(len(ids), 0)
         request_id = self._new_request_id(request_id)
-        req = Request(request_id, ids, SamplingParams(), prompt if isinstance(prompt, str) else None, arrival_time)
+        # the sampling fields are unused, but the cache_salt is the block manager's (its hits only within one salt)
+        req = Request(request_id, ids, SamplingParams(cache_salt=params.cache_salt),
+                      prompt if isinstance(prompt, str) else None, arrival_time)
         req.pooling, req.priority, req.max_tokens = pooling, priority, 0
         req.position_offset = longrope_position_offset(self.model_config.rope_scaling,
                                                        self.model_config.max_position_embeddings, len(ids), 0)
