@@ -37,7 +37,7 @@ def test_engine_makes_an_in_process_executor_and_takes_an_injected_runner(tiny_m
     assert isinstance(made.executor, InProcessExecutor) and made.runner is made.executor.runner
     assert made.executor.model_config is made.runner.model_config and made.executor.kv_cache.shape[2] == 32
     runner = ModelRunner(config, open_model_source(config.model, config.disk_cache))
-    injected = Engine(config, runner=runner)           # a ModelRunner is wrapped, callers need not know
+    injected = Engine(config, executor=runner)         # a ModelRunner is wrapped, callers need not know
     assert isinstance(injected.executor, InProcessExecutor) and injected.runner is runner
     assert tokens_of(injected, prompts) == tokens_of(made, prompts)
 

@@ -1,6 +1,7 @@
 """The engine: add_request, step, abort. One step = schedule, run, postprocess, collect outputs.
 
-With overlapped scheduling (EngineConfig.async_scheduling; on by default on one GPU) a step
+With overlapped scheduling (EngineConfig.async_scheduling; on by default on GPUs, TP included, unless
+speculative decoding is set) a step
 schedules and launches step N+1 before it reads step N's sampled tokens, so the host's work
 (scheduling, input preparation, detokenizing, stop checks) runs while the device computes:
 
@@ -19,11 +20,8 @@ requests to hold for a handover and which arrive with their KV; see ARCHITECTURE
 from __future__ import annotations
 
 import dataclasses
-import gc
 import itertools
-import json
 import logging
-import multiprocessing.util
 import os
 import random
 import time
@@ -33,6 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from picovllm.config import EngineConfig
+from picovllm.gc_freeze import freeze_before_first_engine
 from picovllm.engine.block_manager import BlockManager, prefix_salt
 from picovllm.engine.detokenizer import Detokenizer, check_stop, stop_token
 from picovllm.engine.kv_connector import ConnectorReport, KVConnector
@@ -42,6 +41,7 @@ from picovllm.engine.pooling import engine_pooler, request_pooling
 from picovllm.engine.request import FinishReason, Request, RequestStatus
 from picovllm.engine.scheduler import Scheduler, SchedulerOutput
 from picovllm.engine.spec_decode import NgramProposer
+from picovllm.engine.step_log import STEP_LOG, Mark
 from picovllm.engine.step_input import StepInput
 from picovllm.layers.logits_processors import bad_words_token_ids
 from picovllm.layers.rotary import longrope_position_offset
@@ -58,31 +58,16 @@ if TYPE_CHECKING:
     from picovllm.disagg.channel import Channel
     from picovllm.disagg.transfer import TransferConfig
 
-# PICOVLLM_STEP_LOG=PATH (a debugging aid): every scheduled step's (wall time, prompt tokens, decodes, sequences,
-# requests waiting, the decodes' tokens, the engine thread's CPU time then, and, overlapped, the wall times at which
-# it was launched, the step before's result was read, Engine.step returned and it was prepared for the launch; then
-# the requests it schedules for the first time), written to PATH.<pid> as JSON when the process exits: how a served
-# engine's steps ran
-# (benchmarks/step_log.py sets them beside the planner's profile).
-# Python's garbage collections go to PATH.<pid>.gc: (start wall time, generation, seconds, objects collected).
-_STEP_LOG: list | None = [] if os.environ.get("PICOVLLM_STEP_LOG") else None
-if _STEP_LOG is not None:
-    _GC_LOG: list = []
+@dataclasses.dataclass
+class InFlight:
+    """Overlapped scheduling: the step launched and not read yet."""
+    sched: SchedulerOutput
+    launched: LaunchedStep
 
-    def _log_gc(phase: str, info: dict) -> None:
-        if phase == "start":
-            _GC_LOG.append([time.time(), info["generation"], time.perf_counter(), 0])
-        elif _GC_LOG:
-            _GC_LOG[-1][2:] = [time.perf_counter() - _GC_LOG[-1][2], info["collected"]]
-    gc.callbacks.append(_log_gc)
+    def all_finished(self) -> bool:
+        """Every request in it finished meanwhile (stopped, aborted): nothing of it is left to read."""
+        return all(c.request.is_finished for c in self.sched.chunks)
 
-    def _dump_step_log() -> None:
-        path = f"{os.environ['PICOVLLM_STEP_LOG']}.{os.getpid()}"
-        for name, log in ((path, _STEP_LOG), (path + ".gc", _GC_LOG)):
-            with open(name, "w") as f:
-                json.dump(log, f)
-    # multiprocessing's children skip atexit; its finalizers run in every process
-    multiprocessing.util.Finalize(None, _dump_step_log, exitpriority=100)
 
 class EngineClosedError(RuntimeError):
     """submit() after close(): the engine takes no more requests."""
@@ -96,9 +81,6 @@ def role_connector(role: str) -> KVConnector | None:
     from picovllm.disagg.decode import DecodeConnector
     from picovllm.disagg.prefill import PrefillConnector
     return PrefillConnector() if role == "p" else DecodeConnector()
-
-
-_gc_frozen = False      # the first Engine of this process has frozen what existed before it (Engine.__init__)
 
 
 def tokenizer_of(source, config: EngineConfig):
@@ -132,27 +114,16 @@ def open_tokenizer(name: str, disk_cache: bool = True):
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, runner: ModelRunner | Executor | None = None,
+    def __init__(self, config: EngineConfig, executor: ModelRunner | Executor | None = None,
                  connector: KVConnector | None = None) -> None:
-        """runner: run the model through this (a ModelRunner runs in this process) instead of the
+        """executor: run the model through this (a ModelRunner runs in this process) instead of the
         executor the config asks for (tests inject one); connector: instead of the role's."""
         self.config = config
         # as vLLM's: the generators unseeded sampling draws from start from config.seed, so the same requests in the
         # same order sample the same tokens run to run (a request's own seed makes it independent of the rest)
         random.seed(config.seed)
         torch.manual_seed(config.seed)
-        # Python's full garbage collections scan every tracked object: with torch, triton and transformers
-        # imported that is some 200k, ~100 ms a pass, which stalled steady decoding every few seconds. The first
-        # engine of a process moves what exists before it (the imports; garbage is collected first) out of the
-        # collector's reach for good. Only the first: a later engine would freeze earlier engines still alive,
-        # which could then never be collected once dropped. A flag of ours, not gc.get_freeze_count(): an
-        # interpreter may freeze its own few hundred start-up objects (the GPU image does), which had made every
-        # engine there skip this, and one full collection over the ~200k cost a D engine 2 ms a step at batch 256.
-        global _gc_frozen
-        if not _gc_frozen:
-            _gc_frozen = True
-            gc.collect()
-            gc.freeze()
+        freeze_before_first_engine()      # full garbage collections stay short (gc_freeze.py)
         source = engine_model_source(config)
         self.model_config = source.config
         self.tokenizer = tokenizer_of(source, config)
@@ -180,9 +151,9 @@ class Engine:
                              "EngineConfig.runner 'pooling' (--runner pooling)")
         # a pooling engine's pooler (engine/pooling.py): its requests are prompts to embed, never to decode
         self.pooler = engine_pooler(config.pooler_config, source.path) if config.runner == "pooling" else None
-        if isinstance(runner, ModelRunner):
-            runner = InProcessExecutor(runner)
-        self.executor: Executor = runner or self._make_runner(source)
+        if isinstance(executor, ModelRunner):
+            executor = InProcessExecutor(executor)
+        self.executor: Executor = executor or make_executor(config, source)   # in-process, or TP ranks
         num_blocks = self.executor.profile_num_blocks()
         self.executor.allocate_kv_cache(num_blocks)
         salt = prefix_salt(source.path, config.torch_dtype)
@@ -196,9 +167,11 @@ class Engine:
         self.detokenizer = Detokenizer(self.tokenizer)
         self.requests: dict[str, Request] = {}
         self.overlap = config.async_scheduling
+        if self.overlap and not self.executor.supports_overlap:
+            raise ValueError("EngineConfig.async_scheduling: this executor cannot launch a step behind one in flight")
         # every layer slides: blocks behind the window are given back as requests go (and at admission)
         self.window = self.scheduler.window = self._kv_window()
-        self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None   # overlap: launched, not read
+        self._in_flight: InFlight | None = None   # overlap: the step launched, not read yet
         self._stalled = False      # the last schedule changed nothing: its waiting requests wait for blocks or slots
         self._step_marks: list | None = None   # PICOVLLM_STEP_LOG: the last scheduled step's entry, if it has one
         self._ids = itertools.count()
@@ -219,10 +192,6 @@ class Engine:
         if self.config.role == "p" or not windows or None in windows:
             return None
         return max(windows)
-
-    def _make_runner(self, source) -> Executor:
-        """The executor the config asks for (in-process, or tensor-parallel ranks)."""
-        return make_executor(self.config, source)
 
     @property
     def runner(self) -> ModelRunner:
@@ -458,7 +427,7 @@ class Engine:
         answers = self.connector is None or self.connector.answers_for(req)
         req.finish(FinishReason.ABORT)
         self._drop(req)
-        if self._in_flight is not None and all(c.request.is_finished for c in self._in_flight[0].chunks):
+        if self._in_flight is not None and self._in_flight.all_finished():
             self._in_flight = None     # nothing of it is read: else has_work stays true and an idle loop spins
         return self.make_output(req) if answers else None
 
@@ -469,8 +438,7 @@ class Engine:
             del self.requests[req.request_id]
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or self._in_flight is not None and \
-            not all(c.request.is_finished for c in self._in_flight[0].chunks)
+        return self.scheduler.has_unfinished() or self._in_flight is not None and not self._in_flight.all_finished()
 
     def has_work(self) -> bool:
         """Anything to compute or a step's tokens to read, as opposed to requests only held for the
@@ -521,54 +489,62 @@ class Engine:
 
     def _step(self, unfinished_outputs: bool) -> list[RequestOutput]:
         outputs = self._poll_connector() if self.connector is not None else []
-        if self.overlap:
-            return outputs + self._overlapped_step(unfinished_outputs)
+        run = self._run_overlapped if self.overlap else self._run_serial
+        return outputs + run(unfinished_outputs)
+
+    def _run_serial(self, unfinished_outputs: bool) -> list[RequestOutput]:
+        """Schedule a step, run it, apply its results."""
         sched = self._schedule()
         if sched.is_empty():
-            return outputs
+            return []
         step, _ = self._prepare(sched)    # nothing is in flight: no mask waits for a token
-        result = self.executor.execute(step)
-        return outputs + self.postprocess(sched, result, unfinished_outputs)
+        return self.postprocess(sched, self.executor.execute(step), unfinished_outputs)
 
-    def _overlapped_step(self, unfinished_outputs: bool) -> list[RequestOutput]:
+    def _run_overlapped(self, unfinished_outputs: bool) -> list[RequestOutput]:
+        """Schedule and launch step N+1, then read step N (in flight) and apply its results (the module doc)."""
         try:
-            return self._overlapped_step_inner(unfinished_outputs)
+            sched = self._schedule()
+            launched, early = self._launch(sched) if not sched.is_empty() else (None, None)
+            self._mark(Mark.LAUNCHED)
+            outputs = self._apply_in_flight(early, unfinished_outputs)
+            self._in_flight = InFlight(sched, launched) if launched is not None else None
+            if self._in_flight is not None and self._in_flight.all_finished():
+                self._in_flight = None     # every request in it has finished meanwhile: nothing to read
+            self._mark(Mark.RETURNED)
+            return outputs
         except BaseException:
             self._in_flight = None     # a failed step is not read again (the caller aborts its requests)
             raise
 
-    def _overlapped_step_inner(self, unfinished_outputs: bool) -> list[RequestOutput]:
-        sched = self._schedule()
-        launched = early = None
-        if not sched.is_empty():
-            prev = self._in_flight[1] if self._in_flight else None
-            step, late = self._prepare(sched)
-            if self._step_marks is not None:
-                self._step_marks[10] = time.time()      # prepared (the step log's marks)
+    def _launch(self, sched: SchedulerOutput) -> tuple[LaunchedStep, StepResult | None]:
+        """Launch a step behind the one in flight, and account it. Constrained rows that wait on the step in flight's
+        tokens get their masks while the device computes this step's forward, which reads that step early: its
+        result is returned then (else None)."""
+        prev = self._in_flight
+        step, late = self._prepare(sched)
+        self._mark(Mark.PREPARED)
+        read: list[StepResult] = []
 
-            def fill_late_masks() -> None:     # runs while the device computes this step's forward
-                nonlocal early
-                early = self.executor.resolve(self._in_flight[1])
-                self._fill_late_masks(step, late, self._in_flight[0], early)
+        def fill_late_masks() -> None:     # the executor calls it before this step's sampling
+            read.append(self.executor.resolve(prev.launched))
+            self._fill_late_masks(step, late, prev.sched, read[0])
 
-            launched = self.executor.launch(step, prev, fill_late_masks if late else None)
-            self.advance(sched)
-        marks = self._step_marks if launched is not None else None
-        if marks is not None:
-            marks[7] = time.time()
-        outputs = []
-        if self._in_flight is not None:
-            done_sched, done = self._in_flight
-            result = early if early is not None else self.executor.resolve(done)
-            if marks is not None:
-                marks[8] = time.time()
-            outputs = self.apply_results(done_sched, result, unfinished_outputs)
-        self._in_flight = (sched, launched) if launched is not None else None
-        if launched is not None and all(c.request.is_finished for c in sched.chunks):
-            self._in_flight = None     # every request in it has finished meanwhile: nothing to read
-        if marks is not None:
-            marks[9] = time.time()
-        return outputs
+        launched = self.executor.launch(step, prev.launched if prev else None, fill_late_masks if late else None)
+        self.advance(sched)
+        return launched, (read[0] if read else None)
+
+    def _apply_in_flight(self, early: StepResult | None, unfinished_outputs: bool) -> list[RequestOutput]:
+        """The step in flight's results (read now, unless _launch read them early), applied."""
+        if self._in_flight is None:
+            return []
+        result = early if early is not None else self.executor.resolve(self._in_flight.launched)
+        self._mark(Mark.READ)
+        return self.apply_results(self._in_flight.sched, result, unfinished_outputs)
+
+    def _mark(self, mark: Mark) -> None:
+        """PICOVLLM_STEP_LOG: a wall time in the scheduled step's entry (engine/step_log.py)."""
+        if self._step_marks is not None:
+            self._step_marks[mark] = time.time()
 
     def _prepare(self, sched: SchedulerOutput) -> tuple[StepInput, list[tuple[int, Request]]]:
         """The executor's StepInput, with the masks of constrained rows whose grammar has taken every
@@ -625,15 +601,8 @@ class Engine:
         sched = self.scheduler.schedule()
         self._stalled = not (sched.chunks or sched.preempted or sched.kv_to_receive)
         now = time.time()
-        if _STEP_LOG is not None:
-            self._step_marks = None
-            if sched.chunks:
-                context = sum(c.request.num_tokens for c in sched.chunks if c.is_decode)
-                admitted = sum(c.request.metrics.first_scheduled_time is None for c in sched.chunks)
-                self._step_marks = [now, sched.num_tokens - sched.num_decodes, sched.num_decodes, len(sched.chunks),
-                                    len(self.scheduler.waiting), context, time.thread_time(), None, None, None,
-                                    None, admitted]
-                _STEP_LOG.append(self._step_marks)
+        if STEP_LOG is not None:     # before first_scheduled_time is set: the entry counts the requests admitted
+            self._step_marks = STEP_LOG.scheduled(sched, len(self.scheduler.waiting), now)
         for c in sched.chunks:
             if c.request.metrics.first_scheduled_time is None:
                 c.request.metrics.first_scheduled_time = now

@@ -24,7 +24,7 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from picovllm.config import EngineConfig
-from picovllm.entrypoints.openai.engine_client import EngineClient, freeze_for_serving
+from picovllm.entrypoints.openai.engine_client import EngineClient
 from picovllm.entrypoints.openai.metrics import ServerMetrics
 from picovllm.entrypoints.openai.middleware import APIKeyAuth, BodySizeLimit
 from picovllm.entrypoints.openai.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
@@ -36,6 +36,7 @@ from picovllm.entrypoints.openai.serving_embeddings import EmbeddingHandler, Emb
 from picovllm.entrypoints.openai.serving_responses import ResponsesHandler, ResponsesRequest
 from picovllm.entrypoints.openai.serving_tokenize import detokenize, tokenize
 from picovllm.entrypoints.openai.tokenizer_worker import TokenizerWorker
+from picovllm.gc_freeze import freeze_for_serving
 from picovllm.generation_config import describe, sampling_defaults
 from picovllm.loader.default_model import DEFAULT_FILE
 from picovllm.reasoning import reasoning_gate

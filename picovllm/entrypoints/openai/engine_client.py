@@ -11,23 +11,12 @@ Nothing here imports torch: a router or proxy serves the OpenAI API without it (
 from __future__ import annotations
 
 import asyncio
-import gc
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from picovllm.outputs import RequestOutput
 from picovllm.sampling_params import SamplingParams
-
-
-def freeze_for_serving() -> None:
-    """A serving process, its engine built and its app about to serve until the process ends: collect, then take
-    what exists out of the collector's reach, as the first engine did with the imports. The engine's warm-up, CUDA
-    graphs and the HTTP app leave ~250k more objects (one H200, a Qwen3-0.6B shape), over which a full collection
-    stalled the served engine ~140 ms every 10-15 s at 80 requests/s (BENCHMARKS.md, thirteenth session). Only
-    where the engine lives as long as the process: a frozen object in a reference cycle is never collected."""
-    gc.collect()
-    gc.freeze()
 
 
 class EngineStepError(RuntimeError):

@@ -40,7 +40,8 @@ from picovllm.disagg.messages import common_prefix
 from picovllm.engine.llm_engine import Engine, tokenizer_of
 from picovllm.entrypoints.openai.async_engine import AsyncEngine
 from picovllm.entrypoints.openai.engine_client import (AbortAll, AbortRequest, AddRequest, Command, EngineClient,
-                                                       EngineStepError, Shutdown, freeze_for_serving)
+                                                       EngineStepError, Shutdown)
+from picovllm.gc_freeze import freeze_for_serving
 from picovllm.loader import engine_model_source
 from picovllm.outputs import CompletionOutput, RequestOutput
 
