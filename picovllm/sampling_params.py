@@ -7,7 +7,7 @@ from dataclasses import KW_ONLY, dataclass
 from enum import IntEnum
 
 
-STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
 
 class RequestOutputKind(IntEnum):
@@ -25,7 +25,10 @@ class StructuredOutputsParams:
     """Exactly one of these constrains the output (vLLM's StructuredOutputsParams):
     json: a JSON schema (dict or its text); regex: the output fullmatches it; choice: the output is one of
     these strings; grammar: an EBNF (GBNF) grammar whose rule `root` the output matches; json_object: any
-    JSON object. `source`: the name the caller gave the constraint by (e.g. a request field), used in errors.
+    JSON object; structural_tag (vLLM's): xgrammar's structural tag as JSON text, either
+    {"type": "structural_tag", "format": {...}} or the older {"structures": [{"begin", "schema", "end"}, ...],
+    "triggers": [...]} (text is free until a trigger, then a structure's begin string, JSON its schema admits and
+    its end string). `source`: the name the caller gave the constraint by (e.g. a request field), used in errors.
     reasoning_parser (picovllm.reasoning.REASONING_PARSERS; picovllm's): the constraint governs the answer after a
     thinking model's <think> ... </think> block ("qwen3", "deepseek_r1", "glm45") or after GPT-OSS's
     `<|channel|>final<|message|>` ("openai_gptoss"), as EngineConfig.reasoning_parser does for every request (the
@@ -35,6 +38,7 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool = False
+    structural_tag: str | None = None
     source: str | None = None
     reasoning_parser: str | None = None
 
@@ -58,11 +62,12 @@ class StructuredOutputsParams:
                              f"{', '.join(STRUCTURED_KINDS)}, got {given or 'none'}")
         bad = ValueError(f"{self.field_name} must be " + {
             "json": "a JSON schema (an object or its JSON text)", "regex": "a string", "grammar": "a string",
-            "choice": "a non-empty list of strings", "json_object": "true"}[self.kind])
+            "choice": "a non-empty list of strings", "json_object": "true",
+            "structural_tag": "a structural tag's JSON text"}[self.kind])
         value = getattr(self, self.kind)
         if self.kind == "json" and not isinstance(value, (str, dict)):
             raise bad
-        if self.kind in ("regex", "grammar") and not isinstance(value, str):
+        if self.kind in ("regex", "grammar", "structural_tag") and not isinstance(value, str):
             raise bad
         if self.kind == "choice" and not (isinstance(value, list) and value
                                           and all(isinstance(c, str) for c in value)):

@@ -1296,7 +1296,7 @@ def test_responses_text_format_json_schema(server, client):
 
 @pytest.mark.parametrize("body, param", [
     ({"store": True}, "store"), ({"previous_response_id": "resp_1"}, "previous_response_id"),
-    ({"background": True}, "background"), ({"reasoning": {"effort": "low"}}, "reasoning.effort"),
+    ({"background": True}, "background"), ({"reasoning": {"effort": "extreme"}}, "reasoning.effort"),
     ({"reasoning": {"summary": "auto"}}, "reasoning.summary"),
     ({"include": ["message.output_text.logprobs", "file_search_call.results"]}, "include[1]"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0]"),

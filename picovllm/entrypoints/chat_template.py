@@ -115,6 +115,31 @@ def template_kwargs(conversation: list[dict], add_generation_prompt: bool, conti
     return dict(extra, add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message)
 
 
+# OpenAI's chat reasoning_effort values and DeepSeek V4's "max", as vLLM's ChatCompletionRequest takes them
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+
+
+def reasoning_effort_options(template: str | None, effort: str | None,
+                             chat_template_kwargs: dict | None) -> tuple[str | None, dict | None]:
+    """How a chat request's reasoning_effort reaches the template, as vLLM's build_chat_params passes it: as the
+    template's variable of that name (GPT-OSS's), and as enable_thinking = effort != "none" (Qwen3's switch; Gemma 4's,
+    off by default) unless chat_template_kwargs sets enable_thinking itself (that one wins). Returns (the effort for a
+    template with a reasoning_effort variable, else None; chat_template_kwargs, with enable_thinking where the template
+    reads it). ValueError naming reasoning_effort where the template reads neither: vLLM drops the variables a
+    template does not use, so the effort would be silently ignored, and a field here is honoured or refused."""
+    if effort is None or not template:     # (no template: the renderer's own 400)
+        return effort, chat_template_kwargs
+    takes_effort = re.search(r"\breasoning_effort\b", template) is not None
+    takes_thinking = re.search(r"\benable_thinking\b", template) is not None
+    if not (takes_effort or takes_thinking):
+        raise ValueError("reasoning_effort: the chat template reads neither reasoning_effort nor enable_thinking (send "
+                         "null or omit it)")
+    kwargs = chat_template_kwargs
+    if takes_thinking and "enable_thinking" not in (kwargs or {}):
+        kwargs = dict(kwargs or {}, enable_thinking=effort != "none")
+    return (effort if takes_effort else None), kwargs
+
+
 def _is_jinja(value: str) -> bool:
     return "{{" in value or "{%" in value
 

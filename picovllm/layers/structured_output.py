@@ -1,4 +1,4 @@
-"""Structured outputs: a grammar (JSON schema, regex, choice list, EBNF) compiled into per-token masks.
+"""Structured outputs: a grammar (JSON schema, regex, choice list, EBNF, structural tag) compiled into per-token masks.
 
 Compilation and matching are xgrammar's (chosen over llguidance by measured mask time: see BENCHMARKS.md).
 The request's side is `picovllm.sampling_params.StructuredOutputsParams` (torch-free). Each request with
@@ -16,7 +16,9 @@ device runs it) waits for step N's tokens, advances those requests' grammars and
 queues step N+1's sampling (Executor.launch's before_sampling). The host's grammar work overlaps the forward, and
 constrained requests decode every step, as without overlap.
 
-Compiled grammars are cached by xgrammar's compiler, one per engine (so per tokenizer), keyed by the grammar text.
+Compiled grammars are cached by xgrammar's compiler, one per engine (so per tokenizer), keyed by the grammar text
+(a structural tag's: its JSON text; xgrammar compiles it itself, its JSON schemas with xgrammar's own layout, free
+whitespace included, as vLLM's).
 
 With a reasoning parser (EngineConfig.reasoning_parser, vLLM's --reasoning-parser, for every request; or the
 request's StructuredOutputsParams.reasoning_parser, which the OpenAI front ends set, so that P and D engines need no
@@ -116,6 +118,55 @@ def json_schema_grammar(schema_text: str) -> str:
     # xgrammar prints a character as \xHH and reads \x greedily back ("\xb0C", the schema's "°C", as U+0B0C): \u00HH
     # reads exactly four digits
     return _HEX_ESCAPE.sub(lambda m: f"{m.group(1)}\\u00{m.group(2)}", ebnf)
+
+
+def structural_tag_text(text: str) -> str:
+    """A structural tag's JSON text as xgrammar 0.2.8's compile_structural_tag takes it: {"type": "structural_tag",
+    "format": ...} as it is, the older {"structures": [{"begin", "schema", "end"}, ...], "triggers": [...]} converted
+    (vLLM's xgrammar backend tells them apart the same way: by "structures"). ValueError on anything else, and on a
+    JSON schema in it with a keyword xgrammar would not enforce (as for `json`)."""
+    import xgrammar as xgr
+    tag = json.loads(text)
+    if not isinstance(tag, dict):
+        raise ValueError("a structural tag is a JSON object")
+    if "structures" not in tag:
+        _check_schemas(tag.get("format"), "/format")
+        return text
+    structures, triggers = tag["structures"], tag.get("triggers")
+    if not (isinstance(structures, list) and structures and isinstance(triggers, list) and triggers
+            and all(isinstance(t, str) for t in triggers)):
+        raise ValueError("structures and triggers must be non-empty lists (triggers of strings)")
+    items = []
+    for i, s in enumerate(structures):
+        if not (isinstance(s, dict) and isinstance(s.get("begin"), str) and isinstance(s.get("end"), str)
+                and isinstance(s.get("schema"), dict)):
+            raise ValueError(f"structures[{i}] must be an object with strings begin and end and a JSON schema object")
+        _refuse_unenforced(s["schema"], f"/structures/{i}/schema")
+        items.append(xgr.StructuralTagItem(begin=s["begin"], schema=s["schema"], end=s["end"]))
+    # (the same JSON text for the same tag: the compiler's cache is keyed by it)
+    return xgr.StructuralTag.from_legacy_structural_tag(items, triggers).model_dump_json(indent=None)
+
+
+def _check_schemas(fmt: Any, path: str) -> None:
+    """ValueError naming the first keyword xgrammar would not enforce in a JSON schema of a structural tag's format
+    (its json_schema formats, however deep in sequences, tags and alternatives)."""
+    if isinstance(fmt, list):
+        for i, sub in enumerate(fmt):
+            _check_schemas(sub, f"{path}/{i}")
+        return
+    if not isinstance(fmt, dict):
+        return
+    if fmt.get("type") == "json_schema":
+        _refuse_unenforced(fmt.get("json_schema"), f"{path}/json_schema")
+        return
+    for key, sub in fmt.items():
+        _check_schemas(sub, f"{path}/{key}")
+
+
+def _refuse_unenforced(schema: Any, path: str) -> None:
+    found = unenforced_keyword(schema, path)
+    if found is not None:
+        raise ValueError(f"{found}: the grammar backend (xgrammar) does not enforce it")
 
 
 def choice_grammar(choices: list[str]) -> str:
@@ -256,16 +307,14 @@ class StructuredOutputCompiler:
         """The compiled grammar; ValueError naming p's field when the schema, regex or grammar is bad."""
         try:
             return self._compile(p)
-        except (RuntimeError, ValueError, TypeError) as e:   # xgrammar raises these for bad input
+        except (RuntimeError, ValueError, TypeError) as e:   # xgrammar (and pydantic, under it) raise these
             raise ValueError(f"{p.field_name}: invalid {_WHAT[p.kind]}: {_first_line(e)}") from None
 
     def _compile(self, p: StructuredOutputsParams) -> Any:
         c = self._compiler
         if p.kind == "json":
             text = p.json if isinstance(p.json, str) else json.dumps(p.json)
-            found = unenforced_keyword(json.loads(text))   # (xgrammar's own message for bad JSON text is less clear)
-            if found is not None:
-                raise ValueError(f"{found}: the grammar backend (xgrammar) does not enforce it")
+            _refuse_unenforced(json.loads(text), "")     # (xgrammar's own message for bad JSON text is less clear)
             return c.compile_grammar(json_schema_grammar(text))
         if p.kind == "json_object":
             return c.compile_grammar(json_schema_grammar('{"type": "object"}'))
@@ -273,6 +322,8 @@ class StructuredOutputCompiler:
             return c.compile_regex(p.regex)
         if p.kind == "choice":
             return c.compile_grammar(choice_grammar(p.choice))
+        if p.kind == "structural_tag":
+            return c.compile_structural_tag(structural_tag_text(p.structural_tag))
         return c.compile_grammar(p.grammar)
 
     def new_state(self, p: StructuredOutputsParams, gate: ThinkTags | HarmonyTags | None = None,
@@ -290,7 +341,7 @@ class StructuredOutputCompiler:
 
 
 _WHAT = {"json": "JSON schema", "json_object": "JSON schema", "regex": "regular expression",
-         "choice": "choice list", "grammar": "EBNF grammar"}
+         "choice": "choice list", "grammar": "EBNF grammar", "structural_tag": "structural tag"}
 
 
 def _first_line(e: Exception) -> str:

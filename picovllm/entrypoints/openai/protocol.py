@@ -10,6 +10,7 @@ as OpenAI and vLLM do.
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 import uuid
 from typing import Annotated, Any, Literal
@@ -118,8 +119,26 @@ _RefusedCompletion = refusing_model("_RefusedCompletion", REFUSED_COMPLETION)
 
 
 class ResponseFormat(_Strict):
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: dict[str, Any] | None = None    # {"name", "description", "schema", "strict"}: schema is used
+    # structural_tag's two forms (vLLM's): xgrammar's {"format": {...}}, or the older structures
+    # ([{"begin", "schema", "end"}, ...]) with their triggers
+    format: dict[str, Any] | None = None
+    structures: list[dict[str, Any]] | None = None
+    triggers: list[str] | None = None
+
+    def structural_tag_text(self) -> str:
+        """The structural tag as one JSON text, as vLLM's protocol dumps it for its engine; ValueError unless exactly
+        one form is given (vLLM would quietly take the older one where both are)."""
+        older = self.structures is not None or self.triggers is not None
+        if older == (self.format is not None):
+            raise ValueError("response_format: a structural_tag takes either format or structures and triggers")
+        if older and (self.structures is None or self.triggers is None):
+            raise ValueError(f"response_format.{'triggers' if self.triggers is None else 'structures'} is required "
+                             f"with {'structures' if self.triggers is None else 'triggers'}")
+        if older:
+            return json.dumps({"type": "structural_tag", "structures": self.structures, "triggers": self.triggers})
+        return json.dumps({"type": "structural_tag", "format": self.format})
 
 
 # The ways a request may constrain its output, in the order they are named in errors; at most one per request.
@@ -134,7 +153,8 @@ class _StructuredRequest(_Strict):
     guided_regex: str | None = None
     guided_choice: Annotated[list[str], Field(min_length=1)] | None = None
     guided_grammar: str | None = None
-    structured_outputs: dict[str, Any] | None = None    # vLLM's: {"json" | "regex" | "choice" | "grammar" | ...}
+    # vLLM's: {"json" | "regex" | "choice" | "grammar" | "json_object" | "structural_tag" (JSON text): ...}
+    structured_outputs: dict[str, Any] | None = None
 
     def structured_output_params(self) -> StructuredOutputsParams | None:
         given = [f for f in STRUCTURED_FIELDS if getattr(self, f) is not None
@@ -157,6 +177,8 @@ class _StructuredRequest(_Strict):
         rf = self.response_format
         if rf.type == "json_object":
             return StructuredOutputsParams(json_object=True, source="response_format")
+        if rf.type == "structural_tag":
+            return StructuredOutputsParams(structural_tag=rf.structural_tag_text(), source="response_format")
         spec = rf.json_schema
         if not isinstance(spec, dict):
             raise ValueError("response_format.json_schema is required with type json_schema")
@@ -167,7 +189,7 @@ class _StructuredRequest(_Strict):
 
     def _known_keys(self) -> dict:
         so = self.structured_outputs
-        unknown = sorted(set(so) - {"json", "regex", "choice", "grammar", "json_object"})
+        unknown = sorted(set(so) - {"json", "regex", "choice", "grammar", "json_object", "structural_tag"})
         if unknown:
             raise ValueError(f"structured_outputs.{unknown[0]} is not supported")
         return so
@@ -437,8 +459,10 @@ class ChatCompletionRequest(_SamplingRequest, _RefusedChat, _ChatTemplateOptions
     add_special_tokens: bool = False     # vLLM's: the template holds the special tokens; True adds them again
     echo: bool = False                   # vLLM's: a reply to an assistant's last message starts with that message
     include_reasoning: bool = True       # vLLM's: false leaves the reasoning out (a server with --reasoning-parser)
-    # OpenAI's: the chat template's reasoning_effort variable (GPT-OSS's system message); a 400 where it has none
-    reasoning_effort: Literal["low", "medium", "high"] | None = None
+    # OpenAI's (vLLM's values: chat_template.REASONING_EFFORTS): the chat template's reasoning_effort variable
+    # (GPT-OSS's system message) and enable_thinking (Qwen3's), as vLLM passes them
+    # (chat_template.reasoning_effort_options)
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
 
     @property
     def echoed(self) -> str:

@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import Request, Response
 
-from picovllm.entrypoints.chat_template import resolved_template
+from picovllm.entrypoints.chat_template import reasoning_effort_options, resolved_template
 from picovllm.entrypoints.openai.harmony import ContentTokens, HarmonyStream, parse_harmony
 from picovllm.entrypoints.openai.protocol import APIError, ChatCompletionRequest
 from picovllm.entrypoints.openai.reasoning import ReasoningSplitter, opened_in_prompt, split_reasoning
@@ -53,12 +53,13 @@ class ChatHandler:
         # tool_choice "none": a template that renders the tools still gets them, as vLLM and transformers render them
         # (not the fallback's system message, which asks for calls)
         tools = policy.tools if policy.active or (renders and policy.tools) else None
+        effort, template_kwargs = self._reasoning_effort(req, tools)
         ids = await ctx.tokenizer.encode_chat(ctx.template_messages(req.messages), req.add_generation_prompt,
                                               req.add_special_tokens, tools=tools,
                                               continue_final_message=req.continue_final_message,
-                                              chat_template_kwargs=req.chat_template_kwargs,
+                                              chat_template_kwargs=template_kwargs,
                                               documents=req.documents, chat_template=req.chat_template,
-                                              reasoning_effort=req.reasoning_effort)
+                                              reasoning_effort=effort)
         ids = truncated(ids, req.truncate_prompt_tokens, ctx)
         check_room(ids, req.max_new_tokens, "max_tokens" if req.max_completion_tokens is None else
                    "max_completion_tokens", ctx)
@@ -106,6 +107,16 @@ class ChatHandler:
             extra["prompt_token_ids"] = list(out.prompt_token_ids)
         use = await self._usage(req, out, opened, harmony, header)
         return JSONBody(self._body(group.request_id, "chat.completion", choices, usage=use, **extra))
+
+    def _reasoning_effort(self, req: ChatCompletionRequest, tools: list | None) -> tuple[str | None, dict | None]:
+        """The reasoning_effort and chat_template_kwargs the template is rendered with (reasoning_effort_options:
+        vLLM's enable_thinking from the effort); a 400 naming reasoning_effort where the template reads neither."""
+        try:
+            template = resolved_template(self.ctx.tokenizer.tokenizer, req.chat_template, tools)
+            return reasoning_effort_options(template, req.reasoning_effort, req.chat_template_kwargs)
+        except ValueError as e:
+            param = "reasoning_effort" if str(e).startswith("reasoning_effort") else "messages"
+            raise APIError(400, str(e), param=param) from None
 
     async def _usage(self, req: ChatCompletionRequest, out: RequestOutput, opened: bool | None,
                      harmony: bool = False, header: str | None = None) -> dict:
