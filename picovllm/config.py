@@ -60,7 +60,9 @@ class ModelConfig:
     tie_word_embeddings: bool
     rope_scaling: dict | None = None
     attention_bias: bool = False   # Qwen2: bias on q/k/v
-    o_proj_bias: bool = False      # Seed-OSS (attention_out_bias), OLMo (attention_bias): bias on o_proj too
+    o_proj_bias: bool = False      # attention_bias where HF's o_proj takes it too (Llama, Qwen3, Gemma, OLMo, ...);
+                                   # Seed-OSS: attention_out_bias
+    mlp_bias: bool = False         # Llama, SmolLM3 (mlp_bias): biases on the gate, up and down projections
     qk_norm: bool = False          # Qwen3, Gemma 3: RMSNorm on q and k per head
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
@@ -69,7 +71,7 @@ class ModelConfig:
     sliding_layers: list[bool] | None = None       # which layers slide (None: all of them, if sliding_window)
     rope_local_theta: float | None = None          # Gemma 3: the sliding layers' rope base (no scaling)
     query_pre_attn_scalar: float | None = None     # Gemma: scores scaled by its -1/2 power, not head_dim's
-    attn_logit_softcapping: float | None = None    # Gemma 2: scores -> cap * tanh(scores / cap)
+    attn_logit_softcapping: float | None = None    # Gemma 2: scores -> cap * tanh(scores / cap) (not Gemma 3's)
     final_logit_softcapping: float | None = None   # Gemma 2: logits -> cap * tanh(logits / cap)
     num_experts: int = 0                           # MoE (Qwen3-MoE, Mixtral): routed experts per MoE layer
     num_experts_per_tok: int = 0                   # top-k
@@ -175,8 +177,7 @@ class ModelConfig:
             max_position_embeddings=scaled_context(cfg.get("max_position_embeddings", 4096), scaling),
             tie_word_embeddings=cfg.get("tie_word_embeddings", gemma or arch in COHERE),   # HF's defaults
             rope_scaling=scaling,
-            attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False))
-            or (arch == "Qwen2MoeForCausalLM" and bool(cfg.get("qkv_bias", True))),
+            attention_bias=_qkv_bias(cfg, arch),
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM", "Exaone4ForCausalLM")
             or (arch == "Glm4MoeForCausalLM" and bool(cfg.get("use_qk_norm"))),
             eos_token_ids=eos,
@@ -186,7 +187,8 @@ class ModelConfig:
             sliding_layers=sliding,
             rope_local_theta=None if local_rope is None else local_rope.get("rope_theta", 10000.0),
             query_pre_attn_scalar=cfg.get("query_pre_attn_scalar") if gemma else None,
-            attn_logit_softcapping=cfg.get("attn_logit_softcapping") if gemma else None,
+            # Gemma 3's HF attention never reads its config's attn_logit_softcapping (only Gemma 2's caps scores)
+            attn_logit_softcapping=cfg.get("attn_logit_softcapping") if arch == "Gemma2ForCausalLM" else None,
             final_logit_softcapping=cfg.get("final_logit_softcapping") if gemma else None,
             num_experts=experts,
             num_experts_per_tok=cfg.get("num_experts_per_tok", 0) if experts else 0,
@@ -199,6 +201,8 @@ class ModelConfig:
             rotary_dim=None if rotary_dim == head_dim else rotary_dim,
             has_lm_head=not bare,
             **_matryoshka(cfg),
+            **_o_proj_bias(cfg, arch),
+            **_mlp_bias(cfg, arch),
             **_granite(cfg, arch),
             **_cohere(cfg, arch),
             **_gpt_oss(cfg, arch),
@@ -227,14 +231,22 @@ def _ropes(cfg: dict[str, Any]) -> tuple[dict, dict | None]:
     return rope, local
 
 
+# the families whose sliding window is switched on by use_sliding_window (transformers' default: off)
+_USE_SLIDING_WINDOW = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
+                       "SmolLM3ForCausalLM")
+
+
 def _sliding_window(cfg: dict[str, Any], arch: str, layers: int) -> tuple[int | None, list[bool] | None]:
-    """(window, which layers slide): HF's rules per family. Mistral, Mixtral, Phi-3: every layer; Qwen: with
-    use_sliding_window, the layers from max_window_layers on; Gemma 2: every other layer, from the first;
-    Gemma 3, Cohere 2, EXAONE 4: all but every sliding_window_pattern-th; OLMo 3: all but every 4th. A config's
-    layer_types overrides the rule."""
-    window = cfg.get("sliding_window")
-    if window is None or cfg.get("use_sliding_window", True) is False:
+    """(window, which layers slide): HF's rules per family. Mistral, Mixtral, Phi-3: every layer; Qwen2, Qwen3: with
+    use_sliding_window (off unless set, as in transformers' configs), the layers from max_window_layers (default 28)
+    on; Qwen3-MoE: with it, every layer; Gemma 2: every other layer, from the first; Gemma 3, Cohere 2, EXAONE 4: all
+    but every sliding_window_pattern-th; OLMo 3: all but every 4th. A config's layer_types overrides the rule (but
+    Qwen3-MoE's, which HF's model does not read)."""
+    window, use = cfg.get("sliding_window"), cfg.get("use_sliding_window")
+    if window is None or use is False or (arch in _USE_SLIDING_WINDOW and not use):
         return None, None
+    if arch == "Qwen3MoeForCausalLM":
+        return int(window), [True] * layers
     types = cfg.get("layer_types")
     if types is None and arch in ("Qwen2MoeForCausalLM", "SmolLM3ForCausalLM"):
         raise ValueError(f"config.json use_sliding_window without layer_types: which layers of {arch} slide is not "
@@ -253,7 +265,7 @@ def _sliding_window(cfg: dict[str, Any], arch: str, layers: int) -> tuple[int | 
     elif arch == "Olmo3ForCausalLM":
         sliding = [(i + 1) % 4 != 0 for i in range(layers)]
     elif arch.startswith("Qwen"):
-        sliding = [i >= cfg.get("max_window_layers", layers) for i in range(layers)]
+        sliding = [i >= cfg.get("max_window_layers", 28) for i in range(layers)]
     else:
         sliding = [True] * layers
     return (int(window), sliding) if any(sliding) else (None, None)
@@ -290,6 +302,41 @@ def _matryoshka(cfg: dict[str, Any]) -> dict[str, Any]:
     return dict(is_matryoshka=bool(cfg.get("is_matryoshka")) or dims is not None, matryoshka_dimensions=dims)
 
 
+# Where HF's attention reads attention_bias (config.json may hold it for any family; HF's own classes decide): these
+# families' q/k/v never take it (Qwen2's always have biases, Qwen2-MoE's follow qkv_bias, ERNIE's use_bias) ...
+_QKV_BIAS_FIXED = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM", "Exaone4ForCausalLM",
+                   "Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Ernie4_5ForCausalLM")
+# ... and these put it on o_proj too (OLMo's and Seed-OSS's in _olmo and _seed_oss; GPT-OSS's and DeepSeek's models
+# read attention_bias themselves)
+_O_BIAS_FROM_ATTENTION_BIAS = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma2ForCausalLM",
+                               "Gemma3ForCausalLM", "GraniteForCausalLM", "SmolLM3ForCausalLM", "CohereForCausalLM",
+                               "Cohere2ForCausalLM")
+# the families whose HF MLP takes mlp_bias (gate, up and down) and whose MLP biases are read; the others' HF MLPs
+# have none whatever it says (Granite's and Seed-OSS's are refused in _granite and _seed_oss)
+_MLP_BIAS = ("LlamaForCausalLM", "SmolLM3ForCausalLM")
+
+
+def _qkv_bias(cfg: dict[str, Any], arch: str) -> bool:
+    """Whether q, k and v have biases, as HF's attention of the family decides."""
+    if arch == "Qwen2ForCausalLM":
+        return True
+    if arch == "Qwen2MoeForCausalLM":
+        return bool(cfg.get("qkv_bias", True))
+    return arch not in _QKV_BIAS_FIXED and bool(cfg.get("attention_bias", False))
+
+
+def _o_proj_bias(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
+    """o_proj's bias where HF's o_proj takes attention_bias (Llama, Qwen3, Gemma, Granite, SmolLM3, Cohere)."""
+    return dict(o_proj_bias=bool(cfg.get("attention_bias", False))) if arch in _O_BIAS_FROM_ATTENTION_BIAS else {}
+
+
+def _mlp_bias(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
+    """mlp_bias where HF's MLP takes it; DeepSeek-V2's (its dense and shared-expert MLPs) is refused."""
+    if arch == "DeepseekV2ForCausalLM" and cfg.get("mlp_bias"):
+        raise ValueError("config.json mlp_bias=true: DeepSeek-V2's MLP biases are unsupported")
+    return dict(mlp_bias=bool(cfg.get("mlp_bias", False))) if arch in _MLP_BIAS else {}
+
+
 def _granite(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
     """Granite's four scalings (HF's defaults where a field is missing; the others' neutral values)."""
     if arch != "GraniteForCausalLM":
@@ -324,7 +371,8 @@ def _gpt_oss(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
 # transformers' defaults of the fields a config.json of these families may leave out (HF's save_pretrained writes only
 # the fields that differ from them) where they differ from the shared ones; rope_theta's: _DEFAULT_THETA
 _FAMILY_DEFAULTS = {       # transformers' config classes' defaults where they differ from the generic ones
-    "Phi3ForCausalLM": dict(rms_norm_eps=1e-5),
+    # Phi3Config's original_max_position_embeddings (4096) is what HF takes over the rope parameters' own
+    "Phi3ForCausalLM": dict(rms_norm_eps=1e-5, original_max_position_embeddings=4096),
     "MixtralForCausalLM": dict(rms_norm_eps=1e-5),
     "Gemma2ForCausalLM": dict(hidden_activation="gelu_pytorch_tanh"),
     "Gemma3ForCausalLM": dict(hidden_activation="gelu_pytorch_tanh"),
@@ -584,25 +632,35 @@ def scaled_context(max_position: int, scaling: dict | None) -> int:
 
 
 def _rope_scaling(rs: dict[str, Any], cfg: dict[str, Any] | None = None) -> dict | None:
+    """A config's rope parameters as the scaling the rotary table applies (None: the default rope); another
+    rope_type is refused naming the field. The original context of llama3, yarn and longrope is HF's: the top-level
+    original_max_position_embeddings (Phi-3's place) over the rope parameters'; where neither has one, llama3's is
+    max_position_embeddings (HF's fallback), and yarn and longrope are refused (vLLM requires it too)."""
     kind = rs.get("rope_type", rs.get("type"))
     if kind in (None, "default"):
+        return None
+    if kind == "dynamic":
+        # HF's dynamic NTK rope is the default rope at every position below max_position_embeddings (its base only
+        # grows once a sequence passes that length), and the model's context stops there (scaled_context)
         return None
     if kind == "su":                     # Phi-3's first name for LongRoPE
         kind = "longrope"
     if kind not in ("llama3", "linear", "longrope", "yarn"):
-        raise ValueError(f"config.json rope_scaling.rope_type={kind!r}: only 'llama3', 'linear', 'yarn' and "
-                         "'longrope' are supported")
+        raise ValueError(f"config.json rope_scaling.rope_type={kind!r}: only 'llama3', 'linear', 'yarn', 'longrope' "
+                         "and 'dynamic' are supported")
     out = dict(rs, rope_type=kind)
+    if kind == "linear":
+        return out
+    cfg = cfg or {}
+    orig = cfg.get("original_max_position_embeddings") or rs.get("original_max_position_embeddings")
+    if kind == "llama3":
+        out.update(original_max_position_embeddings=int(orig or cfg.get("max_position_embeddings", 8192)))
     if kind == "yarn":                   # Qwen's long-context setting: factor x the original context
-        cfg = cfg or {}
-        orig = cfg.get("original_max_position_embeddings") or rs.get("original_max_position_embeddings")   # HF's order
         if not orig:
             raise ValueError("config.json rope_scaling (yarn) needs original_max_position_embeddings")
         out.update(original_max_position_embeddings=int(orig),
                    factor=float(rs.get("factor") or cfg.get("max_position_embeddings", orig) / orig))
     if kind == "longrope":               # Phi-3: per-frequency factors, short below the original context
-        cfg = cfg or {}
-        orig = cfg.get("original_max_position_embeddings") or rs.get("original_max_position_embeddings")   # HF's order
         if not orig or "short_factor" not in rs or "long_factor" not in rs:
             raise ValueError("config.json rope_scaling (longrope) needs short_factor, long_factor and "
                              "original_max_position_embeddings")

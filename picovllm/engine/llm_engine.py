@@ -553,18 +553,18 @@ class Engine:
         late: list[tuple[int, Request]] = []
         if self._structured is None:
             return step, late
-        rows, states, ahead, row = [], [], [], 0
-        for chunk in sched.chunks:
+        rows, states, ahead = [], [], []
+        for row, chunk in sched.sampling_chunks():
             req = chunk.request
-            if chunk.samples and req.grammar is not None:
-                if chunk.drafts:        # a row a draft: each with the grammar advanced by the drafts before it
-                    ahead.append((row, req.grammar, chunk.drafts))
-                elif req.num_pending_tokens:
-                    late.append((row, req))
-                elif req.grammar.masked:
-                    rows.append(row)
-                    states.append(req.grammar)
-            row += chunk.num_samples
+            if req.grammar is None:
+                continue
+            if chunk.drafts:        # a row a draft: each with the grammar advanced by the drafts before it
+                ahead.append((row, req.grammar, chunk.drafts))
+            elif req.num_pending_tokens:
+                late.append((row, req))
+            elif req.grammar.masked:
+                rows.append(row)
+                states.append(req.grammar)
         if rows or late or ahead:
             if self._bitmasks is None:
                 self._bitmasks = BitmaskBuffers(self.model_config.vocab_size, self.executor.device)
@@ -717,19 +717,16 @@ class Engine:
             if pos + 1 == len(scored):   # else scored before a preemption, or the request is gone
                 self._decode_tokens(logprobs)
                 scored.append(logprobs)
-        outputs, sampled, row = [], list(zip(result.token_ids, result.logprobs)), 0
-        for chunk in sched.chunks:
-            if not chunk.samples:
-                continue
+        outputs, sampled = [], list(zip(result.token_ids, result.logprobs))
+        for row, chunk in sched.sampling_chunks():
             token, logprobs = sampled[row]
             req = chunk.request
-            row += chunk.num_samples
             if req.is_finished:      # finished or aborted while this step ran: its token is dropped
                 continue
             req.num_pending_tokens -= 1
             self.append_token(req, token, logprobs, now)
-            if chunk.drafts:
-                self._keep_drafts(req, chunk.drafts, sampled[row - len(chunk.drafts):row], now)
+            if chunk.drafts:         # the rows after the token's: one a draft
+                self._keep_drafts(req, chunk.drafts, sampled[row + 1:row + chunk.num_samples], now)
             self.block_manager.cache_full_blocks(req)   # a block ending in this token may be full now
             if req.is_finished or (unfinished_outputs and self._streams_now(req)
                                    and req.params.output_kind != RequestOutputKind.FINAL_ONLY):

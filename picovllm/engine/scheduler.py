@@ -18,6 +18,7 @@ its questions, the engine applies what the connector reports through release() a
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -72,6 +73,15 @@ class SchedulerOutput:
 
     def is_empty(self) -> bool:
         return not self.chunks
+
+    def sampling_chunks(self) -> Iterator[tuple[int, ScheduledChunk]]:
+        """(first row, chunk) for each chunk that samples: its rows of the step's sampled tokens are that row and the
+        num_samples - 1 after it (its token, then one a draft)."""
+        row = 0
+        for chunk in self.chunks:
+            if chunk.samples:
+                yield row, chunk
+                row += chunk.num_samples
 
 
 class Scheduler:

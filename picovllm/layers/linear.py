@@ -121,10 +121,9 @@ class RowParallelLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = False, tp: TPGroup = SINGLE,
                  in_shard: tuple[int, int] | None = None, reduce: bool = True) -> None:
         """in_shard: (first, count) of the input features this rank holds, when not an even split. reduce: False
-        leaves the ranks' partial sums for the caller to add up (with others, in one all-reduce)."""
+        leaves the ranks' partial sums for the caller to add up (with others, in one all-reduce); a bias then enters
+        rank 0's sum only, so that it is added once."""
         super().__init__()
-        if not reduce and bias:
-            raise ValueError("RowParallelLinear(reduce=False) with a bias: each rank would add it")
         self.reduce = reduce
         if in_shard is None:
             assert in_features % tp.size == 0, f"in_features {in_features} not divisible by tp size {tp.size}"
@@ -159,6 +158,8 @@ class RowParallelLinear(nn.Module):
     def _finish(self, y: torch.Tensor) -> torch.Tensor:
         if self.reduce:
             y = self.tp.all_reduce(y)
+        elif self.tp.rank != 0:       # a partial sum the caller reduces (Cohere's parallel block): rank 0 adds the bias
+            return y
         return y if self.bias is None else y + self.bias
 
 

@@ -52,7 +52,7 @@ def load_weights(model: nn.Module, weights: WeightIterator, elsewhere: frozenset
             expected |= {f"{name}#{shard}" for shard in p.shard_ids}
         elif name.endswith("qkv_proj.weight") or name.endswith("qkv_proj.bias"):
             expected |= {f"{name}#q", f"{name}#k", f"{name}#v"}
-        elif name.endswith("gate_up_proj.weight"):
+        elif name.endswith(("gate_up_proj.weight", "gate_up_proj.bias")):   # mlp_bias: gate's and up's biases
             expected |= {f"{name}#0", f"{name}#1"}
         else:
             expected.add(name)

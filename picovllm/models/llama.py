@@ -80,8 +80,9 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup) -> None:
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, tp=tp)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp=tp)
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2,
+                                                       bias=cfg.mlp_bias, tp=tp)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias, tp=tp)
         self.act = gated_activation(cfg.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
