@@ -154,12 +154,12 @@ def test_chunked_prefill_budget_and_max_num_seqs():
         out = s.schedule()
         assert plan(out) == want
         run_step(s, out)
-    s.remove(r1)
+    s.finish(r1)
     out = s.schedule()
     assert plan(out) == [("r2", 1), ("r3", 3)]
     run_step(s, out)
-    s.remove(r2)
-    s.remove(r3)
+    s.finish(r2)
+    s.finish(r3)
     assert not s.has_unfinished() and bm.num_free_blocks == 100
 
 
@@ -176,8 +176,8 @@ def test_decodes_are_never_starved_by_prefills():
         out = s.schedule()
         assert plan(out) == [("s", 1), ("l", 3)]
         run_step(s, out)
-    s.remove(short)
-    s.remove(long_)
+    s.finish(short)
+    s.finish(long_)
 
 
 def test_preempted_request_resumes_from_its_cached_blocks():
@@ -195,14 +195,14 @@ def test_preempted_request_resumes_from_its_cached_blocks():
     assert r2.status == RequestStatus.WAITING and r2.block_table == [] and list(s.waiting) == [r2]
     assert r1.block_table == [0, 1, 3]         # r2's unhashed tail block went first
     run_step(s, out)
-    s.remove(r1)                               # r1 finishes
+    s.finish(r1)                               # r1 finishes
     queried, hit = bm.queried_tokens, bm.hit_tokens
     out = s.schedule()
     # r2 = 7 prompt + 1 output token; its first block comes back from the cache, 4 tokens remain
     assert plan(out) == [("r2", 4)] and r2.num_cached_tokens == 4 and r2.block_table[0] == 2
     assert (bm.queried_tokens - queried, bm.hit_tokens - hit) == (8, 4)
     run_step(s, out)
-    s.remove(r2)
+    s.finish(r2)
     assert bm.num_free_blocks == bm.num_blocks
 
 
@@ -213,7 +213,7 @@ def test_hit_rate_counts_each_admission_once():
     warm = req("warm", list(range(9)))
     s.add(warm)
     run_step(s, s.schedule())
-    s.remove(warm)                             # blocks 0, 1 cached
+    s.finish(warm)                             # blocks 0, 1 cached
     big = req("big", [50] * 9)                 # holds the 3 other blocks, room for 3 decode steps
     s.add(big)
     run_step(s, s.schedule())
@@ -225,12 +225,12 @@ def test_hit_rate_counts_each_admission_once():
         assert plan(out) == [("big", 1)]
         run_step(s, out)
     assert (bm.queried_tokens, bm.hit_tokens) == before     # not admitted: nothing counted yet
-    s.remove(big)
+    s.finish(big)
     out = s.schedule()
     assert plan(out) == [("late", 3)] and late.num_cached_tokens == 8
     assert (bm.queried_tokens - before[0], bm.hit_tokens - before[1]) == (11, 8)
     run_step(s, out)
-    s.remove(late)
+    s.finish(late)
     assert bm.num_free_blocks == bm.num_blocks
 
 

@@ -212,8 +212,8 @@ def structured_requests_speculate(chat_model, seed, engine: dict) -> None:
                              **temp)]
     plain = LLM(chat_model, **engine).generate(prompts, params, use_tqdm=False)
     llm = LLM(chat_model, speculative_config=SPEC, **engine)
-    spied, real = [], llm.engine.scheduler.drafts
-    llm.engine.scheduler.drafts = lambda req, room, running: spied.append(
+    spied, real = [], llm.engine.scheduler.propose_drafts
+    llm.engine.scheduler.propose_drafts = lambda req, room, running: spied.append(
         (req.grammar is not None, len(d := real(req, room, running)))) or d
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
@@ -298,7 +298,7 @@ def test_drafts_leave_every_decode_its_token_and_never_preempt():
     def decoding(num_blocks, n, budget):
         """n requests of 3 prompt tokens and one output (one block of 4 each), decoding."""
         bm = BlockManager(num_blocks, 4, enable_prefix_caching=False)
-        s = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=budget, drafts=drafts)
+        s = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=budget, propose_drafts=drafts)
         reqs = [Request(f"r{i}", [1, 2, 3], SamplingParams(temperature=0, max_tokens=50)) for i in range(n)]
         for r in reqs:
             s.add(r)

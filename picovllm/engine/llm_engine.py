@@ -161,16 +161,17 @@ class Engine:
         self.connector = connector if connector is not None else role_connector(config.role)
         spec = config.speculative_config      # speculative decoding: the drafts' proposer (engine/spec_decode.py)
         self.proposer = NgramProposer(spec, self.max_model_len, config.async_scheduling) if spec is not None else None
+        # every layer slides: blocks behind the window are given back as requests go (and at admission)
+        self.window = self._kv_window()
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.connector, config.scheduling_policy, self.proposer, config.max_decode_rows)
+                                   self.connector, config.scheduling_policy, self.proposer, config.max_decode_rows,
+                                   self.window)
         self.closed = False            # close() was called: submit() refuses
         self.detokenizer = Detokenizer(self.tokenizer)
         self.requests: dict[str, Request] = {}
         self.overlap = config.async_scheduling
         if self.overlap and not self.executor.supports_overlap:
             raise ValueError("EngineConfig.async_scheduling: this executor cannot launch a step behind one in flight")
-        # every layer slides: blocks behind the window are given back as requests go (and at admission)
-        self.window = self.scheduler.window = self._kv_window()
         self._in_flight: InFlight | None = None   # overlap: the step launched, not read yet
         self._stalled = False      # the last schedule changed nothing: its waiting requests wait for blocks or slots
         self._step_marks: list | None = None   # PICOVLLM_STEP_LOG: the last scheduled step's entry, if it has one
@@ -434,7 +435,7 @@ class Engine:
     def _drop(self, req: Request) -> None:
         """A finished request leaves the scheduler; it stays listed while the connector holds its blocks."""
         self._stalled = False              # its slot (and blocks) may admit a waiting request: schedule again
-        if not self.scheduler.remove(req):
+        if not self.scheduler.finish(req):    # else held: listed until the connector releases it
             del self.requests[req.request_id]
 
     def has_unfinished_requests(self) -> bool:

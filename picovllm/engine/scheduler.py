@@ -87,17 +87,18 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  connector: KVConnector | None = None, policy: str = "fcfs",
-                 drafts: Callable[[Request, int, int], list[int]] | None = None,
-                 max_decode_rows: int | None = None) -> None:
+                 propose_drafts: Callable[[Request, int, int], list[int]] | None = None,
+                 max_decode_rows: int | None = None, window: int | None = None) -> None:
         self.block_manager = block_manager
         self.max_decode_rows = max_decode_rows or max_num_seqs    # decode rows a step may have, drafts included
         # speculative decoding: (a decoding request, the most it may take, the running requests) -> the tokens
         # drafted for its next step
-        self.drafts = drafts
+        self.propose_drafts = propose_drafts
         self.by_priority = policy == "priority"
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.window: int | None = None     # every layer's KV window (the engine's): blocks behind it are not read
+        self.window = window     # every layer's KV window (the engine's; None: some layer attends to all): blocks
+                                 # behind it are not read
         self.connector = connector
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []   # admission order; the last is preempted first
@@ -145,7 +146,7 @@ class Scheduler:
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             drafts = []
-            if self.drafts is not None and n == 1:    # what the budget leaves after a token for each decode to come
+            if self.propose_drafts is not None and n == 1:    # what the budget leaves after a token for each decode to come
                 drafts = self._draft(req, min(budget - n - max(0, len(decodes) - i - 1), draft_rows))
                 draft_rows -= len(drafts)
             if not self._reserve(req, n + len(drafts), out):
@@ -162,7 +163,7 @@ class Scheduler:
         request: speculation never preempts anyone."""
         if req.status != RequestStatus.DECODING or room <= 0:
             return []
-        drafts = self.drafts(req, room, len(self.running))
+        drafts = self.propose_drafts(req, room, len(self.running))
         bm = self.block_manager
         if drafts and bm.blocks_needed(req, req.num_tokens + len(drafts)) > bm.num_free_blocks - len(self.running):
             return []
@@ -253,9 +254,9 @@ class Scheduler:
         else:
             self.waiting.appendleft(req)
 
-    def remove(self, req: Request) -> bool:
-        """Take a request out of the queues (finished, aborted or failed) and free its blocks, unless
-        the connector still uses them: then it stays held until release(). Returns whether it does."""
+    def finish(self, req: Request) -> bool:
+        """Take a finished (or aborted, or failed) request out of the queues and free its blocks, unless the
+        connector still uses them: then it stays held until release(). Returns whether it is held."""
         if self.connector is not None and self.connector.request_finished(req):
             self._unqueue(req)
             self.held[req.request_id] = req
