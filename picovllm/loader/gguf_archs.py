@@ -469,6 +469,8 @@ def _gemma(meta: dict, p: str, arch: str, hidden: int, heads: int, head_dim: int
         scalar = hidden / heads if layers == {"gemma2": 46, "gemma3": 62}[arch] else head_dim
     caps = {k: float(meta[p + k]) if meta.get(p + k) else None
             for k in ("attn_logit_softcapping", "final_logit_softcapping")}
+    if arch == "gemma3":      # Gemma 3 caps no attention scores (its q/k norms instead): llama.cpp's and HF's models
+        caps["attn_logit_softcapping"] = None
     local = float(meta.get(p + "rope.freq_base_swa", 10000.0)) if arch == "gemma3" else None
     return dict(hidden_act="gelu_pytorch_tanh", query_pre_attn_scalar=scalar, rope_local_theta=local, **caps)
 
