@@ -3,12 +3,15 @@ and a disaggregated run's engine workers are its callers, not copies of it: each
 input comes from (take_input) and what to do with the outputs.
 
 An iteration: take the caller's input, waiting for it only while the engine has nothing to compute,
-then step once. How long it may wait is the loop's one policy, the same for every caller:
+then step once. How long it may wait (wait_s, handed to take_input) is the loop's rule:
 
     something to compute or to read back (a step in flight)    0: step at once
     a connector (roles p, d): the peer may speak at any time   POLL_S, or IN_FLIGHT_POLL_S while a
                                                                transfer may end with no message
     nothing at all                                             until input comes (None)
+
+A caller's take_input may wait otherwise when the loop may wait at all: a served P or D engine
+(disagg/pd_http.py, disagg/fleet_server.py: _poll_timeout) polls its peer on intervals of its own.
 """
 from __future__ import annotations
 
