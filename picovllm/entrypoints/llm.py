@@ -10,15 +10,14 @@ from tqdm import tqdm
 
 from picovllm.config import EngineConfig
 from picovllm.engine.llm_engine import Engine
-from picovllm.engine.request import RequestStatus
 from picovllm.engine.step_loop import StepLoop
 from picovllm.entrypoints.beam_search import BeamSearchOutput, BeamSearchParams, search, step_params
-from picovllm.entrypoints.parallel_sampling import merge_samples, sample_params
+from picovllm.entrypoints.parallel_sampling import SampleBatch
 from picovllm.generation_config import sampling_defaults
 from picovllm.outputs import (EmbeddingOutput, EmbeddingRequestOutput, PoolingOutput, PoolingRequestOutput,
                               RequestOutput)
 from picovllm.pooling_params import PoolingParams
-from picovllm.sampling_params import RequestOutputKind, SamplingParams
+from picovllm.sampling_params import SamplingParams
 
 Prompt = str | list[int] | dict
 
@@ -85,6 +84,19 @@ def _progress_bar(use_tqdm, total: int, desc: str):
                                                       dynamic_ncols=True)
 
 
+class _TokenRates:
+    """The progress bar's prefill and decode rates since a run began (the engine's token counts)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine, self.t0, self.start = engine, time.time(), dict(engine.stats)
+
+    def text(self) -> str:
+        dt = max(time.time() - self.t0, 1e-9)
+        now = self.engine.stats
+        return (f"prefill {(now['prefill_tokens'] - self.start['prefill_tokens']) / dt:.0f} tok/s, "
+                f"decode {(now['decode_tokens'] - self.start['decode_tokens']) / dt:.0f} tok/s")
+
+
 # vLLM's older task= argument -> EngineConfig.runner (its other tasks, classify, score, reward, ..., are not run here)
 TASK_RUNNERS = {"auto": "auto", "generate": "generate", "embed": "pooling", "embedding": "pooling"}
 
@@ -145,15 +157,14 @@ class LLM:
         prompts, params = normalize_prompts(prompts, sampling_params)
         params = [self._checked_params(sp, tokenization_kwargs) for sp in params]
         priorities = self._priorities(priority, len(prompts))
-        groups: list[list[str]] = []          # per prompt: its samples' request ids
-        siblings: dict[str, tuple] = {}      # first sample's id -> (prompt, the other samples' params, group)
+        batch = SampleBatch(self.engine)
         try:
             for p, sp, pr in zip(prompts, params, priorities):
-                groups.append(self._add_samples(p, sp, siblings, pr))
+                batch.add(p, sp, pr)
         except Exception:
-            self._abort(groups)      # leave the engine as we found it
+            batch.abort()      # leave the engine as we found it
             raise
-        outs = self._run_samples(groups, siblings, use_tqdm)
+        outs = self.run_batch(batch, use_tqdm)
         for out, text in zip(outs, texts):
             if text is not None:
                 out.prompt = text
@@ -182,67 +193,34 @@ class LLM:
             raise ValueError(f"priority must be a list with one int per prompt ({n}), got {priority!r}")
         return list(priority)
 
-    def _add_samples(self, prompt: Prompt, params: SamplingParams, siblings: dict[str, tuple],
-                     priority: int = 0) -> list[str]:
-        """Add a prompt's first sample; the others wait in siblings until it has computed the prompt.
-        Returns the group of request ids (it grows as the siblings are added). Raises ValueError as
-        Engine.add_request does, having added nothing."""
-        if params.output_kind != RequestOutputKind.FINAL_ONLY:    # whole outputs here, as vLLM's LLM returns
-            params = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
-        samples = sample_params(params)
-        group = [self.engine.add_request(prompt, samples[0], priority=priority)]
-        if len(samples) > 1:
-            siblings[group[0]] = (prompt, samples[1:], group, priority)
-        return group
-
-    def _run_samples(self, groups: list[list[str]], siblings: dict[str, tuple], use_tqdm: bool) -> list[RequestOutput]:
-        """Step until every group's samples finish: one RequestOutput per group, its samples merged."""
-        total = sum(len(g) for g in groups) + sum(len(s[1]) for s in siblings.values())
-        final = self._run_groups(groups, siblings, total, use_tqdm)
-        return [final[g[0]] if len(g) == 1 else merge_samples(g[0], [final[i] for i in g]) for g in groups]
-
-    def _abort(self, groups: list[list[str]], final: dict | None = None) -> None:
-        for rid in (i for g in groups for i in g):
-            if final is None or rid not in final:
-                self.engine.abort(rid)
-
-    def _add_siblings(self, siblings: dict[str, tuple]) -> None:
-        """Add the other samples of each prompt whose first sample has computed the prompt (or ended)."""
-        for first, (prompt, params, group, priority) in list(siblings.items()):
-            req = self.engine.requests.get(first)
-            if req is None or req.status == RequestStatus.DECODING:   # its full blocks are cached now
-                group.extend(self.engine.add_request(prompt, sp, priority=priority) for sp in params)
-                del siblings[first]
-
-    def _run_groups(self, groups: list[list[str]], siblings: dict[str, tuple], total: int,
-                    use_tqdm: bool) -> dict[str, RequestOutput]:
+    def run_batch(self, batch: SampleBatch, use_tqdm: bool = True) -> list[RequestOutput]:
+        """Step until every sample of the batch has finished: one RequestOutput per prompt, its samples merged (the
+        batch's siblings added as their first samples compute the prompt). Aborts what is left if it raises."""
+        total = batch.num_requests
         final: dict[str, RequestOutput] = {}
-        bar = _progress_bar(use_tqdm, total, "Processed prompts" if total == len(groups) else "Processed samples")
-        t0, last = time.time(), dict(self.engine.stats)
+        bar = _progress_bar(use_tqdm, total, "Processed prompts" if total == len(batch.prompts) else
+                            "Processed samples")
+        rates = _TokenRates(self.engine) if use_tqdm else None
 
         def collect(outputs: list[RequestOutput]) -> None:
             for out in outputs:
                 if out.finished:
                     final[out.request_id] = out
                     bar.update(1)
-            self._add_siblings(siblings)
-            if use_tqdm:
-                dt = max(time.time() - t0, 1e-9)
-                s = self.engine.stats
-                bar.set_postfix_str(f"prefill {(s['prefill_tokens'] - last['prefill_tokens']) / dt:.0f} tok/s, "
-                                    f"decode {(s['decode_tokens'] - last['decode_tokens']) / dt:.0f} tok/s",
-                                    refresh=False)
+            batch.add_ready_siblings()
+            if rates is not None:
+                bar.set_postfix_str(rates.text(), refresh=False)
 
         try:        # no input comes while it runs: the loop never waits
-            self._add_siblings(siblings)
+            batch.add_ready_siblings()
             StepLoop(self.engine, unfinished_outputs=False).run_until(
-                lambda: len(final) == total or not (self.engine.has_unfinished_requests() or siblings), collect)
+                lambda: len(final) == total or not (self.engine.has_unfinished_requests() or batch.waiting), collect)
         except BaseException:
-            self._abort(groups, final)
+            batch.abort(final)
             raise
         finally:
             bar.close()
-        return final
+        return batch.outputs(final)
 
     def embed(self, prompts: Prompt | Sequence[Prompt],
               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None, use_tqdm: bool = True,
@@ -286,21 +264,18 @@ class LLM:
         prompts, params = normalize_prompts(prompts, PoolingParams() if pooling_params is None else pooling_params)
         if truncate is not None:
             params = [dataclasses.replace(p, truncate_prompt_tokens=truncate) for p in params]
-        groups: list[list[str]] = []
+        batch = SampleBatch(self.engine)       # one request a prompt (PoolingParams have no n)
         try:
             for p, pp in zip(prompts, params):
-                groups.append([self.engine.add_request(p, pp)])
+                batch.add_request(p, pp)
         except Exception:
-            self._abort(groups)      # leave the engine as we found it
+            batch.abort()      # leave the engine as we found it
             raise
-        final = self._run_groups(groups, {}, len(groups), use_tqdm)
-        outs = []
-        for (rid,) in groups:
-            out = final[rid]
+        outs = self.run_batch(batch, use_tqdm)
+        for out in outs:
             if out.embedding is None:
-                raise RuntimeError(f"request {rid} ended without its embedding: "
+                raise RuntimeError(f"request {out.request_id} ended without its embedding: "
                                    f"{out.error or out.outputs[0].finish_reason}")
-            outs.append(out)
         return outs
 
     def chat(self, messages: list[dict] | Sequence[list[dict]],

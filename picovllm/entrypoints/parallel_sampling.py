@@ -8,9 +8,14 @@ blocks from the cache instead of computing them again: only the last, partial bl
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
+from picovllm.engine.request import RequestStatus
 from picovllm.outputs import CompletionOutput, RequestOutput
-from picovllm.sampling_params import SamplingParams
+from picovllm.sampling_params import RequestOutputKind, SamplingParams
+
+if TYPE_CHECKING:
+    from picovllm.engine.llm_engine import Engine
 
 
 def sample_params(params: SamplingParams, count: int | None = None) -> list[SamplingParams]:
@@ -38,3 +43,65 @@ def best_of(out: RequestOutput, n: int) -> list[CompletionOutput]:
     """The n samples with the highest cumulative logprob (vLLM's best_of), best first, re-indexed."""
     best = sorted(out.outputs, key=lambda c: -c.cumulative_logprob)[:n]
     return [dataclasses.replace(c, index=i) for i, c in enumerate(best)]
+
+
+@dataclasses.dataclass
+class PromptSamples:
+    """One prompt's samples as engine requests: ids of those added so far (the first at once), and the params of the
+    siblings that wait until the first has computed the prompt."""
+    prompt: str | list[int]
+    ids: list[str]
+    siblings: list[SamplingParams]
+    priority: int = 0
+
+
+class SampleBatch:
+    """An offline batch of prompts (LLM.generate, `picovllm batch`), each with its params.n samples: whole outputs
+    (FINAL_ONLY, as vLLM's LLM returns them), one RequestOutput per prompt with its samples merged."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.prompts: list[PromptSamples] = []
+
+    def add(self, prompt: str | list[int], params: SamplingParams, priority: int = 0) -> None:
+        """Add a prompt's first sample (its siblings wait: add_ready_siblings). Raises ValueError as
+        Engine.add_request does, having added nothing."""
+        if params.output_kind != RequestOutputKind.FINAL_ONLY:
+            params = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
+        first, *siblings = sample_params(params)
+        rid = self.engine.add_request(prompt, first, priority=priority)
+        self.prompts.append(PromptSamples(prompt, [rid], siblings, priority))
+
+    def add_request(self, prompt: str | list[int], params) -> None:
+        """A prompt as one request with these params as they are (a pooling prompt's PoolingParams)."""
+        self.prompts.append(PromptSamples(prompt, [self.engine.add_request(prompt, params)], []))
+
+    @property
+    def num_requests(self) -> int:
+        """Every sample's request, added or waiting."""
+        return sum(len(p.ids) + len(p.siblings) for p in self.prompts)
+
+    @property
+    def waiting(self) -> bool:
+        return any(p.siblings for p in self.prompts)
+
+    def add_ready_siblings(self) -> None:
+        """Add the siblings of each prompt whose first sample has computed the prompt (or ended)."""
+        for p in self.prompts:
+            if not p.siblings:
+                continue
+            req = self.engine.requests.get(p.ids[0])
+            if req is None or req.status == RequestStatus.DECODING:   # its full blocks are cached now
+                p.ids.extend(self.engine.add_request(p.prompt, sp, priority=p.priority) for sp in p.siblings)
+                p.siblings = []
+
+    def abort(self, final: dict[str, RequestOutput] | None = None) -> None:
+        """Abort every added sample without a final output: the engine as it was before the batch."""
+        for rid in (i for p in self.prompts for i in p.ids):
+            if final is None or rid not in final:
+                self.engine.abort(rid)
+
+    def outputs(self, final: dict[str, RequestOutput]) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in order, from every sample's final output."""
+        return [final[p.ids[0]] if len(p.ids) == 1 else merge_samples(p.ids[0], [final[i] for i in p.ids])
+                for p in self.prompts]

@@ -205,19 +205,20 @@ def _read_line(interactive: bool) -> str | None:
 # -- batch ---------------------------------------------------------------------------------------
 def run_batch(args: argparse.Namespace) -> int:
     from picovllm.entrypoints.batch_io import check_input, check_output, read_batch, result_record
+    from picovllm.entrypoints.parallel_sampling import SampleBatch
 
     check_input(args.input, "--input")
     check_output(args.output, "--output")
     llm = _make_llm(args)
     items = read_batch(args.input, sampling_kwargs(args), llm)
-    groups, siblings = [], {}
+    batch = SampleBatch(llm.engine)
     for item in items:
         if item.error is None:
             try:
-                groups.append(llm._add_samples(item.prompt, item.params, siblings))
+                batch.add(item.prompt, item.params)
             except ValueError as e:
                 item.error = f"line {item.line}: {e}"
-    outputs = iter(llm._run_samples(groups, siblings, use_tqdm=not args.no_progress))
+    outputs = iter(llm.run_batch(batch, use_tqdm=not args.no_progress))
     out_file = sys.stdout if args.output == "-" else open(args.output, "w")
     try:
         for item in items:
