@@ -763,7 +763,7 @@ KV_CACHE_DTYPES = {"auto": "auto", "fp8": "fp8", "fp8_e4m3": "fp8"}
 class EngineConfig:
     model: str | None = None              # HF folder, .gguf file, or None for the default model
     tokenizer: str | None = None          # load the tokenizer from this HF folder, .gguf file or Hub repository,
-                                          # not the model's (vLLM's --tokenizer; engine/llm_engine.tokenizer_of)
+                                          # not the model's (vLLM's --tokenizer; loader/tokenizer.tokenizer_of)
     dtype: str | torch.dtype = "auto"
     device: str = "auto"
     max_model_len: int | None = None

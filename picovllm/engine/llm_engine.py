@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import os
 import random
 import time
 from collections.abc import Sequence
@@ -32,10 +31,13 @@ import torch
 
 from picovllm.config import EngineConfig
 from picovllm.gc_freeze import freeze_before_first_engine
+from picovllm.engine.admission import (AdmissionLimits, check_capacity, check_length, check_offer,
+                                       check_sampling_params, max_tokens_of)
 from picovllm.engine.block_manager import BlockManager, prefix_salt
 from picovllm.engine.detokenizer import Detokenizer, check_stop, stop_token
 from picovllm.engine.kv_connector import ConnectorReport, KVConnector
 from picovllm.engine.executor import Executor, InProcessExecutor, make_executor
+from picovllm.engine.grammar_masks import GrammarMasks
 from picovllm.engine.model_runner import LaunchedStep, ModelRunner, StepResult
 from picovllm.engine.pooling import engine_pooler, request_pooling
 from picovllm.engine.request import FinishReason, Request, RequestStatus
@@ -43,13 +45,12 @@ from picovllm.engine.scheduler import Scheduler, SchedulerOutput
 from picovllm.engine.spec_decode import NgramProposer
 from picovllm.engine.step_log import STEP_LOG, Mark
 from picovllm.engine.step_input import StepInput
-from picovllm.layers.logits_processors import bad_words_token_ids
 from picovllm.layers.rotary import longrope_position_offset
-from picovllm.layers.structured_output import BitmaskBuffers, GrammarState, StructuredOutputCompiler
-from picovllm.loader import engine_model_source, open_model_source
+from picovllm.layers.structured_output import GrammarState, StructuredOutputCompiler
+from picovllm.loader import engine_model_source
+from picovllm.loader.tokenizer import tokenizer_of
 from picovllm.outputs import CompletionOutput, Logprob, RequestOutput
 from picovllm.pooling_params import PoolingParams
-from picovllm.reasoning import HarmonyTags, ThinkTags, reasoning_gate
 from picovllm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -83,36 +84,6 @@ def role_connector(role: str) -> KVConnector | None:
     return PrefillConnector() if role == "p" else DecodeConnector()
 
 
-def tokenizer_of(source, config: EngineConfig):
-    """The tokenizer an engine of this config uses: config.tokenizer's, else the model source's, or None (none there,
-    skip_tokenizer_init)."""
-    if config.skip_tokenizer_init:
-        return None
-    if config.tokenizer is not None:
-        return open_tokenizer(config.tokenizer, config.disk_cache)
-    return None if source.load_tokenizer is None else source.load_tokenizer()
-
-
-def open_tokenizer(name: str, disk_cache: bool = True):
-    """vLLM's --tokenizer: an HF folder's or Hub repository's tokenizer files (no config.json needed), or a .gguf
-    file's; ValueError naming EngineConfig.tokenizer when there is none to load."""
-    from picovllm.loader.hf_folder import TOKENIZER_FILES
-    from picovllm.loader.source import resolve_model
-    try:
-        path = resolve_model(name, weights_needed=False)
-        if os.path.isdir(path):
-            if not any(os.path.exists(os.path.join(path, n)) for n in TOKENIZER_FILES):
-                raise ValueError(f"the folder has none of the tokenizer files {', '.join(TOKENIZER_FILES)}")
-            from transformers import AutoTokenizer
-            return AutoTokenizer.from_pretrained(path)
-        load = open_model_source(path, disk_cache, weights_needed=False).load_tokenizer
-        if load is None:
-            raise ValueError("it holds no tokenizer")
-        return load()
-    except (ValueError, OSError) as e:
-        raise ValueError(f"EngineConfig.tokenizer {name!r}: {e}") from None
-
-
 class Engine:
     def __init__(self, config: EngineConfig, executor: ModelRunner | Executor | None = None,
                  connector: KVConnector | None = None) -> None:
@@ -134,11 +105,8 @@ class Engine:
         # vLLM's model EOS (the tokenizer's, else the config's first): a stop at another EOS id reports it
         self.primary_eos = self.tokenizer.eos_token_id if self.tokenizer is not None and \
             self.tokenizer.eos_token_id is not None else next(iter(self.eos_token_ids), None)
-        # the reasoning parsers' gates (structured outputs), by name: the config's (checked before the weights load),
-        # or at a request's first ask
-        self._reasoning_gates: dict[str, ThinkTags | HarmonyTags] = {}
-        if config.reasoning_parser:
-            self._reasoning_gate(config.reasoning_parser, f"EngineConfig.reasoning_parser {config.reasoning_parser!r}")
+        # structured outputs' grammars and masks; it checks the config's reasoning parser now, before the weights load
+        self.grammar_masks = GrammarMasks(self.tokenizer, self.model_config.vocab_size, config.reasoning_parser)
         limit = self.model_config.max_position_embeddings
         if config.max_model_len is not None and config.max_model_len > limit:
             # cut, and said (vLLM refuses it; benchmarks here pass one length to models of every context)
@@ -166,6 +134,8 @@ class Engine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.connector, config.scheduling_policy, self.proposer, config.max_decode_rows,
                                    self.window)
+        self.limits = AdmissionLimits(self.model_config.vocab_size, self.max_model_len, num_blocks * config.block_size,
+                                      config.block_size, self.window, config.max_num_batched_tokens)
         self.closed = False            # close() was called: submit() refuses
         self.detokenizer = Detokenizer(self.tokenizer)
         self.requests: dict[str, Request] = {}
@@ -176,8 +146,6 @@ class Engine:
         self._stalled = False      # the last schedule changed nothing: its waiting requests wait for blocks or slots
         self._step_marks: list | None = None   # PICOVLLM_STEP_LOG: the last scheduled step's entry, if it has one
         self._ids = itertools.count()
-        self._structured: StructuredOutputCompiler | None = None   # built at the first structured request
-        self._bitmasks: BitmaskBuffers | None = None       # the grammar masks' buffers, at the first such step
         # speculative decoding's draft_tokens fed, accepted_tokens kept (vLLM's spec_decode num_draft_tokens and
         # num_accepted_tokens) and drafts (speculative chunks)
         self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "drafts": 0, "draft_tokens": 0, "accepted_tokens": 0}
@@ -227,59 +195,16 @@ class Engine:
         if params.n != 1:
             raise ValueError(f"SamplingParams.n must be 1 for Engine.add_request (one request per sample: "
                              f"LLM.generate and the server fan n out), got {params.n}")
-        vocab = self.model_config.vocab_size
-        # These would otherwise fail inside a step, taking the whole batch down with them.
-        if params.logprobs is not None and params.logprobs > vocab:
-            raise ValueError(f"SamplingParams.logprobs must be <= the vocabulary size {vocab}, got {params.logprobs}")
-        if params.prompt_logprobs is not None and params.prompt_logprobs > vocab:
-            raise ValueError(f"SamplingParams.prompt_logprobs must be <= the vocabulary size {vocab}, "
-                             f"got {params.prompt_logprobs}")
-        if any(t >= vocab for t in params.stop_token_ids):   # banned from the logits before min_tokens
-            raise ValueError(f"SamplingParams.stop_token_ids must be in [0, {vocab}), got {params.stop_token_ids}")
-        allowed = params.allowed_token_ids
-        if allowed is not None:
-            if max(allowed) >= vocab:
-                raise ValueError(f"SamplingParams.allowed_token_ids must be token ids in [0, {vocab}), "
-                                 f"got {max(allowed)}")
-            if params.structured_outputs is not None:   # the two masks could leave no token at all
-                raise ValueError("SamplingParams.allowed_token_ids cannot be combined with structured outputs")
-            ends = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
-            if params.min_tokens and set(allowed) <= ends:   # banned before min_tokens: nothing left to sample
-                raise ValueError("SamplingParams.allowed_token_ids holds only stop tokens, which min_tokens bans")
-        if params.min_tokens and params.structured_outputs is not None:   # the grammar may end before min_tokens
-            raise ValueError("SamplingParams.min_tokens cannot be combined with structured outputs: the grammar may "
-                             "end before it, and min_tokens bans the end")
-        if any(t >= vocab for t in params.logit_bias):
-            raise ValueError(f"SamplingParams.logit_bias keys must be token ids in [0, {vocab}), got "
-                             f"{max(params.logit_bias)}")
-        bad_words = self._bad_words(params)
+        bad_words = check_sampling_params(params, self.limits, self.eos_token_ids, self.tokenizer)
         ids = self._prompt_ids(prompt, params.truncate_prompt_tokens, self.max_model_len - 1)
-        self._check_length(len(ids))
+        check_length(len(ids), self.max_model_len)
         request_id = self._new_request_id(request_id)
-        so = params.structured_outputs
-        if so is not None and so.reasoning_parser is None and self.config.reasoning_parser is not None:
-            # the engine's parser goes with the request (a copy: the caller's params stay as they were), so a
-            # decode engine it is handed to gates its grammar as this engine did, whatever its own config says
-            params = dataclasses.replace(params, structured_outputs=dataclasses.replace(
-                so, reasoning_parser=self.config.reasoning_parser))
-        grammar = self._grammar_state(params, ids) if params.structured_outputs is not None else None
+        params, grammar = self.grammar_masks.for_request(params, ids, self.eos_token_ids)
         req = Request(request_id, ids, params, prompt if isinstance(prompt, str) else None, arrival_time)
-        req.grammar = grammar
-        req.bad_words_ids = bad_words
-        req.priority = priority
-        room = self.max_model_len - len(ids)
-        if params.max_tokens is None:      # the room left: in the context, and in a KV cache that holds less
-            bm = self.block_manager
-            unset = room if self.window is not None else min(room, bm.num_blocks * bm.block_size - len(ids))
-            req.max_tokens = max(unset, 1)   # a prompt that fills the cache: _check_capacity refuses it
-        else:
-            req.max_tokens = min(params.max_tokens, room)
-        req.position_offset = longrope_position_offset(self.model_config.rope_scaling,
-                                                       self.model_config.max_position_embeddings, len(ids),
-                                                       req.max_tokens)
-        self._check_capacity(len(ids), req.max_tokens)
-        self.requests[request_id] = req
-        self.scheduler.add(req)
+        req.grammar, req.bad_words_ids, req.priority = grammar, bad_words, priority
+        req.max_tokens = max_tokens_of(params, len(ids), self.limits)
+        check_capacity(len(ids), req.max_tokens, self.limits)
+        self._queue(req)
         return request_id
 
     def _add_pooling_request(self, prompt: str | list[int], params: PoolingParams, request_id: str | None,
@@ -294,16 +219,13 @@ class Engine:
         ids = self._prompt_ids(prompt, params.truncate_prompt_tokens, self.max_model_len)
         if len(ids) > self.max_model_len:           # nothing to generate: a prompt may fill the context
             raise ValueError(f"prompt is {len(ids)} tokens, longer than max_model_len {self.max_model_len}")
-        self._check_capacity(len(ids), 0)
+        check_capacity(len(ids), 0, self.limits)
         request_id = self._new_request_id(request_id)
         # the sampling fields are unused, but the cache_salt is the block manager's (its hits only within one salt)
         req = Request(request_id, ids, SamplingParams(cache_salt=params.cache_salt),
                       prompt if isinstance(prompt, str) else None, arrival_time)
         req.pooling, req.priority, req.max_tokens = pooling, priority, 0
-        req.position_offset = longrope_position_offset(self.model_config.rope_scaling,
-                                                       self.model_config.max_position_embeddings, len(ids), 0)
-        self.requests[request_id] = req
-        self.scheduler.add(req)
+        self._queue(req)
         return request_id
 
     def _prompt_ids(self, prompt: str | list[int], truncate: int | None, most: int) -> list[int]:
@@ -333,79 +255,28 @@ class Engine:
                              f"scheduling_policy='priority', --scheduling-policy priority); this engine's is "
                              f"{self.config.scheduling_policy!r}")
 
-    def _bad_words(self, params: SamplingParams) -> list[list[int]]:
-        """SamplingParams.bad_words as token ids; ValueError naming the field if they cannot be honoured."""
-        if not params.bad_words:
-            return []
-        if self.tokenizer is None:
-            raise ValueError("SamplingParams.bad_words needs the model's tokenizer")
-        # with another mask on the row, the two could leave no token at all
-        if params.structured_outputs is not None:
-            raise ValueError("SamplingParams.bad_words cannot be combined with structured outputs")
-        if params.allowed_token_ids is not None:
-            raise ValueError("SamplingParams.bad_words cannot be combined with allowed_token_ids")
-        ids = bad_words_token_ids(self.tokenizer, params.bad_words)
-        if any(t >= self.model_config.vocab_size for word in ids for t in word):
-            raise ValueError(f"SamplingParams.bad_words: a word has a token outside the model's vocabulary "
-                             f"({self.model_config.vocab_size})")
-        return ids
-
-    def _reasoning_gate(self, parser: str, what: str) -> ThinkTags | HarmonyTags:
-        """The tokens a reasoning parser's grammar gate watches for (picovllm/reasoning.py); ValueError naming `what`
-        where the tokenizer has none."""
-        if parser in self._reasoning_gates:
-            return self._reasoning_gates[parser]
-        if self.tokenizer is None:
-            raise ValueError(f"{what} needs the model's tokenizer")
-        gate = reasoning_gate(self.tokenizer, parser, what)
-        ids = gate.token_ids
-        if max(ids) >= self.model_config.vocab_size:
-            raise ValueError(f"{what}: the tokenizer's reasoning tokens {sorted(set(ids))} are not all inside the "
-                             f"model's vocabulary ({self.model_config.vocab_size})")
-        self._reasoning_gates[parser] = gate
-        return gate
+    def _queue(self, req: Request) -> None:
+        """Hand an admitted request to the scheduler (add_request, a pooling request, a peer's offer)."""
+        # LongRoPE: a request that may grow past the original context rotates every key with the long factors; P and
+        # D apply the same rule, so both sides rotate the request's keys alike
+        req.position_offset = longrope_position_offset(self.model_config.rope_scaling,
+                                                       self.model_config.max_position_embeddings,
+                                                       req.num_prompt_tokens, req.max_tokens)
+        self.requests[req.request_id] = req
+        self.scheduler.add(req)
 
     def _grammar_state(self, params: SamplingParams, prompt_ids: Sequence[int] = ()) -> GrammarState:
-        """A matcher for the request's structured output; ValueError naming the field if it cannot be. With a
-        reasoning parser, it starts where the prompt leaves the output (picovllm/reasoning.py's gates' begin)."""
-        so = params.structured_outputs
-        if self.tokenizer is None:
-            raise ValueError(f"{so.field_name}: structured outputs need the model's tokenizer")
-        if self._structured is None:
-            self._structured = StructuredOutputCompiler(self.tokenizer, self.model_config.vocab_size,
-                                                        self.eos_token_ids)
-        parser = so.reasoning_parser or self.config.reasoning_parser      # the request's own (a front end's) first
-        if parser is None:
-            return self._structured.new_state(so)
-        gate = self._reasoning_gate(parser, f"SamplingParams.structured_outputs.reasoning_parser {parser!r}")
-        return self._structured.new_state(so, gate, *gate.begin(prompt_ids))
+        """A matcher for the request's structured output (GrammarMasks.new_state)."""
+        return self.grammar_masks.new_state(params, prompt_ids, self.eos_token_ids)
 
     def _grammar_on_decode(self, req: Request) -> GrammarState:
-        """D: the matcher of an offered request, advanced by the tokens P sampled under the same grammar (P and D
-        compile it each, from the request's params); ValueError naming the field if they do not match it."""
-        grammar = self._grammar_state(req.params, req.prompt_token_ids)
-        for token in req.output_token_ids:
-            if not grammar.accept(token):
-                raise ValueError(f"{req.params.structured_outputs.field_name}: the prefill engine's token {token} "
-                                 f"does not match the grammar here (another tokenizer or grammar version, or a "
-                                 f"prefill engine without the EngineConfig.reasoning_parser "
-                                 f"{self.config.reasoning_parser!r} this one has?)")
-        return grammar
+        """D: an offered request's matcher, advanced by P's tokens (GrammarMasks.state_on_decode)."""
+        return self.grammar_masks.state_on_decode(req, self.eos_token_ids)
 
-    def _check_length(self, num_prompt_tokens: int) -> None:
-        if num_prompt_tokens >= self.max_model_len:
-            raise ValueError(f"prompt is {num_prompt_tokens} tokens, longer than max_model_len - 1 = "
-                             f"{self.max_model_len - 1}")
-
-    def _check_capacity(self, num_prompt_tokens: int, max_tokens: int) -> None:
-        bm = self.block_manager
-        capacity = bm.num_blocks * bm.block_size
-        need = num_prompt_tokens + max_tokens
-        if self.window is not None:   # at most the window, a chunk and a block on either side at once
-            need = min(need, self.window + self.config.max_num_batched_tokens + 2 * bm.block_size)
-        if need > capacity:
-            raise ValueError(f"prompt ({num_prompt_tokens}) + max_tokens ({max_tokens}) tokens exceed the KV cache "
-                             f"({capacity} tokens)")
+    @property
+    def _structured(self) -> StructuredOutputCompiler | None:
+        """The grammar compiler, once a structured request built it (its cache is inspected by tests)."""
+        return self.grammar_masks.compiler
 
     def submit(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None,
                arrival_time: float | None = None, priority: int = 0) -> str:
@@ -551,52 +422,12 @@ class Engine:
         """The executor's StepInput, with the masks of constrained rows whose grammar has taken every
         token so far; and the others, (row, Request), which wait for a token in flight (_fill_late_masks)."""
         step = self.executor.prepare(sched, self.eos_token_ids)
-        late: list[tuple[int, Request]] = []
-        if self._structured is None:
-            return step, late
-        rows, states, ahead = [], [], []
-        for row, chunk in sched.sampling_chunks():
-            req = chunk.request
-            if req.grammar is None:
-                continue
-            if chunk.drafts:        # a row a draft: each with the grammar advanced by the drafts before it
-                ahead.append((row, req.grammar, chunk.drafts))
-            elif req.num_pending_tokens:
-                late.append((row, req))
-            elif req.grammar.masked:
-                rows.append(row)
-                states.append(req.grammar)
-        if rows or late or ahead:
-            if self._bitmasks is None:
-                self._bitmasks = BitmaskBuffers(self.model_config.vocab_size, self.executor.device)
-            step.token_bitmasks = self._bitmasks.for_step(len(step.sampling))
-            step.token_bitmasks.fill(rows, states)
-            for first, grammar, drafts in ahead:
-                grammar.fill_ahead(step.token_bitmasks, first, drafts)
-        return step, late
+        return step, self.grammar_masks.fill(step, sched, self.executor.device)
 
-    @staticmethod
-    def _fill_late_masks(step: StepInput, late: list, done_sched: SchedulerOutput, done: StepResult) -> None:
-        """Structured outputs under overlap: rows (index, Request) of the step being launched whose grammar
-        waits on the token `done` holds for them; advance the grammars by them (one call into xgrammar) and
-        fill the rows' masks. apply_results later appends the token without advancing the grammar again
-        (GrammarState.num_accepted). A token the grammar refuses, or one that ends it, leaves the row
-        unmasked: apply_results finishes the request and drops the row's token."""
-        sampled = [c.request for c in done_sched.chunks for _ in range(c.num_samples)]     # by row
-        n, tokens = len(sampled), done.token_ids
-        rows, states, taken = [], [], []
-        for i, req in late:
-            row, grammar = req.pending_row, req.grammar    # its row in `done` (advance() set it)
-            if row < n and sampled[row] is req and not req.is_finished and \
-                    grammar.num_accepted == len(req.output_token_ids):
-                rows.append(i)
-                states.append(grammar)
-                taken.append(tokens[row])
-        accepted = GrammarState.accept_all(states, taken)
-        if not all(accepted) or any(g.is_terminated or not g.masked for g in states):
-            keep = [k for k, g in enumerate(states) if accepted[k] and g.masked and not g.is_terminated]
-            rows, states = [rows[k] for k in keep], [states[k] for k in keep]
-        step.token_bitmasks.fill(rows, states)
+    def _fill_late_masks(self, step: StepInput, late: list[tuple[int, Request]], done_sched: SchedulerOutput,
+                         done: StepResult) -> None:
+        """The late rows' masks, from the tokens `done` holds (GrammarMasks.fill_late)."""
+        self.grammar_masks.fill_late(step, late, done_sched, done)
 
     def _schedule(self) -> SchedulerOutput:
         sched = self.scheduler.schedule()
@@ -654,12 +485,7 @@ class Engine:
         try:
             if req.request_id in self.requests:
                 raise ValueError(f"request_id {req.request_id!r} is already in use on the {self.config.role} engine")
-            self._check_length(req.num_prompt_tokens)
-            if req.num_prompt_tokens + req.max_tokens > self.max_model_len:    # P resolved it against its own
-                raise ValueError(f"max_tokens: prompt ({req.num_prompt_tokens}) + max_tokens ({req.max_tokens}) "
-                                 f"exceed the {self.config.role} engine's max_model_len ({self.max_model_len})")
-            self._check_capacity(req.num_prompt_tokens, req.max_tokens)
-            req.bad_words_ids = self._bad_words(req.params)
+            req.bad_words_ids = check_offer(req, self.limits, self.config.role, self.tokenizer)
             if req.params.structured_outputs is not None:
                 req.grammar = self._grammar_on_decode(req)
         except ValueError as e:
@@ -667,14 +493,10 @@ class Engine:
             answers = self.connector.answers_for(req)      # asked first: request_finished forgets it
             self.connector.request_finished(req)
             return self.make_output(req) if answers else None
-        # the same rule as add_request's on P: both sides rotate the request's keys alike
-        req.position_offset = longrope_position_offset(self.model_config.rope_scaling,
-                                                       self.model_config.max_position_embeddings,
-                                                       req.num_prompt_tokens, req.max_tokens)
-        self.requests[req.request_id] = req
-        self.scheduler.add(req)
+        self._queue(req)
         return None
 
+    # -- applying a step's results, and outputs ------------------------------------------------
     def postprocess(self, sched: SchedulerOutput, result: StepResult,
                     unfinished_outputs: bool = True) -> list[RequestOutput]:
         self.advance(sched)
