@@ -21,6 +21,8 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, N, BLOCK: tl.conste
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    if x.shape[-1] % 2:       # [gate | up] halves of equal width; an odd one would drop its last entry silently
+        raise ValueError(f"silu_and_mul: an even last dimension ([gate | up]), got {tuple(x.shape)}")
     n = x.shape[-1] // 2
     x2 = x.reshape(-1, 2 * n)
     if x2.stride(-1) != 1:

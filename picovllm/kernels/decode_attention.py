@@ -51,6 +51,21 @@ def fp8_scales(k_cache: torch.Tensor, kv_scales, who: str) -> bool:
     return fp8
 
 
+def check_layout(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor | None,
+                 who: str) -> None:
+    """Raises unless q [*, Hq, D] and out (its shape) have a contiguous last dim and the caches are
+    [num_blocks, block_size, Hkv, D] alike, sharing strides (the kernels read V with K's), last dim contiguous:
+    another layout would be read as other entries, silently."""
+    d = q.shape[-1]
+    if (q.dim() != 3 or q.stride(-1) != 1 or k_cache.dim() != 4 or k_cache.shape[-1] != d
+            or k_cache.stride(-1) != 1 or v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride()
+            or v_cache.dtype != k_cache.dtype or (out is not None and (out.shape != q.shape or out.stride(-1) != 1))):
+        raise ValueError(f"{who}: q [T, Hq, D] and out alike, caches [blocks, block_size, Hkv, D] sharing strides, "
+                         f"last dims contiguous; got q {tuple(q.shape)} {q.stride()}, k_cache {tuple(k_cache.shape)} "
+                         f"{k_cache.stride()}, v_cache {tuple(v_cache.shape)} {v_cache.stride()}"
+                         f"{'' if out is None else f', out {tuple(out.shape)} {out.stride()}'}")
+
+
 def sink_logits(sinks: torch.Tensor | None, softcap: float | None, num_heads: int, who: str) -> torch.Tensor | None:
     """sinks as the kernels read them ([Hq] float32, contiguous), or None; raises with softcap (the kernels keep
     capped scores in other units, and no model has both) or for a length other than the query heads'."""
@@ -225,6 +240,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     (0 for a padding row, which gets zeros, sinks or not). Returns [B, Hq, D]. window: attend to the last `window`
     tokens only; softcap: scores soft-capped; kv_scales: (k_scale, v_scale) [Hkv] float32, given exactly when the
     caches are fp8; sinks: [Hq] logits of a zero-valued key, never with softcap (see AttentionBackend.forward)."""
+    check_layout(q, k_cache, v_cache, out, "decode_attention")
     b, hq, d = q.shape
     hkv = k_cache.shape[2]
     if hq % hkv:

@@ -128,6 +128,13 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torc
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m, (n, k) = x2.shape[0], w.shape
+    # what the kernels would read past, or read as other entries, silently: refused
+    want = (n,) if block is None else (-(-n // block[0]), -(-k // block[1]))
+    if x.shape[-1] != k or not w.is_contiguous() or tuple(scale.shape) != want \
+            or (bias is not None and (bias.shape != (n,) or bias.stride(0) != 1)):
+        raise ValueError(f"fp8_linear: x [..., K], a contiguous w [N, K], scales {list(want)} and bias [N] (or None) "
+                         f"for w {tuple(w.shape)}, block {block}; got x {tuple(x.shape)}, w strides {w.stride()}, "
+                         f"scale {tuple(scale.shape)}{'' if bias is None else f', bias {tuple(bias.shape)}'}")
     if (method or ("triton" if m <= TRITON_MAX_ROWS else "widen")) == "widen":
         return torch.nn.functional.linear(x2, widen(w, scale, x.dtype, block), bias).view(*lead, n)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)

@@ -99,13 +99,15 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l,
     x = tl.load(logits_ptr + t * stride_l + offs, mask=offs < num_experts, other=float("-inf")).to(tl.float32)
     p = tl.exp(x - tl.max(x, 0))
     p = p / tl.sum(p, 0)
-    left = tl.where(offs < num_experts, p, -1.0)     # the experts not taken yet (probabilities are >= 0)
+    # the experts not taken yet (probabilities are >= 0); a NaN one (NaN or inf logits) ranks above every other, as
+    # in torch.topk, so that every id is an expert's: a NaN compares false, and the padding lanes' -1 would win
+    left = tl.where(offs < num_experts, tl.where(p != p, float("inf"), p), -1.0)
     k = tl.arange(0, K_PAD)
     weights = tl.zeros([K_PAD], tl.float32)
     ids = tl.zeros([K_PAD], tl.int32)
     for j in tl.static_range(TOP_K):
         best = tl.argmax(left, 0)
-        weights = tl.where(k == j, tl.max(left, 0), weights)
+        weights = tl.where(k == j, tl.sum(tl.where(offs == best, p, 0.0), 0), weights)   # p[best], NaN kept
         ids = tl.where(k == j, best, ids)
         left = tl.where(offs == best, -1.0, left)
     if RENORMALIZE:
@@ -117,6 +119,10 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l,
 def route_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """layers.moe.route in one launch: [T, E] logits -> (weights [T, k] float32, expert ids [T, k] int64)."""
     t, e = router_logits.shape
+    if not 1 <= top_k <= e:     # past E the kernel would take padding lanes: NaN weights, ids past the experts
+        raise ValueError(f"route_topk: top_k must be in [1, {e}] (the experts), got {top_k}")
+    if router_logits.stride(-1) != 1:
+        router_logits = router_logits.contiguous()
     weights = torch.empty(t, top_k, dtype=torch.float32, device=router_logits.device)
     ids = torch.empty(t, top_k, dtype=torch.int64, device=router_logits.device)
     if t:

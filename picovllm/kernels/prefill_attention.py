@@ -16,8 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from picovllm.kernels.decode_attention import (NO_WINDOW, dot_precision, fp8_f16_dots, fp8_scales, score_scale,
-                                               sink_logits, soft_cap)
+from picovllm.kernels.decode_attention import (NO_WINDOW, check_layout, dot_precision, fp8_f16_dots, fp8_scales,
+                                               score_scale, sink_logits, soft_cap)
 
 
 @triton.jit(do_not_specialize=["first_seq", "stride_bt"])   # vary per step: no recompiles
@@ -140,6 +140,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     host-side bound on those sequences' query lengths (it sizes the grid). window, softcap, kv_scales (given
     exactly when the caches are fp8), sinks (never with softcap): see AttentionBackend.forward.
     """
+    check_layout(q, k_cache, v_cache, out, "prefill_attention")
     t, hq, d = q.shape
     hkv = k_cache.shape[2]
     if hq % hkv:

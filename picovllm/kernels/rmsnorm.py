@@ -32,6 +32,10 @@ def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, eps,
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
     """x [T, N] -> out, or (out, x + residual) when residual is given (same as layers.layernorm.RMSNorm)."""
     n = x.shape[-1]
+    if weight.shape != (n,) or (residual is not None and residual.shape != x.shape):
+        raise ValueError(f"rms_norm: weight [{n}] and a residual shaped as x {tuple(x.shape)}; got weight "
+                         f"{tuple(weight.shape)}{'' if residual is None else f', residual {tuple(residual.shape)}'}")
+    weight = weight if weight.stride(0) == 1 else weight.contiguous()
     x2 = x.reshape(-1, n)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
@@ -40,6 +44,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     res_out = res2 = None
     if residual is not None:
         res2 = residual.reshape(-1, n)
+        if res2.stride(-1) != 1:      # the kernel reads a row's entries at unit stride, as x's
+            res2 = res2.contiguous()
         res_out = torch.empty_like(out)
     block = triton.next_power_of_2(n)
     if rows:

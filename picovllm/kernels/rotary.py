@@ -156,6 +156,15 @@ def _launch(positions, q, k, k_first, hk, cos_sin, q_norm_weight, k_norm_weight,
         raise ValueError("rope: give both q_norm_weight and k_norm_weight, or neither")
     if q.stride(-1) != 1 or cos_sin.stride(-1) != 1:
         raise ValueError("rope: q, k and cos_sin need a contiguous last dimension")
+    # the kernel reads cos at cos_sin[pos, :d/2] and sin at cos_sin[pos, d/2:d]: a table of another width (a partial
+    # rotary's raw [max_pos, rotary_dim] one, say) would give other rows' values, silently
+    if d % 2 or k.shape[2] != d or cos_sin.dim() != 2 or cos_sin.shape[1] != d:
+        raise ValueError(f"rope: an even head_dim shared by q and k, and a cos_sin table [max_pos, head_dim]; got "
+                         f"q [..., {d}], k [..., {k.shape[2]}], cos_sin {tuple(cos_sin.shape)} (a partial rotary "
+                         f"pads its table to head_dim: layers.rotary.RotaryEmbedding)")
+    if has_norm and not (q_norm_weight.numel() == d and k_norm_weight.numel() == d):
+        raise ValueError(f"rope: q/k norm weights of {d} entries, not {q_norm_weight.numel()} and "
+                         f"{k_norm_weight.numel()}")
     if kv_write is not None and kv_write.rotation is not None and kv_write.rotation.dtype != q.dtype:
         raise ValueError(f"rope_qkv: a {kv_write.rotation.dtype} rotation for {q.dtype} heads")
     q_out = torch.empty(t, hq, d, dtype=q.dtype, device=q.device)

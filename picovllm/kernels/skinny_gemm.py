@@ -69,7 +69,14 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
     """x [M, K] @ w [N, K].T (+ bias [N]) -> [M, N], M <= MAX_ROWS (the caller checks skinny_fits)."""
     m = x.shape[0]
     n, k = w.shape
-    block_n, block_k, warps, stages = config or skinny_config(n, k)
+    block_n, block_k, warps, stages = config or skinny_config(n, k if k % 256 == 0 else 256)   # k: checked below
+    # what the kernel cannot compute (it reads past K, or drops rows past its 16-row tile, silently): refused
+    if (x.dim() != 2 or not 0 < m <= MAX_ROWS or x.shape[1] != k or not k or k % block_k or x.stride(1) != 1
+            or w.stride(1) != 1 or (bias is not None and (bias.shape != (n,) or bias.stride(0) != 1))):
+        raise ValueError(f"skinny_linear: x [1..{MAX_ROWS}, K] and w [N, K] with contiguous rows, K a multiple of "
+                         f"BLOCK_K={block_k}, bias [N] contiguous (skinny_fits); got x {tuple(x.shape)} strides "
+                         f"{x.stride()}, w {tuple(w.shape)} strides {w.stride()}"
+                         f"{'' if bias is None else f', bias {tuple(bias.shape)}'}")
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     _skinny_kernel[(triton.cdiv(n, block_n),)](
         x, w, bias if bias is not None else w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0),

@@ -57,6 +57,11 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         return
     if k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("store_kv: k and v need a contiguous last dimension")
+    if v.shape != k.shape or k_cache.dim() != 4 or tuple(k_cache.shape[2:]) != (h, d) \
+            or v_cache.shape != k_cache.shape or slot_mapping.dim() != 1 or slot_mapping.shape[0] < t:
+        raise ValueError(f"store_kv: k, v [T, Hkv, D] into caches [blocks, block_size, Hkv, D] by slots [T] (or "
+                         f"more); got k {tuple(k.shape)}, v {tuple(v.shape)}, caches {tuple(k_cache.shape)} and "
+                         f"{tuple(v_cache.shape)}, slots {tuple(slot_mapping.shape)}")
     if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
         raise ValueError("store_kv: k_cache and v_cache must share strides with a contiguous last dimension")
     fp8 = k_cache.dtype == torch.float8_e4m3fn

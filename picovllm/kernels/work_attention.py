@@ -16,8 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from picovllm.kernels.decode_attention import (NO_WINDOW, dot_precision, fp8_f16_dots, fp8_scales, merge_splits,
-                                               score_scale, sink_logits)
+from picovllm.kernels.decode_attention import (NO_WINDOW, check_layout, dot_precision, fp8_f16_dots, fp8_scales,
+                                               merge_splits, score_scale, sink_logits)
 from picovllm.kernels.prefill_attention import _prefill_kernel
 
 WORK_ROWS = 64        # rows of a program's tile: query tokens x the KV head's query heads
@@ -98,6 +98,7 @@ def work_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     splits [S] int32, each sequence's (work_items' second answer, padded with 0 or 1). Two launches, sized by I and
     S alone. window, softcap, kv_scales, sinks: see AttentionBackend.forward (a split decode's sink is in its first
     share's partial only, so the merge counts it once)."""
+    check_layout(q, k_cache, v_cache, out, "work_attention")
     t, hq, d = q.shape
     hkv = k_cache.shape[2]
     if hq % hkv:
