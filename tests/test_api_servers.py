@@ -24,7 +24,7 @@ from picovllm import LLM, SamplingParams
 from picovllm.config import EngineConfig
 from picovllm.engine.llm_engine import Engine
 from picovllm.entrypoints.cli import main as cli_main
-from picovllm.entrypoints.openai.engine_client import AbortAll, AddRequest, Shutdown
+from picovllm.entrypoints.openai.engine_client import AbortAll, AddRequest, CommandAnswer, LoopEnded, Shutdown
 from picovllm.entrypoints.openai.engine_process import OutputsFromDeltas, SharedChildLoop
 from serving_fixtures import ServerProcess, chat_model  # noqa: F401 - a fixture
 from test_engine_process import spawned
@@ -50,13 +50,13 @@ class Side:
             assert time.time() < deadline, (self.last, self.answers, self.ended)
             if not self.outputs.poll(0.05):
                 continue
-            kind, *body = self.outputs.recv()
-            if kind == "end":
-                self.ended = body[0]
+            msg = self.outputs.recv()
+            if isinstance(msg, LoopEnded):
+                self.ended = msg.why
                 continue
-            for m in body[0]:
-                if m[0] == "answer":
-                    self.answers[m[1][0]] = m[1][1]
+            for m in msg.items:
+                if isinstance(m, CommandAnswer):
+                    self.answers[m.request_id] = m.error
                 else:
                     out = self.decoder.decode(m)
                     self.last[out.request_id] = out
@@ -130,7 +130,7 @@ def test_abort_all_and_a_taken_id_reach_only_the_senders_requests(shared_loop):
 def test_an_api_server_that_leaves_or_breaks_has_only_its_requests_aborted(shared_loop):
     _, (a, b), engine = shared_loop
     start_long(a, b, "a1", "b1")
-    b.commands.send(Shutdown())                 # b leaves: its request aborted, then "end" to b only
+    b.commands.send(Shutdown())                 # b leaves: its request aborted, then LoopEnded to b only
     b.pump(lambda: b.ended is not None)
     assert b.done("b1") and b.last["b1"].outputs[0].finish_reason == "abort"
     a.pump(lambda: len(a.last["a1"].outputs[0].token_ids) >= 8)

@@ -145,7 +145,9 @@ def test_output_deltas_rebuild_every_output(chat_model):
     metrics ride with the last one only), through stop strings that trim the text, logprobs, prompt logprobs that
     grow over prefill chunks, and an abort."""
     import dataclasses
+    from picovllm.entrypoints.openai.engine_client import OutputDelta
     from picovllm.entrypoints.openai.engine_process import OutputDeltas, OutputsFromDeltas
+    from picovllm.outputs import RequestOutput
     llm = LLM(chat_model, block_size=16, num_kv_blocks=512, max_model_len=256, max_num_batched_tokens=8)
     eng, enc, dec = llm.engine, OutputDeltas(), OutputsFromDeltas()
     tok = llm.get_tokenizer()
@@ -162,7 +164,7 @@ def test_output_deltas_rebuild_every_output(chat_model):
             outs.append(eng.abort("aborted"))
         for out in outs:
             msg = enc.encode(out)
-            kinds.add(msg[0])
+            kinds.add(type(msg))
             got = dec.decode(msg)
             if not out.finished:
                 got, out = dataclasses.replace(got, metrics=None), dataclasses.replace(out, metrics=None)
@@ -170,7 +172,7 @@ def test_output_deltas_rebuild_every_output(chat_model):
             seen += 1
         if not eng.has_unfinished_requests():
             break
-    assert kinds == {"whole", "delta"} and seen > 20
+    assert kinds == {RequestOutput, OutputDelta} and seen > 20
     assert not enc._sent and not dec._last                  # nothing kept for finished requests
 
 
@@ -183,7 +185,7 @@ def test_a_failed_step_leaves_no_delta_state_behind(chat_model):
     import multiprocessing as mp
     import threading
 
-    from picovllm.entrypoints.openai.engine_client import EngineStepError
+    from picovllm.entrypoints.openai.engine_client import EngineReady, EngineStepError
     from picovllm.entrypoints.openai.engine_process import ChildLoop, PipeEngineClient
     llm = LLM(chat_model, block_size=16, num_kv_blocks=64, max_model_len=256, async_scheduling=False)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -198,7 +200,7 @@ def test_a_failed_step_leaves_no_delta_state_behind(chat_model):
     thread.start()
 
     async def main():
-        client = PipeEngineClient(cmd_w, out_r, None, {"model": {"max_model_len": 256}, "eos": [2]})
+        client = PipeEngineClient(cmd_w, out_r, None, EngineReady({"max_model_len": 256}, {}, [2]))
         client.start()
         calls["fail_at"] = calls["n"] + 2        # the prefill gives token 1, the next step fails
         with pytest.raises(EngineStepError, match="injected failure"):
@@ -284,7 +286,7 @@ def test_a_refused_add_leaves_the_running_requests_deltas():
     encoded before): the refusal, a ValueError, leaves that request's delta state on both ends, so its next delta
     still decodes (it had been forgotten: a KeyError that killed the API server's reader thread); an EngineStepError
     ends the request, and then its state goes."""
-    from picovllm.entrypoints.openai.engine_client import EngineStepError
+    from picovllm.entrypoints.openai.engine_client import CommandAnswer, EngineStepError, OutputDelta
     from picovllm.entrypoints.openai.engine_process import OutputDeltas, OutputsFromDeltas
     from picovllm.outputs import CompletionOutput, RequestOutput
 
@@ -293,12 +295,12 @@ def test_a_refused_add_leaves_the_running_requests_deltas():
                                                                   "stop" if finished else None)], finished)
     enc, dec = OutputDeltas(), OutputsFromDeltas()
     first, second = enc.encode(out("a", [5])), enc.encode(out("ab", [5, 6]))
-    refusal = enc.encode(("r", ValueError("request_id 'r' is already in use")))
+    refusal = enc.encode(CommandAnswer("r", ValueError("request_id 'r' is already in use")))
     last = enc.encode(out("abc", [5, 6, 7], True))
-    assert second[0] == last[0] == "delta"
+    assert type(second) is type(last) is OutputDelta
     got = [dec.decode(m) for m in (first, refusal, second, last)]
     assert [o.outputs[0].text for o in (got[0], got[2], got[3])] == ["a", "ab", "abc"] and got[3].finished
-    assert got[3].outputs[0].token_ids == [5, 6, 7] and isinstance(got[1][1], ValueError)
+    assert got[3].outputs[0].token_ids == [5, 6, 7] and isinstance(got[1].error, ValueError)
     enc.encode(out("a", [5]))
-    assert enc.encode(("r", EngineStepError("step failed")))[0] == "answer"
-    assert enc.encode(out("x", [9]))[0] == "whole"      # a new request under the id: sent whole
+    assert isinstance(enc.encode(CommandAnswer("r", EngineStepError("step failed"))), CommandAnswer)
+    assert isinstance(enc.encode(out("x", [9])), RequestOutput)     # a new request under the id: sent whole

@@ -1,9 +1,10 @@
 """AsyncEngine: drives a (not thread-safe) Engine from one background thread for an asyncio server.
 
 Every engine call happens on the loop thread. The event loop talks to it through EngineClient (engine_client.py):
-typed commands on a thread-safe queue (add, abort, shutdown); the loop thread hands each step's RequestOutputs back
-with one call_soon_threadsafe per step. engine_process.ProcessAsyncEngine runs the same loop in a process of its own
-instead. The loop's two ends are seams: _receive (the commands) and _deliver (an iteration's outputs).
+typed commands on a thread-safe queue (add, abort, shutdown); the loop thread hands each step's RequestOutputs back,
+with its answers to commands (CommandAnswer), in one call_soon_threadsafe per step. engine_process.ProcessAsyncEngine
+runs the same loop in a process of its own instead. The loop's two ends are seams: _receive (the commands) and
+_deliver (an iteration's outputs).
 
 This layer knows nothing about HTTP: the OpenAI server (and a PD role) sit on top of it.
 """
@@ -17,8 +18,8 @@ import threading
 from picovllm.engine.llm_engine import Engine
 from picovllm.engine.model_runner import bind_device
 from picovllm.engine.step_loop import StepLoop
-from picovllm.entrypoints.openai.engine_client import (AbortAll, AbortRequest, Command, EngineClient, EngineStats,
-                                                       EngineStepError, Shutdown)
+from picovllm.entrypoints.openai.engine_client import (AbortAll, AbortRequest, Command, CommandAnswer, EngineClient,
+                                                       EngineStats, EngineStepError, Shutdown)
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +84,7 @@ class AsyncEngine(EngineClient):
             err = EngineStepError(f"engine step failed: {type(e).__name__}: {e}")
             for rid in list(engine.requests):      # counted as errors where the answers arrive (_finish_outputs)
                 engine.abort(rid)
-                outputs.append((rid, err))
+                outputs.append(CommandAnswer(rid, err))
             stepped = []
         if stepped is None:             # shut down: nobody will read what is left
             for rid in list(engine.requests):
@@ -186,7 +187,7 @@ class AsyncEngine(EngineClient):
         except Exception as e:  # noqa: BLE001 - reported to the caller, never kills the loop
             logger.exception("add_request failed")
             error = EngineStepError(f"add_request failed: {type(e).__name__}: {e}")
-        outputs.append((cmd.request_id, error))
+        outputs.append(CommandAnswer(cmd.request_id, error))
         return False
 
     def _abort_into(self, request_id: str, outputs: list) -> None:

@@ -1,10 +1,14 @@
 """EngineClient: the event loop's side of a served engine, wherever its loop runs, and all the HTTP side needs of it.
 
 Requests go to the loop as typed commands (add, abort, shutdown) on a thread-safe queue; each step's RequestOutputs
-come back into one asyncio queue per request (RequestStream). RequestOutputs are cumulative (full text and token ids
-so far), so a slow reader may skip to the latest one without losing anything. Its subclasses say where the loop
-runs: async_engine.AsyncEngine (a thread of this process), engine_process.ProcessAsyncEngine (a process of its own),
-and the fleet's front ends (disagg.proxy, disagg.router: other servers' engines).
+(and CommandAnswers) come back into one asyncio queue per request (RequestStream). RequestOutputs are cumulative
+(full text and token ids so far), so a slow reader may skip to the latest one without losing anything. Its
+subclasses say where the loop runs: async_engine.AsyncEngine (a thread of this process),
+engine_process.ProcessAsyncEngine (a process of its own), and the fleet's front ends (disagg.proxy, disagg.router:
+other servers' engines).
+
+The messages an engine's process sends its API server (engine_process.py) are typed here too, beside the commands
+it reads: StepOutputs, LoopEnded, EngineReady, EngineFailed.
 
 Nothing here imports torch: a router or proxy serves the OpenAI API without it (tests/test_cli.py).
 """
@@ -83,6 +87,58 @@ class Shutdown:
 
 
 Command = AddRequest | AbortRequest | AbortAll | Shutdown
+
+
+# -- answers: engine loop -> event loop, among an iteration's RequestOutputs ------------------------------------------
+@dataclass(slots=True)
+class CommandAnswer:
+    """What the loop says of a request outside its outputs: the answer to its AddRequest (error None: accepted; a
+    ValueError naming the field, or an EngineStepError), or the failure of a step it was part of (an EngineStepError:
+    the engine aborted it)."""
+    request_id: str
+    error: Exception | None
+
+
+# -- an engine process's messages to an API server (engine_process.py) ------------------------------------------------
+# A request's RequestOutput as what changed since the one sent before it (engine_process.OutputDeltas): a plain tuple
+# of these fields, built in one place (OutputDeltas.encode) and read in one (OutputsFromDeltas._applied). One is sent
+# a running request each step; as a dataclass it cost ~0.6 us more on each side of the pipe (constructed, pickled),
+# ~150 us a 256-request step (BENCHMARKS.md, thirty-fifth session).
+OUTPUT_DELTA = ("request_id", "new_token_ids", "text_kept", "new_text", "new_logprobs", "cumulative_logprob",
+                "finish_reason", "stop_reason", "finished", "error", "num_cached_tokens", "metrics", "kv_handover")
+OutputDelta = tuple
+
+
+@dataclass(slots=True)
+class StepOutputs:
+    """One iteration of the loop: its outputs in order (a RequestOutput whole, an OutputDelta or a CommandAnswer)
+    and the engine's stats after it."""
+    items: list[RequestOutput | OutputDelta | CommandAnswer]
+    stats: EngineStats
+
+
+@dataclass(slots=True)
+class LoopEnded:
+    """The loop has ended (or, with several API servers, this one has left it): nothing more will be answered."""
+    why: str
+
+
+@dataclass(slots=True)
+class EngineReady:
+    """The engine process's first word once its engine is built: what the engine says of itself (EngineClient's
+    model_info, role_info, eos_token_ids)."""
+    model_info: dict
+    role_info: dict
+    eos: list[int] | None
+
+
+@dataclass(slots=True)
+class EngineFailed:
+    """The engine process's first and last word when its engine could not be built. kind: what the server raises,
+    why its message: "ValueError" (a configuration the engine refuses), "SystemExit" (build's own message for the
+    command line), else "RuntimeError"."""
+    kind: str
+    why: str
 
 
 class RequestStream:
@@ -195,7 +251,7 @@ class EngineClient:
         """Abort every request in flight: their streams end with finish_reason "abort"."""
         self._commands.put(AbortAll())
 
-    def _finish_outputs(self, outputs: list) -> None:
+    def _finish_outputs(self, outputs: list[RequestOutput | CommandAnswer]) -> None:
         """The requests among outputs that finished or failed, to the metrics: counted here, where the outputs
         arrive, so that each counts once whether the engine loop runs in this process or in its own (whose loop has
         no metrics)."""
@@ -205,11 +261,11 @@ class EngineClient:
             if isinstance(out, RequestOutput):
                 if out.finished:
                     self.metrics.observe_finished(out)
-            elif isinstance(out[1], EngineStepError):     # the engine failed the request (its step, or its add)
+            elif isinstance(out.error, EngineStepError):   # the engine failed the request (its step, or its add)
                 self.metrics.count_outcome("error")
 
     # -- back on the event loop ------------------------------------------------------------------
-    def _dispatch(self, outputs: list) -> None:
+    def _dispatch(self, outputs: list[RequestOutput | CommandAnswer]) -> None:
         for out in outputs:
             if isinstance(out, RequestOutput):
                 stream = self._streams.get(out.request_id)
@@ -217,18 +273,20 @@ class EngineClient:
                     stream.put(out)
                     if out.finished:      # its reader may never come (response never started)
                         del self._streams[out.request_id]
-                continue
-            rid, item = out
-            stream = self._streams.get(rid)
-            if stream is None:
-                continue
-            if not stream.accepted.done():          # the answer to an AddRequest
-                if item is None:
-                    stream.accepted.set_result(None)
-                else:
-                    stream.accepted.set_exception(item)
-            elif item is not None:
-                stream.put(item)
+            else:
+                self._answer(out)
+
+    def _answer(self, answer: CommandAnswer) -> None:
+        stream = self._streams.get(answer.request_id)
+        if stream is None:
+            return
+        if not stream.accepted.done():          # the answer to an AddRequest
+            if answer.error is None:
+                stream.accepted.set_result(None)
+            else:
+                stream.accepted.set_exception(answer.error)
+        elif answer.error is not None:
+            stream.put(answer.error)
 
     def _fail_all_streams(self, why: str) -> None:
         err = EngineDeadError(why)

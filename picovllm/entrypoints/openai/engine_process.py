@@ -37,12 +37,14 @@ from typing import Any
 
 from picovllm.config import EngineConfig
 from picovllm.disagg.messages import common_prefix
-from picovllm.engine.llm_engine import Engine, tokenizer_of
+from picovllm.engine.llm_engine import Engine
 from picovllm.entrypoints.openai.async_engine import AsyncEngine
-from picovllm.entrypoints.openai.engine_client import (AbortAll, AbortRequest, AddRequest, Command, EngineClient,
-                                                       EngineStepError, Shutdown)
+from picovllm.entrypoints.openai.engine_client import (AbortAll, AbortRequest, AddRequest, Command, CommandAnswer,
+                                                       EngineClient, EngineFailed, EngineReady, EngineStepError,
+                                                       LoopEnded, OutputDelta, Shutdown, StepOutputs)
 from picovllm.gc_freeze import freeze_for_serving
 from picovllm.loader import engine_model_source
+from picovllm.loader.tokenizer import tokenizer_of
 from picovllm.outputs import CompletionOutput, RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -62,24 +64,27 @@ class OutputDeltas:
     def __init__(self) -> None:
         self._sent: dict[str, tuple[int, str, int]] = {}   # request id -> (tokens, text, prompt logprobs) sent
 
-    def encode(self, out: RequestOutput | tuple) -> tuple:
-        """out: an engine output, or an answer to a command, (request id, None or an exception), which goes as
-        ("answer", out); an EngineStepError ends its request, so the id's next use is a new request (a refused add,
-        a ValueError, leaves the request running under that id as it is: its outputs may be on their way)."""
-        if not isinstance(out, RequestOutput):
-            if isinstance(out[1], EngineStepError):
-                self._sent.pop(out[0], None)
-            return ("answer", out)
+    def encode(self, out: RequestOutput | CommandAnswer) -> RequestOutput | OutputDelta | CommandAnswer:
+        """out: an engine output, or an answer to a command, which goes as it is; an EngineStepError ends its
+        request, so the id's next use is a new request (a refused add, a ValueError, leaves the request running under
+        that id as it is: its outputs may be on their way)."""
+        if isinstance(out, CommandAnswer):
+            if isinstance(out.error, EngineStepError):
+                self._sent.pop(out.request_id, None)
+            return out
         rid = out.request_id
         prev = self._sent.pop(rid, None)
         c = out.outputs[0] if len(out.outputs) == 1 else None
+        scored = len(out.prompt_logprobs or ())
         if not out.finished and c is not None:
-            self._sent[rid] = (len(c.token_ids), c.text, len(out.prompt_logprobs or ()))
-        if prev is None or c is None or len(c.token_ids) < prev[0] or len(out.prompt_logprobs or ()) != prev[2]:
-            return ("whole", out)
+            self._sent[rid] = (len(c.token_ids), c.text, scored)
+        if prev is None or c is None or len(c.token_ids) < prev[0] or scored != prev[2]:
+            return out
         t, text, _ = prev
-        k = common_prefix(text, c.text)    # the text so far, unless a stop string trimmed its end
-        return ("delta", rid, c.token_ids[t:], k, c.text[k:], None if c.logprobs is None else c.logprobs[t:],
+        # the text so far, unless a stop string trimmed its end (startswith: the usual case, without common_prefix's
+        # copies of both texts)
+        k = len(text) if c.text.startswith(text) else common_prefix(text, c.text)
+        return (rid, c.token_ids[t:], k, c.text[k:], None if c.logprobs is None else c.logprobs[t:],   # OUTPUT_DELTA
                 c.cumulative_logprob, c.finish_reason, c.stop_reason, out.finished, out.error, out.num_cached_tokens,
                 out.metrics if out.finished else None, out.kv_handover)
 
@@ -91,29 +96,33 @@ class OutputsFromDeltas:
     def __init__(self) -> None:
         self._last: dict[str, RequestOutput] = {}
 
-    def decode(self, msg: tuple) -> RequestOutput | tuple:
+    def decode(self, msg: RequestOutput | OutputDelta | CommandAnswer) -> RequestOutput | CommandAnswer:
         """The output a message holds; an answer as OutputDeltas took it (its EngineStepError forgets the request
         here too)."""
-        if msg[0] == "answer":
-            if isinstance(msg[1][1], EngineStepError):
-                self._last.pop(msg[1][0], None)
-            return msg[1]
-        if msg[0] == "whole":
-            out = msg[1]
+        if type(msg) is tuple:        # an OutputDelta, the usual one first: all but a request's first output
+            out = self._applied(msg)
+        elif isinstance(msg, RequestOutput):
+            out = msg
             self._last.pop(out.request_id, None)
         else:
-            (_, rid, tokens, k, text, logprobs, cumulative, finish_reason, stop_reason, finished, error, cached,
-             metrics, kv_handover) = msg
-            last = self._last.pop(rid)
-            c = last.outputs[0]
-            comp = CompletionOutput(c.index, c.text[:k] + text, c.token_ids + tokens, cumulative,
-                                    None if logprobs is None else (c.logprobs or []) + logprobs, finish_reason,
-                                    stop_reason)
-            out = RequestOutput(rid, last.prompt, last.prompt_token_ids, [comp], finished, metrics or last.metrics,
-                                error, cached, last.prompt_logprobs, kv_handover)
+            if isinstance(msg.error, EngineStepError):
+                self._last.pop(msg.request_id, None)
+            return msg
         if not out.finished:
             self._last[out.request_id] = out
         return out
+
+    def _applied(self, delta: OutputDelta) -> RequestOutput:
+        """The request's last output with the delta applied."""
+        (rid, new_token_ids, text_kept, new_text, new_logprobs, cumulative_logprob, finish_reason, stop_reason,
+         finished, error, num_cached_tokens, metrics, kv_handover) = delta     # OUTPUT_DELTA's fields
+        last = self._last.pop(rid)
+        c = last.outputs[0]
+        comp = CompletionOutput(c.index, c.text[:text_kept] + new_text, c.token_ids + new_token_ids,
+                                cumulative_logprob, None if new_logprobs is None else (c.logprobs or []) + new_logprobs,
+                                finish_reason, stop_reason)
+        return RequestOutput(rid, last.prompt, last.prompt_token_ids, [comp], finished, metrics or last.metrics, error,
+                             num_cached_tokens, last.prompt_logprobs, kv_handover)
 
 
 class _PipeCommands:
@@ -131,28 +140,29 @@ class _PipeCommands:
 
 class PipeEngineClient(EngineClient):
     """The event loop's side of an engine loop in another process, over a pair of pipes (commands out, outputs in):
-    one thread reads the outputs and hands them to the event loop. info: what the engine said of itself once
+    one thread reads the outputs and hands them to the event loop. ready: what the engine said of itself once
     built (model, role, eos). observe_engine: whether the engine's stats go to the metrics (with several API
     servers, one of them publishes the engine's gauges and counters). on_end, if set: called on the event loop once
     the engine's side has ended (an API server process then exits)."""
 
-    def __init__(self, commands, outputs, metrics=None, info: dict | None = None, observe_engine: bool = True) -> None:
+    def __init__(self, commands, outputs, metrics=None, ready: EngineReady | None = None,
+                 observe_engine: bool = True) -> None:
         super().__init__(_PipeCommands(commands), metrics)
         self._out = outputs
         self._outputs = OutputsFromDeltas()     # the reader thread's
-        self._info: dict[str, Any] | None = info
+        self._ready = ready
         self._observe_engine = observe_engine
         self.on_end: Callable[[], None] | None = None
         self._reader: threading.Thread | None = None
 
     def model_info(self) -> dict:
-        return dict((self._info or {}).get("model", {}))
+        return {} if self._ready is None else dict(self._ready.model_info)
 
     def role_info(self) -> dict:
-        return dict((self._info or {}).get("role", {}))
+        return {} if self._ready is None else dict(self._ready.role_info)
 
     def eos_token_ids(self) -> list[int] | None:
-        return list((self._info or {}).get("eos", []))
+        return [] if self._ready is None else list(self._ready.eos)
 
     # -- lifecycle (event loop side) -------------------------------------------------------------
     def start(self) -> None:
@@ -174,22 +184,22 @@ class PipeEngineClient(EngineClient):
     def _read(self) -> None:
         why = "the engine process has ended"
         try:
-            while True:
-                kind, *body = self._out.recv()
-                if kind == "end":
-                    why = body[0]
-                    break
-                items, self.stats = body
-                outputs = [self._outputs.decode(m) for m in items]
-                if self.metrics and self._observe_engine:
-                    self.metrics.observe_engine(self.stats)
-                self._finish_outputs(outputs)
-                if outputs:
-                    self._loop.call_soon_threadsafe(self._dispatch, outputs)
+            while isinstance(msg := self._out.recv(), StepOutputs):
+                self._take(msg)
+            why = msg.why           # LoopEnded, the one other message after EngineReady
         except (EOFError, OSError):
             why = self._died()
         finally:
             self._loop.call_soon_threadsafe(self._ended, why)
+
+    def _take(self, step: StepOutputs) -> None:
+        self.stats = step.stats
+        outputs = [self._outputs.decode(m) for m in step.items]
+        if self.metrics and self._observe_engine:
+            self.metrics.observe_engine(self.stats)
+        self._finish_outputs(outputs)
+        if outputs:
+            self._loop.call_soon_threadsafe(self._dispatch, outputs)
 
     def _died(self) -> str:
         logger.error("the engine process died")
@@ -201,17 +211,16 @@ class PipeEngineClient(EngineClient):
             self.on_end()
 
 
-def engine_ready(outputs) -> dict:
+def engine_ready(outputs) -> EngineReady:
     """The engine process's first word on an outputs pipe: what it says of itself once built (model, role, eos), or
-    why it could not be built, raised as ValueError, SystemExit or RuntimeError."""
+    why it could not be built (EngineFailed), raised as ValueError, SystemExit or RuntimeError."""
     try:
-        kind, body = outputs.recv()
+        msg = outputs.recv()
     except (EOFError, OSError):
-        kind, body = "failed", ("RuntimeError", "the engine process exited before its engine was built")
-    if kind != "ready":
-        error, why = body
-        raise {"ValueError": ValueError, "SystemExit": SystemExit}.get(error, RuntimeError)(why)
-    return body
+        msg = EngineFailed("RuntimeError", "the engine process exited before its engine was built")
+    if not isinstance(msg, EngineReady):
+        raise {"ValueError": ValueError, "SystemExit": SystemExit}.get(msg.kind, RuntimeError)(msg.why)
+    return msg
 
 
 class ProcessAsyncEngine(PipeEngineClient):
@@ -250,7 +259,7 @@ class ProcessAsyncEngine(PipeEngineClient):
         """Block until the child has built its engine. If it could not: ValueError (a bad configuration, as Engine()
         raises it), SystemExit (what build exits with) or RuntimeError, with the child's reason."""
         try:
-            self._info = engine_ready(self._out)
+            self._ready = engine_ready(self._out)
         except (ValueError, SystemExit, RuntimeError) as e:      # the child is ending
             self._proc.join(10)
             if self._proc.exitcode:     # it died (a reported failure returns: exit code 0)
@@ -259,7 +268,7 @@ class ProcessAsyncEngine(PipeEngineClient):
 
     # -- lifecycle (event loop side) -------------------------------------------------------------
     def start(self) -> None:
-        if self._info is None:
+        if self._ready is None:
             self.wait_ready()
         super().start()
 
@@ -288,7 +297,7 @@ class ProcessAsyncEngine(PipeEngineClient):
     def stop(self) -> None:
         """From outside an event loop (start-up failed or was interrupted, or the API servers have gone): stop the
         child. One still building its engine reads no commands until it is built: SIGTERM stops it there."""
-        if self._info is None and self._proc.is_alive():
+        if self._ready is None and self._proc.is_alive():
             self._proc.terminate()
         self._commands.put(Shutdown())
         self.join()
@@ -322,13 +331,12 @@ class PipeEnds:
 
     def _deliver(self, outputs: list) -> None:
         if outputs or self.stats != self._sent_stats:
-            items = [self._deltas.encode(o) for o in outputs]
-            self._out.send(("step", items, self.stats))
+            self._out.send(StepOutputs([self._deltas.encode(o) for o in outputs], self.stats))
             self._sent_stats = self.stats
 
     def _deliver_end(self, why: str) -> None:
         try:
-            self._out.send(("end", why))
+            self._out.send(LoopEnded(why))
         except OSError:
             pass
 
@@ -337,7 +345,7 @@ class SharedPipeEnds(PipeEnds):
     """PipeEnds for several API server processes: pipe 0 is the parent's (start-up and shutdown only), pipes 1..N
     the API servers'. Each request's outputs go back on the pipe its AddRequest came in on; the engine's stats go
     to API server 1, which publishes them (the others' metrics would count them again). An API server that says
-    Shutdown gets its requests' aborts and then "end"; one whose pipe breaks has its requests aborted. AbortAll
+    Shutdown gets its requests' aborts and then LoopEnded; one whose pipe breaks has its requests aborted. AbortAll
     and AbortRequest reach only the sender's own requests."""
 
     def __init__(self, engine, commands: list, results: list) -> None:
@@ -345,7 +353,7 @@ class SharedPipeEnds(PipeEnds):
         self._ins, self._outs = commands, results
         self._owner: dict[str, int] = {}            # request id -> the API server that added it
         self._open = set(range(1, len(commands)))   # API servers still sending
-        self._leaving: set[int] = set()             # said Shutdown: their last outputs, then "end"
+        self._leaving: set[int] = set()             # said Shutdown: their last outputs, then LoopEnded
 
     def _receive(self, timeout_s: float | None) -> list[Command]:
         cmds: list[Command] = []
@@ -364,8 +372,8 @@ class SharedPipeEnds(PipeEnds):
         if isinstance(cmd, AddRequest):
             rid = cmd.request_id
             if rid in self._owner:                  # another API server's: refused here, never taken over
-                self._send(k, ("step", [("answer", (rid, ValueError(f"request_id {rid!r} is already in use")))],
-                               self.stats))
+                self._send(k, StepOutputs([CommandAnswer(rid, ValueError(f"request_id {rid!r} is already in use"))],
+                                          self.stats))
                 return []
             self._owner[rid] = k
             return [cmd]
@@ -393,8 +401,8 @@ class SharedPipeEnds(PipeEnds):
         for o in outputs:
             if isinstance(o, RequestOutput):
                 rid, item, done = o.request_id, self._deltas.encode(o), o.finished
-            else:                                   # an answer: an Exception ends the request
-                rid, item, done = o[0], self._deltas.encode(o), isinstance(o[1], Exception)
+            else:                                   # a CommandAnswer: an Exception ends the request
+                rid, item, done = o.request_id, self._deltas.encode(o), isinstance(o.error, Exception)
             k = self._owner.pop(rid, None) if done else self._owner.get(rid)
             if k is not None:
                 per.setdefault(k, []).append(item)
@@ -402,12 +410,12 @@ class SharedPipeEnds(PipeEnds):
             per.setdefault(1, [])
             self._sent_stats = self.stats
         for k, items in per.items():
-            self._send(k, ("step", items, self.stats))
+            self._send(k, StepOutputs(items, self.stats))
         for k in self._leaving:
-            self._send(k, ("end", "this API server has left the engine"))
+            self._send(k, LoopEnded("this API server has left the engine"))
         self._leaving.clear()
 
-    def _send(self, k: int, msg: tuple) -> None:
+    def _send(self, k: int, msg: StepOutputs | LoopEnded) -> None:
         if k in self._open or k in self._leaving:
             try:
                 self._outs[k].send(msg)
@@ -416,7 +424,7 @@ class SharedPipeEnds(PipeEnds):
 
     def _deliver_end(self, why: str) -> None:
         for k in sorted(self._open | self._leaving):
-            self._send(k, ("end", why))
+            self._send(k, LoopEnded(why))
         super()._deliver_end(why)
 
 
@@ -466,11 +474,11 @@ def _build_stoppably(config: EngineConfig, build) -> Any:
 
 def _child_main(config: EngineConfig, build, loop_cls: type, commands, results, log_level: str) -> None:
     """commands and results: the parent's pipes, or lists of pipes (the parent's first, then each API server's,
-    which hear the engine's "ready" or "failed" too: they start while it is built)."""
+    which hear the engine's EngineReady or EngineFailed too: they start while it is built)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     everyone = results if isinstance(results, list) else [results]
 
-    def tell(msg: tuple) -> None:
+    def tell(msg: EngineReady | EngineFailed) -> None:
         for conn in everyone:
             try:
                 conn.send(msg)
@@ -483,18 +491,18 @@ def _child_main(config: EngineConfig, build, loop_cls: type, commands, results, 
         if engine is None:      # the parent is stopping or gone: nothing to tell
             return
     except ValueError as e:     # a configuration the engine refuses: the parent reports it as the thread would
-        tell(("failed", ("ValueError", str(e))))
+        tell(EngineFailed("ValueError", str(e)))
         return
     except SystemExit as e:     # build's own message for the command line
-        tell(("failed", ("SystemExit", str(e.code))))
+        tell(EngineFailed("SystemExit", str(e.code)))
         return
     except Exception as e:      # noqa: BLE001 - the parent reports it and exits
         logger.exception("the engine could not be built")
-        tell(("failed", ("RuntimeError", f"the engine could not be built: {type(e).__name__}: {e}")))
+        tell(EngineFailed("RuntimeError", f"the engine could not be built: {type(e).__name__}: {e}"))
         return
     loop = loop_cls(engine, commands, results)
     freeze_for_serving()        # this process lives as long as the server
-    tell(("ready", {"model": loop.model_info(), "role": loop.role_info(), "eos": loop.eos_token_ids()}))
+    tell(EngineReady(loop.model_info(), loop.role_info(), loop.eos_token_ids()))
     try:
         loop._run()
     finally:
