@@ -21,7 +21,7 @@ from picovllm import EngineConfig, SamplingParams
 from picovllm.engine.llm_engine import Engine
 from picovllm.entrypoints.openai.api_server import ServerSettings, build_app
 from picovllm.entrypoints.openai.async_engine import AsyncEngine
-from picovllm.entrypoints.openai.engine_client import EngineStepError
+from picovllm.entrypoints.openai.engine_client import EngineReady, EngineStepError
 from picovllm.entrypoints.openai.engine_process import ChildLoop, PipeEngineClient
 from picovllm.entrypoints.openai.metrics import ServerMetrics
 from picovllm.entrypoints.openai.serving import ServingContext
@@ -68,7 +68,7 @@ def test_a_failed_step_counts_one_error_wherever_the_loop_runs(chat_model, where
         out_r, out_w = mp.Pipe(duplex=False)
         thread = threading.Thread(target=ChildLoop(eng, cmd_r, out_w)._run, daemon=True)
         thread.start()
-        client = PipeEngineClient(cmd_w, out_r, metrics, {"model": {"max_model_len": 256}, "eos": [2]})
+        client = PipeEngineClient(cmd_w, out_r, metrics, EngineReady({"max_model_len": 256}, {}, [2]))
     else:
         client = AsyncEngine(eng, metrics)
     params = SamplingParams(max_tokens=6, **GREEDY)
