@@ -151,8 +151,7 @@ def measure(eng: Engine, batch: int, args) -> tuple[float, float]:
             gc.unfreeze()
     if not decoding(eng, batch):
         raise RuntimeError(f"requests finished or left while timed at batch {batch}: raise max_model_len")
-    for rid in list(eng.requests):
-        eng.abort(rid)
+    eng.abort_all()
     return result
 
 
@@ -233,8 +232,7 @@ def disaggregated(config: dict, args) -> dict[int, tuple[float, float]]:
         return rows
     finally:
         for eng in (p, d):
-            for rid in list(eng.requests):
-                eng.abort(rid)
+            eng.abort_all()
             eng.close()
         try:
             step_until([p.step, d.step], lambda: p.is_done() and d.is_done(), "the P/D session's close", (p, d))

@@ -220,8 +220,7 @@ def profile(args) -> dict:
             eng.step()
         torch.cuda.synchronize()
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
-    for rid in list(eng.requests):
-        eng.abort(rid)
+    eng.abort_all()
     med = {k: round(statistics.median(r[k] for r in rows), 3) for k in rows[0]}
     return {"median_step": med, "kernel_table": table}
 

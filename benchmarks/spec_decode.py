@@ -192,7 +192,7 @@ class Totals:
 def run_ours(llm, prompts: list[list[int]], sp) -> tuple[list[list[int]], float, list[float], dict]:
     """One LLM.generate of prompts: (token ids per prompt, seconds, ms/token per request, the speculative counters'
     change)."""
-    before = dict(llm.engine.stats)
+    before = llm.engine.stats.as_dict()
     t = time.perf_counter()
     res = llm.generate(prompts, sp, use_tqdm=False)
     seconds = time.perf_counter() - t
@@ -202,7 +202,7 @@ def run_ours(llm, prompts: list[list[int]], sp) -> tuple[list[list[int]], float,
         tt = o.metrics.token_times
         if len(tt) > 1:
             itl.append((tt[-1] - tt[0]) / (len(tt) - 1) * 1e3)
-    return outs, seconds, itl, stats_delta(llm.engine.stats, before)
+    return outs, seconds, itl, stats_delta(llm.engine.stats.as_dict(), before)
 
 
 def timed_runs(label: str, modes: dict, groups: list[list[list[int]]], repeat: int, tok) -> dict[str, "Totals"]:

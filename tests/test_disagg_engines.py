@@ -129,7 +129,7 @@ def test_parity_with_colocated_under_chunking_and_flow_control(tiny_models, arch
     assert waited and held >= 2, "the decode cache was meant to be too small to take every request at once"
     assert_same([pair.final[i] for i in ids], ref)
     assert all(pair.final[i].metrics.ttft is not None for i in ids)
-    assert pair.d.stats["decode_tokens"] > 0 and pair.p.stats["decode_tokens"] == 0
+    assert pair.d.stats.decode_tokens > 0 and pair.p.stats.decode_tokens == 0
 
 
 @pytest.mark.parametrize("overlap", [False, True])
@@ -188,7 +188,7 @@ def test_penalties_and_logit_bias_travel_to_d(tiny_models):
     pair.p.close()
     pair.run()
     assert_same([pair.final[i] for i in ids], ref)
-    assert pair.d.stats["decode_tokens"] > 0
+    assert pair.d.stats.decode_tokens > 0
 
 
 @pytest.mark.parametrize("overlap", [False, True])
@@ -397,7 +397,7 @@ def test_structured_outputs_across_p_and_d_match_colocated(chat_model, overlap):
     assert any(o.finish_reason == "stop" for o in outs[:2])
     assert all(json.loads(o.text)["age"] in range(100) for o in outs[:2] if o.finish_reason == "stop")
     assert all(o.text in ("yes", "no", "maybe not") for o in outs[4:6])
-    assert pair.d.stats["decode_tokens"] > 0
+    assert pair.d.stats.decode_tokens > 0
 
 
 @pytest.mark.parametrize("where", ["request", "prefill_config"])

@@ -330,7 +330,7 @@ def test_pd_fp8_equals_colocated_fp8(tiny_models, backend):
     pair.p.close()
     pair.run()
     assert_same([pair.final[i] for i in ids], ref)
-    assert pair.d.stats["decode_tokens"] > 0
+    assert pair.d.stats.decode_tokens > 0
 
 
 def _handshake_error(path, p_kw, d_kw) -> str:

@@ -357,8 +357,7 @@ def test_cuda_graph_static_inputs_interpreted(tiny_models):
     try:
         _check_static_inputs(runner, step, CUDAGraphRunner)
     finally:
-        for rid in list(eng.requests):
-            eng.abort(rid)
+        eng.abort_all()
 
 
 def _check_static_inputs(runner, step, CUDAGraphRunner):

@@ -144,7 +144,7 @@ def test_handover_through_the_hooks_equals_colocated(tiny_models, overlap):
     for rid, r in zip(ids, ref):
         assert finals[rid].outputs[0].token_ids == r.outputs[0].token_ids, rid
         assert finals[rid].outputs[0].finish_reason == r.outputs[0].finish_reason
-    assert p.stats["decode_tokens"] == 0 and d.stats["prefill_tokens"] == 0   # no recompute anywhere
+    assert p.stats.decode_tokens == 0 and d.stats.prefill_tokens == 0   # no recompute anywhere
     for rid, sp in zip(ids, params):
         events = [e for e in log if e[1] == rid and e[0] != "asked"]
         # Held when its prompt's last chunk was launched (token pending with overlap), sent once known.

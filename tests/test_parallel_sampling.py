@@ -34,11 +34,11 @@ def test_samples_share_the_prompts_blocks(tiny_models, async_scheduling):
     llm = LLM(tiny_models["llama"], block_size=4, num_kv_blocks=128, async_scheduling=async_scheduling)
     prompt = make_prompts()[6]                            # 47 tokens: 11 full blocks, then 3 tokens
     bm, stats = llm.engine.block_manager, llm.engine.stats
-    hits, prefill = bm.hit_tokens, stats["prefill_tokens"]
+    hits, prefill = bm.hit_tokens, stats.prefill_tokens
     out = llm.generate([prompt], SamplingParams(n=4, temperature=0.8, seed=1, max_tokens=6, ignore_eos=True),
                        use_tqdm=False)[0]
     assert bm.hit_tokens - hits == 3 * 44
-    assert stats["prefill_tokens"] - prefill == 47 + 3 * 3
+    assert stats.prefill_tokens - prefill == 47 + 3 * 3
     assert [len(c.token_ids) for c in out.outputs] == [6] * 4
 
 

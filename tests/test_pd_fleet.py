@@ -158,8 +158,7 @@ def test_decode_dies_mid_run_and_one_joins(path, reference):
             p.step()                              # P frees what d0 claimed at once, not after the lease
             assert time.monotonic() - t0 < lease / 2
         fleet.ds = [d1]                           # the router drops the dead D; a new one joins
-        for rid in list(d0.requests):
-            d0.abort(rid)                         # the dead engine's leftovers, so that it ends clean
+        d0.abort_all()                            # the dead engine's leftovers, so that it ends clean
         while d0.has_unfinished_requests():
             d0.step()
         d2 = fleet_engine(path, "d")

@@ -138,7 +138,7 @@ def test_preempted_request_resumes_from_cache(tiny_models):
         outs = llm.generate(prompts, sp, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == ref
         assert preempted, "the cache was meant to force preemption"
-        results[caching] = (eng.stats["prefill_tokens"], preempted)
+        results[caching] = (eng.stats.prefill_tokens, preempted)
     prefill_on, preempted = results[True]
     assert prefill_on < results[False][0], "resumed requests should recompute less with the cache on"
     resumed = [r.prefix_hit_tokens for r, computed in preempted if computed > 4]     # at re-admission

@@ -57,7 +57,7 @@ def test_ngram_drafts_match_brute_force():
 
 def spec_stats(llm) -> tuple[int, int]:
     s = llm.engine.stats
-    return s["draft_tokens"], s["accepted_tokens"]
+    return s.draft_tokens, s.accepted_tokens
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
@@ -159,7 +159,8 @@ def test_decode_engine_speculates_and_matches_colocated(tiny_models, overlap):
     for i, r in zip(ids, ref):
         a, b = pair.final[i].outputs[0], r.outputs[0]
         assert (a.token_ids, a.finish_reason) == (b.token_ids, b.finish_reason)
-    assert pair.d.stats["draft_tokens" if overlap else "accepted_tokens"] > 0     # overlapped: failing drafts back off
+    d_stats = pair.d.stats
+    assert (d_stats.draft_tokens if overlap else d_stats.accepted_tokens) > 0     # overlapped: failing drafts back off
 
 
 def test_prompt_logprobs_beside_a_speculating_decode_match_hf(tiny_models):
@@ -327,9 +328,9 @@ def test_disable_by_batch_size_keeps_large_batches_plain(tiny_models):
     off = LLM(tiny_models["llama"], speculative_config={**SPEC, "disable_by_batch_size": 3})
     assert [o.outputs[0].token_ids for o in off.generate(prompts, sp, use_tqdm=False)] == \
         [o.outputs[0].token_ids for o in LLM(tiny_models["llama"]).generate(prompts, sp, use_tqdm=False)]
-    assert off.engine.stats["drafts"] == 0          # four running: none speculates
+    assert off.engine.stats.drafts == 0          # four running: none speculates
     off.generate(prompts[:3], sp, use_tqdm=False)
-    assert off.engine.stats["drafts"] > 0           # three: they do
+    assert off.engine.stats.drafts > 0           # three: they do
 
 
 def test_a_full_batch_still_speculates(tiny_models):
@@ -344,7 +345,7 @@ def test_a_full_batch_still_speculates(tiny_models):
     llm = LLM(tiny_models["llama"], max_num_seqs=4, speculative_config=SPEC)
     outs = llm.generate(prompts, sp, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(tiny_models["llama"], prompts, 12)[0]
-    assert llm.engine.stats["drafts"] > 0
+    assert llm.engine.stats.drafts > 0
 
 
 def test_overlapped_engine_backs_off_drafts_that_keep_failing_and_never_idles(tiny_models):
@@ -365,5 +366,5 @@ def test_overlapped_engine_backs_off_drafts_that_keep_failing_and_never_idles(ti
     eng.step = step
     outs = llm.generate([prompt], sp, use_tqdm=False)
     assert outs[0].outputs[0].token_ids == ref[0].outputs[0].token_ids
-    assert 0 < eng.stats["drafts"] <= 10, eng.stats       # 2 ** misses tokens between tries: not every other step
+    assert 0 < eng.stats.drafts <= 10, eng.stats       # 2 ** misses tokens between tries: not every other step
     assert not any(idle)

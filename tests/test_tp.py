@@ -168,7 +168,7 @@ def test_killed_worker_raises_within_seconds_and_leaves_no_process(tp_models):
     killed_at = []
 
     def kill_once_decoding():
-        while llm.engine.stats["decode_tokens"] == 0:
+        while llm.engine.stats.decode_tokens == 0:
             time.sleep(0.001)
         killed_at.append(time.monotonic())
         os.kill(pid, signal.SIGKILL)

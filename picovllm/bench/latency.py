@@ -44,13 +44,13 @@ def _first_token_ms(engine, prompt: list[int]) -> tuple[float, int]:
     computed for it."""
     from picovllm.sampling_params import SamplingParams
     _sync()
-    before = engine.stats["prefill_tokens"]
+    before = engine.stats.prefill_tokens
     t0 = time.time()
     rid = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
     while True:
         for out in engine.step():
             if out.request_id == rid and out.finished:
-                return (out.metrics.token_times[0] - t0) * 1e3, engine.stats["prefill_tokens"] - before
+                return (out.metrics.token_times[0] - t0) * 1e3, engine.stats.prefill_tokens - before
 
 
 def _ttft_cached(engine, prompt, prefix_len: int, suffix_len: int) -> tuple[float, int]:

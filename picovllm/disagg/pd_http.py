@@ -124,6 +124,11 @@ class PDAsyncEngine(PDClient, AsyncEngine):
         self._last.pop(request_id, None)
         super()._abort_into(request_id, outputs)
 
+    def _abort_all_into(self, outputs: list) -> None:
+        for rid in self.engine.requests:
+            self._last.pop(rid, None)
+        super()._abort_all_into(outputs)
+
     def _handle(self, cmd, outputs: list) -> bool:
         if isinstance(cmd, OfferKV):
             self.engine.connector.offer(cmd.offer)

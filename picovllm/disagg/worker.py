@@ -185,13 +185,12 @@ class Worker:
 
     def _end(self, engine, start: StartSession, error: str | None = None) -> None:
         self._wire.clear()
-        for rid in list(engine.requests):      # only after an error: a finished session holds none
-            engine.abort(rid)
+        engine.abort_all()      # only after an error: a finished session holds none
         if engine.connector.link is not None:
             engine.connector.link.close()
         bm = engine.block_manager
         self.driver.send(SessionEnded(start.session, bm.num_blocks, bm.num_free_blocks,
-                                      len(engine.requests), dict(engine.stats), error))
+                                      len(engine.requests), engine.stats.as_dict(), error))
 
 
 def _inject(engine, fault: str) -> None:

@@ -70,6 +70,21 @@ class InFlight:
         return all(c.request.is_finished for c in self.sched.chunks)
 
 
+@dataclasses.dataclass(slots=True)
+class EngineCounters:
+    """Engine.stats: totals since the engine was built, read by the server's metrics (EngineStats), the progress
+    bar's rates and benchmarks. The speculative ones are vLLM's spec_decode counters."""
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    drafts: int = 0                 # speculative chunks (engine/spec_decode.py),
+    draft_tokens: int = 0           # the drafted tokens they fed (vLLM's num_draft_tokens),
+    accepted_tokens: int = 0        # and those kept (num_accepted_tokens)
+
+    def as_dict(self) -> dict[str, int]:
+        """The counters by name, for a message whose payload stays a dict (disagg SessionEnded.stats)."""
+        return dataclasses.asdict(self)
+
+
 class EngineClosedError(RuntimeError):
     """submit() after close(): the engine takes no more requests."""
 
@@ -146,9 +161,7 @@ class Engine:
         self._stalled = False      # the last schedule changed nothing: its waiting requests wait for blocks or slots
         self._step_marks: list | None = None   # PICOVLLM_STEP_LOG: the last scheduled step's entry, if it has one
         self._ids = itertools.count()
-        # speculative decoding's draft_tokens fed, accepted_tokens kept (vLLM's spec_decode num_draft_tokens and
-        # num_accepted_tokens) and drafts (speculative chunks)
-        self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "drafts": 0, "draft_tokens": 0, "accepted_tokens": 0}
+        self.stats = EngineCounters()
         # drafts kept by position in their chunk (vLLM's num_accepted_tokens_per_pos): entry i counts the chunks whose
         # first i + 1 drafts were kept, so it never grows along the list
         self.accepted_per_pos = [0] * (spec.num_speculative_tokens if spec is not None else 0)
@@ -303,11 +316,26 @@ class Engine:
             self._in_flight = None     # nothing of it is read: else has_work stays true and an idle loop spins
         return self.make_output(req) if answers else None
 
+    def abort_all(self) -> list[RequestOutput]:
+        """Abort every request the engine tracks; the outputs abort gives (those that are this engine's to send)."""
+        outputs = [self.abort(rid) for rid in list(self.requests)]
+        return [out for out in outputs if out is not None]
+
     def _drop(self, req: Request) -> None:
         """A finished request leaves the scheduler; it stays listed while the connector holds its blocks."""
         self._stalled = False              # its slot (and blocks) may admit a waiting request: schedule again
         if not self.scheduler.finish(req):    # else held: listed until the connector releases it
             del self.requests[req.request_id]
+
+    @property
+    def num_running(self) -> int:
+        """Requests the scheduler runs (the server's vllm:num_requests_running)."""
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued for admission (vllm:num_requests_waiting)."""
+        return len(self.scheduler.waiting)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None and not self._in_flight.all_finished()
@@ -509,11 +537,14 @@ class Engine:
         for chunk in sched.chunks:
             req = chunk.request
             if chunk.drafts:     # its last token is computed; the drafts' KV counts once apply_results keeps them
-                self.stats["decode_tokens"] += 1
+                self.stats.decode_tokens += 1
                 req.num_computed_tokens += 1
                 req.speculating = True
             else:
-                self.stats["decode_tokens" if chunk.is_decode else "prefill_tokens"] += chunk.num_new_tokens
+                if chunk.is_decode:
+                    self.stats.decode_tokens += chunk.num_new_tokens
+                else:
+                    self.stats.prefill_tokens += chunk.num_new_tokens
                 req.num_computed_tokens += chunk.num_new_tokens
             self.block_manager.cache_full_blocks(req)
             if self.window is not None:
@@ -577,10 +608,10 @@ class Engine:
         self.proposer.record(req, kept)
         if req.status == RequestStatus.DECODING:      # not preempted while its step was in flight (overlapped)
             req.num_computed_tokens += kept
-        self.stats["decode_tokens"] += kept      # advance counted the chunk's first row
-        self.stats["drafts"] += 1
-        self.stats["draft_tokens"] += len(drafts)
-        self.stats["accepted_tokens"] += kept
+        self.stats.decode_tokens += kept      # advance counted the chunk's first row
+        self.stats.drafts += 1
+        self.stats.draft_tokens += len(drafts)
+        self.stats.accepted_tokens += kept
         for i in range(kept):
             self.accepted_per_pos[i] += 1
         if self.window is not None:

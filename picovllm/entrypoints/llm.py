@@ -88,13 +88,13 @@ class _TokenRates:
     """The progress bar's prefill and decode rates since a run began (the engine's token counts)."""
 
     def __init__(self, engine: Engine) -> None:
-        self.engine, self.t0, self.start = engine, time.time(), dict(engine.stats)
+        self.engine, self.t0, self.start = engine, time.time(), dataclasses.replace(engine.stats)
 
     def text(self) -> str:
         dt = max(time.time() - self.t0, 1e-9)
         now = self.engine.stats
-        return (f"prefill {(now['prefill_tokens'] - self.start['prefill_tokens']) / dt:.0f} tok/s, "
-                f"decode {(now['decode_tokens'] - self.start['decode_tokens']) / dt:.0f} tok/s")
+        return (f"prefill {(now.prefill_tokens - self.start.prefill_tokens) / dt:.0f} tok/s, "
+                f"decode {(now.decode_tokens - self.start.decode_tokens) / dt:.0f} tok/s")
 
 
 # vLLM's older task= argument -> EngineConfig.runner (its other tasks, classify, score, reward, ..., are not run here)

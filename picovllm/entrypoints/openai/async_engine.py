@@ -82,13 +82,14 @@ class AsyncEngine(EngineClient):
         except Exception as e:   # one bad step must not take the server down: fail its requests
             logger.exception("engine step failed; aborting %d requests", len(engine.requests))
             err = EngineStepError(f"engine step failed: {type(e).__name__}: {e}")
-            for rid in list(engine.requests):      # counted as errors where the answers arrive (_finish_outputs)
-                engine.abort(rid)
-                outputs.append(CommandAnswer(rid, err))
+            # each request is answered with the error, not with its abort's output: counted as an error where the
+            # answers arrive (_finish_outputs)
+            failed = list(engine.requests)
+            engine.abort_all()
+            outputs.extend(CommandAnswer(rid, err) for rid in failed)
             stepped = []
         if stepped is None:             # shut down: nobody will read what is left
-            for rid in list(engine.requests):
-                self._abort_into(rid, outputs)
+            self._abort_all_into(outputs)
         self._finish_outputs(outputs)
         self._publish_stats()
         self._deliver(outputs)
@@ -175,8 +176,7 @@ class AsyncEngine(EngineClient):
             self._abort_into(cmd.request_id, outputs)
             return False
         if isinstance(cmd, AbortAll):
-            for rid in list(self.engine.requests):
-                self._abort_into(rid, outputs)
+            self._abort_all_into(outputs)
             return False
         error = None
         try:
@@ -195,12 +195,21 @@ class AsyncEngine(EngineClient):
         if out is not None:
             outputs.append(out)
 
+    def _abort_all_into(self, outputs: list) -> None:
+        """Every request aborted (AbortAll, a shutdown); a subclass that keeps something per request forgets it
+        here as in _abort_into."""
+        outputs.extend(self.engine.abort_all())
+
     def _publish_stats(self) -> None:
-        e, bm = self.engine, self.engine.block_manager
-        self.stats = EngineStats(len(e.scheduler.running), len(e.scheduler.waiting), bm.num_free_blocks,
-                                 bm.num_blocks, e.stats["prefill_tokens"], e.stats["decode_tokens"],
-                                 bm.queried_tokens, bm.hit_tokens, e.stats["drafts"], e.stats["draft_tokens"],
-                                 e.stats["accepted_tokens"], self._connector_stats(), list(e.accepted_per_pos),
-                                 e.scheduler.num_preemptions, bm.requeried_tokens, bm.rehit_tokens)
+        e, bm, counts = self.engine, self.engine.block_manager, self.engine.stats
+        self.stats = EngineStats(
+            num_running=e.num_running, num_waiting=e.num_waiting,
+            num_free_blocks=bm.num_free_blocks, num_blocks=bm.num_blocks,
+            prefill_tokens=counts.prefill_tokens, decode_tokens=counts.decode_tokens,
+            prefix_queried_tokens=bm.queried_tokens, prefix_hit_tokens=bm.hit_tokens,
+            prefix_requeried_tokens=bm.requeried_tokens, prefix_rehit_tokens=bm.rehit_tokens,
+            drafts=counts.drafts, draft_tokens=counts.draft_tokens, accepted_tokens=counts.accepted_tokens,
+            accepted_per_pos=list(e.accepted_per_pos), preemptions=e.scheduler.num_preemptions,
+            connector=self._connector_stats())
         if self.metrics:
             self.metrics.observe_engine(self.stats)
