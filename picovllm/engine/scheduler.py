@@ -146,7 +146,8 @@ class Scheduler:
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             drafts = []
-            if self.propose_drafts is not None and n == 1:    # what the budget leaves after a token for each decode to come
+            # the drafts get what the budget leaves after a token for each decode to come
+            if self.propose_drafts is not None and n == 1:
                 drafts = self._draft(req, min(budget - n - max(0, len(decodes) - i - 1), draft_rows))
                 draft_rows -= len(drafts)
             if not self._reserve(req, n + len(drafts), out):
