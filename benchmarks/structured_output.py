@@ -110,7 +110,8 @@ def breakdown(llm, prompts, runs, tokens: int) -> None:
     from picovllm.engine import sampling
     from picovllm.layers import structured_output
     eng, totals = llm.engine, {}
-    timed(eng, ["_schedule", "_prepare", "apply_results", "advance", "_fill_late_masks"], totals)
+    timed(eng, ["_schedule", "_prepare", "apply_results", "advance"], totals)
+    timed(eng.grammar_masks, ["fill_late"], totals)
     timed(eng.executor, ["launch", "resolve"], totals)
     timed(eng.executor.runner, ["compute_logits", "launch_sampling"], totals)
     timed(structured_output.TokenBitmasks, ["fill", "to_device"], totals)

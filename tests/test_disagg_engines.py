@@ -441,9 +441,9 @@ def test_a_first_token_the_decode_grammar_refuses_names_the_field(chat_model):
                             structured_outputs=StructuredOutputsParams(choice=["yes"], source="guided_choice"))
     good = Request("a", tok.encode("Answer:"), params)
     good.output_token_ids = tok.encode("y")[:1]
-    assert d._grammar_on_decode(good).num_accepted == 1
+    assert d.grammar_masks.state_on_decode(good, d.eos_token_ids).num_accepted == 1
     bad = Request("b", tok.encode("Answer:"), params)
     bad.output_token_ids = tok.encode("z")[:1]
     with pytest.raises(ValueError, match="^guided_choice: the prefill engine's token .* does not match the grammar"):
-        d._grammar_on_decode(bad)
+        d.grammar_masks.state_on_decode(bad, d.eos_token_ids)
     d.shutdown()

@@ -80,7 +80,7 @@ def test_offline_both_forms(llm):
 def test_compiled_once_per_text(llm):
     """The compiler's cache keeps a structural tag by its text: the same tag again compiles nothing new."""
     llm.generate(["Call f:"], offline_params(llm, FORMAT, 0), use_tqdm=False)
-    compiler = llm.engine._structured._compiler
+    compiler = llm.engine.grammar_masks.compiler._compiler
     size = compiler.get_cache_size_bytes()
     llm.generate(["Call f:"], offline_params(llm, FORMAT, 1), use_tqdm=False)
     assert compiler.get_cache_size_bytes() == size

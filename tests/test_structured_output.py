@@ -78,13 +78,19 @@ def test_bitmask_rows_match_xgrammar_application():
     assert not torch.isinf(logits).any()                               # raw logits (logprobs) untouched
 
 
+def new_grammar(eng, kw: dict) -> GrammarState:
+    """The engine's matcher for a request constrained by StructuredOutputsParams(**kw)."""
+    return eng.grammar_masks.new_state(SamplingParams(structured_outputs=StructuredOutputsParams(**kw)), (),
+                                       eng.eos_token_ids)
+
+
 def test_buffers_alternate_and_fill_rows_in_place(default_llm: LLM):
     """Two steps in a row get different buffers (a step in flight keeps its own); the batched fill writes
     exactly the rows it is given, each what the grammar's own single-row fill gives."""
     xgr = pytest.importorskip("xgrammar")
     eng = default_llm.engine
     vocab = eng.model_config.vocab_size
-    states = [eng._grammar_state(SamplingParams(structured_outputs=StructuredOutputsParams(**kw)))
+    states = [new_grammar(eng, kw)
               for kw in ({"choice": ["yes", "no"]}, {"regex": "[0-9]+"}, {"json_object": True})]
     buffers = BitmaskBuffers(vocab, torch.device("cpu"), fill_threads=2)
     first, second = buffers.for_step(5), buffers.for_step(5)
@@ -117,7 +123,7 @@ def test_accept_all_matches_one_accept_a_row(default_llm: LLM):
     termination and next mask."""
     eng = default_llm.engine
     kinds, scripts = accept_scripts(eng)
-    new = lambda: [eng._grammar_state(SamplingParams(structured_outputs=StructuredOutputsParams(**kw)))  # noqa: E731
+    new = lambda: [new_grammar(eng, kw)  # noqa: E731
                    for kw in kinds]
     one, batch = new(), new()
     buffers = BitmaskBuffers(eng.model_config.vocab_size, torch.device("cpu"))
@@ -149,7 +155,7 @@ def test_public_xgrammar_calls_match_the_native_ones(default_llm: LLM, monkeypat
 
     def trace() -> tuple[list, list]:
         """Each step's (verdicts, counts, terminations, masks), and the states' handles."""
-        states = [eng._grammar_state(SamplingParams(structured_outputs=StructuredOutputsParams(**kw)))
+        states = [new_grammar(eng, kw)
                   for kw in kinds]
         buffers, steps = BitmaskBuffers(eng.model_config.vocab_size, torch.device("cpu")), []
         for k in range(len(scripts[0])):
@@ -391,12 +397,12 @@ def test_compiled_grammars_are_cached_by_text(default_llm: LLM):
     run = lambda schema: default_llm.generate([PROMPT], so_params(0.0, 0, json=schema), use_tqdm=False)  # noqa: E731
     a = {"type": "object", "properties": {"x": {"enum": ["p", "q"]}}, "required": ["x"]}
     run(a)
-    size = eng._structured._compiler.get_cache_size_bytes()
+    size = eng.grammar_masks.compiler._compiler.get_cache_size_bytes()
     assert size > 0
     run(dict(a))                       # an equal schema, another dict object
-    assert eng._structured._compiler.get_cache_size_bytes() == size
+    assert eng.grammar_masks.compiler._compiler.get_cache_size_bytes() == size
     run({"type": "object", "properties": {"y": {"enum": ["r"]}}, "required": ["y"]})
-    assert eng._structured._compiler.get_cache_size_bytes() > size
+    assert eng.grammar_masks.compiler._compiler.get_cache_size_bytes() > size
 
 
 def test_keyword_names_as_property_names_are_names():

@@ -24,13 +24,11 @@ import itertools
 import logging
 import random
 import time
-from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
 from picovllm.config import EngineConfig
-from picovllm.gc_freeze import freeze_before_first_engine
 from picovllm.engine.admission import (AdmissionLimits, check_capacity, check_length, check_offer,
                                        check_sampling_params, max_tokens_of)
 from picovllm.engine.block_manager import BlockManager, prefix_salt
@@ -45,8 +43,8 @@ from picovllm.engine.scheduler import Scheduler, SchedulerOutput
 from picovllm.engine.spec_decode import NgramProposer
 from picovllm.engine.step_log import STEP_LOG, Mark
 from picovllm.engine.step_input import StepInput
+from picovllm.gc_freeze import freeze_before_first_engine
 from picovllm.layers.rotary import longrope_position_offset
-from picovllm.layers.structured_output import GrammarState, StructuredOutputCompiler
 from picovllm.loader import engine_model_source
 from picovllm.loader.tokenizer import tokenizer_of
 from picovllm.outputs import CompletionOutput, Logprob, RequestOutput
@@ -278,19 +276,6 @@ class Engine:
         self.requests[req.request_id] = req
         self.scheduler.add(req)
 
-    def _grammar_state(self, params: SamplingParams, prompt_ids: Sequence[int] = ()) -> GrammarState:
-        """A matcher for the request's structured output (GrammarMasks.new_state)."""
-        return self.grammar_masks.new_state(params, prompt_ids, self.eos_token_ids)
-
-    def _grammar_on_decode(self, req: Request) -> GrammarState:
-        """D: an offered request's matcher, advanced by P's tokens (GrammarMasks.state_on_decode)."""
-        return self.grammar_masks.state_on_decode(req, self.eos_token_ids)
-
-    @property
-    def _structured(self) -> StructuredOutputCompiler | None:
-        """The grammar compiler, once a structured request built it (its cache is inspected by tests)."""
-        return self.grammar_masks.compiler
-
     def submit(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None,
                arrival_time: float | None = None, priority: int = 0) -> str:
         """add_request for a session's driver: refused after close(), and on a decode engine."""
@@ -427,7 +412,7 @@ class Engine:
 
         def fill_late_masks() -> None:     # the executor calls it before this step's sampling
             read.append(self.executor.resolve(prev.launched))
-            self._fill_late_masks(step, late, prev.sched, read[0])
+            self.grammar_masks.fill_late(step, late, prev.sched, read[0])
 
         launched = self.executor.launch(step, prev.launched if prev else None, fill_late_masks if late else None)
         self.advance(sched)
@@ -448,14 +433,9 @@ class Engine:
 
     def _prepare(self, sched: SchedulerOutput) -> tuple[StepInput, list[tuple[int, Request]]]:
         """The executor's StepInput, with the masks of constrained rows whose grammar has taken every
-        token so far; and the others, (row, Request), which wait for a token in flight (_fill_late_masks)."""
+        token so far; and the others, (row, Request), which wait for a token in flight (GrammarMasks.fill_late)."""
         step = self.executor.prepare(sched, self.eos_token_ids)
         return step, self.grammar_masks.fill(step, sched, self.executor.device)
-
-    def _fill_late_masks(self, step: StepInput, late: list[tuple[int, Request]], done_sched: SchedulerOutput,
-                         done: StepResult) -> None:
-        """The late rows' masks, from the tokens `done` holds (GrammarMasks.fill_late)."""
-        self.grammar_masks.fill_late(step, late, done_sched, done)
 
     def _schedule(self) -> SchedulerOutput:
         sched = self.scheduler.schedule()
@@ -515,7 +495,7 @@ class Engine:
                 raise ValueError(f"request_id {req.request_id!r} is already in use on the {self.config.role} engine")
             req.bad_words_ids = check_offer(req, self.limits, self.config.role, self.tokenizer)
             if req.params.structured_outputs is not None:
-                req.grammar = self._grammar_on_decode(req)
+                req.grammar = self.grammar_masks.state_on_decode(req, self.eos_token_ids)
         except ValueError as e:
             req.finish(FinishReason.ERROR, error=str(e))
             answers = self.connector.answers_for(req)      # asked first: request_finished forgets it
@@ -653,7 +633,7 @@ class Engine:
         check_stop(req, token, delta, self.eos_token_ids, self.max_model_len, stops, self.primary_eos)
         grammar = req.grammar
         if grammar is not None and not req.is_finished:
-            # it takes its newest token, unless _fill_late_masks gave it already; it refuses one only if the mask
+            # it takes its newest token, unless GrammarMasks.fill_late gave it already; it refuses one only if the mask
             # was overridden (e.g. min_tokens)
             if grammar.num_accepted < len(req.output_token_ids) and not grammar.accept(token):
                 req.finish(FinishReason.ERROR, error=f"token {token} does not match the structured output's grammar")
