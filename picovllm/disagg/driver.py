@@ -43,7 +43,7 @@ from picovllm.disagg.session import NAMES, ROLES, DisaggSession
 from picovllm.disagg.transfer import BACKENDS
 from picovllm.disagg.worker import worker_main
 from picovllm.entrypoints.llm import normalize_prompts
-from picovllm.entrypoints.parallel_sampling import merge_samples, sample_params
+from picovllm.entrypoints.parallel_sampling import prompt_output, sample_params
 from picovllm.generation_config import sampling_defaults
 from picovllm.outputs import RequestOutput
 from picovllm.sampling_params import SamplingParams
@@ -190,7 +190,7 @@ class DisaggLLM:
         s.wait(timeout_s, use_tqdm=use_tqdm)
         if s.rejected:
             raise ValueError(next(iter(s.rejected.values())))
-        return [s.results[g[0]] if len(g) == 1 else merge_samples(g[0], [s.results[i] for i in g]) for g in groups]
+        return [prompt_output(g, s.results) for g in groups]
 
     def next_request_id(self) -> str:
         return f"pd-{next(self._ids)}"

@@ -39,6 +39,12 @@ def merge_samples(request_id: str, outs: list[RequestOutput]) -> RequestOutput:
                          first.metrics, error, first.num_cached_tokens, first.prompt_logprobs)
 
 
+def prompt_output(ids: list[str], final: dict[str, RequestOutput]) -> RequestOutput:
+    """A prompt's RequestOutput from its samples' final outputs (by request id): a lone sample's as it is, else
+    merged under the first sample's id."""
+    return final[ids[0]] if len(ids) == 1 else merge_samples(ids[0], [final[i] for i in ids])
+
+
 def best_of(out: RequestOutput, n: int) -> list[CompletionOutput]:
     """The n samples with the highest cumulative logprob (vLLM's best_of), best first, re-indexed."""
     best = sorted(out.outputs, key=lambda c: -c.cumulative_logprob)[:n]
@@ -103,5 +109,4 @@ class SampleBatch:
 
     def outputs(self, final: dict[str, RequestOutput]) -> list[RequestOutput]:
         """One RequestOutput per prompt, in order, from every sample's final output."""
-        return [final[p.ids[0]] if len(p.ids) == 1 else merge_samples(p.ids[0], [final[i] for i in p.ids])
-                for p in self.prompts]
+        return [prompt_output(p.ids, final) for p in self.prompts]
