@@ -34,6 +34,16 @@ def tokens_prompt_texts(prompts) -> list[str | None]:
     return [p.get("prompt") if isinstance(p, dict) and "prompt_token_ids" in p else None for p in prompt_list(prompts)]
 
 
+def tokenization_truncation(tokenization_kwargs: dict | None, default: int | None = None) -> int | None:
+    """vLLM's tokenization_kwargs: its truncate_prompt_tokens (else default); ValueError naming any other key, which
+    is not honoured here."""
+    extra = dict(tokenization_kwargs or {})
+    truncate = extra.pop("truncate_prompt_tokens", default)
+    if extra:
+        raise ValueError(f"tokenization_kwargs: {sorted(extra)[0]!r} is not supported (only 'truncate_prompt_tokens')")
+    return truncate
+
+
 def refuse_unsupported(**given) -> None:
     """vLLM's arguments picovllm does not honour (LoRA adapters, multi-modal processing): ValueError naming the one
     given, rather than running without it. None (vLLM's default) passes."""
@@ -155,7 +165,8 @@ class LLM:
         prompts = prompt_list(prompts)      # once: a generator of prompts is read here only
         texts = tokens_prompt_texts(prompts)
         prompts, params = normalize_prompts(prompts, sampling_params)
-        params = [self._checked_params(sp, tokenization_kwargs) for sp in params]
+        truncate = tokenization_truncation(tokenization_kwargs)
+        params = [self._checked_params(sp, truncate) for sp in params]
         priorities = self._priorities(priority, len(prompts))
         batch = SampleBatch(self.engine)
         try:
@@ -170,20 +181,16 @@ class LLM:
                 out.prompt = text
         return outs
 
-    def _checked_params(self, params: SamplingParams, tokenization_kwargs: dict | None) -> SamplingParams:
-        """params with tokenization_kwargs' truncate_prompt_tokens; ValueError naming what is not honoured."""
+    def _checked_params(self, params: SamplingParams, truncate: int | None) -> SamplingParams:
+        """params with tokenization_kwargs' truncate_prompt_tokens (truncate); ValueError naming what is not
+        honoured."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams (or a list of them), got {params!r}")
         if not params.spaces_between_special_tokens and not getattr(self.engine.tokenizer, "is_fast", True):
             # a slow tokenizer's decode would put the spaces in, which the engine's detokenizer never does
             raise ValueError("SamplingParams.spaces_between_special_tokens: False is not supported with this "
                              "model's (slow) tokenizer")
-        extra = dict(tokenization_kwargs or {})
-        k = extra.pop("truncate_prompt_tokens", None)
-        if extra:
-            raise ValueError(f"tokenization_kwargs: {sorted(extra)[0]!r} is not supported (only "
-                             f"'truncate_prompt_tokens')")
-        return params if k is None else dataclasses.replace(params, truncate_prompt_tokens=k)
+        return params if truncate is None else dataclasses.replace(params, truncate_prompt_tokens=truncate)
 
     @staticmethod
     def _priorities(priority: Sequence[int] | None, n: int) -> list[int]:
@@ -256,11 +263,7 @@ class LLM:
         refuse_unsupported(lora_request=lora_request)
         if self.engine.pooler is None:
             raise ValueError("LLM.embed needs a pooling model: LLM(model, runner='pooling') (or vLLM's task='embed')")
-        extra = dict(tokenization_kwargs or {})
-        truncate = extra.pop("truncate_prompt_tokens", truncate_prompt_tokens)
-        if extra:
-            raise ValueError(f"tokenization_kwargs: {sorted(extra)[0]!r} is not supported (only "
-                             f"'truncate_prompt_tokens')")
+        truncate = tokenization_truncation(tokenization_kwargs, truncate_prompt_tokens)
         prompts, params = normalize_prompts(prompts, PoolingParams() if pooling_params is None else pooling_params)
         if truncate is not None:
             params = [dataclasses.replace(p, truncate_prompt_tokens=truncate) for p in params]
