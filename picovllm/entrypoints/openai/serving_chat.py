@@ -111,6 +111,8 @@ class ChatHandler:
     def _reasoning_effort(self, req: ChatCompletionRequest, tools: list | None) -> tuple[str | None, dict | None]:
         """The reasoning_effort and chat_template_kwargs the template is rendered with (reasoning_effort_options:
         vLLM's enable_thinking from the effort); a 400 naming reasoning_effort where the template reads neither."""
+        if req.reasoning_effort is None:      # the usual request: nothing to read of the template
+            return None, req.chat_template_kwargs
         try:
             template = resolved_template(self.ctx.tokenizer.tokenizer, req.chat_template, tools)
             return reasoning_effort_options(template, req.reasoning_effort, req.chat_template_kwargs)
