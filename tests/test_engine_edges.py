@@ -128,3 +128,31 @@ def test_max_tokens_unset_takes_the_room_a_smaller_kv_cache_leaves(short_model):
     with pytest.raises(ValueError, match=r"max_tokens \(60\) tokens exceed the KV cache \(64 tokens\)"):
         llm.generate([list(range(1, 11))], SamplingParams(max_tokens=60), use_tqdm=False)
     assert_engine_clean(llm.engine)
+
+
+def test_a_sliding_window_models_drafts_keep_their_blocks_cached(tmp_path, monkeypatch):
+    """Speculation on a model whose every layer slides (an 8-token window, blocks of 4): a step that keeps 9 drafts
+    fills blocks that are already behind the window when the step ends. Each must be cached before it is given
+    back, so the same text asked again hits every full block (it lost them: the hit stopped at the first lost one),
+    as it does without speculation; and so must the blocks of the step that finishes the request (its kept drafts'
+    KV was not counted). The output is forced to one token and the drafts are that token's (n-gram lookup drafts
+    one token a step on a run of one token). Oracle: the count of full blocks, by hand."""
+    from picovllm.engine import spec_decode
+    monkeypatch.setattr(spec_decode, "ngram_drafts", lambda tokens, k, min_n, max_n: [9] * k)
+    path = build_tiny_checkpoint(str(tmp_path / "sliding"), "qwen2", use_sliding_window=True, sliding_window=8,
+                                 max_window_layers=0)
+    prompt = [5, 6, 7, 8] + [9] * 12
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, allowed_token_ids=[9])   # drafts all kept
+    spec = {"method": "ngram", "num_speculative_tokens": 9}
+    for speculative_config, overlap in ((None, False), (spec, False), (spec, True)):
+        llm = LLM(path, device="cpu", block_size=4, num_kv_blocks=64, speculative_config=speculative_config,
+                  async_scheduling=overlap)
+        out = llm.generate([prompt], sp, use_tqdm=False)[0].outputs[0]
+        assert list(out.token_ids) == [9] * 40
+        if speculative_config:
+            assert llm.engine.stats.accepted_tokens >= 30
+        again = llm.generate([prompt + [9] * 40 + [5]], SamplingParams(temperature=0, max_tokens=1),
+                             use_tqdm=False)[0]
+        # every full block of the first request's computed tokens (its last token's KV was never computed)
+        assert again.num_cached_tokens == (len(prompt) + 40 - 1) // 4 * 4, (speculative_config, overlap)
+        assert_engine_clean(llm.engine)

@@ -577,6 +577,7 @@ class Engine:
         right input, so the token after it follows; the first draft that differs, or a finish, ends the run. The
         drafts kept count as computed."""
         kept, token = 0, req.output_token_ids[-1]
+        decoding = req.status == RequestStatus.DECODING    # before a kept token finishes it
         for draft, (token_after, logprobs) in zip(drafts, after):
             if req.is_finished or token != draft:
                 break
@@ -586,15 +587,16 @@ class Engine:
         req.speculating = False       # it may be scheduled again: a step that left it out did not stall
         self._stalled = False
         self.proposer.record(req, kept)
-        if req.status == RequestStatus.DECODING:      # not preempted while its step was in flight (overlapped)
-            req.num_computed_tokens += kept
+        if decoding:          # not preempted while its step was in flight (overlapped); finished here or not,
+            req.num_computed_tokens += kept     # its KV holds the kept drafts'
         self.stats.decode_tokens += kept      # advance counted the chunk's first row
         self.stats.drafts += 1
         self.stats.draft_tokens += len(drafts)
         self.stats.accepted_tokens += kept
         for i in range(kept):
             self.accepted_per_pos[i] += 1
-        if self.window is not None:
+        if self.window is not None:     # blocks the kept drafts filled may be behind the window already: cache first
+            self.block_manager.cache_full_blocks(req)
             self.block_manager.free_slid_out(req, self.window)
 
     def _apply_pooled(self, sched: SchedulerOutput, pooled: torch.Tensor) -> list[RequestOutput]:
