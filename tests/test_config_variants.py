@@ -1,9 +1,10 @@
 """HF config variants real checkpoints use, against HF transformers on the same tiny random weights (fp32, CPU):
 attention_bias where HF's o_proj takes it too (Llama, Qwen3, Gemma 2, SmolLM3, Cohere's parallel block) and where
-HF's attention ignores it (Mistral, Phi-3), Llama's and SmolLM3's mlp_bias, llama3 rope scaling without an
-original_max_position_embeddings (HF's fallback: max_position_embeddings), dynamic NTK rope (HF's: the default rope
-below max_position_embeddings), Qwen's use_sliding_window and max_window_layers defaults, Qwen3-MoE's window on every
-layer, bf16 and sharded checkpoints, and the refusals that name the field."""
+HF's attention ignores it (Mistral, Phi-3), Llama's and SmolLM3's mlp_bias, llama3, YaRN and LongRoPE rope scaling
+without an original_max_position_embeddings (HF's fallback: max_position_embeddings), dynamic NTK rope (HF's: the
+default rope below max_position_embeddings), Qwen's use_sliding_window and max_window_layers defaults, Qwen3-MoE's
+window on every layer, bf16 and sharded checkpoints, and the refusals that name the field."""
+import copy
 import json
 import random
 
@@ -128,6 +129,69 @@ def test_llama3_rope_original_context_at_the_top_level_wins(tmp_path):
     assert llm.engine.model_config.rope_scaling["original_max_position_embeddings"] == 32
 
 
+# YaRN and LongRoPE whose config.json names no original_max_position_embeddings (neither at the top level nor in the
+# rope parameters), on max_position_embeddings 64; the context each allows (vLLM's rule on the config transformers
+# standardizes: YaRN's original context, there max_position_embeddings, times the factor; LongRoPE's unscaled)
+SHORT, LONG = [1.0 + 0.3 * i for i in range(8)], [3.0 + 1.1 * i for i in range(8)]
+ROPE_WITHOUT_ORIGINAL = {
+    "yarn": ({"rope_type": "yarn", "factor": 4.0}, 256),
+    "yarn_mscale": ({"rope_type": "yarn", "factor": 4.0, "mscale": 2.0, "mscale_all_dim": 1.0, "beta_fast": 16,
+                     "beta_slow": 2, "truncate": False}, 256),
+    "yarn_attention_factor": ({"rope_type": "yarn", "factor": 3.0, "attention_factor": 1.3}, 192),
+    "yarn_factor_null": ({"rope_type": "yarn", "factor": None}, 64),
+    "longrope": ({"rope_type": "longrope", "factor": 8.0, "short_factor": SHORT, "long_factor": LONG}, 64),
+    "longrope_without_factor": ({"rope_type": "longrope", "short_factor": SHORT, "long_factor": LONG}, 64),
+}
+
+
+@pytest.mark.parametrize("case", list(ROPE_WITHOUT_ORIGINAL))
+def test_rope_without_original_context_is_hf_s(case):
+    """HF takes max_position_embeddings as the original context, and a factor left out (or null) as 1: our cos and
+    sin table, at every position the model takes, and the attention factor are HF's rotary embedding's on the same
+    config; so is the original context. LongRoPE's second half (the long factors, for a request that may pass the
+    original context) is HF's on a sequence one position longer."""
+    import transformers
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from picovllm.layers.rotary import RotaryEmbedding, attention_factor
+    rope, context = ROPE_WITHOUT_ORIGINAL[case]
+    fields = {**BASE, "max_position_embeddings": 64, "rope_parameters": {**rope, "rope_theta": 10000.0}}
+    ours = ModelConfig.from_hf_dict({**copy.deepcopy(fields), "architectures": ["LlamaForCausalLM"]})
+    hf_cfg = transformers.LlamaConfig(**copy.deepcopy(fields))      # which fills in its rope parameters
+    hf = LlamaRotaryEmbedding(config=hf_cfg)
+    assert ours.rope_scaling["original_max_position_embeddings"] == \
+        hf_cfg.rope_parameters["original_max_position_embeddings"] == 64
+    assert ours.max_position_embeddings == context
+    assert attention_factor(ours.rope_scaling) == pytest.approx(hf.attention_scaling, rel=1e-12)
+    table = RotaryEmbedding(ours.head_dim, ours.max_position_embeddings, ours.rope_theta, ours.rope_scaling).cos_sin
+    longrope = rope["rope_type"] == "longrope"
+    assert len(table) == context * (2 if longrope else 1)
+
+    def assert_rows_are_hf_s(rows: torch.Tensor, length: int) -> None:    # HF's first `context` of `length`
+        cos, sin = hf(torch.zeros(1, 1, ours.head_dim), torch.arange(length)[None])
+        half = ours.head_dim // 2
+        torch.testing.assert_close(rows[:, :half], cos[0, :context, :half], atol=1e-4, rtol=0)
+        torch.testing.assert_close(rows[:, half:], sin[0, :context, :half], atol=1e-4, rtol=0)
+    assert_rows_are_hf_s(table[:context], context)
+    if longrope:
+        assert_rows_are_hf_s(table[context:], context + 1)
+
+
+@pytest.mark.parametrize("rope, lens", [({"rope_type": "yarn", "factor": 4.0}, (5, 45, 90)),
+                                        ({"rope_type": "longrope", "factor": 8.0, "short_factor": SHORT,
+                                          "long_factor": LONG}, (5, 45))])
+def test_rope_without_original_context_matches_hf(tmp_path, rope, lens):
+    """A tiny random Llama whose YaRN or LongRoPE has no original_max_position_embeddings in its config.json: HF's
+    greedy tokens and logprobs (YaRN: prompts past max_position_embeddings too, within its factor times that)."""
+    def edit(c):
+        c["rope_parameters"].pop("original_max_position_embeddings", None)
+        c.pop("original_max_position_embeddings", None)
+    path = build(str(tmp_path / "m"), "LlamaConfig", max_position_embeddings=64, initializer_range=0.2,
+                 rope_parameters={**rope, "rope_theta": 10000.0}, edit=edit)
+    llm = assert_matches_hf(path, lens=lens)
+    assert llm.engine.model_config.rope_scaling["original_max_position_embeddings"] == 64
+
+
 @pytest.mark.parametrize("key", ["rope_type", "type"])
 def test_dynamic_rope_is_the_default_rope_within_the_context(tmp_path, key):
     """HF's dynamic NTK rope only changes its base once a sequence passes max_position_embeddings, where the model's
@@ -186,7 +250,7 @@ def test_bf16_sharded_checkpoint_matches_hf_in_fp32(tmp_path):
 
 @pytest.mark.parametrize("fields, match", [
     (dict(rope_scaling={"rope_type": "mrope_x", "factor": 2.0}), "rope_type='mrope_x'"),
-    (dict(rope_scaling={"type": "yarn", "factor": 2.0}), "original_max_position_embeddings"),
+    (dict(rope_scaling={"rope_type": "longrope", "factor": 2.0, "short_factor": [1.0] * 8}), "long_factor"),
     (dict(hidden_act="gelu"), "hidden_act='gelu'"),
 ])
 def test_unsupported_values_are_refused_by_name(fields, match):

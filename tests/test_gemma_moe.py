@@ -118,7 +118,7 @@ def test_q8_0_at_load_is_refused_for_experts(models):
 
 
 @pytest.mark.parametrize("field,value", [("use_bidirectional_attention", True), ("hidden_activation", "relu"),
-                                         ("rope_parameters", {"rope_type": "yarn", "factor": 2.0})])
+                                         ("rope_parameters", {"rope_type": "longrope", "factor": 2.0})])
 def test_what_cannot_be_honoured_is_refused(models, tmp_path, field, value):
     import json
     import os

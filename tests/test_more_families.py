@@ -252,13 +252,6 @@ def test_hf_overrides_set_config_fields(tmp_path):
     assert src.config.rope_scaling["rope_type"] == "yarn"
 
 
-def test_yarn_without_its_original_context_is_refused(models, tmp_path):
-    bad = edited(models["mistral"], str(tmp_path / "bad"),
-                 rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0})
-    with pytest.raises(ValueError, match="yarn.*original_max_position_embeddings"):
-        LLM(bad, device="cpu")
-
-
 def test_blocks_behind_the_window_are_given_back(models):
     """Every layer slides (window 20): blocks wholly behind the window go back to the pool as the request goes, so
     a 300-token prompt and 40 more tokens run in 16 blocks of 4 (85 without), token for token HF's."""
@@ -372,7 +365,8 @@ def test_fields_a_config_leaves_out_take_the_architectures_defaults():
     tie_word_embeddings and the activation as its transformers config class defaults them (the oracle: that class,
     as vLLM and HF read config.json through it), not generic ones (Mixtral's theta 1e6, Gemma's GeGLU, ...)."""
     import transformers
-    from picovllm.config import SUPPORTED_ARCHITECTURES, ModelConfig
+    from picovllm.config import ModelConfig
+    from picovllm.hf_config import SUPPORTED_ARCHITECTURES
     from picovllm.loader.hf_folder import _with_class_defaults
     shape = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16, moe_intermediate_size=32, num_experts=4, num_local_experts=4,

@@ -36,7 +36,8 @@ from typing import Iterable, Iterator
 import numpy as np
 import torch
 
-from picovllm.config import ModelConfig, scaled_context
+from picovllm.config import ModelConfig
+from picovllm.hf_config import scaled_context
 
 
 @dataclass(frozen=True)

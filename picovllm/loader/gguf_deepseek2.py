@@ -32,7 +32,8 @@ import math
 
 import numpy as np
 
-from picovllm.config import ModelConfig, scaled_context
+from picovllm.config import ModelConfig
+from picovllm.hf_config import scaled_context
 from picovllm.layers.rotary import head_rows
 from picovllm.loader.gguf_archs import Part, Slot, end_of_generation, expert_groups, required, yarn_scaling
 

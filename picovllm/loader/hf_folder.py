@@ -8,7 +8,8 @@ import os
 from safetensors import safe_open
 
 from picovllm.artifact_cache import file_identity
-from picovllm.config import ModelConfig, checkpoint_quantization
+from picovllm.config import ModelConfig
+from picovllm.hf_config import checkpoint_quantization
 from picovllm.loader.source import Fp8Checkpoint, ModelSource, WeightIterator
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
