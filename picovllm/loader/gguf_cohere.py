@@ -37,7 +37,7 @@ def model_config(meta: dict, tensors: dict, path: str) -> ModelConfig:
     if name == "cohere2":
         required(meta, p + "attention.sliding_window", path)
         window, sliding = sliding_pattern(meta, p, name, fields["num_hidden_layers"])
-        # only the sliding layers rotate (config.py's _rope_layers, as HF's Cohere 2)
+        # only the sliding layers rotate (hf_config.py's _rope_layers, as HF's Cohere 2)
         family.update(sliding_window=window, sliding_layers=sliding,
                       rope_layers=None if sliding is None or all(sliding) else list(sliding))
     return ModelConfig(architecture=HF[name], intermediate_size=int(required(meta, p + "feed_forward_length", path)),

@@ -1,6 +1,6 @@
 """DeepSeek-V2 and -V3 (DeepseekV2ForCausalLM: DeepSeek-V2, -V2-Lite, -V2.5; DeepseekV3ForCausalLM: DeepSeek-V3, -R1,
 Kimi-K2, Moonlight): the shared decoder (models/llama.py) with multi-head latent attention (MLA) in place of its
-attention; the experts, the dense first layers and the ungated shared expert are configuration (config.py's
+attention; the experts, the dense first layers and the ungated shared expert are configuration (hf_config.py's
 _deepseek_as_shared_fields, _deepseek; V2's softmax and V3's sigmoid routing: layers/moe.Routing).
 
 MLA: q = q_proj(x), or q_b_proj(norm(q_a_proj(x))); kv_a_proj_with_mqa(x) = [latent (kv_lora_rank), k_pe

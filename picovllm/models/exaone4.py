@@ -1,6 +1,6 @@
 """EXAONE 4.0 (LG AI Research): OLMo 2's layer (models/olmo2.py: norms after attention and the MLP, none before)
 with per-head q/k norms, as the shared decoder's (ModelConfig.qk_norm). Hybrid attention is configuration
-(config.py): sliding layers per layer_types (or sliding_window_pattern), and with a sliding_window the global layers
+(hf_config.py): sliding layers per layer_types (or sliding_window_pattern), and with a sliding_window the global layers
 are NoPE (rope_layers: a rotation by angle 0); without one every layer is global and rotates.
 """
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """GLM-4 (GLM-4-9B-0414, GLM-Z1) and GLM-4.5 (GLM-4.5, -Air, GLM-4.6): the shared decoder (models/llama.py) under
-their checkpoint names; what differs is configuration (config.py: _glm_as_shared_fields, _glm).
+their checkpoint names; what differs is configuration (hf_config.py: _glm_as_shared_fields, _glm).
 
 GLM-4: each layer norms its attention and MLP outputs before the residual add, as Gemma's layer does (the same
 layer, models/gemma.py, under Gemma's names: GLM's post_self_attn_layernorm is Gemma's post_attention_layernorm,

@@ -3,7 +3,7 @@
 q and k are normed over the whole projection (every head's dims together, layers.layernorm.ProjectionRMSNorm),
 before the heads' rotation. OLMo 2 and 3 move the layer's norms: none before attention or the MLP, each output normed
 before it joins the residual stream (post_attention_layernorm, post_feedforward_layernorm); OLMo 3 is OLMo 2 with
-sliding layers (layer_types; the default rope of the same base on them, config.py's _ropes). OLMoE keeps the pre-norm
+sliding layers (layer_types; the default rope of the same base on them, hf_config.py's _ropes). OLMoE keeps the pre-norm
 layer and routes each token to experts (layers/moe.py; softmax, top-k).
 """
 from __future__ import annotations
