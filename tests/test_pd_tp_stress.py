@@ -1,5 +1,5 @@
-"""PD disaggregation under tensor parallelism (CPU, gloo), stressed: a TP rank that dies under a served pair,
-n > 1 through DisaggLLM, and its errors.
+"""PD disaggregation under tensor parallelism (CPU, gloo), stressed: a TP rank that dies under a served pair (or a
+served engine, busy or idle), n > 1 through DisaggLLM, and its errors.
 
 Oracle: the colocated engine (LLM, TP=1) on the same tiny random checkpoint, greedy, token for token.
 """
@@ -12,6 +12,7 @@ import socket
 import threading
 import time
 
+import httpx
 import pytest
 
 from conftest import build_tiny_checkpoint
@@ -21,9 +22,12 @@ from picovllm.disagg.channel import Channel
 from picovllm.disagg.pd_http import PDAsyncEngine
 from picovllm.engine.llm_engine import Engine
 from picovllm.entrypoints.openai.engine_client import EngineDeadError, EngineStepError
+from serving_fixtures import ServerProcess, chat_model  # noqa: F401 - a fixture
+from test_engine_process import spawned
 
 GREEDY = dict(temperature=0, ignore_eos=True)
 KW = dict(block_size=4, num_kv_blocks=64)
+KILLED = r"tensor-parallel worker rank 1 \(pid \d+\) was killed by SIGKILL"
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -135,6 +139,101 @@ def test_a_served_colocated_engine_whose_tp_rank_dies_stops_taking_requests(mode
         asyncio.run(asyncio.wait_for(scenario(), 60))
     finally:
         engine.shutdown()
+
+
+def test_a_served_colocated_engine_whose_tp_rank_dies_while_idle_stops_within_a_second(model):
+    """A rank that dies while the served engine is idle: its loop, waiting for work, finds it within about a second
+    (Executor.check_alive, no step) and stops as after a failed step: the loop ends (/health 503) and the first
+    request is refused at once, naming the rank. Before, nothing looked until a request came: /health said 200
+    meanwhile, and that request failed in a step of its own (a 500)."""
+    from picovllm.entrypoints.openai.async_engine import AsyncEngine
+    engine = Engine(EngineConfig(model, tensor_parallel_size=2, **KW))
+    loop_engine = AsyncEngine(engine)
+
+    async def scenario() -> None:
+        loop_engine.start()
+        try:
+            await asyncio.sleep(0.3)                              # the loop is waiting for work
+            os.kill(engine.executor.worker_pids[0], signal.SIGKILL)
+            killed = time.monotonic()
+            await wait_for(lambda: not loop_engine.is_running, "the idle loop ends", limit_s=5)
+            assert time.monotonic() - killed < 3
+            with pytest.raises(EngineDeadError, match=KILLED):
+                await loop_engine.add_request([5, 17, 42], SamplingParams(max_tokens=2, **GREEDY), "first")
+        finally:
+            await loop_engine.shutdown()
+
+    try:
+        asyncio.run(asyncio.wait_for(scenario(), 60))
+    finally:
+        engine.shutdown()
+
+
+def test_a_served_prefill_engine_whose_tp_rank_dies_while_idle_leaves_its_pair(model):
+    """P (TP=2) idle, linked to D: a rank of P dies. P's loop polls its peer every few ms but no step ran on the
+    ranks, so nothing noticed until a request came; now P's loop finds it within about a second, ends (/health 503,
+    a request refused naming the rank) and drops the link, so D (still up) and the proxy see the pair down."""
+    p_eng, d_eng = linked_pair(model, 2, 1)
+    p, d = PDAsyncEngine(p_eng), PDAsyncEngine(d_eng)
+
+    async def scenario() -> None:
+        p.start()
+        d.start()
+        try:
+            await asyncio.sleep(0.3)
+            os.kill(p_eng.executor.worker_pids[0], signal.SIGKILL)
+            await wait_for(lambda: not p.is_running, "P's idle loop ends", limit_s=5)
+            assert p.stats.connector["link_alive"] is False
+            await wait_for(lambda: d.stats.connector["link_alive"] is False, "D sees the link down")
+            assert d.is_running
+            with pytest.raises(EngineDeadError, match=KILLED):
+                await p.add_request([5, 17, 42], SamplingParams(max_tokens=2, **GREEDY), "first")
+        finally:
+            await p.shutdown()
+            await d.shutdown()
+
+    try:
+        asyncio.run(asyncio.wait_for(scenario(), 60))
+    finally:
+        p_eng.shutdown()
+        d_eng.shutdown()
+
+
+def test_a_tp_server_whose_rank_dies_while_idle_answers_503_naming_it(chat_model, tmp_path):
+    """`picovllm serve -tp 2` (the loop as a thread): a rank killed while no request is running turns /health to
+    503 within seconds, naming the rank, and the first request is a 503 naming it too (before: /health said 200
+    until a request came, and that request got a 500)."""
+    srv = ServerProcess(chat_model, str(tmp_path / "server.log"), "--tensor-parallel-size", "2",
+                        "--block-size", "16", "--num-kv-blocks", "64", "--max-model-len", "128")
+    try:
+        rank, = spawned(srv.proc.pid)
+        os.kill(rank, signal.SIGKILL)
+        dead = f"tensor-parallel worker rank 1 (pid {rank}) was killed by SIGKILL"
+        deadline = time.monotonic() + 5
+        while (health := httpx.get(srv.url + "/health", timeout=5)).status_code == 200:
+            assert time.monotonic() < deadline, "/health still says 200"
+            time.sleep(0.1)
+        assert health.status_code == 503 and dead in health.json()["error"]["message"], health.text
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 4}, timeout=30)
+        assert r.status_code == 503 and dead in r.json()["error"]["message"], r.text
+    finally:
+        srv.stop()
+
+
+def test_a_tp_server_whose_engine_process_finds_a_dead_rank_while_idle_exits(chat_model, tmp_path):
+    """The same under serve's default, the engine in a process of its own: the loop there ends within seconds and
+    so does the server, exit 1 (as for any end of its engine: a supervisor restarts it), its log naming the rank.
+    Before, it went on saying 200 until a request came."""
+    srv = ServerProcess(chat_model, str(tmp_path / "server.log"), "--tensor-parallel-size", "2", "--engine-process",
+                        "--block-size", "16", "--num-kv-blocks", "64", "--max-model-len", "128")
+    try:
+        engine_proc, = spawned(srv.proc.pid)
+        rank, = spawned(engine_proc)
+        os.kill(rank, signal.SIGKILL)
+        assert srv.proc.wait(10) == 1, srv.log()
+        assert f"tensor-parallel worker rank 1 (pid {rank}) was killed by SIGKILL" in srv.log()
+    finally:
+        srv.stop()
 
 
 # -- DisaggLLM: P TP=2, D TP=1 in processes of their own ---------------------------------------------------------

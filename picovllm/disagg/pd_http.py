@@ -54,7 +54,7 @@ class PDClient:
     def listen(self, request_id: str) -> RequestStream:
         """D: a stream for a request that will arrive from P. Closing it before it finished aborts it."""
         if not self.is_running:
-            raise EngineDeadError("the engine loop is not running")
+            raise EngineDeadError(self.ended_why or "the engine loop is not running")
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
         stream = self._streams[request_id] = RequestStream(request_id, self)

@@ -66,6 +66,14 @@ class Executor(ABC):
         raises; this says whether the next one would too, so that a server stops taking requests (AsyncEngine)."""
         return None
 
+    def check_alive(self) -> str | None:
+        """Look whether every rank is still there, running nothing on them (no collective, no message), and return
+        failure (None: all alive). A rank found dead fails the executor as a failed step would (failure names it from
+        then on; the other ranks are stopped). For an engine that is not stepping, whose steps would not notice: a
+        served engine's loop calls it while it waits for work, at most once a second (AsyncEngine._take_commands); a
+        step never needs it. One process has no ranks to look at."""
+        return self.failure
+
     # -- start-up: the KV cache -----------------------------------------------------------------
     @abstractmethod
     def profile_num_blocks(self) -> int:

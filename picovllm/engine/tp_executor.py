@@ -170,6 +170,16 @@ class TPExecutor(Executor):
     def failure(self) -> str | None:
         return self.session.failure     # set once a step's collectives failed: the session is closed for good
 
+    def check_alive(self) -> str | None:
+        """The spawned workers' processes, looked at (an exit the watchdog saw, or one not yet reaped); ranks that
+        torchrun (or the caller) started are not this process's children: a dead one shows at the next step."""
+        s = self.session
+        if not s.closed:
+            dead = s.dead_worker()
+            if dead:
+                s.fail("a wait for work", RuntimeError(dead))
+        return s.failure
+
     def shutdown(self) -> None:
         self._finalizer()
 

@@ -122,7 +122,8 @@ def build_app(ctx: ServingContext, settings: ServerSettings, openai_routes: bool
     @app.api_route("/ping", methods=["GET", "POST"])     # vLLM's (SageMaker's probe): the same answer
     async def health() -> Response:
         if not ctx.engine.is_running:
-            return JSONBody(error_body("the engine loop is not running", "service_unavailable"), 503)
+            why = getattr(ctx.engine, "ended_why", None) or "the engine loop is not running"   # a proxy has none
+            return JSONBody(error_body(why, "service_unavailable"), 503)
         return JSONBody({"status": "ok"})
 
     @app.get("/version")

@@ -6,6 +6,10 @@ with its answers to commands (CommandAnswer), in one call_soon_threadsafe per st
 runs the same loop in a process of its own instead. The loop's two ends are seams: _receive (the commands) and
 _deliver (an iteration's outputs).
 
+An idle loop wakes at least every LIVENESS_S to ask its executor whether every rank is alive (Executor.check_alive):
+a tensor-parallel rank that dies while no step runs ends the loop within about a second, as a failed step would,
+instead of failing the next request. A busy loop never asks (its steps notice).
+
 This layer knows nothing about HTTP: the OpenAI server (and a PD role) sit on top of it.
 """
 from __future__ import annotations
@@ -14,6 +18,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 
 from picovllm.engine.llm_engine import Engine
 from picovllm.engine.model_runner import bind_device
@@ -23,6 +28,8 @@ from picovllm.entrypoints.openai.engine_client import (AbortAll, AbortRequest, C
 
 logger = logging.getLogger(__name__)
 
+LIVENESS_S = 1.0    # an idle loop's longest wait for a command, and how often it asks Executor.check_alive
+
 
 class AsyncEngine(EngineClient):
     def __init__(self, engine: Engine, metrics=None) -> None:
@@ -30,6 +37,7 @@ class AsyncEngine(EngineClient):
         self.engine = engine
         self._steps = StepLoop(engine, self._take_commands)     # the engine's one loop, run by the thread
         self._pending: list = []        # this iteration's answers to commands (loop thread only)
+        self._next_liveness = 0.0       # time.monotonic() before which an idle loop does not look at the ranks
         self._thread: threading.Thread | None = None
         self._publish_stats()
 
@@ -70,6 +78,7 @@ class AsyncEngine(EngineClient):
             why = "the engine loop crashed"
             raise
         finally:   # nobody will answer requests still waiting (an add that raced the shutdown)
+            self.ended_why = why        # before the thread ends: a request refused from then on is told why
             self._deliver_end(why)
 
     def _iteration(self) -> bool:
@@ -113,11 +122,26 @@ class AsyncEngine(EngineClient):
         self._loop.call_soon_threadsafe(self._fail_all_streams, why)
 
     def _take_commands(self, wait_s: float | None) -> bool:
-        """StepLoop's input: the commands queued, waiting up to wait_s for the first. False: shut down."""
+        """StepLoop's input: the commands queued, waiting up to wait_s for the first (LIVENESS_S at most). False:
+        shut down. Idle (wait_s not 0), it also looks at the ranks (_rank_died): once one is found dead the commands
+        are left alone, the iteration ends the loop (_cannot_step) and its end fails them naming the rank."""
+        timeout = self._poll_timeout(wait_s)
+        cmds = self._receive(LIVENESS_S if timeout is None else min(timeout, LIVENESS_S))
+        if wait_s != 0 and self._rank_died():
+            return True
         stop = False
-        for cmd in self._receive(self._poll_timeout(wait_s)):
+        for cmd in cmds:
             stop = self._handle(cmd, self._pending) or stop
         return not stop
+
+    def _rank_died(self) -> bool:
+        """Whether the executor finds a rank dead (Executor.check_alive), asked at most once per LIVENESS_S."""
+        now = time.monotonic()
+        if now < self._next_liveness:
+            return False
+        self._next_liveness = now + LIVENESS_S
+        executor = getattr(self.engine, "executor", None)
+        return executor is not None and executor.check_alive() is not None
 
     def _receive(self, timeout_s: float | None) -> list[Command]:
         """The commands queued, waiting up to timeout_s (None: until one comes) for the first."""

@@ -196,6 +196,9 @@ class EngineClient:
         self._commands = commands       # put(Command): to the loop
         self._streams: dict[str, RequestStream] = {}   # touched only on the event loop
         self._loop: asyncio.AbstractEventLoop | None = None
+        # why the loop ended (its last word: shut down, a rank died, ...), set on its side before is_running turns
+        # False; None while it runs
+        self.ended_why: str | None = None
 
     def start(self) -> None:
         raise NotImplementedError
@@ -225,7 +228,7 @@ class EngineClient:
                           arrival_time: float | None = None, priority: int = 0) -> RequestStream:
         """Queue a request; return once the engine accepted it. Raises ValueError naming the bad field."""
         if not self.is_running:
-            raise EngineDeadError("the engine loop is not running")
+            raise EngineDeadError(self.ended_why or "the engine loop is not running")
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
         stream = self._streams[request_id] = RequestStream(request_id, self)

@@ -190,6 +190,7 @@ class PipeEngineClient(EngineClient):
         except (EOFError, OSError):
             why = self._died()
         finally:
+            self.ended_why = why        # before the thread ends: a request refused from then on is told why
             self._loop.call_soon_threadsafe(self._ended, why)
 
     def _take(self, step: StepOutputs) -> None:
