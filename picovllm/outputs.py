@@ -8,9 +8,19 @@ from typing import Any
 
 @dataclass
 class Logprob:
+    """vLLM's: a token's logprob (SamplingParams.logprobs says which distribution), its rank (1: the most likely; vLLM's
+    count of the tokens at least as likely, a top-k entry's its place among them) and its text."""
     logprob: float
     rank: int | None = None
     decoded_token: str | None = None
+
+
+MIN_LOGPROB = -9999.0     # what a logprob of -inf (a token a grammar forbids) reads as in JSON, as vLLM's and OpenAI's
+
+
+def json_logprob(logprob: float | None) -> float | None:
+    """A logprob as JSON can carry it: -inf (json.dumps would write -Infinity, which is not JSON) as MIN_LOGPROB."""
+    return None if logprob is None else max(logprob, MIN_LOGPROB)
 
 
 @dataclass

@@ -96,8 +96,13 @@ class SamplingParams:
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    # vLLM's: per output token, its logprob and rank, and the `logprobs` most likely tokens' (-1: the whole
+    # vocabulary). The logprobs are vLLM's default logprobs_mode, raw_logprobs: the model's own distribution before
+    # logit_bias, penalties, bad words, allowed_token_ids, min_tokens' bans, temperature and top-k/top-p/min-p, but
+    # within a structured output's grammar (as vLLM's, which masks the logits with it first: a token it forbids
+    # has logprob -inf). A rank counts the tokens at least as likely, the token itself included (vLLM's).
     logprobs: int | None = None
-    prompt_logprobs: int | None = None   # per prompt token (the first gets None): its logprob, rank and top-k
+    prompt_logprobs: int | None = None   # per prompt token (the first gets None): its logprob, rank and top-k (-1: all)
     skip_special_tokens: bool = True
     # vLLM's: a fast tokenizer's decode (HF's, ours) puts no spaces between special tokens whatever this says, as
     # vLLM's fast detokenizer; LLM refuses False with a slow tokenizer, whose decode would
@@ -191,11 +196,11 @@ class SamplingParams:
         if words is not None and (not isinstance(words, list) or not all(isinstance(w, str) and w.strip()
                                                                           for w in words)):
             raise bad("bad_words", "must be None or a list of words (strings with more than spaces)")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
-            raise bad("logprobs", "must be an int >= 0 or None")
-        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int)
-                                                 or isinstance(self.prompt_logprobs, bool) or self.prompt_logprobs < 0):
-            raise bad("prompt_logprobs", "must be an int >= 0 or None")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < -1):
+            raise bad("logprobs", "must be an int >= 0, -1 (the whole vocabulary) or None")
+        k = self.prompt_logprobs
+        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < -1):
+            raise bad("prompt_logprobs", "must be an int >= 0, -1 (the whole vocabulary) or None")
         self._validate_penalties(bad)
         so = self.structured_outputs
         if so is not None and not isinstance(so, StructuredOutputsParams):

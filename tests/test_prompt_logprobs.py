@@ -75,7 +75,7 @@ def test_n_samples_share_one_scoring_and_bad_values_name_the_field(tiny_models, 
         assert [d[tok].logprob for d, (tok, *_rest) in zip(o.prompt_logprobs[1:], rows)] == \
             pytest.approx([lp for _, lp, _, _ in rows], abs=LOGPROB_ATOL)
         assert all(len(d) == 1 for d in o.prompt_logprobs[1:])    # top-0: the prompt token alone
-    for bad in (-1, 1.5, True):
+    for bad in (-2, 1.5, True):     # -1 is vLLM's whole vocabulary
         with pytest.raises(ValueError, match="prompt_logprobs"):
             SamplingParams(prompt_logprobs=bad)
     with pytest.raises(ValueError, match="prompt_logprobs must be <= the vocabulary size"):

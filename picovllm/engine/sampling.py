@@ -55,8 +55,8 @@ def launch_sampling(logits: torch.Tensor | None, step: StepInput,
         host = [_to_host(t) for t in (tokens, *logprob_tensors)]
     launched = LaunchedStep(tokens, host, step.sampling, None)
     if step.prompt_indices:
-        launched.prompt_host = [_to_host(t) for t in
-                                prompt_logprob_tensors(logits[k:], step.prompt_targets, max(step.prompt_topk))]
+        topk = max(num_top(n, logits.shape[-1]) for n in step.prompt_topk)
+        launched.prompt_host = [_to_host(t) for t in prompt_logprob_tensors(logits[k:], step.prompt_targets, topk)]
         qsl, lens = step.query_start_loc, step.seq_lens
         seqs = [bisect_right(qsl, i) - 1 for i in step.prompt_indices]
         # a row's token index in its sequence (not step.positions: the rotary's, LongRoPE's offset included)
@@ -97,11 +97,11 @@ def sample_logits(logits: torch.Tensor, rows: list[SamplingRow], prev_tokens: to
         # one upload and one kernel: the fused Gumbel-max sampler, the grammar masks applied in its pass
         masks = device_masks(token_bitmasks, dev) if masked else (None, None)
         tokens = sample_temperature_only(logits, temps, [r.seed if r.temperature > 0 else None for r in rows], *masks)
-        return tokens, _logprob_tensors(raw, tokens, rows)
+        return tokens, _logprob_tensors(raw, tokens, rows, token_bitmasks)
     logits = apply_token_bitmasks(logits, token_bitmasks)   # structured outputs
     if all(x == 0 for x in temps):   # greedy batch: no sampling tensors to upload
         tokens = greedy_tokens(logits)
-        return tokens, _logprob_tensors(raw, tokens, rows)
+        return tokens, _logprob_tensors(raw, tokens, rows, token_bitmasks)
     t = SamplingTensors(
         temperature=to_device(temps, torch.float32, dev),
         top_k=to_device([r.top_k for r in rows], torch.long, dev),
@@ -114,18 +114,32 @@ def sample_logits(logits: torch.Tensor, rows: list[SamplingRow], prev_tokens: to
         any_min_p=any(r.min_p > 0 for r in rows),
         filtered=[r.filtered for r in rows])
     tokens = sample(logits, t)
-    return tokens, _logprob_tensors(raw, tokens, rows)
+    return tokens, _logprob_tensors(raw, tokens, rows, token_bitmasks)
 
 
-def _logprob_tensors(raw: torch.Tensor, tokens: torch.Tensor, rows: list[SamplingRow]) -> tuple:
-    """(chosen token's logprob, its rank, top-k values, top-k ids) on the device, or () if no row asks."""
+def num_top(n: int | None, vocab: int) -> int:
+    """How many top logprobs SamplingParams.logprobs (prompt_logprobs) n asks for: -1 is the whole vocabulary."""
+    return vocab if n == -1 else n or 0
+
+
+def _logprob_tensors(raw: torch.Tensor, tokens: torch.Tensor, rows: list[SamplingRow],
+                     token_bitmasks: TokenBitmasks | None = None) -> tuple:
+    """(chosen token's logprob, its rank, top-k values, top-k ids) on the device, or () if no row asks.
+    vLLM's default logprobs mode, raw_logprobs: the model's own distribution, before logit bias, penalties, bans,
+    temperature and top-k/p, but within a structured output's grammar (vLLM masks the logits with it before its
+    sampler: a token the grammar forbids has logprob -inf), so the masks are applied again here."""
     want = [r.logprobs for r in rows]
     if all(w is None for w in want):
         return ()
-    logp = raw.float().log_softmax(-1)
-    k = max(w or 0 for w in want)
-    chosen = logp.gather(-1, tokens[:, None])[:, 0]
-    ranks = (logp > chosen[:, None]).sum(-1) + 1
+    logp = apply_token_bitmasks(raw, token_bitmasks).float().log_softmax(-1)
+    return _gathered(logp, tokens, max(num_top(w, raw.shape[-1]) for w in want))
+
+
+def _gathered(logp: torch.Tensor, targets: torch.Tensor, k: int) -> tuple:
+    """(each target's logprob, its rank, the top-k values and ids) of logprob rows. The rank is vLLM's: how many
+    tokens are at least as likely, the target included (so a tie ranks it after the tokens it ties with)."""
+    chosen = logp.gather(-1, targets[:, None])[:, 0]
+    ranks = (logp >= chosen[:, None]).sum(-1)
     top_v, top_i = logp.topk(k, dim=-1) if k else (logp[:, :0], ranks[:, None][:, :0])
     return chosen, ranks, top_v, top_i
 
@@ -139,38 +153,35 @@ def prompt_logprob_tensors(logits: torch.Tensor, targets: list[int], topk: int) 
     parts = []
     for a in range(0, logits.shape[0], PROMPT_ROWS_AT_ONCE):
         logp = logits[a:a + PROMPT_ROWS_AT_ONCE].float().log_softmax(-1)
-        chosen = logp.gather(-1, targets_t[a:a + PROMPT_ROWS_AT_ONCE, None])[:, 0]
-        ranks = (logp > chosen[:, None]).sum(-1) + 1
-        parts.append((chosen, ranks, *logp.topk(topk, dim=-1)))
+        parts.append(_gathered(logp, targets_t[a:a + PROMPT_ROWS_AT_ONCE], topk))
     return tuple(torch.cat(p) for p in zip(*parts))
 
 
 def _prompt_logprob_dicts(host: list[torch.Tensor], rows: list[tuple[int, int, int, int]]) -> list:
     """(sequence, position, {prompt token: its Logprob, then the top-k}) per row, as vLLM's prompt_logprobs."""
     chosen_l, ranks_l, top_v_l, top_i_l = (t.tolist() for t in host)
-    out = []
-    for i, (seq, pos, target, topk) in enumerate(rows):
-        d = {target: Logprob(chosen_l[i], ranks_l[i])}
-        for j in range(topk):
-            d.setdefault(top_i_l[i][j], Logprob(top_v_l[i][j], j + 1))
-        out.append((seq, pos, d))
-    return out
+    return [(seq, pos, _logprob_dict(target, chosen_l[i], ranks_l[i], top_v_l[i], top_i_l[i], topk))
+            for i, (seq, pos, target, topk) in enumerate(rows)]
 
 
 def _logprob_dicts(tokens: list[int], host: list[torch.Tensor], rows: list[SamplingRow]) -> list:
     if not host:
         return [None] * len(rows)
     chosen_l, ranks_l, top_v_l, top_i_l = (t.tolist() for t in host)
-    out = []
-    for i, r in enumerate(rows):
-        if r.logprobs is None:
-            out.append(None)
-            continue
-        d = {tokens[i]: Logprob(chosen_l[i], ranks_l[i])}
-        for j in range(r.logprobs):
-            d.setdefault(top_i_l[i][j], Logprob(top_v_l[i][j], j + 1))
-        out.append(d)
-    return out
+    return [None if r.logprobs is None else
+            _logprob_dict(tokens[i], chosen_l[i], ranks_l[i], top_v_l[i], top_i_l[i], r.logprobs)
+            for i, r in enumerate(rows)]
+
+
+def _logprob_dict(token: int, logprob: float, rank: int, top_v: list[float], top_i: list[int],
+                  n: int) -> dict[int, Logprob]:
+    """vLLM's dict of one position: the token first, then the top n (-1: all of top_v), each ranked by its place. A
+    token among the top n takes that place's rank (vLLM's), which differs from `rank` only where it ties with
+    another: every rank in the dict is then a different one."""
+    d = {token: Logprob(logprob, rank)}
+    for j in range(len(top_i) if n == -1 else n):
+        d[top_i[j]] = Logprob(top_v[j], j + 1)
+    return d
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:

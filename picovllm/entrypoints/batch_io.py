@@ -18,7 +18,7 @@ import os
 import sys
 from dataclasses import dataclass
 
-from picovllm.outputs import RequestOutput
+from picovllm.outputs import RequestOutput, json_logprob
 from picovllm.sampling_params import SamplingParams
 
 PROMPT_KEYS = ("prompt", "prompt_token_ids", "messages")
@@ -150,4 +150,4 @@ def _sample_record(comp) -> dict:
 
 
 def _logprob_record(d: dict) -> dict:
-    return {str(t): lp.logprob for t, lp in d.items()}
+    return {str(t): json_logprob(lp.logprob) for t, lp in d.items()}

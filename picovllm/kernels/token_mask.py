@@ -2,8 +2,8 @@
 
 A row's mask is packed 32 tokens a word (int32; token t is bit t % 32 of word t // 32, as xgrammar fills it). Each
 program reads a BLOCK of one row's logits and the words that cover it, and writes the masked copy; rows the step did
-not constrain (word_rows[row] < 0) are copied as they are. The raw logits are left as they are (logprobs are read
-from them). Reference: layers.structured_output.mask_logits (one gather and one minimum in torch).
+not constrain (word_rows[row] < 0) are copied as they are. The raw logits are left as they are (the logprobs mask
+them on their own). Reference: layers.structured_output.mask_logits (one gather and one minimum in torch).
 """
 from __future__ import annotations
 

@@ -484,7 +484,8 @@ def device_masks(masks: TokenBitmasks, device: torch.device) -> tuple[torch.Tens
 def apply_token_bitmasks(logits: torch.Tensor, masks: TokenBitmasks | None) -> torch.Tensor:
     """logits [B, V] -> `logits` itself if no row is constrained, else a copy with every token a row's
     grammar forbids at -inf: one upload of the step's mask buffer, then one kernel on a GPU (kernels/token_mask.py).
-    Out of place either way: the raw logits stay as they are (logprobs are read from them)."""
+    Out of place either way: the raw logits stay as they are (the logprobs mask them on their own: engine/sampling.py,
+    _logprob_tensors)."""
     if masks is None or not masks.filled:
         return logits
     if token_mask.usable(logits):      # CPU, float32: one pass in C

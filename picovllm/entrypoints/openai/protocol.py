@@ -15,7 +15,7 @@ import re
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, create_model, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, create_model, field_validator
 
 from picovllm.entrypoints.chat_template import joined_parts
 from picovllm.entrypoints.openai.tool_calls import ToolPolicy, template_arguments
@@ -32,6 +32,17 @@ MAX_ALLOWED_TOKENS = 1 << 20   # allowed_token_ids entries (a vocabulary's size 
 MAX_BAD_WORDS = 128            # bad_words entries (as vLLM's)
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 TokenId = Annotated[int, Field(ge=0, le=MAX_INT)]
+
+
+def _within_max_logprobs(n: int) -> int:
+    if n == -1:     # vLLM's whole vocabulary: past its default max_logprobs too, which refuses it the same way
+        raise ValueError(f"-1 asks for the whole vocabulary, more than this server's max_logprobs ({MAX_LOGPROBS}, "
+                         f"vLLM's default)")
+    return n
+
+
+# logprobs, top_logprobs, prompt_logprobs: at most MAX_LOGPROBS (vLLM's default max_logprobs)
+LogprobCount = Annotated[int, Field(ge=-1, le=MAX_LOGPROBS), AfterValidator(_within_max_logprobs)]
 
 
 class APIError(Exception):
@@ -201,7 +212,7 @@ class _SamplingRequest(_StructuredRequest, _RefusedCommon):
     temperature: FiniteFloat | None = Field(None, ge=0, le=2)
     top_p: FiniteFloat | None = Field(None, gt=0, le=1)
     n: int = Field(1, ge=1, le=MAX_N)
-    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)   # vLLM's: each prompt token's, and the top k
+    prompt_logprobs: LogprobCount | None = None   # vLLM's: each prompt token's, and the top k
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | Annotated[list[str], Field(max_length=MAX_STOP)] | None = None
@@ -314,7 +325,7 @@ class _SamplingRequest(_StructuredRequest, _RefusedCommon):
 class CompletionRequest(_SamplingRequest, _RefusedCompletion):
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
     max_tokens: int | None = Field(16, ge=0, le=MAX_INT)     # 0: only with echo (the prompt scored, as OpenAI's)
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: LogprobCount | None = None
     echo: bool = False
     best_of: int | None = Field(None, ge=1, le=MAX_N)
     suffix: str | None = None
@@ -454,7 +465,7 @@ class ChatCompletionRequest(_SamplingRequest, _RefusedChat, _ChatTemplateOptions
     max_tokens: int | None = Field(None, ge=1, le=MAX_INT)
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: LogprobCount | None = None
     add_generation_prompt: bool = True
     add_special_tokens: bool = False     # vLLM's: the template holds the special tokens; True adds them again
     echo: bool = False                   # vLLM's: a reply to an assistant's last message starts with that message

@@ -18,7 +18,7 @@ from picovllm.entrypoints.openai.serving import (ENGINE_ERRORS, SSE_DONE, JSONBo
                                                  with_usage)
 from picovllm.entrypoints.openai.serving_beam import serve_beam_search
 from picovllm.entrypoints.parallel_sampling import merge_samples, sample_params
-from picovllm.outputs import CompletionOutput, RequestOutput
+from picovllm.outputs import CompletionOutput, RequestOutput, json_logprob
 
 
 class ChatHandler:
@@ -387,7 +387,7 @@ def _logprobs(c: CompletionOutput, idx: range, k: int, as_ids: bool) -> dict:
     their ids with as_ids: return_tokens_as_token_ids)."""
     def entry(t: int, lp) -> dict:
         s = token_name(t, lp, as_ids)
-        return {"token": s, "logprob": lp.logprob, "bytes": list(s.encode("utf-8"))}
+        return {"token": s, "logprob": json_logprob(lp.logprob), "bytes": list(s.encode("utf-8"))}
 
     content = []
     for i in idx:

@@ -14,7 +14,7 @@ from picovllm.entrypoints.openai.serving import (ENGINE_ERRORS, SSE_DONE, JSONBo
                                                  sse_error, sse_response, token_name, truncated, usage, with_usage)
 from picovllm.entrypoints.openai.serving_beam import serve_beam_search
 from picovllm.entrypoints.parallel_sampling import best_of, merge_samples
-from picovllm.outputs import CompletionOutput, Logprob
+from picovllm.outputs import CompletionOutput, Logprob, json_logprob
 
 
 class CompletionHandler:
@@ -284,9 +284,9 @@ def _echo_logprobs(prompt_ids: list[int], scored: list | None, first_token: str 
     for tok, d in zip(prompt_ids[1:], (scored or [None] * len(prompt_ids))[1:]):
         if d is None:     # not scored (a sample that is not the first, before the first's output)
             d = {tok: Logprob(None, None, "")}
-        top = {token_name(t, lp, as_ids): lp.logprob for t, lp in d.items()
+        top = {token_name(t, lp, as_ids): json_logprob(lp.logprob) for t, lp in d.items()
                if t == tok or (lp.rank is not None and lp.rank <= k)}
-        entries.append((token_name(tok, d[tok], as_ids), d[tok].decoded_token or "", d[tok].logprob, top))
+        entries.append((token_name(tok, d[tok], as_ids), d[tok].decoded_token or "", json_logprob(d[tok].logprob), top))
     return _completion_logprobs(entries, 0)
 
 
@@ -300,8 +300,8 @@ def _logprobs(c: CompletionOutput, idx: range, offset: int, as_ids: bool) -> tup
     entries = []
     for i in idx:
         d, t = c.logprobs[i], c.token_ids[i]
-        entries.append((token_name(t, d[t], as_ids), d[t].decoded_token or "", d[t].logprob,
-                        {token_name(u, lp, as_ids): lp.logprob for u, lp in d.items()}))
+        entries.append((token_name(t, d[t], as_ids), d[t].decoded_token or "", json_logprob(d[t].logprob),
+                        {token_name(u, lp, as_ids): json_logprob(lp.logprob) for u, lp in d.items()}))
     return _completion_logprobs(entries, offset)
 
 
