@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 
 from fastapi import Request, Response
 
@@ -19,6 +20,21 @@ from picovllm.entrypoints.openai.serving import (ENGINE_ERRORS, SSE_DONE, JSONBo
 from picovllm.entrypoints.openai.serving_beam import serve_beam_search
 from picovllm.entrypoints.parallel_sampling import merge_samples, sample_params
 from picovllm.outputs import CompletionOutput, RequestOutput, json_logprob
+
+
+@dataclass
+class _ChoiceStream:
+    """One choice's state while a chat reply streams (ChatHandler._events): what each of its readers has taken."""
+    deltas: TextDeltas = field(default_factory=TextDeltas)   # the text and tokens not yet sent
+    split: ReasoningSplitter | None = None    # a reasoning parser's: the think block apart from the content
+    auto: AutoToolStream | None = None        # tool_choice auto: the calls out of the content as their blocks close
+    harmony: HarmonyStream | None = None      # a harmony reply's messages
+    kinds: ContentTokens | None = None        # harmony with message logprobs: which tokens are the content's
+    content: str = ""                         # with a split: the content so far (what the tool calls are read from)
+    sent: int = 0                             # continuous usage: the tokens so far
+    new_ids: list[int] = field(default_factory=list)   # return_token_ids: the tokens not yet sent
+    call_id: str | None = None                # named tool_choice: the call's id, once its first delta went out
+    last: RequestOutput | None = None         # the latest output
 
 
 class ChatHandler:
@@ -191,24 +207,22 @@ class ChatHandler:
         read as harmony messages (harmony.py; header: the message the prompt leaves open, if any);
         message_logprobs: as __call__'s (a think block's go on its reasoning chunks anyway)."""
         rid, n = group.request_id, len(group.samples)
-        deltas, last = [TextDeltas() for _ in range(n)], {}
-        call_ids: dict[int, str] = {}    # named tool_choice: each choice's call id, once its first delta went out
-        auto = [AutoToolStream(policy) for _ in deltas] if policy.mode == "auto" else None
-        sent = [0] * n     # continuous usage: each choice's tokens so far
-        splits = None if opened is None else [ReasoningSplitter(opened) for _ in range(n)]
-        content = [""] * n     # with splits: each choice's content so far (what the tool calls are read from)
-        harmonies = [HarmonyStream(policy, header) for _ in range(n)] if harmony else None
-        kinds = [ContentTokens(self.ctx.harmony, header) for _ in range(n)] if harmony and message_logprobs else None
-        new_ids: list[list[int]] = [[] for _ in range(n)]    # return_token_ids: each choice's tokens not yet sent
+        content_kinds = harmony and message_logprobs     # which tokens are the content's, for their logprobs
+        choices = [_ChoiceStream(split=None if opened is None else ReasoningSplitter(opened),
+                                 auto=AutoToolStream(policy) if policy.mode == "auto" else None,
+                                 harmony=HarmonyStream(policy, header) if harmony else None,
+                                 kinds=ContentTokens(self.ctx.harmony, header) if content_kinds else None)
+                   for _ in range(n)]
         prompt_ids_due = req.return_token_ids                # the prompt's ids still to go, on the first chunk
 
         def emit(chunks: list[dict], i: int) -> str:
             nonlocal prompt_ids_due
+            ch = choices[i]
             if req.continuous_usage:
-                chunks = [with_usage(chunk, len(group.ids), sent[i]) for chunk in chunks]
+                chunks = [with_usage(chunk, len(group.ids), ch.sent) for chunk in chunks]
             if req.return_token_ids:
-                if new_ids[i]:
-                    chunks[-1]["choices"][0]["token_ids"], new_ids[i] = new_ids[i], []
+                if ch.new_ids:
+                    chunks[-1]["choices"][0]["token_ids"], ch.new_ids = ch.new_ids, []
                 if prompt_ids_due:
                     chunks[0] = {**chunks[0], "prompt_token_ids": list(group.ids)}
                     prompt_ids_due = False
@@ -220,25 +234,26 @@ class ChatHandler:
                 if req.echoed:
                     yield emit([self._chunk(rid, i, {"content": req.echoed})], i)
             async for i, out in group.outputs():
-                last[i], c = out, out.outputs[0]
-                text, toks = deltas[i].text(c, out.finished), deltas[i].tokens(c)
-                sent[i] = len(c.token_ids)
-                new_ids[i] += c.token_ids[toks.start:toks.stop]
+                ch, c = choices[i], out.outputs[0]
+                ch.last = out
+                text, toks = ch.deltas.text(c, out.finished), ch.deltas.tokens(c)
+                ch.sent = len(c.token_ids)
+                ch.new_ids += c.token_ids[toks.start:toks.stop]
                 thought, ended = "", False
-                if splits is not None:
-                    before = splits[i].state
-                    thought, text = splits[i].feed(text, out.finished)
-                    ended = before != "content" and splits[i].state == "content" and splits[i].reasoned
-                    content[i] += text
+                if ch.split is not None:
+                    before = ch.split.state
+                    thought, text = ch.split.feed(text, out.finished)
+                    ended = before != "content" and ch.split.state == "content" and ch.split.reasoned
+                    ch.content += text
                     thought = thought if req.include_reasoning else ""
                 if not (text or thought or out.finished or (k is not None and toks)):
                     continue
                 lps = _logprobs(c, toks, k, req.return_tokens_as_token_ids) if k is not None else None
-                if harmonies is not None:
-                    if kinds is not None and lps is not None:
-                        keep = kinds[i].feed(c.token_ids[toks.start:toks.stop])
+                if ch.harmony is not None:
+                    if ch.kinds is not None and lps is not None:
+                        keep = ch.kinds.feed(c.token_ids[toks.start:toks.stop])
                         lps = {"content": [e for e, kept in zip(lps["content"], keep) if kept]}
-                    chunks = self._harmony_chunks(rid, i, text, c, lps, harmonies[i], req.include_reasoning)
+                    chunks = self._harmony_chunks(rid, i, text, c, lps, ch.harmony, req.include_reasoning)
                     if chunks:
                         yield emit(chunks, i)
                     continue
@@ -254,9 +269,9 @@ class ChatHandler:
                     head = [self._chunk(rid, i, _reasoning_delta(thought) if thought else {}, mine)]
                     lps = None if lps is None or cut == len(toks) else {"content": lps["content"][cut:]}
                 if policy.mode == "named":   # the output is the call's arguments: streamed as they come
-                    chunks = self._named_call_chunks(rid, i, text, c, lps, policy, call_ids)
-                elif auto is not None:   # content as it comes, each call once its block closes
-                    chunks = self._auto_chunks(rid, i, c, lps, auto[i], c.text if splits is None else content[i])
+                    chunks = self._named_call_chunks(rid, i, text, c, lps, policy, ch)
+                elif ch.auto is not None:   # content as it comes, each call once its block closes
+                    chunks = self._auto_chunks(rid, i, c, lps, ch.auto, c.text if ch.split is None else ch.content)
                 elif policy.active:   # required: the calls are known once the output is
                     chunks = self._tool_chunks(rid, i, c, lps, policy, opened)
                 elif text or not thought or c.finish_reason is not None:
@@ -267,9 +282,8 @@ class ChatHandler:
                 chunks = head + chunks
                 if chunks:
                     yield emit(chunks, i)
-            if req.include_usage and len(last) == n:
-                use = await self._usage(req, merge_samples(rid, [last[i] for i in range(n)]), opened, harmony,
-                                        header)
+            if req.include_usage and all(ch.last is not None for ch in choices):
+                use = await self._usage(req, merge_samples(rid, [ch.last for ch in choices]), opened, harmony, header)
                 yield sse(self._body(rid, "chat.completion.chunk", [], usage=use))
         except ENGINE_ERRORS as e:
             yield sse_error(e)
@@ -304,14 +318,15 @@ class ChatHandler:
         return out
 
     def _named_call_chunks(self, rid: str, i: int, text: str, c: CompletionOutput, lps: dict | None,
-                           policy: ToolPolicy, call_ids: dict[int, str]) -> list[dict]:
+                           policy: ToolPolicy, choice: _ChoiceStream) -> list[dict]:
         """A named tool_choice: the first delta with text (after a reasoning block, if any) opens the call (index,
         id, type, name), the next ones add to its arguments; the finish reason is the output's own (stop, or length
         when max_tokens cut the arguments short), as OpenAI's for a named function (ToolPolicy.finish_reason)."""
         out = []
-        if i not in call_ids and text:
-            call_ids[i] = policy.new_call(policy.named, "").id
-            opened = {"index": 0, "id": call_ids[i], "type": "function", "function": {"name": policy.named, "arguments": ""}}
+        if choice.call_id is None and text:
+            choice.call_id = policy.new_call(policy.named, "").id
+            opened = {"index": 0, "id": choice.call_id, "type": "function",
+                      "function": {"name": policy.named, "arguments": ""}}
             out.append(self._chunk(rid, i, {"tool_calls": [opened]}))
         if text or lps is not None:
             delta = {"tool_calls": [{"index": 0, "function": {"arguments": text}}]} if text else {}
