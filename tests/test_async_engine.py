@@ -160,3 +160,102 @@ def test_shutdown_aborts_inflight(llm):
     assert last.finished and last.outputs[0].finish_reason == "abort"
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
 
+
+
+@pytest.fixture(scope="module")
+def chat_llm(tmp_path_factory):
+    """The tiny llama with a tokenizer: grammars need one."""
+    from serving_fixtures import build_tiny_chat_model
+    return LLM(build_tiny_chat_model(str(tmp_path_factory.mktemp("grammar") / "m")), block_size=8, num_kv_blocks=64)
+
+
+async def until(condition, timeout=10.0):
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while not condition():
+        assert loop.time() < end, "never came"
+        await asyncio.sleep(0.005)
+
+
+def held_compiles(monkeypatch):
+    """StructuredOutputCompiler.compile held until the returned event is set (30 s at most); the list says, for
+    each held compile, whether the event released it (True) or the wait ran out (False)."""
+    from picovllm.layers.structured_output import StructuredOutputCompiler
+    release, released = __import__("threading").Event(), []
+    real = StructuredOutputCompiler.compile
+
+    def held(self, p):
+        released.append(release.wait(30))
+        return real(self, p)
+
+    monkeypatch.setattr(StructuredOutputCompiler, "compile", held)
+    return release, released
+
+
+def test_a_compiling_grammar_holds_back_no_other_request(chat_llm, monkeypatch):
+    """A grammar compiles off the loop's thread: while one is held compiling, a plain request runs to its end (it
+    waited the whole compile out on the loop's thread); the constrained request then answers within its grammar,
+    and a grammar that cannot compile is still refused naming the field. The oracle for the plain request's tokens:
+    LLM.generate."""
+    from picovllm.sampling_params import StructuredOutputsParams
+    ps = prompts(1, seed=7)
+    ref = chat_llm.generate(ps, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    release, released = held_compiles(monkeypatch)
+    choice = SamplingParams(temperature=0, max_tokens=10, structured_outputs=StructuredOutputsParams(
+        choice=["yes", "no"]))
+
+    async def main():
+        ae = AsyncEngine(chat_llm.engine)
+        ae.start()
+        try:
+            constrained = asyncio.ensure_future(collect(ae, [5, 6, 7], choice, "constrained"))
+            plain = await asyncio.wait_for(collect(ae, ps[0], GREEDY, "plain"), 20)
+            release.set()          # the plain request is done: the compile may go on
+            bad = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex="(unclosed"))
+            with pytest.raises(ValueError, match="structured_outputs.regex"):
+                await ae.add_request([5, 6], bad, "bad")
+            return plain, await asyncio.wait_for(constrained, 30)
+        finally:
+            release.set()
+            await ae.shutdown()
+
+    plain, constrained = asyncio.run(main())
+    assert released[0] is True, "the plain request waited the compile out"
+    assert plain.outputs[0].token_ids == ref
+    assert constrained.outputs[0].text in ("yes", "no")
+    assert not chat_llm.engine.requests
+    assert chat_llm.engine.block_manager.num_free_blocks == chat_llm.engine.block_manager.num_blocks
+
+
+def test_a_request_aborted_while_its_grammar_compiles_is_never_run(chat_llm, monkeypatch):
+    """The client leaves while its grammar compiles: once compiled the request is added and aborted at once, so no
+    step runs it and every block stays free; the engine serves on."""
+    from picovllm.sampling_params import StructuredOutputsParams
+    release, released = held_compiles(monkeypatch)
+    params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True,
+                            structured_outputs=StructuredOutputsParams(regex="[a-z]+"))
+    engine = chat_llm.engine
+    before = engine.stats.prefill_tokens
+
+    async def main():
+        ae = AsyncEngine(engine)
+        ae.start()
+        try:
+            adding = asyncio.ensure_future(ae.add_request([5, 6, 7], params, "leaver"))
+            await until(lambda: "leaver" in ae._compiling)
+            adding.cancel()         # the caller goes away before its add is answered: its stream sends an abort
+            with pytest.raises(asyncio.CancelledError):
+                await adding
+            await until(lambda: ae._compiling["leaver"].aborted)
+            release.set()
+            await until(lambda: not ae._compiling and "leaver" not in ae._streams)
+            await stream_closed_and_idle(ae)
+            return await collect(ae, [8, 9], GREEDY, "after")
+        finally:
+            release.set()
+            await ae.shutdown()
+
+    after = asyncio.run(main())
+    assert released and all(released) and len(after.outputs[0].token_ids) == 10
+    assert engine.stats.prefill_tokens - before == 2        # only "after"'s prompt ran
+    assert not engine.requests and engine.block_manager.num_free_blocks == engine.block_manager.num_blocks

@@ -5,6 +5,7 @@ outputs under overlap")."""
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -32,6 +33,7 @@ class GrammarMasks:
         self.vocab_size = vocab_size
         self.reasoning_parser = reasoning_parser
         self.compiler: StructuredOutputCompiler | None = None   # built at the first structured request
+        self._compiler_lock = threading.Lock()     # precompile runs on another thread than the engine's
         self._bitmasks: BitmaskBuffers | None = None       # the grammar masks' buffers, at the first such step
         self._reasoning_gates: dict[str, ThinkTags | HarmonyTags] = {}     # the reasoning parsers' gates, by name
         if reasoning_parser:
@@ -52,14 +54,28 @@ class GrammarMasks:
                 so, reasoning_parser=self.reasoning_parser))
         return params, self.new_state(params, prompt_ids, eos_token_ids)
 
+    def precompile(self, params: SamplingParams, eos_token_ids: list[int]) -> None:
+        """Compile params' grammar into the compiler's cache, so that the request's add (new_state) finds it there.
+        Safe on another thread than the engine's (AsyncEngine compiles there: a long grammar takes seconds, which on
+        the engine's thread would stall every request). ValueError naming the field if it cannot be compiled; nothing
+        without a grammar or a tokenizer (the add says why)."""
+        so = params.structured_outputs
+        if so is not None and self.tokenizer is not None:
+            self._compiler(eos_token_ids).compile(so)
+
+    def _compiler(self, eos_token_ids: list[int]) -> StructuredOutputCompiler:
+        with self._compiler_lock:
+            if self.compiler is None:
+                self.compiler = StructuredOutputCompiler(self.tokenizer, self.vocab_size, eos_token_ids)
+            return self.compiler
+
     def new_state(self, params: SamplingParams, prompt_ids: Sequence[int], eos_token_ids: list[int]) -> GrammarState:
         """A matcher for the request's structured output; ValueError naming the field if it cannot be. With a
         reasoning parser, it starts where the prompt leaves the output (picovllm/reasoning.py's gates' begin)."""
         so = params.structured_outputs
         if self.tokenizer is None:
             raise ValueError(f"{so.field_name}: structured outputs need the model's tokenizer")
-        if self.compiler is None:
-            self.compiler = StructuredOutputCompiler(self.tokenizer, self.vocab_size, eos_token_ids)
+        self._compiler(eos_token_ids)
         parser = so.reasoning_parser or self.reasoning_parser      # the request's own (a front end's) first
         if parser is None:
             return self.compiler.new_state(so)

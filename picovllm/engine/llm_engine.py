@@ -218,6 +218,12 @@ class Engine:
         self._queue(req)
         return request_id
 
+    def compile_grammar(self, params: SamplingParams) -> None:
+        """Compile a request's grammar ahead of its add_request, which then finds it compiled: the one method of an
+        Engine that may run on another thread while the engine steps (a served loop compiles there, AsyncEngine).
+        ValueError naming the field if it cannot be compiled, as add_request would raise."""
+        self.grammar_masks.precompile(params, self.eos_token_ids)
+
     def _add_pooling_request(self, prompt: str | list[int], params: PoolingParams, request_id: str | None,
                              arrival_time: float | None, priority: int) -> str:
         """add_request on a pooling engine (engine/pooling.py): the prompt is prefilled, never decoded; its request

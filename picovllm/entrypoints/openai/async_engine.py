@@ -6,6 +6,11 @@ with its answers to commands (CommandAnswer), in one call_soon_threadsafe per st
 runs the same loop in a process of its own instead. The loop's two ends are seams: _receive (the commands) and
 _deliver (an iteration's outputs).
 
+A request's grammar (structured outputs) compiles on a thread of its own, never the loop's: a long one takes seconds,
+and every other request would wait them out. The request is added once it is compiled (its add answered then: a
+grammar that cannot be compiled is refused naming the field, as before); the loop looks for finished ones every
+COMPILE_POLL_S meanwhile.
+
 An idle loop wakes at least every LIVENESS_S to ask its executor whether every rank is alive (Executor.check_alive):
 a tensor-parallel rank that dies while no step runs ends the loop within about a second, as a failed step would,
 instead of failing the next request. A busy loop never asks (its steps notice).
@@ -19,16 +24,27 @@ import logging
 import queue
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 from picovllm.engine.llm_engine import Engine
 from picovllm.engine.model_runner import bind_device
 from picovllm.engine.step_loop import StepLoop
-from picovllm.entrypoints.openai.engine_client import (AbortAll, AbortRequest, Command, CommandAnswer, EngineClient,
-                                                       EngineStats, EngineStepError, Shutdown)
+from picovllm.entrypoints.openai.engine_client import (AbortAll, AbortRequest, AddRequest, Command, CommandAnswer,
+                                                       EngineClient, EngineStats, EngineStepError, Shutdown)
 
 logger = logging.getLogger(__name__)
 
 LIVENESS_S = 1.0    # an idle loop's longest wait for a command, and how often it asks Executor.check_alive
+COMPILE_POLL_S = 0.002      # while grammars compile: an idle loop's longest wait for a command
+
+
+@dataclass
+class _Compiling:
+    """An add whose grammar compiles (AsyncEngine._compile_then_add)."""
+    cmd: AddRequest
+    compiled: Future
+    aborted: bool = False   # aborted meanwhile: added once compiled, and aborted at once (as an add then an abort)
 
 
 class AsyncEngine(EngineClient):
@@ -38,6 +54,8 @@ class AsyncEngine(EngineClient):
         self._steps = StepLoop(engine, self._take_commands)     # the engine's one loop, run by the thread
         self._pending: list = []        # this iteration's answers to commands (loop thread only)
         self._next_liveness = 0.0       # time.monotonic() before which an idle loop does not look at the ranks
+        self._compiling: dict[str, _Compiling] = {}    # adds whose grammar compiles, by request id (loop thread)
+        self._compile_pool: ThreadPoolExecutor | None = None     # the grammars' thread, at the first one
         self._thread: threading.Thread | None = None
         self._publish_stats()
 
@@ -78,6 +96,8 @@ class AsyncEngine(EngineClient):
             why = "the engine loop crashed"
             raise
         finally:   # nobody will answer requests still waiting (an add that raced the shutdown)
+            if self._compile_pool is not None:      # a grammar compiling is left to finish on its own
+                self._compile_pool.shutdown(wait=False, cancel_futures=True)
             self.ended_why = why        # before the thread ends: a request refused from then on is told why
             self._deliver_end(why)
 
@@ -126,12 +146,15 @@ class AsyncEngine(EngineClient):
         shut down. Idle (wait_s not 0), it also looks at the ranks (_rank_died): once one is found dead the commands
         are left alone, the iteration ends the loop (_cannot_step) and its end fails them naming the rank."""
         timeout = self._poll_timeout(wait_s)
-        cmds = self._receive(LIVENESS_S if timeout is None else min(timeout, LIVENESS_S))
+        longest = COMPILE_POLL_S if self._compiling else LIVENESS_S
+        cmds = self._receive(longest if timeout is None else min(timeout, longest))
         if wait_s != 0 and self._rank_died():
             return True
         stop = False
         for cmd in cmds:
             stop = self._handle(cmd, self._pending) or stop
+        if self._compiling:
+            self._add_compiled(self._pending)
         return not stop
 
     def _rank_died(self) -> bool:
@@ -197,11 +220,53 @@ class AsyncEngine(EngineClient):
         if isinstance(cmd, Shutdown):
             return True
         if isinstance(cmd, AbortRequest):
-            self._abort_into(cmd.request_id, outputs)
+            if cmd.request_id in self._compiling:
+                self._compiling[cmd.request_id].aborted = True
+            else:
+                self._abort_into(cmd.request_id, outputs)
             return False
         if isinstance(cmd, AbortAll):
             self._abort_all_into(outputs)
             return False
+        if getattr(cmd.params, "structured_outputs", None) is not None:
+            self._compile_then_add(cmd)
+        else:
+            self._add(cmd, outputs)
+        return False
+
+    def _compile_then_add(self, cmd: AddRequest) -> None:
+        """A request with a grammar: compiled on the grammars' thread first (Engine.compile_grammar), added by
+        _add_compiled once it is."""
+        if self._compile_pool is None:
+            self._compile_pool = ThreadPoolExecutor(1, thread_name_prefix="picovllm-grammar")
+        if cmd.request_id in self._compiling:      # an id in use: the add refuses it, as an id the engine has
+            self._add(cmd, self._pending)
+            return
+        self._compiling[cmd.request_id] = _Compiling(cmd, self._compile_pool.submit(self.engine.compile_grammar,
+                                                                                   cmd.params))
+
+    def _add_compiled(self, outputs: list) -> None:
+        """The adds whose grammar has compiled, in the order they came (one that compiles on does not hold back
+        those after it): each added (Engine.add_request finds its grammar compiled), or refused with the compile's
+        error."""
+        for rid, c in list(self._compiling.items()):
+            if not c.compiled.done():
+                continue
+            del self._compiling[rid]
+            error = c.compiled.exception()
+            if isinstance(error, ValueError):
+                outputs.append(CommandAnswer(rid, error))
+                continue
+            if error is not None:
+                logger.error("compiling the grammar of %s failed: %r", rid, error)
+                outputs.append(CommandAnswer(rid, EngineStepError(
+                    f"compiling the grammar failed: {type(error).__name__}: {error}")))
+                continue
+            self._add(c.cmd, outputs)
+            if c.aborted:
+                self._abort_into(rid, outputs)
+
+    def _add(self, cmd: AddRequest, outputs: list) -> None:
         error = None
         try:
             self.engine.add_request(cmd.prompt_token_ids, cmd.params, cmd.request_id, cmd.arrival_time,
@@ -212,7 +277,6 @@ class AsyncEngine(EngineClient):
             logger.exception("add_request failed")
             error = EngineStepError(f"add_request failed: {type(e).__name__}: {e}")
         outputs.append(CommandAnswer(cmd.request_id, error))
-        return False
 
     def _abort_into(self, request_id: str, outputs: list) -> None:
         out = self.engine.abort(request_id)
@@ -221,7 +285,9 @@ class AsyncEngine(EngineClient):
 
     def _abort_all_into(self, outputs: list) -> None:
         """Every request aborted (AbortAll, a shutdown); a subclass that keeps something per request forgets it
-        here as in _abort_into."""
+        here as in _abort_into. Adds whose grammar compiles are aborted as soon as they are added."""
+        for c in self._compiling.values():
+            c.aborted = True
         outputs.extend(self.engine.abort_all())
 
     def _publish_stats(self) -> None:
