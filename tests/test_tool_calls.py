@@ -723,3 +723,29 @@ def test_responses_items_the_same_streamed_or_not(tmp_path_factory):
                     assert "".join(lp.token for e in streamed if e.type == "response.output_text.delta"
                                    for lp in e.logprobs) == tokens, interval
             assert_engine_clean(engine)
+
+
+BIG = "1" + "0" * 5000            # Python's json refuses an integer past 4,300 digits (ValueError)
+DEEP = "[" * 5000 + "]" * 5000     # and nesting past its recursion limit (RecursionError)
+
+
+@pytest.mark.parametrize("value", [BIG, DEEP], ids=["5000-digit integer", "5000-deep nesting"])
+def test_a_call_python_cannot_parse_is_content(value):
+    """A model's call whose JSON Python's json cannot hold parses as a call that does not parse: content, no call
+    (it raised out of the parser: a 500, and a stream cut short)."""
+    args = '{"city": ' + value + '}'
+    cases = {
+        "hermes": '<tool_call>{"name": "get_weather", "arguments": ' + args + '}</tool_call>',
+        "llama3_json": '{"name": "get_weather", "parameters": ' + args + '}',
+        "mistral": '[TOOL_CALLS][{"name": "get_weather", "arguments": ' + args + '}]',
+        "deepseek_v3": DS_BEGIN + v3_call("get_weather", args) + DS_END,
+        "deepseek_v31": DS_BEGIN + v31_call("get_weather", args) + DS_END,
+    }
+    for parser, text in cases.items():
+        content, calls = policy_of(parser).parse(text)
+        assert calls == [] and isinstance(content, str) and value in content, parser
+    mistral_args = '[TOOL_CALLS]get_weather[ARGS]' + args
+    assert policy_of("mistral").parse(mistral_args) == (mistral_args.replace("[TOOL_CALLS]", "").replace("[ARGS]", ""),
+                                                        [])
+    required = '[{"name": "get_weather", "arguments": ' + args + '}]'
+    assert policy_of("hermes", tool_choice="required").parse(required) == (required, [])

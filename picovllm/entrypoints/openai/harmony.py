@@ -32,7 +32,7 @@ import json
 import re
 from dataclasses import dataclass, field
 
-from picovllm.entrypoints.openai.tool_calls import ToolCall, ToolPolicy, partial_tag
+from picovllm.entrypoints.openai.tool_calls import UNPARSED, ToolCall, ToolPolicy, partial_tag
 from picovllm.reasoning import HarmonyTags
 
 START, END, MESSAGE, CHANNEL = "<|start|>", "<|end|>", "<|message|>", "<|channel|>"
@@ -169,7 +169,7 @@ class HarmonyStream:
             return None
         try:
             obj = json.loads(args) if args.strip() else {}
-        except json.JSONDecodeError:
+        except UNPARSED:
             return None
         return ToolCall(name, json.dumps(obj, ensure_ascii=False)) if isinstance(obj, dict) else None
 

@@ -139,9 +139,10 @@ class SectionParser(ToolParser):
             return None
         name, args, given_id = parts
         try:
-            call = policy.call_of({"name": name, "arguments": json.loads(args)})
-        except json.JSONDecodeError:
+            arguments = json.loads(args)
+        except UNPARSED:
             return None
+        call = policy.call_of({"name": name, "arguments": arguments})
         if call is not None and given_id is not None:
             call.id = given_id
         return call
@@ -155,11 +156,17 @@ def without_markers(text: str, markers: Sequence[str]) -> str:
     return text
 
 
+# what json.loads raises for text it does not take: not JSON (JSONDecodeError, a ValueError), or JSON Python's json
+# cannot hold (an integer past its 4,300 digits: ValueError; nesting past the recursion limit: RecursionError)
+UNPARSED = (ValueError, RecursionError)
+
+
 def json_or_text(text: str) -> Any:
-    """text's JSON value where it parses, else text itself."""
+    """text's JSON value where it parses, else text itself (also where Python's json cannot hold it: an integer past
+    its 4300 digits, nesting past the recursion limit)."""
     try:
         return json.loads(text)
-    except json.JSONDecodeError:
+    except UNPARSED:
         return text
 
 

@@ -9,7 +9,7 @@ import json
 import re
 from typing import TYPE_CHECKING
 
-from picovllm.entrypoints.openai.tool_parsers.base import TOOL_CALL_OPEN, BlockParser, ToolCall
+from picovllm.entrypoints.openai.tool_parsers.base import TOOL_CALL_OPEN, UNPARSED, BlockParser, ToolCall
 
 if TYPE_CHECKING:
     from picovllm.entrypoints.openai.tool_parsers.policy import ToolPolicy
@@ -25,7 +25,7 @@ class HermesParser(BlockParser):
         """The call a complete <tool_call> block's JSON makes, or None if it makes none."""
         try:
             obj = json.loads(block)
-        except json.JSONDecodeError:
+        except UNPARSED:
             return None
         return policy.call_of(obj)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING
 
-from picovllm.entrypoints.openai.tool_parsers.base import ToolCall, ToolParser
+from picovllm.entrypoints.openai.tool_parsers.base import UNPARSED, ToolCall, ToolParser
 
 if TYPE_CHECKING:
     from picovllm.entrypoints.openai.tool_parsers.policy import ToolPolicy
@@ -31,7 +31,7 @@ class Llama3JsonParser(ToolParser):
                 break
             try:
                 obj, at = decoder.raw_decode(body, at)
-            except json.JSONDecodeError:
+            except UNPARSED:
                 return text, []
             call = policy.call_of(obj)
             if call is None:

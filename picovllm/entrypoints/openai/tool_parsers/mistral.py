@@ -10,7 +10,8 @@ import json
 import re
 from typing import TYPE_CHECKING
 
-from picovllm.entrypoints.openai.tool_parsers.base import ToolCall, ToolParser, partial_tag, without_markers
+from picovllm.entrypoints.openai.tool_parsers.base import (UNPARSED, ToolCall, ToolParser, partial_tag,
+                                                          without_markers)
 
 if TYPE_CHECKING:
     from picovllm.entrypoints.openai.tool_parsers.policy import ToolPolicy
@@ -36,7 +37,7 @@ class MistralParser(ToolParser):
         if rest.lstrip().startswith("["):
             try:
                 items = json.loads(rest)
-            except json.JSONDecodeError:
+            except UNPARSED:
                 return without_markers(text, (MISTRAL_CALLS, MISTRAL_ARGS, MISTRAL_CALL_ID)), []
             calls = [policy.call_of(item) for item in items] if isinstance(items, list) and items else [None]
         else:
@@ -47,7 +48,7 @@ class MistralParser(ToolParser):
                     name, _, given_id = name.partition(MISTRAL_CALL_ID)
                     try:
                         obj, end = decoder.raw_decode(args.lstrip()) if sep else (None, 0)
-                    except json.JSONDecodeError:
+                    except UNPARSED:
                         obj = None
                     calls.append(policy.call_of({"name": name.strip(), "arguments": obj}) if sep else None)
                     if calls[-1] is None:

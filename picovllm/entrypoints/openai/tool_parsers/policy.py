@@ -14,13 +14,14 @@ import json
 import uuid
 from dataclasses import dataclass
 
-from picovllm.entrypoints.openai.tool_parsers.base import ToolCall
+from picovllm.entrypoints.openai.tool_parsers.base import UNPARSED, ToolCall
 from picovllm.entrypoints.openai.tool_parsers.registry import tool_parser
 from picovllm.sampling_params import StructuredOutputsParams
 
 ANY_OBJECT = {"type": "object"}
-# the sources of ToolPolicy.constraint's structured outputs (a named function's, tool_choice "required"'s)
-TOOLS_SOURCES = ("tool_choice", "tools")
+# the sources of ToolPolicy.constraint's structured outputs (a named function's, tool_choice "required"'s): the field
+# that holds their parameter schemas, which a refused schema's 400 names
+TOOLS_SOURCES = ("tools",)
 
 
 @dataclass
@@ -73,7 +74,7 @@ class ToolPolicy:
         schema = {"type": "array", "minItems": 1, "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
         if not self.parallel:
             schema["maxItems"] = 1
-        return StructuredOutputsParams(json=schema, source=TOOLS_SOURCES[1])
+        return StructuredOutputsParams(json=schema, source=TOOLS_SOURCES[0])
 
     def finish_reason(self, called: bool, own: str | None) -> str | None:
         """A choice's finish reason, as OpenAI's and vLLM's: tool_calls where calls came under "auto", and under
@@ -93,7 +94,7 @@ class ToolPolicy:
         if self.mode == "required":
             try:
                 items = json.loads(text)
-            except json.JSONDecodeError:   # cut short by max_tokens: no call, the text as content
+            except UNPARSED:   # cut short by max_tokens: no call, the text as content
                 return text, []
             return None, [self.new_call(c["name"], json.dumps(c["arguments"], ensure_ascii=False), i)
                           for i, c in enumerate(items)]
