@@ -770,3 +770,236 @@ def test_tokenizer_flag_loads_another_tokenizer(tmp_path, capsys, default_model_
     gguf = LLM(model, tokenizer=default_model_path, num_kv_blocks=16).get_tokenizer()
     assert len(gguf) == 49152 and gguf.chat_template != other      # SmolLM2's, not the tiny model's 384
     assert "--tokenizer '" in _refused(["generate", "hi", "--model", model, "--tokenizer", str(tmp_path)], capsys)
+
+
+def _serve_args(*argv: str):
+    from picovllm.entrypoints.cli import build_parser
+    return build_parser().parse_args(["serve", *argv])
+
+
+def test_vllm_serve_command_lines_map_to_the_engine_and_server_settings():
+    """A pasted `vllm serve` line: flags spelt with underscores (before any =, never in values), --flag=value, --no-
+    forms, sizes as 32k (32,000) or 32K (32,768), vLLM's other spellings (-asc, --uvicorn-log-level,
+    --num-gpu-blocks-override), several --served-model-name names (replies name the first) and --api-key keys, and
+    the HTTP flags (--root-path, --chat-template-content-format, --default-chat-template-kwargs, --enable-log-requests,
+    --max-log-len) land in EngineConfig and ServerSettings as vLLM means them."""
+    from picovllm.entrypoints.engine_args import engine_config_from_args
+    from picovllm.entrypoints.openai.cli_serve import server_settings
+    args = _serve_args("m", "--max_model_len", "32k", "--max-num-batched-tokens=4K", "--no-enable_prefix_caching",
+                       "--num-gpu-blocks-override", "64", "--device", "cpu", "--served-model-name", "a", "b", "a",
+                       "--api_key", "k1", "k2", "-asc", "2", "--uvicorn-log-level", "warning",
+                       "--root-path", "/llm/", "--chat-template-content-format", "openai",
+                       "--default-chat-template-kwargs", '{"enable_thinking": false}', "--enable-log-requests",
+                       "--max-log-len", "8", "--tokenizer=my_tokenizer_dir")
+    assert args.tokenizer == "my_tokenizer_dir"         # a value keeps its underscores
+    config = engine_config_from_args(args, model=args.model_tag)
+    assert (config.max_model_len, config.max_num_batched_tokens, config.enable_prefix_caching,
+            config.num_kv_blocks) == (32000, 4096, False, 64)
+    s = server_settings(args)
+    assert (s.served_model_name, s.served_model_aliases, s.api_key, s.api_server_count, s.log_level) == \
+        ("a", ("b",), ("k1", "k2"), 2, "warning")
+    assert (s.root_path, s.chat_template_content_format, s.default_chat_template_kwargs, s.enable_log_requests,
+            s.max_log_len) == ("/llm", "openai", {"enable_thinking": False}, True, 8)
+    for flag in ("--enable-auto-tool-choice", "--trust-request-chat-template", "--allow-credentials"):
+        dest = flag[2:].replace("-", "_")
+        assert getattr(_serve_args(flag), dest) and not getattr(_serve_args(flag, "--no-" + flag[2:]), dest)
+    assert _serve_args("--max-model-len", "25.6k").max_model_len == 25600
+
+
+def test_a_vllm_config_file_gives_serve_its_flags(tmp_path, capsys):
+    """--config FILE.yaml, as vLLM's: keys with dashes or underscores, true as the flag, false as its --no- form, a
+    list as the flag's values, a mapping as JSON; the command line's flags and model win over the file's; a file that
+    is not a YAML mapping is an error line naming --config."""
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text("model: from-file\nmax_model_len: 2k\nenable-prefix-caching: false\nport: 9000\n"
+                   "served-model-name: [a, b]\nhf_overrides: {rope_theta: 10000}\ntrust_remote_code: true\n")
+    args = _serve_args("--config", str(cfg), "--port", "9001")
+    assert (args.model, args.max_model_len, args.enable_prefix_caching, args.port, args.served_model_name,
+            json.loads(args.hf_overrides), args.trust_remote_code) == \
+        ("from-file", 2000, False, 9001, ["a", "b"], {"rope_theta": 10000}, True)
+    args = _serve_args("mine", f"--config={cfg}")        # a list last in the file leaves the positional model alone
+    assert (args.model_tag, args.model, args.served_model_name) == ("mine", None, ["a", "b"])
+    (tmp_path / "list.yaml").write_text("- a\n")
+    (tmp_path / "bad.yaml").write_text("a: [\n")
+    for path, says in ((tmp_path / "list.yaml", "must hold a mapping of flag names to values"),
+                       (tmp_path / "bad.yaml", "is not valid YAML"), (tmp_path / "none.yaml", "cannot read"),
+                       (tmp_path / "serve.json", "a YAML file (.yaml or .yml)")):
+        with pytest.raises(SystemExit):
+            cli_main(["serve", "--config", str(path)])
+        line = capsys.readouterr().err.strip().splitlines()[-1]
+        assert line.startswith("picovllm serve: error: argument --config: ") and says in line, line
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["-pp", "2"], "argument --pipeline-parallel-size/-pp: 2 is not supported by picovllm (a model is sharded by "
+                   "--tensor-parallel-size only); it takes 1"),
+    (["--data_parallel_size", "2"], "argument --data-parallel-size/-dp: 2 is not supported"),
+    (["--no-enable-chunked-prefill"], "off is not supported by picovllm (prompts longer than "
+                                      "--max-num-batched-tokens always prefill in chunks here); it takes on"),
+    (["--tokenizer-mode", "mistral"], "argument --tokenizer-mode: 'mistral' is not supported"),
+    (["--load-format", "dummy"], "argument --load-format: 'dummy' is not supported"),
+    (["--distributed-executor-backend", "ray"], "'ray' is not supported"),
+    (["--cpu-offload-gb", "8"], "8.0 is not supported by picovllm (every weight stays on the engine's device)"),
+    (["--enable-lora"], "argument --enable-lora/--no-enable-lora: on is not supported by picovllm (LoRA adapters are "
+                        "not supported); it takes off"),
+    (["--lora-modules", "sql=/loras/sql"], "argument --lora-modules: ['sql=/loras/sql'] is not supported by picovllm "
+                                           "(LoRA adapters are not supported); leave it unset"),
+    (["--max-logprobs", "5"], "argument --max-logprobs: 5 is not supported by picovllm (a request may ask for at "
+                              "most 20 logprobs, vLLM's default); it takes 20"),
+    (["--response-role", "bot"], "argument --response-role: 'bot' is not supported"),
+    (["--disable-sliding-window"], "a model's sliding window is always kept"),
+    (["--tokenizer-revision", "v2"], "argument --tokenizer-revision: 'v2' is not supported"),
+])
+def test_vllm_flags_picovllm_cannot_honour_are_refused_by_name(argv, says, capsys):
+    """A vLLM flag whose value changes what vLLM does, and picovllm cannot do it: argparse's error line (exit 2)
+    naming the flag, why, and what it takes, before anything loads; the same with `generate`, which builds an
+    engine too."""
+    for command in (["serve"], ["generate", "hi"]):
+        if command == ["generate", "hi"] and argv[0] in ("--lora-modules", "--max-logprobs", "--response-role"):
+            continue        # the server's flags
+        with pytest.raises(SystemExit) as e:
+            cli_main([*command, *argv])
+        line = capsys.readouterr().err.strip().splitlines()[-1]
+        assert e.value.code == 2 and line.startswith(f"picovllm {command[0]}: error: ") and says in line, line
+
+
+def test_vllm_flags_without_effect_here_are_taken_and_change_nothing():
+    """vLLM's flags that mean nothing here (CUDA-graph and compile settings, swap space, stats logging, ...) or that
+    hold only the value picovllm's behaviour has parse, and the engine's config is the one without them."""
+    import dataclasses
+
+    from picovllm.entrypoints.engine_args import engine_config_from_args
+    noop = ["--swap-space", "16", "-O3", "--compilation-config", '{"cudagraph_mode": "FULL"}',
+            "--max-seq-len-to-capture", "8192", "--disable-log-stats", "--disable-log-requests",
+            "--limit-mm-per-prompt", '{"image": 0}', "-pp", "1", "-dp", "1", "--enable-chunked-prefill",
+            "--tokenizer-mode", "auto", "--load-format", "safetensors", "--distributed-executor-backend", "mp",
+            "--cpu-offload-gb", "0", "--max-logprobs", "20", "--response-role", "assistant", "--enable-expert-parallel",
+            "--max-loras", "4", "--max-lora-rank", "64", "--code-revision", "main", "--disable-custom-all-reduce",
+            "--no-enable-lora", "--trust-remote-code", "--enable-auto-tool-choice", "--disable-uvicorn-access-log"]
+    base = engine_config_from_args(_serve_args("--device", "cpu"))
+    with_noop = engine_config_from_args(_serve_args("--device", "cpu", *noop))
+    assert dataclasses.asdict(with_noop) == dataclasses.asdict(dataclasses.replace(base, trust_remote_code=True))
+
+
+def test_llm_takes_vllm_keyword_arguments_as_the_flags(tiny_models):
+    """LLM(...) with vLLM's keywords: those without effect are taken, num_gpu_blocks_override is num_kv_blocks, and
+    one picovllm cannot honour is refused naming it before any model loads."""
+    for kwargs, says in (({"pipeline_parallel_size": 2}, "pipeline_parallel_size: 2 is not supported by picovllm"),
+                         ({"enable_chunked_prefill": False}, "enable_chunked_prefill: False is not supported"),
+                         ({"tokenizer_mode": "slow"}, "tokenizer_mode: 'slow' is not supported"),
+                         ({"num_gpu_blocks_override": 8, "num_kv_blocks": 8}, "are one argument: give one")):
+        with pytest.raises(ValueError, match=re.escape(says)):
+            LLM("no-model-here", **kwargs)
+    llm = LLM(tiny_models["llama"], num_gpu_blocks_override=16, swap_space=4, enable_chunked_prefill=True,
+              disable_log_stats=True, max_logprobs=100, tokenizer_mode="auto", compilation_config={"level": 3})
+    assert llm.config.num_kv_blocks == 16
+
+
+def test_vllm_environment_variables(capsys, monkeypatch, tmp_path):
+    """VLLM_API_KEY is serve's key where --api-key gives none (as vLLM's); any other VLLM_* variable set is named in
+    one warning line, since picovllm does not read it."""
+    from picovllm.entrypoints.openai.cli_serve import server_settings
+    monkeypatch.setenv("VLLM_API_KEY", "env-key")
+    assert server_settings(_serve_args()).api_key == ("env-key",)
+    assert server_settings(_serve_args("--api-key", "flag-key")).api_key == ("flag-key",)
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "8")
+    monkeypatch.setenv("VLLM_ATTENTION_BACKEND", "FLASH_ATTN")
+    cli_main(["generate", "hi", "--model", str(tmp_path / "no-model-here"), "--device", "cpu"])
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == ("picovllm generate: warning: picovllm reads no VLLM_* environment variable but VLLM_API_KEY: "
+                        "VLLM_ATTENTION_BACKEND, VLLM_CPU_KVCACHE_SPACE have no effect (see the flags)"), lines
+
+
+def test_serve_flags_that_cannot_serve_are_refused_before_the_model_loads(tmp_path, capsys):
+    """Several names or keys and no model (the model was likely taken as one of them), a certificate that does not
+    load, a root path without its /, chat template defaults that are not template variables, and the colocated
+    server's flags on a P or D server: one error line naming the flag."""
+    model = str(tmp_path / "no-model-here")      # any load would fail with another message
+    (tmp_path / "cert.pem").write_text("not a certificate")
+    for argv, says in ((["--api-key", "k", model], "give it first (`picovllm serve MODEL --api-key KEY ...`)"),
+                       ([model, "--ssl-certfile", str(tmp_path / "cert.pem")], "--ssl-certfile '"),
+                       ([model, "--ssl-keyfile", "k.pem"], "--ssl-keyfile goes with --ssl-certfile"),
+                       ([model, "--root-path", "llm"], "--root-path must start with /"),
+                       ([model, "--default-chat-template-kwargs", "[1]"], "--default-chat-template-kwargs must be "
+                                                                          "a JSON object"),
+                       ([model, "--default-chat-template-kwargs", '{"tools": []}'],
+                        "--default-chat-template-kwargs: chat_template_kwargs.tools: is an argument of its own"),
+                       ([model, "--role", "p", "--root-path", "/x"], "--root-path applies to a colocated server"),
+                       ([model, "--role", "d", "--chat-template-content-format", "string"],
+                        "--chat-template-content-format applies to a colocated server only")):
+        assert says in _refused(["serve", *argv], capsys), argv
+
+
+def test_chat_template_flags_render_as_vllm_renders(chat_model):
+    """--chat-template-content-format: a message's text parts reach the template joined (string), as the list
+    (openai), or as the list only where the template loops over them (auto); --default-chat-template-kwargs: every
+    request's template variables, which a request's chat_template_kwargs replace."""
+    import asyncio
+
+    from transformers import AutoTokenizer
+
+    from picovllm.entrypoints.openai.cli_serve import server_settings
+    tok = AutoTokenizer.from_pretrained(chat_model)
+    conv = [{"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}]}]
+
+    def render(*flags: str, template: str | None = None, **kwargs) -> str:
+        given = [*flags, *(["--chat-template", template] if template else [])]
+        settings = server_settings(_serve_args(chat_model, *given))
+        worker = settings.serving_context(None, tok, None, "m", {}).tokenizer
+        try:
+            return tok.decode(asyncio.run(worker.encode_chat(conv, True, **kwargs)))
+        finally:
+            worker.shutdown()
+
+    assert "Hello\nthere<|im_end|>" in render() and render() == render("--chat-template-content-format", "string")
+    assert "[{'type': 'text', 'text': 'Hello'}" in render("--chat-template-content-format", "openai")
+    loops = "{% for m in messages %}{% for p in m['content'] %}<{{ p['text'] }}>{% endfor %}{% endfor %}"
+    assert render(template=loops) == "<Hello><there>" == render("--chat-template-content-format", "openai",
+                                                                 template=loops)
+    assert render("--chat-template-content-format", "string", template=loops) != "<Hello><there>"
+    off = ["--default-chat-template-kwargs", '{"enable_thinking": false}']
+    assert render(*off).endswith("assistant\n<think>\n\n</think>\n\n") and not render().endswith("</think>\n\n")
+    assert not render(*off, chat_template_kwargs={"enable_thinking": True}).endswith("</think>\n\n")
+
+
+def test_serve_with_vllm_s_http_flags(chat_model, tmp_path, monkeypatch):
+    """A server started with vLLM's --served-model-name (two names), --api-key (two keys), --ssl-certfile/keyfile,
+    --root-path and --enable-log-requests --max-log-len: HTTPS only; each key passes, another is a 401, also under
+    the root path (which must not step around the key); /v1/models lists both names, a request may name either and
+    the reply names the first; each request is logged with its first prompt ids."""
+    import shutil
+    import httpx
+    from serving_fixtures import ServerProcess
+    if shutil.which("openssl") is None:
+        pytest.skip("no openssl command to make a certificate with")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)
+    monkeypatch.setenv("SSL_CERT_FILE", str(cert))      # httpx (here and in ServerProcess) trusts the certificate
+    server = ServerProcess(chat_model, str(tmp_path / "log.txt"), "--served-model-name", "first", "second",
+                           "--api-key", "k1", "k2", "--ssl-certfile", str(cert), "--ssl-keyfile", str(key),
+                           "--root-path", "/llm", "--enable-log-requests", "--max-log-len", "2",
+                           "--num-kv-blocks", "32", startup_timeout=None)
+    server.url = server.url.replace("http://", "https://")
+    try:
+        server.wait_ready()
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(server.url.replace("https://", "http://") + "/health", timeout=5)
+        for prefix in ("", "/llm"):
+            for key_, status in (("k1", 200), ("k2", 200), ("k3", 401)):
+                r = httpx.get(f"{server.url}{prefix}/v1/models", headers={"Authorization": f"Bearer {key_}"})
+                assert r.status_code == status, (prefix, key_, r.text)
+        models = httpx.get(server.url + "/v1/models", headers={"Authorization": "Bearer k1"}).json()
+        assert [m["id"] for m in models["data"]] == ["first", "second"]
+        for name in ("first", "second"):
+            r = httpx.post(server.url + "/llm/v1/completions", headers={"Authorization": "Bearer k2"}, timeout=60,
+                           json={"model": name, "prompt": [5, 6, 7, 8], "max_tokens": 2})
+            assert r.status_code == 200 and r.json()["model"] == "first", r.text
+        r = httpx.post(server.url + "/v1/completions", headers={"Authorization": "Bearer k1"},
+                       json={"model": "third", "prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 404, r.text
+        assert httpx.get(server.url + "/openapi.json").json()["servers"] == [{"url": "/llm"}]
+    finally:
+        server.stop()
+    assert server.log().count("prompt_token_ids: [5, 6], params: SamplingParams(") == 2, server.log()[-3000:]

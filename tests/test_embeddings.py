@@ -263,6 +263,9 @@ def test_served_refusals_name_the_field(pooling_server, chat_path):
     assert error("/v1/embeddings", {"input": []})["param"] == "input"
     assert error("/v1/embeddings", {"input": "a", "dimensions": 8})["param"] == "dimensions"
     assert error("/v1/embeddings", {"input": "a", "encoding_format": "int8"})["param"] == "encoding_format"
+    lone = httpx.post(url + "/v1/embeddings", content=b'{"input": ["a", "\\ud800"]}', timeout=30,   # a lone surrogate
+                      headers={"content-type": "application/json"})
+    assert lone.status_code == 400 and lone.json()["error"]["param"] == "input[1]", lone.text   # had named "prompt"
     unknown = httpx.post(url + "/v1/embeddings", json={"input": "a", "model": "other"}, timeout=30)
     assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"     # OpenAI's
     cut = httpx.post(url + "/v1/embeddings", json={"input": [1] * 65, "truncate_prompt_tokens": -1}).json()

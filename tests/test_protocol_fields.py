@@ -119,3 +119,84 @@ def test_responses_structured_outputs_with_text_format_is_a_400(http):
                                          "text": {"format": {"type": "json_object"}}})
     _refused(r, "structured_outputs")
     assert "text.format" in r.json()["error"]["message"]
+
+
+# -- found by fuzzing the request bodies ------------------------------------------------------------------------------
+def _post_raw(http, path: str, body: bytes, content_type: str = "application/json"):
+    return http.post(path, content=body, headers={"content-type": content_type})
+
+
+@pytest.mark.parametrize("body,content_type,says", [
+    (b"", "application/json", "the body is empty"),                        # was "Field required"
+    (b"[1, 2]", "application/json", "the body is not a JSON object"),      # was "Input should be a valid dictionary"
+    (b'{"prompt": "Hello"}', "text/plain", "the body is not a JSON object"),                      # (the same)
+    (b'{"prompt": "\xff"}', "application/json", "not UTF-8 text"),        # was "There was an error parsing the body"
+    (b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}", "application/json", "nested too deeply"),     # (the same)
+])
+def test_a_body_that_is_no_json_object_says_why(http, body, content_type, says):
+    r = _post_raw(http, "/v1/completions", body, content_type)
+    assert r.status_code == 400 and says in r.json()["error"]["message"], r.text
+
+
+@pytest.mark.parametrize("path,body,param", [      # (\ud800 in the JSON text: a lone surrogate)
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "\\ud800"}], "max_tokens": 2}', "messages"),
+    ("/tokenize", '{"messages": [{"role": "user", "content": "\\ud800"}]}', "messages"),
+    ("/v1/responses", '{"input": "\\ud800", "max_output_tokens": 2}', "input"),
+])
+def test_a_lone_surrogate_names_the_field_it_came_in(http, path, body, param):
+    """Valid JSON, no text a tokenizer takes: the 400 named "prompt" whatever the endpoint (chat has no such field)."""
+    r = _post_raw(http, path, body.encode())
+    _refused(r, param)
+    assert r.json()["error"]["message"].startswith(f"{param}: cannot be tokenized"), r.text
+
+
+@pytest.mark.parametrize("content,param", [
+    (5, "input[0].content"),                                    # was a 500 (iterated)
+    ("a thought", "input[0].content"),                          # was dropped without a word
+    ([{"type": "summary_text", "text": "x"}], "input[0].content[0]"),     # (the same)
+    ([{"type": "reasoning_text", "text": "x"}, 5], "input[0].content[1]"),
+])
+def test_responses_reasoning_item_content_is_checked(http, content, param):
+    item = {"type": "reasoning", "content": content}
+    _refused(http.post("/v1/responses", json={"input": [item, {"role": "user", "content": "Hello"}],
+                                              "max_output_tokens": 2}), param)
+
+
+@pytest.mark.parametrize("arguments", ["1" + "0" * 5000, "[" * 3000 + "]" * 3000])
+def test_earlier_call_arguments_python_cannot_parse_go_to_the_template_as_text(http, arguments):
+    """JSON text past Python's int digit limit or its recursion limit: was a 500; now as any arguments that are not
+    JSON (the template gets the text)."""
+    messages = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}]}]
+    r = http.post("/tokenize", json={"messages": messages})
+    assert r.status_code == 200 and r.json()["count"] > 0, r.text
+    assert http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2}).status_code == 200
+
+
+def test_a_named_tool_schema_the_grammar_refuses_names_tools(http):
+    """A function's parameters are in tools; a named tool_choice's 400 had named tool_choice (tool_choice "required"'s
+    named tools already). The template renders the tools itself: the fallback's system message would not fit this
+    server's context."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "city": {"type": 5}}}}}]
+    template = "{{ tools | length }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    r = http.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 2, "tools": tools,
+                                                "tool_choice": {"type": "function", "function": {"name": "f"}},
+                                                "chat_template": template})
+    _refused(r, "tools")
+    assert r.json()["error"]["message"].startswith("tools: invalid JSON schema"), r.text
+
+
+def test_an_unhandled_error_is_a_500_that_closes_the_connection(http, monkeypatch):
+    """uvicorn drops the connection after an error the app re-raises (Starlette's ServerErrorMiddleware does); without
+    Connection: close a client sent its next request on it and was reset (every 500 cost the request after it)."""
+    from fastapi.testclient import TestClient
+
+    from picovllm.entrypoints.openai import api_server
+
+    async def broken(ctx, req):
+        raise RuntimeError("injected")
+    monkeypatch.setattr(api_server, "detokenize", broken)
+    r = TestClient(http.app, raise_server_exceptions=False).post("/detokenize", json={"tokens": [5]})
+    assert r.status_code == 500 and r.json()["error"]["type"] == "internal_error", r.text
+    assert r.headers["connection"] == "close"

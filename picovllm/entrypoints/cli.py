@@ -14,6 +14,8 @@ import re
 import sys
 import warnings
 
+from picovllm.entrypoints.vllm_args import vllm_argv
+
 # OpenMP threads that spin at barriers stall whenever another process holds a core: on 2 busy cores
 # the cpu-small benchmark ran 4.5x slower with torch's 2 threads than with sleeping waits, which
 # cost a few percent on an idle machine. Set before torch loads OpenMP; the user's setting wins.
@@ -33,10 +35,12 @@ COMMAND_MODULES: tuple[str, ...] = (
 
 class CommandParser(argparse.ArgumentParser):
     """A subcommand's parser: a flag it does not know is its error, under its usage line (argparse hands unknown
-    flags up to the top level's, whose usage names no flag), and named before a positional it left missing."""
+    flags up to the top level's, whose usage names no flag), and named before a positional it left missing. Its
+    arguments are read as vLLM's parser reads them (vllm_args.vllm_argv: --max_model_len, --config FILE.yaml)."""
 
     def parse_known_args(self, args=None, namespace=None):
-        self._given = list(sys.argv[1:] if args is None else args)
+        self._given = vllm_argv(list(sys.argv[1:] if args is None else args), self)
+        args = self._given
         namespace, extras = super().parse_known_args(args, namespace)
         if extras:
             self.error(f"unrecognized arguments: {' '.join(extras)}")

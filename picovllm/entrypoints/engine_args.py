@@ -10,9 +10,11 @@ import dataclasses
 import warnings
 
 from picovllm.config import DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
+from picovllm.entrypoints.vllm_args import ENGINE_ARGS, add_vllm_args, human_readable_int, warn_unread_env
 
 SKIP = ("model",)   # each command declares --model itself (positional or not)
-ALIASES = {"tensor_parallel_size": "-tp", "quantization": "-q"}     # vLLM's short flags
+# vLLM's short flags and other names (vllm_args.RENAMED)
+ALIASES = {"tensor_parallel_size": ("-tp",), "quantization": ("-q",), "num_kv_blocks": ("--num-gpu-blocks-override",)}
 
 # The values EngineConfig accepts, where they are a closed set: argparse refuses others and --help lists them
 CHOICES = {"dtype": ("auto", *DTYPES), "quantization": QUANTIZATIONS, "kv_cache_dtype": tuple(KV_CACHE_DTYPES),
@@ -62,6 +64,9 @@ HELP = {
     "speculative_config": "JSON, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' (default: none)",
 }
 
+# Sizes in tokens take vLLM's suffixes: --max-model-len 32k (32,000) or 32K (32,768)
+TYPES = {"max_model_len": human_readable_int, "max_num_batched_tokens": human_readable_int}
+
 # Flags one kind of device reads: elsewhere a warning, not an error (scripts pass them on every machine)
 DEVICE_ONLY = {"gpu_memory_utilization": ("cuda", "GPUs"), "cpu_kv_cache_gib": ("cpu", "the CPU")}
 
@@ -82,8 +87,8 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ())
     for f in dataclasses.fields(EngineConfig):
         if f.name in SKIP or f.name in skip:
             continue
-        flags = ["--" + f.name.replace("_", "-")] + ([ALIASES[f.name]] if f.name in ALIASES else [])
-        kind = _flag_type(str(f.type), f.default)
+        flags = ["--" + f.name.replace("_", "-"), *ALIASES.get(f.name, ())]
+        kind = TYPES.get(f.name) or _flag_type(str(f.type), f.default)
         text = HELP.get(f.name, "").replace("%", "%%")
         if f.default is not None:
             text += f" (default: {('on' if f.default else 'off') if kind is None else '%(default)s'})"
@@ -93,10 +98,14 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ())
         else:
             group.add_argument(*flags, dest=f.name, type=kind, default=f.default, choices=CHOICES.get(f.name),
                                help=text)
+    add_vllm_args(parser, ENGINE_ARGS, "vLLM's engine flags picovllm has no setting for (a value other than those "
+                                       "listed is refused)")
 
 
 def engine_config_from_args(args: argparse.Namespace, **overrides) -> EngineConfig:
-    """Raises ValueError naming the bad field (EngineConfig validates); warns of a flag the device does not read."""
+    """Raises ValueError naming the bad field (EngineConfig validates); warns of a flag the device does not read,
+    and of vLLM's environment variables, which picovllm does not read."""
+    warn_unread_env()
     kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if hasattr(args, f.name)}
     kw.update(overrides)
     config = EngineConfig(**kw)

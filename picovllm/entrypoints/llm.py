@@ -13,6 +13,7 @@ from picovllm.engine.llm_engine import Engine
 from picovllm.engine.step_loop import StepLoop
 from picovllm.entrypoints.beam_search import BeamSearchOutput, BeamSearchParams, search, step_params
 from picovllm.entrypoints.parallel_sampling import SampleBatch
+from picovllm.entrypoints.vllm_args import llm_kwargs
 from picovllm.generation_config import sampling_defaults
 from picovllm.outputs import (EmbeddingOutput, EmbeddingRequestOutput, PoolingOutput, PoolingRequestOutput,
                               RequestOutput)
@@ -113,7 +114,10 @@ TASK_RUNNERS = {"auto": "auto", "generate": "generate", "embed": "pooling", "emb
 
 class LLM:
     def __init__(self, model: str | None = None, **kwargs) -> None:
-        """kwargs: EngineConfig's fields; and vLLM's older task="embed" for runner="pooling"."""
+        """kwargs: EngineConfig's fields; vLLM's older task="embed" for runner="pooling"; and vLLM's arguments
+        without a field here (entrypoints/vllm_args.py: a value other than those meaning what picovllm does anyway
+        is refused naming it)."""
+        kwargs = llm_kwargs(kwargs)
         task = kwargs.pop("task", None)
         if task is not None:
             if task not in TASK_RUNNERS:

@@ -26,9 +26,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from picovllm.config import EngineConfig
 from picovllm.entrypoints.openai.engine_client import EngineClient
 from picovllm.entrypoints.openai.metrics import ServerMetrics
-from picovllm.entrypoints.openai.middleware import APIKeyAuth, BodySizeLimit
+from picovllm.entrypoints.openai.middleware import APIKeyAuth, BodySizeLimit, route_path
 from picovllm.entrypoints.openai.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                   TokenizeRequest, error_body)
+from picovllm.entrypoints.openai.request_log import RequestLogger
 from picovllm.entrypoints.openai.serving import JSONBody, ServingContext
 from picovllm.entrypoints.openai.serving_chat import ChatHandler
 from picovllm.entrypoints.openai.serving_completion import CompletionHandler
@@ -51,8 +52,10 @@ BACKSTOP_SECONDS = 5.0    # after the grace period and our abort, uvicorn cancel
 class ServerSettings:
     host: str = "127.0.0.1"
     port: int = 8000
-    api_key: str | None = None
+    api_key: str | tuple[str, ...] | None = None     # one key, or several (vLLM's --api-key): any one of them passes
     served_model_name: str | None = None
+    served_model_aliases: tuple[str, ...] = ()       # more ids clients may send (vLLM's --served-model-name takes
+                                                     # several; replies and /metrics name the first)
     max_request_bytes: int = 4 * 2**20
     shutdown_timeout: float = 10.0      # seconds in-flight requests get to finish after SIGTERM/SIGINT
     log_level: str = "info"
@@ -70,6 +73,28 @@ class ServerSettings:
     allow_credentials: bool = False
     allowed_methods: tuple[str, ...] = ("*",)
     allowed_headers: tuple[str, ...] = ("*",)
+    root_path: str | None = None        # the path prefix a proxy serves the app under (vLLM's --root-path)
+    # HTTPS, as vLLM's --ssl-* flags (uvicorn's): a certificate file (and its key, unless the file holds it)
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+    ssl_ca_certs: str | None = None     # the CAs a client certificate must chain to
+    ssl_cert_reqs: int = 0              # ssl.CERT_NONE (0), CERT_OPTIONAL (1) or CERT_REQUIRED (2): client certificates
+    # chat: how a message's text parts reach the template ("auto", "string" or "openai") and the template variables
+    # a request's chat_template_kwargs add to (vLLM's --chat-template-content-format, --default-chat-template-kwargs)
+    chat_template_content_format: str = "auto"
+    default_chat_template_kwargs: dict | None = None
+    enable_log_requests: bool = False   # a log line for each request (its prompt ids and sampling parameters)
+    max_log_len: int | None = None      # the most prompt ids such a line shows (None: all)
+
+    def serving_context(self, engine: EngineClient, tokenizer, metrics: ServerMetrics, name: str,
+                        defaults: dict) -> ServingContext:
+        """The app's serving context over engine: the tokenizer's worker with these chat settings, the model's ids,
+        the request log. ValueError where the tokenizer cannot serve them (TokenizerWorker's)."""
+        worker = TokenizerWorker(tokenizer, self.chat_template, self.trust_request_chat_template,
+                                 self.chat_template_content_format, self.default_chat_template_kwargs)
+        request_log = RequestLogger(self.max_log_len) if self.enable_log_requests else None
+        return ServingContext(engine, worker, metrics, name, defaults, self.reasoning_parser, self.tool_call_parser,
+                              model_aliases=self.served_model_aliases, request_logger=request_log)
 
 
 def build_app(ctx: ServingContext, settings: ServerSettings, openai_routes: bool = True) -> FastAPI:
@@ -82,6 +107,7 @@ def build_app(ctx: ServingContext, settings: ServerSettings, openai_routes: bool
         ctx.tokenizer.shutdown()
 
     app = FastAPI(title="picovllm", version="0.1.0", lifespan=lifespan)
+    app.root_path = settings.root_path or ""    # as vLLM sets it (not uvicorn's): routes answer with it and without
     completions, chat = CompletionHandler(ctx), ChatHandler(ctx)
     responses = ResponsesHandler(ctx, chat)
     embeddings = EmbeddingHandler(ctx)
@@ -115,8 +141,8 @@ def build_app(ctx: ServingContext, settings: ServerSettings, openai_routes: bool
     @app.get("/v1/models")
     async def list_models() -> dict:
         return {"object": "list", "data": [{
-            "id": ctx.model_name, "object": "model", "created": started, "owned_by": "picovllm",
-            **ctx.engine.model_info()}]}
+            "id": name, "object": "model", "created": started, "owned_by": "picovllm", **ctx.engine.model_info()}
+            for name in (ctx.model_name, *ctx.model_aliases)]}
 
     @app.get("/health")
     @app.api_route("/ping", methods=["GET", "POST"])     # vLLM's (SageMaker's probe): the same answer
@@ -148,7 +174,7 @@ def build_app(ctx: ServingContext, settings: ServerSettings, openai_routes: bool
 
 def _add_error_handlers(app: FastAPI, ctx: ServingContext) -> None:
     def reject(request: Request, status: int, body: dict) -> JSONBody:
-        if 400 <= status < 500 and request.url.path in REQUEST_ROUTES:
+        if 400 <= status < 500 and route_path(request.scope) in REQUEST_ROUTES:
             ctx.metrics.count_outcome("rejected")
         return JSONBody(body, status)
 
@@ -162,6 +188,10 @@ def _add_error_handlers(app: FastAPI, ctx: ServingContext) -> None:
         if errors and errors[0].get("type") == "json_invalid":
             why, at = (errors[0].get("ctx") or {}).get("error", ""), errors[0]["loc"][-1]
             return reject(request, 400, error_body(f"the body is not valid JSON: {why} at character {at}"))
+        if errors and tuple(errors[0].get("loc", ())) == ("body",):    # not a field's: the body's own
+            why = "is empty" if errors[0].get("type") == "missing" else "is not a JSON object"
+            return reject(request, 400, error_body(f"the body {why}: send a JSON object (Content-Type: "
+                                                   f"application/json)"))
         parts = []
         for err in errors[:3]:
             loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
@@ -172,13 +202,26 @@ def _add_error_handlers(app: FastAPI, ctx: ServingContext) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException) -> JSONBody:
-        return reject(request, e.status_code, error_body(str(e.detail), "invalid_request_error" if e.status_code < 500
+        return reject(request, e.status_code, error_body(_http_detail(e), "invalid_request_error" if e.status_code < 500
                                                 else "internal_error"))
 
     @app.exception_handler(Exception)
     async def internal(_: Request, e: Exception) -> JSONBody:
         logger.exception("unhandled error")
-        return JSONBody(error_body(f"internal error: {type(e).__name__}", "internal_error"), 500)
+        # uvicorn drops the connection after an error the app re-raises (Starlette's ServerErrorMiddleware does): a
+        # client must not send its next request on it
+        return JSONBody(error_body(f"internal error: {type(e).__name__}", "internal_error"), 500,
+                        headers={"Connection": "close"})
+
+
+def _http_detail(e: StarletteHTTPException) -> str:
+    """e's message; for FastAPI's 400 on a body that json.loads failed on other than by its syntax, the cause."""
+    cause = e.__cause__
+    if isinstance(cause, UnicodeDecodeError):
+        return f"the body is not valid JSON: not UTF-8 text ({cause.reason} at byte {cause.start})"
+    if isinstance(cause, RecursionError):
+        return "the body is not valid JSON that this server reads: it is nested too deeply"
+    return str(e.detail)
 
 
 class _Server(uvicorn.Server):
@@ -307,7 +350,9 @@ def make_server(app: FastAPI, engine: EngineClient, settings: ServerSettings) ->
         logger.warning("serving HTTP with %s on %s (install uvloop and httptools for less CPU a request)", http, loop)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                             access_log=settings.access_log, http=http, loop=loop,
-                            timeout_graceful_shutdown=settings.shutdown_timeout + BACKSTOP_SECONDS)
+                            timeout_graceful_shutdown=settings.shutdown_timeout + BACKSTOP_SECONDS,
+                            ssl_keyfile=settings.ssl_keyfile, ssl_certfile=settings.ssl_certfile,
+                            ssl_ca_certs=settings.ssl_ca_certs, ssl_cert_reqs=settings.ssl_cert_reqs)
     return _Server(config, engine, settings.shutdown_timeout)
 
 
@@ -315,6 +360,12 @@ def run_app(app: FastAPI, engine: EngineClient, settings: ServerSettings, sock=N
     """Serve app, in front of engine, on settings' host and port (on sock if bound already: api_workers.bind)
     until SIGTERM/SIGINT (make_server)."""
     make_server(app, engine, settings).run(sockets=None if sock is None else [sock])
+
+
+def base_url(settings: ServerSettings) -> str:
+    """Where the server answers, for its log: https with a certificate, and under its root path."""
+    scheme = "https" if settings.ssl_certfile else "http"
+    return f"{scheme}://{settings.host}:{settings.port}{settings.root_path or ''}"
 
 
 def served_name(settings: ServerSettings, model: str | None) -> str:
@@ -344,7 +395,7 @@ def serve(engine_config: EngineConfig, settings: ServerSettings) -> int:
     except BaseException:
         sock.close()
         raise
-    logger.info("serving %s on http://%s:%d", served_name(settings, engine_config.model), settings.host, settings.port)
+    logger.info("serving %s on %s", served_name(settings, engine_config.model), base_url(settings))
     server = make_server(app, async_engine, settings)
     died = []
     if hasattr(async_engine, "on_end"):     # an engine process that dies ends the server, as vLLM's: exit 1, so that
@@ -373,12 +424,10 @@ def app_for(engine_config: EngineConfig, settings: ServerSettings, tokenizer=Non
     from picovllm.entrypoints.openai.engine_process import open_async_engine   # the engine's side: torch
     async_engine, tokenizer, stop = open_async_engine(engine_config, settings, metrics, tokenizer=tokenizer)
     try:
-        worker = TokenizerWorker(tokenizer, settings.chat_template, settings.trust_request_chat_template)
+        ctx = settings.serving_context(async_engine, tokenizer, metrics, name, defaults)
     except ValueError as e:
         stop()
         raise TokenizerSetupError(str(e)) from None
-    ctx = ServingContext(async_engine, worker, metrics, name, defaults, settings.reasoning_parser,
-                         settings.tool_call_parser)
     return build_app(ctx, settings), async_engine, stop
 
 

@@ -26,7 +26,7 @@ import tempfile
 import threading
 
 from picovllm.config import EngineConfig
-from picovllm.entrypoints.openai.api_server import BACKSTOP_SECONDS, ServerSettings
+from picovllm.entrypoints.openai.api_server import BACKSTOP_SECONDS, ServerSettings, base_url
 
 logger = logging.getLogger("picovllm.server")
 
@@ -76,7 +76,7 @@ def serve_with_api_servers(config: EngineConfig, settings: ServerSettings, name:
         engine.wait_ready()         # or raises why not, as a single server does
         for sig in handlers:        # serving: a signal drains the API servers, then the engine stops
             signal.signal(sig, lambda *_: stop.set())
-        logger.info("serving %s on http://%s:%d with %d API servers", name, settings.host, settings.port, n)
+        logger.info("serving %s on %s with %d API servers", name, base_url(settings), n)
         while not stop.wait(0.5):
             dead = [w.name for w in workers if not w.is_alive()] + ([] if engine.alive else ["the engine"])
             if dead:
@@ -112,21 +112,18 @@ def _api_server_main(config: EngineConfig, settings: ServerSettings, name: str, 
     from picovllm.entrypoints.openai.api_server import build_app, make_server
     from picovllm.entrypoints.openai.engine_process import PipeEngineClient, engine_ready, load_tokenizer
     from picovllm.entrypoints.openai.metrics import ServerMetrics
-    from picovllm.entrypoints.openai.serving import ServingContext
-    from picovllm.entrypoints.openai.tokenizer_worker import TokenizerWorker
 
-    try:
-        worker = TokenizerWorker(load_tokenizer(config), settings.chat_template, settings.trust_request_chat_template)
-    except ValueError as e:     # as a single server says it; the parent then stops the rest
-        raise SystemExit(f"error: {e}") from None
+    tokenizer = load_tokenizer(config)
     try:
         info = engine_ready(outputs)
     except BaseException:       # the parent reports why
         return
     metrics = ServerMetrics(name, speculative=config.speculative_config is not None)
     client = PipeEngineClient(commands, outputs, metrics, info, observe_engine=index == 1)
-    ctx = ServingContext(client, worker, metrics, name, defaults, settings.reasoning_parser,
-                         settings.tool_call_parser)
+    try:
+        ctx = settings.serving_context(client, tokenizer, metrics, name, defaults)
+    except ValueError as e:     # as a single server says it (once the engine is built); the parent stops the rest
+        raise SystemExit(f"error: {e}") from None
     server = make_server(build_app(ctx, settings), client, settings)
     client.on_end = lambda: setattr(server, "should_exit", True)   # the engine has gone: stop (the parent stops all)
     server.run([sock])

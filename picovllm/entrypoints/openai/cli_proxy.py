@@ -73,7 +73,8 @@ def add_cors_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--allowed-origins", type=_json_list, default=[],
                    help="JSON list of origins allowed, e.g. '[\"https://app.example.com\"]' or '[\"*\"]' "
                         "(default: none; vLLM's default is every origin)")
-    g.add_argument("--allow-credentials", action="store_true", help="allow cookies and credentials")
+    g.add_argument("--allow-credentials", action=argparse.BooleanOptionalAction, default=False,
+                   help="allow cookies and credentials")
     g.add_argument("--allowed-methods", type=_json_list, default=["*"], help="JSON list (default: every method)")
     g.add_argument("--allowed-headers", type=_json_list, default=["*"], help="JSON list (default: every header)")
 
@@ -84,7 +85,7 @@ def add_tool_args(p: argparse.ArgumentParser) -> None:
                    help="tool calls' format under tool_choice auto (default: the one the model's tokenizer and "
                         "chat template speak: mistral, deepseek_v3, deepseek_v31, kimi_k2, qwen3_coder, glm45, "
                         "llama3_json, else hermes)")
-    p.add_argument("--enable-auto-tool-choice", action="store_true",
+    p.add_argument("--enable-auto-tool-choice", action=argparse.BooleanOptionalAction, default=False,
                    help="accepted for vLLM's command lines: tool_choice auto is always on here")
 
 
@@ -101,7 +102,8 @@ def add_front_end_args(p: argparse.ArgumentParser, model_default: str, waits_for
     p.add_argument("--served-model-name", type=model_name, default=None,
                    help="the model id clients send (default: the servers' own)")
     p.add_argument("--chat-template", default=None, help=CHAT_TEMPLATE_HELP)
-    p.add_argument("--trust-request-chat-template", action="store_true", help=TRUST_TEMPLATE_HELP)
+    p.add_argument("--trust-request-chat-template", action=argparse.BooleanOptionalAction, default=False,
+                   help=TRUST_TEMPLATE_HELP)
     p.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS, help=REASONING_HELP)
     add_tool_args(p)
     p.add_argument("--max-request-bytes", type=positive, default=4 * 2**20,

@@ -16,17 +16,28 @@ async def send_error(send, status: int, message: str, type: str = "invalid_reque
     await send({"type": "http.response.body", "body": body})
 
 
-class APIKeyAuth:
-    """Every /v1 route needs `Authorization: Bearer <key>`; /health and /metrics stay open."""
+def route_path(scope) -> str:
+    """The path the app routes: uvicorn's path holds the root path (--root-path) in front, which Starlette's routing
+    takes off (a path without it is routed as it is)."""
+    path, root = scope["path"], scope.get("root_path", "")
+    if root and path.startswith(root) and (len(path) == len(root) or path[len(root)] == "/"):
+        return path[len(root):]
+    return path
 
-    def __init__(self, app, api_key: str) -> None:
+
+class APIKeyAuth:
+    """Every /v1 route needs `Authorization: Bearer <key>`, the key one of api_key's (vLLM's --api-key takes
+    several); /health and /metrics stay open."""
+
+    def __init__(self, app, api_key: str | tuple[str, ...]) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        keys = (api_key,) if isinstance(api_key, str) else api_key
+        self.expected = [f"Bearer {key}".encode() for key in keys]
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if scope["type"] == "http" and route_path(scope).startswith("/v1"):
             got = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(got, self.expected):
+            if not any([hmac.compare_digest(got, key) for key in self.expected]):     # each compared: no early out
                 return await send_error(send, 401, "invalid or missing API key (Authorization: Bearer ...)",
                                         "authentication_error")
         await self.app(scope, receive, send)

@@ -19,10 +19,11 @@ from picovllm.entrypoints.openai.engine_client import (EngineClient, EngineDeadE
 from picovllm.entrypoints.openai.harmony import HarmonyTokens, harmony_template_messages, speaks_harmony
 from picovllm.entrypoints.openai.metrics import ServerMetrics
 from picovllm.entrypoints.openai.protocol import APIError, error_body
+from picovllm.entrypoints.openai.request_log import RequestLogger
 from picovllm.entrypoints.openai.tokenizer_worker import TokenizerWorker
 from picovllm.entrypoints.openai.tool_calls import TOOLS_SOURCES, detect_tool_parser
 from picovllm.entrypoints.parallel_sampling import merge_samples
-from picovllm.outputs import CompletionOutput, Logprob, RequestOutput
+from picovllm.outputs import CompletionOutput, Logprob, RequestOutput, json_logprob
 from picovllm.reasoning import HARMONY_PARSER, ThinkTags
 from picovllm.pooling_params import PoolingParams
 from picovllm.sampling_params import SamplingParams
@@ -51,6 +52,9 @@ class ServingContext:
     reasoning_parser: str | None = None
     # tool_choice "auto": the calls' format (tool_calls.TOOL_PARSERS), or "auto": the one the model speaks
     tool_call_parser: str = "auto"
+    # the other ids clients may send for this model (vLLM's --served-model-name takes several; replies name the first)
+    model_aliases: tuple[str, ...] = ()
+    request_logger: RequestLogger | None = None      # --enable-log-requests: a line for each request added
 
     @functools.cached_property
     def tool_parser(self) -> str:
@@ -97,7 +101,7 @@ class ServingContext:
 
     def check_model(self, model: str | None) -> None:
         """A model this server does not serve: OpenAI's and vLLM's 404 model_not_found; none or "" is this one."""
-        if model and model != self.model_name:
+        if model and model != self.model_name and model not in self.model_aliases:
             raise APIError(404, f"model {model!r} does not exist; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
 
@@ -113,6 +117,8 @@ class ServingContext:
                   arrival_time: float, priority: int = 0, prompt_param: str | None = None) -> RequestStream:
         """The engine's refusal as a 400 naming the request's field: a structured output's source, priority, a
         SamplingParams (PoolingParams) field the engine checks against the model, or (prompt_param) the prompt."""
+        if self.request_logger is not None:
+            self.request_logger.log(request_id, prompt_token_ids, params)
         try:
             return await self.engine.add_request(prompt_token_ids, params, request_id, arrival_time, priority)
         except ValueError as e:
@@ -204,7 +210,9 @@ class SampleGroup:
             async for out in self.streams[0].outputs():
                 yield 0, checked(out)
             return
-        queue: asyncio.Queue = asyncio.Queue()
+        # bounded: a reader that falls behind holds the pumps back, and each sample's stream keeps only its newest
+        # output (RequestStream.put), where an unbounded queue kept one a step
+        queue: asyncio.Queue = asyncio.Queue(maxsize=len(self.samples))
         tasks = [asyncio.ensure_future(_pump(0, self.streams[0], queue))]
         running = 1
         try:
@@ -261,11 +269,11 @@ async def _pump(i: int, stream: RequestStream, queue: asyncio.Queue) -> None:
     """Sample i's outputs into the group's queue, then None (or the exception, which the reader raises)."""
     try:
         async for out in stream.outputs():
-            queue.put_nowait((i, checked(out)))
+            await queue.put((i, checked(out)))
     except Exception as e:
-        queue.put_nowait((i, e))
+        await queue.put((i, e))
         return
-    queue.put_nowait((i, None))
+    await queue.put((i, None))
 
 
 async def _drain(queue: asyncio.Queue) -> list:
@@ -305,8 +313,9 @@ def prompt_logprobs_json(steps: list[dict[int, Logprob] | None] | None) -> list 
     """vLLM's prompt_logprobs: per prompt token, None (the first) or {token id: logprob, rank, decoded_token}."""
     if steps is None:
         return None
-    return [None if d is None else {str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
-                                    for t, lp in d.items()} for d in steps]
+    return [None if d is None else {str(t): {"logprob": json_logprob(lp.logprob), "rank": lp.rank,
+                                             "decoded_token": lp.decoded_token} for t, lp in d.items()}
+            for d in steps]
 
 
 def top_logprobs(d: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:

@@ -67,9 +67,9 @@ class EmbeddingHandler:
                            param="truncate_prompt_tokens")
         prompts = []
         for i, x in enumerate(inputs):
-            ids = await self.ctx.tokenizer.encode(x, req.add_special_tokens) if isinstance(x, str) else list(x)
-            ids = ids[-keep:] if keep is not None else ids
             where = "input" if len(inputs) == 1 else f"input[{i}]"
+            ids = await self.ctx.tokenizer.encode(x, req.add_special_tokens, where) if isinstance(x, str) else list(x)
+            ids = ids[-keep:] if keep is not None else ids
             if not ids:
                 raise APIError(400, f"{where} is empty", param="input")
             if len(ids) > max_model_len:

@@ -130,9 +130,13 @@ def chat_messages(req: ResponsesRequest) -> list[dict]:
             messages.append({"role": "tool", "tool_call_id": _string(item, "call_id", at), "content": output})
         elif kind == "reasoning":     # an earlier turn's, sent back as the SDK does
             parts = item.get("content") or []
-            texts = [p.get("text") for p in parts if isinstance(p, dict) and p.get("type") == "reasoning_text"]
-            if any(not isinstance(t, str) for t in texts):
-                raise _bad(f"{at}.content: reasoning_text parts need a text", f"{at}.content")
+            if not isinstance(parts, list):
+                raise _bad(f"{at}.content: must be a list of reasoning_text parts", f"{at}.content")
+            for j, p in enumerate(parts):     # (another part would be dropped: refused instead)
+                if not (isinstance(p, dict) and p.get("type") == "reasoning_text" and isinstance(p.get("text"), str)):
+                    raise _bad(f"{at}.content[{j}]: only reasoning_text parts with a text are supported",
+                               f"{at}.content[{j}]")
+            texts = [p["text"] for p in parts]
             thought = "\n".join(texts) if texts else thought
         else:
             raise _bad(f"{at}.type: {kind!r} is not supported (message, function_call, function_call_output, "

@@ -17,10 +17,17 @@ from picovllm.entrypoints.openai.tool_calls import template_renders_tools, with_
 
 
 class TokenizerWorker:
-    def __init__(self, tokenizer, chat_template: str | None = None, trust_request_chat_template: bool = False) -> None:
+    def __init__(self, tokenizer, chat_template: str | None = None, trust_request_chat_template: bool = False,
+                 content_format: str = "auto", default_template_kwargs: dict | None = None) -> None:
         """chat_template: the template's text (load_chat_template), used instead of the tokenizer's.
-        trust_request_chat_template: a request may bring its own (vLLM's --trust-request-chat-template)."""
+        trust_request_chat_template: a request may bring its own (vLLM's --trust-request-chat-template).
+        content_format (vLLM's --chat-template-content-format): how a message's list of text parts reaches the
+        template: "auto" (content_for_template), "string" (joined) or "openai" (the list).
+        default_template_kwargs: template variables a request's chat_template_kwargs add to or replace (vLLM's
+        --default-chat-template-kwargs, e.g. {"enable_thinking": False})."""
         self.trust_request_chat_template = trust_request_chat_template
+        self.content_format = content_format
+        self.default_template_kwargs = dict(default_template_kwargs or {})
         self.tokenizer = copy.deepcopy(tokenizer) if tokenizer is not None else None
         if chat_template is not None:
             if self.tokenizer is None:
@@ -36,10 +43,11 @@ class TokenizerWorker:
     async def _run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
-    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """As Engine.tokenize (and so LLM.generate) encodes a text prompt (add_special_tokens: /tokenize's)."""
+    async def encode(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
+        """As Engine.tokenize (and so LLM.generate) encodes a text prompt (add_special_tokens: /tokenize's); param:
+        the request's field the text came from, which a 400 for text that cannot be tokenized names."""
         tok = self._need("a text prompt")
-        return await self._run(_encode, tok, text, add_special_tokens)
+        return await self._run(_encode, tok, text, add_special_tokens, param)
 
     async def encode_chat(self, messages: list[dict], add_generation_prompt: bool,
                           add_special_tokens: bool = False, tools: list[dict] | None = None,
@@ -67,7 +75,9 @@ class TokenizerWorker:
             raise APIError(400, str(e), param="messages") from None
         if not template:
             raise APIError(400, "this model's tokenizer has no chat template: use /v1/completions")
-        messages = content_for_template(messages, template)
+        if self.content_format != "openai":
+            messages = content_for_template(messages, template if self.content_format == "auto" else None)
+        chat_template_kwargs = {**self.default_template_kwargs, **(chat_template_kwargs or {})}
         try:
             options = template_kwargs(messages, add_generation_prompt, continue_final_message, chat_template_kwargs)
         except ValueError as e:
@@ -88,7 +98,7 @@ class TokenizerWorker:
                                                documents=documents, **options)
             except Exception as e:  # jinja raises TemplateError (and others) on conversations it refuses
                 raise APIError(400, f"messages: the chat template rejected them: {e}", param="messages") from None
-            return _encode(tok, text, add_special_tokens)
+            return _encode(tok, text, add_special_tokens, "messages")
 
         return await self._run(render)
 
@@ -105,8 +115,8 @@ class TokenizerWorker:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _encode(tok, text: str, add_special_tokens: bool) -> list[int]:
+def _encode(tok, text: str, add_special_tokens: bool, param: str) -> list[int]:
     try:
         return tok.encode(text, add_special_tokens=add_special_tokens)
     except Exception as e:  # e.g. a lone surrogate (valid JSON, not encodable text)
-        raise APIError(400, f"prompt: cannot be tokenized ({type(e).__name__})", param="prompt") from None
+        raise APIError(400, f"{param}: cannot be tokenized ({type(e).__name__})", param=param) from None
