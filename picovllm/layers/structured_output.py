@@ -37,6 +37,8 @@ import functools
 import json
 import re
 import sys
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -48,6 +50,7 @@ from picovllm.reasoning import ANSWER as GRAMMAR, MAY_OPEN, REASONING, HarmonyTa
 from picovllm.sampling_params import StructuredOutputsParams
 
 CACHE_BYTES = 256 << 20   # compiled grammars kept per engine
+SCHEMA_GRAMMAR_CHARS = 64 << 20   # JSON schemas' grammar texts kept per engine (StructuredOutputCompiler._json_grammar)
 # Threads of xgrammar's batched mask fill. One: on a 2-core host a second thread added ~40 us a call and saved
 # nothing, and on the H200's 16-core host eight threads did not raise the constrained rate at batch 64 (20.4k tok/s
 # against 37.7k plain, -46%; one thread, the call before: -41%, BENCHMARKS.md). The fill is host work between a
@@ -302,6 +305,8 @@ class StructuredOutputCompiler:
         self._info = info
         self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=True, cache_limit_bytes=CACHE_BYTES)
         self.vocab_size = vocab_size
+        self._schema_grammars: OrderedDict[str, str] = OrderedDict()   # JSON schema text -> grammar, newest last
+        self._lock = threading.Lock()      # a server compiles on a thread of its own, then adds on the engine's
 
     def compile(self, p: StructuredOutputsParams) -> Any:
         """The compiled grammar; ValueError naming p's field when the schema, regex or grammar is bad."""
@@ -315,9 +320,9 @@ class StructuredOutputCompiler:
         if p.kind == "json":
             text = p.json if isinstance(p.json, str) else json.dumps(p.json)
             _refuse_unenforced(json.loads(text), "")     # (xgrammar's own message for bad JSON text is less clear)
-            return c.compile_grammar(json_schema_grammar(text))
+            return c.compile_grammar(self._json_grammar(text))
         if p.kind == "json_object":
-            return c.compile_grammar(json_schema_grammar('{"type": "object"}'))
+            return c.compile_grammar(self._json_grammar('{"type": "object"}'))
         if p.kind == "regex":
             return c.compile_regex(p.regex)
         if p.kind == "choice":
@@ -325,6 +330,27 @@ class StructuredOutputCompiler:
         if p.kind == "structural_tag":
             return c.compile_structural_tag(structural_tag_text(p.structural_tag))
         return c.compile_grammar(p.grammar)
+
+    def _json_grammar(self, schema_text: str) -> str:
+        """json_schema_grammar(schema_text), kept (SCHEMA_GRAMMAR_CHARS of them, the newest): xgrammar's cache holds
+        compiled grammars by their text, not this conversion to it, which is most of a deep schema's compile (3.0 of
+        3.2 s for 400 nested arrays) and which the request's add would otherwise do again on the engine's thread
+        after a server compiled it on its own (AsyncEngine), stalling every request; and again for each of n
+        samples."""
+        with self._lock:
+            grammar = self._schema_grammars.get(schema_text)
+            if grammar is not None:
+                self._schema_grammars.move_to_end(schema_text)
+                return grammar
+        grammar = json_schema_grammar(schema_text)
+        with self._lock:
+            kept = self._schema_grammars
+            kept[schema_text] = grammar
+            size = sum(len(k) + len(v) for k, v in kept.items())
+            while len(kept) > 1 and size > SCHEMA_GRAMMAR_CHARS:
+                k, v = kept.popitem(last=False)
+                size -= len(k) + len(v)
+        return grammar
 
     def new_state(self, p: StructuredOutputsParams, gate: ThinkTags | HarmonyTags | None = None,
                   phase: str = GRAMMAR, progress: int = 0) -> GrammarState:

@@ -1,8 +1,8 @@
 """EngineClient: the event loop's side of a served engine, wherever its loop runs, and all the HTTP side needs of it.
 
 Requests go to the loop as typed commands (add, abort, shutdown) on a thread-safe queue; each step's RequestOutputs
-(and CommandAnswers) come back into one asyncio queue per request (RequestStream). RequestOutputs are cumulative
-(full text and token ids so far), so a slow reader may skip to the latest one without losing anything. Its
+(and CommandAnswers) come back to one RequestStream per request. RequestOutputs are cumulative (full text and token
+ids so far), so the stream keeps only the newest one not read yet: a slow reader skips to it, losing nothing. Its
 subclasses say where the loop runs: async_engine.AsyncEngine (a thread of this process),
 engine_process.ProcessAsyncEngine (a process of its own), and the fleet's front ends (disagg.proxy, disagg.router:
 other servers' engines).
@@ -147,19 +147,26 @@ class RequestStream:
     def __init__(self, request_id: str, engine: EngineClient) -> None:
         self.request_id = request_id
         self._engine = engine
-        self._queue: asyncio.Queue = asyncio.Queue()
+        self._unread: RequestOutput | Exception | None = None     # the newest item not read yet
+        self._ready = asyncio.Event()
         self.accepted: asyncio.Future = asyncio.get_running_loop().create_future()
         self.finished = False
 
     def put(self, item: RequestOutput | Exception) -> None:
-        self._queue.put_nowait(item)
+        """The newest output replaces one not read yet: outputs are cumulative, so a reader that falls behind (a
+        client that does not read its stream) costs one output, not one a step, each a copy of all so far (a queue
+        held ~180 MB for one unread 7k-token stream with logprobs). An error is never replaced. vLLM's
+        RequestOutputCollector keeps one the same way."""
+        if not isinstance(self._unread, Exception):
+            self._unread = item
+        self._ready.set()
 
     async def outputs(self) -> AsyncIterator[RequestOutput]:
         try:
             while not self.finished:
-                out = await self._queue.get()
-                while not isinstance(out, Exception) and not self._queue.empty():
-                    out = self._queue.get_nowait()      # cumulative outputs: skip to the newest
+                await self._ready.wait()
+                self._ready.clear()
+                out, self._unread = self._unread, None
                 if isinstance(out, Exception):
                     self.finished = True
                     raise out

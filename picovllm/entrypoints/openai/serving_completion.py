@@ -238,16 +238,16 @@ async def _merged(streams: list[AsyncIterator]) -> AsyncIterator:
         async for item in streams[0]:
             yield item
         return
-    queue: asyncio.Queue = asyncio.Queue()
+    queue: asyncio.Queue = asyncio.Queue(maxsize=len(streams))    # a slow reader holds the pumps back (SampleGroup)
     done = object()
 
     async def pump(stream: AsyncIterator) -> None:
         try:
             async for item in stream:
-                queue.put_nowait(item)
-            queue.put_nowait(done)
+                await queue.put(item)
+            await queue.put(done)
         except Exception as e:
-            queue.put_nowait(e)
+            await queue.put(e)
 
     tasks = [asyncio.ensure_future(pump(s)) for s in streams]
     try:
