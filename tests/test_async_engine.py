@@ -177,15 +177,16 @@ async def until(condition, timeout=10.0):
         await asyncio.sleep(0.005)
 
 
-def held_compiles(monkeypatch):
-    """StructuredOutputCompiler.compile held until the returned event is set (30 s at most); the list says, for
-    each held compile, whether the event released it (True) or the wait ran out (False)."""
+def held_compiles(monkeypatch, which=lambda p: True):
+    """StructuredOutputCompiler.compile held, for the params `which` picks, until the returned event is set (30 s at
+    most); the list says, for each held compile, whether the event released it (True) or the wait ran out (False)."""
     from picovllm.layers.structured_output import StructuredOutputCompiler
     release, released = __import__("threading").Event(), []
     real = StructuredOutputCompiler.compile
 
     def held(self, p):
-        released.append(release.wait(30))
+        if which(p):
+            released.append(release.wait(30))
         return real(self, p)
 
     monkeypatch.setattr(StructuredOutputCompiler, "compile", held)
@@ -259,3 +260,31 @@ def test_a_request_aborted_while_its_grammar_compiles_is_never_run(chat_llm, mon
     assert released and all(released) and len(after.outputs[0].token_ids) == 10
     assert engine.stats.prefill_tokens - before == 2        # only "after"'s prompt ran
     assert not engine.requests and engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_a_compiling_grammar_holds_back_no_other_grammar(chat_llm, monkeypatch):
+    """Grammars compile side by side: while a choice list is held compiling, a regex request is compiled, runs and
+    answers within its regex (it waited behind the first on a lone compile thread)."""
+    from picovllm.sampling_params import StructuredOutputsParams
+    release, released = held_compiles(monkeypatch, lambda p: p.choice is not None)
+    choice = SamplingParams(temperature=0, max_tokens=10, structured_outputs=StructuredOutputsParams(
+        choice=["yes", "no"]))
+    regex = SamplingParams(temperature=0, max_tokens=6, structured_outputs=StructuredOutputsParams(regex="[0-9]{3}"))
+
+    async def main():
+        ae = AsyncEngine(chat_llm.engine)
+        ae.start()
+        try:
+            held = asyncio.ensure_future(collect(ae, [5, 6, 7], choice, "held"))
+            await until(lambda: "held" in ae._compiling)
+            other = await asyncio.wait_for(collect(ae, [8, 9], regex, "other"), 20)
+            release.set()
+            return other, await asyncio.wait_for(held, 30)
+        finally:
+            release.set()
+            await ae.shutdown()
+
+    other, held = asyncio.run(main())
+    assert released[0] is True, "the regex waited the choice list's compile out"
+    assert __import__("re").fullmatch("[0-9]{3}", other.outputs[0].text) and held.outputs[0].text in ("yes", "no")
+    assert not chat_llm.engine.requests

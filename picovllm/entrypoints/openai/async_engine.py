@@ -6,10 +6,10 @@ with its answers to commands (CommandAnswer), in one call_soon_threadsafe per st
 runs the same loop in a process of its own instead. The loop's two ends are seams: _receive (the commands) and
 _deliver (an iteration's outputs).
 
-A request's grammar (structured outputs) compiles on a thread of its own, never the loop's: a long one takes seconds,
-and every other request would wait them out. The request is added once it is compiled (its add answered then: a
-grammar that cannot be compiled is refused naming the field, as before); the loop looks for finished ones every
-COMPILE_POLL_S meanwhile.
+A request's grammar (structured outputs) compiles on a thread of its own (COMPILE_THREADS at once), never the
+loop's: a long one takes seconds, and every other request would wait them out. The request is added once it is
+compiled (its add answered then: a grammar that cannot be compiled is refused naming the field, as before); the
+loop looks for finished ones every COMPILE_POLL_S meanwhile.
 
 An idle loop wakes at least every LIVENESS_S to ask its executor whether every rank is alive (Executor.check_alive):
 a tensor-parallel rank that dies while no step runs ends the loop within about a second, as a failed step would,
@@ -37,6 +37,8 @@ logger = logging.getLogger(__name__)
 
 LIVENESS_S = 1.0    # an idle loop's longest wait for a command, and how often it asks Executor.check_alive
 COMPILE_POLL_S = 0.002      # while grammars compile: an idle loop's longest wait for a command
+# grammars compiling at once: one that takes minutes (a 50,000-value enum) does not hold back the others
+COMPILE_THREADS = 4
 
 
 @dataclass
@@ -238,7 +240,7 @@ class AsyncEngine(EngineClient):
         """A request with a grammar: compiled on the grammars' thread first (Engine.compile_grammar), added by
         _add_compiled once it is."""
         if self._compile_pool is None:
-            self._compile_pool = ThreadPoolExecutor(1, thread_name_prefix="picovllm-grammar")
+            self._compile_pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="picovllm-grammar")
         if cmd.request_id in self._compiling:      # an id in use: the add refuses it, as an id the engine has
             self._add(cmd, self._pending)
             return
