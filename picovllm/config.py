@@ -275,6 +275,9 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"          # "auto" (the model's dtype) | "fp8" / "fp8_e4m3" (float8 e4m3fn, scaled)
     stream_interval: int = 1              # a streamed request's outputs: its first token, then every this many
                                           # tokens, and its last (vLLM's and SGLang's --stream-interval)
+    max_logprobs: int = 20                # the most logprobs and prompt_logprobs a request may ask for (vLLM's;
+                                          # its -1, the whole vocabulary, counts as the vocabulary's size); -1: no
+                                          # limit (engine/admission.check_logprobs)
     generation_config: str = "auto"       # sampling defaults for requests that leave them unset: "auto" (the
                                           # model folder's generation_config.json), "vllm" (none), or a folder
     override_generation_config: dict | str | None = None   # JSON: set or replace those defaults
@@ -333,6 +336,8 @@ class EngineConfig:
         if not isinstance(self.stream_interval, int) or isinstance(self.stream_interval, bool) \
                 or self.stream_interval < 1:
             raise bad("stream_interval", "must be an int >= 1")
+        if not isinstance(self.max_logprobs, int) or isinstance(self.max_logprobs, bool) or self.max_logprobs < -1:
+            raise bad("max_logprobs", "must be an int >= 0, or -1 (no limit)")
         from picovllm.generation_config import parse_override
         self.override_generation_config = parse_override(self.override_generation_config)
         self.hf_overrides = parse_hf_overrides(self.hf_overrides, "EngineConfig.hf_overrides")

@@ -5,6 +5,7 @@ import copy
 import math
 from dataclasses import KW_ONLY, dataclass
 from enum import IntEnum
+from typing import ClassVar
 
 
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
@@ -127,6 +128,9 @@ class SamplingParams:
     # vLLM's request cache_salt (offline: a prompt dict's): prefix-cache hits only among requests of the same salt,
     # so that one tenant cannot learn from another's hits (time to first token) which prompts it sent
     cache_salt: str | None = None
+    # Not a field: logprobs and prompt_logprobs within EngineConfig.max_logprobs (engine/admission.check_logprobs);
+    # False for a beam search's steps (entrypoints/beam_search.BeamStepParams), whose count is the search's own
+    within_max_logprobs: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         # Normalise containers so no two requests ever share a list object.

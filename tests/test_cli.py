@@ -688,6 +688,7 @@ def test_config_errors_name_the_flag_typed(tmp_path, capsys):
                         (["--max-model-len", "0"], "--max-model-len must be an int >= 1, got 0"),
                         (["-tp", "0"], "--tensor-parallel-size must be an int >= 1, got 0"),
                         (["--speculative-config", '{"method": "x"}'], "--speculative-config's method must be"),
+                        (["--max-logprobs", "-2"], "--max-logprobs must be an int >= 0, or -1 (no limit), got -2"),
                         (["--quantization", "awq"], "argument --quantization/-q: invalid choice: 'awq' (choose "
                                                     "from 'auto', 'none', 'q8_0', 'bf16', 'fp8')")):
         assert _refused(["generate", "hi", "--model", model, *flags], capsys).startswith(f"picovllm generate: "
@@ -806,6 +807,21 @@ def test_vllm_serve_command_lines_map_to_the_engine_and_server_settings():
     assert _serve_args("--max-model-len", "25.6k").max_model_len == 25600
 
 
+def test_max_logprobs_is_a_flag_of_every_command_that_builds_an_engine():
+    """vLLM's --max-logprobs (-1: no limit) is EngineConfig.max_logprobs wherever an engine is built, and generate
+    --disagg hands it to both engines."""
+    from picovllm.disagg.cli import disagg_options
+    from picovllm.entrypoints.cli import build_parser
+    from picovllm.entrypoints.engine_args import engine_config_from_args
+    parser = build_parser()
+    for argv in (["serve", "m"], ["run-batch", "-i", "in.jsonl", "-o", "out.jsonl"], ["generate", "hi"], ["chat"],
+                 ["batch", "-i", "in.jsonl"], ["bench", "throughput"], ["bench", "latency"],
+                 ["plan", "--profile", "p.json"]):
+        assert parser.parse_args([*argv, "--max_logprobs", "-1"]).max_logprobs == -1, argv
+    assert engine_config_from_args(_serve_args("--device", "cpu", "--max-logprobs", "5")).max_logprobs == 5
+    assert disagg_options(parser.parse_args(["generate", "hi", "--disagg", "--max-logprobs", "5"]))["max_logprobs"] == 5
+
+
 def test_a_vllm_config_file_gives_serve_its_flags(tmp_path, capsys):
     """--config FILE.yaml, as vLLM's: keys with dashes or underscores, true as the flag, false as its --no- form, a
     list as the flag's values, a mapping as JSON; the command line's flags and model win over the file's; a file that
@@ -844,8 +860,6 @@ def test_a_vllm_config_file_gives_serve_its_flags(tmp_path, capsys):
                         "not supported); it takes off"),
     (["--lora-modules", "sql=/loras/sql"], "argument --lora-modules: ['sql=/loras/sql'] is not supported by picovllm "
                                            "(LoRA adapters are not supported); leave it unset"),
-    (["--max-logprobs", "5"], "argument --max-logprobs: 5 is not supported by picovllm (a request may ask for at "
-                              "most 20 logprobs, vLLM's default); it takes 20"),
     (["--response-role", "bot"], "argument --response-role: 'bot' is not supported"),
     (["--disable-sliding-window"], "a model's sliding window is always kept"),
     (["--tokenizer-revision", "v2"], "argument --tokenizer-revision: 'v2' is not supported"),
@@ -855,7 +869,7 @@ def test_vllm_flags_picovllm_cannot_honour_are_refused_by_name(argv, says, capsy
     naming the flag, why, and what it takes, before anything loads; the same with `generate`, which builds an
     engine too."""
     for command in (["serve"], ["generate", "hi"]):
-        if command == ["generate", "hi"] and argv[0] in ("--lora-modules", "--max-logprobs", "--response-role"):
+        if command == ["generate", "hi"] and argv[0] in ("--lora-modules", "--response-role"):
             continue        # the server's flags
         with pytest.raises(SystemExit) as e:
             cli_main([*command, *argv])
@@ -873,7 +887,7 @@ def test_vllm_flags_without_effect_here_are_taken_and_change_nothing():
             "--max-seq-len-to-capture", "8192", "--disable-log-stats", "--disable-log-requests",
             "--limit-mm-per-prompt", '{"image": 0}', "-pp", "1", "-dp", "1", "--enable-chunked-prefill",
             "--tokenizer-mode", "auto", "--load-format", "safetensors", "--distributed-executor-backend", "mp",
-            "--cpu-offload-gb", "0", "--max-logprobs", "20", "--response-role", "assistant", "--enable-expert-parallel",
+            "--cpu-offload-gb", "0", "--response-role", "assistant", "--enable-expert-parallel",
             "--max-loras", "4", "--max-lora-rank", "64", "--code-revision", "main", "--disable-custom-all-reduce",
             "--no-enable-lora", "--trust-remote-code", "--enable-auto-tool-choice", "--disable-uvicorn-access-log"]
     base = engine_config_from_args(_serve_args("--device", "cpu"))
@@ -892,7 +906,7 @@ def test_llm_takes_vllm_keyword_arguments_as_the_flags(tiny_models):
             LLM("no-model-here", **kwargs)
     llm = LLM(tiny_models["llama"], num_gpu_blocks_override=16, swap_space=4, enable_chunked_prefill=True,
               disable_log_stats=True, max_logprobs=100, tokenizer_mode="auto", compilation_config={"level": 3})
-    assert llm.config.num_kv_blocks == 16
+    assert (llm.config.num_kv_blocks, llm.config.max_logprobs) == (16, 100)     # max_logprobs: a setting here
 
 
 def test_vllm_environment_variables(capsys, monkeypatch, tmp_path):

@@ -1,10 +1,11 @@
 """Logprobs as vLLM returns them, against independent oracles: ranks where logprobs tie (a hand-computed case),
 logprobs=-1 and prompt_logprobs=-1 (the whole vocabulary) and the distribution inside a structured output's grammar
 against HF transformers' float64 logits on the same weights, and the JSON (server, batch lines) of a forbidden token's
--inf.
+-inf. The counts a request may ask for: at most max_logprobs (vLLM's, offline and served).
 (The sampled and prompt logprobs' values and ranks: test_sampling.py, test_offline_api.py, test_prompt_logprobs.py.)"""
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -78,11 +79,11 @@ def _check_whole_vocabulary(d: dict, ref: torch.Tensor) -> None:
 
 
 def test_minus_one_is_the_whole_vocabulary_as_hf(tiny_models):
-    """logprobs=-1 and prompt_logprobs=-1 (vLLM's): every token's logprob and rank at each output and prompt
-    position, HF's; the sampled token's among them, cumulative_logprob their sum."""
+    """logprobs=-1 and prompt_logprobs=-1 (vLLM's, with max_logprobs -1): every token's logprob and rank at each
+    output and prompt position, HF's; the sampled token's among them, cumulative_logprob their sum."""
     path = tiny_models["llama"]
     prompt = list(range(5, 17))
-    llm = LLM(path, block_size=4, num_kv_blocks=64, dtype="float32")
+    llm = LLM(path, block_size=4, num_kv_blocks=64, dtype="float32", max_logprobs=-1)
     out = llm.generate([prompt], SamplingParams(temperature=0.8, seed=1, max_tokens=3, ignore_eos=True, logprobs=-1,
                                                 prompt_logprobs=-1), use_tqdm=False)[0]
     c = out.outputs[0]
@@ -95,6 +96,37 @@ def test_minus_one_is_the_whole_vocabulary_as_hf(tiny_models):
         _check_whole_vocabulary(d, ref[len(prompt) - 1 + i])
         assert next(iter(d)) == tok
     assert c.cumulative_logprob == pytest.approx(sum(d[t].logprob for d, t in zip(c.logprobs, c.token_ids)))
+
+
+def test_offline_logprobs_are_at_most_max_logprobs(tiny_models):
+    """vLLM's max_logprobs, 20 by default: logprobs or prompt_logprobs past it, or -1 (the whole vocabulary, counted
+    as its size), is a ValueError naming the field, the limit and how to raise it; 20 is taken. A max_logprobs of at
+    least the vocabulary's size takes -1, as vLLM's. Beam search's steps ask for the candidates the search needs
+    (2 beam_width here), whatever the limit."""
+    from picovllm import BeamSearchParams
+    path = tiny_models["llama"]
+    llm = LLM(path, block_size=4, num_kv_blocks=64, dtype="float32")
+    assert llm.config.max_logprobs == 20
+    vocab = llm.engine.model_config.vocab_size
+    for kw, says in ((dict(logprobs=21), "SamplingParams.logprobs 21 is more than max_logprobs (20)"),
+                     (dict(prompt_logprobs=21), "SamplingParams.prompt_logprobs 21 is more than max_logprobs (20)"),
+                     (dict(logprobs=-1), f"SamplingParams.logprobs -1 (the whole vocabulary, {vocab}) is more than "
+                                         f"max_logprobs (20)"),
+                     (dict(prompt_logprobs=-1), f"SamplingParams.prompt_logprobs -1 (the whole vocabulary, {vocab})")):
+        with pytest.raises(ValueError, match=re.escape(says) + ".*LLM\\(max_logprobs=...\\) or --max-logprobs"):
+            llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, **kw), use_tqdm=False)
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, logprobs=20, prompt_logprobs=20), use_tqdm=False)[0]
+    for d in out.outputs[0].logprobs + out.prompt_logprobs[1:]:     # the top 20, and the token if not among them
+        assert len(d) in (20, 21) and {lp.rank for lp in d.values()} >= set(range(1, 21)), d
+    best = llm.beam_search([[5, 6, 7]], BeamSearchParams(beam_width=11, max_tokens=2))[0].sequences[0]  # 22 a step
+    assert len(best.logprobs) == 2 and all(len(d) >= 22 for d in best.logprobs)
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+    with pytest.raises(ValueError, match=r"EngineConfig.max_logprobs must be an int >= 0, or -1 \(no limit\), got -2"):
+        LLM(path, max_logprobs=-2)
+    whole = LLM(path, block_size=4, num_kv_blocks=64, dtype="float32", max_logprobs=vocab)
+    out = whole.generate([[5, 6, 7]], SamplingParams(max_tokens=1, logprobs=-1), use_tqdm=False)[0]
+    assert len(out.outputs[0].logprobs[0]) == vocab
+    assert whole.engine.block_manager.num_free_blocks == whole.engine.block_manager.num_blocks
 
 
 @pytest.fixture(scope="module")
@@ -141,20 +173,25 @@ def test_logprobs_under_a_grammar_are_within_it_as_vllm(chat_model):
         assert sorted(line["logprobs"][0].values())[:5 - len(allowed)] == [-9999.0] * (5 - len(allowed))
 
 
-def test_server_logprobs_json(chat_model):
-    """A grammar's forbidden tokens (-inf) go out as -9999.0 (vLLM's and OpenAI's), so the body and every SSE event
-    stay JSON (json.dumps would write -Infinity); a logprobs count of -1 (the whole vocabulary) is refused naming its
-    field, past this server's max_logprobs (vLLM's default 20)."""
-    from fastapi.testclient import TestClient
-    from transformers import AutoTokenizer
-
-    from picovllm import EngineConfig
-    from picovllm.engine.llm_engine import Engine
+def _app(engine):
+    """The server's app in front of engine (its loop a thread here)."""
     from picovllm.entrypoints.openai.api_server import ServerSettings, build_app
     from picovllm.entrypoints.openai.async_engine import AsyncEngine
     from picovllm.entrypoints.openai.metrics import ServerMetrics
     from picovllm.entrypoints.openai.serving import ServingContext
     from picovllm.entrypoints.openai.tokenizer_worker import TokenizerWorker
+    ctx = ServingContext(AsyncEngine(engine), TokenizerWorker(engine.tokenizer), ServerMetrics("m"), "m")
+    return build_app(ctx, ServerSettings())
+
+
+def test_server_logprobs_json(chat_model):
+    """A grammar's forbidden tokens (-inf) go out as -9999.0 (vLLM's and OpenAI's), so the body and every SSE event
+    stay JSON (json.dumps would write -Infinity)."""
+    from fastapi.testclient import TestClient
+    from transformers import AutoTokenizer
+
+    from picovllm import EngineConfig
+    from picovllm.engine.llm_engine import Engine
 
     tok = AutoTokenizer.from_pretrained(chat_model)
     allowed = {tok.decode([t]) for t in _first_tokens(tok, CHOICES)}
@@ -169,11 +206,10 @@ def test_server_logprobs_json(chat_model):
         return [{"token": t, "logprob": v} for t, v in lp["top_logprobs"][0].items()] if lp.get("top_logprobs") else []
 
     engine = Engine(EngineConfig(model=chat_model, num_kv_blocks=64, max_model_len=256, async_scheduling=False))
-    ctx = ServingContext(AsyncEngine(engine), TokenizerWorker(engine.tokenizer), ServerMetrics("m"), "m")
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "logprobs": True, "top_logprobs": 5,
             "guided_choice": CHOICES}
     completion = {"prompt": "Hello", "max_tokens": 1, "logprobs": 5, "guided_choice": CHOICES}
-    with TestClient(build_app(ctx, ServerSettings())) as http:
+    with TestClient(_app(engine)) as http:
         for path, body in (("/v1/chat/completions", chat), ("/v1/completions", completion)):
             r = http.post(path, json=body)
             assert r.status_code == 200, r.text
@@ -184,10 +220,58 @@ def test_server_logprobs_json(chat_model):
             for top in tops:
                 assert all((e["token"] in allowed) == (e["logprob"] > -9999.0) for e in top), top
                 assert any(e["logprob"] == -9999.0 for e in top), top    # the top 5 reach past the grammar's tokens
-        for path, body, field in (("/v1/completions", {"prompt": "a", "logprobs": -1}, "logprobs"),
-                                  ("/v1/completions", {"prompt": "a", "prompt_logprobs": -1}, "prompt_logprobs"),
-                                  ("/v1/chat/completions", {**chat, "top_logprobs": -1}, "top_logprobs")):
-            r = http.post(path, json=body)
-            assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
-            assert "whole vocabulary" in r.json()["error"]["message"] and "20" in r.json()["error"]["message"]
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "logprobs": True}
+# (route, the request asking for k logprobs, its field)
+ASKS = [("/v1/completions", lambda k: {"prompt": "Hello", "max_tokens": 1, "logprobs": k}, "logprobs"),
+        ("/v1/completions", lambda k: {"prompt": "Hello", "max_tokens": 1, "prompt_logprobs": k}, "prompt_logprobs"),
+        ("/v1/completions", lambda k: {"prompt": "Hello", "max_tokens": 1, "echo": True, "logprobs": k}, "logprobs"),
+        ("/v1/chat/completions", lambda k: {**CHAT, "top_logprobs": k}, "top_logprobs"),
+        ("/v1/chat/completions", lambda k: {**CHAT, "top_logprobs": k, "stream": True}, "top_logprobs")]
+
+
+@pytest.mark.parametrize("flags, limit", [([], 20), (["--max-logprobs", "5"], 5), (["--max-logprobs", "-1"], -1)])
+def test_served_logprobs_are_at_most_the_engines_max_logprobs(chat_model, flags, limit):
+    """The server's limit is its engine's max_logprobs (serve's --max-logprobs, vLLM's default 20): a count past it,
+    or -1 (the whole vocabulary) while it is not -1, is a 400 naming the request's own field (completions' logprobs
+    and prompt_logprobs, chat's and the Responses API's top_logprobs) and the limit; the limit itself is taken. With
+    -1, a -1 is every token: chat's top_logprobs, completions' (the echoed prompt's too) and prompt_logprobs."""
+    from fastapi.testclient import TestClient
+
+    from picovllm.engine.llm_engine import Engine
+    from picovllm.entrypoints.cli import build_parser
+    from picovllm.entrypoints.engine_args import engine_config_from_args
+
+    args = build_parser().parse_args(["serve", chat_model, "--device", "cpu", "--num-kv-blocks", "64",
+                                      "--max-model-len", "256", *flags])
+    engine = Engine(engine_config_from_args(args, model=chat_model, reasoning_parser=None))
+    vocab = engine.model_config.vocab_size
+    responses = ("/v1/responses", lambda k: {"input": "hi", "max_output_tokens": 1, "top_logprobs": k}, "top_logprobs")
+    with TestClient(_app(engine)) as http:
+        if limit != -1:
+            for path, body, field in ASKS + [responses]:
+                assert http.post(path, json=body(limit)).status_code == 200, (path, field)
+                for k, says in ((limit + 1, f"more than max_logprobs ({limit})"), (-1, "the whole vocabulary")):
+                    if path == "/v1/responses" and k == -1:
+                        continue      # OpenAI's 0-20 there
+                    r = http.post(path, json=body(k))
+                    error = r.json()["error"]
+                    assert r.status_code == 400 and error["param"] == field, (path, k, r.text)
+                    openai_range = path == "/v1/responses" and k > 20     # the Responses API's own 400
+                    assert (openai_range or says in error["message"]) and field in error["message"], (path, k, r.text)
+        else:
+            as_ids = {"return_tokens_as_token_ids": True}     # token names that never collide
+            for path, body, field in ASKS:
+                assert http.post(path, json=body(-1)).status_code == 200, (path, field)
+            got = http.post("/v1/chat/completions", json={**CHAT, "top_logprobs": -1, **as_ids}).json()
+            assert len(got["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == vocab
+            got = http.post("/v1/completions", json={**ASKS[2][1](-1), **as_ids}).json()["choices"][0]
+            # the second prompt token's and the output token's (the first prompt token has none)
+            assert [len(top) for top in got["logprobs"]["top_logprobs"][1:]] == [vocab] * 2, got
+            got = http.post("/v1/completions", json=ASKS[1][1](-1)).json()["choices"][0]
+            assert [len(d) for d in got["prompt_logprobs"][1:]] == [vocab], got
+            r = http.post("/v1/completions", json=ASKS[0][1](vocab + 1))
+            assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs", r.text
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks

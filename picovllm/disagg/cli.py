@@ -60,7 +60,8 @@ def run_disagg_generate(args: argparse.Namespace) -> int:
 def disagg_options(args: argparse.Namespace) -> dict:
     """The DisaggLLM / generate_disaggregated keyword arguments the flags give (the model aside)."""
     engine = {k: getattr(args, k) for k in ("dtype", "max_model_len", "block_size", "num_kv_blocks", "disk_cache",
-                                            "kv_cache_dtype", "revision", "download_dir", "hf_overrides")
+                                            "kv_cache_dtype", "revision", "download_dir", "hf_overrides",
+                                            "max_logprobs")
               if getattr(args, k, None) is not None}
     decode = {"num_kv_blocks": args.decode_num_kv_blocks} if args.decode_num_kv_blocks else {}
     if getattr(args, "speculative_config", None) is not None:    # D's alone: a prefill engine never decodes

@@ -1,5 +1,6 @@
 """A request's checks against the model and the KV cache (vocabulary, EOS ids, bad words, lengths, capacity): what
-would otherwise fail inside a step, taking the whole batch down with it. Each raises ValueError naming the field."""
+would otherwise fail inside a step, taking the whole batch down with it; and against max_logprobs (a whole
+vocabulary's logprobs a token are megabytes of Python objects). Each raises ValueError naming the field."""
 from __future__ import annotations
 
 import dataclasses
@@ -21,17 +22,14 @@ class AdmissionLimits:
     block_size: int
     window: int | None               # the longest sliding window when every layer has one (Engine._kv_window)
     max_num_batched_tokens: int
+    max_logprobs: int                # EngineConfig.max_logprobs (-1: no limit)
 
 
 def check_sampling_params(params: SamplingParams, limits: AdmissionLimits, eos_token_ids: list[int],
                           tokenizer) -> list[list[int]]:
     """A generating request's params against the model; returns its bad words' token ids."""
     vocab = limits.vocab_size
-    if params.logprobs is not None and params.logprobs > vocab:
-        raise ValueError(f"SamplingParams.logprobs must be <= the vocabulary size {vocab}, got {params.logprobs}")
-    if params.prompt_logprobs is not None and params.prompt_logprobs > vocab:
-        raise ValueError(f"SamplingParams.prompt_logprobs must be <= the vocabulary size {vocab}, "
-                         f"got {params.prompt_logprobs}")
+    check_logprobs(params, limits)
     if any(t >= vocab for t in params.stop_token_ids):   # banned from the logits before min_tokens
         raise ValueError(f"SamplingParams.stop_token_ids must be in [0, {vocab}), got {params.stop_token_ids}")
     allowed = params.allowed_token_ids
@@ -51,6 +49,24 @@ def check_sampling_params(params: SamplingParams, limits: AdmissionLimits, eos_t
         raise ValueError(f"SamplingParams.logit_bias keys must be token ids in [0, {vocab}), got "
                          f"{max(params.logit_bias)}")
     return bad_words_ids(params, tokenizer, vocab)
+
+
+def check_logprobs(params: SamplingParams, limits: AdmissionLimits) -> None:
+    """SamplingParams.logprobs and .prompt_logprobs within the vocabulary and EngineConfig.max_logprobs, as vLLM's:
+    a count of -1 (the whole vocabulary) is the vocabulary's size, and so is a max_logprobs of -1. A beam search's
+    steps (params.within_max_logprobs False) ask for the candidates the search itself needs."""
+    vocab = limits.vocab_size
+    most = vocab if limits.max_logprobs == -1 else limits.max_logprobs
+    for name in ("logprobs", "prompt_logprobs"):
+        k = getattr(params, name)
+        if k is None:
+            continue
+        if k > vocab:
+            raise ValueError(f"SamplingParams.{name} must be <= the vocabulary size {vocab}, got {k}")
+        if (vocab if k == -1 else k) > most and params.within_max_logprobs:
+            asked = f"-1 (the whole vocabulary, {vocab})" if k == -1 else str(k)
+            raise ValueError(f"SamplingParams.{name} {asked} is more than max_logprobs ({limits.max_logprobs}): "
+                             f"LLM(max_logprobs=...) or --max-logprobs raises it, -1 for no limit")
 
 
 def bad_words_ids(params: SamplingParams, tokenizer, vocab_size: int) -> list[list[int]]:

@@ -148,7 +148,8 @@ class Engine:
                                    self.connector, config.scheduling_policy, self.proposer, config.max_decode_rows,
                                    self.window)
         self.limits = AdmissionLimits(self.model_config.vocab_size, self.max_model_len, num_blocks * config.block_size,
-                                      config.block_size, self.window, config.max_num_batched_tokens)
+                                      config.block_size, self.window, config.max_num_batched_tokens,
+                                      config.max_logprobs)
         self.closed = False            # close() was called: submit() refuses
         self.detokenizer = Detokenizer(self.tokenizer)
         self.requests: dict[str, Request] = {}

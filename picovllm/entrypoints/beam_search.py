@@ -84,9 +84,15 @@ def candidates(params: BeamSearchParams, eos_ids: Sequence[int]) -> int:
     return max(2, 1 + (0 if params.ignore_eos else len(set(eos_ids)))) * params.beam_width
 
 
+class BeamStepParams(SamplingParams):
+    """A beam's step: the candidates' count is the search's (beam_width's), so EngineConfig.max_logprobs does not
+    limit it (vLLM's does: a beam_width past max_logprobs / 2 fails there)."""
+    within_max_logprobs = False
+
+
 def step_params(params: BeamSearchParams, eos_ids: Sequence[int]) -> SamplingParams:
     """What each beam runs for one step: its next token's top log-probabilities, candidates() of them."""
-    return SamplingParams(temperature=0, max_tokens=1, logprobs=candidates(params, eos_ids), ignore_eos=True)
+    return BeamStepParams(temperature=0, max_tokens=1, logprobs=candidates(params, eos_ids), ignore_eos=True)
 
 
 def expand(beams: list[BeamSearchSequence], tops: list[dict[int, Logprob]], params: BeamSearchParams,

@@ -55,6 +55,8 @@ HELP = {
                     "quantized at load (GPU; the CPU keeps their rounded values in float32)",
     "kv_cache_dtype": "auto: the model's dtype; fp8 (fp8_e4m3): float8 e4m3 with scales",
     "stream_interval": "a stream's outputs: its first token, then every this many tokens, and its last",
+    "max_logprobs": "the most logprobs and prompt_logprobs a request may ask for (its -1, the whole vocabulary, counts "
+                    "as the vocabulary's size); -1: no limit",
     "generation_config": "sampling defaults of requests that leave them unset: auto (the model's "
                          "generation_config.json), vllm (none) or a folder holding one",
     "override_generation_config": "JSON that sets or replaces those defaults, e.g. '{\"temperature\": 0.5}'",

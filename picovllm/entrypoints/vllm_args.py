@@ -3,7 +3,7 @@
 
 Three things, as vLLM's FlexibleArgumentParser does them: a flag may be spelt with underscores (`--max_model_len`),
 `--config FILE.yaml` reads flags from a YAML file (the command line's win), and sizes take k/K/m/M suffixes
-(`--max-model-len 32k`). And vLLM's arguments that have no setting here (ENGINE_ARGS, SERVE_ARGS, LLM_ARGS): each
+(`--max-model-len 32k`). And vLLM's arguments that have no setting here (ENGINE_ARGS, SERVE_ARGS): each
 one is either meaningless here, and accepted with any value, or taken only with the values that mean what picovllm
 does anyway, and any other value refused naming the argument and why (at parse time for a flag, by LLM(...) for a
 keyword). A flag in none of them is argparse's unrecognized argument, as a flag vLLM does not know is vLLM's.
@@ -87,16 +87,10 @@ ENGINE_ARGS: tuple[VllmArg, ...] = (
 
 # vLLM's server arguments (FrontendArgs, AsyncEngineArgs) `serve` takes without a setting of its own
 SERVE_ARGS: tuple[VllmArg, ...] = (
-    VllmArg("max_logprobs", (20,), "a request may ask for at most 20 logprobs, vLLM's default", int),
     VllmArg("response_role", ("assistant",), "a chat reply's role is always assistant"),
     VllmArg("lora_modules", (None,), _NO_LORA, nargs="+"),
     VllmArg("disable_log_requests", ANY, "vLLM's deprecated flag: requests are logged with --enable-log-requests "
                                          "only", type=None),
-)
-
-# LLM(...)'s own: the offline engine sets no logprobs limit (every max_logprobs holds)
-LLM_ARGS: tuple[VllmArg, ...] = (
-    VllmArg("max_logprobs", ANY, "LLM sets no limit on logprobs", int),
 )
 
 
@@ -141,9 +135,9 @@ RENAMED = {"num_gpu_blocks_override": "num_kv_blocks"}
 
 
 def llm_kwargs(kwargs: dict) -> dict:
-    """LLM(**kwargs)'s EngineConfig fields: vLLM's arguments of ENGINE_ARGS and LLM_ARGS taken out (a value
-    picovllm does not take: ValueError naming the keyword), RENAMED's under EngineConfig's names."""
-    known = {a.name: a for a in ENGINE_ARGS + LLM_ARGS}
+    """LLM(**kwargs)'s EngineConfig fields: vLLM's arguments of ENGINE_ARGS taken out (a value picovllm does not
+    take: ValueError naming the keyword), RENAMED's under EngineConfig's names."""
+    known = {a.name: a for a in ENGINE_ARGS}
     out = {}
     for name, value in kwargs.items():
         if name in RENAMED:

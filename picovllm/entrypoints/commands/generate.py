@@ -14,7 +14,8 @@ from picovllm.disagg.cli import add_disagg_arguments
 # The engine flags `generate --disagg` hands its two engines (disagg.cli.disagg_options; test_cli checks the two
 # agree), and one no engine reads: the others would be dropped there, so they are refused
 DISAGG_ENGINE_FLAGS = ("dtype", "max_model_len", "block_size", "num_kv_blocks", "disk_cache", "kv_cache_dtype",
-                       "revision", "download_dir", "hf_overrides", "speculative_config", "trust_remote_code")
+                       "revision", "download_dir", "hf_overrides", "max_logprobs", "speculative_config",
+                       "trust_remote_code")
 
 
 def add_parser(subparsers) -> None:

@@ -15,7 +15,7 @@ import re
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, create_model, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, create_model, field_validator
 
 from picovllm.entrypoints.chat_template import joined_parts
 from picovllm.entrypoints.openai.tool_calls import ToolPolicy, template_arguments
@@ -24,7 +24,6 @@ from picovllm.sampling_params import StructuredOutputsParams
 from picovllm.sampling_params import SamplingParams
 
 MAX_INT = 2**31 - 1
-MAX_LOGPROBS = 20
 MAX_STOP = 16
 MAX_N = 64               # samples per request (n, best_of)
 MAX_LOGIT_BIAS = 1024    # entries; OpenAI allows 300
@@ -32,17 +31,9 @@ MAX_ALLOWED_TOKENS = 1 << 20   # allowed_token_ids entries (a vocabulary's size 
 MAX_BAD_WORDS = 128            # bad_words entries (as vLLM's)
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 TokenId = Annotated[int, Field(ge=0, le=MAX_INT)]
-
-
-def _within_max_logprobs(n: int) -> int:
-    if n == -1:     # vLLM's whole vocabulary: past its default max_logprobs too, which refuses it the same way
-        raise ValueError(f"-1 asks for the whole vocabulary, more than this server's max_logprobs ({MAX_LOGPROBS}, "
-                         f"vLLM's default)")
-    return n
-
-
-# logprobs, top_logprobs, prompt_logprobs: at most MAX_LOGPROBS (vLLM's default max_logprobs)
-LogprobCount = Annotated[int, Field(ge=-1, le=MAX_LOGPROBS), AfterValidator(_within_max_logprobs)]
+# logprobs, top_logprobs, prompt_logprobs (-1: the whole vocabulary): the engine holds them to its max_logprobs
+# (--max-logprobs; engine/admission.check_logprobs), its refusal a 400 naming the field (ServingContext.add)
+LogprobCount = Annotated[int, Field(ge=-1, le=MAX_INT)]
 
 
 class APIError(Exception):
@@ -339,7 +330,7 @@ class CompletionRequest(_SamplingRequest, _RefusedCompletion):
 
     def prompt_logprob_count(self) -> int | None:
         if self.echo and self.logprobs is not None:   # the echoed prompt's tokens get logprobs like the output's
-            return max(self.logprobs, self.prompt_logprobs or 0)
+            return -1 if -1 in (self.logprobs, self.prompt_logprobs) else max(self.logprobs, self.prompt_logprobs or 0)
         return self.prompt_logprobs
 
     def samples(self, params: SamplingParams) -> list[SamplingParams]:

@@ -114,9 +114,11 @@ class ServingContext:
                                 "tokenizer", param="spaces_between_special_tokens")
 
     async def add(self, prompt_token_ids: list[int], params: SamplingParams | PoolingParams, request_id: str,
-                  arrival_time: float, priority: int = 0, prompt_param: str | None = None) -> RequestStream:
+                  arrival_time: float, priority: int = 0, prompt_param: str | None = None,
+                  logprobs_param: str = "logprobs") -> RequestStream:
         """The engine's refusal as a 400 naming the request's field: a structured output's source, priority, a
-        SamplingParams (PoolingParams) field the engine checks against the model, or (prompt_param) the prompt."""
+        SamplingParams (PoolingParams) field the engine checks against the model (SamplingParams.logprobs: the
+        request's logprobs_param, chat's top_logprobs), or (prompt_param) the prompt."""
         if self.request_logger is not None:
             self.request_logger.log(request_id, prompt_token_ids, params)
         try:
@@ -128,10 +130,13 @@ class ServingContext:
                 param = "priority"
             elif str(e).startswith("prompt"):
                 param = param or prompt_param
-            named = re.match(rf"{type(params).__name__}\.(\w+)", str(e))    # checked against the model
+            message = str(e)
+            named = re.match(rf"{type(params).__name__}\.(\w+)", message)    # checked against the model
             if param is None and named and named.group(1) in type(params).__dataclass_fields__:
                 param = named.group(1)
-            raise APIError(400, str(e), param=param) from None
+                if param == "logprobs" and logprobs_param != param:
+                    param, message = logprobs_param, f"{logprobs_param}: {message}"
+            raise APIError(400, message, param=param) from None
         except ENGINE_ERRORS as e:
             raise APIError(503, str(e), type="service_unavailable") from None
 
@@ -174,12 +179,14 @@ class SampleGroup:
     its first output shows the prompt computed (they take its KV blocks from the prefix cache)."""
 
     def __init__(self, ctx: ServingContext, ids: list[int], samples: list[SamplingParams], request_id: str,
-                 arrival_time: float, priority: int = 0, harmony: bool = False, prompt_param: str = "prompt") -> None:
+                 arrival_time: float, priority: int = 0, harmony: bool = False, prompt_param: str = "prompt",
+                 logprobs_param: str = "logprobs") -> None:
         """harmony: a chat reply read as harmony (ServingContext.grammar_parser); prompt_param: the request's field
-        the prompt came from, which a refusal of the prompt names ("messages" for chat)."""
+        the prompt came from, which a refusal of the prompt names ("messages" for chat); logprobs_param: the one
+        SamplingParams.logprobs came from ("top_logprobs" for chat)."""
         self.ctx, self.ids, self.samples, self.request_id, self.arrival = ctx, ids, samples, request_id, arrival_time
         self._engine_id = engine_request_id(request_id)     # the engine's (its samples': `-{i}` after it)
-        self.priority, self.prompt_param = priority, prompt_param
+        self.priority, self.prompt_param, self.logprobs_param = priority, prompt_param, logprobs_param
         for s in samples:     # the request's own params: a grammar waits for the end of the reasoning
             so = s.structured_outputs
             if so is not None:
@@ -192,7 +199,7 @@ class SampleGroup:
     async def start(self) -> "SampleGroup":
         """Add the first sample (raises APIError: 400 naming the field, 503 if the engine is gone)."""
         self.streams.append(await self.ctx.add(self.ids, self.samples[0], self._id(0), self.arrival, self.priority,
-                                               self.prompt_param))
+                                               self.prompt_param, self.logprobs_param))
         return self
 
     async def _add_siblings(self) -> None:
@@ -319,7 +326,8 @@ def prompt_logprobs_json(steps: list[dict[int, Logprob] | None] | None) -> list 
 
 
 def top_logprobs(d: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
-    """The k best (token id, Logprob) of a step, best first."""
+    """The k best (token id, Logprob) of a step, best first (k -1: every token, the step's whole vocabulary)."""
+    k = len(d) if k == -1 else k
     ranked = ((t, lp) for t, lp in d.items() if lp.rank is not None and lp.rank <= k)
     return sorted(ranked, key=lambda item: item[1].rank)[:k]
 

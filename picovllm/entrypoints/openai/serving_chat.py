@@ -96,7 +96,7 @@ class ChatHandler:
         if req.use_beam_search:
             return await self._beams(req, raw, ids, opened, harmony, header)
         group = await SampleGroup(ctx, ids, sample_params(params), req.response_id("chatcmpl"), arrival,
-                                  req.priority, harmony, "messages").start()
+                                  req.priority, harmony, "messages", "top_logprobs").start()
         if req.stream:
             return sse_response(self._events(req, group, k, policy, opened, harmony, header, message_logprobs))
         out = await final_output(raw, group)

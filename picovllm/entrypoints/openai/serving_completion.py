@@ -276,8 +276,8 @@ def _summed(uses: list[dict]) -> dict:
 def _echo_logprobs(prompt_ids: list[int], scored: list | None, first_token: str | None,
                    k: int, as_ids: bool) -> tuple[dict | None, int]:
     """The echoed prompt's part of logprobs (None without echo), and the text offset after it.
-    scored: the prompt's RequestOutput.prompt_logprobs (sample 0 scores it for all samples).
-    as_ids: tokens named "token_id:<id>" (return_tokens_as_token_ids)."""
+    scored: the prompt's RequestOutput.prompt_logprobs (sample 0 scores it for all samples); k: the request's
+    logprobs (-1: every token). as_ids: tokens named "token_id:<id>" (return_tokens_as_token_ids)."""
     if first_token is None:
         return None, 0
     entries = [(token_name(prompt_ids[0], None, as_ids) if as_ids else first_token, first_token, None, None)]
@@ -285,7 +285,7 @@ def _echo_logprobs(prompt_ids: list[int], scored: list | None, first_token: str 
         if d is None:     # not scored (a sample that is not the first, before the first's output)
             d = {tok: Logprob(None, None, "")}
         top = {token_name(t, lp, as_ids): json_logprob(lp.logprob) for t, lp in d.items()
-               if t == tok or (lp.rank is not None and lp.rank <= k)}
+               if t == tok or (lp.rank is not None and (k == -1 or lp.rank <= k))}
         entries.append((token_name(tok, d[tok], as_ids), d[tok].decoded_token or "", json_logprob(d[tok].logprob), top))
     return _completion_logprobs(entries, 0)
 

@@ -22,8 +22,8 @@ from fastapi import Request
 from fastapi.responses import Response
 from pydantic import Field, ValidationError, create_model
 
-from picovllm.entrypoints.openai.protocol import (MAX_INT, MAX_LOGPROBS, APIError, ChatCompletionRequest, FiniteFloat,
-                                                  _Strict, refusing_model)
+from picovllm.entrypoints.openai.protocol import (MAX_INT, APIError, ChatCompletionRequest, FiniteFloat, _Strict,
+                                                  refusing_model)
 from picovllm.entrypoints.openai.serving import JSONBody, ServingContext, sse_response
 from picovllm.entrypoints.openai.serving_chat import ChatHandler
 
@@ -61,7 +61,7 @@ class ResponsesRequest(refusing_model("_RefusedResponses", REFUSED_RESPONSES), _
     metadata: dict[str, str] | None = None
     user: str | None = None
     include: list[str] | None = None
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = Field(None, ge=0, le=20)     # OpenAI's 0-20; chat's top_logprobs: --max-logprobs too
     reasoning: dict[str, Any] | None = None    # {"effort": ...}: chat's reasoning_effort; a summary is refused
     # Accepted and ignored, as vLLM does: service_tier, prompt_cache_key (vLLM: "not implemented yet and vLLM will
     # ignore it"), safety_identifier, text.verbosity; max_tool_calls caps built-in tools' calls, and this server has
