@@ -288,3 +288,69 @@ def test_a_compiling_grammar_holds_back_no_other_grammar(chat_llm, monkeypatch):
     assert released[0] is True, "the regex waited the choice list's compile out"
     assert __import__("re").fullmatch("[0-9]{3}", other.outputs[0].text) and held.outputs[0].text in ("yes", "no")
     assert not chat_llm.engine.requests
+
+
+def test_an_id_let_go_while_its_grammar_compiles_serves_the_next_request(chat_llm, monkeypatch):
+    """The caller leaves while its grammar compiles (its stream gone, the id free on the client's side) and a new
+    request comes under the same id: the new one runs to its end; the old one, compiled meanwhile, neither refuses
+    nor aborts it (it was added under the id, refused as a duplicate into the new one's stream, then aborted)."""
+    from picovllm.sampling_params import StructuredOutputsParams
+    release, _ = held_compiles(monkeypatch)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
+                            structured_outputs=StructuredOutputsParams(regex="[a-z]+"))
+    engine = chat_llm.engine
+    LONGER = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)     # still running when the compile ends
+
+    async def main():
+        ae = AsyncEngine(engine)
+        ae.start()
+        try:
+            adding = asyncio.ensure_future(ae.add_request([5, 6, 7], params, "again"))
+            await until(lambda: "again" in ae._compiling)
+            adding.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await adding
+            await until(lambda: ae._compiling["again"].aborted)
+            stream = await ae.add_request([8, 9], LONGER, "again")
+            release.set()
+            await until(lambda: not ae._compiling)      # the old one's compile ends while the new one runs
+            return [out async for out in stream.outputs()][-1]
+        finally:
+            release.set()
+            await ae.shutdown()
+
+    last = asyncio.run(main())
+    assert last.finished and last.outputs[0].finish_reason == "length" and len(last.outputs[0].token_ids) == 400
+    assert not engine.requests and engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_abort_all_while_a_grammar_compiles_ends_that_request_too(chat_llm, monkeypatch):
+    """AbortAll (a shutdown's, an API server's leaving) while a request's grammar compiles: once compiled the request
+    is added and aborted at once, its stream ending with finish_reason "abort" and no step run for it (else it ran
+    to its end, AbortAll having found nothing of it in the engine)."""
+    from picovllm.sampling_params import StructuredOutputsParams
+    release, _ = held_compiles(monkeypatch)
+    params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True,
+                            structured_outputs=StructuredOutputsParams(regex="[a-z]+"))
+    engine = chat_llm.engine
+    before = engine.stats.prefill_tokens
+
+    async def main():
+        ae = AsyncEngine(engine)
+        ae.start()
+        try:
+            adding = asyncio.ensure_future(ae.add_request([5, 6, 7], params, "all"))
+            await until(lambda: "all" in ae._compiling)
+            ae.abort_all()
+            await until(lambda: ae._compiling["all"].aborted)
+            release.set()
+            stream = await asyncio.wait_for(adding, 20)
+            return [out async for out in stream.outputs()]
+        finally:
+            release.set()
+            await ae.shutdown()
+
+    outs = asyncio.run(main())
+    assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort" and not outs[-1].outputs[0].token_ids
+    assert engine.stats.prefill_tokens == before
+    assert not engine.requests and engine.block_manager.num_free_blocks == engine.block_manager.num_blocks

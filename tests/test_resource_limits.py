@@ -45,7 +45,7 @@ class Context:
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
 
-    async def add(self, ids, params, request_id, arrival, priority=0, prompt_param=None):
+    async def add(self, ids, params, request_id, arrival, priority=0, prompt_param=None, logprobs_param="logprobs"):
         return await self.engine.add_request(ids, params, request_id, arrival, priority)
 
 

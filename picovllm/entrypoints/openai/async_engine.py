@@ -230,6 +230,12 @@ class AsyncEngine(EngineClient):
         if isinstance(cmd, AbortAll):
             self._abort_all_into(outputs)
             return False
+        rid, compiling = cmd.request_id, self._compiling.get(cmd.request_id)
+        if compiling is not None and not compiling.aborted:     # refused as the engine refuses an id in use
+            outputs.append(CommandAnswer(rid, ValueError(f"request_id {rid!r} is already in use")))
+            return False
+        if compiling is not None:   # a client lets an id go once the add it aborted is gone: that add is dropped
+            del self._compiling[rid]     # (added then aborted, it would refuse and abort this one)
         if getattr(cmd.params, "structured_outputs", None) is not None:
             self._compile_then_add(cmd)
         else:
@@ -241,9 +247,6 @@ class AsyncEngine(EngineClient):
         _add_compiled once it is."""
         if self._compile_pool is None:
             self._compile_pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="picovllm-grammar")
-        if cmd.request_id in self._compiling:      # an id in use: the add refuses it, as an id the engine has
-            self._add(cmd, self._pending)
-            return
         self._compiling[cmd.request_id] = _Compiling(cmd, self._compile_pool.submit(self.engine.compile_grammar,
                                                                                    cmd.params))
 
