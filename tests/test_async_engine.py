@@ -354,3 +354,22 @@ def test_abort_all_while_a_grammar_compiles_ends_that_request_too(chat_llm, monk
     assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort" and not outs[-1].outputs[0].token_ids
     assert engine.stats.prefill_tokens == before
     assert not engine.requests and engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_grammar_params_changed_after_they_were_built_are_refused_naming_the_field(chat_llm):
+    """structured_outputs set after SamplingParams was built, to something that is none: refused as add_request
+    refuses it (a ValueError naming the field: a 400), not an error of the compile's thread (a 500)."""
+    params = SamplingParams(max_tokens=4)
+    params.structured_outputs = ["not", "params"]
+
+    async def main():
+        ae = AsyncEngine(chat_llm.engine)
+        ae.start()
+        try:
+            with pytest.raises(ValueError, match="SamplingParams.structured_outputs"):
+                await asyncio.wait_for(ae.add_request([5, 6], params, "changed"), 20)
+        finally:
+            await ae.shutdown()
+
+    asyncio.run(main())
+    assert not chat_llm.engine.requests

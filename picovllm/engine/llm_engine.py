@@ -222,7 +222,9 @@ class Engine:
     def compile_grammar(self, params: SamplingParams) -> None:
         """Compile a request's grammar ahead of its add_request, which then finds it compiled: the one method of an
         Engine that may run on another thread while the engine steps (a served loop compiles there, AsyncEngine).
-        ValueError naming the field if it cannot be compiled, as add_request would raise."""
+        ValueError naming the field if it cannot be compiled, as add_request would raise (its fields are checked
+        first, as add_request checks them: params may have been changed since they were built)."""
+        params.validate()
         self.grammar_masks.precompile(params, self.eos_token_ids)
 
     def _add_pooling_request(self, prompt: str | list[int], params: PoolingParams, request_id: str | None,
