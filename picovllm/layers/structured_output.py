@@ -306,6 +306,7 @@ class StructuredOutputCompiler:
         self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=True, cache_limit_bytes=CACHE_BYTES)
         self.vocab_size = vocab_size
         self._schema_grammars: OrderedDict[str, str] = OrderedDict()   # JSON schema text -> grammar, newest last
+        self._schema_chars = 0             # the characters of _schema_grammars' keys and values
         self._lock = threading.Lock()      # a server compiles on a thread of its own, then adds on the engine's
 
     def compile(self, p: StructuredOutputsParams) -> Any:
@@ -318,9 +319,7 @@ class StructuredOutputCompiler:
     def _compile(self, p: StructuredOutputsParams) -> Any:
         c = self._compiler
         if p.kind == "json":
-            text = p.json if isinstance(p.json, str) else json.dumps(p.json)
-            _refuse_unenforced(json.loads(text), "")     # (xgrammar's own message for bad JSON text is less clear)
-            return c.compile_grammar(self._json_grammar(text))
+            return c.compile_grammar(self._json_grammar(p.json if isinstance(p.json, str) else json.dumps(p.json)))
         if p.kind == "json_object":
             return c.compile_grammar(self._json_grammar('{"type": "object"}'))
         if p.kind == "regex":
@@ -336,20 +335,22 @@ class StructuredOutputCompiler:
         compiled grammars by their text, not this conversion to it, which is most of a deep schema's compile (3.0 of
         3.2 s for 400 nested arrays) and which the request's add would otherwise do again on the engine's thread
         after a server compiled it on its own (AsyncEngine), stalling every request; and again for each of n
-        samples."""
+        samples. A schema kept was checked when it was converted (_refuse_unenforced), so it is not checked again."""
         with self._lock:
             grammar = self._schema_grammars.get(schema_text)
             if grammar is not None:
                 self._schema_grammars.move_to_end(schema_text)
                 return grammar
+        _refuse_unenforced(json.loads(schema_text), "")     # (xgrammar's own message for bad JSON text is less clear)
         grammar = json_schema_grammar(schema_text)
         with self._lock:
             kept = self._schema_grammars
-            kept[schema_text] = grammar
-            size = sum(len(k) + len(v) for k, v in kept.items())
-            while len(kept) > 1 and size > SCHEMA_GRAMMAR_CHARS:
+            if schema_text not in kept:         # (another thread may have converted it meanwhile)
+                kept[schema_text] = grammar
+                self._schema_chars += len(schema_text) + len(grammar)
+            while len(kept) > 1 and self._schema_chars > SCHEMA_GRAMMAR_CHARS:
                 k, v = kept.popitem(last=False)
-                size -= len(k) + len(v)
+                self._schema_chars -= len(k) + len(v)
         return grammar
 
     def new_state(self, p: StructuredOutputsParams, gate: ThinkTags | HarmonyTags | None = None,
