@@ -11,6 +11,7 @@ checked against the torch reference (relative error), then timed with triton.tes
 """
 from __future__ import annotations
 
+import os
 import random
 
 import torch
@@ -20,7 +21,8 @@ from picovllm.kernels.decode_attention import decode_attention
 from picovllm.kernels.prefill_attention import prefill_attention
 from picovllm.layers.attention import AttentionMetadata, TorchAttentionBackend
 
-HQ, HKV, D, BS = 16, 8, 128, 16
+HQ, HKV, D = 16, 8, 128
+BS = int(os.environ.get("BS", 16))    # the cache's block size (A/B runs: BS=64 python benchmarks/attention_kernels.py)
 
 
 def paged(ctx_lens, dev="cuda"):

@@ -42,7 +42,7 @@ def make_llm(args, **over) -> LLM:
               gpu_memory_utilization=0.9, async_scheduling=not args.no_overlap,
               tensor_parallel_size=args.tp, warmup=False if args.no_warmup else None,
               prefill_cuda_graphs=args.prefill_cuda_graphs, kv_cache_dtype=args.kv_cache_dtype,
-              quantization=args.quantization)
+              quantization=args.quantization, block_size=args.block_size)
     kw.update(over)
     return LLM(args.model, **kw)
 
@@ -247,6 +247,7 @@ def main() -> None:
                     help="the KV cache's dtype: auto (the model's, bf16) or fp8 (e4m3, calibrated scales)")
     ap.add_argument("--quantization", default="auto", choices=["auto", "fp8"],
                     help="fp8: linear weights in float8 e4m3 (layers/fp8_weights.py)")
+    ap.add_argument("--block-size", type=int, default=16, help="the KV cache's tokens a block (A/B runs)")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="0.6b", help="the random checkpoint's shape")
     ap.add_argument("--split-target", type=int, help="decode attention's SPLIT_TARGET_PROGRAMS (A/B runs)")
     args = ap.parse_args()
