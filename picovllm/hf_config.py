@@ -134,6 +134,8 @@ def _ropes(cfg: dict[str, Any]) -> tuple[dict, dict | None]:
     if "rope_theta" in cfg:
         rope["rope_theta"] = cfg["rope_theta"]
     arch = (cfg.get("architectures") or [None])[0]
+    if arch == "Phi3ForCausalLM" and rope.get("rope_type", rope.get("type")) == "yarn":
+        rope["rope_type"] = "longrope"    # HF's Phi3Config reads Phi-3's old name "yarn" as LongRoPE
     if arch == "Olmo3ForCausalLM":     # its sliding layers: the same base, never scaled (HF's rope_scaling is the
         return rope, {"rope_theta": rope.get("rope_theta", _DEFAULT_THETA[arch])}   # full layers' only)
     local = {"rope_theta": cfg.get("rope_local_base_freq", 10000.0)} if arch == "Gemma3ForCausalLM" else None

@@ -5,6 +5,7 @@ TP=1.
 
 Phi-3 checkpoints store q/k/v and gate/up fused (loader/weights.py splits them for the shard loaders).
 """
+import os
 import random
 
 import pytest
@@ -144,6 +145,28 @@ def test_longrope_matches_hf_within_and_past_the_original_context(tmp_path, case
     again = llm.generate([p], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert long[0].num_cached_tokens == 0 and again[0].num_cached_tokens == 16      # short hits short's blocks
     assert short[0].outputs[0].logprobs != long[0].outputs[0].logprobs[:4]
+
+
+def test_phi3_yarn_is_longrope_as_hf_reads_it(tmp_path):
+    """A Phi-3 config.json whose rope_scaling says "yarn" (an older Phi-3 name) with short and long factors: HF's
+    Phi3Config reads it as LongRoPE; so does the engine (it was YaRN, other rotary tables, other tokens)."""
+    import json
+    import transformers
+    path = build(str(tmp_path / "longrope"), "phi3_longrope")
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    rope_field = "rope_parameters" if "rope_parameters" in cfg else "rope_scaling"
+    cfg[rope_field]["rope_type"] = "yarn"
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    assert transformers.AutoConfig.from_pretrained(path).rope_parameters["rope_type"] == "longrope"
+    llm = LLM(path, block_size=16, num_kv_blocks=64, device="cpu")
+    assert llm.engine.model_config.rope_scaling["rope_type"] == "longrope"
+    rng = random.Random(5)
+    ps = [[rng.randrange(384) for _ in range(n)] for n in (9, 40)]    # within the 32-token original context, past it
+    ref, _ = hf_greedy(path, ps, 8)
+    outs = llm.generate(ps, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == ref
 
 
 def test_longrope_prompt_logprobs_of_a_long_request_match_hf(tmp_path):
