@@ -227,6 +227,14 @@ class SpeculativeConfig:
 QUANTIZATIONS = ("auto", "none", "q8_0", "bf16", "fp8")
 # the KV cache's element type: "auto" = the model's dtype; "fp8" (alias "fp8_e4m3") = float8 e4m3fn with a float32
 # scale per layer and KV head for K and for V (engine/kv_scales.py)
+AUTO_MODEL_LEN = -1     # EngineConfig.max_model_len: fit to the KV cache
+
+
+def model_len(max_model_len: int | None, context: int) -> int:
+    """The longest sequence an engine takes: max_model_len within the model's context (None, -1: the context)."""
+    return context if max_model_len in (None, AUTO_MODEL_LEN) else min(max_model_len, context)
+
+
 KV_CACHE_DTYPES = {"auto": "auto", "fp8": "fp8", "fp8_e4m3": "fp8"}
 
 
@@ -237,7 +245,8 @@ class EngineConfig:
                                           # not the model's (vLLM's --tokenizer; loader/tokenizer.tokenizer_of)
     dtype: str | torch.dtype = "auto"
     device: str = "auto"
-    max_model_len: int | None = None
+    max_model_len: int | None = None      # None: the model's context; -1 (vLLM's -1 or auto): that, or the longest
+                                          # sequence the KV cache holds where it holds less
     block_size: int = 16
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
@@ -325,8 +334,9 @@ class EngineConfig:
             raise bad("max_num_batched_tokens", "must be an int >= 1")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise bad("scheduling_policy", "must be 'fcfs' or 'priority'")
-        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):
-            raise bad("max_model_len", "must be an int >= 1")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1) \
+                and self.max_model_len != AUTO_MODEL_LEN:
+            raise bad("max_model_len", "must be an int >= 1, or -1 (fit to the KV cache)")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise bad("gpu_memory_utilization", "must be in (0, 1]")
         if self.cpu_kv_cache_gib <= 0:

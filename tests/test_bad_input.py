@@ -237,6 +237,22 @@ def test_prompt_dicts_and_lengths_the_engine_cannot_honour_are_named(tiny_models
     assert "max_model_len 513 is longer than the model's context, 512" in caplog.text      # cut, and said
 
 
+def test_max_model_len_auto_fits_the_kv_cache(tiny_models):
+    """max_model_len -1 (vLLM's -1 or auto, the CLI's too): the model's context where the KV cache holds it (512
+    tokens, 64 blocks of 16), else what the cache holds (20 blocks: 320), and a longer prompt is refused naming it."""
+    from picovllm.entrypoints.engine_args import model_len_arg
+    assert model_len_arg("auto") == model_len_arg("-1") == -1 and model_len_arg("2k") == 2000
+    assert LLM(tiny_models["llama"], num_kv_blocks=64, max_model_len=-1).engine.max_model_len == 512
+    llm = LLM(tiny_models["llama"], num_kv_blocks=20, max_model_len=-1)
+    assert llm.engine.max_model_len == 320
+    with pytest.raises(ValueError, match="max_model_len - 1 = 319"):
+        llm.generate([[5] * 321], SamplingParams(max_tokens=1), use_tqdm=False)
+    out = llm.generate([[5] * 300], SamplingParams(max_tokens=30, ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 20 and out.outputs[0].finish_reason == "length"   # stops at 320
+    with pytest.raises(ValueError, match="max_model_len"):
+        LLM(tiny_models["llama"], num_kv_blocks=20, max_model_len=-2)
+
+
 def test_empty_text_prompt_on_the_default_model(default_llm):
     with pytest.raises(ValueError, match="prompt is empty"):
         default_llm.generate([""], SamplingParams(max_tokens=2), use_tqdm=False)

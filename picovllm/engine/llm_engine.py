@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from picovllm.config import EngineConfig
+from picovllm.config import AUTO_MODEL_LEN, EngineConfig, model_len
 from picovllm.engine.admission import (AdmissionLimits, check_capacity, check_length, check_offer,
                                        check_sampling_params, max_tokens_of)
 from picovllm.engine.block_manager import BlockManager, prefix_salt
@@ -121,12 +121,12 @@ class Engine:
         # structured outputs' grammars and masks; it checks the config's reasoning parser now, before the weights load
         self.grammar_masks = GrammarMasks(self.tokenizer, self.model_config.vocab_size, config.reasoning_parser)
         limit = self.model_config.max_position_embeddings
-        if config.max_model_len is not None and config.max_model_len > limit:
+        if config.max_model_len not in (None, AUTO_MODEL_LEN) and config.max_model_len > limit:
             # cut, and said (vLLM refuses it; benchmarks here pass one length to models of every context)
             logger.warning("EngineConfig.max_model_len %d is longer than the model's context, %d (max_position_"
                            "embeddings, with its rope scaling): max_model_len is %d",
                            config.max_model_len, limit, limit)
-        self.max_model_len = min(config.max_model_len or limit, limit)
+        self.max_model_len = model_len(config.max_model_len, limit)
         if config.runner == "generate" and not self.model_config.has_lm_head:
             raise ValueError(f"{source.path}: its config.json names a bare model (no LM head), which embeds only: "
                              "EngineConfig.runner 'pooling' (--runner pooling)")
@@ -140,10 +140,15 @@ class Engine:
         salt = prefix_salt(source.path, config.torch_dtype)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, salt)
         self.connector = connector if connector is not None else role_connector(config.role)
-        spec = config.speculative_config      # speculative decoding: the drafts' proposer (engine/spec_decode.py)
-        self.proposer = NgramProposer(spec, self.max_model_len, config.async_scheduling) if spec is not None else None
         # every layer slides: blocks behind the window are given back as requests go (and at admission)
         self.window = self._kv_window()
+        if config.max_model_len == AUTO_MODEL_LEN and self.window is None \
+                and num_blocks * config.block_size < self.max_model_len:
+            logger.info("max_model_len -1: %d tokens, what %d KV blocks hold (the model's context is %d)",
+                        num_blocks * config.block_size, num_blocks, self.max_model_len)
+            self.max_model_len = num_blocks * config.block_size
+        spec = config.speculative_config      # speculative decoding: the drafts' proposer (engine/spec_decode.py)
+        self.proposer = NgramProposer(spec, self.max_model_len, config.async_scheduling) if spec is not None else None
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.connector, config.scheduling_policy, self.proposer, config.max_decode_rows,
                                    self.window)

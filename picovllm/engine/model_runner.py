@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from picovllm.config import EngineConfig, ModelConfig
+from picovllm.config import EngineConfig, ModelConfig, model_len
 from picovllm.distributed import SINGLE, TPGroup
 from picovllm.engine import kv_cache, kv_scales, pooling, sampling
 from picovllm.engine.attention_backends import make_attention_backend
@@ -109,7 +109,7 @@ class ModelRunner:
         self.cpu_decode = None    # its CPU counterpart: a DecodeStack (float32, C compiler, not enforce_eager)
         self.warmup_seconds: float | None = None   # what the start-up warm-up took (EngineConfig.warmup)
         mc = self.model_config
-        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        self.max_model_len = model_len(config.max_model_len, mc.max_position_embeddings)
 
     def _quantize_fp8(self, source: ModelSource) -> None:
         """fp8 weights (layers/fp8_weights.py): quantization "fp8", every linear layer and expert, or of an FP8

@@ -9,7 +9,7 @@ import argparse
 import dataclasses
 import warnings
 
-from picovllm.config import DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
+from picovllm.config import AUTO_MODEL_LEN, DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
 from picovllm.entrypoints.vllm_args import ENGINE_ARGS, add_vllm_args, human_readable_int, warn_unread_env
 
 SKIP = ("model",)   # each command declares --model itself (positional or not)
@@ -26,7 +26,8 @@ HELP = {
     "tokenizer": "load the tokenizer from this HF folder, .gguf file or Hub repository, not the model's",
     "dtype": "weights' and activations' type; auto: bfloat16 on a GPU, float32 on the CPU",
     "device": "auto (a GPU when torch sees one, else the CPU), cpu, cuda or cuda:N",
-    "max_model_len": "the longest prompt plus output, in tokens (default: the model's context)",
+    "max_model_len": "the longest prompt plus output, in tokens (default: the model's context; -1 or auto: that, or "
+                     "what the KV cache holds where it holds less)",
     "block_size": "tokens per KV-cache block",
     "max_num_seqs": "the most requests one step runs",
     "max_num_batched_tokens": "the most tokens one step computes (longer prompts prefill in chunks)",
@@ -66,8 +67,16 @@ HELP = {
     "speculative_config": "JSON, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' (default: none)",
 }
 
+
+def model_len_arg(text: str) -> int:
+    """--max-model-len: a size as human_readable_int reads it, or vLLM's "auto" / -1 (fit to the KV cache)."""
+    if text.strip().lower() in ("auto", "-1"):
+        return AUTO_MODEL_LEN
+    return human_readable_int(text)
+
+
 # Sizes in tokens take vLLM's suffixes: --max-model-len 32k (32,000) or 32K (32,768)
-TYPES = {"max_model_len": human_readable_int, "max_num_batched_tokens": human_readable_int}
+TYPES = {"max_model_len": model_len_arg, "max_num_batched_tokens": human_readable_int}
 
 # Flags one kind of device reads: elsewhere a warning, not an error (scripts pass them on every machine)
 DEVICE_ONLY = {"gpu_memory_utilization": ("cuda", "GPUs"), "cpu_kv_cache_gib": ("cpu", "the CPU")}
