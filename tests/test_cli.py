@@ -807,6 +807,27 @@ def test_vllm_serve_command_lines_map_to_the_engine_and_server_settings():
     assert _serve_args("--max-model-len", "25.6k").max_model_len == 25600
 
 
+def test_a_json_flag_takes_its_keys_one_by_one_as_vllm_s():
+    """vLLM's dotted JSON flags: `--hf-overrides.rope_theta 20000` is `--hf-overrides '{"rope_theta": 20000}'`, keys
+    nest, values are JSON where they parse, `key+` appends (comma lists too), the flag's own object merges under
+    them; a flag's own value that is not an object is an error naming it; flags after `--` are left alone."""
+    from picovllm.entrypoints.engine_args import engine_config_from_args
+    from picovllm.entrypoints.vllm_args import vllm_argv
+    from picovllm.entrypoints.cli import build_parser
+    args = _serve_args("m", "--hf_overrides.rope_theta", "20000", "--hf-overrides.rope_scaling.factor=2.5",
+                       "--speculative-config.method", "ngram", "--speculative_config.num_speculative_tokens", "3",
+                       "--hf-overrides", '{"rope_theta": 1, "tie_word_embeddings": false}', "--port", "9001")
+    config = engine_config_from_args(args, model=args.model_tag)
+    assert config.hf_overrides == {"rope_theta": 20000, "rope_scaling": {"factor": 2.5}, "tie_word_embeddings": False}
+    assert (config.speculative_config.method, config.speculative_config.num_speculative_tokens) == ("ngram", 3)
+    assert args.port == 9001
+    parser = build_parser()._subparsers._group_actions[0].choices["serve"]
+    assert vllm_argv(["--hf-overrides.eos_token_id+", "1,2", "--hf-overrides.eos_token_id+=3", "--", "--x.y", "1"],
+                     parser) == ["--hf-overrides", '{"eos_token_id": [1, 2, 3]}', "--", "--x.y", "1"]
+    with pytest.raises(SystemExit):
+        _serve_args("--hf-overrides.a", "1", "--hf-overrides", "[1]")
+
+
 def test_max_logprobs_is_a_flag_of_every_command_that_builds_an_engine():
     """vLLM's --max-logprobs (-1: no limit) is EngineConfig.max_logprobs wherever an engine is built, and generate
     --disagg hands it to both engines."""

@@ -1,9 +1,9 @@
 """vLLM's command lines and keyword arguments as picovllm reads them: users paste `vllm serve MODEL ...` and
 `LLM(...)`.
 
-Three things, as vLLM's FlexibleArgumentParser does them: a flag may be spelt with underscores (`--max_model_len`),
-`--config FILE.yaml` reads flags from a YAML file (the command line's win), and sizes take k/K/m/M suffixes
-(`--max-model-len 32k`). And vLLM's arguments that have no setting here (ENGINE_ARGS, SERVE_ARGS): each
+Four things, as vLLM's FlexibleArgumentParser does them: a flag may be spelt with underscores (`--max_model_len`),
+`--config FILE.yaml` reads flags from a YAML file (the command line's win), sizes take k/K/m/M suffixes
+(`--max-model-len 32k`), and a JSON flag's keys may be given one by one (`--hf-overrides.rope_theta 1e6`). And vLLM's arguments that have no setting here (ENGINE_ARGS, SERVE_ARGS): each
 one is either meaningless here, and accepted with any value, or taken only with the values that mean what picovllm
 does anyway, and any other value refused naming the argument and why (at parse time for a flag, by LLM(...) for a
 keyword). A flag in none of them is argparse's unrecognized argument, as a flag vLLM does not know is vLLM's.
@@ -169,16 +169,84 @@ def human_readable_int(text: str) -> int:
 
 def vllm_argv(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
     """A subcommand's arguments as vLLM's parser reads them: --config FILE's flags first (where the command takes
-    --config), then every long flag's name with dashes for underscores (not its value, nor anything after --)."""
+    --config), then every long flag's name with dashes for underscores (not its value, nor anything after --), and
+    a JSON flag's keys given one by one (_with_dotted_keys)."""
     if "--config" in parser._option_string_actions:
         argv = _with_config_file(argv, parser)
     out, ended = [], False
     for arg in argv:
         if not ended and arg.startswith("--") and len(arg) > 2:
             name, eq, value = arg.partition("=")
-            arg = name.replace("_", "-") + eq + value
+            base, dot, keys = name.partition(".")
+            arg = base.replace("_", "-") + dot + keys + eq + value
         ended = ended or arg == "--"
         out.append(arg)
+    return _with_dotted_keys(out, parser)
+
+
+def _with_dotted_keys(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
+    """vLLM's JSON flags key by key: `--hf-overrides.rope_theta 1e6 --hf-overrides.rope_scaling.factor 2` is
+    `--hf-overrides '{"rope_theta": 1000000.0, "rope_scaling": {"factor": 2}}'` (a value is JSON where it parses,
+    else a string; `key+ a,b` appends to a list), merged over the flag's own JSON object if it is given too, in the
+    first dotted key's place. A flag argparse does not know stays as it is (its error names it)."""
+    out, objects, ended, i = [], {}, False, 0
+    while i < len(argv):
+        arg, i = argv[i], i + 1
+        name, eq, value = arg.partition("=")
+        base, _, keys = name.partition(".")
+        if ended or not keys or not arg.startswith("--") or base not in parser._option_string_actions:
+            ended = ended or arg == "--"
+            out.append(arg)
+            continue
+        if not eq:
+            if i == len(argv):
+                parser.error(f"argument {name}: expected one argument")
+            value, i = argv[i], i + 1
+        if base not in objects:
+            objects[base] = {}
+            out.append(objects[base])          # a slot: the merged object goes here
+        *path, last = keys.split(".")
+        node = objects[base]
+        for key in path:
+            node = node.setdefault(key, {})
+            if not isinstance(node, dict):
+                parser.error(f"argument {name}: {key!r} is given a value and keys")
+        if last.endswith("+"):
+            node.setdefault(last[:-1], []).extend(_json_or_text(v) for v in value.split(","))
+        else:
+            node[last] = _json_or_text(value)
+    merged, j = [], 0
+    while j < len(out):
+        arg, j = out[j], j + 1
+        if isinstance(arg, dict):
+            merged.append(arg)
+            continue
+        base, eq, text = arg.partition("=")
+        if base in objects and not eq and j < len(out) and isinstance(out[j], str):
+            text, j = out[j], j + 1            # --flag JSON: its JSON is the next argument
+        elif base not in objects or not eq:
+            merged.append(arg)
+            continue
+        given = _json_or_text(text)             # the flag's own object: under the dotted keys
+        if not isinstance(given, dict):
+            parser.error(f"argument {base}: its keys are given one by one, so it must be a JSON object, got {text!r}")
+        objects[base].update(_merged(given, objects[base]))
+    slots = {id(obj): base for base, obj in objects.items()}
+    return [x for a in merged for x in ([slots[id(a)], json.dumps(a)] if isinstance(a, dict) else [a])]
+
+
+def _json_or_text(value: str) -> Any:
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError:
+        return value
+
+
+def _merged(base: dict, over: dict) -> dict:
+    """base with over's keys set, nested mappings merged."""
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merged(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
     return out
 
 
