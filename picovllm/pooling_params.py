@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from picovllm.sampling_params import MAX_CACHE_SALT_CHARS
+
 
 @dataclass
 class PoolingParams:
@@ -28,5 +30,8 @@ class PoolingParams:
             raise ValueError(f"PoolingParams.dimensions must be an int >= 1 or None, got {value!r}")
         if self.normalize is not None and not isinstance(self.normalize, bool):
             raise ValueError(f"PoolingParams.normalize must be a bool or None, got {self.normalize!r}")
-        if self.cache_salt is not None and not (isinstance(self.cache_salt, str) and self.cache_salt):
-            raise ValueError(f"PoolingParams.cache_salt must be a non-empty string or None, got {self.cache_salt!r}")
+        salt = self.cache_salt
+        if salt is not None and not (isinstance(salt, str) and 0 < len(salt) <= MAX_CACHE_SALT_CHARS):
+            shown = f"a string of {len(salt)} characters" if isinstance(salt, str) and len(salt) > 40 else repr(salt)
+            raise ValueError(f"PoolingParams.cache_salt must be None or a non-empty string of at most "
+                             f"{MAX_CACHE_SALT_CHARS} characters, got {shown}")

@@ -9,6 +9,9 @@ from typing import ClassVar
 
 
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+# vLLM's serving layer caps a cache_salt at 128 characters (a 256-bit salt is 43 in base64, 64 in hex): a salt
+# takes no room in a cache, but a megabyte one would be hashed, copied to every sample and sent over the P/D wire
+MAX_CACHE_SALT_CHARS = 128
 
 
 class RequestOutputKind(IntEnum):
@@ -105,8 +108,9 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None   # per prompt token (the first gets None): its logprob, rank and top-k (-1: all)
     skip_special_tokens: bool = True
-    # vLLM's: a fast tokenizer's decode (HF's, ours) puts no spaces between special tokens whatever this says, as
-    # vLLM's fast detokenizer; LLM refuses False with a slow tokenizer, whose decode would
+    # vLLM's (with skip_special_tokens False): False puts no space between two added (special) tokens in a row, where
+    # the tokenizer's decoder joins tokens with spaces (WordPiece's; a byte-level BPE's never does). LLM refuses
+    # False with a slow tokenizer, whose decode would take the spaces around every added token away (vLLM's slow path)
     spaces_between_special_tokens: bool = True
     detokenize: bool = True     # vLLM's: False (token ids only) is not supported, refused by validate()
     include_stop_str_in_output: bool = False     # vLLM's: a matched stop string stays at the end of the text
@@ -126,7 +130,8 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE    # vLLM's (the enum's docstring)
     # vLLM's request cache_salt (offline: a prompt dict's): prefix-cache hits only among requests of the same salt,
-    # so that one tenant cannot learn from another's hits (time to first token) which prompts it sent
+    # so that one tenant cannot learn from another's hits (time to first token) which prompts it sent. At most
+    # MAX_CACHE_SALT_CHARS characters: it is hashed into the request's first block hash and travels with the request
     cache_salt: str | None = None
     # Not a field: logprobs and prompt_logprobs within EngineConfig.max_logprobs (engine/admission.check_logprobs);
     # False for a beam search's steps (entrypoints/beam_search.BeamStepParams), whose count is the search's own
@@ -147,8 +152,10 @@ class SamplingParams:
             self.top_k = 0
         if self.seed == -1 and not isinstance(self.seed, bool):     # vLLM's: -1 is no seed (a random stream)
             self.seed = None
-        if self.logprobs is True:       # vLLM's: 1 (prompt_logprobs=True stays refused, as it always was here)
+        if self.logprobs is True:       # vLLM's: 1
             self.logprobs = 1
+        if self.prompt_logprobs is True:
+            self.prompt_logprobs = 1
         self.logit_bias = _token_id_keys(self.logit_bias)
         if isinstance(self.structured_outputs, dict):   # from JSON: batch lines, the P/D wire
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
@@ -211,8 +218,10 @@ class SamplingParams:
             raise bad("structured_outputs", "must be a StructuredOutputsParams (or a dict of its fields)")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise bad("output_kind", "must be a RequestOutputKind (CUMULATIVE, DELTA or FINAL_ONLY)")
-        if self.cache_salt is not None and not (isinstance(self.cache_salt, str) and self.cache_salt):
-            raise bad("cache_salt", "must be a non-empty string or None")
+        salt = self.cache_salt
+        if salt is not None and not (isinstance(salt, str) and 0 < len(salt) <= MAX_CACHE_SALT_CHARS):
+            raise ValueError(f"SamplingParams.cache_salt must be None or a non-empty string of at most "
+                             f"{MAX_CACHE_SALT_CHARS} characters, got {_shown(salt)}")
 
     def _validate_penalties(self, bad) -> None:
         for name in ("presence_penalty", "frequency_penalty"):
@@ -243,6 +252,13 @@ class SamplingParams:
 
 def _number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _shown(value) -> str:
+    """A value for an error message: a long string by its length and start, not in full."""
+    if isinstance(value, str) and len(value) > 40:
+        return f"a string of {len(value)} characters ({value[:20]!r}...)"
+    return repr(value)
 
 
 def _copied(value):

@@ -42,6 +42,7 @@ class DetokState:
     tokens: list[int]      # context tokens + output tokens
     prefix_offset: int     # tokens[prefix_offset:read_offset] decode to text already emitted
     read_offset: int
+    last_added: bool = False   # the previous output token is an added (special) token
 
 
 class Detokenizer:
@@ -50,6 +51,13 @@ class Detokenizer:
         self._backend = native_decoder(tokenizer)
         # an HF tokenizer's decode takes the clean-up switch; another (a test's, a user's own) decodes as it does
         self._no_clean_up = {"clean_up_tokenization_spaces": False} if _hf_tokenizer(tokenizer) else {}
+        self._added: dict[int, str] | None = None    # added tokens' ids -> their text, read when first needed
+
+    def added_tokens(self) -> dict[int, str]:
+        if self._added is None:
+            added = getattr(self.tokenizer, "added_tokens_decoder", None) or {}
+            self._added = {i: getattr(t, "content", str(t)) for i, t in added.items()}
+        return self._added
 
     def _decode(self, ids: list[int], skip_special: bool) -> str:
         """ids' text, spaces never cleaned up (as vLLM's detokenizer): a clean-up can take back a space an earlier
@@ -75,12 +83,19 @@ class Detokenizer:
                 read -= 1
             st = req.detok_state = DetokState(list(ctx), 0, read)
         st.tokens.append(token_id)
+        # vLLM's spaces_between_special_tokens=False: an added token right after another comes out as its own text,
+        # without the space that a decoder joining tokens with spaces (WordPiece's, WordLevel's) puts between them
+        content, after_added = None, st.last_added
+        if not (skip or req.params.spaces_between_special_tokens):
+            content = self.added_tokens().get(token_id)
+            st.last_added = content is not None
         prefix = self._decode(st.tokens[st.prefix_offset:st.read_offset], skip)
         full = self._decode(st.tokens[st.prefix_offset:], skip)
         if full.endswith("\ufffd") or len(full) <= len(prefix):
             return ""   # wait for the rest of a multi-byte character (or a token that adds nothing)
         st.prefix_offset, st.read_offset = st.read_offset, len(st.tokens)
-        return full[len(prefix):]
+        delta = full[len(prefix):]
+        return content if after_added and content is not None and delta == " " + content else delta
 
 
 def stop_token(req: Request, token_id: int, eos_token_ids: list[int]) -> bool:
@@ -102,15 +117,27 @@ def check_stop(req: Request, token_id: int, new_text: str, eos_token_ids: list[i
     if token_stops is None:
         token_stops = stop_token(req, token_id, eos_token_ids)
     if token_stops:
-        other_eos = primary_eos is not None and token_id != primary_eos and token_id in eos_token_ids
-        return req.finish(FinishReason.STOP, stop_reason=token_id if token_id in p.stop_token_ids or other_eos
-                          else None)
-    if n_out > p.min_tokens:        # (vLLM's): a stop string must end after the first min_tokens tokens' text
-        if p.stop and new_text:
-            for s in p.stop:
-                idx = req.text.find(s, max(0, len(req.text) - len(new_text) - len(s) + 1))
-                if idx >= 0:
-                    req.text = req.text[:idx + (len(s) if p.include_stop_str_in_output else 0)]
-                    return req.finish(FinishReason.STOP, stop_reason=s)
+        # vLLM's stop_reason: None for the EOS (the tokenizer's, not ignored), even one also in stop_token_ids;
+        # else the token's id
+        eos = not p.ignore_eos and token_id in eos_token_ids and primary_eos in (None, token_id)
+        return req.finish(FinishReason.STOP, stop_reason=None if eos else token_id)
+    if n_out > p.min_tokens and p.stop and new_text:   # (vLLM's) a stop string ends after the min_tokens' text
+        match = _first_stop_string(req.text, len(new_text), p.stop)
+        if match is not None:
+            idx, s = match
+            req.text = req.text[:idx + (len(s) if p.include_stop_str_in_output else 0)]
+            return req.finish(FinishReason.STOP, stop_reason=s)
     if n_out >= req.max_tokens or req.num_known_tokens >= max_model_len:    # a pending token: the next step's
         req.finish(FinishReason.LENGTH)
+
+
+def _first_stop_string(text: str, new_chars: int, stops: list[str]) -> tuple[int, str] | None:
+    """(where it starts, the string) of the stop string that the text's last new_chars characters complete first;
+    ties go to the one listed first. A token whose text completes several (vLLM takes the first listed that
+    matches) is cut at the first to end, as one character at a time would: no stop string is left in the text."""
+    best = None
+    for s in stops:
+        idx = text.find(s, max(0, len(text) - new_chars - len(s) + 1))
+        if idx >= 0 and (best is None or idx + len(s) < best[0] + len(best[1])):
+            best = idx, s
+    return best

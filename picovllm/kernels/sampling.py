@@ -19,6 +19,9 @@ import triton
 import triton.language as tl
 
 
+MIN_UNIFORM = tl.constexpr(2.0 ** -32)    # tl.rand's draws are multiples of ~2**-31
+
+
 @triton.jit(do_not_specialize=["chunk", "num_chunks"])   # one compiled variant for every batch size
 def _gumbel_chunk_kernel(logits_ptr, temp_ptr, seed_ptr, best_ptr, best_idx_ptr, words_ptr, word_rows_ptr, vocab,
                          chunk, num_chunks, stride_l, num_words, stride_w, BLOCK: tl.constexpr, MASKED: tl.constexpr,
@@ -67,7 +70,11 @@ def _gumbel_step(base, offs, hi, u, temp, inv_t, best, best_idx, words, covered,
     if MASKED:
         word = tl.load(words + offs // 32, mask=(offs < hi) & (offs < covered), other=0) | free_bits
         x = tl.where(((word >> (offs % 32)) & 1) != 0, x, float("-inf"))
-    score = tl.where(temp > 0, x * inv_t - tl.log(-tl.log(u)), x)   # -log(u) ~ Exp(1); minus its log is Gumbel
+    # -log(u) ~ Exp(1); minus its log is Gumbel. A u of exactly 0 (1 in 2**31 draws) would make the token's score -inf:
+    # a row with one token left (allowed_token_ids, a grammar) would then have no winner and take token 0, which it
+    # forbids. Clamped to half the smallest nonzero draw, it is the Gumbel's far lower tail; every other u is as drawn.
+    u = tl.maximum(u, MIN_UNIFORM)
+    score = tl.where(temp > 0, x * inv_t - tl.log(-tl.log(u)), x)
     take = score > best                     # strict, and quads go in index order: a lane keeps its first maximum
     return tl.where(take, score, best), tl.where(take, offs, best_idx)
 

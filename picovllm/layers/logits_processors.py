@@ -114,11 +114,13 @@ def bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
     out = []
     for word in words:
         bare = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        if not bare:      # nothing to ban: the request cannot be honoured as asked
+            raise ValueError(f"SamplingParams.bad_words: {word!r} is no token of the model's tokenizer")
         spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
         out.append(bare)
         if len(spaced) == len(bare) and spaced[0] != bare[0]:
             out.append(spaced)
-    return [w for w in out if w]
+    return out
 
 
 def token_counts(token_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
