@@ -11,6 +11,8 @@ import numpy as np
 import torch
 
 from picovllm.config import EngineConfig
+from picovllm.engine.sampling import num_top, prompt_logprob_tensors
+from picovllm.engine.scheduler import PROMPT_LOGPROB_ROWS, max_logit_rows
 from picovllm.layers.attention import AttentionMetadata
 
 
@@ -63,7 +65,8 @@ def profile_sequences(max_num_batched_tokens: int, max_num_seqs: int, max_model_
 
 
 def _profile_forward(model: torch.nn.Module, config: EngineConfig, device: torch.device, max_model_len: int) -> None:
-    """One forward of the largest step (profile_sequences) into a scratch cache: the peak activation memory."""
+    """One forward of the largest step (profile_sequences) into a scratch cache, then its logits (_profile_logits):
+    the peak activation memory."""
     bs, dtype = config.block_size, config.torch_kv_cache_dtype
     lens = profile_sequences(config.max_num_batched_tokens, config.max_num_seqs, max_model_len)
     n, blocks = sum(lens), [-(-length // bs) for length in lens]
@@ -88,12 +91,23 @@ def _profile_forward(model: torch.nn.Module, config: EngineConfig, device: torch
     with torch.inference_mode():
         h = model(ids, positions, meta)
         if model.lm_head is not None:      # a pooling model has none (engine/pooling.py)
-            model.compute_logits(h[-min(n, config.max_decode_rows):])
+            _profile_logits(model, config, h)
     for a, (k, v) in zip(model.attention_layers(), saved):
         a.k_cache, a.v_cache = k, v
     del scratch, h
     if device.type == "cuda":
         torch.cuda.synchronize()
+
+
+def _profile_logits(model: torch.nn.Module, config: EngineConfig, hidden: torch.Tensor) -> None:
+    """The most logits a step has (scheduler.max_logit_rows: sampled rows and prompt-logprob rows), then, while they
+    live, the prompt-logprob rows' float32 log-softmax, ranks and top-k (engine/sampling.py), at the largest top-k
+    a request may ask (EngineConfig.max_logprobs)."""
+    logits = model.compute_logits(hidden[-min(hidden.shape[0], max_logit_rows(config)):])
+    rows = min(logits.shape[0], PROMPT_LOGPROB_ROWS)
+    vocab = logits.shape[-1]
+    topk = min(num_top(config.max_logprobs, vocab), vocab)
+    prompt_logprob_tensors(logits[-rows:], [0] * rows, topk)
 
 
 def allocate_kv_cache(model: torch.nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype,

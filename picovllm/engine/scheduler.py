@@ -14,17 +14,47 @@ With a KV connector (roles p and d, picovllm/engine/kv_connector.py) a third que
 out of the batch whose blocks the connector uses: P's requests being handed over, D's requests
 whose KV is arriving. Only this class moves requests between its queues; the connector answers
 its questions, the engine applies what the connector reports through release() and kv_arrived().
+
+Logit rows. A step computes vocabulary-wide logits at each row that samples and, for SamplingParams.prompt_logprobs,
+at each prompt position it scores: a chunk of such a request has about a row a token. The memory profile that sizes
+the KV cache computes max_logit_rows of them (engine/kv_cache.py), so a step must never have more: sampled rows are
+bounded by max_num_seqs and the drafts, and a step scores at most PROMPT_LOGPROB_ROWS prompt positions, the chunks of
+prompt_logprobs requests shrinking to fit (a request left none goes on at the next step, in its place).
 """
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from picovllm.engine.block_manager import BlockManager
 from picovllm.engine.kv_connector import KVConnector
 from picovllm.engine.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from picovllm.config import EngineConfig
+
+# The most prompt positions a step scores (prompt_logprobs): as many rows as the float32 log-softmax takes at once
+# (engine/sampling.py PROMPT_ROWS_AT_ONCE), so a step's scoring is one such chunk
+PROMPT_LOGPROB_ROWS = 256
+
+
+def max_logit_rows(config: EngineConfig) -> int:
+    """The most logit rows a step computes, what the memory profile computes (engine/kv_cache.py): its sampled rows,
+    a row a sequence (max_num_seqs) and with speculative decoding a row a draft (fewer than max_decode_rows), and
+    PROMPT_LOGPROB_ROWS scoring prompt tokens; never more than the step's tokens."""
+    sampled = config.max_decode_rows if config.speculative_config is None else \
+        config.max_num_seqs + config.max_decode_rows
+    return min(config.max_num_batched_tokens, sampled + PROMPT_LOGPROB_ROWS)
+
+
+def prompt_logprob_positions(req: Request, start: int, n: int) -> range:
+    """The positions of req's chunk of n tokens from `start` whose logits score a prompt token (prompt_logprobs):
+    position p's scores token p + 1. Positions scored before a preemption are not scored again."""
+    if req.prompt_logprobs is None:
+        return range(0)
+    return range(max(start, len(req.prompt_logprobs) - 1), min(start + n, req.num_prompt_tokens - 1))
 
 
 @dataclass
@@ -91,6 +121,7 @@ class Scheduler:
                  max_decode_rows: int | None = None, window: int | None = None) -> None:
         self.block_manager = block_manager
         self.max_decode_rows = max_decode_rows or max_num_seqs    # decode rows a step may have, drafts included
+        self.max_prompt_rows = PROMPT_LOGPROB_ROWS    # prompt positions a step may score (the module doc)
         # speculative decoding: (a decoding request, the most it may take, the running requests) -> the tokens
         # drafted for its next step
         self.propose_drafts = propose_drafts
@@ -135,6 +166,7 @@ class Scheduler:
         # speculative decoding: drafts are decode rows, max_decode_rows in all (EngineConfig.max_decode_rows: the sizes
         # the decode graphs and the warm-up cover, and the rows the memory profile samples)
         draft_rows = self.max_decode_rows - len(decodes)
+        prompt_rows = self.max_prompt_rows
         for i, req in enumerate(decodes + prefills):
             if budget == 0:
                 break
@@ -145,6 +177,11 @@ class Scheduler:
             if req.speculating:      # overlapped: its speculative chunk is in flight, how many tokens it kept unknown
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if req.prompt_logprobs is not None:     # its chunk scores prompt positions: as many as the step has left
+                n, scored = self._within_prompt_rows(req, n, prompt_rows)
+                if n == 0:           # none left: on at the next step
+                    continue
+                prompt_rows -= scored
             drafts = []
             # the drafts get what the budget leaves after a token for each decode to come
             if self.propose_drafts is not None and n == 1:
@@ -155,9 +192,17 @@ class Scheduler:
             out.chunks.append(ScheduledChunk(req, n + len(drafts), drafts))
             budget -= n + len(drafts)
         if not out.preempted:
-            self._admit_waiting(out, budget)
+            self._admit_waiting(out, budget, prompt_rows)
         out.chunks.sort(key=lambda c: not c.is_decode)
         return out
+
+    @staticmethod
+    def _within_prompt_rows(req: Request, n: int, rows: int) -> tuple[int, int]:
+        """(tokens, prompt positions scored) of req's next chunk, at most n tokens scoring at most `rows` positions."""
+        scored = prompt_logprob_positions(req, req.num_computed_tokens, n)
+        if len(scored) <= rows:
+            return n, len(scored)
+        return scored.start + rows - req.num_computed_tokens, rows
 
     def _draft(self, req: Request, room: int) -> list[int]:
         """A decoding request's drafts, if the blocks they need are free beyond a block of headroom per running
@@ -181,8 +226,9 @@ class Scheduler:
                 return False
         return True
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, prompt_rows: int) -> None:
         bm = self.block_manager
+        passed: list[Request] = []    # prompt_logprobs requests the step has no prompt rows left for: keep their place
         while self.waiting and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             external = self.connector.num_external_tokens(req) if self.connector is not None else 0
@@ -197,12 +243,17 @@ class Scheduler:
                 bm.allocate_prefix(req)
                 if self.window is not None:    # cached blocks behind the window are never read: give them back
                     bm.free_slid_out(req, self.window)
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not bm.allocate(req, req.num_computed_tokens + n):
+            n, scored = min(req.num_tokens - req.num_computed_tokens, budget), 0
+            if req.prompt_logprobs is not None:
+                n, scored = self._within_prompt_rows(req, n, prompt_rows)
+            if n == 0 or not bm.allocate(req, req.num_computed_tokens + n):
                 if looked_up:          # waiting requests hold no blocks; the cached ones stay cached
                     bm.cancel_prefix(req)
                 else:
                     bm.free(req)
+                if n == 0:             # it keeps its place; those behind it may go
+                    passed.append(self.waiting.popleft())
+                    continue
                 if not self.running and not self.held:   # nothing will free a block: fail
                     raise RuntimeError(f"request {req.request_id}: the KV cache ({bm.num_blocks} blocks of "
                                        f"{bm.block_size}) cannot hold even its first chunk")
@@ -214,6 +265,8 @@ class Scheduler:
             self.running.append(req)
             out.chunks.append(ScheduledChunk(req, n))
             budget -= n
+            prompt_rows -= scored
+        self.waiting.extendleft(reversed(passed))
 
     def _admit_external(self, req: Request, external: int, out: SchedulerOutput) -> bool:
         """Admit a request whose first `external` tokens' KV the connector brings: blocks for them

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from picovllm.engine.cuda_graph import fill_block_tables
-from picovllm.engine.scheduler import SchedulerOutput
+from picovllm.engine.scheduler import SchedulerOutput, prompt_logprob_positions
 from picovllm.layers.attention import AttentionMetadata
 from picovllm.layers.logits_processors import bad_word_bans
 from picovllm.layers.sampler import seeded_stream
@@ -96,11 +96,9 @@ def build_step_input(sched: SchedulerOutput, block_size: int, eos_token_ids: lis
     pooled = []
     for chunk in sched.chunks:
         req, start, n = chunk.request, chunk.start, chunk.num_new_tokens
-        if req.prompt_logprobs is not None:
-            # position p's logits score prompt token p + 1; positions already scored (before a
-            # preemption) are not scored again
+        if req.prompt_logprobs is not None:     # as many as the scheduler allowed for (its max_prompt_rows)
             prompt = req.prompt_token_ids
-            for p in range(max(start, len(req.prompt_logprobs) - 1), min(start + n, len(prompt) - 1)):
+            for p in prompt_logprob_positions(req, start, n):
                 p_idx.append(len(ids) + p - start)
                 p_tgt.append(prompt[p + 1])
                 p_k.append(req.params.prompt_logprobs)
