@@ -685,7 +685,8 @@ def test_config_errors_name_the_flag_typed(tmp_path, capsys):
     model = str(tmp_path / "no-model-here")
     for flags, says in ((["--max-tokens", "0"], "--max-tokens must be an int >= 1, got 0"),
                         (["--top-p", "2"], "--top-p must be in (0, 1], got 2.0"),
-                        (["--max-model-len", "0"], "--max-model-len must be an int >= 1, got 0"),
+                        (["--max-model-len", "0"],
+                         "--max-model-len must be an int >= 1, or -1 (fit to the KV cache), got 0"),
                         (["-tp", "0"], "--tensor-parallel-size must be an int >= 1, got 0"),
                         (["--speculative-config", '{"method": "x"}'], "--speculative-config's method must be"),
                         (["--max-logprobs", "-2"], "--max-logprobs must be an int >= 0, or -1 (no limit), got -2"),
