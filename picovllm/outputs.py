@@ -2,6 +2,7 @@
 EmbeddingRequestOutput, and LLM.encode's PoolingRequestOutput."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -108,3 +109,24 @@ class PoolingRequestOutput:
     prompt_token_ids: list[int]
     finished: bool = True
     num_cached_tokens: int = 0
+
+
+def merge_deltas(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
+    """One DELTA output holding what two consecutive ones of a request hold (older first): each completion's text,
+    token ids and logprobs joined, by index (a completion only one of them has is kept as it is); the newer one's
+    running totals and state (cumulative_logprob, finish and stop reasons, finished, metrics, num_cached_tokens), its
+    error or the older one's, the prompt's logprobs of whichever has them (the first output alone does). Neither is
+    changed."""
+    merged = {c.index: c for c in older.outputs}
+    for c in newer.outputs:
+        o = merged.get(c.index)
+        if o is not None:
+            logprobs = None if o.logprobs is None and c.logprobs is None else (o.logprobs or []) + (c.logprobs or [])
+            c = CompletionOutput(c.index, o.text + c.text, o.token_ids + c.token_ids, c.cumulative_logprob, logprobs,
+                                 c.finish_reason, c.stop_reason)
+        merged[c.index] = c
+    first = older.prompt_logprobs is not None
+    return dataclasses.replace(newer, outputs=[merged[i] for i in sorted(merged)], error=newer.error or older.error,
+                               prompt_logprobs=older.prompt_logprobs if first else newer.prompt_logprobs,
+                               kv_handover=newer.kv_handover or older.kv_handover,
+                               embedding=newer.embedding if newer.embedding is not None else older.embedding)

@@ -373,3 +373,177 @@ def test_grammar_params_changed_after_they_were_built_are_refused_naming_the_fie
 
     asyncio.run(main())
     assert not chat_llm.engine.requests
+
+
+# -- DELTA outputs and a slow reader -------------------------------------------------------------------------------
+def delta_params(kind):
+    from picovllm.sampling_params import RequestOutputKind
+    return SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2, prompt_logprobs=1,
+                          stop=["\u2603\u2603"], output_kind=getattr(RequestOutputKind, kind))
+
+
+def test_a_slow_reader_of_a_delta_stream_gets_every_delta(chat_llm):
+    """A DELTA request's outputs hold only what is new: a reader that reads nothing until the request has finished
+    gets what every output held, merged, not only the last delta. Oracle: the same greedy request FINAL_ONLY (and
+    CUMULATIVE, whose slow reader gets the final output alone, as before). A reader that keeps up gets the same."""
+    prompt = [5, 6, 7, 8]
+
+    async def slow(ae, kind, rid):
+        stream = await ae.add_request(prompt, delta_params(kind), rid)
+        await until(lambda: rid not in ae._streams, 60)       # its last output is in: the request has finished
+        return [out async for out in stream.outputs()]
+
+    async def main():
+        ae = AsyncEngine(chat_llm.engine)
+        ae.start()
+        try:
+            final = [out async for out in ae.generate(prompt, delta_params("FINAL_ONLY"), "final")]
+            cumulative = await slow(ae, "CUMULATIVE", "cumulative")
+            deltas = await slow(ae, "DELTA", "delta")
+            fast = [out async for out in ae.generate(prompt, delta_params("DELTA"), "fast")]
+        finally:
+            await ae.shutdown()
+        return final, cumulative, deltas, fast
+
+    final, cumulative, deltas, fast = asyncio.run(main())
+    assert len(final) == 1 and final[0].finished and len(cumulative) == 1
+    want = final[0].outputs[0]
+    assert len(want.token_ids) == 24 and want.text and want.finish_reason == "length"
+    assert cumulative[0].outputs[0].token_ids == want.token_ids
+    for outs in (deltas, fast):
+        assert outs[-1].finished and not any(o.finished for o in outs[:-1])
+        pieces = [o.outputs[0] for o in outs]
+        assert [t for p in pieces for t in p.token_ids] == want.token_ids
+        assert "".join(p.text for p in pieces) == want.text
+        assert [lp for p in pieces for lp in p.logprobs] == want.logprobs
+        assert pieces[-1].cumulative_logprob == pytest.approx(want.cumulative_logprob)
+        assert (pieces[-1].finish_reason, pieces[-1].stop_reason) == (want.finish_reason, want.stop_reason)
+        assert outs[0].prompt_logprobs == final[0].prompt_logprobs and len(outs[0].prompt_logprobs) == len(prompt)
+        assert all(o.prompt_logprobs is None for o in outs[1:])
+    assert not chat_llm.engine.requests
+
+
+def test_merge_deltas_joins_each_completion_by_index():
+    """merge_deltas on hand-made outputs: n > 1 completions joined by index (one that only one output has kept),
+    the newer one's totals and state, the older one's prompt logprobs; neither output changed."""
+    from picovllm.outputs import CompletionOutput, Logprob, RequestOutput, merge_deltas
+    lp = [{1: Logprob(-0.5)}, {2: Logprob(-0.25)}, {3: Logprob(-1.0)}]
+    older = RequestOutput("r", "p", [9], [CompletionOutput(0, "ab", [1, 2], -0.75, lp[:2]),
+                                          CompletionOutput(1, "x", [7], None, None)], False,
+                          num_cached_tokens=1, prompt_logprobs=[None])
+    newer = RequestOutput("r", "p", [9], [CompletionOutput(2, "z", [8], None, None, "length"),
+                                          CompletionOutput(0, "c", [3], -1.75, lp[2:], "stop", "c")], True,
+                          num_cached_tokens=1)
+    merged = merge_deltas(older, newer)
+    assert [c.index for c in merged.outputs] == [0, 1, 2]
+    a, b, c = merged.outputs
+    assert (a.text, a.token_ids, a.logprobs, a.cumulative_logprob, a.finish_reason, a.stop_reason) == \
+        ("abc", [1, 2, 3], lp, -1.75, "stop", "c")
+    assert b is older.outputs[1] and c is newer.outputs[0]
+    assert merged.finished and merged.prompt_logprobs == [None] and merged.error is None
+    assert older.outputs[0].token_ids == [1, 2] and newer.outputs[1].token_ids == [3] and not older.finished
+
+
+# -- compiles: one aborted before it starts, one that never ends --------------------------------------------------
+def test_an_add_aborted_while_queued_for_its_compile_is_never_compiled(chat_llm, monkeypatch):
+    """One compile thread, held by a choice list: a regex add queued behind it whose caller leaves is answered at
+    once, its grammar never compiled (it had waited for the thread, then compiled for nothing); AbortAll likewise
+    ends an add queued so with finish_reason "abort". Neither runs a step; the held one runs once released."""
+    from picovllm.entrypoints.openai import async_engine
+    from picovllm.layers.structured_output import StructuredOutputCompiler
+    from picovllm.sampling_params import StructuredOutputsParams
+    monkeypatch.setattr(async_engine, "COMPILE_THREADS", 1)
+    release, compiled = __import__("threading").Event(), []
+    real = StructuredOutputCompiler.compile
+
+    def recorded(self, p):
+        compiled.append(p.kind)
+        if p.choice is not None:
+            release.wait(30)
+        return real(self, p)
+
+    monkeypatch.setattr(StructuredOutputCompiler, "compile", recorded)
+    choice = SamplingParams(temperature=0, max_tokens=10, structured_outputs=StructuredOutputsParams(
+        choice=["yes", "no"]))
+    regex = SamplingParams(temperature=0, max_tokens=6, structured_outputs=StructuredOutputsParams(regex="[0-9]{3}"))
+    engine = chat_llm.engine
+    before = engine.stats.prefill_tokens
+
+    async def main():
+        ae = AsyncEngine(engine)
+        ae.start()
+        try:
+            held = asyncio.ensure_future(collect(ae, [5, 6, 7], choice, "held"))
+            await until(lambda: compiled == ["choice"])
+            leaver = asyncio.ensure_future(ae.add_request([8, 9], regex, "leaver"))
+            await until(lambda: "leaver" in ae._compiling)
+            leaver.cancel()         # its stream goes, with an abort
+            with pytest.raises(asyncio.CancelledError):
+                await leaver
+            await until(lambda: "leaver" not in ae._compiling)     # answered while the thread is still held
+            stays = asyncio.ensure_future(ae.add_request([8, 9, 10], regex, "stays"))
+            await until(lambda: "stays" in ae._compiling)
+            ae.abort_all()
+            stream = await asyncio.wait_for(stays, 20)
+            ended = [out async for out in stream.outputs()]
+            assert "held" in ae._compiling          # AbortAll marked it: aborted once compiled
+            release.set()
+            held_out = await asyncio.wait_for(held, 30)
+            return ended, held_out
+        finally:
+            release.set()
+            await ae.shutdown()
+
+    ended, held_out = asyncio.run(main())
+    assert "regex" not in compiled, "an aborted add's grammar was compiled"
+    assert len(ended) == 1 and ended[0].finished and ended[0].outputs[0].finish_reason == "abort"
+    assert ended[0].outputs[0].token_ids == [] and ended[0].prompt_token_ids == [8, 9, 10]
+    assert held_out.finished and held_out.outputs[0].finish_reason == "abort"
+    assert engine.stats.prefill_tokens == before
+    assert not engine.requests and engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+EXIT_WHILE_COMPILING = r"""
+import asyncio, sys, threading
+from picovllm import LLM, SamplingParams, StructuredOutputsParams
+from picovllm.entrypoints.openai.async_engine import AsyncEngine
+
+llm = LLM(sys.argv[1], block_size=8, num_kv_blocks=64)
+started = threading.Event()
+def never_ends(params):         # a compile that outlives the server (a 50,000-value choice list takes minutes)
+    started.set()
+    threading.Event().wait()
+llm.engine.compile_grammar = never_ends
+
+async def main():
+    ae = AsyncEngine(llm.engine)
+    ae.start()
+    params = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex="[a-z]+"))
+    adding = asyncio.ensure_future(ae.add_request([5, 6], params, "forever"))
+    while not started.is_set():
+        await asyncio.sleep(0.01)
+    await ae.shutdown()
+    try:
+        await adding
+    except Exception as e:
+        print("refused:", type(e).__name__, flush=True)
+
+asyncio.run(main())
+print("shut down", flush=True)
+"""
+
+
+def test_a_compile_still_running_does_not_hold_up_the_process_exit(chat_llm, tmp_path):
+    """A server shut down while a grammar compiles exits: the compile's thread is a daemon (it was a
+    concurrent.futures thread, which Python joins at exit: the process waited the compile out, here forever)."""
+    import subprocess
+    import sys
+    script = tmp_path / "exit_while_compiling.py"
+    script.write_text(EXIT_WHILE_COMPILING)
+    try:
+        done = subprocess.run([sys.executable, str(script), chat_llm.engine.config.model], capture_output=True,
+                              text=True, timeout=120, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    except subprocess.TimeoutExpired as e:
+        raise AssertionError(f"the process did not exit: {e.stdout}") from None
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "refused: EngineDeadError" in done.stdout and done.stdout.rstrip().endswith("shut down")

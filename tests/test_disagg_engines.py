@@ -447,3 +447,108 @@ def test_a_first_token_the_decode_grammar_refuses_names_the_field(chat_model):
     with pytest.raises(ValueError, match="^guided_choice: the prefill engine's token .* does not match the grammar"):
         d.grammar_masks.state_on_decode(bad, d.eos_token_ids)
     d.shutdown()
+
+
+# -- D compiles an offered request's grammar off its loop -----------------------------------------------------------
+def d_compiles(pair, monkeypatch, fail: bool = False, timeout_s: float = 10.0):
+    """StructuredOutputCompiler.compile on D's compiler (P's runs as it is): held until the returned event is set
+    (timeout_s at most), or failing with a ValueError naming the field. Returns the event and a list of (thread, the
+    event set when it ended the hold) per such compile."""
+    from picovllm.layers.structured_output import StructuredOutputCompiler
+    release, calls = threading.Event(), []
+    real = StructuredOutputCompiler.compile
+
+    def compile(self, p):
+        if self is not pair.d.grammar_masks.compiler:
+            return real(self, p)
+        calls.append([threading.current_thread(), None])
+        if fail:
+            raise ValueError(f"{p.field_name}: invalid choice list: not on this decode engine")
+        calls[-1][1] = release.wait(timeout_s)
+        return real(self, p)
+
+    monkeypatch.setattr(StructuredOutputCompiler, "compile", compile)
+    return release, calls
+
+
+def choice_params():
+    from picovllm import StructuredOutputsParams
+    return SamplingParams(temperature=0, max_tokens=10, structured_outputs=StructuredOutputsParams(
+        choice=["yes", "no", "maybe not"], source="guided_choice"))
+
+
+PLAIN = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_d_compiles_an_offered_grammar_off_its_loop(chat_model, monkeypatch, overlap):
+    """While D compiles an offered request's grammar (held here), a request decoding on D runs to its end: the
+    compile is on a thread of its own, not D's loop, which waited it out (every decode stalled for it). Once
+    compiled the request joins D's batch; both outputs are the colocated engine's."""
+    ref = LLM(chat_model, block_size=4, num_kv_blocks=256).generate(["A story:", "Answer:"], [PLAIN, choice_params()],
+                                                                    use_tqdm=False)
+    kw = dict(block_size=4, num_kv_blocks=256)
+    pair = LocalPair(chat_model, "torch_dist", p_kw=kw, d_kw=kw, overlap=overlap)
+    release, calls = d_compiles(pair, monkeypatch)
+    a = pair.p.submit("A story:", PLAIN)
+    step_until(pair, lambda: a in pair.d.requests)         # decoding on D
+    b = pair.p.submit("Answer:", choice_params())
+    step_until(pair, lambda: calls)                         # offered to D, its compile held
+    step_until(pair, lambda: a in pair.final)
+    assert calls[0][1] is None, "D's loop waited the compile out"      # a ran to its end with the compile held
+    assert b not in pair.d.requests and b in pair.d.grammar_masks.offers    # not in the batch before it compiled
+    release.set()
+    pair.p.close()
+    pair.run()
+    assert_same([pair.final[a], pair.final[b]], ref)
+    assert calls[0][0] is not threading.main_thread() and calls[0][1] is True
+
+
+def test_an_offer_whose_grammar_does_not_compile_on_d_is_refused_naming_the_field(chat_model, monkeypatch):
+    """D's compile of an offered grammar fails (another tokenizer or xgrammar there): D refuses the offer and P
+    ends the request with an error naming the field, frees its blocks, and the pair serves on (a plain request's
+    output is the colocated engine's). The compile ran off D's loop."""
+    ref = LLM(chat_model, block_size=4, num_kv_blocks=256).generate(["A story:"], [PLAIN], use_tqdm=False)
+    kw = dict(block_size=4, num_kv_blocks=256)
+    pair = LocalPair(chat_model, "torch_dist", p_kw=kw, d_kw=kw)
+    _, calls = d_compiles(pair, monkeypatch, fail=True)
+    b = pair.p.submit("Answer:", choice_params())
+    a = pair.p.submit("A story:", PLAIN)
+    pair.p.close()
+    pair.run()
+    out = pair.final[b]
+    assert out.outputs[0].finish_reason == "error"
+    assert "guided_choice: invalid choice list: not on this decode engine" in out.error
+    assert_same([pair.final[a]], ref)
+    assert calls and all(thread is not threading.main_thread() for thread, _ in calls)
+    # conftest: every block free on both engines
+
+
+@pytest.mark.parametrize("how", ["p_aborts", "d_aborts", "d_closes"])
+def test_an_offer_ended_while_its_grammar_compiles_on_d_frees_both_sides(chat_model, monkeypatch, how):
+    """An offer that ends while D compiles its grammar (P aborts it, D aborts it, or D closes): D gives it back at
+    once, P ends it (an abort, or an error saying why) and frees its blocks, and the compile, once it ends, adds
+    nothing to D."""
+    kw = dict(block_size=4, num_kv_blocks=256)
+    pair = LocalPair(chat_model, "torch_dist", p_kw=kw, d_kw=kw)
+    release, calls = d_compiles(pair, monkeypatch)
+    b = pair.p.submit("Answer:", choice_params())
+    step_until(pair, lambda: calls)
+    if how == "p_aborts":
+        out = pair.p.abort(b)
+        assert out.outputs[0].finish_reason == "abort"
+        pair.final[b] = out
+    elif how == "d_aborts":
+        assert pair.d.abort(b) is None          # P answers for it: its KV never came
+    else:
+        pair.d.close()
+    step_until(pair, lambda: b in pair.final and not pair.p.connector.handovers and not pair.d.connector.offers)
+    assert not pair.d.grammar_masks.offers
+    if how != "p_aborts":
+        assert pair.final[b].outputs[0].finish_reason == "error"
+        assert ("aborted on the decode engine" if how == "d_aborts" else "closing") in pair.final[b].error
+    release.set()
+    step_until(pair, lambda: calls[0][1] is not None)      # the compile ended
+    pair.p.close()
+    pair.run()
+    assert b not in pair.d.requests and pair.d.stats.prefill_tokens == 0 and pair.d.stats.decode_tokens == 0

@@ -219,6 +219,55 @@ def test_a_failed_step_leaves_no_delta_state_behind(chat_model):
     assert state == ({}, {})
 
 
+def test_delta_outputs_cross_the_pipe_whole(chat_model):
+    """A DELTA request's outputs each hold only what is new: the pipe's encoder took them for cumulative ones and
+    sent what they held past the last one's length, nothing (every token after the first was lost). Through a
+    ChildLoop on real pipes, a reader that keeps up and one that reads only after the request finished (its unread
+    deltas merged) both get every token, text and logprob; the oracle is LLM.generate's FINAL_ONLY output."""
+    import asyncio
+    import multiprocessing as mp
+    import threading
+
+    from picovllm.entrypoints.openai.engine_client import EngineReady
+    from picovllm.entrypoints.openai.engine_process import ChildLoop, PipeEngineClient
+    from picovllm.sampling_params import RequestOutputKind
+    llm = LLM(chat_model, block_size=16, num_kv_blocks=64, max_model_len=256)
+    prompt = [5, 6, 7, 8, 9]
+
+    def params(kind):
+        return SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1, output_kind=kind)
+    want = llm.generate([prompt], params(RequestOutputKind.FINAL_ONLY), use_tqdm=False)[0].outputs[0]
+    cmd_r, cmd_w = mp.Pipe(duplex=False)
+    out_r, out_w = mp.Pipe(duplex=False)
+    loop = ChildLoop(llm.engine, cmd_r, out_w)
+    thread = threading.Thread(target=loop._run, daemon=True)
+    thread.start()
+
+    async def main():
+        client = PipeEngineClient(cmd_w, out_r, None, EngineReady({"max_model_len": 256}, {}, [2]))
+        client.start()
+        fast = [o async for o in client.generate(prompt, params(RequestOutputKind.DELTA), "fast")]
+        stream = await client.add_request(prompt, params(RequestOutputKind.DELTA), "slow")
+        for _ in range(600):             # read nothing until the request has finished
+            if "slow" not in client._streams:
+                break
+            await asyncio.sleep(0.05)
+        slow = [o async for o in stream.outputs()]
+        state = (dict(loop._deltas._sent), set(loop._deltas._whole), dict(client._outputs._last))
+        await client.shutdown()
+        return fast, slow, state
+
+    fast, slow, state = asyncio.run(asyncio.wait_for(main(), 60))
+    thread.join(10)
+    for outs in (fast, slow):      # (the fast reader too may find several deltas merged: the loop runs ahead)
+        pieces = [o.outputs[0] for o in outs]
+        assert [t for p in pieces for t in p.token_ids] == want.token_ids
+        assert "".join(p.text for p in pieces) == want.text
+        assert [lp for p in pieces for lp in p.logprobs] == want.logprobs
+        assert outs[-1].finished and pieces[-1].finish_reason == "length"
+    assert state == ({}, set(), {})
+
+
 @pytest.mark.parametrize("api_servers", [[], ["--api-server-count", "2"]], ids=["one", "two-api-servers"])
 def test_a_model_the_engine_refuses_ends_the_server_as_the_thread_does(chat_model, tmp_path, api_servers):
     """Engine() raising in the child: the command line reports it as it reports the thread's (exit 2, the reason),

@@ -5,13 +5,17 @@ outputs under overlap")."""
 from __future__ import annotations
 
 import dataclasses
+import queue
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 from picovllm.layers.structured_output import BitmaskBuffers, GrammarState, StructuredOutputCompiler
 from picovllm.reasoning import HarmonyTags, ThinkTags, reasoning_gate
 from picovllm.sampling_params import SamplingParams
+
+OFFER_COMPILE_THREADS = 4     # a decode engine's offers' grammars compiling at once (AsyncEngine's adds: its own)
 
 if TYPE_CHECKING:
     import torch
@@ -20,6 +24,56 @@ if TYPE_CHECKING:
     from picovllm.engine.request import Request
     from picovllm.engine.scheduler import SchedulerOutput
     from picovllm.engine.step_input import StepInput
+
+
+class CompileThreads:
+    """Threads that compile grammars off an engine's loop (AsyncEngine's adds, a decode engine's offers), `size` at
+    once, in the order submitted; each job's Future says how it ended. A job cancelled before it starts (its request
+    aborted meanwhile) is skipped. The threads are daemons: a compile still running when the process ends (a 50,000-
+    value choice list takes minutes) does not hold up its exit, as concurrent.futures' threads would (Python joins
+    those at exit whatever shutdown(wait=False) said)."""
+
+    def __init__(self, size: int, name: str) -> None:
+        self.size, self.name = size, name
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()     # (Future, fn, args), or None: a thread's end
+        self._threads: list[threading.Thread] = []      # started as jobs come, `size` at most
+        self._closed = False
+
+    def submit(self, fn: Callable, *args) -> Future:
+        if self._closed:
+            raise RuntimeError(f"{self.name}: the compile threads are shut down")
+        future: Future = Future()
+        self._jobs.put((future, fn, args))
+        if len(self._threads) < self.size:
+            thread = threading.Thread(target=self._work, name=f"{self.name}-{len(self._threads)}", daemon=True)
+            self._threads.append(thread)
+            thread.start()
+        return future
+
+    def _work(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            future, fn, args = job
+            if not future.set_running_or_notify_cancel():     # cancelled while it waited
+                continue
+            try:
+                result = fn(*args)
+            except BaseException as e:  # noqa: BLE001 - the Future carries it to whoever waits for the job
+                future.set_exception(e)
+            else:
+                future.set_result(result)
+
+    def shutdown(self) -> None:
+        """Cancel the jobs not started and let the threads go; a job running finishes on its own, unwaited for."""
+        self._closed = True
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job[0].cancel()
+        for _ in self._threads:
+            self._jobs.put(None)
 
 
 class GrammarMasks:
@@ -36,6 +90,9 @@ class GrammarMasks:
         self._compiler_lock = threading.Lock()     # precompile runs on another thread than the engine's
         self._bitmasks: BitmaskBuffers | None = None       # the grammar masks' buffers, at the first such step
         self._reasoning_gates: dict[str, ThinkTags | HarmonyTags] = {}     # the reasoning parsers' gates, by name
+        # a decode engine's offered requests whose grammar compiles (compile_offer), by id, in the order they came
+        self.offers: dict[str, tuple[Request, Future]] = {}
+        self._offer_threads: CompileThreads | None = None     # their compiles' threads, at the first one
         if reasoning_parser:
             self.reasoning_gate(reasoning_parser, f"EngineConfig.reasoning_parser {reasoning_parser!r}")
 
@@ -93,6 +150,37 @@ class GrammarMasks:
                                  f"prefill engine without the EngineConfig.reasoning_parser "
                                  f"{self.reasoning_parser!r} this one has?)")
         return grammar
+
+    # -- an offered request's grammar (a decode engine) ---------------------------------------
+    def compile_offer(self, req: Request, eos_token_ids: list[int]) -> None:
+        """D: compile an offered request's grammar on threads of its own, not the engine's (a long one takes
+        seconds, which every request decoding there would wait out); compiled_offers gives the request back once
+        its compile has ended, and state_on_decode then finds the grammar compiled."""
+        if self._offer_threads is None:
+            self._offer_threads = CompileThreads(OFFER_COMPILE_THREADS, "picovllm-offer-grammar")
+        self.offers[req.request_id] = (req, self._offer_threads.submit(self.precompile, req.params, eos_token_ids))
+
+    def compiled_offers(self) -> list[tuple[Request, BaseException | None]]:
+        """The offers whose compile has ended, in the order they came, each with its error (None: compiled; a
+        ValueError names the field); forgotten here."""
+        done = [(rid, req, compiled) for rid, (req, compiled) in self.offers.items() if compiled.done()]
+        for rid, _, _ in done:
+            del self.offers[rid]
+        return [(req, compiled.exception()) for _, req, compiled in done]
+
+    def drop_offer(self, request_id: str) -> Request | None:
+        """Forget an offer whose grammar compiles (aborted, or given back by the connector); its compile is skipped
+        if it has not started. The request, or None if no such offer compiles."""
+        entry = self.offers.pop(request_id, None)
+        if entry is None:
+            return None
+        entry[1].cancel()
+        return entry[0]
+
+    def close(self) -> None:
+        """The engine is going away: offers' compiles not started are skipped, running ones left to end alone."""
+        if self._offer_threads is not None:
+            self._offer_threads.shutdown()
 
     def reasoning_gate(self, parser: str, what: str) -> ThinkTags | HarmonyTags:
         """The tokens a reasoning parser's grammar gate watches for (picovllm/reasoning.py); ValueError naming `what`

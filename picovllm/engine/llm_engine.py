@@ -303,6 +303,9 @@ class Engine:
         """Abort a request; its final output, or None if it is gone, or its output is the peer's to send."""
         req = self.requests.get(request_id)
         if req is None:
+            offered = self.grammar_masks.drop_offer(request_id)    # D: an offer whose grammar compiles
+            if offered is not None:
+                return self._refuse_offer(offered, FinishReason.ABORT)
             if self.connector is not None:
                 self.connector.forward_abort(request_id)
             return None
@@ -317,7 +320,7 @@ class Engine:
 
     def abort_all(self) -> list[RequestOutput]:
         """Abort every request the engine tracks; the outputs abort gives (those that are this engine's to send)."""
-        outputs = [self.abort(rid) for rid in list(self.requests)]
+        outputs = [self.abort(rid) for rid in list(self.requests) + list(self.grammar_masks.offers)]
         return [out for out in outputs if out is not None]
 
     def _drop(self, req: Request) -> None:
@@ -350,6 +353,7 @@ class Engine:
     def shutdown(self) -> None:
         """Stop the executor's helper processes (tensor-parallel workers), if any; idempotent."""
         self.executor.shutdown()
+        self.grammar_masks.close()
 
     # -- a session (roles p and d): connect, close, is_done ------------------------------------
     def connect(self, channel: Channel, transfer: TransferConfig, session: int = 0) -> None:
@@ -469,7 +473,7 @@ class Engine:
         """Apply what the connector saw since the last step: requests offered, arrived, released,
         failed, aborted by the peer. Queue changes go through the scheduler."""
         rep: ConnectorReport = self.connector.poll(idle=not self.has_unfinished_requests())
-        outputs = []
+        outputs = self._take_compiled_offers() if self.grammar_masks.offers else []
         for req in rep.offered:
             refused = self._take_offer(req)
             outputs += [refused] if refused is not None else []
@@ -482,11 +486,14 @@ class Engine:
             req = self.requests.pop(rid, None)
             if req is not None:
                 self.scheduler.release(req)
+            else:
+                self.grammar_masks.drop_offer(rid)     # given back while its grammar compiled
         for rid, error in rep.failed.items():
             req = self.requests.pop(rid, None)
-            if req is None:
+            if req is not None:
+                self.scheduler.release(req)
+            elif (req := self.grammar_masks.drop_offer(rid)) is None:    # (failed while its grammar compiled)
                 continue
-            self.scheduler.release(req)
             if not req.is_finished:          # an aborted one had its final output already
                 req.finish(FinishReason.ERROR, error=error)
                 outputs.append(self.make_output(req))
@@ -503,20 +510,47 @@ class Engine:
 
     def _take_offer(self, req: Request) -> RequestOutput | None:
         """Queue a request the peer offers (its KV is there), or refuse it: the connector tells the peer
-        why, and the refusal is this engine's output if it answers for the request."""
+        why, and the refusal is this engine's output if it answers for the request. One with a grammar is
+        queued once the grammar has compiled, off this thread (GrammarMasks.compile_offer): a long one takes
+        seconds, which every request decoding here would wait out (_take_compiled_offers)."""
+        rid = req.request_id
         try:
-            if req.request_id in self.requests:
-                raise ValueError(f"request_id {req.request_id!r} is already in use on the {self.config.role} engine")
+            if rid in self.requests or rid in self.grammar_masks.offers:
+                raise ValueError(f"request_id {rid!r} is already in use on the {self.config.role} engine")
             req.bad_words_ids = check_offer(req, self.limits, self.config.role, self.tokenizer)
-            if req.params.structured_outputs is not None:
-                req.grammar = self.grammar_masks.state_on_decode(req, self.eos_token_ids)
         except ValueError as e:
-            req.finish(FinishReason.ERROR, error=str(e))
-            answers = self.connector.answers_for(req)      # asked first: request_finished forgets it
-            self.connector.request_finished(req)
-            return self.make_output(req) if answers else None
-        self._queue(req)
+            return self._refuse_offer(req, FinishReason.ERROR, str(e))
+        if req.params.structured_outputs is not None:
+            self.grammar_masks.compile_offer(req, self.eos_token_ids)
+        else:
+            self._queue(req)
         return None
+
+    def _take_compiled_offers(self) -> list[RequestOutput]:
+        """Offers whose grammar has compiled, queued with their matcher advanced by the peer's tokens; refused
+        (naming the field) where it did not compile or does not take those tokens."""
+        outputs = []
+        for req, error in self.grammar_masks.compiled_offers():
+            try:
+                if error is not None:
+                    raise error
+                req.grammar = self.grammar_masks.state_on_decode(req, self.eos_token_ids)
+            except Exception as e:  # noqa: BLE001 - a ValueError names the field; anything else fails this offer only
+                why = str(e) if isinstance(e, ValueError) else \
+                    f"{req.params.structured_outputs.field_name}: compiling the grammar failed: {type(e).__name__}: {e}"
+                refused = self._refuse_offer(req, FinishReason.ERROR, why)
+                outputs += [refused] if refused is not None else []
+                continue
+            self._queue(req)
+        return outputs
+
+    def _refuse_offer(self, req: Request, reason: FinishReason, error: str | None = None) -> RequestOutput | None:
+        """An offered request not queued (refused, or aborted while its grammar compiled): the connector gives it
+        back to the peer; its output if this engine answers for it."""
+        req.finish(reason, error=error)
+        answers = self.connector.answers_for(req)      # asked first: request_finished forgets it
+        self.connector.request_finished(req)
+        return self.make_output(req) if answers else None
 
     # -- applying a step's results, and outputs ------------------------------------------------
     def postprocess(self, sched: SchedulerOutput, result: StepResult,

@@ -9,7 +9,9 @@ _deliver (an iteration's outputs).
 A request's grammar (structured outputs) compiles on a thread of its own (COMPILE_THREADS at once), never the
 loop's: a long one takes seconds, and every other request would wait them out. The request is added once it is
 compiled (its add answered then: a grammar that cannot be compiled is refused naming the field, as before); the
-loop looks for finished ones every COMPILE_POLL_S meanwhile.
+loop looks for finished ones every COMPILE_POLL_S meanwhile. An add aborted before its compile started is not
+compiled at all (answered at once, as an add then an abort), and a compile running when the loop ends is left to
+itself: the threads are daemons (CompileThreads), which do not hold up the process's exit.
 
 An idle loop wakes at least every LIVENESS_S to ask its executor whether every rank is alive (Executor.check_alive):
 a tensor-parallel rank that dies while no step runs ends the loop within about a second, as a failed step would,
@@ -24,14 +26,17 @@ import logging
 import queue
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 
+from picovllm.engine.grammar_masks import CompileThreads
 from picovllm.engine.llm_engine import Engine
+from picovllm.engine.request import FinishReason, Request
 from picovllm.engine.model_runner import bind_device
 from picovllm.engine.step_loop import StepLoop
 from picovllm.entrypoints.openai.engine_client import (AbortAll, AbortRequest, AddRequest, Command, CommandAnswer,
                                                        EngineClient, EngineStats, EngineStepError, Shutdown)
+from picovllm.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +51,12 @@ class _Compiling:
     """An add whose grammar compiles (AsyncEngine._compile_then_add)."""
     cmd: AddRequest
     compiled: Future
-    aborted: bool = False   # aborted meanwhile: added once compiled, and aborted at once (as an add then an abort)
+    aborted: bool = False   # aborted meanwhile: added once compiled, and aborted at once (as an add then an abort);
+    # or, aborted before its compile started, answered so without it
+
+    def abort(self) -> None:
+        self.aborted = True
+        self.compiled.cancel()      # not started yet: never compiled (CompileThreads skips it)
 
 
 class AsyncEngine(EngineClient):
@@ -57,7 +67,7 @@ class AsyncEngine(EngineClient):
         self._pending: list = []        # this iteration's answers to commands (loop thread only)
         self._next_liveness = 0.0       # time.monotonic() before which an idle loop does not look at the ranks
         self._compiling: dict[str, _Compiling] = {}    # adds whose grammar compiles, by request id (loop thread)
-        self._compile_pool: ThreadPoolExecutor | None = None     # the grammars' thread, at the first one
+        self._compile_pool: CompileThreads | None = None     # the grammars' threads, at the first one
         self._thread: threading.Thread | None = None
         self._publish_stats()
 
@@ -99,7 +109,7 @@ class AsyncEngine(EngineClient):
             raise
         finally:   # nobody will answer requests still waiting (an add that raced the shutdown)
             if self._compile_pool is not None:      # a grammar compiling is left to finish on its own
-                self._compile_pool.shutdown(wait=False, cancel_futures=True)
+                self._compile_pool.shutdown()
             self.ended_why = why        # before the thread ends: a request refused from then on is told why
             self._deliver_end(why)
 
@@ -223,7 +233,7 @@ class AsyncEngine(EngineClient):
             return True
         if isinstance(cmd, AbortRequest):
             if cmd.request_id in self._compiling:
-                self._compiling[cmd.request_id].aborted = True
+                self._compiling[cmd.request_id].abort()
             else:
                 self._abort_into(cmd.request_id, outputs)
             return False
@@ -246,7 +256,7 @@ class AsyncEngine(EngineClient):
         """A request with a grammar: compiled on the grammars' thread first (Engine.compile_grammar), added by
         _add_compiled once it is."""
         if self._compile_pool is None:
-            self._compile_pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="picovllm-grammar")
+            self._compile_pool = CompileThreads(COMPILE_THREADS, "picovllm-grammar")
         self._compiling[cmd.request_id] = _Compiling(cmd, self._compile_pool.submit(self.engine.compile_grammar,
                                                                                    cmd.params))
 
@@ -258,6 +268,10 @@ class AsyncEngine(EngineClient):
             if not c.compiled.done():
                 continue
             del self._compiling[rid]
+            if c.compiled.cancelled():     # aborted before it compiled: as if added, then aborted
+                outputs.append(CommandAnswer(rid, None))
+                outputs.append(self._aborted_output(c.cmd))
+                continue
             error = c.compiled.exception()
             if isinstance(error, ValueError):
                 outputs.append(CommandAnswer(rid, error))
@@ -270,6 +284,12 @@ class AsyncEngine(EngineClient):
             self._add(c.cmd, outputs)
             if c.aborted:
                 self._abort_into(rid, outputs)
+
+    def _aborted_output(self, cmd: AddRequest) -> RequestOutput:
+        """The output of an add aborted before it was added: the abort's of a request added then aborted at once."""
+        req = Request(cmd.request_id, cmd.prompt_token_ids, cmd.params, None, cmd.arrival_time)
+        req.finish(FinishReason.ABORT)
+        return self.engine.make_output(req)
 
     def _add(self, cmd: AddRequest, outputs: list) -> None:
         error = None
@@ -292,7 +312,7 @@ class AsyncEngine(EngineClient):
         """Every request aborted (AbortAll, a shutdown); a subclass that keeps something per request forgets it
         here as in _abort_into. Adds whose grammar compiles are aborted as soon as they are added."""
         for c in self._compiling.values():
-            c.aborted = True
+            c.abort()
         outputs.extend(self.engine.abort_all())
 
     def _publish_stats(self) -> None:

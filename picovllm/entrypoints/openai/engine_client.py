@@ -2,7 +2,8 @@
 
 Requests go to the loop as typed commands (add, abort, shutdown) on a thread-safe queue; each step's RequestOutputs
 (and CommandAnswers) come back to one RequestStream per request. RequestOutputs are cumulative (full text and token
-ids so far), so the stream keeps only the newest one not read yet: a slow reader skips to it, losing nothing. Its
+ids so far), so the stream keeps only the newest one not read yet: a slow reader skips to it, losing nothing; a
+DELTA request's (SamplingParams.output_kind) are merged into the one not read yet instead (merge_deltas). Its
 subclasses say where the loop runs: async_engine.AsyncEngine (a thread of this process),
 engine_process.ProcessAsyncEngine (a process of its own), and the fleet's front ends (disagg.proxy, disagg.router:
 other servers' engines).
@@ -19,8 +20,8 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from picovllm.outputs import RequestOutput
-from picovllm.sampling_params import SamplingParams
+from picovllm.outputs import RequestOutput, merge_deltas
+from picovllm.sampling_params import RequestOutputKind, SamplingParams
 
 
 class EngineStepError(RuntimeError):
@@ -144,9 +145,10 @@ class EngineFailed:
 class RequestStream:
     """One request's outputs on the event loop side. Iterate outputs(); leaving early aborts it."""
 
-    def __init__(self, request_id: str, engine: EngineClient) -> None:
+    def __init__(self, request_id: str, engine: EngineClient, delta: bool = False) -> None:
         self.request_id = request_id
         self._engine = engine
+        self._delta = delta       # SamplingParams.output_kind DELTA: each output holds only what is new
         self._unread: RequestOutput | Exception | None = None     # the newest item not read yet
         self._ready = asyncio.Event()
         self.accepted: asyncio.Future = asyncio.get_running_loop().create_future()
@@ -156,9 +158,14 @@ class RequestStream:
         """The newest output replaces one not read yet: outputs are cumulative, so a reader that falls behind (a
         client that does not read its stream) costs one output, not one a step, each a copy of all so far (a queue
         held ~180 MB for one unread 7k-token stream with logprobs). An error is never replaced. vLLM's
-        RequestOutputCollector keeps one the same way."""
-        if not isinstance(self._unread, Exception):
-            self._unread = item
+        RequestOutputCollector keeps one the same way. A DELTA request's outputs each hold only what is new: the
+        newest is merged into the one not read yet (merge_deltas), so a slow reader still gets every token, and what
+        is kept is at most the whole output, as one cumulative output is."""
+        if isinstance(self._unread, Exception):
+            return
+        if self._delta and isinstance(self._unread, RequestOutput) and isinstance(item, RequestOutput):
+            item = merge_deltas(self._unread, item)
+        self._unread = item
         self._ready.set()
 
     async def outputs(self) -> AsyncIterator[RequestOutput]:
@@ -238,7 +245,8 @@ class EngineClient:
             raise EngineDeadError(self.ended_why or "the engine loop is not running")
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        stream = self._streams[request_id] = RequestStream(request_id, self)
+        delta = getattr(params, "output_kind", None) == RequestOutputKind.DELTA    # (PoolingParams have none)
+        stream = self._streams[request_id] = RequestStream(request_id, self, delta)
         self._commands.put(AddRequest(request_id, list(prompt_token_ids), params, arrival_time or time.time(),
                                       priority))
         try:
@@ -295,8 +303,11 @@ class EngineClient:
                 stream.accepted.set_result(None)
             else:
                 stream.accepted.set_exception(answer.error)
-        elif answer.error is not None:
+        elif answer.error is not None:      # the engine failed the request: it has let it go
             stream.put(answer.error)
+            # as a finished output does (_dispatch): its reader may be gone already (the client left while the step
+            # failed: its abort then finds no request, and no output of it ever comes to let the stream go)
+            del self._streams[answer.request_id]
 
     def _fail_all_streams(self, why: str) -> None:
         err = EngineDeadError(why)

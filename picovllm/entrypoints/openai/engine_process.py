@@ -10,6 +10,7 @@ side encodes and renders chats).
 
 What crosses the pipe each step is what changed (OutputDeltas): a RequestOutput is cumulative (the prompt's ids, every
 token so far), and pickling 256 of them whole took 3-9 ms a step on the CPU (500-token prompts, 50-1000 tokens out).
+A DELTA request's outputs (SamplingParams.output_kind) hold only what is new already: they go whole.
 
 The child ignores SIGINT (a terminal's Ctrl-C reaches the whole process group; the parent shuts the child down) and
 ends when the parent's pipe closes, so it never outlives the server. While it builds the engine it reads no pipe, so
@@ -46,6 +47,7 @@ from picovllm.gc_freeze import freeze_for_serving
 from picovllm.loader import engine_model_source
 from picovllm.loader.tokenizer import tokenizer_of
 from picovllm.outputs import CompletionOutput, RequestOutput
+from picovllm.sampling_params import RequestOutputKind
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +65,12 @@ class OutputDeltas:
 
     def __init__(self) -> None:
         self._sent: dict[str, tuple[int, str, int]] = {}   # request id -> (tokens, text, prompt logprobs) sent
+        self._whole: set[str] = set()     # DELTA requests (SamplingParams.output_kind): new tokens only already
+
+    def track(self, cmd: Command) -> None:
+        """Commands as the loop takes them: a DELTA request's outputs go whole (each holds only what is new)."""
+        if isinstance(cmd, AddRequest) and getattr(cmd.params, "output_kind", None) == RequestOutputKind.DELTA:
+            self._whole.add(cmd.request_id)
 
     def encode(self, out: RequestOutput | CommandAnswer) -> RequestOutput | OutputDelta | CommandAnswer:
         """out: an engine output, or an answer to a command, which goes as it is; an EngineStepError ends its
@@ -71,8 +79,14 @@ class OutputDeltas:
         if isinstance(out, CommandAnswer):
             if isinstance(out.error, EngineStepError):
                 self._sent.pop(out.request_id, None)
+            if out.error is not None:       # a refused add or a failed request: the id's next use is new
+                self._whole.discard(out.request_id)
             return out
         rid = out.request_id
+        if rid in self._whole:
+            if out.finished:
+                self._whole.discard(rid)
+            return out
         prev = self._sent.pop(rid, None)
         c = out.outputs[0] if len(out.outputs) == 1 else None
         scored = len(out.prompt_logprobs or ())
@@ -328,6 +342,8 @@ class PipeEnds:
                     cmds.append(self._in.recv())
         except (EOFError, OSError):                 # the parent is gone
             cmds.append(Shutdown())
+        for cmd in cmds:
+            self._deltas.track(cmd)
         return cmds
 
     def _deliver(self, outputs: list) -> None:
@@ -365,6 +381,8 @@ class SharedPipeEnds(PipeEnds):
                     cmds += self._from(k, conn.recv())
             except (EOFError, OSError):             # that process is gone
                 cmds += self._leave(k, gone=True)
+        for cmd in cmds:
+            self._deltas.track(cmd)
         return cmds
 
     def _from(self, k: int, cmd: Command) -> list[Command]:
