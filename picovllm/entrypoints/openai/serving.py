@@ -106,8 +106,10 @@ class ServingContext:
                            param="model", code="model_not_found")
 
     def check_special_token_spaces(self, spaces: bool) -> None:
-        """spaces_between_special_tokens: false is what a fast tokenizer's decode does anyway (HF's, ours); a slow
-        one would put spaces there, which the engine's detokenizer does not take out: refused."""
+        """spaces_between_special_tokens: false is honoured with a fast tokenizer (HF's, ours: the detokenizer joins
+        two added tokens in a row without the space a word-joining decoder puts between them); a slow one's decode
+        would take the spaces around every added token away (vLLM's slow path), which the detokenizer does not do:
+        refused."""
         tok = self.tokenizer.tokenizer
         if not spaces and tok is not None and not getattr(tok, "is_fast", True):
             raise APIError(400, "spaces_between_special_tokens: false is not supported with this model's (slow) "
