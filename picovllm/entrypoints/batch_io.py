@@ -11,11 +11,15 @@ A bad line becomes an output line with an "error" naming the field; the other li
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import json
 import os
+import re
 import sys
+import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from picovllm.outputs import RequestOutput, json_logprob
@@ -23,6 +27,7 @@ from picovllm.sampling_params import SamplingParams
 
 PROMPT_KEYS = ("prompt", "prompt_token_ids", "messages")
 SAMPLING_KEYS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+_NOT_UTF8 = re.compile("[\udc80-\udcff]")     # read_lines' escapes of bytes that are not UTF-8
 
 
 @dataclass
@@ -38,6 +43,9 @@ class BatchItem:
 def parse_line(index: int, line: str, defaults: dict, llm, line_number: int) -> BatchItem:
     item = BatchItem(index, line_number)
     try:
+        why = utf8_error(line)
+        if why is not None:
+            raise ValueError(why)
         rec = json.loads(line)
         if not isinstance(rec, dict):
             raise ValueError("each line must be a JSON object")
@@ -84,40 +92,71 @@ def is_url(path: str) -> bool:
     return path.startswith(("http://", "https://"))
 
 
-def http_get(url: str, flag: str) -> str:
-    """The text at url; ValueError naming the flag if it cannot be had."""
-    return _http("GET", url, flag).text
+def download(url: str, folder: str | None, flag: str) -> str:
+    """The text at url, streamed into a new file in folder (None: the system's temporary folder), whose path is
+    returned: a batch of any size is read from disk, never held in memory. ValueError naming the flag if it cannot
+    be had."""
+    with tempfile.NamedTemporaryFile("wb", dir=folder, prefix="picovllm_batch_input_", suffix=".jsonl",
+                                     delete=False) as f:
+        try:
+            with _http("GET", url, flag) as r:
+                for chunk in r.iter_bytes():
+                    f.write(chunk)
+        except BaseException:
+            f.close()
+            os.unlink(f.name)
+            raise
+    return f.name
 
 
-def http_put(url: str, text: str, flag: str) -> None:
-    """PUT text to url; ValueError naming the flag if the server does not take it."""
-    _http("PUT", url, flag, content=text.encode())
+def upload(url: str, path: str, flag: str) -> None:
+    """PUT the file at path to url, read in chunks (its size as Content-Length); ValueError naming the flag if the
+    server does not take it."""
+    with open(path, "rb") as f:
+        chunks = iter(lambda: f.read(1 << 16), b"")
+        with _http("PUT", url, flag, content=chunks, headers={"content-length": str(os.path.getsize(path))}):
+            pass
 
 
-def _http(method: str, url: str, flag: str, **kw):
+@contextlib.contextmanager
+def _http(method: str, url: str, flag: str, **kw) -> Iterator:
+    """The answer to a request, its body not yet read, once its status says success; ValueError naming the flag if
+    none comes (refused, no such host, timed out, no host) or the status is an error."""
     import httpx
     try:
-        r = httpx.request(method, url, follow_redirects=True, timeout=60, **kw)
-    except (httpx.HTTPError, httpx.InvalidURL) as e:     # no answer: refused, no such host, timed out, no host
+        with httpx.stream(method, url, follow_redirects=True, timeout=60, **kw) as r:
+            if not r.is_success:
+                why = f"the server answered {r.status_code} {r.reason_phrase}"
+            else:
+                why = None
+                yield r
+    except (httpx.HTTPError, httpx.InvalidURL) as e:
         why = str(e) or type(e).__name__
-    else:
-        if r.is_success:
-            return r
-        why = f"the server answered {r.status_code} {r.reason_phrase}"
-    raise ValueError(f"{flag} {url!r}: {method} failed: {why}")
+    if why is not None:
+        raise ValueError(f"{flag} {url!r}: {method} failed: {why}")
 
 
-def read_lines(path: str, flag: str = "--input") -> list[tuple[int, str]]:
-    """A JSONL file's (stdin's, path "-"; an http(s) URL's, GET) non-blank lines, each with its 1-based number."""
-    if is_url(path):    # newline=None: a line ends at \r\n or \r too, as in a file open() reads
-        f = io.StringIO(http_get(path, flag), newline=None)
-    else:
-        f = sys.stdin if path == "-" else open(path)
+def read_lines(path: str) -> Iterator[tuple[int, str]]:
+    """A JSONL file's (stdin's, path "-") non-blank lines, one at a time, each with its 1-based number: UTF-8, a
+    byte-order mark before the first line dropped, a line ending at \\n, \\r\\n or \\r. Bytes that are not UTF-8
+    cost only their line: they come as surrogate escapes, which utf8_error names."""
+    binary = sys.stdin.buffer if path == "-" else open(path, "rb")
+    f = io.TextIOWrapper(binary, encoding="utf-8-sig", errors="surrogateescape", newline=None)
     try:
-        return [(number, line) for number, line in enumerate(f, 1) if line.strip()]
+        yield from ((number, line) for number, line in enumerate(f, 1) if line.strip())
     finally:
-        if f is not sys.stdin:
+        if path == "-":
+            f.detach()      # stdin stays open
+        else:
             f.close()
+
+
+def utf8_error(line: str) -> str | None:
+    """Why a line read_lines gave is no text (its first byte that is not UTF-8), or None if it is."""
+    bad = _NOT_UTF8.search(line)
+    if bad is None:
+        return None
+    return f"not UTF-8 text (byte 0x{ord(bad.group()) - 0xdc00:02x} at character {bad.start() + 1})"
 
 
 def read_batch(path: str, defaults: dict, llm) -> list[BatchItem]:
