@@ -3,6 +3,7 @@ negligible and what is measured is the per-step Python work (scheduling, input b
 dispatch, sampling set-up, postprocessing), which a GPU step pays whatever the model's size.
 
     python benchmarks/step_host_cost.py [--layers 2] [--prompt-len 512] [--iters 50] [--device cpu]
+    python benchmarks/step_host_cost.py --batches 32 128 256 [--steps 200]   # decode steps at those batch sizes
     python -m cProfile -s cumtime benchmarks/step_host_cost.py --iters 200 | head -60   # where it goes
 
 Reports the median µs per step: a fresh prefill of --prompt-len tokens (one request, its first token), a
@@ -10,6 +11,12 @@ cached prefix plus a 2-token suffix, and a batch-1 decode step; with --phases, t
 (schedule, prepare, forward, sample, postprocess), the forward's input upload (inputs) and add_request.
 On the CPU a 512-token prefill's forward is mostly attention arithmetic (and noisy on a shared machine); the
 other phases are the host work a GPU step pays as they are.
+
+With --batches, instead: for each batch size B, B requests of 64-token prompts all decoding (prefix caching on, as
+by default), the median µs of a step and of its phases over --steps steps, with outputs off (LLM.generate's steps:
+only finished requests get one) and on (a served engine's: an output per request per step). The per-request work
+(scheduling, block allocation, the step's input and sampling rows, applying tokens, stop checks, outputs) grows
+with B; "forward" (the step's tensors and the model) and "sample" (the argmax, on the CPU) are mostly arithmetic.
 """
 from __future__ import annotations
 
@@ -36,7 +43,7 @@ class PhaseClock:
         runner = engine.runner
         for obj, name, label in [(engine, "_schedule", "schedule"), (engine.executor, "prepare", "prepare"),
                                  (runner, "compute_logits", "forward"), (runner, "launch_sampling", "sample"),
-                                 (engine, "apply_results", "postprocess")]:
+                                 (engine, "advance", "advance"), (engine, "apply_results", "postprocess")]:
             setattr(obj, name, self._timed(getattr(obj, name), label))
 
     def _timed(self, fn, label):
@@ -63,6 +70,8 @@ def main() -> None:
     p.add_argument("--attention-backend", default="torch", help="torch: SDPA, whose prefill costs least here")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--phases", action="store_true", help="time the phases of the prefill step")
+    p.add_argument("--batches", type=int, nargs="+", help="time decode steps at these batch sizes instead")
+    p.add_argument("--steps", type=int, default=200, help="decode steps timed per batch size (--batches)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     from picovllm.engine.llm_engine import Engine
@@ -73,6 +82,8 @@ def main() -> None:
     path = os.path.join(tempfile.gettempdir(), f"picovllm-host-cost-qwen3-{h}x{args.layers}")
     build(path, vocab_size=1024, hidden_size=h, intermediate_size=2 * h, num_hidden_layers=args.layers,
           num_attention_heads=4, num_key_value_heads=2, head_dim=max(16, h // 4), max_position_embeddings=8192)
+    if args.batches:
+        return decode_batches(path, args)
     eng = Engine(EngineConfig(model=path, device=args.device, attention_backend=args.attention_backend,
                               max_model_len=4096, num_kv_blocks=2048, max_num_batched_tokens=4096,
                               skip_tokenizer_init=True))
@@ -123,6 +134,43 @@ def main() -> None:
         phases["add_request"] = add_request_us(eng, prompt(args.prompt_len), args.iters)
         print("  prefill phases (median us): " + ", ".join(f"{k} {v:.0f}" for k, v in phases.items()))
         print("  (forward includes inputs: the step's tensors built and uploaded)")
+
+
+def decode_batches(path: str, args) -> None:
+    """--batches: a step of B decoding requests, with outputs off and on, and its phases (median µs)."""
+    from picovllm.config import EngineConfig
+    from picovllm.engine.llm_engine import Engine
+    from picovllm.sampling_params import SamplingParams
+
+    max_len, rng = 64 + 2 * args.steps + 64, random.Random(0)
+    print(f"tiny Qwen3 hidden {args.hidden}, {args.layers} layers, {args.device}, {torch.get_num_threads()} thread(s); "
+          f"decode steps, 64-token prompts, median us")
+    for batch in args.batches:
+        # the engine's own attention backend: on the CPU, the decode steps' one-call stack
+        eng = Engine(EngineConfig(model=path, device=args.device, max_model_len=max_len, max_num_seqs=batch,
+                                  num_kv_blocks=batch * -(-max_len // 16), max_num_batched_tokens=max(4096, 64 * batch),
+                                  skip_tokenizer_init=True))
+        for _ in range(batch):
+            eng.add_request([rng.randrange(1024) for _ in range(64)],
+                            SamplingParams(temperature=0, max_tokens=max_len, ignore_eos=True))
+        while not all(r.output_token_ids for r in eng.requests.values()):
+            eng.step(unfinished_outputs=False)
+        clock = PhaseClock(eng)
+        for outputs in (False, True):
+            for _ in range(5):
+                eng.step(unfinished_outputs=outputs)
+            clock.reset()
+            times = []
+            for _ in range(args.steps):
+                t0 = time.perf_counter()
+                eng.step(unfinished_outputs=outputs)
+                if args.device.startswith("cuda"):
+                    torch.cuda.synchronize()
+                times.append(time.perf_counter() - t0)
+            phases = ", ".join(f"{k} {statistics.median(v) * 1e6:.0f}" for k, v in clock.t.items())
+            print(f"  batch {batch:4d}, outputs {'on ' if outputs else 'off'} {statistics.median(times) * 1e6:8.0f} "
+                  f"us/step ({phases})")
+        eng.shutdown()
 
 
 def add_request_us(eng, prompt: list[int], iters: int) -> float:

@@ -275,3 +275,28 @@ def test_served_logprobs_are_at_most_the_engines_max_logprobs(chat_model, flags,
             r = http.post("/v1/completions", json=ASKS[0][1](vocab + 1))
             assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs", r.text
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+@pytest.mark.parametrize("kind", ["CUMULATIVE", "DELTA"])
+def test_every_streamed_logprob_carries_its_tokens_text(chat_model, kind):
+    """Each output of a running request (an output a step, as a server streams them) has, in every logprob dict it
+    holds, each token's text: the tokenizer's decode of that token alone (oracle). Cumulative outputs hold the earlier
+    positions again, delta outputs only the new ones; the finished output as well."""
+    from transformers import AutoTokenizer
+    from picovllm.sampling_params import RequestOutputKind
+    tok = AutoTokenizer.from_pretrained(chat_model)
+    engine = LLM(chat_model, num_kv_blocks=64, dtype="float32").engine
+    params = SamplingParams(temperature=1.0, seed=5, max_tokens=12, ignore_eos=True, logprobs=3,
+                            output_kind=getattr(RequestOutputKind, kind))
+    for i, prompt in enumerate(["Hello, how are you", "The capital of France"]):
+        engine.add_request(tok.encode(prompt), params, request_id=str(i))
+    seen = {"0": 0, "1": 0}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            comp = out.outputs[0]
+            assert len(comp.logprobs) == len(comp.token_ids) > 0
+            for t, d in zip(comp.token_ids, comp.logprobs):
+                assert t in d and len(d) >= 3
+                assert all(lp.decoded_token == tok.decode([k]) for k, lp in d.items())
+            seen[out.request_id] += len(comp.token_ids) if kind == "DELTA" else 0
+    assert kind == "CUMULATIVE" or seen == {"0": 12, "1": 12}

@@ -368,3 +368,23 @@ def test_overlapped_engine_backs_off_drafts_that_keep_failing_and_never_idles(ti
     assert outs[0].outputs[0].token_ids == ref[0].outputs[0].token_ids
     assert 0 < eng.stats.drafts <= 10, eng.stats       # 2 ** misses tokens between tries: not every other step
     assert not any(idle)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_min_tokens_bans_hold_under_drafts_that_cross_it(tiny_models, overlap):
+    """A speculative chunk whose drafts reach past min_tokens samples its later rows unbanned; when fewer drafts are
+    kept than reached past it, the next step's first row is still before min_tokens and banned again (the stop ids,
+    here every token the unconstrained run gives before min_tokens). Oracle: the engine without speculation."""
+    prompts = repetitive_prompts(6, seed=4)
+    free = LLM(tiny_models["llama"]).generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+                                              use_tqdm=False)
+    params = [SamplingParams(temperature=0, max_tokens=24, min_tokens=m,
+                             stop_token_ids=sorted(set(free[i].outputs[0].token_ids[:m])))
+              for i, m in enumerate(range(3, 15, 2))]
+    plain = LLM(tiny_models["llama"]).generate(prompts, params, use_tqdm=False)
+    llm = LLM(tiny_models["llama"], speculative_config=SPEC, async_scheduling=overlap)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for o, r in zip(outs, plain):
+        a, b = o.outputs[0], r.outputs[0]
+        assert (a.token_ids, a.finish_reason, a.stop_reason) == (b.token_ids, b.finish_reason, b.stop_reason)
+    assert spec_stats(llm)[0] > 0

@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     import torch
 
     from picovllm.engine.pooling import Pooling
+    from picovllm.engine.step_input import SamplingRow
 
 
 class RequestStatus(enum.Enum):
@@ -19,6 +20,12 @@ class RequestStatus(enum.Enum):
     PREFILL = "prefill"      # some prompt tokens computed, more chunks to go
     DECODING = "decoding"    # prompt done, one token per step
     FINISHED = "finished"
+
+
+# The members as module names, for the checks made several times a request a step: on Python 3.11 a member read
+# through its class costs ~55 ns more than a global (EnumType's __getattr__ slows every attribute read of an enum class)
+WAITING, PREFILL = RequestStatus.WAITING, RequestStatus.PREFILL
+DECODING, FINISHED = RequestStatus.DECODING, RequestStatus.FINISHED
 
 
 class FinishReason(str, enum.Enum):
@@ -56,6 +63,7 @@ class Request:
         self.num_slid_out_blocks = 0     # the table's first entries, given back (block_manager.SLID_OUT)
         self.block_hashes: list[int] = []  # chained hashes of this request's full blocks, in order
         self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
+        self.num_decoded_logprobs = 0    # of those, the first ones whose texts are filled in (Engine.make_output)
         # Filled in prompt order as the prompt's chunks are computed; entry i is prompt token i's.
         self.prompt_logprobs: list[dict[int, Logprob] | None] | None = \
             [None] if params.prompt_logprobs is not None else None
@@ -68,6 +76,8 @@ class Request:
         self.max_tokens = params.max_tokens  # resolved against max_model_len by the engine
         self.grammar = None              # structured outputs: a GrammarState, set by the engine
         self.bad_words_ids: list[list[int]] = []   # SamplingParams.bad_words as token ids, set by the engine
+        # the SamplingRow its later steps share once none of its fields changes from step to step (step_input.py)
+        self.fixed_sampling_row: SamplingRow | None = None
         # Added to every position the rotary embedding sees (LongRoPE's long factors: layers/rotary.py); the
         # prefix cache keeps such a request's blocks apart from others', whose keys were rotated otherwise.
         self.position_offset = 0
@@ -122,7 +132,7 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status == RequestStatus.FINISHED
+        return self.status is FINISHED
 
     def finish(self, reason: FinishReason, stop_reason: int | str | None = None, error: str | None = None) -> None:
         self.status = RequestStatus.FINISHED

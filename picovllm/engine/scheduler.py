@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Callable
 
 from picovllm.engine.block_manager import BlockManager
 from picovllm.engine.kv_connector import KVConnector
-from picovllm.engine.request import Request, RequestStatus
+from picovllm.engine.request import DECODING, PREFILL, WAITING, Request
 
 if TYPE_CHECKING:
     from picovllm.config import EngineConfig
@@ -57,7 +57,7 @@ def prompt_logprob_positions(req: Request, start: int, n: int) -> range:
     return range(max(start, len(req.prompt_logprobs) - 1), min(start + n, req.num_prompt_tokens - 1))
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledChunk:
     request: Request
     num_new_tokens: int            # tokens computed for it this step (1 for a decode; 1 + drafts for a speculative one)
@@ -78,7 +78,7 @@ class ScheduledChunk:
         self.samples = at_end and req.pooling is None
         # mean pooling sums every chunk's rows; last-token pooling needs the prompt's last chunk only
         self.pools = req.pooling is not None and (at_end or req.pooling.mean)
-        self.is_decode = req.status == RequestStatus.DECODING
+        self.is_decode = req.status is DECODING
 
     @property
     def num_samples(self) -> int:
@@ -161,8 +161,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        decodes = [r for r in self.running if r.status == RequestStatus.DECODING]
-        prefills = [r for r in self.running if r.status != RequestStatus.DECODING]
+        decodes = [r for r in self.running if r.status is DECODING]
+        prefills = [r for r in self.running if r.status is not DECODING]
         # speculative decoding: drafts are decode rows, max_decode_rows in all (EngineConfig.max_decode_rows: the sizes
         # the decode graphs and the warm-up cover, and the rows the memory profile samples)
         draft_rows = self.max_decode_rows - len(decodes)
@@ -170,7 +170,7 @@ class Scheduler:
         for i, req in enumerate(decodes + prefills):
             if budget == 0:
                 break
-            if req.status == RequestStatus.WAITING:   # preempted earlier in this loop (O(1), not a list scan)
+            if req.status is WAITING:   # preempted earlier in this loop (O(1), not a list scan)
                 continue
             if req.awaiting_last_token:               # overlapped scheduling: it finishes when that token lands
                 continue
@@ -207,7 +207,7 @@ class Scheduler:
     def _draft(self, req: Request, room: int) -> list[int]:
         """A decoding request's drafts, if the blocks they need are free beyond a block of headroom per running
         request: speculation never preempts anyone."""
-        if req.status != RequestStatus.DECODING or room <= 0:
+        if req.status is not DECODING or room <= 0:
             return []
         drafts = self.propose_drafts(req, room, len(self.running))
         bm = self.block_manager
@@ -261,7 +261,7 @@ class Scheduler:
             self.waiting.popleft()
             if req.metrics.first_scheduled_time is None:     # a preempted one keeps what its first admission saw
                 req.num_cached_tokens = min(req.prefix_hit_tokens, req.num_prompt_tokens)
-            req.status = RequestStatus.PREFILL
+            req.status = PREFILL
             self.running.append(req)
             out.chunks.append(ScheduledChunk(req, n))
             budget -= n
@@ -294,7 +294,7 @@ class Scheduler:
     def kv_arrived(self, req: Request) -> None:
         """The connector wrote a held request's external KV: it decodes from here on."""
         del self.held[req.request_id]
-        req.status = RequestStatus.DECODING
+        req.status = DECODING
         self.block_manager.cache_full_blocks(req)
         self.running.append(req)
 
@@ -302,7 +302,7 @@ class Scheduler:
         self.num_preemptions += 1
         self.running.remove(req)
         self.block_manager.free(req)
-        req.status = RequestStatus.WAITING
+        req.status = WAITING
         if self.by_priority:
             self._queue_in_order(req)
         else:

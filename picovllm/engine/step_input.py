@@ -162,7 +162,11 @@ def speculative_rows(chunk, bs: int, eos_token_ids: list[int]) -> tuple[list, li
 
 def sampling_row(req, eos_token_ids: list[int], ahead: list[int] = ()) -> SamplingRow:
     """How a request samples its next token: its SamplingParams resolved for this output index.
-    ahead: drafted tokens taken as its next outputs (speculative decoding: the row samples the token after them)."""
+    ahead: drafted tokens taken as its next outputs (speculative decoding: the row samples the token after them).
+    A row that no later output index changes (no seed, bad words or penalties; past min_tokens) is built once, kept as
+    req.fixed_sampling_row and shared by every later step: rows are never mutated once built."""
+    if req.fixed_sampling_row is not None:
+        return req.fixed_sampling_row
     p = req.params
     n_out = req.num_output_tokens + len(ahead)
     # the outputs so far, drafts included, read by bad words and penalties only (a copy a row: made only for them)
@@ -189,6 +193,8 @@ def sampling_row(req, eos_token_ids: list[int], ahead: list[int] = ()) -> Sampli
         row.output_token_ids = list(outputs)
         row.prompt_token_ids = req.prompt_token_ids if p.repetition_penalty != 1 else []  # never mutated
         row.pending_src = pending
+    elif not (ahead or req.bad_words_ids or p.seed is not None) and n_out >= p.min_tokens:
+        req.fixed_sampling_row = row      # (n_out never falls: a later row's min_tokens ban is empty too)
     return row
 
 
