@@ -391,6 +391,23 @@ def test_bench_serve_refuses_bad_flags_by_name(flags, says, capsys):
     assert rc == 2 and says in err and "Traceback" not in err, err
 
 
+def test_bench_latency_sizes_its_defaults_for_the_device():
+    """bench latency's long-prompt sizes default to a GPU's (8192-token prefill, 4096-token prefix, 32 requests under
+    load) on a GPU and to the CPU's (2048, 1024, 8) on the CPU, where the GPU's ran for many minutes; a flag given
+    is kept."""
+    from picovllm.bench.latency import resolve_sizes
+    from picovllm.entrypoints.cli import build_parser
+    sizes = {}
+    for device in ("cpu", "cuda", "cuda:1"):
+        args = build_parser().parse_args(["bench", "latency", "--device", device])
+        resolve_sizes(args)
+        sizes[device] = (args.prefill_len, args.prefix_len, args.load_seqs)
+    assert sizes == {"cpu": (2048, 1024, 8), "cuda": (8192, 4096, 32), "cuda:1": (8192, 4096, 32)}
+    args = build_parser().parse_args(["bench", "latency", "--device", "cpu", "--prefill-len", "300"])
+    resolve_sizes(args)
+    assert (args.prefill_len, args.prefix_len) == (300, 1024)
+
+
 def test_bench_latency_refuses_a_suffix_past_the_context(capsys):
     rc = cli_main(["bench", "latency", "--random-model", "tiny-qwen3", "--random-model-dtype", "float32",
                    "--num-kv-blocks", "64", "--block-size", "16", "--max-model-len", "256", "--suffix-len", "300",

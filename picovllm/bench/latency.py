@@ -26,17 +26,34 @@ def add_parser(subparsers) -> None:
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--input-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=256)
-    p.add_argument("--prefill-len", type=int, default=8192, help="clamped to max_model_len - 1")
+    p.add_argument("--prefill-len", type=int, default=None,
+                   help="clamped to max_model_len - 1 (default: 8192 on a GPU, 2048 on the CPU)")
     p.add_argument("--num-iters", type=int, default=3)
-    p.add_argument("--prefix-len", type=int, default=4096, help="cached-prefix TTFT: clamped to max_model_len - 8")
+    p.add_argument("--prefix-len", type=int, default=None,
+                   help="cached-prefix TTFT: clamped to max_model_len - 8 (default: 4096 on a GPU, 1024 on the CPU)")
     p.add_argument("--suffix-len", type=int, default=2)
-    p.add_argument("--load-seqs", type=int, default=32, help="TTFT under load: requests decoding meanwhile")
+    p.add_argument("--load-seqs", type=int, default=None,
+                   help="TTFT under load: requests decoding meanwhile (default: 32 on a GPU, 8 on the CPU)")
     p.add_argument("--random-model", metavar="CONFIG", default=None,
                    help="random weights of this shape (a preset such as qwen3-0.6b, or a config.json)")
     p.add_argument("--random-model-dtype", default="bfloat16")
     p.add_argument("--output-json", default=None)
     add_model_and_engine_args(p)
     p.set_defaults(func=run, max_num_batched_tokens=None)   # None: the whole prefill prompt in one step
+
+
+# the sizes whose defaults depend on the device: (on a GPU, on the CPU)
+CPU_SIZED = {"prefill_len": (8192, 2048), "prefix_len": (4096, 1024), "load_seqs": (32, 8)}
+
+
+def resolve_sizes(args: argparse.Namespace) -> None:
+    """The device-sized flags left unset, set: a GPU's sizes, or the CPU's (a run of about a minute on the default
+    model, where the GPU's took many)."""
+    import torch
+    gpu = args.device.startswith("cuda") or (args.device == "auto" and torch.cuda.is_available())
+    for name, sizes in CPU_SIZED.items():
+        if getattr(args, name) is None:
+            setattr(args, name, sizes[0] if gpu else sizes[1])
 
 
 def _first_token_ms(engine, prompt: list[int]) -> tuple[float, int]:
@@ -89,6 +106,7 @@ def _run_one(engine, prompt: list[int], max_tokens: int):
 def run_latency(args: argparse.Namespace) -> dict:
     from picovllm.entrypoints.llm import LLM
 
+    resolve_sizes(args)
     for name in ("input_len", "output_len", "prefill_len", "num_iters", "prefix_len", "suffix_len", "load_seqs"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
