@@ -231,7 +231,8 @@ def measure_profile(engine, prefill_lens=(16, 64, 128, 256, 512), batches=(1, 4,
     mc = engine.model_config
     dtype_bytes = engine.runner.kv_cache.element_size()
     kv_bytes = 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * dtype_bytes
-    prof = fit(samples, kv_bytes, machine=f"{engine.config.device} {engine.config.model}",
+    model = engine.config.model or "default (SmolLM2-135M-Instruct)"      # None: the default model
+    prof = fit(samples, kv_bytes, machine=f"{engine.config.device} {model}",
                overlap=engine.config.async_scheduling)
     prof.wake, prof.serve_per_seq, prof.serve_per_admission = wake, serve, admission
     return prof
