@@ -225,8 +225,7 @@ class SpeculativeConfig:
 # load to 8 bits (a scale per 16 weights), run by the same CPU kernels (loader/quantize_at_load.py); "bf16":
 # the CPU's decode GEMMs read bfloat16 copies of the float32 weights (kernels/cpu/small_gemm.c)
 QUANTIZATIONS = ("auto", "none", "q8_0", "bf16", "fp8")
-# the KV cache's element type: "auto" = the model's dtype; "fp8" (alias "fp8_e4m3") = float8 e4m3fn with a float32
-# scale per layer and KV head for K and for V (engine/kv_scales.py)
+
 AUTO_MODEL_LEN = -1     # EngineConfig.max_model_len: fit to the KV cache
 
 
@@ -235,6 +234,8 @@ def model_len(max_model_len: int | None, context: int) -> int:
     return context if max_model_len in (None, AUTO_MODEL_LEN) else min(max_model_len, context)
 
 
+# the KV cache's element type: "auto" = the model's dtype; "fp8" (alias "fp8_e4m3") = float8 e4m3fn with a float32
+# scale per layer and KV head for K and for V (engine/kv_scales.py)
 KV_CACHE_DTYPES = {"auto": "auto", "fp8": "fp8", "fp8_e4m3": "fp8"}
 
 

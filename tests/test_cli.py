@@ -846,6 +846,15 @@ def test_a_json_flag_takes_its_keys_one_by_one_as_vllm_s():
         _serve_args("--hf-overrides.a", "1", "--hf-overrides", "[1]")
 
 
+def test_a_dotted_key_appended_to_after_a_value_is_an_error_naming_it(capsys):
+    """`key+` appends to a list: after `key value` it is argparse's error naming the flag and the key (it was an
+    AttributeError out of the parser: 'int' object has no attribute 'extend')."""
+    with pytest.raises(SystemExit):
+        _serve_args("--hf-overrides.eos_token_id", "5", "--hf-overrides.eos_token_id+", "1")
+    err = capsys.readouterr().err
+    assert "argument --hf-overrides.eos_token_id+: 'eos_token_id' is given a value, not a list" in err, err
+
+
 def test_max_logprobs_is_a_flag_of_every_command_that_builds_an_engine():
     """vLLM's --max-logprobs (-1: no limit) is EngineConfig.max_logprobs wherever an engine is built, and generate
     --disagg hands it to both engines."""

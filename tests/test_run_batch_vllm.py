@@ -180,6 +180,45 @@ def test_output_url_goes_through_a_file_in_output_tmp_dir(chat_model, tmp_path, 
         assert rc == 2 and re.search(says, err) and "Traceback" not in err, err
 
 
+def test_output_put_follows_a_redirect_with_the_whole_file(tmp_path):
+    """An output URL that redirects its PUT (307, 308, and 301, which httpx follows with a PUT too) gets the whole file
+    at the place it names, as a PUT of the whole text did before the output was streamed from its file (the body was
+    then an iterator, read once: the second request declared the file's length and sent nothing)."""
+    import http.server
+    import threading
+
+    from picovllm.entrypoints.batch_io import upload
+    text = "".join(_line(f"r{i}", "x" * 100) + "\n" for i in range(2000))     # several of upload's chunks
+    out = tmp_path / "out.jsonl"
+    out.write_text(text)
+    got = {}
+
+    class Redirecting(http.server.BaseHTTPRequestHandler):
+        def do_PUT(self):
+            body = self.rfile.read(int(self.headers["content-length"]))
+            if self.path.startswith("/moved"):
+                self.send_response(int(self.path.rsplit("/", 1)[1]))
+                self.send_header("Location", "/final")
+            else:
+                got.setdefault(self.path, []).append(body.decode())
+                self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *a):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Redirecting)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        for status in (301, 307, 308):
+            upload(f"http://127.0.0.1:{server.server_address[1]}/moved/{status}", str(out), "--output-file")
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert got == {"/final": [text] * 3}
+
+
 def test_enable_metrics_serves_prometheus_metrics_while_the_batch_runs(chat_model, tmp_path, capsys, monkeypatch):
     """vLLM's --enable-metrics --url --port: serve's /metrics (vLLM's series) on that port while the batch runs, and
     nothing else there; a port in use is refused before the model loads."""

@@ -379,7 +379,7 @@ class Engine:
             self.connector.close()
 
     def is_done(self) -> bool:
-        idle = not self.has_unfinished_requests()
+        idle = not (self.has_unfinished_requests() or self.grammar_masks.offers)   # (offers whose grammar compiles)
         return self.connector.is_done(idle) if self.connector is not None else self.closed and idle
 
     # -- the step ------------------------------------------------------------------------------

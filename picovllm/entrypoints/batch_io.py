@@ -112,10 +112,21 @@ def download(url: str, folder: str | None, flag: str) -> str:
 def upload(url: str, path: str, flag: str) -> None:
     """PUT the file at path to url, read in chunks (its size as Content-Length); ValueError naming the flag if the
     server does not take it."""
-    with open(path, "rb") as f:
-        chunks = iter(lambda: f.read(1 << 16), b"")
-        with _http("PUT", url, flag, content=chunks, headers={"content-length": str(os.path.getsize(path))}):
-            pass
+    with _http("PUT", url, flag, content=_FileChunks(path), headers={"content-length": str(os.path.getsize(path))}):
+        pass
+
+
+class _FileChunks:
+    """A file's bytes in chunks, read from its start at each iteration: a redirected PUT sends the body again (an
+    iterator, read once, would send nothing the second time, under the Content-Length of the whole file)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __iter__(self) -> Iterator[bytes]:
+        with open(self.path, "rb") as f:
+            while chunk := f.read(1 << 16):
+                yield chunk
 
 
 @contextlib.contextmanager

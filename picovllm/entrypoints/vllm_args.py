@@ -3,10 +3,11 @@
 
 Four things, as vLLM's FlexibleArgumentParser does them: a flag may be spelt with underscores (`--max_model_len`),
 `--config FILE.yaml` reads flags from a YAML file (the command line's win), sizes take k/K/m/M suffixes
-(`--max-model-len 32k`), and a JSON flag's keys may be given one by one (`--hf-overrides.rope_theta 1e6`). And vLLM's arguments that have no setting here (ENGINE_ARGS, SERVE_ARGS): each
-one is either meaningless here, and accepted with any value, or taken only with the values that mean what picovllm
-does anyway, and any other value refused naming the argument and why (at parse time for a flag, by LLM(...) for a
-keyword). A flag in none of them is argparse's unrecognized argument, as a flag vLLM does not know is vLLM's.
+(`--max-model-len 32k`), and a JSON flag's keys may be given one by one (`--hf-overrides.rope_theta 1e6`). And
+vLLM's arguments that have no setting here (ENGINE_ARGS, SERVE_ARGS): each one is either meaningless here, and
+accepted with any value, or taken only with the values that mean what picovllm does anyway, and any other value
+refused naming the argument and why (at parse time for a flag, by LLM(...) for a keyword). A flag in none of them
+is argparse's unrecognized argument, as a flag vLLM does not know is vLLM's.
 """
 from __future__ import annotations
 
@@ -212,7 +213,10 @@ def _with_dotted_keys(argv: list[str], parser: argparse.ArgumentParser) -> list[
             if not isinstance(node, dict):
                 parser.error(f"argument {name}: {key!r} is given a value and keys")
         if last.endswith("+"):
-            node.setdefault(last[:-1], []).extend(_json_or_text(v) for v in value.split(","))
+            items = node.setdefault(last[:-1], [])
+            if not isinstance(items, list):
+                parser.error(f"argument {name}: {last[:-1]!r} is given a value, not a list to append to")
+            items.extend(_json_or_text(v) for v in value.split(","))
         else:
             node[last] = _json_or_text(value)
     merged, j = [], 0

@@ -110,8 +110,8 @@ def _sample_torch(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     for row, seed in seeded:
         g = torch.Generator(device=probs.device).manual_seed(seed)
         uniform[row] = torch.rand(probs.shape[-1], device=probs.device, generator=g)
-    # a draw of exactly 0 would give its token an infinite key, and a row with one token left (the others' probs 0)
-    # no winner: argmax would take token 0, which the row forbids. The smallest positive float instead.
+    # a draw of exactly 0 makes its token's exponential infinite and its key 0: a row with one token left (the others'
+    # probs 0) then has no winner, and argmax takes token 0, which the row forbids. The smallest positive float instead.
     sampled = (probs / uniform.clamp_(min=torch.finfo(uniform.dtype).tiny).log_().neg_()).argmax(-1)
     return torch.where(sampled_rows, sampled, greedy)
 

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 
 from picovllm.engine.grammar_masks import CompileThreads
 from picovllm.engine.llm_engine import Engine
-from picovllm.engine.request import FinishReason, Request
 from picovllm.engine.model_runner import bind_device
+from picovllm.engine.request import FinishReason, Request
 from picovllm.engine.step_loop import StepLoop
 from picovllm.entrypoints.openai.engine_client import (AbortAll, AbortRequest, AddRequest, Command, CommandAnswer,
                                                        EngineClient, EngineStats, EngineStepError, Shutdown)

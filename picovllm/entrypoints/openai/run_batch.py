@@ -9,9 +9,9 @@ A line that is no request (not JSON or not UTF-8, a field missing or of the wron
 streamed body, a custom_id an earlier line has) gets "response": null and "error": {"code": ..., "message": ...}
 naming the field; a line that fails in any other way gets such an error of its own, and the other lines run. Blank
 lines are skipped; a line number counts them. The file is read as it runs, a window of lines at a time, and a line
-is written as soon as it and all before it are done: memory does not grow with the file. The input and output may
-be http(s) URLs (GET, PUT), as in vLLM's, through a file in --output-tmp-dir. The command exits 0 if every request
-got a 200, else 1.
+is written as soon as it and all before it are done: memory does not grow with the file's requests (only its
+custom_ids are kept, to refuse a repeated one). The input and output may be http(s) URLs (GET, PUT), as in vLLM's,
+through a file in --output-tmp-dir. The command exits 0 if every request got a 200, else 1.
 """
 from __future__ import annotations
 
