@@ -321,6 +321,61 @@ def test_batch_lines_take_penalties_and_logit_bias(tiny_models, tmp_path, capsys
     assert [r.outputs[0].token_ids != q.outputs[0].token_ids for r, q in zip(ref, plain)] == [True] * 3
 
 
+def test_a_batch_output_the_engine_ended_with_an_error_says_so():
+    """A request the engine ended with an error (finish_reason "error") is written with its "error" (it was written
+    as if answered, and not counted as failed)."""
+    from picovllm.entrypoints.batch_io import BatchItem, result_record
+    from picovllm.outputs import CompletionOutput, RequestOutput
+    out = RequestOutput("r", None, [1, 2], [CompletionOutput(0, "", [], None, None, "error")], True, error="boom")
+    rec = result_record(BatchItem(0, 1), out)
+    assert rec["error"] == "boom" and rec["finish_reason"] == "error"
+    assert "error" not in result_record(BatchItem(0, 1), RequestOutput("r", None, [1], [CompletionOutput(
+        0, "a", [5], None, None, "length")], True))
+
+
+def test_batch_streams_a_large_file_a_window_at_a_time(tiny_models, tmp_path, capsys, monkeypatch):
+    """400 lines with --max-num-seqs 4: the file is read as room frees up, never more than the window
+    (WINDOW_PER_SLOT per request a step may run) past the oldest line not yet in the output file, so each output line
+    is written (flushed) once it and those before it are done; the outputs are LLM.generate's (a sampled n=2 line
+    among greedy ones), and bad lines fail alone, naming their line. (The whole file had been read, and every output
+    held, before the first line was written.)"""
+    from picovllm.entrypoints import batch_io
+    from picovllm.entrypoints.openai.run_batch import WINDOW_PER_SLOT
+
+    rng = random.Random(3)
+    lines = [{"prompt_token_ids": [rng.randrange(384) for _ in range(rng.randrange(1, 12))],
+              "max_tokens": rng.randrange(1, 6)} for _ in range(400)]
+    lines[7].update(n=2, temperature=1.0, seed=5)
+    bad = {50, 51, 333}
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("\n".join(json.dumps({"prompt": 5} if i in bad else x) for i, x in enumerate(lines)) + "\n")
+    ahead, read_lines = [], batch_io.read_lines
+
+    def counted(path):      # at each line read: lines read minus lines in the output file
+        for n, numbered in enumerate(read_lines(path), 1):
+            ahead.append(n - (len(out.read_text().splitlines()) if out.exists() else 0))
+            yield numbered
+
+    monkeypatch.setattr(batch_io, "read_lines", counted)
+    rc = cli_main(["batch", "-i", str(inp), "-o", str(out), "--model", tiny_models["llama"], "--num-kv-blocks", "64",
+                   "--max-num-seqs", "4", "--ignore-eos", "--no-progress"])
+    assert rc == 1 and "3 of 400 lines failed" in capsys.readouterr().err
+    assert len(ahead) == 400 and max(ahead) == WINDOW_PER_SLOT * 4, max(ahead)
+    recs = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [r["index"] for r in recs] == list(range(400))
+    assert all(recs[i]["error"].startswith(f"line {i + 1}: field 'prompt'") for i in bad)
+
+    good = [i for i in range(400) if i not in bad]
+    ref = LLM(tiny_models["llama"], num_kv_blocks=64, max_num_seqs=4).generate(
+        [lines[i]["prompt_token_ids"] for i in good],
+        [SamplingParams(**{"temperature": 0.0, "ignore_eos": True,
+                           **{k: v for k, v in lines[i].items() if k != "prompt_token_ids"}}) for i in good],
+        use_tqdm=False)
+    got = [[s["token_ids"] for s in recs[i].get("outputs", [recs[i]])] for i in good]
+    assert got == [[c.token_ids for c in o.outputs] for o in ref]
+    assert len(got[7]) == 2 and [len(t[-1]) for t in got] == [lines[i]["max_tokens"] for i in good]
+
+
 def test_bench_throughput_json(tmp_path, capsys):
     out = tmp_path / "res.json"
     rc = cli_main(["bench", "throughput", "--workload", "cpu-small", "--num-prompts", "4", "--random-model", "tiny-qwen3",

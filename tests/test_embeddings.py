@@ -263,6 +263,7 @@ def test_served_refusals_name_the_field(pooling_server, chat_path):
     assert error("/v1/embeddings", {"input": []})["param"] == "input"
     assert error("/v1/embeddings", {"input": "a", "dimensions": 8})["param"] == "dimensions"
     assert error("/v1/embeddings", {"input": "a", "encoding_format": "int8"})["param"] == "encoding_format"
+    assert error("/v1/embeddings", {"input": "a", "cache_salt": "s" * 129})["param"] == "cache_salt"   # was a 500
     lone = httpx.post(url + "/v1/embeddings", content=b'{"input": ["a", "\\ud800"]}', timeout=30,   # a lone surrogate
                       headers={"content-type": "application/json"})
     assert lone.status_code == 400 and lone.json()["error"]["param"] == "input[1]", lone.text   # had named "prompt"

@@ -128,10 +128,8 @@ def _write_outputs(path: str, items: list[BatchItem], ids: dict[int, str], sessi
             if rid in session.rejected:
                 item.error = f"line {item.index + 1}: {session.rejected[rid]}"
             out = None if item.error is not None else session.results[rid]
-            rec = result_record(item, out)
-            if out is not None and out.error:
-                rec["error"] = out.error
-            elif out is not None and out.metrics is not None and out.metrics.ttft is not None:
+            rec = result_record(item, out)      # (an output's error in "error")
+            if out is not None and not out.error and out.metrics is not None and out.metrics.ttft is not None:
                 rec["ttft_s"], rec["itl_s"] = out.metrics.ttft, out.metrics.itls
             failed += "error" in rec
             out_file.write(json.dumps(rec) + "\n")

@@ -8,6 +8,8 @@ Output line: "index", "id", "num_prompt_tokens", then the sample's "text", "toke
 "stop_reason" (and "logprobs") -- or, with n > 1, "outputs": a list of those, one per sample -- and
 "prompt_logprobs" when asked for ({token id: logprob} per prompt token, null for the first).
 A bad line becomes an output line with an "error" naming the field; the other lines still run.
+stream_batch runs a file as it reads it: a window of lines at a time, each output line written once it and every
+line before it are done, so memory does not grow with the file and a run cut short keeps what it wrote.
 """
 from __future__ import annotations
 
@@ -19,11 +21,17 @@ import os
 import re
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from itertools import islice
+from typing import TYPE_CHECKING
 
 from picovllm.outputs import RequestOutput, json_logprob
 from picovllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from picovllm.entrypoints.parallel_sampling import SampleBatch
 
 PROMPT_KEYS = ("prompt", "prompt_token_ids", "messages")
 SAMPLING_KEYS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
@@ -85,6 +93,13 @@ def check_output(path: str | None, flag: str) -> None:
         folder = os.path.dirname(os.path.abspath(path))
         if os.path.isdir(path) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
             raise ValueError(f"{flag} {path!r}: cannot write a file there (no such folder, or not writable)")
+
+
+def check_not_input(output: str, input: str, flag: str, input_flag: str) -> None:
+    """The output file is not the input file, which is read as the output is written (opening it would empty it)."""
+    if "-" not in (input, output) and os.path.exists(output) and os.path.samefile(input, output):
+        raise ValueError(f"{flag} {output!r} is {input_flag}: the input is read as the output is written; give "
+                         f"another path")
 
 
 def is_url(path: str) -> bool:
@@ -174,6 +189,96 @@ def read_batch(path: str, defaults: dict, llm) -> list[BatchItem]:
     return [parse_line(i, line, defaults, llm, number) for i, (number, line) in enumerate(read_lines(path))]
 
 
+def stream_batch(llm, lines: Iterable[tuple[int, str]], defaults: dict, write: Callable[[dict], None], window: int,
+                 use_tqdm: bool = False) -> tuple[int, int]:
+    """Run each numbered line (read_lines') on llm's engine, handing its output record (result_record) to write in
+    input order as soon as it and every line before it are done. Lines are read as room frees up, at most `window`
+    past the oldest one not yet written; a bad line's record carries its error and the others run. defaults: the
+    SamplingParams fields a line does not give. Returns (lines written, lines with an error)."""
+    from picovllm.engine.step_loop import StepLoop
+    from picovllm.entrypoints.llm import _progress_bar, _TokenRates
+
+    engine, loop = llm.engine, StepLoop(llm.engine, unfinished_outputs=False)
+    numbered = enumerate(lines)
+    pending: deque[_InFlight] = deque()
+    final: dict[str, RequestOutput] = {}       # the finished samples of the lines in pending, by request id
+    bar = _progress_bar(use_tqdm, None, "Processed prompts")    # its total is known once the whole file is read
+    rates = _TokenRates(engine) if use_tqdm else None
+    written = failed = 0
+    read_all = False
+    try:
+        while True:
+            for index, (number, text) in islice(numbered, window - len(pending)):
+                pending.append(_InFlight.start(parse_line(index, text, defaults, llm, number), engine))
+            if len(pending) < window and not read_all:      # the file ended before the window filled
+                read_all, bar.total = True, written + len(pending)
+            while pending and pending[0].done(final):
+                head = pending.popleft()
+                rec = result_record(head.item, head.output(final))
+                write(rec)
+                written, failed = written + 1, failed + ("error" in rec)
+                bar.update(1)
+            if not pending:
+                if read_all:
+                    return written, failed
+                continue
+            for line in pending:
+                line.add_ready_siblings()
+            if not engine.has_unfinished_requests():     # no step would ever finish the head: never loop forever
+                raise RuntimeError(f"line {pending[0].item.line}: its requests left the engine without an output")
+            final.update((out.request_id, out) for out in loop.run_once() if out.finished)
+            if rates is not None:
+                bar.set_postfix_str(rates.text(), refresh=False)
+    except BaseException:
+        for line in pending:       # the engine as it was before the batch
+            line.abort(final)
+        raise
+    finally:
+        bar.close()
+
+
+@dataclass
+class _InFlight:
+    """A line read and not yet written: its item and, unless it failed, its samples (one prompt's SampleBatch)."""
+    item: BatchItem
+    samples: SampleBatch | None = None
+
+    @classmethod
+    def start(cls, item: BatchItem, engine) -> _InFlight:
+        """The line with its first sample added to the engine (an error naming its line if the engine refuses it)."""
+        from picovllm.entrypoints.parallel_sampling import SampleBatch
+
+        if item.error is not None:
+            return cls(item)
+        samples = SampleBatch(engine)
+        try:
+            samples.add(item.prompt, item.params)
+        except ValueError as e:
+            item.error = f"line {item.line}: {e}"
+            return cls(item)
+        return cls(item, samples)
+
+    def add_ready_siblings(self) -> None:
+        if self.samples is not None:
+            self.samples.add_ready_siblings()
+
+    def done(self, final: dict[str, RequestOutput]) -> bool:
+        return self.samples is None or not self.samples.waiting and all(i in final for i in self.samples.prompts[0].ids)
+
+    def output(self, final: dict[str, RequestOutput]) -> RequestOutput | None:
+        """The line's output, its samples' final outputs taken out of final; None for a failed line."""
+        if self.samples is None:
+            return None
+        out = self.samples.outputs(final)[0]
+        for rid in self.samples.prompts[0].ids:
+            del final[rid]
+        return out
+
+    def abort(self, final: dict[str, RequestOutput]) -> None:
+        if self.samples is not None:
+            self.samples.abort(final)
+
+
 def result_record(item: BatchItem, out: RequestOutput | None) -> dict:
     rec: dict = {"index": item.index}
     if item.id is not None:
@@ -181,6 +286,8 @@ def result_record(item: BatchItem, out: RequestOutput | None) -> dict:
     if out is None:
         rec["error"] = item.error
         return rec
+    if out.error is not None:      # the engine ended the request with an error: said, and counted as failed
+        rec["error"] = out.error
     rec["num_prompt_tokens"] = len(out.prompt_token_ids)
     samples = [_sample_record(c) for c in out.outputs]
     if len(samples) == 1:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -41,7 +42,8 @@ def add_parser(subparsers) -> None:
                               description="Each input line is {\"prompt\": str} or {\"prompt_token_ids\": [...]} "
                                           "or {\"messages\": [...]}, optionally with SamplingParams fields "
                                           "(temperature, max_tokens, ...) overriding the flags, and an \"id\". "
-                                          "Output lines come in input order.")
+                                          "Output lines come in input order, each written as soon as it "
+                                          "and all before it are done (the file is read a window at a time).")
     p.add_argument("--input", "-i", required=True, help="input JSONL file ('-' for stdin)")
     p.add_argument("--output", "-o", default="-", help="output JSONL file (default: stdout)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -205,30 +207,25 @@ def _read_line(interactive: bool) -> str | None:
 
 # -- batch ---------------------------------------------------------------------------------------
 def run_batch(args: argparse.Namespace) -> int:
-    from picovllm.entrypoints.batch_io import check_input, check_output, read_batch, result_record
-    from picovllm.entrypoints.parallel_sampling import SampleBatch
+    """Every line of --input through the engine, streamed (batch_io.stream_batch): a window of lines per request
+    the engine may hold, each output line written once it and all before it are done."""
+    from picovllm.entrypoints.batch_io import check_input, check_not_input, check_output, read_lines, stream_batch
+    from picovllm.entrypoints.openai.run_batch import WINDOW_PER_SLOT
 
     check_input(args.input, "--input")
     check_output(args.output, "--output")
+    check_not_input(args.output, args.input, "--output", "--input")
     llm = _make_llm(args)
-    items = read_batch(args.input, sampling_kwargs(args), llm)
-    batch = SampleBatch(llm.engine)
-    for item in items:
-        if item.error is None:
-            try:
-                batch.add(item.prompt, item.params)
-            except ValueError as e:
-                item.error = f"line {item.line}: {e}"
-    outputs = iter(llm.run_batch(batch, use_tqdm=not args.no_progress))
-    out_file = sys.stdout if args.output == "-" else open(args.output, "w")
-    try:
-        for item in items:
-            out = None if item.error is not None else next(outputs)
-            out_file.write(json.dumps(result_record(item, out)) + "\n")
-    finally:
-        if out_file is not sys.stdout:
-            out_file.close()
-    failed = sum(item.error is not None for item in items)
+    with contextlib.ExitStack() as stack:      # the output opened once the model has loaded: a failed load costs none
+        out_file = sys.stdout if args.output == "-" else stack.enter_context(open(args.output, "w"))
+        lines = stack.enter_context(contextlib.closing(read_lines(args.input)))
+
+        def write(rec: dict) -> None:
+            out_file.write(json.dumps(rec) + "\n")
+            out_file.flush()        # a run cut short keeps every line it answered
+
+        written, failed = stream_batch(llm, lines, sampling_kwargs(args), write,
+                                       WINDOW_PER_SLOT * llm.engine.config.max_num_seqs, use_tqdm=not args.no_progress)
     if failed:
-        print(f"picovllm batch: {failed} of {len(items)} lines failed (see their \"error\" field)", file=sys.stderr)
+        print(f"picovllm batch: {failed} of {written} lines failed (see their \"error\" field)", file=sys.stderr)
     return 1 if failed else 0

@@ -20,8 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, create_model,
 from picovllm.entrypoints.chat_template import joined_parts
 from picovllm.entrypoints.openai.tool_calls import ToolPolicy, template_arguments
 from picovllm.entrypoints.parallel_sampling import sample_params
-from picovllm.sampling_params import StructuredOutputsParams
-from picovllm.sampling_params import SamplingParams
+from picovllm.sampling_params import MAX_CACHE_SALT_CHARS, SamplingParams, StructuredOutputsParams
 
 MAX_INT = 2**31 - 1
 MAX_STOP = 16
@@ -240,7 +239,7 @@ class _SamplingRequest(_StructuredRequest, _RefusedCommon):
     use_beam_search: bool = False                          # vLLM's: n beams (serving_beam.py)
     length_penalty: FiniteFloat = 1.0
     return_tokens_as_token_ids: bool = False   # logprobs name tokens "token_id:<id>" (for text that is not UTF-8)
-    cache_salt: str | None = Field(None, min_length=1)    # vLLM's: prefix-cache hits only within one salt
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)   # vLLM's: hits within one salt
     # vLLM's: the prompt's and each choice's token ids in the response (streamed: the prompt's in the first chunk,
     # each chunk's new ones)
     return_token_ids: bool = False
@@ -573,7 +572,7 @@ class EmbeddingRequest(_Strict):
     add_special_tokens: bool = True
     normalize: bool | None = None
     priority: int = Field(0, ge=-(2**63), le=2**63 - 1)   # as the generation requests'
-    cache_salt: str | None = Field(None, min_length=1)    # as theirs
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)    # as theirs
 
     def inputs(self) -> list[str | list[int]]:
         x = self.input
