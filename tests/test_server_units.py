@@ -1,7 +1,9 @@
 """Server pieces that need no server: streamed deltas under stop strings, request validation, bench statistics."""
+import asyncio
 import json
 import random
 import statistics
+import threading
 
 import pytest
 
@@ -10,7 +12,6 @@ from picovllm.engine.detokenizer import check_stop
 from picovllm.engine.request import Request
 from picovllm.entrypoints.openai.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from picovllm.entrypoints.openai.serving import TextDeltas
-from picovllm.outputs import CompletionOutput
 from picovllm.sampling_params import StructuredOutputsParams
 from picovllm.sampling_params import SamplingParams
 
@@ -403,3 +404,41 @@ def test_a_request_the_engine_ends_in_error_is_a_500_or_an_sse_error(tmp_path, m
         r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3, "ignore_eos": True})
         assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length", r.text
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+_BIG_STARTED, _BIG_RELEASE = threading.Event(), threading.Event()
+
+
+class _HeldOnBigTexts:
+    """A tokenizer (one id a character) whose encode of a big text waits until the test lets it go."""
+
+    def encode(self, text, add_special_tokens=True):
+        from picovllm.entrypoints.openai.tokenizer_worker import BIG_PROMPT_CHARS
+        if len(text) >= BIG_PROMPT_CHARS:
+            _BIG_STARTED.set()
+            assert _BIG_RELEASE.wait(30)
+        return [ord(c) % 97 for c in text]
+
+
+def test_a_big_prompt_tokenizing_holds_back_no_other_prompt():
+    """A 4 MB prompt tokenizes for seconds; on one worker thread every other request's prompt waited it out. A prompt
+    of BIG_PROMPT_CHARS or more goes to a thread of its own: a small one is tokenized (one id a character, the
+    oracle) while the big one is still held, and the big one's ids are right once it is let go."""
+    from picovllm.entrypoints.openai.tokenizer_worker import BIG_PROMPT_CHARS, TokenizerWorker
+    worker = TokenizerWorker(_HeldOnBigTexts())
+    big = "ab" * BIG_PROMPT_CHARS
+
+    async def main():
+        held = asyncio.ensure_future(worker.encode(big))
+        await asyncio.get_running_loop().run_in_executor(None, _BIG_STARTED.wait, 30)
+        small = await asyncio.wait_for(worker.encode("hello"), 20)     # while the big one is held
+        assert not held.done()
+        _BIG_RELEASE.set()
+        return small, await asyncio.wait_for(held, 30)
+
+    try:
+        small, ids = asyncio.run(main())
+    finally:
+        _BIG_RELEASE.set()
+        worker.shutdown()
+    assert small == [ord(c) % 97 for c in "hello"] and ids == [ord(c) % 97 for c in big]

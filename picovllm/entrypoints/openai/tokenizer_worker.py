@@ -1,19 +1,33 @@
 """Prompt preparation (chat template, tokenization) off both the event loop and the engine thread.
 
-A single worker thread owns a private copy of the tokenizer, so it never shares a tokenizer with the
-engine thread's detokenizer, and a big prompt being tokenized never stalls running streams.
+A worker thread owns a private copy of the tokenizer, so it never shares a tokenizer with the engine thread's
+detokenizer, and a big prompt being tokenized never stalls running streams. A prompt of BIG_PROMPT_CHARS or more goes
+to a second thread with a copy of its own (made when the first such prompt comes): a 4 MB prompt tokenizes for
+seconds, and every other request's prompt would wait it out in one queue.
 """
 from __future__ import annotations
 
 import asyncio
 import copy
 import re
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 from picovllm.entrypoints.chat_template import (check_request_template, content_for_template, resolved_template,
                                                 template_kwargs)
 from picovllm.entrypoints.openai.protocol import APIError
 from picovllm.entrypoints.openai.tool_calls import template_renders_tools, with_tool_prompt
+
+
+BIG_PROMPT_CHARS = 100_000     # a prompt this long (~25k tokens and up) tokenizes on the big prompts' thread
+
+
+class _Lane:
+    """One thread and the tokenizer copy only it uses (a tokenizer is not shared between threads)."""
+
+    def __init__(self, name: str, tokenizer) -> None:
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        self.tokenizer = tokenizer
 
 
 class TokenizerWorker:
@@ -33,21 +47,33 @@ class TokenizerWorker:
             if self.tokenizer is None:
                 raise ValueError("--chat-template needs a tokenizer, and this model has none")
             self.tokenizer.chat_template = chat_template
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="picovllm-tokenizer")
+        self._lane = _Lane("picovllm-tokenizer", self.tokenizer)    # (the event loop only reads its attributes)
+        self._big: _Lane | None = None
+        self._big_lock = threading.Lock()
 
     def _need(self, what: str):
         if self.tokenizer is None:
             raise APIError(400, f"{what} needs a tokenizer, and this model has none: send token ids")
         return self.tokenizer
 
-    async def _run(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+    async def _run(self, fn, *args, chars: int = 0):
+        """fn(the lane's tokenizer, *args) on a worker thread: the big prompts' one for `chars` >= BIG_PROMPT_CHARS."""
+        lane = self._lane
+        if chars >= BIG_PROMPT_CHARS:
+            with self._big_lock:
+                if self._big is None:
+                    self._big = _Lane("picovllm-tokenizer-big", None)
+                lane = self._big
+            if lane.tokenizer is None:     # copied on its own thread, once: the loop does not wait for it
+                lane.tokenizer = await asyncio.get_running_loop().run_in_executor(lane.pool, copy.deepcopy,
+                                                                                  self.tokenizer)
+        return await asyncio.get_running_loop().run_in_executor(lane.pool, fn, lane.tokenizer, *args)
 
     async def encode(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
         """As Engine.tokenize (and so LLM.generate) encodes a text prompt (add_special_tokens: /tokenize's); param:
         the request's field the text came from, which a 400 for text that cannot be tokenized names."""
-        tok = self._need("a text prompt")
-        return await self._run(_encode, tok, text, add_special_tokens, param)
+        self._need("a text prompt")
+        return await self._run(_encode, text, add_special_tokens, param, chars=len(text))
 
     async def encode_chat(self, messages: list[dict], add_generation_prompt: bool,
                           add_special_tokens: bool = False, tools: list[dict] | None = None,
@@ -92,7 +118,7 @@ class TokenizerWorker:
         if tools and not template_renders_tools(template):
             messages, tools = with_tool_prompt(messages, tools), None
 
-        def render() -> list[int]:
+        def render(tok) -> list[int]:
             try:
                 text = tok.apply_chat_template(messages, tokenize=False, tools=tools or None, chat_template=template,
                                                documents=documents, **options)
@@ -100,19 +126,21 @@ class TokenizerWorker:
                 raise APIError(400, f"messages: the chat template rejected them: {e}", param="messages") from None
             return _encode(tok, text, add_special_tokens, "messages")
 
-        return await self._run(render)
+        return await self._run(render, chars=sum(len(str(m.get("content") or "")) for m in messages))
 
     async def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         """As the engine's detokenizer (by default with skip_special_tokens=False: every id shows)."""
-        tok = self._need("detokenize")
-        return await self._run(lambda: tok.decode(ids, skip_special_tokens=skip_special_tokens))
+        self._need("detokenize")
+        return await self._run(lambda tok: tok.decode(ids, skip_special_tokens=skip_special_tokens))
 
     async def token_strs(self, ids: list[int]) -> list[str]:
-        tok = self._need("return_token_strs")
-        return await self._run(tok.convert_ids_to_tokens, ids)
+        self._need("return_token_strs")
+        return await self._run(lambda tok: tok.convert_ids_to_tokens(ids))
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        for lane in (self._lane, self._big):
+            if lane is not None:
+                lane.pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _encode(tok, text: str, add_special_tokens: bool, param: str) -> list[int]:
