@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import re
-import threading
 from concurrent.futures import ThreadPoolExecutor
 
 from picovllm.entrypoints.chat_template import (check_request_template, content_for_template, resolved_template,
@@ -20,14 +19,6 @@ from picovllm.entrypoints.openai.tool_calls import template_renders_tools, with_
 
 
 BIG_PROMPT_CHARS = 100_000     # a prompt this long (~25k tokens and up) tokenizes on the big prompts' thread
-
-
-class _Lane:
-    """One thread and the tokenizer copy only it uses (a tokenizer is not shared between threads)."""
-
-    def __init__(self, name: str, tokenizer) -> None:
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
-        self.tokenizer = tokenizer
 
 
 class TokenizerWorker:
@@ -47,9 +38,12 @@ class TokenizerWorker:
             if self.tokenizer is None:
                 raise ValueError("--chat-template needs a tokenizer, and this model has none")
             self.tokenizer.chat_template = chat_template
-        self._lane = _Lane("picovllm-tokenizer", self.tokenizer)    # (the event loop only reads its attributes)
-        self._big: _Lane | None = None
-        self._big_lock = threading.Lock()
+        # one thread each (ThreadPoolExecutor starts it at the first job); a tokenizer is never shared between two
+        # threads: the main one uses self.tokenizer (the event loop only reads its attributes), the big prompts' one a
+        # copy it makes at its first prompt
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="picovllm-tokenizer")
+        self._big_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="picovllm-tokenizer-big")
+        self._big_tokenizer = None       # touched on the big prompts' thread only
 
     def _need(self, what: str):
         if self.tokenizer is None:
@@ -57,17 +51,15 @@ class TokenizerWorker:
         return self.tokenizer
 
     async def _run(self, fn, *args, chars: int = 0):
-        """fn(the lane's tokenizer, *args) on a worker thread: the big prompts' one for `chars` >= BIG_PROMPT_CHARS."""
-        lane = self._lane
+        """fn(a tokenizer, *args) on a worker thread: the big prompts' one for `chars` >= BIG_PROMPT_CHARS."""
         if chars >= BIG_PROMPT_CHARS:
-            with self._big_lock:
-                if self._big is None:
-                    self._big = _Lane("picovllm-tokenizer-big", None)
-                lane = self._big
-            if lane.tokenizer is None:     # copied on its own thread, once: the loop does not wait for it
-                lane.tokenizer = await asyncio.get_running_loop().run_in_executor(lane.pool, copy.deepcopy,
-                                                                                  self.tokenizer)
-        return await asyncio.get_running_loop().run_in_executor(lane.pool, fn, lane.tokenizer, *args)
+            return await asyncio.get_running_loop().run_in_executor(self._big_pool, self._on_big_thread, fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, self.tokenizer, *args)
+
+    def _on_big_thread(self, fn, *args):
+        if self._big_tokenizer is None:
+            self._big_tokenizer = copy.deepcopy(self.tokenizer)
+        return fn(self._big_tokenizer, *args)
 
     async def encode(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
         """As Engine.tokenize (and so LLM.generate) encodes a text prompt (add_special_tokens: /tokenize's); param:
@@ -138,9 +130,8 @@ class TokenizerWorker:
         return await self._run(lambda tok: tok.convert_ids_to_tokens(ids))
 
     def shutdown(self) -> None:
-        for lane in (self._lane, self._big):
-            if lane is not None:
-                lane.pool.shutdown(wait=False, cancel_futures=True)
+        for pool in (self._pool, self._big_pool):
+            pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _encode(tok, text: str, add_special_tokens: bool, param: str) -> list[int]:
