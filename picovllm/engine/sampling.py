@@ -144,17 +144,11 @@ def _gathered(logp: torch.Tensor, targets: torch.Tensor, k: int) -> tuple:
     return chosen, ranks, top_v, top_i
 
 
-PROMPT_ROWS_AT_ONCE = 256    # the float32 log-softmax of this many rows at a time bounds the memory
-
-
 def prompt_logprob_tensors(logits: torch.Tensor, targets: list[int], topk: int) -> tuple:
-    """(each target's logprob, its rank, top-k values, top-k ids) of the prompt-logprob rows, on the device."""
-    targets_t = to_device(targets, torch.long, logits.device)
-    parts = []
-    for a in range(0, logits.shape[0], PROMPT_ROWS_AT_ONCE):
-        logp = logits[a:a + PROMPT_ROWS_AT_ONCE].float().log_softmax(-1)
-        parts.append(_gathered(logp, targets_t[a:a + PROMPT_ROWS_AT_ONCE], topk))
-    return tuple(torch.cat(p) for p in zip(*parts))
+    """(each target's logprob, its rank, top-k values, top-k ids) of the prompt-logprob rows, on the device: one
+    float32 log-softmax of at most scheduler.PROMPT_LOGPROB_ROWS rows (a step scores no more; the memory profile
+    reserves that many)."""
+    return _gathered(logits.float().log_softmax(-1), to_device(targets, torch.long, logits.device), topk)
 
 
 def _prompt_logprob_dicts(host: list[torch.Tensor], rows: list[tuple[int, int, int, int]]) -> list:

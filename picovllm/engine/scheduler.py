@@ -35,8 +35,8 @@ from picovllm.engine.request import DECODING, PREFILL, WAITING, Request
 if TYPE_CHECKING:
     from picovllm.config import EngineConfig
 
-# The most prompt positions a step scores (prompt_logprobs): as many rows as the float32 log-softmax takes at once
-# (engine/sampling.py PROMPT_ROWS_AT_ONCE), so a step's scoring is one such chunk
+# The most prompt positions a step scores (prompt_logprobs): the float32 log-softmax of that many rows at once
+# (engine/sampling.py prompt_logprob_tensors) is what the memory profile reserves
 PROMPT_LOGPROB_ROWS = 256
 
 
