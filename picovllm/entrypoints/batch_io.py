@@ -96,8 +96,10 @@ def check_output(path: str | None, flag: str) -> None:
 
 
 def check_not_input(output: str, input: str, flag: str, input_flag: str) -> None:
-    """The output file is not the input file, which is read as the output is written (opening it would empty it)."""
-    if "-" not in (input, output) and os.path.exists(output) and os.path.samefile(input, output):
+    """The output file is not the input file, which is read as the output is written (opening it would empty it).
+    stdin/stdout ("-") and URLs are never the same file."""
+    local = "-" not in (input, output) and not is_url(input) and not is_url(output)
+    if local and os.path.exists(output) and os.path.samefile(input, output):
         raise ValueError(f"{flag} {output!r} is {input_flag}: the input is read as the output is written; give "
                          f"another path")
 

@@ -319,7 +319,7 @@ def main(args: argparse.Namespace) -> int:
 
 def _check_paths(args: argparse.Namespace) -> None:
     """Before any work, so that a mistyped path costs no model load and loses no results: ValueError naming the flag."""
-    from picovllm.entrypoints.batch_io import check_input, check_output, is_url
+    from picovllm.entrypoints.batch_io import check_input, check_not_input, check_output, is_url
 
     folder = args.output_tmp_dir
     if folder is not None and not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
@@ -328,10 +328,7 @@ def _check_paths(args: argparse.Namespace) -> None:
         check_input(args.input_file, "--input-file")
     if not is_url(args.output_file):
         check_output(args.output_file, "--output-file")
-    local = [p for p in (args.input_file, args.output_file) if p != "-" and not is_url(p)]
-    if len(local) == 2 and os.path.exists(local[1]) and os.path.samefile(*local):
-        raise ValueError(f"--output-file {args.output_file!r} is --input-file: the input is read as the output is "
-                         f"written; give another path")
+    check_not_input(args.output_file, args.input_file, "--output-file", "--input-file")
 
 
 def _metrics_socket(args: argparse.Namespace) -> socket.socket:
