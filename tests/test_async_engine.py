@@ -193,6 +193,17 @@ def held_compiles(monkeypatch, which=lambda p: True):
     return release, released
 
 
+async def leave_while_compiling(ae, ids, params, rid):
+    """Add a request and, while its grammar compiles (held_compiles), go away before the add is answered: its
+    stream sends an abort, which the compiling add takes."""
+    adding = asyncio.ensure_future(ae.add_request(ids, params, rid))
+    await until(lambda: rid in ae._compiling)
+    adding.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await adding
+    await until(lambda: ae._compiling[rid].aborted)
+
+
 def test_a_compiling_grammar_holds_back_no_other_request(chat_llm, monkeypatch):
     """A grammar compiles off the loop's thread: while one is held compiling, a plain request runs to its end (it
     waited the whole compile out on the loop's thread); the constrained request then answers within its grammar,
@@ -242,12 +253,7 @@ def test_a_request_aborted_while_its_grammar_compiles_is_never_run(chat_llm, mon
         ae = AsyncEngine(engine)
         ae.start()
         try:
-            adding = asyncio.ensure_future(ae.add_request([5, 6, 7], params, "leaver"))
-            await until(lambda: "leaver" in ae._compiling)
-            adding.cancel()         # the caller goes away before its add is answered: its stream sends an abort
-            with pytest.raises(asyncio.CancelledError):
-                await adding
-            await until(lambda: ae._compiling["leaver"].aborted)
+            await leave_while_compiling(ae, [5, 6, 7], params, "leaver")
             release.set()
             await until(lambda: not ae._compiling and "leaver" not in ae._streams)
             await stream_closed_and_idle(ae)
@@ -305,12 +311,7 @@ def test_an_id_let_go_while_its_grammar_compiles_serves_the_next_request(chat_ll
         ae = AsyncEngine(engine)
         ae.start()
         try:
-            adding = asyncio.ensure_future(ae.add_request([5, 6, 7], params, "again"))
-            await until(lambda: "again" in ae._compiling)
-            adding.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await adding
-            await until(lambda: ae._compiling["again"].aborted)
+            await leave_while_compiling(ae, [5, 6, 7], params, "again")
             stream = await ae.add_request([8, 9], LONGER, "again")
             release.set()
             await until(lambda: not ae._compiling)      # the old one's compile ends while the new one runs
