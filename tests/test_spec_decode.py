@@ -81,6 +81,21 @@ def test_greedy_matches_hf(tiny_models, arch, engine, monkeypatch):
     assert sum(per_pos) == kept and per_pos == sorted(per_pos, reverse=True) and len(per_pos) == 3
 
 
+def assert_speculation_changes_nothing(model: str, prompts, params, overlap: bool) -> LLM:
+    """The engine with SPEC gives the plain engine's tokens, finish and stop reasons and, where asked, logprobs (the
+    same top tokens, values within 1e-4); returns the speculating LLM."""
+    plain = LLM(model).generate(prompts, params, use_tqdm=False)
+    llm = LLM(model, speculative_config=SPEC, async_scheduling=overlap)
+    for o, r in zip(llm.generate(prompts, params, use_tqdm=False), plain):
+        a, b = o.outputs[0], r.outputs[0]
+        assert (a.token_ids, a.finish_reason, a.stop_reason) == (b.token_ids, b.finish_reason, b.stop_reason)
+        if b.logprobs is not None:
+            for da, db in zip(a.logprobs, b.logprobs):
+                assert sorted(da) == sorted(db)
+                assert all(da[t].logprob == pytest.approx(db[t].logprob, abs=1e-4) for t in db)
+    return llm
+
+
 def sampled_params():
     return [SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=20, ignore_eos=True),
             SamplingParams(temperature=1.1, top_k=20, seed=4, max_tokens=18, ignore_eos=True,
@@ -97,16 +112,7 @@ def test_sampling_and_processors_equal_the_engine_without_speculation(tiny_model
     speculative chunk is resolved for its own output position, so outputs equal the plain engine's."""
     prompts = repetitive_prompts(5, seed=2)
     params = sampled_params()
-    plain = LLM(tiny_models["llama"]).generate(prompts, params, use_tqdm=False)
-    llm = LLM(tiny_models["llama"], speculative_config=SPEC, async_scheduling=overlap)
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    for o, r in zip(outs, plain):
-        a, b = o.outputs[0], r.outputs[0]
-        assert (a.token_ids, a.finish_reason, a.stop_reason) == (b.token_ids, b.finish_reason, b.stop_reason)
-        if b.logprobs is not None:
-            for da, db in zip(a.logprobs, b.logprobs):
-                assert sorted(da) == sorted(db)
-                assert all(da[t].logprob == pytest.approx(db[t].logprob, abs=1e-4) for t in db)
+    llm = assert_speculation_changes_nothing(tiny_models["llama"], prompts, params, overlap)
     assert spec_stats(llm)[1 - overlap] > 0      # overlapped, drafts that keep failing back off: fed, maybe not kept
 
 
@@ -381,10 +387,5 @@ def test_min_tokens_bans_hold_under_drafts_that_cross_it(tiny_models, overlap):
     params = [SamplingParams(temperature=0, max_tokens=24, min_tokens=m,
                              stop_token_ids=sorted(set(free[i].outputs[0].token_ids[:m])))
               for i, m in enumerate(range(3, 15, 2))]
-    plain = LLM(tiny_models["llama"]).generate(prompts, params, use_tqdm=False)
-    llm = LLM(tiny_models["llama"], speculative_config=SPEC, async_scheduling=overlap)
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    for o, r in zip(outs, plain):
-        a, b = o.outputs[0], r.outputs[0]
-        assert (a.token_ids, a.finish_reason, a.stop_reason) == (b.token_ids, b.finish_reason, b.stop_reason)
+    llm = assert_speculation_changes_nothing(tiny_models["llama"], prompts, params, overlap)
     assert spec_stats(llm)[0] > 0
