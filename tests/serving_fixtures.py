@@ -3,6 +3,7 @@ template, and a server subprocess on a free port."""
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -97,9 +98,19 @@ def thinking_model(tmp_path_factory) -> str:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now, drawn below Linux's ephemeral range (32768-60999): a port the kernel hands out (bind to 0)
+    goes back to its pool once closed, and an outgoing connection of any process can take it before the server that
+    was meant to listen there starts (CI lost a run so: "Address already in use"). Drawn with the system's randomness,
+    so xdist workers whose `random` a test seeded alike draw apart."""
+    draw = random.SystemRandom()
+    while True:
+        port = draw.randrange(10000, 32768)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
 
 
 class ServerProcess:
@@ -117,19 +128,29 @@ class ServerProcess:
         if command == ("serve",) and "--engine-process" not in extra and "--no-engine-process" not in extra:
             extra = (*extra, "--no-engine-process")
         self.model = model
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         extra_env = dict(env or {})
         path = [extra_env.pop("PYTHONPATH")] if "PYTHONPATH" in extra_env else []
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-                   PYTHONPATH=os.pathsep.join(path + [os.getcwd()] + sys.path), **extra_env)
+        self._env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+                         PYTHONPATH=os.pathsep.join(path + [os.getcwd()] + sys.path), **extra_env)
+        self._argv = [sys.executable, "-m", "picovllm.entrypoints.cli", *command,
+                      *(["--model", model] if model else [])]
+        self._extra = extra             # after our --port: a test's own --port wins
         self.log_path = log_path
-        self._log = open(log_path, "w")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "picovllm.entrypoints.cli", *command, *(["--model", model] if model else []),
-             "--port", str(self.port), *extra], stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        self._relaunches = 3
+        self._launch()
         if startup_timeout is not None:
             self._wait_ready(startup_timeout)
+
+    def _launch(self) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen([*self._argv, "--port", str(self.port), *self._extra], stdout=self._log,
+                                     stderr=subprocess.STDOUT, env=self._env)
+
+    def _lost_its_port(self) -> bool:
+        """Whether the server exited because another process took its HTTP port between free_port and its bind."""
+        return f"--port {self.port}: cannot listen there: Address already in use" in self.log()
 
     def wait_ready(self, timeout: float = 120.0) -> "ServerProcess":
         self._wait_ready(timeout)
@@ -139,6 +160,11 @@ class ServerProcess:
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
+                if self._relaunches and self._lost_its_port():
+                    self._relaunches -= 1
+                    self._log.close()
+                    self._launch()
+                    continue
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:

@@ -8,6 +8,7 @@ import socket
 import pytest
 
 from picovllm.disagg.http_stream import StreamError, post_stream
+from serving_fixtures import free_port
 
 
 def run_against(answer: bytes, *, path: str = "/pd/prefill", body: bytes = b'{"a": 1}',
@@ -128,9 +129,7 @@ def test_uvicorn_streaming_response_and_closing_early():
                 left.set()
         return StreamingResponse(gen(), media_type="application/x-ndjson")
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

@@ -9,6 +9,7 @@ import pytest
 
 from picovllm import LLM, SamplingParams
 from picovllm.entrypoints.cli import main as cli_main
+from serving_fixtures import free_port
 
 GREEDY = dict(max_tokens=3, temperature=0, ignore_eos=True)
 
@@ -37,12 +38,6 @@ def _run(argv: list[str]) -> int:
 
 def _records(path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines()]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_bytes_that_are_not_utf8_cost_only_their_line(chat_model, reference, tmp_path, capsys):
@@ -225,7 +220,7 @@ def test_enable_metrics_serves_prometheus_metrics_while_the_batch_runs(chat_mode
     import httpx
 
     from picovllm.entrypoints.openai.serving_completion import CompletionHandler
-    real, port, scraped = CompletionHandler.__call__, _free_port(), []
+    real, port, scraped = CompletionHandler.__call__, free_port(), []
 
     async def scraping(self, req, *rest):
         if req.prompt == "look":

@@ -282,3 +282,23 @@ def test_a_port_in_use_is_refused_before_the_model_loads(chat_model, tmp_path):
         taken.close()
     assert f"--port {port}: cannot listen there" in srv.log(), srv.log()
     assert not os.listdir(marks), "the engine was being built"
+
+
+def test_the_fixture_relaunches_a_server_whose_port_was_taken(chat_model, tmp_path, monkeypatch):
+    """ServerProcess draws a port, then the server binds it: another process can take it between the two (CI lost a
+    run so). The server exits naming the port; the fixture starts it again on another and it serves there."""
+    import socket
+
+    import serving_fixtures
+    taken = socket.create_server(("127.0.0.1", 0))
+    try:
+        draws = iter([taken.getsockname()[1], serving_fixtures.free_port()])
+        monkeypatch.setattr(serving_fixtures, "free_port", lambda: next(draws))
+        srv = ServerProcess(chat_model, str(tmp_path / "server.log"), "--num-kv-blocks", "64")
+        try:
+            assert srv.port != taken.getsockname()[1]
+            assert httpx.get(srv.url + "/health", timeout=10).status_code == 200
+        finally:
+            assert srv.stop() == 0
+    finally:
+        taken.close()

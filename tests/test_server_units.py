@@ -328,15 +328,13 @@ def test_servers_parse_http_with_httptools_on_uvloop(tmp_path):
     """run_app (every server's) serves on uvloop with httptools' parser, which the serve extra installs: ~20% less
     of the server process's CPU a request than h11 on asyncio (BENCHMARKS.md, twentieth session). Asked of a
     running server: its handler's event loop, and which of uvicorn's HTTP implementations it loaded."""
-    import socket
     import subprocess
     import sys
     import time
 
     import httpx
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from serving_fixtures import free_port
+    port = free_port()
     code = f"""
 import asyncio, sys
 from fastapi import FastAPI
