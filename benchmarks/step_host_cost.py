@@ -3,7 +3,7 @@ negligible and what is measured is the per-step Python work (scheduling, input b
 dispatch, sampling set-up, postprocessing), which a GPU step pays whatever the model's size.
 
     python benchmarks/step_host_cost.py [--layers 2] [--prompt-len 512] [--iters 50] [--device cpu]
-    python benchmarks/step_host_cost.py --batches 32 128 256 [--steps 200]   # decode steps at those batch sizes
+    python benchmarks/step_host_cost.py --batches 32 128 256 [--steps 200] [--context 64]    # decode steps
     python -m cProfile -s cumtime benchmarks/step_host_cost.py --iters 200 | head -60   # where it goes
 
 Reports the median µs per step: a fresh prefill of --prompt-len tokens (one request, its first token), a
@@ -12,9 +12,9 @@ cached prefix plus a 2-token suffix, and a batch-1 decode step; with --phases, t
 On the CPU a 512-token prefill's forward is mostly attention arithmetic (and noisy on a shared machine); the
 other phases are the host work a GPU step pays as they are.
 
-With --batches, instead: for each batch size B, B requests of 64-token prompts all decoding (prefix caching on, as
-by default), the median µs of a step and of its phases over --steps steps, with outputs off (LLM.generate's steps:
-only finished requests get one) and on (a served engine's: an output per request per step). The per-request work
+With --batches, instead: for each batch size B, B requests of --context-token prompts all decoding (prefix caching
+on, as by default), the median µs of a step and of its phases over --steps steps, with outputs off (LLM.generate's
+steps: only finished requests get one) and on (a served engine's: an output per request per step). The per-request work
 (scheduling, block allocation, the step's input and sampling rows, applying tokens, stop checks, outputs) grows
 with B; "forward" (the step's tensors and the model) and "sample" (the argmax, on the CPU) are mostly arithmetic.
 """
@@ -72,6 +72,9 @@ def main() -> None:
     p.add_argument("--phases", action="store_true", help="time the phases of the prefill step")
     p.add_argument("--batches", type=int, nargs="+", help="time decode steps at these batch sizes instead")
     p.add_argument("--steps", type=int, default=200, help="decode steps timed per batch size (--batches)")
+    p.add_argument("--context", type=int, default=64,
+                   help="--batches: each request's prompt length (its block table's length is what the graph "
+                        "runners upload a step)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     from picovllm.engine.llm_engine import Engine
@@ -142,16 +145,16 @@ def decode_batches(path: str, args) -> None:
     from picovllm.engine.llm_engine import Engine
     from picovllm.sampling_params import SamplingParams
 
-    max_len, rng = 64 + 2 * args.steps + 64, random.Random(0)
+    max_len, rng = args.context + 2 * args.steps + 64, random.Random(0)
     print(f"tiny Qwen3 hidden {args.hidden}, {args.layers} layers, {args.device}, {torch.get_num_threads()} thread(s); "
-          f"decode steps, 64-token prompts, median us")
+          f"decode steps, {args.context}-token prompts, median us")
     for batch in args.batches:
         # the engine's own attention backend: on the CPU, the decode steps' one-call stack
         eng = Engine(EngineConfig(model=path, device=args.device, max_model_len=max_len, max_num_seqs=batch,
                                   num_kv_blocks=batch * -(-max_len // 16), max_num_batched_tokens=max(4096, 64 * batch),
                                   skip_tokenizer_init=True))
         for _ in range(batch):
-            eng.add_request([rng.randrange(1024) for _ in range(64)],
+            eng.add_request([rng.randrange(1024) for _ in range(args.context)],
                             SamplingParams(temperature=0, max_tokens=max_len, ignore_eos=True))
         while not all(r.output_token_ids for r in eng.requests.values()):
             eng.step(unfinished_outputs=False)

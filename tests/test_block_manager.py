@@ -249,3 +249,24 @@ def test_a_mean_pooling_request_given_back_leaves_the_lookup_counts_alone():
     assert (bm.queried_tokens, bm.hit_tokens) == (9, 0)      # other's lookup only
     bm.free(other)
     assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_staged_tables_write_what_changed_and_cut_at_the_width():
+    """The graph runners' StagedTables (two buffers in turn, each writing only what a row's table gained since that
+    buffer held it): by hand, a row that grew, one given a new list of the same length, rows that moved up when one
+    left, and a table longer than the buffer, cut at its width."""
+    import torch
+
+    from picovllm.engine.cuda_graph import StagedTables
+    staged, dst = StagedTables(4, 3), torch.full((4, 3), -1, dtype=torch.int32)
+    a, b, c = [1], [2, 3], [4, 5, 6, 7]
+    for step in range(4):          # both buffers see each version
+        if step == 2:
+            a.append(8)            # grown in place
+            b = [9, 10]            # replaced: same length, other entries
+        staged.upload([a, b, c], 3, dst)
+        assert [dst[0, :len(a)].tolist(), dst[1, :2].tolist(), dst[2].tolist()] == \
+            [[1] if step < 2 else [1, 8], [2, 3] if step < 2 else [9, 10], [4, 5, 6]]
+    for _ in range(2):
+        staged.upload([b, c], 2, dst)      # a left: b and c move up a row
+        assert dst[:2, :2].tolist() == [[9, 10], [4, 5]]

@@ -16,10 +16,12 @@ import dataclasses
 import random
 
 import pytest
+import torch
 
 from conftest import assert_engine_clean, build_tiny_checkpoint
 from picovllm import LLM, SamplingParams
 from picovllm.engine.block_manager import SLID_OUT
+from picovllm.engine.cuda_graph import StagedTables
 from picovllm.sampling_params import RequestOutputKind
 from serving_fixtures import build_tiny_chat_model
 
@@ -154,6 +156,8 @@ class BlockWatch:
 
     def __init__(self, engine) -> None:
         self.engine, self.owner = engine, {}
+        self.tables: dict[str, tuple[list[int], tuple[int, ...]]] = {}   # by request: its table and entries then
+        self.staged, self.dst = StagedTables(256, 1024), torch.full((256, 1024), -7, dtype=torch.int32)
         bm = engine.block_manager
         real = bm.cache_full_blocks
 
@@ -183,6 +187,22 @@ class BlockWatch:
         assert refs == bm.ref_counts
         assert set(bm.free_queue) == {b for b in range(bm.num_blocks) if refs[b] == 0}
         assert all(bm.block_hash[b] == h for h, b in bm.hash_to_block.items())
+        self.check_tables()
+
+    def check_tables(self) -> None:
+        """A table is only appended to in place (Request.block_table's rule, which the graph runners' StagedTables
+        rely on); the live tables staged in engine order (rows shift as requests leave) land whole in dst."""
+        live = [r for r in self.engine.requests.values() if not r.is_finished]
+        for req in live:
+            table, then = self.tables.get(req.request_id, (None, ()))
+            if req.block_table is table:
+                assert tuple(table[:len(then)]) == then, f"{req}'s table was changed in place"
+        self.tables = {r.request_id: (r.block_table, tuple(r.block_table)) for r in live}
+        tables = [r.block_table for r in live]
+        width = max([len(t) for t in tables] + [1])
+        self.staged.upload(tables, width, self.dst)
+        for row, table in zip(self.dst, tables):
+            assert row[:len(table)].tolist() == table
 
 
 class Collected:

@@ -187,9 +187,12 @@ class BlockManager:
         and never read them); hashed ones stay in the prefix cache until evicted. Returns how many went."""
         before = min(max(0, req.num_computed_tokens - window + 1) // self.block_size, len(req.block_table))
         start = req.num_slid_out_blocks         # the table's entries before it are SLID_OUT already
-        for i in range(start, before):
-            self._release(req.block_table[i])
-            req.block_table[i] = SLID_OUT
+        if before > start:
+            table = req.block_table.copy()      # a new list: entries are never changed in place (Request.block_table)
+            for i in range(start, before):
+                self._release(table[i])
+                table[i] = SLID_OUT
+            req.block_table = table
         req.num_slid_out_blocks = max(start, before)
         return max(0, before - start)
 

@@ -55,6 +55,49 @@ def fill_block_tables(out: np.ndarray, tables: list[list[int]]) -> None:
         row[:len(table)] = table
 
 
+class StagedTables:
+    """The block tables a graph runner uploads, staged in pinned host memory kept from step to step: a step writes
+    only the entries its rows' tables gained since the buffer last held them (a decoding row's table gains one every
+    block_size tokens), where converting every entry from Python each step cost ~0.6 ms at batch 256 with 2k-token
+    contexts. Two buffers used in turn, as BitmaskBuffers': step N + 1 is staged while step N's copy may not have
+    run yet; an event after each buffer's copy is waited for (it has nearly always passed) before it is written again.
+
+    It relies on the rule Request.block_table keeps: a table's entries are never changed in place (anything but an
+    append gives the request a new list), so the same list object, no shorter, still holds what was written."""
+
+    def __init__(self, rows: int, cols: int) -> None:
+        pin = torch.cuda.is_available()
+        self._buffers = [torch.zeros(rows, cols, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
+        self._held: list[list[list[int] | None]] = [[None] * rows for _ in range(2)]   # each row's table object
+        self._written = [[0] * rows for _ in range(2)]    # and how many of its entries the row holds
+        self._events: list[torch.cuda.Event | None] = [None, None]
+        self._next = 0
+
+    def upload(self, tables: list[list[int]], width: int, dst: torch.Tensor) -> None:
+        """dst[:len(tables), :width] := the tables, by one non-blocking copy (entries past a table's end are stale;
+        a table longer than the buffer is cut at its width)."""
+        slot, self._next = self._next, 1 - self._next
+        if self._events[slot] is not None:
+            self._events[slot].synchronize()
+        buf = self._buffers[slot]
+        out, held, written, cols = buf.numpy(), self._held[slot], self._written[slot], buf.shape[1]
+        for i, table in enumerate(tables):
+            n = min(len(table), cols)
+            if held[i] is table:
+                k = written[i]
+                if k < n:
+                    out[i, k:n] = table[k:n]
+            else:
+                out[i, :n] = table if n == len(table) else table[:n]
+                held[i] = table
+            written[i] = n
+        dst[:len(tables), :width].copy_(buf[:len(tables), :width], non_blocking=True)
+        if dst.is_cuda:
+            if self._events[slot] is None:
+                self._events[slot] = torch.cuda.Event()
+            self._events[slot].record()
+
+
 class CUDAGraphRunner:
     def __init__(self, model: nn.Module, max_num_seqs: int, max_blocks_per_seq: int, block_size: int,
                  device: torch.device) -> None:
@@ -69,6 +112,7 @@ class CUDAGraphRunner:
         self.seq_lens = torch.zeros(m, dtype=torch.int32, device=dev)
         self.query_start_loc = torch.arange(m + 1, dtype=torch.int32, device=dev)
         self.block_tables = torch.zeros(m, max_blocks_per_seq, dtype=torch.int32, device=dev)
+        self.staged_tables = StagedTables(m, max_blocks_per_seq)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
 
@@ -101,13 +145,11 @@ class CUDAGraphRunner:
         width = max(len(t) for t in step.block_tables)
         tokens = pinned(np.array([step.input_ids, step.positions, step.slot_mapping], dtype=np.int64))
         lens = pinned(np.array(step.seq_lens, dtype=np.int32))
-        tables = np.empty((n, width), dtype=np.int32)
-        fill_block_tables(tables, step.block_tables)
         self.tokens[:, :n].copy_(tokens, non_blocking=True)
         if prev_tokens is not None:
             self.tokens[0].index_copy_(0, *prev_tokens)
         self.seq_lens[:n].copy_(lens, non_blocking=True)
-        self.block_tables[:n, :width].copy_(pinned(tables), non_blocking=True)
+        self.staged_tables.upload(step.block_tables, width, self.block_tables)
         if bs > n:
             self.tokens[2, n:bs].fill_(-1)
             self.seq_lens[n:bs].fill_(0)

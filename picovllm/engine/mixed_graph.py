@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from picovllm.engine.cuda_graph import capture_largest_first, fill_block_tables, pinned
+from picovllm.engine.cuda_graph import StagedTables, capture_largest_first, pinned
 from picovllm.engine.piecewise_graph import piecewise_buckets
 from picovllm.engine.step_input import StepInput
 from picovllm.kernels.work_attention import max_work_items, work_items, work_tile
@@ -65,6 +65,7 @@ class MixedGraphRunner:
                                    device=device)
         self.meta_i32[self._splits_at:self._work_at] = 0
         self.block_tables = torch.zeros(s, self.max_blocks, dtype=torch.int32, device=device)
+        self.staged_tables = StagedTables(s, self.max_blocks)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.hidden: dict[int, torch.Tensor] = {}
 
@@ -120,11 +121,9 @@ class MixedGraphRunner:
         meta[self._splits_at:self._splits_at + ns] = splits
         meta[self._work_at:] = items.reshape(-1)
         width = -(-max(step.seq_lens) // self.block_size)     # the blocks the contexts use (tables may hold more)
-        tables = np.empty((ns, width), dtype=np.int32)
-        fill_block_tables(tables, step.block_tables)
         self.tokens[:, :size].copy_(pinned(tokens), non_blocking=True)
         self.meta_i32[:len(meta)].copy_(pinned(meta), non_blocking=True)
-        self.block_tables[:ns, :width].copy_(pinned(tables), non_blocking=True)
+        self.staged_tables.upload(step.block_tables, width, self.block_tables)
         return size
 
     def run(self, step: StepInput, prev_tokens: tuple[torch.Tensor, torch.Tensor] | None = None
