@@ -3,7 +3,7 @@ negligible and what is measured is the per-step Python work (scheduling, input b
 dispatch, sampling set-up, postprocessing), which a GPU step pays whatever the model's size.
 
     python benchmarks/step_host_cost.py [--layers 2] [--prompt-len 512] [--iters 50] [--device cpu]
-    python benchmarks/step_host_cost.py --batches 32 128 256 [--steps 200] [--context 64]    # decode steps
+    python benchmarks/step_host_cost.py --batches 32 128 256 [--steps 200] [--context 64] [--repetition-penalty 1.05]
     python -m cProfile -s cumtime benchmarks/step_host_cost.py --iters 200 | head -60   # where it goes
 
 Reports the median µs per step: a fresh prefill of --prompt-len tokens (one request, its first token), a
@@ -72,6 +72,8 @@ def main() -> None:
     p.add_argument("--phases", action="store_true", help="time the phases of the prefill step")
     p.add_argument("--batches", type=int, nargs="+", help="time decode steps at these batch sizes instead")
     p.add_argument("--steps", type=int, default=200, help="decode steps timed per batch size (--batches)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="--batches: every request's (a model's generation_config may set one for all: Qwen2.5's 1.05)")
     p.add_argument("--context", type=int, default=64,
                    help="--batches: each request's prompt length (its block table's length is what the graph "
                         "runners upload a step)")
@@ -147,7 +149,7 @@ def decode_batches(path: str, args) -> None:
 
     max_len, rng = args.context + 2 * args.steps + 64, random.Random(0)
     print(f"tiny Qwen3 hidden {args.hidden}, {args.layers} layers, {args.device}, {torch.get_num_threads()} thread(s); "
-          f"decode steps, {args.context}-token prompts, median us")
+          f"decode steps, {args.context}-token prompts, repetition penalty {args.repetition_penalty}, median us")
     for batch in args.batches:
         # the engine's own attention backend: on the CPU, the decode steps' one-call stack
         eng = Engine(EngineConfig(model=path, device=args.device, max_model_len=max_len, max_num_seqs=batch,
@@ -155,7 +157,8 @@ def decode_batches(path: str, args) -> None:
                                   skip_tokenizer_init=True))
         for _ in range(batch):
             eng.add_request([rng.randrange(1024) for _ in range(args.context)],
-                            SamplingParams(temperature=0, max_tokens=max_len, ignore_eos=True))
+                            SamplingParams(temperature=0, max_tokens=max_len, ignore_eos=True,
+                                           repetition_penalty=args.repetition_penalty))
         while not all(r.output_token_ids for r in eng.requests.values()):
             eng.step(unfinished_outputs=False)
         clock = PhaseClock(eng)

@@ -108,6 +108,47 @@ def test_pending_output_token_counts_from_the_step_in_flight():
         adjust_logits(logits, pending)
 
 
+def test_kept_counts_give_what_counts_built_anew_give(monkeypatch):
+    """PenaltyCounts (an engine's rows: counts kept on the device from step to step, only new outputs added) against
+    the same rows without a key (every count built anew from the lists, the path the tests above check against HF):
+    40 random steps over 12 requests, a few in each step, with outputs growing by one or several tokens (a skipped
+    step, accepted drafts), outputs the rows do not count yet (num_outputs behind its list, and falling back now and
+    then), drafts ahead, a pending token from the step in flight, two rows of one request (speculative rows, the
+    same outputs counted), a request id used again by a new
+    request, and two slots to start with, so slots are taken over from requests left out of a step."""
+    from picovllm.layers.logits_processors import PenaltyCounts
+    monkeypatch.setattr(PenaltyCounts, "MIN_SLOTS", 2)
+    rng, vocab = random.Random(5), 50
+    kept = PenaltyCounts(torch.device("cpu"))
+    sps = [SamplingParams(frequency_penalty=0.7, presence_penalty=0.3, repetition_penalty=rng.choice([1.0, 1.3]))
+           for _ in range(12)]
+    reqs = {i: ([rng.randrange(vocab) for _ in range(rng.randrange(1, 6))], []) for i in range(12)}
+    for step in range(40):
+        if step == 20:
+            reqs[3] = ([7, 7], [])                          # id 3 again: a new request, new lists
+        logits = torch.randn(8, vocab) * 3
+        rows, anew, prev = [], [], torch.randint(0, vocab, (8,))
+        for i in rng.sample(range(12), rng.randrange(1, 6)):
+            prompt, outputs = reqs[i]
+            outputs += [rng.randrange(vocab) for _ in range(rng.choice([0, 1, 1, 3]))]
+            counted = rng.randrange(max(0, len(outputs) - 2), len(outputs) + 1)     # may fall: counted anew
+            for _ in range(rng.choice([1, 1, 2])):
+                ahead = [rng.randrange(vocab) for _ in range(rng.choice([0, 0, 2]))]
+                pending = rng.choice([-1, rng.randrange(8)])
+                row = row_for(sps[i], prompt, [])
+                row.penalty_key, row.output_token_ids, row.num_outputs = str(i), outputs, counted
+                row.prompt_token_ids = prompt if sps[i].repetition_penalty != 1 else []
+                row.ahead, row.pending_src = ahead, pending
+                rows.append(row)
+                plain = row_for(sps[i], prompt, outputs[:counted] + ahead)
+                plain.pending_src = pending
+                anew.append(plain)
+        logits = logits[:len(rows)]
+        torch.testing.assert_close(adjust_logits(logits, rows, prev, kept), adjust_logits(logits, anew, prev),
+                                   rtol=0, atol=0)
+    assert kept.counts.shape[0] <= 16       # grown to the most requests a step had, doubling from 2
+
+
 # -- end to end: greedy decoding against HF's model with the reference processors ----------------------------------
 @functools.lru_cache(maxsize=2)
 def hf_model(path: str):

@@ -26,6 +26,7 @@ from picovllm.engine.step_input import (SamplingRow, StepInput, build_step_input
 from picovllm.kernels.cpu import prebuild_cpu_kernels, quant_gemm, small_gemm
 from picovllm.layers import fp8_weights
 from picovllm.layers.attention import AttentionMetadata
+from picovllm.layers.logits_processors import PenaltyCounts
 from picovllm.layers.packed_linear import pack_linear_weights
 from picovllm.loader.engine_weights import load_model_weights
 from picovllm.loader.fp8 import float8_parameters
@@ -80,6 +81,7 @@ class ModelRunner:
         self.is_pooling = config.runner == "pooling"
         if self.is_pooling:
             self.model.lm_head = None
+        self.penalty_counts = PenaltyCounts(self.device)    # penalized requests' counts, kept between steps
         if self.device.type == "cpu" and self.dtype == torch.float32:   # a first start compiles them all at once
             attn = self.model.attention_layers()[0]
             quantized = config.quantization != "none" and source.stored_weights is not None and tp.size == 1
@@ -216,15 +218,14 @@ class ModelRunner:
         return (to_device(step.prev_dst, torch.long, self.device),
                 in_flight[to_device(step.prev_src, torch.long, self.device)])
 
-    @staticmethod
-    def launch_sampling(logits: torch.Tensor | None, step: StepInput,
+    def launch_sampling(self, logits: torch.Tensor | None, step: StepInput,
                         prev_tokens: torch.Tensor | None = None) -> LaunchedStep:
         """logits: compute_logits' rows, the sampled ones first, then the prompt-logprob ones (a pooling step's:
         its pooled rows, copied to the host, nothing sampled).
         prev_tokens: the in-flight step's sampled tokens (penalties count a pending output from there)."""
         if step.pooled_rows:
             return pooling.launch_pooled(logits)
-        return sampling.launch_sampling(logits, step, prev_tokens)
+        return sampling.launch_sampling(logits, step, prev_tokens, self.penalty_counts)
 
     @staticmethod
     def resolve(launched: LaunchedStep) -> StepResult:

@@ -42,7 +42,7 @@ class Request:
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         # A fresh list per request: a shared default list once merged every request's outputs.
-        self.output_token_ids: list[int] = []
+        self.output_token_ids: list[int] = []    # only appended to (penalties count it as it grows: PenaltyCounts)
         self.params = params
         self.priority = 0                # the "priority" scheduling policy's: lower goes first (vLLM's)
         self.status = RequestStatus.WAITING

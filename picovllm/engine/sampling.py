@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from picovllm.engine.step_input import SamplingRow, StepInput, to_device
-from picovllm.layers.logits_processors import adjust_logits
+from picovllm.layers.logits_processors import PenaltyCounts, adjust_logits
 from picovllm.layers.sampler import SamplingTensors, greedy_tokens, sample, sample_temperature_only
 from picovllm.layers.structured_output import TokenBitmasks, apply_token_bitmasks, device_masks
 from picovllm.outputs import Logprob
@@ -41,17 +41,18 @@ class LaunchedStep:
     pooled: torch.Tensor | None = None     # a pooling step's rows, host copy (engine/pooling.py); nothing samples
 
 
-def launch_sampling(logits: torch.Tensor | None, step: StepInput,
-                    prev_tokens: torch.Tensor | None = None) -> LaunchedStep:
+def launch_sampling(logits: torch.Tensor | None, step: StepInput, prev_tokens: torch.Tensor | None = None,
+                    penalty_counts: PenaltyCounts | None = None) -> LaunchedStep:
     """Queue sampling, the prompt logprobs and the host copies. logits: the sampled rows', then the
     prompt-logprob rows'. prev_tokens: the in-flight step's sampled tokens (penalties count a pending
-    output from there)."""
+    output from there). penalty_counts: the engine's, kept from step to step."""
     if logits is None:
         return LaunchedStep(None, [], [], None)
     k = len(step.sample_indices)
     tokens, host = None, []
     if k:
-        tokens, logprob_tensors = sample_logits(logits[:k], step.sampling, prev_tokens, step.token_bitmasks)
+        tokens, logprob_tensors = sample_logits(logits[:k], step.sampling, prev_tokens, step.token_bitmasks,
+                                                penalty_counts)
         host = [_to_host(t) for t in (tokens, *logprob_tensors)]
     launched = LaunchedStep(tokens, host, step.sampling, None)
     if step.prompt_indices:
@@ -83,14 +84,15 @@ def resolve(launched: LaunchedStep) -> StepResult:
 
 
 def sample_logits(logits: torch.Tensor, rows: list[SamplingRow], prev_tokens: torch.Tensor | None = None,
-                  token_bitmasks: TokenBitmasks | None = None) -> tuple[torch.Tensor, tuple]:
+                  token_bitmasks: TokenBitmasks | None = None, penalty_counts: PenaltyCounts | None = None
+                  ) -> tuple[torch.Tensor, tuple]:
     """Sampled token ids [B] on the device, and the logprob tensors the rows ask for (or ()).
-    token_bitmasks: the rows' grammar masks (structured outputs), if any.
+    token_bitmasks: the rows' grammar masks (structured outputs), if any; penalty_counts: the engine's kept counts.
     logits in the model's dtype: the fused GPU sampler reads them as they are, the torch
     sampler and logprobs upcast to float32 themselves."""
     dev = logits.device
     raw = logits
-    logits = adjust_logits(logits, rows, prev_tokens)   # bias, banned tokens, penalties
+    logits = adjust_logits(logits, rows, prev_tokens, penalty_counts)   # bias, banned tokens, penalties
     temps = [r.temperature for r in rows]
     masked = token_bitmasks is not None and bool(token_bitmasks.filled)
     if logits.is_cuda and (masked or any(temps)) and not any(r.filtered for r in rows):

@@ -42,6 +42,17 @@ class SamplingRow:
     # bad_after[j]. The bans the host can decide alone are in `banned`.
     bad_after: list[int] = field(default_factory=list)
     bad_ban: list[int] = field(default_factory=list)
+    # Penalties kept on the device from step to step (logits_processors.PenaltyCounts): the request's id, the outputs
+    # counted are output_token_ids[:num_outputs] (the request's own list, only appended to: not copied; -1: all of
+    # it), then the drafted tokens `ahead` (speculative rows). Without a key the counts are built anew each step.
+    penalty_key: str | None = None
+    num_outputs: int = -1
+    ahead: list[int] = field(default_factory=list)
+
+    def counted_outputs(self) -> list[int]:
+        """The outputs the penalties count, besides the pending one: the known ones, then the drafts."""
+        known = self.output_token_ids if self.num_outputs < 0 else self.output_token_ids[:self.num_outputs]
+        return known + self.ahead if self.ahead else known
 
     @property
     def has_penalties(self) -> bool:
@@ -169,9 +180,8 @@ def sampling_row(req, eos_token_ids: list[int], ahead: list[int] = ()) -> Sampli
         return req.fixed_sampling_row
     p = req.params
     n_out = req.num_output_tokens + len(ahead)
-    # the outputs so far, drafts included, read by bad words and penalties only (a copy a row: made only for them)
-    outputs = req.output_token_ids + list(ahead) if ahead and (req.bad_words_ids or p.has_penalties) \
-        else req.output_token_ids
+    # the outputs so far, drafts included, read by bad words only (a copy a row: made only for them)
+    outputs = req.output_token_ids + list(ahead) if ahead and req.bad_words_ids else req.output_token_ids
     banned = []
     if n_out < p.min_tokens:
         banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids))
@@ -190,7 +200,8 @@ def sampling_row(req, eos_token_ids: list[int], ahead: list[int] = ()) -> Sampli
     if p.has_penalties:
         row.presence_penalty, row.frequency_penalty = p.presence_penalty, p.frequency_penalty
         row.repetition_penalty = p.repetition_penalty
-        row.output_token_ids = list(outputs)
+        row.penalty_key, row.output_token_ids = req.request_id, req.output_token_ids     # only appended to
+        row.num_outputs, row.ahead = len(req.output_token_ids), list(ahead)
         row.prompt_token_ids = req.prompt_token_ids if p.repetition_penalty != 1 else []  # never mutated
         row.pending_src = pending
     elif not (ahead or req.bad_words_ids or p.seed is not None) and n_out >= p.min_tokens:
