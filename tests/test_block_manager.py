@@ -252,15 +252,15 @@ def test_a_mean_pooling_request_given_back_leaves_the_lookup_counts_alone():
 
 
 def test_staged_tables_write_what_changed_and_cut_at_the_width():
-    """The graph runners' StagedTables (two buffers in turn, each writing only what a row's table gained since that
-    buffer held it): by hand, a row that grew, one given a new list of the same length, rows that moved up when one
-    left, and a table longer than the buffer, cut at its width."""
+    """The graph runners' StagedTables (a kept host array, each row writing only what its table gained since the row
+    held it): by hand, a row that grew, one given a new list of the same length, rows that moved up when one left,
+    and a table longer than the array, cut at its width."""
     import torch
 
     from picovllm.engine.cuda_graph import StagedTables
     staged, dst = StagedTables(4, 3), torch.full((4, 3), -1, dtype=torch.int32)
     a, b, c = [1], [2, 3], [4, 5, 6, 7]
-    for step in range(4):          # both buffers see each version
+    for step in range(4):          # each version twice: the second upload writes nothing
         if step == 2:
             a.append(8)            # grown in place
             b = [9, 10]            # replaced: same length, other entries
