@@ -140,40 +140,52 @@ def test_a_dead_engine_process_fails_streams_and_health(chat_model, tmp_path):
         srv.stop()
 
 
-def test_output_deltas_rebuild_every_output(chat_model):
+@pytest.mark.parametrize("engine_deltas", [False, True])
+def test_output_deltas_rebuild_every_output(chat_model, engine_deltas):
     """What crosses the pipe each step is what changed: decoded, every engine output equals the original (the
     metrics ride with the last one only), through stop strings that trim the text, logprobs, prompt logprobs that
-    grow over prefill chunks, and an abort."""
+    grow over prefill chunks, and an abort. engine_deltas (a colocated engine process's way): the engine makes
+    DELTA outputs of its CUMULATIVE requests (Engine.stream_deltas), and decoded they equal the cumulative outputs of
+    a twin engine stepped in lockstep."""
     import dataclasses
     from picovllm.entrypoints.openai.engine_client import OutputDelta
     from picovllm.entrypoints.openai.engine_process import OutputDeltas, OutputsFromDeltas
     from picovllm.outputs import RequestOutput
-    llm = LLM(chat_model, block_size=16, num_kv_blocks=512, max_model_len=256, max_num_batched_tokens=8)
-    eng, enc, dec = llm.engine, OutputDeltas(), OutputsFromDeltas()
+    args = dict(block_size=16, num_kv_blocks=512, max_model_len=256, max_num_batched_tokens=8)
+    llm = LLM(chat_model, **args)
+    eng, enc, dec = llm.engine, OutputDeltas(engine_deltas), OutputsFromDeltas()
+    twin = LLM(chat_model, **args).engine if engine_deltas else None
+    eng.stream_deltas = engine_deltas
     tok = llm.get_tokenizer()
     plain = llm.generate(["Tell me a story"], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0]
     stop = plain.outputs[0].text[6:9]                  # a stop string the greedy text runs into
-    eng.add_request("Tell me a story", SamplingParams(temperature=0, max_tokens=12, stop=[stop]), "stop")
-    eng.add_request(tok.encode("Numbers: 0 1 2 3 4 5"), SamplingParams(temperature=0.9, seed=1, max_tokens=10,
-                                                                       logprobs=2, prompt_logprobs=1), "scored")
-    eng.add_request("Hello there", SamplingParams(temperature=0, max_tokens=50, ignore_eos=True), "aborted")
+    for e in (eng, twin) if twin else (eng,):
+        e.add_request("Tell me a story", SamplingParams(temperature=0, max_tokens=12, stop=[stop]), "stop")
+        e.add_request(tok.encode("Numbers: 0 1 2 3 4 5"), SamplingParams(temperature=0.9, seed=1, max_tokens=10,
+                                                                         logprobs=2, prompt_logprobs=1), "scored")
+        e.add_request("Hello there", SamplingParams(temperature=0, max_tokens=50, ignore_eos=True), "aborted")
     seen, kinds = 0, set()
     for step in range(200):
         outs = eng.step()
+        wants = twin.step() if twin else outs
         if step == 6:
             outs.append(eng.abort("aborted"))
-        for out in outs:
-            msg = enc.encode(out)
+            if twin:
+                wants.append(twin.abort("aborted"))
+        assert len(outs) == len(wants)
+        for made, want in zip(outs, wants):     # want: the cumulative output (the twin's, under engine_deltas)
+            msg = enc.encode(made)
             kinds.add(type(msg))
             got = dec.decode(msg)
-            if not out.finished:
-                got, out = dataclasses.replace(got, metrics=None), dataclasses.replace(out, metrics=None)
-            assert got == out, (step, out.request_id)
+            assert (got.metrics is not None) == (want.metrics is not None)
+            if not want.finished or engine_deltas:      # (the twin's timings are its own)
+                got, want = dataclasses.replace(got, metrics=None), dataclasses.replace(want, metrics=None)
+            assert got == want, (step, want.request_id)
             seen += 1
         if not eng.has_unfinished_requests():
             break
     assert kinds == {RequestOutput, OutputDelta} and seen > 20
-    assert not enc._sent and not dec._last                  # nothing kept for finished requests
+    assert not enc._sent and not enc._chars and not dec._last      # nothing kept for finished requests
 
 
 def test_a_failed_step_leaves_no_delta_state_behind(chat_model):

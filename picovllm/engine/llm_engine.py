@@ -54,7 +54,7 @@ from picovllm.sampling_params import RequestOutputKind, SamplingParams
 logger = logging.getLogger(__name__)
 
 # read once a request a step: on Python 3.11 an enum member read through its class costs ~55 ns more (request.py)
-DELTA, FINAL_ONLY = RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY
+CUMULATIVE, DELTA, FINAL_ONLY = RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY
 
 if TYPE_CHECKING:
     from picovllm.disagg.channel import Channel
@@ -161,6 +161,9 @@ class Engine:
         self.closed = False            # close() was called: submit() refuses
         self.detokenizer = Detokenizer(self.tokenizer)
         self.requests: dict[str, Request] = {}
+        # CUMULATIVE requests' outputs hold only what is new, as DELTA ones' do: for a consumer that adds them up
+        # itself (the engine process's OutputDeltas), spared copying every request's whole output every step
+        self.stream_deltas = False
         self.overlap = config.async_scheduling
         if self.overlap and not self.executor.supports_overlap:
             raise ValueError("EngineConfig.async_scheduling: this executor cannot launch a step behind one in flight")
@@ -712,7 +715,7 @@ class Engine:
         would cut them, and no output takes back text an earlier one showed (none with include_stop_str_in_output,
         whose cut keeps all that came before)."""
         p, finished = req.params, req.is_finished
-        delta = p.output_kind == DELTA
+        delta = p.output_kind == DELTA or (self.stream_deltas and p.output_kind == CUMULATIVE)
         first = req.num_streamed_tokens if delta else 0      # the first output token this output holds
         req.num_streamed_tokens = len(req.output_token_ids)
         logprobs = req.logprobs

@@ -10,7 +10,10 @@ side encodes and renders chats).
 
 What crosses the pipe each step is what changed (OutputDeltas): a RequestOutput is cumulative (the prompt's ids, every
 token so far), and pickling 256 of them whole took 3-9 ms a step on the CPU (500-token prompts, 50-1000 tokens out).
-A DELTA request's outputs (SamplingParams.output_kind) hold only what is new already: they go whole.
+A DELTA request's outputs (SamplingParams.output_kind) hold only what is new already: they go whole. A colocated
+engine (ChildLoop) makes its CUMULATIVE requests' outputs as DELTA ones too (Engine.stream_deltas), each sent as an
+OutputDelta of itself: copying every request's whole output every step (and the garbage collector's walks over those
+copies) cost ~20 ms a step at batch 256 with 2,000-token outputs. The parent adds them up (OutputsFromDeltas).
 
 The child ignores SIGINT (a terminal's Ctrl-C reaches the whole process group; the parent shuts the child down) and
 ends when the parent's pipe closes, so it never outlives the server. While it builds the engine it reads no pipe, so
@@ -63,9 +66,13 @@ class OutputDeltas:
     not extend the last (fewer tokens, other prompt logprobs), goes whole. The metrics go with the last output only
     (the server reads them then)."""
 
-    def __init__(self) -> None:
+    def __init__(self, engine_deltas: bool = False) -> None:
+        """engine_deltas: the engine's outputs of CUMULATIVE requests hold only what is new (Engine.stream_deltas):
+        each goes as an OutputDelta of itself, once the request's first has gone whole."""
         self._sent: dict[str, tuple[int, str, int]] = {}   # request id -> (tokens, text, prompt logprobs) sent
         self._whole: set[str] = set()     # DELTA requests (SamplingParams.output_kind): new tokens only already
+        self._engine_deltas = engine_deltas
+        self._chars: dict[str, int] = {}  # engine_deltas: request id -> the characters of text sent
 
     def track(self, cmd: Command) -> None:
         """Commands as the loop takes them: a DELTA request's outputs go whole (each holds only what is new)."""
@@ -79,6 +86,7 @@ class OutputDeltas:
         if isinstance(out, CommandAnswer):
             if isinstance(out.error, EngineStepError):
                 self._sent.pop(out.request_id, None)
+                self._chars.pop(out.request_id, None)
             if out.error is not None:       # a refused add or a failed request: the id's next use is new
                 self._whole.discard(out.request_id)
             return out
@@ -87,6 +95,8 @@ class OutputDeltas:
             if out.finished:
                 self._whole.discard(rid)
             return out
+        if self._engine_deltas:
+            return self._of_delta(out)
         prev = self._sent.pop(rid, None)
         c = out.outputs[0] if len(out.outputs) == 1 else None
         scored = len(out.prompt_logprobs or ())
@@ -101,6 +111,23 @@ class OutputDeltas:
         return (rid, c.token_ids[t:], k, c.text[k:], None if c.logprobs is None else c.logprobs[t:],   # OUTPUT_DELTA
                 c.cumulative_logprob, c.finish_reason, c.stop_reason, out.finished, out.error, out.num_cached_tokens,
                 out.metrics if out.finished else None, out.kv_handover)
+
+
+    def _of_delta(self, out: RequestOutput) -> RequestOutput | OutputDelta:
+        """An engine's DELTA output of a CUMULATIVE request as an OutputDelta; whole while nothing was sent (its
+        first output) or it carries prompt logprobs (before its first token: the engine's DELTA output then holds
+        all there is, as a cumulative one would)."""
+        rid, c = out.request_id, out.outputs[0] if len(out.outputs) == 1 else None
+        sent = self._chars.pop(rid, None)
+        if sent is None or c is None or out.prompt_logprobs is not None:
+            if not out.finished and c is not None:
+                self._chars[rid] = len(c.text)
+            return out
+        if not out.finished:
+            self._chars[rid] = sent + len(c.text)
+        return (rid, c.token_ids, sent, c.text, c.logprobs, c.cumulative_logprob, c.finish_reason,   # OUTPUT_DELTA
+                c.stop_reason, out.finished, out.error, out.num_cached_tokens, out.metrics if out.finished else None,
+                out.kv_handover)
 
 
 class OutputsFromDeltas:
@@ -327,11 +354,16 @@ class PipeEnds:
     commands from the parent, each iteration's outputs and the stats (when they change) back. Mixed in first,
     before AsyncEngine or a subclass (a P or D server's)."""
 
+    # the engine's outputs of CUMULATIVE requests hold only what is new (Engine.stream_deltas): a colocated engine's.
+    # Not a P's or D's: a P re-sends a request's last output when D takes it over (PDAsyncEngine._after_step)
+    stream_deltas = False
+
     def __init__(self, engine, commands, results) -> None:
         super().__init__(engine)
         self._in, self._out = commands, results
         self._sent_stats = None
-        self._deltas = OutputDeltas()
+        engine.stream_deltas = self.stream_deltas
+        self._deltas = OutputDeltas(self.stream_deltas)
 
     def _receive(self, timeout_s: float | None) -> list[Command]:
         cmds: list[Command] = []
@@ -449,10 +481,12 @@ class SharedPipeEnds(PipeEnds):
 
 class ChildLoop(PipeEnds, AsyncEngine):
     """A colocated server's loop in its engine process."""
+    stream_deltas = True
 
 
 class SharedChildLoop(SharedPipeEnds, AsyncEngine):
     """A colocated server's loop in its engine process, for several API server processes."""
+    stream_deltas = True
 
 
 class StopBuilding(BaseException):
