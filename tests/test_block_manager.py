@@ -251,6 +251,37 @@ def test_a_mean_pooling_request_given_back_leaves_the_lookup_counts_alone():
     assert bm.num_free_blocks == bm.num_blocks
 
 
+def test_a_head_without_room_is_looked_up_again_only_when_something_changed():
+    """The queue's head that found no room is not looked up again (its prefix hashed, its cached blocks taken and
+    given back) at every step while the others decode: only once more blocks are cached or free. By hand: lookups a
+    step, and the admission once the running request gives its blocks back."""
+    bm = BlockManager(4, 4)
+    s = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64)
+    lookups = []
+    real = bm.allocate_prefix
+    bm.allocate_prefix = lambda r: (lookups.append(r.request_id), real(r))[1]
+    big = req("big", [50] * 8)                   # blocks 0, 1
+    s.add(big)
+    run_step(s, s.schedule())
+    late = req("late", list(range(9)))           # needs 3 blocks
+    s.add(late)
+    per_step = []
+    for step in range(6):
+        n = len(lookups)
+        out = s.schedule()
+        per_step.append(len(lookups) - n)
+        run_step(s, out)
+        if step == 4:
+            s.finish(big)
+    # step 0: big takes a third block, 1 left: late looked up, no room; steps 1-3: nothing changed; step 3 fills
+    # big's third block (cached), so step 4 looks again (big has taken the last block: no room); step 5 after big
+    # finished: admitted
+    assert per_step == [1, 0, 0, 0, 1, 1] and plan(out) == [("late", 9)]
+    run_step(s, out)
+    s.finish(late)
+    assert bm.num_free_blocks == bm.num_blocks
+
+
 def test_staged_tables_write_what_changed_and_cut_at_the_width():
     """The graph runners' StagedTables (a kept host array, each row writing only what its table gained since the row
     held it): by hand, a row that grew, one given a new list of the same length, rows that moved up when one left,

@@ -37,6 +37,7 @@ class BlockManager:
         self.ref_counts = [0] * num_blocks
         self.block_hash: list[int | None] = [None] * num_blocks
         self.hash_to_block: dict[int, int] = {}
+        self.num_registered = 0               # blocks ever entered in hash_to_block (the scheduler's _no_room reads it)
         self.free_queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self.queried_tokens = 0
         self.hit_tokens = 0
@@ -151,6 +152,7 @@ class BlockManager:
             if block != SLID_OUT and self.block_hash[block] is None and h not in self.hash_to_block:
                 self.block_hash[block] = h
                 self.hash_to_block[h] = block
+                self.num_registered += 1
 
     def _chain_start(self, req: Request) -> int:
         """The hash a request's chain of block hashes starts from: the model's salt, the rotary offset of a
