@@ -135,7 +135,9 @@ def test_offline_chat_renders_tools_as_the_server_does(chat_model):
 @pytest.mark.parametrize("parallel", [True, False])
 def test_auto_stream_adds_up_to_the_parse_and_sends_each_call_when_its_block_closes(text, parallel):
     import random
+    from picovllm.entrypoints.openai.tool_parsers.registry import tool_parser
     policy = request(tools=[WEATHER, TIME], parallel_tool_calls=parallel).tool_policy()
+    parser = tool_parser(policy.parser)
     want_content, want_calls = policy.parse(text)
     rng = random.Random(len(text))
     for hold in (0, 3):
@@ -150,6 +152,10 @@ def test_auto_stream_adds_up_to_the_parse_and_sends_each_call_when_its_block_clo
                 # never closed: at the end)
                 assert cut == len(text) or text[:cut - hold].count("</tool_call>") >= len(calls) + 1
                 calls.append(call)
+            if cut < len(text):      # and not later: every call whose block closed before the held characters
+                blocks = [m for m in parser.block_re.finditer(text[:max(0, cut - hold)])
+                          if parser.block_call(policy, m.group(1)) is not None]
+                assert len(calls) == (len(blocks) if parallel else min(1, len(blocks))), (cut, hold)
         assert (content or None) == want_content
         assert [(c.name, c.arguments) for c in calls] == [(c.name, c.arguments) for c in want_calls]
 

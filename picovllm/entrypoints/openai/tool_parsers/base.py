@@ -54,6 +54,7 @@ class BlockParser(ToolParser):
     """A format whose calls are `<tool_call>` blocks (block_re), each block's inside read on its own (block_call);
     the content is the text before the first call, trailing whitespace dropped."""
     block_re: re.Pattern = BLOCK_RE
+    block_close = "</tool_call>"     # every block_re match ends in it (AutoToolStream searches new text for it)
 
     def block_call(self, policy: ToolPolicy, block: str) -> ToolCall | None:
         """The call a complete block's inside makes, or None if it makes none."""

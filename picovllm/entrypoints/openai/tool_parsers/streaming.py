@@ -22,6 +22,11 @@ class AutoToolStream:
         self.scanned = 0         # the text up to here has been searched for complete blocks
         self.content_end: int | None = None   # where the first call's block starts: content ends there
         self.num_calls = 0
+        # Block formats, so that a feed reads what is new rather than the whole text again (a long block still open
+        # was searched from its start at every token: ~60 us a request a token at 2,000 tokens):
+        self.fed = 0             # the length of the text the last feed read
+        self.open_at = -1        # an opening tag found at or after `scanned` (-1: none known)
+        self.open_searched = 0   # none opens between `scanned` and here
 
     def feed(self, text: str, finished: bool) -> tuple[str, list[ToolCall]]:
         if not finished:     # a stop string could still cut the last `hold` characters (and a block there)
@@ -36,8 +41,12 @@ class AutoToolStream:
     def _feed_blocks(self, parser: BlockParser, text: str, finished: bool) -> tuple[str, list[ToolCall]]:
         """The block formats: each call once its block closes; the content up to where a block is or may be
         starting, and, once a call came, up to its block."""
-        calls = []
-        for m in parser.block_re.finditer(text, self.scanned):
+        calls, close = [], parser.block_close
+        # a block that closes now ends in a closing tag that ends past the text read before (every block_re ends in
+        # block_close; one that closed before was found then)
+        closing = finished or text.find(close, max(self.scanned, self.fed - len(close) + 1)) >= 0
+        self.fed = len(text)
+        for m in parser.block_re.finditer(text, self.scanned) if closing else ():
             self.scanned = m.end()
             call = parser.block_call(self.policy, m.group(1))
             if call is None or (self.num_calls and not self.policy.parallel):
@@ -52,20 +61,28 @@ class AutoToolStream:
                 self.num_calls += 1
                 calls.append(call)
         if self.content_end is not None:          # a call came: the content is what stood before it
-            end = len(text[:self.content_end].rstrip())
+            end = _before_spaces(text, self.content_end)
         elif finished:
             end = len(text)
         else:
             end = len(text)
-            tag = text.find(TOOL_CALL_OPEN, self.scanned)
+            tag = self._open_tag(text)
             if tag >= 0:                          # a block still open: it may become a call
                 end = min(end, tag)
             else:                                 # a tag may be starting at the end
                 end = min(end, len(text) - partial_tag(text))
-            end = len(text[:end].rstrip())
+            end = _before_spaces(text, end)
         new = text[self.sent:end] if end > self.sent else ""
         self.sent = max(self.sent, end)
         return new, calls
+
+    def _open_tag(self, text: str) -> int:
+        """Where the first opening tag at or after `scanned` is, or -1: searched for in what is new only."""
+        if self.open_at < self.scanned:           # none known past the blocks read
+            at = text.find(TOOL_CALL_OPEN, max(self.scanned, self.open_searched))
+            self.open_searched = max(self.scanned, len(text) - len(TOOL_CALL_OPEN) + 1) if at < 0 else at
+            self.open_at = at
+        return self.open_at if self.open_at >= self.scanned else -1
 
     def _feed_section(self, parser: SectionParser, text: str, finished: bool) -> tuple[str, list[ToolCall]]:
         """The section formats: each call once its end marker comes; the content (the markers out) up to where the
@@ -103,3 +120,10 @@ class AutoToolStream:
         new = text[self.sent:end] if end > self.sent else ""
         self.sent = max(self.sent, end)
         return new, calls
+
+
+def _before_spaces(text: str, end: int) -> int:
+    """len(text[:end].rstrip()), without the copy."""
+    while end and text[end - 1].isspace():
+        end -= 1
+    return end
