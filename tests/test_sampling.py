@@ -400,7 +400,7 @@ def _fed(tok, prompt: list[int], out: list[int], **params) -> list[str]:
     from picovllm.engine.llm_engine import Engine
     from picovllm.engine.request import Request
     eng = SimpleNamespace(eos_token_ids=[], detokenizer=Detokenizer(tok), max_model_len=10**9, primary_eos=None,
-                          _decode_tokens=lambda d: None)
+                          _decode_tokens=lambda d: None, stream_deltas=False)
     req = Request("r", prompt, SamplingParams(max_tokens=len(out), **params))
     req.max_tokens = len(out)
     texts = []

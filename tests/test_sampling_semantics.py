@@ -42,7 +42,7 @@ def feed(tok, prompt: list[int], out: list[int], eos: tuple[int, ...] = (), prim
     """The request's final (text, finish_reason, stop_reason, token ids) as the engine gives them when it samples out's
     tokens one by one (Engine.append_token and Engine.make_output on an engine of this tokenizer alone)."""
     eng = SimpleNamespace(eos_token_ids=list(eos), detokenizer=Detokenizer(tok), max_model_len=10**9,
-                          primary_eos=primary_eos, _decode_tokens=lambda d: None)
+                          primary_eos=primary_eos, _decode_tokens=lambda d: None, stream_deltas=False)
     req = Request("r", prompt, SamplingParams(max_tokens=len(out), **params))
     req.max_tokens = len(out)
     for t in out:

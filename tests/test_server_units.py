@@ -32,7 +32,7 @@ def one_stream(rng: random.Random) -> None:
     req = Request("r", [1], SamplingParams(max_tokens=40, stop=stops, ignore_eos=True,
                                            include_stop_str_in_output=rng.random() < 0.3))
     req.max_tokens = 40
-    engine = SimpleNamespace(_decode_tokens=lambda d: None)
+    engine = SimpleNamespace(_decode_tokens=lambda d: None, stream_deltas=False)
     deltas, streamed, shown = TextDeltas(), "", ""
     while not req.is_finished:
         piece = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 3)))
