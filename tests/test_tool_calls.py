@@ -543,6 +543,8 @@ def test_section_format_streams_add_up_to_the_parse(parser, text, want):
             if got:
                 assert text[:cut - (0 if cut == len(text) else hold)].count(call_end) >= len(calls) + len(got)
             calls += got
+            if cut < len(text):      # and each as soon as its end marker is in: the calls of the text so far
+                assert len(calls) == len(policy.parse(text[:max(0, cut - hold)])[1]), (cut, hold)
         assert (content or None, named_args(calls)) == (want_content, named_args(want_calls))
 
 
