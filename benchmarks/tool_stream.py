@@ -3,7 +3,8 @@
     python benchmarks/tool_stream.py [--at 100 2000] [--parsers hermes mistral llama3_json deepseek_v3]
 
 The server feeds a request's whole text so far at every token, on its event loop: a feed should cost what the new
-token adds, not what the text holds. Two texts a parser: prose, and a call whose block (or section) is still open,
+token adds, not what the text holds (the section formats still look for their markers in the whole text before a
+call comes). Two texts a parser: prose, and a call whose block (or section) is still open,
 its arguments growing (a tool writing a long file). Prints the median us a feed over 200 tokens of 4 characters
 around each length.
 """

@@ -17,9 +17,10 @@ from picovllm.config import EngineConfig
 from picovllm.engine.step_codec import decode_step, encode_step, is_step_frame
 from picovllm.engine.step_input import StepInput
 
-PROTOCOL_VERSION = 6    # 2: RunStep as a binary frame; 3: with the prompt-logprob rows; 4: SamplingRow
+PROTOCOL_VERSION = 7    # 2: RunStep as a binary frame; 3: with the prompt-logprob rows; 4: SamplingRow
                         # without token_bitmask (a step's masks are StepInput.token_bitmasks, never sent);
-                        # 5: SamplingRow.allowed (allowed_token_ids); 6: SamplingRow.bad_after, bad_ban
+                        # 5: SamplingRow.allowed (allowed_token_ids); 6: SamplingRow.bad_after, bad_ban;
+                        # 7: SamplingRow.penalty_key, num_outputs, ahead
 
 
 @dataclass(frozen=True)

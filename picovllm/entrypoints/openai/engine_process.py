@@ -13,7 +13,8 @@ token so far), and pickling 256 of them whole took 3-9 ms a step on the CPU (500
 A DELTA request's outputs (SamplingParams.output_kind) hold only what is new already: they go whole. A colocated
 engine (ChildLoop) makes its CUMULATIVE requests' outputs as DELTA ones too (Engine.stream_deltas), each sent as an
 OutputDelta of itself: copying every request's whole output every step (and the garbage collector's walks over those
-copies) cost ~20 ms a step at batch 256 with 2,000-token outputs. The parent adds them up (OutputsFromDeltas).
+copies) cost ~11 ms a step at batch 256 with 2,000-token outputs (benchmarks/served_outputs.py). The parent adds them
+up (OutputsFromDeltas).
 
 The child ignores SIGINT (a terminal's Ctrl-C reaches the whole process group; the parent shuts the child down) and
 ends when the parent's pipe closes, so it never outlives the server. While it builds the engine it reads no pipe, so

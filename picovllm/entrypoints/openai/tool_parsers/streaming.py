@@ -31,6 +31,8 @@ class AutoToolStream:
     def feed(self, text: str, finished: bool) -> tuple[str, list[ToolCall]]:
         if not finished:     # a stop string could still cut the last `hold` characters (and a block there)
             text = text[:max(0, len(text) - self.hold)]
+        if len(text) < self.fed:      # shorter than before (a stop string cut it): what was found past it is gone
+            self.fed, self.open_at, self.open_searched = len(text), -1, min(self.open_searched, len(text))
         parser = tool_parser(self.policy.parser)
         if isinstance(parser, SectionParser):
             return self._feed_section(parser, text, finished)
@@ -61,7 +63,7 @@ class AutoToolStream:
                 self.num_calls += 1
                 calls.append(call)
         if self.content_end is not None:          # a call came: the content is what stood before it
-            end = _before_spaces(text, self.content_end)
+            end = _before_spaces(text, min(self.content_end, len(text)))
         elif finished:
             end = len(text)
         else:
