@@ -171,6 +171,20 @@ def test_an_unclosed_last_block_is_a_call_where_its_json_is_one():
     assert policy.parse(broken) == (broken, [])
 
 
+def test_auto_stream_takes_a_text_that_shrank():
+    """A text shorter than the last one fed (a stop string's cut): what the stream found past its end is forgotten,
+    by hand: a call's block gone below its start, an open tag gone and the text grown again without it."""
+    policy = request(tools=[TIME]).tool_policy()
+    call = '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
+    stream = AutoToolStream(policy)
+    assert [c.name for c in stream.feed("hi " + call, False)[1]] == ["get_time"]
+    assert stream.feed("hi", False) == ("", [])
+    stream = AutoToolStream(policy)
+    assert stream.feed("abc <tool_call>{", False) == ("abc", [])
+    assert stream.feed("abc", False) == ("", [])
+    assert stream.feed("abc xyz more", False) == (" xyz more", [])
+
+
 def test_auto_stream_sends_content_before_the_call_is_known():
     policy = request(tools=[WEATHER]).tool_policy()
     stream = AutoToolStream(policy)
