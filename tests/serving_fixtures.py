@@ -2,12 +2,15 @@
 template, and a server subprocess on a free port."""
 from __future__ import annotations
 
+import contextlib
+import http.server
 import os
 import random
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -111,6 +114,33 @@ def free_port() -> int:
             except OSError:
                 continue
             return port
+
+
+@contextlib.contextmanager
+def file_server(get, put):
+    """An HTTP server for URL inputs and outputs (run-batch's -i and -o), on a thread of its own: a GET of a path
+    answers get(path) -> (status, body bytes), a PUT answers put(path, body bytes) -> status. Yields its base URL."""
+    class Files(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            status, body = get(self.path)
+            self.send_response(status)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_PUT(self):
+            self.send_response(put(self.path, self.rfile.read(int(self.headers["content-length"]))))
+            self.end_headers()
+
+        def log_message(self, *a):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Files)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 class ServerProcess:

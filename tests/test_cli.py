@@ -223,36 +223,22 @@ def test_run_batch_writes_each_line_once_it_and_those_before_are_done(chat_model
 def test_run_batch_reads_and_writes_http_urls(chat_model, tmp_path, capsys):
     """-i and -o as http(s) URLs, as vLLM's run-batch takes them: the input is a GET, the output a PUT of the lines a
     local file would hold; a URL that fails (an error status, a refused connection) is one error naming its flag."""
-    import http.server
     import re
     import socket
-    import threading
+
+    from serving_fixtures import file_server
     inp, local = tmp_path / "in.jsonl", tmp_path / "local.jsonl"
     inp.write_text("\n".join([_run_batch_line("a", "hi"), _run_batch_line("b", "yo")]))
     put = {}
 
-    class Files(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            found = self.path == "/in.jsonl"
-            self.send_response(200 if found else 404)
-            self.end_headers()
-            self.wfile.write(inp.read_bytes() if found else b"no")
+    def store(path: str, body: bytes) -> int:
+        put[path] = body.decode()
+        return 200 if path == "/out.jsonl" else 403
 
-        def do_PUT(self):
-            put[self.path] = self.rfile.read(int(self.headers["content-length"])).decode()
-            self.send_response(200 if self.path == "/out.jsonl" else 403)
-            self.end_headers()
-
-        def log_message(self, *a):
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Files)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
     with socket.socket() as s:      # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         closed = s.getsockname()[1]
-    url = f"http://127.0.0.1:{server.server_address[1]}"
-    try:
+    with file_server(lambda path: (200, inp.read_bytes()) if path == "/in.jsonl" else (404, b"no"), store) as url:
         assert cli_main(["run-batch", "-i", str(inp), "-o", str(local), "--model", chat_model,
                          "--num-kv-blocks", "64"]) == 0
         assert cli_main(["run-batch", "-i", f"{url}/in.jsonl", "-o", f"{url}/out.jsonl", "--model", chat_model,
@@ -270,9 +256,6 @@ def test_run_batch_reads_and_writes_http_urls(chat_model, tmp_path, capsys):
             rc = cli_main(["run-batch", *argv])
             err = capsys.readouterr().err
             assert rc == 2 and re.search(says, err) and "Traceback" not in err, (argv, err)
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 def test_batch_n_samples_and_prompt_logprobs(tiny_models, tmp_path, capsys):

@@ -9,7 +9,7 @@ import pytest
 
 from picovllm import LLM, SamplingParams
 from picovllm.entrypoints.cli import main as cli_main
-from serving_fixtures import free_port
+from serving_fixtures import file_server, free_port
 
 GREEDY = dict(max_tokens=3, temperature=0, ignore_eos=True)
 
@@ -122,33 +122,21 @@ def test_output_url_goes_through_a_file_in_output_tmp_dir(chat_model, tmp_path, 
     never held in memory); the file is gone once the PUT is taken, and kept, its path in the error, when it is
     not. An http(s) input is fetched into that folder too, and removed. The input file given as the output file is
     refused before any work (lines are read as the output is written)."""
-    import http.server
-    import threading
     spool, inp, local = tmp_path / "spool", tmp_path / "in.jsonl", tmp_path / "local.jsonl"
     spool.mkdir()
     inp.write_text("\n".join([_line("a", "hi"), _line("b", "yo")]) + "\n")
     seen = {}
 
-    class Files(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            seen["while GET"] = sorted(p.name for p in spool.iterdir())
-            self.send_response(200)
-            self.end_headers()
-            self.wfile.write(inp.read_bytes())
+    def get(path: str) -> tuple[int, bytes]:
+        seen["while GET"] = sorted(p.name for p in spool.iterdir())
+        return 200, inp.read_bytes()
 
-        def do_PUT(self):
-            seen["while PUT"] = sorted(p.name for p in spool.iterdir())
-            seen[self.path] = self.rfile.read(int(self.headers["content-length"])).decode()
-            self.send_response(200 if self.path == "/out.jsonl" else 403)
-            self.end_headers()
+    def put(path: str, body: bytes) -> int:
+        seen["while PUT"] = sorted(p.name for p in spool.iterdir())
+        seen[path] = body.decode()
+        return 200 if path == "/out.jsonl" else 403
 
-        def log_message(self, *a):
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Files)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{server.server_address[1]}"
-    try:
+    with file_server(get, put) as url:
         assert _run(["-i", str(inp), "-o", str(local), "--model", chat_model]) == 0
         assert _run(["-i", f"{url}/in.jsonl", "-o", f"{url}/out.jsonl", "--output-tmp-dir", str(spool),
                      "--model", chat_model]) == 0
@@ -164,9 +152,6 @@ def test_output_url_goes_through_a_file_in_output_tmp_dir(chat_model, tmp_path, 
         kept = re.search(r"PUT failed: the server answered 403 Forbidden; the output is kept in (\S+)", err)
         assert kept and "Traceback" not in err, err
         assert [r["custom_id"] for r in map(json.loads, open(kept.group(1)))] == ["a", "b"]
-    finally:
-        server.shutdown()
-        server.server_close()
     for argv, says in ((["-i", str(inp), "-o", str(local), "--output-tmp-dir", str(tmp_path / "nope")],
                         "--output-tmp-dir '.*nope': no such folder"),
                        (["-i", str(inp), "-o", str(inp)], "--output-file '.*in.jsonl' is --input-file")):
