@@ -109,10 +109,7 @@ class OutputDeltas:
         # the text so far, unless a stop string trimmed its end (startswith: the usual case, without common_prefix's
         # copies of both texts)
         k = len(text) if c.text.startswith(text) else common_prefix(text, c.text)
-        return (rid, c.token_ids[t:], k, c.text[k:], None if c.logprobs is None else c.logprobs[t:],   # OUTPUT_DELTA
-                c.cumulative_logprob, c.finish_reason, c.stop_reason, out.finished, out.error, out.num_cached_tokens,
-                out.metrics if out.finished else None, out.kv_handover)
-
+        return _output_delta(out, c.token_ids[t:], k, c.text[k:], None if c.logprobs is None else c.logprobs[t:])
 
     def _of_delta(self, out: RequestOutput) -> RequestOutput | OutputDelta:
         """An engine's DELTA output of a CUMULATIVE request as an OutputDelta; whole while nothing was sent (its
@@ -126,9 +123,17 @@ class OutputDeltas:
             return out
         if not out.finished:
             self._chars[rid] = sent + len(c.text)
-        return (rid, c.token_ids, sent, c.text, c.logprobs, c.cumulative_logprob, c.finish_reason,   # OUTPUT_DELTA
-                c.stop_reason, out.finished, out.error, out.num_cached_tokens, out.metrics if out.finished else None,
-                out.kv_handover)
+        return _output_delta(out, c.token_ids, sent, c.text, c.logprobs)
+
+
+def _output_delta(out: RequestOutput, new_token_ids: list[int], text_kept: int, new_text: str,
+                  new_logprobs: list | None) -> OutputDelta:
+    """OUTPUT_DELTA's tuple of an output of one completion: what is new in it, and the rest of its fields (the
+    metrics with the last output only)."""
+    c = out.outputs[0]
+    return (out.request_id, new_token_ids, text_kept, new_text, new_logprobs, c.cumulative_logprob, c.finish_reason,
+            c.stop_reason, out.finished, out.error, out.num_cached_tokens, out.metrics if out.finished else None,
+            out.kv_handover)
 
 
 class OutputsFromDeltas:
