@@ -301,3 +301,36 @@ def test_staged_tables_write_what_changed_and_cut_at_the_width():
     for _ in range(2):
         staged.upload([b, c], 2, dst)      # a left: b and c move up a row
         assert dst[:2, :2].tolist() == [[9, 10], [4, 5]]
+
+
+def test_eager_step_tensors_stage_tables_as_converted_anew():
+    """The eager steps' block tables (step_tensors with a runner's StagedTables) against each table converted anew
+    (the path without one): 60 random steps of rows that grow in place, get new lists, leave, come back in another
+    order, outnumber the kept rows or outgrow its width (then converted anew). Entries past a row's end may differ."""
+    import random
+
+    import torch
+
+    from picovllm.engine.cuda_graph import StagedTables
+    from picovllm.engine.step_input import StepInput, step_tensors
+    rng = random.Random(7)
+    staged, cpu = StagedTables(6, 8), torch.device("cpu")
+    pool = [[rng.randrange(100) for _ in range(rng.randint(1, 4))] for _ in range(10)]
+    for k in range(60):
+        if k == 30:    # tables of one entry: the staged rows' one column is a strided view
+            pool[:3] = [[1], [2], [3]]
+        for i, t in enumerate(pool if k != 30 else ()):
+            r = rng.random()
+            if r < 0.3:
+                t.extend(rng.randrange(100) for _ in range(rng.randint(1, 2 if len(t) < 8 else 3)))
+            elif r < 0.4:
+                pool[i] = [rng.randrange(100) for _ in range(rng.randint(1, 8))]
+        tables = rng.sample(pool, rng.randint(1, 8)) if k != 30 else pool[:3]
+        n = len(tables)
+        step = StepInput([0] * n, [0] * n, [0] * n, list(range(n + 1)), [1] * n, tables, n, list(range(n)), [],
+                         [], [], [], [], [])
+        got = step_tensors(step, cpu, staged=staged)[2].block_tables
+        want = step_tensors(step, cpu)[2].block_tables
+        assert got.shape == want.shape == (n, max(len(t) for t in tables))
+        for row, t in enumerate(tables):
+            assert got[row, :len(t)].tolist() == want[row, :len(t)].tolist() == t

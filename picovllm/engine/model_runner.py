@@ -18,6 +18,7 @@ from picovllm.config import EngineConfig, ModelConfig, model_len
 from picovllm.distributed import SINGLE, TPGroup
 from picovllm.engine import kv_cache, kv_scales, pooling, sampling
 from picovllm.engine.attention_backends import make_attention_backend
+from picovllm.engine.cuda_graph import StagedTables
 from picovllm.engine.kv_cache import lazy_zeros  # noqa: F401  (re-exported: ARCHITECTURE.md names it here)
 from picovllm.engine.sampling import LaunchedStep, StepResult
 from picovllm.engine.scheduler import SchedulerOutput
@@ -112,6 +113,9 @@ class ModelRunner:
         self.warmup_seconds: float | None = None   # what the start-up warm-up took (EngineConfig.warmup)
         mc = self.model_config
         self.max_model_len = model_len(config.max_model_len, mc.max_position_embeddings)
+        # the eager steps' block tables (step_tensors), kept from step to step; np.zeros' pages are touched only as
+        # rows are written
+        self.staged_tables = StagedTables(config.max_num_seqs, -(-self.max_model_len // self.block_size))
 
     def _quantize_fp8(self, source: ModelSource) -> None:
         """fp8 weights (layers/fp8_weights.py): quantization "fp8", every linear layer and expert, or of an FP8
@@ -246,7 +250,7 @@ class ModelRunner:
 
         Tensor-parallel workers stop here: they take part in the collectives; rank 0 samples."""
         if step.pooled_rows:
-            ids, positions, meta, _ = step_tensors(step, self.device)
+            ids, positions, meta, _ = step_tensors(step, self.device, staged=self.staged_tables)
             return pooling.pool_rows(self.model(ids, positions, meta), step.pooled_rows)
         plain = not step.prompt_indices     # the captured paths compute the sampled rows' logits only
         if plain and self.cuda_graphs is not None and self.cuda_graphs.fits(step):
@@ -256,8 +260,8 @@ class ModelRunner:
         if self.mixed_graphs is not None and self.mixed_graphs.fits(step):     # prompt logprobs too
             return self.mixed_graphs.run(step, prev_tokens)
         if plain and self.piecewise_graphs is not None and self.piecewise_graphs.fits(step):
-            return self.piecewise_graphs.run(step, prev_tokens)
-        ids, positions, meta, rows = step_tensors(step, self.device, prev_tokens)
+            return self.piecewise_graphs.run(step, prev_tokens, self.staged_tables)
+        ids, positions, meta, rows = step_tensors(step, self.device, prev_tokens, self.staged_tables)
         if plain and self.cpu_decode is not None and self.cpu_decode.fits(step):
             return self.cpu_decode.run(ids, positions, meta)
         hidden = self.model(ids, positions, meta)

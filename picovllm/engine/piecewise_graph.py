@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from picovllm.engine.cuda_graph import StagedTables
 from picovllm.engine.step_input import StepInput, step_tensors
 from picovllm.layers.attention import AttentionMetadata
 
@@ -174,10 +175,10 @@ class PiecewiseGraphRunner:
         ones only); any layout of decodes and chunks, any context: the pieces read no block table."""
         return not step.prompt_indices and 0 < len(step.input_ids) <= self.max_tokens
 
-    def run(self, step: StepInput, prev_tokens=None) -> torch.Tensor | None:
+    def run(self, step: StepInput, prev_tokens=None, staged: StagedTables | None = None) -> torch.Tensor | None:
         """The step's forward through the bucket's pieces and eager attention; the sampled rows' logits, or None
-        when no row samples. prev_tokens: as ModelRunner.compute_logits'."""
-        ids, positions, meta, rows = step_tensors(step, self.device, prev_tokens)
+        when no row samples. prev_tokens: as ModelRunner.compute_logits'; staged: as step_tensors'."""
+        ids, positions, meta, rows = step_tensors(step, self.device, prev_tokens, staged)
         n = ids.shape[0]
         size = next(s for s in self.sizes if s >= n)
         bucket = self.buckets[size]

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from picovllm.engine.cuda_graph import fill_block_tables
+from picovllm.engine.cuda_graph import StagedTables, fill_block_tables
 from picovllm.engine.scheduler import SchedulerOutput, prompt_logprob_positions
 from picovllm.layers.attention import AttentionMetadata
 from picovllm.layers.logits_processors import bad_word_bans
@@ -211,14 +211,18 @@ def sampling_row(req, eos_token_ids: list[int], ahead: list[int] = ()) -> Sampli
 
 # -- StepInput -> device tensors -------------------------------------------------------------------
 def step_tensors(step: StepInput, device: torch.device,
-                 prev_tokens: tuple[torch.Tensor, torch.Tensor] | None = None
+                 prev_tokens: tuple[torch.Tensor, torch.Tensor] | None = None, staged: StagedTables | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
     """(input ids, positions, AttentionMetadata, logit rows: the sampled then the prompt-logprob rows) on the
     device, in one host-to-device copy. prev_tokens = (flat indices, token ids) overwrite the placeholders of
-    tokens the step in flight sampled."""
+    tokens the step in flight sampled. staged: a runner's kept block tables, which write only the entries each row
+    gained since the last step (else every entry is converted anew)."""
     width = max(len(t) for t in step.block_tables)
-    tables = np.zeros((len(step.block_tables), width), dtype=np.int32)
-    fill_block_tables(tables, step.block_tables)
+    if staged is not None and staged.fits(step.block_tables, width):
+        tables = staged.stage(step.block_tables, width)
+    else:
+        tables = np.zeros((len(step.block_tables), width), dtype=np.int32)
+        fill_block_tables(tables, step.block_tables)
     ids, pos, slots, rows, qsl, lens, tables = pack_upload(
         [(step.input_ids, np.int64), (step.positions, np.int64), (step.slot_mapping, np.int64),
          (step.sample_indices + step.prompt_indices, np.int64), (step.query_start_loc, np.int32),
@@ -240,7 +244,7 @@ def pack_upload(parts: list[tuple[object, type]], device: torch.device) -> list[
     """Each (list or array, numpy dtype) as a tensor on the device. All of them travel in one copy of one host
     buffer (pinned on CUDA, so the copy does not block), each at an ALIGN-byte offset; on the CPU they are
     views of that buffer. One copy instead of one per tensor: a step's inputs cost one transfer's overhead."""
-    arrays = [np.asarray(data, dtype=dtype) for data, dtype in parts]
+    arrays = [np.ascontiguousarray(data, dtype=dtype) for data, dtype in parts]   # a staged view is strided
     offsets, total = [], 0
     for a in arrays:
         offsets.append(total)
