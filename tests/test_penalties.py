@@ -115,11 +115,12 @@ def test_kept_counts_give_what_counts_built_anew_give(monkeypatch):
     step, accepted drafts), outputs the rows do not count yet (num_outputs behind its list, and falling back now and
     then), drafts ahead, a pending token from the step in flight, two rows of one request (speculative rows, the
     same outputs counted), a request id used again by a new
-    request, and two slots to start with, so slots are taken over from requests left out of a step."""
+    request, and two slots to start with, so slots are taken over from requests left out of a step; the table,
+    doubling, stops at its 5 slots (a step's most requests, as an engine's max_num_seqs)."""
     from picovllm.layers.logits_processors import PenaltyCounts
     monkeypatch.setattr(PenaltyCounts, "MIN_SLOTS", 2)
     rng, vocab = random.Random(5), 50
-    kept = PenaltyCounts(torch.device("cpu"))
+    kept = PenaltyCounts(torch.device("cpu"), max_slots=5)
     sps = [SamplingParams(frequency_penalty=0.7, presence_penalty=0.3, repetition_penalty=rng.choice([1.0, 1.3]))
            for _ in range(12)]
     reqs = {i: ([rng.randrange(vocab) for _ in range(rng.randrange(1, 6))], []) for i in range(12)}
@@ -146,7 +147,8 @@ def test_kept_counts_give_what_counts_built_anew_give(monkeypatch):
         logits = logits[:len(rows)]
         torch.testing.assert_close(adjust_logits(logits, rows, prev, kept), adjust_logits(logits, anew, prev),
                                    rtol=0, atol=0)
-    assert kept.counts.shape[0] <= 16       # grown to the most requests a step had, doubling from 2
+        assert kept.counts.shape[0] <= 5     # doubling from 2 to 4, then to its max_slots, not to 8
+    assert kept.counts.shape[0] == 5
 
 
 # -- end to end: greedy decoding against HF's model with the reference processors ----------------------------------

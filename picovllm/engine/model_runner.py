@@ -82,7 +82,8 @@ class ModelRunner:
         self.is_pooling = config.runner == "pooling"
         if self.is_pooling:
             self.model.lm_head = None
-        self.penalty_counts = PenaltyCounts(self.device)    # penalized requests' counts, kept between steps
+        # penalized requests' counts, kept between steps
+        self.penalty_counts = PenaltyCounts(self.device, config.max_num_seqs)
         if self.device.type == "cpu" and self.dtype == torch.float32:   # a first start compiles them all at once
             attn = self.model.attention_layers()[0]
             quantized = config.quantization != "none" and source.stored_weights is not None and tp.size == 1

@@ -114,13 +114,15 @@ class PenaltyCounts:
 
     A request's slot holds the list objects it counted (SamplingRow.output_token_ids, only appended to): another
     list under the same key (a new request reusing the id, a D's handover) starts the count again. Slots of requests
-    not in a step are taken over, least recently used first, once the table is full; it grows to the most requests
-    a step has penalized. Nothing to free: a finished request's slot is the first taken over."""
+    not in a step are taken over, least recently used first, once the table is full; it grows (doubling) to the most
+    requests a step has penalized, never past max_slots (the engine's max_num_seqs) unless a step needs more. Nothing
+    to free: a finished request's slot is the first taken over."""
 
     MIN_SLOTS = 8
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, max_slots: int | None = None) -> None:
         self.device = device
+        self.max_slots = max_slots
         self.counts: torch.Tensor | None = None       # [slots, vocab] float32
         self.in_prompt: torch.Tensor | None = None    # [slots, vocab] bool
         self.slots: dict[str, _Slot] = {}
@@ -174,6 +176,8 @@ class PenaltyCounts:
         if have >= needed:
             return
         size = max(needed, 2 * have, self.MIN_SLOTS)
+        if self.max_slots is not None:
+            size = max(needed, min(size, self.max_slots))
         counts = torch.zeros(size, vocab, dtype=torch.float32, device=self.device)
         in_prompt = torch.zeros(size, vocab, dtype=torch.bool, device=self.device)
         if have:
