@@ -64,7 +64,9 @@ class StagedTables:
     stage it through pageable memory, which may wait for the stream).
 
     It relies on the rule Request.block_table keeps: a table's entries are never changed in place (anything but an
-    append gives the request a new list), so the same list object, no shorter, still holds what was written."""
+    append gives the request a new list), so the same list object, no shorter, still holds what was written. A TP
+    worker's tables keep it too: they are its own lists, appended to as rank 0's deltas arrive
+    (engine/step_codec.py)."""
 
     def __init__(self, rows: int, cols: int) -> None:
         self._array = np.zeros((rows, cols), dtype=np.int32)

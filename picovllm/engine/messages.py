@@ -3,7 +3,8 @@
 The wire form is versioned, never pickle: a worker only ever builds the dataclasses below from
 plain numbers, strings and lists, and a message from another protocol version fails loudly rather
 than letting the ranks run different things. RunStep, sent every step, is a compact binary frame
-(engine/step_codec.py: a header and one array per field); the rare control messages are JSON.
+(engine/step_codec.py: a header and one array per field, the block tables as deltas against the step before, which
+the sender's SentTables and the receiver's ReceivedTables keep); the rare control messages are JSON.
 """
 from __future__ import annotations
 
@@ -14,13 +15,13 @@ from typing import Any, Union
 import torch
 
 from picovllm.config import EngineConfig
-from picovllm.engine.step_codec import decode_step, encode_step, is_step_frame
+from picovllm.engine.step_codec import ReceivedTables, SentTables, decode_step, encode_step, is_step_frame
 from picovllm.engine.step_input import StepInput
 
-PROTOCOL_VERSION = 7    # 2: RunStep as a binary frame; 3: with the prompt-logprob rows; 4: SamplingRow
+PROTOCOL_VERSION = 8    # 2: RunStep as a binary frame; 3: with the prompt-logprob rows; 4: SamplingRow
                         # without token_bitmask (a step's masks are StepInput.token_bitmasks, never sent);
                         # 5: SamplingRow.allowed (allowed_token_ids); 6: SamplingRow.bad_after, bad_ban;
-                        # 7: SamplingRow.penalty_key, num_outputs, ahead
+                        # 7: SamplingRow.penalty_key, num_outputs, ahead; 8: block tables as deltas
 
 
 @dataclass(frozen=True)
@@ -68,12 +69,13 @@ _TYPES: dict[str, type] = {"setup": Setup, "profile_kv_cache": ProfileKVCache, "
 _NAMES = {cls: name for name, cls in _TYPES.items()}
 
 
-def encode(msg: Message) -> bytes:
+def encode(msg: Message, tables: SentTables | None = None) -> bytes:
+    """msg's wire form; a RunStep's block tables as deltas against `tables`, the sender's (whole without)."""
     name = _NAMES.get(type(msg))
     if name is None:
         raise TypeError(f"{type(msg).__name__} is not a tensor-parallel message")
     if isinstance(msg, RunStep):
-        return encode_step(msg.step, PROTOCOL_VERSION)
+        return encode_step(msg.step, PROTOCOL_VERSION, tables)
     if isinstance(msg, Setup):
         body = {"config": _config_to_dict(msg.config)}
     else:
@@ -81,10 +83,11 @@ def encode(msg: Message) -> bytes:
     return json.dumps({"version": PROTOCOL_VERSION, "type": name, "body": body}, separators=(",", ":")).encode()
 
 
-def decode(data: bytes) -> Message:
-    """The message in data; ValueError naming the field if it is malformed or of another version."""
+def decode(data: bytes, tables: ReceivedTables | None = None) -> Message:
+    """The message in data, a RunStep's block tables built on `tables`, the receiver's (without, they must come
+    whole); ValueError naming the field if it is malformed or of another version."""
     if is_step_frame(data):
-        return RunStep(decode_step(data, PROTOCOL_VERSION, "RunStep.step"))
+        return RunStep(decode_step(data, PROTOCOL_VERSION, "RunStep.step", tables))
     frame = json.loads(data)
     if frame.get("version") != PROTOCOL_VERSION:
         raise ValueError(f"message version {frame.get('version')!r}: this worker speaks version {PROTOCOL_VERSION}")

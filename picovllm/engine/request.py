@@ -60,7 +60,8 @@ class Request:
         self.num_cached_tokens = 0       # of the prompt, how many the prefix cache held at its first admission
         self.prefix_hit_tokens = 0       # of the computed ones, how many the cache gave at the latest admission
         # Only appended to in place: any other change assigns a new list (the graph runners' StagedTables, which
-        # write only a table's new entries, rely on it).
+        # write only a table's new entries, rely on it, and so does the TP wire, which sends only those:
+        # engine/step_codec.py).
         self.block_table: list[int] = []
         self.num_slid_out_blocks = 0     # the table's first entries, given back (block_manager.SLID_OUT)
         self.block_hashes: list[int] = []  # chained hashes of this request's full blocks, in order

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from picovllm.distributed import TPGroup, make_one_shot, make_small_all_reduce
 from picovllm.engine.messages import Message, decode, encode
+from picovllm.engine.step_codec import ReceivedTables, SentTables
 
 # Workers wait in a control-group recv between requests for as long as the engine is idle, so this
 # must not fire; a dead peer is noticed by its closed connection (gloo) or the liveness watchdog.
@@ -26,13 +27,17 @@ WORLD_TIMEOUT = timedelta(minutes=2)
 
 
 class ControlChannel:
-    """Rank `src` sends each message to all ranks as two gloo broadcasts: its length, then its bytes."""
+    """Rank `src` sends each message to all ranks as two gloo broadcasts: its length, then its bytes. Step messages
+    carry their block tables as deltas against the step before (engine/step_codec.py): the sender keeps the tables
+    it sent, each receiver those it received; the channel delivers every message, in order, or the engine ends."""
 
     def __init__(self, group: dist.ProcessGroup, src: int) -> None:
         self.group, self.src = group, src
+        self.sent_tables = SentTables()           # used by rank src
+        self.received_tables = ReceivedTables()   # used by the others
 
     def send(self, msg: Message) -> None:
-        data = encode(msg)
+        data = encode(msg, self.sent_tables)
         dist.broadcast(torch.tensor([len(data)], dtype=torch.int64), src=self.src, group=self.group)
         dist.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8), src=self.src, group=self.group)
 
@@ -41,7 +46,7 @@ class ControlChannel:
         dist.broadcast(size, src=self.src, group=self.group)
         data = torch.empty(int(size), dtype=torch.uint8)
         dist.broadcast(data, src=self.src, group=self.group)
-        return decode(data.numpy().tobytes())
+        return decode(data.numpy().tobytes(), self.received_tables)
 
     def min(self, value: int) -> int:
         t = torch.tensor([value], dtype=torch.int64)
