@@ -3,6 +3,8 @@ EmbeddingRequestOutput, and LLM.encode's PoolingRequestOutput."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +24,53 @@ MIN_LOGPROB = -9999.0     # what a logprob of -inf (a token a grammar forbids) r
 def json_logprob(logprob: float | None) -> float | None:
     """A logprob as JSON can carry it: -inf (json.dumps would write -Infinity, which is not JSON) as MIN_LOGPROB."""
     return None if logprob is None else max(logprob, MIN_LOGPROB)
+
+
+class ListPrefix(Sequence):
+    """The first len(items) items of a list that is only ever appended to, read-only: what a list copy of it would
+    hold, taken in O(1). A served request's outputs are cumulative, and the API server adds each step's new tokens to
+    one list a request (engine_process.OutputsFromDeltas): every output it hands out is a prefix of that list, which
+    later steps never change, where copying the list for each output cost every step in proportion to each request's
+    length (and the garbage collector's walks over the copies). Reads as a list: slices are lists, it equals a list
+    of the same items, and pickles as one."""
+
+    __slots__ = ("_items", "_n")
+
+    def __init__(self, items: list) -> None:
+        self._items, self._n = items, len(items)
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            start, stop, step = i.indices(self._n)
+            return self._items[start:stop] if step == 1 else [self._items[j] for j in range(start, stop, step)]
+        if not -self._n <= i < self._n:
+            raise IndexError("list index out of range")
+        return self._items[i + self._n if i < 0 else i]
+
+    def __iter__(self):
+        return itertools.islice(self._items, self._n)
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, (list, ListPrefix)):
+            return len(other) == self._n and self[:] == other[:]
+        return NotImplemented
+
+    __hash__ = None     # as a list's
+
+    def __add__(self, other) -> list:
+        return self[:] + list(other)
+
+    def __radd__(self, other) -> list:
+        return list(other) + self[:]
+
+    def __repr__(self) -> str:
+        return repr(self[:])
+
+    def __reduce__(self):
+        return list, (self[:],)
 
 
 @dataclass

@@ -164,7 +164,7 @@ def test_output_deltas_rebuild_every_output(chat_model, engine_deltas):
         e.add_request(tok.encode("Numbers: 0 1 2 3 4 5"), SamplingParams(temperature=0.9, seed=1, max_tokens=10,
                                                                          logprobs=2, prompt_logprobs=1), "scored")
         e.add_request("Hello there", SamplingParams(temperature=0, max_tokens=50, ignore_eos=True), "aborted")
-    seen, kinds = 0, set()
+    seen, kinds, held = 0, set(), []
     for step in range(200):
         outs = eng.step()
         wants = twin.step() if twin else outs
@@ -181,11 +181,15 @@ def test_output_deltas_rebuild_every_output(chat_model, engine_deltas):
             if not want.finished or engine_deltas:      # (the twin's timings are its own)
                 got, want = dataclasses.replace(got, metrics=None), dataclasses.replace(want, metrics=None)
             assert got == want, (step, want.request_id)
+            held.append((got, want))      # (the engine's outputs: lists of their own)
             seen += 1
         if not eng.has_unfinished_requests():
             break
     assert kinds == {RequestOutput, OutputDelta} and seen > 20
-    assert not enc._sent and not enc._chars and not dec._last      # nothing kept for finished requests
+    # each decoded output is a snapshot: the deltas decoded after it (which extend its request's lists in place,
+    # OutputsFromDeltas) left it as it was
+    assert all(got == want for got, want in held)
+    assert not enc._sent and not enc._chars and not dec._so_far      # nothing kept for finished requests
 
 
 def test_a_failed_step_leaves_no_delta_state_behind(chat_model):
@@ -221,7 +225,7 @@ def test_a_failed_step_leaves_no_delta_state_behind(chat_model):
         last = None
         async for last in client.generate(retried, params, "my-id"):
             pass
-        state = (dict(loop._deltas._sent), dict(client._outputs._last))
+        state = (dict(loop._deltas._sent), dict(client._outputs._so_far))
         await client.shutdown()
         return last, state
 
@@ -265,7 +269,7 @@ def test_delta_outputs_cross_the_pipe_whole(chat_model):
                 break
             await asyncio.sleep(0.05)
         slow = [o async for o in stream.outputs()]
-        state = (dict(loop._deltas._sent), set(loop._deltas._whole), dict(client._outputs._last))
+        state = (dict(loop._deltas._sent), set(loop._deltas._whole), dict(client._outputs._so_far))
         await client.shutdown()
         return fast, slow, state
 
