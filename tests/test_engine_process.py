@@ -168,6 +168,10 @@ def test_output_deltas_rebuild_every_output(chat_model, engine_deltas):
     for step in range(200):
         outs = eng.step()
         wants = twin.step() if twin else outs
+        scored = eng.requests.get("scored")
+        if engine_deltas and scored is not None:    # positions out already: let go (not walked by the collector)
+            assert all(d is None for d in scored.logprobs[:scored.num_streamed_tokens])
+            assert all(d is not None for d in scored.logprobs[scored.num_streamed_tokens:])
         if step == 6:
             outs.append(eng.abort("aborted"))
             if twin:

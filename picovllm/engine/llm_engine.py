@@ -723,7 +723,13 @@ class Engine:
             for d in logprobs[req.num_decoded_logprobs:]:     # each position's texts once, not at every output
                 self._decode_tokens(d)
             req.num_decoded_logprobs = len(logprobs)
-            logprobs = logprobs[first:]
+            if delta and first < len(logprobs) and self.config.role != "p":
+                # out now, never again: the request lets them go (a served engine's full collections walked each
+                # one); a P engine hands them to D
+                kept, logprobs = logprobs, logprobs[first:]
+                kept[first:] = [None] * len(logprobs)
+            else:
+                logprobs = logprobs[first:]
         text = req.text
         hold = max(map(len, p.stop)) - 1 if p.stop and not (finished or p.include_stop_str_in_output) else 0
         start = req.num_streamed_chars if delta else 0

@@ -65,7 +65,8 @@ class Request:
         self.block_table: list[int] = []
         self.num_slid_out_blocks = 0     # the table's first entries, given back (block_manager.SLID_OUT)
         self.block_hashes: list[int] = []  # chained hashes of this request's full blocks, in order
-        self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
+        # each output position's, until a DELTA output (Engine.make_output) gives it out: None from then on
+        self.logprobs: list[dict[int, Logprob] | None] | None = [] if params.logprobs is not None else None
         self.num_decoded_logprobs = 0    # of those, the first ones whose texts are filled in (Engine.make_output)
         # Filled in prompt order as the prompt's chunks are computed; entry i is prompt token i's.
         self.prompt_logprobs: list[dict[int, Logprob] | None] | None = \
