@@ -53,6 +53,11 @@ class ListPrefix(Sequence):
     def __iter__(self):
         return itertools.islice(self._items, self._n)
 
+    def prefix_of(self, items: list | ListPrefix) -> bool:
+        """Whether this is known, in O(1), to be a prefix of items: a view of that very list, or of the list that
+        items views, and no longer. False says only that it is not known (compare the items)."""
+        return (items._items if isinstance(items, ListPrefix) else items) is self._items and len(items) >= self._n
+
     def __eq__(self, other) -> bool:
         if isinstance(other, (list, ListPrefix)):
             return len(other) == self._n and self[:] == other[:]

@@ -37,12 +37,11 @@ from picovllm.disagg.auth import FleetSecret, sign_request
 from picovllm.disagg.fleet_decode import FleetDecodeConnector, check_offer
 from picovllm.disagg.fleet_prefill import FleetPrefillConnector
 from picovllm.disagg.messages import PublishedKV, from_wire
-from picovllm.disagg.pd_http import (PDAsyncEngine, PDClient, add_prefill_route, listen_response, open_pd_engine,
-                                     run_pd_server, setup_logging)
+from picovllm.disagg.pd_http import (PDAsyncEngine, PDClient, PDPipeEnds, add_prefill_route, listen_response,
+                                     open_pd_engine, run_pd_server, setup_logging)
 from picovllm.disagg.transfer import PULL_BACKENDS, PullConfig
 from picovllm.engine.llm_engine import Engine
 from picovllm.entrypoints.openai.api_server import ServerSettings
-from picovllm.entrypoints.openai.engine_process import PipeEnds
 from picovllm.entrypoints.openai.protocol import APIError
 from picovllm.entrypoints.openai.serving import ServingContext
 
@@ -92,7 +91,7 @@ class FleetAsyncEngine(PDAsyncEngine):
         return dict(self.engine.connector.stats)
 
 
-class FleetChildLoop(PipeEnds, FleetAsyncEngine):
+class FleetChildLoop(PDPipeEnds, FleetAsyncEngine):
     """FleetAsyncEngine's loop in a fleet instance's engine process."""
 
 

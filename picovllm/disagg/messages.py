@@ -13,10 +13,11 @@ import dataclasses
 import json
 import types
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from picovllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from picovllm.outputs import CompletionOutput, ListPrefix, Logprob, RequestMetrics, RequestOutput
 
 
 # -- the handshake ------------------------------------------------------------------------------
@@ -451,33 +452,57 @@ def common_prefix(a, b) -> int:
     return i
 
 
+def _snapshot(items: Sequence | None) -> Sequence | None:
+    """What an OutputEncoder keeps of a list it sent, to compare the next output's with, in O(1): a ListPrefix as it
+    is, a list as a ListPrefix of it (its owner may extend it in place, which leaves that unchanged); anything else
+    copied."""
+    if items is None or isinstance(items, ListPrefix):
+        return items
+    return ListPrefix(items) if type(items) is list else list(items)
+
+
+def _kept(sent: Sequence, now: Sequence) -> int:
+    """How many of the items sent a later output's list still begins with: all of them where that list is, or views,
+    the one they were sent from (O(1)), else as many as compare equal."""
+    if isinstance(sent, ListPrefix) and sent.prefix_of(now):
+        return len(sent)
+    return common_prefix(sent, now)
+
+
 class OutputEncoder:
     """One stream of a request's outputs on the wire. Outputs are cumulative (every token so far, the
     prompt's ids, the per-token times), so sending each whole costs O(prompt + tokens) per token: at
     a 5k-token prompt that is what bounds a decode server. The first output goes whole
     ({"output": ...}); each later one as {"delta": ...}: where its token ids, text and logprobs part
     from the last one sent and what follows, the scalars, and the metrics only once finished. The prompt's
-    logprobs go with the first output only (they are complete once a request has a token)."""
+    logprobs go with the first output only (they are complete once a request has a token).
+
+    What was sent of a list is kept as a ListPrefix of it, not a copy: an output's lists may grow in place once
+    encoded, but nothing else may change them (an engine's are new each output; engine_process.OutputsFromDeltas's
+    only grow). Where an output's lists are views of one list each (ListPrefix: a server's engine process hands them
+    so) the last ones sent are a prefix of them by construction, and a step costs what is new in it; new lists are
+    compared with the last ones, in C, which costs what each holds. Copying and comparing every list had cost ~7 ms a
+    step at batch 256 with 2,000-token outputs, ~21 with logprobs 5 (benchmarks/pd_outputs.py)."""
 
     def __init__(self) -> None:
-        self._sent: list[CompletionOutput] | None = None
+        # what was sent of each completion: its token ids, text and logprobs
+        self._sent: list[tuple[Sequence, str, Sequence | None]] | None = None
 
     def encode(self, out: RequestOutput) -> dict:
-        last = self._sent     # copies: the engine may extend its lists in place
-        self._sent = [dataclasses.replace(c, token_ids=list(c.token_ids),
-                                          logprobs=None if c.logprobs is None else list(c.logprobs))
-                      for c in out.outputs]
+        last = self._sent
+        self._sent = [(_snapshot(c.token_ids), c.text, _snapshot(c.logprobs)) for c in out.outputs]
         if last is None or len(last) != len(out.outputs):
             return {"output": output_to_wire(out)}
         comps = []
-        for prev, c in zip(last, out.outputs):
-            t = common_prefix(prev.token_ids, c.token_ids)
-            s = common_prefix(prev.text, c.text)
+        for (tokens, text, logprobs), c in zip(last, out.outputs):
+            t = _kept(tokens, c.token_ids)
+            # the text sent, unless a stop string cut its end (startswith: the usual case, without copying both texts)
+            s = len(text) if c.text.startswith(text) else common_prefix(text, c.text)
             comp = {"index": c.index, "token_start": t, "token_ids": c.token_ids[t:], "text_start": s,
                     "text": c.text[s:], "cumulative_logprob": c.cumulative_logprob,
                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
             if c.logprobs is not None:
-                k = common_prefix(prev.logprobs or [], c.logprobs)
+                k = _kept(logprobs or [], c.logprobs)
                 comp["logprobs_start"], comp["logprobs"] = k, _steps_to_wire(c.logprobs[k:])
             comps.append(comp)
         delta = {"request_id": out.request_id, "finished": out.finished, "error": out.error,
@@ -487,30 +512,74 @@ class OutputEncoder:
         return {"delta": delta}
 
 
+@dataclass(slots=True)
+class _Received:
+    """A completion as its stream has it so far: the text, and the lists that the token ids and logprobs of its
+    outputs are prefixes of (the deltas extend them in place)."""
+    text: str
+    token_ids: list[int]
+    logprobs: list | None
+
+
+def _start(delta: dict, name: str, have: int) -> int:
+    """A delta's field `name` (where its part of a list or the text begins): an int from 0 to what the stream has."""
+    start = delta[name]
+    if type(start) is not int or not 0 <= start <= have:
+        raise ValueError(f"an output delta's {name} must be an int from 0 to {have}, got {start!r}")
+    return start
+
+
+def _extended(items: list, start: int, new: list) -> list:
+    """items up to start, then new: items itself, extended in place, where the delta extends the last output (the
+    usual case), else a new list (the outputs handed out hold prefixes of the old one, which must not change)."""
+    if start == len(items):
+        items += new
+        return items
+    return items[:start] + new
+
+
 class OutputDecoder:
-    """The receiving end of an OutputEncoder: each line back into a whole, cumulative RequestOutput."""
+    """The receiving end of an OutputEncoder: each line back into a whole, cumulative RequestOutput.
+
+    A completion's token ids and logprobs so far are one list each, extended in place by the deltas; an unfinished
+    output holds its own prefix of them (outputs.ListPrefix), so an output handed out never changes, and a step
+    costs what is new in it. A whole output's lists, and a final output's, are its own (the final's copied, once a
+    request). New lists for every output had cost what each holds, and the garbage collector's walks over them: at
+    batch 256 with 2,000-token outputs and logprobs 5, ~57 ms a step (benchmarks/pd_outputs.py)."""
 
     def __init__(self) -> None:
         self._last: RequestOutput | None = None
+        self._so_far: list[_Received] = []
 
     def decode(self, line: dict) -> RequestOutput:
         if "output" in line:
             self._last = output_from_wire(line["output"])
+            self._so_far = [_Received(c.text, list(c.token_ids), None if c.logprobs is None else list(c.logprobs))
+                            for c in self._last.outputs]
             return self._last
         if self._last is None:
             raise ValueError("an output delta came before the stream's first whole output")
         d, last = line["delta"], self._last
         if d["request_id"] != last.request_id:
             raise ValueError(f"a delta for request {d['request_id']!r} in the stream of {last.request_id!r}")
-        comps = []
-        for prev, c in zip(last.outputs, d["outputs"]):
-            logprobs = prev.logprobs
-            if "logprobs" in c:
-                logprobs = (prev.logprobs or [])[:c["logprobs_start"]] + _steps_from_wire(c["logprobs"])
-            comps.append(CompletionOutput(c["index"], prev.text[:c["text_start"]] + c["text"],
-                                          prev.token_ids[:c["token_start"]] + c["token_ids"],
-                                          c["cumulative_logprob"], logprobs, c["finish_reason"], c["stop_reason"]))
+        comps = [self._applied(so_far, c, d["finished"]) for so_far, c in zip(self._so_far, d["outputs"])]
         metrics = RequestMetrics(**d["metrics"]) if d.get("metrics") else last.metrics
         self._last = RequestOutput(last.request_id, last.prompt, last.prompt_token_ids, comps, d["finished"],
                                    metrics, d["error"], d["num_cached_tokens"], last.prompt_logprobs)
         return self._last
+
+    @staticmethod
+    def _applied(so_far: _Received, c: dict, finished: bool) -> CompletionOutput:
+        """One completion's delta applied to what its stream has."""
+        so_far.text = so_far.text[:_start(c, "text_start", len(so_far.text))] + c["text"]
+        so_far.token_ids = _extended(so_far.token_ids, _start(c, "token_start", len(so_far.token_ids)), c["token_ids"])
+        if "logprobs" in c:
+            had = so_far.logprobs if so_far.logprobs is not None else []
+            so_far.logprobs = _extended(had, _start(c, "logprobs_start", len(had)), _steps_from_wire(c["logprobs"]))
+        token_ids, logprobs = so_far.token_ids, so_far.logprobs
+        if finished:          # the stream's last output: lists of its own, as a whole output's are
+            token_ids, logprobs = token_ids[:], None if logprobs is None else logprobs[:]
+        else:
+            token_ids, logprobs = ListPrefix(token_ids), None if logprobs is None else ListPrefix(logprobs)
+        return CompletionOutput(c["index"], so_far.text, token_ids, c["cumulative_logprob"], logprobs,
+                                c["finish_reason"], c["stop_reason"])

@@ -11,10 +11,10 @@ side encodes and renders chats).
 What crosses the pipe each step is what changed (OutputDeltas): a RequestOutput is cumulative (the prompt's ids, every
 token so far), and pickling 256 of them whole took 3-9 ms a step on the CPU (500-token prompts, 50-1000 tokens out).
 A DELTA request's outputs (SamplingParams.output_kind) hold only what is new already: they go whole. A colocated
-engine (ChildLoop) makes its CUMULATIVE requests' outputs as DELTA ones too (Engine.stream_deltas), each sent as an
-OutputDelta of itself: copying every request's whole output every step (and the garbage collector's walks over those
-copies) cost ~11 ms a step at batch 256 with 2,000-token outputs (benchmarks/served_outputs.py). The parent adds them
-up (OutputsFromDeltas).
+engine (ChildLoop), and a P/D server's D (disagg.pd_http.PDPipeEnds), makes its CUMULATIVE requests' outputs as DELTA
+ones too (Engine.stream_deltas), each sent as an OutputDelta of itself: copying every request's whole output every
+step (and the garbage collector's walks over those copies) cost ~11 ms a step at batch 256 with 2,000-token outputs
+(benchmarks/served_outputs.py). The parent adds them up (OutputsFromDeltas).
 
 The child ignores SIGINT (a terminal's Ctrl-C reaches the whole process group; the parent shuts the child down) and
 ends when the parent's pipe closes, so it never outlives the server. While it builds the engine it reads no pipe, so
@@ -390,8 +390,8 @@ class PipeEnds:
     commands from the parent, each iteration's outputs and the stats (when they change) back. Mixed in first,
     before AsyncEngine or a subclass (a P or D server's)."""
 
-    # the engine's outputs of CUMULATIVE requests hold only what is new (Engine.stream_deltas): a colocated engine's.
-    # Not a P's or D's: a P re-sends a request's last output when D takes it over (PDAsyncEngine._after_step)
+    # the engine's outputs of CUMULATIVE requests hold only what is new (Engine.stream_deltas): a colocated engine's,
+    # and a D's (disagg.pd_http.PDPipeEnds). Not a P's: it re-sends a request's last output when D takes it over
     stream_deltas = False
 
     def __init__(self, engine, commands, results) -> None:
