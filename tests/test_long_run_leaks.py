@@ -61,7 +61,7 @@ class Served:
                  "blocks held": eng.block_manager.num_blocks - eng.block_manager.num_free_blocks}
         if self.child is not None:
             sizes.update({"deltas sent": len(self.child._deltas._sent),
-                          "outputs last": len(self.client._outputs._last)})
+                          "outputs so far": len(self.client._outputs._so_far)})
         return sizes
 
     def join(self) -> None:
