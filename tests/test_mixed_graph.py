@@ -154,7 +154,8 @@ def test_mixed_steps_replay_the_graphs_and_match_hf(tiny_models, arch, monkeypat
     real_run, real_pieces = graphs.run, pieces.run
     graphs.run = lambda step, prev=None: (kinds.append((step.num_decodes, len(step.seq_lens) - step.num_decodes,
                                                         len(step.input_ids))), real_run(step, prev))[1]
-    pieces.run = lambda step, prev=None: (pieced.append(max(step.seq_lens)), real_pieces(step, prev))[1]
+    pieces.run = lambda step, prev=None, staged=None: (pieced.append(max(step.seq_lens)),
+                                                       real_pieces(step, prev, staged))[1]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     short = [_prompt(n, seed=100 + n) for n in (5, 9, 20, 30)]        # a first step of 64 tokens
     cached = [prompts[4][:64] + [5, 6, 7], _prompt(40, seed=7)]      # a 3-token chunk over 64 cached tokens

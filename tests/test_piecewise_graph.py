@@ -130,8 +130,10 @@ def test_mixed_steps_replay_pieces_and_match_hf(tiny_models, arch):
     pieces = runner.piecewise_graphs
     assert pieces is not None and pieces.sizes == [64, 128]
     kinds, real_run = [], pieces.run
-    pieces.run = lambda step, prev=None: (kinds.append((step.num_decodes, len(step.seq_lens) - step.num_decodes,
-                                                        len(step.input_ids))), real_run(step, prev))[1]
+    pieces.run = lambda step, prev=None, staged=None: (kinds.append((step.num_decodes,
+                                                                     len(step.seq_lens) - step.num_decodes,
+                                                                     len(step.input_ids))),
+                                                       real_run(step, prev, staged))[1]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == _hf_greedy(tiny_models[arch], prompts, 12)
     assert any(d and p for d, p, _ in kinds), "a mixed step (decodes beside a chunk) replayed the pieces"
