@@ -5,6 +5,7 @@ import pytest
 
 from picovllm import LLM, SamplingParams
 from picovllm.entrypoints.parallel_sampling import best_of, merge_samples, sample_params
+from picovllm.layers.sampler import seeded_stream
 from test_parity_hf import make_prompts
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -64,6 +65,11 @@ def test_sample_params_merge_and_best_of_by_hand():
     assert [k.n for k in kids] == [1, 1, 1] and [k.seed for k in kids] == [None] * 3
     assert kids[0].logit_bias == {5: 1.0} and kids[0].logit_bias is not kids[1].logit_bias
     assert [k.seed for k in sample_params(SamplingParams(n=2, seed=10), 4)] == [10, 11, 12, 13]
+    # seed + i modulo 2**64: a negative seed's sample never lands on -1, "no seed" (seed -2, n 3: sample 1 was drawn
+    # unseeded, another text each time), and each stream is the one seed + i gives (seeded_stream: modulo 2**63)
+    kids = sample_params(SamplingParams(n=3, temperature=1.0, seed=-2))
+    assert [k.seed for k in kids] == [2**64 - 2, 2**64 - 1, 0]
+    assert [seeded_stream(k.seed, 7) for k in kids] == [seeded_stream(s, 7) for s in (-2, -1, 0)]
     outs = [RequestOutput("r", None, [1], [CompletionOutput(0, t, [i], lp, None, "length")], True, None, None, c)
             for i, (t, lp, c) in enumerate([("a", -3.0, 4), ("b", -1.0, 8), ("c", -2.0, 8)])]
     merged = merge_samples("r", outs)

@@ -94,6 +94,29 @@ def test_no_adjustment_is_the_same_tensor_and_banned_tokens_stay_banned():
     assert got[0, 4] == got[0, 5] == float("-inf") and torch.equal(got[1], logits[1])
 
 
+@pytest.mark.parametrize("penalty", [1e-300, 1e-36, 1e300])
+def test_an_extreme_repetition_penalty_stays_in_float32(penalty):
+    """A penalty past float32's range (1e-300 is 0 there, 1e-36 takes a logit of 2 past it at a small temperature,
+    1e300 is inf) had made logits inf or NaN, the row's softmax NaN and its token 0 (a served request with
+    repetition_penalty 1e-300 said token 0 each step). Held in range: the seen tokens it favours tie at the top, those
+    it disfavours sink, unseen tokens are untouched, a banned token stays banned, and every temperature that samples
+    draws a token it favours."""
+    from picovllm.layers.sampler import GREEDY_BELOW, SamplingTensors, sample
+    logits = torch.tensor([[3.0, 2.0, 0.5, -1.0, 4.0]])
+    row = row_for(SamplingParams(repetition_penalty=penalty), [1, 2, 3], [])
+    row.banned = [2]
+    got = adjust_logits(logits, [row])[0]
+    assert got[2] == float("-inf") and torch.isfinite(got[[0, 1, 3, 4]]).all()
+    assert torch.equal(got[[0, 4]], logits[0, [0, 4]])       # unseen: untouched
+    # a tiny penalty: only the seen token with a positive logit (1); a huge one: any but the seen negative one (3)
+    drawable = {1} if penalty < 1 else {0, 1, 4}
+    assert got.argmax() == (1 if penalty < 1 else 4) and (got[3] > -1 if penalty < 1 else got[3] < -1e30)
+    for temperature in (1.0, GREEDY_BELOW):
+        t = SamplingTensors(torch.tensor([temperature] * 16), torch.zeros(16, dtype=torch.long), torch.ones(16),
+                            torch.zeros(16), [None] * 16, False, False, False, False)
+        assert set(sample(got.expand(16, -1).contiguous(), t).tolist()) <= drawable
+
+
 def test_pending_output_token_counts_from_the_step_in_flight():
     """Overlapped scheduling: the last output token is only on the device (the previous step's tokens)."""
     torch.manual_seed(1)

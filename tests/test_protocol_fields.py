@@ -147,7 +147,29 @@ def test_a_lone_surrogate_names_the_field_it_came_in(http, path, body, param):
     """Valid JSON, no text a tokenizer takes: the 400 named "prompt" whatever the endpoint (chat has no such field)."""
     r = _post_raw(http, path, body.encode())
     _refused(r, param)
-    assert r.json()["error"]["message"].startswith(f"{param}: cannot be tokenized"), r.text
+    assert r.json()["error"]["message"] == f"{param}: cannot be tokenized (it holds a lone surrogate, which is not " \
+                                           f"Unicode text)", r.text      # was "(TypeError)"
+
+
+TOOL = '{"type": "function", "function": {"name": "f", "description": "a \\udfff"}}'
+
+
+@pytest.mark.parametrize("path,body,param", [
+    # a stop string no output can hold: it was taken, and never matched
+    ("/v1/completions", '{"prompt": "Hello", "max_tokens": 2, "stop": ["a", "\\ud800"]}', "stop"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "stop": "\\ud800"}',
+     "stop"),
+    # text the template renders beside the messages: the tokenizer's refusal had named the messages (the input)
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "Hi"}], "tools": [' + TOOL + ']}', "tools"),
+    ("/tokenize", '{"messages": [{"role": "user", "content": "Hi"}], "tools": [' + TOOL + ']}', "tools"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "Hi"}], "documents": [{"text": "\\ud800"}]}',
+     "documents"),
+    ("/v1/responses", '{"input": "Hi", "instructions": "\\ud800", "max_output_tokens": 2}', "instructions"),
+])
+def test_text_that_is_no_unicode_is_refused_by_its_field(http, path, body, param):
+    r = _post_raw(http, path, body.encode())
+    _refused(r, param)
+    assert "holds a lone surrogate" in r.json()["error"]["message"], r.text
 
 
 @pytest.mark.parametrize("content,param", [

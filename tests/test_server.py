@@ -662,6 +662,12 @@ def test_tokens_as_ids_and_continuous_usage(server, client, llm):
             assert ch.usage.completion_tokens == seen[choice.index], (endpoint, ch)
             assert ch.usage.total_tokens == plen + seen[choice.index]
         assert seen == {0: 6, 1: 6}
+    # echo with max_tokens 0 (prompt scoring) too: each choice's chunk carries its prompt's usage, no completion token
+    *streamed, final = client.completions.create(model=model, prompt=[prompt, prompt[:3]], max_tokens=0, echo=True,
+                                                 n=2, stream=True, stream_options=opts)
+    assert [(c.choices[0].index, c.usage.prompt_tokens, c.usage.completion_tokens) for c in streamed] == [
+        (0, 6, 0), (1, 6, 0), (2, 3, 0), (3, 3, 0)]
+    assert not final.choices and (final.usage.prompt_tokens, final.usage.completion_tokens) == (9, 0)
     # without include_usage it does nothing, as vLLM's; a non-boolean value is a 400 naming it
     chunks = list(client.completions.create(model=model, prompt=prompt, max_tokens=2, stream=True,
                                             stream_options={"continuous_usage_stats": True}))

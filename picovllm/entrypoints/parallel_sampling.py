@@ -1,9 +1,10 @@
 """n samples of one prompt (SamplingParams.n; the server's n and best_of) as separate engine requests.
 
 The engine runs one sample per request. Sample i gets a copy of the params with n=1 and, when seeded,
-seed + i: its own reproducible stream. The first sample of a prompt is added alone and its siblings
-once it has computed the prompt, so that (with prefix caching on) they take the prompt's full KV
-blocks from the cache instead of computing them again: only the last, partial block is recomputed.
+seed + i modulo 2**64 (never -1, which is "no seed"): its own reproducible stream. The first sample of a
+prompt is added alone and its siblings once it has computed the prompt, so that (with prefix caching on)
+they take the prompt's full KV blocks from the cache instead of computing them again: only the last,
+partial block is recomputed.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ def sample_params(params: SamplingParams, count: int | None = None) -> list[Samp
     if count == 1 and params.n == 1:
         return [params]
     # the prompt is scored once, by the first sample (its siblings then share its cached blocks)
-    return [dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i,
+    return [dataclasses.replace(params, n=1, seed=None if params.seed is None else (params.seed + i) % 2**64,
                                 prompt_logprobs=params.prompt_logprobs if i == 0 else None)
             for i in range(count)]
 

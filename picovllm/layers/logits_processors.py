@@ -25,8 +25,14 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
+from picovllm.layers.sampler import GREEDY_BELOW
+
 if TYPE_CHECKING:
     from picovllm.engine.model_runner import SamplingRow
+
+# The most a repetition penalty moves a logit to, either way: still finite in float32 (max 3.4e38) once divided by the
+# smallest temperature that samples, with room for rounding (an inf makes the row's softmax NaN, and its token 0)
+PENALIZED_MAX = torch.finfo(torch.float32).max * GREEDY_BELOW / 4
 
 
 def adjust_logits(logits: torch.Tensor, rows: Sequence["SamplingRow"],
@@ -91,9 +97,12 @@ def _apply_penalties(logits: torch.Tensor, rows: list["SamplingRow"], idx: torch
                           accumulate=True)
     sub = logits[idx]
     if repeat:
-        rep = _to([r.repetition_penalty for r in rows], dev, torch.float32)[:, None]
-        seen = (counts > 0) | in_prompt
-        sub = torch.where(seen, torch.where(sub < 0, sub * rep, sub / rep), sub)
+        # an extreme penalty leaves float32's range (1e-300 is 0 there; 1e-38 takes a logit of 5 past it): held within
+        # +-PENALIZED_MAX, the seen tokens it favours tie at the top, those it disfavours sink; a banned one stays -inf
+        rep = _to([r.repetition_penalty for r in rows], dev, torch.float32).clamp(min=torch.finfo(torch.float32).tiny)
+        seen = ((counts > 0) | in_prompt) & sub.isfinite()
+        penalized = torch.where(sub < 0, sub * rep[:, None], sub / rep[:, None]).clamp(-PENALIZED_MAX, PENALIZED_MAX)
+        sub = torch.where(seen, penalized, sub)
     freq = _to([r.frequency_penalty for r in rows], dev, torch.float32)[:, None]
     pres = _to([r.presence_penalty for r in rows], dev, torch.float32)[:, None]
     logits[idx] = sub - freq * counts - pres * (counts > 0)

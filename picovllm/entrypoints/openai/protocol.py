@@ -56,6 +56,34 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
 
+# JSON's "\ud800" escapes decode to lone surrogates: no Unicode text, which no tokenizer encodes and no model writes
+LONE_SURROGATE = re.compile(r"[\ud800-\udfff]")
+
+
+def _lone_surrogate_at(value: Any, at: str) -> str | None:
+    """Where in value (a string, or lists and dicts of them at any depth) a string holds a lone surrogate, as a path
+    from `at`; None if nowhere."""
+    if isinstance(value, str):
+        return at if LONE_SURROGATE.search(value) else None
+    if isinstance(value, dict):
+        inside = [(at, k) for k in value] + [(f"{at}.{k}", v) for k, v in value.items()]
+    elif isinstance(value, list):
+        inside = [(f"{at}[{i}]", v) for i, v in enumerate(value)]
+    else:
+        return None
+    return next((where for where in (_lone_surrogate_at(v, path) for path, v in inside) if where), None)
+
+
+def unicode_text(value: Any, field: str) -> Any:
+    """value, unless a string in it holds a lone surrogate: a ValueError naming where. For text that is matched
+    against the output (a stop string that never could) or rendered into the prompt beside the messages (whose
+    tokenizer's refusal would name the messages)."""
+    where = _lone_surrogate_at(value, field)
+    if where is not None:
+        raise ValueError(f"{where} holds a lone surrogate (a \\ud800-\\udfff escape), which is not Unicode text")
+    return value
+
+
 class StreamOptions(_Strict):
     include_usage: bool = False
     continuous_usage_stats: bool = False    # vLLM's: with include_usage, every chunk carries its choice's usage so far
@@ -259,6 +287,11 @@ class _SamplingRequest(_StructuredRequest, _RefusedCommon):
             raise ValueError("stream_options can only be given with stream: true")
         return v
 
+    @field_validator("stop")
+    @classmethod
+    def _unicode_stops(cls, v: str | list[str] | None) -> str | list[str] | None:
+        return unicode_text(v, "stop")
+
     @field_validator("logit_bias")
     @classmethod
     def _token_id_keys(cls, v: dict | None) -> dict | None:
@@ -448,6 +481,12 @@ class _ChatTemplateOptions(_Strict):
     chat_template_kwargs: dict[str, Any] | None = None
     documents: Annotated[list[dict[str, str]], Field(max_length=1024)] | None = None
     chat_template: str | None = None
+
+    # and the tools of the requests that have them (chat's, /tokenize's): the template renders them too
+    @field_validator("chat_template_kwargs", "documents", "chat_template", "tools", mode="before", check_fields=False)
+    @classmethod
+    def _unicode_template_text(cls, v: Any, info: ValidationInfo) -> Any:
+        return unicode_text(v, info.field_name)
 
 
 class ChatCompletionRequest(_SamplingRequest, _RefusedChat, _ChatTemplateOptions):

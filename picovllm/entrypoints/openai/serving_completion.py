@@ -109,7 +109,8 @@ class CompletionHandler:
 
     async def _echo_only_events(self, req: CompletionRequest, raw: Request, rid: str,
                                 jobs: list[tuple[SampleGroup, str, str | None]], n: int) -> AsyncIterator[str]:
-        """_echo_only_body streamed: one chunk a choice (prompt i's at indexes i * n ..), then the usage if asked."""
+        """_echo_only_body streamed: one chunk a choice (prompt i's at indexes i * n ..), each with its prompt's usage
+        if continuous usage is asked, then the usage if asked."""
         bodies = []
         try:
             for i, (group, echo, first_token) in enumerate(jobs):
@@ -118,7 +119,8 @@ class CompletionHandler:
                     return
                 bodies.append(body)
                 for choice in body["choices"]:
-                    yield sse(self._body(rid, [dict(choice, index=i * n + choice["index"])]))
+                    chunk = self._body(rid, [dict(choice, index=i * n + choice["index"])])
+                    yield sse(with_usage(chunk, body["usage"]["prompt_tokens"], 0) if req.continuous_usage else chunk)
         except ENGINE_ERRORS as e:
             yield sse_error(e)
             yield SSE_DONE

@@ -20,10 +20,10 @@ from typing import Annotated, Any, Literal
 
 from fastapi import Request
 from fastapi.responses import Response
-from pydantic import Field, ValidationError, create_model
+from pydantic import Field, ValidationError, ValidationInfo, create_model, field_validator
 
 from picovllm.entrypoints.openai.protocol import (MAX_INT, APIError, ChatCompletionRequest, FiniteFloat, _Strict,
-                                                  refusing_model)
+                                                  refusing_model, unicode_text)
 from picovllm.entrypoints.openai.serving import JSONBody, ServingContext, sse_response
 from picovllm.entrypoints.openai.serving_chat import ChatHandler
 
@@ -66,6 +66,12 @@ class ResponsesRequest(refusing_model("_RefusedResponses", REFUSED_RESPONSES), _
     # Accepted and ignored, as vLLM does: service_tier, prompt_cache_key (vLLM: "not implemented yet and vLLM will
     # ignore it"), safety_identifier, text.verbosity; max_tool_calls caps built-in tools' calls, and this server has
     # none (a tool that is not a function is refused).
+
+    @field_validator("instructions", "tools", mode="before")
+    @classmethod
+    def _unicode_template_text(cls, v: Any, info: ValidationInfo) -> Any:
+        """Rendered beside the input: text that is not Unicode is named here, not as the input."""
+        return unicode_text(v, info.field_name)
 
     def response_id(self) -> str:
         """vLLM's: the request's request_id (checked by the chat request it becomes), else a random one."""

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from picovllm.entrypoints.chat_template import (check_request_template, content_for_template, resolved_template,
                                                 template_kwargs)
-from picovllm.entrypoints.openai.protocol import APIError
+from picovllm.entrypoints.openai.protocol import LONE_SURROGATE, APIError
 from picovllm.entrypoints.openai.tool_calls import template_renders_tools, with_tool_prompt
 
 
@@ -138,4 +138,6 @@ def _encode(tok, text: str, add_special_tokens: bool, param: str) -> list[int]:
     try:
         return tok.encode(text, add_special_tokens=add_special_tokens)
     except Exception as e:  # e.g. a lone surrogate (valid JSON, not encodable text)
-        raise APIError(400, f"{param}: cannot be tokenized ({type(e).__name__})", param=param) from None
+        why = "it holds a lone surrogate, which is not Unicode text" if LONE_SURROGATE.search(text) else \
+            type(e).__name__
+        raise APIError(400, f"{param}: cannot be tokenized ({why})", param=param) from None
