@@ -18,8 +18,8 @@ GRACE = 2.5   # --shutdown-timeout
 
 @pytest.fixture(scope="module")
 def long_context_model(tmp_path_factory):
-    # 8192 positions so one request can run far longer than the shutdown grace period, even on a fast CPU
-    return build_tiny_chat_model(str(tmp_path_factory.mktemp("tinylong") / "model"), max_position_embeddings=8192)
+    # 32768 positions so one request can run far longer than the shutdown grace period, even on a fast CPU
+    return build_tiny_chat_model(str(tmp_path_factory.mktemp("tinylong") / "model"), max_position_embeddings=32768)
 
 
 def children_of(pid: int) -> list[int]:
@@ -67,7 +67,7 @@ def stream_tokens(url: str, body: dict, result: dict, first: threading.Event) ->
 
 def test_api_key_and_graceful_sigterm(long_context_model, tmp_path):
     srv = ServerProcess(long_context_model, str(tmp_path / "server.log"), "--api-key", KEY, "--shutdown-timeout",
-                        str(GRACE), "--num-kv-blocks", "1024", "--max-model-len", "8192",
+                        str(GRACE), "--num-kv-blocks", "4096", "--max-model-len", "32768",
                         "--allowed-origins", '["http://app.example"]')
     try:
         model = long_context_model
@@ -93,7 +93,7 @@ def test_api_key_and_graceful_sigterm(long_context_model, tmp_path):
                                      extra_body={"ignore_eos": True}).usage.completion_tokens == 3
 
         kids = children_of(srv.proc.pid)
-        runs = {"short": {"max_tokens": 20}, "long": {"max_tokens": 8000}}
+        runs = {"short": {"max_tokens": 20}, "long": {"max_tokens": 30000}}
         results, threads = {}, []
         for name, extra in runs.items():
             results[name], first = {}, threading.Event()
@@ -131,12 +131,12 @@ def test_sigterm_aborts_waiting_samples_and_beam_searches(long_context_model, tm
     grace period's end every waiting sample is aborted, not started: the n=2 request's second sample had started
     after the abort and run to its length, and the beam search had failed with a 500 (or kept adding steps)."""
     srv = ServerProcess(long_context_model, str(tmp_path / "server.log"), "--api-key", KEY, "--shutdown-timeout",
-                        str(GRACE), "--num-kv-blocks", "1024", "--max-model-len", "8192", "--max-num-seqs", "1")
+                        str(GRACE), "--num-kv-blocks", "4096", "--max-model-len", "32768", "--max-num-seqs", "1")
     auth = {"Authorization": f"Bearer {KEY}"}
     results, threads = {}, []
     try:
         first = threading.Event()
-        body = {"prompt": "Tell me a story", "stream": True, "ignore_eos": True, "max_tokens": 8000}
+        body = {"prompt": "Tell me a story", "stream": True, "ignore_eos": True, "max_tokens": 30000}
         t = threading.Thread(target=stream_tokens, args=(srv.url, body, results.setdefault("long", {}), first))
         t.start()
         assert first.wait(30)
@@ -175,9 +175,9 @@ def test_a_second_signal_aborts_at_once_and_exits_quietly(long_context_model, tm
     still ends cleanly (finish_reason "abort", [DONE]), and the server exits 0 without a traceback. It had cancelled
     the server's tasks: tracebacks, the stream cut without its end, exit 0."""
     srv = ServerProcess(long_context_model, str(tmp_path / "server.log"), mode, "--shutdown-timeout", "60",
-                        "--num-kv-blocks", "1024", "--max-model-len", "8192")
+                        "--num-kv-blocks", "4096", "--max-model-len", "32768")
     result, first = {}, threading.Event()
-    body = {"prompt": "Tell me a story", "stream": True, "ignore_eos": True, "max_tokens": 8000}
+    body = {"prompt": "Tell me a story", "stream": True, "ignore_eos": True, "max_tokens": 30000}
     try:
         t = threading.Thread(target=stream_tokens, args=(srv.url, body, result, first))
         t.start()
