@@ -94,6 +94,15 @@ def test_a_stream_closed_while_its_step_fails_is_let_go(chat_model, where):
     served = Served(chat_model, where, async_scheduling=False)
     client = served.client
     params = SamplingParams(max_tokens=50, **GREEDY)
+    # the first decode's launch waits until the failure is set up: else a fast engine decodes all 50 tokens first
+    set_up, real_launch, launches = threading.Event(), served.engine.runner.launch, [0]
+
+    def held(step, *args):
+        launches[0] += 1
+        if launches[0] == 2:
+            set_up.wait(10)
+        return real_launch(step, *args)
+    served.engine.runner.launch = held
 
     async def main():
         client.start()
@@ -109,6 +118,7 @@ def test_a_stream_closed_while_its_step_fails_is_let_go(chat_model, where):
             left.set()
         # the next launch: the client leaves while it runs, then it fails (on the engine loop's thread)
         launches_calling(served.engine, 1, lambda: asyncio.run_coroutine_threadsafe(leave(), loop).result(10))
+        set_up.set()
         await left.wait()
         async for _ in client.generate([10, 11], SamplingParams(max_tokens=2, **GREEDY), "after"):
             pass                            # added after the abort: the loop has taken that abort
