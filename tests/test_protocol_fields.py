@@ -172,6 +172,20 @@ def test_text_that_is_no_unicode_is_refused_by_its_field(http, path, body, param
     assert "holds a lone surrogate" in r.json()["error"]["message"], r.text
 
 
+def test_text_nested_as_deep_as_json_reads_is_checked_without_recursing(http):
+    """The lone-surrogate check walks a field's lists and dicts: nested as deep as the body's JSON may be (json.loads
+    takes ~900 levels here), it had recursed two frames a level and answered a 500 (RecursionError) from ~450. Such
+    text is the template's to refuse, as before the check (a 400)."""
+    def nested(leaf: str, depth: int = 700) -> str:
+        return "[" * depth + leaf + "]" * depth
+    body = '{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "chat_template_kwargs": {"x": %s}}'
+    r = _post_raw(http, "/v1/chat/completions", (body % nested('"a"')).encode())
+    assert r.status_code == 400 and "the chat template rejected them" in r.json()["error"]["message"], r.text
+    r = _post_raw(http, "/v1/chat/completions", (body % nested('"\\ud800"')).encode())
+    _refused(r, "chat_template_kwargs")
+    assert "chat_template_kwargs.x[0][0]" in r.json()["error"]["message"], r.text
+
+
 @pytest.mark.parametrize("content,param", [
     (5, "input[0].content"),                                    # was a 500 (iterated)
     ("a thought", "input[0].content"),                          # was dropped without a word

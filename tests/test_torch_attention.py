@@ -131,3 +131,20 @@ def test_sliding_window_and_softcap_match_float64_loop(window, softcap):
     if window is not None:   # the window is not a no-op here
         full = TorchAttentionBackend().forward(q, k, v, kc.clone(), vc.clone(), meta, D ** -0.5, None, softcap)
         assert not torch.allclose(full, out, atol=1e-3)
+
+
+def test_decode_reads_no_slid_out_or_stale_table_entry():
+    """Decodes under a window with the entries of blocks wholly before it SLID_OUT (-1, given back), and a row's
+    entries past its table's end stale (-1 too: the eager steps' StagedTables leave what an earlier table wrote there,
+    no longer 0): the length groups gathered whole rows of the table, and index_select refused the -1."""
+    window, seq_lens = 6, [3, 9, 30, 37]
+    n = len(seq_lens)
+    q, k, v, kc, vc, meta, full_k, full_v = make_batch([1] * n, seq_lens, n, seed=6)
+    tables = meta.block_tables
+    for i, L in enumerate(seq_lens):
+        tables[i, :max(0, L - window) // BS] = -1                  # wholly before the window: slid out
+        tables[i, -(-L // BS):] = -1                              # past the table's end: stale
+    assert (tables == -1).any(1).all()
+    out = TorchAttentionBackend().forward(q, k, v, kc, vc, meta, D ** -0.5, window)
+    ref = torch.cat([naive(q[i:i + 1], full_k[i], full_v[i], D ** -0.5, window) for i in range(n)])
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)

@@ -29,7 +29,9 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor      # [T] int64: cache slot (block * block_size + offset) of each new token
     query_start_loc: torch.Tensor   # [B + 1] int32: where each sequence's new tokens start in the batch
     seq_lens: torch.Tensor          # [B] int32: context length of each sequence after this step
-    block_tables: torch.Tensor      # [B, max_blocks] int32, padded with 0
+    # [B, max_blocks] int32; a row's entries past its table's end are stale (cuda_graph.StagedTables: any block id,
+    # or SLID_OUT's -1), as those of blocks wholly before a sliding window are -1: a backend must not read them
+    block_tables: torch.Tensor
     num_decodes: int                # the first num_decodes sequences have exactly one new token
     max_query_len: int
     max_seq_len: int

@@ -19,7 +19,7 @@ GROUP_OVERHEAD_SLOTS = 256
 @dataclass
 class DecodeGroup:
     rows: torch.Tensor | None   # [n] which decode rows (None: all of them, in order)
-    block_ids: torch.Tensor     # [n, num_blocks] their block tables, cut to the group's longest
+    block_ids: torch.Tensor     # [n, num_blocks] their block tables, cut to the group's longest (-1s as 0)
     mask: torch.Tensor | None   # [n, 1, 1, num_blocks * block_size] additive (-inf past each length and before
                                 # its sliding window); None: all valid
 
@@ -73,5 +73,7 @@ def plan_decode(seq_lens: list[int], block_tables: torch.Tensor, block_size: int
             past = (pos >= n) | (pos < n - window) if slides else pos >= n
             mask = torch.zeros(len(rows), 1, 1, width, dtype=dtype, device=dev)
             mask.masked_fill_(past[:, None, None, :], float("-inf"))
-        plan.append(DecodeGroup(row_t, tables.contiguous(), mask))
+        # every entry up to the group's longest is gathered, then masked: those a row never reads (SLID_OUT before
+        # its window, stale ones past its table's end) may be -1, which index_select refuses
+        plan.append(DecodeGroup(row_t, tables.clamp(min=0), mask))
     return plan

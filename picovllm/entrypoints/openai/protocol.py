@@ -62,16 +62,19 @@ LONE_SURROGATE = re.compile(r"[\ud800-\udfff]")
 
 def _lone_surrogate_at(value: Any, at: str) -> str | None:
     """Where in value (a string, or lists and dicts of them at any depth) a string holds a lone surrogate, as a path
-    from `at`; None if nowhere."""
-    if isinstance(value, str):
-        return at if LONE_SURROGATE.search(value) else None
-    if isinstance(value, dict):
-        inside = [(at, k) for k in value] + [(f"{at}.{k}", v) for k, v in value.items()]
-    elif isinstance(value, list):
-        inside = [(f"{at}[{i}]", v) for i, v in enumerate(value)]
-    else:
-        return None
-    return next((where for where in (_lone_surrogate_at(v, path) for path, v in inside) if where), None)
+    from `at`; None if nowhere. Depth first, a dict's keys before its values, without recursing: a body may nest as
+    deep as json.loads reads (~900 levels), past what two frames a level leave of Python's stack."""
+    todo = [(at, value)]
+    while todo:
+        path, item = todo.pop()
+        if isinstance(item, str):
+            if LONE_SURROGATE.search(item):
+                return path
+        elif isinstance(item, dict):
+            todo += reversed([(path, k) for k in item] + [(f"{path}.{k}", v) for k, v in item.items()])
+        elif isinstance(item, list):
+            todo += reversed([(f"{path}[{i}]", v) for i, v in enumerate(item)])
+    return None
 
 
 def unicode_text(value: Any, field: str) -> Any:
