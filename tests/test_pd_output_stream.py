@@ -222,3 +222,23 @@ def test_a_decode_servers_engine_process_makes_delta_outputs_a_prefill_servers_d
         ends = loop.__new__(loop)
         ends.engine = SimpleNamespace(config=SimpleNamespace(role=role))
         assert ends.stream_deltas is deltas
+
+
+def test_a_streaming_session_hands_its_user_plain_lists():
+    """DisaggLLM's session(stream=True) gives its user every output: their token ids and logprobs are lists, as
+    LLM.generate's (json.dumps takes them, a user may append), not the decoder's ListPrefix views, and equal what was
+    sent; the final's too."""
+    from picovllm.disagg.messages import Output
+    from picovllm.disagg.session import DisaggSession
+    session = DisaggSession.__new__(DisaggSession)      # only what _on_message reads
+    session.stream, session._wire, session.results = True, {}, {}
+    enc, ids, seen = OutputEncoder(), [], []
+    for step in range(4):
+        ids.append(10 + step)                  # extended in place: the decoder hands out views of its own lists
+        sent = out("r", [comp("ab"[:step], ids, logprobs=True)], finished=step == 3)
+        (got,) = session._on_message("d", Output(json.loads(json.dumps(enc.encode(sent)))))
+        seen.append(got)
+        c = got.outputs[0]
+        assert type(c.token_ids) is list and type(c.logprobs) is list, step
+        assert json.loads(json.dumps(c.token_ids)) == ids
+    assert [o.outputs[0].token_ids for o in seen] == [[10], [10, 11], [10, 11, 12], [10, 11, 12, 13]]
