@@ -545,9 +545,13 @@ class OutputDecoder:
     output holds its own prefix of them (outputs.ListPrefix), so an output handed out never changes, and a step
     costs what is new in it. A whole output's lists, and a final output's, are its own (the final's copied, once a
     request). New lists for every output had cost what each holds, and the garbage collector's walks over them: at
-    batch 256 with 2,000-token outputs and logprobs 5, ~57 ms a step (benchmarks/pd_outputs.py)."""
+    batch 256 with 2,000-token outputs and logprobs 5, ~57 ms a step (benchmarks/pd_outputs.py).
 
-    def __init__(self) -> None:
+    views=False: unfinished outputs hold lists of their own too, as LLM.generate's do (a user's stream: DisaggLLM's
+    session(stream=True)), each a copy of what the stream has."""
+
+    def __init__(self, views: bool = True) -> None:
+        self._views = views
         self._last: RequestOutput | None = None
         self._so_far: list[_Received] = []
 
@@ -568,8 +572,7 @@ class OutputDecoder:
                                    metrics, d["error"], d["num_cached_tokens"], last.prompt_logprobs)
         return self._last
 
-    @staticmethod
-    def _applied(so_far: _Received, c: dict, finished: bool) -> CompletionOutput:
+    def _applied(self, so_far: _Received, c: dict, finished: bool) -> CompletionOutput:
         """One completion's delta applied to what its stream has."""
         so_far.text = so_far.text[:_start(c, "text_start", len(so_far.text))] + c["text"]
         so_far.token_ids = _extended(so_far.token_ids, _start(c, "token_start", len(so_far.token_ids)), c["token_ids"])
@@ -577,7 +580,7 @@ class OutputDecoder:
             had = so_far.logprobs if so_far.logprobs is not None else []
             so_far.logprobs = _extended(had, _start(c, "logprobs_start", len(had)), _steps_from_wire(c["logprobs"]))
         token_ids, logprobs = so_far.token_ids, so_far.logprobs
-        if finished:          # the stream's last output: lists of its own, as a whole output's are
+        if finished or not self._views:    # the stream's last output: lists of its own, as a whole output's are
             token_ids, logprobs = token_ids[:], None if logprobs is None else logprobs[:]
         else:
             token_ids, logprobs = ListPrefix(token_ids), None if logprobs is None else ListPrefix(logprobs)

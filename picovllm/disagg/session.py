@@ -125,16 +125,12 @@ class DisaggSession:
             return []
         if isinstance(msg, Output):
             key = (role, (msg.output.get("output") or msg.output["delta"])["request_id"])
-            wire = self._wire.pop(key, None) or OutputDecoder()
+            wire = self._wire.pop(key, None) or OutputDecoder(views=not self.stream)    # a user's: lists
             out = wire.decode(msg.output)
             if not out.finished:
                 self._wire[(role, out.request_id)] = wire
             if out.request_id in self.results:
                 return []                          # a second final (abort raced a finish): the first stands
-            if self.stream and not out.finished:   # a user's outputs hold lists, as LLM.generate's do (the decoder's
-                out = dataclasses.replace(out, outputs=[dataclasses.replace(     # views are for the servers)
-                    c, token_ids=list(c.token_ids), logprobs=None if c.logprobs is None else list(c.logprobs))
-                    for c in out.outputs])
             if out.finished:
                 self.results[out.request_id] = out
             return [out]
