@@ -616,19 +616,6 @@ class GoodStreams:
             t.join()
 
 
-def idle(srv, timeout: float = 30.0) -> str | None:
-    deadline = time.time() + timeout
-    while True:
-        m = srv.metrics()
-        free, total = m["picovllm:kv_cache_free_blocks"], m["picovllm:kv_cache_num_blocks"]
-        if m["picovllm:num_requests_running"] == 0 and m["picovllm:num_requests_waiting"] == 0 and free == total:
-            return None
-        if time.time() > deadline:
-            return f"engine not idle after the run: running {m['picovllm:num_requests_running']}, waiting " \
-                   f"{m['picovllm:num_requests_waiting']}, {total - free:.0f} blocks held"
-        time.sleep(0.2)
-
-
 def fuzz_mode(mode: str, model: str, args, tmp: str) -> tuple[collections.Counter, dict, collections.Counter]:
     """One mode's server fuzzed: (the counts by kind and by status, the failures, the odd values taken)."""
     from serving_fixtures import ServerProcess
@@ -690,9 +677,10 @@ def _after(srv, good, before, failures: dict) -> None:
         again = {"completion": good._completion(), "chat": good._chat()}
         if again != before:
             failures[("after", "", None, f"greedy outputs changed: {before} -> {again}")] = b""
-    problem = idle(srv)
-    if problem:
-        failures[("after", "", None, problem)] = b""
+    try:
+        srv.wait_idle(30.0)
+    except AssertionError as e:
+        failures[("after", "", None, f"engine not idle after the run: {e}")] = b""
 
 
 def main() -> int:

@@ -209,6 +209,18 @@ class ServerProcess:
         with open(self.log_path) as f:
             return f.read()
 
+    def wait_idle(self, timeout: float = 20.0) -> dict[str, float]:
+        """Wait until no request is left in the engine (none running, none waiting) and every KV block is free; the
+        metrics then (AssertionError naming them if that takes over timeout seconds)."""
+        deadline = time.time() + timeout
+        while True:
+            m = self.metrics()
+            if m["picovllm:num_requests_running"] == 0 and m["picovllm:num_requests_waiting"] == 0 and \
+                    m["picovllm:kv_cache_free_blocks"] == m["picovllm:kv_cache_num_blocks"] > 0:
+                return m
+            assert time.time() < deadline, f"server not idle: {m}"
+            time.sleep(0.1)
+
     def metrics(self) -> dict[str, float]:
         """Sample values of /metrics, by name (labels dropped; one series per name is enough here)."""
         out = {}

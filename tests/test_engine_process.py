@@ -65,17 +65,6 @@ def engine_child(server) -> int:
     return kids[0]
 
 
-def idle(server, timeout=20.0) -> dict:
-    deadline = time.time() + timeout
-    while True:
-        m = server.metrics()
-        if m["picovllm:num_requests_running"] == 0 and \
-                m["picovllm:kv_cache_free_blocks"] == m["picovllm:kv_cache_num_blocks"] > 0:
-            return m
-        assert time.time() < deadline, f"server not idle: {m}"
-        time.sleep(0.1)
-
-
 def test_outputs_equal_the_offline_api(server, client, chat_model):
     llm = LLM(chat_model, block_size=16, num_kv_blocks=512, max_model_len=256)
     model = client.models.list().data[0]
@@ -93,7 +82,7 @@ def test_outputs_equal_the_offline_api(server, client, chat_model):
     want = llm.chat(conv, SamplingParams(temperature=0.8, seed=3, max_tokens=10), use_tqdm=False)[0].outputs[0]
     got = client.chat.completions.create(model=model.id, messages=conv, temperature=0.8, seed=3, max_tokens=10)
     assert got.choices[0].message.content == want.text
-    m = idle(server)
+    m = server.wait_idle()
     assert m["picovllm:requests_total.length"] >= 2 * len(PROMPTS) + 1     # finished requests counted by the parent
     assert m["picovllm:decode_tokens_total"] > 0                            # the child's stats
 
@@ -106,7 +95,7 @@ def test_beam_search_through_the_process(server, client, chat_model):
     got = client.completions.create(model=client.models.list().data[0].id, prompt=PROMPTS[1], n=2, max_tokens=6,
                                     extra_body={"use_beam_search": True})
     assert [c.text for c in got.choices] == [b.text for b in want]
-    idle(server)
+    server.wait_idle()
 
 
 def test_engine_refusals_and_hang_ups(server, client, chat_model):
@@ -120,7 +109,7 @@ def test_engine_refusals_and_hang_ups(server, client, chat_model):
         for line in r.iter_lines():
             if line.startswith("data:"):
                 break                                       # hang up after the first chunk
-    idle(server)                                            # the abort reached the child: every block is free
+    server.wait_idle()                                            # the abort reached the child: every block is free
 
 
 def test_a_dead_engine_process_fails_streams_and_health(chat_model, tmp_path):
@@ -322,7 +311,7 @@ def test_the_thread_mode_serves_as_the_offline_api(chat_model, tmp_path):
         streamed = "".join(c.choices[0].text for c in client.completions.create(
             model=model, prompt=PROMPTS[0], max_tokens=12, temperature=0, stream=True) if c.choices)
         assert streamed == ref.text
-        idle(srv)
+        srv.wait_idle()
     finally:
         assert srv.stop(signal.SIGTERM) == 0, srv.log()
 

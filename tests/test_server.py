@@ -36,19 +36,6 @@ def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
 
 
-def assert_idle(server, timeout=20.0):
-    """No request left in the engine and every KV block free."""
-    import time
-    deadline = time.time() + timeout
-    while True:
-        m = server.metrics()
-        free, total = m["picovllm:kv_cache_free_blocks"], m["picovllm:kv_cache_num_blocks"]
-        if m["picovllm:num_requests_running"] == 0 and m["picovllm:num_requests_waiting"] == 0 and free == total:
-            return m
-        assert time.time() < deadline, f"server not idle: {m}"
-        time.sleep(0.1)
-
-
 # -- parity with the offline API ---------------------------------------------------------------------
 def test_completions_match_llm_generate(client, llm):
     sp = SamplingParams(temperature=0, max_tokens=12, logprobs=2)
@@ -303,7 +290,7 @@ def test_unhonoured_requests_are_refused_never_ignored(server, client):
     ok = client.chat.completions.create(model=model, messages=msgs, max_tokens=4, response_format={"type": "text"},
                                         extra_body={"priority": 0})
     assert ok.choices[0].finish_reason in ("stop", "length")
-    after = assert_idle(server)
+    after = server.wait_idle()
     assert after["picovllm:requests_total.rejected"] - before["picovllm:requests_total.rejected"] == 2 * len(cases) + 2
 
 
@@ -348,7 +335,7 @@ def test_structured_outputs_round_trip(server, client):
             r = client.completions.create(extra_body={"guided_regex": r"[a-c]{2}-\d{1,3}"}, **kw)
             text, _ = _streamed(r) if stream else (r.choices[0].text, None)
             assert re.fullmatch(r"[a-c]{2}-\d{1,3}", text), text
-    assert_idle(server)
+    server.wait_idle()
 
 
 def test_bad_constraints_get_400_naming_the_field(server, client):
@@ -365,7 +352,7 @@ def test_bad_constraints_get_400_naming_the_field(server, client):
             assert e.value.body["param"] == param and param in e.value.body["message"], e.value.body
     ok = client.chat.completions.create(model=model, messages=msgs, max_tokens=4)   # the server is fine
     assert ok.choices[0].finish_reason in ("stop", "length")
-    assert_idle(server)
+    server.wait_idle()
 
 
 CITY_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
@@ -498,7 +485,7 @@ def test_tool_calls_round_trip(tool_client):
         if pieces[-1] > 1:
             break
     assert max(pieces) > 1, pieces
-    assert_idle(server)
+    server.wait_idle()
 
 
 def test_completion_echo(server, client):
@@ -514,7 +501,7 @@ def test_completion_echo(server, client):
         streamed = "".join(c.choices[0].text for c in client.completions.create(echo=True, stream=True, **kw)
                            if c.choices)
         assert streamed == prefix + plain
-    assert_idle(server)
+    server.wait_idle()
 
 
 def test_truncate_prompt_tokens(server, client, llm):
@@ -596,7 +583,7 @@ def test_prompt_logprobs_and_echo_with_logprobs(server, client, llm):
         client.chat.completions.create(model=model, messages=msgs, max_tokens=2, stream=True,
                                        extra_body={"prompt_logprobs": 0})
     assert e.value.body["param"] == "prompt_logprobs"
-    assert_idle(server)
+    server.wait_idle()
 
 
 def test_tokens_as_ids_and_continuous_usage(server, client, llm):
@@ -679,7 +666,7 @@ def test_tokens_as_ids_and_continuous_usage(server, client, llm):
     with pytest.raises(openai.BadRequestError) as e:      # not streamed: refused, as vLLM and OpenAI refuse it
         client.completions.create(model=model, prompt=prompt, max_tokens=2, stream_options={"include_usage": True})
     assert e.value.body["param"] == "stream_options" and "stream: true" in e.value.body["message"]
-    assert_idle(server)
+    server.wait_idle()
 
 
 def test_spaces_between_special_tokens_as_hf_decodes(server, client, llm):
@@ -727,7 +714,7 @@ def test_beam_search_served_as_llm_beam_search(server, client, llm):
         with pytest.raises(openai.BadRequestError) as e:
             client.completions.create(model=model, prompt="Hi", n=2, max_tokens=4, extra_body=extra, **kw)
         assert e.value.body["param"] == field, (field, e.value.body)
-    assert_idle(server)
+    server.wait_idle()
 
 
 def test_bad_words_served_as_llm_generate(server, client, llm):
@@ -762,7 +749,7 @@ def test_bad_words_served_as_llm_generate(server, client, llm):
         with pytest.raises(openai.BadRequestError) as e:
             client.completions.create(model=model, prompt="Hi", max_tokens=2, extra_body=extra)
         assert e.value.body["param"] == "bad_words", (extra, e.value.body)
-    assert_idle(server)
+    server.wait_idle()
 
 
 def test_n_samples_and_best_of(server, client, llm):
@@ -801,7 +788,7 @@ def test_n_samples_and_best_of(server, client, llm):
     assert parts == [r.text for r in ref] and roles == ["assistant"] * 2
     with client.completions.create(stream=True, **dict(kw, max_tokens=200)) as stream:   # hang up early
         next(iter(stream))
-    assert_idle(server)                       # every sample aborted, every block free
+    server.wait_idle()                       # every sample aborted, every block free
 
 
 def test_tokenize_and_detokenize(server, client, llm):
@@ -910,12 +897,21 @@ def test_oversize_bodies_rejected(server):
     assert r.status_code == 413 and r.json()["error"]["type"] == "invalid_request_error"
 
 
-def test_nonstreaming_client_that_hangs_up_aborts_its_request(server, chat_model):
-    before = server.metrics()
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.url + "/v1/completions", timeout=httpx.Timeout(10, read=0.05),
-                   json={"model": chat_model, "prompt": "hi", "max_tokens": 250, "ignore_eos": True})
-    after = assert_idle(server)
+def test_nonstreaming_client_that_hangs_up_aborts_its_request(tmp_path):
+    """A server of its own, whose 32k positions give a request far more than the client's 50 ms: the module's 256
+    positions ran a whole 250-token request inside them on a fast CPU."""
+    from serving_fixtures import build_tiny_chat_model
+    model = build_tiny_chat_model(str(tmp_path / "model"), max_position_embeddings=32768)
+    srv = ServerProcess(model, str(tmp_path / "server.log"), "--block-size", "16", "--num-kv-blocks", "4096",
+                        "--max-model-len", "32768")
+    try:
+        before = srv.metrics()
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(srv.url + "/v1/completions", timeout=httpx.Timeout(10, read=0.05),
+                       json={"model": model, "prompt": "hi", "max_tokens": 30000, "ignore_eos": True})
+        after = srv.wait_idle()
+    finally:
+        srv.stop()
     assert after["picovllm:requests_total.abort"] - before["picovllm:requests_total.abort"] == 1
     assert after["picovllm:requests_total.length"] == before["picovllm:requests_total.length"]
 
@@ -973,7 +969,7 @@ def test_200_concurrent_streams_with_disconnects(server, llm):
     for i, text, finish in done:
         assert finish == "length" and text == ref[i % 10]
     assert worst_health < 10.0
-    after = assert_idle(server)
+    after = server.wait_idle()
     aborted = after["picovllm:requests_total.abort"] - before["picovllm:requests_total.abort"]
     length = after["picovllm:requests_total.length"] - before["picovllm:requests_total.length"]
     # every leaver aborted, unless the engine had generated its 200 tokens before the server saw the hang-up (on a
@@ -1081,7 +1077,7 @@ def test_fuzz_hostile_bodies(server):
     assert statuses.get(400, 0) > 250 and statuses.get(200, 0) > 30, statuses
     assert set(statuses) <= {200, 400, 404}, statuses     # 404: a model name this server does not serve
     assert httpx.get(server.url + "/health").status_code == 200
-    after = assert_idle(server)
+    after = server.wait_idle()
     assert after["picovllm:requests_total.rejected"] - before["picovllm:requests_total.rejected"] == \
         statuses[400] + statuses.get(404, 0)
     finished = sum(after[f"picovllm:requests_total.{o}"] - before[f"picovllm:requests_total.{o}"]
@@ -1163,7 +1159,7 @@ def test_bench_serve_workers_share_one_schedule(server, tmp_path):
         assert [r["prompt_len"] for r in s["requests"]] == [len(r.prompt) for r in want]
         assert all(abs(r["start"] - d) < 0.25 for r, d in zip(s["requests"], due)), [r["start"] for r in s["requests"]]
     assert runs[3]["config"]["num_workers"] == 3
-    assert_idle(server)
+    server.wait_idle()
 
 
 def test_bench_serve_reports_the_servers_prefix_cache_hits_and_plan_warns(server, tmp_path):
@@ -1204,7 +1200,7 @@ def test_bench_serve_reports_the_servers_prefix_cache_hits_and_plan_warns(server
     assert proc.returncode == 0, proc.stdout + proc.stderr
     warned = [line for line in proc.stderr.splitlines() if line.startswith("warning:")]
     assert len(warned) == 1 and str(runs[1][0]) in warned[0] and "80%" in warned[0], proc.stderr
-    assert_idle(server)
+    server.wait_idle()
 
 
 def test_bench_serve_round_robins_over_servers(server, chat_model, tmp_path):
@@ -1282,7 +1278,7 @@ def test_responses_match_llm_chat(server, client, llm):
     streamed = [lp.logprob for e in client.responses.create(stream=True, **kw)
                 if e.type == "response.output_text.delta" for lp in e.logprobs]
     assert streamed == pytest.approx(want, abs=1e-4)
-    assert_idle(server)
+    server.wait_idle()
 
 
 def test_responses_text_format_json_schema(server, client):
@@ -1356,4 +1352,4 @@ def test_responses_tool_calls(tool_client):
     r = client.responses.create(model=model, input=items, tools=[tools[0]], tool_choice="none", max_output_tokens=10,
                                 temperature=0)
     assert r.output_text == want
-    assert_idle(server)
+    server.wait_idle()
