@@ -9,7 +9,7 @@ import pytest
 
 from picovllm import LLM, SamplingParams
 from picovllm.entrypoints.cli import main as cli_main
-from serving_fixtures import file_server, free_port
+from serving_fixtures import file_server, free_port, http_server
 
 GREEDY = dict(max_tokens=3, temperature=0, ignore_eos=True)
 
@@ -165,7 +165,6 @@ def test_output_put_follows_a_redirect_with_the_whole_file(tmp_path):
     at the place it names, as a PUT of the whole text did before the output was streamed from its file (the body was
     then an iterator, read once: the second request declared the file's length and sent nothing)."""
     import http.server
-    import threading
 
     from picovllm.entrypoints.batch_io import upload
     text = "".join(_line(f"r{i}", "x" * 100) + "\n" for i in range(2000))     # several of upload's chunks
@@ -188,14 +187,9 @@ def test_output_put_follows_a_redirect_with_the_whole_file(tmp_path):
         def log_message(self, *a):
             pass
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Redirecting)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
+    with http_server(Redirecting) as url:
         for status in (301, 307, 308):
-            upload(f"http://127.0.0.1:{server.server_address[1]}/moved/{status}", str(out), "--output-file")
-    finally:
-        server.shutdown()
-        server.server_close()
+            upload(f"{url}/moved/{status}", str(out), "--output-file")
     assert got == {"/final": [text] * 3}
 
 
