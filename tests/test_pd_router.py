@@ -678,10 +678,12 @@ def test_a_client_gone_before_a_decode_took_the_kv_frees_it_on_p_at_once(fleet):
     time.sleep(3.0)                                # past the lease (2 s): an expiry would have counted by now
     after = signed("GET", p.url, "/pd/load").json()
     assert after["expired"] == before["expired"], (before, after)
-    assert after["released"] == before["released"]  # no D ever took them
-    # each taken back once published (withdrawn), or aborted while P still prefilled it (an abort output)
+    # each taken back once published (withdrawn), or aborted while P still prefilled it (an abort output), or (a
+    # race the router cannot close: the handle went to a D in the instant before the hang-up was seen) released by
+    # the D that took it
     aborted = wait_idle(p)["picovllm:requests_total.abort"] - aborts
-    assert after["withdrawn"] - before["withdrawn"] + aborted == 2, (before, after, aborted)
+    taken = {k: after[k] - before[k] for k in ("withdrawn", "released")}
+    assert taken["withdrawn"] + taken["released"] + aborted == 2, (before, after, aborted)
     for d in ("d0", "d1"):
         wait_idle(procs[d])
 
