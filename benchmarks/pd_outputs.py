@@ -25,7 +25,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from picovllm.disagg.messages import OutputDecoder, OutputEncoder  # noqa: E402
-from picovllm.entrypoints.openai.engine_process import OutputsFromDeltas  # noqa: E402
+from picovllm.entrypoints.openai.output_deltas import OutputsFromDeltas  # noqa: E402
 from picovllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput  # noqa: E402
 
 PIECE = "word "     # each token's text

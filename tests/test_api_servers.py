@@ -25,7 +25,8 @@ from picovllm.config import EngineConfig
 from picovllm.engine.llm_engine import Engine
 from picovllm.entrypoints.cli import main as cli_main
 from picovllm.entrypoints.openai.engine_client import AbortAll, AddRequest, CommandAnswer, LoopEnded, Shutdown
-from picovllm.entrypoints.openai.engine_process import OutputsFromDeltas, SharedChildLoop
+from picovllm.entrypoints.openai.engine_process import SharedChildLoop
+from picovllm.entrypoints.openai.output_deltas import OutputsFromDeltas
 from serving_fixtures import ServerProcess, chat_model  # noqa: F401 - a fixture
 from test_engine_process import spawned
 from test_server_lifecycle import assert_exited, children_of

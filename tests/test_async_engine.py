@@ -548,3 +548,65 @@ def test_a_compile_still_running_does_not_hold_up_the_process_exit(chat_llm, tmp
         raise AssertionError(f"the process did not exit: {e.stdout}") from None
     assert done.returncode == 0, done.stderr[-2000:]
     assert "refused: EngineDeadError" in done.stdout and done.stdout.rstrip().endswith("shut down")
+
+
+def test_thread_outputs_are_the_engines_cumulative_ones_as_views(chat_llm):
+    """The loop's requests make delta outputs in the engine (add_request's stream_deltas), which the loop adds up:
+    each CUMULATIVE output a stream gets is the whole output so far, holding views of one list a request
+    (ListPrefix) after its first, and an output a reader holds never changes afterwards. Oracle: LLM.generate's outputs of the same
+    greedy requests on the same engine (which stay plain lists: the flag is the loop's requests' only), with a stop
+    string taken from the middle of the text (held back, then cut) and logprobs."""
+    from picovllm.outputs import ListPrefix
+    from picovllm.sampling_params import RequestOutputKind
+
+    ps = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
+    free = chat_llm.generate(ps, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), use_tqdm=False)
+    stops = [o.outputs[0].text[12:15] for o in free]
+    assert all(len(s) == 3 for s in stops)
+
+    def params(i, kind="CUMULATIVE"):
+        return SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=2, prompt_logprobs=1,
+                              stop=[stops[i]], output_kind=getattr(RequestOutputKind, kind))
+
+    ref = chat_llm.generate(ps, [params(i) for i in range(3)], use_tqdm=False)
+    assert type(ref[0].outputs[0].token_ids) is list          # the offline API's outputs: plain lists
+
+    async def read(ae, i, rid, kind="CUMULATIVE"):
+        got = []
+        async for out in ae.generate(ps[i], params(i, kind), rid):
+            c = out.outputs[0]
+            got.append((out, list(c.token_ids), c.text, list(c.logprobs), c.finish_reason))
+        return got
+
+    async def main():
+        ae = AsyncEngine(chat_llm.engine)
+        ae.start()
+        try:
+            return await asyncio.gather(*(read(ae, i, f"c{i}") for i in range(3)), read(ae, 0, "d", "DELTA"))
+        finally:
+            await ae.shutdown()
+
+    *cumulative, delta = asyncio.run(main())
+    for i, got in enumerate(cumulative):
+        want = ref[i].outputs[0]
+        assert want.finish_reason == "stop" and want.stop_reason == stops[i] and stops[i] not in want.text
+        last, ids, text, logprobs, reason = got[-1]
+        assert (ids, text, logprobs, reason) == (want.token_ids, want.text, want.logprobs, "stop")
+        assert last.prompt_logprobs == ref[i].prompt_logprobs
+        assert len(got) > 3 and not any(o.finished for o, *_ in got[:-1]) and last.finished
+        for k, (out, ids, text, logprobs, _) in enumerate(got):
+            c = out.outputs[0]
+            if k:       # the first goes as the engine made it
+                assert type(c.token_ids) is ListPrefix and type(c.logprobs) is ListPrefix
+            # unchanged since it came, and a prefix of the final output
+            assert (c.token_ids, c.text, c.logprobs) == (ids, text, logprobs)
+            assert ids == want.token_ids[:len(ids)] and want.text.startswith(text)
+            assert logprobs == want.logprobs[:len(logprobs)]
+    pieces = [o.outputs[0] for o, *_ in delta]          # a DELTA request's outputs still hold only what is new
+    assert [t for p in pieces for t in p.token_ids] == ref[0].outputs[0].token_ids
+    assert "".join(p.text for p in pieces) == ref[0].outputs[0].text
+    engine = chat_llm.engine
+    assert not engine.requests and not engine.stream_deltas
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    again = chat_llm.generate(ps[:1], params(0), use_tqdm=False)[0].outputs[0]
+    assert type(again.token_ids) is list and again.token_ids == ref[0].outputs[0].token_ids

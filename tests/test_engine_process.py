@@ -138,7 +138,7 @@ def test_output_deltas_rebuild_every_output(chat_model, engine_deltas):
     a twin engine stepped in lockstep."""
     import dataclasses
     from picovllm.entrypoints.openai.engine_client import OutputDelta
-    from picovllm.entrypoints.openai.engine_process import OutputDeltas, OutputsFromDeltas
+    from picovllm.entrypoints.openai.output_deltas import OutputDeltas, OutputsFromDeltas
     from picovllm.outputs import RequestOutput
     args = dict(block_size=16, num_kv_blocks=512, max_model_len=256, max_num_batched_tokens=8)
     llm = LLM(chat_model, **args)
@@ -345,7 +345,7 @@ def test_a_refused_add_leaves_the_running_requests_deltas():
     still decodes (it had been forgotten: a KeyError that killed the API server's reader thread); an EngineStepError
     ends the request, and then its state goes."""
     from picovllm.entrypoints.openai.engine_client import CommandAnswer, EngineStepError, OutputDelta
-    from picovllm.entrypoints.openai.engine_process import OutputDeltas, OutputsFromDeltas
+    from picovllm.entrypoints.openai.output_deltas import OutputDeltas, OutputsFromDeltas
     from picovllm.outputs import CompletionOutput, RequestOutput
 
     def out(text: str, ids: list[int], finished: bool = False) -> RequestOutput:

@@ -18,7 +18,8 @@ import pytest
 
 from picovllm.entrypoints.openai.engine_client import (AddRequest, CommandAnswer, EngineStats, EngineStepError,
                                                       StepOutputs)
-from picovllm.entrypoints.openai.engine_process import OutputDeltas, OutputsFromDeltas, PipeEngineClient
+from picovllm.entrypoints.openai.engine_process import PipeEngineClient
+from picovllm.entrypoints.openai.output_deltas import OutputDeltas, OutputsFromDeltas
 from picovllm.outputs import CompletionOutput, ListPrefix, Logprob, RequestMetrics, RequestOutput
 
 

@@ -84,6 +84,9 @@ class PDAsyncEngine(PDClient, AsyncEngine):
     # often while a request waits on the peer (an Accept, an Ack, a transfer), now and then otherwise.
     poll_s = 0.005
     busy_poll_s = 0.0005
+    # outputs stay cumulative: a linked P re-sends a request's last output when D takes it over (_after_step), and
+    # a D's requests come from its connector, not from this loop's adds
+    adds_deltas = False
 
     def __init__(self, engine: Engine, metrics=None) -> None:
         super().__init__(engine, metrics)

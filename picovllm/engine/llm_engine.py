@@ -162,7 +162,9 @@ class Engine:
         self.detokenizer = Detokenizer(self.tokenizer)
         self.requests: dict[str, Request] = {}
         # CUMULATIVE requests' outputs hold only what is new, as DELTA ones' do: for a consumer that adds them up
-        # itself (the engine process's OutputDeltas), spared copying every request's whole output every step
+        # itself (the engine process's OutputDeltas), spared copying every request's whole output every step. Every
+        # request's (an engine process's, a D's: requests a connector adds included); add_request's stream_deltas
+        # asks it for one request (a server's engine thread, whose engine LLM.generate may share)
         self.stream_deltas = False
         self.overlap = config.async_scheduling
         if self.overlap and not self.executor.supports_overlap:
@@ -201,10 +203,13 @@ class Engine:
         return list(prompt)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | PoolingParams | None = None,
-                    request_id: str | None = None, arrival_time: float | None = None, priority: int = 0) -> str:
+                    request_id: str | None = None, arrival_time: float | None = None, priority: int = 0, *,
+                    stream_deltas: bool = False) -> str:
         """Validate and queue a request. Raises ValueError naming the bad field; nothing else changes.
         params: a pooling engine's are PoolingParams (None: the defaults), a generating one's SamplingParams.
-        priority: the "priority" scheduling policy's order (lower first); with "fcfs" it must be 0."""
+        priority: the "priority" scheduling policy's order (lower first); with "fcfs" it must be 0.
+        stream_deltas: a CUMULATIVE request's outputs hold only what is new, as a DELTA one's (for a caller that adds
+        them up itself: Engine.stream_deltas for one request)."""
         if isinstance(params, PoolingParams) or (params is None and self.pooler is not None):
             return self._add_pooling_request(prompt, params or PoolingParams(), request_id, arrival_time, priority)
         if self.pooler is not None:
@@ -225,6 +230,7 @@ class Engine:
         params, grammar = self.grammar_masks.for_request(params, ids, self.eos_token_ids)
         req = Request(request_id, ids, params, prompt if isinstance(prompt, str) else None, arrival_time)
         req.grammar, req.bad_words_ids, req.priority = grammar, bad_words, priority
+        req.stream_deltas = stream_deltas
         req.max_tokens = max_tokens_of(params, len(ids), self.limits)
         check_capacity(len(ids), req.max_tokens, self.limits)
         self._queue(req)
@@ -715,7 +721,7 @@ class Engine:
         would cut them, and no output takes back text an earlier one showed (none with include_stop_str_in_output,
         whose cut keeps all that came before)."""
         p, finished = req.params, req.is_finished
-        delta = p.output_kind == DELTA or (self.stream_deltas and p.output_kind == CUMULATIVE)
+        delta = p.output_kind == DELTA or (p.output_kind == CUMULATIVE and (self.stream_deltas or req.stream_deltas))
         first = req.num_streamed_tokens if delta else 0      # the first output token this output holds
         req.num_streamed_tokens = len(req.output_token_ids)
         logprobs = req.logprobs

@@ -76,6 +76,7 @@ class Request:
         self.text = ""                   # detokenized output (stop string trimmed)
         self.num_streamed_tokens = 0     # output tokens in the last RequestOutput made (EngineConfig.stream_interval)
         self.num_streamed_chars = 0      # of the text, shown by the outputs made so far (Engine.make_output)
+        self.stream_deltas = False       # CUMULATIVE, yet its outputs hold only what is new (Engine.add_request)
         self.detok_state: object | None = None
         self.max_tokens = params.max_tokens  # resolved against max_model_len by the engine
         self.grammar = None              # structured outputs: a GrammarState, set by the engine

@@ -246,7 +246,7 @@ def measure_serving(engine, batch: int = SERVE_BATCH, repeats: int = 7, context:
     (OutputDeltas: the new tokens and text) and the step's list sent down a pipe, which a thread drains as the HTTP
     side would. The median over `repeats` decode steps of `batch` requests (fewer where the engine holds fewer),
     per output (the first step, whose outputs go whole, left out); the requests drained after."""
-    from picovllm.entrypoints.openai.engine_process import OutputDeltas
+    from picovllm.entrypoints.openai.output_deltas import OutputDeltas
     bm, chunk = engine.block_manager, engine.config.max_num_batched_tokens
     batch = min(batch, engine.config.max_num_seqs)
     while batch > 1:     # the blocks its requests take as _start_decoding sizes them
@@ -299,7 +299,7 @@ def measure_admission(engine, prompt_len: int = ADMISSION_PROMPT, repeats: int =
     goes whole (prompt ids included), encoded and sent; the requests drained after. On an H100's host an
     admission added ~0.25 ms to the loop (twenty-third session)."""
     from picovllm.entrypoints.openai.engine_client import AddRequest
-    from picovllm.entrypoints.openai.engine_process import OutputDeltas
+    from picovllm.entrypoints.openai.output_deltas import OutputDeltas
     from picovllm.sampling_params import SamplingParams
     commands_in, commands_out = multiprocessing.Pipe(duplex=False)
     deltas, times, vocab = OutputDeltas(), [], engine.model_config.vocab_size
