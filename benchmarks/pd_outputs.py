@@ -6,8 +6,9 @@ router's (each line read back into a whole output: json.loads, OutputDecoder).
 
 No model and no sockets. The outputs are made up as the D server's streams get them: by default from its engine
 process (engine_process.OutputsFromDeltas, fed OutputDeltas of one token a step: each output's lists are
-outputs.ListPrefix views); with --thread as an engine loop in the server's own process hands them out (each output's
-lists new copies, as Engine.make_output makes a cumulative output). Each request's first output holds `length`
+outputs.ListPrefix views, which is also what a D server's engine loop in its own process hands out now: AsyncEngine
+adds the deltas up there too); with --thread as such a loop handed them out before that (each output's lists new
+copies, as Engine.make_output makes a cumulative output), for comparison. Each request's first output holds `length`
 tokens of 5 characters already, then one token a step. Prints, per length, the median us a step of the encoder's
 part, the decoder's and both, and the garbage collector's milliseconds within those parts over the timed steps (the
 objects made before them collected first, as a running server's would have been long since).
@@ -118,8 +119,8 @@ def main() -> None:
     p.add_argument("--at", type=int, nargs="+", default=[100, 1000, 2000], help="output lengths to time at")
     p.add_argument("--steps", type=int, default=20, help="steps timed at each length")
     p.add_argument("--logprobs", type=int, default=None, help="top logprobs (each token's logprobs: N + 1)")
-    p.add_argument("--thread", action="store_true", help="outputs as an engine loop in the server's process makes "
-                                                         "them (lists copied), not from an engine process")
+    p.add_argument("--thread", action="store_true", help="outputs as an engine loop in the server's process made "
+                                                         "them before it added deltas up (lists copied)")
     args = p.parse_args()
     gc.collect()
     gc.freeze()         # the imports, as the server's freeze_for_serving takes them out of the collector's reach

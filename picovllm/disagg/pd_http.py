@@ -84,13 +84,18 @@ class PDAsyncEngine(PDClient, AsyncEngine):
     # often while a request waits on the peer (an Accept, an Ack, a transfer), now and then otherwise.
     poll_s = 0.005
     busy_poll_s = 0.0005
-    # outputs stay cumulative: a linked P re-sends a request's last output when D takes it over (_after_step), and
-    # a D's requests come from its connector, not from this loop's adds
-    adds_deltas = False
 
     def __init__(self, engine: Engine, metrics=None) -> None:
         super().__init__(engine, metrics)
         self._last: dict[str, RequestOutput] = {}    # P: each request's latest output (loop thread only)
+        if self.adds_deltas:        # a D's requests come from its connector, not from this loop's adds
+            engine.stream_deltas = True
+
+    @property
+    def adds_deltas(self) -> bool:
+        """A D's outputs are made as deltas and added up on the loop's thread (AsyncEngine's); a P's stay cumulative:
+        a linked P re-sends a request's last output when D takes it over (_after_step)."""
+        return self.engine.config.role == "d"
 
     def _poll_timeout(self, wait_s: float | None) -> float | None:
         if wait_s == 0:

@@ -11,9 +11,11 @@ import numpy as np
 import torch
 
 from picovllm.config import EngineConfig
-from picovllm.engine.sampling import num_top, prompt_logprob_tensors
+from picovllm.engine.sampling import num_top, prompt_logprob_tensors, sample_logits
 from picovllm.engine.scheduler import PROMPT_LOGPROB_ROWS, max_logit_rows
+from picovllm.engine.step_input import SamplingRow
 from picovllm.layers.attention import AttentionMetadata
+from picovllm.layers.logits_processors import PenaltyCounts
 
 
 def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -33,9 +35,11 @@ def kv_bytes_per_block(model: torch.nn.Module, block_size: int, dtype: torch.dty
 
 
 def profile_num_blocks(model: torch.nn.Module, config: EngineConfig, device: torch.device,
-                       max_model_len: int) -> int:
+                       max_model_len: int, penalty_counts: PenaltyCounts | None = None) -> int:
     """How many KV blocks fit the memory budget: on a GPU, what the largest step leaves of
-    gpu_memory_utilization; on the CPU, cpu_kv_cache_gib. max_model_len: the runner's (the longest sequence)."""
+    gpu_memory_utilization; on the CPU, cpu_kv_cache_gib. max_model_len: the runner's (the longest sequence).
+    penalty_counts: the engine's kept penalty counts on the rank that samples (None: a rank that never samples, a
+    tensor-parallel worker), whose table the profile step fills to its full size (_profile_sampling)."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
     per_block = kv_bytes_per_block(model, config.block_size, config.torch_kv_cache_dtype)
@@ -43,7 +47,7 @@ def profile_num_blocks(model: torch.nn.Module, config: EngineConfig, device: tor
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-        _profile_forward(model, config, device, max_model_len)
+        _profile_forward(model, config, device, max_model_len, penalty_counts)
         free, total = torch.cuda.mem_get_info()
         peak_extra = torch.cuda.max_memory_allocated() - torch.cuda.memory_allocated()
         budget = total * config.gpu_memory_utilization - (total - free) - peak_extra
@@ -64,9 +68,10 @@ def profile_sequences(max_num_batched_tokens: int, max_num_seqs: int, max_model_
     return [max_model_len] * whole + [rest] * (rest > 0)
 
 
-def _profile_forward(model: torch.nn.Module, config: EngineConfig, device: torch.device, max_model_len: int) -> None:
-    """One forward of the largest step (profile_sequences) into a scratch cache, then its logits (_profile_logits):
-    the peak activation memory."""
+def _profile_forward(model: torch.nn.Module, config: EngineConfig, device: torch.device, max_model_len: int,
+                     penalty_counts: PenaltyCounts | None = None) -> None:
+    """One forward of the largest step (profile_sequences) into a scratch cache, then its logits and their sampling
+    (_profile_logits): the peak activation memory."""
     bs, dtype = config.block_size, config.torch_kv_cache_dtype
     lens = profile_sequences(config.max_num_batched_tokens, config.max_num_seqs, max_model_len)
     n, blocks = sum(lens), [-(-length // bs) for length in lens]
@@ -91,7 +96,7 @@ def _profile_forward(model: torch.nn.Module, config: EngineConfig, device: torch
     with torch.inference_mode():
         h = model(ids, positions, meta)
         if model.lm_head is not None:      # a pooling model has none (engine/pooling.py)
-            _profile_logits(model, config, h)
+            _profile_logits(model, config, h, penalty_counts)
     for a, (k, v) in zip(model.attention_layers(), saved):
         a.k_cache, a.v_cache = k, v
     del scratch, h
@@ -99,15 +104,48 @@ def _profile_forward(model: torch.nn.Module, config: EngineConfig, device: torch
         torch.cuda.synchronize()
 
 
-def _profile_logits(model: torch.nn.Module, config: EngineConfig, hidden: torch.Tensor) -> None:
+def _profile_logits(model: torch.nn.Module, config: EngineConfig, hidden: torch.Tensor,
+                    penalty_counts: PenaltyCounts | None = None) -> None:
     """The most logits a step has (scheduler.max_logit_rows: sampled rows and prompt-logprob rows), then, while they
-    live, the prompt-logprob rows' float32 log-softmax, ranks and top-k (engine/sampling.py), at the largest top-k
-    a request may ask (EngineConfig.max_logprobs)."""
+    live, their sampling at its costliest (_profile_sampling, on the rank that samples) and, while its outputs live (as
+    in sampling.launch_sampling), the prompt-logprob rows' float32 log-softmax, ranks and top-k (engine/sampling.py),
+    at the largest top-k a request may ask (EngineConfig.max_logprobs)."""
     logits = model.compute_logits(hidden[-min(hidden.shape[0], max_logit_rows(config)):])
     rows = min(logits.shape[0], PROMPT_LOGPROB_ROWS)
     vocab = logits.shape[-1]
     topk = min(num_top(config.max_logprobs, vocab), vocab)
+    # the sampled rows' outputs stay while the prompt rows are scored, as in a step
+    sampled = () if penalty_counts is None else _profile_sampling(logits, config, topk, penalty_counts)
     prompt_logprob_tensors(logits[-rows:], [0] * rows, topk)
+    del sampled
+
+
+def max_sampled_rows(config: EngineConfig) -> int:
+    """The most rows a step samples (scheduler.max_logit_rows less its prompt-logprob rows): a row a sequence, and
+    with speculative decoding a row a draft too; never more than the step's tokens."""
+    sampled = config.max_decode_rows if config.speculative_config is None else \
+        config.max_num_seqs + config.max_decode_rows
+    return min(config.max_num_batched_tokens, sampled)
+
+
+def _profile_sampling(logits: torch.Tensor, config: EngineConfig, logprobs: int, counts: PenaltyCounts) -> tuple:
+    """The engine's sampler (sampling.sample_logits) on the most rows a step samples, each row asking for all that
+    takes memory: logit bias, banned and allowed tokens, the three penalties, top-k, top-p and min-p at temperature 1,
+    and `logprobs` logprobs. Row 0 has no filter (when there are others): a batch mixing the fused sampler's rows with
+    the torch sampler's copies the latter's logits (layers/sampler.sample). The rows' penalty keys are as many as
+    max_num_seqs, so the engine's count table takes its full size here and keeps it: the budget counts it once, as
+    memory in use, and it never grows later. Seeds and grammar masks are left out: a seed costs a row, a grammar mask
+    a copy of the logits where fewer are live than at the sampler's peak. Returns the sampled tokens and logprob
+    tensors."""
+    n = min(logits.shape[0], max_sampled_rows(config))
+    filters, plain = dict(top_k=1, top_p=0.9, min_p=0.1), dict(top_k=0, top_p=1.0, min_p=0.0)
+    rows = [SamplingRow(temperature=1.0, seed=None, banned=[1], logprobs=logprobs,
+                        **(plain if i == 0 < n - 1 else filters), presence_penalty=0.5, frequency_penalty=0.5,
+                        repetition_penalty=1.1, bias_token_ids=[0], bias_values=[1.0], allowed=[0, 1],
+                        penalty_key=f"memory profile {i % config.max_num_seqs}")
+            for i in range(n)]
+    tokens, logprob_tensors = sample_logits(logits[:n], rows, penalty_counts=counts)
+    return tokens, *logprob_tensors
 
 
 def allocate_kv_cache(model: torch.nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype,

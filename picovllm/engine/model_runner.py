@@ -139,8 +139,10 @@ class ModelRunner:
         return kv_cache.kv_bytes_per_block(self.model, self.block_size, self.kv_dtype)
 
     def profile_num_blocks(self) -> int:
-        """How many KV blocks fit the memory budget."""
-        return kv_cache.profile_num_blocks(self.model, self.config, self.device, self.max_model_len)
+        """How many KV blocks fit the memory budget. Rank 0, the one that samples, profiles its sampler too (and its
+        penalty count table takes its full size then)."""
+        counts = self.penalty_counts if self.tp.rank == 0 else None
+        return kv_cache.profile_num_blocks(self.model, self.config, self.device, self.max_model_len, counts)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """Allocate the cache, then what depends on it: the warm-up steps (every kernel compiled), the decode

@@ -20,7 +20,7 @@ request's whole lists every step (benchmarks/pd_outputs.py --thread: 6.0 -> ~2.3
 2,000-token outputs). The engine's own outputs stay cumulative: an offline LLM.generate on the same engine is not
 affected. A loop whose outputs leave for another process (engine_process.PipeEnds: the engine makes deltas of every
 request and the other side adds them up) or whose outputs are re-sent whole (a P's, disagg.pd_http) says
-adds_deltas = False.
+adds_deltas = False; a D's makes every request's outputs as deltas (its requests come from its connector).
 
 An idle loop wakes at least every LIVENESS_S to ask its executor whether every rank is alive (Executor.check_alive):
 a tensor-parallel rank that dies while no step runs ends the loop within about a second, as a failed step would,
