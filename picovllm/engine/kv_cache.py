@@ -132,11 +132,11 @@ def _profile_sampling(logits: torch.Tensor, config: EngineConfig, logprobs: int,
     """The engine's sampler (sampling.sample_logits) on the most rows a step samples, each row asking for all that
     takes memory: logit bias, banned and allowed tokens, the three penalties, top-k, top-p and min-p at temperature 1,
     and `logprobs` logprobs. Row 0 has no filter (when there are others): a batch mixing the fused sampler's rows with
-    the torch sampler's copies the latter's logits (layers/sampler.sample). The rows' penalty keys are as many as
-    max_num_seqs, so the engine's count table takes its full size here and keeps it: the budget counts it once, as
-    memory in use, and it never grows later. Seeds and grammar masks are left out: a seed costs a row, a grammar mask
-    a copy of the logits where fewer are live than at the sampler's peak. Returns the sampled tokens and logprob
-    tensors."""
+    the torch sampler's copies the latter's logits (layers/sampler.sample). The engine's penalty count table takes
+    its full size (max_num_seqs rows) first and keeps it (its slots free again after): the budget counts it once, as
+    memory in use, and it never grows later. Seeds and grammar masks are left out: a seed costs a row, a grammar mask a copy of the logits where
+    fewer are live than at the sampler's peak. Returns the sampled tokens and logprob tensors."""
+    counts.allocate(logits.shape[-1])
     n = min(logits.shape[0], max_sampled_rows(config))
     filters, plain = dict(top_k=1, top_p=0.9, min_p=0.1), dict(top_k=0, top_p=1.0, min_p=0.0)
     rows = [SamplingRow(temperature=1.0, seed=None, banned=[1], logprobs=logprobs,
@@ -145,6 +145,7 @@ def _profile_sampling(logits: torch.Tensor, config: EngineConfig, logprobs: int,
                         penalty_key=f"memory profile {i % config.max_num_seqs}")
             for i in range(n)]
     tokens, logprob_tensors = sample_logits(logits[:n], rows, penalty_counts=counts)
+    counts.forget()         # the rows' slots: no request's
     return tokens, *logprob_tensors
 
 

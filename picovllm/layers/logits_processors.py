@@ -177,6 +177,16 @@ class PenaltyCounts:
         idx = _to(slot_of, dev)
         return self.counts.index_select(0, idx), self.in_prompt.index_select(0, idx) if prompts else None
 
+    def allocate(self, vocab: int) -> None:
+        """The table at its full size (max_slots) now, where it would grow as steps penalize more requests: the
+        GPU memory profile's (engine/kv_cache.py), whose budget then counts it as memory in use."""
+        self._reserve(self.max_slots or self.MIN_SLOTS, vocab)
+
+    def forget(self) -> None:
+        """No request's counts kept: every slot free (the memory profile's made-up requests, once it has run)."""
+        self.slots.clear()
+        self.free = [] if self.counts is None else list(range(self.counts.shape[0]))
+
     def _reserve(self, needed: int, vocab: int) -> None:
         """At least `needed` slots, the old ones kept (the table doubles)."""
         have = 0 if self.counts is None else self.counts.shape[0]
