@@ -21,6 +21,7 @@ from picovllm.entrypoints.openai.engine_client import (AddRequest, CommandAnswer
 from picovllm.entrypoints.openai.engine_process import PipeEngineClient
 from picovllm.entrypoints.openai.output_deltas import OutputDeltas, OutputsFromDeltas
 from picovllm.outputs import CompletionOutput, ListPrefix, Logprob, RequestMetrics, RequestOutput
+from picovllm.sampling_params import RequestOutputKind
 
 
 class Rebuilt:
@@ -135,6 +136,25 @@ def test_decoded_outputs_equal_the_rebuilt_ones_and_stay_as_they_were():
     assert deltas >= 10
     assert all(got == want for got, want in held)
     assert not dec._so_far and not ref.last
+
+
+def test_outputs_sent_whole_are_handed_out_as_they_are_and_copied_only_at_a_delta():
+    """A DELTA request's outputs all go whole (each holds what is new): each is handed out as it came, and the
+    decoder keeps no copy of its lists (it had copied each one's, unused); a request whose first output went whole
+    gets its lists copied once, at its first delta, which then extends the copy, not the output handed out."""
+    enc, dec = OutputDeltas(), OutputsFromDeltas()
+    params = SimpleNamespace(output_kind=RequestOutputKind.DELTA)
+    enc.track(AddRequest("d", [1, 2, 3], params, 0.0))
+    for k in range(5):
+        o = out("d", "x" * 100, list(range(100 * k, 100 * k + 100)), lps(range(100)))
+        msg = enc.encode(o)
+        assert msg is o and dec.decode(msg) is o
+        assert dec._so_far["d"].token_ids is None and dec._so_far["d"].logprobs is None
+    first = out("c", "ab", [1, 2], lps([1, 2]))
+    assert dec.decode(enc.encode(first)) is first and dec._so_far["c"].token_ids is None
+    second = dec.decode(enc.encode(out("c", "abc", [1, 2, 3], lps([1, 2, 3]))))
+    assert second.outputs[0].token_ids == [1, 2, 3] and second.outputs[0].logprobs == lps([1, 2, 3])
+    assert first.outputs[0].token_ids == [1, 2] and len(first.outputs[0].logprobs) == 2     # unchanged
 
 
 class FedClient(PipeEngineClient):

@@ -96,16 +96,18 @@ def _output_delta(out: RequestOutput, new_token_ids: list[int], text_kept: int, 
 @dataclass(slots=True)
 class _SoFar:
     """A running request's output on the API server's side: the last one handed out, and the lists its token ids
-    and logprobs are prefixes of (each delta extends them in place)."""
+    and logprobs are prefixes of (each delta extends them in place). Made from an output sent whole, whose lists
+    are handed out as they are: they are copied once, at the request's first delta (a DELTA request's outputs all go
+    whole and never have one: copying them at each of its outputs cost what they hold, unused)."""
     last: RequestOutput
-    token_ids: list[int]
-    logprobs: list | None
+    token_ids: list[int] | None = None      # None: not copied yet (the last output's are all there are)
+    logprobs: list | None = None
 
-    @classmethod
-    def of(cls, out: RequestOutput) -> _SoFar:
-        """From an output sent whole: its lists copied, once (they are handed out as they are)."""
-        c = out.outputs[0]
-        return cls(out, list(c.token_ids), None if c.logprobs is None else list(c.logprobs))
+    def own_lists(self) -> None:
+        """The lists, copied from the last output if they were not yet."""
+        if self.token_ids is None:
+            c = self.last.outputs[0]
+            self.token_ids, self.logprobs = list(c.token_ids), None if c.logprobs is None else list(c.logprobs)
 
 
 class OutputsFromDeltas:
@@ -131,7 +133,7 @@ class OutputsFromDeltas:
         if isinstance(msg, RequestOutput):
             self._so_far.pop(msg.request_id, None)
             if not msg.finished and msg.outputs:
-                self._so_far[msg.request_id] = _SoFar.of(msg)
+                self._so_far[msg.request_id] = _SoFar(msg)
         elif isinstance(msg.error, EngineStepError):
             self._so_far.pop(msg.request_id, None)
         return msg
@@ -141,6 +143,7 @@ class OutputsFromDeltas:
         (rid, new_token_ids, text_kept, new_text, new_logprobs, cumulative_logprob, finish_reason, stop_reason,
          finished, error, num_cached_tokens, metrics, kv_handover) = delta     # OUTPUT_DELTA's fields
         so_far = self._so_far[rid]
+        so_far.own_lists()
         last, c = so_far.last, so_far.last.outputs[0]
         so_far.token_ids += new_token_ids
         if new_logprobs is None:
