@@ -250,17 +250,29 @@ class GrammarState:
     @staticmethod
     def accept_all(states: list[GrammarState], tokens: list[int]) -> list[bool]:
         """states[i].accept(tokens[i]) for every i, in one call into xgrammar: whether each was accepted."""
-        if not states:
-            return []
-        if any(s.phase != GRAMMAR for s in states):      # a think block's tokens (few states, seldom): one by one
-            return [s.accept(t) for s, t in zip(states, tokens)]
-        result = _batch_accept()([s.handle for s in states], tokens, False)
+        return GrammarState._accept_batch(states, tokens)[0]
+
+    @staticmethod
+    def _accept_batch(states: list[GrammarState], tokens: list[int]) -> tuple[list[bool], list | None]:
+        """accept_all's verdicts, and the states' handles if every state took its token, is in its grammar and has
+        not ended (each then has a mask to fill: TokenBitmasks.accept_and_fill), else None."""
+        handles = [s.handle for s in states if s.phase == GRAMMAR]
+        if len(handles) < len(states):      # a think block's tokens (few states, seldom): one by one
+            return [s.accept(t) for s, t in zip(states, tokens)], None
+        if not handles:
+            return [], handles
+        result = _batch_accept()(handles, tokens, False)
         # an array of xgrammar's whose elements cost ~0.5 us each to read: one `in` (native) for the usual case
-        accepted = [True] * len(states) if 0 not in result else [bool(a) for a in result]
-        for s, token, ok in zip(states, tokens, accepted):
-            if ok:
-                s._took(token)
-        return accepted
+        if 0 in result:
+            accepted = [bool(a) for a in result]
+            for s, token, ok in zip(states, tokens, accepted):
+                if ok:
+                    s._took(token)
+            return accepted, None
+        for s, token in zip(states, tokens):
+            s._took(token)
+        ended = any(s.is_terminated for s in states)
+        return [True] * len(states), None if ended else handles
 
 
 @functools.lru_cache(maxsize=1)
@@ -404,6 +416,18 @@ class TokenBitmasks:
                 if s.phase == MAY_OPEN:      # the first token may open a think block instead
                     word, bit = divmod(s.gate.start, 32)
                     self.words[row, word] |= _signed_bit(bit)
+
+    def accept_and_fill(self, rows: list[int], states: list[GrammarState], tokens: list[int]) -> None:
+        """states[i] takes tokens[i] (GrammarState.accept_all), then row rows[i] := what it allows next, unless it
+        refused the token, ended with it or is inside a think block (that row stays unfilled). Two calls into
+        xgrammar, and no Python a row beyond the accept's count, where every state goes on in its grammar."""
+        accepted, handles = GrammarState._accept_batch(states, tokens)
+        if handles is None:
+            keep = [k for k, s in enumerate(states) if accepted[k] and s.masked and not s.is_terminated]
+            self.fill([rows[k] for k in keep], [states[k] for k in keep])
+        elif rows:      # (no state in a gate's MAY_OPEN phase: each is in its grammar)
+            self._owner.fill_rows(handles, self.words, rows)
+            self.filled.extend(rows)
 
     def word_rows(self) -> list[int]:
         """For each sampling row, its row of `words` if filled, else -1 (left as it is)."""
