@@ -72,7 +72,7 @@ def _first(rid: str, length: int, k: int | None) -> RequestOutput:
 
 
 def _delta(rid: str, at: int, k: int | None, finished: bool) -> tuple:
-    """The token after `at` tokens as engine_process._output_delta makes it (OUTPUT_DELTA's fields)."""
+    """The token after `at` tokens as output_deltas._output_delta makes it (OUTPUT_DELTA's fields)."""
     return (rid, [at], at * len(PIECE), PIECE, _logprobs(range(at, at + 1), k), None if k is None else -1.0,
             "length" if finished else None, None, finished, None, 0, None, None)
 

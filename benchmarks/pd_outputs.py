@@ -5,7 +5,7 @@ router's (each line read back into a whole output: json.loads, OutputDecoder).
     python benchmarks/pd_outputs.py [--batch 256] [--at 100 1000 2000] [--steps 20] [--logprobs N] [--thread]
 
 No model and no sockets. The outputs are made up as the D server's streams get them: by default from its engine
-process (engine_process.OutputsFromDeltas, fed OutputDeltas of one token a step: each output's lists are
+process (output_deltas.OutputsFromDeltas, fed OutputDeltas of one token a step: each output's lists are
 outputs.ListPrefix views, which is also what a D server's engine loop in its own process hands out now: AsyncEngine
 adds the deltas up there too); with --thread as such a loop handed them out before that (each output's lists new
 copies, as Engine.make_output makes a cumulative output), for comparison. Each request's first output holds `length`

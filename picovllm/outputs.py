@@ -29,7 +29,7 @@ def json_logprob(logprob: float | None) -> float | None:
 class ListPrefix(Sequence):
     """The first len(items) items of a list that is only ever appended to, read-only: what a list copy of it would
     hold, taken in O(1). A served request's outputs are cumulative, and the API server adds each step's new tokens to
-    one list a request (engine_process.OutputsFromDeltas): every output it hands out is a prefix of that list, which
+    one list a request (output_deltas.OutputsFromDeltas): every output it hands out is a prefix of that list, which
     later steps never change, where copying the list for each output cost every step in proportion to each request's
     length (and the garbage collector's walks over the copies). Reads as a list: slices are lists, it equals a list
     of the same items, and pickles as one."""

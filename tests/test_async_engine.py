@@ -553,9 +553,9 @@ def test_a_compile_still_running_does_not_hold_up_the_process_exit(chat_llm, tmp
 def test_thread_outputs_are_the_engines_cumulative_ones_as_views(chat_llm):
     """The loop's requests make delta outputs in the engine (add_request's stream_deltas), which the loop adds up:
     each CUMULATIVE output a stream gets is the whole output so far, holding views of one list a request
-    (ListPrefix) after its first, and an output a reader holds never changes afterwards. Oracle: LLM.generate's outputs of the same
-    greedy requests on the same engine (which stay plain lists: the flag is the loop's requests' only), with a stop
-    string taken from the middle of the text (held back, then cut) and logprobs."""
+    (ListPrefix) after its first, and an output a reader holds never changes afterwards. Oracle: LLM.generate's
+    outputs of the same greedy requests on the same engine (which stay plain lists: the flag is the loop's requests'
+    only), with a stop string taken from the middle of the text (held back, then cut) and logprobs."""
     from picovllm.outputs import ListPrefix
     from picovllm.sampling_params import RequestOutputKind
 
@@ -610,3 +610,35 @@ def test_thread_outputs_are_the_engines_cumulative_ones_as_views(chat_llm):
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     again = chat_llm.generate(ps[:1], params(0), use_tqdm=False)[0].outputs[0]
     assert type(again.token_ids) is list and again.token_ids == ref[0].outputs[0].token_ids
+
+
+def test_an_add_refused_for_its_id_leaves_the_running_delta_request_as_it_was(chat_llm):
+    """An add under the id of a running DELTA request is refused (the id is in use); the running request's outputs
+    still hold only what is new, one token each (the refusal's answer had made the loop take it for a new request
+    and add its outputs up). The commands go to the loop as EngineClient would not send them (it refuses an id in
+    use itself), as another client of the loop could."""
+    from picovllm.entrypoints.openai.engine_client import AddRequest, CommandAnswer
+    from picovllm.outputs import RequestOutput
+    from picovllm.sampling_params import RequestOutputKind
+
+    got, answers = [], []
+
+    class Loop(AsyncEngine):
+        def _deliver(self, outputs):
+            got.extend(o for o in outputs if isinstance(o, RequestOutput))
+            answers.extend(o for o in outputs if isinstance(o, CommandAnswer))
+
+    loop = Loop(chat_llm.engine)
+    delta = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+    loop._commands.put(AddRequest("a", [5, 6, 7, 8], delta, 0.0))
+    for i in range(20):
+        if i == 2:
+            for params in (SamplingParams(max_tokens=2), delta):
+                loop._commands.put(AddRequest("a", [9, 10], params, 0.0))
+        loop._iteration()
+        if i > 2 and not chat_llm.engine.requests:
+            break
+    assert [a.error is None for a in answers] == [True, False, False]
+    assert "already in use" in str(answers[1].error)
+    assert [len(o.outputs[0].token_ids) for o in got] == [1] * 8 and got[-1].finished
+    assert not loop._adding_up[0]._whole and not loop._adding_up[0]._adding and not loop._adding_up[1]._so_far

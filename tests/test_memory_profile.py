@@ -50,7 +50,11 @@ def test_profile_samples_the_most_rows_with_every_costly_option(tiny_models, mon
     monkeypatch.setattr(sampler, "apply_top_k_top_p_min_p", apply_filters)
     monkeypatch.setattr(PenaltyCounts, "rows", penalty_rows)
     monkeypatch.setattr(sampling, "_gathered", gather)
+    torch.manual_seed(1234)
+    rng = torch.get_rng_state()
     kv_cache._profile_forward(runner.model, config, runner.device, runner.max_model_len, counts)
+    # its draws leave the generator as it was: a run draws the same numbers with or without the profile
+    assert torch.equal(torch.get_rng_state(), rng)
 
     vocab = TINY["vocab_size"]
     [(shape, rows, given)] = calls

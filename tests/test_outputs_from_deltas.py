@@ -1,4 +1,4 @@
-"""The API server's side of a served engine's outputs (engine_process.OutputsFromDeltas): a request's token ids and
+"""The API server's side of a served engine's outputs (output_deltas.OutputsFromDeltas): a request's token ids and
 logprobs so far kept in one list each, extended in place by its deltas, each output handed out holding its own
 prefix of them (outputs.ListPrefix), where each output had been a new whole, its lists copies.
 
@@ -145,6 +145,7 @@ def test_outputs_sent_whole_are_handed_out_as_they_are_and_copied_only_at_a_delt
     enc, dec = OutputDeltas(), OutputsFromDeltas()
     params = SimpleNamespace(output_kind=RequestOutputKind.DELTA)
     enc.track(AddRequest("d", [1, 2, 3], params, 0.0))
+    enc.encode(CommandAnswer("d", None))
     for k in range(5):
         o = out("d", "x" * 100, list(range(100 * k, 100 * k + 100)), lps(range(100)))
         msg = enc.encode(o)
@@ -155,6 +156,30 @@ def test_outputs_sent_whole_are_handed_out_as_they_are_and_copied_only_at_a_delt
     second = dec.decode(enc.encode(out("c", "abc", [1, 2, 3], lps([1, 2, 3]))))
     assert second.outputs[0].token_ids == [1, 2, 3] and second.outputs[0].logprobs == lps([1, 2, 3])
     assert first.outputs[0].token_ids == [1, 2] and len(first.outputs[0].logprobs) == 2     # unchanged
+
+
+def test_a_refused_add_of_an_id_in_use_leaves_the_running_request_as_it_was():
+    """The pipe's encoder: a DELTA request's outputs go whole once its add is answered; another add under its id,
+    refused (a ValueError), changes nothing for it (it had been forgotten as DELTA, its outputs then encoded as
+    deltas of themselves); a refused DELTA add is never taken for one; a failed request is forgotten."""
+    enc = OutputDeltas()
+    delta = SimpleNamespace(output_kind=RequestOutputKind.DELTA)
+    cumulative = SimpleNamespace(output_kind=RequestOutputKind.CUMULATIVE)
+    enc.track(AddRequest("a", [1, 2, 3], delta, 0.0))
+    enc.encode(CommandAnswer("a", None))
+    first = out("a", "x", [7])
+    assert enc.encode(first) is first
+    for params in (cumulative, delta):
+        enc.track(AddRequest("a", [4], params, 0.0))
+        enc.encode(CommandAnswer("a", ValueError("request_id 'a' is already in use")))
+        o = out("a", "y", [8])
+        assert enc.encode(o) is o
+    enc.track(AddRequest("b", [4], delta, 0.0))
+    enc.encode(CommandAnswer("b", ValueError("max_tokens: too many")))
+    enc.encode(out("b", "z", [9]))
+    assert type(enc.encode(out("b", "zz", [9, 10]))) is tuple          # b, a CUMULATIVE request added later
+    enc.encode(CommandAnswer("a", EngineStepError("the step failed")))
+    assert not enc._whole and not enc._adding
 
 
 class FedClient(PipeEngineClient):

@@ -91,7 +91,7 @@ class Fed:
     """A stream's outputs as the D server's /pd stream gets them. "copies": new lists each (an engine loop's, as
     Engine.make_output makes them); "in_place": one list a completion, extended in place (and replaced where an
     output does not extend it), handed out as it is; "views": ListPrefix views of such lists (an engine process's,
-    engine_process.OutputsFromDeltas)."""
+    output_deltas.OutputsFromDeltas)."""
 
     def __init__(self, how: str) -> None:
         self.how = how

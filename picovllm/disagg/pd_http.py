@@ -171,7 +171,7 @@ class PDPipeEnds(PipeEnds):
     """PipeEnds for a P or D engine. A D's engine makes its CUMULATIVE requests' outputs as DELTA ones
     (Engine.stream_deltas), as a colocated engine does: making every request's whole output every step had cost ~11 ms
     a step at batch 256 with 2,000-token outputs (benchmarks/served_outputs.py), and the server's side adds them up
-    (engine_process.OutputsFromDeltas). A P's stay cumulative: a linked P re-sends a request's last output when D
+    (output_deltas.OutputsFromDeltas). A P's stay cumulative: a linked P re-sends a request's last output when D
     takes it over (PDAsyncEngine._after_step), and a P's requests have an output or two each."""
 
     @property

@@ -134,8 +134,9 @@ def _profile_sampling(logits: torch.Tensor, config: EngineConfig, logprobs: int,
     and `logprobs` logprobs. Row 0 has no filter (when there are others): a batch mixing the fused sampler's rows with
     the torch sampler's copies the latter's logits (layers/sampler.sample). The engine's penalty count table takes
     its full size (max_num_seqs rows) first and keeps it (its slots free again after): the budget counts it once, as
-    memory in use, and it never grows later. Seeds and grammar masks are left out: a seed costs a row, a grammar mask a copy of the logits where
-    fewer are live than at the sampler's peak. Returns the sampled tokens and logprob tensors."""
+    memory in use, and it never grows later. Seeds and grammar masks are left out: a seed costs a row, a grammar mask
+    a copy of the logits where fewer are live than at the sampler's peak. Returns the sampled tokens and logprob
+    tensors."""
     counts.allocate(logits.shape[-1])
     n = min(logits.shape[0], max_sampled_rows(config))
     filters, plain = dict(top_k=1, top_p=0.9, min_p=0.1), dict(top_k=0, top_p=1.0, min_p=0.0)
@@ -144,7 +145,9 @@ def _profile_sampling(logits: torch.Tensor, config: EngineConfig, logprobs: int,
                         repetition_penalty=1.1, bias_token_ids=[0], bias_values=[1.0], allowed=[0, 1],
                         penalty_key=f"memory profile {i % config.max_num_seqs}")
             for i in range(n)]
-    tokens, logprob_tensors = sample_logits(logits[:n], rows, penalty_counts=counts)
+    # its draws on a generator of its own: a run draws the same numbers with or without the profile (as the warm-up)
+    with torch.random.fork_rng(devices=[logits.device] if logits.is_cuda else []):
+        tokens, logprob_tensors = sample_logits(logits[:n], rows, penalty_counts=counts)
     counts.forget()         # the rows' slots: no request's
     return tokens, *logprob_tensors
 

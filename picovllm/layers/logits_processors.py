@@ -124,8 +124,9 @@ class PenaltyCounts:
     A request's slot holds the list objects it counted (SamplingRow.output_token_ids, only appended to): another
     list under the same key (a new request reusing the id, a D's handover) starts the count again. Slots of requests
     not in a step are taken over, least recently used first, once the table is full; it grows (doubling) to the most
-    requests a step has penalized, never past max_slots (the engine's max_num_seqs) unless a step needs more. Nothing
-    to free: a finished request's slot is the first taken over."""
+    requests a step has penalized, never past max_slots (the engine's max_num_seqs) unless a step needs more; a GPU
+    engine's takes max_slots at once, in its memory profile (allocate), so that the KV budget counts it. Nothing to
+    free: a finished request's slot is the first taken over."""
 
     MIN_SLOTS = 8
 

@@ -101,8 +101,8 @@ class CommandAnswer:
 
 
 # -- an engine process's messages to an API server (engine_process.py) ------------------------------------------------
-# A request's RequestOutput as what changed since the one sent before it (engine_process.OutputDeltas): a plain tuple
-# of these fields, built in one place (engine_process._output_delta) and read in one (OutputsFromDeltas._applied).
+# A request's RequestOutput as what changed since the one sent before it (output_deltas.OutputDeltas): a plain tuple
+# of these fields, built in one place (output_deltas._output_delta) and read in one (OutputsFromDeltas._applied).
 # One is sent a running request each step; as a dataclass it cost ~0.6 us more on each side of the pipe
 # (constructed, pickled), ~150 us a 256-request step (BENCHMARKS.md, thirty-fifth session).
 OUTPUT_DELTA = ("request_id", "new_token_ids", "text_kept", "new_text", "new_logprobs", "cumulative_logprob",

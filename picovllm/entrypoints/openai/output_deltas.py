@@ -19,9 +19,10 @@ from picovllm.sampling_params import RequestOutputKind
 
 
 class OutputDeltas:
-    """The child's end: each RequestOutput of the engine (one completion each: the engine runs one sample per
-    request) as what changed since the one sent before for its request; a request's first output, and any that does
-    not extend the last (fewer tokens, other prompt logprobs), goes whole. The metrics go with the last output only
+    """The sending end (an engine process's, or a server's engine thread's): each RequestOutput of the engine (one
+    completion each: the engine runs one sample per request) as what changed since the one sent before for its
+    request; a request's first output, and any that does not extend the last (fewer tokens, other prompt logprobs),
+    goes whole. The metrics go with the last output only
     (the server reads them then)."""
 
     def __init__(self, engine_deltas: bool = False) -> None:
@@ -29,24 +30,33 @@ class OutputDeltas:
         each goes as an OutputDelta of itself, once the request's first has gone whole."""
         self._sent: dict[str, tuple[int, str, int]] = {}   # request id -> (tokens, text, prompt logprobs) sent
         self._whole: set[str] = set()     # DELTA requests (SamplingParams.output_kind): new tokens only already
+        self._adding: set[str] = set()    # DELTA requests whose add is not answered yet (refused: never in _whole)
         self._engine_deltas = engine_deltas
         self._chars: dict[str, int] = {}  # engine_deltas: request id -> the characters of text sent
 
     def track(self, cmd: Command) -> None:
-        """Commands as the loop takes them: a DELTA request's outputs go whole (each holds only what is new)."""
+        """Commands as the loop takes them: a DELTA request's outputs go whole (each holds only what is new), once
+        its add is answered without an error (a refused add, of an id in use, leaves the running request as it is)."""
         if isinstance(cmd, AddRequest) and getattr(cmd.params, "output_kind", None) == RequestOutputKind.DELTA:
-            self._whole.add(cmd.request_id)
+            self._adding.add(cmd.request_id)
 
     def encode(self, out: RequestOutput | CommandAnswer) -> RequestOutput | OutputDelta | CommandAnswer:
         """out: an engine output, or an answer to a command, which goes as it is; an EngineStepError ends its
         request, so the id's next use is a new request (a refused add, a ValueError, leaves the request running under
         that id as it is: its outputs may be on their way)."""
         if isinstance(out, CommandAnswer):
-            if isinstance(out.error, EngineStepError):
-                self._sent.pop(out.request_id, None)
-                self._chars.pop(out.request_id, None)
-            if out.error is not None:       # a refused add or a failed request: the id's next use is new
-                self._whole.discard(out.request_id)
+            rid = out.request_id
+            if out.error is None:           # an add taken
+                if rid in self._adding:
+                    self._adding.discard(rid)
+                    self._whole.add(rid)
+            elif isinstance(out.error, EngineStepError):    # a failed request (or add): the id's next use is new
+                self._sent.pop(rid, None)
+                self._chars.pop(rid, None)
+                self._whole.discard(rid)
+                self._adding.discard(rid)
+            else:                           # a refused add: the request running under its id (if any) goes on
+                self._adding.discard(rid)
             return out
         rid = out.request_id
         if rid in self._whole:
@@ -95,7 +105,7 @@ def _output_delta(out: RequestOutput, new_token_ids: list[int], text_kept: int, 
 
 @dataclass(slots=True)
 class _SoFar:
-    """A running request's output on the API server's side: the last one handed out, and the lists its token ids
+    """A running request's output on the receiving side: the last one handed out, and the lists its token ids
     and logprobs are prefixes of (each delta extends them in place). Made from an output sent whole, whose lists
     are handed out as they are: they are copied once, at the request's first delta (a DELTA request's outputs all go
     whole and never have one: copying them at each of its outputs cost what they hold, unused)."""
@@ -111,13 +121,13 @@ class _SoFar:
 
 
 class OutputsFromDeltas:
-    """The parent's end: each OutputDeltas message back into a whole, cumulative RequestOutput. A request's token ids
-    and logprobs so far are one list each, extended in place by its deltas; each output holds its own prefix of them
-    (ListPrefix), so an output a stream still holds never changes, and a step costs what is new in it. Copying every
-    request's lists had cost in proportion to what each holds: at batch 256 with 2,000-token outputs, ~5 ms a step
-    of this process's ~7.5, the copies and the garbage collector's walks over them (benchmarks/api_outputs.py). The
-    text is a new string each step, a copy of its characters (~0.4 us a request at 2,000 tokens, ~2 at 8,000), which
-    the collector does not walk."""
+    """The receiving end (the API server's, or the same engine thread's): each OutputDeltas message back into a whole,
+    cumulative RequestOutput. A request's token ids and logprobs so far are one list each, extended in place by its
+    deltas; each output holds its own prefix of them (ListPrefix), so an output a stream still holds never changes, and
+    a step costs what is new in it. Copying every request's lists had cost in proportion to what each holds: at batch
+    256 with 2,000-token outputs, ~5 ms a step of this process's ~7.5, the copies and the garbage collector's walks over
+    them (benchmarks/api_outputs.py). The text is a new string each step, a copy of its characters (~0.4 us a request at
+    2,000 tokens, ~2 at 8,000), which the collector does not walk."""
 
     def __init__(self) -> None:
         self._so_far: dict[str, _SoFar] = {}
