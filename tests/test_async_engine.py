@@ -552,11 +552,11 @@ def test_a_compile_still_running_does_not_hold_up_the_process_exit(chat_llm, tmp
 
 def test_thread_outputs_are_the_engines_cumulative_ones_as_views(chat_llm):
     """The loop's requests make delta outputs in the engine (add_request's stream_deltas), which the loop adds up:
-    each CUMULATIVE output a stream gets is the whole output so far, holding views of one list a request
+    each CUMULATIVE output it hands its streams is the whole output so far, holding views of one list a request
     (ListPrefix) after its first, and an output a reader holds never changes afterwards. Oracle: LLM.generate's
     outputs of the same greedy requests on the same engine (which stay plain lists: the flag is the loop's requests'
     only), with a stop string taken from the middle of the text (held back, then cut) and logprobs."""
-    from picovllm.outputs import ListPrefix
+    from picovllm.outputs import ListPrefix, RequestOutput
     from picovllm.sampling_params import RequestOutputKind
 
     ps = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
@@ -571,29 +571,40 @@ def test_thread_outputs_are_the_engines_cumulative_ones_as_views(chat_llm):
     ref = chat_llm.generate(ps, [params(i) for i in range(3)], use_tqdm=False)
     assert type(ref[0].outputs[0].token_ids) is list          # the offline API's outputs: plain lists
 
+    delivered = {f"c{i}": [] for i in range(3)}
+
+    class Loop(AsyncEngine):
+        def _deliver(self, outputs):
+            """Every output as the loop hands it to the streams (a slow reader's stream keeps the latest alone),
+            with copies of what it held then."""
+            for out in outputs:
+                if isinstance(out, RequestOutput) and out.request_id in delivered:
+                    c = out.outputs[0]
+                    delivered[out.request_id].append((out, list(c.token_ids), c.text, list(c.logprobs),
+                                                      c.finish_reason))
+            super()._deliver(outputs)
+
     async def read(ae, i, rid, kind="CUMULATIVE"):
-        got = []
-        async for out in ae.generate(ps[i], params(i, kind), rid):
-            c = out.outputs[0]
-            got.append((out, list(c.token_ids), c.text, list(c.logprobs), c.finish_reason))
-        return got
+        return [out async for out in ae.generate(ps[i], params(i, kind), rid)]
 
     async def main():
-        ae = AsyncEngine(chat_llm.engine)
+        ae = Loop(chat_llm.engine)
         ae.start()
         try:
             return await asyncio.gather(*(read(ae, i, f"c{i}") for i in range(3)), read(ae, 0, "d", "DELTA"))
         finally:
             await ae.shutdown()
 
-    *cumulative, delta = asyncio.run(main())
-    for i, got in enumerate(cumulative):
+    *streamed, delta = asyncio.run(main())
+    for i, got in enumerate(delivered.values()):
+        assert streamed[i][-1] is got[-1][0]
         want = ref[i].outputs[0]
         assert want.finish_reason == "stop" and want.stop_reason == stops[i] and stops[i] not in want.text
         last, ids, text, logprobs, reason = got[-1]
         assert (ids, text, logprobs, reason) == (want.token_ids, want.text, want.logprobs, "stop")
         assert last.prompt_logprobs == ref[i].prompt_logprobs
         assert len(got) > 3 and not any(o.finished for o, *_ in got[:-1]) and last.finished
+        assert all(any(o is out for out, *_ in got) for o in streamed[i])
         for k, (out, ids, text, logprobs, _) in enumerate(got):
             c = out.outputs[0]
             if k:       # the first goes as the engine made it
@@ -602,7 +613,7 @@ def test_thread_outputs_are_the_engines_cumulative_ones_as_views(chat_llm):
             assert (c.token_ids, c.text, c.logprobs) == (ids, text, logprobs)
             assert ids == want.token_ids[:len(ids)] and want.text.startswith(text)
             assert logprobs == want.logprobs[:len(logprobs)]
-    pieces = [o.outputs[0] for o, *_ in delta]          # a DELTA request's outputs still hold only what is new
+    pieces = [o.outputs[0] for o in delta]          # a DELTA request's outputs still hold only what is new
     assert [t for p in pieces for t in p.token_ids] == ref[0].outputs[0].token_ids
     assert "".join(p.text for p in pieces) == ref[0].outputs[0].text
     engine = chat_llm.engine
