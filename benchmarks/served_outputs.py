@@ -86,9 +86,10 @@ def run(path: str, args, stream_deltas: bool) -> None:
                 step()
             spent["make_output"].clear()
             times = [step() for _ in range(args.window)]
+            parts = "encode+decode" if args.thread else "encode+pickle"
             print(f"  {label:22s} out {target:5d}: step {statistics.median(t for t, _ in times) * 1e6:8.0f} us, "
                   f"make_output {statistics.median(spent['make_output']) * 1e6:7.0f}, "
-                  f"{'encode+decode' if args.thread else 'encode+pickle'} {statistics.median(e for _, e in times) * 1e6:6.0f}", flush=True)
+                  f"{parts} {statistics.median(e for _, e in times) * 1e6:6.0f}", flush=True)
         print(f"  {label:22s} garbage collector: {gc_s[0]:.2f} s over the run")
     finally:
         gc.callbacks.remove(on_gc)

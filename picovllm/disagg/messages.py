@@ -481,8 +481,9 @@ class OutputEncoder:
     encoded, but nothing else may change them (an engine's are new each output; output_deltas.OutputsFromDeltas's
     only grow). Where an output's lists are views of one list each (ListPrefix: a server's engine loop hands them so,
     in its own process or in the server's) the last ones sent are a prefix of them by construction, and a step costs
-    what is new in it; new lists are compared with the last ones, in C, which costs what each holds. Copying and comparing every list had cost ~7 ms a
-    step at batch 256 with 2,000-token outputs, ~21 with logprobs 5 (benchmarks/pd_outputs.py)."""
+    what is new in it; new lists are compared with the last ones, in C, which costs what each holds. Copying and
+    comparing every list had cost ~7 ms a step at batch 256 with 2,000-token outputs, ~21 with logprobs 5
+    (benchmarks/pd_outputs.py)."""
 
     def __init__(self) -> None:
         # what was sent of each completion: its token ids, text and logprobs

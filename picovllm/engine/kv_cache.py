@@ -12,7 +12,7 @@ import torch
 
 from picovllm.config import EngineConfig
 from picovllm.engine.sampling import num_top, prompt_logprob_tensors, sample_logits
-from picovllm.engine.scheduler import PROMPT_LOGPROB_ROWS, max_logit_rows
+from picovllm.engine.scheduler import PROMPT_LOGPROB_ROWS, max_logit_rows, max_sampled_rows
 from picovllm.engine.step_input import SamplingRow
 from picovllm.layers.attention import AttentionMetadata
 from picovllm.layers.logits_processors import PenaltyCounts
@@ -118,14 +118,6 @@ def _profile_logits(model: torch.nn.Module, config: EngineConfig, hidden: torch.
     sampled = () if penalty_counts is None else _profile_sampling(logits, config, topk, penalty_counts)
     prompt_logprob_tensors(logits[-rows:], [0] * rows, topk)
     del sampled
-
-
-def max_sampled_rows(config: EngineConfig) -> int:
-    """The most rows a step samples (scheduler.max_logit_rows less its prompt-logprob rows): a row a sequence, and
-    with speculative decoding a row a draft too; never more than the step's tokens."""
-    sampled = config.max_decode_rows if config.speculative_config is None else \
-        config.max_num_seqs + config.max_decode_rows
-    return min(config.max_num_batched_tokens, sampled)
 
 
 def _profile_sampling(logits: torch.Tensor, config: EngineConfig, logprobs: int, counts: PenaltyCounts) -> tuple:

@@ -41,12 +41,17 @@ PROMPT_LOGPROB_ROWS = 256
 
 
 def max_logit_rows(config: EngineConfig) -> int:
-    """The most logit rows a step computes, what the memory profile computes (engine/kv_cache.py): its sampled rows,
-    a row a sequence (max_num_seqs) and with speculative decoding a row a draft (fewer than max_decode_rows), and
-    PROMPT_LOGPROB_ROWS scoring prompt tokens; never more than the step's tokens."""
+    """The most logit rows a step computes, what the memory profile computes (engine/kv_cache.py): its sampled rows
+    (max_sampled_rows) and PROMPT_LOGPROB_ROWS scoring prompt tokens; never more than the step's tokens."""
+    return min(config.max_num_batched_tokens, max_sampled_rows(config) + PROMPT_LOGPROB_ROWS)
+
+
+def max_sampled_rows(config: EngineConfig) -> int:
+    """The most rows a step samples: a row a sequence (max_num_seqs) and with speculative decoding a row a draft
+    (fewer than max_decode_rows); never more than the step's tokens."""
     sampled = config.max_decode_rows if config.speculative_config is None else \
         config.max_num_seqs + config.max_decode_rows
-    return min(config.max_num_batched_tokens, sampled + PROMPT_LOGPROB_ROWS)
+    return min(config.max_num_batched_tokens, sampled)
 
 
 def prompt_logprob_positions(req: Request, start: int, n: int) -> range:

@@ -17,10 +17,11 @@ The requests the loop adds make their outputs as deltas in the engine (Engine.ad
 the loop adds up again before they reach the streams (output_deltas.py): each output then holds a prefix of one
 token-id list (and logprobs list) a request, ListPrefix, where the engine's cumulative outputs copied every running
 request's whole lists every step (benchmarks/served_outputs.py --thread, batch 256 at 2,000 tokens: make_output 2.6
--> 0.4 ms a step, the garbage collector's time over the run 6.8 -> 2.7 s). The engine's own outputs stay cumulative: an offline LLM.generate on the same engine is not
-affected. A loop whose outputs leave for another process (engine_process.PipeEnds: the engine makes deltas of every
-request and the other side adds them up) or whose outputs are re-sent whole (a P's, disagg.pd_http) says
-adds_deltas = False; a D's makes every request's outputs as deltas (its requests come from its connector).
+-> 0.4 ms a step, the garbage collector's time over the run 6.8 -> 2.7 s). The engine's own outputs stay cumulative:
+an offline LLM.generate on the same engine is not affected. A loop whose outputs leave for another process
+(engine_process.PipeEnds: the engine makes deltas of every request and the other side adds them up) or whose outputs
+are re-sent whole (a P's, disagg.pd_http) says adds_deltas = False; a D's makes every request's outputs as deltas
+(its requests come from its connector).
 
 An idle loop wakes at least every LIVENESS_S to ask its executor whether every rank is alive (Executor.check_alive):
 a tensor-parallel rank that dies while no step runs ends the loop within about a second, as a failed step would,
