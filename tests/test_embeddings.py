@@ -271,6 +271,7 @@ def test_served_refusals_name_the_field(pooling_server, chat_path):
     assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"     # OpenAI's
     cut = httpx.post(url + "/v1/embeddings", json={"input": [1] * 65, "truncate_prompt_tokens": -1}).json()
     assert cut["usage"]["prompt_tokens"] == 64
+    assert error("/v1/embeddings", {"input": "a", "truncate_prompt_tokens": 65})["param"] == "truncate_prompt_tokens"
     assert "this engine pools" in error("/v1/completions", {"prompt": "hi"})["message"]
     assert "this engine pools" in error("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}
                                         )["message"]

@@ -344,6 +344,8 @@ def test_truncate_prompt_tokens_keeps_the_last_k(tiny_models):
     out = short.generate([prompt], SamplingParams(temperature=0, max_tokens=1, truncate_prompt_tokens=-1),
                          use_tqdm=False)[0]
     assert out.prompt_token_ids == prompt[-9:] and out.outputs[0].token_ids == hf_generate(model, prompt[-9:], 1, eos=-1)
+    with pytest.raises(ValueError, match=r"truncate_prompt_tokens \(11\) is greater than max_model_len \(10\)"):
+        short.generate([prompt], SamplingParams(max_tokens=1, truncate_prompt_tokens=11), use_tqdm=False)  # vLLM's
     for k in (0, -2, 2.5):
         with pytest.raises(ValueError, match="truncate_prompt_tokens"):
             SamplingParams(truncate_prompt_tokens=k)

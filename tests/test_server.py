@@ -523,9 +523,12 @@ def test_truncate_prompt_tokens(server, client, llm):
     assert got.usage.prompt_tokens == 6 and got.choices[0].message.content == ref.text
     kw["extra_body"]["truncate_prompt_tokens"] = -1      # as many as the model takes: all of this one
     assert client.completions.create(prompt=prompt, **kw).usage.prompt_tokens == len(ids)
-    for k in (0, -2):
+    longest = httpx.get(server.url + "/v1/models").json()["data"][0]["max_model_len"]
+    for k in (0, -2, longest + 1):          # past max_model_len: vLLM's 400 too
         e = httpx.post(server.url + "/v1/completions", json={"prompt": prompt, "truncate_prompt_tokens": k})
         assert e.status_code == 400 and e.json()["error"]["param"] == "truncate_prompt_tokens"
+    e = httpx.post(server.url + "/v1/chat/completions", json={"messages": conv, "truncate_prompt_tokens": longest + 1})
+    assert e.status_code == 400 and "greater than max_model_len" in e.json()["error"]["message"]
 
 
 def test_prompt_logprobs_and_echo_with_logprobs(server, client, llm):

@@ -268,6 +268,9 @@ class Engine:
     def _prompt_ids(self, prompt: str | list[int], truncate: int | None, most: int) -> list[int]:
         """The prompt's token ids (its last `truncate` ones, -1: `most`; the server truncates as it encodes),
         checked."""
+        if truncate is not None and truncate > self.max_model_len:    # as vLLM's
+            raise ValueError(f"truncate_prompt_tokens ({truncate}) is greater than max_model_len "
+                             f"({self.max_model_len})")
         ids = self.tokenize(prompt)
         if truncate is not None:
             ids = ids[-(most if truncate == -1 else truncate):]

@@ -152,8 +152,11 @@ def truncated(ids: list[int], keep: int | None, ctx: ServingContext) -> list[int
         raise APIError(400, "truncate_prompt_tokens must be >= 1, or -1 (as many as the model takes)",
                        param="truncate_prompt_tokens")
     limit = ctx.engine.model_info()["max_model_len"]
-    if keep == -1 and limit is None:    # a router that knows no prefill instance yet: the one it reaches checks
-        return ids
+    if limit is None:                   # a router that knows no prefill instance yet: the one it reaches checks
+        return ids if keep == -1 else ids[-keep:]
+    if keep > limit:                    # as vLLM's
+        raise APIError(400, f"truncate_prompt_tokens ({keep}) is greater than max_model_len ({limit})",
+                       param="truncate_prompt_tokens")
     return ids[-(limit - 1 if keep == -1 else keep):]
 
 

@@ -65,6 +65,9 @@ class EmbeddingHandler:
         if keep == 0:
             raise APIError(400, "truncate_prompt_tokens must be >= 1, or -1 (the model's maximum length)",
                            param="truncate_prompt_tokens")
+        if keep is not None and keep > max_model_len:     # as vLLM's
+            raise APIError(400, f"truncate_prompt_tokens ({keep}) is greater than max_model_len ({max_model_len})",
+                           param="truncate_prompt_tokens")
         prompts = []
         for i, x in enumerate(inputs):
             where = "input" if len(inputs) == 1 else f"input[{i}]"
