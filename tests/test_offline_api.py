@@ -57,6 +57,22 @@ def test_generate_takes_vllms_keywords(tiny_llm):
     assert by_kwargs[0].outputs[0].token_ids == cut.outputs[0].token_ids
 
 
+def test_generate_beside_a_request_of_the_step_api(tiny_llm):
+    """LLM.generate on an engine that runs a request added through llm.engine.add_request (the step-by-step API):
+    generate waits for its own prompts' samples, not for any request's end. It counted the other request's final
+    output as one of its own, stopped early and raised KeyError, its own request left running in the engine."""
+    want = tiny_llm.generate([PROMPT], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    eng = tiny_llm.engine
+    other = eng.add_request([7, 8, 9], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+    out = tiny_llm.generate([PROMPT], GREEDY, use_tqdm=False)       # the other one ends first, after one token
+    assert [o.outputs[0].token_ids for o in out] == [want]
+    assert other not in eng.requests and not eng.has_unfinished_requests()
+    other = eng.add_request([7, 8, 9], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+    out = tiny_llm.generate([PROMPT, PROMPT[:9]], dataclasses.replace(GREEDY, n=2), use_tqdm=False)
+    assert [len(c.token_ids) for o in out for c in o.outputs] == [4] * 4
+    assert other not in eng.requests and not eng.has_unfinished_requests()
+
+
 def test_tokens_prompt_text_is_the_outputs_prompt(tiny_llm):
     """vLLM's TokensPrompt may carry its text ("prompt"): RequestOutput.prompt shows it; the ids are what runs."""
     outs = tiny_llm.generate([{"prompt_token_ids": PROMPT, "prompt": "some text"}, {"prompt_token_ids": PROMPT}],

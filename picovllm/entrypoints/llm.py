@@ -215,7 +215,8 @@ class LLM:
 
         def collect(outputs: list[RequestOutput]) -> None:
             for out in outputs:
-                if out.finished:
+                # only the batch's own: a request added through self.engine beside it is not one of them
+                if out.finished and out.request_id in batch.ids:
                     final[out.request_id] = out
                     bar.update(1)
             batch.add_ready_siblings()

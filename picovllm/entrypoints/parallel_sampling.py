@@ -69,6 +69,7 @@ class SampleBatch:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.prompts: list[PromptSamples] = []
+        self.ids: set[str] = set()       # every sample's request id added so far (the engine may run others too)
 
     def add(self, prompt: str | list[int], params: SamplingParams, priority: int = 0) -> None:
         """Add a prompt's first sample (its siblings wait: add_ready_siblings). Raises ValueError as
@@ -77,11 +78,14 @@ class SampleBatch:
             params = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
         first, *siblings = sample_params(params)
         rid = self.engine.add_request(prompt, first, priority=priority)
+        self.ids.add(rid)
         self.prompts.append(PromptSamples(prompt, [rid], siblings, priority))
 
     def add_request(self, prompt: str | list[int], params) -> None:
         """A prompt as one request with these params as they are (a pooling prompt's PoolingParams)."""
-        self.prompts.append(PromptSamples(prompt, [self.engine.add_request(prompt, params)], []))
+        rid = self.engine.add_request(prompt, params)
+        self.ids.add(rid)
+        self.prompts.append(PromptSamples(prompt, [rid], []))
 
     @property
     def num_requests(self) -> int:
@@ -99,7 +103,9 @@ class SampleBatch:
                 continue
             req = self.engine.requests.get(p.ids[0])
             if req is None or req.status == RequestStatus.DECODING:   # its full blocks are cached now
-                p.ids.extend(self.engine.add_request(p.prompt, sp, priority=p.priority) for sp in p.siblings)
+                added = [self.engine.add_request(p.prompt, sp, priority=p.priority) for sp in p.siblings]
+                p.ids.extend(added)
+                self.ids.update(added)
                 p.siblings = []
 
     def abort(self, final: dict[str, RequestOutput] | None = None) -> None:
