@@ -213,6 +213,30 @@ def test_cli_maps_its_flags(monkeypatch, capsys):
 
 
 # -- close at random moments ---------------------------------------------------------------------------
+def test_a_second_close_is_a_no_op_for_the_next_session(llama_pd, llama_ref):
+    """close() is the session's "no more requests": called again, even once the session is over and the next one
+    runs (a finally block, a context manager), it closes nothing more; the next session's requests run."""
+    sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    ps = random_prompts(3, seed=5, max_len=20)
+    first = llama_pd.session()
+    first.submit(ps[0], sp)
+    first.close()
+    first.close()
+    first.wait(timeout_s=10)
+    assert_clean(first)
+    second = llama_pd.session()
+    first.close()                       # the old session's second close, while the next one runs
+    time.sleep(0.3)                     # (it reached P before the next submits)
+    ids = [second.submit(p, sp) for p in ps]
+    second.close()
+    second.wait(timeout_s=10)
+    assert second.rejected == {}
+    outs = [second.results[rid] for rid in ids]
+    assert all(o.error is None and o.outputs[0].finish_reason == "length" for o in outs), outs
+    assert same_tokens(outs, llama_ref.generate(ps, sp, use_tqdm=False))
+    assert_clean(second)
+
+
 def test_randomized_close_runs(llama_pd, llama_ref):
     """Random request counts, lengths, arrival gaps, aborts, and a close at a random moment, per run."""
     rng = random.Random(2024)

@@ -32,6 +32,77 @@ def test_a_pair_whose_decode_server_takes_less_is_refused(monkeypatch):
                 proxy.discover_pairs(["http://p"], ["http://d"], None, 1.0)
 
 
+def test_a_server_that_has_not_yet_said_its_link_is_up_is_asked_again(monkeypatch):
+    """A server answers /pd/info before its engine loop has published its link's state (link_alive false for a
+    moment after start-up): a proxy started beside its servers pairs them once they say it, and only a link still
+    down after a few seconds stops it, naming the server."""
+    from picovllm.disagg import proxy
+
+    ends = (["127.0.0.1", 1], ["127.0.0.1", 2])
+    asked = {"http://p/pd/info": 0, "http://d/pd/info": 0}
+
+    def get(url, deadline, secret=None):
+        asked[url] += 1
+        role = url[7]
+        return {"role": role, "link": list(ends if role == "p" else ends[::-1]), "max_model_len": 1024,
+                "link_alive": asked[url] > 2 or role == "p"}
+
+    monkeypatch.setattr(proxy, "_get", get)
+    assert proxy.discover_pairs(["http://p"], ["http://d"], None, 10.0) == [proxy.PDPair("http://p", "http://d")]
+    assert asked["http://d/pd/info"] == 3
+    monkeypatch.setattr(proxy, "LINK_GRACE_S", 0.3)
+    monkeypatch.setattr(proxy, "_get", lambda url, deadline, secret=None: {**get(url, deadline), "link_alive": False})
+    with pytest.raises(ValueError, match="http://p has no live link"):
+        proxy.discover_pairs(["http://p"], ["http://d"], None, 10.0)
+
+
+def test_a_request_tries_each_pair_once_while_others_arrive(monkeypatch):
+    """A P that cannot be reached (killed, not yet out of rotation): each request goes on to the next pair, every
+    pair tried once, whatever the requests arriving meanwhile take of the round-robin. It had retried the dead pair
+    (a 503 though a pair was whole) and listened twice on its D (whose "request_id ... is already in use" came back
+    as a 400)."""
+    import asyncio
+
+    from picovllm.disagg import proxy
+    from picovllm.entrypoints.openai.engine_client import EngineDeadError
+
+    listening, tried = set(), []
+
+    class Resp:
+        async def aclose(self):     # (a D notices its client gone later: the id stays listened to meanwhile)
+            pass
+
+    async def fake_open(self, base, path, body, what):
+        await asyncio.sleep(0.01)
+        tried.append((body["request_id"], base))
+        if base == "http://p1":
+            raise EngineDeadError("the prefill server http://p1 is unreachable")
+        if path == "/pd/decode":
+            if (base, body["request_id"]) in listening:
+                raise ValueError(f"request_id {body['request_id']!r} is already in use")
+            listening.add((base, body["request_id"]))
+        return Resp()
+
+    monkeypatch.setattr(proxy.ProxyEngine, "_open", fake_open)
+
+    async def run():
+        engine = proxy.ProxyEngine([proxy.PDPair("http://p0", "http://d0"), proxy.PDPair("http://p1", "http://d1")],
+                                   FleetSecret(SECRET.encode()), {}, lease_s=30.0)
+        engine.start()
+        try:
+            streams = await asyncio.gather(*(engine.add_request([1, 2], SamplingParams(max_tokens=2), f"r{i}")
+                                             for i in range(6)), return_exceptions=True)
+        finally:
+            await engine.shutdown()
+        return streams
+
+    streams = asyncio.run(run())
+    assert all(isinstance(s, proxy.PDStream) and s.pair.prefill == "http://p0" for s in streams), streams
+    for i in range(6):
+        bases = [b for rid, b in tried if rid == f"r{i}"]
+        assert len(bases) == len(set(bases)), (i, bases)
+
+
 def test_a_frozen_decode_server_ends_its_streams_and_leaves_the_rotation():
     """Real sockets against fake pair servers: D sends a line and then nothing, and its /pd/info stops answering
     (a frozen process): the stream open on it ends within about a lease with an error naming it (it had waited

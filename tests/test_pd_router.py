@@ -431,6 +431,43 @@ def test_a_malformed_load_answer_fails_the_check_and_the_health_task_goes_on():
     assert not instances["http://dlist"].up and calls["dboom"] >= 5
 
 
+def test_an_instance_restarted_at_its_url_is_checked_again_as_when_it_was_added():
+    """A D restarted at its URL (a new instance_id in /pd/load) with a --max-model-len below the P's must not come
+    back into rotation unchecked (requests routed there would fail): it is out, naming the field, until a server
+    that fits answers there; then it is in again, its new id and length read."""
+    import asyncio
+
+    d0 = {"instance_id": "d0", "max_model_len": 1024}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        host = request.url.host
+        ident = d0["instance_id"] if host == "d0" else host
+        if request.url.path == "/pd/info":
+            return httpx.Response(200, json={"role": host[0], "fleet": True, "instance_id": ident, "block_size": 4,
+                                             "max_model_len": d0["max_model_len"] if host == "d0" else 1024})
+        return httpx.Response(200, json={"running": 0, "waiting": 0, "kv_usage": 0.0, "instance_id": ident})
+
+    async def run():
+        from picovllm.disagg.router import InstancePool
+        pool = InstancePool(FleetSecret(SECRET.encode()), lease_s=30.0)
+        for url in ("http://p0", "http://d0", "http://d1"):
+            pool.add(url, url[7], {"role": url[7], "fleet": True, "instance_id": url[7:], "block_size": 4,
+                                   "max_model_len": 1024})
+        d = pool.instances["http://d0"]
+        seen = []
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            for ident, length in (("d0", 1024), ("d0-restarted", 512), ("d0-again", 2048)):
+                d0.update(instance_id=ident, max_model_len=length)
+                await pool.check(client, d)
+                seen.append((d.up, d.instance_id, d.max_model_len, d.down_reason))
+        return seen
+
+    same, short, fits = asyncio.run(run())
+    assert same == (True, "d0", 1024, None)
+    assert short[0] is False and "max_model_len" in short[3] and "restarted" in short[3], short
+    assert fits == (True, "d0-again", 2048, None)
+
+
 def test_a_router_started_without_prefill_instances_takes_their_max_model_len_when_they_join(tmp_path, monkeypatch):
     """`picovllm router --model M` and no --prefill: a completion is refused with a 503 (no instance), not a 500;
     once a P joins, the length checks use its max_model_len (the smallest P's), and /v1/models says it."""
@@ -723,6 +760,54 @@ def test_a_prefill_stream_cut_as_its_handle_goes_out_gives_the_kv_back():
 
     cut, whole = asyncio.run(run(False)), asyncio.run(run(True))
     assert (cut.aborted, cut.closed) == (1, 1) and (whole.aborted, whole.closed) == (0, 1)
+
+
+def stopped_streams(front: ServerProcess, n: int = 2) -> list[list[dict]]:
+    """n long streams through front (a router or proxy started with --shutdown-timeout 0); once each has sent a few
+    chunks, SIGTERM front (exit code 0); each stream's data events, [DONE] left out."""
+    import threading
+    body = {"prompt": "Tell me a story", "max_tokens": 900, "temperature": 0, "ignore_eos": True, "stream": True}
+    events, started = [[] for _ in range(n)], threading.Barrier(n + 1, timeout=60)
+
+    def read(i):
+        with httpx.stream("POST", front.url + "/v1/completions", json=body, timeout=30) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    events[i].append(json.loads(line[6:]))
+                    if len(events[i]) == 3:
+                        started.wait()
+    threads = [threading.Thread(target=read, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    started.wait()
+    assert front.stop(signal.SIGTERM, timeout=30) == 0, front.log()[-3000:]
+    for t in threads:
+        t.join(30)
+    return events
+
+
+def assert_aborted(events: list[list[dict]]) -> None:
+    """Each stream ended with finish_reason "abort", no error event, before its max_tokens."""
+    for ev in events:
+        assert all("error" not in e for e in ev), ev[-2:]
+        assert ev[-1]["choices"][0]["finish_reason"] == "abort", ev[-2:]
+        assert sum(len(e["choices"]) for e in ev) < 900
+
+
+def test_a_router_stopping_ends_its_open_streams_as_aborted(fleet):
+    """README: SIGTERM aborts what still runs after --shutdown-timeout, the streams ending with finish_reason
+    "abort", and exits 0. Through a router, too: not an error blaming the instances, which are fine (they stay in
+    their rotation and end with every block free)."""
+    procs, root = fleet["procs"], fleet["procs"]["p"].log_path.rsplit("/", 1)[0]
+    decodes = [procs[d].url for d in ("d0", "d1") if d not in fleet["dead"]]
+    router = ServerProcess(None, root + "/router_stop.log", "--prefill", procs["p"].url, "--decode", *decodes,
+                           "--pd-secret-file", root + "/secret", "--lease", "2", "--shutdown-timeout", "0",
+                           "--startup-timeout", "120", command=("router",))
+    assert_aborted(stopped_streams(router))
+    assert "out of rotation" not in router.log(), router.log()[-2000:]
+    for name in ("p", "d0", "d1"):
+        if name not in fleet["dead"]:
+            wait_idle(procs[name])
 
 
 def test_decode_killed_then_one_joins(fleet):

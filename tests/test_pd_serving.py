@@ -25,9 +25,9 @@ SECRET = "pd-pair-test-secret-0123456789"
 
 
 def start_proxy(log_path: str, prefill: list[str], decode: list[str], secret_file: str,
-                startup_timeout: float | None = 120.0) -> ServerProcess:
+                startup_timeout: float | None = 120.0, extra: tuple[str, ...] = ()) -> ServerProcess:
     return ServerProcess(None, log_path, "--prefill", *prefill, "--decode", *decode, "--startup-timeout", "120",
-                         "--pd-secret-file", secret_file, command=("proxy",), startup_timeout=startup_timeout)
+                         "--pd-secret-file", secret_file, *extra, command=("proxy",), startup_timeout=startup_timeout)
 
 
 def start_pairs(model: str, logdir, n: int, secret_file: str) -> tuple[list[dict[str, ServerProcess]], ServerProcess]:
@@ -246,6 +246,20 @@ def test_round_robin_and_client_disconnect(cluster):
     for srv in all_servers(cluster):
         wait_idle(srv)
     assert sum(wait_idle(d)["picovllm:requests_total.abort"] for d in ds) == 1
+
+
+def test_a_proxy_stopping_ends_its_open_streams_as_aborted(cluster):
+    """SIGTERM to a proxy with streams open past --shutdown-timeout: they end with finish_reason "abort" (README),
+    not an error blaming a server; exit 0; the pairs stay in rotation, every block free."""
+    from test_pd_router import assert_aborted, stopped_streams
+    pairs = cluster["pairs"]
+    proxy = start_proxy(str(cluster["logdir"] / "proxy_stop.log"), [pair["p"].url for pair in pairs],
+                        [pair["d"].url for pair in pairs], str(cluster["logdir"] / "pd.secret"),
+                        extra=("--shutdown-timeout", "0"))
+    assert_aborted(stopped_streams(proxy))
+    assert "out of rotation" not in proxy.log(), proxy.log()[-2000:]
+    for srv in all_servers(cluster):
+        wait_idle(srv)
 
 
 def test_decode_killed_mid_stream(cluster):

@@ -112,7 +112,7 @@ def add_fleet_routes(app: FastAPI, ctx: ServingContext, role: str) -> None:
         s = engine.stats
         return {"running": s.num_running, "waiting": s.num_waiting, "free_blocks": s.num_free_blocks,
                 "num_blocks": s.num_blocks, "kv_usage": 1.0 - s.num_free_blocks / max(s.num_blocks, 1),
-                "alive": engine.is_running, **s.connector}
+                "alive": engine.is_running, "instance_id": engine.role_info().get("instance_id"), **s.connector}
 
     if role == "p":
         add_prefill_route(app, ctx)

@@ -29,7 +29,7 @@ from picovllm.disagg.auth import FleetSecret, sign_request
 from picovllm.disagg.http_stream import StreamedResponse, post_stream
 from picovllm.disagg.messages import OutputDecoder
 from picovllm.entrypoints.openai.engine_client import EngineDeadError, EngineStepError, checked
-from picovllm.outputs import RequestOutput
+from picovllm.outputs import CompletionOutput, RequestOutput
 from picovllm.sampling_params import SamplingParams
 
 Lines = AsyncIterator[tuple[RequestOutput, dict]]
@@ -104,9 +104,11 @@ class RemoteEngine:
         self._streams.discard(stream)
 
     def abort_all(self) -> None:
-        """Close every open stream: each server whose client went away aborts its request."""
+        """Abort every open stream (the server is stopping: the end of its graceful period, a second signal): each
+        ends with an abort output where it is read, as a colocated engine's requests do, and each server whose client
+        went away aborts its request."""
         for stream in list(self._streams):
-            stream.close()
+            stream.stop()
 
     async def shutdown(self) -> None:
         if self._health is not None:
@@ -182,15 +184,28 @@ def prefill_body(prompt_token_ids: list[int], params: SamplingParams, request_id
 FAILED_ON_P_OR_D = "the request failed on a prefill or decode server"     # an error output that says no more
 
 
+def aborted_output(last: RequestOutput | None, request_id: str, prompt_token_ids: list[int]) -> RequestOutput:
+    """The final output of a request aborted here (RemoteEngine.abort_all) after its last output `last` (None: before
+    any): what it had, finished with finish_reason "abort", as an engine ends a request it aborts."""
+    if last is None:
+        return RequestOutput(request_id, None, list(prompt_token_ids),
+                             [CompletionOutput(0, "", [], None, None, "abort")], True)
+    return dataclasses.replace(last, finished=True, kv_handover=None,
+                               outputs=[dataclasses.replace(c, finish_reason="abort", stop_reason=None)
+                                        for c in last.outputs])
+
+
 async def prefill_then_decode(prefill: Lines, handover_of: Callable[[dict], Any],
                               open_decode: Callable[[Any], Awaitable[Lines]], who: Callable[[str], str],
-                              metrics=None) -> AsyncIterator[RequestOutput]:
+                              metrics=None,
+                              stopped: Callable[[], bool] = lambda: False) -> AsyncIterator[RequestOutput]:
     """One request's outputs: P's until the line whose handover_of(line) is not None (its output, the
     first token, comes unfinished), then those of open_decode(that handover), D's, cumulative.
 
     who(role) names the server of role "p" or "d" in errors (asked when one happens: a router may
     have moved the request). An output that failed, or a stream that ends before a finished
-    output, raises EngineStepError; metrics (ServerMetrics) counts it, and observes what finishes."""
+    output, raises EngineStepError; metrics (ServerMetrics) counts it (not where stopped() says the stream was
+    aborted here: its streams' ends broke because they were closed), and observes what finishes."""
     try:
         handover = None
         async for out, line in prefill:
@@ -214,7 +229,7 @@ async def prefill_then_decode(prefill: Lines, handover_of: Callable[[dict], Any]
                 return
         raise EngineStepError(f"{who('d')} ended the request's stream early")
     except EngineStepError:
-        if metrics is not None:
+        if metrics is not None and not stopped():
             metrics.count_outcome("error")
         raise
 

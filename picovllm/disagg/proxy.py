@@ -31,8 +31,8 @@ from dataclasses import dataclass
 import httpx
 
 from picovllm.disagg.auth import FleetSecret, sign_request
-from picovllm.disagg.handover_stream import RemoteEngine, fail_stream, ndjson_outputs, open_pd_stream, \
-    prefill_body, prefill_then_decode
+from picovllm.disagg.handover_stream import RemoteEngine, aborted_output, fail_stream, ndjson_outputs, \
+    open_pd_stream, prefill_body, prefill_then_decode
 from picovllm.disagg.http_stream import StreamedResponse
 from picovllm.entrypoints.openai.engine_client import EngineDeadError, EngineStepError
 from picovllm.outputs import RequestOutput
@@ -51,26 +51,37 @@ class PDStream:
     """One request's outputs through a pair, as AsyncEngine's RequestStream: outputs(), close()."""
 
     def __init__(self, request_id: str, pair: PDPair, prefill: StreamedResponse, decode: StreamedResponse,
-                 owner: "ProxyEngine") -> None:
-        self.request_id, self.pair = request_id, pair
+                 owner: "ProxyEngine", prompt_token_ids: list[int] = ()) -> None:
+        self.request_id, self.pair, self.prompt_token_ids = request_id, pair, prompt_token_ids
         self._prefill, self._decode, self._owner = prefill, decode, owner
-        self.finished = self._failed = False
+        self.finished = self._failed = self._stopped = False
 
     async def outputs(self) -> AsyncIterator[RequestOutput]:
         async def open_decode(_) -> AsyncIterator:
             return ndjson_outputs(self._decode, self._who("d"))     # opened with P's: D listened first
 
+        last = None
         try:
             async for out in prefill_then_decode(ndjson_outputs(self._prefill, self._who("p")),
                                                  lambda line: line.get("handed_off") or None, open_decode,
-                                                 self._who, self._owner.metrics if self._owner else None):
+                                                 self._who, self._owner.metrics if self._owner else None,
+                                                 lambda: self._stopped):
                 self.finished = out.finished
+                last = out
                 yield out
         except EngineStepError:
+            if self._stopped:                    # aborted here (the proxy is stopping): not the servers' failure
+                yield aborted_output(last, self.request_id, self.prompt_token_ids)
+                return
             self._failed = True                  # counted as an error (prefill_then_decode)
             raise
         finally:
             self.close()
+
+    def stop(self) -> None:
+        """Abort it here (ProxyEngine.abort_all): where its outputs are read they end with an abort output."""
+        self._stopped = not self.finished and not self._failed
+        self.close()
 
     def _who(self, role: str) -> str:
         return f"the prefill server {self.pair.prefill}" if role == "p" else f"the decode server {self.pair.decode}"
@@ -151,8 +162,9 @@ class ProxyEngine(RemoteEngine):
             raise EngineDeadError("the proxy is not running")
         body = prefill_body(prompt_token_ids, params, request_id, arrival_time, priority)
         errors = []
-        for _ in range(len(self.pairs)):     # round-robin; a pair that cannot be reached, or is down, is skipped
-            pair = self.pairs[next(self._next) % len(self.pairs)]
+        first = next(self._next)     # round-robin; a pair that cannot be reached, or is down, is skipped: the
+        for k in range(len(self.pairs)):     # next pairs in order (the counter moves with the other requests)
+            pair = self.pairs[(first + k) % len(self.pairs)]
             if pair in self.down:
                 errors.append(f"{pair.prefill} -> {pair.decode}: {self.down[pair]}")
                 continue
@@ -170,7 +182,7 @@ class ProxyEngine(RemoteEngine):
             except BaseException:
                 await decode.aclose()
                 raise
-            stream = PDStream(request_id, pair, prefill, decode, self)
+            stream = PDStream(request_id, pair, prefill, decode, self, prompt_token_ids)
             self.track(stream)
             return stream
         raise EngineDeadError("no prefill/decode pair could take the request: " + "; ".join(errors))
@@ -202,13 +214,28 @@ def _get(url: str, deadline: float, secret: FleetSecret | None = None) -> dict:
         time.sleep(0.25)
 
 
+LINK_GRACE_S = 5.0      # how long a server that answers may say its link is down before the proxy believes it
+
+
+def _linked_info(url: str, deadline: float, secret: FleetSecret | None) -> dict:
+    """A server's /pd/info, asked again for a few seconds (within the deadline) while it says its link is down: a
+    server that has just started answers before its engine loop has published the link's state (link_alive false),
+    and a proxy started beside its servers met that."""
+    grace = min(deadline, time.monotonic() + LINK_GRACE_S)
+    while True:
+        info = _get(url + "/pd/info", deadline, secret)
+        if info.get("link_alive") or time.monotonic() > grace:
+            return info
+        time.sleep(0.1)
+
+
 def discover_pairs(prefill: list[str], decode: list[str], secret: FleetSecret, timeout_s: float) -> list[PDPair]:
     """Match each P server to the D server on the other end of its link (from /pd/info)."""
     deadline = time.monotonic() + timeout_s
     links, lengths = {}, {}
     for what, urls, role in (("--prefill", prefill, "p"), ("--decode", decode, "d")):
         for url in urls:
-            info = _get(url + "/pd/info", deadline, secret)
+            info = _linked_info(url, deadline, secret)
             lengths[url] = info.get("max_model_len")
             if info.get("role") != role:
                 raise ValueError(f"{what}: {url} is a {info.get('role')!r} server, not {role!r}")

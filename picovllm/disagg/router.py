@@ -32,7 +32,7 @@ import httpx
 from prometheus_client import Counter, Gauge
 
 from picovllm.disagg.auth import FleetSecret, sign_request
-from picovllm.disagg.handover_stream import RemoteEngine, StreamBroken, fail_stream, ndjson_outputs, \
+from picovllm.disagg.handover_stream import RemoteEngine, StreamBroken, aborted_output, fail_stream, ndjson_outputs, \
     open_pd_stream, prefill_body, prefill_then_decode
 from picovllm.disagg.http_stream import StreamedResponse
 from picovllm.disagg.messages import KVLayout
@@ -170,8 +170,19 @@ class InstancePool:
             return
         if not load["alive"]:     # its server answers, its engine is gone: no use trying it
             self.mark_down(inst, "its engine is not running (/pd/load: alive false)")
-        else:
-            self.saw_load(inst, load)
+            return
+        if load["instance_id"] not in (None, inst.instance_id) and self.instances.get(inst.url) is inst:
+            # another server at this URL (restarted, perhaps with other flags): it must fit the fleet, as when added
+            try:
+                r = await client.get(inst.url + "/pd/info", headers=self.headers("GET", "/pd/info"), timeout=5.0)
+                self.add(inst.url, inst.role, r.json() if r.status_code == 200 else f"HTTP {r.status_code}")
+            except InstanceRefused as e:
+                self.mark_down(inst, f"restarted as an instance that does not fit the fleet: {e}")
+                return
+            except (httpx.HTTPError, ValueError) as e:
+                self.saw_failure(inst, f"its /pd/info after a restart: {type(e).__name__}: {e}")
+                return
+        self.saw_load(inst, load)
 
     def observe(self, inst: Instance) -> None:
         if self.metrics is not None:
@@ -204,10 +215,11 @@ def _read_info(url: str, info: object) -> dict:
 
 
 def _read_load(load: object) -> dict:
-    """/pd/load's answer as {alive, running, waiting, kv_usage}; ValueError if it is not one."""
+    """/pd/load's answer as {alive, running, waiting, kv_usage, instance_id}; ValueError if it is not one."""
     try:
         read = {"alive": load.get("alive", True) is not False, "running": int(load.get("running", 0)),
-                "waiting": int(load.get("waiting", 0)), "kv_usage": float(load.get("kv_usage", 0.0))}
+                "waiting": int(load.get("waiting", 0)), "kv_usage": float(load.get("kv_usage", 0.0)),
+                "instance_id": None if load.get("instance_id") is None else str(load["instance_id"])}
     except (AttributeError, TypeError, ValueError, OverflowError) as e:
         raise ValueError(f"/pd/load answered {str(load)[:100]}, not a load ({type(e).__name__}: {e})") from None
     if not math.isfinite(read["kv_usage"]):
@@ -224,19 +236,31 @@ class RouterStream:
         self.prefill, self.decode = prefill, None
         self._responses = [resp]
         self._left: set[str] = set()         # instances whose in-flight count this request left
-        self.finished = self._failed = False
+        self.finished = self._failed = self._stopped = False
 
     async def outputs(self) -> AsyncIterator[RequestOutput]:
+        last = None
         try:
             async for out in prefill_then_decode(self._prefill_lines(), lambda line: line.get("kv_handover"),
-                                                 self._open_decode, self._who, self.router.metrics):
+                                                 self._open_decode, self._who,
+                                                 self.router.metrics if self.router else None,
+                                                 lambda: self._stopped):
                 self.finished = out.finished
+                last = out
                 yield out
         except EngineStepError:
+            if self._stopped:                    # aborted here (the router is stopping): not the instances' failure
+                yield aborted_output(last, self.request_id, self.body["prompt_token_ids"])
+                return
             self._failed = True                  # counted as an error (prefill_then_decode)
             raise
         finally:
             self.close()
+
+    def stop(self) -> None:
+        """Abort it here (RouterEngine.abort_all): where its outputs are read they end with an abort output."""
+        self._stopped = not self.finished and not self._failed
+        self.close()
 
     def _who(self, role: str) -> str:
         inst = self.prefill if role == "p" else self.decode
@@ -283,7 +307,8 @@ class RouterStream:
             async for item in ndjson_outputs(resp, self._who(inst.role)):
                 yield item
         except StreamBroken as e:
-            self.pool.mark_down(inst, str(e))
+            if not self._stopped:        # (closed here: the instance is fine)
+                self.pool.mark_down(inst, str(e))
             raise
 
     async def _took(self, resp: StreamedResponse) -> None:

@@ -89,7 +89,11 @@ class DisaggSession:
             self._send("d", Abort(request_id))
 
     def close(self) -> None:
-        """No more requests: P refuses further submits, drains, hands over, ends the stream to D."""
+        """No more requests: P refuses further submits, drains, hands over, ends the stream to D. Once per session: a
+        second close is a no-op (P's engine serves every session, and a CloseSession sent once this one is over would
+        close the session the driver runs next)."""
+        if self._closed:
+            return
         self._closed = True
         self._send("p", CloseSession())
 
