@@ -241,6 +241,23 @@ def test_kv_heads_that_cannot_be_shared_out_name_the_fields():
         QKVParallelLinear(16, 4, 6, 3, tp=TPGroup(rank=0, size=4))
 
 
+def test_an_mlp_width_the_ranks_cannot_share_names_the_field():
+    """A dense MLP (or a shared expert) whose intermediate size tp does not divide: a ValueError naming the field, as
+    for KV heads and MoE experts, not a bare AssertionError about a linear layer's out_features."""
+    from types import SimpleNamespace
+
+    from picovllm.distributed import TPGroup
+    from picovllm.layers.moe import SharedExpertMoE
+    from picovllm.models.llama import LlamaMLP
+
+    cfg = SimpleNamespace(hidden_size=72, intermediate_size=128, mlp_bias=False, hidden_act="silu")
+    with pytest.raises(ValueError, match="intermediate_size 128 is not divisible by tensor_parallel_size 3"):
+        LlamaMLP(cfg, TPGroup(rank=0, size=3))
+    LlamaMLP(cfg, TPGroup(rank=0, size=2))
+    with pytest.raises(ValueError, match="shared expert's intermediate size 50 .* tensor_parallel_size 4"):
+        SharedExpertMoE(4, 2, 16, 8, False, 50, tp=TPGroup(rank=0, size=4))
+
+
 def test_step_message_round_trips_without_pickle():
     from picovllm.config import EngineConfig
     from picovllm.engine.messages import RunStep, Setup, decode, encode

@@ -213,6 +213,9 @@ class SharedExpertMoE(FusedMoE):
                  shared_intermediate: int, act: str = "silu", tp: TPGroup = SINGLE, routing: Routing = Routing(),
                  gated: bool = True) -> None:
         super().__init__(num_experts, top_k, hidden, intermediate, renormalize, act, tp, routing)
+        if shared_intermediate % tp.size:
+            raise ValueError(f"the shared expert's intermediate size {shared_intermediate} is not divisible by "
+                             f"tensor_parallel_size {tp.size}")
         from picovllm.layers.linear import MergedColumnParallelLinear, RowParallelLinear
         self.shared_expert = nn.Module()
         self.shared_expert.gate_up_proj = MergedColumnParallelLinear(hidden, [shared_intermediate] * 2, tp=tp)

@@ -80,6 +80,9 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup) -> None:
         super().__init__()
+        if cfg.intermediate_size % tp.size:    # (a bare assert in the linear layers otherwise, after the spawn)
+            raise ValueError(f"intermediate_size {cfg.intermediate_size} is not divisible by tensor_parallel_size "
+                             f"{tp.size}")
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2,
                                                        bias=cfg.mlp_bias, tp=tp)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias, tp=tp)
