@@ -44,6 +44,19 @@ def test_chat_two_turns_then_eof():
     assert "Berlin" in replies[1]      # the second turn only makes sense with the first in the history
 
 
+def test_generate_refuses_a_system_prompt_it_would_drop(tiny_models, capsys):
+    """`generate --system S` without the chat template (--no-chat, or a model without one) sent the bare prompt and
+    dropped S without a word; a flag the command would ignore is refused by name (README, "Command line")."""
+    for extra in (["--no-chat"], []):         # the tiny llama has no chat template (nor a tokenizer)
+        rc = cli_main(["generate", "hi", "--system", "Be terse.", "--model", tiny_models["llama"], "--max-tokens", "2",
+                       "--num-kv-blocks", "16", *extra])
+        err = capsys.readouterr().err
+        assert rc == 2 and "--system" in err and "Traceback" not in err, (extra, err)
+    rc = cli_main(["generate", "--no-chat", "--model", tiny_models["llama"], "--max-tokens", "2",
+                   "--num-kv-blocks", "16", "--", "[5, 6]"])
+    assert "--system" not in capsys.readouterr().err      # no --system: nothing said of it
+
+
 def test_batch_jsonl_round_trip_equals_llm_generate(tiny_models, tmp_path, capsys):
     rng = random.Random(1)
     lines = [{"prompt_token_ids": [rng.randrange(384) for _ in range(n)], "max_tokens": m, "id": f"r{i}"}
@@ -1103,3 +1116,28 @@ def test_serve_with_vllm_s_http_flags(chat_model, tmp_path, monkeypatch):
     finally:
         server.stop()
     assert server.log().count("prompt_token_ids: [5, 6], params: SamplingParams(") == 2, server.log()[-3000:]
+
+
+def test_batch_reads_a_named_pipe_as_vllm_opens_any_readable_path(tiny_models, tmp_path, capsys):
+    """`-i <(...)`, `-i /dev/stdin` and a named pipe are files open() reads lines from (vLLM's run-batch opens the
+    path): they were refused as "no such file" (os.path.isfile is False for a pipe); a folder is refused naming it."""
+    import threading
+    line = {"prompt_token_ids": [5, 6, 7], "max_tokens": 2, "id": "p"}
+    for command, out_flag in (("batch", "-o"), ("run-batch", "-o")):
+        fifo = tmp_path / f"{command}.fifo"
+        os.mkfifo(fifo)
+        body = (json.dumps(line) if command == "batch" else json.dumps(
+            {"custom_id": "p", "method": "POST", "url": "/v1/completions",
+             "body": {"prompt": [5, 6, 7], "max_tokens": 2, "temperature": 0}})) + "\n"
+        writer = threading.Thread(target=lambda f=fifo, b=body: f.write_text(b), daemon=True)
+        writer.start()
+        out = tmp_path / f"{command}.out"
+        rc = cli_main([command, "-i", str(fifo), out_flag, str(out), "--model", tiny_models["llama"],
+                       "--num-kv-blocks", "16", "--no-progress"])
+        writer.join(10)
+        err = capsys.readouterr().err
+        assert rc == 0, err
+        rec = json.loads(out.read_text())
+        assert (rec["id"] if command == "batch" else rec["custom_id"]) == "p"
+    rc = cli_main(["batch", "-i", str(tmp_path), "--model", tiny_models["llama"]])
+    assert rc == 2 and "is a folder" in capsys.readouterr().err

@@ -362,3 +362,32 @@ def test_a_refused_add_leaves_the_running_requests_deltas():
     enc.encode(out("a", [5]))
     assert isinstance(enc.encode(CommandAnswer("r", EngineStepError("step failed"))), CommandAnswer)
     assert isinstance(enc.encode(out("x", [9])), RequestOutput)     # a new request under the id: sent whole
+
+
+def test_the_reader_thread_outlives_a_closed_event_loop_quietly():
+    """run-batch --engine-process under Ctrl-C: asyncio.run is interrupted and closes its loop, then the engine
+    process (which ignores SIGINT) ends and closes its pipe. The reader thread handed that end to the closed loop:
+    `Exception in thread picovllm-engine-reader: RuntimeError: Event loop is closed`, a traceback on the way out."""
+    import asyncio
+    import multiprocessing as mp
+    import threading
+
+    from picovllm.entrypoints.openai.engine_client import EngineReady
+    from picovllm.entrypoints.openai.engine_process import PipeEngineClient
+    cmd_r, cmd_w = mp.Pipe(duplex=False)
+    out_r, out_w = mp.Pipe(duplex=False)
+    client = PipeEngineClient(cmd_w, out_r, None, EngineReady({"max_model_len": 256}, {}, [2]))
+
+    async def main():
+        client.start()
+
+    asyncio.run(main())          # the loop is closed, the reader still waits on the pipe
+    failures = []
+    old_hook, threading.excepthook = threading.excepthook, failures.append
+    try:
+        out_w.close()            # the engine process ends
+        client._reader.join(10)
+    finally:
+        threading.excepthook = old_hook
+    assert not client._reader.is_alive()
+    assert not failures, [f.exc_value for f in failures]

@@ -82,9 +82,16 @@ def parse_line(index: int, line: str, defaults: dict, llm, line_number: int) -> 
 
 # Before any work, so that a mistyped path costs no model load and loses no results: ValueError naming the flag.
 def check_input(path: str, flag: str) -> None:
-    """The input file (a path, or "-" for stdin) is there to read."""
-    if path != "-" and not os.path.isfile(path):
+    """The input file (a path, or "-" for stdin) is there to read: a regular file, or anything else open() reads
+    lines from (a named pipe, /dev/stdin, a shell's process substitution `<(...)`), as vLLM's run-batch opens it."""
+    if path == "-":
+        return
+    if not os.path.exists(path):
         raise ValueError(f"{flag} {path!r}: no such file")
+    if os.path.isdir(path):
+        raise ValueError(f"{flag} {path!r}: is a folder, not a file")
+    if not os.access(path, os.R_OK):
+        raise ValueError(f"{flag} {path!r}: not readable")
 
 
 def check_output(path: str | None, flag: str) -> None:

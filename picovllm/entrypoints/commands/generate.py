@@ -76,6 +76,8 @@ def run_generate(args: argparse.Namespace) -> int:
     """One prompt, colocated or (--disagg) with P and D in processes of their own: the same prompt handling
     (chat template by default, --no-chat, --system), the same text on stdout, timings on stderr with --stats."""
     _check_disagg_flags(args)
+    if args.chat is False and args.system is not None:     # before the model loads
+        raise ValueError("--system is the chat template's system message: it does not apply with --no-chat")
     params = sampling_params(args)
     text = sys.stdin.read() if args.prompt == "-" else args.prompt
     if args.disagg:
@@ -116,6 +118,9 @@ def _prompt(tokenizer, text: str, args: argparse.Namespace) -> str | list[int]:
 
     use_chat = _has_chat_template(tokenizer) if args.chat is None else args.chat
     if not use_chat:
+        if args.system is not None:     # it would be dropped without a word
+            raise ValueError("--system is the chat template's system message, and --model has no chat template "
+                             "(--chat-less prompts take no system message)")
         return text
     return chat_prompt_ids(tokenizer, _messages(args.system, [{"role": "user", "content": text}]))
 

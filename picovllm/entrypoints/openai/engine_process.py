@@ -126,7 +126,7 @@ class PipeEngineClient(EngineClient):
             why = self._died()
         finally:
             self.ended_why = why        # before the thread ends: a request refused from then on is told why
-            self._loop.call_soon_threadsafe(self._ended, why)
+            self._to_loop(self._ended, why)
 
     def _take(self, step: StepOutputs) -> None:
         self.stats = step.stats
@@ -135,7 +135,17 @@ class PipeEngineClient(EngineClient):
             self.metrics.observe_engine(self.stats)
         self._finish_outputs(outputs)
         if outputs:
-            self._loop.call_soon_threadsafe(self._dispatch, outputs)
+            self._to_loop(self._dispatch, outputs)
+
+    def _to_loop(self, fn: Callable, *args) -> None:
+        """fn(*args) on the event loop, unless that loop has closed: an asyncio.run ended by Ctrl-C (run-batch's)
+        closes it before the engine process, which ignores SIGINT, has said its last; nobody is left to tell, and
+        the thread raising there printed a traceback on the way out."""
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:        # "Event loop is closed"
+            if not self._loop.is_closed():
+                raise
 
     def _died(self) -> str:
         logger.error("the engine process died")
