@@ -56,7 +56,9 @@ class BeamSearchSequence:
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)   # per generated token: its step's top 2W
     cum_logprob: float = 0.0
     finish_reason: str | None = None        # "stop" (an end-of-sequence token) or "length"
-    text: str | None = None                 # the generated tokens decoded (None without a tokenizer)
+    text: str | None = None                 # the generated tokens decoded (None without a tokenizer); vLLM's
+                                            # offline beam search decodes the prompt's too
+    stop_reason: int | str | None = None    # vLLM's field: always None (no stop strings or stop ids in a search)
 
     @property
     def output_token_ids(self) -> list[int]:
