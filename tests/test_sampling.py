@@ -442,6 +442,26 @@ def test_incremental_text_against_the_tokenizers_decode(default_llm):
     assert all(b.startswith(a) for a, b in zip(texts, texts[1:])) and texts[-1] == " He said 'stop' "
 
 
+def test_prompt_ending_inside_a_character_after_a_whole_one_in_bytes(default_llm):
+    """A token prompt whose last 4 tokens hold no character's end (SmolLM2 writes an emoji as 3 byte tokens: the
+    window starts inside "🍕" and ends inside the next one): the output starts with the character it finishes, not
+    with U+FFFDs for the earlier emoji's bytes, which the prompt had already shown ("��🍕 now")."""
+    from picovllm.sampling_params import RequestOutputKind
+    tok = default_llm.get_tokenizer()
+    ids = tok.encode("I love pizza 🍕🍕 now")
+    starts = [i - 1 for i in range(1, len(ids)) if tok.decode(ids[:i]).endswith("\ufffd")
+              and not tok.decode(ids[:i - 1]).endswith("\ufffd")]     # the tokens that start a character
+    assert len(starts) == 2 and len(ids) - starts[1] == 4    # the second emoji: its 3 tokens, then " now"
+    whole = tok.decode(ids)
+    for cut in (starts[1] + 1, starts[1] + 2):               # a prompt ending inside the second emoji
+        head = tok.decode(ids[:starts[1]])                    # its text up to the token that starts that character
+        assert head.endswith("🍕") and whole[len(head):] == "🍕 now"
+        for kind in (RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE):
+            texts = _fed(tok, ids[:cut], ids[cut:], output_kind=kind)
+            text = "".join(texts) if kind == RequestOutputKind.DELTA else texts[-1]
+            assert text == "🍕 now", (cut, text)
+
+
 def test_stop_strings_wait_for_min_tokens_text(default_llm):
     """min_tokens protects its tokens' text from stop strings too (vLLM's): with min_tokens 1, a first token that
     is a stop string does not stop the request (it had stopped at once, empty); a stop string that starts in that

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 from picovllm.engine.request import FinishReason, Request
 
 CONTEXT_TOKENS = 4   # prompt tokens decoded alongside the output so leading spaces come out right
+MAX_CONTEXT_TOKENS = 16   # how far back a prompt ending inside a character is read for the end of one before it
+                          # (a character is at most 4 byte tokens; a prompt of nothing but stray bytes stops there)
 
 
 # the classes whose _decode is the `tokenizers` object's decode, then an optional clean-up of spaces (transformers 5, 4)
@@ -73,14 +75,22 @@ class Detokenizer:
         st = req.detok_state
         skip = req.params.skip_special_tokens
         if st is None:
-            ctx = req.prompt_token_ids[-CONTEXT_TOKENS:]
             # The first delta is decode(ctx + token) minus decode(ctx): a token decoded alone can
             # lose its leading space (SentencePiece's '▁'). A prompt that ends part way through a character
             # (its text ends in U+FFFD) leaves that character to the output tokens that finish it: read from before
-            # it, or the character would never come out.
-            read = len(ctx)
-            while read and self._decode(ctx[:read], skip).endswith("\ufffd"):
-                read -= 1
+            # it, or the character would never come out. Where no token of the context ends a character (a byte-level
+            # vocabulary's context that starts inside one emoji and ends inside the next), the context reaches
+            # further back: read from its start, the earlier character's bytes, already the prompt's text, had come
+            # out as U+FFFDs in front of the output's.
+            n = CONTEXT_TOKENS
+            while True:
+                ctx = req.prompt_token_ids[-n:]
+                read = len(ctx)
+                while read and self._decode(ctx[:read], skip).endswith("\ufffd"):
+                    read -= 1
+                if read or len(ctx) == len(req.prompt_token_ids) or n >= MAX_CONTEXT_TOKENS:
+                    break
+                n += CONTEXT_TOKENS
             st = req.detok_state = DetokState(list(ctx), 0, read)
         st.tokens.append(token_id)
         # vLLM's spaces_between_special_tokens=False: an added token right after another comes out as its own text,
