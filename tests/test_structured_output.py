@@ -254,6 +254,29 @@ def test_choice_regex_json_object_and_grammar(default_llm: LLM):
      "pattern with minLength/maxLength at /properties/s"),
     ({"json": {"allOf": [{"type": "integer"}, {"minimum": 10}]}}, "allOf of 2 schemas"),
     ({"json": {"$defs": {"n": {"not": {"type": "integer"}}}, "$ref": "#/$defs/n"}}, "not at /\\$defs/n"),
+    # xgrammar 0.2.8 compiles these and drops the keyword (its grammar admitted the instance in the comment)
+    ({"json": {"type": "number", "multipleOf": 0.5}}, "multipleOf at /"),                          # 0.3
+    ({"json": {"type": "integer", "multipleOf": 7, "minimum": 10}}, "multipleOf at /"),            # 15
+    ({"json": {"type": "object", "required": ["a"]}}, "required 'a' not in properties at /"),     # {}
+    ({"json": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["b"]}},
+     "required 'b' not in properties"),                                                           # {"a": 1}
+    ({"json": {"type": "string", "pattern": "^(?!ab)[a-c]{2}$"}}, "pattern .* lookaround"),      # "ab"
+    ({"json": {"type": "object", "patternProperties": {"^(?<=x)y$": {"type": "integer"}}}}, "patternProperties"),
+    ({"json": {"type": "string", "format": "regex"}}, "format 'regex' at /"),                      # "("
+    ({"json": {"type": "string", "format": "idn-hostname"}}, "format 'idn-hostname'"),            # "-a-"
+    ({"json": {"type": "integer", "enum": [1, 2.5, "x"]}}, "enum beside type 'integer'"),         # "x"
+    ({"json": {"type": "string", "const": 5}}, "const beside type 'string'"),                     # 5
+    ({"json": {"enum": [1, 5, 10], "minimum": 4}}, "enum beside minimum"),                        # 1
+    ({"json": {"allOf": [{"type": "integer"}], "maximum": 3}}, "allOf beside maximum"),           # 5
+    ({"json": {"type": "integer", "anyOf": [{"type": "string"}, {"type": "integer"}]}}, "anyOf beside type"),  # "s"
+    ({"json": {"$defs": {"a": {"$anchor": "A", "type": "integer"}}, "$ref": "#A"}}, "\\$ref '#A'"),  # "s"
+    ({"json": {"$ref": "https://example.com/s.json"}}, "\\$ref 'https"),                          # anything
+    ({"json": {"type": "object", "properties": {"a": {"type": "integer"}}, "propertyNames": {"maxLength": 0}}},
+     "propertyNames beside properties"),                                                          # {"a": 1}
+    ({"json": {"type": "object", "properties": {"n1": {"type": "string"}},
+               "patternProperties": {"^n": {"type": "integer"}}}}, "patternProperties '\\^n' matching"),  # {"n1": "s"}
+    ({"json": {"type": "object", "properties": {"a": {"type": "integer"}}, "dependencies": {"a": ["b"]}}},
+     "dependencies at /"),
 ])
 def test_bad_constraint_names_the_field_and_others_run(default_llm: LLM, kw, match):
     with pytest.raises(ValueError, match=match):
@@ -413,3 +436,11 @@ def test_keyword_names_as_property_names_are_names():
                                                                 "contains": {"enum": ["uniqueItems"]}}}) is None
     assert unenforced_keyword({"anyOf": [{"type": "integer"}, {"type": "null"}], "title": "X", "default": None}) is None
     assert unenforced_keyword({"type": "array", "uniqueItems": False}) is None
+    # what xgrammar does enforce stays allowed: an integer's multipleOf alone, enum values of the schema's type
+    # (Pydantic's enums), an escaped "(?" in a pattern, properties listed and required, the formats it writes out
+    for ok in ({"type": "integer", "multipleOf": 7}, {"enum": ["a", "b"], "type": "string", "title": "E"},
+               {"type": ["integer", "null"], "enum": [1, None]}, {"type": "string", "pattern": "^\\(\\?$"},
+               {"type": "object", "properties": {"a": {"format": "date-time", "type": "string"}}, "required": ["a"]},
+               {"$defs": {"x": {"type": "integer"}}, "properties": {"x": {"$ref": "#/$defs/x"}}, "required": ["x"]},
+               {"type": "string", "pattern": "^(?:ab)+(?P<c>c)?$"}, {"type": "integer", "format": "int32"}):
+        assert unenforced_keyword(ok) is None, ok

@@ -74,7 +74,17 @@ _HEX_ESCAPE = re.compile(r"(?<!\\)((?:\\\\)*)\\x([0-9A-Fa-f]{2})")     # \xHH no
 # JSON-schema keywords xgrammar 0.2.8 does not enforce (its grammar admits instances they reject; each checked
 # against jsonschema): refused, as vLLM's xgrammar backend refuses them, rather than ignored
 _UNENFORCED = ("uniqueItems", "contains", "minContains", "maxContains", "not", "if", "then", "else",
-               "dependentRequired", "dependentSchemas")
+               "dependentRequired", "dependentSchemas", "dependencies")
+# the string formats xgrammar 0.2.8 turns into a grammar (any other, "regex", "idn-email", "iri", ..., gives any
+# string): vLLM's xgrammar backend refuses the others (STRING_SUPPORTED_FORMATS)
+_FORMATS = ("email", "hostname", "ipv4", "ipv6", "uri", "uri-reference", "uri-template", "json-pointer",
+            "relative-json-pointer", "date", "time", "date-time", "duration", "uuid")
+# a lookaround "(?=", "(?!", "(?<=", "(?<!" not after an escaping backslash: xgrammar 0.2.8 ignores it in a schema's
+# pattern with a warning ("^(?!ab)[a-c]{2}$" admitted "ab"); "(?:" and "(?P<name>" it reads right, inline flags it
+# refuses (a 400 from the compile)
+_LOOKAROUND = re.compile(r"(?<!\\)(?:\\\\)*\(\?(?:=|!|<=|<!)")
+_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+_JSON_TYPES = {"string": str, "object": dict, "array": list, "boolean": bool, "null": type(None)}
 # keywords that constrain an instance (beside $ref or anyOf/oneOf, xgrammar drops them)
 _CONSTRAINTS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "minLength", "maxLength",
                 "pattern", "format", "minItems", "maxItems", "items", "prefixItems", "properties", "required",
@@ -93,10 +103,15 @@ def unenforced_keyword(schema: Any, path: str = "") -> str | None:
         return f"{'pattern' if 'pattern' in schema else 'format'} with minLength/maxLength at {path or '/'}"
     if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
         return f"allOf of {len(schema['allOf'])} schemas at {path or '/'}"
-    for key in ("$ref", "anyOf", "oneOf"):
-        if key in schema and any(k in schema for k in _CONSTRAINTS):
-            return f"{key} beside {next(k for k in _CONSTRAINTS if k in schema)} at {path or '/'}"
-    subs = [(f"{path}/{k}", schema[k]) for k in ("items", "additionalProperties", "propertyNames") if k in schema]
+    for key in ("$ref", "anyOf", "oneOf", "allOf"):    # xgrammar takes the reference or the branches, drops the rest
+        beside = [k for k in _CONSTRAINTS + ("type",) if k in schema]
+        if key in schema and beside:
+            return f"{key} beside {beside[0]} at {path or '/'}"
+    found = _unenforced_here(schema, path or "/")
+    if found is not None:
+        return found
+    subs = [(f"{path}/{k}", schema[k]) for k in ("items", "additionalProperties", "propertyNames",
+                                                  "unevaluatedProperties", "unevaluatedItems") if k in schema]
     for key in ("properties", "patternProperties", "$defs", "definitions"):
         if isinstance(schema.get(key), dict):
             subs += [(f"{path}/{key}/{name}", sub) for name, sub in schema[key].items()]
@@ -108,6 +123,68 @@ def unenforced_keyword(schema: Any, path: str = "") -> str | None:
         if found is not None:
             return found
     return None
+
+
+def _unenforced_here(schema: dict, where: str) -> str | None:
+    """unenforced_keyword's checks of one schema's own keywords that xgrammar 0.2.8 accepts and then ignores (each
+    found admitting instances jsonschema rejects)."""
+    if "multipleOf" in schema:     # xgrammar keeps an integer multiple only without bounds; a number's never
+        m = schema["multipleOf"]
+        if not (schema.get("type") == "integer" and isinstance(m, int) and not isinstance(m, bool)
+                and not any(k in schema for k in _BOUNDS)):
+            return f"multipleOf at {where} (only an integer's whole multipleOf without bounds)"
+    for key in ("enum", "const"):   # xgrammar writes the values out and drops every other constraint beside them
+        if key not in schema:
+            continue
+        beside = [k for k in _CONSTRAINTS if k in schema and k not in ("enum", "const")]
+        if beside:
+            return f"{key} beside {beside[0]} at {where}"
+        values = schema["enum"] if key == "enum" and isinstance(schema["enum"], list) else [schema.get(key)]
+        if "type" in schema and not all(_has_type(v, schema["type"]) for v in values):
+            return f"{key} beside type {schema['type']!r} (a value of another type) at {where}"
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and not (ref == "#" or ref.startswith("#/")):
+        return f"$ref {ref!r} at {where} (only references within the schema, '#' or '#/...')"
+    fmt, kind = schema.get("format"), schema.get("type")
+    # (a format on another type, e.g. OpenAPI's "int32" on an integer, constrains nothing: JSON Schema applies formats
+    # to strings, as vLLM's check does)
+    if fmt is not None and fmt not in _FORMATS and (kind == "string" or isinstance(kind, list) and "string" in kind):
+        return f"format {fmt!r} at {where}"
+    patterns = [("pattern", schema["pattern"])] if isinstance(schema.get("pattern"), str) else []
+    if isinstance(schema.get("patternProperties"), dict):
+        patterns += [("patternProperties", p) for p in schema["patternProperties"]]
+    for key, pattern in patterns:
+        if _LOOKAROUND.search(pattern):
+            return f"{key} {pattern!r} with a lookaround at {where}"
+    props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+    required = schema.get("required")
+    if isinstance(required, list):     # xgrammar makes only the properties it lists; it drops a required other one
+        missing = [r for r in required if r not in props]
+        if missing:
+            return f"required {missing[0]!r} not in properties at {where}"
+    if props and "propertyNames" in schema:     # xgrammar applies propertyNames to the other properties only
+        return f"propertyNames beside properties at {where}"
+    if props and isinstance(schema.get("patternProperties"), dict):   # and patternProperties to the others only
+        for p in schema["patternProperties"]:
+            try:
+                hit = next((name for name in props if re.search(p, name)), None)
+            except re.error:
+                hit = None
+            if hit is not None:
+                return f"patternProperties {p!r} matching property {hit!r} at {where}"
+    return None
+
+
+def _has_type(value: Any, types: Any) -> bool:
+    """Whether a JSON value is of the schema's type (a name or a list of names)."""
+    for t in types if isinstance(types, list) else [types]:
+        if t in ("integer", "number"):
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and (
+                    t == "number" or float(value).is_integer()):
+                return True
+        elif t in _JSON_TYPES and isinstance(value, _JSON_TYPES[t]):
+            return True
+    return False
 
 
 def json_schema_grammar(schema_text: str) -> str:
