@@ -442,5 +442,6 @@ def test_keyword_names_as_property_names_are_names():
                {"type": ["integer", "null"], "enum": [1, None]}, {"type": "string", "pattern": "^\\(\\?$"},
                {"type": "object", "properties": {"a": {"format": "date-time", "type": "string"}}, "required": ["a"]},
                {"$defs": {"x": {"type": "integer"}}, "properties": {"x": {"$ref": "#/$defs/x"}}, "required": ["x"]},
-               {"type": "string", "pattern": "^(?:ab)+(?P<c>c)?$"}, {"type": "integer", "format": "int32"}):
+               {"type": "string", "pattern": "^(?:ab)+(?P<c>c)?$"}, {"type": "integer", "format": "int32"},
+               {"type": {"not": "a name"}, "enum": [1]}, {"required": [{"a": 1}], "properties": {"b": {}}}):
         assert unenforced_keyword(ok) is None, ok

@@ -159,7 +159,7 @@ def _unenforced_here(schema: dict, where: str) -> str | None:
     props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
     required = schema.get("required")
     if isinstance(required, list):     # xgrammar makes only the properties it lists; it drops a required other one
-        missing = [r for r in required if r not in props]
+        missing = [r for r in required if isinstance(r, str) and r not in props]   # (not a name: xgrammar's 400)
         if missing:
             return f"required {missing[0]!r} not in properties at {where}"
     if props and "propertyNames" in schema:     # xgrammar applies propertyNames to the other properties only
@@ -176,8 +176,11 @@ def _unenforced_here(schema: dict, where: str) -> str | None:
 
 
 def _has_type(value: Any, types: Any) -> bool:
-    """Whether a JSON value is of the schema's type (a name or a list of names)."""
+    """Whether a JSON value is of the schema's type (a name or a list of names; a type that is neither is not this
+    check's to refuse: True)."""
     for t in types if isinstance(types, list) else [types]:
+        if not isinstance(t, str):
+            return True
         if t in ("integer", "number"):
             if isinstance(value, (int, float)) and not isinstance(value, bool) and (
                     t == "number" or float(value).is_integer()):
