@@ -556,3 +556,35 @@ def test_served_structured_output_keeps_the_reasoning(client, harmony_model):
     got = client.chat.completions.create(**kw, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False)
     call = got.choices[0].message.tool_calls[0]
     assert call.function.name == "get_weather" and isinstance(json.loads(call.function.arguments)["city"], str)
+
+
+def test_messages_that_alternate_come_out_in_the_reply_s_order():
+    """A reply whose analysis, preamble, call and final messages alternate: each piece that closes one message and
+    opens the next gives out their texts in that order (HarmonyDelta.parts), and the chat stream's chunks follow it,
+    so the Responses items (made from them, streamed or not) are the reply's messages in order; the reasoning had
+    gone out before the content of one piece (a preamble's end after the next analysis), and the response object
+    had merged all reasoning into one item before all content, then the calls."""
+    from picovllm.entrypoints.openai.serving_chat import ChatHandler
+    reply = ("<|channel|>analysis<|message|>Think one.<|end|><|start|>assistant<|channel|>commentary<|message|>"
+             "Let me see.<|end|><|start|>assistant<|channel|>analysis<|message|>Think two.<|end|><|start|>assistant"
+             '<|channel|>commentary to=functions.get_weather json<|message|>{"city": "Oslo"}<|end|>'
+             "<|start|>assistant<|channel|>final<|message|>Done.")
+    d = HarmonyStream(policy()).feed(reply, True)
+    assert [(k, w if isinstance(w, str) else calls_of([w])) for k, w in d.parts] == [
+        ("reasoning", "Think one."), ("content", "Let me see."), ("reasoning", "Think two."),
+        ("call", [("get_weather", {"city": "Oslo"})]), ("content", "Done.")]
+    assert (d.reasoning, d.content) == ("Think one.Think two.", "Let me see.Done.")
+    s = HarmonyStream(policy())
+    head = reply.index("see.") + 1          # a piece that ends the preamble and carries the next analysis
+    s.feed(reply[:head], False)
+
+    class Out:      # a step's output, not the last
+        finish_reason, stop_reason = None, None
+
+    class Handler:  # the chunks' deltas alone
+        def _chunk(self, rid, i, delta, *rest):
+            return {"choices": [{"delta": delta}]}
+    piece = reply[head:reply.index("<|end|><|start|>assistant<|channel|>commentary to=")]
+    chunks = ChatHandler._harmony_chunks(Handler(), "r", 0, piece, Out(), None, s, True)
+    assert [c["choices"][0]["delta"].get("content") or c["choices"][0]["delta"].get("reasoning")
+            for c in chunks] == ["ee.", "Think two."]

@@ -431,3 +431,15 @@ def test_reasoning_parser_is_validated(tmp_path_factory):
     out = llm.generate(["hi"], SamplingParams(max_tokens=2, structured_outputs=StructuredOutputsParams(regex="a+")),
                        use_tqdm=False)[0].outputs[0]
     assert re.fullmatch("a+", out.text) and llm.engine.block_manager.num_free_blocks == 32
+
+
+def test_responses_empty_reasoning_makes_no_item_streamed_or_not(client, thinking_model):
+    """A block that closes at once (`</think>` first: the reasoning is empty) gives no reasoning item, streamed or
+    not: the response object had an empty one that its stream never announced (no delta, no item)."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(thinking_model)
+    end = tok.convert_tokens_to_ids("</think>")
+    model = client.models.list().data[0].id
+    got = _responses(client, model=model, input=ASK, temperature=0, max_output_tokens=1,
+                     extra_body={"logit_bias": {str(end): 100}})
+    assert got == [1]      # no item; the </think> is the reasoning's token

@@ -67,6 +67,19 @@ class HarmonyDelta:
     reasoning: str = ""
     content: str = ""
     calls: list[ToolCall] = field(default_factory=list)
+    # the same, in the order the reply wrote them: ("reasoning" | "content", text) and ("call", ToolCall), a run of
+    # one kind's text as one part (a piece may end one message and start the next: content, then analysis)
+    parts: list[tuple[str, str | ToolCall]] = field(default_factory=list)
+
+    def add(self, kind: str, what: str | ToolCall) -> None:
+        if kind == "call":
+            self.calls.append(what)
+        else:
+            setattr(self, kind, getattr(self, kind) + what)
+        if kind != "call" and self.parts and self.parts[-1][0] == kind:
+            self.parts[-1] = (kind, self.parts[-1][1] + what)
+        else:
+            self.parts.append((kind, what))
 
 
 class HarmonyStream:
@@ -95,7 +108,9 @@ class HarmonyStream:
         out = HarmonyDelta()
         while True:
             if self.state == "plain":
-                out.content, self.buf = out.content + self.buf, ""
+                if self.buf:
+                    out.add("content", self.buf)
+                self.buf = ""
                 return out
             if self.state == "start":
                 head = self.buf.lstrip()
@@ -146,9 +161,9 @@ class HarmonyStream:
             return
         if self.channel == "analysis":
             self.reasoned = True
-            out.reasoning += text
+            out.add("reasoning", text)
         else:
-            out.content += text
+            out.add("content", text)
 
     def _close(self, out: HarmonyDelta, complete: bool) -> None:
         """The message ends: a call to an offered function with an object for arguments is a call, else its text
@@ -160,7 +175,7 @@ class HarmonyStream:
             self._text(self.args, out)
         elif self.parallel or self.num_calls == 0:
             self.num_calls += 1
-            out.calls.append(call)
+            out.add("call", call)
         self.recipient, self.args = None, ""
 
     def _call(self, recipient: str, args: str) -> ToolCall | None:

@@ -299,13 +299,15 @@ class ChatHandler:
         finished = c.finish_reason is not None
         d = stream.feed(text, finished, cut=finished and c.finish_reason != "stop")
         out = []
-        if d.reasoning and include_reasoning:
-            out.append(self._chunk(rid, i, _reasoning_delta(d.reasoning)))
-        if d.content:
-            out.append(self._chunk(rid, i, {"content": d.content}))
-        first = stream.num_calls - len(d.calls)      # the calls' indices run on over the whole choice
-        for j, call in enumerate(d.calls):
-            out.append(self._chunk(rid, i, {"tool_calls": [{"index": first + j, **call.as_dict()}]}))
+        index = stream.num_calls - len(d.calls)      # the calls' indices run on over the whole choice
+        for kind, what in d.parts:       # in the order the reply wrote them (a piece may close one message, open more)
+            if kind == "reasoning" and include_reasoning:
+                out.append(self._chunk(rid, i, _reasoning_delta(what)))
+            elif kind == "content":
+                out.append(self._chunk(rid, i, {"content": what}))
+            elif kind == "call":
+                out.append(self._chunk(rid, i, {"tool_calls": [{"index": index, **what.as_dict()}]}))
+                index += 1
         if lps is not None:       # the step's logprobs ride on its content chunk, else its first (or one of their own)
             at = next((ch for ch in out if ch["choices"][0]["delta"].get("content")), out[0] if out else None)
             if at is not None:

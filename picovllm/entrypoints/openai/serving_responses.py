@@ -19,12 +19,12 @@ from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
 
 from fastapi import Request
-from fastapi.responses import Response
+from fastapi.responses import Response, StreamingResponse
 from pydantic import Field, ValidationError, ValidationInfo, create_model, field_validator
 
 from picovllm.entrypoints.openai.protocol import (MAX_INT, APIError, ChatCompletionRequest, FiniteFloat, _Strict,
                                                   refusing_model, unicode_text)
-from picovllm.entrypoints.openai.serving import JSONBody, ServingContext, sse_response
+from picovllm.entrypoints.openai.serving import JSONBody, ServingContext, sse_response, until_disconnected
 from picovllm.entrypoints.openai.serving_chat import ChatHandler
 
 # What a stateless server cannot do, and the values that ask for nothing (None always does).
@@ -239,30 +239,31 @@ class ResponsesHandler:
         self.ctx, self.chat = ctx, chat
 
     async def __call__(self, req: ResponsesRequest, raw: Request) -> Response:
+        """Streamed or not, the chat stream's chunks make the items (_events): the response object is the stream's
+        last event's, so its items are the stream's, in the order the reply wrote them (a harmony reply's analysis,
+        preamble, call and final messages each an item where they alternate)."""
         try:
-            out = await self.chat(chat_request(req), raw, message_logprobs=True)
+            out = await self.chat(chat_request(req.model_copy(update={"stream": True})), raw, message_logprobs=True)
         except APIError as e:
             raise responses_error(e) from None
         if req.stream:
             return sse_response(self._events(req, out.body_iterator))
-        if not isinstance(out, JSONBody):
-            return out       # the client went away (499)
-        body = json.loads(out.body)
-        choice = body["choices"][0]
-        message = choice["message"]
-        output = []
-        if message.get("reasoning") is not None:      # the server's --reasoning-parser split it off
-            output.append(_reasoning_item(f"rs_{uuid.uuid4().hex}", message["reasoning"], "completed"))
-        if message.get("content"):     # (the chat's logprobs are the message's: message_logprobs)
-            output.append(_message_item(f"msg_{uuid.uuid4().hex}", message["content"], "completed",
-                                        (choice.get("logprobs") or {}).get("content")))
-        for call in message.get("tool_calls") or []:
-            output.append(_call_item(f"fc_{uuid.uuid4().hex}", call["id"], call["function"]["name"],
-                                     call["function"]["arguments"], "completed"))
-        if output and choice["finish_reason"] == "length":     # max_output_tokens cut the last item short
-            output[-1]["status"] = "incomplete"
-        return JSONBody(self._response(req, req.response_id(), output, choice["finish_reason"],
-                                       body.get("usage")))
+        if not isinstance(out, StreamingResponse):
+            return out
+
+        async def last_event() -> dict:
+            last = None
+            async for e in self._events(req, out.body_iterator):
+                last = e
+            return json.loads(last.split("data: ", 1)[1])
+
+        task = await until_disconnected(raw, last_event())
+        if task is None:
+            return Response(status_code=499)     # the client is gone; nobody reads this
+        done = task.result()
+        if done["type"] == "error":
+            raise APIError(500, done["message"], type="internal_error")
+        return JSONBody(done["response"])
 
     def _response(self, req: ResponsesRequest, rid: str, output: list, finish: str | None,
                   use: dict | None) -> dict:
