@@ -375,8 +375,10 @@ def test_frozen_decode_engine_loses_its_lease(tiny_models):
 
 def test_frozen_prefill_engine_loses_the_drivers_lease(tiny_models):
     """P freezes mid-drain: D gives up on its link, and the driver on P (its heartbeats stop): wait() returns with
-    every request finished, where it had hung forever."""
-    llm = faulty_pair(tiny_models, lease_s=1.0)
+    every request finished, where it had hung forever. The transfer timeout is 4 s, not the default 30, to bound any
+    wait on a transfer P froze in the middle of: once in CI the session outlasted the 15-s wait (cause not pinned
+    down; it passed in every other run)."""
+    llm = faulty_pair(tiny_models, lease_s=1.0, transfer_timeout_s=4.0)
     try:
         s = llm.session(fault={"p": "stop:Offer:2"})      # P freezes (SIGSTOP) after its second Offer
         ids = [s.submit(p, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
