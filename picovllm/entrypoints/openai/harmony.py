@@ -64,22 +64,28 @@ def speaks_harmony(tokenizer) -> bool:
 
 @dataclass
 class HarmonyDelta:
-    reasoning: str = ""
-    content: str = ""
-    calls: list[ToolCall] = field(default_factory=list)
-    # the same, in the order the reply wrote them: ("reasoning" | "content", text) and ("call", ToolCall), a run of
-    # one kind's text as one part (a piece may end one message and start the next: content, then analysis)
+    """What a piece of a reply gave, in the order the reply wrote it: ("reasoning" | "content", text) and ("call",
+    ToolCall) parts, a run of one kind's text as one part (a piece may end one message and start the next: content,
+    then analysis); its reasoning, content and calls read from them."""
     parts: list[tuple[str, str | ToolCall]] = field(default_factory=list)
 
     def add(self, kind: str, what: str | ToolCall) -> None:
-        if kind == "call":
-            self.calls.append(what)
-        else:
-            setattr(self, kind, getattr(self, kind) + what)
         if kind != "call" and self.parts and self.parts[-1][0] == kind:
             self.parts[-1] = (kind, self.parts[-1][1] + what)
         else:
             self.parts.append((kind, what))
+
+    @property
+    def reasoning(self) -> str:
+        return "".join(what for kind, what in self.parts if kind == "reasoning")
+
+    @property
+    def content(self) -> str:
+        return "".join(what for kind, what in self.parts if kind == "content")
+
+    @property
+    def calls(self) -> list[ToolCall]:
+        return [what for kind, what in self.parts if kind == "call"]
 
 
 class HarmonyStream:

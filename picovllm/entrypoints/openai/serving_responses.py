@@ -247,15 +247,18 @@ class ResponsesHandler:
         except APIError as e:
             raise responses_error(e) from None
         if req.stream:
-            return sse_response(self._events(req, out.body_iterator))
+            return sse_response(_sse(self._events(req, out.body_iterator)))
         if not isinstance(out, StreamingResponse):
             return out
 
-        async def last_event() -> dict:
-            last = None
-            async for e in self._events(req, out.body_iterator):
-                last = e
-            return json.loads(last.split("data: ", 1)[1])
+        async def last_event() -> dict:      # (the others are never serialized)
+            events = self._events(req, out.body_iterator)
+            try:
+                async for last in events:
+                    pass
+                return last
+            finally:
+                await events.aclose()
 
         task = await until_disconnected(raw, last_event())
         if task is None:
@@ -285,9 +288,10 @@ class ResponsesHandler:
                     "reasoning_tokens": use.get("completion_tokens_details", {}).get("reasoning_tokens", 0)},
                 "total_tokens": use["total_tokens"]}}
 
-    async def _events(self, req: ResponsesRequest, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+    async def _events(self, req: ResponsesRequest, chunks: AsyncIterator[str]) -> AsyncIterator[dict]:
         """The chat stream's chunks as Responses events: each text run a message item, each tool call a
-        function_call item, one after another, then response.completed (or .incomplete) with all of them."""
+        function_call item, one after another, then response.completed (or .incomplete) with all of them. An event
+        holds items that later chunks extend in place: serialize each before taking the next (_sse)."""
         rid, seq, output = req.response_id(), 0, []
         item: dict | None = None      # the output item being streamed
         calls: dict[int, dict] = {}   # the chat tool call index -> its item
@@ -296,12 +300,12 @@ class ResponsesHandler:
         # dropped where reasoning or a call comes first (a <think>, a call's held-back text): no empty message
         pending: list = []
 
-        def event(kind: str, **data) -> str:
+        def event(kind: str, **data) -> dict:
             nonlocal seq
             seq += 1
-            return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': seq - 1, **data})}\n\n"
+            return {"type": kind, "sequence_number": seq - 1, **data}
 
-        def close(status: str = "completed") -> list[str]:
+        def close(status: str = "completed") -> list[dict]:
             nonlocal item
             if item is None:
                 return []
@@ -320,7 +324,7 @@ class ResponsesHandler:
             return [event("response.function_call_arguments.done", **at, arguments=done["arguments"]),
                     event("response.output_item.done", output_index=at["output_index"], item=done)]
 
-        def open_item(new: dict) -> list[str]:
+        def open_item(new: dict) -> list[dict]:
             nonlocal item
             events = close()
             item = new
@@ -394,6 +398,15 @@ class ResponsesHandler:
                         response=done)
         finally:
             await chunks.aclose()
+
+
+async def _sse(events: AsyncIterator[dict]) -> AsyncIterator[str]:
+    """Responses events as server-sent events, each serialized as it comes (its items may change after)."""
+    try:
+        async for e in events:
+            yield f"event: {e['type']}\ndata: {json.dumps(e)}\n\n"
+    finally:
+        await events.aclose()
 
 
 def _message_item(item_id: str, text: str, status: str, logprobs: list | None = None) -> dict:
