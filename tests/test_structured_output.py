@@ -443,5 +443,6 @@ def test_keyword_names_as_property_names_are_names():
                {"type": "object", "properties": {"a": {"format": "date-time", "type": "string"}}, "required": ["a"]},
                {"$defs": {"x": {"type": "integer"}}, "properties": {"x": {"$ref": "#/$defs/x"}}, "required": ["x"]},
                {"type": "string", "pattern": "^(?:ab)+(?P<c>c)?$"}, {"type": "integer", "format": "int32"},
-               {"type": {"not": "a name"}, "enum": [1]}, {"required": [{"a": 1}], "properties": {"b": {}}}):
+               {"type": {"not": "a name"}, "enum": [1]}, {"required": [{"a": 1}], "properties": {"b": {}}},
+               {"type": "integer", "enum": [10 ** 400, 2.0]}):
         assert unenforced_keyword(ok) is None, ok
