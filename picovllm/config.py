@@ -273,8 +273,8 @@ class EngineConfig:
     hf_overrides: dict | str | None = None    # JSON: config.json's top-level fields set or replaced before the model
                                               # is read (vLLM's --hf-overrides; HF folders only), e.g. a rope_scaling
     tensor_parallel_size: int = 1
-    seed: int = 0                         # seeds torch and random at start-up, as vLLM's: unseeded sampling
-                                          # repeats run to run
+    seed: int | None = 0                  # seeds torch and random at start-up, as vLLM's: unseeded sampling
+                                          # repeats run to run; None: not seeded (differs run to run)
     role: str = "pd"                      # "pd" (colocated), "p" (prefill only), "d" (decode only)
     disk_cache: bool = True               # keep a GGUF's tokenizer and weights in the artifact cache
     quantization: str = "auto"            # "auto": a GGUF's own 4/8-bit form on the CPU, an FP8 checkpoint's
@@ -308,8 +308,9 @@ class EngineConfig:
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"EngineConfig.{name} {why}, got {getattr(self, name)!r}")
 
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not -2**63 <= self.seed < 2**64:
-            raise bad("seed", "must be an int in [-2**63, 2**64) (torch's generator seeds)")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+                                      or not -2**63 <= self.seed < 2**64):
+            raise bad("seed", "must be None or an int in [-2**63, 2**64) (torch's generator seeds)")
         if isinstance(self.model, os.PathLike):     # a pathlib.Path, as HF's from_pretrained takes
             self.model = os.fspath(self.model)
         if isinstance(self.tokenizer, os.PathLike):

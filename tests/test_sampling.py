@@ -122,7 +122,7 @@ def test_seeded_request_reproduces_alone_and_in_any_batch(tiny_models):
 def test_the_engine_seed_makes_unseeded_sampling_repeat(tiny_models, tmp_path):
     """LLM(seed=...) (vLLM's, default 0) seeds the generators unseeded requests draw from: the same requests in the
     same order sample the same tokens in another engine of the same seed, in this process or a fresh one, and other
-    tokens under another seed."""
+    tokens under another seed; seed=None (vLLM's "not seeded") differs engine to engine."""
     import subprocess
     import sys
 
@@ -130,14 +130,15 @@ def test_the_engine_seed_makes_unseeded_sampling_repeat(tiny_models, tmp_path):
     kws = [dict(temperature=1.0), dict(temperature=0.8, top_k=40, top_p=0.9), dict(temperature=1.2, min_p=0.02)]
     params = [SamplingParams(max_tokens=10, ignore_eos=True, **kw) for kw in kws]
 
-    def tokens(seed=None):
-        llm = LLM(path, num_kv_blocks=64) if seed is None else LLM(path, num_kv_blocks=64, seed=seed)
+    def tokens(seed="default"):
+        llm = LLM(path, num_kv_blocks=64) if seed == "default" else LLM(path, num_kv_blocks=64, seed=seed)
         torch.rand(7)            # the caller's own draws between start-up and the requests move the generator alike
         return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
     first = tokens()
     assert tokens(0) == first                # the default seed is 0
     assert tokens(5) != first and tokens(5) == tokens(5)
+    assert tokens(None) != tokens(None)
     code = (f"import json, torch; from picovllm import LLM, SamplingParams; "
             f"p = [SamplingParams(max_tokens=10, ignore_eos=True, **kw) for kw in {kws!r}]; "
             f"llm = LLM({path!r}, num_kv_blocks=64); torch.rand(7); "

@@ -107,9 +107,10 @@ class Engine:
         executor the config asks for (tests inject one); connector: instead of the role's."""
         self.config = config
         # as vLLM's: the generators unseeded sampling draws from start from config.seed, so the same requests in the
-        # same order sample the same tokens run to run (a request's own seed makes it independent of the rest)
+        # same order sample the same tokens run to run (a request's own seed makes it independent of the rest);
+        # seed None, as vLLM's: fresh entropy, so they differ run to run
         random.seed(config.seed)
-        torch.manual_seed(config.seed)
+        torch.manual_seed(config.seed if config.seed is not None else random.randrange(2**63))
         freeze_before_first_engine()      # full garbage collections stay short (gc_freeze.py)
         source = engine_model_source(config)
         self.model_config = source.config
