@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from picovllm import LLM, BeamSearchParams, PoolingRequestOutput, SamplingParams
+from picovllm.entrypoints.streaming import StreamedRequest
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -60,17 +61,32 @@ def test_generate_takes_vllms_keywords(tiny_llm):
 def test_generate_beside_a_request_of_the_step_api(tiny_llm):
     """LLM.generate on an engine that runs a request added through llm.engine.add_request (the step-by-step API):
     generate waits for its own prompts' samples, not for any request's end. It counted the other request's final
-    output as one of its own, stopped early and raised KeyError, its own request left running in the engine."""
+    output as one of its own, stopped early and raised KeyError, its own request left running in the engine.
+    The other request's final output, which generate's steps made, is the next engine.step()'s (it was lost)."""
     want = tiny_llm.generate([PROMPT], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    alone = tiny_llm.generate([[7, 8, 9]], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True),
+                              use_tqdm=False)[0].outputs[0].token_ids
     eng = tiny_llm.engine
+
+    def other_final(other: str) -> list[int]:
+        assert eng.has_unfinished_requests()        # its final output is still to be taken
+        outs = eng.step()
+        assert [o.request_id for o in outs] == [other] and outs[0].finished
+        assert not eng.has_unfinished_requests() and eng.step() == []
+        return outs[0].outputs[0].token_ids
+
     other = eng.add_request([7, 8, 9], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
     out = tiny_llm.generate([PROMPT], GREEDY, use_tqdm=False)       # the other one ends first, after one token
     assert [o.outputs[0].token_ids for o in out] == [want]
-    assert other not in eng.requests and not eng.has_unfinished_requests()
+    assert other not in eng.requests and other_final(other) == alone
     other = eng.add_request([7, 8, 9], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
     out = tiny_llm.generate([PROMPT, PROMPT[:9]], dataclasses.replace(GREEDY, n=2), use_tqdm=False)
     assert [len(c.token_ids) for o in out for c in o.outputs] == [4] * 4
-    assert other not in eng.requests and not eng.has_unfinished_requests()
+    assert other not in eng.requests and other_final(other) == alone
+    other = eng.add_request([7, 8, 9], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+    streamed = StreamedRequest(eng, PROMPT, GREEDY)     # the CLI's streamed generate steps the engine alike
+    list(streamed)
+    assert streamed.output.outputs[0].token_ids == want and other_final(other) == alone
 
 
 def test_tokens_prompt_text_is_the_outputs_prompt(tiny_llm):

@@ -162,6 +162,7 @@ class Engine:
         self.closed = False            # close() was called: submit() refuses
         self.detokenizer = Detokenizer(self.tokenizer)
         self.requests: dict[str, Request] = {}
+        self._held: list[RequestOutput] = []    # outputs another stepper took for requests not its own (hold_outputs)
         # CUMULATIVE requests' outputs hold only what is new, as DELTA ones' do: for a consumer that adds them up
         # itself (the engine process's OutputDeltas), spared copying every request's whole output every step. Every
         # request's (an engine process's, a D's: requests a connector adds included); add_request's stream_deltas
@@ -356,7 +357,13 @@ class Engine:
         return len(self.scheduler.waiting)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or self._in_flight is not None and not self._in_flight.all_finished()
+        return bool(self._held) or self.scheduler.has_unfinished() \
+            or self._in_flight is not None and not self._in_flight.all_finished()
+
+    def hold_outputs(self, outputs: list[RequestOutput]) -> None:
+        """Outputs a caller stepping the engine for its own requests (LLM.generate) took for others (a request added
+        through this step API beside it): the next step() returns them first, so no final output is lost."""
+        self._held.extend(outputs)
 
     def has_work(self) -> bool:
         """Anything to compute or a step's tokens to read, as opposed to requests only held for the
@@ -364,7 +371,7 @@ class Engine:
         requests the last schedule could not admit are not work either: only the connector (blocks
         released, KV arrived) or input frees room for them, so the loop polls instead of spinning, which
         would hold the GIL from the transfer's threads (a full P stalled its KV server to ~0.4 pulls/s)."""
-        return self._in_flight is not None or self.scheduler.has_work() and not self._stalled
+        return bool(self._held) or self._in_flight is not None or self.scheduler.has_work() and not self._stalled
 
     def shutdown(self) -> None:
         """Stop the executor's helper processes (tensor-parallel workers), if any; idempotent."""
@@ -407,7 +414,9 @@ class Engine:
         return self._step(unfinished_outputs)
 
     def _step(self, unfinished_outputs: bool) -> list[RequestOutput]:
-        outputs = self._poll_connector() if self.connector is not None else []
+        outputs, self._held = self._held, []
+        if self.connector is not None:
+            outputs += self._poll_connector()
         run = self._run_overlapped if self.overlap else self._run_serial
         return outputs + run(unfinished_outputs)
 

@@ -213,10 +213,13 @@ class LLM:
                             "Processed samples")
         rates = _TokenRates(self.engine) if use_tqdm else None
 
+        others: list[RequestOutput] = []    # of requests added through self.engine beside the batch: theirs
+
         def collect(outputs: list[RequestOutput]) -> None:
             for out in outputs:
-                # only the batch's own: a request added through self.engine beside it is not one of them
-                if out.finished and out.request_id in batch.ids:
+                if out.request_id not in batch.ids:
+                    others.append(out)
+                elif out.finished:
                     final[out.request_id] = out
                     bar.update(1)
             batch.add_ready_siblings()
@@ -231,6 +234,7 @@ class LLM:
             batch.abort(final)
             raise
         finally:
+            self.engine.hold_outputs(others)    # the next engine.step() returns them
             bar.close()
         return batch.outputs(final)
 

@@ -41,17 +41,20 @@ class StreamedRequest:
         self.output: RequestOutput | None = None
 
     def __iter__(self) -> Iterator[str]:
+        others: list[RequestOutput] = []      # of requests added beside this one: the next engine.step() returns them
         try:
             while self.output is None or not self.output.finished:
                 if not self.engine.has_unfinished_requests():
                     raise RuntimeError(f"request {self.request_id} vanished from the engine")
                 for out in self.engine.step():
                     if out.request_id != self.request_id:
+                        others.append(out)
                         continue
                     self.output = out
                     piece = self.streamer.delta(out.outputs[0].text, out.finished)
                     if piece:
                         yield piece
         finally:
+            self.engine.hold_outputs(others)
             if self.output is None or not self.output.finished:
                 self.engine.abort(self.request_id)
