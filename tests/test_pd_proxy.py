@@ -106,7 +106,8 @@ def test_a_request_tries_each_pair_once_while_others_arrive(monkeypatch):
 def test_a_frozen_decode_server_ends_its_streams_and_leaves_the_rotation():
     """Real sockets against fake pair servers: D sends a line and then nothing, and its /pd/info stops answering
     (a frozen process): the stream open on it ends within about a lease with an error naming it (it had waited
-    forever), and the pair leaves the rotation, so a new request is refused at once."""
+    forever), and the pair leaves the rotation, so a new request is refused at once and the proxy is unavailable
+    (/health: 503) while no pair is in rotation."""
     import asyncio
 
     from picovllm.disagg.messages import OutputEncoder
@@ -155,6 +156,7 @@ def test_a_frozen_decode_server_ends_its_streams_and_leaves_the_rotation():
         engine.start()
         start, got = time.monotonic(), []
         try:
+            assert engine.unavailable is None
             stream = await engine.add_request([1, 2, 3], SamplingParams(max_tokens=3), "r")
             with pytest.raises(EngineStepError, match=f"127.0.0.1:{ports[1]}"):
                 async for out in stream.outputs():
@@ -162,6 +164,9 @@ def test_a_frozen_decode_server_ends_its_streams_and_leaves_the_rotation():
             took = time.monotonic() - start
             with pytest.raises(EngineDeadError, match="has not answered"):
                 await engine.add_request([1, 2, 3], SamplingParams(max_tokens=3), "r2")
+            # what /health answers 503 with (it had said ok while no request could be served)
+            assert f"no prefill/decode pair is in rotation: {pair.prefill} -> {pair.decode}: " \
+                   f"{pair.decode} has not answered" in engine.unavailable
         finally:
             await engine.shutdown()
             for srv in servers:

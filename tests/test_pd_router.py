@@ -206,12 +206,15 @@ def test_a_frozen_decode_ends_its_streams_and_a_dead_engine_leaves_the_rotation(
         engine.start()
         start = time.monotonic()
         try:
+            assert engine.unavailable is None
             stream_ = await engine.add_request([1, 2, 3], SamplingParams(max_tokens=3), "r")
             got = []
             with pytest.raises(EngineStepError, match=f"127.0.0.1:{ports[1]}"):
                 async for o in stream_.outputs():
                     got.append(o.outputs[0].token_ids)
             took = time.monotonic() - start
+            # no D in rotation: what /health answers 503 with (it had said ok while every request was refused)
+            assert engine.unavailable == "no decode instance is in rotation"
         finally:
             await engine.shutdown()
             for srv in servers:
@@ -469,8 +472,9 @@ def test_an_instance_restarted_at_its_url_is_checked_again_as_when_it_was_added(
 
 
 def test_a_router_started_without_prefill_instances_takes_their_max_model_len_when_they_join(tmp_path, monkeypatch):
-    """`picovllm router --model M` and no --prefill: a completion is refused with a 503 (no instance), not a 500;
-    once a P joins, the length checks use its max_model_len (the smallest P's), and /v1/models says it."""
+    """`picovllm router --model M` and no --prefill: a completion is refused with a 503 (no instance), not a 500,
+    and /health says so (503, not ok); once a P joins, the length checks use its max_model_len (the smallest P's), and
+    /v1/models says it."""
     from fastapi.testclient import TestClient
 
     from picovllm.disagg import router_server
@@ -486,9 +490,12 @@ def test_a_router_started_without_prefill_instances_takes_their_max_model_len_wh
     with TestClient(built["app"]) as client:
         r = client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 5})
         assert r.status_code == 503 and "no decode instance" in r.json()["error"]["message"], r.text
+        r = client.get("/health")
+        assert r.status_code == 503 and "no prefill instance and no decode instance" in r.text, r.text
         for url, length in (("http://p0", 64), ("http://p1", 48), ("http://d0", 128)):
             pool.add(url, url[7], {"role": url[7], "fleet": True, "instance_id": url[7:], "block_size": 16,
                                    "max_model_len": length})
+        assert client.get("/health").status_code == 200
         r = client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 100})
         assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
         assert "maximum context length is 48" in r.json()["error"]["message"]

@@ -77,6 +77,11 @@ class RemoteEngine:
         return self._client is not None
 
     @property
+    def unavailable(self) -> str | None:
+        """Why no request could be served now (the servers' state; /health answers 503 with it), else None."""
+        return None
+
+    @property
     def client(self) -> httpx.AsyncClient:
         if self._client is None:
             raise EngineDeadError(f"the {self.name} is not running")

@@ -121,6 +121,13 @@ class ProxyEngine(RemoteEngine):
         self.health_interval_s = lease_s / 4
         self.answer_timeout_s = lease_s
 
+    @property
+    def unavailable(self) -> str | None:
+        if len(self.down) < len(self.pairs):
+            return None
+        return "no prefill/decode pair is in rotation: " + "; ".join(
+            f"{p.prefill} -> {p.decode}: {why}" for p, why in self.down.items())
+
     async def check_health(self) -> None:
         """Each server's /pd/info: a pair with one silent for a lease, or whose P's link is down, leaves the rotation
         (its open streams fail); it comes back once both answer and the link is up."""

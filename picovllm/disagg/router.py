@@ -378,6 +378,11 @@ class RouterEngine(RemoteEngine):
         lengths = [i.max_model_len for i in self.pool.instances.values() if i.role == "p" and i.max_model_len]
         return {**self._model_info, "max_model_len": min(lengths, default=self._model_info.get("max_model_len"))}
 
+    @property
+    def unavailable(self) -> str | None:
+        missing = [name for role, name in (("p", "prefill"), ("d", "decode")) if not self.pool.candidates(role)]
+        return " and ".join(f"no {name} instance" for name in missing) + " is in rotation" if missing else None
+
     async def check_health(self) -> None:
         """Every instance's check; one that raises anyway is logged, never ends the health task (no instance
         would be checked again: a frozen one never taken out)."""

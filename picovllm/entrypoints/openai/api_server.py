@@ -150,6 +150,9 @@ def build_app(ctx: ServingContext, settings: ServerSettings, openai_routes: bool
         if not ctx.engine.is_running:
             why = getattr(ctx.engine, "ended_why", None) or "the engine loop is not running"   # a proxy has none
             return JSONBody(error_body(why, "service_unavailable"), 503)
+        unavailable = getattr(ctx.engine, "unavailable", None)     # a proxy's or router's servers' state
+        if unavailable is not None:
+            return JSONBody(error_body(unavailable, "service_unavailable"), 503)
         return JSONBody({"status": "ok"})
 
     @app.get("/version")
