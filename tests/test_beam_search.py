@@ -101,6 +101,25 @@ def test_several_end_of_sequence_ids_keep_w_beams_live(hf_and_llm):
         llm.engine.eos_token_ids = saved
 
 
+def test_a_beam_width_past_half_the_vocabulary_searches(hf_and_llm):
+    """200 beams over the tiny model's 384 tokens: the 2W candidates a beam proposes are more than the vocabulary, so
+    each step asks for all of it (the steps had been refused: SamplingParams.logprobs, a field the caller never set,
+    past the vocabulary size), and the beams are the float64 reference's."""
+    model, llm = hf_and_llm
+    prompt = make_prompts(2)[1]
+    first, _ = reference(model, prompt, 4, 1, (), True, 1.0)
+    eos = [first[2][0][-1]]          # the third likeliest first token ends a sequence
+    llm.engine.eos_token_ids, saved = eos, llm.engine.eos_token_ids
+    try:
+        got = llm.beam_search([prompt], BeamSearchParams(beam_width=200, max_tokens=3))[0].sequences
+    finally:
+        llm.engine.eos_token_ids = saved
+    want, ended = reference(model, prompt, 200, 3, eos, False, 1.0)
+    assert ended > 0
+    assert [b.tokens for b in got] == [w[0] for w in want]
+    assert [b.cum_logprob for b in got] == pytest.approx([w[1] for w in want], abs=1e-4)
+
+
 def test_bad_beam_search_params_are_refused_by_name(hf_and_llm):
     _, llm = hf_and_llm
     for kw, field in [(dict(beam_width=0), "beam_width"), (dict(max_tokens=0), "max_tokens"),

@@ -92,9 +92,11 @@ class BeamStepParams(SamplingParams):
     within_max_logprobs = False
 
 
-def step_params(params: BeamSearchParams, eos_ids: Sequence[int]) -> SamplingParams:
-    """What each beam runs for one step: its next token's top log-probabilities, candidates() of them."""
-    return BeamStepParams(temperature=0, max_tokens=1, logprobs=candidates(params, eos_ids), ignore_eos=True)
+def step_params(params: BeamSearchParams, eos_ids: Sequence[int], vocab_size: int) -> SamplingParams:
+    """What each beam runs for one step: its next token's top log-probabilities, candidates() of them, or the whole
+    vocabulary where that is fewer (a beam_width past half the vocabulary: HF's search takes it too)."""
+    return BeamStepParams(temperature=0, max_tokens=1, logprobs=min(candidates(params, eos_ids), vocab_size),
+                          ignore_eos=True)
 
 
 def expand(beams: list[BeamSearchSequence], tops: list[dict[int, Logprob]], params: BeamSearchParams,
@@ -130,8 +132,8 @@ def best_of(finished: list[BeamSearchSequence], live: list[BeamSearchSequence],
 def search(prompts: list[list[int]], params: BeamSearchParams, eos_ids: Sequence[int]
            ) -> Generator[list[list[int]], list[dict[int, Logprob]], list[list[BeamSearchSequence]]]:
     """Every prompt's best beams, as a generator its caller drives (LLM.beam_search through LLM.generate, the
-    server through its engine): it yields the token id lists to run for one step with step_params(params, eos_ids), and
-    takes back each one's next-token top log-probabilities; it returns the beams, best first per prompt."""
+    server through its engine): it yields the token id lists to run for one step with step_params, and takes back
+    each one's next-token top log-probabilities; it returns the beams, best first per prompt."""
     params.validate()
     live = [[BeamSearchSequence(list(p), len(p))] for p in prompts]
     finished: list[list[BeamSearchSequence]] = [[] for _ in prompts]

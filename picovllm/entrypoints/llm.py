@@ -344,7 +344,7 @@ class LLM:
                 raise ValueError(f"prompt ({len(p)} tokens) + BeamSearchParams.max_tokens ({params.max_tokens}) "
                                  f"exceed max_model_len {self.engine.max_model_len}")
         eos = self.engine.eos_token_ids
-        steps, step = search(ids, params, eos), step_params(params, eos)
+        steps, step = search(ids, params, eos), step_params(params, eos, self.engine.model_config.vocab_size)
         bar = _progress_bar(use_tqdm, params.max_tokens, "Beam search steps")
         try:
             batch = next(steps)

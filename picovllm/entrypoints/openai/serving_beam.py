@@ -84,7 +84,8 @@ async def run_beam_search(ctx: ServingContext, raw: Request, ids: list[int], par
 
 async def _search(ctx: ServingContext, ids: list[int], params: BeamSearchParams, eos: list[int], request_id: str,
                   priority: int) -> list[BeamSearchSequence]:
-    steps, step, n, arrival = search([ids], params, eos), step_params(params, eos), 0, time.time()
+    step = step_params(params, eos, ctx.engine.model_info()["vocab_size"])
+    steps, n, arrival = search([ids], params, eos), 0, time.time()
     base = engine_request_id(request_id)        # each step's engine request: `{base}-{n}`
     try:
         batch = next(steps)
