@@ -156,3 +156,40 @@ def test_a_sliding_window_models_drafts_keep_their_blocks_cached(tmp_path, monke
         # every full block of the first request's computed tokens (its last token's KV was never computed)
         assert again.num_cached_tokens == (len(prompt) + 40 - 1) // 4 * 4, (speculative_config, overlap)
         assert_engine_clean(llm.engine)
+
+
+def test_generated_request_ids_skip_those_a_caller_chose(short_model):
+    """Requests added through the step API under ids of their caller's ("2", "3", "5") beside requests without one
+    (LLM.generate, add_request with no id): the ids the engine makes up skip them. A made-up id was the counter's
+    next value as it was, so LLM.generate failed with "request_id '2' is already in use", though it had named no
+    id. Oracle: the same prompts generated on their own."""
+    llm = LLM(short_model, device="cpu", block_size=4, num_kv_blocks=32)
+    sp = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    prompts = [[8, 9], [10, 11, 12]]
+    want = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, sp, use_tqdm=False)]   # ids 0 and 1
+    eng = llm.engine
+    for own in ("2", "3", "5"):
+        eng.add_request([5, 6, 7], sp, request_id=own)
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == want
+    rid = eng.add_request(prompts[0], sp)
+    assert rid not in {"2", "3", "5"} | {o.request_id for o in outs}
+    final = {}
+    while eng.has_unfinished_requests():
+        final.update({o.request_id: o for o in eng.step() if o.finished})
+    assert list(final[rid].outputs[0].token_ids) == want[0]
+    assert_engine_clean(eng)
+
+
+def test_an_embedding_prompt_past_the_kv_cache_is_refused_naming_the_prompt(short_model):
+    """A pooling engine's prompt longer than its KV cache is refused naming the prompt alone: an embedding request
+    has no max_tokens, which the error named ("+ max_tokens (0)"). The engine embeds the next prompt as a roomy one
+    does."""
+    llm = LLM(short_model, device="cpu", runner="pooling", block_size=4, num_kv_blocks=4)      # 16 tokens
+    with pytest.raises(ValueError, match=r"^prompt \(27\) tokens exceed the KV cache \(16 tokens\)$"):
+        llm.embed([list(range(3, 30))], use_tqdm=False)
+    got = llm.embed([list(range(3, 15))], use_tqdm=False)[0].outputs.embedding
+    roomy = LLM(short_model, device="cpu", runner="pooling", block_size=4, num_kv_blocks=64)
+    want = roomy.embed([list(range(3, 15))], use_tqdm=False)[0].outputs.embedding
+    assert max(abs(a - b) for a, b in zip(got, want)) < 1e-5
+    assert_engine_clean(llm.engine)

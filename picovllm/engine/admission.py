@@ -110,9 +110,9 @@ def check_capacity(num_prompt_tokens: int, max_tokens: int, limits: AdmissionLim
     need = num_prompt_tokens + max_tokens
     if limits.window is not None:   # at most the window, a chunk and a block on either side at once
         need = min(need, limits.window + limits.max_num_batched_tokens + 2 * limits.block_size)
-    if need > capacity:
-        raise ValueError(f"prompt ({num_prompt_tokens}) + max_tokens ({max_tokens}) tokens exceed the KV cache "
-                         f"({capacity} tokens)")
+    if need > capacity:     # a pooling request (max_tokens 0) has no max_tokens to name
+        asked = f"prompt ({num_prompt_tokens})" + (f" + max_tokens ({max_tokens})" if max_tokens else "")
+        raise ValueError(f"{asked} tokens exceed the KV cache ({capacity} tokens)")
 
 
 def check_offer(req: Request, limits: AdmissionLimits, role: str, tokenizer) -> list[list[int]]:

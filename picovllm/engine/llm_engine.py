@@ -284,7 +284,8 @@ class Engine:
         return ids
 
     def _new_request_id(self, request_id: str | None) -> str:
-        request_id = str(next(self._ids)) if request_id is None else request_id
+        if request_id is None:      # the counter's next id no request holds: a caller may have chosen "3" itself
+            return next(i for i in map(str, self._ids) if i not in self.requests)
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         return request_id
