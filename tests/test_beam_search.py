@@ -1,8 +1,8 @@
 """Beam search (LLM.beam_search, the server's use_beam_search) against a float64 beam search written here over HF
 transformers' logits on the same weights, with the rule entrypoints/beam_search.py states (HF's: max(2, 1 + E) W
 candidates a beam for E end-of-sequence ids, an end-of-sequence candidate finishes if among the first W, the rest
-fill W live beams; ranked at the end by cumulative log-probability / generated length ** length_penalty, the power
-saturated at e^+-700)."""
+fill W live beams; ranked at the end by cumulative log-probability / generated length (a final end-of-sequence token
+counted) ** length_penalty, the power saturated at e^+-700), and against HF's generate(num_beams=W) itself."""
 import math
 
 import pytest
@@ -39,7 +39,7 @@ def reference(model, prompt, width, max_tokens, eos, ignore_eos, length_penalty)
     everything = finished + [(t, c, False) for t, c in live]
 
     def score(b):
-        power = length_penalty * math.log(max(len(b[0]) - len(prompt) - b[2], 1))
+        power = length_penalty * math.log(max(len(b[0]) - len(prompt), 1))
         return b[1] / math.exp(min(max(power, -700.0), 700.0))
     return sorted(everything, key=lambda b: -score(b))[:width], len(finished)
 
@@ -101,6 +101,34 @@ def test_several_end_of_sequence_ids_keep_w_beams_live(hf_and_llm):
         llm.engine.eos_token_ids = saved
 
 
+def test_beams_are_hf_generates(hf_and_llm):
+    """HF transformers' generate(num_beams=W) itself, on random prompts, widths, lengths, length penalties and
+    end-of-sequence tokens: the same W beams in the same order. A finished beam's length counts its end-of-sequence
+    token, as HF's does (2 of these 16 searches had ranked otherwise)."""
+    import random
+    model, llm = hf_and_llm
+    rng, saved = random.Random(1), llm.engine.eos_token_ids
+    try:
+        for _ in range(16):
+            prompt = [rng.randrange(1, 384) for _ in range(rng.randrange(3, 12))]
+            width, steps, length_penalty = rng.randrange(2, 9), rng.randrange(2, 6), rng.choice([1.0, 0.5, 2.0])
+            with torch.no_grad():
+                first = model(torch.tensor([prompt])).logits[0, -1].topk(4).indices.tolist()
+            eos = first[rng.randrange(1, 4)]
+            llm.engine.eos_token_ids = [eos]
+            got = llm.beam_search([prompt], BeamSearchParams(beam_width=width, max_tokens=steps,
+                                                             length_penalty=length_penalty))[0].sequences
+            with torch.no_grad():
+                out = model.generate(torch.tensor([prompt]), num_beams=width, num_return_sequences=width,
+                                     do_sample=False, max_new_tokens=steps, eos_token_id=eos, pad_token_id=eos,
+                                     length_penalty=length_penalty)
+            want = [s[:len(prompt)] + (s[len(prompt):s.index(eos, len(prompt)) + 1] if eos in s[len(prompt):] else
+                                       s[len(prompt):]) for s in out.tolist()]
+            assert [b.tokens for b in got] == want, (prompt, width, steps, length_penalty)
+    finally:
+        llm.engine.eos_token_ids = saved
+
+
 def test_a_beam_width_past_half_the_vocabulary_searches(hf_and_llm):
     """200 beams over the tiny model's 384 tokens: the 2W candidates a beam proposes are more than the vocabulary, so
     each step asks for all of it (the steps had been refused: SamplingParams.logprobs, a field the caller never set,
@@ -123,7 +151,8 @@ def test_a_beam_width_past_half_the_vocabulary_searches(hf_and_llm):
 def test_bad_beam_search_params_are_refused_by_name(hf_and_llm):
     _, llm = hf_and_llm
     for kw, field in [(dict(beam_width=0), "beam_width"), (dict(max_tokens=0), "max_tokens"),
-                      (dict(temperature=0.7), "temperature"), (dict(length_penalty=float("nan")), "length_penalty")]:
+                      (dict(temperature=0.7), "temperature"), (dict(length_penalty=float("nan")), "length_penalty"),
+                      (dict(length_penalty=True), "length_penalty")]:
         args = dict(beam_width=2, max_tokens=3) | kw
         with pytest.raises(ValueError, match=f"BeamSearchParams.{field}"):
             llm.beam_search([[1, 2, 3]], BeamSearchParams(**args))

@@ -172,6 +172,8 @@ def test_refusals_name_the_field(tiny_models):
     with pytest.raises(ValueError, match="prompt is 513 tokens, longer than max_model_len 512"):
         pooling.embed([[1] * 513], use_tqdm=False)
     assert len(pooling.embed([[1] * 512], use_tqdm=False)[0].outputs.embedding) == 64    # a prompt may fill it
+    with pytest.raises(ValueError, match="^pooling_params has 2 entries for 1 prompts"):
+        pooling.embed([[1, 2]], [PoolingParams(), PoolingParams()], use_tqdm=False)
     for kw, field in [(dict(role="p"), "EngineConfig.role"), (dict(prefill_cuda_graphs=True), "prefill_cuda_graphs"),
                       (dict(warmup=True), "EngineConfig.warmup"),
                       (dict(pooler_config={"pooling_type": "CLS"}), "pooler_config.pooling_type"),

@@ -10,8 +10,9 @@ One step, W = beam_width (the rule of HF transformers' beam search):
   - the candidates in order of score, best first: one that ends with an end-of-sequence token (not with
     ignore_eos) is finished if it is among the first W, else dropped; the others become the next live beams, up to W.
 After max_tokens steps (or once no beam is live), the finished and the live beams are ranked by
-    cumulative log-probability / (generated tokens, a final end-of-sequence token not counted) ** length_penalty
-(the power saturated at e^+-700, so a large penalty orders beams instead of overflowing) and the best W are
+    cumulative log-probability / (generated tokens, a final end-of-sequence token counted) ** length_penalty
+(HF transformers 5's rule; vLLM's leaves the end-of-sequence token out and counts the prompt's; the power
+saturated at e^+-700, so a large penalty orders beams instead of overflowing) and the best W are
 returned, best first. A beam's text leaves out its final end-of-sequence token unless include_stop_str_in_output
 (vLLM's field).
 """
@@ -42,7 +43,8 @@ class BeamSearchParams:
         if self.temperature != 0:
             raise ValueError(f"BeamSearchParams.temperature: beam search ranks by the model's log-probabilities, "
                              f"only 0 is supported, got {self.temperature!r}")
-        if not isinstance(self.length_penalty, (int, float)) or not math.isfinite(self.length_penalty):
+        if isinstance(self.length_penalty, bool) or not isinstance(self.length_penalty, (int, float)) \
+                or not math.isfinite(self.length_penalty):
             raise ValueError(f"BeamSearchParams.length_penalty must be a finite number, got {self.length_penalty!r}")
         for name in ("ignore_eos", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
@@ -71,7 +73,7 @@ class BeamSearchSequence:
         return ids[:-1] if self.finish_reason == "stop" and not include_stop_str_in_output else ids
 
     def score(self, length_penalty: float) -> float:
-        n = len(self.tokens) - self.num_prompt_tokens - (self.finish_reason == "stop")
+        n = len(self.tokens) - self.num_prompt_tokens
         power = min(max(length_penalty * math.log(max(n, 1)), -700.0), 700.0)
         return self.cum_logprob * math.exp(-power)
 

@@ -53,10 +53,10 @@ def refuse_unsupported(**given) -> None:
             raise ValueError(f"{name}: not supported by picovllm (got {value!r}); leave it None")
 
 
-def normalize_prompts(prompts, sampling_params) -> tuple[list, list[SamplingParams]]:
+def normalize_prompts(prompts, sampling_params, name: str = "sampling_params") -> tuple[list, list[SamplingParams]]:
     """generate()'s inputs as vLLM takes them -> a list of prompts (text or token ids) and one
     SamplingParams per prompt (with a prompt dict's cache_salt). sampling_params None: beam search's prompts,
-    which take no cache_salt."""
+    which take no cache_salt. name: the caller's argument (errors name it)."""
     prompts = prompt_list(prompts)
     salts = [p.get("cache_salt") if isinstance(p, dict) else None for p in prompts]
     prompts = [_dict_prompt(p) if isinstance(p, dict) else p for p in prompts]
@@ -65,7 +65,7 @@ def normalize_prompts(prompts, sampling_params) -> tuple[list, list[SamplingPara
         sampling_params = SamplingParams()
     params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
     if len(params) != len(prompts):
-        raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts")
+        raise ValueError(f"{name} has {len(params)} entries for {len(prompts)} prompts")
     for i, salt in enumerate(salts):
         if salt is not None:
             if beams:
@@ -273,7 +273,8 @@ class LLM:
         if self.engine.pooler is None:
             raise ValueError("LLM.embed needs a pooling model: LLM(model, runner='pooling') (or vLLM's task='embed')")
         truncate = tokenization_truncation(tokenization_kwargs, truncate_prompt_tokens)
-        prompts, params = normalize_prompts(prompts, PoolingParams() if pooling_params is None else pooling_params)
+        prompts, params = normalize_prompts(prompts, PoolingParams() if pooling_params is None else pooling_params,
+                                           "pooling_params")
         if truncate is not None:
             params = [dataclasses.replace(p, truncate_prompt_tokens=truncate) for p in params]
         batch = SampleBatch(self.engine)       # one request a prompt (PoolingParams have no n)
