@@ -130,9 +130,11 @@ def _ropes(cfg: dict[str, Any]) -> tuple[dict, dict | None]:
     params = cfg.get("rope_parameters") or {}
     if "full_attention" in params:     # per layer type (Gemma 3)
         return dict(params["full_attention"]), dict(params.get("sliding_attention") or {})
-    rope = dict(cfg.get("rope_scaling") or {}, **params)
+    # as HF's config classes read them: a rope_scaling (the old name) replaces rope_parameters whole, and the rope
+    # dict's own rope_theta is taken over the top-level one
+    rope = dict(cfg.get("rope_scaling") or params)
     if "rope_theta" in cfg:
-        rope["rope_theta"] = cfg["rope_theta"]
+        rope.setdefault("rope_theta", cfg["rope_theta"])
     arch = (cfg.get("architectures") or [None])[0]
     if arch == "Phi3ForCausalLM" and rope.get("rope_type", rope.get("type")) == "yarn":
         rope["rope_type"] = "longrope"    # HF's Phi3Config reads Phi-3's old name "yarn" as LongRoPE
@@ -147,22 +149,36 @@ _USE_SLIDING_WINDOW = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausa
                        "SmolLM3ForCausalLM")
 
 
+# the families whose HF attention has no sliding window: a sliding_window (or layer_types) in their config.json, as
+# some Llama conversions of Mistral models carry, is not read
+_NO_SLIDING_WINDOW = ("LlamaForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM", "OlmoeForCausalLM",
+                      "CohereForCausalLM", "Glm4ForCausalLM", "Glm4MoeForCausalLM", "SeedOssForCausalLM",
+                      "Ernie4_5ForCausalLM", *DEEPSEEK)
+
+
 def _sliding_window(cfg: dict[str, Any], arch: str, layers: int) -> tuple[int | None, list[bool] | None]:
     """(window, which layers slide): HF's rules per family. Mistral, Mixtral, Phi-3: every layer; Qwen2, Qwen3: with
     use_sliding_window (off unless set, as in transformers' configs), the layers from max_window_layers (default 28)
     on; Qwen3-MoE: with it, every layer; Gemma 2: every other layer, from the first; Gemma 3, Cohere 2, EXAONE 4: all
-    but every sliding_window_pattern-th; OLMo 3: all but every 4th. A config's layer_types overrides the rule (but
-    Qwen3-MoE's, which HF's model does not read)."""
+    but every sliding_window_pattern-th; OLMo 3: all but every 4th; _NO_SLIDING_WINDOW's: none. A config's layer_types
+    overrides the rule (but Qwen3-MoE's, which HF's model does not read)."""
+    types = cfg.get("layer_types")
+    if types is not None and (not isinstance(types, list) or len(types) != layers):    # HF's config refuses it too
+        got = f"{len(types)} entries" if isinstance(types, list) else repr(types)
+        raise ValueError(f"config.json layer_types: {got} for {layers} layers (one type per layer)")
     window, use = cfg.get("sliding_window"), cfg.get("use_sliding_window")
-    if window is None or use is False or (arch in _USE_SLIDING_WINDOW and not use):
+    if window is None or use is False or (arch in _USE_SLIDING_WINDOW and not use) or arch in _NO_SLIDING_WINDOW:
         return None, None
     if arch == "Qwen3MoeForCausalLM":
         return int(window), [True] * layers
-    types = cfg.get("layer_types")
     if types is None and arch in ("Qwen2MoeForCausalLM", "SmolLM3ForCausalLM"):
         raise ValueError(f"config.json use_sliding_window without layer_types: which layers of {arch} slide is not "
                          "read from this config (give layer_types)")
     if types is not None:
+        unknown = [t for t in types if t not in ("full_attention", "sliding_attention")]
+        if unknown:
+            raise ValueError(f"config.json layer_types: {unknown[0]!r} layers are unsupported (only full_attention "
+                             "and sliding_attention)")
         sliding = [t == "sliding_attention" for t in types]
     elif arch == "Gemma2ForCausalLM":
         sliding = [i % 2 == 0 for i in range(layers)]
@@ -352,7 +368,7 @@ def _glm_as_shared_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
     architecture's as it is."""
     if arch not in GLM:
         return cfg
-    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
     partial = {} if "partial_rotary_factor" in cfg or "partial_rotary_factor" in rope else \
         {"partial_rotary_factor": 0.5}
     if arch == "Glm4ForCausalLM":

@@ -289,3 +289,64 @@ def test_phi3_original_context_left_out_at_the_top_level_is_phi3_config_s(tmp_pa
                                 "long_factor": [3.0 + 1.1 * i for i in range(8)]}
     llm = assert_matches_hf(build(str(tmp_path / "m"), "Phi3Config", edit=edit, sliding_window=None), lens=(5, 45))
     assert llm.engine.model_config.rope_scaling["original_max_position_embeddings"] == 4096
+
+
+@pytest.mark.parametrize("case", ["rope_scaling", "rope_theta"])
+def test_rope_fields_beside_rope_parameters_are_read_as_hf(tmp_path, case):
+    """A config.json as transformers 5 writes it (rope_parameters, rope_theta in them) with an older field added
+    beside, as a model card's recipe adds Qwen's YaRN: HF's config class takes rope_scaling over rope_parameters
+    whole, and rope_parameters' rope_theta over the top-level one. An hf_overrides rope_theta still sets the base."""
+    def edit(c):
+        if case == "rope_scaling":
+            c["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
+        else:
+            c["rope_theta"] = 100.0
+    path = build(str(tmp_path / "m"), "Qwen3Config", head_dim=16, max_position_embeddings=64, edit=edit,
+                 rope_parameters={"rope_type": "default", "rope_theta": 5000.0})
+    llm = assert_matches_hf(path, lens=(5, 45, 100) if case == "rope_scaling" else (5, 45))
+    assert llm.engine.model_config.rope_theta == (10000.0 if case == "rope_scaling" else 5000.0)   # HF's
+    overridden = LLM(path, num_kv_blocks=64, device="cpu", dtype="float32", hf_overrides={"rope_theta": 300.0})
+    assert overridden.engine.model_config.rope_theta == 300.0
+
+
+@pytest.mark.parametrize("cls, fields", [("LlamaConfig", {}), ("Olmo2Config", {}), ("Glm4Config", dict(head_dim=16)),
+                                         ("Ernie4_5Config", dict(head_dim=16))])
+def test_sliding_window_is_ignored_where_hf_attention_has_none(tmp_path, cls, fields):
+    """A sliding_window in the config.json of a family whose HF attention has no window (as some Llama conversions of
+    Mistral models carry) is not read: every prompt token's logprob and the greedy tokens are HF's model's, run on the
+    whole sequence each step (HF's generate would evict keys from its cache, which it sizes by that field alone)."""
+    import transformers
+    path = build(str(tmp_path / "m"), cls, edit=lambda c: c.update(sliding_window=8), **fields)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    rng = random.Random(4)
+    prompts = [[rng.randrange(384) for _ in range(n)] for n in (5, 30)]
+    llm = LLM(path, num_kv_blocks=64, device="cpu", dtype="float32")
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logprobs=0),
+                        use_tqdm=False)
+    for p, o in zip(prompts, outs):
+        with torch.no_grad():
+            logp = model(torch.tensor([p + o.outputs[0].token_ids])).logits[0].log_softmax(-1)
+        assert [d[t].logprob for d, t in zip(o.prompt_logprobs[1:], p[1:])] == \
+            pytest.approx([logp[i - 1, p[i]].item() for i in range(1, len(p))], abs=LOGPROB_ATOL)
+        assert o.outputs[0].token_ids == logp[len(p) - 1:-1].argmax(-1).tolist()     # each HF's greedy choice
+    assert llm.engine.model_config.sliding_window is None
+
+
+GEMMA2 = dict(head_dim=16, query_pre_attn_scalar=16)
+
+
+@pytest.mark.parametrize("cls, fields, types, match", [
+    ("Gemma2Config", dict(GEMMA2, num_hidden_layers=4), ["sliding_attention", "full_attention"], "2 entries for 4"),
+    ("Qwen2Config", dict(use_sliding_window=True), ["full_attention", "sliding_attention"] * 2, "4 entries for 2"),
+    ("Gemma2Config", GEMMA2, ["chunked_attention", "sliding_attention"], "'chunked_attention' layers are unsupported"),
+])
+def test_layer_types_hf_cannot_run_are_refused_by_name(tmp_path, cls, fields, types, match):
+    """A layer_types list of another length than num_hidden_layers (a pruned model's config.json, say) or with a type
+    these families' attention lacks: HF's config class or model refuses it, and so does picovllm, naming the field (it
+    had raised IndexError, or used the first entries)."""
+    import transformers
+    path = build(str(tmp_path / "m"), cls, sliding_window=8, edit=lambda c: c.update(layer_types=types), **fields)
+    with pytest.raises(Exception):
+        transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)(torch.tensor([[1, 2, 3]]))
+    with pytest.raises(ValueError, match=f"config.json layer_types: {match}"):
+        LLM(path, num_kv_blocks=64, device="cpu")

@@ -127,15 +127,22 @@ def _tensor_names(files: list[str], multimodal: bool) -> set[str]:
 
 
 def _renamed_rope(raw: dict, overrides: dict) -> dict:
-    """overrides as transformers 5 applies them: rope_scaling is another name for rope_parameters, which is how
-    config.json now holds them (rope_theta in it), so an override of rope_scaling replaces the file's rope_parameters
-    (its rope_theta kept) instead of losing to its "default" entry."""
+    """overrides as vLLM applies them on transformers 5: rope_scaling is another name for rope_parameters, which is
+    how config.json now holds them (rope_theta in it), so an override of rope_scaling replaces the file's
+    rope_parameters (its rope_theta kept) instead of losing to its "default" entry; one of rope_theta is set in them
+    (HF reads their rope_theta over the top-level one)."""
     params = raw.get("rope_parameters")
-    if "rope_scaling" not in overrides or "rope_parameters" in overrides or not isinstance(params, dict) or \
+    if "rope_parameters" in overrides or not isinstance(params, dict) or \
             "full_attention" in params:     # per layer type (Gemma 3): only rope_parameters names them
         return overrides
-    theta = {"rope_theta": params["rope_theta"]} if "rope_theta" in params else {}
-    return {**overrides, "rope_parameters": {**theta, **(overrides["rope_scaling"] or {})}}
+    if "rope_scaling" in overrides:
+        theta = overrides.get("rope_theta", params.get("rope_theta"))
+        rope = {**({} if theta is None else {"rope_theta": theta}), **(overrides["rope_scaling"] or {})}
+    elif "rope_theta" in overrides:
+        rope = dict(raw.get("rope_scaling") or params, rope_theta=overrides["rope_theta"])
+    else:
+        return overrides
+    return {**overrides, "rope_scaling": None, "rope_parameters": rope}
 
 
 def open_folder(path: str, weights_needed: bool = True, overrides: dict | None = None) -> ModelSource:
