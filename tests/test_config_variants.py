@@ -350,3 +350,20 @@ def test_layer_types_hf_cannot_run_are_refused_by_name(tmp_path, cls, fields, ty
         transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)(torch.tensor([[1, 2, 3]]))
     with pytest.raises(ValueError, match=f"config.json layer_types: {match}"):
         LLM(path, num_kv_blocks=64, device="cpu")
+
+
+def test_longrope_factor_lists_of_the_wrong_length_are_refused_by_name(tmp_path):
+    """Phi-3's LongRoPE factors, one a rotary frequency (head_dim 16: 8): a list of 7 is refused naming the field
+    (a tensor broadcasting error before); HF cannot run it either."""
+    import transformers
+
+    def edit(c):
+        c.pop("rope_scaling", None)
+        c["rope_parameters"] = {"rope_type": "longrope", "rope_theta": 10000.0, "factor": 16.0,
+                                "original_max_position_embeddings": 32, "short_factor": SHORT[:7],
+                                "long_factor": LONG}
+    path = build(str(tmp_path / "m"), "Phi3Config", edit=edit, sliding_window=None)
+    with pytest.raises(Exception):
+        transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)(torch.tensor([[1, 2, 3]]))
+    with pytest.raises(ValueError, match=r"rope_scaling.short_factor: 7 entries, where the rotary dimension 16 takes 8"):
+        LLM(path, num_kv_blocks=64, device="cpu")

@@ -90,6 +90,11 @@ def longrope_position_offset(scaling: dict | None, max_position: int, prompt_len
 def longrope_cos_sin(head_dim: int, max_position: int, theta: float, scaling: dict) -> torch.Tensor:
     """[2 * max_position, head_dim]: cos then sin, as RotaryEmbedding holds them, with the short factors for
     positions 0..max_position-1, then with the long ones (a long request's positions are offset by max_position)."""
+    for name in ("short_factor", "long_factor"):      # one a rotary frequency
+        if not isinstance(scaling[name], (list, tuple)) or len(scaling[name]) != head_dim // 2:
+            got = f"{len(scaling[name])} entries" if isinstance(scaling[name], (list, tuple)) else repr(scaling[name])
+            raise ValueError(f"config.json rope_scaling.{name}: {got}, where the rotary dimension {head_dim} takes "
+                             f"{head_dim // 2} (one a frequency)")
     base = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).double() / head_dim))
     pos = torch.arange(max_position, dtype=torch.float64)[:, None]
     short = pos * (base / torch.tensor(scaling["short_factor"], dtype=torch.float64))
