@@ -79,8 +79,8 @@ def model_config_fields(cfg: dict[str, Any]) -> dict[str, Any]:
         num_attention_heads=heads,
         num_key_value_heads=cfg.get("num_key_value_heads") or heads,
         head_dim=head_dim,
-        rms_norm_eps=cfg.get("rms_norm_eps", cfg.get("layer_norm_eps", 1e-5) if arch in COHERE
-                             else 1e-5 if arch == "Olmo2ForCausalLM" else 1e-6),           # HF's defaults
+        rms_norm_eps=cfg.get("layer_norm_eps", 1e-5) if arch in COHERE else      # the one field HF's Cohere reads
+        cfg.get("rms_norm_eps", 1e-5 if arch == "Olmo2ForCausalLM" else 1e-6),       # HF's defaults
         rope_theta=rope.get("rope_theta", _DEFAULT_THETA.get(arch, 10000.0)),
         max_position_embeddings=scaled_context(cfg.get("max_position_embeddings", DEFAULT_MAX_POSITION),
                                                scaling),

@@ -367,3 +367,11 @@ def test_longrope_factor_lists_of_the_wrong_length_are_refused_by_name(tmp_path)
         transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)(torch.tensor([[1, 2, 3]]))
     with pytest.raises(ValueError, match=r"rope_scaling.short_factor: 7 entries, where the rotary dimension 16 takes 8"):
         LLM(path, num_kv_blocks=64, device="cpu")
+
+
+def test_cohere_reads_layer_norm_eps_beside_an_rms_norm_eps(tmp_path):
+    """HF's Cohere reads layer_norm_eps only: an rms_norm_eps beside it in config.json (0.5 here, large enough to
+    move every logit) is not read, as HF does not read it."""
+    path = build(str(tmp_path / "m"), "CohereConfig", layer_norm_eps=1e-3, edit=lambda c: c.update(rms_norm_eps=0.5))
+    llm = assert_matches_hf(path, lens=(5, 20))
+    assert llm.engine.model_config.rms_norm_eps == 1e-3
