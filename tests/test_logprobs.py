@@ -300,3 +300,37 @@ def test_every_streamed_logprob_carries_its_tokens_text(chat_model, kind):
                 assert all(lp.decoded_token == tok.decode([k]) for k, lp in d.items())
             seen[out.request_id] += len(comp.token_ids) if kind == "DELTA" else 0
     assert kind == "CUMULATIVE" or seen == {"0": 12, "1": 12}
+
+
+def test_echo_with_more_logprobs_keeps_prompt_logprobs_to_its_own_count(chat_model):
+    """Completions' echo with logprobs scores the prompt with the larger of logprobs and prompt_logprobs (the echoed
+    tokens' top ones); the prompt_logprobs field still holds, per position, the prompt token and its own top k (HF's
+    logits the oracle), streamed, not, and with max_tokens 0. It had held the top `logprobs` ones."""
+    from fastapi.testclient import TestClient
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from picovllm import EngineConfig
+    from picovllm.engine.llm_engine import Engine
+
+    prompt, k, echo_k = "The capital of France is", 1, 4
+    ids = AutoTokenizer.from_pretrained(chat_model).encode(prompt)
+    model = AutoModelForCausalLM.from_pretrained(chat_model, dtype=torch.float32).eval()
+    with torch.no_grad():
+        rows = model(torch.tensor([ids])).logits[0].log_softmax(-1)
+    expected = [None] + [{ids[i], *rows[i - 1].topk(k).indices.tolist()} for i in range(1, len(ids))]
+    engine = Engine(EngineConfig(model=chat_model, num_kv_blocks=64, max_model_len=256, async_scheduling=False))
+    body = {"prompt": prompt, "max_tokens": 2, "echo": True, "logprobs": echo_k, "prompt_logprobs": k,
+            "return_tokens_as_token_ids": True}     # (top tokens named apart: two may decode alike)
+    with TestClient(_app(engine)) as http:
+        choices = [http.post("/v1/completions", json=body).json()["choices"][0],
+                   http.post("/v1/completions", json={**body, "max_tokens": 0}).json()["choices"][0]]
+        with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as s:
+            events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+        choices += [c for e in events for c in e["choices"] if "prompt_logprobs" in c]
+        assert len(choices) == 3
+        for c in choices:
+            got = [None if d is None else {int(t) for t in d} for d in c["prompt_logprobs"]]
+            assert got == expected, c["prompt_logprobs"]
+            # the echoed prompt's tokens keep logprobs' count of top ones (the first prompt token has none)
+            assert all(len(top) >= echo_k for top in c["logprobs"]["top_logprobs"][1:len(ids)]), c["logprobs"]
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks

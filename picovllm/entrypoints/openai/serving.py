@@ -321,13 +321,18 @@ def usage(out: RequestOutput) -> dict:
             "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
 
 
-def prompt_logprobs_json(steps: list[dict[int, Logprob] | None] | None) -> list | None:
-    """vLLM's prompt_logprobs: per prompt token, None (the first) or {token id: logprob, rank, decoded_token}."""
+def prompt_logprobs_json(steps: list[dict[int, Logprob] | None] | None, k: int | None = None,
+                         prompt_ids: list[int] | None = None) -> list | None:
+    """vLLM's prompt_logprobs: per prompt token, None (the first) or {token id: logprob, rank, decoded_token}.
+    k (with the prompt's ids): the prompt token and the top k only, where the prompt was scored with more (a
+    completion's echo with a larger logprobs: CompletionRequest.prompt_logprob_count)."""
     if steps is None:
         return None
     return [None if d is None else {str(t): {"logprob": json_logprob(lp.logprob), "rank": lp.rank,
-                                             "decoded_token": lp.decoded_token} for t, lp in d.items()}
-            for d in steps]
+                                             "decoded_token": lp.decoded_token} for t, lp in d.items()
+                                    if k is None or k == -1 or t == prompt_ids[pos]
+                                    or (lp.rank is not None and lp.rank <= k)}
+            for pos, d in enumerate(steps)]
 
 
 def top_logprobs(d: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:

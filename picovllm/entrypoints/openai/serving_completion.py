@@ -101,7 +101,8 @@ class CompletionHandler:
                                               as_ids)
                 choice["logprobs"] = _joined(head, _logprobs(c, range(len(c.token_ids)), offset, as_ids)[0])
             if req.prompt_logprobs is not None:
-                choice["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs)
+                choice["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs, req.prompt_logprobs,
+                                                                 out.prompt_token_ids)
             if req.return_token_ids:
                 choice.update(prompt_token_ids=list(out.prompt_token_ids), token_ids=list(c.token_ids))
             choices.append(choice)
@@ -151,7 +152,8 @@ class CompletionHandler:
                 choice.update(prompt_token_ids=list(out.prompt_token_ids), token_ids=[])
         if req.prompt_logprobs is not None:
             for choice in choices:
-                choice["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs)
+                choice["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs, req.prompt_logprobs,
+                                                                 out.prompt_token_ids)
         use = {**usage(out), "completion_tokens": 0, "total_tokens": len(out.prompt_token_ids)}
         return self._body(group.request_id, choices, usage=use)
 
@@ -223,7 +225,7 @@ class CompletionHandler:
             choice = {"index": base + i, "text": text, "logprobs": lp,
                       "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
             if first and req.prompt_logprobs is not None:   # with the choice's first chunk
-                choice["prompt_logprobs"] = prompt_logprobs_json(scored)
+                choice["prompt_logprobs"] = prompt_logprobs_json(scored, req.prompt_logprobs, out.prompt_token_ids)
             if req.return_token_ids:    # the prompt's with the choice's first chunk (vLLM puts them in the choice)
                 if first:
                     choice["prompt_token_ids"] = list(out.prompt_token_ids)
