@@ -205,8 +205,8 @@ class SamplingParams:
             raise bad("allowed_token_ids", "must be None or a non-empty list of token ids (ints >= 0)")
         words = self.bad_words
         if words is not None and (not isinstance(words, list) or not all(isinstance(w, str) and w.strip()
-                                                                          for w in words)):
-            raise bad("bad_words", "must be None or a list of words (strings with more than spaces)")
+                                                                          and _unicode(w) for w in words)):
+            raise bad("bad_words", "must be None or a list of words (Unicode strings with more than spaces)")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < -1):
             raise bad("logprobs", "must be an int >= 0, -1 (the whole vocabulary) or None")
         k = self.prompt_logprobs
@@ -252,6 +252,11 @@ class SamplingParams:
 
 def _number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _unicode(text: str) -> bool:
+    """Whether text is Unicode text, which a tokenizer can encode: no lone surrogate (a "\\ud800" escape)."""
+    return not any("\ud800" <= c <= "\udfff" for c in text)
 
 
 def _shown(value) -> str:

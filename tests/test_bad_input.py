@@ -30,6 +30,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
     (dict(stop_token_ids=5), "stop_token_ids"),
     (dict(stop_token_ids=[True]), "stop_token_ids"),
     (dict(bad_words=3), "bad_words"),
+    (dict(bad_words=["ok", "x\ud800"]), "bad_words"),    # a lone surrogate: the tokenizer's TypeError named nothing
     (dict(allowed_token_ids=7), "allowed_token_ids"),
     (dict(logprobs=-2), "logprobs"),              # -1 is vLLM's whole vocabulary
     (dict(n=0), "n"),
@@ -256,3 +257,22 @@ def test_max_model_len_auto_fits_the_kv_cache(tiny_models):
 def test_empty_text_prompt_on_the_default_model(default_llm):
     with pytest.raises(ValueError, match="prompt is empty"):
         default_llm.generate([""], SamplingParams(max_tokens=2), use_tqdm=False)
+
+
+def test_text_that_is_not_unicode_is_named(default_llm):
+    """A lone surrogate (JSON's "\\ud800" escape) is no text a tokenizer encodes: a ValueError naming the prompt (or
+    the messages), not the tokenizer's TypeError; a request already running finishes as it would have."""
+    engine, params = default_llm.engine, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    alone = default_llm.generate(["The capital of France is"], params, use_tqdm=False)[0].outputs[0]
+    rid = engine.add_request("The capital of France is", params)
+    for bad, field in ((lambda: default_llm.generate(["hi \ud800"], params, use_tqdm=False), "prompt"),
+                       (lambda: default_llm.generate([{"prompt": "\udfff"}], params, use_tqdm=False), "prompt"),
+                       (lambda: default_llm.chat([{"role": "user", "content": "hi \ud800"}], params, use_tqdm=False),
+                        "messages")):
+        with pytest.raises(ValueError, match=rf"^{field}: cannot be tokenized \(it holds a lone surrogate"):
+            bad()
+    final = None
+    while engine.has_unfinished_requests():
+        final = next((o for o in engine.step() if o.request_id == rid and o.finished), final)
+    assert (final.outputs[0].text, final.outputs[0].token_ids) == (alone.text, alone.token_ids)
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks

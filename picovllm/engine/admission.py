@@ -87,6 +87,17 @@ def bad_words_ids(params: SamplingParams, tokenizer, vocab_size: int) -> list[li
     return ids
 
 
+def encode_text(tokenizer, text: str, field: str, **kwargs) -> list[int]:
+    """tokenizer.encode(text, **kwargs), or a ValueError naming field where the text cannot be encoded: a lone
+    surrogate (a "\\ud800" escape) is no Unicode text, and the tokenizer's own error (a TypeError) names nothing."""
+    try:
+        return tokenizer.encode(text, **kwargs)
+    except Exception as e:
+        surrogate = any("\ud800" <= c <= "\udfff" for c in text)
+        why = "it holds a lone surrogate, which is not Unicode text" if surrogate else f"{type(e).__name__}: {e}"
+        raise ValueError(f"{field}: cannot be tokenized ({why})") from None
+
+
 def check_length(num_prompt_tokens: int, max_model_len: int) -> None:
     """A generating request's prompt leaves room for one token."""
     if num_prompt_tokens >= max_model_len:

@@ -30,7 +30,7 @@ import torch
 
 from picovllm.config import AUTO_MODEL_LEN, EngineConfig, model_len
 from picovllm.engine.admission import (AdmissionLimits, check_capacity, check_length, check_offer,
-                                       check_sampling_params, max_tokens_of)
+                                       check_sampling_params, encode_text, max_tokens_of)
 from picovllm.engine.block_manager import BlockManager, prefix_salt
 from picovllm.engine.detokenizer import Detokenizer, check_stop, stop_token
 from picovllm.engine.kv_connector import ConnectorReport, KVConnector
@@ -199,7 +199,7 @@ class Engine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("prompt is text but the model has no tokenizer: pass token ids")
-            return self.tokenizer.encode(prompt)
+            return encode_text(self.tokenizer, prompt, "prompt")
         if not isinstance(prompt, (list, tuple)) or not all(map(isinstance, prompt, itertools.repeat(int))):
             raise ValueError("prompt must be a string or a list of int token ids")
         return list(prompt)

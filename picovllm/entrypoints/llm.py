@@ -9,6 +9,7 @@ from typing import Sequence
 from tqdm import tqdm
 
 from picovllm.config import EngineConfig
+from picovllm.engine.admission import encode_text
 from picovllm.engine.llm_engine import Engine
 from picovllm.engine.step_loop import StepLoop
 from picovllm.entrypoints.beam_search import BeamSearchOutput, BeamSearchParams, search, step_params
@@ -419,4 +420,4 @@ def chat_prompt(tokenizer, conversation: list[dict], add_generation_prompt: bool
     except TemplateError as e:      # the template's own refusal (raise_exception), or a message it cannot render
         raise ValueError(f"messages: the chat template cannot render them: {e}") from None
     # The template already holds any BOS it wants; don't let the tokenizer add a second.
-    return text, tokenizer.encode(text, add_special_tokens=False)
+    return text, encode_text(tokenizer, text, "messages", add_special_tokens=False)
