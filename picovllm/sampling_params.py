@@ -185,8 +185,8 @@ class SamplingParams:
             raise bad("min_tokens", "must be an int >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
-        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
-            raise bad("stop", "must be a string or a list of non-empty strings")
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s and _unicode(s) for s in self.stop):
+            raise bad("stop", "must be a string or a list of non-empty Unicode strings")    # (none ever matched)
         if not isinstance(self.stop_token_ids, list) or not all(
                 isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be a list of non-negative ints")
