@@ -128,14 +128,19 @@ def _ropes(cfg: dict[str, Any]) -> tuple[dict, dict | None]:
     rope_scaling as HF configs before 5.0 wrote them (Gemma 3: rope_local_base_freq), or rope_parameters (per layer
     type)."""
     params = cfg.get("rope_parameters") or {}
-    if "full_attention" in params:     # per layer type (Gemma 3)
-        return dict(params["full_attention"]), dict(params.get("sliding_attention") or {})
+    arch = (cfg.get("architectures") or [None])[0]
+    if "full_attention" in params:     # per layer type (Gemma 3, OLMo 3); a base left out is HF's
+        full, sliding = dict(params["full_attention"]), dict(params.get("sliding_attention") or {})
+        if "rope_theta" in cfg:
+            full.setdefault("rope_theta", cfg["rope_theta"])
+        sliding.setdefault("rope_theta", cfg.get("rope_local_base_freq", 10000.0) if arch == "Gemma3ForCausalLM"
+                           else _DEFAULT_THETA.get(arch, 10000.0))
+        return full, sliding
     # as HF's config classes read them: a rope_scaling (the old name) replaces rope_parameters whole, and the rope
     # dict's own rope_theta is taken over the top-level one
     rope = dict(cfg.get("rope_scaling") or params)
     if "rope_theta" in cfg:
         rope.setdefault("rope_theta", cfg["rope_theta"])
-    arch = (cfg.get("architectures") or [None])[0]
     if arch == "Phi3ForCausalLM" and rope.get("rope_type", rope.get("type")) == "yarn":
         rope["rope_type"] = "longrope"    # HF's Phi3Config reads Phi-3's old name "yarn" as LongRoPE
     if arch == "Olmo3ForCausalLM":     # its sliding layers: the same base, never scaled (HF's rope_scaling is the

@@ -375,3 +375,21 @@ def test_cohere_reads_layer_norm_eps_beside_an_rms_norm_eps(tmp_path):
     path = build(str(tmp_path / "m"), "CohereConfig", layer_norm_eps=1e-3, edit=lambda c: c.update(rms_norm_eps=0.5))
     llm = assert_matches_hf(path, lens=(5, 20))
     assert llm.engine.model_config.rms_norm_eps == 1e-3
+
+
+@pytest.mark.parametrize("cls, fields, top", [
+    ("Gemma3TextConfig", dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=8),
+     dict(rope_theta=300.0, rope_local_base_freq=40.0)),
+    ("Olmo3Config", dict(num_hidden_layers=4, sliding_window=6, layer_types=["sliding_attention"] * 3 +
+                         ["full_attention"]), dict(rope_theta=300.0)),
+])
+def test_per_layer_type_rope_parameters_without_a_base_take_hf_s(tmp_path, cls, fields, top):
+    """rope_parameters per layer type whose entries give no rope_theta: HF takes the full layers' base from the
+    top-level rope_theta and the sliding layers' from rope_local_base_freq (Gemma 3) or its default (OLMo 3); the
+    sliding layers had run on 10,000 and the full ones on the default whatever the top level said."""
+    def edit(c):
+        c.pop("rope_local_base_freq", None)
+        c.update(top, rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0},
+                                       "sliding_attention": {"rope_type": "default"}})
+    llm = assert_matches_hf(build(str(tmp_path / "m"), cls, edit=edit, **fields), lens=(5, 20))
+    assert llm.engine.model_config.rope_theta == 300.0
