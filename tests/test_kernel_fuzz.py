@@ -25,7 +25,8 @@ from picovllm.kernels.rotary import rope, rope_qkv                        # noqa
 from picovllm.kernels.skinny_gemm import skinny_linear                    # noqa: E402
 from picovllm.kernels.store_kv import store_kv                            # noqa: E402
 from picovllm.kernels.work_attention import max_work_items, work_attention, work_items, work_tile   # noqa: E402
-from picovllm.layers.moe import route                                     # noqa: E402
+from picovllm.layers.activation import SiluAndMul                         # noqa: E402
+from picovllm.layers.moe import experts_reference, route                  # noqa: E402
 from picovllm.layers.rotary import RotaryEmbedding, _rotate               # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -275,6 +276,21 @@ def test_route_topk_refuses_more_than_the_experts_and_keeps_nan_rows_in_range():
     w, ids = moe.route_topk(x, 2, True)
     assert ((ids >= 0) & (ids < 6)).all() and all(len(set(r.tolist())) == 2 for r in ids)
     assert w.isnan().all()
+
+
+def test_fused_experts_of_no_tokens_give_no_rows():
+    """A batch of 0 tokens: [0, H] as the reference gives (the final view's -1 could not be inferred, a RuntimeError);
+    and a batch of 3 against the float64 reference, to show the same call computes."""
+    g = torch.Generator().manual_seed(4)
+    e, h, inter, k = 4, 32, 16, 2
+    gate_up, down = torch.randn(e, 2 * inter, h, generator=g), torch.randn(e, h, inter, generator=g)
+    act = SiluAndMul()
+    for t in (0, 3):
+        x = torch.randn(t, h, generator=g)
+        weights, ids = route(torch.randn(t, e, generator=g), k, True)
+        out = moe.fused_experts(x, weights, ids, gate_up, down, act)
+        ref = experts_reference(x.double(), weights.double(), ids, gate_up.double(), down.double(), act)
+        assert out.shape == (t, h) and (t == 0 or rel_err(out, ref) < 1e-5)
 
 
 # ---------------------------------------------------------------- GEMMs

@@ -94,6 +94,26 @@ def test_gemm_matches_float64(isa, kind, m, n, k):
 
 
 @pytest.mark.parametrize("isa", ISAS)
+def test_tiny_activations_keep_their_codes(isa):
+    """Blocks of x whose scale amax / 127 is a float32 subnormal (amax below ~1.5e-36): 1 / scale overflowed, and
+    every code came out -128 (outputs off by 7-18x their size). Codes within half a step of x, and the product
+    within the half-step bound of float64's, relative to these tiny rows' own size."""
+    rng = np.random.default_rng(11)
+    raw = random_blocks(rng, "Q8_0", 16, 64)
+    w = gguf.quants.dequantize(raw, Q.Q8_0).astype(np.float64)
+    qw = qg.QuantizedWeight([qg.pack(decode_blocks("Q8_0", raw, 16, 64))], isa)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(2)) * torch.tensor([1e-37, 1e-38, 4e-37])[:, None]
+    xq, xd, xs = qg.quantize_activations(x, isa)
+    blocks, d = x.view(3, 2, 32).double(), xd.double()[..., None]
+    assert (d > 0).all() and xq.abs().max() <= 127
+    assert ((xq.view(3, 2, 32).double() * d - blocks).abs() <= d * (0.5 + 1e-5)).all()
+    assert torch.equal(xs, xq.view(3, 2, 2, 16).int().sum(-1))
+    y, ref = qw(x).double().numpy(), x.double().numpy() @ w.T
+    bound = 0.5 * (np.abs(w).reshape(16, 2, 32).sum(-1)[None] * xd.double().numpy()[:, None, :]).sum(-1)
+    assert (np.abs(y - ref) <= bound + 1e-3 * (np.abs(x.double().numpy()) @ np.abs(w).T)).all()
+
+
+@pytest.mark.parametrize("isa", ISAS)
 def test_scales_past_float16_stay_exact(isa):
     """Q4_0 with d = 10000 (a valid float16): its offset -8 d is past float16's range, so the segment keeps float32
     scales; they had become -inf, and every output inf."""

@@ -277,4 +277,4 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gat
                          w_scale=gate_up_scale, w_block=w_block, out_dtype=x.dtype, **tiles))
     y = grouped_gemm(f16(h), down, rows, tile_expert, t * top_k, 1, weights.flatten().contiguous(), bias=down_bias,
                      w_scale=down_scale, w_block=w_block, out_dtype=x.dtype, **tiles)
-    return y.view(t, top_k, -1).sum(1, dtype=torch.float32).to(x.dtype)
+    return y.view(t, top_k, down.shape[1]).sum(1, dtype=torch.float32).to(x.dtype)   # -1 is ambiguous at 0 tokens

@@ -17,6 +17,7 @@
  * Built twice (build.py): with AVX-512 (F, BW, VL, VNNI) where the CPU has it, and with -mno-avx512f (AVX2,
  * FMA, F16C); picovllm/kernels/cpu/quant_gemm.py picks one at run time. decode_stack.c links its object.
  */
+#include <float.h>
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
@@ -42,6 +43,17 @@ static inline int32_t load4(const int8_t *p) {
     int32_t v;
     memcpy(&v, p, 4);
     return v;
+}
+
+/* A block whose scale d is subnormal (its largest |x| below ~1.5e-36): 1 / d overflows float32 there, and every
+ * code came out -128. Here the codes are x / d in double, where it does not. */
+static void quantize_tiny_block(const float *v, float d, int8_t *q, int32_t *s) {
+    s[0] = s[1] = 0;
+    for (int i = 0; i < QBLOCK; i++) {
+        const double c = fmin(fmax(nearbyint((double)v[i] / (double)d), -127.0), 127.0);
+        q[i] = (int8_t)c;
+        s[i / 16] += (int32_t)c;
+    }
 }
 
 /* Rows [lo, hi) of x [.][k] into a. A block holding a NaN or an infinity gets a NaN scale and zero codes, so that
@@ -71,6 +83,10 @@ void quantize_rows(const float *x, int64_t k, QAct a, int64_t lo, int64_t hi) {
             m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
             const float d = _mm_cvtss_f32(m4) / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
             a.d[r * nb + b] = d;
+            if (d > 0.0f && d < FLT_MIN) {
+                quantize_tiny_block(v, d, a.q + r * k + b * QBLOCK, a.s + (r * nb + b) * 2);
+                continue;
+            }
             __m256i q[4];
             for (int i = 0; i < 4; i++)   /* round to nearest (MXCSR's default) */
                 q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(x4[i], _mm256_set1_ps(id)));
