@@ -310,7 +310,7 @@ class EngineConfig:
 
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
                                       or not -2**63 <= self.seed < 2**64):
-            raise bad("seed", "must be None or an int in [-2**63, 2**64) (torch's generator seeds)")
+            raise bad("seed", "must be an int in [-2**63, 2**64) (torch's generator seeds) or None (not seeded)")
         if isinstance(self.model, os.PathLike):     # a pathlib.Path, as HF's from_pretrained takes
             self.model = os.fspath(self.model)
         if isinstance(self.tokenizer, os.PathLike):
