@@ -395,6 +395,29 @@ def test_bench_throughput_json(tmp_path, capsys):
     assert "Total time" in capsys.readouterr().out
 
 
+def test_bench_throughput_timed_run_computes_every_prompt_token(monkeypatch, capsys):
+    """The warm-up runs the first prompts' first 32 tokens: the timed run must not find them in the prefix cache
+    (it computed 64 fewer prompt tokens than it reported, none of the peers having that cache)."""
+    from picovllm.entrypoints.llm import LLM
+
+    generate, calls = LLM.generate, []
+
+    def recording(self, prompts, *args, **kwargs):
+        before = self.engine.stats.prefill_tokens
+        outs = generate(self, prompts, *args, **kwargs)
+        calls.append((sum(map(len, prompts)), self.engine.stats.prefill_tokens - before,
+                      sum(o.num_cached_tokens for o in outs)))
+        return outs
+
+    monkeypatch.setattr(LLM, "generate", recording)
+    rc = cli_main(["bench", "throughput", "--workload", "cpu-small", "--num-prompts", "4", "--no-progress",
+                   "--random-model", "tiny-qwen3", "--random-model-dtype", "float32", "--num-kv-blocks", "256"])
+    assert rc == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    prompt_tokens, computed, cached = calls[-1]           # the timed run
+    assert prompt_tokens == res["prompt_tokens"] and (computed, cached) == (prompt_tokens, 0), calls
+
+
 def test_workloads_match_the_issue():
     from picovllm.bench.workloads import check_totals, make_workload
 
@@ -430,6 +453,9 @@ def test_bench_latency_runs_small(capsys):
     (["--timeout", "0"], "--timeout must be > 0"),
     (["--max-token-id", "0"], "--max-token-id must be >= 1"),
     (["--max-token-id", "-1"], "--max-token-id must be >= 1"),
+    (["--timeout", "inf"], "--timeout must be > 0 and finite"),          # was httpx's OverflowError
+    (["--burstiness", "inf"], "--burstiness must be > 0 and finite"),    # was random.gammavariate's error
+    (["--goodput", "ttft:nan"], "--goodput 'ttft:nan': the SLO must be > 0 ms"),   # was taken: no request met it
     ([], "--base-url: no OpenAI server answered"),        # nothing listens there: named, not a traceback
 ])
 def test_bench_serve_refuses_bad_flags_by_name(flags, says, capsys):
@@ -464,6 +490,16 @@ def test_bench_latency_refuses_a_suffix_past_the_context(capsys):
                    "--num-kv-blocks", "64", "--block-size", "16", "--max-model-len", "256", "--suffix-len", "300",
                    "--input-len", "16", "--output-len", "8"])
     assert rc == 2 and "--suffix-len must be <= max_model_len - 9 = 247" in capsys.readouterr().err
+
+
+def test_bench_latency_refuses_one_output_token(capsys):
+    """The decode latency is ms per output token after the first: one output token has no gap to time (it was
+    reported as 0.00 ms/token)."""
+    rc = cli_main(["bench", "latency", "--random-model", "tiny-qwen3", "--random-model-dtype", "float32",
+                   "--num-kv-blocks", "64", "--block-size", "16", "--input-len", "16", "--output-len", "1",
+                   "--prefill-len", "32", "--prefix-len", "32", "--load-seqs", "1", "--num-iters", "1"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--output-len must be >= 2" in err, err
 
 
 def test_random_checkpoint_matches_hf(tmp_path):

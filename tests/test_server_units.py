@@ -105,6 +105,66 @@ def test_summary_statistics_by_hand():
         parse_goodput(["foo:1"])
 
 
+
+class _ScriptedStream:
+    """An httpx client stand-in for run_request: one response whose SSE lines arrive on a fake clock, each
+    (seconds after the previous line, line)."""
+
+    def __init__(self, script):
+        self.now, self.script, self.status_code = 0.0, script, 200
+
+    def perf_counter(self):
+        return self.now
+
+    def stream(self, *args, **kwargs):
+        outer = self
+
+        class Context:
+            async def __aenter__(self):
+                return outer
+
+            async def __aexit__(self, *exc):
+                return False
+        return Context()
+
+    async def aiter_lines(self):
+        for gap, line in self.script:
+            self.now += gap
+            yield line
+
+
+def test_bench_serve_times_every_chunk_with_a_choice_as_vllm_does(monkeypatch):
+    """vLLM's bench serve times every streamed chunk that has a choice, its text empty or not: a request ending
+    on its end-of-sequence token gets a last chunk with empty text (the token's text stays out), and one that
+    stops on its first token has nothing else. That request succeeded (it was counted failed, 'no text came
+    back'), and the last gap of the other is an ITL (it was left out) inside the end-to-end latency."""
+    import types
+
+    from picovllm.bench import serve
+
+    def sse(obj):
+        return "data: " + json.dumps(obj)
+
+    def choice(text, finish=None):
+        return sse({"choices": [{"index": 0, "text": text, "finish_reason": finish}]})
+
+    def run(script):
+        client = _ScriptedStream(script)
+        monkeypatch.setattr(serve, "time", types.SimpleNamespace(perf_counter=client.perf_counter))
+        return asyncio.run(serve.run_request(client, "u", {"prompt": [1, 2]}, -1.0, {}))
+
+    usage = [(0.0, sse({"choices": [], "usage": {"completion_tokens": 3}})), (0.0, "data: [DONE]")]
+    r = run([(0.5, choice("a")), (0.25, choice("b")), (0.125, choice("", "stop"))] + usage)
+    assert r.success and r.ttft == 0.5 and r.itls == [0.25, 0.125] and r.latency == 0.875
+    assert r.chunk_times == [1.5, 1.75, 1.875] and r.output_tokens == 3
+    assert serve.tpot(r) == (0.875 - 0.5) / 2
+    r = run([(0.5, choice("", "stop")), (0.0, sse({"choices": [], "usage": {"completion_tokens": 1}})),
+             (0.0, "data: [DONE]")])
+    assert r.success and r.error == "" and r.ttft == 0.5 and r.itls == [] and r.output_tokens == 1
+    r = run(usage)          # no chunk with a choice: failed
+    assert not r.success and r.error
+
+
 # -- fields OpenAI or vLLM define that this server does not honour: refused by name, never ignored -------------------
 def _refusal_cases():
     from picovllm.entrypoints.openai import protocol as P

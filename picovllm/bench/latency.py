@@ -107,6 +107,8 @@ def run_latency(args: argparse.Namespace) -> dict:
     from picovllm.entrypoints.llm import LLM
 
     resolve_sizes(args)
+    if args.output_len < 2:         # the decode latency is the mean gap between output tokens: it needs two
+        raise ValueError(f"--output-len must be >= 2 (ms per token after the first), got {args.output_len}")
     for name in ("input_len", "output_len", "prefill_len", "num_iters", "prefix_len", "suffix_len", "load_seqs"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -133,7 +135,7 @@ def run_latency(args: argparse.Namespace) -> dict:
         out, t0, t1 = _run_one(eng, prompt(args.input_len), args.output_len)
         times = out.metrics.token_times
         if it:
-            itl.append((times[-1] - times[0]) / max(len(times) - 1, 1) * 1e3)
+            itl.append((times[-1] - times[0]) / (len(times) - 1) * 1e3)
             ttft.append((times[0] - t0) * 1e3)
         out, t0, t1 = _run_one(eng, prompt(prefill_len), 1)
         if it:

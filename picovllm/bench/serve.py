@@ -1,7 +1,7 @@
 """`picovllm bench serve`: an online benchmark against any OpenAI-compatible /v1/completions server.
 
 Requests arrive as a Poisson process (gamma intervals when --burstiness != 1), each streamed over SSE.
-Per request: TTFT (send to first text), ITL (gaps between text chunks), TPOT ((latency - TTFT) / (tokens - 1)),
+Per request: TTFT (send to first chunk), ITL (gaps between chunks), TPOT ((latency - TTFT) / (tokens - 1)),
 end-to-end latency. Reported as vLLM's `bench serve` does: throughput, mean/median/p90/p99 of each,
 and goodput (requests per second meeting every --goodput SLO). The plot shows each ITL at the time it
 happened, so prefill interference (spikes when new requests join the batch) is visible at a glance.
@@ -86,7 +86,9 @@ async def run_request(client, url: str, body: dict, t0: float, headers: dict) ->
                     return res
                 if chunk.get("usage"):
                     res.output_tokens = chunk["usage"]["completion_tokens"]
-                if chunk.get("choices") and chunk["choices"][0].get("text"):
+                # a chunk with a choice carries tokens, its text possibly empty (vLLM's rule): an end-of-sequence
+                # token's final chunk, a token whose text waits for the next one's
+                if chunk.get("choices"):
                     now = time.perf_counter()
                     if not res.chunk_times:
                         res.ttft = now - start
@@ -97,7 +99,7 @@ async def run_request(client, url: str, body: dict, t0: float, headers: dict) ->
         res.latency = time.perf_counter() - start
         res.success = bool(res.chunk_times)
         if not res.success:
-            res.error = "no text came back"
+            res.error = "no chunk with a choice came back"
     except Exception as e:  # noqa: BLE001 - a failed request is a data point, not a crash
         res.error = f"{type(e).__name__}: {e}"
     return res
@@ -274,7 +276,7 @@ def parse_goodput(items: list[str] | None) -> dict[str, float]:
             slos[key] = float(ms) / 1000.0
         except ValueError:
             raise ValueError(f"--goodput {item!r}: the SLO must be a number of milliseconds") from None
-        if slos[key] <= 0:
+        if not slos[key] > 0:       # nan too: no request would meet it
             raise ValueError(f"--goodput {item!r}: the SLO must be > 0 ms")
     return slos
 
@@ -403,16 +405,16 @@ def validate(args: argparse.Namespace) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if not args.request_rate > 0:
         raise ValueError(f"--request-rate must be > 0, got {args.request_rate}")
-    if not args.burstiness > 0:
-        raise ValueError(f"--burstiness must be > 0, got {args.burstiness}")
+    if not 0 < args.burstiness < float("inf"):     # gamma's shape: inf is no distribution
+        raise ValueError(f"--burstiness must be > 0 and finite, got {args.burstiness}")
     if not 0 <= args.random_range_ratio < 1:
         raise ValueError(f"--random-range-ratio must be in [0, 1), got {args.random_range_ratio}")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
     if args.num_workers < 1 or args.num_workers > args.num_prompts:
         raise ValueError(f"--num-workers must be in [1, --num-prompts], got {args.num_workers}")
-    if not args.timeout > 0:
-        raise ValueError(f"--timeout must be > 0, got {args.timeout}")
+    if not 0 < args.timeout < float("inf"):        # httpx takes no infinite timeout
+        raise ValueError(f"--timeout must be > 0 and finite, got {args.timeout}")
     if args.max_token_id is not None and args.max_token_id < 1:
         raise ValueError(f"--max-token-id must be >= 1, got {args.max_token_id}")
     if args.num_workers > 1 and args.max_concurrency is not None:

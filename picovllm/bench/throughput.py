@@ -79,6 +79,7 @@ def run_throughput(args: argparse.Namespace) -> dict:
         load_s = time.time() - t
     warm = [p[:32] for p in w.prompts[:2]]
     llm.generate(warm, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    llm.engine.block_manager.reset_prefix_cache()     # the warm-up's blocks are the workload's first prompts' prefixes
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in w.max_tokens]
     _sync()
     t = time.time()
