@@ -393,6 +393,9 @@ def test_bench_throughput_json(tmp_path, capsys):
     hi = res["output_tokens"] / max(res["elapsed_s"] - 5e-4, 1e-6)
     assert lo * 0.999 <= res["output_tok_s"] <= hi * 1.001
     assert "Total time" in capsys.readouterr().out
+    rc = cli_main(["bench", "throughput", "--workload", "cpu-small", "--num-prompts", "0", "--random-model",
+                   "tiny-qwen3"])
+    assert rc == 2 and "--num-prompts must be >= 1, got 0" in capsys.readouterr().err
 
 
 def test_bench_throughput_timed_run_computes_every_prompt_token(monkeypatch, capsys):

@@ -392,7 +392,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--goodput", nargs="+", default=None, metavar="METRIC:MS",
                    help=f"SLOs for goodput, METRIC in {', '.join(SLO_KEYS)}, e.g. ttft:500 tpot:50")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds a request waits for its connection, or for its next bytes (httpx's timeout; not a whole "
+                        "request's)")
     p.add_argument("--result-json", default=None)
     p.add_argument("--plot", default=None, help="PNG of ITL (and TTFT) over time")
     p.set_defaults(func=main)

@@ -70,6 +70,8 @@ def run_throughput(args: argparse.Namespace) -> dict:
     from picovllm.entrypoints.llm import LLM
     from picovllm.sampling_params import SamplingParams
 
+    if args.num_prompts is not None and args.num_prompts < 1:
+        raise ValueError(f"--num-prompts must be >= 1, got {args.num_prompts}")
     w = make_workload(args.workload, args.num_prompts)
     check_totals(w)
     with model_path(args) as path:
