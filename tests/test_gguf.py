@@ -306,11 +306,11 @@ def gguf_files(tmp_path_factory):
             for k in TYPES + REQUANTIZED}
 
 
-def hf_llama(ref: dict[str, np.ndarray]):
+def hf_llama(ref: dict[str, np.ndarray], **config):
     from transformers import LlamaConfig, LlamaForCausalLM
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=LAYERS,
                       num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=512,
-                      rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False)
+                      rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False, **config)
     model = LlamaForCausalLM(cfg).eval()
     model.load_state_dict({k: torch.tensor(v, dtype=torch.float32) for k, v in ref.items()}, strict=True)
     return model
@@ -508,3 +508,80 @@ def test_missing_metadata_key_is_named(tmp_path):
     w.close()
     with pytest.raises(ValueError, match="llama.attention.head_count"):
         LLM(path)
+
+
+
+def _write_with_keys(path: str, monkeypatch, keys: dict, **kwargs) -> dict[str, np.ndarray]:
+    """write_tiny_gguf(path, "F32", **kwargs) with the metadata `keys` added, or put in place of the writer's: a list
+    as an array, a float as float32, an int as uint32."""
+    write_header = gguf.GGUFWriter.write_header_to_file
+
+    def with_keys(w, *args, **kw):
+        for key, value in keys.items():
+            for kv in w.kv_data:
+                kv.pop(key, None)
+            if isinstance(value, list):
+                w.add_array(key, value)
+            else:
+                w.add_float32(key, value) if isinstance(value, float) else w.add_uint32(key, value)
+        return write_header(w, *args, **kw)
+    with monkeypatch.context() as m:
+        m.setattr(gguf.GGUFWriter, "write_header_to_file", with_keys)
+        return write_tiny_gguf(path, "F32", **kwargs)
+
+
+def _hf_greedy(hf, prompts: list[list[int]], new: int = 8) -> list[list[int]]:
+    out = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        with torch.no_grad():
+            g = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                            do_sample=False, pad_token_id=0, eos_token_id=None)
+        out.append(g[0, len(p):].tolist())
+    return out
+
+
+@pytest.mark.parametrize("key", ["llama.rope.scaling.factor", "llama.rope.scale_linear"])
+def test_rope_factor_without_a_type_is_linear(tmp_path, monkeypatch, key):
+    """A factor without rope.scaling.type (older converters' files; rope.scale_linear the oldest key): llama.cpp
+    scales the positions linearly by it (its default type is linear). It was ignored: the unscaled rotation.
+    Oracle: HF's Llama with linear rope scaling on the same weights (which the unscaled one does not match)."""
+    path = str(tmp_path / "linear.gguf")
+    ref = _write_with_keys(path, monkeypatch, {key: 4.0})
+    scaled = _hf_greedy(hf_llama(ref, rope_scaling={"rope_type": "linear", "factor": 4.0}), PROMPTS)
+    assert scaled != _hf_greedy(hf_llama(ref), PROMPTS)
+    llm = LLM(path, num_kv_blocks=32, quantization="none")
+    assert llm.engine.model_config.rope_scaling == {"rope_type": "linear", "factor": 4.0}
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == scaled
+
+
+def test_split_file_is_refused_naming_the_key(tmp_path, monkeypatch):
+    """The first part of a gguf-split model (split.count 2) holds only some of its tensors: here all but
+    output.weight, which read alone made a model with a tied LM head, silently. It is refused, naming the key."""
+    path = str(tmp_path / "tiny-00001-of-00002.gguf")
+    _write_with_keys(path, monkeypatch, {"split.no": 0, "split.count": 2, "split.tensors.count": len(tensor_plan())},
+                     skip=("output.weight",))
+    with pytest.raises(ValueError, match=r"split\.count=2"):
+        LLM(path, num_kv_blocks=32)
+
+
+def test_per_layer_arrays_of_one_value_read_as_that_value(tmp_path, monkeypatch):
+    """llama.cpp reads the head counts and the FFN width as one value or an array of one per layer. Arrays whose
+    layers agree describe the model the scalars do (HF on the same weights); arrays whose layers differ, or a
+    sliding-window pattern without a value per layer, are refused naming the key (they raised TypeError and
+    IndexError)."""
+    per_layer = {"llama.attention.head_count": [HEADS] * LAYERS, "llama.attention.head_count_kv": [KV_HEADS] * LAYERS,
+                 "llama.feed_forward_length": [INTER] * LAYERS}
+    path = str(tmp_path / "arrays.gguf")
+    want = _hf_greedy(hf_llama(_write_with_keys(path, monkeypatch, per_layer)), PROMPTS)
+    outs = LLM(path, num_kv_blocks=32, quantization="none").generate(
+        PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    refused = [("llama.attention.head_count_kv", [KV_HEADS, HEADS]), ("llama.feed_forward_length", [INTER]),
+               ("llama.attention.sliding_window_pattern", [True])]
+    for key, value in refused:
+        extra = {"llama.attention.sliding_window": 8} if "sliding" in key else {}
+        _write_with_keys(path, monkeypatch, {key: value, **extra})
+        with pytest.raises(ValueError, match=key.replace(".", r"\.")):
+            LLM(path, num_kv_blocks=32)

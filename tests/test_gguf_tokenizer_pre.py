@@ -178,9 +178,9 @@ def test_unknown_pre_is_refused_by_name(pre):
 _DIGITS = [*"0123456789", "12", "123", "45", "12345"]
 
 
-def _write_tokenizer_gguf(path: str, pre: str) -> None:
+def _write_tokenizer_gguf(path: str, pre: str, add_bos: bool | None = None) -> None:
     """A gguf-package file holding only a byte-level vocabulary: every byte, and merges that would join "12345"
-    whole if nothing cut it first."""
+    whole if nothing cut it first; tokenizer.ggml.add_bos_token only where add_bos is given."""
     from transformers.convert_slow_tokenizer import bytes_to_unicode
     alphabet = list(dict.fromkeys(bytes_to_unicode().values()))
     tokens = ["<s>", "</s>", *alphabet, *[t for t in _DIGITS if len(t) > 1]]
@@ -192,6 +192,8 @@ def _write_tokenizer_gguf(path: str, pre: str) -> None:
     w.add_token_merges(["1 2", "12 3", "4 5", "123 45"])
     w.add_bos_token_id(0)
     w.add_eos_token_id(1)
+    if add_bos is not None:
+        w.add_add_bos_token(add_bos)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -220,6 +222,20 @@ def test_unknown_pre_in_a_file_is_refused_naming_the_file(tmp_path):
     _write_tokenizer_gguf(path, "no-such-pre")
     with pytest.raises(ValueError, match=r"odd\.gguf.*tokenizer\.ggml\.pre 'no-such-pre'"):
         gguf_tokenizer.from_metadata(GGUFFile(path).metadata, path)
+
+
+@pytest.mark.parametrize("pre", sorted(PRE_TOKENIZER_SPLITS) + sorted(GPT2_PRE_TOKENIZERS))
+def test_bos_without_the_flag_as_llama_cpp(tmp_path, pre):
+    """A byte-level BPE file without tokenizer.ggml.add_bos_token: llama.cpp (src/llama-vocab.cpp) adds the BOS for
+    LLAMA3's and TEKKEN's names (Llama 3 files of older converters have no flag) and for no other; the file's flag,
+    where it has one, wins either way."""
+    path = str(tmp_path / "bos.gguf")
+    llama_cpp_adds = pre in ("llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral", "midm-2.0", "tekken")
+    for flag, adds in [(None, llama_cpp_adds), (True, True), (False, False)]:
+        _write_tokenizer_gguf(path, pre, add_bos=flag)
+        tok = gguf_tokenizer.from_metadata(GGUFFile(path).metadata, path)
+        bare = tok.encode("12", add_special_tokens=False)
+        assert tok.encode("12") == [0] * adds + bare, (pre, flag)
 
 
 def test_tokenizer_entry_key_follows_the_conversion_version(tmp_path, monkeypatch):

@@ -274,6 +274,27 @@ def required(meta: dict, key: str, path: str):
     return meta[key]
 
 
+# keys llama.cpp reads as one value or an array of one per layer (get_key_or_arr)
+_PER_LAYER = ("attention.head_count", "attention.head_count_kv", "feed_forward_length")
+
+
+def _one_value_for_all_layers(meta: dict, p: str, path: str) -> dict:
+    """meta with each _PER_LAYER key given as an array (one value per layer) replaced by its one value; ValueError
+    naming the key where the values differ between layers (every model here has one shape for all its layers) or
+    there is not one per layer."""
+    layers = meta.get(p + "block_count")
+    out = dict(meta)
+    for key in _PER_LAYER:
+        values = meta.get(p + key)
+        if not isinstance(values, (list, np.ndarray)):
+            continue
+        if len(set(int(v) for v in values)) != 1 or (layers is not None and len(values) != int(layers)):
+            raise ValueError(f"GGUF {path!r}: {p}{key}={list(map(int, values))}: one value per layer is read only "
+                             f"where there is one for each of the {p}block_count layers and all are the same")
+        out[p + key] = int(values[0])
+    return out
+
+
 def expert_groups(meta: dict, p: str, experts: int, k: int, smallest: int, path: str) -> tuple[int, int]:
     """(n_group, topk_group) of a group-limited router (p's expert_group_count and _used_count), checked: groups of
     at least `smallest` experts (sigmoid's rule ranks a group by its two best), the kept groups holding the top-k."""
@@ -298,8 +319,14 @@ def model_config(meta: dict, tensors: dict, path: str) -> tuple[ModelConfig, Arc
         raise ValueError(f"GGUF {path!r}: general.architecture={name!r} is unsupported "
                          f"(supported: {', '.join(map(repr, ARCHITECTURES))})")
     arch, p = ARCHITECTURES[name], name + "."
+    splits = int(meta.get("split.count", 1))
+    if splits > 1:      # this file holds only some of the tensors: a missing output.weight would read as tied
+        raise ValueError(f"GGUF {path!r}: split.count={splits}: a model split over several files (gguf-split's "
+                         "-0000N-of-0000M.gguf) is unsupported; merge its parts into one file first "
+                         "(llama-gguf-split --merge)")
     if "token_embd.weight" not in tensors:
         raise ValueError(f"GGUF {path!r}: tensor 'token_embd.weight' is missing")
+    meta = _one_value_for_all_layers(meta, p, path)
     family_reader = family_module(arch)
     if family_reader is not None:
         return family_reader.model_config(meta, tensors, path), arch
@@ -307,7 +334,7 @@ def model_config(meta: dict, tensors: dict, path: str) -> tuple[ModelConfig, Arc
     heads, hidden, layers = shared["num_attention_heads"], shared["hidden_size"], shared["num_hidden_layers"]
     head_dim, scaling = shared["head_dim"], shared["rope_scaling"]
     experts = _experts(meta, tensors, p, layers, path)
-    window, sliding = sliding_pattern(meta, p, name, layers)
+    window, sliding = sliding_pattern(meta, p, name, layers, path)
     if name == "olmo2" and window:          # OLMo 3 as llama.cpp writes it: not this model's layer shape
         raise ValueError(f"GGUF {path!r}: {p}attention.sliding_window: sliding-window OLMo (OLMo 3) is unsupported")
     hf = arch.hf
@@ -397,7 +424,7 @@ def _experts(meta: dict, tensors: dict, p: str, layers: int, path: str) -> dict:
                 if qwen2 else 0)
 
 
-def sliding_pattern(meta: dict, p: str, arch: str, layers: int) -> tuple[int | None, list[bool] | None]:
+def sliding_pattern(meta: dict, p: str, arch: str, layers: int, path: str) -> tuple[int | None, list[bool] | None]:
     """(window, which layers slide). attention.sliding_window_pattern: a bool per layer (True: sliding), or a period
     n (every n-th layer global); without it, llama.cpp's rules: Gemma 2 and GPT-OSS every other layer from the
     first, Gemma 3 a period of 6, Cohere 2 of 4, the others every layer."""
@@ -412,6 +439,9 @@ def sliding_pattern(meta: dict, p: str, arch: str, layers: int) -> tuple[int | N
         sliding = [int(pattern) <= 1 or (i + 1) % int(pattern) != 0 for i in range(layers)]
     else:
         sliding = [bool(s) for s in pattern]
+        if len(sliding) != layers:
+            raise ValueError(f"GGUF {path!r}: {p}attention.sliding_window_pattern has {len(sliding)} values, one per "
+                             f"layer of {layers}")
     return (int(window), sliding) if any(sliding) else (None, None)
 
 
@@ -478,8 +508,10 @@ def _gemma(meta: dict, p: str, arch: str, hidden: int, heads: int, head_dim: int
 
 def _rope_scaling(meta: dict, tensors: dict, p: str, path: str, rotary_dim: int) -> dict | None:
     """Linear scaling (Gemma 3's global layers), YaRN (Qwen's long-context setting), Phi-3's LongRoPE or Llama 3's
-    frequency divisors (both factors are tensors of the file)."""
-    kind = meta.get(p + "rope.scaling.type", "none")
+    frequency divisors (both factors are tensors of the file). Without rope.scaling.type, llama.cpp's rule: linear,
+    by rope.scaling.factor or older files' rope.scale_linear (none where neither is there, or it is 0)."""
+    factor = meta.get(p + "rope.scaling.factor", meta.get(p + "rope.scale_linear"))
+    kind = meta.get(p + "rope.scaling.type", "linear" if factor else "none")
     if "rope_freqs.weight" in tensors:
         factors = _vector(tensors["rope_freqs.weight"])
         if len(factors) != rotary_dim // 2:
@@ -505,7 +537,9 @@ def _rope_scaling(meta: dict, tensors: dict, p: str, path: str, rotary_dim: int)
     if kind != "linear":
         raise ValueError(f"GGUF {path!r}: {p}rope.scaling.type={kind!r}: only 'linear', 'yarn' (and Phi-3's "
                          "LongRoPE factors) are supported")
-    return {"rope_type": "linear", "factor": float(required(meta, p + "rope.scaling.factor", path))}
+    if factor is None:
+        required(meta, p + "rope.scaling.factor", path)
+    return {"rope_type": "linear", "factor": float(factor)} if factor else None       # llama.cpp: 0 is unscaled
 
 
 # YaRN's keys past the factor and original context that change llama.cpp's rotation, with their neutral values

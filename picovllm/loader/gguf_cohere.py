@@ -36,7 +36,7 @@ def model_config(meta: dict, tensors: dict, path: str) -> ModelConfig:
     family = dict(rotary_interleaved=True, logits_scaling=1.0 / scale)
     if name == "cohere2":
         required(meta, p + "attention.sliding_window", path)
-        window, sliding = sliding_pattern(meta, p, name, fields["num_hidden_layers"])
+        window, sliding = sliding_pattern(meta, p, name, fields["num_hidden_layers"], path)
         # only the sliding layers rotate (hf_config.py's _rope_layers, as HF's Cohere 2)
         family.update(sliding_window=window, sliding_layers=sliding,
                       rope_layers=None if sliding is None or all(sliding) else list(sliding))

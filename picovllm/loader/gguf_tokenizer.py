@@ -24,8 +24,8 @@ import os
 # Bump when from_metadata builds a different tokenizer from the same file: the artifact cache's key of a GGUF's
 # converted tokenizer includes it (loader/gguf_file.py), so a tokenizer built by older code is not reused.
 # 2: the BPE pre-tokenizer from PRE_TOKENIZER_SPLITS. 3: sentencepiece's space prefix as llama.cpp adds it, and
-# ignore_merges for IGNORE_MERGES_PRE_TOKENIZERS.
-CONVERSION_VERSION = 3
+# ignore_merges for IGNORE_MERGES_PRE_TOKENIZERS. 4: the BOS of ADD_BOS_PRE_TOKENIZERS without add_bos_token.
+CONVERSION_VERSION = 4
 
 # llama.cpp's tokenizer metadata key -> the name transformers' converter expects
 _BACKEND_KEYS = {
@@ -115,6 +115,11 @@ IGNORE_MERGES_PRE_TOKENIZERS = frozenset(("llama3", "llama-v3", "llama-bpe", "fa
                                           "tekken"))
 
 
+# The names whose vocabulary llama.cpp gives a BOS where the file has no tokenizer.ggml.add_bos_token (LLAMA3's and
+# TEKKEN's, src/llama-vocab.cpp; Llama 3 files of older converters have no flag); other BPE names none.
+ADD_BOS_PRE_TOKENIZERS = frozenset(("llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral", "midm-2.0", "tekken"))
+
+
 def bpe_pre_tokenizer(pre: str | None):
     """The `tokenizers` pre-tokenizer of a byte-level BPE vocabulary whose tokenizer.ggml.pre is `pre` (None:
     the key is absent, which llama.cpp reads as "default"). ValueError for a name neither table has."""
@@ -197,8 +202,9 @@ def _converted(meta: dict, path: str):
     options = {"chat_template": meta.get("tokenizer.chat_template"),
                "add_bos_token": meta.get("tokenizer.ggml.add_bos_token"),
                "add_eos_token": meta.get("tokenizer.ggml.add_eos_token")}
-    if backend_dict.get("tokenizer_type") == "llama" and options["add_bos_token"] is None:
-        options["add_bos_token"] = True       # llama.cpp's default for sentencepiece vocabularies without the flag
+    if options["add_bos_token"] is None:      # llama.cpp's default without the flag: sentencepiece's BOS, some BPE's
+        options["add_bos_token"] = (backend_dict.get("tokenizer_type") == "llama"
+                                    or backend_dict.get("pre_tokenizer_type") in ADD_BOS_PRE_TOKENIZERS)
     tokens = backend_dict["tokens"]
     for name, key in _SPECIAL.items():
         token_id = meta.get(f"tokenizer.ggml.{key}")
