@@ -261,13 +261,16 @@ def drive(engine, reqs, rng: random.Random, abort_p: float) -> tuple[dict[int, C
     return seen, aborted
 
 
-def assert_cache_counters(engine, finals) -> None:
-    """The hit and query counters, less preempted requests' lookups, are the admitted requests' own numbers."""
+def assert_cache_counters(engine, finals, params) -> None:
+    """The hit and query counters, less preempted requests' lookups, are the admitted requests' own numbers (finals
+    and their params in the same order); a prompt_logprobs request's first admission reads no cached block and is no
+    lookup (as vLLM's skip_reading_prefix_cache)."""
     bm = engine.block_manager
-    admitted = [o for o in finals if o.metrics.first_scheduled_time is not None]
+    admitted = [(o, sp) for o, sp in zip(finals, params) if o.metrics.first_scheduled_time is not None]
     if bm.enable_prefix_caching:
-        assert bm.queried_tokens - bm.requeried_tokens == sum(len(o.prompt_token_ids) for o in admitted)
-    assert bm.hit_tokens - bm.rehit_tokens == sum(o.num_cached_tokens for o in admitted)
+        assert bm.queried_tokens - bm.requeried_tokens == sum(len(o.prompt_token_ids) for o, sp in admitted
+                                                              if sp.prompt_logprobs is None)
+    assert bm.hit_tokens - bm.rehit_tokens == sum(o.num_cached_tokens for o, _ in admitted)
 
 
 @pytest.mark.parametrize("seed", range(10))
@@ -284,7 +287,7 @@ def test_random_mix_matches_one_at_a_time(models, kind, seed):
         if i not in aborted and reproducible(sp):
             assert_same((want[i], want[i].outputs[0]), seen[i].as_output(), (kind, seed, i, sp))
     assert_engine_clean(llm.engine)
-    assert_cache_counters(llm.engine, [c.final for c in seen.values()])
+    assert_cache_counters(llm.engine, [seen[i].final for i in range(len(reqs))], [sp for _, sp, _ in reqs])
 
 
 @pytest.mark.parametrize("seed", range(3))

@@ -109,7 +109,10 @@ class BlockManager:
 
     def _looks_up(self, req: Request) -> bool:
         """Whether allocate_prefix looks req up in the prefix cache (and counts it): not for mean pooling, which
-        needs every prompt token's hidden state (engine/pooling.py)."""
+        needs every prompt token's hidden state (engine/pooling.py), nor for prompt_logprobs while no full block of
+        its prompt is scored (cached positions have no logits: it could take none; vLLM counts no lookup there)."""
+        if req.prompt_logprobs is not None and len(req.prompt_logprobs) <= self.block_size:
+            return False
         return self.enable_prefix_caching and not (req.pooling is not None and req.pooling.mean)
 
     def cancel_prefix(self, req: Request) -> None:
