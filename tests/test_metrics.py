@@ -5,6 +5,7 @@ own), the first token and token gaps of requests that end early, rejected embedd
 Servers here run in-process (TestClient, the engine loop in a thread); the engine process's side of the pipe runs in
 a thread on real pipes (ChildLoop), as in test_engine_process.py."""
 import asyncio
+import json
 import multiprocessing as mp
 import os
 import subprocess
@@ -169,6 +170,30 @@ def test_a_pooling_servers_rejected_embeddings_are_counted(chat_model):
     assert m["vllm:generation_tokens_total"] == 0 and m["vllm:time_to_first_token_seconds_count"] == 0
 
 
+def test_refusals_before_the_app_count_as_rejected(chat_model):
+    """A body over the limit is refused by the middleware when its Content-Length says so, by the app's body reader
+    when it streams in chunked, and a missing API key by the middleware: each a 4xx of a request route, counted as
+    rejected whoever answered it (a 413 counted only without Content-Length had left the others out). A 413 of a
+    route that is no request (/tokenize) is not counted."""
+    eng = engine(chat_model)
+    metrics = ServerMetrics("m")
+    ctx = ServingContext(AsyncEngine(eng, metrics), TokenizerWorker(eng.tokenizer), metrics, "m")
+    key = {"Authorization": "Bearer k", "content-type": "application/json"}
+    big = json.dumps({"prompt": "x" * 2000}).encode()
+    statuses = []
+    with TestClient(build_app(ctx, ServerSettings(max_request_bytes=1000, api_key="k"))) as c:
+        for route in ("/v1/completions", "/v1/chat/completions"):
+            statuses.append(c.post(route, content=big, headers=key).status_code)
+            statuses.append(c.post(route, content=(big[i:i + 500] for i in range(0, len(big), 500)),
+                                   headers=key).status_code)
+            statuses.append(c.post(route, json={"prompt": "hi"}).status_code)
+        assert c.post("/tokenize", content=big, headers=key).status_code == 413
+        m = values(c.get("/metrics").text)
+    assert statuses == [413, 413, 401] * 2
+    assert m["picovllm:requests_total.rejected"] == len(statuses)
+    assert sum(m[f"vllm:request_success_total.{r}"] for r in ("stop", "length", "abort", "error")) == 0
+
+
 # -- vLLM's series -----------------------------------------------------------------------------------------------------
 def test_vllm_series_count_as_vllm_does(chat_model):
     """Five completions of known lengths (the last two the same 40-token prompt: the second finds its first two
@@ -217,6 +242,27 @@ def test_preemptions_and_prefix_lookups_count_as_vllm_does(chat_model):
     assert m["vllm:num_preemptions_total"] == 1
     assert (m["picovllm:prefix_cache_queries_total"], m["picovllm:prefix_cache_hits_total"]) == (16 + 16 + 33, 16)
     assert (m["vllm:prefix_cache_queries_total"], m["vllm:prefix_cache_hits_total"]) == (16 + 16, 0)
+
+
+def test_prompt_logprobs_requests_are_no_prefix_cache_lookups(chat_model):
+    """A request that scores its prompt (prompt_logprobs, or echo with logprobs: OpenAI's prompt scoring) takes no
+    block from the prefix cache (cached positions have no logits), so, as vLLM's (skip_reading_prefix_cache), its
+    prompt is no lookup: the counters' queries are the prompt tokens of the requests that could hit, and their hits
+    the cached tokens those requests' usage reports."""
+    client, _ = app_over(engine(chat_model))
+    prompt = list(range(3, 40))          # two full 16-token blocks, cached by the first request
+    looked_up = cached = 0
+    with client as c:
+        for scoring in ({}, {"prompt_logprobs": 1}, {"echo": True, "logprobs": 1}, {}):
+            r = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2, **scoring, **GREEDY})
+            assert r.status_code == 200, r.text
+            use = r.json()["usage"]
+            cached += use["prompt_tokens_details"]["cached_tokens"]
+            looked_up += 0 if scoring else use["prompt_tokens"]
+        m = values(c.get("/metrics").text)
+    assert cached == 32
+    assert (m["vllm:prefix_cache_queries_total"], m["vllm:prefix_cache_hits_total"]) == (looked_up, cached)
+    assert (m["picovllm:prefix_cache_queries_total"], m["picovllm:prefix_cache_hits_total"]) == (looked_up, cached)
 
 
 WRITER = textwrap.dedent("""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import importlib.util
 import logging
 import signal
@@ -164,10 +165,11 @@ def build_app(ctx: ServingContext, settings: ServerSettings, openai_routes: bool
         data, content_type = ctx.metrics.render()
         return Response(data, media_type=content_type)
 
-    _add_error_handlers(app, ctx)
-    app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes)
+    refused = functools.partial(count_refusal, ctx)
+    _add_error_handlers(app, refused)
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes, refused=refused)
     if settings.api_key:
-        app.add_middleware(APIKeyAuth, api_key=settings.api_key)   # checked before the body is read
+        app.add_middleware(APIKeyAuth, api_key=settings.api_key, refused=refused)   # checked before the body is read
     if settings.allowed_origins:        # outermost: a browser's preflight (no API key) is answered here
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins),
                            allow_credentials=settings.allow_credentials, allow_methods=list(settings.allowed_methods),
@@ -175,10 +177,16 @@ def build_app(ctx: ServingContext, settings: ServerSettings, openai_routes: bool
     return app
 
 
-def _add_error_handlers(app: FastAPI, ctx: ServingContext) -> None:
+def count_refusal(ctx: ServingContext, scope: dict, status: int) -> None:
+    """A 4xx of a request route is a rejected request, whoever answered it (a handler, or a middleware before the
+    app: a body over the limit, a missing API key)."""
+    if 400 <= status < 500 and route_path(scope) in REQUEST_ROUTES:
+        ctx.metrics.count_outcome("rejected")
+
+
+def _add_error_handlers(app: FastAPI, refused: Callable[[dict, int], None]) -> None:
     def reject(request: Request, status: int, body: dict) -> JSONBody:
-        if 400 <= status < 500 and route_path(request.scope) in REQUEST_ROUTES:
-            ctx.metrics.count_outcome("rejected")
+        refused(request.scope, status)
         return JSONBody(body, status)
 
     @app.exception_handler(APIError)
