@@ -130,6 +130,26 @@ def test_an_overlapped_engine_admits_an_arrival_a_step_later_by_hand():
     assert alone.requests[1].token_times == pytest.approx([t1 + step(50, 0, 0)]), "nothing else planned: at once"
 
 
+def test_colocated_instances_share_the_decodes():
+    """Colocated, an arrival that finds no prompt left on any instance goes to the one with the fewest requests: N
+    requests, each arriving after the one before has its first token, on N instances run as each would alone (they
+    all went to the first instance, decoding side by side there while the others idled)."""
+    step = PROFILE.step_time
+    reqs = [SimRequest(1.0 + k * (step(100, 0, 0) + 1e-3), 100, 40) for k in range(3)]
+    got = simulate(PROFILE, Deployment(0, 3, chunk=512), reqs).requests
+    for r, g in zip(reqs, got):
+        alone = simulate(PROFILE, Deployment(0, 1, chunk=512), [r]).requests[0]
+        assert g.token_times == pytest.approx(alone.token_times)
+    # Poisson traffic that rarely holds two requests at once: on 8 instances each decodes alone, within the ITL SLO
+    # of a lone decode; and more instances are never worse
+    traffic = Traffic(3.0, Lengths(100, 100), Lengths(40, 40), num_requests=60, seed=1)
+    slo = step(0, 1, 140) * 1.01
+    rows = [simulate(PROFILE, Deployment(0, n, chunk=512), make_requests(traffic)).summary(1.0, slo)
+            for n in (1, 2, 4, 8)]
+    assert rows[-1]["good_fraction"] == 1.0
+    assert [r["goodput"] for r in rows] == sorted(r["goodput"] for r in rows)
+
+
 def test_queueing_matches_pollaczek_khinchine():
     """Prompts of 256 tokens done at their first token, one per step (chunk 256, one sequence): an M/D/1
     queue with service s, whose mean wait is lambda s^2 / (2 (1 - rho))."""
@@ -192,6 +212,10 @@ NAN, INF = float("nan"), float("inf")
     (["--num-prompts", "0"], {}, {}, "--num-prompts"),            # not num_requests
     (["--chunks", "0"], {}, {}, "--chunks"),                      # not "chunk and max_num_seqs"
     (["--plan-max-num-seqs", "0"], {}, {}, "--plan-max-num-seqs"),
+    (["--max-num-seqs", "8"], {}, {}, "--max-num-seqs applies to --measure-profile only"),   # not the simulation's
+    (["--max_num_batched_tokens=1024"], {}, {}, "--max-num-batched-tokens applies to --measure-profile only"),
+    (["--model", "m"], {}, {}, "--model applies to --measure-profile only"),
+    (["--plot", "p.png"], {}, {}, "--plot draws the --measured runs"),                   # no PNG, not a word
     ([], {"coef": ["a", 0, 0, 0, 0, 0]}, {}, "--profile: PROFILE: coef"),    # TypeError
     ([], {"coef": 5}, {}, "--profile: PROFILE: coef"),
     ([], {"coef": [NAN, 0, 0, 0, 0, 0]}, {}, "--profile: PROFILE: coef"),     # loaded, every step 0 s
@@ -425,6 +449,37 @@ def test_profile_times_the_whole_batch(tiny_models, overlap):
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
+def test_profile_times_whole_prompts_not_prefix_hits(tiny_models):
+    """A lone prompt or a mixed step's chunk is timed on all its tokens: no prompt the profile times begins with the
+    blocks of one it ran before (the 64-token prompts used to repeat the 16-token ones' token and found their first
+    block cached). Every timed prompt's first chunk starts at token 0, and all of it is computed in its steps."""
+    from picovllm.config import EngineConfig
+    from picovllm.engine.llm_engine import Engine
+    from picovllm.planner.profile import measure_profile
+    engine = Engine(EngineConfig(tiny_models["llama"], block_size=8, num_kv_blocks=256, max_model_len=256,
+                                 max_num_batched_tokens=128))
+    first, computed = {}, {}         # a max_tokens=1 request's (a timed prompt's): where its first chunk began,
+    schedule = engine._schedule      # and its prompt tokens scheduled
+
+    def recording_schedule():
+        sched = schedule()
+        for c in sched.chunks:
+            req = c.request
+            if not c.is_decode and req.params.max_tokens == 1:
+                first.setdefault(req.request_id, req.num_computed_tokens)
+                computed[req.request_id] = computed.get(req.request_id, 0) + c.num_new_tokens
+        return sched
+    engine._schedule = recording_schedule
+    prof = measure_profile(engine, prefill_lens=(16, 32, 64), batches=(4,), contexts=(32,), repeats=3,
+                           mixed=((4, 16), (4, 32)), wake_idles=(0.001,), passes=1)
+    assert set(first.values()) == {0}, first
+    timed = [s for s in prof.samples if s["prefill"]]
+    assert [s["prefill"] for s in timed] == [16, 32, 64, 16, 32]
+    lengths = sorted(computed.values())
+    for n in (16, 32, 64):           # three lone prompts and three mixed chunks a length, each whole
+        assert lengths.count(n) >= 3 + 3 * (n in (16, 32)), lengths
+
+
 def test_step_overhead_by_hand_and_calibrated():
     """A served step costs the profile's step plus step_overhead: one request by hand; and a run 'measured'
     with a known step overhead, its client chunks grouping tokens two by two (so no gap is a step), gives
@@ -449,6 +504,20 @@ def test_step_overhead_by_hand_and_calibrated():
     cal = calibrate(PROFILE, Deployment(0, 1, chunk=512), {"requests": records})
     assert cal.step_overhead == pytest.approx(so, rel=1e-3)
     assert cal.request_overhead == pytest.approx(0.0, abs=1e-9)
+
+
+def test_a_run_without_usage_replays_a_token_a_chunk():
+    """A server that sends no usage leaves output_tokens 0 (check_run takes it): as bench serve counts such a request,
+    its tokens are its chunks, and the run is predicted and calibrated as the same run with those counts written."""
+    from picovllm.planner.plan import calibrate, measured_trace, predict_measured
+    records = [{"success": True, "start": 0.3 * i, "prompt_len": 60 + i, "output_tokens": 3 + i, "ttft": 0.01,
+                "latency": 0.1, "itls": [0.004 + 1e-4 * k for k in range(2 + i)]} for i in range(4)]
+    counted = {"config": {"request_rate": 3}, "requests": records}
+    unknown = {"config": {"request_rate": 3}, "requests": [dict(r, output_tokens=0) for r in records]}
+    assert [r.output for r in measured_trace(unknown)[0]] == [len(r["itls"]) + 1 for r in records]
+    dep = Deployment(0, 1, chunk=512)
+    assert predict_measured(PROFILE, dep, unknown, 1.0, 1.0) == predict_measured(PROFILE, dep, counted, 1.0, 1.0)
+    assert calibrate(PROFILE, dep, unknown).step_overhead == calibrate(PROFILE, dep, counted).step_overhead > 0
 
 
 def test_measured_goodput_and_the_best_by_rate():

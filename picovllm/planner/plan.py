@@ -62,12 +62,14 @@ def check_run(measured) -> None:
 
 def measured_trace(measured: dict) -> tuple[list[SimRequest], list[dict]]:
     """A `bench serve` result's successful requests as the simulation's input, in arrival order: the very
-    arrivals (their bursts), prompt and output lengths the run had; and the measured records, aligned."""
+    arrivals (their bursts), prompt and output lengths the run had; and the measured records, aligned. A request
+    whose server sent no usage (output_tokens 0) had a token a chunk, as bench serve counts it."""
     done = sorted((r for r in measured.get("requests", []) if r.get("success")), key=lambda r: r["start"])
     if not done:
         raise ValueError("requests: the run has no successful request with its timings (bench serve --result-json)")
     try:
-        trace = [SimRequest(float(r["start"]), int(r["prompt_len"]), int(r["output_tokens"])) for r in done]
+        trace = [SimRequest(float(r["start"]), int(r["prompt_len"]),
+                            int(r["output_tokens"]) or len(r.get("itls") or []) + 1) for r in done]
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"requests: each needs start, prompt_len and output_tokens ({e})") from None
     return trace, done
@@ -132,7 +134,7 @@ def _step_overhead(done: list[dict], sim, skip: int) -> float:
     diffs = []
     for m, r in zip(done, sim.requests):
         itls, gaps = (m.get("itls") or [])[skip:], np.diff(r.token_times)[skip:]
-        n = int(m["output_tokens"]) - 1 - skip
+        n = r.output - 1 - skip                         # measured_trace's output tokens
         if itls and n > 0 and len(gaps) == n:
             diffs.append(sum(itls) / n - float(gaps.mean()))
     return max(0.0, float(np.median(diffs))) if diffs else 0.0

@@ -332,14 +332,16 @@ def measure_admission(engine, prompt_len: int = ADMISSION_PROMPT, repeats: int =
 
 def _sample_steps(engine, limit: int, prefill_lens, batches, contexts, repeats: int, mixed) -> list[dict]:
     """One pass over the samples (measure_profile's)."""
-    samples = []
+    samples, token = [], 8      # 8 on: no prompt starts as the warm-up's [7] * 8 does
     for n in [n for n in prefill_lens if n <= limit]:
-        times = [_timed_prompt(engine, [7 + i] * n) for i in range(repeats)]
+        # a token of its own per prompt: [7] * 64 began with the blocks of [7] * 16, cached, so it timed 48 tokens
+        times = [_timed_prompt(engine, [token + i] * n) for i in range(repeats)]
+        token += repeats
         samples.append({"prefill": n, "batch": 0, "context": 0, "seconds": float(np.median(times))})
     for ctx in [c for c in contexts if c <= limit]:
         for b in [b for b in batches if b <= engine.config.max_num_seqs]:
             samples.append(decode_sample(engine, [[i + 5] * ctx for i in range(b)], repeats))
-    first = 5 + max(batches, default=0)      # each mixed sample's prompts start at tokens of its own
+    first = max(token, 5 + max(batches, default=0))     # each mixed sample's prompts start at tokens of its own
     for b, n in mixed:
         if b + n <= limit and b < engine.config.max_num_seqs:
             samples.append(_mixed_sample(engine, b, n, repeats, first_token=first))

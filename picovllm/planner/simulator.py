@@ -7,7 +7,8 @@ StepProfile.step_time(prefill tokens, decode batch, decode context); the first s
 lasts StepProfile.wake_time(the spell's length) more (an engine that waited for work starts slow). At its
 end, a request whose prompt completed has its first token; a decode has its next one. Roles:
 
-    colocated ("pd")  arrivals go to the instance with the fewest prompt tokens left to compute
+    colocated ("pd")  arrivals go to the instance with the fewest prompt tokens left to compute (of those, the one
+                      with the fewest requests: a colocated instance decodes its requests too)
     P ("p")           the same; a request leaves P at its first token, its KV moves to a D in
                       kv_bytes / transfer_bw + transfer_latency seconds (the pull)
     D ("d")           takes it on arrival (the instance with the fewest requests), decodes it to the end
@@ -248,7 +249,8 @@ def simulate(profile: StepProfile, deployment: Deployment, requests: list[SimReq
         now, _, kind, obj = heapq.heappop(events)
         if kind in ("arrive", "kv"):
             if kind == "arrive":
-                inst = min(front, key=lambda i: i.prompt_backlog())
+                # most arrivals find no prompt left anywhere: by that alone, the first instance took them all
+                inst = min(front, key=lambda i: (i.prompt_backlog(), len(i.running) + len(i.waiting)))
                 obj.found_idle = not inst.busy
             else:
                 inst = min(back, key=lambda i: len(i.running) + len(i.waiting))

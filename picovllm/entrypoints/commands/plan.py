@@ -106,7 +106,15 @@ def run_plan(args: argparse.Namespace) -> int:
 def _check_flags(args: argparse.Namespace) -> None:
     """The numeric flags, each named as typed (the planner's dataclasses name their own fields, not the flags). NaN
     and inf are refused: NaN passes a plain `<= 0` check, and an infinite rate or SLO means nothing to plan for."""
+    from picovllm.entrypoints.commands.args import add_model_and_engine_args, flags_given
     from picovllm.planner.profile import check_number
+    if not args.measure_profile:        # the engine flags set the engine the profile is measured on, nothing else
+        given = flags_given(args, add_model_and_engine_args)
+        if given:
+            raise ValueError(f"{given[0]} applies to --measure-profile only (the simulated instances take "
+                             f"--chunks and --plan-max-num-seqs)")
+    if args.plot and not args.measured:
+        raise ValueError("--plot draws the --measured runs: give --measured too")
     for flag in ("--request-rate", "--ttft-slo-ms", "--itl-slo-ms", "--transfer-gbps"):
         check_number(getattr(args, flag[2:].replace("-", "_")), flag, above=True)
     for flag in ("--num-prompts", "--num-instances", "--plan-max-num-seqs"):
