@@ -21,6 +21,8 @@ from picovllm.disagg.channel import Channel
 from picovllm.disagg.prefill import HandoverState
 from picovllm.engine.detokenizer import Detokenizer
 from picovllm.engine.llm_engine import Engine
+from picovllm.sampling_params import RequestOutputKind
+from conftest import build_tiny_checkpoint
 from serving_fixtures import chat_model, thinking_model  # noqa: F401 - fixtures
 
 BACKENDS = ["torch_dist", "cuda_ipc"]     # cuda_ipc on CPU: the same pull path over shared memory
@@ -189,6 +191,92 @@ def test_penalties_and_logit_bias_travel_to_d(tiny_models):
     pair.run()
     assert_same([pair.final[i] for i in ids], ref)
     assert pair.d.stats.decode_tokens > 0
+
+
+@pytest.fixture(scope="module")
+def sliding_model(tmp_path_factory) -> str:
+    """Every layer attends to its last 8 positions only."""
+    return build_tiny_checkpoint(str(tmp_path_factory.mktemp("sliding")), "qwen2", use_sliding_window=True,
+                                 sliding_window=8, max_window_layers=0)
+
+
+SMALL_SLIDING = dict(block_size=4, num_kv_blocks=12, max_num_batched_tokens=16, max_model_len=128)   # 48 tokens
+
+
+def test_a_sliding_window_decode_engine_refuses_a_prompt_its_cache_cannot_receive_whole(sliding_model):
+    """Every layer slides: a colocated engine whose cache is smaller than a prompt runs it (blocks behind the window
+    go back chunk by chunk), but D receives the prompt's KV whole. D with that cache refuses such an offer, naming the
+    prompt; it never waited for room that cannot come, holding up the requests queued behind it."""
+    ps = prompts(2, seed=3, lens=(60, 5))
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    ref = LLM(sliding_model, **SMALL_SLIDING).generate(ps, sp, use_tqdm=False)
+    assert [len(r.outputs[0].token_ids) for r in ref] == [6, 6]
+    pair = LocalPair(sliding_model, p_kw=dict(block_size=4, num_kv_blocks=64, max_model_len=128), d_kw=SMALL_SLIDING)
+    long, short = [pair.p.submit(p, sp) for p in ps]
+    pair.p.close()
+    pair.run()
+    out = pair.final[long]
+    assert out.outputs[0].finish_reason == "error" and "prompt (60)" in out.error and "48" in out.error, out.error
+    assert_same([pair.final[short]], ref[1:])
+
+
+def test_a_sliding_window_models_prefill_engine_admits_as_its_decode_engine_holds(sliding_model):
+    """P keeps every block of a prompt it hands over, but D decodes within the window: P resolves and checks
+    max_tokens as a colocated engine of that config does (an unset one is the context's room, not the cache's; a
+    prompt + max_tokens beyond the cache is admitted), and refuses only a prompt it cannot hold whole, naming it."""
+    ps = prompts(3, seed=4, lens=(20, 20, 9))
+    params = [SamplingParams(temperature=0, max_tokens=None, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=60, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=2, max_tokens=50, ignore_eos=True)]
+    llm = LLM(sliding_model, **SMALL_SLIDING)
+    ref = llm.generate(ps, params, use_tqdm=False)
+    assert len(ref[0].outputs[0].token_ids) == 128 - 20       # the context's room, beyond the 48-token cache
+    pair = LocalPair(sliding_model, p_kw=SMALL_SLIDING, d_kw=SMALL_SLIDING)
+    ids = [pair.p.submit(p, sp) for p, sp in zip(ps, params)]
+    too_long = prompts(1, seed=5, lens=(60,))[0]
+    assert llm.generate([too_long], params[1], use_tqdm=False)[0].outputs[0].finish_reason == "length"
+    with pytest.raises(ValueError, match=r"prompt \(60\) tokens exceed the KV cache \(48 tokens\)"):
+        pair.p.submit(too_long, params[1])
+    pair.p.close()
+    pair.run()
+    assert_same([pair.final[i] for i in ids], ref)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_delta_requests_outputs_on_d_follow_what_p_gave_out(tiny_models, overlap):
+    """output_kind DELTA: each output holds only what is new. P's first output gave out the first token, its
+    logprobs, the prompt's logprobs and the text no stop string could still cut; D's outputs hold what follows, so
+    the outputs add up to the colocated engine's, output by output."""
+    tok = CharTokenizer()
+    ps = prompts(2, seed=6)
+    params = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2, prompt_logprobs=1,
+                             output_kind=RequestOutputKind.DELTA),
+              SamplingParams(temperature=0.8, seed=1, max_tokens=8, ignore_eos=True, stop=["###"], logprobs=0,
+                             output_kind=RequestOutputKind.DELTA)]     # a stop string holds back the text's tail
+    colocated = Engine(EngineConfig(tiny_models["llama"], block_size=4, num_kv_blocks=128))
+    colocated.tokenizer, colocated.detokenizer = tok, Detokenizer(tok)
+    want = {colocated.add_request(p, sp): [] for p, sp in zip(ps, params)}
+    while colocated.has_unfinished_requests():
+        for out in colocated.step():
+            want[out.request_id].append(out)
+    pair = LocalPair(tiny_models["llama"], p_kw=dict(block_size=4, num_kv_blocks=128),
+                     d_kw=dict(block_size=4, num_kv_blocks=128), tokenizer=tok, overlap=overlap)
+    got = {pair.p.submit(p, sp): [] for p, sp in zip(ps, params)}
+    pair.p.close()
+    t0 = time.monotonic()
+    while not (pair.p.is_done() and pair.d.is_done()):
+        for out in pair.step():
+            got[out.request_id].append(out)
+        assert time.monotonic() - t0 < 60, "the pair did not finish"
+    assert list(got) == list(want)
+    for rid in want:
+        assert [o.outputs[0].token_ids for o in got[rid]] == [o.outputs[0].token_ids for o in want[rid]]
+        assert [o.outputs[0].text for o in got[rid]] == [o.outputs[0].text for o in want[rid]]
+        lps = [[sorted(d) for d in o.outputs[0].logprobs] for o in got[rid]]
+        assert lps == [[sorted(d) for d in o.outputs[0].logprobs] for o in want[rid]]
+        assert [o.prompt_logprobs is not None for o in got[rid]] == [o.prompt_logprobs is not None
+                                                                      for o in want[rid]]
+        assert got[rid][-1].outputs[0].finish_reason == want[rid][-1].outputs[0].finish_reason
 
 
 @pytest.mark.parametrize("overlap", [False, True])

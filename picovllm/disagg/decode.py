@@ -18,7 +18,7 @@ from picovllm.disagg.peer_connector import PeerConnector
 from picovllm.disagg.transfer import TransferSpec
 from picovllm.engine.kv_connector import ConnectorReport
 from picovllm.engine.request import Request
-from picovllm.sampling_params import SamplingParams
+from picovllm.sampling_params import RequestOutputKind, SamplingParams
 
 
 def request_from_handover(offer: HandoverRequest, block_size: int) -> Request:
@@ -27,11 +27,18 @@ def request_from_handover(offer: HandoverRequest, block_size: int) -> Request:
         raise ValueError(f"{len(offer.src_block_ids)} src blocks for {offer.num_kv_tokens} tokens")
     if isinstance(offer.priority, bool) or not isinstance(offer.priority, int):
         raise ValueError(f"priority must be an int, got {offer.priority!r}")
+    streamed = (offer.num_streamed_tokens, offer.num_streamed_chars)
+    if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in streamed) \
+            or offer.num_streamed_tokens > len(offer.output_token_ids):
+        raise ValueError(f"num_streamed_tokens and num_streamed_chars must be ints >= 0, the tokens at most the "
+                         f"output's, got {streamed}")
     req = Request(offer.request_id, offer.prompt_token_ids, SamplingParams(**offer.params), offer.prompt,
                   offer.arrival_time)
     req.output_token_ids = list(offer.output_token_ids)
     req.max_tokens = offer.max_tokens
     req.priority = offer.priority
+    if req.params.output_kind == RequestOutputKind.DELTA:    # P's outputs gave these out: D's hold what follows
+        req.num_streamed_tokens, req.num_streamed_chars = offer.num_streamed_tokens, offer.num_streamed_chars
     if req.logprobs is not None:
         req.logprobs = logprobs_from_wire(offer.logprobs) or []
     if req.prompt_logprobs is not None:           # P scored the prompt; D computes none of it

@@ -90,6 +90,9 @@ class HandoverRequest:
     token_times: list[float]
     priority: int = 0                 # the "priority" scheduling policy's (D orders by it if its policy is that)
     prompt_logprobs: list | None = None   # what P scored of the prompt, when asked (prompt_steps_to_wire)
+    # what P's outputs gave out (Request.num_streamed_tokens / _chars): a DELTA request's outputs on D follow them
+    num_streamed_tokens: int = 0
+    num_streamed_chars: int = 0
 
 
 @dataclass

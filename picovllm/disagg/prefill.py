@@ -38,7 +38,8 @@ def handover_request(req: Request, block_size: int) -> HandoverRequest:
         cumulative_logprob=req.cumulative_logprob, num_cached_tokens=req.num_cached_tokens,
         arrival_time=m.arrival_time, first_scheduled_time=m.first_scheduled_time,
         first_token_time=m.first_token_time, token_times=list(m.token_times), priority=req.priority,
-        prompt_logprobs=prompt_steps_to_wire(req.prompt_logprobs))
+        prompt_logprobs=prompt_steps_to_wire(req.prompt_logprobs), num_streamed_tokens=req.num_streamed_tokens,
+        num_streamed_chars=req.num_streamed_chars)
 
 
 class HandoverState(enum.Enum):

@@ -23,6 +23,7 @@ class AdmissionLimits:
     window: int | None               # the longest sliding window when every layer has one (Engine._kv_window)
     max_num_batched_tokens: int
     max_logprobs: int                # EngineConfig.max_logprobs (-1: no limit)
+    whole_prompt: bool = False       # a P engine: it keeps every block of the prompt (its D decodes, windowed or not)
 
 
 def check_sampling_params(params: SamplingParams, limits: AdmissionLimits, eos_token_ids: list[int],
@@ -118,6 +119,9 @@ def max_tokens_of(params: SamplingParams, num_prompt_tokens: int, limits: Admiss
 def check_capacity(num_prompt_tokens: int, max_tokens: int, limits: AdmissionLimits) -> None:
     """The request fits the KV cache at its longest (with a sliding window, what it holds at once)."""
     capacity = limits.kv_capacity
+    if limits.whole_prompt and num_prompt_tokens > capacity:
+        raise ValueError(f"prompt ({num_prompt_tokens}) tokens exceed the KV cache ({capacity} tokens), which holds "
+                         f"a prompt whole on a prefill engine")
     need = num_prompt_tokens + max_tokens
     if limits.window is not None:   # at most the window, a chunk and a block on either side at once
         need = min(need, limits.window + limits.max_num_batched_tokens + 2 * limits.block_size)
@@ -134,4 +138,9 @@ def check_offer(req: Request, limits: AdmissionLimits, role: str, tokenizer) -> 
         raise ValueError(f"max_tokens: prompt ({req.num_prompt_tokens}) + max_tokens ({req.max_tokens}) "
                          f"exceed the {role} engine's max_model_len ({limits.max_model_len})")
     check_capacity(req.num_prompt_tokens, req.max_tokens, limits)
+    # The peer's KV arrives whole, into blocks for it and the next token: a sliding window (whose check above counts
+    # only what is held at once) gives none of it back before it arrived, so one that cannot fit would wait forever
+    if req.num_tokens > limits.kv_capacity:
+        raise ValueError(f"prompt ({req.num_prompt_tokens}) tokens: their KV arrives whole from the peer, and with the "
+                         f"next token exceeds the {role} engine's KV cache ({limits.kv_capacity} tokens)")
     return bad_words_ids(req.params, tokenizer, limits.vocab_size)

@@ -144,9 +144,12 @@ class Engine:
         salt = prefix_salt(source.path, config.torch_dtype)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, salt)
         self.connector = connector if connector is not None else role_connector(config.role)
-        # every layer slides: blocks behind the window are given back as requests go (and at admission)
-        self.window = self._kv_window()
-        if config.max_model_len == AUTO_MODEL_LEN and self.window is None \
+        # every layer slides: a decoding request holds only the window (admission counts so on every role: a P's
+        # requests are decoded by its D), and blocks behind it are given back as requests go (and at admission), but
+        # not on P, which hands the whole prompt's KV over
+        window = self._kv_window()
+        self.window = None if config.role == "p" else window
+        if config.max_model_len == AUTO_MODEL_LEN and window is None \
                 and num_blocks * config.block_size < self.max_model_len:
             logger.info("max_model_len -1: %d tokens, what %d KV blocks hold (the model's context is %d)",
                         num_blocks * config.block_size, num_blocks, self.max_model_len)
@@ -157,8 +160,8 @@ class Engine:
                                    self.connector, config.scheduling_policy, self.proposer, config.max_decode_rows,
                                    self.window)
         self.limits = AdmissionLimits(self.model_config.vocab_size, self.max_model_len, num_blocks * config.block_size,
-                                      config.block_size, self.window, config.max_num_batched_tokens,
-                                      config.max_logprobs)
+                                      config.block_size, window, config.max_num_batched_tokens,
+                                      config.max_logprobs, whole_prompt=config.role == "p")
         self.closed = False            # close() was called: submit() refuses
         self.detokenizer = Detokenizer(self.tokenizer)
         self.requests: dict[str, Request] = {}
@@ -181,11 +184,10 @@ class Engine:
         self.accepted_per_pos = [0] * (spec.num_speculative_tokens if spec is not None else 0)
 
     def _kv_window(self) -> int | None:
-        """The longest sliding window when every layer has one (None if any layer attends to everything). P keeps
-        every block: it hands the whole prompt's KV over."""
+        """The longest sliding window when every layer has one (None if any layer attends to everything)."""
         mc = self.model_config
         windows = [mc.layer_window(i) for i in range(mc.num_hidden_layers)]
-        if self.config.role == "p" or not windows or None in windows:
+        if not windows or None in windows:
             return None
         return max(windows)
 
