@@ -108,6 +108,8 @@ def test_responses_stop_string_kept_with_include_stop_str_in_output(http, model)
 @pytest.mark.parametrize("field,value", [
     ("mm_processor_kwargs", {"num_crops": 4}), ("vllm_xargs", {"k": 1}), ("enable_response_messages", True),
     ("previous_input_messages", [{"role": "user", "content": "x"}]), ("previous_response", {"id": "resp_1"}),
+    # vLLM's Responses request has these too (they had been dropped as unknown fields, the request run without them)
+    ("kv_transfer_params", {"do_remote_decode": True}), ("media_io_kwargs", {"video": {"num_frames": 8}}),
 ])
 def test_responses_refuse_vllm_fields_not_honoured(http, field, value):
     _refused(http.post("/v1/responses", json={"input": "Hello", "max_output_tokens": 2, field: value}), field)

@@ -175,6 +175,26 @@ def test_embeddings_in_vllm_dtypes_and_byte_orders(model):
     assert_engine_clean(engine)
 
 
+def test_embeddings_take_vllms_request_id(model):
+    """/v1/embeddings' request_id (vLLM's) names the response, embd-<id>, as the generation endpoints' ids do (it had
+    been dropped: a random id came back); two requests of one id at once each get their own embeddings, those of the
+    same inputs without an id. An id that is not printable ASCII without spaces is a 400 naming it."""
+    from concurrent.futures import ThreadPoolExecutor
+    engine, http = _served(model, runner="pooling")
+    inputs = [["hello there", "the capital of France"], ["a cat on the moon"]]
+    with http:
+        plain = [http.post("/v1/embeddings", json={"input": x}).json() for x in inputs]
+        assert all(p["id"].startswith("embd-") for p in plain)
+        with ThreadPoolExecutor(2) as pool:
+            named = list(pool.map(lambda x: http.post("/v1/embeddings", json={"input": x, "request_id": "e-1"}),
+                                  inputs))
+        for r, p in zip(named, plain):
+            assert r.status_code == 200, r.text
+            assert r.json()["id"] == "embd-e-1" and r.json()["data"] == p["data"]
+        bad = http.post("/v1/embeddings", json={"input": "hi", "request_id": "has space"})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "request_id"
+    assert_engine_clean(engine)
+
 def test_request_ids_clients_choose_never_meet_in_the_engine(model):
     """Clients choose request ids: one sends "c-1" while another's n=2 request "c" runs its samples; the same id
     twice at once. Each gets its own answer under its id: the engine's ids carry a random tag (an n=2 sample had
@@ -194,3 +214,57 @@ def test_request_ids_clients_choose_never_meet_in_the_engine(model):
     assert [a["id"] for _, a in answers] == ["cmpl-c-1", "cmpl-c", "cmpl-same", "cmpl-same"]
     assert len(answers[1][1]["choices"]) == 2 and answers[2][1]["choices"] == answers[3][1]["choices"]
     assert_engine_clean(engine)
+
+
+def _wordpiece_model(model: str, path: str):
+    """model's weights with a WordPiece tokenizer, whose decoder joins tokens with spaces, special ones too (BERT's):
+    '[CLS] [SEP]' where two added tokens meet."""
+    import shutil
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    shutil.copytree(model, path)     # its tokenizer's files overwritten below
+    vocab = {w: i for i, w in enumerate(["<unk>", "<s>", "</s>", "[CLS]", "[SEP]", "hello", "world", "##s"])}
+    tok = Tokenizer(models.WordPiece(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.Whitespace(), decoders.WordPiece()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                                  cls_token="[CLS]", sep_token="[SEP]")
+    tok.save_pretrained(path)
+    return tok
+
+
+def test_spaces_between_special_tokens_false_is_served(model, tmp_path):
+    """spaces_between_special_tokens: false (with skip_special_tokens: false) leaves out the space a WordPiece decoder
+    puts between two special tokens in a row, on both endpoints and in a beam's text (the server had dropped the
+    field: the text kept the spaces). True is the tokenizer's own decode."""
+    import asyncio
+    from picovllm.entrypoints.openai.tokenizer_worker import TokenizerWorker
+    tok = _wordpiece_model(model, str(tmp_path / "wordpiece"))
+    cls, sep = tok.convert_tokens_to_ids(["[CLS]", "[SEP]"])
+    hello, world = tok.convert_tokens_to_ids(["hello", "world"])
+    engine, http = _served(str(tmp_path / "wordpiece"))
+    with http:
+        texts = {}
+        for flag in (True, False):
+            r = http.post("/v1/completions", json={
+                "prompt": "hello", "max_tokens": 3, "temperature": 0, "logit_bias": {str(cls): 100},
+                "ignore_eos": True, "skip_special_tokens": False, "spaces_between_special_tokens": flag,
+                "return_token_ids": True}).json()["choices"][0]
+            assert r["token_ids"] == [cls] * 3
+            texts[flag] = r["text"]
+        prompt = tok.encode("hello", add_special_tokens=False)
+        assert texts[True] == tok.decode(prompt + [cls] * 3)[len(tok.decode(prompt)):] == " [CLS] [CLS] [CLS]"
+        assert texts[False] == " [CLS][CLS][CLS]"
+        # skipping the special tokens, the switch changes nothing (vLLM's)
+        r = http.post("/v1/completions", json={"prompt": "hello", "max_tokens": 3, "temperature": 0,
+                                               "logit_bias": {str(cls): 100}, "ignore_eos": True,
+                                               "spaces_between_special_tokens": False}).json()["choices"][0]
+        assert r["text"] == ""
+    assert_engine_clean(engine)
+    # a beam's text is decoded whole (serving_beam.serve_beam_search): the same rule
+    worker = TokenizerWorker(tok)
+    ids = [hello, cls, sep, cls, world]
+    assert tok.decode(ids) == "hello [CLS] [SEP] [CLS] world"
+    assert asyncio.run(worker.decode(ids, False, True)) == tok.decode(ids)
+    assert asyncio.run(worker.decode(ids, False, False)) == "hello [CLS][SEP][CLS] world"
+    assert asyncio.run(worker.decode(ids, True, False)) == tok.decode(ids, skip_special_tokens=True) == "hello world"
+    worker.shutdown()

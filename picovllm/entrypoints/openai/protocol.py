@@ -33,6 +33,7 @@ TokenId = Annotated[int, Field(ge=0, le=MAX_INT)]
 # logprobs, top_logprobs, prompt_logprobs (-1: the whole vocabulary): the engine holds them to its max_logprobs
 # (--max-logprobs; engine/admission.check_logprobs), its refusal a 400 naming the field (ServingContext.add)
 LogprobCount = Annotated[int, Field(ge=-1, le=MAX_INT)]
+REQUEST_ID_PATTERN = r"^[\x21-\x7e]+$"     # a client's request_id: printable ASCII without spaces
 
 
 class APIError(Exception):
@@ -275,12 +276,12 @@ class _SamplingRequest(_StructuredRequest, _RefusedCommon):
     # each chunk's new ones)
     return_token_ids: bool = False
     # vLLM's: the request's id (the response's is the endpoint's prefix and it), else a random one
-    request_id: str | None = Field(None, min_length=1, max_length=256, pattern=r"^[\x21-\x7e]+$")
+    request_id: str | None = Field(None, min_length=1, max_length=256, pattern=REQUEST_ID_PATTERN)
 
     def response_id(self, prefix: str) -> str:
         return f"{prefix}-{self.request_id or uuid.uuid4().hex}"
-    # vLLM's. The text is decoded as HF's tokenizer.decode decodes it with this flag: a fast tokenizer (every one this
-    # server loads) puts no space between special tokens either way, as HF's and vLLM's fast detokenizers do.
+    # vLLM's: false (with skip_special_tokens false) puts no space between two added (special) tokens in a row, where
+    # the tokenizer's decoder joins tokens with spaces (WordPiece's); SamplingParams.spaces_between_special_tokens
     spaces_between_special_tokens: bool = True
 
     @field_validator("stream_options")
@@ -323,6 +324,7 @@ class _SamplingRequest(_StructuredRequest, _RefusedCommon):
                 min_tokens=self.min_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids,
                 ignore_eos=self.ignore_eos, logprobs=logprobs, prompt_logprobs=self.prompt_logprob_count(),
                 skip_special_tokens=self.skip_special_tokens,
+                spaces_between_special_tokens=self.spaces_between_special_tokens,
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 allowed_token_ids=self.allowed_token_ids, truncate_prompt_tokens=self.truncate_prompt_tokens,
                 bad_words=self.bad_words,
@@ -599,7 +601,8 @@ class EmbeddingRequest(_Strict):
     encoding_format: "float" or "base64" (float32, as OpenAI's; vLLM's embed_dtype float16 or bfloat16 and endianness
     native, little or big change that). dimensions: a Matryoshka model's only.
     user: accepted, no effect. vLLM's: truncate_prompt_tokens (each input's last k tokens; -1: the model's maximum
-    length), add_special_tokens, normalize (None: the server's pooler config), priority."""
+    length), add_special_tokens, normalize (None: the server's pooler config), priority, request_id (the response's id
+    is embd-<request_id>)."""
     model: str | None = None
     input: (str | Annotated[list[str], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)]
             | Annotated[list[TokenId], Field(min_length=1)]
@@ -615,6 +618,7 @@ class EmbeddingRequest(_Strict):
     normalize: bool | None = None
     priority: int = Field(0, ge=-(2**63), le=2**63 - 1)   # as the generation requests'
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)    # as theirs
+    request_id: str | None = Field(None, min_length=1, max_length=256, pattern=REQUEST_ID_PATTERN)   # as theirs
 
     def inputs(self) -> list[str | list[int]]:
         x = self.input

@@ -127,6 +127,7 @@ async def serve_beam_search(ctx: ServingContext, req, raw: Request, ids: list[in
     if beams is None:
         return None
     skip = req.skip_special_tokens if skip_special_tokens is None else skip_special_tokens
-    texts = [await ctx.tokenizer.decode(b.text_token_ids(params.include_stop_str_in_output), skip) for b in beams]
+    texts = [await ctx.tokenizer.decode(b.text_token_ids(params.include_stop_str_in_output), skip,
+                                        req.spaces_between_special_tokens) for b in beams]
     c = sum(len(b.output_token_ids) for b in beams)
     return list(zip(texts, beams)), {"prompt_tokens": len(ids), "completion_tokens": c, "total_tokens": len(ids) + c}

@@ -14,7 +14,8 @@ from fastapi import Request, Response
 
 from picovllm.entrypoints.openai.engine_client import RequestStream
 from picovllm.entrypoints.openai.protocol import APIError, EmbeddingRequest
-from picovllm.entrypoints.openai.serving import ENGINE_ERRORS, JSONBody, ServingContext, now, until_disconnected
+from picovllm.entrypoints.openai.serving import (ENGINE_ERRORS, JSONBody, ServingContext, engine_request_id, now,
+                                                 until_disconnected)
 from picovllm.outputs import RequestOutput
 from picovllm.pooling_params import PoolingParams
 
@@ -33,12 +34,13 @@ class EmbeddingHandler:
                                 "with --runner pooling)")
         prompts = await self._prompt_ids(req, info["max_model_len"])
         params = PoolingParams(dimensions=req.dimensions, normalize=req.normalize, cache_salt=req.cache_salt)
-        request_id = f"embd-{uuid.uuid4().hex}"
+        request_id = f"embd-{req.request_id or uuid.uuid4().hex}"
+        engine_id = engine_request_id(request_id)     # a client's id may be another's too
         streams: list[RequestStream] = []
         finals: list[asyncio.Future] = []
         try:
             for i, ids in enumerate(prompts):
-                streams.append(await ctx.add(ids, params, f"{request_id}-{i}", arrival, req.priority, "input"))
+                streams.append(await ctx.add(ids, params, f"{engine_id}-{i}", arrival, req.priority, "input"))
             finals = [asyncio.ensure_future(_final(s)) for s in streams]
             task = await until_disconnected(raw, asyncio.gather(*finals))
         finally:

@@ -31,10 +31,11 @@ from picovllm.entrypoints.openai.serving_chat import ChatHandler
 REFUSED_RESPONSES: dict[str, tuple] = {
     "previous_response_id": (), "conversation": (), "background": (False,), "store": (False,),
     "prompt": (), "truncation": ("disabled",), "stream_options": (),
-    # vLLM's: multimodal processing, custom extensions' arguments, the response's messages (harmony's), an earlier
-    # turn's harmony messages or whole response (stateless multi-turn of GPT-OSS's)
-    "mm_processor_kwargs": (), "vllm_xargs": (), "enable_response_messages": (False,), "previous_input_messages": (),
-    "previous_response": (),
+    # vLLM's: multimodal processing and media loading, custom extensions' arguments, its own P/D connector's
+    # parameters, the response's messages (harmony's), an earlier turn's harmony messages or whole response
+    # (stateless multi-turn of GPT-OSS's)
+    "mm_processor_kwargs": (), "media_io_kwargs": (), "vllm_xargs": (), "kv_transfer_params": (),
+    "enable_response_messages": (False,), "previous_input_messages": (), "previous_response": (),
 }
 LOGPROBS = "message.output_text.logprobs"     # the one `include` this server honours
 # vLLM's sampling fields beyond OpenAI's, handed to the chat request as they are (validated there, by these names)

@@ -120,10 +120,15 @@ class TokenizerWorker:
 
         return await self._run(render, chars=sum(len(str(m.get("content") or "")) for m in messages))
 
-    async def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
-        """As the engine's detokenizer (by default with skip_special_tokens=False: every id shows)."""
+    async def decode(self, ids: list[int], skip_special_tokens: bool = False,
+                     spaces_between_special_tokens: bool = True) -> str:
+        """As the engine's detokenizer (by default with skip_special_tokens=False: every id shows);
+        spaces_between_special_tokens=False (with the special tokens shown): an added token right after another
+        comes out as its own text, without the space a decoder that joins tokens with spaces puts between them."""
         self._need("detokenize")
-        return await self._run(lambda tok: tok.decode(ids, skip_special_tokens=skip_special_tokens))
+        if skip_special_tokens or spaces_between_special_tokens:
+            return await self._run(lambda tok: tok.decode(ids, skip_special_tokens=skip_special_tokens))
+        return await self._run(_decode_joining_added_tokens, ids)
 
     async def token_strs(self, ids: list[int]) -> list[str]:
         self._need("return_token_strs")
@@ -141,3 +146,15 @@ def _encode(tok, text: str, add_special_tokens: bool, param: str) -> list[int]:
         why = "it holds a lone surrogate, which is not Unicode text" if LONE_SURROGATE.search(text) else \
             type(e).__name__
         raise APIError(400, f"{param}: cannot be tokenized ({why})", param=param) from None
+
+
+def _decode_joining_added_tokens(tok, ids: list[int]) -> str:
+    """ids' text, each run cut where two added tokens meet and decoded apart: nothing joins the two."""
+    added = getattr(tok, "added_tokens_decoder", None) or {}
+    runs, start = [], 0
+    for i in range(1, len(ids)):
+        if ids[i - 1] in added and ids[i] in added:
+            runs.append(ids[start:i])
+            start = i
+    runs.append(ids[start:])
+    return "".join(tok.decode(run, skip_special_tokens=False) for run in runs)
