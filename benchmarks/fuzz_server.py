@@ -426,6 +426,14 @@ def unhonoured(route: str, b: dict, resp: dict | None, events: list[dict]) -> st
             if not text.startswith(echoed):
                 return f"choice {i}: echo: the text does not start with the prompt"
             text = text[len(echoed):]
+        if b.get("echo") and chat and isinstance(b.get("messages"), list) and b["messages"] and \
+                isinstance(b["messages"][-1], dict) and b["messages"][-1].get("role") == "assistant":
+            last = b["messages"][-1].get("content")
+            if not isinstance(last, str):
+                continue     # content parts: the echoed text is their join, not rebuilt here
+            if not text.startswith(last):
+                return f"choice {i}: echo: the content does not start with the last (assistant) message's"
+            text = text[len(last):]     # echo puts that message's content first: a stop string may be in it
         # no stop string ends a reply before min_tokens, nor is one looked for in the EOS's text (skip_special_tokens
         # false shows it)
         for stop in stops if not (b.get("min_tokens") or b.get("skip_special_tokens") is False) else []:
