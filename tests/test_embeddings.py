@@ -266,6 +266,11 @@ def test_served_refusals_name_the_field(pooling_server, chat_path):
     assert error("/v1/embeddings", {"input": "a", "dimensions": 8})["param"] == "dimensions"
     assert error("/v1/embeddings", {"input": "a", "encoding_format": "int8"})["param"] == "encoding_format"
     assert error("/v1/embeddings", {"input": "a", "cache_salt": "s" * 129})["param"] == "cache_salt"   # was a 500
+    # vLLM's chat embeddings: refused by name (without input it had been "input: Field required"; with input,
+    # the messages were dropped)
+    chat = [{"role": "user", "content": "hi"}]
+    assert error("/v1/embeddings", {"messages": chat})["param"] == "messages"
+    assert error("/v1/embeddings", {"input": "a", "messages": chat})["param"] == "messages"
     lone = httpx.post(url + "/v1/embeddings", content=b'{"input": ["a", "\\ud800"]}', timeout=30,   # a lone surrogate
                       headers={"content-type": "application/json"})
     assert lone.status_code == 400 and lone.json()["error"]["param"] == "input[1]", lone.text   # had named "prompt"

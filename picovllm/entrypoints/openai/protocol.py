@@ -596,7 +596,12 @@ class DetokenizeRequest(_Strict):
 MAX_EMBEDDING_INPUTS = 2048      # OpenAI's limit of inputs in one request
 
 
-class EmbeddingRequest(_Strict):
+# vLLM's chat embeddings (messages, through a chat template) and their template fields: not served here
+_RefusedEmbedding = refusing_model("_RefusedEmbedding", {
+    "messages": (), "chat_template": (), "chat_template_kwargs": (), "mm_processor_kwargs": ()})
+
+
+class EmbeddingRequest(_RefusedEmbedding):
     """input: a string, a list of strings, a list of token ids, or a list of those (one embedding each).
     encoding_format: "float" or "base64" (float32, as OpenAI's; vLLM's embed_dtype float16 or bfloat16 and endianness
     native, little or big change that). dimensions: a Matryoshka model's only.
