@@ -106,3 +106,20 @@ def test_bf16_weights_score_and_decode_like_hf_on_the_rounded_weights(tiny_model
     assert [o.outputs[0].token_ids for o in outs] == want
     with pytest.raises(ValueError, match="quantization 'bf16'"):
         LLM(path, device="cpu", dtype="bfloat16", num_kv_blocks=16, quantization="bf16")
+
+
+@needs_kernels
+def test_q8_0_quantizes_the_parts_of_fused_checkpoint_tensors(tmp_path):
+    """Phi-3 stores q/k/v and gate/up fused (qkv_proj, gate_up_proj): each part is quantized, its layer runs
+    quantized, and the model scores prompts as HF does on the dequantized blocks (the bound of the test above)."""
+    from test_more_families import build
+    path, prompts = build(str(tmp_path / "phi3"), "phi3"), make_prompts()
+    ref = hf_prompt_logprobs(dequantized_copy(path, str(tmp_path / "dq")), prompts)
+    q8 = LLM(path, device="cpu", num_kv_blocks=128, quantization="q8_0")
+    layer = q8.engine.runner.model.layers[0]
+    assert isinstance(layer.self_attn.qkv_proj.packed, quant_gemm.QuantizedWeight)
+    assert isinstance(layer.mlp.gate_up_proj.packed, quant_gemm.QuantizedWeight)
+    sp = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    errs = [abs(d[tok].logprob - lp) for out, rows in zip(q8.generate(prompts, sp, use_tqdm=False), ref)
+            for d, (tok, lp, _, _) in zip(out.prompt_logprobs[1:], rows)]
+    assert max(errs) < 0.25 and np.mean(errs) < 0.06, (max(errs), np.mean(errs))

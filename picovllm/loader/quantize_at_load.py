@@ -16,6 +16,7 @@ import torch
 
 from picovllm.loader.gguf_quants import DecodedBlocks
 from picovllm.loader.source import ModelSource
+from picovllm.loader.weights import unfused
 
 GROUP = 16       # weights per scale
 VERSION = 1      # in the cache key: a change to the rounding makes new entries
@@ -49,7 +50,8 @@ def with_q8_0(source: ModelSource, device: torch.device, dtype: torch.dtype, tp_
                          f"got device {device.type}, dtype {dtype}, tensor_parallel_size {tp_size}")
 
     def stored() -> Iterator[tuple[str, object]]:
-        for name, t in source.weights():
+        # q/k/v or gate/up stored fused (Phi-3, GLM-4) as their parts: the fused layers load each part's blocks
+        for name, t in unfused(source.weights(), source.config):
             yield name, (quantize_q8(t) if quantizes(name, t) else t.to(torch.float32))
 
     identity = None if source.identity is None else (*source.identity, ("q8_0", GROUP, VERSION))

@@ -25,7 +25,7 @@ def load_weights(model: nn.Module, weights: WeightIterator, elsewhere: frozenset
     loaded: set[str] = set()
     tied = getattr(model.cfg, "tie_word_embeddings", False)
     no_head = getattr(model, "lm_head", True) is None      # a pooling model's (engine/pooling.py)
-    for ckpt_name, tensor in _unfused(weights, model.cfg):
+    for ckpt_name, tensor in unfused(weights, model.cfg):
         if "rotary_emb.inv_freq" in ckpt_name:
             continue
         if (tied and ckpt_name == "lm_head.weight") or (no_head and ckpt_name.startswith("lm_head.")):
@@ -68,7 +68,7 @@ def _stacked_expert(name: str, shard: object) -> tuple[str, object]:
     return (name, shard) if m is None else (f"{m[1]}.{m[3]}", (int(m[2]), shard))
 
 
-def _unfused(weights: WeightIterator, cfg) -> WeightIterator:
+def unfused(weights: WeightIterator, cfg) -> WeightIterator:
     """Checkpoints that store q/k/v or gate/up as one tensor (Phi-3) as the separate tensors the fused
     layers' shard loaders take: rows [q; k; v] and [gate; up]."""
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
