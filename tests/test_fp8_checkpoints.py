@@ -163,6 +163,21 @@ def test_fp8_checkpoint_loads_as_its_dequantization(qwen3, tmp_path, fmt):
     assert_matches_hf(dense_path, fp8_path)
 
 
+def test_attention_and_kv_cache_scales_are_dropped(qwen3, tmp_path):
+    """An FP8 checkpoint's KV cache and attention scales (k_scale / v_scale, older files' kv_scale, FP8 attention's
+    q_scale and prob_scale) are dropped as activation scales are: the same tensors as without them (the older names
+    had failed the load as "matches no parameter")."""
+    fp8_path, _, dense_sd = fp8_folders(qwen3, str(tmp_path), "fp8_blocks")
+    sd = load_file(os.path.join(fp8_path, "model.safetensors"))
+    for i in range(2):
+        for name in ("k_scale", "v_scale", "kv_scale", "q_scale", "prob_scale"):
+            sd[f"model.layers.{i}.self_attn.{name}"] = torch.tensor(0.02)
+    save_file(sd, os.path.join(fp8_path, "model.safetensors"), metadata={"format": "pt"})
+    got = loaded(fp8_path)
+    assert sorted(got) == sorted(dense_sd)
+    assert all(torch.equal(got[name], want) for name, want in dense_sd.items())
+
+
 # blocks that divide the tiny model's weights (transformers' reading of a scale grid needs them)
 EVEN = {"fp8_even_blocks": ({**QWEN3_FP8, "weight_block_size": [32, 64]}, (32, 64), "weight_scale_inv", "float32",
                             None),

@@ -15,7 +15,8 @@ each value times the scale of its block. Two conventions name them:
     ([ceil(N / rows), ceil(K / cols)] of its block_structure).
 Which tensors are quantized is read from the tensors (a float8 weight and its scale), not from the module lists
 (modules_to_not_convert, ignore). Activation scales (static input_scale, activation_scale, output_scale) and an FP8
-KV cache's k_scale / v_scale are dropped: activations are never quantized here.
+KV cache's and attention's scales (k_scale / v_scale, older files' kv_scale, q_scale, prob_scale) are dropped:
+activations are never quantized here.
 """
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ import torch
 from picovllm.loader.source import WeightIterator
 
 FP8_METHODS = ("fp8", "compressed-tensors")
-DROPPED = (".input_scale", ".activation_scale", ".output_scale", ".k_scale", ".v_scale")
+DROPPED = (".input_scale", ".activation_scale", ".output_scale", ".k_scale", ".v_scale",
+           ".kv_scale", ".q_scale", ".prob_scale")       # older checkpoints' one KV scale, FP8 attention's q and p
 SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e8m0fnu)
 CT_FORMATS = ("float-quantized", "naive-quantized")
 Granularity = tuple[int | None, int | None]     # (rows, cols) one scale covers; None: the whole dimension
