@@ -13,7 +13,7 @@ import torch
 
 from conftest import build_tiny_checkpoint
 from picovllm import LLM, SamplingParams
-from picovllm.layers.sampler import SamplingTensors, sample, seeded_stream
+from picovllm.layers.sampler import SamplingTensors, apply_top_k_top_p_min_p, sample, seeded_stream
 from test_parity_hf import hf_greedy, make_prompts
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -543,6 +543,18 @@ def test_seeded_sample_follows_filtered_softmax(temperature, top_k, top_p, min_p
     assert_follows(np.bincount(toks.numpy(), minlength=len(LOGITS)), filtered_probs(LOGITS, temperature, top_k, top_p, min_p))
     again = sample(logits[:50], tensors(50, temperature, top_k, top_p, min_p, seeds[:50]))
     assert again.tolist() == toks[:50].tolist()
+
+
+def test_a_batch_mates_top_p_leaves_a_row_without_it_whole():
+    """A row with top_p 1 keeps every token the float64 oracle gives a probability, whatever its batch-mates ask: its
+    float32 cumulative sum reaches 1 long before its last tokens (here ~138k of 152k, ~1e-5 of the mass)."""
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(152_064, generator=g, dtype=torch.float64) * 6).numpy()
+    rows = torch.tensor(logits, dtype=torch.float32).expand(2, -1).contiguous()
+    t = SamplingTensors(torch.ones(2), torch.zeros(2, dtype=torch.long), torch.tensor([1.0, 0.5]), torch.zeros(2),
+                        [None, None], all_greedy=False, any_top_k=False, any_top_p=True, any_min_p=False)
+    kept = torch.isfinite(apply_top_k_top_p_min_p(rows, t)[0]).numpy()
+    assert (kept == (filtered_probs(logits, 1.0) > 0)).all(), f"{(~kept).sum()} tokens cut from a row without top-p"
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p,min_p,seeded", [(1.3, 0, 0.9, 0.0, True), (0.9, 8, 1.0, 0.02, False)])

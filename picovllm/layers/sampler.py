@@ -57,7 +57,9 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, t: SamplingTensors) -> torch.T
     if t.any_top_p:
         probs = sorted_logits.softmax(-1)
         before = probs.cumsum(-1) - probs        # mass strictly ahead of each token
-        drop = before >= t.top_p[:, None]
+        # only rows asking for top-p: a float32 cumsum can reach 1 well before a row's last tokens (a top_p of 1 would
+        # then cut its tail, and a seeded row's draw would depend on whether a batch-mate uses top-p)
+        drop = (before >= t.top_p[:, None]) & (t.top_p[:, None] < 1)
         drop[:, 0] = False     # the most likely token stays, as HF's: a top_p that is 0 in float32 (1e-50) is greedy
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(-1, idx, sorted_logits)
