@@ -585,3 +585,20 @@ def test_per_layer_arrays_of_one_value_read_as_that_value(tmp_path, monkeypatch)
         _write_with_keys(path, monkeypatch, {key: value, **extra})
         with pytest.raises(ValueError, match=key.replace(".", r"\.")):
             LLM(path, num_kv_blocks=32)
+
+
+def test_a_sliding_pattern_period_of_one_is_every_layer_dense(tmp_path, monkeypatch):
+    """attention.sliding_window_pattern as a period n (every n-th layer global), read as llama.cpp's set_swa_pattern:
+    1 makes every layer global (the model HF's Llama is on the same weights; it had made every layer slide), 0 every
+    layer sliding."""
+    path = str(tmp_path / "period.gguf")
+    ref = _write_with_keys(path, monkeypatch, {"llama.attention.sliding_window": 4,
+                                               "llama.attention.sliding_window_pattern": 1})
+    llm = LLM(path, num_kv_blocks=32, quantization="none")
+    assert llm.engine.model_config.sliding_window is None
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == _hf_greedy(hf_llama(ref), PROMPTS)
+    _write_with_keys(path, monkeypatch, {"llama.attention.sliding_window": 4,
+                                         "llama.attention.sliding_window_pattern": 0})
+    cfg = LLM(path, num_kv_blocks=32, quantization="none").engine.model_config
+    assert cfg.sliding_window == 4 and cfg.sliding_layers in (None, [True] * LAYERS)

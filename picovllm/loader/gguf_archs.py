@@ -427,7 +427,8 @@ def _experts(meta: dict, tensors: dict, p: str, layers: int, path: str) -> dict:
 def sliding_pattern(meta: dict, p: str, arch: str, layers: int, path: str) -> tuple[int | None, list[bool] | None]:
     """(window, which layers slide). attention.sliding_window_pattern: a bool per layer (True: sliding), or a period
     n (every n-th layer global); without it, llama.cpp's rules: Gemma 2 and GPT-OSS every other layer from the
-    first, Gemma 3 a period of 6, Cohere 2 of 4, the others every layer."""
+    first, Gemma 3 a period of 6, Cohere 2 of 4, the others every layer. As llama.cpp's set_swa_pattern, a period
+    of 0 makes every layer slide and one of 1 none."""
     window = meta.get(p + "attention.sliding_window")
     if not window:
         return None, None
@@ -436,7 +437,7 @@ def sliding_pattern(meta: dict, p: str, arch: str, layers: int, path: str) -> tu
     if pattern is None:
         return int(window), None
     if isinstance(pattern, (int, np.integer)):
-        sliding = [int(pattern) <= 1 or (i + 1) % int(pattern) != 0 for i in range(layers)]
+        sliding = [int(pattern) == 0 or (i + 1) % int(pattern) != 0 for i in range(layers)]   # 1: none slides
     else:
         sliding = [bool(s) for s in pattern]
         if len(sliding) != layers:
