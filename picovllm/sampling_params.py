@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 from dataclasses import KW_ONLY, dataclass
 from enum import IntEnum
 from typing import ClassVar
@@ -254,9 +255,12 @@ def _number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
+# JSON's "\ud800" escapes decode to lone surrogates: no Unicode text, which no tokenizer encodes and no model writes
+LONE_SURROGATE = re.compile(r"[\ud800-\udfff]")
+
+
 def _unicode(text: str) -> bool:
-    """Whether text is Unicode text, which a tokenizer can encode: no lone surrogate (a "\\ud800" escape)."""
-    return not any("\ud800" <= c <= "\udfff" for c in text)
+    return not LONE_SURROGATE.search(text)
 
 
 def _shown(value) -> str:

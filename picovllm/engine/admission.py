@@ -7,7 +7,7 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from picovllm.layers.logits_processors import bad_words_token_ids
-from picovllm.sampling_params import SamplingParams
+from picovllm.sampling_params import LONE_SURROGATE, SamplingParams
 
 if TYPE_CHECKING:
     from picovllm.engine.request import Request
@@ -94,8 +94,8 @@ def encode_text(tokenizer, text: str, field: str, **kwargs) -> list[int]:
     try:
         return tokenizer.encode(text, **kwargs)
     except Exception as e:
-        surrogate = any("\ud800" <= c <= "\udfff" for c in text)
-        why = "it holds a lone surrogate, which is not Unicode text" if surrogate else f"{type(e).__name__}: {e}"
+        why = "it holds a lone surrogate, which is not Unicode text" if LONE_SURROGATE.search(text) else \
+            type(e).__name__
         raise ValueError(f"{field}: cannot be tokenized ({why})") from None
 
 

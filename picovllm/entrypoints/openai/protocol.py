@@ -20,7 +20,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, create_model,
 from picovllm.entrypoints.chat_template import joined_parts
 from picovllm.entrypoints.openai.tool_calls import ToolPolicy, template_arguments
 from picovllm.entrypoints.parallel_sampling import sample_params
-from picovllm.sampling_params import MAX_CACHE_SALT_CHARS, SamplingParams, StructuredOutputsParams
+from picovllm.sampling_params import (LONE_SURROGATE, MAX_CACHE_SALT_CHARS, SamplingParams,
+                                       StructuredOutputsParams)
 
 MAX_INT = 2**31 - 1
 MAX_STOP = 16
@@ -57,8 +58,6 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
 
-# JSON's "\ud800" escapes decode to lone surrogates: no Unicode text, which no tokenizer encodes and no model writes
-LONE_SURROGATE = re.compile(r"[\ud800-\udfff]")
 
 
 def _lone_surrogate_at(value: Any, at: str) -> str | None:

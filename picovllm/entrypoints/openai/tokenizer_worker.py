@@ -14,7 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 from picovllm.entrypoints.chat_template import (check_request_template, content_for_template, resolved_template,
                                                 template_kwargs)
-from picovllm.entrypoints.openai.protocol import LONE_SURROGATE, APIError
+from picovllm.engine.admission import encode_text
+from picovllm.entrypoints.openai.protocol import APIError
 from picovllm.entrypoints.openai.tool_calls import template_renders_tools, with_tool_prompt
 
 
@@ -141,11 +142,9 @@ class TokenizerWorker:
 
 def _encode(tok, text: str, add_special_tokens: bool, param: str) -> list[int]:
     try:
-        return tok.encode(text, add_special_tokens=add_special_tokens)
-    except Exception as e:  # e.g. a lone surrogate (valid JSON, not encodable text)
-        why = "it holds a lone surrogate, which is not Unicode text" if LONE_SURROGATE.search(text) else \
-            type(e).__name__
-        raise APIError(400, f"{param}: cannot be tokenized ({why})", param=param) from None
+        return encode_text(tok, text, param, add_special_tokens=add_special_tokens)
+    except ValueError as e:     # e.g. a lone surrogate (valid JSON, not encodable text)
+        raise APIError(400, str(e), param=param) from None
 
 
 def _decode_joining_added_tokens(tok, ids: list[int]) -> str:
