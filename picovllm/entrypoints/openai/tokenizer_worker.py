@@ -14,9 +14,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 from picovllm.entrypoints.chat_template import (check_request_template, content_for_template, resolved_template,
                                                 template_kwargs)
-from picovllm.engine.admission import encode_text
 from picovllm.entrypoints.openai.protocol import APIError
 from picovllm.entrypoints.openai.tool_calls import template_renders_tools, with_tool_prompt
+from picovllm.sampling_params import LONE_SURROGATE
 
 
 BIG_PROMPT_CHARS = 100_000     # a prompt this long (~25k tokens and up) tokenizes on the big prompts' thread
@@ -141,10 +141,14 @@ class TokenizerWorker:
 
 
 def _encode(tok, text: str, add_special_tokens: bool, param: str) -> list[int]:
+    """engine/admission.encode_text's twin, raising the server's APIError (admission imports torch, which the HTTP
+    front end does without)."""
     try:
-        return encode_text(tok, text, param, add_special_tokens=add_special_tokens)
-    except ValueError as e:     # e.g. a lone surrogate (valid JSON, not encodable text)
-        raise APIError(400, str(e), param=param) from None
+        return tok.encode(text, add_special_tokens=add_special_tokens)
+    except Exception as e:  # e.g. a lone surrogate (valid JSON, not encodable text)
+        why = "it holds a lone surrogate, which is not Unicode text" if LONE_SURROGATE.search(text) else \
+            type(e).__name__
+        raise APIError(400, f"{param}: cannot be tokenized ({why})", param=param) from None
 
 
 def _decode_joining_added_tokens(tok, ids: list[int]) -> str:
